@@ -1,0 +1,47 @@
+"""One selector for compiled modules: ``mdiedge._c<name>`` (Cython, built from ``ext/``) or its
+pure-Python twin ``mdiedge._py<name>`` with the same API.
+
+``MDIEDGE_NO_EXTENSIONS=1`` forces the twins; a missing compiled module falls back to its twin.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+from typing import List, Optional
+
+TWINNED = ("slots", "framing")
+
+
+def extensions_disabled() -> bool:
+    return os.environ.get("MDIEDGE_NO_EXTENSIONS", "") not in ("", "0")
+
+
+def compiled(name: str) -> Optional[ModuleType]:
+    try:
+        return importlib.import_module(f"mdiedge._c{name}")
+    except ImportError:
+        return None
+
+
+def twin(name: str) -> ModuleType:
+    return importlib.import_module(f"mdiedge._py{name}")
+
+
+def select(name: str) -> ModuleType:
+    """The compiled module ``name`` unless disabled or not built, else its twin."""
+    if not extensions_disabled():
+        module = compiled(name)
+        if module is not None:
+            return module
+    return twin(name)
+
+
+def implementations(name: str) -> List[ModuleType]:
+    """Every implementation that may be selected here (for tests): twin, then compiled."""
+    found = [twin(name)]
+    if not extensions_disabled():
+        module = compiled(name)
+        if module is not None:
+            found.append(module)
+    return found

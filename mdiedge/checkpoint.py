@@ -1,0 +1,397 @@
+"""Checkpoints: Hugging Face model directories and llama2.c files, read one block range at a time.
+
+A node reads only the tensors of the blocks it holds (safetensors ``safe_open``, never a
+whole-file load) and builds its chunk of the model without materialising the rest.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .config import ModelConfig, config_from_hf, config_to_hf, read_json
+from .errors import CheckpointError, ConfigError
+
+PathLike = Union[str, Path]
+
+# Our parameter name -> Hugging Face name, declaratively. Block names are relative to
+# ``layers.{i}.`` (ours) and ``model.layers.{i}.`` (theirs).
+GLOBAL_NAMES: Dict[str, str] = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+BLOCK_NAMES: Dict[str, str] = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn.wq.weight": "self_attn.q_proj.weight",
+    "attn.wk.weight": "self_attn.k_proj.weight",
+    "attn.wv.weight": "self_attn.v_proj.weight",
+    "attn.wo.weight": "self_attn.o_proj.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "mlp.gate.weight": "mlp.gate_proj.weight",
+    "mlp.up.weight": "mlp.up_proj.weight",
+    "mlp.down.weight": "mlp.down_proj.weight",
+}
+MOE_BLOCK_NAMES: Dict[str, str] = {
+    "mlp.router.weight": "block_sparse_moe.gate.weight",
+    "mlp.experts.{e}.gate.weight": "block_sparse_moe.experts.{e}.w1.weight",
+    "mlp.experts.{e}.down.weight": "block_sparse_moe.experts.{e}.w2.weight",
+    "mlp.experts.{e}.up.weight": "block_sparse_moe.experts.{e}.w3.weight",
+}
+
+
+def block_names(cfg: ModelConfig) -> Dict[str, str]:
+    if not cfg.is_moe:
+        return BLOCK_NAMES
+    names = {k: v for k, v in BLOCK_NAMES.items() if not k.startswith("mlp.")}
+    for ours, theirs in MOE_BLOCK_NAMES.items():
+        if "{e}" in ours:
+            for e in range(cfg.n_experts):
+                names[ours.format(e=e)] = theirs.format(e=e)
+        else:
+            names[ours] = theirs
+    return names
+
+
+def expected_shapes(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
+    """Shape of each block-relative and global parameter (our names)."""
+    d, h = cfg.dim, cfg.intermediate_size
+    shapes: Dict[str, Tuple[int, ...]] = {
+        "embed.weight": (cfg.vocab_size, d), "norm.weight": (d,),
+        "lm_head.weight": (cfg.vocab_size, d),
+        "attn_norm.weight": (d,), "mlp_norm.weight": (d,),
+        "attn.wq.weight": (cfg.q_dim, d), "attn.wk.weight": (cfg.kv_dim, d),
+        "attn.wv.weight": (cfg.kv_dim, d), "attn.wo.weight": (d, cfg.q_dim),
+        "mlp.gate.weight": (h, d), "mlp.up.weight": (h, d), "mlp.down.weight": (d, h),
+        "mlp.router.weight": (cfg.n_experts, d),
+    }
+    for e in range(cfg.n_experts):
+        shapes[f"mlp.experts.{e}.gate.weight"] = (h, d)
+        shapes[f"mlp.experts.{e}.up.weight"] = (h, d)
+        shapes[f"mlp.experts.{e}.down.weight"] = (d, h)
+    return shapes
+
+
+def tensor_plan(cfg: ModelConfig, layers: Tuple[int, int], embedding: bool, head: bool
+                ) -> Dict[str, str]:
+    """Our parameter names -> Hugging Face names for one chunk of the model."""
+    plan: Dict[str, str] = {}
+    if embedding:
+        plan["embed.weight"] = GLOBAL_NAMES["embed.weight"]
+    for i in range(*layers):
+        for ours, theirs in block_names(cfg).items():
+            plan[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
+    if head:
+        plan["norm.weight"] = GLOBAL_NAMES["norm.weight"]
+        if cfg.tie_embeddings:
+            if not embedding:
+                plan["lm_head.weight"] = GLOBAL_NAMES["embed.weight"]
+        else:
+            plan["lm_head.weight"] = GLOBAL_NAMES["lm_head.weight"]
+    return plan
+
+
+def _shape_key(ours: str) -> str:
+    parts = ours.split(".")
+    return ".".join(parts[2:]) if parts[0] == "layers" else ours
+
+
+# --------------------------------------------------------------------------- sources
+
+
+class TensorSource:
+    """Reads named tensors lazily from one checkpoint; records what it read."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.read_names: List[str] = []
+
+    def names(self) -> Sequence[str]:
+        raise NotImplementedError
+
+    def _read(self, name: str) -> Tensor:
+        raise NotImplementedError
+
+    def get(self, name: str) -> Tensor:
+        self.read_names.append(name)
+        return self._read(name)
+
+    def close(self) -> None:
+        pass
+
+
+class SafetensorsSource(TensorSource):
+    """``model.safetensors`` or a sharded ``model.safetensors.index.json``."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: missing 'weight_map'")
+            self.file_of = {k: path / v for k, v in weight_map.items()}
+        else:
+            single = path / "model.safetensors"
+            self.file_of = {k: single for k in self._open(single).keys()}
+        self._handles: Dict[Path, object] = {}
+
+    def _open(self, file: Path):  # type: ignore[no-untyped-def]
+        from safetensors import safe_open
+
+        if not file.exists():
+            raise CheckpointError(f"{file}: file not found")
+        try:
+            return safe_open(str(file), framework="pt")
+        except Exception as e:  # safetensors raises its own error type for corrupt headers
+            raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+
+    def names(self) -> Sequence[str]:
+        return list(self.file_of)
+
+    def _read(self, name: str) -> Tensor:
+        file = self.file_of[name]
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._handles[file] = self._open(file)
+        try:
+            return handle.get_tensor(name)  # type: ignore[attr-defined]
+        except Exception as e:
+            raise CheckpointError(f"{file}: cannot read tensor {name!r} "
+                                  f"(file truncated or corrupt: {e})") from None
+
+
+class TorchBinSource(TensorSource):
+    """``pytorch_model.bin`` (weights-only unpickling, memory-mapped where torch can)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        file = path / "pytorch_model.bin"
+        kwargs = {"map_location": "cpu", "weights_only": True}
+        try:
+            try:
+                self.state = torch.load(str(file), mmap=True, **kwargs)
+            except TypeError:  # torch < 2.1 has no mmap
+                self.state = torch.load(str(file), **kwargs)
+        except Exception as e:
+            raise CheckpointError(f"{file}: not a readable weights file ({e})") from None
+
+    def names(self) -> Sequence[str]:
+        return list(self.state)
+
+    def _read(self, name: str) -> Tensor:
+        return self.state[name]
+
+
+def _llama2c_permute(w: Tensor, n_heads: int) -> Tensor:
+    """Interleaved RoPE rows -> "rotate half" rows, as Hugging Face's converter does."""
+    rows, cols = w.shape
+    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+class Llama2cSource(TensorSource):
+    """A llama2.c "legacy" (version 0) checkpoint file, exposed under Hugging Face names."""
+
+    HEADER = struct.Struct("<7i")
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.cfg = llama2c_config(path)
+        cfg = self.cfg
+        d, h, n, kv, v = cfg.dim, cfg.intermediate_size, cfg.n_layers, cfg.kv_dim, cfg.vocab_size
+        half_head = cfg.head_dim // 2
+        layout: List[Tuple[str, Tuple[int, ...]]] = [
+            ("embed", (v, d)), ("attn_norm", (n, d)), ("wq", (n, d, d)), ("wk", (n, kv, d)),
+            ("wv", (n, kv, d)), ("wo", (n, d, d)), ("mlp_norm", (n, d)), ("gate", (n, h, d)),
+            ("down", (n, d, h)), ("up", (n, h, d)), ("norm", (d,)),
+            ("rope_real", (cfg.max_seq_len, half_head)), ("rope_imag", (cfg.max_seq_len, half_head)),
+        ]
+        if not cfg.tie_embeddings:
+            layout.append(("lm_head", (v, d)))
+        offset = self.HEADER.size
+        self.arrays: Dict[str, Tuple[int, Tuple[int, ...]]] = {}
+        for key, shape in layout:
+            self.arrays[key] = (offset, shape)
+            offset += 4 * int(np.prod(shape))
+        size = path.stat().st_size
+        if size < offset:
+            raise CheckpointError(f"{path}: truncated llama2.c file ({size} bytes, the header "
+                                  f"implies {offset})")
+        self.map = np.memmap(path, dtype="<f4", mode="r")
+        hf = {"embed": GLOBAL_NAMES["embed.weight"], "norm": GLOBAL_NAMES["norm.weight"],
+              "lm_head": GLOBAL_NAMES["lm_head.weight"]}
+        self.index: Dict[str, Tuple[str, Optional[int]]] = {
+            name: (key, None) for key, name in hf.items() if key in self.arrays}
+        per_layer = {"attn_norm": "attn_norm.weight", "wq": "attn.wq.weight",
+                     "wk": "attn.wk.weight", "wv": "attn.wv.weight", "wo": "attn.wo.weight",
+                     "mlp_norm": "mlp_norm.weight", "gate": "mlp.gate.weight",
+                     "down": "mlp.down.weight", "up": "mlp.up.weight"}
+        for key, ours in per_layer.items():
+            for i in range(n):
+                self.index[f"model.layers.{i}.{BLOCK_NAMES[ours]}"] = (key, i)
+
+    def names(self) -> Sequence[str]:
+        return list(self.index)
+
+    def _read(self, name: str) -> Tensor:
+        key, layer = self.index[name]
+        offset, shape = self.arrays[key]
+        if layer is not None:
+            shape = shape[1:]
+            offset += 4 * layer * int(np.prod(shape))
+        start = offset // 4
+        count = int(np.prod(shape))
+        t = torch.from_numpy(np.array(self.map[start: start + count])).view(*shape)
+        if key == "wq":
+            t = _llama2c_permute(t, self.cfg.n_heads)
+        elif key == "wk":
+            t = _llama2c_permute(t, self.cfg.n_kv_heads)
+        return t
+
+
+def llama2c_config(path: Path) -> ModelConfig:
+    with open(path, "rb") as f:
+        raw = f.read(Llama2cSource.HEADER.size)
+    if len(raw) < Llama2cSource.HEADER.size:
+        raise CheckpointError(f"{path}: truncated llama2.c header ({len(raw)} bytes)")
+    dim, hidden, layers, heads, kv_heads, vocab, seq_len = Llama2cSource.HEADER.unpack(raw)
+    try:
+        return ModelConfig(
+            name=path.stem, vocab_size=abs(vocab), dim=dim, n_layers=layers, n_heads=heads,
+            n_kv_heads=kv_heads, intermediate_size=hidden, max_seq_len=seq_len,
+            tie_embeddings=vocab > 0, rms_norm_eps=1e-5, rope_theta=10000.0, bos_id=1,
+            eos_ids=(2,))
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: not a llama2.c checkpoint ({e})") from None
+
+
+# --------------------------------------------------------------------------- model loading
+
+
+def resolve_model_path(model: Optional[PathLike]) -> Path:
+    if model is None:
+        from .defaults import default_model_path
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path}: model directory or file not found")
+    return path
+
+
+def load_config(model: Optional[PathLike]) -> ModelConfig:
+    path = resolve_model_path(model)
+    if path.is_file():
+        return llama2c_config(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"{cfg_file}: file not found (is {path} a Hugging Face model "
+                              f"directory?)")
+    gen_file = path / "generation_config.json"
+    generation = read_json(gen_file) if gen_file.exists() else None
+    return config_from_hf(read_json(cfg_file), str(cfg_file), generation)
+
+
+def open_source(path: Path) -> TensorSource:
+    if path.is_file():
+        return Llama2cSource(path)
+    if (path / "model.safetensors.index.json").exists() or (path / "model.safetensors").exists():
+        return SafetensorsSource(path)
+    if (path / "pytorch_model.bin").exists():
+        return TorchBinSource(path)
+    raise CheckpointError(f"{path}: no model.safetensors, model.safetensors.index.json or "
+                          f"pytorch_model.bin")
+
+
+def read_chunk(source: TensorSource, cfg: ModelConfig, layers: Tuple[int, int],
+               embedding: bool, head: bool, dtype: torch.dtype) -> Dict[str, Tensor]:
+    """Read, check and cast the tensors of one chunk; our names -> tensors."""
+    available = set(source.names())
+    shapes = expected_shapes(cfg)
+    state: Dict[str, Tensor] = {}
+    for ours, theirs in tensor_plan(cfg, layers, embedding, head).items():
+        if theirs not in available:
+            raise CheckpointError(f"{source.path}: missing tensor {theirs!r}")
+        t = source.get(theirs)
+        want = shapes[_shape_key(ours)]
+        if tuple(t.shape) != want:
+            raise CheckpointError(f"{source.path}: tensor {theirs!r} has shape "
+                                  f"{tuple(t.shape)}, expected {want}")
+        state[ours] = t.to(dtype)
+    return state
+
+
+def load_model(model: Optional[PathLike] = None, layers: Optional[Tuple[int, int]] = None,
+               embedding: bool = True, head: bool = True, device: str = "cpu",
+               dtype: torch.dtype = torch.float32,
+               on_source: Optional[Callable[[TensorSource], None]] = None):  # -> Transformer
+    """Build the chunk ``[layers)`` (+ embedding, + head) of a checkpoint, reading only its
+    tensors. ``on_source`` sees the tensor source (tests use it to check what was read)."""
+    from .model import Transformer
+
+    path = resolve_model_path(model)
+    cfg = load_config(path)
+    layers = layers if layers is not None else (0, cfg.n_layers)
+    source = open_source(path)
+    try:
+        state = read_chunk(source, cfg, layers, embedding, head, dtype)
+        if on_source is not None:
+            on_source(source)
+    finally:
+        source.close()
+    with _skip_init():
+        net = Transformer(cfg, layers, embedding, head)
+    if cfg.tie_embeddings and embedding and head:
+        state["lm_head.weight"] = state["embed.weight"]
+    net.load_state_dict(state, strict=True)
+    net.tie_weights()
+    return net.to(device=device, dtype=dtype).eval()
+
+
+class _skip_init:
+    """Skip the random initialisation of parameters that the checkpoint overwrites anyway."""
+
+    def __enter__(self) -> None:
+        self._saved = (torch.nn.Linear.reset_parameters, torch.nn.Embedding.reset_parameters)
+        torch.nn.Linear.reset_parameters = lambda self: None  # type: ignore[assignment]
+        torch.nn.Embedding.reset_parameters = lambda self: None  # type: ignore[assignment]
+
+    def __exit__(self, *exc: object) -> None:
+        torch.nn.Linear.reset_parameters, torch.nn.Embedding.reset_parameters = self._saved
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def hf_state_dict(net) -> Iterator[Tuple[str, Tensor]]:  # net: Transformer
+    """(Hugging Face name, tensor) for every parameter of a chunk; the tied head is skipped."""
+    cfg = net.cfg
+    plan = tensor_plan(cfg, (net.first, net.last), net.has_embedding, net.has_head)
+    params = dict(net.named_parameters(remove_duplicate=False))
+    for ours, theirs in plan.items():
+        yield theirs, params[ours]
+
+
+def save_hf_checkpoint(net, out: PathLike, dtype: torch.dtype = torch.float32,
+                       tokenizer: Optional[PathLike] = None) -> None:
+    """Write a whole model as a Hugging Face Llama directory (config, safetensors)."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg: ModelConfig = net.cfg
+    tensors = {name: t.detach().to(dtype).contiguous().clone() for name, t in hf_state_dict(net)}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    hf = config_to_hf(cfg)
+    hf["torch_dtype"] = str(dtype).replace("torch.", "")
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    generation = {"bos_token_id": cfg.bos_id,
+                  "eos_token_id": cfg.eos_ids[0] if len(cfg.eos_ids) == 1 else list(cfg.eos_ids)}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, out / "tokenizer.model")

@@ -1,0 +1,283 @@
+"""Model configuration: one dataclass, a table of named presets, Hugging Face mapping.
+
+Derived values (``head_dim``, ``kv_dim``, parameter and byte counts) are computed here and
+nowhere else.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+from .errors import ConfigError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral")
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """The ``llama3`` frequency scaling of Llama 3.1+ (``rope_type: llama3``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    intermediate_size: int
+    max_seq_len: int = 2048
+    head_dim: int = 0  # 0: dim // n_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    tie_embeddings: bool = False
+    n_experts: int = 0  # 0: dense MLP in every block
+    experts_per_token: int = 0
+    bos_id: Optional[int] = 1
+    eos_ids: Tuple[int, ...] = (2,)
+    model_type: str = "llama"
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads",
+                    "intermediate_size", "max_seq_len"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"model config: {key} must be a positive integer, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model config: n_heads={self.n_heads} is not a multiple of "
+                f"n_kv_heads={self.n_kv_heads}")
+        if self.head_dim == 0:
+            if self.dim % self.n_heads:
+                raise ConfigError(
+                    f"model config: dim={self.dim} is not divisible by n_heads={self.n_heads}")
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.head_dim % 2:
+            raise ConfigError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
+        if self.n_experts and not 0 < self.experts_per_token <= self.n_experts:
+            raise ConfigError(
+                f"model config: experts_per_token={self.experts_per_token} must be in "
+                f"1..n_experts={self.n_experts}")
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"model config: unsupported model_type {self.model_type!r}")
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    def block_params(self) -> int:
+        attn = self.dim * (self.q_dim + 2 * self.kv_dim) + self.q_dim * self.dim
+        mlp = 3 * self.dim * self.intermediate_size
+        if self.is_moe:
+            mlp = mlp * self.n_experts + self.n_experts * self.dim
+        return attn + mlp + 2 * self.dim
+
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.dim
+
+    def head_params(self) -> int:
+        """Final norm plus the output projection (shared with the embedding when tied)."""
+        return self.dim + (0 if self.tie_embeddings else self.vocab_size * self.dim)
+
+    def n_params(self) -> int:
+        return self.embedding_params() + self.n_layers * self.block_params() + self.head_params()
+
+    def kv_bytes_per_token_per_layer(self, itemsize: int = 4) -> int:
+        return 2 * self.kv_dim * itemsize
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        if "head_dim" not in changes and ("dim" in changes or "n_heads" in changes):
+            changes["head_dim"] = 0
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS: Dict[str, ModelConfig] = {
+    "nanollama": ModelConfig(
+        name="nanollama", vocab_size=2048, dim=256, n_layers=12, n_heads=8, n_kv_heads=2,
+        intermediate_size=688, max_seq_len=1024, tie_embeddings=True, bos_id=1, eos_ids=(2,)),
+    "nanollama-304m": ModelConfig(
+        name="nanollama-304m", vocab_size=32000, dim=1024, n_layers=12, n_heads=16,
+        n_kv_heads=4, intermediate_size=5632, max_seq_len=2048),
+    "stories260k": ModelConfig(
+        name="stories260k", vocab_size=512, dim=64, n_layers=5, n_heads=8, n_kv_heads=4,
+        intermediate_size=172, max_seq_len=512, tie_embeddings=True),
+    "tinyllama-1.1b": ModelConfig(
+        name="tinyllama-1.1b", vocab_size=32000, dim=2048, n_layers=22, n_heads=32,
+        n_kv_heads=4, intermediate_size=5632, max_seq_len=2048),
+    "llama-3.2-1b": ModelConfig(
+        name="llama-3.2-1b", vocab_size=128256, dim=2048, n_layers=16, n_heads=32,
+        n_kv_heads=8, intermediate_size=8192, max_seq_len=131072, rope_theta=500000.0,
+        rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192), tie_embeddings=True,
+        bos_id=128000, eos_ids=(128001, 128008, 128009)),
+    "tinymistral-6x248m": ModelConfig(
+        name="tinymistral-6x248m", model_type="mixtral", vocab_size=32005, dim=1024,
+        n_layers=12, n_heads=32, n_kv_heads=8, intermediate_size=4096, max_seq_len=32768,
+        n_experts=6, experts_per_token=2),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}") from None
+
+
+# Hugging Face config.json key -> ModelConfig field. Every key in the left column is required
+# unless it has a default in ``_HF_DEFAULTS``.
+_HF_KEYS: Dict[str, str] = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "dim",
+    "num_hidden_layers": "n_layers",
+    "num_attention_heads": "n_heads",
+    "num_key_value_heads": "n_kv_heads",
+    "intermediate_size": "intermediate_size",
+    "max_position_embeddings": "max_seq_len",
+    "head_dim": "head_dim",
+    "rms_norm_eps": "rms_norm_eps",
+    "tie_word_embeddings": "tie_embeddings",
+    "num_local_experts": "n_experts",
+    "num_experts_per_tok": "experts_per_token",
+}
+_HF_DEFAULTS: Dict[str, Any] = {
+    "num_key_value_heads": None,  # = num_attention_heads
+    "head_dim": None,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "num_local_experts": 0,
+    "num_experts_per_tok": 0,
+}
+_HF_FLAGS_MUST_BE_FALSE = ("attention_bias", "mlp_bias")
+
+
+def _rope_from_hf(raw: Mapping[str, Any], source: str) -> Tuple[float, Optional[RopeScaling]]:
+    """Read RoPE settings from either layout: transformers 4 (``rope_theta`` + ``rope_scaling``)
+    or transformers 5 (``rope_parameters``)."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, Mapping):
+        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+        scaling: Optional[Mapping[str, Any]] = params
+    else:
+        theta = raw.get("rope_theta", 10000.0)
+        scaling = raw.get("rope_scaling")
+    if not scaling:
+        return float(theta), None
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"{source}: unsupported rope type {rope_type!r} "
+                          f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if rope_type == "default":
+        return float(theta), None
+    try:
+        return float(theta), RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+    except KeyError as e:
+        raise ConfigError(f"{source}: llama3 rope scaling lacks key {e.args[0]!r}") from None
+
+
+def _token_ids(value: Any) -> Tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def config_from_hf(raw: Mapping[str, Any], source: str = "config.json",
+                   generation: Optional[Mapping[str, Any]] = None) -> ModelConfig:
+    """Map a Hugging Face ``config.json`` dict (and ``generation_config.json``) to ModelConfig."""
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"{source}: unsupported model_type {model_type!r} "
+                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    for flag in _HF_FLAGS_MUST_BE_FALSE:
+        if raw.get(flag):
+            raise ConfigError(f"{source}: {flag}=true is not supported")
+    values: Dict[str, Any] = {}
+    for hf_key, ours in _HF_KEYS.items():
+        if hf_key in raw and raw[hf_key] is not None:
+            values[ours] = raw[hf_key]
+        elif hf_key in _HF_DEFAULTS:
+            if _HF_DEFAULTS[hf_key] is not None:
+                values[ours] = _HF_DEFAULTS[hf_key]
+        else:
+            raise ConfigError(f"{source}: missing required key {hf_key!r}")
+    values.setdefault("n_kv_heads", values["n_heads"])
+    values.setdefault("head_dim", 0)
+    window = raw.get("sliding_window")
+    if window is not None and raw.get("use_sliding_window", True) and window < values["max_seq_len"]:
+        values["max_seq_len"] = int(window)  # attention beyond the window is not implemented
+    values["rope_theta"], values["rope_scaling"] = _rope_from_hf(raw, source)
+    gen = generation or {}
+    bos = gen.get("bos_token_id", raw.get("bos_token_id"))
+    values["bos_id"] = None if bos is None else int(bos)
+    values["eos_ids"] = _token_ids(gen.get("eos_token_id", raw.get("eos_token_id")))
+    values["model_type"] = model_type
+    values["name"] = str(raw.get("_name_or_path") or source)
+    for key in ("rms_norm_eps", "rope_theta"):
+        if not isinstance(values[key], (int, float)):
+            raise ConfigError(f"{source}: {key} must be a number, got {values[key]!r}")
+    try:
+        return ModelConfig(**values)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    except TypeError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def config_to_hf(cfg: ModelConfig) -> Dict[str, Any]:
+    """Inverse of :func:`config_from_hf`, for the checkpoints mdiedge writes."""
+    out: Dict[str, Any] = {
+        "architectures": ["MixtralForCausalLM" if cfg.is_moe else "LlamaForCausalLM"],
+        "model_type": cfg.model_type,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+        "rope_theta": cfg.rope_theta,
+        "bos_token_id": cfg.bos_id,
+        "eos_token_id": cfg.eos_ids[0] if len(cfg.eos_ids) == 1 else list(cfg.eos_ids),
+    }
+    for hf_key, ours in _HF_KEYS.items():
+        if ours in ("n_experts", "experts_per_token") and not cfg.is_moe:
+            continue
+        out[hf_key] = getattr(cfg, ours)
+    if cfg.rope_scaling is not None:
+        out["rope_scaling"] = dict(dataclasses.asdict(cfg.rope_scaling), rope_type="llama3")
+    return out
+
+
+def read_json(path: Path) -> Dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+

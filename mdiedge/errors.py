@@ -1,0 +1,44 @@
+"""The one exception hierarchy of mdiedge.
+
+Every error a user can cause (bad input, bad files, a dead node) is an ``MdiedgeError``;
+the CLI prints its message on one line and exits non-zero.
+"""
+from __future__ import annotations
+
+
+class MdiedgeError(Exception):
+    """Base class: the message is shown to the user as a single line."""
+
+    exit_code: int = 1
+
+
+class ConfigError(MdiedgeError, ValueError):
+    """A model or ring configuration is invalid (missing key, wrong type, bad value)."""
+
+
+class CheckpointError(MdiedgeError):
+    """A checkpoint file is missing, truncated, or lacks a tensor of the right shape."""
+
+
+class TokenizerError(MdiedgeError):
+    """A tokenizer file is missing or unusable."""
+
+
+class GenerationError(MdiedgeError, ValueError):
+    """A generation request cannot be served (e.g. prompt plus budget beyond the context)."""
+
+
+class SlotError(MdiedgeError):
+    """KV-cache slot table misuse: exhausted, unknown sample, double free."""
+
+
+class FrameError(MdiedgeError):
+    """A data-plane frame is malformed, oversized or truncated; the link must be closed."""
+
+
+class PartitionError(MdiedgeError, ValueError):
+    """Layers cannot be split over the nodes as requested."""
+
+
+class RingError(MdiedgeError):
+    """A node of the ring failed, timed out, or refused a request."""

@@ -1,0 +1,303 @@
+"""A Llama-family decoder in plain torch; it knows nothing of sockets.
+
+A ``Transformer`` holds a contiguous range of blocks ``[first, last)``, optionally the token
+embedding and optionally the final norm and head, so a node of the ring runs exactly the code
+that runs single-process. The KV cache has a slot dimension: a sample is a slot index, and
+each row of a micro-batch carries its own slot and position ("rotating KV caches",
+MDI-LLM, Macario et al. 2024).
+
+References: Llama (Touvron et al. 2023), RoPE (Su et al. 2021), GQA (Ainslie et al. 2023),
+SwiGLU (Shazeer 2020), Mixtral (Jiang et al. 2024).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig
+
+_HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
+_NO_SLOTS = torch.empty(0, dtype=torch.long)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    """Inverse RoPE frequencies ``(head_dim/2,)`` in fp32, with ``llama3`` scaling if set."""
+    exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** exponents)
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_tables(cfg: ModelConfig, max_seq_len: int) -> Tuple[Tensor, Tensor]:
+    """cos and sin tables ``(max_seq_len, head_dim)`` in the "rotate half" layout, fp32."""
+    positions = torch.arange(max_seq_len, dtype=torch.float32)
+    freqs = torch.outer(positions, rope_inv_freq(cfg))  # (L, head_dim/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (L, head_dim)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: (B, heads, T, head_dim); cos, sin: (B, 1, T, head_dim)."""
+    return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
+
+
+class KVCache(nn.Module):
+    """Preallocated keys and values of one block for ``n_slots`` samples, KV heads only."""
+
+    def __init__(self, n_slots: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        shape = (n_slots, n_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, slots: Tensor, positions: Sequence[int], k: Tensor, v: Tensor
+               ) -> Tuple[Tensor, Tensor]:
+        """Write k, v ``(B, kv_heads, T, head_dim)`` at each row's slot and position; return
+        the keys and values of those slots up to the furthest position written."""
+        batch, _, seq_len, _ = k.shape
+        length = max(positions) + seq_len
+        if batch == 1:
+            slot = int(slots[0])
+            pos = positions[0]
+            self.k[slot, :, pos:pos + seq_len] = k[0]
+            self.v[slot, :, pos:pos + seq_len] = v[0]
+            return self.k[slot:slot + 1, :, :length], self.v[slot:slot + 1, :, :length]
+        if seq_len == 1:
+            pos_index = torch.as_tensor(positions, device=k.device)
+            self.k[slots, :, pos_index] = k[:, :, 0]
+            self.v[slots, :, pos_index] = v[:, :, 0]
+        else:
+            for row, pos in enumerate(positions):
+                slot = int(slots[row])
+                self.k[slot, :, pos:pos + seq_len] = k[row]
+                self.v[slot, :, pos:pos + seq_len] = v[row]
+        return (self.k[:, :, :length].index_select(0, slots),
+                self.v[:, :, :length].index_select(0, slots))
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
+              causal: bool = False) -> Tensor:
+    """q: (B, heads, T, hd); k, v: (B, kv_heads, L, hd); mask: (B, 1, T, L) bool or None;
+    ``causal`` (no cache, T == L) masks the upper triangle instead."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)  # (B, heads, L, hd)
+        v = v.repeat_interleave(groups, dim=1)
+    if _HAS_SDPA:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, heads, T, L)
+    if causal:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.q_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_dim, bias=False)
+        self.wo = nn.Linear(cfg.q_dim, cfg.dim, bias=False)
+        self.cache: Optional[KVCache] = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor],
+                slots: Tensor, positions: Sequence[int]) -> Tensor:
+        batch, seq_len, _ = x.shape
+        q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, heads, T, hd)
+        if self.cache is None:  # training: the whole sequence at once, causal
+            out = attention(q, k, v, None, causal=True)
+        else:
+            keys, values = self.cache.update(slots, positions, k, v)  # (B, kv_heads, L, hd)
+            out = attention(q, keys, values, mask)  # (B, heads, T, hd)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
+        self.mlp = _feed_forward(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor],
+                slots: Tensor, positions: Sequence[int]) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, slots, positions)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def _feed_forward(cfg: ModelConfig) -> nn.Module:
+    if cfg.is_moe:
+        from .moe import MoE
+        return MoE(cfg)
+    return MLP(cfg.dim, cfg.intermediate_size)
+
+
+class Transformer(nn.Module):
+    """Blocks ``[first, last)`` of a decoder, with the embedding and the head each optional.
+
+    Parameter names: ``embed.weight``, ``layers.{i}.…`` with the global block index ``i``,
+    ``norm.weight``, ``lm_head.weight`` (see ``checkpoint.HF_NAMES``).
+    """
+
+    def __init__(self, cfg: ModelConfig, layers: Optional[Tuple[int, int]] = None,
+                 embedding: bool = True, head: bool = True) -> None:
+        super().__init__()
+        first, last = layers if layers is not None else (0, cfg.n_layers)
+        if not 0 <= first <= last <= cfg.n_layers:
+            raise ValueError(f"layer range [{first}, {last}) outside 0..{cfg.n_layers}")
+        self.cfg, self.first, self.last = cfg, first, last
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim) if embedding else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(first, last)})
+        self.norm = RMSNorm(cfg.dim, cfg.rms_norm_eps) if head else None
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if head else None
+        self.n_slots = 0
+        self.max_seq_len = 0
+        self.rope_cos = self.rope_sin = torch.empty(0)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_embeddings and self.embed is not None and self.lm_head is not None:
+            self.lm_head.weight = self.embed.weight
+
+    @property
+    def has_embedding(self) -> bool:
+        return self.embed is not None
+
+    @property
+    def has_head(self) -> bool:
+        return self.lm_head is not None
+
+    def setup_cache(self, n_slots: int, max_seq_len: Optional[int] = None) -> None:
+        """Preallocate KV for ``n_slots`` samples of up to ``max_seq_len`` tokens."""
+        max_seq_len = max_seq_len or self.cfg.max_seq_len
+        param = next(self.parameters())
+        dtype, device = param.dtype, param.device
+        for block in self.layers.values():
+            block.attn.cache = KVCache(n_slots, self.cfg.n_kv_heads, max_seq_len,
+                                       self.cfg.head_dim, dtype, device)
+        cos, sin = rope_tables(self.cfg, max_seq_len)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        self.n_slots, self.max_seq_len = n_slots, max_seq_len
+
+    def kv_cache_bytes(self) -> int:
+        return sum(b.attn.cache.k.nbytes * 2 for b in self.layers.values()
+                   if b.attn.cache is not None)
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        if self.embed is None:
+            raise RuntimeError("this chunk holds no embedding")
+        return self.embed(tokens)
+
+    def run_blocks(self, x: Tensor, slots: Tensor, positions: Sequence[int]) -> Tensor:
+        """x: (B, T, dim) hidden states; row b starts at ``positions[b]`` in slot ``slots[b]``."""
+        if not self.layers:
+            return x
+        batch, seq_len, _ = x.shape
+        if self.n_slots == 0:
+            return self._run_blocks_uncached(x)
+        if max(positions) + seq_len > self.max_seq_len:
+            raise ValueError(f"position {max(positions) + seq_len} beyond the KV cache "
+                             f"length {self.max_seq_len}")
+        device = x.device
+        offsets = torch.arange(seq_len, device=device)
+        starts = torch.as_tensor(positions, device=device)
+        query_pos = starts[:, None] + offsets  # (B, T)
+        cos = self.rope_cos[query_pos].unsqueeze(1)  # (B, 1, T, hd)
+        sin = self.rope_sin[query_pos].unsqueeze(1)
+        mask: Optional[Tensor] = None
+        if not (batch == 1 and seq_len == 1):
+            key_pos = torch.arange(max(positions) + seq_len, device=device)
+            mask = (key_pos <= query_pos[..., None]).unsqueeze(1)  # (B, 1, T, L)
+        for block in self.layers.values():
+            x = block(x, cos, sin, mask, slots, positions)
+        return x
+
+    def _run_blocks_uncached(self, x: Tensor) -> Tensor:
+        """Causal forward over whole sequences from position 0, without a KV cache (training)."""
+        seq_len = x.shape[1]
+        if seq_len > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {seq_len} beyond max_seq_len {self.cfg.max_seq_len}")
+        if getattr(self, "_train_rope_len", 0) < seq_len or self.rope_cos.device != x.device:
+            cos, sin = rope_tables(self.cfg, seq_len)
+            self.rope_cos, self.rope_sin = cos.to(x.device), sin.to(x.device)
+            self._train_rope_len = seq_len
+        cos = self.rope_cos[None, None, :seq_len]  # (1, 1, T, hd)
+        sin = self.rope_sin[None, None, :seq_len]
+        for block in self.layers.values():
+            x = block(x, cos, sin, None, _NO_SLOTS, ())
+        return x
+
+    def head_logits(self, x: Tensor) -> Tensor:
+        """Final norm and head: (…, dim) -> (…, vocab) in fp32."""
+        if self.norm is None or self.lm_head is None:
+            raise RuntimeError("this chunk holds no head")
+        return self.lm_head(self.norm(x)).float()
+
+    def forward(self, inputs: Tensor, slots: Tensor, positions: Sequence[int],
+                all_logits: bool = False) -> Tensor:
+        """inputs: token ids (B, T) with an embedding, else hidden states (B, T, dim).
+        Returns logits (B, vocab) for the last position, (B, T, vocab) with ``all_logits``,
+        or hidden states (B, T, dim) for a chunk without a head."""
+        x = self.embed_tokens(inputs) if self.embed is not None else inputs
+        x = self.run_blocks(x, slots, positions)
+        if self.lm_head is None:
+            return x
+        return self.head_logits(x if all_logits else x[:, -1])
+
+    def parameter_bytes(self) -> int:
+        seen: Dict[int, int] = {}
+        for p in self.parameters():
+            seen[id(p)] = p.numel() * p.element_size()
+        return sum(seen.values())

@@ -1,0 +1,71 @@
+"""Choosing the next token: greedy, temperature, top-k and top-p (nucleus, Holtzman et al. 2019).
+
+Each sample draws from its own generator, seeded from (seed, sample index), so a sample's
+tokens do not depend on how samples are grouped or scheduled.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence
+
+import torch
+from torch import Tensor
+
+from .errors import GenerationError
+
+_SEED_STRIDE = 1_000_003
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no top-k filter
+    top_p: float = 1.0  # 1: no nucleus filter
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise GenerationError(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.top_k < 0:
+            raise GenerationError(f"top_k must be >= 0, got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise GenerationError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0 <= self.seed < 2 ** 40:
+            raise GenerationError(f"seed must be in [0, 2**40), got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def sample_generator(seed: int, sample_index: int) -> torch.Generator:
+    """The generator of one sample: independent of every other sample's."""
+    return torch.Generator().manual_seed(seed * _SEED_STRIDE + sample_index)
+
+
+def filter_logits(logits: Tensor, params: SamplingParams) -> Tensor:
+    """Temperature, then top-k, then top-p on one row of logits (vocab,); -inf outside."""
+    logits = logits.float() / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= params.top_p
+        drop[0] = False  # always keep the most likely token
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def sample_rows(logits: Tensor, params: SamplingParams,
+                generators: Sequence[torch.Generator]) -> List[int]:
+    """One token per row of ``logits`` (B, vocab); row b draws from ``generators[b]``."""
+    if params.greedy:
+        return logits.argmax(dim=-1).tolist()
+    rows = logits.detach().float().cpu()
+    out = []
+    for row, gen in zip(rows, generators):
+        probs = torch.softmax(filter_logits(row, params), dim=-1)
+        out.append(int(torch.multinomial(probs, 1, generator=gen)))
+    return out

@@ -1,0 +1,106 @@
+"""Tokenizers behind one interface: SentencePiece ``tokenizer.model`` and, through the
+optional ``tokenizers`` package, Hugging Face ``tokenizer.json``."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional, Sequence, Union
+
+from .errors import TokenizerError
+
+
+class Tokenizer:
+    """Encodes text to ids (no BOS/EOS added) and decodes ids to text."""
+
+    def encode(self, text: str) -> List[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int]) -> str:
+        raise NotImplementedError
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+
+class SentencePieceTokenizer(Tokenizer):
+    def __init__(self, path: Path) -> None:
+        import sentencepiece as spm
+
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        except (OSError, RuntimeError) as e:
+            raise TokenizerError(f"{path}: not a SentencePiece model ({e})") from None
+
+    def encode(self, text: str) -> List[int]:
+        return list(self.sp.encode(text))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.sp.decode(list(ids)))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.sp.get_piece_size())
+
+
+class HFTokenizer(Tokenizer):
+    def __init__(self, path: Path) -> None:
+        try:
+            from tokenizers import Tokenizer as _HFTokenizer
+        except ImportError:
+            raise TokenizerError(f"{path}: reading tokenizer.json needs the 'tokenizers' package "
+                                 f"(pip install 'mdiedge[hf]')") from None
+        try:
+            self.tok = _HFTokenizer.from_file(str(path))
+        except Exception as e:
+            raise TokenizerError(f"{path}: not a tokenizer.json file ({e})") from None
+
+    def encode(self, text: str) -> List[int]:
+        return list(self.tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tok.decode(list(ids), skip_special_tokens=False))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tok.get_vocab_size())
+
+
+def load_tokenizer(model_path: Path, tokenizer: Optional[Union[str, Path]] = None) -> Tokenizer:
+    """The tokenizer named by ``tokenizer``, else the model directory's ``tokenizer.model``
+    or ``tokenizer.json`` (a llama2.c file looks beside itself)."""
+    if tokenizer is not None:
+        path = Path(tokenizer).expanduser()
+        if not path.is_file():
+            raise TokenizerError(f"{path}: tokenizer file not found")
+        return HFTokenizer(path) if path.suffix == ".json" else SentencePieceTokenizer(path)
+    folder = model_path if model_path.is_dir() else model_path.parent
+    if (folder / "tokenizer.model").is_file():
+        return SentencePieceTokenizer(folder / "tokenizer.model")
+    if (folder / "tokenizer.json").is_file():
+        return HFTokenizer(folder / "tokenizer.json")
+    raise TokenizerError(f"{folder}: no tokenizer.model or tokenizer.json; pass --tokenizer FILE")
+
+
+def decode_continuation(tokenizer: Tokenizer, prefix: Sequence[int], ids: Sequence[int]) -> str:
+    """Text of ``ids`` as it reads after ``prefix`` (keeps the leading space that decoding
+    ``ids`` alone would strip)."""
+    return tokenizer.decode(list(prefix) + list(ids))[len(tokenizer.decode(prefix)):]
+
+
+class StreamDecoder:
+    """Turns a growing list of ids into text increments after a prefix (the prompt), holding
+    back an incomplete UTF-8 sequence (byte-fallback pieces) until it is complete."""
+
+    def __init__(self, tokenizer: Tokenizer, prefix: Sequence[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.ids: List[int] = list(prefix)
+        self.emitted = len(tokenizer.decode(self.ids))  # characters already accounted for
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        new = text[self.emitted:]
+        self.emitted = len(text)
+        return new

@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny random Hugging Face Llama checkpoints and the stories260K files."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+STORIES = SHARED / "models" / "stories260k"
+
+
+def pytest_configure(config: Any) -> None:
+    import torch
+
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+TINY_LLAMA: Dict[str, Any] = dict(
+    vocab_size=96, hidden_size=32, intermediate_size=56, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=160,
+    rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+)
+
+
+def make_hf_llama(path: Path, seed: int = 0, max_shard_size: Any = None, **overrides: Any) -> Path:
+    """Save a random ``LlamaForCausalLM`` to ``path`` and return the path."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**dict(TINY_LLAMA, **overrides))
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # larger weights than the default init make logits less flat
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: Any) -> Path:
+    return make_hf_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def stories() -> Path:
+    if not (STORIES / "stories260K.bin").exists():
+        pytest.skip(f"stories260K not found at {STORIES} (../shared is missing)")
+    return STORIES

@@ -1,0 +1,53 @@
+"""Sampling decisions, table-driven."""
+from __future__ import annotations
+
+import math
+from typing import List
+
+import pytest
+import torch
+
+from mdiedge.sampling import SamplingParams, filter_logits, sample_generator, sample_rows
+
+LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]))
+
+
+@pytest.mark.parametrize("params,kept", [
+    (SamplingParams(temperature=1.0), [0, 1, 2, 3, 4]),
+    (SamplingParams(temperature=1.0, top_k=2), [0, 1]),
+    (SamplingParams(temperature=1.0, top_k=1), [0]),
+    (SamplingParams(temperature=1.0, top_p=0.5), [0]),
+    (SamplingParams(temperature=1.0, top_p=0.6), [0, 1]),
+    (SamplingParams(temperature=1.0, top_p=0.9), [0, 1, 2]),
+    (SamplingParams(temperature=1.0, top_k=4, top_p=0.99), [0, 1, 2, 3]),
+    (SamplingParams(temperature=0.5, top_p=0.01), [0]),
+])
+def test_filters_keep_the_expected_tokens(params: SamplingParams, kept: List[int]) -> None:
+    out = filter_logits(LOGITS, params)
+    assert torch.isfinite(out).nonzero().flatten().tolist() == kept
+
+
+def test_temperature_scales_logits() -> None:
+    out = filter_logits(LOGITS, SamplingParams(temperature=2.0))
+    assert torch.allclose(out, LOGITS / 2)
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 0.0]])
+    assert sample_rows(logits, SamplingParams(temperature=0), []) == [1, 0]
+
+
+def test_each_sample_has_its_own_stream() -> None:
+    params = SamplingParams(temperature=1.0, seed=3)
+    logits = torch.zeros(2, 1000)
+    a = sample_rows(logits, params, [sample_generator(3, 0), sample_generator(3, 1)])
+    b0 = sample_rows(logits[:1], params, [sample_generator(3, 0)])
+    b1 = sample_rows(logits[1:], params, [sample_generator(3, 1)])
+    assert a == b0 + b1 and a[0] != a[1]
+
+
+def test_sampling_follows_the_distribution() -> None:
+    params = SamplingParams(temperature=1.0)
+    gen = sample_generator(0, 0)
+    draws = [sample_rows(LOGITS[None], params, [gen])[0] for _ in range(4000)]
+    assert math.isclose(draws.count(0) / 4000, 0.5, abs_tol=0.03)

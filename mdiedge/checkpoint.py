@@ -5,6 +5,7 @@ whole-file load) and builds its chunk of the model without materialising the res
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import struct
@@ -295,6 +296,48 @@ def load_config(model: Optional[PathLike]) -> ModelConfig:
     gen_file = path / "generation_config.json"
     generation = read_json(gen_file) if gen_file.exists() else None
     return config_from_hf(read_json(cfg_file), str(cfg_file), generation)
+
+
+_HASH_CACHE: Dict[Tuple[str, Tuple[Tuple[str, int, int], ...]], str] = {}
+
+
+def content_hash(model: PathLike) -> str:
+    """sha256 (hex) of a model's identity: config.json and the weight files, or the llama2.c
+    file. Cached per process by path, size and modification time."""
+    path = Path(model)
+    if path.is_file():
+        files = [path]
+    else:
+        files = sorted(f for f in path.iterdir() if f.is_file() and (
+            f.name in ("config.json", "pytorch_model.bin", "model.safetensors.index.json")
+            or f.suffix == ".safetensors"))
+    stamp = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    key = (str(path.resolve()), stamp)
+    if key not in _HASH_CACHE:
+        digest = hashlib.sha256()
+        for f in files:
+            digest.update(f.name.encode() + b"\0")
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    digest.update(block)
+        _HASH_CACHE[key] = digest.hexdigest()
+    return _HASH_CACHE[key]
+
+
+def chunk_safetensors(model: PathLike, layers: Tuple[int, int]) -> bytes:
+    """The tensors of blocks ``[layers)`` under their Hugging Face names, as safetensors bytes
+    (what a worker without its own copy of the model receives)."""
+    from safetensors.torch import save
+
+    path = resolve_model_path(model)
+    cfg = load_config(path)
+    source = open_source(path)
+    try:
+        tensors = {theirs: source.get(theirs).contiguous()
+                   for theirs in tensor_plan(cfg, layers, False, False).values()}
+    finally:
+        source.close()
+    return save(tensors, metadata={"format": "pt"})
 
 
 def open_source(path: Path) -> TensorSource:

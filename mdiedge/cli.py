@@ -96,17 +96,72 @@ def generate(
     top_p: float = typer.Option(0.95, help="Nucleus sampling threshold (1: off)."),
     device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
     dtype: str = typer.Option("float32", help="float32 (default), bfloat16 or float16."),
-    micro_batch: int = typer.Option(0, help="Samples per forward pass (0: all active)."),
+    micro_batch: int = typer.Option(0, help="Samples per message / forward pass (0: chosen "
+                                    "to keep every node busy)."),
+    nodes: int = typer.Option(3, help="Nodes of the local ring started for this run (1: one "
+                              "process, no ring)."),
+    ring: Optional[str] = typer.Option(None, help="Ring file (TOML) of running workers."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
-    """Generate text from PROMPT."""
-    import time
+    """Generate text from PROMPT, on a ring of nodes (by default a local ring of 3)."""
+    from contextlib import ExitStack
 
-    from .engine import LocalEngine
     from .sampling import SamplingParams
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    engine = LocalEngine(model, tokenizer, device=device, dtype=dtype)
+    with ExitStack() as stack:
+        _terminate_gracefully()
+        engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring)
+        _generate_with(engine, prompt, max_new_tokens, samples, params, micro_batch, as_json,
+                       nodes if ring is None else len(engine.workers) + 1)
+
+
+def _terminate_gracefully() -> None:
+    """SIGTERM unwinds like Ctrl-C, so every process a command started is stopped."""
+    import signal
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], device: str,
+                 dtype: str, nodes: int, ring: Optional[str]) -> Any:
+    if ring is not None:
+        from pathlib import Path
+
+        from .ringfile import load_ring
+        from .starter import RingEngine
+
+        options, workers = load_ring(Path(ring))
+        device = options.pop("device", device)
+        engine = RingEngine(workers, model, tokenizer, device=device, dtype=dtype, **options)
+        stack.callback(engine.close)
+        return engine
+    if nodes < 1:
+        raise typer.BadParameter(f"--nodes must be >= 1, got {nodes}")
+    if nodes == 1:
+        from .engine import LocalEngine
+
+        return LocalEngine(model, tokenizer, device=device, dtype=dtype)
+    import torch
+
+    from .local import LocalRing, threads_per_node
+    from .starter import RingEngine
+
+    threads = threads_per_node(nodes)
+    torch.set_num_threads(threads)
+    workers = stack.enter_context(LocalRing(nodes - 1, threads=threads))
+    engine = RingEngine(workers, model, tokenizer, device=device, dtype=dtype)
+    stack.callback(engine.close)
+    return engine
+
+
+def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, params: Any,
+                   micro_batch: int, as_json: bool, n_nodes: int) -> None:
+    import time
+
     stream = samples == 1 and not as_json
     decoder = None
     if stream:
@@ -131,7 +186,7 @@ def generate(
     if as_json:
         result = out.as_dict()
         result["model"] = str(engine.path)
-        result["nodes"] = 1
+        result["nodes"] = n_nodes
         typer.echo(json.dumps(result))
         return
     if stream:
@@ -143,6 +198,85 @@ def generate(
             typer.echo(prompt + sample["text"])
     t = out.timing
     typer.echo(f"[{t.new_tokens} tokens in {t.total_s:.2f} s, {t.tokens_per_s:.1f} tok/s]", err=True)
+
+
+@app.command()
+@one_line_errors
+def worker(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (control and data)."),
+    control_port: int = typer.Option(7700, help="HTTP control port (0: any free port)."),
+    data_port: int = typer.Option(7701, help="Data-plane port (0: any free port)."),
+    threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
+    name: str = typer.Option("worker", help="Name shown in logs and status."),
+    cache_dir: Optional[str] = typer.Option(None, help="Where received weights are cached."),
+    log_level: str = typer.Option("info", help="debug, info, warning or error."),
+    parent_pid: int = typer.Option(0, help="Exit when this process is gone (local rings)."),
+) -> None:
+    """Run a worker node: it waits for a starter to assign it layers."""
+    import logging
+    import os
+    import signal
+    import threading
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from .worker import WorkerNode
+
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    if threads > 0:
+        torch.set_num_threads(threads)
+    node = WorkerNode(host, control_port, data_port,
+                      Path(cache_dir) if cache_dir else None, name=name).start()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: node.stopped.set())
+    if parent_pid:
+        def watch_parent() -> None:
+            while not node.stopped.is_set():
+                if os.getppid() != parent_pid:
+                    node.stopped.set()
+                time.sleep(0.5)
+
+        threading.Thread(target=watch_parent, daemon=True).start()
+    typer.echo(json.dumps({"event": "ready", "name": name, "control_port": node.control.port,
+                           "data_port": node.data_port, "pid": os.getpid()}))
+    sys.stdout.flush()
+    node.serve_forever()
+
+
+@app.command()
+@one_line_errors
+def bench(
+    model: Optional[str] = typer.Option(None, help="Model to run (default: the shipped NanoLlama)."),
+    preset: Optional[str] = typer.Option(None, help="Instead, random weights of a preset shape, "
+                                         "e.g. nanollama-304m."),
+    nodes: int = typer.Option(3, help="Largest ring to measure (1..nodes)."),
+    samples: int = typer.Option(3, help="Samples generated together."),
+    new_tokens: int = typer.Option(128, help="New tokens per sample."),
+    context: int = typer.Option(256, help="Context per sample (prompt = context - new tokens)."),
+    micro_batch: int = typer.Option(1, hidden=True),
+    one: bool = typer.Option(False, "--one", hidden=True, help="Run one configuration here."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+) -> None:
+    """Measure tokens/s, busy fraction, per-hop overhead and peak RSS of 1..N-node rings."""
+    from pathlib import Path
+
+    from . import bench as benchmarks
+
+    if one:
+        result = benchmarks.run_config(Path(model or ""), nodes, samples, new_tokens, context,
+                                       micro_batch)
+        typer.echo(json.dumps(result))
+        return
+    results = benchmarks.run_all(model, preset, nodes, samples, new_tokens, context)
+    title = (f"{preset or model or 'nanollama'}: {samples} samples x {new_tokens} tokens, "
+             f"context {context}")
+    if as_json:
+        typer.echo(json.dumps({"title": title, "results": results}))
+    else:
+        benchmarks.print_table(results, title)
 
 
 def main() -> None:

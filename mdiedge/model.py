@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from .config import ModelConfig
 
 _HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
+_SHORT_QUERY = 4096  # T * L below which explicit attention beats the fused CPU kernel
 _NO_SLOTS = torch.empty(0, dtype=torch.long)
 
 
@@ -110,19 +111,27 @@ class KVCache(nn.Module):
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
               causal: bool = False) -> Tensor:
     """q: (B, heads, T, hd); k, v: (B, kv_heads, L, hd); mask: (B, 1, T, L) bool or None;
-    ``causal`` (no cache, T == L) masks the upper triangle instead."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)  # (B, heads, L, hd)
-        v = v.repeat_interleave(groups, dim=1)
-    if _HAS_SDPA:
+    ``causal`` (no cache, T == L) masks the upper triangle instead.
+
+    Short queries (decode) take a grouped matmul path that never copies K/V per query head;
+    long ones (prefill, training) use the fused kernel where torch has one."""
+    batch, n_heads, seq_len, head_dim = q.shape
+    n_kv, length = k.shape[1], k.shape[2]
+    groups = n_heads // n_kv
+    if _HAS_SDPA and seq_len * length > _SHORT_QUERY:
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)  # (B, heads, L, hd)
+            v = v.repeat_interleave(groups, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, heads, T, L)
+    q = q.reshape(batch, n_kv, groups * seq_len, head_dim)  # (B, kv_heads, g*T, hd)
+    scores = (q @ k.transpose(-2, -1)).float() * (1.0 / math.sqrt(head_dim))  # (B, kv, g*T, L)
     if causal:
-        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        mask = torch.ones(seq_len, length, dtype=torch.bool, device=q.device).tril()[None, None]
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+        mask = mask.unsqueeze(2).expand(batch, 1, groups, seq_len, length)
+        scores = scores.masked_fill(~mask.reshape(batch, 1, groups * seq_len, length), float("-inf"))
+    out = torch.softmax(scores, dim=-1).to(v.dtype) @ v  # (B, kv_heads, g*T, hd)
+    return out.view(batch, n_heads, seq_len, head_dim)
 
 
 class Attention(nn.Module):

@@ -1,0 +1,130 @@
+"""``mdiedge bench``: throughput, per-node busy fraction, per-hop overhead and peak memory of
+local rings of 1..N nodes, one sample per message against micro-batched messages.
+
+Each configuration runs in a fresh process (so peak RSS is that configuration's own); a
+model preset with random weights is written once to a temporary Hugging Face directory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .checkpoint import resolve_model_path, save_hf_checkpoint
+from .config import preset
+from .generation import Generation, run_local
+from .sampling import SamplingParams
+
+
+def random_checkpoint(preset_name: str, out: Path, tokenizer: Path, seed: int = 0) -> Path:
+    """A Hugging Face directory with random weights shaped like ``preset_name``."""
+    from .model import Transformer
+
+    cfg = preset(preset_name).replace(max_seq_len=2048)
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+    save_hf_checkpoint(model, out, tokenizer=tokenizer)
+    return out
+
+
+def run_config(model: Path, nodes: int, samples: int, new_tokens: int, context: int,
+               micro_batch: int, pings: int = 200) -> Dict[str, Any]:
+    """One configuration in this process: returns its figures."""
+    from .worker import max_rss_bytes
+
+    prompt_len = context - new_tokens
+    params = SamplingParams(temperature=0)
+    torch.manual_seed(0)
+    if nodes == 1:
+        from .engine import LocalEngine
+
+        engine: Any = LocalEngine(model)
+        prompt = torch.randint(3, engine.cfg.vocab_size, (prompt_len,)).tolist()
+        gen = Generation(prompt, samples, new_tokens, params, (), context)
+        t0 = time.process_time()
+        timing = run_local(engine.model, gen, micro_batch=micro_batch)
+        busy = [(time.process_time() - t0) / timing.total_s / torch.get_num_threads()]
+        return {"nodes": 1, "micro_batch": micro_batch, "tokens_per_s": timing.tokens_per_s,
+                "busy_fraction": busy, "hop_overhead_us": None,
+                "peak_rss_bytes": [max_rss_bytes()],
+                "weight_kv_bytes": [engine.model.parameter_bytes() + engine.model.kv_cache_bytes()]}
+    from .local import LocalRing, threads_per_node
+    from .starter import RingEngine
+
+    threads = threads_per_node(nodes)
+    torch.set_num_threads(threads)
+    with LocalRing(nodes - 1, threads=threads) as workers:
+        engine = RingEngine(workers, model)
+        try:
+            engine.setup(samples, context)
+            payload = torch.randn(1, 1, engine.cfg.dim)
+            rtt = engine.ping(payload, pings)
+            before = engine.node_status()
+            prompt = torch.randint(3, engine.cfg.vocab_size, (prompt_len,)).tolist()
+            gen = Generation(prompt, samples, new_tokens, params, (), context)
+            timing = engine.run(gen, micro_batch)
+            after = engine.node_status()
+        finally:
+            engine.close()
+    wall = timing.total_s
+    busy = [engine.stats.compute_s / wall] + [
+        (a["compute_s"] - b["compute_s"]) / wall for a, b in zip(after, before)]
+    return {"nodes": nodes, "micro_batch": micro_batch, "tokens_per_s": timing.tokens_per_s,
+            "busy_fraction": busy,
+            "hop_overhead_us": statistics.median(rtt) / nodes * 1e6,
+            "peak_rss_bytes": [max_rss_bytes()] + [a["max_rss_bytes"] for a in after],
+            "weight_kv_bytes": [engine.model.parameter_bytes() + engine.model.kv_cache_bytes()]
+            + [a["weight_bytes"] + a["kv_bytes"] for a in after]}
+
+
+def run_all(model: Optional[str], preset_name: Optional[str], max_nodes: int, samples: int,
+            new_tokens: int, context: int) -> List[Dict[str, Any]]:
+    """Every configuration, each in a fresh ``python -m mdiedge bench --one`` process."""
+    with tempfile.TemporaryDirectory(prefix="mdiedge-bench-") as tmp:
+        if preset_name:
+            default = resolve_model_path(None)
+            path = random_checkpoint(preset_name, Path(tmp) / preset_name,
+                                     default / "tokenizer.model")
+        else:
+            path = resolve_model_path(model)
+        results = []
+        for nodes in range(1, max_nodes + 1):
+            for micro_batch in (1, samples):
+                cmd = [sys.executable, "-m", "mdiedge", "bench", "--one", "--model", str(path),
+                       "--nodes", str(nodes), "--samples", str(samples), "--new-tokens",
+                       str(new_tokens), "--context", str(context), "--micro-batch", str(micro_batch)]
+                out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+                if out.returncode != 0:
+                    raise RuntimeError(f"bench configuration failed: {out.stderr.strip()[-500:]}")
+                results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        return results
+
+
+def print_table(results: List[Dict[str, Any]], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in ("nodes", "samples/msg", "tok/s", "busy fraction per node", "hop µs",
+                   "peak RSS MB per node", "RSS − (weights+KV) MB"):
+        table.add_column(column, justify="right")
+    for r in results:
+        hop = "-" if r["hop_overhead_us"] is None else f"{r['hop_overhead_us']:.0f}"
+        excess = [(rss - wk) / 2 ** 20 for rss, wk in zip(r["peak_rss_bytes"], r["weight_kv_bytes"])]
+        table.add_row(str(r["nodes"]), str(r["micro_batch"]), f"{r['tokens_per_s']:.1f}",
+                      " ".join(f"{b:.2f}" for b in r["busy_fraction"]), hop,
+                      " ".join(f"{x / 2 ** 20:.0f}" for x in r["peak_rss_bytes"]),
+                      " ".join(f"{x:.0f}" for x in excess))
+    Console().print(table)

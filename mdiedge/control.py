@@ -1,0 +1,141 @@
+"""The HTTP control plane: every node serves small JSON requests (assign, connect, status,
+reset, shutdown); the starter is their client.
+
+Bodies are size-bounded and parsed as JSON only (nothing is unpickled or evaluated); a
+handler's ``MdiedgeError`` becomes a 4xx answer with its one-line message.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable, Dict, Optional, Tuple
+from urllib.parse import parse_qs, urlsplit
+
+from .errors import MdiedgeError, RingError
+
+log = logging.getLogger("mdiedge.control")
+
+MAX_JSON_BODY = 1 << 20
+Handler = Callable[[Dict[str, Any], bytes, Dict[str, str]], Dict[str, Any]]
+
+
+class Conflict(MdiedgeError):
+    """The node cannot take the request in its current state (HTTP 409)."""
+
+
+class ControlServer:
+    """Routes ``(method, path)`` to handlers taking (json body, raw body, query) -> json reply.
+
+    ``raw_routes`` name the paths whose body is bytes (weights) and their size limit."""
+
+    def __init__(self, host: str, port: int, routes: Dict[Tuple[str, str], Handler],
+                 raw_routes: Optional[Dict[str, Callable[[], int]]] = None) -> None:
+        self.routes, self.raw_routes = routes, raw_routes or {}
+        server = self
+
+        class _Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, fmt: str, *args: Any) -> None:
+                log.debug("%s %s", self.address_string(), fmt % args)
+
+            def _reply(self, code: int, payload: Dict[str, Any]) -> None:
+                body = json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _serve(self, method: str) -> None:
+                url = urlsplit(self.path)
+                handler = server.routes.get((method, url.path))
+                if handler is None:
+                    known = any(path == url.path for _, path in server.routes)
+                    self._reply(405 if known else 404, {"error": f"no route {method} {url.path}"})
+                    return
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                except ValueError:
+                    self._reply(400, {"error": "bad Content-Length"})
+                    return
+                limit = server.raw_routes[url.path]() if url.path in server.raw_routes else MAX_JSON_BODY
+                if length < 0 or length > limit:
+                    self.close_connection = True
+                    self._reply(413, {"error": f"body of {length} bytes exceeds the limit of {limit}"})
+                    return
+                raw = self.rfile.read(length) if length else b""
+                body: Dict[str, Any] = {}
+                if url.path not in server.raw_routes and raw:
+                    try:
+                        body = json.loads(raw)
+                    except (ValueError, UnicodeDecodeError) as e:
+                        self._reply(400, {"error": f"body is not JSON: {e}"})
+                        return
+                    if not isinstance(body, dict):
+                        self._reply(400, {"error": "body must be a JSON object"})
+                        return
+                query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+                try:
+                    self._reply(200, handler(body, raw, query))
+                except Conflict as e:
+                    self._reply(409, {"error": str(e)})
+                except (MdiedgeError, KeyError, TypeError, ValueError) as e:
+                    message = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+                    self._reply(400, {"error": message})
+                except Exception as e:  # a bug: answer, log, stay up
+                    log.exception("control handler %s %s failed", method, url.path)
+                    self._reply(500, {"error": f"{type(e).__name__}: {e}"})
+
+            def do_GET(self) -> None:
+                self._serve("GET")
+
+            def do_POST(self) -> None:
+                self._serve("POST")
+
+            def do_PUT(self) -> None:
+                self._serve("PUT")
+
+        self.httpd = ThreadingHTTPServer((host, port), _Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="control", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return int(self.httpd.server_address[1])
+
+    def start(self) -> "ControlServer":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def call(base_url: str, method: str, path: str, body: Optional[Dict[str, Any]] = None,
+         raw: Optional[bytes] = None, timeout: float = 30.0, node: str = "") -> Dict[str, Any]:
+    """One control request; a failure is a RingError naming the node and the reason."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    request = urllib.request.Request(base_url + path, data=data, method=method)
+    request.add_header("Content-Type", "application/octet-stream" if raw is not None
+                       else "application/json")
+    who = f"{node} ({base_url})" if node else base_url
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        try:
+            message = json.loads(e.read()).get("error", e.reason)
+        except ValueError:
+            message = e.reason
+        error = RingError(f"{who}: {method} {path} refused ({e.code}): {message}")
+        error.status = e.code  # type: ignore[attr-defined]
+        raise error from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise RingError(f"{who} is unreachable: {reason}") from None

@@ -112,6 +112,8 @@ class RingEngine(Engine):
         if self.out_sock is not None and have_slots >= n_slots and have_context >= context:
             return
         self.close_links()
+        for worker in self.workers:  # end any ring these workers still serve for us
+            call(worker.url, "POST", "/reset", {}, timeout=10, node=worker.name)
         shares = [self.starter_share] + [NodeShare(w.name, w.weight, w.memory, w.layers)
                                          for w in self.workers]
         itemsize = torch.empty(0, dtype=parse_dtype(self.dtype)).element_size()

@@ -35,7 +35,8 @@ class SentencePieceTokenizer(Tokenizer):
         return list(self.sp.encode(text))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return str(self.sp.decode(list(ids)))
+        size = self.sp.get_piece_size()  # a model's vocab may be padded past the tokenizer's
+        return str(self.sp.decode([i for i in ids if 0 <= i < size]))
 
     @property
     def vocab_size(self) -> int:

@@ -49,6 +49,7 @@ class WorkerNode:
         self.pending: Optional[Dict[str, Any]] = None  # an assignment waiting for weights
         self.lock = threading.Lock()
         self.links: Tuple[Any, Any] = (None, None)
+        self.ring_id = 0  # bumped by every connect and reset; a stale ring thread cleans nothing
         self.stats = {"messages": 0, "tokens": 0, "compute_s": 0.0, "connected_at": 0.0}
         self.stopped = threading.Event()
         self.listener = tcp_listen(host, data_port)
@@ -162,15 +163,16 @@ class WorkerNode:
             except OSError as e:
                 raise RingError(f"{self.name} cannot reach its next node {host}:{port}: {e}") from None
             self.state = "busy"
-        threading.Thread(target=self._serve_ring, args=(out_sock,), name="ring", daemon=True).start()
+            self.ring_id += 1
+            ring_id = self.ring_id
+        threading.Thread(target=self._serve_ring, args=(out_sock, ring_id), name="ring",
+                         daemon=True).start()
         return {"state": self.state}
 
     def reset(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
         with self.lock:
-            self._drop_links()
-            if self.slots is not None:
-                self.slots.clear()
-            self.state = "ready" if self.model is not None else "idle"
+            self.ring_id += 1
+            self._end_ring()
         return {"state": self.state}
 
     def shutdown(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
@@ -213,20 +215,33 @@ class WorkerNode:
 
     # ----------------------------------------------------------------- data plane
 
+    def _end_ring(self) -> None:
+        self._drop_links()
+        if self.slots is not None:
+            self.slots.clear()
+        self.state = "ready" if self.model is not None else "idle"
+
     def _drop_links(self) -> None:
         for sock in self.links:
             close_quietly(sock)
         self.links = (None, None)
 
-    def _serve_ring(self, out_sock: Any) -> None:
+    def _serve_ring(self, out_sock: Any, ring_id: int) -> None:
         try:
             in_sock = accept(self.listener, ACCEPT_TIMEOUT_S)
         except OSError as e:
             log.warning("%s: no previous node connected: %s", self.name, e)
             close_quietly(out_sock)
-            self.state = "ready"
+            with self.lock:
+                if self.ring_id == ring_id:
+                    self._end_ring()
             return
-        self.links = (in_sock, out_sock)
+        with self.lock:
+            if self.ring_id != ring_id:  # reset while waiting
+                close_quietly(in_sock)
+                close_quietly(out_sock)
+                return
+            self.links = (in_sock, out_sock)
         inbox: "queue.Queue[Any]" = queue.Queue()
         outbox: "queue.Queue[Any]" = queue.Queue()
         receiver = Receiver(in_sock, inbox, self.assignment["max_payload"], f"{self.name}/recv")
@@ -244,10 +259,8 @@ class WorkerNode:
         outbox.put(None)
         sender.join(timeout=5)
         with self.lock:
-            self._drop_links()
-            if self.slots is not None:
-                self.slots.clear()
-            self.state = "ready"
+            if self.ring_id == ring_id:
+                self._end_ring()
 
     def _compute_loop(self, inbox: "queue.Queue[Any]", outbox: "queue.Queue[Any]") -> None:
         model, slots = self.model, self.slots

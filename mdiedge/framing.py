@@ -1,0 +1,119 @@
+"""Tensor frames of the data plane, on top of the compiled framing module or its twin.
+
+One frame carries one message between neighbour nodes: a header (message type, flags,
+sequence number, the samples it concerns with their positions) and, for ACTIVATION, PING
+and the like, one C-contiguous CPU tensor sent straight from its memory and received
+straight into a freshly allocated (or caller-given) tensor: no intermediate copies. The
+wire format is documented in ``mdiedge/_pyframing.py``.
+
+A malformed, oversized or truncated frame raises ``FrameError``. The stream position is
+then unknown (part of the frame may be unread), so the caller must close the link; the
+receiver threads of ``mdiedge.transport`` do so.
+
+Every function takes ``impl`` to force one implementation (tests run both); by default it
+is ``select("framing")``: the compiled module unless disabled or not built.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from ._accel import select
+from .errors import FrameError
+
+_impl: ModuleType = select("framing")
+
+MAGIC: bytes = _impl.MAGIC
+VERSION: int = _impl.VERSION
+HEADER_SIZE: int = _impl.HEADER_SIZE
+MAX_SAMPLES: int = _impl.MAX_SAMPLES
+ACTIVATION: int = _impl.ACTIVATION
+RELEASE: int = _impl.RELEASE
+PING: int = _impl.PING
+PONG: int = _impl.PONG
+SHUTDOWN: int = _impl.SHUTDOWN
+FLAG_PREFILL: int = _impl.FLAG_PREFILL
+ITEMSIZE: Dict[int, int] = _impl.ITEMSIZE
+FrameHeader = _impl.FrameHeader
+
+DTYPE_CODES: Dict[torch.dtype, int] = {
+    torch.float32: 0, torch.float16: 1, torch.bfloat16: 2,
+    torch.int64: 3, torch.int32: 4, torch.uint8: 5,
+}
+DTYPES: Dict[int, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
+CONTROL_DTYPE = DTYPE_CODES[torch.uint8]  # the dtype field of frames with no tensor
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    try:
+        return DTYPE_CODES[dtype]
+    except KeyError:
+        raise FrameError(f"dtype {dtype} cannot be framed; use one of "
+                         f"{', '.join(str(d) for d in DTYPE_CODES)}") from None
+
+
+def torch_dtype(code: int) -> torch.dtype:
+    try:
+        return DTYPES[code]
+    except KeyError:
+        raise FrameError(f"unknown dtype code {code}") from None
+
+
+def tensor_bytes(tensor: torch.Tensor) -> Any:
+    """A flat uint8 numpy view of a contiguous CPU tensor's memory (any dtype, bf16 too)."""
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def send_tensor(sock: Any, msg_type: int, sample_ids: Sequence[int], positions: Sequence[int],
+                tensor: torch.Tensor, flags: int = 0, seq: int = 0,
+                impl: Optional[ModuleType] = None) -> None:
+    """Send one frame carrying ``tensor`` (1 to 4 dims; moved to the CPU and made contiguous
+    first if need be); its n_tokens is ``tensor.shape[1]`` for 2+ dims, else 1."""
+    impl = impl or _impl
+    if tensor.dim() == 0:
+        raise FrameError("a 0-dim tensor cannot be framed (ndim 0 means no payload); "
+                         "reshape it to (1,)")
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    shape = tuple(tensor.shape)
+    header = impl.pack_header(msg_type, flags, dtype_code(tensor.dtype), sample_ids, positions,
+                              shape[1] if len(shape) >= 2 else 1, shape, seq)
+    impl.send_all(sock, header, tensor_bytes(tensor))
+
+
+def send_control(sock: Any, msg_type: int, sample_ids: Sequence[int] = (),
+                 positions: Sequence[int] = (), seq: int = 0,
+                 impl: Optional[ModuleType] = None) -> None:
+    """Send one frame with no tensor (RELEASE, PING/PONG without payload, SHUTDOWN)."""
+    impl = impl or _impl
+    header = impl.pack_header(msg_type, 0, CONTROL_DTYPE, sample_ids, positions, 0, (), seq)
+    impl.send_all(sock, header, None)
+
+
+def recv_frame(sock: Any, max_payload: int, out: Optional[torch.Tensor] = None,
+               impl: Optional[ModuleType] = None) -> Tuple[Any, Optional[torch.Tensor]]:
+    """Receive one frame: its validated header and its tensor (None for a frame without one).
+
+    The tensor is allocated only once the header is validated (its payload at most
+    ``max_payload`` bytes), unless ``out`` is given: a contiguous CPU tensor of the frame's
+    shape and dtype, received into in place (else FrameError). Any FrameError leaves the
+    stream at an unknown position: close the link."""
+    impl = impl or _impl
+    header = impl.recv_frame_header(sock, max_payload)
+    if not header.shape:
+        return header, None
+    dtype = torch_dtype(header.dtype)
+    if out is None:
+        tensor = torch.empty(header.shape, dtype=dtype)
+    elif (tuple(out.shape) != header.shape or out.dtype != dtype or out.device.type != "cpu"
+          or not out.is_contiguous()):
+        raise FrameError(f"out tensor {tuple(out.shape)} {out.dtype} on {out.device} does not "
+                         f"fit the frame's {header.shape} {dtype} payload")
+    else:
+        tensor = out
+    impl.recv_exact_into(sock, tensor_bytes(tensor))
+    return header, tensor

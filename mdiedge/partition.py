@@ -1,0 +1,316 @@
+"""Layer partitioning: which consecutive transformer blocks each node of the ring runs.
+
+The ring is an ordered list of nodes. Node 0 is the *starter*: it holds the embedding, its
+own first blocks, the final norm, the output head and the sampler. Every other node is a
+*worker* holding one consecutive range of blocks; in ring order the ranges tile
+``[0, n_layers)``.
+
+The split rule follows MDI-LLM (D. Macario, H. Seferoglu, E. Koyuncu, "Model-Distributed
+Inference for Large Language Models at the Edge", Macario et al. 2024; arXiv:2505.18164): the
+starter counts its embedding and head as ``starter_overhead`` extra block-equivalents (2 by
+default), and the remaining load is shared in proportion to each node's declared weight. With
+``T = n_layers + starter_overhead`` node ``i`` ends at ``floor(T * (w_0+...+w_i) / sum(w) -
+starter_overhead)``. This reproduces the paper's splits: 5/7 and 2/5/5 blocks for a 12-block
+NanoLlama on 2 and 3 equal nodes, 10/12 and 6/8/8 for the 22-block TinyLlama.
+
+Everything here is pure arithmetic (no I/O, no torch); boundaries are computed with exact
+fractions so that ties such as ``14 * 1/2 - 2 = 5`` never fall to 4.99999.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import List, Optional, Sequence, Tuple
+
+from .config import ModelConfig
+from .errors import PartitionError
+
+__all__ = ["NodeShare", "Placement", "split_layers", "partition", "format_bytes"]
+
+
+@dataclass(frozen=True)
+class NodeShare:
+    """One node of the ring as declared by the user, in ring order (node 0 is the starter)."""
+
+    name: str
+    weight: float = 1.0  # relative capacity, > 0
+    memory: Optional[int] = None  # bytes available for weights + KV cache; None: unchecked
+    layers: Optional[Tuple[int, int]] = None  # pinned block range [a, b)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What one node runs and how much memory that takes."""
+
+    name: str
+    layers: Tuple[int, int]
+    weight_bytes: int
+    kv_bytes: int
+
+    @property
+    def n_blocks(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def format_bytes(n: int) -> str:
+    """A byte count for humans, 1024-based: ``512 B``, ``1.50 KiB``, ``3.25 MiB``, ``1.10 GiB``."""
+    if abs(n) < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB"):
+        value /= 1024.0
+        if abs(value) < 1024.0:
+            return f"{value:.2f} {unit}"
+    return f"{value / 1024.0:.2f} GiB"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _names(names: Sequence[str]) -> str:
+    return ", ".join(repr(name) for name in names)
+
+
+def _check_weight(label: str, weight: object) -> Fraction:
+    """``weight`` as an exact fraction, or PartitionError when it is not a positive finite number."""
+    if (isinstance(weight, bool) or not isinstance(weight, numbers.Real)
+            or not math.isfinite(float(weight)) or float(weight) <= 0):
+        raise PartitionError(f"{label}: weight must be a positive finite number, got {weight!r}")
+    return Fraction(float(weight))
+
+
+def _check_overhead(starter_overhead: object) -> Fraction:
+    if (isinstance(starter_overhead, bool) or not isinstance(starter_overhead, numbers.Real)
+            or not math.isfinite(float(starter_overhead)) or float(starter_overhead) < 0):
+        raise PartitionError(
+            f"starter_overhead must be a finite number >= 0, got {starter_overhead!r}")
+    return Fraction(float(starter_overhead))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _split_counts(n_blocks: int, weights: Sequence[Fraction], overhead: Fraction,
+                  starter_first: bool, labels: Sequence[str], where: str,
+                  labels_named: bool = True) -> List[int]:
+    """Block counts for consecutive nodes sharing ``n_blocks`` blocks by the floor-cumulative
+    rule. ``starter_first``: node 0 of this group is the starter, which may get no block and
+    carries ``overhead``; every other node gets at least one block, taken from the larger of
+    its nearest neighbours able to spare one."""
+    n_nodes = len(weights)
+    minimum = [0 if (i == 0 and starter_first) else 1 for i in range(n_nodes)]
+    needed = sum(minimum)
+    if needed > n_blocks:
+        workers = [label for label, least in zip(labels, minimum) if least]
+        who = (f"{_plural(needed, 'worker')} need at least one block each" if needed > 1 else
+               "a worker needs at least one block")
+        if labels_named:
+            who += f" ({_names(workers)})"
+        raise PartitionError(f"{where}: {who} but only {_plural(n_blocks, 'block')} "
+                             f"{'is' if n_blocks == 1 else 'are'} available")
+    total_weight = sum(weights)
+    total = n_blocks + overhead
+    ends: List[int] = []
+    cumulative = Fraction(0)
+    for weight in weights:
+        cumulative += weight
+        ideal = total * cumulative / total_weight - overhead
+        end = min(max(math.floor(ideal), 0), n_blocks)
+        ends.append(max(end, ends[-1]) if ends else end)
+    ends[-1] = n_blocks
+    counts = [end - start for start, end in zip([0] + ends[:-1], ends)]
+
+    def load(j: int) -> Fraction:  # block-equivalents of node j, the starter's overhead included
+        return Fraction(counts[j]) + (overhead if j == 0 and starter_first else 0)
+
+    while True:
+        empty = [i for i in range(n_nodes) if counts[i] < minimum[i]]
+        if not empty:
+            return counts
+        i = empty[0]
+        left = next((j for j in range(i - 1, -1, -1) if counts[j] > minimum[j]), None)
+        right = next((j for j in range(i + 1, n_nodes) if counts[j] > minimum[j]), None)
+        # Prefer the side with the larger donor; a tie goes to the nearer, then to the right.
+        if right is None or (left is not None and
+                             (load(left), right - i) > (load(right), i - left)):
+            donor = left
+        else:
+            donor = right
+        assert donor is not None  # guaranteed by the needed <= n_blocks check above
+        counts[donor] -= 1  # the nodes in between each pass one block along
+        counts[i] += 1
+
+
+def _ranges(start: int, counts: Sequence[int]) -> List[Tuple[int, int]]:
+    out: List[Tuple[int, int]] = []
+    for count in counts:
+        out.append((start, start + count))
+        start += count
+    return out
+
+
+# ------------------------------------------------------------------------------ public API
+
+
+def split_layers(n_layers: int, weights: Sequence[float],
+                 starter_overhead: float = 2.0) -> List[Tuple[int, int]]:
+    """Split ``n_layers`` blocks over nodes with relative ``weights`` (node 0 is the starter).
+
+    Returns one ``(first, end)`` range per node, tiling ``[0, n_layers)`` in order. The starter
+    may get no block; every worker gets at least one.
+    """
+    if not _is_int(n_layers) or n_layers < 0:
+        raise PartitionError(f"n_layers must be a non-negative integer, got {n_layers!r}")
+    if len(weights) == 0:
+        raise PartitionError("cannot split layers over an empty list of nodes")
+    labels = [f"node {i}" for i in range(len(weights))]
+    exact = [_check_weight(label, w) for label, w in zip(labels, weights)]
+    overhead = _check_overhead(starter_overhead)
+    counts = _split_counts(n_layers, exact, overhead, True, labels,
+                           f"cannot split {_plural(n_layers, 'block')} over {len(weights)} nodes",
+                           labels_named=False)
+    return _ranges(0, counts)
+
+
+def _pinned_range(node: NodeShare, index: int, n_layers: int) -> Optional[Tuple[int, int]]:
+    if node.layers is None:
+        return None
+    try:
+        first, end = node.layers
+    except (TypeError, ValueError):
+        raise PartitionError(
+            f"node {node.name!r}: pinned layers must be a pair [first, end), got {node.layers!r}"
+        ) from None
+    if not (_is_int(first) and _is_int(end)):
+        raise PartitionError(
+            f"node {node.name!r}: pinned layers must be integers, got {node.layers!r}")
+    first, end = int(first), int(end)
+    if first > end:
+        raise PartitionError(
+            f"node {node.name!r}: pinned layers [{first}, {end}) end before they start")
+    if not 0 <= first <= end <= n_layers:
+        raise PartitionError(
+            f"node {node.name!r}: pinned layers [{first}, {end}) are outside the model's "
+            f"{_plural(n_layers, 'block')} [0, {n_layers})")
+    if index > 0 and first == end:
+        raise PartitionError(
+            f"node {node.name!r}: pinned layers [{first}, {end}) are empty; "
+            f"a worker needs at least one block")
+    return first, end
+
+
+def _assign_layers(n_layers: int, nodes: Sequence[NodeShare],
+                   overhead: Fraction) -> List[Tuple[int, int]]:
+    """Block range of every node: pinned ranges as given, the gaps between them split over the
+    unpinned nodes in each gap by weight."""
+    weights = [_check_weight(f"node {node.name!r}", node.weight) for node in nodes]
+    pins = [_pinned_range(node, i, n_layers) for i, node in enumerate(nodes)]
+    previous: Optional[int] = None
+    for i, pin in enumerate(pins):
+        if pin is None:
+            continue
+        if previous is not None:
+            before = pins[previous]
+            assert before is not None
+            if pin[0] < before[1]:
+                raise PartitionError(
+                    f"node {nodes[i].name!r} pins layers [{pin[0]}, {pin[1]}) which overlap or "
+                    f"precede node {nodes[previous].name!r}'s pinned [{before[0]}, {before[1]}); "
+                    f"pinned ranges must be disjoint and in ring order")
+        previous = i
+
+    result: List[Optional[Tuple[int, int]]] = list(pins)
+    group: List[int] = []  # consecutive unpinned nodes since the last pin
+    gap_start, after = 0, None  # after: index of the pinned node the gap follows
+    for i in range(len(nodes) + 1):
+        pin = pins[i] if i < len(nodes) else (n_layers, n_layers)
+        if i < len(nodes) and pin is None:
+            group.append(i)
+            continue
+        assert pin is not None
+        gap_end = pin[0]
+        assert gap_start <= gap_end  # pins were checked to be in order and within range
+        where = _gap_name(nodes, after, i if i < len(nodes) else None, gap_start, gap_end)
+        if not group and gap_end > gap_start:
+            raise PartitionError(f"{where} have no node to take them; pin them to a node or "
+                                 f"leave an unpinned node there")
+        if group:
+            starter_first = group[0] == 0
+            counts = _split_counts(gap_end - gap_start, [weights[j] for j in group],
+                                   overhead if starter_first else Fraction(0), starter_first,
+                                   [nodes[j].name for j in group], where)
+            for j, layers in zip(group, _ranges(gap_start, counts)):
+                result[j] = layers
+        group, gap_start, after = [], pin[1], i
+    return [layers for layers in result if layers is not None]
+
+
+def _gap_name(nodes: Sequence[NodeShare], after: Optional[int], before: Optional[int],
+              first: int, end: int) -> str:
+    text = f"blocks [{first}, {end})"
+    if after is not None:
+        text += f" after node {nodes[after].name!r}"
+    if before is not None:
+        text += f"{' and' if after is not None else ''} before node {nodes[before].name!r}"
+    elif after is not None:
+        text += " at the end of the ring"
+    return text
+
+
+def partition(cfg: ModelConfig, nodes: Sequence[NodeShare], n_samples: int, context: int,
+              itemsize: int = 4, starter_overhead: float = 2.0) -> List[Placement]:
+    """Place ``cfg``'s blocks on ``nodes`` (ring order, node 0 the starter) and check memory.
+
+    Pinned nodes keep their ``layers``; the blocks between pins go to the unpinned nodes
+    there by weight (see :func:`split_layers`). Each placement's memory is its weights
+    (blocks, plus embedding and head on the starter) and a KV cache of ``n_samples`` x
+    ``context`` tokens, at ``itemsize`` bytes per value. A node declaring less ``memory``
+    than it needs fails the whole partition with PartitionError, before anything is loaded.
+    """
+    if len(nodes) == 0:
+        raise PartitionError("cannot partition a model over an empty list of nodes")
+    for key, value, low in (("n_samples", n_samples, 0), ("context", context, 0),
+                            ("itemsize", itemsize, 1)):
+        if not _is_int(value) or value < low:
+            raise PartitionError(f"{key} must be an integer >= {low}, got {value!r}")
+    overhead = _check_overhead(starter_overhead)
+    for node in nodes:
+        if node.memory is not None and (not _is_int(node.memory) or node.memory < 0):
+            raise PartitionError(
+                f"node {node.name!r}: memory must be a non-negative number of bytes, "
+                f"got {node.memory!r}")
+    ranges = _assign_layers(cfg.n_layers, nodes, overhead)
+
+    kv_per_block = n_samples * context * cfg.kv_bytes_per_token_per_layer(itemsize)
+    placements: List[Placement] = []
+    for i, (node, layers) in enumerate(zip(nodes, ranges)):
+        blocks = layers[1] - layers[0]
+        params = blocks * cfg.block_params()
+        if i == 0:
+            params += cfg.embedding_params() + cfg.head_params()
+        placements.append(Placement(node.name, layers, itemsize * params, blocks * kv_per_block))
+
+    refused = [_memory_message(p, node.memory, n_samples, context)
+               for p, node in zip(placements, nodes)
+               if node.memory is not None and p.total_bytes > node.memory]
+    if refused:
+        raise PartitionError("; ".join(refused))
+    return placements
+
+
+def _memory_message(p: Placement, memory: int, n_samples: int, context: int) -> str:
+    return (f"node {p.name!r} needs {format_bytes(p.total_bytes)} "
+            f"(weights {format_bytes(p.weight_bytes)} + KV {format_bytes(p.kv_bytes)} for "
+            f"{_plural(n_samples, 'sample')} x {_plural(context, 'token')}) "
+            f"but declares memory {format_bytes(memory)}")

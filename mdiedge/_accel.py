@@ -10,7 +10,7 @@ import os
 from types import ModuleType
 from typing import List, Optional
 
-TWINNED = ("slots", "framing")
+TWINNED = ("slots", "framing", "moe")
 
 
 def extensions_disabled() -> bool:

@@ -47,7 +47,6 @@ FLAG_PREFILL = 0x01
 # dtype code -> bytes per element: float32, float16, bfloat16, int64, int32, uint8
 ITEMSIZE: Dict[int, int] = {0: 4, 1: 2, 2: 2, 3: 8, 4: 4, 5: 1}
 
-U16_MAX = 2 ** 16 - 1
 U32_MAX = 2 ** 32 - 1
 
 _FIXED = struct.Struct("<4sBBBBHHI4IIQ")  # everything before the crc: 44 bytes
@@ -131,7 +130,8 @@ def pack_header(msg_type: int, flags: int, dtype: int, sample_ids: Sequence[int]
     ndim = len(dims)
     payload_len = _payload_len(ndim, dims, ITEMSIZE[dtype])
     if payload_len >= 2 ** 64:
-        raise FrameError(f"payload_len {payload_len} of shape {tuple(dims)} does not fit in 64 bits")
+        raise FrameError(f"payload_len {payload_len} of shape {tuple(dims)} "
+                         f"does not fit in 64 bits")
     dims += [0] * (MAX_NDIM - ndim)
     fixed = _FIXED.pack(MAGIC, VERSION, msg_type, flags, dtype, len(ids), ndim, n_tokens,
                         *dims, seq, payload_len)

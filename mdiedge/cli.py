@@ -111,7 +111,8 @@ def generate(
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     with ExitStack() as stack:
         _terminate_gracefully()
-        engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring)
+        engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring,
+                              lambda e: e.new_generation(prompt, max_new_tokens, samples, params, None))
         _generate_with(engine, prompt, max_new_tokens, samples, params, micro_batch, as_json,
                        nodes if ring is None else len(engine.workers) + 1)
 
@@ -127,7 +128,9 @@ def _terminate_gracefully() -> None:
 
 
 def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], device: str,
-                 dtype: str, nodes: int, ring: Optional[str]) -> Any:
+                 dtype: str, nodes: int, ring: Optional[str], check: Callable[[Any], Any]) -> Any:
+    """The engine for ``--nodes``/``--ring``; ``check`` validates the request before any node
+    process is started."""
     if ring is not None:
         from pathlib import Path
 
@@ -138,13 +141,16 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
         device = options.pop("device", device)
         engine = RingEngine(workers, model, tokenizer, device=device, dtype=dtype, **options)
         stack.callback(engine.close)
+        check(engine)
         return engine
     if nodes < 1:
         raise typer.BadParameter(f"--nodes must be >= 1, got {nodes}")
     if nodes == 1:
         from .engine import LocalEngine
 
-        return LocalEngine(model, tokenizer, device=device, dtype=dtype)
+        local = LocalEngine(model, tokenizer, device=device, dtype=dtype)
+        check(local)
+        return local
     import torch
 
     from .local import LocalRing, threads_per_node
@@ -152,9 +158,10 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
 
     threads = threads_per_node(nodes)
     torch.set_num_threads(threads)
-    workers = stack.enter_context(LocalRing(nodes - 1, threads=threads))
-    engine = RingEngine(workers, model, tokenizer, device=device, dtype=dtype)
+    engine = RingEngine([], model, tokenizer, device=device, dtype=dtype)
+    check(engine)
     stack.callback(engine.close)
+    engine.workers = stack.enter_context(LocalRing(nodes - 1, threads=threads))
     return engine
 
 

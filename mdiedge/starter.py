@@ -79,8 +79,6 @@ class RingEngine(Engine):
                  starter_layers: Optional[Tuple[int, int]] = None,
                  max_payload: int = DEFAULT_MAX_PAYLOAD, timeout_s: float = 60.0,
                  share_path: bool = True) -> None:
-        if not workers:
-            raise RingError("a ring needs at least one worker (use the local engine for one node)")
         self.path = resolve_model_path(model)
         self.cfg = load_config(self.path)
         self.tokenizer = load_tokenizer(self.path, tokenizer)
@@ -108,6 +106,8 @@ class RingEngine(Engine):
     def setup(self, n_slots: int, context: int) -> None:
         """Partition, load the starter's chunk, assign every worker, connect the ring. A ring
         already set up for at least ``n_slots`` x ``context`` is reused as it is."""
+        if not self.workers:
+            raise RingError("a ring needs at least one worker (use the local engine for one node)")
         have_slots, have_context, _ = self.layout
         if self.out_sock is not None and have_slots >= n_slots and have_context >= context:
             return

@@ -37,14 +37,15 @@ def test_generate_json(stories: Path) -> None:
 
 
 def test_generate_streams_text(stories: Path) -> None:
-    out = mdiedge("generate", "Once upon", "-n", "15", "--temperature", "0", *stories_args(stories))
+    out = mdiedge("generate", "Once upon", "-n", "15", "--temperature", "0", "--nodes", "1",
+                  *stories_args(stories))
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("Once upon a time")
     assert "tok/s" in out.stderr
 
 
 def test_several_samples(stories: Path) -> None:
-    out = mdiedge("generate", "Once", "-n", "10", "--samples", "3", "--seed", "1",
+    out = mdiedge("generate", "Once", "-n", "10", "--samples", "3", "--seed", "1", "--nodes", "2",
                   *stories_args(stories))
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("--- sample") == 3

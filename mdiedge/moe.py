@@ -1,0 +1,96 @@
+"""Sparse mixture-of-experts feed-forward, as in Mixtral (Jiang et al. 2024).
+
+Each token's router logits go through a softmax in fp32; the top ``k`` experts are kept and
+their probabilities renormalised to sum to one (exactly as transformers' Mixtral does). The
+(token, expert) assignments are then grouped by expert ("group by expert" dispatch, as in
+Switch Transformers, Fedus et al. 2022, and MegaBlocks, Gale et al. 2023, without their
+capacity limit or padding): every expert that received tokens runs ONE batched SwiGLU call on
+exactly its tokens, and the weighted outputs are scattered back with ``index_add_``. Experts
+that received no token cost nothing.
+
+The grouping is a counting sort. On the CPU it runs in the selected routing module
+(``mdiedge._cmoe``, compiled, or its pure-Python twin ``mdiedge._pymoe``, see ``_accel``); on
+CUDA, and whenever the routing weights need gradients, it runs as torch ops on the tensors'
+own device (a stable argsort of the expert ids and a bincount), and only the ``E + 1`` group
+offsets come to the host to size the per-expert batches.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from ._accel import select
+from .config import ModelConfig
+from .model import MLP
+
+Routing = Union[ModuleType, str]  # a module with ``group_by_expert``, or "torch"
+
+
+class MoE(nn.Module):
+    """Mixtral's sparse MoE block; parameters ``router.weight`` and ``experts.{e}.gate/up/down``.
+
+    ``routing``: the grouping implementation for CPU tensors, a module with
+    ``group_by_expert`` (default: ``_accel.select("moe")``) or ``"torch"`` for the on-device
+    torch ops that CUDA always uses. ``expert_counts`` (CPU int64, ``(n_experts,)``) counts the
+    tokens routed to each expert since the last :meth:`reset_stats`.
+    """
+
+    def __init__(self, cfg: ModelConfig, routing: Optional[Routing] = None) -> None:
+        super().__init__()
+        if not cfg.is_moe:
+            raise ValueError("MoE needs a config with n_experts > 0")
+        self.n_experts, self.top_k = cfg.n_experts, cfg.experts_per_token
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg.dim, cfg.intermediate_size)
+                                     for _ in range(cfg.n_experts))
+        self.routing: Routing = select("moe") if routing is None else routing
+        self.expert_counts = torch.zeros(cfg.n_experts, dtype=torch.int64)  # not a buffer
+
+    def reset_stats(self) -> None:
+        self.expert_counts.zero_()
+
+    def route(self, x_flat: Tensor) -> Tuple[Tensor, Tensor]:
+        """x_flat (N, dim) -> expert ids (N, k) int64 and their weights (N, k) fp32, which sum
+        to one per token."""
+        logits = self.router(x_flat)  # (N, E)
+        probs = torch.softmax(logits.float(), dim=-1)  # (N, E) fp32
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (N, k) each
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights
+
+    def group(self, experts: Tensor, weights: Tensor) -> Tuple[List[int], Tensor, Tensor]:
+        """Counting sort of the assignments by expert: ``(offsets, token_idx, weights)`` with
+        expert ``e``'s token rows ``token_idx[offsets[e]:offsets[e + 1]]``, ascending."""
+        on_device = (experts.device.type != "cpu" or self.routing == "torch"
+                     or (weights.requires_grad and torch.is_grad_enabled()))
+        if on_device:
+            flat = experts.reshape(-1)  # (N*k,) assignment a = token * k + j
+            order = torch.sort(flat, stable=True)[1]  # (N*k,) grouped by expert, stable
+            counts = torch.bincount(flat, minlength=self.n_experts)  # (E,) ids come from topk
+            offsets = [0] + torch.cumsum(counts, 0).tolist()  # the one device -> host copy
+            return offsets, order // self.top_k, weights.reshape(-1)[order]
+        assert not isinstance(self.routing, str)
+        off, token_idx, grouped_w = self.routing.group_by_expert(
+            experts.numpy(), weights.detach().numpy(), self.n_experts)
+        return off.tolist(), torch.from_numpy(token_idx), torch.from_numpy(grouped_w)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, seq_len, dim = x.shape
+        x_flat = x.reshape(batch * seq_len, dim)  # (N, dim)
+        experts, weights = self.route(x_flat)  # (N, k), (N, k)
+        offsets, token_idx, grouped_w = self.group(experts, weights)  # (E+1,), (N*k,), (N*k,)
+        grouped_w = grouped_w.to(x.dtype)
+        counts = [offsets[e + 1] - offsets[e] for e in range(self.n_experts)]
+        self.expert_counts += torch.tensor(counts, dtype=torch.int64)
+        out = torch.zeros_like(x_flat)  # (N, dim)
+        for e, expert in enumerate(self.experts):
+            start, end = offsets[e], offsets[e + 1]
+            if start == end:
+                continue
+            rows = token_idx[start:end]  # (n_e,) token rows of expert e
+            y = expert(x_flat.index_select(0, rows))  # (n_e, dim): one batched call
+            out.index_add_(0, rows, y * grouped_w[start:end, None])
+        return out.view(batch, seq_len, dim)

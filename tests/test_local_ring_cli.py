@@ -1,0 +1,81 @@
+"""``mdiedge generate`` on a local ring: every node process is gone afterwards, however the
+command ends, and a rerun right away works (free ports, nothing fixed)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from test_ring import workers_of
+
+
+def command(stories: Path, *extra: str) -> List[str]:
+    return [sys.executable, "-m", "mdiedge", "generate", "Once upon", "--model",
+            str(stories / "stories260K.bin"), "--tokenizer", str(stories / "tok512.model"), *extra]
+
+
+def wait_gone(pids: List[int], seconds: float = 10) -> List[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        pids = [p for p in pids if Path(f"/proc/{p}").exists() and not _zombie(p)]
+        if not pids:
+            return []
+        time.sleep(0.1)
+    return pids
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return False
+
+
+def test_two_runs_back_to_back_leave_no_process(stories: Path) -> None:
+    for _ in range(2):
+        proc = subprocess.Popen(command(stories, "-n", "40", "--nodes", "3", "--json"),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.5)
+        children = workers_of(proc.pid)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        result = json.loads(out)
+        assert result["nodes"] == 3 and len(result["samples"][0]["token_ids"]) == 40
+        assert wait_gone(children) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupted_run_leaves_no_process(stories: Path, signum: int) -> None:
+    proc = subprocess.Popen(command(stories, "-n", "480", "--nodes", "3", "--samples", "4",
+                                    "--micro-batch", "1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(workers_of(proc.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    children = workers_of(proc.pid)
+    assert len(children) == 2
+    time.sleep(1.0)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0
+    assert "Traceback" not in err
+    assert wait_gone(children) == []
+
+
+def test_killed_starter_takes_its_workers_with_it(stories: Path) -> None:
+    proc = subprocess.Popen(command(stories, "-n", "480", "--nodes", "3", "--samples", "4"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while len(workers_of(proc.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    children = workers_of(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert wait_gone(children) == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from typing import Any, Callable, Optional, TypeVar
 
@@ -250,7 +251,22 @@ def worker(
     typer.echo(json.dumps({"event": "ready", "name": name, "control_port": node.control.port,
                            "data_port": node.data_port, "pid": os.getpid()}))
     sys.stdout.flush()
-    node.serve_forever()
+    _serve_under_systemd(node.stopped, f"{name} listening on {host}:{node.control.port}")
+    node.close()
+
+
+def _serve_under_systemd(stopped: Any, status: str) -> None:
+    """READY=1 now (the node listens and holds what it was configured to load), WATCHDOG=1
+    pings while it runs, STOPPING=1 once a stop is requested; returns then."""
+    from .sdnotify import Watchdog, notify, watchdog_interval
+
+    notify(f"READY=1\nSTATUS={status}\nMAINPID={os.getpid()}")
+    interval = watchdog_interval()
+    if interval is not None:
+        Watchdog(interval, stopped).start()
+    while not stopped.wait(0.5):  # a timed wait lets signal handlers run
+        pass
+    notify("STOPPING=1")
 
 
 @app.command()

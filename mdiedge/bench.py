@@ -65,8 +65,9 @@ def run_config(model: Path, nodes: int, samples: int, new_tokens: int, context: 
 
     threads = threads_per_node(nodes)
     torch.set_num_threads(threads)
-    with LocalRing(nodes - 1, threads=threads) as workers:
-        engine = RingEngine(workers, model)
+    local = LocalRing(nodes - 1, threads=threads)
+    with local as workers:
+        engine = RingEngine(workers, model, secret=local.secret)
         try:
             engine.setup(samples, context)
             payload = torch.randn(1, 1, engine.cfg.dim)

@@ -159,10 +159,11 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
 
     threads = threads_per_node(nodes)
     torch.set_num_threads(threads)
-    engine = RingEngine([], model, tokenizer, device=device, dtype=dtype)
+    local_ring = LocalRing(nodes - 1, threads=threads)
+    engine = RingEngine([], model, tokenizer, device=device, dtype=dtype, secret=local_ring.secret)
     check(engine)
     stack.callback(engine.close)
-    engine.workers = stack.enter_context(LocalRing(nodes - 1, threads=threads))
+    engine.workers = stack.enter_context(local_ring)
     return engine
 
 
@@ -219,6 +220,9 @@ def worker(
     cache_dir: Optional[str] = typer.Option(None, help="Where received weights are cached."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
     parent_pid: int = typer.Option(0, help="Exit when this process is gone (local rings)."),
+    insecure: bool = typer.Option(False, help="Allow a non-loopback address without a secret."),
+    idle_timeout: float = typer.Option(60.0, help="Seconds of starter silence before the "
+                                       "worker frees its slots and returns to idle."),
 ) -> None:
     """Run a worker node: it waits for a starter to assign it layers."""
     import logging
@@ -236,8 +240,9 @@ def worker(
                         format=f"%(asctime)s {name} %(levelname)s %(message)s")
     if threads > 0:
         torch.set_num_threads(threads)
-    node = WorkerNode(host, control_port, data_port,
-                      Path(cache_dir) if cache_dir else None, name=name).start()
+    node = WorkerNode(host, control_port, data_port, Path(cache_dir) if cache_dir else None,
+                      name=name, secret=_env_secret(), insecure=insecure,
+                      idle_timeout_s=idle_timeout).start()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: node.stopped.set())
     if parent_pid:
@@ -253,6 +258,11 @@ def worker(
     sys.stdout.flush()
     _serve_under_systemd(node.stopped, f"{name} listening on {host}:{node.control.port}")
     node.close()
+
+
+def _env_secret() -> Optional[bytes]:
+    value = os.environ.get("MDIEDGE_SECRET")
+    return value.encode() if value else None
 
 
 def _serve_under_systemd(stopped: Any, status: str) -> None:

@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
 
+from .auth import Authenticator
 from .errors import MdiedgeError, RingError
 
 log = logging.getLogger("mdiedge.control")
@@ -33,8 +34,10 @@ class ControlServer:
     ``raw_routes`` name the paths whose body is bytes (weights) and their size limit."""
 
     def __init__(self, host: str, port: int, routes: Dict[Tuple[str, str], Handler],
-                 raw_routes: Optional[Dict[str, Callable[[], int]]] = None) -> None:
+                 raw_routes: Optional[Dict[str, Callable[[], int]]] = None,
+                 auth: Optional[Authenticator] = None) -> None:
         self.routes, self.raw_routes = routes, raw_routes or {}
+        self.auth = auth or Authenticator(None)
         server = self
 
         class _Handler(BaseHTTPRequestHandler):
@@ -69,6 +72,12 @@ class ControlServer:
                     self._reply(413, {"error": f"body of {length} bytes exceeds the limit of {limit}"})
                     return
                 raw = self.rfile.read(length) if length else b""
+                refused = server.auth.check(method, self.path, raw, self.headers)
+                if refused is not None:
+                    log.warning("refused %s %s from %s: %s", method, url.path,
+                                self.client_address[0], refused)
+                    self._reply(401, {"error": refused})
+                    return
                 body: Dict[str, Any] = {}
                 if url.path not in server.raw_routes and raw:
                     try:
@@ -118,10 +127,14 @@ class ControlServer:
 
 
 def call(base_url: str, method: str, path: str, body: Optional[Dict[str, Any]] = None,
-         raw: Optional[bytes] = None, timeout: float = 30.0, node: str = "") -> Dict[str, Any]:
-    """One control request; a failure is a RingError naming the node and the reason."""
+         raw: Optional[bytes] = None, timeout: float = 30.0, node: str = "",
+         auth: Optional[Authenticator] = None) -> Dict[str, Any]:
+    """One signed control request; a failure is a RingError naming the node and the reason."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     request = urllib.request.Request(base_url + path, data=data, method=method)
+    if auth is not None:
+        for name, value in auth.sign(method, path, data or b"").items():
+            request.add_header(name, value)
     request.add_header("Content-Type", "application/octet-stream" if raw is not None
                        else "application/json")
     who = f"{node} ({base_url})" if node else base_url

@@ -45,6 +45,7 @@ class LocalRing:
         self.cache_dir = cache_dir
         self.processes: List[subprocess.Popen] = []
         self.workers: List[WorkerAddress] = []
+        self.secret = os.urandom(32).hex().encode()  # this ring's own; passed in the environment
 
     def __enter__(self) -> List[WorkerAddress]:
         try:
@@ -65,8 +66,10 @@ class LocalRing:
         if self.cache_dir:
             cmd += ["--cache-dir", self.cache_dir]
         preexec = _die_with_parent if sys.platform.startswith("linux") else None
+        env = dict(os.environ, MDIEDGE_SECRET=self.secret.decode())
+        env.pop("MDIEDGE_SECRET_FILE", None)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                preexec_fn=preexec)
+                                preexec_fn=preexec, env=env)
         self.processes.append(proc)
         line = self._ready_line(proc, name)
         try:

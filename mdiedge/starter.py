@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
 import socket
 import time
@@ -22,6 +23,7 @@ import torch
 from . import framing
 from ._accel import select
 from .checkpoint import chunk_safetensors, content_hash, load_config, load_model, resolve_model_path
+from .auth import Authenticator
 from .config import config_to_hf
 from .control import call
 from .engine import Engine, GenerationOutput, parse_device, parse_dtype
@@ -78,7 +80,7 @@ class RingEngine(Engine):
                  starter_memory: Optional[int] = None,
                  starter_layers: Optional[Tuple[int, int]] = None,
                  max_payload: int = DEFAULT_MAX_PAYLOAD, timeout_s: float = 60.0,
-                 share_path: bool = True) -> None:
+                 share_path: bool = True, secret: Optional[bytes] = None) -> None:
         self.path = resolve_model_path(model)
         self.cfg = load_config(self.path)
         self.tokenizer = load_tokenizer(self.path, tokenizer)
@@ -86,6 +88,8 @@ class RingEngine(Engine):
         self.device, self.dtype = str(parse_device(device)), dtype
         self.host, self.max_payload, self.timeout_s = host, max_payload, timeout_s
         self.share_path = share_path  # tell workers where the model lies (same filesystem)
+        self.auth = Authenticator(secret)
+        self.session = os.urandom(8).hex()  # workers serve one starter session at a time
         self.starter_share = NodeShare("starter", starter_weight, starter_memory, starter_layers)
         self.hash = content_hash(self.path)
         self.model: Any = None
@@ -113,7 +117,7 @@ class RingEngine(Engine):
             return
         self.close_links()
         for worker in self.workers:  # end any ring these workers still serve for us
-            call(worker.url, "POST", "/reset", {}, timeout=10, node=worker.name)
+            self._call(worker, "POST", "/reset", {}, timeout=10)
         shares = [self.starter_share] + [NodeShare(w.name, w.weight, w.memory, w.layers)
                                          for w in self.workers]
         itemsize = torch.empty(0, dtype=parse_dtype(self.dtype)).element_size()
@@ -139,11 +143,11 @@ class RingEngine(Engine):
                 "layers": list(layers), "n_slots": n_slots, "context": context,
                 "dtype": self.dtype, "device": worker.device, "last": last,
                 "max_payload": self.max_payload}
-        reply = call(worker.url, "POST", "/assign", body, timeout=600, node=worker.name)
+        reply = self._call(worker, "POST", "/assign", body, timeout=600)
         if reply.get("need_weights"):
             log.info("sending layers %s to %s", layers, worker.name)
-            reply = call(worker.url, "PUT", f"/weights?hash={self.hash}",
-                         raw=chunk_safetensors(self.path, layers), timeout=600, node=worker.name)
+            reply = self._call(worker, "PUT", f"/weights?hash={self.hash}&session={self.session}",
+                               raw=chunk_safetensors(self.path, layers), timeout=600)
         worker.data_port = int(reply["data_port"])
 
     def _connect(self) -> None:
@@ -152,12 +156,13 @@ class RingEngine(Engine):
         successors = [(w.host, w.data_port) for w in self.workers[1:]]
         successors.append((self.host, int(self.listener.getsockname()[1])))
         for worker, (host, port) in zip(self.workers, successors):
-            call(worker.url, "POST", "/connect", {"next_host": host, "next_port": port},
-                 node=worker.name)
-        first = self.workers[0]
+            self._call(worker, "POST", "/connect", {"next_host": host, "next_port": port})
+        first, last = self.workers[0], self.workers[-1]
         try:
             self.out_sock = tcp_connect(first.host, first.data_port)
+            self.auth.connect_link(self.out_sock, f"{first.name} ({first.host}:{first.data_port})")
             self.in_sock = accept(self.listener, 30.0)
+            self.auth.accept_link(self.in_sock, f"{last.name} ({last.host})")
         except OSError as e:
             raise RingError(f"cannot close the ring: {e}") from None
         self.inbox = queue.Queue()
@@ -179,10 +184,17 @@ class RingEngine(Engine):
         self.close_links()
         for worker in self.workers:
             try:
-                call(worker.url, "POST", "/reset", {}, timeout=2, node=worker.name)
+                self._call(worker, "POST", "/reset", {"release": True}, timeout=2)
             except RingError:
                 pass
         close_quietly(self.listener)
+
+    def _call(self, worker: WorkerAddress, method: str, path: str,
+              body: Optional[Dict[str, Any]] = None, raw: Optional[bytes] = None,
+              timeout: float = 30.0) -> Dict[str, Any]:
+        if body is not None:
+            body = dict(body, session=self.session)
+        return call(worker.url, method, path, body, raw, timeout, worker.name, self.auth)
 
     # ----------------------------------------------------------------- generation
 
@@ -306,7 +318,7 @@ class RingEngine(Engine):
         """Name the node that broke the ring: the first worker whose control plane is gone."""
         for worker in self.workers:
             try:
-                call(worker.url, "GET", "/status", timeout=2, node=worker.name)
+                self._call(worker, "GET", "/status", timeout=2)
             except RingError as e:
                 return RingError(f"worker {worker.name!r} at {worker.host}:{worker.control_port} "
                                  f"is down ({e}); ring link: {reason}")
@@ -316,7 +328,7 @@ class RingEngine(Engine):
         out: List[Dict[str, Any]] = []
         for worker in self.workers:
             try:
-                out.append(call(worker.url, "GET", "/status", timeout=5, node=worker.name))
+                out.append(self._call(worker, "GET", "/status", timeout=5))
             except RingError as e:
                 out.append({"name": worker.name, "state": "down", "error": str(e)})
         return out

@@ -19,12 +19,14 @@ import torch
 
 from . import framing
 from ._accel import select
+from .auth import AuthError, Authenticator, is_loopback
 from .checkpoint import content_hash, load_model
 from .config import config_from_hf
 from .control import Conflict, ControlServer
 from .engine import parse_device, parse_dtype
-from .errors import MdiedgeError, RingError
-from .transport import DEFAULT_MAX_PAYLOAD, LinkDown, Receiver, Sender, accept, close_quietly, tcp_connect, tcp_listen
+from .errors import ConfigError, MdiedgeError, RingError
+from .transport import (DEFAULT_MAX_PAYLOAD, LinkDown, Receiver, Sender, accept, close_quietly,
+                        tcp_connect, tcp_listen)
 
 log = logging.getLogger("mdiedge.worker")
 
@@ -38,8 +40,17 @@ def default_cache_dir() -> Path:
 
 class WorkerNode:
     def __init__(self, host: str = "127.0.0.1", control_port: int = 0, data_port: int = 0,
-                 cache_dir: Optional[Path] = None, name: str = "worker") -> None:
+                 cache_dir: Optional[Path] = None, name: str = "worker",
+                 secret: Optional[bytes] = None, insecure: bool = False,
+                 idle_timeout_s: float = 60.0) -> None:
+        if secret is None and not insecure and not is_loopback(host):
+            raise ConfigError(f"refusing to listen on {host} without a ring secret "
+                              f"(set one, or pass --insecure on a trusted network)")
         self.name = name
+        self.auth = Authenticator(secret)
+        self.idle_timeout_s = idle_timeout_s
+        self.owner = ""  # session of the starter this worker serves; "" when free
+        self.owner_seen = 0.0
         self.cache_dir = cache_dir or default_cache_dir()
         self.state = "idle"
         self.started = time.time()
@@ -60,7 +71,7 @@ class WorkerNode:
             ("POST", "/connect"): self.connect,
             ("POST", "/reset"): self.reset,
             ("POST", "/shutdown"): self.shutdown,
-        }, raw_routes={"/weights": self._weights_limit})
+        }, raw_routes={"/weights": self._weights_limit}, auth=self.auth)
 
     @property
     def data_port(self) -> int:
@@ -68,7 +79,28 @@ class WorkerNode:
 
     def start(self) -> "WorkerNode":
         self.control.start()
+        threading.Thread(target=self._expire_owner, name="lease", daemon=True).start()
         return self
+
+    def _claim(self, session: str) -> None:
+        """Serve only one starter at a time: another is refused while the owner's lease holds
+        (the ring is up, or the owner spoke within ``idle_timeout_s``)."""
+        now = time.time()
+        if self.owner and self.owner != session and (
+                self.state in ("busy", "loading") or now - self.owner_seen < self.idle_timeout_s):
+            raise Conflict(f"{self.name} is serving another starter; try again when it is done")
+        self.owner, self.owner_seen = session, now
+
+    def _expire_owner(self) -> None:
+        """Free the slots and return to idle when the owning starter has gone away."""
+        while not self.stopped.wait(1.0):
+            with self.lock:
+                if self.owner and self.state != "busy" and \
+                        time.time() - self.owner_seen > self.idle_timeout_s:
+                    log.info("%s: starter silent for %.0f s; back to idle", self.name,
+                             self.idle_timeout_s)
+                    self.owner = ""
+                    self._end_ring()
 
     def serve_forever(self) -> None:
         self.stopped.wait()
@@ -101,6 +133,7 @@ class WorkerNode:
         """Take a layer range; load it (or ask for weights with ``need_weights``)."""
         request = _parse_assignment(body)
         with self.lock:
+            self._claim(str(body.get("session", "")))
             if self.state == "busy":
                 raise Conflict(f"{self.name} is serving a ring already")
             same = {k: self.assignment.get(k) for k in ("hash", "layers", "dtype", "device")} == \
@@ -127,6 +160,7 @@ class WorkerNode:
     def receive_weights(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
         """The starter's safetensors of exactly the pending range: cache them, then load."""
         with self.lock:
+            self._claim(query.get("session", ""))
             request = self.pending
             if request is None or query.get("hash") != request["hash"]:
                 raise Conflict("no pending assignment for these weights")
@@ -153,6 +187,7 @@ class WorkerNode:
         """Open the link to the next node, wait for the previous one, start the threads."""
         host, port = str(body["next_host"]), int(body["next_port"])
         with self.lock:
+            self._claim(str(body.get("session", "")))
             if self.model is None:
                 raise Conflict(f"{self.name} has no layers assigned")
             if self.state == "busy":
@@ -171,6 +206,9 @@ class WorkerNode:
 
     def reset(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
         with self.lock:
+            self._claim(str(body.get("session", "")))
+            if body.get("release"):  # the starter is done with this worker
+                self.owner = ""
             self.ring_id += 1
             self._end_ring()
         return {"state": self.state}
@@ -219,7 +257,7 @@ class WorkerNode:
         self._drop_links()
         if self.slots is not None:
             self.slots.clear()
-        self.state = "ready" if self.model is not None else "idle"
+        self.state = "ready" if self.owner and self.model is not None else "idle"
 
     def _drop_links(self) -> None:
         for sock in self.links:
@@ -227,9 +265,11 @@ class WorkerNode:
         self.links = (None, None)
 
     def _serve_ring(self, out_sock: Any, ring_id: int) -> None:
-        try:
-            in_sock = accept(self.listener, ACCEPT_TIMEOUT_S)
-        except OSError as e:
+        try:  # inbound first, then outbound: the starter does the opposite, so no cycle waits
+            in_sock = self._accept_authenticated()
+            self.auth.connect_link(out_sock, "next node %s:%s" % out_sock.getpeername()[:2],
+                                   timeout=ACCEPT_TIMEOUT_S)
+        except (AuthError, OSError) as e:
             log.warning("%s: no previous node connected: %s", self.name, e)
             close_quietly(out_sock)
             with self.lock:
@@ -261,6 +301,21 @@ class WorkerNode:
         with self.lock:
             if self.ring_id == ring_id:
                 self._end_ring()
+
+    def _accept_authenticated(self) -> Any:
+        """The previous node's link: connections that fail the handshake are dropped."""
+        deadline = time.monotonic() + ACCEPT_TIMEOUT_S
+        while True:
+            sock = accept(self.listener, max(0.1, deadline - time.monotonic()))
+            peer = "%s:%s" % sock.getpeername()[:2]
+            try:
+                self.auth.accept_link(sock, peer)
+                return sock
+            except (AuthError, OSError) as e:
+                log.warning("%s: %s", self.name, e)
+                close_quietly(sock)
+                if time.monotonic() > deadline:
+                    raise OSError(f"no authenticated previous node: {e}") from None
 
     def _compute_loop(self, inbox: "queue.Queue[Any]", outbox: "queue.Queue[Any]") -> None:
         model, slots = self.model, self.slots

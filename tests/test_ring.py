@@ -53,8 +53,9 @@ def tokens_of(out: Any) -> List[List[int]]:
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n}-nodes")
 def ring(request: Any, ring_model: Path) -> Iterator[RingEngine]:
-    with LocalRing(request.param - 1, threads=1) as workers:
-        engine = RingEngine(workers, ring_model, timeout_s=30)
+    local = LocalRing(request.param - 1, threads=1)
+    with local as workers:
+        engine = RingEngine(workers, ring_model, timeout_s=30, secret=local.secret)
         engine.setup(8, 256)
         yield engine
         engine.close()
@@ -79,8 +80,9 @@ def test_seeded_sampling_equals_single_process(ring: RingEngine, reference: Loca
 def test_stories260k_on_three_nodes(stories: Path) -> None:
     model, tok = stories / "stories260K.bin", stories / "tok512.model"
     want = LocalEngine(model, tok).generate("", 60, 3, SAMPLED)
-    with LocalRing(2) as workers:
-        engine = RingEngine(workers, model, tok)
+    local = LocalRing(2)
+    with local as workers:
+        engine = RingEngine(workers, model, tok, secret=local.secret)
         try:
             got = engine.generate("", 60, 3, SAMPLED, micro_batch=2)
             greedy = engine.generate("", 30, 1, GREEDY)
@@ -93,8 +95,10 @@ def test_stories260k_on_three_nodes(stories: Path) -> None:
 def test_multi_frame_prefill(ring_model: Path, reference: LocalEngine) -> None:
     prompt = "hello ring 1 the quick brown fox jumps hello ring 2 the quick brown fox"
     want = reference.generate(prompt, 16, 2, GREEDY)
-    with LocalRing(2) as workers:
-        engine = RingEngine(workers, ring_model, max_payload=32 * 4 * 3)  # 3 tokens a frame
+    local = LocalRing(2)
+    with local as workers:
+        engine = RingEngine(workers, ring_model, max_payload=32 * 4 * 3,  # 3 tokens a frame
+                            secret=local.secret)
         try:
             assert len(engine.encode_prompt(prompt)) > 9
             got = engine.generate(prompt, 16, 2, GREEDY)
@@ -106,9 +110,10 @@ def test_multi_frame_prefill(ring_model: Path, reference: LocalEngine) -> None:
 def test_weights_are_sent_once_then_cached(ring_model: Path, reference: LocalEngine,
                                           tmp_path: Path) -> None:
     want = tokens_of(reference.generate(PROMPT, 12, 1, GREEDY))
-    with LocalRing(2, cache_dir=str(tmp_path)) as workers:
+    local = LocalRing(2, cache_dir=str(tmp_path))
+    with local as workers:
         for run in range(2):
-            engine = RingEngine(workers, ring_model, share_path=False)
+            engine = RingEngine(workers, ring_model, share_path=False, secret=local.secret)
             try:
                 assert tokens_of(engine.generate(PROMPT, 12, 1, GREEDY)) == want
             finally:
@@ -120,7 +125,7 @@ def test_weights_are_sent_once_then_cached(ring_model: Path, reference: LocalEng
 def test_a_dead_worker_fails_the_run_fast_and_names_it(ring_model: Path) -> None:
     local = LocalRing(2)
     with local as workers:
-        engine = RingEngine(workers, ring_model, timeout_s=30)
+        engine = RingEngine(workers, ring_model, timeout_s=30, secret=local.secret)
         errors: List[BaseException] = []
         started = threading.Event()
 

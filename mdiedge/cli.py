@@ -102,6 +102,8 @@ def generate(
     nodes: int = typer.Option(3, help="Nodes of the local ring started for this run (1: one "
                               "process, no ring)."),
     ring: Optional[str] = typer.Option(None, help="Ring file (TOML) of running workers."),
+    starter: Optional[str] = typer.Option(None, help="URL of a running `mdiedge starter` to "
+                                          "generate through."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
     """Generate text from PROMPT, on a ring of nodes (by default a local ring of 3)."""
@@ -110,12 +112,36 @@ def generate(
     from .sampling import SamplingParams
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if starter:
+        _generate_through(starter, prompt, max_new_tokens, samples, params, micro_batch, as_json)
+        return
     with ExitStack() as stack:
         _terminate_gracefully()
         engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring,
                               lambda e: e.new_generation(prompt, max_new_tokens, samples, params, None))
         _generate_with(engine, prompt, max_new_tokens, samples, params, micro_batch, as_json,
                        nodes if ring is None else len(engine.workers) + 1)
+
+
+def _generate_through(url: str, prompt: str, max_new_tokens: int, samples: int, params: Any,
+                      micro_batch: int, as_json: bool) -> None:
+    from .control import call
+
+    body = {"prompt": prompt, "max_new_tokens": max_new_tokens, "samples": samples,
+            "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+            "seed": params.seed, "micro_batch": micro_batch}
+    result = call(url.rstrip("/"), "POST", "/generate", body, timeout=3600, node="starter",
+                  auth=_client_auth())
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    for sample in result["samples"]:
+        if len(result["samples"]) > 1:
+            typer.echo(f"--- sample {sample['index']} ({sample['finish_reason']}) ---")
+        typer.echo(prompt + sample["text"])
+    t = result["timing"]
+    typer.echo(f"[{t['new_tokens']} tokens in {t['total_s']:.2f} s, {t['tokens_per_s']:.1f} tok/s]",
+               err=True)
 
 
 def _terminate_gracefully() -> None:
@@ -310,6 +336,130 @@ def bench(
         typer.echo(json.dumps({"title": title, "results": results}))
     else:
         benchmarks.print_table(results, title)
+
+
+@app.command("starter")
+@one_line_errors
+def starter_command(
+    config: str = typer.Option(..., help="Starter config / ring file (TOML): [starter] and "
+                               "[[workers]]."),
+    control_port: int = typer.Option(7600, help="Port of this starter's control plane."),
+    model: Optional[str] = typer.Option(None, help="Model (default: the shipped NanoLlama)."),
+    tokenizer: Optional[str] = typer.Option(None, help="Tokenizer file, if not the model's own."),
+    log_level: str = typer.Option("info", help="debug, info, warning or error."),
+    insecure: bool = typer.Option(False, help="Allow a non-loopback address without a secret."),
+) -> None:
+    """Run the starter as a long-lived process that owns the ring."""
+    import logging
+    import signal
+    from pathlib import Path
+
+    from .auth import is_loopback
+    from .errors import ConfigError
+    from .ringfile import load_ring
+    from .serve import StarterServer
+    from .starter import RingEngine
+
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s starter %(levelname)s %(message)s")
+    options, workers = load_ring(Path(config))
+    secret = _env_secret()
+    if secret is None and not insecure and not is_loopback(options["host"]):
+        raise ConfigError(f"refusing to listen on {options['host']} without a ring secret "
+                          f"(set one, or pass --insecure on a trusted network)")
+    device = options.pop("device", "cpu")
+    engine = RingEngine(workers, model, tokenizer, device=device, secret=secret, **options)
+    server = StarterServer(engine, options["host"], control_port).start()
+    import threading
+
+    stopped = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopped.set())
+    typer.echo(json.dumps({"event": "ready", "control_port": server.control.port,
+                           "pid": os.getpid()}))
+    sys.stdout.flush()
+    try:
+        _serve_under_systemd(stopped, f"starter listening on {options['host']}:{server.control.port}")
+    finally:
+        server.close()
+
+
+@app.command()
+@one_line_errors
+def status(
+    ring: Optional[str] = typer.Option(None, help="Ring file (TOML) naming the workers."),
+    starter: Optional[str] = typer.Option(None, help="URL of a running `mdiedge starter`."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+) -> None:
+    """Show every node of the ring; exit code 69 when any node is down."""
+    from .control import call
+
+    auth = _client_auth()
+    if starter:
+        try:
+            nodes = call(starter.rstrip("/"), "GET", "/status", timeout=10, node="starter",
+                         auth=auth)["nodes"]
+        except MdiedgeError as e:
+            nodes = [{"role": "starter", "name": "starter", "address": starter, "state": "down",
+                      "error": str(e)}]
+    elif ring:
+        from pathlib import Path
+
+        from .ringfile import load_ring
+
+        _, workers = load_ring(Path(ring))
+        nodes = []
+        for w in workers:
+            try:
+                node = call(w.url, "GET", "/status", timeout=5, node=w.name, auth=auth)
+            except MdiedgeError as e:
+                node = {"role": "worker", "name": w.name, "state": "down", "error": str(e)}
+            node["address"] = f"{w.host}:{w.control_port}"
+            nodes.append(node)
+    else:
+        raise typer.BadParameter("pass --ring FILE or --starter URL")
+    down = [n["name"] for n in nodes if n.get("state") == "down"]
+    if as_json:
+        typer.echo(json.dumps({"nodes": nodes, "down": down}))
+    else:
+        _print_status(nodes)
+    if down:
+        raise typer.Exit(69)
+
+
+def _print_status(nodes: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def mb(n: Any) -> str:
+        return "-" if n is None else f"{n / 2 ** 20:.1f}"
+
+    table = Table(title="mdiedge ring")
+    columns = ("node", "role", "address", "state", "model", "hash", "layers", "device", "RSS MB",
+               "weights MB", "KV MB", "slots", "messages", "tokens", "busy", "rtt ms", "uptime s",
+               "version")
+    for column in columns:
+        table.add_column(column)
+    for n in nodes:
+        layers = n.get("layers")
+        table.add_row(
+            n.get("name", "?"), n.get("role", "?"), n.get("address", "?"), n.get("state", "?"),
+            str(n.get("model") or "-"), (n.get("hash") or "-")[:12],
+            f"{layers[0]}-{layers[1]}" if layers else "-", str(n.get("device") or "-"),
+            mb(n.get("rss_bytes")), mb(n.get("weight_bytes")), mb(n.get("kv_bytes")),
+            str(n.get("slots_in_use", "-")), str(n.get("messages", "-")),
+            str(n.get("tokens", "-")), f"{n['busy_fraction']:.2f}" if "busy_fraction" in n else "-",
+            str(n.get("link_rtt_ms") or "-"), str(n.get("uptime_s", "-")), str(n.get("version", "-")))
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=240)  # a log or a pipe: do not truncate the columns
+    console.print(table)
+
+
+def _client_auth() -> Any:
+    from .auth import Authenticator
+
+    return Authenticator(_env_secret())
 
 
 def main() -> None:

@@ -21,6 +21,11 @@ from .errors import MdiedgeError, RingError
 log = logging.getLogger("mdiedge.control")
 
 MAX_JSON_BODY = 1 << 20
+PUBLIC_PATHS = frozenset({"/ping"})  # answers {"pong": true} and nothing else, for RTTs
+
+
+def _ping(body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
+    return {"pong": True}
 Handler = Callable[[Dict[str, Any], bytes, Dict[str, str]], Dict[str, Any]]
 
 
@@ -36,7 +41,9 @@ class ControlServer:
     def __init__(self, host: str, port: int, routes: Dict[Tuple[str, str], Handler],
                  raw_routes: Optional[Dict[str, Callable[[], int]]] = None,
                  auth: Optional[Authenticator] = None) -> None:
-        self.routes, self.raw_routes = routes, raw_routes or {}
+        self.routes = dict(routes)
+        self.routes[("GET", "/ping")] = _ping
+        self.raw_routes = raw_routes or {}
         self.auth = auth or Authenticator(None)
         server = self
 
@@ -72,7 +79,8 @@ class ControlServer:
                     self._reply(413, {"error": f"body of {length} bytes exceeds the limit of {limit}"})
                     return
                 raw = self.rfile.read(length) if length else b""
-                refused = server.auth.check(method, self.path, raw, self.headers)
+                refused = None if url.path in PUBLIC_PATHS else \
+                    server.auth.check(method, self.path, raw, self.headers)
                 if refused is not None:
                     log.warning("refused %s %s from %s: %s", method, url.path,
                                 self.client_address[0], refused)
@@ -124,6 +132,19 @@ class ControlServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def round_trip_ms(base_url: str, timeout: float = 2.0) -> Optional[float]:
+    """Round-trip time of one unauthenticated ping to a node's control plane, or None."""
+    import time
+
+    t0 = time.perf_counter()
+    try:
+        with urllib.request.urlopen(base_url + "/ping", timeout=timeout) as response:
+            response.read()
+    except (urllib.error.URLError, OSError):
+        return None
+    return round((time.perf_counter() - t0) * 1e3, 3)
 
 
 def call(base_url: str, method: str, path: str, body: Optional[Dict[str, Any]] = None,

@@ -25,7 +25,7 @@ from ._accel import select
 from .checkpoint import chunk_safetensors, content_hash, load_config, load_model, resolve_model_path
 from .auth import Authenticator
 from .config import config_to_hf
-from .control import call
+from .control import call, round_trip_ms
 from .engine import Engine, GenerationOutput, parse_device, parse_dtype
 from .errors import RingError
 from .generation import Generation, Sample, Timing, TokenCallback
@@ -59,6 +59,7 @@ class WorkerAddress:
 @dataclass
 class RingStats:
     messages: int = 0
+    tokens: int = 0
     compute_s: float = 0.0
     wall_s: float = 0.0
     per_node: List[Dict[str, Any]] = field(default_factory=list)
@@ -89,6 +90,8 @@ class RingEngine(Engine):
         self.host, self.max_payload, self.timeout_s = host, max_payload, timeout_s
         self.share_path = share_path  # tell workers where the model lies (same filesystem)
         self.auth = Authenticator(secret)
+        self.control_url: Optional[str] = None  # set when this starter serves a control plane
+        self.started = time.time()
         self.session = os.urandom(8).hex()  # workers serve one starter session at a time
         self.starter_share = NodeShare("starter", starter_weight, starter_memory, starter_layers)
         self.hash = content_hash(self.path)
@@ -103,6 +106,7 @@ class RingEngine(Engine):
         self.sender: Optional[Sender] = None
         self.next_sample_id = 0
         self.seq = 0
+        self.generating = False
         self.stats = RingStats()
 
     # ----------------------------------------------------------------- set-up
@@ -153,10 +157,11 @@ class RingEngine(Engine):
     def _connect(self) -> None:
         """Each worker links to its successor (the last one to this starter), then the starter
         links to the first worker and accepts the last one's link."""
-        successors = [(w.host, w.data_port) for w in self.workers[1:]]
-        successors.append((self.host, int(self.listener.getsockname()[1])))
-        for worker, (host, port) in zip(self.workers, successors):
-            self._call(worker, "POST", "/connect", {"next_host": host, "next_port": port})
+        successors = [(w.host, w.data_port, w.url) for w in self.workers[1:]]
+        successors.append((self.host, int(self.listener.getsockname()[1]), self.control_url))
+        for worker, (host, port, control) in zip(self.workers, successors):
+            self._call(worker, "POST", "/connect",
+                       {"next_host": host, "next_port": port, "next_control": control})
         first, last = self.workers[0], self.workers[-1]
         try:
             self.out_sock = tcp_connect(first.host, first.data_port)
@@ -224,6 +229,8 @@ class RingEngine(Engine):
         prefilled: set = set()
         started = time.perf_counter()
         compute_s = 0.0
+        first_seq = self.seq
+        self.generating = True
         try:
             t0 = time.perf_counter()
             for sample in samples:
@@ -270,9 +277,14 @@ class RingEngine(Engine):
         except BaseException:
             self.close_links()  # a half-finished ring cannot be reused
             raise
+        finally:
+            self.generating = False
         wall = time.perf_counter() - started
-        self.stats.messages += len(samples)
-        self.stats.compute_s, self.stats.wall_s = compute_s, wall
+        sent = self.seq - first_seq
+        self.stats.messages += sent
+        self.stats.tokens += generation.timing.new_tokens
+        self.stats.compute_s += compute_s
+        self.stats.wall_s += wall
         generation.timing.decode_s = wall - generation.timing.prefill_s
         return generation.finish()
 
@@ -324,11 +336,37 @@ class RingEngine(Engine):
                                  f"is down ({e}); ring link: {reason}")
         return RingError(f"the ring broke: {reason}")
 
+    def own_status(self) -> Dict[str, Any]:
+        from . import __version__
+        from .worker import rss_bytes
+
+        model = self.model
+        first = self.workers[0] if self.workers else None
+        return {
+            "role": "starter", "name": "starter", "version": __version__,
+            "address": f"{self.host}:{self.control_url.rsplit(':', 1)[-1]}" if self.control_url
+            else self.host,
+            "state": "busy" if self.generating else ("ready" if self.out_sock else "idle"),
+            "model": self.cfg.name, "hash": self.hash, "device": self.device,
+            "layers": [model.first, model.last] if model is not None else None,
+            "rss_bytes": rss_bytes(),
+            "weight_bytes": model.parameter_bytes() if model is not None else 0,
+            "kv_bytes": model.kv_cache_bytes() if model is not None else 0,
+            "slots_in_use": self.slots.in_use if model is not None else 0,
+            "messages": self.stats.messages, "tokens": self.stats.tokens,
+            "busy_fraction": round(self.stats.compute_s / self.stats.wall_s, 4)
+            if self.stats.wall_s else 0.0,
+            "link_rtt_ms": round_trip_ms(first.url) if first is not None else None,
+            "uptime_s": round(time.time() - self.started, 1), "pid": os.getpid(),
+        }
+
     def node_status(self) -> List[Dict[str, Any]]:
         out: List[Dict[str, Any]] = []
         for worker in self.workers:
             try:
-                out.append(self._call(worker, "GET", "/status", timeout=5))
+                status = self._call(worker, "GET", "/status", timeout=5)
             except RingError as e:
-                out.append({"name": worker.name, "state": "down", "error": str(e)})
+                status = {"role": "worker", "name": worker.name, "state": "down", "error": str(e)}
+            status["address"] = f"{worker.host}:{worker.control_port}"
+            out.append(status)
         return out

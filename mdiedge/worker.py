@@ -22,7 +22,8 @@ from ._accel import select
 from .auth import AuthError, Authenticator, is_loopback
 from .checkpoint import content_hash, load_model
 from .config import config_from_hf
-from .control import Conflict, ControlServer
+from . import __version__
+from .control import Conflict, ControlServer, round_trip_ms
 from .engine import parse_device, parse_dtype
 from .errors import ConfigError, MdiedgeError, RingError
 from .transport import (DEFAULT_MAX_PAYLOAD, LinkDown, Receiver, Sender, accept, close_quietly,
@@ -115,8 +116,11 @@ class WorkerNode:
 
     def status(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
         wall = time.time() - self.stats["connected_at"] if self.stats["connected_at"] else 0.0
+        next_node = self.assignment.get("next_control")
         return {
-            "role": "worker", "name": self.name, "state": self.state,
+            "role": "worker", "name": self.name, "state": self.state, "version": __version__,
+            "rss_bytes": rss_bytes(),
+            "link_rtt_ms": round_trip_ms(next_node) if next_node and self.state == "busy" else None,
             "layers": self.assignment.get("layers"), "model": self.assignment.get("model_name"),
             "hash": self.assignment.get("hash"), "device": self.assignment.get("device"),
             "weight_bytes": self.model.parameter_bytes() if self.model is not None else 0,
@@ -186,6 +190,7 @@ class WorkerNode:
     def connect(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
         """Open the link to the next node, wait for the previous one, start the threads."""
         host, port = str(body["next_host"]), int(body["next_port"])
+        self.assignment["next_control"] = str(body.get("next_control") or "") or None
         with self.lock:
             self._claim(str(body.get("session", "")))
             if self.model is None:
@@ -354,6 +359,15 @@ class WorkerNode:
                     return
             self.stats["messages"] += 1
             self.stats["compute_s"] += time.perf_counter() - t0
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process now (Linux), else its peak."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return max_rss_bytes()
 
 
 def max_rss_bytes() -> int:

@@ -1,0 +1,238 @@
+"""systemd units for mdiedge nodes, and their installation.
+
+The unit files in the checkout's ``systemd/`` folder are the source (an installed package ships
+them as ``mdiedge/_systemd``). :func:`render_unit` returns one with ``ExecStart=`` pointing at a
+given ``mdiedge`` executable; :func:`install_units` writes all three into a unit folder plus a
+commented config skeleton for the worker and the starter (configs are never overwritten, units
+only with ``force``). As root: ``python3 -m mdiedge.units [--force]``, then
+``systemctl daemon-reload``.
+
+The units run mdiedge as a dynamic user: the executable and its Python environment must be
+readable by any user (a virtual environment under a 0700 home folder is not).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+UNIT_NAMES = ("mdiedge-worker.service", "mdiedge-worker@.service", "mdiedge-starter.service")
+DEFAULT_UNIT_DIR = Path("/etc/systemd/system")
+DEFAULT_CONFIG_DIR = Path("/etc/mdiedge")
+SOURCE_EXECUTABLE = "/usr/local/bin/mdiedge"  # what the unit files in systemd/ name
+
+WORKER_CONFIG = """\
+# mdiedge worker config (/etc/mdiedge/mdiedge.toml), read by mdiedge-worker.service.
+# mdiedge-worker@NAME.service reads /etc/mdiedge/worker-NAME.toml instead: copy this file and
+# give every worker on the board its own name and ports.
+# Anyone on the board can read this file: keep the ring secret out of it (see secret_file).
+
+[worker]
+# Name shown in logs and in the starter's status.
+name = "w1"
+# Listen address of both the control and the data port; "0.0.0.0" = every interface.
+host = "0.0.0.0"
+# HTTP control port: the starter's [[workers]] entry for this board names it.
+control_port = 7700
+# Data-plane port: hidden states of the ring travel here (the starter learns it on the
+# control port).
+data_port = 7701
+# torch threads; 0 = torch's default (one per core).
+threads = 0
+# Where received weights are cached (by content hash). The shipped units pass
+# --cache-dir $STATE_DIRECTORY (/var/lib/mdiedge), which wins over this.
+cache_dir = "/var/lib/mdiedge"
+# debug, info, warning or error (logs go to the journal).
+log_level = "info"
+# Free the KV-cache slots when the starter has been silent this many seconds.
+idle_timeout_s = 60
+# File holding the ring secret (one line). Leave it unset under the shipped units: systemd
+# hands /etc/mdiedge/secret (mode 0600, root) to the worker as a credential and names it in
+# $MDIEDGE_SECRET_FILE; the unit's dynamic user cannot read the root-only file itself.
+# Other ways: secret = "..." here (then make this file unreadable to others), or the
+# environment variables MDIEDGE_SECRET / MDIEDGE_SECRET_FILE.
+# secret_file = "/etc/mdiedge/secret"
+# true: listen on a non-loopback address without a secret (anyone who reaches the ports can
+# drive the node). Only for isolated test networks.
+insecure = false
+# Optional: preload this model (a folder under /var/lib/mdiedge, readable by the service) ...
+# model = "/var/lib/mdiedge/models/tinyllama"
+# ... and this block range [first, end) of it, before telling systemd READY=1.
+# layers = [10, 22]
+"""
+
+STARTER_CONFIG = """\
+# mdiedge starter config (/etc/mdiedge/starter.toml), read by mdiedge-starter.service.
+# Anyone on the board can read this file: keep the ring secret out of it (see secret_file).
+
+[starter]
+# Listen address of the starter's control port; "0.0.0.0" = every interface.
+host = "0.0.0.0"
+# HTTP control port of the starter (generation requests, ring status).
+control_port = 7600
+# The model the ring runs: a folder readable by the service (put it under /var/lib/mdiedge,
+# the unit's state directory).
+model = "/var/lib/mdiedge/models/tinyllama"
+# Device of the starter's own share of the layers: "cpu" or "cuda".
+device = "cpu"
+# Weight dtype on the ring: "float32", "float16" or "bfloat16".
+dtype = "float32"
+# Relative speed of this board: layers are split in proportion to the weights.
+weight = 1.0
+# Optional: cap the memory the starter's share may use ("4GiB", "512MiB", ...).
+# memory = "4GiB"
+# Optional: pin the starter to this block range [first, end) instead of the automatic split.
+# layers = [0, 6]
+# File holding the ring secret (one line). Leave it unset under the shipped unit: systemd
+# hands /etc/mdiedge/secret (mode 0600, root) to the starter as a credential and names it in
+# $MDIEDGE_SECRET_FILE; the unit's dynamic user cannot read the root-only file itself.
+# Other ways: secret = "..." here (then make this file unreadable to others), or the
+# environment variables MDIEDGE_SECRET / MDIEDGE_SECRET_FILE.
+# secret_file = "/etc/mdiedge/secret"
+
+# One [[workers]] table per worker, in ring order.
+[[workers]]
+# The worker's name (as in its own config).
+name = "w1"
+# Address the starter reaches the worker at.
+host = "10.0.0.2"
+# The worker's control_port.
+control_port = 7700
+# Device the worker runs its layers on: "cpu" or "cuda".
+device = "cuda"
+# Relative speed of the worker: layers are split in proportion to the weights.
+weight = 1.0
+# Optional: cap the memory the worker's share may use.
+# memory = "6GiB"
+# Optional: pin the worker to this block range [first, end).
+# layers = [6, 14]
+"""
+
+CONFIGS = {"mdiedge.toml": WORKER_CONFIG, "starter.toml": STARTER_CONFIG}
+
+_EXEC_START = re.compile(r"^(ExecStart=[-@:+!]*)(\S+)(.*)$", re.MULTILINE)
+
+
+def unit_source_dir() -> Path:
+    """The folder holding the unit files: the installed copy, else the checkout's ``systemd/``."""
+    here = Path(__file__).resolve().parent
+    candidates = (here / "_systemd", here.parent / "systemd")
+    for folder in candidates:
+        if all((folder / name).is_file() for name in UNIT_NAMES):
+            return folder
+    raise FileNotFoundError(
+        "mdiedge's systemd unit files are missing (looked in %s)"
+        % ", ".join(str(c) for c in candidates))
+
+
+def _quote_exec(path: str) -> str:
+    """``path`` as the first word of an ``ExecStart=`` line: specifiers escaped, quoted when
+    it holds whitespace, quotes or backslashes."""
+    if "$" in path or any(c in path for c in "\n\r\0"):
+        # systemd does not unescape "$$" in the executable's path
+        raise ValueError(f"cannot put {path!r} on an ExecStart= line")
+    word = path.replace("%", "%%")
+    if re.search(r'[\s"\'\\]', word):
+        word = '"%s"' % word.replace("\\", "\\\\").replace('"', '\\"')
+    return word
+
+
+def render_unit(name: str, executable: str) -> str:
+    """The unit file ``name`` (one of :data:`UNIT_NAMES`) with ``ExecStart=`` running
+    ``executable`` (an absolute path)."""
+    if name not in UNIT_NAMES:
+        raise ValueError(f"unknown unit {name!r} (known: {', '.join(UNIT_NAMES)})")
+    if not os.path.isabs(executable):
+        raise ValueError(f"ExecStart= needs an absolute path, not {executable!r}")
+    text = (unit_source_dir() / name).read_text(encoding="utf-8")
+    exec_word = _quote_exec(executable)
+    rendered, count = _EXEC_START.subn(
+        lambda m: m.group(1) + exec_word + m.group(3), text)
+    if count != 1:
+        raise ValueError(f"{name}: expected one ExecStart= line, found {count}")
+    return rendered
+
+
+def default_executable() -> str:
+    """The ``mdiedge`` console script: on ``$PATH``, else beside this Python, else argv[0]."""
+    found = shutil.which("mdiedge")
+    if found:
+        return os.path.abspath(found)
+    sibling = Path(sys.executable).parent / "mdiedge"
+    if sibling.is_file() and os.access(sibling, os.X_OK):
+        return str(sibling)
+    return str(Path(sys.argv[0]).resolve())
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def install_units(dest: Path = DEFAULT_UNIT_DIR, executable: Optional[str] = None,
+                  config_dir: Path = DEFAULT_CONFIG_DIR, force: bool = False) -> List[Path]:
+    """Write the three units into ``dest`` (ExecStart= running ``executable``) and the config
+    skeletons ``mdiedge.toml`` and ``starter.toml`` into ``config_dir``.
+
+    Existing configs are never touched; existing units are replaced only with ``force``.
+    Returns the files written. Run ``systemctl daemon-reload`` afterwards.
+    """
+    if executable is None:
+        executable = default_executable()
+        if not (os.path.isfile(executable) and os.access(executable, os.X_OK)):
+            raise FileNotFoundError(
+                f"no mdiedge executable found (tried {executable}); pass executable=")
+    rendered = [(name, render_unit(name, executable)) for name in UNIT_NAMES]
+    written: List[Path] = []
+    dest, config_dir = Path(dest), Path(config_dir)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, text in rendered:
+        target = dest / name
+        if target.exists() and not force:
+            continue
+        _write(target, text)
+        written.append(target)
+    config_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+    for name, text in CONFIGS.items():
+        target = config_dir / name
+        if target.exists():
+            continue
+        _write(target, text)
+        written.append(target)
+    return written
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mdiedge.units",
+        description="Install mdiedge's systemd units and config skeletons.")
+    parser.add_argument("--dest", type=Path, default=DEFAULT_UNIT_DIR,
+                        help="unit folder (default: %(default)s)")
+    parser.add_argument("--executable", default=None,
+                        help="absolute path of mdiedge (default: the one on $PATH)")
+    parser.add_argument("--config-dir", type=Path, default=DEFAULT_CONFIG_DIR,
+                        help="config folder (default: %(default)s)")
+    parser.add_argument("--force", action="store_true", help="replace existing unit files")
+    args = parser.parse_args(argv)
+    try:
+        written = install_units(args.dest, args.executable, args.config_dir, args.force)
+    except (OSError, ValueError) as e:
+        print(f"mdiedge.units: error: {e}", file=sys.stderr)
+        return 1
+    for path in written:
+        print(f"wrote {path}")
+    if not written:
+        print("nothing to do (units exist: --force replaces them; configs are never replaced)")
+    else:
+        print("next: systemctl daemon-reload")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

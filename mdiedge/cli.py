@@ -238,6 +238,10 @@ def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, 
 @app.command()
 @one_line_errors
 def worker(
+    ctx: typer.Context,
+    config: Optional[str] = typer.Option(None, help="Worker config (TOML, [worker] table); "
+                                         "default $MDIEDGE_CONFIG, then /etc/mdiedge/mdiedge.toml."),
+    no_config: bool = typer.Option(False, "--no-config", help="Read no config file."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (control and data)."),
     control_port: int = typer.Option(7700, help="HTTP control port (0: any free port)."),
     data_port: int = typer.Option(7701, help="Data-plane port (0: any free port)."),
@@ -252,23 +256,38 @@ def worker(
 ) -> None:
     """Run a worker node: it waits for a starter to assign it layers."""
     import logging
-    import os
     import signal
     import threading
     import time
     from pathlib import Path
 
+    from .settings import WorkerSettings, find_config, load_settings, read_secret
+
+    section = WorkerSettings()
+    path = None if no_config else find_config(config)
+    if path is not None:
+        section = load_settings(path).worker or section
+    # a flag given on the command line wins over the file, the file over the flag's default
+    flags = {"host": host, "control_port": control_port, "data_port": data_port,
+             "threads": threads, "name": name, "cache_dir": cache_dir, "log_level": log_level,
+             "insecure": insecure, "idle_timeout_s": idle_timeout}
+    chosen = {key: value if _from_command_line(ctx, key) or key not in section.keys_set
+              else getattr(section, key) for key, value in flags.items()}
+    logging.basicConfig(level=chosen["log_level"].upper(), stream=sys.stderr,
+                        format=f"%(asctime)s {chosen['name']} %(levelname)s %(message)s")
     import torch
 
     from .worker import WorkerNode
 
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s {name} %(levelname)s %(message)s")
-    if threads > 0:
-        torch.set_num_threads(threads)
-    node = WorkerNode(host, control_port, data_port, Path(cache_dir) if cache_dir else None,
-                      name=name, secret=_env_secret(), insecure=insecure,
-                      idle_timeout_s=idle_timeout).start()
+    if chosen["threads"] > 0:
+        torch.set_num_threads(chosen["threads"])
+    node = WorkerNode(chosen["host"], chosen["control_port"], chosen["data_port"],
+                      Path(chosen["cache_dir"]) if chosen["cache_dir"] else None,
+                      name=chosen["name"], secret=read_secret(section),
+                      insecure=chosen["insecure"], idle_timeout_s=chosen["idle_timeout_s"])
+    if section.model is not None:
+        node.preload(section.model, section.layers, section.device, section.dtype)
+    node.start()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: node.stopped.set())
     if parent_pid:
@@ -279,16 +298,39 @@ def worker(
                 time.sleep(0.5)
 
         threading.Thread(target=watch_parent, daemon=True).start()
-    typer.echo(json.dumps({"event": "ready", "name": name, "control_port": node.control.port,
-                           "data_port": node.data_port, "pid": os.getpid()}))
+    typer.echo(json.dumps({"event": "ready", "name": chosen["name"],
+                           "control_port": node.control.port, "data_port": node.data_port,
+                           "pid": os.getpid()}))
     sys.stdout.flush()
-    _serve_under_systemd(node.stopped, f"{name} listening on {host}:{node.control.port}")
+    _serve_under_systemd(node.stopped, f"{chosen['name']} listening on "
+                                       f"{chosen['host']}:{node.control.port}")
     node.close()
 
 
+def _from_command_line(ctx: typer.Context, name: str) -> bool:
+    from click.core import ParameterSource
+
+    param = {"idle_timeout_s": "idle_timeout"}.get(name, name)
+    return ctx.get_parameter_source(param) == ParameterSource.COMMANDLINE
+
+
+config_app = typer.Typer(help="Config files.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("check")
+@one_line_errors
+def config_check(file: str = typer.Argument(..., help="The TOML file to validate.")) -> None:
+    """Validate a config file; one line naming the file and key on error."""
+    from .settings import check_config
+
+    typer.echo(check_config(file))
+
+
 def _env_secret() -> Optional[bytes]:
-    value = os.environ.get("MDIEDGE_SECRET")
-    return value.encode() if value else None
+    from .settings import read_secret
+
+    return read_secret(None)
 
 
 def _serve_under_systemd(stopped: Any, status: str) -> None:
@@ -341,10 +383,13 @@ def bench(
 @app.command("starter")
 @one_line_errors
 def starter_command(
-    config: str = typer.Option(..., help="Starter config / ring file (TOML): [starter] and "
-                               "[[workers]]."),
-    control_port: int = typer.Option(7600, help="Port of this starter's control plane."),
-    model: Optional[str] = typer.Option(None, help="Model (default: the shipped NanoLlama)."),
+    config: Optional[str] = typer.Option(None, help="Starter config (TOML): [starter] and "
+                                         "[[workers]]; default $MDIEDGE_CONFIG, then "
+                                         "/etc/mdiedge/mdiedge.toml."),
+    control_port: Optional[int] = typer.Option(None, help="Port of this starter's control "
+                                               "plane (default: the config's, else 7600)."),
+    model: Optional[str] = typer.Option(None, help="Model (default: the config's, else the "
+                                        "shipped NanoLlama)."),
     tokenizer: Optional[str] = typer.Option(None, help="Tokenizer file, if not the model's own."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
     insecure: bool = typer.Option(False, help="Allow a non-loopback address without a secret."),
@@ -352,26 +397,39 @@ def starter_command(
     """Run the starter as a long-lived process that owns the ring."""
     import logging
     import signal
-    from pathlib import Path
+    import threading
 
     from .auth import is_loopback
     from .errors import ConfigError
-    from .ringfile import load_ring
-    from .serve import StarterServer
-    from .starter import RingEngine
+    from .settings import StarterSettings, find_config, load_settings, read_secret
 
+    path = find_config(config)
+    if path is None:
+        raise ConfigError("no config: pass --config FILE with [starter] and [[workers]]")
+    settings = load_settings(path)
+    section = settings.starter or StarterSettings()
+    if not settings.workers:
+        raise ConfigError(f"{path}: workers: a starter needs at least one [[workers]] entry")
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s starter %(levelname)s %(message)s")
-    options, workers = load_ring(Path(config))
-    secret = _env_secret()
-    if secret is None and not insecure and not is_loopback(options["host"]):
-        raise ConfigError(f"refusing to listen on {options['host']} without a ring secret "
+    secret = read_secret(section)
+    if secret is None and not (insecure or section.insecure) and not is_loopback(section.host):
+        raise ConfigError(f"refusing to listen on {section.host} without a ring secret "
                           f"(set one, or pass --insecure on a trusted network)")
-    device = options.pop("device", "cpu")
-    engine = RingEngine(workers, model, tokenizer, device=device, secret=secret, **options)
-    server = StarterServer(engine, options["host"], control_port).start()
-    import threading
+    from .serve import StarterServer
+    from .starter import RingEngine, WorkerAddress
+    from .transport import DEFAULT_MAX_PAYLOAD
 
+    workers = [WorkerAddress(w.name, w.host, w.control_port, w.weight, w.memory, w.layers,
+                             w.device) for w in settings.workers]
+    engine = RingEngine(workers, model or section.model, tokenizer or section.tokenizer,
+                        device=section.device, dtype=section.dtype, host=section.host,
+                        starter_weight=section.weight, starter_memory=section.memory,
+                        starter_layers=section.layers,
+                        max_payload=section.max_payload or DEFAULT_MAX_PAYLOAD,
+                        timeout_s=section.timeout_s, secret=secret)
+    port = section.control_port if control_port is None else control_port
+    server = StarterServer(engine, section.host, port).start()
     stopped = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopped.set())
@@ -379,7 +437,7 @@ def starter_command(
                            "pid": os.getpid()}))
     sys.stdout.flush()
     try:
-        _serve_under_systemd(stopped, f"starter listening on {options['host']}:{server.control.port}")
+        _serve_under_systemd(stopped, f"starter listening on {section.host}:{server.control.port}")
     finally:
         server.close()
 

@@ -62,7 +62,8 @@ class LocalRing:
     def _spawn(self, name: str) -> None:
         cmd = [sys.executable, "-m", "mdiedge", "worker", "--host", "127.0.0.1",
                "--control-port", "0", "--data-port", "0", "--threads", str(self.threads),
-               "--name", name, "--log-level", self.log_level, "--parent-pid", str(os.getpid())]
+               "--name", name, "--log-level", self.log_level, "--parent-pid", str(os.getpid()),
+               "--no-config"]
         if self.cache_dir:
             cmd += ["--cache-dir", self.cache_dir]
         preexec = _die_with_parent if sys.platform.startswith("linux") else None

@@ -224,6 +224,19 @@ class WorkerNode:
 
     # ----------------------------------------------------------------- loading
 
+    def preload(self, model: str, layers: Optional[Tuple[int, int]], device: str,
+                dtype: str) -> None:
+        """Load a configured block range before serving, so an assignment of the same range
+        of the same model (by content hash) finds it ready."""
+        from .checkpoint import load_config, resolve_model_path
+
+        path = resolve_model_path(model)
+        cfg = load_config(path)
+        first, last = layers if layers is not None else (0, cfg.n_layers)
+        self._load(path, {"hash": content_hash(path), "layers": [first, last], "dtype": dtype,
+                          "device": device, "model_name": cfg.name})
+        self.state = "idle"
+
     def _cache_folder(self, request: Dict[str, Any]) -> Path:
         a, b = request["layers"]
         return self.cache_dir / "weights" / request["hash"] / f"layers-{a}-{b}"

@@ -1,7 +1,7 @@
 """From a prompt string to sampled text: tokenizer, model, and a way to run the blocks.
 
 ``LocalEngine`` runs every block in this process (``--nodes 1``); the ring engine
-(``mdiedge.ring.starter``) offers the same ``generate``.
+(``mdiedge.starter.RingEngine``) offers the same ``generate``.
 """
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from . import expertstats
 from .checkpoint import resolve_model_path, save_hf_checkpoint
 from .config import preset
 from .generation import Generation, run_local
@@ -58,6 +59,7 @@ def run_config(model: Path, nodes: int, samples: int, new_tokens: int, context: 
         busy = [(time.process_time() - t0) / timing.total_s / torch.get_num_threads()]
         return {"nodes": 1, "micro_batch": micro_batch, "tokens_per_s": timing.tokens_per_s,
                 "busy_fraction": busy, "hop_overhead_us": None,
+                "expert_load": engine.model.expert_load(),
                 "peak_rss_bytes": [max_rss_bytes()],
                 "weight_kv_bytes": [engine.model.parameter_bytes() + engine.model.kv_cache_bytes()]}
     from .local import LocalRing, threads_per_node
@@ -77,6 +79,7 @@ def run_config(model: Path, nodes: int, samples: int, new_tokens: int, context: 
             gen = Generation(prompt, samples, new_tokens, params, (), context)
             timing = engine.run(gen, micro_batch)
             after = engine.node_status()
+            starter_load = engine.model.expert_load()  # a fresh model: all of it is this run's
         finally:
             engine.close()
     wall = timing.total_s
@@ -85,6 +88,9 @@ def run_config(model: Path, nodes: int, samples: int, new_tokens: int, context: 
     return {"nodes": nodes, "micro_batch": micro_batch, "tokens_per_s": timing.tokens_per_s,
             "busy_fraction": busy,
             "hop_overhead_us": statistics.median(rtt) / nodes * 1e6,
+            "expert_load": expertstats.merge(
+                [starter_load] + [expertstats.since(a["expert_load"], b["expert_load"])
+                                  for a, b in zip(after, before)]),
             "peak_rss_bytes": [max_rss_bytes()] + [a["max_rss_bytes"] for a in after],
             "weight_kv_bytes": [engine.model.parameter_bytes() + engine.model.kv_cache_bytes()]
             + [a["weight_bytes"] + a["kv_bytes"] for a in after]}
@@ -128,4 +134,11 @@ def print_table(results: List[Dict[str, Any]], title: str) -> None:
                       " ".join(f"{b:.2f}" for b in r["busy_fraction"]), hop,
                       " ".join(f"{x / 2 ** 20:.0f}" for x in r["peak_rss_bytes"]),
                       " ".join(f"{x:.0f}" for x in excess))
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for r in results:
+        if r.get("expert_load"):
+            console.print(f"expert load, {r['nodes']} node(s), {r['micro_batch']} sample(s) per "
+                          f"message:")
+            for line in expertstats.lines(r["expert_load"]):
+                console.print("  " + line)

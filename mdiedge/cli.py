@@ -489,6 +489,8 @@ def _print_status(nodes: Any) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from . import expertstats
+
     def mb(n: Any) -> str:
         return "-" if n is None else f"{n / 2 ** 20:.1f}"
 
@@ -512,6 +514,11 @@ def _print_status(nodes: Any) -> None:
     if not console.is_terminal:
         console = Console(width=240)  # a log or a pipe: do not truncate the columns
     console.print(table)
+    load = expertstats.merge(n.get("expert_load") or {} for n in nodes)
+    if load:
+        console.print("expert load since loading:")
+        for line in expertstats.lines(load):
+            console.print("  " + line)
 
 
 def _client_auth() -> Any:

@@ -12,7 +12,7 @@ SwiGLU (Shazeer 2020), Mixtral (Jiang et al. 2024).
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -304,6 +304,12 @@ class Transformer(nn.Module):
         if self.lm_head is None:
             return x
         return self.head_logits(x if all_logits else x[:, -1])
+
+    def expert_load(self) -> Dict[str, List[int]]:
+        """Tokens routed to each expert since loading, per MoE block of this chunk:
+        ``{global block index: [count per expert]}`` (empty for a dense model)."""
+        return {i: block.mlp.expert_counts.tolist() for i, block in self.layers.items()
+                if hasattr(block.mlp, "expert_counts")}
 
     def parameter_bytes(self) -> int:
         seen: Dict[int, int] = {}

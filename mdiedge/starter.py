@@ -352,6 +352,7 @@ class RingEngine(Engine):
             "rss_bytes": rss_bytes(),
             "weight_bytes": model.parameter_bytes() if model is not None else 0,
             "kv_bytes": model.kv_cache_bytes() if model is not None else 0,
+            "expert_load": model.expert_load() if model is not None else {},
             "slots_in_use": self.slots.in_use if model is not None else 0,
             "messages": self.stats.messages, "tokens": self.stats.tokens,
             "busy_fraction": round(self.stats.compute_s / self.stats.wall_s, 4)

@@ -125,6 +125,7 @@ class WorkerNode:
             "hash": self.assignment.get("hash"), "device": self.assignment.get("device"),
             "weight_bytes": self.model.parameter_bytes() if self.model is not None else 0,
             "kv_bytes": self.model.kv_cache_bytes() if self.model is not None else 0,
+            "expert_load": self.model.expert_load() if self.model is not None else {},
             "slots_in_use": self.slots.in_use if self.slots is not None else 0,
             "messages": self.stats["messages"], "tokens": self.stats["tokens"],
             "compute_s": round(self.stats["compute_s"], 6), "max_rss_bytes": max_rss_bytes(),

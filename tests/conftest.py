@@ -43,6 +43,18 @@ def make_hf_llama(path: Path, seed: int = 0, max_shard_size: Any = None, **overr
     return path
 
 
+def write_tiny_tokenizer(path: Path) -> None:
+    """A tiny SentencePiece ``tokenizer.model`` in ``path``, so engines can encode text prompts
+    for the random checkpoints."""
+    import sentencepiece as spm
+
+    corpus = path / "corpus.txt"
+    corpus.write_text("\n".join(f"hello ring {i} the quick brown fox jumps" for i in range(200)))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(path / "tokenizer"),
+                                   vocab_size=60, model_type="bpe", byte_fallback=False,
+                                   minloglevel=2, bos_id=1, eos_id=2, unk_id=0, pad_id=-1)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: Any) -> Path:
     return make_hf_llama(tmp_path_factory.mktemp("tiny-llama"))

@@ -353,3 +353,63 @@ def test_two_chunks_give_the_same_logits(mixtral: Path) -> None:
         torch.testing.assert_close(split, whole(token[None, None], slot, [16 + step]),
                                    rtol=0, atol=1e-6)
         token = split[0].argmax()
+
+
+# --------------------------------------------------------------------------- in the ring
+
+
+@pytest.fixture(scope="module")
+def ring_mixtral(tmp_path_factory: Any) -> Path:
+    from conftest import write_tiny_tokenizer
+
+    path = make_hf_mixtral(tmp_path_factory.mktemp("ring-mixtral"), seed=3, num_local_experts=4,
+                           num_experts_per_tok=2, num_hidden_layers=4)
+    write_tiny_tokenizer(path)
+    return path
+
+
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_ring_equals_single_process(ring_mixtral: Path, nodes: int) -> None:
+    """Greedy and seeded sampling, one sample per message and micro-batched, on real worker
+    processes; every block reports its expert load, and every token went through every
+    block to k experts."""
+    from mdiedge import expertstats
+    from mdiedge.engine import LocalEngine
+    from mdiedge.local import LocalRing
+    from mdiedge.sampling import SamplingParams
+    from mdiedge.starter import RingEngine
+
+    greedy_params = SamplingParams(temperature=0)
+    sampled = SamplingParams(temperature=1.0, top_k=20, seed=5)
+    reference = LocalEngine(ring_mixtral)
+    want = {p: [s["token_ids"] for s in reference.generate("hello ring", 20, 4, p).samples]
+            for p in (greedy_params, sampled)}
+    local = LocalRing(nodes - 1, threads=1)
+    with local as workers:
+        engine = RingEngine(workers, ring_mixtral, timeout_s=30, secret=local.secret)
+        try:
+            for params, micro_batch in ((greedy_params, 1), (greedy_params, 0),
+                                        (greedy_params, 3), (sampled, 2)):
+                got = engine.generate("hello ring", 20, 4, params, micro_batch=micro_batch)
+                assert [s["token_ids"] for s in got.samples] == want[params], micro_batch
+            reports = [engine.model.expert_load()] + [n["expert_load"]
+                                                      for n in engine.node_status()]
+        finally:
+            engine.close()
+    assert sum(1 for r in reports if r) >= nodes - 1  # the load comes from the workers too
+    load = expertstats.merge(reports)
+    assert list(load) == ["0", "1", "2", "3"]
+    routed = {sum(counts) for counts in load.values()}
+    assert len(routed) == 1 and routed.pop() % 2 == 0  # same tokens in every block, k = 2 each
+    assert all(len(counts) == 4 for counts in load.values())
+
+
+def test_expert_load_lines() -> None:
+    from mdiedge import expertstats
+
+    load = expertstats.merge([{"3": [1, 2]}, {}, {"1": [4, 0], "10": [0, 0]}])
+    assert list(load) == ["1", "3", "10"]
+    assert expertstats.since({"1": [5, 2]}, {"1": [4, 0]}) == {"1": [1, 2]}
+    assert expertstats.lines({"1": [6, 2]}) == [
+        "block 1: 6 2 tokens per expert (busiest 1.50x the mean)"]
+    assert expertstats.imbalance([0, 0]) == 0.0

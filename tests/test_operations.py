@@ -117,13 +117,15 @@ def test_second_starter_is_refused_while_the_first_generates(cluster: Dict[str, 
 
 
 def test_status_reports_every_field(cluster: Dict[str, Any]) -> None:
+    call(cluster["url"], "POST", "/generate", {"prompt": "", "max_new_tokens": 4},
+         timeout=60, auth=Authenticator(SECRET.encode()))  # traffic to report, whatever ran before
     out = mdiedge("status", "--starter", cluster["url"], "--json")
     assert out.returncode == 0, out.stderr
     nodes = json.loads(out.stdout)["nodes"]
     assert [n["role"] for n in nodes] == ["starter", "worker", "worker"]
     fields = ("name", "address", "state", "model", "hash", "layers", "device", "rss_bytes",
               "weight_bytes", "kv_bytes", "slots_in_use", "messages", "tokens", "busy_fraction",
-              "link_rtt_ms", "uptime_s", "version")
+              "link_rtt_ms", "uptime_s", "version", "expert_load")
     for node in nodes:
         missing = [f for f in fields if f not in node]
         assert not missing, (node["name"], missing)

@@ -11,7 +11,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 
-from conftest import make_hf_llama
+from conftest import make_hf_llama, write_tiny_tokenizer
 from mdiedge.engine import LocalEngine
 from mdiedge.errors import RingError
 from mdiedge.local import LocalRing
@@ -20,26 +20,15 @@ from mdiedge.starter import RingEngine
 
 GREEDY = SamplingParams(temperature=0)
 SAMPLED = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=11)
-PROMPT = "hello ring"  # the tiny checkpoints have no tokenizer; see ids_engine
+PROMPT = "hello ring"  # in the vocabulary of conftest.write_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
 def ring_model(tmp_path_factory: Any) -> Path:
     path = make_hf_llama(tmp_path_factory.mktemp("ring-llama"), seed=5, num_hidden_layers=6,
                          max_position_embeddings=256)
-    _write_tokenizer(path)
+    write_tiny_tokenizer(path)
     return path
-
-
-def _write_tokenizer(path: Path) -> None:
-    """A tiny SentencePiece model so the engines can encode text prompts."""
-    import sentencepiece as spm
-
-    corpus = path / "corpus.txt"
-    corpus.write_text("\n".join(f"hello ring {i} the quick brown fox jumps" for i in range(200)))
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(path / "tokenizer"),
-                                   vocab_size=60, model_type="bpe", byte_fallback=False,
-                                   minloglevel=2, bos_id=1, eos_id=2, unk_id=0, pad_id=-1)
 
 
 @pytest.fixture(scope="module")

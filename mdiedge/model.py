@@ -23,6 +23,7 @@ from .config import ModelConfig
 _HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
 _SHORT_QUERY = 4096  # T * L below which explicit attention beats the fused CPU kernel
 _NO_SLOTS = torch.empty(0, dtype=torch.long)
+_FEW_ROWS = 8  # up to this many rows, Linear multiplies in the weight-major orientation
 
 
 class RMSNorm(nn.Module):
@@ -71,6 +72,23 @@ def rotate_half(x: Tensor) -> Tensor:
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: (B, heads, T, head_dim); cos, sin: (B, 1, T, head_dim)."""
     return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
+
+
+class Linear(nn.Linear):
+    """A bias-free ``nn.Linear`` that multiplies a few rows (2 to 8: micro-batched decode) on
+    the CPU as ``(W @ x^T)^T``: the same product as ``x @ W^T`` in the GEMM orientation that
+    CPU BLAS runs 1.5-4x faster for so few rows (measured by ``bin/bench-decode``)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.numel() // self.in_features
+        if 2 <= rows <= _FEW_ROWS and x.device.type == "cpu":
+            flat = x.reshape(rows, self.in_features)  # (rows, in)
+            out = (self.weight @ flat.t()).t().contiguous()  # (rows, out)
+            return out.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight)
 
 
 class KVCache(nn.Module):
@@ -138,10 +156,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.q_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.kv_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.kv_dim, bias=False)
-        self.wo = nn.Linear(cfg.q_dim, cfg.dim, bias=False)
+        self.wq = Linear(cfg.dim, cfg.q_dim)
+        self.wk = Linear(cfg.dim, cfg.kv_dim)
+        self.wv = Linear(cfg.dim, cfg.kv_dim)
+        self.wo = Linear(cfg.q_dim, cfg.dim)
         self.cache: Optional[KVCache] = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor],
@@ -164,9 +182,9 @@ class MLP(nn.Module):
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.gate = nn.Linear(dim, hidden, bias=False)
-        self.up = nn.Linear(dim, hidden, bias=False)
-        self.down = nn.Linear(hidden, dim, bias=False)
+        self.gate = Linear(dim, hidden)
+        self.up = Linear(dim, hidden)
+        self.down = Linear(hidden, dim)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
@@ -210,7 +228,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim) if embedding else None
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(first, last)})
         self.norm = RMSNorm(cfg.dim, cfg.rms_norm_eps) if head else None
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if head else None
+        self.lm_head = Linear(cfg.dim, cfg.vocab_size) if head else None
         self.n_slots = 0
         self.max_seq_len = 0
         self.rope_cos = self.rope_sin = torch.empty(0)

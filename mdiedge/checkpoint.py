@@ -10,7 +10,7 @@ import json
 import shutil
 import struct
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -60,25 +60,6 @@ def block_names(cfg: ModelConfig) -> Dict[str, str]:
     return names
 
 
-def expected_shapes(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
-    """Shape of each block-relative and global parameter (our names)."""
-    d, h = cfg.dim, cfg.intermediate_size
-    shapes: Dict[str, Tuple[int, ...]] = {
-        "embed.weight": (cfg.vocab_size, d), "norm.weight": (d,),
-        "lm_head.weight": (cfg.vocab_size, d),
-        "attn_norm.weight": (d,), "mlp_norm.weight": (d,),
-        "attn.wq.weight": (cfg.q_dim, d), "attn.wk.weight": (cfg.kv_dim, d),
-        "attn.wv.weight": (cfg.kv_dim, d), "attn.wo.weight": (d, cfg.q_dim),
-        "mlp.gate.weight": (h, d), "mlp.up.weight": (h, d), "mlp.down.weight": (d, h),
-        "mlp.router.weight": (cfg.n_experts, d),
-    }
-    for e in range(cfg.n_experts):
-        shapes[f"mlp.experts.{e}.gate.weight"] = (h, d)
-        shapes[f"mlp.experts.{e}.up.weight"] = (h, d)
-        shapes[f"mlp.experts.{e}.down.weight"] = (d, h)
-    return shapes
-
-
 def tensor_plan(cfg: ModelConfig, layers: Tuple[int, int], embedding: bool, head: bool
                 ) -> Dict[str, str]:
     """Our parameter names -> Hugging Face names for one chunk of the model."""
@@ -98,12 +79,11 @@ def tensor_plan(cfg: ModelConfig, layers: Tuple[int, int], embedding: bool, head
     return plan
 
 
-def _shape_key(ours: str) -> str:
-    parts = ours.split(".")
-    return ".".join(parts[2:]) if parts[0] == "layers" else ours
-
-
 # --------------------------------------------------------------------------- sources
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "F64": torch.float64}
+_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 
 
 class TensorSource:
@@ -122,6 +102,18 @@ class TensorSource:
     def get(self, name: str) -> Tensor:
         self.read_names.append(name)
         return self._read(name)
+
+    def read_into(self, name: str, out: Tensor) -> None:
+        """Copy tensor ``name`` into ``out`` (same shape, any dtype); a shape mismatch is a
+        CheckpointError. Sources that can read straight into ``out`` override this."""
+        t = self.get(name)
+        self._check_shape(name, tuple(t.shape), tuple(out.shape))
+        out.copy_(t)
+
+    def _check_shape(self, name: str, got: Tuple[int, ...], want: Tuple[int, ...]) -> None:
+        if got != want:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has shape {got}, "
+                                  f"expected {want}")
 
     def close(self) -> None:
         pass
@@ -142,6 +134,8 @@ class SafetensorsSource(TensorSource):
             single = path / "model.safetensors"
             self.file_of = {k: single for k in self._open(single).keys()}
         self._handles: Dict[Path, object] = {}
+        self._headers: Dict[Path, Dict[str, Any]] = {}
+        self._data_start: Dict[Path, int] = {}
 
     def _open(self, file: Path):  # type: ignore[no-untyped-def]
         from safetensors import safe_open
@@ -155,6 +149,58 @@ class SafetensorsSource(TensorSource):
 
     def names(self) -> Sequence[str]:
         return list(self.file_of)
+
+    def read_into(self, name: str, out: Tensor) -> None:
+        """Read the tensor's bytes from the file straight into ``out`` (through one temporary
+        of the file's dtype when it differs): no memory map, so the file's pages never count
+        in this process's RSS, and the peak is the model plus one tensor."""
+        file = self.file_of[name]
+        entry = self._header(file).get(name)
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{file}: header has no entry for tensor {name!r}")
+        dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype"))  # type: ignore[arg-type]
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if dtype is None or not isinstance(shape, list) or not isinstance(offsets, list) \
+                or len(offsets) != 2:
+            raise CheckpointError(f"{file}: bad header entry for tensor {name!r}: {entry!r}")
+        self._check_shape(name, tuple(shape), tuple(out.shape))
+        target = out if out.dtype == dtype and out.is_contiguous() and out.device.type == "cpu" \
+            else torch.empty(out.shape, dtype=dtype)
+        nbytes = target.numel() * target.element_size()
+        if offsets[1] - offsets[0] != nbytes:
+            raise CheckpointError(f"{file}: tensor {name!r} spans {offsets[1] - offsets[0]} "
+                                  f"bytes, expected {nbytes}")
+        self.read_names.append(name)
+        buffer = memoryview(target.view(torch.uint8).numpy()).cast("B") if nbytes else b""
+        with open(file, "rb") as fh:
+            fh.seek(self._data_start[file] + offsets[0])
+            got = fh.readinto(buffer) if nbytes else 0
+        if got != nbytes:
+            raise CheckpointError(f"{file}: cannot read tensor {name!r} (file truncated: "
+                                  f"{got} of {nbytes} bytes)")
+        if target is not out:
+            out.copy_(target)
+
+    def _header(self, file: Path) -> Dict[str, Any]:
+        """The JSON header of a safetensors file (8-byte little-endian length, then JSON)."""
+        if file not in self._headers:
+            size = file.stat().st_size
+            with open(file, "rb") as fh:
+                prefix = fh.read(8)
+                length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+                if not 0 < length <= min(size - 8, _MAX_HEADER_BYTES):
+                    raise CheckpointError(f"{file}: not a readable safetensors file (header "
+                                          f"length {length}, file size {size})")
+                try:
+                    header = json.loads(fh.read(length))
+                except ValueError as e:
+                    raise CheckpointError(f"{file}: not a readable safetensors file "
+                                          f"({e})") from None
+            if not isinstance(header, dict):
+                raise CheckpointError(f"{file}: not a readable safetensors file (header is "
+                                      f"not an object)")
+            self._headers[file], self._data_start[file] = header, 8 + length
+        return self._headers[file]
 
     def _read(self, name: str) -> Tensor:
         file = self.file_of[name]
@@ -351,24 +397,6 @@ def open_source(path: Path) -> TensorSource:
                           f"pytorch_model.bin")
 
 
-def read_chunk(source: TensorSource, cfg: ModelConfig, layers: Tuple[int, int],
-               embedding: bool, head: bool, dtype: torch.dtype) -> Dict[str, Tensor]:
-    """Read, check and cast the tensors of one chunk; our names -> tensors."""
-    available = set(source.names())
-    shapes = expected_shapes(cfg)
-    state: Dict[str, Tensor] = {}
-    for ours, theirs in tensor_plan(cfg, layers, embedding, head).items():
-        if theirs not in available:
-            raise CheckpointError(f"{source.path}: missing tensor {theirs!r}")
-        t = source.get(theirs)
-        want = shapes[_shape_key(ours)]
-        if tuple(t.shape) != want:
-            raise CheckpointError(f"{source.path}: tensor {theirs!r} has shape "
-                                  f"{tuple(t.shape)}, expected {want}")
-        state[ours] = t.to(dtype)
-    return state
-
-
 def load_model(model: Optional[PathLike] = None, layers: Optional[Tuple[int, int]] = None,
                embedding: bool = True, head: bool = True, device: str = "cpu",
                dtype: torch.dtype = torch.float32,
@@ -382,18 +410,24 @@ def load_model(model: Optional[PathLike] = None, layers: Optional[Tuple[int, int
     layers = layers if layers is not None else (0, cfg.n_layers)
     source = open_source(path)
     try:
-        state = read_chunk(source, cfg, layers, embedding, head, dtype)
+        with _skip_init():
+            net = Transformer(cfg, layers, embedding, head).to(dtype)
+        params = dict(net.named_parameters())  # a tied head is the embedding, listed once
+        plan = tensor_plan(cfg, layers, embedding, head)
+        unplanned = set(params) - set(plan)
+        if unplanned:
+            raise RuntimeError(f"no checkpoint tensor planned for {sorted(unplanned)}")
+        available = set(source.names())
+        with torch.no_grad():
+            for ours, theirs in plan.items():
+                if theirs not in available:
+                    raise CheckpointError(f"{source.path}: missing tensor {theirs!r}")
+                source.read_into(theirs, params[ours])  # straight into the parameter
         if on_source is not None:
             on_source(source)
     finally:
         source.close()
-    with _skip_init():
-        net = Transformer(cfg, layers, embedding, head)
-    if cfg.tie_embeddings and embedding and head:
-        state["lm_head.weight"] = state["embed.weight"]
-    net.load_state_dict(state, strict=True)
-    net.tie_weights()
-    return net.to(device=device, dtype=dtype).eval()
+    return net.to(device=device).eval()
 
 
 class _skip_init:

@@ -385,7 +385,15 @@ def rss_bytes() -> int:
 
 
 def max_rss_bytes() -> int:
-    """Peak resident memory of this process."""
+    """Peak resident memory of this process image: ``VmHWM`` on Linux, because ``ru_maxrss``
+    carries over the peak of the parent that forked this process across ``exec``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB

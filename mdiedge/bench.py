@@ -7,6 +7,7 @@ model preset with random weights is written once to a temporary Hugging Face dir
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -108,7 +109,9 @@ def run_all(model: Optional[str], preset_name: Optional[str], max_nodes: int, sa
             path = resolve_model_path(model)
         results = []
         for nodes in range(1, max_nodes + 1):
-            for micro_batch in (1, samples):
+            # one sample per message, the starter's own choice (enough groups to keep every
+            # node busy), all samples in one message
+            for micro_batch in sorted({1, math.ceil(samples / nodes), samples}):
                 cmd = [sys.executable, "-m", "mdiedge", "bench", "--one", "--model", str(path),
                        "--nodes", str(nodes), "--samples", str(samples), "--new-tokens",
                        str(new_tokens), "--context", str(context), "--micro-batch", str(micro_batch)]

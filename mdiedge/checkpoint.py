@@ -10,7 +10,7 @@ import json
 import shutil
 import struct
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -136,6 +136,7 @@ class SafetensorsSource(TensorSource):
         self._handles: Dict[Path, object] = {}
         self._headers: Dict[Path, Dict[str, Any]] = {}
         self._data_start: Dict[Path, int] = {}
+        self._files: Dict[Path, BinaryIO] = {}
 
     def _open(self, file: Path):  # type: ignore[no-untyped-def]
         from safetensors import safe_open
@@ -172,9 +173,11 @@ class SafetensorsSource(TensorSource):
                                   f"bytes, expected {nbytes}")
         self.read_names.append(name)
         buffer = memoryview(target.view(torch.uint8).numpy()).cast("B") if nbytes else b""
-        with open(file, "rb") as fh:
-            fh.seek(self._data_start[file] + offsets[0])
-            got = fh.readinto(buffer) if nbytes else 0
+        fh = self._files.get(file)
+        if fh is None:
+            fh = self._files[file] = open(file, "rb")
+        fh.seek(self._data_start[file] + offsets[0])
+        got = fh.readinto(buffer) if nbytes else 0
         if got != nbytes:
             raise CheckpointError(f"{file}: cannot read tensor {name!r} (file truncated: "
                                   f"{got} of {nbytes} bytes)")
@@ -201,6 +204,12 @@ class SafetensorsSource(TensorSource):
                                       f"not an object)")
             self._headers[file], self._data_start[file] = header, 8 + length
         return self._headers[file]
+
+    def close(self) -> None:
+        for fh in self._files.values():
+            fh.close()
+        self._files.clear()
+        self._handles.clear()
 
     def _read(self, name: str) -> Tensor:
         file = self.file_of[name]

@@ -81,6 +81,8 @@ class MoE(nn.Module):
         batch, seq_len, dim = x.shape
         x_flat = x.reshape(batch * seq_len, dim)  # (N, dim)
         experts, weights = self.route(x_flat)  # (N, k), (N, k)
+        if batch * seq_len == 1 and x.device.type == "cpu":  # on CUDA: no host round trips
+            return self._one_token(x_flat, experts[0], weights[0]).view(batch, seq_len, dim)
         offsets, token_idx, grouped_w = self.group(experts, weights)  # (E+1,), (N*k,), (N*k,)
         grouped_w = grouped_w.to(x.dtype)
         counts = [offsets[e + 1] - offsets[e] for e in range(self.n_experts)]
@@ -94,3 +96,14 @@ class MoE(nn.Module):
             y = expert(x_flat.index_select(0, rows))  # (n_e, dim): one batched call
             out.index_add_(0, rows, y * grouped_w[start:end, None])
         return out.view(batch, seq_len, dim)
+
+    def _one_token(self, x_flat: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        """One token on the CPU (a single sample's decode step): its k experts in ascending
+        order, the order in which the grouped path adds them, with no grouping to build."""
+        order = torch.argsort(experts)
+        out = torch.zeros_like(x_flat)  # (1, dim)
+        weights = weights.to(x_flat.dtype)
+        for j in order.tolist():
+            out += self.experts[int(experts[j])](x_flat) * weights[j]
+        self.expert_counts[experts] += 1
+        return out

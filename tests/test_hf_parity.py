@@ -116,3 +116,18 @@ def test_batched_decode_equals_one_at_a_time(tiny_llama: Path) -> None:
         ids = torch.tensor([[singles[i][0]] for i in range(3)])
         batched = model(ids, slots, [len(p) for p in prompts]).argmax(-1).tolist()
     assert batched == [s[1] for s in singles]
+
+
+@pytest.mark.parametrize("shape", [(1, 24), (2, 24), (3, 1, 24), (8, 1, 24), (2, 4, 24),
+                                   (9, 24), (4, 5, 24), (0, 24)])
+def test_linear_matches_f_linear_for_every_row_count(shape: Any) -> None:
+    """model.Linear takes another GEMM orientation for 2..8 rows; the product is the same."""
+    from mdiedge.model import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(24, 40)
+    x = torch.randn(shape)
+    got = layer(x)
+    assert got.shape == (*shape[:-1], 40) and got.is_contiguous()
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight),
+                               rtol=1e-6, atol=1e-6)

@@ -1,0 +1,36 @@
+"""The selector of compiled modules and their twins (``mdiedge._accel``)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from mdiedge import _accel
+
+
+def test_twins_exist_for_every_compiled_module() -> None:
+    for name in _accel.TWINNED:
+        assert _accel.twin(name).__name__ == f"mdiedge._py{name}"
+
+
+@pytest.mark.parametrize("value,disabled", [("", False), ("0", False), ("1", True),
+                                            ("yes", True)])
+def test_no_extensions_switch(monkeypatch: pytest.MonkeyPatch, value: str,
+                              disabled: bool) -> None:
+    monkeypatch.setenv("MDIEDGE_NO_EXTENSIONS", value)
+    assert _accel.extensions_disabled() is disabled
+    for name in _accel.TWINNED:
+        if disabled:
+            assert _accel.select(name) is _accel.twin(name)
+            assert _accel.implementations(name) == [_accel.twin(name)]
+
+
+def test_required_extensions_are_built_and_selected() -> None:
+    """CI sets ``MDIEDGE_REQUIRE_EXTENSIONS=1`` after an install that must have compiled ``ext/``:
+    a source tree that shadows the installed package, or a failed build, fails here."""
+    if os.environ.get("MDIEDGE_REQUIRE_EXTENSIONS", "") in ("", "0"):
+        pytest.skip("MDIEDGE_REQUIRE_EXTENSIONS is not set")
+    missing = [name for name in _accel.TWINNED if _accel.compiled(name) is None]
+    assert not missing, f"not compiled: {missing} (mdiedge imported from {_accel.__file__})"
+    for name in _accel.TWINNED:
+        assert _accel.select(name) is _accel.compiled(name)

@@ -62,8 +62,11 @@ def torch_dtype(code: int) -> torch.dtype:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> Any:
-    """A flat uint8 numpy view of a contiguous CPU tensor's memory (any dtype, bf16 too)."""
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    """A numpy view of a contiguous CPU tensor's memory (any dtype; bf16, which numpy lacks,
+    as flat uint8). The framing modules cast it to bytes."""
+    if tensor.dtype == torch.bfloat16 or tensor.requires_grad or tensor.numel() == 0:
+        return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    return tensor.numpy()
 
 
 def send_tensor(sock: Any, msg_type: int, sample_ids: Sequence[int], positions: Sequence[int],

@@ -101,8 +101,7 @@ class RingEngine(Engine):
         self.listener = tcp_listen(host, 0)
         self.out_sock: Optional[socket.socket] = None
         self.in_sock: Optional[socket.socket] = None
-        self.inbox: "queue.Queue[Any]" = queue.Queue()
-        self.outbox: "queue.Queue[Any]" = queue.Queue()
+        self.inbox: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self.sender: Optional[Sender] = None
         self.next_sample_id = 0
         self.seq = 0
@@ -170,16 +169,14 @@ class RingEngine(Engine):
             self.auth.accept_link(self.in_sock, f"{last.name} ({last.host})")
         except OSError as e:
             raise RingError(f"cannot close the ring: {e}") from None
-        self.inbox = queue.Queue()
-        self.outbox = queue.Queue()
+        self.inbox = queue.SimpleQueue()
         Receiver(self.in_sock, self.inbox, self.max_payload, "starter/recv").start()
-        self.sender = Sender(self.out_sock, self.outbox, "starter/send")
+        self.sender = Sender(self.out_sock, "starter/send")
         self.sender.start()
 
     def close_links(self) -> None:
         if self.sender is not None:
-            self.outbox.put(None)
-            self.sender.join(timeout=2)
+            self.sender.close(timeout=2)
             self.sender = None
         for sock in (self.out_sock, self.in_sock):
             close_quietly(sock)
@@ -257,7 +254,7 @@ class RingEngine(Engine):
                     for s in finished:
                         self.slots.free(ids[s.index])
                     self.seq += 1
-                    self.outbox.put((framing.RELEASE, 0, [ids[s.index] for s in finished],
+                    self.sender.put((framing.RELEASE, 0, [ids[s.index] for s in finished],
                                      [0] * len(finished), None, self.seq))
                     inflight[self.seq] = _InFlight("release", [])
                 if entry.kind == "prefill":
@@ -298,7 +295,7 @@ class RingEngine(Engine):
         if self.sender is None or self.sender.error:
             raise self._diagnose(self.sender.error if self.sender else "ring closed")
         self.seq += 1
-        self.outbox.put((framing.ACTIVATION, framing.FLAG_PREFILL if prefill else 0,
+        self.sender.put((framing.ACTIVATION, framing.FLAG_PREFILL if prefill else 0,
                          [ids[s.index] for s in samples], positions, x.to("cpu").contiguous(),
                          self.seq))
         return self.seq
@@ -310,7 +307,7 @@ class RingEngine(Engine):
         for _ in range(count):
             self.seq += 1
             t0 = time.perf_counter()
-            self.outbox.put((framing.PING, 0, [0], [0], payload, self.seq))
+            self.sender.put((framing.PING, 0, [0], [0], payload, self.seq))
             header, _ = self._receive()
             times.append(time.perf_counter() - t0)
             if header.msg_type != framing.PING or header.seq != self.seq:

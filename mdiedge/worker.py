@@ -301,22 +301,20 @@ class WorkerNode:
                 close_quietly(out_sock)
                 return
             self.links = (in_sock, out_sock)
-        inbox: "queue.Queue[Any]" = queue.Queue()
-        outbox: "queue.Queue[Any]" = queue.Queue()
+        inbox: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         receiver = Receiver(in_sock, inbox, self.assignment["max_payload"], f"{self.name}/recv")
-        sender = Sender(out_sock, outbox, f"{self.name}/send")
+        sender = Sender(out_sock, f"{self.name}/send")
         receiver.start()
         sender.start()
         self.stats["connected_at"] = time.time()
         self.stats["compute_s"] = 0.0
         try:
-            self._compute_loop(inbox, outbox)
+            self._compute_loop(inbox, sender)
         except MdiedgeError as e:
             log.error("%s: %s; closing the ring links", self.name, e)
         except Exception:
             log.exception("%s: compute failed; closing the ring links", self.name)
-        outbox.put(None)
-        sender.join(timeout=5)
+        sender.close()
         with self.lock:
             if self.ring_id == ring_id:
                 self._end_ring()
@@ -336,7 +334,7 @@ class WorkerNode:
                 if time.monotonic() > deadline:
                     raise OSError(f"no authenticated previous node: {e}") from None
 
-    def _compute_loop(self, inbox: "queue.Queue[Any]", outbox: "queue.Queue[Any]") -> None:
+    def _compute_loop(self, inbox: "queue.SimpleQueue[Any]", sender: Sender) -> None:
         model, slots = self.model, self.slots
         device = parse_device(self.assignment["device"])
         dtype = parse_dtype(self.assignment["dtype"])
@@ -358,7 +356,7 @@ class WorkerNode:
                                          torch.tensor(rows, device=device), list(positions))
                 if last and prefill:
                     y = y[:, -1:]  # the starter's head needs only the last position
-                outbox.put((framing.ACTIVATION, header.flags, ids, positions,
+                sender.put((framing.ACTIVATION, header.flags, ids, positions,
                             y.to("cpu").contiguous(), header.seq))
                 self.stats["tokens"] += x.shape[0] * x.shape[1]
             elif header.msg_type == framing.RELEASE:
@@ -366,9 +364,9 @@ class WorkerNode:
                 for i in ids:
                     if i in held:
                         slots.free(i)
-                outbox.put((framing.RELEASE, 0, ids, positions, None, header.seq))
+                sender.put((framing.RELEASE, 0, ids, positions, None, header.seq))
             elif header.msg_type in (framing.PING, framing.SHUTDOWN):  # echoed with payload
-                outbox.put((header.msg_type, 0, ids, positions, x, header.seq))
+                sender.put((header.msg_type, 0, ids, positions, x, header.seq))
                 if header.msg_type == framing.SHUTDOWN:
                     return
             self.stats["messages"] += 1

@@ -84,6 +84,7 @@ def tensor_plan(cfg: ModelConfig, layers: Tuple[int, int], embedding: bool, head
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                        "F64": torch.float64}
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+READ_CHUNK_BYTES = 4 << 20  # the temporary of a tensor read that converts dtype or layout
 
 
 class TensorSource:
@@ -152,9 +153,10 @@ class SafetensorsSource(TensorSource):
         return list(self.file_of)
 
     def read_into(self, name: str, out: Tensor) -> None:
-        """Read the tensor's bytes from the file straight into ``out`` (through one temporary
-        of the file's dtype when it differs): no memory map, so the file's pages never count
-        in this process's RSS, and the peak is the model plus one tensor."""
+        """Read the tensor's bytes from the file straight into ``out``, or, when its dtype or
+        layout differs, through a temporary of at most ``READ_CHUNK_BYTES`` at a time: no
+        memory map, so the file's pages never count in this process's RSS, and the peak is
+        the model plus one chunk."""
         file = self.file_of[name]
         entry = self._header(file).get(name)
         if not isinstance(entry, dict):
@@ -165,24 +167,43 @@ class SafetensorsSource(TensorSource):
                 or len(offsets) != 2:
             raise CheckpointError(f"{file}: bad header entry for tensor {name!r}: {entry!r}")
         self._check_shape(name, tuple(shape), tuple(out.shape))
-        target = out if out.dtype == dtype and out.is_contiguous() and out.device.type == "cpu" \
-            else torch.empty(out.shape, dtype=dtype)
-        nbytes = target.numel() * target.element_size()
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = out.numel() * itemsize
         if offsets[1] - offsets[0] != nbytes:
             raise CheckpointError(f"{file}: tensor {name!r} spans {offsets[1] - offsets[0]} "
                                   f"bytes, expected {nbytes}")
         self.read_names.append(name)
-        buffer = memoryview(target.view(torch.uint8).numpy()).cast("B") if nbytes else b""
         fh = self._files.get(file)
         if fh is None:
             fh = self._files[file] = open(file, "rb")
         fh.seek(self._data_start[file] + offsets[0])
-        got = fh.readinto(buffer) if nbytes else 0
-        if got != nbytes:
+        if out.dtype == dtype and out.is_contiguous() and out.device.type == "cpu":
+            self._read_exact(fh, out, file, name, 0, nbytes)
+            return
+        rows = out.shape[0] if out.dim() else 1
+        row_bytes = nbytes // rows if rows else 0
+        step = max(1, READ_CHUNK_BYTES // max(1, row_bytes))
+        for first in range(0, rows, step):
+            last = min(rows, first + step)
+            chunk = torch.empty((last - first,) + tuple(out.shape[1:]), dtype=dtype)
+            self._read_exact(fh, chunk, file, name, first * row_bytes, nbytes)
+            if out.dim():
+                out[first:last].copy_(chunk)
+            else:
+                out.copy_(chunk.view(()))
+
+    @staticmethod
+    def _read_exact(fh: BinaryIO, into: Tensor, file: Path, name: str, done: int,
+                    total: int) -> None:
+        """Fill the contiguous CPU tensor ``into`` from ``fh``; ``done`` bytes of the tensor's
+        ``total`` came before it (for the error message)."""
+        size = into.numel() * into.element_size()
+        if not size:
+            return
+        got = fh.readinto(memoryview(into.reshape(-1).view(torch.uint8).numpy()).cast("B"))
+        if got != size:
             raise CheckpointError(f"{file}: cannot read tensor {name!r} (file truncated: "
-                                  f"{got} of {nbytes} bytes)")
-        if target is not out:
-            out.copy_(target)
+                                  f"{done + got} of {total} bytes)")
 
     def _header(self, file: Path) -> Dict[str, Any]:
         """The JSON header of a safetensors file (8-byte little-endian length, then JSON)."""
@@ -421,6 +442,7 @@ def load_model(model: Optional[PathLike] = None, layers: Optional[Tuple[int, int
     try:
         with _skip_init():
             net = Transformer(cfg, layers, embedding, head).to(dtype)
+        net.store_head_transposed()
         params = dict(net.named_parameters())  # a tied head is the embedding, listed once
         plan = tensor_plan(cfg, layers, embedding, head)
         unplanned = set(params) - set(plan)

@@ -110,10 +110,19 @@ def test_truncated_llama2c(stories: Path, tmp_path: Path) -> None:
         load_model(tmp_path / "tiny.bin")
 
 
-def test_bf16_checkpoint_is_cast_to_fp32(ckpt: Path) -> None:
+@pytest.mark.parametrize("chunk_bytes", [16 << 20, 100], ids=["one-chunk", "many-chunks"])
+def test_bf16_checkpoint_is_cast_to_fp32(ckpt: Path, monkeypatch: pytest.MonkeyPatch,
+                                         chunk_bytes: int) -> None:
+    from mdiedge import checkpoint
+    from mdiedge.checkpoint import hf_state_dict
+
+    monkeypatch.setattr(checkpoint, "READ_CHUNK_BYTES", chunk_bytes)
     edit_tensors(ckpt, lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items()}))
+    stored = load_file(str(ckpt / "model.safetensors"))
     model = load_model(ckpt)
     assert all(p.dtype == torch.float32 for p in model.parameters())
+    for name, tensor in hf_state_dict(model):
+        assert torch.equal(tensor, stored[name].float()), name
 
 
 def test_transformers5_rope_parameters_layout(ckpt: Path) -> None:

@@ -131,3 +131,26 @@ def test_linear_matches_f_linear_for_every_row_count(shape: Any) -> None:
     assert got.shape == (*shape[:-1], 40) and got.is_contiguous()
     torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight),
                                rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_loaded_head_is_stored_transposed(tmp_path: Path, tied: bool) -> None:
+    """The loader keeps the head column-major (a contiguous (dim, vocab) buffer); the values,
+    the tie to the embedding and the logits are those of transformers."""
+    from safetensors.torch import load_file
+
+    path = make_hf_llama(tmp_path, seed=3, tie_word_embeddings=tied)
+    model = load_model(path)
+    head = model.lm_head.weight
+    assert head.shape == (model.cfg.vocab_size, model.cfg.dim) and not head.is_contiguous()
+    assert head.t().is_contiguous()
+    assert (model.embed.weight is head) is tied
+    stored = load_file(str(path / "model.safetensors"))
+    expected = stored["model.embed_tokens.weight" if tied else "lm_head.weight"]
+    assert torch.equal(head, expected)
+    assert torch.equal(model.embed(torch.tensor([[0, 5, 95]])),
+                       stored["model.embed_tokens.weight"][[0, 5, 95]].unsqueeze(0))
+    layer = model.lm_head
+    for rows in (1, 3, 20):
+        x = torch.randn(rows, model.cfg.dim)
+        torch.testing.assert_close(layer(x), x @ expected.t(), rtol=1e-5, atol=1e-5)

@@ -1,12 +1,14 @@
 """Checkpoints: Hugging Face model directories and llama2.c files, read one block range at a time.
 
-A node reads only the tensors of the blocks it holds (safetensors ``safe_open``, never a
-whole-file load) and builds its chunk of the model without materialising the rest.
+A node reads only the tensors of the blocks it holds (safetensors: each file's header parsed
+once, then each tensor read at its offset straight into its parameter, never a whole-file
+load or memory map) and builds its chunk of the model without materialising the rest.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import struct
 from pathlib import Path
@@ -121,10 +123,14 @@ class TensorSource:
 
 
 class SafetensorsSource(TensorSource):
-    """``model.safetensors`` or a sharded ``model.safetensors.index.json``."""
+    """``model.safetensors`` or a sharded ``model.safetensors.index.json``, read with our own
+    parse of each file's header and ``readinto`` (no memory map)."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
+        self._headers: Dict[Path, Dict[str, Any]] = {}
+        self._data_start: Dict[Path, int] = {}
+        self._files: Dict[Path, BinaryIO] = {}
         index = path / "model.safetensors.index.json"
         if index.exists():
             weight_map = read_json(index).get("weight_map")
@@ -133,30 +139,13 @@ class SafetensorsSource(TensorSource):
             self.file_of = {k: path / v for k, v in weight_map.items()}
         else:
             single = path / "model.safetensors"
-            self.file_of = {k: single for k in self._open(single).keys()}
-        self._handles: Dict[Path, object] = {}
-        self._headers: Dict[Path, Dict[str, Any]] = {}
-        self._data_start: Dict[Path, int] = {}
-        self._files: Dict[Path, BinaryIO] = {}
-
-    def _open(self, file: Path):  # type: ignore[no-untyped-def]
-        from safetensors import safe_open
-
-        if not file.exists():
-            raise CheckpointError(f"{file}: file not found")
-        try:
-            return safe_open(str(file), framework="pt")
-        except Exception as e:  # safetensors raises its own error type for corrupt headers
-            raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+            self.file_of = {k: single for k in self._header(single) if k != "__metadata__"}
 
     def names(self) -> Sequence[str]:
         return list(self.file_of)
 
-    def read_into(self, name: str, out: Tensor) -> None:
-        """Read the tensor's bytes from the file straight into ``out``, or, when its dtype or
-        layout differs, through a temporary of at most ``READ_CHUNK_BYTES`` at a time: no
-        memory map, so the file's pages never count in this process's RSS, and the peak is
-        the model plus one chunk."""
+    def _entry(self, name: str) -> Tuple[Path, torch.dtype, Tuple[int, ...], int, int]:
+        """File, dtype, shape, start and size in bytes of tensor ``name``, all checked."""
         file = self.file_of[name]
         entry = self._header(file).get(name)
         if not isinstance(entry, dict):
@@ -164,19 +153,38 @@ class SafetensorsSource(TensorSource):
         dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype"))  # type: ignore[arg-type]
         shape, offsets = entry.get("shape"), entry.get("data_offsets")
         if dtype is None or not isinstance(shape, list) or not isinstance(offsets, list) \
-                or len(offsets) != 2:
+                or len(offsets) != 2 or not all(isinstance(n, int) and n >= 0
+                                                for n in shape + offsets):
             raise CheckpointError(f"{file}: bad header entry for tensor {name!r}: {entry!r}")
-        self._check_shape(name, tuple(shape), tuple(out.shape))
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = out.numel() * itemsize
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if offsets[1] - offsets[0] != nbytes:
             raise CheckpointError(f"{file}: tensor {name!r} spans {offsets[1] - offsets[0]} "
                                   f"bytes, expected {nbytes}")
+        return file, dtype, tuple(shape), self._data_start[file] + offsets[0], nbytes
+
+    def _read(self, name: str) -> Tensor:
+        entry = self._entry(name)
+        out = torch.empty(entry[2], dtype=entry[1])
+        self._fill(name, entry, out)
+        return out
+
+    def read_into(self, name: str, out: Tensor) -> None:
+        """Read the tensor's bytes from the file straight into ``out``, or, when its dtype or
+        layout differs, through a temporary of at most ``READ_CHUNK_BYTES`` at a time: no
+        memory map, so the file's pages never count in this process's RSS, and the peak is
+        the model plus one chunk."""
+        entry = self._entry(name)
+        self._check_shape(name, entry[2], tuple(out.shape))
         self.read_names.append(name)
+        self._fill(name, entry, out)
+
+    def _fill(self, name: str, entry: Tuple[Path, torch.dtype, Tuple[int, ...], int, int],
+              out: Tensor) -> None:
+        file, dtype, _, start, nbytes = entry
         fh = self._files.get(file)
         if fh is None:
             fh = self._files[file] = open(file, "rb")
-        fh.seek(self._data_start[file] + offsets[0])
+        fh.seek(start)
         if out.dtype == dtype and out.is_contiguous() and out.device.type == "cpu":
             self._read_exact(fh, out, file, name, 0, nbytes)
             return
@@ -206,9 +214,13 @@ class SafetensorsSource(TensorSource):
                                   f"{done + got} of {total} bytes)")
 
     def _header(self, file: Path) -> Dict[str, Any]:
-        """The JSON header of a safetensors file (8-byte little-endian length, then JSON)."""
+        """The JSON header of a safetensors file (8-byte little-endian length, then JSON),
+        checked against the file's size so that a truncated file fails before any read."""
         if file not in self._headers:
-            size = file.stat().st_size
+            try:
+                size = file.stat().st_size
+            except OSError:
+                raise CheckpointError(f"{file}: file not found") from None
             with open(file, "rb") as fh:
                 prefix = fh.read(8)
                 length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
@@ -223,6 +235,14 @@ class SafetensorsSource(TensorSource):
             if not isinstance(header, dict):
                 raise CheckpointError(f"{file}: not a readable safetensors file (header is "
                                       f"not an object)")
+            data_end = max((e["data_offsets"][1] for e in header.values() if isinstance(e, dict)
+                            and isinstance(e.get("data_offsets"), list)
+                            and len(e["data_offsets"]) == 2
+                            and isinstance(e["data_offsets"][1], int)), default=0)
+            if 8 + length + data_end > size:
+                raise CheckpointError(f"{file}: not a readable safetensors file (truncated: "
+                                      f"its tensors end at byte {8 + length + data_end}, the "
+                                      f"file has {size})")
             self._headers[file], self._data_start[file] = header, 8 + length
         return self._headers[file]
 
@@ -230,18 +250,6 @@ class SafetensorsSource(TensorSource):
         for fh in self._files.values():
             fh.close()
         self._files.clear()
-        self._handles.clear()
-
-    def _read(self, name: str) -> Tensor:
-        file = self.file_of[name]
-        handle = self._handles.get(file)
-        if handle is None:
-            handle = self._handles[file] = self._open(file)
-        try:
-            return handle.get_tensor(name)  # type: ignore[attr-defined]
-        except Exception as e:
-            raise CheckpointError(f"{file}: cannot read tensor {name!r} "
-                                  f"(file truncated or corrupt: {e})") from None
 
 
 class TorchBinSource(TensorSource):

@@ -1,5 +1,6 @@
-"""Builds the Cython modules in ext/ as mdiedge._c<name>; a failed compile still installs a
-working package (each compiled module has a pure-Python twin, mdiedge._py<name>)."""
+"""Builds the Cython modules in ext/ as <package>._c<name> (the package that owns the pair, see
+mdiedge/base/accel.py); a failed compile still installs a working package (each compiled
+module has a pure-Python twin, <package>._py<name>)."""
 import glob
 import os
 import sys
@@ -22,6 +23,18 @@ class OptionalBuildExt(build_ext):
             print(f"mdiedge: {ext.name} not built ({e}); using its pure-Python twin", file=sys.stderr)
 
 
+def _owner(pyx):
+    """The package of a compiled module, from the one table in mdiedge/base/accel.py."""
+    import ast
+
+    with open(os.path.join("mdiedge", "base", "accel.py")) as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "TWINNED":
+            return ast.literal_eval(node.value)[os.path.basename(pyx)[2:-4]]
+    raise RuntimeError("TWINNED not found in mdiedge/base/accel.py")
+
+
 def extensions():
     if os.environ.get("MDIEDGE_NO_EXTENSIONS", "") not in ("", "0"):
         return []
@@ -29,7 +42,7 @@ def extensions():
         from Cython.Build import cythonize
 
         sources = sorted(glob.glob(os.path.join("ext", "_c*.pyx")))
-        modules = [Extension("mdiedge." + os.path.basename(p)[:-4], [p],
+        modules = [Extension(_owner(p) + "." + os.path.basename(p)[:-4], [p],
                              extra_compile_args=["-O3"]) for p in sources]
         return cythonize(modules, language_level=3, quiet=True,
                          build_dir=os.path.join("build", "cython"))

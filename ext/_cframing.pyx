@@ -22,8 +22,8 @@ from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, UINT64_MAX
 from libc.string cimport memcpy
 from posix.uio cimport iovec, writev
 
-from mdiedge._pyframing import FrameHeader  # one plain class for both implementations
-from mdiedge.errors import FrameError
+from mdiedge.runtime._pyframing import FrameHeader  # one plain class for both implementations
+from mdiedge.base.errors import FrameError
 
 
 cdef extern from *:

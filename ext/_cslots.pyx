@@ -3,7 +3,7 @@
 from libc.stdint cimport int64_t
 from libc.stdlib cimport malloc, free as c_free
 
-from mdiedge.errors import SlotError
+from mdiedge.base.errors import SlotError
 
 MAX_SAMPLE_ID = 2 ** 32 - 1
 

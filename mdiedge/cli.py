@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import typer
 
-from .errors import MdiedgeError
+from .base.errors import MdiedgeError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Model-distributed inference of decoder-only LLMs across small devices.")
@@ -109,7 +109,7 @@ def generate(
     """Generate text from PROMPT, on a ring of nodes (by default a local ring of 3)."""
     from contextlib import ExitStack
 
-    from .sampling import SamplingParams
+    from .model.sampling import SamplingParams
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if starter:
@@ -125,7 +125,7 @@ def generate(
 
 def _generate_through(url: str, prompt: str, max_new_tokens: int, samples: int, params: Any,
                       micro_batch: int, as_json: bool) -> None:
-    from .control import call
+    from .runtime.control import call
 
     body = {"prompt": prompt, "max_new_tokens": max_new_tokens, "samples": samples,
             "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
@@ -161,8 +161,8 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
     if ring is not None:
         from pathlib import Path
 
-        from .ringfile import load_ring
-        from .starter import RingEngine
+        from .base.ringfile import load_ring
+        from .roles.starter import RingEngine
 
         options, workers = load_ring(Path(ring))
         device = options.pop("device", device)
@@ -173,15 +173,15 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
     if nodes < 1:
         raise typer.BadParameter(f"--nodes must be >= 1, got {nodes}")
     if nodes == 1:
-        from .engine import LocalEngine
+        from .roles.engine import LocalEngine
 
         local = LocalEngine(model, tokenizer, device=device, dtype=dtype)
         check(local)
         return local
     import torch
 
-    from .local import LocalRing, threads_per_node
-    from .starter import RingEngine
+    from .roles.local_ring import LocalRing, threads_per_node
+    from .roles.starter import RingEngine
 
     threads = threads_per_node(nodes)
     torch.set_num_threads(threads)
@@ -200,7 +200,7 @@ def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, 
     stream = samples == 1 and not as_json
     decoder = None
     if stream:
-        from .tokenizer import StreamDecoder
+        from .model.tokenizer import StreamDecoder
 
         decoder = StreamDecoder(engine.tokenizer, engine.encode_prompt(prompt))
         sys.stdout.write(prompt)
@@ -261,7 +261,7 @@ def worker(
     import time
     from pathlib import Path
 
-    from .settings import WorkerSettings, find_config, load_settings, read_secret
+    from .base.settings import WorkerSettings, find_config, load_settings, read_secret
 
     section = WorkerSettings()
     path = None if no_config else find_config(config)
@@ -277,7 +277,7 @@ def worker(
                         format=f"%(asctime)s {chosen['name']} %(levelname)s %(message)s")
     import torch
 
-    from .worker import WorkerNode
+    from .roles.worker import WorkerNode
 
     if chosen["threads"] > 0:
         torch.set_num_threads(chosen["threads"])
@@ -322,13 +322,13 @@ app.add_typer(config_app, name="config")
 @one_line_errors
 def config_check(file: str = typer.Argument(..., help="The TOML file to validate.")) -> None:
     """Validate a config file; one line naming the file and key on error."""
-    from .settings import check_config
+    from .base.settings import check_config
 
     typer.echo(check_config(file))
 
 
 def _env_secret() -> Optional[bytes]:
-    from .settings import read_secret
+    from .base.settings import read_secret
 
     return read_secret(None)
 
@@ -336,7 +336,7 @@ def _env_secret() -> Optional[bytes]:
 def _serve_under_systemd(stopped: Any, status: str) -> None:
     """READY=1 now (the node listens and holds what it was configured to load), WATCHDOG=1
     pings while it runs, STOPPING=1 once a stop is requested; returns then."""
-    from .sdnotify import Watchdog, notify, watchdog_interval
+    from .ops.sdnotify import Watchdog, notify, watchdog_interval
 
     notify(f"READY=1\nSTATUS={status}\nMAINPID={os.getpid()}")
     interval = watchdog_interval()
@@ -364,7 +364,7 @@ def bench(
     """Measure tokens/s, busy fraction, per-hop overhead and peak RSS of 1..N-node rings."""
     from pathlib import Path
 
-    from . import bench as benchmarks
+    from .ops import bench as benchmarks
 
     if one:
         result = benchmarks.run_config(Path(model or ""), nodes, samples, new_tokens, context,
@@ -399,9 +399,9 @@ def starter_command(
     import signal
     import threading
 
-    from .auth import is_loopback
-    from .errors import ConfigError
-    from .settings import StarterSettings, find_config, load_settings, read_secret
+    from .runtime.auth import is_loopback
+    from .base.errors import ConfigError
+    from .base.settings import StarterSettings, find_config, load_settings, read_secret
 
     path = find_config(config)
     if path is None:
@@ -416,9 +416,9 @@ def starter_command(
     if secret is None and not (insecure or section.insecure) and not is_loopback(section.host):
         raise ConfigError(f"refusing to listen on {section.host} without a ring secret "
                           f"(set one, or pass --insecure on a trusted network)")
-    from .serve import StarterServer
-    from .starter import RingEngine, WorkerAddress
-    from .transport import DEFAULT_MAX_PAYLOAD
+    from .ops.serve import StarterServer
+    from .roles.starter import RingEngine, WorkerAddress
+    from .runtime.links import DEFAULT_MAX_PAYLOAD
 
     workers = [WorkerAddress(w.name, w.host, w.control_port, w.weight, w.memory, w.layers,
                              w.device) for w in settings.workers]
@@ -450,7 +450,7 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
 ) -> None:
     """Show every node of the ring; exit code 69 when any node is down."""
-    from .control import call
+    from .runtime.control import call
 
     auth = _client_auth()
     if starter:
@@ -463,7 +463,7 @@ def status(
     elif ring:
         from pathlib import Path
 
-        from .ringfile import load_ring
+        from .base.ringfile import load_ring
 
         _, workers = load_ring(Path(ring))
         nodes = []
@@ -489,7 +489,7 @@ def _print_status(nodes: Any) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from . import expertstats
+    from .model import expertstats
 
     def mb(n: Any) -> str:
         return "-" if n is None else f"{n / 2 ** 20:.1f}"
@@ -522,7 +522,7 @@ def _print_status(nodes: Any) -> None:
 
 
 def _client_auth() -> Any:
-    from .auth import Authenticator
+    from .runtime.auth import Authenticator
 
     return Authenticator(_env_secret())
 

@@ -1,16 +1,16 @@
-"""The selector of compiled modules and their twins (``mdiedge._accel``)."""
+"""The selector of compiled modules and their twins (``mdiedge.base.accel``)."""
 from __future__ import annotations
 
 import os
 
 import pytest
 
-from mdiedge import _accel
+from mdiedge.base import accel as _accel
 
 
 def test_twins_exist_for_every_compiled_module() -> None:
     for name in _accel.TWINNED:
-        assert _accel.twin(name).__name__ == f"mdiedge._py{name}"
+        assert _accel.twin(name).__name__ == f"{_accel.TWINNED[name]}._py{name}"
 
 
 @pytest.mark.parametrize("value,disabled", [("", False), ("0", False), ("1", True),

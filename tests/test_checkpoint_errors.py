@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mdiedge.checkpoint import load_config, load_model
-from mdiedge.errors import CheckpointError, ConfigError, GenerationError, MdiedgeError
-from mdiedge.generation import Generation
-from mdiedge.sampling import SamplingParams
+from mdiedge.model.checkpoint import load_config, load_model
+from mdiedge.base.errors import CheckpointError, ConfigError, GenerationError, MdiedgeError
+from mdiedge.runtime.generation import Generation
+from mdiedge.model.sampling import SamplingParams
 
 
 @pytest.fixture()
@@ -113,8 +113,8 @@ def test_truncated_llama2c(stories: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("chunk_bytes", [16 << 20, 100], ids=["one-chunk", "many-chunks"])
 def test_bf16_checkpoint_is_cast_to_fp32(ckpt: Path, monkeypatch: pytest.MonkeyPatch,
                                          chunk_bytes: int) -> None:
-    from mdiedge import checkpoint
-    from mdiedge.checkpoint import hf_state_dict
+    from mdiedge.model import checkpoint
+    from mdiedge.model.checkpoint import hf_state_dict
 
     monkeypatch.setattr(checkpoint, "READ_CHUNK_BYTES", chunk_bytes)
     edit_tensors(ckpt, lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items()}))

@@ -5,8 +5,8 @@ from typing import Any, Dict
 
 import pytest
 
-from mdiedge.config import PRESETS, ModelConfig, config_from_hf, config_to_hf, preset
-from mdiedge.errors import ConfigError
+from mdiedge.model.config import PRESETS, ModelConfig, config_from_hf, config_to_hf, preset
+from mdiedge.base.errors import ConfigError
 
 BASE: Dict[str, Any] = {
     "model_type": "llama", "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 2,

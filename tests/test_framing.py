@@ -16,9 +16,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mdiedge import _accel, framing
-from mdiedge._accel import implementations
-from mdiedge.errors import FrameError
+from mdiedge.base import accel as _accel
+from mdiedge.runtime import framing
+from mdiedge.base.accel import implementations
+from mdiedge.base.errors import FrameError
 
 pytestmark = pytest.mark.twins
 IMPLS = implementations("framing")
@@ -506,10 +507,10 @@ def test_select_prefers_the_compiled_module(monkeypatch: pytest.MonkeyPatch) -> 
         pytest.skip("mdiedge._cframing is not built")
     monkeypatch.delenv("MDIEDGE_NO_EXTENSIONS", raising=False)
     assert _accel.select("framing") is compiled
-    assert [m.__name__ for m in implementations("framing")] == ["mdiedge._pyframing",
-                                                                "mdiedge._cframing"]
+    assert [m.__name__ for m in implementations("framing")] == ["mdiedge.runtime._pyframing",
+                                                                "mdiedge.runtime._cframing"]
     monkeypatch.setenv("MDIEDGE_NO_EXTENSIONS", "1")
-    assert _accel.select("framing").__name__ == "mdiedge._pyframing"
+    assert _accel.select("framing").__name__ == "mdiedge.runtime._pyframing"
 
 
 def test_public_layer_uses_the_selected_module() -> None:

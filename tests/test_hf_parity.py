@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import make_hf_llama
-from mdiedge.checkpoint import load_config, load_model
-from mdiedge.generation import Generation, run_local
-from mdiedge.sampling import SamplingParams
+from mdiedge.model.checkpoint import load_config, load_model
+from mdiedge.runtime.generation import Generation, run_local
+from mdiedge.model.sampling import SamplingParams
 
 VARIANTS: Dict[str, Dict[str, Any]] = {
     "mha": dict(num_key_value_heads=4),
@@ -122,7 +122,7 @@ def test_batched_decode_equals_one_at_a_time(tiny_llama: Path) -> None:
                                    (9, 24), (4, 5, 24), (0, 24)])
 def test_linear_matches_f_linear_for_every_row_count(shape: Any) -> None:
     """model.Linear takes another GEMM orientation for 2..8 rows; the product is the same."""
-    from mdiedge.model import Linear
+    from mdiedge.model.layers import Linear
 
     torch.manual_seed(0)
     layer = Linear(24, 40)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from mdiedge._accel import implementations
+from mdiedge.base.accel import implementations
 
 IMPLS = implementations("moe")
 
@@ -158,7 +158,7 @@ def test_twins_agree_on_random_inputs() -> None:
 
 
 def moe_config(**overrides: Any) -> Any:
-    from mdiedge.config import ModelConfig
+    from mdiedge.model.config import ModelConfig
 
     values: Dict[str, Any] = dict(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
                                   intermediate_size=48, n_experts=6, experts_per_token=2,
@@ -179,7 +179,7 @@ def dense_reference(moe: Any, x: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def test_moe_matches_a_dense_computation_with_every_routing() -> None:
-    from mdiedge.moe import MoE
+    from mdiedge.model.moe import MoE
 
     torch.manual_seed(0)
     x = torch.randn(3, 5, 32)
@@ -193,7 +193,7 @@ def test_moe_matches_a_dense_computation_with_every_routing() -> None:
 
 @torch.no_grad()
 def test_expert_counts_accumulate_and_reset() -> None:
-    from mdiedge.moe import MoE
+    from mdiedge.model.moe import MoE
 
     torch.manual_seed(1)
     moe = MoE(moe_config())
@@ -210,7 +210,7 @@ def test_expert_counts_accumulate_and_reset() -> None:
 
 def test_moe_trains() -> None:
     """With gradients the grouping runs as torch ops, so the router gets a gradient too."""
-    from mdiedge.moe import MoE
+    from mdiedge.model.moe import MoE
 
     torch.manual_seed(2)
     moe = MoE(moe_config())
@@ -300,8 +300,8 @@ def test_logits_match_prefill_and_decode(mixtral: Path) -> None:
 
 
 def load(path: Path, **kwargs: Any) -> Any:
-    from mdiedge.checkpoint import load_model
-    from mdiedge.moe import MoE
+    from mdiedge.model.checkpoint import load_model
+    from mdiedge.model.moe import MoE
 
     model = load_model(path, **kwargs)
     assert all(isinstance(b.mlp, MoE) for b in model.layers.values())
@@ -332,7 +332,7 @@ def test_greedy_generation_matches_transformers(mixtral: Path) -> None:
 
 @torch.no_grad()
 def test_two_chunks_give_the_same_logits(mixtral: Path) -> None:
-    from mdiedge.checkpoint import load_config
+    from mdiedge.model.checkpoint import load_config
 
     n_layers = load_config(mixtral).n_layers
     first = load(mixtral, layers=(0, 1), embedding=True, head=False)
@@ -373,11 +373,11 @@ def test_ring_equals_single_process(ring_mixtral: Path, nodes: int) -> None:
     """Greedy and seeded sampling, one sample per message and micro-batched, on real worker
     processes; every block reports its expert load, and every token went through every
     block to k experts."""
-    from mdiedge import expertstats
-    from mdiedge.engine import LocalEngine
-    from mdiedge.local import LocalRing
-    from mdiedge.sampling import SamplingParams
-    from mdiedge.starter import RingEngine
+    from mdiedge.model import expertstats
+    from mdiedge.roles.engine import LocalEngine
+    from mdiedge.roles.local_ring import LocalRing
+    from mdiedge.model.sampling import SamplingParams
+    from mdiedge.roles.starter import RingEngine
 
     greedy_params = SamplingParams(temperature=0)
     sampled = SamplingParams(temperature=1.0, top_k=20, seed=5)
@@ -405,7 +405,7 @@ def test_ring_equals_single_process(ring_mixtral: Path, nodes: int) -> None:
 
 
 def test_expert_load_lines() -> None:
-    from mdiedge import expertstats
+    from mdiedge.model import expertstats
 
     load = expertstats.merge([{"3": [1, 2]}, {}, {"1": [4, 0], "10": [0, 0]}])
     assert list(load) == ["1", "3", "10"]

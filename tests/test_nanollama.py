@@ -9,8 +9,8 @@ import sys
 
 import torch
 
-from mdiedge.checkpoint import load_model
-from mdiedge.defaults import default_model_path
+from mdiedge.model.checkpoint import load_model
+from mdiedge.base.defaults import default_model_path
 
 
 def test_transformers_loads_it_and_logits_match() -> None:

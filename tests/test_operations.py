@@ -16,10 +16,10 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 
-from mdiedge.auth import Authenticator, AuthError
-from mdiedge.control import call
-from mdiedge.errors import RingError
-from mdiedge.starter import RingEngine, WorkerAddress
+from mdiedge.runtime.auth import Authenticator, AuthError
+from mdiedge.runtime.control import call
+from mdiedge.base.errors import RingError
+from mdiedge.roles.starter import RingEngine, WorkerAddress
 
 SECRET = "s3cret-ring-key-0123456789abcdef"
 

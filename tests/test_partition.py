@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mdiedge.config import ModelConfig, preset
-from mdiedge.errors import PartitionError
-from mdiedge.partition import NodeShare, Placement, format_bytes, partition, split_layers
+from mdiedge.model.config import ModelConfig, preset
+from mdiedge.base.errors import PartitionError
+from mdiedge.runtime.partition import NodeShare, Placement, format_bytes, partition, split_layers
 
 Ranges = List[Tuple[int, int]]
 

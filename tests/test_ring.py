@@ -12,11 +12,11 @@ from typing import Any, Dict, Iterator, List, Tuple
 import pytest
 
 from conftest import make_hf_llama, write_tiny_tokenizer
-from mdiedge.engine import LocalEngine
-from mdiedge.errors import RingError
-from mdiedge.local import LocalRing
-from mdiedge.sampling import SamplingParams
-from mdiedge.starter import RingEngine
+from mdiedge.roles.engine import LocalEngine
+from mdiedge.base.errors import RingError
+from mdiedge.roles.local_ring import LocalRing
+from mdiedge.model.sampling import SamplingParams
+from mdiedge.roles.starter import RingEngine
 
 GREEDY = SamplingParams(temperature=0)
 SAMPLED = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=11)

@@ -7,7 +7,7 @@ from typing import List
 import pytest
 import torch
 
-from mdiedge.sampling import SamplingParams, filter_logits, sample_generator, sample_rows
+from mdiedge.model.sampling import SamplingParams, filter_logits, sample_generator, sample_rows
 
 LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]))
 

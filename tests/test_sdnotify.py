@@ -18,7 +18,7 @@ from typing import Iterator, List, Optional, Tuple
 
 import pytest
 
-from mdiedge import sdnotify
+from mdiedge.ops import sdnotify
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""Settings files (mdiedge.settings) and ring files on top of them; no torch needed except for
+"""Settings files (mdiedge.base.settings) and ring files on top of them; no torch needed except for
 the load_ring tests, which build ``WorkerAddress`` objects."""
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any, Dict, Iterator, List, Optional
 import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
-from mdiedge import settings as settings_module
-from mdiedge.errors import ConfigError
-from mdiedge.settings import (STARTER_SCHEMA, WORKER_SCHEMA, WORKERS_SCHEMA, Settings,
+from mdiedge.base import settings as settings_module
+from mdiedge.base.errors import ConfigError
+from mdiedge.base.settings import (STARTER_SCHEMA, WORKER_SCHEMA, WORKERS_SCHEMA, Settings,
                               StarterSettings, WorkerEntry, WorkerSettings, check_config,
                               find_config, load_settings, parse_bytes, read_secret)
 
@@ -363,13 +363,13 @@ def test_parse_bytes_errors(value: Any) -> None:
 
 
 def test_ringfile_reexports_parse_bytes() -> None:
-    from mdiedge import ringfile
+    from mdiedge.base import ringfile
 
     assert ringfile.parse_bytes is parse_bytes
 
 
 def test_no_torch_needed() -> None:
-    code = "import sys, mdiedge.settings, mdiedge.ringfile; sys.exit('torch' in sys.modules)"
+    code = "import sys, mdiedge.base.settings, mdiedge.base.ringfile; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -578,14 +578,14 @@ def test_check_config_errors_like_load(tmp_path: Path) -> None:
 
 @pytest.fixture
 def load_ring() -> Any:
-    pytest.importorskip("torch")  # WorkerAddress lives in mdiedge.starter
-    from mdiedge.ringfile import load_ring
+    pytest.importorskip("torch")  # WorkerAddress lives in mdiedge.roles.starter
+    from mdiedge.base.ringfile import load_ring
 
     return load_ring
 
 
 def test_load_ring_shape(tmp_path: Path, load_ring: Any) -> None:
-    from mdiedge.starter import WorkerAddress
+    from mdiedge.roles.starter import WorkerAddress
 
     options, workers = load_ring(write(tmp_path, RING_FILE))
     assert options == {"host": "10.0.0.1", "device": "cpu", "starter_weight": 1.0,
@@ -619,7 +619,7 @@ def test_load_ring_without_starter_table(tmp_path: Path, load_ring: Any) -> None
 def test_load_ring_feeds_ring_engine(tmp_path: Path, load_ring: Any) -> None:
     import inspect
 
-    from mdiedge.starter import RingEngine
+    from mdiedge.roles.starter import RingEngine
 
     options, _ = load_ring(write(tmp_path, STARTER_FILE + R))
     accepted = inspect.signature(RingEngine.__init__).parameters
@@ -775,7 +775,7 @@ def test_fuzz_documents(fuzz_dir: Path, document: Dict[str, Any]) -> None:
     text = dump(document)
     path = fuzz_dir / "doc.toml"
     result = only_config_errors(path, text.encode())
-    from mdiedge.settings import tomllib
+    from mdiedge.base.settings import tomllib
 
     assert tomllib.loads(text) == document or any(
         isinstance(v, float) and math.isnan(v) for v in _leaves(document))
@@ -802,7 +802,7 @@ def test_fuzz_one_table(fuzz_dir: Path, table: Dict[str, Any], which: str) -> No
 
 
 def test_fuzz_dump_roundtrip() -> None:
-    from mdiedge.settings import tomllib
+    from mdiedge.base.settings import tomllib
 
     doc = {"worker": {"name": 'a"b\\c\n\x7f', "layers": [1, 2], "x": {"y": 1.5}}}
     assert tomllib.loads(dump(doc)) == doc

@@ -5,8 +5,8 @@ from types import ModuleType
 
 import pytest
 
-from mdiedge._accel import implementations
-from mdiedge.errors import SlotError
+from mdiedge.base.accel import implementations
+from mdiedge.base.errors import SlotError
 
 pytestmark = pytest.mark.twins
 IMPLS = implementations("slots")

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mdiedge.engine import LocalEngine
-from mdiedge.sampling import SamplingParams
+from mdiedge.roles.engine import LocalEngine
+from mdiedge.model.sampling import SamplingParams
 
 GOLDEN = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park."
 
@@ -28,7 +28,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_grouping(stories: Pa
 
 
 def test_tokenizer_round_trip(stories: Path) -> None:
-    from mdiedge.tokenizer import load_tokenizer
+    from mdiedge.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(stories / "stories260K.bin", stories / "tok512.model")
     text = "Lily saw a big dog. It was happy!"

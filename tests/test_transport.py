@@ -1,4 +1,4 @@
-"""The data-plane threads of ``mdiedge.transport``: the Sender's order and inline sends."""
+"""The data-plane threads of ``mdiedge.runtime.links``: the Sender's order and inline sends."""
 from __future__ import annotations
 
 import socket
@@ -8,8 +8,8 @@ from typing import Iterator, List, Tuple
 import pytest
 import torch
 
-from mdiedge import framing
-from mdiedge.transport import Sender
+from mdiedge.runtime import framing
+from mdiedge.runtime.links import Sender
 
 
 @pytest.fixture()

@@ -10,7 +10,7 @@ from typing import Dict, List
 
 import pytest
 
-from mdiedge import units
+from mdiedge.ops import units
 
 try:
     import tomllib

@@ -11,12 +11,12 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from .checkpoint import load_config, load_model, resolve_model_path
-from .config import ModelConfig
-from .errors import ConfigError
-from .generation import Generation, Timing, TokenCallback, run_local
-from .sampling import SamplingParams
-from .tokenizer import Tokenizer, decode_continuation, load_tokenizer
+from ..model.checkpoint import load_config, load_model, resolve_model_path
+from ..model.config import ModelConfig
+from ..base.errors import ConfigError
+from ..runtime.generation import Generation, Timing, TokenCallback, run_local
+from ..model.sampling import SamplingParams
+from ..model.tokenizer import Tokenizer, decode_continuation, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}

@@ -20,19 +20,19 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import framing
-from ._accel import select
-from .checkpoint import chunk_safetensors, content_hash, load_config, load_model, resolve_model_path
-from .auth import Authenticator
-from .config import config_to_hf
-from .control import call, round_trip_ms
+from ..runtime import framing
+from ..base.accel import select
+from ..model.checkpoint import chunk_safetensors, content_hash, load_config, load_model, resolve_model_path
+from ..runtime.auth import Authenticator
+from ..model.config import config_to_hf
+from ..runtime.control import call, round_trip_ms
 from .engine import Engine, GenerationOutput, parse_device, parse_dtype
-from .errors import RingError
-from .generation import Generation, Sample, Timing, TokenCallback
-from .partition import NodeShare, Placement, partition
-from .sampling import SamplingParams
-from .tokenizer import load_tokenizer
-from .transport import (DEFAULT_MAX_PAYLOAD, LinkDown, Receiver, Sender, accept, close_quietly,
+from ..base.errors import RingError
+from ..runtime.generation import Generation, Sample, Timing, TokenCallback
+from ..runtime.partition import NodeShare, Placement, partition
+from ..model.sampling import SamplingParams
+from ..model.tokenizer import load_tokenizer
+from ..runtime.links import (DEFAULT_MAX_PAYLOAD, LinkDown, Receiver, Sender, accept, close_quietly,
                         tcp_connect, tcp_listen)
 
 log = logging.getLogger("mdiedge.starter")
@@ -334,7 +334,7 @@ class RingEngine(Engine):
         return RingError(f"the ring broke: {reason}")
 
     def own_status(self) -> Dict[str, Any]:
-        from . import __version__
+        from .. import __version__
         from .worker import rss_bytes
 
         model = self.model

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
-from .errors import SlotError
+from ..base.errors import SlotError
 
 MAX_SAMPLE_ID = 2 ** 32 - 1
 

@@ -1,5 +1,6 @@
-"""One selector for compiled modules: ``mdiedge._c<name>`` (Cython, built from ``ext/``) or its
-pure-Python twin ``mdiedge._py<name>`` with the same API.
+"""One selector for compiled modules: ``<package>._c<name>`` (Cython, built from ``ext/``) or
+its pure-Python twin ``<package>._py<name>`` with the same API, where ``TWINNED`` names the
+package that owns each pair.
 
 ``MDIEDGE_NO_EXTENSIONS=1`` forces the twins; a missing compiled module falls back to its twin.
 """
@@ -10,7 +11,7 @@ import os
 from types import ModuleType
 from typing import List, Optional
 
-TWINNED = ("slots", "framing", "moe")
+TWINNED = {"slots": "mdiedge.runtime", "framing": "mdiedge.runtime", "moe": "mdiedge.model"}
 
 
 def extensions_disabled() -> bool:
@@ -19,13 +20,13 @@ def extensions_disabled() -> bool:
 
 def compiled(name: str) -> Optional[ModuleType]:
     try:
-        return importlib.import_module(f"mdiedge._c{name}")
+        return importlib.import_module(f"{TWINNED[name]}._c{name}")
     except ImportError:
         return None
 
 
 def twin(name: str) -> ModuleType:
-    return importlib.import_module(f"mdiedge._py{name}")
+    return importlib.import_module(f"{TWINNED[name]}._py{name}")
 
 
 def select(name: str) -> ModuleType:

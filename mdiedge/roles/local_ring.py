@@ -16,7 +16,7 @@ import sys
 import time
 from typing import List, Optional
 
-from .errors import RingError
+from ..base.errors import RingError
 from .starter import WorkerAddress
 
 READY_TIMEOUT_S = 60.0

@@ -19,78 +19,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
+from .layers import MLP, Linear, RMSNorm, apply_rope, rope_tables
+from .moe import MoE
 
 _HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
 _SHORT_QUERY = 4096  # T * L below which explicit attention beats the fused CPU kernel
 _NO_SLOTS = torch.empty(0, dtype=torch.long)
-_FEW_ROWS = 8  # up to this many rows, Linear multiplies in the weight-major orientation
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> Tensor:
-    """Inverse RoPE frequencies ``(head_dim/2,)`` in fp32, with ``llama3`` scaling if set."""
-    exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** exponents)
-    s = cfg.rope_scaling
-    if s is None:
-        return inv_freq
-    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def rope_tables(cfg: ModelConfig, max_seq_len: int) -> Tuple[Tensor, Tensor]:
-    """cos and sin tables ``(max_seq_len, head_dim)`` in the "rotate half" layout, fp32."""
-    positions = torch.arange(max_seq_len, dtype=torch.float32)
-    freqs = torch.outer(positions, rope_inv_freq(cfg))  # (L, head_dim/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (L, head_dim)
-    return emb.cos(), emb.sin()
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: (B, heads, T, head_dim); cos, sin: (B, 1, T, head_dim)."""
-    return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
-
-
-class Linear(nn.Linear):
-    """A bias-free ``nn.Linear`` that multiplies a few rows (2 to 8: micro-batched decode) on
-    the CPU as ``(W @ x^T)^T``: the same product as ``x @ W^T`` in the GEMM orientation that
-    CPU BLAS runs 1.5-4x faster for so few rows (measured by ``bin/bench-decode``). A weight
-    kept in transposed storage (the head, see ``Transformer.store_head_transposed``) always
-    takes ``F.linear``, which already streams it in order."""
-
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__(in_features, out_features, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        rows = x.numel() // self.in_features
-        if 2 <= rows <= _FEW_ROWS and x.device.type == "cpu" and self.weight.is_contiguous():
-            flat = x.reshape(rows, self.in_features)  # (rows, in)
-            out = (self.weight @ flat.t()).t().contiguous()  # (rows, out)
-            return out.view(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.weight)
 
 
 class KVCache(nn.Module):
@@ -179,19 +113,6 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.gate = Linear(dim, hidden)
-        self.up = Linear(dim, hidden)
-        self.down = Linear(hidden, dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
-
-
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -208,7 +129,6 @@ class Block(nn.Module):
 
 def _feed_forward(cfg: ModelConfig) -> nn.Module:
     if cfg.is_moe:
-        from .moe import MoE
         return MoE(cfg)
     return MLP(cfg.dim, cfg.intermediate_size)
 

@@ -9,7 +9,7 @@ exactly its tokens, and the weighted outputs are scattered back with ``index_add
 that received no token cost nothing.
 
 The grouping is a counting sort. On the CPU it runs in the selected routing module
-(``mdiedge._cmoe``, compiled, or its pure-Python twin ``mdiedge._pymoe``, see ``_accel``); on
+(``mdiedge._cmoe``, compiled, or its pure-Python twin ``mdiedge.model._pymoe``, see ``_accel``); on
 CUDA, and whenever the routing weights need gradients, it runs as torch ops on the tensors'
 own device (a stable argsort of the expert ids and a bincount), and only the ``E + 1`` group
 offsets come to the host to size the per-expert batches.
@@ -22,9 +22,9 @@ from typing import List, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from ._accel import select
+from ..base.accel import select
 from .config import ModelConfig
-from .model import MLP
+from .layers import MLP
 
 Routing = Union[ModuleType, str]  # a module with ``group_by_expert``, or "torch"
 

@@ -19,16 +19,16 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from . import expertstats
-from .checkpoint import resolve_model_path, save_hf_checkpoint
-from .config import preset
-from .generation import Generation, run_local
-from .sampling import SamplingParams
+from ..model import expertstats
+from ..model.checkpoint import resolve_model_path, save_hf_checkpoint
+from ..model.config import preset
+from ..runtime.generation import Generation, run_local
+from ..model.sampling import SamplingParams
 
 
 def random_checkpoint(preset_name: str, out: Path, tokenizer: Path, seed: int = 0) -> Path:
     """A Hugging Face directory with random weights shaped like ``preset_name``."""
-    from .model import Transformer
+    from ..model.transformer import Transformer
 
     cfg = preset(preset_name).replace(max_seq_len=2048)
     torch.manual_seed(seed)
@@ -44,13 +44,13 @@ def random_checkpoint(preset_name: str, out: Path, tokenizer: Path, seed: int = 
 def run_config(model: Path, nodes: int, samples: int, new_tokens: int, context: int,
                micro_batch: int, pings: int = 200) -> Dict[str, Any]:
     """One configuration in this process: returns its figures."""
-    from .worker import max_rss_bytes
+    from ..roles.worker import max_rss_bytes
 
     prompt_len = context - new_tokens
     params = SamplingParams(temperature=0)
     torch.manual_seed(0)
     if nodes == 1:
-        from .engine import LocalEngine
+        from ..roles.engine import LocalEngine
 
         engine: Any = LocalEngine(model)
         prompt = torch.randint(3, engine.cfg.vocab_size, (prompt_len,)).tolist()
@@ -63,8 +63,8 @@ def run_config(model: Path, nodes: int, samples: int, new_tokens: int, context: 
                 "expert_load": engine.model.expert_load(),
                 "peak_rss_bytes": [max_rss_bytes()],
                 "weight_kv_bytes": [engine.model.parameter_bytes() + engine.model.kv_cache_bytes()]}
-    from .local import LocalRing, threads_per_node
-    from .starter import RingEngine
+    from ..roles.local_ring import LocalRing, threads_per_node
+    from ..roles.starter import RingEngine
 
     threads = threads_per_node(nodes)
     torch.set_num_threads(threads)

@@ -11,7 +11,7 @@ from typing import List, Sequence
 import torch
 from torch import Tensor
 
-from .errors import GenerationError
+from ..base.errors import GenerationError
 
 _SEED_STRIDE = 1_000_003
 

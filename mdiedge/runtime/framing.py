@@ -20,8 +20,8 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from ._accel import select
-from .errors import FrameError
+from ..base.accel import select
+from ..base.errors import FrameError
 
 _impl: ModuleType = select("framing")
 

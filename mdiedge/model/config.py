@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from .errors import ConfigError
+from ..base.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")

@@ -14,7 +14,7 @@ def default_model_path() -> Path:
     env = os.environ.get("MDIEDGE_MODEL")
     if env:
         return Path(env).expanduser()
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent  # the mdiedge package
     for candidate in (here / "_models" / DEFAULT_MODEL, here.parent / "models" / DEFAULT_MODEL):
         if (candidate / "config.json").exists():
             return candidate

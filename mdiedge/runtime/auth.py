@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Dict, Mapping, Optional
 
-from .errors import RingError
+from ..base.errors import RingError
 
 log = logging.getLogger("mdiedge.auth")
 

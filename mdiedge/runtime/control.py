@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
 
 from .auth import Authenticator
-from .errors import MdiedgeError, RingError
+from ..base.errors import MdiedgeError, RingError
 
 log = logging.getLogger("mdiedge.control")
 

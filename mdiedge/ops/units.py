@@ -4,7 +4,7 @@ The unit files in the checkout's ``systemd/`` folder are the source (an installe
 them as ``mdiedge/_systemd``). :func:`render_unit` returns one with ``ExecStart=`` pointing at a
 given ``mdiedge`` executable; :func:`install_units` writes all three into a unit folder plus a
 commented config skeleton for the worker and the starter (configs are never overwritten, units
-only with ``force``). As root: ``python3 -m mdiedge.units [--force]``, then
+only with ``force``). As root: ``python3 -m mdiedge.ops.units [--force]``, then
 ``systemctl daemon-reload``.
 
 The units run mdiedge as a dynamic user: the executable and its Python environment must be
@@ -119,7 +119,7 @@ _EXEC_START = re.compile(r"^(ExecStart=[-@:+!]*)(\S+)(.*)$", re.MULTILINE)
 
 def unit_source_dir() -> Path:
     """The folder holding the unit files: the installed copy, else the checkout's ``systemd/``."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent  # the mdiedge package
     candidates = (here / "_systemd", here.parent / "systemd")
     for folder in candidates:
         if all((folder / name).is_file() for name in UNIT_NAMES):
@@ -210,7 +210,7 @@ def install_units(dest: Path = DEFAULT_UNIT_DIR, executable: Optional[str] = Non
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mdiedge.units",
+        prog="python -m mdiedge.ops.units",
         description="Install mdiedge's systemd units and config skeletons.")
     parser.add_argument("--dest", type=Path, default=DEFAULT_UNIT_DIR,
                         help="unit folder (default: %(default)s)")
@@ -223,7 +223,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         written = install_units(args.dest, args.executable, args.config_dir, args.force)
     except (OSError, ValueError) as e:
-        print(f"mdiedge.units: error: {e}", file=sys.stderr)
+        print(f"mdiedge.ops.units: error: {e}", file=sys.stderr)
         return 1
     for path in written:
         print(f"wrote {path}")

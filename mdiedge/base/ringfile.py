@@ -33,7 +33,7 @@ from .errors import ConfigError
 from .settings import StarterSettings, load_settings, parse_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .starter import WorkerAddress
+    from ..roles.starter import WorkerAddress
 
 __all__ = ["load_ring", "parse_bytes"]
 
@@ -43,7 +43,7 @@ def load_ring(path: Union[str, "os.PathLike[str]"]
     """``RingEngine`` keyword options (host, device, starter_weight, starter_memory,
     starter_layers; max_payload and timeout_s only when the file sets them) and the workers
     of a ring file; errors name the file and key."""
-    from .starter import WorkerAddress
+    from ..roles.starter import WorkerAddress
 
     settings = load_settings(path)
     if not settings.workers:

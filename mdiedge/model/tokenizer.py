@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Optional, Sequence, Union
 
-from .errors import TokenizerError
+from ..base.errors import TokenizerError
 
 
 class Tokenizer:

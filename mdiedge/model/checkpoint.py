@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .config import ModelConfig, config_from_hf, config_to_hf, read_json
-from .errors import CheckpointError, ConfigError
+from ..base.errors import CheckpointError, ConfigError
 
 PathLike = Union[str, Path]
 
@@ -361,7 +361,7 @@ def llama2c_config(path: Path) -> ModelConfig:
 
 def resolve_model_path(model: Optional[PathLike]) -> Path:
     if model is None:
-        from .defaults import default_model_path
+        from ..base.defaults import default_model_path
         return default_model_path()
     path = Path(model).expanduser()
     if not path.exists():
@@ -441,7 +441,7 @@ def load_model(model: Optional[PathLike] = None, layers: Optional[Tuple[int, int
                on_source: Optional[Callable[[TensorSource], None]] = None):  # -> Transformer
     """Build the chunk ``[layers)`` (+ embedding, + head) of a checkpoint, reading only its
     tensors. ``on_source`` sees the tensor source (tests use it to check what was read)."""
-    from .model import Transformer
+    from .transformer import Transformer
 
     path = resolve_model_path(model)
     cfg = load_config(path)

@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence, Tuple, Union
 import torch
 
 from . import framing
-from .errors import FrameError
+from ..base.errors import FrameError
 
 log = logging.getLogger("mdiedge.transport")
 

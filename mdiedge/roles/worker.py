@@ -17,16 +17,16 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from . import framing
-from ._accel import select
-from .auth import AuthError, Authenticator, is_loopback
-from .checkpoint import content_hash, load_model
-from .config import config_from_hf
-from . import __version__
-from .control import Conflict, ControlServer, round_trip_ms
+from ..runtime import framing
+from ..base.accel import select
+from ..runtime.auth import AuthError, Authenticator, is_loopback
+from ..model.checkpoint import content_hash, load_model
+from ..model.config import config_from_hf
+from .. import __version__
+from ..runtime.control import Conflict, ControlServer, round_trip_ms
 from .engine import parse_device, parse_dtype
-from .errors import ConfigError, MdiedgeError, RingError
-from .transport import (DEFAULT_MAX_PAYLOAD, LinkDown, Receiver, Sender, accept, close_quietly,
+from ..base.errors import ConfigError, MdiedgeError, RingError
+from ..runtime.links import (DEFAULT_MAX_PAYLOAD, LinkDown, Receiver, Sender, accept, close_quietly,
                         tcp_connect, tcp_listen)
 
 log = logging.getLogger("mdiedge.worker")
@@ -229,7 +229,7 @@ class WorkerNode:
                 dtype: str) -> None:
         """Load a configured block range before serving, so an assignment of the same range
         of the same model (by content hash) finds it ready."""
-        from .checkpoint import load_config, resolve_model_path
+        from ..model.checkpoint import load_config, resolve_model_path
 
         path = resolve_model_path(model)
         cfg = load_config(path)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import threading
 from typing import Any, Dict, List
 
-from .control import Conflict, ControlServer
-from .sampling import SamplingParams
-from .starter import RingEngine
+from ..runtime.control import Conflict, ControlServer
+from ..model.sampling import SamplingParams
+from ..roles.starter import RingEngine
 
 _GENERATE_FIELDS = {"prompt": str, "max_new_tokens": int, "samples": int, "temperature": float,
                     "top_k": int, "top_p": float, "seed": int, "micro_batch": int}

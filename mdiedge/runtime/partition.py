@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import List, Optional, Sequence, Tuple
 
-from .config import ModelConfig
-from .errors import PartitionError
+from ..model.config import ModelConfig
+from ..base.errors import PartitionError
 
 __all__ = ["NodeShare", "Placement", "split_layers", "partition", "format_bytes"]
 

@@ -32,7 +32,7 @@ import struct
 import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .errors import FrameError
+from ..base.errors import FrameError
 
 MAGIC = b"MDIE"
 VERSION = 1

@@ -13,8 +13,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .errors import GenerationError
-from .sampling import SamplingParams, sample_generator, sample_rows
+from ..base.errors import GenerationError
+from ..model.sampling import SamplingParams, sample_generator, sample_rows
 
 TokenCallback = Callable[[int, int], None]  # (sample index, token id)
 

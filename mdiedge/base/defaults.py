@@ -1,4 +1,5 @@
-"""Where the shipped default model lives, in a source checkout and in an installed package."""
+"""The one set of defaults: ports, sampling, frame and time limits, and where the shipped model
+lives. The CLI, the config files, the starter service and the library all read them here."""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,24 @@ from pathlib import Path
 from .errors import CheckpointError
 
 DEFAULT_MODEL = "nanollama"
+
+# ports of a long-lived ring (a local ring binds free ports)
+STARTER_CONTROL_PORT = 7600
+WORKER_CONTROL_PORT = 7700
+WORKER_DATA_PORT = 7701
+
+# sampling, the same for `mdiedge generate`, the starter service and SamplingParams()
+TEMPERATURE = 0.8
+TOP_K = 0
+TOP_P = 0.95
+SEED = 0
+MAX_NEW_TOKENS = 256
+
+# data plane and liveness
+MAX_PAYLOAD = 64 << 20  # bytes of one frame's tensor; larger frames close the link
+RING_TIMEOUT_S = 60.0  # a message not back around the ring within this is a failure
+IDLE_TIMEOUT_S = 60.0  # a worker whose starter is silent this long returns to idle
+LINK_ACCEPT_TIMEOUT_S = 30.0  # a node waits this long for its previous node's link
 
 
 def default_model_path() -> Path:

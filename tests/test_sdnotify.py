@@ -3,6 +3,7 @@ the Watchdog thread, and a real ``mdiedge worker`` going READY=1 -> WATCHDOG=1..
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -14,7 +15,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import pytest
 
@@ -101,6 +102,209 @@ def test_watchdog_thread_pings_until_stopped(notify_socket: Tuple[socket.socket,
     stop.set()
     dog.join(5.0)
     assert not dog.is_alive()
+
+
+# -- health: the pure decision, the Heartbeat, and a Watchdog that pings only while healthy
+
+@pytest.mark.parametrize("now, last_beat, work_started, limit, stalled, healthy", [
+    (100.0, 0.0, None, 1.0, 0.0, True),      # idle for long: healthy
+    (100.0, 99.5, None, 1.0, 0.0, True),     # idle, recent beat
+    (100.0, 99.5, 99.0, 1.0, 0.5, True),     # busy, beat 0.5 s ago
+    (100.0, 0.0, 99.5, 1.0, 0.5, True),      # just took work after a long idle spell
+    (100.0, 99.0, 98.0, 1.0, 1.0, True),     # exactly at the limit
+    (100.0, 98.0, 99.0, 1.0, 1.0, True),     # the work's start counts as progress
+    (100.0, 98.5, 98.0, 1.0, 1.5, False),    # work taken, no beat for 1.5 s: stalled
+    (100.0, 50.0, 60.0, 30.0, 40.0, False),  # stalled since the work was taken
+    (100.0, 101.0, 99.0, 1.0, 0.0, True),    # a beat "after" now (clock read race): not negative
+])
+def test_health_decision(now: float, last_beat: float, work_started: Optional[float],
+                         limit: float, stalled: float, healthy: bool) -> None:
+    assert sdnotify.stalled_for(now, last_beat, work_started) == pytest.approx(stalled)
+    assert sdnotify.is_healthy(now, last_beat, work_started, limit) is healthy
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_heartbeat_tracks_work_and_progress() -> None:
+    clock = FakeClock()
+    beat = sdnotify.Heartbeat(stall_limit=2.0, clock=clock)
+    clock.now = 100.0
+    assert beat.healthy() and beat.reason() == "compute idle"  # idle, however long
+    beat.start_work()
+    assert beat.state() == sdnotify.HeartbeatState(0.0, 100.0, 1, 0)
+    clock.now = 101.5
+    beat.beat()
+    clock.now = 103.5
+    assert beat.healthy()  # 2.0 s since the beat: at the limit
+    clock.now = 103.6
+    assert not beat.healthy()
+    assert "stalled" in beat.reason() and "stall limit 2 s" in beat.reason()
+    beat.start_work()  # overlapping work does not reset the stall clock
+    assert not beat.healthy() and beat.state().pending == 2
+    beat.end_work()  # finishing one is progress
+    assert beat.healthy() and beat.state().pending == 1
+    beat.end_work()
+    clock.now = 1000.0
+    assert beat.healthy() and beat.state() == sdnotify.HeartbeatState(103.6, None, 0, 3)
+    with pytest.raises(RuntimeError):
+        beat.end_work()
+    with pytest.raises(ValueError):
+        sdnotify.Heartbeat(stall_limit=0)
+
+
+def test_heartbeat_busy_ends_work_on_error() -> None:
+    clock = FakeClock()
+    beat = sdnotify.Heartbeat(stall_limit=1.0, clock=clock)
+    with beat.busy():
+        assert beat.state().work_started == 0.0
+    with pytest.raises(KeyError):
+        with beat.busy():
+            raise KeyError("bad message")
+    clock.now = 10.0
+    assert beat.state().pending == 0 and beat.healthy()
+
+
+def test_heartbeat_from_many_threads() -> None:
+    beat = sdnotify.Heartbeat(stall_limit=60.0)
+
+    def compute() -> None:
+        for _ in range(500):
+            with beat.busy():
+                beat.beat()
+
+    threads = [threading.Thread(target=compute) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    state = beat.state()
+    assert state.pending == 0 and state.work_started is None and state.beats == 4 * 500 * 2
+
+
+INTERVAL = 0.02
+
+
+def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(INTERVAL / 4)
+
+
+def _drain(sock: socket.socket) -> List[bytes]:
+    sock.setblocking(False)
+    got = []
+    try:
+        while True:
+            got.append(sock.recv(64))
+    except BlockingIOError:
+        return got
+    finally:
+        sock.setblocking(True)
+
+
+def _silent(sock: socket.socket, seconds: float) -> bool:
+    sock.settimeout(seconds)
+    try:
+        sock.recv(64)
+    except socket.timeout:
+        return True
+    finally:
+        sock.settimeout(5.0)
+    return False
+
+
+@pytest.fixture
+def watched(notify_socket: Tuple[socket.socket, str], monkeypatch: pytest.MonkeyPatch
+            ) -> Iterator[Callable[..., sdnotify.Watchdog]]:
+    """Starts Watchdogs that ping the fake socket every INTERVAL; stops them afterwards."""
+    monkeypatch.setenv("NOTIFY_SOCKET", notify_socket[1])
+    stop, dogs = threading.Event(), []
+
+    def start(*args: Any) -> sdnotify.Watchdog:
+        dog = sdnotify.Watchdog(INTERVAL, stop, *args)
+        dog.start()
+        dogs.append(dog)
+        return dog
+
+    yield start
+    stop.set()
+    for dog in dogs:
+        dog.join(5.0)
+        assert not dog.is_alive()
+
+
+def test_watchdog_withholds_pings_while_compute_is_stalled(
+        notify_socket: Tuple[socket.socket, str], watched: Callable[..., sdnotify.Watchdog],
+        caplog: pytest.LogCaptureFixture) -> None:
+    sock = notify_socket[0]
+    clock = FakeClock()
+    beat = sdnotify.Heartbeat(stall_limit=1.0, clock=clock)
+    beat.start_work()  # a message taken
+    dog = watched(beat.healthy, beat.reason)
+    assert [sock.recv(64) for _ in range(3)] == [b"WATCHDOG=1"] * 3  # within the limit
+    with caplog.at_level(logging.WARNING, logger="mdiedge.watchdog"):
+        clock.now = 1.5  # no beat for longer than the stall limit
+        _wait_for(lambda: not dog.pinging)
+        _drain(sock)  # a ping decided just before the stall may still arrive
+        assert _silent(sock, 10 * INTERVAL)
+        beat.beat()  # progress: pings resume
+        assert sock.recv(64) == b"WATCHDOG=1"
+        assert dog.pinging
+        clock.now = 3.0  # stalled again, then the message is done: idle is healthy
+        _wait_for(lambda: not dog.pinging)
+        beat.end_work()
+        _drain(sock)
+        assert [sock.recv(64) for _ in range(3)] == [b"WATCHDOG=1"] * 3
+    records = [r for r in caplog.records if r.name == "mdiedge.watchdog"]
+    warnings = [r.getMessage() for r in records]
+    assert len(warnings) == 4, warnings  # withheld, resumed, withheld, resumed: once each
+    assert all(r.levelno == logging.WARNING for r in records)
+    assert "withheld" in warnings[0] and "no progress for 1.5 s (stall limit 1 s)" in warnings[0]
+    assert "resume" in warnings[1]
+
+
+def test_watchdog_with_a_real_clock(notify_socket: Tuple[socket.socket, str],
+                                    watched: Callable[..., sdnotify.Watchdog]) -> None:
+    sock = notify_socket[0]
+    beat = sdnotify.Heartbeat(stall_limit=3 * INTERVAL)
+    dog = watched(beat.healthy, beat.reason)
+    started = time.monotonic()
+    assert [sock.recv(64) for _ in range(8)] == [b"WATCHDOG=1"] * 8  # idle keeps pinging ...
+    assert time.monotonic() - started > beat.stall_limit  # ... for longer than the limit
+    beat.start_work()  # ... and never beats: stuck on one message
+    _wait_for(lambda: not dog.pinging)
+    _drain(sock)
+    assert _silent(sock, 10 * INTERVAL)
+    beat.end_work()
+    assert sock.recv(64) == b"WATCHDOG=1"
+
+
+def test_watchdog_treats_a_failing_health_check_as_unhealthy(
+        notify_socket: Tuple[socket.socket, str], watched: Callable[..., sdnotify.Watchdog],
+        caplog: pytest.LogCaptureFixture) -> None:
+    sock = notify_socket[0]
+    state = {"fail": True}
+
+    def healthy() -> bool:
+        if state["fail"]:
+            raise OSError("no such file")
+        return True
+
+    with caplog.at_level(logging.WARNING, logger="mdiedge.watchdog"):
+        dog = watched(healthy)
+        _wait_for(lambda: not dog.pinging)
+        assert _silent(sock, 5 * INTERVAL)
+        state["fail"] = False
+        assert sock.recv(64) == b"WATCHDOG=1"
+    warnings = [r.getMessage() for r in caplog.records if r.name == "mdiedge.watchdog"]
+    assert "health check failed: OSError: no such file" in warnings[0], warnings
 
 
 def _receive(sock: socket.socket, deadline: float) -> bytes:

@@ -3,13 +3,26 @@
 One datagram to ``$NOTIFY_SOCKET`` (a path, or an abstract name starting with ``@``); the
 watchdog interval is half of ``$WATCHDOG_USEC`` when ``$WATCHDOG_PID`` is unset or ours.
 See sd_notify(3).
+
+The :class:`Watchdog` pings only while the node is healthy: a :class:`Heartbeat` that the
+compute loop feeds (``with heartbeat.busy(): ...`` around each message, ``beat()`` for
+progress inside a long one) is healthy while idle or while progress was made within its stall
+limit, so a compute loop stuck on one message stops the pings and systemd restarts the node::
+
+    heartbeat = Heartbeat(stall_limit=60.0)
+    Watchdog(interval, stopped, heartbeat.healthy, heartbeat.reason).start()
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
-from typing import Optional
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator, NamedTuple, Optional, Tuple
+
+log = logging.getLogger("mdiedge.watchdog")
 
 
 def notify(state: str) -> bool:
@@ -37,13 +50,150 @@ def watchdog_interval() -> Optional[float]:
         return None
 
 
-class Watchdog(threading.Thread):
-    """Pings WATCHDOG=1 at the configured interval while ``healthy()`` says so."""
+def stalled_for(now: float, last_beat: float, work_started: Optional[float]) -> float:
+    """Seconds the compute has held work without progress: 0 when idle (``work_started`` is
+    None), else the time since the later of the last beat and the start of the work."""
+    if work_started is None:
+        return 0.0
+    return max(0.0, now - max(last_beat, work_started))
 
-    def __init__(self, interval: float, stop: threading.Event) -> None:
+
+def is_healthy(now: float, last_beat: float, work_started: Optional[float],
+               stall_limit: float) -> bool:
+    """Idle, or progress (a beat, or taking the work) within ``stall_limit`` seconds."""
+    return stalled_for(now, last_beat, work_started) <= stall_limit
+
+
+class HeartbeatState(NamedTuple):
+    """A snapshot of a :class:`Heartbeat` (times from its clock)."""
+
+    last_beat: float
+    work_started: Optional[float]  # when the pending count went from 0 to 1; None when idle
+    pending: int
+    beats: int
+
+
+class Heartbeat:
+    """Progress of a node's compute loop, for the watchdog; safe to use from any thread.
+
+    ``start_work()`` when a message is taken (or ``with busy():`` around its processing),
+    ``end_work()`` when it is done (a beat too), ``beat()`` for progress in between. Work may
+    nest or overlap (a count is kept); the stall clock runs from the later of the last beat and
+    the moment the node went from idle to busy.
+    """
+
+    def __init__(self, stall_limit: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if not stall_limit > 0:
+            raise ValueError(f"stall_limit must be positive, not {stall_limit!r}")
+        self.stall_limit = float(stall_limit)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last_beat = clock()
+        self._work_started: Optional[float] = None
+        self._pending = 0
+        self._beats = 0
+
+    def beat(self) -> None:
+        """Progress was made (a message processed, or a step of a long one)."""
+        now = self._clock()
+        with self._lock:
+            self._last_beat = now
+            self._beats += 1
+
+    def start_work(self) -> None:
+        """Work was taken: from now on, no progress for ``stall_limit`` seconds is a stall."""
+        now = self._clock()
+        with self._lock:
+            if self._pending == 0:
+                self._work_started = now
+            self._pending += 1
+
+    def end_work(self) -> None:
+        """Work taken with :meth:`start_work` is finished (or abandoned); counts as a beat."""
+        now = self._clock()
+        with self._lock:
+            if self._pending == 0:
+                raise RuntimeError("Heartbeat.end_work() without start_work()")
+            self._pending -= 1
+            if self._pending == 0:
+                self._work_started = None
+            self._last_beat = now
+            self._beats += 1
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """``start_work()`` on entry, ``end_work()`` on exit (an exception included)."""
+        self.start_work()
+        try:
+            yield
+        finally:
+            self.end_work()
+
+    def state(self) -> HeartbeatState:
+        with self._lock:
+            return HeartbeatState(self._last_beat, self._work_started, self._pending,
+                                  self._beats)
+
+    def healthy(self) -> bool:
+        """Idle, or progress within the stall limit (see :func:`is_healthy`)."""
+        state = self.state()
+        return is_healthy(self._clock(), state.last_beat, state.work_started, self.stall_limit)
+
+    def reason(self) -> str:
+        """Why :meth:`healthy` says what it says, for a log line."""
+        state = self.state()
+        stalled = stalled_for(self._clock(), state.last_beat, state.work_started)
+        if state.work_started is None:
+            return "compute idle"
+        verdict = "stalled" if stalled > self.stall_limit else "busy"
+        return (f"compute {verdict}: {state.pending} message(s) in progress, no progress for "
+                f"{stalled:.1f} s (stall limit {self.stall_limit:g} s)")
+
+
+def always_healthy() -> bool:
+    return True
+
+
+class Watchdog(threading.Thread):
+    """Pings WATCHDOG=1 at the configured interval while ``healthy()`` says so.
+
+    Stops pinging (so that systemd restarts the service once ``WatchdogSec`` passes) while
+    ``healthy()`` is false or raises; logs a warning once when it stops, with ``reason()`` when
+    given, and once when it resumes.
+    """
+
+    def __init__(self, interval: float, stop: threading.Event,
+                 healthy: Callable[[], bool] = always_healthy,
+                 reason: Optional[Callable[[], str]] = None) -> None:
         super().__init__(name="watchdog", daemon=True)
         self.interval, self.stop = interval, stop
+        self.healthy, self.reason = healthy, reason
+        self.pinging = True  # False while pings are withheld
+
+    def _check(self) -> Tuple[bool, str]:
+        try:
+            ok = bool(self.healthy())
+        except Exception as e:  # a broken health check must not look healthy
+            return False, f"health check failed: {type(e).__name__}: {e}"
+        if ok:
+            return True, ""
+        why = "health check says unhealthy"
+        if self.reason is not None:
+            try:
+                why = self.reason()
+            except Exception as e:
+                why = f"{why} (reason() failed: {type(e).__name__}: {e})"
+        return False, why
 
     def run(self) -> None:
         while not self.stop.wait(self.interval):
-            notify("WATCHDOG=1")
+            ok, why = self._check()
+            if ok:
+                if not self.pinging:
+                    log.warning("watchdog: healthy again, WATCHDOG=1 pings resume")
+                    self.pinging = True
+                notify("WATCHDOG=1")
+            elif self.pinging:
+                log.warning("watchdog: WATCHDOG=1 pings withheld (systemd restarts the service "
+                            "if this lasts): %s", why)
+                self.pinging = False

@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import typer
 
+from .base import defaults
 from .base.errors import MdiedgeError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -86,15 +87,16 @@ def _root(version: bool = typer.Option(False, "--version", help="Print the versi
 @one_line_errors
 def generate(
     prompt: str = typer.Argument(..., help="Text to continue ('' starts from BOS alone)."),
-    max_new_tokens: int = typer.Option(256, "-n", "--max-new-tokens", help="Token budget per sample."),
+    max_new_tokens: int = typer.Option(defaults.MAX_NEW_TOKENS, "-n", "--max-new-tokens",
+                                       help="Token budget per sample."),
     model: Optional[str] = typer.Option(None, help="HF model directory or llama2.c .bin file "
                                         "(default: the shipped NanoLlama)."),
     tokenizer: Optional[str] = typer.Option(None, help="Tokenizer file, if not the model's own."),
     samples: int = typer.Option(1, help="Number of samples generated together."),
-    seed: int = typer.Option(0, help="Random seed; sample i uses its own stream."),
-    temperature: float = typer.Option(0.8, help="0 is greedy."),
-    top_k: int = typer.Option(0, help="Keep the k most likely tokens (0: off)."),
-    top_p: float = typer.Option(0.95, help="Nucleus sampling threshold (1: off)."),
+    seed: int = typer.Option(defaults.SEED, help="Random seed; sample i uses its own stream."),
+    temperature: float = typer.Option(defaults.TEMPERATURE, help="0 is greedy."),
+    top_k: int = typer.Option(defaults.TOP_K, help="Keep the k most likely tokens (0: off)."),
+    top_p: float = typer.Option(defaults.TOP_P, help="Nucleus sampling threshold (1: off)."),
     device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
     dtype: str = typer.Option("float32", help="float32 (default), bfloat16 or float16."),
     micro_batch: int = typer.Option(0, help="Samples per message / forward pass (0: chosen "
@@ -156,40 +158,40 @@ def _terminate_gracefully() -> None:
 
 def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], device: str,
                  dtype: str, nodes: int, ring: Optional[str], check: Callable[[Any], Any]) -> Any:
-    """The engine for ``--nodes``/``--ring``; ``check`` validates the request before any node
-    process is started."""
-    if ring is not None:
-        from pathlib import Path
-
-        from .base.ringfile import load_ring
-        from .roles.starter import RingEngine
-
-        options, workers = load_ring(Path(ring))
-        device = options.pop("device", device)
-        engine = RingEngine(workers, model, tokenizer, device=device, dtype=dtype, **options)
-        stack.callback(engine.close)
-        check(engine)
-        return engine
-    if nodes < 1:
+    """The engine for ``--nodes``/``--ring``; ``check`` validates the request (given the
+    model's text side) before any node process is started."""
+    if ring is None and nodes < 1:
         raise typer.BadParameter(f"--nodes must be >= 1, got {nodes}")
-    if nodes == 1:
+    if ring is None and nodes == 1:
         from .roles.engine import LocalEngine
 
         local = LocalEngine(model, tokenizer, device=device, dtype=dtype)
         check(local)
         return local
-    import torch
-
-    from .roles.local_ring import LocalRing, threads_per_node
+    from .roles.engine import TextModel
     from .roles.starter import RingEngine
 
-    threads = threads_per_node(nodes)
-    torch.set_num_threads(threads)
-    local_ring = LocalRing(nodes - 1, threads=threads)
-    engine = RingEngine([], model, tokenizer, device=device, dtype=dtype, secret=local_ring.secret)
-    check(engine)
+    check(TextModel(model, tokenizer))
+    if ring is not None:
+        from .base.ringfile import load_ring
+
+        from .base.nodes import StarterOptions
+
+        found, workers = load_ring(ring)
+        options = StarterOptions(**{k.replace("starter_", ""): v for k, v in found.items()})
+        engine = RingEngine(workers, model, tokenizer, options, dtype=dtype)
+    else:
+        import torch
+
+        from .roles.local_ring import LocalRing, threads_per_node
+
+        threads = threads_per_node(nodes)
+        torch.set_num_threads(threads)
+        local_ring = LocalRing(nodes - 1, threads=threads)
+        workers = stack.enter_context(local_ring)
+        engine = RingEngine(workers, model, tokenizer, device=device, dtype=dtype,
+                            secret=local_ring.secret)
     stack.callback(engine.close)
-    engine.workers = stack.enter_context(local_ring)
     return engine
 
 
@@ -243,15 +245,17 @@ def worker(
                                          "default $MDIEDGE_CONFIG, then /etc/mdiedge/mdiedge.toml."),
     no_config: bool = typer.Option(False, "--no-config", help="Read no config file."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (control and data)."),
-    control_port: int = typer.Option(7700, help="HTTP control port (0: any free port)."),
-    data_port: int = typer.Option(7701, help="Data-plane port (0: any free port)."),
+    control_port: int = typer.Option(defaults.WORKER_CONTROL_PORT,
+                                     help="HTTP control port (0: any free port)."),
+    data_port: int = typer.Option(defaults.WORKER_DATA_PORT,
+                                  help="Data-plane port (0: any free port)."),
     threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
     name: str = typer.Option("worker", help="Name shown in logs and status."),
     cache_dir: Optional[str] = typer.Option(None, help="Where received weights are cached."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
     parent_pid: int = typer.Option(0, help="Exit when this process is gone (local rings)."),
     insecure: bool = typer.Option(False, help="Allow a non-loopback address without a secret."),
-    idle_timeout: float = typer.Option(60.0, help="Seconds of starter silence before the "
+    idle_timeout: float = typer.Option(defaults.IDLE_TIMEOUT_S, help="Seconds of starter silence before the "
                                        "worker frees its slots and returns to idle."),
 ) -> None:
     """Run a worker node: it waits for a starter to assign it layers."""
@@ -277,14 +281,17 @@ def worker(
                         format=f"%(asctime)s {chosen['name']} %(levelname)s %(message)s")
     import torch
 
+    from .ops.sdnotify import Heartbeat
     from .roles.worker import WorkerNode
 
     if chosen["threads"] > 0:
         torch.set_num_threads(chosen["threads"])
+    heartbeat = Heartbeat(stall_limit=defaults.COMPUTE_STALL_S)
     node = WorkerNode(chosen["host"], chosen["control_port"], chosen["data_port"],
                       Path(chosen["cache_dir"]) if chosen["cache_dir"] else None,
                       name=chosen["name"], secret=read_secret(section),
-                      insecure=chosen["insecure"], idle_timeout_s=chosen["idle_timeout_s"])
+                      insecure=chosen["insecure"], idle_timeout_s=chosen["idle_timeout_s"],
+                      heartbeat=heartbeat)
     if section.model is not None:
         node.preload(section.model, section.layers, section.device, section.dtype)
     node.start()
@@ -303,7 +310,7 @@ def worker(
                            "pid": os.getpid()}))
     sys.stdout.flush()
     _serve_under_systemd(node.stopped, f"{chosen['name']} listening on "
-                                       f"{chosen['host']}:{node.control.port}")
+                                       f"{chosen['host']}:{node.control.port}", heartbeat)
     node.close()
 
 
@@ -333,15 +340,18 @@ def _env_secret() -> Optional[bytes]:
     return read_secret(None)
 
 
-def _serve_under_systemd(stopped: Any, status: str) -> None:
+def _serve_under_systemd(stopped: Any, status: str, heartbeat: Any = None) -> None:
     """READY=1 now (the node listens and holds what it was configured to load), WATCHDOG=1
-    pings while it runs, STOPPING=1 once a stop is requested; returns then."""
-    from .ops.sdnotify import Watchdog, notify, watchdog_interval
+    pings while it runs (for a worker, only while its compute makes progress: see
+    ``Heartbeat``), STOPPING=1 once a stop is requested; returns then."""
+    from .ops.sdnotify import Watchdog, always_healthy, notify, watchdog_interval
 
     notify(f"READY=1\nSTATUS={status}\nMAINPID={os.getpid()}")
     interval = watchdog_interval()
     if interval is not None:
-        Watchdog(interval, stopped).start()
+        healthy = heartbeat.healthy if heartbeat is not None else always_healthy
+        reason = heartbeat.reason if heartbeat is not None else None
+        Watchdog(interval, stopped, healthy, reason).start()
     while not stopped.wait(0.5):  # a timed wait lets signal handlers run
         pass
     notify("STOPPING=1")
@@ -416,20 +426,22 @@ def starter_command(
     if secret is None and not (insecure or section.insecure) and not is_loopback(section.host):
         raise ConfigError(f"refusing to listen on {section.host} without a ring secret "
                           f"(set one, or pass --insecure on a trusted network)")
+    from .base.nodes import StarterOptions
     from .ops.serve import StarterServer
-    from .roles.starter import RingEngine, WorkerAddress
-    from .runtime.links import DEFAULT_MAX_PAYLOAD
+    from .roles.starter import RingEngine
+    from .runtime.auth import Authenticator
+    from .runtime.control import ControlServer
 
-    workers = [WorkerAddress(w.name, w.host, w.control_port, w.weight, w.memory, w.layers,
-                             w.device) for w in settings.workers]
-    engine = RingEngine(workers, model or section.model, tokenizer or section.tokenizer,
-                        device=section.device, dtype=section.dtype, host=section.host,
-                        starter_weight=section.weight, starter_memory=section.memory,
-                        starter_layers=section.layers,
-                        max_payload=section.max_payload or DEFAULT_MAX_PAYLOAD,
-                        timeout_s=section.timeout_s, secret=secret)
     port = section.control_port if control_port is None else control_port
-    server = StarterServer(engine, section.host, port).start()
+    control = ControlServer(section.host, port, {}, auth=Authenticator(secret))
+    options = StarterOptions(
+        host=section.host, device=section.device, dtype=section.dtype, weight=section.weight,
+        memory=section.memory, layers=section.layers,
+        max_payload=section.max_payload or defaults.MAX_PAYLOAD, timeout_s=section.timeout_s,
+        secret=secret, control_url=control.url)
+    engine = RingEngine(settings.workers, model or section.model, tokenizer or section.tokenizer,
+                        options)
+    server = StarterServer(engine, control).start()
     stopped = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopped.set())
@@ -461,19 +473,11 @@ def status(
             nodes = [{"role": "starter", "name": "starter", "address": starter, "state": "down",
                       "error": str(e)}]
     elif ring:
-        from pathlib import Path
-
         from .base.ringfile import load_ring
+        from .runtime.control import ControlClient
 
-        _, workers = load_ring(Path(ring))
-        nodes = []
-        for w in workers:
-            try:
-                node = call(w.url, "GET", "/status", timeout=5, node=w.name, auth=auth)
-            except MdiedgeError as e:
-                node = {"role": "worker", "name": w.name, "state": "down", "error": str(e)}
-            node["address"] = f"{w.host}:{w.control_port}"
-            nodes.append(node)
+        _, workers = load_ring(ring)
+        nodes = [ControlClient(w, auth).status().to_json() for w in workers]
     else:
         raise typer.BadParameter("pass --ring FILE or --starter URL")
     down = [n["name"] for n in nodes if n.get("state") == "down"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from . import defaults
+
 
 @dataclass(frozen=True)
 class NodeSpec:
@@ -23,3 +25,26 @@ class NodeSpec:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.control_port}"
+
+
+@dataclass(frozen=True)
+class StarterOptions:
+    """The starter's own settings: its share of the ring (as a ``NodeSpec``) and how it runs
+    the ring. Ring files, ``mdiedge starter`` and the library fill the same record."""
+
+    host: str = "127.0.0.1"  # the address the last worker connects back to
+    device: str = "cpu"
+    dtype: str = "float32"
+    weight: float = 1.0
+    memory: Optional[int] = None
+    layers: Optional[Tuple[int, int]] = None
+    max_payload: int = defaults.MAX_PAYLOAD
+    timeout_s: float = defaults.RING_TIMEOUT_S
+    share_path: bool = True  # tell workers where the model lies (a shared filesystem)
+    secret: Optional[bytes] = None
+    control_url: Optional[str] = None  # set when the starter serves a control plane
+
+    @property
+    def spec(self) -> NodeSpec:
+        return NodeSpec("starter", self.host, 0, self.weight, self.memory, self.layers,
+                        self.device)

@@ -22,8 +22,12 @@ import torch
 from ..model import expertstats
 from ..model.checkpoint import resolve_model_path, save_hf_checkpoint
 from ..model.config import preset
-from ..runtime.generation import Generation, run_local
+from ..base.memory import max_rss_bytes
 from ..model.sampling import SamplingParams
+from ..roles.engine import LocalEngine
+from ..roles.local_ring import LocalRing, threads_per_node
+from ..roles.starter import RingEngine
+from ..runtime.generation import Generation
 
 
 def random_checkpoint(preset_name: str, out: Path, tokenizer: Path, seed: int = 0) -> Path:
@@ -44,57 +48,56 @@ def random_checkpoint(preset_name: str, out: Path, tokenizer: Path, seed: int = 
 def run_config(model: Path, nodes: int, samples: int, new_tokens: int, context: int,
                micro_batch: int, pings: int = 200) -> Dict[str, Any]:
     """One configuration in this process: returns its figures."""
-    from ..roles.worker import max_rss_bytes
-
-    prompt_len = context - new_tokens
-    params = SamplingParams(temperature=0)
     torch.manual_seed(0)
     if nodes == 1:
-        from ..roles.engine import LocalEngine
-
-        engine: Any = LocalEngine(model)
-        prompt = torch.randint(3, engine.cfg.vocab_size, (prompt_len,)).tolist()
-        gen = Generation(prompt, samples, new_tokens, params, (), context)
-        t0 = time.process_time()
-        timing = run_local(engine.model, gen, micro_batch=micro_batch)
-        busy = [(time.process_time() - t0) / timing.total_s / torch.get_num_threads()]
-        return {"nodes": 1, "micro_batch": micro_batch, "tokens_per_s": timing.tokens_per_s,
-                "busy_fraction": busy, "hop_overhead_us": None,
-                "expert_load": engine.model.expert_load(),
-                "peak_rss_bytes": [max_rss_bytes()],
-                "weight_kv_bytes": [engine.model.parameter_bytes() + engine.model.kv_cache_bytes()]}
-    from ..roles.local_ring import LocalRing, threads_per_node
-    from ..roles.starter import RingEngine
-
+        return _run_local(model, samples, new_tokens, context, micro_batch)
     threads = threads_per_node(nodes)
     torch.set_num_threads(threads)
     local = LocalRing(nodes - 1, threads=threads)
     with local as workers:
         engine = RingEngine(workers, model, secret=local.secret)
         try:
-            engine.setup(samples, context)
-            payload = torch.randn(1, 1, engine.cfg.dim)
-            rtt = engine.ping(payload, pings)
-            before = engine.node_status()
-            prompt = torch.randint(3, engine.cfg.vocab_size, (prompt_len,)).tolist()
-            gen = Generation(prompt, samples, new_tokens, params, (), context)
-            timing = engine.run(gen, micro_batch)
-            after = engine.node_status()
-            starter_load = engine.model.expert_load()  # a fresh model: all of it is this run's
+            scheduler = engine.prepare(samples, context)
+            rtt = engine.starter.tail.ping(torch.randn(1, 1, engine.cfg.dim), pings)
+            before = engine.starter.node_status()
+            timing = scheduler.run(_generation(engine.cfg, samples, new_tokens, context), micro_batch)
+            scheduler.drain()
+            after = engine.starter.node_status()
+            stage = scheduler.pipeline.stages[0]
+            starter_load = stage.model.expert_load()  # a fresh model: all of it is this run's
+            own_bytes = sum(stage.memory().values())
         finally:
             engine.close()
     wall = timing.total_s
-    busy = [engine.stats.compute_s / wall] + [
-        (a["compute_s"] - b["compute_s"]) / wall for a, b in zip(after, before)]
+    busy = [scheduler.stats.compute_s / wall] + [
+        (a.compute_s - b.compute_s) / wall for a, b in zip(after, before)]
     return {"nodes": nodes, "micro_batch": micro_batch, "tokens_per_s": timing.tokens_per_s,
             "busy_fraction": busy,
             "hop_overhead_us": statistics.median(rtt) / nodes * 1e6,
             "expert_load": expertstats.merge(
-                [starter_load] + [expertstats.since(a["expert_load"], b["expert_load"])
+                [starter_load] + [expertstats.since(a.expert_load, b.expert_load)
                                   for a, b in zip(after, before)]),
-            "peak_rss_bytes": [max_rss_bytes()] + [a["max_rss_bytes"] for a in after],
-            "weight_kv_bytes": [engine.model.parameter_bytes() + engine.model.kv_cache_bytes()]
-            + [a["weight_bytes"] + a["kv_bytes"] for a in after]}
+            "peak_rss_bytes": [max_rss_bytes()] + [a.max_rss_bytes for a in after],
+            "weight_kv_bytes": [own_bytes] + [a.weight_bytes + a.kv_bytes for a in after]}
+
+
+def _generation(cfg: Any, samples: int, new_tokens: int, context: int) -> Generation:
+    """Greedy samples of a random prompt that fills ``context`` with the new tokens."""
+    prompt = torch.randint(3, cfg.vocab_size, (context - new_tokens,)).tolist()
+    return Generation(prompt, samples, new_tokens, SamplingParams(temperature=0), (), context)
+
+
+def _run_local(model: Path, samples: int, new_tokens: int, context: int,
+               micro_batch: int) -> Dict[str, Any]:
+    engine = LocalEngine(model)
+    t0 = time.process_time()
+    timing = engine.run(_generation(engine.cfg, samples, new_tokens, context), micro_batch)
+    busy = [(time.process_time() - t0) / timing.total_s / torch.get_num_threads()]
+    return {"nodes": 1, "micro_batch": micro_batch, "tokens_per_s": timing.tokens_per_s,
+            "busy_fraction": busy, "hop_overhead_us": None,
+            "expert_load": engine.model.expert_load(),
+            "peak_rss_bytes": [max_rss_bytes()],
+            "weight_kv_bytes": [engine.model.parameter_bytes() + engine.model.kv_cache_bytes()]}
 
 
 def run_all(model: Optional[str], preset_name: Optional[str], max_nodes: int, samples: int,

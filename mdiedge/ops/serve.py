@@ -1,28 +1,37 @@
 """The starter as a long-lived process: it owns the ring and serves generations and status
 over its own control plane (``mdiedge starter``; ``mdiedge generate --starter URL`` and
-``mdiedge status --starter URL`` are its clients)."""
+``mdiedge status --starter URL`` are its clients). Generations go through the engine's one
+scheduler, so requests that fit the ring's KV slots run together."""
 from __future__ import annotations
 
-import threading
-from typing import Any, Dict, List
+from typing import Any, Dict
 
-from ..runtime.control import Conflict, ControlServer
+from ..base import defaults
 from ..model.sampling import SamplingParams
 from ..roles.starter import RingEngine
+from ..runtime.control import ControlServer
 
-_GENERATE_FIELDS = {"prompt": str, "max_new_tokens": int, "samples": int, "temperature": float,
-                    "top_k": int, "top_p": float, "seed": int, "micro_batch": int}
+GENERATE_FIELDS = {"prompt": str, "max_new_tokens": int, "samples": int, "temperature": float,
+                   "top_k": int, "top_p": float, "seed": int, "micro_batch": int}
+
+
+def check_fields(body: Dict[str, Any], fields: Dict[str, type]) -> None:
+    """ValueError naming the first unknown or mistyped field of a request body."""
+    for key, value in body.items():
+        kind = fields.get(key)
+        if kind is None:
+            raise ValueError(f"unknown field {key!r}")
+        if not isinstance(value, (int, float) if kind is float else kind) or isinstance(value, bool):
+            raise ValueError(f"field {key!r} must be {kind.__name__}, got {value!r}")
 
 
 class StarterServer:
-    def __init__(self, engine: RingEngine, host: str, port: int) -> None:
-        self.engine = engine
-        self.lock = threading.Lock()
-        self.control = ControlServer(host, port, {
-            ("GET", "/status"): self.status,
-            ("POST", "/generate"): self.generate,
-        }, auth=engine.auth)
-        engine.control_url = f"http://{host}:{self.control.port}"
+    """Routes ``GET /status`` and ``POST /generate`` of ``control`` to ``engine``."""
+
+    def __init__(self, engine: RingEngine, control: ControlServer) -> None:
+        self.engine, self.control = engine, control
+        control.add_routes({("GET", "/status"): self.status,
+                            ("POST", "/generate"): self.generate})
 
     def start(self) -> "StarterServer":
         self.control.start()
@@ -32,28 +41,19 @@ class StarterServer:
         self.control.stop()
         self.engine.close()
 
-    def nodes(self) -> List[Dict[str, Any]]:
-        return [self.engine.own_status()] + self.engine.node_status()
-
     def status(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
-        return {"nodes": self.nodes()}
+        starter = self.engine.starter
+        return {"nodes": [s.to_json() for s in [starter.status()] + starter.node_status()]}
 
     def generate(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
-        for key, value in body.items():
-            kind = _GENERATE_FIELDS.get(key)
-            if kind is None:
-                raise ValueError(f"unknown field {key!r}")
-            if not isinstance(value, (int, float) if kind is float else kind) or isinstance(value, bool):
-                raise ValueError(f"field {key!r} must be {kind.__name__}, got {value!r}")
-        if not self.lock.acquire(blocking=False):
-            raise Conflict("a generation is running on this ring; try again later")
-        try:
-            params = SamplingParams(float(body.get("temperature", 0.8)), body.get("top_k", 0),
-                                    float(body.get("top_p", 0.95)), body.get("seed", 0))
-            out = self.engine.generate(body.get("prompt", ""), body.get("max_new_tokens", 256),
-                                       body.get("samples", 1), params, body.get("micro_batch", 0))
-        finally:
-            self.lock.release()
+        check_fields(body, GENERATE_FIELDS)
+        params = SamplingParams(float(body.get("temperature", defaults.TEMPERATURE)),
+                                body.get("top_k", defaults.TOP_K),
+                                float(body.get("top_p", defaults.TOP_P)),
+                                body.get("seed", defaults.SEED))
+        out = self.engine.generate(body.get("prompt", ""),
+                                   body.get("max_new_tokens", defaults.MAX_NEW_TOKENS),
+                                   body.get("samples", 1), params, body.get("micro_batch", 0))
         result = out.as_dict()
         result["nodes"] = len(self.engine.workers) + 1
         result["model"] = str(self.engine.path)

@@ -1,47 +1,26 @@
-"""From a prompt string to sampled text: tokenizer, model, and a way to run the blocks.
-
-``LocalEngine`` runs every block in this process (``--nodes 1``); the ring engine
-(``mdiedge.starter.RingEngine``) offers the same ``generate``.
+"""From a prompt string to sampled text: the tokenizer, the scheduler and a pipeline to run
+the blocks. ``LocalEngine`` builds a pipeline of in-process stages (``--nodes 1`` is one);
+``RingEngine`` (``mdiedge.roles.starter``) builds the starter's stage plus the ring.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
-import torch
-
+from ..base import defaults
 from ..model.checkpoint import load_config, load_model, resolve_model_path
 from ..model.config import ModelConfig
-from ..base.errors import ConfigError
-from ..runtime.generation import Generation, Timing, TokenCallback, run_local
+from ..model.devices import parse_device, parse_dtype
 from ..model.sampling import SamplingParams
 from ..model.tokenizer import Tokenizer, decode_continuation, load_tokenizer
+from ..runtime.generation import Generation, Timing, TokenCallback
+from ..runtime.partition import split_layers
+from ..runtime.pipeline import ModelEnds, Pipeline
+from ..runtime.scheduler import Scheduler
+from ..runtime.stages import LocalStage
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-          "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ConfigError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
-
-
-def parse_device(name: str) -> torch.device:
-    if name != "cpu" and not name.startswith("cuda"):
-        raise ConfigError(f"unknown device {name!r}; use cpu, cuda or cuda:N")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device {name!r} requested but CUDA is not available")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ConfigError(f"device {name!r}: only {torch.cuda.device_count()} CUDA devices")
-    return device
+PathLike = Union[str, Path]
 
 
 @dataclass
@@ -56,11 +35,22 @@ class GenerationOutput:
                 "samples": self.samples, "timing": self.timing.as_dict()}
 
 
-class Engine:
-    """Common part of the local and ring engines: config, tokenizer, prompt encoding."""
+class TextModel:
+    """A model's text side, no weights: its config and tokenizer, prompts to token ids, and
+    sampled ids back to text. Checks a request before anything heavy starts."""
 
+    path: Path
     cfg: ModelConfig
     tokenizer: Tokenizer
+
+    def __init__(self, model: Optional[PathLike] = None,
+                 tokenizer: Optional[PathLike] = None) -> None:
+        self._open(model, tokenizer)
+
+    def _open(self, model: Optional[PathLike], tokenizer: Optional[PathLike]) -> None:
+        self.path = resolve_model_path(model)
+        self.cfg = load_config(self.path)
+        self.tokenizer = load_tokenizer(self.path, tokenizer)
 
     def encode_prompt(self, prompt: str) -> List[int]:
         ids = self.tokenizer.encode(prompt) if prompt else []
@@ -79,19 +69,60 @@ class Engine:
         return GenerationOutput(prompt, generation.samples[0].prompt, samples, timing)
 
 
-class LocalEngine(Engine):
-    def __init__(self, model: Optional[Union[str, Path]] = None,
-                 tokenizer: Optional[Union[str, Path]] = None, device: str = "cpu",
-                 dtype: str = "float32") -> None:
-        self.path = resolve_model_path(model)
-        self.cfg = load_config(self.path)
-        self.tokenizer = load_tokenizer(self.path, tokenizer)
-        self.model = load_model(self.path, device=str(parse_device(device)),
-                                dtype=parse_dtype(dtype))
+class Engine(TextModel):
+    """What both engines share: a generation run by the scheduler that ``prepare`` gives."""
 
-    def generate(self, prompt: str, max_new_tokens: int, n_samples: int = 1,
-                 params: SamplingParams = SamplingParams(), micro_batch: int = 0,
-                 on_token: Optional[TokenCallback] = None) -> GenerationOutput:
+    def prepare(self, n_slots: int, context: int) -> Scheduler:
+        """A scheduler whose pipeline holds ``n_slots`` samples of ``context`` tokens."""
+        raise NotImplementedError
+
+    def run(self, generation: Generation, micro_batch: int = 0) -> Timing:
+        scheduler = self.prepare(len(generation.samples), generation.context)
+        return scheduler.run(generation, micro_batch)
+
+    def generate(self, prompt: str, max_new_tokens: int = defaults.MAX_NEW_TOKENS,
+                 n_samples: int = 1, params: SamplingParams = SamplingParams(),
+                 micro_batch: int = 0, on_token: Optional[TokenCallback] = None
+                 ) -> GenerationOutput:
         generation = self.new_generation(prompt, max_new_tokens, n_samples, params, on_token)
-        timing = run_local(self.model, generation, micro_batch)
+        timing = self.run(generation, micro_batch)
         return self.output(prompt, generation, timing)
+
+    def close(self) -> None:
+        """Release what the engine holds (nodes, links); a local engine holds nothing."""
+
+
+class LocalEngine(Engine):
+    """Every block in this process, split over ``stages`` in-process stages in the ring's
+    proportions (one stage: the plain single-process engine)."""
+
+    def __init__(self, model: Optional[PathLike] = None, tokenizer: Optional[PathLike] = None,
+                 device: str = "cpu", dtype: str = "float32", stages: int = 1,
+                 prefill_chunk: int = 0) -> None:
+        self._open(model, tokenizer)
+        self.device, self.dtype = str(parse_device(device)), parse_dtype(dtype)
+        self.ranges = split_layers(self.cfg.n_layers, [1.0] * stages) if stages > 1 \
+            else [(0, self.cfg.n_layers)]
+        self.chunks = [load_model(self.path, layers=r, embedding=i == 0, head=i == 0,
+                                  device=self.device, dtype=self.dtype)
+                       for i, r in enumerate(self.ranges)]
+        self.model = self.chunks[0]  # the embedding, the first blocks and the head
+        self.prefill_chunk = prefill_chunk
+        self.scheduler: Optional[Scheduler] = None
+
+    def prepare(self, n_slots: int, context: int) -> Scheduler:
+        current = self.scheduler
+        if current is not None and (not current.usable or current.idle and (
+                current.pipeline.n_slots < n_slots or current.pipeline.context < context)):
+            current = None  # broken, or too small with nothing running: set up anew
+        if current is None:
+            last = len(self.chunks) - 1
+            stages = [LocalStage(chunk, n_slots, context, trim_prefill=i == last)
+                      for i, chunk in enumerate(self.chunks)]
+            current = self.scheduler = Scheduler(Pipeline(stages), ModelEnds(self.model),
+                                                 self.prefill_chunk)
+        return current
+
+    @property
+    def stages(self) -> Sequence[LocalStage]:
+        return self.scheduler.pipeline.stages if self.scheduler is not None else []

@@ -17,7 +17,7 @@ import time
 from typing import List, Optional
 
 from ..base.errors import RingError
-from .starter import WorkerAddress
+from ..base.nodes import NodeSpec
 
 READY_TIMEOUT_S = 60.0
 
@@ -44,10 +44,10 @@ class LocalRing:
         self.n_workers, self.threads, self.log_level = n_workers, threads, log_level
         self.cache_dir = cache_dir
         self.processes: List[subprocess.Popen] = []
-        self.workers: List[WorkerAddress] = []
+        self.workers: List[NodeSpec] = []
         self.secret = os.urandom(32).hex().encode()  # this ring's own; passed in the environment
 
-    def __enter__(self) -> List[WorkerAddress]:
+    def __enter__(self) -> List[NodeSpec]:
         try:
             for i in range(self.n_workers):
                 self._spawn(f"w{i + 1}")
@@ -75,7 +75,7 @@ class LocalRing:
         line = self._ready_line(proc, name)
         try:
             ready = json.loads(line)
-            self.workers.append(WorkerAddress(name, "127.0.0.1", int(ready["control_port"])))
+            self.workers.append(NodeSpec(name, "127.0.0.1", int(ready["control_port"])))
         except (ValueError, KeyError):
             raise RingError(f"worker {name} did not start: {line.strip()!r}") from None
 

@@ -1,5 +1,6 @@
 """The HTTP control plane: every node serves small JSON requests (assign, connect, status,
-reset, shutdown); the starter is their client.
+reset, shutdown) with ``ControlServer``; ``ControlClient`` is the one client (the starter's,
+and ``mdiedge status``'s).
 
 Bodies are size-bounded and parsed as JSON only (nothing is unpickled or evaluated); a
 handler's ``MdiedgeError`` becomes a 4xx answer with its one-line message.
@@ -16,7 +17,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
 
 from .auth import Authenticator
+from .protocol import NodeStatus
 from ..base.errors import MdiedgeError, RingError
+from ..base.nodes import NodeSpec
 
 log = logging.getLogger("mdiedge.control")
 
@@ -125,6 +128,15 @@ class ControlServer:
     def port(self) -> int:
         return int(self.httpd.server_address[1])
 
+    @property
+    def url(self) -> str:
+        host = self.httpd.server_address[0]
+        return f"http://{'[%s]' % host if ':' in str(host) else host}:{self.port}"
+
+    def add_routes(self, routes: Dict[Tuple[str, str], Handler]) -> None:
+        """More routes, before ``start``."""
+        self.routes.update(routes)
+
     def start(self) -> "ControlServer":
         self.thread.start()
         return self
@@ -173,3 +185,27 @@ def call(base_url: str, method: str, path: str, body: Optional[Dict[str, Any]] =
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
         raise RingError(f"{who} is unreachable: {reason}") from None
+
+
+class ControlClient:
+    """Signed requests to one node's control plane; JSON bodies carry ``session`` (a worker
+    serves one starter session at a time)."""
+
+    def __init__(self, node: NodeSpec, auth: Optional[Authenticator] = None,
+                 session: str = "") -> None:
+        self.node, self.auth, self.session = node, auth, session
+
+    def call(self, method: str, path: str, body: Optional[Dict[str, Any]] = None,
+             raw: Optional[bytes] = None, timeout: float = 30.0) -> Dict[str, Any]:
+        if body is not None and self.session:
+            body = dict(body, session=self.session)
+        return call(self.node.url, method, path, body, raw, timeout, self.node.name, self.auth)
+
+    def status(self, role: str = "worker", timeout: float = 5.0) -> NodeStatus:
+        """The node's status, or a ``down`` status saying why it did not answer."""
+        try:
+            status = NodeStatus.from_json(self.call("GET", "/status", timeout=timeout))
+        except RingError as e:
+            return NodeStatus.down(role, self.node.name, self.node.address, str(e))
+        status.address = self.node.address
+        return status

@@ -20,6 +20,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
+from ..base import dtypes
 from ..base.accel import select
 from ..base.errors import FrameError
 
@@ -38,10 +39,7 @@ FLAG_PREFILL: int = _impl.FLAG_PREFILL
 ITEMSIZE: Dict[int, int] = _impl.ITEMSIZE
 FrameHeader = _impl.FrameHeader
 
-DTYPE_CODES: Dict[torch.dtype, int] = {
-    torch.float32: 0, torch.float16: 1, torch.bfloat16: 2,
-    torch.int64: 3, torch.int32: 4, torch.uint8: 5,
-}
+DTYPE_CODES: Dict[torch.dtype, int] = {getattr(torch, d.name): d.code for d in dtypes.TABLE}
 DTYPES: Dict[int, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
 CONTROL_DTYPE = DTYPE_CODES[torch.uint8]  # the dtype field of frames with no tensor
 
@@ -55,10 +53,7 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 
 def torch_dtype(code: int) -> torch.dtype:
-    try:
-        return DTYPES[code]
-    except KeyError:
-        raise FrameError(f"unknown dtype code {code}") from None
+    return getattr(torch, dtypes.by_code(code).name)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> Any:

@@ -1,8 +1,9 @@
-"""The generation loop, independent of where the blocks run.
+"""A request's samples and the rule that turns logits into their next tokens.
 
-``Generation`` owns the samples (prompt, generator, tokens, slot, stop state) and turns
-logits into tokens; ``run_local`` drives it with a model chunk that holds every block, the
-``--nodes 1`` engine. The ring's starter drives the same ``Generation`` over the network.
+``Generation`` owns the samples (prompt, generator, tokens, stop state) and its timing; the
+scheduler (``mdiedge.runtime.scheduler``) decides when each sample runs, wherever its blocks
+are. Each sample draws from its own generator, so its tokens do not depend on what it shares
+a message with.
 """
 from __future__ import annotations
 
@@ -19,15 +20,16 @@ from ..model.sampling import SamplingParams, sample_generator, sample_rows
 TokenCallback = Callable[[int, int], None]  # (sample index, token id)
 
 
-@dataclass
+@dataclass(eq=False)
 class Sample:
     index: int
     prompt: List[int]
     generator: torch.Generator
-    slot: int = -1
+    sid: int = 0  # ring-wide sample id, given at admission; each node maps it to a KV row
     tokens: List[int] = field(default_factory=list)
-    finish_reason: Optional[str] = None  # "eos" or "length"
+    finish_reason: Optional[str] = None  # "eos", "length" or "cancelled"
     first_token_s: float = 0.0
+    released: bool = False  # its KV rows were freed on every node
 
     @property
     def done(self) -> bool:
@@ -84,13 +86,34 @@ class Generation:
                         for i in range(n_samples)]
         self.started = time.perf_counter()
         self.timing = Timing()
+        self.admitted_at = 0.0  # perf_counter() when its samples got KV rows
+        self.prefilled_at = 0.0  # when every sample had its first token
+        self.cancel_requested = False  # set by any thread; the scheduler acts on it
+        self.error: Optional[BaseException] = None  # set when the pipeline failed under it
 
     @property
     def active(self) -> List[Sample]:
         return [s for s in self.samples if not s.done]
 
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or all(s.done for s in self.samples)
+
+    @property
+    def context(self) -> int:
+        """KV positions a sample of this request needs: prompt plus budget."""
+        return len(self.samples[0].prompt) + self.max_new_tokens
+
+    def cancel(self) -> None:
+        """Ask the scheduler to stop this request (its KV rows are freed on every node)."""
+        self.cancel_requested = True
+
     def accept(self, samples: Sequence[Sample], logits: Tensor) -> None:
         """Sample one token for each of ``samples`` from its row of ``logits`` (B, vocab)."""
+        if self.cancel_requested:
+            for sample in samples:
+                sample.finish_reason = "cancelled"
+            return
         tokens = sample_rows(logits, self.params, [s.generator for s in samples])
         now = time.perf_counter()
         for sample, token in zip(samples, tokens):
@@ -106,42 +129,19 @@ class Generation:
             if len(sample.tokens) >= self.max_new_tokens:
                 sample.finish_reason = "length"
 
+    def mark_admitted(self) -> None:
+        self.admitted_at = time.perf_counter()
+
+    def mark_prefilled(self) -> None:
+        if not self.prefilled_at:
+            self.prefilled_at = time.perf_counter()
+
     def finish(self) -> Timing:
-        self.timing.total_s = time.perf_counter() - self.started
+        """Close the timing: prefill from admission to the last first token, decode after."""
+        now = time.perf_counter()
+        admitted = self.admitted_at or self.started
+        prefilled = self.prefilled_at or now
+        self.timing.total_s = now - self.started
+        self.timing.prefill_s = max(0.0, prefilled - admitted)
+        self.timing.decode_s = max(0.0, now - prefilled)
         return self.timing
-
-
-def run_local(model, generation: Generation, micro_batch: int = 0) -> Timing:  # model: Transformer
-    """Run a whole generation on one in-process model that holds every block.
-
-    Each sample is prefilled alone (its own slot), then decode steps run the active samples
-    in micro-batches of ``micro_batch`` rows (0: all of them in one forward)."""
-    length = len(generation.samples[0].prompt) + generation.max_new_tokens
-    if model.n_slots < len(generation.samples) or model.max_seq_len < length:
-        model.setup_cache(len(generation.samples), length)
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        for slot, sample in enumerate(generation.samples):
-            sample.slot = slot
-            ids = torch.tensor([sample.prompt], device=_device(model))
-            logits = model(ids, torch.tensor([slot], device=ids.device), [0])
-            generation.accept([sample], logits)
-        generation.timing.prefill_s = time.perf_counter() - t0
-        while True:
-            active = generation.active
-            if not active:
-                break
-            size = micro_batch or len(active)
-            for i in range(0, len(active), size):
-                group = active[i:i + size]
-                device = _device(model)
-                ids = torch.tensor([[s.tokens[-1]] for s in group], device=device)  # (B, 1)
-                slots = torch.tensor([s.slot for s in group], device=device)
-                logits = model(ids, slots, [s.position for s in group])
-                generation.accept(group, logits)
-        generation.timing.decode_s = time.perf_counter() - t0 - generation.timing.prefill_s
-    return generation.finish()
-
-
-def _device(model) -> torch.device:  # model: Transformer
-    return next(model.parameters()).device

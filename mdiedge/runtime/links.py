@@ -1,11 +1,12 @@
-"""Persistent neighbour links of the data plane and the threads that serve them.
+"""The data plane's persistent neighbour links, the same for the starter and the workers:
+listening, the authenticated connect and accept, and the threads that serve a link pair.
 
-A node receives frames on one thread, computes on another and sends on a third, joined by
+A node receives messages on one thread, computes on another and sends on a third, joined by
 FIFO queues (as in MDI-LLM, Macario et al. 2024). ``queue.SimpleQueue`` carries the
 wake-ups, so none can be lost (the paper's code clears an event after popping and can miss
-one). A small frame that finds the send queue empty is written by the computing thread itself
-(see ``Sender``): on a 2-core board each thread wake-up costs tens of µs, a large part of a
-one-token hop.
+one). A small message that finds the send queue empty is written by the computing thread
+itself (see ``Sender``): on a 2-core board each thread wake-up costs tens of µs, a large part
+of a one-token hop.
 """
 from __future__ import annotations
 
@@ -13,17 +14,18 @@ import logging
 import queue
 import socket
 import threading
+import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Optional, Union
 
-import torch
-
-from . import framing
+from . import messages
+from .auth import AuthError, Authenticator
+from .messages import Message
 from ..base.errors import FrameError
 
-log = logging.getLogger("mdiedge.transport")
+log = logging.getLogger("mdiedge.links")
 
-DEFAULT_MAX_PAYLOAD = 64 << 20  # bytes of one frame's tensor; larger frames close the link
+HANDSHAKE_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -33,7 +35,7 @@ class LinkDown:
     reason: str
 
 
-Received = Union[Tuple[Any, Optional[torch.Tensor]], LinkDown]
+Received = Union[Message, LinkDown]
 
 
 def configure(sock: socket.socket) -> socket.socket:
@@ -47,7 +49,7 @@ def tcp_listen(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.listen(4)
+    sock.listen(16)
     return sock
 
 
@@ -67,8 +69,44 @@ def accept(listener: socket.socket, timeout: float) -> socket.socket:
     return configure(sock)
 
 
+def connect_authenticated(host: str, port: int, auth: Authenticator, peer: str,
+                          timeout: float = HANDSHAKE_TIMEOUT_S) -> socket.socket:
+    """A link to ``host:port`` that passed the ring-secret handshake (OSError or AuthError)."""
+    sock = tcp_connect(host, port)
+    try:
+        auth.connect_link(sock, peer, timeout=timeout)
+    except BaseException:
+        close_quietly(sock)
+        raise
+    return sock
+
+
+def accept_authenticated(listener: socket.socket, auth: Authenticator, timeout: float,
+                         name: str) -> socket.socket:
+    """The first connection on ``listener`` within ``timeout`` s that passes the handshake;
+    strays and failed handshakes are closed and the wait goes on. OSError when none came."""
+    deadline = time.monotonic() + timeout
+    last = "none connected"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise OSError(f"no authenticated previous node within {timeout:.0f} s ({last})")
+        try:
+            sock = accept(listener, left)
+        except socket.timeout:
+            continue
+        peer = "%s:%s" % sock.getpeername()[:2]
+        try:
+            auth.accept_link(sock, peer, timeout=min(HANDSHAKE_TIMEOUT_S, max(0.1, left)))
+            return sock
+        except (AuthError, OSError) as e:
+            last = str(e)
+            log.warning("%s: %s", name, e)
+            close_quietly(sock)
+
+
 class Receiver(threading.Thread):
-    """Reads frames from ``sock`` into ``inbox`` until the link ends, then queues LinkDown."""
+    """Reads messages from ``sock`` into ``inbox`` until the link ends, then queues LinkDown."""
 
     def __init__(self, sock: socket.socket, inbox: "queue.SimpleQueue[Received]", max_payload: int,
                  name: str) -> None:
@@ -79,9 +117,9 @@ class Receiver(threading.Thread):
         reason = "closed by peer"
         try:
             while True:
-                header, tensor = framing.recv_frame(self.sock, self.max_payload)
-                self.inbox.put((header, tensor))
-                if header.msg_type == framing.SHUTDOWN:
+                message = messages.receive(self.sock, self.max_payload)
+                self.inbox.put(message)
+                if message.kind == messages.SHUTDOWN:
                     reason = "shutdown"
                     break
         except FrameError as e:
@@ -94,37 +132,35 @@ class Receiver(threading.Thread):
 
 
 class Sender(threading.Thread):
-    """Sends frames in the order given to ``put``: (msg_type, flags, sample ids, positions,
-    tensor or None, seq). ``close`` stops it. A send error is remembered in ``error``; later
-    frames are dropped.
+    """Sends messages in the order given to ``put``. ``close`` stops it. A send error is
+    remembered in ``error``; later messages are dropped.
 
-    A frame of at most ``inline_max_bytes`` put while nothing is waiting to be sent goes out
+    A message of at most ``inline_max_bytes`` put while nothing is waiting to be sent goes out
     at once on the caller's thread: a one-token frame fits the socket buffer, so this does not
     block, and it saves the thread wake-up (tens of µs) that dominates a hop's overhead. Any
-    other frame queues for this thread, so a large or backed-up send never stalls compute.
-    Order holds because a frame is sent inline only when every earlier one is on the wire."""
+    other message queues for this thread, so a large or backed-up send never stalls compute.
+    Order holds because a message is sent inline only when every earlier one is on the wire."""
 
     def __init__(self, sock: socket.socket, name: str, inline_max_bytes: int = 64 << 10) -> None:
         super().__init__(name=name, daemon=True)
         self.sock = sock
         self.inline_max_bytes = inline_max_bytes
         self.error: Optional[str] = None
-        self._queue: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
-        self._pending = 0  # frames queued and not yet fully sent
+        self._queue: "queue.SimpleQueue[Optional[Message]]" = queue.SimpleQueue()
+        self._pending = 0  # messages queued and not yet fully sent
         self._count_lock = threading.Lock()
-        self._wire_lock = threading.Lock()  # held while a frame is written to the socket
+        self._wire_lock = threading.Lock()  # held while a message is written to the socket
 
-    def put(self, item: tuple) -> None:
-        tensor = item[4]
-        small = tensor is None or tensor.numel() * tensor.element_size() <= self.inline_max_bytes
+    def put(self, message: Message) -> None:
+        small = messages.nbytes(message) <= self.inline_max_bytes
         with self._count_lock:
             inline = small and self._pending == 0 and self._wire_lock.acquire(blocking=False)
             if not inline:
                 self._pending += 1
-                self._queue.put(item)
+                self._queue.put(message)
         if inline:
             try:
-                self._send(item)
+                self._send(message)
             finally:
                 self._wire_lock.release()
 
@@ -136,31 +172,52 @@ class Sender(threading.Thread):
 
     def run(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
+            message = self._queue.get()
+            if message is None:
                 return
             with self._wire_lock:
-                self._send(item)
+                self._send(message)
             with self._count_lock:
                 self._pending -= 1
 
-    def _send(self, item: tuple) -> None:
+    def _send(self, message: Message) -> None:
         if self.error is not None:
             return
-        msg_type, flags, sample_ids, positions, tensor, seq = item
         try:
-            send(self.sock, msg_type, flags, sample_ids, positions, tensor, seq)
+            messages.send(self.sock, message)
         except OSError as e:
             self.error = f"send failed: {e}"
             log.info("%s: %s", self.name, self.error)
 
 
-def send(sock: socket.socket, msg_type: int, flags: int, sample_ids: Sequence[int],
-         positions: Sequence[int], tensor: Optional[torch.Tensor], seq: int) -> None:
-    if tensor is None:
-        framing.send_control(sock, msg_type, sample_ids, positions, seq=seq)
-    else:
-        framing.send_tensor(sock, msg_type, sample_ids, positions, tensor, flags=flags, seq=seq)
+class LinkPair:
+    """A node's place in the ring: the inbound link (a receiver thread filling ``inbox``) and
+    the outbound one (a sender). Starter and workers both hold one."""
+
+    def __init__(self, inbound: socket.socket, outbound: socket.socket, max_payload: int,
+                 name: str) -> None:
+        self.inbound, self.outbound = inbound, outbound
+        self.inbox: "queue.SimpleQueue[Received]" = queue.SimpleQueue()
+        self.receiver = Receiver(inbound, self.inbox, max_payload, f"{name}/recv")
+        self.sender = Sender(outbound, f"{name}/send")
+        self.receiver.start()
+        self.sender.start()
+
+    def send(self, message: Message) -> None:
+        self.sender.put(message)
+
+    def receive(self, timeout: Optional[float] = None) -> Received:
+        """The next message or LinkDown; ``queue.Empty`` after ``timeout`` s."""
+        return self.inbox.get(timeout=timeout)
+
+    @property
+    def send_error(self) -> Optional[str]:
+        return self.sender.error
+
+    def close(self, timeout: float = 2.0) -> None:
+        self.sender.close(timeout=timeout)
+        close_quietly(self.outbound)
+        close_quietly(self.inbound)
 
 
 def close_quietly(sock: Optional[socket.socket]) -> None:

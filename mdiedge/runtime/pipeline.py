@@ -1,0 +1,90 @@
+"""A pipeline: the ordered stages a message goes through, and the model ends around them.
+
+In-process ``LocalStage``s run as a message is submitted; a remote tail (the ring's links,
+see ``mdiedge.roles.starter``) carries it on through the workers and back. Either way results
+come back in submission order, as on a ring, so the scheduler cannot tell the two apart:
+``--nodes 1`` is one local stage, a ring is the starter's local stage plus the remote tail,
+and N local stages test the scheduler's grouping, chunking and release without sockets.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any, Deque, List, Optional, Sequence
+
+import torch
+
+from .messages import Message
+from .stages import LocalStage
+from ..base.errors import RingError
+
+
+class Tail:
+    """Stages beyond this process, reached over links (the interface the ring implements)."""
+
+    nodes = 0  # how many nodes the tail spans
+
+    def send(self, message: Message) -> None:
+        raise NotImplementedError
+
+    def receive(self, timeout: Optional[float]) -> Message:
+        """The next message back; RingError when the ring broke or timed out."""
+        raise NotImplementedError
+
+
+class ModelEnds:
+    """The embedding before the first block and the final norm and head after the last: the
+    starter's, wherever the blocks run."""
+
+    def __init__(self, model: Any) -> None:  # a Transformer chunk with embedding and head
+        if not (model.has_embedding and model.has_head):
+            raise ValueError("the model ends need a chunk with the embedding and the head")
+        self.model = model
+        self.device = next(model.parameters()).device
+
+    def embed(self, tokens: List[List[int]]) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, dim) hidden states."""
+        with torch.inference_mode():
+            return self.model.embed_tokens(torch.tensor(tokens, device=self.device))
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, dim) last hidden states -> (B, vocab) fp32 logits."""
+        with torch.inference_mode():
+            return self.model.head_logits(hidden.to(self.device))
+
+
+class Pipeline:
+    """``stages`` in this process, in ring order, then the optional remote ``tail``."""
+
+    def __init__(self, stages: Sequence[LocalStage], tail: Optional[Tail] = None) -> None:
+        if not stages:
+            raise ValueError("a pipeline needs at least one local stage")
+        self.stages = list(stages)
+        self.tail = tail
+        self._done: Deque[Message] = collections.deque()
+
+    @property
+    def nodes(self) -> int:
+        return len(self.stages) + (self.tail.nodes if self.tail is not None else 0)
+
+    @property
+    def n_slots(self) -> int:
+        return min(stage.n_slots for stage in self.stages)
+
+    @property
+    def context(self) -> int:
+        return min(stage.context for stage in self.stages)
+
+    def submit(self, message: Message) -> None:
+        for stage in self.stages:
+            message = stage.forward(message)
+        if self.tail is not None:
+            self.tail.send(message)
+        else:
+            self._done.append(message)
+
+    def receive(self, timeout: Optional[float] = None) -> Message:
+        if self.tail is not None:
+            return self.tail.receive(timeout)
+        if not self._done:
+            raise RingError("nothing in flight to receive")
+        return self._done.popleft()

@@ -1,0 +1,197 @@
+"""The control plane's typed bodies, one JSON mapping each, used by both ends: the starter
+builds them, a worker parses (and validates) them, and status readers parse ``NodeStatus``.
+
+Parsing never trusts the network: every field is type-checked and range-checked, and a bad
+one raises ``ValueError`` naming it (the control server answers 400 with that line).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from ..base import defaults
+from ..base.dtypes import compute_dtype
+from ..model.config import ModelConfig, config_from_hf
+
+MAX_SLOTS = 4096
+
+
+def _get(body: Mapping[str, Any], key: str, kind: type, default: Any = dataclasses.MISSING) -> Any:
+    if key not in body or body[key] is None:
+        if default is dataclasses.MISSING:
+            raise ValueError(f"missing field {key!r}")
+        return default
+    value = body[key]
+    ok = isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
+    if not ok or (kind is not bool and isinstance(value, bool)):
+        raise ValueError(f"field {key!r} must be {kind.__name__}, got {value!r}")
+    return float(value) if kind is float else value
+
+
+@dataclass
+class ModelRef:
+    """Which model a node should load: its content hash, config and (same filesystem) path."""
+
+    name: str
+    hash: str
+    config: Dict[str, Any]
+    generation_config: Dict[str, Any]
+    path: Optional[str] = None
+
+    def to_json(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, body: Any) -> "ModelRef":
+        if not isinstance(body, dict):
+            raise ValueError(f"field 'model' must be an object, got {body!r:.80}")
+        digest = _get(body, "hash", str)
+        if not (len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+            raise ValueError(f"model hash {digest!r} is not a sha256 hex digest")
+        return cls(_get(body, "name", str, ""), digest, _get(body, "config", dict),
+                   _get(body, "generation_config", dict, {}), _get(body, "path", str, None))
+
+    def model_config(self) -> ModelConfig:
+        return config_from_hf(self.config, "assignment config", self.generation_config)
+
+
+@dataclass
+class Assignment:
+    """``POST /assign``: run blocks ``layers`` of ``model`` for ``n_slots`` x ``context``."""
+
+    model: ModelRef
+    layers: Tuple[int, int]
+    n_slots: int
+    context: int
+    dtype: str = "float32"
+    device: str = "cpu"
+    last: bool = False  # the last worker: trims prefill output to the last position
+    max_payload: int = defaults.MAX_PAYLOAD
+    session: str = ""
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"model": self.model.to_json(), "layers": list(self.layers),
+                "n_slots": self.n_slots, "context": self.context, "dtype": self.dtype,
+                "device": self.device, "last": self.last, "max_payload": self.max_payload,
+                "session": self.session}
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> "Assignment":
+        model = ModelRef.from_json(body.get("model"))
+        cfg = model.model_config()
+        layers = _get(body, "layers", list)
+        if len(layers) != 2 or not all(isinstance(v, int) and not isinstance(v, bool)
+                                       for v in layers):
+            raise ValueError(f"field 'layers' must be [first, end), got {layers!r}")
+        a, b = layers
+        if not 0 <= a < b <= cfg.n_layers:
+            raise ValueError(f"layers {[a, b]} outside the model's 0..{cfg.n_layers}")
+        n_slots, context = _get(body, "n_slots", int), _get(body, "context", int)
+        if not 0 < n_slots <= MAX_SLOTS or not 0 < context <= cfg.max_seq_len:
+            raise ValueError(f"n_slots={n_slots} or context={context} out of range")
+        dtype = _get(body, "dtype", str)
+        compute_dtype(dtype)
+        device = _get(body, "device", str)
+        if device != "cpu" and not device.startswith("cuda"):
+            raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N")
+        max_payload = _get(body, "max_payload", int, defaults.MAX_PAYLOAD)
+        if not 0 < max_payload <= 1 << 34:
+            raise ValueError(f"max_payload {max_payload} out of range")
+        return cls(model, (a, b), n_slots, context, dtype, device,
+                   _get(body, "last", bool, False), max_payload, _get(body, "session", str, ""))
+
+    def same_weights(self, other: Optional["Assignment"]) -> bool:
+        """Whether ``other`` needs exactly the weights this one does."""
+        return other is not None and (self.model.hash, self.layers, self.dtype, self.device) \
+            == (other.model.hash, other.layers, other.dtype, other.device)
+
+
+@dataclass
+class AssignReply:
+    """A worker's answer to ``/assign`` and ``/weights``."""
+
+    need_weights: bool
+    data_port: int = 0
+    weight_bytes: int = 0
+    kv_bytes: int = 0
+
+    def to_json(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> "AssignReply":
+        need = _get(body, "need_weights", bool)
+        if need:
+            return cls(True)
+        port = _get(body, "data_port", int)
+        if not 0 < port < 65536:
+            raise ValueError(f"data_port {port} out of range")
+        return cls(False, port, _get(body, "weight_bytes", int, 0), _get(body, "kv_bytes", int, 0))
+
+
+@dataclass
+class ConnectRequest:
+    """``POST /connect``: link to the next node of the ring (its data port)."""
+
+    next_host: str
+    next_port: int
+    next_control: Optional[str] = None  # its control URL, for the link RTT in status
+    session: str = ""
+
+    def to_json(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> "ConnectRequest":
+        port = _get(body, "next_port", int)
+        if not 0 < port < 65536:
+            raise ValueError(f"next_port {port} out of range")
+        return cls(_get(body, "next_host", str), port, _get(body, "next_control", str, None),
+                   _get(body, "session", str, ""))
+
+
+@dataclass
+class NodeStatus:
+    """``GET /status`` of any node, starter or worker: the same keys for both."""
+
+    role: str
+    name: str
+    state: str  # idle, loading, ready, busy, down
+    address: str = ""
+    version: str = ""
+    model: Optional[str] = None
+    hash: Optional[str] = None
+    device: Optional[str] = None
+    layers: Optional[List[int]] = None
+    rss_bytes: int = 0
+    max_rss_bytes: int = 0
+    weight_bytes: int = 0
+    kv_bytes: int = 0
+    slots_in_use: int = 0
+    messages: int = 0
+    tokens: int = 0
+    compute_s: float = 0.0
+    busy_fraction: float = 0.0
+    link_rtt_ms: Optional[float] = None
+    uptime_s: float = 0.0
+    pid: int = 0
+    data_port: int = 0
+    expert_load: Dict[str, List[int]] = field(default_factory=dict)
+    error: Optional[str] = None
+
+    def to_json(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> "NodeStatus":
+        """Known keys of ``body`` (others are ignored: a newer node may add some)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in body.items() if k in names}
+        for key in ("role", "name", "state"):
+            values.setdefault(key, "?")
+        return cls(**values)
+
+    @classmethod
+    def down(cls, role: str, name: str, address: str, error: str) -> "NodeStatus":
+        return cls(role, name, "down", address=address, error=error)

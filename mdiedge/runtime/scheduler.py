@@ -1,0 +1,280 @@
+"""The one scheduler: it alone decides what runs next on a pipeline of stages.
+
+It admits requests into free KV slots (continuous batching: a new request's prefill enters
+between the steps of the ones decoding), groups each request's samples into micro-batches,
+cuts prompts into frame-sized prefill chunks, sends each group's next decode step as soon as
+its previous one comes back (recurrent pipeline parallelism: with as many groups in flight as
+nodes, every node is busy; MDI-LLM, Macario et al. 2024), and frees a finished sample's KV
+rows on every node with one RELEASE.
+
+One thread steps at a time; any number may ``run`` a request at once, each stepping until its
+own request is done, so token callbacks run on whichever thread stepped.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Deque, Dict, List, Optional, Tuple
+
+from . import messages
+from .generation import Generation, Sample, Timing
+from .messages import Message
+from .pipeline import ModelEnds, Pipeline
+from ..base.errors import GenerationError, MdiedgeError, RingError
+
+_ID_SPACE = 2 ** 32 - 1  # sample ids are u32 on the wire; 0 is never used
+
+
+def group_size(n_samples: int, micro_batch: int, nodes: int, max_rows: int = 0) -> int:
+    """Samples per decode message: ``micro_batch`` if given, else enough groups to keep
+    every node busy; never more rows than one frame may carry (``max_rows``, 0: no limit)."""
+    size = micro_batch if micro_batch > 0 else max(1, math.ceil(n_samples / max(1, nodes)))
+    return max(1, min(size, max_rows)) if max_rows > 0 else size
+
+
+def prefill_chunks(prompt_len: int, chunk: int) -> List[Tuple[int, int]]:
+    """``[start, end)`` of each prefill message of a prompt (``chunk`` 0: one message)."""
+    step = chunk if chunk > 0 else max(1, prompt_len)
+    return [(start, min(start + step, prompt_len)) for start in range(0, prompt_len, step)]
+
+
+@dataclass(eq=False)
+class _Group:
+    """Samples of one request that travel in one decode message."""
+
+    generation: Generation
+    samples: List[Sample]
+    prefilled: int = 0  # members whose prefill came back
+
+
+@dataclass(eq=False)
+class _InFlight:
+    kind: str  # "prefill", "decode" or "release"
+    group: Optional[_Group] = None
+    samples: List[Sample] = field(default_factory=list)
+    final: bool = True  # the last chunk of a prefill
+
+
+@dataclass
+class SchedulerStats:
+    messages: int = 0
+    tokens: int = 0
+    compute_s: float = 0.0  # embedding, local stages and head, on this process
+    wall_s: float = 0.0  # time with something in flight
+
+
+class Scheduler:
+    """Runs generations over ``pipeline`` with ``ends`` (embedding and head).
+
+    ``prefill_chunk``: tokens per prefill message (0: the whole prompt); ``timeout_s``: how
+    long a message may take around the pipeline."""
+
+    def __init__(self, pipeline: Pipeline, ends: ModelEnds, prefill_chunk: int = 0,
+                 timeout_s: Optional[float] = None, max_waiting: int = 64) -> None:
+        self.pipeline, self.ends = pipeline, ends
+        self.prefill_chunk, self.timeout_s, self.max_waiting = prefill_chunk, timeout_s, max_waiting
+        self.stats = SchedulerStats()
+        self._waiting: "queue.SimpleQueue[Tuple[Generation, int]]" = queue.SimpleQueue()
+        self._n_waiting = 0
+        self._lock = threading.Lock()  # guards _n_waiting
+        self._driver = threading.Lock()  # held by the thread that steps
+        self._ready: Deque[Tuple[Generation, int]] = collections.deque()
+        self._inflight: Dict[int, _InFlight] = {}
+        self._groups: List[_Group] = []  # live groups, to fail or cancel
+        self._live = 0  # samples holding KV rows
+        self._next_id = 0
+        self._seq = 0
+        self._busy_since = 0.0
+        self.broken: Optional[BaseException] = None  # set when a step failed
+
+    # ----------------------------------------------------------------- requests
+
+    @property
+    def usable(self) -> bool:
+        return self.broken is None
+
+    @property
+    def idle(self) -> bool:
+        return not self._inflight and not self._ready and self._n_waiting == 0
+
+    @property
+    def slots_in_use(self) -> int:
+        return self._live
+
+    def submit(self, generation: Generation, micro_batch: int = 0) -> None:
+        """Queue ``generation``; it is admitted when its samples fit the free KV slots."""
+        if self.broken is not None:
+            raise RingError(f"the pipeline failed before: {self.broken}")
+        n, slots = len(generation.samples), self.pipeline.n_slots
+        if n > slots:
+            raise GenerationError(f"{n} samples exceed the {slots} KV slots of this pipeline")
+        if generation.context > self.pipeline.context:
+            raise GenerationError(f"prompt plus budget of {generation.context} tokens exceeds "
+                                  f"the {self.pipeline.context} set up on this pipeline")
+        with self._lock:
+            if self._n_waiting >= self.max_waiting:
+                raise GenerationError(f"{self._n_waiting} requests are waiting already")
+            self._n_waiting += 1
+        self._waiting.put((generation, micro_batch))
+
+    def run(self, generation: Generation, micro_batch: int = 0) -> Timing:
+        """Submit ``generation`` and step until it is done; its timing, or its error."""
+        self.submit(generation, micro_batch)
+        while not generation.finished:
+            with self._driver:
+                if not generation.finished:
+                    self.step()
+        if generation.error is not None:
+            raise generation.error
+        return generation.timing
+
+    def drain(self) -> None:
+        """Step until nothing is in flight (releases included)."""
+        with self._driver:
+            while self._inflight:
+                self.step()
+
+    # ----------------------------------------------------------------- one step
+
+    def step(self) -> None:
+        """Admit what fits, then take one message back and act on it (the caller holds the
+        driver lock, as ``run`` does)."""
+        try:
+            self._admit()
+            if not self._inflight:
+                return
+            message = self.pipeline.receive(self.timeout_s)
+            entry = self._inflight.pop(message.seq, None)
+            if entry is None:
+                raise RingError(f"the ring returned an unknown message (seq {message.seq})")
+            self._complete(entry, message)
+            if not self._inflight:
+                self.stats.wall_s += time.perf_counter() - self._busy_since
+        except BaseException as e:  # the pipeline's state is unknown now: it cannot be reused
+            self.broken = e
+            self._fail_all(e if isinstance(e, MdiedgeError) else RingError(f"interrupted: {e!r}"))
+            raise
+
+    def _admit(self) -> None:
+        while True:
+            try:
+                self._ready.append(self._waiting.get_nowait())
+            except queue.Empty:
+                break
+            with self._lock:
+                self._n_waiting -= 1
+        while self._ready:
+            generation, micro_batch = self._ready[0]
+            if generation.cancel_requested:
+                self._ready.popleft()
+                for sample in generation.samples:
+                    sample.finish_reason, sample.released = "cancelled", True
+                continue
+            if self._live + len(generation.samples) > self.pipeline.n_slots:
+                return  # first come, first served: later requests wait behind it
+            self._ready.popleft()
+            self._start(generation, micro_batch)
+
+    def _start(self, generation: Generation, micro_batch: int) -> None:
+        samples = generation.samples
+        for sample in samples:
+            sample.sid = self._new_id()
+        self._live += len(samples)
+        generation.mark_admitted()
+        size = group_size(len(samples), micro_batch, self.pipeline.nodes, self.prefill_chunk)
+        groups = [_Group(generation, samples[i:i + size]) for i in range(0, len(samples), size)]
+        self._groups.extend(groups)
+        for i, sample in enumerate(samples):
+            group = groups[i // size]
+            for start, end in prefill_chunks(len(sample.prompt), self.prefill_chunk):
+                self._send(messages.ACTIVATION, [sample], [sample.prompt[start:end]], [start],
+                           _InFlight("prefill", group, [sample], final=end == len(sample.prompt)),
+                           prefill=True)
+
+    def _new_id(self) -> int:
+        self._next_id = self._next_id % (_ID_SPACE - 1) + 1
+        return self._next_id
+
+    # ----------------------------------------------------------------- results
+
+    def _complete(self, entry: _InFlight, message: Message) -> None:
+        if entry.kind == "release" or not entry.final:
+            return
+        group = entry.group
+        assert group is not None and message.hidden is not None
+        t0 = time.perf_counter()
+        generation = group.generation
+        logits = self.ends.head(message.hidden[:, -1])  # (B, vocab)
+        generation.accept(entry.samples, logits)
+        if entry.kind == "prefill":
+            group.prefilled += 1
+            if group.prefilled < len(group.samples):
+                self.stats.compute_s += time.perf_counter() - t0
+                return
+            self._note_prefill_done(generation)
+        self._release_finished(group)
+        batch = [s for s in group.samples if not s.done]
+        if batch:
+            self._send(messages.ACTIVATION, batch, [[s.tokens[-1]] for s in batch],
+                       [s.position for s in batch], _InFlight("decode", group, batch))
+        else:
+            self._groups.remove(group)
+        self.stats.compute_s += time.perf_counter() - t0
+
+    def _note_prefill_done(self, generation: Generation) -> None:
+        groups = [g for g in self._groups if g.generation is generation]
+        if all(g.prefilled == len(g.samples) for g in groups):
+            generation.mark_prefilled()
+
+    def _release_finished(self, group: _Group) -> None:
+        if group.generation.cancel_requested:
+            for sample in group.samples:
+                if not sample.done:
+                    sample.finish_reason = "cancelled"
+        done = [s for s in group.samples if s.done and not s.released]
+        if not done:
+            return
+        for sample in done:
+            sample.released = True
+        self._live -= len(done)
+        self._send(messages.RELEASE, done, None, [0] * len(done), _InFlight("release"))
+        if all(s.done for s in group.generation.samples):
+            group.generation.finish()
+
+    # ----------------------------------------------------------------- sending
+
+    def _send(self, kind: int, samples: List[Sample], tokens: Optional[List[List[int]]],
+              positions: List[int], entry: _InFlight, prefill: bool = False) -> None:
+        t0 = time.perf_counter()
+        if not self._inflight:
+            self._busy_since = t0
+        hidden = self.ends.embed(tokens) if tokens is not None else None  # (B, T, dim)
+        self._seq = self._seq % _ID_SPACE + 1
+        message = Message(kind, [s.sid for s in samples], list(positions), hidden, prefill,
+                          self._seq)
+        self._inflight[self._seq] = entry
+        self.pipeline.submit(message)
+        self.stats.messages += 1
+        self.stats.tokens += message.tokens
+        self.stats.compute_s += time.perf_counter() - t0
+
+    def _fail_all(self, error: BaseException) -> None:
+        """The pipeline broke: every admitted and waiting request fails with ``error``."""
+        failed = {id(g.generation): g.generation for g in self._groups}
+        failed.update((id(g), g) for g, _ in self._ready)
+        while True:
+            try:
+                generation, _ = self._waiting.get_nowait()
+            except queue.Empty:
+                break
+            with self._lock:
+                self._n_waiting -= 1
+            failed[id(generation)] = generation
+        for generation in failed.values():
+            generation.error = error
+        self._groups, self._inflight, self._live = [], {}, 0
+        self._ready.clear()

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from mdiedge.model.config import ModelConfig, preset
 from mdiedge.base.errors import PartitionError
-from mdiedge.runtime.partition import NodeShare, Placement, format_bytes, partition, split_layers
+from mdiedge.base.nodes import NodeSpec
+from mdiedge.runtime.partition import Placement, format_bytes, partition, split_layers
 
 Ranges = List[Tuple[int, int]]
 
@@ -25,10 +26,10 @@ SMALL = ModelConfig(vocab_size=100, dim=16, n_layers=4, n_heads=4, n_kv_heads=2,
 BLOCK, EMBEDDING, HEAD, KV_TOKEN = 2336, 1600, 1616, 64
 
 
-def nodes(n: int, **pins: Tuple[int, int]) -> List[NodeShare]:
+def nodes(n: int, **pins: Tuple[int, int]) -> List[NodeSpec]:
     """``n`` equal nodes named s, w1, w2, ...; keyword arguments pin layers by name."""
     names = ["s"] + [f"w{i}" for i in range(1, n)]
-    return [NodeShare(name, layers=pins.get(name)) for name in names]
+    return [NodeSpec(name, layers=pins.get(name)) for name in names]
 
 
 def layers_of(placements: Sequence[Placement]) -> Ranges:
@@ -150,7 +151,7 @@ def test_split_layers_near_ideal(n_layers: int, weights: List[float]) -> None:
 
 
 def test_one_node_gets_everything() -> None:
-    (only,) = partition(SMALL, [NodeShare("s")], 2, 16)
+    (only,) = partition(SMALL, [NodeSpec("s")], 2, 16)
     assert only.layers == (0, 4)
     assert only.weight_bytes == 4 * (4 * BLOCK + EMBEDDING + HEAD)
     assert only.kv_bytes == 2 * 16 * 4 * KV_TOKEN
@@ -181,7 +182,7 @@ def test_pins(n_layers: int, n_nodes: int, pins: Dict[str, Tuple[int, int]],
 
 
 def test_weights_in_a_gap() -> None:
-    ring = [NodeShare("s", layers=(0, 4)), NodeShare("w1", 1.0), NodeShare("w2", 3.0)]
+    ring = [NodeSpec("s", layers=(0, 4)), NodeSpec("w1", weight=1.0), NodeSpec("w2", weight=3.0)]
     # [4, 12): 8 * 1/4 = 2 for w1, the rest for w2.
     assert layers_of(partition(SMALL.replace(n_layers=12), ring, 1, 8)) == [
         (0, 4), (4, 6), (6, 12)]
@@ -234,21 +235,21 @@ def test_pin_errors(n_layers: int, n_nodes: int, pins: Dict[str, Tuple[int, int]
 
 
 @pytest.mark.parametrize("ring,kwargs,message", [
-    ([NodeShare("s"), NodeShare("w1", 0.0)], {},
+    ([NodeSpec("s"), NodeSpec("w1", weight=0.0)], {},
      "node 'w1': weight must be a positive finite number, got 0.0"),
-    ([NodeShare("s", -1), NodeShare("w1")], {},
+    ([NodeSpec("s", weight=-1), NodeSpec("w1")], {},
      "node 's': weight must be a positive finite number, got -1"),
-    ([NodeShare("s"), NodeShare("w1", float("nan"))], {},
+    ([NodeSpec("s"), NodeSpec("w1", weight=float("nan"))], {},
      "node 'w1': weight must be a positive finite number, got nan"),
-    ([NodeShare("s"), NodeShare("w1", memory=-5)], {},
+    ([NodeSpec("s"), NodeSpec("w1", memory=-5)], {},
      "node 'w1': memory must be a non-negative number of bytes, got -5"),
     ([], {}, "cannot partition a model over an empty list of nodes"),
-    ([NodeShare("s")], {"n_samples": -1}, "n_samples must be an integer >= 0, got -1"),
-    ([NodeShare("s")], {"itemsize": 0}, "itemsize must be an integer >= 1, got 0"),
-    ([NodeShare("s")], {"starter_overhead": float("inf")},
+    ([NodeSpec("s")], {"n_samples": -1}, "n_samples must be an integer >= 0, got -1"),
+    ([NodeSpec("s")], {"itemsize": 0}, "itemsize must be an integer >= 1, got 0"),
+    ([NodeSpec("s")], {"starter_overhead": float("inf")},
      "starter_overhead must be a finite number >= 0, got inf"),
 ])
-def test_partition_input_errors(ring: List[NodeShare], kwargs: Dict[str, Any],
+def test_partition_input_errors(ring: List[NodeSpec], kwargs: Dict[str, Any],
                                 message: str) -> None:
     args: Dict[str, Any] = dict(n_samples=1, context=8)
     args.update(kwargs)
@@ -287,7 +288,7 @@ def test_tied_embeddings_count_once() -> None:
 
 def test_memory_refused() -> None:
     # w1 needs 28032 + 5760 = 33792 bytes = 33.00 KiB (27.38 + 5.62 KiB, half-even rounding)
-    ring = [NodeShare("s"), NodeShare("w1", memory=32 * 1024)]
+    ring = [NodeSpec("s"), NodeSpec("w1", memory=32 * 1024)]
     with pytest.raises(PartitionError) as e:
         partition(SMALL, ring, 3, 10)
     assert str(e.value) == ("node 'w1' needs 33.00 KiB (weights 27.38 KiB + KV 5.62 KiB for "
@@ -295,7 +296,7 @@ def test_memory_refused() -> None:
 
 
 def test_memory_refused_names_every_node() -> None:
-    ring = [NodeShare("s", memory=1000), NodeShare("w1", memory=28000)]
+    ring = [NodeSpec("s", memory=1000), NodeSpec("w1", memory=28000)]
     with pytest.raises(PartitionError) as e:
         partition(SMALL, ring, 1, 1)
     assert str(e.value) == (
@@ -306,11 +307,11 @@ def test_memory_refused_names_every_node() -> None:
 
 
 def test_memory_just_sufficient() -> None:
-    ring = [NodeShare("s", memory=24128), NodeShare("w1", memory=33792)]
+    ring = [NodeSpec("s", memory=24128), NodeSpec("w1", memory=33792)]
     starter, worker = partition(SMALL, ring, 3, 10)
     assert (starter.total_bytes, worker.total_bytes) == (24128, 33792)
     with pytest.raises(PartitionError, match="node 's' needs"):
-        partition(SMALL, [NodeShare("s", memory=24127), NodeShare("w1", memory=33792)], 3, 10)
+        partition(SMALL, [NodeSpec("s", memory=24127), NodeSpec("w1", memory=33792)], 3, 10)
 
 
 @pytest.mark.parametrize("n,text", [
@@ -325,7 +326,7 @@ def test_format_bytes(n: int, text: str) -> None:
 
 
 @st.composite
-def rings(draw: Any) -> Tuple[int, List[NodeShare]]:
+def rings(draw: Any) -> Tuple[int, List[NodeSpec]]:
     """A model size and a ring whose nodes pin a random subset of a valid random tiling."""
     n_layers = draw(st.integers(1, 60))
     n_workers = draw(st.integers(0, min(n_layers, 8)))
@@ -338,13 +339,13 @@ def rings(draw: Any) -> Tuple[int, List[NodeShare]]:
     for i, layers in enumerate(zip(bounds[:-1], bounds[1:])):
         pinned = draw(st.booleans())
         weight = draw(st.floats(0.01, 100, allow_nan=False))
-        ring.append(NodeShare(f"n{i}", weight, layers=layers if pinned else None))
+        ring.append(NodeSpec(f"n{i}", weight=weight, layers=layers if pinned else None))
     return n_layers, ring
 
 
 @settings(max_examples=300, deadline=None)
 @given(rings())
-def test_partition_tiles_and_keeps_pins(case: Tuple[int, List[NodeShare]]) -> None:
+def test_partition_tiles_and_keeps_pins(case: Tuple[int, List[NodeSpec]]) -> None:
     n_layers, ring = case
     cfg = SMALL.replace(n_layers=n_layers)
     placements = partition(cfg, ring, 2, 4)
@@ -361,7 +362,7 @@ def test_partition_tiles_and_keeps_pins(case: Tuple[int, List[NodeShare]]) -> No
 @given(n_layers=st.integers(1, 60),
        weights=st.lists(st.floats(0.01, 100, allow_nan=False), min_size=1, max_size=10))
 def test_partition_without_pins_is_split_layers(n_layers: int, weights: List[float]) -> None:
-    ring = [NodeShare(f"n{i}", w) for i, w in enumerate(weights)]
+    ring = [NodeSpec(f"n{i}", weight=w) for i, w in enumerate(weights)]
     if len(weights) - 1 > n_layers:
         with pytest.raises(PartitionError):
             partition(SMALL.replace(n_layers=n_layers), ring, 1, 1)

@@ -7,15 +7,17 @@ from typing import List
 import pytest
 import torch
 
+from mdiedge.base import defaults
 from mdiedge.model.sampling import SamplingParams, filter_logits, sample_generator, sample_rows
 
 LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]))
 
 
 @pytest.mark.parametrize("params,kept", [
-    (SamplingParams(temperature=1.0), [0, 1, 2, 3, 4]),
-    (SamplingParams(temperature=1.0, top_k=2), [0, 1]),
-    (SamplingParams(temperature=1.0, top_k=1), [0]),
+    (SamplingParams(temperature=1.0, top_p=1.0), [0, 1, 2, 3, 4]),
+    (SamplingParams(temperature=1.0, top_p=0.95), [0, 1, 2, 3]),
+    (SamplingParams(temperature=1.0, top_k=2, top_p=1.0), [0, 1]),
+    (SamplingParams(temperature=1.0, top_k=1, top_p=1.0), [0]),
     (SamplingParams(temperature=1.0, top_p=0.5), [0]),
     (SamplingParams(temperature=1.0, top_p=0.6), [0, 1]),
     (SamplingParams(temperature=1.0, top_p=0.9), [0, 1, 2]),
@@ -28,8 +30,15 @@ def test_filters_keep_the_expected_tokens(params: SamplingParams, kept: List[int
 
 
 def test_temperature_scales_logits() -> None:
-    out = filter_logits(LOGITS, SamplingParams(temperature=2.0))
+    out = filter_logits(LOGITS, SamplingParams(temperature=2.0, top_p=1.0))
     assert torch.allclose(out, LOGITS / 2)
+
+
+def test_default_params_are_the_cli_defaults() -> None:
+    params = SamplingParams()
+    assert (params.temperature, params.top_k, params.top_p, params.seed) == \
+        (defaults.TEMPERATURE, defaults.TOP_K, defaults.TOP_P, defaults.SEED)
+    assert (params.temperature, params.top_p) == (0.8, 0.95) and not params.greedy
 
 
 def test_greedy_is_argmax() -> None:
@@ -47,7 +56,7 @@ def test_each_sample_has_its_own_stream() -> None:
 
 
 def test_sampling_follows_the_distribution() -> None:
-    params = SamplingParams(temperature=1.0)
+    params = SamplingParams(temperature=1.0, top_p=1.0)
     gen = sample_generator(0, 0)
     draws = [sample_rows(LOGITS[None], params, [gen])[0] for _ in range(4000)]
     assert math.isclose(draws.count(0) / 4000, 0.5, abs_tol=0.03)

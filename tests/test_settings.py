@@ -1,5 +1,4 @@
-"""Settings files (mdiedge.base.settings) and ring files on top of them; no torch needed except for
-the load_ring tests, which build ``WorkerAddress`` objects."""
+"""Settings files (mdiedge.base.settings) and ring files on top of them; no torch needed."""
 from __future__ import annotations
 
 import math
@@ -13,11 +12,14 @@ from typing import Any, Dict, Iterator, List, Optional
 import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
+from mdiedge.base import defaults
 from mdiedge.base import settings as settings_module
 from mdiedge.base.errors import ConfigError
+from mdiedge.base.nodes import NodeSpec
+from mdiedge.base.ringfile import load_ring
 from mdiedge.base.settings import (STARTER_SCHEMA, WORKER_SCHEMA, WORKERS_SCHEMA, Settings,
-                              StarterSettings, WorkerEntry, WorkerSettings, check_config,
-                              find_config, load_settings, parse_bytes, read_secret)
+                                   StarterSettings, WorkerSettings, check_config, find_config,
+                                   load_settings, parse_bytes, read_secret)
 
 GiB = 1024 ** 3
 
@@ -126,10 +128,10 @@ def test_ring_file(tmp_path: Path) -> None:
     s = load_settings(write(tmp_path, RING_FILE))
     assert s.starter == StarterSettings(host="10.0.0.1", memory=1000)
     assert s.workers == (
-        WorkerEntry(name="w1", host="10.0.0.2", control_port=7700, device="cuda", weight=2.5,
-                    memory=6 * GiB, layers=(6, 14)),
-        WorkerEntry(name="jetson", host="10.0.0.3", control_port=7700),
-        WorkerEntry(name="w3", host="10.0.0.3", control_port=7701),
+        NodeSpec(name="w1", host="10.0.0.2", control_port=7700, device="cuda", weight=2.5,
+                 memory=6 * GiB, layers=(6, 14)),
+        NodeSpec(name="jetson", host="10.0.0.3", control_port=7700),
+        NodeSpec(name="w3", host="10.0.0.3", control_port=7701),
     )
 
 
@@ -141,7 +143,7 @@ def test_ring_file(tmp_path: Path) -> None:
     ("workers = []\n", Settings(None, None, (), "")),
     ('worker = { name = "inline" }\n', Settings(WorkerSettings(name="inline"), None, (), "")),
     ('workers = [{ host = "h", control_port = 1 }]\n',
-     Settings(None, None, (WorkerEntry("w1", "h", 1),), "")),
+     Settings(None, None, (NodeSpec("w1", "h", 1),), "")),
     ("[worker]\ncontrol_port = 0\ndata_port = 0\n",  # 0: any free port, twice is fine
      Settings(WorkerSettings(control_port=0, data_port=0), None, (), "")),
 ])
@@ -152,19 +154,29 @@ def test_defaults(tmp_path: Path, text: str, expected: Settings) -> None:
                                                      expected.workers)
 
 
-def test_defaults_match_cli_and_engine() -> None:
+def test_defaults_come_from_the_defaults_module() -> None:
     w, s = WorkerSettings(), StarterSettings()
-    assert (w.name, w.host, w.control_port, w.data_port, w.threads, w.log_level) == \
-        ("worker", "127.0.0.1", 7700, 7701, 0, "info")
-    assert (s.host, s.device, s.dtype, s.weight, s.timeout_s, s.max_payload) == \
-        ("127.0.0.1", "cpu", "float32", 1.0, 60.0, None)
+    assert (w.name, w.host, w.threads, w.log_level) == ("worker", "127.0.0.1", 0, "info")
+    assert (w.control_port, w.data_port, w.idle_timeout_s) == \
+        (defaults.WORKER_CONTROL_PORT, defaults.WORKER_DATA_PORT, defaults.IDLE_TIMEOUT_S)
+    assert (s.host, s.control_port, s.device, s.dtype, s.weight) == \
+        ("127.0.0.1", defaults.STARTER_CONTROL_PORT, "cpu", "float32", 1.0)
+    assert (s.timeout_s, s.max_payload) == (defaults.RING_TIMEOUT_S, defaults.MAX_PAYLOAD)
+
+
+def test_dtype_names_are_the_compute_dtypes(tmp_path: Path) -> None:
+    from mdiedge.base.dtypes import COMPUTE_NAMES
+
+    for name in COMPUTE_NAMES:
+        starter = load_settings(write(tmp_path, f'[starter]\ndtype = "{name}"\n')).starter
+        assert starter is not None and starter.dtype == name
 
 
 def test_schemas_cover_the_dataclass_fields() -> None:
     extra = {"source", "keys_set"}
     assert set(WORKER_SCHEMA) == {f.name for f in fields(WorkerSettings)} - extra
     assert set(STARTER_SCHEMA) == {f.name for f in fields(StarterSettings)} - extra
-    assert set(WORKERS_SCHEMA) == {f.name for f in fields(WorkerEntry)}
+    assert set(WORKERS_SCHEMA) == {f.name for f in fields(NodeSpec)}
 
 
 def test_settings_are_frozen(tmp_path: Path) -> None:
@@ -576,58 +588,48 @@ def test_check_config_errors_like_load(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------ load_ring
 
 
-@pytest.fixture
-def load_ring() -> Any:
-    pytest.importorskip("torch")  # WorkerAddress lives in mdiedge.roles.starter
-    from mdiedge.base.ringfile import load_ring
-
-    return load_ring
-
-
-def test_load_ring_shape(tmp_path: Path, load_ring: Any) -> None:
-    from mdiedge.roles.starter import WorkerAddress
-
+def test_load_ring_shape(tmp_path: Path) -> None:
     options, workers = load_ring(write(tmp_path, RING_FILE))
-    assert options == {"host": "10.0.0.1", "device": "cpu", "starter_weight": 1.0,
-                       "starter_memory": 1000, "starter_layers": None}
+    assert options == {"host": "10.0.0.1", "device": "cpu", "weight": 1.0,
+                       "memory": 1000, "layers": None,
+                       "max_payload": defaults.MAX_PAYLOAD, "timeout_s": defaults.RING_TIMEOUT_S}
     assert workers == [
-        WorkerAddress(name="w1", host="10.0.0.2", control_port=7700, weight=2.5,
-                      memory=6 * GiB, layers=(6, 14), device="cuda"),
-        WorkerAddress(name="jetson", host="10.0.0.3", control_port=7700),
-        WorkerAddress(name="w3", host="10.0.0.3", control_port=7701),
+        NodeSpec(name="w1", host="10.0.0.2", control_port=7700, weight=2.5,
+                 memory=6 * GiB, layers=(6, 14), device="cuda"),
+        NodeSpec(name="jetson", host="10.0.0.3", control_port=7700),
+        NodeSpec(name="w3", host="10.0.0.3", control_port=7701),
     ]
     assert workers[0].url == "http://10.0.0.2:7700"
+    assert workers[0].address == "10.0.0.2:7700"
 
 
-def test_load_ring_optional_options(tmp_path: Path, load_ring: Any) -> None:
+def test_load_ring_starter_options(tmp_path: Path) -> None:
     text = STARTER_FILE.replace('secret = "0123456789abcdef"\n', "") + R
     options, workers = load_ring(write(tmp_path, text))
-    assert options == {"host": "10.0.0.1", "device": "cuda", "starter_weight": 2.0,
-                       "starter_memory": 4 * GiB, "starter_layers": (0, 6),
+    assert options == {"host": "10.0.0.1", "device": "cuda", "weight": 2.0,
+                       "memory": 4 * GiB, "layers": (0, 6),
                        "max_payload": 64 << 20, "timeout_s": 12.5}
-    options, _ = load_ring(write(tmp_path, "[starter]\ntimeout_s = 60\n" + R))
-    assert options["timeout_s"] == 60.0 and "max_payload" not in options
+    options, _ = load_ring(write(tmp_path, "[starter]\ntimeout_s = 30\n" + R))
+    assert (options["timeout_s"], options["max_payload"]) == (30.0, defaults.MAX_PAYLOAD)
 
 
-def test_load_ring_without_starter_table(tmp_path: Path, load_ring: Any) -> None:
+def test_load_ring_without_starter_table(tmp_path: Path) -> None:
     options, workers = load_ring(write(tmp_path, W + 'name = "ignored"\n' + R))
-    assert options == {"host": "127.0.0.1", "device": "cpu", "starter_weight": 1.0,
-                       "starter_memory": None, "starter_layers": None}
+    assert options == {"host": "127.0.0.1", "device": "cpu", "weight": 1.0,
+                       "memory": None, "layers": None,
+                       "max_payload": defaults.MAX_PAYLOAD, "timeout_s": defaults.RING_TIMEOUT_S}
     assert [w.name for w in workers] == ["w1"]
 
 
-def test_load_ring_feeds_ring_engine(tmp_path: Path, load_ring: Any) -> None:
-    import inspect
-
-    from mdiedge.roles.starter import RingEngine
+def test_load_ring_options_are_starter_options(tmp_path: Path) -> None:
+    from mdiedge.base.nodes import StarterOptions
 
     options, _ = load_ring(write(tmp_path, STARTER_FILE + R))
-    accepted = inspect.signature(RingEngine.__init__).parameters
-    assert set(options) <= set(accepted)
+    assert StarterOptions(**options).weight == 2.0  # every key is a field
 
 
 @pytest.mark.parametrize("text", ["", "[starter]\n", "workers = []\n"])
-def test_load_ring_needs_workers(tmp_path: Path, load_ring: Any, text: str) -> None:
+def test_load_ring_needs_workers(tmp_path: Path, text: str) -> None:
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as e:
         load_ring(path)
@@ -635,7 +637,7 @@ def test_load_ring_needs_workers(tmp_path: Path, load_ring: Any, text: str) -> N
                             f"entry, got none")
 
 
-def test_load_ring_errors(tmp_path: Path, load_ring: Any) -> None:
+def test_load_ring_errors(tmp_path: Path) -> None:
     path = write(tmp_path, S + "wieght = 2\n" + R)
     with pytest.raises(ConfigError, match=r": starter\.wieght: unknown key \(did you mean "
                                           r"'weight'\?\)$"):

@@ -192,3 +192,18 @@ def test_config_skeletons_follow_the_schema() -> None:
             commented = [line[2:] for line in text.splitlines() if line.startswith(f"# {key} = ")]
             assert commented, key
             assert all(tomllib.loads(line) for line in commented)
+
+
+def test_config_skeletons_show_the_defaults(tmp_path: Path) -> None:
+    from mdiedge.base.settings import StarterSettings, WorkerSettings, load_settings
+
+    (tmp_path / "w.toml").write_text(units.WORKER_CONFIG)
+    (tmp_path / "s.toml").write_text(units.STARTER_CONFIG)
+    worker = load_settings(tmp_path / "w.toml").worker
+    ring = load_settings(tmp_path / "s.toml")
+    default_worker, default_starter = WorkerSettings(), StarterSettings()
+    assert worker is not None and ring.starter is not None
+    assert (worker.control_port, worker.data_port, worker.idle_timeout_s) == \
+        (default_worker.control_port, default_worker.data_port, default_worker.idle_timeout_s)
+    assert ring.starter.control_port == default_starter.control_port
+    assert [w.control_port for w in ring.workers] == [default_worker.control_port]

@@ -20,10 +20,15 @@ A file holds any of three tables::
     control_port = 7700
     memory = "6GiB"
 
+A ``[[workers]]`` entry becomes a :class:`~mdiedge.base.nodes.NodeSpec`; the defaults of
+every key come from :mod:`mdiedge.base.defaults` and the dtype names from
+:mod:`mdiedge.base.dtypes`.
+
 Unknown tables and keys are errors, and so are values of the wrong type (``true`` is not an
-integer) or out of range. Every error is a one-line :class:`~mdiedge.errors.ConfigError` that
-names the file, the key as a dotted path (``worker.control_port``, ``workers[1].host``), what
-was expected, and the bad value (secrets are never quoted).
+integer) or out of range. Every error is a one-line
+:class:`~mdiedge.base.errors.ConfigError` that names the file, the key as a dotted path
+(``worker.control_port``, ``workers[1].host``), what was expected, and the bad value (secrets
+are never quoted).
 
 Look-up order of the file (:func:`find_config`): ``--config``, ``$MDIEDGE_CONFIG``, then
 ``/etc/mdiedge/mdiedge.toml`` (:data:`SYSTEM_CONFIG`) if it exists. Secrets
@@ -46,7 +51,11 @@ from pathlib import Path
 from typing import (Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Optional, Tuple,
                     Union)
 
+from .defaults import (IDLE_TIMEOUT_S, MAX_PAYLOAD, RING_TIMEOUT_S, STARTER_CONTROL_PORT,
+                       WORKER_CONTROL_PORT, WORKER_DATA_PORT)
+from .dtypes import COMPUTE_NAMES
 from .errors import ConfigError
+from .nodes import NodeSpec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -54,7 +63,7 @@ else:  # pragma: no cover - exercised on Python < 3.11
     import tomli as tomllib
 
 __all__ = ["SYSTEM_CONFIG", "ENV_CONFIG", "ENV_SECRET", "ENV_SECRET_FILE", "MIN_SECRET_BYTES",
-           "WorkerSettings", "StarterSettings", "WorkerEntry", "Settings", "load_settings",
+           "WorkerSettings", "StarterSettings", "Settings", "load_settings",
            "find_config", "read_secret", "check_config", "parse_bytes"]
 
 SYSTEM_CONFIG = Path("/etc/mdiedge/mdiedge.toml")  # tests patch this module constant
@@ -64,7 +73,6 @@ ENV_SECRET_FILE = "MDIEDGE_SECRET_FILE"
 MIN_SECRET_BYTES = 16
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-DTYPES = ("float32", "fp32", "float16", "fp16", "bfloat16", "bf16")  # as mdiedge.engine.DTYPES
 
 _UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 1000 ** 4,
           "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4}
@@ -96,12 +104,12 @@ class WorkerSettings:
 
     name: str = "worker"
     host: str = "127.0.0.1"
-    control_port: int = 7700
-    data_port: int = 7701
+    control_port: int = WORKER_CONTROL_PORT
+    data_port: int = WORKER_DATA_PORT
     threads: int = 0  # torch threads; 0: torch's default
     cache_dir: Optional[str] = None
     log_level: str = "info"
-    idle_timeout_s: float = 60.0
+    idle_timeout_s: float = IDLE_TIMEOUT_S
     secret: Optional[str] = field(default=None, repr=False)
     secret_file: Optional[str] = None
     insecure: bool = False
@@ -120,7 +128,7 @@ class StarterSettings:
     TABLE: ClassVar[str] = "starter"
 
     host: str = "127.0.0.1"
-    control_port: int = 7600
+    control_port: int = STARTER_CONTROL_PORT
     model: Optional[str] = None  # None: the shipped model
     tokenizer: Optional[str] = None
     device: str = "cpu"
@@ -128,8 +136,8 @@ class StarterSettings:
     weight: float = 1.0
     memory: Optional[int] = None  # bytes
     layers: Optional[Tuple[int, int]] = None
-    max_payload: Optional[int] = None  # bytes; None: the transport's default
-    timeout_s: float = 60.0
+    max_payload: int = MAX_PAYLOAD  # bytes
+    timeout_s: float = RING_TIMEOUT_S
     secret: Optional[str] = field(default=None, repr=False)
     secret_file: Optional[str] = None
     insecure: bool = False
@@ -138,25 +146,12 @@ class StarterSettings:
 
 
 @dataclass(frozen=True)
-class WorkerEntry:
-    """One ``[[workers]]`` entry: a running worker as the starter sees it."""
-
-    name: str
-    host: str
-    control_port: int
-    device: str = "cpu"
-    weight: float = 1.0
-    memory: Optional[int] = None  # bytes
-    layers: Optional[Tuple[int, int]] = None
-
-
-@dataclass(frozen=True)
 class Settings:
     """A whole settings file; tables that are absent are None (``workers``: empty)."""
 
     worker: Optional[WorkerSettings]
     starter: Optional[StarterSettings]
-    workers: Tuple[WorkerEntry, ...]
+    workers: Tuple[NodeSpec, ...]  # the ``[[workers]]`` entries, in ring order
     source: str
 
 
@@ -274,7 +269,7 @@ def _toml_type(value: Any) -> str:
 
 
 _COMMON: Dict[str, Check] = {
-    "device": _device, "dtype": _choice(DTYPES), "layers": _layers,
+    "device": _device, "dtype": _choice(COMPUTE_NAMES), "layers": _layers,
 }
 _SECRETS: Dict[str, Check] = {
     "secret": _secret, "secret_file": _string("a file path"), "insecure": _bool,
@@ -358,7 +353,8 @@ def _worker(raw: Any, source: str) -> WorkerSettings:
     _section_rules(values, source, "worker")
     if "layers" in values and "model" not in values:
         raise _error(source, "worker.layers", "only allowed together with worker.model")
-    control, data = values.get("control_port", 7700), values.get("data_port", 7701)
+    control = values.get("control_port", WORKER_CONTROL_PORT)
+    data = values.get("data_port", WORKER_DATA_PORT)
     if control == data != 0:
         raise _error(source, "worker.data_port",
                      f"expected a port other than worker.control_port, got {data}")
@@ -371,30 +367,26 @@ def _starter(raw: Any, source: str) -> StarterSettings:
     return StarterSettings(**values, source=source, keys_set=frozenset(values))
 
 
-def _workers(raw: Any, source: str) -> Tuple[WorkerEntry, ...]:
-    if isinstance(raw, dict):
-        raise _error(source, "workers", "expected an array of tables [[workers]], got a table "
-                     "[workers]")
+def _workers(raw: Any, source: str) -> Tuple[NodeSpec, ...]:
     if not isinstance(raw, list):
-        raise _error(source, "workers", f"expected an array of tables [[workers]], got "
-                     f"{_show(raw)}")
-    entries: List[WorkerEntry] = []
+        got = "a table [workers]" if isinstance(raw, dict) else _show(raw)
+        raise _error(source, "workers", f"expected an array of tables [[workers]], got {got}")
+    entries: List[NodeSpec] = []
     names: Dict[str, int] = {}
-    addresses: Dict[Tuple[str, int], int] = {}
+    addresses: Dict[str, int] = {}
     for i, table in enumerate(raw):
         path = f"workers[{i}]"
         values = _table(table, WORKERS_SCHEMA, source, path, WORKERS_REQUIRED)
         values.setdefault("name", f"w{i + 1}")
-        entry = WorkerEntry(**values)
+        entry = NodeSpec(**values)
         if entry.name in names:
             raise _error(source, f"{path}.name", f"duplicate worker name {entry.name!r} (also "
                          f"workers[{names[entry.name]}])")
-        address = (entry.host, entry.control_port)
-        if address in addresses:
+        if entry.address in addresses:
             raise _error(source, f"{path}.control_port",
-                         f"{entry.host}:{entry.control_port} is already workers["
-                         f"{addresses[address]}] (every worker needs its own address)")
-        names[entry.name], addresses[address] = i, i
+                         f"{entry.address} is already workers[{addresses[entry.address]}] "
+                         f"(every worker needs its own address)")
+        names[entry.name], addresses[entry.address] = i, i
         entries.append(entry)
     return tuple(entries)
 
@@ -511,35 +503,39 @@ def _secret_file(name: str, where: str, read: bool = True) -> Optional[bytes]:
     """The secret in file ``name`` after the permission checks; ``read=False`` (for
     ``config check``) skips a file this user may not read and returns None."""
     path = _expand(name)
-    try:
-        info = path.stat()
-    except FileNotFoundError:
-        raise ConfigError(f"{where}: secret file {name!r} not found") from None
-    except PermissionError as e:
-        if not read:
-            return None
-        raise ConfigError(f"{where}: cannot stat secret file {name!r}: {e.strerror}") from None
-    except OSError as e:
-        raise ConfigError(f"{where}: cannot stat secret file {name!r}: {e.strerror or e}") from None
+    info = _secret_io(path.stat, "stat", name, where, read)
+    if info is None:
+        return None
     if not stat.S_ISREG(info.st_mode):
         raise ConfigError(f"{where}: secret file {name!r} is not a regular file")
     mode = stat.S_IMODE(info.st_mode)
     if mode & 0o077:
         raise ConfigError(f"{where}: {name!r} (mode {mode:04o}) is readable by other users; "
                           f"chmod 600 it")
-    try:
-        data = path.read_bytes()
-    except PermissionError as e:
-        if not read:
-            return None
-        raise ConfigError(f"{where}: cannot read secret file {name!r}: {e.strerror}") from None
-    except OSError as e:
-        raise ConfigError(f"{where}: cannot read secret file {name!r}: {e.strerror or e}") from None
+    data = _secret_io(path.read_bytes, "read", name, where, read)
+    if data is None:
+        return None
     if data.endswith(b"\r\n"):
         data = data[:-2]
     elif data.endswith(b"\n"):
         data = data[:-1]
     return _check_length(data, where)
+
+
+def _secret_io(action: Callable[[], Any], verb: str, name: str, where: str, read: bool) -> Any:
+    """``action()`` (a stat or a read of secret file ``name``) with its OSError as a one-line
+    ConfigError; None where ``read`` is False and this user is refused."""
+    try:
+        return action()
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: secret file {name!r} not found") from None
+    except PermissionError as e:
+        if not read:
+            return None
+        raise ConfigError(f"{where}: cannot {verb} secret file {name!r}: {e.strerror}") from None
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot {verb} secret file {name!r}: {e.strerror or e}"
+                          ) from None
 
 
 # ------------------------------------------------------------------------------ check
@@ -575,7 +571,7 @@ def check_config(path: Union[str, "os.PathLike[str]"]) -> str:
                      f"{_secret_summary(s)}")
     if settings.workers:
         n = len(settings.workers)
-        ring = ", ".join(f"{e.name} at {e.host}:{e.control_port}" for e in settings.workers)
+        ring = ", ".join(f"{e.name} at {e.address}" for e in settings.workers)
         parts.append(f"{n} worker{'s' if n != 1 else ''} in the ring ({ring})")
     if not parts:
         return f"{settings.source}: valid, but holds no tables ([worker], [starter] or " \
@@ -587,7 +583,7 @@ def _schema_matches_dataclasses() -> None:
     """The schemas and the dataclasses name the same keys (checked at import)."""
     for schema, cls, extra in ((WORKER_SCHEMA, WorkerSettings, {"source", "keys_set"}),
                                (STARTER_SCHEMA, StarterSettings, {"source", "keys_set"}),
-                               (WORKERS_SCHEMA, WorkerEntry, set())):
+                               (WORKERS_SCHEMA, NodeSpec, set())):
         names = {f.name for f in fields(cls)} - extra
         assert names == set(schema), (cls.__name__, names ^ set(schema))
 

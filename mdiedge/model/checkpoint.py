@@ -18,8 +18,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .config import ModelConfig, config_from_hf, config_to_hf, read_json
+from ..base.dtypes import BY_SAFETENSORS
 from ..base.errors import CheckpointError, ConfigError
+from .config import ModelConfig, config_from_hf, config_to_hf, read_json
 
 PathLike = Union[str, Path]
 
@@ -83,8 +84,8 @@ def tensor_plan(cfg: ModelConfig, layers: Tuple[int, int], embedding: bool, head
 
 # --------------------------------------------------------------------------- sources
 
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "F64": torch.float64}
+_SAFETENSORS_DTYPES: Dict[str, torch.dtype] = {tag: getattr(torch, d.name)
+                                               for tag, d in BY_SAFETENSORS.items()}
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 READ_CHUNK_BYTES = 4 << 20  # the temporary of a tensor read that converts dtype or layout
 

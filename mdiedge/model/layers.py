@@ -66,7 +66,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class Linear(nn.Linear):
     """A bias-free ``nn.Linear`` that multiplies a few rows (2 to 8: micro-batched decode) on
     the CPU as ``(W @ x^T)^T``: the same product as ``x @ W^T`` in the GEMM orientation that
-    CPU BLAS runs 1.5-4x faster for so few rows (measured by ``bin/bench-decode``). A weight
+    CPU BLAS runs faster for so few rows (``bin/bench-decode`` measures it). A weight
     kept in transposed storage (the head, see ``Transformer.store_head_transposed``) always
     takes ``F.linear``, which already streams it in order."""
 

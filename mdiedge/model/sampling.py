@@ -1,7 +1,9 @@
 """Choosing the next token: greedy, temperature, top-k and top-p (nucleus, Holtzman et al. 2019).
 
-Each sample draws from its own generator, seeded from (seed, sample index), so a sample's
-tokens do not depend on how samples are grouped or scheduled.
+``SamplingParams()`` samples with the defaults of :mod:`mdiedge.base.defaults` (those of
+``mdiedge generate``); ``temperature=0`` is greedy. Each sample draws from its own generator,
+seeded from (seed, sample index), so a sample's tokens do not depend on how samples are
+grouped or scheduled.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import List, Sequence
 import torch
 from torch import Tensor
 
+from ..base import defaults
 from ..base.errors import GenerationError
 
 _SEED_STRIDE = 1_000_003
@@ -18,10 +21,10 @@ _SEED_STRIDE = 1_000_003
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: no top-k filter
-    top_p: float = 1.0  # 1: no nucleus filter
-    seed: int = 0
+    temperature: float = defaults.TEMPERATURE  # 0: greedy
+    top_k: int = defaults.TOP_K  # 0: no top-k filter
+    top_p: float = defaults.TOP_P  # 1: no nucleus filter
+    seed: int = defaults.SEED
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:

@@ -163,9 +163,9 @@ class Transformer(nn.Module):
     def store_head_transposed(self) -> None:
         """Keep the head's weight, shape ``(vocab, dim)``, in column-major storage: a
         contiguous ``(dim, vocab)`` buffer, seen transposed. Values and shape are unchanged,
-        but ``x @ W^T`` then streams the weight in the order CPU BLAS runs fastest: 1.5-3.6x
-        for the decode GEMV of a 256- to 1024-wide head, no slower for a prefill (measured in
-        ``bin/bench-decode``). A tied embedding shares it; its row lookups read strided."""
+        but ``x @ W^T`` then streams the weight in the order CPU BLAS runs fastest for the
+        one-row decode product (``bin/bench-decode`` measures it) and no slower for a prefill.
+        A tied embedding shares it; its row lookups read strided."""
         if self.lm_head is None or not self.lm_head.weight.is_contiguous():
             return
         weight = self.lm_head.weight

@@ -20,12 +20,24 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from ..base.defaults import (IDLE_TIMEOUT_S, STARTER_CONTROL_PORT, WORKER_CONTROL_PORT,
+                             WORKER_DATA_PORT)
+from ..base.dtypes import TABLE as DTYPE_TABLE
+
 UNIT_NAMES = ("mdiedge-worker.service", "mdiedge-worker@.service", "mdiedge-starter.service")
 DEFAULT_UNIT_DIR = Path("/etc/systemd/system")
 DEFAULT_CONFIG_DIR = Path("/etc/mdiedge")
 SOURCE_EXECUTABLE = "/usr/local/bin/mdiedge"  # what the unit files in systemd/ name
 
-WORKER_CONFIG = """\
+
+def _one_of(words: Sequence[str]) -> str:
+    """``"a", "b" or "c"``."""
+    quoted = [f'"{word}"' for word in words]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
+
+
+# The skeletons' values are the defaults of mdiedge.base.defaults and mdiedge.base.dtypes.
+WORKER_CONFIG = f"""\
 # mdiedge worker config (/etc/mdiedge/mdiedge.toml), read by mdiedge-worker.service.
 # mdiedge-worker@NAME.service reads /etc/mdiedge/worker-NAME.toml instead: copy this file and
 # give every worker on the board its own name and ports.
@@ -37,10 +49,10 @@ name = "w1"
 # Listen address of both the control and the data port; "0.0.0.0" = every interface.
 host = "0.0.0.0"
 # HTTP control port: the starter's [[workers]] entry for this board names it.
-control_port = 7700
+control_port = {WORKER_CONTROL_PORT}
 # Data-plane port: hidden states of the ring travel here (the starter learns it on the
 # control port).
-data_port = 7701
+data_port = {WORKER_DATA_PORT}
 # torch threads; 0 = torch's default (one per core).
 threads = 0
 # Where received weights are cached (by content hash). The shipped units pass
@@ -49,7 +61,7 @@ cache_dir = "/var/lib/mdiedge"
 # debug, info, warning or error (logs go to the journal).
 log_level = "info"
 # Free the KV-cache slots when the starter has been silent this many seconds.
-idle_timeout_s = 60
+idle_timeout_s = {IDLE_TIMEOUT_S:g}
 # File holding the ring secret (one line). Leave it unset under the shipped units: systemd
 # hands /etc/mdiedge/secret (mode 0600, root) to the worker as a credential and names it in
 # $MDIEDGE_SECRET_FILE; the unit's dynamic user cannot read the root-only file itself.
@@ -65,7 +77,7 @@ insecure = false
 # layers = [10, 22]
 """
 
-STARTER_CONFIG = """\
+STARTER_CONFIG = f"""\
 # mdiedge starter config (/etc/mdiedge/starter.toml), read by mdiedge-starter.service.
 # Anyone on the board can read this file: keep the ring secret out of it (see secret_file).
 
@@ -73,13 +85,13 @@ STARTER_CONFIG = """\
 # Listen address of the starter's control port; "0.0.0.0" = every interface.
 host = "0.0.0.0"
 # HTTP control port of the starter (generation requests, ring status).
-control_port = 7600
+control_port = {STARTER_CONTROL_PORT}
 # The model the ring runs: a folder readable by the service (put it under /var/lib/mdiedge,
 # the unit's state directory).
 model = "/var/lib/mdiedge/models/tinyllama"
 # Device of the starter's own share of the layers: "cpu" or "cuda".
 device = "cpu"
-# Weight dtype on the ring: "float32", "float16" or "bfloat16".
+# Weight dtype on the ring: {_one_of([d.name for d in DTYPE_TABLE if d.compute])}.
 dtype = "float32"
 # Relative speed of this board: layers are split in proportion to the weights.
 weight = 1.0
@@ -101,7 +113,7 @@ name = "w1"
 # Address the starter reaches the worker at.
 host = "10.0.0.2"
 # The worker's control_port.
-control_port = 7700
+control_port = {WORKER_CONTROL_PORT}
 # Device the worker runs its layers on: "cpu" or "cuda".
 device = "cuda"
 # Relative speed of the worker: layers are split in proportion to the weights.

@@ -13,8 +13,10 @@ default), and the remaining load is shared in proportion to each node's declared
 starter_overhead)``. This reproduces the paper's splits: 5/7 and 2/5/5 blocks for a 12-block
 NanoLlama on 2 and 3 equal nodes, 10/12 and 6/8/8 for the 22-block TinyLlama.
 
-Everything here is pure arithmetic (no I/O, no torch); boundaries are computed with exact
-fractions so that ties such as ``14 * 1/2 - 2 = 5`` never fall to 4.99999.
+Nodes are :class:`~mdiedge.base.nodes.NodeSpec` records; only their name, weight, memory and
+pinned layers matter here. Everything here is pure arithmetic (no I/O, no torch); boundaries
+are computed with exact fractions so that ties such as ``14 * 1/2 - 2 = 5`` never fall to
+4.99999.
 """
 from __future__ import annotations
 
@@ -24,20 +26,11 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import List, Optional, Sequence, Tuple
 
-from ..model.config import ModelConfig
 from ..base.errors import PartitionError
+from ..base.nodes import NodeSpec
+from ..model.config import ModelConfig
 
-__all__ = ["NodeShare", "Placement", "split_layers", "partition", "format_bytes"]
-
-
-@dataclass(frozen=True)
-class NodeShare:
-    """One node of the ring as declared by the user, in ring order (node 0 is the starter)."""
-
-    name: str
-    weight: float = 1.0  # relative capacity, > 0
-    memory: Optional[int] = None  # bytes available for weights + KV cache; None: unchecked
-    layers: Optional[Tuple[int, int]] = None  # pinned block range [a, b)
+__all__ = ["Placement", "split_layers", "partition", "format_bytes"]
 
 
 @dataclass(frozen=True)
@@ -81,20 +74,23 @@ def _names(names: Sequence[str]) -> str:
     return ", ".join(repr(name) for name in names)
 
 
+def _exact(what: str, value: object, positive: bool) -> Fraction:
+    """``value`` as an exact fraction; PartitionError naming ``what`` when it is not a finite
+    number, or is not > 0 (``positive``) or >= 0."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(float(value)) or float(value) < 0
+            or (positive and float(value) == 0)):
+        expected = "a positive finite number" if positive else "a finite number >= 0"
+        raise PartitionError(f"{what} must be {expected}, got {value!r}")
+    return Fraction(float(value))
+
+
 def _check_weight(label: str, weight: object) -> Fraction:
-    """``weight`` as an exact fraction, or PartitionError when it is not a positive finite number."""
-    if (isinstance(weight, bool) or not isinstance(weight, numbers.Real)
-            or not math.isfinite(float(weight)) or float(weight) <= 0):
-        raise PartitionError(f"{label}: weight must be a positive finite number, got {weight!r}")
-    return Fraction(float(weight))
+    return _exact(f"{label}: weight", weight, positive=True)
 
 
 def _check_overhead(starter_overhead: object) -> Fraction:
-    if (isinstance(starter_overhead, bool) or not isinstance(starter_overhead, numbers.Real)
-            or not math.isfinite(float(starter_overhead)) or float(starter_overhead) < 0):
-        raise PartitionError(
-            f"starter_overhead must be a finite number >= 0, got {starter_overhead!r}")
-    return Fraction(float(starter_overhead))
+    return _exact("starter_overhead", starter_overhead, positive=False)
 
 
 def _is_int(value: object) -> bool:
@@ -183,7 +179,7 @@ def split_layers(n_layers: int, weights: Sequence[float],
     return _ranges(0, counts)
 
 
-def _pinned_range(node: NodeShare, index: int, n_layers: int) -> Optional[Tuple[int, int]]:
+def _pinned_range(node: NodeSpec, index: int, n_layers: int) -> Optional[Tuple[int, int]]:
     if node.layers is None:
         return None
     try:
@@ -210,26 +206,13 @@ def _pinned_range(node: NodeShare, index: int, n_layers: int) -> Optional[Tuple[
     return first, end
 
 
-def _assign_layers(n_layers: int, nodes: Sequence[NodeShare],
+def _assign_layers(n_layers: int, nodes: Sequence[NodeSpec],
                    overhead: Fraction) -> List[Tuple[int, int]]:
     """Block range of every node: pinned ranges as given, the gaps between them split over the
     unpinned nodes in each gap by weight."""
     weights = [_check_weight(f"node {node.name!r}", node.weight) for node in nodes]
     pins = [_pinned_range(node, i, n_layers) for i, node in enumerate(nodes)]
-    previous: Optional[int] = None
-    for i, pin in enumerate(pins):
-        if pin is None:
-            continue
-        if previous is not None:
-            before = pins[previous]
-            assert before is not None
-            if pin[0] < before[1]:
-                raise PartitionError(
-                    f"node {nodes[i].name!r} pins layers [{pin[0]}, {pin[1]}) which overlap or "
-                    f"precede node {nodes[previous].name!r}'s pinned [{before[0]}, {before[1]}); "
-                    f"pinned ranges must be disjoint and in ring order")
-        previous = i
-
+    _check_pin_order(nodes, pins)
     result: List[Optional[Tuple[int, int]]] = list(pins)
     group: List[int] = []  # consecutive unpinned nodes since the last pin
     gap_start, after = 0, None  # after: index of the pinned node the gap follows
@@ -256,7 +239,23 @@ def _assign_layers(n_layers: int, nodes: Sequence[NodeShare],
     return [layers for layers in result if layers is not None]
 
 
-def _gap_name(nodes: Sequence[NodeShare], after: Optional[int], before: Optional[int],
+def _check_pin_order(nodes: Sequence[NodeSpec], pins: Sequence[Optional[Tuple[int, int]]]
+                     ) -> None:
+    """Pinned ranges are disjoint and follow ring order."""
+    previous: Optional[int] = None
+    for i, pin in enumerate(pins):
+        if pin is None:
+            continue
+        before = pins[previous] if previous is not None else None
+        if before is not None and pin[0] < before[1]:
+            raise PartitionError(
+                f"node {nodes[i].name!r} pins layers [{pin[0]}, {pin[1]}) which overlap or "
+                f"precede node {nodes[previous].name!r}'s pinned [{before[0]}, {before[1]}); "
+                f"pinned ranges must be disjoint and in ring order")
+        previous = i
+
+
+def _gap_name(nodes: Sequence[NodeSpec], after: Optional[int], before: Optional[int],
               first: int, end: int) -> str:
     text = f"blocks [{first}, {end})"
     if after is not None:
@@ -268,7 +267,7 @@ def _gap_name(nodes: Sequence[NodeShare], after: Optional[int], before: Optional
     return text
 
 
-def partition(cfg: ModelConfig, nodes: Sequence[NodeShare], n_samples: int, context: int,
+def partition(cfg: ModelConfig, nodes: Sequence[NodeSpec], n_samples: int, context: int,
               itemsize: int = 4, starter_overhead: float = 2.0) -> List[Placement]:
     """Place ``cfg``'s blocks on ``nodes`` (ring order, node 0 the starter) and check memory.
 

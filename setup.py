@@ -1,6 +1,6 @@
-"""Builds the Cython modules in ext/ as <package>._c<name> (the package that owns the pair, see
-mdiedge/base/accel.py); a failed compile still installs a working package (each compiled
-module has a pure-Python twin, <package>._py<name>)."""
+"""Builds each Cython module ext/_c<name>.pyx as <package>._c<name>, <package> being the one
+that owns the pair in TWINNED (mdiedge/base/accel.py); a failed compile still installs a
+working package (each compiled module has a pure-Python twin, <package>._py<name>)."""
 import glob
 import os
 import sys

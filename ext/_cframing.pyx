@@ -1,29 +1,37 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
-"""Data-plane framing, compiled (twin of ``mdiedge/_pyframing.py``, same API and errors).
+"""Data-plane framing, compiled: the twin of ``mdiedge/runtime/_pyframing.py``, with the same
+API and errors. It owns the C packing and parsing of a header and the socket loops; the wire
+format (documented in ``mdiedge/runtime/_framingspec.py``), its constants and its checks are
+imported from there. The checks run here as typed predicates on the usual input (exact ints,
+lists and tuples); whatever they do not accept goes to the spec's own checks, which convert it
+or name the field in error, so that verdicts and messages have one source.
 
-The wire format is documented in the twin. Here the header is packed and parsed in C, the
-crc32 is computed in C (the zlib polynomial), and the socket loops call POSIX ``recv``,
-``writev`` and ``poll`` on the socket's file descriptor with the GIL released, so that the
-compute thread of a node runs while its receiver and sender threads wait on the network.
-
-A socket timeout (``sock.gettimeout()``) bounds every wait for progress, as it does for the
-socket's own methods; it raises ``socket.timeout``. A peer that closes mid-read gives a
-FrameError, any other failure an OSError carrying the errno.
+The socket loops call POSIX ``recv``, ``writev`` and ``poll`` on the socket's file descriptor
+with the GIL released, so that the compute thread of a node runs while its receiver and sender
+threads wait on the network. A socket timeout (``sock.gettimeout()``) bounds every wait for
+progress, as it does for the socket's own methods; it raises ``socket.timeout``. A peer that
+closes mid-read gives a FrameError, any other failure an OSError carrying the errno.
 """
 import math
-import operator
 import os
 import socket
+import zlib
 
+from cpython.buffer cimport PyBUF_READ
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_CheckSignals
+from cpython.long cimport PyLong_AsLongLongAndOverflow
+from cpython.memoryview cimport PyMemoryView_FromMemory
 from libc.errno cimport EINTR, errno
-from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, UINT64_MAX
-from libc.string cimport memcpy
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, UINT64_MAX
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcmp, memcpy
 from posix.uio cimport iovec, writev
 
-from mdiedge.runtime._pyframing import FrameHeader  # one plain class for both implementations
-from mdiedge.base.errors import FrameError
+from mdiedge.runtime._framingspec import (  # the constants are part of this module's API
+    ACTIVATION, CRC_OFFSET, ENTRY_SIZE, FLAG_PREFILL, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_NDIM,
+    MAX_SAMPLES, MSG_TYPES, PING, PONG, RELEASE, SHUTDOWN, VERSION, FrameHeader, byte_view,
+    check_crc, check_fields, check_fixed_size, check_pack_args, check_table_size, closed_early)
 
 
 cdef extern from *:
@@ -48,30 +56,36 @@ cdef extern from "<poll.h>" nogil:
     enum: POLLOUT
 
 
-MAGIC = b"MDIE"
-VERSION = 1
-HEADER_SIZE = 48
-MAX_SAMPLES = 1024
-MAX_NDIM = 4
-
-ACTIVATION, RELEASE, PING, PONG, SHUTDOWN = 1, 2, 3, 4, 5
-MSG_TYPES = (ACTIVATION, RELEASE, PING, PONG, SHUTDOWN)
-FLAG_PREFILL = 0x01
-
-# dtype code -> bytes per element: float32, float16, bfloat16, int64, int32, uint8
-ITEMSIZE = {0: 4, 1: 2, 2: 2, 3: 8, 4: 4, 5: 1}
-
-U32_MAX = 2 ** 32 - 1
-
-cdef enum:
+cdef enum:  # the byte layout the code below packs and parses
     C_HEADER_SIZE = 48
-    C_MAX_SAMPLES = 1024
+    C_CRC_OFFSET = 44
+    C_ENTRY_SIZE = 8
     C_MAX_NDIM = 4
-    CRC_OFFSET = 44
-    ENTRY_SIZE = 8  # one sample-table entry: u32 sample id, u32 position
-    TABLE_MAX = ENTRY_SIZE * C_MAX_SAMPLES
 
-cdef int[6] C_ITEMSIZE = [4, 2, 2, 8, 4, 1]
+if (C_HEADER_SIZE, C_CRC_OFFSET, C_ENTRY_SIZE, C_MAX_NDIM, len(MAGIC)) != \
+        (HEADER_SIZE, CRC_OFFSET, ENTRY_SIZE, MAX_NDIM, 4):
+    raise ImportError("ext/_cframing.pyx packs another layout than mdiedge.runtime._framingspec")
+
+# the spec's limits as typed tables, filled from it at import
+cdef unsigned char[4] C_MAGIC
+cdef uint8_t C_VERSION = VERSION
+cdef uint32_t C_MAX_SAMPLES = MAX_SAMPLES
+cdef uint32_t C_FLAGS_KNOWN = FLAG_PREFILL
+cdef uint8_t[256] C_MSG_TYPE_OK  # 1 for a known msg_type
+cdef uint64_t[256] C_ITEMSIZE  # bytes per element by dtype code, 0 for an unknown code
+
+
+cdef void _fill_tables() except *:
+    cdef int code
+    memcpy(C_MAGIC, <const char*> MAGIC, 4)
+    for code in range(256):
+        C_MSG_TYPE_OK[code] = code in MSG_TYPES
+        C_ITEMSIZE[code] = ITEMSIZE.get(code, 0)
+
+
+_fill_tables()
+
+cdef object _crc32 = zlib.crc32
 
 # outcomes of the nogil socket loops
 cdef enum:
@@ -113,63 +127,12 @@ cdef inline void _put64(unsigned char* p, uint64_t v) noexcept nogil:
     _put32(p + 4, <uint32_t> (v >> 32))
 
 
-cdef uint32_t[256] CRC_TABLE
-
-
-cdef void _init_crc_table() noexcept:
-    cdef uint32_t c
-    cdef int n, k
-    for n in range(256):
-        c = n
-        for k in range(8):
-            c = (0xEDB88320u ^ (c >> 1)) if c & 1 else (c >> 1)
-        CRC_TABLE[n] = c
-
-
-_init_crc_table()
-
-
-cdef uint32_t _crc32(uint32_t crc, const unsigned char* p, size_t n) noexcept nogil:
-    """zlib.crc32(data, crc)."""
-    cdef size_t i
-    crc = crc ^ 0xFFFFFFFFu
-    for i in range(n):
-        crc = CRC_TABLE[(crc ^ p[i]) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFFu
-
-
-# ---------------------------------------------------------------- helpers shared with the twin
-
-def _uint(field, value, limit):
-    """``value`` as an int in 0..limit, else a FrameError naming ``field``."""
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise FrameError(f"{field} {value!r} is not an integer") from None
-    if not 0 <= number <= limit:
-        raise FrameError(f"{field} {value!r} outside 0..{limit}")
-    return number
-
-
-def _payload_len(ndim, dims, itemsize):
-    if ndim == 0:
-        return 0
-    total = itemsize
-    for d in dims[:ndim]:
-        total *= d
-    return total
-
-
-cdef object _byte_view(object buffer, bint writable):
-    """A flat unsigned-byte memoryview of a C-contiguous buffer."""
-    view = memoryview(buffer)
-    if not view.c_contiguous:
-        raise FrameError(f"buffer of shape {view.shape} is not C-contiguous")
-    if writable and view.readonly:
-        raise FrameError("cannot receive into a read-only buffer")
-    if view.ndim != 1 or view.format != "B":
-        view = view.cast("B")
-    return view
+cdef uint32_t _frame_crc(const unsigned char* fixed, const unsigned char* table,
+                         size_t table_len) except? 0xFFFFFFFF:
+    """zlib's CRC-32 of the bytes before the crc field, then of the sample table."""
+    head = PyMemoryView_FromMemory(<char*> fixed, C_CRC_OFFSET, PyBUF_READ)
+    rest = PyMemoryView_FromMemory(<char*> table, table_len, PyBUF_READ)
+    return _crc32(rest, _crc32(head))
 
 
 cdef int _timeout_ms(object sock) except? -2:
@@ -184,7 +147,7 @@ cdef int _timeout_ms(object sock) except? -2:
 
 cdef int _raise_io(int status, int err, size_t done, size_t size) except -1:
     if status == IO_EOF:
-        raise FrameError(f"connection closed after {done} of {size} bytes")
+        raise closed_early(done, size)
     if status == IO_TIMEOUT:
         raise socket.timeout("timed out")
     raise OSError(err, os.strerror(err))
@@ -192,114 +155,166 @@ cdef int _raise_io(int status, int err, size_t done, size_t size) except -1:
 
 # ---------------------------------------------------------------- header
 
-def pack_header(msg_type, flags, dtype, sample_ids, positions, n_tokens, shape, seq):
-    """The fixed header and sample table of a frame (its crc computed), ready to send."""
-    msg_type = _uint("msg_type", msg_type, 255)
-    if msg_type not in MSG_TYPES:
-        raise FrameError(f"unknown msg_type {msg_type}")
-    flags = _uint("flags", flags, 255)
-    if flags & ~FLAG_PREFILL:
-        raise FrameError(f"reserved bits set in flags {flags:#04x}")
-    dtype = _uint("dtype", dtype, 255)
-    if dtype not in ITEMSIZE:
-        raise FrameError(f"unknown dtype code {dtype}")
-    ids = [_uint("sample id", s, U32_MAX) for s in sample_ids]
-    pos = [_uint("position", position, U32_MAX) for position in positions]
-    if len(ids) != len(pos):
-        raise FrameError(f"{len(ids)} sample ids but {len(pos)} positions")
-    if len(ids) > MAX_SAMPLES:
-        raise FrameError(f"n_samples {len(ids)} exceeds MAX_SAMPLES {MAX_SAMPLES}")
-    dims = [_uint("shape dim", d, U32_MAX) for d in shape]
-    if len(dims) > MAX_NDIM:
-        raise FrameError(f"ndim {len(dims)} exceeds {MAX_NDIM}")
-    n_tokens = _uint("n_tokens", n_tokens, U32_MAX)
-    seq = _uint("seq", seq, U32_MAX)
-    cdef Py_ssize_t ndim = len(dims), n = len(ids), i
-    payload_len = _payload_len(ndim, dims, ITEMSIZE[dtype])
-    if payload_len >= 2 ** 64:
-        raise FrameError(f"payload_len {payload_len} of shape {tuple(dims)} "
-                         f"does not fit in 64 bits")
+cdef struct Fixed:  # the fields of a header to pack, but its sample table
+    uint32_t msg_type, flags, dtype, ndim, n_tokens, seq
+    uint32_t[C_MAX_NDIM] dims
+    uint64_t size
 
-    out = PyBytes_FromStringAndSize(NULL, C_HEADER_SIZE + ENTRY_SIZE * n)
-    cdef unsigned char* buf = <unsigned char*> PyBytes_AS_STRING(out)
-    memcpy(buf, b"MDIE", 4)
-    buf[4] = VERSION
-    buf[5] = <uint8_t> msg_type
-    buf[6] = <uint8_t> flags
-    buf[7] = <uint8_t> dtype
-    _put16(buf + 8, <uint32_t> n)
-    _put16(buf + 10, <uint32_t> ndim)
-    _put32(buf + 12, <uint32_t> n_tokens)
+
+cdef bint _u32(object value, uint32_t* out) except -1:
+    """The value of an exact int in 0..2**32-1; False for anything else."""
+    cdef int overflow = 0
+    cdef long long number
+    if type(value) is not int:
+        return False
+    number = PyLong_AsLongLongAndOverflow(value, &overflow)
+    if overflow or number < 0 or number > 0xFFFFFFFF:
+        return False
+    out[0] = <uint32_t> number
+    return True
+
+
+cdef bint _size_ok(Fixed* f) noexcept nogil:
+    """``f.size`` from the dims and the dtype; False when it needs more than 64 bits."""
+    cdef uint32_t i
+    f.size = C_ITEMSIZE[f.dtype] if f.ndim else 0
+    for i in range(f.ndim):
+        if f.dims[i] == 0:
+            f.size = 0
+            return True
+    for i in range(f.ndim):
+        if f.size > UINT64_MAX // f.dims[i]:
+            return False
+        f.size *= f.dims[i]
+    return True
+
+
+cdef bint _fixed_ok(Fixed* f, msg_type, flags, dtype, n_tokens, shape, seq) except -1:
+    """The spec's ``check_pack_args`` (but the sample table) as a typed predicate, which
+    fills ``f``; False leaves the verdict to the spec."""
+    cdef Py_ssize_t i
+    if not (_u32(msg_type, &f.msg_type) and _u32(flags, &f.flags) and _u32(dtype, &f.dtype)
+            and _u32(n_tokens, &f.n_tokens) and _u32(seq, &f.seq)):
+        return False
+    if f.msg_type > 255 or not C_MSG_TYPE_OK[f.msg_type] or f.flags & ~C_FLAGS_KNOWN:
+        return False
+    if f.dtype > 255 or C_ITEMSIZE[f.dtype] == 0:
+        return False
+    if not isinstance(shape, (tuple, list)) or len(shape) > C_MAX_NDIM:
+        return False
+    f.ndim = len(shape)
     for i in range(C_MAX_NDIM):
-        _put32(buf + 16 + 4 * i, <uint32_t> dims[i] if i < ndim else 0)
-    _put32(buf + 32, <uint32_t> seq)
-    _put64(buf + 36, <uint64_t> payload_len)
+        f.dims[i] = 0
+    for i in range(f.ndim):
+        if not _u32(shape[i], &f.dims[i]):
+            return False
+    return _size_ok(f)
+
+
+cdef bint _table_ok(object ids, object positions) except -1:
+    cdef uint32_t value
+    cdef Py_ssize_t i, n
+    if not isinstance(ids, (tuple, list)) or not isinstance(positions, (tuple, list)):
+        return False
+    n = len(ids)
+    if len(positions) != n or n > C_MAX_SAMPLES:
+        return False
     for i in range(n):
-        _put32(buf + C_HEADER_SIZE + ENTRY_SIZE * i, <uint32_t> ids[i])
-        _put32(buf + C_HEADER_SIZE + ENTRY_SIZE * i + 4, <uint32_t> pos[i])
-    cdef uint32_t crc = _crc32(0, buf, CRC_OFFSET)
-    crc = _crc32(crc, buf + C_HEADER_SIZE, ENTRY_SIZE * n)
-    _put32(buf + CRC_OFFSET, crc)
+        if not (_u32(ids[i], &value) and _u32(positions[i], &value)):
+            return False
+    return True
+
+
+cdef object _pack(const Fixed* f, object ids, object positions):
+    cdef Py_ssize_t n = len(ids), i
+    out = PyBytes_FromStringAndSize(NULL, C_HEADER_SIZE + C_ENTRY_SIZE * n)
+    cdef unsigned char* buf = <unsigned char*> PyBytes_AS_STRING(out)
+    memcpy(buf, C_MAGIC, 4)
+    buf[4] = C_VERSION
+    buf[5] = <uint8_t> f.msg_type
+    buf[6] = <uint8_t> f.flags
+    buf[7] = <uint8_t> f.dtype
+    _put16(buf + 8, <uint32_t> n)
+    _put16(buf + 10, f.ndim)
+    _put32(buf + 12, f.n_tokens)
+    for i in range(C_MAX_NDIM):
+        _put32(buf + 16 + 4 * i, f.dims[i])
+    _put32(buf + 32, f.seq)
+    _put64(buf + 36, f.size)
+    for i in range(n):
+        _put32(buf + C_HEADER_SIZE + C_ENTRY_SIZE * i, <uint32_t> ids[i])
+        _put32(buf + C_HEADER_SIZE + C_ENTRY_SIZE * i + 4, <uint32_t> positions[i])
+    _put32(buf + C_CRC_OFFSET, _frame_crc(buf, buf + C_HEADER_SIZE, C_ENTRY_SIZE * n))
     return out
 
 
-cdef object _parse_fixed(const unsigned char* p, object max_payload):
-    cdef uint32_t msg_type = p[5], flags = p[6], dtype = p[7]
-    cdef uint32_t n_samples = _get16(p + 8)
-    cdef int ndim = _get16(p + 10), i
-    cdef uint64_t payload_len = _get64(p + 36), expected
-    cdef uint32_t[4] d
-    cdef bint overflow = False
-    if p[0] != b'M' or p[1] != b'D' or p[2] != b'I' or p[3] != b'E':
-        raise FrameError(f"bad magic {(<const char*> p)[:4]!r}, expected {MAGIC!r}")
-    if p[4] != VERSION:
-        raise FrameError(f"unsupported version {p[4]}, expected {VERSION}")
-    if msg_type < ACTIVATION or msg_type > SHUTDOWN:
-        raise FrameError(f"unknown msg_type {msg_type}")
-    if flags & ~(<uint32_t> FLAG_PREFILL):
-        raise FrameError(f"reserved bits set in flags {flags:#04x}")
-    if dtype >= 6:
-        raise FrameError(f"unknown dtype code {dtype}")
-    if n_samples > C_MAX_SAMPLES:
-        raise FrameError(f"n_samples {n_samples} exceeds MAX_SAMPLES {MAX_SAMPLES}")
-    if ndim > C_MAX_NDIM:
-        raise FrameError(f"ndim {ndim} exceeds {MAX_NDIM}")
+def pack_header(msg_type, flags, dtype, sample_ids, positions, n_tokens, shape, seq):
+    """The fixed header and sample table of a frame (its crc computed), ready to send."""
+    cdef Fixed f
+    cdef Py_ssize_t i
+    if _fixed_ok(&f, msg_type, flags, dtype, n_tokens, shape, seq) and \
+            _table_ok(sample_ids, positions):
+        return _pack(&f, sample_ids, positions)
+    # anything else (numpy ints, iterators, a bad value): the spec checks and converts
+    (f.msg_type, f.flags, f.dtype, sample_ids, positions, f.n_tokens, dims, f.seq,
+     f.size) = check_pack_args(msg_type, flags, dtype, sample_ids, positions, n_tokens, shape,
+                               seq)
+    f.ndim = len(dims)
     for i in range(C_MAX_NDIM):
-        d[i] = _get32(p + 16 + 4 * i)
+        f.dims[i] = dims[i] if i < f.ndim else 0
+    return _pack(&f, sample_ids, positions)
+
+
+cdef bint _fields_ok(const unsigned char* p, const uint32_t* d) noexcept nogil:
+    """The spec's ``check_fields`` (but max_payload) as a typed predicate."""
+    cdef uint32_t ndim = _get16(p + 10), i
+    cdef uint64_t size = _get64(p + 36), expected = C_ITEMSIZE[p[7]]
+    if memcmp(p, C_MAGIC, 4) != 0 or p[4] != C_VERSION or not C_MSG_TYPE_OK[p[5]]:
+        return False
+    if p[6] & ~C_FLAGS_KNOWN or expected == 0 or _get16(p + 8) > C_MAX_SAMPLES:
+        return False
+    if ndim > C_MAX_NDIM:
+        return False
     for i in range(ndim, C_MAX_NDIM):
         if d[i]:
-            raise FrameError(f"shape {(d[0], d[1], d[2], d[3])} has nonzero dim {d[i]} "
-                             f"beyond ndim {ndim}")
-    expected = C_ITEMSIZE[dtype] if ndim else 0
+            return False
+    if ndim == 0:
+        return size == 0
     for i in range(ndim):
         if d[i] == 0:
-            expected, overflow = 0, False
-            break
+            return size == 0
+    for i in range(ndim):
         if expected > UINT64_MAX // d[i]:
-            overflow = True
+            return False  # the product needs more than 64 bits: no u64 payload_len matches
         expected *= d[i]
-    dims = tuple([d[i] for i in range(ndim)])
-    if overflow or payload_len != expected:
-        exact = _payload_len(ndim, dims, C_ITEMSIZE[dtype])  # a Python int: no overflow
-        raise FrameError(f"payload_len {payload_len} does not match shape {dims} "
-                         f"of dtype code {dtype} ({exact} bytes)")
-    if payload_len > max_payload:
-        raise FrameError(f"payload_len {payload_len} exceeds max_payload {max_payload}")
-    return FrameHeader(msg_type, flags, dtype, (), (), _get32(p + 12), dims, _get32(p + 32),
-                       payload_len)
+    return size == expected
+
+
+cdef object _parse_fixed(const unsigned char* p, object max_payload):
+    cdef uint32_t[C_MAX_NDIM] d
+    cdef uint32_t ndim = _get16(p + 10), i
+    cdef uint64_t size = _get64(p + 36)
+    for i in range(C_MAX_NDIM):
+        d[i] = _get32(p + 16 + 4 * i)
+    if not _fields_ok(p, d) or size > max_payload:
+        check_fields((<const char*> p)[:4], p[4], p[5], p[6], p[7], _get16(p + 8), ndim,
+                     (d[0], d[1], d[2], d[3]), size, max_payload)
+        raise AssertionError("_cframing rejected a header that _framingspec accepts")
+    return FrameHeader(p[5], p[6], p[7], (), (), _get32(p + 12),
+                       tuple([d[i] for i in range(ndim)]), _get32(p + 32), size)
 
 
 cdef object _fill_table(object header, const unsigned char* fixed, const unsigned char* table,
                         size_t table_len):
     cdef size_t n_samples = _get16(fixed + 8), i
-    if table_len != ENTRY_SIZE * n_samples:
-        raise FrameError(f"sample table is {table_len} bytes, expected {ENTRY_SIZE * n_samples}")
-    cdef uint32_t sent = _get32(fixed + CRC_OFFSET)
-    cdef uint32_t computed = _crc32(_crc32(0, fixed, CRC_OFFSET), table, table_len)
+    if table_len != C_ENTRY_SIZE * n_samples:
+        check_table_size(table_len, n_samples)
+    cdef uint32_t sent = _get32(fixed + C_CRC_OFFSET)
+    cdef uint32_t computed = _frame_crc(fixed, table, table_len)
     if sent != computed:
-        raise FrameError(f"crc32 {sent:#010x} does not match header and table ({computed:#010x})")
-    header.sample_ids = tuple([_get32(table + ENTRY_SIZE * i) for i in range(n_samples)])
-    header.positions = tuple([_get32(table + ENTRY_SIZE * i + 4) for i in range(n_samples)])
+        check_crc(sent, computed)
+    header.sample_ids = tuple([_get32(table + C_ENTRY_SIZE * i) for i in range(n_samples)])
+    header.positions = tuple([_get32(table + C_ENTRY_SIZE * i + 4) for i in range(n_samples)])
 
 
 def parse_header(fixed, max_payload):
@@ -307,18 +322,18 @@ def parse_header(fixed, max_payload):
 
     The returned header has empty ``sample_ids``/``positions``; the table that follows is
     ``8 * n_samples`` bytes, with n_samples checked against MAX_SAMPLES."""
-    cdef const unsigned char[::1] view = _byte_view(fixed, False)
+    cdef const unsigned char[::1] view = byte_view(fixed, False)
     if view.shape[0] != C_HEADER_SIZE:
-        raise FrameError(f"fixed header is {view.shape[0]} bytes, expected {HEADER_SIZE}")
+        check_fixed_size(view.shape[0])
     return _parse_fixed(&view[0], max_payload)
 
 
 def parse_table(header, fixed, table):
     """Check the crc over ``fixed`` + ``table`` and fill the header's sample ids/positions."""
-    cdef const unsigned char[::1] f = _byte_view(fixed, False)
-    cdef const unsigned char[::1] t = _byte_view(table, False)
+    cdef const unsigned char[::1] f = byte_view(fixed, False)
+    cdef const unsigned char[::1] t = byte_view(table, False)
     if f.shape[0] != C_HEADER_SIZE:
-        raise FrameError(f"fixed header is {f.shape[0]} bytes, expected {HEADER_SIZE}")
+        check_fixed_size(f.shape[0])
     cdef unsigned char empty = 0
     cdef const unsigned char* table_p = &empty
     if t.shape[0]:
@@ -420,7 +435,7 @@ def recv_exact_into(sock, buffer):
 
     A peer that closes first gives a FrameError; the socket's timeout gives
     ``socket.timeout``; other failures an OSError."""
-    cdef unsigned char[::1] view = _byte_view(buffer, True)
+    cdef unsigned char[::1] view = byte_view(buffer, True)
     if view.shape[0]:
         _recv_exact(sock, &view[0], view.shape[0])
 
@@ -428,8 +443,8 @@ def recv_exact_into(sock, buffer):
 def send_all(sock, header_bytes, payload):
     """Send ``header_bytes`` then ``payload`` (any C-contiguous buffer, or None) as one
     gather write, with no concatenation copy, until every byte is out."""
-    cdef const unsigned char[::1] head = _byte_view(header_bytes, False)
-    cdef const unsigned char[::1] body = _byte_view(b"" if payload is None else payload, False)
+    cdef const unsigned char[::1] head = byte_view(header_bytes, False)
+    cdef const unsigned char[::1] body = byte_view(b"" if payload is None else payload, False)
     cdef size_t head_len = head.shape[0], body_len = body.shape[0], done = 0
     cdef const unsigned char* head_p = &head[0] if head_len else NULL
     cdef const unsigned char* body_p = &body[0] if body_len else NULL
@@ -452,11 +467,16 @@ def send_all(sock, header_bytes, payload):
 def recv_frame_header(sock, max_payload):
     """Read and validate one frame's fixed header and sample table (not its payload)."""
     cdef unsigned char[C_HEADER_SIZE] fixed
-    cdef unsigned char[TABLE_MAX] table
     _recv_exact(sock, fixed, C_HEADER_SIZE)
-    header = _parse_fixed(fixed, max_payload)
-    cdef size_t table_len = ENTRY_SIZE * _get16(fixed + 8)  # at most 8 * MAX_SAMPLES, checked
-    if table_len:
-        _recv_exact(sock, table, table_len)
-    _fill_table(header, fixed, table, table_len)
+    header = _parse_fixed(fixed, max_payload)  # n_samples checked against MAX_SAMPLES
+    cdef size_t table_len = C_ENTRY_SIZE * _get16(fixed + 8)
+    cdef unsigned char* table = <unsigned char*> malloc(table_len or 1)
+    if table == NULL:
+        raise MemoryError()
+    try:
+        if table_len:
+            _recv_exact(sock, table, table_len)
+        _fill_table(header, fixed, table, table_len)
+    finally:
+        free(table)
     return header

@@ -6,7 +6,9 @@ import socket
 import struct
 import threading
 import time
+import re
 import zlib
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Iterator, List, Tuple
 
@@ -17,6 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mdiedge.base import accel as _accel
+from mdiedge.base import dtypes
+from mdiedge.runtime import _framingspec
 from mdiedge.runtime import framing
 from mdiedge.base.accel import implementations
 from mdiedge.base.errors import FrameError
@@ -310,7 +314,7 @@ def corrupt(frame: bytes, offset: int, fmt: str, value: int) -> bytes:
     (5, "B", 0, "unknown msg_type 0"),
     (5, "B", 6, "unknown msg_type 6"),
     (6, "B", 0x81, "reserved bits set in flags 0x81"),
-    (7, "B", 6, "unknown dtype code 6"),
+    (7, "B", 7, "unknown dtype code 7"),
     (8, "H", 1025, "n_samples 1025 exceeds MAX_SAMPLES 1024"),
     (10, "H", 5, "ndim 5 exceeds 4"),
     (10, "H", 2, "shape (2, 3, 4, 0) has nonzero dim 4 beyond ndim 2"),
@@ -379,7 +383,7 @@ def test_huge_payload_is_refused_before_allocation(impl: ModuleType, pair: Any,
     (dict(msg_type=9), "unknown msg_type 9"),
     (dict(msg_type=-1), "msg_type -1 outside 0..255"),
     (dict(flags=2), "reserved bits set in flags 0x02"),
-    (dict(dtype=6), "unknown dtype code 6"),
+    (dict(dtype=7), "unknown dtype code 7"),
     (dict(dtype="f4"), "dtype 'f4' is not an integer"),
     (dict(sample_ids=[2 ** 32]), "sample id 4294967296 outside 0..4294967295"),
     (dict(positions=[-1]), "position -1 outside 0..4294967295"),
@@ -400,12 +404,20 @@ def test_pack_header_validates(impl: ModuleType, kwargs: Any, message: str) -> N
     assert str(e.value).startswith(message)
 
 
+def test_pack_header_takes_any_integers_and_sequences(impl: ModuleType) -> None:
+    """numpy integers, bools, ranges and iterators pack as the plain ints they stand for."""
+    plain = impl.pack_header(1, 1, 0, [5, 6], [0, 7], 2, (2, 2, 4), 9)
+    assert impl.pack_header(np.uint8(1), True, np.int64(0), range(5, 7), iter([0, 7]),
+                            np.uint32(2), torch.Size([2, 2, 4]), np.int32(9)) == plain
+    assert impl.pack_header(1, 1, 0, (5, 6), (0, 7), 2, [np.int64(2), 2, 4], 9) == plain
+
+
 def test_send_tensor_refuses_what_it_cannot_frame(impl: ModuleType, pair: Any) -> None:
     a, _ = pair
     with pytest.raises(FrameError, match="0-dim tensor"):
         framing.send_tensor(a, framing.PING, [0], [0], torch.tensor(1.0), impl=impl)
-    with pytest.raises(FrameError, match="dtype torch.float64 cannot be framed"):
-        framing.send_tensor(a, framing.PING, [0], [0], torch.zeros(2, dtype=torch.float64),
+    with pytest.raises(FrameError, match="dtype torch.int16 cannot be framed"):
+        framing.send_tensor(a, framing.PING, [0], [0], torch.zeros(2, dtype=torch.int16),
                             impl=impl)
 
 
@@ -519,5 +531,37 @@ def test_public_layer_uses_the_selected_module() -> None:
     for impl in IMPLS:
         types = (impl.ACTIVATION, impl.RELEASE, impl.PING, impl.PONG, impl.SHUTDOWN)
         assert types == (1, 2, 3, 4, 5)
-        assert impl.ITEMSIZE == {code: torch.empty((), dtype=d).element_size()
-                                 for d, code in framing.DTYPE_CODES.items()}
+
+
+# ------------------------------------------------------------------- one spec for both twins
+
+SPEC_NAMES = ("MAGIC", "VERSION", "HEADER_SIZE", "CRC_OFFSET", "ENTRY_SIZE", "MAX_SAMPLES",
+              "MAX_NDIM", "ACTIVATION", "RELEASE", "PING", "PONG", "SHUTDOWN", "MSG_TYPES",
+              "FLAG_PREFILL", "ITEMSIZE", "FrameHeader", "byte_view", "check_pack_args",
+              "check_fields", "check_fixed_size", "check_table_size", "check_crc", "closed_early")
+
+
+def test_twins_share_the_spec_objects() -> None:
+    """Both implementations hold the spec's very objects: its constants, table and checks."""
+    for impl in IMPLS:
+        for name in SPEC_NAMES:
+            assert getattr(impl, name) is getattr(_framingspec, name), (impl.__name__, name)
+    assert _framingspec.ITEMSIZE is dtypes.ITEMSIZE
+    assert _framingspec.ITEMSIZE == {d.code: torch.empty((), dtype=getattr(torch, d.name))
+                                     .element_size() for d in dtypes.TABLE}
+
+
+@pytest.mark.parametrize("source", ["ext/_cframing.pyx", "mdiedge/runtime/_pyframing.py"])
+def test_no_copy_of_the_spec_in_a_twin(source: str) -> None:
+    """Neither twin assigns a name of the spec itself, nor carries its own crc table."""
+    path = Path(__file__).resolve().parents[1] / source
+    if not path.exists():
+        pytest.skip(f"{source} is not in this tree")
+    text = path.read_text()
+    assert "from mdiedge.runtime._framingspec import" in text or \
+        "from ._framingspec import" in text
+    targets = re.findall(r"^(?:cdef [\w\[\] ]+ )?(\w+(?:\s*,\s*\w+)*)\s*(?:\[[^]]*\])?\s*=(?!=)",
+                         text, re.M)  # the names assigned at module level
+    assigned = {n.strip() for t in targets for n in t.split(",")} & set(SPEC_NAMES)
+    assert not assigned, f"{source} defines {sorted(assigned)} again"
+    assert "edb88320" not in text.lower()

@@ -3,6 +3,8 @@ its pure-Python twin ``<package>._py<name>`` with the same API, where ``TWINNED`
 package that owns each pair.
 
 ``MDIEDGE_NO_EXTENSIONS=1`` forces the twins; a missing compiled module falls back to its twin.
+``PURE`` names the modules that have one (Python) implementation; ``select`` returns them too,
+so that a caller need not know which kind a name is.
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import os
 from types import ModuleType
 from typing import List, Optional
 
-TWINNED = {"slots": "mdiedge.runtime", "framing": "mdiedge.runtime", "moe": "mdiedge.model"}
+TWINNED = {"framing": "mdiedge.runtime"}
+PURE = {"slots": "mdiedge.runtime.slots", "moe": "mdiedge.model.grouping"}
 
 
 def extensions_disabled() -> bool:
@@ -19,6 +22,8 @@ def extensions_disabled() -> bool:
 
 
 def compiled(name: str) -> Optional[ModuleType]:
+    if name in PURE:
+        return None
     try:
         return importlib.import_module(f"{TWINNED[name]}._c{name}")
     except ImportError:
@@ -26,6 +31,8 @@ def compiled(name: str) -> Optional[ModuleType]:
 
 
 def twin(name: str) -> ModuleType:
+    if name in PURE:
+        return importlib.import_module(PURE[name])
     return importlib.import_module(f"{TWINNED[name]}._py{name}")
 
 

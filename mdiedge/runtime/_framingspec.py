@@ -1,0 +1,200 @@
+"""The data-plane wire format: its constants and every check, with their error messages, that
+both framing implementations (``ext/_cframing.pyx`` and ``mdiedge/runtime/_pyframing.py``)
+import from here, so that neither carries a copy.
+
+A frame is a 48-byte fixed header, a sample table and the raw bytes of one C-contiguous
+tensor. All fields are little-endian:
+
+====== ======= ====================================================================
+offset type    field
+====== ======= ====================================================================
+0      4s      magic ``b"MDIE"``
+4      u8      version (1)
+5      u8      msg_type: ACTIVATION, RELEASE, PING, PONG, SHUTDOWN
+6      u8      flags: bit 0 PREFILL, the other bits reserved (0)
+7      u8      dtype code, a key of ``ITEMSIZE`` (``mdiedge.base.dtypes``)
+8      u16     n_samples B (at most MAX_SAMPLES)
+10     u16     ndim (at most MAX_NDIM; 0 means the frame carries no tensor)
+12     u32     n_tokens (tokens per sample in this message)
+16     u32 x 4 shape (dims beyond ndim are 0)
+32     u32     seq (the sender's message counter)
+36     u64     payload_len: prod(shape) * itemsize, or 0 when ndim is 0
+44     u32     CRC-32 (zlib's, IEEE 802.3) of bytes 0..44 followed by the sample table
+====== ======= ====================================================================
+
+The sample table holds B pairs (u32 sample id, u32 position); the payload follows it.
+Every problem is a ``FrameError`` whose one-line message names the field and its value;
+nothing is allocated from a length that has not been checked. After a FrameError on a
+receiving socket the stream position is unknown, so the caller must close the link.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, List, Sequence, Tuple
+
+from ..base.dtypes import ITEMSIZE
+from ..base.errors import FrameError
+
+MAGIC = b"MDIE"
+VERSION = 1
+HEADER_SIZE = 48
+CRC_OFFSET = 44  # the crc covers the bytes before it, then the sample table
+ENTRY_SIZE = 8  # one sample-table entry: u32 sample id, u32 position
+MAX_SAMPLES = 1024
+MAX_NDIM = 4
+
+ACTIVATION, RELEASE, PING, PONG, SHUTDOWN = 1, 2, 3, 4, 5
+MSG_TYPES = (ACTIVATION, RELEASE, PING, PONG, SHUTDOWN)
+FLAG_PREFILL = 0x01
+
+U32_MAX = 2 ** 32 - 1
+U64_LIMIT = 2 ** 64
+
+
+class FrameHeader:
+    """A validated header; ``shape`` has ``ndim`` dims (empty when the frame has no tensor)."""
+
+    __slots__ = ("msg_type", "flags", "dtype", "sample_ids", "positions", "n_tokens", "shape",
+                 "seq", "payload_len")
+
+    def __init__(self, msg_type: int, flags: int, dtype: int, sample_ids: Tuple[int, ...],
+                 positions: Tuple[int, ...], n_tokens: int, shape: Tuple[int, ...], seq: int,
+                 payload_len: int) -> None:
+        self.msg_type = msg_type
+        self.flags = flags
+        self.dtype = dtype
+        self.sample_ids = sample_ids
+        self.positions = positions
+        self.n_tokens = n_tokens
+        self.shape = shape
+        self.seq = seq
+        self.payload_len = payload_len
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
+        return f"FrameHeader({fields})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, FrameHeader):
+            return NotImplemented
+        return all(getattr(self, n) == getattr(other, n) for n in self.__slots__)
+
+
+# ---------------------------------------------------------------- sending: the arguments
+
+def _uint(field: str, value: Any, limit: int) -> int:
+    """``value`` as an int in 0..limit, else a FrameError naming ``field``."""
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise FrameError(f"{field} {value!r} is not an integer") from None
+    if not 0 <= number <= limit:
+        raise FrameError(f"{field} {value!r} outside 0..{limit}")
+    return number
+
+
+def payload_len(dims: Sequence[int], itemsize: int) -> int:
+    """Bytes of a tensor of shape ``dims`` (0 for no dims: a frame without a tensor)."""
+    if not dims:
+        return 0
+    total = itemsize
+    for d in dims:
+        total *= d
+    return total
+
+
+def check_pack_args(msg_type: Any, flags: Any, dtype: Any, sample_ids: Sequence[Any],
+                    positions: Sequence[Any], n_tokens: Any, shape: Sequence[Any], seq: Any
+                    ) -> Tuple[int, int, int, List[int], List[int], int, List[int], int, int]:
+    """The arguments of ``pack_header`` checked and as ints, with the payload length:
+    ``(msg_type, flags, dtype, ids, positions, n_tokens, dims, seq, payload_len)``."""
+    msg_type = _uint("msg_type", msg_type, 255)
+    if msg_type not in MSG_TYPES:
+        raise FrameError(f"unknown msg_type {msg_type}")
+    flags = _uint("flags", flags, 255)
+    if flags & ~FLAG_PREFILL:
+        raise FrameError(f"reserved bits set in flags {flags:#04x}")
+    dtype = _uint("dtype", dtype, 255)
+    if dtype not in ITEMSIZE:
+        raise FrameError(f"unknown dtype code {dtype}")
+    ids = [_uint("sample id", s, U32_MAX) for s in sample_ids]
+    pos = [_uint("position", p, U32_MAX) for p in positions]
+    if len(ids) != len(pos):
+        raise FrameError(f"{len(ids)} sample ids but {len(pos)} positions")
+    if len(ids) > MAX_SAMPLES:
+        raise FrameError(f"n_samples {len(ids)} exceeds MAX_SAMPLES {MAX_SAMPLES}")
+    dims = [_uint("shape dim", d, U32_MAX) for d in shape]
+    if len(dims) > MAX_NDIM:
+        raise FrameError(f"ndim {len(dims)} exceeds {MAX_NDIM}")
+    n_tokens = _uint("n_tokens", n_tokens, U32_MAX)
+    seq = _uint("seq", seq, U32_MAX)
+    size = payload_len(dims, ITEMSIZE[dtype])
+    if size >= U64_LIMIT:
+        raise FrameError(f"payload_len {size} of shape {tuple(dims)} does not fit in 64 bits")
+    return msg_type, flags, dtype, ids, pos, n_tokens, dims, seq, size
+
+
+# ---------------------------------------------------------------- receiving: the fields
+
+def check_fields(magic: bytes, version: int, msg_type: int, flags: int, dtype: int,
+                 n_samples: int, ndim: int, dims: Tuple[int, int, int, int], size: int,
+                 max_payload: int) -> None:
+    """The fields of a received fixed header (all but its crc), or a FrameError naming the
+    first one that is wrong, in offset order."""
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise FrameError(f"unsupported version {version}, expected {VERSION}")
+    if msg_type not in MSG_TYPES:
+        raise FrameError(f"unknown msg_type {msg_type}")
+    if flags & ~FLAG_PREFILL:
+        raise FrameError(f"reserved bits set in flags {flags:#04x}")
+    if dtype not in ITEMSIZE:
+        raise FrameError(f"unknown dtype code {dtype}")
+    if n_samples > MAX_SAMPLES:
+        raise FrameError(f"n_samples {n_samples} exceeds MAX_SAMPLES {MAX_SAMPLES}")
+    if ndim > MAX_NDIM:
+        raise FrameError(f"ndim {ndim} exceeds {MAX_NDIM}")
+    for d in dims[ndim:]:
+        if d:
+            raise FrameError(f"shape {tuple(dims)} has nonzero dim {d} beyond ndim {ndim}")
+    expected = payload_len(dims[:ndim], ITEMSIZE[dtype])
+    if size != expected:
+        raise FrameError(f"payload_len {size} does not match shape {tuple(dims[:ndim])} "
+                         f"of dtype code {dtype} ({expected} bytes)")
+    if size > max_payload:
+        raise FrameError(f"payload_len {size} exceeds max_payload {max_payload}")
+
+
+def check_fixed_size(size: int) -> None:
+    if size != HEADER_SIZE:
+        raise FrameError(f"fixed header is {size} bytes, expected {HEADER_SIZE}")
+
+
+def check_table_size(size: int, n_samples: int) -> None:
+    if size != ENTRY_SIZE * n_samples:
+        raise FrameError(f"sample table is {size} bytes, expected {ENTRY_SIZE * n_samples}")
+
+
+def check_crc(sent: int, computed: int) -> None:
+    if sent != computed:
+        raise FrameError(f"crc32 {sent:#010x} does not match header and table ({computed:#010x})")
+
+
+def closed_early(done: int, size: int) -> FrameError:
+    """The error of a peer that closed after ``done`` of the ``size`` bytes awaited."""
+    return FrameError(f"connection closed after {done} of {size} bytes")
+
+
+# ---------------------------------------------------------------- buffers
+
+def byte_view(buffer: Any, writable: bool) -> memoryview:
+    """A flat unsigned-byte view of a C-contiguous buffer."""
+    view = memoryview(buffer)
+    if not view.c_contiguous:
+        raise FrameError(f"buffer of shape {view.shape} is not C-contiguous")
+    if writable and view.readonly:
+        raise FrameError("cannot receive into a read-only buffer")
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return view

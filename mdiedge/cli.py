@@ -8,7 +8,7 @@ import functools
 import json
 import os
 import sys
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Dict, Optional, TypeVar
 
 import typer
 
@@ -178,7 +178,7 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
         from .base.nodes import StarterOptions
 
         found, workers = load_ring(ring)
-        options = StarterOptions(**{k.replace("starter_", ""): v for k, v in found.items()})
+        options = StarterOptions(**found)
         engine = RingEngine(workers, model, tokenizer, options, dtype=dtype)
     else:
         import torch
@@ -260,12 +260,8 @@ def worker(
 ) -> None:
     """Run a worker node: it waits for a starter to assign it layers."""
     import logging
-    import signal
-    import threading
-    import time
-    from pathlib import Path
 
-    from .base.settings import WorkerSettings, find_config, load_settings, read_secret
+    from .base.settings import WorkerSettings, find_config, load_settings
 
     section = WorkerSettings()
     path = None if no_config else find_config(config)
@@ -279,8 +275,17 @@ def worker(
               else getattr(section, key) for key, value in flags.items()}
     logging.basicConfig(level=chosen["log_level"].upper(), stream=sys.stderr,
                         format=f"%(asctime)s {chosen['name']} %(levelname)s %(message)s")
+    _run_worker(chosen, section, parent_pid)
+
+
+def _run_worker(chosen: Dict[str, Any], section: Any, parent_pid: int) -> None:
+    """Start the worker node of the ``chosen`` settings and serve until it is stopped."""
+    import signal
+    from pathlib import Path
+
     import torch
 
+    from .base.settings import read_secret
     from .ops.sdnotify import Heartbeat
     from .roles.worker import WorkerNode
 
@@ -298,13 +303,7 @@ def worker(
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: node.stopped.set())
     if parent_pid:
-        def watch_parent() -> None:
-            while not node.stopped.is_set():
-                if os.getppid() != parent_pid:
-                    node.stopped.set()
-                time.sleep(0.5)
-
-        threading.Thread(target=watch_parent, daemon=True).start()
+        _stop_with_parent(parent_pid, node.stopped)
     typer.echo(json.dumps({"event": "ready", "name": chosen["name"],
                            "control_port": node.control.port, "data_port": node.data_port,
                            "pid": os.getpid()}))
@@ -312,6 +311,20 @@ def worker(
     _serve_under_systemd(node.stopped, f"{chosen['name']} listening on "
                                        f"{chosen['host']}:{node.control.port}", heartbeat)
     node.close()
+
+
+def _stop_with_parent(parent_pid: int, stopped: Any) -> None:
+    """Set ``stopped`` once the process ``parent_pid`` is no longer our parent."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while not stopped.is_set():
+            if os.getppid() != parent_pid:
+                stopped.set()
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="parent", daemon=True).start()
 
 
 def _from_command_line(ctx: typer.Context, name: str) -> bool:

@@ -9,7 +9,8 @@ import torch
 
 from conftest import make_hf_llama
 from mdiedge.model.checkpoint import load_config, load_model
-from mdiedge.runtime.generation import Generation, run_local
+from mdiedge.runtime.generation import Generation
+from mdiedge.runtime.scheduler import run_single
 from mdiedge.model.sampling import SamplingParams
 
 VARIANTS: Dict[str, Dict[str, Any]] = {
@@ -68,8 +69,8 @@ def test_greedy_generation_matches_transformers(checkpoint: Path) -> None:
     prompt = prompt_ids(12, seed=1)
     hf_tokens = ref.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
                              min_new_tokens=64, eos_token_id=None, pad_token_id=0)[0, 12:]
-    gen = Generation(prompt, 1, 64, SamplingParams(), eos_ids=(), context=160)
-    run_local(load_model(checkpoint), gen)
+    gen = Generation(prompt, 1, 64, SamplingParams(temperature=0), eos_ids=(), context=160)
+    run_single(load_model(checkpoint), gen)
     assert gen.samples[0].tokens == hf_tokens.tolist()
 
 
@@ -104,8 +105,8 @@ def test_batched_decode_equals_one_at_a_time(tiny_llama: Path) -> None:
     prompts = [prompt_ids(4 + s, seed=s) for s in range(3)]
     singles = []
     for p in prompts:
-        gen = Generation(p, 1, 16, SamplingParams(), (), 160)
-        run_local(model, gen)
+        gen = Generation(p, 1, 16, SamplingParams(temperature=0), (), 160)
+        run_single(model, gen)
         singles.append(gen.samples[0].tokens)
     model.setup_cache(3, 64)
     with torch.no_grad():

@@ -392,8 +392,8 @@ def test_ring_equals_single_process(ring_mixtral: Path, nodes: int) -> None:
                                         (greedy_params, 3), (sampled, 2)):
                 got = engine.generate("hello ring", 20, 4, params, micro_batch=micro_batch)
                 assert [s["token_ids"] for s in got.samples] == want[params], micro_batch
-            reports = [engine.model.expert_load()] + [n["expert_load"]
-                                                      for n in engine.node_status()]
+            reports = [engine.starter.model.expert_load()] + [
+                n.expert_load for n in engine.starter.node_status()]
         finally:
             engine.close()
     assert sum(1 for r in reports if r) >= nodes - 1  # the load comes from the workers too

@@ -45,7 +45,7 @@ def ring(request: Any, ring_model: Path) -> Iterator[RingEngine]:
     local = LocalRing(request.param - 1, threads=1)
     with local as workers:
         engine = RingEngine(workers, ring_model, timeout_s=30, secret=local.secret)
-        engine.setup(8, 256)
+        engine.prepare(8, 256)
         yield engine
         engine.close()
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from mdiedge.runtime import framing
+from mdiedge.runtime import messages
 from mdiedge.runtime.links import Sender
+from mdiedge.runtime.messages import Message
 
 
 @pytest.fixture()
@@ -21,8 +23,8 @@ def pair() -> Iterator[Tuple[socket.socket, socket.socket]]:
     b.close()
 
 
-def frame(seq: int, width: int) -> tuple:
-    return (framing.ACTIVATION, 0, [seq], [0], torch.full((1, 1, width), float(seq)), seq)
+def frame(seq: int, width: int) -> Message:
+    return Message(messages.ACTIVATION, [seq], [0], torch.full((1, 1, width), float(seq)), seq=seq)
 
 
 def test_a_small_frame_goes_out_on_the_callers_thread(pair) -> None:
@@ -38,7 +40,7 @@ def test_frames_queued_behind_a_large_one_keep_their_order(pair) -> None:
     sender = Sender(a, "test/send", inline_max_bytes=1024)
     sender.put(frame(1, 4096))  # too large to send inline: queued
     sender.put(frame(2, 16))  # small, but frame 1 is not on the wire yet: queued behind it
-    sender.put((framing.RELEASE, 0, [3], [0], None, 3))
+    sender.put(Message(messages.RELEASE, [3], [0], seq=3))
     b.settimeout(0.2)
     with pytest.raises(socket.timeout):
         b.recv(1, socket.MSG_PEEK)

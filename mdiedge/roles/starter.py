@@ -147,21 +147,22 @@ class RingStarter:
     # ----------------------------------------------------------------- status and end
 
     def status(self) -> NodeStatus:
-        stage = self.scheduler.pipeline.stages[0] if self.scheduler is not None else None
-        stats = self.scheduler.stats if self.scheduler is not None else None
-        busy = self.scheduler is not None and not self.scheduler.idle
+        scheduler = self.scheduler  # read once: another thread may set up a new ring
+        stage = scheduler.pipeline.stages[0] if scheduler is not None else None
         url = self.options.control_url
         status = NodeStatus(
-            "starter", "starter", "busy" if busy else ("ready" if self.tail else "idle"),
-            address=url.split("//", 1)[-1] if url else self.options.host, version=__version__,
-            model=self.cfg.name, hash=self.hash, device=self.device,
-            layers=stage.layers if stage else None, rss_bytes=rss_bytes(),
-            max_rss_bytes=max_rss_bytes(), uptime_s=round(time.time() - self.started, 1),
-            pid=os.getpid(), link_rtt_ms=round_trip_ms(self.workers[0].url))
-        if stage is not None and stats is not None:
+            "starter", "starter", "idle", address=url.split("//", 1)[-1] if url
+            else self.options.host, version=__version__, model=self.cfg.name, hash=self.hash,
+            device=self.device, rss_bytes=rss_bytes(), max_rss_bytes=max_rss_bytes(),
+            uptime_s=round(time.time() - self.started, 1), pid=os.getpid(),
+            link_rtt_ms=round_trip_ms(self.workers[0].url))
+        if scheduler is not None and stage is not None:
+            stats = scheduler.stats
+            status.state = "ready" if scheduler.idle else "busy"
+            status.layers = stage.layers
             status.weight_bytes, status.kv_bytes = stage.memory().values()
-            status.expert_load = self.model.expert_load()
-            status.slots_in_use = self.scheduler.slots_in_use
+            status.expert_load = stage.model.expert_load()
+            status.slots_in_use = scheduler.slots_in_use
             status.messages, status.tokens = stats.messages, stats.tokens
             status.compute_s = round(stats.compute_s, 6)
             status.busy_fraction = round(stats.compute_s / stats.wall_s, 4) if stats.wall_s else 0.0

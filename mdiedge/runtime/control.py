@@ -36,6 +36,97 @@ class Conflict(MdiedgeError):
     """The node cannot take the request in its current state (HTTP 409)."""
 
 
+class _Handler(BaseHTTPRequestHandler):
+    """One HTTP request: route, bounded body, signature, JSON, handler, JSON reply."""
+
+    protocol_version = "HTTP/1.1"
+    server: Any  # a ThreadingHTTPServer carrying ``control``, its ControlServer
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        log.debug("%s %s", self.address_string(), fmt % args)
+
+    def _reply(self, code: int, payload: Dict[str, Any]) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _serve(self, method: str) -> None:
+        control: "ControlServer" = self.server.control
+        url = urlsplit(self.path)
+        handler = control.routes.get((method, url.path))
+        if handler is None:
+            known = any(path == url.path for _, path in control.routes)
+            self._reply(405 if known else 404, {"error": f"no route {method} {url.path}"})
+            return
+        raw = self._read_body(control, url.path)
+        if raw is None:
+            return
+        refused = None if url.path in PUBLIC_PATHS else \
+            control.auth.check(method, self.path, raw, self.headers)
+        if refused is not None:
+            log.warning("refused %s %s from %s: %s", method, url.path, self.client_address[0],
+                        refused)
+            self._reply(401, {"error": refused})
+            return
+        body = self._json(raw) if url.path not in control.raw_routes else {}
+        if body is not None:
+            query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+            self._dispatch(handler, body, raw, query, f"{method} {url.path}")
+
+    def _read_body(self, control: "ControlServer", path: str) -> Optional[bytes]:
+        """The body within its route's size limit, or None after answering 400/413."""
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            self._reply(400, {"error": "bad Content-Length"})
+            return None
+        limit = control.raw_routes[path]() if path in control.raw_routes else MAX_JSON_BODY
+        if length < 0 or length > limit:
+            self.close_connection = True
+            self._reply(413, {"error": f"body of {length} bytes exceeds the limit of {limit}"})
+            return None
+        return self.rfile.read(length) if length else b""
+
+    def _json(self, raw: bytes) -> Optional[Dict[str, Any]]:
+        """The body as a JSON object ({} when empty), or None after answering 400."""
+        if not raw:
+            return {}
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            self._reply(400, {"error": f"body is not JSON: {e}"})
+            return None
+        if not isinstance(body, dict):
+            self._reply(400, {"error": "body must be a JSON object"})
+            return None
+        return body
+
+    def _dispatch(self, handler: Handler, body: Dict[str, Any], raw: bytes,
+                  query: Dict[str, str], what: str) -> None:
+        try:
+            self._reply(200, handler(body, raw, query))
+        except Conflict as e:
+            self._reply(409, {"error": str(e)})
+        except (MdiedgeError, KeyError, TypeError, ValueError) as e:
+            message = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+            self._reply(400, {"error": message})
+        except Exception as e:  # a bug: answer, log, stay up
+            log.exception("control handler %s failed", what)
+            self._reply(500, {"error": f"{type(e).__name__}: {e}"})
+
+    def do_GET(self) -> None:
+        self._serve("GET")
+
+    def do_POST(self) -> None:
+        self._serve("POST")
+
+    def do_PUT(self) -> None:
+        self._serve("PUT")
+
+
 class ControlServer:
     """Routes ``(method, path)`` to handlers taking (json body, raw body, query) -> json reply.
 
@@ -48,80 +139,9 @@ class ControlServer:
         self.routes[("GET", "/ping")] = _ping
         self.raw_routes = raw_routes or {}
         self.auth = auth or Authenticator(None)
-        server = self
-
-        class _Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, fmt: str, *args: Any) -> None:
-                log.debug("%s %s", self.address_string(), fmt % args)
-
-            def _reply(self, code: int, payload: Dict[str, Any]) -> None:
-                body = json.dumps(payload).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def _serve(self, method: str) -> None:
-                url = urlsplit(self.path)
-                handler = server.routes.get((method, url.path))
-                if handler is None:
-                    known = any(path == url.path for _, path in server.routes)
-                    self._reply(405 if known else 404, {"error": f"no route {method} {url.path}"})
-                    return
-                try:
-                    length = int(self.headers.get("Content-Length") or 0)
-                except ValueError:
-                    self._reply(400, {"error": "bad Content-Length"})
-                    return
-                limit = server.raw_routes[url.path]() if url.path in server.raw_routes else MAX_JSON_BODY
-                if length < 0 or length > limit:
-                    self.close_connection = True
-                    self._reply(413, {"error": f"body of {length} bytes exceeds the limit of {limit}"})
-                    return
-                raw = self.rfile.read(length) if length else b""
-                refused = None if url.path in PUBLIC_PATHS else \
-                    server.auth.check(method, self.path, raw, self.headers)
-                if refused is not None:
-                    log.warning("refused %s %s from %s: %s", method, url.path,
-                                self.client_address[0], refused)
-                    self._reply(401, {"error": refused})
-                    return
-                body: Dict[str, Any] = {}
-                if url.path not in server.raw_routes and raw:
-                    try:
-                        body = json.loads(raw)
-                    except (ValueError, UnicodeDecodeError) as e:
-                        self._reply(400, {"error": f"body is not JSON: {e}"})
-                        return
-                    if not isinstance(body, dict):
-                        self._reply(400, {"error": "body must be a JSON object"})
-                        return
-                query = {k: v[-1] for k, v in parse_qs(url.query).items()}
-                try:
-                    self._reply(200, handler(body, raw, query))
-                except Conflict as e:
-                    self._reply(409, {"error": str(e)})
-                except (MdiedgeError, KeyError, TypeError, ValueError) as e:
-                    message = f"missing key {e}" if isinstance(e, KeyError) else str(e)
-                    self._reply(400, {"error": message})
-                except Exception as e:  # a bug: answer, log, stay up
-                    log.exception("control handler %s %s failed", method, url.path)
-                    self._reply(500, {"error": f"{type(e).__name__}: {e}"})
-
-            def do_GET(self) -> None:
-                self._serve("GET")
-
-            def do_POST(self) -> None:
-                self._serve("POST")
-
-            def do_PUT(self) -> None:
-                self._serve("PUT")
-
         self.httpd = ThreadingHTTPServer((host, port), _Handler)
         self.httpd.daemon_threads = True
+        self.httpd.control = self  # type: ignore[attr-defined]
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="control", daemon=True)
 
     @property

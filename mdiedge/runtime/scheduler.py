@@ -18,12 +18,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from . import messages
 from .generation import Generation, Sample, Timing
 from .messages import Message
 from .pipeline import ModelEnds, Pipeline
+from .stages import LocalStage
 from ..base.errors import GenerationError, MdiedgeError, RingError
 
 _ID_SPACE = 2 ** 32 - 1  # sample ids are u32 on the wire; 0 is never used
@@ -99,7 +100,8 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self._inflight and not self._ready and self._n_waiting == 0
+        """No request admitted or waiting (a RELEASE may still be on its way round)."""
+        return self._live == 0 and not self._ready and self._n_waiting == 0
 
     @property
     def slots_in_use(self) -> int:
@@ -278,3 +280,10 @@ class Scheduler:
             generation.error = error
         self._groups, self._inflight, self._live = [], {}, 0
         self._ready.clear()
+
+
+def run_single(model: Any, generation: Generation, micro_batch: int = 0) -> Timing:
+    """Run ``generation`` on one in-process model chunk that holds every block, the embedding
+    and the head (a pipeline of one stage): tests and benchmarks of the model itself."""
+    stage = LocalStage(model, len(generation.samples), generation.context, trim_prefill=True)
+    return Scheduler(Pipeline([stage]), ModelEnds(model)).run(generation, micro_batch)

@@ -152,3 +152,22 @@ def workers_of(parent: int) -> List[int]:
         if b"--parent-pid" in cmd and cmd[cmd.index(b"--parent-pid") + 1] == str(parent).encode():
             found.append((float(stat[21]), int(entry.name)))
     return [pid for _, pid in sorted(found)]
+
+
+def test_a_request_admitted_mid_decode_gets_its_tokens_alone(ring: RingEngine,
+                                                             reference: LocalEngine) -> None:
+    want_a = tokens_of(reference.generate(PROMPT, 40, 2, SAMPLED))
+    want_b = tokens_of(reference.generate("the quick brown fox", 12, 3, GREEDY))
+    ring.prepare(8, 256)
+    mid_decode = threading.Event()
+    a = ring.new_generation(PROMPT, 40, 2, SAMPLED,
+                            lambda i, t: mid_decode.set() if t and i == 0 else None)
+    b = ring.new_generation("the quick brown fox", 12, 3, GREEDY, None)
+    runner = threading.Thread(target=ring.run, args=(a,))
+    runner.start()
+    assert mid_decode.wait(60)
+    ring.run(b, micro_batch=1)
+    runner.join(60)
+    assert [s.tokens for s in a.samples] == want_a
+    assert [s.tokens for s in b.samples] == want_b
+    assert a.admitted_at < b.admitted_at < a.admitted_at + a.timing.total_s

@@ -61,6 +61,15 @@ def tiny_llama(tmp_path_factory: Any) -> Path:
 
 
 @pytest.fixture(scope="session")
+def ring_model(tmp_path_factory: Any) -> Path:
+    """A six-block random Llama with a tokenizer: enough blocks for rings of up to 4 nodes."""
+    path = make_hf_llama(tmp_path_factory.mktemp("ring-llama"), seed=5, num_hidden_layers=6,
+                         max_position_embeddings=256)
+    write_tiny_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def stories() -> Path:
     if not (STORIES / "stories260K.bin").exists():
         pytest.skip(f"stories260K not found at {STORIES} (../shared is missing)")

@@ -303,7 +303,7 @@ def test_imports_go_down_the_layers_without_cycles() -> None:
     table = "\n".join(f"  {pattern:<20} layer {layer}" for pattern, layer in LAYERS)
     assert not problems, (f"{len(problems)} import-layering problem(s):\n"
                           + "\n".join(problems)
-                          + f"\nimports must go down the layers (tests/test_layers.py LAYERS):\n"
+                          + "\nimports must go down the layers (tests/test_layers.py LAYERS):\n"
                           + table)
 
 

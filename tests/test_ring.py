@@ -7,11 +7,10 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Iterator, List, Tuple
 
 import pytest
 
-from conftest import make_hf_llama, write_tiny_tokenizer
 from mdiedge.roles.engine import LocalEngine
 from mdiedge.base.errors import RingError
 from mdiedge.roles.local_ring import LocalRing
@@ -21,14 +20,6 @@ from mdiedge.roles.starter import RingEngine
 GREEDY = SamplingParams(temperature=0)
 SAMPLED = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=11)
 PROMPT = "hello ring"  # in the vocabulary of conftest.write_tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def ring_model(tmp_path_factory: Any) -> Path:
-    path = make_hf_llama(tmp_path_factory.mktemp("ring-llama"), seed=5, num_hidden_layers=6,
-                         max_position_embeddings=256)
-    write_tiny_tokenizer(path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from conftest import make_hf_llama, write_tiny_tokenizer
 from mdiedge.base.errors import GenerationError, RingError
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.roles.engine import LocalEngine
@@ -24,11 +23,8 @@ PROMPT = "hello ring"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: Any) -> Path:
-    path = make_hf_llama(tmp_path_factory.mktemp("sched-llama"), seed=5, num_hidden_layers=6,
-                         max_position_embeddings=256)
-    write_tiny_tokenizer(path)
-    return path
+def model_dir(ring_model: Path) -> Path:
+    return ring_model
 
 
 @pytest.fixture(scope="module")

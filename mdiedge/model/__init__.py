@@ -1,0 +1,2 @@
+"""Layer 1, the model in plain torch and nothing of sockets: config, layers, the decoder over a
+block range, mixture-of-experts, checkpoints, tokenizers, sampling, devices and dtypes."""

@@ -148,6 +148,8 @@ class Scheduler:
         try:
             self._admit()
             if not self._inflight:
+                if self._ready:  # nothing runs that could free the rows it waits for
+                    raise RingError(f"{self._live} KV rows are held with nothing in flight")
                 return
             message = self.pipeline.receive(self.timeout_s)
             entry = self._inflight.pop(message.seq, None)

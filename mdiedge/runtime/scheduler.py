@@ -214,10 +214,10 @@ class Scheduler:
         generation = group.generation
         logits = self.ends.head(message.hidden[:, -1])  # (B, vocab)
         generation.accept(entry.samples, logits)
+        self.stats.compute_s += time.perf_counter() - t0  # sends count their own time
         if entry.kind == "prefill":
             group.prefilled += 1
             if group.prefilled < len(group.samples):
-                self.stats.compute_s += time.perf_counter() - t0
                 return
             self._note_prefill_done(generation)
         self._release_finished(group)
@@ -227,7 +227,6 @@ class Scheduler:
                        [s.position for s in batch], _InFlight("decode", group, batch))
         else:
             self._groups.remove(group)
-        self.stats.compute_s += time.perf_counter() - t0
 
     def _note_prefill_done(self, generation: Generation) -> None:
         groups = [g for g in self._groups if g.generation is generation]

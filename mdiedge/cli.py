@@ -168,9 +168,11 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
         local = LocalEngine(model, tokenizer, device=device, dtype=dtype)
         check(local)
         return local
+    from .model.devices import parse_device, parse_dtype
     from .roles.engine import TextModel
     from .roles.starter import RingEngine
 
+    parse_device(device), parse_dtype(dtype)  # errors before any node process starts
     check(TextModel(model, tokenizer))
     if ring is not None:
         from .base.ringfile import load_ring

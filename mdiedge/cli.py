@@ -189,7 +189,7 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
 
         threads = threads_per_node(nodes)
         torch.set_num_threads(threads)
-        local_ring = LocalRing(nodes - 1, threads=threads)
+        local_ring = LocalRing(nodes - 1, threads=threads, device=device)
         workers = stack.enter_context(local_ring)
         engine = RingEngine(workers, model, tokenizer, device=device, dtype=dtype,
                             secret=local_ring.secret)

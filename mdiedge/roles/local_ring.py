@@ -40,8 +40,9 @@ class LocalRing:
     """``with LocalRing(2) as workers:`` starts two workers and yields their addresses."""
 
     def __init__(self, n_workers: int, threads: int = 1, log_level: str = "warning",
-                 cache_dir: Optional[str] = None) -> None:
+                 cache_dir: Optional[str] = None, device: str = "cpu") -> None:
         self.n_workers, self.threads, self.log_level = n_workers, threads, log_level
+        self.device = device  # where every worker computes
         self.cache_dir = cache_dir
         self.processes: List[subprocess.Popen] = []
         self.workers: List[NodeSpec] = []
@@ -75,7 +76,8 @@ class LocalRing:
         line = self._ready_line(proc, name)
         try:
             ready = json.loads(line)
-            self.workers.append(NodeSpec(name, "127.0.0.1", int(ready["control_port"])))
+            self.workers.append(NodeSpec(name, "127.0.0.1", int(ready["control_port"]),
+                                        device=self.device))
         except (ValueError, KeyError):
             raise RingError(f"worker {name} did not start: {line.strip()!r}") from None
 

@@ -1,0 +1,54 @@
+"""The CUDA path in FP32 (Jetson boards run it): the same tokens as the CPU for the single
+process, N in-process stages and a ring whose nodes compute on the GPU. Skipped without CUDA."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, List
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("CUDA is not available here", allow_module_level=True)
+
+from mdiedge.model.sampling import SamplingParams  # noqa: E402
+from mdiedge.roles.engine import LocalEngine  # noqa: E402
+from mdiedge.roles.local_ring import LocalRing  # noqa: E402
+from mdiedge.roles.starter import RingEngine  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0)
+SAMPLED = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=11)
+PROMPT = "hello ring"
+
+
+def tokens(out: Any) -> List[List[int]]:
+    return [s["token_ids"] for s in out.samples]
+
+
+@pytest.fixture(scope="module")
+def cpu_reference(ring_model: Path) -> LocalEngine:
+    return LocalEngine(ring_model)
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_cuda_stages_equal_the_cpu(ring_model: Path, cpu_reference: LocalEngine, stages: int,
+                                   params: SamplingParams) -> None:
+    engine = LocalEngine(ring_model, device="cuda", stages=stages)
+    assert engine.model.lm_head.weight.device.type == "cuda"
+    assert engine.model.lm_head.weight.dtype == torch.float32
+    want = tokens(cpu_reference.generate(PROMPT, 24, 3, params))
+    assert tokens(engine.generate(PROMPT, 24, 3, params, micro_batch=2)) == want
+
+
+def test_a_ring_on_the_gpu_equals_the_cpu(ring_model: Path, cpu_reference: LocalEngine) -> None:
+    want = tokens(cpu_reference.generate(PROMPT, 24, 4, SAMPLED))
+    local = LocalRing(2, device="cuda")
+    with local as workers:
+        engine = RingEngine(workers, ring_model, device="cuda", secret=local.secret)
+        try:
+            got = tokens(engine.generate(PROMPT, 24, 4, SAMPLED, micro_batch=2))
+            devices = [n.device for n in engine.starter.node_status()]
+        finally:
+            engine.close()
+    assert got == want and devices == ["cuda", "cuda"]

@@ -1,6 +1,7 @@
 """Data-plane framing, pure Python: the twin of ``ext/_cframing.pyx``, with the same API and
-errors. It owns only the packing and the socket loops; the wire format (documented in
-``mdiedge/runtime/_framingspec.py``), its constants and its checks are imported from there."""
+errors. It owns the packing and unpacking of a header with ``struct`` and the socket loops; the
+wire format (documented in ``mdiedge/runtime/_framingspec.py``), its constants and its checks
+are imported from there."""
 from __future__ import annotations
 
 import struct
@@ -10,13 +11,14 @@ from typing import Any, List, Optional, Sequence
 from ._framingspec import (  # noqa: F401  (the constants are part of this module's API)
     ACTIVATION, CRC_OFFSET, ENTRY_SIZE, FLAG_PREFILL, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_NDIM,
     MAX_SAMPLES, MSG_TYPES, PING, PONG, RELEASE, SHUTDOWN, VERSION, FrameHeader, byte_view,
-    check_crc, check_fields, closed_early, check_fixed_size, check_pack_args, check_table_size)
+    check_crc, check_fields, check_fixed_size, check_pack_args, check_table_size, closed_early)
 
 _FIXED = struct.Struct("<4sBBBBHHI4IIQ")  # everything before the crc
 _CRC = struct.Struct("<I")
 _ENTRY = struct.Struct("<II")
 _N_SAMPLES = struct.Struct("<H")
-assert _FIXED.size == CRC_OFFSET and _ENTRY.size == ENTRY_SIZE
+if (_FIXED.size, _ENTRY.size) != (CRC_OFFSET, ENTRY_SIZE):
+    raise ImportError("_pyframing packs another layout than mdiedge.runtime._framingspec")
 
 
 def pack_header(msg_type: int, flags: int, dtype: int, sample_ids: Sequence[int],

@@ -30,7 +30,7 @@ from posix.uio cimport iovec, writev
 
 from mdiedge.runtime._framingspec import (  # the constants are part of this module's API
     ACTIVATION, CRC_OFFSET, ENTRY_SIZE, FLAG_PREFILL, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_NDIM,
-    MAX_SAMPLES, MSG_TYPES, PING, PONG, RELEASE, SHUTDOWN, VERSION, FrameHeader, byte_view,
+    MAX_SAMPLES, MSG_TYPES, PING, RELEASE, SHUTDOWN, VERSION, FrameHeader, byte_view,
     check_crc, check_fields, check_fixed_size, check_pack_args, check_table_size, closed_early)
 
 

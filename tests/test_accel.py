@@ -26,15 +26,6 @@ def test_no_extensions_switch(monkeypatch: pytest.MonkeyPatch, value: str,
             assert _accel.implementations(name) == [_accel.twin(name)]
 
 
-def test_pure_modules_have_one_implementation(monkeypatch: pytest.MonkeyPatch) -> None:
-    for value in ("", "1"):
-        monkeypatch.setenv("MDIEDGE_NO_EXTENSIONS", value)
-        for name, module in _accel.PURE.items():
-            assert name not in _accel.TWINNED and _accel.compiled(name) is None
-            assert _accel.select(name).__name__ == module
-            assert _accel.implementations(name) == [_accel.select(name)]
-
-
 def test_every_compiled_source_is_twinned() -> None:
     """``ext/_c<name>.pyx`` exists exactly for the names of TWINNED (setup.py builds those)."""
     ext = Path(__file__).resolve().parents[1] / "ext"

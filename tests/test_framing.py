@@ -133,7 +133,7 @@ def test_non_contiguous_tensor_is_sent_contiguous(impl: ModuleType, pair: Any) -
 
 
 @pytest.mark.parametrize("msg_type",
-                         [framing.RELEASE, framing.PING, framing.PONG, framing.SHUTDOWN])
+                         [framing.RELEASE, framing.PING, framing.SHUTDOWN])
 def test_control_frames(impl: ModuleType, pair: Any, msg_type: int) -> None:
     a, b = pair
     framing.send_control(a, msg_type, [3, 4, 5], [0, 17, 2], seq=9, impl=impl)
@@ -313,6 +313,7 @@ def corrupt(frame: bytes, offset: int, fmt: str, value: int) -> bytes:
     (4, "B", 2, "unsupported version 2, expected 1"),
     (5, "B", 0, "unknown msg_type 0"),
     (5, "B", 6, "unknown msg_type 6"),
+    (5, "B", 4, "unknown msg_type 4"),  # reserved: the PONG no node sent
     (6, "B", 0x81, "reserved bits set in flags 0x81"),
     (7, "B", 7, "unknown dtype code 7"),
     (8, "H", 1025, "n_samples 1025 exceeds MAX_SAMPLES 1024"),
@@ -478,7 +479,7 @@ def test_any_flipped_byte_is_detected(position: int, xor: int) -> None:
 
 
 header_args = st.tuples(
-    st.sampled_from([framing.ACTIVATION, framing.RELEASE, framing.PING, framing.PONG,
+    st.sampled_from([framing.ACTIVATION, framing.RELEASE, framing.PING,
                      framing.SHUTDOWN]),
     st.sampled_from([0, framing.FLAG_PREFILL]),
     st.sampled_from(sorted(framing.ITEMSIZE)),
@@ -529,14 +530,14 @@ def test_public_layer_uses_the_selected_module() -> None:
     assert framing._impl is _accel.select("framing")
     assert framing.HEADER_SIZE == 48 and framing.MAGIC == b"MDIE"
     for impl in IMPLS:
-        types = (impl.ACTIVATION, impl.RELEASE, impl.PING, impl.PONG, impl.SHUTDOWN)
-        assert types == (1, 2, 3, 4, 5)
+        types = (impl.ACTIVATION, impl.RELEASE, impl.PING, impl.SHUTDOWN)
+        assert types == (1, 2, 3, 5) and impl.MSG_TYPES == types  # 4 is reserved
 
 
 # ------------------------------------------------------------------- one spec for both twins
 
 SPEC_NAMES = ("MAGIC", "VERSION", "HEADER_SIZE", "CRC_OFFSET", "ENTRY_SIZE", "MAX_SAMPLES",
-              "MAX_NDIM", "ACTIVATION", "RELEASE", "PING", "PONG", "SHUTDOWN", "MSG_TYPES",
+              "MAX_NDIM", "ACTIVATION", "RELEASE", "PING", "SHUTDOWN", "MSG_TYPES",
               "FLAG_PREFILL", "ITEMSIZE", "FrameHeader", "byte_view", "check_pack_args",
               "check_fields", "check_fixed_size", "check_table_size", "check_crc", "closed_early")
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from mdiedge.base.accel import implementations
+from mdiedge.model import grouping
 
-IMPLS = implementations("moe")
+IMPLS = [grouping]
 
 
 @pytest.fixture(params=IMPLS, ids=[m.__name__ for m in IMPLS])

@@ -8,7 +8,6 @@ from typing import List
 
 import pytest
 
-from mdiedge.base.accel import select
 from mdiedge.base.errors import SlotError
 from mdiedge.runtime import slots
 
@@ -98,6 +97,3 @@ def test_a_random_workload_matches_a_list_scan() -> None:
         assert list(table.assignments().items()) == list(spec.assignments().items())
         assert table.in_use == len(spec.assignments())
 
-
-def test_selected_by_name() -> None:
-    assert select("slots") is slots

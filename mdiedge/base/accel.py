@@ -3,8 +3,8 @@ its pure-Python twin ``<package>._py<name>`` with the same API, where ``TWINNED`
 package that owns each pair.
 
 ``MDIEDGE_NO_EXTENSIONS=1`` forces the twins; a missing compiled module falls back to its twin.
-``PURE`` names the modules that have one (Python) implementation; ``select`` returns them too,
-so that a caller need not know which kind a name is.
+A module earns a compiled twin only where a benchmark shows it matters end to end; the others
+(KV slot tables, expert grouping) have one Python implementation and are imported directly.
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from types import ModuleType
 from typing import List, Optional
 
 TWINNED = {"framing": "mdiedge.runtime"}
-PURE = {"slots": "mdiedge.runtime.slots", "moe": "mdiedge.model.grouping"}
 
 
 def extensions_disabled() -> bool:
@@ -22,8 +21,6 @@ def extensions_disabled() -> bool:
 
 
 def compiled(name: str) -> Optional[ModuleType]:
-    if name in PURE:
-        return None
     try:
         return importlib.import_module(f"{TWINNED[name]}._c{name}")
     except ImportError:
@@ -31,8 +28,6 @@ def compiled(name: str) -> Optional[ModuleType]:
 
 
 def twin(name: str) -> ModuleType:
-    if name in PURE:
-        return importlib.import_module(PURE[name])
     return importlib.import_module(f"{TWINNED[name]}._py{name}")
 
 

@@ -8,9 +8,8 @@ capacity limit or padding): every expert that received tokens runs ONE batched S
 exactly its tokens, and the weighted outputs are scattered back with ``index_add_``. Experts
 that received no token cost nothing.
 
-The grouping is a counting sort. On the CPU it runs in the selected routing module
-(``mdiedge._cmoe``, compiled, or its pure-Python twin ``mdiedge.model._pymoe``, see ``_accel``); on
-CUDA, and whenever the routing weights need gradients, it runs as torch ops on the tensors'
+The grouping is a stable sort by expert. On the CPU it runs in numpy
+(``mdiedge.model.grouping``); on CUDA, and whenever the routing weights need gradients, it runs as torch ops on the tensors'
 own device (a stable argsort of the expert ids and a bincount), and only the ``E + 1`` group
 offsets come to the host to size the per-expert batches.
 """
@@ -22,7 +21,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from ..base.accel import select
+from . import grouping
 from .config import ModelConfig
 from .layers import MLP
 
@@ -33,7 +32,7 @@ class MoE(nn.Module):
     """Mixtral's sparse MoE block; parameters ``router.weight`` and ``experts.{e}.gate/up/down``.
 
     ``routing``: the grouping implementation for CPU tensors, a module with
-    ``group_by_expert`` (default: ``_accel.select("moe")``) or ``"torch"`` for the on-device
+    ``group_by_expert`` (default: ``mdiedge.model.grouping``) or ``"torch"`` for the on-device
     torch ops that CUDA always uses. ``expert_counts`` (CPU int64, ``(n_experts,)``) counts the
     tokens routed to each expert since the last :meth:`reset_stats`.
     """
@@ -46,7 +45,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg.dim, cfg.intermediate_size)
                                      for _ in range(cfg.n_experts))
-        self.routing: Routing = select("moe") if routing is None else routing
+        self.routing: Routing = grouping if routing is None else routing
         self.expert_counts = torch.zeros(cfg.n_experts, dtype=torch.int64)  # not a buffer
 
     def reset_stats(self) -> None:

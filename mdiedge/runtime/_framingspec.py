@@ -10,7 +10,7 @@ offset type    field
 ====== ======= ====================================================================
 0      4s      magic ``b"MDIE"``
 4      u8      version (1)
-5      u8      msg_type: ACTIVATION, RELEASE, PING, PONG, SHUTDOWN
+5      u8      msg_type: ACTIVATION 1, RELEASE 2, PING 3, SHUTDOWN 5 (4 is reserved)
 6      u8      flags: bit 0 PREFILL, the other bits reserved (0)
 7      u8      dtype code, a key of ``ITEMSIZE`` (``mdiedge.base.dtypes``)
 8      u16     n_samples B (at most MAX_SAMPLES)
@@ -43,8 +43,8 @@ ENTRY_SIZE = 8  # one sample-table entry: u32 sample id, u32 position
 MAX_SAMPLES = 1024
 MAX_NDIM = 4
 
-ACTIVATION, RELEASE, PING, PONG, SHUTDOWN = 1, 2, 3, 4, 5
-MSG_TYPES = (ACTIVATION, RELEASE, PING, PONG, SHUTDOWN)
+ACTIVATION, RELEASE, PING, SHUTDOWN = 1, 2, 3, 5  # 4 was a PONG that no node ever sent
+MSG_TYPES = (ACTIVATION, RELEASE, PING, SHUTDOWN)
 FLAG_PREFILL = 0x01
 
 U32_MAX = 2 ** 32 - 1

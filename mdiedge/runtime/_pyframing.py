@@ -10,7 +10,7 @@ from typing import Any, List, Optional, Sequence
 
 from ._framingspec import (  # noqa: F401  (the constants are part of this module's API)
     ACTIVATION, CRC_OFFSET, ENTRY_SIZE, FLAG_PREFILL, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_NDIM,
-    MAX_SAMPLES, MSG_TYPES, PING, PONG, RELEASE, SHUTDOWN, VERSION, FrameHeader, byte_view,
+    MAX_SAMPLES, MSG_TYPES, PING, RELEASE, SHUTDOWN, VERSION, FrameHeader, byte_view,
     check_crc, check_fields, check_fixed_size, check_pack_args, check_table_size, closed_early)
 
 _FIXED = struct.Struct("<4sBBBBHHI4IIQ")  # everything before the crc

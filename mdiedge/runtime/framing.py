@@ -33,7 +33,6 @@ MAX_SAMPLES: int = _impl.MAX_SAMPLES
 ACTIVATION: int = _impl.ACTIVATION
 RELEASE: int = _impl.RELEASE
 PING: int = _impl.PING
-PONG: int = _impl.PONG
 SHUTDOWN: int = _impl.SHUTDOWN
 FLAG_PREFILL: int = _impl.FLAG_PREFILL
 ITEMSIZE: Dict[int, int] = _impl.ITEMSIZE
@@ -86,7 +85,7 @@ def send_tensor(sock: Any, msg_type: int, sample_ids: Sequence[int], positions: 
 def send_control(sock: Any, msg_type: int, sample_ids: Sequence[int] = (),
                  positions: Sequence[int] = (), seq: int = 0,
                  impl: Optional[ModuleType] = None) -> None:
-    """Send one frame with no tensor (RELEASE, PING/PONG without payload, SHUTDOWN)."""
+    """Send one frame with no tensor (RELEASE, PING without payload, SHUTDOWN)."""
     impl = impl or _impl
     header = impl.pack_header(msg_type, 0, CONTROL_DTYPE, sample_ids, positions, 0, (), seq)
     impl.send_all(sock, header, None)

@@ -17,7 +17,7 @@ import torch
 
 from . import messages
 from .messages import Message
-from ..base.accel import select
+from .slots import SlotTable
 from ..base.errors import RingError
 
 
@@ -45,7 +45,7 @@ class LocalStage:
         self.trim_prefill = trim_prefill
         self.n_slots, self.context = n_slots, context
         model.setup_cache(n_slots, context)
-        self.slots = select("slots").SlotTable(n_slots)
+        self.slots = SlotTable(n_slots)
         self.counters = StageCounters(since=time.time())
 
     @property

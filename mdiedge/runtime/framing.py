@@ -4,7 +4,7 @@ One frame carries one message between neighbour nodes: a header (message type, f
 sequence number, the samples it concerns with their positions) and, for ACTIVATION, PING
 and the like, one C-contiguous CPU tensor sent straight from its memory and received
 straight into a freshly allocated (or caller-given) tensor: no intermediate copies. The
-wire format is documented in ``mdiedge/_pyframing.py``.
+wire format is documented in ``mdiedge/runtime/_framingspec.py``.
 
 A malformed, oversized or truncated frame raises ``FrameError``. The stream position is
 then unknown (part of the frame may be unread), so the caller must close the link; the

@@ -9,9 +9,10 @@ exactly its tokens, and the weighted outputs are scattered back with ``index_add
 that received no token cost nothing.
 
 The grouping is a stable sort by expert. On the CPU it runs in numpy
-(``mdiedge.model.grouping``); on CUDA, and whenever the routing weights need gradients, it runs as torch ops on the tensors'
-own device (a stable argsort of the expert ids and a bincount), and only the ``E + 1`` group
-offsets come to the host to size the per-expert batches.
+(``mdiedge.model.grouping``); on CUDA, and whenever the routing weights need gradients, it
+runs as torch ops on the tensors' own device (a stable argsort of the expert ids and a
+bincount), and only the ``E + 1`` group offsets come to the host to size the per-expert
+batches.
 """
 from __future__ import annotations
 

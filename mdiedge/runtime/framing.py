@@ -8,7 +8,7 @@ wire format is documented in ``mdiedge/runtime/_framingspec.py``.
 
 A malformed, oversized or truncated frame raises ``FrameError``. The stream position is
 then unknown (part of the frame may be unread), so the caller must close the link; the
-receiver threads of ``mdiedge.transport`` do so.
+receivers of ``mdiedge.runtime.links`` do so.
 
 Every function takes ``impl`` to force one implementation (tests run both); by default it
 is ``select("framing")``: the compiled module unless disabled or not built.

@@ -265,13 +265,14 @@ def pack_header(msg_type, flags, dtype, sample_ids, positions, n_tokens, shape, 
     return _pack(&f, sample_ids, positions)
 
 
-cdef bint _fields_ok(const unsigned char* p, const uint32_t* d) noexcept nogil:
-    """The spec's ``check_fields`` (but max_payload) as a typed predicate."""
+cdef bint _fields_ok(const unsigned char* p, const uint32_t* d, uint64_t limit) noexcept nogil:
+    """The spec's ``check_fields`` as a typed predicate (``limit``: max_payload, clamped)."""
     cdef uint32_t ndim = _get16(p + 10), i
-    cdef uint64_t size = _get64(p + 36), expected = C_ITEMSIZE[p[7]]
+    cdef uint64_t size = _get64(p + 36), extent = C_ITEMSIZE[p[7]]
+    cdef bint empty = False
     if memcmp(p, C_MAGIC, 4) != 0 or p[4] != C_VERSION or not C_MSG_TYPE_OK[p[5]]:
         return False
-    if p[6] & ~C_FLAGS_KNOWN or expected == 0 or _get16(p + 8) > C_MAX_SAMPLES:
+    if p[6] & ~C_FLAGS_KNOWN or extent == 0 or _get16(p + 8) > C_MAX_SAMPLES:
         return False
     if ndim > C_MAX_NDIM:
         return False
@@ -280,23 +281,24 @@ cdef bint _fields_ok(const unsigned char* p, const uint32_t* d) noexcept nogil:
             return False
     if ndim == 0:
         return size == 0
-    for i in range(ndim):
-        if d[i] == 0:
-            return size == 0
-    for i in range(ndim):
-        if expected > UINT64_MAX // d[i]:
-            return False  # the product needs more than 64 bits: no u64 payload_len matches
-        expected *= d[i]
-    return size == expected
+    for i in range(ndim):  # the nonzero dims' product, bounded by max_payload even when
+        if d[i] == 0:      # a zero dim empties the tensor
+            empty = True
+        elif extent > limit // d[i]:
+            return False  # beyond max_payload (or 64 bits): the spec names the field
+        else:
+            extent *= d[i]
+    return size == (0 if empty else extent)
 
 
 cdef object _parse_fixed(const unsigned char* p, object max_payload):
     cdef uint32_t[C_MAX_NDIM] d
     cdef uint32_t ndim = _get16(p + 10), i
     cdef uint64_t size = _get64(p + 36)
+    cdef uint64_t limit = <uint64_t> min(max(max_payload, 0), UINT64_MAX)
     for i in range(C_MAX_NDIM):
         d[i] = _get32(p + 16 + 4 * i)
-    if not _fields_ok(p, d) or size > max_payload:
+    if not _fields_ok(p, d, limit):
         check_fields((<const char*> p)[:4], p[4], p[5], p[6], p[7], _get16(p + 8), ndim,
                      (d[0], d[1], d[2], d[3]), size, max_payload)
         raise AssertionError("_cframing rejected a header that _framingspec accepts")

@@ -380,6 +380,27 @@ def test_huge_payload_is_refused_before_allocation(impl: ModuleType, pair: Any,
             framing.recv_frame(b, 2 ** 64, impl=impl)
 
 
+@pytest.mark.parametrize("dims,max_payload,message", [
+    ((0, U32, U32), 1 << 20, "shape (0, 4294967295, 4294967295) of dtype code 0 exceeds "
+                             "max_payload 1048576: its nonzero dims span 73786976260478468100 "
+                             "bytes"),
+    ((U32, 0), 1 << 20, "shape (4294967295, 0) of dtype code 0 exceeds max_payload 1048576: "
+                        "its nonzero dims span 17179869180 bytes"),
+    ((2, 0, 8), 63, "shape (2, 0, 8) of dtype code 0 exceeds max_payload 63: its nonzero dims "
+                    "span 64 bytes"),
+])
+def test_every_dim_is_bounded_even_with_no_elements(impl: ModuleType, dims: Tuple[int, ...],
+                                                    max_payload: int, message: str) -> None:
+    """A zero dim empties the tensor but must not let the others grow past max_payload
+    (``torch.empty((0, 2**32-1, 2**32-1))`` raises RuntimeError, not FrameError)."""
+    fixed = impl.pack_header(framing.ACTIVATION, 0, 0, [], [], 0, dims, 0)
+    with pytest.raises(FrameError) as raised:
+        impl.parse_header(fixed, max_payload)
+    assert str(raised.value) == message
+    if max(dims) < 16:  # within bounds, the same empty shape is a valid frame
+        assert impl.parse_header(fixed, 64).shape == dims
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(msg_type=9), "unknown msg_type 9"),
     (dict(msg_type=-1), "msg_type -1 outside 0..255"),

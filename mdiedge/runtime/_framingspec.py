@@ -24,7 +24,9 @@ offset type    field
 
 The sample table holds B pairs (u32 sample id, u32 position); the payload follows it.
 Every problem is a ``FrameError`` whose one-line message names the field and its value;
-nothing is allocated from a length that has not been checked. After a FrameError on a
+nothing is allocated from a length that has not been checked: every dim is bounded by
+max_payload, even in a tensor with no elements (a zero dim does not make ``(0, 2**32-1,
+2**32-1)`` allocatable). After a FrameError on a
 receiving socket the stream position is unknown, so the caller must close the link.
 """
 from __future__ import annotations
@@ -158,12 +160,17 @@ def check_fields(magic: bytes, version: int, msg_type: int, flags: int, dtype: i
     for d in dims[ndim:]:
         if d:
             raise FrameError(f"shape {tuple(dims)} has nonzero dim {d} beyond ndim {ndim}")
-    expected = payload_len(dims[:ndim], ITEMSIZE[dtype])
+    shape = tuple(dims[:ndim])
+    expected = payload_len(shape, ITEMSIZE[dtype])
     if size != expected:
-        raise FrameError(f"payload_len {size} does not match shape {tuple(dims[:ndim])} "
+        raise FrameError(f"payload_len {size} does not match shape {shape} "
                          f"of dtype code {dtype} ({expected} bytes)")
     if size > max_payload:
         raise FrameError(f"payload_len {size} exceeds max_payload {max_payload}")
+    extent = payload_len([d or 1 for d in shape], ITEMSIZE[dtype])
+    if extent > max_payload:  # a zero dim empties the tensor, but not the others' product
+        raise FrameError(f"shape {shape} of dtype code {dtype} exceeds max_payload "
+                         f"{max_payload}: its nonzero dims span {extent} bytes")
 
 
 def check_fixed_size(size: int) -> None:

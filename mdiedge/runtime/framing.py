@@ -91,6 +91,15 @@ def send_control(sock: Any, msg_type: int, sample_ids: Sequence[int] = (),
     impl.send_all(sock, header, None)
 
 
+def _allocate(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The tensor for a validated header; a failed allocation is the frame's fault."""
+    try:
+        return torch.empty(shape, dtype=dtype)
+    except (RuntimeError, MemoryError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise FrameError(f"cannot allocate the frame's {shape} {dtype} tensor: {reason}") from None
+
+
 def recv_frame(sock: Any, max_payload: int, out: Optional[torch.Tensor] = None,
                impl: Optional[ModuleType] = None) -> Tuple[Any, Optional[torch.Tensor]]:
     """Receive one frame: its validated header and its tensor (None for a frame without one).
@@ -105,7 +114,7 @@ def recv_frame(sock: Any, max_payload: int, out: Optional[torch.Tensor] = None,
         return header, None
     dtype = torch_dtype(header.dtype)
     if out is None:
-        tensor = torch.empty(header.shape, dtype=dtype)
+        tensor = _allocate(header.shape, dtype)
     elif (tuple(out.shape) != header.shape or out.dtype != dtype or out.device.type != "cpu"
           or not out.is_contiguous()):
         raise FrameError(f"out tensor {tuple(out.shape)} {out.dtype} on {out.device} does not "

@@ -264,3 +264,32 @@ def test_generation_timing_is_filled(engines: Dict[Tuple[int, int], LocalEngine]
     t = generation.timing
     assert t.new_tokens == 12 and t.total_s > 0 and t.prefill_s > 0 and t.decode_s > 0
     assert t.prefill_s + t.decode_s <= t.total_s + 1e-6
+
+
+def test_a_request_that_fails_on_its_own_spares_the_others(model_dir: Path) -> None:
+    engine = LocalEngine(model_dir, stages=2)
+    alone = tokens(engine.generate(PROMPT, 20, 2, SAMPLED))
+    scheduler = engine.prepare(8, 128)
+    kept = engine.new_generation(PROMPT, 20, 2, SAMPLED, None)
+
+    def broken_pipe(index: int, token: int) -> None:
+        raise BrokenPipeError("the client went away")
+
+    failing = engine.new_generation(PROMPT, 20, 2, GREEDY, broken_pipe)
+    scheduler.submit(kept)
+    with pytest.raises(GenerationError, match="BrokenPipeError: the client went away"):
+        scheduler.run(failing)
+    assert failing.settled and scheduler.usable
+    assert scheduler.wait(kept) and [s.tokens for s in kept.samples] == alone
+    scheduler.drain()
+    assert [s.slots_in_use for s in engine.stages] == [0, 0]
+
+
+def test_busy_time_is_counted(engines: Dict[Tuple[int, int], LocalEngine]) -> None:
+    engine = engines[(2, 0)]
+    scheduler = engine.prepare(4, 64)
+    before = (scheduler.stats.wall_s, scheduler.stats.compute_s)
+    engine.generate(PROMPT, 12, 2, GREEDY)
+    wall = scheduler.stats.wall_s - before[0]
+    compute = scheduler.stats.compute_s - before[1]
+    assert wall > 0 and 0 < compute <= wall * 1.05

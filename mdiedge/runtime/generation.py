@@ -100,6 +100,11 @@ class Generation:
         return self.error is not None or all(s.done for s in self.samples)
 
     @property
+    def settled(self) -> bool:
+        """No sample holds KV rows any more (released, or never admitted)."""
+        return all(s.released or not s.sid for s in self.samples)
+
+    @property
     def context(self) -> int:
         """KV positions a sample of this request needs: prompt plus budget."""
         return len(self.samples[0].prompt) + self.max_new_tokens

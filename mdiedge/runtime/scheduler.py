@@ -89,7 +89,6 @@ class Scheduler:
         self._live = 0  # samples holding KV rows
         self._next_id = 0
         self._seq = 0
-        self._busy_since = 0.0
         self.broken: Optional[BaseException] = None  # set when a step failed
 
     # ----------------------------------------------------------------- requests
@@ -109,26 +108,34 @@ class Scheduler:
 
     def submit(self, generation: Generation, micro_batch: int = 0) -> None:
         """Queue ``generation``; it is admitted when its samples fit the free KV slots."""
-        if self.broken is not None:
-            raise RingError(f"the pipeline failed before: {self.broken}")
         n, slots = len(generation.samples), self.pipeline.n_slots
         if n > slots:
             raise GenerationError(f"{n} samples exceed the {slots} KV slots of this pipeline")
         if generation.context > self.pipeline.context:
             raise GenerationError(f"prompt plus budget of {generation.context} tokens exceeds "
                                   f"the {self.pipeline.context} set up on this pipeline")
-        with self._lock:
+        with self._lock:  # _fail_all drains the queue under it: nothing slips in after
+            if self.broken is not None:
+                raise RingError(f"the pipeline failed before: {self.broken}")
             if self._n_waiting >= self.max_waiting:
                 raise GenerationError(f"{self._n_waiting} requests are waiting already")
             self._n_waiting += 1
-        self._waiting.put((generation, micro_batch))
+            self._waiting.put((generation, micro_batch))
 
     def run(self, generation: Generation, micro_batch: int = 0) -> Timing:
         """Submit ``generation`` and step until it is done; its timing, or its error."""
         self.submit(generation, micro_batch)
-        while not generation.finished:
+        return self.wait(generation)
+
+    def wait(self, generation: Generation) -> Timing:
+        """Step until the submitted ``generation`` is done (and, when it failed on its own,
+        until its rows are freed); its timing, or its error."""
+        def pending() -> bool:
+            return not generation.finished or (self.usable and not generation.settled)
+
+        while pending():
             with self._driver:
-                if not generation.finished:
+                if pending():
                     self.step()
         if generation.error is not None:
             raise generation.error
@@ -145,6 +152,7 @@ class Scheduler:
     def step(self) -> None:
         """Admit what fits, then take one message back and act on it (the caller holds the
         driver lock, as ``run`` does)."""
+        started = time.perf_counter()
         try:
             self._admit()
             if not self._inflight:
@@ -156,8 +164,7 @@ class Scheduler:
             if entry is None:
                 raise RingError(f"the ring returned an unknown message (seq {message.seq})")
             self._complete(entry, message)
-            if not self._inflight:
-                self.stats.wall_s += time.perf_counter() - self._busy_since
+            self.stats.wall_s += time.perf_counter() - started  # time with work in flight
         except BaseException as e:  # the pipeline's state is unknown now: it cannot be reused
             self.broken = e
             self._fail_all(e if isinstance(e, MdiedgeError) else RingError(f"interrupted: {e!r}"))
@@ -177,9 +184,11 @@ class Scheduler:
                 self._ready.popleft()
                 for sample in generation.samples:
                     sample.finish_reason, sample.released = "cancelled", True
+                generation.finish()
                 continue
             if self._live + len(generation.samples) > self.pipeline.n_slots:
                 return  # first come, first served: later requests wait behind it
+            self._live += len(generation.samples)  # before it leaves the queue: never idle between
             self._ready.popleft()
             self._start(generation, micro_batch)
 
@@ -187,8 +196,8 @@ class Scheduler:
         samples = generation.samples
         for sample in samples:
             sample.sid = self._new_id()
-        self._live += len(samples)
         generation.mark_admitted()
+        # a decode message carries one token per row, so a frame's token limit bounds its rows
         size = group_size(len(samples), micro_batch, self.pipeline.nodes, self.prefill_chunk)
         groups = [_Group(generation, samples[i:i + size]) for i in range(0, len(samples), size)]
         self._groups.extend(groups)
@@ -212,8 +221,11 @@ class Scheduler:
         assert group is not None and message.hidden is not None
         t0 = time.perf_counter()
         generation = group.generation
-        logits = self.ends.head(message.hidden[:, -1])  # (B, vocab)
-        generation.accept(entry.samples, logits)
+        try:
+            logits = self.ends.head(message.hidden[:, -1])  # (B, vocab)
+            generation.accept(entry.samples, logits)
+        except Exception as e:  # this request's own failure (sampling, its token callback)
+            self._fail_generation(generation, e)
         self.stats.compute_s += time.perf_counter() - t0  # sends count their own time
         if entry.kind == "prefill":
             group.prefilled += 1
@@ -227,6 +239,17 @@ class Scheduler:
                        [s.position for s in batch], _InFlight("decode", group, batch))
         else:
             self._groups.remove(group)
+
+    def _fail_generation(self, generation: Generation, error: Exception) -> None:
+        """One request failed on its own: it ends with ``error``, its rows are freed as its
+        messages come back, and the other requests go on."""
+        if generation.error is None:
+            generation.error = error if isinstance(error, MdiedgeError) else \
+                GenerationError(f"{type(error).__name__}: {error}")
+        generation.cancel_requested = True
+        for sample in generation.samples:
+            if not sample.done:
+                sample.finish_reason = "error"
 
     def _note_prefill_done(self, generation: Generation) -> None:
         groups = [g for g in self._groups if g.generation is generation]
@@ -253,8 +276,6 @@ class Scheduler:
     def _send(self, kind: int, samples: List[Sample], tokens: Optional[List[List[int]]],
               positions: List[int], entry: _InFlight, prefill: bool = False) -> None:
         t0 = time.perf_counter()
-        if not self._inflight:
-            self._busy_since = t0
         hidden = self.ends.embed(tokens) if tokens is not None else None  # (B, T, dim)
         self._seq = self._seq % _ID_SPACE + 1
         message = Message(kind, [s.sid for s in samples], list(positions), hidden, prefill,

@@ -35,7 +35,8 @@ def _directives(text: str, key: str) -> List[str]:
 
 
 def test_sources_are_the_checkout_units() -> None:
-    assert units.unit_source_dir() in (REPO / "systemd", Path(units.__file__).parent / "_systemd")
+    package = Path(units.__file__).resolve().parent.parent  # mdiedge/, beside ops/
+    assert units.unit_source_dir() in (REPO / "systemd", package / "_systemd")
     for name in units.UNIT_NAMES:
         assert (REPO / "systemd" / name).is_file()
 

@@ -26,8 +26,8 @@ from ..model.config import config_to_hf
 from ..model.devices import itemsize, parse_device, parse_dtype
 from ..runtime.auth import Authenticator
 from ..runtime.control import Conflict, ControlClient, round_trip_ms
-from ..runtime.links import LinkPair, accept_authenticated, close_quietly, connect_authenticated, \
-    tcp_listen
+from ..runtime.links import LinkPair, accept_authenticated, bind, close_quietly, \
+    connect_authenticated, tcp_listen
 from ..runtime.partition import Placement, partition
 from ..runtime.pipeline import ModelEnds, Pipeline
 from ..runtime.protocol import Assignment, AssignReply, ConnectRequest, ModelRef, NodeStatus
@@ -39,6 +39,8 @@ from .ring import RingTail
 log = logging.getLogger("mdiedge.starter")
 
 ASSIGN_TIMEOUT_S = 600.0  # loading (or receiving) a layer range may take minutes
+LINK_RETRY_S = 10.0  # the starter retries its link to the first worker this long
+LINK_ACCEPT_S = 30.0  # and waits this long for the last worker's link
 
 
 class RingStarter:
@@ -127,21 +129,28 @@ class RingStarter:
 
     def _connect(self, ports: List[int]) -> RingTail:
         """Each worker links to its successor (the last one to this starter), then the starter
-        links to the first worker and accepts the last one's link."""
+        links to the first worker and accepts the last one's link. Every link's handshake is
+        bound to a fresh ring tag, so a link left from an earlier set-up is refused; on any
+        failure every socket opened here is closed and a RingError says why."""
+        ring = os.urandom(8).hex()
         own = (self.options.host, int(self.listener.getsockname()[1]), self.options.control_url)
         successors = [(w.host, port, w.url) for w, port in zip(self.workers[1:], ports[1:])]
         for client, (host, port, control) in zip(self.clients, successors + [own]):
-            client.call("POST", "/connect", ConnectRequest(host, port, control).to_json())
+            request = ConnectRequest(host, port, control, ring=ring)
+            client.call("POST", "/connect", request.to_json())
         first, last = self.workers[0], self.workers[-1]
-        outbound = None
+        auth = bind(self.auth, ring)
+        outbound = inbound = None
         try:
-            outbound = connect_authenticated(first.host, ports[0], self.auth,
-                                             f"{first.name} ({first.host}:{ports[0]})")
-            inbound = accept_authenticated(self.listener, self.auth, 30.0, "starter")
-        except OSError as e:  # AuthError is a RingError: it passes through as it is
+            outbound = connect_authenticated(first.host, ports[0], auth,
+                                             f"{first.name} ({first.host}:{ports[0]})",
+                                             retry_s=LINK_RETRY_S)
+            inbound = accept_authenticated(self.listener, auth, LINK_ACCEPT_S, "starter")
+            links = LinkPair(inbound, outbound, self.options.max_payload, "starter")
+        except Exception as e:  # OSError, AuthError (a RingError) or anything else
             close_quietly(outbound)
+            close_quietly(inbound)
             raise RingError(f"cannot close the ring (last worker {last.name!r}): {e}") from None
-        links = LinkPair(inbound, outbound, self.options.max_payload, "starter")
         return RingTail(links, self.clients, self.options.timeout_s)
 
     # ----------------------------------------------------------------- status and end

@@ -25,14 +25,16 @@ from ..base.memory import max_rss_bytes, rss_bytes
 from ..model.checkpoint import content_hash, load_config, load_model, resolve_model_path
 from ..model.devices import parse_device, parse_dtype
 from ..runtime import messages
-from ..runtime.auth import AuthError, Authenticator, is_loopback
+from ..runtime.auth import Authenticator, is_loopback
 from ..runtime.control import Conflict, ControlServer, round_trip_ms
-from ..runtime.links import LinkDown, LinkPair, accept_authenticated, close_quietly, \
+from ..runtime.links import LinkDown, LinkPair, accept_authenticated, bind, close_quietly, \
     connect_authenticated, tcp_listen
 from ..runtime.protocol import Assignment, AssignReply, ConnectRequest, ModelRef, NodeStatus
 from ..runtime.stages import LocalStage
 
 log = logging.getLogger("mdiedge.worker")
+
+LINK_RETRY_S = 10.0  # a worker retries its link to the next node this long
 
 
 def default_cache_dir() -> Path:
@@ -280,26 +282,30 @@ class WorkerNode:
             self.links.close(timeout=1)
         self.links = None
 
-    def _open_links(self, request: ConnectRequest) -> Optional[LinkPair]:
-        """Inbound first, then outbound: the starter does the opposite, so no cycle waits."""
+    def _open_links(self, request: ConnectRequest, ring_id: int) -> Optional[LinkPair]:
+        """Inbound first, then outbound: the starter does the opposite, so no cycle waits.
+        Both handshakes are bound to the request's ring tag; a reset or a newer connect
+        (``ring_id`` moved on) cancels the wait. None (every socket closed) on any failure."""
         assert self.assignment is not None
+        auth = bind(self.auth, request.ring)
+        moved_on = lambda: self.ring_id != ring_id  # noqa: E731
+        inbound = None
         try:
-            inbound = accept_authenticated(self.listener, self.auth,
-                                           defaults.LINK_ACCEPT_TIMEOUT_S, self.name)
-        except OSError as e:
-            log.warning("%s: no previous node connected: %s", self.name, e)
-            return None
-        try:
-            outbound = connect_authenticated(request.next_host, request.next_port, self.auth,
-                                             f"next node {request.next_host}:{request.next_port}")
-        except (AuthError, OSError) as e:
-            log.warning("%s: cannot reach its next node: %s", self.name, e)
+            inbound = accept_authenticated(self.listener, auth, defaults.LINK_ACCEPT_TIMEOUT_S,
+                                           self.name, cancelled=moved_on)
+            outbound = connect_authenticated(request.next_host, request.next_port, auth,
+                                             f"next node {request.next_host}:{request.next_port}",
+                                             retry_s=LINK_RETRY_S, cancelled=moved_on)
+            return LinkPair(inbound, outbound, self.assignment.max_payload, self.name)
+        except Exception as e:  # OSError, AuthError (a RingError), or anything else
+            side = "no previous node connected" if inbound is None else \
+                "cannot reach its next node"
+            log.warning("%s: %s: %s", self.name, side, e)
             close_quietly(inbound)
             return None
-        return LinkPair(inbound, outbound, self.assignment.max_payload, self.name)
 
     def _serve_ring(self, request: ConnectRequest, ring_id: int) -> None:
-        links = self._open_links(request)
+        links = self._open_links(request, ring_id)
         with self.lock:
             if links is None or self.ring_id != ring_id:  # failed, or reset while waiting
                 if links is not None:
@@ -328,8 +334,9 @@ class WorkerNode:
             if isinstance(item, LinkDown):
                 log.info("%s: inbound link down: %s", self.name, item.reason)
                 return
-            with busy():
-                links.send(stage.forward(item))
+            with busy():  # the send is outside: a slow next node is not this node's stall
+                out = stage.forward(item)
+            links.send(out)
             if item.kind == messages.SHUTDOWN:
                 log.info("%s: the starter ended the ring", self.name)
                 return

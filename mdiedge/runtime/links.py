@@ -7,16 +7,23 @@ wake-ups, so none can be lost (the paper's code clears an event after popping an
 one). A small message that finds the send queue empty is written by the computing thread
 itself (see ``Sender``): on a 2-core board each thread wake-up costs tens of µs, a large part
 of a one-token hop.
+
+Link set-up is hardened against strays: ``accept_authenticated`` runs each handshake on its
+own thread with its own deadline while it goes on accepting, and ``bind`` ties the handshake
+key to one ring set-up, so a silent connection cannot starve it and a stale link from an
+earlier set-up is refused.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import queue
 import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 from . import messages
 from .auth import AuthError, Authenticator
@@ -25,7 +32,9 @@ from ..base.errors import FrameError
 
 log = logging.getLogger("mdiedge.links")
 
-HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = 10.0  # per connection: handshakes run side by side, so strays cost nothing
+MAX_HANDSHAKES = 64  # handshakes under way on one listener; a flood closes the oldest
+POLL_S, IDLE_POLL_S = 0.01, 0.2  # accept's wait while handshakes are under way, and without
 
 
 @dataclass
@@ -65,48 +74,137 @@ def accept(listener: socket.socket, timeout: float) -> socket.socket:
         sock, _ = listener.accept()
     finally:
         listener.settimeout(None)
-    sock.settimeout(None)
-    return configure(sock)
+    try:
+        sock.settimeout(None)
+        return configure(sock)
+    except OSError:
+        sock.close()
+        raise
+
+
+def bind(auth: Authenticator, ring: str) -> Authenticator:
+    """``auth`` with its handshake key bound to one ring set-up (the starter's fresh ``ring``
+    tag, sent to every worker in ``/connect``): a link left over from an earlier set-up fails
+    the handshake, so it is dropped, never taken for the new ring. No tag: ``auth`` itself."""
+    if not ring:
+        return auth
+    bound = Authenticator(auth.secret)
+    bound.key = hmac.new(auth.key, b"mdiedge-ring\0" + ring.encode(), hashlib.sha256).digest()
+    return bound
 
 
 def connect_authenticated(host: str, port: int, auth: Authenticator, peer: str,
-                          timeout: float = HANDSHAKE_TIMEOUT_S) -> socket.socket:
-    """A link to ``host:port`` that passed the ring-secret handshake (OSError or AuthError)."""
-    sock = tcp_connect(host, port)
-    try:
-        auth.connect_link(sock, peer, timeout=timeout)
-    except BaseException:
-        close_quietly(sock)
-        raise
-    return sock
+                          timeout: float = HANDSHAKE_TIMEOUT_S, retry_s: float = 0.0,
+                          cancelled: Optional[Callable[[], bool]] = None) -> socket.socket:
+    """A link to ``host:port`` that passed the ring-secret handshake. A failed try (OSError
+    or AuthError) is retried for ``retry_s`` s unless ``cancelled()``; then the last error."""
+    deadline = time.monotonic() + retry_s
+    pause = 0.05
+    while True:
+        sock = None
+        try:
+            sock = tcp_connect(host, port, timeout=timeout)
+            auth.connect_link(sock, peer, timeout=timeout)
+            return sock
+        except (AuthError, OSError) as e:
+            close_quietly(sock)
+            if time.monotonic() + pause >= deadline or (cancelled is not None and cancelled()):
+                raise
+            log.info("link to %s failed (%s); retrying", peer, e)
+        except BaseException:
+            close_quietly(sock)
+            raise
+        time.sleep(pause)
+        pause = min(2 * pause, 1.0)
+
+
+class _Handshakes:
+    """The handshakes under way on one listener, each on its own short-lived thread with its
+    own deadline, so a silent connection costs nothing but its thread. The first peer that
+    passes wins; every other connection is closed (``finish``)."""
+
+    def __init__(self, auth: Authenticator, name: str, timeout: float) -> None:
+        self.auth, self.name, self.timeout = auth, name, timeout
+        self.lock = threading.Lock()
+        self.open: Dict[socket.socket, None] = {}  # in accept order
+        self.won: "queue.SimpleQueue[socket.socket]" = queue.SimpleQueue()
+        self.done = False
+        self.last = "none connected"
+
+    def start(self, sock: socket.socket) -> None:
+        with self.lock:
+            if len(self.open) >= MAX_HANDSHAKES:  # a flood: the oldest gives way
+                _shutdown(next(iter(self.open)))
+            self.open[sock] = None
+        threading.Thread(target=self._run, args=(sock,), name=f"{self.name}/handshake",
+                         daemon=True).start()
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.open) or not self.won.empty()
+
+    def _run(self, sock: socket.socket) -> None:
+        try:
+            peer = "%s:%s" % sock.getpeername()[:2]
+            self.auth.accept_link(sock, peer, timeout=self.timeout)
+            ok = True
+        except Exception as e:  # AuthError, OSError, or anything a stray's bytes provoke
+            self.last, ok = str(e), False
+            (log.debug if self.done else log.warning)("%s: %s", self.name, e)
+        with self.lock:
+            del self.open[sock]
+            if ok and not self.done:
+                self.done = True
+                self.won.put(sock)
+            else:
+                close_quietly(sock)
+
+    def finish(self) -> None:
+        """Stop every handshake under way (their threads close them) and close a late win."""
+        with self.lock:
+            self.done = True
+            for sock in self.open:
+                _shutdown(sock)
+        while not self.won.empty():
+            close_quietly(self.won.get())
 
 
 def accept_authenticated(listener: socket.socket, auth: Authenticator, timeout: float,
-                         name: str) -> socket.socket:
-    """The first connection on ``listener`` within ``timeout`` s that passes the handshake;
-    strays and failed handshakes are closed and the wait goes on. OSError when none came."""
+                         name: str, handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
+                         cancelled: Optional[Callable[[], bool]] = None) -> socket.socket:
+    """The first connection on ``listener`` within ``timeout`` s that passes the handshake.
+    Handshakes run concurrently, each within ``handshake_timeout`` s, while accepting goes
+    on: strays and stale links cannot starve the right peer. The losers are closed. OSError
+    when none passed in time, or as soon as ``cancelled()``."""
     deadline = time.monotonic() + timeout
-    last = "none connected"
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise OSError(f"no authenticated previous node within {timeout:.0f} s ({last})")
-        try:
-            sock = accept(listener, left)
-        except socket.timeout:
-            continue
-        peer = "%s:%s" % sock.getpeername()[:2]
-        try:
-            auth.accept_link(sock, peer, timeout=min(HANDSHAKE_TIMEOUT_S, max(0.1, left)))
-            return sock
-        except (AuthError, OSError) as e:
-            last = str(e)
-            log.warning("%s: %s", name, e)
-            close_quietly(sock)
+    handshakes = _Handshakes(auth, name, handshake_timeout)
+    try:
+        while True:
+            if not handshakes.won.empty():
+                return handshakes.won.get()
+            left = deadline - time.monotonic()
+            if left <= 0 or (cancelled is not None and cancelled()):
+                why = "cancelled" if left > 0 else f"within {timeout:.0f} s"
+                raise OSError(f"no authenticated previous node {why} ({handshakes.last})")
+            try:
+                sock = accept(listener, min(left, POLL_S if handshakes.pending else IDLE_POLL_S))
+            except socket.timeout:
+                continue
+            except OSError as e:  # a connection reset before accept(), out of descriptors
+                if listener.fileno() == -1:
+                    raise
+                handshakes.last = f"accept failed: {e}"
+                time.sleep(POLL_S)
+                continue
+            handshakes.start(sock)
+    finally:
+        handshakes.finish()
 
 
 class Receiver(threading.Thread):
-    """Reads messages from ``sock`` into ``inbox`` until the link ends, then queues LinkDown."""
+    """Reads messages from ``sock`` into ``inbox`` until the link ends, then queues LinkDown:
+    whatever ends it (a peer's malformed frame, a socket error, any exception) is one log
+    line, and the owner always learns of it."""
 
     def __init__(self, sock: socket.socket, inbox: "queue.SimpleQueue[Received]", max_payload: int,
                  name: str) -> None:
@@ -114,21 +212,26 @@ class Receiver(threading.Thread):
         self.sock, self.inbox, self.max_payload = sock, inbox, max_payload
 
     def run(self) -> None:
-        reason = "closed by peer"
+        reason, expected = self._receive_all()
+        if reason != "shutdown":
+            (log.info if expected else log.warning)("%s: link down: %s", self.name, reason)
+        self.inbox.put(LinkDown(reason))
+
+    def _receive_all(self) -> Tuple[str, bool]:
+        """Why the link ended, and whether that is a link's ordinary end (else a bug or a
+        resource failure, which ends the link all the same)."""
         try:
             while True:
                 message = messages.receive(self.sock, self.max_payload)
                 self.inbox.put(message)
                 if message.kind == messages.SHUTDOWN:
-                    reason = "shutdown"
-                    break
+                    return "shutdown", True
         except FrameError as e:
-            reason = str(e)
+            return str(e), True
         except OSError as e:
-            reason = f"socket error: {e}"
-        if reason != "shutdown":
-            log.info("%s: link down: %s", self.name, reason)
-        self.inbox.put(LinkDown(reason))
+            return f"socket error: {e}", True
+        except Exception as e:
+            return f"{type(e).__name__}: {e}".splitlines()[0], False
 
 
 class Sender(threading.Thread):
@@ -220,11 +323,16 @@ class LinkPair:
         close_quietly(self.inbound)
 
 
-def close_quietly(sock: Optional[socket.socket]) -> None:
-    if sock is None:
-        return
+def _shutdown(sock: socket.socket) -> None:
+    """Wake whatever thread is blocked on ``sock`` (it stays open for that thread to close)."""
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+def close_quietly(sock: Optional[socket.socket]) -> None:
+    if sock is None:
+        return
+    _shutdown(sock)
     sock.close()

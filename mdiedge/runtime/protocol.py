@@ -138,6 +138,7 @@ class ConnectRequest:
     next_port: int
     next_control: Optional[str] = None  # its control URL, for the link RTT in status
     session: str = ""
+    ring: str = ""  # this set-up's tag: both ends of each link bind their handshake to it
 
     def to_json(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -148,7 +149,7 @@ class ConnectRequest:
         if not 0 < port < 65536:
             raise ValueError(f"next_port {port} out of range")
         return cls(_get(body, "next_host", str), port, _get(body, "next_control", str, None),
-                   _get(body, "session", str, ""))
+                   _get(body, "session", str, ""), _get(body, "ring", str, ""))
 
 
 @dataclass

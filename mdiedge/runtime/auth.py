@@ -1,8 +1,11 @@
 """Ring authentication: nobody without the ring secret can drive a node or join its links.
 
-Control plane: each request carries a timestamp, a fresh nonce and an HMAC-SHA256 over method,
-path, body digest, timestamp and nonce; a node accepts it only if the MAC matches (constant
-time), the timestamp is within ``MAX_SKEW_S`` and the nonce was not seen before (no replay).
+Control plane: each request carries a timestamp, a fresh nonce, the SHA-256 of its body and an
+HMAC-SHA256 over method, path, body digest, timestamp and nonce. A node checks the MAC from the
+headers alone (``check_headers``: constant time, finite timestamp within ``MAX_SKEW_S``, nonce
+not seen before) before it reads any body; then it reads the body, and ``accept`` compares its
+digest with the signed one and records the nonce (no replay). A nonce is recorded only once the
+whole request is verified, so a forged body sent under genuine headers cannot burn it.
 Data plane: before any frame, the two ends of a link run a mutual challenge-response: each
 proves knowledge of the secret by MACing the other's fresh random challenge.
 
@@ -13,8 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import logging
+import math
 import os
+import re
 import socket
 import threading
 import time
@@ -26,6 +32,9 @@ log = logging.getLogger("mdiedge.auth")
 
 MAX_SKEW_S = 60.0
 HEADER_TS, HEADER_NONCE, HEADER_MAC = "X-Mdiedge-Timestamp", "X-Mdiedge-Nonce", "X-Mdiedge-Mac"
+HEADER_BODY = "X-Mdiedge-Body-Sha256"
+_HEX = re.compile(r"[0-9a-f]{16,64}")
+_MAX_NONCES = 10000
 _INSECURE_KEY = b"mdiedge-insecure-ring"
 _HELLO = b"MDIEHS1\0"
 _NONCE_BYTES = 32
@@ -36,7 +45,17 @@ class AuthError(RingError):
 
 
 def is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
+    """True only for "localhost" and literal loopback addresses (127.0.0.0/8, ::1)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def body_digest(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
 
 
 class Authenticator:
@@ -52,40 +71,62 @@ class Authenticator:
     def enabled(self) -> bool:
         return self.secret is not None
 
-    def _mac(self, method: str, path: str, body: bytes, timestamp: str, nonce: str) -> str:
-        message = "\n".join((method.upper(), path, hashlib.sha256(body).hexdigest(), timestamp, nonce))
+    def _mac(self, method: str, path: str, digest: str, timestamp: str, nonce: str) -> str:
+        message = "\n".join((method.upper(), path, digest, timestamp, nonce))
         return hmac.new(self.key, message.encode(), hashlib.sha256).hexdigest()
 
     def sign(self, method: str, path: str, body: bytes) -> Dict[str, str]:
         if not self.enabled:
             return {}
-        timestamp, nonce = f"{time.time():.3f}", os.urandom(16).hex()
-        return {HEADER_TS: timestamp, HEADER_NONCE: nonce,
-                HEADER_MAC: self._mac(method, path, body, timestamp, nonce)}
+        timestamp, nonce, digest = f"{time.time():.3f}", os.urandom(16).hex(), body_digest(body)
+        return {HEADER_TS: timestamp, HEADER_NONCE: nonce, HEADER_BODY: digest,
+                HEADER_MAC: self._mac(method, path, digest, timestamp, nonce)}
 
-    def check(self, method: str, path: str, body: bytes, headers: Mapping[str, str]) -> Optional[str]:
-        """None if the request is authentic, else the reason it is refused."""
+    def check_headers(self, method: str, path: str, headers: Mapping[str, str]) -> Optional[str]:
+        """None if the headers carry a fresh, genuine signature, else why they are refused.
+        Reads no body: the signed body digest is checked later by ``accept``."""
         if not self.enabled:
             return None
-        timestamp, nonce, mac = (headers.get(h) for h in (HEADER_TS, HEADER_NONCE, HEADER_MAC))
-        if not (timestamp and nonce and mac):
+        timestamp, nonce, digest, mac = (headers.get(h) or "" for h in
+                                         (HEADER_TS, HEADER_NONCE, HEADER_BODY, HEADER_MAC))
+        if not (timestamp and nonce and digest and mac):
             return "unauthenticated request (no ring secret signature)"
+        if not (_HEX.fullmatch(nonce) and _HEX.fullmatch(digest) and len(digest) == 64):
+            return f"malformed signature headers (nonce {nonce[:80]!r}, digest {digest[:80]!r})"
         try:
             age = abs(time.time() - float(timestamp))
         except ValueError:
-            return f"bad timestamp {timestamp!r}"
+            return f"bad timestamp {timestamp[:80]!r}"
+        if not math.isfinite(age):
+            return f"bad timestamp {timestamp[:80]!r}"
         if age > MAX_SKEW_S:
             return f"stale request ({age:.0f} s old; clocks more than {MAX_SKEW_S:.0f} s apart?)"
-        if not hmac.compare_digest(mac, self._mac(method, path, body, timestamp, nonce)):
+        expected = self._mac(method, path, digest, timestamp, nonce).encode()
+        if not hmac.compare_digest(mac.encode("utf-8", "surrogateescape"), expected):
             return "bad signature (wrong ring secret)"
-        now = time.time()
+        with self._lock:
+            return "replayed request" if nonce in self._seen else None
+
+    def accept(self, headers: Mapping[str, str], digest: str) -> Optional[str]:
+        """After ``check_headers`` passed and the body was read: None if the body's ``digest``
+        is the signed one (the nonce is then recorded), else why the request is refused."""
+        if not self.enabled:
+            return None
+        signed = headers.get(HEADER_BODY) or ""
+        if not hmac.compare_digest(signed.encode("utf-8", "surrogateescape"), digest.encode()):
+            return f"body does not match its signed digest (got sha256 {digest[:16]}...)"
+        nonce, now = headers.get(HEADER_NONCE) or "", time.time()
         with self._lock:
             if nonce in self._seen:
                 return "replayed request"
             self._seen[nonce] = now + 2 * MAX_SKEW_S
-            if len(self._seen) > 10000:
+            if len(self._seen) > _MAX_NONCES:
                 self._seen = {n: t for n, t in self._seen.items() if t > now}
         return None
+
+    def check(self, method: str, path: str, body: bytes, headers: Mapping[str, str]) -> Optional[str]:
+        """``check_headers`` then ``accept`` for a body already in hand."""
+        return self.check_headers(method, path, headers) or self.accept(headers, body_digest(body))
 
     # ----------------------------------------------------------------- data-plane handshake
 

@@ -2,16 +2,29 @@
 reset, shutdown) with ``ControlServer``; ``ControlClient`` is the one client (the starter's,
 and ``mdiedge status``'s).
 
-Bodies are size-bounded and parsed as JSON only (nothing is unpickled or evaluated); a
-handler's ``MdiedgeError`` becomes a 4xx answer with its one-line message.
+A request is authenticated from its headers before any body is read (the signature covers a
+digest of the body, checked once the body is in); an unauthenticated peer never makes the node
+read or allocate a body. Bodies are size-bounded, read in chunks, and parsed as JSON only
+(nothing is unpickled or evaluated). Connections are bounded (``max_connections``: at the limit
+a new one evicts the oldest not yet authenticated, else gets a 503) and time out (``timeout_s``
+per socket read or write); a reply that leaves a body unread closes the connection, so nothing
+hidden in that body is served as a request. A handler's
+``Conflict`` is a 409, its ``RingError`` (a node down the ring failed) a 502, bad input a 400.
+A peer's mistakes (aborted or stalled connections, malformed requests) are logged on one line.
 """
 from __future__ import annotations
 
+import hashlib
+import http.client
 import json
 import logging
+import re
+import socket
+import sys
 import threading
 import urllib.error
 import urllib.request
+from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
@@ -25,6 +38,13 @@ log = logging.getLogger("mdiedge.control")
 
 MAX_JSON_BODY = 1 << 20
 PUBLIC_PATHS = frozenset({"/ping"})  # answers {"pong": true} and nothing else, for RTTs
+MAX_CONNECTIONS = 64
+SOCKET_TIMEOUT_S = 20.0
+_CHUNK = 1 << 20
+_LENGTH = re.compile(r"[0-9]{1,19}")
+_BUSY_BODY = b'{"error": "too many control connections"}'
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+         b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
 
 
 def _ping(body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
@@ -37,21 +57,38 @@ class Conflict(MdiedgeError):
 
 
 class _Handler(BaseHTTPRequestHandler):
-    """One HTTP request: route, bounded body, signature, JSON, handler, JSON reply."""
+    """One HTTP request: route, signature from the headers, bounded body and its digest,
+    JSON, handler, JSON reply."""
 
     protocol_version = "HTTP/1.1"
-    server: Any  # a ThreadingHTTPServer carrying ``control``, its ControlServer
+    server: Any  # a _Server carrying ``control``, its ControlServer
+
+    def setup(self) -> None:
+        self.timeout = self.server.control.timeout_s
+        super().setup()
+
+    def handle_one_request(self) -> None:
+        super().handle_one_request()
+        if not self.close_connection:  # kept alive: evictable until the next one authenticates
+            self.server.control.slots.waiting(self.connection)
 
     def log_message(self, fmt: str, *args: Any) -> None:
         log.debug("%s %s", self.address_string(), fmt % args)
 
-    def _reply(self, code: int, payload: Dict[str, Any]) -> None:
+    def _reply(self, code: int, payload: Dict[str, Any], close: bool = False) -> None:
         body = json.dumps(payload).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
+        if close or code >= 400:  # an error may leave a body unread: never parse it as a request
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(body)
+
+    def _refuse(self, code: int, message: str) -> None:
+        log.warning("refused %s %s from %s (%d): %s", self.command, self.path[:200],
+                    self.client_address[0], code, message)
+        self._reply(code, {"error": message}, close=True)
 
     def _serve(self, method: str) -> None:
         control: "ControlServer" = self.server.control
@@ -59,36 +96,67 @@ class _Handler(BaseHTTPRequestHandler):
         handler = control.routes.get((method, url.path))
         if handler is None:
             known = any(path == url.path for _, path in control.routes)
-            self._reply(405 if known else 404, {"error": f"no route {method} {url.path}"})
+            self._reply(405 if known else 404, {"error": f"no route {method} {url.path}"}, True)
             return
-        raw = self._read_body(control, url.path)
+        length = self._length(url.path in PUBLIC_PATHS)
+        if length is None:
+            return
+        if url.path not in PUBLIC_PATHS:
+            refused = control.auth.check_headers(method, self.path, self.headers)
+            if refused is not None:
+                self._refuse(401, refused)
+                return
+        control.slots.authenticated(self.connection)
+        raw = self._read_body(control, url.path, length)
         if raw is None:
-            return
-        refused = None if url.path in PUBLIC_PATHS else \
-            control.auth.check(method, self.path, raw, self.headers)
-        if refused is not None:
-            log.warning("refused %s %s from %s: %s", method, url.path, self.client_address[0],
-                        refused)
-            self._reply(401, {"error": refused})
             return
         body = self._json(raw) if url.path not in control.raw_routes else {}
         if body is not None:
             query = {k: v[-1] for k, v in parse_qs(url.query).items()}
             self._dispatch(handler, body, raw, query, f"{method} {url.path}")
 
-    def _read_body(self, control: "ControlServer", path: str) -> Optional[bytes]:
-        """The body within its route's size limit, or None after answering 400/413."""
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            self._reply(400, {"error": "bad Content-Length"})
+    def _length(self, public: bool) -> Optional[int]:
+        """The declared body length, or None after answering 400 (bad or several lengths,
+        a transfer encoding, or a body on a public path)."""
+        if self.headers.get("Transfer-Encoding") is not None:
+            self._refuse(400, f"unsupported Transfer-Encoding "
+                              f"{self.headers['Transfer-Encoding'][:80]!r}")
             return None
+        lengths = self.headers.get_all("Content-Length") or ["0"]
+        if len(lengths) != 1 or not _LENGTH.fullmatch(lengths[0]):
+            self._refuse(400, f"bad Content-Length {', '.join(lengths)[:80]!r}")
+            return None
+        if public and int(lengths[0]):
+            self._refuse(400, f"{self.path[:80]} takes no body")
+            return None
+        return int(lengths[0])
+
+    def _read_body(self, control: "ControlServer", path: str, length: int) -> Optional[bytes]:
+        """The authenticated body, read in chunks within its route's size limit, or None after
+        answering 401/413 or dropping a connection that aborted or stalled."""
         limit = control.raw_routes[path]() if path in control.raw_routes else MAX_JSON_BODY
-        if length < 0 or length > limit:
-            self.close_connection = True
-            self._reply(413, {"error": f"body of {length} bytes exceeds the limit of {limit}"})
+        if length > limit:
+            self._refuse(413, f"body of {length} bytes exceeds the limit of {limit}")
             return None
-        return self.rfile.read(length) if length else b""
+        body, digest = bytearray(), hashlib.sha256()
+        try:
+            while len(body) < length:
+                chunk = self.rfile.read(min(_CHUNK, length - len(body)))
+                if not chunk:
+                    raise ConnectionError(f"closed after {len(body)} of {length} bytes")
+                body += chunk
+                digest.update(chunk)
+        except OSError as e:
+            log.debug("%s dropped: body of %s %s not received: %s", self.client_address[0],
+                      self.command, path, e)
+            self.close_connection = True
+            return None
+        refused = None if path in PUBLIC_PATHS else \
+            control.auth.accept(self.headers, digest.hexdigest())
+        if refused is not None:
+            self._refuse(401, refused)
+            return None
+        return body if path in control.raw_routes else bytes(body)
 
     def _json(self, raw: bytes) -> Optional[Dict[str, Any]]:
         """The body as a JSON object ({} when empty), or None after answering 400."""
@@ -99,8 +167,11 @@ class _Handler(BaseHTTPRequestHandler):
         except (ValueError, UnicodeDecodeError) as e:
             self._reply(400, {"error": f"body is not JSON: {e}"})
             return None
+        except RecursionError:
+            self._reply(400, {"error": "body is not JSON this node accepts: nested too deeply"})
+            return None
         if not isinstance(body, dict):
-            self._reply(400, {"error": "body must be a JSON object"})
+            self._reply(400, {"error": f"body must be a JSON object, not {type(body).__name__}"})
             return None
         return body
 
@@ -110,6 +181,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(200, handler(body, raw, query))
         except Conflict as e:
             self._reply(409, {"error": str(e)})
+        except RingError as e:  # a node further down the ring failed: a bad gateway
+            self._reply(502, {"error": str(e)})
         except (MdiedgeError, KeyError, TypeError, ValueError) as e:
             message = f"missing key {e}" if isinstance(e, KeyError) else str(e)
             self._reply(400, {"error": message})
@@ -127,10 +200,91 @@ class _Handler(BaseHTTPRequestHandler):
         self._serve("PUT")
 
 
+class _Slots:
+    """The open control connections. Those not yet past authentication (a new connection,
+    or a kept-alive one between requests) are evictable, oldest first: at the limit a new
+    connection shuts the oldest of them down and takes its place, so silent or stalled peers
+    cannot lock a genuine client out. Only when every connection is serving an authenticated
+    request is a new one refused."""
+
+    def __init__(self) -> None:
+        self.open = 0
+        self.unauthenticated: "OrderedDict[socket.socket, None]" = OrderedDict()
+        self.lock = threading.Lock()
+
+    def enter(self, sock: socket.socket, limit: int) -> bool:
+        with self.lock:
+            if self.open >= limit:
+                if not self.unauthenticated:
+                    return False
+                victim, _ = self.unauthenticated.popitem(last=False)
+                try:  # its thread sees the connection end and leaves
+                    victim.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            self.open += 1
+            self.unauthenticated[sock] = None
+            return True
+
+    def leave(self, sock: socket.socket) -> None:
+        with self.lock:
+            self.open -= 1
+            self.unauthenticated.pop(sock, None)
+
+    def authenticated(self, sock: socket.socket) -> None:
+        with self.lock:
+            self.unauthenticated.pop(sock, None)
+
+    def waiting(self, sock: socket.socket) -> None:
+        with self.lock:
+            self.unauthenticated[sock] = None
+
+
+class _Server(ThreadingHTTPServer):
+    """A thread per connection, at most ``control.max_connections`` of them (see ``_Slots``);
+    a peer's broken connection is one log line, not a traceback."""
+
+    daemon_threads = True
+    request_queue_size = 128  # socketserver's 5 drops SYNs in a burst: clients stall 1 s
+    control: "ControlServer"
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.control.slots.enter(request, self.control.max_connections):
+            log.warning("refused a control connection from %s: %d connections already open",
+                        client_address[0], self.control.max_connections)
+            try:
+                request.setblocking(False)
+                request.send(_BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.control.slots.leave(request)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.control.slots.leave(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        error = sys.exc_info()[1]
+        peer = isinstance(error, (OSError, http.client.HTTPException))
+        (log.debug if peer else log.warning)("control connection from %s ended: %s: %s",
+                                             client_address[0], type(error).__name__, error)
+
+
 class ControlServer:
     """Routes ``(method, path)`` to handlers taking (json body, raw body, query) -> json reply.
 
-    ``raw_routes`` name the paths whose body is bytes (weights) and their size limit."""
+    ``raw_routes`` name the paths whose body is bytes (weights) and their size limit; their
+    handlers get it as a ``bytearray`` (no second copy of a large body).
+    ``max_connections`` and ``timeout_s`` (seconds per socket read or write) can be set
+    before or after ``start``."""
 
     def __init__(self, host: str, port: int, routes: Dict[Tuple[str, str], Handler],
                  raw_routes: Optional[Dict[str, Callable[[], int]]] = None,
@@ -139,9 +293,10 @@ class ControlServer:
         self.routes[("GET", "/ping")] = _ping
         self.raw_routes = raw_routes or {}
         self.auth = auth or Authenticator(None)
-        self.httpd = ThreadingHTTPServer((host, port), _Handler)
-        self.httpd.daemon_threads = True
-        self.httpd.control = self  # type: ignore[attr-defined]
+        self.max_connections, self.timeout_s = MAX_CONNECTIONS, SOCKET_TIMEOUT_S
+        self.slots = _Slots()
+        self.httpd = _Server((host, port), _Handler)
+        self.httpd.control = self
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="control", daemon=True)
 
     @property
@@ -193,18 +348,35 @@ def call(base_url: str, method: str, path: str, body: Optional[Dict[str, Any]] =
     who = f"{node} ({base_url})" if node else base_url
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read() or b"{}")
+            reply = json.loads(response.read() or b"{}")
     except urllib.error.HTTPError as e:
-        try:
-            message = json.loads(e.read()).get("error", e.reason)
-        except ValueError:
-            message = e.reason
-        error = RingError(f"{who}: {method} {path} refused ({e.code}): {message}")
+        error = RingError(f"{who}: {method} {path} refused ({e.code}): {_error_message(e)}")
         error.status = e.code  # type: ignore[attr-defined]
         raise error from None
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        reason = _one_line(getattr(e, "reason", None) or f"{type(e).__name__}: {e}")
         raise RingError(f"{who} is unreachable: {reason}") from None
+    except ValueError as e:
+        raise RingError(f"{who}: {method} {path} answered non-JSON: {_one_line(e)}") from None
+    if not isinstance(reply, dict):
+        raise RingError(f"{who}: {method} {path} answered a JSON {type(reply).__name__}, "
+                        f"not an object: {_one_line(reply)}")
+    return reply
+
+
+def _one_line(value: Any, limit: int = 300) -> str:
+    text = " ".join(str(value).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _error_message(e: urllib.error.HTTPError) -> str:
+    """The ``error`` of a JSON error answer, else its reason phrase, on one line."""
+    try:
+        payload = json.loads(e.read())
+        message = payload.get("error", e.reason) if isinstance(payload, dict) else e.reason
+    except (ValueError, OSError, http.client.HTTPException):
+        message = e.reason
+    return _one_line(message)
 
 
 class ControlClient:

@@ -4,6 +4,7 @@ the blocks. ``LocalEngine`` builds a pipeline of in-process stages (``--nodes 1`
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -72,13 +73,24 @@ class TextModel:
 class Engine(TextModel):
     """What both engines share: a generation run by the scheduler that ``prepare`` gives."""
 
+    _setup_lock: threading.Lock
+
     def prepare(self, n_slots: int, context: int) -> Scheduler:
-        """A scheduler whose pipeline holds ``n_slots`` samples of ``context`` tokens."""
+        """A scheduler whose pipeline holds ``n_slots`` samples of ``context`` tokens (the
+        caller holds ``_setup_lock``, or knows no other thread uses the engine)."""
         raise NotImplementedError
 
+    def submit(self, generation: Generation, micro_batch: int = 0) -> Scheduler:
+        """Queue ``generation`` on a pipeline that holds it; that pipeline's scheduler. Set-up
+        and submission are one step, so no other request's set-up replaces the pipeline
+        between them."""
+        with self._setup_lock:
+            scheduler = self.prepare(len(generation.samples), generation.context)
+            scheduler.submit(generation, micro_batch)
+        return scheduler
+
     def run(self, generation: Generation, micro_batch: int = 0) -> Timing:
-        scheduler = self.prepare(len(generation.samples), generation.context)
-        return scheduler.run(generation, micro_batch)
+        return self.submit(generation, micro_batch).wait(generation)
 
     def generate(self, prompt: str, max_new_tokens: int = defaults.MAX_NEW_TOKENS,
                  n_samples: int = 1, params: SamplingParams = SamplingParams(),
@@ -109,6 +121,7 @@ class LocalEngine(Engine):
         self.model = self.chunks[0]  # the embedding, the first blocks and the head
         self.prefill_chunk = prefill_chunk
         self.scheduler: Optional[Scheduler] = None
+        self._setup_lock = threading.Lock()
 
     def prepare(self, n_slots: int, context: int) -> Scheduler:
         current = self.scheduler

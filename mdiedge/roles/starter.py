@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
 from .. import __version__
-from ..base.errors import RingError
+from ..base.errors import GenerationError, RingError
 from ..base.memory import max_rss_bytes, rss_bytes
 from ..base.nodes import NodeSpec, StarterOptions
 from ..model.checkpoint import chunk_safetensors, content_hash, load_model
@@ -30,7 +30,8 @@ from ..runtime.links import LinkPair, accept_authenticated, bind, close_quietly,
     connect_authenticated, tcp_listen
 from ..runtime.partition import Placement, partition
 from ..runtime.pipeline import ModelEnds, Pipeline
-from ..runtime.protocol import Assignment, AssignReply, ConnectRequest, ModelRef, NodeStatus
+from ..runtime.protocol import (MAX_SLOTS, Assignment, AssignReply, ConnectRequest, ModelRef,
+                                NodeStatus)
 from ..runtime.scheduler import Scheduler
 from ..runtime.stages import LocalStage
 from .engine import Engine, PathLike
@@ -62,7 +63,7 @@ class RingStarter:
         self.tail: Optional[RingTail] = None
         self.started = time.time()
         self.listener = tcp_listen(options.host, 0)
-        self._setup_lock = threading.Lock()
+        self._setup_lock = threading.RLock()  # set-up, submission and closing, one at a time
 
     @property
     def workers(self) -> List[NodeSpec]:
@@ -76,8 +77,7 @@ class RingStarter:
         needs the current one idle (Conflict otherwise)."""
         with self._setup_lock:
             current = self.scheduler
-            usable = current is not None and current.usable and self.tail is not None \
-                and self.tail.broken is None
+            usable = current is not None and current.usable and self._ring_alive()
             if usable and current.pipeline.n_slots >= n_slots and current.pipeline.context >= context:
                 return current
             if usable and not current.idle:
@@ -87,9 +87,23 @@ class RingStarter:
             if usable:
                 n_slots = max(n_slots, current.pipeline.n_slots)
                 context = max(context, current.pipeline.context)
+            self._check_layout(n_slots, context)  # before the working ring is closed
             self.close_ring()
             self.scheduler = self._setup(n_slots, context)
             return self.scheduler
+
+    def _ring_alive(self) -> bool:
+        """The ring's links are up as far as this end can tell (a worker restarted while the
+        ring was idle closes them, and the next request sets the ring up anew)."""
+        tail = self.tail
+        return tail is not None and tail.broken is None and tail.links.send_error is None \
+            and tail.links.receiver.is_alive()
+
+    def _check_layout(self, n_slots: int, context: int) -> None:
+        if not 0 < n_slots <= MAX_SLOTS:
+            raise GenerationError(f"{n_slots} samples at once: a ring holds 1..{MAX_SLOTS}")
+        partition(self.cfg, [self.options.spec] + self.workers, n_slots, context,
+                  itemsize(self.options.dtype))
 
     def _setup(self, n_slots: int, context: int) -> Scheduler:
         for client in self.clients:  # end any ring these workers still serve for us
@@ -169,7 +183,8 @@ class RingStarter:
             stats = scheduler.stats
             status.state = "ready" if scheduler.idle else "busy"
             status.layers = stage.layers
-            status.weight_bytes, status.kv_bytes = stage.memory().values()
+            memory = stage.memory()
+            status.weight_bytes, status.kv_bytes = memory["weight_bytes"], memory["kv_bytes"]
             status.expert_load = stage.model.expert_load()
             status.slots_in_use = scheduler.slots_in_use
             status.messages, status.tokens = stats.messages, stats.tokens
@@ -181,9 +196,10 @@ class RingStarter:
         return [client.status() for client in self.clients]
 
     def close_ring(self) -> None:
-        if self.tail is not None:
-            self.tail.close()
-        self.tail, self.scheduler = None, None
+        with self._setup_lock:
+            if self.tail is not None:
+                self.tail.close()
+            self.tail, self.scheduler = None, None
 
     def close(self) -> None:
         self.close_ring()
@@ -205,6 +221,7 @@ class RingEngine(Engine):
         self._open(model, tokenizer)
         self.options = dataclasses.replace(options, **changes)
         self.starter = RingStarter(self.path, self.cfg, workers, self.options)
+        self._setup_lock = self.starter._setup_lock
 
     @property
     def workers(self) -> List[NodeSpec]:

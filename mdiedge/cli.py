@@ -43,34 +43,40 @@ def one_line_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-class _Progress:
-    """A progress bar with tokens/s on stderr when it is a terminal, else a summary line."""
+def _need(ok: bool, option: str, value: Any, expected: str) -> None:
+    """A command-line value out of range is one line naming the option and the value."""
+    if not ok:
+        raise fail(f"{option}: expected {expected}, got {value!r}", 2)
 
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled, self.bar = total, enabled and sys.stderr.isatty(), None
-        self.task: Any = None
 
-    def __enter__(self) -> "_Progress":
-        if self.enabled:
-            from rich.console import Console
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                       TimeElapsedColumn)
+def _seconds(value: float) -> bool:
+    import math
 
-            self.bar = Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
-                                console=Console(file=sys.stderr), transient=True,
-                                redirect_stdout=sys.stdout.isatty(), redirect_stderr=False)
-            self.bar.start()
-            self.task = self.bar.add_task("generate", total=self.total, rate="")
-        return self
+    return math.isfinite(value) and value > 0
 
-    def advance(self, done: int, rate: float) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, completed=done, rate=f"{rate:.1f} tok/s")
 
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+def _check_port(option: str, port: int) -> None:
+    _need(0 <= port <= 65535, option, port, "a port 0..65535")
+
+
+def _check_log_level(level: str) -> None:
+    from .base.settings import LOG_LEVELS
+
+    _need(level.lower() in LOG_LEVELS, "--log-level", level, "one of " + ", ".join(LOG_LEVELS))
+
+
+def _check_url(option: str, url: str) -> str:
+    """``url`` if it is an http(s) URL with a host (and a valid port), else a one-line error."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range
+    except ValueError:
+        ok = False
+    _need(ok, option, url, "an http:// URL such as http://10.0.0.1:7600")
+    return url.rstrip("/")
 
 
 @app.callback()
@@ -107,19 +113,27 @@ def generate(
     starter: Optional[str] = typer.Option(None, help="URL of a running `mdiedge starter` to "
                                           "generate through."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
+    stall_timeout: Optional[float] = typer.Option(
+        None, "--stall-timeout", metavar="SECONDS", help="A message not back around the ring "
+        f"within this is a failure, and the node that froze is named (default: "
+        f"{defaults.LOCAL_RING_TIMEOUT_S:g} for a local ring, the ring file's timeout_s)."),
 ) -> None:
     """Generate text from PROMPT, on a ring of nodes (by default a local ring of 3)."""
     from contextlib import ExitStack
 
     from .model.sampling import SamplingParams
 
+    _need(micro_batch >= 0, "--micro-batch", micro_batch, "an integer >= 0")
+    _need(stall_timeout is None or _seconds(stall_timeout), "--stall-timeout", stall_timeout,
+          "a number of seconds > 0")
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if starter:
-        _generate_through(starter, prompt, max_new_tokens, samples, params, micro_batch, as_json)
+        _generate_through(_check_url("--starter", starter), prompt, max_new_tokens, samples,
+                          params, micro_batch, as_json)
         return
     with ExitStack() as stack:
         _terminate_gracefully()
-        engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring,
+        engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring, stall_timeout,
                               lambda e: e.new_generation(prompt, max_new_tokens, samples, params, None))
         _generate_with(engine, prompt, max_new_tokens, samples, params, micro_batch, as_json,
                        nodes if ring is None else len(engine.workers) + 1)
@@ -132,7 +146,7 @@ def _generate_through(url: str, prompt: str, max_new_tokens: int, samples: int, 
     body = {"prompt": prompt, "max_new_tokens": max_new_tokens, "samples": samples,
             "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
             "seed": params.seed, "micro_batch": micro_batch}
-    result = call(url.rstrip("/"), "POST", "/generate", body, timeout=3600, node="starter",
+    result = call(url, "POST", "/generate", body, timeout=3600, node="starter",
                   auth=_client_auth())
     if as_json:
         typer.echo(json.dumps(result))
@@ -157,11 +171,11 @@ def _terminate_gracefully() -> None:
 
 
 def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], device: str,
-                 dtype: str, nodes: int, ring: Optional[str], check: Callable[[Any], Any]) -> Any:
+                 dtype: str, nodes: int, ring: Optional[str], stall: Optional[float],
+                 check: Callable[[Any], Any]) -> Any:
     """The engine for ``--nodes``/``--ring``; ``check`` validates the request (given the
-    model's text side) before any node process is started."""
-    if ring is None and nodes < 1:
-        raise typer.BadParameter(f"--nodes must be >= 1, got {nodes}")
+    model's text side) before any node process is started; ``stall``: ``--stall-timeout``."""
+    _need(ring is not None or nodes >= 1, "--nodes", nodes, "an integer >= 1")
     if ring is None and nodes == 1:
         from .roles.engine import LocalEngine
 
@@ -179,9 +193,10 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
 
         from .base.nodes import StarterOptions
 
-        found, workers = load_ring(ring)
-        options = StarterOptions(**found)
-        engine = RingEngine(workers, model, tokenizer, options, dtype=dtype)
+        found, workers = load_ring(ring, secret=True)  # [starter] secret(_file), else the env
+        if stall is not None:
+            found["timeout_s"] = stall
+        engine = RingEngine(workers, model, tokenizer, StarterOptions(**found), dtype=dtype)
     else:
         import torch
 
@@ -192,7 +207,8 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
         local_ring = LocalRing(nodes - 1, threads=threads, device=device)
         workers = stack.enter_context(local_ring)
         engine = RingEngine(workers, model, tokenizer, device=device, dtype=dtype,
-                            secret=local_ring.secret)
+                            secret=local_ring.secret,
+                            timeout_s=stall or defaults.LOCAL_RING_TIMEOUT_S)
     stack.callback(engine.close)
     return engine
 
@@ -200,6 +216,8 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
 def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, params: Any,
                    micro_batch: int, as_json: bool, n_nodes: int) -> None:
     import time
+
+    from .ops.console import Progress
 
     stream = samples == 1 and not as_json
     decoder = None
@@ -211,7 +229,7 @@ def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, 
         sys.stdout.flush()
     started = time.perf_counter()
     produced = 0
-    with _Progress(max_new_tokens * samples, enabled=not as_json) as progress:
+    with Progress(max_new_tokens * samples, enabled=not as_json) as progress:
 
         def on_token(index: int, token: int) -> None:
             nonlocal produced
@@ -259,12 +277,15 @@ def worker(
     insecure: bool = typer.Option(False, help="Allow a non-loopback address without a secret."),
     idle_timeout: float = typer.Option(defaults.IDLE_TIMEOUT_S, help="Seconds of starter silence before the "
                                        "worker frees its slots and returns to idle."),
+    secret_fd: int = typer.Option(-1, help="Read the ring secret from this inherited file "
+                                  "descriptor (a pipe; local rings), not the config or env."),
 ) -> None:
     """Run a worker node: it waits for a starter to assign it layers."""
     import logging
 
     from .base.settings import WorkerSettings, find_config, load_settings
 
+    _need(parent_pid >= 0, "--parent-pid", parent_pid, "a process id >= 0")
     section = WorkerSettings()
     path = None if no_config else find_config(config)
     if path is not None:
@@ -273,14 +294,45 @@ def worker(
     flags = {"host": host, "control_port": control_port, "data_port": data_port,
              "threads": threads, "name": name, "cache_dir": cache_dir, "log_level": log_level,
              "insecure": insecure, "idle_timeout_s": idle_timeout}
+    _check_worker_flags(flags)
     chosen = {key: value if _from_command_line(ctx, key) or key not in section.keys_set
               else getattr(section, key) for key, value in flags.items()}
     logging.basicConfig(level=chosen["log_level"].upper(), stream=sys.stderr,
                         format=f"%(asctime)s {chosen['name']} %(levelname)s %(message)s")
-    _run_worker(chosen, section, parent_pid)
+    secret = _secret_from_fd(secret_fd) if secret_fd >= 0 else None
+    _run_worker(chosen, section, parent_pid, secret)
 
 
-def _run_worker(chosen: Dict[str, Any], section: Any, parent_pid: int) -> None:
+def _check_worker_flags(flags: Dict[str, Any]) -> None:
+    """The worker's command-line values (a config file's are checked by its schema)."""
+    for key in ("control_port", "data_port"):
+        _check_port("--" + key.replace("_", "-"), flags[key])
+    _need(0 <= flags["threads"] <= defaults.MAX_THREADS, "--threads", flags["threads"],
+          f"an integer 0..{defaults.MAX_THREADS}")
+    _check_log_level(flags["log_level"])
+    _need(_seconds(flags["idle_timeout_s"]), "--idle-timeout", flags["idle_timeout_s"],
+          "a number of seconds > 0")
+
+
+def _secret_from_fd(fd: int) -> bytes:
+    """The secret written to inherited descriptor ``fd`` (read to its end, then closed): the
+    secret stays out of the environment and the command line."""
+    from .base.errors import ConfigError
+    from .base.settings import MIN_SECRET_BYTES
+
+    try:
+        with os.fdopen(fd, "rb") as pipe:
+            secret = pipe.read().rstrip(b"\n")
+    except OSError as e:
+        raise ConfigError(f"--secret-fd {fd}: cannot read the secret: {e.strerror or e}") from None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(f"--secret-fd {fd}: expected a secret of at least {MIN_SECRET_BYTES} "
+                          f"bytes, got {len(secret)} bytes")
+    return secret
+
+
+def _run_worker(chosen: Dict[str, Any], section: Any, parent_pid: int,
+                secret: Optional[bytes]) -> None:
     """Start the worker node of the ``chosen`` settings and serve until it is stopped."""
     import signal
     from pathlib import Path
@@ -296,7 +348,8 @@ def _run_worker(chosen: Dict[str, Any], section: Any, parent_pid: int) -> None:
     heartbeat = Heartbeat(stall_limit=defaults.COMPUTE_STALL_S)
     node = WorkerNode(chosen["host"], chosen["control_port"], chosen["data_port"],
                       Path(chosen["cache_dir"]) if chosen["cache_dir"] else None,
-                      name=chosen["name"], secret=read_secret(section),
+                      name=chosen["name"],
+                      secret=secret if secret is not None else read_secret(section),
                       insecure=chosen["insecure"], idle_timeout_s=chosen["idle_timeout_s"],
                       heartbeat=heartbeat)
     if section.model is not None:
@@ -424,17 +477,14 @@ def starter_command(
     import signal
     import threading
 
+    if control_port is not None:
+        _check_port("--control-port", control_port)
+    _check_log_level(log_level)
     from .runtime.auth import is_loopback
     from .base.errors import ConfigError
-    from .base.settings import StarterSettings, find_config, load_settings, read_secret
+    from .base.settings import read_secret
 
-    path = find_config(config)
-    if path is None:
-        raise ConfigError("no config: pass --config FILE with [starter] and [[workers]]")
-    settings = load_settings(path)
-    section = settings.starter or StarterSettings()
-    if not settings.workers:
-        raise ConfigError(f"{path}: workers: a starter needs at least one [[workers]] entry")
+    settings, section = _starter_config(config)
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s starter %(levelname)s %(message)s")
     secret = read_secret(section)
@@ -469,6 +519,20 @@ def starter_command(
         server.close()
 
 
+def _starter_config(config: Optional[str]) -> Any:
+    """The starter's settings file (it must name the workers) and its ``[starter]`` table."""
+    from .base.errors import ConfigError
+    from .base.settings import StarterSettings, find_config, load_settings
+
+    path = find_config(config)
+    if path is None:
+        raise ConfigError("no config: pass --config FILE with [starter] and [[workers]]")
+    settings = load_settings(path)
+    if not settings.workers:
+        raise ConfigError(f"{path}: workers: a starter needs at least one [[workers]] entry")
+    return settings, settings.starter or StarterSettings()
+
+
 @app.command()
 @one_line_errors
 def status(
@@ -479,65 +543,33 @@ def status(
     """Show every node of the ring; exit code 69 when any node is down."""
     from .runtime.control import call
 
-    auth = _client_auth()
     if starter:
+        url = _check_url("--starter", starter)
         try:
-            nodes = call(starter.rstrip("/"), "GET", "/status", timeout=10, node="starter",
-                         auth=auth)["nodes"]
+            nodes = call(url, "GET", "/status", timeout=10, node="starter",
+                         auth=_client_auth())["nodes"]
         except MdiedgeError as e:
             nodes = [{"role": "starter", "name": "starter", "address": starter, "state": "down",
                       "error": str(e)}]
     elif ring:
         from .base.ringfile import load_ring
+        from .runtime.auth import Authenticator
         from .runtime.control import ControlClient
 
-        _, workers = load_ring(ring)
+        found, workers = load_ring(ring, secret=True)
+        auth = Authenticator(found["secret"])
         nodes = [ControlClient(w, auth).status().to_json() for w in workers]
     else:
-        raise typer.BadParameter("pass --ring FILE or --starter URL")
+        raise fail("pass --ring FILE or --starter URL", 2)
     down = [n["name"] for n in nodes if n.get("state") == "down"]
     if as_json:
         typer.echo(json.dumps({"nodes": nodes, "down": down}))
     else:
-        _print_status(nodes)
+        from .ops.console import print_status
+
+        print_status(nodes)
     if down:
         raise typer.Exit(69)
-
-
-def _print_status(nodes: Any) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from .model import expertstats
-
-    def mb(n: Any) -> str:
-        return "-" if n is None else f"{n / 2 ** 20:.1f}"
-
-    table = Table(title="mdiedge ring")
-    columns = ("node", "role", "address", "state", "model", "hash", "layers", "device", "RSS MB",
-               "weights MB", "KV MB", "slots", "messages", "tokens", "busy", "rtt ms", "uptime s",
-               "version")
-    for column in columns:
-        table.add_column(column)
-    for n in nodes:
-        layers = n.get("layers")
-        table.add_row(
-            n.get("name", "?"), n.get("role", "?"), n.get("address", "?"), n.get("state", "?"),
-            str(n.get("model") or "-"), (n.get("hash") or "-")[:12],
-            f"{layers[0]}-{layers[1]}" if layers else "-", str(n.get("device") or "-"),
-            mb(n.get("rss_bytes")), mb(n.get("weight_bytes")), mb(n.get("kv_bytes")),
-            str(n.get("slots_in_use", "-")), str(n.get("messages", "-")),
-            str(n.get("tokens", "-")), f"{n['busy_fraction']:.2f}" if "busy_fraction" in n else "-",
-            str(n.get("link_rtt_ms") or "-"), str(n.get("uptime_s", "-")), str(n.get("version", "-")))
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=240)  # a log or a pipe: do not truncate the columns
-    console.print(table)
-    load = expertstats.merge(n.get("expert_load") or {} for n in nodes)
-    if load:
-        console.print("expert load since loading:")
-        for line in expertstats.lines(load):
-            console.print("  " + line)
 
 
 def _client_auth() -> Any:

@@ -65,3 +65,76 @@ def test_errors_are_one_line(args: List[str], message: str, stories: Path) -> No
     assert out.returncode == 1
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in out.stderr
+
+
+RING_SECRET = "ring-file-secret-0123456789abcdef"
+
+
+def spawn_worker(name: str) -> "subprocess.Popen[str]":
+    """A long-lived worker on free ports that requires RING_SECRET; its ready line is read."""
+    import os
+
+    env = dict(os.environ, MDIEDGE_SECRET=RING_SECRET)
+    env.pop("MDIEDGE_SECRET_FILE", None)
+    return subprocess.Popen([sys.executable, "-m", "mdiedge", "worker", "--no-config",
+                             "--control-port", "0", "--data-port", "0", "--name", name,
+                             "--log-level", "warning", "--idle-timeout", "3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.mark.parametrize("where", ["environment", "secret_file"])
+def test_generate_with_a_ring_file_talks_to_secured_workers(stories: Path, tmp_path: Path,
+                                                             where: str) -> None:
+    import os
+
+    procs = [spawn_worker(f"w{i + 1}") for i in range(2)]
+    try:
+        ports = [json.loads(p.stdout.readline())["control_port"] for p in procs]  # type: ignore[union-attr]
+        starter = ""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MDIEDGE_SECRET")}
+        if where == "environment":
+            env["MDIEDGE_SECRET"] = RING_SECRET
+        else:
+            secret = tmp_path / "secret"
+            secret.write_text(RING_SECRET + "\n")
+            secret.chmod(0o600)
+            starter = f'[starter]\nsecret_file = "{secret}"\n'
+        ring = tmp_path / "ring.toml"
+        ring.write_text(starter + "".join(
+            f'[[workers]]\nname = "w{i + 1}"\nhost = "127.0.0.1"\ncontrol_port = {port}\n'
+            for i, port in enumerate(ports)))
+        out = subprocess.run([sys.executable, "-m", "mdiedge", "generate", "Once", "-n", "12",
+                              "--temperature", "0", "--json", "--ring", str(ring),
+                              *stories_args(stories)], capture_output=True, text=True,
+                             timeout=120, env=env)
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        assert result["nodes"] == 3 and len(result["samples"][0]["token_ids"]) == 12
+        status = subprocess.run([sys.executable, "-m", "mdiedge", "status", "--ring", str(ring),
+                                 "--json"], capture_output=True, text=True, timeout=60, env=env)
+        assert status.returncode == 0, status.stdout + status.stderr
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
+
+
+def test_local_ring_workers_get_the_secret_on_a_pipe(ring_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mdiedge.model.sampling import SamplingParams
+    from mdiedge.roles.local_ring import LocalRing
+    from mdiedge.roles.starter import RingEngine
+
+    monkeypatch.setenv("MDIEDGE_SECRET", "the-callers-own-secret-0123456789")
+    local = LocalRing(2)
+    with local as workers:
+        for proc in local.processes:
+            environ = Path(f"/proc/{proc.pid}/environ").read_bytes()
+            cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+            assert local.secret not in environ and local.secret not in cmdline
+            assert b"MDIEDGE_SECRET" not in environ and b"--secret-fd" in cmdline
+        engine = RingEngine(workers, ring_model, secret=local.secret, timeout_s=30)
+        try:
+            out = engine.generate("hello ring", 8, 1, SamplingParams(temperature=0))
+        finally:
+            engine.close()
+    assert len(out.samples[0]["token_ids"]) == 8

@@ -223,8 +223,11 @@ ERRORS = [
     (W + "data_port = -1\n", "worker.data_port", "expected an integer 0..65535, got -1"),
     (W + "control_port = 7700\ndata_port = 7700\n", "worker.data_port",
      "expected a port other than worker.control_port, got 7700"),
-    (W + "threads = -1\n", "worker.threads", "expected an integer >= 0, got -1"),
-    (W + "threads = false\n", "worker.threads", "expected an integer >= 0, got False"),
+    (W + "threads = -1\n", "worker.threads", "expected an integer 0..4096, got -1"),
+    (W + "threads = false\n", "worker.threads", "expected an integer 0..4096, got False"),
+    (W + "threads = 100000000000\n", "worker.threads",  # passed, then crashed the worker
+     "expected an integer 0..4096, got 100000000000"),
+    (W + "threads = 1e23\n", "worker.threads", "expected an integer 0..4096, got 1e+23"),
     (W + "idle_timeout_s = 0\n", "worker.idle_timeout_s", "expected a number > 0, got 0"),
     (W + "idle_timeout_s = -2.5\n", "worker.idle_timeout_s", "got -2.5"),
     (W + "idle_timeout_s = nan\n", "worker.idle_timeout_s", "got nan"),
@@ -581,7 +584,7 @@ def test_check_config_checks_secret_files(tmp_path: Path) -> None:
 
 def test_check_config_errors_like_load(tmp_path: Path) -> None:
     path = write(tmp_path, W + "threads = true\n")
-    with pytest.raises(ConfigError, match=r"worker\.threads: expected an integer >= 0"):
+    with pytest.raises(ConfigError, match=r"worker\.threads: expected an integer 0\.\.4096"):
         check_config(path)
 
 
@@ -626,6 +629,24 @@ def test_load_ring_options_are_starter_options(tmp_path: Path) -> None:
 
     options, _ = load_ring(write(tmp_path, STARTER_FILE + R))
     assert StarterOptions(**options).weight == 2.0  # every key is a field
+
+
+def test_load_ring_secret_from_the_starter_table_else_the_environment(tmp_path: Path) -> None:
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("from-the-secret-file-0123\n")
+    secret_file.chmod(0o600)
+    env = {"MDIEDGE_SECRET": "from-the-environment-0123"}
+    inline, _ = load_ring(write(tmp_path, S + 'secret = "inline-secret-0123456"\n' + R),
+                          secret=True, env=env)
+    assert inline["secret"] == b"inline-secret-0123456"
+    in_file, _ = load_ring(write(tmp_path, S + f'secret_file = "{secret_file}"\n' + R),
+                           secret=True, env=env)
+    assert in_file["secret"] == b"from-the-secret-file-0123"
+    from_env, _ = load_ring(write(tmp_path, R), secret=True, env=env)
+    assert from_env["secret"] == b"from-the-environment-0123"
+    none, _ = load_ring(write(tmp_path, S + R), secret=True, env={})
+    assert none["secret"] is None
+    assert "secret" not in load_ring(write(tmp_path, R))[0]  # only when asked
 
 
 @pytest.mark.parametrize("text", ["", "[starter]\n", "workers = []\n"])

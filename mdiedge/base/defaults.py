@@ -27,6 +27,10 @@ RING_TIMEOUT_S = 60.0  # a message not back around the ring within this is a fai
 IDLE_TIMEOUT_S = 60.0  # a worker whose starter is silent this long returns to idle
 LINK_ACCEPT_TIMEOUT_S = 30.0  # a node waits this long for its previous node's link
 COMPUTE_STALL_S = 60.0  # a worker busy this long on one message stops its systemd watchdog
+LOCAL_RING_TIMEOUT_S = 15.0  # `generate --nodes N`: a message not back within this is a stall
+DIAGNOSE_TIMEOUT_S = 2.0  # a node whose control plane does not answer within this is down
+STATUS_RTT_TIMEOUT_S = 0.25  # a worker's /status waits at most this for its next node's ping
+MAX_THREADS = 4096  # the most torch threads a worker may be told to use
 
 
 def default_model_path() -> Path:

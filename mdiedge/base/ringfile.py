@@ -22,24 +22,29 @@ is ignored here::
     memory = "6GiB"
     layers = [2, 7]
 
+With ``secret=True`` the options carry the ring secret too (``secret``/``secret_file`` in
+``[starter]``, else the environment), so a starter can talk to secured workers.
+
 The workers come back as :class:`~mdiedge.base.nodes.NodeSpec` records; no torch is needed.
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Mapping, Tuple, Union
 
 from .errors import ConfigError
 from .nodes import NodeSpec
-from .settings import StarterSettings, load_settings, parse_bytes
+from .settings import StarterSettings, load_settings, parse_bytes, read_secret
 
 __all__ = ["load_ring", "parse_bytes"]
 
 
-def load_ring(path: Union[str, "os.PathLike[str]"]) -> Tuple[Dict[str, Any], List[NodeSpec]]:
+def load_ring(path: Union[str, "os.PathLike[str]"], secret: bool = False,
+              env: Mapping[str, str] = os.environ) -> Tuple[Dict[str, Any], List[NodeSpec]]:
     """The starter's options (fields of ``StarterOptions``, the ``RingEngine`` keywords: host,
-    device, weight, memory, layers, max_payload, timeout_s) and the workers of a ring file, in
-    ring order; errors name the file and key."""
+    device, weight, memory, layers, max_payload, timeout_s; with ``secret``, also ``secret``:
+    the ``[starter]`` table's secret or secret_file, else ``$MDIEDGE_SECRET(_FILE)`` in ``env``,
+    else None) and the workers of a ring file, in ring order; errors name the file and key."""
     settings = load_settings(path)
     if not settings.workers:
         raise ConfigError(f"{settings.source}: workers: a ring file needs at least one "
@@ -50,4 +55,6 @@ def load_ring(path: Union[str, "os.PathLike[str]"]) -> Tuple[Dict[str, Any], Lis
         "memory": starter.memory, "layers": starter.layers, "max_payload": starter.max_payload,
         "timeout_s": starter.timeout_s,
     }
+    if secret:
+        options["secret"] = read_secret(settings.starter, env)
     return options, list(settings.workers)

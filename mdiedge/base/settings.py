@@ -51,8 +51,8 @@ from pathlib import Path
 from typing import (Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Optional, Tuple,
                     Union)
 
-from .defaults import (IDLE_TIMEOUT_S, MAX_PAYLOAD, RING_TIMEOUT_S, STARTER_CONTROL_PORT,
-                       WORKER_CONTROL_PORT, WORKER_DATA_PORT)
+from .defaults import (IDLE_TIMEOUT_S, MAX_PAYLOAD, MAX_THREADS, RING_TIMEOUT_S,
+                       STARTER_CONTROL_PORT, WORKER_CONTROL_PORT, WORKER_DATA_PORT)
 from .dtypes import COMPUTE_NAMES
 from .errors import ConfigError
 from .nodes import NodeSpec
@@ -276,7 +276,7 @@ _SECRETS: Dict[str, Check] = {
 }
 WORKER_SCHEMA: Dict[str, Check] = dict(
     name=_string(), host=_host, control_port=_integer(0, 65535), data_port=_integer(0, 65535),
-    threads=_integer(0), cache_dir=_string("a directory path"),
+    threads=_integer(0, MAX_THREADS), cache_dir=_string("a directory path"),
     log_level=_choice(LOG_LEVELS), idle_timeout_s=_positive, **_SECRETS,
     model=_string("a model path"), **_COMMON)
 STARTER_SCHEMA: Dict[str, Check] = dict(

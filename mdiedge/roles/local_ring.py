@@ -1,8 +1,11 @@
 """A local ring: worker processes on 127.0.0.1 with free ports, and no orphans.
 
-Each worker binds port 0 and reports its ports on its first stdout line; it dies with its
-parent (``PR_SET_PDEATHSIG`` on Linux, plus a watchdog on the parent pid), and the launcher
-terminates, then kills, every process it started when the block ends, however it ends.
+Each worker binds port 0 and reports its ports on its first stdout line; it reads the ring's
+secret from an inherited pipe (``--secret-fd``), so the secret is in neither its command line
+nor its environment (``ps e``, ``/proc/PID/environ``). It dies with its parent
+(``PR_SET_PDEATHSIG`` on Linux, plus a watchdog on the parent pid), and the launcher
+terminates (or, if it is stopped, kills at once), then kills, every process it started when
+the block ends, however it ends.
 """
 from __future__ import annotations
 
@@ -36,6 +39,15 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
+def _frozen(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, state T in /proc on Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 class LocalRing:
     """``with LocalRing(2) as workers:`` starts two workers and yields their addresses."""
 
@@ -46,7 +58,7 @@ class LocalRing:
         self.cache_dir = cache_dir
         self.processes: List[subprocess.Popen] = []
         self.workers: List[NodeSpec] = []
-        self.secret = os.urandom(32).hex().encode()  # this ring's own; passed in the environment
+        self.secret = os.urandom(32).hex().encode()  # this ring's own; passed on a pipe
 
     def __enter__(self) -> List[NodeSpec]:
         try:
@@ -68,10 +80,20 @@ class LocalRing:
         if self.cache_dir:
             cmd += ["--cache-dir", self.cache_dir]
         preexec = _die_with_parent if sys.platform.startswith("linux") else None
-        env = dict(os.environ, MDIEDGE_SECRET=self.secret.decode())
-        env.pop("MDIEDGE_SECRET_FILE", None)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                preexec_fn=preexec, env=env)
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("MDIEDGE_SECRET", "MDIEDGE_SECRET_FILE")}
+        read_end, write_end = os.pipe()  # the secret: neither in argv nor in the environment
+        try:
+            os.write(write_end, self.secret)  # 64 bytes: within any pipe's buffer
+            os.close(write_end)
+            write_end = -1
+            proc = subprocess.Popen(cmd + ["--secret-fd", str(read_end)], stdout=subprocess.PIPE,
+                                    stdin=subprocess.DEVNULL, preexec_fn=preexec, env=env,
+                                    pass_fds=(read_end,))
+        finally:
+            os.close(read_end)
+            if write_end >= 0:
+                os.close(write_end)
         self.processes.append(proc)
         line = self._ready_line(proc, name)
         try:
@@ -95,7 +117,10 @@ class LocalRing:
     def stop(self) -> None:
         for proc in self.processes:
             if proc.poll() is None:
-                proc.terminate()
+                if _frozen(proc.pid):  # SIGSTOPped: it cannot act on a SIGTERM
+                    proc.kill()
+                else:
+                    proc.terminate()
         deadline = time.monotonic() + 5
         for proc in self.processes:
             try:

@@ -1,27 +1,51 @@
 """The ring seen from the starter: the workers beyond its own stage, as the pipeline's remote
 tail. It sends and receives the starter's messages over its link pair, names the node that
-broke the ring when a link fails or a message does not come back, and ends the ring with a
+broke the ring when a link fails or a message does not come back (the one whose control plane
+does not answer: all are asked at once, each with a short limit), and ends the ring with a
 SHUTDOWN that every worker forwards before it stops its compute loop.
 """
 from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from typing import List, Optional
 
 import torch
 
+from ..base import defaults
 from ..base.errors import RingError
 from ..runtime import messages
 from ..runtime.control import ControlClient
 from ..runtime.links import LinkDown, LinkPair
 from ..runtime.messages import Message
 from ..runtime.pipeline import Tail
+from ..runtime.protocol import NodeStatus
 
 log = logging.getLogger("mdiedge.ring")
 
 SHUTDOWN_WAIT_S = 2.0
+
+
+def probe_all(clients: List[ControlClient], timeout: float) -> List[NodeStatus]:
+    """Every node's status, asked in parallel (one thread each), each within ``timeout`` s:
+    the answer comes within ``timeout`` however many nodes are frozen."""
+    results: List[Optional[NodeStatus]] = [None] * len(clients)
+
+    def ask(i: int) -> None:
+        results[i] = clients[i].status(timeout=timeout)
+
+    threads = [threading.Thread(target=ask, args=(i,), name=f"probe-{c.node.name}", daemon=True)
+               for i, c in enumerate(clients)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout + 1.0
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return [r if r is not None else NodeStatus.down(
+        "worker", c.node.name, c.node.address, f"no answer within {timeout:.0f} s")
+        for r, c in zip(results, clients)]
 
 
 class RingTail(Tail):
@@ -49,15 +73,19 @@ class RingTail(Tail):
         return item
 
     def diagnose(self, reason: str) -> RingError:
-        """Name the node that broke the ring: the first worker whose control plane is gone."""
+        """Name the node that broke the ring: every worker's control plane is asked at once,
+        each within ``DIAGNOSE_TIMEOUT_S``; one that does not answer in time (frozen, dead,
+        unreachable) is the culprit, the first in ring order if there are several."""
         self.broken = self.broken or reason
-        for client in self.clients:
-            status = client.status(timeout=2)
-            if status.state == "down":
-                node = client.node
-                return RingError(f"worker {node.name!r} at {node.address} is down "
-                                 f"({status.error}); ring link: {reason}")
-        return RingError(f"the ring broke: {reason}")
+        down = [(client.node, status) for client, status in
+                zip(self.clients, probe_all(self.clients, defaults.DIAGNOSE_TIMEOUT_S))
+                if status.state == "down"]
+        if not down:
+            return RingError(f"the ring broke: {reason}")
+        node, status = down[0]
+        others = "".join(f"; {n.name!r} at {n.address} is down too" for n, _ in down[1:])
+        return RingError(f"worker {node.name!r} at {node.address} is down ({status.error})"
+                         f"{others}; ring link: {reason}")
 
     def ping(self, payload: torch.Tensor, count: int) -> List[float]:
         """Round-trip times (s) of ``count`` PING messages carrying ``payload`` around the

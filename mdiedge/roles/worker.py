@@ -125,8 +125,9 @@ class WorkerNode:
             version=__version__, rss_bytes=rss_bytes(), max_rss_bytes=max_rss_bytes(),
             uptime_s=round(time.time() - self.started, 1), pid=os.getpid(),
             data_port=self.data_port,
-            link_rtt_ms=round_trip_ms(self.next_control) if self.next_control
-            and self.state == "busy" else None)
+            # a short limit: a frozen next node must not make this node look frozen too
+            link_rtt_ms=round_trip_ms(self.next_control, defaults.STATUS_RTT_TIMEOUT_S)
+            if self.next_control and self.state == "busy" else None)
         if a is not None:
             status.model, status.hash, status.device = a.model.name, a.model.hash, a.device
             status.layers = list(a.layers)

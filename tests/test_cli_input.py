@@ -1,0 +1,57 @@
+"""Bad command-line values and config values are one line, ``mdiedge: error: ...`` naming the
+value, and a non-zero exit: never a traceback, never silently accepted. Real subprocesses."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+
+CASES = [
+    (["worker", "--no-config", "--control-port", "-1"], "--control-port: expected a port 0..65535, got -1"),
+    (["worker", "--no-config", "--control-port", "70000"], "--control-port: expected a port 0..65535, got 70000"),
+    (["worker", "--no-config", "--data-port", "70000"], "--data-port: expected a port 0..65535, got 70000"),
+    (["worker", "--no-config", "--log-level", "loud"], "--log-level: expected one of debug, info, warning, error, got 'loud'"),
+    (["worker", "--no-config", "--idle-timeout", "nan"], "--idle-timeout: expected a number of seconds > 0, got nan"),
+    (["worker", "--no-config", "--idle-timeout", "-1"], "--idle-timeout: expected a number of seconds > 0, got -1.0"),
+    (["worker", "--no-config", "--threads", "-5"], "--threads: expected an integer 0..4096, got -5"),
+    (["worker", "--no-config", "--threads", "100000000000"], "--threads: expected an integer 0..4096, got 100000000000"),
+    (["worker", "--no-config", "--secret-fd", "97"], "--secret-fd 97: cannot read the secret"),
+    (["starter", "--control-port", "70000"], "--control-port: expected a port 0..65535, got 70000"),
+    (["starter", "--log-level", "loud"], "--log-level: expected one of debug, info, warning, error, got 'loud'"),
+    (["generate", "hi", "--starter", "notaurl"], "--starter: expected an http:// URL such as http://10.0.0.1:7600, got 'notaurl'"),
+    (["generate", "hi", "--starter", "http://h:99999"], "--starter: expected an http:// URL"),
+    (["status", "--starter", "notaurl"], "--starter: expected an http:// URL such as http://10.0.0.1:7600, got 'notaurl'"),
+    (["generate", "hi", "--micro-batch", "-2"], "--micro-batch: expected an integer >= 0, got -2"),
+    (["generate", "hi", "--stall-timeout", "0"], "--stall-timeout: expected a number of seconds > 0, got 0.0"),
+    (["generate", "hi", "--stall-timeout", "nan"], "--stall-timeout: expected a number of seconds > 0, got nan"),
+    (["generate", "hi", "--nodes", "0"], "--nodes: expected an integer >= 1, got 0"),
+    (["status"], "pass --ring FILE or --starter URL"),
+]
+
+
+def mdiedge(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mdiedge", *args], capture_output=True,
+                          text=True, timeout=120, stdin=subprocess.DEVNULL)
+
+
+def assert_one_line(out: subprocess.CompletedProcess, message: str) -> None:
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode != 0, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr and len(lines) == 1, out.stderr
+    assert lines[0].startswith("mdiedge: error: ") and message in lines[0], out.stderr
+
+
+@pytest.mark.parametrize("args,message", CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_bad_values_are_one_line_errors(args: List[str], message: str) -> None:
+    assert_one_line(mdiedge(*args), message)
+
+
+@pytest.mark.parametrize("value", ["100000000000", "1e23", "-5"])
+def test_bad_threads_in_a_config_fail_the_check_and_the_worker(tmp_path: Path, value: str) -> None:
+    config = tmp_path / "worker.toml"
+    config.write_text(f"[worker]\nthreads = {value}\n")
+    assert_one_line(mdiedge("config", "check", str(config)), f"worker.threads: expected an integer 0..4096")
+    assert_one_line(mdiedge("worker", "--config", str(config)), f"worker.threads: expected an integer 0..4096")

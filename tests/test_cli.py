@@ -99,12 +99,13 @@ def test_generate_with_a_ring_file_talks_to_secured_workers(stories: Path, tmp_p
             secret.write_text(RING_SECRET + "\n")
             secret.chmod(0o600)
             starter = f'[starter]\nsecret_file = "{secret}"\n'
+        stall = ["--stall-timeout", "30"] if where == "environment" else []  # [starter] timeout_s replaced
         ring = tmp_path / "ring.toml"
         ring.write_text(starter + "".join(
             f'[[workers]]\nname = "w{i + 1}"\nhost = "127.0.0.1"\ncontrol_port = {port}\n'
             for i, port in enumerate(ports)))
         out = subprocess.run([sys.executable, "-m", "mdiedge", "generate", "Once", "-n", "12",
-                              "--temperature", "0", "--json", "--ring", str(ring),
+                              "--temperature", "0", "--json", "--ring", str(ring), *stall,
                               *stories_args(stories)], capture_output=True, text=True,
                              timeout=120, env=env)
         assert out.returncode == 0, out.stderr

@@ -35,7 +35,7 @@ from ..runtime.protocol import (MAX_SLOTS, Assignment, AssignReply, ConnectReque
 from ..runtime.scheduler import Scheduler
 from ..runtime.stages import LocalStage
 from .engine import Engine, PathLike
-from .ring import RingTail
+from .ring import RingTail, probe_all
 
 log = logging.getLogger("mdiedge.starter")
 
@@ -193,7 +193,9 @@ class RingStarter:
         return status
 
     def node_status(self) -> List[NodeStatus]:
-        return [client.status() for client in self.clients]
+        """Every worker's status, asked in parallel: a frozen one costs one timeout, not one
+        per node."""
+        return probe_all(self.clients, timeout=5.0)
 
     def close_ring(self) -> None:
         with self._setup_lock:
@@ -202,12 +204,21 @@ class RingStarter:
             self.tail, self.scheduler = None, None
 
     def close(self) -> None:
+        """End the ring and release every worker (in parallel: a frozen one costs one
+        timeout), then stop listening."""
         self.close_ring()
-        for client in self.clients:
+
+        def release(client: ControlClient) -> None:
             try:
                 client.call("POST", "/reset", {"release": True}, timeout=2)
             except RingError:
                 pass
+
+        threads = [threading.Thread(target=release, args=(c,), daemon=True) for c in self.clients]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(3)
         close_quietly(self.listener)
 
 

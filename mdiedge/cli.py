@@ -131,12 +131,18 @@ def generate(
         _generate_through(_check_url("--starter", starter), prompt, max_new_tokens, samples,
                           params, micro_batch, as_json)
         return
+    from .ops.console import Progress
+
     with ExitStack() as stack:
         _terminate_gracefully()
+        progress = stack.enter_context(Progress(max_new_tokens * samples, not as_json,
+                                                streaming=samples == 1 and not as_json))
+        progress.phase("loading" if ring is None and nodes == 1 else
+                       "connecting" if ring is not None else "starting nodes")
         engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring, stall_timeout,
                               lambda e: e.new_generation(prompt, max_new_tokens, samples, params, None))
         _generate_with(engine, prompt, max_new_tokens, samples, params, micro_batch, as_json,
-                       nodes if ring is None else len(engine.workers) + 1)
+                       nodes if ring is None else len(engine.workers) + 1, progress)
 
 
 def _generate_through(url: str, prompt: str, max_new_tokens: int, samples: int, params: Any,
@@ -214,10 +220,10 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
 
 
 def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, params: Any,
-                   micro_batch: int, as_json: bool, n_nodes: int) -> None:
+                   micro_batch: int, as_json: bool, n_nodes: int, progress: Any) -> None:
+    """Generate on ``engine``; one sample streams to stdout, the prompt written with the first
+    token (once ``progress`` has left the terminal to the text)."""
     import time
-
-    from .ops.console import Progress
 
     stream = samples == 1 and not as_json
     decoder = None
@@ -225,21 +231,20 @@ def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, 
         from .model.tokenizer import StreamDecoder
 
         decoder = StreamDecoder(engine.tokenizer, engine.encode_prompt(prompt))
-        sys.stdout.write(prompt)
-        sys.stdout.flush()
     started = time.perf_counter()
     produced = 0
-    with Progress(max_new_tokens * samples, enabled=not as_json) as progress:
 
-        def on_token(index: int, token: int) -> None:
-            nonlocal produced
-            produced += 1
-            if decoder is not None:
-                sys.stdout.write(decoder.push(token))
-                sys.stdout.flush()
-            progress.advance(produced, produced / max(time.perf_counter() - started, 1e-9))
+    def on_token(index: int, token: int) -> None:
+        nonlocal produced
+        produced += 1
+        progress.advance(produced, produced / max(time.perf_counter() - started, 1e-9))
+        if decoder is not None:
+            sys.stdout.write((prompt if produced == 1 else "") + decoder.push(token))
+            sys.stdout.flush()
 
-        out = engine.generate(prompt, max_new_tokens, samples, params, micro_batch, on_token)
+    progress.phase("prefill")
+    out = engine.generate(prompt, max_new_tokens, samples, params, micro_batch, on_token)
+    progress.stop()
     if as_json:
         result = out.as_dict()
         result["model"] = str(engine.path)
@@ -247,7 +252,7 @@ def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, 
         typer.echo(json.dumps(result))
         return
     if stream:
-        sys.stdout.write("\n")
+        sys.stdout.write(("" if produced else prompt) + "\n")
         sys.stdout.flush()
     else:
         for sample in out.samples:

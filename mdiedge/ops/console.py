@@ -9,10 +9,14 @@ __all__ = ["Progress", "print_status"]
 
 
 class Progress:
-    """A progress bar with tokens/s on stderr when it is a terminal, else a summary line."""
+    """What a generation shows on stderr when it is a terminal: a spinner naming the phase
+    (loading, starting nodes, prefill), then a bar with tokens/s. When the tokens stream to a
+    terminal stdout (``streaming``), the display stops for good at the first token, so it
+    never draws over the text; stdout is never redirected."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
+    def __init__(self, total: int, enabled: bool, streaming: bool = False) -> None:
         self.total, self.enabled, self.bar = total, enabled and sys.stderr.isatty(), None
+        self.streaming = streaming and sys.stdout.isatty()
         self.task: Any = None
 
     def __enter__(self) -> "Progress":
@@ -20,23 +24,34 @@ class Progress:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn
             from rich.progress import Progress as Bar
-            from rich.progress import TextColumn, TimeElapsedColumn
+            from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
 
-            self.bar = Bar(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
-                           TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
-                           console=Console(file=sys.stderr), transient=True,
-                           redirect_stdout=sys.stdout.isatty(), redirect_stderr=False)
+            self.bar = Bar(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                           MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+                           TimeElapsedColumn(), console=Console(file=sys.stderr),
+                           transient=True, redirect_stdout=False, redirect_stderr=False)
             self.bar.start()
-            self.task = self.bar.add_task("generate", total=self.total, rate="")
+            self.task = self.bar.add_task("loading", total=self.total, rate="")
         return self
 
-    def advance(self, done: int, rate: float) -> None:
+    def phase(self, text: str) -> None:
         if self.bar is not None:
-            self.bar.update(self.task, completed=done, rate=f"{rate:.1f} tok/s")
+            self.bar.update(self.task, description=text)
 
-    def __exit__(self, *exc: object) -> None:
+    def advance(self, done: int, rate: float) -> None:
+        if self.bar is not None and self.streaming:
+            self.stop()  # the text now owns the terminal
+        elif self.bar is not None:
+            self.bar.update(self.task, completed=done, rate=f"{rate:.1f} tok/s",
+                            description="generating")
+
+    def stop(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+            self.bar = None
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def print_status(nodes: Any) -> None:

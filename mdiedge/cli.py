@@ -15,7 +15,7 @@ import typer
 from .base import defaults
 from .base.errors import MdiedgeError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Model-distributed inference of decoder-only LLMs across small devices.")
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -79,14 +79,19 @@ def _check_url(option: str, url: str) -> str:
     return url.rstrip("/")
 
 
-@app.callback()
-def _root(version: bool = typer.Option(False, "--version", help="Print the version and exit.",
-                                        is_eager=True)) -> None:
-    if version:
+def _print_version(value: bool) -> None:
+    """``--version``: eager, so it answers before typer asks for a command."""
+    if value:
         from . import __version__
 
         typer.echo(__version__)
         raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", help="Print the version and exit.",
+                                        is_eager=True, callback=_print_version)) -> None:
+    pass
 
 
 @app.command()
@@ -104,7 +109,7 @@ def generate(
     top_k: int = typer.Option(defaults.TOP_K, help="Keep the k most likely tokens (0: off)."),
     top_p: float = typer.Option(defaults.TOP_P, help="Nucleus sampling threshold (1: off)."),
     device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
-    dtype: str = typer.Option("float32", help="float32 (default), bfloat16 or float16."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
     micro_batch: int = typer.Option(0, help="Samples per message / forward pass (0: chosen "
                                     "to keep every node busy)."),
     nodes: int = typer.Option(3, help="Nodes of the local ring started for this run (1: one "
@@ -394,7 +399,7 @@ def _from_command_line(ctx: typer.Context, name: str) -> bool:
     return ctx.get_parameter_source(param) == ParameterSource.COMMANDLINE
 
 
-config_app = typer.Typer(help="Config files.", no_args_is_help=True)
+config_app = typer.Typer(help="Config files.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(config_app, name="config")
 
 

@@ -139,3 +139,28 @@ def test_local_ring_workers_get_the_secret_on_a_pipe(ring_model: Path, monkeypat
         finally:
             engine.close()
     assert len(out.samples[0]["token_ids"]) == 8
+
+
+def test_version_prints_the_version() -> None:
+    from mdiedge import __version__
+
+    out = mdiedge("--version")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == __version__
+
+
+def help_text(*args: str) -> str:
+    import os
+
+    out = subprocess.run([sys.executable, "-m", "mdiedge", *args, "--help"], capture_output=True,
+                         text=True, timeout=60, env=dict(os.environ, COLUMNS="200"))
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_help_keeps_square_brackets() -> None:
+    assert "[worker]" in help_text("worker")
+    starter = help_text("starter")
+    assert "[starter]" in starter and "[[workers]]" in starter
+    generate = help_text("generate")
+    assert "(default)" not in generate and "[default: float32]" in " ".join(generate.split())

@@ -549,18 +549,16 @@ def status(
     ring: Optional[str] = typer.Option(None, help="Ring file (TOML) naming the workers."),
     starter: Optional[str] = typer.Option(None, help="URL of a running `mdiedge starter`."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+    wide: bool = typer.Option(False, "--wide", help="Show every column (default: those that "
+                              "fit the terminal)."),
 ) -> None:
-    """Show every node of the ring; exit code 69 when any node is down."""
-    from .runtime.control import call
+    """Show every node of the ring. Exit code 0 when every node answered, 69 when any node
+    is down, 77 when none is down but a node refused the request as unsigned or wrongly
+    signed (state "unauthorized": set MDIEDGE_SECRET or the ring file's secret)."""
+    from .ops.console import print_status, refused, starter_nodes
 
     if starter:
-        url = _check_url("--starter", starter)
-        try:
-            nodes = call(url, "GET", "/status", timeout=10, node="starter",
-                         auth=_client_auth())["nodes"]
-        except MdiedgeError as e:
-            nodes = [{"role": "starter", "name": "starter", "address": starter, "state": "down",
-                      "error": str(e)}]
+        nodes = starter_nodes(_check_url("--starter", starter), starter, _client_auth())
     elif ring:
         from .base.ringfile import load_ring
         from .runtime.auth import Authenticator
@@ -571,15 +569,15 @@ def status(
         nodes = [ControlClient(w, auth).status().to_json() for w in workers]
     else:
         raise fail("pass --ring FILE or --starter URL", 2)
+    nodes = [refused(node) for node in nodes]
     down = [n["name"] for n in nodes if n.get("state") == "down"]
+    denied = [n["name"] for n in nodes if n.get("state") == "unauthorized"]
     if as_json:
-        typer.echo(json.dumps({"nodes": nodes, "down": down}))
+        typer.echo(json.dumps({"nodes": nodes, "down": down, "unauthorized": denied}))
     else:
-        from .ops.console import print_status
-
-        print_status(nodes)
-    if down:
-        raise typer.Exit(69)
+        print_status(nodes, wide)
+    if down or denied:
+        raise typer.Exit(69 if down else 77)
 
 
 def _client_auth() -> Any:

@@ -62,3 +62,69 @@ def test_streamed_text_is_continuous_in_a_terminal() -> None:
     seen = as_seen(in_terminal(args))
     assert expected in seen, (expected, seen)
     assert re.search(r"\[40 tokens in [0-9.]+ s, [0-9.]+ tok/s\]", seen), seen
+
+
+SECRET = "status-secret-0123456789abcdef0123"
+
+
+def fake_nodes() -> List[dict]:
+    from mdiedge.runtime.protocol import NodeStatus
+
+    starter = NodeStatus("starter", "starter", "ready", address="192.168.100.200:7600",
+                         version="0.1.0", model="nanollama", hash="0123456789abcdef",
+                         device="cpu", layers=[0, 2], rss_bytes=412 << 20, weight_bytes=9 << 20,
+                         kv_bytes=3 << 20, slots_in_use=0, messages=12345, tokens=678,
+                         busy_fraction=0.4567, link_rtt_ms=0.123, uptime_s=12345.6, pid=1)
+    worker = NodeStatus(**dict(starter.to_json(), role="worker", name="worker-kitchen",
+                               state="busy", address="192.168.100.201:7601", layers=[2, 5]))
+    down = NodeStatus.down("worker", "worker-garage", "192.168.100.202:7601",
+                           "worker-garage is unreachable: connection refused")
+    return [n.to_json() for n in (starter, worker, down)]
+
+
+def fake_starter() -> "object":
+    """A control server answering GET /status like a starter, requiring SECRET."""
+    from mdiedge.runtime.auth import Authenticator
+    from mdiedge.runtime.control import ControlServer
+
+    nodes = fake_nodes()
+    server = ControlServer("127.0.0.1", 0, {("GET", "/status"): lambda b, r, q: {"nodes": nodes}},
+                           auth=Authenticator(SECRET.encode()))
+    server.start()
+    return server
+
+
+def status(url: str, columns: int, secret: str = SECRET, *more: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MDIEDGE_SECRET")}
+    env.update(COLUMNS=str(columns), MDIEDGE_SECRET=secret) if secret else env.update(COLUMNS=str(columns))
+    return subprocess.run([sys.executable, "-m", "mdiedge", "status", "--starter", url, *more],
+                          capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_status_table_fits_and_says_why_a_node_is_down() -> None:
+    server = fake_starter()
+    try:
+        for columns in (80, 120):
+            out = status(server.url, columns)  # type: ignore[attr-defined]
+            assert out.returncode == 69, out.stdout + out.stderr
+            lines = out.stdout.splitlines()
+            assert "…" not in out.stdout and max(len(line) for line in lines) <= columns, out.stdout
+            assert "worker-kitchen" in out.stdout and "linked" in out.stdout
+            assert "worker-garage: down: worker-garage is unreachable: connection refused" in out.stdout
+        wide = status(server.url, 80, SECRET, "--wide")  # type: ignore[attr-defined]
+        assert wide.returncode == 69 and "weights MB" in wide.stdout and "version" in wide.stdout
+        assert "…" not in wide.stdout
+    finally:
+        server.stop()  # type: ignore[attr-defined]
+
+
+def test_status_of_a_starter_that_refuses_us_is_unauthorized(tmp_path) -> None:
+    server = fake_starter()
+    try:
+        out = status(server.url, 120, "")  # type: ignore[attr-defined]
+        assert out.returncode == 77, out.stdout + out.stderr
+        assert "unauthorized" in out.stdout and "down" not in out.stdout
+        out = status(server.url, 120, "another-secret-0123456789abcdef01", "--json")  # type: ignore[attr-defined]
+        assert out.returncode == 77 and json.loads(out.stdout)["unauthorized"] == ["starter"]
+    finally:
+        server.stop()  # type: ignore[attr-defined]

@@ -2,10 +2,12 @@
 ring's status table. ``mdiedge.cli`` owns the commands; rich is imported only when drawn."""
 from __future__ import annotations
 
+import io
+import os
 import sys
-from typing import Any
+from typing import Any, Callable, Dict, List
 
-__all__ = ["Progress", "print_status"]
+__all__ = ["Progress", "print_status", "refused", "starter_nodes"]
 
 
 class Progress:
@@ -54,37 +56,116 @@ class Progress:
         self.stop()
 
 
-def print_status(nodes: Any) -> None:
-    from rich.console import Console
+# (header, value of a node's status) in the order of the wide table; DEFAULT: shown without
+# --wide, in the order they are dropped last-first when the terminal is too narrow
+def _mb(n: Any) -> str:
+    return "-" if n is None else f"{n / 2 ** 20:.1f}"
+
+
+COLUMNS: Dict[str, Callable[[Dict[str, Any]], str]] = {
+    "node": lambda n: str(n.get("name", "?")),
+    "role": lambda n: str(n.get("role", "?")),
+    "address": lambda n: str(n.get("address", "?")),
+    "state": lambda n: shown_state(n),
+    "model": lambda n: str(n.get("model") or "-"),
+    "hash": lambda n: (n.get("hash") or "-")[:12],
+    "layers": lambda n: f"{n['layers'][0]}-{n['layers'][1]}" if n.get("layers") else "-",
+    "device": lambda n: str(n.get("device") or "-"),
+    "RSS MB": lambda n: _mb(n.get("rss_bytes")),
+    "weights MB": lambda n: _mb(n.get("weight_bytes")),
+    "KV MB": lambda n: _mb(n.get("kv_bytes")),
+    "slots": lambda n: str(n.get("slots_in_use", "-")),
+    "messages": lambda n: str(n.get("messages", "-")),
+    "tokens": lambda n: str(n.get("tokens", "-")),
+    "busy": lambda n: f"{n['busy_fraction']:.2f}" if "busy_fraction" in n else "-",
+    "rtt ms": lambda n: str(n.get("link_rtt_ms") or "-"),
+    "uptime s": lambda n: str(n.get("uptime_s", "-")),
+    "version": lambda n: str(n.get("version", "-")),
+}
+IDENTITY = ("node", "role", "address", "state")
+DEFAULT = ("node", "state", "role", "address", "layers", "busy", "slots", "device", "RSS MB",
+           "KV MB", "rtt ms")
+
+
+def shown_state(node: Dict[str, Any]) -> str:
+    """A worker reports ``busy`` while its ring links are up, generating or not (the starter's
+    row says whether a generation runs): the table calls that ``linked``."""
+    state = str(node.get("state", "?"))
+    return "linked" if node.get("role") == "worker" and state == "busy" else state
+
+
+def _table(nodes: List[Dict[str, Any]], columns: List[str]) -> Any:
     from rich.table import Table
+
+    table = Table(title="mdiedge ring")
+    for column in COLUMNS:
+        if column in columns:
+            table.add_column(column, no_wrap=True)
+    for n in nodes:
+        unread = n.get("state") in ("down", "unauthorized")  # its numbers are not known
+        table.add_row(*("-" if unread and column not in IDENTITY else value(n)
+                        for column, value in COLUMNS.items() if column in columns))
+    return table
+
+
+def _fitting(nodes: List[Dict[str, Any]], columns: List[str], width: int) -> List[str]:
+    """The first of ``columns`` whose table fits in ``width`` characters (at least 3)."""
+    from rich.console import Console
+
+    while len(columns) > 3:
+        probe = Console(width=1000, file=io.StringIO(), color_system=None)
+        probe.print(_table(nodes, columns))
+        if max(len(line) for line in probe.file.getvalue().splitlines()) <= width:
+            break
+        columns = columns[:-1]
+    return columns
+
+
+def print_status(nodes: List[Dict[str, Any]], wide: bool = False) -> None:
+    """The ring's table (fitted to the terminal unless ``wide``), a line per node that is not
+    up saying why, then the experts' load if any."""
+    from rich.console import Console
 
     from ..model import expertstats
 
-    def mb(n: Any) -> str:
-        return "-" if n is None else f"{n / 2 ** 20:.1f}"
-
-    table = Table(title="mdiedge ring")
-    columns = ("node", "role", "address", "state", "model", "hash", "layers", "device", "RSS MB",
-               "weights MB", "KV MB", "slots", "messages", "tokens", "busy", "rtt ms", "uptime s",
-               "version")
-    for column in columns:
-        table.add_column(column)
-    for n in nodes:
-        layers = n.get("layers")
-        table.add_row(
-            n.get("name", "?"), n.get("role", "?"), n.get("address", "?"), n.get("state", "?"),
-            str(n.get("model") or "-"), (n.get("hash") or "-")[:12],
-            f"{layers[0]}-{layers[1]}" if layers else "-", str(n.get("device") or "-"),
-            mb(n.get("rss_bytes")), mb(n.get("weight_bytes")), mb(n.get("kv_bytes")),
-            str(n.get("slots_in_use", "-")), str(n.get("messages", "-")),
-            str(n.get("tokens", "-")), f"{n['busy_fraction']:.2f}" if "busy_fraction" in n else "-",
-            str(n.get("link_rtt_ms") or "-"), str(n.get("uptime_s", "-")), str(n.get("version", "-")))
     console = Console()
-    if not console.is_terminal:
+    if not console.is_terminal and "COLUMNS" not in os.environ:
         console = Console(width=240)  # a log or a pipe: do not truncate the columns
-    console.print(table)
+    columns = list(COLUMNS) if wide else _fitting(nodes, list(DEFAULT), console.width)
+    if wide:
+        console = Console(width=max(console.width, 1000), file=console.file, soft_wrap=True)
+    console.print(_table(nodes, columns), crop=False)
+    hidden = len(DEFAULT) - len(columns)
+    if hidden > 0:
+        console.print(f"({hidden} columns hidden at this width: --wide shows them all)",
+                      markup=False, highlight=False)
+    for n in nodes:
+        if n.get("error"):
+            console.print(f"{n.get('name', '?')}: {shown_state(n)}: {n['error']}", markup=False,
+                          highlight=False, soft_wrap=True)
     load = expertstats.merge(n.get("expert_load") or {} for n in nodes)
     if load:
         console.print("expert load since loading:")
         for line in expertstats.lines(load):
             console.print("  " + line)
+
+
+def starter_nodes(url: str, given: str, auth: Any) -> List[Dict[str, Any]]:
+    """The nodes a starter reports, or the starter alone: ``down`` or, when it refused our
+    signature (HTTP 401), ``unauthorized``; the reason in ``error``."""
+    from ..base.errors import MdiedgeError
+    from ..runtime.control import call
+
+    try:
+        return call(url, "GET", "/status", timeout=10, node="starter", auth=auth)["nodes"]
+    except MdiedgeError as e:
+        state = "unauthorized" if getattr(e, "status", None) == 401 else "down"
+        return [{"role": "starter", "name": "starter", "address": given, "state": state,
+                 "error": str(e)}]
+
+
+def refused(node: Dict[str, Any]) -> Dict[str, Any]:
+    """A node that refused our signature (401) is up, but not ours to read: unauthorized."""
+    if node.get("state") == "down" and "refused (401)" in str(node.get("error")):
+        node["state"] = "unauthorized"
+    return node

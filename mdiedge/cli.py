@@ -126,16 +126,17 @@ def generate(
     """Generate text from PROMPT, on a ring of nodes (by default a local ring of 3)."""
     from contextlib import ExitStack
 
-    from .model.sampling import SamplingParams
-
     _need(micro_batch >= 0, "--micro-batch", micro_batch, "an integer >= 0")
     _need(stall_timeout is None or _seconds(stall_timeout), "--stall-timeout", stall_timeout,
           "a number of seconds > 0")
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    if starter:
+    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+    if starter:  # no torch here: the starter checks the values and samples
         _generate_through(_check_url("--starter", starter), prompt, max_new_tokens, samples,
-                          params, micro_batch, as_json)
+                          sampling, micro_batch, as_json)
         return
+    from .model.sampling import SamplingParams
+
+    params = SamplingParams(**sampling)
     from .ops.console import Progress
 
     with ExitStack() as stack:
@@ -150,13 +151,12 @@ def generate(
                        nodes if ring is None else len(engine.workers) + 1, progress)
 
 
-def _generate_through(url: str, prompt: str, max_new_tokens: int, samples: int, params: Any,
-                      micro_batch: int, as_json: bool) -> None:
+def _generate_through(url: str, prompt: str, max_new_tokens: int, samples: int,
+                      sampling: Dict[str, Any], micro_batch: int, as_json: bool) -> None:
     from .runtime.control import call
 
-    body = {"prompt": prompt, "max_new_tokens": max_new_tokens, "samples": samples,
-            "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
-            "seed": params.seed, "micro_batch": micro_batch}
+    body = dict(sampling, prompt=prompt, max_new_tokens=max_new_tokens, samples=samples,
+                micro_batch=micro_batch)
     result = call(url, "POST", "/generate", body, timeout=3600, node="starter",
                   auth=_client_auth())
     if as_json:

@@ -128,3 +128,30 @@ def test_status_of_a_starter_that_refuses_us_is_unauthorized(tmp_path) -> None:
         assert out.returncode == 77 and json.loads(out.stdout)["unauthorized"] == ["starter"]
     finally:
         server.stop()  # type: ignore[attr-defined]
+
+
+def test_generate_through_a_starter_imports_no_torch() -> None:
+    """One request to a starter needs no torch (it costs seconds to import)."""
+    from mdiedge.runtime.auth import Authenticator
+    from mdiedge.runtime.control import ControlServer
+
+    def generate(body: dict, raw: bytes, query: dict) -> dict:
+        return {"prompt": body["prompt"], "samples": [{"index": 0, "text": " there",
+                                                       "finish_reason": "length"}],
+                "timing": {"new_tokens": 1, "total_s": 0.01, "tokens_per_s": 100.0}}
+
+    server = ControlServer("127.0.0.1", 0, {("POST", "/generate"): generate},
+                           auth=Authenticator(SECRET.encode())).start()
+    code = ("import sys\nfrom mdiedge.cli import app\n"
+            f"sys.argv = ['mdiedge', 'generate', 'hi', '-n', '1', '--starter', {server.url!r}]\n"
+            "try:\n    app()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('torch' in sys.modules)\n")
+    env = dict(os.environ, MDIEDGE_SECRET=SECRET)
+    env.pop("MDIEDGE_SECRET_FILE", None)
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60, env=env)
+    finally:
+        server.stop()
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["hi there", "False"], out.stdout + out.stderr

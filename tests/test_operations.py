@@ -48,11 +48,8 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def stories_model() -> Path:
-    path = Path(__file__).resolve().parent.parent.parent / "shared" / "models" / "stories260k"
-    if not (path / "stories260K.bin").exists():
-        pytest.skip(f"stories260K not found at {path} (../shared is missing)")
-    return path
+def stories_model(stories: Path) -> Path:
+    return stories  # the conftest fixture: tests/data/stories260k, ../shared as a fallback
 
 
 @pytest.fixture(scope="module")

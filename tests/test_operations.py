@@ -102,14 +102,15 @@ def test_second_starter_is_refused_while_the_first_generates(cluster: Dict[str, 
         if nodes[0]["state"] == "busy":
             break
         time.sleep(0.05)
+    # first, while the long request surely runs: more samples than the busy ring holds
+    with pytest.raises(RingError, match="409.*busy"):
+        call(cluster["url"], "POST", "/generate", {"max_new_tokens": 5, "samples": 8}, auth=auth)
     workers = [NodeSpec(f"w{i + 1}", "127.0.0.1", info["control_port"])
                for i, (_, info) in enumerate(cluster["workers"])]
     intruder = RingEngine(workers, stories_model / "stories260K.bin", stories_model / "tok512.model",
                           secret=SECRET.encode())
     with pytest.raises(RingError, match="refused \\(409\\).*serving another starter"):
-        intruder.prepare(1, 64)
-    with pytest.raises(RingError, match="409.*busy"):  # more samples than the busy ring holds
-        call(cluster["url"], "POST", "/generate", {"max_new_tokens": 5, "samples": 8}, auth=auth)
+        intruder.prepare(1, 64)  # the workers' lease holds while their ring is up
     # one that fits waits for a free KV slot (continuous batching) and completes
     small = call(cluster["url"], "POST", "/generate", {"max_new_tokens": 5}, timeout=120, auth=auth)
     assert len(small["samples"][0]["token_ids"]) == 5
@@ -145,7 +146,8 @@ def test_control_plane_refuses_wrong_or_missing_secret(cluster: Dict[str, Any], 
     with pytest.raises(RingError, match=f"401.*{reason}"):
         call(f"http://127.0.0.1:{port}", "POST", "/reset", {}, auth=auth)
     out = mdiedge("status", "--starter", cluster["url"], "--json", secret=secret or "x" * 20)
-    assert out.returncode == 69
+    assert out.returncode == 77  # unauthorized, told apart from a node that is down (69)
+    assert json.loads(out.stdout)["unauthorized"] == ["starter"]
 
 
 def test_replayed_control_request_is_refused(cluster: Dict[str, Any]) -> None:

@@ -53,5 +53,5 @@ def test_bad_values_are_one_line_errors(args: List[str], message: str) -> None:
 def test_bad_threads_in_a_config_fail_the_check_and_the_worker(tmp_path: Path, value: str) -> None:
     config = tmp_path / "worker.toml"
     config.write_text(f"[worker]\nthreads = {value}\n")
-    assert_one_line(mdiedge("config", "check", str(config)), f"worker.threads: expected an integer 0..4096")
-    assert_one_line(mdiedge("worker", "--config", str(config)), f"worker.threads: expected an integer 0..4096")
+    assert_one_line(mdiedge("config", "check", str(config)), "worker.threads: expected an integer 0..4096")
+    assert_one_line(mdiedge("worker", "--config", str(config)), "worker.threads: expected an integer 0..4096")

@@ -16,7 +16,6 @@ from types import ModuleType
 from typing import Any, Iterator, List, Tuple
 
 import pytest
-import torch
 
 from conftest import make_hf_llama, write_tiny_tokenizer
 from mdiedge.base.accel import implementations

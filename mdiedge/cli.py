@@ -412,10 +412,13 @@ def config_check(file: str = typer.Argument(..., help="The TOML file to validate
     typer.echo(check_config(file))
 
 
-def _env_secret() -> Optional[bytes]:
-    from .base.settings import read_secret
+@config_app.command("init")
+@one_line_errors
+def config_init(kind: str = typer.Argument(..., help="worker, starter or ring.")) -> None:
+    """Print a commented config skeleton of KIND: redirect it into a file and edit it."""
+    from .ops.units import skeleton
 
-    return read_secret(None)
+    typer.echo(skeleton(kind), nl=False)
 
 
 def _serve_under_systemd(stopped: Any, status: str, heartbeat: Any = None) -> None:
@@ -581,9 +584,10 @@ def status(
 
 
 def _client_auth() -> Any:
+    from .base.settings import read_secret
     from .runtime.auth import Authenticator
 
-    return Authenticator(_env_secret())
+    return Authenticator(read_secret(None))
 
 
 def main() -> None:

@@ -208,3 +208,30 @@ def test_config_skeletons_show_the_defaults(tmp_path: Path) -> None:
         (default_worker.control_port, default_worker.data_port, default_worker.idle_timeout_s)
     assert ring.starter.control_port == default_starter.control_port
     assert [w.control_port for w in ring.workers] == [default_worker.control_port]
+
+
+@pytest.mark.parametrize("kind", ["worker", "starter", "ring"])
+def test_config_init_round_trips_through_config_check(tmp_path: Path, kind: str) -> None:
+    import subprocess
+    import sys
+
+    from mdiedge.base.settings import check_config
+
+    out = subprocess.run([sys.executable, "-m", "mdiedge", "config", "init", kind],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == units.skeleton(kind)
+    path = tmp_path / f"{kind}.toml"
+    path.write_text(out.stdout)
+    assert check_config(path).startswith(f"{path}: valid;")
+
+
+def test_config_init_refuses_an_unknown_kind() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "mdiedge", "config", "init", "gateway"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr == "mdiedge: error: unknown config kind 'gateway'; choose worker, " \
+                         "starter or ring\n"

@@ -23,6 +23,7 @@ from typing import List, Optional, Sequence
 from ..base.defaults import (IDLE_TIMEOUT_S, STARTER_CONTROL_PORT, WORKER_CONTROL_PORT,
                              WORKER_DATA_PORT)
 from ..base.dtypes import TABLE as DTYPE_TABLE
+from ..base.errors import ConfigError
 
 UNIT_NAMES = ("mdiedge-worker.service", "mdiedge-worker@.service", "mdiedge-starter.service")
 DEFAULT_UNIT_DIR = Path("/etc/systemd/system")
@@ -125,6 +126,20 @@ weight = 1.0
 """
 
 CONFIGS = {"mdiedge.toml": WORKER_CONFIG, "starter.toml": STARTER_CONFIG}
+SKELETONS = {"worker": WORKER_CONFIG, "starter": STARTER_CONFIG,
+             "ring": STARTER_CONFIG.replace(
+                 "# mdiedge starter config (/etc/mdiedge/starter.toml), read by "
+                 "mdiedge-starter.service.",
+                 "# mdiedge ring file, for `mdiedge generate --ring FILE` and `mdiedge status "
+                 "--ring FILE`.", 1)}
+
+
+def skeleton(kind: str) -> str:
+    """The commented config skeleton of ``kind`` (worker, starter or ring)."""
+    try:
+        return SKELETONS[kind]
+    except KeyError:
+        raise ConfigError(f"unknown config kind {kind!r}; choose worker, starter or ring") from None
 
 _EXEC_START = re.compile(r"^(ExecStart=[-@:+!]*)(\S+)(.*)$", re.MULTILINE)
 

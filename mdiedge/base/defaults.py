@@ -26,6 +26,7 @@ MAX_PAYLOAD = 64 << 20  # bytes of one frame's tensor; larger frames close the l
 RING_TIMEOUT_S = 60.0  # a message not back around the ring within this is a failure
 IDLE_TIMEOUT_S = 60.0  # a worker whose starter is silent this long returns to idle
 LINK_ACCEPT_TIMEOUT_S = 30.0  # a node waits this long for its previous node's link
+LINK_RETRY_S = 10.0  # a node retries its link to the next node this long
 COMPUTE_STALL_S = 60.0  # a worker busy this long on one message stops its systemd watchdog
 LOCAL_RING_TIMEOUT_S = 15.0  # `generate --nodes N`: a message not back within this is a stall
 DIAGNOSE_TIMEOUT_S = 2.0  # a node whose control plane does not answer within this is down

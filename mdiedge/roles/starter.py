@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
 from .. import __version__
+from ..base import defaults
 from ..base.errors import GenerationError, RingError
 from ..base.memory import max_rss_bytes, rss_bytes
 from ..base.nodes import NodeSpec, StarterOptions
@@ -40,8 +41,6 @@ from .ring import RingTail, probe_all
 log = logging.getLogger("mdiedge.starter")
 
 ASSIGN_TIMEOUT_S = 600.0  # loading (or receiving) a layer range may take minutes
-LINK_RETRY_S = 10.0  # the starter retries its link to the first worker this long
-LINK_ACCEPT_S = 30.0  # and waits this long for the last worker's link
 
 
 class RingStarter:
@@ -158,8 +157,9 @@ class RingStarter:
         try:
             outbound = connect_authenticated(first.host, ports[0], auth,
                                              f"{first.name} ({first.host}:{ports[0]})",
-                                             retry_s=LINK_RETRY_S)
-            inbound = accept_authenticated(self.listener, auth, LINK_ACCEPT_S, "starter")
+                                             retry_s=defaults.LINK_RETRY_S)
+            inbound = accept_authenticated(self.listener, auth, defaults.LINK_ACCEPT_TIMEOUT_S,
+                                           "starter")
             links = LinkPair(inbound, outbound, self.options.max_payload, "starter")
         except Exception as e:  # OSError, AuthError (a RingError) or anything else
             close_quietly(outbound)

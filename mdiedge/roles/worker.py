@@ -34,7 +34,6 @@ from ..runtime.stages import LocalStage
 
 log = logging.getLogger("mdiedge.worker")
 
-LINK_RETRY_S = 10.0  # a worker retries its link to the next node this long
 
 
 def default_cache_dir() -> Path:
@@ -296,7 +295,7 @@ class WorkerNode:
                                            self.name, cancelled=moved_on)
             outbound = connect_authenticated(request.next_host, request.next_port, auth,
                                              f"next node {request.next_host}:{request.next_port}",
-                                             retry_s=LINK_RETRY_S, cancelled=moved_on)
+                                             retry_s=defaults.LINK_RETRY_S, cancelled=moved_on)
             return LinkPair(inbound, outbound, self.assignment.max_payload, self.name)
         except Exception as e:  # OSError, AuthError (a RingError), or anything else
             side = "no previous node connected" if inbound is None else \

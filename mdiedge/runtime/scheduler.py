@@ -24,10 +24,11 @@ from . import messages
 from .generation import Generation, Sample, Timing
 from .messages import Message
 from .pipeline import ModelEnds, Pipeline
+from .slots import MAX_SAMPLE_ID
 from .stages import LocalStage
 from ..base.errors import GenerationError, MdiedgeError, RingError
 
-_ID_SPACE = 2 ** 32 - 1  # sample ids are u32 on the wire; 0 is never used
+_ID_SPACE = MAX_SAMPLE_ID  # sample ids and seqs are u32 on the wire; 0 is never used
 
 
 def group_size(n_samples: int, micro_batch: int, nodes: int, max_rows: int = 0) -> int:

@@ -31,7 +31,7 @@ LAYERS: Tuple[Tuple[str, int], ...] = (
     ("mdiedge.runtime.*", 2),  # framing, links, auth, control, partition, generation, ...
     ("mdiedge.roles.*", 3),    # starter, worker, local_ring, engine
     ("mdiedge.ops.*", 4),      # serve, bench, units, sdnotify
-    ("mdiedge.cli", 5),
+    ("mdiedge.cli.*", 5),
     ("mdiedge.__main__", 5),
 )
 

@@ -1,0 +1,20 @@
+"""The ``mdiedge`` command line: thin typer commands; errors become one line and an exit code.
+
+torch is imported only inside commands, so ``mdiedge --help`` answers fast. Each module below
+registers its commands on :data:`app`.
+"""
+from __future__ import annotations
+
+# registered in the order ``mdiedge --help`` lists them
+from . import generate, nodes, status, bench, config  # noqa: F401, I001
+from .app import app
+
+__all__ = ["app", "main"]
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""The root typer app and what every command shares: one-line errors, value checks, the
+client's signature and the systemd service loop."""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable, TypeVar
+
+import typer
+
+from ..base.errors import MdiedgeError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="Model-distributed inference of decoder-only LLMs across small devices.")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def fail(message: str, code: int = 1) -> "typer.Exit":
+    typer.echo(f"mdiedge: error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def one_line_errors(func: F) -> F:
+    """Turn mdiedge errors, Ctrl-C and OS errors into one stderr line and an exit code."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except MdiedgeError as e:
+            raise fail(str(e).replace("\n", " "), e.exit_code) from None
+        except KeyboardInterrupt:
+            raise fail("interrupted", 130) from None
+        except OSError as e:
+            raise fail(f"{e.filename or ''}: {e.strerror or e}".lstrip(": ")) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def need(ok: bool, option: str, value: Any, expected: str) -> None:
+    """A command-line value out of range is one line naming the option and the value."""
+    if not ok:
+        raise fail(f"{option}: expected {expected}, got {value!r}", 2)
+
+
+def seconds_ok(value: float) -> bool:
+    import math
+
+    return math.isfinite(value) and value > 0
+
+
+def check_port(option: str, port: int) -> None:
+    need(0 <= port <= 65535, option, port, "a port 0..65535")
+
+
+def check_log_level(level: str) -> None:
+    from ..base.settings import LOG_LEVELS
+
+    need(level.lower() in LOG_LEVELS, "--log-level", level, "one of " + ", ".join(LOG_LEVELS))
+
+
+def check_url(option: str, url: str) -> str:
+    """``url`` if it is an http(s) URL with a host (and a valid port), else a one-line error."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range
+    except ValueError:
+        ok = False
+    need(ok, option, url, "an http:// URL such as http://10.0.0.1:7600")
+    return url.rstrip("/")
+
+
+def _print_version(value: bool) -> None:
+    """``--version``: eager, so it answers before typer asks for a command."""
+    if value:
+        from .. import __version__
+
+        typer.echo(__version__)
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", help="Print the version and exit.",
+                                        is_eager=True, callback=_print_version)) -> None:
+    pass
+
+
+
+def serve_under_systemd(stopped: Any, status: str, heartbeat: Any = None) -> None:
+    """READY=1 now (the node listens and holds what it was configured to load), WATCHDOG=1
+    pings while it runs (for a worker, only while its compute makes progress: see
+    ``Heartbeat``), STOPPING=1 once a stop is requested; returns then."""
+    from ..ops.sdnotify import Watchdog, always_healthy, notify, watchdog_interval
+
+    notify(f"READY=1\nSTATUS={status}\nMAINPID={os.getpid()}")
+    interval = watchdog_interval()
+    if interval is not None:
+        healthy = heartbeat.healthy if heartbeat is not None else always_healthy
+        reason = heartbeat.reason if heartbeat is not None else None
+        Watchdog(interval, stopped, healthy, reason).start()
+    while not stopped.wait(0.5):  # a timed wait lets signal handlers run
+        pass
+    notify("STOPPING=1")
+
+
+def terminate_gracefully() -> None:
+    """SIGTERM unwinds like Ctrl-C, so every process a command started is stopped."""
+    import signal
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+
+def client_auth() -> Any:
+    from ..base.settings import read_secret
+    from ..runtime.auth import Authenticator
+
+    return Authenticator(read_secret(None))

@@ -1,0 +1,184 @@
+"""``mdiedge generate``: one generation on a local ring, a ring file's workers or a running
+starter; one sample streams to stdout."""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Callable, Dict, Optional
+
+import typer
+
+from ..base import defaults
+from .app import (
+    app,
+    check_url,
+    client_auth,
+    need,
+    one_line_errors,
+    seconds_ok,
+    terminate_gracefully,
+)
+
+
+@app.command()
+@one_line_errors
+def generate(
+    prompt: str = typer.Argument(..., help="Text to continue ('' starts from BOS alone)."),
+    max_new_tokens: int = typer.Option(defaults.MAX_NEW_TOKENS, "-n", "--max-new-tokens",
+                                       help="Token budget per sample."),
+    model: Optional[str] = typer.Option(None, help="HF model directory or llama2.c .bin file "
+                                        "(default: the shipped NanoLlama)."),
+    tokenizer: Optional[str] = typer.Option(None, help="Tokenizer file, if not the model's own."),
+    samples: int = typer.Option(1, help="Number of samples generated together."),
+    seed: int = typer.Option(defaults.SEED, help="Random seed; sample i uses its own stream."),
+    temperature: float = typer.Option(defaults.TEMPERATURE, help="0 is greedy."),
+    top_k: int = typer.Option(defaults.TOP_K, help="Keep the k most likely tokens (0: off)."),
+    top_p: float = typer.Option(defaults.TOP_P, help="Nucleus sampling threshold (1: off)."),
+    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    micro_batch: int = typer.Option(0, help="Samples per message / forward pass (0: chosen "
+                                    "to keep every node busy)."),
+    nodes: int = typer.Option(3, help="Nodes of the local ring started for this run (1: one "
+                              "process, no ring)."),
+    ring: Optional[str] = typer.Option(None, help="Ring file (TOML) of running workers."),
+    starter: Optional[str] = typer.Option(None, help="URL of a running `mdiedge starter` to "
+                                          "generate through."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
+    stall_timeout: Optional[float] = typer.Option(
+        None, "--stall-timeout", metavar="SECONDS", help="A message not back around the ring "
+        f"within this is a failure, and the node that froze is named (default: "
+        f"{defaults.LOCAL_RING_TIMEOUT_S:g} for a local ring, the ring file's timeout_s)."),
+) -> None:
+    """Generate text from PROMPT, on a ring of nodes (by default a local ring of 3)."""
+    from contextlib import ExitStack
+
+    need(micro_batch >= 0, "--micro-batch", micro_batch, "an integer >= 0")
+    need(stall_timeout is None or seconds_ok(stall_timeout), "--stall-timeout", stall_timeout,
+          "a number of seconds > 0")
+    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+    if starter:  # no torch here: the starter checks the values and samples
+        _generate_through(check_url("--starter", starter), prompt, max_new_tokens, samples,
+                          sampling, micro_batch, as_json)
+        return
+    from ..model.sampling import SamplingParams
+
+    params = SamplingParams(**sampling)
+    from ..ops.console import Progress
+
+    with ExitStack() as stack:
+        terminate_gracefully()
+        progress = stack.enter_context(Progress(max_new_tokens * samples, not as_json,
+                                                streaming=samples == 1 and not as_json))
+        progress.phase("loading" if ring is None and nodes == 1 else
+                       "connecting" if ring is not None else "starting nodes")
+        engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring, stall_timeout,
+                              lambda e: e.new_generation(prompt, max_new_tokens, samples, params, None))
+        _generate_with(engine, prompt, max_new_tokens, samples, params, micro_batch, as_json,
+                       nodes if ring is None else len(engine.workers) + 1, progress)
+
+
+def _generate_through(url: str, prompt: str, max_new_tokens: int, samples: int,
+                      sampling: Dict[str, Any], micro_batch: int, as_json: bool) -> None:
+    from ..runtime.control import call
+
+    body = dict(sampling, prompt=prompt, max_new_tokens=max_new_tokens, samples=samples,
+                micro_batch=micro_batch)
+    result = call(url, "POST", "/generate", body, timeout=3600, node="starter",
+                  auth=client_auth())
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    for sample in result["samples"]:
+        if len(result["samples"]) > 1:
+            typer.echo(f"--- sample {sample['index']} ({sample['finish_reason']}) ---")
+        typer.echo(prompt + sample["text"])
+    t = result["timing"]
+    typer.echo(f"[{t['new_tokens']} tokens in {t['total_s']:.2f} s, {t['tokens_per_s']:.1f} tok/s]",
+               err=True)
+
+
+
+def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], device: str,
+                 dtype: str, nodes: int, ring: Optional[str], stall: Optional[float],
+                 check: Callable[[Any], Any]) -> Any:
+    """The engine for ``--nodes``/``--ring``; ``check`` validates the request (given the
+    model's text side) before any node process is started; ``stall``: ``--stall-timeout``."""
+    need(ring is not None or nodes >= 1, "--nodes", nodes, "an integer >= 1")
+    if ring is None and nodes == 1:
+        from ..roles.engine import LocalEngine
+
+        local = LocalEngine(model, tokenizer, device=device, dtype=dtype)
+        check(local)
+        return local
+    from ..model.devices import parse_device, parse_dtype
+    from ..roles.engine import TextModel
+    from ..roles.starter import RingEngine
+
+    parse_device(device), parse_dtype(dtype)  # errors before any node process starts
+    check(TextModel(model, tokenizer))
+    if ring is not None:
+        from ..base.nodes import StarterOptions
+        from ..base.ringfile import load_ring
+
+        found, workers = load_ring(ring, secret=True)  # [starter] secret(_file), else the env
+        if stall is not None:
+            found["timeout_s"] = stall
+        engine = RingEngine(workers, model, tokenizer, StarterOptions(**found), dtype=dtype)
+    else:
+        import torch
+
+        from ..roles.local_ring import LocalRing, threads_per_node
+
+        threads = threads_per_node(nodes)
+        torch.set_num_threads(threads)
+        local_ring = LocalRing(nodes - 1, threads=threads, device=device)
+        workers = stack.enter_context(local_ring)
+        engine = RingEngine(workers, model, tokenizer, device=device, dtype=dtype,
+                            secret=local_ring.secret,
+                            timeout_s=stall or defaults.LOCAL_RING_TIMEOUT_S)
+    stack.callback(engine.close)
+    return engine
+
+
+def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, params: Any,
+                   micro_batch: int, as_json: bool, n_nodes: int, progress: Any) -> None:
+    """Generate on ``engine``; one sample streams to stdout, the prompt written with the first
+    token (once ``progress`` has left the terminal to the text)."""
+    import time
+
+    stream = samples == 1 and not as_json
+    decoder = None
+    if stream:
+        from ..model.tokenizer import StreamDecoder
+
+        decoder = StreamDecoder(engine.tokenizer, engine.encode_prompt(prompt))
+    started = time.perf_counter()
+    produced = 0
+
+    def on_token(index: int, token: int) -> None:
+        nonlocal produced
+        produced += 1
+        progress.advance(produced, produced / max(time.perf_counter() - started, 1e-9))
+        if decoder is not None:
+            sys.stdout.write((prompt if produced == 1 else "") + decoder.push(token))
+            sys.stdout.flush()
+
+    progress.phase("prefill")
+    out = engine.generate(prompt, max_new_tokens, samples, params, micro_batch, on_token)
+    progress.stop()
+    if as_json:
+        result = out.as_dict()
+        result["model"] = str(engine.path)
+        result["nodes"] = n_nodes
+        typer.echo(json.dumps(result))
+        return
+    if stream:
+        sys.stdout.write(("" if produced else prompt) + "\n")
+        sys.stdout.flush()
+    else:
+        for sample in out.samples:
+            typer.echo(f"--- sample {sample['index']} ({sample['finish_reason']}) ---")
+            typer.echo(prompt + sample["text"])
+    t = out.timing
+    typer.echo(f"[{t.new_tokens} tokens in {t.total_s:.2f} s, {t.tokens_per_s:.1f} tok/s]", err=True)
+

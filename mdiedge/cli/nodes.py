@@ -1,0 +1,227 @@
+"""``mdiedge worker`` and ``mdiedge starter``: the long-lived nodes."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Dict, Optional
+
+import typer
+
+from ..base import defaults
+from .app import (
+    app,
+    check_log_level,
+    check_port,
+    need,
+    one_line_errors,
+    seconds_ok,
+    serve_under_systemd,
+)
+
+
+@app.command()
+@one_line_errors
+def worker(
+    ctx: typer.Context,
+    config: Optional[str] = typer.Option(None, help="Worker config (TOML, [worker] table); "
+                                         "default $MDIEDGE_CONFIG, then /etc/mdiedge/mdiedge.toml."),
+    no_config: bool = typer.Option(False, "--no-config", help="Read no config file."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (control and data)."),
+    control_port: int = typer.Option(defaults.WORKER_CONTROL_PORT,
+                                     help="HTTP control port (0: any free port)."),
+    data_port: int = typer.Option(defaults.WORKER_DATA_PORT,
+                                  help="Data-plane port (0: any free port)."),
+    threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
+    name: str = typer.Option("worker", help="Name shown in logs and status."),
+    cache_dir: Optional[str] = typer.Option(None, help="Where received weights are cached."),
+    log_level: str = typer.Option("info", help="debug, info, warning or error."),
+    parent_pid: int = typer.Option(0, help="Exit when this process is gone (local rings)."),
+    insecure: bool = typer.Option(False, help="Allow a non-loopback address without a secret."),
+    idle_timeout: float = typer.Option(defaults.IDLE_TIMEOUT_S, help="Seconds of starter silence before the "
+                                       "worker frees its slots and returns to idle."),
+    secret_fd: int = typer.Option(-1, help="Read the ring secret from this inherited file "
+                                  "descriptor (a pipe; local rings), not the config or env."),
+) -> None:
+    """Run a worker node: it waits for a starter to assign it layers."""
+    import logging
+
+    from ..base.settings import WorkerSettings, find_config, load_settings
+
+    need(parent_pid >= 0, "--parent-pid", parent_pid, "a process id >= 0")
+    section = WorkerSettings()
+    path = None if no_config else find_config(config)
+    if path is not None:
+        section = load_settings(path).worker or section
+    # a flag given on the command line wins over the file, the file over the flag's default
+    flags = {"host": host, "control_port": control_port, "data_port": data_port,
+             "threads": threads, "name": name, "cache_dir": cache_dir, "log_level": log_level,
+             "insecure": insecure, "idle_timeout_s": idle_timeout}
+    _check_worker_flags(flags)
+    chosen = {key: value if _from_command_line(ctx, key) or key not in section.keys_set
+              else getattr(section, key) for key, value in flags.items()}
+    logging.basicConfig(level=chosen["log_level"].upper(), stream=sys.stderr,
+                        format=f"%(asctime)s {chosen['name']} %(levelname)s %(message)s")
+    secret = _secret_from_fd(secret_fd) if secret_fd >= 0 else None
+    _run_worker(chosen, section, parent_pid, secret)
+
+
+def _check_worker_flags(flags: Dict[str, Any]) -> None:
+    """The worker's command-line values (a config file's are checked by its schema)."""
+    for key in ("control_port", "data_port"):
+        check_port("--" + key.replace("_", "-"), flags[key])
+    need(0 <= flags["threads"] <= defaults.MAX_THREADS, "--threads", flags["threads"],
+          f"an integer 0..{defaults.MAX_THREADS}")
+    check_log_level(flags["log_level"])
+    need(seconds_ok(flags["idle_timeout_s"]), "--idle-timeout", flags["idle_timeout_s"],
+          "a number of seconds > 0")
+
+
+def _secret_from_fd(fd: int) -> bytes:
+    """The secret written to inherited descriptor ``fd`` (read to its end, then closed): the
+    secret stays out of the environment and the command line."""
+    from ..base.errors import ConfigError
+    from ..base.settings import MIN_SECRET_BYTES
+
+    try:
+        with os.fdopen(fd, "rb") as pipe:
+            secret = pipe.read().rstrip(b"\n")
+    except OSError as e:
+        raise ConfigError(f"--secret-fd {fd}: cannot read the secret: {e.strerror or e}") from None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(f"--secret-fd {fd}: expected a secret of at least {MIN_SECRET_BYTES} "
+                          f"bytes, got {len(secret)} bytes")
+    return secret
+
+
+def _run_worker(chosen: Dict[str, Any], section: Any, parent_pid: int,
+                secret: Optional[bytes]) -> None:
+    """Start the worker node of the ``chosen`` settings and serve until it is stopped."""
+    import signal
+    from pathlib import Path
+
+    import torch
+
+    from ..base.settings import read_secret
+    from ..ops.sdnotify import Heartbeat
+    from ..roles.worker import WorkerNode
+
+    if chosen["threads"] > 0:
+        torch.set_num_threads(chosen["threads"])
+    heartbeat = Heartbeat(stall_limit=defaults.COMPUTE_STALL_S)
+    node = WorkerNode(chosen["host"], chosen["control_port"], chosen["data_port"],
+                      Path(chosen["cache_dir"]) if chosen["cache_dir"] else None,
+                      name=chosen["name"],
+                      secret=secret if secret is not None else read_secret(section),
+                      insecure=chosen["insecure"], idle_timeout_s=chosen["idle_timeout_s"],
+                      heartbeat=heartbeat)
+    if section.model is not None:
+        node.preload(section.model, section.layers, section.device, section.dtype)
+    node.start()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: node.stopped.set())
+    if parent_pid:
+        _stop_with_parent(parent_pid, node.stopped)
+    typer.echo(json.dumps({"event": "ready", "name": chosen["name"],
+                           "control_port": node.control.port, "data_port": node.data_port,
+                           "pid": os.getpid()}))
+    sys.stdout.flush()
+    serve_under_systemd(node.stopped, f"{chosen['name']} listening on "
+                                       f"{chosen['host']}:{node.control.port}", heartbeat)
+    node.close()
+
+
+def _stop_with_parent(parent_pid: int, stopped: Any) -> None:
+    """Set ``stopped`` once the process ``parent_pid`` is no longer our parent."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while not stopped.is_set():
+            if os.getppid() != parent_pid:
+                stopped.set()
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="parent", daemon=True).start()
+
+
+def _from_command_line(ctx: typer.Context, name: str) -> bool:
+    from click.core import ParameterSource
+
+    param = {"idle_timeout_s": "idle_timeout"}.get(name, name)
+    return ctx.get_parameter_source(param) == ParameterSource.COMMANDLINE
+
+
+@app.command("starter")
+@one_line_errors
+def starter_command(
+    config: Optional[str] = typer.Option(None, help="Starter config (TOML): [starter] and "
+                                         "[[workers]]; default $MDIEDGE_CONFIG, then "
+                                         "/etc/mdiedge/mdiedge.toml."),
+    control_port: Optional[int] = typer.Option(None, help="Port of this starter's control "
+                                               "plane (default: the config's, else 7600)."),
+    model: Optional[str] = typer.Option(None, help="Model (default: the config's, else the "
+                                        "shipped NanoLlama)."),
+    tokenizer: Optional[str] = typer.Option(None, help="Tokenizer file, if not the model's own."),
+    log_level: str = typer.Option("info", help="debug, info, warning or error."),
+    insecure: bool = typer.Option(False, help="Allow a non-loopback address without a secret."),
+) -> None:
+    """Run the starter as a long-lived process that owns the ring."""
+    import logging
+    import signal
+    import threading
+
+    if control_port is not None:
+        check_port("--control-port", control_port)
+    check_log_level(log_level)
+    from ..base.errors import ConfigError
+    from ..base.settings import read_secret
+    from ..runtime.auth import is_loopback
+
+    settings, section = _starter_config(config)
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s starter %(levelname)s %(message)s")
+    secret = read_secret(section)
+    if secret is None and not (insecure or section.insecure) and not is_loopback(section.host):
+        raise ConfigError(f"refusing to listen on {section.host} without a ring secret "
+                          f"(set one, or pass --insecure on a trusted network)")
+    from ..base.nodes import StarterOptions
+    from ..ops.serve import StarterServer
+    from ..roles.starter import RingEngine
+    from ..runtime.auth import Authenticator
+    from ..runtime.control import ControlServer
+
+    port = section.control_port if control_port is None else control_port
+    control = ControlServer(section.host, port, {}, auth=Authenticator(secret))
+    options = StarterOptions(
+        host=section.host, device=section.device, dtype=section.dtype, weight=section.weight,
+        memory=section.memory, layers=section.layers,
+        max_payload=section.max_payload or defaults.MAX_PAYLOAD, timeout_s=section.timeout_s,
+        secret=secret, control_url=control.url)
+    engine = RingEngine(settings.workers, model or section.model, tokenizer or section.tokenizer,
+                        options)
+    server = StarterServer(engine, control).start()
+    stopped = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopped.set())
+    typer.echo(json.dumps({"event": "ready", "control_port": server.control.port,
+                           "pid": os.getpid()}))
+    sys.stdout.flush()
+    try:
+        serve_under_systemd(stopped, f"starter listening on {section.host}:{server.control.port}")
+    finally:
+        server.close()
+
+
+def _starter_config(config: Optional[str]) -> Any:
+    """The starter's settings file (it must name the workers) and its ``[starter]`` table."""
+    from ..base.errors import ConfigError
+    from ..base.settings import StarterSettings, find_config, load_settings
+
+    path = find_config(config)
+    if path is None:
+        raise ConfigError("no config: pass --config FILE with [starter] and [[workers]]")
+    settings = load_settings(path)
+    if not settings.workers:
+        raise ConfigError(f"{path}: workers: a starter needs at least one [[workers]] entry")
+    return settings, settings.starter or StarterSettings()

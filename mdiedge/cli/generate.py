@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import typer
 
@@ -48,6 +48,9 @@ def generate(
         None, "--stall-timeout", metavar="SECONDS", help="A message not back around the ring "
         f"within this is a failure, and the node that froze is named (default: "
         f"{defaults.LOCAL_RING_TIMEOUT_S:g} for a local ring, the ring file's timeout_s)."),
+    stop: Optional[List[str]] = typer.Option(None, "--stop", metavar="TEXT", help="End a sample "
+                                             "where this text appears (repeat for several); "
+                                             "the text itself is not printed."),
 ) -> None:
     """Generate text from PROMPT, on a ring of nodes (by default a local ring of 3)."""
     from contextlib import ExitStack
@@ -56,9 +59,10 @@ def generate(
     need(stall_timeout is None or seconds_ok(stall_timeout), "--stall-timeout", stall_timeout,
           "a number of seconds > 0")
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+    stops = list(stop or [])
     if starter:  # no torch here: the starter checks the values and samples
         _generate_through(check_url("--starter", starter), prompt, max_new_tokens, samples,
-                          sampling, micro_batch, as_json)
+                          dict(sampling, stop=stops), micro_batch, as_json)
         return
     from ..model.sampling import SamplingParams
 
@@ -72,8 +76,10 @@ def generate(
         progress.phase("loading" if ring is None and nodes == 1 else
                        "connecting" if ring is not None else "starting nodes")
         engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring, stall_timeout,
-                              lambda e: e.new_generation(prompt, max_new_tokens, samples, params, None))
-        _generate_with(engine, prompt, max_new_tokens, samples, params, micro_batch, as_json,
+                              lambda e: e.new_generation(prompt, max_new_tokens, samples, params,
+                                                         None, stops))
+        _generate_with(engine, prompt, max_new_tokens, samples, params, stops, micro_batch,
+                       as_json,
                        nodes if ring is None else len(engine.workers) + 1, progress)
 
 
@@ -140,18 +146,43 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
     return engine
 
 
+class _Stream:
+    """One sample's text on stdout as it is sampled: the prompt with the first token, and
+    never a stop string, nor the start of one that may still form."""
+
+    def __init__(self, engine: Any, prompt: str, stops: List[str]) -> None:
+        from ..model.tokenizer import StreamDecoder
+
+        self.decoder = StreamDecoder(engine.tokenizer, engine.encode_prompt(prompt))
+        self.prompt, self.stops = prompt, stops
+        self.text, self.shown, self.started = "", 0, False
+
+    def push(self, token: int) -> None:
+        from ..model.stopping import streamable
+
+        self.text += self.decoder.push(token)
+        self._show(self.text[:streamable(self.text, self.stops)])
+
+    def finish(self, text: str) -> None:
+        self._show(text)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+    def _show(self, text: str) -> None:
+        out = ("" if self.started else self.prompt) + text[self.shown:]
+        self.started, self.shown = True, max(self.shown, len(text))
+        sys.stdout.write(out)
+        sys.stdout.flush()
+
+
 def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, params: Any,
-                   micro_batch: int, as_json: bool, n_nodes: int, progress: Any) -> None:
+                   stops: List[str], micro_batch: int, as_json: bool, n_nodes: int,
+                   progress: Any) -> None:
     """Generate on ``engine``; one sample streams to stdout, the prompt written with the first
     token (once ``progress`` has left the terminal to the text)."""
     import time
 
-    stream = samples == 1 and not as_json
-    decoder = None
-    if stream:
-        from ..model.tokenizer import StreamDecoder
-
-        decoder = StreamDecoder(engine.tokenizer, engine.encode_prompt(prompt))
+    stream = _Stream(engine, prompt, stops) if samples == 1 and not as_json else None
     started = time.perf_counter()
     produced = 0
 
@@ -159,12 +190,11 @@ def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, 
         nonlocal produced
         produced += 1
         progress.advance(produced, produced / max(time.perf_counter() - started, 1e-9))
-        if decoder is not None:
-            sys.stdout.write((prompt if produced == 1 else "") + decoder.push(token))
-            sys.stdout.flush()
+        if stream is not None:
+            stream.push(token)
 
     progress.phase("prefill")
-    out = engine.generate(prompt, max_new_tokens, samples, params, micro_batch, on_token)
+    out = engine.generate(prompt, max_new_tokens, samples, params, micro_batch, on_token, stops)
     progress.stop()
     if as_json:
         result = out.as_dict()
@@ -172,9 +202,8 @@ def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, 
         result["nodes"] = n_nodes
         typer.echo(json.dumps(result))
         return
-    if stream:
-        sys.stdout.write(("" if produced else prompt) + "\n")
-        sys.stdout.flush()
+    if stream is not None:
+        stream.finish(out.samples[0]["text"])
     else:
         for sample in out.samples:
             typer.echo(f"--- sample {sample['index']} ({sample['finish_reason']}) ---")

@@ -12,7 +12,8 @@ from ..roles.starter import RingEngine
 from ..runtime.control import ControlServer
 
 GENERATE_FIELDS = {"prompt": str, "max_new_tokens": int, "samples": int, "temperature": float,
-                   "top_k": int, "top_p": float, "seed": int, "micro_batch": int}
+                   "top_k": int, "top_p": float, "seed": int, "micro_batch": int,
+                   "stop": list}
 
 
 def check_fields(body: Dict[str, Any], fields: Dict[str, type]) -> None:
@@ -53,7 +54,8 @@ class StarterServer:
                                 body.get("seed", defaults.SEED))
         out = self.engine.generate(body.get("prompt", ""),
                                    body.get("max_new_tokens", defaults.MAX_NEW_TOKENS),
-                                   body.get("samples", 1), params, body.get("micro_batch", 0))
+                                   body.get("samples", 1), params, body.get("micro_batch", 0),
+                                   stop=body.get("stop", []))
         result = out.as_dict()
         result["nodes"] = len(self.engine.workers) + 1
         result["model"] = str(self.engine.path)

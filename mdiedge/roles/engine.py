@@ -15,7 +15,8 @@ from ..model.config import ModelConfig
 from ..model.devices import parse_device, parse_dtype
 from ..model.sampling import SamplingParams
 from ..model.tokenizer import Tokenizer, decode_continuation, load_tokenizer
-from ..runtime.generation import Generation, Timing, TokenCallback
+from ..model.stopping import StopMatcher, check_stops, cut_at_stop
+from ..runtime.generation import Generation, Sample, Timing, TokenCallback
 from ..runtime.partition import split_layers
 from ..runtime.pipeline import ModelEnds, Pipeline
 from ..runtime.scheduler import Scheduler
@@ -58,13 +59,27 @@ class TextModel:
         return ([self.cfg.bos_id] if self.cfg.bos_id is not None else []) + ids
 
     def new_generation(self, prompt: str, max_new_tokens: int, n_samples: int,
-                       params: SamplingParams, on_token: Optional[TokenCallback]) -> Generation:
+                       params: SamplingParams, on_token: Optional[TokenCallback],
+                       stop: Sequence[str] = ()) -> Generation:
+        """A request's ``Generation``; ``stop``: strings that end a sample (checked here, so
+        a bad one is an error before anything runs)."""
+        stops = check_stops(stop)
+        factory = None
+        if stops:
+            def factory(prefix: Sequence[int]) -> StopMatcher:
+                return StopMatcher(stops, self.tokenizer, prefix)
         return Generation(self.encode_prompt(prompt), n_samples, max_new_tokens, params,
-                          self.cfg.eos_ids, self.cfg.max_seq_len, on_token)
+                          self.cfg.eos_ids, self.cfg.max_seq_len, on_token, factory)
+
+    def sample_text(self, sample: Sample) -> str:
+        """A sample's text after its prompt, up to its stop string if it stopped on one."""
+        text = decode_continuation(self.tokenizer, sample.prompt, sample.tokens)
+        if sample.finish_reason == "stop" and sample.stop is not None:
+            text = cut_at_stop(text, sample.stop.stops)[0]
+        return text
 
     def output(self, prompt: str, generation: Generation, timing: Timing) -> GenerationOutput:
-        samples = [{"index": s.index,
-                    "text": decode_continuation(self.tokenizer, s.prompt, s.tokens),
+        samples = [{"index": s.index, "text": self.sample_text(s),
                     "token_ids": s.tokens, "finish_reason": s.finish_reason}
                    for s in generation.samples]
         return GenerationOutput(prompt, generation.samples[0].prompt, samples, timing)
@@ -94,9 +109,10 @@ class Engine(TextModel):
 
     def generate(self, prompt: str, max_new_tokens: int = defaults.MAX_NEW_TOKENS,
                  n_samples: int = 1, params: SamplingParams = SamplingParams(),
-                 micro_batch: int = 0, on_token: Optional[TokenCallback] = None
-                 ) -> GenerationOutput:
-        generation = self.new_generation(prompt, max_new_tokens, n_samples, params, on_token)
+                 micro_batch: int = 0, on_token: Optional[TokenCallback] = None,
+                 stop: Sequence[str] = ()) -> GenerationOutput:
+        generation = self.new_generation(prompt, max_new_tokens, n_samples, params, on_token,
+                                         stop)
         timing = self.run(generation, micro_batch)
         return self.output(prompt, generation, timing)
 

@@ -16,8 +16,10 @@ from torch import Tensor
 
 from ..base.errors import GenerationError
 from ..model.sampling import SamplingParams, sample_generator, sample_rows
+from ..model.stopping import StopMatcher
 
 TokenCallback = Callable[[int, int], None]  # (sample index, token id)
+StopFactory = Callable[[Sequence[int]], StopMatcher]  # a sample's prompt -> its matcher
 
 
 @dataclass(eq=False)
@@ -27,9 +29,10 @@ class Sample:
     generator: torch.Generator
     sid: int = 0  # ring-wide sample id, given at admission; each node maps it to a KV row
     tokens: List[int] = field(default_factory=list)
-    finish_reason: Optional[str] = None  # "eos", "length" or "cancelled"
+    finish_reason: Optional[str] = None  # "eos", "stop", "length", "cancelled" or "error"
     first_token_s: float = 0.0
     released: bool = False  # its KV rows were freed on every node
+    stop: Optional[StopMatcher] = None  # its stop strings, if the request has any
 
     @property
     def done(self) -> bool:
@@ -74,7 +77,8 @@ class Generation:
 
     def __init__(self, prompt: Sequence[int], n_samples: int, max_new_tokens: int,
                  params: SamplingParams, eos_ids: Sequence[int], context: int,
-                 on_token: Optional[TokenCallback] = None) -> None:
+                 on_token: Optional[TokenCallback] = None,
+                 stop: Optional[StopFactory] = None) -> None:
         if n_samples < 1:
             raise GenerationError(f"number of samples must be >= 1, got {n_samples}")
         check_context(len(prompt), max_new_tokens, context)
@@ -84,6 +88,9 @@ class Generation:
         self.on_token = on_token
         self.samples = [Sample(i, list(prompt), sample_generator(params.seed, i))
                         for i in range(n_samples)]
+        if stop is not None:
+            for sample in self.samples:
+                sample.stop = stop(sample.prompt)
         self.started = time.perf_counter()
         self.timing = Timing()
         self.admitted_at = 0.0  # perf_counter() when its samples got KV rows
@@ -131,7 +138,9 @@ class Generation:
             self.timing.new_tokens += 1
             if self.on_token is not None:
                 self.on_token(sample.index, token)
-            if len(sample.tokens) >= self.max_new_tokens:
+            if sample.stop is not None and sample.stop.push(token):
+                sample.finish_reason = "stop"
+            elif len(sample.tokens) >= self.max_new_tokens:
                 sample.finish_reason = "length"
 
     def mark_admitted(self) -> None:

@@ -1,0 +1,84 @@
+"""Stop strings: a sample ends when its text contains one of them, and its output ends just
+before it (the OpenAI ``stop`` parameter; ``mdiedge generate --stop``).
+
+``StopMatcher`` follows one sample's text token by token; ``cut_at_stop`` and
+``streamable`` are the pure rules for the finished text and for what a stream may show while
+a stop string could still be forming at its end.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+from ..base.errors import GenerationError
+from .tokenizer import StreamDecoder, Tokenizer
+
+MAX_STOPS = 16  # strings per request
+MAX_STOP_CHARS = 256  # characters per string
+
+
+def check_stops(stops: Sequence[str]) -> List[str]:
+    """``stops`` as a list, or a one-line error naming the first that is not a usable stop
+    string (empty, too long, not a string) or saying there are too many."""
+    if isinstance(stops, str):
+        stops = [stops]
+    stops = list(stops)
+    if len(stops) > MAX_STOPS:
+        raise GenerationError(f"stop: at most {MAX_STOPS} strings, got {len(stops)}")
+    for stop in stops:
+        if not isinstance(stop, str) or not stop:
+            raise GenerationError(f"stop: expected non-empty strings, got {stop!r}")
+        if len(stop) > MAX_STOP_CHARS:
+            raise GenerationError(f"stop: a string of at most {MAX_STOP_CHARS} characters, got "
+                                  f"{len(stop)}: {stop[:20]!r}...")
+    return stops
+
+
+def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int:
+    """Index in ``text`` where the earliest stop string (found at or after ``start``) begins,
+    or -1."""
+    hits = [i for i in (text.find(stop, start) for stop in stops) if i >= 0]
+    return min(hits) if hits else -1
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> Tuple[str, bool]:
+    """``text`` up to the earliest stop string, and whether one was found."""
+    at = find_stop(text, stops)
+    return (text[:at], True) if at >= 0 else (text, False)
+
+
+def streamable(text: str, stops: Sequence[str]) -> int:
+    """How many leading characters of ``text`` a stream may show now: everything before a
+    stop string, and before any suffix that could still grow into one."""
+    at = find_stop(text, stops)
+    if at >= 0:
+        return at
+    held = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), held, -1):
+            if text.endswith(stop[:n]):
+                held = n
+                break
+    return len(text) - held
+
+
+class StopMatcher:
+    """One sample's text as its tokens arrive; ``push`` says when a stop string appeared.
+    Each push searches only the new text and the stop's length before it."""
+
+    def __init__(self, stops: Sequence[str], tokenizer: Tokenizer,
+                 prefix: Sequence[int] = ()) -> None:
+        self.stops = list(stops)
+        self._longest = max((len(s) for s in self.stops), default=0)
+        self._decoder = StreamDecoder(tokenizer, prefix)
+        self.text = ""
+        self.stopped_at: Optional[int] = None  # index in ``text`` of the stop string
+
+    def push(self, token: int) -> bool:
+        if self.stopped_at is not None:
+            return True
+        start = max(0, len(self.text) - self._longest + 1)
+        self.text += self._decoder.push(token)
+        at = find_stop(self.text, self.stops, start)
+        if at >= 0:
+            self.stopped_at = at
+        return self.stopped_at is not None

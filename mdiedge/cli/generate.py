@@ -121,7 +121,12 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
     from ..roles.starter import RingEngine
 
     parse_device(device), parse_dtype(dtype)  # errors before any node process starts
-    check(TextModel(model, tokenizer))
+    text = TextModel(model, tokenizer)
+    check(text)
+    if ring is None:
+        from ..runtime.partition import check_ring_size
+
+        check_ring_size(text.cfg.n_layers, nodes)
     if ring is not None:
         from ..base.nodes import StarterOptions
         from ..base.ringfile import load_ring

@@ -31,7 +31,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from .auth import Authenticator
 from .protocol import NodeStatus
-from ..base.errors import MdiedgeError, RingError
+from ..base.errors import ListenError, MdiedgeError, RingError
 from ..base.nodes import NodeSpec
 
 log = logging.getLogger("mdiedge.control")
@@ -284,18 +284,22 @@ class ControlServer:
     ``raw_routes`` name the paths whose body is bytes (weights) and their size limit; their
     handlers get it as a ``bytearray`` (no second copy of a large body).
     ``max_connections`` and ``timeout_s`` (seconds per socket read or write) can be set
-    before or after ``start``."""
+    before or after ``start``. A port it cannot listen on is a ListenError naming the address
+    and ``what`` port it is."""
 
     def __init__(self, host: str, port: int, routes: Dict[Tuple[str, str], Handler],
                  raw_routes: Optional[Dict[str, Callable[[], int]]] = None,
-                 auth: Optional[Authenticator] = None) -> None:
+                 auth: Optional[Authenticator] = None, what: str = "control port") -> None:
         self.routes = dict(routes)
         self.routes[("GET", "/ping")] = _ping
         self.raw_routes = raw_routes or {}
         self.auth = auth or Authenticator(None)
         self.max_connections, self.timeout_s = MAX_CONNECTIONS, SOCKET_TIMEOUT_S
         self.slots = _Slots()
-        self.httpd = _Server((host, port), _Handler)
+        try:
+            self.httpd = _Server((host, port), _Handler)
+        except OSError as e:
+            raise ListenError(host, port, what, e) from None
         self.httpd.control = self
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="control", daemon=True)
 

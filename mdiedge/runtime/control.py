@@ -177,18 +177,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, handler: Handler, body: Dict[str, Any], raw: bytes,
                   query: Dict[str, str], what: str) -> None:
+        code, payload = _answer(handler, body, raw, query, what)
         try:
-            self._reply(200, handler(body, raw, query))
-        except Conflict as e:
-            self._reply(409, {"error": str(e)})
-        except RingError as e:  # a node further down the ring failed: a bad gateway
-            self._reply(502, {"error": str(e)})
-        except (MdiedgeError, KeyError, TypeError, ValueError) as e:
-            message = f"missing key {e}" if isinstance(e, KeyError) else str(e)
-            self._reply(400, {"error": message})
-        except Exception as e:  # a bug: answer, log, stay up
-            log.exception("control handler %s failed", what)
-            self._reply(500, {"error": f"{type(e).__name__}: {e}"})
+            self._reply(code, payload)
+        except OSError as e:  # the client went away while the handler ran: not our error
+            log.debug("%s left before the reply to %s: %s: %s", self.client_address[0], what,
+                      type(e).__name__, e)
+            self.close_connection = True
 
     def do_GET(self) -> None:
         self._serve("GET")
@@ -198,6 +193,23 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_PUT(self) -> None:
         self._serve("PUT")
+
+
+def _answer(handler: Handler, body: Dict[str, Any], raw: bytes, query: Dict[str, str],
+            what: str) -> Tuple[int, Dict[str, Any]]:
+    """The handler's reply and its HTTP status: a ``Conflict`` is a 409, a ``RingError`` (a
+    node further down the ring failed) a 502, bad input a 400, a bug a 500 (logged)."""
+    try:
+        return 200, handler(body, raw, query)
+    except Conflict as e:
+        return 409, {"error": str(e)}
+    except RingError as e:
+        return 502, {"error": str(e)}
+    except (MdiedgeError, KeyError, TypeError, ValueError) as e:
+        return 400, {"error": f"missing key {e}" if isinstance(e, KeyError) else str(e)}
+    except Exception as e:  # a bug: answer, log, stay up
+        log.exception("control handler %s failed", what)
+        return 500, {"error": f"{type(e).__name__}: {e}"}
 
 
 class _Slots:

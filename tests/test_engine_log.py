@@ -77,3 +77,17 @@ def test_a_failed_generation_logs_one_warning(caplog: pytest.LogCaptureFixture) 
     assert lines[0].getMessage().endswith(
         "(1 sample, prompt 2 tokens, 0 new tokens): RingError: worker 'w1' (127.0.0.1:7700) is "
         "unreachable")
+
+
+def test_without_logging_configured_a_failure_prints_nothing() -> None:
+    """``mdiedge generate`` configures no logging: its error stays the one line the CLI prints,
+    without Python's last-resort copy of the warning."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.path.insert(0, 'tests'); import test_engine_log as t\n"
+            "try:\n    t._Failing().run(t.generation(1, 2, [None]))\n"
+            "except Exception as e:\n    print(type(e).__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert out.stdout == "RingError\n" and out.stderr == "", out.stderr

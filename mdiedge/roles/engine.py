@@ -29,6 +29,7 @@ from ..runtime.stages import LocalStage
 PathLike = Union[str, Path]
 
 log = logging.getLogger("mdiedge.engine")
+log.addHandler(logging.NullHandler())  # a command that configures no logging prints none of it
 _requests = itertools.count(1)  # this process's generations, numbered for the log
 
 

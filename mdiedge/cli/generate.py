@@ -26,7 +26,8 @@ def generate(
     prompt: str = typer.Argument(..., help="Text to continue ('' starts from BOS alone)."),
     max_new_tokens: int = typer.Option(defaults.MAX_NEW_TOKENS, "-n", "--max-new-tokens",
                                        help="Token budget per sample."),
-    model: Optional[str] = typer.Option(None, help="HF model directory or llama2.c .bin file "
+    model: Optional[str] = typer.Option(None, help="HF model directory, llama2.c .bin file, or "
+                                        "a Hugging Face repo id (ORG/NAME) in the local cache "
                                         "(default: the shipped NanoLlama)."),
     tokenizer: Optional[str] = typer.Option(None, help="Tokenizer file, if not the model's own."),
     samples: int = typer.Option(1, help="Number of samples generated together."),

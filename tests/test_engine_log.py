@@ -47,6 +47,11 @@ def test_failure_line_names_the_error_on_one_line() -> None:
                          "w2 (127.0.0.1:7700) froze")
 
 
+def test_an_interrupted_generation_says_so() -> None:
+    line = failure_line(1, generation(1, 2, [None]), KeyboardInterrupt())
+    assert line.endswith(" s (1 sample, prompt 2 tokens, 0 new tokens): KeyboardInterrupt")
+
+
 def test_a_finished_generation_logs_one_info_line(stories: Path,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     engine = LocalEngine(stories / "stories260K.bin", stories / "tok512.model")

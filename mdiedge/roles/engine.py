@@ -49,10 +49,10 @@ def summary_line(request: int, generation: Generation, timing: Timing) -> str:
 def failure_line(request: int, generation: Generation, error: BaseException) -> str:
     """The log line of a generation that failed (or was interrupted), and why."""
     produced = sum(len(s.tokens) for s in generation.samples)
-    reason = " ".join(str(error).split()) or type(error).__name__
+    detail = " ".join(str(error).split())
+    reason = f"{type(error).__name__}: {detail}" if detail else type(error).__name__
     return (f"generation {request} failed after {time.perf_counter() - generation.started:.2f} "
-            f"s ({_shape(generation)}, {produced} new tokens): {type(error).__name__}: "
-            f"{reason}")
+            f"s ({_shape(generation)}, {produced} new tokens): {reason}")
 
 
 @dataclass

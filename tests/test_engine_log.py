@@ -96,3 +96,17 @@ def test_without_logging_configured_a_failure_prints_nothing() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, cwd=Path(__file__).resolve().parent.parent)
     assert out.stdout == "RingError\n" and out.stderr == "", out.stderr
+
+
+def test_a_refused_request_logs_one_warning(stories: Path,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    from mdiedge.base.errors import GenerationError
+
+    engine = LocalEngine(stories / "stories260K.bin", stories / "tok512.model")
+    caplog.set_level(logging.INFO, logger="mdiedge.engine")
+    with pytest.raises(GenerationError):
+        engine.generate("Once", 10 ** 6)
+    lines = [r for r in caplog.records if r.name == "mdiedge.engine"]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    assert lines[0].getMessage().startswith("generation refused: prompt of ")
+    assert "exceeds the context of" in lines[0].getMessage()

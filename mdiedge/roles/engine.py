@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from ..base import defaults
+from ..base.errors import MdiedgeError
 from ..model.checkpoint import load_config, load_model, resolve_model_path
 from ..model.config import ModelConfig
 from ..model.devices import parse_device, parse_dtype
@@ -150,8 +151,12 @@ class Engine(TextModel):
                  n_samples: int = 1, params: SamplingParams = SamplingParams(),
                  micro_batch: int = 0, on_token: Optional[TokenCallback] = None,
                  stop: Sequence[str] = ()) -> GenerationOutput:
-        generation = self.new_generation(prompt, max_new_tokens, n_samples, params, on_token,
-                                         stop)
+        try:
+            generation = self.new_generation(prompt, max_new_tokens, n_samples, params,
+                                             on_token, stop)
+        except MdiedgeError as e:  # e.g. a prompt beyond the context: one line, then the error
+            log.warning("generation refused: %s", " ".join(str(e).split()))
+            raise
         timing = self.run(generation, micro_batch)
         return self.output(prompt, generation, timing)
 

@@ -30,7 +30,8 @@ from ..base.errors import PartitionError
 from ..base.nodes import NodeSpec
 from ..model.config import ModelConfig
 
-__all__ = ["Placement", "split_layers", "partition", "format_bytes", "choose_members"]
+__all__ = ["Placement", "split_layers", "check_ring_size", "partition", "format_bytes",
+           "choose_members"]
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,18 @@ def split_layers(n_layers: int, weights: Sequence[float],
                            f"cannot split {_plural(n_layers, 'block')} over {len(weights)} nodes",
                            labels_named=False)
     return _ranges(0, counts)
+
+
+def check_ring_size(n_layers: int, n_nodes: int) -> None:
+    """PartitionError unless a ring of ``n_nodes`` (the starter and ``n_nodes - 1`` workers)
+    can share ``n_layers`` blocks: every worker needs one, the starter may have none. Needs
+    only the model's block count, so it is checked before any node process starts."""
+    workers = n_nodes - 1
+    if workers > n_layers:
+        raise PartitionError(
+            f"{_plural(n_layers, 'block')} cannot be shared among {_plural(workers, 'worker')} "
+            f"(a ring of {n_nodes} nodes): every worker needs at least one block, so this "
+            f"model runs on at most {n_layers + 1} nodes")
 
 
 def _pinned_range(node: NodeSpec, index: int, n_layers: int) -> Optional[Tuple[int, int]]:

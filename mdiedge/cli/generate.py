@@ -81,8 +81,8 @@ def generate(
                               lambda e: e.new_generation(prompt, max_new_tokens, samples, params,
                                                          None, stops))
         _generate_with(engine, prompt, max_new_tokens, samples, params, stops, micro_batch,
-                       as_json, nodes if ring is None else len(engine.starter.ring_workers) + 1,
-                       progress)
+                       as_json, lambda: nodes if ring is None else len(engine.starter.ring_workers)
+                       + 1, progress)
 
 
 def _recovery_options(stall_timeout: Optional[float], recover: bool,
@@ -196,7 +196,8 @@ class _Stream:
 
 
 def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, params: Any,
-                   stops: List[str], micro_batch: int, as_json: bool, n_nodes: int,
+                   stops: List[str], micro_batch: int, as_json: bool,
+                   n_nodes: Callable[[], int],
                    progress: Any) -> None:
     """Generate on ``engine``; one sample streams to stdout, the prompt written with the first
     token (once ``progress`` has left the terminal to the text)."""
@@ -219,7 +220,7 @@ def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, 
     if as_json:
         result = out.as_dict()
         result["model"] = str(engine.path)
-        result["nodes"] = n_nodes
+        result["nodes"] = n_nodes()
         typer.echo(json.dumps(result))
         return
     if stream is not None:

@@ -15,11 +15,11 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .. import __version__
 from ..base import defaults
-from ..base.errors import GenerationError, NodeLost, RingError
+from ..base.errors import GenerationError, NodeLost, PartitionError, RingError
 from ..base.memory import max_rss_bytes, rss_bytes
 from ..base.nodes import NodeSpec, StarterOptions
 from ..model.checkpoint import chunk_safetensors, content_hash, load_model
@@ -36,8 +36,9 @@ from ..runtime.protocol import (MAX_SLOTS, Assignment, AssignReply, ConnectReque
 from ..runtime.scheduler import Scheduler
 from ..runtime.stages import LocalStage
 from .engine import Engine, PathLike
+from . import balance
 from .membership import Membership
-from .ring import RingTail
+from .ring import RingTail, probe_all
 
 log = logging.getLogger("mdiedge.starter")
 
@@ -58,6 +59,8 @@ class RingStarter:
         self.clients = [ControlClient(w, self.auth, self.session) for w in workers]
         self.membership = Membership(self.clients)
         self.recoveries = 0
+        self.measured: Dict[str, float] = {}  # weights from measured speed, by node name
+        self._balanced_at = 0  # the scheduler's message count at the last balance check
         self.hash = content_hash(path)
         self.model: Any = None
         self.placements: List[Placement] = []
@@ -99,7 +102,7 @@ class RingStarter:
                                f"{n_slots} x {context}; try again when it is idle")
             usable = current is not None and current.usable and self._ring_alive() and \
                 not self.membership.rejoin.is_set()
-            if usable and fits:
+            if usable and fits and not self._rebalance(current):
                 return current
             if usable:
                 n_slots = max(n_slots, current.pipeline.n_slots)
@@ -119,8 +122,43 @@ class RingStarter:
     def _check_layout(self, n_slots: int, context: int) -> None:
         if not 0 < n_slots <= MAX_SLOTS:
             raise GenerationError(f"{n_slots} samples at once: a ring holds 1..{MAX_SLOTS}")
-        partition(self.cfg, [self.options.spec] + self.membership.planned(), n_slots, context,
+        partition(self.cfg, self._shares(self.membership.planned()), n_slots, context,
                   itemsize(self.options.dtype))
+
+    def _shares(self, workers: Sequence[NodeSpec]) -> List[NodeSpec]:
+        """The starter and ``workers``, each with its measured weight where there is one."""
+        return [dataclasses.replace(n, weight=self.measured.get(n.name, n.weight))
+                for n in [self.options.spec] + list(workers)]
+
+    def _rebalance(self, current: Scheduler) -> bool:
+        """Between requests: whether the measured time per block calls for a new split (its
+        weights are kept in ``measured`` for the set-up that follows)."""
+        if self.options.rebalance_margin <= 0 or \
+                current.stats.messages < self._balanced_at + balance.MIN_MESSAGES:
+            return False
+        self._balanced_at = current.stats.messages
+        stage = current.pipeline.stages[0]
+        own = NodeStatus("starter", "starter", "ready", layers=stage.layers,
+                         messages=stage.counters.messages, compute_s=stage.counters.compute_s)
+        shares = self._shares(self.ring_workers)
+        weights = balance.measured_weights(
+            [own] + probe_all(self.members, defaults.DIAGNOSE_TIMEOUT_S),
+            {n.name: n.weight for n in shares}, self.options.rebalance_margin)
+        if weights is None:
+            return False
+        before, self.measured = self.measured, dict(self.measured, **weights)
+        n_slots, context = current.pipeline.n_slots, current.pipeline.context
+        try:
+            split = partition(self.cfg, self._shares(self.ring_workers), n_slots, context,
+                              itemsize(self.options.dtype))
+        except PartitionError:  # the measured weights do not fit the declared memory
+            split = self.placements
+        if [p.layers for p in split] == [p.layers for p in self.placements]:
+            self.measured = before
+            return False
+        log.info("re-splitting by measured speed %s: %s", {k: round(v, 2) for k, v in
+                 weights.items()}, [f"{p.name} {p.layers[0]}-{p.layers[1]}" for p in split])
+        return True
 
     def _setup(self, n_slots: int, context: int) -> Scheduler:
         """A new ring of the workers that answer now (a lost one that is back rejoins)."""
@@ -148,8 +186,9 @@ class RingStarter:
         """Set up the members' ring: the split, the layers, the links."""
         for client in self.members:  # end any ring these workers still serve for us
             self._call(client, "POST", "/reset", {}, timeout=10)
-        shares = [self.options.spec] + self.ring_workers
-        self.placements = partition(self.cfg, shares, n_slots, context, itemsize(self.options.dtype))
+        self.placements = partition(self.cfg, self._shares(self.ring_workers), n_slots, context,
+                                    itemsize(self.options.dtype))
+        self._balanced_at = 0
         first = self.placements[0].layers
         if self.model is None or (self.model.first, self.model.last) != first:
             self.model = None

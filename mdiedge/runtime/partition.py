@@ -342,3 +342,17 @@ def choose_members(nodes: Sequence[NodeSpec], lost: Container[str]) -> List[Node
         elif spares:
             members.append(spares.pop(0))
     return members
+
+
+def balanced_weights(seconds_per_block: Sequence[float], margin: float) -> Optional[List[float]]:
+    """Weights in proportion to each node's measured speed (the inverse of its seconds per
+    block; a node of mean speed gets 1), or None when the slowest node is within ``margin``
+    of the mean (Petals' balancing step, from measurements instead of declarations), when
+    ``margin`` is 0 (balancing off), or when a measurement is missing."""
+    times = list(seconds_per_block)
+    if margin <= 0 or len(times) < 2 or not all(t > 0 and math.isfinite(t) for t in times):
+        return None
+    mean = sum(times) / len(times)
+    if max(times) <= mean * (1 + margin):
+        return None
+    return [mean / t for t in times]

@@ -29,9 +29,11 @@ from libc.string cimport memcmp, memcpy
 from posix.uio cimport iovec, writev
 
 from mdiedge.runtime._framingspec import (  # the constants are part of this module's API
-    ACTIVATION, CRC_OFFSET, ENTRY_SIZE, FLAG_PREFILL, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_NDIM,
-    MAX_SAMPLES, MSG_TYPES, PING, RELEASE, SHUTDOWN, VERSION, FrameHeader, byte_view,
-    check_crc, check_fields, check_fixed_size, check_pack_args, check_table_size, closed_early)
+    ACTIVATION, CODEC_SHIFT, CRC_OFFSET, ENTRY_SIZE, FLAG_CODEC, FLAG_PREFILL, FLAGS_KNOWN,
+    FLOAT32, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_NDIM, MAX_SAMPLES, MSG_TYPES, PING, RELEASE,
+    SHUTDOWN, VERSION, FrameHeader, byte_view, check_crc, check_fields, check_fixed_size,
+    check_pack_args, check_table_size, closed_early, codec_of)
+from mdiedge.base.codecs import BLOCK, FP16, INT8
 
 
 cdef extern from *:
@@ -61,16 +63,24 @@ cdef enum:  # the byte layout the code below packs and parses
     C_CRC_OFFSET = 44
     C_ENTRY_SIZE = 8
     C_MAX_NDIM = 4
+    C_CODEC_SHIFT = 1
+    C_FLAG_CODEC = 0x06
+    C_FLOAT32 = 0
+    C_FP16 = 1
+    C_INT8 = 2
+    C_BLOCK = 32
 
-if (C_HEADER_SIZE, C_CRC_OFFSET, C_ENTRY_SIZE, C_MAX_NDIM, len(MAGIC)) != \
-        (HEADER_SIZE, CRC_OFFSET, ENTRY_SIZE, MAX_NDIM, 4):
+if (C_HEADER_SIZE, C_CRC_OFFSET, C_ENTRY_SIZE, C_MAX_NDIM, len(MAGIC), C_CODEC_SHIFT,
+        C_FLAG_CODEC, C_FLOAT32, C_FP16, C_INT8, C_BLOCK) != \
+        (HEADER_SIZE, CRC_OFFSET, ENTRY_SIZE, MAX_NDIM, 4, CODEC_SHIFT, FLAG_CODEC, FLOAT32, FP16,
+         INT8, BLOCK):
     raise ImportError("ext/_cframing.pyx packs another layout than mdiedge.runtime._framingspec")
 
 # the spec's limits as typed tables, filled from it at import
 cdef unsigned char[4] C_MAGIC
 cdef uint8_t C_VERSION = VERSION
 cdef uint32_t C_MAX_SAMPLES = MAX_SAMPLES
-cdef uint32_t C_FLAGS_KNOWN = FLAG_PREFILL
+cdef uint32_t C_FLAGS_KNOWN = FLAGS_KNOWN
 cdef uint8_t[256] C_MSG_TYPE_OK  # 1 for a known msg_type
 cdef uint64_t[256] C_ITEMSIZE  # bytes per element by dtype code, 0 for an unknown code
 
@@ -174,18 +184,38 @@ cdef bint _u32(object value, uint32_t* out) except -1:
     return True
 
 
+cdef inline bint _codec_ok(uint32_t flags, uint32_t dtype) noexcept nogil:
+    """A known codec, and none unless the payload is float32."""
+    cdef uint32_t codec = (flags & C_FLAG_CODEC) >> C_CODEC_SHIFT
+    return codec == 0 or ((codec == C_FP16 or codec == C_INT8) and dtype == C_FLOAT32)
+
+
+cdef inline uint64_t _coded(uint64_t items, uint64_t itemsize, uint32_t flags) noexcept nogil:
+    """Bytes of ``items`` elements with the codec of ``flags`` (``items * itemsize`` must
+    not overflow: it bounds every codec's size)."""
+    cdef uint32_t codec = (flags & C_FLAG_CODEC) >> C_CODEC_SHIFT
+    if codec == C_FP16:
+        return 2 * items
+    if codec == C_INT8:
+        return items + 2 * ((items + C_BLOCK - 1) // C_BLOCK)
+    return items * itemsize
+
+
 cdef bint _size_ok(Fixed* f) noexcept nogil:
-    """``f.size`` from the dims and the dtype; False when it needs more than 64 bits."""
+    """``f.size`` from the dims, the dtype and the codec; False when it needs more than 64
+    bits."""
     cdef uint32_t i
-    f.size = C_ITEMSIZE[f.dtype] if f.ndim else 0
+    cdef uint64_t items = 1, itemsize = C_ITEMSIZE[f.dtype]
+    f.size = 0
     for i in range(f.ndim):
         if f.dims[i] == 0:
-            f.size = 0
             return True
     for i in range(f.ndim):
-        if f.size > UINT64_MAX // f.dims[i]:
+        if items > UINT64_MAX // itemsize // f.dims[i]:
             return False
-        f.size *= f.dims[i]
+        items *= f.dims[i]
+    if f.ndim:
+        f.size = _coded(items, itemsize, f.flags)
     return True
 
 
@@ -198,7 +228,7 @@ cdef bint _fixed_ok(Fixed* f, msg_type, flags, dtype, n_tokens, shape, seq) exce
         return False
     if f.msg_type > 255 or not C_MSG_TYPE_OK[f.msg_type] or f.flags & ~C_FLAGS_KNOWN:
         return False
-    if f.dtype > 255 or C_ITEMSIZE[f.dtype] == 0:
+    if f.dtype > 255 or C_ITEMSIZE[f.dtype] == 0 or not _codec_ok(f.flags, f.dtype):
         return False
     if not isinstance(shape, (tuple, list)) or len(shape) > C_MAX_NDIM:
         return False
@@ -274,6 +304,8 @@ cdef bint _fields_ok(const unsigned char* p, const uint32_t* d, uint64_t limit) 
         return False
     if p[6] & ~C_FLAGS_KNOWN or extent == 0 or _get16(p + 8) > C_MAX_SAMPLES:
         return False
+    if not _codec_ok(p[6], p[7]):
+        return False
     if ndim > C_MAX_NDIM:
         return False
     for i in range(ndim, C_MAX_NDIM):
@@ -288,7 +320,7 @@ cdef bint _fields_ok(const unsigned char* p, const uint32_t* d, uint64_t limit) 
             return False  # beyond max_payload (or 64 bits): the spec names the field
         else:
             extent *= d[i]
-    return size == (0 if empty else extent)
+    return size == (0 if empty else _coded(extent // C_ITEMSIZE[p[7]], C_ITEMSIZE[p[7]], p[6]))
 
 
 cdef object _parse_fixed(const unsigned char* p, object max_payload):

@@ -310,7 +310,9 @@ def corrupt(frame: bytes, offset: int, fmt: str, value: int) -> bytes:
 
 @pytest.mark.parametrize("offset,fmt,value,message", [
     (0, "I", 0x4549444E, "bad magic b'NDIE', expected b'MDIE'"),
-    (4, "B", 2, "unsupported version 2, expected 1"),
+    (4, "B", 1, "unsupported version 1, expected 2"),
+    (6, "B", 0x06, "unknown codec 3 in flags 0x06"),
+    (6, "B", 0x02, "codec fp16 with dtype code 1: codecs apply to float32 (0) only"),
     (5, "B", 0, "unknown msg_type 0"),
     (5, "B", 6, "unknown msg_type 6"),
     (5, "B", 4, "unknown msg_type 4"),  # reserved: the PONG no node sent
@@ -319,9 +321,9 @@ def corrupt(frame: bytes, offset: int, fmt: str, value: int) -> bytes:
     (8, "H", 1025, "n_samples 1025 exceeds MAX_SAMPLES 1024"),
     (10, "H", 5, "ndim 5 exceeds 4"),
     (10, "H", 2, "shape (2, 3, 4, 0) has nonzero dim 4 beyond ndim 2"),
-    (16, "I", 3, "payload_len 48 does not match shape (3, 3, 4) of dtype code 1 (72 bytes)"),
+    (16, "I", 3, "payload_len 48 does not match shape (3, 3, 4) of dtype code 1 (72 bytes with codec none)"),
     (36, "Q", 2 ** 63, "payload_len 9223372036854775808 does not match shape (2, 3, 4) of dtype "
-                       "code 1 (48 bytes)"),
+                       "code 1 (48 bytes with codec none)"),
     (36, "Q", 0, "payload_len 0 does not match shape"),
 ])
 def test_each_bad_field_is_named(impl: ModuleType, offset: int, fmt: str, value: int,
@@ -404,7 +406,9 @@ def test_every_dim_is_bounded_even_with_no_elements(impl: ModuleType, dims: Tupl
 @pytest.mark.parametrize("kwargs,message", [
     (dict(msg_type=9), "unknown msg_type 9"),
     (dict(msg_type=-1), "msg_type -1 outside 0..255"),
-    (dict(flags=2), "reserved bits set in flags 0x02"),
+    (dict(flags=8), "reserved bits set in flags 0x08"),
+    (dict(flags=6), "unknown codec 3 in flags 0x06"),
+    (dict(flags=4, dtype=2), "codec int8 with dtype code 2"),
     (dict(dtype=7), "unknown dtype code 7"),
     (dict(dtype="f4"), "dtype 'f4' is not an integer"),
     (dict(sample_ids=[2 ** 32]), "sample id 4294967296 outside 0..4294967295"),
@@ -502,7 +506,7 @@ def test_any_flipped_byte_is_detected(position: int, xor: int) -> None:
 header_args = st.tuples(
     st.sampled_from([framing.ACTIVATION, framing.RELEASE, framing.PING,
                      framing.SHUTDOWN]),
-    st.sampled_from([0, framing.FLAG_PREFILL]),
+    st.sampled_from([0, framing.FLAG_PREFILL, 2, 3, 4, 5]),  # with the codec bits
     st.sampled_from(sorted(framing.ITEMSIZE)),
     st.lists(st.tuples(st.integers(0, U32), st.integers(0, U32)), max_size=20),
     st.integers(0, U32),
@@ -559,7 +563,7 @@ def test_public_layer_uses_the_selected_module() -> None:
 
 SPEC_NAMES = ("MAGIC", "VERSION", "HEADER_SIZE", "CRC_OFFSET", "ENTRY_SIZE", "MAX_SAMPLES",
               "MAX_NDIM", "ACTIVATION", "RELEASE", "PING", "SHUTDOWN", "MSG_TYPES",
-              "FLAG_PREFILL", "ITEMSIZE", "FrameHeader", "byte_view", "check_pack_args",
+              "FLAG_PREFILL", "FLAG_CODEC", "FLAGS_KNOWN", "CODEC_SHIFT", "codec_of", "ITEMSIZE", "FrameHeader", "byte_view", "check_pack_args",
               "check_fields", "check_fixed_size", "check_table_size", "check_crc", "closed_early")
 
 

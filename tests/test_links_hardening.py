@@ -108,7 +108,7 @@ def test_the_first_peer_to_pass_wins_and_the_others_are_closed() -> None:
                 if not chunk:
                     break
                 data += chunk
-            assert data.startswith(b"MDIEHS1\0")
+            assert data.startswith(b"MDIEHS2\0")
             s.close()
         good.close()
         got[0].close()
@@ -153,7 +153,7 @@ def test_accepting_stops_when_cancelled() -> None:
 def zero_element_frame(dims: Tuple[int, ...] = (0, 2 ** 32 - 1, 2 ** 32 - 1)) -> bytes:
     """A frame of shape ``dims`` with no elements (payload 0) and a valid crc."""
     shape = list(dims) + [0] * (4 - len(dims))
-    fixed = FIXED.pack(b"MDIE", 1, framing.ACTIVATION, 0, 0, 0, len(dims), 0, *shape, 0, 0)
+    fixed = FIXED.pack(b"MDIE", framing.VERSION, framing.ACTIVATION, 0, 0, 0, len(dims), 0, *shape, 0, 0)
     return fixed + struct.pack("<I", zlib.crc32(fixed))
 
 
@@ -195,7 +195,7 @@ def test_the_receiver_reports_a_zero_element_frame_as_link_down(
 
 def test_the_receiver_reports_any_exception_as_link_down(
         monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
-    def broken(sock: Any, max_payload: int) -> Any:
+    def broken(sock: Any, max_payload: int, codecs: Any) -> Any:
         raise RuntimeError("Trying to create tensor with negative dimension -1\nmore")
 
     monkeypatch.setattr(links.messages, "receive", broken)

@@ -44,6 +44,10 @@ class RingError(MdiedgeError):
     """A node of the ring failed, timed out, or refused a request."""
 
 
+class CodecMismatch(RingError):
+    """The two ends of a data link name different codecs in its handshake (set-up fails)."""
+
+
 class NodeLost(RingError):
     """Workers of a running ring are gone (dead, frozen, restarted): ``nodes`` names them.
     A starter that may recover moves their layers elsewhere and replays; otherwise it fails."""

@@ -9,23 +9,25 @@ tensor. All fields are little-endian:
 offset type    field
 ====== ======= ====================================================================
 0      4s      magic ``b"MDIE"``
-4      u8      version (1)
+4      u8      version (2: the codec bits of flags)
 5      u8      msg_type: ACTIVATION 1, RELEASE 2, PING 3, SHUTDOWN 5 (4 is reserved)
-6      u8      flags: bit 0 PREFILL, the other bits reserved (0)
+6      u8      flags: bit 0 PREFILL, bits 1-2 the payload's codec (0 none, 1 fp16, 2 int8;
+               ``mdiedge.base.codecs``; not 0 only with dtype float32), the others reserved (0)
 7      u8      dtype code, a key of ``ITEMSIZE`` (``mdiedge.base.dtypes``)
 8      u16     n_samples B (at most MAX_SAMPLES)
 10     u16     ndim (at most MAX_NDIM; 0 means the frame carries no tensor)
 12     u32     n_tokens (tokens per sample in this message)
 16     u32 x 4 shape (dims beyond ndim are 0)
 32     u32     seq (the sender's message counter)
-36     u64     payload_len: prod(shape) * itemsize, or 0 when ndim is 0
+36     u64     payload_len: prod(shape) * itemsize for codec none, the codec's encoded size of
+               prod(shape) float32 values otherwise; 0 when ndim is 0
 44     u32     CRC-32 (zlib's, IEEE 802.3) of bytes 0..44 followed by the sample table
 ====== ======= ====================================================================
 
 The sample table holds B pairs (u32 sample id, u32 position); the payload follows it.
 Every problem is a ``FrameError`` whose one-line message names the field and its value;
 nothing is allocated from a length that has not been checked: every dim is bounded by
-max_payload, even in a tensor with no elements (a zero dim does not make ``(0, 2**32-1,
+max_payload (the decoded tensor's extent, whatever the codec), even in a tensor with no elements (a zero dim does not make ``(0, 2**32-1,
 2**32-1)`` allocatable). After a FrameError on a
 receiving socket the stream position is unknown, so the caller must close the link.
 """
@@ -34,11 +36,12 @@ from __future__ import annotations
 import operator
 from typing import Any, List, Sequence, Tuple
 
+from ..base.codecs import NAMES as CODEC_NAMES, encoded_size
 from ..base.dtypes import ITEMSIZE
 from ..base.errors import FrameError
 
 MAGIC = b"MDIE"
-VERSION = 1
+VERSION = 2
 HEADER_SIZE = 48
 CRC_OFFSET = 44  # the crc covers the bytes before it, then the sample table
 ENTRY_SIZE = 8  # one sample-table entry: u32 sample id, u32 position
@@ -48,6 +51,9 @@ MAX_NDIM = 4
 ACTIVATION, RELEASE, PING, SHUTDOWN = 1, 2, 3, 5  # 4 was a PONG that no node ever sent
 MSG_TYPES = (ACTIVATION, RELEASE, PING, SHUTDOWN)
 FLAG_PREFILL = 0x01
+CODEC_SHIFT, FLAG_CODEC = 1, 0x06  # the codec field of flags
+FLAGS_KNOWN = FLAG_PREFILL | FLAG_CODEC
+FLOAT32 = 0  # the only dtype code a codec other than none applies to
 
 U32_MAX = 2 ** 32 - 1
 U64_LIMIT = 2 ** 64
@@ -95,14 +101,31 @@ def _uint(field: str, value: Any, limit: int) -> int:
     return number
 
 
-def payload_len(dims: Sequence[int], itemsize: int) -> int:
-    """Bytes of a tensor of shape ``dims`` (0 for no dims: a frame without a tensor)."""
+def payload_len(dims: Sequence[int], itemsize: int, codec: int = 0) -> int:
+    """Bytes of a tensor of shape ``dims`` (0 for no dims: a frame without a tensor), encoded
+    with ``codec`` (then its elements are float32)."""
     if not dims:
         return 0
-    total = itemsize
+    total = 1
     for d in dims:
         total *= d
-    return total
+    return total * itemsize if codec == 0 else encoded_size(codec, total)
+
+
+def codec_of(flags: int) -> int:
+    """The codec field of a frame's flags."""
+    return (flags & FLAG_CODEC) >> CODEC_SHIFT
+
+
+def check_codec(flags: int, dtype: int) -> int:
+    """The codec of valid ``flags`` for a payload of ``dtype``, else a FrameError."""
+    codec = codec_of(flags)
+    if codec not in CODEC_NAMES:
+        raise FrameError(f"unknown codec {codec} in flags {flags:#04x}")
+    if codec and dtype != FLOAT32:
+        raise FrameError(f"codec {CODEC_NAMES[codec]} with dtype code {dtype}: codecs apply "
+                         f"to float32 ({FLOAT32}) only")
+    return codec
 
 
 def check_pack_args(msg_type: Any, flags: Any, dtype: Any, sample_ids: Sequence[Any],
@@ -114,11 +137,12 @@ def check_pack_args(msg_type: Any, flags: Any, dtype: Any, sample_ids: Sequence[
     if msg_type not in MSG_TYPES:
         raise FrameError(f"unknown msg_type {msg_type}")
     flags = _uint("flags", flags, 255)
-    if flags & ~FLAG_PREFILL:
+    if flags & ~FLAGS_KNOWN:
         raise FrameError(f"reserved bits set in flags {flags:#04x}")
     dtype = _uint("dtype", dtype, 255)
     if dtype not in ITEMSIZE:
         raise FrameError(f"unknown dtype code {dtype}")
+    codec = check_codec(flags, dtype)
     ids = [_uint("sample id", s, U32_MAX) for s in sample_ids]
     pos = [_uint("position", p, U32_MAX) for p in positions]
     if len(ids) != len(pos):
@@ -130,7 +154,7 @@ def check_pack_args(msg_type: Any, flags: Any, dtype: Any, sample_ids: Sequence[
         raise FrameError(f"ndim {len(dims)} exceeds {MAX_NDIM}")
     n_tokens = _uint("n_tokens", n_tokens, U32_MAX)
     seq = _uint("seq", seq, U32_MAX)
-    size = payload_len(dims, ITEMSIZE[dtype])
+    size = payload_len(dims, ITEMSIZE[dtype], codec)
     if size >= U64_LIMIT:
         raise FrameError(f"payload_len {size} of shape {tuple(dims)} does not fit in 64 bits")
     return msg_type, flags, dtype, ids, pos, n_tokens, dims, seq, size
@@ -149,10 +173,11 @@ def check_fields(magic: bytes, version: int, msg_type: int, flags: int, dtype: i
         raise FrameError(f"unsupported version {version}, expected {VERSION}")
     if msg_type not in MSG_TYPES:
         raise FrameError(f"unknown msg_type {msg_type}")
-    if flags & ~FLAG_PREFILL:
+    if flags & ~FLAGS_KNOWN:
         raise FrameError(f"reserved bits set in flags {flags:#04x}")
     if dtype not in ITEMSIZE:
         raise FrameError(f"unknown dtype code {dtype}")
+    codec = check_codec(flags, dtype)
     if n_samples > MAX_SAMPLES:
         raise FrameError(f"n_samples {n_samples} exceeds MAX_SAMPLES {MAX_SAMPLES}")
     if ndim > MAX_NDIM:
@@ -161,10 +186,11 @@ def check_fields(magic: bytes, version: int, msg_type: int, flags: int, dtype: i
         if d:
             raise FrameError(f"shape {tuple(dims)} has nonzero dim {d} beyond ndim {ndim}")
     shape = tuple(dims[:ndim])
-    expected = payload_len(shape, ITEMSIZE[dtype])
+    expected = payload_len(shape, ITEMSIZE[dtype], codec)
     if size != expected:
         raise FrameError(f"payload_len {size} does not match shape {shape} "
-                         f"of dtype code {dtype} ({expected} bytes)")
+                         f"of dtype code {dtype} ({expected} bytes with codec "
+                         f"{CODEC_NAMES[codec]})")
     if size > max_payload:
         raise FrameError(f"payload_len {size} exceeds max_payload {max_payload}")
     extent = payload_len([d or 1 for d in shape], ITEMSIZE[dtype])

@@ -9,9 +9,10 @@ import zlib
 from typing import Any, List, Optional, Sequence
 
 from ._framingspec import (  # noqa: F401  (the constants are part of this module's API)
-    ACTIVATION, CRC_OFFSET, ENTRY_SIZE, FLAG_PREFILL, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_NDIM,
-    MAX_SAMPLES, MSG_TYPES, PING, RELEASE, SHUTDOWN, VERSION, FrameHeader, byte_view,
-    check_crc, check_fields, check_fixed_size, check_pack_args, check_table_size, closed_early)
+    ACTIVATION, CODEC_SHIFT, CRC_OFFSET, ENTRY_SIZE, FLAG_CODEC, FLAG_PREFILL, FLAGS_KNOWN,
+    FLOAT32, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_NDIM, MAX_SAMPLES, MSG_TYPES, PING, RELEASE,
+    SHUTDOWN, VERSION, FrameHeader, byte_view, check_crc, check_fields, check_fixed_size,
+    check_pack_args, check_table_size, closed_early, codec_of)
 
 _FIXED = struct.Struct("<4sBBBBHHI4IIQ")  # everything before the crc
 _CRC = struct.Struct("<I")

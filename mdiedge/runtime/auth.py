@@ -7,7 +7,9 @@ not seen before) before it reads any body; then it reads the body, and ``accept`
 digest with the signed one and records the nonce (no replay). A nonce is recorded only once the
 whole request is verified, so a forged body sent under genuine headers cannot burn it.
 Data plane: before any frame, the two ends of a link run a mutual challenge-response: each
-proves knowledge of the secret by MACing the other's fresh random challenge.
+proves knowledge of the secret by MACing the other's fresh random challenge, and with it the
+link's codecs (``Compression.wire``: two bytes, prefill and decode), so both ends know the
+other's; when they differ, both fail with one ``CodecMismatch`` line naming both.
 
 Without a secret (loopback only, or ``--insecure``) the same handshake runs with a fixed
 public key, so the protocol is the same and only the protection is missing.
@@ -26,7 +28,8 @@ import threading
 import time
 from typing import Dict, Mapping, Optional
 
-from ..base.errors import RingError
+from ..base.codecs import NO_COMPRESSION, Compression
+from ..base.errors import CodecMismatch, ConfigError, RingError
 
 log = logging.getLogger("mdiedge.auth")
 
@@ -36,7 +39,7 @@ HEADER_BODY = "X-Mdiedge-Body-Sha256"
 _HEX = re.compile(r"[0-9a-f]{16,64}")
 _MAX_NONCES = 10000
 _INSECURE_KEY = b"mdiedge-insecure-ring"
-_HELLO = b"MDIEHS1\0"
+_HELLO = b"MDIEHS2\0"  # 2: the link codecs in the handshake
 _NONCE_BYTES = 32
 
 
@@ -133,30 +136,50 @@ class Authenticator:
     def _link_mac(self, role: bytes, theirs: bytes, ours: bytes) -> bytes:
         return hmac.new(self.key, role + theirs + ours, hashlib.sha256).digest()
 
-    def accept_link(self, sock: socket.socket, peer: str, timeout: float = 10.0) -> None:
-        """Acceptor side: challenge the connecting node, then prove ourselves to it."""
+    def accept_link(self, sock: socket.socket, peer: str, timeout: float = 10.0,
+                    codecs: Compression = NO_COMPRESSION) -> None:
+        """Acceptor side: challenge the connecting node, then prove ourselves to it; both
+        send their ``codecs`` under the MAC and a difference is a CodecMismatch."""
         challenge = os.urandom(_NONCE_BYTES)
         with _deadline(sock, timeout):
             sock.sendall(_HELLO + challenge)
-            reply = _recv_exact(sock, _NONCE_BYTES + 32, peer)
-            theirs, mac = reply[:_NONCE_BYTES], reply[_NONCE_BYTES:]
+            reply = _recv_exact(sock, _NONCE_BYTES + _CODEC_BYTES + 32, peer)
+            theirs, mac = reply[:_NONCE_BYTES + _CODEC_BYTES], reply[_NONCE_BYTES + _CODEC_BYTES:]
             if not hmac.compare_digest(mac, self._link_mac(b"connect", challenge, theirs)):
                 log.warning("refused data link from %s: wrong ring secret", peer)
                 raise AuthError(f"data link from {peer} refused: wrong ring secret")
-            sock.sendall(self._link_mac(b"accept", theirs, challenge))
+            sock.sendall(codecs.wire + self._link_mac(b"accept", theirs + codecs.wire, challenge))
+            _agree(codecs, theirs[_NONCE_BYTES:], f"data link from {peer}")
 
-    def connect_link(self, sock: socket.socket, peer: str, timeout: float = 10.0) -> None:
-        """Connector side: answer the challenge, then check the acceptor's proof."""
+    def connect_link(self, sock: socket.socket, peer: str, timeout: float = 10.0,
+                     codecs: Compression = NO_COMPRESSION) -> None:
+        """Connector side: answer the challenge, then check the acceptor's proof and codecs."""
         with _deadline(sock, timeout):
             hello = _recv_exact(sock, len(_HELLO) + _NONCE_BYTES, peer)
             if hello[:len(_HELLO)] != _HELLO:
-                raise AuthError(f"{peer} is not an mdiedge data port")
+                raise AuthError(f"{peer} is not an mdiedge data port (or an older version)")
             challenge = hello[len(_HELLO):]
-            ours = os.urandom(_NONCE_BYTES)
+            ours = os.urandom(_NONCE_BYTES) + codecs.wire
             sock.sendall(ours + self._link_mac(b"connect", challenge, ours))
-            proof = _recv_exact(sock, 32, peer)
-            if not hmac.compare_digest(proof, self._link_mac(b"accept", ours, challenge)):
+            reply = _recv_exact(sock, _CODEC_BYTES + 32, peer)
+            theirs, proof = reply[:_CODEC_BYTES], reply[_CODEC_BYTES:]
+            if not hmac.compare_digest(proof, self._link_mac(b"accept", ours + theirs, challenge)):
                 raise AuthError(f"{peer} failed the ring-secret handshake")
+            _agree(codecs, theirs, f"data link to {peer}")
+
+
+_CODEC_BYTES = 2
+
+
+def _agree(ours: Compression, raw: bytes, link: str) -> None:
+    """CodecMismatch unless the peer's ``raw`` codecs are ``ours``."""
+    try:
+        theirs = str(Compression.from_wire(raw))
+    except ConfigError as e:
+        theirs = str(e)
+    if theirs != str(ours):
+        raise CodecMismatch(f"{link}: codec mismatch: this node uses {ours}, the other end "
+                            f"{theirs}")
 
 
 class _deadline:

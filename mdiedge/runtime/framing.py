@@ -10,21 +10,30 @@ A malformed, oversized or truncated frame raises ``FrameError``. The stream posi
 then unknown (part of the frame may be unread), so the caller must close the link; the
 receivers of ``mdiedge.runtime.links`` do so.
 
+A float32 tensor may travel encoded with a codec (``fp16`` or blockwise ``int8``, see
+``mdiedge.base.codecs``; the header's flags name it): it is encoded into one buffer of the
+encoded size on send, and decoded on receipt from one such buffer into the tensor the frame
+fills (the caller's ``out`` or a fresh one), with no other copy.
+
 Every function takes ``impl`` to force one implementation (tests run both); by default it
-is ``select("framing")``: the compiled module unless disabled or not built.
+is ``select("framing")``: the compiled module unless disabled or not built. ``codec_impl``
+does the same for the codecs (``select("codec")``).
 """
 from __future__ import annotations
 
 from types import ModuleType
 from typing import Any, Dict, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from ..base import dtypes
+from ..base.codecs import NONE, encoded_size
 from ..base.accel import select
 from ..base.errors import FrameError
 
 _impl: ModuleType = select("framing")
+_codec_impl: ModuleType = select("codec")
 
 MAGIC: bytes = _impl.MAGIC
 VERSION: int = _impl.VERSION
@@ -35,6 +44,8 @@ RELEASE: int = _impl.RELEASE
 PING: int = _impl.PING
 SHUTDOWN: int = _impl.SHUTDOWN
 FLAG_PREFILL: int = _impl.FLAG_PREFILL
+CODEC_SHIFT: int = _impl.CODEC_SHIFT
+codec_of = _impl.codec_of
 ITEMSIZE: Dict[int, int] = _impl.ITEMSIZE
 FrameHeader = _impl.FrameHeader
 
@@ -65,9 +76,11 @@ def tensor_bytes(tensor: torch.Tensor) -> Any:
 
 def send_tensor(sock: Any, msg_type: int, sample_ids: Sequence[int], positions: Sequence[int],
                 tensor: torch.Tensor, flags: int = 0, seq: int = 0,
-                impl: Optional[ModuleType] = None) -> None:
+                impl: Optional[ModuleType] = None, codec: int = NONE,
+                codec_impl: Optional[ModuleType] = None) -> int:
     """Send one frame carrying ``tensor`` (1 to 4 dims; moved to the CPU and made contiguous
-    first if need be); its n_tokens is ``tensor.shape[1]`` for 2+ dims, else 1."""
+    first if need be); its n_tokens is ``tensor.shape[1]`` for 2+ dims, else 1. A float32
+    tensor goes encoded with ``codec`` (a tensor of another dtype as it is). The bytes sent."""
     impl = impl or _impl
     if tensor.dim() == 0:
         raise FrameError("a 0-dim tensor cannot be framed (ndim 0 means no payload); "
@@ -77,18 +90,25 @@ def send_tensor(sock: Any, msg_type: int, sample_ids: Sequence[int], positions: 
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
     shape = tuple(tensor.shape)
+    payload = tensor_bytes(tensor)
+    if codec != NONE and tensor.dtype == torch.float32:
+        encoded = np.empty(encoded_size(codec, tensor.numel()), dtype=np.uint8)
+        (codec_impl or _codec_impl).encode(codec, payload, encoded)
+        payload, flags = encoded, flags | (codec << CODEC_SHIFT)
     header = impl.pack_header(msg_type, flags, dtype_code(tensor.dtype), sample_ids, positions,
                               shape[1] if len(shape) >= 2 else 1, shape, seq)
-    impl.send_all(sock, header, tensor_bytes(tensor))
+    impl.send_all(sock, header, payload)
+    return len(header) + payload.nbytes
 
 
 def send_control(sock: Any, msg_type: int, sample_ids: Sequence[int] = (),
                  positions: Sequence[int] = (), seq: int = 0,
-                 impl: Optional[ModuleType] = None) -> None:
-    """Send one frame with no tensor (RELEASE, PING without payload, SHUTDOWN)."""
+                 impl: Optional[ModuleType] = None) -> int:
+    """Send one frame with no tensor (RELEASE, PING without payload, SHUTDOWN). Its bytes."""
     impl = impl or _impl
     header = impl.pack_header(msg_type, 0, CONTROL_DTYPE, sample_ids, positions, 0, (), seq)
     impl.send_all(sock, header, None)
+    return len(header)
 
 
 def _allocate(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -101,13 +121,15 @@ def _allocate(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def recv_frame(sock: Any, max_payload: int, out: Optional[torch.Tensor] = None,
-               impl: Optional[ModuleType] = None) -> Tuple[Any, Optional[torch.Tensor]]:
+               impl: Optional[ModuleType] = None, codec_impl: Optional[ModuleType] = None
+               ) -> Tuple[Any, Optional[torch.Tensor]]:
     """Receive one frame: its validated header and its tensor (None for a frame without one).
 
     The tensor is allocated only once the header is validated (its payload at most
     ``max_payload`` bytes), unless ``out`` is given: a contiguous CPU tensor of the frame's
     shape and dtype, received into in place (else FrameError). Any FrameError leaves the
-    stream at an unknown position: close the link."""
+    stream at an unknown position: close the link. An encoded payload (the header's codec)
+    is received into one buffer of its size and decoded into the tensor."""
     impl = impl or _impl
     header = impl.recv_frame_header(sock, max_payload)
     if not header.shape:
@@ -121,5 +143,16 @@ def recv_frame(sock: Any, max_payload: int, out: Optional[torch.Tensor] = None,
                          f"fit the frame's {header.shape} {dtype} payload")
     else:
         tensor = out
-    impl.recv_exact_into(sock, tensor_bytes(tensor))
+    codec = impl.codec_of(header.flags)
+    if codec == NONE:
+        impl.recv_exact_into(sock, tensor_bytes(tensor))
+    else:
+        encoded = np.empty(header.payload_len, dtype=np.uint8)
+        impl.recv_exact_into(sock, encoded)
+        (codec_impl or _codec_impl).decode(codec, encoded, tensor_bytes(tensor))
     return header, tensor
+
+
+def frame_bytes(header: Any) -> int:
+    """Bytes a received frame took on the wire: header, sample table, payload."""
+    return HEADER_SIZE + 8 * len(header.sample_ids) + header.payload_len

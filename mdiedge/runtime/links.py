@@ -12,6 +12,10 @@ Link set-up is hardened against strays: ``accept_authenticated`` runs each hands
 own thread with its own deadline while it goes on accepting, and ``bind`` ties the handshake
 key to one ring set-up, so a silent connection cannot starve it and a stale link from an
 earlier set-up is refused.
+
+Each link has its codecs (``Compression``: one for prefill frames, one for decode frames),
+agreed in the handshake: a mismatch fails the set-up with one line, never a frame. Both ends
+count the frames and bytes that cross it (``LinkPair.stats``).
 """
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ from typing import Callable, Dict, Optional, Tuple, Union
 from . import messages
 from .auth import AuthError, Authenticator
 from .messages import Message
-from ..base.errors import FrameError, ListenError
+from ..base.codecs import NO_COMPRESSION, Compression
+from ..base.errors import CodecMismatch, FrameError, ListenError
 
 log = logging.getLogger("mdiedge.links")
 
@@ -101,16 +106,18 @@ def bind(auth: Authenticator, ring: str) -> Authenticator:
 
 def connect_authenticated(host: str, port: int, auth: Authenticator, peer: str,
                           timeout: float = HANDSHAKE_TIMEOUT_S, retry_s: float = 0.0,
-                          cancelled: Optional[Callable[[], bool]] = None) -> socket.socket:
-    """A link to ``host:port`` that passed the ring-secret handshake. A failed try (OSError
-    or AuthError) is retried for ``retry_s`` s unless ``cancelled()``; then the last error."""
+                          cancelled: Optional[Callable[[], bool]] = None,
+                          codecs: Compression = NO_COMPRESSION) -> socket.socket:
+    """A link to ``host:port`` that passed the ring-secret handshake with these ``codecs``. A
+    failed try (OSError or AuthError) is retried for ``retry_s`` s unless ``cancelled()``;
+    then the last error. A CodecMismatch is not retried."""
     deadline = time.monotonic() + retry_s
     pause = 0.05
     while True:
         sock = None
         try:
             sock = tcp_connect(host, port, timeout=timeout)
-            auth.connect_link(sock, peer, timeout=timeout)
+            auth.connect_link(sock, peer, timeout=timeout, codecs=codecs)
             return sock
         except (AuthError, OSError) as e:
             close_quietly(sock)
@@ -129,8 +136,10 @@ class _Handshakes:
     own deadline, so a silent connection costs nothing but its thread. The first peer that
     passes wins; every other connection is closed (``finish``)."""
 
-    def __init__(self, auth: Authenticator, name: str, timeout: float) -> None:
-        self.auth, self.name, self.timeout = auth, name, timeout
+    def __init__(self, auth: Authenticator, name: str, timeout: float,
+                 codecs: Compression = NO_COMPRESSION) -> None:
+        self.auth, self.name, self.timeout, self.codecs = auth, name, timeout, codecs
+        self.mismatch: Optional[CodecMismatch] = None  # an authenticated peer that disagrees
         self.lock = threading.Lock()
         self.open: Dict[socket.socket, None] = {}  # in accept order
         self.won: "queue.SimpleQueue[socket.socket]" = queue.SimpleQueue()
@@ -152,8 +161,11 @@ class _Handshakes:
     def _run(self, sock: socket.socket) -> None:
         try:
             peer = "%s:%s" % sock.getpeername()[:2]
-            self.auth.accept_link(sock, peer, timeout=self.timeout)
+            self.auth.accept_link(sock, peer, timeout=self.timeout, codecs=self.codecs)
             ok = True
+        except CodecMismatch as e:  # the right peer, set up otherwise: no use waiting on
+            self.last, self.mismatch, ok = str(e), e, False
+            log.warning("%s: %s", self.name, e)
         except Exception as e:  # AuthError, OSError, or anything a stray's bytes provoke
             self.last, ok = str(e), False
             (log.debug if self.done else log.warning)("%s: %s", self.name, e)
@@ -177,17 +189,21 @@ class _Handshakes:
 
 def accept_authenticated(listener: socket.socket, auth: Authenticator, timeout: float,
                          name: str, handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
-                         cancelled: Optional[Callable[[], bool]] = None) -> socket.socket:
+                         cancelled: Optional[Callable[[], bool]] = None,
+                         codecs: Compression = NO_COMPRESSION) -> socket.socket:
     """The first connection on ``listener`` within ``timeout`` s that passes the handshake.
     Handshakes run concurrently, each within ``handshake_timeout`` s, while accepting goes
     on: strays and stale links cannot starve the right peer. The losers are closed. OSError
-    when none passed in time, or as soon as ``cancelled()``."""
+    when none passed in time, or as soon as ``cancelled()``; CodecMismatch as soon as an
+    authenticated peer names other ``codecs``."""
     deadline = time.monotonic() + timeout
-    handshakes = _Handshakes(auth, name, handshake_timeout)
+    handshakes = _Handshakes(auth, name, handshake_timeout, codecs)
     try:
         while True:
             if not handshakes.won.empty():
                 return handshakes.won.get()
+            if handshakes.mismatch is not None:
+                raise handshakes.mismatch
             left = deadline - time.monotonic()
             if left <= 0 or (cancelled is not None and cancelled()):
                 why = "cancelled" if left > 0 else f"within {timeout:.0f} s"
@@ -213,9 +229,11 @@ class Receiver(threading.Thread):
     line, and the owner always learns of it."""
 
     def __init__(self, sock: socket.socket, inbox: "queue.SimpleQueue[Received]", max_payload: int,
-                 name: str) -> None:
+                 name: str, codecs: Compression = NO_COMPRESSION) -> None:
         super().__init__(name=name, daemon=True)
         self.sock, self.inbox, self.max_payload = sock, inbox, max_payload
+        self.codecs = codecs
+        self.frames = self.bytes = 0  # received on this link
 
     def run(self) -> None:
         reason, expected = self._receive_all()
@@ -228,7 +246,8 @@ class Receiver(threading.Thread):
         resource failure, which ends the link all the same)."""
         try:
             while True:
-                message = messages.receive(self.sock, self.max_payload)
+                message, size = messages.receive(self.sock, self.max_payload, self.codecs)
+                self.frames, self.bytes = self.frames + 1, self.bytes + size
                 self.inbox.put(message)
                 if message.kind == messages.SHUTDOWN:
                     return "shutdown", True
@@ -250,9 +269,11 @@ class Sender(threading.Thread):
     other message queues for this thread, so a large or backed-up send never stalls compute.
     Order holds because a message is sent inline only when every earlier one is on the wire."""
 
-    def __init__(self, sock: socket.socket, name: str, inline_max_bytes: int = 64 << 10) -> None:
+    def __init__(self, sock: socket.socket, name: str, inline_max_bytes: int = 64 << 10,
+                 codecs: Compression = NO_COMPRESSION) -> None:
         super().__init__(name=name, daemon=True)
-        self.sock = sock
+        self.sock, self.codecs = sock, codecs
+        self.frames = self.bytes = 0  # sent on this link
         self.inline_max_bytes = inline_max_bytes
         self.error: Optional[str] = None
         self._queue: "queue.SimpleQueue[Optional[Message]]" = queue.SimpleQueue()
@@ -293,7 +314,8 @@ class Sender(threading.Thread):
         if self.error is not None:
             return
         try:
-            messages.send(self.sock, message)
+            size = messages.send(self.sock, message, self.codecs)
+            self.frames, self.bytes = self.frames + 1, self.bytes + size
         except OSError as e:
             self.error = f"send failed: {e}"
             log.info("%s: %s", self.name, self.error)
@@ -304,11 +326,12 @@ class LinkPair:
     the outbound one (a sender). Starter and workers both hold one."""
 
     def __init__(self, inbound: socket.socket, outbound: socket.socket, max_payload: int,
-                 name: str) -> None:
+                 name: str, codecs_in: Compression = NO_COMPRESSION,
+                 codecs_out: Compression = NO_COMPRESSION) -> None:
         self.inbound, self.outbound = inbound, outbound
         self.inbox: "queue.SimpleQueue[Received]" = queue.SimpleQueue()
-        self.receiver = Receiver(inbound, self.inbox, max_payload, f"{name}/recv")
-        self.sender = Sender(outbound, f"{name}/send")
+        self.receiver = Receiver(inbound, self.inbox, max_payload, f"{name}/recv", codecs_in)
+        self.sender = Sender(outbound, f"{name}/send", codecs=codecs_out)
         self.receiver.start()
         self.sender.start()
 
@@ -322,6 +345,12 @@ class LinkPair:
     @property
     def send_error(self) -> Optional[str]:
         return self.sender.error
+
+    def stats(self) -> Dict[str, Dict[str, object]]:
+        """Frames and bytes (headers included) of each direction, with its codecs."""
+        r, s = self.receiver, self.sender
+        return {"in": {"codec": str(r.codecs), "frames": r.frames, "bytes": r.bytes},
+                "out": {"codec": str(s.codecs), "frames": s.frames, "bytes": s.bytes}}
 
     def close(self, timeout: float = 2.0) -> None:
         self.sender.close(timeout=timeout)

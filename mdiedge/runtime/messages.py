@@ -7,11 +7,13 @@ token) and, for ACTIVATION and PING, carries one tensor: ``(B, T, dim)`` hidden 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from . import framing
+from ..base.codecs import NAMES as CODEC_NAMES, NO_COMPRESSION, Compression
+from ..base.errors import FrameError
 
 ACTIVATION = framing.ACTIVATION  # hidden states to run through the next blocks
 RELEASE = framing.RELEASE  # free these samples' KV slots on every node
@@ -42,22 +44,31 @@ class Message:
         return Message(self.kind, self.sample_ids, self.positions, hidden, self.prefill, self.seq)
 
 
-def send(sock: Any, message: Message) -> None:
-    """Frame ``message`` onto ``sock`` (its tensor moved to the CPU first if need be)."""
+def send(sock: Any, message: Message, codecs: Compression = NO_COMPRESSION) -> int:
+    """Frame ``message`` onto ``sock`` (its tensor moved to the CPU first if need be), a
+    float32 tensor encoded with the link's prefill or decode codec. The bytes sent."""
     if message.hidden is None:
-        framing.send_control(sock, message.kind, message.sample_ids, message.positions,
-                             seq=message.seq)
-    else:
-        flags = framing.FLAG_PREFILL if message.prefill else 0
-        framing.send_tensor(sock, message.kind, message.sample_ids, message.positions,
-                            message.hidden, flags=flags, seq=message.seq)
+        return framing.send_control(sock, message.kind, message.sample_ids, message.positions,
+                                    seq=message.seq)
+    flags = framing.FLAG_PREFILL if message.prefill else 0
+    return framing.send_tensor(sock, message.kind, message.sample_ids, message.positions,
+                               message.hidden, flags=flags, seq=message.seq,
+                               codec=codecs.code(message.prefill))
 
 
-def receive(sock: Any, max_payload: int) -> Message:
-    """One message from ``sock``; FrameError (close the link) on anything malformed."""
+def receive(sock: Any, max_payload: int,
+            codecs: Compression = NO_COMPRESSION) -> Tuple[Message, int]:
+    """One message from ``sock`` and the bytes its frame took; FrameError (close the link) on
+    anything malformed, or on a float32 payload in another codec than the link agreed on."""
     header, tensor = framing.recv_frame(sock, max_payload)
-    return Message(header.msg_type, list(header.sample_ids), list(header.positions), tensor,
-                   bool(header.flags & framing.FLAG_PREFILL), header.seq)
+    prefill = bool(header.flags & framing.FLAG_PREFILL)
+    codec = framing.codec_of(header.flags)
+    if tensor is not None and tensor.dtype == torch.float32 and codec != codecs.code(prefill):
+        raise FrameError(f"a {'prefill' if prefill else 'decode'} frame in codec "
+                         f"{CODEC_NAMES[codec]} on a link that agreed on {codecs}")
+    message = Message(header.msg_type, list(header.sample_ids), list(header.positions), tensor,
+                      prefill, header.seq)
+    return message, framing.frame_bytes(header)
 
 
 def nbytes(message: Message) -> int:

@@ -739,6 +739,7 @@ PLAUSIBLE = {  # values near and on both sides of each key's rule
     "dtype": st.sampled_from(["float32", "bf16", "float64"]),
     "memory": sizes, "max_payload": sizes, "stall_s": numbers, "rebalance_margin": numbers,
     "recover": st.booleans(), "spare": st.booleans(),
+    "compression": st.sampled_from(["none", "int8", "int8:fp16", "int4", "fp16:"]),
 }
 
 

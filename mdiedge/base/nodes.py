@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from . import defaults
+from .codecs import COMPRESSION_NAMES  # noqa: F401  (the spellings of ``compression``)
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class NodeSpec:
     layers: Optional[Tuple[int, int]] = None  # a pinned block range [a, b)
     device: str = "cpu"
     spare: bool = False  # held back, to take the layers of a node that is lost
+    compression: Optional[str] = None  # codecs of the link into this node; None: the starter's
 
     @property
     def url(self) -> str:
@@ -40,6 +42,7 @@ class StarterOptions:
     memory: Optional[int] = None
     layers: Optional[Tuple[int, int]] = None
     max_payload: int = defaults.MAX_PAYLOAD
+    compression: str = "none"  # codecs of every link whose worker names none (``Compression``)
     timeout_s: float = defaults.RING_TIMEOUT_S
     stall_s: float = defaults.STALL_S  # see defaults.STALL_S
     recover: bool = True  # a lost node's layers move to a spare or the survivors

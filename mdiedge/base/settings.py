@@ -55,7 +55,7 @@ from .defaults import (IDLE_TIMEOUT_S, MAX_PAYLOAD, MAX_THREADS, REBALANCE_MARGI
                        RING_TIMEOUT_S, STALL_S, STARTER_CONTROL_PORT, WORKER_CONTROL_PORT, WORKER_DATA_PORT)
 from .dtypes import COMPUTE_NAMES
 from .errors import ConfigError
-from .nodes import NodeSpec
+from .nodes import COMPRESSION_NAMES, NodeSpec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -293,8 +293,8 @@ STARTER_SCHEMA: Dict[str, Check] = dict(
     timeout_s=_positive, stall_s=_positive, recover=_bool, rebalance_margin=_fraction,
     **_SECRETS, **_COMMON)
 WORKERS_SCHEMA: Dict[str, Check] = dict(
-    name=_string(), host=_host, control_port=_integer(1, 65535), device=_device,
-    weight=_positive, memory=_size, layers=_layers, spare=_bool)
+    name=_string(), host=_host, control_port=_integer(1, 65535), device=_device, weight=_positive,
+    memory=_size, layers=_layers, spare=_bool, compression=_choice(COMPRESSION_NAMES))
 WORKERS_REQUIRED = ("host", "control_port")
 TABLES = {"worker": "[worker]", "starter": "[starter]", "workers": "[[workers]]"}
 

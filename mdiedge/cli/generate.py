@@ -57,10 +57,16 @@ def generate(
     stop: Optional[List[str]] = typer.Option(None, "--stop", metavar="TEXT", help="End a sample "
                                              "where this text appears (repeat for several); "
                                              "the text itself is not printed."),
+    compression: str = typer.Option("none", metavar="CODEC", help="Codecs of the ring's links "
+                                    "(a ring file's worker may name its own): none, fp16, "
+                                    "int8, or PREFILL:DECODE such as int8:fp16."),
 ) -> None:
     """Generate text from PROMPT, on a ring of nodes (by default a local ring of 3)."""
+    from ..base.codecs import Compression
+
     need(micro_batch >= 0, "--micro-batch", micro_batch, "an integer >= 0")
     changes = _recovery_options(stall_timeout, recover, spares)
+    changes[0]["compression"] = str(Compression.parse(compression, "--compression"))
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
     stops = list(stop or [])
     if starter:  # no torch here: the starter checks the values and samples
@@ -221,6 +227,7 @@ def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, 
         result = out.as_dict()
         result["model"] = str(engine.path)
         result["nodes"] = n_nodes()
+        result["links"] = engine.starter.link_stats() if hasattr(engine, "starter") else []
         typer.echo(json.dumps(result))
         return
     if stream is not None:

@@ -165,6 +165,9 @@ def starter_command(
     tokenizer: Optional[str] = typer.Option(None, help="Tokenizer file, if not the model's own."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
     insecure: bool = typer.Option(False, help="Allow a non-loopback address without a secret."),
+    compression: str = typer.Option("none", metavar="CODEC", help="Codecs of the links whose "
+                                    "[[workers]] entry names none: none, fp16, int8 or "
+                                    "PREFILL:DECODE."),
 ) -> None:
     """Run the starter as a long-lived process that owns the ring."""
     import logging
@@ -174,9 +177,12 @@ def starter_command(
     if control_port is not None:
         check_port("--control-port", control_port)
     check_log_level(log_level)
+    from ..base.codecs import Compression
     from ..base.errors import ConfigError
     from ..base.settings import read_secret
     from ..runtime.auth import is_loopback
+
+    compression = str(Compression.parse(compression, "--compression"))
 
     settings, section = _starter_config(config)
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
@@ -197,7 +203,7 @@ def starter_command(
         host=section.host, device=section.device, dtype=section.dtype, weight=section.weight,
         memory=section.memory, layers=section.layers,
         max_payload=section.max_payload or defaults.MAX_PAYLOAD, timeout_s=section.timeout_s,
-        secret=secret, control_url=control.url)
+        secret=secret, control_url=control.url, compression=compression)
     engine = RingEngine(settings.workers, model or section.model, tokenizer or section.tokenizer,
                         options)
     server = StarterServer(engine, control).start()

@@ -152,6 +152,8 @@ weight = 1.0
 # layers = [6, 14]
 # true: a spare, given no layers until a worker is lost; it then takes that worker's place.
 spare = false
+# Optional: codecs of the link into this worker: none, fp16, int8, or PREFILL:DECODE such as int8:fp16 (default: the starter's --compression).
+# compression = "int8"
 """
 
 CONFIGS = {"mdiedge.toml": WORKER_CONFIG, "starter.toml": STARTER_CONFIG}

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .. import __version__
 from ..base import defaults
+from ..base.codecs import Compression
 from ..base.errors import GenerationError, NodeLost, PartitionError, RingError
 from ..base.memory import max_rss_bytes, rss_bytes
 from ..base.nodes import NodeSpec, StarterOptions
@@ -53,6 +54,9 @@ class RingStarter:
         if not workers:
             raise RingError("a ring needs at least one worker (use the local engine for one node)")
         self.path, self.cfg, self.options = path, cfg, options
+        self.codecs = {w.name: Compression.parse(w.compression or options.compression,
+                                                 f"compression of {w.name!r}")
+                       for w in list(workers) + [options.spec]}  # of the link into each
         self.device = str(parse_device(options.device))
         self.auth = Authenticator(options.secret)
         self.session = os.urandom(8).hex()  # workers serve one starter session at a time
@@ -239,8 +243,11 @@ class RingStarter:
         own = (self.options.host, int(self.listener.getsockname()[1]), self.options.control_url)
         workers = self.ring_workers
         successors = [(w.host, port, w.url) for w, port in zip(workers[1:], ports[1:])]
-        for client, (host, port, control) in zip(self.members, successors + [own]):
-            request = ConnectRequest(host, port, control, ring=ring)
+        codecs = [self.codecs[n.name] for n in workers + [self.options.spec]]
+        for i, (client, (host, port, control)) in enumerate(zip(self.members,
+                                                                successors + [own])):
+            request = ConnectRequest(host, port, control, ring=ring, codecs_in=str(codecs[i]),
+                                     codecs_out=str(codecs[i + 1]))
             self._call(client, "POST", "/connect", request.to_json())
         first, last = workers[0], workers[-1]
         auth = bind(self.auth, ring)
@@ -248,10 +255,11 @@ class RingStarter:
         try:
             outbound = connect_authenticated(first.host, ports[0], auth,
                                              f"{first.name} ({first.host}:{ports[0]})",
-                                             retry_s=defaults.LINK_RETRY_S)
+                                             retry_s=defaults.LINK_RETRY_S, codecs=codecs[0])
             inbound = accept_authenticated(self.listener, auth, defaults.LINK_ACCEPT_TIMEOUT_S,
-                                           "starter")
-            links = LinkPair(inbound, outbound, self.options.max_payload, "starter")
+                                           "starter", codecs=codecs[-1])
+            links = LinkPair(inbound, outbound, self.options.max_payload, "starter",
+                             codecs[-1], codecs[0])
         except Exception as e:  # OSError, AuthError (a RingError) or anything else
             close_quietly(outbound)
             close_quietly(inbound)
@@ -282,11 +290,24 @@ class RingStarter:
             status.messages, status.tokens = stats.messages, stats.tokens
             status.compute_s = round(stats.compute_s, 6)
             status.busy_fraction = round(stats.compute_s / stats.wall_s, 4) if stats.wall_s else 0.0
+        if self.tail is not None:
+            status.links = self.tail.links.stats()
         if self.membership.degraded:
             status.state = "degraded"
             status.error = "serving without " + "; ".join(
                 f"{name} ({why})" for name, why in self.membership.lost.items())
         return status
+
+    def link_stats(self) -> List[Dict[str, Any]]:
+        """Every link of the ring in ring order, as its sender counts it: from, to, codec,
+        frames, bytes (headers included)."""
+        tail = self.tail
+        if tail is None:
+            return []
+        names = ["starter"] + [w.name for w in self.ring_workers] + ["starter"]
+        outs = [tail.links.stats()["out"]] + [s.links.get("out", {}) for s in
+                                              probe_all(self.members, defaults.DIAGNOSE_TIMEOUT_S)]
+        return [dict({"from": a, "to": b}, **out) for a, b, out in zip(names, names[1:], outs)]
 
     def node_status(self) -> List[NodeStatus]:
         """Every worker's status, asked in parallel: a frozen one costs one timeout, not one

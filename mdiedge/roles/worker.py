@@ -20,6 +20,7 @@ from typing import Any, Dict, Optional
 
 from .. import __version__
 from ..base import defaults
+from ..base.codecs import Compression
 from ..base.errors import ConfigError, MdiedgeError, RingError
 from ..base.memory import max_rss_bytes, rss_bytes
 from ..model.checkpoint import content_hash, load_config, load_model, resolve_model_path
@@ -134,6 +135,8 @@ class WorkerNode:
             status.weight_bytes = self.model.parameter_bytes()
             status.kv_bytes = self.model.kv_cache_bytes()
             status.expert_load = self.model.expert_load()
+        links = self.links
+        status.links = links.stats() if links is not None else {}
         if stage is not None:
             c = stage.counters
             status.slots_in_use, status.messages, status.tokens = stage.slots_in_use, c.messages, c.tokens
@@ -287,22 +290,8 @@ class WorkerNode:
         Both handshakes are bound to the request's ring tag; a reset or a newer connect
         (``ring_id`` moved on) cancels the wait. None (every socket closed) on any failure."""
         assert self.assignment is not None
-        auth = bind(self.auth, request.ring)
-        moved_on = lambda: self.ring_id != ring_id  # noqa: E731
-        inbound = None
-        try:
-            inbound = accept_authenticated(self.listener, auth, defaults.LINK_ACCEPT_TIMEOUT_S,
-                                           self.name, cancelled=moved_on)
-            outbound = connect_authenticated(request.next_host, request.next_port, auth,
-                                             f"next node {request.next_host}:{request.next_port}",
-                                             retry_s=defaults.LINK_RETRY_S, cancelled=moved_on)
-            return LinkPair(inbound, outbound, self.assignment.max_payload, self.name)
-        except Exception as e:  # OSError, AuthError (a RingError), or anything else
-            side = "no previous node connected" if inbound is None else \
-                "cannot reach its next node"
-            log.warning("%s: %s: %s", self.name, side, e)
-            close_quietly(inbound)
-            return None
+        return _link_pair(self.listener, bind(self.auth, request.ring), request, self.name,
+                          self.assignment.max_payload, lambda: self.ring_id != ring_id)
 
     def _serve_ring(self, request: ConnectRequest, ring_id: int) -> None:
         links = self._open_links(request, ring_id)
@@ -340,3 +329,26 @@ class WorkerNode:
             if item.kind == messages.SHUTDOWN:
                 log.info("%s: the starter ended the ring", self.name)
                 return
+
+
+def _link_pair(listener: Any, auth: Authenticator, request: ConnectRequest, name: str,
+               max_payload: int, moved_on: Any) -> Optional[LinkPair]:
+    """The links of a worker (inbound first, with the request's codecs on each); a reset or a
+    newer connect (``moved_on()``) cancels the wait. None (every socket closed) on any
+    failure, a codec mismatch included."""
+    codecs_in, codecs_out = (Compression.parse(c) for c in (request.codecs_in,
+                                                            request.codecs_out))
+    inbound = None
+    try:
+        inbound = accept_authenticated(listener, auth, defaults.LINK_ACCEPT_TIMEOUT_S, name,
+                                       cancelled=moved_on, codecs=codecs_in)
+        outbound = connect_authenticated(request.next_host, request.next_port, auth,
+                                         f"next node {request.next_host}:{request.next_port}",
+                                         retry_s=defaults.LINK_RETRY_S, cancelled=moved_on,
+                                         codecs=codecs_out)
+        return LinkPair(inbound, outbound, max_payload, name, codecs_in, codecs_out)
+    except Exception as e:  # OSError, AuthError (a RingError), or anything else
+        side = "no previous node connected" if inbound is None else "cannot reach its next node"
+        log.warning("%s: %s: %s", name, side, e)
+        close_quietly(inbound)
+        return None

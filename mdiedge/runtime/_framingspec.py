@@ -27,9 +27,10 @@ offset type    field
 The sample table holds B pairs (u32 sample id, u32 position); the payload follows it.
 Every problem is a ``FrameError`` whose one-line message names the field and its value;
 nothing is allocated from a length that has not been checked: every dim is bounded by
-max_payload (the decoded tensor's extent, whatever the codec), even in a tensor with no elements (a zero dim does not make ``(0, 2**32-1,
-2**32-1)`` allocatable). After a FrameError on a
-receiving socket the stream position is unknown, so the caller must close the link.
+max_payload (the decoded tensor's extent, whatever the codec), even in a tensor with no
+elements (a zero dim does not make ``(0, 2**32-1, 2**32-1)`` allocatable). After a
+FrameError on a receiving socket the stream position is unknown, so the caller must close
+the link.
 """
 from __future__ import annotations
 

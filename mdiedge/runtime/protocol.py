@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..base import defaults
+from ..base.codecs import Compression
 from ..base.dtypes import compute_dtype
 from ..model.config import ModelConfig, config_from_hf
 
@@ -139,6 +140,8 @@ class ConnectRequest:
     next_control: Optional[str] = None  # its control URL, for the link RTT in status
     session: str = ""
     ring: str = ""  # this set-up's tag: both ends of each link bind their handshake to it
+    codecs_in: str = "none"  # the codecs of the link from the previous node (``Compression``)
+    codecs_out: str = "none"  # and of the link to the next node
 
     def to_json(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -148,8 +151,10 @@ class ConnectRequest:
         port = _get(body, "next_port", int)
         if not 0 < port < 65536:
             raise ValueError(f"next_port {port} out of range")
+        codecs = [str(Compression.parse(_get(body, key, str, "none"), f"field {key!r}"))
+                  for key in ("codecs_in", "codecs_out")]
         return cls(_get(body, "next_host", str), port, _get(body, "next_control", str, None),
-                   _get(body, "session", str, ""), _get(body, "ring", str, ""))
+                   _get(body, "session", str, ""), _get(body, "ring", str, ""), *codecs)
 
 
 @dataclass
@@ -180,6 +185,7 @@ class NodeStatus:
     data_port: int = 0
     expert_load: Dict[str, List[int]] = field(default_factory=dict)
     recoveries: int = 0  # a starter: rings rebuilt after a lost node
+    links: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # LinkPair.stats(): in, out
     error: Optional[str] = None
 
     def to_json(self) -> Dict[str, Any]:

@@ -22,11 +22,22 @@ def bench(
     micro_batch: int = typer.Option(1, hidden=True),
     one: bool = typer.Option(False, "--one", hidden=True, help="Run one configuration here."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+    compression: Optional[str] = typer.Option(
+        None, metavar="CODEC", help="Instead, the quality guard of this link codec against "
+        "none on a ring of --nodes: bytes per hop, top-1 agreement and perplexity "
+        "(teacher-forced over --text's held-out tail), time to first token and tokens/s."),
+    text: Optional[str] = typer.Option(None, help="Text file for --compression: its last 10% "
+                                       "is the held-out text (NanoLlama: Tiny Shakespeare)."),
+    eval_tokens: int = typer.Option(4096, help="Held-out tokens scored with --compression."),
 ) -> None:
     """Measure tokens/s, busy fraction, per-hop overhead and peak RSS of 1..N-node rings."""
     from pathlib import Path
 
     from ..ops import bench as benchmarks
+
+    if compression is not None:
+        _guard(model, compression, text, eval_tokens, nodes, context, new_tokens, as_json)
+        return
 
     if one:
         result = benchmarks.run_config(Path(model or ""), nodes, samples, new_tokens, context,
@@ -49,3 +60,36 @@ def bench(
         table.row(result)
         results.append(result)
     table.footer(results)
+
+
+def _guard(model: Optional[str], compression: str, text: Optional[str], eval_tokens: int,
+           nodes: int, context: int, new_tokens: int, as_json: bool) -> None:
+    from pathlib import Path
+
+    from ..base.codecs import Compression
+    from .app import need
+
+    Compression.parse(compression, "--compression")
+    need(text is not None and Path(text).is_file(), "--text", text,
+         "a text file (its last 10% is the held-out text)")
+    need(nodes >= 2, "--nodes", nodes, "an integer >= 2 (links need a ring)")
+    from ..ops.quality import guard
+
+    result = guard(model, compression, Path(str(text)), eval_tokens=eval_tokens,
+                   prompt_tokens=max(1, context - new_tokens), new_tokens=new_tokens,
+                   nodes=nodes)
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    q, hop, runs = result["quality"], result["bytes_per_hop"], result["runs"]
+    typer.echo(f"{result['model']}: {compression} against none, {nodes} nodes "
+               f"(blocks {result['splits']})")
+    typer.echo(f"bytes per hop: prefill of {result['prompt_tokens']} tokens "
+               f"{hop['prefill'][0]} -> {hop['prefill'][1]} ({hop['prefill_reduction']}x), "
+               f"decode {hop['decode'][0]} -> {hop['decode'][1]} ({hop['decode_reduction']}x)")
+    typer.echo(f"top-1 agreement {100 * q['top1_agreement']:.2f}% over {q['tokens']} held-out "
+               f"tokens; perplexity {q['perplexity_none']} -> {q['perplexity']} "
+               f"({100 * q['perplexity_change']:+.2f}%)")
+    for name, run in runs.items():
+        typer.echo(f"{name}: time to first token {run['ttft_s']:.3f} s, decode "
+                   f"{run['decode_tok_s']} tok/s, first link {run['links'][0]['bytes']} bytes")

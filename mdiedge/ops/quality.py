@@ -1,0 +1,158 @@
+"""The quality guard of link compression (``mdiedge bench --compression CODEC``): one run that
+sets a codec against ``none`` on
+
+- bytes per hop: a prompt's prefill frame and a one-token decode frame, header included,
+  and what a real 3-node ring's first link counted over the whole generation;
+- top-1 agreement and perplexity, teacher-forced over held-out text: the model runs in this
+  process split at the very block boundaries a ring of ``nodes`` would use, and every hop's
+  hidden states go through the codec's encode and decode (the same functions a link calls:
+  ``select("codec")``), the return hop to the starter included. The prefill codec and the
+  decode codec are each applied to every position (the ring applies the prefill codec to
+  prompts and the decode codec to generated tokens), and the worse of the two is reported;
+- tokens per second and time to first token of the same generation on a real local ring.
+
+Held-out text: the last ``held_out`` fraction of ``text`` (NanoLlama was trained on the
+first 90% of Tiny Shakespeare).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ..base.accel import select
+from ..base.codecs import NONE, Compression, encoded_size
+from ..base.nodes import NodeSpec, StarterOptions
+from ..model.sampling import SamplingParams
+from ..roles.engine import TextModel
+from ..roles.local_ring import LocalRing, threads_per_node
+from ..roles.starter import RingEngine
+from ..runtime.partition import partition
+
+FRAME_HEADER = 48 + 8  # fixed header and one sample's table entry
+
+
+def round_trip(x: torch.Tensor, codec: int, impl: Any = None) -> torch.Tensor:
+    """``x`` after a link's encode and decode with ``codec``."""
+    if codec == NONE:
+        return x
+    impl = impl or select("codec")
+    flat = x.detach().contiguous().reshape(-1)
+    raw = np.empty(encoded_size(codec, flat.numel()), dtype=np.uint8)
+    impl.encode(codec, flat.numpy(), raw)
+    out = torch.empty_like(flat)
+    impl.decode(codec, raw, out.numpy())
+    return out.reshape(x.shape)
+
+
+def stage_ranges(cfg: Any, nodes: int, context: int) -> List[Tuple[int, int]]:
+    """The block range of each node of a local ring of ``nodes`` (starter first)."""
+    shares = [StarterOptions().spec] + [NodeSpec(f"w{i}") for i in range(1, nodes)]
+    return [p.layers for p in partition(cfg, shares, 1, context)]
+
+
+def _run_range(model: Any, x: torch.Tensor, layers: Tuple[int, int]) -> torch.Tensor:
+    from ..model.layers import rope_tables
+    from ..model.transformer import _NO_SLOTS
+
+    cos, sin = rope_tables(model.cfg, x.shape[1])
+    cos, sin = cos[None, None], sin[None, None]
+    for i in range(*layers):
+        x = model.layers[str(i)](x, cos, sin, None, _NO_SLOTS, ())
+    return x
+
+
+@torch.no_grad()
+def teacher_forced(model: Any, tokens: List[int], ranges: List[Tuple[int, int]], codec: int,
+                   window: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Top-1 predictions and next-token NLL at every position of ``tokens`` (windows of
+    ``window`` tokens, each from position 0), ``codec`` on every hop."""
+    preds, nlls = [], []
+    for start in range(0, len(tokens) - 1, window):
+        chunk = torch.tensor(tokens[start:start + window + 1])[None]
+        x = model.embed_tokens(chunk[:, :-1])
+        for layers in ranges:  # each node's blocks, then the hop to the next (or back)
+            x = round_trip(_run_range(model, x, layers), codec)
+        logits = model.head_logits(x)[0]
+        preds.append(logits.argmax(-1))
+        nlls.append(torch.nn.functional.cross_entropy(logits, chunk[0, 1:], reduction="none"))
+    return torch.cat(preds), torch.cat(nlls)
+
+
+def held_out_tokens(text_model: TextModel, text: Path, held_out: float, limit: int) -> List[int]:
+    raw = text.read_text(encoding="utf-8")
+    return text_model.tokenizer.encode(raw[int(len(raw) * (1 - held_out)):])[:limit]
+
+
+def agreement(model: Any, tokens: List[int], ranges: List[Tuple[int, int]],
+              compression: Compression, window: int) -> Dict[str, Any]:
+    """Top-1 agreement with ``none`` and both perplexities (the worse of prefill/decode)."""
+    base_pred, base_nll = teacher_forced(model, tokens, ranges, NONE, window)
+    worst: Optional[Dict[str, Any]] = None
+    for name in dict.fromkeys((compression.prefill, compression.decode)):
+        pred, nll = teacher_forced(model, tokens, ranges, Compression(name).code(True), window)
+        found = {"codec": name, "top1_agreement": round(float((pred == base_pred).float()
+                                                             .mean()), 5),
+                 "perplexity": round(math.exp(float(nll.mean())), 4)}
+        if worst is None or found["top1_agreement"] < worst["top1_agreement"]:
+            worst = found
+    assert worst is not None
+    ppl_none = round(math.exp(float(base_nll.mean())), 4)
+    return dict(worst, perplexity_none=ppl_none, tokens=len(tokens) - 1,
+                perplexity_change=round(worst["perplexity"] / ppl_none - 1, 5))
+
+
+def ring_run(model: Optional[str], compression: str, prompt: List[int], new_tokens: int,
+             nodes: int) -> Dict[str, Any]:
+    """A greedy generation from the ``prompt`` token ids on a local ring: timings and links."""
+    threads = threads_per_node(nodes)
+    torch.set_num_threads(threads)
+    local = LocalRing(nodes - 1, threads=threads)
+    with local as workers:
+        engine = RingEngine(workers, model, secret=local.secret, compression=compression)
+        try:
+            text = engine.tokenizer.decode(prompt)
+            engine.generate(text, 2, 1, SamplingParams(temperature=0))  # warm-up
+            out = engine.generate(text, new_tokens, 1, SamplingParams(temperature=0))
+            links = engine.starter.link_stats()
+        finally:
+            engine.close()
+    t = out.timing
+    return {"ttft_s": round(t.prefill_s, 4), "total_s": round(t.total_s, 4),
+            "decode_tok_s": round((t.new_tokens - 1) / t.decode_s, 2) if t.decode_s else 0.0,
+            "tokens_per_s": round(t.tokens_per_s, 2), "links": links}
+
+
+def guard(model: Optional[str], compression: str, text: Path, held_out: float = 0.1,
+          eval_tokens: int = 4096, window: int = 256, prompt_tokens: int = 512,
+          new_tokens: int = 64, nodes: int = 3) -> Dict[str, Any]:
+    """Every figure of the quality guard for ``compression`` against ``none``."""
+    from ..model.checkpoint import load_model
+
+    codecs = Compression.parse(compression, "--compression")
+    text_model = TextModel(model, None)
+    cfg = text_model.cfg
+    full = load_model(text_model.path)
+    ranges = stage_ranges(cfg, nodes, min(cfg.max_seq_len, prompt_tokens + new_tokens))
+    tokens = held_out_tokens(text_model, text, held_out, eval_tokens + 1)
+    prompt = tokens[:min(prompt_tokens, cfg.max_seq_len - new_tokens)]
+    hop = {}
+    for name, codec_name in (("none", "none"), ("prefill", codecs.prefill),
+                             ("decode", codecs.decode)):
+        code = Compression(codec_name).code(True)
+        hop[name] = {"prefill_frame": FRAME_HEADER + encoded_size(code, len(prompt) * cfg.dim),
+                     "decode_frame": FRAME_HEADER + encoded_size(code, cfg.dim)}
+    runs = {c: ring_run(model, c, prompt, new_tokens, nodes) for c in ("none", str(codecs))}
+    return {"model": str(text_model.path), "compression": str(codecs), "nodes": nodes,
+            "splits": [list(r) for r in ranges], "prompt_tokens": len(prompt),
+            "bytes_per_hop": {
+                "prefill": [hop["none"]["prefill_frame"], hop["prefill"]["prefill_frame"]],
+                "decode": [hop["none"]["decode_frame"], hop["decode"]["decode_frame"]],
+                "prefill_reduction": round(hop["none"]["prefill_frame"]
+                                           / hop["prefill"]["prefill_frame"], 3),
+                "decode_reduction": round(hop["none"]["decode_frame"]
+                                          / hop["decode"]["decode_frame"], 3)},
+            "quality": agreement(full, tokens, ranges, codecs, window), "runs": runs}

@@ -123,3 +123,19 @@ def client_auth() -> Any:
     from ..runtime.auth import Authenticator
 
     return Authenticator(read_secret(None))
+
+
+COMPRESSION_HELP = ("Codecs of the ring's links (a [[workers]] entry may name its own): none, "
+                    "fp16, int8, or PREFILL:DECODE such as int8:fp16.")
+
+
+def compression_option() -> Any:
+    """``--compression CODEC``, the same on generate, starter and bench."""
+    return typer.Option("none", "--compression", metavar="CODEC", help=COMPRESSION_HELP)
+
+
+def parse_compression(value: str) -> str:
+    """``--compression``'s value in its canonical spelling; ConfigError names a bad one."""
+    from ..base.codecs import Compression
+
+    return str(Compression.parse(value, "--compression"))

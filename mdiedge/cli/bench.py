@@ -23,9 +23,10 @@ def bench(
     one: bool = typer.Option(False, "--one", hidden=True, help="Run one configuration here."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     compression: Optional[str] = typer.Option(
-        None, metavar="CODEC", help="Instead, the quality guard of this link codec against "
-        "none on a ring of --nodes: bytes per hop, top-1 agreement and perplexity "
-        "(teacher-forced over --text's held-out tail), time to first token and tokens/s."),
+        None, metavar="CODEC", help="Instead, the quality guard of this link codec (as "
+        "generate's --compression) against none on a ring of --nodes: bytes per hop, top-1 "
+        "agreement and perplexity (teacher-forced over --text's held-out tail), time to first "
+        "token and tokens/s."),
     text: Optional[str] = typer.Option(None, help="Text file for --compression: its last 10% "
                                        "is the held-out text (NanoLlama: Tiny Shakespeare)."),
     eval_tokens: int = typer.Option(4096, help="Held-out tokens scored with --compression."),
@@ -66,10 +67,9 @@ def _guard(model: Optional[str], compression: str, text: Optional[str], eval_tok
            nodes: int, context: int, new_tokens: int, as_json: bool) -> None:
     from pathlib import Path
 
-    from ..base.codecs import Compression
-    from .app import need
+    from .app import need, parse_compression
 
-    Compression.parse(compression, "--compression")
+    compression = parse_compression(compression)
     need(text is not None and Path(text).is_file(), "--text", text,
          "a text file (its last 10% is the held-out text)")
     need(nodes >= 2, "--nodes", nodes, "an integer >= 2 (links need a ring)")

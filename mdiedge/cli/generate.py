@@ -14,8 +14,10 @@ from .app import (
     app,
     check_url,
     client_auth,
+    compression_option,
     need,
     one_line_errors,
+    parse_compression,
     seconds_ok,
     terminate_gracefully,
 )
@@ -57,16 +59,11 @@ def generate(
     stop: Optional[List[str]] = typer.Option(None, "--stop", metavar="TEXT", help="End a sample "
                                              "where this text appears (repeat for several); "
                                              "the text itself is not printed."),
-    compression: str = typer.Option("none", metavar="CODEC", help="Codecs of the ring's links "
-                                    "(a ring file's worker may name its own): none, fp16, "
-                                    "int8, or PREFILL:DECODE such as int8:fp16."),
+    compression: str = compression_option(),
 ) -> None:
     """Generate text from PROMPT, on a ring of nodes (by default a local ring of 3)."""
-    from ..base.codecs import Compression
-
     need(micro_batch >= 0, "--micro-batch", micro_batch, "an integer >= 0")
-    changes = _recovery_options(stall_timeout, recover, spares)
-    changes[0]["compression"] = str(Compression.parse(compression, "--compression"))
+    changes = _recovery_options(stall_timeout, recover, spares, compression)
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
     stops = list(stop or [])
     if starter:  # no torch here: the starter checks the values and samples
@@ -75,7 +72,6 @@ def generate(
         return
     from ..model.sampling import SamplingParams
     from ..ops.console import Progress
-
     params = SamplingParams(**sampling)
     with ExitStack() as stack:
         terminate_gracefully()
@@ -91,13 +87,14 @@ def generate(
                        + 1, progress)
 
 
-def _recovery_options(stall_timeout: Optional[float], recover: bool,
-                      spares: int) -> Tuple[Dict[str, Any], int]:
-    """The starter options the command line sets (stall time, recover) and the spares."""
+def _recovery_options(stall_timeout: Optional[float], recover: bool, spares: int,
+                      compression: str = "none") -> Tuple[Dict[str, Any], int]:
+    """The starter options the command line sets (stall time, recover, compression) and the
+    spares."""
     need(stall_timeout is None or seconds_ok(stall_timeout), "--stall-timeout", stall_timeout,
          "a number of seconds > 0")
     need(spares >= 0, "--spares", spares, "an integer >= 0")
-    changes: Dict[str, Any] = {"recover": recover}
+    changes: Dict[str, Any] = {"recover": recover, "compression": parse_compression(compression)}
     if stall_timeout is not None:
         changes["stall_s"] = stall_timeout
     return changes, spares

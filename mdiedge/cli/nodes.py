@@ -13,8 +13,10 @@ from .app import (
     app,
     check_log_level,
     check_port,
+    compression_option,
     need,
     one_line_errors,
+    parse_compression,
     seconds_ok,
     serve_under_systemd,
 )
@@ -165,9 +167,7 @@ def starter_command(
     tokenizer: Optional[str] = typer.Option(None, help="Tokenizer file, if not the model's own."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
     insecure: bool = typer.Option(False, help="Allow a non-loopback address without a secret."),
-    compression: str = typer.Option("none", metavar="CODEC", help="Codecs of the links whose "
-                                    "[[workers]] entry names none: none, fp16, int8 or "
-                                    "PREFILL:DECODE."),
+    compression: str = compression_option(),
 ) -> None:
     """Run the starter as a long-lived process that owns the ring."""
     import logging
@@ -177,12 +177,10 @@ def starter_command(
     if control_port is not None:
         check_port("--control-port", control_port)
     check_log_level(log_level)
-    from ..base.codecs import Compression
+    compression = parse_compression(compression)
     from ..base.errors import ConfigError
     from ..base.settings import read_secret
     from ..runtime.auth import is_loopback
-
-    compression = str(Compression.parse(compression, "--compression"))
 
     settings, section = _starter_config(config)
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,

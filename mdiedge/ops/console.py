@@ -62,6 +62,10 @@ def _mb(n: Any) -> str:
     return "-" if n is None else f"{n / 2 ** 20:.1f}"
 
 
+def _out(node: Dict[str, Any]) -> Dict[str, Any]:
+    return (node.get("links") or {}).get("out") or {}
+
+
 COLUMNS: Dict[str, Callable[[Dict[str, Any]], str]] = {
     "node": lambda n: str(n.get("name", "?")),
     "role": lambda n: str(n.get("role", "?")),
@@ -79,6 +83,9 @@ COLUMNS: Dict[str, Callable[[Dict[str, Any]], str]] = {
     "tokens": lambda n: str(n.get("tokens", "-")),
     "busy": lambda n: f"{n['busy_fraction']:.2f}" if "busy_fraction" in n else "-",
     "rtt ms": lambda n: str(n.get("link_rtt_ms") or "-"),
+    "link out": lambda n: str(_out(n).get("codec", "-")),  # the link to the next node
+    "out frames": lambda n: str(_out(n).get("frames", "-")),
+    "out KB": lambda n: f"{_out(n)['bytes'] / 1024:.1f}" if "bytes" in _out(n) else "-",
     "uptime s": lambda n: str(n.get("uptime_s", "-")),
     "recoveries": lambda n: str(n.get("recoveries", "-")) if n.get("role") == "starter" else "-",
     "version": lambda n: str(n.get("version", "-")),

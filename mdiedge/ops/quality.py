@@ -106,24 +106,33 @@ def agreement(model: Any, tokens: List[int], ranges: List[Tuple[int, int]],
 
 
 def ring_run(model: Optional[str], compression: str, prompt: List[int], new_tokens: int,
-             nodes: int) -> Dict[str, Any]:
-    """A greedy generation from the ``prompt`` token ids on a local ring: timings and links."""
+             nodes: int, repeats: int = 3) -> Dict[str, Any]:
+    """Greedy generations from the ``prompt`` token ids on a local ring, after a warm-up: the
+    medians of ``repeats`` timings, and the links' counts over all of them (``generations``)."""
     threads = threads_per_node(nodes)
     torch.set_num_threads(threads)
     local = LocalRing(nodes - 1, threads=threads)
+    timings = []
     with local as workers:
         engine = RingEngine(workers, model, secret=local.secret, compression=compression)
         try:
             text = engine.tokenizer.decode(prompt)
             engine.generate(text, 2, 1, SamplingParams(temperature=0))  # warm-up
-            out = engine.generate(text, new_tokens, 1, SamplingParams(temperature=0))
+            for _ in range(repeats):
+                timings.append(engine.generate(text, new_tokens, 1,
+                                               SamplingParams(temperature=0)).timing)
             links = engine.starter.link_stats()
         finally:
             engine.close()
-    t = out.timing
-    return {"ttft_s": round(t.prefill_s, 4), "total_s": round(t.total_s, 4),
-            "decode_tok_s": round((t.new_tokens - 1) / t.decode_s, 2) if t.decode_s else 0.0,
-            "tokens_per_s": round(t.tokens_per_s, 2), "links": links}
+
+    def median(values: List[float]) -> float:
+        return round(sorted(values)[len(values) // 2], 4)
+
+    return {"ttft_s": median([t.prefill_s for t in timings]),
+            "decode_tok_s": median([(t.new_tokens - 1) / t.decode_s if t.decode_s else 0.0
+                                    for t in timings]),
+            "tokens_per_s": median([t.tokens_per_s for t in timings]),
+            "generations": repeats + 1, "links": links}
 
 
 def guard(model: Optional[str], compression: str, text: Path, held_out: float = 0.1,

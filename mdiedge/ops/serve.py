@@ -59,4 +59,5 @@ class StarterServer:
         result = out.as_dict()
         result["nodes"] = len(self.engine.starter.ring_workers) + 1
         result["model"] = str(self.engine.path)
+        result["links"] = self.engine.starter.link_stats()  # counted since the ring's set-up
         return result

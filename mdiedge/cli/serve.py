@@ -9,19 +9,20 @@ from typing import Any, Optional
 
 import typer
 
-from ..base import defaults
 from .app import app, check_log_level, check_port, need, one_line_errors, seconds_ok
 
 API_PORT = 8000
 SLOTS = 8
-MAX_WAITING = 32  # requests waiting for slots before a 429 (the scheduler holds at most 64)
+MAX_WAITING = 32  # requests waiting for slots before a 429 (at most rules.MAX_QUEUE)
 MAX_BODY = 1 << 20
 
 
 def check_api_options(slots: int, context: int, max_queue: int, max_body: int) -> None:
     need(1 <= slots <= 256, "--slots", slots, "an integer 1..256")
     need(context >= 0, "--context", context, "an integer >= 0 (0: the model's)")
-    need(0 <= max_queue <= 64, "--max-queue", max_queue, "an integer 0..64")
+    from ..ops.api.rules import MAX_QUEUE
+
+    need(0 <= max_queue <= MAX_QUEUE, "--max-queue", max_queue, f"an integer 0..{MAX_QUEUE}")
     need(1024 <= max_body <= 1 << 30, "--max-body", max_body, "a number of bytes 1024..2**30")
 
 
@@ -43,7 +44,7 @@ def open_api(engine: Any, host: str, port: int, slots: int, context: int, max_qu
              max_body: int, key: Optional[str], name: Optional[str], log_level: str) -> Any:
     """The API of ``engine`` on ``host:port``: bound, not started."""
     from ..ops.api.server import Api
-    from ..ops.api.service import ServeLimits
+    from ..ops.api.rules import ServeLimits
 
     limits = ServeLimits(slots=slots, context=context, max_waiting=max_queue, max_body=max_body)
     return Api(engine, host, port, limits, key, name, log_level)

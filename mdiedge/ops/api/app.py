@@ -5,7 +5,6 @@ every error in OpenAI's shape."""
 from __future__ import annotations
 
 import functools
-import hmac
 import json
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional
@@ -22,18 +21,12 @@ from .errors import ApiError, api_error
 from .metrics import CONTENT_TYPE
 from .responses import (ChatChunk, ChatCompletion, Choice, Completion, CompletionChunk,
                         ModelCard, new_id, sse)
+from .rules import authorized
 from .schema import ChatRequest, CompletionRequest, Options
 from .service import ApiService, Run, TextStream
 
 OPEN_PATHS = ("/health",)  # answered without the API key
 Handler = Callable[[Request], Awaitable[Response]]
-
-
-def authorized(header: Optional[str], key: Optional[str]) -> bool:
-    """Whether an ``Authorization`` header carries ``key`` (always, when there is none)."""
-    if not key:
-        return True
-    return hmac.compare_digest((header or "").encode(), f"Bearer {key}".encode())
 
 
 def error_response(error: ApiError) -> JSONResponse:

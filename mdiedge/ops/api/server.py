@@ -12,7 +12,8 @@ from typing import Any, Optional
 
 from ...base.errors import ConfigError
 from .app import build_app
-from .service import ApiService, ServeLimits
+from .rules import ServeLimits
+from .service import ApiService
 
 API_KEY_ENV = "MDIEDGE_API_KEY"
 START_TIMEOUT_S = 30.0

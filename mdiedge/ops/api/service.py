@@ -11,12 +11,10 @@ cancels its ``Generation``, which frees its KV rows on every node.
 from __future__ import annotations
 
 import asyncio
-import math
 import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, List, Optional, Set, Tuple
 
 from ...base import defaults
@@ -29,35 +27,10 @@ from ...runtime.protocol import NodeStatus
 from .errors import ApiError, api_error
 from .metrics import ApiMetrics
 from .responses import Usage
+from .rules import ServeLimits, may_join, retry_after_s
 from .schema import Options
 
-MAX_QUEUE = 64  # the scheduler's own bound on waiting requests (Scheduler max_waiting)
 _DONE = object()
-
-
-@dataclass
-class ServeLimits:
-    """A server's fixed sizes: KV slots (samples at once), context per slot (0: the model's),
-    requests that may wait for slots, request body bytes, and the default ``max_tokens``."""
-
-    slots: int = 8
-    context: int = 0
-    max_waiting: int = 32
-    max_body: int = 1 << 20
-    max_tokens: int = defaults.MAX_NEW_TOKENS
-
-
-def may_join(waiting: int, free_slots: int, n: int, max_waiting: int) -> bool:
-    """Whether a request of ``n`` samples is taken: at once when it fits the free slots and
-    none waits ahead of it, else when fewer than ``max_waiting`` requests wait."""
-    return (waiting == 0 and n <= free_slots) or waiting < max_waiting
-
-
-def retry_after_s(mean_e2e_s: float, waiting: int, slots: int) -> int:
-    """Seconds a refused client should wait: about the time the queue ahead takes to drain
-    (the mean request time per slot's worth of waiting requests), 1..60."""
-    estimate = mean_e2e_s * (1 + waiting / max(1, slots))
-    return int(min(60, max(1, math.ceil(estimate))))
 
 
 class TextStream:

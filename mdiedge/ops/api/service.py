@@ -100,7 +100,8 @@ class Run:
         ``disconnected()`` says the client is gone."""
         while True:
             try:
-                item = await asyncio.wait_for(self._queue.get(), poll_s)
+                item = self._queue.get_nowait() if not self._queue.empty() else \
+                    await asyncio.wait_for(self._queue.get(), poll_s)
             except asyncio.TimeoutError:
                 if not self.finished and await disconnected():
                     self.cancel()

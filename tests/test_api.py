@@ -14,7 +14,7 @@ import pytest
 
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.ops.api.rules import ServeLimits
-from mdiedge.ops.api.server import Api
+from mdiedge.ops.api.server import Api, listen
 from mdiedge.roles.engine import LocalEngine
 
 KEY = "test-key-0123456789"
@@ -28,8 +28,8 @@ def engine(stories: Path) -> LocalEngine:
 
 @pytest.fixture(scope="module")
 def api(engine: LocalEngine) -> Iterator[Api]:
-    server = Api(engine, "127.0.0.1", 0, ServeLimits(slots=4, context=256, max_waiting=8),
-                 name="stories").start()
+    server = Api(engine, listen("127.0.0.1", 0),
+                 ServeLimits(slots=4, context=256, max_waiting=8), name="stories").start()
     yield server
     server.close()
 
@@ -220,8 +220,8 @@ def test_metrics_count_tokens_and_time_requests(api: Api, client: openai.OpenAI)
 def strict(engine: LocalEngine) -> Iterator[Api]:
     """One slot, no queue, a key, small bodies (its own engine: the layout differs)."""
     own = LocalEngine(engine.path, engine.path.parent / "tok512.model")
-    server = Api(own, "127.0.0.1", 0, ServeLimits(slots=1, context=128, max_waiting=0,
-                                                  max_body=2048), api_key=KEY).start()
+    server = Api(own, listen("127.0.0.1", 0), ServeLimits(slots=1, context=128, max_waiting=0,
+                                                          max_body=2048), api_key=KEY).start()
     yield server
     server.close()
 

@@ -80,3 +80,70 @@ def test_sigterm_stops_the_server_and_its_nodes(served: Dict[str, Any]) -> None:
     assert proc.wait(20) == 0
     time.sleep(0.5)
     assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")]
+
+
+def test_the_starter_serves_the_api_beside_its_control_plane(stories: Path,
+                                                             tmp_path: Path) -> None:
+    env = dict(os.environ, MDIEDGE_SECRET="s3cret-ring-key-0123456789abcdef")
+    env.pop("MDIEDGE_API_KEY", None)
+    worker = subprocess.Popen([sys.executable, "-m", "mdiedge", "worker", "--no-config",
+                               "--control-port", "0", "--data-port", "0", "--name", "w1",
+                               "--log-level", "warning"], stdout=subprocess.PIPE, text=True,
+                              env=env)
+    starter = None
+    try:
+        assert worker.stdout is not None
+        port = json.loads(worker.stdout.readline())["control_port"]
+        ring = tmp_path / "ring.toml"
+        ring.write_text(f'[[workers]]\nname = "w1"\nhost = "127.0.0.1"\ncontrol_port = {port}\n')
+        starter = subprocess.Popen(
+            [sys.executable, "-m", "mdiedge", "starter", "--config", str(ring), "--control-port",
+             "0", "--api-port", "0", "--slots", "2", "--log-level", "warning",
+             "--model", str(stories / "stories260K.bin"),
+             "--tokenizer", str(stories / "tok512.model")],
+            stdout=subprocess.PIPE, text=True, env=env)
+        assert starter.stdout is not None
+        ready = json.loads(starter.stdout.readline())
+        assert ready["control_port"] > 0
+        client = openai.OpenAI(base_url=ready["api_url"], api_key="unused", max_retries=0,
+                               timeout=60)
+        reply = client.completions.create(model="stories260K", prompt="Once", max_tokens=8, n=2)
+        assert [len(c.text) > 0 for c in reply.choices] == [True, True]
+        with pytest.raises(openai.BadRequestError, match="at most 2 samples"):
+            client.completions.create(model="stories260K", prompt="Once", max_tokens=8, n=3)
+        assert sorted(node_slots(ready["api_url"])) == ["starter", "w1"]
+    finally:
+        for proc in (starter, worker):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(20)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--slots", "0"], "--slots: expected an integer 1..256, got 0"),
+    (["--port", "70000"], "--port: expected a port 0..65535, got 70000"),
+    (["--max-queue", "65"], "--max-queue: expected an integer 0..64, got 65"),
+    (["--host", "0.0.0.0"], "refusing to serve the API on 0.0.0.0 without an API key"),
+    (["--api-key-file", "/nonexistent/key"], "--api-key-file /nonexistent/key: No such file"),
+    (["--nodes", "3", "--context", "5000"], "--context: expected 0..1024 tokens (the model's), got 5000"),
+])
+def test_bad_serve_options_are_one_line_errors(args: Any, message: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "MDIEDGE_API_KEY"}
+    out = subprocess.run([sys.executable, "-m", "mdiedge", "serve", *args], capture_output=True,
+                         text=True, timeout=120, stdin=subprocess.DEVNULL, env=env)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode != 0 and len(lines) == 1, out.stderr
+    assert lines[0].startswith("mdiedge: error: ") and message in lines[0], out.stderr
+
+
+def test_a_port_in_use_is_a_one_line_error() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "mdiedge", "serve", "--nodes", "3",
+                              "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert f"mdiedge: error: cannot listen on 127.0.0.1:{port}" in out.stderr.strip()

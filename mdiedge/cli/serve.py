@@ -40,14 +40,23 @@ def api_key_for(host: str, key_file: Optional[str], insecure: bool) -> Optional[
     return key
 
 
-def open_api(engine: Any, host: str, port: int, slots: int, context: int, max_queue: int,
-             max_body: int, key: Optional[str], name: Optional[str], log_level: str) -> Any:
-    """The API of ``engine`` on ``host:port``: bound, not started."""
-    from ..ops.api.server import Api
+def open_api(engine: Any, sock: Any, slots: int, context: int, max_queue: int, max_body: int,
+             key: Optional[str], name: Optional[str], log_level: str) -> Any:
+    """The API of ``engine`` on the listening socket ``sock``: set up, not started."""
     from ..ops.api.rules import ServeLimits
+    from ..ops.api.server import Api
 
     limits = ServeLimits(slots=slots, context=context, max_waiting=max_queue, max_body=max_body)
-    return Api(engine, host, port, limits, key, name, log_level)
+    return Api(engine, sock, limits, key, name, log_level)
+
+
+def check_context(context: int, text_model: Any) -> None:
+    """``--context`` within the model's, before any node starts."""
+    from ..base.errors import ConfigError
+
+    top = text_model.cfg.max_seq_len
+    if not 0 <= context <= top:
+        raise ConfigError(f"--context: expected 0..{top} tokens (the model's), got {context}")
 
 
 def starter_api(engine: Any, port: Optional[int], host: str, key_file: Optional[str],
@@ -59,7 +68,10 @@ def starter_api(engine: Any, port: Optional[int], host: str, key_file: Optional[
     check_port("--api-port", port)
     check_api_options(slots, 0, MAX_WAITING, MAX_BODY)
     key = api_key_for(host, key_file, insecure)
-    return open_api(engine, host, port, slots, 0, MAX_WAITING, MAX_BODY, key, None, log_level)
+    from ..ops.api.server import listen
+
+    return open_api(engine, listen(host, port), slots, 0, MAX_WAITING, MAX_BODY, key, None,
+                    log_level)
 
 
 @app.command()
@@ -103,13 +115,16 @@ def serve(
     need(stall_timeout is None or seconds_ok(stall_timeout), "--stall-timeout", stall_timeout,
          "a number of seconds > 0")
     key = api_key_for(host, api_key_file, insecure)
+    from ..ops.api.server import listen
     from .generate import _open_engine
 
     with ExitStack() as stack:
+        sock = listen(host, port)  # a port in use fails before any node starts
+        stack.callback(sock.close)
         engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring,
-                              stall_timeout, lambda e: None)
-        api = open_api(engine, host, port, slots, context, max_queue, max_body, key,
-                       model_name, log_level)
+                              stall_timeout, lambda text: check_context(context, text))
+        api = open_api(engine, sock, slots, context, max_queue, max_body, key, model_name,
+                       log_level)
         stack.callback(api.close)
         engine.prepare(*engine.reserved)  # set the ring up now: its errors before "ready"
         api.start()

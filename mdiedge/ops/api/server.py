@@ -11,9 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ...base.errors import ConfigError
-from .app import build_app
 from .rules import ServeLimits
-from .service import ApiService
 
 API_KEY_ENV = "MDIEDGE_API_KEY"
 START_TIMEOUT_S = 30.0
@@ -38,22 +36,28 @@ def model_name(path: Path) -> str:
     return path.name if path.is_dir() else path.stem
 
 
-class ApiServer:
-    """uvicorn serving ``app`` on ``host:port`` (0: a free port) from a thread."""
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (0: a free port), or a one-line error."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
-    def __init__(self, app: Any, host: str, port: int, log_level: str = "warning") -> None:
+
+class ApiServer:
+    """uvicorn serving ``app`` on the listening socket ``sock`` from a thread."""
+
+    def __init__(self, app: Any, sock: socket.socket, log_level: str = "warning") -> None:
         import uvicorn
 
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.sock.bind((host, port))
-        except OSError as e:
-            self.sock.close()
-            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-        self.sock.listen(128)
-        self.host, self.port = host, int(self.sock.getsockname()[1])
+        self.sock = sock
+        self.host, self.port = sock.getsockname()[:2]
         config = uvicorn.Config(app, log_level=log_level, lifespan="off", access_log=False,
                                 timeout_graceful_shutdown=3)
         self.server = uvicorn.Server(config)
@@ -88,13 +92,17 @@ class ApiServer:
 
 
 class Api:
-    """An engine served: its ``ApiService`` and the ``ApiServer`` of its app."""
+    """An engine served on ``sock`` (see ``listen``): its ``ApiService`` and the
+    ``ApiServer`` of its app."""
 
-    def __init__(self, engine: Any, host: str, port: int, limits: ServeLimits,
+    def __init__(self, engine: Any, sock: socket.socket, limits: ServeLimits,
                  api_key: Optional[str] = None, name: Optional[str] = None,
                  log_level: str = "warning") -> None:
+        from .app import build_app
+        from .service import ApiService
+
         self.service = ApiService(engine, name or model_name(engine.path), limits)
-        self.server = ApiServer(build_app(self.service, api_key), host, port, log_level)
+        self.server = ApiServer(build_app(self.service, api_key), sock, log_level)
 
     @property
     def url(self) -> str:

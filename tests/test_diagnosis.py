@@ -1,6 +1,6 @@
-"""Fault diagnosis with real worker processes: a frozen (SIGSTOPped) worker is named itself,
-not its neighbour, within the stall time plus a few seconds, from the library and from
-``mdiedge generate --stall-timeout``."""
+"""Fault diagnosis with real worker processes and recovery off: a frozen (SIGSTOPped) worker
+is named itself, not its neighbour, within the stall time plus a few seconds, from the
+library and from ``mdiedge generate --stall-timeout --no-recover``."""
 from __future__ import annotations
 
 import os
@@ -27,7 +27,8 @@ SLACK_S = 5.0  # the parallel probe (DIAGNOSE_TIMEOUT_S) and a loaded machine
 def test_a_frozen_worker_is_named_itself_within_the_stall_time(ring_model: Path) -> None:
     local = LocalRing(3)
     with local as workers:
-        engine = RingEngine(workers, ring_model, timeout_s=STALL_S, secret=local.secret)
+        engine = RingEngine(workers, ring_model, timeout_s=STALL_S, stall_s=STALL_S,
+                            secret=local.secret, recover=False)
         errors: List[BaseException] = []
         started = threading.Event()
 
@@ -65,7 +66,7 @@ def test_the_local_ring_default_stall_time_is_short() -> None:
 def test_generate_stall_timeout_names_the_frozen_worker(stories: Path) -> None:
     cmd = [sys.executable, "-m", "mdiedge", "generate", "Once upon", "--model",
            str(stories / "stories260K.bin"), "--tokenizer", str(stories / "tok512.model"),
-           "-n", "480", "--nodes", "4", "--stall-timeout", str(STALL_S)]
+           "-n", "480", "--nodes", "4", "--stall-timeout", str(STALL_S), "--no-recover"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     streamed = proc.stdout.read(len("Once upon") + 20)  # the prompt, then generated text

@@ -103,9 +103,11 @@ def test_weights_are_sent_once_then_cached(ring_model: Path, reference: LocalEng
 
 
 def test_a_dead_worker_fails_the_run_fast_and_names_it(ring_model: Path) -> None:
+    """With recovery off, a lost worker fails the requests in flight, naming it."""
     local = LocalRing(2)
     with local as workers:
-        engine = RingEngine(workers, ring_model, timeout_s=30, secret=local.secret)
+        engine = RingEngine(workers, ring_model, timeout_s=30, secret=local.secret,
+                            recover=False)
         errors: List[BaseException] = []
         started = threading.Event()
 

@@ -595,7 +595,9 @@ def test_load_ring_shape(tmp_path: Path) -> None:
     options, workers = load_ring(write(tmp_path, RING_FILE))
     assert options == {"host": "10.0.0.1", "device": "cpu", "weight": 1.0,
                        "memory": 1000, "layers": None,
-                       "max_payload": defaults.MAX_PAYLOAD, "timeout_s": defaults.RING_TIMEOUT_S}
+                       "max_payload": defaults.MAX_PAYLOAD, "timeout_s": defaults.RING_TIMEOUT_S,
+                       "stall_s": defaults.STALL_S, "recover": True,
+                       "rebalance_margin": defaults.REBALANCE_MARGIN}
     assert workers == [
         NodeSpec(name="w1", host="10.0.0.2", control_port=7700, weight=2.5,
                  memory=6 * GiB, layers=(6, 14), device="cuda"),
@@ -611,7 +613,9 @@ def test_load_ring_starter_options(tmp_path: Path) -> None:
     options, workers = load_ring(write(tmp_path, text))
     assert options == {"host": "10.0.0.1", "device": "cuda", "weight": 2.0,
                        "memory": 4 * GiB, "layers": (0, 6),
-                       "max_payload": 64 << 20, "timeout_s": 12.5}
+                       "max_payload": 64 << 20, "timeout_s": 12.5,
+                       "stall_s": defaults.STALL_S, "recover": True,
+                       "rebalance_margin": defaults.REBALANCE_MARGIN}
     options, _ = load_ring(write(tmp_path, "[starter]\ntimeout_s = 30\n" + R))
     assert (options["timeout_s"], options["max_payload"]) == (30.0, defaults.MAX_PAYLOAD)
 
@@ -620,7 +624,9 @@ def test_load_ring_without_starter_table(tmp_path: Path) -> None:
     options, workers = load_ring(write(tmp_path, W + 'name = "ignored"\n' + R))
     assert options == {"host": "127.0.0.1", "device": "cpu", "weight": 1.0,
                        "memory": None, "layers": None,
-                       "max_payload": defaults.MAX_PAYLOAD, "timeout_s": defaults.RING_TIMEOUT_S}
+                       "max_payload": defaults.MAX_PAYLOAD, "timeout_s": defaults.RING_TIMEOUT_S,
+                       "stall_s": defaults.STALL_S, "recover": True,
+                       "rebalance_margin": defaults.REBALANCE_MARGIN}
     assert [w.name for w in workers] == ["w1"]
 
 
@@ -731,7 +737,8 @@ PLAUSIBLE = {  # values near and on both sides of each key's rule
     "layers": st.lists(st.integers(-1, 30), max_size=3),
     "device": st.sampled_from(["cpu", "cuda", "cuda:0", "gpu"]),
     "dtype": st.sampled_from(["float32", "bf16", "float64"]),
-    "memory": sizes, "max_payload": sizes,
+    "memory": sizes, "max_payload": sizes, "stall_s": numbers, "rebalance_margin": numbers,
+    "recover": st.booleans(), "spare": st.booleans(),
 }
 
 

@@ -183,9 +183,10 @@ def test_config_skeletons_follow_the_schema() -> None:
     assert starter == {
         "starter": {"host": "0.0.0.0", "control_port": 7600,
                     "model": "/var/lib/mdiedge/models/tinyllama", "device": "cpu",
-                    "dtype": "float32", "weight": 1.0},
+                    "dtype": "float32", "weight": 1.0, "stall_s": 3, "recover": True,
+                    "rebalance_margin": 0.25},
         "workers": [{"name": "w1", "host": "10.0.0.2", "control_port": 7700, "device": "cuda",
-                     "weight": 1.0}]}
+                     "weight": 1.0, "spare": False}]}
     # the optional keys are there, commented out, with the schema's example values
     for text, keys in ((units.WORKER_CONFIG, ("secret_file", "model", "layers")),
                        (units.STARTER_CONFIG, ("memory", "layers", "secret_file"))):

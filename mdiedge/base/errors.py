@@ -42,3 +42,12 @@ class PartitionError(MdiedgeError, ValueError):
 
 class RingError(MdiedgeError):
     """A node of the ring failed, timed out, or refused a request."""
+
+
+class NodeLost(RingError):
+    """Workers of a running ring are gone (dead, frozen, restarted): ``nodes`` names them.
+    A starter that may recover moves their layers elsewhere and replays; otherwise it fails."""
+
+    def __init__(self, message: str, nodes: "tuple[str, ...]") -> None:
+        super().__init__(message)
+        self.nodes = tuple(nodes)

@@ -17,6 +17,7 @@ class NodeSpec:
     memory: Optional[int] = None  # bytes the node may hold (weights + KV); None: unlimited
     layers: Optional[Tuple[int, int]] = None  # a pinned block range [a, b)
     device: str = "cpu"
+    spare: bool = False  # held back, to take the layers of a node that is lost
 
     @property
     def url(self) -> str:
@@ -40,6 +41,9 @@ class StarterOptions:
     layers: Optional[Tuple[int, int]] = None
     max_payload: int = defaults.MAX_PAYLOAD
     timeout_s: float = defaults.RING_TIMEOUT_S
+    stall_s: float = defaults.STALL_S  # see defaults.STALL_S
+    recover: bool = True  # a lost node's layers move to a spare or the survivors
+    rebalance_margin: float = defaults.REBALANCE_MARGIN  # 0: never re-split by measurements
     share_path: bool = True  # tell workers where the model lies (a shared filesystem)
     secret: Optional[bytes] = None
     control_url: Optional[str] = None  # set when the starter serves a control plane

@@ -12,6 +12,9 @@ is ignored here::
     layers = [0, 2]
     max_payload = "64MiB"
     timeout_s = 60
+    stall_s = 3               # a node silent this long is lost; the ring recovers without it
+    recover = true
+    rebalance_margin = 0.25   # re-split when the slowest node is this far above the mean
 
     [[workers]]
     name = "w1"
@@ -21,6 +24,7 @@ is ignored here::
     weight = 2.0
     memory = "6GiB"
     layers = [2, 7]
+    spare = false             # true: held back to replace a lost node
 
 With ``secret=True`` the options carry the ring secret too (``secret``/``secret_file`` in
 ``[starter]``, else the environment), so a starter can talk to secured workers.
@@ -53,7 +57,8 @@ def load_ring(path: Union[str, "os.PathLike[str]"], secret: bool = False,
     options: Dict[str, Any] = {
         "host": starter.host, "device": starter.device, "weight": starter.weight,
         "memory": starter.memory, "layers": starter.layers, "max_payload": starter.max_payload,
-        "timeout_s": starter.timeout_s,
+        "timeout_s": starter.timeout_s, "stall_s": starter.stall_s,
+        "recover": starter.recover, "rebalance_margin": starter.rebalance_margin,
     }
     if secret:
         options["secret"] = read_secret(settings.starter, env)

@@ -51,8 +51,8 @@ from pathlib import Path
 from typing import (Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Optional, Tuple,
                     Union)
 
-from .defaults import (IDLE_TIMEOUT_S, MAX_PAYLOAD, MAX_THREADS, RING_TIMEOUT_S,
-                       STARTER_CONTROL_PORT, WORKER_CONTROL_PORT, WORKER_DATA_PORT)
+from .defaults import (IDLE_TIMEOUT_S, MAX_PAYLOAD, MAX_THREADS, REBALANCE_MARGIN,
+                       RING_TIMEOUT_S, STALL_S, STARTER_CONTROL_PORT, WORKER_CONTROL_PORT, WORKER_DATA_PORT)
 from .dtypes import COMPUTE_NAMES
 from .errors import ConfigError
 from .nodes import NodeSpec
@@ -138,6 +138,9 @@ class StarterSettings:
     layers: Optional[Tuple[int, int]] = None
     max_payload: int = MAX_PAYLOAD  # bytes
     timeout_s: float = RING_TIMEOUT_S
+    stall_s: float = STALL_S
+    recover: bool = True
+    rebalance_margin: float = REBALANCE_MARGIN
     secret: Optional[str] = field(default=None, repr=False)
     secret_file: Optional[str] = None
     insecure: bool = False
@@ -209,11 +212,16 @@ def _integer(low: int, high: Optional[int] = None) -> Check:
     return check
 
 
-def _positive(value: Any) -> float:
-    if (not isinstance(value, (int, float)) or isinstance(value, bool)
-            or not math.isfinite(value) or value <= 0):
-        raise _Bad("a number > 0")
-    return float(value)
+def _at_least(low: float, strict: bool) -> Check:
+    def check(value: Any) -> float:
+        if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                or not math.isfinite(value) or value < low or (strict and value == low)):
+            raise _Bad(f"a number {'>' if strict else '>='} {low:g}")
+        return float(value)
+    return check
+
+
+_positive, _fraction = _at_least(0, strict=True), _at_least(0, strict=False)
 
 
 def _bool(value: Any) -> bool:
@@ -282,10 +290,11 @@ WORKER_SCHEMA: Dict[str, Check] = dict(
 STARTER_SCHEMA: Dict[str, Check] = dict(
     host=_host, control_port=_integer(0, 65535), model=_string("a model path"),
     tokenizer=_string("a tokenizer path"), weight=_positive, memory=_size, max_payload=_size,
-    timeout_s=_positive, **_SECRETS, **_COMMON)
+    timeout_s=_positive, stall_s=_positive, recover=_bool, rebalance_margin=_fraction,
+    **_SECRETS, **_COMMON)
 WORKERS_SCHEMA: Dict[str, Check] = dict(
     name=_string(), host=_host, control_port=_integer(1, 65535), device=_device,
-    weight=_positive, memory=_size, layers=_layers)
+    weight=_positive, memory=_size, layers=_layers, spare=_bool)
 WORKERS_REQUIRED = ("host", "control_port")
 TABLES = {"worker": "[worker]", "starter": "[starter]", "workers": "[[workers]]"}
 

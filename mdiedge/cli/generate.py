@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import typer
 
@@ -45,9 +45,14 @@ def generate(
                                           "generate through."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
     stall_timeout: Optional[float] = typer.Option(
-        None, "--stall-timeout", metavar="SECONDS", help="A message not back around the ring "
-        f"within this is a failure, and the node that froze is named (default: "
-        f"{defaults.LOCAL_RING_TIMEOUT_S:g} for a local ring, the ring file's timeout_s)."),
+        None, "--stall-timeout", metavar="SECONDS", help="A worker that returns no message and "
+        "does not answer on its control port within this is lost, and named (default: "
+        f"{defaults.STALL_S:g}, or the ring file's stall_s)."),
+    recover: bool = typer.Option(True, "--recover/--no-recover", help="When a worker is lost, "
+                                 "move its layers to a spare or the other nodes, replay, and go "
+                                 "on (--no-recover: fail, naming it)."),
+    spares: int = typer.Option(0, help="Spare workers started beside the local ring's, to take "
+                               "the place of a lost one."),
     stop: Optional[List[str]] = typer.Option(None, "--stop", metavar="TEXT", help="End a sample "
                                              "where this text appears (repeat for several); "
                                              "the text itself is not printed."),
@@ -57,7 +62,11 @@ def generate(
 
     need(micro_batch >= 0, "--micro-batch", micro_batch, "an integer >= 0")
     need(stall_timeout is None or seconds_ok(stall_timeout), "--stall-timeout", stall_timeout,
-          "a number of seconds > 0")
+         "a number of seconds > 0")
+    need(spares >= 0, "--spares", spares, "an integer >= 0")
+    changes: Dict[str, Any] = {"recover": recover}
+    if stall_timeout is not None:
+        changes["stall_s"] = stall_timeout
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
     stops = list(stop or [])
     if starter:  # no torch here: the starter checks the values and samples
@@ -75,12 +84,13 @@ def generate(
                                                 streaming=samples == 1 and not as_json))
         progress.phase("loading" if ring is None and nodes == 1 else
                        "connecting" if ring is not None else "starting nodes")
-        engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring, stall_timeout,
+        engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring,
+                              (changes, spares),
                               lambda e: e.new_generation(prompt, max_new_tokens, samples, params,
                                                          None, stops))
         _generate_with(engine, prompt, max_new_tokens, samples, params, stops, micro_batch,
                        as_json,
-                       nodes if ring is None else len(engine.workers) + 1, progress)
+                       nodes if ring is None else len(engine.starter.ring_workers) + 1, progress)
 
 
 def _generate_through(url: str, prompt: str, max_new_tokens: int, samples: int,
@@ -105,10 +115,12 @@ def _generate_through(url: str, prompt: str, max_new_tokens: int, samples: int,
 
 
 def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], device: str,
-                 dtype: str, nodes: int, ring: Optional[str], stall: Optional[float],
-                 check: Callable[[Any], Any]) -> Any:
+                 dtype: str, nodes: int, ring: Optional[str],
+                 recovery: Tuple[Dict[str, Any], int], check: Callable[[Any], Any]) -> Any:
     """The engine for ``--nodes``/``--ring``; ``check`` validates the request (given the
-    model's text side) before any node process is started; ``stall``: ``--stall-timeout``."""
+    model's text side) before any node process is started; ``recovery``: the starter options
+    given on the command line (stall time, recover) and the local ring's spares."""
+    changes, spares = recovery
     need(ring is not None or nodes >= 1, "--nodes", nodes, "an integer >= 1")
     if ring is None and nodes == 1:
         from ..roles.engine import LocalEngine
@@ -127,8 +139,7 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
         from ..base.ringfile import load_ring
 
         found, workers = load_ring(ring, secret=True)  # [starter] secret(_file), else the env
-        if stall is not None:
-            found["timeout_s"] = stall
+        found.update(changes)
         engine = RingEngine(workers, model, tokenizer, StarterOptions(**found), dtype=dtype)
     else:
         import torch
@@ -137,11 +148,11 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
 
         threads = threads_per_node(nodes)
         torch.set_num_threads(threads)
-        local_ring = LocalRing(nodes - 1, threads=threads, device=device)
+        local_ring = LocalRing(nodes - 1, threads=threads, device=device, spares=spares)
         workers = stack.enter_context(local_ring)
         engine = RingEngine(workers, model, tokenizer, device=device, dtype=dtype,
-                            secret=local_ring.secret,
-                            timeout_s=stall or defaults.LOCAL_RING_TIMEOUT_S)
+                            secret=local_ring.secret, timeout_s=defaults.LOCAL_RING_TIMEOUT_S,
+                            **changes)
     stack.callback(engine.close)
     return engine
 

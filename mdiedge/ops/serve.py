@@ -57,6 +57,6 @@ class StarterServer:
                                    body.get("samples", 1), params, body.get("micro_batch", 0),
                                    stop=body.get("stop", []))
         result = out.as_dict()
-        result["nodes"] = len(self.engine.workers) + 1
+        result["nodes"] = len(self.engine.starter.ring_workers) + 1
         result["model"] = str(self.engine.path)
         return result

@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from ..base.defaults import (IDLE_TIMEOUT_S, STARTER_CONTROL_PORT, WORKER_CONTROL_PORT,
-                             WORKER_DATA_PORT)
+from ..base.defaults import (IDLE_TIMEOUT_S, REBALANCE_MARGIN, STALL_S, STARTER_CONTROL_PORT,
+                             WORKER_CONTROL_PORT, WORKER_DATA_PORT)
 from ..base.dtypes import TABLE as DTYPE_TABLE
 from ..base.errors import ConfigError
 
@@ -100,6 +100,14 @@ weight = 1.0
 # memory = "4GiB"
 # Optional: pin the starter to this block range [first, end) instead of the automatic split.
 # layers = [0, 6]
+# A worker that returns no message for this many seconds, and then does not answer on its
+# control port within it either, is lost: its layers move to a spare or to the survivors.
+stall_s = {STALL_S:g}
+# false: a lost node fails the requests in flight instead of the ring recovering without it.
+recover = true
+# Between requests, re-split the layers when the slowest node's measured time per block is
+# this fraction above the mean (0: never).
+rebalance_margin = {REBALANCE_MARGIN:g}
 # File holding the ring secret (one line). Leave it unset under the shipped unit: systemd
 # hands /etc/mdiedge/secret (mode 0600, root) to the starter as a credential and names it in
 # $MDIEDGE_SECRET_FILE; the unit's dynamic user cannot read the root-only file itself.
@@ -123,6 +131,8 @@ weight = 1.0
 # memory = "6GiB"
 # Optional: pin the worker to this block range [first, end).
 # layers = [6, 14]
+# true: a spare, given no layers until a worker is lost; it then takes that worker's place.
+spare = false
 """
 
 CONFIGS = {"mdiedge.toml": WORKER_CONFIG, "starter.toml": STARTER_CONFIG}

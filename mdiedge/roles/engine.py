@@ -5,7 +5,7 @@ the blocks. ``LocalEngine`` builds a pipeline of in-process stages (``--nodes 1`
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -16,7 +16,7 @@ from ..model.devices import parse_device, parse_dtype
 from ..model.sampling import SamplingParams
 from ..model.tokenizer import Tokenizer, decode_continuation, load_tokenizer
 from ..model.stopping import StopMatcher, check_stops, cut_at_stop
-from ..runtime.generation import Generation, Sample, Timing, TokenCallback
+from ..runtime.generation import Generation, Recovery, Sample, Timing, TokenCallback
 from ..runtime.partition import split_layers
 from ..runtime.pipeline import ModelEnds, Pipeline
 from ..runtime.scheduler import Scheduler
@@ -31,10 +31,12 @@ class GenerationOutput:
     prompt_ids: List[int]
     samples: List[Dict[str, Any]]
     timing: Timing
+    recoveries: List[Recovery] = field(default_factory=list)
 
     def as_dict(self) -> Dict[str, Any]:
         return {"prompt": self.prompt, "prompt_tokens": len(self.prompt_ids),
-                "samples": self.samples, "timing": self.timing.as_dict()}
+                "samples": self.samples, "timing": self.timing.as_dict(),
+                "recoveries": [r.as_dict() for r in self.recoveries]}
 
 
 class TextModel:
@@ -82,7 +84,8 @@ class TextModel:
         samples = [{"index": s.index, "text": self.sample_text(s),
                     "token_ids": s.tokens, "finish_reason": s.finish_reason}
                    for s in generation.samples]
-        return GenerationOutput(prompt, generation.samples[0].prompt, samples, timing)
+        return GenerationOutput(prompt, generation.samples[0].prompt, samples, timing,
+                                generation.recoveries)
 
 
 class Engine(TextModel):

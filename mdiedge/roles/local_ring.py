@@ -49,11 +49,13 @@ def _frozen(pid: int) -> bool:
 
 
 class LocalRing:
-    """``with LocalRing(2) as workers:`` starts two workers and yields their addresses."""
+    """``with LocalRing(2) as workers:`` starts two workers and yields their addresses;
+    ``spares`` more are started as spares (``NodeSpec.spare``), after them in the list."""
 
     def __init__(self, n_workers: int, threads: int = 1, log_level: str = "warning",
-                 cache_dir: Optional[str] = None, device: str = "cpu") -> None:
+                 cache_dir: Optional[str] = None, device: str = "cpu", spares: int = 0) -> None:
         self.n_workers, self.threads, self.log_level = n_workers, threads, log_level
+        self.spares = spares
         self.device = device  # where every worker computes
         self.cache_dir = cache_dir
         self.processes: List[subprocess.Popen] = []
@@ -64,6 +66,8 @@ class LocalRing:
         try:
             for i in range(self.n_workers):
                 self._spawn(f"w{i + 1}")
+            for i in range(self.spares):
+                self._spawn(f"spare{i + 1}", spare=True)
         except BaseException:
             self.stop()
             raise
@@ -72,7 +76,7 @@ class LocalRing:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _spawn(self, name: str) -> None:
+    def _spawn(self, name: str, spare: bool = False) -> None:
         cmd = [sys.executable, "-m", "mdiedge", "worker", "--host", "127.0.0.1",
                "--control-port", "0", "--data-port", "0", "--threads", str(self.threads),
                "--name", name, "--log-level", self.log_level, "--parent-pid", str(os.getpid()),
@@ -99,7 +103,7 @@ class LocalRing:
         try:
             ready = json.loads(line)
             self.workers.append(NodeSpec(name, "127.0.0.1", int(ready["control_port"]),
-                                        device=self.device))
+                                        device=self.device, spare=spare))
         except (ValueError, KeyError):
             raise RingError(f"worker {name} did not start: {line.strip()!r}") from None
 

@@ -1,8 +1,12 @@
 """The ring seen from the starter: the workers beyond its own stage, as the pipeline's remote
-tail. It sends and receives the starter's messages over its link pair, names the node that
-broke the ring when a link fails or a message does not come back (the one whose control plane
-does not answer: all are asked at once, each with a short limit), and ends the ring with a
-SHUTDOWN that every worker forwards before it stops its compute loop.
+tail. It sends and receives the starter's messages over its link pair, and ends the ring with
+a SHUTDOWN that every worker forwards before it stops its compute loop.
+
+Detection is bounded: a closed link is noticed at once; while no message comes back, every
+worker's control plane is asked every half ``stall_s`` (all at once, each within half
+``stall_s``), so a dead, frozen or restarted worker is named within ``stall_s`` as a
+``NodeLost`` (the scheduler recovers from it), while a worker that is slow but answers is
+waited for up to ``timeout_s``.
 """
 from __future__ import annotations
 
@@ -10,12 +14,13 @@ import logging
 import queue
 import threading
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
 from ..base import defaults
-from ..base.errors import RingError
+from ..base.errors import NodeLost, RingError
+from ..base.nodes import NodeSpec
 from ..runtime import messages
 from ..runtime.control import ControlClient
 from ..runtime.links import LinkDown, LinkPair
@@ -51,8 +56,9 @@ def probe_all(clients: List[ControlClient], timeout: float) -> List[NodeStatus]:
 class RingTail(Tail):
     """The workers, in ring order, reached over ``links`` (out to the first, in from the last)."""
 
-    def __init__(self, links: LinkPair, clients: List[ControlClient], timeout_s: float) -> None:
-        self.links, self.clients, self.timeout_s = links, clients, timeout_s
+    def __init__(self, links: LinkPair, clients: List[ControlClient], timeout_s: float,
+                 stall_s: float = defaults.STALL_S) -> None:
+        self.links, self.clients, self.timeout_s, self.stall_s = links, clients, timeout_s, stall_s
         self.nodes = len(clients)
         self.broken: Optional[str] = None
 
@@ -64,28 +70,43 @@ class RingTail(Tail):
 
     def receive(self, timeout: Optional[float] = None) -> Message:
         limit = self.timeout_s if timeout is None else timeout
-        try:
-            item = self.links.receive(limit)
-        except queue.Empty:
-            raise self.diagnose(f"no message returned within {limit:.0f} s") from None
+        deadline = time.monotonic() + limit
+        half = self.stall_s / 2
+        while True:
+            try:
+                item = self.links.receive(max(0.0, min(half, deadline - time.monotonic())))
+                break
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    raise self.diagnose(f"no message returned within {limit:.0f} s") from None
+                lost = self.lost(half)
+                if lost:
+                    raise self._lost(lost, f"no message back for {half:g} s") from None
         if isinstance(item, LinkDown):
             raise self.diagnose(item.reason)
         return item
 
+    def lost(self, timeout: float) -> List[Tuple[NodeSpec, str]]:
+        """The workers that do not answer within ``timeout`` (dead, frozen, unreachable), each
+        with why."""
+        return [(client.node, f"down ({status.error})") for client, status in
+                zip(self.clients, probe_all(self.clients, timeout)) if status.state == "down"]
+
     def diagnose(self, reason: str) -> RingError:
-        """Name the node that broke the ring: every worker's control plane is asked at once,
-        each within ``DIAGNOSE_TIMEOUT_S``; one that does not answer in time (frozen, dead,
-        unreachable) is the culprit, the first in ring order if there are several."""
+        """Why the ring broke, asking every worker at once, each within
+        ``DIAGNOSE_TIMEOUT_S``: ``NodeLost`` naming the workers that do not answer, or, when
+        all answer, naming none (a worker restarted, or ended the ring after an error: the
+        same workers can set it up again)."""
         self.broken = self.broken or reason
-        down = [(client.node, status) for client, status in
-                zip(self.clients, probe_all(self.clients, defaults.DIAGNOSE_TIMEOUT_S))
-                if status.state == "down"]
-        if not down:
-            return RingError(f"the ring broke: {reason}")
-        node, status = down[0]
-        others = "".join(f"; {n.name!r} at {n.address} is down too" for n, _ in down[1:])
-        return RingError(f"worker {node.name!r} at {node.address} is down ({status.error})"
-                         f"{others}; ring link: {reason}")
+        lost = self.lost(min(defaults.DIAGNOSE_TIMEOUT_S, self.stall_s))
+        if lost:
+            return self._lost(lost, reason)
+        return NodeLost(f"the ring broke (every worker answers): {reason}", ())
+
+    def _lost(self, lost: List[Tuple[NodeSpec, str]], reason: str) -> NodeLost:
+        self.broken = self.broken or reason
+        text = "; ".join(f"worker {n.name!r} at {n.address} is {why}" for n, why in lost)
+        return NodeLost(f"{text}; ring link: {reason}", tuple(n.name for n, _ in lost))
 
     def ping(self, payload: torch.Tensor, count: int) -> List[float]:
         """Round-trip times (s) of ``count`` PING messages carrying ``payload`` around the

@@ -15,11 +15,11 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .. import __version__
 from ..base import defaults
-from ..base.errors import GenerationError, RingError
+from ..base.errors import GenerationError, NodeLost, RingError
 from ..base.memory import max_rss_bytes, rss_bytes
 from ..base.nodes import NodeSpec, StarterOptions
 from ..model.checkpoint import chunk_safetensors, content_hash, load_model
@@ -29,7 +29,7 @@ from ..runtime.auth import Authenticator
 from ..runtime.control import Conflict, ControlClient, round_trip_ms
 from ..runtime.links import LinkPair, accept_authenticated, bind, close_quietly, \
     connect_authenticated, tcp_listen
-from ..runtime.partition import Placement, partition
+from ..runtime.partition import Placement, choose_members, partition
 from ..runtime.pipeline import ModelEnds, Pipeline
 from ..runtime.protocol import (MAX_SLOTS, Assignment, AssignReply, ConnectRequest, ModelRef,
                                 NodeStatus)
@@ -41,6 +41,7 @@ from .ring import RingTail, probe_all
 log = logging.getLogger("mdiedge.starter")
 
 ASSIGN_TIMEOUT_S = 600.0  # loading (or receiving) a layer range may take minutes
+REJOIN_CHECK_S = 2.0  # how often a lost worker is asked whether it is back
 
 
 class RingStarter:
@@ -55,6 +56,11 @@ class RingStarter:
         self.auth = Authenticator(options.secret)
         self.session = os.urandom(8).hex()  # workers serve one starter session at a time
         self.clients = [ControlClient(w, self.auth, self.session) for w in workers]
+        self.members: List[ControlClient] = []  # the current ring's workers, in ring order
+        self.lost: Dict[str, str] = {}  # left out of the ring (name: why) until they answer
+        self.recoveries = 0
+        self._rejoin = threading.Event()  # a lost node answers again: set up anew when idle
+        self._closed = threading.Event()
         self.hash = content_hash(path)
         self.model: Any = None
         self.placements: List[Placement] = []
@@ -63,10 +69,22 @@ class RingStarter:
         self.started = time.time()
         self.listener = tcp_listen(options.host, 0)
         self._setup_lock = threading.RLock()  # set-up, submission and closing, one at a time
+        self._watcher: Optional[threading.Thread] = None
 
     @property
     def workers(self) -> List[NodeSpec]:
+        """Every configured worker, spares included."""
         return [c.node for c in self.clients]
+
+    @property
+    def ring_workers(self) -> List[NodeSpec]:
+        """The workers of the current ring, in ring order."""
+        return [c.node for c in self.members]
+
+    @property
+    def degraded(self) -> bool:
+        """A configured worker (not a spare) is lost: the ring serves without it."""
+        return any(c.node.name in self.lost and not c.node.spare for c in self.clients)
 
     # ----------------------------------------------------------------- set-up
 
@@ -76,13 +94,18 @@ class RingStarter:
         needs the current one idle (Conflict otherwise)."""
         with self._setup_lock:
             current = self.scheduler
-            usable = current is not None and current.usable and self._ring_alive()
-            if usable and current.pipeline.n_slots >= n_slots and current.pipeline.context >= context:
-                return current
-            if usable and not current.idle:
+            fits = current is not None and current.pipeline.n_slots >= n_slots and \
+                current.pipeline.context >= context
+            if current is not None and current.usable and not current.idle:
+                if fits:  # busy: it recovers from a lost node itself
+                    return current
                 raise Conflict(f"the ring is busy with a layout of {current.pipeline.n_slots} "
                                f"samples x {current.pipeline.context} tokens, smaller than "
                                f"{n_slots} x {context}; try again when it is idle")
+            usable = current is not None and current.usable and self._ring_alive() and \
+                not self._rejoin.is_set()
+            if usable and fits:
+                return current
             if usable:
                 n_slots = max(n_slots, current.pipeline.n_slots)
                 context = max(context, current.pipeline.context)
@@ -101,13 +124,78 @@ class RingStarter:
     def _check_layout(self, n_slots: int, context: int) -> None:
         if not 0 < n_slots <= MAX_SLOTS:
             raise GenerationError(f"{n_slots} samples at once: a ring holds 1..{MAX_SLOTS}")
-        partition(self.cfg, [self.options.spec] + self.workers, n_slots, context,
+        members = choose_members(self.workers, self.lost)
+        partition(self.cfg, [self.options.spec] + members, n_slots, context,
                   itemsize(self.options.dtype))
 
     def _setup(self, n_slots: int, context: int) -> Scheduler:
-        for client in self.clients:  # end any ring these workers still serve for us
-            client.call("POST", "/reset", {}, timeout=10)
-        shares = [self.options.spec] + self.workers
+        """A new ring of the workers that answer now (a lost one that is back rejoins)."""
+        self._rejoin.clear()
+        self._choose_members(probe_all(self.clients, defaults.DIAGNOSE_TIMEOUT_S))
+        pipeline, ends = self._build(n_slots, context)
+        rows = max(1, self.options.max_payload // (self.cfg.dim * itemsize(self.options.dtype)))
+        return Scheduler(pipeline, ends, prefill_chunk=rows, timeout_s=self.options.timeout_s,
+                         rebuild=self.rebuild if self.options.recover else None)
+
+    def _choose_members(self, statuses: List[NodeStatus]) -> None:
+        """The ring's workers: those that answer, a spare in the place of one that does not."""
+        for client, status in zip(self.clients, statuses):
+            if status.state == "down":
+                self.lost[client.node.name] = f"down ({status.error})"
+            else:
+                self.lost.pop(client.node.name, None)
+        by_name = {c.node.name: c for c in self.clients}
+        self.members = [by_name[n.name] for n in choose_members(self.workers, self.lost)]
+        if not self.members:
+            raise RingError("no worker of the ring answers: " + "; ".join(
+                f"{name}: {why}" for name, why in self.lost.items()))
+        for name, why in self.lost.items():
+            log.warning("%s left out of the ring: %s", name, why)
+        if self.lost:
+            self._watch_lost()
+
+    def rebuild(self, lost: NodeLost) -> Tuple[Pipeline, ModelEnds]:
+        """The scheduler's recovery: a ring without the ``lost`` workers, of the same layout
+        (a spare takes a lost worker's place, else the survivors share its layers)."""
+        with self._setup_lock:
+            if self.scheduler is None or self._closed.is_set():
+                raise RingError("the starter was closed")
+            for name in lost.nodes:
+                self.lost[name] = str(lost)
+            self.recoveries += 1
+            log.warning("recovering: %s", lost)
+            if self.tail is not None:
+                self.tail.close()
+            by_name = {c.node.name: c for c in self.clients}
+            self.members = [by_name[n.name] for n in choose_members(self.workers, self.lost)]
+            if not self.members:
+                raise RingError("no worker left")
+            self._watch_lost()
+            pipeline = self.scheduler.pipeline
+            return self._build(pipeline.n_slots, pipeline.context)
+
+    def _watch_lost(self) -> None:
+        """Ask the lost workers every few seconds, in the background; when one answers, the
+        ring is set up anew at the next request boundary (it rejoins)."""
+        def watch() -> None:
+            while not self._closed.wait(REJOIN_CHECK_S):
+                with self._setup_lock:
+                    lost = [c for c in self.clients if c.node.name in self.lost]
+                if not lost:
+                    return
+                if any(s.state != "down" for s in probe_all(lost, defaults.DIAGNOSE_TIMEOUT_S)):
+                    self._rejoin.set()
+                    return
+
+        if self._watcher is None or not self._watcher.is_alive():
+            self._watcher = threading.Thread(target=watch, name="rejoin", daemon=True)
+            self._watcher.start()
+
+    def _build(self, n_slots: int, context: int) -> Tuple[Pipeline, ModelEnds]:
+        """Set up the members' ring: the split, the layers, the links."""
+        for client in self.members:  # end any ring these workers still serve for us
+            self._call(client, "POST", "/reset", {}, timeout=10)
+        shares = [self.options.spec] + self.ring_workers
         self.placements = partition(self.cfg, shares, n_slots, context, itemsize(self.options.dtype))
         first = self.placements[0].layers
         if self.model is None or (self.model.first, self.model.last) != first:
@@ -115,12 +203,22 @@ class RingStarter:
             self.model = load_model(self.path, layers=first, embedding=True, head=True,
                                     device=self.device, dtype=parse_dtype(self.options.dtype))
         stage = LocalStage(self.model, n_slots, context)
-        ports = [self._assign(client, placement.layers, n_slots, context, last=i == len(self.clients) - 1)
-                 for i, (client, placement) in enumerate(zip(self.clients, self.placements[1:]))]
+        last = len(self.members) - 1
+        ports = [self._assign(client, placement.layers, n_slots, context, last=i == last)
+                 for i, (client, placement) in enumerate(zip(self.members, self.placements[1:]))]
         self.tail = self._connect(ports)
-        rows = max(1, self.options.max_payload // (self.cfg.dim * itemsize(self.options.dtype)))
-        return Scheduler(Pipeline([stage], self.tail), ModelEnds(self.model), prefill_chunk=rows,
-                         timeout_s=self.options.timeout_s)
+        return Pipeline([stage], self.tail), ModelEnds(self.model)
+
+    def _call(self, client: ControlClient, method: str, path: str, body: Any = None,
+              **kwargs: Any) -> Any:
+        """A control call to a member during set-up; one that does not answer is lost."""
+        try:
+            return client.call(method, path, body, **kwargs)
+        except RingError as e:
+            if client.status(timeout=defaults.DIAGNOSE_TIMEOUT_S).state == "down":
+                raise NodeLost(f"worker {client.node.name!r} at {client.node.address}: {e}",
+                               (client.node.name,)) from None
+            raise
 
     def _assign(self, client: ControlClient, layers: Tuple[int, int], n_slots: int,
                 context: int, last: bool) -> int:
@@ -130,13 +228,13 @@ class RingStarter:
                          str(self.path.resolve()) if self.options.share_path else None)
         request = Assignment(model, layers, n_slots, context, self.options.dtype,
                              client.node.device, last, self.options.max_payload, self.session)
-        reply = AssignReply.from_json(client.call("POST", "/assign", request.to_json(),
-                                                  timeout=ASSIGN_TIMEOUT_S))
+        reply = AssignReply.from_json(self._call(client, "POST", "/assign", request.to_json(),
+                                                 timeout=ASSIGN_TIMEOUT_S))
         if reply.need_weights:
             log.info("sending layers %s to %s", layers, client.node.name)
             raw = chunk_safetensors(self.path, layers)
-            reply = AssignReply.from_json(client.call(
-                "PUT", f"/weights?hash={self.hash}&session={self.session}", raw=raw,
+            reply = AssignReply.from_json(self._call(
+                client, "PUT", f"/weights?hash={self.hash}&session={self.session}", raw=raw,
                 timeout=ASSIGN_TIMEOUT_S))
         return reply.data_port
 
@@ -147,11 +245,12 @@ class RingStarter:
         failure every socket opened here is closed and a RingError says why."""
         ring = os.urandom(8).hex()
         own = (self.options.host, int(self.listener.getsockname()[1]), self.options.control_url)
-        successors = [(w.host, port, w.url) for w, port in zip(self.workers[1:], ports[1:])]
-        for client, (host, port, control) in zip(self.clients, successors + [own]):
+        workers = self.ring_workers
+        successors = [(w.host, port, w.url) for w, port in zip(workers[1:], ports[1:])]
+        for client, (host, port, control) in zip(self.members, successors + [own]):
             request = ConnectRequest(host, port, control, ring=ring)
-            client.call("POST", "/connect", request.to_json())
-        first, last = self.workers[0], self.workers[-1]
+            self._call(client, "POST", "/connect", request.to_json())
+        first, last = workers[0], workers[-1]
         auth = bind(self.auth, ring)
         outbound = inbound = None
         try:
@@ -165,7 +264,7 @@ class RingStarter:
             close_quietly(outbound)
             close_quietly(inbound)
             raise RingError(f"cannot close the ring (last worker {last.name!r}): {e}") from None
-        return RingTail(links, self.clients, self.options.timeout_s)
+        return RingTail(links, self.members, self.options.timeout_s, self.options.stall_s)
 
     # ----------------------------------------------------------------- status and end
 
@@ -178,7 +277,8 @@ class RingStarter:
             else self.options.host, version=__version__, model=self.cfg.name, hash=self.hash,
             device=self.device, rss_bytes=rss_bytes(), max_rss_bytes=max_rss_bytes(),
             uptime_s=round(time.time() - self.started, 1), pid=os.getpid(),
-            link_rtt_ms=round_trip_ms(self.workers[0].url))
+            link_rtt_ms=round_trip_ms((self.ring_workers or self.workers)[0].url),
+            recoveries=self.recoveries)
         if scheduler is not None and stage is not None:
             stats = scheduler.stats
             status.state = "ready" if scheduler.idle else "busy"
@@ -190,12 +290,23 @@ class RingStarter:
             status.messages, status.tokens = stats.messages, stats.tokens
             status.compute_s = round(stats.compute_s, 6)
             status.busy_fraction = round(stats.compute_s / stats.wall_s, 4) if stats.wall_s else 0.0
+        if self.degraded:
+            status.state = "degraded"
+            status.error = "serving without " + "; ".join(
+                f"{name} ({why})" for name, why in self.lost.items())
         return status
 
     def node_status(self) -> List[NodeStatus]:
         """Every worker's status, asked in parallel: a frozen one costs one timeout, not one
         per node."""
-        return probe_all(self.clients, timeout=5.0)
+        statuses = probe_all(self.clients, timeout=5.0)
+        members = {c.node.name for c in self.members}
+        for client, status in zip(self.clients, statuses):
+            if client.node.name not in members and status.state != "down":
+                status.layers = None  # what it last held is not where the layers live now
+                if client.node.spare:
+                    status.role = "spare"
+        return statuses
 
     def close_ring(self) -> None:
         with self._setup_lock:
@@ -206,6 +317,7 @@ class RingStarter:
     def close(self) -> None:
         """End the ring and release every worker (in parallel: a frozen one costs one
         timeout), then stop listening."""
+        self._closed.set()
         self.close_ring()
 
         def release(client: ControlClient) -> None:

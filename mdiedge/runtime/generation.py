@@ -61,6 +61,26 @@ class Timing:
                 "tokens_per_s": round(self.tokens_per_s, 2)}
 
 
+@dataclass
+class Recovery:
+    """One recovery from lost nodes, as a generation saw it: which nodes, after how many of
+    its tokens, how long the loss took to notice and the ring to be rebuilt and caught up
+    (``recover_s``, set once the replay is back), and how many tokens were replayed."""
+
+    nodes: List[str]
+    token_index: int
+    detect_s: float
+    tokens_replayed: int = 0
+    recover_s: float = 0.0
+    started: float = field(default=0.0, repr=False)  # perf_counter() at detection
+    pending: int = field(default=0, repr=False)  # replay messages not back yet
+
+    def as_dict(self) -> Dict[str, object]:
+        return {"nodes": list(self.nodes), "token_index": self.token_index,
+                "detect_s": round(self.detect_s, 3), "recover_s": round(self.recover_s, 3),
+                "tokens_replayed": self.tokens_replayed}
+
+
 def check_context(prompt_len: int, max_new_tokens: int, context: int) -> None:
     if prompt_len == 0:
         raise GenerationError("empty prompt: the model needs at least one token (a BOS id or text)")
@@ -97,6 +117,7 @@ class Generation:
         self.prefilled_at = 0.0  # when every sample had its first token
         self.cancel_requested = False  # set by any thread; the scheduler acts on it
         self.error: Optional[BaseException] = None  # set when the pipeline failed under it
+        self.recoveries: List[Recovery] = []  # lost nodes it lived through
 
     @property
     def active(self) -> List[Sample]:

@@ -24,13 +24,13 @@ import math
 import numbers
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import List, Optional, Sequence, Tuple
+from typing import Container, List, Optional, Sequence, Tuple
 
 from ..base.errors import PartitionError
 from ..base.nodes import NodeSpec
 from ..model.config import ModelConfig
 
-__all__ = ["Placement", "split_layers", "partition", "format_bytes"]
+__all__ = ["Placement", "split_layers", "partition", "format_bytes", "choose_members"]
 
 
 @dataclass(frozen=True)
@@ -313,3 +313,19 @@ def _memory_message(p: Placement, memory: int, n_samples: int, context: int) -> 
             f"(weights {format_bytes(p.weight_bytes)} + KV {format_bytes(p.kv_bytes)} for "
             f"{_plural(n_samples, 'sample')} x {_plural(context, 'token')}) "
             f"but declares memory {format_bytes(memory)}")
+
+
+def choose_members(nodes: Sequence[NodeSpec], lost: Container[str]) -> List[NodeSpec]:
+    """The workers of a ring, in ring order: every configured worker that is not ``lost`` (by
+    name), a lost one's place taken by the next spare that is not lost; spares are otherwise
+    held back. Their layers are then split by ``partition``, by their own weights."""
+    spares = [n for n in nodes if n.spare and n.name not in lost]
+    members = []
+    for node in nodes:
+        if node.spare:
+            continue
+        if node.name not in lost:
+            members.append(node)
+        elif spares:
+            members.append(spares.pop(0))
+    return members

@@ -158,7 +158,7 @@ class NodeStatus:
 
     role: str
     name: str
-    state: str  # idle, loading, ready, busy, down
+    state: str  # idle, loading, ready, busy, down; a starter: degraded (serving without a node)
     address: str = ""
     version: str = ""
     model: Optional[str] = None
@@ -179,6 +179,7 @@ class NodeStatus:
     pid: int = 0
     data_port: int = 0
     expert_load: Dict[str, List[int]] = field(default_factory=dict)
+    recoveries: int = 0  # a starter: rings rebuilt after a lost node
     error: Optional[str] = None
 
     def to_json(self) -> Dict[str, Any]:

@@ -14,21 +14,26 @@ from __future__ import annotations
 
 import collections
 import math
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from . import messages
-from .generation import Generation, Sample, Timing
+from .generation import Generation, Recovery, Sample, Timing
 from .messages import Message
 from .pipeline import ModelEnds, Pipeline
 from .slots import MAX_SAMPLE_ID
 from .stages import LocalStage
-from ..base.errors import GenerationError, MdiedgeError, RingError
+from ..base.errors import GenerationError, MdiedgeError, NodeLost, RingError
 
 _ID_SPACE = MAX_SAMPLE_ID  # sample ids and seqs are u32 on the wire; 0 is never used
+MAX_RECOVERY_ATTEMPTS = 8  # set-ups tried in a row after a loss (each may lose another node)
+MAX_FRUITLESS_RECOVERIES = 3  # recoveries in a row with no token sampled between them
+
+# Given the loss, a pipeline without the lost nodes and its model ends (or an error saying
+# why there is none): the starter's ``RingStarter.rebuild``.
+Rebuild = Callable[[NodeLost], Tuple[Pipeline, ModelEnds]]
 
 
 def group_size(n_samples: int, micro_batch: int, nodes: int, max_rows: int = 0) -> int:
@@ -59,6 +64,46 @@ class _InFlight:
     group: Optional[_Group] = None
     samples: List[Sample] = field(default_factory=list)
     final: bool = True  # the last chunk of a prefill
+    replay: Optional[Recovery] = None  # the recovery this prefill replays for
+
+
+class Waiting:
+    """Requests not yet admitted, first come first served: any thread adds (up to ``limit``),
+    the stepping thread takes them in order."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._items: Deque[Tuple[Generation, int]] = collections.deque()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, item: Tuple[Generation, int],
+            broken: Callable[[], Optional[BaseException]]) -> None:
+        """Queue ``item`` unless the pipeline broke (checked under the lock ``take_all``
+        holds, so nothing is queued after a failure drained the queue) or the queue is full."""
+        with self._lock:
+            error = broken()
+            if error is not None:
+                raise RingError(f"the pipeline failed before: {error}")
+            if len(self._items) >= self.limit:
+                raise GenerationError(f"{len(self._items)} requests are waiting already")
+            self._items.append(item)
+
+    def first(self) -> Optional[Tuple[Generation, int]]:
+        with self._lock:
+            return self._items[0] if self._items else None
+
+    def pop(self) -> None:
+        with self._lock:
+            self._items.popleft()
+
+    def take_all(self) -> List[Tuple[Generation, int]]:
+        with self._lock:
+            items = list(self._items)
+            self._items.clear()
+            return items
 
 
 @dataclass
@@ -73,18 +118,22 @@ class Scheduler:
     """Runs generations over ``pipeline`` with ``ends`` (embedding and head).
 
     ``prefill_chunk``: tokens per prefill message (0: the whole prompt); ``timeout_s``: how
-    long a message may take around the pipeline."""
+    long a message may take around the pipeline; ``rebuild``: when nodes are lost, gives the
+    pipeline without them, and every live sample's tokens so far are replayed through it as a
+    prefill (Petals-style recovery; its sampling generator carries on, so the output is the
+    one it would have been)."""
 
     def __init__(self, pipeline: Pipeline, ends: ModelEnds, prefill_chunk: int = 0,
-                 timeout_s: Optional[float] = None, max_waiting: int = 64) -> None:
-        self.pipeline, self.ends = pipeline, ends
+                 timeout_s: Optional[float] = None, max_waiting: int = 64,
+                 rebuild: Optional[Rebuild] = None) -> None:
+        self.pipeline, self.ends, self.rebuild = pipeline, ends, rebuild
+        self.recoveries: List[Recovery] = []
+        self._progress = time.perf_counter()  # when a message last came back
+        self._fruitless = 0  # recoveries since a token was last sampled
         self.prefill_chunk, self.timeout_s, self.max_waiting = prefill_chunk, timeout_s, max_waiting
         self.stats = SchedulerStats()
-        self._waiting: "queue.SimpleQueue[Tuple[Generation, int]]" = queue.SimpleQueue()
-        self._n_waiting = 0
-        self._lock = threading.Lock()  # guards _n_waiting
+        self._waiting = Waiting(max_waiting)
         self._driver = threading.Lock()  # held by the thread that steps
-        self._ready: Deque[Tuple[Generation, int]] = collections.deque()
         self._inflight: Dict[int, _InFlight] = {}
         self._groups: List[_Group] = []  # live groups, to fail or cancel
         self._live = 0  # samples holding KV rows
@@ -101,7 +150,7 @@ class Scheduler:
     @property
     def idle(self) -> bool:
         """No request admitted or waiting (a RELEASE may still be on its way round)."""
-        return self._live == 0 and not self._ready and self._n_waiting == 0
+        return self._live == 0 and len(self._waiting) == 0
 
     @property
     def slots_in_use(self) -> int:
@@ -115,13 +164,7 @@ class Scheduler:
         if generation.context > self.pipeline.context:
             raise GenerationError(f"prompt plus budget of {generation.context} tokens exceeds "
                                   f"the {self.pipeline.context} set up on this pipeline")
-        with self._lock:  # _fail_all drains the queue under it: nothing slips in after
-            if self.broken is not None:
-                raise RingError(f"the pipeline failed before: {self.broken}")
-            if self._n_waiting >= self.max_waiting:
-                raise GenerationError(f"{self._n_waiting} requests are waiting already")
-            self._n_waiting += 1
-            self._waiting.put((generation, micro_batch))
+        self._waiting.add((generation, micro_batch), lambda: self.broken)
 
     def run(self, generation: Generation, micro_batch: int = 0) -> Timing:
         """Submit ``generation`` and step until it is done; its timing, or its error."""
@@ -157,15 +200,22 @@ class Scheduler:
         try:
             self._admit()
             if not self._inflight:
-                if self._ready:  # nothing runs that could free the rows it waits for
+                if len(self._waiting):  # nothing runs that could free the rows it waits for
                     raise RingError(f"{self._live} KV rows are held with nothing in flight")
                 return
             message = self.pipeline.receive(self.timeout_s)
+            self._progress = time.perf_counter()
             entry = self._inflight.pop(message.seq, None)
             if entry is None:
                 raise RingError(f"the ring returned an unknown message (seq {message.seq})")
             self._complete(entry, message)
             self.stats.wall_s += time.perf_counter() - started  # time with work in flight
+        except NodeLost as e:
+            error = self._recover(e)
+            if error is not None:
+                self.broken = error
+                self._fail_all(error)
+                raise error from None
         except BaseException as e:  # the pipeline's state is unknown now: it cannot be reused
             self.broken = e
             self._fail_all(e if isinstance(e, MdiedgeError) else RingError(f"interrupted: {e!r}"))
@@ -173,16 +223,12 @@ class Scheduler:
 
     def _admit(self) -> None:
         while True:
-            try:
-                self._ready.append(self._waiting.get_nowait())
-            except queue.Empty:
-                break
-            with self._lock:
-                self._n_waiting -= 1
-        while self._ready:
-            generation, micro_batch = self._ready[0]
+            head = self._waiting.first()
+            if head is None:
+                return
+            generation, micro_batch = head
             if generation.cancel_requested:
-                self._ready.popleft()
+                self._waiting.pop()
                 for sample in generation.samples:
                     sample.finish_reason, sample.released = "cancelled", True
                 generation.finish()
@@ -190,7 +236,7 @@ class Scheduler:
             if self._live + len(generation.samples) > self.pipeline.n_slots:
                 return  # first come, first served: later requests wait behind it
             self._live += len(generation.samples)  # before it leaves the queue: never idle between
-            self._ready.popleft()
+            self._waiting.pop()
             self._start(generation, micro_batch)
 
     def _start(self, generation: Generation, micro_batch: int) -> None:
@@ -216,12 +262,17 @@ class Scheduler:
     # ----------------------------------------------------------------- results
 
     def _complete(self, entry: _InFlight, message: Message) -> None:
+        if entry.replay is not None:
+            entry.replay.pending -= 1
+            if entry.replay.pending == 0:
+                entry.replay.recover_s = time.perf_counter() - entry.replay.started
         if entry.kind == "release" or not entry.final:
             return
         group = entry.group
         assert group is not None and message.hidden is not None
         t0 = time.perf_counter()
         generation = group.generation
+        self._fruitless = 0
         try:
             logits = self.ends.head(message.hidden[:, -1])  # (B, vocab)
             generation.accept(entry.samples, logits)
@@ -287,22 +338,76 @@ class Scheduler:
         self.stats.tokens += message.tokens
         self.stats.compute_s += time.perf_counter() - t0
 
+    # ----------------------------------------------------------------- recovery
+
+    def _recover(self, lost: NodeLost) -> Optional[MdiedgeError]:
+        """Carry on without the ``lost`` nodes: a rebuilt pipeline (set-ups are retried while
+        each loses another node), then every live sample replayed. None when it goes on, else
+        the error every request fails with."""
+        if self.rebuild is None:
+            return lost
+        self._fruitless += 1
+        if self._fruitless > MAX_FRUITLESS_RECOVERIES:
+            return RingError(f"gave up: {MAX_FRUITLESS_RECOVERIES} recoveries in a row sampled "
+                             f"no token; last: {lost}")
+        started = time.perf_counter()
+        record = Recovery(list(lost.nodes), max((len(s.tokens) for g in self._groups
+                                                 for s in g.samples), default=0),
+                          started - self._progress, started=started)
+        for _ in range(MAX_RECOVERY_ATTEMPTS):
+            try:
+                self.pipeline, self.ends = self.rebuild(lost)
+                self._inflight, record.pending, record.tokens_replayed = {}, 0, 0
+                self._replay(record)
+                break
+            except NodeLost as again:  # another node went during the set-up
+                lost = again
+                record.nodes += [n for n in again.nodes if n not in record.nodes]
+            except MdiedgeError as e:
+                return RingError(f"lost {', '.join(record.nodes)} and cannot recover: {e}")
+        else:
+            return RingError(f"lost {', '.join(record.nodes)}; gave up after "
+                             f"{MAX_RECOVERY_ATTEMPTS} set-ups: {lost}")
+        self.recoveries.append(record)
+        for generation in {id(g.generation): g.generation for g in self._groups}.values():
+            generation.recoveries.append(record)
+        return None
+
+    def _replay(self, record: Recovery) -> None:
+        """Each live sample's prompt and tokens so far, as a prefill through the rebuilt
+        pipeline: its KV rows are refilled and its last result gives its next token, as the
+        decode step that was lost would have. A cancelled or failed request just ends."""
+        groups, self._groups = self._groups, []
+        for group in groups:
+            generation = group.generation
+            active = [s for s in group.samples if not s.done and not s.released]
+            if generation.cancel_requested:
+                for sample in active:
+                    sample.finish_reason, sample.released = sample.finish_reason or "cancelled", True
+                self._live -= len(active)
+                if all(s.done for s in generation.samples):
+                    generation.finish()
+                continue
+            fresh = _Group(generation, active)
+            self._groups.append(fresh)
+            for sample in active:
+                tokens = sample.prompt + sample.tokens
+                record.tokens_replayed += len(tokens)
+                for start, end in prefill_chunks(len(tokens), self.prefill_chunk):
+                    record.pending += 1
+                    self._send(messages.ACTIVATION, [sample], [tokens[start:end]], [start],
+                               _InFlight("prefill", fresh, [sample], end == len(tokens), record),
+                               prefill=True)
+        if record.pending == 0:
+            record.recover_s = time.perf_counter() - record.started
+
     def _fail_all(self, error: BaseException) -> None:
         """The pipeline broke: every admitted and waiting request fails with ``error``."""
         failed = {id(g.generation): g.generation for g in self._groups}
-        failed.update((id(g), g) for g, _ in self._ready)
-        while True:
-            try:
-                generation, _ = self._waiting.get_nowait()
-            except queue.Empty:
-                break
-            with self._lock:
-                self._n_waiting -= 1
-            failed[id(generation)] = generation
+        failed.update((id(g), g) for g, _ in self._waiting.take_all())
         for generation in failed.values():
             generation.error = error
         self._groups, self._inflight, self._live = [], {}, 0
-        self._ready.clear()
 
 
 def run_single(model: Any, generation: Generation, micro_batch: int = 0) -> Timing:

@@ -1,0 +1,296 @@
+"""Recovery from a lost node: the scheduler's replay in one process (a pipeline that fails on
+cue), then real worker processes killed (SIGKILL) or frozen (SIGSTOP) at a random token, with
+and without a spare, twice in one generation, and when the survivors cannot hold the layers.
+The output must equal the single-process output token for token."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import pytest
+
+from mdiedge.base.errors import NodeLost, PartitionError, RingError
+from mdiedge.base.nodes import NodeSpec
+from mdiedge.model.sampling import SamplingParams
+from mdiedge.roles.engine import LocalEngine
+from mdiedge.roles.local_ring import LocalRing
+from mdiedge.roles.starter import RingEngine
+from mdiedge.runtime.partition import choose_members
+from mdiedge.runtime.pipeline import ModelEnds, Pipeline
+from mdiedge.runtime.scheduler import MAX_FRUITLESS_RECOVERIES, Scheduler
+from mdiedge.runtime.stages import LocalStage
+
+GREEDY = SamplingParams(temperature=0)
+SAMPLED = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=11)
+PROMPT = "hello ring"  # in the vocabulary of conftest.write_tiny_tokenizer
+STALL_S = 2.0
+
+
+def spec(name: str, spare: bool = False) -> NodeSpec:
+    return NodeSpec(name, spare=spare)
+
+
+@pytest.mark.parametrize("nodes, lost, expected", [
+    (["a", "b", "c"], set(), ["a", "b", "c"]),
+    (["a", "b", "c"], {"b"}, ["a", "c"]),
+    (["a", "b", "s1*"], set(), ["a", "b"]),                  # a spare is held back
+    (["a", "b", "s1*"], {"a"}, ["s1", "b"]),                 # it takes the lost one's place
+    (["a", "b", "s1*"], {"a", "b"}, ["s1"]),                 # one spare, two lost
+    (["a", "b", "s1*", "s2*"], {"a", "b"}, ["s1", "s2"]),
+    (["a", "b", "s1*"], {"a", "s1"}, ["b"]),                 # a lost spare is no spare
+    (["a"], {"a"}, []),
+])
+def test_choose_members(nodes: List[str], lost: set, expected: List[str]) -> None:
+    specs = [spec(n.rstrip("*"), n.endswith("*")) for n in nodes]
+    assert [n.name for n in choose_members(specs, lost)] == expected
+
+
+# ------------------------------------------------------------------ in one process
+
+
+class FailingPipeline(Pipeline):
+    """In-process stages whose ``receive`` raises ``NodeLost`` on the given receive counts."""
+
+    def __init__(self, stages: Sequence[LocalStage], fail_at: Sequence[int]) -> None:
+        super().__init__(stages)
+        self.fail_at, self.received = set(fail_at), 0
+
+    def receive(self, timeout: Optional[float] = None) -> Any:
+        self.received += 1
+        if self.received in self.fail_at:
+            raise NodeLost(f"worker 'w1' is down (receive {self.received})", ("w1",))
+        return super().receive(timeout)
+
+
+def stages_of(engine: LocalEngine, n_slots: int, context: int) -> List[LocalStage]:
+    last = len(engine.chunks) - 1
+    return [LocalStage(c, n_slots, context, trim_prefill=i == last)
+            for i, c in enumerate(engine.chunks)]
+
+
+@pytest.fixture(scope="module")
+def reference(ring_model: Path) -> LocalEngine:
+    return LocalEngine(ring_model)
+
+
+@pytest.fixture(scope="module")
+def split(ring_model: Path) -> LocalEngine:
+    return LocalEngine(ring_model, stages=3)
+
+
+def run_failing(engine: LocalEngine, params: SamplingParams, n: int, micro_batch: int,
+                first: Sequence[int], rebuilt: Callable[[int], Sequence[int]],
+                prefill_chunk: int = 0) -> Any:
+    """A generation on a pipeline that fails at receive counts ``first``; the k-th rebuilt
+    pipeline fails at ``rebuilt(k)``."""
+    rebuilds = []
+
+    def rebuild(lost: NodeLost) -> Any:
+        rebuilds.append(lost)
+        return (FailingPipeline(stages_of(engine, 8, 256), rebuilt(len(rebuilds))),
+                ModelEnds(engine.model))
+
+    generation = engine.new_generation(PROMPT, 24, n, params, None)
+    scheduler = Scheduler(FailingPipeline(stages_of(engine, 8, 256), first),
+                          ModelEnds(engine.model), prefill_chunk, rebuild=rebuild)
+    scheduler.run(generation, micro_batch)
+    return generation
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("n, micro_batch, chunk", [(1, 0, 0), (4, 1, 0), (4, 0, 3), (4, 2, 0)])
+@pytest.mark.parametrize("fail_at", [2, 7, 12])
+def test_replay_in_one_process_gives_the_same_tokens(
+        reference: LocalEngine, split: LocalEngine, params: SamplingParams, n: int,
+        micro_batch: int, chunk: int, fail_at: int) -> None:
+    want = [s["token_ids"] for s in reference.generate(PROMPT, 24, n, params).samples]
+    generation = run_failing(split, params, n, micro_batch, [fail_at], lambda k: [],
+                             prefill_chunk=chunk)
+    assert [s.tokens for s in generation.samples] == want
+    (record,) = generation.recoveries
+    assert record.nodes == ["w1"] and record.tokens_replayed >= n * 3
+    assert record.recover_s > 0 and record.pending == 0
+
+
+def test_two_failures_and_a_failed_set_up(reference: LocalEngine, split: LocalEngine) -> None:
+    want = [s["token_ids"] for s in reference.generate(PROMPT, 24, 4, SAMPLED).samples]
+    # lost at receive 5; the first rebuilt pipeline is lost at once; the second at receive 20
+    generation = run_failing(split, SAMPLED, 4, 1, [5], lambda k: {1: [1], 2: [20]}.get(k, []))
+    assert [s.tokens for s in generation.samples] == want
+    assert len(generation.recoveries) == 3
+
+
+def test_recovery_that_samples_nothing_gives_up(split: LocalEngine) -> None:
+    with pytest.raises(RingError, match="recoveries in a row sampled no token"):
+        run_failing(split, GREEDY, 2, 0, [1], lambda k: [1])
+    assert MAX_FRUITLESS_RECOVERIES == 3
+
+
+def test_a_rebuild_that_cannot_hold_the_layers_fails_every_request(split: LocalEngine) -> None:
+    def rebuild(lost: NodeLost) -> Any:
+        raise PartitionError("node 'w2' needs 4 MiB but declares memory 1 MiB")
+
+    generation = split.new_generation(PROMPT, 24, 2, GREEDY, None)
+    scheduler = Scheduler(FailingPipeline(stages_of(split, 8, 256), [6]),
+                          ModelEnds(split.model), rebuild=rebuild)
+    with pytest.raises(RingError, match="lost w1 and cannot recover: node 'w2' needs 4 MiB"):
+        scheduler.run(generation)
+    assert not scheduler.usable
+
+
+# ------------------------------------------------------------------ real processes
+
+
+def ring_engine(local: LocalRing, workers: List[NodeSpec], model: Path, **changes: Any
+                ) -> RingEngine:
+    return RingEngine(workers, model, secret=local.secret, timeout_s=30, stall_s=STALL_S,
+                      **changes)
+
+
+def generate_and_break(engine: RingEngine, hits: Dict[int, Callable[[], None]],
+                       params: SamplingParams, n: int, micro_batch: int) -> Any:
+    """Generate, running ``hits[k]`` (a kill, a freeze) when the k-th token is sampled."""
+    count = [0]
+
+    def on_token(index: int, token: int) -> None:
+        count[0] += 1
+        action = hits.pop(count[0], None)
+        if action is not None:
+            action()
+
+    return engine.generate(PROMPT, 40, n, params, micro_batch, on_token)
+
+
+def kill(local: LocalRing, name: str, sig: int = signal.SIGKILL) -> Callable[[], None]:
+    pid = local.processes[[w.name for w in local.workers].index(name)].pid
+    return lambda: os.kill(pid, sig)
+
+
+CASES = [  # (nodes, params, samples, micro_batch)
+    (3, GREEDY, 1, 0),
+    (3, SAMPLED, 4, 0),
+    (4, SAMPLED, 4, 1),
+    (4, GREEDY, 4, 2),
+]
+
+
+@pytest.mark.parametrize("nodes, params, n, micro_batch", CASES)
+def test_kill_a_worker_at_a_random_token(reference: LocalEngine, ring_model: Path, nodes: int,
+                                         params: SamplingParams, n: int,
+                                         micro_batch: int) -> None:
+    want = reference.generate(PROMPT, 40, n, params)
+    rng = random.Random(f"{nodes}-{n}-{micro_batch}")
+    local = LocalRing(nodes - 1)
+    with local as workers:
+        engine = ring_engine(local, workers, ring_model)
+        victim = rng.choice([w.name for w in workers])
+        at = rng.randint(2, sum(len(s["token_ids"]) for s in want.samples) - 2)
+        out = generate_and_break(engine, {at: kill(local, victim)}, params, n, micro_batch)
+        assert [w.name for w in engine.starter.ring_workers] == \
+            [w.name for w in workers if w.name != victim]
+        engine.close()
+    assert [s["token_ids"] for s in out.samples] == [s["token_ids"] for s in want.samples]
+    (record,) = out.recoveries
+    assert record.nodes == [victim] and record.tokens_replayed > 0, (victim, at)
+
+
+def test_a_frozen_worker_is_replaced_within_the_stall_time(reference: LocalEngine,
+                                                           ring_model: Path) -> None:
+    want = reference.generate(PROMPT, 40, 4, GREEDY)
+    local = LocalRing(3)
+    with local as workers:
+        engine = ring_engine(local, workers, ring_model)
+        try:
+            out = generate_and_break(engine, {9: kill(local, "w2", signal.SIGSTOP)}, GREEDY, 4, 1)
+        finally:
+            kill(local, "w2", signal.SIGCONT)()
+        engine.close()
+    assert [s["token_ids"] for s in out.samples] == [s["token_ids"] for s in want.samples]
+    (record,) = out.recoveries
+    assert record.nodes == ["w2"]
+    assert record.detect_s < STALL_S + 1.5, record  # half the stall waiting, half asking
+
+
+def test_a_spare_takes_the_lost_workers_layers(reference: LocalEngine, ring_model: Path) -> None:
+    want = reference.generate(PROMPT, 40, 2, SAMPLED)
+    local = LocalRing(2, spares=1)
+    with local as workers:
+        engine = ring_engine(local, workers, ring_model)
+        engine.prepare(8, 256)
+        before = [p.layers for p in engine.starter.placements]
+        assert [w.name for w in engine.starter.ring_workers] == ["w1", "w2"]
+        out = generate_and_break(engine, {6: kill(local, "w1")}, SAMPLED, 2, 0)
+        assert [w.name for w in engine.starter.ring_workers] == ["spare1", "w2"]
+        assert [p.layers for p in engine.starter.placements] == before
+        assert engine.starter.status().state == "degraded"
+        engine.close()
+    assert [s["token_ids"] for s in out.samples] == [s["token_ids"] for s in want.samples]
+
+
+def test_two_workers_lost_in_one_generation(reference: LocalEngine, ring_model: Path) -> None:
+    want = reference.generate(PROMPT, 40, 3, SAMPLED)
+    local = LocalRing(3)
+    with local as workers:
+        engine = ring_engine(local, workers, ring_model)
+        out = generate_and_break(engine, {5: kill(local, "w1"), 60: kill(local, "w3")},
+                                 SAMPLED, 3, 1)
+        assert [w.name for w in engine.starter.ring_workers] == ["w2"]
+        assert engine.starter.recoveries == 2
+        engine.close()
+    assert [s["token_ids"] for s in out.samples] == [s["token_ids"] for s in want.samples]
+    assert [r.nodes for r in out.recoveries] == [["w1"], ["w3"]]
+
+
+def test_survivors_that_cannot_hold_the_layers_say_so(ring_model: Path) -> None:
+    local = LocalRing(2)
+    with local as workers:
+        probe = ring_engine(local, workers, ring_model)
+        probe.prepare(2, 256)
+        need = {p.name: p.total_bytes for p in probe.starter.placements}
+        probe.close()
+        tight = [dataclasses.replace(w, memory=need[w.name]) for w in workers]
+        engine = RingEngine(tight, ring_model, secret=local.secret, timeout_s=30,
+                            stall_s=STALL_S, memory=need["starter"])
+        with pytest.raises(RingError, match=r"lost w1 and cannot recover: .*declares memory"):
+            generate_and_break(engine, {4: kill(local, "w1")}, GREEDY, 2, 0)
+        engine.close()
+
+
+def test_a_lost_worker_rejoins_at_the_next_request(reference: LocalEngine, ring_model: Path,
+                                                   tmp_path: Path) -> None:
+    """A worker killed mid-generation and started again on its port (as systemd's Restart=
+    does) rejoins at the next request: status degraded, then healthy."""
+    from test_operations import SECRET, spawn, stop
+
+    procs = [spawn(["worker", "--control-port", "0", "--data-port", "0", "--name", f"w{i}",
+                    "--log-level", "warning"]) for i in (1, 2)]
+    workers = [NodeSpec(f"w{i}", "127.0.0.1", info["control_port"]) for i, (_, info) in
+               zip((1, 2), procs)]
+    engine = RingEngine(workers, ring_model, secret=SECRET.encode(), timeout_s=30,
+                        stall_s=STALL_S)
+    try:
+        want = reference.generate(PROMPT, 40, 2, GREEDY)
+        out = generate_and_break(engine, {5: lambda: procs[1][0].kill()}, GREEDY, 2, 0)
+        assert [s["token_ids"] for s in out.samples] == [s["token_ids"] for s in want.samples]
+        assert engine.starter.status().state == "degraded"
+        down = {s.name: s.state for s in engine.starter.node_status()}
+        assert down == {"w1": "busy", "w2": "down"}
+        procs[1] = spawn(["worker", "--control-port", str(workers[1].control_port),
+                          "--data-port", "0", "--name", "w2", "--log-level", "warning"])
+        deadline = time.monotonic() + 15
+        while not engine.starter._rejoin.is_set() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        again = engine.generate(PROMPT, 40, 2, GREEDY)
+        assert [s["token_ids"] for s in again.samples] == [s["token_ids"] for s in want.samples]
+        assert [w.name for w in engine.starter.ring_workers] == ["w1", "w2"]
+        assert engine.starter.status().state != "degraded"
+        assert engine.starter.status().recoveries == 1
+    finally:
+        engine.close()
+        for proc, _ in procs:
+            stop(proc)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import typer
 
@@ -102,8 +102,11 @@ def serve(
                                                "$MDIEDGE_API_KEY; none: no key)."),
     insecure: bool = typer.Option(False, help="Serve a non-loopback address without a key."),
     stall_timeout: Optional[float] = typer.Option(
-        None, "--stall-timeout", metavar="SECONDS", help="A message not back around the ring "
-        "within this is a failure."),
+        None, "--stall-timeout", metavar="SECONDS", help="A worker silent this long is lost "
+        "(default: as `generate`)."),
+    recover: bool = typer.Option(True, "--recover/--no-recover", help="When a worker is lost, "
+                                 "rebuild the ring without it and go on (as `generate`)."),
+    spares: int = typer.Option(0, help="Spare workers started beside the local ring's."),
     log_level: str = typer.Option("warning", help="debug, info, warning or error."),
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /metrics)."""
@@ -112,8 +115,7 @@ def serve(
     check_port("--port", port)
     check_api_options(slots, context, max_queue, max_body)
     check_log_level(log_level)
-    need(stall_timeout is None or seconds_ok(stall_timeout), "--stall-timeout", stall_timeout,
-         "a number of seconds > 0")
+    recovery = recovery_options(stall_timeout, recover, spares)
     key = api_key_for(host, api_key_file, insecure)
     from ..ops.api.server import listen
     from .generate import _open_engine
@@ -122,7 +124,7 @@ def serve(
         sock = listen(host, port)  # a port in use fails before any node starts
         stack.callback(sock.close)
         engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring,
-                              stall_timeout, lambda text: check_context(context, text))
+                              recovery, lambda text: check_context(context, text))
         api = open_api(engine, sock, slots, context, max_queue, max_body, key, model_name,
                        log_level)
         stack.callback(api.close)
@@ -133,6 +135,18 @@ def serve(
                                "context": api.service.context, "pid": os.getpid()}))
         sys.stdout.flush()
         _wait_for_signal()
+
+
+def recovery_options(stall_timeout: Optional[float], recover: bool,
+                     spares: int) -> Tuple[Dict[str, Any], int]:
+    """The starter options (stall time, recover) and spares of the command line, checked."""
+    need(stall_timeout is None or seconds_ok(stall_timeout), "--stall-timeout", stall_timeout,
+         "a number of seconds > 0")
+    need(spares >= 0, "--spares", spares, "an integer >= 0")
+    changes: Dict[str, Any] = {"recover": recover}
+    if stall_timeout is not None:
+        changes["stall_s"] = stall_timeout
+    return changes, spares
 
 
 def _wait_for_signal() -> None:

@@ -369,3 +369,37 @@ def test_partition_without_pins_is_split_layers(n_layers: int, weights: List[flo
         return
     placements = partition(SMALL.replace(n_layers=n_layers), ring, 1, 1)
     assert layers_of(placements) == split_layers(n_layers, weights)
+
+
+@pytest.mark.parametrize("n_layers, n_nodes, ok", [
+    (12, 13, True), (12, 14, False), (12, 20, False), (1, 2, True), (1, 3, False),
+    (5, 1, True), (0, 1, True), (0, 2, False)])
+def test_check_ring_size(n_layers: int, n_nodes: int, ok: bool) -> None:
+    from mdiedge.runtime.partition import check_ring_size
+
+    if ok:
+        check_ring_size(n_layers, n_nodes)
+        return
+    with pytest.raises(PartitionError, match=f"{n_layers} blocks? cannot be shared among "
+                                             f"{n_nodes - 1} workers? \\(a ring of {n_nodes} "
+                                             f"nodes\\).* at most {n_layers + 1} nodes"):
+        check_ring_size(n_layers, n_nodes)
+
+
+@given(st.integers(0, 30), st.integers(1, 40))
+@settings(max_examples=200, deadline=None)
+def test_check_ring_size_agrees_with_split_layers(n_layers: int, n_nodes: int) -> None:
+    """The check needs no weights: it passes exactly when an equal split exists."""
+    from mdiedge.runtime.partition import check_ring_size
+
+    try:
+        split_layers(n_layers, [1.0] * n_nodes)
+        splits = True
+    except PartitionError:
+        splits = False
+    try:
+        check_ring_size(n_layers, n_nodes)
+        checked = True
+    except PartitionError:
+        checked = False
+    assert checked == splits

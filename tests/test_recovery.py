@@ -283,7 +283,7 @@ def test_a_lost_worker_rejoins_at_the_next_request(reference: LocalEngine, ring_
         procs[1] = spawn(["worker", "--control-port", str(workers[1].control_port),
                           "--data-port", "0", "--name", "w2", "--log-level", "warning"])
         deadline = time.monotonic() + 15
-        while not engine.starter._rejoin.is_set() and time.monotonic() < deadline:
+        while not engine.starter.membership.rejoin.is_set() and time.monotonic() < deadline:
             time.sleep(0.2)
         again = engine.generate(PROMPT, 40, 2, GREEDY)
         assert [s["token_ids"] for s in again.samples] == [s["token_ids"] for s in want.samples]

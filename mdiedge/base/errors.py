@@ -51,3 +51,15 @@ class NodeLost(RingError):
     def __init__(self, message: str, nodes: "tuple[str, ...]") -> None:
         super().__init__(message)
         self.nodes = tuple(nodes)
+
+
+class ListenError(MdiedgeError, OSError):
+    """A node cannot listen on its address and port (in use, or not an address of this
+    machine); the message names both and which port it is."""
+
+    def __init__(self, host: str, port: int, what: str, error: OSError) -> None:
+        reason = (error.strerror or str(error)).rstrip(".")
+        shown = f"[{host}]" if ":" in host else host
+        super().__init__(f"cannot listen on {shown}:{port} ({what}): "
+                         f"{reason[:1].lower()}{reason[1:]}")
+        self.errno = error.errno

@@ -33,10 +33,19 @@ def bench(
                                        micro_batch)
         typer.echo(json.dumps(result))
         return
-    results = benchmarks.run_all(model, preset, nodes, samples, new_tokens, context)
+    from ..ops.benchtable import TableWriter, measuring_on_stderr
+
     title = (f"{preset or model or 'nanollama'}: {samples} samples x {new_tokens} tokens, "
              f"context {context}")
+    measured = benchmarks.run_all(model, preset, nodes, samples, new_tokens, context,
+                                  measuring=measuring_on_stderr)
     if as_json:
-        typer.echo(json.dumps({"title": title, "results": results}))
-    else:
-        benchmarks.print_table(results, title)
+        typer.echo(json.dumps({"title": title, "results": list(measured)}))
+        return
+    table = TableWriter(title, nodes)
+    table.header()
+    results = []
+    for result in measured:  # each row as soon as its configuration is measured
+        table.row(result)
+        results.append(result)
+    table.footer(results)

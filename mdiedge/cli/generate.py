@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import ExitStack
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import typer
@@ -26,7 +27,8 @@ def generate(
     prompt: str = typer.Argument(..., help="Text to continue ('' starts from BOS alone)."),
     max_new_tokens: int = typer.Option(defaults.MAX_NEW_TOKENS, "-n", "--max-new-tokens",
                                        help="Token budget per sample."),
-    model: Optional[str] = typer.Option(None, help="HF model directory or llama2.c .bin file "
+    model: Optional[str] = typer.Option(None, help="HF model directory, llama2.c .bin file, or "
+                                        "a Hugging Face repo id (ORG/NAME) in the local cache "
                                         "(default: the shipped NanoLlama)."),
     tokenizer: Optional[str] = typer.Option(None, help="Tokenizer file, if not the model's own."),
     samples: int = typer.Option(1, help="Number of samples generated together."),
@@ -48,9 +50,8 @@ def generate(
         None, "--stall-timeout", metavar="SECONDS", help="A worker that returns no message and "
         "does not answer on its control port within this is lost, and named (default: "
         f"{defaults.STALL_S:g}, or the ring file's stall_s)."),
-    recover: bool = typer.Option(True, "--recover/--no-recover", help="When a worker is lost, "
-                                 "move its layers to a spare or the other nodes, replay, and go "
-                                 "on (--no-recover: fail, naming it)."),
+    recover: bool = typer.Option(True, "--recover/--no-recover", help="When a worker is lost, move "
+                                 "its layers to a spare or the others, replay, go on."),
     spares: int = typer.Option(0, help="Spare workers started beside the local ring's, to take "
                                "the place of a lost one."),
     stop: Optional[List[str]] = typer.Option(None, "--stop", metavar="TEXT", help="End a sample "
@@ -58,15 +59,8 @@ def generate(
                                              "the text itself is not printed."),
 ) -> None:
     """Generate text from PROMPT, on a ring of nodes (by default a local ring of 3)."""
-    from contextlib import ExitStack
-
     need(micro_batch >= 0, "--micro-batch", micro_batch, "an integer >= 0")
-    need(stall_timeout is None or seconds_ok(stall_timeout), "--stall-timeout", stall_timeout,
-         "a number of seconds > 0")
-    need(spares >= 0, "--spares", spares, "an integer >= 0")
-    changes: Dict[str, Any] = {"recover": recover}
-    if stall_timeout is not None:
-        changes["stall_s"] = stall_timeout
+    changes = _recovery_options(stall_timeout, recover, spares)
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
     stops = list(stop or [])
     if starter:  # no torch here: the starter checks the values and samples
@@ -74,23 +68,33 @@ def generate(
                           dict(sampling, stop=stops), micro_batch, as_json)
         return
     from ..model.sampling import SamplingParams
-
-    params = SamplingParams(**sampling)
     from ..ops.console import Progress
 
+    params = SamplingParams(**sampling)
     with ExitStack() as stack:
         terminate_gracefully()
         progress = stack.enter_context(Progress(max_new_tokens * samples, not as_json,
                                                 streaming=samples == 1 and not as_json))
         progress.phase("loading" if ring is None and nodes == 1 else
                        "connecting" if ring is not None else "starting nodes")
-        engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring,
-                              (changes, spares),
+        engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring, changes,
                               lambda e: e.new_generation(prompt, max_new_tokens, samples, params,
                                                          None, stops))
         _generate_with(engine, prompt, max_new_tokens, samples, params, stops, micro_batch,
-                       as_json,
-                       nodes if ring is None else len(engine.starter.ring_workers) + 1, progress)
+                       as_json, lambda: nodes if ring is None else len(engine.starter.ring_workers)
+                       + 1, progress)
+
+
+def _recovery_options(stall_timeout: Optional[float], recover: bool,
+                      spares: int) -> Tuple[Dict[str, Any], int]:
+    """The starter options the command line sets (stall time, recover) and the spares."""
+    need(stall_timeout is None or seconds_ok(stall_timeout), "--stall-timeout", stall_timeout,
+         "a number of seconds > 0")
+    need(spares >= 0, "--spares", spares, "an integer >= 0")
+    changes: Dict[str, Any] = {"recover": recover}
+    if stall_timeout is not None:
+        changes["stall_s"] = stall_timeout
+    return changes, spares
 
 
 def _generate_through(url: str, prompt: str, max_new_tokens: int, samples: int,
@@ -133,7 +137,12 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
     from ..roles.starter import RingEngine
 
     parse_device(device), parse_dtype(dtype)  # errors before any node process starts
-    check(TextModel(model, tokenizer))
+    text = TextModel(model, tokenizer)
+    check(text)
+    if ring is None:
+        from ..runtime.partition import check_ring_size
+
+        check_ring_size(text.cfg.n_layers, nodes)
     if ring is not None:
         from ..base.nodes import StarterOptions
         from ..base.ringfile import load_ring
@@ -187,7 +196,8 @@ class _Stream:
 
 
 def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, params: Any,
-                   stops: List[str], micro_batch: int, as_json: bool, n_nodes: int,
+                   stops: List[str], micro_batch: int, as_json: bool,
+                   n_nodes: Callable[[], int],
                    progress: Any) -> None:
     """Generate on ``engine``; one sample streams to stdout, the prompt written with the first
     token (once ``progress`` has left the terminal to the text)."""
@@ -210,7 +220,7 @@ def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, 
     if as_json:
         result = out.as_dict()
         result["model"] = str(engine.path)
-        result["nodes"] = n_nodes
+        result["nodes"] = n_nodes()
         typer.echo(json.dumps(result))
         return
     if stream is not None:

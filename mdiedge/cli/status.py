@@ -18,9 +18,11 @@ def status(
     wide: bool = typer.Option(False, "--wide", help="Show every column (default: those that "
                               "fit the terminal)."),
 ) -> None:
-    """Show every node of the ring. Exit code 0 when every node answered, 69 when any node
-    is down, 77 when none is down but a node refused the request as unsigned or wrongly
-    signed (state "unauthorized": set MDIEDGE_SECRET or the ring file's secret)."""
+    """Show every node of the ring and where its layers live. Exit code 0 when every node
+    answered; 75 when the starter serves without a lost worker (state "degraded": it rejoins
+    when it answers again); else 69 when any node is down; else 77 when a node refused the
+    request as unsigned or wrongly signed (state "unauthorized": set MDIEDGE_SECRET or the
+    ring file's secret)."""
     from ..ops.console import print_status, refused, starter_nodes
 
     if starter:
@@ -38,10 +40,12 @@ def status(
     nodes = [refused(node) for node in nodes]
     down = [n["name"] for n in nodes if n.get("state") == "down"]
     denied = [n["name"] for n in nodes if n.get("state") == "unauthorized"]
+    degraded = any(n.get("state") == "degraded" for n in nodes)
     if as_json:
-        typer.echo(json.dumps({"nodes": nodes, "down": down, "unauthorized": denied}))
+        typer.echo(json.dumps({"nodes": nodes, "down": down, "unauthorized": denied,
+                               "degraded": degraded}))
     else:
         print_status(nodes, wide)
-    if down or denied:
-        raise typer.Exit(69 if down else 77)
+    if degraded or down or denied:
+        raise typer.Exit(75 if degraded else 69 if down else 77)
 

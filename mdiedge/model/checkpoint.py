@@ -361,13 +361,21 @@ def llama2c_config(path: Path) -> ModelConfig:
 
 
 def resolve_model_path(model: Optional[PathLike]) -> Path:
+    """The model's file or directory: ``model`` itself when it exists (a ``models--Org--Name``
+    cache folder: its snapshot), else a repo id or cache folder name from the local Hugging
+    Face cache (``mdiedge.model.hub``); None: the shipped model."""
     if model is None:
         from ..base.defaults import default_model_path
         return default_model_path()
+    from . import hub
+
     path = Path(model).expanduser()
-    if not path.exists():
+    if path.exists():
+        return hub.cache_folder_snapshot(path) if hub.is_cache_folder(path) else path
+    found = hub.resolve_name(str(model))
+    if found is None:
         raise CheckpointError(f"{path}: model directory or file not found")
-    return path
+    return found
 
 
 def load_config(model: Optional[PathLike]) -> ModelConfig:

@@ -1,8 +1,10 @@
 """``mdiedge bench``: throughput, per-node busy fraction, per-hop overhead and peak memory of
 local rings of 1..N nodes, one sample per message against micro-batched messages.
 
-Each configuration runs in a fresh process (so peak RSS is that configuration's own); a
-model preset with random weights is written once to a temporary Hugging Face directory.
+Each configuration runs in a fresh process (so peak RSS is that configuration's own), and its
+figures come back as soon as it ends (``run_all`` yields them; ``mdiedge.ops.benchtable``
+prints them); a model preset with random weights is written once to a temporary Hugging Face
+directory.
 """
 from __future__ import annotations
 
@@ -14,11 +16,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from ..base.errors import MdiedgeError
 from ..model import expertstats
 from ..model.checkpoint import resolve_model_path, save_hf_checkpoint
 from ..model.config import preset
@@ -100,51 +104,51 @@ def _run_local(model: Path, samples: int, new_tokens: int, context: int,
             "weight_kv_bytes": [engine.model.parameter_bytes() + engine.model.kv_cache_bytes()]}
 
 
+def configurations(max_nodes: int, samples: int) -> List[Tuple[int, int]]:
+    """(nodes, samples per message) of every configuration, in the order they run: for each
+    ring size, one sample per message, the starter's own choice (enough groups to keep every
+    node busy), and all samples in one message."""
+    return [(nodes, micro_batch) for nodes in range(1, max_nodes + 1)
+            for micro_batch in sorted({1, math.ceil(samples / nodes), samples})]
+
+
+Runner = Callable[[Path, int, int, int, int, int], Dict[str, Any]]
+
+
+def run_subprocess(path: Path, nodes: int, samples: int, new_tokens: int, context: int,
+                   micro_batch: int) -> Dict[str, Any]:
+    """One configuration in a fresh ``python -m mdiedge bench --one`` process: its figures."""
+    cmd = [sys.executable, "-m", "mdiedge", "bench", "--one", "--model", str(path),
+           "--nodes", str(nodes), "--samples", str(samples), "--new-tokens", str(new_tokens),
+           "--context", str(context), "--micro-batch", str(micro_batch)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    if out.returncode != 0:
+        lines = [line for line in out.stderr.splitlines() if line.strip()]
+        why = lines[-1].replace("mdiedge: error: ", "", 1)[-300:] if lines else \
+            f"exit status {out.returncode}"
+        raise MdiedgeError(f"bench configuration of {nodes} node(s), {micro_batch} sample(s) per "
+                           f"message failed: {why}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def run_all(model: Optional[str], preset_name: Optional[str], max_nodes: int, samples: int,
-            new_tokens: int, context: int) -> List[Dict[str, Any]]:
-    """Every configuration, each in a fresh ``python -m mdiedge bench --one`` process."""
+            new_tokens: int, context: int, runner: Optional[Runner] = None,
+            measuring: Optional[Callable[[str], ContextManager[Any]]] = None
+            ) -> Iterator[Dict[str, Any]]:
+    """Every configuration's figures, each as soon as it is measured (by ``runner``, default
+    ``run_subprocess``); ``measuring(what)`` wraps each wait (a progress display)."""
+    shown = measuring or (lambda what: nullcontext())
     with tempfile.TemporaryDirectory(prefix="mdiedge-bench-") as tmp:
         if preset_name:
-            default = resolve_model_path(None)
-            path = random_checkpoint(preset_name, Path(tmp) / preset_name,
-                                     default / "tokenizer.model")
+            with shown(f"writing random weights shaped like {preset_name}"):
+                path = random_checkpoint(preset_name, Path(tmp) / preset_name,
+                                         resolve_model_path(None) / "tokenizer.model")
         else:
             path = resolve_model_path(model)
-        results = []
-        for nodes in range(1, max_nodes + 1):
-            # one sample per message, the starter's own choice (enough groups to keep every
-            # node busy), all samples in one message
-            for micro_batch in sorted({1, math.ceil(samples / nodes), samples}):
-                cmd = [sys.executable, "-m", "mdiedge", "bench", "--one", "--model", str(path),
-                       "--nodes", str(nodes), "--samples", str(samples), "--new-tokens",
-                       str(new_tokens), "--context", str(context), "--micro-batch", str(micro_batch)]
-                out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
-                if out.returncode != 0:
-                    raise RuntimeError(f"bench configuration failed: {out.stderr.strip()[-500:]}")
-                results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        return results
-
-
-def print_table(results: List[Dict[str, Any]], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title)
-    for column in ("nodes", "samples/msg", "tok/s", "busy fraction per node", "hop µs",
-                   "peak RSS MB per node", "RSS − (weights+KV) MB"):
-        table.add_column(column, justify="right")
-    for r in results:
-        hop = "-" if r["hop_overhead_us"] is None else f"{r['hop_overhead_us']:.0f}"
-        excess = [(rss - wk) / 2 ** 20 for rss, wk in zip(r["peak_rss_bytes"], r["weight_kv_bytes"])]
-        table.add_row(str(r["nodes"]), str(r["micro_batch"]), f"{r['tokens_per_s']:.1f}",
-                      " ".join(f"{b:.2f}" for b in r["busy_fraction"]), hop,
-                      " ".join(f"{x / 2 ** 20:.0f}" for x in r["peak_rss_bytes"]),
-                      " ".join(f"{x:.0f}" for x in excess))
-    console = Console()
-    console.print(table)
-    for r in results:
-        if r.get("expert_load"):
-            console.print(f"expert load, {r['nodes']} node(s), {r['micro_batch']} sample(s) per "
-                          f"message:")
-            for line in expertstats.lines(r["expert_load"]):
-                console.print("  " + line)
+        configs = configurations(max_nodes, samples)
+        for i, (nodes, micro_batch) in enumerate(configs, 1):
+            with shown(f"measuring {i} of {len(configs)}: {nodes} node{'s' if nodes > 1 else ''}"
+                       f", {micro_batch} sample{'s' if micro_batch > 1 else ''} per message"):
+                result = (runner or run_subprocess)(path, nodes, samples, new_tokens, context,
+                                                    micro_batch)
+            yield result

@@ -80,6 +80,7 @@ COLUMNS: Dict[str, Callable[[Dict[str, Any]], str]] = {
     "busy": lambda n: f"{n['busy_fraction']:.2f}" if "busy_fraction" in n else "-",
     "rtt ms": lambda n: str(n.get("link_rtt_ms") or "-"),
     "uptime s": lambda n: str(n.get("uptime_s", "-")),
+    "recoveries": lambda n: str(n.get("recoveries", "-")) if n.get("role") == "starter" else "-",
     "version": lambda n: str(n.get("version", "-")),
 }
 IDENTITY = ("node", "role", "address", "state")

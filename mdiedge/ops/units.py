@@ -20,8 +20,9 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from ..base.defaults import (IDLE_TIMEOUT_S, REBALANCE_MARGIN, STALL_S, STARTER_CONTROL_PORT,
-                             WORKER_CONTROL_PORT, WORKER_DATA_PORT)
+from ..base.defaults import (IDLE_TIMEOUT_S, MAX_PAYLOAD, REBALANCE_MARGIN, RING_TIMEOUT_S,
+                             STALL_S, STARTER_CONTROL_PORT, WORKER_CONTROL_PORT,
+                             WORKER_DATA_PORT)
 from ..base.dtypes import TABLE as DTYPE_TABLE
 from ..base.errors import ConfigError
 
@@ -66,16 +67,23 @@ idle_timeout_s = {IDLE_TIMEOUT_S:g}
 # File holding the ring secret (one line). Leave it unset under the shipped units: systemd
 # hands /etc/mdiedge/secret (mode 0600, root) to the worker as a credential and names it in
 # $MDIEDGE_SECRET_FILE; the unit's dynamic user cannot read the root-only file itself.
-# Other ways: secret = "..." here (then make this file unreadable to others), or the
-# environment variables MDIEDGE_SECRET / MDIEDGE_SECRET_FILE.
 # secret_file = "/etc/mdiedge/secret"
+# The ring secret itself, at least 16 bytes, instead of secret_file (then make this file
+# unreadable to others). Neither set: $MDIEDGE_SECRET, else $MDIEDGE_SECRET_FILE.
+# secret = "put the output of: openssl rand -hex 32"
 # true: listen on a non-loopback address without a secret (anyone who reaches the ports can
 # drive the node). Only for isolated test networks.
 insecure = false
-# Optional: preload this model (a folder under /var/lib/mdiedge, readable by the service) ...
+# Optional: a model to load before telling systemd READY=1 (a folder under /var/lib/mdiedge,
+# readable by the service), so a starter assigning the same blocks finds them ready.
 # model = "/var/lib/mdiedge/models/tinyllama"
-# ... and this block range [first, end) of it, before telling systemd READY=1.
+# Only with model: the block range [first, end) of it to load (default: every block).
 # layers = [10, 22]
+# Only with model: the device of the loaded blocks, "cpu" or "cuda".
+# device = "cpu"
+# Only with model: the dtype of the loaded blocks,
+# {_one_of([d.name for d in DTYPE_TABLE if d.compute])}.
+# dtype = "float32"
 """
 
 STARTER_CONFIG = f"""\
@@ -90,6 +98,8 @@ control_port = {STARTER_CONTROL_PORT}
 # The model the ring runs: a folder readable by the service (put it under /var/lib/mdiedge,
 # the unit's state directory).
 model = "/var/lib/mdiedge/models/tinyllama"
+# Optional: a tokenizer file, if not the model's own (tokenizer.model or tokenizer.json).
+# tokenizer = "/var/lib/mdiedge/models/tinyllama/tokenizer.model"
 # Device of the starter's own share of the layers: "cpu" or "cuda".
 device = "cpu"
 # Weight dtype on the ring: {_one_of([d.name for d in DTYPE_TABLE if d.compute])}.
@@ -100,6 +110,11 @@ weight = 1.0
 # memory = "4GiB"
 # Optional: pin the starter to this block range [first, end) instead of the automatic split.
 # layers = [0, 6]
+# Largest tensor payload of one data-plane frame; a larger frame closes the link.
+# max_payload = "{MAX_PAYLOAD >> 20}MiB"
+# A message not back around the ring within this many seconds is a failure, and the node
+# that froze is named.
+# timeout_s = {RING_TIMEOUT_S:g}
 # A worker that returns no message for this many seconds, and then does not answer on its
 # control port within it either, is lost: its layers move to a spare or to the survivors.
 stall_s = {STALL_S:g}
@@ -111,9 +126,13 @@ rebalance_margin = {REBALANCE_MARGIN:g}
 # File holding the ring secret (one line). Leave it unset under the shipped unit: systemd
 # hands /etc/mdiedge/secret (mode 0600, root) to the starter as a credential and names it in
 # $MDIEDGE_SECRET_FILE; the unit's dynamic user cannot read the root-only file itself.
-# Other ways: secret = "..." here (then make this file unreadable to others), or the
-# environment variables MDIEDGE_SECRET / MDIEDGE_SECRET_FILE.
 # secret_file = "/etc/mdiedge/secret"
+# The ring secret itself, at least 16 bytes, instead of secret_file (then make this file
+# unreadable to others). Neither set: $MDIEDGE_SECRET, else $MDIEDGE_SECRET_FILE.
+# secret = "put the output of: openssl rand -hex 32"
+# true: listen on a non-loopback address without a secret (anyone who reaches the port can
+# drive the ring). Only for isolated test networks.
+# insecure = false
 
 # One [[workers]] table per worker, in ring order.
 [[workers]]

@@ -4,12 +4,17 @@ the blocks. ``LocalEngine`` builds a pipeline of in-process stages (``--nodes 1`
 """
 from __future__ import annotations
 
+import itertools
+import logging
 import threading
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..base import defaults
+from ..base.errors import MdiedgeError
 from ..model.checkpoint import load_config, load_model, resolve_model_path
 from ..model.config import ModelConfig
 from ..model.devices import parse_device, parse_dtype
@@ -23,6 +28,32 @@ from ..runtime.scheduler import Scheduler
 from ..runtime.stages import LocalStage
 
 PathLike = Union[str, Path]
+
+log = logging.getLogger("mdiedge.engine")
+log.addHandler(logging.NullHandler())  # a command that configures no logging prints none of it
+_requests = itertools.count(1)  # this process's generations, numbered for the log
+
+
+def _shape(generation: Generation) -> str:
+    n, p = len(generation.samples), len(generation.samples[0].prompt)
+    return f"{n} sample{'s' if n != 1 else ''}, prompt {p} token{'s' if p != 1 else ''}"
+
+
+def summary_line(request: int, generation: Generation, timing: Timing) -> str:
+    """The log line of a finished generation: its size, speed and how its samples ended."""
+    reasons = Counter(s.finish_reason or "unfinished" for s in generation.samples)
+    ends = ", ".join(f"{reason} {count}" for reason, count in sorted(reasons.items()))
+    return (f"generation {request}: {_shape(generation)}, {timing.new_tokens} new tokens in "
+            f"{timing.total_s:.2f} s ({timing.tokens_per_s:.1f} tok/s); finished: {ends}")
+
+
+def failure_line(request: int, generation: Generation, error: BaseException) -> str:
+    """The log line of a generation that failed (or was interrupted), and why."""
+    produced = sum(len(s.tokens) for s in generation.samples)
+    detail = " ".join(str(error).split())
+    reason = f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+    return (f"generation {request} failed after {time.perf_counter() - generation.started:.2f} "
+            f"s ({_shape(generation)}, {produced} new tokens): {reason}")
 
 
 @dataclass
@@ -115,14 +146,27 @@ class Engine(TextModel):
         return scheduler
 
     def run(self, generation: Generation, micro_batch: int = 0) -> Timing:
-        return self.submit(generation, micro_batch).wait(generation)
+        """Run ``generation`` to its end; one log line says how it went (INFO when it
+        finished, WARNING when it failed or was interrupted)."""
+        request = next(_requests)
+        try:
+            timing = self.submit(generation, micro_batch).wait(generation)
+        except BaseException as e:
+            log.warning("%s", failure_line(request, generation, e))
+            raise
+        log.info("%s", summary_line(request, generation, timing))
+        return timing
 
     def generate(self, prompt: str, max_new_tokens: int = defaults.MAX_NEW_TOKENS,
                  n_samples: int = 1, params: SamplingParams = SamplingParams(),
                  micro_batch: int = 0, on_token: Optional[TokenCallback] = None,
                  stop: Sequence[str] = ()) -> GenerationOutput:
-        generation = self.new_generation(prompt, max_new_tokens, n_samples, params, on_token,
-                                         stop)
+        try:
+            generation = self.new_generation(prompt, max_new_tokens, n_samples, params,
+                                             on_token, stop)
+        except MdiedgeError as e:  # e.g. a prompt beyond the context: one line, then the error
+            log.warning("generation refused: %s", " ".join(str(e).split()))
+            raise
         timing = self.run(generation, micro_batch)
         return self.output(prompt, generation, timing)
 

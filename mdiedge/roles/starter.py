@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .. import __version__
 from ..base import defaults
-from ..base.errors import GenerationError, NodeLost, RingError
+from ..base.errors import GenerationError, NodeLost, PartitionError, RingError
 from ..base.memory import max_rss_bytes, rss_bytes
 from ..base.nodes import NodeSpec, StarterOptions
 from ..model.checkpoint import chunk_safetensors, content_hash, load_model
@@ -29,19 +29,20 @@ from ..runtime.auth import Authenticator
 from ..runtime.control import Conflict, ControlClient, round_trip_ms
 from ..runtime.links import LinkPair, accept_authenticated, bind, close_quietly, \
     connect_authenticated, tcp_listen
-from ..runtime.partition import Placement, choose_members, partition
+from ..runtime.partition import Placement, partition
 from ..runtime.pipeline import ModelEnds, Pipeline
 from ..runtime.protocol import (MAX_SLOTS, Assignment, AssignReply, ConnectRequest, ModelRef,
                                 NodeStatus)
 from ..runtime.scheduler import Scheduler
 from ..runtime.stages import LocalStage
 from .engine import Engine, PathLike
+from . import balance
+from .membership import Membership
 from .ring import RingTail, probe_all
 
 log = logging.getLogger("mdiedge.starter")
 
 ASSIGN_TIMEOUT_S = 600.0  # loading (or receiving) a layer range may take minutes
-REJOIN_CHECK_S = 2.0  # how often a lost worker is asked whether it is back
 
 
 class RingStarter:
@@ -56,11 +57,10 @@ class RingStarter:
         self.auth = Authenticator(options.secret)
         self.session = os.urandom(8).hex()  # workers serve one starter session at a time
         self.clients = [ControlClient(w, self.auth, self.session) for w in workers]
-        self.members: List[ControlClient] = []  # the current ring's workers, in ring order
-        self.lost: Dict[str, str] = {}  # left out of the ring (name: why) until they answer
+        self.membership = Membership(self.clients)
         self.recoveries = 0
-        self._rejoin = threading.Event()  # a lost node answers again: set up anew when idle
-        self._closed = threading.Event()
+        self.measured: Dict[str, float] = {}  # weights from measured speed, by node name
+        self._balanced_at = 0  # the scheduler's message count at the last balance check
         self.hash = content_hash(path)
         self.model: Any = None
         self.placements: List[Placement] = []
@@ -69,7 +69,6 @@ class RingStarter:
         self.started = time.time()
         self.listener = tcp_listen(options.host, 0)
         self._setup_lock = threading.RLock()  # set-up, submission and closing, one at a time
-        self._watcher: Optional[threading.Thread] = None
 
     @property
     def workers(self) -> List[NodeSpec]:
@@ -77,14 +76,13 @@ class RingStarter:
         return [c.node for c in self.clients]
 
     @property
-    def ring_workers(self) -> List[NodeSpec]:
-        """The workers of the current ring, in ring order."""
-        return [c.node for c in self.members]
+    def members(self) -> List[ControlClient]:
+        return self.membership.members
 
     @property
-    def degraded(self) -> bool:
-        """A configured worker (not a spare) is lost: the ring serves without it."""
-        return any(c.node.name in self.lost and not c.node.spare for c in self.clients)
+    def ring_workers(self) -> List[NodeSpec]:
+        """The workers of the current ring, in ring order."""
+        return self.membership.nodes
 
     # ----------------------------------------------------------------- set-up
 
@@ -103,8 +101,8 @@ class RingStarter:
                                f"samples x {current.pipeline.context} tokens, smaller than "
                                f"{n_slots} x {context}; try again when it is idle")
             usable = current is not None and current.usable and self._ring_alive() and \
-                not self._rejoin.is_set()
-            if usable and fits:
+                not self.membership.rejoin.is_set()
+            if usable and fits and not self._rebalance(current):
                 return current
             if usable:
                 n_slots = max(n_slots, current.pipeline.n_slots)
@@ -124,79 +122,73 @@ class RingStarter:
     def _check_layout(self, n_slots: int, context: int) -> None:
         if not 0 < n_slots <= MAX_SLOTS:
             raise GenerationError(f"{n_slots} samples at once: a ring holds 1..{MAX_SLOTS}")
-        members = choose_members(self.workers, self.lost)
-        partition(self.cfg, [self.options.spec] + members, n_slots, context,
+        partition(self.cfg, self._shares(self.membership.planned()), n_slots, context,
                   itemsize(self.options.dtype))
+
+    def _shares(self, workers: Sequence[NodeSpec]) -> List[NodeSpec]:
+        """The starter and ``workers``, each with its measured weight where there is one."""
+        return [dataclasses.replace(n, weight=self.measured.get(n.name, n.weight))
+                for n in [self.options.spec] + list(workers)]
+
+    def _rebalance(self, current: Scheduler) -> bool:
+        """Between requests: whether the measured time per block calls for a new split (its
+        weights are kept in ``measured`` for the set-up that follows)."""
+        if self.options.rebalance_margin <= 0 or \
+                current.stats.messages < self._balanced_at + balance.MIN_MESSAGES:
+            return False
+        self._balanced_at = current.stats.messages
+        stage = current.pipeline.stages[0]
+        own = NodeStatus("starter", "starter", "ready", layers=stage.layers,
+                         messages=stage.counters.messages, compute_s=stage.counters.compute_s)
+        shares = self._shares(self.ring_workers)
+        weights = balance.measured_weights(
+            [own] + probe_all(self.members, defaults.DIAGNOSE_TIMEOUT_S),
+            {n.name: n.weight for n in shares}, self.options.rebalance_margin)
+        if weights is None:
+            return False
+        before, self.measured = self.measured, dict(self.measured, **weights)
+        n_slots, context = current.pipeline.n_slots, current.pipeline.context
+        try:
+            split = partition(self.cfg, self._shares(self.ring_workers), n_slots, context,
+                              itemsize(self.options.dtype))
+        except PartitionError:  # the measured weights do not fit the declared memory
+            split = self.placements
+        if [p.layers for p in split] == [p.layers for p in self.placements]:
+            self.measured = before
+            return False
+        log.info("re-splitting by measured speed %s: %s", {k: round(v, 2) for k, v in
+                 weights.items()}, [f"{p.name} {p.layers[0]}-{p.layers[1]}" for p in split])
+        return True
 
     def _setup(self, n_slots: int, context: int) -> Scheduler:
         """A new ring of the workers that answer now (a lost one that is back rejoins)."""
-        self._rejoin.clear()
-        self._choose_members(probe_all(self.clients, defaults.DIAGNOSE_TIMEOUT_S))
+        self.membership.refresh()
         pipeline, ends = self._build(n_slots, context)
         rows = max(1, self.options.max_payload // (self.cfg.dim * itemsize(self.options.dtype)))
         return Scheduler(pipeline, ends, prefill_chunk=rows, timeout_s=self.options.timeout_s,
                          rebuild=self.rebuild if self.options.recover else None)
 
-    def _choose_members(self, statuses: List[NodeStatus]) -> None:
-        """The ring's workers: those that answer, a spare in the place of one that does not."""
-        for client, status in zip(self.clients, statuses):
-            if status.state == "down":
-                self.lost[client.node.name] = f"down ({status.error})"
-            else:
-                self.lost.pop(client.node.name, None)
-        by_name = {c.node.name: c for c in self.clients}
-        self.members = [by_name[n.name] for n in choose_members(self.workers, self.lost)]
-        if not self.members:
-            raise RingError("no worker of the ring answers: " + "; ".join(
-                f"{name}: {why}" for name, why in self.lost.items()))
-        for name, why in self.lost.items():
-            log.warning("%s left out of the ring: %s", name, why)
-        if self.lost:
-            self._watch_lost()
-
     def rebuild(self, lost: NodeLost) -> Tuple[Pipeline, ModelEnds]:
         """The scheduler's recovery: a ring without the ``lost`` workers, of the same layout
         (a spare takes a lost worker's place, else the survivors share its layers)."""
         with self._setup_lock:
-            if self.scheduler is None or self._closed.is_set():
+            if self.scheduler is None or self.membership.closed.is_set():
                 raise RingError("the starter was closed")
-            for name in lost.nodes:
-                self.lost[name] = str(lost)
             self.recoveries += 1
             log.warning("recovering: %s", lost)
             if self.tail is not None:
                 self.tail.close()
-            by_name = {c.node.name: c for c in self.clients}
-            self.members = [by_name[n.name] for n in choose_members(self.workers, self.lost)]
-            if not self.members:
-                raise RingError("no worker left")
-            self._watch_lost()
+            self.membership.lose(lost.nodes, str(lost))
             pipeline = self.scheduler.pipeline
             return self._build(pipeline.n_slots, pipeline.context)
-
-    def _watch_lost(self) -> None:
-        """Ask the lost workers every few seconds, in the background; when one answers, the
-        ring is set up anew at the next request boundary (it rejoins)."""
-        def watch() -> None:
-            while not self._closed.wait(REJOIN_CHECK_S):
-                with self._setup_lock:
-                    lost = [c for c in self.clients if c.node.name in self.lost]
-                if not lost:
-                    return
-                if any(s.state != "down" for s in probe_all(lost, defaults.DIAGNOSE_TIMEOUT_S)):
-                    self._rejoin.set()
-                    return
-
-        if self._watcher is None or not self._watcher.is_alive():
-            self._watcher = threading.Thread(target=watch, name="rejoin", daemon=True)
-            self._watcher.start()
 
     def _build(self, n_slots: int, context: int) -> Tuple[Pipeline, ModelEnds]:
         """Set up the members' ring: the split, the layers, the links."""
         for client in self.members:  # end any ring these workers still serve for us
             self._call(client, "POST", "/reset", {}, timeout=10)
-        shares = [self.options.spec] + self.ring_workers
-        self.placements = partition(self.cfg, shares, n_slots, context, itemsize(self.options.dtype))
+        self.placements = partition(self.cfg, self._shares(self.ring_workers), n_slots, context,
+                                    itemsize(self.options.dtype))
+        self._balanced_at = 0
         first = self.placements[0].layers
         if self.model is None or (self.model.first, self.model.last) != first:
             self.model = None
@@ -290,23 +282,16 @@ class RingStarter:
             status.messages, status.tokens = stats.messages, stats.tokens
             status.compute_s = round(stats.compute_s, 6)
             status.busy_fraction = round(stats.compute_s / stats.wall_s, 4) if stats.wall_s else 0.0
-        if self.degraded:
+        if self.membership.degraded:
             status.state = "degraded"
             status.error = "serving without " + "; ".join(
-                f"{name} ({why})" for name, why in self.lost.items())
+                f"{name} ({why})" for name, why in self.membership.lost.items())
         return status
 
     def node_status(self) -> List[NodeStatus]:
         """Every worker's status, asked in parallel: a frozen one costs one timeout, not one
         per node."""
-        statuses = probe_all(self.clients, timeout=5.0)
-        members = {c.node.name for c in self.members}
-        for client, status in zip(self.clients, statuses):
-            if client.node.name not in members and status.state != "down":
-                status.layers = None  # what it last held is not where the layers live now
-                if client.node.spare:
-                    status.role = "spare"
-        return statuses
+        return self.membership.statuses()
 
     def close_ring(self) -> None:
         with self._setup_lock:
@@ -317,7 +302,7 @@ class RingStarter:
     def close(self) -> None:
         """End the ring and release every worker (in parallel: a frozen one costs one
         timeout), then stop listening."""
-        self._closed.set()
+        self.membership.closed.set()
         self.close_ring()
 
         def release(client: ControlClient) -> None:

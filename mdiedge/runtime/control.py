@@ -31,7 +31,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from .auth import Authenticator
 from .protocol import NodeStatus
-from ..base.errors import MdiedgeError, RingError
+from ..base.errors import ListenError, MdiedgeError, RingError
 from ..base.nodes import NodeSpec
 
 log = logging.getLogger("mdiedge.control")
@@ -177,18 +177,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, handler: Handler, body: Dict[str, Any], raw: bytes,
                   query: Dict[str, str], what: str) -> None:
+        code, payload = _answer(handler, body, raw, query, what)
         try:
-            self._reply(200, handler(body, raw, query))
-        except Conflict as e:
-            self._reply(409, {"error": str(e)})
-        except RingError as e:  # a node further down the ring failed: a bad gateway
-            self._reply(502, {"error": str(e)})
-        except (MdiedgeError, KeyError, TypeError, ValueError) as e:
-            message = f"missing key {e}" if isinstance(e, KeyError) else str(e)
-            self._reply(400, {"error": message})
-        except Exception as e:  # a bug: answer, log, stay up
-            log.exception("control handler %s failed", what)
-            self._reply(500, {"error": f"{type(e).__name__}: {e}"})
+            self._reply(code, payload)
+        except OSError as e:  # the client went away while the handler ran: not our error
+            log.debug("%s left before the reply to %s: %s: %s", self.client_address[0], what,
+                      type(e).__name__, e)
+            self.close_connection = True
 
     def do_GET(self) -> None:
         self._serve("GET")
@@ -198,6 +193,23 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_PUT(self) -> None:
         self._serve("PUT")
+
+
+def _answer(handler: Handler, body: Dict[str, Any], raw: bytes, query: Dict[str, str],
+            what: str) -> Tuple[int, Dict[str, Any]]:
+    """The handler's reply and its HTTP status: a ``Conflict`` is a 409, a ``RingError`` (a
+    node further down the ring failed) a 502, bad input a 400, a bug a 500 (logged)."""
+    try:
+        return 200, handler(body, raw, query)
+    except Conflict as e:
+        return 409, {"error": str(e)}
+    except RingError as e:
+        return 502, {"error": str(e)}
+    except (MdiedgeError, KeyError, TypeError, ValueError) as e:
+        return 400, {"error": f"missing key {e}" if isinstance(e, KeyError) else str(e)}
+    except Exception as e:  # a bug: answer, log, stay up
+        log.exception("control handler %s failed", what)
+        return 500, {"error": f"{type(e).__name__}: {e}"}
 
 
 class _Slots:
@@ -284,18 +296,22 @@ class ControlServer:
     ``raw_routes`` name the paths whose body is bytes (weights) and their size limit; their
     handlers get it as a ``bytearray`` (no second copy of a large body).
     ``max_connections`` and ``timeout_s`` (seconds per socket read or write) can be set
-    before or after ``start``."""
+    before or after ``start``. A port it cannot listen on is a ListenError naming the address
+    and ``what`` port it is."""
 
     def __init__(self, host: str, port: int, routes: Dict[Tuple[str, str], Handler],
                  raw_routes: Optional[Dict[str, Callable[[], int]]] = None,
-                 auth: Optional[Authenticator] = None) -> None:
+                 auth: Optional[Authenticator] = None, what: str = "control port") -> None:
         self.routes = dict(routes)
         self.routes[("GET", "/ping")] = _ping
         self.raw_routes = raw_routes or {}
         self.auth = auth or Authenticator(None)
         self.max_connections, self.timeout_s = MAX_CONNECTIONS, SOCKET_TIMEOUT_S
         self.slots = _Slots()
-        self.httpd = _Server((host, port), _Handler)
+        try:
+            self.httpd = _Server((host, port), _Handler)
+        except OSError as e:
+            raise ListenError(host, port, what, e) from None
         self.httpd.control = self
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="control", daemon=True)
 

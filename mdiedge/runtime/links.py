@@ -28,7 +28,7 @@ from typing import Callable, Dict, Optional, Tuple, Union
 from . import messages
 from .auth import AuthError, Authenticator
 from .messages import Message
-from ..base.errors import FrameError
+from ..base.errors import FrameError, ListenError
 
 log = logging.getLogger("mdiedge.links")
 
@@ -53,12 +53,18 @@ def configure(sock: socket.socket) -> socket.socket:
     return sock
 
 
-def tcp_listen(host: str, port: int) -> socket.socket:
-    """A listening socket; port 0 picks a free one. SO_REUSEADDR lets a quick rerun bind."""
+def tcp_listen(host: str, port: int, what: str = "data port") -> socket.socket:
+    """A listening socket; port 0 picks a free one. SO_REUSEADDR lets a quick rerun bind. A
+    port in use (or an address not of this machine) is a ListenError naming ``host:port``
+    and ``what`` it is."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(16)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(16)
+    except OSError as e:
+        sock.close()
+        raise ListenError(host, port, what, e) from None
     return sock
 
 

@@ -30,7 +30,8 @@ from ..base.errors import PartitionError
 from ..base.nodes import NodeSpec
 from ..model.config import ModelConfig
 
-__all__ = ["Placement", "split_layers", "partition", "format_bytes", "choose_members"]
+__all__ = ["Placement", "split_layers", "check_ring_size", "partition", "format_bytes",
+           "choose_members"]
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,18 @@ def split_layers(n_layers: int, weights: Sequence[float],
                            f"cannot split {_plural(n_layers, 'block')} over {len(weights)} nodes",
                            labels_named=False)
     return _ranges(0, counts)
+
+
+def check_ring_size(n_layers: int, n_nodes: int) -> None:
+    """PartitionError unless a ring of ``n_nodes`` (the starter and ``n_nodes - 1`` workers)
+    can share ``n_layers`` blocks: every worker needs one, the starter may have none. Needs
+    only the model's block count, so it is checked before any node process starts."""
+    workers = n_nodes - 1
+    if workers > n_layers:
+        raise PartitionError(
+            f"{_plural(n_layers, 'block')} cannot be shared among {_plural(workers, 'worker')} "
+            f"(a ring of {n_nodes} nodes): every worker needs at least one block, so this "
+            f"model runs on at most {n_layers + 1} nodes")
 
 
 def _pinned_range(node: NodeSpec, index: int, n_layers: int) -> Optional[Tuple[int, int]]:
@@ -329,3 +342,17 @@ def choose_members(nodes: Sequence[NodeSpec], lost: Container[str]) -> List[Node
         elif spares:
             members.append(spares.pop(0))
     return members
+
+
+def balanced_weights(seconds_per_block: Sequence[float], margin: float) -> Optional[List[float]]:
+    """Weights in proportion to each node's measured speed (the inverse of its seconds per
+    block; a node of mean speed gets 1), or None when the slowest node is within ``margin``
+    of the mean (Petals' balancing step, from measurements instead of declarations), when
+    ``margin`` is 0 (balancing off), or when a measurement is missing."""
+    times = list(seconds_per_block)
+    if margin <= 0 or len(times) < 2 or not all(t > 0 and math.isfinite(t) for t in times):
+        return None
+    mean = sum(times) / len(times)
+    if max(times) <= mean * (1 + margin):
+        return None
+    return [mean / t for t in times]

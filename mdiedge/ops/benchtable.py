@@ -1,0 +1,82 @@
+"""What ``mdiedge bench`` shows: its table, a row on stdout as soon as each configuration is
+measured (the header first), and on stderr what it is measuring while it waits."""
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Sequence, TextIO
+
+COLUMNS = ("nodes", "samples/msg", "tok/s", "busy fraction per node", "hop µs",
+           "peak RSS MB per node", "RSS − (weights+KV) MB")
+# characters per node of the per-node columns (busy "0.93", RSS "1234", excess "-12")
+_PER_NODE = {"busy fraction per node": 5, "peak RSS MB per node": 6, "RSS − (weights+KV) MB": 6}
+
+
+def row_cells(result: Dict[str, Any]) -> List[str]:
+    """One configuration's figures as the table's cells."""
+    hop = "-" if result["hop_overhead_us"] is None else f"{result['hop_overhead_us']:.0f}"
+    excess = [(rss - wk) / 2 ** 20
+              for rss, wk in zip(result["peak_rss_bytes"], result["weight_kv_bytes"])]
+    return [str(result["nodes"]), str(result["micro_batch"]), f"{result['tokens_per_s']:.1f}",
+            " ".join(f"{b:.2f}" for b in result["busy_fraction"]), hop,
+            " ".join(f"{x / 2 ** 20:.0f}" for x in result["peak_rss_bytes"]),
+            " ".join(f"{x:.0f}" for x in excess)]
+
+
+def column_widths(max_nodes: int) -> List[int]:
+    """Widths fixed before the first row: each header, or the per-node figures of the
+    largest ring, whichever is wider."""
+    return [max(len(name), _PER_NODE.get(name, 0) * max_nodes - 1) for name in COLUMNS]
+
+
+def format_line(cells: Sequence[str], widths: Sequence[int]) -> str:
+    return "  ".join(cell.rjust(width) for cell, width in zip(cells, widths))
+
+
+class TableWriter:
+    """The table, line by line on ``out`` (stdout), each line flushed as it is written."""
+
+    def __init__(self, title: str, max_nodes: int, out: Any = None) -> None:
+        self.title, self.widths, self._out = title, column_widths(max_nodes), out
+
+    @property
+    def out(self) -> TextIO:
+        return self._out if self._out is not None else sys.stdout
+
+    def _line(self, text: str) -> None:
+        self.out.write(text.rstrip() + "\n")
+        self.out.flush()
+
+    def header(self) -> None:
+        self._line(self.title)
+        self._line(format_line(COLUMNS, self.widths))
+        self._line(format_line(["-" * w for w in self.widths], self.widths))
+
+    def row(self, result: Dict[str, Any]) -> None:
+        self._line(format_line(row_cells(result), self.widths))
+
+    def footer(self, results: Sequence[Dict[str, Any]]) -> None:
+        """The experts' load of every configuration that has one (mixture-of-experts models)."""
+        from ..model import expertstats
+
+        for r in results:
+            if r.get("expert_load"):
+                self._line(f"expert load, {r['nodes']} node(s), {r['micro_batch']} sample(s) "
+                           f"per message:")
+                for line in expertstats.lines(r["expert_load"]):
+                    self._line("  " + line)
+
+
+@contextmanager
+def measuring_on_stderr(what: str) -> Iterator[None]:
+    """A spinner naming ``what`` on a terminal stderr, gone before anything else is printed;
+    elsewhere (a log, a pipe) one line."""
+    if not sys.stderr.isatty():
+        sys.stderr.write(f"bench: {what}\n")
+        sys.stderr.flush()
+        yield
+        return
+    from rich.console import Console
+
+    with Console(file=sys.stderr).status(what):
+        yield

@@ -1,0 +1,102 @@
+"""Which configured workers form the ring now: those that answer, a spare in the place of one
+that is lost (``mdiedge.runtime.partition.choose_members``), and a watch on the lost ones so
+that one that answers again rejoins at the next request boundary (Petals keeps a generation
+alive across a server's loss; here the ring also takes the server back)."""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Dict, List, Optional, Sequence
+
+from ..base import defaults
+from ..base.errors import RingError
+from ..base.nodes import NodeSpec
+from ..runtime.control import ControlClient
+from ..runtime.partition import choose_members
+from ..runtime.protocol import NodeStatus
+from .ring import probe_all
+
+log = logging.getLogger("mdiedge.starter")
+
+REJOIN_CHECK_S = 2.0  # how often a lost worker is asked whether it is back
+
+
+class Membership:
+    """The ring's workers among ``clients`` (every configured worker, spares included)."""
+
+    def __init__(self, clients: Sequence[ControlClient]) -> None:
+        self.clients = list(clients)
+        self.members: List[ControlClient] = []  # the current ring's workers, in ring order
+        self.lost: Dict[str, str] = {}  # left out of the ring (name: why) until they answer
+        self.rejoin = threading.Event()  # a lost worker answers again: set up anew when idle
+        self.closed = threading.Event()
+        self._watcher: Optional[threading.Thread] = None
+
+    @property
+    def nodes(self) -> List[NodeSpec]:
+        return [c.node for c in self.members]
+
+    @property
+    def degraded(self) -> bool:
+        """A configured worker (not a spare) is lost: the ring serves without it."""
+        return any(c.node.name in self.lost and not c.node.spare for c in self.clients)
+
+    def planned(self) -> List[NodeSpec]:
+        """The workers a ring set up now would have (no one asked)."""
+        return choose_members([c.node for c in self.clients], self.lost)
+
+    def refresh(self) -> None:
+        """Ask every configured worker; the ring's workers are those that answer."""
+        self.rejoin.clear()
+        for client, status in zip(self.clients, probe_all(self.clients,
+                                                          defaults.DIAGNOSE_TIMEOUT_S)):
+            if status.state == "down":
+                self.lost[client.node.name] = f"down ({status.error})"
+            else:
+                self.lost.pop(client.node.name, None)
+        for name, why in self.lost.items():
+            log.warning("%s left out of the ring: %s", name, why)
+        self._choose()
+
+    def lose(self, names: Sequence[str], why: str) -> None:
+        """``names`` are lost (``why``): the ring's workers without them."""
+        for name in names:
+            self.lost[name] = why
+        self._choose()
+
+    def _choose(self) -> None:
+        by_name = {c.node.name: c for c in self.clients}
+        self.members = [by_name[n.name] for n in self.planned()]
+        if not self.members:
+            raise RingError("no worker of the ring answers: " + "; ".join(
+                f"{name}: {why}" for name, why in self.lost.items()))
+        if self.lost:
+            self._watch()
+
+    def _watch(self) -> None:
+        """Ask the lost workers every few seconds, in the background, until one answers."""
+        def watch() -> None:
+            while not self.closed.wait(REJOIN_CHECK_S):
+                lost = [c for c in self.clients if c.node.name in self.lost]
+                if not lost:
+                    return
+                if any(s.state != "down" for s in probe_all(lost, defaults.DIAGNOSE_TIMEOUT_S)):
+                    log.info("a lost worker answers again: it rejoins at the next request")
+                    self.rejoin.set()
+                    return
+
+        if self._watcher is None or not self._watcher.is_alive():
+            self._watcher = threading.Thread(target=watch, name="rejoin", daemon=True)
+            self._watcher.start()
+
+    def statuses(self) -> List[NodeStatus]:
+        """Every configured worker's status; one outside the ring shows no layers (what it
+        last held is not where the layers live now), a spare as role ``spare``."""
+        statuses = probe_all(self.clients, timeout=5.0)
+        members = {c.node.name for c in self.members}
+        for client, status in zip(self.clients, statuses):
+            if client.node.name not in members and status.state != "down":
+                status.layers = None
+                if client.node.spare:
+                    status.role = "spare"
+        return statuses

@@ -1,0 +1,134 @@
+"""``mdiedge bench`` shows each configuration as soon as it is measured: the table's header
+first, then one row per configuration on stdout, and what it is measuring on stderr while it
+waits; ``--json`` prints one object at the end."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import pytest
+
+from mdiedge.ops import bench as benchmarks
+from mdiedge.ops.benchtable import COLUMNS, column_widths, format_line, row_cells
+
+
+def figures(nodes: int, micro_batch: int) -> Dict[str, Any]:
+    return {"nodes": nodes, "micro_batch": micro_batch, "tokens_per_s": 12.34,
+            "busy_fraction": [0.5] * nodes, "hop_overhead_us": None if nodes == 1 else 250.4,
+            "expert_load": {}, "peak_rss_bytes": [300 << 20] * nodes,
+            "weight_kv_bytes": [100 << 20] * nodes}
+
+
+@pytest.mark.parametrize("max_nodes, samples, expected", [
+    (1, 1, [(1, 1)]),
+    (2, 1, [(1, 1), (2, 1)]),
+    (3, 3, [(1, 1), (1, 3), (2, 1), (2, 2), (2, 3), (3, 1), (3, 3)]),
+])
+def test_configurations(max_nodes: int, samples: int, expected: List[Tuple[int, int]]) -> None:
+    assert benchmarks.configurations(max_nodes, samples) == expected
+
+
+def test_row_cells() -> None:
+    assert row_cells(figures(2, 1)) == ["2", "1", "12.3", "0.50 0.50", "250", "300 300",
+                                        "200 200"]
+    assert row_cells(figures(1, 1))[4] == "-"
+
+
+def test_widths_hold_the_largest_ring() -> None:
+    widths = column_widths(8)
+    cells = row_cells(figures(8, 1))
+    assert all(len(cell) <= width for cell, width in zip(cells, widths))
+    assert len(format_line(COLUMNS, widths)) == len(format_line(cells, widths))
+
+
+def test_run_all_yields_each_configuration_before_the_next_runs(tiny_llama: Path) -> None:
+    calls: List[Tuple[int, int]] = []
+    waits: List[str] = []
+
+    def runner(path: Path, nodes: int, samples: int, new_tokens: int, context: int,
+               micro_batch: int) -> Dict[str, Any]:
+        assert path == tiny_llama and (samples, new_tokens, context) == (2, 4, 16)
+        calls.append((nodes, micro_batch))
+        return figures(nodes, micro_batch)
+
+    from contextlib import contextmanager
+
+    @contextmanager
+    def measuring(what: str) -> Any:
+        waits.append(what)
+        yield
+
+    measured = benchmarks.run_all(str(tiny_llama), None, 2, 2, 4, 16, runner, measuring)
+    assert calls == []
+    assert next(measured)["nodes"] == 1 and calls == [(1, 1)]
+    assert waits == ["measuring 1 of 4: 1 node, 1 sample per message"]
+    assert [r["micro_batch"] for r in measured] == [2, 1, 2] and len(calls) == 4
+    assert waits[-1] == "measuring 4 of 4: 2 nodes, 2 samples per message"
+
+
+def _bench(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, as_json: bool
+           ) -> Tuple[List[str], str, str]:
+    """Runs the command with a fake runner; stdout as it stood at each configuration's start."""
+    from mdiedge.cli.bench import bench
+
+    seen: List[str] = []
+    printed: List[str] = []
+
+    def runner(path: Path, nodes: int, samples: int, new_tokens: int, context: int,
+               micro_batch: int) -> Dict[str, Any]:
+        out, err = capsys.readouterr()
+        printed.append(out)
+        seen.append("".join(printed))
+        sys.stderr.write(err)  # kept for the final check
+        return figures(nodes, micro_batch)
+
+    monkeypatch.setattr(benchmarks, "run_subprocess", runner)
+    bench(model=None, preset=None, nodes=2, samples=1, new_tokens=4, context=16, micro_batch=1,
+          one=False, as_json=as_json)
+    out, err = capsys.readouterr()
+    return seen, "".join(printed) + out, err
+
+
+def test_cli_prints_the_header_first_then_each_row_as_measured(
+        capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen, out, err = _bench(capsys, monkeypatch, False)
+    lines = out.splitlines()
+    assert lines[0] == "nanollama: 1 samples x 4 tokens, context 16"
+    assert lines[1].split() == "nodes samples/msg tok/s busy fraction per node hop µs peak RSS " \
+                               "MB per node RSS − (weights+KV) MB".split()
+    assert len(lines) == 5
+    assert seen[0].splitlines() == lines[:3]  # the header, before the first configuration
+    assert seen[1].splitlines() == lines[:4]  # the first row, before the second one runs
+    assert lines[3].split()[:3] == ["1", "1", "12.3"] and lines[4].split()[:3] == ["2", "1", "12.3"]
+    assert "bench: measuring 1 of 2: 1 node, 1 sample per message" in err
+    assert "bench: measuring 2 of 2: 2 nodes, 1 sample per message" in err
+
+
+def test_cli_json_is_one_object_at_the_end(capsys: pytest.CaptureFixture,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    seen, out, err = _bench(capsys, monkeypatch, True)
+    assert seen == ["", ""]
+    result = json.loads(out)
+    assert [r["nodes"] for r in result["results"]] == [1, 2]
+    assert result["title"] == "nanollama: 1 samples x 4 tokens, context 16"
+
+
+def test_a_real_run_prints_rows_before_it_ends(ring_model: Path) -> None:
+    """The command as a user runs it: the first row is on stdout while the next runs."""
+    proc = subprocess.Popen([sys.executable, "-m", "mdiedge", "bench", "--model", str(ring_model),
+                             "--nodes", "2", "--samples", "1", "--new-tokens", "2",
+                             "--context", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None
+    lines = [proc.stdout.readline() for _ in range(4)]  # title, header, rule, first row
+    first_row_at = time.monotonic()
+    rest, err = proc.communicate(timeout=180)
+    ended_at = time.monotonic()
+    assert proc.returncode == 0, err
+    assert lines[3].split()[:2] == ["1", "1"] and rest.split()[:2] == ["2", "1"]
+    assert ended_at - first_row_at > 0.5  # the second configuration ran after the first row
+    assert "bench: measuring 2 of 2: 2 nodes, 1 sample per message" in err

@@ -15,6 +15,7 @@ from mdiedge.ops.api.errors import ApiError, api_error
 from mdiedge.ops.api.responses import (ChatChunk, ChatCompletion, Choice, Completion,
                                        CompletionChunk, Usage, finish_reason, sse)
 from mdiedge.ops.api.rules import authorized, may_join, retry_after_s
+from mdiedge.ops.api.server import model_name
 from mdiedge.ops.api.schema import ChatMessage, ChatRequest, CompletionRequest, Options
 from mdiedge.runtime.control import Conflict
 
@@ -218,3 +219,15 @@ def test_retry_after_is_the_queue_drain_time(mean: float, waiting: int, slots: i
 ])
 def test_the_api_key_is_checked(header: Any, key: Any, ok: bool) -> None:
     assert authorized(header, key) is ok
+
+
+@pytest.mark.parametrize("path, name", [
+    ("/x/models/nanollama", "nanollama"),
+    ("/x/stories260K.bin", "stories260K"),
+    ("/c/hub/models--TinyLlama--TinyLlama-1.1B-Chat-v1.0/snapshots/ab12",
+     "TinyLlama/TinyLlama-1.1B-Chat-v1.0"),
+    ("/x/snapshots/ab12", "ab12"),
+    ("/x/Llama-3.2-1B", "Llama-3.2-1B"),
+])
+def test_the_served_model_id(path: str, name: str) -> None:
+    assert model_name(Path(path)) == name

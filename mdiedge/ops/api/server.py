@@ -32,8 +32,13 @@ def read_api_key(path: Optional[str]) -> Optional[str]:
 
 
 def model_name(path: Path) -> str:
-    """The id the API serves a model under: its folder's name, or a file's stem."""
-    return path.name if path.is_dir() else path.stem
+    """The id the API serves a model under: the repo id of a Hugging Face cache snapshot
+    (``.../models--Org--Name/snapshots/HASH``: ``Org/Name``), else its folder's name, or a
+    file's stem."""
+    repo = path.parent.parent.name
+    if path.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo[len("models--"):].replace("--", "/")
+    return path.stem if path.suffix == ".bin" else path.name
 
 
 def listen(host: str, port: int) -> socket.socket:

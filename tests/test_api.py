@@ -3,6 +3,8 @@ on an in-process engine (stories260K) in this process; continuous batching, stre
 ``n``, errors, the key, the queue, disconnects and metrics."""
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -242,3 +244,25 @@ def test_the_key_the_queue_and_the_body_limit(strict: Api) -> None:
     big = httpx.post(strict.url + "/v1/completions", json={"prompt": "x" * 4000},
                      headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
     assert big.status_code == 413 and "2048" in big.json()["error"]["message"]
+
+
+def test_chat_renders_the_models_own_template(ring_model: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "templated"
+    shutil.copytree(ring_model, folder)
+    template = "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }} {% endfor %}fox"
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template,
+                                                              "bos_token": "<s>"}))
+    own = LocalEngine(folder)
+    server = Api(own, listen("127.0.0.1", 0), ServeLimits(slots=2, context=128)).start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        chat = client.chat.completions.create(
+            model="templated", max_tokens=5, temperature=0,
+            messages=[{"role": "user", "content": "hello ring"}])
+        text = "user: hello ring fox"  # the BOS text dropped: the engine adds BOS as an id
+        plain = client.completions.create(model="templated", prompt=text, max_tokens=5,
+                                          temperature=0)
+        assert chat.usage.prompt_tokens == len(own.encode_prompt(text))
+        assert chat.choices[0].message.content == plain.choices[0].text
+    finally:
+        server.close()

@@ -14,7 +14,7 @@ from mdiedge.ops.api.chat import DEFAULT_TEMPLATE, ChatTemplate, load_model_temp
 from mdiedge.ops.api.errors import ApiError, api_error
 from mdiedge.ops.api.responses import (ChatChunk, ChatCompletion, Choice, Completion,
                                        CompletionChunk, Usage, finish_reason, sse)
-from mdiedge.ops.api.rules import authorized, may_join, retry_after_s
+from mdiedge.ops.api.rules import authorized, may_join, retry_after_s, slot_context
 from mdiedge.ops.api.server import model_name
 from mdiedge.ops.api.schema import ChatMessage, ChatRequest, CompletionRequest, Options
 from mdiedge.runtime.control import Conflict
@@ -231,3 +231,10 @@ def test_the_api_key_is_checked(header: Any, key: Any, ok: bool) -> None:
 ])
 def test_the_served_model_id(path: str, name: str) -> None:
     assert model_name(Path(path)) == name
+
+
+@pytest.mark.parametrize("asked, model, context", [
+    (0, 1024, 1024), (0, 131072, 4096), (512, 131072, 512), (300, 1024, 300),
+])
+def test_the_context_of_a_slot(asked: int, model: int, context: int) -> None:
+    assert slot_context(asked, model) == context

@@ -19,7 +19,7 @@ MAX_BODY = 1 << 20
 
 def check_api_options(slots: int, context: int, max_queue: int, max_body: int) -> None:
     need(1 <= slots <= 256, "--slots", slots, "an integer 1..256")
-    need(context >= 0, "--context", context, "an integer >= 0 (0: the model's)")
+    need(context >= 0, "--context", context, "an integer >= 0 (0: the model's, at most 4096)")
     from ..ops.api.rules import MAX_QUEUE
 
     need(0 <= max_queue <= MAX_QUEUE, "--max-queue", max_queue, f"an integer 0..{MAX_QUEUE}")
@@ -93,7 +93,7 @@ def serve(
     slots: int = typer.Option(SLOTS, help="KV slots: samples decoded at once, shared by all "
                               "requests."),
     context: int = typer.Option(0, help="Tokens per slot, prompt plus completion (0: the "
-                                "model's context)."),
+                                "model's context, at most 4096)."),
     max_queue: int = typer.Option(MAX_WAITING, help="Requests that may wait for free slots; "
                                   "more are refused with 429."),
     max_body: int = typer.Option(MAX_BODY, help="Largest request body in bytes (413 past it)."),

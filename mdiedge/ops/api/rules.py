@@ -11,11 +11,13 @@ from typing import Optional
 from ...base import defaults
 
 MAX_QUEUE = 64  # the scheduler's own bound on waiting requests (Scheduler max_waiting)
+DEFAULT_CONTEXT = 4096  # tokens per slot unless asked: a model's own may be 128k (KV memory)
 
 
 @dataclass
 class ServeLimits:
-    """A server's fixed sizes: KV slots (samples at once), context per slot (0: the model's),
+    """A server's fixed sizes: KV slots (samples at once), context per slot (0: the model's,
+    at most ``DEFAULT_CONTEXT``),
     requests that may wait for slots, request body bytes, and the default ``max_tokens``."""
 
     slots: int = 8
@@ -44,3 +46,8 @@ def authorized(header: Optional[str], key: Optional[str]) -> bool:
     if not key:
         return True
     return hmac.compare_digest((header or "").encode(), f"Bearer {key}".encode())
+
+
+def slot_context(asked: int, model: int) -> int:
+    """Tokens per KV slot: ``asked``, else the model's context up to ``DEFAULT_CONTEXT``."""
+    return asked if asked > 0 else min(model, DEFAULT_CONTEXT)

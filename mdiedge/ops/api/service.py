@@ -27,7 +27,7 @@ from ...runtime.protocol import NodeStatus
 from .errors import ApiError, api_error
 from .metrics import ApiMetrics
 from .responses import Usage
-from .rules import ServeLimits, may_join, retry_after_s
+from .rules import ServeLimits, may_join, retry_after_s, slot_context
 from .schema import Options
 
 _DONE = object()
@@ -128,7 +128,7 @@ class ApiService:
     def __init__(self, engine: Any, name: str, limits: ServeLimits) -> None:
         from .chat import ChatTemplate
 
-        context = limits.context or engine.cfg.max_seq_len
+        context = slot_context(limits.context, engine.cfg.max_seq_len)
         if not 0 < context <= engine.cfg.max_seq_len:
             raise ConfigError(f"context: expected 1..{engine.cfg.max_seq_len} tokens (the "
                               f"model's), got {context}")

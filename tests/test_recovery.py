@@ -294,3 +294,93 @@ def test_a_lost_worker_rejoins_at_the_next_request(reference: LocalEngine, ring_
         engine.close()
         for proc, _ in procs:
             stop(proc)
+
+
+def test_the_long_lived_starter_serves_degraded_then_takes_the_worker_back(
+        stories: Path, tmp_path: Path) -> None:
+    """``mdiedge starter`` with two workers: one is killed, the next request is served by the
+    survivor and ``mdiedge status`` exits 75 (degraded); the worker is started again on its
+    port (as systemd's Restart= does), rejoins, and status exits 0."""
+    import json
+    import subprocess
+    import sys
+
+    from test_operations import SECRET, spawn, stop
+
+    def worker(name: str, port: int = 0) -> Any:
+        return spawn(["worker", "--control-port", str(port), "--data-port", "0", "--name", name,
+                      "--log-level", "warning"])
+
+    def status() -> Any:
+        return subprocess.run([sys.executable, "-m", "mdiedge", "status", "--starter", url,
+                               "--json"], capture_output=True, text=True, timeout=60,
+                              env=dict(os.environ, MDIEDGE_SECRET=SECRET))
+
+    def generate() -> Dict[str, Any]:
+        from mdiedge.runtime.control import call
+        from mdiedge.runtime.auth import Authenticator
+
+        return call(url, "POST", "/generate", {"prompt": "Once", "max_new_tokens": 20,
+                                               "temperature": 0.0}, timeout=120,
+                    node="starter", auth=Authenticator(SECRET.encode()))
+
+    workers = [worker("w1"), worker("w2")]
+    ring = tmp_path / "ring.toml"
+    ring.write_text('[starter]\nstall_s = 2\n' + "".join(
+        f'[[workers]]\nname = "w{i + 1}"\nhost = "127.0.0.1"\ncontrol_port = {info["control_port"]}\n'
+        for i, (_, info) in enumerate(workers)))
+    starter, info = spawn(["starter", "--config", str(ring), "--control-port", "0",
+                           "--model", str(stories / "stories260K.bin"),
+                           "--tokenizer", str(stories / "tok512.model"), "--log-level", "warning"])
+    url = f"http://127.0.0.1:{info['control_port']}"
+    try:
+        want = generate()["samples"][0]["token_ids"]
+        assert status().returncode == 0
+        port = workers[1][1]["control_port"]
+        workers[1][0].kill()
+        workers[1][0].wait()
+        assert generate()["samples"][0]["token_ids"] == want  # served without w2
+        degraded = status()
+        assert degraded.returncode == 75, degraded.stdout + degraded.stderr
+        nodes = {n["name"]: n for n in json.loads(degraded.stdout)["nodes"]}
+        assert nodes["starter"]["state"] == "degraded" and nodes["w2"]["state"] == "down"
+        assert nodes["starter"]["layers"][0] == 0 and nodes["w1"]["layers"][1] == 5  # all 5 blocks
+        assert nodes["w2"]["layers"] is None
+        workers[1] = worker("w2", port)
+        deadline = time.monotonic() + 20
+        while status().returncode != 0 and time.monotonic() < deadline:
+            generate()  # the ring is set up anew at a request boundary once w2 answers
+            time.sleep(0.5)
+        healthy = json.loads(status().stdout)
+        assert not healthy["degraded"] and healthy["down"] == []
+        assert [n["layers"] is not None for n in healthy["nodes"]] == [True, True, True]
+        assert generate()["samples"][0]["token_ids"] == want
+    finally:
+        stop(starter)
+        for proc, _ in workers:
+            stop(proc)
+
+
+def test_generate_goes_on_when_a_worker_of_its_local_ring_is_killed(stories: Path) -> None:
+    """``mdiedge generate --nodes 3`` in a terminal-less pipe: a worker killed while it
+    streams; the text equals the one-process text and the command exits 0."""
+    import subprocess
+    import sys
+
+    from test_ring import workers_of
+
+    args = [sys.executable, "-m", "mdiedge", "generate", "Once upon", "-n", "300",
+            "--temperature", "0", "--model", str(stories / "stories260K.bin"),
+            "--tokenizer", str(stories / "tok512.model"), "--stall-timeout", str(STALL_S)]
+    alone = subprocess.run(args + ["--nodes", "1"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.Popen(args + ["--nodes", "3"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    head = proc.stdout.read(len("Once upon") + 30)
+    pids = workers_of(proc.pid)
+    assert len(pids) == 2 and proc.poll() is None
+    os.kill(pids[0], signal.SIGKILL)
+    rest = proc.stdout.read()  # not communicate(): it would skip what the pipe's buffer holds
+    proc.wait(120)
+    assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
+    assert head + rest == alone.stdout

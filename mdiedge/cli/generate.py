@@ -171,27 +171,20 @@ class _Stream:
     never a stop string, nor the start of one that may still form."""
 
     def __init__(self, engine: Any, prompt: str, stops: List[str]) -> None:
-        from ..model.tokenizer import StreamDecoder
+        from ..model.stopping import TextStream
 
-        self.decoder = StreamDecoder(engine.tokenizer, engine.encode_prompt(prompt))
-        self.prompt, self.stops = prompt, stops
-        self.text, self.shown, self.started = "", 0, False
+        self.text = TextStream(engine.tokenizer, engine.encode_prompt(prompt), stops)
+        self.prompt = prompt
 
     def push(self, token: int) -> None:
-        from ..model.stopping import streamable
-
-        self.text += self.decoder.push(token)
-        self._show(self.text[:streamable(self.text, self.stops)])
+        self._write(self.text.push(token))
 
     def finish(self, text: str) -> None:
-        self._show(text)
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        self._write(self.text.finish(text) + "\n")
 
-    def _show(self, text: str) -> None:
-        out = ("" if self.started else self.prompt) + text[self.shown:]
-        self.started, self.shown = True, max(self.shown, len(text))
-        sys.stdout.write(out)
+    def _write(self, text: str) -> None:
+        sys.stdout.write(self.prompt + text)
+        self.prompt = ""
         sys.stdout.flush()
 
 

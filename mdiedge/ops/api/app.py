@@ -23,7 +23,8 @@ from .responses import (ChatChunk, ChatCompletion, Choice, Completion, Completio
                         ModelCard, new_id, sse)
 from .rules import authorized
 from .schema import ChatRequest, CompletionRequest, Options
-from .service import ApiService, Run, TextStream
+from ...model.stopping import TextStream
+from .service import ApiService, Run
 
 OPEN_PATHS = ("/health",)  # answered without the API key
 Handler = Callable[[Request], Awaitable[Response]]

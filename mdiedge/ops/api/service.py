@@ -20,8 +20,6 @@ from typing import Any, Awaitable, Callable, List, Optional, Set, Tuple
 from ...base import defaults
 from ...base.errors import ConfigError
 from ...model.sampling import SamplingParams
-from ...model.stopping import streamable
-from ...model.tokenizer import StreamDecoder
 from ...runtime.generation import Generation
 from ...runtime.protocol import NodeStatus
 from .errors import ApiError, api_error
@@ -31,27 +29,6 @@ from .rules import ServeLimits, may_join, retry_after_s, slot_context
 from .schema import Options
 
 _DONE = object()
-
-
-class TextStream:
-    """One sample's text as its tokens arrive: what a stream may show now (never a stop
-    string, nor the start of one that may still form), and the rest at the end."""
-
-    def __init__(self, tokenizer: Any, prompt: List[int], stops: List[str]) -> None:
-        self.decoder = StreamDecoder(tokenizer, prompt)
-        self.stops, self.text, self.shown = stops, "", 0
-
-    def push(self, token: int) -> str:
-        self.text += self.decoder.push(token)
-        return self._show(self.text[:streamable(self.text, self.stops)])
-
-    def finish(self, final: str) -> str:
-        return self._show(final)
-
-    def _show(self, text: str) -> str:
-        new = text[self.shown:]
-        self.shown = max(self.shown, len(text))
-        return new
 
 
 class Run:

@@ -16,7 +16,7 @@ from .app import (
     client_auth,
     need,
     one_line_errors,
-    seconds_ok,
+    recovery_options,
     terminate_gracefully,
 )
 
@@ -60,7 +60,7 @@ def generate(
 ) -> None:
     """Generate text from PROMPT, on a ring of nodes (by default a local ring of 3)."""
     need(micro_batch >= 0, "--micro-batch", micro_batch, "an integer >= 0")
-    changes = _recovery_options(stall_timeout, recover, spares)
+    changes = recovery_options(stall_timeout, recover, spares)
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
     stops = list(stop or [])
     if starter:  # no torch here: the starter checks the values and samples
@@ -83,18 +83,6 @@ def generate(
         _generate_with(engine, prompt, max_new_tokens, samples, params, stops, micro_batch,
                        as_json, lambda: nodes if ring is None else len(engine.starter.ring_workers)
                        + 1, progress)
-
-
-def _recovery_options(stall_timeout: Optional[float], recover: bool,
-                      spares: int) -> Tuple[Dict[str, Any], int]:
-    """The starter options the command line sets (stall time, recover) and the spares."""
-    need(stall_timeout is None or seconds_ok(stall_timeout), "--stall-timeout", stall_timeout,
-         "a number of seconds > 0")
-    need(spares >= 0, "--spares", spares, "an integer >= 0")
-    changes: Dict[str, Any] = {"recover": recover}
-    if stall_timeout is not None:
-        changes["stall_s"] = stall_timeout
-    return changes, spares
 
 
 def _generate_through(url: str, prompt: str, max_new_tokens: int, samples: int,

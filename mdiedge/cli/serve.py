@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional
 
 import typer
 
-from .app import app, check_log_level, check_port, need, one_line_errors, seconds_ok
+from .app import app, check_log_level, check_port, need, one_line_errors, recovery_options
 
 API_PORT = 8000
 SLOTS = 8
@@ -135,18 +135,6 @@ def serve(
                                "context": api.service.context, "pid": os.getpid()}))
         sys.stdout.flush()
         _wait_for_signal()
-
-
-def recovery_options(stall_timeout: Optional[float], recover: bool,
-                     spares: int) -> Tuple[Dict[str, Any], int]:
-    """The starter options (stall time, recover) and spares of the command line, checked."""
-    need(stall_timeout is None or seconds_ok(stall_timeout), "--stall-timeout", stall_timeout,
-         "a number of seconds > 0")
-    need(spares >= 0, "--spares", spares, "an integer >= 0")
-    changes: Dict[str, Any] = {"recover": recover}
-    if stall_timeout is not None:
-        changes["stall_s"] = stall_timeout
-    return changes, spares
 
 
 def _wait_for_signal() -> None:

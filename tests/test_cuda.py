@@ -52,3 +52,30 @@ def test_a_ring_on_the_gpu_equals_the_cpu(ring_model: Path, cpu_reference: Local
         finally:
             engine.close()
     assert got == want and devices == ["cuda", "cuda"]
+
+
+def test_a_gpu_ring_recovers_from_a_killed_worker(ring_model: Path,
+                                                  cpu_reference: LocalEngine) -> None:
+    """A worker of a GPU ring killed mid-generation: its layers move to the survivor (on the
+    GPU too), the replay refills the caches, and the tokens still equal the CPU's."""
+    import os
+    import signal
+
+    want = tokens(cpu_reference.generate(PROMPT, 24, 4, SAMPLED))
+    local = LocalRing(2, device="cuda")
+    with local as workers:
+        engine = RingEngine(workers, ring_model, device="cuda", secret=local.secret, stall_s=2.0)
+        count = [0]
+
+        def on_token(index: int, token: int) -> None:
+            count[0] += 1
+            if count[0] == 10:
+                os.kill(local.processes[0].pid, signal.SIGKILL)
+
+        try:
+            out = engine.generate(PROMPT, 24, 4, SAMPLED, micro_batch=2, on_token=on_token)
+            devices = [n.device for n in engine.starter.node_status() if n.state != "down"]
+        finally:
+            engine.close()
+    assert tokens(out) == want and [r.nodes for r in out.recoveries] == [["w1"]]
+    assert devices == ["cuda"]

@@ -384,3 +384,33 @@ def test_generate_goes_on_when_a_worker_of_its_local_ring_is_killed(stories: Pat
     proc.wait(120)
     assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
     assert head + rest == alone.stdout
+
+
+def test_concurrent_requests_all_complete_when_a_worker_dies(reference: LocalEngine,
+                                                             ring_model: Path) -> None:
+    """Three requests decoding together (their steps merged into shared messages) when a
+    worker is killed: each completes with what it gives alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(GREEDY, 1), (SAMPLED, 2), (dataclasses.replace(SAMPLED, seed=5), 1)]
+    want = [[s["token_ids"] for s in reference.generate(PROMPT, 40, n, p).samples]
+            for p, n in jobs]
+    local = LocalRing(2)
+    with local as workers:
+        engine = ring_engine(local, workers, ring_model)
+        engine.starter.ensure(8, 256)
+        killer = kill(local, "w2")
+        count = [0]
+
+        def on_token(index: int, token: int) -> None:
+            count[0] += 1
+            if count[0] == 25:
+                killer()
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            futures = [pool.submit(engine.generate, PROMPT, 40, n, p, 0, on_token)
+                       for p, n in jobs]
+            outs = [f.result(timeout=120) for f in futures]
+        engine.close()
+    assert [[s["token_ids"] for s in out.samples] for out in outs] == want
+    assert any(out.recoveries for out in outs)

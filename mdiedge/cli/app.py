@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
 import typer
 
@@ -139,3 +139,16 @@ def parse_compression(value: str) -> str:
     from ..base.codecs import Compression
 
     return str(Compression.parse(value, "--compression"))
+
+
+def recovery_options(stall_timeout: Optional[float], recover: bool, spares: int,
+                     compression: str = "none") -> Tuple[Dict[str, Any], int]:
+    """The starter options (stall time, recover, link compression) and spares of the command
+    line, checked."""
+    need(stall_timeout is None or seconds_ok(stall_timeout), "--stall-timeout", stall_timeout,
+         "a number of seconds > 0")
+    need(spares >= 0, "--spares", spares, "an integer >= 0")
+    changes: Dict[str, Any] = {"recover": recover, "compression": parse_compression(compression)}
+    if stall_timeout is not None:
+        changes["stall_s"] = stall_timeout
+    return changes, spares

@@ -17,8 +17,7 @@ from .app import (
     compression_option,
     need,
     one_line_errors,
-    parse_compression,
-    seconds_ok,
+    recovery_options,
     terminate_gracefully,
 )
 
@@ -63,7 +62,7 @@ def generate(
 ) -> None:
     """Generate text from PROMPT, on a ring of nodes (by default a local ring of 3)."""
     need(micro_batch >= 0, "--micro-batch", micro_batch, "an integer >= 0")
-    changes = _recovery_options(stall_timeout, recover, spares, compression)
+    changes = recovery_options(stall_timeout, recover, spares, compression)
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
     stops = list(stop or [])
     if starter:  # no torch here: the starter checks the values and samples
@@ -85,19 +84,6 @@ def generate(
         _generate_with(engine, prompt, max_new_tokens, samples, params, stops, micro_batch,
                        as_json, lambda: nodes if ring is None else len(engine.starter.ring_workers)
                        + 1, progress)
-
-
-def _recovery_options(stall_timeout: Optional[float], recover: bool, spares: int,
-                      compression: str = "none") -> Tuple[Dict[str, Any], int]:
-    """The starter options the command line sets (stall time, recover, compression) and the
-    spares."""
-    need(stall_timeout is None or seconds_ok(stall_timeout), "--stall-timeout", stall_timeout,
-         "a number of seconds > 0")
-    need(spares >= 0, "--spares", spares, "an integer >= 0")
-    changes: Dict[str, Any] = {"recover": recover, "compression": parse_compression(compression)}
-    if stall_timeout is not None:
-        changes["stall_s"] = stall_timeout
-    return changes, spares
 
 
 def _generate_through(url: str, prompt: str, max_new_tokens: int, samples: int,
@@ -174,27 +160,20 @@ class _Stream:
     never a stop string, nor the start of one that may still form."""
 
     def __init__(self, engine: Any, prompt: str, stops: List[str]) -> None:
-        from ..model.tokenizer import StreamDecoder
+        from ..model.stopping import TextStream
 
-        self.decoder = StreamDecoder(engine.tokenizer, engine.encode_prompt(prompt))
-        self.prompt, self.stops = prompt, stops
-        self.text, self.shown, self.started = "", 0, False
+        self.text = TextStream(engine.tokenizer, engine.encode_prompt(prompt), stops)
+        self.prompt = prompt
 
     def push(self, token: int) -> None:
-        from ..model.stopping import streamable
-
-        self.text += self.decoder.push(token)
-        self._show(self.text[:streamable(self.text, self.stops)])
+        self._write(self.text.push(token))
 
     def finish(self, text: str) -> None:
-        self._show(text)
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        self._write(self.text.finish(text) + "\n")
 
-    def _show(self, text: str) -> None:
-        out = ("" if self.started else self.prompt) + text[self.shown:]
-        self.started, self.shown = True, max(self.shown, len(text))
-        sys.stdout.write(out)
+    def _write(self, text: str) -> None:
+        sys.stdout.write(self.prompt + text)
+        self.prompt = ""
         sys.stdout.flush()
 
 

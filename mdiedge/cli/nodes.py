@@ -168,8 +168,15 @@ def starter_command(
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
     insecure: bool = typer.Option(False, help="Allow a non-loopback address without a secret."),
     compression: str = compression_option(),
+    api_port: Optional[int] = typer.Option(None, help="Also serve the OpenAI API on this port "
+                                           "(as `mdiedge serve`; default: no API)."),
+    api_host: str = typer.Option("127.0.0.1", help="Address of the API."),
+    api_key_file: Optional[str] = typer.Option(None, help="File holding the API key (default: "
+                                               "$MDIEDGE_API_KEY; none: no key)."),
+    slots: int = typer.Option(8, help="KV slots the API's requests share."),
 ) -> None:
-    """Run the starter as a long-lived process that owns the ring."""
+    """Run the starter as a long-lived process that owns the ring (and, with --api-port,
+    the OpenAI API)."""
     import logging
     import signal
     import threading
@@ -178,43 +185,64 @@ def starter_command(
         check_port("--control-port", control_port)
     check_log_level(log_level)
     compression = parse_compression(compression)
-    from ..base.errors import ConfigError
-    from ..base.settings import read_secret
-    from ..runtime.auth import is_loopback
-
     settings, section = _starter_config(config)
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s starter %(levelname)s %(message)s")
-    secret = read_secret(section)
-    if secret is None and not (insecure or section.insecure) and not is_loopback(section.host):
-        raise ConfigError(f"refusing to listen on {section.host} without a ring secret "
-                          f"(set one, or pass --insecure on a trusted network)")
-    from ..base.nodes import StarterOptions
+    secret = _starter_secret(section, insecure)
     from ..ops.serve import StarterServer
-    from ..roles.starter import RingEngine
     from ..runtime.auth import Authenticator
     from ..runtime.control import ControlServer
+    from .serve import starter_api
 
     port = section.control_port if control_port is None else control_port
     control = ControlServer(section.host, port, {}, auth=Authenticator(secret))
-    options = StarterOptions(
-        host=section.host, device=section.device, dtype=section.dtype, weight=section.weight,
-        memory=section.memory, layers=section.layers,
-        max_payload=section.max_payload or defaults.MAX_PAYLOAD, timeout_s=section.timeout_s,
-        secret=secret, control_url=control.url, compression=compression)
-    engine = RingEngine(settings.workers, model or section.model, tokenizer or section.tokenizer,
-                        options)
+    engine = _starter_engine(settings, section, model, tokenizer, secret, control.url,
+                             compression)
+    api = starter_api(engine, api_port, api_host, api_key_file, insecure, slots, log_level)
     server = StarterServer(engine, control).start()
     stopped = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopped.set())
-    typer.echo(json.dumps({"event": "ready", "control_port": server.control.port,
-                           "pid": os.getpid()}))
+    ready = {"event": "ready", "control_port": server.control.port, "pid": os.getpid()}
+    if api is not None:
+        ready["api_url"] = api.start().url + "/v1"
+    typer.echo(json.dumps(ready))
     sys.stdout.flush()
     try:
         serve_under_systemd(stopped, f"starter listening on {section.host}:{server.control.port}")
     finally:
+        if api is not None:
+            api.close()
         server.close()
+
+
+def _starter_secret(section: Any, insecure: bool) -> Optional[bytes]:
+    """The ring secret; refuses a non-loopback address without one unless ``insecure``."""
+    from ..base.errors import ConfigError
+    from ..base.settings import read_secret
+    from ..runtime.auth import is_loopback
+
+    secret = read_secret(section)
+    if secret is None and not (insecure or section.insecure) and not is_loopback(section.host):
+        raise ConfigError(f"refusing to listen on {section.host} without a ring secret "
+                          f"(set one, or pass --insecure on a trusted network)")
+    return secret
+
+
+def _starter_engine(settings: Any, section: Any, model: Optional[str],
+                    tokenizer: Optional[str], secret: Optional[bytes], control_url: str,
+                    compression: str = "none") -> Any:
+    """The starter's ``RingEngine`` over the config's workers (nothing set up yet)."""
+    from ..base.nodes import StarterOptions
+    from ..roles.starter import RingEngine
+
+    options = StarterOptions(
+        host=section.host, device=section.device, dtype=section.dtype, weight=section.weight,
+        memory=section.memory, layers=section.layers,
+        max_payload=section.max_payload or defaults.MAX_PAYLOAD, timeout_s=section.timeout_s,
+        secret=secret, control_url=control_url, compression=compression)
+    return RingEngine(settings.workers, model or section.model, tokenizer or section.tokenizer,
+                      options)
 
 
 def _starter_config(config: Optional[str]) -> Any:

@@ -82,3 +82,24 @@ class StopMatcher:
         if at >= 0:
             self.stopped_at = at
         return self.stopped_at is not None
+
+
+class TextStream:
+    """One sample's text as its tokens arrive: what a stream may show now (never a stop
+    string, nor the start of one that may still form), and the rest at the end."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int], stops: Sequence[str]) -> None:
+        self.decoder = StreamDecoder(tokenizer, prompt)
+        self.stops, self.text, self.shown = list(stops), "", 0
+
+    def push(self, token: int) -> str:
+        self.text += self.decoder.push(token)
+        return self._show(self.text[:streamable(self.text, self.stops)])
+
+    def finish(self, final: str) -> str:
+        return self._show(final)
+
+    def _show(self, text: str) -> str:
+        new = text[self.shown:]
+        self.shown = max(self.shown, len(text))
+        return new

@@ -151,6 +151,9 @@ def print_status(nodes: List[Dict[str, Any]], wide: bool = False) -> None:
         if n.get("error"):
             console.print(f"{n.get('name', '?')}: {shown_state(n)}: {n['error']}", markup=False,
                           highlight=False, soft_wrap=True)
+        if n.get("role") == "starter" and n.get("recoveries"):
+            console.print(f"{n.get('name', '?')}: {n['recoveries']} recoveries from lost "
+                          f"workers since it started", markup=False, highlight=False)
     load = expertstats.merge(n.get("expert_load") or {} for n in nodes)
     if load:
         console.print("expert load since loading:")

@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..base import defaults
 from ..base.errors import MdiedgeError
@@ -123,6 +123,12 @@ class Engine(TextModel):
     """What both engines share: a generation run by the scheduler that ``prepare`` gives."""
 
     _setup_lock: threading.Lock
+    reserved: Tuple[int, int] = (0, 0)  # the least (slots, context) of any set-up
+
+    def reserve(self, n_slots: int, context: int) -> None:
+        """Set every later pipeline up with at least ``n_slots`` x ``context`` (a server's
+        fixed layout: its requests share one pipeline and never make it resize)."""
+        self.reserved = (n_slots, context)
 
     def prepare(self, n_slots: int, context: int) -> Scheduler:
         """A scheduler whose pipeline holds ``n_slots`` samples of ``context`` tokens (the
@@ -134,7 +140,8 @@ class Engine(TextModel):
         and submission are one step, so no other request's set-up replaces the pipeline
         between them."""
         with self._setup_lock:
-            scheduler = self.prepare(len(generation.samples), generation.context)
+            scheduler = self.prepare(max(len(generation.samples), self.reserved[0]),
+                                     max(generation.context, self.reserved[1]))
             scheduler.submit(generation, micro_batch)
         return scheduler
 

@@ -295,7 +295,7 @@ class RingStarter:
         if self.membership.degraded:
             status.state = "degraded"
             status.error = "serving without " + "; ".join(
-                f"{name} ({why})" for name, why in self.membership.lost.items())
+                f"{name} ({why})" for name, why in dict(self.membership.lost).items())
         return status
 
     def link_stats(self) -> List[Dict[str, Any]]:

@@ -4,8 +4,9 @@ It admits requests into free KV slots (continuous batching: a new request's pref
 between the steps of the ones decoding), groups each request's samples into micro-batches,
 cuts prompts into frame-sized prefill chunks, sends each group's next decode step as soon as
 its previous one comes back (recurrent pipeline parallelism: with as many groups in flight as
-nodes, every node is busy; MDI-LLM, Macario et al. 2024), and frees a finished sample's KV
-rows on every node with one RELEASE.
+nodes, every node is busy; MDI-LLM, Macario et al. 2024), merges the decode steps of
+different requests into shared messages once that many are in flight (``DecodeMerger``), and
+frees a finished sample's KV rows on every node with one RELEASE.
 
 One thread steps at a time; any number may ``run`` a request at once, each stepping until its
 own request is done, so token callbacks run on whichever thread stepped.
@@ -56,6 +57,7 @@ class _Group:
     generation: Generation
     samples: List[Sample]
     prefilled: int = 0  # members whose prefill came back
+    fixed: bool = False  # sized by an explicit micro-batch: its decode steps travel alone
 
 
 @dataclass(eq=False)
@@ -65,6 +67,55 @@ class _InFlight:
     samples: List[Sample] = field(default_factory=list)
     final: bool = True  # the last chunk of a prefill
     replay: Optional[Recovery] = None  # the recovery this prefill replays for
+    parts: List[Tuple[_Group, List[Sample]]] = field(default_factory=list)  # a merged decode
+
+
+Part = Tuple[_Group, List[Sample]]
+
+
+class DecodeMerger:
+    """Decode steps that travel together across requests (continuous batching: sixteen
+    one-sample requests decode in a few messages, not sixteen). A group's next step waits
+    here while ``limit`` merged messages are in flight (as many as nodes keep every node
+    busy), then leaves with every other one waiting, up to ``max_rows`` rows a message."""
+
+    def __init__(self) -> None:
+        self.parts: List[Part] = []
+        self.in_flight = 0
+
+    def add(self, part: Part) -> None:
+        self.parts.append(part)
+
+    def take(self, limit: int, max_rows: int = 0) -> List[Part]:
+        """The parts of the next merged message (counted in flight), or [] when none waits
+        or ``limit`` are in flight already. ``max_rows`` 0: no limit."""
+        if not self.parts or self.in_flight >= limit:
+            return []
+        taken = [self.parts.pop(0)]
+        rows = len(taken[0][1])
+        while self.parts and (max_rows <= 0 or rows + len(self.parts[0][1]) <= max_rows):
+            rows += len(self.parts[0][1])
+            taken.append(self.parts.pop(0))
+        self.in_flight += 1
+        return taken
+
+    def returned(self) -> None:
+        self.in_flight -= 1
+
+    def clear(self) -> None:
+        self.parts, self.in_flight = [], 0
+
+
+def fail_generation(generation: Generation, error: Exception) -> None:
+    """One request failed on its own: it ends with ``error``, its rows are freed as its
+    messages come back, and the other requests go on."""
+    if generation.error is None:
+        generation.error = error if isinstance(error, MdiedgeError) else \
+            GenerationError(f"{type(error).__name__}: {error}")
+    generation.cancel_requested = True
+    for sample in generation.samples:
+        if not sample.done:
+            sample.finish_reason = "error"
 
 
 class Waiting:
@@ -114,6 +165,24 @@ class SchedulerStats:
     wall_s: float = 0.0  # time with something in flight
 
 
+def accept_parts(ends: ModelEnds, parts: List[Part], hidden: Any) -> None:
+    """Each request's next tokens from its rows of ``hidden`` (B, T, dim), in order; a
+    failure (sampling, a token callback) is that request's own."""
+    try:
+        logits = ends.head(hidden[:, -1])  # (B, vocab)
+    except Exception as e:
+        for group, _ in parts:
+            fail_generation(group.generation, e)
+        return
+    row = 0
+    for group, samples in parts:
+        try:
+            group.generation.accept(samples, logits[row:row + len(samples)])
+        except Exception as e:
+            fail_generation(group.generation, e)
+        row += len(samples)
+
+
 class Scheduler:
     """Runs generations over ``pipeline`` with ``ends`` (embedding and head).
 
@@ -136,6 +205,7 @@ class Scheduler:
         self._driver = threading.Lock()  # held by the thread that steps
         self._inflight: Dict[int, _InFlight] = {}
         self._groups: List[_Group] = []  # live groups, to fail or cancel
+        self._merger = DecodeMerger()
         self._live = 0  # samples holding KV rows
         self._next_id = 0
         self._seq = 0
@@ -246,7 +316,8 @@ class Scheduler:
         generation.mark_admitted()
         # a decode message carries one token per row, so a frame's token limit bounds its rows
         size = group_size(len(samples), micro_batch, self.pipeline.nodes, self.prefill_chunk)
-        groups = [_Group(generation, samples[i:i + size]) for i in range(0, len(samples), size)]
+        groups = [_Group(generation, samples[i:i + size], fixed=micro_batch > 0)
+                  for i in range(0, len(samples), size)]
         self._groups.extend(groups)
         for i, sample in enumerate(samples):
             group = groups[i // size]
@@ -268,40 +339,41 @@ class Scheduler:
                 entry.replay.recover_s = time.perf_counter() - entry.replay.started
         if entry.kind == "release" or not entry.final:
             return
-        group = entry.group
-        assert group is not None and message.hidden is not None
+        assert message.hidden is not None
         t0 = time.perf_counter()
-        generation = group.generation
         self._fruitless = 0
-        try:
-            logits = self.ends.head(message.hidden[:, -1])  # (B, vocab)
-            generation.accept(entry.samples, logits)
-        except Exception as e:  # this request's own failure (sampling, its token callback)
-            self._fail_generation(generation, e)
+        parts = entry.parts or [(entry.group, entry.samples)]
+        accept_parts(self.ends, parts, message.hidden)
         self.stats.compute_s += time.perf_counter() - t0  # sends count their own time
-        if entry.kind == "prefill":
-            group.prefilled += 1
-            if group.prefilled < len(group.samples):
+        if entry.parts:
+            self._merger.returned()
+        for group, _ in parts:
+            if entry.kind == "prefill":
+                group.prefilled += 1
+                if group.prefilled < len(group.samples):
+                    continue
+                self._note_prefill_done(group.generation)
+            self._next_step(group)
+        while True:
+            merged = self._merger.take(self.pipeline.nodes, self.prefill_chunk)
+            if not merged:
                 return
-            self._note_prefill_done(generation)
+            rows = [s for _, samples in merged for s in samples]
+            self._send(messages.ACTIVATION, rows, [[s.tokens[-1]] for s in rows],
+                       [s.position for s in rows], _InFlight("decode", parts=merged))
+
+    def _next_step(self, group: _Group) -> None:
+        """After a group's step came back: free what finished, then its next decode step
+        (alone when its micro-batch was given, else merged with other requests')."""
         self._release_finished(group)
         batch = [s for s in group.samples if not s.done]
-        if batch:
+        if not batch:
+            self._groups.remove(group)
+        elif group.fixed:
             self._send(messages.ACTIVATION, batch, [[s.tokens[-1]] for s in batch],
                        [s.position for s in batch], _InFlight("decode", group, batch))
         else:
-            self._groups.remove(group)
-
-    def _fail_generation(self, generation: Generation, error: Exception) -> None:
-        """One request failed on its own: it ends with ``error``, its rows are freed as its
-        messages come back, and the other requests go on."""
-        if generation.error is None:
-            generation.error = error if isinstance(error, MdiedgeError) else \
-                GenerationError(f"{type(error).__name__}: {error}")
-        generation.cancel_requested = True
-        for sample in generation.samples:
-            if not sample.done:
-                sample.finish_reason = "error"
+            self._merger.add((group, batch))
 
     def _note_prefill_done(self, generation: Generation) -> None:
         groups = [g for g in self._groups if g.generation is generation]
@@ -358,6 +430,7 @@ class Scheduler:
             try:
                 self.pipeline, self.ends = self.rebuild(lost)
                 self._inflight, record.pending, record.tokens_replayed = {}, 0, 0
+                self._merger.clear()
                 self._replay(record)
                 break
             except NodeLost as again:  # another node went during the set-up
@@ -388,7 +461,7 @@ class Scheduler:
                 if all(s.done for s in generation.samples):
                     generation.finish()
                 continue
-            fresh = _Group(generation, active)
+            fresh = _Group(generation, active, fixed=group.fixed)
             self._groups.append(fresh)
             for sample in active:
                 tokens = sample.prompt + sample.tokens
@@ -408,6 +481,7 @@ class Scheduler:
         for generation in failed.values():
             generation.error = error
         self._groups, self._inflight, self._live = [], {}, 0
+        self._merger.clear()
 
 
 def run_single(model: Any, generation: Generation, micro_batch: int = 0) -> Timing:

@@ -1,0 +1,149 @@
+"""``mdiedge serve``: the OpenAI-compatible API over a local ring (by default, with the shipped
+model) or a ring file's workers; and the API options ``mdiedge starter`` shares."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Optional
+
+import typer
+
+from .app import app, check_log_level, check_port, need, one_line_errors, recovery_options
+
+API_PORT = 8000
+SLOTS = 8
+MAX_WAITING = 32  # requests waiting for slots before a 429 (at most rules.MAX_QUEUE)
+MAX_BODY = 1 << 20
+
+
+def check_api_options(slots: int, context: int, max_queue: int, max_body: int) -> None:
+    need(1 <= slots <= 256, "--slots", slots, "an integer 1..256")
+    need(context >= 0, "--context", context, "an integer >= 0 (0: the model's, at most 4096)")
+    from ..ops.api.rules import MAX_QUEUE
+
+    need(0 <= max_queue <= MAX_QUEUE, "--max-queue", max_queue, f"an integer 0..{MAX_QUEUE}")
+    need(1024 <= max_body <= 1 << 30, "--max-body", max_body, "a number of bytes 1024..2**30")
+
+
+def api_key_for(host: str, key_file: Optional[str], insecure: bool) -> Optional[str]:
+    """The API key (file, else $MDIEDGE_API_KEY); refuses a non-loopback address without one
+    unless ``insecure``."""
+    from ..base.errors import ConfigError
+    from ..ops.api.server import API_KEY_ENV, read_api_key
+    from ..runtime.auth import is_loopback
+
+    key = read_api_key(key_file)
+    if key is None and not insecure and not is_loopback(host):
+        raise ConfigError(f"refusing to serve the API on {host} without an API key (set "
+                          f"--api-key-file or ${API_KEY_ENV}, or pass --insecure)")
+    return key
+
+
+def open_api(engine: Any, sock: Any, slots: int, context: int, max_queue: int, max_body: int,
+             key: Optional[str], name: Optional[str], log_level: str) -> Any:
+    """The API of ``engine`` on the listening socket ``sock``: set up, not started."""
+    from ..ops.api.rules import ServeLimits
+    from ..ops.api.server import Api
+
+    limits = ServeLimits(slots=slots, context=context, max_waiting=max_queue, max_body=max_body)
+    return Api(engine, sock, limits, key, name, log_level)
+
+
+def check_context(context: int, text_model: Any) -> None:
+    """``--context`` within the model's, before any node starts."""
+    from ..base.errors import ConfigError
+
+    top = text_model.cfg.max_seq_len
+    if not 0 <= context <= top:
+        raise ConfigError(f"--context: expected 0..{top} tokens (the model's), got {context}")
+
+
+def starter_api(engine: Any, port: Optional[int], host: str, key_file: Optional[str],
+                insecure: bool, slots: int, log_level: str) -> Any:
+    """``mdiedge starter --api-port``: the API of the starter's engine, bound, not started
+    (None without a port)."""
+    if port is None:
+        return None
+    check_port("--api-port", port)
+    check_api_options(slots, 0, MAX_WAITING, MAX_BODY)
+    key = api_key_for(host, key_file, insecure)
+    from ..ops.api.server import listen
+
+    return open_api(engine, listen(host, port), slots, 0, MAX_WAITING, MAX_BODY, key, None,
+                    log_level)
+
+
+@app.command()
+@one_line_errors
+def serve(
+    host: str = typer.Option("127.0.0.1", help="Address of the API (another than loopback "
+                             "needs an API key, or --insecure)."),
+    port: int = typer.Option(API_PORT, help="Port of the API (0: any free port)."),
+    model: Optional[str] = typer.Option(None, help="HF model directory or llama2.c .bin file "
+                                        "(default: the shipped NanoLlama)."),
+    tokenizer: Optional[str] = typer.Option(None, help="Tokenizer file, if not the model's own."),
+    model_name: Optional[str] = typer.Option(None, help="Model id of the API (default: the "
+                                             "model folder's name)."),
+    nodes: int = typer.Option(3, help="Nodes of the local ring started for the server (1: one "
+                              "process, no ring)."),
+    ring: Optional[str] = typer.Option(None, help="Ring file (TOML) of running workers."),
+    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    slots: int = typer.Option(SLOTS, help="KV slots: samples decoded at once, shared by all "
+                              "requests."),
+    context: int = typer.Option(0, help="Tokens per slot, prompt plus completion (0: the "
+                                "model's context, at most 4096)."),
+    max_queue: int = typer.Option(MAX_WAITING, help="Requests that may wait for free slots; "
+                                  "more are refused with 429."),
+    max_body: int = typer.Option(MAX_BODY, help="Largest request body in bytes (413 past it)."),
+    api_key_file: Optional[str] = typer.Option(None, help="File holding the API key clients "
+                                               "send as 'Authorization: Bearer KEY' (default: "
+                                               "$MDIEDGE_API_KEY; none: no key)."),
+    insecure: bool = typer.Option(False, help="Serve a non-loopback address without a key."),
+    stall_timeout: Optional[float] = typer.Option(
+        None, "--stall-timeout", metavar="SECONDS", help="A worker silent this long is lost "
+        "(default: as `generate`)."),
+    recover: bool = typer.Option(True, "--recover/--no-recover", help="When a worker is lost, "
+                                 "rebuild the ring without it and go on (as `generate`)."),
+    spares: int = typer.Option(0, help="Spare workers started beside the local ring's."),
+    log_level: str = typer.Option("warning", help="debug, info, warning or error."),
+) -> None:
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /metrics)."""
+    from contextlib import ExitStack
+
+    check_port("--port", port)
+    check_api_options(slots, context, max_queue, max_body)
+    check_log_level(log_level)
+    recovery = recovery_options(stall_timeout, recover, spares)
+    key = api_key_for(host, api_key_file, insecure)
+    from ..ops.api.server import listen
+    from .generate import _open_engine
+
+    with ExitStack() as stack:
+        sock = listen(host, port)  # a port in use fails before any node starts
+        stack.callback(sock.close)
+        engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring,
+                              recovery, lambda text: check_context(context, text))
+        api = open_api(engine, sock, slots, context, max_queue, max_body, key, model_name,
+                       log_level)
+        stack.callback(api.close)
+        engine.prepare(*engine.reserved)  # set the ring up now: its errors before "ready"
+        api.start()
+        typer.echo(json.dumps({"event": "ready", "url": api.url + "/v1",
+                               "model": api.service.name, "slots": slots,
+                               "context": api.service.context, "pid": os.getpid()}))
+        sys.stdout.flush()
+        _wait_for_signal()
+
+
+def _wait_for_signal() -> None:
+    """Block until SIGINT or SIGTERM."""
+    import signal
+    import threading
+
+    stopped = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopped.set())
+    while not stopped.wait(0.5):  # a timed wait lets signal handlers run
+        pass

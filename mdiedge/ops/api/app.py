@@ -1,0 +1,203 @@
+"""The ASGI app (starlette): ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``
+(JSON, or server-sent events ending ``data: [DONE]``), ``/metrics`` and ``/health``; an
+optional API key (``Authorization: Bearer``) on every route but ``/health``; bounded bodies;
+every error in OpenAI's shape."""
+from __future__ import annotations
+
+import functools
+import json
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .errors import ApiError, api_error
+from .metrics import CONTENT_TYPE
+from .responses import (ChatChunk, ChatCompletion, Choice, Completion, CompletionChunk,
+                        ModelCard, new_id, sse)
+from .rules import authorized
+from .schema import ChatRequest, CompletionRequest, Options
+from ...model.stopping import TextStream
+from .service import ApiService, Run
+
+OPEN_PATHS = ("/health",)  # answered without the API key
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.to_json(), error.status, headers=error.headers())
+
+
+class KeyCheck:
+    """ASGI middleware: a request without the key is a 401 before any route runs."""
+
+    def __init__(self, app: Any, key: Optional[str]) -> None:
+        self.app, self.key = app, key
+
+    async def __call__(self, scope: Dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and \
+                not authorized(Headers(scope=scope).get("authorization"), self.key):
+            error = ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
+                             code="invalid_api_key")
+            await error_response(error)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+async def read_json(request: Request, limit: int) -> Dict[str, Any]:
+    """The body as a JSON object: a 413 past ``limit`` bytes, a 400 if not a JSON object."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"request body of {length} bytes exceeds the limit of {limit}",
+                       code="body_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes",
+                           code="body_too_large")
+    try:
+        data = json.loads(bytes(body).decode("utf-8"))
+    except ValueError as e:
+        raise ApiError(400, f"body: not JSON ({e})", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"body: expected a JSON object, got {type(data).__name__}",
+                       code="invalid_json")
+    return data
+
+
+class ApiRoutes:
+    """The routes of one server over ``service``."""
+
+    def __init__(self, service: ApiService) -> None:
+        self.service = service
+
+    def endpoint(self, handler: Handler) -> Handler:
+        """Errors become OpenAI's error bodies; every answer is counted by status code."""
+        @functools.wraps(handler)
+        async def wrapped(request: Request) -> Response:
+            try:
+                response = await handler(request)
+            except Exception as e:  # noqa: BLE001 - every error is an API error body
+                response = error_response(api_error(e))
+            self.service.metrics.requests.labels(str(response.status_code)).inc()
+            return response
+        return wrapped
+
+    async def models(self, request: Request) -> Response:
+        card = ModelCard(self.service.name, self.service.created)
+        return JSONResponse({"object": "list", "data": [card.to_json()]})
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        if name != self.service.name:
+            raise ApiError(404, f"model {name!r} not found: this server serves "
+                           f"{self.service.name!r}", "model", "model_not_found")
+        return JSONResponse(ModelCard(name, self.service.created).to_json())
+
+    async def completions(self, request: Request) -> Response:
+        body = CompletionRequest.from_json(await read_json(request, self.service.limits.max_body))
+        return await self.respond(request, body.prompt, body.options, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        body = ChatRequest.from_json(await read_json(request, self.service.limits.max_body))
+        prompt = self.service.template.render(body.messages)
+        return await self.respond(request, prompt, body.options, chat=True)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(await run_in_threadpool(self.service.metrics.render),
+                        media_type=CONTENT_TYPE)
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def respond(self, request: Request, prompt: str, options: Options,
+                      chat: bool) -> Response:
+        run = await self.service.start(prompt, options)
+        first = await run.next(request.is_disconnected)
+        if first is None and run.error is not None:
+            raise api_error(run.error)
+        if not options.stream:
+            return JSONResponse(self.whole(run, chat))
+        return StreamingResponse(self.events(run, first, options, chat),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def whole(self, run: Run, chat: bool) -> Dict[str, Any]:
+        assert run.generation is not None
+        choices = [Choice(s.index, self.service.engine.sample_text(s), s.finish_reason)
+                   for s in run.generation.samples]
+        kind = ChatCompletion if chat else Completion
+        return kind(new_id("chatcmpl" if chat else "cmpl"), int(time.time()), self.service.name,
+                    choices, run.usage()).to_json()
+
+    async def events(self, run: Run, first: Any, options: Options,
+                     chat: bool) -> AsyncIterator[bytes]:
+        """The stream: a chat's role chunks, then text as it is sampled, each sample's last
+        text and finish reason, the usage if asked, ``[DONE]``. A client that goes away
+        cancels the request (starlette cancels this generator)."""
+        generation = run.generation
+        assert generation is not None
+        ident, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
+
+        def chunk(choices: Any, **extra: Any) -> bytes:
+            kind = ChatChunk if chat else CompletionChunk
+            return sse(kind(ident, created, self.service.name, choices, **extra).to_json())
+
+        tokenizer = self.service.engine.tokenizer
+        streams = [TextStream(tokenizer, s.prompt, options.stop) for s in generation.samples]
+        try:
+            if chat:
+                for sample in generation.samples:
+                    yield chunk([Choice(sample.index, "")], role=True)
+            item = first
+            while item is not None:
+                text = streams[item[0]].push(item[1])
+                if text:
+                    yield chunk([Choice(item[0], text)])
+                item = await run.next(_never)
+            if run.error is not None:
+                yield sse(api_error(run.error).to_json())
+                return
+            for sample, stream in zip(generation.samples, streams):
+                rest = stream.finish(self.service.engine.sample_text(sample))
+                yield chunk([Choice(sample.index, rest, sample.finish_reason)])
+            if options.include_usage:
+                yield chunk([], usage=run.usage())
+            yield sse("[DONE]")
+        finally:
+            run.cancel()  # nothing when it ended; else the client is gone
+
+
+async def _never() -> bool:
+    return False
+
+
+def build_app(service: ApiService, api_key: Optional[str] = None) -> Any:
+    """The ASGI app of ``service``; ``api_key``: the Bearer key every route but /health
+    needs (None: none)."""
+    routes = ApiRoutes(service)
+    table = [("/v1/models", routes.models, ["GET"]),
+             ("/v1/models/{model:path}", routes.model, ["GET"]),
+             ("/v1/completions", routes.completions, ["POST"]),
+             ("/v1/chat/completions", routes.chat, ["POST"]),
+             ("/metrics", routes.metrics, ["GET"]),
+             ("/health", routes.health, ["GET"])]
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        message = f"no route {request.method} {request.url.path}" if status in (404, 405) \
+            else str(getattr(exc, "detail", exc))
+        return error_response(ApiError(status, message, code="not_found" if status == 404
+                                       else None))
+
+    app = Starlette(routes=[Route(path, routes.endpoint(fn), methods=methods)
+                            for path, fn, methods in table],
+                    exception_handlers={HTTPException: http_error})
+    return KeyCheck(app, api_key)

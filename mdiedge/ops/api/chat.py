@@ -1,0 +1,121 @@
+"""Chat templates: a model's own (``chat_template`` in its ``tokenizer_config.json``, or a
+``chat_template.jinja`` beside it) rendered with jinja2 as transformers'
+``apply_chat_template(messages, add_generation_prompt=True)`` does, else ``DEFAULT_TEMPLATE``.
+
+The default is a plain dialogue, the shape of NanoLlama's Tiny Shakespeare lines: each message
+as ``ROLE:`` on a line, its text on the next, a blank line after; then ``ASSISTANT:`` and a
+newline for the reply::
+
+    SYSTEM:
+    You are terse.
+
+    USER:
+    Hello
+
+    ASSISTANT:
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from ...base.errors import ConfigError
+from .errors import ApiError
+from .schema import ChatMessage
+
+DEFAULT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ message['role'] | upper }}:\n{{ message['content'] }}\n\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:\n{% endif %}")
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class TemplateError(Exception):
+    """What a template's ``raise_exception`` raised: the request broke the template's rules."""
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _token_text(value: Any) -> Optional[str]:
+    """A special token of tokenizer_config.json: a string, or an AddedToken's dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def load_model_template(model_path: Path) -> Dict[str, Any]:
+    """The model folder's chat template and special tokens (``{}`` when it has none)."""
+    folder = model_path if model_path.is_dir() else model_path.parent
+    config: Dict[str, Any] = {}
+    path = folder / "tokenizer_config.json"
+    if path.is_file():
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{path}: not a JSON file ({e})") from None
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: transformers uses "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if not template and (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    found = {key: _token_text(config.get(key)) for key in SPECIAL_TOKENS}
+    return {"template": template or None, **{k: v for k, v in found.items() if v is not None}}
+
+
+class ChatTemplate:
+    """A compiled template; ``render`` gives the prompt text for a list of messages."""
+
+    def __init__(self, source: Optional[str] = None, bos_token: str = "", eos_token: str = "",
+                 **tokens: str) -> None:
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        self.source = source or DEFAULT_TEMPLATE
+        self.is_default = source is None
+        self.bos_token, self.tokens = bos_token, dict(tokens, bos_token=bos_token,
+                                                      eos_token=eos_token)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self.template = env.from_string(self.source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ConfigError(f"chat template: line {e.lineno}: {e.message}") from None
+
+    @classmethod
+    def for_model(cls, model_path: Path) -> "ChatTemplate":
+        found = load_model_template(model_path)
+        return cls(found.pop("template"), **found)
+
+    def render(self, messages: Sequence[ChatMessage]) -> str:
+        """The prompt text; a leading BOS token's text is dropped (the engine adds BOS as an
+        id). A template's own refusal is a 400."""
+        import jinja2
+
+        plain: List[Dict[str, str]] = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            text = self.template.render(messages=plain, add_generation_prompt=True, tools=None,
+                                        documents=None, **self.tokens)
+        except TemplateError as e:
+            raise ApiError(400, f"messages: {e}", "messages", "invalid_conversation") from None
+        except jinja2.TemplateError as e:
+            raise ApiError(400, f"messages: the chat template failed: {e}", "messages",
+                           "template_error") from None
+        if self.bos_token and text.startswith(self.bos_token):
+            text = text[len(self.bos_token):]
+        return text

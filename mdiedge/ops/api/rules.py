@@ -1,0 +1,53 @@
+"""The API's decisions as pure functions (no torch, no I/O): a server's fixed sizes, whether a
+request is taken or refused with a 429, how long a refused client should wait, and whether a
+request carries the API key."""
+from __future__ import annotations
+
+import hmac
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from ...base import defaults
+
+MAX_QUEUE = 64  # the scheduler's own bound on waiting requests (Scheduler max_waiting)
+DEFAULT_CONTEXT = 4096  # tokens per slot unless asked: a model's own may be 128k (KV memory)
+
+
+@dataclass
+class ServeLimits:
+    """A server's fixed sizes: KV slots (samples at once), context per slot (0: the model's,
+    at most ``DEFAULT_CONTEXT``),
+    requests that may wait for slots, request body bytes, and the default ``max_tokens``."""
+
+    slots: int = 8
+    context: int = 0
+    max_waiting: int = 32
+    max_body: int = 1 << 20
+    max_tokens: int = defaults.MAX_NEW_TOKENS
+
+
+def may_join(waiting: int, free_slots: int, n: int, max_waiting: int) -> bool:
+    """Whether a request of ``n`` samples is taken: at once when it fits the free slots and
+    none waits ahead of it, else when fewer than ``max_waiting`` requests wait."""
+    return (waiting == 0 and n <= free_slots) or waiting < max_waiting
+
+
+def retry_after_s(mean_e2e_s: float, waiting: int, slots: int) -> int:
+    """Seconds a refused client should wait: about the time the queue ahead takes to drain
+    (the mean request time per slot's worth of waiting requests), 1..60."""
+    estimate = mean_e2e_s * (1 + waiting / max(1, slots))
+    return int(min(60, max(1, math.ceil(estimate))))
+
+
+def authorized(header: Optional[str], key: Optional[str]) -> bool:
+    """Whether an ``Authorization`` header carries ``key`` (always, when there is none); the
+    comparison takes the same time wherever the two differ."""
+    if not key:
+        return True
+    return hmac.compare_digest((header or "").encode(), f"Bearer {key}".encode())
+
+
+def slot_context(asked: int, model: int) -> int:
+    """Tokens per KV slot: ``asked``, else the model's context up to ``DEFAULT_CONTEXT``."""
+    return asked if asked > 0 else min(model, DEFAULT_CONTEXT)

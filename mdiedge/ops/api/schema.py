@@ -1,0 +1,205 @@
+"""Requests of the OpenAI API, read and checked: ``CompletionRequest`` (``/v1/completions``)
+and ``ChatRequest`` (``/v1/chat/completions``), both with ``Options`` (sampling, ``n``,
+``stop``, ``stream``).
+
+A body that does not match the schema (a missing or unknown field, a wrong JSON type) is a
+422; a well-formed value the server cannot serve (out of range, unsupported) is a 400. Every
+message quotes the field and the value.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+from .errors import ApiError
+
+ROLES = ("system", "developer", "user", "assistant")
+MAX_MESSAGES = 1024
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_stop(v: Any) -> bool:
+    return v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))
+
+
+# field -> (JSON type check, what it should be); None is allowed for every optional field
+_Check = Tuple[Callable[[Any], bool], str]
+COMMON: Dict[str, _Check] = {
+    "model": (lambda v: isinstance(v, str), "a string"),
+    "max_tokens": (_is_int, "an integer"),
+    "temperature": (_is_number, "a number"),
+    "top_p": (_is_number, "a number"),
+    "top_k": (_is_int, "an integer"),
+    "seed": (_is_int, "an integer"),
+    "stop": (_is_stop, "a string or a list of strings"),
+    "n": (_is_int, "an integer"),
+    "stream": (lambda v: isinstance(v, bool), "a boolean"),
+    "stream_options": (lambda v: isinstance(v, dict), "an object"),
+    "user": (lambda v: isinstance(v, str), "a string"),
+}
+# accepted and ignored only with a value that changes nothing; any other value is a 400
+NEUTRAL: Dict[str, Tuple[Any, ...]] = {
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
+    "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
+    "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False,),
+    "response_format": ({"type": "text"},),
+}
+COMPLETION_FIELDS = dict(COMMON, prompt=(lambda v: isinstance(v, (str, list)), "a string"))
+CHAT_FIELDS = dict(COMMON, messages=(lambda v: isinstance(v, list), "a list of messages"),
+                   max_completion_tokens=(_is_int, "an integer"))
+
+
+def check_body(body: Mapping[str, Any], fields: Mapping[str, _Check],
+               required: Tuple[str, ...]) -> None:
+    """422 for the first missing, unknown or mistyped field; 400 for an unsupported one."""
+    for name in required:
+        if body.get(name) is None:
+            raise ApiError(422, f"{name}: a required field is missing", name, "missing_field")
+    for name, value in body.items():
+        if value is None and name not in required:
+            continue
+        if name in NEUTRAL:
+            if value not in NEUTRAL[name]:
+                raise ApiError(400, f"{name}: not supported by this server, got {value!r}",
+                               name, "unsupported_parameter")
+            continue
+        check = fields.get(name)
+        if check is None:
+            raise ApiError(422, f"{name}: unknown field", name, "unknown_field")
+        if not check[0](value):
+            raise ApiError(422, f"{name}: expected {check[1]}, got {value!r}", name, "invalid_type")
+
+
+@dataclass
+class Options:
+    """What both endpoints share. ``None`` means the server's default."""
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    seed: Optional[int] = None
+    stop: List[str] = field(default_factory=list)
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any], max_tokens_key: str = "max_tokens") -> "Options":
+        stop = body.get("stop")
+        max_tokens = body.get(max_tokens_key)
+        if max_tokens is None:
+            max_tokens = body.get("max_tokens")
+        stream_options = body.get("stream_options") or {}
+        include = stream_options.get("include_usage", False)
+        if not isinstance(include, bool):
+            raise ApiError(422, f"stream_options.include_usage: expected a boolean, got {include!r}",
+                           "stream_options", "invalid_type")
+        options = cls(body.get("model"), max_tokens,
+                      None if body.get("temperature") is None else float(body["temperature"]),
+                      None if body.get("top_p") is None else float(body["top_p"]),
+                      body.get("top_k"), body.get("seed"),
+                      [stop] if isinstance(stop, str) else list(stop or []),
+                      1 if body.get("n") is None else body["n"], bool(body.get("stream")),
+                      include)
+        options.check()
+        return options
+
+    def check(self) -> None:
+        """400 for a value out of range (the engine checks the rest: stop strings, seeds)."""
+        for name, ok, expected in (
+                ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "an integer >= 1"),
+                ("n", self.n >= 1, "an integer >= 1"),
+                ("temperature", self.temperature is None or 0 <= self.temperature <= 2,
+                 "a number in [0, 2]"),
+                ("top_p", self.top_p is None or 0 < self.top_p <= 1, "a number in (0, 1]"),
+                ("top_k", self.top_k is None or self.top_k >= 0, "an integer >= 0"),
+                ("seed", self.seed is None or 0 <= self.seed < 2 ** 40,
+                 "an integer in [0, 2**40)")):
+            if not ok:
+                raise ApiError(400, f"{name}: expected {expected}, got {getattr(self, name)!r}",
+                               name, "invalid_value")
+
+
+@dataclass
+class CompletionRequest:
+    prompt: str
+    options: Options
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> "CompletionRequest":
+        check_body(body, COMPLETION_FIELDS, ("prompt",))
+        prompt = body["prompt"]
+        if isinstance(prompt, list):
+            if len(prompt) != 1 or not isinstance(prompt[0], str):
+                raise ApiError(400, f"prompt: one string per request (or a list of one), got "
+                               f"{_short(prompt)}", "prompt", "invalid_value")
+            prompt = prompt[0]
+        return cls(prompt, Options.from_json(body))
+
+
+@dataclass
+class ChatMessage:
+    role: str
+    content: str
+
+    @classmethod
+    def from_json(cls, i: int, body: Any) -> "ChatMessage":
+        where = f"messages[{i}]"
+        if not isinstance(body, dict):
+            raise ApiError(422, f"{where}: expected an object, got {_short(body)}", "messages",
+                           "invalid_type")
+        role = body.get("role")
+        if role not in ROLES:
+            raise ApiError(400, f"{where}.role: expected one of {', '.join(ROLES)}, got {role!r}",
+                           "messages", "invalid_value")
+        unknown = sorted(set(body) - {"role", "content", "name"})
+        if unknown:
+            raise ApiError(422, f"{where}: unknown field {unknown[0]!r}", "messages", "unknown_field")
+        return cls(role, _content(where, body.get("content")))
+
+
+def _content(where: str, content: Any) -> str:
+    """A message's text: a string, or a list of text parts (joined)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"{where}.content: only text parts are supported, got "
+                               f"{_short(part)}", "messages", "unsupported_content")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ApiError(422, f"{where}.content: expected a string or a list of text parts, got "
+                   f"{_short(content)}", "messages", "invalid_type")
+
+
+@dataclass
+class ChatRequest:
+    messages: List[ChatMessage]
+    options: Options
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> "ChatRequest":
+        check_body(body, CHAT_FIELDS, ("messages",))
+        raw = body["messages"]
+        if not raw or len(raw) > MAX_MESSAGES:
+            raise ApiError(400, f"messages: expected 1..{MAX_MESSAGES} messages, got {len(raw)}",
+                           "messages", "invalid_value")
+        messages = [ChatMessage.from_json(i, m) for i, m in enumerate(raw)]
+        return cls(messages, Options.from_json(body, "max_completion_tokens"))
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

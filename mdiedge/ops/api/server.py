@@ -1,0 +1,122 @@
+"""The API under uvicorn, on a thread of its own: ``open_api`` builds the service and the
+app for an engine and binds the port at once (so a port in use is an error before anything
+says it is ready)."""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from ...base.errors import ConfigError
+from .rules import ServeLimits
+
+API_KEY_ENV = "MDIEDGE_API_KEY"
+START_TIMEOUT_S = 30.0
+
+
+def read_api_key(path: Optional[str]) -> Optional[str]:
+    """The API key from ``path`` (its first line), else ``$MDIEDGE_API_KEY``, else None.
+    Never from the command line: argv is visible to every user (``ps``)."""
+    if path:
+        try:
+            key = Path(path).expanduser().read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise ConfigError(f"--api-key-file {path}: {e.strerror or e}") from None
+        if not key:
+            raise ConfigError(f"--api-key-file {path}: the file is empty")
+        return key
+    return os.environ.get(API_KEY_ENV, "").strip() or None
+
+
+def model_name(path: Path) -> str:
+    """The id the API serves a model under: the repo id of a Hugging Face cache snapshot
+    (``.../models--Org--Name/snapshots/HASH``: ``Org/Name``), else its folder's name, or a
+    file's stem."""
+    repo = path.parent.parent.name
+    if path.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo[len("models--"):].replace("--", "/")
+    return path.stem if path.suffix == ".bin" else path.name
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (0: a free port), or a one-line error."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+class ApiServer:
+    """uvicorn serving ``app`` on the listening socket ``sock`` from a thread."""
+
+    def __init__(self, app: Any, sock: socket.socket, log_level: str = "warning") -> None:
+        import uvicorn
+
+        self.sock = sock
+        self.host, self.port = sock.getsockname()[:2]
+        config = uvicorn.Config(app, log_level=log_level, lifespan="off", access_log=False,
+                                timeout_graceful_shutdown=3)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self._serve, name="mdiedge-api", daemon=True)
+        self.error: Optional[BaseException] = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def _serve(self) -> None:
+        try:
+            self.server.run(sockets=[self.sock])
+        except BaseException as e:  # reported by start() or seen as a stopped server
+            self.error = e
+
+    def start(self) -> "ApiServer":
+        self.thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise ConfigError(f"the API server on {self.url} did not start: {self.error}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        if self.thread.is_alive():
+            self.thread.join(10)
+        self.sock.close()
+
+
+class Api:
+    """An engine served on ``sock`` (see ``listen``): its ``ApiService`` and the
+    ``ApiServer`` of its app."""
+
+    def __init__(self, engine: Any, sock: socket.socket, limits: ServeLimits,
+                 api_key: Optional[str] = None, name: Optional[str] = None,
+                 log_level: str = "warning") -> None:
+        from .app import build_app
+        from .service import ApiService
+
+        self.service = ApiService(engine, name or model_name(engine.path), limits)
+        self.server = ApiServer(build_app(self.service, api_key), sock, log_level)
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def start(self) -> "Api":
+        self.server.start()
+        return self
+
+    def close(self) -> None:
+        self.service.close()
+        self.server.stop()

@@ -1,0 +1,229 @@
+"""Requests on an engine: each becomes a ``Generation`` submitted to the engine's one
+scheduler, set up once with a fixed number of KV slots and context (continuous batching: a
+request joins between steps when its samples fit the free slots, else it waits in a bounded
+queue, and beyond that it is refused with a 429 and ``Retry-After``).
+
+Each request's own thread steps the scheduler until that request is done (any number of
+threads may, one steps at a time), so tokens are sampled on whichever thread steps; they reach
+the request's HTTP handler through its own asyncio queue. A handler whose client went away
+cancels its ``Generation``, which frees its KV rows on every node.
+"""
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Awaitable, Callable, List, Optional, Set, Tuple
+
+from ...base import defaults
+from ...base.errors import ConfigError
+from ...model.sampling import SamplingParams
+from ...runtime.generation import Generation
+from ...runtime.protocol import NodeStatus
+from .errors import ApiError, api_error
+from .metrics import ApiMetrics
+from .responses import Usage
+from .rules import ServeLimits, may_join, retry_after_s, slot_context
+from .schema import Options
+
+_DONE = object()
+
+
+class Run:
+    """One request in flight: its generation, its tokens as they come (when streamed), its
+    end. ``on_token`` and ``finish`` run on a stepping thread; the rest on the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, metrics: ApiMetrics, stream: bool) -> None:
+        self.loop, self.metrics, self.stream = loop, metrics, stream
+        self.arrived = time.perf_counter()
+        self.generation: Optional[Generation] = None
+        self.error: Optional[BaseException] = None
+        self.finished = False
+        self._queue: "asyncio.Queue[Any]" = asyncio.Queue()
+        self._last: List[float] = []
+        self._first = True
+
+    def _push(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass
+
+    def on_token(self, index: int, token: int) -> None:
+        now = time.perf_counter()
+        if self._first:
+            self._first = False
+            self.metrics.ttft.observe(now - self.arrived)
+        elif self._last[index]:
+            self.metrics.itl.observe(now - self._last[index])
+        self._last[index] = now
+        self.metrics.generation_tokens.inc()
+        if self.stream:
+            self._push((index, token))
+
+    def finish(self, error: Optional[BaseException]) -> None:
+        self.error, self.finished = error, True
+        self.metrics.e2e.observe(time.perf_counter() - self.arrived)
+        if self.generation is not None and error is None:
+            for sample in self.generation.samples:
+                self.metrics.success.labels(sample.finish_reason or "none").inc()
+        self._push(_DONE)
+
+    async def next(self, disconnected: Callable[[], Awaitable[bool]],
+                   poll_s: float = 0.5) -> Optional[Tuple[int, int]]:
+        """The next ``(sample index, token)``, or None at the end; cancels the request when
+        ``disconnected()`` says the client is gone."""
+        while True:
+            try:
+                item = self._queue.get_nowait() if not self._queue.empty() else \
+                    await asyncio.wait_for(self._queue.get(), poll_s)
+            except asyncio.TimeoutError:
+                if not self.finished and await disconnected():
+                    self.cancel()
+                continue
+            return None if item is _DONE else item
+
+    def cancel(self) -> None:
+        if self.generation is not None and not self.finished:
+            self.generation.cancel()
+
+    @property
+    def admitted(self) -> bool:
+        return self.generation is not None and bool(self.generation.admitted_at)
+
+    def usage(self) -> Usage:
+        assert self.generation is not None
+        samples = self.generation.samples
+        return Usage(len(samples[0].prompt), sum(len(s.tokens) for s in samples))
+
+
+class ApiService:
+    """Runs the API's requests on ``engine`` with ``limits``; ``name``: the model id."""
+
+    def __init__(self, engine: Any, name: str, limits: ServeLimits) -> None:
+        from .chat import ChatTemplate
+
+        context = slot_context(limits.context, engine.cfg.max_seq_len)
+        if not 0 < context <= engine.cfg.max_seq_len:
+            raise ConfigError(f"context: expected 1..{engine.cfg.max_seq_len} tokens (the "
+                              f"model's), got {context}")
+        self.engine, self.name, self.limits, self.context = engine, name, limits, context
+        self.created = int(time.time())
+        self.template = ChatTemplate.for_model(engine.path)
+        engine.reserve(limits.slots, context)
+        self.metrics = ApiMetrics()
+        self.metrics.watch(lambda: self.counts()[0], lambda: self.counts()[1],
+                           lambda: self.slots_in_use(), limits.slots, self.node_status)
+        self.executor = ThreadPoolExecutor(limits.slots + limits.max_waiting,
+                                           thread_name_prefix="mdiedge-api")
+        self._runs: Set[Run] = set()
+        self._lock = threading.Lock()
+        self._mean_e2e_s = 1.0
+        self.closed = False
+
+    # ----------------------------------------------------------------- state
+
+    def counts(self) -> Tuple[int, int]:
+        """Requests running (holding KV slots) and waiting for them."""
+        with self._lock:
+            runs = list(self._runs)
+        running = sum(1 for r in runs if r.admitted)
+        return running, len(runs) - running
+
+    def slots_in_use(self) -> int:
+        with self._lock:
+            runs = list(self._runs)
+        return sum(len(r.generation.samples) for r in runs
+                   if r.admitted and r.generation is not None and not r.generation.settled)
+
+    def node_status(self) -> List[NodeStatus]:
+        """The starter's and each worker's status (a ring), or this process as one node."""
+        starter = getattr(self.engine, "starter", None)
+        if starter is not None:
+            return [starter.status()] + starter.node_status()
+        scheduler = getattr(self.engine, "scheduler", None)
+        stats = scheduler.stats if scheduler is not None else None
+        busy = stats.compute_s / stats.wall_s if stats is not None and stats.wall_s else 0.0
+        return [NodeStatus("starter", "local", "busy" if self.counts()[0] else "ready",
+                           layers=[0, self.engine.cfg.n_layers], busy_fraction=round(busy, 4),
+                           slots_in_use=self.slots_in_use())]
+
+    # ----------------------------------------------------------------- requests
+
+    def plan(self, prompt: str, options: Options) -> Tuple[List[int], int, SamplingParams]:
+        """The prompt's ids, the token budget and the sampling of a request; a 404 for another
+        model, a 400 for what this server cannot hold."""
+        if options.model is not None and options.model != self.name:
+            raise ApiError(404, f"model {options.model!r} not found: this server serves "
+                           f"{self.name!r}", "model", "model_not_found")
+        if options.n > self.limits.slots:
+            raise ApiError(400, f"n: at most {self.limits.slots} samples (the server's KV "
+                           f"slots), got {options.n}", "n", "invalid_value")
+        ids = self.engine.encode_prompt(prompt)
+        if not ids:
+            raise ApiError(400, "prompt: empty, and the model has no BOS token to start from",
+                           "prompt", "invalid_value")
+        budget = options.max_tokens
+        if budget is None:
+            budget = min(self.limits.max_tokens, self.context - len(ids))
+        if budget < 1 or len(ids) + budget > self.context:
+            raise ApiError(400, f"prompt of {len(ids)} tokens plus max_tokens {budget} exceeds "
+                           f"the context of {self.context} tokens", "max_tokens",
+                           "context_length_exceeded")
+        seed = options.seed if options.seed is not None else secrets.randbelow(2 ** 31)
+        params = SamplingParams(
+            defaults.TEMPERATURE if options.temperature is None else options.temperature,
+            defaults.TOP_K if options.top_k is None else options.top_k,
+            defaults.TOP_P if options.top_p is None else options.top_p, seed)
+        return ids, budget, params
+
+    async def start(self, prompt: str, options: Options) -> Run:
+        """Check and start a request (on its own thread); a 429 when the queue is full."""
+        loop = asyncio.get_event_loop()
+        if self.closed:
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
+        run = Run(loop, self.metrics, options.stream)
+        ids, budget, params = await loop.run_in_executor(None, self.plan, prompt, options)
+        with self._lock:
+            runs = list(self._runs)
+            waiting = sum(1 for r in runs if not r.admitted)
+            free = self.limits.slots - sum(len(r.generation.samples) for r in runs
+                                           if r.generation is not None and r.admitted)
+            if not may_join(waiting, free, options.n, self.limits.max_waiting):
+                raise ApiError(429, f"{waiting} requests are waiting for the "
+                               f"{self.limits.slots} KV slots already; try again later",
+                               code="queue_full", retry_after=retry_after_s(
+                                   self._mean_e2e_s, waiting, self.limits.slots))
+            run._last = [0.0] * options.n
+            try:
+                run.generation = self.engine.new_generation(prompt, budget, options.n, params,
+                                                            run.on_token, options.stop)
+            except Exception as e:
+                raise api_error(e) from None
+            self._runs.add(run)
+        self.metrics.prompt_tokens.inc(len(ids))
+        self.executor.submit(self._work, run)
+        return run
+
+    def _work(self, run: Run) -> None:
+        error: Optional[BaseException] = None
+        try:
+            self.engine.run(run.generation)
+        except BaseException as e:  # the handler reports it; the server goes on
+            error = e
+        finally:
+            with self._lock:
+                self._runs.discard(run)
+                self._mean_e2e_s = 0.8 * self._mean_e2e_s + 0.2 * (time.perf_counter() - run.arrived)
+            run.finish(error)
+
+    def close(self) -> None:
+        """Cancel every request (their threads free their rows and end)."""
+        self.closed = True
+        with self._lock:
+            runs = list(self._runs)
+        for run in runs:
+            run.cancel()
+        self.executor.shutdown(wait=False)

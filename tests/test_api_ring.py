@@ -1,0 +1,149 @@
+"""``mdiedge serve`` as a user runs it: a local ring of three processes behind the OpenAI
+API, the key from the environment; a stream that the client drops frees its KV slots on every
+node (read from each node's status through /metrics); SIGTERM stops every process."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator
+
+import httpx
+import openai
+import pytest
+
+KEY = "ring-test-key-42"
+
+
+@pytest.fixture(scope="module")
+def served(stories: Path) -> Iterator[Dict[str, Any]]:
+    env = dict(os.environ, MDIEDGE_API_KEY=KEY)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mdiedge", "serve", "--port", "0", "--nodes", "3", "--slots", "4",
+         "--context", "512", "--model", str(stories / "stories260K.bin"),
+         "--tokenizer", str(stories / "tok512.model")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(10)
+        raise AssertionError(f"serve did not start: {proc.stderr.read() if proc.stderr else ''}")
+    ready = json.loads(line)
+    yield {"proc": proc, "url": ready["url"], "ready": ready}
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def node_slots(url: str) -> Dict[str, float]:
+    text = httpx.get(url.rsplit("/v1", 1)[0] + "/metrics", timeout=10,
+                     headers={"Authorization": f"Bearer {KEY}"}).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^mdiedge_node_kv_slots_in_use\{node="([^"]+)",role="[^"]+"\} (\S+)$', text, re.M)}
+
+
+def test_serve_answers_with_the_key_from_the_environment(served: Dict[str, Any]) -> None:
+    assert served["ready"]["model"] == "stories260K" and served["ready"]["slots"] == 4
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=served["url"], api_key="nope", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=served["url"], api_key=KEY, max_retries=0, timeout=60)
+    reply = client.chat.completions.create(model="stories260K", max_tokens=12, temperature=0,
+                                           messages=[{"role": "user", "content": "Hello"}])
+    assert reply.usage.completion_tokens == 12 and reply.choices[0].message.content
+
+
+def test_a_dropped_stream_frees_its_slots_on_every_node(served: Dict[str, Any]) -> None:
+    body = {"model": "stories260K", "prompt": "Once", "max_tokens": 400, "n": 2, "stream": True}
+    with httpx.stream("POST", served["url"] + "/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        held = node_slots(served["url"])
+    assert sorted(held) == ["starter", "w1", "w2"] and set(held.values()) == {2.0}
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and set(node_slots(served["url"]).values()) != {0.0}:
+        time.sleep(0.1)
+    assert node_slots(served["url"]) == {"starter": 0.0, "w1": 0.0, "w2": 0.0}
+
+
+def test_sigterm_stops_the_server_and_its_nodes(served: Dict[str, Any]) -> None:
+    proc = served["proc"]
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                              text=True).stdout.split()
+    assert len(children) == 2  # the two workers
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(20) == 0
+    time.sleep(0.5)
+    assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")]
+
+
+def test_the_starter_serves_the_api_beside_its_control_plane(stories: Path,
+                                                             tmp_path: Path) -> None:
+    env = dict(os.environ, MDIEDGE_SECRET="s3cret-ring-key-0123456789abcdef")
+    env.pop("MDIEDGE_API_KEY", None)
+    worker = subprocess.Popen([sys.executable, "-m", "mdiedge", "worker", "--no-config",
+                               "--control-port", "0", "--data-port", "0", "--name", "w1",
+                               "--log-level", "warning"], stdout=subprocess.PIPE, text=True,
+                              env=env)
+    starter = None
+    try:
+        assert worker.stdout is not None
+        port = json.loads(worker.stdout.readline())["control_port"]
+        ring = tmp_path / "ring.toml"
+        ring.write_text(f'[[workers]]\nname = "w1"\nhost = "127.0.0.1"\ncontrol_port = {port}\n')
+        starter = subprocess.Popen(
+            [sys.executable, "-m", "mdiedge", "starter", "--config", str(ring), "--control-port",
+             "0", "--api-port", "0", "--slots", "2", "--log-level", "warning",
+             "--model", str(stories / "stories260K.bin"),
+             "--tokenizer", str(stories / "tok512.model")],
+            stdout=subprocess.PIPE, text=True, env=env)
+        assert starter.stdout is not None
+        ready = json.loads(starter.stdout.readline())
+        assert ready["control_port"] > 0
+        client = openai.OpenAI(base_url=ready["api_url"], api_key="unused", max_retries=0,
+                               timeout=60)
+        reply = client.completions.create(model="stories260K", prompt="Once", max_tokens=8, n=2)
+        assert [len(c.text) > 0 for c in reply.choices] == [True, True]
+        with pytest.raises(openai.BadRequestError, match="at most 2 samples"):
+            client.completions.create(model="stories260K", prompt="Once", max_tokens=8, n=3)
+        assert sorted(node_slots(ready["api_url"])) == ["starter", "w1"]
+    finally:
+        for proc in (starter, worker):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(20)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--slots", "0"], "--slots: expected an integer 1..256, got 0"),
+    (["--port", "70000"], "--port: expected a port 0..65535, got 70000"),
+    (["--max-queue", "65"], "--max-queue: expected an integer 0..64, got 65"),
+    (["--host", "0.0.0.0"], "refusing to serve the API on 0.0.0.0 without an API key"),
+    (["--api-key-file", "/nonexistent/key"], "--api-key-file /nonexistent/key: No such file"),
+    (["--nodes", "3", "--context", "5000"], "--context: expected 0..1024 tokens (the model's), got 5000"),
+])
+def test_bad_serve_options_are_one_line_errors(args: Any, message: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "MDIEDGE_API_KEY"}
+    out = subprocess.run([sys.executable, "-m", "mdiedge", "serve", *args], capture_output=True,
+                         text=True, timeout=120, stdin=subprocess.DEVNULL, env=env)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode != 0 and len(lines) == 1, out.stderr
+    assert lines[0].startswith("mdiedge: error: ") and message in lines[0], out.stderr
+
+
+def test_a_port_in_use_is_a_one_line_error() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "mdiedge", "serve", "--nodes", "3",
+                              "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert f"mdiedge: error: cannot listen on 127.0.0.1:{port}" in out.stderr.strip()

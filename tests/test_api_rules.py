@@ -1,0 +1,240 @@
+"""The OpenAI API's pure parts, no torch and no server: request schema (422 against 400), the
+response mappings, chat templates, the error map, and the rules for 429, Retry-After and the
+API key. Runs on Python 3.8 too."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+
+from mdiedge.base.errors import ConfigError, GenerationError, RingError
+from mdiedge.ops.api.chat import DEFAULT_TEMPLATE, ChatTemplate, load_model_template
+from mdiedge.ops.api.errors import ApiError, api_error
+from mdiedge.ops.api.responses import (ChatChunk, ChatCompletion, Choice, Completion,
+                                       CompletionChunk, Usage, finish_reason, sse)
+from mdiedge.ops.api.rules import authorized, may_join, retry_after_s, slot_context
+from mdiedge.ops.api.server import model_name
+from mdiedge.ops.api.schema import ChatMessage, ChatRequest, CompletionRequest, Options
+from mdiedge.runtime.control import Conflict
+
+
+def status_of(body: Dict[str, Any], chat: bool = False) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        (ChatRequest if chat else CompletionRequest).from_json(body)
+    return caught.value
+
+
+@pytest.mark.parametrize("body, status, param, quoted", [
+    ({}, 422, "prompt", "missing"),
+    ({"prompt": "x", "max_tokens": "5"}, 422, "max_tokens", "'5'"),
+    ({"prompt": "x", "temperature": True}, 422, "temperature", "True"),
+    ({"prompt": "x", "stop": [1]}, 422, "stop", "[1]"),
+    ({"prompt": "x", "bogus": 1}, 422, "bogus", "unknown"),
+    ({"prompt": "x", "stream": "yes"}, 422, "stream", "'yes'"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "0"),
+    ({"prompt": "x", "n": 0}, 400, "n", "0"),
+    ({"prompt": "x", "temperature": 2.5}, 400, "temperature", "2.5"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p", "0"),
+    ({"prompt": "x", "seed": -1}, 400, "seed", "-1"),
+    ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "0.5"),
+    ({"prompt": "x", "logprobs": 3}, 400, "logprobs", "3"),
+    ({"prompt": ["a", "b"]}, 400, "prompt", "['a', 'b']"),
+    ({"prompt": "x", "stream_options": {"include_usage": 1}}, 422, "stream_options", "1"),
+])
+def test_a_completion_body_that_does_not_fit_names_field_and_value(
+        body: Dict[str, Any], status: int, param: str, quoted: str) -> None:
+    error = status_of(body)
+    assert (error.status, error.param) == (status, param)
+    assert quoted in error.message and error.message.startswith(param)
+    assert error.to_json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_completion_body_is_read_with_defaults_and_neutral_fields() -> None:
+    request = CompletionRequest.from_json({
+        "prompt": ["Once"], "model": "m", "max_tokens": 7, "temperature": 0, "top_p": 0.5,
+        "seed": 3, "stop": "\n", "n": 2, "stream": True, "presence_penalty": 0,
+        "frequency_penalty": 0.0, "logit_bias": {}, "user": "u", "echo": False,
+        "stream_options": {"include_usage": True}, "top_k": None})
+    assert request.prompt == "Once"
+    assert request.options == Options("m", 7, 0.0, 0.5, None, 3, ["\n"], 2, True, True)
+    assert CompletionRequest.from_json({"prompt": "x"}).options == Options()
+
+
+@pytest.mark.parametrize("messages, status, quoted", [
+    ([], 400, "got 0"),
+    ("hi", 422, "'hi'"),
+    ([{"role": "robot", "content": "x"}], 400, "'robot'"),
+    (["hi"], 422, "'hi'"),
+    ([{"role": "user", "content": 5}], 422, "5"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], 400, "image_url"),
+    ([{"role": "user", "content": "x", "tool_calls": []}], 422, "tool_calls"),
+])
+def test_a_chat_body_that_does_not_fit_is_refused(messages: Any, status: int, quoted: str) -> None:
+    error = status_of({"messages": messages}, chat=True)
+    assert error.status == status and quoted in error.message and error.param == "messages"
+
+
+def test_chat_messages_take_text_parts_and_max_completion_tokens() -> None:
+    request = ChatRequest.from_json({
+        "messages": [{"role": "system", "content": None},
+                     {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                  {"type": "text", "text": "b"}]}],
+        "max_completion_tokens": 9, "max_tokens": 3})
+    assert request.messages == [ChatMessage("system", ""), ChatMessage("user", "ab")]
+    assert request.options.max_tokens == 9
+
+
+def test_responses_map_to_openai_json() -> None:
+    usage = Usage(3, 4)
+    assert usage.to_json() == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    done = [Choice(0, "hi", "eos"), Choice(1, "ho", "length")]
+    body = Completion("cmpl-1", 5, "m", done, usage).to_json()
+    assert body["object"] == "text_completion"
+    assert [(c["text"], c["finish_reason"]) for c in body["choices"]] == [("hi", "stop"),
+                                                                        ("ho", "length")]
+    chat = ChatCompletion("c-1", 5, "m", done, usage).to_json()
+    assert chat["object"] == "chat.completion"
+    assert chat["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+    first = ChatChunk("c-1", 5, "m", [Choice(0, "")], role=True).to_json()
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    last = ChatChunk("c-1", 5, "m", [Choice(0, "", "stop")]).to_json()
+    assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "stop"
+    tail = CompletionChunk("cmpl-1", 5, "m", [], usage=usage).to_json()
+    assert tail["choices"] == [] and tail["usage"]["total_tokens"] == 7
+
+
+@pytest.mark.parametrize("ours, theirs", [("eos", "stop"), ("stop", "stop"),
+                                          ("length", "length"), (None, None)])
+def test_finish_reasons_map_to_openai(ours: Any, theirs: Any) -> None:
+    assert finish_reason(ours) == theirs
+
+
+def test_an_event_is_one_data_line_and_a_blank_line() -> None:
+    assert sse("[DONE]") == b"data: [DONE]\n\n"
+    assert sse({"a": "é\n"}) == 'data: {"a": "é\\n"}\n\n'.encode()
+
+
+def test_the_default_template_is_a_plain_dialogue() -> None:
+    text = ChatTemplate().render([ChatMessage("system", "Be terse."), ChatMessage("user", "Hi")])
+    assert text == "SYSTEM:\nBe terse.\n\nUSER:\nHi\n\nASSISTANT:\n"
+
+
+LLAMA2_LIKE = ("{{ bos_token }}{% for m in messages %}"
+               "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+               "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+               "{% if m['role'] == 'user' %}[INST] {{ m['content'] | trim }} [/INST]"
+               "{% else %} {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+
+
+def write_config(folder: Path, **config: Any) -> Path:
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_model_template_renders_as_transformers_does(tmp_path: Path) -> None:
+    folder = write_config(tmp_path, chat_template=LLAMA2_LIKE, eos_token="</s>",
+                          bos_token={"content": "<s>", "lstrip": False})
+    template = ChatTemplate.for_model(folder)
+    assert not template.is_default
+    text = template.render([ChatMessage("user", " hi "), ChatMessage("assistant", "yo"),
+                            ChatMessage("user", "more")])
+    assert text == "[INST] hi [/INST] yo</s>[INST] more [/INST]"  # BOS: the engine's id
+
+
+def test_a_template_refusal_is_a_400_with_its_message(tmp_path: Path) -> None:
+    template = ChatTemplate.for_model(write_config(tmp_path, chat_template=LLAMA2_LIKE))
+    with pytest.raises(ApiError, match="roles must alternate") as caught:
+        template.render([ChatMessage("assistant", "x")])
+    assert caught.value.status == 400
+
+
+def test_named_templates_a_jinja_file_and_none(tmp_path: Path) -> None:
+    named = write_config(tmp_path, chat_template=[{"name": "tool_use", "template": "T"},
+                                                  {"name": "default", "template": "D"}])
+    assert load_model_template(named)["template"] == "D"
+    (tmp_path / "tokenizer_config.json").unlink()
+    assert load_model_template(tmp_path) == {"template": None}
+    assert ChatTemplate.for_model(tmp_path).source == DEFAULT_TEMPLATE
+    (tmp_path / "chat_template.jinja").write_text("{{ messages | length }}")
+    assert ChatTemplate.for_model(tmp_path).render([ChatMessage("user", "x")]) == "1"
+
+
+def test_a_broken_template_is_a_config_error_naming_its_line() -> None:
+    with pytest.raises(ConfigError, match="line 2"):
+        ChatTemplate("ok\n{% for %}")
+
+
+def test_a_template_cannot_reach_python_internals() -> None:
+    template = ChatTemplate("{{ messages.__class__.__mro__ }}")
+    with pytest.raises(ApiError):
+        template.render([ChatMessage("user", "x")])
+
+
+@pytest.mark.parametrize("error, status", [
+    (GenerationError("prompt too long"), 400),
+    (RingError("w2 is down"), 503),
+    (Conflict("busy"), 503),
+    (ConfigError("bad"), 400),
+    (RuntimeError("boom"), 500),
+    (ApiError(429, "full", retry_after=3), 429),
+])
+def test_errors_map_to_status_codes(error: Exception, status: int) -> None:
+    mapped = api_error(error)
+    assert mapped.status == status and str(error) in mapped.message
+    assert set(mapped.to_json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_429_and_a_503_say_when_to_retry() -> None:
+    assert ApiError(429, "full", retry_after=3).headers() == {"Retry-After": "3"}
+    assert api_error(RingError("down")).headers()["Retry-After"].isdigit()
+    assert ApiError(400, "bad").headers() == {}
+
+
+@pytest.mark.parametrize("waiting, free, n, max_waiting, taken", [
+    (0, 4, 1, 0, True),    # fits the free slots: runs at once, even with no queue
+    (0, 4, 4, 0, True),
+    (0, 3, 4, 0, False),   # does not fit and no queue
+    (0, 0, 1, 2, True),    # waits
+    (1, 4, 1, 2, True),    # others wait ahead: it queues behind them
+    (2, 4, 1, 2, False),   # the queue is full
+])
+def test_a_request_is_taken_or_refused(waiting: int, free: int, n: int, max_waiting: int,
+                                       taken: bool) -> None:
+    assert may_join(waiting, free, n, max_waiting) is taken
+
+
+@pytest.mark.parametrize("mean, waiting, slots, seconds", [
+    (0.0, 0, 8, 1), (2.0, 0, 8, 2), (2.0, 8, 8, 4), (2.5, 4, 8, 4), (100.0, 64, 1, 60),
+])
+def test_retry_after_is_the_queue_drain_time(mean: float, waiting: int, slots: int,
+                                             seconds: int) -> None:
+    assert retry_after_s(mean, waiting, slots) == seconds
+
+
+@pytest.mark.parametrize("header, key, ok", [
+    (None, None, True), ("Bearer x", None, True), (None, "k", False), ("Bearer k", "k", True),
+    ("Bearer k2", "k", False), ("k", "k", False), ("bearer k", "k", False),
+])
+def test_the_api_key_is_checked(header: Any, key: Any, ok: bool) -> None:
+    assert authorized(header, key) is ok
+
+
+@pytest.mark.parametrize("path, name", [
+    ("/x/models/nanollama", "nanollama"),
+    ("/x/stories260K.bin", "stories260K"),
+    ("/c/hub/models--TinyLlama--TinyLlama-1.1B-Chat-v1.0/snapshots/ab12",
+     "TinyLlama/TinyLlama-1.1B-Chat-v1.0"),
+    ("/x/snapshots/ab12", "ab12"),
+    ("/x/Llama-3.2-1B", "Llama-3.2-1B"),
+])
+def test_the_served_model_id(path: str, name: str) -> None:
+    assert model_name(Path(path)) == name
+
+
+@pytest.mark.parametrize("asked, model, context", [
+    (0, 1024, 1024), (0, 131072, 4096), (512, 131072, 512), (300, 1024, 300),
+])
+def test_the_context_of_a_slot(asked: int, model: int, context: int) -> None:
+    assert slot_context(asked, model) == context

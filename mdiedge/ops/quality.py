@@ -106,15 +106,17 @@ def agreement(model: Any, tokens: List[int], ranges: List[Tuple[int, int]],
 
 
 def ring_run(model: Optional[str], compression: str, prompt: List[int], new_tokens: int,
-             nodes: int, repeats: int = 3) -> Dict[str, Any]:
+             nodes: int, repeats: int = 3, **options: Any) -> Dict[str, Any]:
     """Greedy generations from the ``prompt`` token ids on a local ring, after a warm-up: the
-    medians of ``repeats`` timings, and the links' counts over all of them (``generations``)."""
+    medians of ``repeats`` timings, and the links' counts over all of them (``generations``).
+    ``options``: more ``StarterOptions`` (``max_payload`` bounds a prefill frame's tokens)."""
     threads = threads_per_node(nodes)
     torch.set_num_threads(threads)
     local = LocalRing(nodes - 1, threads=threads)
     timings = []
     with local as workers:
-        engine = RingEngine(workers, model, secret=local.secret, compression=compression)
+        engine = RingEngine(workers, model, secret=local.secret, compression=compression,
+                            **options)
         try:
             text = engine.tokenizer.decode(prompt)
             engine.generate(text, 2, 1, SamplingParams(temperature=0))  # warm-up

@@ -9,7 +9,8 @@ from typing import Any, Optional
 
 import typer
 
-from .app import app, check_log_level, check_port, need, one_line_errors, recovery_options
+from .app import (app, check_log_level, check_port, compression_option, need, one_line_errors,
+                  recovery_options)
 
 API_PORT = 8000
 SLOTS = 8
@@ -108,6 +109,7 @@ def serve(
                                  "rebuild the ring without it and go on (as `generate`)."),
     spares: int = typer.Option(0, help="Spare workers started beside the local ring's."),
     log_level: str = typer.Option("warning", help="debug, info, warning or error."),
+    compression: str = compression_option(),
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /metrics)."""
     from contextlib import ExitStack
@@ -115,7 +117,7 @@ def serve(
     check_port("--port", port)
     check_api_options(slots, context, max_queue, max_body)
     check_log_level(log_level)
-    recovery = recovery_options(stall_timeout, recover, spares)
+    recovery = recovery_options(stall_timeout, recover, spares, compression)
     key = api_key_for(host, api_key_file, insecure)
     from ..ops.api.server import listen
     from .generate import _open_engine

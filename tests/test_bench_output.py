@@ -88,7 +88,7 @@ def _bench(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, as_js
 
     monkeypatch.setattr(benchmarks, "run_subprocess", runner)
     bench(model=None, preset=None, nodes=2, samples=1, new_tokens=4, context=16, micro_batch=1,
-          one=False, as_json=as_json)
+          one=False, as_json=as_json, compression=None, text=None, eval_tokens=0)
     out, err = capsys.readouterr()
     return seen, "".join(printed) + out, err
 

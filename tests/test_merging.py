@@ -49,11 +49,13 @@ def run_together(engine: LocalEngine, params: SamplingParams, micro_batch: int =
     scheduler = engine.prepare(16, 64)
     for generation in generations:
         scheduler.submit(generation, micro_batch)
-    threads = [threading.Thread(target=scheduler.wait, args=(g,)) for g in generations]
+    threads = [threading.Thread(target=scheduler.wait, args=(g,), daemon=True)
+               for g in generations]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(60)
+        assert not thread.is_alive(), "a request did not finish within 60 s"
     return {i: [s.tokens for s in g.samples] for i, g in enumerate(generations)}
 
 

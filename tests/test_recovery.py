@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import pytest
 
-from mdiedge.base.errors import NodeLost, PartitionError, RingError
+from mdiedge.base.errors import GenerationError, NodeLost, PartitionError, RingError
 from mdiedge.base.nodes import NodeSpec
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.roles.engine import LocalEngine
@@ -54,11 +54,20 @@ def test_choose_members(nodes: List[str], lost: set, expected: List[str]) -> Non
 
 
 class FailingPipeline(Pipeline):
-    """In-process stages whose ``receive`` raises ``NodeLost`` on the given receive counts."""
+    """In-process stages whose ``receive`` raises ``NodeLost`` on the given receive counts
+    (and ``submit`` on the given submit counts)."""
 
-    def __init__(self, stages: Sequence[LocalStage], fail_at: Sequence[int]) -> None:
+    def __init__(self, stages: Sequence[LocalStage], fail_at: Sequence[int],
+                 fail_submit: Sequence[int] = ()) -> None:
         super().__init__(stages)
         self.fail_at, self.received = set(fail_at), 0
+        self.fail_submit, self.submitted = set(fail_submit), 0
+
+    def submit(self, message: Any) -> None:
+        self.submitted += 1
+        if self.submitted in self.fail_submit:
+            raise NodeLost(f"worker 'w1' is down (submit {self.submitted})", ("w1",))
+        super().submit(message)
 
     def receive(self, timeout: Optional[float] = None) -> Any:
         self.received += 1
@@ -123,6 +132,67 @@ def test_two_failures_and_a_failed_set_up(reference: LocalEngine, split: LocalEn
     generation = run_failing(split, SAMPLED, 4, 1, [5], lambda k: {1: [1], 2: [20]}.get(k, []))
     assert [s.tokens for s in generation.samples] == want
     assert len(generation.recoveries) == 3
+
+
+@pytest.mark.parametrize("first_submits, rebuilt_submits", [
+    ([], [2]),        # lost again while the replay is being sent: every group replayed again
+    ([7], []),        # lost on a send after results were accepted (a decode or a RELEASE)
+    ([12], [1, 3]),   # both, twice
+])
+def test_a_loss_while_sending_loses_nothing(reference: LocalEngine, split: LocalEngine,
+                                            first_submits: List[int],
+                                            rebuilt_submits: List[int]) -> None:
+    want = [s["token_ids"] for s in reference.generate(PROMPT, 24, 3, SAMPLED).samples]
+    rebuilds: List[NodeLost] = []
+
+    def rebuild(lost: NodeLost) -> Any:
+        rebuilds.append(lost)
+        return (FailingPipeline(stages_of(split, 8, 256), [],
+                                rebuilt_submits if len(rebuilds) == 1 else []),
+                ModelEnds(split.model))
+
+    generation = split.new_generation(PROMPT, 24, 3, SAMPLED, None)
+    first = FailingPipeline(stages_of(split, 8, 256), [] if first_submits else [5], first_submits)
+    scheduler = Scheduler(first, ModelEnds(split.model), rebuild=rebuild)
+    scheduler.run(generation, 1)
+    assert [s.tokens for s in generation.samples] == want
+    assert scheduler.usable and scheduler.idle and scheduler.slots_in_use == 0
+    assert generation.timing.total_s > 0 and rebuilds
+
+
+def test_a_request_that_failed_on_its_own_and_then_a_loss(split: LocalEngine) -> None:
+    """One request's token callback fails (it ends, its rows freed as its messages come
+    back); a worker is then lost before they all came back: the other request goes on, and
+    nothing is left holding rows."""
+    def bad(index: int, token: int) -> None:
+        if index == 1:
+            raise ValueError("the client went away")
+
+    failing = split.new_generation(PROMPT, 24, 2, GREEDY, bad)
+    other = split.new_generation(PROMPT, 24, 2, SAMPLED, None)
+    scheduler = Scheduler(FailingPipeline(stages_of(split, 8, 256), [9]), ModelEnds(split.model),
+                          rebuild=lambda lost: (Pipeline(stages_of(split, 8, 256)),
+                                                ModelEnds(split.model)))
+    scheduler.submit(failing, 1)
+    scheduler.submit(other, 1)
+    with pytest.raises(GenerationError, match="the client went away"):
+        scheduler.wait(failing)
+    scheduler.wait(other)
+    assert all(s.done for s in other.samples) and other.recoveries
+    assert scheduler.slots_in_use == 0 and scheduler.idle
+
+
+def test_an_error_while_recovering_fails_every_request(split: LocalEngine) -> None:
+    def rebuild(lost: NodeLost) -> Any:
+        raise OSError(28, "No space left on device")
+
+    generation = split.new_generation(PROMPT, 24, 2, GREEDY, None)
+    scheduler = Scheduler(FailingPipeline(stages_of(split, 8, 256), [4]),
+                          ModelEnds(split.model), rebuild=rebuild)
+    with pytest.raises(OSError):
+        scheduler.run(generation)
+    assert not scheduler.usable and isinstance(generation.error, RingError)
+    assert "interrupted while recovering" in str(generation.error)
 
 
 def test_recovery_that_samples_nothing_gives_up(split: LocalEngine) -> None:
@@ -285,6 +355,7 @@ def test_a_lost_worker_rejoins_at_the_next_request(reference: LocalEngine, ring_
         deadline = time.monotonic() + 15
         while not engine.starter.membership.rejoin.is_set() and time.monotonic() < deadline:
             time.sleep(0.2)
+        assert engine.starter.membership.rejoin.is_set(), "w2 was not seen again within 15 s"
         again = engine.generate(PROMPT, 40, 2, GREEDY)
         assert [s["token_ids"] for s in again.samples] == [s["token_ids"] for s in want.samples]
         assert [w.name for w in engine.starter.ring_workers] == ["w1", "w2"]
@@ -382,8 +453,10 @@ def test_generate_goes_on_when_a_worker_of_its_local_ring_is_killed(stories: Pat
     os.kill(pids[0], signal.SIGKILL)
     rest = proc.stdout.read()  # not communicate(): it would skip what the pipe's buffer holds
     proc.wait(120)
-    assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
+    err = proc.stderr.read() if proc.stderr else ""
+    assert proc.returncode == 0, err
     assert head + rest == alone.stdout
+    assert "recovering: worker 'w1'" in err  # the starter's one warning line
 
 
 def test_concurrent_requests_all_complete_when_a_worker_dies(reference: LocalEngine,

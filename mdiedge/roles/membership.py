@@ -31,6 +31,7 @@ class Membership:
         self.rejoin = threading.Event()  # a lost worker answers again: set up anew when idle
         self.closed = threading.Event()
         self._watcher: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
 
     @property
     def nodes(self) -> List[NodeSpec]:
@@ -74,20 +75,21 @@ class Membership:
             self._watch()
 
     def _watch(self) -> None:
-        """Ask the lost workers every few seconds, in the background, until one answers."""
+        """Ask the lost workers every few seconds, in the background, until the starter is
+        closed; when one answers, ``rejoin`` is set (the next idle request boundary sets the
+        ring up anew, with it)."""
         def watch() -> None:
             while not self.closed.wait(REJOIN_CHECK_S):
                 lost = [c for c in self.clients if c.node.name in self.lost]
-                if not lost:
-                    return
-                if any(s.state != "down" for s in probe_all(lost, defaults.DIAGNOSE_TIMEOUT_S)):
+                if lost and not self.rejoin.is_set() and any(
+                        s.state != "down" for s in probe_all(lost, defaults.DIAGNOSE_TIMEOUT_S)):
                     log.info("a lost worker answers again: it rejoins at the next request")
                     self.rejoin.set()
-                    return
 
-        if self._watcher is None or not self._watcher.is_alive():
-            self._watcher = threading.Thread(target=watch, name="rejoin", daemon=True)
-            self._watcher.start()
+        with self._lock:
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=watch, name="rejoin", daemon=True)
+                self._watcher.start()
 
     def statuses(self) -> List[NodeStatus]:
         """Every configured worker's status; one outside the ring shows no layers (what it

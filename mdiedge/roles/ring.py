@@ -3,10 +3,10 @@ tail. It sends and receives the starter's messages over its link pair, and ends 
 a SHUTDOWN that every worker forwards before it stops its compute loop.
 
 Detection is bounded: a closed link is noticed at once; while no message comes back, every
-worker's control plane is asked every half ``stall_s`` (all at once, each within half
-``stall_s``), so a dead, frozen or restarted worker is named within ``stall_s`` as a
-``NodeLost`` (the scheduler recovers from it), while a worker that is slow but answers is
-waited for up to ``timeout_s``.
+worker's control plane is asked every third of ``stall_s`` (all at once, each within a third
+of ``stall_s``), and one that does not answer is asked once more, so a dead or frozen worker
+is named within ``stall_s`` as a ``NodeLost`` (the scheduler recovers from it), while a
+worker that is slow but answers is waited for up to ``timeout_s``.
 """
 from __future__ import annotations
 
@@ -71,26 +71,30 @@ class RingTail(Tail):
     def receive(self, timeout: Optional[float] = None) -> Message:
         limit = self.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
-        half = self.stall_s / 2
+        third = self.stall_s / 3
         while True:
             try:
-                item = self.links.receive(max(0.0, min(half, deadline - time.monotonic())))
+                item = self.links.receive(max(0.0, min(third, deadline - time.monotonic())))
                 break
             except queue.Empty:
                 if time.monotonic() >= deadline:
                     raise self.diagnose(f"no message returned within {limit:.0f} s") from None
-                lost = self.lost(half)
+                lost = self.lost(third)
+                if lost:  # asked again: a busy control port gets a second chance
+                    lost = self.lost(third, [node for node, _ in lost])
                 if lost:
-                    raise self._lost(lost, f"no message back for {half:g} s") from None
+                    raise self._lost(lost, f"no message back for {third:.3g} s") from None
         if isinstance(item, LinkDown):
             raise self.diagnose(item.reason)
         return item
 
-    def lost(self, timeout: float) -> List[Tuple[NodeSpec, str]]:
-        """The workers that do not answer within ``timeout`` (dead, frozen, unreachable), each
-        with why."""
+    def lost(self, timeout: float, among: Optional[List[NodeSpec]] = None
+             ) -> List[Tuple[NodeSpec, str]]:
+        """The workers (``among`` these, default all) that do not answer within ``timeout``
+        (dead, frozen, unreachable), each with why."""
+        clients = [c for c in self.clients if among is None or c.node in among]
         return [(client.node, f"down ({status.error})") for client, status in
-                zip(self.clients, probe_all(self.clients, timeout)) if status.state == "down"]
+                zip(clients, probe_all(clients, timeout)) if status.state == "down"]
 
     def diagnose(self, reason: str) -> RingError:
         """Why the ring broke, asking every worker at once, each within

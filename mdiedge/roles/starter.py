@@ -165,9 +165,19 @@ class RingStarter:
         return True
 
     def _setup(self, n_slots: int, context: int) -> Scheduler:
-        """A new ring of the workers that answer now (a lost one that is back rejoins)."""
+        """A new ring of the workers that answer now (a lost one that is back rejoins; if it
+        then fails the set-up, it is left out again and the ring is set up without it)."""
+        was_lost = set(self.membership.lost)
         self.membership.refresh()
-        pipeline, ends = self._build(n_slots, context)
+        try:
+            pipeline, ends = self._build(n_slots, context)
+        except (RingError, Conflict) as e:
+            back = [c.node.name for c in self.members if c.node.name in was_lost]
+            if not back:
+                raise
+            log.warning("%s answered again but failed to rejoin: %s", ", ".join(back), e)
+            self.membership.lose(back, f"failed to rejoin: {e}")
+            pipeline, ends = self._build(n_slots, context)
         rows = max(1, self.options.max_payload // (self.cfg.dim * itemsize(self.options.dtype)))
         return Scheduler(pipeline, ends, prefill_chunk=rows, timeout_s=self.options.timeout_s,
                          rebuild=self.rebuild if self.options.recover else None)

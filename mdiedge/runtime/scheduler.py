@@ -31,6 +31,7 @@ from ..base.errors import GenerationError, MdiedgeError, NodeLost, RingError
 _ID_SPACE = MAX_SAMPLE_ID  # sample ids and seqs are u32 on the wire; 0 is never used
 MAX_RECOVERY_ATTEMPTS = 8  # set-ups tried in a row after a loss (each may lose another node)
 MAX_FRUITLESS_RECOVERIES = 3  # recoveries in a row with no token sampled between them
+MAX_RECOVERIES_PER_REQUEST = 8  # a loss that keeps coming back fails the request
 
 # Given the loss, a pipeline without the lost nodes and its model ends (or an error saying
 # why there is none): the starter's ``RingStarter.rebuild``.
@@ -183,6 +184,24 @@ def accept_parts(ends: ModelEnds, parts: List[Part], hidden: Any) -> None:
         row += len(samples)
 
 
+def settle(group: _Group) -> Tuple[Optional[_Group], int]:
+    """``group`` as a rebuilt pipeline sees it: its samples that go on (None if none), and how
+    many that ended (finished, failed, cancelled) it frees here: the new pipeline never held
+    rows for them, so no RELEASE goes round."""
+    generation = group.generation
+    if generation.cancel_requested:
+        for sample in group.samples:
+            if not sample.done:
+                sample.finish_reason = "cancelled"
+    ended = [s for s in group.samples if s.done and not s.released]
+    for sample in ended:
+        sample.released = True
+    if ended and all(s.done for s in generation.samples):
+        generation.finish()
+    active = [s for s in group.samples if not s.done]
+    return (_Group(generation, active, fixed=group.fixed) if active else None), len(ended)
+
+
 class Scheduler:
     """Runs generations over ``pipeline`` with ``ends`` (embedding and head).
 
@@ -281,10 +300,14 @@ class Scheduler:
             self._complete(entry, message)
             self.stats.wall_s += time.perf_counter() - started  # time with work in flight
         except NodeLost as e:
-            error = self._recover(e)
+            try:
+                error: Optional[BaseException] = self._recover(e)
+            except BaseException as inner:  # e.g. out of memory loading the moved layers
+                error = inner
             if error is not None:
                 self.broken = error
-                self._fail_all(error)
+                self._fail_all(error if isinstance(error, MdiedgeError)
+                               else RingError(f"interrupted while recovering: {error!r}"))
                 raise error from None
         except BaseException as e:  # the pipeline's state is unknown now: it cannot be reused
             self.broken = e
@@ -401,6 +424,8 @@ class Scheduler:
               positions: List[int], entry: _InFlight, prefill: bool = False) -> None:
         t0 = time.perf_counter()
         hidden = self.ends.embed(tokens) if tokens is not None else None  # (B, T, dim)
+        if not self._inflight:  # a loss is timed from here when nothing was running
+            self._progress = time.perf_counter()
         self._seq = self._seq % _ID_SPACE + 1
         message = Message(kind, [s.sid for s in samples], list(positions), hidden, prefill,
                           self._seq)
@@ -422,6 +447,9 @@ class Scheduler:
         if self._fruitless > MAX_FRUITLESS_RECOVERIES:
             return RingError(f"gave up: {MAX_FRUITLESS_RECOVERIES} recoveries in a row sampled "
                              f"no token; last: {lost}")
+        if any(len(g.generation.recoveries) >= MAX_RECOVERIES_PER_REQUEST for g in self._groups):
+            return RingError(f"gave up: a request lived through {MAX_RECOVERIES_PER_REQUEST} "
+                             f"recoveries; last: {lost}")
         started = time.perf_counter()
         record = Recovery(list(lost.nodes), max((len(s.tokens) for g in self._groups
                                                  for s in g.samples), default=0),
@@ -449,27 +477,19 @@ class Scheduler:
     def _replay(self, record: Recovery) -> None:
         """Each live sample's prompt and tokens so far, as a prefill through the rebuilt
         pipeline: its KV rows are refilled and its last result gives its next token, as the
-        decode step that was lost would have. A cancelled or failed request just ends."""
-        groups, self._groups = self._groups, []
-        for group in groups:
-            generation = group.generation
-            active = [s for s in group.samples if not s.done and not s.released]
-            if generation.cancel_requested:
-                for sample in active:
-                    sample.finish_reason, sample.released = sample.finish_reason or "cancelled", True
-                self._live -= len(active)
-                if all(s.done for s in generation.samples):
-                    generation.finish()
-                continue
-            fresh = _Group(generation, active, fixed=group.fixed)
-            self._groups.append(fresh)
-            for sample in active:
+        decode step that was lost would have. Every group is settled before the first send,
+        so a loss during the replay finds them all to replay again."""
+        settled = [settle(group) for group in self._groups]
+        self._live -= sum(freed for _, freed in settled)
+        self._groups = [group for group, _ in settled if group is not None]
+        for group in self._groups:
+            for sample in group.samples:
                 tokens = sample.prompt + sample.tokens
                 record.tokens_replayed += len(tokens)
                 for start, end in prefill_chunks(len(tokens), self.prefill_chunk):
                     record.pending += 1
                     self._send(messages.ACTIVATION, [sample], [tokens[start:end]], [start],
-                               _InFlight("prefill", fresh, [sample], end == len(tokens), record),
+                               _InFlight("prefill", group, [sample], end == len(tokens), record),
                                prefill=True)
         if record.pending == 0:
             record.recover_s = time.perf_counter() - record.started

@@ -309,15 +309,8 @@ class RingStarter:
         return status
 
     def link_stats(self) -> List[Dict[str, Any]]:
-        """Every link of the ring in ring order, as its sender counts it: from, to, codec,
-        frames, bytes (headers included)."""
-        tail = self.tail
-        if tail is None:
-            return []
-        names = ["starter"] + [w.name for w in self.ring_workers] + ["starter"]
-        outs = [tail.links.stats()["out"]] + [s.links.get("out", {}) for s in
-                                              probe_all(self.members, defaults.DIAGNOSE_TIMEOUT_S)]
-        return [dict({"from": a, "to": b}, **out) for a, b, out in zip(names, names[1:], outs)]
+        """Every link of the ring in ring order (see ``ring_links``)."""
+        return ring_links(self.tail, self.ring_workers, self.members)
 
     def node_status(self) -> List[NodeStatus]:
         """Every worker's status, asked in parallel: a frozen one costs one timeout, not one
@@ -348,6 +341,18 @@ class RingStarter:
         for thread in threads:
             thread.join(3)
         close_quietly(self.listener)
+
+
+def ring_links(tail: Optional[RingTail], workers: List[NodeSpec],
+               members: List[ControlClient]) -> List[Dict[str, Any]]:
+    """Every link of the ring in ring order, as its sender counts it: from, to, codec,
+    frames, bytes (headers included); the workers' counts asked on their control ports."""
+    if tail is None:
+        return []
+    names = ["starter"] + [w.name for w in workers] + ["starter"]
+    outs = [tail.links.stats()["out"]] + [s.links.get("out", {}) for s in
+                                          probe_all(members, defaults.DIAGNOSE_TIMEOUT_S)]
+    return [dict({"from": a, "to": b}, **out) for a, b, out in zip(names, names[1:], outs)]
 
 
 class RingEngine(Engine):

@@ -9,7 +9,8 @@ from typing import Any, Dict
 
 import pytest
 
-from mdiedge.base.errors import ConfigError, GenerationError, RingError
+from mdiedge.base.errors import (CheckpointError, ConfigError, FrameError, GenerationError,
+                                  QueueFull, RingError)
 from mdiedge.ops.api.chat import DEFAULT_TEMPLATE, ChatTemplate, load_model_template
 from mdiedge.ops.api.errors import ApiError, api_error
 from mdiedge.ops.api.responses import (ChatChunk, ChatCompletion, Choice, Completion,
@@ -177,6 +178,9 @@ def test_a_template_cannot_reach_python_internals() -> None:
     (RingError("w2 is down"), 503),
     (Conflict("busy"), 503),
     (ConfigError("bad"), 400),
+    (QueueFull("64 requests are waiting already"), 429),
+    (FrameError("bad magic"), 503),
+    (CheckpointError("truncated"), 500),
     (RuntimeError("boom"), 500),
     (ApiError(429, "full", retry_after=3), 429),
 ])
@@ -238,3 +242,16 @@ def test_the_served_model_id(path: str, name: str) -> None:
 ])
 def test_the_context_of_a_slot(asked: int, model: int, context: int) -> None:
     assert slot_context(asked, model) == context
+
+
+def test_the_api_key_is_the_files_first_line(tmp_path, monkeypatch) -> None:
+    from mdiedge.ops.api.server import API_KEY_ENV, read_api_key
+
+    key = tmp_path / "key"
+    key.write_text("  s3cret-key  \n# rotated 2026-11-01\n")
+    assert read_api_key(str(key)) == "s3cret-key"
+    key.write_text("")
+    with pytest.raises(ConfigError, match="the file is empty"):
+        read_api_key(str(key))
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert read_api_key(None) == "from-env"

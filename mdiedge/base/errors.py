@@ -28,6 +28,10 @@ class GenerationError(MdiedgeError, ValueError):
     """A generation request cannot be served (e.g. prompt plus budget beyond the context)."""
 
 
+class QueueFull(GenerationError):
+    """Too many requests wait for KV slots already: try again later (HTTP 429)."""
+
+
 class SlotError(MdiedgeError):
     """KV-cache slot table misuse: exhausted, unknown sample, double free."""
 

@@ -35,9 +35,12 @@ def api_key_for(host: str, key_file: Optional[str], insecure: bool) -> Optional[
     from ..runtime.auth import is_loopback
 
     key = read_api_key(key_file)
-    if key is None and not insecure and not is_loopback(host):
-        raise ConfigError(f"refusing to serve the API on {host} without an API key (set "
-                          f"--api-key-file or ${API_KEY_ENV}, or pass --insecure)")
+    if key is None and not is_loopback(host):
+        if not insecure:
+            raise ConfigError(f"refusing to serve the API on {host} without an API key (set "
+                              f"--api-key-file or ${API_KEY_ENV}, or pass --insecure)")
+        typer.echo(f"mdiedge: warning: the API on {host} takes requests from anyone who "
+                   f"reaches it (--insecure, no API key)", err=True)
     return key
 
 

@@ -26,7 +26,7 @@ from .messages import Message
 from .pipeline import ModelEnds, Pipeline
 from .slots import MAX_SAMPLE_ID
 from .stages import LocalStage
-from ..base.errors import GenerationError, MdiedgeError, NodeLost, RingError
+from ..base.errors import GenerationError, MdiedgeError, NodeLost, QueueFull, RingError
 
 _ID_SPACE = MAX_SAMPLE_ID  # sample ids and seqs are u32 on the wire; 0 is never used
 MAX_RECOVERY_ATTEMPTS = 8  # set-ups tried in a row after a loss (each may lose another node)
@@ -140,7 +140,7 @@ class Waiting:
             if error is not None:
                 raise RingError(f"the pipeline failed before: {error}")
             if len(self._items) >= self.limit:
-                raise GenerationError(f"{len(self._items)} requests are waiting already")
+                raise QueueFull(f"{len(self._items)} requests are waiting already")
             self._items.append(item)
 
     def first(self) -> Optional[Tuple[Generation, int]]:

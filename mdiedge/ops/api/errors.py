@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from ...base.errors import GenerationError, MdiedgeError, RingError, TokenizerError
+from ...base.errors import (ConfigError, FrameError, GenerationError, MdiedgeError, QueueFull, RingError,
+                            SlotError, TokenizerError)
 from ...runtime.control import Conflict
 
 # status -> OpenAI error type
@@ -39,10 +40,12 @@ def api_error(error: BaseException) -> ApiError:
     if isinstance(error, ApiError):
         return error
     message = str(error).replace("\n", " ") or type(error).__name__
-    if isinstance(error, (GenerationError, TokenizerError)):
+    if isinstance(error, QueueFull):
+        return ApiError(429, message, code="queue_full", retry_after=5)
+    if isinstance(error, (GenerationError, TokenizerError, ConfigError)):
         return ApiError(400, message)
-    if isinstance(error, (RingError, Conflict)):  # a node down, or the ring busy re-forming
+    if isinstance(error, (RingError, Conflict, FrameError, SlotError)):  # the ring, not the request
         return ApiError(503, message, code="ring_unavailable", retry_after=5)
     if isinstance(error, MdiedgeError):
-        return ApiError(400, message)
+        return ApiError(500, message, code="server_error")
     return ApiError(500, f"{type(error).__name__}: {message}", code="internal_error")

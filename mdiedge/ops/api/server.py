@@ -22,7 +22,8 @@ def read_api_key(path: Optional[str]) -> Optional[str]:
     Never from the command line: argv is visible to every user (``ps``)."""
     if path:
         try:
-            key = Path(path).expanduser().read_text(encoding="utf-8").strip()
+            lines = Path(path).expanduser().read_text(encoding="utf-8").splitlines()
+            key = lines[0].strip() if lines else ""
         except OSError as e:
             raise ConfigError(f"--api-key-file {path}: {e.strerror or e}") from None
         if not key:

@@ -410,11 +410,14 @@ def test_the_long_lived_starter_serves_degraded_then_takes_the_worker_back(
         port = workers[1][1]["control_port"]
         workers[1][0].kill()
         workers[1][0].wait()
+        unnoticed = status()  # no request since: the starter does not know yet
+        assert unnoticed.returncode == 69, unnoticed.stdout + unnoticed.stderr
         assert generate()["samples"][0]["token_ids"] == want  # served without w2
         degraded = status()
         assert degraded.returncode == 75, degraded.stdout + degraded.stderr
         nodes = {n["name"]: n for n in json.loads(degraded.stdout)["nodes"]}
         assert nodes["starter"]["state"] == "degraded" and nodes["w2"]["state"] == "down"
+        assert nodes["starter"]["lost"] == ["w2"]
         assert nodes["starter"]["layers"][0] == 0 and nodes["w1"]["layers"][1] == 5  # all 5 blocks
         assert nodes["w2"]["layers"] is None
         workers[1] = worker("w2", port)

@@ -19,8 +19,9 @@ def status(
                               "fit the terminal)."),
 ) -> None:
     """Show every node of the ring and where its layers live. Exit code 0 when every node
-    answered; 75 when the starter serves without a lost worker (state "degraded": it rejoins
-    when it answers again); else 69 when any node is down; else 77 when a node refused the
+    answered; 69 when a node is down that the starter does not know of yet (or any node is
+    down, with --ring); else 75 when the starter serves without a lost worker or spare
+    (state "degraded": it rejoins when it answers again); else 77 when a node refused the
     request as unsigned or wrongly signed (state "unauthorized": set MDIEDGE_SECRET or the
     ring file's secret)."""
     from ..ops.console import print_status, refused, starter_nodes
@@ -46,6 +47,8 @@ def status(
                                "degraded": degraded}))
     else:
         print_status(nodes, wide)
-    if degraded or down or denied:
-        raise typer.Exit(75 if degraded else 69 if down else 77)
+    lost = {name for n in nodes if n.get("role") == "starter" for name in n.get("lost") or []}
+    code = 69 if set(down) - lost else 75 if degraded or down else 77 if denied else 0
+    if code:
+        raise typer.Exit(code)
 

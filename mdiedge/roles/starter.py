@@ -302,6 +302,7 @@ class RingStarter:
             status.busy_fraction = round(stats.compute_s / stats.wall_s, 4) if stats.wall_s else 0.0
         if self.tail is not None:
             status.links = self.tail.links.stats()
+        status.lost = sorted(dict(self.membership.lost))
         if self.membership.degraded:
             status.state = "degraded"
             status.error = "serving without " + "; ".join(

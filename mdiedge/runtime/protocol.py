@@ -185,6 +185,7 @@ class NodeStatus:
     data_port: int = 0
     expert_load: Dict[str, List[int]] = field(default_factory=dict)
     recoveries: int = 0  # a starter: rings rebuilt after a lost node
+    lost: List[str] = field(default_factory=list)  # a starter: workers it serves without
     links: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # LinkPair.stats(): in, out
     error: Optional[str] = None
 

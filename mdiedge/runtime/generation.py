@@ -145,7 +145,7 @@ class Generation:
         """Sample one token for each of ``samples`` from its row of ``logits`` (B, vocab)."""
         if self.cancel_requested:
             for sample in samples:
-                sample.finish_reason = "cancelled"
+                sample.finish_reason = sample.finish_reason or "cancelled"  # "error" stays
             return
         tokens = sample_rows(logits, self.params, [s.generator for s in samples])
         now = time.perf_counter()

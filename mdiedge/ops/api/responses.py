@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional
 
 # the engine's finish reasons -> OpenAI's ("cancelled" and "error" never reach a client)
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -46,87 +46,63 @@ class Choice:
 
 
 @dataclass
-class Completion:
+class _Reply:
+    """What every completion body and stream chunk shares: its id, time, model, choices (each
+    shaped by ``choice``) and, when set, the usage."""
+
+    OBJECT: ClassVar[str] = ""
     id: str
     created: int
     model: str
     choices: List[Choice]
-    usage: Usage
+    usage: Optional[Usage] = None
+
+    def choice(self, c: Choice) -> Dict[str, Any]:
+        return {"text": c.text}
 
     def to_json(self) -> Dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model,
-                "choices": [{"index": c.index, "text": c.text, "logprobs": None,
-                             "finish_reason": finish_reason(c.finish_reason)}
-                            for c in self.choices],
-                "usage": self.usage.to_json()}
+        body: Dict[str, Any] = {
+            "id": self.id, "object": self.OBJECT, "created": self.created, "model": self.model,
+            "choices": [dict(index=c.index, **self.choice(c), logprobs=None,
+                             finish_reason=finish_reason(c.finish_reason))
+                        for c in self.choices]}
+        if self.usage is not None:
+            body["usage"] = self.usage.to_json()
+        return body
 
 
 @dataclass
-class ChatCompletion:
-    id: str
-    created: int
-    model: str
-    choices: List[Choice]
-    usage: Usage
-
-    def to_json(self) -> Dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.model,
-                "choices": [{"index": c.index, "logprobs": None,
-                             "message": {"role": "assistant", "content": c.text},
-                             "finish_reason": finish_reason(c.finish_reason)}
-                            for c in self.choices],
-                "usage": self.usage.to_json()}
+class Completion(_Reply):
+    OBJECT: ClassVar[str] = "text_completion"
 
 
 @dataclass
-class CompletionChunk:
+class CompletionChunk(_Reply):
     """A stream's event: one choice's increment, or (no choices) the closing usage."""
 
-    id: str
-    created: int
-    model: str
-    choices: List[Choice]
-    usage: Optional[Usage] = None
-
-    def to_json(self) -> Dict[str, Any]:
-        body = {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model,
-                "choices": [{"index": c.index, "text": c.text, "logprobs": None,
-                             "finish_reason": finish_reason(c.finish_reason)}
-                            for c in self.choices]}
-        if self.usage is not None:
-            body["usage"] = self.usage.to_json()
-        return body
+    OBJECT: ClassVar[str] = "text_completion"
 
 
 @dataclass
-class ChatChunk:
+class ChatCompletion(_Reply):
+    OBJECT: ClassVar[str] = "chat.completion"
+
+    def choice(self, c: Choice) -> Dict[str, Any]:
+        return {"message": {"role": "assistant", "content": c.text}}
+
+
+@dataclass
+class ChatChunk(_Reply):
     """A chat stream's event; ``role`` is sent once, in each choice's first chunk."""
 
-    id: str
-    created: int
-    model: str
-    choices: List[Choice]
+    OBJECT: ClassVar[str] = "chat.completion.chunk"
     role: bool = False
-    usage: Optional[Usage] = None
 
-    def to_json(self) -> Dict[str, Any]:
-        def delta(c: Choice) -> Dict[str, str]:
-            d = {"role": "assistant"} if self.role else {}
-            if c.text or self.role:
-                d["content"] = c.text
-            return d
-
-        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model,
-                "choices": [{"index": c.index, "delta": delta(c), "logprobs": None,
-                             "finish_reason": finish_reason(c.finish_reason)}
-                            for c in self.choices]}
-        if self.usage is not None:
-            body["usage"] = self.usage.to_json()
-        return body
+    def choice(self, c: Choice) -> Dict[str, Any]:
+        delta: Dict[str, str] = {"role": "assistant"} if self.role else {}
+        if c.text or self.role:
+            delta["content"] = c.text
+        return {"delta": delta}
 
 
 @dataclass

@@ -155,9 +155,11 @@ def check_pack_args(msg_type: Any, flags: Any, dtype: Any, sample_ids: Sequence[
         raise FrameError(f"ndim {len(dims)} exceeds {MAX_NDIM}")
     n_tokens = _uint("n_tokens", n_tokens, U32_MAX)
     seq = _uint("seq", seq, U32_MAX)
+    extent = payload_len(dims, ITEMSIZE[dtype])  # the tensor's bytes, whatever the codec
+    if extent >= U64_LIMIT:
+        raise FrameError(f"payload_len of shape {tuple(dims)} ({extent} bytes as a tensor) "
+                         f"does not fit in 64 bits")
     size = payload_len(dims, ITEMSIZE[dtype], codec)
-    if size >= U64_LIMIT:
-        raise FrameError(f"payload_len {size} of shape {tuple(dims)} does not fit in 64 bits")
     return msg_type, flags, dtype, ids, pos, n_tokens, dims, seq, size
 
 
@@ -195,9 +197,10 @@ def check_fields(magic: bytes, version: int, msg_type: int, flags: int, dtype: i
     if size > max_payload:
         raise FrameError(f"payload_len {size} exceeds max_payload {max_payload}")
     extent = payload_len([d or 1 for d in shape], ITEMSIZE[dtype])
-    if extent > max_payload:  # a zero dim empties the tensor, but not the others' product
+    limit = min(max_payload, U64_LIMIT - 1)  # a coded payload may be small, its tensor not
+    if extent > limit:  # a zero dim empties the tensor, but not the others' product
         raise FrameError(f"shape {shape} of dtype code {dtype} exceeds max_payload "
-                         f"{max_payload}: its nonzero dims span {extent} bytes")
+                         f"{limit}: its nonzero dims span {extent} bytes")
 
 
 def check_fixed_size(size: int) -> None:

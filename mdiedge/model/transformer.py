@@ -229,8 +229,16 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, mask, slots, positions)
         return x
 
-    def _run_blocks_uncached(self, x: Tensor) -> Tensor:
-        """Causal forward over whole sequences from position 0, without a KV cache (training)."""
+    def hidden_states(self, tokens: Tensor) -> List[Tensor]:
+        """Every block's output, each (B, T, dim), for whole sequences from position 0 without
+        a KV cache (training and calibration of early exits): element i is block first + i's."""
+        states: List[Tensor] = []
+        self._run_blocks_uncached(self.embed_tokens(tokens), states)
+        return states
+
+    def _run_blocks_uncached(self, x: Tensor, states: Optional[List[Tensor]] = None) -> Tensor:
+        """Causal forward over whole sequences from position 0, without a KV cache (training);
+        each block's output is appended to ``states`` when given."""
         seq_len = x.shape[1]
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {seq_len} beyond max_seq_len {self.cfg.max_seq_len}")
@@ -242,6 +250,8 @@ class Transformer(nn.Module):
         sin = self.rope_sin[None, None, :seq_len]
         for block in self.layers.values():
             x = block(x, cos, sin, None, _NO_SLOTS, ())
+            if states is not None:
+                states.append(x)
         return x
 
     def head_logits(self, x: Tensor) -> Tensor:

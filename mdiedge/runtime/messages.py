@@ -31,6 +31,12 @@ class Message:
     hidden: Optional[torch.Tensor] = None  # (B, T, dim) for ACTIVATION and PING
     prefill: bool = False  # a prompt chunk: slots of rows at position 0 are allocated
     seq: int = 0  # the starter's message number; comes back unchanged
+    # early exit (decode only): blocks run before the whole message exited (0: it did not);
+    # after an exit the hidden states are the exit states and later nodes only fill KV
+    exit_depth: int = 0
+    # per row, eligible to exit in this step (sticky: once eligible, eligible for the
+    # blocks after it, on this node and the next); empty: no row is
+    eligible: List[bool] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -41,7 +47,8 @@ class Message:
 
     def reply(self, hidden: Optional[torch.Tensor]) -> "Message":
         """The same rows, carrying ``hidden``."""
-        return Message(self.kind, self.sample_ids, self.positions, hidden, self.prefill, self.seq)
+        return Message(self.kind, self.sample_ids, self.positions, hidden, self.prefill, self.seq,
+                       self.exit_depth, self.eligible)
 
 
 def send(sock: Any, message: Message, codecs: Compression = NO_COMPRESSION) -> int:

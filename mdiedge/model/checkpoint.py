@@ -21,6 +21,7 @@ from torch import Tensor
 from ..base.dtypes import BY_SAFETENSORS
 from ..base.errors import CheckpointError, ConfigError
 from .config import ModelConfig, config_from_hf, config_to_hf, read_json
+from .exitfiles import CLASSIFIER_FILE
 
 PathLike = Union[str, Path]
 
@@ -395,15 +396,15 @@ _HASH_CACHE: Dict[Tuple[str, Tuple[Tuple[str, int, int], ...]], str] = {}
 
 
 def content_hash(model: PathLike) -> str:
-    """sha256 (hex) of a model's identity: config.json and the weight files, or the llama2.c
-    file. Cached per process by path, size and modification time."""
+    """sha256 (hex) of a model's identity: config.json and the weight files (not the exit
+    classifier calibrated for it), or the llama2.c file. Cached per process by path, size and modification time."""
     path = Path(model)
     if path.is_file():
         files = [path]
     else:
         files = sorted(f for f in path.iterdir() if f.is_file() and (
             f.name in ("config.json", "pytorch_model.bin", "model.safetensors.index.json")
-            or f.suffix == ".safetensors"))
+            or f.suffix == ".safetensors" and f.name != CLASSIFIER_FILE))
     stamp = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
     key = (str(path.resolve()), stamp)
     if key not in _HASH_CACHE:

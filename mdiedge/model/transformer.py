@@ -12,6 +12,7 @@ SwiGLU (Shazeer 2020), Mixtral (Jiang et al. 2024).
 from __future__ import annotations
 
 import math
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
+from .exits import ExitStep
 from .layers import MLP, Linear, RMSNorm, apply_rope, rope_tables
 from .moe import MoE
 
@@ -97,6 +99,16 @@ class Attention(nn.Module):
         self.wv = Linear(cfg.dim, cfg.kv_dim)
         self.wo = Linear(cfg.q_dim, cfg.dim)
         self.cache: Optional[KVCache] = None
+
+    def fill_kv(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor,
+                positions: Sequence[int]) -> None:
+        """Write the keys and values of ``x`` (B, T, dim), already normed, at each row's slot
+        and position, as ``forward`` would, without computing the attention."""
+        batch, seq_len, _ = x.shape
+        k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        assert self.cache is not None
+        self.cache.update(slots, positions, apply_rope(k, cos, sin), v)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor],
                 slots: Tensor, positions: Sequence[int]) -> Tensor:
@@ -205,13 +217,45 @@ class Transformer(nn.Module):
             raise RuntimeError("this chunk holds no embedding")
         return self.embed(tokens)
 
-    def run_blocks(self, x: Tensor, slots: Tensor, positions: Sequence[int]) -> Tensor:
-        """x: (B, T, dim) hidden states; row b starts at ``positions[b]`` in slot ``slots[b]``."""
+    def run_blocks(self, x: Tensor, slots: Tensor, positions: Sequence[int],
+                   exit_step: Optional[ExitStep] = None) -> Tensor:
+        """x: (B, T, dim) hidden states; row b starts at ``positions[b]`` in slot ``slots[b]``.
+
+        With ``exit_step`` (decode), the criterion runs after each block; once the step has
+        exited (here or on an earlier node), the remaining blocks only fill their KV from
+        the exit state, which is returned."""
         if not self.layers:
             return x
-        batch, seq_len, _ = x.shape
         if self.n_slots == 0:
             return self._run_blocks_uncached(x)
+        cos, sin, mask = self._rope_and_mask(x, positions)
+        blocks = list(self.layers.items())
+        for n, (index, block) in enumerate(blocks):
+            previous = x
+            x = block(x, cos, sin, mask, slots, positions)
+            if exit_step is not None and exit_step.after_block(int(index), x, previous):
+                t0 = time.perf_counter()
+                for _, skipped in blocks[n + 1:]:
+                    skipped.attn.fill_kv(skipped.attn_norm(x), cos, sin, slots, positions)
+                exit_step.fill_s += time.perf_counter() - t0
+                break
+        return x
+
+    def fill_kv(self, x: Tensor, slots: Tensor, positions: Sequence[int]) -> None:
+        """KV fill (early exit): every block of this chunk writes the keys and values its own
+        norm and K/V projections make of ``x`` (B, T, dim), the exit state, at each row's slot
+        and position; nothing else runs."""
+        if not self.layers:
+            return
+        cos, sin, _ = self._rope_and_mask(x, positions)
+        for block in self.layers.values():
+            block.attn.fill_kv(block.attn_norm(x), cos, sin, slots, positions)
+
+    def _rope_and_mask(self, x: Tensor, positions: Sequence[int]
+                       ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        """RoPE tables (B, 1, T, hd) of the rows' positions, and the attention mask
+        (B, 1, T, L) (None for one row of one token, which sees its whole cache)."""
+        batch, seq_len, _ = x.shape
         if max(positions) + seq_len > self.max_seq_len:
             raise ValueError(f"position {max(positions) + seq_len} beyond the KV cache "
                              f"length {self.max_seq_len}")
@@ -225,9 +269,7 @@ class Transformer(nn.Module):
         if not (batch == 1 and seq_len == 1):
             key_pos = torch.arange(max(positions) + seq_len, device=device)
             mask = (key_pos <= query_pos[..., None]).unsqueeze(1)  # (B, 1, T, L)
-        for block in self.layers.values():
-            x = block(x, cos, sin, mask, slots, positions)
-        return x
+        return cos, sin, mask
 
     def hidden_states(self, tokens: Tensor) -> List[Tensor]:
         """Every block's output, each (B, T, dim), for whole sequences from position 0 without

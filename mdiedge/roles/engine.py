@@ -15,13 +15,15 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..base import defaults
 from ..base.errors import MdiedgeError
-from ..model.checkpoint import load_config, load_model, resolve_model_path
+from ..model.checkpoint import content_hash, load_config, load_model, resolve_model_path
+from ..model.exitfiles import ExitSettings, exit_policy
 from ..model.config import ModelConfig
 from ..model.devices import parse_device, parse_dtype
 from ..model.sampling import SamplingParams
 from ..model.tokenizer import Tokenizer, decode_continuation, load_tokenizer
 from ..model.stopping import StopMatcher, check_stops, cut_at_stop
-from ..runtime.generation import Generation, Recovery, Sample, Timing, TokenCallback
+from ..runtime.generation import (ExitCounts, Generation, Recovery, Sample, Timing,
+                                  TokenCallback)
 from ..runtime.partition import split_layers
 from ..runtime.pipeline import ModelEnds, Pipeline
 from ..runtime.scheduler import Scheduler
@@ -63,11 +65,15 @@ class GenerationOutput:
     samples: List[Dict[str, Any]]
     timing: Timing
     recoveries: List[Recovery] = field(default_factory=list)
+    early_exit: Optional[Dict[str, Any]] = None  # criterion, exit rates, layers per token
 
     def as_dict(self) -> Dict[str, Any]:
-        return {"prompt": self.prompt, "prompt_tokens": len(self.prompt_ids),
-                "samples": self.samples, "timing": self.timing.as_dict(),
-                "recoveries": [r.as_dict() for r in self.recoveries]}
+        out = {"prompt": self.prompt, "prompt_tokens": len(self.prompt_ids),
+               "samples": self.samples, "timing": self.timing.as_dict(),
+               "recoveries": [r.as_dict() for r in self.recoveries]}
+        if self.early_exit is not None:
+            out["early_exit"] = self.early_exit
+        return out
 
 
 class TextModel:
@@ -115,8 +121,13 @@ class TextModel:
         samples = [{"index": s.index, "text": self.sample_text(s),
                     "token_ids": s.tokens, "finish_reason": s.finish_reason}
                    for s in generation.samples]
+        early_exit = None
+        settings: Optional[ExitSettings] = getattr(self, "early_exit", None)
+        if settings is not None:
+            counts = generation.exits or ExitCounts(self.cfg.n_layers)
+            early_exit = dict(criterion=settings.criterion, **counts.as_dict())
         return GenerationOutput(prompt, generation.samples[0].prompt, samples, timing,
-                                generation.recoveries)
+                                generation.recoveries, early_exit)
 
 
 class Engine(TextModel):
@@ -180,8 +191,9 @@ class LocalEngine(Engine):
 
     def __init__(self, model: Optional[PathLike] = None, tokenizer: Optional[PathLike] = None,
                  device: str = "cpu", dtype: str = "float32", stages: int = 1,
-                 prefill_chunk: int = 0) -> None:
+                 prefill_chunk: int = 0, early_exit: Optional[ExitSettings] = None) -> None:
         self._open(model, tokenizer)
+        self.early_exit = early_exit
         self.device, self.dtype = str(parse_device(device)), parse_dtype(dtype)
         self.ranges = split_layers(self.cfg.n_layers, [1.0] * stages) if stages > 1 \
             else [(0, self.cfg.n_layers)]
@@ -189,6 +201,10 @@ class LocalEngine(Engine):
                                   device=self.device, dtype=self.dtype)
                        for i, r in enumerate(self.ranges)]
         self.model = self.chunks[0]  # the embedding, the first blocks and the head
+        self.exit_policy = None if early_exit is None else exit_policy(
+            early_exit, self.cfg, content_hash(self.path), self.model.head_logits)
+        if self.exit_policy is not None and self.exit_policy.classifier is not None:
+            self.exit_policy.classifier.to(self.device)
         self.prefill_chunk = prefill_chunk
         self.scheduler: Optional[Scheduler] = None
         self._setup_lock = threading.Lock()
@@ -200,10 +216,12 @@ class LocalEngine(Engine):
             current = None  # broken, or too small with nothing running: set up anew
         if current is None:
             last = len(self.chunks) - 1
-            stages = [LocalStage(chunk, n_slots, context, trim_prefill=i == last)
+            stages = [LocalStage(chunk, n_slots, context, trim_prefill=i == last,
+                                 exit_policy=self.exit_policy)
                       for i, chunk in enumerate(self.chunks)]
-            current = self.scheduler = Scheduler(Pipeline(stages), ModelEnds(self.model),
-                                                 self.prefill_chunk)
+            current = self.scheduler = Scheduler(
+                Pipeline(stages), ModelEnds(self.model), self.prefill_chunk,
+                exit_layers=self.cfg.n_layers if self.exit_policy is not None else 0)
         return current
 
     @property

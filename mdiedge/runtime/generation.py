@@ -81,6 +81,35 @@ class Recovery:
                 "tokens_replayed": self.tokens_replayed}
 
 
+@dataclass
+class ExitCounts:
+    """Early exit as a generation saw it: decode tokens by the blocks they ran (``n_layers``
+    for those that ran every block) and the KV-fill seconds of this process's stages."""
+
+    n_layers: int
+    by_depth: Dict[int, int] = field(default_factory=dict)
+    kv_fill_s: float = 0.0
+
+    def add(self, depth: int, rows: int) -> None:
+        depth = depth or self.n_layers
+        self.by_depth[depth] = self.by_depth.get(depth, 0) + rows
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.by_depth.values())
+
+    def as_dict(self) -> Dict[str, object]:
+        """``exit_rate``: per block (1-based), the share of decode tokens that exited after
+        it; ``mean_layers``: blocks run per decode token."""
+        total = self.tokens
+        rates = {str(d): round(n / total, 4) for d, n in sorted(self.by_depth.items())
+                 if d < self.n_layers} if total else {}
+        mean = sum(d * n for d, n in self.by_depth.items()) / total if total else 0.0
+        return {"tokens": total, "exited": total - self.by_depth.get(self.n_layers, 0),
+                "exit_rate": rates, "mean_layers": round(mean, 3),
+                "kv_fill_s": round(self.kv_fill_s, 4)}
+
+
 def check_context(prompt_len: int, max_new_tokens: int, context: int) -> None:
     if prompt_len == 0:
         raise GenerationError("empty prompt: the model needs at least one token (a BOS id or text)")
@@ -118,6 +147,7 @@ class Generation:
         self.cancel_requested = False  # set by any thread; the scheduler acts on it
         self.error: Optional[BaseException] = None  # set when the pipeline failed under it
         self.recoveries: List[Recovery] = []  # lost nodes it lived through
+        self.exits: Optional[ExitCounts] = None  # set by a scheduler that exits early
 
     @property
     def active(self) -> List[Sample]:

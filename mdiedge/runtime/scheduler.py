@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from . import messages
-from .generation import Generation, Recovery, Sample, Timing
+from .generation import ExitCounts, Generation, Recovery, Sample, Timing
 from .messages import Message
 from .pipeline import ModelEnds, Pipeline
 from .slots import MAX_SAMPLE_ID
@@ -184,6 +184,16 @@ def accept_parts(ends: ModelEnds, parts: List[Part], hidden: Any) -> None:
         row += len(samples)
 
 
+def count_exits(parts: List[Part], depth: int, n_layers: int) -> None:
+    """Each request's decode rows of a message that came back after ``depth`` blocks (0:
+    every block)."""
+    for group, samples in parts:
+        generation = group.generation
+        if generation.exits is None:
+            generation.exits = ExitCounts(n_layers)
+        generation.exits.add(depth, len(samples))
+
+
 def settle(group: _Group) -> Tuple[Optional[_Group], int]:
     """``group`` as a rebuilt pipeline sees it: its samples that go on (None if none), and how
     many that ended (finished, failed, cancelled) it frees here: the new pipeline never held
@@ -205,7 +215,9 @@ def settle(group: _Group) -> Tuple[Optional[_Group], int]:
 class Scheduler:
     """Runs generations over ``pipeline`` with ``ends`` (embedding and head).
 
-    ``prefill_chunk``: tokens per prefill message (0: the whole prompt); ``timeout_s``: how
+    ``exit_layers``: the model's block count when decode steps may exit early (their exits
+    are counted per request); ``prefill_chunk``: tokens per prefill message (0: the whole
+    prompt); ``timeout_s``: how
     long a message may take around the pipeline; ``rebuild``: when nodes are lost, gives the
     pipeline without them, and every live sample's tokens so far are replayed through it as a
     prefill (Petals-style recovery; its sampling generator carries on, so the output is the
@@ -213,8 +225,9 @@ class Scheduler:
 
     def __init__(self, pipeline: Pipeline, ends: ModelEnds, prefill_chunk: int = 0,
                  timeout_s: Optional[float] = None, max_waiting: int = 64,
-                 rebuild: Optional[Rebuild] = None) -> None:
+                 rebuild: Optional[Rebuild] = None, exit_layers: int = 0) -> None:
         self.pipeline, self.ends, self.rebuild = pipeline, ends, rebuild
+        self.exit_layers = exit_layers  # the model's blocks when steps may exit early, else 0
         self.recoveries: List[Recovery] = []
         self._progress = time.perf_counter()  # when a message last came back
         self._fruitless = 0  # recoveries since a token was last sampled
@@ -366,6 +379,8 @@ class Scheduler:
         t0 = time.perf_counter()
         self._fruitless = 0
         parts = entry.parts or [(entry.group, entry.samples)]
+        if self.exit_layers and entry.kind == "decode":
+            count_exits(parts, message.exit_depth, self.exit_layers)
         accept_parts(self.ends, parts, message.hidden)
         self.stats.compute_s += time.perf_counter() - t0  # sends count their own time
         if entry.parts:
@@ -430,10 +445,21 @@ class Scheduler:
         message = Message(kind, [s.sid for s in samples], list(positions), hidden, prefill,
                           self._seq)
         self._inflight[self._seq] = entry
+        filled = self._kv_fill_s()
         self.pipeline.submit(message)
+        if self.exit_layers and entry.kind == "decode":  # local stages ran in submit
+            spent = self._kv_fill_s() - filled
+            for group, _ in entry.parts or [(entry.group, entry.samples)]:
+                if group.generation.exits is None:
+                    group.generation.exits = ExitCounts(self.exit_layers)
+                group.generation.exits.kv_fill_s += spent
         self.stats.messages += 1
         self.stats.tokens += message.tokens
         self.stats.compute_s += time.perf_counter() - t0
+
+    def _kv_fill_s(self) -> float:
+        return sum(stage.counters.kv_fill_s for stage in self.pipeline.stages) \
+            if self.exit_layers else 0.0
 
     # ----------------------------------------------------------------- recovery
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from . import messages
 from .messages import Message
 from .slots import SlotTable
+from ..model.exits import ExitPolicy, ExitStep
 from ..base.errors import RingError
 
 
@@ -29,16 +30,21 @@ class StageCounters:
     tokens: int = 0
     compute_s: float = 0.0
     since: float = 0.0  # time.time() of the set-up
+    kv_fill_s: float = 0.0  # early exit: filling the KV of the blocks a step skipped
 
 
 class LocalStage:
     """Blocks of one in-process model chunk, for ``n_slots`` samples of ``context`` tokens.
 
     ``trim_prefill``: the last stage before the head returns only the last position of a
-    prefill chunk (the head needs no more)."""
+    prefill chunk (the head needs no more). ``exit_policy``: decode steps may exit early
+    after any of its blocks (``mdiedge.model.exits``); a step that exited on an earlier node
+    only fills this stage's KV and passes on."""
 
-    def __init__(self, model: Any, n_slots: int, context: int, trim_prefill: bool = False) -> None:
+    def __init__(self, model: Any, n_slots: int, context: int, trim_prefill: bool = False,
+                 exit_policy: Optional[ExitPolicy] = None) -> None:
         self.model = model  # a mdiedge.model.transformer.Transformer
+        self.exit_policy = exit_policy
         param = next(model.parameters(), None)
         self.device = param.device if param is not None else torch.device("cpu")
         self.dtype = param.dtype if param is not None else torch.float32
@@ -56,7 +62,7 @@ class LocalStage:
         """Run ``message`` through this stage; RELEASE frees slots, PING and SHUTDOWN pass."""
         t0 = time.perf_counter()
         if message.kind == messages.ACTIVATION:
-            out = message.reply(self._run(message))
+            out = self._run(message)
             self.counters.tokens += message.tokens
         elif message.kind == messages.RELEASE:
             self.release(message.sample_ids)
@@ -67,17 +73,42 @@ class LocalStage:
         self.counters.compute_s += time.perf_counter() - t0
         return out
 
-    def _run(self, message: Message) -> torch.Tensor:
+    def _run(self, message: Message) -> Message:
         rows = self._rows(message)
         x = message.hidden
         assert x is not None
+        x = x.to(device=self.device, dtype=self.dtype)
+        slots, positions = torch.tensor(rows, device=self.device), list(message.positions)
+        if self.exit_policy is not None and not message.prefill:
+            return self._run_exiting(message, x, slots, positions)
+        if message.exit_depth:
+            raise RingError(f"layers {self.layers}: a step exited after block "
+                            f"{message.exit_depth} but early exit is off here")
         with torch.inference_mode():
-            y = self.model.run_blocks(x.to(device=self.device, dtype=self.dtype),
-                                      torch.tensor(rows, device=self.device),
-                                      list(message.positions))  # (B, T, dim)
+            y = self.model.run_blocks(x, slots, positions)  # (B, T, dim)
         if self.trim_prefill and message.prefill:
             y = y[:, -1:]  # (B, 1, dim)
-        return y
+        return message.reply(y)
+
+    def _run_exiting(self, message: Message, x: torch.Tensor, slots: torch.Tensor,
+                     positions: List[int]) -> Message:
+        """A decode step under early exit: the blocks with the criterion after each, or,
+        after an exit (here or before), the KV fill of the rest."""
+        assert self.exit_policy is not None
+        step = ExitStep.start(self.exit_policy, x.shape[0], message.eligible,
+                              message.exit_depth, self.device)
+        with torch.inference_mode():
+            if step.exited:
+                t0 = time.perf_counter()
+                self.model.fill_kv(x, slots, positions)
+                self.counters.kv_fill_s += time.perf_counter() - t0
+                y = x
+            else:
+                y = self.model.run_blocks(x, slots, positions, step)  # (B, T, dim)
+                self.counters.kv_fill_s += step.fill_s
+        out = message.reply(y)
+        out.exit_depth, out.eligible = step.depth, step.eligible_list()
+        return out
 
     def _rows(self, message: Message) -> List[int]:
         """KV rows of the message's samples: a prefill at position 0 takes a free row."""

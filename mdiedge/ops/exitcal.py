@@ -1,0 +1,192 @@
+"""``mdiedge calibrate-exit``: per criterion, the thresholds after each block that reach a
+target top-1 agreement with the full model on held-out text, and the exit classifier.
+
+Teacher-forced over text: every block's output on every position, the top-1 of the shared
+head on it, and the three confidences (``mdiedge.model.exits``). A token exits after the
+first block whose confidence reaches its threshold; it agrees when that block's top-1 is the
+last block's. For each block the threshold is the lowest whose exiting tokens agree at least
+``target + margin`` of the time; ``margin`` grows until the whole rule (first exit wins)
+reaches ``target`` on the calibration text (CALM's calibration, by a simpler search).
+
+Text: the classifier trains on the first part of the text (``train_share`` of what precedes
+the held-out tail); the thresholds are chosen on the first half of the held-out tail, and
+``mdiedge bench --early-exit`` measures on its second half (``held_out_halves``).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..model.exitfiles import (CLASSIFIER_FILE, THRESHOLDS_FILE, save_classifier,
+                               thresholds_to_json)
+from ..model.exits import CRITERIA, NEVER, ExitClassifier, cosine, softmax_margin
+
+MIN_EXITS = 16  # fewer calibration tokens than this past a threshold: never exit there
+
+
+@dataclass
+class LayerTrace:
+    """Teacher-forced, per block (rows) and position (columns): the head's top-1 on the
+    block's output, whether it is the last block's, and each criterion's confidence."""
+
+    top1: Tensor  # (L, N) long
+    agree: Tensor  # (L, N) bool
+    scores: Dict[str, Tensor]  # criterion -> (L, N) float
+
+    @property
+    def tokens(self) -> int:
+        return int(self.top1.shape[1])
+
+
+def held_out_halves(tokens: List[int]) -> Tuple[List[int], List[int]]:
+    """The held-out tokens split: calibration first, the bench's measurement second."""
+    half = len(tokens) // 2
+    return tokens[:half], tokens[half:]
+
+
+@torch.no_grad()
+def block_states(model: Any, tokens: List[int], window: int) -> Tuple[Tensor, Tensor]:
+    """Every block's output at every position (L, N, dim) and the embedding (N, dim), over
+    windows of ``window`` tokens each from position 0 (the last token has no target and is
+    left out)."""
+    states, embeds = [], []
+    for start in range(0, len(tokens) - 1, window):
+        chunk = torch.tensor(tokens[start:start + window])[None]  # (1, T)
+        states.append(torch.stack(model.hidden_states(chunk))[:, 0])  # (L, T, dim)
+        embeds.append(model.embed_tokens(chunk)[0])
+    h = torch.cat(states, dim=1)[:, :len(tokens) - 1]
+    return h, torch.cat(embeds)[:len(tokens) - 1]
+
+
+@torch.no_grad()
+def trace(model: Any, states: Tensor, embeds: Tensor,
+          classifier: Optional[ExitClassifier] = None) -> LayerTrace:
+    top1 = torch.stack([model.head_logits(h).argmax(-1) for h in states])  # (L, N)
+    margins = torch.stack([softmax_margin(model.head_logits(h)) for h in states])
+    previous = torch.cat([embeds[None], states[:-1]])  # each block's input
+    scores = {"softmax": margins, "similarity": cosine(states, previous)}
+    if classifier is not None:
+        scores["classifier"] = torch.stack([classifier(i, h) for i, h in enumerate(states)])
+    return LayerTrace(top1, top1 == top1[-1], scores)
+
+
+def train_classifier(states: Tensor, agree: Tensor, steps: int = 300, lr: float = 3e-3,
+                     seed: int = 0) -> ExitClassifier:
+    """Per block, an MLP from its output to whether the head there agrees with the last
+    block (binary cross-entropy, Adam, full batch)."""
+    n_layers, _, dim = states.shape
+    torch.manual_seed(seed)
+    classifier = ExitClassifier(n_layers, dim)
+    with torch.no_grad():
+        for p in (classifier.w1, classifier.w2):
+            p.normal_(0, dim ** -0.5 if p is classifier.w1 else classifier.hidden ** -0.5)
+    opt = torch.optim.Adam(classifier.parameters(), lr=lr)
+    target = agree.float()
+    for _ in range(steps):
+        logits = torch.stack([classifier.logit(i, states[i]) for i in range(n_layers)])
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return classifier.eval()
+
+
+def layer_threshold(scores: Tensor, agree: Tensor, precision: float) -> float:
+    """The lowest threshold whose tokens at or above it agree at least ``precision`` of the
+    time (at least ``MIN_EXITS`` of them), else never."""
+    order = torch.argsort(scores, descending=True)
+    hits = agree[order].float().cumsum(0)
+    counts = torch.arange(1, len(order) + 1, dtype=torch.float32)
+    ok = (hits / counts >= precision) & (counts >= MIN_EXITS)
+    ok &= torch.cat([scores[order][:-1] > scores[order][1:], torch.tensor([True])])  # ties
+    if not bool(ok.any()):
+        return NEVER
+    last = int(torch.nonzero(ok).max())
+    return float(scores[order][last])
+
+
+def simulate(trace_: LayerTrace, criterion: str, thresholds: List[float]) -> Dict[str, Any]:
+    """The rule on the traced tokens, one row each: agreement, blocks per token, exit rates."""
+    scores, n_layers = trace_.scores[criterion], trace_.top1.shape[0]
+    limits = torch.tensor(thresholds[:n_layers - 1])[:, None]
+    passes = torch.cat([scores[:-1] >= limits, torch.ones(1, trace_.tokens, dtype=torch.bool)])
+    depth = passes.float().argmax(0)  # (N,) index of the first block that passes
+    agreed = trace_.agree.gather(0, depth[None])[0]
+    counts = torch.bincount(depth, minlength=n_layers).tolist()
+    return {"top1_agreement": round(float(agreed.float().mean()), 5),
+            "mean_layers": round(float((depth + 1).float().mean()), 3),
+            "exit_rate": {str(i + 1): round(c / trace_.tokens, 4)
+                          for i, c in enumerate(counts[:-1]) if c}}
+
+
+def calibrate(trace_: LayerTrace, criterion: str, target: float) -> Dict[str, Any]:
+    """The thresholds for ``criterion`` that reach ``target`` on the traced tokens."""
+    scores, agree = trace_.scores[criterion], trace_.agree
+    n_layers = scores.shape[0]
+    for margin in [0.0, 0.005, 0.01, 0.02, 0.03, 0.05, 0.08, 1.0]:
+        precision = min(1.0, target + margin)
+        thresholds = [layer_threshold(scores[i], agree[i], precision)
+                      for i in range(n_layers - 1)] + [NEVER]
+        result = simulate(trace_, criterion, thresholds)
+        if result["top1_agreement"] >= target:
+            break
+    return dict(thresholds=thresholds_to_json(thresholds), **result)
+
+
+def write_calibration(model_dir: Path, model_hash: str, target: float,
+                      results: Dict[str, Dict[str, Any]], source: Dict[str, Any]) -> Path:
+    """``early_exit.json`` beside the model, keeping criteria calibrated before."""
+    path = model_dir / THRESHOLDS_FILE
+    body: Dict[str, Any] = {}
+    if path.is_file():
+        try:
+            body = json.loads(path.read_text())
+        except ValueError:
+            body = {}
+    if body.get("model_hash") != model_hash:
+        body = {}
+    criteria = dict(body.get("criteria", {}))
+    criteria.update(results)
+    body = {"model_hash": model_hash, "target_agreement": target, "calibrated_on": source,
+            "criteria": {c: criteria[c] for c in CRITERIA if c in criteria}}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(body, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def run(model: Optional[str], text: Path, criteria: List[str], target: float,
+        held_out: float = 0.1, tokens: int = 8192, window: int = 256,
+        train_tokens: int = 16384) -> Dict[str, Any]:
+    """Calibrate ``criteria`` for the model; train the classifier first when it is asked
+    for. Writes the files beside the model and returns what it found."""
+    from ..model.checkpoint import content_hash, load_model
+    from ..roles.engine import TextModel
+
+    text_model = TextModel(model, None)
+    path = text_model.path
+    model_dir = path if path.is_dir() else path.parent
+    model_hash = content_hash(path)
+    full = load_model(path)
+    raw = text.read_text(encoding="utf-8")
+    cut = int(len(raw) * (1 - held_out))
+    calibration, _ = held_out_halves(text_model.tokenizer.encode(raw[cut:])[:tokens])
+    classifier = None
+    if "classifier" in criteria:
+        train_ids = text_model.tokenizer.encode(raw[:cut])[:train_tokens]
+        states, embeds = block_states(full, train_ids, window)
+        classifier = train_classifier(states, trace(full, states, embeds).agree)
+        save_classifier(classifier, model_dir / CLASSIFIER_FILE, model_hash)
+    states, embeds = block_states(full, calibration, window)
+    traced = trace(full, states, embeds, classifier)
+    results = {c: calibrate(traced, c, target) for c in criteria}
+    source = {"text": text.name, "held_out": held_out, "tokens": traced.tokens,
+              "classifier_train_tokens": train_tokens if classifier is not None else 0}
+    written = write_calibration(model_dir, model_hash, target, results, source)
+    return {"model": str(path), "file": str(written), "target_agreement": target,
+            "tokens": traced.tokens, "criteria": results}

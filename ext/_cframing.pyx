@@ -29,10 +29,11 @@ from libc.string cimport memcmp, memcpy
 from posix.uio cimport iovec, writev
 
 from mdiedge.runtime._framingspec import (  # the constants are part of this module's API
-    ACTIVATION, CODEC_SHIFT, CRC_OFFSET, ENTRY_SIZE, FLAG_CODEC, FLAG_PREFILL, FLAGS_KNOWN,
-    FLOAT32, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_NDIM, MAX_SAMPLES, MSG_TYPES, PING, RELEASE,
-    SHUTDOWN, VERSION, FrameHeader, byte_view, check_crc, check_fields, check_fixed_size,
-    check_pack_args, check_table_size, closed_early, codec_of)
+    ACTIVATION, CODEC_SHIFT, CRC_OFFSET, ELIGIBLE_BIT, ENTRY_SIZE, FLAG_CODEC, FLAG_PREFILL,
+    FLAGS_KNOWN, FLOAT32, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_EXIT_DEPTH, MAX_NDIM, MAX_POSITION,
+    MAX_SAMPLES, MSG_TYPES, PING, RELEASE, SHUTDOWN, VERSION, FrameHeader, byte_view, check_crc,
+    check_eligible, check_fields, check_fixed_size, check_pack_args, check_table_size,
+    closed_early, codec_of)
 from mdiedge.base.codecs import BLOCK, FP16, INT8
 
 
@@ -65,15 +66,16 @@ cdef enum:  # the byte layout the code below packs and parses
     C_MAX_NDIM = 4
     C_CODEC_SHIFT = 1
     C_FLAG_CODEC = 0x06
+    C_MAX_EXIT_DEPTH = 255  # a u8 field
     C_FLOAT32 = 0
     C_FP16 = 1
     C_INT8 = 2
     C_BLOCK = 32
 
 if (C_HEADER_SIZE, C_CRC_OFFSET, C_ENTRY_SIZE, C_MAX_NDIM, len(MAGIC), C_CODEC_SHIFT,
-        C_FLAG_CODEC, C_FLOAT32, C_FP16, C_INT8, C_BLOCK) != \
+        C_FLAG_CODEC, C_FLOAT32, C_FP16, C_INT8, C_BLOCK, C_MAX_EXIT_DEPTH) != \
         (HEADER_SIZE, CRC_OFFSET, ENTRY_SIZE, MAX_NDIM, 4, CODEC_SHIFT, FLAG_CODEC, FLOAT32, FP16,
-         INT8, BLOCK):
+         INT8, BLOCK, MAX_EXIT_DEPTH) or MAX_POSITION + 1 != ELIGIBLE_BIT:
     raise ImportError("ext/_cframing.pyx packs another layout than mdiedge.runtime._framingspec")
 
 # the spec's limits as typed tables, filled from it at import
@@ -81,6 +83,10 @@ cdef unsigned char[4] C_MAGIC
 cdef uint8_t C_VERSION = VERSION
 cdef uint32_t C_MAX_SAMPLES = MAX_SAMPLES
 cdef uint32_t C_FLAGS_KNOWN = FLAGS_KNOWN
+cdef uint32_t C_ACTIVATION = ACTIVATION
+cdef uint32_t C_FLAG_PREFILL = FLAG_PREFILL
+cdef uint32_t C_ELIGIBLE_BIT = ELIGIBLE_BIT  # of a position word
+cdef uint32_t C_MAX_POSITION = MAX_POSITION  # the bits below it
 cdef uint8_t[256] C_MSG_TYPE_OK  # 1 for a known msg_type
 cdef uint64_t[256] C_ITEMSIZE  # bytes per element by dtype code, 0 for an unknown code
 
@@ -166,7 +172,7 @@ cdef int _raise_io(int status, int err, size_t done, size_t size) except -1:
 # ---------------------------------------------------------------- header
 
 cdef struct Fixed:  # the fields of a header to pack, but its sample table
-    uint32_t msg_type, flags, dtype, ndim, n_tokens, seq
+    uint32_t msg_type, flags, dtype, ndim, exit_depth, n_tokens, seq
     uint32_t[C_MAX_NDIM] dims
     uint64_t size
 
@@ -182,6 +188,11 @@ cdef bint _u32(object value, uint32_t* out) except -1:
         return False
     out[0] = <uint32_t> number
     return True
+
+
+cdef inline bint _exit_ok(uint32_t msg_type, uint32_t flags) noexcept nogil:
+    """The spec's ``exit_allowed``: early exit only in ACTIVATION frames without PREFILL."""
+    return msg_type == C_ACTIVATION and not flags & C_FLAG_PREFILL
 
 
 cdef inline bint _codec_ok(uint32_t flags, uint32_t dtype) noexcept nogil:
@@ -219,14 +230,18 @@ cdef bint _size_ok(Fixed* f) noexcept nogil:
     return True
 
 
-cdef bint _fixed_ok(Fixed* f, msg_type, flags, dtype, n_tokens, shape, seq) except -1:
+cdef bint _fixed_ok(Fixed* f, msg_type, flags, dtype, n_tokens, shape, seq,
+                    exit_depth) except -1:
     """The spec's ``check_pack_args`` (but the sample table) as a typed predicate, which
     fills ``f``; False leaves the verdict to the spec."""
     cdef Py_ssize_t i
     if not (_u32(msg_type, &f.msg_type) and _u32(flags, &f.flags) and _u32(dtype, &f.dtype)
-            and _u32(n_tokens, &f.n_tokens) and _u32(seq, &f.seq)):
+            and _u32(n_tokens, &f.n_tokens) and _u32(seq, &f.seq)
+            and _u32(exit_depth, &f.exit_depth)):
         return False
     if f.msg_type > 255 or not C_MSG_TYPE_OK[f.msg_type] or f.flags & ~C_FLAGS_KNOWN:
+        return False
+    if f.exit_depth > C_MAX_EXIT_DEPTH or (f.exit_depth and not _exit_ok(f.msg_type, f.flags)):
         return False
     if f.dtype > 255 or C_ITEMSIZE[f.dtype] == 0 or not _codec_ok(f.flags, f.dtype):
         return False
@@ -241,22 +256,33 @@ cdef bint _fixed_ok(Fixed* f, msg_type, flags, dtype, n_tokens, shape, seq) exce
     return _size_ok(f)
 
 
-cdef bint _table_ok(object ids, object positions) except -1:
+cdef bint _table_ok(const Fixed* f, object ids, object positions, object eligible) except -1:
+    """The spec's checks of the sample table as a typed predicate (exact bools as eligible
+    flags); False leaves the verdict to the spec."""
     cdef uint32_t value
     cdef Py_ssize_t i, n
-    if not isinstance(ids, (tuple, list)) or not isinstance(positions, (tuple, list)):
+    cdef bint flagged, exit_ok = _exit_ok(f.msg_type, f.flags)
+    if not (isinstance(ids, (tuple, list)) and isinstance(positions, (tuple, list))
+            and isinstance(eligible, (tuple, list))):
         return False
     n = len(ids)
-    if len(positions) != n or n > C_MAX_SAMPLES:
+    if len(positions) != n or n > C_MAX_SAMPLES or (len(eligible) and len(eligible) != n):
         return False
+    flagged = len(eligible) != 0
     for i in range(n):
-        if not (_u32(ids[i], &value) and _u32(positions[i], &value)):
+        if not (_u32(ids[i], &value) and _u32(positions[i], &value)) or value > C_MAX_POSITION:
+            return False
+        if flagged and eligible[i] is not False and (eligible[i] is not True or not exit_ok):
             return False
     return True
 
 
-cdef object _pack(const Fixed* f, object ids, object positions):
+cdef object _pack(const Fixed* f, object ids, object words, object eligible):
+    """The frame of ``f`` and its table: ``words`` are the position words, to which the
+    eligible bit of each True in ``eligible`` (empty: none) is added."""
     cdef Py_ssize_t n = len(ids), i
+    cdef bint flagged = len(eligible) != 0
+    cdef uint32_t word
     out = PyBytes_FromStringAndSize(NULL, C_HEADER_SIZE + C_ENTRY_SIZE * n)
     cdef unsigned char* buf = <unsigned char*> PyBytes_AS_STRING(out)
     memcpy(buf, C_MAGIC, 4)
@@ -265,7 +291,8 @@ cdef object _pack(const Fixed* f, object ids, object positions):
     buf[6] = <uint8_t> f.flags
     buf[7] = <uint8_t> f.dtype
     _put16(buf + 8, <uint32_t> n)
-    _put16(buf + 10, f.ndim)
+    buf[10] = <uint8_t> f.ndim
+    buf[11] = <uint8_t> f.exit_depth
     _put32(buf + 12, f.n_tokens)
     for i in range(C_MAX_NDIM):
         _put32(buf + 16 + 4 * i, f.dims[i])
@@ -273,31 +300,36 @@ cdef object _pack(const Fixed* f, object ids, object positions):
     _put64(buf + 36, f.size)
     for i in range(n):
         _put32(buf + C_HEADER_SIZE + C_ENTRY_SIZE * i, <uint32_t> ids[i])
-        _put32(buf + C_HEADER_SIZE + C_ENTRY_SIZE * i + 4, <uint32_t> positions[i])
+        word = <uint32_t> words[i]
+        if flagged and eligible[i] is True:
+            word |= C_ELIGIBLE_BIT
+        _put32(buf + C_HEADER_SIZE + C_ENTRY_SIZE * i + 4, word)
     _put32(buf + C_CRC_OFFSET, _frame_crc(buf, buf + C_HEADER_SIZE, C_ENTRY_SIZE * n))
     return out
 
 
-def pack_header(msg_type, flags, dtype, sample_ids, positions, n_tokens, shape, seq):
-    """The fixed header and sample table of a frame (its crc computed), ready to send."""
+def pack_header(msg_type, flags, dtype, sample_ids, positions, n_tokens, shape, seq,
+                exit_depth=0, eligible=()):
+    """The fixed header and sample table of a frame (its crc computed), ready to send;
+    ``eligible``: one flag per sample, or empty when no row is eligible to exit."""
     cdef Fixed f
     cdef Py_ssize_t i
-    if _fixed_ok(&f, msg_type, flags, dtype, n_tokens, shape, seq) and \
-            _table_ok(sample_ids, positions):
-        return _pack(&f, sample_ids, positions)
+    if _fixed_ok(&f, msg_type, flags, dtype, n_tokens, shape, seq, exit_depth) and \
+            _table_ok(&f, sample_ids, positions, eligible):
+        return _pack(&f, sample_ids, positions, eligible)
     # anything else (numpy ints, iterators, a bad value): the spec checks and converts
-    (f.msg_type, f.flags, f.dtype, sample_ids, positions, f.n_tokens, dims, f.seq,
+    (f.msg_type, f.flags, f.dtype, sample_ids, words, f.n_tokens, dims, f.seq, f.exit_depth,
      f.size) = check_pack_args(msg_type, flags, dtype, sample_ids, positions, n_tokens, shape,
-                               seq)
+                               seq, exit_depth, eligible)
     f.ndim = len(dims)
     for i in range(C_MAX_NDIM):
         f.dims[i] = dims[i] if i < f.ndim else 0
-    return _pack(&f, sample_ids, positions)
+    return _pack(&f, sample_ids, words, ())
 
 
 cdef bint _fields_ok(const unsigned char* p, const uint32_t* d, uint64_t limit) noexcept nogil:
     """The spec's ``check_fields`` as a typed predicate (``limit``: max_payload, clamped)."""
-    cdef uint32_t ndim = _get16(p + 10), i
+    cdef uint32_t ndim = p[10], i
     cdef uint64_t size = _get64(p + 36), extent = C_ITEMSIZE[p[7]]
     cdef bint empty = False
     if memcmp(p, C_MAGIC, 4) != 0 or p[4] != C_VERSION or not C_MSG_TYPE_OK[p[5]]:
@@ -306,7 +338,7 @@ cdef bint _fields_ok(const unsigned char* p, const uint32_t* d, uint64_t limit) 
         return False
     if not _codec_ok(p[6], p[7]):
         return False
-    if ndim > C_MAX_NDIM:
+    if ndim > C_MAX_NDIM or (p[11] and not _exit_ok(p[5], p[6])):
         return False
     for i in range(ndim, C_MAX_NDIM):
         if d[i]:
@@ -325,37 +357,51 @@ cdef bint _fields_ok(const unsigned char* p, const uint32_t* d, uint64_t limit) 
 
 cdef object _parse_fixed(const unsigned char* p, object max_payload):
     cdef uint32_t[C_MAX_NDIM] d
-    cdef uint32_t ndim = _get16(p + 10), i
+    cdef uint32_t ndim = p[10], i
     cdef uint64_t size = _get64(p + 36)
     cdef uint64_t limit = <uint64_t> min(max(max_payload, 0), UINT64_MAX)
     for i in range(C_MAX_NDIM):
         d[i] = _get32(p + 16 + 4 * i)
     if not _fields_ok(p, d, limit):
-        check_fields((<const char*> p)[:4], p[4], p[5], p[6], p[7], _get16(p + 8), ndim,
+        check_fields((<const char*> p)[:4], p[4], p[5], p[6], p[7], _get16(p + 8), ndim, p[11],
                      (d[0], d[1], d[2], d[3]), size, max_payload)
         raise AssertionError("_cframing rejected a header that _framingspec accepts")
     return FrameHeader(p[5], p[6], p[7], (), (), _get32(p + 12),
-                       tuple([d[i] for i in range(ndim)]), _get32(p + 32), size)
+                       tuple([d[i] for i in range(ndim)]), _get32(p + 32), size, p[11], ())
 
 
 cdef object _fill_table(object header, const unsigned char* fixed, const unsigned char* table,
                         size_t table_len):
     cdef size_t n_samples = _get16(fixed + 8), i
+    cdef bint flagged = False
     if table_len != C_ENTRY_SIZE * n_samples:
         check_table_size(table_len, n_samples)
     cdef uint32_t sent = _get32(fixed + C_CRC_OFFSET)
     cdef uint32_t computed = _frame_crc(fixed, table, table_len)
     if sent != computed:
         check_crc(sent, computed)
+    for i in range(n_samples):
+        if _get32(table + C_ENTRY_SIZE * i + 4) & C_ELIGIBLE_BIT:
+            flagged = True
+            break
+    if flagged:
+        eligible = tuple([_get32(table + C_ENTRY_SIZE * i + 4) & C_ELIGIBLE_BIT != 0
+                          for i in range(n_samples)])
+        if not _exit_ok(fixed[5], fixed[6]):
+            check_eligible(fixed[5], fixed[6], eligible)
+    else:
+        eligible = (False,) * n_samples
     header.sample_ids = tuple([_get32(table + C_ENTRY_SIZE * i) for i in range(n_samples)])
-    header.positions = tuple([_get32(table + C_ENTRY_SIZE * i + 4) for i in range(n_samples)])
+    header.positions = tuple([_get32(table + C_ENTRY_SIZE * i + 4) & C_MAX_POSITION
+                              for i in range(n_samples)])
+    header.eligible = eligible
 
 
 def parse_header(fixed, max_payload):
     """Validate a 48-byte fixed header (all but its crc, which ``parse_table`` checks).
 
-    The returned header has empty ``sample_ids``/``positions``; the table that follows is
-    ``8 * n_samples`` bytes, with n_samples checked against MAX_SAMPLES."""
+    The returned header has empty ``sample_ids``/``positions``/``eligible``; the table that
+    follows is ``8 * n_samples`` bytes, with n_samples checked against MAX_SAMPLES."""
     cdef const unsigned char[::1] view = byte_view(fixed, False)
     if view.shape[0] != C_HEADER_SIZE:
         check_fixed_size(view.shape[0])
@@ -363,7 +409,8 @@ def parse_header(fixed, max_payload):
 
 
 def parse_table(header, fixed, table):
-    """Check the crc over ``fixed`` + ``table`` and fill the header's sample ids/positions."""
+    """Check the crc over ``fixed`` + ``table`` and the eligible bits, and fill the header's
+    sample ids, positions and eligible flags."""
     cdef const unsigned char[::1] f = byte_view(fixed, False)
     cdef const unsigned char[::1] t = byte_view(table, False)
     if f.shape[0] != C_HEADER_SIZE:

@@ -115,7 +115,7 @@ def test_round_trip_is_bit_exact(impl: ModuleType, pair: Any, dtype: torch.dtype
 def test_extreme_header_values_survive(impl: ModuleType, pair: Any) -> None:
     a, b = pair
     ids = list(range(U32 - framing.MAX_SAMPLES + 1, U32 + 1))
-    positions = [U32 - i for i in range(framing.MAX_SAMPLES)]
+    positions = [framing.MAX_POSITION - i for i in range(framing.MAX_SAMPLES)]
     tensor = random_tensor((framing.MAX_SAMPLES, 1, 2), torch.float16)
     framing.send_tensor(a, framing.PING, ids, positions, tensor, seq=U32, impl=impl)
     header, got = framing.recv_frame(b, 1 << 20, impl=impl)
@@ -310,7 +310,7 @@ def corrupt(frame: bytes, offset: int, fmt: str, value: int) -> bytes:
 
 @pytest.mark.parametrize("offset,fmt,value,message", [
     (0, "I", 0x4549444E, "bad magic b'NDIE', expected b'MDIE'"),
-    (4, "B", 1, "unsupported version 1, expected 2"),
+    (4, "B", 2, "unsupported version 2, expected 3"),
     (6, "B", 0x06, "unknown codec 3 in flags 0x06"),
     (6, "B", 0x02, "codec fp16 with dtype code 1: codecs apply to float32 (0) only"),
     (5, "B", 0, "unknown msg_type 0"),
@@ -319,8 +319,8 @@ def corrupt(frame: bytes, offset: int, fmt: str, value: int) -> bytes:
     (6, "B", 0x81, "reserved bits set in flags 0x81"),
     (7, "B", 7, "unknown dtype code 7"),
     (8, "H", 1025, "n_samples 1025 exceeds MAX_SAMPLES 1024"),
-    (10, "H", 5, "ndim 5 exceeds 4"),
-    (10, "H", 2, "shape (2, 3, 4, 0) has nonzero dim 4 beyond ndim 2"),
+    (10, "B", 5, "ndim 5 exceeds 4"),
+    (10, "B", 2, "shape (2, 3, 4, 0) has nonzero dim 4 beyond ndim 2"),
     (16, "I", 3, "payload_len 48 does not match shape (3, 3, 4) of dtype code 1 (72 bytes with codec none)"),
     (36, "Q", 2 ** 63, "payload_len 9223372036854775808 does not match shape (2, 3, 4) of dtype "
                        "code 1 (48 bytes with codec none)"),
@@ -412,7 +412,7 @@ def test_every_dim_is_bounded_even_with_no_elements(impl: ModuleType, dims: Tupl
     (dict(dtype=7), "unknown dtype code 7"),
     (dict(dtype="f4"), "dtype 'f4' is not an integer"),
     (dict(sample_ids=[2 ** 32]), "sample id 4294967296 outside 0..4294967295"),
-    (dict(positions=[-1]), "position -1 outside 0..4294967295"),
+    (dict(positions=[-1]), "position -1 outside 0..2147483647"),
     (dict(positions=[0, 1]), "1 sample ids but 2 positions"),
     (dict(sample_ids=[0] * 1025, positions=[0] * 1025), "n_samples 1025 exceeds MAX_SAMPLES 1024"),
     (dict(shape=(1, 1, 1, 1, 1)), "ndim 5 exceeds 4"),
@@ -464,8 +464,8 @@ def test_arbitrary_bytes_give_frame_errors_only(data: bytes, max_payload: int) -
 @FAST
 @given(n_samples=st.integers(0, 6), ndim=st.integers(0, 4), fill=st.integers(0, 2 ** 32 - 1),
        field_value=st.integers(0, 2 ** 64 - 1), field=st.sampled_from(
-           [(0, "I"), (4, "B"), (5, "B"), (6, "B"), (7, "B"), (8, "H"), (10, "H"), (12, "I"),
-            (16, "I"), (20, "I"), (24, "I"), (28, "I"), (32, "I"), (36, "Q"), (44, "I")]))
+           [(0, "I"), (4, "B"), (5, "B"), (6, "B"), (7, "B"), (8, "H"), (10, "B"), (11, "B"),
+            (12, "I"), *[(o, "I") for o in range(16, 36, 4)], (36, "Q"), (44, "I")]))
 def test_any_corrupted_field_is_detected(n_samples: int, ndim: int, fill: int, field_value: int,
                                          field: Tuple[int, str]) -> None:
     """A valid frame with one field changed gives a FrameError, the same in every twin."""
@@ -508,25 +508,28 @@ header_args = st.tuples(
                      framing.SHUTDOWN]),
     st.sampled_from([0, framing.FLAG_PREFILL, 2, 3, 4, 5]),  # with the codec bits
     st.sampled_from(sorted(framing.ITEMSIZE)),
-    st.lists(st.tuples(st.integers(0, U32), st.integers(0, U32)), max_size=20),
+    st.lists(st.tuples(st.integers(0, U32), st.integers(0, framing.MAX_POSITION),
+                       st.booleans()), max_size=20),
     st.integers(0, U32),
     st.lists(st.integers(0, U32), max_size=4),
     st.integers(0, U32),
+    st.sampled_from([0, 0, 1, 7, 255]), st.booleans(),  # exit_depth, eligible flags given
 )
 
 
 @FAST
 @given(args=header_args)
-@example(args=(1, 2, 0, [], 0, [2717, 2719, 459585, 1358298], 0))  # fp16: fits coded, not whole
-def test_twins_pack_identical_bytes(args: Any) -> None:
-    msg_type, flags, dtype, table, n_tokens, shape, seq = args
-    ids, positions = [s for s, _ in table], [p for _, p in table]
-    packed = {outcome(lambda: impl.pack_header(msg_type, flags, dtype, ids, positions, n_tokens,
-                                               shape, seq)) for impl in IMPLS}
+@example(args=(1, 2, 0, [], 0, [2717, 2719, 459585, 1358298], 0, 0, False))  # fp16: fits
+def test_twins_pack_identical_bytes(args: Any) -> None:  # coded, not whole
+    msg_type, flags, dtype, table, n_tokens, shape, seq, exit_depth, flagged = args
+    ids, positions, eligible = ([row[k] for row in table] for k in range(3))
+    eligible = eligible if flagged else []
+    call = (msg_type, flags, dtype, ids, positions, n_tokens, shape, seq, exit_depth, eligible)
+    packed = {outcome(lambda: impl.pack_header(*call)) for impl in IMPLS}
     assert len(packed) == 1
-    if packed.pop().startswith("FrameError"):  # only a shape whose byte count overflows 64 bits
+    if packed.pop().startswith("FrameError"):  # a byte count over 64 bits, or a bad early exit
         return
-    frame = IMPLS[0].pack_header(msg_type, flags, dtype, ids, positions, n_tokens, shape, seq)
+    frame = IMPLS[0].pack_header(*call)
     expected_crc = zlib.crc32(frame[48:], zlib.crc32(frame[:44]))
     assert struct.unpack_from("<I", frame, 44)[0] == expected_crc
     for impl in IMPLS:
@@ -535,7 +538,8 @@ def test_twins_pack_identical_bytes(args: Any) -> None:
         assert (header.msg_type, header.flags, header.dtype, header.n_tokens, header.seq) == \
             (msg_type, flags, dtype, n_tokens, seq)
         assert header.sample_ids == tuple(ids) and header.positions == tuple(positions)
-        assert header.shape == tuple(shape)
+        assert header.shape == tuple(shape) and header.exit_depth == exit_depth
+        assert header.eligible == (tuple(eligible) if eligible else (False,) * len(ids))
 
 
 # ------------------------------------------------------------------- selection
@@ -563,9 +567,11 @@ def test_public_layer_uses_the_selected_module() -> None:
 # ------------------------------------------------------------------- one spec for both twins
 
 SPEC_NAMES = ("MAGIC", "VERSION", "HEADER_SIZE", "CRC_OFFSET", "ENTRY_SIZE", "MAX_SAMPLES",
-              "MAX_NDIM", "ACTIVATION", "RELEASE", "PING", "SHUTDOWN", "MSG_TYPES",
-              "FLAG_PREFILL", "FLAG_CODEC", "FLAGS_KNOWN", "CODEC_SHIFT", "codec_of", "ITEMSIZE", "FrameHeader", "byte_view", "check_pack_args",
-              "check_fields", "check_fixed_size", "check_table_size", "check_crc", "closed_early")
+              "MAX_NDIM", "MAX_EXIT_DEPTH", "MAX_POSITION", "ELIGIBLE_BIT", "check_eligible",
+              "ACTIVATION", "RELEASE", "PING", "SHUTDOWN", "MSG_TYPES", "FLAG_PREFILL",
+              "FLAG_CODEC", "FLAGS_KNOWN", "CODEC_SHIFT", "codec_of", "ITEMSIZE", "FrameHeader",
+              "byte_view", "check_pack_args", "check_fields", "check_fixed_size",
+              "check_table_size", "check_crc", "closed_early")
 
 
 def test_twins_share_the_spec_objects() -> None:

@@ -31,7 +31,7 @@ from mdiedge.runtime.links import LinkDown, Receiver, accept_authenticated, bind
 
 GREEDY = SamplingParams(temperature=0)
 IMPLS = implementations("framing")
-FIXED = struct.Struct("<4sBBBBHHI4IIQ")
+FIXED = struct.Struct("<4sBBBBHBBI4IIQ")
 
 
 @pytest.fixture(params=IMPLS, ids=[m.__name__ for m in IMPLS])
@@ -153,7 +153,8 @@ def test_accepting_stops_when_cancelled() -> None:
 def zero_element_frame(dims: Tuple[int, ...] = (0, 2 ** 32 - 1, 2 ** 32 - 1)) -> bytes:
     """A frame of shape ``dims`` with no elements (payload 0) and a valid crc."""
     shape = list(dims) + [0] * (4 - len(dims))
-    fixed = FIXED.pack(b"MDIE", framing.VERSION, framing.ACTIVATION, 0, 0, 0, len(dims), 0, *shape, 0, 0)
+    fixed = FIXED.pack(b"MDIE", framing.VERSION, framing.ACTIVATION, 0, 0, 0, len(dims), 0, 0,
+                       *shape, 0, 0)
     return fixed + struct.pack("<I", zlib.crc32(fixed))
 
 
@@ -214,7 +215,7 @@ def valid_stream(rng: random.Random, impl: ModuleType) -> bytes:
     for _ in range(rng.randint(1, 3)):
         n = rng.randint(0, 3)
         ids = [rng.randrange(2 ** 32) for _ in range(n)]
-        pos = [rng.randrange(2 ** 32) for _ in range(n)]
+        pos = [rng.randrange(framing.MAX_POSITION + 1) for _ in range(n)]
         ndim = rng.randint(0, 4)
         dims = tuple(rng.randint(0, 4) for _ in range(ndim))
         dtype = rng.choice(sorted(framing.ITEMSIZE))
@@ -259,7 +260,7 @@ def consistent_dims(rng: random.Random, data: bytearray) -> None:
     size = framing.ITEMSIZE.get(data[7], 1)
     for d in dims:
         size *= d
-    struct.pack_into("<H", data, 10, ndim)
+    struct.pack_into("<B", data, 10, ndim)
     struct.pack_into("<4I", data, 16, *(dims + [0] * (4 - ndim)))
     struct.pack_into("<Q", data, 36, size % 2 ** 64)
     n = struct.unpack_from("<H", data, 8)[0]

@@ -9,13 +9,15 @@ tensor. All fields are little-endian:
 offset type    field
 ====== ======= ====================================================================
 0      4s      magic ``b"MDIE"``
-4      u8      version (2: the codec bits of flags)
+4      u8      version (3: ndim a u8, exit_depth, the eligible bit of positions)
 5      u8      msg_type: ACTIVATION 1, RELEASE 2, PING 3, SHUTDOWN 5 (4 is reserved)
 6      u8      flags: bit 0 PREFILL, bits 1-2 the payload's codec (0 none, 1 fp16, 2 int8;
                ``mdiedge.base.codecs``; not 0 only with dtype float32), the others reserved (0)
 7      u8      dtype code, a key of ``ITEMSIZE`` (``mdiedge.base.dtypes``)
 8      u16     n_samples B (at most MAX_SAMPLES)
-10     u16     ndim (at most MAX_NDIM; 0 means the frame carries no tensor)
+10     u8      ndim (at most MAX_NDIM; 0 means the frame carries no tensor)
+11     u8      exit_depth: 0, or the number of blocks (1..255) that ran before the whole
+               message exited early; not 0 only in an ACTIVATION frame without PREFILL
 12     u32     n_tokens (tokens per sample in this message)
 16     u32 x 4 shape (dims beyond ndim are 0)
 32     u32     seq (the sender's message counter)
@@ -24,7 +26,11 @@ offset type    field
 44     u32     CRC-32 (zlib's, IEEE 802.3) of bytes 0..44 followed by the sample table
 ====== ======= ====================================================================
 
-The sample table holds B pairs (u32 sample id, u32 position); the payload follows it.
+The sample table holds B pairs (u32 sample id, u32 position word); the payload follows it.
+A position word holds the row's position in bits 0-30 (at most MAX_POSITION) and, in bit 31
+(ELIGIBLE_BIT), whether the row is eligible to exit early in this step: set only in an
+ACTIVATION frame without PREFILL. ``FrameHeader.positions`` are the positions alone,
+``FrameHeader.eligible`` the bits as bools (one per sample).
 Every problem is a ``FrameError`` whose one-line message names the field and its value;
 nothing is allocated from a length that has not been checked: every dim is bounded by
 max_payload (the decoded tensor's extent, whatever the codec), even in a tensor with no
@@ -42,15 +48,19 @@ from ..base.dtypes import ITEMSIZE
 from ..base.errors import FrameError
 
 MAGIC = b"MDIE"
-VERSION = 2
+VERSION = 3
 HEADER_SIZE = 48
 CRC_OFFSET = 44  # the crc covers the bytes before it, then the sample table
-ENTRY_SIZE = 8  # one sample-table entry: u32 sample id, u32 position
+ENTRY_SIZE = 8  # one sample-table entry: u32 sample id, u32 position word
 MAX_SAMPLES = 1024
 MAX_NDIM = 4
+MAX_EXIT_DEPTH = 255
+ELIGIBLE_BIT = 0x80000000  # of a position word; the bits below it are the position
+MAX_POSITION = ELIGIBLE_BIT - 1
 
 ACTIVATION, RELEASE, PING, SHUTDOWN = 1, 2, 3, 5  # 4 was a PONG that no node ever sent
 MSG_TYPES = (ACTIVATION, RELEASE, PING, SHUTDOWN)
+MSG_NAMES = {ACTIVATION: "ACTIVATION", RELEASE: "RELEASE", PING: "PING", SHUTDOWN: "SHUTDOWN"}
 FLAG_PREFILL = 0x01
 CODEC_SHIFT, FLAG_CODEC = 1, 0x06  # the codec field of flags
 FLAGS_KNOWN = FLAG_PREFILL | FLAG_CODEC
@@ -61,14 +71,15 @@ U64_LIMIT = 2 ** 64
 
 
 class FrameHeader:
-    """A validated header; ``shape`` has ``ndim`` dims (empty when the frame has no tensor)."""
+    """A validated header; ``shape`` has ``ndim`` dims (empty when the frame has no tensor);
+    ``eligible`` has one bool per sample (all False when no row is eligible to exit)."""
 
     __slots__ = ("msg_type", "flags", "dtype", "sample_ids", "positions", "n_tokens", "shape",
-                 "seq", "payload_len")
+                 "seq", "payload_len", "exit_depth", "eligible")
 
     def __init__(self, msg_type: int, flags: int, dtype: int, sample_ids: Tuple[int, ...],
                  positions: Tuple[int, ...], n_tokens: int, shape: Tuple[int, ...], seq: int,
-                 payload_len: int) -> None:
+                 payload_len: int, exit_depth: int = 0, eligible: Tuple[bool, ...] = ()) -> None:
         self.msg_type = msg_type
         self.flags = flags
         self.dtype = dtype
@@ -78,6 +89,8 @@ class FrameHeader:
         self.shape = shape
         self.seq = seq
         self.payload_len = payload_len
+        self.exit_depth = exit_depth
+        self.eligible = eligible
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
@@ -129,11 +142,63 @@ def check_codec(flags: int, dtype: int) -> int:
     return codec
 
 
+def exit_allowed(msg_type: int, flags: int) -> bool:
+    """Whether a frame may carry early exit (exit_depth, eligible bits): ACTIVATION without
+    PREFILL."""
+    return msg_type == ACTIVATION and not flags & FLAG_PREFILL
+
+
+def _not_decode(msg_type: int) -> str:
+    kind = "prefill ACTIVATION" if msg_type == ACTIVATION else MSG_NAMES[msg_type]
+    return f"on a {kind} frame: early exit applies to ACTIVATION frames without PREFILL only"
+
+
+def check_exit_depth(msg_type: int, flags: int, exit_depth: int) -> None:
+    if exit_depth and not exit_allowed(msg_type, flags):
+        raise FrameError(f"exit_depth {exit_depth} {_not_decode(msg_type)}")
+
+
+def check_eligible(msg_type: int, flags: int, eligible: Sequence[bool]) -> None:
+    """No eligible bit set unless the frame may carry early exit."""
+    if not exit_allowed(msg_type, flags) and any(eligible):
+        row = next(i for i, bit in enumerate(eligible) if bit)
+        raise FrameError(f"eligible[{row}] {eligible[row]!r} {_not_decode(msg_type)}")
+
+
+def _flag(value: Any) -> bool:
+    """An eligible flag as a bool: a bool (numpy's too) or the integer 0 or 1."""
+    if value is True or value is False:
+        return value
+    if getattr(getattr(value, "dtype", None), "kind", None) == "b":
+        return bool(value)
+    return bool(_uint("eligible flag", value, 1))
+
+
+def _check_table(msg_type: int, flags: int, sample_ids: Sequence[Any], positions: Sequence[Any],
+                 eligible: Sequence[Any]) -> Tuple[List[int], List[int]]:
+    """The sample ids and position words (eligible bit included) of a table to pack."""
+    ids = [_uint("sample id", s, U32_MAX) for s in sample_ids]
+    pos = [_uint("position", p, MAX_POSITION) for p in positions]
+    if len(ids) != len(pos):
+        raise FrameError(f"{len(ids)} sample ids but {len(pos)} positions")
+    if len(ids) > MAX_SAMPLES:
+        raise FrameError(f"n_samples {len(ids)} exceeds MAX_SAMPLES {MAX_SAMPLES}")
+    bits = [_flag(e) for e in eligible]
+    if not bits:
+        return ids, pos
+    if len(bits) != len(ids):
+        raise FrameError(f"{len(ids)} sample ids but {len(bits)} eligible flags")
+    check_eligible(msg_type, flags, bits)
+    return ids, [p | ELIGIBLE_BIT if bit else p for p, bit in zip(pos, bits)]
+
+
 def check_pack_args(msg_type: Any, flags: Any, dtype: Any, sample_ids: Sequence[Any],
-                    positions: Sequence[Any], n_tokens: Any, shape: Sequence[Any], seq: Any
-                    ) -> Tuple[int, int, int, List[int], List[int], int, List[int], int, int]:
+                    positions: Sequence[Any], n_tokens: Any, shape: Sequence[Any], seq: Any,
+                    exit_depth: Any = 0, eligible: Sequence[Any] = ()
+                    ) -> Tuple[int, int, int, List[int], List[int], int, List[int], int, int, int]:
     """The arguments of ``pack_header`` checked and as ints, with the payload length:
-    ``(msg_type, flags, dtype, ids, positions, n_tokens, dims, seq, payload_len)``."""
+    ``(msg_type, flags, dtype, ids, words, n_tokens, dims, seq, exit_depth, payload_len)``,
+    ``words`` being the position words of the sample table (eligible bits included)."""
     msg_type = _uint("msg_type", msg_type, 255)
     if msg_type not in MSG_TYPES:
         raise FrameError(f"unknown msg_type {msg_type}")
@@ -144,15 +209,12 @@ def check_pack_args(msg_type: Any, flags: Any, dtype: Any, sample_ids: Sequence[
     if dtype not in ITEMSIZE:
         raise FrameError(f"unknown dtype code {dtype}")
     codec = check_codec(flags, dtype)
-    ids = [_uint("sample id", s, U32_MAX) for s in sample_ids]
-    pos = [_uint("position", p, U32_MAX) for p in positions]
-    if len(ids) != len(pos):
-        raise FrameError(f"{len(ids)} sample ids but {len(pos)} positions")
-    if len(ids) > MAX_SAMPLES:
-        raise FrameError(f"n_samples {len(ids)} exceeds MAX_SAMPLES {MAX_SAMPLES}")
+    ids, words = _check_table(msg_type, flags, sample_ids, positions, eligible)
     dims = [_uint("shape dim", d, U32_MAX) for d in shape]
     if len(dims) > MAX_NDIM:
         raise FrameError(f"ndim {len(dims)} exceeds {MAX_NDIM}")
+    exit_depth = _uint("exit_depth", exit_depth, MAX_EXIT_DEPTH)
+    check_exit_depth(msg_type, flags, exit_depth)
     n_tokens = _uint("n_tokens", n_tokens, U32_MAX)
     seq = _uint("seq", seq, U32_MAX)
     extent = payload_len(dims, ITEMSIZE[dtype])  # the tensor's bytes, whatever the codec
@@ -160,14 +222,14 @@ def check_pack_args(msg_type: Any, flags: Any, dtype: Any, sample_ids: Sequence[
         raise FrameError(f"payload_len of shape {tuple(dims)} ({extent} bytes as a tensor) "
                          f"does not fit in 64 bits")
     size = payload_len(dims, ITEMSIZE[dtype], codec)
-    return msg_type, flags, dtype, ids, pos, n_tokens, dims, seq, size
+    return msg_type, flags, dtype, ids, words, n_tokens, dims, seq, exit_depth, size
 
 
 # ---------------------------------------------------------------- receiving: the fields
 
 def check_fields(magic: bytes, version: int, msg_type: int, flags: int, dtype: int,
-                 n_samples: int, ndim: int, dims: Tuple[int, int, int, int], size: int,
-                 max_payload: int) -> None:
+                 n_samples: int, ndim: int, exit_depth: int, dims: Tuple[int, int, int, int],
+                 size: int, max_payload: int) -> None:
     """The fields of a received fixed header (all but its crc), or a FrameError naming the
     first one that is wrong, in offset order."""
     if magic != MAGIC:
@@ -185,6 +247,7 @@ def check_fields(magic: bytes, version: int, msg_type: int, flags: int, dtype: i
         raise FrameError(f"n_samples {n_samples} exceeds MAX_SAMPLES {MAX_SAMPLES}")
     if ndim > MAX_NDIM:
         raise FrameError(f"ndim {ndim} exceeds {MAX_NDIM}")
+    check_exit_depth(msg_type, flags, exit_depth)
     for d in dims[ndim:]:
         if d:
             raise FrameError(f"shape {tuple(dims)} has nonzero dim {d} beyond ndim {ndim}")

@@ -9,12 +9,13 @@ import zlib
 from typing import Any, List, Optional, Sequence
 
 from ._framingspec import (  # noqa: F401  (the constants are part of this module's API)
-    ACTIVATION, CODEC_SHIFT, CRC_OFFSET, ENTRY_SIZE, FLAG_CODEC, FLAG_PREFILL, FLAGS_KNOWN,
-    FLOAT32, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_NDIM, MAX_SAMPLES, MSG_TYPES, PING, RELEASE,
-    SHUTDOWN, VERSION, FrameHeader, byte_view, check_crc, check_fields, check_fixed_size,
-    check_pack_args, check_table_size, closed_early, codec_of)
+    ACTIVATION, CODEC_SHIFT, CRC_OFFSET, ELIGIBLE_BIT, ENTRY_SIZE, FLAG_CODEC, FLAG_PREFILL,
+    FLAGS_KNOWN, FLOAT32, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_EXIT_DEPTH, MAX_NDIM, MAX_POSITION,
+    MAX_SAMPLES, MSG_TYPES, PING, RELEASE, SHUTDOWN, VERSION, FrameHeader, byte_view, check_crc,
+    check_eligible, check_fields, check_fixed_size, check_pack_args, check_table_size,
+    closed_early, codec_of)
 
-_FIXED = struct.Struct("<4sBBBBHHI4IIQ")  # everything before the crc
+_FIXED = struct.Struct("<4sBBBBHBBI4IIQ")  # everything before the crc
 _CRC = struct.Struct("<I")
 _ENTRY = struct.Struct("<II")
 _N_SAMPLES = struct.Struct("<H")
@@ -23,15 +24,17 @@ if (_FIXED.size, _ENTRY.size) != (CRC_OFFSET, ENTRY_SIZE):
 
 
 def pack_header(msg_type: int, flags: int, dtype: int, sample_ids: Sequence[int],
-                positions: Sequence[int], n_tokens: int, shape: Sequence[int], seq: int) -> bytes:
-    """The fixed header and sample table of a frame (its crc computed), ready to send."""
-    msg_type, flags, dtype, ids, pos, n_tokens, dims, seq, size = check_pack_args(
-        msg_type, flags, dtype, sample_ids, positions, n_tokens, shape, seq)
+                positions: Sequence[int], n_tokens: int, shape: Sequence[int], seq: int,
+                exit_depth: int = 0, eligible: Sequence[bool] = ()) -> bytes:
+    """The fixed header and sample table of a frame (its crc computed), ready to send;
+    ``eligible``: one flag per sample, or empty when no row is eligible to exit."""
+    msg_type, flags, dtype, ids, words, n_tokens, dims, seq, exit_depth, size = check_pack_args(
+        msg_type, flags, dtype, sample_ids, positions, n_tokens, shape, seq, exit_depth, eligible)
     ndim = len(dims)
-    fixed = _FIXED.pack(MAGIC, VERSION, msg_type, flags, dtype, len(ids), ndim, n_tokens,
-                        *dims, *[0] * (MAX_NDIM - ndim), seq, size)
+    fixed = _FIXED.pack(MAGIC, VERSION, msg_type, flags, dtype, len(ids), ndim, exit_depth,
+                        n_tokens, *dims, *[0] * (MAX_NDIM - ndim), seq, size)
     table = bytearray(ENTRY_SIZE * len(ids))
-    for i, entry in enumerate(zip(ids, pos)):
+    for i, entry in enumerate(zip(ids, words)):
         _ENTRY.pack_into(table, i * ENTRY_SIZE, *entry)
     crc = zlib.crc32(table, zlib.crc32(fixed))
     return fixed + _CRC.pack(crc) + bytes(table)
@@ -40,20 +43,22 @@ def pack_header(msg_type: int, flags: int, dtype: int, sample_ids: Sequence[int]
 def parse_header(fixed: Any, max_payload: int) -> FrameHeader:
     """Validate a 48-byte fixed header (all but its crc, which ``parse_table`` checks).
 
-    The returned header has empty ``sample_ids``/``positions``; the table that follows is
-    ``8 * n_samples`` bytes, with n_samples checked against MAX_SAMPLES."""
+    The returned header has empty ``sample_ids``/``positions``/``eligible``; the table that
+    follows is ``8 * n_samples`` bytes, with n_samples checked against MAX_SAMPLES."""
     fixed = byte_view(fixed, writable=False)
     check_fixed_size(len(fixed))
-    (magic, version, msg_type, flags, dtype, n_samples, ndim, n_tokens,
+    (magic, version, msg_type, flags, dtype, n_samples, ndim, exit_depth, n_tokens,
      d0, d1, d2, d3, seq, size) = _FIXED.unpack_from(fixed)
     dims = (d0, d1, d2, d3)
-    check_fields(magic, version, msg_type, flags, dtype, n_samples, ndim, dims, size,
+    check_fields(magic, version, msg_type, flags, dtype, n_samples, ndim, exit_depth, dims, size,
                  max_payload)
-    return FrameHeader(msg_type, flags, dtype, (), (), n_tokens, dims[:ndim], seq, size)
+    return FrameHeader(msg_type, flags, dtype, (), (), n_tokens, dims[:ndim], seq, size,
+                       exit_depth, ())
 
 
 def parse_table(header: FrameHeader, fixed: Any, table: Any) -> None:
-    """Check the crc over ``fixed`` + ``table`` and fill the header's sample ids/positions."""
+    """Check the crc over ``fixed`` + ``table`` and the eligible bits, and fill the header's
+    sample ids, positions and eligible flags."""
     fixed = byte_view(fixed, writable=False)
     table = byte_view(table, writable=False)
     check_fixed_size(len(fixed))
@@ -62,10 +67,13 @@ def parse_table(header: FrameHeader, fixed: Any, table: Any) -> None:
               zlib.crc32(table, zlib.crc32(fixed[:CRC_OFFSET])))
     ids: List[int] = []
     pos: List[int] = []
-    for sample_id, position in _ENTRY.iter_unpack(table):
+    bits: List[bool] = []
+    for sample_id, word in _ENTRY.iter_unpack(table):
         ids.append(sample_id)
-        pos.append(position)
-    header.sample_ids, header.positions = tuple(ids), tuple(pos)
+        pos.append(word & MAX_POSITION)
+        bits.append(bool(word & ELIGIBLE_BIT))
+    check_eligible(header.msg_type, header.flags, bits)
+    header.sample_ids, header.positions, header.eligible = tuple(ids), tuple(pos), tuple(bits)
 
 
 def recv_exact_into(sock: Any, buffer: Any) -> None:

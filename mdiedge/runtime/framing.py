@@ -1,7 +1,8 @@
 """Tensor frames of the data plane, on top of the compiled framing module or its twin.
 
 One frame carries one message between neighbour nodes: a header (message type, flags,
-sequence number, the samples it concerns with their positions) and, for ACTIVATION, PING
+sequence number, the samples it concerns with their positions, and for a decode ACTIVATION
+its early exit: ``exit_depth`` and each row's ``eligible`` flag) and, for ACTIVATION, PING
 and the like, one C-contiguous CPU tensor sent straight from its memory and received
 straight into a freshly allocated (or caller-given) tensor: no intermediate copies. The
 wire format is documented in ``mdiedge/runtime/_framingspec.py``.
@@ -39,6 +40,8 @@ MAGIC: bytes = _impl.MAGIC
 VERSION: int = _impl.VERSION
 HEADER_SIZE: int = _impl.HEADER_SIZE
 MAX_SAMPLES: int = _impl.MAX_SAMPLES
+MAX_POSITION: int = _impl.MAX_POSITION
+MAX_EXIT_DEPTH: int = _impl.MAX_EXIT_DEPTH
 ACTIVATION: int = _impl.ACTIVATION
 RELEASE: int = _impl.RELEASE
 PING: int = _impl.PING
@@ -77,10 +80,13 @@ def tensor_bytes(tensor: torch.Tensor) -> Any:
 def send_tensor(sock: Any, msg_type: int, sample_ids: Sequence[int], positions: Sequence[int],
                 tensor: torch.Tensor, flags: int = 0, seq: int = 0,
                 impl: Optional[ModuleType] = None, codec: int = NONE,
-                codec_impl: Optional[ModuleType] = None) -> int:
+                codec_impl: Optional[ModuleType] = None, exit_depth: int = 0,
+                eligible: Sequence[bool] = ()) -> int:
     """Send one frame carrying ``tensor`` (1 to 4 dims; moved to the CPU and made contiguous
     first if need be); its n_tokens is ``tensor.shape[1]`` for 2+ dims, else 1. A float32
-    tensor goes encoded with ``codec`` (a tensor of another dtype as it is). The bytes sent."""
+    tensor goes encoded with ``codec`` (a tensor of another dtype as it is). ``exit_depth``
+    and ``eligible`` (one flag per sample, or empty for none) only on an ACTIVATION frame
+    without FLAG_PREFILL. The bytes sent."""
     impl = impl or _impl
     if tensor.dim() == 0:
         raise FrameError("a 0-dim tensor cannot be framed (ndim 0 means no payload); "
@@ -96,17 +102,21 @@ def send_tensor(sock: Any, msg_type: int, sample_ids: Sequence[int], positions: 
         (codec_impl or _codec_impl).encode(codec, payload, encoded)
         payload, flags = encoded, flags | (codec << CODEC_SHIFT)
     header = impl.pack_header(msg_type, flags, dtype_code(tensor.dtype), sample_ids, positions,
-                              shape[1] if len(shape) >= 2 else 1, shape, seq)
+                              shape[1] if len(shape) >= 2 else 1, shape, seq, exit_depth,
+                              eligible)
     impl.send_all(sock, header, payload)
     return len(header) + payload.nbytes
 
 
 def send_control(sock: Any, msg_type: int, sample_ids: Sequence[int] = (),
                  positions: Sequence[int] = (), seq: int = 0,
-                 impl: Optional[ModuleType] = None) -> int:
-    """Send one frame with no tensor (RELEASE, PING without payload, SHUTDOWN). Its bytes."""
+                 impl: Optional[ModuleType] = None, exit_depth: int = 0,
+                 eligible: Sequence[bool] = ()) -> int:
+    """Send one frame with no tensor (RELEASE, PING without payload, SHUTDOWN). Its bytes.
+    ``exit_depth`` and ``eligible`` as for ``send_tensor``: only an ACTIVATION takes them."""
     impl = impl or _impl
-    header = impl.pack_header(msg_type, 0, CONTROL_DTYPE, sample_ids, positions, 0, (), seq)
+    header = impl.pack_header(msg_type, 0, CONTROL_DTYPE, sample_ids, positions, 0, (), seq,
+                              exit_depth, eligible)
     impl.send_all(sock, header, None)
     return len(header)
 

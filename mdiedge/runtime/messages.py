@@ -56,11 +56,13 @@ def send(sock: Any, message: Message, codecs: Compression = NO_COMPRESSION) -> i
     float32 tensor encoded with the link's prefill or decode codec. The bytes sent."""
     if message.hidden is None:
         return framing.send_control(sock, message.kind, message.sample_ids, message.positions,
-                                    seq=message.seq)
+                                    seq=message.seq, exit_depth=message.exit_depth,
+                                    eligible=message.eligible)
     flags = framing.FLAG_PREFILL if message.prefill else 0
     return framing.send_tensor(sock, message.kind, message.sample_ids, message.positions,
                                message.hidden, flags=flags, seq=message.seq,
-                               codec=codecs.code(message.prefill))
+                               codec=codecs.code(message.prefill),
+                               exit_depth=message.exit_depth, eligible=message.eligible)
 
 
 def receive(sock: Any, max_payload: int,
@@ -73,8 +75,9 @@ def receive(sock: Any, max_payload: int,
     if tensor is not None and tensor.dtype == torch.float32 and codec != codecs.code(prefill):
         raise FrameError(f"a {'prefill' if prefill else 'decode'} frame in codec "
                          f"{CODEC_NAMES[codec]} on a link that agreed on {codecs}")
+    eligible = list(header.eligible) if any(header.eligible) else []
     message = Message(header.msg_type, list(header.sample_ids), list(header.positions), tensor,
-                      prefill, header.seq)
+                      prefill, header.seq, header.exit_depth, eligible)
     return message, framing.frame_bytes(header)
 
 

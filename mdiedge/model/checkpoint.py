@@ -418,20 +418,26 @@ def content_hash(model: PathLike) -> str:
     return _HASH_CACHE[key]
 
 
-def chunk_safetensors(model: PathLike, layers: Tuple[int, int]) -> bytes:
+def chunk_safetensors(model: PathLike, layers: Tuple[int, int], head: bool = False,
+                      extra: Optional[Dict[str, Tensor]] = None,
+                      extra_metadata: Optional[Dict[str, str]] = None) -> bytes:
     """The tensors of blocks ``[layers)`` under their Hugging Face names, as safetensors bytes
-    (what a worker without its own copy of the model receives)."""
+    (what a worker without its own copy of the model receives); with ``head``, the final
+    norm and head too, and ``extra`` tensors as they are named (early exit's parts)."""
     from safetensors.torch import save
 
     path = resolve_model_path(model)
     cfg = load_config(path)
     source = open_source(path)
     try:
-        tensors = {theirs: source.get(theirs).contiguous()
-                   for theirs in tensor_plan(cfg, layers, False, False).values()}
+        plan = tensor_plan(cfg, layers, False, False)
+        if head:
+            plan.update(tensor_plan(cfg, (0, 0), False, True))
+        tensors = {theirs: source.get(theirs).contiguous() for theirs in plan.values()}
     finally:
         source.close()
-    return save(tensors, metadata={"format": "pt"})
+    tensors.update(extra or {})
+    return save(tensors, metadata=dict(extra_metadata or {}, format="pt"))
 
 
 def open_source(path: Path) -> TensorSource:

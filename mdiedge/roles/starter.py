@@ -24,6 +24,7 @@ from ..base.errors import GenerationError, NodeLost, PartitionError, RingError
 from ..base.memory import max_rss_bytes, rss_bytes
 from ..base.nodes import NodeSpec, StarterOptions
 from ..model.checkpoint import chunk_safetensors, content_hash, load_model
+from ..model.exitfiles import ExitSettings, exit_policy
 from ..model.config import config_to_hf
 from ..model.devices import itemsize, parse_device, parse_dtype
 from ..runtime.auth import Authenticator
@@ -38,6 +39,7 @@ from ..runtime.scheduler import Scheduler
 from ..runtime.stages import LocalStage
 from .engine import Engine, PathLike
 from . import balance
+from .exitparts import check_ring_exits, chunk_extras, exit_spec
 from .membership import Membership
 from .ring import RingTail, probe_all
 
@@ -50,10 +52,11 @@ class RingStarter:
     """Sets up and owns the ring of ``workers`` for the model at ``path``."""
 
     def __init__(self, path: Path, cfg: Any, workers: Sequence[NodeSpec],
-                 options: StarterOptions) -> None:
+                 options: StarterOptions, early_exit: Optional[ExitSettings] = None) -> None:
         if not workers:
             raise RingError("a ring needs at least one worker (use the local engine for one node)")
         self.path, self.cfg, self.options = path, cfg, options
+        self.early_exit = check_ring_exits(cfg, early_exit)
         self.codecs = {w.name: Compression.parse(w.compression or options.compression,
                                                  f"compression of {w.name!r}")
                        for w in list(workers) + [options.spec]}  # of the link into each
@@ -180,7 +183,8 @@ class RingStarter:
             pipeline, ends = self._build(n_slots, context)
         rows = max(1, self.options.max_payload // (self.cfg.dim * itemsize(self.options.dtype)))
         return Scheduler(pipeline, ends, prefill_chunk=rows, timeout_s=self.options.timeout_s,
-                         rebuild=self.rebuild if self.options.recover else None)
+                         rebuild=self.rebuild if self.options.recover else None,
+                         exit_layers=self.cfg.n_layers if self.early_exit is not None else 0)
 
     def rebuild(self, lost: NodeLost) -> Tuple[Pipeline, ModelEnds]:
         """The scheduler's recovery: a ring without the ``lost`` workers, of the same layout
@@ -208,7 +212,9 @@ class RingStarter:
             self.model = None
             self.model = load_model(self.path, layers=first, embedding=True, head=True,
                                     device=self.device, dtype=parse_dtype(self.options.dtype))
-        stage = LocalStage(self.model, n_slots, context)
+        policy = None if self.early_exit is None else exit_policy(
+            self.early_exit, self.cfg, self.hash, self.model.head_logits)
+        stage = LocalStage(self.model, n_slots, context, exit_policy=policy)
         last = len(self.members) - 1
         ports = [self._assign(client, placement.layers, n_slots, context, last=i == last)
                  for i, (client, placement) in enumerate(zip(self.members, self.placements[1:]))]
@@ -232,13 +238,17 @@ class RingStarter:
         generation_config = {"bos_token_id": self.cfg.bos_id, "eos_token_id": list(self.cfg.eos_ids)}
         model = ModelRef(self.cfg.name, self.hash, config_to_hf(self.cfg), generation_config,
                          str(self.path.resolve()) if self.options.share_path else None)
+        spec = exit_spec(self.early_exit)
         request = Assignment(model, layers, n_slots, context, self.options.dtype,
-                             client.node.device, last, self.options.max_payload, self.session)
+                             client.node.device, last, self.options.max_payload, self.session,
+                             spec)
         reply = AssignReply.from_json(self._call(client, "POST", "/assign", request.to_json(),
                                                  timeout=ASSIGN_TIMEOUT_S))
         if reply.need_weights:
             log.info("sending layers %s to %s", layers, client.node.name)
-            raw = chunk_safetensors(self.path, layers)
+            extra, metadata = chunk_extras(self.path, spec)
+            raw = chunk_safetensors(self.path, layers, spec is not None and spec.needs_head,
+                                    extra, metadata)
             reply = AssignReply.from_json(self._call(
                 client, "PUT", f"/weights?hash={self.hash}&session={self.session}", raw=raw,
                 timeout=ASSIGN_TIMEOUT_S))
@@ -362,10 +372,12 @@ class RingEngine(Engine):
 
     def __init__(self, workers: Sequence[NodeSpec], model: Optional[PathLike] = None,
                  tokenizer: Optional[PathLike] = None,
-                 options: StarterOptions = StarterOptions(), **changes: Any) -> None:
+                 options: StarterOptions = StarterOptions(),
+                 early_exit: Optional[ExitSettings] = None, **changes: Any) -> None:
         self._open(model, tokenizer)
         self.options = dataclasses.replace(options, **changes)
-        self.starter = RingStarter(self.path, self.cfg, workers, self.options)
+        self.early_exit = early_exit
+        self.starter = RingStarter(self.path, self.cfg, workers, self.options, early_exit)
         self._setup_lock = self.starter._setup_lock
 
     @property

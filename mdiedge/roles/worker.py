@@ -32,6 +32,7 @@ from ..runtime.links import LinkDown, LinkPair, accept_authenticated, bind, clos
     connect_authenticated, tcp_listen
 from ..runtime.protocol import Assignment, AssignReply, ConnectRequest, ModelRef, NodeStatus
 from ..runtime.stages import LocalStage
+from .exitparts import cache_suffix, extra_bytes, has_parts, keep_sent_classifier, worker_policy
 
 log = logging.getLogger("mdiedge.worker")
 
@@ -61,6 +62,7 @@ class WorkerNode:
         self.started = time.time()
         self.assignment: Optional[Assignment] = None  # what the loaded model is
         self.model: Any = None
+        self.source = Path()  # where the loaded model's tensors came from
         self.stage: Optional[LocalStage] = None
         self.pending: Optional[Assignment] = None  # an assignment waiting for weights
         self.next_control: Optional[str] = None
@@ -140,7 +142,7 @@ class WorkerNode:
         if stage is not None:
             c = stage.counters
             status.slots_in_use, status.messages, status.tokens = stage.slots_in_use, c.messages, c.tokens
-            status.compute_s = round(c.compute_s, 6)
+            status.compute_s, status.kv_fill_s = round(c.compute_s, 6), round(c.kv_fill_s, 6)
             wall = time.time() - c.since
             status.busy_fraction = round(c.compute_s / wall, 4) if wall > 0 else 0.0
         return status.to_json()
@@ -153,7 +155,8 @@ class WorkerNode:
             self._claim(request.session)
             if self.state == "busy":
                 raise Conflict(f"{self.name} is serving a ring already")
-            if not (request.same_weights(self.assignment) and self.model is not None):
+            if not (request.same_weights(self.assignment) and self.model is not None
+                    and has_parts(self.source, request.early_exit)):
                 source = self._find_local_copy(request)
                 if source is None:
                     self.pending = request
@@ -171,7 +174,8 @@ class WorkerNode:
         if pending is None:
             return 0
         a, b = pending.layers
-        return (b - a) * pending.model.model_config().block_params() * 4 + (1 << 20)
+        return (b - a) * pending.model.model_config().block_params() * 4 + (1 << 20) \
+            + extra_bytes(pending)
 
     def receive_weights(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
         """The starter's safetensors of exactly the pending range: cache them, then load."""
@@ -191,6 +195,8 @@ class WorkerNode:
         tmp = folder.with_name(folder.name + ".tmp")
         tmp.mkdir(parents=True, exist_ok=True)
         (tmp / "model.safetensors").write_bytes(raw)
+        if request.early_exit is not None and request.early_exit.needs_classifier:
+            keep_sent_classifier(tmp)
         (tmp / "config.json").write_text(json.dumps(request.model.config))
         if request.model.generation_config:
             (tmp / "generation_config.json").write_text(json.dumps(request.model.generation_config))
@@ -244,7 +250,8 @@ class WorkerNode:
 
     def _cache_folder(self, request: Assignment) -> Path:
         a, b = request.layers
-        return self.cache_dir / "weights" / request.model.hash / f"layers-{a}-{b}"
+        return self.cache_dir / "weights" / request.model.hash / \
+            f"layers-{a}-{b}{cache_suffix(request.early_exit)}"
 
     def _find_local_copy(self, request: Assignment) -> Optional[Path]:
         path = request.model.path
@@ -255,7 +262,9 @@ class WorkerNode:
             except OSError:
                 pass
         cached = self._cache_folder(request)
-        return cached if (cached / "model.safetensors").exists() else None
+        if (cached / "model.safetensors").exists() and has_parts(cached, request.early_exit):
+            return cached
+        return None
 
     def _load(self, source: Path, request: Assignment) -> None:
         self.state = "loading"
@@ -264,12 +273,14 @@ class WorkerNode:
         self.model = load_model(source, layers=tuple(request.layers), embedding=False,
                                 head=False, device=str(parse_device(request.device)),
                                 dtype=parse_dtype(request.dtype))
-        self.assignment = request
+        self.assignment, self.source = request, source
         self.state = "ready"
 
     def _setup_stage(self, request: Assignment) -> None:
+        policy = worker_policy(self.source, request, str(parse_device(request.device)),
+                               parse_dtype(request.dtype))
         self.stage = LocalStage(self.model, request.n_slots, request.context,
-                                trim_prefill=request.last)
+                                trim_prefill=request.last, exit_policy=policy)
         self.assignment = request
 
     # ----------------------------------------------------------------- data plane

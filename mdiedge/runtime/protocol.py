@@ -7,6 +7,7 @@ one raises ``ValueError`` naming it (the control server answers 400 with that li
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -14,6 +15,7 @@ from ..base import defaults
 from ..base.codecs import Compression
 from ..base.dtypes import compute_dtype
 from ..model.config import ModelConfig, config_from_hf
+from ..model.exits import CRITERIA
 
 MAX_SLOTS = 4096
 
@@ -58,6 +60,41 @@ class ModelRef:
 
 
 @dataclass
+class ExitSpec:
+    """Early exit on a worker: the criterion and one threshold per exit point (every block
+    but the last; None: never there). The worker reads the head (``softmax``) and the exit
+    classifier (``classifier``) from its copy of the model, or from the starter's tensors."""
+
+    criterion: str
+    thresholds: List[Optional[float]]
+
+    @property
+    def needs_head(self) -> bool:
+        return self.criterion == "softmax"
+
+    @property
+    def needs_classifier(self) -> bool:
+        return self.criterion == "classifier"
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"criterion": self.criterion, "thresholds": list(self.thresholds)}
+
+    @classmethod
+    def from_json(cls, body: Any, n_layers: int) -> "ExitSpec":
+        if not isinstance(body, Mapping):
+            raise ValueError(f"field 'early_exit' must be an object, got {body!r}")
+        criterion = _get(body, "criterion", str)
+        if criterion not in CRITERIA:
+            raise ValueError(f"unknown early-exit criterion {criterion!r}")
+        thresholds = _get(body, "thresholds", list)
+        if len(thresholds) != n_layers - 1 or not all(
+                t is None or isinstance(t, (int, float)) and not isinstance(t, bool)
+                and math.isfinite(t) for t in thresholds):
+            raise ValueError(f"field 'thresholds' must hold {n_layers - 1} numbers or nulls")
+        return cls(criterion, [None if t is None else float(t) for t in thresholds])
+
+
+@dataclass
 class Assignment:
     """``POST /assign``: run blocks ``layers`` of ``model`` for ``n_slots`` x ``context``."""
 
@@ -70,12 +107,14 @@ class Assignment:
     last: bool = False  # the last worker: trims prefill output to the last position
     max_payload: int = defaults.MAX_PAYLOAD
     session: str = ""
+    early_exit: Optional[ExitSpec] = None
 
     def to_json(self) -> Dict[str, Any]:
         return {"model": self.model.to_json(), "layers": list(self.layers),
                 "n_slots": self.n_slots, "context": self.context, "dtype": self.dtype,
                 "device": self.device, "last": self.last, "max_payload": self.max_payload,
-                "session": self.session}
+                "session": self.session,
+                "early_exit": None if self.early_exit is None else self.early_exit.to_json()}
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> "Assignment":
@@ -99,8 +138,10 @@ class Assignment:
         max_payload = _get(body, "max_payload", int, defaults.MAX_PAYLOAD)
         if not 0 < max_payload <= 1 << 34:
             raise ValueError(f"max_payload {max_payload} out of range")
+        early_exit = body.get("early_exit")
         return cls(model, (a, b), n_slots, context, dtype, device,
-                   _get(body, "last", bool, False), max_payload, _get(body, "session", str, ""))
+                   _get(body, "last", bool, False), max_payload, _get(body, "session", str, ""),
+                   None if early_exit is None else ExitSpec.from_json(early_exit, cfg.n_layers))
 
     def same_weights(self, other: Optional["Assignment"]) -> bool:
         """Whether ``other`` needs exactly the weights this one does."""
@@ -178,6 +219,7 @@ class NodeStatus:
     messages: int = 0
     tokens: int = 0
     compute_s: float = 0.0
+    kv_fill_s: float = 0.0  # early exit: KV fill of the blocks decode steps skipped
     busy_fraction: float = 0.0
     link_rtt_ms: Optional[float] = None
     uptime_s: float = 0.0

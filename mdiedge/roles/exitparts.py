@@ -1,0 +1,129 @@
+"""Early exit on a ring's nodes: the parts beyond a node's blocks that its criterion needs
+(the final norm and head for ``softmax``, the exit classifier for ``classifier``), where a
+worker finds them (its copy of the model, or what the starter sent with its blocks), and the
+policy its stage runs with.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from ..base.errors import CheckpointError, ConfigError
+from ..model.checkpoint import load_model
+from ..model.exitfiles import CLASSIFIER_FILE, ExitSettings, load_classifier, thresholds_from_json
+from ..model.exits import ExitPolicy
+from ..runtime.framing import MAX_EXIT_DEPTH
+from ..runtime.protocol import Assignment, ExitSpec
+
+CLASSIFIER_PREFIX = "exit_classifier."  # its tensors' names inside a sent chunk
+
+
+def exit_spec(settings: Optional[ExitSettings]) -> Optional[ExitSpec]:
+    """What a worker is told of the user's early-exit settings."""
+    if settings is None:
+        return None
+    body = settings.to_json()
+    return ExitSpec(body["criterion"], body["thresholds"])
+
+
+def check_ring_exits(cfg: Any, settings: Optional[ExitSettings]) -> Optional[ExitSettings]:
+    """Early exit on a ring: a frame names the exit block in one byte."""
+    if settings is not None and cfg.n_layers - 1 > MAX_EXIT_DEPTH:
+        raise ConfigError(f"early exit on a ring supports models of up to "
+                          f"{MAX_EXIT_DEPTH + 1} blocks; this one has {cfg.n_layers}")
+    return settings
+
+
+def cache_suffix(spec: Optional[ExitSpec]) -> str:
+    """The cache folder of a sent chunk names the exit parts it holds besides the blocks."""
+    if spec is None:
+        return ""
+    return "-head" if spec.needs_head else "-classifier" if spec.needs_classifier else ""
+
+
+def extra_bytes(request: Assignment) -> int:
+    """Bytes the exit parts add to a chunk of blocks (the weights upload's size limit)."""
+    spec, cfg = request.early_exit, request.model.model_config()
+    if spec is None:
+        return 0
+    if spec.needs_head:
+        return (cfg.vocab_size * cfg.dim + cfg.dim) * 4
+    if spec.needs_classifier:
+        return cfg.n_layers * (cfg.dim + 3) * 64 * 4
+    return 0
+
+
+def chunk_extras(model_dir: Path, spec: Optional[ExitSpec]
+                 ) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    """The exit classifier's tensors and metadata, named for a sent chunk (the head travels
+    under its own checkpoint names; see ``chunk_safetensors(head=...)``)."""
+    if spec is None or not spec.needs_classifier:
+        return {}, {}
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / CLASSIFIER_FILE), framework="pt") as f:
+        meta = f.metadata() or {}
+        tensors = {CLASSIFIER_PREFIX + name: f.get_tensor(name) for name in f.keys()}
+    return tensors, {CLASSIFIER_PREFIX + k: v for k, v in meta.items()}
+
+
+def keep_sent_classifier(folder: Path) -> None:
+    """Write the classifier tensors of a sent chunk (``folder/model.safetensors``) as the
+    folder's classifier file, if it holds any."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        meta = f.metadata() or {}
+        own = {name[len(CLASSIFIER_PREFIX):]: f.get_tensor(name) for name in f.keys()
+               if name.startswith(CLASSIFIER_PREFIX)}
+    if own:
+        save_file(own, str(folder / CLASSIFIER_FILE),
+                  metadata={k[len(CLASSIFIER_PREFIX):]: v for k, v in meta.items()
+                            if k.startswith(CLASSIFIER_PREFIX)})
+
+
+def has_parts(source: Path, spec: Optional[ExitSpec]) -> bool:
+    """Whether ``source`` holds the exit parts ``spec`` needs."""
+    if spec is None:
+        return True
+    folder = source if source.is_dir() else source.parent
+    if spec.needs_classifier:
+        return (folder / CLASSIFIER_FILE).is_file()
+    if spec.needs_head:
+        from ..model.checkpoint import GLOBAL_NAMES, open_source
+
+        try:
+            reader = open_source(source)
+        except CheckpointError:
+            return False
+        try:
+            return GLOBAL_NAMES["norm.weight"] in set(reader.names())
+        finally:
+            reader.close()
+    return True
+
+
+def worker_policy(source: Path, request: Assignment, device: str,
+                  dtype: torch.dtype) -> Optional[ExitPolicy]:
+    """The policy of a worker's stage, its parts read from ``source`` (a copy of the model,
+    or the folder of a sent chunk); a CheckpointError names what is missing."""
+    spec = request.early_exit
+    if spec is None:
+        return None
+    cfg = request.model.model_config()
+    thresholds = thresholds_from_json(spec.thresholds, cfg, "early_exit")
+    head: Any = None
+    classifier = None
+    if spec.needs_head:
+        head = load_model(source, layers=(cfg.n_layers, cfg.n_layers), embedding=False,
+                          head=True, device=device, dtype=dtype).head_logits
+    if spec.needs_classifier:
+        folder = source if source.is_dir() else source.parent
+        if not (folder / CLASSIFIER_FILE).is_file():
+            raise CheckpointError(f"{folder}: no {CLASSIFIER_FILE} for the classifier criterion")
+        classifier = load_classifier(folder / CLASSIFIER_FILE, cfg, request.model.hash)
+        classifier.to(device)
+    return ExitPolicy(spec.criterion, thresholds, head, classifier)

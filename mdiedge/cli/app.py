@@ -152,3 +152,39 @@ def recovery_options(stall_timeout: Optional[float], recover: bool, spares: int,
     if stall_timeout is not None:
         changes["stall_s"] = stall_timeout
     return changes, spares
+
+
+def early_exit_option() -> Any:
+    """``--early-exit CRITERION``, the same on generate and bench."""
+    return typer.Option(None, "--early-exit", metavar="CRITERION", help="Let confident decode "
+                        "tokens skip the remaining blocks: softmax, similarity or classifier "
+                        "(thresholds from `mdiedge calibrate-exit` unless --exit-threshold).")
+
+
+def exit_threshold_option() -> Any:
+    return typer.Option(None, "--exit-threshold", metavar="T|FILE", help="With --early-exit: "
+                        "one threshold for every block, or a JSON file with one per block "
+                        "but the last (null: never exit there).")
+
+
+def check_early_exit(criterion: Optional[str], threshold: Optional[str],
+                     starter: Optional[str] = None) -> Optional[Tuple[str, Optional[str]]]:
+    """``--early-exit``/``--exit-threshold`` as given, checked as far as no model is needed."""
+    from ..model.exits import CRITERIA
+
+    if criterion is None:
+        need(threshold is None, "--exit-threshold", threshold, "given with --early-exit")
+        return None
+    need(criterion in CRITERIA, "--early-exit", criterion, "one of " + ", ".join(CRITERIA))
+    need(starter is None, "--early-exit", criterion, "set on the starter, not with --starter")
+    return criterion, threshold
+
+
+def early_exit_settings(text: Any, exits: Optional[Tuple[str, Optional[str]]]) -> Any:
+    """The checked ``ExitSettings`` for the model of ``text`` (a ``TextModel``), or None."""
+    if exits is None:
+        return None
+    from ..model.checkpoint import content_hash
+    from ..model.exitfiles import exit_settings
+
+    return exit_settings(text.path, text.cfg, content_hash(text.path), *exits)

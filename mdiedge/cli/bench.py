@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from .app import app, one_line_errors
+from .app import app, exit_threshold_option, one_line_errors
 
 
 @app.command()
@@ -30,12 +30,21 @@ def bench(
     text: Optional[str] = typer.Option(None, help="Text file for --compression: its last 10% "
                                        "is the held-out text (NanoLlama: Tiny Shakespeare)."),
     eval_tokens: int = typer.Option(4096, help="Held-out tokens scored with --compression."),
+    early_exit: Optional[str] = typer.Option(
+        None, "--early-exit", metavar="CRITERION", help="Instead, the same workload with and "
+        "without early exit (softmax, similarity or classifier) on 1 and --nodes nodes, 1 and "
+        "--samples samples: the throughput ratio, and top-1 agreement and perplexity "
+        "teacher-forced over --text's held-out tail."),
+    exit_threshold: Optional[str] = exit_threshold_option(),
 ) -> None:
     """Measure tokens/s, busy fraction, per-hop overhead and peak RSS of 1..N-node rings."""
     from pathlib import Path
 
     from ..ops import bench as benchmarks
 
+    if early_exit is not None or exit_threshold is not None:
+        _exits(model, early_exit, exit_threshold, text, nodes, samples, new_tokens, as_json)
+        return
     if compression is not None:
         _guard(model, compression, text, eval_tokens, nodes, context, new_tokens, as_json)
         return
@@ -93,3 +102,39 @@ def _guard(model: Optional[str], compression: str, text: Optional[str], eval_tok
     for name, run in runs.items():
         typer.echo(f"{name}: time to first token {run['ttft_s']:.3f} s, decode "
                    f"{run['decode_tok_s']} tok/s, first link {run['links'][0]['bytes']} bytes")
+
+
+def _exits(model: Optional[str], criterion: Optional[str], threshold: Optional[str],
+           text: Optional[str], nodes: int, samples: int, new_tokens: int,
+           as_json: bool) -> None:
+    from pathlib import Path
+
+    from .app import check_early_exit, need
+
+    check_early_exit(criterion, threshold)
+    need(text is not None and Path(text).is_file(), "--text", text,
+         "a text file (its last 10% is the held-out text)")
+    need(nodes >= 1, "--nodes", nodes, "an integer >= 1")
+    need(samples >= 1, "--samples", samples, "an integer >= 1")
+    from ..ops.exitbench import run
+
+    def shown(row: dict) -> None:
+        if not as_json:
+            e = row["early_exit"] or {}
+            typer.echo(f"{row['nodes']} node(s), {row['samples']} sample(s): "
+                       f"{row['tokens_per_s_none']:.1f} -> {row['tokens_per_s_exit']:.1f} tok/s "
+                       f"({row['speedup']:.2f}x), {e.get('mean_layers', 0):.2f} blocks per "
+                       f"token, KV fill {e.get('kv_fill_s', 0):.3f} s")
+
+    if not as_json:
+        typer.echo(f"early exit by {criterion}: {new_tokens} greedy tokens per sample",
+                   err=True)
+    result = run(model, str(criterion), threshold, Path(str(text)), nodes, samples,
+                 new_tokens=new_tokens, shown=shown)
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    q = result["quality"]
+    typer.echo(f"top-1 agreement {100 * q['top1_agreement']:.2f}% over {q['tokens']} held-out "
+               f"tokens; perplexity {q['perplexity_none']} -> {q['perplexity']}; "
+               f"{q['mean_layers']:.2f} blocks per token")

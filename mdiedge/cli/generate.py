@@ -14,7 +14,11 @@ from .app import (
     app,
     check_url,
     client_auth,
+    check_early_exit,
     compression_option,
+    early_exit_option,
+    early_exit_settings,
+    exit_threshold_option,
     need,
     one_line_errors,
     recovery_options,
@@ -59,9 +63,12 @@ def generate(
                                              "where this text appears (repeat for several); "
                                              "the text itself is not printed."),
     compression: str = compression_option(),
+    early_exit: Optional[str] = early_exit_option(),
+    exit_threshold: Optional[str] = exit_threshold_option(),
 ) -> None:
     """Generate text from PROMPT, on a ring of nodes (by default a local ring of 3)."""
     need(micro_batch >= 0, "--micro-batch", micro_batch, "an integer >= 0")
+    exits = check_early_exit(early_exit, exit_threshold, starter)
     changes = recovery_options(stall_timeout, recover, spares, compression)
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
     stops = list(stop or [])
@@ -80,7 +87,7 @@ def generate(
                        "connecting" if ring is not None else "starting nodes")
         engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring, changes,
                               lambda e: e.new_generation(prompt, max_new_tokens, samples, params,
-                                                         None, stops))
+                                                         None, stops), exits)
         _generate_with(engine, prompt, max_new_tokens, samples, params, stops, micro_batch,
                        as_json, lambda: nodes if ring is None else len(engine.starter.ring_workers)
                        + 1, progress)
@@ -109,25 +116,27 @@ def _generate_through(url: str, prompt: str, max_new_tokens: int, samples: int,
 
 def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], device: str,
                  dtype: str, nodes: int, ring: Optional[str],
-                 recovery: Tuple[Dict[str, Any], int], check: Callable[[Any], Any]) -> Any:
+                 recovery: Tuple[Dict[str, Any], int], check: Callable[[Any], Any],
+                 exits: Optional[Tuple[str, Optional[str]]] = None) -> Any:
     """The engine for ``--nodes``/``--ring``; ``check`` validates the request (given the
     model's text side) before any node process is started; ``recovery``: the starter options
-    given on the command line (stall time, recover) and the local ring's spares."""
+    given on the command line (stall time, recover) and the local ring's spares; ``exits``:
+    the early-exit criterion and threshold."""
     changes, spares = recovery
     need(ring is not None or nodes >= 1, "--nodes", nodes, "an integer >= 1")
-    if ring is None and nodes == 1:
-        from ..roles.engine import LocalEngine
-
-        local = LocalEngine(model, tokenizer, device=device, dtype=dtype)
-        check(local)
-        return local
     from ..model.devices import parse_device, parse_dtype
     from ..roles.engine import TextModel
-    from ..roles.starter import RingEngine
 
     parse_device(device), parse_dtype(dtype)  # errors before any node process starts
     text = TextModel(model, tokenizer)
     check(text)
+    settings = early_exit_settings(text, exits)
+    if ring is None and nodes == 1:
+        from ..roles.engine import LocalEngine
+
+        return LocalEngine(model, tokenizer, device=device, dtype=dtype, early_exit=settings)
+    from ..roles.starter import RingEngine
+
     if ring is None:
         from ..runtime.partition import check_ring_size
 
@@ -138,7 +147,8 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
 
         found, workers = load_ring(ring, secret=True)  # [starter] secret(_file), else the env
         found.update(changes)
-        engine = RingEngine(workers, model, tokenizer, StarterOptions(**found), dtype=dtype)
+        engine = RingEngine(workers, model, tokenizer, StarterOptions(**found), dtype=dtype,
+                            early_exit=settings)
     else:
         import torch
 
@@ -150,7 +160,7 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
         workers = stack.enter_context(local_ring)
         engine = RingEngine(workers, model, tokenizer, device=device, dtype=dtype,
                             secret=local_ring.secret, timeout_s=defaults.LOCAL_RING_TIMEOUT_S,
-                            **changes)
+                            early_exit=settings, **changes)
     stack.callback(engine.close)
     return engine
 

@@ -1,0 +1,124 @@
+"""``mdiedge bench --early-exit CRITERION``: the same workload with and without early exit in
+one run.
+
+- Quality, teacher-forced over held-out text (the second half of the held-out tail; the first
+  half calibrates, see ``mdiedge.ops.exitcal``): every position is a real decode step through
+  the model with its KV cache, the exit rule and the KV fill, so a token sees the cache that
+  earlier exits left. Reported: top-1 agreement with the same steps without early exit, and
+  the perplexity of both.
+- Speed: greedy generations from a held-out prompt, in this process (1 node) and on a local
+  ring (``nodes``), of 1 and ``samples`` samples: tokens/s without and with early exit (the
+  median of ``repeats``), their ratio, blocks per token and exit rates.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..model.checkpoint import content_hash, load_model
+from ..model.exitfiles import ExitSettings, exit_policy, exit_settings
+from ..model.exits import ExitPolicy, ExitStep
+from ..model.sampling import SamplingParams
+from ..roles.engine import Engine, LocalEngine, TextModel
+from ..roles.local_ring import LocalRing, threads_per_node
+from ..roles.starter import RingEngine
+from .exitcal import held_out_halves
+
+
+@torch.no_grad()
+def decode_forced(model: Any, tokens: List[int], policy: Optional[ExitPolicy],
+                  window: int) -> Tuple[torch.Tensor, torch.Tensor, List[int]]:
+    """Top-1, next-token NLL and blocks run at every position of ``tokens``, one decode step
+    per position (windows of ``window`` tokens, each from position 0)."""
+    model.setup_cache(1, window)
+    slots = torch.zeros(1, dtype=torch.long)
+    preds, nlls, depths = [], [], []
+    for start in range(0, len(tokens) - 1, window):
+        chunk = tokens[start:start + window + 1]
+        for pos in range(len(chunk) - 1):
+            x = model.embed_tokens(torch.tensor([[chunk[pos]]]))  # (1, 1, dim)
+            step = ExitStep.start(policy, 1) if policy is not None and pos > 0 else None
+            h = model.run_blocks(x, slots, [pos], step)
+            logits = model.head_logits(h[:, -1])[0]  # (vocab,)
+            preds.append(int(logits.argmax()))
+            nlls.append(float(torch.nn.functional.cross_entropy(
+                logits[None], torch.tensor([chunk[pos + 1]]))))
+            depths.append(step.depth if step is not None and step.exited else model.cfg.n_layers)
+    return torch.tensor(preds), torch.tensor(nlls), depths
+
+
+def quality(path: Path, tokens: List[int], settings: ExitSettings, window: int = 256
+            ) -> Dict[str, Any]:
+    model = load_model(path)
+    policy = exit_policy(settings, model.cfg, content_hash(path), model.head_logits)
+    base_pred, base_nll, _ = decode_forced(model, tokens, None, window)
+    pred, nll, depths = decode_forced(model, tokens, policy, window)
+    return {"tokens": len(depths), "top1_agreement": round(float((pred == base_pred)
+                                                                 .float().mean()), 5),
+            "perplexity_none": round(math.exp(float(base_nll.mean())), 4),
+            "perplexity": round(math.exp(float(nll.mean())), 4),
+            "mean_layers": round(statistics.mean(depths), 3)}
+
+
+def _timed(engine: Engine, prompt: str, new_tokens: int, samples: int, repeats: int
+           ) -> Dict[str, Any]:
+    greedy = SamplingParams(temperature=0)
+    engine.generate(prompt, 4, samples, greedy)  # warm-up
+    runs = [engine.generate(prompt, new_tokens, samples, greedy) for _ in range(repeats)]
+    rates = [r.timing.tokens_per_s for r in runs]
+    best = runs[rates.index(statistics.median(rates))] if repeats % 2 else runs[-1]
+    return {"tokens_per_s": round(statistics.median(rates), 2), "early_exit": best.early_exit}
+
+
+def speed(path: Path, nodes: int, samples: int, settings: ExitSettings, prompt: str,
+          new_tokens: int, repeats: int) -> Dict[str, Any]:
+    """tokens/s of the same generations without and with early exit on ``nodes``."""
+    results = {}
+    if nodes == 1:
+        for name, chosen in (("none", None), ("exit", settings)):
+            results[name] = _timed(LocalEngine(path, early_exit=chosen), prompt, new_tokens,
+                                   samples, repeats)
+    else:
+        threads = threads_per_node(nodes)
+        torch.set_num_threads(threads)
+        for name, chosen in (("none", None), ("exit", settings)):
+            local = LocalRing(nodes - 1, threads=threads)
+            with local as workers:
+                engine = RingEngine(workers, path, secret=local.secret, early_exit=chosen)
+                try:
+                    results[name] = _timed(engine, prompt, new_tokens, samples, repeats)
+                finally:
+                    engine.close()
+    ratio = results["exit"]["tokens_per_s"] / max(results["none"]["tokens_per_s"], 1e-9)
+    return {"nodes": nodes, "samples": samples,
+            "tokens_per_s_none": results["none"]["tokens_per_s"],
+            "tokens_per_s_exit": results["exit"]["tokens_per_s"],
+            "speedup": round(ratio, 3), "early_exit": results["exit"]["early_exit"]}
+
+
+def run(model: Optional[str], criterion: str, threshold: Optional[str], text: Path,
+        nodes: int, samples: int, new_tokens: int = 128, prompt_tokens: int = 64,
+        eval_tokens: int = 8192, held_out: float = 0.1, repeats: int = 3,
+        shown: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
+    """Every figure of the early-exit bench; ``shown`` sees each speed row as it is done."""
+    text_model = TextModel(model, None)
+    path, cfg = text_model.path, text_model.cfg
+    settings = exit_settings(path, cfg, content_hash(path), criterion, threshold)
+    raw = text.read_text(encoding="utf-8")
+    held = text_model.tokenizer.encode(raw[int(len(raw) * (1 - held_out)):])[:eval_tokens]
+    _, measured = held_out_halves(held)
+    prompt = text_model.tokenizer.decode(measured[:prompt_tokens])
+    result: Dict[str, Any] = {"model": str(path), "criterion": criterion,
+                              "thresholds": settings.to_json()["thresholds"],
+                              "quality": quality(path, measured, settings), "runs": []}
+    for n in sorted({1, nodes}):
+        for s in sorted({1, samples}):
+            row = speed(path, n, s, settings, prompt, new_tokens, repeats)
+            result["runs"].append(row)
+            if shown is not None:
+                shown(row)
+    return result

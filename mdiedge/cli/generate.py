@@ -55,13 +55,11 @@ def generate(
         None, "--stall-timeout", metavar="SECONDS", help="A worker that returns no message and "
         "does not answer on its control port within this is lost, and named (default: "
         f"{defaults.STALL_S:g}, or the ring file's stall_s)."),
-    recover: bool = typer.Option(True, "--recover/--no-recover", help="When a worker is lost, move "
-                                 "its layers to a spare or the others, replay, go on."),
-    spares: int = typer.Option(0, help="Spare workers started beside the local ring's, to take "
-                               "the place of a lost one."),
-    stop: Optional[List[str]] = typer.Option(None, "--stop", metavar="TEXT", help="End a sample "
-                                             "where this text appears (repeat for several); "
-                                             "the text itself is not printed."),
+    recover: bool = typer.Option(True, "--recover/--no-recover", help="Move a lost worker's "
+                                 "layers to a spare or the others, replay, go on."),
+    spares: int = typer.Option(0, help="Spare workers beside the local ring's (for a lost one)."),
+    stop: Optional[List[str]] = typer.Option(None, "--stop", metavar="TEXT", help="End a "
+                                             "sample at this text, not printed (repeatable)."),
     compression: str = compression_option(),
     early_exit: Optional[str] = early_exit_option(),
     exit_threshold: Optional[str] = exit_threshold_option(),
@@ -83,14 +81,18 @@ def generate(
         terminate_gracefully()
         progress = stack.enter_context(Progress(max_new_tokens * samples, not as_json,
                                                 streaming=samples == 1 and not as_json))
-        progress.phase("loading" if ring is None and nodes == 1 else
-                       "connecting" if ring is not None else "starting nodes")
+        progress.phase(_first_phase(ring, nodes))
         engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring, changes,
                               lambda e: e.new_generation(prompt, max_new_tokens, samples, params,
                                                          None, stops), exits)
         _generate_with(engine, prompt, max_new_tokens, samples, params, stops, micro_batch,
                        as_json, lambda: nodes if ring is None else len(engine.starter.ring_workers)
                        + 1, progress)
+
+
+def _first_phase(ring: Optional[str], nodes: int) -> str:
+    return "loading" if ring is None and nodes == 1 else \
+        "connecting" if ring is not None else "starting nodes"
 
 
 def _generate_through(url: str, prompt: str, max_new_tokens: int, samples: int,

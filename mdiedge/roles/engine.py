@@ -160,8 +160,11 @@ class Engine(TextModel):
         """Run ``generation`` to its end; one log line says how it went (INFO when it
         finished, WARNING when it failed or was interrupted)."""
         request = next(_requests)
+        filled = self.kv_fill_s()
         try:
             timing = self.submit(generation, micro_batch).wait(generation)
+            if generation.exits is not None:  # the nodes' fill time meanwhile
+                generation.exits.kv_fill_s = self.kv_fill_s() - filled
         except BaseException as e:
             log.warning("%s", failure_line(request, generation, e))
             raise
@@ -180,6 +183,10 @@ class Engine(TextModel):
             raise
         timing = self.run(generation, micro_batch)
         return self.output(prompt, generation, timing)
+
+    def kv_fill_s(self) -> float:
+        """Seconds the nodes spent filling the KV of blocks that early exits skipped."""
+        return 0.0
 
     def close(self) -> None:
         """Release what the engine holds (nodes, links); a local engine holds nothing."""
@@ -227,3 +234,6 @@ class LocalEngine(Engine):
     @property
     def stages(self) -> Sequence[LocalStage]:
         return self.scheduler.pipeline.stages if self.scheduler is not None else []
+
+    def kv_fill_s(self) -> float:
+        return sum(stage.counters.kv_fill_s for stage in self.stages)

@@ -12,7 +12,8 @@ import torch
 
 from ..base.errors import CheckpointError, ConfigError
 from ..model.checkpoint import load_model
-from ..model.exitfiles import CLASSIFIER_FILE, ExitSettings, load_classifier, thresholds_from_json
+from ..model.exitfiles import (CLASSIFIER_FILE, ExitSettings, exit_policy, load_classifier,
+                               thresholds_from_json)
 from ..model.exits import ExitPolicy
 from ..runtime.framing import MAX_EXIT_DEPTH
 from ..runtime.protocol import Assignment, ExitSpec
@@ -34,6 +35,14 @@ def check_ring_exits(cfg: Any, settings: Optional[ExitSettings]) -> Optional[Exi
         raise ConfigError(f"early exit on a ring supports models of up to "
                           f"{MAX_EXIT_DEPTH + 1} blocks; this one has {cfg.n_layers}")
     return settings
+
+
+def starter_policy(settings: Optional[ExitSettings], model_hash: str,
+                   model: Any) -> Optional[ExitPolicy]:
+    """The starter's stage's policy: its own chunk holds the head."""
+    if settings is None:
+        return None
+    return exit_policy(settings, model.cfg, model_hash, model.head_logits)
 
 
 def cache_suffix(spec: Optional[ExitSpec]) -> str:
@@ -67,6 +76,15 @@ def chunk_extras(model_dir: Path, spec: Optional[ExitSpec]
         meta = f.metadata() or {}
         tensors = {CLASSIFIER_PREFIX + name: f.get_tensor(name) for name in f.keys()}
     return tensors, {CLASSIFIER_PREFIX + k: v for k, v in meta.items()}
+
+
+def sent_chunk(path: Path, layers: Tuple[int, int], spec: Optional[ExitSpec]) -> bytes:
+    """What the starter sends a worker without a copy of the model: its blocks, and the
+    exit parts its criterion needs."""
+    from ..model.checkpoint import chunk_safetensors
+
+    extra, metadata = chunk_extras(path, spec)
+    return chunk_safetensors(path, layers, spec is not None and spec.needs_head, extra, metadata)
 
 
 def keep_sent_classifier(folder: Path) -> None:

@@ -23,8 +23,8 @@ from ..base.codecs import Compression
 from ..base.errors import GenerationError, NodeLost, PartitionError, RingError
 from ..base.memory import max_rss_bytes, rss_bytes
 from ..base.nodes import NodeSpec, StarterOptions
-from ..model.checkpoint import chunk_safetensors, content_hash, load_model
-from ..model.exitfiles import ExitSettings, exit_policy
+from ..model.checkpoint import content_hash, load_model
+from ..model.exitfiles import ExitSettings
 from ..model.config import config_to_hf
 from ..model.devices import itemsize, parse_device, parse_dtype
 from ..runtime.auth import Authenticator
@@ -39,7 +39,7 @@ from ..runtime.scheduler import Scheduler
 from ..runtime.stages import LocalStage
 from .engine import Engine, PathLike
 from . import balance
-from .exitparts import check_ring_exits, chunk_extras, exit_spec
+from .exitparts import check_ring_exits, exit_spec, sent_chunk, starter_policy
 from .membership import Membership
 from .ring import RingTail, probe_all
 
@@ -212,9 +212,8 @@ class RingStarter:
             self.model = None
             self.model = load_model(self.path, layers=first, embedding=True, head=True,
                                     device=self.device, dtype=parse_dtype(self.options.dtype))
-        policy = None if self.early_exit is None else exit_policy(
-            self.early_exit, self.cfg, self.hash, self.model.head_logits)
-        stage = LocalStage(self.model, n_slots, context, exit_policy=policy)
+        stage = LocalStage(self.model, n_slots, context,
+                           exit_policy=starter_policy(self.early_exit, self.hash, self.model))
         last = len(self.members) - 1
         ports = [self._assign(client, placement.layers, n_slots, context, last=i == last)
                  for i, (client, placement) in enumerate(zip(self.members, self.placements[1:]))]
@@ -238,17 +237,14 @@ class RingStarter:
         generation_config = {"bos_token_id": self.cfg.bos_id, "eos_token_id": list(self.cfg.eos_ids)}
         model = ModelRef(self.cfg.name, self.hash, config_to_hf(self.cfg), generation_config,
                          str(self.path.resolve()) if self.options.share_path else None)
-        spec = exit_spec(self.early_exit)
         request = Assignment(model, layers, n_slots, context, self.options.dtype,
                              client.node.device, last, self.options.max_payload, self.session,
-                             spec)
+                             exit_spec(self.early_exit))
         reply = AssignReply.from_json(self._call(client, "POST", "/assign", request.to_json(),
                                                  timeout=ASSIGN_TIMEOUT_S))
         if reply.need_weights:
             log.info("sending layers %s to %s", layers, client.node.name)
-            extra, metadata = chunk_extras(self.path, spec)
-            raw = chunk_safetensors(self.path, layers, spec is not None and spec.needs_head,
-                                    extra, metadata)
+            raw = sent_chunk(self.path, layers, request.early_exit)
             reply = AssignReply.from_json(self._call(
                 client, "PUT", f"/weights?hash={self.hash}&session={self.session}", raw=raw,
                 timeout=ASSIGN_TIMEOUT_S))
@@ -386,6 +382,14 @@ class RingEngine(Engine):
 
     def prepare(self, n_slots: int, context: int) -> Scheduler:
         return self.starter.ensure(n_slots, context)
+
+    def kv_fill_s(self) -> float:
+        """The starter's stage's and, with early exit on, every worker's (asked)."""
+        scheduler = self.starter.scheduler
+        if self.early_exit is None or scheduler is None:
+            return 0.0
+        own = sum(stage.counters.kv_fill_s for stage in scheduler.pipeline.stages)
+        return own + sum(s.kv_fill_s for s in self.starter.node_status())
 
     def close(self) -> None:
         self.starter.close()

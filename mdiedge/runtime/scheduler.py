@@ -184,6 +184,12 @@ def accept_parts(ends: ModelEnds, parts: List[Part], hidden: Any) -> None:
         row += len(samples)
 
 
+def note_prefill_done(groups: List[_Group], generation: Generation) -> None:
+    """The request's prefill is done once every one of its groups came back."""
+    if all(g.prefilled == len(g.samples) for g in groups if g.generation is generation):
+        generation.mark_prefilled()
+
+
 def count_exits(parts: List[Part], depth: int, n_layers: int) -> None:
     """Each request's decode rows of a message that came back after ``depth`` blocks (0:
     every block)."""
@@ -215,13 +221,12 @@ def settle(group: _Group) -> Tuple[Optional[_Group], int]:
 class Scheduler:
     """Runs generations over ``pipeline`` with ``ends`` (embedding and head).
 
-    ``exit_layers``: the model's block count when decode steps may exit early (their exits
-    are counted per request); ``prefill_chunk``: tokens per prefill message (0: the whole
-    prompt); ``timeout_s``: how
+    ``prefill_chunk``: tokens per prefill message (0: the whole prompt); ``timeout_s``: how
     long a message may take around the pipeline; ``rebuild``: when nodes are lost, gives the
     pipeline without them, and every live sample's tokens so far are replayed through it as a
     prefill (Petals-style recovery; its sampling generator carries on, so the output is the
-    one it would have been)."""
+    one it would have been); ``exit_layers``: the model's blocks, when decode steps may exit
+    early (their exits are counted per request)."""
 
     def __init__(self, pipeline: Pipeline, ends: ModelEnds, prefill_chunk: int = 0,
                  timeout_s: Optional[float] = None, max_waiting: int = 64,
@@ -390,7 +395,7 @@ class Scheduler:
                 group.prefilled += 1
                 if group.prefilled < len(group.samples):
                     continue
-                self._note_prefill_done(group.generation)
+                note_prefill_done(self._groups, group.generation)
             self._next_step(group)
         while True:
             merged = self._merger.take(self.pipeline.nodes, self.prefill_chunk)
@@ -412,11 +417,6 @@ class Scheduler:
                        [s.position for s in batch], _InFlight("decode", group, batch))
         else:
             self._merger.add((group, batch))
-
-    def _note_prefill_done(self, generation: Generation) -> None:
-        groups = [g for g in self._groups if g.generation is generation]
-        if all(g.prefilled == len(g.samples) for g in groups):
-            generation.mark_prefilled()
 
     def _release_finished(self, group: _Group) -> None:
         if group.generation.cancel_requested:
@@ -445,21 +445,10 @@ class Scheduler:
         message = Message(kind, [s.sid for s in samples], list(positions), hidden, prefill,
                           self._seq)
         self._inflight[self._seq] = entry
-        filled = self._kv_fill_s()
         self.pipeline.submit(message)
-        if self.exit_layers and entry.kind == "decode":  # local stages ran in submit
-            spent = self._kv_fill_s() - filled
-            for group, _ in entry.parts or [(entry.group, entry.samples)]:
-                if group.generation.exits is None:
-                    group.generation.exits = ExitCounts(self.exit_layers)
-                group.generation.exits.kv_fill_s += spent
         self.stats.messages += 1
         self.stats.tokens += message.tokens
         self.stats.compute_s += time.perf_counter() - t0
-
-    def _kv_fill_s(self) -> float:
-        return sum(stage.counters.kv_fill_s for stage in self.pipeline.stages) \
-            if self.exit_layers else 0.0
 
     # ----------------------------------------------------------------- recovery
 

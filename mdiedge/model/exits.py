@@ -108,18 +108,15 @@ class ExitStep:
     which rows are eligible (sticky) and, once all are, after how many blocks it exited."""
 
     policy: ExitPolicy
-    eligible: Tensor  # (B,) bool
+    eligible: List[bool]  # per row
     depth: int = 0  # blocks run before the exit; 0 while it has not exited
     checked: List[int] = field(default_factory=list)  # blocks whose criterion ran
     fill_s: float = 0.0  # seconds of KV fill after the exit, on this node
 
     @classmethod
     def start(cls, policy: ExitPolicy, rows: int, eligible: Sequence[bool] = (),
-              depth: int = 0, device: Optional[torch.device] = None) -> "ExitStep":
-        mask = torch.zeros(rows, dtype=torch.bool, device=device)
-        if eligible:
-            mask |= torch.tensor(list(eligible), dtype=torch.bool, device=device)
-        return cls(policy, mask, depth)
+              depth: int = 0) -> "ExitStep":
+        return cls(policy, [bool(e) for e in eligible] if eligible else [False] * rows, depth)
 
     @property
     def exited(self) -> bool:
@@ -130,15 +127,16 @@ class ExitStep:
         the whole step exits here."""
         if self.exited or not self.policy.checks(layer):
             return False
-        if not bool(self.eligible.all()):
+        if not all(self.eligible):
             self.checked.append(layer)
-            score = self.policy.confidence(layer, h[:, -1], previous[:, -1])  # (B,)
-            self.eligible |= score >= self.policy.thresholds[layer]
-        if bool(self.eligible.all()):
+            threshold = self.policy.thresholds[layer]
+            scores = self.policy.confidence(layer, h[:, -1], previous[:, -1]).tolist()  # (B,)
+            self.eligible = [e or s >= threshold for e, s in zip(self.eligible, scores)]
+        if all(self.eligible):
             self.depth = layer + 1
             return True
         return False
 
     def eligible_list(self) -> List[bool]:
         """Per row, for the next node (empty when none is)."""
-        return [bool(e) for e in self.eligible.tolist()] if bool(self.eligible.any()) else []
+        return list(self.eligible) if any(self.eligible) else []

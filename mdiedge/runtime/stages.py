@@ -96,7 +96,7 @@ class LocalStage:
         after an exit (here or before), the KV fill of the rest."""
         assert self.exit_policy is not None
         step = ExitStep.start(self.exit_policy, x.shape[0], message.eligible,
-                              message.exit_depth, self.device)
+                              message.exit_depth)
         with torch.inference_mode():
             if step.exited:
                 t0 = time.perf_counter()

@@ -265,3 +265,31 @@ def test_cli_generate_reports_early_exit(ring_model: Path) -> None:
     assert out.returncode == 0, out.stderr
     e = json.loads(out.stdout)["early_exit"]
     assert e["criterion"] == "similarity" and e["exit_rate"] == {"1": 1.0}
+
+
+@pytest.mark.parametrize("value, message", [
+    ("-inf", "is not a finite number"), ("nan", "is not a finite number")])
+def test_non_finite_threshold_is_refused(ring_model: Path, value: str, message: str) -> None:
+    cfg = load_config(ring_model)
+    with pytest.raises(ConfigError, match=message):
+        exit_settings(ring_model, cfg, content_hash(ring_model), "similarity", value)
+
+
+def test_workers_get_exact_thresholds_and_the_classifier_digest(ring_model: Path,
+                                                               tmp_path: Path) -> None:
+    from mdiedge.roles.exitparts import cache_suffix, exit_spec, file_sha256, has_parts
+    from mdiedge.runtime.protocol import ExitSpec
+
+    model = copy_model(ring_model, tmp_path)
+    train_tiny_classifier(model)
+    chosen = exit_settings(model, load_config(model), content_hash(model), "classifier",
+                           "0.1234567")
+    spec = exit_spec(chosen)
+    assert spec.thresholds == [0.1234567] * 5
+    assert spec.classifier == file_sha256(model / CLASSIFIER_FILE)
+    assert ExitSpec.from_json(spec.to_json(), 6) == spec
+    assert cache_suffix(spec).endswith(spec.classifier[:16]) and has_parts(model, spec)
+    other = ExitSpec("classifier", spec.thresholds, "0" * 64)  # a retrained classifier
+    assert not has_parts(model, other)
+    with pytest.raises(ValueError, match="not a sha256"):
+        ExitSpec.from_json(dict(spec.to_json(), classifier="zz"), 6)

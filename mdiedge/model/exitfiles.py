@@ -34,9 +34,9 @@ def thresholds_from_json(values: Any, cfg: ModelConfig, where: str) -> List[floa
                           f"{cfg.n_layers} blocks, so {exit_layers(cfg)} exit points")
     out: List[float] = []
     for i, v in enumerate(values):
-        if v is None:
+        if v is None or v == math.inf:
             out.append(NEVER)
-        elif isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v):
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
             out.append(float(v))
         else:
             raise ConfigError(f"{where}: threshold {i} is {v!r}, not a number or null")
@@ -56,8 +56,8 @@ def parse_threshold(value: str, criterion: str, cfg: ModelConfig) -> List[float]
     except ValueError:
         number = None
     if number is not None:
-        if math.isnan(number):
-            raise ConfigError(f"--exit-threshold {value!r} is not a number")
+        if not math.isfinite(number):
+            raise ConfigError(f"--exit-threshold {value!r} is not a finite number")
         return [number] * exit_layers(cfg) + [NEVER]
     path = Path(value)
     if not path.is_file():

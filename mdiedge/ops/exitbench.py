@@ -12,6 +12,7 @@ one run.
 """
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from pathlib import Path
@@ -26,7 +27,9 @@ from ..model.sampling import SamplingParams
 from ..roles.engine import Engine, LocalEngine, TextModel
 from ..roles.local_ring import LocalRing, threads_per_node
 from ..roles.starter import RingEngine
-from .exitcal import held_out_halves
+from ..base.errors import ConfigError
+from ..model.exitfiles import THRESHOLDS_FILE
+from .exitcal import MIN_TOKENS, held_out_halves
 
 
 @torch.no_grad()
@@ -100,6 +103,16 @@ def speed(path: Path, nodes: int, samples: int, settings: ExitSettings, prompt: 
             "speedup": round(ratio, 3), "early_exit": results["exit"]["early_exit"]}
 
 
+def calibrated_tokens(path: Path) -> int:
+    """How many held-out tokens ``mdiedge calibrate-exit`` chose the thresholds on (0: none
+    recorded)."""
+    found = (path if path.is_dir() else path.parent) / THRESHOLDS_FILE
+    try:
+        return int(json.loads(found.read_text())["calibrated_on"]["held_out_tokens_used"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
 def run(model: Optional[str], criterion: str, threshold: Optional[str], text: Path,
         nodes: int, samples: int, new_tokens: int = 128, prompt_tokens: int = 64,
         eval_tokens: int = 8192, held_out: float = 0.1, repeats: int = 3,
@@ -109,8 +122,15 @@ def run(model: Optional[str], criterion: str, threshold: Optional[str], text: Pa
     path, cfg = text_model.path, text_model.cfg
     settings = exit_settings(path, cfg, content_hash(path), criterion, threshold)
     raw = text.read_text(encoding="utf-8")
-    held = text_model.tokenizer.encode(raw[int(len(raw) * (1 - held_out)):])[:eval_tokens]
-    _, measured = held_out_halves(held)
+    held = text_model.tokenizer.encode(raw[int(len(raw) * (1 - held_out)):])
+    used = calibrated_tokens(path)  # measured after what the thresholds were chosen on
+    if used:
+        measured = held[used:used + eval_tokens // 2]
+    else:
+        _, measured = held_out_halves(held[:eval_tokens], str(text))
+    if len(measured) < MIN_TOKENS:
+        raise ConfigError(f"{text}: only {len(measured)} held-out tokens left after the "
+                          f"{used} calibrated on")
     prompt = text_model.tokenizer.decode(measured[:prompt_tokens])
     result: Dict[str, Any] = {"model": str(path), "criterion": criterion,
                               "thresholds": settings.to_json()["thresholds"],

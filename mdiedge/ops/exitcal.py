@@ -9,8 +9,9 @@ last block's. For each block the threshold is the lowest whose exiting tokens ag
 reaches ``target`` on the calibration text (CALM's calibration, by a simpler search).
 
 Text: the classifier trains on the first part of the text (``train_share`` of what precedes
-the held-out tail); the thresholds are chosen on the first half of the held-out tail, and
-``mdiedge bench --early-exit`` measures on its second half (``held_out_halves``).
+the held-out tail); the thresholds are chosen on the first half of the first ``tokens``
+held-out tokens, and ``mdiedge bench --early-exit`` measures on the held-out tokens after
+those (their count is recorded in ``early_exit.json``).
 """
 from __future__ import annotations
 
@@ -22,11 +23,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..base.errors import ConfigError
 from ..model.exitfiles import (CLASSIFIER_FILE, THRESHOLDS_FILE, save_classifier,
                                thresholds_to_json)
 from ..model.exits import CRITERIA, NEVER, ExitClassifier, cosine, softmax_margin
 
 MIN_EXITS = 16  # fewer calibration tokens than this past a threshold: never exit there
+MIN_TOKENS = 256  # held-out tokens (each half) below which calibrating or measuring is refused
 
 
 @dataclass
@@ -43,9 +46,13 @@ class LayerTrace:
         return int(self.top1.shape[1])
 
 
-def held_out_halves(tokens: List[int]) -> Tuple[List[int], List[int]]:
-    """The held-out tokens split: calibration first, the bench's measurement second."""
+def held_out_halves(tokens: List[int], what: str) -> Tuple[List[int], List[int]]:
+    """The held-out tokens split: calibration first, the bench's measurement second; a
+    ConfigError when either half is too short to say anything."""
     half = len(tokens) // 2
+    if half < MIN_TOKENS:
+        raise ConfigError(f"{what}: {len(tokens)} held-out tokens, fewer than the "
+                          f"{2 * MIN_TOKENS} needed (a longer text, or a larger held-out share)")
     return tokens[:half], tokens[half:]
 
 
@@ -175,7 +182,8 @@ def run(model: Optional[str], text: Path, criteria: List[str], target: float,
     full = load_model(path)
     raw = text.read_text(encoding="utf-8")
     cut = int(len(raw) * (1 - held_out))
-    calibration, _ = held_out_halves(text_model.tokenizer.encode(raw[cut:])[:tokens])
+    calibration, _ = held_out_halves(text_model.tokenizer.encode(raw[cut:])[:tokens],
+                                     str(text))
     classifier = None
     if "classifier" in criteria:
         train_ids = text_model.tokenizer.encode(raw[:cut])[:train_tokens]
@@ -186,6 +194,7 @@ def run(model: Optional[str], text: Path, criteria: List[str], target: float,
     traced = trace(full, states, embeds, classifier)
     results = {c: calibrate(traced, c, target) for c in criteria}
     source = {"text": text.name, "held_out": held_out, "tokens": traced.tokens,
+              "held_out_tokens_used": len(calibration),
               "classifier_train_tokens": train_tokens if classifier is not None else 0}
     written = write_calibration(model_dir, model_hash, target, results, source)
     return {"model": str(path), "file": str(written), "target_agreement": target,

@@ -160,11 +160,12 @@ class Engine(TextModel):
         """Run ``generation`` to its end; one log line says how it went (INFO when it
         finished, WARNING when it failed or was interrupted)."""
         request = next(_requests)
-        filled = self.kv_fill_s()
         try:
-            timing = self.submit(generation, micro_batch).wait(generation)
+            scheduler = self.submit(generation, micro_batch)
+            filled = self.kv_fill_s()  # the pipeline it runs on is set up now
+            timing = scheduler.wait(generation)
             if generation.exits is not None:  # the nodes' fill time meanwhile
-                generation.exits.kv_fill_s = self.kv_fill_s() - filled
+                generation.exits.kv_fill_s = max(0.0, self.kv_fill_s() - filled)
         except BaseException as e:
             log.warning("%s", failure_line(request, generation, e))
             raise

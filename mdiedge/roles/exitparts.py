@@ -14,19 +14,26 @@ from ..base.errors import CheckpointError, ConfigError
 from ..model.checkpoint import load_model
 from ..model.exitfiles import (CLASSIFIER_FILE, ExitSettings, exit_policy, load_classifier,
                                thresholds_from_json)
-from ..model.exits import ExitPolicy
+from ..model.exits import NEVER, ExitPolicy
 from ..runtime.framing import MAX_EXIT_DEPTH
 from ..runtime.protocol import Assignment, ExitSpec
 
-CLASSIFIER_PREFIX = "exit_classifier."  # its tensors' names inside a sent chunk
+CLASSIFIER_TENSOR = "exit_classifier.file"  # the classifier file's bytes inside a sent chunk
 
 
 def exit_spec(settings: Optional[ExitSettings]) -> Optional[ExitSpec]:
     """What a worker is told of the user's early-exit settings."""
     if settings is None:
         return None
-    body = settings.to_json()
-    return ExitSpec(body["criterion"], body["thresholds"])
+    digest = file_sha256(settings.classifier) if settings.classifier is not None else ""
+    return ExitSpec(settings.criterion,
+                    [None if t == NEVER else float(t) for t in settings.thresholds[:-1]], digest)
+
+
+def file_sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def check_ring_exits(cfg: Any, settings: Optional[ExitSettings]) -> Optional[ExitSettings]:
@@ -42,14 +49,19 @@ def starter_policy(settings: Optional[ExitSettings], model_hash: str,
     """The starter's stage's policy: its own chunk holds the head."""
     if settings is None:
         return None
-    return exit_policy(settings, model.cfg, model_hash, model.head_logits)
+    policy = exit_policy(settings, model.cfg, model_hash, model.head_logits)
+    if policy.classifier is not None:
+        policy.classifier.to(next(model.parameters()).device)
+    return policy
 
 
 def cache_suffix(spec: Optional[ExitSpec]) -> str:
     """The cache folder of a sent chunk names the exit parts it holds besides the blocks."""
     if spec is None:
         return ""
-    return "-head" if spec.needs_head else "-classifier" if spec.needs_classifier else ""
+    if spec.needs_classifier:
+        return f"-classifier-{spec.classifier[:16]}"
+    return "-head" if spec.needs_head else ""
 
 
 def extra_bytes(request: Assignment) -> int:
@@ -66,16 +78,14 @@ def extra_bytes(request: Assignment) -> int:
 
 def chunk_extras(model_dir: Path, spec: Optional[ExitSpec]
                  ) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
-    """The exit classifier's tensors and metadata, named for a sent chunk (the head travels
-    under its own checkpoint names; see ``chunk_safetensors(head=...)``)."""
+    """The exit classifier file's bytes as one tensor of a sent chunk (the worker writes them
+    back verbatim, so its sha256 is the starter's), and the chunk metadata saying so (the
+    head travels under its own checkpoint names; see ``chunk_safetensors(head=...)``)."""
     if spec is None or not spec.needs_classifier:
         return {}, {}
-    from safetensors import safe_open
-
-    with safe_open(str(model_dir / CLASSIFIER_FILE), framework="pt") as f:
-        meta = f.metadata() or {}
-        tensors = {CLASSIFIER_PREFIX + name: f.get_tensor(name) for name in f.keys()}
-    return tensors, {CLASSIFIER_PREFIX + k: v for k, v in meta.items()}
+    model_dir = model_dir if model_dir.is_dir() else model_dir.parent
+    raw = bytearray((model_dir / CLASSIFIER_FILE).read_bytes())
+    return {CLASSIFIER_TENSOR: torch.frombuffer(raw, dtype=torch.uint8)}, {}
 
 
 def sent_chunk(path: Path, layers: Tuple[int, int], spec: Optional[ExitSpec]) -> bytes:
@@ -88,19 +98,14 @@ def sent_chunk(path: Path, layers: Tuple[int, int], spec: Optional[ExitSpec]) ->
 
 
 def keep_sent_classifier(folder: Path) -> None:
-    """Write the classifier tensors of a sent chunk (``folder/model.safetensors``) as the
-    folder's classifier file, if it holds any."""
+    """Write the classifier file a sent chunk (``folder/model.safetensors``) carries, if any,
+    beside it."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-        meta = f.metadata() or {}
-        own = {name[len(CLASSIFIER_PREFIX):]: f.get_tensor(name) for name in f.keys()
-               if name.startswith(CLASSIFIER_PREFIX)}
-    if own:
-        save_file(own, str(folder / CLASSIFIER_FILE),
-                  metadata={k[len(CLASSIFIER_PREFIX):]: v for k, v in meta.items()
-                            if k.startswith(CLASSIFIER_PREFIX)})
+        if CLASSIFIER_TENSOR in f.keys():
+            (folder / CLASSIFIER_FILE).write_bytes(f.get_tensor(CLASSIFIER_TENSOR).numpy()
+                                                   .tobytes())
 
 
 def has_parts(source: Path, spec: Optional[ExitSpec]) -> bool:
@@ -108,8 +113,9 @@ def has_parts(source: Path, spec: Optional[ExitSpec]) -> bool:
     if spec is None:
         return True
     folder = source if source.is_dir() else source.parent
-    if spec.needs_classifier:
-        return (folder / CLASSIFIER_FILE).is_file()
+    if spec.needs_classifier:  # the very file the starter's thresholds were chosen with
+        found = folder / CLASSIFIER_FILE
+        return found.is_file() and (not spec.classifier or file_sha256(found) == spec.classifier)
     if spec.needs_head:
         from ..model.checkpoint import GLOBAL_NAMES, open_source
 
@@ -140,8 +146,9 @@ def worker_policy(source: Path, request: Assignment, device: str,
                           head=True, device=device, dtype=dtype).head_logits
     if spec.needs_classifier:
         folder = source if source.is_dir() else source.parent
-        if not (folder / CLASSIFIER_FILE).is_file():
-            raise CheckpointError(f"{folder}: no {CLASSIFIER_FILE} for the classifier criterion")
+        if not has_parts(source, spec):
+            raise CheckpointError(f"{folder}: no {CLASSIFIER_FILE} with sha256 "
+                                  f"{spec.classifier[:16]}… for the classifier criterion")
         classifier = load_classifier(folder / CLASSIFIER_FILE, cfg, request.model.hash)
         classifier.to(device)
     return ExitPolicy(spec.criterion, thresholds, head, classifier)

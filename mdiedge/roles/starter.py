@@ -389,7 +389,8 @@ class RingEngine(Engine):
         if self.early_exit is None or scheduler is None:
             return 0.0
         own = sum(stage.counters.kv_fill_s for stage in scheduler.pipeline.stages)
-        return own + sum(s.kv_fill_s for s in self.starter.node_status())
+        members = {n.name for n in self.starter.ring_workers}
+        return own + sum(s.kv_fill_s for s in self.starter.node_status() if s.name in members)
 
     def close(self) -> None:
         self.starter.close()

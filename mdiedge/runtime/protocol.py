@@ -67,6 +67,7 @@ class ExitSpec:
 
     criterion: str
     thresholds: List[Optional[float]]
+    classifier: str = ""  # sha256 of the exit classifier file, for ``classifier``
 
     @property
     def needs_head(self) -> bool:
@@ -77,7 +78,8 @@ class ExitSpec:
         return self.criterion == "classifier"
 
     def to_json(self) -> Dict[str, Any]:
-        return {"criterion": self.criterion, "thresholds": list(self.thresholds)}
+        return {"criterion": self.criterion, "thresholds": list(self.thresholds),
+                "classifier": self.classifier}
 
     @classmethod
     def from_json(cls, body: Any, n_layers: int) -> "ExitSpec":
@@ -91,7 +93,11 @@ class ExitSpec:
                 t is None or isinstance(t, (int, float)) and not isinstance(t, bool)
                 and math.isfinite(t) for t in thresholds):
             raise ValueError(f"field 'thresholds' must hold {n_layers - 1} numbers or nulls")
-        return cls(criterion, [None if t is None else float(t) for t in thresholds])
+        classifier = _get(body, "classifier", str, "")
+        if classifier and (len(classifier) != 64 or
+                           any(c not in "0123456789abcdef" for c in classifier)):
+            raise ValueError(f"field 'classifier' {classifier!r} is not a sha256 hex digest")
+        return cls(criterion, [None if t is None else float(t) for t in thresholds], classifier)
 
 
 @dataclass

@@ -179,3 +179,24 @@ def test_a_local_ring_runs_through_relays_on_every_link(ring_model: Any) -> None
     assert [(l["from"], l["to"]) for l in links] == \
         [("starter", "w1"), ("w1", "w2"), ("w2", "starter")]
     assert out.timing.decode_s >= 5 * 3 * delay  # 5 decode tokens, each 3 delayed hops
+
+
+def test_a_reset_on_one_side_ends_the_other() -> None:
+    import struct
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    with listener, DelayRelay(listener.getsockname()[:2], DELAY) as relay:
+        client = socket.create_connection(relay.address, timeout=5)
+        listener.settimeout(5)
+        server, _ = listener.accept()
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        server.close()  # an RST, not a FIN
+        try:
+            assert client.recv(100) == b""
+        except ConnectionResetError:
+            pass
+        client.close()
+        deadline = time.monotonic() + 2
+        while relay.connections and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not relay.connections  # its threads ended, nothing left behind

@@ -60,8 +60,7 @@ class _Pipe:
                 if not self._put(data) or not data:  # b"": the end of the stream, passed on
                     return
         except OSError:
-            self.failed.set()
-            self._put(b"")  # wakes the writer, which sees the failure
+            self._fail()
 
     def _take(self) -> Optional[Tuple[float, bytes]]:
         with self.cond:
@@ -89,9 +88,16 @@ class _Pipe:
                     return
                 self.dst.sendall(data)
         except OSError:
-            self.failed.set()
-            with self.cond:
-                self.cond.notify_all()
+            self._fail()
+
+    def _fail(self) -> None:
+        """A reset or error: end both directions now (a reader blocked on the other side's
+        socket wakes, so no thread waits on a half-dead connection)."""
+        self.failed.set()
+        with self.cond:
+            self.cond.notify_all()
+        _shutdown(self.src)
+        _shutdown(self.dst)
 
     def join(self, timeout: Optional[float] = None) -> None:
         for thread in self.threads:

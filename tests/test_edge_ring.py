@@ -2,6 +2,7 @@
 by tc tbf (skipped, with the reason, without root, unshare or tc)."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -42,3 +43,28 @@ def test_a_bad_rate_is_one_line_and_exit_77() -> None:
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 77 and done.stderr.count("\n") == 1
     assert "tc qdisc add dev lo root tbf rate fast" in done.stderr
+
+
+def test_delay_ms_routes_every_ring_link_through_a_relay(ring_model: Path,
+                                                          tmp_path: Path) -> None:
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    done = subprocess.run([sys.executable, str(SCRIPT), "--rate", "1gbit", "--measure",
+                           "--model", str(ring_model), "--text", str(text), "--codecs", "none",
+                           "--nodes", "3", "--prompt-tokens", "8", "--new-tokens", "4",
+                           "--repeats", "1", "--delay-ms", "20", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    run = result["runs"]["none"]
+    assert result["delay_ms"] == 20
+    assert [(l["from"], l["to"]) for l in run["links"]] == \
+        [("starter", "w1"), ("w1", "w2"), ("w2", "starter")]
+    assert run["ttft_s"] >= 3 * 0.020  # the prefill crosses three delayed hops
+    assert run["decode_tok_s"] < 1 / (3 * 0.020)  # so does every decode token
+
+
+def test_delay_ms_needs_measure() -> None:
+    done = subprocess.run([sys.executable, str(SCRIPT), "--rate", "1gbit", "--delay-ms", "5",
+                           "--", "true"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--delay-ms needs --measure" in done.stderr

@@ -597,7 +597,7 @@ def test_load_ring_shape(tmp_path: Path) -> None:
                        "memory": 1000, "layers": None,
                        "max_payload": defaults.MAX_PAYLOAD, "timeout_s": defaults.RING_TIMEOUT_S,
                        "stall_s": defaults.STALL_S, "recover": True,
-                       "rebalance_margin": defaults.REBALANCE_MARGIN}
+                       "rebalance_margin": defaults.REBALANCE_MARGIN, "compression": "none"}
     assert workers == [
         NodeSpec(name="w1", host="10.0.0.2", control_port=7700, weight=2.5,
                  memory=6 * GiB, layers=(6, 14), device="cuda"),
@@ -615,7 +615,7 @@ def test_load_ring_starter_options(tmp_path: Path) -> None:
                        "memory": 4 * GiB, "layers": (0, 6),
                        "max_payload": 64 << 20, "timeout_s": 12.5,
                        "stall_s": defaults.STALL_S, "recover": True,
-                       "rebalance_margin": defaults.REBALANCE_MARGIN}
+                       "rebalance_margin": defaults.REBALANCE_MARGIN, "compression": "none"}
     options, _ = load_ring(write(tmp_path, "[starter]\ntimeout_s = 30\n" + R))
     assert (options["timeout_s"], options["max_payload"]) == (30.0, defaults.MAX_PAYLOAD)
 
@@ -626,8 +626,46 @@ def test_load_ring_without_starter_table(tmp_path: Path) -> None:
                        "memory": None, "layers": None,
                        "max_payload": defaults.MAX_PAYLOAD, "timeout_s": defaults.RING_TIMEOUT_S,
                        "stall_s": defaults.STALL_S, "recover": True,
-                       "rebalance_margin": defaults.REBALANCE_MARGIN}
+                       "rebalance_margin": defaults.REBALANCE_MARGIN, "compression": "none"}
     assert [w.name for w in workers] == ["w1"]
+
+
+def test_load_ring_starter_compression(tmp_path: Path) -> None:
+    from mdiedge.base.nodes import StarterOptions
+
+    options, workers = load_ring(write(tmp_path, S + 'compression = "int8:fp16"\n' + R
+                                       + 'compression = "fp16"\n'))
+    assert options["compression"] == "int8:fp16"
+    assert StarterOptions(**options).compression == "int8:fp16"
+    assert workers[0].compression == "fp16"  # a worker's own still names its link's
+
+
+@pytest.mark.parametrize("value,shown", [('"int4"', "'int4'"), ("8", "8"), ('"fp16:"', "'fp16:'"),
+                                         ('"INT8"', "'INT8'")])
+def test_a_bad_starter_compression_is_one_line(tmp_path: Path, value: str, shown: str) -> None:
+    path = write(tmp_path, S + f"compression = {value}\n" + R)
+    with pytest.raises(ConfigError) as e:
+        load_ring(path)
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith(f"{path}: starter.compression: expected one of none, fp16, int8")
+    assert message.endswith(f"got {shown}")
+
+
+def test_the_starter_skeletons_explain_compression() -> None:
+    from mdiedge.ops import units
+
+    for kind in ("starter", "ring"):
+        text = units.skeleton(kind)
+        assert '# compression = "none"' in text.split("\n[[workers]]")[0]
+        loaded = tomllib_loads(text.replace('# compression = "none"', 'compression = "int8"'))
+        assert loaded["starter"]["compression"] == "int8"
+
+
+def tomllib_loads(text: str) -> Dict[str, Any]:
+    from mdiedge.base.settings import tomllib
+
+    return tomllib.loads(text)
 
 
 def test_load_ring_options_are_starter_options(tmp_path: Path) -> None:

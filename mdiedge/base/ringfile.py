@@ -15,6 +15,7 @@ is ignored here::
     stall_s = 3               # a node silent this long is lost; the ring recovers without it
     recover = true
     rebalance_margin = 0.25   # re-split when the slowest node is this far above the mean
+    compression = "int8"      # codecs of every link whose worker names none (--compression wins)
 
     [[workers]]
     name = "w1"
@@ -25,6 +26,7 @@ is ignored here::
     memory = "6GiB"
     layers = [2, 7]
     spare = false             # true: held back to replace a lost node
+    compression = "fp16"      # codecs of the link into this worker
 
 With ``secret=True`` the options carry the ring secret too (``secret``/``secret_file`` in
 ``[starter]``, else the environment), so a starter can talk to secured workers.
@@ -46,7 +48,8 @@ __all__ = ["load_ring", "parse_bytes"]
 def load_ring(path: Union[str, "os.PathLike[str]"], secret: bool = False,
               env: Mapping[str, str] = os.environ) -> Tuple[Dict[str, Any], List[NodeSpec]]:
     """The starter's options (fields of ``StarterOptions``, the ``RingEngine`` keywords: host,
-    device, weight, memory, layers, max_payload, timeout_s; with ``secret``, also ``secret``:
+    device, weight, memory, layers, max_payload, timeout_s, stall_s, recover, rebalance_margin,
+    compression; with ``secret``, also ``secret``:
     the ``[starter]`` table's secret or secret_file, else ``$MDIEDGE_SECRET(_FILE)`` in ``env``,
     else None) and the workers of a ring file, in ring order; errors name the file and key."""
     settings = load_settings(path)
@@ -59,6 +62,7 @@ def load_ring(path: Union[str, "os.PathLike[str]"], secret: bool = False,
         "memory": starter.memory, "layers": starter.layers, "max_payload": starter.max_payload,
         "timeout_s": starter.timeout_s, "stall_s": starter.stall_s,
         "recover": starter.recover, "rebalance_margin": starter.rebalance_margin,
+        "compression": starter.compression,
     }
     if secret:
         options["secret"] = read_secret(settings.starter, env)

@@ -40,13 +40,11 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
 import os
 import re
 import stat
 import sys
 from dataclasses import dataclass, field, fields
-from fractions import Fraction
 from pathlib import Path
 from typing import (Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Optional, Tuple,
                     Union)
@@ -56,6 +54,9 @@ from .defaults import (IDLE_TIMEOUT_S, MAX_PAYLOAD, MAX_THREADS, REBALANCE_MARGI
 from .dtypes import COMPUTE_NAMES
 from .errors import ConfigError
 from .nodes import COMPRESSION_NAMES, NodeSpec
+from .values import (MIN_SECRET_BYTES, Bad, Check, boolean, choice, device_name, fraction,
+                     host_name, integer, layer_range, parse_bytes, positive, secret_value, show,
+                     size, string)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -70,28 +71,8 @@ SYSTEM_CONFIG = Path("/etc/mdiedge/mdiedge.toml")  # tests patch this module con
 ENV_CONFIG = "MDIEDGE_CONFIG"
 ENV_SECRET = "MDIEDGE_SECRET"
 ENV_SECRET_FILE = "MDIEDGE_SECRET_FILE"
-MIN_SECRET_BYTES = 16
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-
-_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 1000 ** 4,
-          "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4}
-_SIZE = re.compile(r"\s*([0-9]{1,30}(?:\.[0-9]{1,30})?)\s*([a-zA-Z]{0,3})\s*")
-
-
-def parse_bytes(value: Any, where: str) -> int:
-    """A positive byte count from an integer or a size string (``"4GiB"``, ``"512MB"``,
-    ``"1.5 GiB"``, ``"4096"``; units b, kb, mb, gb, tb, kib, mib, gib, tib, any case)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    if isinstance(value, str):
-        match = _SIZE.fullmatch(value)
-        if match and match.group(2).lower() in _UNITS:
-            n = int(Fraction(match.group(1)) * _UNITS[match.group(2).lower()])
-            if n > 0:
-                return n
-    raise ConfigError(f"{where}: expected a size such as 4GiB or 512MB, got {_show(value)}")
-
 
 # ------------------------------------------------------------------------------ dataclasses
 
@@ -141,6 +122,7 @@ class StarterSettings:
     stall_s: float = STALL_S
     recover: bool = True
     rebalance_margin: float = REBALANCE_MARGIN
+    compression: str = "none"  # codecs of every link whose worker names none
     secret: Optional[str] = field(default=None, repr=False)
     secret_file: Optional[str] = None
     insecure: bool = False
@@ -160,141 +142,29 @@ class Settings:
 
 Section = Union[WorkerSettings, StarterSettings]
 
-# ------------------------------------------------------------------------------ validators
+# ------------------------------------------------------------------------------ schemas
 
 
-class _Bad(Exception):
-    """A value does not fit: ``expected`` says what would; ``shown`` replaces the value."""
-
-    def __init__(self, expected: str, shown: Optional[str] = None) -> None:
-        super().__init__(expected)
-        self.expected, self.shown = expected, shown
-
-
-Check = Callable[[Any], Any]
-
-
-def _show(value: Any, limit: int = 80) -> str:
-    """The value as it appears in a message: repr, on one line, cut at ``limit`` characters."""
-    try:
-        text = repr(value)
-    except Exception:  # noqa: BLE001 - e.g. a too deeply nested list
-        text = f"<{type(value).__name__}>"
-    text = text.replace("\n", "\\n")
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _string(what: str = "a non-empty string") -> Check:
-    def check(value: Any) -> str:
-        if not isinstance(value, str) or not value:
-            raise _Bad(what)
-        return value
-    return check
-
-
-def _host(value: Any) -> str:
-    if not isinstance(value, str) or not value or any(c.isspace() for c in value):
-        raise _Bad("a host name or address")
-    return value
-
-
-def _integer(low: int, high: Optional[int] = None) -> Check:
-    what = f"an integer {low}..{high}" if high is not None else f"an integer >= {low}"
-
-    def check(value: Any) -> int:
-        if not _is_int(value) or value < low or (high is not None and value > high):
-            raise _Bad(what)
-        return int(value)
-    return check
-
-
-def _at_least(low: float, strict: bool) -> Check:
-    def check(value: Any) -> float:
-        if (not isinstance(value, (int, float)) or isinstance(value, bool)
-                or not math.isfinite(value) or value < low or (strict and value == low)):
-            raise _Bad(f"a number {'>' if strict else '>='} {low:g}")
-        return float(value)
-    return check
-
-
-_positive, _fraction = _at_least(0, strict=True), _at_least(0, strict=False)
-
-
-def _bool(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _Bad("true or false")
-    return value
-
-
-def _choice(options: Tuple[str, ...]) -> Check:
-    def check(value: Any) -> str:
-        if not isinstance(value, str) or value not in options:
-            raise _Bad(f"one of {', '.join(options)}")
-        return value
-    return check
-
-
-def _device(value: Any) -> str:
-    if not isinstance(value, str) or not re.fullmatch(r"cpu|cuda(:[0-9]{1,3})?", value):
-        raise _Bad("cpu, cuda or cuda:N")
-    return value
-
-
-def _size(value: Any) -> int:
-    try:
-        return parse_bytes(value, "")
-    except ConfigError:
-        raise _Bad("a size in bytes such as 4GiB, 512MB or 4096") from None
-
-
-def _layers(value: Any) -> Tuple[int, int]:
-    if (not isinstance(value, list) or len(value) != 2 or not all(_is_int(v) for v in value)
-            or not 0 <= value[0] < value[1]):
-        raise _Bad("[first, last] with 0 <= first < last")
-    return int(value[0]), int(value[1])
-
-
-def _secret(value: Any) -> str:
-    if not isinstance(value, str):
-        raise _Bad("a string", _toml_type(value))
-    n = len(value.encode("utf-8", "surrogatepass"))
-    if n < MIN_SECRET_BYTES:
-        raise _Bad(f"a secret of at least {MIN_SECRET_BYTES} bytes", f"{n} bytes (not shown)")
-    return value
-
-
-def _toml_type(value: Any) -> str:
-    """``value``'s TOML type with an article (used where the value itself must not show)."""
-    for kind, name in ((bool, "a boolean"), (int, "an integer"), (float, "a float"),
-                       (str, "a string"), (list, "an array"), (dict, "a table")):
-        if isinstance(value, kind):
-            return name
-    return "a date/time"
-
-
+_CODECS = choice(COMPRESSION_NAMES)
 _COMMON: Dict[str, Check] = {
-    "device": _device, "dtype": _choice(COMPUTE_NAMES), "layers": _layers,
+    "device": device_name, "dtype": choice(COMPUTE_NAMES), "layers": layer_range,
 }
 _SECRETS: Dict[str, Check] = {
-    "secret": _secret, "secret_file": _string("a file path"), "insecure": _bool,
+    "secret": secret_value, "secret_file": string("a file path"), "insecure": boolean,
 }
 WORKER_SCHEMA: Dict[str, Check] = dict(
-    name=_string(), host=_host, control_port=_integer(0, 65535), data_port=_integer(0, 65535),
-    threads=_integer(0, MAX_THREADS), cache_dir=_string("a directory path"),
-    log_level=_choice(LOG_LEVELS), idle_timeout_s=_positive, **_SECRETS,
-    model=_string("a model path"), **_COMMON)
+    name=string(), host=host_name, control_port=integer(0, 65535), data_port=integer(0, 65535),
+    threads=integer(0, MAX_THREADS), cache_dir=string("a directory path"),
+    log_level=choice(LOG_LEVELS), idle_timeout_s=positive, **_SECRETS,
+    model=string("a model path"), **_COMMON)
 STARTER_SCHEMA: Dict[str, Check] = dict(
-    host=_host, control_port=_integer(0, 65535), model=_string("a model path"),
-    tokenizer=_string("a tokenizer path"), weight=_positive, memory=_size, max_payload=_size,
-    timeout_s=_positive, stall_s=_positive, recover=_bool, rebalance_margin=_fraction,
-    **_SECRETS, **_COMMON)
+    host=host_name, control_port=integer(0, 65535), model=string("a model path"),
+    tokenizer=string("a tokenizer path"), weight=positive, memory=size, max_payload=size,
+    timeout_s=positive, stall_s=positive, recover=boolean, rebalance_margin=fraction,
+    compression=_CODECS, **_SECRETS, **_COMMON)
 WORKERS_SCHEMA: Dict[str, Check] = dict(
-    name=_string(), host=_host, control_port=_integer(1, 65535), device=_device, weight=_positive,
-    memory=_size, layers=_layers, spare=_bool, compression=_choice(COMPRESSION_NAMES))
+    name=string(), host=host_name, control_port=integer(1, 65535), device=device_name,
+    weight=positive, memory=size, layers=layer_range, spare=boolean, compression=_CODECS)
 WORKERS_REQUIRED = ("host", "control_port")
 TABLES = {"worker": "[worker]", "starter": "[starter]", "workers": "[[workers]]"}
 
@@ -311,8 +181,8 @@ def _error(source: str, key: str, message: str) -> ConfigError:
     return ConfigError(f"{source}: {key}: {message}".replace("\n", " "))
 
 
-def _expected(source: str, key: str, value: Any, bad: _Bad) -> ConfigError:
-    shown = bad.shown if bad.shown is not None else _show(value)
+def _expected(source: str, key: str, value: Any, bad: Bad) -> ConfigError:
+    shown = bad.shown if bad.shown is not None else show(value)
     return _error(source, key, f"expected {bad.expected}, got {shown}")
 
 
@@ -329,7 +199,7 @@ def _table(raw: Any, schema: Dict[str, Check], source: str, path: str,
            required: Tuple[str, ...] = ()) -> Dict[str, Any]:
     """The checked and converted values of one table; unknown keys are errors."""
     if not isinstance(raw, dict):
-        raise _error(source, path, f"expected a table, got {_show(raw)}")
+        raise _error(source, path, f"expected a table, got {show(raw)}")
     for name in raw:
         if name not in schema:
             raise _unknown(source, _key(path, name), name, {k: repr(k) for k in schema})
@@ -341,7 +211,7 @@ def _table(raw: Any, schema: Dict[str, Check], source: str, path: str,
             continue
         try:
             values[name] = check(raw[name])
-        except _Bad as bad:
+        except Bad as bad:
             raise _expected(source, _key(path, name), raw[name], bad) from None
     return values
 
@@ -378,7 +248,7 @@ def _starter(raw: Any, source: str) -> StarterSettings:
 
 def _workers(raw: Any, source: str) -> Tuple[NodeSpec, ...]:
     if not isinstance(raw, list):
-        got = "a table [workers]" if isinstance(raw, dict) else _show(raw)
+        got = "a table [workers]" if isinstance(raw, dict) else show(raw)
         raise _error(source, "workers", f"expected an array of tables [[workers]], got {got}")
     entries: List[NodeSpec] = []
     names: Dict[str, int] = {}

@@ -126,29 +126,34 @@ def client_auth() -> Any:
 
 
 COMPRESSION_HELP = ("Codecs of the ring's links (a [[workers]] entry may name its own): none, "
-                    "fp16, int8, or PREFILL:DECODE such as int8:fp16.")
+                    "fp16, int8, or PREFILL:DECODE such as int8:fp16 (default: [starter] "
+                    "compression of the ring file or config, else none).")
 
 
 def compression_option() -> Any:
-    """``--compression CODEC``, the same on generate, starter and bench."""
-    return typer.Option("none", "--compression", metavar="CODEC", help=COMPRESSION_HELP)
+    """``--compression CODEC``, the same on generate, starter and bench; None when not given
+    (then a ring file's or config's ``[starter] compression`` holds, else none)."""
+    return typer.Option(None, "--compression", metavar="CODEC", help=COMPRESSION_HELP)
 
 
-def parse_compression(value: str) -> str:
-    """``--compression``'s value in its canonical spelling; ConfigError names a bad one."""
+def parse_compression(value: Optional[str]) -> Optional[str]:
+    """``--compression``'s value in its canonical spelling (None: not given); ConfigError
+    names a bad one."""
     from ..base.codecs import Compression
 
-    return str(Compression.parse(value, "--compression"))
+    return None if value is None else str(Compression.parse(value, "--compression"))
 
 
 def recovery_options(stall_timeout: Optional[float], recover: bool, spares: int,
-                     compression: str = "none") -> Tuple[Dict[str, Any], int]:
+                     compression: Optional[str] = None) -> Tuple[Dict[str, Any], int]:
     """The starter options (stall time, recover, link compression) and spares of the command
-    line, checked."""
+    line, checked; ``compression`` only when given, so that a ring file's holds otherwise."""
     need(stall_timeout is None or seconds_ok(stall_timeout), "--stall-timeout", stall_timeout,
          "a number of seconds > 0")
     need(spares >= 0, "--spares", spares, "an integer >= 0")
-    changes: Dict[str, Any] = {"recover": recover, "compression": parse_compression(compression)}
+    changes: Dict[str, Any] = {"recover": recover}
+    if compression is not None:
+        changes["compression"] = parse_compression(compression)
     if stall_timeout is not None:
         changes["stall_s"] = stall_timeout
     return changes, spares

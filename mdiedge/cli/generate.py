@@ -60,7 +60,7 @@ def generate(
     spares: int = typer.Option(0, help="Spare workers beside the local ring's (for a lost one)."),
     stop: Optional[List[str]] = typer.Option(None, "--stop", metavar="TEXT", help="End a "
                                              "sample at this text, not printed (repeatable)."),
-    compression: str = compression_option(),
+    compression: Optional[str] = compression_option(),
     early_exit: Optional[str] = early_exit_option(),
     exit_threshold: Optional[str] = exit_threshold_option(),
 ) -> None:

@@ -167,7 +167,7 @@ def starter_command(
     tokenizer: Optional[str] = typer.Option(None, help="Tokenizer file, if not the model's own."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
     insecure: bool = typer.Option(False, help="Allow a non-loopback address without a secret."),
-    compression: str = compression_option(),
+    compression: Optional[str] = compression_option(),
     api_port: Optional[int] = typer.Option(None, help="Also serve the OpenAI API on this port "
                                            "(as `mdiedge serve`; default: no API)."),
     api_host: str = typer.Option("127.0.0.1", help="Address of the API."),
@@ -231,8 +231,9 @@ def _starter_secret(section: Any, insecure: bool) -> Optional[bytes]:
 
 def _starter_engine(settings: Any, section: Any, model: Optional[str],
                     tokenizer: Optional[str], secret: Optional[bytes], control_url: str,
-                    compression: str = "none") -> Any:
-    """The starter's ``RingEngine`` over the config's workers (nothing set up yet)."""
+                    compression: Optional[str] = None) -> Any:
+    """The starter's ``RingEngine`` over the config's workers (nothing set up yet); an explicit
+    ``compression`` wins over the config's."""
     from ..base.nodes import StarterOptions
     from ..roles.starter import RingEngine
 
@@ -240,7 +241,8 @@ def _starter_engine(settings: Any, section: Any, model: Optional[str],
         host=section.host, device=section.device, dtype=section.dtype, weight=section.weight,
         memory=section.memory, layers=section.layers,
         max_payload=section.max_payload or defaults.MAX_PAYLOAD, timeout_s=section.timeout_s,
-        secret=secret, control_url=control_url, compression=compression)
+        secret=secret, control_url=control_url,
+        compression=section.compression if compression is None else compression)
     return RingEngine(settings.workers, model or section.model, tokenizer or section.tokenizer,
                       options)
 

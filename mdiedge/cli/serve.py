@@ -112,7 +112,7 @@ def serve(
                                  "rebuild the ring without it and go on (as `generate`)."),
     spares: int = typer.Option(0, help="Spare workers started beside the local ring's."),
     log_level: str = typer.Option("warning", help="debug, info, warning or error."),
-    compression: str = compression_option(),
+    compression: Optional[str] = compression_option(),
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /metrics)."""
     from contextlib import ExitStack

@@ -29,7 +29,7 @@ from ..base.nodes import NodeSpec, StarterOptions
 from ..model.sampling import SamplingParams
 from ..roles.engine import TextModel
 from ..roles.local_ring import LocalRing, threads_per_node
-from ..roles.starter import RingEngine
+from ..roles.starter import RingEngine, Route
 from ..runtime.partition import partition
 
 FRAME_HEADER = 48 + 8  # fixed header and one sample's table entry
@@ -106,17 +106,19 @@ def agreement(model: Any, tokens: List[int], ranges: List[Tuple[int, int]],
 
 
 def ring_run(model: Optional[str], compression: str, prompt: List[int], new_tokens: int,
-             nodes: int, repeats: int = 3, **options: Any) -> Dict[str, Any]:
+             nodes: int, repeats: int = 3, route: Optional[Route] = None,
+             **options: Any) -> Dict[str, Any]:
     """Greedy generations from the ``prompt`` token ids on a local ring, after a warm-up: the
     medians of ``repeats`` timings, and the links' counts over all of them (``generations``).
-    ``options``: more ``StarterOptions`` (``max_payload`` bounds a prefill frame's tokens)."""
+    ``options``: more ``StarterOptions`` (``max_payload`` bounds a prefill frame's tokens);
+    ``route``: the ring links' route (``mdiedge.ops.relay.Relays``: delaying relays)."""
     threads = threads_per_node(nodes)
     torch.set_num_threads(threads)
     local = LocalRing(nodes - 1, threads=threads)
     timings = []
     with local as workers:
         engine = RingEngine(workers, model, secret=local.secret, compression=compression,
-                            **options)
+                            route=route, **options)
         try:
             text = engine.tokenizer.decode(prompt)
             engine.generate(text, 2, 1, SamplingParams(temperature=0))  # warm-up

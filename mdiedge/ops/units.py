@@ -123,6 +123,9 @@ recover = true
 # Between requests, re-split the layers when the slowest node's measured time per block is
 # this fraction above the mean (0: never).
 rebalance_margin = {REBALANCE_MARGIN:g}
+# Optional: codecs of every link whose [[workers]] entry names none: none, fp16, int8, or
+# PREFILL:DECODE such as int8:fp16 (--compression on the command line wins).
+# compression = "none"
 # File holding the ring secret (one line). Leave it unset under the shipped unit: systemd
 # hands /etc/mdiedge/secret (mode 0600, root) to the starter as a credential and names it in
 # $MDIEDGE_SECRET_FILE; the unit's dynamic user cannot read the root-only file itself.

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import __version__
 from ..base import defaults
@@ -47,15 +47,24 @@ log = logging.getLogger("mdiedge.starter")
 
 ASSIGN_TIMEOUT_S = 600.0  # loading (or receiving) a layer range may take minutes
 
+# Maps a data endpoint (host, port) to the address a link to it connects to instead, e.g. a
+# delaying relay in front of it (``mdiedge.ops.relay.Relays``); the wire protocol is the same.
+Route = Callable[[str, int], Tuple[str, int]]
+
+
+def _direct(host: str, port: int) -> Tuple[str, int]:
+    return host, port
+
 
 class RingStarter:
     """Sets up and owns the ring of ``workers`` for the model at ``path``."""
 
-    def __init__(self, path: Path, cfg: Any, workers: Sequence[NodeSpec],
-                 options: StarterOptions, early_exit: Optional[ExitSettings] = None) -> None:
+    def __init__(self, path: Path, cfg: Any, workers: Sequence[NodeSpec], options: StarterOptions,
+                 early_exit: Optional[ExitSettings] = None, route: Optional[Route] = None) -> None:
         if not workers:
             raise RingError("a ring needs at least one worker (use the local engine for one node)")
         self.path, self.cfg, self.options = path, cfg, options
+        self.route = route or _direct  # where each ring link connects to reach its endpoint
         self.early_exit = check_ring_exits(cfg, early_exit)
         self.codecs = {w.name: Compression.parse(w.compression or options.compression,
                                                  f"compression of {w.name!r}")
@@ -255,22 +264,21 @@ class RingStarter:
         links to the first worker and accepts the last one's link. Every link's handshake is
         bound to a fresh ring tag, so a link left from an earlier set-up is refused; on any
         failure every socket opened here is closed and a RingError says why."""
-        ring = os.urandom(8).hex()
-        own = (self.options.host, int(self.listener.getsockname()[1]), self.options.control_url)
-        workers = self.ring_workers
-        successors = [(w.host, port, w.url) for w, port in zip(workers[1:], ports[1:])]
+        ring, workers = os.urandom(8).hex(), self.ring_workers
+        ends = [self.route(w.host, port) for w, port in zip(workers, ports)] + \
+            [self.route(self.options.host, int(self.listener.getsockname()[1]))]  # via route
+        controls = [w.url for w in workers[1:]] + [self.options.control_url]
         codecs = [self.codecs[n.name] for n in workers + [self.options.spec]]
-        for i, (client, (host, port, control)) in enumerate(zip(self.members,
-                                                                successors + [own])):
-            request = ConnectRequest(host, port, control, ring=ring, codecs_in=str(codecs[i]),
+        for i, (client, control) in enumerate(zip(self.members, controls)):
+            request = ConnectRequest(*ends[i + 1], control, ring=ring, codecs_in=str(codecs[i]),
                                      codecs_out=str(codecs[i + 1]))
             self._call(client, "POST", "/connect", request.to_json())
         first, last = workers[0], workers[-1]
         auth = bind(self.auth, ring)
         outbound = inbound = None
         try:
-            outbound = connect_authenticated(first.host, ports[0], auth,
-                                             f"{first.name} ({first.host}:{ports[0]})",
+            outbound = connect_authenticated(*ends[0], auth,
+                                             f"{first.name} ({ends[0][0]}:{ends[0][1]})",
                                              retry_s=defaults.LINK_RETRY_S, codecs=codecs[0])
             inbound = accept_authenticated(self.listener, auth, defaults.LINK_ACCEPT_TIMEOUT_S,
                                            "starter", codecs=codecs[-1])
@@ -364,16 +372,19 @@ def ring_links(tail: Optional[RingTail], workers: List[NodeSpec],
 
 class RingEngine(Engine):
     """Generation over a ring: this process is the starter, ``workers`` are running nodes.
-    ``changes`` are fields of ``StarterOptions`` (``timeout_s=30``, ``secret=...``)."""
+    ``changes`` are fields of ``StarterOptions`` (``timeout_s=30``, ``secret=...``); ``route``
+    maps each ring link's data endpoint to the address it connects to (``Route``)."""
 
     def __init__(self, workers: Sequence[NodeSpec], model: Optional[PathLike] = None,
                  tokenizer: Optional[PathLike] = None,
                  options: StarterOptions = StarterOptions(),
-                 early_exit: Optional[ExitSettings] = None, **changes: Any) -> None:
+                 early_exit: Optional[ExitSettings] = None, route: Optional[Route] = None,
+                 **changes: Any) -> None:
         self._open(model, tokenizer)
         self.options = dataclasses.replace(options, **changes)
         self.early_exit = early_exit
-        self.starter = RingStarter(self.path, self.cfg, workers, self.options, early_exit)
+        self.starter = RingStarter(self.path, self.cfg, workers, self.options, early_exit,
+                                   route)
         self._setup_lock = self.starter._setup_lock
 
     @property

@@ -1,0 +1,108 @@
+"""``[starter] compression`` of a ring file or starter config: the codecs of every link whose
+worker names none, unless ``--compression`` is given on the command line (an explicit flag
+wins, even ``none``; an absent one keeps the file's)."""
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, List, Optional
+
+import pytest
+
+import mdiedge.roles.starter as starter_module
+from mdiedge.base.settings import load_settings
+from mdiedge.cli.app import parse_compression, recovery_options
+from mdiedge.cli.generate import _open_engine
+from mdiedge.cli.nodes import _starter_engine
+
+
+class FakeEngine:
+    """Stands in for ``RingEngine``: keeps what it was given, sets nothing up."""
+
+    made: List["FakeEngine"] = []
+
+    def __init__(self, workers: Any, model: Any = None, tokenizer: Any = None,
+                 options: Any = None, **changes: Any) -> None:
+        self.options, self.changes = options, changes
+        FakeEngine.made.append(self)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_engine(monkeypatch: pytest.MonkeyPatch) -> List[FakeEngine]:
+    FakeEngine.made = []
+    monkeypatch.setattr(starter_module, "RingEngine", FakeEngine)
+    return FakeEngine.made
+
+
+def ring_file(tmp_path: Path, compression: Optional[str]) -> Path:
+    line = f'compression = "{compression}"\n' if compression else ""
+    path = tmp_path / "ring.toml"
+    path.write_text(f'[starter]\n{line}[[workers]]\nhost = "127.0.0.1"\ncontrol_port = 7700\n')
+    return path
+
+
+def test_an_absent_flag_is_no_change() -> None:
+    assert "compression" not in recovery_options(None, True, 0)[0]
+    assert "compression" not in recovery_options(None, True, 0, None)[0]
+    assert recovery_options(None, True, 0, "none")[0]["compression"] == "none"
+    assert parse_compression(None) is None and parse_compression("int8:fp16") == "int8:fp16"
+
+
+@pytest.mark.parametrize("in_file,flag,want", [
+    ("int8", None, "int8"),        # the file's holds
+    ("int8", "fp16", "fp16"),      # an explicit flag wins
+    ("int8", "none", "none"),      # even the default's value, given explicitly
+    (None, None, "none"),          # neither: none
+    (None, "int8:fp16", "int8:fp16"),
+])
+def test_generate_ring_merges_the_file_and_the_flag(tmp_path: Path, ring_model: Path,
+                                                    fake_engine: List[FakeEngine],
+                                                    in_file: Optional[str], flag: Optional[str],
+                                                    want: str) -> None:
+    recovery = recovery_options(None, True, 0, flag)
+    with ExitStack() as stack:
+        _open_engine(stack, str(ring_model), None, "cpu", "float32", 1,
+                     str(ring_file(tmp_path, in_file)), recovery, lambda text: None)
+    assert fake_engine[0].options.compression == want
+
+
+@pytest.mark.parametrize("in_file,flag,want", [("int8", None, "int8"), ("int8", "fp16", "fp16"),
+                                               (None, None, "none")])
+def test_the_starter_merges_its_config_and_the_flag(tmp_path: Path,
+                                                    fake_engine: List[FakeEngine],
+                                                    in_file: Optional[str], flag: Optional[str],
+                                                    want: str) -> None:
+    settings = load_settings(ring_file(tmp_path, in_file))
+    _starter_engine(settings, settings.starter, None, None, None, "http://127.0.0.1:1",
+                    parse_compression(flag))
+    assert fake_engine[0].options.compression == want
+
+
+def test_local_rings_keep_the_default_without_a_flag(ring_model: Path,
+                                                     fake_engine: List[FakeEngine],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import mdiedge.roles.local_ring as local_ring
+
+    class NoRing:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.secret = b"x" * 32
+
+        def __enter__(self) -> List[Any]:
+            return []
+
+        def __exit__(self, *exc: Any) -> None:
+            pass
+
+    import torch
+
+    monkeypatch.setattr(local_ring, "LocalRing", NoRing)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # leave this process's alone
+    for flag in (None, "int8"):
+        with ExitStack() as stack:
+            _open_engine(stack, str(ring_model), None, "cpu", "float32", 2, None,
+                         recovery_options(None, True, 0, flag), lambda text: None)
+    assert "compression" not in fake_engine[0].changes
+    assert fake_engine[1].changes["compression"] == "int8"

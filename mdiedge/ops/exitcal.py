@@ -5,8 +5,9 @@ Teacher-forced over text: every block's output on every position, the top-1 of t
 head on it, and the three confidences (``mdiedge.model.exits``). A token exits after the
 first block whose confidence reaches its threshold; it agrees when that block's top-1 is the
 last block's. For each block the threshold is the lowest whose exiting tokens agree at least
-``target + margin`` of the time; ``margin`` grows until the whole rule (first exit wins)
-reaches ``target`` on the calibration text (CALM's calibration, by a simpler search).
+a precision level of the time, and the level is the one whose whole rule (first exit wins)
+reaches ``target`` on the calibration text with the fewest blocks per token (CALM's
+calibration, by a simpler search).
 
 Text: the classifier trains on the first part of the text (``train_share`` of what precedes
 the held-out tail); the thresholds are chosen on the first half of the first ``tokens``
@@ -26,7 +27,8 @@ from torch import Tensor
 from ..base.errors import ConfigError
 from ..model.exitfiles import (CLASSIFIER_FILE, THRESHOLDS_FILE, save_classifier,
                                thresholds_to_json)
-from ..model.exits import CRITERIA, NEVER, ExitClassifier, cosine, softmax_margin
+from ..model.exits import (CLASSIFIER_HIDDEN, CRITERIA, NEVER, ExitClassifier, cosine,
+                           softmax_margin)
 
 MIN_EXITS = 16  # fewer calibration tokens than this past a threshold: never exit there
 MIN_TOKENS = 256  # held-out tokens (each half) below which calibrating or measuring is refused
@@ -117,32 +119,78 @@ def layer_threshold(scores: Tensor, agree: Tensor, precision: float) -> float:
     return float(scores[order][last])
 
 
-def simulate(trace_: LayerTrace, criterion: str, thresholds: List[float]) -> Dict[str, Any]:
-    """The rule on the traced tokens, one row each: agreement, blocks per token, exit rates."""
+def check_cost(criterion: str, cfg: Any) -> float:
+    """What checking a criterion after a block costs, in blocks (weights read per token): the
+    head for ``softmax``, the small MLP for ``classifier``, next to nothing for
+    ``similarity``."""
+    block = cfg.block_params()
+    per_check = {"softmax": cfg.vocab_size * cfg.dim,
+                 "classifier": cfg.dim * CLASSIFIER_HIDDEN}.get(criterion, 0)
+    return per_check / block
+
+
+def simulate(trace_: LayerTrace, criterion: str, thresholds: List[float],
+             cost_per_check: float = 0.0) -> Dict[str, Any]:
+    """The rule on the traced tokens, one row each: agreement, blocks per token, exit rates,
+    and the cost per token in blocks (the blocks run plus the criteria checked)."""
     scores, n_layers = trace_.scores[criterion], trace_.top1.shape[0]
     limits = torch.tensor(thresholds[:n_layers - 1])[:, None]
     passes = torch.cat([scores[:-1] >= limits, torch.ones(1, trace_.tokens, dtype=torch.bool)])
     depth = passes.float().argmax(0)  # (N,) index of the first block that passes
     agreed = trace_.agree.gather(0, depth[None])[0]
     counts = torch.bincount(depth, minlength=n_layers).tolist()
+    checked = torch.tensor([t < NEVER for t in thresholds[:n_layers - 1]] + [False])
+    checks = (checked.cumsum(0)[depth]).float()  # checked blocks up to the exit
     return {"top1_agreement": round(float(agreed.float().mean()), 5),
             "mean_layers": round(float((depth + 1).float().mean()), 3),
+            "cost": round(float((depth + 1).float().mean() + cost_per_check * checks.mean()), 3),
             "exit_rate": {str(i + 1): round(c / trace_.tokens, 4)
                           for i, c in enumerate(counts[:-1]) if c}}
 
 
-def calibrate(trace_: LayerTrace, criterion: str, target: float) -> Dict[str, Any]:
-    """The thresholds for ``criterion`` that reach ``target`` on the traced tokens."""
+PRECISIONS = [round(0.5 + 0.01 * i, 2) for i in range(51)]  # per-block precision levels tried
+
+
+def prune(trace_: LayerTrace, criterion: str, thresholds: List[float], target: float,
+          cost: float) -> Tuple[List[float], Dict[str, Any]]:
+    """Stop checking, one block at a time, where that lowers the cost most and the rule still
+    reaches ``target``."""
+    best = simulate(trace_, criterion, thresholds, cost)
+    while True:
+        trials = []
+        for i, t in enumerate(thresholds[:-1]):
+            if t < NEVER:
+                fewer = thresholds[:i] + [NEVER] + thresholds[i + 1:]
+                found = simulate(trace_, criterion, fewer, cost)
+                if found["top1_agreement"] >= target and found["cost"] < best["cost"]:
+                    trials.append((found["cost"], fewer, found))
+        if not trials:
+            return thresholds, best
+        _, thresholds, best = min(trials, key=lambda t: t[0])
+
+
+def calibrate(trace_: LayerTrace, criterion: str, target: float,
+              cost: float = 0.0) -> Dict[str, Any]:
+    """The thresholds for ``criterion`` that reach ``target`` on the traced tokens at the
+    least cost per token (``check_cost`` per criterion checked): each block's threshold is
+    the lowest whose exits agree at least a precision level of the time; for each level
+    whose whole rule reaches ``target`` (tokens that never exit always agree), the blocks
+    not worth checking are dropped (``prune``); the cheapest result wins."""
     scores, agree = trace_.scores[criterion], trace_.agree
     n_layers = scores.shape[0]
-    for margin in [0.0, 0.005, 0.01, 0.02, 0.03, 0.05, 0.08, 1.0]:
-        precision = min(1.0, target + margin)
+    best: Optional[Dict[str, Any]] = None
+    for precision in PRECISIONS:
         thresholds = [layer_threshold(scores[i], agree[i], precision)
                       for i in range(n_layers - 1)] + [NEVER]
-        result = simulate(trace_, criterion, thresholds)
-        if result["top1_agreement"] >= target:
-            break
-    return dict(thresholds=thresholds_to_json(thresholds), **result)
+        if simulate(trace_, criterion, thresholds)["top1_agreement"] < target:
+            continue
+        thresholds, result = prune(trace_, criterion, thresholds, target, cost)
+        if best is None or result["cost"] < best["cost"]:
+            best = dict(result, precision=precision, thresholds=thresholds_to_json(thresholds))
+    if best is None:  # not even exits at full precision: never exit
+        best = dict(simulate(trace_, criterion, [NEVER] * n_layers, cost), precision=1.0,
+                    thresholds=[None] * (n_layers - 1))
+    return best
 
 
 def write_calibration(model_dir: Path, model_hash: str, target: float,
@@ -192,7 +240,7 @@ def run(model: Optional[str], text: Path, criteria: List[str], target: float,
         save_classifier(classifier, model_dir / CLASSIFIER_FILE, model_hash)
     states, embeds = block_states(full, calibration, window)
     traced = trace(full, states, embeds, classifier)
-    results = {c: calibrate(traced, c, target) for c in criteria}
+    results = {c: calibrate(traced, c, target, check_cost(c, full.cfg)) for c in criteria}
     source = {"text": text.name, "held_out": held_out, "tokens": traced.tokens,
               "held_out_tokens_used": len(calibration),
               "classifier_train_tokens": train_tokens if classifier is not None else 0}

@@ -181,7 +181,8 @@ def check_early_exit(criterion: Optional[str], threshold: Optional[str],
         need(threshold is None, "--exit-threshold", threshold, "given with --early-exit")
         return None
     need(criterion in CRITERIA, "--early-exit", criterion, "one of " + ", ".join(CRITERIA))
-    need(starter is None, "--early-exit", criterion, "set on the starter, not with --starter")
+    need(starter is None, "--early-exit", criterion, "no --starter (a running starter "
+         "generates as it was started)")
     return criterion, threshold
 
 

@@ -22,36 +22,13 @@ import torch
 
 from ..model.checkpoint import content_hash, load_model
 from ..model.exitfiles import ExitSettings, exit_policy, exit_settings
-from ..model.exits import ExitPolicy, ExitStep
 from ..model.sampling import SamplingParams
 from ..roles.engine import Engine, LocalEngine, TextModel
 from ..roles.local_ring import LocalRing, threads_per_node
 from ..roles.starter import RingEngine
 from ..base.errors import ConfigError
 from ..model.exitfiles import THRESHOLDS_FILE
-from .exitcal import MIN_TOKENS, held_out_halves
-
-
-@torch.no_grad()
-def decode_forced(model: Any, tokens: List[int], policy: Optional[ExitPolicy],
-                  window: int) -> Tuple[torch.Tensor, torch.Tensor, List[int]]:
-    """Top-1, next-token NLL and blocks run at every position of ``tokens``, one decode step
-    per position (windows of ``window`` tokens, each from position 0)."""
-    model.setup_cache(1, window)
-    slots = torch.zeros(1, dtype=torch.long)
-    preds, nlls, depths = [], [], []
-    for start in range(0, len(tokens) - 1, window):
-        chunk = tokens[start:start + window + 1]
-        for pos in range(len(chunk) - 1):
-            x = model.embed_tokens(torch.tensor([[chunk[pos]]]))  # (1, 1, dim)
-            step = ExitStep.start(policy, 1) if policy is not None and pos > 0 else None
-            h = model.run_blocks(x, slots, [pos], step)
-            logits = model.head_logits(h[:, -1])[0]  # (vocab,)
-            preds.append(int(logits.argmax()))
-            nlls.append(float(torch.nn.functional.cross_entropy(
-                logits[None], torch.tensor([chunk[pos + 1]]))))
-            depths.append(step.depth if step is not None and step.exited else model.cfg.n_layers)
-    return torch.tensor(preds), torch.tensor(nlls), depths
+from .exitcal import MIN_TOKENS, decode_forced, held_out_halves
 
 
 def quality(path: Path, tokens: List[int], settings: ExitSettings, window: int = 256

@@ -27,8 +27,8 @@ from torch import Tensor
 from ..base.errors import ConfigError
 from ..model.exitfiles import (CLASSIFIER_FILE, THRESHOLDS_FILE, save_classifier,
                                thresholds_to_json)
-from ..model.exits import (CLASSIFIER_HIDDEN, CRITERIA, NEVER, ExitClassifier, cosine,
-                           softmax_margin)
+from ..model.exits import (CLASSIFIER_HIDDEN, CRITERIA, NEVER, ExitClassifier, ExitPolicy,
+                           ExitStep, cosine, softmax_margin)
 
 MIN_EXITS = 16  # fewer calibration tokens than this past a threshold: never exit there
 MIN_TOKENS = 256  # held-out tokens (each half) below which calibrating or measuring is refused
@@ -193,6 +193,50 @@ def calibrate(trace_: LayerTrace, criterion: str, target: float,
     return best
 
 
+@torch.no_grad()
+def decode_forced(model: Any, tokens: List[int], policy: Optional[ExitPolicy],
+                  window: int) -> Tuple[torch.Tensor, torch.Tensor, List[int]]:
+    """Top-1, next-token NLL and blocks run at every position of ``tokens``, one decode step
+    per position (windows of ``window`` tokens, each from position 0)."""
+    model.setup_cache(1, window)
+    slots = torch.zeros(1, dtype=torch.long)
+    preds, nlls, depths = [], [], []
+    for start in range(0, len(tokens) - 1, window):
+        chunk = tokens[start:start + window + 1]
+        for pos in range(len(chunk) - 1):
+            x = model.embed_tokens(torch.tensor([[chunk[pos]]]))  # (1, 1, dim)
+            step = ExitStep.start(policy, 1) if policy is not None and pos > 0 else None
+            h = model.run_blocks(x, slots, [pos], step)
+            logits = model.head_logits(h[:, -1])[0]  # (vocab,)
+            preds.append(int(logits.argmax()))
+            nlls.append(float(torch.nn.functional.cross_entropy(
+                logits[None], torch.tensor([chunk[pos + 1]]))))
+            depths.append(step.depth if step is not None and step.exited else model.cfg.n_layers)
+    return torch.tensor(preds), torch.tensor(nlls), depths
+
+
+def calibrate_decoding(model: Any, traced: LayerTrace, tokens: List[int], criterion: str,
+                       target: float, classifier: Optional[ExitClassifier],
+                       rounds: int = 4, window: int = 256) -> Dict[str, Any]:
+    """``calibrate`` on the traced states, then checked on real decode steps over the same
+    tokens (each step's exit leaves filled KV that later tokens attend to, which the traced
+    states do not show): while the decoded agreement falls short, the traced target rises
+    by the shortfall."""
+    aim, found = target, {}
+    base, _, _ = decode_forced(model, tokens, None, window)
+    for _ in range(rounds):
+        found = calibrate(traced, criterion, aim, check_cost(criterion, model.cfg))
+        thresholds = [NEVER if t is None else t for t in found["thresholds"]] + [NEVER]
+        policy = ExitPolicy(criterion, thresholds, model.head_logits, classifier)
+        pred, _, depths = decode_forced(model, tokens, policy, window)
+        found["decoded_agreement"] = round(float((pred == base).float().mean()), 5)
+        found["decoded_mean_layers"] = round(sum(depths) / len(depths), 3)
+        if found["decoded_agreement"] >= target or aim >= 1.0:
+            break
+        aim = min(1.0, aim + target - found["decoded_agreement"])
+    return found
+
+
 def write_calibration(model_dir: Path, model_hash: str, target: float,
                       results: Dict[str, Dict[str, Any]], source: Dict[str, Any]) -> Path:
     """``early_exit.json`` beside the model, keeping criteria calibrated before."""
@@ -240,7 +284,8 @@ def run(model: Optional[str], text: Path, criteria: List[str], target: float,
         save_classifier(classifier, model_dir / CLASSIFIER_FILE, model_hash)
     states, embeds = block_states(full, calibration, window)
     traced = trace(full, states, embeds, classifier)
-    results = {c: calibrate(traced, c, target, check_cost(c, full.cfg)) for c in criteria}
+    results = {c: calibrate_decoding(full, traced, calibration, c, target, classifier)
+               for c in criteria}
     source = {"text": text.name, "held_out": held_out, "tokens": traced.tokens,
               "held_out_tokens_used": len(calibration),
               "classifier_train_tokens": train_tokens if classifier is not None else 0}

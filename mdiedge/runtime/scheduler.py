@@ -225,7 +225,8 @@ class Scheduler:
     long a message may take around the pipeline; ``rebuild``: when nodes are lost, gives the
     pipeline without them, and every live sample's tokens so far are replayed through it as a
     prefill (Petals-style recovery; its sampling generator carries on, so the output is the
-    one it would have been); ``exit_layers``: the model's blocks, when decode steps may exit
+    one it would have been, except under early exit: a replay computes every block where the
+    exits had filled KV); ``exit_layers``: the model's blocks, when decode steps may exit
     early (their exits are counted per request)."""
 
     def __init__(self, pipeline: Pipeline, ends: ModelEnds, prefill_chunk: int = 0,

@@ -19,6 +19,7 @@ TEMPERATURE = 0.8
 TOP_K = 0
 TOP_P = 0.95
 SEED = 0
+EARLY_EXIT_CRITERIA = ("softmax", "similarity", "classifier")  # mdiedge.model.exits
 MAX_NEW_TOKENS = 256
 
 # data plane and liveness

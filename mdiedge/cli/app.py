@@ -175,7 +175,7 @@ def exit_threshold_option() -> Any:
 def check_early_exit(criterion: Optional[str], threshold: Optional[str],
                      starter: Optional[str] = None) -> Optional[Tuple[str, Optional[str]]]:
     """``--early-exit``/``--exit-threshold`` as given, checked as far as no model is needed."""
-    from ..model.exits import CRITERIA
+    from ..base.defaults import EARLY_EXIT_CRITERIA as CRITERIA
 
     if criterion is None:
         need(threshold is None, "--exit-threshold", threshold, "given with --early-exit")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -42,7 +42,7 @@ def bench(
 
     from ..ops import bench as benchmarks
 
-    if early_exit is not None or exit_threshold is not None:
+    if isinstance(early_exit, str) or isinstance(exit_threshold, str):  # not typer defaults
         _exits(model, early_exit, exit_threshold, text, nodes, samples, new_tokens, as_json)
         return
     if compression is not None:
@@ -104,10 +104,13 @@ def _guard(model: Optional[str], compression: str, text: Optional[str], eval_tok
                    f"{run['decode_tok_s']} tok/s, first link {run['links'][0]['bytes']} bytes")
 
 
-def _exits(model: Optional[str], criterion: Optional[str], threshold: Optional[str],
+def _exits(model: Optional[str], criterion: Any, threshold: Any,
            text: Optional[str], nodes: int, samples: int, new_tokens: int,
            as_json: bool) -> None:
     from pathlib import Path
+
+    criterion = criterion if isinstance(criterion, str) else None  # bench() called directly
+    threshold = threshold if isinstance(threshold, str) else None
 
     from .app import check_early_exit, need
 

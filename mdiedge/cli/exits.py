@@ -29,7 +29,7 @@ def calibrate_exit(
     --target top-1 agreement with the full model; write them beside the model."""
     from pathlib import Path
 
-    from ..model.exits import CRITERIA
+    from ..base.defaults import EARLY_EXIT_CRITERIA as CRITERIA
 
     chosen = list(dict.fromkeys(criterion or CRITERIA))
     for c in chosen:

@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..base.defaults import EARLY_EXIT_CRITERIA
 from ..base.errors import ConfigError
 
-CRITERIA = ("softmax", "similarity", "classifier")
+CRITERIA = EARLY_EXIT_CRITERIA
 NEVER = math.inf  # the threshold of a block after which no row exits
 CLASSIFIER_HIDDEN = 32
 

@@ -15,7 +15,6 @@ from ..base import defaults
 from ..base.codecs import Compression
 from ..base.dtypes import compute_dtype
 from ..model.config import ModelConfig, config_from_hf
-from ..model.exits import CRITERIA
 
 MAX_SLOTS = 4096
 
@@ -86,7 +85,7 @@ class ExitSpec:
         if not isinstance(body, Mapping):
             raise ValueError(f"field 'early_exit' must be an object, got {body!r}")
         criterion = _get(body, "criterion", str)
-        if criterion not in CRITERIA:
+        if criterion not in defaults.EARLY_EXIT_CRITERIA:
             raise ValueError(f"unknown early-exit criterion {criterion!r}")
         thresholds = _get(body, "thresholds", list)
         if len(thresholds) != n_layers - 1 or not all(

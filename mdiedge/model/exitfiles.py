@@ -171,12 +171,12 @@ def exit_settings(model_dir: Path, cfg: ModelConfig, model_hash: str, criterion:
 
 
 def exit_policy(settings: ExitSettings, cfg: ModelConfig, model_hash: str,
-                head: Optional[Head] = None) -> ExitPolicy:
-    """The policy a stage runs with: the settings, the head (``softmax``) and the classifier
-    (``classifier``, loaded and checked)."""
+                head: Optional[Head] = None, device: str = "cpu") -> ExitPolicy:
+    """The policy a stage on ``device`` runs with: the settings, the head (``softmax``) and
+    the classifier (``classifier``, loaded, checked and moved to ``device``)."""
     classifier = None
     if settings.criterion == "classifier":
         assert settings.classifier is not None
-        classifier = load_classifier(settings.classifier, cfg, model_hash)
+        classifier = load_classifier(settings.classifier, cfg, model_hash).to(device)
     return ExitPolicy(settings.criterion, list(settings.thresholds),
                       head if settings.criterion == "softmax" else None, classifier)

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from ..base import defaults
 from ..base.errors import MdiedgeError
 from ..model.checkpoint import content_hash, load_config, load_model, resolve_model_path
-from ..model.exitfiles import ExitSettings, exit_policy
+from ..model.exitfiles import ExitSettings
 from ..model.config import ModelConfig
 from ..model.devices import parse_device, parse_dtype
 from ..model.sampling import SamplingParams
@@ -28,6 +28,7 @@ from ..runtime.partition import split_layers
 from ..runtime.pipeline import ModelEnds, Pipeline
 from ..runtime.scheduler import Scheduler
 from ..runtime.stages import LocalStage
+from .exitparts import starter_policy
 
 PathLike = Union[str, Path]
 
@@ -209,10 +210,7 @@ class LocalEngine(Engine):
                                   device=self.device, dtype=self.dtype)
                        for i, r in enumerate(self.ranges)]
         self.model = self.chunks[0]  # the embedding, the first blocks and the head
-        self.exit_policy = None if early_exit is None else exit_policy(
-            early_exit, self.cfg, content_hash(self.path), self.model.head_logits)
-        if self.exit_policy is not None and self.exit_policy.classifier is not None:
-            self.exit_policy.classifier.to(self.device)
+        self.exit_policy = starter_policy(early_exit, content_hash(self.path), self.model)
         self.prefill_chunk = prefill_chunk
         self.scheduler: Optional[Scheduler] = None
         self._setup_lock = threading.Lock()

@@ -46,13 +46,12 @@ def check_ring_exits(cfg: Any, settings: Optional[ExitSettings]) -> Optional[Exi
 
 def starter_policy(settings: Optional[ExitSettings], model_hash: str,
                    model: Any) -> Optional[ExitPolicy]:
-    """The starter's stage's policy: its own chunk holds the head."""
+    """The policy of a stage whose chunk holds the head (the starter's, a local engine's),
+    on that chunk's device."""
     if settings is None:
         return None
-    policy = exit_policy(settings, model.cfg, model_hash, model.head_logits)
-    if policy.classifier is not None:
-        policy.classifier.to(next(model.parameters()).device)
-    return policy
+    return exit_policy(settings, model.cfg, model_hash, model.head_logits,
+                       str(next(model.parameters()).device))
 
 
 def cache_suffix(spec: Optional[ExitSpec]) -> str:
@@ -149,6 +148,5 @@ def worker_policy(source: Path, request: Assignment, device: str,
         if not has_parts(source, spec):
             raise CheckpointError(f"{folder}: no {CLASSIFIER_FILE} with sha256 "
                                   f"{spec.classifier[:16]}… for the classifier criterion")
-        classifier = load_classifier(folder / CLASSIFIER_FILE, cfg, request.model.hash)
-        classifier.to(device)
+        classifier = load_classifier(folder / CLASSIFIER_FILE, cfg, request.model.hash).to(device)
     return ExitPolicy(spec.criterion, thresholds, head, classifier)

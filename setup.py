@@ -35,6 +35,16 @@ def _owner(pyx):
     raise RuntimeError("TWINNED not found in mdiedge/base/accel.py")
 
 
+def _extension(pyx):
+    """ext/_cmatvec.pyx (its kernel in ext/matvec.h) runs threads with OpenMP; the others not."""
+    name = _owner(pyx) + "." + os.path.basename(pyx)[:-4]
+    flags = ["-O3", "-Wno-psabi"]
+    if name.endswith("._cmatvec"):
+        return Extension(name, [pyx], include_dirs=["ext"], depends=[os.path.join("ext", "matvec.h")],
+                         extra_compile_args=flags + ["-fopenmp"], extra_link_args=["-fopenmp"])
+    return Extension(name, [pyx], extra_compile_args=flags)
+
+
 def extensions():
     if os.environ.get("MDIEDGE_NO_EXTENSIONS", "") not in ("", "0"):
         return []
@@ -42,8 +52,7 @@ def extensions():
         from Cython.Build import cythonize
 
         sources = sorted(glob.glob(os.path.join("ext", "_c*.pyx")))
-        modules = [Extension(_owner(p) + "." + os.path.basename(p)[:-4], [p],
-                             extra_compile_args=["-O3"]) for p in sources]
+        modules = [_extension(p) for p in sources]
         return cythonize(modules, language_level=3, quiet=True,
                          build_dir=os.path.join("build", "cython"))
     except Exception as e:

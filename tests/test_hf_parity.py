@@ -135,16 +135,19 @@ def test_linear_matches_f_linear_for_every_row_count(shape: Any) -> None:
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_loaded_head_is_stored_transposed(tmp_path: Path, tied: bool) -> None:
-    """The loader keeps the head column-major (a contiguous (dim, vocab) buffer); the values,
+def test_loaded_head_storage(tmp_path: Path, tied: bool) -> None:
+    """The loader keeps the head column-major (a contiguous (dim, vocab) buffer) where the
+    twin product decodes (BLAS), row-major where the compiled one does; either way the values,
     the tie to the embedding and the logits are those of transformers."""
     from safetensors.torch import load_file
+
+    from mdiedge.model.layers import transposed_head_pays
 
     path = make_hf_llama(tmp_path, seed=3, tie_word_embeddings=tied)
     model = load_model(path)
     head = model.lm_head.weight
-    assert head.shape == (model.cfg.vocab_size, model.cfg.dim) and not head.is_contiguous()
-    assert head.t().is_contiguous()
+    assert head.shape == (model.cfg.vocab_size, model.cfg.dim)
+    assert head.is_contiguous() is not transposed_head_pays()
     assert (model.embed.weight is head) is tied
     stored = load_file(str(path / "model.safetensors"))
     expected = stored["model.embed_tokens.weight" if tied else "lm_head.weight"]

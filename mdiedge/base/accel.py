@@ -13,7 +13,7 @@ import os
 from types import ModuleType
 from typing import List, Optional
 
-TWINNED = {"framing": "mdiedge.runtime", "codec": "mdiedge.runtime"}
+TWINNED = {"framing": "mdiedge.runtime", "codec": "mdiedge.runtime", "matvec": "mdiedge.model"}
 
 
 def extensions_disabled() -> bool:

@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..base.accel import select
 from .config import ModelConfig
 
-_FEW_ROWS = 8  # up to this many rows, Linear multiplies in the weight-major orientation
+_matvec = select("matvec")
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -64,22 +65,27 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Linear(nn.Linear):
-    """A bias-free ``nn.Linear`` that multiplies a few rows (2 to 8: micro-batched decode) on
-    the CPU as ``(W @ x^T)^T``: the same product as ``x @ W^T`` in the GEMM orientation that
-    CPU BLAS runs faster for so few rows (``bin/bench-decode`` measures it). A weight
-    kept in transposed storage (the head, see ``Transformer.store_head_transposed``) always
-    takes ``F.linear``, which already streams it in order."""
+    """A bias-free ``nn.Linear``. Up to ``MAX_ROWS`` float32 rows on the CPU (decode, micro-
+    batched or not) take the few-row product of ``mdiedge.model._cmatvec`` (its kernel reads
+    the weight once for three rows, where CPU BLAS runs thin products far below the memory
+    bound; ``bin/bench-decode`` measures it) or its pure-torch twin; everything else, and
+    any weight kept in transposed storage, takes ``F.linear``."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.numel() // self.in_features
-        if 2 <= rows <= _FEW_ROWS and x.device.type == "cpu" and self.weight.is_contiguous():
-            flat = x.reshape(rows, self.in_features)  # (rows, in)
-            out = (self.weight @ flat.t()).t().contiguous()  # (rows, out)
+        flat = x.reshape(-1, self.in_features)  # (rows, in)
+        if _matvec.usable(flat, self.weight):
+            out = torch.empty(flat.shape[0], self.out_features)  # (rows, out)
+            _matvec.rows(flat.contiguous(), self.weight, out, torch.get_num_threads())
             return out.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight)
+
+
+def transposed_head_pays() -> bool:
+    """Whether the head decodes faster from transposed storage with the product in use."""
+    return bool(_matvec.TRANSPOSED_HEAD)
 
 
 class MLP(nn.Module):

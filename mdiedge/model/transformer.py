@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from .config import ModelConfig
 from .exits import ExitStep
-from .layers import MLP, Linear, RMSNorm, apply_rope, rope_tables
+from .layers import MLP, Linear, RMSNorm, apply_rope, rope_tables, transposed_head_pays
 from .moe import MoE
 
 _HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
@@ -60,6 +60,9 @@ class KVCache(nn.Module):
                 slot = int(slots[row])
                 self.k[slot, :, pos:pos + seq_len] = k[row]
                 self.v[slot, :, pos:pos + seq_len] = v[row]
+        first = int(slots[0])
+        if slots.tolist() == list(range(first, first + batch)):  # adjacent slots: no copy
+            return self.k[first:first + batch, :, :length], self.v[first:first + batch, :, :length]
         return (self.k[:, :, :length].index_select(0, slots),
                 self.v[:, :, :length].index_select(0, slots))
 
@@ -177,7 +180,10 @@ class Transformer(nn.Module):
         contiguous ``(dim, vocab)`` buffer, seen transposed. Values and shape are unchanged,
         but ``x @ W^T`` then streams the weight in the order CPU BLAS runs fastest for the
         one-row decode product (``bin/bench-decode`` measures it) and no slower for a prefill.
-        A tied embedding shares it; its row lookups read strided."""
+        A tied embedding shares it; its row lookups read strided. Nothing is done where the
+        compiled few-row product (``mdiedge.model.layers``) runs decode: it reads row-major."""
+        if not transposed_head_pays():
+            return
         if self.lm_head is None or not self.lm_head.weight.is_contiguous():
             return
         weight = self.lm_head.weight

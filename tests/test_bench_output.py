@@ -14,13 +14,19 @@ import pytest
 
 from mdiedge.ops import bench as benchmarks
 from mdiedge.ops.benchtable import COLUMNS, column_widths, format_line, row_cells
+from mdiedge.ops.roofline import Roofline
 
 
 def figures(nodes: int, micro_batch: int) -> Dict[str, Any]:
     return {"nodes": nodes, "micro_batch": micro_batch, "tokens_per_s": 12.34,
             "busy_fraction": [0.5] * nodes, "hop_overhead_us": None if nodes == 1 else 250.4,
             "expert_load": {}, "peak_rss_bytes": [300 << 20] * nodes,
-            "weight_kv_bytes": [100 << 20] * nodes}
+            "weight_kv_bytes": [100 << 20] * nodes, "read_bytes": [50 << 20] * nodes,
+            "threads": 1}
+
+
+def fake_roofline() -> Roofline:
+    return Roofline(lambda nbytes, threads, concurrent: 1e9 / concurrent)
 
 
 @pytest.mark.parametrize("max_nodes, samples, expected", [
@@ -33,9 +39,12 @@ def test_configurations(max_nodes: int, samples: int, expected: List[Tuple[int, 
 
 
 def test_row_cells() -> None:
-    assert row_cells(figures(2, 1)) == ["2", "1", "12.3", "0.50 0.50", "250", "300 300",
-                                        "200 200"]
-    assert row_cells(figures(1, 1))[4] == "-"
+    result = figures(2, 1)
+    result.update(fake_roofline().figures(result, 2))
+    # 2 messages per round through 2 nodes of 50 MiB, each at 0.5 GB/s: 0.2097 s a round
+    assert row_cells(result) == ["2", "1", "12.3", "9.5", "129%", "0.50 0.50", "250",
+                                 "300 300", "200 200"]
+    assert row_cells(figures(1, 1))[3:6] == ["-", "-", "0.50"]
 
 
 def test_widths_hold_the_largest_ring() -> None:
@@ -62,12 +71,14 @@ def test_run_all_yields_each_configuration_before_the_next_runs(tiny_llama: Path
         waits.append(what)
         yield
 
-    measured = benchmarks.run_all(str(tiny_llama), None, 2, 2, 4, 16, runner, measuring)
+    measured = benchmarks.run_all(str(tiny_llama), None, 2, 2, 4, 16, runner, measuring,
+                                  fake_roofline())
     assert calls == []
     assert next(measured)["nodes"] == 1 and calls == [(1, 1)]
-    assert waits == ["measuring 1 of 4: 1 node, 1 sample per message"]
+    assert waits == ["measuring 1 of 4: 1 node, 1 sample per message",
+                     "measuring the read bandwidth of 1 node"]
     assert [r["micro_batch"] for r in measured] == [2, 1, 2] and len(calls) == 4
-    assert waits[-1] == "measuring 4 of 4: 2 nodes, 2 samples per message"
+    assert waits[-2] == "measuring 4 of 4: 2 nodes, 2 samples per message"
 
 
 def _bench(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, as_json: bool
@@ -87,6 +98,7 @@ def _bench(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, as_js
         return figures(nodes, micro_batch)
 
     monkeypatch.setattr(benchmarks, "run_subprocess", runner)
+    monkeypatch.setattr(benchmarks, "Roofline", fake_roofline)
     bench(model=None, preset=None, nodes=2, samples=1, new_tokens=4, context=16, micro_batch=1,
           one=False, as_json=as_json, compression=None, text=None, eval_tokens=0)
     out, err = capsys.readouterr()
@@ -98,8 +110,8 @@ def test_cli_prints_the_header_first_then_each_row_as_measured(
     seen, out, err = _bench(capsys, monkeypatch, False)
     lines = out.splitlines()
     assert lines[0] == "nanollama: 1 samples x 4 tokens, context 16"
-    assert lines[1].split() == "nodes samples/msg tok/s busy fraction per node hop µs peak RSS " \
-                               "MB per node RSS − (weights+KV) MB".split()
+    assert lines[1].split() == "nodes samples/msg tok/s limit tok/s share busy fraction per " \
+                               "node hop µs peak RSS MB per node RSS − (weights+KV) MB".split()
     assert len(lines) == 5
     assert seen[0].splitlines() == lines[:3]  # the header, before the first configuration
     assert seen[1].splitlines() == lines[:4]  # the first row, before the second one runs
@@ -132,3 +144,42 @@ def test_a_real_run_prints_rows_before_it_ends(ring_model: Path) -> None:
     assert lines[3].split()[:2] == ["1", "1"] and rest.split()[:2] == ["2", "1"]
     assert ended_at - first_row_at > 0.5  # the second configuration ran after the first row
     assert "bench: measuring 2 of 2: 2 nodes, 1 sample per message" in err
+
+
+@pytest.mark.parametrize("read, samples, micro, bandwidth, expected", [
+    ([100], 3, 1, 100.0, 1.0),        # one node, three messages a round
+    ([100], 3, 3, 100.0, 3.0),        # one node, one message for all three
+    ([50, 50], 3, 1, 50.0, 1.0),      # three messages: each node reads 150 a round
+    ([50, 50], 3, 2, 50.0, 1.5),      # two messages: 100 a node
+    ([50, 50], 3, 3, 100.0, 3.0),     # one message: its trip reads 100
+    ([20, 80], 2, 1, 40.0, 0.5),      # the larger node sets the pace
+])
+def test_limit_tokens_per_s(read: List[int], samples: int, micro: int, bandwidth: float,
+                            expected: float) -> None:
+    from mdiedge.ops.roofline import limit_tokens_per_s
+
+    assert limit_tokens_per_s(read, samples, micro, bandwidth) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("nodes, samples, micro, expected", [
+    (1, 3, 1, 1), (2, 3, 1, 2), (3, 3, 3, 1), (3, 4, 2, 2), (4, 8, 1, 4)])
+def test_concurrency(nodes: int, samples: int, micro: int, expected: int) -> None:
+    from mdiedge.ops.roofline import concurrency
+
+    assert concurrency(nodes, samples, micro) == expected
+
+
+def test_roofline_measures_each_shape_once() -> None:
+    calls: List[Tuple[int, int, int]] = []
+    roofline = Roofline(lambda b, t, c: calls.append((b, t, c)) or 1e9)
+    for _ in range(2):
+        roofline.figures(figures(2, 1), 3)
+    assert calls == [(50 << 20, 1, 2)]
+
+
+def test_read_bandwidth_measures_a_real_product() -> None:
+    from mdiedge.ops.roofline import read_bandwidth
+
+    assert 1e8 < read_bandwidth(4 << 20, 1, 2, seconds=0.1) < 1e13
+    with pytest.raises(ValueError, match="threads 0"):
+        read_bandwidth(4 << 20, 0)

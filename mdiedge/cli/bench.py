@@ -36,6 +36,10 @@ def bench(
         "--samples samples: the throughput ratio, and top-1 agreement and perplexity "
         "teacher-forced over --text's held-out tail."),
     exit_threshold: Optional[str] = exit_threshold_option(),
+    profile: bool = typer.Option(False, "--profile", help="Instead, where a decode step's time "
+                                 "goes on each node of a ring of --nodes (projections, "
+                                 "attention, norms, RoPE, sampling, other), for 1 and "
+                                 "--samples rows per step."),
 ) -> None:
     """Measure tokens/s, busy fraction, per-hop overhead and peak RSS of 1..N-node rings."""
     from pathlib import Path
@@ -44,6 +48,9 @@ def bench(
 
     if isinstance(early_exit, str) or isinstance(exit_threshold, str):  # not typer defaults
         _exits(model, early_exit, exit_threshold, text, nodes, samples, new_tokens, as_json)
+        return
+    if profile is True:  # not the typer default (bench() called as a function)
+        _profile(model, preset, nodes, samples, context, as_json)
         return
     if compression is not None:
         _guard(model, compression, text, eval_tokens, nodes, context, new_tokens, as_json)
@@ -70,6 +77,34 @@ def bench(
         table.row(result)
         results.append(result)
     table.footer(results)
+
+
+def _profile(model: Optional[str], preset: Optional[str], nodes: int, samples: int,
+             context: int, as_json: bool) -> None:
+    import tempfile
+    from pathlib import Path
+
+    from .app import need
+    from ..ops import bench as benchmarks
+    from ..ops.profile import profile_ring, table_lines
+    from ..model.checkpoint import resolve_model_path
+
+    need(1 <= samples <= 8, "--samples", samples, "an integer 1..8 (rows of a decode step)")
+    need(nodes >= 1, "--nodes", nodes, "an integer >= 1")
+    need(context >= 16, "--context", context, "an integer >= 16")
+    with tempfile.TemporaryDirectory(prefix="mdiedge-profile-") as tmp:
+        path = (benchmarks.random_checkpoint(preset, Path(tmp) / preset,
+                                             resolve_model_path(None) / "tokenizer.model")
+                if preset else resolve_model_path(model))
+        profiles = [p for rows in sorted({1, samples})
+                    for p in profile_ring(path, nodes, rows, context)]
+    if as_json:
+        typer.echo(json.dumps({"model": preset or str(path), "nodes": nodes,
+                               "profiles": profiles}))
+        return
+    typer.echo(f"{preset or path.name}: ms per decode step on each node of {nodes}, by category")
+    for line in table_lines(profiles):
+        typer.echo(line)
 
 
 def _guard(model: Optional[str], compression: str, text: Optional[str], eval_tokens: int,

@@ -31,6 +31,7 @@ from ..model.sampling import SamplingParams
 from ..roles.engine import LocalEngine
 from ..roles.local_ring import LocalRing, threads_per_node
 from ..roles.starter import RingEngine
+from .roofline import Roofline
 from ..runtime.generation import Generation
 
 
@@ -70,6 +71,7 @@ def run_config(model: Path, nodes: int, samples: int, new_tokens: int, context: 
             stage = scheduler.pipeline.stages[0]
             starter_load = stage.model.expert_load()  # a fresh model: all of it is this run's
             own_bytes = sum(stage.memory().values())
+            own_read = read_per_message(stage.model)
         finally:
             engine.close()
     wall = timing.total_s
@@ -82,7 +84,19 @@ def run_config(model: Path, nodes: int, samples: int, new_tokens: int, context: 
                 [starter_load] + [expertstats.since(a.expert_load, b.expert_load)
                                   for a, b in zip(after, before)]),
             "peak_rss_bytes": [max_rss_bytes()] + [a.max_rss_bytes for a in after],
-            "weight_kv_bytes": [own_bytes] + [a.weight_bytes + a.kv_bytes for a in after]}
+            "weight_kv_bytes": [own_bytes] + [a.weight_bytes + a.kv_bytes for a in after],
+            "read_bytes": [own_read] + [a.weight_bytes for a in after], "threads": threads}
+
+
+def read_per_message(model: Any) -> int:
+    """Weight bytes a decode message reads on a chunk: all but the embedding, of which it
+    reads one row per token (unless the head shares it)."""
+    total = model.parameter_bytes()
+    embed = getattr(model, "embed", None)
+    head = getattr(model, "lm_head", None)
+    if embed is not None and (head is None or head.weight is not embed.weight):
+        total -= embed.weight.nbytes
+    return total
 
 
 def _generation(cfg: Any, samples: int, new_tokens: int, context: int) -> Generation:
@@ -101,7 +115,8 @@ def _run_local(model: Path, samples: int, new_tokens: int, context: int,
             "busy_fraction": busy, "hop_overhead_us": None,
             "expert_load": engine.model.expert_load(),
             "peak_rss_bytes": [max_rss_bytes()],
-            "weight_kv_bytes": [engine.model.parameter_bytes() + engine.model.kv_cache_bytes()]}
+            "weight_kv_bytes": [engine.model.parameter_bytes() + engine.model.kv_cache_bytes()],
+            "read_bytes": [read_per_message(engine.model)], "threads": torch.get_num_threads()}
 
 
 def configurations(max_nodes: int, samples: int) -> List[Tuple[int, int]]:
@@ -133,11 +148,13 @@ def run_subprocess(path: Path, nodes: int, samples: int, new_tokens: int, contex
 
 def run_all(model: Optional[str], preset_name: Optional[str], max_nodes: int, samples: int,
             new_tokens: int, context: int, runner: Optional[Runner] = None,
-            measuring: Optional[Callable[[str], ContextManager[Any]]] = None
-            ) -> Iterator[Dict[str, Any]]:
+            measuring: Optional[Callable[[str], ContextManager[Any]]] = None,
+            roofline: Optional[Roofline] = None) -> Iterator[Dict[str, Any]]:
     """Every configuration's figures, each as soon as it is measured (by ``runner``, default
-    ``run_subprocess``); ``measuring(what)`` wraps each wait (a progress display)."""
+    ``run_subprocess``), with its bandwidth limit (``roofline``, measured between
+    configurations); ``measuring(what)`` wraps each wait (a progress display)."""
     shown = measuring or (lambda what: nullcontext())
+    limits = roofline or Roofline()
     with tempfile.TemporaryDirectory(prefix="mdiedge-bench-") as tmp:
         if preset_name:
             with shown(f"writing random weights shaped like {preset_name}"):
@@ -151,4 +168,7 @@ def run_all(model: Optional[str], preset_name: Optional[str], max_nodes: int, sa
                        f", {micro_batch} sample{'s' if micro_batch > 1 else ''} per message"):
                 result = (runner or run_subprocess)(path, nodes, samples, new_tokens, context,
                                                     micro_batch)
+            with shown(f"measuring the read bandwidth of {nodes} node"
+                       f"{'s' if nodes > 1 else ''}"):
+                result.update(limits.figures(result, samples))
             yield result

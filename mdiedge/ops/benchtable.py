@@ -6,7 +6,8 @@ import sys
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Sequence, TextIO
 
-COLUMNS = ("nodes", "samples/msg", "tok/s", "busy fraction per node", "hop µs",
+COLUMNS = ("nodes", "samples/msg", "tok/s", "limit tok/s", "share", "busy fraction per node",
+           "hop µs",
            "peak RSS MB per node", "RSS − (weights+KV) MB")
 # characters per node of the per-node columns (busy "0.93", RSS "1234", excess "-12")
 _PER_NODE = {"busy fraction per node": 5, "peak RSS MB per node": 6, "RSS − (weights+KV) MB": 6}
@@ -17,7 +18,10 @@ def row_cells(result: Dict[str, Any]) -> List[str]:
     hop = "-" if result["hop_overhead_us"] is None else f"{result['hop_overhead_us']:.0f}"
     excess = [(rss - wk) / 2 ** 20
               for rss, wk in zip(result["peak_rss_bytes"], result["weight_kv_bytes"])]
+    limit = result.get("roofline_tokens_per_s")
     return [str(result["nodes"]), str(result["micro_batch"]), f"{result['tokens_per_s']:.1f}",
+            "-" if limit is None else f"{limit:.1f}",
+            "-" if limit is None else f"{100 * result['roofline_share']:.0f}%",
             " ".join(f"{b:.2f}" for b in result["busy_fraction"]), hop,
             " ".join(f"{x / 2 ** 20:.0f}" for x in result["peak_rss_bytes"]),
             " ".join(f"{x:.0f}" for x in excess)]

@@ -1,0 +1,122 @@
+"""The memory-bandwidth limit of decoding ("roofline", Williams et al. 2009), for ``mdiedge bench``.
+
+A decode message reads each weight of a node once, for all the rows it carries, so a node's
+time per message is at least its weight bytes over the bandwidth it can read them at. That
+bandwidth is measured the way a node decodes: a product of one row by a weight-sized matrix
+with the product decode uses (``mdiedge.model.layers.Linear``) and the node's thread count,
+in ``concurrent`` processes at once (every node of a local ring shares this machine's memory).
+
+A round gives every sample one token: ``groups`` messages through every node. Node i reads
+``W_i`` bytes per message; with ``c = min(groups, nodes)`` nodes reading at once, each at
+``b(c)``, a round takes at least ``max(groups * max_i W_i, sum_i W_i) / b(c)`` seconds: the
+busiest node's messages, or one message's trip around the ring, whichever is longer.
+"""
+from __future__ import annotations
+
+import math
+import multiprocessing
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+_MIN_BYTES = 1 << 20
+_MAX_BYTES = 1 << 30
+_WIDTH = 1024  # the matrix's row length (a typical model width)
+
+
+def round_limit_s(read_bytes: Sequence[int], groups: int, bandwidth: float) -> float:
+    """Least seconds for a round of ``groups`` messages through nodes reading ``read_bytes``
+    each per message, every node at ``bandwidth`` bytes/s."""
+    if not read_bytes or groups < 1 or bandwidth <= 0:
+        raise ValueError(f"no limit for bytes {list(read_bytes)}, {groups} groups, "
+                         f"bandwidth {bandwidth}")
+    return max(groups * max(read_bytes), sum(read_bytes)) / bandwidth
+
+
+def limit_tokens_per_s(read_bytes: Sequence[int], samples: int, micro_batch: int,
+                       bandwidth: float) -> float:
+    """Tokens/s at the bandwidth limit: ``samples`` tokens per round."""
+    groups = math.ceil(samples / micro_batch)
+    return samples / round_limit_s(read_bytes, groups, bandwidth)
+
+
+def concurrency(nodes: int, samples: int, micro_batch: int) -> int:
+    """How many nodes read weights at once: one per message in flight, at most every node."""
+    return min(nodes, math.ceil(samples / micro_batch))
+
+
+def _measure(nbytes: int, threads: int, seconds: float, start: Any) -> float:
+    """Bytes/s of one-row products by a ``nbytes`` float32 matrix on ``threads`` threads,
+    after every process has reached ``start`` (a barrier), or at once without one."""
+    import torch
+
+    from ..model.layers import Linear
+
+    torch.set_num_threads(threads)
+    rows = max(1, nbytes // (4 * _WIDTH))
+    layer = Linear(_WIDTH, rows)
+    x = torch.randn(1, _WIDTH)
+    with torch.inference_mode():
+        layer.weight.normal_()
+        layer(x)  # first touch and warm-up
+        if start is not None:
+            start.wait()
+        times: List[float] = []
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline or len(times) < 3:
+            t0 = time.perf_counter()
+            layer(x)
+            times.append(time.perf_counter() - t0)
+    return layer.weight.nbytes / statistics.median(times)
+
+
+_BARRIER: Any = None
+
+
+def _init(barrier: Any) -> None:
+    global _BARRIER
+    _BARRIER = barrier
+
+
+def _child_at_barrier(args: Tuple[int, int, float]) -> float:
+    return _measure(args[0], args[1], args[2], _BARRIER)
+
+
+def read_bandwidth(nbytes: int, threads: int, concurrent: int = 1,
+                   seconds: float = 1.0) -> float:
+    """Bytes/s that each of ``concurrent`` processes reads at, all at once, as a node decodes
+    (the slowest's figure: the ring waits for it). ``nbytes`` is clamped to 1 MiB..1 GiB: a
+    node whose weights fit in cache reads them from there, and so does this product."""
+    if threads < 1 or concurrent < 1:
+        raise ValueError(f"threads {threads} and processes {concurrent} must be >= 1")
+    nbytes = min(max(nbytes, _MIN_BYTES), _MAX_BYTES)
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch state shared
+    barrier = ctx.Barrier(concurrent)
+    with ctx.Pool(concurrent, initializer=_init, initargs=(barrier,)) as pool:
+        figures = pool.map(_child_at_barrier, [(nbytes, threads, seconds)] * concurrent)
+    return min(figures)
+
+
+class Roofline:
+    """Each configuration's limit, measuring each (processes, threads, size) once."""
+
+    def __init__(self, measure: Callable[[int, int, int], float] = read_bandwidth) -> None:
+        self._measure = measure
+        self._seen: Dict[Tuple[int, int, int], float] = {}
+
+    def bandwidth(self, nbytes: int, threads: int, concurrent: int) -> float:
+        key = (min(max(nbytes, _MIN_BYTES), _MAX_BYTES), threads, concurrent)
+        if key not in self._seen:
+            self._seen[key] = self._measure(key[0], threads, concurrent)
+        return self._seen[key]
+
+    def figures(self, result: Dict[str, Any], samples: int) -> Dict[str, Any]:
+        """``roofline_tokens_per_s``, ``roofline_share`` and ``read_bytes_per_s`` of a bench
+        result (its ``read_bytes`` per node and ``threads`` per node)."""
+        read, nodes, micro = result["read_bytes"], result["nodes"], result["micro_batch"]
+        bandwidth = self.bandwidth(max(read), result["threads"],
+                                   concurrency(nodes, samples, micro))
+        limit = limit_tokens_per_s(read, samples, micro, bandwidth)
+        return {"roofline_tokens_per_s": limit,
+                "roofline_share": result["tokens_per_s"] / limit,
+                "read_bytes_per_s": bandwidth}

@@ -19,6 +19,7 @@ from mdiedge.ops.roofline import Roofline
 
 def figures(nodes: int, micro_batch: int) -> Dict[str, Any]:
     return {"nodes": nodes, "micro_batch": micro_batch, "tokens_per_s": 12.34,
+            "decode_tokens_per_s": 14.56,
             "busy_fraction": [0.5] * nodes, "hop_overhead_us": None if nodes == 1 else 250.4,
             "expert_load": {}, "peak_rss_bytes": [300 << 20] * nodes,
             "weight_kv_bytes": [100 << 20] * nodes, "read_bytes": [50 << 20] * nodes,
@@ -42,9 +43,9 @@ def test_row_cells() -> None:
     result = figures(2, 1)
     result.update(fake_roofline().figures(result, 2))
     # 2 messages per round through 2 nodes of 50 MiB, each at 0.5 GB/s: 0.2097 s a round
-    assert row_cells(result) == ["2", "1", "12.3", "9.5", "129%", "0.50 0.50", "250",
+    assert row_cells(result) == ["2", "1", "12.3", "14.6", "9.5", "153%", "0.50 0.50", "250",
                                  "300 300", "200 200"]
-    assert row_cells(figures(1, 1))[3:6] == ["-", "-", "0.50"]
+    assert row_cells(figures(1, 1))[3:7] == ["14.6", "-", "-", "0.50"]
 
 
 def test_widths_hold_the_largest_ring() -> None:
@@ -110,8 +111,8 @@ def test_cli_prints_the_header_first_then_each_row_as_measured(
     seen, out, err = _bench(capsys, monkeypatch, False)
     lines = out.splitlines()
     assert lines[0] == "nanollama: 1 samples x 4 tokens, context 16"
-    assert lines[1].split() == "nodes samples/msg tok/s limit tok/s share busy fraction per " \
-                               "node hop µs peak RSS MB per node RSS − (weights+KV) MB".split()
+    assert lines[1].split() == "nodes samples/msg tok/s decode tok/s limit tok/s share busy " \
+                               "fraction per node hop µs peak RSS MB per node RSS − (weights+KV) MB".split()
     assert len(lines) == 5
     assert seen[0].splitlines() == lines[:3]  # the header, before the first configuration
     assert seen[1].splitlines() == lines[:4]  # the first row, before the second one runs

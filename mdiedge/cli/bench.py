@@ -41,7 +41,8 @@ def bench(
                                  "attention, norms, RoPE, sampling, other), for 1 and "
                                  "--samples rows per step."),
 ) -> None:
-    """Measure tokens/s, busy fraction, per-hop overhead and peak RSS of 1..N-node rings."""
+    """Measure tokens/s (with the bandwidth limit and the share reached), busy fraction,
+    per-hop overhead and peak RSS of 1..N-node rings."""
     from pathlib import Path
 
     from ..ops import bench as benchmarks
@@ -61,6 +62,12 @@ def bench(
                                        micro_batch)
         typer.echo(json.dumps(result))
         return
+    _table(model, preset, nodes, samples, new_tokens, context, as_json)
+
+
+def _table(model: Optional[str], preset: Optional[str], nodes: int, samples: int,
+           new_tokens: int, context: int, as_json: bool) -> None:
+    from ..ops import bench as benchmarks
     from ..ops.benchtable import TableWriter, measuring_on_stderr
 
     title = (f"{preset or model or 'nanollama'}: {samples} samples x {new_tokens} tokens, "

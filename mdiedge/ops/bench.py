@@ -78,7 +78,7 @@ def run_config(model: Path, nodes: int, samples: int, new_tokens: int, context: 
     busy = [scheduler.stats.compute_s / wall] + [
         (a.compute_s - b.compute_s) / wall for a, b in zip(after, before)]
     return {"nodes": nodes, "micro_batch": micro_batch, "tokens_per_s": timing.tokens_per_s,
-            "busy_fraction": busy,
+            "decode_tokens_per_s": decode_rate(timing, samples), "busy_fraction": busy,
             "hop_overhead_us": statistics.median(rtt) / nodes * 1e6,
             "expert_load": expertstats.merge(
                 [starter_load] + [expertstats.since(a.expert_load, b.expert_load)
@@ -86,6 +86,11 @@ def run_config(model: Path, nodes: int, samples: int, new_tokens: int, context: 
             "peak_rss_bytes": [max_rss_bytes()] + [a.max_rss_bytes for a in after],
             "weight_kv_bytes": [own_bytes] + [a.weight_bytes + a.kv_bytes for a in after],
             "read_bytes": [own_read] + [a.weight_bytes for a in after], "threads": threads}
+
+
+def decode_rate(timing: Any, samples: int) -> float:
+    """Tokens/s after the prefill: every sample's first token comes from its prefill."""
+    return (timing.new_tokens - samples) / timing.decode_s if timing.decode_s > 0 else 0.0
 
 
 def read_per_message(model: Any) -> int:
@@ -112,7 +117,7 @@ def _run_local(model: Path, samples: int, new_tokens: int, context: int,
     timing = engine.run(_generation(engine.cfg, samples, new_tokens, context), micro_batch)
     busy = [(time.process_time() - t0) / timing.total_s / torch.get_num_threads()]
     return {"nodes": 1, "micro_batch": micro_batch, "tokens_per_s": timing.tokens_per_s,
-            "busy_fraction": busy, "hop_overhead_us": None,
+            "decode_tokens_per_s": decode_rate(timing, samples), "busy_fraction": busy, "hop_overhead_us": None,
             "expert_load": engine.model.expert_load(),
             "peak_rss_bytes": [max_rss_bytes()],
             "weight_kv_bytes": [engine.model.parameter_bytes() + engine.model.kv_cache_bytes()],

@@ -6,7 +6,8 @@ import sys
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Sequence, TextIO
 
-COLUMNS = ("nodes", "samples/msg", "tok/s", "limit tok/s", "share", "busy fraction per node",
+COLUMNS = ("nodes", "samples/msg", "tok/s", "decode tok/s", "limit tok/s", "share",
+           "busy fraction per node",
            "hop µs",
            "peak RSS MB per node", "RSS − (weights+KV) MB")
 # characters per node of the per-node columns (busy "0.93", RSS "1234", excess "-12")
@@ -20,7 +21,7 @@ def row_cells(result: Dict[str, Any]) -> List[str]:
               for rss, wk in zip(result["peak_rss_bytes"], result["weight_kv_bytes"])]
     limit = result.get("roofline_tokens_per_s")
     return [str(result["nodes"]), str(result["micro_batch"]), f"{result['tokens_per_s']:.1f}",
-            "-" if limit is None else f"{limit:.1f}",
+            f"{result['decode_tokens_per_s']:.1f}", "-" if limit is None else f"{limit:.1f}",
             "-" if limit is None else f"{100 * result['roofline_share']:.0f}%",
             " ".join(f"{b:.2f}" for b in result["busy_fraction"]), hop,
             " ".join(f"{x / 2 ** 20:.0f}" for x in result["peak_rss_bytes"]),

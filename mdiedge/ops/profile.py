@@ -59,6 +59,7 @@ def profile_node(model: Any, rows: int, context: int, steps: int) -> Dict[str, f
     from ..model import sampling
 
     model.setup_cache(rows, context)
+    steps = max(1, min(steps, (context - 3) // 2))  # untimed and timed steps fit the context
     prompt = max(1, context - 2 * steps - 2)
     with torch.inference_mode():
         model.run_blocks(torch.randn(rows, prompt, model.cfg.dim), torch.arange(rows),

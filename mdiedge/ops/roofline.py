@@ -111,12 +111,13 @@ class Roofline:
         return self._seen[key]
 
     def figures(self, result: Dict[str, Any], samples: int) -> Dict[str, Any]:
-        """``roofline_tokens_per_s``, ``roofline_share`` and ``read_bytes_per_s`` of a bench
-        result (its ``read_bytes`` per node and ``threads`` per node)."""
+        """``roofline_tokens_per_s``, ``roofline_share`` (of the decode tokens/s: the limit
+        is decode's) and ``read_bytes_per_s`` of a bench result (its ``read_bytes`` and
+        ``threads`` per node)."""
         read, nodes, micro = result["read_bytes"], result["nodes"], result["micro_batch"]
         bandwidth = self.bandwidth(max(read), result["threads"],
                                    concurrency(nodes, samples, micro))
         limit = limit_tokens_per_s(read, samples, micro, bandwidth)
         return {"roofline_tokens_per_s": limit,
-                "roofline_share": result["tokens_per_s"] / limit,
+                "roofline_share": result["decode_tokens_per_s"] / limit,
                 "read_bytes_per_s": bandwidth}

@@ -1,0 +1,42 @@
+"""``mdiedge bench --profile``: each node's decode step by category, with the model's own code
+timed in place and left as it was."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from mdiedge.model import layers, transformer
+from mdiedge.ops.profile import CATEGORIES, profile_ring, table_lines
+
+
+def test_profile_of_a_two_node_ring(ring_model: Path) -> None:
+    originals = (layers.Linear.forward, layers.RMSNorm.forward, transformer.apply_rope,
+                 transformer.attention, transformer.KVCache.update)
+    profiles = profile_ring(ring_model, 2, 3, context=32, steps=2)
+    assert [p["node"] for p in profiles] == [0, 1]
+    assert profiles[0]["blocks"][0] == 0 and profiles[0]["blocks"][1] == profiles[1]["blocks"][0]
+    for p in profiles:
+        assert p["rows"] == 3 and p["step_ms"] > 0
+        assert all(p[c] >= 0 for c in CATEGORIES)
+        assert p["projections"] > 0 and p["attention"] > 0 and p["norms"] > 0
+    assert profiles[0]["sampling"] > 0 and profiles[1]["sampling"] == 0
+    assert (layers.Linear.forward, layers.RMSNorm.forward, transformer.apply_rope,
+            transformer.attention, transformer.KVCache.update) == originals
+    lines = table_lines(profiles)
+    assert lines[0].split()[:4] == ["node", "blocks", "rows", "step"] and len(lines) == 3
+
+
+def test_cli_profile_json_and_bad_rows(ring_model: Path) -> None:
+    run = [sys.executable, "-m", "mdiedge", "bench", "--profile", "--model", str(ring_model),
+           "--nodes", "2", "--samples", "2", "--context", "32"]
+    out = subprocess.run(run + ["--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert [(p["node"], p["rows"]) for p in result["profiles"]] == [(0, 1), (1, 1), (0, 2), (1, 2)]
+    bad = subprocess.run(run[:-4] + ["--samples", "9"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].endswith("--samples: expected an integer 1..8 "
+                                                        "(rows of a decode step), got 9")

@@ -467,6 +467,8 @@ def load_model(model: Optional[PathLike] = None, layers: Optional[Tuple[int, int
         with _skip_init():
             net = Transformer(cfg, layers, embedding, head).to(dtype)
         net.store_head_transposed()
+        if torch.device(device).type == "cpu":  # elsewhere the move would unshare the buffers
+            net.fuse_projections()
         params = dict(net.named_parameters())  # a tied head is the embedding, listed once
         plan = tensor_plan(cfg, layers, embedding, head)
         unplanned = set(params) - set(plan)

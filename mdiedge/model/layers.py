@@ -5,7 +5,7 @@ products, and the SwiGLU feed-forward (Shazeer 2020). Plain torch, no state beyo
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -75,12 +75,40 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        flat = x.reshape(-1, self.in_features)  # (rows, in)
-        if _matvec.usable(flat, self.weight):
-            out = torch.empty(flat.shape[0], self.out_features)  # (rows, out)
-            _matvec.rows(flat.contiguous(), self.weight, out, torch.get_num_threads())
-            return out.view(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.weight)
+        return project(x, self.weight)
+
+
+def project(x: Tensor, weight: Tensor) -> Tensor:
+    """``x @ weight.T`` for x (…, in) and weight (out, in): the few-row product where it
+    applies (see ``Linear``), else ``F.linear``."""
+    flat = x.reshape(-1, weight.shape[1])  # (rows, in)
+    if _matvec.usable(flat, weight):
+        out = torch.empty(flat.shape[0], weight.shape[0])  # (rows, out)
+        _matvec.rows(flat.contiguous(), weight, out, torch.get_num_threads())
+        return out.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight)
+
+
+def fuse(linears: Sequence[Linear]) -> Tensor:
+    """Store the weights of ``linears`` (one input width) as consecutive row blocks of one
+    contiguous buffer, returned; each ``Linear`` keeps its own parameter, a view of its rows,
+    so names, loading and values are unchanged, and one product by the buffer computes all
+    of them at once (fewer, larger products)."""
+    weights = [layer.weight for layer in linears]
+    buffer = torch.cat([w.detach() for w in weights])  # (sum of outs, in)
+    offset = 0
+    for layer, w in zip(linears, weights):
+        rows = w.shape[0]
+        layer.weight = nn.Parameter(buffer[offset:offset + rows], requires_grad=w.requires_grad)
+        offset += rows
+    return buffer
+
+
+def fused_with(buffer: Optional[Tensor], first: Linear) -> bool:
+    """Whether ``buffer`` (from ``fuse``) still holds the weights: nothing has replaced them
+    (a move to another device makes each parameter a tensor of its own)."""
+    return buffer is not None and first.weight.data_ptr() == buffer.data_ptr() and \
+        first.weight.device == buffer.device
 
 
 def transposed_head_pays() -> bool:
@@ -89,13 +117,22 @@ def transposed_head_pays() -> bool:
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); ``fuse_projections`` lets gate and
+    up run as one product."""
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
+        self.hidden = hidden
         self.gate = Linear(dim, hidden)
         self.up = Linear(dim, hidden)
         self.down = Linear(hidden, dim)
+        self.gate_up: Optional[Tensor] = None
+
+    def fuse_projections(self) -> None:
+        self.gate_up = fuse([self.gate, self.up])
 
     def forward(self, x: Tensor) -> Tensor:
+        if fused_with(self.gate_up, self.gate):
+            both = project(x, self.gate_up)  # (…, 2 * hidden)
+            return self.down(F.silu(both[..., :self.hidden]) * both[..., self.hidden:])
         return self.down(F.silu(self.gate(x)) * self.up(x))

@@ -21,7 +21,8 @@ from torch import Tensor, nn
 
 from .config import ModelConfig
 from .exits import ExitStep
-from .layers import MLP, Linear, RMSNorm, apply_rope, rope_tables, transposed_head_pays
+from .layers import (MLP, Linear, RMSNorm, apply_rope, fuse, fused_with, project, rope_tables,
+                     transposed_head_pays)
 from .moe import MoE
 
 _HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
@@ -102,6 +103,20 @@ class Attention(nn.Module):
         self.wv = Linear(cfg.dim, cfg.kv_dim)
         self.wo = Linear(cfg.q_dim, cfg.dim)
         self.cache: Optional[KVCache] = None
+        self.qkv: Optional[Tensor] = None
+
+    def fuse_projections(self) -> None:
+        """Q, K and V as one product (``mdiedge.model.layers.fuse``)."""
+        self.qkv = fuse([self.wq, self.wk, self.wv])
+
+    def _project_qkv(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """q (B, T, q_dim), k and v (B, T, kv_dim) of x (B, T, dim)."""
+        if fused_with(self.qkv, self.wq):
+            assert self.qkv is not None
+            out = project(x, self.qkv)  # (B, T, q_dim + 2 * kv_dim)
+            q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            return out[..., :q_dim], out[..., q_dim:q_dim + kv_dim], out[..., q_dim + kv_dim:]
+        return self.wq(x), self.wk(x), self.wv(x)
 
     def fill_kv(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor,
                 positions: Sequence[int]) -> None:
@@ -116,9 +131,10 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor],
                 slots: Tensor, positions: Sequence[int]) -> Tensor:
         batch, seq_len, _ = x.shape
-        q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self._project_qkv(x)
+        q = q.view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, heads, T, hd)
         if self.cache is None:  # training: the whole sequence at once, causal
             out = attention(q, k, v, None, causal=True)
@@ -194,6 +210,14 @@ class Transformer(nn.Module):
         if self.embed is not None and self.embed.weight is weight:  # tied
             self.embed.weight = self.lm_head.weight
 
+    def fuse_projections(self) -> None:
+        """Q/K/V and the feed-forward's gate/up each as one product per block, sharing their
+        parameters' memory (see ``layers.fuse``); for inference on the CPU, before loading."""
+        for block in self.layers.values():
+            block.attn.fuse_projections()
+            if isinstance(block.mlp, MLP):
+                block.mlp.fuse_projections()
+
     @property
     def has_embedding(self) -> bool:
         return self.embed is not None
@@ -260,7 +284,7 @@ class Transformer(nn.Module):
     def _rope_and_mask(self, x: Tensor, positions: Sequence[int]
                        ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         """RoPE tables (B, 1, T, hd) of the rows' positions, and the attention mask
-        (B, 1, T, L) (None for one row of one token, which sees its whole cache)."""
+        (B, 1, T, L) (None for one token per row at one position: each sees its whole cache)."""
         batch, seq_len, _ = x.shape
         if max(positions) + seq_len > self.max_seq_len:
             raise ValueError(f"position {max(positions) + seq_len} beyond the KV cache "
@@ -272,7 +296,7 @@ class Transformer(nn.Module):
         cos = self.rope_cos[query_pos].unsqueeze(1)  # (B, 1, T, hd)
         sin = self.rope_sin[query_pos].unsqueeze(1)
         mask: Optional[Tensor] = None
-        if not (batch == 1 and seq_len == 1):
+        if not (seq_len == 1 and min(positions) == max(positions)):  # else all keys are seen
             key_pos = torch.arange(max(positions) + seq_len, device=device)
             mask = (key_pos <= query_pos[..., None]).unsqueeze(1)  # (B, 1, T, L)
         return cos, sin, mask

@@ -8,8 +8,11 @@ from mdiedge.model._matvecspec import MAX_ROWS, check, usable  # noqa: F401  (th
 TRANSPOSED_HEAD = False  # the kernel reads the head row-major, as every other weight
 
 cdef extern from "matvec.h" nogil:
+    void mv_init()
     void mv_rows(const float *w, const float *x, float *y, Py_ssize_t n, Py_ssize_t k,
                  int rows, int threads)
+
+mv_init()
 
 
 def rows(x, weight, out, int threads):

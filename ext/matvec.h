@@ -8,17 +8,15 @@
  * Every output y[r][j] is summed in the same order whatever the number of rows or threads
  * (eight lanes of partial sums over k, then the lanes, then the tail), so a row's result
  * does not depend on the batch it travels in. Threads split the output columns (OpenMP).
- * On x86-64 an AVX2+FMA clone is chosen at load time where the CPU has it.
+ * On x86-64 AVX2+FMA versions are chosen once (mv_init) where the CPU has both.
  */
 #include <stddef.h>
 #include <string.h>
 
 typedef float mv_v8 __attribute__((vector_size(32)));
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define MV_CLONES __attribute__((target_clones("avx2,fma", "default")))
-#else
-#define MV_CLONES
+#if defined(__x86_64__) && defined(__GNUC__)
+#define MV_X86 1
 #endif
 
 #define MV_COLS 4      /* weight rows per pass */
@@ -33,9 +31,9 @@ static inline float mv_lanes(mv_v8 v) {
     return s;
 }
 
-/* y[r][j] for r < R (R <= MV_GROUP) and j in [j0, j1). */
-MV_CLONES
-static void mv_group(const float *w, const float *x, float *y, ptrdiff_t n, ptrdiff_t k,
+/* y[r][j] for r < R (R <= MV_GROUP) and j in [j0, j1); inlined with R a constant, so the
+   accumulators live in registers. */
+static inline __attribute__((always_inline)) void mv_group(const float *w, const float *x, float *y, ptrdiff_t n, ptrdiff_t k,
                      int R, ptrdiff_t j0, ptrdiff_t j1) {
     ptrdiff_t j = j0, kv = k - k % 8;
     for (; j + MV_COLS <= j1; j += MV_COLS) {
@@ -43,12 +41,12 @@ static void mv_group(const float *w, const float *x, float *y, ptrdiff_t n, ptrd
         memset(acc, 0, sizeof acc);
         const float *w0 = w + j * k;
         for (ptrdiff_t i = 0; i < kv; i += 8) {
-            mv_v8 a = mv_load(w0 + i), b = mv_load(w0 + k + i);
-            mv_v8 c = mv_load(w0 + 2 * k + i), d = mv_load(w0 + 3 * k + i);
-            for (int r = 0; r < R; r++) {
-                mv_v8 xv = mv_load(x + r * k + i);
-                acc[0][r] += a * xv; acc[1][r] += b * xv;
-                acc[2][r] += c * xv; acc[3][r] += d * xv;
+            mv_v8 xv[MV_GROUP];  /* R activation vectors, then one weight vector at a time:
+                                    12 accumulators + 3 + 1 fit 16 vector registers */
+            for (int r = 0; r < R; r++) xv[r] = mv_load(x + r * k + i);
+            for (int q = 0; q < MV_COLS; q++) {
+                mv_v8 wq = mv_load(w0 + q * k + i);
+                for (int r = 0; r < R; r++) acc[q][r] += wq * xv[r];
             }
         }
         for (int q = 0; q < MV_COLS; q++)
@@ -69,6 +67,37 @@ static void mv_group(const float *w, const float *x, float *y, ptrdiff_t n, ptrd
         }
 }
 
+#define MV_GROUP_FN(name, R, attrs)                                                        \
+    attrs static void name(const float *w, const float *x, float *y, ptrdiff_t n,          \
+                           ptrdiff_t k, ptrdiff_t j0, ptrdiff_t j1) {                      \
+        mv_group(w, x, y, n, k, R, j0, j1);                                                \
+    }
+MV_GROUP_FN(mv_group1, 1, )
+MV_GROUP_FN(mv_group2, 2, )
+MV_GROUP_FN(mv_group3, 3, )
+#ifdef MV_X86
+MV_GROUP_FN(mv_group1_avx2, 1, __attribute__((target("avx2,fma"))))
+MV_GROUP_FN(mv_group2_avx2, 2, __attribute__((target("avx2,fma"))))
+MV_GROUP_FN(mv_group3_avx2, 3, __attribute__((target("avx2,fma"))))
+#endif
+
+typedef void (*mv_group_fn)(const float *, const float *, float *, ptrdiff_t, ptrdiff_t,
+                            ptrdiff_t, ptrdiff_t);
+
+static mv_group_fn fns[4];
+
+/* Choose the kernels for 1, 2 and 3 rows on this CPU, AVX2 with FMA where it has both; once,
+   before any product (the module's import). */
+static void mv_init(void) {
+    fns[1] = mv_group1; fns[2] = mv_group2; fns[3] = mv_group3;
+#ifdef MV_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        fns[1] = mv_group1_avx2; fns[2] = mv_group2_avx2; fns[3] = mv_group3_avx2;
+    }
+#endif
+}
+
 static void mv_rows(const float *w, const float *x, float *y, ptrdiff_t n, ptrdiff_t k,
                     int rows, int threads) {
     ptrdiff_t tasks = (n + MV_COLS_PER_TASK - 1) / MV_COLS_PER_TASK;
@@ -78,7 +107,7 @@ static void mv_rows(const float *w, const float *x, float *y, ptrdiff_t n, ptrdi
         ptrdiff_t j1 = j0 + MV_COLS_PER_TASK < n ? j0 + MV_COLS_PER_TASK : n;
         for (int r = 0; r < rows; r += MV_GROUP) {
             int R = rows - r < MV_GROUP ? rows - r : MV_GROUP;
-            mv_group(w, x + r * k, y + r * n, n, k, R, j0, j1);
+            fns[R](w, x + r * k, y + r * n, n, k, j0, j1);
         }
     }
 }

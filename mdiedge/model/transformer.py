@@ -215,8 +215,8 @@ class Transformer(nn.Module):
         parameters' memory (see ``layers.fuse``); for inference on the CPU, before loading."""
         for block in self.layers.values():
             block.attn.fuse_projections()
-            if isinstance(block.mlp, MLP):
-                block.mlp.fuse_projections()
+            for mlp in [block.mlp] if isinstance(block.mlp, MLP) else block.mlp.experts:
+                mlp.fuse_projections()
 
     @property
     def has_embedding(self) -> bool:

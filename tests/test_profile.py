@@ -12,8 +12,11 @@ from mdiedge.ops.profile import CATEGORIES, profile_ring, table_lines
 
 
 def test_profile_of_a_two_node_ring(ring_model: Path) -> None:
-    originals = (layers.Linear.forward, layers.RMSNorm.forward, transformer.apply_rope,
-                 transformer.attention, transformer.KVCache.update)
+    def patched() -> tuple:
+        return (layers.project, transformer.project, layers.RMSNorm.forward,
+                transformer.apply_rope, transformer.attention, transformer.KVCache.update)
+
+    originals = patched()
     profiles = profile_ring(ring_model, 2, 3, context=32, steps=2)
     assert [p["node"] for p in profiles] == [0, 1]
     assert profiles[0]["blocks"][0] == 0 and profiles[0]["blocks"][1] == profiles[1]["blocks"][0]
@@ -22,8 +25,7 @@ def test_profile_of_a_two_node_ring(ring_model: Path) -> None:
         assert all(p[c] >= 0 for c in CATEGORIES)
         assert p["projections"] > 0 and p["attention"] > 0 and p["norms"] > 0
     assert profiles[0]["sampling"] > 0 and profiles[1]["sampling"] == 0
-    assert (layers.Linear.forward, layers.RMSNorm.forward, transformer.apply_rope,
-            transformer.attention, transformer.KVCache.update) == originals
+    assert patched() == originals
     lines = table_lines(profiles)
     assert lines[0].split()[:4] == ["node", "blocks", "rows", "step"] and len(lines) == 3
 

@@ -3,8 +3,8 @@
 Each node's chunk (the blocks the ring would give it, with the embedding, final norm, head and
 sampling on the starter) is loaded in this process, one node after another, with the thread
 count a local ring gives a node. After a prefill, decode steps of ``rows`` rows run with
-timers around each kind of work: the weight products (``Linear``), attention (scores, softmax
-and the KV cache), the norms, RoPE and sampling. What no timer covers is Python and torch
+timers around each kind of work: the weight products (``layers.project``), attention
+(scores, softmax and the KV cache), the norms, RoPE and sampling. What no timer covers is Python and torch
 dispatch between them, the feed-forward's activation and the residual adds ("other").
 """
 from __future__ import annotations
@@ -40,7 +40,8 @@ def _timed(timers: _Timers) -> Iterator[None]:
     from ..model import layers, transformer
 
     patches: List[Tuple[Any, str, Any]] = [
-        (layers.Linear, "forward", "projections"), (layers.RMSNorm, "forward", "norms"),
+        (layers, "project", "projections"), (transformer, "project", "projections"),
+        (layers.RMSNorm, "forward", "norms"),
         (transformer, "apply_rope", "rope"), (transformer, "attention", "attention"),
         (transformer.KVCache, "update", "attention")]
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]

@@ -83,7 +83,7 @@ def project(x: Tensor, weight: Tensor) -> Tensor:
     applies (see ``Linear``), else ``F.linear``."""
     flat = x.reshape(-1, weight.shape[1])  # (rows, in)
     if _matvec.usable(flat, weight):
-        out = torch.empty(flat.shape[0], weight.shape[0])  # (rows, out)
+        out = torch.empty(flat.shape[0], weight.shape[0], dtype=torch.float32)  # (rows, out)
         _matvec.rows(flat.contiguous(), weight, out, torch.get_num_threads())
         return out.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)

@@ -61,8 +61,8 @@ class KVCache(nn.Module):
                 slot = int(slots[row])
                 self.k[slot, :, pos:pos + seq_len] = k[row]
                 self.v[slot, :, pos:pos + seq_len] = v[row]
-        first = int(slots[0])
-        if slots.tolist() == list(range(first, first + batch)):  # adjacent slots: no copy
+        first = int(slots[0]) if slots.device.type == "cpu" else -1  # no device sync
+        if first >= 0 and slots.tolist() == list(range(first, first + batch)):  # no copy
             return self.k[first:first + batch, :, :length], self.v[first:first + batch, :, :length]
         return (self.k[:, :, :length].index_select(0, slots),
                 self.v[:, :, :length].index_select(0, slots))

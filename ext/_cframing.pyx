@@ -25,15 +25,15 @@ from cpython.memoryview cimport PyMemoryView_FromMemory
 from libc.errno cimport EINTR, errno
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, UINT64_MAX
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcmp, memcpy
+from libc.string cimport memcmp, memcpy, memmove
 from posix.uio cimport iovec, writev
 
 from mdiedge.runtime._framingspec import (  # the constants are part of this module's API
     ACTIVATION, CODEC_SHIFT, CRC_OFFSET, ELIGIBLE_BIT, ENTRY_SIZE, FLAG_CODEC, FLAG_PREFILL,
     FLAGS_KNOWN, FLOAT32, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_EXIT_DEPTH, MAX_NDIM, MAX_POSITION,
-    MAX_SAMPLES, MSG_TYPES, PING, RELEASE, SHUTDOWN, VERSION, FrameHeader, byte_view, check_crc,
-    check_eligible, check_fields, check_fixed_size, check_pack_args, check_table_size,
-    closed_early, codec_of)
+    MAX_SAMPLES, MIN_READ_BUFFER, MSG_TYPES, PING, READ_BUFFER, RELEASE, SHUTDOWN, VERSION,
+    FrameHeader, byte_view, check_capacity, check_crc, check_eligible, check_fields,
+    check_fixed_size, check_pack_args, check_table_size, closed_early, codec_of)
 from mdiedge.base.codecs import BLOCK, FP16, INT8
 
 
@@ -424,12 +424,14 @@ def parse_table(header, fixed, table):
 
 # ---------------------------------------------------------------- socket loops (GIL released)
 
-cdef int _recv_loop(int fd, unsigned char* buf, size_t size, size_t* done, int timeout_ms,
-                    int* err) noexcept nogil:
+cdef int _recv_some(int fd, unsigned char* buf, size_t need, size_t size, size_t* done,
+                    int timeout_ms, int* err) noexcept nogil:
+    """Receive into ``buf`` from ``done`` on until at least ``need`` and at most ``size``
+    bytes are there."""
     cdef ssize_t n
     cdef int e, ready
     cdef pollfd pfd
-    while done[0] < size:
+    while done[0] < need:
         n = recv(fd, buf + done[0], size - done[0], 0)
         if n > 0:
             done[0] += <size_t> n
@@ -495,20 +497,27 @@ cdef int _send_loop(int fd, const unsigned char* head, size_t head_len,
     return IO_DONE
 
 
-cdef int _recv_exact(object sock, unsigned char* buf, size_t size) except -1:
+cdef int _recv_exact(object sock, unsigned char* buf, size_t size, size_t done=0) except -1:
+    """``buf[done:size]`` from the socket."""
+    return _recv_range(sock, buf, &done, size, size, 0)
+
+
+cdef int _recv_range(object sock, unsigned char* buf, size_t* done, size_t need, size_t size,
+                     size_t base) except -1:
+    """Receive into ``buf`` from ``done`` on until at least ``need`` and at most ``size``
+    bytes are there; a peer that closes first is named by the bytes after ``base``."""
     cdef int fd = sock.fileno()
     cdef int timeout_ms = _timeout_ms(sock)
-    cdef size_t done = 0
     cdef int status, err = 0
     while True:
         with nogil:
-            status = _recv_loop(fd, buf, size, &done, timeout_ms, &err)
+            status = _recv_some(fd, buf, need, size, done, timeout_ms, &err)
         if status == IO_DONE:
             return 0
         if status == IO_EINTR:
             PyErr_CheckSignals()  # a signal handler's exception propagates; else retry
             continue
-        _raise_io(status, err, done, size)
+        _raise_io(status, err, done[0] - base, need - base)
 
 
 def recv_exact_into(sock, buffer):
@@ -546,18 +555,76 @@ def send_all(sock, header_bytes, payload):
 
 
 def recv_frame_header(sock, max_payload):
-    """Read and validate one frame's fixed header and sample table (not its payload)."""
-    cdef unsigned char[C_HEADER_SIZE] fixed
-    _recv_exact(sock, fixed, C_HEADER_SIZE)
-    header = _parse_fixed(fixed, max_payload)  # n_samples checked against MAX_SAMPLES
-    cdef size_t table_len = C_ENTRY_SIZE * _get16(fixed + 8)
-    cdef unsigned char* table = <unsigned char*> malloc(table_len or 1)
-    if table == NULL:
-        raise MemoryError()
-    try:
-        if table_len:
-            _recv_exact(sock, table, table_len)
-        _fill_table(header, fixed, table, table_len)
-    finally:
-        free(table)
-    return header
+    """Read and validate one frame's fixed header and sample table (not its payload), and
+    nothing past them."""
+    return FrameReader(sock, 0).recv_header(max_payload)
+
+
+cdef class FrameReader:
+    """Frames from one socket through a receive buffer of ``capacity`` bytes: one ``recv``
+    takes whatever has arrived, so a small frame's header, table and payload (and frames
+    queued behind it) come in one system call; payload bytes beyond those buffered are
+    received straight into their destination. ``capacity`` 0: each step reads exactly the
+    bytes it needs, nothing past the frame (the socket may change hands between frames).
+    Errors as ``recv_exact_into``; after one, the stream position is unknown."""
+
+    cdef readonly object sock
+    cdef bint greedy
+    cdef unsigned char* buf
+    cdef size_t cap, start, end
+
+    def __cinit__(self, sock, capacity=READ_BUFFER):
+        self.greedy = check_capacity(capacity) > 0
+        self.cap = max(capacity, MIN_READ_BUFFER)
+        self.buf = <unsigned char*> malloc(self.cap)
+        if self.buf == NULL:
+            raise MemoryError()
+        self.sock, self.start, self.end = sock, 0, 0
+
+    def __dealloc__(self):
+        free(self.buf)
+
+    @property
+    def buffered(self):
+        """Bytes received but not yet consumed."""
+        return self.end - self.start
+
+    cdef unsigned char* _fill(self, size_t need, size_t base) except NULL:
+        """The first ``need`` unconsumed bytes (need <= cap), receiving until they are there;
+        a peer that closes first is named by the bytes after ``base``."""
+        cdef size_t have = self.end - self.start
+        if have < need:
+            if self.cap - self.start < need:  # move the rest to the front
+                memmove(self.buf, self.buf + self.start, have)
+                self.start, self.end = 0, have
+            _recv_range(self.sock, self.buf + self.start, &have, need,
+                        self.cap - self.start if self.greedy else need, base)
+            self.end = self.start + have
+        return self.buf + self.start
+
+    def recv_header(self, max_payload):
+        """Read and validate one frame's fixed header and sample table (not its payload)."""
+        cdef unsigned char* p = self._fill(C_HEADER_SIZE, 0)
+        header = _parse_fixed(p, max_payload)  # n_samples checked against MAX_SAMPLES
+        cdef size_t table_len = C_ENTRY_SIZE * _get16(p + 8)
+        p = self._fill(C_HEADER_SIZE + table_len, C_HEADER_SIZE)
+        _fill_table(header, p, p + C_HEADER_SIZE, table_len)
+        self._consume(C_HEADER_SIZE + table_len)
+        return header
+
+    def recv_into(self, buffer):
+        """Fill the writable ``buffer``: buffered bytes first, the rest from the socket."""
+        cdef unsigned char[::1] view = byte_view(buffer, True)
+        cdef size_t size = view.shape[0]
+        cdef size_t take = min(size, self.end - self.start)
+        if size == 0:
+            return
+        memcpy(&view[0], self.buf + self.start, take)
+        self._consume(take)
+        if take < size:
+            _recv_exact(self.sock, &view[0], size, take)
+
+    cdef void _consume(self, size_t size) noexcept:
+        self.start += size
+        if self.start == self.end:
+            self.start = self.end = 0

@@ -595,8 +595,10 @@ def test_load_ring_shape(tmp_path: Path) -> None:
     options, workers = load_ring(write(tmp_path, RING_FILE))
     assert options == {"host": "10.0.0.1", "device": "cpu", "weight": 1.0,
                        "memory": 1000, "layers": None,
-                       "max_payload": defaults.MAX_PAYLOAD, "timeout_s": defaults.RING_TIMEOUT_S,
-                       "stall_s": defaults.STALL_S, "recover": True,
+                       "max_payload": defaults.MAX_PAYLOAD,
+                       "prefill_chunk": defaults.PREFILL_CHUNK,
+                       "timeout_s": defaults.RING_TIMEOUT_S, "stall_s": defaults.STALL_S,
+                       "recover": True,
                        "rebalance_margin": defaults.REBALANCE_MARGIN, "compression": "none"}
     assert workers == [
         NodeSpec(name="w1", host="10.0.0.2", control_port=7700, weight=2.5,
@@ -613,19 +615,25 @@ def test_load_ring_starter_options(tmp_path: Path) -> None:
     options, workers = load_ring(write(tmp_path, text))
     assert options == {"host": "10.0.0.1", "device": "cuda", "weight": 2.0,
                        "memory": 4 * GiB, "layers": (0, 6),
-                       "max_payload": 64 << 20, "timeout_s": 12.5,
-                       "stall_s": defaults.STALL_S, "recover": True,
+                       "max_payload": 64 << 20, "prefill_chunk": defaults.PREFILL_CHUNK,
+                       "timeout_s": 12.5, "stall_s": defaults.STALL_S, "recover": True,
                        "rebalance_margin": defaults.REBALANCE_MARGIN, "compression": "none"}
     options, _ = load_ring(write(tmp_path, "[starter]\ntimeout_s = 30\n" + R))
     assert (options["timeout_s"], options["max_payload"]) == (30.0, defaults.MAX_PAYLOAD)
+    options, _ = load_ring(write(tmp_path, "[starter]\nprefill_chunk = 0\n" + R))
+    assert options["prefill_chunk"] == 0
+    with pytest.raises(ConfigError, match=r"starter\.prefill_chunk: expected an integer >= 0"):
+        load_ring(write(tmp_path, "[starter]\nprefill_chunk = -8\n" + R))
 
 
 def test_load_ring_without_starter_table(tmp_path: Path) -> None:
     options, workers = load_ring(write(tmp_path, W + 'name = "ignored"\n' + R))
     assert options == {"host": "127.0.0.1", "device": "cpu", "weight": 1.0,
                        "memory": None, "layers": None,
-                       "max_payload": defaults.MAX_PAYLOAD, "timeout_s": defaults.RING_TIMEOUT_S,
-                       "stall_s": defaults.STALL_S, "recover": True,
+                       "max_payload": defaults.MAX_PAYLOAD,
+                       "prefill_chunk": defaults.PREFILL_CHUNK,
+                       "timeout_s": defaults.RING_TIMEOUT_S, "stall_s": defaults.STALL_S,
+                       "recover": True,
                        "rebalance_margin": defaults.REBALANCE_MARGIN, "compression": "none"}
     assert [w.name for w in workers] == ["w1"]
 
@@ -776,7 +784,7 @@ PLAUSIBLE = {  # values near and on both sides of each key's rule
     "device": st.sampled_from(["cpu", "cuda", "cuda:0", "gpu"]),
     "dtype": st.sampled_from(["float32", "bf16", "float64"]),
     "memory": sizes, "max_payload": sizes, "stall_s": numbers, "rebalance_margin": numbers,
-    "recover": st.booleans(), "spare": st.booleans(),
+    "recover": st.booleans(), "spare": st.booleans(), "prefill_chunk": st.integers(-1, 600),
     "compression": st.sampled_from(["none", "int8", "int8:fp16", "int4", "fp16:"]),
 }
 

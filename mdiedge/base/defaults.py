@@ -24,6 +24,9 @@ MAX_NEW_TOKENS = 256
 
 # data plane and liveness
 MAX_PAYLOAD = 64 << 20  # bytes of one frame's tensor; larger frames close the link
+PREFILL_CHUNK = 128  # prompt tokens per prefill message of a ring (0: the whole prompt), so
+#                      that nodes work on one chunk while the next travels and the one before
+#                      is computed downstream
 RING_TIMEOUT_S = 60.0  # a message not back around the ring within this is a failure
 IDLE_TIMEOUT_S = 60.0  # a worker whose starter is silent this long returns to idle
 LINK_ACCEPT_TIMEOUT_S = 30.0  # a node waits this long for its previous node's link

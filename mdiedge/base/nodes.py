@@ -42,6 +42,7 @@ class StarterOptions:
     memory: Optional[int] = None
     layers: Optional[Tuple[int, int]] = None
     max_payload: int = defaults.MAX_PAYLOAD
+    prefill_chunk: int = defaults.PREFILL_CHUNK  # see defaults.PREFILL_CHUNK
     compression: str = "none"  # codecs of every link whose worker names none (``Compression``)
     timeout_s: float = defaults.RING_TIMEOUT_S
     stall_s: float = defaults.STALL_S  # see defaults.STALL_S

@@ -11,6 +11,7 @@ is ignored here::
     memory = "4GiB"
     layers = [0, 2]
     max_payload = "64MiB"
+    prefill_chunk = 128       # prompt tokens per prefill message (0: the whole prompt)
     timeout_s = 60
     stall_s = 3               # a node silent this long is lost; the ring recovers without it
     recover = true
@@ -48,8 +49,8 @@ __all__ = ["load_ring", "parse_bytes"]
 def load_ring(path: Union[str, "os.PathLike[str]"], secret: bool = False,
               env: Mapping[str, str] = os.environ) -> Tuple[Dict[str, Any], List[NodeSpec]]:
     """The starter's options (fields of ``StarterOptions``, the ``RingEngine`` keywords: host,
-    device, weight, memory, layers, max_payload, timeout_s, stall_s, recover, rebalance_margin,
-    compression; with ``secret``, also ``secret``:
+    device, weight, memory, layers, max_payload, prefill_chunk, timeout_s, stall_s, recover,
+    rebalance_margin, compression; with ``secret``, also ``secret``:
     the ``[starter]`` table's secret or secret_file, else ``$MDIEDGE_SECRET(_FILE)`` in ``env``,
     else None) and the workers of a ring file, in ring order; errors name the file and key."""
     settings = load_settings(path)
@@ -60,7 +61,8 @@ def load_ring(path: Union[str, "os.PathLike[str]"], secret: bool = False,
     options: Dict[str, Any] = {
         "host": starter.host, "device": starter.device, "weight": starter.weight,
         "memory": starter.memory, "layers": starter.layers, "max_payload": starter.max_payload,
-        "timeout_s": starter.timeout_s, "stall_s": starter.stall_s,
+        "prefill_chunk": starter.prefill_chunk, "timeout_s": starter.timeout_s,
+        "stall_s": starter.stall_s,
         "recover": starter.recover, "rebalance_margin": starter.rebalance_margin,
         "compression": starter.compression,
     }

@@ -49,8 +49,9 @@ from pathlib import Path
 from typing import (Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Optional, Tuple,
                     Union)
 
-from .defaults import (IDLE_TIMEOUT_S, MAX_PAYLOAD, MAX_THREADS, REBALANCE_MARGIN,
-                       RING_TIMEOUT_S, STALL_S, STARTER_CONTROL_PORT, WORKER_CONTROL_PORT, WORKER_DATA_PORT)
+from .defaults import (IDLE_TIMEOUT_S, MAX_PAYLOAD, MAX_THREADS, PREFILL_CHUNK,
+                       REBALANCE_MARGIN, RING_TIMEOUT_S, STALL_S, STARTER_CONTROL_PORT,
+                       WORKER_CONTROL_PORT, WORKER_DATA_PORT)
 from .dtypes import COMPUTE_NAMES
 from .errors import ConfigError
 from .nodes import COMPRESSION_NAMES, NodeSpec
@@ -118,6 +119,7 @@ class StarterSettings:
     memory: Optional[int] = None  # bytes
     layers: Optional[Tuple[int, int]] = None
     max_payload: int = MAX_PAYLOAD  # bytes
+    prefill_chunk: int = PREFILL_CHUNK  # tokens
     timeout_s: float = RING_TIMEOUT_S
     stall_s: float = STALL_S
     recover: bool = True
@@ -160,7 +162,7 @@ WORKER_SCHEMA: Dict[str, Check] = dict(
 STARTER_SCHEMA: Dict[str, Check] = dict(
     host=host_name, control_port=integer(0, 65535), model=string("a model path"),
     tokenizer=string("a tokenizer path"), weight=positive, memory=size, max_payload=size,
-    timeout_s=positive, stall_s=positive, recover=boolean, rebalance_margin=fraction,
+    prefill_chunk=integer(0), timeout_s=positive, stall_s=positive, recover=boolean, rebalance_margin=fraction,
     compression=_CODECS, **_SECRETS, **_COMMON)
 WORKERS_SCHEMA: Dict[str, Check] = dict(
     name=string(), host=host_name, control_port=integer(1, 65535), device=device_name,

@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
 import typer
 
+from ..base import defaults
 from ..base.errors import MdiedgeError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -144,19 +145,41 @@ def parse_compression(value: Optional[str]) -> Optional[str]:
     return None if value is None else str(Compression.parse(value, "--compression"))
 
 
-def recovery_options(stall_timeout: Optional[float], recover: bool, spares: int,
-                     compression: Optional[str] = None) -> Tuple[Dict[str, Any], int]:
-    """The starter options (stall time, recover, link compression) and spares of the command
-    line, checked; ``compression`` only when given, so that a ring file's holds otherwise."""
+def recovery_options(stall_timeout: Optional[float], recover: Optional[bool], spares: int,
+                     compression: Optional[str] = None,
+                     prefill_chunk: Optional[int] = None) -> Tuple[Dict[str, Any], int]:
+    """The starter options of the command line (stall time, recover, link compression, prefill
+    chunk), checked, and the spares; each only when given, so that a ring file's holds
+    otherwise."""
     need(stall_timeout is None or seconds_ok(stall_timeout), "--stall-timeout", stall_timeout,
          "a number of seconds > 0")
     need(spares >= 0, "--spares", spares, "an integer >= 0")
-    changes: Dict[str, Any] = {"recover": recover}
+    need(prefill_chunk is None or prefill_chunk >= 0, "--prefill-chunk", prefill_chunk,
+         "an integer >= 0")
+    changes: Dict[str, Any] = {}
+    if recover is not None:
+        changes["recover"] = recover
     if compression is not None:
         changes["compression"] = parse_compression(compression)
     if stall_timeout is not None:
         changes["stall_s"] = stall_timeout
+    if prefill_chunk is not None:
+        changes["prefill_chunk"] = prefill_chunk
     return changes, spares
+
+
+def recover_option(help_text: str) -> Any:
+    """``--recover/--no-recover``; None when not given (then a ring file's ``recover`` holds,
+    else recovery is on)."""
+    return typer.Option(None, "--recover/--no-recover", help=help_text)
+
+
+def prefill_chunk_option() -> Any:
+    """``--prefill-chunk N``, the same on generate, serve and starter."""
+    return typer.Option(None, "--prefill-chunk", metavar="TOKENS", help="Prompt tokens per "
+                        "prefill message of a ring, so that nodes work on chunks in parallel "
+                        f"(0: the whole prompt; default {defaults.PREFILL_CHUNK}, or the ring "
+                        "file's prefill_chunk).")
 
 
 def early_exit_option() -> Any:

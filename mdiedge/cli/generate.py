@@ -21,6 +21,8 @@ from .app import (
     exit_threshold_option,
     need,
     one_line_errors,
+    prefill_chunk_option,
+    recover_option,
     recovery_options,
     terminate_gracefully,
 )
@@ -55,8 +57,10 @@ def generate(
         None, "--stall-timeout", metavar="SECONDS", help="A worker that returns no message and "
         "does not answer on its control port within this is lost, and named (default: "
         f"{defaults.STALL_S:g}, or the ring file's stall_s)."),
-    recover: bool = typer.Option(True, "--recover/--no-recover", help="Move a lost worker's "
-                                 "layers to a spare or the others, replay, go on."),
+    recover: Optional[bool] = recover_option("Move a lost worker's layers to a spare or the "
+                                             "others, replay, go on (default: on, or the ring "
+                                             "file's recover)."),
+    prefill_chunk: Optional[int] = prefill_chunk_option(),
     spares: int = typer.Option(0, help="Spare workers beside the local ring's (for a lost one)."),
     stop: Optional[List[str]] = typer.Option(None, "--stop", metavar="TEXT", help="End a "
                                              "sample at this text, not printed (repeatable)."),
@@ -67,7 +71,7 @@ def generate(
     """Generate text from PROMPT, on a ring of nodes (by default a local ring of 3)."""
     need(micro_batch >= 0, "--micro-batch", micro_batch, "an integer >= 0")
     exits = check_early_exit(early_exit, exit_threshold, starter)
-    changes = recovery_options(stall_timeout, recover, spares, compression)
+    changes = recovery_options(stall_timeout, recover, spares, compression, prefill_chunk)
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
     stops = list(stop or [])
     if starter:  # no torch here: the starter checks the values and samples

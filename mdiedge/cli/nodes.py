@@ -241,7 +241,8 @@ def _starter_engine(settings: Any, section: Any, model: Optional[str],
         host=section.host, device=section.device, dtype=section.dtype, weight=section.weight,
         memory=section.memory, layers=section.layers,
         max_payload=section.max_payload or defaults.MAX_PAYLOAD, timeout_s=section.timeout_s,
-        secret=secret, control_url=control_url,
+        prefill_chunk=section.prefill_chunk, stall_s=section.stall_s, recover=section.recover,
+        rebalance_margin=section.rebalance_margin, secret=secret, control_url=control_url,
         compression=section.compression if compression is None else compression)
     return RingEngine(settings.workers, model or section.model, tokenizer or section.tokenizer,
                       options)

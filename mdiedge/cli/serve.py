@@ -10,7 +10,7 @@ from typing import Any, Optional
 import typer
 
 from .app import (app, check_log_level, check_port, compression_option, need, one_line_errors,
-                  recovery_options)
+                  prefill_chunk_option, recover_option, recovery_options)
 
 API_PORT = 8000
 SLOTS = 8
@@ -108,8 +108,9 @@ def serve(
     stall_timeout: Optional[float] = typer.Option(
         None, "--stall-timeout", metavar="SECONDS", help="A worker silent this long is lost "
         "(default: as `generate`)."),
-    recover: bool = typer.Option(True, "--recover/--no-recover", help="When a worker is lost, "
-                                 "rebuild the ring without it and go on (as `generate`)."),
+    recover: Optional[bool] = recover_option("When a worker is lost, rebuild the ring "
+                                             "without it and go on (as `generate`)."),
+    prefill_chunk: Optional[int] = prefill_chunk_option(),
     spares: int = typer.Option(0, help="Spare workers started beside the local ring's."),
     log_level: str = typer.Option("warning", help="debug, info, warning or error."),
     compression: Optional[str] = compression_option(),
@@ -120,7 +121,8 @@ def serve(
     check_port("--port", port)
     check_api_options(slots, context, max_queue, max_body)
     check_log_level(log_level)
-    recovery = recovery_options(stall_timeout, recover, spares, compression)
+    recovery = recovery_options(stall_timeout, recover, spares, compression,
+                                prefill_chunk)
     key = api_key_for(host, api_key_file, insecure)
     from ..ops.api.server import listen
     from .generate import _open_engine

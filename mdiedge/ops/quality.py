@@ -110,7 +110,7 @@ def ring_run(model: Optional[str], compression: str, prompt: List[int], new_toke
              **options: Any) -> Dict[str, Any]:
     """Greedy generations from the ``prompt`` token ids on a local ring, after a warm-up: the
     medians of ``repeats`` timings, and the links' counts over all of them (``generations``).
-    ``options``: more ``StarterOptions`` (``max_payload`` bounds a prefill frame's tokens);
+    ``options``: more ``StarterOptions`` (``prefill_chunk``: tokens per prefill message);
     ``route``: the ring links' route (``mdiedge.ops.relay.Relays``: delaying relays)."""
     threads = threads_per_node(nodes)
     torch.set_num_threads(threads)

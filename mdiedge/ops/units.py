@@ -20,9 +20,9 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from ..base.defaults import (IDLE_TIMEOUT_S, MAX_PAYLOAD, REBALANCE_MARGIN, RING_TIMEOUT_S,
-                             STALL_S, STARTER_CONTROL_PORT, WORKER_CONTROL_PORT,
-                             WORKER_DATA_PORT)
+from ..base.defaults import (IDLE_TIMEOUT_S, MAX_PAYLOAD, PREFILL_CHUNK, REBALANCE_MARGIN,
+                             RING_TIMEOUT_S, STALL_S, STARTER_CONTROL_PORT,
+                             WORKER_CONTROL_PORT, WORKER_DATA_PORT)
 from ..base.dtypes import TABLE as DTYPE_TABLE
 from ..base.errors import ConfigError
 
@@ -112,6 +112,9 @@ weight = 1.0
 # layers = [0, 6]
 # Largest tensor payload of one data-plane frame; a larger frame closes the link.
 # max_payload = "{MAX_PAYLOAD >> 20}MiB"
+# Prompt tokens per prefill message, so that the nodes work on chunks of a long prompt in
+# parallel and a chunk travels while the next is computed (0: the whole prompt at once).
+# prefill_chunk = {PREFILL_CHUNK}
 # A message not back around the ring within this many seconds is a failure, and the node
 # that froze is named.
 # timeout_s = {RING_TIMEOUT_S:g}

@@ -35,7 +35,7 @@ from ..runtime.partition import Placement, partition
 from ..runtime.pipeline import ModelEnds, Pipeline
 from ..runtime.protocol import (MAX_SLOTS, Assignment, AssignReply, ConnectRequest, ModelRef,
                                 NodeStatus)
-from ..runtime.scheduler import Scheduler
+from ..runtime.scheduler import Scheduler, prefill_rows
 from ..runtime.stages import LocalStage
 from .engine import Engine, PathLike
 from . import balance
@@ -190,8 +190,9 @@ class RingStarter:
             log.warning("%s answered again but failed to rejoin: %s", ", ".join(back), e)
             self.membership.lose(back, f"failed to rejoin: {e}")
             pipeline, ends = self._build(n_slots, context)
-        rows = max(1, self.options.max_payload // (self.cfg.dim * itemsize(self.options.dtype)))
-        return Scheduler(pipeline, ends, prefill_chunk=rows, timeout_s=self.options.timeout_s,
+        chunk = prefill_rows(self.options.prefill_chunk, self.options.max_payload,
+                             self.cfg.dim * itemsize(self.options.dtype))
+        return Scheduler(pipeline, ends, prefill_chunk=chunk, timeout_s=self.options.timeout_s,
                          rebuild=self.rebuild if self.options.recover else None,
                          exit_layers=self.cfg.n_layers if self.early_exit is not None else 0)
 

@@ -57,6 +57,8 @@ MAX_NDIM = 4
 MAX_EXIT_DEPTH = 255
 ELIGIBLE_BIT = 0x80000000  # of a position word; the bits below it are the position
 MAX_POSITION = ELIGIBLE_BIT - 1
+MIN_READ_BUFFER = HEADER_SIZE + ENTRY_SIZE * MAX_SAMPLES  # the largest header and table
+READ_BUFFER = 64 << 10  # a FrameReader's default receive buffer (bytes)
 
 ACTIVATION, RELEASE, PING, SHUTDOWN = 1, 2, 3, 5  # 4 was a PONG that no node ever sent
 MSG_TYPES = (ACTIVATION, RELEASE, PING, SHUTDOWN)
@@ -279,6 +281,16 @@ def check_table_size(size: int, n_samples: int) -> None:
 def check_crc(sent: int, computed: int) -> None:
     if sent != computed:
         raise FrameError(f"crc32 {sent:#010x} does not match header and table ({computed:#010x})")
+
+
+def check_capacity(capacity: Any) -> int:
+    """A FrameReader's buffer size: 0 (read exactly what each step needs) or at least
+    MIN_READ_BUFFER bytes."""
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or not (
+            capacity == 0 or MIN_READ_BUFFER <= capacity <= 1 << 30):
+        raise FrameError(f"read buffer capacity {capacity!r} must be 0 or an integer "
+                         f"{MIN_READ_BUFFER}..{1 << 30}")
+    return capacity
 
 
 def closed_early(done: int, size: int) -> FrameError:

@@ -11,9 +11,9 @@ from typing import Any, List, Optional, Sequence
 from ._framingspec import (  # noqa: F401  (the constants are part of this module's API)
     ACTIVATION, CODEC_SHIFT, CRC_OFFSET, ELIGIBLE_BIT, ENTRY_SIZE, FLAG_CODEC, FLAG_PREFILL,
     FLAGS_KNOWN, FLOAT32, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_EXIT_DEPTH, MAX_NDIM, MAX_POSITION,
-    MAX_SAMPLES, MSG_TYPES, PING, RELEASE, SHUTDOWN, VERSION, FrameHeader, byte_view, check_crc,
-    check_eligible, check_fields, check_fixed_size, check_pack_args, check_table_size,
-    closed_early, codec_of)
+    MAX_SAMPLES, MIN_READ_BUFFER, MSG_TYPES, PING, READ_BUFFER, RELEASE, SHUTDOWN, VERSION,
+    FrameHeader, byte_view, check_capacity, check_crc, check_eligible, check_fields,
+    check_fixed_size, check_pack_args, check_table_size, closed_early, codec_of)
 
 _FIXED = struct.Struct("<4sBBBBHBBI4IIQ")  # everything before the crc
 _CRC = struct.Struct("<I")
@@ -107,11 +107,69 @@ def send_all(sock: Any, header_bytes: Any, payload: Optional[Any]) -> None:
 
 
 def recv_frame_header(sock: Any, max_payload: int) -> FrameHeader:
-    """Read and validate one frame's fixed header and sample table (not its payload)."""
-    fixed = bytearray(HEADER_SIZE)
-    recv_exact_into(sock, fixed)
-    header = parse_header(fixed, max_payload)
-    table = bytearray(ENTRY_SIZE * _N_SAMPLES.unpack_from(fixed, 8)[0])
-    recv_exact_into(sock, table)
-    parse_table(header, fixed, table)
-    return header
+    """Read and validate one frame's fixed header and sample table (not its payload), and
+    nothing past them."""
+    return FrameReader(sock, 0).recv_header(max_payload)
+
+
+class FrameReader:
+    """Frames from one socket through a receive buffer of ``capacity`` bytes: one ``recv``
+    takes whatever has arrived, so a small frame's header, table and payload (and frames
+    queued behind it) come in one system call; payload bytes beyond those buffered are
+    received straight into their destination. ``capacity`` 0: each step reads exactly the
+    bytes it needs, nothing past the frame (the socket may change hands between frames).
+    Errors as ``recv_exact_into``; after one, the stream position is unknown."""
+
+    def __init__(self, sock: Any, capacity: int = READ_BUFFER) -> None:
+        self.sock, self.greedy = sock, check_capacity(capacity) > 0
+        self._view = memoryview(bytearray(max(capacity, MIN_READ_BUFFER)))
+        self._start = self._end = 0
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet consumed."""
+        return self._end - self._start
+
+    def _fill(self, need: int, base: int) -> memoryview:
+        """The first ``need`` unconsumed bytes, receiving until they are there; a peer that
+        closes first is named by the bytes after ``base`` (those of the current part)."""
+        if self._end - self._start < need:
+            if len(self._view) - self._start < need:  # move the rest to the front
+                have = self._end - self._start
+                self._view[:have] = bytes(self._view[self._start:self._end])
+                self._start, self._end = 0, have
+            limit = len(self._view) if self.greedy else self._start + need
+            while self._end - self._start < need:
+                n = self.sock.recv_into(self._view[self._end:limit])
+                if n == 0:
+                    raise closed_early(self._end - self._start - base, need - base)
+                self._end += n
+        return self._view[self._start:self._start + need]
+
+    def recv_header(self, max_payload: int) -> FrameHeader:
+        """Read and validate one frame's fixed header and sample table (not its payload)."""
+        header = parse_header(self._fill(HEADER_SIZE, 0), max_payload)
+        size = HEADER_SIZE + ENTRY_SIZE * _N_SAMPLES.unpack_from(self._view, self._start + 8)[0]
+        frame = self._fill(size, HEADER_SIZE)
+        parse_table(header, frame[:HEADER_SIZE], frame[HEADER_SIZE:])
+        self._consume(size)
+        return header
+
+    def recv_into(self, buffer: Any) -> None:
+        """Fill the writable ``buffer``: buffered bytes first, the rest from the socket."""
+        view = byte_view(buffer, writable=True)
+        size = len(view)
+        take = min(size, self._end - self._start)
+        view[:take] = self._view[self._start:self._start + take]
+        self._consume(take)
+        got = take
+        while got < size:
+            n = self.sock.recv_into(view[got:], size - got)
+            if n == 0:
+                raise closed_early(got, size)
+            got += n
+
+    def _consume(self, size: int) -> None:
+        self._start += size
+        if self._start == self._end:
+            self._start = self._end = 0

@@ -130,10 +130,20 @@ def _allocate(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         raise FrameError(f"cannot allocate the frame's {shape} {dtype} tensor: {reason}") from None
 
 
-def recv_frame(sock: Any, max_payload: int, out: Optional[torch.Tensor] = None,
+def reader(sock: Any, impl: Optional[ModuleType] = None, capacity: Optional[int] = None) -> Any:
+    """A ``FrameReader`` of ``sock`` for every frame of a link: it receives through a buffer,
+    so that a small frame takes one system call (``capacity`` bytes, default
+    ``READ_BUFFER``; 0: read nothing past each frame)."""
+    impl = impl or _impl
+    return impl.FrameReader(sock, impl.READ_BUFFER if capacity is None else capacity)
+
+
+def recv_frame(source: Any, max_payload: int, out: Optional[torch.Tensor] = None,
                impl: Optional[ModuleType] = None, codec_impl: Optional[ModuleType] = None
                ) -> Tuple[Any, Optional[torch.Tensor]]:
-    """Receive one frame: its validated header and its tensor (None for a frame without one).
+    """Receive one frame from ``source``, a link's ``reader`` (or a socket, read up to the
+    frame's end and no further): its validated header and its tensor (None for a frame
+    without one).
 
     The tensor is allocated only once the header is validated (its payload at most
     ``max_payload`` bytes), unless ``out`` is given: a contiguous CPU tensor of the frame's
@@ -141,7 +151,8 @@ def recv_frame(sock: Any, max_payload: int, out: Optional[torch.Tensor] = None,
     stream at an unknown position: close the link. An encoded payload (the header's codec)
     is received into one buffer of its size and decoded into the tensor."""
     impl = impl or _impl
-    header = impl.recv_frame_header(sock, max_payload)
+    source = source if hasattr(source, "recv_header") else impl.FrameReader(source, 0)
+    header = source.recv_header(max_payload)
     if not header.shape:
         return header, None
     dtype = torch_dtype(header.dtype)
@@ -155,10 +166,10 @@ def recv_frame(sock: Any, max_payload: int, out: Optional[torch.Tensor] = None,
         tensor = out
     codec = impl.codec_of(header.flags)
     if codec == NONE:
-        impl.recv_exact_into(sock, tensor_bytes(tensor))
+        source.recv_into(tensor_bytes(tensor))
     else:
         encoded = np.empty(header.payload_len, dtype=np.uint8)
-        impl.recv_exact_into(sock, encoded)
+        source.recv_into(encoded)
         (codec_impl or _codec_impl).decode(codec, encoded, tensor_bytes(tensor))
     return header, tensor
 

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple, Union
 
-from . import messages
+from . import framing, messages
 from .auth import AuthError, Authenticator
 from .messages import Message
 from ..base.codecs import NO_COMPRESSION, Compression
@@ -232,6 +232,7 @@ class Receiver(threading.Thread):
                  name: str, codecs: Compression = NO_COMPRESSION) -> None:
         super().__init__(name=name, daemon=True)
         self.sock, self.inbox, self.max_payload = sock, inbox, max_payload
+        self.reader = framing.reader(sock)  # after the handshake: nothing of it is buffered
         self.codecs = codecs
         self.frames = self.bytes = 0  # received on this link
 
@@ -246,7 +247,7 @@ class Receiver(threading.Thread):
         resource failure, which ends the link all the same)."""
         try:
             while True:
-                message, size = messages.receive(self.sock, self.max_payload, self.codecs)
+                message, size = messages.receive(self.reader, self.max_payload, self.codecs)
                 self.frames, self.bytes = self.frames + 1, self.bytes + size
                 self.inbox.put(message)
                 if message.kind == messages.SHUTDOWN:

@@ -65,11 +65,12 @@ def send(sock: Any, message: Message, codecs: Compression = NO_COMPRESSION) -> i
                                exit_depth=message.exit_depth, eligible=message.eligible)
 
 
-def receive(sock: Any, max_payload: int,
+def receive(source: Any, max_payload: int,
             codecs: Compression = NO_COMPRESSION) -> Tuple[Message, int]:
-    """One message from ``sock`` and the bytes its frame took; FrameError (close the link) on
-    anything malformed, or on a float32 payload in another codec than the link agreed on."""
-    header, tensor = framing.recv_frame(sock, max_payload)
+    """One message from ``source`` (a link's ``framing.reader``, or a socket) and the bytes
+    its frame took; FrameError (close the link) on anything malformed, or on a float32
+    payload in another codec than the link agreed on."""
+    header, tensor = framing.recv_frame(source, max_payload)
     prefill = bool(header.flags & framing.FLAG_PREFILL)
     codec = framing.codec_of(header.flags)
     if tensor is not None and tensor.dtype == torch.float32 and codec != codecs.code(prefill):

@@ -51,6 +51,13 @@ def prefill_chunks(prompt_len: int, chunk: int) -> List[Tuple[int, int]]:
     return [(start, min(start + step, prompt_len)) for start in range(0, prompt_len, step)]
 
 
+def prefill_rows(chunk: int, max_payload: int, row_bytes: int) -> int:
+    """Prompt tokens per prefill message of a ring: ``chunk`` (0: the whole prompt), never
+    more than a frame of ``max_payload`` bytes holds at ``row_bytes`` a token (at least 1)."""
+    rows = max(1, max_payload // max(1, row_bytes))
+    return min(rows, chunk) if chunk > 0 else rows
+
+
 @dataclass(eq=False)
 class _Group:
     """Samples of one request that travel in one decode message."""

@@ -1,0 +1,163 @@
+"""``FrameReader``: frames received through a buffer (one system call for a small frame and
+whatever queued behind it), against the compiled module and its pure-Python twin. Whatever
+the chunking of the byte stream and the buffer's size, the frames read are the frames sent,
+a reader of capacity 0 reads nothing past a frame, and a peer that closes mid-frame is named
+as the unbuffered receive names it."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from types import ModuleType
+from typing import Any, Iterator, List, Tuple
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mdiedge.base.accel import implementations
+from mdiedge.base.errors import FrameError
+from mdiedge.runtime import _framingspec, framing
+
+pytestmark = pytest.mark.twins
+IMPLS = implementations("framing")
+FAST = settings(max_examples=40, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+CAPACITIES = [0, _framingspec.MIN_READ_BUFFER, _framingspec.READ_BUFFER]
+
+
+@pytest.fixture(params=IMPLS, ids=[m.__name__ for m in IMPLS])
+def impl(request: pytest.FixtureRequest) -> ModuleType:
+    return request.param
+
+
+@pytest.fixture
+def pair() -> Iterator[Tuple[socket.socket, socket.socket]]:
+    a, b = socket.socketpair()
+    a.settimeout(10.0)
+    b.settimeout(10.0)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def frame_bytes(impl: ModuleType, ids: List[int], tensor: Any, seq: int) -> bytes:
+    """One frame as the sender writes it: header, table, payload."""
+    positions = list(range(len(ids)))
+    if tensor is None:
+        return impl.pack_header(framing.RELEASE, 0, framing.CONTROL_DTYPE, ids, positions, 0,
+                                (), seq)
+    header = impl.pack_header(framing.ACTIVATION, 0, framing.dtype_code(tensor.dtype), ids,
+                              positions, tensor.shape[1], tuple(tensor.shape), seq)
+    return header + framing.tensor_bytes(tensor).tobytes()
+
+
+def send_in_chunks(sock: socket.socket, data: bytes, cuts: List[int]) -> threading.Thread:
+    """Write ``data`` in pieces cut at ``cuts``, pausing between them, from a thread."""
+    def run() -> None:
+        start = 0
+        for cut in sorted(set(c % (len(data) + 1) for c in cuts)) + [len(data)]:
+            if cut > start:
+                sock.sendall(data[start:cut])
+                time.sleep(0.0005)
+                start = cut
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+frames_strategy = st.lists(st.tuples(
+    st.lists(st.integers(0, 2 ** 32 - 1), min_size=1, max_size=4),  # sample ids
+    st.one_of(st.none(), st.integers(1, 3), st.integers(1, 70000)),  # no tensor, or its width
+), min_size=1, max_size=6)
+
+
+@FAST
+@given(frames=frames_strategy, cuts=st.lists(st.integers(0, 10 ** 6), max_size=12),
+       capacity=st.sampled_from(CAPACITIES))
+def test_frames_arrive_whatever_the_chunking(impl: ModuleType, pair: Any, frames: Any,
+                                             cuts: List[int], capacity: int) -> None:
+    a, b = pair
+    sent, stream = [], b""
+    for seq, (ids, width) in enumerate(frames):
+        tensor = None if width is None else torch.randn(len(ids), 1, width)
+        sent.append((ids, tensor, seq))
+        stream += frame_bytes(impl, ids, tensor, seq)
+    thread = send_in_chunks(a, stream, cuts)
+    reader = framing.reader(b, impl, capacity)
+    for ids, tensor, seq in sent:
+        header, got = framing.recv_frame(reader, 1 << 20, impl=impl)
+        assert (list(header.sample_ids), header.seq) == (ids, seq)
+        assert (got is None) if tensor is None else torch.equal(got, tensor)
+    thread.join()
+    assert reader.buffered == 0
+
+
+@pytest.mark.parametrize("capacity", CAPACITIES)
+def test_a_large_payload_passes_the_buffer(impl: ModuleType, pair: Any, capacity: int) -> None:
+    a, b = pair
+    x = torch.randn(1, 4, 100_000)  # 1.6 MB: most of it received straight into the tensor
+    thread = send_in_chunks(a, frame_bytes(impl, [7], x, 1) + frame_bytes(impl, [8], None, 2),
+                            [100, 70_000])
+    reader = framing.reader(b, impl, capacity)
+    assert torch.equal(framing.recv_frame(reader, 1 << 30, impl=impl)[1], x)
+    assert framing.recv_frame(reader, 1 << 30, impl=impl)[0].sample_ids == (8,)
+    thread.join()
+
+
+def test_one_receive_takes_queued_frames(impl: ModuleType, pair: Any) -> None:
+    a, b = pair
+    first = frame_bytes(impl, [1], torch.randn(1, 1, 8), 0)
+    second = frame_bytes(impl, [2], torch.randn(1, 1, 8), 1)
+    a.sendall(first + second)
+    time.sleep(0.05)
+    reader = framing.reader(b, impl)
+    framing.recv_frame(reader, 1 << 20, impl=impl)
+    assert reader.buffered == len(second)
+    b.setblocking(False)  # nothing left on the socket: the second frame is in the buffer
+    assert framing.recv_frame(reader, 1 << 20, impl=impl)[0].sample_ids == (2,)
+
+
+def test_capacity_zero_reads_nothing_past_the_frame(impl: ModuleType, pair: Any) -> None:
+    a, b = pair
+    a.sendall(frame_bytes(impl, [3], torch.randn(1, 2, 5), 0) + b"next")
+    time.sleep(0.05)
+    reader = framing.reader(b, impl, 0)
+    framing.recv_frame(reader, 1 << 20, impl=impl)
+    assert reader.buffered == 0 and b.recv(16) == b"next"
+    a.sendall(frame_bytes(impl, [4], None, 1) + b"more")  # a plain socket reads the same way
+    time.sleep(0.05)
+    framing.recv_frame(b, 1 << 20, impl=impl)
+    assert b.recv(16) == b"more"
+
+
+@pytest.mark.parametrize("capacity", CAPACITIES)
+@pytest.mark.parametrize("keep,message", [
+    (20, "connection closed after 20 of 48 bytes"),                  # in the fixed header
+    (52, "connection closed after 4 of 16 bytes"),                   # in the sample table
+    (64 + 100, "connection closed after 100 of 160 bytes"),          # in the payload
+])
+def test_a_peer_closing_mid_frame_is_named(impl: ModuleType, pair: Any, capacity: int,
+                                           keep: int, message: str) -> None:
+    a, b = pair
+    a.sendall(frame_bytes(impl, [1, 2], torch.randn(2, 1, 20), 0)[:keep])
+    a.close()
+    with pytest.raises(FrameError, match=f"^{message}$"):
+        framing.recv_frame(framing.reader(b, impl, capacity), 1 << 20, impl=impl)
+
+
+def test_a_bad_frame_is_refused_before_its_table(impl: ModuleType, pair: Any) -> None:
+    a, b = pair
+    data = bytearray(frame_bytes(impl, [1], torch.randn(1, 1, 4), 0))
+    data[4] = 99  # the version
+    a.sendall(bytes(data))
+    with pytest.raises(FrameError, match="version"):
+        framing.recv_frame(framing.reader(b, impl), 1 << 20, impl=impl)
+
+
+@pytest.mark.parametrize("capacity", [-1, 1, _framingspec.MIN_READ_BUFFER - 1, 1 << 31, 2.5,
+                                      True, "64k"])
+def test_a_bad_capacity_is_named(impl: ModuleType, pair: Any, capacity: Any) -> None:
+    with pytest.raises(FrameError, match=r"^read buffer capacity .* must be 0 or an integer"):
+        impl.FrameReader(pair[1], capacity)

@@ -1,0 +1,115 @@
+"""The starter's ring options from a file and from the command line: ``recover`` and
+``prefill_chunk`` of a ring file hold unless ``--recover/--no-recover`` or ``--prefill-chunk``
+is given (an explicit flag wins, even with the default's value); ``mdiedge starter`` passes
+every ``[starter]`` option of its config into the ring; and the prefill chunk a ring uses."""
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, List, Optional
+
+import pytest
+import typer
+
+import mdiedge.roles.starter as starter_module
+from mdiedge.base import defaults
+from mdiedge.base.settings import load_settings
+from mdiedge.cli.app import recovery_options
+from mdiedge.cli.generate import _open_engine
+from mdiedge.cli.nodes import _starter_engine
+from mdiedge.runtime.scheduler import prefill_rows
+
+
+class FakeEngine:
+    """Stands in for ``RingEngine``: keeps what it was given, sets nothing up."""
+
+    made: List["FakeEngine"] = []
+
+    def __init__(self, workers: Any, model: Any = None, tokenizer: Any = None,
+                 options: Any = None, **changes: Any) -> None:
+        self.options, self.changes = options, changes
+        FakeEngine.made.append(self)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_engine(monkeypatch: pytest.MonkeyPatch) -> List[FakeEngine]:
+    FakeEngine.made = []
+    monkeypatch.setattr(starter_module, "RingEngine", FakeEngine)
+    return FakeEngine.made
+
+
+def ring_file(tmp_path: Path, starter_lines: str) -> Path:
+    path = tmp_path / "ring.toml"
+    path.write_text(f'[starter]\n{starter_lines}[[workers]]\nhost = "127.0.0.1"\n'
+                    f'control_port = 7700\n')
+    return path
+
+
+def test_absent_flags_change_nothing() -> None:
+    assert recovery_options(None, None, 0) == ({}, 0)
+    changes, _ = recovery_options(2.0, False, 1, "int8", 0)
+    assert changes == {"stall_s": 2.0, "recover": False, "compression": "int8",
+                       "prefill_chunk": 0}
+
+
+def test_a_negative_prefill_chunk_is_one_line(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(typer.Exit):
+        recovery_options(None, None, 0, None, -1)
+    assert capsys.readouterr().err == ("mdiedge: error: --prefill-chunk: expected an integer "
+                                       ">= 0, got -1\n")
+
+
+@pytest.mark.parametrize("in_file,flag,want", [
+    ("recover = false\n", None, False),  # the file's holds (the old default overrode it)
+    ("recover = false\n", True, True),   # an explicit flag wins
+    ("", False, False),
+    ("", None, True),                    # neither: recovery on
+])
+def test_generate_ring_merges_recover(tmp_path: Path, ring_model: Path,
+                                      fake_engine: List[FakeEngine], in_file: str,
+                                      flag: Optional[bool], want: bool) -> None:
+    with ExitStack() as stack:
+        _open_engine(stack, str(ring_model), None, "cpu", "float32", 1,
+                     str(ring_file(tmp_path, in_file)), recovery_options(None, flag, 0),
+                     lambda text: None)
+    assert fake_engine[0].options.recover is want
+
+
+@pytest.mark.parametrize("in_file,flag,want", [
+    ("prefill_chunk = 32\n", None, 32),
+    ("prefill_chunk = 32\n", 0, 0),
+    ("", 64, 64),
+    ("", None, defaults.PREFILL_CHUNK),
+])
+def test_generate_ring_merges_prefill_chunk(tmp_path: Path, ring_model: Path,
+                                            fake_engine: List[FakeEngine], in_file: str,
+                                            flag: Optional[int], want: int) -> None:
+    with ExitStack() as stack:
+        _open_engine(stack, str(ring_model), None, "cpu", "float32", 1,
+                     str(ring_file(tmp_path, in_file)),
+                     recovery_options(None, None, 0, None, flag), lambda text: None)
+    assert fake_engine[0].options.prefill_chunk == want
+
+
+def test_the_starter_passes_its_config(tmp_path: Path, fake_engine: List[FakeEngine]) -> None:
+    path = ring_file(tmp_path, "stall_s = 7.5\nrecover = false\nrebalance_margin = 0\n"
+                               "prefill_chunk = 16\ntimeout_s = 9\n")
+    settings = load_settings(path)
+    _starter_engine(settings, settings.starter, None, None, None, "http://127.0.0.1:1")
+    options = fake_engine[0].options
+    assert (options.stall_s, options.recover, options.rebalance_margin, options.prefill_chunk,
+            options.timeout_s) == (7.5, False, 0.0, 16, 9.0)
+
+
+@pytest.mark.parametrize("chunk,max_payload,row_bytes,want", [
+    (128, 64 << 20, 1024, 128),   # the chunk
+    (0, 64 << 20, 1024, 65536),   # the whole prompt, up to what a frame holds
+    (128, 64 * 1024, 1024, 64),   # a frame holds fewer rows than the chunk
+    (0, 100, 1024, 1),            # a row larger than a frame: still one row per message
+    (1, 64 << 20, 1024, 1),
+])
+def test_prefill_rows(chunk: int, max_payload: int, row_bytes: int, want: int) -> None:
+    assert prefill_rows(chunk, max_payload, row_bytes) == want

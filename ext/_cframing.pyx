@@ -556,8 +556,21 @@ def send_all(sock, header_bytes, payload):
 
 def recv_frame_header(sock, max_payload):
     """Read and validate one frame's fixed header and sample table (not its payload), and
-    nothing past them."""
-    return FrameReader(sock, 0).recv_header(max_payload)
+    nothing past them: one receive for each."""
+    cdef unsigned char[C_HEADER_SIZE] fixed
+    _recv_exact(sock, fixed, C_HEADER_SIZE)
+    header = _parse_fixed(fixed, max_payload)  # n_samples checked against MAX_SAMPLES
+    cdef size_t table_len = C_ENTRY_SIZE * _get16(fixed + 8)
+    cdef unsigned char* table = <unsigned char*> malloc(table_len or 1)
+    if table == NULL:
+        raise MemoryError()
+    try:
+        if table_len:
+            _recv_exact(sock, table, table_len)
+        _fill_table(header, fixed, table, table_len)
+    finally:
+        free(table)
+    return header
 
 
 cdef class FrameReader:

@@ -126,6 +126,10 @@ def test_the_starter_serves_the_api_beside_its_control_plane(stories: Path,
     (["--host", "0.0.0.0"], "refusing to serve the API on 0.0.0.0 without an API key"),
     (["--api-key-file", "/nonexistent/key"], "--api-key-file /nonexistent/key: No such file"),
     (["--nodes", "3", "--context", "5000"], "--context: expected 0..1024 tokens (the model's), got 5000"),
+    (["--early-exit", "maybe"], "--early-exit: expected one of softmax, similarity, classifier, "
+                                "got 'maybe'"),
+    (["--exit-threshold", "0.5"], "--exit-threshold: expected given with --early-exit"),
+    (["--prefill-chunk", "-2"], "--prefill-chunk: expected an integer >= 0, got -2"),
 ])
 def test_bad_serve_options_are_one_line_errors(args: Any, message: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "MDIEDGE_API_KEY"}
@@ -147,3 +151,31 @@ def test_a_port_in_use_is_a_one_line_error() -> None:
                               "--port", str(port)], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert f"mdiedge: error: cannot listen on 127.0.0.1:{port}" in out.stderr.strip()
+
+
+def test_serve_decodes_with_early_exit() -> None:
+    """``serve --early-exit`` answers as the in-process engine with the same exits does, and
+    not as it does without them (a threshold of 0: every token exits after block 1)."""
+    from mdiedge.cli.app import early_exit_settings
+    from mdiedge.model.sampling import SamplingParams
+    from mdiedge.roles.engine import LocalEngine, TextModel
+
+    env = {k: v for k, v in os.environ.items() if k != "MDIEDGE_API_KEY"}
+    proc = subprocess.Popen([sys.executable, "-m", "mdiedge", "serve", "--port", "0", "--nodes",
+                             "1", "--slots", "1", "--early-exit", "softmax",
+                             "--exit-threshold", "0"], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        ready = json.loads(proc.stdout.readline())
+        client = openai.OpenAI(base_url=ready["url"], api_key="unused", max_retries=0,
+                               timeout=60)
+        served = client.completions.create(model=ready["model"], prompt="ROMEO:", max_tokens=10,
+                                           temperature=0).choices[0].text
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    greedy = SamplingParams(temperature=0)
+    exits = early_exit_settings(TextModel(None, None), ("softmax", "0"))
+    texts = [LocalEngine(early_exit=e).generate("ROMEO:", 10, params=greedy).samples[0]["text"]
+             for e in (exits, None)]
+    assert served == texts[0] != texts[1]

@@ -113,3 +113,13 @@ def test_the_starter_passes_its_config(tmp_path: Path, fake_engine: List[FakeEng
 ])
 def test_prefill_rows(chunk: int, max_payload: int, row_bytes: int, want: int) -> None:
     assert prefill_rows(chunk, max_payload, row_bytes) == want
+
+
+def test_the_starter_takes_early_exit(tmp_path: Path, fake_engine: List[FakeEngine]) -> None:
+    settings = load_settings(ring_file(tmp_path, ""))
+    _starter_engine(settings, settings.starter, None, None, None, "http://127.0.0.1:1", None,
+                    ("softmax", "0.25"))
+    _starter_engine(settings, settings.starter, None, None, None, "http://127.0.0.1:1")
+    chosen = fake_engine[0].changes["early_exit"]
+    assert chosen.criterion == "softmax" and set(chosen.thresholds[:-1]) == {0.25}
+    assert fake_engine[1].changes["early_exit"] is None

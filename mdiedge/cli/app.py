@@ -168,10 +168,20 @@ def recovery_options(stall_timeout: Optional[float], recover: Optional[bool], sp
     return changes, spares
 
 
-def recover_option(help_text: str) -> Any:
-    """``--recover/--no-recover``; None when not given (then a ring file's ``recover`` holds,
-    else recovery is on)."""
-    return typer.Option(None, "--recover/--no-recover", help=help_text)
+def recover_option() -> Any:
+    """``--recover/--no-recover``, the same on generate and serve; None when not given (then
+    a ring file's ``recover`` holds, else recovery is on)."""
+    return typer.Option(None, "--recover/--no-recover", help="When a worker is lost, move its "
+                        "layers to a spare or the others, replay, go on (default: on, or the "
+                        "ring file's recover).")
+
+
+def stall_timeout_option() -> Any:
+    """``--stall-timeout SECONDS``, the same on generate and serve."""
+    return typer.Option(None, "--stall-timeout", metavar="SECONDS", help="A worker that "
+                        "returns no message and does not answer on its control port within "
+                        f"this is lost, and named (default: {defaults.STALL_S:g}, or the ring "
+                        "file's stall_s).")
 
 
 def prefill_chunk_option() -> Any:

@@ -24,6 +24,7 @@ from .app import (
     prefill_chunk_option,
     recover_option,
     recovery_options,
+    stall_timeout_option,
     terminate_gracefully,
 )
 
@@ -53,13 +54,8 @@ def generate(
     starter: Optional[str] = typer.Option(None, help="URL of a running `mdiedge starter` to "
                                           "generate through."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
-    stall_timeout: Optional[float] = typer.Option(
-        None, "--stall-timeout", metavar="SECONDS", help="A worker that returns no message and "
-        "does not answer on its control port within this is lost, and named (default: "
-        f"{defaults.STALL_S:g}, or the ring file's stall_s)."),
-    recover: Optional[bool] = recover_option("Move a lost worker's layers to a spare or the "
-                                             "others, replay, go on (default: on, or the ring "
-                                             "file's recover)."),
+    stall_timeout: Optional[float] = stall_timeout_option(),
+    recover: Optional[bool] = recover_option(),
     prefill_chunk: Optional[int] = prefill_chunk_option(),
     spares: int = typer.Option(0, help="Spare workers beside the local ring's (for a lost one)."),
     stop: Optional[List[str]] = typer.Option(None, "--stop", metavar="TEXT", help="End a "

@@ -4,16 +4,20 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import typer
 
 from ..base import defaults
 from .app import (
     app,
+    check_early_exit,
     check_log_level,
     check_port,
     compression_option,
+    early_exit_option,
+    early_exit_settings,
+    exit_threshold_option,
     need,
     one_line_errors,
     parse_compression,
@@ -174,17 +178,18 @@ def starter_command(
     api_key_file: Optional[str] = typer.Option(None, help="File holding the API key (default: "
                                                "$MDIEDGE_API_KEY; none: no key)."),
     slots: int = typer.Option(8, help="KV slots the API's requests share."),
+    early_exit: Optional[str] = early_exit_option(),
+    exit_threshold: Optional[str] = exit_threshold_option(),
 ) -> None:
     """Run the starter as a long-lived process that owns the ring (and, with --api-port,
     the OpenAI API)."""
     import logging
-    import signal
-    import threading
 
     if control_port is not None:
         check_port("--control-port", control_port)
     check_log_level(log_level)
     compression = parse_compression(compression)
+    exits = check_early_exit(early_exit, exit_threshold)
     settings, section = _starter_config(config)
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s starter %(levelname)s %(message)s")
@@ -197,9 +202,16 @@ def starter_command(
     port = section.control_port if control_port is None else control_port
     control = ControlServer(section.host, port, {}, auth=Authenticator(secret))
     engine = _starter_engine(settings, section, model, tokenizer, secret, control.url,
-                             compression)
+                             compression, exits)
     api = starter_api(engine, api_port, api_host, api_key_file, insecure, slots, log_level)
-    server = StarterServer(engine, control).start()
+    _serve_starter(StarterServer(engine, control).start(), api, section.host)
+
+
+def _serve_starter(server: Any, api: Any, host: str) -> None:
+    """Print the ready line, then serve until SIGTERM or SIGINT; close the API and server."""
+    import signal
+    import threading
+
     stopped = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopped.set())
@@ -209,7 +221,7 @@ def starter_command(
     typer.echo(json.dumps(ready))
     sys.stdout.flush()
     try:
-        serve_under_systemd(stopped, f"starter listening on {section.host}:{server.control.port}")
+        serve_under_systemd(stopped, f"starter listening on {host}:{server.control.port}")
     finally:
         if api is not None:
             api.close()
@@ -231,10 +243,13 @@ def _starter_secret(section: Any, insecure: bool) -> Optional[bytes]:
 
 def _starter_engine(settings: Any, section: Any, model: Optional[str],
                     tokenizer: Optional[str], secret: Optional[bytes], control_url: str,
-                    compression: Optional[str] = None) -> Any:
+                    compression: Optional[str] = None,
+                    exits: Optional[Tuple[str, Optional[str]]] = None) -> Any:
     """The starter's ``RingEngine`` over the config's workers (nothing set up yet); an explicit
-    ``compression`` wins over the config's."""
+    ``compression`` wins over the config's; ``exits``: the early-exit criterion and
+    threshold."""
     from ..base.nodes import StarterOptions
+    from ..roles.engine import TextModel
     from ..roles.starter import RingEngine
 
     options = StarterOptions(
@@ -244,8 +259,9 @@ def _starter_engine(settings: Any, section: Any, model: Optional[str],
         prefill_chunk=section.prefill_chunk, stall_s=section.stall_s, recover=section.recover,
         rebalance_margin=section.rebalance_margin, secret=secret, control_url=control_url,
         compression=section.compression if compression is None else compression)
-    return RingEngine(settings.workers, model or section.model, tokenizer or section.tokenizer,
-                      options)
+    model, tokenizer = model or section.model, tokenizer or section.tokenizer
+    early_exit = early_exit_settings(TextModel(model, tokenizer), exits) if exits else None
+    return RingEngine(settings.workers, model, tokenizer, options, early_exit=early_exit)
 
 
 def _starter_config(config: Optional[str]) -> Any:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import ExitStack
 from typing import Any, Optional
 
 import typer
 
-from .app import (app, check_log_level, check_port, compression_option, need, one_line_errors,
-                  prefill_chunk_option, recover_option, recovery_options)
+from .app import (app, check_early_exit, check_log_level, check_port, compression_option,
+                  early_exit_option, exit_threshold_option, need, one_line_errors,
+                  prefill_chunk_option, recover_option, recovery_options,
+                  stall_timeout_option)
 
 API_PORT = 8000
 SLOTS = 8
@@ -105,24 +108,21 @@ def serve(
                                                "send as 'Authorization: Bearer KEY' (default: "
                                                "$MDIEDGE_API_KEY; none: no key)."),
     insecure: bool = typer.Option(False, help="Serve a non-loopback address without a key."),
-    stall_timeout: Optional[float] = typer.Option(
-        None, "--stall-timeout", metavar="SECONDS", help="A worker silent this long is lost "
-        "(default: as `generate`)."),
-    recover: Optional[bool] = recover_option("When a worker is lost, rebuild the ring "
-                                             "without it and go on (as `generate`)."),
+    stall_timeout: Optional[float] = stall_timeout_option(),
+    recover: Optional[bool] = recover_option(),
     prefill_chunk: Optional[int] = prefill_chunk_option(),
     spares: int = typer.Option(0, help="Spare workers started beside the local ring's."),
     log_level: str = typer.Option("warning", help="debug, info, warning or error."),
     compression: Optional[str] = compression_option(),
+    early_exit: Optional[str] = early_exit_option(),
+    exit_threshold: Optional[str] = exit_threshold_option(),
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /metrics)."""
-    from contextlib import ExitStack
-
     check_port("--port", port)
     check_api_options(slots, context, max_queue, max_body)
     check_log_level(log_level)
-    recovery = recovery_options(stall_timeout, recover, spares, compression,
-                                prefill_chunk)
+    recovery = recovery_options(stall_timeout, recover, spares, compression, prefill_chunk)
+    exits = check_early_exit(early_exit, exit_threshold)
     key = api_key_for(host, api_key_file, insecure)
     from ..ops.api.server import listen
     from .generate import _open_engine
@@ -131,7 +131,7 @@ def serve(
         sock = listen(host, port)  # a port in use fails before any node starts
         stack.callback(sock.close)
         engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring,
-                              recovery, lambda text: check_context(context, text))
+                              recovery, lambda text: check_context(context, text), exits)
         api = open_api(engine, sock, slots, context, max_queue, max_body, key, model_name,
                        log_level)
         stack.callback(api.close)

@@ -56,6 +56,12 @@ def _direct(host: str, port: int) -> Tuple[str, int]:
     return host, port
 
 
+def _prefill_rows(options: StarterOptions, cfg: Any) -> int:
+    """Prompt tokens per prefill message of a ring (``prefill_rows`` of its options)."""
+    return prefill_rows(options.prefill_chunk, options.max_payload,
+                        cfg.dim * itemsize(options.dtype))
+
+
 class RingStarter:
     """Sets up and owns the ring of ``workers`` for the model at ``path``."""
 
@@ -190,9 +196,8 @@ class RingStarter:
             log.warning("%s answered again but failed to rejoin: %s", ", ".join(back), e)
             self.membership.lose(back, f"failed to rejoin: {e}")
             pipeline, ends = self._build(n_slots, context)
-        chunk = prefill_rows(self.options.prefill_chunk, self.options.max_payload,
-                             self.cfg.dim * itemsize(self.options.dtype))
-        return Scheduler(pipeline, ends, prefill_chunk=chunk, timeout_s=self.options.timeout_s,
+        return Scheduler(pipeline, ends, prefill_chunk=_prefill_rows(self.options, self.cfg),
+                         timeout_s=self.options.timeout_s,
                          rebuild=self.rebuild if self.options.recover else None,
                          exit_layers=self.cfg.n_layers if self.early_exit is not None else 0)
 

@@ -108,8 +108,14 @@ def send_all(sock: Any, header_bytes: Any, payload: Optional[Any]) -> None:
 
 def recv_frame_header(sock: Any, max_payload: int) -> FrameHeader:
     """Read and validate one frame's fixed header and sample table (not its payload), and
-    nothing past them."""
-    return FrameReader(sock, 0).recv_header(max_payload)
+    nothing past them: one receive for each."""
+    fixed = bytearray(HEADER_SIZE)
+    recv_exact_into(sock, fixed)
+    header = parse_header(fixed, max_payload)
+    table = bytearray(ENTRY_SIZE * _N_SAMPLES.unpack_from(fixed, 8)[0])
+    recv_exact_into(sock, table)
+    parse_table(header, fixed, table)
+    return header
 
 
 class FrameReader:

@@ -22,6 +22,7 @@ does the same for the codecs (``select("codec")``).
 """
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -151,8 +152,11 @@ def recv_frame(source: Any, max_payload: int, out: Optional[torch.Tensor] = None
     stream at an unknown position: close the link. An encoded payload (the header's codec)
     is received into one buffer of its size and decoded into the tensor."""
     impl = impl or _impl
-    source = source if hasattr(source, "recv_header") else impl.FrameReader(source, 0)
-    header = source.recv_header(max_payload)
+    if hasattr(source, "recv_header"):
+        header, fill = source.recv_header(max_payload), source.recv_into
+    else:  # a socket: one receive per part, nothing past the frame
+        header = impl.recv_frame_header(source, max_payload)
+        fill = functools.partial(impl.recv_exact_into, source)
     if not header.shape:
         return header, None
     dtype = torch_dtype(header.dtype)
@@ -166,10 +170,10 @@ def recv_frame(source: Any, max_payload: int, out: Optional[torch.Tensor] = None
         tensor = out
     codec = impl.codec_of(header.flags)
     if codec == NONE:
-        source.recv_into(tensor_bytes(tensor))
+        fill(tensor_bytes(tensor))
     else:
         encoded = np.empty(header.payload_len, dtype=np.uint8)
-        source.recv_into(encoded)
+        fill(encoded)
         (codec_impl or _codec_impl).decode(codec, encoded, tensor_bytes(tensor))
     return header, tensor
 

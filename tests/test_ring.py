@@ -11,6 +11,7 @@ from typing import Any, Iterator, List, Tuple
 
 import pytest
 
+from mdiedge.base import defaults
 from mdiedge.roles.engine import LocalEngine
 from mdiedge.base.errors import RingError
 from mdiedge.roles.local_ring import LocalRing
@@ -82,6 +83,25 @@ def test_multi_frame_prefill(ring_model: Path, reference: LocalEngine) -> None:
         try:
             assert len(engine.encode_prompt(prompt)) > 9
             got = engine.generate(prompt, 16, 2, GREEDY)
+        finally:
+            engine.close()
+    assert tokens_of(got) == tokens_of(want)
+
+
+def test_a_long_prompt_in_default_prefill_chunks() -> None:
+    """The shipped model, a prompt of several default-size prefill messages: the ring's greedy
+    tokens are the single process's (whole prompt at once), for 2 samples in one message."""
+    text = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+    prompt = text.read_text(encoding="utf-8")[-2400:-1000] if text.exists() else "ROMEO: " * 90
+    reference = LocalEngine()
+    want = reference.generate(prompt, 24, 2, GREEDY)
+    assert want.as_dict()["prompt_tokens"] > 2 * defaults.PREFILL_CHUNK
+    local = LocalRing(2)
+    with local as workers:
+        engine = RingEngine(workers, secret=local.secret)
+        try:
+            got = engine.generate(prompt, 24, 2, GREEDY, micro_batch=2)
+            assert engine.starter.scheduler.prefill_chunk == defaults.PREFILL_CHUNK
         finally:
             engine.close()
     assert tokens_of(got) == tokens_of(want)

@@ -123,3 +123,17 @@ def test_the_starter_takes_early_exit(tmp_path: Path, fake_engine: List[FakeEngi
     chosen = fake_engine[0].changes["early_exit"]
     assert chosen.criterion == "softmax" and set(chosen.thresholds[:-1]) == {0.25}
     assert fake_engine[1].changes["early_exit"] is None
+
+
+@pytest.mark.parametrize("chunk,max_payload,want", [
+    (16, 1 << 20, (16, 1024)),        # decode messages are bounded by the frame, not the chunk
+    (0, 1 << 20, (1024, 1024)),
+    (4096, 64 * 1024, (64, 64)),      # a chunk beyond a frame is cut to what a frame holds
+])
+def test_ring_rows(chunk: int, max_payload: int, want: Any) -> None:
+    from types import SimpleNamespace
+
+    from mdiedge.base.nodes import StarterOptions
+
+    options = StarterOptions(prefill_chunk=chunk, max_payload=max_payload)
+    assert starter_module._ring_rows(options, SimpleNamespace(dim=256)) == want

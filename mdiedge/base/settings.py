@@ -162,8 +162,8 @@ WORKER_SCHEMA: Dict[str, Check] = dict(
 STARTER_SCHEMA: Dict[str, Check] = dict(
     host=host_name, control_port=integer(0, 65535), model=string("a model path"),
     tokenizer=string("a tokenizer path"), weight=positive, memory=size, max_payload=size,
-    prefill_chunk=integer(0), timeout_s=positive, stall_s=positive, recover=boolean, rebalance_margin=fraction,
-    compression=_CODECS, **_SECRETS, **_COMMON)
+    prefill_chunk=integer(0), timeout_s=positive, stall_s=positive, recover=boolean,
+    rebalance_margin=fraction, compression=_CODECS, **_SECRETS, **_COMMON)
 WORKERS_SCHEMA: Dict[str, Check] = dict(
     name=string(), host=host_name, control_port=integer(1, 65535), device=device_name,
     weight=positive, memory=size, layers=layer_range, spare=boolean, compression=_CODECS)

@@ -185,7 +185,7 @@ def stall_timeout_option() -> Any:
 
 
 def prefill_chunk_option() -> Any:
-    """``--prefill-chunk N``, the same on generate, serve and starter."""
+    """``--prefill-chunk TOKENS``, the same on generate and serve."""
     return typer.Option(None, "--prefill-chunk", metavar="TOKENS", help="Prompt tokens per "
                         "prefill message of a ring, so that nodes work on chunks in parallel "
                         f"(0: the whole prompt; default {defaults.PREFILL_CHUNK}, or the ring "

@@ -56,10 +56,12 @@ def _direct(host: str, port: int) -> Tuple[str, int]:
     return host, port
 
 
-def _prefill_rows(options: StarterOptions, cfg: Any) -> int:
-    """Prompt tokens per prefill message of a ring (``prefill_rows`` of its options)."""
-    return prefill_rows(options.prefill_chunk, options.max_payload,
-                        cfg.dim * itemsize(options.dtype))
+def _ring_rows(options: StarterOptions, cfg: Any) -> Tuple[int, int]:
+    """A ring's prompt tokens per prefill message (its ``prefill_chunk``) and the most rows a
+    decode message may carry (what a frame of ``max_payload`` bytes holds)."""
+    row_bytes = cfg.dim * itemsize(options.dtype)
+    return (prefill_rows(options.prefill_chunk, options.max_payload, row_bytes),
+            prefill_rows(0, options.max_payload, row_bytes))
 
 
 class RingStarter:
@@ -196,8 +198,8 @@ class RingStarter:
             log.warning("%s answered again but failed to rejoin: %s", ", ".join(back), e)
             self.membership.lose(back, f"failed to rejoin: {e}")
             pipeline, ends = self._build(n_slots, context)
-        return Scheduler(pipeline, ends, prefill_chunk=_prefill_rows(self.options, self.cfg),
-                         timeout_s=self.options.timeout_s,
+        chunk, rows = _ring_rows(self.options, self.cfg)
+        return Scheduler(pipeline, ends, chunk, self.options.timeout_s, max_rows=rows,
                          rebuild=self.rebuild if self.options.recover else None,
                          exit_layers=self.cfg.n_layers if self.early_exit is not None else 0)
 

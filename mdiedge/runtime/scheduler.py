@@ -228,19 +228,20 @@ def settle(group: _Group) -> Tuple[Optional[_Group], int]:
 class Scheduler:
     """Runs generations over ``pipeline`` with ``ends`` (embedding and head).
 
-    ``prefill_chunk``: tokens per prefill message (0: the whole prompt); ``timeout_s``: how
-    long a message may take around the pipeline; ``rebuild``: when nodes are lost, gives the
-    pipeline without them, and every live sample's tokens so far are replayed through it as a
+    ``prefill_chunk``: tokens per prefill message (0: the whole prompt); ``max_rows``: samples
+    per decode message at most (0: ``prefill_chunk``); ``timeout_s``: how long a message may
+    take around the pipeline; ``rebuild``: when nodes are lost, gives the pipeline without
+    them, and every live sample's tokens so far are replayed through it as a
     prefill (Petals-style recovery; its sampling generator carries on, so the output is the
     one it would have been, except under early exit: a replay computes every block where the
     exits had filled KV); ``exit_layers``: the model's blocks, when decode steps may exit
     early (their exits are counted per request)."""
 
     def __init__(self, pipeline: Pipeline, ends: ModelEnds, prefill_chunk: int = 0,
-                 timeout_s: Optional[float] = None, max_waiting: int = 64,
+                 timeout_s: Optional[float] = None, max_waiting: int = 64, max_rows: int = 0,
                  rebuild: Optional[Rebuild] = None, exit_layers: int = 0) -> None:
         self.pipeline, self.ends, self.rebuild = pipeline, ends, rebuild
-        self.exit_layers = exit_layers  # the model's blocks when steps may exit early, else 0
+        self.exit_layers, self.max_rows = exit_layers, max_rows or prefill_chunk
         self.recoveries: List[Recovery] = []
         self._progress = time.perf_counter()  # when a message last came back
         self._fruitless = 0  # recoveries since a token was last sampled
@@ -363,8 +364,7 @@ class Scheduler:
         for sample in samples:
             sample.sid = self._new_id()
         generation.mark_admitted()
-        # a decode message carries one token per row, so a frame's token limit bounds its rows
-        size = group_size(len(samples), micro_batch, self.pipeline.nodes, self.prefill_chunk)
+        size = group_size(len(samples), micro_batch, self.pipeline.nodes, self.max_rows)
         groups = [_Group(generation, samples[i:i + size], fixed=micro_batch > 0)
                   for i in range(0, len(samples), size)]
         self._groups.extend(groups)
@@ -406,7 +406,7 @@ class Scheduler:
                 note_prefill_done(self._groups, group.generation)
             self._next_step(group)
         while True:
-            merged = self._merger.take(self.pipeline.nodes, self.prefill_chunk)
+            merged = self._merger.take(self.pipeline.nodes, self.max_rows)
             if not merged:
                 return
             rows = [s for _, samples in merged for s in samples]

@@ -92,7 +92,8 @@ def test_a_long_prompt_in_default_prefill_chunks() -> None:
     """The shipped model, a prompt of several default-size prefill messages: the ring's greedy
     tokens are the single process's (whole prompt at once), for 2 samples in one message."""
     text = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
-    prompt = text.read_text(encoding="utf-8")[-2400:-1000] if text.exists() else "ROMEO: " * 90
+    prompt = text.read_text(encoding="utf-8")[-2400:-1000] if text.exists() else \
+        " ".join(f"Citizen {i}: we are accounted poor citizens." for i in range(40))
     reference = LocalEngine()
     want = reference.generate(prompt, 24, 2, GREEDY)
     assert want.as_dict()["prompt_tokens"] > 2 * defaults.PREFILL_CHUNK

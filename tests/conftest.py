@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import pytest
 
@@ -85,3 +85,27 @@ def ring_model(tmp_path_factory: Any) -> Path:
 @pytest.fixture(scope="session")
 def stories() -> Path:
     return stories_dir()
+
+
+class FakeEngine:
+    """Stands in for ``RingEngine``: keeps what it was given, sets nothing up."""
+
+    made: List["FakeEngine"] = []
+
+    def __init__(self, workers: Any, model: Any = None, tokenizer: Any = None,
+                 options: Any = None, **changes: Any) -> None:
+        self.options, self.changes = options, changes
+        FakeEngine.made.append(self)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_engine(monkeypatch: pytest.MonkeyPatch) -> List[FakeEngine]:
+    """``RingEngine`` replaced by ``FakeEngine``; the engines made, in order."""
+    import mdiedge.roles.starter as starter_module
+
+    FakeEngine.made = []
+    monkeypatch.setattr(starter_module, "RingEngine", FakeEngine)
+    return FakeEngine.made

@@ -9,32 +9,12 @@ from typing import Any, List, Optional
 
 import pytest
 
-import mdiedge.roles.starter as starter_module
 from mdiedge.base.settings import load_settings
 from mdiedge.cli.app import parse_compression, recovery_options
 from mdiedge.cli.generate import _open_engine
 from mdiedge.cli.nodes import _starter_engine
 
-
-class FakeEngine:
-    """Stands in for ``RingEngine``: keeps what it was given, sets nothing up."""
-
-    made: List["FakeEngine"] = []
-
-    def __init__(self, workers: Any, model: Any = None, tokenizer: Any = None,
-                 options: Any = None, **changes: Any) -> None:
-        self.options, self.changes = options, changes
-        FakeEngine.made.append(self)
-
-    def close(self) -> None:
-        pass
-
-
-@pytest.fixture
-def fake_engine(monkeypatch: pytest.MonkeyPatch) -> List[FakeEngine]:
-    FakeEngine.made = []
-    monkeypatch.setattr(starter_module, "RingEngine", FakeEngine)
-    return FakeEngine.made
+from conftest import FakeEngine
 
 
 def ring_file(tmp_path: Path, compression: Optional[str]) -> Path:

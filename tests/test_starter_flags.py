@@ -11,34 +11,15 @@ from typing import Any, List, Optional
 import pytest
 import typer
 
-import mdiedge.roles.starter as starter_module
 from mdiedge.base import defaults
 from mdiedge.base.settings import load_settings
 from mdiedge.cli.app import recovery_options
 from mdiedge.cli.generate import _open_engine
 from mdiedge.cli.nodes import _starter_engine
+
+from conftest import FakeEngine
+from mdiedge.roles.starter import _ring_rows
 from mdiedge.runtime.scheduler import prefill_rows
-
-
-class FakeEngine:
-    """Stands in for ``RingEngine``: keeps what it was given, sets nothing up."""
-
-    made: List["FakeEngine"] = []
-
-    def __init__(self, workers: Any, model: Any = None, tokenizer: Any = None,
-                 options: Any = None, **changes: Any) -> None:
-        self.options, self.changes = options, changes
-        FakeEngine.made.append(self)
-
-    def close(self) -> None:
-        pass
-
-
-@pytest.fixture
-def fake_engine(monkeypatch: pytest.MonkeyPatch) -> List[FakeEngine]:
-    FakeEngine.made = []
-    monkeypatch.setattr(starter_module, "RingEngine", FakeEngine)
-    return FakeEngine.made
 
 
 def ring_file(tmp_path: Path, starter_lines: str) -> Path:
@@ -136,4 +117,4 @@ def test_ring_rows(chunk: int, max_payload: int, want: Any) -> None:
     from mdiedge.base.nodes import StarterOptions
 
     options = StarterOptions(prefill_chunk=chunk, max_payload=max_payload)
-    assert starter_module._ring_rows(options, SimpleNamespace(dim=256)) == want
+    assert _ring_rows(options, SimpleNamespace(dim=256)) == want

@@ -11,7 +11,7 @@ from typing import Any, Iterator, List, Tuple
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from mdiedge.base.accel import implementations
@@ -197,6 +197,7 @@ def test_version_2_frames_are_refused(impl: ModuleType, pair: Any) -> None:
                                st.sampled_from([0, 1, 2 ** 31 - 1, 2 ** 31]), st.booleans()),
                      max_size=6),
        flagged=st.sampled_from(["none", "list", "tuple", "numpy", "short"]))
+@example(msg_type=ACTIVATION, flags=0, exit_depth=0, rows=[(0, 0, True)], flagged="short")
 def test_twins_pack_early_exit_byte_for_byte(msg_type: int, flags: int, exit_depth: int,
                                              rows: List[Any], flagged: str) -> None:
     ids, positions, bits = ([row[k] for row in rows] for k in range(3))
@@ -210,7 +211,7 @@ def test_twins_pack_early_exit_byte_for_byte(msg_type: int, flags: int, exit_dep
     frame = IMPLS[0].pack_header(*call)
     assert frame[11] == exit_depth
     words = struct.unpack_from(f"<{2 * len(rows)}I", frame, 48)[1::2]
-    marked = bits if flagged != "none" else [False] * len(rows)
+    marked = bits if len(eligible) else [False] * len(rows)  # empty ("short" of one row): none
     assert list(words) == [p | (2 ** 31 if e else 0) for p, e in zip(positions, marked)]
 
 

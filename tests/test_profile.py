@@ -14,7 +14,8 @@ from mdiedge.ops.profile import CATEGORIES, profile_ring, table_lines
 def test_profile_of_a_two_node_ring(ring_model: Path) -> None:
     def patched() -> tuple:
         return (layers.project, transformer.project, layers.RMSNorm.forward,
-                transformer.apply_rope, transformer.attention, transformer.KVCache.update)
+                transformer.apply_rope, transformer.attention, transformer.KVCache.update,
+                transformer._step.block)
 
     originals = patched()
     profiles = profile_ring(ring_model, 2, 3, context=32, steps=2)
@@ -23,7 +24,9 @@ def test_profile_of_a_two_node_ring(ring_model: Path) -> None:
     for p in profiles:
         assert p["rows"] == 3 and p["step_ms"] > 0
         assert all(p[c] >= 0 for c in CATEGORIES)
-        assert p["projections"] > 0 and p["attention"] > 0 and p["norms"] > 0
+        # the blocks decode through the step; the starter's head is a projection and a norm
+        assert p["block step"] > 0 and p["attention"] == 0 and p["rope"] == 0
+        assert (p["projections"] > 0 and p["norms"] > 0) == (p["node"] == 0)
     assert profiles[0]["sampling"] > 0 and profiles[1]["sampling"] == 0
     assert patched() == originals
     lines = table_lines(profiles)

@@ -13,7 +13,8 @@ import os
 from types import ModuleType
 from typing import List, Optional
 
-TWINNED = {"framing": "mdiedge.runtime", "codec": "mdiedge.runtime", "matvec": "mdiedge.model"}
+TWINNED = {"framing": "mdiedge.runtime", "codec": "mdiedge.runtime", "matvec": "mdiedge.model",
+           "step": "mdiedge.model"}
 
 
 def extensions_disabled() -> bool:

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..base.accel import select
+from ._stepspec import BlockWeights
 from .config import ModelConfig
 from .exits import ExitStep
 from .layers import (MLP, Linear, RMSNorm, apply_rope, fuse, fused_with, project, rope_tables,
@@ -28,6 +30,7 @@ from .moe import MoE
 _HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
 _SHORT_QUERY = 4096  # T * L below which explicit attention beats the fused CPU kernel
 _NO_SLOTS = torch.empty(0, dtype=torch.long)
+_step = select("step")
 
 
 class KVCache(nn.Module):
@@ -157,6 +160,20 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, slots, positions)
         return x + self.mlp(self.mlp_norm(x))
 
+    def step_weights(self, cos: Tensor, sin: Tensor) -> Optional[BlockWeights]:
+        """This block's tensors for the compiled decode step (``mdiedge.model._cstep``), with
+        RoPE tables ``cos``, ``sin`` (L, hd); None where the step does not apply (a mixture
+        of experts, unfused projections, no KV cache)."""
+        attn, mlp = self.attn, self.mlp
+        if (not isinstance(mlp, MLP) or attn.cache is None or not fused_with(attn.qkv, attn.wq)
+                or not fused_with(mlp.gate_up, mlp.gate)):
+            return None
+        tensors = (self.attn_norm.weight, attn.qkv, attn.wo.weight, self.mlp_norm.weight,
+                   mlp.gate_up, mlp.down.weight, attn.cache.k, attn.cache.v, cos, sin)
+        if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+            return None
+        return BlockWeights(*tensors, attn.n_heads, self.attn_norm.eps)
+
 
 def _feed_forward(cfg: ModelConfig) -> nn.Module:
     if cfg.is_moe:
@@ -185,6 +202,7 @@ class Transformer(nn.Module):
         self.n_slots = 0
         self.max_seq_len = 0
         self.rope_cos = self.rope_sin = torch.empty(0)
+        self._steps: Optional[List[BlockWeights]] = None  # see _step_weights
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -213,6 +231,7 @@ class Transformer(nn.Module):
     def fuse_projections(self) -> None:
         """Q/K/V and the feed-forward's gate/up each as one product per block, sharing their
         parameters' memory (see ``layers.fuse``); for inference on the CPU, before loading."""
+        self._steps = None
         for block in self.layers.values():
             block.attn.fuse_projections()
             for mlp in [block.mlp] if isinstance(block.mlp, MLP) else block.mlp.experts:
@@ -237,6 +256,7 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(self.cfg, max_seq_len)
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
         self.n_slots, self.max_seq_len = n_slots, max_seq_len
+        self._steps = None
 
     def kv_cache_bytes(self) -> int:
         return sum(b.attn.cache.k.nbytes * 2 for b in self.layers.values()
@@ -258,6 +278,10 @@ class Transformer(nn.Module):
             return x
         if self.n_slots == 0:
             return self._run_blocks_uncached(x)
+        if x.shape[1] == 1 and x.shape[0] <= _step.MAX_ROWS and x.device.type == "cpu":
+            stepped = self._step_blocks(x, slots, positions, exit_step)
+            if stepped is not None:
+                return stepped
         cos, sin, mask = self._rope_and_mask(x, positions)
         blocks = list(self.layers.items())
         for n, (index, block) in enumerate(blocks):
@@ -265,21 +289,60 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, mask, slots, positions)
             if exit_step is not None and exit_step.after_block(int(index), x, previous):
                 t0 = time.perf_counter()
-                for _, skipped in blocks[n + 1:]:
-                    skipped.attn.fill_kv(skipped.attn_norm(x), cos, sin, slots, positions)
+                self._fill_from(n + 1, x, slots, positions)
                 exit_step.fill_s += time.perf_counter() - t0
                 break
         return x
+
+    def _step_blocks(self, x: Tensor, slots: Tensor, positions: Sequence[int],
+                     exit_step: Optional[ExitStep]) -> Optional[Tensor]:
+        """Decode (one token per row, x (B, 1, dim)) through the compiled step, a block per
+        call, with early exit as in ``run_blocks``; None, before anything runs, where the
+        step does not apply to every block."""
+        weights = self._step_weights()
+        if not weights or not _step.usable(weights[0], x[:, 0]):
+            return None
+        if max(positions) + 1 > self.max_seq_len:
+            raise ValueError(f"position {max(positions) + 1} beyond the KV cache "
+                             f"length {self.max_seq_len}")
+        rows, slot_list, threads = x[:, 0].contiguous(), slots.tolist(), torch.get_num_threads()
+        for n, (index, w) in enumerate(zip(self.layers, weights)):
+            out = torch.empty_like(rows)  # (B, dim)
+            _step.block(w, rows, out, slot_list, positions, threads)
+            previous, rows = rows, out
+            if exit_step is not None and exit_step.after_block(
+                    int(index), rows[:, None], previous[:, None]):
+                t0 = time.perf_counter()
+                self._fill_from(n + 1, rows[:, None], slots, positions)
+                exit_step.fill_s += time.perf_counter() - t0
+                break
+        return rows[:, None]  # (B, 1, dim)
+
+    def _step_weights(self) -> List[BlockWeights]:
+        """Every block's ``step_weights`` (empty unless all have them), made once per KV cache
+        set-up: ``setup_cache``, ``fuse_projections`` and any ``.to()`` make them again. A
+        parameter replaced by hand after ``setup_cache`` needs ``setup_cache`` again."""
+        if self._steps is None:
+            found = [b.step_weights(self.rope_cos, self.rope_sin) for b in self.layers.values()]
+            self._steps = [] if any(w is None for w in found) else found  # type: ignore[misc]
+        return self._steps
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "Transformer":
+        self._steps = None  # tensors moved or converted
+        return super()._apply(fn, *args, **kwargs)
+
+    def _fill_from(self, start: int, x: Tensor, slots: Tensor, positions: Sequence[int]) -> None:
+        """KV fill of this chunk's blocks from the ``start``-th on (early exit)."""
+        cos, sin, _ = self._rope_and_mask(x, positions)
+        for skipped in list(self.layers.values())[start:]:
+            skipped.attn.fill_kv(skipped.attn_norm(x), cos, sin, slots, positions)
 
     def fill_kv(self, x: Tensor, slots: Tensor, positions: Sequence[int]) -> None:
         """KV fill (early exit): every block of this chunk writes the keys and values its own
         norm and K/V projections make of ``x`` (B, T, dim), the exit state, at each row's slot
         and position; nothing else runs."""
-        if not self.layers:
-            return
-        cos, sin, _ = self._rope_and_mask(x, positions)
-        for block in self.layers.values():
-            block.attn.fill_kv(block.attn_norm(x), cos, sin, slots, positions)
+        if self.layers:
+            self._fill_from(0, x, slots, positions)
 
     def _rope_and_mask(self, x: Tensor, positions: Sequence[int]
                        ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 
-CATEGORIES = ("projections", "attention", "norms", "rope", "sampling", "other")
+CATEGORIES = ("block step", "projections", "attention", "norms", "rope", "sampling", "other")
 
 
 class _Timers:
@@ -43,7 +43,7 @@ def _timed(timers: _Timers) -> Iterator[None]:
         (layers, "project", "projections"), (transformer, "project", "projections"),
         (layers.RMSNorm, "forward", "norms"),
         (transformer, "apply_rope", "rope"), (transformer, "attention", "attention"),
-        (transformer.KVCache, "update", "attention")]
+        (transformer.KVCache, "update", "attention"), (transformer._step, "block", "block step")]
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
     try:
         for owner, attr, name in patches:

@@ -1,0 +1,52 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The decode step, compiled: the twin of ``mdiedge/model/_pystep.py`` with the same API (see
+``mdiedge/model/_stepspec.py``). The kernel is ``ext/step.h``: a whole dense block for 1..8
+rows in one call with the GIL released, its products ``ext/matvec.h``'s."""
+from mdiedge.model._stepspec import MAX_ROWS, BlockWeights, check, usable  # noqa: F401
+
+cdef extern from "step.h" nogil:
+    void st_init()
+    ctypedef struct st_block:
+        const float *attn_norm
+        const float *qkv
+        const float *wo
+        const float *mlp_norm
+        const float *gate_up
+        const float *down
+        const float *cos
+        const float *sin
+        float *k
+        float *v
+        Py_ssize_t dim, n_heads, n_kv, head_dim, hidden, n_slots, max_seq
+        float eps
+    int st_block_step(const st_block *b, const float *x, float *out, int R,
+                      const long long *slots, const long long *pos, int threads)
+
+st_init()
+
+cdef const float *_ptr(t):
+    return <const float *><size_t>t.data_ptr()
+
+
+def block(weights, x, out, slots, positions, int threads):
+    check(weights, x, out, slots, positions, threads)
+    cdef st_block b
+    cdef long long c_slots[8]
+    cdef long long c_pos[8]
+    cdef int rows = x.shape[0], r, status
+    for r in range(rows):
+        c_slots[r] = slots[r]
+        c_pos[r] = positions[r]
+    b.attn_norm, b.qkv, b.wo = _ptr(weights.attn_norm), _ptr(weights.qkv), _ptr(weights.wo)
+    b.mlp_norm, b.gate_up, b.down = _ptr(weights.mlp_norm), _ptr(weights.gate_up), _ptr(weights.down)
+    b.cos, b.sin = _ptr(weights.cos), _ptr(weights.sin)
+    b.k, b.v = <float *>_ptr(weights.k), <float *>_ptr(weights.v)
+    b.n_slots, b.n_kv, b.max_seq = weights.n_slots, weights.n_kv, weights.k.shape[2]
+    b.dim, b.n_heads, b.head_dim = weights.dim, weights.n_heads, weights.head_dim
+    b.hidden, b.eps = weights.hidden, weights.eps
+    cdef const float *xp = _ptr(x)
+    cdef float *op = <float *>_ptr(out)
+    with nogil:
+        status = st_block_step(&b, xp, op, rows, c_slots, c_pos, threads)
+    if status != 0:
+        raise MemoryError(f"decode step of {rows} rows: no scratch memory")

@@ -1,0 +1,49 @@
+"""The decode step, pure torch: the twin of ``ext/_cstep.pyx`` with the same API (see
+``mdiedge/model/_stepspec.py``). The same arithmetic as ``ext/step.h``, one torch operation
+at a time; ``threads`` is torch's own thread count here."""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ._stepspec import MAX_ROWS, BlockWeights, check, usable  # noqa: F401  (this module's API)
+
+
+def _rmsnorm(x: Any, weight: Any, eps: float) -> Any:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x: Any, cos: Any, sin: Any) -> Any:
+    """x (rows, heads, hd); cos, sin (rows, 1, hd)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def block(weights: BlockWeights, x: Any, out: Any, slots: Sequence[int],
+          positions: Sequence[int], threads: int) -> None:
+    check(weights, x, out, slots, positions, threads)
+    w = weights
+    rows = x.shape[0]
+    n_kv, head_dim = w.k.shape[1], w.k.shape[3]
+    q_dim, kv_dim = w.n_heads * head_dim, n_kv * head_dim
+    qkv = F.linear(_rmsnorm(x, w.attn_norm, w.eps), w.qkv)  # (rows, q_dim + 2 kv_dim)
+    index = torch.as_tensor(list(positions))
+    cos, sin = w.cos[index][:, None], w.sin[index][:, None]  # (rows, 1, hd)
+    q = _rope(qkv[:, :q_dim].reshape(rows, w.n_heads, head_dim), cos, sin)
+    k = _rope(qkv[:, q_dim:q_dim + kv_dim].reshape(rows, n_kv, head_dim), cos, sin)
+    v = qkv[:, q_dim + kv_dim:].reshape(rows, n_kv, head_dim)
+    att = torch.empty(rows, w.n_heads, head_dim)
+    group = w.n_heads // n_kv
+    for r, (slot, pos) in enumerate(zip(slots, positions)):
+        w.k[slot, :, pos], w.v[slot, :, pos] = k[r], v[r]
+        keys, values = w.k[slot, :, :pos + 1], w.v[slot, :, :pos + 1]  # (kv, L, hd)
+        query = q[r].reshape(n_kv, group, head_dim)  # (kv, group, hd)
+        scores = (query @ keys.transpose(1, 2)) * (1.0 / math.sqrt(head_dim))  # (kv, group, L)
+        att[r] = (torch.softmax(scores, -1) @ values).reshape(w.n_heads, head_dim)
+    mid = x + F.linear(att.reshape(rows, q_dim), w.wo)
+    both = F.linear(_rmsnorm(mid, w.mlp_norm, w.eps), w.gate_up)  # (rows, 2 hidden)
+    hidden = both.shape[1] // 2
+    out.copy_(mid + F.linear(F.silu(both[:, :hidden]) * both[:, hidden:], w.down))

@@ -1,0 +1,105 @@
+"""What both implementations of the compiled decode step (``ext/_cstep.pyx`` and
+``mdiedge/model/_pystep.py``) accept: ``block(weights, x, out, slots, positions, threads)``
+runs one dense decoder block for ``x`` (rows, dim), one new token per row, row ``r`` in KV
+slot ``slots[r]`` at position ``positions[r]``, writes the block's output to ``out`` (rows,
+dim) and the rows' keys and values into the cache. Everything is C-contiguous float32 on
+the CPU, 1 <= rows <= ``MAX_ROWS``; ``usable`` says whether a call qualifies and ``check``
+raises ``ValueError`` quoting what does not.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ._matvecspec import MAX_ROWS
+
+
+_TENSORS = ("attn_norm", "qkv", "wo", "mlp_norm", "gate_up", "down", "k", "v", "cos", "sin")
+
+
+def _plain(t: Any) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
+class BlockWeights:
+    """One dense block's tensors as the step reads them, checked once when made (shapes,
+    float32, CPU, contiguous; ``ValueError`` quoting what is not) and frozen after.
+
+    attn_norm, mlp_norm (dim,); qkv (q_dim + 2 kv_dim, dim), Q, K and V fused; wo (dim,
+    q_dim); gate_up (2 hidden, dim), gate and up fused; down (dim, hidden); k, v caches
+    (slots, kv_heads, max_seq, head_dim); cos, sin RoPE tables (rope_len, head_dim)."""
+
+    __slots__ = _TENSORS + ("n_heads", "eps", "dim", "n_kv", "head_dim", "hidden", "n_slots",
+                            "positions")
+
+    def __init__(self, attn_norm: Any, qkv: Any, wo: Any, mlp_norm: Any, gate_up: Any,
+                 down: Any, k: Any, v: Any, cos: Any, sin: Any, n_heads: int,
+                 eps: float) -> None:
+        given = dict(zip(_TENSORS, (attn_norm, qkv, wo, mlp_norm, gate_up, down, k, v, cos,
+                                    sin)))
+        for name, t in given.items():
+            if not isinstance(t, torch.Tensor) or not _plain(t):
+                raise ValueError(f"{name} is not a contiguous float32 CPU tensor")
+        n_slots, n_kv, max_seq, head_dim = k.shape
+        dim, hidden = attn_norm.shape[0], gate_up.shape[0] // 2
+        q_dim = n_heads * head_dim
+        shapes = {"attn_norm": (dim,), "mlp_norm": (dim,), "wo": (dim, q_dim),
+                  "qkv": (q_dim + 2 * n_kv * head_dim, dim), "gate_up": (2 * hidden, dim),
+                  "down": (dim, hidden), "v": tuple(k.shape), "sin": tuple(cos.shape)}
+        for name, shape in shapes.items():
+            if tuple(given[name].shape) != shape:
+                raise ValueError(f"{name} {tuple(given[name].shape)} is not {shape}")
+        if n_heads % n_kv or cos.dim() != 2 or cos.shape[1] != head_dim or head_dim % 2:
+            raise ValueError(f"{n_heads} heads over {n_kv} KV heads of {head_dim} with "
+                             f"RoPE tables {tuple(cos.shape)} do not fit")
+        values = dict(given, n_heads=int(n_heads), eps=float(eps), dim=dim, n_kv=n_kv,
+                      head_dim=head_dim, hidden=hidden, n_slots=n_slots,
+                      positions=min(max_seq, cos.shape[0]))
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"BlockWeights is frozen ({name})")
+
+    def replace(self, **changes: Any) -> "BlockWeights":
+        """A copy with some tensors (or n_heads, eps) changed, checked again."""
+        names = _TENSORS + ("n_heads", "eps")
+        return BlockWeights(**{n: changes.get(n, getattr(self, n)) for n in names})
+
+    def same(self, *tensors: Any) -> bool:
+        """Whether these are the tensors it holds, in ``_TENSORS`` order (the same objects)."""
+        return all(a is b for a, b in zip(tensors, (getattr(self, n) for n in _TENSORS)))
+
+    def wants_grad(self) -> bool:
+        return any(getattr(self, n).requires_grad for n in _TENSORS)
+
+
+def usable(weights: BlockWeights, x: Any) -> bool:
+    """A 2-D float32 CPU ``x`` of 1..``MAX_ROWS`` rows of the block's width, and no gradient
+    wanted."""
+    return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == weights.dim
+            and _plain(x) and not (torch.is_grad_enabled()
+                                   and (x.requires_grad or weights.wants_grad())))
+
+
+def check(weights: BlockWeights, x: Any, out: Any, slots: Sequence[int],
+          positions: Sequence[int], threads: int) -> None:
+    if not isinstance(weights, BlockWeights):
+        raise ValueError(f"weights {type(weights).__name__} are not BlockWeights")
+    if not usable(weights, x):
+        raise ValueError(f"decode step of x {tuple(x.shape)} {x.dtype} on {x.device}: needs "
+                         f"1..{MAX_ROWS} contiguous float32 CPU rows of {weights.dim} and "
+                         "no gradient")
+    rows = x.shape[0]
+    if tuple(out.shape) != (rows, weights.dim) or not _plain(out):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} is not a contiguous float32 "
+                         f"({rows}, {weights.dim})")
+    if len(slots) != rows or len(positions) != rows:
+        raise ValueError(f"{len(slots)} slots and {len(positions)} positions for {rows} rows")
+    for slot, pos in zip(slots, positions):
+        if not (0 <= slot < weights.n_slots and 0 <= pos < weights.positions):
+            raise ValueError(f"slot {slot} at position {pos} outside {weights.n_slots} slots "
+                             f"of {weights.positions} positions")
+    if threads < 1:
+        raise ValueError(f"threads {threads} is not >= 1")

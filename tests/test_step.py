@@ -1,0 +1,205 @@
+"""The decode step (``ext/_cstep.pyx`` and its twin ``mdiedge/model/_pystep.py``): a dense
+block's decode equal to the block's own torch forward within float32 rounding (outputs and
+the KV written), the decode path of a model taking it with the same tokens as the torch
+path, a row's result independent of the rows beside it and of the thread count (compiled),
+argument checks quoting the offending value, and the blocks it does not apply to keeping
+the torch path."""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import List, Tuple
+
+import pytest
+import torch
+
+from mdiedge.base.accel import implementations
+from mdiedge.model import transformer as transformer_module
+from mdiedge.model.config import ModelConfig
+from mdiedge.model.transformer import Transformer
+
+pytestmark = pytest.mark.twins
+IMPLS = implementations("step")
+# head_dim 10 and widths that are not multiples of 8 reach every tail of the kernels
+CFG = ModelConfig(vocab_size=64, dim=40, n_layers=3, n_heads=4, n_kv_heads=2,
+                  intermediate_size=52, max_seq_len=48)
+
+
+@pytest.fixture(params=IMPLS, ids=[m.__name__ for m in IMPLS])
+def impl(request: pytest.FixtureRequest) -> ModuleType:
+    return request.param
+
+
+class TorchPath:
+    """Stands in for the step module: applies to nothing, so every block runs in torch."""
+
+    MAX_ROWS = 0
+
+
+def model(cfg: ModelConfig = CFG, seed: int = 0, fused: bool = True) -> Transformer:
+    torch.manual_seed(seed)
+    net = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_(0, 0.3) if p.dim() == 2 else p.uniform_(0.5, 1.5)
+    if fused:
+        net.fuse_projections()
+    return net
+
+
+def decode(net: Transformer, step: object, monkeypatch: pytest.MonkeyPatch,
+           prompts: torch.Tensor, starts: List[int], steps: int
+           ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """Greedy decode of ``prompts`` (B, T) in slots 0..B-1, row b prefilled from position
+    ``starts[b]``; the logits of every step (steps + 1, B, vocab) and the blocks' K caches."""
+    monkeypatch.setattr(transformer_module, "_step", step)
+    net.setup_cache(prompts.shape[0] + 1, CFG.max_seq_len)
+    rows, length = prompts.shape
+    slots = torch.arange(rows)
+    with torch.inference_mode():
+        logits = torch.cat([net(prompts[b:b + 1], slots[b:b + 1], [starts[b]])
+                            for b in range(rows)])
+        out = [logits]
+        for i in range(steps):
+            positions = [s + length + i for s in starts]
+            logits = net(logits.argmax(-1)[:, None], slots, positions)
+            out.append(logits)
+    return torch.stack(out), [b.attn.cache.k.clone() for b in net.layers.values()]
+
+
+def test_both_implementations_present() -> None:
+    names = [m.__name__ for m in IMPLS]
+    assert "mdiedge.model._pystep" in names
+    assert len(names) == 2 or "MDIEDGE_NO_EXTENSIONS" in __import__("os").environ
+
+
+@pytest.mark.parametrize("starts", [[0], [0, 0, 0], [0, 5, 2], [3, 0, 9, 1, 0, 4, 2, 7]])
+def test_decode_matches_the_torch_path(impl: ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                       starts: List[int]) -> None:
+    """Rows in their own slots at their own positions (one mask or none in torch)."""
+    net = model()
+    prompts = torch.randint(0, CFG.vocab_size, (len(starts), 6),
+                            generator=torch.Generator().manual_seed(len(starts)))
+    ref, ref_k = decode(net, TorchPath, monkeypatch, prompts, starts, 12)
+    got, got_k = decode(net, impl, monkeypatch, prompts, starts, 12)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4)
+    for a, b in zip(got_k, ref_k):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_model_decodes_through_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dense fused model's decode calls the step once per block; its prefill does not."""
+    calls: List[int] = []
+
+    class Counting:
+        MAX_ROWS = IMPLS[-1].MAX_ROWS
+        usable = staticmethod(IMPLS[-1].usable)
+
+        @staticmethod
+        def block(*args: object) -> None:
+            calls.append(1)
+            IMPLS[-1].block(*args)
+
+    prompts = torch.randint(0, CFG.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
+    decode(model(), Counting, monkeypatch, prompts, [0, 0], 4)
+    assert len(calls) == 4 * CFG.n_layers
+
+
+@pytest.mark.parametrize("fused, moe", [(False, False), (True, True)])
+def test_blocks_it_does_not_apply_to_keep_the_torch_path(
+        monkeypatch: pytest.MonkeyPatch, fused: bool, moe: bool) -> None:
+    cfg = CFG.replace(n_experts=3, experts_per_token=2, model_type="mixtral") if moe else CFG
+
+    class Refusing:
+        MAX_ROWS = 8
+        usable = staticmethod(IMPLS[-1].usable)
+
+        @staticmethod
+        def block(*args: object) -> None:
+            raise AssertionError("the step ran on a block it does not apply to")
+
+    net = model(cfg, fused=fused)
+    prompts = torch.randint(0, cfg.vocab_size, (1, 4), generator=torch.Generator().manual_seed(4))
+    decode(net, Refusing, monkeypatch, prompts, [0], 3)
+    assert all(b.step_weights(net.rope_cos, net.rope_sin) is None for b in net.layers.values())
+
+
+def test_the_step_weights_follow_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Made once per cache set-up, made again by another ``setup_cache`` or a move."""
+    net = model()
+    prompts = torch.randint(0, CFG.vocab_size, (1, 4), generator=torch.Generator().manual_seed(5))
+    decode(net, IMPLS[-1], monkeypatch, prompts, [0], 2)
+    first = net._step_weights()
+    assert len(first) == CFG.n_layers and net._step_weights() is first
+    assert first[0].k is net.layers["0"].attn.cache.k
+    net.setup_cache(2, 16)
+    again = net._step_weights()
+    assert again is not first and again[0].k is net.layers["0"].attn.cache.k
+    net.to(torch.float32)
+    assert net._step_weights() is not again
+
+
+def step_inputs(rows: int, seed: int = 0) -> Tuple[Transformer, torch.Tensor]:
+    net = model(seed=seed)
+    net.setup_cache(8, CFG.max_seq_len)
+    with torch.no_grad():
+        for block in net.layers.values():
+            block.attn.cache.k.normal_(generator=torch.Generator().manual_seed(seed + 1))
+            block.attn.cache.v.normal_(generator=torch.Generator().manual_seed(seed + 2))
+    return net, torch.randn(rows, CFG.dim, generator=torch.Generator().manual_seed(seed + 3))
+
+
+@torch.no_grad()
+def test_row_results_do_not_depend_on_batch_or_threads() -> None:
+    """Compiled: a row's output and KV are bit-identical alone, in a batch of 8 at other
+    positions and slots, and on 1 or 3 threads."""
+    if len(IMPLS) < 2:
+        pytest.skip("the compiled module is not built")
+    compiled = IMPLS[1]
+    slots, positions = [3, 0, 7, 1, 2, 4, 5, 6], [17, 0, 40, 3, 9, 31, 1, 46]
+    net, x = step_inputs(8)
+    block = net.layers["1"]
+    w = block.step_weights(net.rope_cos, net.rope_sin)
+    batch = torch.empty(8, CFG.dim)
+    compiled.block(w, x, batch, slots, positions, 2)
+    batch_k = block.attn.cache.k.clone()
+    for threads in (1, 3):
+        for r in range(8):
+            net, x = step_inputs(8)
+            block = net.layers["1"]
+            w = block.step_weights(net.rope_cos, net.rope_sin)
+            alone = torch.empty(1, CFG.dim)
+            compiled.block(w, x[r:r + 1].contiguous(), alone, slots[r:r + 1],
+                           positions[r:r + 1], threads)
+            assert torch.equal(alone[0], batch[r])
+            written = (slots[r], slice(None), positions[r])
+            assert torch.equal(block.attn.cache.k[written], batch_k[written])
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: a.update(slots=[8]), "slot 8 at position 5 outside 8 slots of 48 positions"),
+    (lambda a: a.update(positions=[48]), "slot 0 at position 48 outside 8 slots of 48"),
+    (lambda a: a.update(positions=[-1]), "slot 0 at position -1 outside"),
+    (lambda a: a.update(positions=[1, 2]), "1 slots and 2 positions for 1 rows"),
+    (lambda a: a.update(threads=0), "threads 0 is not >= 1"),
+    (lambda a: a.update(out=torch.empty(2, CFG.dim)), "out (2, 40) torch.float32 is not"),
+    (lambda a: a.update(x=torch.zeros(1, CFG.dim, dtype=torch.float64)), "x (1, 40) torch.float64"),
+    (lambda a: a.update(x=torch.zeros(9, CFG.dim)), "x (9, 40)"),
+    (lambda a: a.update(weights=a["weights"].replace(wo=torch.zeros(40, 8))),
+     "wo (40, 8) is not (40, 40)"),
+    (lambda a: a.update(weights=a["weights"].replace(sin=torch.zeros(48, 6))), "sin (48, 6)"),
+    (lambda a: a.update(weights=a["weights"].replace(k=torch.zeros(2, 8, 48, 10).transpose(0, 1))),
+     "k is not a contiguous float32 CPU tensor"),
+    (lambda a: a.update(weights=tuple(range(12))), "weights tuple are not BlockWeights"),
+])
+@torch.no_grad()
+def test_bad_arguments_quote_the_value(impl: ModuleType, change: object, message: str) -> None:
+    net, x = step_inputs(1)
+    block = net.layers["0"]
+    args = {"weights": block.step_weights(net.rope_cos, net.rope_sin), "x": x,
+            "out": torch.empty(1, CFG.dim), "slots": [0], "positions": [5], "threads": 1}
+    before = block.attn.cache.k.clone()
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        change(args)  # type: ignore[operator]
+        impl.block(**args)
+    assert torch.equal(block.attn.cache.k, before)  # nothing written

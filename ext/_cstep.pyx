@@ -1,8 +1,12 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """The decode step, compiled: the twin of ``mdiedge/model/_pystep.py`` with the same API (see
 ``mdiedge/model/_stepspec.py``). The kernel is ``ext/step.h``: a whole dense block for 1..8
-rows in one call with the GIL released, its products ``ext/matvec.h``'s."""
-from mdiedge.model._stepspec import MAX_ROWS, BlockWeights, check, usable  # noqa: F401
+rows in one call with the GIL released, its products ``ext/matvec.h``'s; a ``Plan`` holds
+consecutive blocks' pointers, made once, so ``blocks`` runs them all in one call."""
+from libc.stdlib cimport free, malloc
+
+from mdiedge.model._stepspec import (MAX_ROWS, BlockWeights, Limits, check,  # noqa: F401
+                                     check_call, usable)
 
 cdef extern from "step.h" nogil:
     void st_init()
@@ -21,6 +25,8 @@ cdef extern from "step.h" nogil:
         float eps
     int st_block_step(const st_block *b, const float *x, float *out, int R,
                       const long long *slots, const long long *pos, int threads)
+    int st_blocks_step(const st_block *bs, int n, const float *x, float *out, int R,
+                       const long long *slots, const long long *pos, int threads)
 
 st_init()
 
@@ -28,15 +34,7 @@ cdef const float *_ptr(t):
     return <const float *><size_t>t.data_ptr()
 
 
-def block(weights, x, out, slots, positions, int threads):
-    check(weights, x, out, slots, positions, threads)
-    cdef st_block b
-    cdef long long c_slots[8]
-    cdef long long c_pos[8]
-    cdef int rows = x.shape[0], r, status
-    for r in range(rows):
-        c_slots[r] = slots[r]
-        c_pos[r] = positions[r]
+cdef void _fill(st_block *b, weights):
     b.attn_norm, b.qkv, b.wo = _ptr(weights.attn_norm), _ptr(weights.qkv), _ptr(weights.wo)
     b.mlp_norm, b.gate_up, b.down = _ptr(weights.mlp_norm), _ptr(weights.gate_up), _ptr(weights.down)
     b.cos, b.sin = _ptr(weights.cos), _ptr(weights.sin)
@@ -44,6 +42,65 @@ def block(weights, x, out, slots, positions, int threads):
     b.n_slots, b.n_kv, b.max_seq = weights.n_slots, weights.n_kv, weights.k.shape[2]
     b.dim, b.n_heads, b.head_dim = weights.dim, weights.n_heads, weights.head_dim
     b.hidden, b.eps = weights.hidden, weights.eps
+
+
+cdef class Plan:
+    """Consecutive blocks to run in one call: their ``BlockWeights`` (kept, so the tensors
+    live as long as the pointers) and the pointers."""
+    cdef st_block *bs
+    cdef int n
+    cdef readonly object weights, limits
+
+    def __cinit__(self, weights):
+        self.limits = Limits(weights)
+        self.weights = list(weights)
+        self.n = len(self.weights)
+        self.bs = <st_block *>malloc(self.n * sizeof(st_block))
+        if self.bs == NULL:
+            raise MemoryError(f"a plan of {self.n} blocks: no memory")
+        for i in range(self.n):
+            _fill(&self.bs[i], self.weights[i])
+
+    def __dealloc__(self):
+        free(self.bs)
+
+
+def plan(weights):
+    return Plan(weights)
+
+
+cdef void _rows(slots, positions, long long *c_slots, long long *c_pos, int rows):
+    for r in range(rows):
+        c_slots[r] = slots[r]
+        c_pos[r] = positions[r]
+
+
+def blocks(plan_, x, out, slots, positions, int threads):
+    if not isinstance(plan_, Plan):
+        raise ValueError(f"plan {type(plan_).__name__} is not this module's Plan")
+    cdef Plan made = plan_
+    limits = made.limits
+    check_call(limits, limits.wants_grad, x, out, slots, positions, threads)
+    cdef long long c_slots[8]
+    cdef long long c_pos[8]
+    cdef int rows = x.shape[0], status
+    _rows(slots, positions, c_slots, c_pos, rows)
+    cdef const float *xp = _ptr(x)
+    cdef float *op = <float *>_ptr(out)
+    with nogil:
+        status = st_blocks_step(made.bs, made.n, xp, op, rows, c_slots, c_pos, threads)
+    if status != 0:
+        raise MemoryError(f"decode step of {rows} rows: no scratch memory")
+
+
+def block(weights, x, out, slots, positions, int threads):
+    check(weights, x, out, slots, positions, threads)
+    cdef st_block b
+    cdef long long c_slots[8]
+    cdef long long c_pos[8]
+    cdef int rows = x.shape[0], status
+    _rows(slots, positions, c_slots, c_pos, rows)
+    _fill(&b, weights)
     cdef const float *xp = _ptr(x)
     cdef float *op = <float *>_ptr(out)
     with nogil:

@@ -98,16 +98,29 @@ static void mv_init(void) {
 #endif
 }
 
-static void mv_rows(const float *w, const float *x, float *y, ptrdiff_t n, ptrdiff_t k,
+/* Columns [j0, j1) of y for every row. */
+static inline void mv_task(const float *w, const float *x, float *y, ptrdiff_t n, ptrdiff_t k,
+                           int rows, ptrdiff_t t) {
+    ptrdiff_t j0 = t * MV_COLS_PER_TASK;
+    ptrdiff_t j1 = j0 + MV_COLS_PER_TASK < n ? j0 + MV_COLS_PER_TASK : n;
+    for (int r = 0; r < rows; r += MV_GROUP) {
+        int R = rows - r < MV_GROUP ? rows - r : MV_GROUP;
+        fns[R](w, x + r * k, y + r * n, n, k, j0, j1);
+    }
+}
+
+static inline void mv_rows(const float *w, const float *x, float *y, ptrdiff_t n, ptrdiff_t k,
                     int rows, int threads) {
     ptrdiff_t tasks = (n + MV_COLS_PER_TASK - 1) / MV_COLS_PER_TASK;
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (ptrdiff_t t = 0; t < tasks; t++) {
-        ptrdiff_t j0 = t * MV_COLS_PER_TASK;
-        ptrdiff_t j1 = j0 + MV_COLS_PER_TASK < n ? j0 + MV_COLS_PER_TASK : n;
-        for (int r = 0; r < rows; r += MV_GROUP) {
-            int R = rows - r < MV_GROUP ? rows - r : MV_GROUP;
-            fns[R](w, x + r * k, y + r * n, n, k, j0, j1);
-        }
-    }
+    for (ptrdiff_t t = 0; t < tasks; t++) mv_task(w, x, y, n, k, rows, t);
+}
+
+/* mv_rows for the threads of a parallel region already running (every thread calls it; it
+   ends with the team's barrier); outside one, the calling thread does all of it. */
+static inline void mv_rows_team(const float *w, const float *x, float *y, ptrdiff_t n, ptrdiff_t k,
+                         int rows) {
+    ptrdiff_t tasks = (n + MV_COLS_PER_TASK - 1) / MV_COLS_PER_TASK;
+    #pragma omp for schedule(static)
+    for (ptrdiff_t t = 0; t < tasks; t++) mv_task(w, x, y, n, k, rows, t);
 }

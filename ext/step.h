@@ -98,12 +98,11 @@ static void st_init(void) {
 #endif
 }
 
-/* Q and K of every row roped at its position, K and V written to the row's cache slot, then
-   each query head attends over the row's keys [0, position]; att (R, q_dim). */
-static void st_attend(const st_block *b, float *qkv, float *att, float *scores, int R,
-                      const long long *slots, const long long *pos, int threads) {
+/* Q and K of every row roped at its position, K and V written to the row's cache slot. */
+static void st_rope_write(const st_block *b, float *qkv, int R, const long long *slots,
+                          const long long *pos) {
     ptrdiff_t hd = b->head_dim, q_dim = b->n_heads * hd, kv_dim = b->n_kv * hd;
-    ptrdiff_t width = q_dim + 2 * kv_dim, group = b->n_heads / b->n_kv, longest = 0;
+    ptrdiff_t width = q_dim + 2 * kv_dim;
     for (int r = 0; r < R; r++) {
         float *row = qkv + r * width;
         const float *c = b->cos + pos[r] * hd, *s = b->sin + pos[r] * hd;
@@ -113,46 +112,101 @@ static void st_attend(const st_block *b, float *qkv, float *att, float *scores, 
             memcpy(b->k + at, row + q_dim + h * hd, hd * sizeof(float));
             memcpy(b->v + at, row + q_dim + kv_dim + h * hd, hd * sizeof(float));
         }
-        if (pos[r] + 1 > longest) longest = pos[r] + 1;
-    }
-    ptrdiff_t tasks = (ptrdiff_t)R * b->n_heads;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tasks > 1)
-    for (ptrdiff_t t = 0; t < tasks; t++) {
-        ptrdiff_t r = t / b->n_heads, h = t % b->n_heads, g = h / group;
-        ptrdiff_t base = (slots[r] * b->n_kv + g) * b->max_seq * hd;
-        st_head(qkv + r * width + h * hd, b->k + base, b->v + base, att + r * q_dim + h * hd,
-                scores + t * longest, pos[r] + 1, hd);
     }
 }
 
-/* out = block(x) for R rows; returns 0, or -1 when scratch memory cannot be had. */
-static int st_block_step(const st_block *b, const float *x, float *out, int R,
-                         const long long *slots, const long long *pos, int threads) {
-    ptrdiff_t dim = b->dim, hd = b->head_dim, q_dim = b->n_heads * hd;
-    ptrdiff_t width = q_dim + 2 * b->n_kv * hd, hidden = b->hidden, longest = 0;
+/* Scratch of one step: normed rows, Q/K/V, attention, a product, gate/up, SwiGLU, scores. */
+typedef struct {
+    float *h, *qkv, *att, *o, *gu, *act, *scores;
+    ptrdiff_t longest;  /* the furthest row's keys: positions + 1 */
+} st_scratch;
+
+static size_t st_scratch_floats(const st_block *b, int R, ptrdiff_t longest) {
+    ptrdiff_t q_dim = b->n_heads * b->head_dim, width = q_dim + 2 * b->n_kv * b->head_dim;
+    return (size_t)R * (2 * b->dim + width + q_dim + 3 * b->hidden + b->n_heads * longest);
+}
+
+static void st_scratch_at(st_scratch *s, const st_block *b, int R, float *base) {
+    ptrdiff_t q_dim = b->n_heads * b->head_dim, width = q_dim + 2 * b->n_kv * b->head_dim;
+    s->h = base;
+    s->qkv = s->h + R * b->dim;
+    s->att = s->qkv + R * width;
+    s->o = s->att + R * q_dim;
+    s->gu = s->o + R * b->dim;
+    s->act = s->gu + R * 2 * b->hidden;
+    s->scores = s->act + R * b->hidden;
+}
+
+/* out = block(x) for R rows. Every thread of the team calls it: the products, attention
+   heads and element-wise loops are shared out, the norms and RoPE run on one thread, and
+   each phase ends with the team's barrier. */
+static void st_block_team(const st_block *b, const float *x, float *out, int R,
+                          const long long *slots, const long long *pos, const st_scratch *s) {
+    ptrdiff_t dim = b->dim, hd = b->head_dim, q_dim = b->n_heads * hd, hidden = b->hidden;
+    ptrdiff_t width = q_dim + 2 * b->n_kv * hd, group = b->n_heads / b->n_kv;
+    ptrdiff_t heads = (ptrdiff_t)R * b->n_heads;
+    #pragma omp single
+    for (int r = 0; r < R; r++) st_rmsnorm(x + r * dim, b->attn_norm, s->h + r * dim, dim, b->eps);
+    mv_rows_team(b->qkv, s->h, s->qkv, width, dim, R);
+    #pragma omp single
+    st_rope_write(b, s->qkv, R, slots, pos);
+    #pragma omp for schedule(static)
+    for (ptrdiff_t t = 0; t < heads; t++) {
+        ptrdiff_t r = t / b->n_heads, h = t % b->n_heads;
+        ptrdiff_t base = (slots[r] * b->n_kv + h / group) * b->max_seq * hd;
+        st_head(s->qkv + r * width + h * hd, b->k + base, b->v + base, s->att + r * q_dim + h * hd,
+                s->scores + t * s->longest, pos[r] + 1, hd);
+    }
+    mv_rows_team(b->wo, s->att, s->o, dim, q_dim, R);
+    #pragma omp single
+    for (int r = 0; r < R; r++) {
+        for (ptrdiff_t i = r * dim; i < (r + 1) * dim; i++) out[i] = x[i] + s->o[i];
+        st_rmsnorm(out + r * dim, b->mlp_norm, s->h + r * dim, dim, b->eps);
+    }
+    mv_rows_team(b->gate_up, s->h, s->gu, 2 * hidden, dim, R);
+    #pragma omp for schedule(static)
+    for (ptrdiff_t e = 0; e < R * hidden; e++) {
+        ptrdiff_t r = e / hidden, i = e % hidden;
+        float g = s->gu[r * 2 * hidden + i], u = s->gu[r * 2 * hidden + hidden + i];
+        s->act[e] = g / (1.0f + expf(-g)) * u;
+    }
+    mv_rows_team(b->down, s->act, s->o, dim, hidden, R);
+    #pragma omp for schedule(static)
+    for (ptrdiff_t i = 0; i < R * dim; i++) out[i] += s->o[i];
+}
+
+/* out = the n blocks of bs applied to x one after another, in one parallel region of
+   ``threads``; returns 0, or -1 when scratch memory cannot be had. */
+static int st_blocks_step(const st_block *bs, int n, const float *x, float *out, int R,
+                          const long long *slots, const long long *pos, int threads) {
+    ptrdiff_t longest = 0;
     for (int r = 0; r < R; r++)
         if (pos[r] + 1 > longest) longest = pos[r] + 1;
-    size_t floats = (size_t)R * (dim + width + q_dim + dim + 3 * hidden)
-                    + (size_t)R * b->n_heads * longest;
-    float *h = malloc(floats * sizeof(float));
-    if (h == NULL) return -1;
-    float *qkv = h + R * dim, *att = qkv + R * width, *o = att + R * q_dim;
-    float *gu = o + R * dim, *act = gu + R * 2 * hidden, *scores = act + R * hidden;
-    for (int r = 0; r < R; r++) st_rmsnorm(x + r * dim, b->attn_norm, h + r * dim, dim, b->eps);
-    mv_rows(b->qkv, h, qkv, width, dim, R, threads);
-    st_attend(b, qkv, att, scores, R, slots, pos, threads);
-    mv_rows(b->wo, att, o, dim, q_dim, R, threads);
-    for (ptrdiff_t i = 0; i < R * dim; i++) out[i] = x[i] + o[i];
-    for (int r = 0; r < R; r++)
-        st_rmsnorm(out + r * dim, b->mlp_norm, h + r * dim, dim, b->eps);
-    mv_rows(b->gate_up, h, gu, 2 * hidden, dim, R, threads);
-    for (int r = 0; r < R; r++)
-        for (ptrdiff_t i = 0; i < hidden; i++) {
-            float g = gu[r * 2 * hidden + i], u = gu[r * 2 * hidden + hidden + i];
-            act[r * hidden + i] = g / (1.0f + expf(-g)) * u;
+    size_t floats = 0, bytes = (size_t)R * bs[0].dim * sizeof(float);
+    for (int i = 0; i < n; i++) {
+        size_t need = st_scratch_floats(&bs[i], R, longest);
+        if (need > floats) floats = need;
+    }
+    float *cur = malloc(bytes + floats * sizeof(float));
+    if (cur == NULL) return -1;
+    float *base = cur + (size_t)R * bs[0].dim;
+    memcpy(cur, x, bytes);
+    #pragma omp parallel num_threads(threads) if (threads > 1)
+    for (int i = 0; i < n; i++) {
+        st_scratch s;
+        st_scratch_at(&s, &bs[i], R, base);
+        s.longest = longest;
+        st_block_team(&bs[i], cur, out, R, slots, pos, &s);
+        if (i + 1 < n) {
+            #pragma omp single
+            memcpy(cur, out, bytes);
         }
-    mv_rows(b->down, act, o, dim, hidden, R, threads);
-    for (ptrdiff_t i = 0; i < R * dim; i++) out[i] += o[i];
-    free(h);
+    }
+    free(cur);
     return 0;
+}
+
+static int st_block_step(const st_block *b, const float *x, float *out, int R,
+                         const long long *slots, const long long *pos, int threads) {
+    return st_blocks_step(b, 1, x, out, R, slots, pos, threads);
 }

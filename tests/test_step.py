@@ -88,21 +88,64 @@ def test_decode_matches_the_torch_path(impl: ModuleType, monkeypatch: pytest.Mon
 
 
 def test_the_model_decodes_through_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A dense fused model's decode calls the step once per block; its prefill does not."""
+    """A dense fused model's decode runs its blocks in one call of the step per step; its
+    prefill does not call it."""
     calls: List[int] = []
+    compiled = IMPLS[-1]
 
     class Counting:
-        MAX_ROWS = IMPLS[-1].MAX_ROWS
-        usable = staticmethod(IMPLS[-1].usable)
+        MAX_ROWS = compiled.MAX_ROWS
+        usable = staticmethod(compiled.usable)
+        plan = staticmethod(compiled.plan)
 
         @staticmethod
-        def block(*args: object) -> None:
-            calls.append(1)
-            IMPLS[-1].block(*args)
+        def blocks(plan: object, *args: object) -> None:
+            calls.append(len(plan.weights))  # type: ignore[attr-defined]
+            compiled.blocks(plan, *args)
 
     prompts = torch.randint(0, CFG.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
     decode(model(), Counting, monkeypatch, prompts, [0, 0], 4)
-    assert len(calls) == 4 * CFG.n_layers
+    assert calls == [CFG.n_layers] * 4
+
+
+@torch.no_grad()
+def test_blocks_in_one_call_equal_one_call_each(impl: ModuleType) -> None:
+    slots, positions = [2, 5, 0], [7, 30, 0]
+    outputs = []
+    for together in (True, False):
+        net, x = step_inputs(3)
+        weights = [b.step_weights(net.rope_cos, net.rope_sin) for b in net.layers.values()]
+        out = torch.empty(3, CFG.dim)
+        if together:
+            impl.blocks(impl.plan(weights), x, out, slots, positions, 2)
+        else:
+            for w in weights:
+                impl.block(w, x, out, slots, positions, 2)
+                x = out.clone()
+        outputs.append((out, [b.attn.cache.v.clone() for b in net.layers.values()]))
+    (a, a_v), (b, b_v) = outputs
+    assert torch.equal(a, b) and all(torch.equal(p, q) for p, q in zip(a_v, b_v))
+
+
+@torch.no_grad()
+def test_bad_plans_are_refused(impl: ModuleType) -> None:
+    net, x = step_inputs(1)
+    w = net.layers["0"].step_weights(net.rope_cos, net.rope_sin)
+    other = step_inputs(1)[0]
+    other_cfg = CFG.replace(dim=48, n_heads=4, n_kv_heads=2)
+    wide = model(other_cfg)
+    wide.setup_cache(2, 16)
+    with pytest.raises(ValueError, match=r"a plan needs one or more BlockWeights, got 0"):
+        impl.plan([])
+    with pytest.raises(ValueError, match=r"got 2 \(BlockWeights, str\)"):
+        impl.plan([w, "block"])
+    with pytest.raises(ValueError, match=r"blocks of widths \[40, 48\] cannot run"):
+        impl.plan([w, wide.layers["0"].step_weights(wide.rope_cos, wide.rope_sin)])
+    with pytest.raises(ValueError, match="plan list is not this module's Plan"):
+        impl.blocks([w], x, torch.empty(1, CFG.dim), [0], [0], 1)
+    small = impl.plan([w, other.layers["1"].step_weights(other.rope_cos, other.rope_sin)])
+    with pytest.raises(ValueError, match="slot 0 at position 48 outside 8 slots of 48"):
+        impl.blocks(small, x, torch.empty(1, CFG.dim), [0], [48], 1)
 
 
 @pytest.mark.parametrize("fused, moe", [(False, False), (True, True)])
@@ -129,14 +172,14 @@ def test_the_step_weights_follow_the_cache(monkeypatch: pytest.MonkeyPatch) -> N
     net = model()
     prompts = torch.randint(0, CFG.vocab_size, (1, 4), generator=torch.Generator().manual_seed(5))
     decode(net, IMPLS[-1], monkeypatch, prompts, [0], 2)
-    first = net._step_weights()
-    assert len(first) == CFG.n_layers and net._step_weights() is first
+    first = net._step_weights()[0]
+    assert len(first) == CFG.n_layers and net._step_weights()[0] is first
     assert first[0].k is net.layers["0"].attn.cache.k
     net.setup_cache(2, 16)
-    again = net._step_weights()
+    again = net._step_weights()[0]
     assert again is not first and again[0].k is net.layers["0"].attn.cache.k
     net.to(torch.float32)
-    assert net._step_weights() is not again
+    assert net._step_weights()[0] is not again
 
 
 def step_inputs(rows: int, seed: int = 0) -> Tuple[Transformer, torch.Tensor]:

@@ -9,7 +9,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from ._stepspec import MAX_ROWS, BlockWeights, check, usable  # noqa: F401  (this module's API)
+from ._stepspec import (MAX_ROWS, BlockWeights, Limits, check, check_call,  # noqa: F401
+                        usable)
 
 
 def _rmsnorm(x: Any, weight: Any, eps: float) -> Any:
@@ -22,10 +23,36 @@ def _rope(x: Any, cos: Any, sin: Any) -> Any:
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+class Plan(Limits):
+    """Consecutive blocks to run in one call."""
+
+    def __init__(self, weights: Sequence[BlockWeights]) -> None:
+        super().__init__(weights)
+        self.weights = list(weights)
+
+
+def plan(weights: Sequence[BlockWeights]) -> Plan:
+    return Plan(weights)
+
+
+def blocks(plan_: Plan, x: Any, out: Any, slots: Sequence[int], positions: Sequence[int],
+           threads: int) -> None:
+    if not isinstance(plan_, Plan):
+        raise ValueError(f"plan {type(plan_).__name__} is not this module's Plan")
+    check_call(plan_, plan_.wants_grad, x, out, slots, positions, threads)
+    for weights in plan_.weights:
+        _block(weights, x, out, slots, positions)
+        x = out.clone()
+
+
 def block(weights: BlockWeights, x: Any, out: Any, slots: Sequence[int],
           positions: Sequence[int], threads: int) -> None:
     check(weights, x, out, slots, positions, threads)
-    w = weights
+    _block(weights, x, out, slots, positions)
+
+
+def _block(w: BlockWeights, x: Any, out: Any, slots: Sequence[int],
+           positions: Sequence[int]) -> None:
     rows = x.shape[0]
     n_kv, head_dim = w.k.shape[1], w.k.shape[3]
     q_dim, kv_dim = w.n_heads * head_dim, n_kv * head_dim

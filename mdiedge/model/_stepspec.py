@@ -2,9 +2,10 @@
 ``mdiedge/model/_pystep.py``) accept: ``block(weights, x, out, slots, positions, threads)``
 runs one dense decoder block for ``x`` (rows, dim), one new token per row, row ``r`` in KV
 slot ``slots[r]`` at position ``positions[r]``, writes the block's output to ``out`` (rows,
-dim) and the rows' keys and values into the cache. Everything is C-contiguous float32 on
-the CPU, 1 <= rows <= ``MAX_ROWS``; ``usable`` says whether a call qualifies and ``check``
-raises ``ValueError`` quoting what does not.
+dim) and the rows' keys and values into the cache; ``blocks(plan(weights), x, out, …)``
+runs consecutive blocks in one call, ``plan`` made once for them. Everything is
+C-contiguous float32 on the CPU, 1 <= rows <= ``MAX_ROWS``; ``usable`` says whether a call
+qualifies and ``check`` raises ``ValueError`` quoting what does not.
 """
 from __future__ import annotations
 
@@ -75,6 +76,23 @@ class BlockWeights:
         return any(getattr(self, n).requires_grad for n in _TENSORS)
 
 
+class Limits:
+    """What a call must fit, for one block or several: the width, KV slots and positions
+    (the fewest of any block)."""
+
+    def __init__(self, weights: Sequence[BlockWeights]) -> None:
+        if not weights or not all(isinstance(w, BlockWeights) for w in weights):
+            raise ValueError(f"a plan needs one or more BlockWeights, got {len(weights)} "
+                             f"({', '.join(sorted({type(w).__name__ for w in weights}))})")
+        widths = {w.dim for w in weights}
+        if len(widths) != 1:
+            raise ValueError(f"blocks of widths {sorted(widths)} cannot run one after another")
+        self.dim = widths.pop()
+        self.n_slots = min(w.n_slots for w in weights)
+        self.positions = min(w.positions for w in weights)
+        self.wants_grad = any(w.wants_grad() for w in weights)
+
+
 def usable(weights: BlockWeights, x: Any) -> bool:
     """A 2-D float32 CPU ``x`` of 1..``MAX_ROWS`` rows of the block's width, and no gradient
     wanted."""
@@ -87,19 +105,26 @@ def check(weights: BlockWeights, x: Any, out: Any, slots: Sequence[int],
           positions: Sequence[int], threads: int) -> None:
     if not isinstance(weights, BlockWeights):
         raise ValueError(f"weights {type(weights).__name__} are not BlockWeights")
-    if not usable(weights, x):
+    check_call(weights, weights.wants_grad(), x, out, slots, positions, threads)
+
+
+def check_call(limits: Any, wants_grad: bool, x: Any, out: Any, slots: Sequence[int],
+               positions: Sequence[int], threads: int) -> None:
+    """The call's own arguments against ``limits`` (a ``BlockWeights`` or ``Limits``)."""
+    if not (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == limits.dim
+            and _plain(x) and not (torch.is_grad_enabled() and (x.requires_grad or wants_grad))):
         raise ValueError(f"decode step of x {tuple(x.shape)} {x.dtype} on {x.device}: needs "
-                         f"1..{MAX_ROWS} contiguous float32 CPU rows of {weights.dim} and "
+                         f"1..{MAX_ROWS} contiguous float32 CPU rows of {limits.dim} and "
                          "no gradient")
     rows = x.shape[0]
-    if tuple(out.shape) != (rows, weights.dim) or not _plain(out):
+    if tuple(out.shape) != (rows, limits.dim) or not _plain(out):
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} is not a contiguous float32 "
-                         f"({rows}, {weights.dim})")
+                         f"({rows}, {limits.dim})")
     if len(slots) != rows or len(positions) != rows:
         raise ValueError(f"{len(slots)} slots and {len(positions)} positions for {rows} rows")
     for slot, pos in zip(slots, positions):
-        if not (0 <= slot < weights.n_slots and 0 <= pos < weights.positions):
-            raise ValueError(f"slot {slot} at position {pos} outside {weights.n_slots} slots "
-                             f"of {weights.positions} positions")
+        if not (0 <= slot < limits.n_slots and 0 <= pos < limits.positions):
+            raise ValueError(f"slot {slot} at position {pos} outside {limits.n_slots} slots "
+                             f"of {limits.positions} positions")
     if threads < 1:
         raise ValueError(f"threads {threads} is not >= 1")

@@ -202,7 +202,7 @@ class Transformer(nn.Module):
         self.n_slots = 0
         self.max_seq_len = 0
         self.rope_cos = self.rope_sin = torch.empty(0)
-        self._steps: Optional[List[BlockWeights]] = None  # see _step_weights
+        self._steps: Optional[Tuple[List[BlockWeights], Any]] = None  # see _step_weights
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -299,32 +299,39 @@ class Transformer(nn.Module):
         """Decode (one token per row, x (B, 1, dim)) through the compiled step, a block per
         call, with early exit as in ``run_blocks``; None, before anything runs, where the
         step does not apply to every block."""
-        weights = self._step_weights()
+        weights, plan = self._step_weights()
         if not weights or not _step.usable(weights[0], x[:, 0]):
             return None
         if max(positions) + 1 > self.max_seq_len:
             raise ValueError(f"position {max(positions) + 1} beyond the KV cache "
                              f"length {self.max_seq_len}")
         rows, slot_list, threads = x[:, 0].contiguous(), slots.tolist(), torch.get_num_threads()
+        if exit_step is None:  # every block in one call
+            out = torch.empty_like(rows)  # (B, dim)
+            _step.blocks(plan, rows, out, slot_list, positions, threads)
+            return out[:, None]
         for n, (index, w) in enumerate(zip(self.layers, weights)):
             out = torch.empty_like(rows)  # (B, dim)
             _step.block(w, rows, out, slot_list, positions, threads)
             previous, rows = rows, out
-            if exit_step is not None and exit_step.after_block(
-                    int(index), rows[:, None], previous[:, None]):
+            if exit_step.after_block(int(index), rows[:, None], previous[:, None]):
                 t0 = time.perf_counter()
                 self._fill_from(n + 1, rows[:, None], slots, positions)
                 exit_step.fill_s += time.perf_counter() - t0
                 break
         return rows[:, None]  # (B, 1, dim)
 
-    def _step_weights(self) -> List[BlockWeights]:
-        """Every block's ``step_weights`` (empty unless all have them), made once per KV cache
-        set-up: ``setup_cache``, ``fuse_projections`` and any ``.to()`` make them again. A
-        parameter replaced by hand after ``setup_cache`` needs ``setup_cache`` again."""
+    def _step_weights(self) -> Tuple[List[BlockWeights], Any]:
+        """Every block's ``step_weights`` (empty unless all have them) and the step's plan of
+        them, made once per KV cache set-up: ``setup_cache``, ``fuse_projections`` and any
+        ``.to()`` make them again. A parameter replaced by hand after ``setup_cache`` needs
+        ``setup_cache`` again."""
         if self._steps is None:
             found = [b.step_weights(self.rope_cos, self.rope_sin) for b in self.layers.values()]
-            self._steps = [] if any(w is None for w in found) else found  # type: ignore[misc]
+            if any(w is None for w in found):
+                self._steps = ([], None)
+            else:
+                self._steps = (found, _step.plan(found))  # type: ignore[arg-type]
         return self._steps
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "Transformer":

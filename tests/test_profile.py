@@ -15,7 +15,7 @@ def test_profile_of_a_two_node_ring(ring_model: Path) -> None:
     def patched() -> tuple:
         return (layers.project, transformer.project, layers.RMSNorm.forward,
                 transformer.apply_rope, transformer.attention, transformer.KVCache.update,
-                transformer._step.block)
+                transformer._step.block, transformer._step.blocks)
 
     originals = patched()
     profiles = profile_ring(ring_model, 2, 3, context=32, steps=2)

@@ -43,7 +43,8 @@ def _timed(timers: _Timers) -> Iterator[None]:
         (layers, "project", "projections"), (transformer, "project", "projections"),
         (layers.RMSNorm, "forward", "norms"),
         (transformer, "apply_rope", "rope"), (transformer, "attention", "attention"),
-        (transformer.KVCache, "update", "attention"), (transformer._step, "block", "block step")]
+        (transformer.KVCache, "update", "attention"), (transformer._step, "block", "block step"),
+        (transformer._step, "blocks", "block step")]
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
     try:
         for owner, attr, name in patches:

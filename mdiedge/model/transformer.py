@@ -296,16 +296,18 @@ class Transformer(nn.Module):
 
     def _step_blocks(self, x: Tensor, slots: Tensor, positions: Sequence[int],
                      exit_step: Optional[ExitStep]) -> Optional[Tensor]:
-        """Decode (one token per row, x (B, 1, dim)) through the compiled step, a block per
-        call, with early exit as in ``run_blocks``; None, before anything runs, where the
-        step does not apply to every block."""
+        """Decode (one token per row, x (B, 1, dim)) through the compiled step: every block
+        in one call, or, with ``exit_step``, one block per call and early exit as in
+        ``run_blocks``. None, before anything runs, where the step does not apply to every
+        block."""
         weights, plan = self._step_weights()
-        if not weights or not _step.usable(weights[0], x[:, 0]):
+        rows = x[:, 0].contiguous()  # (B, dim)
+        if not weights or not _step.usable(weights[0], rows):
             return None
         if max(positions) + 1 > self.max_seq_len:
             raise ValueError(f"position {max(positions) + 1} beyond the KV cache "
                              f"length {self.max_seq_len}")
-        rows, slot_list, threads = x[:, 0].contiguous(), slots.tolist(), torch.get_num_threads()
+        slot_list, threads = slots.tolist(), torch.get_num_threads()
         if exit_step is None:  # every block in one call
             out = torch.empty_like(rows)  # (B, dim)
             _step.blocks(plan, rows, out, slot_list, positions, threads)

@@ -15,6 +15,7 @@ import torch
 from mdiedge.base.accel import implementations
 from mdiedge.model import transformer as transformer_module
 from mdiedge.model.config import ModelConfig
+from mdiedge.model.exits import NEVER, ExitPolicy, ExitStep
 from mdiedge.model.transformer import Transformer
 
 pytestmark = pytest.mark.twins
@@ -172,14 +173,16 @@ def test_the_step_weights_follow_the_cache(monkeypatch: pytest.MonkeyPatch) -> N
     net = model()
     prompts = torch.randint(0, CFG.vocab_size, (1, 4), generator=torch.Generator().manual_seed(5))
     decode(net, IMPLS[-1], monkeypatch, prompts, [0], 2)
-    first = net._step_weights()[0]
-    assert len(first) == CFG.n_layers and net._step_weights()[0] is first
+    first = net._step_weights()
+    assert len(first) == CFG.n_layers and net._step_weights() is first
     assert first[0].k is net.layers["0"].attn.cache.k
+    assert list(net._plans) == [(0, CFG.n_layers)]
     net.setup_cache(2, 16)
-    again = net._step_weights()[0]
+    again = net._step_weights()
     assert again is not first and again[0].k is net.layers["0"].attn.cache.k
+    assert not net._plans
     net.to(torch.float32)
-    assert net._step_weights()[0] is not again
+    assert net._step_weights() is not again
 
 
 def step_inputs(rows: int, seed: int = 0) -> Tuple[Transformer, torch.Tensor]:
@@ -246,3 +249,37 @@ def test_bad_arguments_quote_the_value(impl: ModuleType, change: object, message
         change(args)  # type: ignore[operator]
         impl.block(**args)
     assert torch.equal(block.attn.cache.k, before)  # nothing written
+
+
+@pytest.mark.parametrize("thresholds, depth", [
+    ([NEVER, 2.0, NEVER, 2.0, NEVER], 0),   # checked after blocks 1 and 3, never passed
+    ([NEVER, 2.0, NEVER, -2.0, NEVER], 4),  # every row exits after block 3
+    ([-2.0, NEVER, NEVER, NEVER, NEVER], 1),
+])
+def test_early_exit_through_the_step_equals_the_torch_path(
+        impl: ModuleType, monkeypatch: pytest.MonkeyPatch, thresholds: List[float],
+        depth: int) -> None:
+    """Blocks between checked ones run in one call; the checks, the exit and the KV fill
+    of the skipped blocks are those of the torch path."""
+    cfg = CFG.replace(n_layers=5)
+    results = []
+    for step in (TorchPath, impl):
+        monkeypatch.setattr(transformer_module, "_step", step)
+        net = model(cfg, seed=2)
+        net.setup_cache(3, cfg.max_seq_len)
+        prompts = torch.randint(0, cfg.vocab_size, (2, 6),
+                                generator=torch.Generator().manual_seed(6))
+        policy = ExitPolicy("similarity", thresholds)
+        with torch.inference_mode():
+            net(prompts, torch.arange(2), [0, 0])
+            x = net.embed_tokens(torch.tensor([[7], [9]]))
+            exit_step = ExitStep.start(policy, 2)
+            y = net.run_blocks(x, torch.arange(2), [6, 6], exit_step)
+        written = [b.attn.cache.k[:2, :, 6].clone() for b in net.layers.values()]
+        results.append((y, exit_step, written))
+    (ref, ref_step, ref_k), (got, got_step, got_k) = results
+    assert got_step.depth == ref_step.depth == depth
+    assert got_step.checked == ref_step.checked
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5)
+    for a, b in zip(got_k, ref_k):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)

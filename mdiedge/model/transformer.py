@@ -11,6 +11,7 @@ SwiGLU (Shazeer 2020), Mixtral (Jiang et al. 2024).
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -202,7 +203,8 @@ class Transformer(nn.Module):
         self.n_slots = 0
         self.max_seq_len = 0
         self.rope_cos = self.rope_sin = torch.empty(0)
-        self._steps: Optional[Tuple[List[BlockWeights], Any]] = None  # see _step_weights
+        self._steps: Optional[List[BlockWeights]] = None  # see _step_weights
+        self._plans: Dict[Tuple[int, int], Any] = {}
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -297,43 +299,55 @@ class Transformer(nn.Module):
     def _step_blocks(self, x: Tensor, slots: Tensor, positions: Sequence[int],
                      exit_step: Optional[ExitStep]) -> Optional[Tensor]:
         """Decode (one token per row, x (B, 1, dim)) through the compiled step: every block
-        in one call, or, with ``exit_step``, one block per call and early exit as in
-        ``run_blocks``. None, before anything runs, where the step does not apply to every
-        block."""
-        weights, plan = self._step_weights()
+        in one call, or, with ``exit_step``, the blocks between two checked ones in one call,
+        each checked block in its own, and early exit as in ``run_blocks``. None, before
+        anything runs, where the step does not apply to every block."""
+        weights = self._step_weights()
         rows = x[:, 0].contiguous()  # (B, dim)
         if not weights or not _step.usable(weights[0], rows):
             return None
         if max(positions) + 1 > self.max_seq_len:
             raise ValueError(f"position {max(positions) + 1} beyond the KV cache "
                              f"length {self.max_seq_len}")
-        slot_list, threads = slots.tolist(), torch.get_num_threads()
-        if exit_step is None:  # every block in one call
-            out = torch.empty_like(rows)  # (B, dim)
-            _step.blocks(plan, rows, out, slot_list, positions, threads)
-            return out[:, None]
-        for n, (index, w) in enumerate(zip(self.layers, weights)):
-            out = torch.empty_like(rows)  # (B, dim)
-            _step.block(w, rows, out, slot_list, positions, threads)
-            previous, rows = rows, out
-            if exit_step.after_block(int(index), rows[:, None], previous[:, None]):
+        run = functools.partial(self._step_run, slots=slots.tolist(), positions=positions,
+                                threads=torch.get_num_threads())
+        if exit_step is None:
+            return run(0, len(weights), rows)[:, None]
+        indices = [int(i) for i in self.layers]
+        start = 0
+        for n, index in enumerate(indices):
+            if not exit_step.policy.checks(index):
+                continue
+            previous = run(start, n, rows) if n > start else rows
+            rows, start = run(n, n + 1, previous), n + 1
+            if exit_step.after_block(index, rows[:, None], previous[:, None]):
                 t0 = time.perf_counter()
                 self._fill_from(n + 1, rows[:, None], slots, positions)
                 exit_step.fill_s += time.perf_counter() - t0
-                break
-        return rows[:, None]  # (B, 1, dim)
+                return rows[:, None]
+        return (run(start, len(indices), rows) if start < len(indices) else rows)[:, None]
 
-    def _step_weights(self) -> Tuple[List[BlockWeights], Any]:
-        """Every block's ``step_weights`` (empty unless all have them) and the step's plan of
-        them, made once per KV cache set-up: ``setup_cache``, ``fuse_projections`` and any
-        ``.to()`` make them again. A parameter replaced by hand after ``setup_cache`` needs
-        ``setup_cache`` again."""
+    def _step_run(self, first: int, end: int, rows: Tensor, slots: List[int],
+                  positions: Sequence[int], threads: int) -> Tensor:
+        """This chunk's blocks ``first`` to ``end`` (positions in the chunk) on rows (B, dim)
+        in one call of the step; their plan is made once."""
+        plans = self._plans
+        plan = plans.get((first, end))
+        if plan is None:
+            plan = plans[(first, end)] = _step.plan(self._step_weights()[first:end])
+        out = torch.empty_like(rows)  # (B, dim)
+        _step.blocks(plan, rows, out, slots, positions, threads)
+        return out
+
+    def _step_weights(self) -> List[BlockWeights]:
+        """Every block's ``step_weights`` (empty unless all have them), made once per KV cache
+        set-up, with the step's plans of them (``_plans``): ``setup_cache``,
+        ``fuse_projections`` and any ``.to()`` make them again. A parameter replaced by hand
+        after ``setup_cache`` needs ``setup_cache`` again."""
         if self._steps is None:
             found = [b.step_weights(self.rope_cos, self.rope_sin) for b in self.layers.values()]
-            if any(w is None for w in found):
-                self._steps = ([], None)
-            else:
-                self._steps = (found, _step.plan(found))  # type: ignore[arg-type]
+            self._steps = [] if any(w is None for w in found) else found  # type: ignore[misc]
+            self._plans = {}
         return self._steps
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "Transformer":

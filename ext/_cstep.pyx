@@ -8,6 +8,8 @@ from libc.stdlib cimport free, malloc
 from mdiedge.model._stepspec import (MAX_ROWS, BlockWeights, Limits, check,  # noqa: F401
                                      check_call, usable)
 
+PREFERRED = True  # the model decodes through it (see the twin's)
+
 cdef extern from "step.h" nogil:
     void st_init()
     ctypedef struct st_block:

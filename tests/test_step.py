@@ -6,8 +6,8 @@ argument checks quoting the offending value, and the blocks it does not apply to
 the torch path."""
 from __future__ import annotations
 
-from types import ModuleType
-from typing import List, Tuple
+from types import ModuleType, SimpleNamespace
+from typing import Any, List, Tuple
 
 import pytest
 import torch
@@ -25,15 +25,24 @@ CFG = ModelConfig(vocab_size=64, dim=40, n_layers=3, n_heads=4, n_kv_heads=2,
                   intermediate_size=52, max_seq_len=48)
 
 
+def preferred(module: ModuleType) -> Any:
+    """``module`` as the model's decode would take it, the twin too."""
+    return SimpleNamespace(**{**vars(module), "PREFERRED": True})
+
+
 @pytest.fixture(params=IMPLS, ids=[m.__name__ for m in IMPLS])
-def impl(request: pytest.FixtureRequest) -> ModuleType:
-    return request.param
+def impl(request: pytest.FixtureRequest) -> Any:
+    return preferred(request.param)
+
+
+def test_only_the_compiled_step_is_preferred() -> None:
+    assert [m.PREFERRED for m in IMPLS] == [False, True][:len(IMPLS)]
 
 
 class TorchPath:
     """Stands in for the step module: applies to nothing, so every block runs in torch."""
 
-    MAX_ROWS = 0
+    PREFERRED = False
 
 
 def model(cfg: ModelConfig = CFG, seed: int = 0, fused: bool = True) -> Transformer:
@@ -95,7 +104,7 @@ def test_the_model_decodes_through_the_step(monkeypatch: pytest.MonkeyPatch) -> 
     compiled = IMPLS[-1]
 
     class Counting:
-        MAX_ROWS = compiled.MAX_ROWS
+        PREFERRED, MAX_ROWS = True, compiled.MAX_ROWS
         usable = staticmethod(compiled.usable)
         plan = staticmethod(compiled.plan)
 
@@ -155,7 +164,7 @@ def test_blocks_it_does_not_apply_to_keep_the_torch_path(
     cfg = CFG.replace(n_experts=3, experts_per_token=2, model_type="mixtral") if moe else CFG
 
     class Refusing:
-        MAX_ROWS = 8
+        PREFERRED, MAX_ROWS = True, 8
         usable = staticmethod(IMPLS[-1].usable)
 
         @staticmethod
@@ -172,7 +181,7 @@ def test_the_step_weights_follow_the_cache(monkeypatch: pytest.MonkeyPatch) -> N
     """Made once per cache set-up, made again by another ``setup_cache`` or a move."""
     net = model()
     prompts = torch.randint(0, CFG.vocab_size, (1, 4), generator=torch.Generator().manual_seed(5))
-    decode(net, IMPLS[-1], monkeypatch, prompts, [0], 2)
+    decode(net, preferred(IMPLS[-1]), monkeypatch, prompts, [0], 2)
     first = net._step_weights()
     assert len(first) == CFG.n_layers and net._step_weights() is first
     assert first[0].k is net.layers["0"].attn.cache.k

@@ -12,6 +12,10 @@ import torch.nn.functional as F
 from ._stepspec import (MAX_ROWS, BlockWeights, Limits, check, check_call,  # noqa: F401
                         usable)
 
+# Row by row in torch operations this is no faster than the model's own batched torch path,
+# so the model keeps that path for decode where this twin is the one selected.
+PREFERRED = False
+
 
 def _rmsnorm(x: Any, weight: Any, eps: float) -> Any:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))

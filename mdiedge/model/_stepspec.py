@@ -5,7 +5,9 @@ slot ``slots[r]`` at position ``positions[r]``, writes the block's output to ``o
 dim) and the rows' keys and values into the cache; ``blocks(plan(weights), x, out, …)``
 runs consecutive blocks in one call, ``plan`` made once for them. Everything is
 C-contiguous float32 on the CPU, 1 <= rows <= ``MAX_ROWS``; ``usable`` says whether a call
-qualifies and ``check`` raises ``ValueError`` quoting what does not.
+qualifies and ``check`` raises ``ValueError`` quoting what does not. ``PREFERRED`` (each
+module's own) says whether the model should decode through it rather than through its own
+torch operations.
 """
 from __future__ import annotations
 

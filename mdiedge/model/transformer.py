@@ -280,7 +280,8 @@ class Transformer(nn.Module):
             return x
         if self.n_slots == 0:
             return self._run_blocks_uncached(x)
-        if x.shape[1] == 1 and x.shape[0] <= _step.MAX_ROWS and x.device.type == "cpu":
+        if (_step.PREFERRED and x.shape[1] == 1 and x.shape[0] <= _step.MAX_ROWS
+                and x.device.type == "cpu"):
             stepped = self._step_blocks(x, slots, positions, exit_step)
             if stepped is not None:
                 return stepped

@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any, Iterator, List, Tuple
 
 import pytest
+import torch
 
 from conftest import make_hf_llama, write_tiny_tokenizer
 from mdiedge.base.accel import implementations
@@ -24,9 +25,9 @@ from mdiedge.base.nodes import NodeSpec
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.roles.starter import RingEngine
 from mdiedge.roles.worker import WorkerNode
-from mdiedge.runtime import framing, links
+from mdiedge.runtime import framing, links, messages
 from mdiedge.runtime.auth import Authenticator
-from mdiedge.runtime.links import LinkDown, Receiver, accept_authenticated, bind, \
+from mdiedge.runtime.links import LinkDown, LinkPair, Receiver, accept_authenticated, bind, \
     connect_authenticated, tcp_listen
 
 GREEDY = SamplingParams(temperature=0)
@@ -207,6 +208,49 @@ def test_the_receiver_reports_any_exception_as_link_down(
         assert link_down(inbox).reason == \
             "RuntimeError: Trying to create tensor with negative dimension -1"
     assert "Traceback" not in caplog.text
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_a_link_pair_receives_in_order_then_ends(inline: bool) -> None:
+    """With its receiver thread or inline on the caller's thread (a worker's): the messages
+    in order, a SHUTDOWN, then LinkDown("shutdown") without reading further; a peer that
+    goes away is LinkDown too."""
+    a, b = socket.socketpair()
+    c, d = socket.socketpair()
+    pair = LinkPair(b, c, 1 << 20, "test", inline_receive=inline)
+    try:
+        hidden = torch.arange(8, dtype=torch.float32).reshape(1, 1, 8)
+        for seq in range(3):
+            framing.send_tensor(a, framing.PING, [seq], [0], hidden, seq=seq)
+        framing.send_control(a, framing.SHUTDOWN)
+        got = [pair.receive(5.0 if not inline else None) for _ in range(5)]
+        assert [m.kind for m in got[:4]] == [messages.PING] * 3 + [messages.SHUTDOWN]
+        assert [m.sample_ids for m in got[:3]] == [[0], [1], [2]]
+        assert torch.equal(got[0].hidden, hidden)
+        assert isinstance(got[4], LinkDown) and got[4].reason == "shutdown"
+        assert pair.stats()["in"]["frames"] == 4
+        if inline:
+            with pytest.raises(ValueError, match="takes no receive timeout"):
+                pair.receive(1.0)
+            assert not pair.receiver.is_alive()  # never started
+    finally:
+        pair.close(timeout=1)
+        for sock in (a, d):
+            sock.close()
+
+
+def test_an_inline_receive_reports_a_peer_gone_as_link_down() -> None:
+    a, b = socket.socketpair()
+    c, d = socket.socketpair()
+    pair = LinkPair(b, c, 1 << 20, "test", inline_receive=True)
+    try:
+        a.close()
+        down = pair.receive()
+        assert isinstance(down, LinkDown) and down.reason
+        assert pair.receive() is not down and pair.receive().reason == down.reason  # stays down
+    finally:
+        pair.close(timeout=1)
+        d.close()
 
 
 def valid_stream(rng: random.Random, impl: ModuleType) -> bytes:

@@ -357,7 +357,8 @@ def _link_pair(listener: Any, auth: Authenticator, request: ConnectRequest, name
                                          f"next node {request.next_host}:{request.next_port}",
                                          retry_s=defaults.LINK_RETRY_S, cancelled=moved_on,
                                          codecs=codecs_out)
-        return LinkPair(inbound, outbound, max_payload, name, codecs_in, codecs_out)
+        return LinkPair(inbound, outbound, max_payload, name, codecs_in, codecs_out,
+                        inline_receive=True)
     except Exception as e:  # OSError, AuthError (a RingError), or anything else
         side = "no previous node connected" if inbound is None else "cannot reach its next node"
         log.warning("%s: %s: %s", name, side, e)

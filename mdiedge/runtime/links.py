@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple, Union
+from typing import Callable, Dict, Optional, Union
 
 from . import framing, messages
 from .auth import AuthError, Authenticator
@@ -226,7 +226,8 @@ def accept_authenticated(listener: socket.socket, auth: Authenticator, timeout: 
 class Receiver(threading.Thread):
     """Reads messages from ``sock`` into ``inbox`` until the link ends, then queues LinkDown:
     whatever ends it (a peer's malformed frame, a socket error, any exception) is one log
-    line, and the owner always learns of it."""
+    line, and the owner always learns of it. ``next`` reads one on the caller's thread
+    instead (a link whose owner receives inline never starts this thread)."""
 
     def __init__(self, sock: socket.socket, inbox: "queue.SimpleQueue[Received]", max_payload: int,
                  name: str, codecs: Compression = NO_COMPRESSION) -> None:
@@ -235,29 +236,39 @@ class Receiver(threading.Thread):
         self.reader = framing.reader(sock)  # after the handshake: nothing of it is buffered
         self.codecs = codecs
         self.frames = self.bytes = 0  # received on this link
+        self.ended: Optional[str] = None  # why the link ended, once it has
 
     def run(self) -> None:
-        reason, expected = self._receive_all()
-        if reason != "shutdown":
-            (log.info if expected else log.warning)("%s: link down: %s", self.name, reason)
-        self.inbox.put(LinkDown(reason))
+        while True:
+            item = self.next()
+            self.inbox.put(item)
+            if isinstance(item, LinkDown):
+                return
+            if self.ended is not None:  # a SHUTDOWN: the link's ordinary end
+                self.inbox.put(LinkDown(self.ended))
+                return
 
-    def _receive_all(self) -> Tuple[str, bool]:
-        """Why the link ended, and whether that is a link's ordinary end (else a bug or a
-        resource failure, which ends the link all the same)."""
+    def next(self) -> Received:
+        """The next message, or LinkDown once the link has ended (after a SHUTDOWN, or on
+        whatever ended it)."""
+        if self.ended is not None:
+            return LinkDown(self.ended)
         try:
-            while True:
-                message, size = messages.receive(self.reader, self.max_payload, self.codecs)
-                self.frames, self.bytes = self.frames + 1, self.bytes + size
-                self.inbox.put(message)
-                if message.kind == messages.SHUTDOWN:
-                    return "shutdown", True
+            message, size = messages.receive(self.reader, self.max_payload, self.codecs)
         except FrameError as e:
-            return str(e), True
+            reason, expected = str(e), True
         except OSError as e:
-            return f"socket error: {e}", True
-        except Exception as e:
-            return f"{type(e).__name__}: {e}".splitlines()[0], False
+            reason, expected = f"socket error: {e}", True
+        except Exception as e:  # a bug or a resource failure ends the link all the same
+            reason, expected = f"{type(e).__name__}: {e}".splitlines()[0], False
+        else:
+            self.frames, self.bytes = self.frames + 1, self.bytes + size
+            if message.kind == messages.SHUTDOWN:
+                self.ended = "shutdown"
+            return message
+        self.ended = reason
+        (log.info if expected else log.warning)("%s: link down: %s", self.name, reason)
+        return LinkDown(reason)
 
 
 class Sender(threading.Thread):
@@ -324,23 +335,35 @@ class Sender(threading.Thread):
 
 class LinkPair:
     """A node's place in the ring: the inbound link (a receiver thread filling ``inbox``) and
-    the outbound one (a sender). Starter and workers both hold one."""
+    the outbound one (a sender). Starter and workers both hold one.
+
+    ``inline_receive``: no receiver thread; ``receive`` reads the socket on the caller's
+    thread (a worker's compute loop, which has nothing else to do while it waits), saving
+    the thread hand-off on every hop. Frames still arrive into the socket's buffer while
+    the caller computes."""
 
     def __init__(self, inbound: socket.socket, outbound: socket.socket, max_payload: int,
                  name: str, codecs_in: Compression = NO_COMPRESSION,
-                 codecs_out: Compression = NO_COMPRESSION) -> None:
+                 codecs_out: Compression = NO_COMPRESSION, inline_receive: bool = False) -> None:
         self.inbound, self.outbound = inbound, outbound
         self.inbox: "queue.SimpleQueue[Received]" = queue.SimpleQueue()
         self.receiver = Receiver(inbound, self.inbox, max_payload, f"{name}/recv", codecs_in)
         self.sender = Sender(outbound, f"{name}/send", codecs=codecs_out)
-        self.receiver.start()
+        self.inline_receive = inline_receive
+        if not inline_receive:
+            self.receiver.start()
         self.sender.start()
 
     def send(self, message: Message) -> None:
         self.sender.put(message)
 
     def receive(self, timeout: Optional[float] = None) -> Received:
-        """The next message or LinkDown; ``queue.Empty`` after ``timeout`` s."""
+        """The next message or LinkDown; ``queue.Empty`` after ``timeout`` s (inline: no
+        timeout, the caller waits for the link)."""
+        if self.inline_receive:
+            if timeout is not None:
+                raise ValueError("an inline-receive link takes no receive timeout")
+            return self.receiver.next()
         return self.inbox.get(timeout=timeout)
 
     @property

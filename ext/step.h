@@ -5,7 +5,8 @@
  * microseconds of arithmetic. Here the whole block (RMSNorm, fused Q/K/V product, RoPE,
  * the KV cache write, grouped-query attention over the row's cache, output product and
  * residual, RMSNorm, fused gate/up product, SwiGLU, down product and residual) is one call
- * with the GIL released. The products are matvec.h's few-row kernel.
+ * with the GIL released, and a node's consecutive blocks run in one call and one OpenMP
+ * parallel region (st_blocks_step). The products are matvec.h's few-row kernel.
  *
  * Every row is computed alone (its own norm, attention and products), so a row's result
  * does not depend on the rows beside it or on the thread count, as with matvec.h.

@@ -32,13 +32,14 @@ cdef extern from "step.h" nogil:
 
 st_init()
 
-cdef const float *_ptr(t):
+cdef const float *_ptr(t) except? NULL:
     return <const float *><size_t>t.data_ptr()
 
 
-cdef void _fill(st_block *b, weights):
+cdef void _fill(st_block *b, weights) except *:
     b.attn_norm, b.qkv, b.wo = _ptr(weights.attn_norm), _ptr(weights.qkv), _ptr(weights.wo)
-    b.mlp_norm, b.gate_up, b.down = _ptr(weights.mlp_norm), _ptr(weights.gate_up), _ptr(weights.down)
+    b.mlp_norm, b.gate_up = _ptr(weights.mlp_norm), _ptr(weights.gate_up)
+    b.down = _ptr(weights.down)
     b.cos, b.sin = _ptr(weights.cos), _ptr(weights.sin)
     b.k, b.v = <float *>_ptr(weights.k), <float *>_ptr(weights.v)
     b.n_slots, b.n_kv, b.max_seq = weights.n_slots, weights.n_kv, weights.k.shape[2]
@@ -71,7 +72,7 @@ def plan(weights):
     return Plan(weights)
 
 
-cdef void _rows(slots, positions, long long *c_slots, long long *c_pos, int rows):
+cdef void _rows(slots, positions, long long *c_slots, long long *c_pos, int rows) except *:
     for r in range(rows):
         c_slots[r] = slots[r]
         c_pos[r] = positions[r]

@@ -70,10 +70,6 @@ class BlockWeights:
         names = _TENSORS + ("n_heads", "eps")
         return BlockWeights(**{n: changes.get(n, getattr(self, n)) for n in names})
 
-    def same(self, *tensors: Any) -> bool:
-        """Whether these are the tensors it holds, in ``_TENSORS`` order (the same objects)."""
-        return all(a is b for a, b in zip(tensors, (getattr(self, n) for n in _TENSORS)))
-
     def wants_grad(self) -> bool:
         return any(getattr(self, n).requires_grad for n in _TENSORS)
 

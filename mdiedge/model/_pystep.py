@@ -11,20 +11,11 @@ import torch.nn.functional as F
 
 from ._stepspec import (MAX_ROWS, BlockWeights, Limits, check, check_call,  # noqa: F401
                         usable)
+from .layers import apply_rope, rms_norm
 
 # Row by row in torch operations this is no faster than the model's own batched torch path,
 # so the model keeps that path for decode where this twin is the one selected.
 PREFERRED = False
-
-
-def _rmsnorm(x: Any, weight: Any, eps: float) -> Any:
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _rope(x: Any, cos: Any, sin: Any) -> Any:
-    """x (rows, heads, hd); cos, sin (rows, 1, hd)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class Plan(Limits):
@@ -60,11 +51,11 @@ def _block(w: BlockWeights, x: Any, out: Any, slots: Sequence[int],
     rows = x.shape[0]
     n_kv, head_dim = w.k.shape[1], w.k.shape[3]
     q_dim, kv_dim = w.n_heads * head_dim, n_kv * head_dim
-    qkv = F.linear(_rmsnorm(x, w.attn_norm, w.eps), w.qkv)  # (rows, q_dim + 2 kv_dim)
+    qkv = F.linear(rms_norm(x, w.attn_norm, w.eps), w.qkv)  # (rows, q_dim + 2 kv_dim)
     index = torch.as_tensor(list(positions))
     cos, sin = w.cos[index][:, None], w.sin[index][:, None]  # (rows, 1, hd)
-    q = _rope(qkv[:, :q_dim].reshape(rows, w.n_heads, head_dim), cos, sin)
-    k = _rope(qkv[:, q_dim:q_dim + kv_dim].reshape(rows, n_kv, head_dim), cos, sin)
+    q = apply_rope(qkv[:, :q_dim].reshape(rows, w.n_heads, head_dim), cos, sin)
+    k = apply_rope(qkv[:, q_dim:q_dim + kv_dim].reshape(rows, n_kv, head_dim), cos, sin)
     v = qkv[:, q_dim + kv_dim:].reshape(rows, n_kv, head_dim)
     att = torch.empty(rows, w.n_heads, head_dim)
     group = w.n_heads // n_kv
@@ -75,6 +66,6 @@ def _block(w: BlockWeights, x: Any, out: Any, slots: Sequence[int],
         scores = (query @ keys.transpose(1, 2)) * (1.0 / math.sqrt(head_dim))  # (kv, group, L)
         att[r] = (torch.softmax(scores, -1) @ values).reshape(w.n_heads, head_dim)
     mid = x + F.linear(att.reshape(rows, q_dim), w.wo)
-    both = F.linear(_rmsnorm(mid, w.mlp_norm, w.eps), w.gate_up)  # (rows, 2 hidden)
+    both = F.linear(rms_norm(mid, w.mlp_norm, w.eps), w.gate_up)  # (rows, 2 hidden)
     hidden = both.shape[1] // 2
     out.copy_(mid + F.linear(F.silu(both[:, :hidden]) * both[:, hidden:], w.down))

@@ -21,7 +21,8 @@ from ._matvecspec import MAX_ROWS
 _TENSORS = ("attn_norm", "qkv", "wo", "mlp_norm", "gate_up", "down", "k", "v", "cos", "sin")
 
 
-def _plain(t: Any) -> bool:
+def plain(t: Any) -> bool:
+    """A contiguous float32 CPU tensor, as the step reads every tensor."""
     return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
 
 
@@ -42,7 +43,7 @@ class BlockWeights:
         given = dict(zip(_TENSORS, (attn_norm, qkv, wo, mlp_norm, gate_up, down, k, v, cos,
                                     sin)))
         for name, t in given.items():
-            if not isinstance(t, torch.Tensor) or not _plain(t):
+            if not isinstance(t, torch.Tensor) or not plain(t):
                 raise ValueError(f"{name} is not a contiguous float32 CPU tensor")
         n_slots, n_kv, max_seq, head_dim = k.shape
         dim, hidden = attn_norm.shape[0], gate_up.shape[0] // 2
@@ -94,9 +95,12 @@ class Limits:
 def usable(weights: BlockWeights, x: Any) -> bool:
     """A 2-D float32 CPU ``x`` of 1..``MAX_ROWS`` rows of the block's width, and no gradient
     wanted."""
-    return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == weights.dim
-            and _plain(x) and not (torch.is_grad_enabled()
-                                   and (x.requires_grad or weights.wants_grad())))
+    return _rows_fit(x, weights.dim) and not (
+        torch.is_grad_enabled() and (x.requires_grad or weights.wants_grad()))
+
+
+def _rows_fit(x: Any, dim: int) -> bool:
+    return x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == dim and plain(x)
 
 
 def check(weights: BlockWeights, x: Any, out: Any, slots: Sequence[int],
@@ -109,13 +113,13 @@ def check(weights: BlockWeights, x: Any, out: Any, slots: Sequence[int],
 def check_call(limits: Any, wants_grad: bool, x: Any, out: Any, slots: Sequence[int],
                positions: Sequence[int], threads: int) -> None:
     """The call's own arguments against ``limits`` (a ``BlockWeights`` or ``Limits``)."""
-    if not (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == limits.dim
-            and _plain(x) and not (torch.is_grad_enabled() and (x.requires_grad or wants_grad))):
+    if not _rows_fit(x, limits.dim) or (torch.is_grad_enabled()
+                                        and (x.requires_grad or wants_grad)):
         raise ValueError(f"decode step of x {tuple(x.shape)} {x.dtype} on {x.device}: needs "
                          f"1..{MAX_ROWS} contiguous float32 CPU rows of {limits.dim} and "
                          "no gradient")
     rows = x.shape[0]
-    if tuple(out.shape) != (rows, limits.dim) or not _plain(out):
+    if tuple(out.shape) != (rows, limits.dim) or not plain(out):
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} is not a contiguous float32 "
                          f"({rows}, {limits.dim})")
     if len(slots) != rows or len(positions) != rows:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..base.accel import select
-from ._stepspec import BlockWeights
+from ._stepspec import BlockWeights, plain
 from .config import ModelConfig
 from .exits import ExitStep
 from .layers import (MLP, Linear, RMSNorm, apply_rope, fuse, fused_with, project, rope_tables,
@@ -171,7 +171,7 @@ class Block(nn.Module):
             return None
         tensors = (self.attn_norm.weight, attn.qkv, attn.wo.weight, self.mlp_norm.weight,
                    mlp.gate_up, mlp.down.weight, attn.cache.k, attn.cache.v, cos, sin)
-        if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+        if not all(plain(t) for t in tensors):
             return None
         return BlockWeights(*tensors, attn.n_heads, self.attn_norm.eps)
 

@@ -6,7 +6,9 @@
  * the KV cache write, grouped-query attention over the row's cache, output product and
  * residual, RMSNorm, fused gate/up product, SwiGLU, down product and residual) is one call
  * with the GIL released, and a node's consecutive blocks run in one call and one OpenMP
- * parallel region (st_blocks_step). The products are matvec.h's few-row kernel.
+ * parallel region (st_blocks_step) with six barriers per block. The products are matvec.h's
+ * few-row kernel; attention sums eight keys' dot products at once and takes their exp eight
+ * lanes at a time.
  *
  * Every row is computed alone (its own norm, attention and products), so a row's result
  * does not depend on the rows beside it or on the thread count, as with matvec.h.
@@ -19,6 +21,9 @@
 #include <stdlib.h>
 
 #include "matvec.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef struct {
     const float *attn_norm, *qkv, *wo, *mlp_norm, *gate_up, *down, *cos, *sin;
@@ -50,31 +55,132 @@ static void st_rope(float *x, const float *cos, const float *sin, ptrdiff_t hd) 
     }
 }
 
-/* One query head over keys [0, len) of its KV head: out (head_dim); scores (len) scratch.
-   Dot products in eight lanes, then the lanes, then the tail (as matvec.h sums). */
+typedef int st_i8 __attribute__((vector_size(32)));
+
+#ifdef __clang__
+#define ST_EVEN(a, b) __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14)
+#define ST_ODD(a, b) __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15)
+#else
+#define ST_EVEN(a, b) __builtin_shuffle(a, b, (st_i8){0, 2, 4, 6, 8, 10, 12, 14})
+#define ST_ODD(a, b) __builtin_shuffle(a, b, (st_i8){1, 3, 5, 7, 9, 11, 13, 15})
+#endif
+
+/* Lanes summed pairwise: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). */
+static inline float st_pairwise(mv_v8 a) {
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+/* Lane j of the result: st_pairwise(a[j]), the eight sums in three rounds of pair adds. */
+#define ST_PAIR(a, b) (ST_EVEN(a, b) + ST_ODD(a, b))
+static inline __attribute__((always_inline)) mv_v8 st_pairwise8(const mv_v8 a[8]) {
+    mv_v8 p[4], q[2];
+    for (int i = 0; i < 4; i++) p[i] = ST_PAIR(a[2 * i], a[2 * i + 1]);
+    for (int i = 0; i < 2; i++) q[i] = ST_PAIR(p[2 * i], p[2 * i + 1]);
+    return ST_PAIR(q[0], q[1]);
+}
+
+/* exp of eight lanes, each lane on its own (Cephes' expf: 2^n e^r, |r| <= ln2 / 2, a
+   degree-6 polynomial; within 2 ulp of expf). Lanes below -87.3 give about 1e-38. */
+static inline __attribute__((always_inline)) mv_v8 st_exp8(mv_v8 x) {
+    const float magic = 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer */
+    for (int l = 0; l < 8; l++) x[l] = x[l] < -87.3f ? -87.3f : (x[l] > 88.3f ? 88.3f : x[l]);
+    mv_v8 z = x * 1.44269504088896341f + magic;
+    mv_v8 n = z - magic;
+    mv_v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    mv_v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    st_i8 bits;
+    memcpy(&bits, &z, sizeof z);
+    bits = (bits - 0x4B400000 + 127) << 23;  /* z's low bits are n: 2^n as a float */
+    mv_v8 scale;
+    memcpy(&scale, &bits, sizeof bits);
+    return p * scale;
+}
+
+/* out[0 .. 8C) = sum over t < len of p[t] v[t * hd ...], C vectors in registers. */
+static inline __attribute__((always_inline)) void st_weigh(
+        const float *v, const float *p, float *out, ptrdiff_t len, ptrdiff_t hd, int C) {
+    mv_v8 acc[4] = {{0}};
+    for (ptrdiff_t t = 0; t < len; t++)
+        for (int c = 0; c < C; c++) acc[c] += p[t] * mv_load(v + t * hd + 8 * c);
+    for (int c = 0; c < C; c++) memcpy(out + 8 * c, &acc[c], sizeof acc[c]);
+}
+
+/* q . k_t over the head, eight lanes then the lanes pairwise, then the tail. */
+static inline __attribute__((always_inline)) mv_v8 st_dot_lanes(
+        const float *q, const float *kt, ptrdiff_t hv) {
+    mv_v8 acc = {0};
+    for (ptrdiff_t i = 0; i < hv; i += 8) acc += mv_load(q + i) * mv_load(kt + i);
+    return acc;
+}
+
+static inline __attribute__((always_inline)) float st_tail(
+        const float *q, const float *kt, ptrdiff_t hv, ptrdiff_t hd) {
+    float s = 0.0f;
+    for (ptrdiff_t i = hv; i < hd; i++) s += q[i] * kt[i];
+    return s;
+}
+
+/* scores[t] = q . k_t * scale for t < len, eight keys at a time (each key's sum the same
+   wherever it falls); returns the largest. */
+static inline __attribute__((always_inline)) float st_scores(
+        const float *q, const float *k, float *scores, ptrdiff_t len, ptrdiff_t hd, float scale) {
+    ptrdiff_t hv = hd - hd % 8, t = 0;
+    float top = -INFINITY;
+    for (; t + 8 <= len; t += 8) {
+        mv_v8 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = st_dot_lanes(q, k + (t + j) * hd, hv);
+        mv_v8 s = st_pairwise8(acc);
+        for (int j = 0; j < 8; j++) s[j] += st_tail(q, k + (t + j) * hd, hv, hd);
+        s *= scale;
+        memcpy(scores + t, &s, sizeof s);
+    }
+    for (; t < len; t++) {
+        const float *kt = k + t * hd;
+        scores[t] = (st_pairwise(st_dot_lanes(q, kt, hv)) + st_tail(q, kt, hv, hd)) * scale;
+    }
+    for (t = 0; t < len; t++) top = scores[t] > top ? scores[t] : top;
+    return top;
+}
+
+/* scores[t] = exp(scores[t] - top) for t < len, eight at a time; returns their sum (eight
+   lanes of partial sums, then the lanes pairwise). */
+static inline __attribute__((always_inline)) float st_exps(float *scores, ptrdiff_t len,
+                                                           float top) {
+    mv_v8 sum = {0};
+    for (ptrdiff_t t = 0; t < len; t += 8) {
+        ptrdiff_t n = len - t < 8 ? len - t : 8;
+        mv_v8 s = {0};
+        memcpy(&s, scores + t, n * sizeof(float));
+        mv_v8 e = st_exp8(s - top);
+        for (ptrdiff_t j = n; j < 8; j++) e[j] = 0.0f;
+        memcpy(scores + t, &e, n * sizeof(float));
+        sum += e;
+    }
+    return st_pairwise(sum);
+}
+
+/* One query head over keys [0, len) of its KV head: out (head_dim); scores (len) scratch. */
 static inline __attribute__((always_inline)) void st_head_body(
         const float *q, const float *k, const float *v, float *out, float *scores,
         ptrdiff_t len, ptrdiff_t hd) {
     ptrdiff_t hv = hd - hd % 8;
-    float scale = 1.0f / sqrtf((float)hd), top = -INFINITY, sum = 0.0f;
-    for (ptrdiff_t t = 0; t < len; t++) {
-        const float *kt = k + t * hd;
-        mv_v8 acc = {0};
-        for (ptrdiff_t i = 0; i < hv; i += 8) acc += mv_load(q + i) * mv_load(kt + i);
-        float s = mv_lanes(acc);
-        for (ptrdiff_t i = hv; i < hd; i++) s += q[i] * kt[i];
-        scores[t] = s * scale;
-        if (scores[t] > top) top = scores[t];
-    }
-    for (ptrdiff_t t = 0; t < len; t++) {
-        scores[t] = expf(scores[t] - top);
-        sum += scores[t];
-    }
-    for (ptrdiff_t i = 0; i < hd; i++) out[i] = 0.0f;
-    for (ptrdiff_t t = 0; t < len; t++) {
-        float p = scores[t] / sum;
-        const float *vt = v + t * hd;
-        for (ptrdiff_t i = 0; i < hd; i++) out[i] += p * vt[i];
+    float top = st_scores(q, k, scores, len, hd, 1.0f / sqrtf((float)hd));
+    float inv = 1.0f / st_exps(scores, len, top);
+    for (ptrdiff_t t = 0; t < len; t++) scores[t] *= inv;
+    /* out = sum over t of p_t v_t, in order of t, four vectors of out at a time in
+       registers (a sum through memory would wait on its own store at every key) */
+    ptrdiff_t i0 = 0;
+    for (; i0 + 32 <= hv; i0 += 32) st_weigh(v + i0, scores, out + i0, len, hd, 4);
+    for (; i0 < hv; i0 += 8) st_weigh(v + i0, scores, out + i0, len, hd, 1);
+    for (ptrdiff_t i = hv; i < hd; i++) {
+        float o = 0.0f;
+        for (ptrdiff_t t = 0; t < len; t++) o += scores[t] * v[t * hd + i];
+        out[i] = o;
     }
 }
 
@@ -116,64 +222,91 @@ static void st_rope_write(const st_block *b, float *qkv, int R, const long long 
     }
 }
 
-/* Scratch of one step: normed rows, Q/K/V, attention, a product, gate/up, SwiGLU, scores. */
+/* Scratch of one step: each thread's normed rows, Q/K/V, attention, gate/up, SwiGLU,
+   scores. */
 typedef struct {
-    float *h, *qkv, *att, *o, *gu, *act, *scores;
+    float *h, *qkv, *att, *gu, *act, *scores;
     ptrdiff_t longest;  /* the furthest row's keys: positions + 1 */
 } st_scratch;
 
-static size_t st_scratch_floats(const st_block *b, int R, ptrdiff_t longest) {
+static size_t st_scratch_floats(const st_block *b, int R, ptrdiff_t longest, int threads) {
     ptrdiff_t q_dim = b->n_heads * b->head_dim, width = q_dim + 2 * b->n_kv * b->head_dim;
-    return (size_t)R * (2 * b->dim + width + q_dim + 3 * b->hidden + b->n_heads * longest);
+    return (size_t)R * (threads * b->dim + width + q_dim + 3 * b->hidden
+                        + b->n_heads * longest);
 }
 
-static void st_scratch_at(st_scratch *s, const st_block *b, int R, float *base) {
+static void st_scratch_at(st_scratch *s, const st_block *b, int R, int threads, float *base) {
     ptrdiff_t q_dim = b->n_heads * b->head_dim, width = q_dim + 2 * b->n_kv * b->head_dim;
     s->h = base;
-    s->qkv = s->h + R * b->dim;
+    s->qkv = s->h + (ptrdiff_t)threads * R * b->dim;
     s->att = s->qkv + R * width;
-    s->o = s->att + R * q_dim;
-    s->gu = s->o + R * b->dim;
+    s->gu = s->att + R * q_dim;
     s->act = s->gu + R * 2 * b->hidden;
     s->scores = s->act + R * b->hidden;
 }
 
-/* out = block(x) for R rows. Every thread of the team calls it: the products, attention
-   heads and element-wise loops are shared out, the norms and RoPE run on one thread, and
-   each phase ends with the team's barrier. */
-static void st_block_team(const st_block *b, const float *x, float *out, int R,
-                          const long long *slots, const long long *pos, const st_scratch *s) {
+static int st_thread(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static int st_team(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
+/* Where the t-th of ``parts`` stretches of n columns starts, a multiple of MV_COLS. */
+static ptrdiff_t st_split(ptrdiff_t n, int parts, int t) {
+    return t >= parts ? n : n * t / parts / MV_COLS * MV_COLS;
+}
+
+/* gate/up products of hidden columns [j0, j1) and act = SwiGLU of them, for every row. */
+static void st_swiglu_cols(const st_block *b, const float *h, const st_scratch *s, int R,
+                           ptrdiff_t j0, ptrdiff_t j1) {
+    ptrdiff_t hidden = b->hidden, dim = b->dim;
+    mv_range(b->gate_up, h, s->gu, NULL, 2 * hidden, dim, R, j0, j1);
+    mv_range(b->gate_up, h, s->gu, NULL, 2 * hidden, dim, R, hidden + j0, hidden + j1);
+    for (int r = 0; r < R; r++)
+        for (ptrdiff_t i = j0; i < j1; i++) {
+            float g = s->gu[r * 2 * hidden + i], u = s->gu[r * 2 * hidden + hidden + i];
+            s->act[r * hidden + i] = g / (1.0f + expf(-g)) * u;
+        }
+}
+
+/* x = block(x) for R rows, in place. Every thread of the team calls it: each normalizes
+   the rows for itself (its own copy, no wait), the products, attention heads and the
+   gate/up columns are shared out, RoPE and the cache write run on one thread, and each
+   shared phase ends with the team's barrier: six per block. */
+static void st_block_team(const st_block *b, float *x, int R, const long long *slots,
+                          const long long *pos, const st_scratch *s) {
     ptrdiff_t dim = b->dim, hd = b->head_dim, q_dim = b->n_heads * hd, hidden = b->hidden;
     ptrdiff_t width = q_dim + 2 * b->n_kv * hd, group = b->n_heads / b->n_kv;
     ptrdiff_t heads = (ptrdiff_t)R * b->n_heads;
-    #pragma omp single
-    for (int r = 0; r < R; r++) st_rmsnorm(x + r * dim, b->attn_norm, s->h + r * dim, dim, b->eps);
-    mv_rows_team(b->qkv, s->h, s->qkv, width, dim, R);
+    float *h = s->h + (ptrdiff_t)st_thread() * R * dim;
+    for (int r = 0; r < R; r++) st_rmsnorm(x + r * dim, b->attn_norm, h + r * dim, dim, b->eps);
+    mv_rows_team(b->qkv, h, s->qkv, NULL, width, dim, R);
     #pragma omp single
     st_rope_write(b, s->qkv, R, slots, pos);
     #pragma omp for schedule(static)
     for (ptrdiff_t t = 0; t < heads; t++) {
-        ptrdiff_t r = t / b->n_heads, h = t % b->n_heads;
-        ptrdiff_t base = (slots[r] * b->n_kv + h / group) * b->max_seq * hd;
-        st_head(s->qkv + r * width + h * hd, b->k + base, b->v + base, s->att + r * q_dim + h * hd,
+        ptrdiff_t r = t / b->n_heads, hh = t % b->n_heads;
+        ptrdiff_t at = (slots[r] * b->n_kv + hh / group) * b->max_seq * hd;
+        st_head(s->qkv + r * width + hh * hd, b->k + at, b->v + at, s->att + r * q_dim + hh * hd,
                 s->scores + t * s->longest, pos[r] + 1, hd);
     }
-    mv_rows_team(b->wo, s->att, s->o, dim, q_dim, R);
-    #pragma omp single
-    for (int r = 0; r < R; r++) {
-        for (ptrdiff_t i = r * dim; i < (r + 1) * dim; i++) out[i] = x[i] + s->o[i];
-        st_rmsnorm(out + r * dim, b->mlp_norm, s->h + r * dim, dim, b->eps);
-    }
-    mv_rows_team(b->gate_up, s->h, s->gu, 2 * hidden, dim, R);
-    #pragma omp for schedule(static)
-    for (ptrdiff_t e = 0; e < R * hidden; e++) {
-        ptrdiff_t r = e / hidden, i = e % hidden;
-        float g = s->gu[r * 2 * hidden + i], u = s->gu[r * 2 * hidden + hidden + i];
-        s->act[e] = g / (1.0f + expf(-g)) * u;
-    }
-    mv_rows_team(b->down, s->act, s->o, dim, hidden, R);
-    #pragma omp for schedule(static)
-    for (ptrdiff_t i = 0; i < R * dim; i++) out[i] += s->o[i];
+    mv_rows_team(b->wo, s->att, x, x, dim, q_dim, R);  /* x += attention */
+    for (int r = 0; r < R; r++) st_rmsnorm(x + r * dim, b->mlp_norm, h + r * dim, dim, b->eps);
+    int team = st_team();
+    #pragma omp for schedule(static)  /* one stretch of columns per thread */
+    for (int t = 0; t < team; t++)
+        st_swiglu_cols(b, h, s, R, st_split(hidden, team, t), st_split(hidden, team, t + 1));
+    mv_rows_team(b->down, s->act, x, x, dim, hidden, R);  /* x += feed-forward */
 }
 
 /* out = the n blocks of bs applied to x one after another, in one parallel region of
@@ -183,27 +316,22 @@ static int st_blocks_step(const st_block *bs, int n, const float *x, float *out,
     ptrdiff_t longest = 0;
     for (int r = 0; r < R; r++)
         if (pos[r] + 1 > longest) longest = pos[r] + 1;
-    size_t floats = 0, bytes = (size_t)R * bs[0].dim * sizeof(float);
+    size_t floats = 0;
     for (int i = 0; i < n; i++) {
-        size_t need = st_scratch_floats(&bs[i], R, longest);
+        size_t need = st_scratch_floats(&bs[i], R, longest, threads);
         if (need > floats) floats = need;
     }
-    float *cur = malloc(bytes + floats * sizeof(float));
-    if (cur == NULL) return -1;
-    float *base = cur + (size_t)R * bs[0].dim;
-    memcpy(cur, x, bytes);
+    float *base = malloc(floats * sizeof(float));
+    if (base == NULL) return -1;
+    memmove(out, x, (size_t)R * bs[0].dim * sizeof(float));
     #pragma omp parallel num_threads(threads) if (threads > 1)
     for (int i = 0; i < n; i++) {
         st_scratch s;
-        st_scratch_at(&s, &bs[i], R, base);
+        st_scratch_at(&s, &bs[i], R, threads, base);
         s.longest = longest;
-        st_block_team(&bs[i], cur, out, R, slots, pos, &s);
-        if (i + 1 < n) {
-            #pragma omp single
-            memcpy(cur, out, bytes);
-        }
+        st_block_team(&bs[i], out, R, slots, pos, &s);
     }
-    free(cur);
+    free(base);
     return 0;
 }
 

@@ -97,6 +97,23 @@ def test_decode_matches_the_torch_path(impl: ModuleType, monkeypatch: pytest.Mon
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("dim", [72, 80])
+def test_wide_heads_match_the_torch_path(impl: ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                         dim: int) -> None:
+    """Heads of 36 and 40 (four vectors of the weighted sum at once, one, and a tail) over
+    keys that cross several groups of eight."""
+    cfg = ModelConfig(vocab_size=64, dim=dim, n_layers=2, n_heads=2, n_kv_heads=1,
+                      intermediate_size=52, max_seq_len=48)
+    net = model(cfg)
+    prompts = torch.randint(0, cfg.vocab_size, (3, 6), generator=torch.Generator().manual_seed(5))
+    ref, ref_k = decode(net, TorchPath, monkeypatch, prompts, [0, 9, 17], 20)
+    got, got_k = decode(net, impl, monkeypatch, prompts, [0, 9, 17], 20)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4)
+    for a, b in zip(got_k, ref_k):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_the_model_decodes_through_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """A dense fused model's decode runs its blocks in one call of the step per step; its
     prefill does not call it."""

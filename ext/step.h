@@ -110,7 +110,7 @@ static inline __attribute__((always_inline)) void st_weigh(
     for (int c = 0; c < C; c++) memcpy(out + 8 * c, &acc[c], sizeof acc[c]);
 }
 
-/* q . k_t over the head, eight lanes then the lanes pairwise, then the tail. */
+/* q . k_t over the head's first hv values, in eight lanes (st_tail adds the rest). */
 static inline __attribute__((always_inline)) mv_v8 st_dot_lanes(
         const float *q, const float *kt, ptrdiff_t hv) {
     mv_v8 acc = {0};

@@ -13,7 +13,8 @@ from typing import Any, Dict, List, Tuple
 import pytest
 
 from mdiedge.ops import bench as benchmarks
-from mdiedge.ops.benchtable import COLUMNS, column_widths, format_line, row_cells
+from mdiedge.ops.benchtable import (COLUMNS, RANGE_COLUMN, column_widths, columns, format_line,
+                                    row_cells)
 from mdiedge.ops.roofline import Roofline
 
 
@@ -82,8 +83,71 @@ def test_run_all_yields_each_configuration_before_the_next_runs(tiny_llama: Path
     assert waits[-2] == "measuring 4 of 4: 2 nodes, 2 samples per message"
 
 
-def _bench(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, as_json: bool
-           ) -> Tuple[List[str], str, str]:
+def rated(decode: float) -> Dict[str, Any]:
+    return {**figures(1, 1), "decode_tokens_per_s": decode, "roofline_share": decode / 100}
+
+
+@pytest.mark.parametrize("rates, chosen", [
+    ([7.0], 7.0),
+    ([3.0, 1.0, 2.0], 2.0),
+    ([4.0, 1.0, 3.0, 2.0], 2.0),  # an even count: the lower middle, a run that happened
+    ([5.0, 5.0, 1.0], 5.0),
+])
+def test_median_run(rates: List[float], chosen: float) -> None:
+    result = benchmarks.median_run([rated(r) for r in rates])
+    assert result["decode_tokens_per_s"] == chosen and result["roofline_share"] == chosen / 100
+    assert [run["decode_tokens_per_s"] for run in result["runs"]] == rates  # in run order
+    assert set(result["runs"][0]) == {"tokens_per_s", "decode_tokens_per_s", "roofline_share",
+                                      "hop_overhead_us"}
+    with pytest.raises(ValueError, match="no runs"):
+        benchmarks.median_run([])
+
+
+def test_run_all_repeats_each_configuration_with_its_own_probe(
+        tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rates = iter([30.0, 10.0, 20.0, 5.0, 6.0, 4.0])
+    probes: List[int] = []
+    waits: List[str] = []
+
+    def runner(*args: Any) -> Dict[str, Any]:
+        return {**figures(args[1], args[5]), "decode_tokens_per_s": next(rates)}
+
+    def probe(nbytes: int, threads: int, concurrent: int) -> float:
+        probes.append(nbytes)
+        return 1e9
+
+    from contextlib import contextmanager
+
+    @contextmanager
+    def measuring(what: str) -> Any:
+        waits.append(what)
+        yield
+
+    monkeypatch.setattr(benchmarks, "Roofline", lambda: Roofline(probe))
+    measured = list(benchmarks.run_all(str(tiny_llama), None, 1, 3, 4, 16, runner, measuring,
+                                       repeat=3))
+    assert [r["decode_tokens_per_s"] for r in measured] == [20.0, 5.0]
+    assert [[run["decode_tokens_per_s"] for run in r["runs"]] for r in measured] == [
+        [30.0, 10.0, 20.0], [5.0, 6.0, 4.0]]
+    assert "measuring 1 of 2: 1 node, 1 sample per message, run 2 of 3" in waits
+    # both configurations read the same bytes on one node: one probe per run, not per config
+    assert len(probes) == 3
+    with pytest.raises(ValueError, match="repeat 0 is not >= 1"):
+        next(benchmarks.run_all(str(tiny_llama), None, 1, 1, 4, 16, runner, repeat=0))
+
+
+def test_repeated_rows_show_the_range() -> None:
+    result = benchmarks.median_run([rated(r) for r in (3.0, 1.0, 2.0)])
+    cells, widths = row_cells(result), column_widths(2, repeat=3)
+    names = columns(3)
+    assert names[names.index("decode tok/s") + 1] == RANGE_COLUMN and columns(1) == COLUMNS
+    assert cells[names.index("decode tok/s")] == "2.0"
+    assert cells[names.index(RANGE_COLUMN)] == "1.0–3.0"
+    assert len(cells) == len(names) == len(widths)
+
+
+def _bench(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, as_json: bool,
+           **options: Any) -> Tuple[List[str], str, str]:
     """Runs the command with a fake runner; stdout as it stood at each configuration's start."""
     from mdiedge.cli.bench import bench
 
@@ -101,7 +165,7 @@ def _bench(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, as_js
     monkeypatch.setattr(benchmarks, "run_subprocess", runner)
     monkeypatch.setattr(benchmarks, "Roofline", fake_roofline)
     bench(model=None, preset=None, nodes=2, samples=1, new_tokens=4, context=16, micro_batch=1,
-          one=False, as_json=as_json, compression=None, text=None, eval_tokens=0)
+          one=False, as_json=as_json, compression=None, text=None, eval_tokens=0, **options)
     out, err = capsys.readouterr()
     return seen, "".join(printed) + out, err
 
@@ -184,3 +248,13 @@ def test_read_bandwidth_measures_a_real_product() -> None:
     assert 1e8 < read_bandwidth(4 << 20, 1, 2, seconds=0.1) < 1e13
     with pytest.raises(ValueError, match="threads 0"):
         read_bandwidth(4 << 20, 0)
+
+
+def test_cli_repeat_shows_the_median_run_and_the_range(capsys: pytest.CaptureFixture,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    seen, out, err = _bench(capsys, monkeypatch, False, repeat=2)
+    lines = out.splitlines()
+    assert lines[0] == "nanollama: 1 samples x 4 tokens, context 16, median of 2 runs"
+    assert RANGE_COLUMN in lines[1]
+    assert len(lines) == 5 and lines[3].split()[3:5] == ["14.6", "14.6–14.6"]
+    assert "bench: measuring 2 of 2: 2 nodes, 1 sample per message, run 2 of 2" in err

@@ -22,6 +22,10 @@ def bench(
     micro_batch: int = typer.Option(1, hidden=True),
     one: bool = typer.Option(False, "--one", hidden=True, help="Run one configuration here."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+    repeat: int = typer.Option(1, help="Runs of each configuration, each followed by its own "
+                               "bandwidth probe: the row is the run with the median decode "
+                               "tokens/s, beside the slowest and fastest (every run's figures "
+                               "under \"runs\" in --json). For a machine whose speed varies."),
     compression: Optional[str] = typer.Option(
         None, metavar="CODEC", help="Instead, the quality guard of this link codec (as "
         "generate's --compression) against none on a ring of --nodes: bytes per hop, top-1 "
@@ -62,22 +66,25 @@ def bench(
                                        micro_batch)
         typer.echo(json.dumps(result))
         return
-    _table(model, preset, nodes, samples, new_tokens, context, as_json)
+    _table(model, preset, nodes, samples, new_tokens, context, as_json,
+           repeat if isinstance(repeat, int) else 1)  # a typer default when called directly
 
 
 def _table(model: Optional[str], preset: Optional[str], nodes: int, samples: int,
-           new_tokens: int, context: int, as_json: bool) -> None:
+           new_tokens: int, context: int, as_json: bool, repeat: int) -> None:
+    from .app import need
     from ..ops import bench as benchmarks
     from ..ops.benchtable import TableWriter, measuring_on_stderr
 
+    need(repeat >= 1, "--repeat", repeat, "an integer >= 1")
     title = (f"{preset or model or 'nanollama'}: {samples} samples x {new_tokens} tokens, "
-             f"context {context}")
+             f"context {context}" + (f", median of {repeat} runs" if repeat > 1 else ""))
     measured = benchmarks.run_all(model, preset, nodes, samples, new_tokens, context,
-                                  measuring=measuring_on_stderr)
+                                  measuring=measuring_on_stderr, repeat=repeat)
     if as_json:
         typer.echo(json.dumps({"title": title, "results": list(measured)}))
         return
-    table = TableWriter(title, nodes)
+    table = TableWriter(title, nodes, repeat=repeat)
     table.header()
     results = []
     for result in measured:  # each row as soon as its configuration is measured

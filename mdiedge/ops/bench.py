@@ -151,15 +151,35 @@ def run_subprocess(path: Path, nodes: int, samples: int, new_tokens: int, contex
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# a run's speed figures, kept for each run of a repeated configuration
+RUN_FIGURES = ("tokens_per_s", "decode_tokens_per_s", "roofline_tokens_per_s",
+               "roofline_share", "read_bytes_per_s", "hop_overhead_us")
+
+
+def median_run(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Of a configuration's runs, the one with the median decode tokens/s (the lower middle
+    for an even count), as it was measured, with every run's speed figures under ``runs``."""
+    if not runs:
+        raise ValueError("no runs to choose from")
+    ordered = sorted(runs, key=lambda r: r["decode_tokens_per_s"])
+    chosen = dict(ordered[(len(ordered) - 1) // 2])
+    chosen["runs"] = [{k: r[k] for k in RUN_FIGURES if k in r} for r in runs]
+    return chosen
+
+
 def run_all(model: Optional[str], preset_name: Optional[str], max_nodes: int, samples: int,
             new_tokens: int, context: int, runner: Optional[Runner] = None,
             measuring: Optional[Callable[[str], ContextManager[Any]]] = None,
-            roofline: Optional[Roofline] = None) -> Iterator[Dict[str, Any]]:
+            roofline: Optional[Roofline] = None, repeat: int = 1) -> Iterator[Dict[str, Any]]:
     """Every configuration's figures, each as soon as it is measured (by ``runner``, default
     ``run_subprocess``), with its bandwidth limit (``roofline``, measured between
-    configurations); ``measuring(what)`` wraps each wait (a progress display)."""
+    configurations); ``measuring(what)`` wraps each wait (a progress display). With
+    ``repeat`` > 1 each configuration runs that many times, each run followed by a fresh
+    bandwidth probe, and its figures are the median run's (``median_run``)."""
+    if repeat < 1:
+        raise ValueError(f"repeat {repeat} is not >= 1")
     shown = measuring or (lambda what: nullcontext())
-    limits = roofline or Roofline()
+    probes = [roofline or Roofline() for _ in range(repeat)]  # fresh probes for each run
     with tempfile.TemporaryDirectory(prefix="mdiedge-bench-") as tmp:
         if preset_name:
             with shown(f"writing random weights shaped like {preset_name}"):
@@ -169,11 +189,16 @@ def run_all(model: Optional[str], preset_name: Optional[str], max_nodes: int, sa
             path = resolve_model_path(model)
         configs = configurations(max_nodes, samples)
         for i, (nodes, micro_batch) in enumerate(configs, 1):
-            with shown(f"measuring {i} of {len(configs)}: {nodes} node{'s' if nodes > 1 else ''}"
-                       f", {micro_batch} sample{'s' if micro_batch > 1 else ''} per message"):
-                result = (runner or run_subprocess)(path, nodes, samples, new_tokens, context,
-                                                    micro_batch)
-            with shown(f"measuring the read bandwidth of {nodes} node"
-                       f"{'s' if nodes > 1 else ''}"):
-                result.update(limits.figures(result, samples))
-            yield result
+            runs = []
+            for run, limits in enumerate(probes, 1):
+                what = (f"{nodes} node{'s' if nodes > 1 else ''}, {micro_batch} "
+                        f"sample{'s' if micro_batch > 1 else ''} per message"
+                        + (f", run {run} of {repeat}" if repeat > 1 else ""))
+                with shown(f"measuring {i} of {len(configs)}: {what}"):
+                    result = (runner or run_subprocess)(path, nodes, samples, new_tokens,
+                                                        context, micro_batch)
+                with shown(f"measuring the read bandwidth of {nodes} node"
+                           f"{'s' if nodes > 1 else ''}"):
+                    result.update(limits.figures(result, samples))
+                runs.append(result)
+            yield median_run(runs) if repeat > 1 else runs[0]

@@ -28,7 +28,8 @@ CASES = [
     (["generate", "hi", "--stall-timeout", "0"], "--stall-timeout: expected a number of seconds > 0, got 0.0"),
     (["generate", "hi", "--stall-timeout", "nan"], "--stall-timeout: expected a number of seconds > 0, got nan"),
     (["generate", "hi", "--nodes", "0"], "--nodes: expected an integer >= 1, got 0"),
-    (["bench", "--repeat", "0"], "--repeat: expected an integer >= 1, got 0"),
+    (["bench", "--repeat", "0"], "--repeat: expected an integer 1..100, got 0"),
+    (["bench", "--repeat", "1000000000"], "--repeat: expected an integer 1..100, got 1000000000"),
     (["status"], "pass --ring FILE or --starter URL"),
 ]
 

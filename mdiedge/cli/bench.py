@@ -76,7 +76,7 @@ def _table(model: Optional[str], preset: Optional[str], nodes: int, samples: int
     from ..ops import bench as benchmarks
     from ..ops.benchtable import TableWriter, measuring_on_stderr
 
-    need(repeat >= 1, "--repeat", repeat, "an integer >= 1")
+    need(1 <= repeat <= 100, "--repeat", repeat, "an integer 1..100")
     title = (f"{preset or model or 'nanollama'}: {samples} samples x {new_tokens} tokens, "
              f"context {context}" + (f", median of {repeat} runs" if repeat > 1 else ""))
     measured = benchmarks.run_all(model, preset, nodes, samples, new_tokens, context,

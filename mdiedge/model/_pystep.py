@@ -1,6 +1,7 @@
 """The decode step, pure torch: the twin of ``ext/_cstep.pyx`` with the same API (see
-``mdiedge/model/_stepspec.py``). The same arithmetic as ``ext/step.h``, one torch operation
-at a time; ``threads`` is torch's own thread count here."""
+``mdiedge/model/_stepspec.py``). The same computation as ``ext/step.h``, one torch operation
+at a time, its sums and exp in torch's own order (equal within float32 rounding, not bit for
+bit); ``threads`` is torch's own thread count here."""
 from __future__ import annotations
 
 import math

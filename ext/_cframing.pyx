@@ -30,10 +30,11 @@ from posix.uio cimport iovec, writev
 
 from mdiedge.runtime._framingspec import (  # the constants are part of this module's API
     ACTIVATION, CODEC_SHIFT, CRC_OFFSET, ELIGIBLE_BIT, ENTRY_SIZE, FLAG_CODEC, FLAG_PREFILL,
-    FLAGS_KNOWN, FLOAT32, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_EXIT_DEPTH, MAX_NDIM, MAX_POSITION,
-    MAX_SAMPLES, MIN_READ_BUFFER, MSG_TYPES, PING, READ_BUFFER, RELEASE, SHUTDOWN, VERSION,
-    FrameHeader, byte_view, check_capacity, check_crc, check_eligible, check_fields,
-    check_fixed_size, check_pack_args, check_table_size, closed_early, codec_of)
+    FLAGS_KNOWN, FLOAT32, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_BUSY_POLL_US, MAX_EXIT_DEPTH,
+    MAX_NDIM, MAX_POSITION, MAX_SAMPLES, MIN_READ_BUFFER, MSG_TYPES, PING, READ_BUFFER, RELEASE,
+    SHUTDOWN, VERSION, FrameHeader, byte_view, check_busy_poll, check_capacity, check_crc,
+    check_eligible, check_fields, check_fixed_size, check_pack_args, check_table_size,
+    closed_early, codec_of)
 from mdiedge.base.codecs import BLOCK, FP16, INT8
 
 
@@ -47,6 +48,17 @@ cdef extern from *:
 
 cdef extern from "<sys/socket.h>" nogil:
     ssize_t recv(int fd, void* buf, size_t n, int flags)
+    enum: MSG_DONTWAIT
+
+cdef extern from "<sched.h>" nogil:
+    int sched_yield()
+
+cdef extern from "<time.h>" nogil:
+    struct timespec:
+        long tv_sec
+        long tv_nsec
+    int clock_gettime(int clk, timespec* ts)
+    enum: CLOCK_MONOTONIC
 
 cdef extern from "<poll.h>" nogil:
     struct pollfd:
@@ -424,13 +436,53 @@ def parse_table(header, fixed, table):
 
 # ---------------------------------------------------------------- socket loops (GIL released)
 
-cdef int _recv_some(int fd, unsigned char* buf, size_t need, size_t size, size_t* done,
-                    int timeout_ms, int* err) noexcept nogil:
-    """Receive into ``buf`` from ``done`` on until at least ``need`` and at most ``size``
-    bytes are there."""
+cdef inline long long _now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec * 1000000000LL + ts.tv_nsec
+
+
+cdef int _spin_some(int fd, unsigned char* buf, size_t need, size_t size, size_t* done,
+                    long long spin_ns, int* err) noexcept nogil:
+    """Like ``_recv_some``, but without sleeping: non-blocking receives, yielding the core
+    between them, for at most ``spin_ns``. IO_TIMEOUT when that ends first (not an error:
+    the caller goes on to wait in the kernel)."""
+    cdef long long deadline = _now_ns() + spin_ns
     cdef ssize_t n
-    cdef int e, ready
+    cdef int e
+    while done[0] < need:
+        n = recv(fd, buf + done[0], size - done[0], MSG_DONTWAIT)
+        if n > 0:
+            done[0] += <size_t> n
+            continue
+        if n == 0:
+            return IO_EOF
+        e = errno
+        if e == EINTR:
+            return IO_EINTR
+        if not _would_block(e):
+            err[0] = e
+            return IO_ERRNO
+        if _now_ns() >= deadline:
+            return IO_TIMEOUT
+        sched_yield()
+    return IO_DONE
+
+
+cdef int _recv_some(int fd, unsigned char* buf, size_t need, size_t size, size_t* done,
+                    int timeout_ms, long long spin_ns, int* err) noexcept nogil:
+    """Receive into ``buf`` from ``done`` on until at least ``need`` and at most ``size``
+    bytes are there; first by polling for up to ``spin_ns`` (at most the timeout; none on a
+    non-blocking socket), then by sleeping in the kernel."""
+    cdef ssize_t n
+    cdef int e, ready, status
     cdef pollfd pfd
+    if spin_ns > 0 and timeout_ms != 0 and done[0] < need:
+        if timeout_ms > 0 and spin_ns > timeout_ms * 1000000LL:
+            spin_ns = timeout_ms * 1000000LL
+        status = _spin_some(fd, buf, need, size, done, spin_ns, err)
+        if status != IO_TIMEOUT:
+            return status
     while done[0] < need:
         n = recv(fd, buf + done[0], size - done[0], 0)
         if n > 0:
@@ -497,21 +549,23 @@ cdef int _send_loop(int fd, const unsigned char* head, size_t head_len,
     return IO_DONE
 
 
-cdef int _recv_exact(object sock, unsigned char* buf, size_t size, size_t done=0) except -1:
+cdef int _recv_exact(object sock, unsigned char* buf, size_t size, size_t done=0,
+                     long long spin_ns=0) except -1:
     """``buf[done:size]`` from the socket."""
-    return _recv_range(sock, buf, &done, size, size, 0)
+    return _recv_range(sock, buf, &done, size, size, 0, spin_ns)
 
 
 cdef int _recv_range(object sock, unsigned char* buf, size_t* done, size_t need, size_t size,
-                     size_t base) except -1:
+                     size_t base, long long spin_ns) except -1:
     """Receive into ``buf`` from ``done`` on until at least ``need`` and at most ``size``
-    bytes are there; a peer that closes first is named by the bytes after ``base``."""
+    bytes are there (polling for up to ``spin_ns`` before it sleeps); a peer that closes
+    first is named by the bytes after ``base``."""
     cdef int fd = sock.fileno()
     cdef int timeout_ms = _timeout_ms(sock)
     cdef int status, err = 0
     while True:
         with nogil:
-            status = _recv_some(fd, buf, need, size, done, timeout_ms, &err)
+            status = _recv_some(fd, buf, need, size, done, timeout_ms, spin_ns, &err)
         if status == IO_DONE:
             return 0
         if status == IO_EINTR:
@@ -579,15 +633,22 @@ cdef class FrameReader:
     queued behind it) come in one system call; payload bytes beyond those buffered are
     received straight into their destination. ``capacity`` 0: each step reads exactly the
     bytes it needs, nothing past the frame (the socket may change hands between frames).
-    Errors as ``recv_exact_into``; after one, the stream position is unknown."""
+    ``busy_poll_us`` > 0: a receive that finds nothing polls the socket for up to that long
+    (yielding the core between polls) before it sleeps in the kernel, so that a frame
+    arriving soon costs no wake-up. Errors as ``recv_exact_into``; after one, the stream
+    position is unknown."""
 
     cdef readonly object sock
+    cdef readonly int busy_poll_us
     cdef bint greedy
     cdef unsigned char* buf
     cdef size_t cap, start, end
+    cdef long long spin_ns
 
-    def __cinit__(self, sock, capacity=READ_BUFFER):
+    def __cinit__(self, sock, capacity=READ_BUFFER, busy_poll_us=0):
         self.greedy = check_capacity(capacity) > 0
+        self.busy_poll_us = check_busy_poll(busy_poll_us)
+        self.spin_ns = self.busy_poll_us * 1000LL
         self.cap = max(capacity, MIN_READ_BUFFER)
         self.buf = <unsigned char*> malloc(self.cap)
         if self.buf == NULL:
@@ -611,7 +672,7 @@ cdef class FrameReader:
                 memmove(self.buf, self.buf + self.start, have)
                 self.start, self.end = 0, have
             _recv_range(self.sock, self.buf + self.start, &have, need,
-                        self.cap - self.start if self.greedy else need, base)
+                        self.cap - self.start if self.greedy else need, base, self.spin_ns)
             self.end = self.start + have
         return self.buf + self.start
 
@@ -635,7 +696,7 @@ cdef class FrameReader:
         memcpy(&view[0], self.buf + self.start, take)
         self._consume(take)
         if take < size:
-            _recv_exact(self.sock, &view[0], size, take)
+            _recv_exact(self.sock, &view[0], size, take, self.spin_ns)
 
     cdef void _consume(self, size_t size) noexcept:
         self.start += size

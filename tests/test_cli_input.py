@@ -16,6 +16,8 @@ CASES = [
     (["worker", "--no-config", "--log-level", "loud"], "--log-level: expected one of debug, info, warning, error, got 'loud'"),
     (["worker", "--no-config", "--idle-timeout", "nan"], "--idle-timeout: expected a number of seconds > 0, got nan"),
     (["worker", "--no-config", "--idle-timeout", "-1"], "--idle-timeout: expected a number of seconds > 0, got -1.0"),
+    (["worker", "--no-config", "--busy-poll-us", "-1"], "--busy-poll-us: expected an integer 0..100000, got -1"),
+    (["worker", "--no-config", "--busy-poll-us", "100001"], "--busy-poll-us: expected an integer 0..100000, got 100001"),
     (["worker", "--no-config", "--threads", "-5"], "--threads: expected an integer 0..4096, got -5"),
     (["worker", "--no-config", "--threads", "100000000000"], "--threads: expected an integer 0..4096, got 100000000000"),
     (["worker", "--no-config", "--secret-fd", "97"], "--secret-fd 97: cannot read the secret"),

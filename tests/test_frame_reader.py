@@ -75,16 +75,18 @@ frames_strategy = st.lists(st.tuples(
 
 @FAST
 @given(frames=frames_strategy, cuts=st.lists(st.integers(0, 10 ** 6), max_size=12),
-       capacity=st.sampled_from(CAPACITIES))
+       capacity=st.sampled_from(CAPACITIES), busy_poll=st.sampled_from([0, 50, 20_000]))
 def test_frames_arrive_whatever_the_chunking(impl: ModuleType, frames: Any, cuts: List[int],
-                                             capacity: int) -> None:
+                                             capacity: int, busy_poll: int) -> None:
+    """Pieces come 0.5 ms apart: a busy poll of 50 µs ends first and sleeps, one of 20 ms
+    takes them while polling."""
     a, b = socket.socketpair()  # one per example: a failed one leaves no bytes behind
     with a, b:
-        check_stream(impl, a, b, frames, cuts, capacity)
+        check_stream(impl, a, b, frames, cuts, capacity, busy_poll)
 
 
 def check_stream(impl: ModuleType, a: socket.socket, b: socket.socket, frames: Any,
-                 cuts: List[int], capacity: int) -> None:
+                 cuts: List[int], capacity: int, busy_poll: int = 0) -> None:
     b.settimeout(10.0)
     sent, stream = [], b""
     for seq, (ids, width) in enumerate(frames):
@@ -92,7 +94,7 @@ def check_stream(impl: ModuleType, a: socket.socket, b: socket.socket, frames: A
         sent.append((ids, tensor, seq))
         stream += frame_bytes(impl, ids, tensor, seq)
     thread = send_in_chunks(a, stream, cuts)
-    reader = framing.reader(b, impl, capacity)
+    reader = framing.reader(b, impl, capacity, busy_poll)
     for ids, tensor, seq in sent:
         header, got = framing.recv_frame(reader, 1 << 24, impl=impl)
         assert (list(header.sample_ids), header.seq) == (ids, seq)
@@ -139,19 +141,20 @@ def test_capacity_zero_reads_nothing_past_the_frame(impl: ModuleType, pair: Any)
     assert b.recv(16) == b"more"
 
 
-@pytest.mark.parametrize("capacity", CAPACITIES)
+@pytest.mark.parametrize("capacity,busy_poll", [(c, 0) for c in CAPACITIES] + [(0, 1000),
+                                                  (_framingspec.READ_BUFFER, 1000)])
 @pytest.mark.parametrize("keep,message", [
     (20, "connection closed after 20 of 48 bytes"),                  # in the fixed header
     (52, "connection closed after 4 of 16 bytes"),                   # in the sample table
     (64 + 100, "connection closed after 100 of 160 bytes"),          # in the payload
 ])
 def test_a_peer_closing_mid_frame_is_named(impl: ModuleType, pair: Any, capacity: int,
-                                           keep: int, message: str) -> None:
+                                           busy_poll: int, keep: int, message: str) -> None:
     a, b = pair
     a.sendall(frame_bytes(impl, [1, 2], torch.randn(2, 1, 20), 0)[:keep])
     a.close()
     with pytest.raises(FrameError, match=f"^{message}$"):
-        framing.recv_frame(framing.reader(b, impl, capacity), 1 << 20, impl=impl)
+        framing.recv_frame(framing.reader(b, impl, capacity, busy_poll), 1 << 20, impl=impl)
 
 
 def test_a_bad_frame_is_refused_before_its_table(impl: ModuleType, pair: Any) -> None:
@@ -168,3 +171,50 @@ def test_a_bad_frame_is_refused_before_its_table(impl: ModuleType, pair: Any) ->
 def test_a_bad_capacity_is_named(impl: ModuleType, pair: Any, capacity: Any) -> None:
     with pytest.raises(FrameError, match=r"^read buffer capacity .* must be 0 or an integer"):
         impl.FrameReader(pair[1], capacity)
+
+
+@pytest.mark.parametrize("busy_poll", [-1, _framingspec.MAX_BUSY_POLL_US + 1, 2.5, True, "200"])
+def test_a_bad_busy_poll_is_named(impl: ModuleType, pair: Any, busy_poll: Any) -> None:
+    with pytest.raises(FrameError, match=r"^busy poll .* must be an integer 0\.\.100000 µs$"):
+        impl.FrameReader(pair[1], _framingspec.READ_BUFFER, busy_poll)
+
+
+def test_a_busy_poll_keeps_the_socket_timeout(impl: ModuleType, pair: Any) -> None:
+    """The poll counts toward the timeout: a 100 ms poll on a socket that times out after
+    50 ms gives up within about 50 ms of polling and 50 ms of sleep."""
+    a, b = pair
+    b.settimeout(0.05)
+    reader = framing.reader(b, impl, busy_poll_us=_framingspec.MAX_BUSY_POLL_US)
+    start = time.monotonic()
+    with pytest.raises(socket.timeout):
+        framing.recv_frame(reader, 1 << 20, impl=impl)
+    assert time.monotonic() - start < 1.0
+    a.sendall(frame_bytes(impl, [5], None, 3))  # nothing was consumed: the link still works
+    b.settimeout(10.0)
+    assert framing.recv_frame(reader, 1 << 20, impl=impl)[0].sample_ids == (5,)
+
+
+def test_a_non_blocking_socket_is_not_polled(impl: ModuleType, pair: Any) -> None:
+    a, b = pair
+    b.setblocking(False)
+    reader = framing.reader(b, impl, busy_poll_us=_framingspec.MAX_BUSY_POLL_US)
+    start = time.monotonic()
+    with pytest.raises(BlockingIOError):
+        framing.recv_frame(reader, 1 << 20, impl=impl)
+    assert time.monotonic() - start < 0.05
+
+
+@pytest.mark.parametrize("busy_poll", [0, 40_000])
+def test_a_busy_poll_spends_the_core_and_sleep_does_not(impl: ModuleType, pair: Any,
+                                                        busy_poll: int) -> None:
+    """A frame 60 ms away: a 40 ms poll keeps this thread on the core for much of that (its
+    CPU time counts it, though it yields to whatever else wants the core); no poll sleeps."""
+    a, b = pair
+    reader = framing.reader(b, impl, busy_poll_us=busy_poll)
+    timer = threading.Timer(0.06, lambda: a.sendall(frame_bytes(impl, [6], None, 4)))
+    timer.start()
+    cpu = time.thread_time()
+    assert framing.recv_frame(reader, 1 << 20, impl=impl)[0].sample_ids == (6,)
+    cpu = time.thread_time() - cpu
+    timer.join()
+    assert (cpu > 0.008) if busy_poll else (cpu < 0.008), f"{cpu * 1e3:.1f} ms of CPU"

@@ -230,6 +230,8 @@ ERRORS = [
     (W + "threads = 1e23\n", "worker.threads", "expected an integer 0..4096, got 1e+23"),
     (W + "idle_timeout_s = 0\n", "worker.idle_timeout_s", "expected a number > 0, got 0"),
     (W + "idle_timeout_s = -2.5\n", "worker.idle_timeout_s", "got -2.5"),
+    (W + "busy_poll_us = -1\n", "worker.busy_poll_us", "expected an integer 0..100000, got -1"),
+    (W + "busy_poll_us = 1.5\n", "worker.busy_poll_us", "got 1.5"),
     (W + "idle_timeout_s = nan\n", "worker.idle_timeout_s", "got nan"),
     (W + "idle_timeout_s = inf\n", "worker.idle_timeout_s", "got inf"),
     (W + "idle_timeout_s = true\n", "worker.idle_timeout_s", "got True"),
@@ -599,7 +601,8 @@ def test_load_ring_shape(tmp_path: Path) -> None:
                        "prefill_chunk": defaults.PREFILL_CHUNK,
                        "timeout_s": defaults.RING_TIMEOUT_S, "stall_s": defaults.STALL_S,
                        "recover": True,
-                       "rebalance_margin": defaults.REBALANCE_MARGIN, "compression": "none"}
+                       "rebalance_margin": defaults.REBALANCE_MARGIN, "compression": "none",
+                       "busy_poll_us": defaults.BUSY_POLL_US}
     assert workers == [
         NodeSpec(name="w1", host="10.0.0.2", control_port=7700, weight=2.5,
                  memory=6 * GiB, layers=(6, 14), device="cuda"),
@@ -617,7 +620,8 @@ def test_load_ring_starter_options(tmp_path: Path) -> None:
                        "memory": 4 * GiB, "layers": (0, 6),
                        "max_payload": 64 << 20, "prefill_chunk": defaults.PREFILL_CHUNK,
                        "timeout_s": 12.5, "stall_s": defaults.STALL_S, "recover": True,
-                       "rebalance_margin": defaults.REBALANCE_MARGIN, "compression": "none"}
+                       "rebalance_margin": defaults.REBALANCE_MARGIN, "compression": "none",
+                       "busy_poll_us": defaults.BUSY_POLL_US}
     options, _ = load_ring(write(tmp_path, "[starter]\ntimeout_s = 30\n" + R))
     assert (options["timeout_s"], options["max_payload"]) == (30.0, defaults.MAX_PAYLOAD)
     options, _ = load_ring(write(tmp_path, "[starter]\nprefill_chunk = 0\n" + R))
@@ -634,7 +638,8 @@ def test_load_ring_without_starter_table(tmp_path: Path) -> None:
                        "prefill_chunk": defaults.PREFILL_CHUNK,
                        "timeout_s": defaults.RING_TIMEOUT_S, "stall_s": defaults.STALL_S,
                        "recover": True,
-                       "rebalance_margin": defaults.REBALANCE_MARGIN, "compression": "none"}
+                       "rebalance_margin": defaults.REBALANCE_MARGIN, "compression": "none",
+                       "busy_poll_us": defaults.BUSY_POLL_US}
     assert [w.name for w in workers] == ["w1"]
 
 
@@ -786,6 +791,7 @@ PLAUSIBLE = {  # values near and on both sides of each key's rule
     "memory": sizes, "max_payload": sizes, "stall_s": numbers, "rebalance_margin": numbers,
     "recover": st.booleans(), "spare": st.booleans(), "prefill_chunk": st.integers(-1, 600),
     "compression": st.sampled_from(["none", "int8", "int8:fp16", "int4", "fp16:"]),
+    "busy_poll_us": st.integers(-1, 3) | st.sampled_from([200, 100_000, 100_001]),
 }
 
 

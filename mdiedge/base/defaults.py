@@ -38,6 +38,9 @@ STALL_S = 3.0  # no message back this long: every worker is asked; one that does
 REBALANCE_MARGIN = 0.25  # re-split between requests when the slowest node is this far above the mean
 DIAGNOSE_TIMEOUT_S = 2.0  # a node whose control plane does not answer within this is down
 STATUS_RTT_TIMEOUT_S = 0.25  # a worker's /status waits at most this for its next node's ping
+BUSY_POLL_US = 200  # a node waiting for a frame polls its link this long before it sleeps:
+#                   a frame that comes sooner costs no wake-up (0: sleep at once)
+MAX_BUSY_POLL_US = 100_000
 MAX_THREADS = 4096  # the most torch threads a worker may be told to use
 
 

@@ -48,6 +48,7 @@ class StarterOptions:
     stall_s: float = defaults.STALL_S  # see defaults.STALL_S
     recover: bool = True  # a lost node's layers move to a spare or the survivors
     rebalance_margin: float = defaults.REBALANCE_MARGIN  # 0: never re-split by measurements
+    busy_poll_us: int = defaults.BUSY_POLL_US  # of the link back from the last worker
     share_path: bool = True  # tell workers where the model lies (a shared filesystem)
     secret: Optional[bytes] = None
     control_url: Optional[str] = None  # set when the starter serves a control plane

@@ -46,6 +46,9 @@ def worker(
     insecure: bool = typer.Option(False, help="Allow a non-loopback address without a secret."),
     idle_timeout: float = typer.Option(defaults.IDLE_TIMEOUT_S, help="Seconds of starter silence before the "
                                        "worker frees its slots and returns to idle."),
+    busy_poll_us: int = typer.Option(defaults.BUSY_POLL_US, help="Microseconds a wait for the "
+                                     "next activation polls before it sleeps (0: sleep at "
+                                     "once, the least power)."),
     secret_fd: int = typer.Option(-1, help="Read the ring secret from this inherited file "
                                   "descriptor (a pipe; local rings), not the config or env."),
 ) -> None:
@@ -62,7 +65,7 @@ def worker(
     # a flag given on the command line wins over the file, the file over the flag's default
     flags = {"host": host, "control_port": control_port, "data_port": data_port,
              "threads": threads, "name": name, "cache_dir": cache_dir, "log_level": log_level,
-             "insecure": insecure, "idle_timeout_s": idle_timeout}
+             "insecure": insecure, "idle_timeout_s": idle_timeout, "busy_poll_us": busy_poll_us}
     _check_worker_flags(flags)
     chosen = {key: value if _from_command_line(ctx, key) or key not in section.keys_set
               else getattr(section, key) for key, value in flags.items()}
@@ -81,6 +84,8 @@ def _check_worker_flags(flags: Dict[str, Any]) -> None:
     check_log_level(flags["log_level"])
     need(seconds_ok(flags["idle_timeout_s"]), "--idle-timeout", flags["idle_timeout_s"],
           "a number of seconds > 0")
+    need(0 <= flags["busy_poll_us"] <= defaults.MAX_BUSY_POLL_US, "--busy-poll-us",
+         flags["busy_poll_us"], f"an integer 0..{defaults.MAX_BUSY_POLL_US}")
 
 
 def _secret_from_fd(fd: int) -> bytes:
@@ -120,6 +125,7 @@ def _run_worker(chosen: Dict[str, Any], section: Any, parent_pid: int,
                       name=chosen["name"],
                       secret=secret if secret is not None else read_secret(section),
                       insecure=chosen["insecure"], idle_timeout_s=chosen["idle_timeout_s"],
+                      busy_poll_us=chosen["busy_poll_us"],
                       heartbeat=heartbeat)
     if section.model is not None:
         node.preload(section.model, section.layers, section.device, section.dtype)
@@ -257,8 +263,8 @@ def _starter_engine(settings: Any, section: Any, model: Optional[str],
         memory=section.memory, layers=section.layers,
         max_payload=section.max_payload or defaults.MAX_PAYLOAD, timeout_s=section.timeout_s,
         prefill_chunk=section.prefill_chunk, stall_s=section.stall_s, recover=section.recover,
-        rebalance_margin=section.rebalance_margin, secret=secret, control_url=control_url,
-        compression=section.compression if compression is None else compression)
+        rebalance_margin=section.rebalance_margin, busy_poll_us=section.busy_poll_us,
+        secret=secret, control_url=control_url, compression=section.compression if compression is None else compression)
     model, tokenizer = model or section.model, tokenizer or section.tokenizer
     early_exit = early_exit_settings(TextModel(model, tokenizer), exits) if exits else None
     return RingEngine(settings.workers, model, tokenizer, options, early_exit=early_exit)

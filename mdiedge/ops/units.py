@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from ..base.defaults import (IDLE_TIMEOUT_S, MAX_PAYLOAD, PREFILL_CHUNK, REBALANCE_MARGIN,
-                             RING_TIMEOUT_S, STALL_S, STARTER_CONTROL_PORT,
+from ..base.defaults import (BUSY_POLL_US, IDLE_TIMEOUT_S, MAX_PAYLOAD, PREFILL_CHUNK,
+                             REBALANCE_MARGIN, RING_TIMEOUT_S, STALL_S, STARTER_CONTROL_PORT,
                              WORKER_CONTROL_PORT, WORKER_DATA_PORT)
 from ..base.dtypes import TABLE as DTYPE_TABLE
 from ..base.errors import ConfigError
@@ -64,6 +64,10 @@ cache_dir = "/var/lib/mdiedge"
 log_level = "info"
 # Free the KV-cache slots when the starter has been silent this many seconds.
 idle_timeout_s = {IDLE_TIMEOUT_S:g}
+# Microseconds a wait for the next activation polls the data link before it sleeps: a
+# message that comes sooner saves the wake-up from sleep (tens of µs a hop) at the price of
+# that much CPU. 0: sleep at once (the least power).
+busy_poll_us = {BUSY_POLL_US}
 # File holding the ring secret (one line). Leave it unset under the shipped units: systemd
 # hands /etc/mdiedge/secret (mode 0600, root) to the worker as a credential and names it in
 # $MDIEDGE_SECRET_FILE; the unit's dynamic user cannot read the root-only file itself.
@@ -129,6 +133,10 @@ rebalance_margin = {REBALANCE_MARGIN:g}
 # Optional: codecs of every link whose [[workers]] entry names none: none, fp16, int8, or
 # PREFILL:DECODE such as int8:fp16 (--compression on the command line wins).
 # compression = "none"
+# Microseconds a wait for the last worker's message polls the link before it sleeps: a
+# message that comes sooner saves the wake-up from sleep at the price of that much CPU.
+# 0: sleep at once (the least power).
+busy_poll_us = {BUSY_POLL_US}
 # File holding the ring secret (one line). Leave it unset under the shipped unit: systemd
 # hands /etc/mdiedge/secret (mode 0600, root) to the starter as a credential and names it in
 # $MDIEDGE_SECRET_FILE; the unit's dynamic user cannot read the root-only file itself.

@@ -19,6 +19,7 @@ import sys
 import time
 from typing import List, Optional
 
+from ..base import defaults
 from ..base.errors import RingError
 from ..base.nodes import NodeSpec
 
@@ -50,11 +51,14 @@ def _frozen(pid: int) -> bool:
 
 class LocalRing:
     """``with LocalRing(2) as workers:`` starts two workers and yields their addresses;
-    ``spares`` more are started as spares (``NodeSpec.spare``), after them in the list."""
+    ``spares`` more are started as spares (``NodeSpec.spare``), after them in the list;
+    ``busy_poll_us`` is each worker's ``--busy-poll-us``."""
 
     def __init__(self, n_workers: int, threads: int = 1, log_level: str = "warning",
-                 cache_dir: Optional[str] = None, device: str = "cpu", spares: int = 0) -> None:
+                 cache_dir: Optional[str] = None, device: str = "cpu", spares: int = 0,
+                 busy_poll_us: int = defaults.BUSY_POLL_US) -> None:
         self.n_workers, self.threads, self.log_level = n_workers, threads, log_level
+        self.busy_poll_us = busy_poll_us
         self.spares = spares
         self.device = device  # where every worker computes
         self.cache_dir = cache_dir
@@ -80,7 +84,7 @@ class LocalRing:
         cmd = [sys.executable, "-m", "mdiedge", "worker", "--host", "127.0.0.1",
                "--control-port", "0", "--data-port", "0", "--threads", str(self.threads),
                "--name", name, "--log-level", self.log_level, "--parent-pid", str(os.getpid()),
-               "--no-config"]
+               "--busy-poll-us", str(self.busy_poll_us), "--no-config"]
         if self.cache_dir:
             cmd += ["--cache-dir", self.cache_dir]
         preexec = _die_with_parent if sys.platform.startswith("linux") else None

@@ -291,7 +291,7 @@ class RingStarter:
             inbound = accept_authenticated(self.listener, auth, defaults.LINK_ACCEPT_TIMEOUT_S,
                                            "starter", codecs=codecs[-1])
             links = LinkPair(inbound, outbound, self.options.max_payload, "starter",
-                             codecs[-1], codecs[0])
+                             codecs[-1], codecs[0], busy_poll_us=self.options.busy_poll_us)
         except Exception as e:  # OSError, AuthError (a RingError) or anything else
             close_quietly(outbound)
             close_quietly(inbound)

@@ -47,13 +47,15 @@ class WorkerNode:
     def __init__(self, host: str = "127.0.0.1", control_port: int = 0, data_port: int = 0,
                  cache_dir: Optional[Path] = None, name: str = "worker",
                  secret: Optional[bytes] = None, insecure: bool = False,
-                 idle_timeout_s: float = defaults.IDLE_TIMEOUT_S, heartbeat: Any = None) -> None:
+                 idle_timeout_s: float = defaults.IDLE_TIMEOUT_S, heartbeat: Any = None,
+                 busy_poll_us: int = defaults.BUSY_POLL_US) -> None:
         if secret is None and not insecure and not is_loopback(host):
             raise ConfigError(f"refusing to listen on {host} without a ring secret "
                               f"(set one, or pass --insecure on a trusted network)")
         self.name, self.host = name, host
         self.auth = Authenticator(secret)
         self.idle_timeout_s = idle_timeout_s
+        self.busy_poll_us = busy_poll_us  # of its inbound link: see LinkPair
         self.heartbeat = heartbeat  # fed by the compute loop: the systemd watchdog reads it
         self.owner = ""  # session of the starter this worker serves; "" when free
         self.owner_seen = 0.0
@@ -302,7 +304,8 @@ class WorkerNode:
         (``ring_id`` moved on) cancels the wait. None (every socket closed) on any failure."""
         assert self.assignment is not None
         return _link_pair(self.listener, bind(self.auth, request.ring), request, self.name,
-                          self.assignment.max_payload, lambda: self.ring_id != ring_id)
+                          self.assignment.max_payload, lambda: self.ring_id != ring_id,
+                          self.busy_poll_us)
 
     def _serve_ring(self, request: ConnectRequest, ring_id: int) -> None:
         links = self._open_links(request, ring_id)
@@ -343,7 +346,7 @@ class WorkerNode:
 
 
 def _link_pair(listener: Any, auth: Authenticator, request: ConnectRequest, name: str,
-               max_payload: int, moved_on: Any) -> Optional[LinkPair]:
+               max_payload: int, moved_on: Any, busy_poll_us: int) -> Optional[LinkPair]:
     """The links of a worker (inbound first, with the request's codecs on each); a reset or a
     newer connect (``moved_on()``) cancels the wait. None (every socket closed) on any
     failure, a codec mismatch included."""
@@ -358,7 +361,7 @@ def _link_pair(listener: Any, auth: Authenticator, request: ConnectRequest, name
                                          retry_s=defaults.LINK_RETRY_S, cancelled=moved_on,
                                          codecs=codecs_out)
         return LinkPair(inbound, outbound, max_payload, name, codecs_in, codecs_out,
-                        inline_receive=True)
+                        inline_receive=True, busy_poll_us=busy_poll_us)
     except Exception as e:  # OSError, AuthError (a RingError), or anything else
         side = "no previous node connected" if inbound is None else "cannot reach its next node"
         log.warning("%s: %s: %s", name, side, e)

@@ -44,6 +44,7 @@ import operator
 from typing import Any, List, Sequence, Tuple
 
 from ..base.codecs import NAMES as CODEC_NAMES, encoded_size
+from ..base.defaults import MAX_BUSY_POLL_US
 from ..base.dtypes import ITEMSIZE
 from ..base.errors import FrameError
 
@@ -291,6 +292,15 @@ def check_capacity(capacity: Any) -> int:
         raise FrameError(f"read buffer capacity {capacity!r} must be 0 or an integer "
                          f"{MIN_READ_BUFFER}..{1 << 30}")
     return capacity
+
+
+def check_busy_poll(busy_poll_us: Any) -> int:
+    """A FrameReader's busy poll: µs it polls for a frame before it sleeps in the kernel,
+    0..MAX_BUSY_POLL_US (0: it sleeps at once)."""
+    if isinstance(busy_poll_us, bool) or not isinstance(busy_poll_us, int) or not (
+            0 <= busy_poll_us <= MAX_BUSY_POLL_US):
+        raise FrameError(f"busy poll {busy_poll_us!r} must be an integer 0..{MAX_BUSY_POLL_US} µs")
+    return busy_poll_us
 
 
 def closed_early(done: int, size: int) -> FrameError:

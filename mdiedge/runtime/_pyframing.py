@@ -4,16 +4,20 @@ wire format (documented in ``mdiedge/runtime/_framingspec.py``), its constants a
 are imported from there."""
 from __future__ import annotations
 
+import os
+import select
 import struct
+import time
 import zlib
 from typing import Any, List, Optional, Sequence
 
 from ._framingspec import (  # noqa: F401  (the constants are part of this module's API)
     ACTIVATION, CODEC_SHIFT, CRC_OFFSET, ELIGIBLE_BIT, ENTRY_SIZE, FLAG_CODEC, FLAG_PREFILL,
-    FLAGS_KNOWN, FLOAT32, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_EXIT_DEPTH, MAX_NDIM, MAX_POSITION,
-    MAX_SAMPLES, MIN_READ_BUFFER, MSG_TYPES, PING, READ_BUFFER, RELEASE, SHUTDOWN, VERSION,
-    FrameHeader, byte_view, check_capacity, check_crc, check_eligible, check_fields,
-    check_fixed_size, check_pack_args, check_table_size, closed_early, codec_of)
+    FLAGS_KNOWN, FLOAT32, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_BUSY_POLL_US, MAX_EXIT_DEPTH,
+    MAX_NDIM, MAX_POSITION, MAX_SAMPLES, MIN_READ_BUFFER, MSG_TYPES, PING, READ_BUFFER, RELEASE,
+    SHUTDOWN, VERSION, FrameHeader, byte_view, check_busy_poll, check_capacity, check_crc,
+    check_eligible, check_fields, check_fixed_size, check_pack_args, check_table_size,
+    closed_early, codec_of)
 
 _FIXED = struct.Struct("<4sBBBBHBBI4IIQ")  # everything before the crc
 _CRC = struct.Struct("<I")
@@ -124,10 +128,18 @@ class FrameReader:
     queued behind it) come in one system call; payload bytes beyond those buffered are
     received straight into their destination. ``capacity`` 0: each step reads exactly the
     bytes it needs, nothing past the frame (the socket may change hands between frames).
-    Errors as ``recv_exact_into``; after one, the stream position is unknown."""
+    ``busy_poll_us`` > 0: a receive that finds nothing polls the socket for up to that long
+    (yielding the core between polls) before it sleeps in the kernel, so that a frame
+    arriving soon costs no wake-up. Errors as ``recv_exact_into``; after one, the stream
+    position is unknown."""
 
-    def __init__(self, sock: Any, capacity: int = READ_BUFFER) -> None:
+    def __init__(self, sock: Any, capacity: int = READ_BUFFER, busy_poll_us: int = 0) -> None:
         self.sock, self.greedy = sock, check_capacity(capacity) > 0
+        self.busy_poll_us = check_busy_poll(busy_poll_us)
+        self._poller = None
+        if self.busy_poll_us:
+            self._poller = select.poll()
+            self._poller.register(sock, select.POLLIN)
         self._view = memoryview(bytearray(max(capacity, MIN_READ_BUFFER)))
         self._start = self._end = 0
 
@@ -145,6 +157,7 @@ class FrameReader:
                 self._view[:have] = bytes(self._view[self._start:self._end])
                 self._start, self._end = 0, have
             limit = len(self._view) if self.greedy else self._start + need
+            self._await()
             while self._end - self._start < need:
                 n = self.sock.recv_into(self._view[self._end:limit])
                 if n == 0:
@@ -169,11 +182,24 @@ class FrameReader:
         view[:take] = self._view[self._start:self._start + take]
         self._consume(take)
         got = take
+        if got < size:
+            self._await()
         while got < size:
             n = self.sock.recv_into(view[got:], size - got)
             if n == 0:
                 raise closed_early(got, size)
             got += n
+
+    def _await(self) -> None:
+        """Poll for up to ``busy_poll_us`` (at most the socket's timeout; not at all on a
+        non-blocking socket) until the socket has something to read."""
+        timeout = self.sock.gettimeout() if self._poller is not None else 0
+        if timeout == 0:
+            return
+        spin = self.busy_poll_us / 1e6
+        deadline = time.perf_counter() + (spin if timeout is None else min(spin, timeout))
+        while not self._poller.poll(0) and time.perf_counter() < deadline:
+            os.sched_yield()
 
     def _consume(self, size: int) -> None:
         self._start += size

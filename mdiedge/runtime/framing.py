@@ -131,12 +131,15 @@ def _allocate(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         raise FrameError(f"cannot allocate the frame's {shape} {dtype} tensor: {reason}") from None
 
 
-def reader(sock: Any, impl: Optional[ModuleType] = None, capacity: Optional[int] = None) -> Any:
+def reader(sock: Any, impl: Optional[ModuleType] = None, capacity: Optional[int] = None,
+           busy_poll_us: int = 0) -> Any:
     """A ``FrameReader`` of ``sock`` for every frame of a link: it receives through a buffer,
     so that a small frame takes one system call (``capacity`` bytes, default
-    ``READ_BUFFER``; 0: read nothing past each frame)."""
+    ``READ_BUFFER``; 0: read nothing past each frame), and polls for up to ``busy_poll_us``
+    before it sleeps waiting for one."""
     impl = impl or _impl
-    return impl.FrameReader(sock, impl.READ_BUFFER if capacity is None else capacity)
+    return impl.FrameReader(sock, impl.READ_BUFFER if capacity is None else capacity,
+                            busy_poll_us)
 
 
 def recv_frame(source: Any, max_payload: int, out: Optional[torch.Tensor] = None,

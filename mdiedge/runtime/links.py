@@ -227,13 +227,16 @@ class Receiver(threading.Thread):
     """Reads messages from ``sock`` into ``inbox`` until the link ends, then queues LinkDown:
     whatever ends it (a peer's malformed frame, a socket error, any exception) is one log
     line, and the owner always learns of it. ``next`` reads one on the caller's thread
-    instead (a link whose owner receives inline never starts this thread)."""
+    instead (a link whose owner receives inline never starts this thread). Waiting for a
+    frame, it polls the socket for up to ``busy_poll_us`` before it sleeps (see
+    ``framing.reader``)."""
 
     def __init__(self, sock: socket.socket, inbox: "queue.SimpleQueue[Received]", max_payload: int,
-                 name: str, codecs: Compression = NO_COMPRESSION) -> None:
+                 name: str, codecs: Compression = NO_COMPRESSION, busy_poll_us: int = 0) -> None:
         super().__init__(name=name, daemon=True)
         self.sock, self.inbox, self.max_payload = sock, inbox, max_payload
-        self.reader = framing.reader(sock)  # after the handshake: nothing of it is buffered
+        # after the handshake: nothing of it is buffered
+        self.reader = framing.reader(sock, busy_poll_us=busy_poll_us)
         self.codecs = codecs
         self.frames = self.bytes = 0  # received on this link
         self.ended: Optional[str] = None  # why the link ended, once it has
@@ -340,14 +343,17 @@ class LinkPair:
     ``inline_receive``: no receiver thread; ``receive`` reads the socket on the caller's
     thread (a worker's compute loop, which has nothing else to do while it waits), saving
     the thread hand-off on every hop. Frames still arrive into the socket's buffer while
-    the caller computes."""
+    the caller computes. ``busy_poll_us``: how long a wait for a frame polls before it sleeps
+    (a wake-up from sleep costs tens of µs; see ``framing.reader``)."""
 
     def __init__(self, inbound: socket.socket, outbound: socket.socket, max_payload: int,
                  name: str, codecs_in: Compression = NO_COMPRESSION,
-                 codecs_out: Compression = NO_COMPRESSION, inline_receive: bool = False) -> None:
+                 codecs_out: Compression = NO_COMPRESSION, inline_receive: bool = False,
+                 busy_poll_us: int = 0) -> None:
         self.inbound, self.outbound = inbound, outbound
         self.inbox: "queue.SimpleQueue[Received]" = queue.SimpleQueue()
-        self.receiver = Receiver(inbound, self.inbox, max_payload, f"{name}/recv", codecs_in)
+        self.receiver = Receiver(inbound, self.inbox, max_payload, f"{name}/recv", codecs_in,
+                                 busy_poll_us)
         self.sender = Sender(outbound, f"{name}/send", codecs=codecs_out)
         self.inline_receive = inline_receive
         if not inline_receive:

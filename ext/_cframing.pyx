@@ -442,49 +442,23 @@ cdef inline long long _now_ns() noexcept nogil:
     return ts.tv_sec * 1000000000LL + ts.tv_nsec
 
 
-cdef int _spin_some(int fd, unsigned char* buf, size_t need, size_t size, size_t* done,
-                    long long spin_ns, int* err) noexcept nogil:
-    """Like ``_recv_some``, but without sleeping: non-blocking receives, yielding the core
-    between them, for at most ``spin_ns``. IO_TIMEOUT when that ends first (not an error:
-    the caller goes on to wait in the kernel)."""
-    cdef long long deadline = _now_ns() + spin_ns
-    cdef ssize_t n
-    cdef int e
-    while done[0] < need:
-        n = recv(fd, buf + done[0], size - done[0], MSG_DONTWAIT)
-        if n > 0:
-            done[0] += <size_t> n
-            continue
-        if n == 0:
-            return IO_EOF
-        e = errno
-        if e == EINTR:
-            return IO_EINTR
-        if not _would_block(e):
-            err[0] = e
-            return IO_ERRNO
-        if _now_ns() >= deadline:
-            return IO_TIMEOUT
-        sched_yield()
-    return IO_DONE
-
-
 cdef int _recv_some(int fd, unsigned char* buf, size_t need, size_t size, size_t* done,
                     int timeout_ms, long long spin_ns, int* err) noexcept nogil:
     """Receive into ``buf`` from ``done`` on until at least ``need`` and at most ``size``
-    bytes are there; first by polling for up to ``spin_ns`` (at most the timeout; none on a
-    non-blocking socket), then by sleeping in the kernel."""
+    bytes are there; first polling for up to ``spin_ns`` (at most the timeout; none on a
+    non-blocking socket): non-blocking receives, yielding the core between them; then
+    sleeping in the kernel."""
     cdef ssize_t n
-    cdef int e, ready, status
+    cdef int e, ready
+    cdef int flags = 0  # MSG_DONTWAIT while polling
+    cdef long long deadline = 0
     cdef pollfd pfd
-    if spin_ns > 0 and timeout_ms != 0 and done[0] < need:
+    if spin_ns > 0 and timeout_ms != 0:
         if timeout_ms > 0 and spin_ns > timeout_ms * 1000000LL:
             spin_ns = timeout_ms * 1000000LL
-        status = _spin_some(fd, buf, need, size, done, spin_ns, err)
-        if status != IO_TIMEOUT:
-            return status
+        flags, deadline = MSG_DONTWAIT, _now_ns() + spin_ns
     while done[0] < need:
-        n = recv(fd, buf + done[0], size - done[0], 0)
+        n = recv(fd, buf + done[0], size - done[0], flags)
         if n > 0:
             done[0] += <size_t> n
             continue
@@ -493,6 +467,12 @@ cdef int _recv_some(int fd, unsigned char* buf, size_t need, size_t size, size_t
         e = errno
         if e == EINTR:
             return IO_EINTR
+        if flags and _would_block(e):
+            if _now_ns() < deadline:
+                sched_yield()
+            else:
+                flags = 0  # the poll is over: the next receive sleeps
+            continue
         if _would_block(e) and timeout_ms > 0:
             pfd.fd, pfd.events, pfd.revents = fd, POLLIN, 0
             ready = poll(&pfd, 1, timeout_ms)

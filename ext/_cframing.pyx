@@ -35,7 +35,7 @@ from mdiedge.runtime._framingspec import (  # the constants are part of this mod
     SHUTDOWN, VERSION, FrameHeader, byte_view, check_busy_poll, check_capacity, check_crc,
     check_eligible, check_fields, check_fixed_size, check_pack_args, check_table_size,
     closed_early, codec_of)
-from mdiedge.base.codecs import BLOCK, FP16, INT8
+from mdiedge.base import codecs as _codecs
 
 
 cdef extern from *:
@@ -86,8 +86,9 @@ cdef enum:  # the byte layout the code below packs and parses
 
 if (C_HEADER_SIZE, C_CRC_OFFSET, C_ENTRY_SIZE, C_MAX_NDIM, len(MAGIC), C_CODEC_SHIFT,
         C_FLAG_CODEC, C_FLOAT32, C_FP16, C_INT8, C_BLOCK, C_MAX_EXIT_DEPTH) != \
-        (HEADER_SIZE, CRC_OFFSET, ENTRY_SIZE, MAX_NDIM, 4, CODEC_SHIFT, FLAG_CODEC, FLOAT32, FP16,
-         INT8, BLOCK, MAX_EXIT_DEPTH) or MAX_POSITION + 1 != ELIGIBLE_BIT:
+        (HEADER_SIZE, CRC_OFFSET, ENTRY_SIZE, MAX_NDIM, 4, CODEC_SHIFT, FLAG_CODEC, FLOAT32,
+         _codecs.FP16, _codecs.INT8, _codecs.BLOCK, MAX_EXIT_DEPTH) or \
+        MAX_POSITION + 1 != ELIGIBLE_BIT:
     raise ImportError("ext/_cframing.pyx packs another layout than mdiedge.runtime._framingspec")
 
 # the spec's limits as typed tables, filled from it at import

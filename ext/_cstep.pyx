@@ -2,11 +2,12 @@
 """The decode step, compiled: the twin of ``mdiedge/model/_pystep.py`` with the same API (see
 ``mdiedge/model/_stepspec.py``). The kernel is ``ext/step.h``: a whole dense block for 1..8
 rows in one call with the GIL released, its products ``ext/matvec.h``'s; a ``Plan`` holds
-consecutive blocks' pointers, made once, so ``blocks`` runs them all in one call."""
+consecutive blocks' pointers, made once, so ``blocks`` runs them all in one call; ``logits``
+is the final norm and the head product in one call."""
 from libc.stdlib cimport free, malloc
 
 from mdiedge.model._stepspec import (MAX_ROWS, BlockWeights, Limits, check,  # noqa: F401
-                                     check_call, usable)
+                                     check_call, check_logits, logits_usable, usable)
 
 PREFERRED = True  # the model decodes through it (see the twin's)
 
@@ -29,6 +30,8 @@ cdef extern from "step.h" nogil:
                       const long long *slots, const long long *pos, int threads)
     int st_blocks_step(const st_block *bs, int n, const float *x, float *out, int R,
                        const long long *slots, const long long *pos, int threads)
+    int st_logits(const float *x, const float *norm, float eps, const float *head, float *out,
+                  Py_ssize_t dim, Py_ssize_t vocab, int R, int threads)
 
 st_init()
 
@@ -110,3 +113,17 @@ def block(weights, x, out, slots, positions, int threads):
         status = st_block_step(&b, xp, op, rows, c_slots, c_pos, threads)
     if status != 0:
         raise MemoryError(f"decode step of {rows} rows: no scratch memory")
+
+
+def logits(norm, double eps, head, x, out, int threads):
+    check_logits(norm, head, x, out, threads)
+    cdef int rows = x.shape[0], status
+    cdef Py_ssize_t dim = head.shape[1], vocab = head.shape[0]
+    cdef const float *xp = _ptr(x)
+    cdef const float *np_ = _ptr(norm)
+    cdef const float *hp = _ptr(head)
+    cdef float *op = <float *>_ptr(out)
+    with nogil:
+        status = st_logits(xp, np_, <float>eps, hp, op, dim, vocab, rows, threads)
+    if status != 0:
+        raise MemoryError(f"logits of {rows} rows: no scratch memory")

@@ -335,6 +335,18 @@ static int st_blocks_step(const st_block *bs, int n, const float *x, float *out,
     return 0;
 }
 
+/* out = head(norm(x)) for R rows: the model's final RMSNorm and its head product (vocab, dim)
+   in one call of ``threads``; returns 0, or -1 when scratch memory cannot be had. */
+static int st_logits(const float *x, const float *norm, float eps, const float *head, float *out,
+                     ptrdiff_t dim, ptrdiff_t vocab, int R, int threads) {
+    float *h = malloc((size_t)R * dim * sizeof(float));
+    if (h == NULL) return -1;
+    for (int r = 0; r < R; r++) st_rmsnorm(x + r * dim, norm, h + r * dim, dim, eps);
+    mv_rows(head, h, out, vocab, dim, R, threads);
+    free(h);
+    return 0;
+}
+
 static int st_block_step(const st_block *b, const float *x, float *out, int R,
                          const long long *slots, const long long *pos, int threads) {
     return st_blocks_step(b, 1, x, out, R, slots, pos, threads);

@@ -44,3 +44,18 @@ def test_required_extensions_are_built_and_selected() -> None:
     assert not missing, f"not compiled: {missing} (mdiedge imported from {_accel.__file__})"
     for name in _accel.TWINNED:
         assert _accel.select(name) is _accel.compiled(name)
+
+
+def test_each_twin_offers_what_its_compiled_module_does() -> None:
+    """Every public name of a compiled module is its twin's too (the same API either way;
+    the errors both raise come from ``mdiedge.base.errors``)."""
+    import types
+    for name in _accel.TWINNED:
+        compiled = _accel.compiled(name)
+        if compiled is None:
+            continue
+        public = {n for n, v in vars(compiled).items()
+                  if not n.startswith("_") and not isinstance(v, types.ModuleType)
+                  and not (isinstance(v, type) and issubclass(v, Exception))}
+        missing = sorted(public - set(vars(_accel.twin(name))))
+        assert not missing, f"{_accel.twin(name).__name__} lacks {missing}"

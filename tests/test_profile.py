@@ -15,7 +15,7 @@ def test_profile_of_a_two_node_ring(ring_model: Path) -> None:
     def patched() -> tuple:
         return (layers.project, transformer.project, layers.RMSNorm.forward,
                 transformer.apply_rope, transformer.attention, transformer.KVCache.update,
-                transformer._step.block, transformer._step.blocks)
+                transformer._step.block, transformer._step.blocks, transformer._step.logits)
 
     originals = patched()
     profiles = profile_ring(ring_model, 2, 3, context=32, steps=2)
@@ -26,10 +26,12 @@ def test_profile_of_a_two_node_ring(ring_model: Path) -> None:
         assert all(p[c] >= 0 for c in CATEGORIES)
         if transformer._step.PREFERRED:  # the blocks decode through the compiled step
             assert p["block step"] > 0 and p["attention"] == 0 and p["rope"] == 0
-            # the starter's head is a projection and a norm
-            assert (p["projections"] > 0 and p["norms"] > 0) == (p["node"] == 0)
+            # the starter's final norm and head are one call too
+            assert p["projections"] == 0 and p["norms"] == 0
+            assert (p["head step"] > 0) == (p["node"] == 0)
         else:
-            assert p["block step"] == 0 and p["projections"] > 0 and p["attention"] > 0
+            assert p["block step"] == 0 and p["head step"] == 0
+            assert p["projections"] > 0 and p["attention"] > 0
     assert profiles[0]["sampling"] > 0 and profiles[1]["sampling"] == 0
     assert patched() == originals
     lines = table_lines(profiles)

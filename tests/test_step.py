@@ -116,23 +116,33 @@ def test_wide_heads_match_the_torch_path(impl: ModuleType, monkeypatch: pytest.M
 
 def test_the_model_decodes_through_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """A dense fused model's decode runs its blocks in one call of the step per step; its
-    prefill does not call it."""
+    prefill does not call it. The head of every step, prefill's last position too, is one
+    call of ``logits``."""
     calls: List[int] = []
+    heads: List[int] = []
     compiled = IMPLS[-1]
 
     class Counting:
         PREFERRED, MAX_ROWS = True, compiled.MAX_ROWS
         usable = staticmethod(compiled.usable)
         plan = staticmethod(compiled.plan)
+        logits_usable = staticmethod(compiled.logits_usable)
 
         @staticmethod
         def blocks(plan: object, *args: object) -> None:
             calls.append(len(plan.weights))  # type: ignore[attr-defined]
             compiled.blocks(plan, *args)
 
+        @staticmethod
+        def logits(norm: object, eps: float, head: object, x: torch.Tensor,
+                   *args: object) -> None:
+            heads.append(x.shape[0])
+            compiled.logits(norm, eps, head, x, *args)
+
     prompts = torch.randint(0, CFG.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
     decode(model(), Counting, monkeypatch, prompts, [0, 0], 4)
     assert calls == [CFG.n_layers] * 4
+    assert heads == [1, 1] + [2] * 4
 
 
 @torch.no_grad()
@@ -180,9 +190,11 @@ def test_blocks_it_does_not_apply_to_keep_the_torch_path(
         monkeypatch: pytest.MonkeyPatch, fused: bool, moe: bool) -> None:
     cfg = CFG.replace(n_experts=3, experts_per_token=2, model_type="mixtral") if moe else CFG
 
-    class Refusing:
+    class Refusing:  # the head's call applies to every model
         PREFERRED, MAX_ROWS = True, 8
         usable = staticmethod(IMPLS[-1].usable)
+        logits_usable = staticmethod(IMPLS[-1].logits_usable)
+        logits = staticmethod(IMPLS[-1].logits)
 
         @staticmethod
         def block(*args: object) -> None:

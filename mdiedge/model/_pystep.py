@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ._stepspec import (MAX_ROWS, BlockWeights, Limits, check, check_call,  # noqa: F401
-                        usable)
+                        check_logits, logits_usable, usable)
 from .layers import apply_rope, rms_norm
 
 # Row by row in torch operations this is no faster than the model's own batched torch path,
@@ -45,6 +45,11 @@ def block(weights: BlockWeights, x: Any, out: Any, slots: Sequence[int],
           positions: Sequence[int], threads: int) -> None:
     check(weights, x, out, slots, positions, threads)
     _block(weights, x, out, slots, positions)
+
+
+def logits(norm: Any, eps: float, head: Any, x: Any, out: Any, threads: int) -> None:
+    check_logits(norm, head, x, out, threads)
+    out.copy_(F.linear(rms_norm(x, norm, eps), head))
 
 
 def _block(w: BlockWeights, x: Any, out: Any, slots: Sequence[int],

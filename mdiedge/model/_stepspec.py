@@ -3,7 +3,9 @@
 runs one dense decoder block for ``x`` (rows, dim), one new token per row, row ``r`` in KV
 slot ``slots[r]`` at position ``positions[r]``, writes the block's output to ``out`` (rows,
 dim) and the rows' keys and values into the cache; ``blocks(plan(weights), x, out, …)``
-runs consecutive blocks in one call, ``plan`` made once for them. Everything is
+runs consecutive blocks in one call, ``plan`` made once for them; ``logits(norm, eps, head,
+x, out, threads)`` writes the final RMSNorm and the head product of ``x`` (rows, dim) to
+``out`` (rows, vocab) in one call (``logits_usable``, ``check_logits``). Everything is
 C-contiguous float32 on the CPU, 1 <= rows <= ``MAX_ROWS``; ``usable`` says whether a call
 qualifies and ``check`` raises ``ValueError`` quoting what does not. ``PREFERRED`` (each
 module's own) says whether the model should decode through it rather than through its own
@@ -128,5 +130,29 @@ def check_call(limits: Any, wants_grad: bool, x: Any, out: Any, slots: Sequence[
         if not (0 <= slot < limits.n_slots and 0 <= pos < limits.positions):
             raise ValueError(f"slot {slot} at position {pos} outside {limits.n_slots} slots "
                              f"of {limits.positions} positions")
+    if threads < 1:
+        raise ValueError(f"threads {threads} is not >= 1")
+
+
+def logits_usable(norm: Any, head: Any, x: Any) -> bool:
+    """The final norm ``norm`` (dim,) and head ``head`` (vocab, dim), contiguous float32 on
+    the CPU, for 1..``MAX_ROWS`` rows ``x`` of dim, and no gradient wanted."""
+    return (isinstance(norm, torch.Tensor) and isinstance(head, torch.Tensor)
+            and norm.dim() == 1 and head.dim() == 2 and head.shape[1] == norm.shape[0]
+            and plain(norm) and plain(head) and _rows_fit(x, norm.shape[0])
+            and not (torch.is_grad_enabled()
+                     and (x.requires_grad or norm.requires_grad or head.requires_grad)))
+
+
+def check_logits(norm: Any, head: Any, x: Any, out: Any, threads: int) -> None:
+    if not logits_usable(norm, head, x):
+        shapes = [tuple(getattr(t, "shape", ())) for t in (norm, head, x)]
+        raise ValueError(f"logits of x {shapes[2]} by norm {shapes[0]} and head {shapes[1]}: "
+                         f"needs 1..{MAX_ROWS} contiguous float32 CPU rows of the norm's "
+                         "width, a (vocab, width) head and no gradient")
+    rows, vocab = x.shape[0], head.shape[0]
+    if tuple(out.shape) != (rows, vocab) or not plain(out):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} is not a contiguous float32 "
+                         f"({rows}, {vocab})")
     if threads < 1:
         raise ValueError(f"threads {threads} is not >= 1")

@@ -414,9 +414,17 @@ class Transformer(nn.Module):
         return x
 
     def head_logits(self, x: Tensor) -> Tensor:
-        """Final norm and head: (…, dim) -> (…, vocab) in fp32."""
+        """Final norm and head: (…, dim) -> (…, vocab) in fp32. Decode rows (B, dim) on the
+        CPU take the compiled step's one call for both, as the blocks do."""
         if self.norm is None or self.lm_head is None:
             raise RuntimeError("this chunk holds no head")
+        norm, head = self.norm.weight, self.lm_head.weight
+        if _step.PREFERRED and x.dim() == 2 and x.shape[0] <= _step.MAX_ROWS:
+            rows = x.contiguous()  # (B, dim)
+            if _step.logits_usable(norm, head, rows):
+                out = torch.empty(rows.shape[0], head.shape[0])  # (B, vocab)
+                _step.logits(norm, self.norm.eps, head, rows, out, torch.get_num_threads())
+                return out
         return self.lm_head(self.norm(x)).float()
 
     def forward(self, inputs: Tensor, slots: Tensor, positions: Sequence[int],

@@ -3,8 +3,9 @@
 Each node's chunk (the blocks the ring would give it, with the embedding, final norm, head and
 sampling on the starter) is loaded in this process, one node after another, with the thread
 count a local ring gives a node. After a prefill, decode steps of ``rows`` rows run with
-timers around each kind of work: the weight products (``layers.project``), attention
-(scores, softmax and the KV cache), the norms, RoPE and sampling. What no timer covers is Python and torch
+timers around each kind of work: the compiled calls (a node's blocks; the final norm and
+head), the weight products (``layers.project``), attention (scores, softmax and the KV
+cache), the norms, RoPE and sampling. What no timer covers is Python and torch
 dispatch between them, the feed-forward's activation and the residual adds ("other").
 """
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 
-CATEGORIES = ("block step", "projections", "attention", "norms", "rope", "sampling", "other")
+CATEGORIES = ("block step", "head step", "projections", "attention", "norms", "rope", "sampling",
+              "other")
 
 
 class _Timers:
@@ -44,7 +46,7 @@ def _timed(timers: _Timers) -> Iterator[None]:
         (layers.RMSNorm, "forward", "norms"),
         (transformer, "apply_rope", "rope"), (transformer, "attention", "attention"),
         (transformer.KVCache, "update", "attention"), (transformer._step, "block", "block step"),
-        (transformer._step, "blocks", "block step")]
+        (transformer._step, "blocks", "block step"), (transformer._step, "logits", "head step")]
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
     try:
         for owner, attr, name in patches:

@@ -234,6 +234,27 @@ def test_concurrency(nodes: int, samples: int, micro: int, expected: int) -> Non
     assert concurrency(nodes, samples, micro) == expected
 
 
+@pytest.mark.parametrize("read, concurrent, expected", [
+    ([50], 1, 50),
+    ([50, 50], 2, 50),       # every node busy: each process reads one node's bytes
+    ([50, 50], 1, 100),      # one message around the ring: the whole ring's bytes
+    ([20, 80], 1, 100),
+    ([20, 80], 2, 80),       # the largest node's, when the share is smaller
+    ([30, 30, 31], 2, 46),   # the share, rounded up
+])
+def test_probe_bytes_hold_the_rings_working_set(read: List[int], concurrent: int,
+                                                expected: int) -> None:
+    from mdiedge.ops.roofline import probe_bytes
+
+    assert probe_bytes(read, concurrent) == expected
+
+
+def test_a_local_ring_with_one_message_probes_all_its_bytes() -> None:
+    calls: List[Tuple[int, int, int]] = []
+    Roofline(lambda b, t, c: calls.append((b, t, c)) or 1e9).figures(figures(3, 1), 1)
+    assert calls == [(150 << 20, 1, 1)]
+
+
 def test_roofline_measures_each_shape_once() -> None:
     calls: List[Tuple[int, int, int]] = []
     roofline = Roofline(lambda b, t, c: calls.append((b, t, c)) or 1e9)

@@ -5,6 +5,10 @@ time per message is at least its weight bytes over the bandwidth it can read the
 bandwidth is measured the way a node decodes: a product of one row by a weight-sized matrix
 with the product decode uses (``mdiedge.model.layers.Linear``) and the node's thread count,
 in ``concurrent`` processes at once (every node of a local ring shares this machine's memory).
+The nodes of a local ring share its last-level cache too: between them they cycle every
+node's weights through it, so the probe's processes read as many bytes between them as the
+ring does (``probe_bytes``), and weights that fit in the cache only when one node is counted
+are read from memory in the probe as in the ring.
 
 A round gives every sample one token: ``groups`` messages through every node. Node i reads
 ``W_i`` bytes per message; with ``c = min(groups, nodes)`` nodes reading at once, each at
@@ -38,6 +42,15 @@ def limit_tokens_per_s(read_bytes: Sequence[int], samples: int, micro_batch: int
     """Tokens/s at the bandwidth limit: ``samples`` tokens per round."""
     groups = math.ceil(samples / micro_batch)
     return samples / round_limit_s(read_bytes, groups, bandwidth)
+
+
+def probe_bytes(read_bytes: Sequence[int], concurrent: int) -> int:
+    """Bytes each of ``concurrent`` probe processes reads for a local ring whose nodes read
+    ``read_bytes``: the largest node's, and at least the ring's share of each process, so that
+    the probe's working set is the ring's."""
+    if not read_bytes or concurrent < 1:
+        raise ValueError(f"no probe for bytes {list(read_bytes)} in {concurrent} processes")
+    return max(max(read_bytes), -(-sum(read_bytes) // concurrent))
 
 
 def concurrency(nodes: int, samples: int, micro_batch: int) -> int:
@@ -116,8 +129,8 @@ class Roofline:
         is decode's) and ``read_bytes_per_s`` of a bench result (its ``read_bytes`` and
         ``threads`` per node)."""
         read, nodes, micro = result["read_bytes"], result["nodes"], result["micro_batch"]
-        bandwidth = self.bandwidth(max(read), result["threads"],
-                                   concurrency(nodes, samples, micro))
+        concurrent = concurrency(nodes, samples, micro)
+        bandwidth = self.bandwidth(probe_bytes(read, concurrent), result["threads"], concurrent)
         limit = limit_tokens_per_s(read, samples, micro, bandwidth)
         return {"roofline_tokens_per_s": limit,
                 "roofline_share": result["decode_tokens_per_s"] / limit,

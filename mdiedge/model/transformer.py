@@ -267,7 +267,7 @@ class Transformer(nn.Module):
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         if self.embed is None:
             raise RuntimeError("this chunk holds no embedding")
-        return self.embed(tokens)
+        return F.embedding(tokens, self.embed.weight)  # (…, dim)
 
     def run_blocks(self, x: Tensor, slots: Tensor, positions: Sequence[int],
                    exit_step: Optional[ExitStep] = None) -> Tensor:
@@ -304,7 +304,7 @@ class Transformer(nn.Module):
         each checked block in its own, and early exit as in ``run_blocks``. None, before
         anything runs, where the step does not apply to every block."""
         weights = self._step_weights()
-        rows = x[:, 0].contiguous()  # (B, dim)
+        rows = x.reshape(x.shape[0], x.shape[2])  # (B, dim)
         if not weights or not _step.usable(weights[0], rows):
             return None
         if max(positions) + 1 > self.max_seq_len:

@@ -31,7 +31,7 @@ from ..runtime.control import Conflict, ControlServer, round_trip_ms
 from ..runtime.links import LinkDown, LinkPair, accept_authenticated, bind, close_quietly, \
     connect_authenticated, tcp_listen
 from ..runtime.protocol import Assignment, AssignReply, ConnectRequest, ModelRef, NodeStatus
-from ..runtime.stages import LocalStage
+from ..runtime.stages import LocalStage, inference
 from .exitparts import cache_suffix, extra_bytes, has_parts, keep_sent_classifier, worker_policy
 
 log = logging.getLogger("mdiedge.worker")
@@ -328,20 +328,26 @@ class WorkerNode:
                 self._end_ring()
 
     def _compute_loop(self, links: LinkPair) -> None:
-        stage = self.stage
-        if stage is None:
+        if self.stage is None:
             raise RingError(f"{self.name}: no stage to run")
-        busy = self.heartbeat.busy if self.heartbeat is not None else contextlib.nullcontext
+        compute_loop(self.name, self.stage, links, self.heartbeat)
+
+
+def compute_loop(name: str, stage: LocalStage, links: LinkPair, heartbeat: Any) -> None:
+    """Run every message that comes in through ``stage`` and send the result on, until the
+    inbound link ends or the starter ends the ring; ``heartbeat`` (or None) is fed."""
+    busy = heartbeat.busy if heartbeat is not None else contextlib.nullcontext
+    with inference():  # once, not for every message
         while True:
             item = links.receive()
             if isinstance(item, LinkDown):
-                log.info("%s: inbound link down: %s", self.name, item.reason)
+                log.info("%s: inbound link down: %s", name, item.reason)
                 return
             with busy():  # the send is outside: a slow next node is not this node's stall
                 out = stage.forward(item)
             links.send(out)
             if item.kind == messages.SHUTDOWN:
-                log.info("%s: the starter ended the ring", self.name)
+                log.info("%s: the starter ended the ring", name)
                 return
 
 

@@ -14,7 +14,7 @@ from typing import Any, Deque, List, Optional, Sequence
 import torch
 
 from .messages import Message
-from .stages import LocalStage
+from .stages import LocalStage, inference
 from ..base.errors import RingError
 
 
@@ -43,12 +43,12 @@ class ModelEnds:
 
     def embed(self, tokens: List[List[int]]) -> torch.Tensor:
         """(B, T) token ids -> (B, T, dim) hidden states."""
-        with torch.inference_mode():
+        with inference():
             return self.model.embed_tokens(torch.tensor(tokens, device=self.device))
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, dim) last hidden states -> (B, vocab) fp32 logits."""
-        with torch.inference_mode():
+        with inference():
             return self.model.head_logits(hidden.to(self.device))
 
 

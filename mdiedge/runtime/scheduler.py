@@ -25,7 +25,7 @@ from .generation import ExitCounts, Generation, Recovery, Sample, Timing
 from .messages import Message
 from .pipeline import ModelEnds, Pipeline
 from .slots import MAX_SAMPLE_ID
-from .stages import LocalStage
+from .stages import LocalStage, inference
 from ..base.errors import GenerationError, MdiedgeError, NodeLost, QueueFull, RingError
 
 _ID_SPACE = MAX_SAMPLE_ID  # sample ids and seqs are u32 on the wire; 0 is never used
@@ -253,8 +253,7 @@ class Scheduler:
         self._groups: List[_Group] = []  # live groups, to fail or cancel
         self._merger = DecodeMerger()
         self._live = 0  # samples holding KV rows
-        self._next_id = 0
-        self._seq = 0
+        self._next_id = self._seq = 0
         self.broken: Optional[BaseException] = None  # set when a step failed
 
     # ----------------------------------------------------------------- requests
@@ -314,17 +313,18 @@ class Scheduler:
         driver lock, as ``run`` does)."""
         started = time.perf_counter()
         try:
-            self._admit()
-            if not self._inflight:
-                if len(self._waiting):  # nothing runs that could free the rows it waits for
-                    raise RingError(f"{self._live} KV rows are held with nothing in flight")
-                return
-            message = self.pipeline.receive(self.timeout_s)
-            self._progress = time.perf_counter()
-            entry = self._inflight.pop(message.seq, None)
-            if entry is None:
-                raise RingError(f"the ring returned an unknown message (seq {message.seq})")
-            self._complete(entry, message)
+            with inference():  # once for the step's stages and ends (recovery runs outside)
+                self._admit()
+                if not self._inflight:
+                    if len(self._waiting):  # nothing runs that could free the rows it waits for
+                        raise RingError(f"{self._live} KV rows are held with nothing in flight")
+                    return
+                message = self.pipeline.receive(self.timeout_s)
+                self._progress = time.perf_counter()
+                entry = self._inflight.pop(message.seq, None)
+                if entry is None:
+                    raise RingError(f"the ring returned an unknown message (seq {message.seq})")
+                self._complete(entry, message)
             self.stats.wall_s += time.perf_counter() - started  # time with work in flight
         except NodeLost as e:
             try:

@@ -267,6 +267,7 @@ def test_read_bandwidth_measures_a_real_product() -> None:
     from mdiedge.ops.roofline import read_bandwidth
 
     assert 1e8 < read_bandwidth(4 << 20, 1, 2, seconds=0.1) < 1e13
+    assert 1e8 < read_bandwidth(4 << 20, 1, 1, seconds=0.1) < 1e13
     with pytest.raises(ValueError, match="threads 0"):
         read_bandwidth(4 << 20, 0)
 

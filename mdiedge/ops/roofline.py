@@ -60,7 +60,12 @@ def concurrency(nodes: int, samples: int, micro_batch: int) -> int:
 
 def _measure(nbytes: int, threads: int, seconds: float, start: Any) -> float:
     """Bytes/s of one-row products by a ``nbytes`` float32 matrix on ``threads`` threads,
-    after every process has reached ``start`` (a barrier), or at once without one."""
+    after every process has reached ``start`` (a barrier), or at once without one.
+
+    Alone, the faster quartile of the products: a limit, not a mean, on a machine whose
+    speed varies. Beside other processes, what this one read over the whole time: a single
+    product may run while the others wait for a core, and its speed is not one they can
+    all read at together."""
     import torch
 
     from ..model.layers import Linear
@@ -75,13 +80,16 @@ def _measure(nbytes: int, threads: int, seconds: float, start: Any) -> float:
         if start is not None:
             start.wait()
         times: List[float] = []
-        deadline = time.perf_counter() + seconds
-        while time.perf_counter() < deadline or len(times) < 3:
+        began = time.perf_counter()
+        while time.perf_counter() < began + seconds or len(times) < 3:
             t0 = time.perf_counter()
             layer(x)
             times.append(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - began
+    if start is not None and start.parties > 1:
+        return layer.weight.nbytes * len(times) / elapsed
     times.sort()
-    return layer.weight.nbytes / times[len(times) // 4]  # the faster quartile: a limit, not a mean
+    return layer.weight.nbytes / times[len(times) // 4]
 
 
 _BARRIER: Any = None

@@ -7,7 +7,10 @@
  *
  * A pass reads four rows of k floats, a short stretch when k is small, which the hardware
  * prefetcher follows badly; for rows shorter than MV_SHORT_ROW the pass also prefetches the
- * memory MV_AHEAD floats ahead of it, so the matrix streams in order.
+ * memory MV_AHEAD floats ahead of it, so the matrix streams in order. Longer rows prefetch
+ * the next pass's four rows into L2 (not L1, whose few outstanding misses then limit the
+ * stream): with only the hardware prefetcher, a three-row pass, slowed by its arithmetic,
+ * waited for memory instead of overlapping with it.
  *
  * Every output y[r][j] is summed in the same order whatever the number of rows or threads
  * (eight lanes of partial sums over k, then the lanes, then the tail), so a row's result
@@ -48,11 +51,14 @@ static inline __attribute__((always_inline)) void mv_group(
         mv_v8 acc[MV_COLS][MV_GROUP];
         memset(acc, 0, sizeof acc);
         const float *w0 = w + j * k;
-        const float *ahead = w0 + MV_AHEAD;
+        const float *ahead = w0 + (short_rows ? MV_AHEAD : MV_COLS * k);
         for (ptrdiff_t i = 0; i < kv; i += 8) {
             if (short_rows) {
                 __builtin_prefetch(ahead + 4 * i);
                 __builtin_prefetch(ahead + 4 * i + 16);
+            } else {  /* the next pass, into L2 */
+                __builtin_prefetch(ahead + 4 * i, 0, 2);
+                __builtin_prefetch(ahead + 4 * i + 16, 0, 2);
             }
             mv_v8 xv[MV_GROUP];  /* R activation vectors, then one weight vector at a time:
                                     12 accumulators + 3 + 1 fit 16 vector registers */

@@ -8,9 +8,10 @@
  * A pass reads four rows of k floats, a short stretch when k is small, which the hardware
  * prefetcher follows badly; for rows shorter than MV_SHORT_ROW the pass also prefetches the
  * memory MV_AHEAD floats ahead of it, so the matrix streams in order. Longer rows prefetch
- * the next pass's four rows into L2 (not L1, whose few outstanding misses then limit the
- * stream): with only the hardware prefetcher, a three-row pass, slowed by its arithmetic,
- * waited for memory instead of overlapping with it.
+ * the next pass's four rows with locality 2 (prefetcht1: for L2, not L1, whose few
+ * outstanding misses seem to limit the stream): with only the hardware prefetcher, a
+ * three-row pass, slowed by its arithmetic, waited for memory instead of overlapping with it
+ * (bin/bench-step measures it).
  *
  * Every output y[r][j] is summed in the same order whatever the number of rows or threads
  * (eight lanes of partial sums over k, then the lanes, then the tail), so a row's result

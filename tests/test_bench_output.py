@@ -83,8 +83,9 @@ def test_run_all_yields_each_configuration_before_the_next_runs(tiny_llama: Path
     assert waits[-2] == "measuring 4 of 4: 2 nodes, 2 samples per message"
 
 
-def rated(decode: float) -> Dict[str, Any]:
-    return {**figures(1, 1), "decode_tokens_per_s": decode, "roofline_share": decode / 100}
+def rated(decode: float, limit: float = 100.0) -> Dict[str, Any]:
+    return {**figures(1, 1), "decode_tokens_per_s": decode, "roofline_tokens_per_s": limit,
+            "roofline_share": decode / limit, "read_bytes_per_s": limit * 1e7}
 
 
 @pytest.mark.parametrize("rates, chosen", [
@@ -98,9 +99,20 @@ def test_median_run(rates: List[float], chosen: float) -> None:
     assert result["decode_tokens_per_s"] == chosen and result["roofline_share"] == chosen / 100
     assert [run["decode_tokens_per_s"] for run in result["runs"]] == rates  # in run order
     assert set(result["runs"][0]) == {"tokens_per_s", "decode_tokens_per_s", "roofline_share",
+                                      "roofline_tokens_per_s", "read_bytes_per_s",
                                       "hop_overhead_us"}
     with pytest.raises(ValueError, match="no runs"):
         benchmarks.median_run([])
+
+
+def test_the_median_runs_share_is_of_the_median_probe() -> None:
+    """The probes swing more than the decode: the median run's share is of the median
+    limit, and every run keeps its own."""
+    result = benchmarks.median_run([rated(3.0, 100.0), rated(1.0, 50.0), rated(2.0, 400.0)])
+    assert result["decode_tokens_per_s"] == 2.0 and result["roofline_tokens_per_s"] == 100.0
+    assert result["roofline_share"] == pytest.approx(0.02)
+    assert result["read_bytes_per_s"] == 100.0 * 1e7
+    assert [run["roofline_share"] for run in result["runs"]] == [0.03, 0.02, 0.005]
 
 
 def test_run_all_repeats_each_configuration_with_its_own_probe(

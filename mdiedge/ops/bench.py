@@ -158,12 +158,19 @@ RUN_FIGURES = ("tokens_per_s", "decode_tokens_per_s", "roofline_tokens_per_s",
 
 def median_run(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Of a configuration's runs, the one with the median decode tokens/s (the lower middle
-    for an even count), as it was measured, with every run's speed figures under ``runs``."""
+    for an even count), with every run's speed figures under ``runs``. Its bandwidth limit
+    is the median of the runs' probes (one probe swings more than the decode it judges), and
+    its share is of that limit; each run's own stay under ``runs``."""
     if not runs:
         raise ValueError("no runs to choose from")
     ordered = sorted(runs, key=lambda r: r["decode_tokens_per_s"])
     chosen = dict(ordered[(len(ordered) - 1) // 2])
     chosen["runs"] = [{k: r[k] for k in RUN_FIGURES if k in r} for r in runs]
+    if all("roofline_tokens_per_s" in r for r in runs):
+        for key in ("roofline_tokens_per_s", "read_bytes_per_s"):
+            chosen[key] = statistics.median(r[key] for r in runs)
+        chosen["roofline_share"] = chosen["decode_tokens_per_s"] / chosen[
+            "roofline_tokens_per_s"]
     return chosen
 
 

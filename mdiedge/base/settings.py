@@ -50,9 +50,8 @@ from typing import (Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Opt
                     Union)
 
 from .defaults import (BUSY_POLL_US, IDLE_TIMEOUT_S, MAX_BUSY_POLL_US, MAX_PAYLOAD, MAX_THREADS,
-                       PREFILL_CHUNK,
-                       REBALANCE_MARGIN, RING_TIMEOUT_S, STALL_S, STARTER_CONTROL_PORT,
-                       WORKER_CONTROL_PORT, WORKER_DATA_PORT)
+                       PREFILL_CHUNK, REBALANCE_MARGIN, RING_TIMEOUT_S, STALL_S,
+                       STARTER_CONTROL_PORT, WORKER_CONTROL_PORT, WORKER_DATA_PORT)
 from .dtypes import COMPUTE_NAMES
 from .errors import ConfigError
 from .nodes import COMPRESSION_NAMES, NodeSpec

@@ -45,12 +45,13 @@ class TorchPath:
     PREFERRED = False
 
 
-def model(cfg: ModelConfig = CFG, seed: int = 0, fused: bool = True) -> Transformer:
+def model(cfg: ModelConfig = CFG, seed: int = 0, fused: bool = True,
+          std: float = 0.3) -> Transformer:
     torch.manual_seed(seed)
     net = Transformer(cfg).eval()
     with torch.no_grad():
         for p in net.parameters():
-            p.normal_(0, 0.3) if p.dim() == 2 else p.uniform_(0.5, 1.5)
+            p.normal_(0, std) if p.dim() == 2 else p.uniform_(0.5, 1.5)
     if fused:
         net.fuse_projections()
     return net
@@ -108,6 +109,27 @@ def test_wide_heads_match_the_torch_path(impl: ModuleType, monkeypatch: pytest.M
     prompts = torch.randint(0, cfg.vocab_size, (3, 6), generator=torch.Generator().manual_seed(5))
     ref, ref_k = decode(net, TorchPath, monkeypatch, prompts, [0, 9, 17], 20)
     got, got_k = decode(net, impl, monkeypatch, prompts, [0, 9, 17], 20)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4)
+    for a, b in zip(got_k, ref_k):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_heads,n_kv,head_dim", [(4, 2, 32), (4, 1, 64), (3, 1, 32),
+                                                   (2, 2, 32), (4, 2, 128)])
+@pytest.mark.parametrize("starts", [[0], [0, 9, 17]])
+def test_unrolled_head_sizes_match_the_torch_path(
+        impl: ModuleType, monkeypatch: pytest.MonkeyPatch, n_heads: int, n_kv: int,
+        head_dim: int, starts: List[int]) -> None:
+    """Head sizes the kernel unrolls (32, 64, 128), with two query heads of a KV head per
+    task (even groups), one (groups of 3 and 1), and one row (one head, the plain loop)."""
+    cfg = ModelConfig(vocab_size=64, dim=n_heads * head_dim, n_layers=2, n_heads=n_heads,
+                      n_kv_heads=n_kv, intermediate_size=52, max_seq_len=48)
+    net = model(cfg, std=0.3 * (CFG.dim / cfg.dim) ** 0.5)  # activations as CFG's
+    prompts = torch.randint(0, cfg.vocab_size, (len(starts), 6),
+                            generator=torch.Generator().manual_seed(7))
+    ref, ref_k = decode(net, TorchPath, monkeypatch, prompts, starts, 20)
+    got, got_k = decode(net, impl, monkeypatch, prompts, starts, 20)
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4)
     for a, b in zip(got_k, ref_k):

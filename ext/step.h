@@ -7,8 +7,8 @@
  * residual, RMSNorm, fused gate/up product, SwiGLU, down product and residual) is one call
  * with the GIL released, and a node's consecutive blocks run in one call and one OpenMP
  * parallel region (st_blocks_step) with six barriers per block. The products are matvec.h's
- * few-row kernel; attention sums eight keys' dot products at once, takes their exp eight
- * lanes at a time, and weighs the values for two query heads of a KV head at once.
+ * few-row kernel; attention sums eight keys' dot products at once and takes their exp eight
+ * lanes at a time.
  *
  * Every row is computed alone (its own norm, attention and products), so a row's result
  * does not depend on the rows beside it or on the thread count, as with matvec.h.
@@ -101,6 +101,15 @@ static inline __attribute__((always_inline)) mv_v8 st_exp8(mv_v8 x) {
     return p * scale;
 }
 
+/* out[0 .. 8C) = sum over t < len of p[t] v[t * hd ...], C vectors in registers. */
+static inline __attribute__((always_inline)) void st_weigh(
+        const float *v, const float *p, float *out, ptrdiff_t len, ptrdiff_t hd, int C) {
+    mv_v8 acc[4] = {{0}};
+    for (ptrdiff_t t = 0; t < len; t++)
+        for (int c = 0; c < C; c++) acc[c] += p[t] * mv_load(v + t * hd + 8 * c);
+    for (int c = 0; c < C; c++) memcpy(out + 8 * c, &acc[c], sizeof acc[c]);
+}
+
 /* q . k_t over the head's first hv values, in eight lanes (st_tail adds the rest). */
 static inline __attribute__((always_inline)) mv_v8 st_dot_lanes(
         const float *q, const float *kt, ptrdiff_t hv) {
@@ -126,8 +135,7 @@ static inline __attribute__((always_inline)) float st_scores(
         mv_v8 acc[8];
         for (int j = 0; j < 8; j++) acc[j] = st_dot_lanes(q, k + (t + j) * hd, hv);
         mv_v8 s = st_pairwise8(acc);
-        if (hv < hd)
-            for (int j = 0; j < 8; j++) s[j] += st_tail(q, k + (t + j) * hd, hv, hd);
+        for (int j = 0; j < 8; j++) s[j] += st_tail(q, k + (t + j) * hd, hv, hd);
         s *= scale;
         memcpy(scores + t, &s, sizeof s);
     }
@@ -139,115 +147,61 @@ static inline __attribute__((always_inline)) float st_scores(
     return top;
 }
 
-/* scores[t] = exp(scores[t] - top) / their sum for t < len, eight at a time (the sum in
-   eight lanes of partial sums, then the lanes pairwise). */
-static inline __attribute__((always_inline)) void st_softmax(float *scores, ptrdiff_t len,
-                                                             float top) {
+/* scores[t] = exp(scores[t] - top) for t < len, eight at a time; returns their sum (eight
+   lanes of partial sums, then the lanes pairwise). */
+static inline __attribute__((always_inline)) float st_exps(float *scores, ptrdiff_t len,
+                                                           float top) {
     mv_v8 sum = {0};
-    ptrdiff_t t = 0;
-    for (; t + 8 <= len; t += 8) {
-        mv_v8 e = st_exp8(mv_load(scores + t) - top);
-        memcpy(scores + t, &e, sizeof e);
-        sum += e;
-    }
-    if (t < len) {
+    for (ptrdiff_t t = 0; t < len; t += 8) {
+        ptrdiff_t n = len - t < 8 ? len - t : 8;
         mv_v8 s = {0};
-        memcpy(&s, scores + t, (len - t) * sizeof(float));
+        memcpy(&s, scores + t, n * sizeof(float));
         mv_v8 e = st_exp8(s - top);
-        for (ptrdiff_t j = len - t; j < 8; j++) e[j] = 0.0f;
-        memcpy(scores + t, &e, (len - t) * sizeof(float));
+        for (ptrdiff_t j = n; j < 8; j++) e[j] = 0.0f;
+        memcpy(scores + t, &e, n * sizeof(float));
         sum += e;
     }
-    float inv = 1.0f / st_pairwise(sum);
-    for (t = 0; t < len; t++) scores[t] *= inv;
+    return st_pairwise(sum);
 }
 
-/* out_h[0 .. 8C) = sum over t < len of p_h[t] v[t * hd ...] for the H heads h (of one KV
-   head) at out + h * hd and p + h * stride, in order of t: H * C vectors in registers, a
-   weight's load shared by the heads, and H * C sums in flight at once. */
-static inline __attribute__((always_inline)) void st_weigh(
-        const float *v, const float *p, ptrdiff_t stride, float *out, ptrdiff_t len,
-        ptrdiff_t hd, int C, int H) {
-    mv_v8 acc[2][4] = {{{0}}};
-    for (ptrdiff_t t = 0; t < len; t++) {
-        mv_v8 vt[4];
-        for (int c = 0; c < C; c++) vt[c] = mv_load(v + t * hd + 8 * c);
-        for (int h = 0; h < H; h++)
-            for (int c = 0; c < C; c++) acc[h][c] += p[h * stride + t] * vt[c];
-    }
-    for (int h = 0; h < H; h++)
-        for (int c = 0; c < C; c++) memcpy(out + h * hd + 8 * c, &acc[h][c], sizeof acc[h][c]);
-}
-
-/* H (1 or 2) query heads, consecutive at q and out, over keys [0, len) of their KV head:
-   out (H, head_dim); scores (H, stride) scratch. */
-static inline __attribute__((always_inline)) void st_heads_body(
+/* One query head over keys [0, len) of its KV head: out (head_dim); scores (len) scratch. */
+static inline __attribute__((always_inline)) void st_head_body(
         const float *q, const float *k, const float *v, float *out, float *scores,
-        ptrdiff_t stride, ptrdiff_t len, ptrdiff_t hd, int H) {
+        ptrdiff_t len, ptrdiff_t hd) {
     ptrdiff_t hv = hd - hd % 8;
-    for (int h = 0; h < H; h++) {
-        float *p = scores + h * stride;
-        st_softmax(p, len, st_scores(q + h * hd, k, p, len, hd, 1.0f / sqrtf((float)hd)));
-    }
+    float top = st_scores(q, k, scores, len, hd, 1.0f / sqrtf((float)hd));
+    float inv = 1.0f / st_exps(scores, len, top);
+    for (ptrdiff_t t = 0; t < len; t++) scores[t] *= inv;
     /* out = sum over t of p_t v_t, in order of t, four vectors of out at a time in
        registers (a sum through memory would wait on its own store at every key) */
     ptrdiff_t i0 = 0;
-    for (; i0 + 32 <= hv; i0 += 32) st_weigh(v + i0, scores, stride, out + i0, len, hd, 4, H);
-    for (; i0 < hv; i0 += 8) st_weigh(v + i0, scores, stride, out + i0, len, hd, 1, H);
-    for (int h = 0; h < H; h++)
-        for (ptrdiff_t i = hv; i < hd; i++) {
-            float o = 0.0f;
-            for (ptrdiff_t t = 0; t < len; t++) o += scores[h * stride + t] * v[t * hd + i];
-            out[h * hd + i] = o;
-        }
-}
-
-/* The body with head_dim a constant for the common sizes, so that its loops unroll. */
-#define ST_HEADS_HD(q, k, v, out, scores, stride, len, hd, H)                              \
-    switch (hd) {                                                                          \
-    case 32: st_heads_body(q, k, v, out, scores, stride, len, 32, H); break;               \
-    case 64: st_heads_body(q, k, v, out, scores, stride, len, 64, H); break;               \
-    case 128: st_heads_body(q, k, v, out, scores, stride, len, 128, H); break;             \
-    default: st_heads_body(q, k, v, out, scores, stride, len, hd, H);                      \
+    for (; i0 + 32 <= hv; i0 += 32) st_weigh(v + i0, scores, out + i0, len, hd, 4);
+    for (; i0 < hv; i0 += 8) st_weigh(v + i0, scores, out + i0, len, hd, 1);
+    for (ptrdiff_t i = hv; i < hd; i++) {
+        float o = 0.0f;
+        for (ptrdiff_t t = 0; t < len; t++) o += scores[t] * v[t * hd + i];
+        out[i] = o;
     }
-
-/* How a task runs its query heads: two of one KV head, or one, with head_dim a constant
-   where it is 32, 64 or 128; or one in the loop for any head_dim. */
-enum { ST_PLAIN, ST_ONE, ST_PAIR };
-
-/* A step's mode for R rows and ``group`` query heads per KV head. One row keeps the plain
-   loop: on the 2-core test machine, with a model the size of its L3, the unrolled loops
-   made the one-row step slower (the products after them waited longer on memory, for a
-   reason not found), while at three rows they made it faster (bin/bench-step). */
-static int st_heads_mode(int R, ptrdiff_t group) {
-    return R == 1 ? ST_PLAIN : group % 2 == 0 ? ST_PAIR : ST_ONE;
 }
 
-typedef void (*st_heads_fn)(const float *, const float *, const float *, float *, float *,
-                            ptrdiff_t, ptrdiff_t, ptrdiff_t, int);
-#define ST_HEADS_FN(name, attrs)                                                             \
+typedef void (*st_head_fn)(const float *, const float *, const float *, float *, float *,
+                           ptrdiff_t, ptrdiff_t);
+#define ST_HEAD_FN(name, attrs)                                                              \
     attrs static void name(const float *q, const float *k, const float *v, float *out,      \
-                           float *scores, ptrdiff_t stride, ptrdiff_t len, ptrdiff_t hd,    \
-                           int mode) {                                                       \
-        if (mode == ST_PAIR) {                                                               \
-            ST_HEADS_HD(q, k, v, out, scores, stride, len, hd, 2)                            \
-        } else if (mode == ST_ONE) {                                                         \
-            ST_HEADS_HD(q, k, v, out, scores, stride, len, hd, 1)                            \
-        } else {                                                                             \
-            st_heads_body(q, k, v, out, scores, stride, len, hd, 1);                         \
-        }                                                                                    \
+                           float *scores, ptrdiff_t len, ptrdiff_t hd) {                     \
+        st_head_body(q, k, v, out, scores, len, hd);                                         \
     }
-ST_HEADS_FN(st_heads_base, )
+ST_HEAD_FN(st_head_base, )
 #ifdef MV_X86
-ST_HEADS_FN(st_heads_avx2, __attribute__((target("avx2,fma"))))
+ST_HEAD_FN(st_head_avx2, __attribute__((target("avx2,fma"))))
 #endif
-static st_heads_fn st_heads = st_heads_base;
+static st_head_fn st_head = st_head_base;
 
 /* matvec.h's kernels and the attention head for this CPU; once, before any step. */
 static void st_init(void) {
     mv_init();
 #ifdef MV_X86
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) st_heads = st_heads_avx2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) st_head = st_head_avx2;
 #endif
 }
 
@@ -339,13 +293,12 @@ static void st_block_team(const st_block *b, float *x, int R, const long long *s
     mv_rows_team(b->qkv, h, s->qkv, NULL, width, dim, R);
     #pragma omp single
     st_rope_write(b, s->qkv, R, slots, pos);
-    int mode = st_heads_mode(R, group), per = mode == ST_PAIR ? 2 : 1;  /* heads a task */
     #pragma omp for schedule(static)
-    for (ptrdiff_t t = 0; t < heads / per; t++) {
-        ptrdiff_t r = t * per / b->n_heads, hh = t * per % b->n_heads;
+    for (ptrdiff_t t = 0; t < heads; t++) {
+        ptrdiff_t r = t / b->n_heads, hh = t % b->n_heads;
         ptrdiff_t at = (slots[r] * b->n_kv + hh / group) * b->max_seq * hd;
-        st_heads(s->qkv + r * width + hh * hd, b->k + at, b->v + at, s->att + r * q_dim + hh * hd,
-                 s->scores + t * per * s->longest, s->longest, pos[r] + 1, hd, mode);
+        st_head(s->qkv + r * width + hh * hd, b->k + at, b->v + at, s->att + r * q_dim + hh * hd,
+                s->scores + t * s->longest, pos[r] + 1, hd);
     }
     mv_rows_team(b->wo, s->att, x, x, dim, q_dim, R);  /* x += attention */
     for (int r = 0; r < R; r++) st_rmsnorm(x + r * dim, b->mlp_norm, h + r * dim, dim, b->eps);

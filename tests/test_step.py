@@ -118,11 +118,11 @@ def test_wide_heads_match_the_torch_path(impl: ModuleType, monkeypatch: pytest.M
 @pytest.mark.parametrize("n_heads,n_kv,head_dim", [(4, 2, 32), (4, 1, 64), (3, 1, 32),
                                                    (2, 2, 32), (4, 2, 128)])
 @pytest.mark.parametrize("starts", [[0], [0, 9, 17]])
-def test_unrolled_head_sizes_match_the_torch_path(
+def test_common_head_sizes_match_the_torch_path(
         impl: ModuleType, monkeypatch: pytest.MonkeyPatch, n_heads: int, n_kv: int,
         head_dim: int, starts: List[int]) -> None:
-    """Head sizes the kernel unrolls (32, 64, 128), with two query heads of a KV head per
-    task (even groups), one (groups of 3 and 1), and one row (one head, the plain loop)."""
+    """The head sizes of real models (32, 64, 128) with 2, 4, 3 and 1 query heads per KV
+    head, for one row and for three at different positions."""
     cfg = ModelConfig(vocab_size=64, dim=n_heads * head_dim, n_layers=2, n_heads=n_heads,
                       n_kv_heads=n_kv, intermediate_size=52, max_seq_len=48)
     net = model(cfg, std=0.3 * (CFG.dim / cfg.dim) ** 0.5)  # activations as CFG's

@@ -238,6 +238,55 @@ def test_limit_tokens_per_s(read: List[int], samples: int, micro: int, bandwidth
     assert limit_tokens_per_s(read, samples, micro, bandwidth) == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("read, kv, samples, micro, bandwidth, expected", [
+    ([100], [10], 1, 1, 110.0, 1.0),          # one row: weights and its cache
+    ([100], [10], 3, 3, 130.0, 3.0),          # one message of three rows: three caches
+    ([100], [10], 3, 1, 330.0, 3.0),          # three messages: the weights three times
+    ([50, 50], [5, 5], 3, 3, 130.0, 3.0),     # one message's trip: both nodes, three rows
+    ([50, 50], [5, 5], 3, 1, 165.0, 3.0),     # busiest node: 3 x 50 + 3 x 5
+    ([20, 80], [0, 10], 2, 1, 180.0, 2.0),    # the larger node sets the pace
+    ([100], [0], 3, 1, 100.0, 1.0),           # no cache read: as without
+])
+def test_limit_counts_each_rows_kv_cache(read: List[int], kv: List[int], samples: int,
+                                         micro: int, bandwidth: float, expected: float) -> None:
+    from mdiedge.ops.roofline import limit_tokens_per_s
+
+    assert limit_tokens_per_s(read, samples, micro, bandwidth, kv) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("prompt, new, expected", [
+    (0, 1, 0.5), (128, 128, 192.0), (3, 800, 403.0), (10, 2, 11.0)])
+def test_mean_keys(prompt: int, new: int, expected: float) -> None:
+    """Decode messages k = 1 .. new - 1 attend over prompt + k keys: their mean."""
+    from mdiedge.ops.roofline import mean_keys
+
+    assert mean_keys(prompt, new) == expected
+    if new > 1:
+        keys = [prompt + k for k in range(1, new)]
+        assert sum(keys) / len(keys) == expected
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda f: f.mean_keys(-1, 4), "prompt of -1"),
+    (lambda f: f.mean_keys(4, 0), "0 new tokens"),
+    (lambda f: f.limit_tokens_per_s([100], 1, 1, 1.0, [1, 2]), r"KV bytes \[1, 2\]"),
+    (lambda f: f.limit_tokens_per_s([100], 0, 1, 1.0), "0 samples"),
+    (lambda f: f.limit_tokens_per_s([100], 1, 1, 0.0), "bandwidth 0.0"),
+])
+def test_limit_refuses_bad_input(call: Any, match: str) -> None:
+    from mdiedge.ops import roofline
+
+    with pytest.raises(ValueError, match=match):
+        call(roofline)
+
+
+def test_figures_take_the_kv_cache_into_the_limit() -> None:
+    result = figures(1, 1)
+    plain = fake_roofline().figures(result, 1)["roofline_tokens_per_s"]
+    result["kv_read_bytes"] = [50 << 20]  # as much cache per row as weights
+    assert fake_roofline().figures(result, 1)["roofline_tokens_per_s"] == pytest.approx(plain / 2)
+
+
 @pytest.mark.parametrize("nodes, samples, micro, expected", [
     (1, 3, 1, 1), (2, 3, 1, 2), (3, 3, 3, 1), (3, 4, 2, 2), (4, 8, 1, 4)])
 def test_concurrency(nodes: int, samples: int, micro: int, expected: int) -> None:
@@ -292,3 +341,19 @@ def test_cli_repeat_shows_the_median_run_and_the_range(capsys: pytest.CaptureFix
     assert RANGE_COLUMN in lines[1]
     assert len(lines) == 5 and lines[3].split()[3:5] == ["14.6", "14.6–14.6"]
     assert "bench: measuring 2 of 2: 2 nodes, 1 sample per message, run 2 of 2" in err
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_a_run_reports_each_nodes_kv_cache_read(ring_model: Path, nodes: int) -> None:
+    """Every node's KV bytes per row of a message: its blocks' keys and values (fp32) over
+    the generation's mean keys, the whole model's between them."""
+    from mdiedge.model.checkpoint import load_config
+    from mdiedge.ops.roofline import mean_keys
+
+    cfg = load_config(ring_model)
+    result = benchmarks.run_config(ring_model, nodes, 2, 8, 24, 2, pings=5)
+    kv = result["kv_read_bytes"]
+    assert len(kv) == nodes and all(k > 0 for k in kv)
+    per_block = 2 * cfg.kv_dim * 4 * mean_keys(24 - 8, 8)
+    assert sum(kv) == pytest.approx(cfg.n_layers * per_block)
+    assert all(k / per_block == round(k / per_block) for k in kv)

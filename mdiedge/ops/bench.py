@@ -31,7 +31,7 @@ from ..model.sampling import SamplingParams
 from ..roles.engine import LocalEngine
 from ..roles.local_ring import LocalRing, threads_per_node
 from ..roles.starter import RingEngine
-from .roofline import Roofline
+from .roofline import Roofline, mean_keys
 from ..runtime.generation import Generation
 
 
@@ -72,6 +72,10 @@ def run_config(model: Path, nodes: int, samples: int, new_tokens: int, context: 
             starter_load = stage.model.expert_load()  # a fresh model: all of it is this run's
             own_bytes = sum(stage.memory().values())
             own_read = read_per_message(stage.model)
+            blocks = [len(stage.model.layers)] + [a.layers[1] - a.layers[0] if a.layers else 0
+                                                  for a in after]
+            kv_read = [kv_read_per_row(stage.model, engine.cfg, n, context, new_tokens)
+                       for n in blocks]
         finally:
             engine.close()
     wall = timing.total_s
@@ -85,7 +89,8 @@ def run_config(model: Path, nodes: int, samples: int, new_tokens: int, context: 
                                   for a, b in zip(after, before)]),
             "peak_rss_bytes": [max_rss_bytes()] + [a.max_rss_bytes for a in after],
             "weight_kv_bytes": [own_bytes] + [a.weight_bytes + a.kv_bytes for a in after],
-            "read_bytes": [own_read] + [a.weight_bytes for a in after], "threads": threads}
+            "read_bytes": [own_read] + [a.weight_bytes for a in after], "kv_read_bytes": kv_read,
+            "threads": threads}
 
 
 def decode_rate(timing: Any, samples: int) -> float:
@@ -102,6 +107,15 @@ def read_per_message(model: Any) -> int:
     if embed is not None and (head is None or head.weight is not embed.weight):
         total -= embed.weight.nbytes
     return total
+
+
+def kv_read_per_row(model: Any, cfg: Any, blocks: int, context: int, new_tokens: int) -> float:
+    """KV cache bytes a decode message reads per row on a node of ``blocks`` blocks, on
+    average over the bench's generation (a prompt of ``context - new_tokens``), at the
+    model's dtype."""
+    itemsize = next(model.parameters()).element_size()
+    keys = mean_keys(context - new_tokens, new_tokens)
+    return blocks * cfg.kv_bytes_per_token_per_layer(itemsize) * keys
 
 
 def _generation(cfg: Any, samples: int, new_tokens: int, context: int) -> Generation:
@@ -121,7 +135,10 @@ def _run_local(model: Path, samples: int, new_tokens: int, context: int,
             "expert_load": engine.model.expert_load(),
             "peak_rss_bytes": [max_rss_bytes()],
             "weight_kv_bytes": [engine.model.parameter_bytes() + engine.model.kv_cache_bytes()],
-            "read_bytes": [read_per_message(engine.model)], "threads": torch.get_num_threads()}
+            "read_bytes": [read_per_message(engine.model)],
+            "kv_read_bytes": [kv_read_per_row(engine.model, engine.cfg, len(engine.model.layers),
+                                              context, new_tokens)],
+            "threads": torch.get_num_threads()}
 
 
 def configurations(max_nodes: int, samples: int) -> List[Tuple[int, int]]:

@@ -11,9 +11,12 @@ ring does (``probe_bytes``), and weights that fit in the cache only when one nod
 are read from memory in the probe as in the ring.
 
 A round gives every sample one token: ``groups`` messages through every node. Node i reads
-``W_i`` bytes per message; with ``c = min(groups, nodes)`` nodes reading at once, each at
-``b(c)``, a round takes at least ``max(groups * max_i W_i, sum_i W_i) / b(c)`` seconds: the
-busiest node's messages, or one message's trip around the ring, whichever is longer.
+``W_i`` bytes of weights per message, and ``K_i`` bytes of KV cache per row of a message
+(each row attends over its own cache: the keys and values of its blocks up to its position,
+``mean_keys`` on average over a generation). With ``c = min(groups, nodes)`` nodes reading
+at once, each at ``b(c)``, a round of ``samples`` rows in messages of ``m`` takes at least
+``max(max_i (groups W_i + samples K_i), sum_i (W_i + m K_i)) / b(c)`` seconds: the busiest
+node's messages, or one message's trip around the ring, whichever is longer.
 """
 from __future__ import annotations
 
@@ -21,27 +24,43 @@ import math
 import multiprocessing
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 _MIN_BYTES = 1 << 20
 _MAX_BYTES = 1 << 30
 _WIDTH = 1024  # the matrix's row length (a typical model width)
 
 
-def round_limit_s(read_bytes: Sequence[int], groups: int, bandwidth: float) -> float:
-    """Least seconds for a round of ``groups`` messages through nodes reading ``read_bytes``
-    each per message, every node at ``bandwidth`` bytes/s."""
-    if not read_bytes or groups < 1 or bandwidth <= 0:
-        raise ValueError(f"no limit for bytes {list(read_bytes)}, {groups} groups, "
-                         f"bandwidth {bandwidth}")
-    return max(groups * max(read_bytes), sum(read_bytes)) / bandwidth
+def mean_keys(prompt: int, new_tokens: int) -> float:
+    """Keys a decode message attends over per row, on average over a generation of
+    ``new_tokens`` after a ``prompt``: its tokens sit at positions prompt .. prompt +
+    new_tokens - 2 (the first new token comes from the prefill), each over position + 1."""
+    if prompt < 0 or new_tokens < 1:
+        raise ValueError(f"no decode for a prompt of {prompt} and {new_tokens} new tokens")
+    return prompt + new_tokens / 2
+
+
+def round_limit_s(read_bytes: Sequence[int], samples: int, micro_batch: int, bandwidth: float,
+                  kv_bytes: Optional[Sequence[float]] = None) -> float:
+    """Least seconds for a round (a token for each of ``samples``, ``micro_batch`` rows a
+    message) through nodes that read ``read_bytes`` of weights per message and ``kv_bytes``
+    of KV cache per row of a message (none where not given), every node at ``bandwidth``
+    bytes/s."""
+    kv = [0.0] * len(read_bytes) if kv_bytes is None else list(kv_bytes)
+    if (not read_bytes or len(kv) != len(read_bytes) or samples < 1 or micro_batch < 1
+            or bandwidth <= 0):
+        raise ValueError(f"no limit for bytes {list(read_bytes)}, KV bytes {kv}, "
+                         f"{samples} samples, {micro_batch} a message, bandwidth {bandwidth}")
+    groups, rows = math.ceil(samples / micro_batch), min(micro_batch, samples)
+    busiest = max(groups * w + samples * k for w, k in zip(read_bytes, kv))
+    trip = sum(w + rows * k for w, k in zip(read_bytes, kv))
+    return max(busiest, trip) / bandwidth
 
 
 def limit_tokens_per_s(read_bytes: Sequence[int], samples: int, micro_batch: int,
-                       bandwidth: float) -> float:
+                       bandwidth: float, kv_bytes: Optional[Sequence[float]] = None) -> float:
     """Tokens/s at the bandwidth limit: ``samples`` tokens per round."""
-    groups = math.ceil(samples / micro_batch)
-    return samples / round_limit_s(read_bytes, groups, bandwidth)
+    return samples / round_limit_s(read_bytes, samples, micro_batch, bandwidth, kv_bytes)
 
 
 def probe_bytes(read_bytes: Sequence[int], concurrent: int) -> int:
@@ -134,12 +153,12 @@ class Roofline:
 
     def figures(self, result: Dict[str, Any], samples: int) -> Dict[str, Any]:
         """``roofline_tokens_per_s``, ``roofline_share`` (of the decode tokens/s: the limit
-        is decode's) and ``read_bytes_per_s`` of a bench result (its ``read_bytes`` and
-        ``threads`` per node)."""
+        is decode's) and ``read_bytes_per_s`` of a bench result (its ``read_bytes``,
+        ``kv_read_bytes`` where given, and ``threads`` per node)."""
         read, nodes, micro = result["read_bytes"], result["nodes"], result["micro_batch"]
         concurrent = concurrency(nodes, samples, micro)
         bandwidth = self.bandwidth(probe_bytes(read, concurrent), result["threads"], concurrent)
-        limit = limit_tokens_per_s(read, samples, micro, bandwidth)
+        limit = limit_tokens_per_s(read, samples, micro, bandwidth, result.get("kv_read_bytes"))
         return {"roofline_tokens_per_s": limit,
                 "roofline_share": result["decode_tokens_per_s"] / limit,
                 "read_bytes_per_s": bandwidth}

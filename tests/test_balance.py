@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
-import time
+import subprocess
+import sys
 from pathlib import Path
 from typing import Iterator, List, Optional
 
 import pytest
 
+from conftest import make_hf_llama, write_tiny_tokenizer
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.roles import balance
 from mdiedge.roles.local_ring import LocalRing
@@ -54,35 +55,51 @@ def test_measured_weights_keep_the_declared_scale() -> None:
 
 
 class Throttle:
-    """Slows process ``pid`` from outside: stopped ``share`` of every ``period`` seconds."""
+    """Slows process ``pid`` from outside: stopped ``share`` of every ``period`` seconds, by a
+    process of its own (a thread here would wait for this process's GIL, which the starter
+    holds most of the time, and stop the worker less often than asked)."""
 
-    def __init__(self, pid: int, share: float = 0.75, period: float = 0.02) -> None:
+    CODE = ("import os, signal, sys, time\n"
+            "pid, share, period = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])\n"
+            "while True:\n"
+            "    os.kill(pid, signal.SIGSTOP)\n"
+            "    time.sleep(period * share)\n"
+            "    os.kill(pid, signal.SIGCONT)\n"
+            "    time.sleep(period * (1 - share))\n")
+
+    def __init__(self, pid: int, share: float = 0.9, period: float = 0.01) -> None:
         self.pid, self.share, self.period = pid, share, period
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            os.kill(self.pid, signal.SIGSTOP)
-            time.sleep(self.period * self.share)
-            os.kill(self.pid, signal.SIGCONT)
-            time.sleep(self.period * (1 - self.share))
+        self.proc: Optional[subprocess.Popen] = None
 
     def __enter__(self) -> "Throttle":
-        self.thread.start()
+        self.proc = subprocess.Popen([sys.executable, "-c", self.CODE, str(self.pid),
+                                      str(self.share), str(self.period)])
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
-        os.kill(self.pid, signal.SIGCONT)
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+        os.kill(self.pid, signal.SIGCONT)  # the throttle may have ended between the two
+
+
+@pytest.fixture(scope="module")
+def wide_ring_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Six blocks wide enough that a worker's message takes longer than the throttle lets it
+    run at once, so that every message it computes is stopped at least once: its measured
+    time per block is then several times the other worker's, not only when a stop happens
+    to fall inside a short computation."""
+    path = make_hf_llama(tmp_path_factory.mktemp("wide-ring"), seed=5, num_hidden_layers=6,
+                         max_position_embeddings=256, hidden_size=384, intermediate_size=1024)
+    write_tiny_tokenizer(path)
+    return path
 
 
 @pytest.fixture
-def slowed_ring(ring_model: Path) -> Iterator[RingEngine]:
+def slowed_ring(wide_ring_model: Path) -> Iterator[RingEngine]:
     local = LocalRing(2)
     with local as workers:
-        engine = RingEngine(workers, ring_model, secret=local.secret, timeout_s=30,
+        engine = RingEngine(workers, wide_ring_model, secret=local.secret, timeout_s=30,
                             stall_s=5.0, rebalance_margin=0.25)
         with Throttle(local.processes[0].pid):
             yield engine

@@ -11,15 +11,36 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mdiedge.model.tokenizer import SentencePieceTokenizer, StreamDecoder, Tokenizer
+from mdiedge.model.tokenizer import (HFTokenizer, SentencePieceTokenizer, StreamDecoder,
+                                     Tokenizer)
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZERS = {"nanollama": REPO / "models" / "nanollama" / "tokenizer.model",
               "stories260k": REPO / "tests" / "data" / "stories260k" / "tok512.model"}
 
 
-@pytest.fixture(scope="module", params=sorted(TOKENIZERS))
-def tokenizer(request: pytest.FixtureRequest) -> Tokenizer:
+CORPUS = ["ROMEO: Où est-il? 北京 — naïve café, 🙂 and again.",
+          "the cat sat on the mat and then it ran away.",
+          "plain words after plain words, with  two spaces and a new\nline"] * 20
+HF_KINDS = ("hf-bytelevel", "hf-metaspace")  # GPT-2's byte-level BPE; Llama 2's "▁" pieces
+
+
+def hf_tokenizer(kind: str, folder: Path) -> Tokenizer:
+    """A small Hugging Face ``tokenizer.json`` of ``kind``, trained here."""
+    tokenizers = pytest.importorskip("tokenizers")
+    make = (tokenizers.ByteLevelBPETokenizer if kind == "hf-bytelevel"
+            else tokenizers.SentencePieceBPETokenizer)
+    trained = make()
+    trained.train_from_iterator(CORPUS, vocab_size=300, min_frequency=1, show_progress=False)
+    trained.save(str(folder / "tokenizer.json"))
+    return HFTokenizer(folder / "tokenizer.json")
+
+
+@pytest.fixture(scope="module", params=sorted(TOKENIZERS) + list(HF_KINDS))
+def tokenizer(request: pytest.FixtureRequest,
+              tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    if request.param in HF_KINDS:
+        return hf_tokenizer(request.param, tmp_path_factory.mktemp(request.param))
     path = TOKENIZERS[request.param]
     if not path.is_file():
         pytest.skip(f"{path} not here")

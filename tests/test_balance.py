@@ -61,7 +61,8 @@ class Throttle:
 
     CODE = ("import os, signal, sys, time\n"
             "pid, share, period = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])\n"
-            "while True:\n"
+            "parent = os.getppid()\n"
+            "while os.getppid() == parent:  # ends with the test's process\n"
             "    os.kill(pid, signal.SIGSTOP)\n"
             "    time.sleep(period * share)\n"
             "    os.kill(pid, signal.SIGCONT)\n"

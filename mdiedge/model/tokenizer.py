@@ -92,26 +92,26 @@ class StreamDecoder:
     """Turns a growing list of ids into text increments after a prefix (the prompt), holding
     back an incomplete UTF-8 sequence (byte-fallback pieces) until it is complete.
 
-    Each push decodes a window, not every id so far: the ids from the last emitted piece's
-    start (a few of the prefix's last ids at first, for the leading space a piece shows after
-    them) to the end, and takes what it adds to the window's emitted part. The window starts
-    at a boundary where the text was whole, so the increments are those of decoding every id
-    each time, at a cost that does not grow with the text (the incremental detokenization of
-    vLLM and Hugging Face's ``TextStreamer``)."""
+    Each push decodes a window, not every id so far: ``CONTEXT`` emitted ids, then those not
+    yet emitted, and takes what the latter add to the former's text. Decoding strips the
+    leading space of a window's first piece and may render a piece by its neighbours, so the
+    emitted ids give the new ones the context they have in the whole text; the increments
+    are those of decoding every id each time, at a cost that does not grow with the text
+    (the incremental detokenization of vLLM and Hugging Face's ``TextStreamer``)."""
 
-    CONTEXT = 5  # ids of the prefix decoded before the first new one
+    CONTEXT = 5  # emitted ids decoded before the new ones
 
     def __init__(self, tokenizer: Tokenizer, prefix: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.ids: List[int] = list(prefix)
-        self.start = max(0, len(self.ids) - self.CONTEXT)  # the window's first id
         self.read = len(self.ids)  # ids before this one are emitted
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        emitted = self.tokenizer.decode(self.ids[self.start:self.read])
-        text = self.tokenizer.decode(self.ids[self.start:])
+        start = max(0, self.read - self.CONTEXT)
+        emitted = self.tokenizer.decode(self.ids[start:self.read])
+        text = self.tokenizer.decode(self.ids[start:])
         if text.endswith("\ufffd") or len(text) <= len(emitted):
             return ""
-        self.start, self.read = self.read, len(self.ids)
+        self.read = len(self.ids)
         return text[len(emitted):]

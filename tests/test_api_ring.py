@@ -82,6 +82,35 @@ def test_sigterm_stops_the_server_and_its_nodes(served: Dict[str, Any]) -> None:
     assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")]
 
 
+def test_health_says_when_no_worker_answers_and_the_dead_one_is_reaped(stories: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "MDIEDGE_API_KEY"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mdiedge", "serve", "--port", "0", "--nodes", "2", "--slots", "2",
+         "--context", "256", "--model", str(stories / "stories260K.bin"),
+         "--tokenizer", str(stories / "tok512.model")],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        base = json.loads(proc.stdout.readline())["url"].rsplit("/v1", 1)[0]
+        assert httpx.get(base + "/health", timeout=10).json() == {"status": "ok"}
+        worker = int(subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                    text=True).stdout.split()[0])
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        health = httpx.get(base + "/health", timeout=10)
+        while health.status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            health = httpx.get(base + "/health", timeout=10)
+        assert health.status_code == 503 and health.headers["retry-after"] == "5"
+        assert health.json()["error"].startswith("no worker of the ring answers: w1")
+        while os.path.exists(f"/proc/{worker}") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not os.path.exists(f"/proc/{worker}")  # reaped: no zombie
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
 def test_the_starter_serves_the_api_beside_its_control_plane(stories: Path,
                                                              tmp_path: Path) -> None:
     env = dict(os.environ, MDIEDGE_SECRET="s3cret-ring-key-0123456789abcdef")

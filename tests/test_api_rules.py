@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import pytest
 
@@ -15,7 +15,8 @@ from mdiedge.ops.api.chat import DEFAULT_TEMPLATE, ChatTemplate, load_model_temp
 from mdiedge.ops.api.errors import ApiError, api_error
 from mdiedge.ops.api.responses import (ChatChunk, ChatCompletion, Choice, Completion,
                                        CompletionChunk, Usage, finish_reason, sse)
-from mdiedge.ops.api.rules import authorized, may_join, retry_after_s, slot_context
+from mdiedge.ops.api.rules import (authorized, may_join, queue_state, retry_after_s,
+                                   slot_context)
 from mdiedge.ops.api.server import model_name
 from mdiedge.ops.api.schema import ChatMessage, ChatRequest, CompletionRequest, Options
 from mdiedge.runtime.control import Conflict
@@ -209,6 +210,19 @@ def test_a_request_is_taken_or_refused(waiting: int, free: int, n: int, max_wait
     assert may_join(waiting, free, n, max_waiting) is taken
 
 
+@pytest.mark.parametrize("sizes, slots, state", [
+    ([], 8, (0, 0)),
+    ([1, 1, 1], 8, (3, 0)),        # requests not yet admitted but fitting do not wait
+    ([4, 4], 8, (8, 0)),
+    ([4, 4, 1], 8, (8, 1)),
+    ([4, 5, 1], 8, (4, 2)),        # first come, first served: 1 waits behind the 5
+    ([9], 8, (0, 1)),
+])
+def test_requests_take_slots_in_the_order_they_came(sizes: List[int], slots: int,
+                                                     state: Any) -> None:
+    assert queue_state(sizes, slots) == state
+
+
 @pytest.mark.parametrize("mean, waiting, slots, seconds", [
     (0.0, 0, 8, 1), (2.0, 0, 8, 2), (2.0, 8, 8, 4), (2.5, 4, 8, 4), (100.0, 64, 1, 60),
 ])
@@ -219,7 +233,9 @@ def test_retry_after_is_the_queue_drain_time(mean: float, waiting: int, slots: i
 
 @pytest.mark.parametrize("header, key, ok", [
     (None, None, True), ("Bearer x", None, True), (None, "k", False), ("Bearer k", "k", True),
-    ("Bearer k2", "k", False), ("k", "k", False), ("bearer k", "k", False),
+    ("Bearer k2", "k", False), ("k", "k", False), ("bearer k", "k", True),
+    ("BEARER k", "k", True), ("Bearer  k", "k", True), ("Basic k", "k", False),
+    ("Bearerk", "k", False), ("Bearer", "k", False), ("Bearer ", "k", False),
 ])
 def test_the_api_key_is_checked(header: Any, key: Any, ok: bool) -> None:
     assert authorized(header, key) is ok

@@ -46,6 +46,16 @@ def test_greedy_is_argmax() -> None:
     assert sample_rows(logits, SamplingParams(temperature=0), []) == [1, 0]
 
 
+@pytest.mark.parametrize("temperature, greedy", [
+    (0.0, True), (1e-300, True), (1e-45, True), (9.9e-6, True), (1e-5, False), (0.8, False)])
+def test_a_temperature_near_zero_is_greedy(temperature: float, greedy: bool) -> None:
+    params = SamplingParams(temperature=temperature, top_p=1.0)
+    logits = torch.tensor([[0.1, 3.0, 2.9], [5.0, 0.0, 4.99]]) * 30
+    assert params.greedy is greedy
+    rows = sample_rows(logits, params, [sample_generator(0, 0), sample_generator(0, 1)])
+    assert rows == [1, 0]  # greedy, or a distribution all but certain of the argmax
+
+
 def test_each_sample_has_its_own_stream() -> None:
     params = SamplingParams(temperature=1.0, seed=3)
     logits = torch.zeros(2, 1000)

@@ -19,6 +19,8 @@ TEMPERATURE = 0.8
 TOP_K = 0
 TOP_P = 0.95
 SEED = 0
+GREEDY_BELOW = 1e-5  # a temperature under this samples as greedy does (vLLM's rule): its
+#                      distribution is the argmax's, and logits / it may overflow float32
 EARLY_EXIT_CRITERIA = ("softmax", "similarity", "classifier")  # mdiedge.model.exits
 MAX_NEW_TOKENS = 256
 

@@ -1,7 +1,8 @@
 """Choosing the next token: greedy, temperature, top-k and top-p (nucleus, Holtzman et al. 2019).
 
 ``SamplingParams()`` samples with the defaults of :mod:`mdiedge.base.defaults` (those of
-``mdiedge generate``); ``temperature=0`` is greedy. Each sample draws from its own generator,
+``mdiedge generate``); ``temperature=0`` is greedy, and so is any temperature below
+``GREEDY_BELOW``. Each sample draws from its own generator,
 seeded from (seed, sample index), so a sample's tokens do not depend on how samples are
 grouped or scheduled.
 """
@@ -38,7 +39,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < defaults.GREEDY_BELOW or self.top_k == 1
 
 
 def sample_generator(seed: int, sample_index: int) -> torch.Generator:

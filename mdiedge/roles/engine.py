@@ -147,6 +147,11 @@ class Engine(TextModel):
         caller holds ``_setup_lock``, or knows no other thread uses the engine)."""
         raise NotImplementedError
 
+    def unavailable(self, timeout: float) -> Optional[str]:
+        """None when the engine can take a request, else why not, in one line; ``timeout``:
+        how long a ring may ask its nodes. A process of its own always can."""
+        return None
+
     def submit(self, generation: Generation, micro_batch: int = 0) -> Scheduler:
         """Queue ``generation`` on a pipeline that holds it; that pipeline's scheduler. Set-up
         and submission are one step, so no other request's set-up replaces the pipeline

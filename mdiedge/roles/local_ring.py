@@ -16,6 +16,7 @@ import select as _select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import List, Optional
 
@@ -24,6 +25,7 @@ from ..base.errors import RingError
 from ..base.nodes import NodeSpec
 
 READY_TIMEOUT_S = 60.0
+REAP_INTERVAL_S = 1.0
 
 
 def threads_per_node(n_nodes: int) -> int:
@@ -65,6 +67,7 @@ class LocalRing:
         self.processes: List[subprocess.Popen] = []
         self.workers: List[NodeSpec] = []
         self.secret = os.urandom(32).hex().encode()  # this ring's own; passed on a pipe
+        self._stopped = threading.Event()
 
     def __enter__(self) -> List[NodeSpec]:
         try:
@@ -75,7 +78,14 @@ class LocalRing:
         except BaseException:
             self.stop()
             raise
+        threading.Thread(target=self._reap, name="local-ring-reaper", daemon=True).start()
         return self.workers
+
+    def _reap(self) -> None:
+        """Collect a worker that died while the ring runs, so it lingers as no zombie."""
+        while not self._stopped.wait(REAP_INTERVAL_S):
+            for proc in list(self.processes):
+                proc.poll()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -123,6 +133,7 @@ class LocalRing:
         raise RingError(f"worker {name} was not ready within {READY_TIMEOUT_S:.0f} s")
 
     def stop(self) -> None:
+        self._stopped.set()
         for proc in self.processes:
             if proc.poll() is None:
                 if _frozen(proc.pid):  # SIGSTOPped: it cannot act on a SIGTERM

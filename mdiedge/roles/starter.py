@@ -124,7 +124,7 @@ class RingStarter:
                 raise Conflict(f"the ring is busy with a layout of {current.pipeline.n_slots} "
                                f"samples x {current.pipeline.context} tokens, smaller than "
                                f"{n_slots} x {context}; try again when it is idle")
-            usable = current is not None and current.usable and self._ring_alive() and \
+            usable = current is not None and current.usable and self.ring_alive() and \
                 not self.membership.rejoin.is_set()
             if usable and fits and not self._rebalance(current):
                 return current
@@ -136,7 +136,7 @@ class RingStarter:
             self.scheduler = self._setup(n_slots, context)
             return self.scheduler
 
-    def _ring_alive(self) -> bool:
+    def ring_alive(self) -> bool:
         """The ring's links are up as far as this end can tell (a worker restarted while the
         ring was idle closes them, and the next request sets the ring up anew)."""
         tail = self.tail
@@ -401,6 +401,20 @@ class RingEngine(Engine):
 
     def prepare(self, n_slots: int, context: int) -> Scheduler:
         return self.starter.ensure(n_slots, context)
+
+    def unavailable(self, timeout: float) -> Optional[str]:
+        """None when a request would find a ring: the current one's links are up, or a
+        worker answers its control plane within ``timeout`` s (the next request sets up a
+        ring of those that do); else why not, in one line."""
+        starter = self.starter
+        scheduler = starter.scheduler
+        if scheduler is not None and scheduler.usable and starter.ring_alive():
+            return None
+        statuses = probe_all(starter.clients, timeout)
+        if any(s.state != "down" for s in statuses):
+            return None
+        return "no worker of the ring answers: " + "; ".join(f"{s.name} ({s.error})"
+                                                             for s in statuses)
 
     def kv_fill_s(self) -> float:
         """The starter's stage's and, with early exit on, every worker's (asked)."""

@@ -4,8 +4,10 @@ optional API key (``Authorization: Bearer``) on every route but ``/health``; bou
 every error in OpenAI's shape."""
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
+import logging
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional
 
@@ -21,11 +23,12 @@ from .errors import ApiError, api_error
 from .metrics import CONTENT_TYPE
 from .responses import (ChatChunk, ChatCompletion, Choice, Completion, CompletionChunk,
                         ModelCard, new_id, sse)
-from .rules import authorized
+from .rules import BODY_TIMEOUT_S, authorized
 from .schema import ChatRequest, CompletionRequest, Options
 from ...model.stopping import TextStream
 from .service import ApiService, Run
 
+log = logging.getLogger("mdiedge.api")
 OPEN_PATHS = ("/health",)  # answered without the API key
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -57,7 +60,16 @@ async def read_json(request: Request, limit: int) -> Dict[str, Any]:
         raise ApiError(413, f"request body of {length} bytes exceeds the limit of {limit}",
                        code="body_too_large")
     body = bytearray()
-    async for chunk in request.stream():
+    chunks = request.stream().__aiter__()
+    deadline = time.monotonic() + BODY_TIMEOUT_S
+    while True:
+        try:
+            chunk = await asyncio.wait_for(chunks.__anext__(), deadline - time.monotonic())
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"request body not received within {BODY_TIMEOUT_S:.0f} s",
+                           code="timeout") from None
         body += chunk
         if len(body) > limit:
             raise ApiError(413, f"request body exceeds the limit of {limit} bytes",
@@ -66,9 +78,16 @@ async def read_json(request: Request, limit: int) -> Dict[str, Any]:
         data = json.loads(bytes(body).decode("utf-8"))
     except ValueError as e:
         raise ApiError(400, f"body: not JSON ({e})", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "body: JSON nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"body: expected a JSON object, got {type(data).__name__}",
                        code="invalid_json")
+    try:  # "\ud800" escapes decode to lone surrogates, which no text can hold
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"body: a string holds a lone UTF-16 surrogate "
+                       f"({e.object[e.start:e.end]!a})", code="invalid_json") from None
     return data
 
 
@@ -85,7 +104,10 @@ class ApiRoutes:
             try:
                 response = await handler(request)
             except Exception as e:  # noqa: BLE001 - every error is an API error body
-                response = error_response(api_error(e))
+                error = api_error(e)
+                if error.status == 500:  # a fault of the server's: the operator needs it
+                    log.error("%s %s failed", request.method, request.url.path, exc_info=e)
+                response = error_response(error)
             self.service.metrics.requests.labels(str(response.status_code)).inc()
             return response
         return wrapped
@@ -115,7 +137,13 @@ class ApiRoutes:
                         media_type=CONTENT_TYPE)
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        """200 while a request would be served; 503 with the reason while it would not (a
+        load balancer's cue to send requests elsewhere)."""
+        why = await run_in_threadpool(self.service.unavailable)
+        if why is None:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "error": why}, 503,
+                            headers={"Retry-After": "5"})
 
     async def respond(self, request: Request, prompt: str, options: Options,
                       chat: bool) -> Response:
@@ -124,10 +152,22 @@ class ApiRoutes:
         if first is None and run.error is not None:
             raise api_error(run.error)
         if not options.stream:
+            stopped = self.shutdown_error(run)
+            if stopped is not None:
+                raise stopped
             return JSONResponse(self.whole(run, chat))
         return StreamingResponse(self.events(run, first, options, chat),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def shutdown_error(self, run: Run) -> Optional[ApiError]:
+        """A 503 for a request the server's shutdown cut short (its samples "cancelled"),
+        which is not an answer; None otherwise."""
+        samples = run.generation.samples if run.generation is not None else []
+        if self.service.closed and any(s.finish_reason == "cancelled" for s in samples):
+            return ApiError(503, "the server shut down before the request was done",
+                            code="shutting_down", retry_after=5)
+        return None
 
     def whole(self, run: Run, chat: bool) -> Dict[str, Any]:
         assert run.generation is not None
@@ -162,8 +202,9 @@ class ApiRoutes:
                 if text:
                     yield chunk([Choice(item[0], text)])
                 item = await run.next(_never)
-            if run.error is not None:
-                yield sse(api_error(run.error).to_json())
+            error = api_error(run.error) if run.error is not None else self.shutdown_error(run)
+            if error is not None:
+                yield sse(error.to_json())
                 return
             for sample, stream in zip(generation.samples, streams):
                 rest = stream.finish(self.service.engine.sample_text(sample))

@@ -6,12 +6,14 @@ from __future__ import annotations
 import hmac
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 from ...base import defaults
 
 MAX_QUEUE = 64  # the scheduler's own bound on waiting requests (Scheduler max_waiting)
 DEFAULT_CONTEXT = 4096  # tokens per slot unless asked: a model's own may be 128k (KV memory)
+HEAD_TIMEOUT_S = 10.0  # a connection's request line and headers arrive within this, or it closes
+BODY_TIMEOUT_S = 30.0  # a request's body arrives within this, or it is a 408
 
 
 @dataclass
@@ -25,6 +27,18 @@ class ServeLimits:
     max_waiting: int = 32
     max_body: int = 1 << 20
     max_tokens: int = defaults.MAX_NEW_TOKENS
+
+
+def queue_state(sizes: Sequence[int], slots: int) -> Tuple[int, int]:
+    """(KV slots taken, requests waiting) for requests of ``sizes`` samples in the order they
+    came: first come, first served, so once one does not fit, it and all after it wait."""
+    taken = waiting = 0
+    for n in sizes:
+        if waiting or taken + n > slots:
+            waiting += 1
+        else:
+            taken += n
+    return taken, waiting
 
 
 def may_join(waiting: int, free_slots: int, n: int, max_waiting: int) -> bool:
@@ -41,11 +55,14 @@ def retry_after_s(mean_e2e_s: float, waiting: int, slots: int) -> int:
 
 
 def authorized(header: Optional[str], key: Optional[str]) -> bool:
-    """Whether an ``Authorization`` header carries ``key`` (always, when there is none); the
-    comparison takes the same time wherever the two differ."""
+    """Whether an ``Authorization`` header carries ``key`` (always, when there is none): the
+    scheme ``Bearer`` in any case (RFC 9110), then the key; the key's comparison takes the
+    same time wherever the two differ."""
     if not key:
         return True
-    return hmac.compare_digest((header or "").encode(), f"Bearer {key}".encode())
+    scheme, _, token = (header or "").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                              key.encode())
 
 
 def slot_context(asked: int, model: int) -> int:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from .errors import ApiError
+from ...base.errors import GenerationError
+from ...model.stopping import check_stops
 
 ROLES = ("system", "developer", "user", "assistant")
 MAX_MESSAGES = 1024
@@ -91,32 +93,34 @@ class Options:
     n: int = 1
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
+    max_tokens_key: str = "max_tokens"  # the field max_tokens came from (errors name it)
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any], max_tokens_key: str = "max_tokens") -> "Options":
         stop = body.get("stop")
         max_tokens = body.get(max_tokens_key)
         if max_tokens is None:
-            max_tokens = body.get("max_tokens")
+            max_tokens, max_tokens_key = body.get("max_tokens"), "max_tokens"
         stream_options = body.get("stream_options") or {}
-        include = stream_options.get("include_usage", False)
+        include = stream_options.get("include_usage")
+        include = False if include is None else include
         if not isinstance(include, bool):
             raise ApiError(422, f"stream_options.include_usage: expected a boolean, got {include!r}",
                            "stream_options", "invalid_type")
-        options = cls(body.get("model"), max_tokens,
-                      None if body.get("temperature") is None else float(body["temperature"]),
-                      None if body.get("top_p") is None else float(body["top_p"]),
+        options = cls(body.get("model"), max_tokens, _float(body, "temperature", "[0, 2]"),
+                      _float(body, "top_p", "(0, 1]"),
                       body.get("top_k"), body.get("seed"),
                       [stop] if isinstance(stop, str) else list(stop or []),
                       1 if body.get("n") is None else body["n"], bool(body.get("stream")),
-                      include)
+                      include, max_tokens_key)
         options.check()
         return options
 
     def check(self) -> None:
         """400 for a value out of range (the engine checks the rest: stop strings, seeds)."""
         for name, ok, expected in (
-                ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "an integer >= 1"),
+                (self.max_tokens_key, self.max_tokens is None or self.max_tokens >= 1,
+                 "an integer >= 1"),
                 ("n", self.n >= 1, "an integer >= 1"),
                 ("temperature", self.temperature is None or 0 <= self.temperature <= 2,
                  "a number in [0, 2]"),
@@ -125,8 +129,13 @@ class Options:
                 ("seed", self.seed is None or 0 <= self.seed < 2 ** 40,
                  "an integer in [0, 2**40)")):
             if not ok:
-                raise ApiError(400, f"{name}: expected {expected}, got {getattr(self, name)!r}",
-                               name, "invalid_value")
+                value = self.max_tokens if name == self.max_tokens_key else getattr(self, name)
+                raise ApiError(400, f"{name}: expected {expected}, got {value!r}", name,
+                               "invalid_value")
+        try:
+            check_stops(self.stop)
+        except GenerationError as e:
+            raise ApiError(400, str(e), "stop", "invalid_value") from None
 
 
 @dataclass
@@ -164,6 +173,10 @@ class ChatMessage:
         unknown = sorted(set(body) - {"role", "content", "name"})
         if unknown:
             raise ApiError(422, f"{where}: unknown field {unknown[0]!r}", "messages", "unknown_field")
+        name = body.get("name")
+        if name is not None and not isinstance(name, str):
+            raise ApiError(422, f"{where}.name: expected a string, got {_short(name)}",
+                           "messages", "invalid_type")
         return cls(role, _content(where, body.get("content")))
 
 
@@ -198,6 +211,16 @@ class ChatRequest:
                            "messages", "invalid_value")
         messages = [ChatMessage.from_json(i, m) for i, m in enumerate(raw)]
         return cls(messages, Options.from_json(body, "max_completion_tokens"))
+
+
+def _float(body: Mapping[str, Any], name: str, bounds: str) -> Optional[float]:
+    """A number field as a float (None when absent); a 400 for an integer no float holds."""
+    value = body.get(name)
+    try:
+        return None if value is None else float(value)
+    except OverflowError:
+        raise ApiError(400, f"{name}: expected a number in {bounds}, got {_short(value)}",
+                       name, "invalid_value") from None
 
 
 def _short(value: Any, limit: int = 60) -> str:

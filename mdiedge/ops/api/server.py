@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ...base.errors import ConfigError
-from .rules import ServeLimits
+from .rules import HEAD_TIMEOUT_S, ServeLimits
 
 API_KEY_ENV = "MDIEDGE_API_KEY"
 START_TIMEOUT_S = 30.0
@@ -56,6 +56,33 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def guarded_protocol() -> Any:
+    """uvicorn's h11 protocol with a deadline on each request's head: a connection that has
+    not sent a whole request line and headers within ``HEAD_TIMEOUT_S`` of opening, or of
+    its last response, is closed. uvicorn times out only idle kept-alive connections, so a
+    client that connects and stays silent, or sends its headers a byte at a time, would
+    hold its socket for ever, and a few hundred of them every file descriptor."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11Protocol(H11Protocol):
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._await_head()
+
+        def on_response_complete(self) -> None:
+            self._await_head()  # first: a pipelined request starts its cycle in there
+            super().on_response_complete()
+
+        def _await_head(self) -> None:  # a new request makes a new cycle
+            self.loop.call_later(HEAD_TIMEOUT_S, self._head_due, self.cycle)
+
+        def _head_due(self, cycle: Any) -> None:
+            if self.cycle is cycle and not self.transport.is_closing():
+                self.transport.close()
+
+    return GuardedH11Protocol
+
+
 class ApiServer:
     """uvicorn serving ``app`` on the listening socket ``sock`` from a thread."""
 
@@ -65,7 +92,7 @@ class ApiServer:
         self.sock = sock
         self.host, self.port = sock.getsockname()[:2]
         config = uvicorn.Config(app, log_level=log_level, lifespan="off", access_log=False,
-                                timeout_graceful_shutdown=3)
+                                timeout_graceful_shutdown=3, http=guarded_protocol())
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._serve, name="mdiedge-api", daemon=True)
         self.error: Optional[BaseException] = None

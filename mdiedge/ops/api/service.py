@@ -25,7 +25,7 @@ from ...runtime.protocol import NodeStatus
 from .errors import ApiError, api_error
 from .metrics import ApiMetrics
 from .responses import Usage
-from .rules import ServeLimits, may_join, retry_after_s, slot_context
+from .rules import ServeLimits, may_join, queue_state, retry_after_s, slot_context
 from .schema import Options
 
 _DONE = object()
@@ -129,8 +129,16 @@ class ApiService:
         """Requests running (holding KV slots) and waiting for them."""
         with self._lock:
             runs = list(self._runs)
-        running = sum(1 for r in runs if r.admitted)
-        return running, len(runs) - running
+            waiting = self._queue()[1]
+        return sum(1 for r in runs if r.admitted), waiting
+
+    def _queue(self) -> Tuple[int, int]:
+        """(KV slots taken, requests waiting) of the requests not yet ended, in the order they
+        came; the caller holds the lock. A request that fits counts as taking its slots
+        before the scheduler admits it: it is not waiting for slots."""
+        sizes = [len(r.generation.samples) for r in sorted(self._runs, key=lambda r: r.arrived)
+                 if r.generation is not None and not (r.admitted and r.generation.settled)]
+        return queue_state(sizes, self.limits.slots)
 
     def slots_in_use(self) -> int:
         with self._lock:
@@ -150,6 +158,13 @@ class ApiService:
                            layers=[0, self.engine.cfg.n_layers], busy_fraction=round(busy, 4),
                            slots_in_use=self.slots_in_use())]
 
+    def unavailable(self) -> Optional[str]:
+        """None when the engine can take a request, else why not, in one line (``/health``):
+        a ring none of whose workers answers, or a server shutting down."""
+        if self.closed:
+            return "the server is shutting down"
+        return self.engine.unavailable(defaults.DIAGNOSE_TIMEOUT_S)
+
     # ----------------------------------------------------------------- requests
 
     def plan(self, prompt: str, options: Options) -> Tuple[List[int], int, SamplingParams]:
@@ -166,11 +181,16 @@ class ApiService:
             raise ApiError(400, "prompt: empty, and the model has no BOS token to start from",
                            "prompt", "invalid_value")
         budget = options.max_tokens
+        if budget is None and len(ids) >= self.context:
+            raise ApiError(400, f"prompt of {len(ids)} tokens leaves no room for a new one in "
+                           f"the context of {self.context} tokens", "prompt",
+                           "context_length_exceeded")
         if budget is None:
             budget = min(self.limits.max_tokens, self.context - len(ids))
         if budget < 1 or len(ids) + budget > self.context:
-            raise ApiError(400, f"prompt of {len(ids)} tokens plus max_tokens {budget} exceeds "
-                           f"the context of {self.context} tokens", "max_tokens",
+            key = options.max_tokens_key
+            raise ApiError(400, f"prompt of {len(ids)} tokens plus {key} {budget} exceeds "
+                           f"the context of {self.context} tokens", key,
                            "context_length_exceeded")
         seed = options.seed if options.seed is not None else secrets.randbelow(2 ** 31)
         params = SamplingParams(
@@ -187,11 +207,9 @@ class ApiService:
         run = Run(loop, self.metrics, options.stream)
         ids, budget, params = await loop.run_in_executor(None, self.plan, prompt, options)
         with self._lock:
-            runs = list(self._runs)
-            waiting = sum(1 for r in runs if not r.admitted)
-            free = self.limits.slots - sum(len(r.generation.samples) for r in runs
-                                           if r.generation is not None and r.admitted)
-            if not may_join(waiting, free, options.n, self.limits.max_waiting):
+            taken, waiting = self._queue()
+            if not may_join(waiting, self.limits.slots - taken, options.n,
+                            self.limits.max_waiting):
                 raise ApiError(429, f"{waiting} requests are waiting for the "
                                f"{self.limits.slots} KV slots already; try again later",
                                code="queue_full", retry_after=retry_after_s(

@@ -294,3 +294,42 @@ def test_public_ping_needs_no_signature_and_takes_no_body(server: ControlServer)
     assert exchange(server, head("GET", "/ping", {})).startswith(b"HTTP/1.1 200")
     reply = exchange(server, head("GET", "/ping", {"Content-Length": "5"}) + b"hello")
     assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+
+
+# ------------------------------------------------------------- one captured request, one slot
+
+def test_a_nonce_in_flight_is_a_replay_until_released_or_accepted() -> None:
+    auth, body = Authenticator(SECRET), b'{"a": 1}'
+    headers = auth.sign("POST", "/echo", body)
+    assert auth.check_headers("POST", "/echo", headers) is None
+    assert auth.check_headers("POST", "/echo", headers) == "replayed request"  # in flight
+    auth.release(headers)  # its body never came: a genuine sender may still use it
+    assert auth.check_headers("POST", "/echo", headers) is None
+    assert auth.accept(headers, "0" * 64).startswith("body does not match")  # released too
+    assert auth.check(  # the genuine body after a forged one
+        "POST", "/echo", body, headers) is None
+    assert auth.check_headers("POST", "/echo", headers) == "replayed request"
+
+
+def test_captured_headers_hold_one_connection_and_a_trickled_body_is_dropped(
+        server: ControlServer, monkeypatch: Any) -> None:
+    monkeypatch.setattr("mdiedge.runtime.control.MIN_BODY_RATE", 1 << 30)
+    server.timeout_s = 1.0  # a body must come within a second, whatever its pace
+    body = b'{"a": "' + b"x" * 1000 + b'"}'
+    request = head("POST", "/echo", signed("POST", "/echo", body))
+    with connect(server) as first, connect(server) as second:
+        first.sendall(request + body[:1])
+        time.sleep(0.2)
+        second.sendall(request + body[:1])  # the same captured headers again
+        replay = read_all(second, timeout=3)
+        assert replay.startswith(b"HTTP/1.1 401") and b"replayed" in replay
+        started = time.monotonic()
+        for i in range(1, 40):  # a byte every 0.1 s: each read well within the timeout
+            try:
+                first.sendall(body[i:i + 1])
+            except OSError:
+                break
+            time.sleep(0.1)
+        assert not read_all(first, timeout=3).endswith(b"<still open>")
+        assert time.monotonic() - started < 3.5
+    assert call(server.url, "POST", "/echo", {"x": 1}, auth=Authenticator(SECRET))["body"] == {"x": 1}

@@ -355,3 +355,28 @@ def test_fuzzed_frames_bring_a_receivers_link_down(
             down = link_down(inbox)
             receiver.join(5)
             assert not receiver.is_alive() and down.reason
+
+
+def test_a_flood_of_handshakes_keeps_at_most_the_cap_open(monkeypatch: Any) -> None:
+    """The oldest handshake gives way at once, not when its thread gets round to it: the
+    cap holds however fast connections come (the threads are held back here)."""
+    from mdiedge.runtime.links import MAX_HANDSHAKES, _Handshakes
+
+    go = threading.Event()
+    run = _Handshakes._run
+    monkeypatch.setattr(_Handshakes, "_run", lambda self, sock: (go.wait(10), run(self, sock)))
+    handshakes = _Handshakes(Authenticator(b"secret"), "test", timeout=5.0)
+    pairs = [socket.socketpair() for _ in range(MAX_HANDSHAKES + 20)]
+    try:
+        for ours, _ in pairs:
+            handshakes.start(ours)
+            assert len(handshakes.open) <= MAX_HANDSHAKES
+    finally:
+        handshakes.done = True
+        go.set()
+        for _, theirs in pairs:
+            theirs.close()
+    deadline = time.monotonic() + 10
+    while handshakes.open and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not handshakes.open

@@ -293,3 +293,30 @@ def test_busy_time_is_counted(engines: Dict[Tuple[int, int], LocalEngine]) -> No
     wall = scheduler.stats.wall_s - before[0]
     compute = scheduler.stats.compute_s - before[1]
     assert wall > 0 and 0 < compute <= wall * 1.05
+
+
+@pytest.mark.parametrize("shape, positions, match", [
+    ((1, 1, 7), [0], r"activation \(1, 1, 7\) with 1 positions for 1 samples of width"),
+    ((1, 1, 0), [0], r"activation \(1, 1, 0\)"),
+    ((2, 1, -1), [0, 0], r"for 1 samples"),  # -1: the model's width
+    ((1, 1, -1), [0, 0], r"2 positions for 1 samples"),
+    ((1, 1, -1), [0x7fffffff], r"positions 2147483647..2147483647 outside the context of 64"),
+    ((1, 4, -1), [62], r"positions 62..65 outside the context of 64"),
+])
+def test_a_stage_refuses_an_activation_that_does_not_fit_in_one_line(
+        model_dir: Path, shape: Tuple[int, int, int], positions: List[int], match: str) -> None:
+    """What only a peer's bug or a forged frame sends: a one-line RingError, nothing run."""
+    import torch
+
+    from mdiedge.runtime import messages
+    from mdiedge.runtime.stages import LocalStage
+    from mdiedge.model.checkpoint import load_model
+
+    model = load_model(model_dir, embedding=False, head=False)
+    stage = LocalStage(model, n_slots=2, context=64)
+    dim = shape[2] if shape[2] >= 0 else model.cfg.dim
+    hidden = torch.zeros(shape[0], shape[1], dim)
+    message = Message(messages.ACTIVATION, [1], positions, hidden, prefill=True)
+    with pytest.raises(RingError, match=match):
+        stage.forward(message)
+    assert stage.slots_in_use == 0

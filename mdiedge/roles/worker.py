@@ -341,7 +341,7 @@ def compute_loop(name: str, stage: LocalStage, links: LinkPair, heartbeat: Any) 
         while True:
             item = links.receive()
             if isinstance(item, LinkDown):
-                log.info("%s: inbound link down: %s", name, item.reason)
+                log.debug("%s: inbound link down: %s", name, item.reason)  # the link logged it
                 return
             with busy():  # the send is outside: a slow next node is not this node's stall
                 out = stage.forward(item)

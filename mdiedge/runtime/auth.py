@@ -5,7 +5,10 @@ HMAC-SHA256 over method, path, body digest, timestamp and nonce. A node checks t
 headers alone (``check_headers``: constant time, finite timestamp within ``MAX_SKEW_S``, nonce
 not seen before) before it reads any body; then it reads the body, and ``accept`` compares its
 digest with the signed one and records the nonce (no replay). A nonce is recorded only once the
-whole request is verified, so a forged body sent under genuine headers cannot burn it.
+whole request is verified, so a forged body sent under genuine headers cannot burn it; while
+its body is being read it is in flight (``release`` if the body never comes), and the same
+headers on another connection meanwhile are a replay, so one captured request cannot hold
+more than one of a node's connections.
 Data plane: before any frame, the two ends of a link run a mutual challenge-response: each
 proves knowledge of the secret by MACing the other's fresh random challenge, and with it the
 link's codecs (``Compression.wire``: two bytes, prefill and decode), so both ends know the
@@ -19,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
-import logging
 import math
 import os
 import re
@@ -31,7 +33,6 @@ from typing import Dict, Mapping, Optional
 from ..base.codecs import NO_COMPRESSION, Compression
 from ..base.errors import CodecMismatch, ConfigError, RingError
 
-log = logging.getLogger("mdiedge.auth")
 
 MAX_SKEW_S = 60.0
 HEADER_TS, HEADER_NONCE, HEADER_MAC = "X-Mdiedge-Timestamp", "X-Mdiedge-Nonce", "X-Mdiedge-Mac"
@@ -67,7 +68,8 @@ class Authenticator:
     def __init__(self, secret: Optional[bytes]) -> None:
         self.secret = secret
         self.key = secret if secret else _INSECURE_KEY
-        self._seen: Dict[str, float] = {}
+        self._seen: Dict[str, float] = {}  # nonce -> when it may be forgotten
+        self._pending: Dict[str, float] = {}  # nonces whose bodies are being read
         self._lock = threading.Lock()
 
     @property
@@ -108,24 +110,36 @@ class Authenticator:
         if not hmac.compare_digest(mac.encode("utf-8", "surrogateescape"), expected):
             return "bad signature (wrong ring secret)"
         with self._lock:
-            return "replayed request" if nonce in self._seen else None
+            if nonce in self._seen or nonce in self._pending:
+                return "replayed request"
+            self._pending[nonce] = time.time() + 2 * MAX_SKEW_S
+            return None
 
     def accept(self, headers: Mapping[str, str], digest: str) -> Optional[str]:
         """After ``check_headers`` passed and the body was read: None if the body's ``digest``
         is the signed one (the nonce is then recorded), else why the request is refused."""
         if not self.enabled:
             return None
+        nonce, now = headers.get(HEADER_NONCE) or "", time.time()
         signed = headers.get(HEADER_BODY) or ""
         if not hmac.compare_digest(signed.encode("utf-8", "surrogateescape"), digest.encode()):
+            self.release(headers)
             return f"body does not match its signed digest (got sha256 {digest[:16]}...)"
-        nonce, now = headers.get(HEADER_NONCE) or "", time.time()
         with self._lock:
+            self._pending.pop(nonce, None)
             if nonce in self._seen:
                 return "replayed request"
             self._seen[nonce] = now + 2 * MAX_SKEW_S
-            if len(self._seen) > _MAX_NONCES:
+            if len(self._seen) + len(self._pending) > _MAX_NONCES:
                 self._seen = {n: t for n, t in self._seen.items() if t > now}
+                self._pending = {n: t for n, t in self._pending.items() if t > now}
         return None
+
+    def release(self, headers: Mapping[str, str]) -> None:
+        """A request that passed ``check_headers`` but whose body never came: its nonce is
+        no longer in flight (a genuine sender may still use it)."""
+        with self._lock:
+            self._pending.pop(headers.get(HEADER_NONCE) or "", None)
 
     def check(self, method: str, path: str, body: bytes, headers: Mapping[str, str]) -> Optional[str]:
         """``check_headers`` then ``accept`` for a body already in hand."""
@@ -146,7 +160,6 @@ class Authenticator:
             reply = _recv_exact(sock, _NONCE_BYTES + _CODEC_BYTES + 32, peer)
             theirs, mac = reply[:_NONCE_BYTES + _CODEC_BYTES], reply[_NONCE_BYTES + _CODEC_BYTES:]
             if not hmac.compare_digest(mac, self._link_mac(b"connect", challenge, theirs)):
-                log.warning("refused data link from %s: wrong ring secret", peer)
                 raise AuthError(f"data link from {peer} refused: wrong ring secret")
             sock.sendall(codecs.wire + self._link_mac(b"accept", theirs + codecs.wire, challenge))
             _agree(codecs, theirs[_NONCE_BYTES:], f"data link from {peer}")

@@ -22,6 +22,7 @@ import re
 import socket
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections import OrderedDict
@@ -40,11 +41,19 @@ MAX_JSON_BODY = 1 << 20
 PUBLIC_PATHS = frozenset({"/ping"})  # answers {"pong": true} and nothing else, for RTTs
 MAX_CONNECTIONS = 64
 SOCKET_TIMEOUT_S = 20.0
+MIN_BODY_RATE = 1 << 16  # bytes/s a request's body arrives at, on average, at the least
 _CHUNK = 1 << 20
 _LENGTH = re.compile(r"[0-9]{1,19}")
 _BUSY_BODY = b'{"error": "too many control connections"}'
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
          b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
+
+
+def body_deadline_s(length: int, timeout_s: float) -> float:
+    """Seconds a request's body of ``length`` bytes may take to arrive: one socket timeout,
+    plus the body at ``MIN_BODY_RATE``, so a body trickled a byte at a time within each
+    read's timeout cannot hold its connection for ever."""
+    return timeout_s + length / MIN_BODY_RATE
 
 
 def _ping(body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
@@ -101,12 +110,12 @@ class _Handler(BaseHTTPRequestHandler):
         length = self._length(url.path in PUBLIC_PATHS)
         if length is None:
             return
-        if url.path not in PUBLIC_PATHS:
+        if url.path not in PUBLIC_PATHS:  # a public request stays evictable
             refused = control.auth.check_headers(method, self.path, self.headers)
             if refused is not None:
                 self._refuse(401, refused)
                 return
-        control.slots.authenticated(self.connection)
+            control.slots.authenticated(self.connection)
         raw = self._read_body(control, url.path, length)
         if raw is None:
             return
@@ -132,23 +141,32 @@ class _Handler(BaseHTTPRequestHandler):
         return int(lengths[0])
 
     def _read_body(self, control: "ControlServer", path: str, length: int) -> Optional[bytes]:
-        """The authenticated body, read in chunks within its route's size limit, or None after
-        answering 401/413 or dropping a connection that aborted or stalled."""
+        """The authenticated body, read in chunks within its route's size limit and by a
+        deadline (``body_deadline_s``), or None after answering 401/413 or dropping a
+        connection that aborted or stalled."""
         limit = control.raw_routes[path]() if path in control.raw_routes else MAX_JSON_BODY
         if length > limit:
+            control.auth.release(self.headers)
             self._refuse(413, f"body of {length} bytes exceeds the limit of {limit}")
             return None
         body, digest = bytearray(), hashlib.sha256()
+        deadline = time.monotonic() + body_deadline_s(length, control.timeout_s)
         try:
             while len(body) < length:
-                chunk = self.rfile.read(min(_CHUNK, length - len(body)))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{len(body)} of {length} bytes by the deadline")
+                self.connection.settimeout(min(control.timeout_s, left))
+                chunk = self.rfile.read1(min(_CHUNK, length - len(body)))
                 if not chunk:
                     raise ConnectionError(f"closed after {len(body)} of {length} bytes")
                 body += chunk
                 digest.update(chunk)
+            self.connection.settimeout(control.timeout_s)
         except OSError as e:
-            log.debug("%s dropped: body of %s %s not received: %s", self.client_address[0],
-                      self.command, path, e)
+            control.auth.release(self.headers)
+            log.info("%s dropped: body of %s %s not received: %s", self.client_address[0],
+                     self.command, path, e)
             self.close_connection = True
             return None
         refused = None if path in PUBLIC_PATHS else \

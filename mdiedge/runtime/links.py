@@ -148,8 +148,10 @@ class _Handshakes:
 
     def start(self, sock: socket.socket) -> None:
         with self.lock:
-            if len(self.open) >= MAX_HANDSHAKES:  # a flood: the oldest gives way
-                _shutdown(next(iter(self.open)))
+            if len(self.open) >= MAX_HANDSHAKES:  # a flood: the oldest gives way, at once
+                victim = next(iter(self.open))
+                del self.open[victim]
+                _shutdown(victim)
             self.open[sock] = None
         threading.Thread(target=self._run, args=(sock,), name=f"{self.name}/handshake",
                          daemon=True).start()
@@ -170,8 +172,8 @@ class _Handshakes:
             self.last, ok = str(e), False
             (log.debug if self.done else log.warning)("%s: %s", self.name, e)
         with self.lock:
-            del self.open[sock]
-            if ok and not self.done:
+            evicted = self.open.pop(sock, True) is True  # a flood made it give way
+            if ok and not self.done and not evicted:
                 self.done = True
                 self.won.put(sock)
             else:

@@ -86,9 +86,10 @@ class LocalStage:
         return out
 
     def _run(self, message: Message) -> Message:
-        rows = self._rows(message)
         x = message.hidden
         assert x is not None
+        self._check(message, x)
+        rows = self._rows(message)
         if x.device != self.device or x.dtype != self.dtype:
             x = x.to(device=self.device, dtype=self.dtype)
         slots, positions = torch.tensor(rows, device=self.device), list(message.positions)
@@ -122,6 +123,18 @@ class LocalStage:
         out = message.reply(y)
         out.exit_depth, out.eligible = step.depth, step.eligible_list()
         return out
+
+    def _check(self, message: Message, x: torch.Tensor) -> None:
+        """A RingError (one line) for an activation that does not fit the message's samples,
+        the model's width or this stage's context: a peer's bug or a forged frame."""
+        rows, dim, positions = len(message.sample_ids), self.model.cfg.dim, message.positions
+        if x.dim() != 3 or x.shape[0] != rows or x.shape[2] != dim or len(positions) != rows:
+            raise RingError(f"layers {self.layers}: an activation {tuple(x.shape)} with "
+                            f"{len(positions)} positions for {rows} samples of width {dim}")
+        if rows and (min(positions) < 0 or max(positions) + x.shape[1] > self.context):
+            raise RingError(f"layers {self.layers}: positions {min(positions)}.."
+                            f"{max(positions) + x.shape[1] - 1} outside the context of "
+                            f"{self.context}")
 
     def _rows(self, message: Message) -> List[int]:
         """KV rows of the message's samples: a prefill at position 0 takes a free row."""

@@ -82,8 +82,10 @@ def exchange(control: ControlServer, data: bytes, timeout: float = 2.0) -> bytes
         return read_all(sock, timeout)
 
 
-def signed(method: str, path: str, body: bytes) -> Dict[str, str]:
-    return dict(Authenticator(SECRET).sign(method, path, body), **{"Content-Length": str(len(body))})
+def signed(method: str, path: str, body: bytes, server: ControlServer) -> Dict[str, str]:
+    """Headers of a genuine request for ``server`` (signed for its node id)."""
+    return dict(Authenticator(SECRET).sign(method, path, body, server.auth.node),
+                **{"Content-Length": str(len(body))})
 
 
 def no_tracebacks(caplog: Any, capfd: Any) -> None:
@@ -169,7 +171,7 @@ def test_a_peer_aborting_or_stalling_mid_body_logs_no_traceback(server: ControlS
                                                                  caplog: Any, capfd: Any) -> None:
     caplog.set_level(logging.DEBUG, "mdiedge")
     body = json.dumps({"a": "b" * 1000}).encode()
-    request = head("POST", "/echo", signed("POST", "/echo", body)) + body[:10]
+    request = head("POST", "/echo", signed("POST", "/echo", body, server)) + body[:10]
     with connect(server) as sock:  # aborts
         sock.sendall(request)
     with connect(server) as sock:  # stalls: the server drops it after its timeout
@@ -183,7 +185,7 @@ def test_a_peer_aborting_or_stalling_mid_body_logs_no_traceback(server: ControlS
 def test_body_digest_binds_the_body_and_a_nonce_is_burnt_only_when_verified(
         server: ControlServer) -> None:
     good, evil = b'{"a": 1}', b'{"a": 2}'
-    headers = signed("POST", "/echo", good)
+    headers = signed("POST", "/echo", good, server)
     assert exchange(server, head("POST", "/echo", headers) + evil).startswith(b"HTTP/1.1 401")
     reply = exchange(server, head("POST", "/echo", headers) + good)  # the genuine one still passes
     assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
@@ -220,14 +222,14 @@ def test_an_unread_body_closes_the_connection_instead_of_serving_what_it_hides(
 def test_a_non_finite_timestamp_is_stale(server: ControlServer, monkeypatch: Any,
                                          clock: float) -> None:
     monkeypatch.setattr(auth_module.time, "time", lambda: clock)
-    headers = signed("GET", "/status", b"")
+    headers = signed("GET", "/status", b"", server)
     monkeypatch.undo()
     reply = exchange(server, head("GET", "/status", headers))
     assert reply.startswith(b"HTTP/1.1 401"), reply[:200]
 
 
 def test_a_non_ascii_mac_gets_401(server: ControlServer) -> None:
-    headers = signed("GET", "/status", b"")
+    headers = signed("GET", "/status", b"", server)
     headers[auth_module.HEADER_MAC] = "\xe9" * 64
     reply = exchange(server, head("GET", "/status", headers))
     assert reply.startswith(b"HTTP/1.1 401"), reply[:200]
@@ -235,7 +237,7 @@ def test_a_non_ascii_mac_gets_401(server: ControlServer) -> None:
 
 def test_deeply_nested_json_gets_400(server: ControlServer, caplog: Any, capfd: Any) -> None:
     body = b"[" * 200000
-    reply = exchange(server, head("POST", "/echo", signed("POST", "/echo", body)) + body)
+    reply = exchange(server, head("POST", "/echo", signed("POST", "/echo", body, server)) + body)
     assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
     no_tracebacks(caplog, capfd)
 
@@ -316,7 +318,7 @@ def test_captured_headers_hold_one_connection_and_a_trickled_body_is_dropped(
     monkeypatch.setattr("mdiedge.runtime.control.MIN_BODY_RATE", 1 << 30)
     server.timeout_s = 1.0  # a body must come within a second, whatever its pace
     body = b'{"a": "' + b"x" * 1000 + b'"}'
-    request = head("POST", "/echo", signed("POST", "/echo", body))
+    request = head("POST", "/echo", signed("POST", "/echo", body, server))
     with connect(server) as first, connect(server) as second:
         first.sendall(request + body[:1])
         time.sleep(0.2)

@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import pytest
 
 from mdiedge.runtime.auth import Authenticator, AuthError
-from mdiedge.runtime.control import call
+from mdiedge.runtime.control import call, node_id
 from mdiedge.base.errors import RingError
 from mdiedge.base.nodes import NodeSpec
 from mdiedge.roles.starter import RingEngine
@@ -153,13 +153,29 @@ def test_control_plane_refuses_wrong_or_missing_secret(cluster: Dict[str, Any], 
 def test_replayed_control_request_is_refused(cluster: Dict[str, Any]) -> None:
     port = cluster["workers"][0][1]["control_port"]
     auth = Authenticator(SECRET.encode())
-    headers = auth.sign("GET", "/status", b"")
+    headers = auth.sign("GET", "/status", b"", node_id(f"http://127.0.0.1:{port}", 5))
     url = f"http://127.0.0.1:{port}/status"
     with urllib.request.urlopen(urllib.request.Request(url, headers=headers)) as r:
         assert r.status == 200
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(urllib.request.Request(url, headers=headers))
     assert e.value.code == 401 and b"replayed" in e.value.read()
+
+
+def test_a_request_captured_on_its_way_to_one_node_is_refused_by_another(
+        cluster: Dict[str, Any]) -> None:
+    """Every control server signs for its own id: what one node took, no other takes."""
+    ports = [w[1]["control_port"] for w in cluster["workers"][:2]]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    assert node_id(urls[0], 5) != node_id(urls[1], 5)
+    auth = Authenticator(SECRET.encode())
+    headers = auth.sign("GET", "/status", b"", node_id(urls[0], 5))
+    with urllib.request.urlopen(urllib.request.Request(urls[0] + "/status", headers=headers)) as r:
+        assert r.status == 200
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(urllib.request.Request(urls[1] + "/status", headers=headers))
+    assert e.value.code == 401 and b"bad signature" in e.value.read()
+    assert call(urls[1], "GET", "/status", auth=auth)["name"] == "w2"
 
 
 @pytest.mark.parametrize("body,headers,code", [
@@ -173,7 +189,8 @@ def test_fuzzed_control_requests_get_4xx_and_the_node_stays_up(
         cluster: Dict[str, Any], body: bytes, headers: Dict[str, str], code: int) -> None:
     port = cluster["workers"][1][1]["control_port"]
     auth = Authenticator(SECRET.encode())
-    signed = dict(auth.sign("POST", "/assign", body), **headers)
+    signed = dict(auth.sign("POST", "/assign", body, node_id(f"http://127.0.0.1:{port}", 5)),
+                  **headers)
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(urllib.request.Request(
             f"http://127.0.0.1:{port}/assign", data=body, headers=signed, method="POST"), timeout=10)
@@ -233,3 +250,4 @@ def test_status_exits_69_when_a_worker_is_down(cluster: Dict[str, Any]) -> None:
     result = json.loads(out.stdout)
     assert result["down"] == ["w2"]
     assert [n["state"] for n in result["nodes"]][2] == "down"
+

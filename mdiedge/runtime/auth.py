@@ -1,9 +1,12 @@
 """Ring authentication: nobody without the ring secret can drive a node or join its links.
 
 Control plane: each request carries a timestamp, a fresh nonce, the SHA-256 of its body and an
-HMAC-SHA256 over method, path, body digest, timestamp and nonce. A node checks the MAC from the
-headers alone (``check_headers``: constant time, finite timestamp within ``MAX_SKEW_S``, nonce
-not seen before) before it reads any body; then it reads the body, and ``accept`` compares its
+HMAC-SHA256 over method, path, body digest, timestamp, nonce and the node it is for (the random
+id each control server draws at start and tells anyone on ``/ping``), so a request captured
+on its way to one node is refused by every other, as a replay is by its own. A node checks the
+MAC from the headers alone (``check_headers``: constant time, finite timestamp within
+``MAX_SKEW_S``, nonce not seen before) before it reads any body; then it reads the body, and
+``accept`` compares its
 digest with the signed one and records the nonce (no replay). A nonce is recorded only once the
 whole request is verified, so a forged body sent under genuine headers cannot burn it; while
 its body is being read it is in flight (``release`` if the body never comes), and the same
@@ -65,9 +68,10 @@ def body_digest(body: bytes) -> str:
 class Authenticator:
     """Signs and checks control requests, and runs the data-link handshake."""
 
-    def __init__(self, secret: Optional[bytes]) -> None:
+    def __init__(self, secret: Optional[bytes], node: str = "") -> None:
         self.secret = secret
         self.key = secret if secret else _INSECURE_KEY
+        self.node = node  # the node whose requests this one checks (a control server's id)
         self._seen: Dict[str, float] = {}  # nonce -> when it may be forgotten
         self._pending: Dict[str, float] = {}  # nonces whose bodies are being read
         self._lock = threading.Lock()
@@ -76,16 +80,22 @@ class Authenticator:
     def enabled(self) -> bool:
         return self.secret is not None
 
-    def _mac(self, method: str, path: str, digest: str, timestamp: str, nonce: str) -> str:
-        message = "\n".join((method.upper(), path, digest, timestamp, nonce))
+    def for_node(self, node: str) -> "Authenticator":
+        """The same secret, checking requests signed for ``node``, with nonces of its own."""
+        return Authenticator(self.secret, node)
+
+    def _mac(self, method: str, path: str, digest: str, timestamp: str, nonce: str,
+             node: str) -> str:
+        message = "\n".join((method.upper(), path, digest, timestamp, nonce, node))
         return hmac.new(self.key, message.encode(), hashlib.sha256).hexdigest()
 
-    def sign(self, method: str, path: str, body: bytes) -> Dict[str, str]:
+    def sign(self, method: str, path: str, body: bytes, node: str = "") -> Dict[str, str]:
+        """Headers of a request for the node whose id is ``node`` (its ``/ping`` tells it)."""
         if not self.enabled:
             return {}
         timestamp, nonce, digest = f"{time.time():.3f}", os.urandom(16).hex(), body_digest(body)
         return {HEADER_TS: timestamp, HEADER_NONCE: nonce, HEADER_BODY: digest,
-                HEADER_MAC: self._mac(method, path, digest, timestamp, nonce)}
+                HEADER_MAC: self._mac(method, path, digest, timestamp, nonce, node)}
 
     def check_headers(self, method: str, path: str, headers: Mapping[str, str]) -> Optional[str]:
         """None if the headers carry a fresh, genuine signature, else why they are refused.
@@ -106,7 +116,7 @@ class Authenticator:
             return f"bad timestamp {timestamp[:80]!r}"
         if age > MAX_SKEW_S:
             return f"stale request ({age:.0f} s old; clocks more than {MAX_SKEW_S:.0f} s apart?)"
-        expected = self._mac(method, path, digest, timestamp, nonce).encode()
+        expected = self._mac(method, path, digest, timestamp, nonce, self.node).encode()
         if not hmac.compare_digest(mac.encode("utf-8", "surrogateescape"), expected):
             return "bad signature (wrong ring secret)"
         with self._lock:

@@ -18,6 +18,7 @@ import hashlib
 import http.client
 import json
 import logging
+import os
 import re
 import socket
 import sys
@@ -38,7 +39,7 @@ from ..base.nodes import NodeSpec
 log = logging.getLogger("mdiedge.control")
 
 MAX_JSON_BODY = 1 << 20
-PUBLIC_PATHS = frozenset({"/ping"})  # answers {"pong": true} and nothing else, for RTTs
+PUBLIC_PATHS = frozenset({"/ping"})  # {"pong": true, "node": its id}: RTTs, and what to sign for
 MAX_CONNECTIONS = 64
 SOCKET_TIMEOUT_S = 20.0
 MIN_BODY_RATE = 1 << 16  # bytes/s a request's body arrives at, on average, at the least
@@ -56,8 +57,6 @@ def body_deadline_s(length: int, timeout_s: float) -> float:
     return timeout_s + length / MIN_BODY_RATE
 
 
-def _ping(body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
-    return {"pong": True}
 Handler = Callable[[Dict[str, Any], bytes, Dict[str, str]], Dict[str, Any]]
 
 
@@ -321,9 +320,10 @@ class ControlServer:
                  raw_routes: Optional[Dict[str, Callable[[], int]]] = None,
                  auth: Optional[Authenticator] = None, what: str = "control port") -> None:
         self.routes = dict(routes)
-        self.routes[("GET", "/ping")] = _ping
+        self.routes[("GET", "/ping")] = self._ping
         self.raw_routes = raw_routes or {}
-        self.auth = auth or Authenticator(None)
+        # its own id: a request signed for another node is refused here
+        self.auth = (auth or Authenticator(None)).for_node(os.urandom(16).hex())
         self.max_connections, self.timeout_s = MAX_CONNECTIONS, SOCKET_TIMEOUT_S
         self.slots = _Slots()
         try:
@@ -332,6 +332,9 @@ class ControlServer:
             raise ListenError(host, port, what, e) from None
         self.httpd.control = self
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="control", daemon=True)
+
+    def _ping(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
+        return {"pong": True, "node": self.auth.node}
 
     @property
     def port(self) -> int:
@@ -368,18 +371,47 @@ def round_trip_ms(base_url: str, timeout: float = 2.0) -> Optional[float]:
     return round((time.perf_counter() - t0) * 1e3, 3)
 
 
+_NODE_IDS: Dict[str, str] = {}  # base URL -> the id its control server signs for
+
+
+def node_id(base_url: str, timeout: float, fresh: bool = False) -> str:
+    """The id of the control server at ``base_url`` (its ``/ping``; "" from one that has
+    none), asked once and remembered, or again when ``fresh``."""
+    if fresh or base_url not in _NODE_IDS:
+        reply = _request(base_url, "GET", "/ping", None, {}, False, timeout, base_url)
+        _NODE_IDS[base_url] = str(reply.get("node") or "")
+    return _NODE_IDS[base_url]
+
+
 def call(base_url: str, method: str, path: str, body: Optional[Dict[str, Any]] = None,
          raw: Optional[bytes] = None, timeout: float = 30.0, node: str = "",
          auth: Optional[Authenticator] = None) -> Dict[str, Any]:
-    """One signed control request; a failure is a RingError naming the node and the reason."""
+    """One signed control request; a failure is a RingError naming the node and the reason.
+    It is signed for the node's id; a 401 after the node drew a new one (it restarted) is
+    tried once more, signed for the new one."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    request = urllib.request.Request(base_url + path, data=data, method=method)
-    if auth is not None:
-        for name, value in auth.sign(method, path, data or b"").items():
-            request.add_header(name, value)
-    request.add_header("Content-Type", "application/octet-stream" if raw is not None
-                       else "application/json")
     who = f"{node} ({base_url})" if node else base_url
+    if auth is None or not auth.enabled:
+        return _request(base_url, method, path, data, {}, raw is not None, timeout, who)
+    target = node_id(base_url, timeout)
+    try:
+        return _request(base_url, method, path, data, auth.sign(method, path, data or b"", target),
+                        raw is not None, timeout, who)
+    except RingError as e:
+        if getattr(e, "status", None) != 401 or node_id(base_url, timeout, True) == target:
+            raise
+    return _request(base_url, method, path, data,
+                    auth.sign(method, path, data or b"", _NODE_IDS[base_url]), raw is not None,
+                    timeout, who)
+
+
+def _request(base_url: str, method: str, path: str, data: Optional[bytes],
+             headers: Dict[str, str], raw: bool, timeout: float, who: str) -> Dict[str, Any]:
+    """One request with ``headers``; its JSON object, or a one-line RingError."""
+    request = urllib.request.Request(base_url + path, data=data, method=method)
+    for name, value in headers.items():
+        request.add_header(name, value)
+    request.add_header("Content-Type", "application/octet-stream" if raw else "application/json")
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             reply = json.loads(response.read() or b"{}")

@@ -6,12 +6,11 @@ id each control server draws at start and tells anyone on ``/ping``), so a reque
 on its way to one node is refused by every other, as a replay is by its own. A node checks the
 MAC from the headers alone (``check_headers``: constant time, finite timestamp within
 ``MAX_SKEW_S``, nonce not seen before) before it reads any body; then it reads the body, and
-``accept`` compares its
-digest with the signed one and records the nonce (no replay). A nonce is recorded only once the
-whole request is verified, so a forged body sent under genuine headers cannot burn it; while
-its body is being read it is in flight (``release`` if the body never comes), and the same
-headers on another connection meanwhile are a replay, so one captured request cannot hold
-more than one of a node's connections.
+``accept`` compares its digest with the signed one and records the nonce (no replay). A nonce
+is recorded only once the whole request is verified, so a forged body sent under genuine
+headers cannot burn it; while its body is being read it is in flight (``release`` if the body
+never comes), and the same headers on another connection meanwhile are a replay, so one
+captured request cannot hold more than one of a node's connections.
 Data plane: before any frame, the two ends of a link run a mutual challenge-response: each
 proves knowledge of the secret by MACing the other's fresh random challenge, and with it the
 link's codecs (``Compression.wire``: two bytes, prefill and decode), so both ends know the

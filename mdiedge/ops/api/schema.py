@@ -117,7 +117,7 @@ class Options:
         return options
 
     def check(self) -> None:
-        """400 for a value out of range (the engine checks the rest: stop strings, seeds)."""
+        """400 for a value out of range, or stop strings the engine would refuse."""
         for name, ok, expected in (
                 (self.max_tokens_key, self.max_tokens is None or self.max_tokens >= 1,
                  "an integer >= 1"),

@@ -173,8 +173,10 @@ def test_a_shutdown_ends_requests_with_an_error_not_an_answer(stories: Path,
                           timeout=30) as response:
             lines = response.iter_lines()
             events.append(next(lines))
-            while server.service.counts()[0] < 2:
+            deadline = time.monotonic() + 10
+            while server.service.counts()[0] < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
+            assert server.service.counts()[0] == 2  # both run when the server shuts down
             threading.Thread(target=server.close).start()
             events += [line for line in lines if line]
         waiter.join(30)

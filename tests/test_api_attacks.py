@@ -59,8 +59,8 @@ def error_of(response: httpx.Response) -> Dict[str, Any]:
      "at most 16"),
     ('{"prompt": "' + "the " * 400 + '"}', 400, "prompt", "leaves no room"),
 ])
-def test_bodies_no_value_can_hold_are_400s(api: Api, raw: str, status: int, param: Any,
-                                          match: str) -> None:
+def test_bodies_the_server_cannot_take_are_400s(api: Api, raw: str, status: int, param: Any,
+                                                 match: str) -> None:
     path = "/v1/chat/completions" if "messages" in raw else "/v1/completions"
     response = post(api, raw.encode(), path)
     assert response.status_code == status

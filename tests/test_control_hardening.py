@@ -335,3 +335,16 @@ def test_captured_headers_hold_one_connection_and_a_trickled_body_is_dropped(
         assert not read_all(first, timeout=3).endswith(b"<still open>")
         assert time.monotonic() - started < 3.5
     assert call(server.url, "POST", "/echo", {"x": 1}, auth=Authenticator(SECRET))["body"] == {"x": 1}
+
+
+def test_a_client_signing_for_an_old_node_id_asks_again_once(server: ControlServer,
+                                                            monkeypatch: Any) -> None:
+    """As after the node restarted: the first request is refused, the id asked again, and
+    the request signed for the new id is served; a wrong secret still fails."""
+    from mdiedge.runtime import control as control_module
+
+    monkeypatch.setitem(control_module._NODE_IDS, server.url, "an-old-id")
+    assert call(server.url, "POST", "/echo", {"x": 1}, auth=Authenticator(SECRET))["body"] == {"x": 1}
+    assert control_module._NODE_IDS[server.url] == server.auth.node
+    with pytest.raises(RingError, match="401"):
+        call(server.url, "POST", "/echo", {"x": 1}, auth=Authenticator(b"another-secret-0123456789"))

@@ -393,16 +393,17 @@ def call(base_url: str, method: str, path: str, body: Optional[Dict[str, Any]] =
     who = f"{node} ({base_url})" if node else base_url
     if auth is None or not auth.enabled:
         return _request(base_url, method, path, data, {}, raw is not None, timeout, who)
+    def signed_for(target: str) -> Dict[str, Any]:
+        headers = auth.sign(method, path, data or b"", target)
+        return _request(base_url, method, path, data, headers, raw is not None, timeout, who)
+
     target = node_id(base_url, timeout)
     try:
-        return _request(base_url, method, path, data, auth.sign(method, path, data or b"", target),
-                        raw is not None, timeout, who)
+        return signed_for(target)
     except RingError as e:
         if getattr(e, "status", None) != 401 or node_id(base_url, timeout, True) == target:
             raise
-    return _request(base_url, method, path, data,
-                    auth.sign(method, path, data or b"", _NODE_IDS[base_url]), raw is not None,
-                    timeout, who)
+    return signed_for(_NODE_IDS[base_url])
 
 
 def _request(base_url: str, method: str, path: str, data: Optional[bytes],

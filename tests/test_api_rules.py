@@ -142,7 +142,7 @@ def test_a_model_template_renders_as_transformers_does(tmp_path: Path) -> None:
     assert not template.is_default
     text = template.render([ChatMessage("user", " hi "), ChatMessage("assistant", "yo"),
                             ChatMessage("user", "more")])
-    assert text == "[INST] hi [/INST] yo</s>[INST] more [/INST]"  # BOS: the engine's id
+    assert text == "<s>[INST] hi [/INST] yo</s>[INST] more [/INST]"  # its ids get nothing added
 
 
 def test_a_template_refusal_is_a_400_with_its_message(tmp_path: Path) -> None:

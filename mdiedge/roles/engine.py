@@ -94,21 +94,29 @@ class TextModel:
         self.cfg = load_config(self.path)
         self.tokenizer = load_tokenizer(self.path, tokenizer)
 
-    def encode_prompt(self, prompt: str) -> List[int]:
-        ids = self.tokenizer.encode(prompt) if prompt else []
-        return ([self.cfg.bos_id] if self.cfg.bos_id is not None else []) + ids
+    def encode_prompt(self, prompt: str, templated: bool = False) -> List[int]:
+        """A prompt's ids, with the special tokens its tokenizer adds (the rule of
+        ``mdiedge.model.tokenizer``); ``templated``: a chat template's text, which holds its
+        own special tokens, so nothing is added (as transformers' ``apply_chat_template``).
+        An empty prompt starts from the BOS token alone."""
+        tokenizer = self.tokenizer
+        ids = tokenizer.encode(prompt) if templated else tokenizer.encode_prompt(prompt)
+        if not ids:
+            start = tokenizer.bos_id if tokenizer.bos_id is not None else self.cfg.bos_id
+            ids = [start] if start is not None else []
+        return ids
 
     def new_generation(self, prompt: str, max_new_tokens: int, n_samples: int,
                        params: SamplingParams, on_token: Optional[TokenCallback],
-                       stop: Sequence[str] = ()) -> Generation:
+                       stop: Sequence[str] = (), templated: bool = False) -> Generation:
         """A request's ``Generation``; ``stop``: strings that end a sample (checked here, so
-        a bad one is an error before anything runs)."""
+        a bad one is an error before anything runs); ``templated``: see ``encode_prompt``."""
         stops = check_stops(stop)
         factory = None
         if stops:
             def factory(prefix: Sequence[int]) -> StopMatcher:
                 return StopMatcher(stops, self.tokenizer, prefix)
-        return Generation(self.encode_prompt(prompt), n_samples, max_new_tokens, params,
+        return Generation(self.encode_prompt(prompt, templated), n_samples, max_new_tokens, params,
                           self.cfg.eos_ids, self.cfg.max_seq_len, on_token, factory)
 
     def sample_text(self, sample: Sample) -> str:
@@ -181,10 +189,10 @@ class Engine(TextModel):
     def generate(self, prompt: str, max_new_tokens: int = defaults.MAX_NEW_TOKENS,
                  n_samples: int = 1, params: SamplingParams = SamplingParams(),
                  micro_batch: int = 0, on_token: Optional[TokenCallback] = None,
-                 stop: Sequence[str] = ()) -> GenerationOutput:
+                 stop: Sequence[str] = (), templated: bool = False) -> GenerationOutput:
         try:
             generation = self.new_generation(prompt, max_new_tokens, n_samples, params,
-                                             on_token, stop)
+                                             on_token, stop, templated)
         except MdiedgeError as e:  # e.g. a prompt beyond the context: one line, then the error
             log.warning("generation refused: %s", " ".join(str(e).split()))
             raise

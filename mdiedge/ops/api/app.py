@@ -147,7 +147,7 @@ class ApiRoutes:
 
     async def respond(self, request: Request, prompt: str, options: Options,
                       chat: bool) -> Response:
-        run = await self.service.start(prompt, options)
+        run = await self.service.start(prompt, options, templated=chat)
         first = await run.next(request.is_disconnected)
         if first is None and run.error is not None:
             raise api_error(run.error)

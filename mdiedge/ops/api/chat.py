@@ -1,6 +1,8 @@
 """Chat templates: a model's own (``chat_template`` in its ``tokenizer_config.json``, or a
 ``chat_template.jinja`` beside it) rendered with jinja2 as transformers'
 ``apply_chat_template(messages, add_generation_prompt=True)`` does, else ``DEFAULT_TEMPLATE``.
+The text holds its own special tokens (a model's template writes ``bos_token`` where it wants
+one; the default writes it when the tokenizer gives prompts a BOS), so its ids get none added.
 
 The default is a plain dialogue, the shape of NanoLlama's Tiny Shakespeare lines: each message
 as ``ROLE:`` on a line, its text on the next, a blank line after; then ``ASSISTANT:`` and a
@@ -22,11 +24,12 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from ...base.errors import ConfigError
+from ...model.tokenizer import Tokenizer, read_tokenizer_config, token_text
 from .errors import ApiError
 from .schema import ChatMessage
 
 DEFAULT_TEMPLATE = (
-    "{% for message in messages %}"
+    "{{ bos_token }}{% for message in messages %}"
     "{{ message['role'] | upper }}:\n{{ message['content'] }}\n\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}ASSISTANT:\n{% endif %}")
@@ -47,30 +50,17 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: Optional[int] = None
                       sort_keys=sort_keys)
 
 
-def _token_text(value: Any) -> Optional[str]:
-    """A special token of tokenizer_config.json: a string, or an AddedToken's dict."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
 def load_model_template(model_path: Path) -> Dict[str, Any]:
     """The model folder's chat template and special tokens (``{}`` when it has none)."""
     folder = model_path if model_path.is_dir() else model_path.parent
-    config: Dict[str, Any] = {}
-    path = folder / "tokenizer_config.json"
-    if path.is_file():
-        try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{path}: not a JSON file ({e})") from None
+    config = read_tokenizer_config(folder)
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: transformers uses "default"
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     if not template and (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
-    found = {key: _token_text(config.get(key)) for key in SPECIAL_TOKENS}
+    found = {key: token_text(config.get(key)) for key in SPECIAL_TOKENS}
     return {"template": template or None, **{k: v for k, v in found.items() if v is not None}}
 
 
@@ -85,8 +75,7 @@ class ChatTemplate:
 
         self.source = source or DEFAULT_TEMPLATE
         self.is_default = source is None
-        self.bos_token, self.tokens = bos_token, dict(tokens, bos_token=bos_token,
-                                                      eos_token=eos_token)
+        self.tokens = dict(tokens, bos_token=bos_token, eos_token=eos_token)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=[jinja2.ext.loopcontrols])
         env.filters["tojson"] = _tojson
@@ -98,13 +87,25 @@ class ChatTemplate:
             raise ConfigError(f"chat template: line {e.lineno}: {e.message}") from None
 
     @classmethod
-    def for_model(cls, model_path: Path) -> "ChatTemplate":
+    def for_model(cls, model_path: Path, tokenizer: Optional[Tokenizer] = None) -> "ChatTemplate":
+        """The model's template; ``tokenizer`` names the BOS and EOS tokens that its config
+        does not (the default template's BOS: only when the tokenizer gives prompts one)."""
         found = load_model_template(model_path)
-        return cls(found.pop("template"), **found)
+        source = found.pop("template")
+        if tokenizer is not None:
+            for key, token_id in (("bos_token", tokenizer.bos_id),
+                                  ("eos_token", tokenizer.eos_id)):
+                if key not in found and token_id is not None:
+                    found[key] = tokenizer.token(token_id)
+            if source is None and not tokenizer.adds_bos:
+                found["bos_token"] = ""
+        elif source is None:
+            found["bos_token"] = ""
+        return cls(source, **found)
 
     def render(self, messages: Sequence[ChatMessage]) -> str:
-        """The prompt text; a leading BOS token's text is dropped (the engine adds BOS as an
-        id). A template's own refusal is a 400."""
+        """The prompt text, special tokens included (encode it with nothing added). A
+        template's own refusal is a 400."""
         import jinja2
 
         plain: List[Dict[str, str]] = [{"role": m.role, "content": m.content} for m in messages]
@@ -116,6 +117,4 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ApiError(400, f"messages: the chat template failed: {e}", "messages",
                            "template_error") from None
-        if self.bos_token and text.startswith(self.bos_token):
-            text = text[len(self.bos_token):]
         return text

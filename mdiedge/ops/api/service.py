@@ -111,7 +111,7 @@ class ApiService:
                               f"model's), got {context}")
         self.engine, self.name, self.limits, self.context = engine, name, limits, context
         self.created = int(time.time())
-        self.template = ChatTemplate.for_model(engine.path)
+        self.template = ChatTemplate.for_model(engine.path, engine.tokenizer)
         engine.reserve(limits.slots, context)
         self.metrics = ApiMetrics()
         self.metrics.watch(lambda: self.counts()[0], lambda: self.counts()[1],
@@ -167,16 +167,17 @@ class ApiService:
 
     # ----------------------------------------------------------------- requests
 
-    def plan(self, prompt: str, options: Options) -> Tuple[List[int], int, SamplingParams]:
+    def plan(self, prompt: str, options: Options,
+             templated: bool = False) -> Tuple[List[int], int, SamplingParams]:
         """The prompt's ids, the token budget and the sampling of a request; a 404 for another
-        model, a 400 for what this server cannot hold."""
+        model, a 400 for what this server cannot hold; ``templated``: a chat template's text."""
         if options.model is not None and options.model != self.name:
             raise ApiError(404, f"model {options.model!r} not found: this server serves "
                            f"{self.name!r}", "model", "model_not_found")
         if options.n > self.limits.slots:
             raise ApiError(400, f"n: at most {self.limits.slots} samples (the server's KV "
                            f"slots), got {options.n}", "n", "invalid_value")
-        ids = self.engine.encode_prompt(prompt)
+        ids = self.engine.encode_prompt(prompt, templated)
         if not ids:
             raise ApiError(400, "prompt: empty, and the model has no BOS token to start from",
                            "prompt", "invalid_value")
@@ -199,13 +200,14 @@ class ApiService:
             defaults.TOP_P if options.top_p is None else options.top_p, seed)
         return ids, budget, params
 
-    async def start(self, prompt: str, options: Options) -> Run:
+    async def start(self, prompt: str, options: Options, templated: bool = False) -> Run:
         """Check and start a request (on its own thread); a 429 when the queue is full."""
         loop = asyncio.get_event_loop()
         if self.closed:
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         run = Run(loop, self.metrics, options.stream)
-        ids, budget, params = await loop.run_in_executor(None, self.plan, prompt, options)
+        ids, budget, params = await loop.run_in_executor(None, self.plan, prompt, options,
+                                                         templated)
         with self._lock:
             taken, waiting = self._queue()
             if not may_join(waiting, self.limits.slots - taken, options.n,
@@ -217,7 +219,7 @@ class ApiService:
             run._last = [0.0] * options.n
             try:
                 run.generation = self.engine.new_generation(prompt, budget, options.n, params,
-                                                            run.on_token, options.stop)
+                                                            run.on_token, options.stop, templated)
             except Exception as e:
                 raise api_error(e) from None
             self._runs.add(run)

@@ -1,0 +1,240 @@
+"""``mdiedge chat``: a conversation with the model's chat template, on the same engines as
+``generate`` (one process, a local ring or a ring file's workers).
+
+Each turn renders the whole conversation with the template (as transformers'
+``apply_chat_template(..., add_generation_prompt=True)``) and generates the answer, which
+streams to stdout. The oldest turns are dropped when the conversation and the answer's budget
+would not fit the context. ``--message`` answers one turn and prints the answer alone.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Tuple
+
+import typer
+
+from ..base import defaults
+from ..base.errors import GenerationError
+from .app import (
+    app,
+    compression_option,
+    need,
+    one_line_errors,
+    prefill_chunk_option,
+    recover_option,
+    recovery_options,
+    stall_timeout_option,
+    terminate_gracefully,
+)
+
+HELP_LINE = "/reset forgets the conversation, /exit (or Ctrl-D) ends it, Ctrl-C stops an answer"
+PROMPT = ">>> "
+
+
+@dataclass
+class Conversation:
+    """The messages so far (the system message first, if any) and the rule that keeps them
+    within the context."""
+
+    system: Optional[str] = None
+    turns: List[Tuple[str, str]] = field(default_factory=list)  # (user, assistant)
+
+    def messages(self, user: str) -> List[Any]:
+        from ..ops.api.schema import ChatMessage
+
+        out = [ChatMessage("system", self.system)] if self.system else []
+        for question, answer in self.turns:
+            out += [ChatMessage("user", question), ChatMessage("assistant", answer)]
+        return out + [ChatMessage("user", user)]
+
+    def reset(self) -> None:
+        self.turns.clear()
+
+
+def fit_turns(n_turns: int, prompt_length: Callable[[int], int], budget: int,
+              context: int) -> int:
+    """How many of the oldest turns to drop so that the prompt (``prompt_length(dropped)``
+    tokens) plus ``budget`` new tokens fit ``context``; a GenerationError when even the
+    newest message alone does not."""
+    for dropped in range(n_turns + 1):
+        length = prompt_length(dropped)
+        if length + budget <= context:
+            return dropped
+    raise GenerationError(f"the message is {length} tokens with the template; with -n {budget} "
+                          f"that exceeds the context of {context} tokens")
+
+
+class ChatSession:
+    """One engine, its template and a conversation; ``answer`` runs one turn."""
+
+    def __init__(self, engine: Any, conversation: Conversation, budget: int, params: Any,
+                 stream: bool) -> None:
+        from ..ops.api.chat import ChatTemplate
+
+        self.engine, self.conversation, self.budget, self.params = engine, conversation, \
+            budget, params
+        self.template = ChatTemplate.for_model(engine.path, engine.tokenizer)
+        self.stream = stream
+
+    def prompt_ids(self, user: str) -> List[int]:
+        """The conversation's ids with ``user`` as the next message, the oldest turns dropped
+        (from the conversation too) until it fits."""
+        def ids(dropped: int) -> List[int]:
+            saved = self.conversation.turns
+            self.conversation.turns = saved[dropped:]
+            try:
+                return self.engine.encode_prompt(self._render(user), templated=True)
+            finally:
+                self.conversation.turns = saved
+
+        dropped = fit_turns(len(self.conversation.turns), lambda d: len(ids(d)), self.budget,
+                            self.engine.cfg.max_seq_len)
+        del self.conversation.turns[:dropped]
+        return ids(0)
+
+    def _render(self, user: str) -> str:
+        from ..ops.api.errors import ApiError
+
+        try:
+            return str(self.template.render(self.conversation.messages(user)))
+        except ApiError as e:
+            raise GenerationError(f"chat template: {e.message}") from None
+
+    def answer(self, user: str) -> str:
+        """Generate the answer to ``user`` (streamed when ``stream``), add the turn, return
+        the answer's text. Ctrl-C stops the answer: what was generated is kept."""
+        from ..model.stopping import TextStream
+
+        ids = self.prompt_ids(user)
+        shown = TextStream(self.engine.tokenizer, ids, ()) if self.stream else None
+
+        def on_token(index: int, token: int) -> None:
+            if shown is not None:
+                _write(shown.push(token))
+
+        generation = self.engine.new_generation(self._render(user), self.budget, 1, self.params,
+                                                on_token, templated=True)
+        interrupted = _run_interruptibly(self.engine, generation)
+        text = self.engine.sample_text(generation.samples[0])
+        if shown is not None:
+            _write(shown.finish(text) + "\n")
+        if interrupted:
+            typer.echo("[stopped]", err=True)
+        self.conversation.turns.append((user, text))
+        return text
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _run_interruptibly(engine: Any, generation: Any) -> bool:
+    """Run ``generation`` on a thread of its own; Ctrl-C cancels it (its KV rows are freed)
+    and waits for it to end. True when it was interrupted."""
+    failure: List[BaseException] = []
+
+    def work() -> None:
+        try:
+            engine.run(generation)
+        except BaseException as e:  # re-raised on the caller's thread
+            failure.append(e)
+
+    worker = threading.Thread(target=work, name="mdiedge-chat", daemon=True)
+    worker.start()
+    interrupted = False
+    while worker.is_alive():
+        try:
+            worker.join(0.1)  # a timed join lets Ctrl-C arrive
+        except KeyboardInterrupt:
+            interrupted = True
+            generation.cancel()
+    if failure:
+        raise failure[0]
+    return interrupted
+
+
+def _read_message() -> Optional[str]:
+    """The next line typed at the prompt; None at end of input (Ctrl-D)."""
+    while True:
+        try:
+            return input(PROMPT)
+        except EOFError:
+            typer.echo("", err=True)
+            return None
+        except KeyboardInterrupt:  # at the prompt: a fresh line, the session goes on
+            typer.echo(f"\n({HELP_LINE})", err=True)
+
+
+def _converse(session: ChatSession) -> None:
+    """The interactive loop: a message per line until /exit or end of input."""
+    typer.echo(f"mdiedge chat: {session.engine.path.name}. {HELP_LINE}.", err=True)
+    while True:
+        line = _read_message()
+        if line is None or line.strip() == "/exit":
+            return
+        if line.strip() == "/reset":
+            session.conversation.reset()
+            typer.echo("(the conversation is forgotten)", err=True)
+        elif line.strip():
+            try:
+                session.answer(line)
+            except GenerationError as e:  # this message does not fit: the session goes on
+                typer.echo(f"mdiedge: error: {e}", err=True)
+
+
+@app.command()
+@one_line_errors
+def chat(
+    message: Optional[str] = typer.Option(None, "--message", "-m", metavar="TEXT",
+                                          help="Answer this one message, print the answer "
+                                          "alone and exit (for scripts)."),
+    system: Optional[str] = typer.Option(None, "--system", metavar="TEXT",
+                                         help="A system message that opens the conversation."),
+    max_new_tokens: int = typer.Option(defaults.MAX_NEW_TOKENS, "-n", "--max-new-tokens",
+                                       help="Token budget per answer."),
+    model: Optional[str] = typer.Option(None, help="HF model directory, llama2.c .bin file, or "
+                                        "a Hugging Face repo id (ORG/NAME) in the local cache "
+                                        "(default: the shipped NanoLlama)."),
+    tokenizer: Optional[str] = typer.Option(None, help="Tokenizer file, if not the model's own."),
+    seed: Optional[int] = typer.Option(None, help="Random seed (default: a new one each run)."),
+    temperature: float = typer.Option(defaults.TEMPERATURE, help="0 is greedy."),
+    top_k: int = typer.Option(defaults.TOP_K, help="Keep the k most likely tokens (0: off)."),
+    top_p: float = typer.Option(defaults.TOP_P, help="Nucleus sampling threshold (1: off)."),
+    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    nodes: int = typer.Option(1, help="Nodes of a local ring started for the session (1: one "
+                              "process, no ring)."),
+    ring: Optional[str] = typer.Option(None, help="Ring file (TOML) of running workers."),
+    stall_timeout: Optional[float] = stall_timeout_option(),
+    recover: Optional[bool] = recover_option(),
+    prefill_chunk: Optional[int] = prefill_chunk_option(),
+    spares: int = typer.Option(0, help="Spare workers beside the local ring's (for a lost one)."),
+    compression: Optional[str] = compression_option(),
+) -> None:
+    """Chat with an instruct model through its chat template (interactive, or one --message)."""
+    import secrets
+
+    need(max_new_tokens >= 1, "-n/--max-new-tokens", max_new_tokens, "an integer >= 1")
+    need(ring is not None or nodes >= 1, "--nodes", nodes, "an integer >= 1")
+    need(message is None or bool(message.strip()), "--message", message, "some text")
+    changes = recovery_options(stall_timeout, recover, spares, compression, prefill_chunk)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p,
+                    seed=secrets.randbelow(2 ** 31) if seed is None else seed)
+    from ..model.sampling import SamplingParams
+    from .generate import _open_engine
+
+    params = SamplingParams(**sampling)
+    with ExitStack() as stack:
+        terminate_gracefully()
+        engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring, changes,
+                              lambda text: None)
+        session = ChatSession(engine, Conversation(system), max_new_tokens, params,
+                              stream=message is None)
+        if message is not None:
+            typer.echo(session.answer(message))
+            return
+        _converse(session)

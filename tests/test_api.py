@@ -266,3 +266,23 @@ def test_chat_renders_the_models_own_template(ring_model: Path, tmp_path: Path) 
         assert chat.choices[0].message.content == plain.choices[0].text
     finally:
         server.close()
+
+
+def test_uvicorns_lines_take_the_format_of_a_process_that_set_up_logging() -> None:
+    """As in `mdiedge starter --api-port`: every line on stderr, uvicorn's included, is the
+    process's own format (no `INFO:     Started server process`)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import logging, sys\n"
+        "logging.basicConfig(level='INFO', stream=sys.stderr,\n"
+        "                    format='LINE %(levelname)s %(message)s')\n"
+        "from mdiedge.ops.api.server import ApiServer, listen\n"
+        "async def app(scope, receive, send): pass\n"
+        "ApiServer(app, listen('127.0.0.1', 0), 'info').start().stop()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    lines = done.stderr.splitlines()
+    assert done.returncode == 0 and any("Started server process" in line for line in lines)
+    assert all(line.startswith("LINE ") for line in lines), lines

@@ -348,3 +348,41 @@ def test_a_client_signing_for_an_old_node_id_asks_again_once(server: ControlServ
     assert control_module._NODE_IDS[server.url] == server.auth.node
     with pytest.raises(RingError, match="401"):
         call(server.url, "POST", "/echo", {"x": 1}, auth=Authenticator(b"another-secret-0123456789"))
+
+
+def test_a_request_for_an_old_node_id_is_not_called_a_wrong_secret(server: ControlServer,
+                                                                   monkeypatch: Any,
+                                                                   caplog: Any) -> None:
+    """A node that restarted (a new id) tells a request signed with the right secret for its
+    old id, logged as routine (info), from a wrong secret (a warning); the client says it
+    asked the new id and sent again."""
+    from mdiedge.runtime import control as control_module
+
+    caplog.set_level(logging.INFO, "mdiedge")
+    monkeypatch.setitem(control_module._NODE_IDS, server.url, "0123456789abcdef" * 2)
+    call(server.url, "POST", "/echo", {"x": 1}, node="w1", auth=Authenticator(SECRET))
+    refusal = [r for r in caplog.records if r.getMessage().startswith("refused POST /echo")]
+    assert len(refusal) == 1 and refusal[0].levelno == logging.INFO
+    assert "another node id (01234567..." in refusal[0].getMessage()
+    assert "wrong ring secret" not in refusal[0].getMessage()
+    assert any("w1 (" in r.getMessage() and "node id changed" in r.getMessage()
+               for r in caplog.records)
+    caplog.clear()
+    wrong = Authenticator(b"another-secret-0123456789")
+    with pytest.raises(RingError, match="wrong ring secret"):
+        call(server.url, "POST", "/echo", {"x": 1}, auth=wrong)
+    assert [r.levelno for r in caplog.records if r.getMessage().startswith("refused")] == \
+        [logging.WARNING]
+
+
+def test_the_node_id_claimed_by_a_signature_is_checked_under_the_secret() -> None:
+    """A forged X-Mdiedge-Node under a wrong secret is still a wrong secret, and a genuine
+    signature for another node is not accepted by this one."""
+    node = Authenticator(SECRET).for_node("ab" * 16)
+    genuine = Authenticator(SECRET).sign("GET", "/status", b"", "cd" * 16)
+    refused = node.check_headers("GET", "/status", genuine)
+    assert refused is not None and refused.startswith(auth_module.NODE_CHANGED)
+    forged = Authenticator(b"wrong-secret-0123456789abcdef").sign("GET", "/status", b"", "cd" * 16)
+    assert node.check_headers("GET", "/status", forged) == "bad signature (wrong ring secret)"
+    lying = dict(genuine, **{auth_module.HEADER_NODE: "ab" * 16})
+    assert node.check_headers("GET", "/status", lying) == "bad signature (wrong ring secret)"

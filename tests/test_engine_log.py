@@ -110,3 +110,10 @@ def test_a_refused_request_logs_one_warning(stories: Path,
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING
     assert lines[0].getMessage().startswith("generation refused: prompt of ")
     assert "exceeds the context of" in lines[0].getMessage()
+
+
+def test_summary_line_names_the_set_up_apart() -> None:
+    timing = Timing(total_s=3.5, setup_s=3.0, new_tokens=1)
+    assert summary_line(2, generation(1, 2, ["length"]), timing) == (
+        "generation 2: 1 sample, prompt 2 tokens, 1 new token in 0.50 s (2.0 tok/s), "
+        "set-up 3.00 s; finished: length 1")

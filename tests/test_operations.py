@@ -174,7 +174,7 @@ def test_a_request_captured_on_its_way_to_one_node_is_refused_by_another(
         assert r.status == 200
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(urllib.request.Request(urls[1] + "/status", headers=headers))
-    assert e.value.code == 401 and b"bad signature" in e.value.read()
+    assert e.value.code == 401 and b"signed for another node id" in e.value.read()
     assert call(urls[1], "GET", "/status", auth=auth)["name"] == "w2"
 
 

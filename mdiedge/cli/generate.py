@@ -97,6 +97,7 @@ def _first_phase(ring: Optional[str], nodes: int) -> str:
 
 def _generate_through(url: str, prompt: str, max_new_tokens: int, samples: int,
                       sampling: Dict[str, Any], micro_batch: int, as_json: bool) -> None:
+    from ..ops.console import timing_line
     from ..runtime.control import call
 
     body = dict(sampling, prompt=prompt, max_new_tokens=max_new_tokens, samples=samples,
@@ -110,9 +111,7 @@ def _generate_through(url: str, prompt: str, max_new_tokens: int, samples: int,
         if len(result["samples"]) > 1:
             typer.echo(f"--- sample {sample['index']} ({sample['finish_reason']}) ---")
         typer.echo(prompt + sample["text"])
-    t = result["timing"]
-    typer.echo(f"[{t['new_tokens']} tokens in {t['total_s']:.2f} s, {t['tokens_per_s']:.1f} tok/s]",
-               err=True)
+    typer.echo(timing_line(result["timing"]), err=True)
 
 
 
@@ -197,6 +196,8 @@ def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, 
     token (once ``progress`` has left the terminal to the text)."""
     import time
 
+    from ..ops.console import timing_line
+
     stream = _Stream(engine, prompt, stops) if samples == 1 and not as_json else None
     started = time.perf_counter()
     produced = 0
@@ -224,6 +225,5 @@ def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, 
         for sample in out.samples:
             typer.echo(f"--- sample {sample['index']} ({sample['finish_reason']}) ---")
             typer.echo(prompt + sample["text"])
-    t = out.timing
-    typer.echo(f"[{t.new_tokens} tokens in {t.total_s:.2f} s, {t.tokens_per_s:.1f} tok/s]", err=True)
+    typer.echo(timing_line(out.timing.as_dict()), err=True)
 

@@ -7,7 +7,20 @@ import os
 import sys
 from typing import Any, Callable, Dict, List
 
-__all__ = ["Progress", "print_status", "refused", "starter_nodes"]
+from ..base.words import SHOWN_SETUP_S, block_range, plural
+
+__all__ = ["Progress", "print_status", "refused", "starter_nodes", "timing_line"]
+
+
+def timing_line(timing: Dict[str, Any]) -> str:
+    """A generation's closing line on stderr, from its ``--json`` ``timing``: tokens, seconds
+    and tokens/s of the generation itself, then the ring's set-up when it had one
+    (``[7 tokens in 0.61 s, 11.5 tok/s; set-up 3.07 s]``)."""
+    setup = float(timing.get("setup_s") or 0.0)
+    seconds = float(timing.get("generation_s", timing.get("total_s", 0.0)))
+    line = (f"[{plural(int(timing['new_tokens']), 'token')} in {seconds:.2f} s, "
+            f"{float(timing['tokens_per_s']):.1f} tok/s")
+    return line + (f"; set-up {setup:.2f} s]" if setup >= SHOWN_SETUP_S else "]")
 
 
 class Progress:
@@ -73,7 +86,7 @@ COLUMNS: Dict[str, Callable[[Dict[str, Any]], str]] = {
     "state": lambda n: shown_state(n),
     "model": lambda n: str(n.get("model") or "-"),
     "hash": lambda n: (n.get("hash") or "-")[:12],
-    "layers": lambda n: f"{n['layers'][0]}-{n['layers'][1]}" if n.get("layers") else "-",
+    "layers": lambda n: block_range(n.get("layers")),
     "device": lambda n: str(n.get("device") or "-"),
     "RSS MB": lambda n: _mb(n.get("rss_bytes")),
     "weights MB": lambda n: _mb(n.get("weight_bytes")),
@@ -152,7 +165,8 @@ def print_status(nodes: List[Dict[str, Any]], wide: bool = False) -> None:
             console.print(f"{n.get('name', '?')}: {shown_state(n)}: {n['error']}", markup=False,
                           highlight=False, soft_wrap=True)
         if n.get("role") == "starter" and n.get("recoveries"):
-            console.print(f"{n.get('name', '?')}: {n['recoveries']} recoveries from lost "
+            console.print(f"{n.get('name', '?')}: "
+                          f"{plural(n['recoveries'], 'recovery', 'recoveries')} from lost "
                           f"workers since it started", markup=False, highlight=False)
     load = expertstats.merge(n.get("expert_load") or {} for n in nodes)
     if load:

@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 
+from ..base.words import block_range
+
 CATEGORIES = ("block step", "head step", "projections", "attention", "norms", "rope", "sampling",
               "other")
 
@@ -134,7 +136,7 @@ def table_lines(profiles: List[Dict[str, Any]]) -> List[str]:
     lines = ["  ".join(f"{h:>11}" for h in head)]
     for p in profiles:
         timed = sum(p[c] for c in CATEGORIES)
-        cells = [str(p["node"]), f"{p['blocks'][0]}-{p['blocks'][1]}", str(p["rows"]),
+        cells = [str(p["node"]), block_range(p["blocks"]), str(p["rows"]),
                  f"{p['step_ms']:.2f}"]
         cells += [f"{p[c]:.2f} {100 * p[c] / timed:.0f}%" if timed else "-" for c in CATEGORIES]
         lines.append("  ".join(f"{c:>11}" for c in cells))

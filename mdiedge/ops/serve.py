@@ -4,7 +4,7 @@ over its own control plane (``mdiedge starter``; ``mdiedge generate --starter UR
 scheduler, so requests that fit the ring's KV slots run together."""
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 from ..base import defaults
 from ..model.sampling import SamplingParams
@@ -48,6 +48,8 @@ class StarterServer:
 
     def generate(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
         check_fields(body, GENERATE_FIELDS)
+        starter = self.engine.starter
+        tail, before = starter.tail, starter.link_stats()  # [] before the first ring
         params = SamplingParams(float(body.get("temperature", defaults.TEMPERATURE)),
                                 body.get("top_k", defaults.TOP_K),
                                 float(body.get("top_p", defaults.TOP_P)),
@@ -57,7 +59,22 @@ class StarterServer:
                                    body.get("samples", 1), params, body.get("micro_batch", 0),
                                    stop=body.get("stop", []))
         result = out.as_dict()
-        result["nodes"] = len(self.engine.starter.ring_workers) + 1
+        result["nodes"] = len(starter.ring_workers) + 1
         result["model"] = str(self.engine.path)
-        result["links"] = self.engine.starter.link_stats()  # counted since the ring's set-up
+        since = before if starter.tail is tail else []  # a ring set up anew counts from 0
+        result["links"] = link_deltas(since, starter.link_stats())
         return result
+
+
+def link_deltas(before: List[Dict[str, Any]], after: List[Dict[str, Any]]
+                ) -> List[Dict[str, Any]]:
+    """A request's share of each link's frames and bytes: ``after`` less ``before`` (both
+    counted since the same ring's set-up; ``before`` empty for a ring set up meanwhile). The
+    totals stay in ``mdiedge status --json``. Requests that ran meanwhile are counted in."""
+    earlier = {(b.get("from"), b.get("to")): b for b in before}
+    out = []
+    for link in after:
+        then = earlier.get((link.get("from"), link.get("to")), {})
+        out.append(dict(link, **{k: link[k] - then.get(k, 0) for k in ("frames", "bytes")
+                                 if isinstance(link.get(k), int)}))
+    return out

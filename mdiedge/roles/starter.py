@@ -23,6 +23,7 @@ from ..base.codecs import Compression
 from ..base.errors import GenerationError, NodeLost, PartitionError, RingError
 from ..base.memory import max_rss_bytes, rss_bytes
 from ..base.nodes import NodeSpec, StarterOptions
+from ..base.words import block_range
 from ..model.checkpoint import content_hash, load_model
 from ..model.exitfiles import ExitSettings
 from ..model.config import config_to_hf
@@ -181,7 +182,7 @@ class RingStarter:
             self.measured = before
             return False
         log.info("re-splitting by measured speed %s: %s", {k: round(v, 2) for k, v in
-                 weights.items()}, [f"{p.name} {p.layers[0]}-{p.layers[1]}" for p in split])
+                 weights.items()}, [f"{p.name} {block_range(p.layers)}" for p in split])
         return True
 
     def _setup(self, n_slots: int, context: int) -> Scheduler:
@@ -260,7 +261,7 @@ class RingStarter:
         reply = AssignReply.from_json(self._call(client, "POST", "/assign", request.to_json(),
                                                  timeout=ASSIGN_TIMEOUT_S))
         if reply.need_weights:
-            log.info("sending layers %s to %s", layers, client.node.name)
+            log.info("sending blocks %s to %s", block_range(layers), client.node.name)
             raw = sent_chunk(self.path, layers, request.early_exit)
             reply = AssignReply.from_json(self._call(
                 client, "PUT", f"/weights?hash={self.hash}&session={self.session}", raw=raw,

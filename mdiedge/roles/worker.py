@@ -23,6 +23,7 @@ from ..base import defaults
 from ..base.codecs import Compression
 from ..base.errors import ConfigError, MdiedgeError, RingError
 from ..base.memory import max_rss_bytes, rss_bytes
+from ..base.words import block_range
 from ..model.checkpoint import content_hash, load_config, load_model, resolve_model_path
 from ..model.devices import parse_device, parse_dtype
 from ..runtime import messages
@@ -271,7 +272,7 @@ class WorkerNode:
     def _load(self, source: Path, request: Assignment) -> None:
         self.state = "loading"
         self.model, self.stage, self.assignment = None, None, None
-        log.info("%s: loading layers %s from %s", self.name, list(request.layers), source)
+        log.info("%s: loading blocks %s from %s", self.name, block_range(request.layers), source)
         self.model = load_model(source, layers=tuple(request.layers), embedding=False,
                                 head=False, device=str(parse_device(request.device)),
                                 dtype=parse_dtype(request.dtype))

@@ -3,7 +3,10 @@
 Control plane: each request carries a timestamp, a fresh nonce, the SHA-256 of its body and an
 HMAC-SHA256 over method, path, body digest, timestamp, nonce and the node it is for (the random
 id each control server draws at start and tells anyone on ``/ping``), so a request captured
-on its way to one node is refused by every other, as a replay is by its own. A node checks the
+on its way to one node is refused by every other, as a replay is by its own. The id signed for
+travels in ``HEADER_NODE`` too, so a node can tell a request signed with the right secret for
+another id (``NODE_CHANGED``: mostly a client that knew this node before it restarted, which
+asks the id again and retries) from one signed with a wrong secret. A node checks the
 MAC from the headers alone (``check_headers``: constant time, finite timestamp within
 ``MAX_SKEW_S``, nonce not seen before) before it reads any body; then it reads the body, and
 ``accept`` compares its digest with the signed one and records the nonce (no replay). A nonce
@@ -38,7 +41,8 @@ from ..base.errors import CodecMismatch, ConfigError, RingError
 
 MAX_SKEW_S = 60.0
 HEADER_TS, HEADER_NONCE, HEADER_MAC = "X-Mdiedge-Timestamp", "X-Mdiedge-Nonce", "X-Mdiedge-Mac"
-HEADER_BODY = "X-Mdiedge-Body-Sha256"
+HEADER_BODY, HEADER_NODE = "X-Mdiedge-Body-Sha256", "X-Mdiedge-Node"
+NODE_CHANGED = "signed for another node id"  # how such a refusal starts (logged as routine)
 _HEX = re.compile(r"[0-9a-f]{16,64}")
 _MAX_NONCES = 10000
 _INSECURE_KEY = b"mdiedge-insecure-ring"
@@ -93,8 +97,9 @@ class Authenticator:
         if not self.enabled:
             return {}
         timestamp, nonce, digest = f"{time.time():.3f}", os.urandom(16).hex(), body_digest(body)
+        mac = self._mac(method, path, digest, timestamp, nonce, node)
         return {HEADER_TS: timestamp, HEADER_NONCE: nonce, HEADER_BODY: digest,
-                HEADER_MAC: self._mac(method, path, digest, timestamp, nonce, node)}
+                HEADER_NODE: node, HEADER_MAC: mac}
 
     def check_headers(self, method: str, path: str, headers: Mapping[str, str]) -> Optional[str]:
         """None if the headers carry a fresh, genuine signature, else why they are refused.
@@ -117,12 +122,28 @@ class Authenticator:
             return f"stale request ({age:.0f} s old; clocks more than {MAX_SKEW_S:.0f} s apart?)"
         expected = self._mac(method, path, digest, timestamp, nonce, self.node).encode()
         if not hmac.compare_digest(mac.encode("utf-8", "surrogateescape"), expected):
-            return "bad signature (wrong ring secret)"
+            return self._mismatch(method, path, headers)
         with self._lock:
             if nonce in self._seen or nonce in self._pending:
                 return "replayed request"
             self._pending[nonce] = time.time() + 2 * MAX_SKEW_S
             return None
+
+    def _mismatch(self, method: str, path: str, headers: Mapping[str, str]) -> str:
+        """Why a signature that does not match this node's id is refused: signed with the
+        ring secret for the id in ``HEADER_NODE`` (another node's, or this node's before it
+        restarted), else signed with a wrong secret."""
+        claimed = headers.get(HEADER_NODE) or ""
+        if claimed != self.node and _HEX.fullmatch(claimed):
+            mac = (headers.get(HEADER_MAC) or "").encode("utf-8", "surrogateescape")
+            theirs = self._mac(method, path, headers.get(HEADER_BODY) or "",
+                               headers.get(HEADER_TS) or "", headers.get(HEADER_NONCE) or "",
+                               claimed).encode()
+            if hmac.compare_digest(mac, theirs):
+                return (f"{NODE_CHANGED} ({claimed[:8]}..., this node is {self.node[:8]}...): "
+                        f"the ring secret is right; the sender knew this node before it "
+                        f"restarted (it asks the new id and retries), or meant another node")
+        return "bad signature (wrong ring secret)"
 
     def accept(self, headers: Mapping[str, str], digest: str) -> Optional[str]:
         """After ``check_headers`` passed and the body was read: None if the body's ``digest``

@@ -31,7 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
 
-from .auth import Authenticator
+from .auth import NODE_CHANGED, Authenticator
 from .protocol import NodeStatus
 from ..base.errors import ListenError, MdiedgeError, RingError
 from ..base.nodes import NodeSpec
@@ -94,8 +94,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _refuse(self, code: int, message: str) -> None:
-        log.warning("refused %s %s from %s (%d): %s", self.command, self.path[:200],
-                    self.client_address[0], code, message)
+        """Answer ``code`` and close, with one log line: a warning, but for a request signed
+        for an earlier id of this node (its client retries at once): info."""
+        routine = message.startswith(NODE_CHANGED)
+        (log.info if routine else log.warning)("refused %s %s from %s (%d): %s", self.command,
+                                               self.path[:200], self.client_address[0], code,
+                                               message)
         self._reply(code, {"error": message}, close=True)
 
     def _serve(self, method: str) -> None:
@@ -388,7 +392,7 @@ def call(base_url: str, method: str, path: str, body: Optional[Dict[str, Any]] =
          auth: Optional[Authenticator] = None) -> Dict[str, Any]:
     """One signed control request; a failure is a RingError naming the node and the reason.
     It is signed for the node's id; a 401 after the node drew a new one (it restarted) is
-    tried once more, signed for the new one."""
+    tried once more, signed for the new one, and logged as such (not as a wrong secret)."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     who = f"{node} ({base_url})" if node else base_url
     if auth is None or not auth.enabled:
@@ -403,6 +407,8 @@ def call(base_url: str, method: str, path: str, body: Optional[Dict[str, Any]] =
     except RingError as e:
         if getattr(e, "status", None) != 401 or node_id(base_url, timeout, True) == target:
             raise
+    log.info("%s restarted since it was last asked (its node id changed): %s %s signed for "
+             "its new id and sent again", who, method, path)
     return signed_for(_NODE_IDS[base_url])
 
 

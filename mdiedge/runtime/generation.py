@@ -46,17 +46,27 @@ class Sample:
 
 @dataclass
 class Timing:
+    """A request's seconds: ``total_s`` from its arrival to its end, of which ``setup_s``
+    went to setting a ring up for it (nodes assigned, weights sent; 0 on a ring already
+    up); tokens/s count the rest, the generation itself."""
+
     prefill_s: float = 0.0
     decode_s: float = 0.0
     total_s: float = 0.0
     new_tokens: int = 0
+    setup_s: float = 0.0
+
+    @property
+    def generation_s(self) -> float:
+        return max(0.0, self.total_s - self.setup_s)
 
     @property
     def tokens_per_s(self) -> float:
-        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+        return self.new_tokens / self.generation_s if self.generation_s > 0 else 0.0
 
     def as_dict(self) -> Dict[str, float]:
         return {"prefill_s": round(self.prefill_s, 4), "decode_s": round(self.decode_s, 4),
+                "setup_s": round(self.setup_s, 4), "generation_s": round(self.generation_s, 4),
                 "total_s": round(self.total_s, 4), "new_tokens": self.new_tokens,
                 "tokens_per_s": round(self.tokens_per_s, 2)}
 
@@ -142,6 +152,7 @@ class Generation:
                 sample.stop = stop(sample.prompt)
         self.started = time.perf_counter()
         self.timing = Timing()
+        self.set_up_at = 0.0  # perf_counter() when a ring for it was up (its set-up done)
         self.admitted_at = 0.0  # perf_counter() when its samples got KV rows
         self.prefilled_at = 0.0  # when every sample had its first token
         self.cancel_requested = False  # set by any thread; the scheduler acts on it
@@ -194,6 +205,9 @@ class Generation:
             elif len(sample.tokens) >= self.max_new_tokens:
                 sample.finish_reason = "length"
 
+    def mark_set_up(self) -> None:
+        self.set_up_at = time.perf_counter()
+
     def mark_admitted(self) -> None:
         self.admitted_at = time.perf_counter()
 
@@ -207,6 +221,7 @@ class Generation:
         admitted = self.admitted_at or self.started
         prefilled = self.prefilled_at or now
         self.timing.total_s = now - self.started
+        self.timing.setup_s = max(0.0, self.set_up_at - self.started) if self.set_up_at else 0.0
         self.timing.prefill_s = max(0.0, prefilled - admitted)
         self.timing.decode_s = max(0.0, now - prefilled)
         return self.timing

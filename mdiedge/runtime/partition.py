@@ -28,6 +28,7 @@ from typing import Container, List, Optional, Sequence, Tuple
 
 from ..base.errors import PartitionError
 from ..base.nodes import NodeSpec
+from ..base.words import plural
 from ..model.config import ModelConfig
 
 __all__ = ["Placement", "split_layers", "check_ring_size", "partition", "format_bytes",
@@ -65,10 +66,6 @@ def format_bytes(n: int) -> str:
         if abs(value) < 1024.0:
             return f"{value:.2f} {unit}"
     return f"{value / 1024.0:.2f} GiB"
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def _names(names: Sequence[str]) -> str:
@@ -110,11 +107,11 @@ def _split_counts(n_blocks: int, weights: Sequence[Fraction], overhead: Fraction
     needed = sum(minimum)
     if needed > n_blocks:
         workers = [label for label, least in zip(labels, minimum) if least]
-        who = (f"{_plural(needed, 'worker')} need at least one block each" if needed > 1 else
+        who = (f"{plural(needed, 'worker')} need at least one block each" if needed > 1 else
                "a worker needs at least one block")
         if labels_named:
             who += f" ({_names(workers)})"
-        raise PartitionError(f"{where}: {who} but only {_plural(n_blocks, 'block')} "
+        raise PartitionError(f"{where}: {who} but only {plural(n_blocks, 'block')} "
                              f"{'is' if n_blocks == 1 else 'are'} available")
     total_weight = sum(weights)
     total = n_blocks + overhead
@@ -175,7 +172,7 @@ def split_layers(n_layers: int, weights: Sequence[float],
     exact = [_check_weight(label, w) for label, w in zip(labels, weights)]
     overhead = _check_overhead(starter_overhead)
     counts = _split_counts(n_layers, exact, overhead, True, labels,
-                           f"cannot split {_plural(n_layers, 'block')} over {len(weights)} nodes",
+                           f"cannot split {plural(n_layers, 'block')} over {len(weights)} nodes",
                            labels_named=False)
     return _ranges(0, counts)
 
@@ -187,7 +184,7 @@ def check_ring_size(n_layers: int, n_nodes: int) -> None:
     workers = n_nodes - 1
     if workers > n_layers:
         raise PartitionError(
-            f"{_plural(n_layers, 'block')} cannot be shared among {_plural(workers, 'worker')} "
+            f"{plural(n_layers, 'block')} cannot be shared among {plural(workers, 'worker')} "
             f"(a ring of {n_nodes} nodes): every worker needs at least one block, so this "
             f"model runs on at most {n_layers + 1} nodes")
 
@@ -211,7 +208,7 @@ def _pinned_range(node: NodeSpec, index: int, n_layers: int) -> Optional[Tuple[i
     if not 0 <= first <= end <= n_layers:
         raise PartitionError(
             f"node {node.name!r}: pinned layers [{first}, {end}) are outside the model's "
-            f"{_plural(n_layers, 'block')} [0, {n_layers})")
+            f"{plural(n_layers, 'block')} [0, {n_layers})")
     if index > 0 and first == end:
         raise PartitionError(
             f"node {node.name!r}: pinned layers [{first}, {end}) are empty; "
@@ -324,7 +321,7 @@ def partition(cfg: ModelConfig, nodes: Sequence[NodeSpec], n_samples: int, conte
 def _memory_message(p: Placement, memory: int, n_samples: int, context: int) -> str:
     return (f"node {p.name!r} needs {format_bytes(p.total_bytes)} "
             f"(weights {format_bytes(p.weight_bytes)} + KV {format_bytes(p.kv_bytes)} for "
-            f"{_plural(n_samples, 'sample')} x {_plural(context, 'token')}) "
+            f"{plural(n_samples, 'sample')} x {plural(context, 'token')}) "
             f"but declares memory {format_bytes(memory)}")
 
 

@@ -3,6 +3,7 @@ app for an engine and binds the port at once (so a port in use is an error befor
 says it is ready)."""
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -84,15 +85,20 @@ def guarded_protocol() -> Any:
 
 
 class ApiServer:
-    """uvicorn serving ``app`` on the listening socket ``sock`` from a thread."""
+    """uvicorn serving ``app`` on the listening socket ``sock`` from a thread. In a process
+    whose logging is set up (``mdiedge starter``), uvicorn's loggers go through its handlers
+    and format, one kind of line; else uvicorn sets up its own."""
 
     def __init__(self, app: Any, sock: socket.socket, log_level: str = "warning") -> None:
         import uvicorn
+        from uvicorn.config import LOGGING_CONFIG
 
         self.sock = sock
         self.host, self.port = sock.getsockname()[:2]
+        log_config = None if logging.getLogger().handlers else LOGGING_CONFIG
         config = uvicorn.Config(app, log_level=log_level, lifespan="off", access_log=False,
-                                timeout_graceful_shutdown=3, http=guarded_protocol())
+                                timeout_graceful_shutdown=3, http=guarded_protocol(),
+                                log_config=log_config)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._serve, name="mdiedge-api", daemon=True)
         self.error: Optional[BaseException] = None

@@ -282,7 +282,7 @@ def test_install_units_command(tmp_path: Path) -> None:
     lines = out.stdout.splitlines()
     assert lines[:5] == [f"wrote {tmp_path}/etc/systemd/system/{n}" for n in units.UNIT_NAMES] \
         + [f"wrote {tmp_path}/etc/mdiedge-lab/{n}" for n in ("mdiedge.toml", "starter.toml")]
-    assert "into /etc/mdiedge-lab/secret, mode 0600" in lines[5]
+    assert lines[5].endswith(" into /etc/mdiedge-lab/secret,") and "mode 0600" in lines[6]
     worker = (tmp_path / "etc/systemd/system/mdiedge-worker.service").read_text()
     assert _directives(worker, "ExecStart")[0].startswith(units.default_command()[0] + " ")
     again = _cli("install-units", "--root", str(tmp_path), "--config-dir", "/etc/mdiedge-lab")
@@ -298,6 +298,27 @@ def test_install_units_command_errors(tmp_path: Path, args: List[str], message: 
     assert out.returncode == 1 and out.stdout == ""
     assert out.stderr.startswith("mdiedge: error: ") and message in out.stderr
     assert len(out.stderr.splitlines()) == 1 and not list(tmp_path.iterdir())
+
+
+def test_install_units_command_without_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture) -> None:
+    """Not root: one line naming the folder and the command that works from a venv."""
+    import typer
+
+    from mdiedge.cli.install import install_units_command
+
+    def refused(folder: Path) -> None:
+        raise PermissionError(13, "Permission denied", str(folder))
+
+    monkeypatch.setattr(units, "_on_disk", lambda root, path: tmp_path / "no-access")
+    monkeypatch.setattr(Path, "mkdir", lambda self, *a, **k: refused(self))
+    with pytest.raises(typer.Exit) as exit_info:
+        install_units_command(units.DEFAULT_CONFIG_DIR, units.DEFAULT_UNIT_DIR, None,
+                              "/opt/venv/bin/mdiedge", False)
+    assert exit_info.value.exit_code == 1
+    assert capsys.readouterr().err == (
+        f"mdiedge: error: {tmp_path}/no-access: permission denied; run it as root: "
+        'sudo "$(command -v mdiedge)" install-units\n')
 
 
 def test_the_nodes_read_the_secret_systemd_opens_as_stdin(tmp_path: Path) -> None:

@@ -46,7 +46,7 @@ def _next_steps(written: List[Path], config_dir: Path) -> List[str]:
         return ["nothing to do (the units exist: --force replaces them; configs are never "
                 "replaced)"]
     secret = Path(os.path.abspath(config_dir)) / "secret"
-    return ["next: put the ring secret (one line, the same on every node) into "
-            f"{secret}, mode 0600, owned by root; edit the configs;",
-            "      systemctl daemon-reload && systemctl enable --now mdiedge-worker "
-            "(or mdiedge-worker@NAME, mdiedge-starter)"]
+    return [f"next: put the ring secret (one line, the same on every node) into {secret},",
+            "      mode 0600, owned by root, and edit the configs; then",
+            "      systemctl daemon-reload && systemctl enable --now mdiedge-worker",
+            "      (or mdiedge-worker@NAME, mdiedge-starter)"]

@@ -234,7 +234,7 @@ def carry_config_dir(text: str, config_dir: "os.PathLike[str] | str") -> str:
     outside /etc, which that directive cannot name)."""
     folder = _config_folder(config_dir)
     text = text.replace(f"{DEFAULT_CONFIG_DIR}/", f"{folder}/")
-    if os.path.dirname(folder) == "/etc" or folder.startswith("/etc/"):
+    if folder.startswith("/etc/"):
         return _CONFIGURATION_DIRECTORY.sub(
             f"ConfigurationDirectory={folder[len('/etc/'):]}\n", text)
     return _CONFIGURATION_DIRECTORY.sub("", text)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 # registered in the order ``mdiedge --help`` lists them
 from . import generate, chat, serve, nodes, status, bench, exits, config  # noqa: F401, I001
+from . import install  # noqa: F401
 from .app import app
 
 __all__ = ["app", "main"]

@@ -26,6 +26,13 @@ from .app import (
 )
 
 
+def secret_fd_option() -> Any:
+    """``--secret-fd`` of the worker and the starter."""
+    return typer.Option(-1, help="Read the ring secret from this inherited file descriptor "
+                        "(a pipe of a local ring; 0: the secret file the systemd units open "
+                        "as standard input), not the config or env.")
+
+
 @app.command()
 @one_line_errors
 def worker(
@@ -49,8 +56,7 @@ def worker(
     busy_poll_us: int = typer.Option(defaults.BUSY_POLL_US, help="Microseconds a wait for the "
                                      "next activation polls before it sleeps (0: sleep at "
                                      "once, the least power)."),
-    secret_fd: int = typer.Option(-1, help="Read the ring secret from this inherited file "
-                                  "descriptor (a pipe; local rings), not the config or env."),
+    secret_fd: int = secret_fd_option(),
 ) -> None:
     """Run a worker node: it waits for a starter to assign it layers."""
     import logging
@@ -89,8 +95,9 @@ def _check_worker_flags(flags: Dict[str, Any]) -> None:
 
 
 def _secret_from_fd(fd: int) -> bytes:
-    """The secret written to inherited descriptor ``fd`` (read to its end, then closed): the
-    secret stays out of the environment and the command line."""
+    """The secret written to inherited descriptor ``fd`` (read to its end, then closed; a
+    standard stream is left open on /dev/null): the secret stays out of the environment and
+    the command line."""
     from ..base.errors import ConfigError
     from ..base.settings import MIN_SECRET_BYTES
 
@@ -99,10 +106,20 @@ def _secret_from_fd(fd: int) -> bytes:
             secret = pipe.read().rstrip(b"\n")
     except OSError as e:
         raise ConfigError(f"--secret-fd {fd}: cannot read the secret: {e.strerror or e}") from None
+    if fd <= 2:
+        _reopen_devnull(fd)
     if len(secret) < MIN_SECRET_BYTES:
         raise ConfigError(f"--secret-fd {fd}: expected a secret of at least {MIN_SECRET_BYTES} "
                           f"bytes, got {len(secret)} bytes")
     return secret
+
+
+def _reopen_devnull(fd: int) -> None:
+    """Put /dev/null on standard stream ``fd``, so that no socket opened later takes it."""
+    null = os.open(os.devnull, os.O_RDWR)
+    if null != fd:
+        os.dup2(null, fd)
+        os.close(null)
 
 
 def _run_worker(chosen: Dict[str, Any], section: Any, parent_pid: int,
@@ -186,6 +203,7 @@ def starter_command(
     slots: int = typer.Option(8, help="KV slots the API's requests share."),
     early_exit: Optional[str] = early_exit_option(),
     exit_threshold: Optional[str] = exit_threshold_option(),
+    secret_fd: int = secret_fd_option(),
 ) -> None:
     """Run the starter as a long-lived process that owns the ring (and, with --api-port,
     the OpenAI API)."""
@@ -199,7 +217,7 @@ def starter_command(
     settings, section = _starter_config(config)
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s starter %(levelname)s %(message)s")
-    secret = _starter_secret(section, insecure)
+    secret = _starter_secret(section, insecure, secret_fd)
     from ..ops.serve import StarterServer
     from ..runtime.auth import Authenticator
     from ..runtime.control import ControlServer
@@ -234,13 +252,14 @@ def _serve_starter(server: Any, api: Any, host: str) -> None:
         server.close()
 
 
-def _starter_secret(section: Any, insecure: bool) -> Optional[bytes]:
-    """The ring secret; refuses a non-loopback address without one unless ``insecure``."""
+def _starter_secret(section: Any, insecure: bool, secret_fd: int) -> Optional[bytes]:
+    """The ring secret (``--secret-fd``'s, else the config's or env's); refuses a non-loopback
+    address without one unless ``insecure``."""
     from ..base.errors import ConfigError
     from ..base.settings import read_secret
     from ..runtime.auth import is_loopback
 
-    secret = read_secret(section)
+    secret = _secret_from_fd(secret_fd) if secret_fd >= 0 else read_secret(section)
     if secret is None and not (insecure or section.insecure) and not is_loopback(section.host):
         raise ConfigError(f"refusing to listen on {section.host} without a ring secret "
                           f"(set one, or pass --insecure on a trusted network)")

@@ -1,24 +1,26 @@
-"""systemd units for mdiedge nodes, and their installation.
+"""systemd units for mdiedge nodes, and their installation (``mdiedge install-units``).
 
 The unit files in the checkout's ``systemd/`` folder are the source (an installed package ships
-them as ``mdiedge/_systemd``). :func:`render_unit` returns one with ``ExecStart=`` pointing at a
-given ``mdiedge`` executable; :func:`install_units` writes all three into a unit folder plus a
+them as ``mdiedge/_systemd``). :func:`render_unit` returns one with ``ExecStart=`` running a
+given ``mdiedge`` (by default this install's, :func:`default_command`) and the configs and the
+secret in a given folder; :func:`install_units` writes all three into a unit folder plus a
 commented config skeleton for the worker and the starter (configs are never overwritten, units
-only with ``force``). As root: ``python3 -m mdiedge.ops.units [--force]``, then
+only with ``force``). As root: ``sudo "$(command -v mdiedge)" install-units``, then
 ``systemctl daemon-reload``.
 
 The units run mdiedge as a dynamic user: the executable and its Python environment must be
-readable by any user (a virtual environment under a 0700 home folder is not).
+readable by any user (a virtual environment under a 0700 home folder is not). They need
+systemd >= 240 (the worker's ``$STATE_DIRECTORY``; the starter's unit 236, for
+``StandardInput=file:``, which hands the root-only secret file to the node).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
-import shutil
+import subprocess
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from ..base.defaults import (BUSY_POLL_US, IDLE_TIMEOUT_S, MAX_PAYLOAD, PREFILL_CHUNK,
                              REBALANCE_MARGIN, RING_TIMEOUT_S, STALL_S, STARTER_CONTROL_PORT,
@@ -69,8 +71,8 @@ idle_timeout_s = {IDLE_TIMEOUT_S:g}
 # that much CPU. 0: sleep at once (the least power).
 busy_poll_us = {BUSY_POLL_US}
 # File holding the ring secret (one line). Leave it unset under the shipped units: systemd
-# hands /etc/mdiedge/secret (mode 0600, root) to the worker as a credential and names it in
-# $MDIEDGE_SECRET_FILE; the unit's dynamic user cannot read the root-only file itself.
+# opens /etc/mdiedge/secret (mode 0600, root) as the worker's standard input and the worker
+# reads it there (--secret-fd 0, which wins); the unit's dynamic user cannot read the file.
 # secret_file = "/etc/mdiedge/secret"
 # The ring secret itself, at least 16 bytes, instead of secret_file (then make this file
 # unreadable to others). Neither set: $MDIEDGE_SECRET, else $MDIEDGE_SECRET_FILE.
@@ -138,8 +140,8 @@ rebalance_margin = {REBALANCE_MARGIN:g}
 # 0: sleep at once (the least power).
 busy_poll_us = {BUSY_POLL_US}
 # File holding the ring secret (one line). Leave it unset under the shipped unit: systemd
-# hands /etc/mdiedge/secret (mode 0600, root) to the starter as a credential and names it in
-# $MDIEDGE_SECRET_FILE; the unit's dynamic user cannot read the root-only file itself.
+# opens /etc/mdiedge/secret (mode 0600, root) as the starter's standard input and the starter
+# reads it there (--secret-fd 0, which wins); the unit's dynamic user cannot read the file.
 # secret_file = "/etc/mdiedge/secret"
 # The ring secret itself, at least 16 bytes, instead of secret_file (then make this file
 # unreadable to others). Neither set: $MDIEDGE_SECRET, else $MDIEDGE_SECRET_FILE.
@@ -187,6 +189,7 @@ def skeleton(kind: str) -> str:
         raise ConfigError(f"unknown config kind {kind!r}; choose worker, starter or ring") from None
 
 _EXEC_START = re.compile(r"^(ExecStart=[-@:+!]*)(\S+)(.*)$", re.MULTILINE)
+_CONFIGURATION_DIRECTORY = re.compile(r"^ConfigurationDirectory=.*\n", re.MULTILINE)
 
 
 def unit_source_dir() -> Path:
@@ -206,105 +209,134 @@ def _quote_exec(path: str) -> str:
     it holds whitespace, quotes or backslashes."""
     if "$" in path or any(c in path for c in "\n\r\0"):
         # systemd does not unescape "$$" in the executable's path
-        raise ValueError(f"cannot put {path!r} on an ExecStart= line")
+        raise ConfigError(f"cannot put {path!r} on an ExecStart= line")
     word = path.replace("%", "%%")
     if re.search(r'[\s"\'\\]', word):
         word = '"%s"' % word.replace("\\", "\\\\").replace('"', '\\"')
     return word
 
 
-def render_unit(name: str, executable: str) -> str:
+def _config_folder(config_dir: "os.PathLike[str] | str") -> str:
+    """``config_dir`` as the units name it: an absolute path that needs no quoting or escaping
+    in any directive (``--config``, ``StandardInput=file:``)."""
+    folder = os.path.normpath(str(config_dir))
+    if not os.path.isabs(folder):
+        raise ConfigError(f"the config folder must be an absolute path, not {str(config_dir)!r}")
+    if re.search(r'[\s"\'\\$%;]', folder):
+        raise ConfigError(f"the units cannot name the config folder {folder!r}: choose one "
+                          f"without whitespace, quotes, backslashes, '$', '%' or ';'")
+    return folder
+
+
+def carry_config_dir(text: str, config_dir: "os.PathLike[str] | str") -> str:
+    """``text`` (a unit or a config skeleton) naming ``config_dir`` wherever it names
+    /etc/mdiedge: the configs, the secret and ``ConfigurationDirectory=`` (dropped for a folder
+    outside /etc, which that directive cannot name)."""
+    folder = _config_folder(config_dir)
+    text = text.replace(f"{DEFAULT_CONFIG_DIR}/", f"{folder}/")
+    if folder.startswith("/etc/"):
+        return _CONFIGURATION_DIRECTORY.sub(
+            f"ConfigurationDirectory={folder[len('/etc/'):]}\n", text)
+    return _CONFIGURATION_DIRECTORY.sub("", text)
+
+
+def render_unit(name: str, executable: str,
+                config_dir: "os.PathLike[str] | str" = DEFAULT_CONFIG_DIR,
+                args: Sequence[str] = ()) -> str:
     """The unit file ``name`` (one of :data:`UNIT_NAMES`) with ``ExecStart=`` running
-    ``executable`` (an absolute path)."""
+    ``executable`` (an absolute path) and ``args`` before the subcommand (``-m mdiedge`` when
+    ``executable`` is a Python), its configs and secret in ``config_dir``."""
     if name not in UNIT_NAMES:
-        raise ValueError(f"unknown unit {name!r} (known: {', '.join(UNIT_NAMES)})")
+        raise ConfigError(f"unknown unit {name!r} (known: {', '.join(UNIT_NAMES)})")
     if not os.path.isabs(executable):
-        raise ValueError(f"ExecStart= needs an absolute path, not {executable!r}")
-    text = (unit_source_dir() / name).read_text(encoding="utf-8")
-    exec_word = _quote_exec(executable)
+        raise ConfigError(f"ExecStart= needs an absolute path, not {executable!r}")
+    text = carry_config_dir((unit_source_dir() / name).read_text(encoding="utf-8"), config_dir)
+    exec_words = " ".join([_quote_exec(executable)] + [_quote_exec(a) for a in args])
     rendered, count = _EXEC_START.subn(
-        lambda m: m.group(1) + exec_word + m.group(3), text)
+        lambda m: m.group(1) + exec_words + m.group(3), text)
     if count != 1:
         raise ValueError(f"{name}: expected one ExecStart= line, found {count}")
     return rendered
 
 
-def default_executable() -> str:
-    """The ``mdiedge`` console script: on ``$PATH``, else beside this Python, else argv[0]."""
-    found = shutil.which("mdiedge")
-    if found:
-        return os.path.abspath(found)
-    sibling = Path(sys.executable).parent / "mdiedge"
-    if sibling.is_file() and os.access(sibling, os.X_OK):
-        return str(sibling)
-    return str(Path(sys.argv[0]).resolve())
+def default_command(python: str = sys.executable) -> Tuple[str, ...]:
+    """How the units run this install of mdiedge: the console script beside ``python`` (the
+    interpreter running now, e.g. a virtual environment's), else ``python -m mdiedge``, after
+    checking that ``python`` imports mdiedge with neither $PYTHONPATH nor a user site (which a
+    unit does not have)."""
+    if not python or not os.path.isabs(python):
+        raise ConfigError(f"cannot tell this Python's path (sys.executable is {python!r}): "
+                          f"pass the mdiedge executable")
+    script = Path(python).parent / "mdiedge"
+    if script.is_file() and os.access(script, os.X_OK):
+        return (str(script),)
+    probe = subprocess.run([python, "-I", "-c", "import mdiedge"], cwd="/", timeout=120,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if probe.returncode != 0:
+        raise ConfigError(f"{python} finds mdiedge only through $PYTHONPATH or a user site, "
+                          f"which a unit does not have: install mdiedge into it (pip install "
+                          f"...) or pass the mdiedge executable")
+    return (python, "-m", "mdiedge")
 
 
 def _write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except PermissionError as e:
+        raise PermissionError(e.errno, e.strerror, str(path.parent)) from None
 
 
-def install_units(dest: Path = DEFAULT_UNIT_DIR, executable: Optional[str] = None,
-                  config_dir: Path = DEFAULT_CONFIG_DIR, force: bool = False) -> List[Path]:
-    """Write the three units into ``dest`` (ExecStart= running ``executable``) and the config
-    skeletons ``mdiedge.toml`` and ``starter.toml`` into ``config_dir``.
+def _on_disk(root: Optional[Path], path: Path) -> Path:
+    """Where ``path`` (as the installed system sees it) is written: under ``root`` if given."""
+    return path if root is None else Path(root) / path.relative_to(path.anchor)
 
-    Existing configs are never touched; existing units are replaced only with ``force``.
-    Returns the files written. Run ``systemctl daemon-reload`` afterwards.
-    """
-    if executable is None:
-        executable = default_executable()
-        if not (os.path.isfile(executable) and os.access(executable, os.X_OK)):
-            raise FileNotFoundError(
-                f"no mdiedge executable found (tried {executable}); pass executable=")
-    rendered = [(name, render_unit(name, executable)) for name in UNIT_NAMES]
-    written: List[Path] = []
-    dest, config_dir = Path(dest), Path(config_dir)
-    dest.mkdir(parents=True, exist_ok=True)
-    for name, text in rendered:
-        target = dest / name
-        if target.exists() and not force:
-            continue
-        _write(target, text)
-        written.append(target)
-    config_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
-    for name, text in CONFIGS.items():
-        target = config_dir / name
-        if target.exists():
+
+def _write_new(folder: Path, files: Sequence[Tuple[str, str]], replace: bool) -> List[Path]:
+    """Write ``files`` (name, text) into ``folder``, skipping those that exist unless
+    ``replace``; the files written."""
+    folder.mkdir(mode=0o755, parents=True, exist_ok=True)
+    written = []
+    for name, text in files:
+        target = folder / name
+        if target.exists() and not replace:
             continue
         _write(target, text)
         written.append(target)
     return written
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m mdiedge.ops.units",
-        description="Install mdiedge's systemd units and config skeletons.")
-    parser.add_argument("--dest", type=Path, default=DEFAULT_UNIT_DIR,
-                        help="unit folder (default: %(default)s)")
-    parser.add_argument("--executable", default=None,
-                        help="absolute path of mdiedge (default: the one on $PATH)")
-    parser.add_argument("--config-dir", type=Path, default=DEFAULT_CONFIG_DIR,
-                        help="config folder (default: %(default)s)")
-    parser.add_argument("--force", action="store_true", help="replace existing unit files")
-    args = parser.parse_args(argv)
-    try:
-        written = install_units(args.dest, args.executable, args.config_dir, args.force)
-    except (OSError, ValueError) as e:
-        print(f"mdiedge.ops.units: error: {e}", file=sys.stderr)
-        return 1
-    for path in written:
-        print(f"wrote {path}")
-    if not written:
-        print("nothing to do (units exist: --force replaces them; configs are never replaced)")
-    else:
-        print("next: systemctl daemon-reload")
-    return 0
+def install_units(dest: "os.PathLike[str] | str" = DEFAULT_UNIT_DIR,
+                  executable: Optional[str] = None,
+                  config_dir: "os.PathLike[str] | str" = DEFAULT_CONFIG_DIR,
+                  force: bool = False, root: "os.PathLike[str] | str | None" = None
+                  ) -> List[Path]:
+    """Write the three units into ``dest`` (ExecStart= running ``executable``, by default
+    :func:`default_command`) and the config skeletons ``mdiedge.toml`` and ``starter.toml``
+    into ``config_dir``; the units and skeletons name the configs and the secret there.
+
+    ``root``: write everything under this folder (an image being built, a test), the paths
+    in the files still as the installed system sees them. Relative folders are taken from
+    the current one (only without ``root``). Existing configs are never touched; existing
+    units are replaced only with ``force``. Returns the files written. Run ``systemctl
+    daemon-reload`` afterwards.
+    """
+    command = default_command() if executable is None else (executable,)
+    base = None if root is None else Path(root)
+    dest, config_dir = Path(dest), Path(config_dir)
+    if base is None:
+        dest, config_dir = Path(os.path.abspath(dest)), Path(os.path.abspath(config_dir))
+    units = [(name, render_unit(name, command[0], config_dir, command[1:]))
+             for name in UNIT_NAMES]
+    if not dest.is_absolute():
+        raise ConfigError(f"the unit folder must be an absolute path, not {str(dest)!r}")
+    configs = [(name, carry_config_dir(text, config_dir)) for name, text in CONFIGS.items()]
+    return (_write_new(_on_disk(base, dest), units, force)
+            + _write_new(_on_disk(base, config_dir), configs, False))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit('mdiedge: error: the installer is `mdiedge install-units` (as root: '
+             'sudo "$(command -v mdiedge)" install-units)')

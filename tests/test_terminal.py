@@ -47,6 +47,29 @@ def in_terminal(args: List[str], columns: int = 100, timeout: float = 120) -> st
     return b"".join(chunks).decode(errors="replace")
 
 
+def screen(raw: str) -> List[str]:
+    """The lines a terminal shows after ``raw``: text, CR, LF, cursor up (ESC[nA) and erase
+    line (ESC[2K, ESC[K) followed; other escapes ignored. Enough for rich's bars."""
+    lines: List[List[str]] = [[]]
+    row = col = 0
+    for token in re.findall(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|"
+                            r"\x1b[()][0-9A-Za-z]|\x1b[=>78]|[\r\n]|[^\x1b\r\n]+", raw):
+        if token == "\r":
+            col = 0
+        elif token == "\n":
+            row += 1
+            lines += [[] for _ in range(row + 1 - len(lines))]
+        elif token.startswith("\x1b[") and token[-1] == "A":
+            row = max(0, row - int(token[2:-1] or 1))
+        elif token in ("\x1b[2K", "\x1b[K", "\x1b[0K"):
+            lines[row] = [] if token == "\x1b[2K" else lines[row][:col]
+        elif not token.startswith("\x1b"):
+            line = lines[row] + [" "] * max(0, col - len(lines[row]))
+            line[col:col + len(token)] = list(token)
+            lines[row], col = line, col + len(token)
+    return ["".join(line).rstrip() for line in lines]
+
+
 def as_seen(raw: str) -> str:
     """The text as the terminal shows it: escapes removed, a line overwritten after \\r gone."""
     text = ANSI.sub("", raw).replace("\r\n", "\n")

@@ -47,6 +47,20 @@ class Progress:
             self.bar.update(self.task, completed=done, rate=f"{rate:.1f} tok/s",
                             description="generating")
 
+    def write(self, text: str) -> None:
+        """``text`` on stdout now (a sample that finished while others run): on the bar's
+        terminal, above the bar, which is drawn again below it."""
+        if self.bar is None or not _same_terminal():
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            return
+        console = self.bar.console
+        console.file = sys.stdout  # the bar's terminal: it clears the bar, writes, redraws
+        try:
+            console.print(text, end="", markup=False, highlight=False, soft_wrap=True)
+        finally:
+            console.file = sys.stderr
+
     def stop(self) -> None:
         if self.bar is not None:
             self.bar.stop()
@@ -54,6 +68,15 @@ class Progress:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _same_terminal() -> bool:
+    """stdout and stderr are one terminal (text written to either shows in the same place)."""
+    try:
+        return sys.stdout.isatty() and os.path.samestat(os.fstat(sys.stdout.fileno()),
+                                                        os.fstat(sys.stderr.fileno()))
+    except (OSError, ValueError):
+        return False
 
 
 # (header, value of a node's status) in the order of the wide table; DEFAULT: shown without

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 # registered in the order ``mdiedge --help`` lists them
 from . import generate, serve, nodes, status, bench, exits, config  # noqa: F401, I001
-from .app import app
+from .app import app, run_app
 
 __all__ = ["app", "main"]
 
 
 def main() -> None:
-    app()
+    run_app()
 
 
 if __name__ == "__main__":

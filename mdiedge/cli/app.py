@@ -19,9 +19,25 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+_failed: List[str] = []  # the error lines printed by this process
+
+
 def fail(message: str, code: int = 1) -> "typer.Exit":
     typer.echo(f"mdiedge: error: {message}", err=True)
+    _failed.append(message)
     return typer.Exit(code)
+
+
+def run_app() -> None:
+    """Run the command line. typer ends a Ctrl-C while it parses the command line (that may
+    import slow modules) with status 130 and no word: the line of a later Ctrl-C is printed
+    then too."""
+    try:
+        app()
+    except SystemExit as e:
+        if e.code == 130 and not _failed:
+            typer.echo("mdiedge: error: interrupted", err=True)
+        raise
 
 
 def one_line_errors(func: F) -> F:

@@ -51,18 +51,18 @@ def test_several_samples(stories: Path) -> None:
     assert out.stdout.count("--- sample") == 3
 
 
-@pytest.mark.parametrize("args,message", [
-    (["generate", "hi", "--model", "/no/such/model"], "/no/such/model: model directory or file not found"),
-    (["generate", "hi", "--temperature", "-1"], "temperature must be >= 0, got -1.0"),
-    (["generate", "hi", "--device", "tpu"], "unknown device 'tpu'"),
-    (["generate", "hi", "--dtype", "float8"], "unknown dtype 'float8'"),
-    (["generate", "hi", "-n", "100000"], "exceeds the context"),
+@pytest.mark.parametrize("args,message,code", [
+    (["generate", "hi", "--model", "/no/such/model"], "/no/such/model: model directory or file not found", 1),
+    (["generate", "hi", "--temperature", "-1"], "--temperature: expected a number >= 0 (0: greedy), got -1.0", 2),
+    (["generate", "hi", "--device", "tpu"], "--device: expected cpu, cuda or cuda:N, got 'tpu'", 2),
+    (["generate", "hi", "--dtype", "float8"], "--dtype: expected one of float32", 2),
+    (["generate", "hi", "-n", "100000"], "exceeds the context", 2),
 ])
-def test_errors_are_one_line(args: List[str], message: str, stories: Path) -> None:
+def test_errors_are_one_line(args: List[str], message: str, code: int, stories: Path) -> None:
     if "--model" not in args:
         args = args + stories_args(stories)
     out = mdiedge(*args)
-    assert out.returncode == 1
+    assert out.returncode == code, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in out.stderr
 

@@ -35,6 +35,22 @@ CASES = [
     (["status"], "pass --ring FILE or --starter URL"),
 ]
 
+# generate's values that need no model: refused before torch is imported or a bar is drawn,
+# exit status 2 (a usage error, as the parser's own)
+EARLY = [
+    (["-n", "-5"], "-n/--max-new-tokens: expected an integer >= 1, got -5"),
+    (["--samples", "0"], "--samples: expected an integer >= 1, got 0"),
+    (["--nodes", "0"], "--nodes: expected an integer >= 1, got 0"),
+    (["--temperature", "-1"], "--temperature: expected a number >= 0 (0: greedy), got -1.0"),
+    (["--top-k", "-1"], "--top-k: expected an integer >= 0 (0: off), got -1"),
+    (["--top-p", "2"], "--top-p: expected a number in (0, 1] (1: off), got 2.0"),
+    (["--seed", "-1"], "--seed: expected an integer 0..2**40-1, got -1"),
+    (["--device", "tpu"], "--device: expected cpu, cuda or cuda:N, got 'tpu'"),
+    (["--dtype", "float8"], "--dtype: expected one of float32, fp32, float16"),
+    (["--compression", "zip"], "--compression 'zip' is not a codec"),
+    (["--micro-batch", "-2"], "--micro-batch: expected an integer >= 0, got -2"),
+]
+
 
 def mdiedge(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mdiedge", *args], capture_output=True,
@@ -50,7 +66,21 @@ def assert_one_line(out: subprocess.CompletedProcess, message: str) -> None:
 
 @pytest.mark.parametrize("args,message", CASES, ids=[" ".join(a) for a, _ in CASES])
 def test_bad_values_are_one_line_errors(args: List[str], message: str) -> None:
-    assert_one_line(mdiedge(*args), message)
+    out = mdiedge(*args)
+    assert_one_line(out, message)
+    assert out.returncode == 2, out.stderr  # every bad command-line value: a usage error
+
+
+@pytest.mark.parametrize("args,message", EARLY, ids=[" ".join(a) for a, _ in EARLY])
+def test_generate_refuses_bad_values_before_loading_torch(args: List[str], message: str) -> None:
+    code = ("import sys\nfrom mdiedge.cli import app\n"
+            f"sys.argv = ['mdiedge', 'generate', 'hi', *{args!r}]\n"
+            "try:\n    app()\nexcept SystemExit as e:\n    print(e.code, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, stdin=subprocess.DEVNULL)
+    assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr  # status 2, no torch
+    assert out.stderr.splitlines() == [f"mdiedge: error: {message}"] or \
+        (len(out.stderr.splitlines()) == 1 and message in out.stderr), out.stderr
 
 
 @pytest.mark.parametrize("value", ["100000000000", "1e23", "-5"])

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 import pytest
-import typer
 
 from mdiedge.base import defaults
 from mdiedge.base.settings import load_settings
@@ -36,11 +35,14 @@ def test_absent_flags_change_nothing() -> None:
                        "prefill_chunk": 0}
 
 
-def test_a_negative_prefill_chunk_is_one_line(capsys: pytest.CaptureFixture) -> None:
-    with pytest.raises(typer.Exit):
+def test_a_negative_prefill_chunk_is_a_usage_error() -> None:
+    """Raised, not printed: the command prints it once its progress display is gone."""
+    from mdiedge.base.errors import UsageError
+
+    with pytest.raises(UsageError) as raised:
         recovery_options(None, None, 0, None, -1)
-    assert capsys.readouterr().err == ("mdiedge: error: --prefill-chunk: expected an integer "
-                                       ">= 0, got -1\n")
+    assert str(raised.value) == "--prefill-chunk: expected an integer >= 0, got -1"
+    assert raised.value.exit_code == 2
 
 
 @pytest.mark.parametrize("in_file,flag,want", [

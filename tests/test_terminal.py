@@ -9,13 +9,19 @@ import select
 import subprocess
 import sys
 import time
-from typing import List
+from typing import List, Optional
+
+import pytest
 
 ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(\x07|\x1b\\)|\x1b[()][0-9A-Za-z]|\x1b[=>78]")
 
 
-def in_terminal(args: List[str], columns: int = 100, timeout: float = 120) -> str:
-    """Run ``python -m mdiedge ARGS`` with stdin, stdout and stderr on one pseudo-terminal."""
+def in_terminal(args: List[str], columns: int = 100, timeout: float = 120, status: int = 0,
+                interrupt_at: Optional[float] = None,
+                command: Optional[List[str]] = None) -> str:
+    """Run ``python -m mdiedge ARGS`` (or ``command`` ARGS) with stdin, stdout and stderr on
+    one pseudo-terminal, its controlling terminal; ``interrupt_at``: seconds after the start
+    at which Ctrl-C is typed. The exit status must be ``status``."""
     import fcntl
     import struct
     import termios
@@ -25,13 +31,19 @@ def in_terminal(args: List[str], columns: int = 100, timeout: float = 120) -> st
     env = dict(os.environ, TERM="xterm-256color", COLUMNS=str(columns))
     for key in ("NO_COLOR", "FORCE_COLOR", "TERM_PROGRAM"):
         env.pop(key, None)
-    proc = subprocess.Popen([sys.executable, "-m", "mdiedge", *args], stdin=slave, stdout=slave,
-                            stderr=slave, env=env, close_fds=True)
+    proc = subprocess.Popen([*(command or [sys.executable, "-m", "mdiedge"]), *args],
+                            stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True,
+                            start_new_session=True,
+                            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
     os.close(slave)
     chunks: List[bytes] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([master], [], [], 0.5)
+    started = time.monotonic()
+    while time.monotonic() < started + timeout:
+        if interrupt_at is not None and time.monotonic() >= started + interrupt_at:
+            os.write(master, b"\x03")  # Ctrl-C: the terminal sends SIGINT to the command
+            interrupt_at = None
+        wait = 0.5 if interrupt_at is None else max(0.0, started + interrupt_at - time.monotonic())
+        ready, _, _ = select.select([master], [], [], wait)
         if ready:
             try:
                 data = os.read(master, 65536)
@@ -43,8 +55,31 @@ def in_terminal(args: List[str], columns: int = 100, timeout: float = 120) -> st
         elif proc.poll() is not None:
             break
     os.close(master)
-    assert proc.wait(timeout=10) == 0, b"".join(chunks).decode(errors="replace")
+    assert proc.wait(timeout=10) == status, b"".join(chunks).decode(errors="replace")
     return b"".join(chunks).decode(errors="replace")
+
+
+def screen(raw: str) -> List[str]:
+    """The lines a terminal shows after ``raw``: text, CR, LF, cursor up (ESC[nA) and erase
+    line (ESC[2K, ESC[K) followed; other escapes ignored. Enough for rich's bars."""
+    lines: List[List[str]] = [[]]
+    row = col = 0
+    for token in re.findall(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|"
+                            r"\x1b[()][0-9A-Za-z]|\x1b[=>78]|[\r\n]|[^\x1b\r\n]+", raw):
+        if token == "\r":
+            col = 0
+        elif token == "\n":
+            row += 1
+            lines += [[] for _ in range(row + 1 - len(lines))]
+        elif token.startswith("\x1b[") and token[-1] == "A":
+            row = max(0, row - int(token[2:-1] or 1))
+        elif token in ("\x1b[2K", "\x1b[K", "\x1b[0K"):
+            lines[row] = [] if token == "\x1b[2K" else lines[row][:col]
+        elif not token.startswith("\x1b"):
+            line = lines[row] + [" "] * max(0, col - len(lines[row]))
+            line[col:col + len(token)] = list(token)
+            lines[row], col = line, col + len(token)
+    return ["".join(line).rstrip() for line in lines]
 
 
 def as_seen(raw: str) -> str:
@@ -155,3 +190,87 @@ def test_generate_through_a_starter_imports_no_torch() -> None:
         server.stop()
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["hi there", "False"], out.stdout + out.stderr
+
+
+def test_a_bad_value_is_refused_at_once_with_no_bar() -> None:
+    """A value that needs no model is refused before torch loads or a bar is drawn."""
+    started = time.monotonic()
+    raw = in_terminal(["generate", "hi", "-n", "-5"], status=2)
+    assert "━" not in raw and "0/-5" not in raw, raw
+    assert [line for line in screen(raw) if line] == \
+        ["mdiedge: error: -n/--max-new-tokens: expected an integer >= 1, got -5"], raw
+    assert time.monotonic() - started < 30
+
+
+def test_an_error_after_the_bar_has_a_line_of_its_own() -> None:
+    """An error found while the bar runs (here: the budget against the model's context) is
+    printed once the bar has left its line: the screen shows the error alone."""
+    raw = in_terminal(["generate", "hi", "-n", "100000", "--nodes", "1"], status=2)
+    lines = [line for line in screen(raw) if line]
+    assert lines == ["mdiedge: error: prompt of 3 tokens plus 100000 new tokens exceeds the "
+                     "context of 1024 tokens"], (lines, raw)
+
+
+# Ctrl-C the moment torch's C start-up imports numpy: torch clears any error raised there, a
+# KeyboardInterrupt included, so without care the interrupt is lost and the generation runs
+CTRL_C_IN_TORCH_IMPORT = """
+import os, runpy, signal, sys
+class PressCtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+sys.meta_path.insert(0, PressCtrlC())
+sys.argv = ["mdiedge", *sys.argv[1:]]
+runpy.run_module("mdiedge", run_name="__main__")
+"""
+
+
+def test_ctrl_c_while_torch_imports_stops_the_command() -> None:
+    raw = in_terminal(["generate", "ROMEO:", "-n", "5", "--nodes", "1", "--seed", "1"],
+                      status=130, command=[sys.executable, "-c", CTRL_C_IN_TORCH_IMPORT])
+    lines = [line for line in screen(raw) if line]
+    assert lines and lines[-1] == "mdiedge: error: interrupted", (lines, raw)
+    assert "ROMEO:" not in raw and "tokens in" not in raw and "Traceback" not in raw, raw
+
+
+@pytest.mark.parametrize("at", [0.2, 0.6])
+def test_ctrl_c_at_any_moment_is_one_line_and_status_130(at: float) -> None:
+    """Ctrl-C typed at 0.2 s (the command line loading) and 0.6 s (torch loading, or the
+    nodes starting on a faster machine): one line, status 130, no text generated."""
+    raw = in_terminal(["generate", "ROMEO:", "-n", "200"], status=130, interrupt_at=at)
+    lines = [line.replace("^C", "") for line in screen(raw)]
+    assert [line for line in lines if line] == ["mdiedge: error: interrupted"], (lines, raw)
+    assert "Traceback" not in raw and "tokens in" not in raw, raw
+
+
+def test_samples_are_printed_as_they_finish() -> None:
+    """Several samples on a terminal: each is printed, labelled, as it finishes: with seed 1
+    sample 1 meets the stop string after 9 tokens, sample 2 after 19, sample 0 runs its 30."""
+    args = ["generate", "ROMEO:", "-n", "30", "--nodes", "1", "--samples", "3", "--stop", "\n\n",
+            "--seed", "1"]
+    out = subprocess.run([sys.executable, "-m", "mdiedge", *args, "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert [(s["index"], s["finish_reason"], len(s["token_ids"]))
+            for s in json.loads(out.stdout)["samples"]] == [(0, "length", 30), (1, "stop", 9),
+                                                            (2, "stop", 19)], out.stdout
+    seen = "\n".join(screen(in_terminal(args)))
+    assert re.findall(r"--- sample (\d) \((\w+)\) ---", seen) == \
+        [("1", "stop"), ("2", "stop"), ("0", "length")], seen
+    assert ", seed" not in seen  # given, so not repeated
+
+
+def test_a_drawn_seed_is_shown_and_repeats_the_run() -> None:
+    """No --seed: a seed is drawn (two runs differ), named in the summary line and in --json;
+    --seed with it prints the same text again."""
+    args = ["generate", "ROMEO:", "-n", "20", "--nodes", "1"]
+    first, second = (subprocess.run([sys.executable, "-m", "mdiedge", *args, "--json"],
+                                    capture_output=True, text=True, timeout=120)
+                     for _ in range(2))
+    a, b = json.loads(first.stdout), json.loads(second.stdout)
+    assert a["seed"] != b["seed"] and a["samples"][0]["text"] != b["samples"][0]["text"]
+    seen = "\n".join(screen(in_terminal(args)))
+    seed = re.search(r"\[20 tokens in [0-9.]+ s, [0-9.]+ tok/s, seed (\d+)\]", seen)
+    assert seed, seen
+    again = "\n".join(screen(in_terminal(args + ["--seed", seed.group(1)])))
+    assert again.split("[")[0] == seen.split("[")[0] and ", seed" not in again, (seen, again)

@@ -18,7 +18,8 @@ WORKER_DATA_PORT = 7701
 TEMPERATURE = 0.8
 TOP_K = 0
 TOP_P = 0.95
-SEED = 0
+SEED = 0  # SamplingParams() and the bench, quality and calibration tools: repeatable runs
+SEEDS_BELOW = 2 ** 31  # a drawn seed (a request or a `generate` that names none) is under this
 GREEDY_BELOW = 1e-5  # a temperature under this samples as greedy does (vLLM's rule): its
 #                      distribution is the argmax's, and logits / it may overflow float32
 EARLY_EXIT_CRITERIA = ("softmax", "similarity", "classifier")  # mdiedge.model.exits
@@ -57,3 +58,11 @@ def default_model_path() -> Path:
             return candidate
     raise CheckpointError(f"default model {DEFAULT_MODEL!r} not found (looked in "
                           f"{here / '_models'} and {here.parent / 'models'}); pass --model DIR")
+
+
+def random_seed() -> int:
+    """The seed of a request that names none (`mdiedge generate` without --seed, an API
+    request without "seed"): drawn, then reported, so the run can be repeated with it."""
+    import secrets
+
+    return secrets.randbelow(SEEDS_BELOW)

@@ -16,6 +16,13 @@ class ConfigError(MdiedgeError, ValueError):
     """A model or ring configuration is invalid (missing key, wrong type, bad value)."""
 
 
+class UsageError(ConfigError):
+    """A value of the command line is wrong (out of range, not a choice, beyond the model's
+    context): exit status 2, as for the command-line parser's own errors."""
+
+    exit_code = 2
+
+
 class CheckpointError(MdiedgeError):
     """A checkpoint file is missing, truncated, or lacks a tensor of the right shape."""
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 # registered in the order ``mdiedge --help`` lists them
 from . import generate, chat, serve, nodes, status, bench, exits, config  # noqa: F401, I001
 from . import install  # noqa: F401
-from .app import app
+from .app import app, run_app
 
 __all__ = ["app", "main"]
 
 
 def main() -> None:
-    app()
+    run_app()
 
 
 if __name__ == "__main__":

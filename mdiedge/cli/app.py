@@ -2,14 +2,16 @@
 client's signature and the systemd service loop."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
+import sys
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 
 import typer
 
 from ..base import defaults
-from ..base.errors import MdiedgeError
+from ..base.errors import MdiedgeError, UsageError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Model-distributed inference of decoder-only LLMs across small devices.")
@@ -17,9 +19,25 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+_failed: List[str] = []  # the error lines printed by this process
+
+
 def fail(message: str, code: int = 1) -> "typer.Exit":
     typer.echo(f"mdiedge: error: {message}", err=True)
+    _failed.append(message)
     return typer.Exit(code)
+
+
+def run_app() -> None:
+    """Run the command line. typer ends a Ctrl-C while it parses the command line (that may
+    import slow modules) with status 130 and no word: the line of a later Ctrl-C is printed
+    then too."""
+    try:
+        app()
+    except SystemExit as e:
+        if e.code == 130 and not _failed:
+            typer.echo("mdiedge: error: interrupted", err=True)
+        raise
 
 
 def one_line_errors(func: F) -> F:
@@ -40,9 +58,67 @@ def one_line_errors(func: F) -> F:
 
 
 def need(ok: bool, option: str, value: Any, expected: str) -> None:
-    """A command-line value out of range is one line naming the option and the value."""
+    """A command-line value out of range: a ``UsageError`` naming the option and the value
+    (exit status 2), printed by :func:`one_line_errors` once the command's progress display
+    is gone. Every value that needs no model is checked so before anything slow."""
     if not ok:
-        raise fail(f"{option}: expected {expected}, got {value!r}", 2)
+        raise UsageError(f"{option}: expected {expected}, got {value!r}")
+
+
+@contextlib.contextmanager
+def usage_errors() -> Iterator[None]:
+    """The errors of a check of command-line values made by a lower layer (a codec's name,
+    a device, a budget against the model's context) are usage errors: exit status 2."""
+    try:
+        yield
+    except UsageError:
+        raise
+    except MdiedgeError as e:
+        raise UsageError(str(e)) from None
+
+
+def check_sampling(max_new_tokens: int, samples: int, temperature: float, top_k: int,
+                   top_p: float, seed: Optional[int]) -> None:
+    """``generate``'s budget and sampling values, with no torch (SamplingParams' ranges)."""
+    need(max_new_tokens >= 1, "-n/--max-new-tokens", max_new_tokens, "an integer >= 1")
+    need(samples >= 1, "--samples", samples, "an integer >= 1")
+    need(temperature >= 0, "--temperature", temperature, "a number >= 0 (0: greedy)")
+    need(top_k >= 0, "--top-k", top_k, "an integer >= 0 (0: off)")
+    need(0 < top_p <= 1, "--top-p", top_p, "a number in (0, 1] (1: off)")
+    need(seed is None or 0 <= seed < 2 ** 40, "--seed", seed, "an integer 0..2**40-1")
+
+
+def check_device(device: str, dtype: str) -> None:
+    """``--device`` and ``--dtype`` spelled as a device and a compute dtype (whether the
+    device exists is known once torch is loaded)."""
+    from ..base.dtypes import COMPUTE_NAMES
+    from ..base.values import Bad, device_name
+
+    try:
+        device_name(device)
+    except Bad as e:
+        need(False, "--device", device, e.expected)
+    need(dtype in COMPUTE_NAMES, "--dtype", dtype, "one of " + ", ".join(COMPUTE_NAMES))
+
+
+def load_torch() -> None:
+    """Import torch with Ctrl-C held back until the import is done, then acted on: torch's
+    C start-up imports numpy and clears any error it meets there, a KeyboardInterrupt
+    included, so a Ctrl-C in that moment would be lost and the command run on."""
+    import signal
+    import threading
+
+    if "torch" in sys.modules or threading.current_thread() is not threading.main_thread():
+        import torch  # noqa: F401
+        return
+    pressed: List[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        import torch  # noqa: F401, F811
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        raise KeyboardInterrupt
 
 
 def seconds_ok(value: float) -> bool:
@@ -142,7 +218,8 @@ def parse_compression(value: Optional[str]) -> Optional[str]:
     names a bad one."""
     from ..base.codecs import Compression
 
-    return None if value is None else str(Compression.parse(value, "--compression"))
+    with usage_errors():
+        return None if value is None else str(Compression.parse(value, "--compression"))
 
 
 def recovery_options(stall_timeout: Optional[float], recover: Optional[bool], spares: int,

@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import typer
 
-from .app import app, exit_threshold_option, one_line_errors
+from .app import app, exit_threshold_option, load_torch, need, one_line_errors
 
 
 @app.command()
@@ -49,6 +49,8 @@ def bench(
     per-hop overhead and peak RSS of 1..N-node rings."""
     from pathlib import Path
 
+    _check_bench(nodes, samples, new_tokens, repeat if isinstance(repeat, int) else 1)
+    load_torch()
     from ..ops import bench as benchmarks
 
     if isinstance(early_exit, str) or isinstance(exit_threshold, str):  # not typer defaults
@@ -70,13 +72,19 @@ def bench(
            repeat if isinstance(repeat, int) else 1)  # a typer default when called directly
 
 
+def _check_bench(nodes: int, samples: int, new_tokens: int, repeat: int) -> None:
+    """The values every kind of bench shares, checked before torch is loaded."""
+    need(nodes >= 1, "--nodes", nodes, "an integer >= 1")
+    need(samples >= 1, "--samples", samples, "an integer >= 1")
+    need(new_tokens >= 1, "--new-tokens", new_tokens, "an integer >= 1")
+    need(1 <= repeat <= 100, "--repeat", repeat, "an integer 1..100")
+
+
 def _table(model: Optional[str], preset: Optional[str], nodes: int, samples: int,
            new_tokens: int, context: int, as_json: bool, repeat: int) -> None:
-    from .app import need
     from ..ops import bench as benchmarks
     from ..ops.benchtable import TableWriter, measuring_on_stderr
 
-    need(1 <= repeat <= 100, "--repeat", repeat, "an integer 1..100")
     title = (f"{preset or model or 'nanollama'}: {samples} samples x {new_tokens} tokens, "
              f"context {context}" + (f", median of {repeat} runs" if repeat > 1 else ""))
     measured = benchmarks.run_all(model, preset, nodes, samples, new_tokens, context,

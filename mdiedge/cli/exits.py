@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from .app import app, need, one_line_errors
+from .app import app, load_torch, need, one_line_errors
 
 
 @app.command("calibrate-exit")
@@ -39,6 +39,7 @@ def calibrate_exit(
     need(tokens >= 64, "--tokens", tokens, "an integer >= 64")
     need(train_tokens >= 64, "--train-tokens", train_tokens, "an integer >= 64")
     need(Path(text).is_file(), "--text", text, "a text file")
+    load_torch()
     from ..ops.exitcal import run
 
     result = run(model, Path(text), chosen, target, held_out, tokens,

@@ -14,11 +14,14 @@ from .app import (
     app,
     check_url,
     client_auth,
+    check_device,
     check_early_exit,
+    check_sampling,
     compression_option,
     early_exit_option,
     early_exit_settings,
     exit_threshold_option,
+    load_torch,
     need,
     one_line_errors,
     prefill_chunk_option,
@@ -26,6 +29,7 @@ from .app import (
     recovery_options,
     stall_timeout_option,
     terminate_gracefully,
+    usage_errors,
 )
 
 
@@ -39,8 +43,11 @@ def generate(
                                         "a Hugging Face repo id (ORG/NAME) in the local cache "
                                         "(default: the shipped NanoLlama)."),
     tokenizer: Optional[str] = typer.Option(None, help="Tokenizer file, if not the model's own."),
-    samples: int = typer.Option(1, help="Number of samples generated together."),
-    seed: int = typer.Option(defaults.SEED, help="Random seed; sample i uses its own stream."),
+    samples: int = typer.Option(1, help="Number of samples generated together (on a "
+                                "terminal each is printed as soon as it finishes)."),
+    seed: Optional[int] = typer.Option(None, help="Random seed; sample i uses its own stream "
+                                       "(default: a drawn one, shown by --json and after "
+                                       "the text, so that --seed repeats the run)."),
     temperature: float = typer.Option(defaults.TEMPERATURE, help="0 is greedy."),
     top_k: int = typer.Option(defaults.TOP_K, help="Keep the k most likely tokens (0: off)."),
     top_p: float = typer.Option(defaults.TOP_P, help="Nucleus sampling threshold (1: off)."),
@@ -65,29 +72,48 @@ def generate(
     exit_threshold: Optional[str] = exit_threshold_option(),
 ) -> None:
     """Generate text from PROMPT, on a ring of nodes (by default a local ring of 3)."""
-    need(micro_batch >= 0, "--micro-batch", micro_batch, "an integer >= 0")
+    sampling = _request(max_new_tokens, samples, temperature, top_k, top_p, seed, micro_batch)
+    need(ring is not None or nodes >= 1, "--nodes", nodes, "an integer >= 1")
+    check_device(device, dtype)
     exits = check_early_exit(early_exit, exit_threshold, starter)
     changes = recovery_options(stall_timeout, recover, spares, compression, prefill_chunk)
-    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
     stops = list(stop or [])
     if starter:  # no torch here: the starter checks the values and samples
         _generate_through(check_url("--starter", starter), prompt, max_new_tokens, samples,
                           dict(sampling, stop=stops), micro_batch, as_json)
         return
-    from ..model.sampling import SamplingParams
     from ..ops.console import Progress
-    params = SamplingParams(**sampling)
     with ExitStack() as stack:
         terminate_gracefully()
         progress = stack.enter_context(Progress(max_new_tokens * samples, not as_json,
                                                 streaming=samples == 1 and not as_json))
+        params = _sampling_params(sampling)
         progress.phase(_first_phase(ring, nodes))
         engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring, changes,
                               lambda e: e.new_generation(prompt, max_new_tokens, samples, params,
                                                          None, stops), exits)
         _generate_with(engine, prompt, max_new_tokens, samples, params, stops, micro_batch,
                        as_json, lambda: nodes if ring is None else len(engine.starter.ring_workers)
-                       + 1, progress)
+                       + 1, progress, seed is None)
+
+
+def _request(max_new_tokens: int, samples: int, temperature: float, top_k: int, top_p: float,
+             seed: Optional[int], micro_batch: int) -> Dict[str, Any]:
+    """The budget and sampling values checked (no torch), and the sampling with its seed:
+    ``seed``, else a drawn one."""
+    check_sampling(max_new_tokens, samples, temperature, top_k, top_p, seed)
+    need(micro_batch >= 0, "--micro-batch", micro_batch, "an integer >= 0")
+    return {"temperature": temperature, "top_k": top_k, "top_p": top_p,
+            "seed": defaults.random_seed() if seed is None else seed}
+
+
+def _sampling_params(sampling: Dict[str, Any]) -> Any:
+    """``SamplingParams`` of the checked ``sampling``; torch loaded first, with Ctrl-C held
+    back until it is (see ``load_torch``)."""
+    load_torch()
+    from ..model.sampling import SamplingParams
+
+    return SamplingParams(**sampling)
 
 
 def _first_phase(ring: Optional[str], nodes: int) -> str:
@@ -125,12 +151,15 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
     the early-exit criterion and threshold."""
     changes, spares = recovery
     need(ring is not None or nodes >= 1, "--nodes", nodes, "an integer >= 1")
+    load_torch()
     from ..model.devices import parse_device, parse_dtype
     from ..roles.engine import TextModel
 
-    parse_device(device), parse_dtype(dtype)  # errors before any node process starts
+    with usage_errors():  # errors before any node process starts
+        parse_device(device), parse_dtype(dtype)
     text = TextModel(model, tokenizer)
-    check(text)
+    with usage_errors():  # the request's values against the model (its context)
+        check(text)
     settings = early_exit_settings(text, exits)
     if ring is None and nodes == 1:
         from ..roles.engine import LocalEngine
@@ -188,17 +217,48 @@ class _Stream:
         sys.stdout.flush()
 
 
+class _Finished:
+    """Several samples on a terminal: each is printed, labelled, as soon as it is seen
+    finished (so in the order they finish); the ones left at the end in index order."""
+
+    def __init__(self, engine: Any, prompt: str, progress: Any) -> None:
+        self.engine, self.prompt, self.progress = engine, prompt, progress
+        self.shown: set = set()
+
+    def check(self, generation: Any) -> None:
+        """After a token: print the samples that are done (their budget spent now, or an
+        EOS or stop string met since the last token)."""
+        for sample in generation.samples:
+            full = len(sample.tokens) >= generation.max_new_tokens
+            if sample.index not in self.shown and (sample.done or full):
+                self.show(sample.index, sample.finish_reason or "length",
+                          self.engine.sample_text(sample))
+
+    def show(self, index: int, reason: str, text: str) -> None:
+        self.shown.add(index)
+        self.progress.write(f"--- sample {index} ({reason}) ---\n{self.prompt}{text}\n")
+
+    def rest(self, samples: List[Dict[str, Any]]) -> None:
+        for sample in samples:
+            if sample["index"] not in self.shown:
+                self.show(sample["index"], sample["finish_reason"], sample["text"])
+
+
 def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, params: Any,
                    stops: List[str], micro_batch: int, as_json: bool,
                    n_nodes: Callable[[], int],
-                   progress: Any) -> None:
+                   progress: Any, drawn_seed: bool = False) -> None:
     """Generate on ``engine``; one sample streams to stdout, the prompt written with the first
-    token (once ``progress`` has left the terminal to the text)."""
+    token (once ``progress`` has left the terminal to the text); several are printed as they
+    finish on a terminal, else at the end; ``drawn_seed``: the seed was not given, so the
+    summary line names it."""
     import time
 
     from ..ops.console import timing_line
 
     stream = _Stream(engine, prompt, stops) if samples == 1 and not as_json else None
+    early = _Finished(engine, prompt, progress) \
+        if samples > 1 and not as_json and sys.stdout.isatty() else None
     started = time.perf_counter()
     produced = 0
 
@@ -208,12 +268,18 @@ def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, 
         progress.advance(produced, produced / max(time.perf_counter() - started, 1e-9))
         if stream is not None:
             stream.push(token)
+        if early is not None:
+            early.check(generation)
 
     progress.phase("prefill")
-    out = engine.generate(prompt, max_new_tokens, samples, params, micro_batch, on_token, stops)
+    generation = engine.new_generation(prompt, max_new_tokens, samples, params, on_token, stops)
+    out = engine.output(prompt, generation, engine.run(generation, micro_batch))
+    if early is not None:
+        early.rest(out.samples)
     progress.stop()
     if as_json:
         result = out.as_dict()
+        result["seed"] = params.seed
         result["model"] = str(engine.path)
         result["nodes"] = n_nodes()
         result["links"] = engine.starter.link_stats() if hasattr(engine, "starter") else []
@@ -221,9 +287,10 @@ def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, 
         return
     if stream is not None:
         stream.finish(out.samples[0]["text"])
-    else:
+    elif early is None:
         for sample in out.samples:
             typer.echo(f"--- sample {sample['index']} ({sample['finish_reason']}) ---")
             typer.echo(prompt + sample["text"])
-    typer.echo(timing_line(out.timing.as_dict()), err=True)
+    seed = f"seed {params.seed}" if drawn_seed and not params.greedy else ""
+    typer.echo(timing_line(out.timing.as_dict(), seed), err=True)
 

@@ -18,6 +18,7 @@ from .app import (
     early_exit_option,
     early_exit_settings,
     exit_threshold_option,
+    load_torch,
     need,
     one_line_errors,
     parse_compression,
@@ -98,18 +99,18 @@ def _secret_from_fd(fd: int) -> bytes:
     """The secret written to inherited descriptor ``fd`` (read to its end, then closed; a
     standard stream is left open on /dev/null): the secret stays out of the environment and
     the command line."""
-    from ..base.errors import ConfigError
+    from ..base.errors import UsageError
     from ..base.settings import MIN_SECRET_BYTES
 
     try:
         with os.fdopen(fd, "rb") as pipe:
             secret = pipe.read().rstrip(b"\n")
     except OSError as e:
-        raise ConfigError(f"--secret-fd {fd}: cannot read the secret: {e.strerror or e}") from None
+        raise UsageError(f"--secret-fd {fd}: cannot read the secret: {e.strerror or e}") from None
     if fd <= 2:
         _reopen_devnull(fd)
     if len(secret) < MIN_SECRET_BYTES:
-        raise ConfigError(f"--secret-fd {fd}: expected a secret of at least {MIN_SECRET_BYTES} "
+        raise UsageError(f"--secret-fd {fd}: expected a secret of at least {MIN_SECRET_BYTES} "
                           f"bytes, got {len(secret)} bytes")
     return secret
 
@@ -128,6 +129,7 @@ def _run_worker(chosen: Dict[str, Any], section: Any, parent_pid: int,
     import signal
     from pathlib import Path
 
+    load_torch()
     import torch
 
     from ..base.settings import read_secret
@@ -218,6 +220,7 @@ def starter_command(
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s starter %(levelname)s %(message)s")
     secret = _starter_secret(section, insecure, secret_fd)
+    load_torch()
     from ..ops.serve import StarterServer
     from ..runtime.auth import Authenticator
     from ..runtime.control import ControlServer
@@ -292,12 +295,12 @@ def _starter_engine(settings: Any, section: Any, model: Optional[str],
 
 def _starter_config(config: Optional[str]) -> Any:
     """The starter's settings file (it must name the workers) and its ``[starter]`` table."""
-    from ..base.errors import ConfigError
+    from ..base.errors import ConfigError, UsageError
     from ..base.settings import StarterSettings, find_config, load_settings
 
     path = find_config(config)
     if path is None:
-        raise ConfigError("no config: pass --config FILE with [starter] and [[workers]]")
+        raise UsageError("no config: pass --config FILE with [starter] and [[workers]]")
     settings = load_settings(path)
     if not settings.workers:
         raise ConfigError(f"{path}: workers: a starter needs at least one [[workers]] entry")

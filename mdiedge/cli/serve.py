@@ -10,8 +10,9 @@ from typing import Any, Optional
 
 import typer
 
-from .app import (app, check_early_exit, check_log_level, check_port, compression_option,
-                  early_exit_option, exit_threshold_option, need, one_line_errors,
+from .app import (app, check_device, check_early_exit, check_log_level, check_port,
+                  compression_option, early_exit_option, exit_threshold_option, need,
+                  one_line_errors,
                   prefill_chunk_option, recover_option, recovery_options,
                   stall_timeout_option)
 
@@ -59,11 +60,11 @@ def open_api(engine: Any, sock: Any, slots: int, context: int, max_queue: int, m
 
 def check_context(context: int, text_model: Any) -> None:
     """``--context`` within the model's, before any node starts."""
-    from ..base.errors import ConfigError
+    from ..base.errors import UsageError
 
     top = text_model.cfg.max_seq_len
     if not 0 <= context <= top:
-        raise ConfigError(f"--context: expected 0..{top} tokens (the model's), got {context}")
+        raise UsageError(f"--context: expected 0..{top} tokens (the model's), got {context}")
 
 
 def starter_api(engine: Any, port: Optional[int], host: str, key_file: Optional[str],
@@ -121,6 +122,7 @@ def serve(
     check_port("--port", port)
     check_api_options(slots, context, max_queue, max_body)
     check_log_level(log_level)
+    check_device(device, dtype)
     recovery = recovery_options(stall_timeout, recover, spares, compression, prefill_chunk)
     exits = check_early_exit(early_exit, exit_threshold)
     key = api_key_for(host, api_key_file, insecure)

@@ -12,15 +12,16 @@ from ..base.words import SHOWN_SETUP_S, block_range, plural
 __all__ = ["Progress", "print_status", "refused", "starter_nodes", "timing_line"]
 
 
-def timing_line(timing: Dict[str, Any]) -> str:
+def timing_line(timing: Dict[str, Any], extra: str = "") -> str:
     """A generation's closing line on stderr, from its ``--json`` ``timing``: tokens, seconds
     and tokens/s of the generation itself, then the ring's set-up when it had one
-    (``[7 tokens in 0.61 s, 11.5 tok/s; set-up 3.07 s]``)."""
+    (``[7 tokens in 0.61 s, 11.5 tok/s; set-up 3.07 s]``), then ``extra`` (the drawn seed)."""
     setup = float(timing.get("setup_s") or 0.0)
     seconds = float(timing.get("generation_s", timing.get("total_s", 0.0)))
     line = (f"[{plural(int(timing['new_tokens']), 'token')} in {seconds:.2f} s, "
             f"{float(timing['tokens_per_s']):.1f} tok/s")
-    return line + (f"; set-up {setup:.2f} s]" if setup >= SHOWN_SETUP_S else "]")
+    line += f"; set-up {setup:.2f} s" if setup >= SHOWN_SETUP_S else ""
+    return line + (f", {extra}]" if extra else "]")
 
 
 class Progress:
@@ -60,6 +61,20 @@ class Progress:
             self.bar.update(self.task, completed=done, rate=f"{rate:.1f} tok/s",
                             description="generating")
 
+    def write(self, text: str) -> None:
+        """``text`` on stdout now (a sample that finished while others run): on the bar's
+        terminal, above the bar, which is drawn again below it."""
+        if self.bar is None or not _same_terminal():
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            return
+        console = self.bar.console
+        console.file = sys.stdout  # the bar's terminal: it clears the bar, writes, redraws
+        try:
+            console.print(text, end="", markup=False, highlight=False, soft_wrap=True)
+        finally:
+            console.file = sys.stderr
+
     def stop(self) -> None:
         if self.bar is not None:
             self.bar.stop()
@@ -67,6 +82,15 @@ class Progress:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _same_terminal() -> bool:
+    """stdout and stderr are one terminal (text written to either shows in the same place)."""
+    try:
+        return sys.stdout.isatty() and os.path.samestat(os.fstat(sys.stdout.fileno()),
+                                                        os.fstat(sys.stderr.fileno()))
+    except (OSError, ValueError):
+        return False
 
 
 # (header, value of a node's status) in the order of the wide table; DEFAULT: shown without

@@ -11,7 +11,6 @@ cancels its ``Generation``, which frees its KV rows on every node.
 from __future__ import annotations
 
 import asyncio
-import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -193,7 +192,7 @@ class ApiService:
             raise ApiError(400, f"prompt of {len(ids)} tokens plus {key} {budget} exceeds "
                            f"the context of {self.context} tokens", key,
                            "context_length_exceeded")
-        seed = options.seed if options.seed is not None else secrets.randbelow(2 ** 31)
+        seed = options.seed if options.seed is not None else defaults.random_seed()
         params = SamplingParams(
             defaults.TEMPERATURE if options.temperature is None else options.temperature,
             defaults.TOP_K if options.top_k is None else options.top_k,

@@ -17,6 +17,7 @@ from mdiedge.model import transformer as transformer_module
 from mdiedge.model.config import ModelConfig
 from mdiedge.model.exits import NEVER, ExitPolicy, ExitStep
 from mdiedge.model.transformer import Transformer
+from tolerance import assert_close, model_path_length
 
 pytestmark = pytest.mark.twins
 IMPLS = implementations("step")
@@ -93,9 +94,9 @@ def test_decode_matches_the_torch_path(impl: ModuleType, monkeypatch: pytest.Mon
     ref, ref_k = decode(net, TorchPath, monkeypatch, prompts, starts, 12)
     got, got_k = decode(net, impl, monkeypatch, prompts, starts, 12)
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
-    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4)
+    assert_close(got, ref, model_path_length(CFG))
     for a, b in zip(got_k, ref_k):
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+        assert_close(a, b, model_path_length(CFG))
 
 
 @pytest.mark.parametrize("dim", [72, 80])
@@ -110,9 +111,9 @@ def test_wide_heads_match_the_torch_path(impl: ModuleType, monkeypatch: pytest.M
     ref, ref_k = decode(net, TorchPath, monkeypatch, prompts, [0, 9, 17], 20)
     got, got_k = decode(net, impl, monkeypatch, prompts, [0, 9, 17], 20)
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
-    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4)
+    assert_close(got, ref, model_path_length(cfg))
     for a, b in zip(got_k, ref_k):
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+        assert_close(a, b, model_path_length(cfg))
 
 
 @pytest.mark.parametrize("n_heads,n_kv,head_dim", [(4, 2, 32), (4, 1, 64), (3, 1, 32),
@@ -131,9 +132,9 @@ def test_common_head_sizes_match_the_torch_path(
     ref, ref_k = decode(net, TorchPath, monkeypatch, prompts, starts, 20)
     got, got_k = decode(net, impl, monkeypatch, prompts, starts, 20)
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
-    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4)
+    assert_close(got, ref, model_path_length(cfg))
     for a, b in zip(got_k, ref_k):
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+        assert_close(a, b, model_path_length(cfg))
 
 
 def test_the_model_decodes_through_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -340,6 +341,6 @@ def test_early_exit_through_the_step_equals_the_torch_path(
     (ref, ref_step, ref_k), (got, got_step, got_k) = results
     assert got_step.depth == ref_step.depth == depth
     assert got_step.checked == ref_step.checked
-    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5)
+    assert_close(got, ref, model_path_length(cfg))
     for a, b in zip(got_k, ref_k):
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+        assert_close(a, b, model_path_length(cfg))

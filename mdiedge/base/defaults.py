@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Optional, Tuple
 
 from .errors import CheckpointError
 
@@ -46,6 +47,11 @@ BUSY_POLL_US = 200  # a node waiting for a frame polls its link this long before
 MAX_BUSY_POLL_US = 100_000
 MAX_THREADS = 4096  # the most torch threads a worker may be told to use
 
+# held-out text of the quality measurements (calibrate-exit, bench --compression/--early-exit)
+HELD_OUT_SHARE = 0.1  # the share at the end of a --text file held out (NanoLlama's validation
+#                       split of Tiny Shakespeare)
+HELD_OUT_TEXT = "tinyshakespeare-heldout.txt"  # beside the shipped model: that split, whole
+
 
 def default_model_path() -> Path:
     """``$MDIEDGE_MODEL``, else the packaged copy of ``models/nanollama``, else the checkout's."""
@@ -66,3 +72,18 @@ def random_seed() -> int:
     import secrets
 
     return secrets.randbelow(SEEDS_BELOW)
+
+
+def held_out_text(text: Optional[str]) -> Tuple[Path, float]:
+    """The text file a quality measurement reads and the share at its end held out: ``text``
+    with its last ``HELD_OUT_SHARE``, or, without one, the held-out split shipped beside
+    NanoLlama, all of it (the same text as the last tenth of the whole corpus)."""
+    if text is not None:
+        return Path(text), HELD_OUT_SHARE
+    here = Path(__file__).resolve().parent.parent  # the mdiedge package
+    for folder in (here / "_models" / DEFAULT_MODEL, here.parent / "models" / DEFAULT_MODEL):
+        if (folder / HELD_OUT_TEXT).is_file():
+            return folder / HELD_OUT_TEXT, 1.0
+    raise CheckpointError(f"held-out text {HELD_OUT_TEXT!r} not found (looked in "
+                          f"{here / '_models' / DEFAULT_MODEL} and "
+                          f"{here.parent / 'models' / DEFAULT_MODEL}); pass --text FILE")

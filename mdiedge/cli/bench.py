@@ -31,8 +31,10 @@ def bench(
         "generate's --compression) against none on a ring of --nodes: bytes per hop, top-1 "
         "agreement and perplexity (teacher-forced over --text's held-out tail), time to first "
         "token and tokens/s."),
-    text: Optional[str] = typer.Option(None, help="Text file for --compression: its last 10% "
-                                       "is the held-out text (NanoLlama: Tiny Shakespeare)."),
+    text: Optional[str] = typer.Option(None, help="Text file for --compression and "
+                                       "--early-exit: its last 10% is the held-out text. "
+                                       "Default: Tiny Shakespeare's held-out tenth, shipped "
+                                       "with NanoLlama."),
     eval_tokens: int = typer.Option(4096, help="Held-out tokens scored with --compression."),
     early_exit: Optional[str] = typer.Option(
         None, "--early-exit", metavar="CRITERION", help="Instead, the same workload with and "
@@ -136,12 +138,14 @@ def _guard(model: Optional[str], compression: str, text: Optional[str], eval_tok
     from .app import need, parse_compression
 
     compression = parse_compression(compression)
-    need(text is not None and Path(text).is_file(), "--text", text,
+    need(text is None or Path(text).is_file(), "--text", text,
          "a text file (its last 10% is the held-out text)")
     need(nodes >= 2, "--nodes", nodes, "an integer >= 2 (links need a ring)")
+    from ..base.defaults import held_out_text
     from ..ops.quality import guard
 
-    result = guard(model, compression, Path(str(text)), eval_tokens=eval_tokens,
+    path, share = held_out_text(text)
+    result = guard(model, compression, path, share, eval_tokens=eval_tokens,
                    prompt_tokens=max(1, context - new_tokens), new_tokens=new_tokens,
                    nodes=nodes)
     if as_json:
@@ -172,7 +176,7 @@ def _exits(model: Optional[str], criterion: Any, threshold: Any,
     from .app import check_early_exit, need
 
     check_early_exit(criterion, threshold)
-    need(text is not None and Path(text).is_file(), "--text", text,
+    need(text is None or Path(text).is_file(), "--text", text,
          "a text file (its last 10% is the held-out text)")
     need(nodes >= 1, "--nodes", nodes, "an integer >= 1")
     need(samples >= 1, "--samples", samples, "an integer >= 1")
@@ -189,8 +193,11 @@ def _exits(model: Optional[str], criterion: Any, threshold: Any,
     if not as_json:
         typer.echo(f"early exit by {criterion}: {new_tokens} greedy tokens per sample",
                    err=True)
-    result = run(model, str(criterion), threshold, Path(str(text)), nodes, samples,
-                 new_tokens=new_tokens, shown=shown)
+    from ..base.defaults import held_out_text
+
+    path, share = held_out_text(text)
+    result = run(model, str(criterion), threshold, path, nodes, samples,
+                 new_tokens=new_tokens, held_out=share, shown=shown)
     if as_json:
         typer.echo(json.dumps(result))
         return

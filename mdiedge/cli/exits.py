@@ -12,14 +12,17 @@ from .app import app, load_torch, need, one_line_errors
 @app.command("calibrate-exit")
 @one_line_errors
 def calibrate_exit(
-    text: str = typer.Option(..., help="Text file; its last --held-out share is held out (the "
-                             "first half of that calibrates; NanoLlama: Tiny Shakespeare)."),
+    text: Optional[str] = typer.Option(None, help="Text file; its last --held-out share is "
+                                       "held out (the first half of that calibrates). Default: "
+                                       "Tiny Shakespeare's held-out tenth, shipped with NanoLlama."),
     model: Optional[str] = typer.Option(None, help="Model directory (default: the shipped "
                                         "NanoLlama); the files are written into it."),
     criterion: Optional[List[str]] = typer.Option(None, "--criterion", help="Calibrate this "
                                                   "one (repeat; default: all three)."),
     target: float = typer.Option(0.95, help="Top-1 agreement with the full model to reach."),
-    held_out: float = typer.Option(0.1, help="Share of the text at its end held out."),
+    held_out: Optional[float] = typer.Option(None, help="Share of the text at its end held "
+                                             "out (default: 0.1 of --text, all of the shipped "
+                                             "text)."),
     tokens: int = typer.Option(8192, help="Held-out tokens read (half calibrate)."),
     train_tokens: int = typer.Option(16384, help="Tokens before the held-out part that train "
                                      "the exit classifier."),
@@ -35,14 +38,16 @@ def calibrate_exit(
     for c in chosen:
         need(c in CRITERIA, "--criterion", c, "one of " + ", ".join(CRITERIA))
     need(0.0 < target <= 1.0, "--target", target, "a share in (0, 1]")
-    need(0.0 < held_out < 1.0, "--held-out", held_out, "a share in (0, 1)")
+    need(held_out is None or 0.0 < held_out < 1.0, "--held-out", held_out, "a share in (0, 1)")
     need(tokens >= 64, "--tokens", tokens, "an integer >= 64")
     need(train_tokens >= 64, "--train-tokens", train_tokens, "an integer >= 64")
-    need(Path(text).is_file(), "--text", text, "a text file")
+    need(text is None or Path(text).is_file(), "--text", text, "a text file")
+    from ..base.defaults import held_out_text
     load_torch()
     from ..ops.exitcal import run
 
-    result = run(model, Path(text), chosen, target, held_out, tokens,
+    path, share = held_out_text(text)
+    result = run(model, path, chosen, target, share if held_out is None else held_out, tokens,
                  train_tokens=train_tokens)
     if as_json:
         typer.echo(json.dumps(result))

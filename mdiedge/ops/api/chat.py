@@ -1,8 +1,9 @@
 """Chat templates: a model's own (``chat_template`` in its ``tokenizer_config.json``, or a
-``chat_template.jinja`` beside it) rendered with jinja2 as transformers'
-``apply_chat_template(messages, add_generation_prompt=True)`` does, else ``DEFAULT_TEMPLATE``.
-The text holds its own special tokens (a model's template writes ``bos_token`` where it wants
-one; the default writes it when the tokenizer gives prompts a BOS), so its ids get none added.
+``chat_template.jinja`` beside it, or a GGUF file's ``tokenizer.chat_template``) rendered
+with jinja2 as transformers' ``apply_chat_template(messages, add_generation_prompt=True)``
+does, else ``DEFAULT_TEMPLATE``. The text holds its own special tokens (a model's template
+writes ``bos_token`` where it wants one; the default writes it when the tokenizer gives
+prompts a BOS), so its ids get none added.
 
 The default is a plain dialogue, the shape of NanoLlama's Tiny Shakespeare lines: each message
 as ``ROLE:`` on a line, its text on the next, a blank line after; then ``ASSISTANT:`` and a
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from ...base.errors import ConfigError
+from ...model import gguf_vocab
 from ...model.tokenizer import Tokenizer, read_tokenizer_config, token_text
 from .errors import ApiError
 from .schema import ChatMessage
@@ -51,7 +53,10 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: Optional[int] = None
 
 
 def load_model_template(model_path: Path) -> Dict[str, Any]:
-    """The model folder's chat template and special tokens (``{}`` when it has none)."""
+    """The model's chat template and special tokens: a GGUF file's own, else its folder's
+    (``{"template": None}`` when it has none)."""
+    if model_path.is_file() and gguf_vocab.is_gguf(model_path):
+        return gguf_vocab.read_chat(model_path)
     folder = model_path if model_path.is_dir() else model_path.parent
     config = read_tokenizer_config(folder)
     template = config.get("chat_template")

@@ -1,0 +1,331 @@
+"""The tokenizer and chat template a GGUF file (llama.cpp's format) carries in its metadata,
+built with the ``tokenizers`` library as llama.cpp's ``llama-vocab.cpp`` reads them:
+
+- ``tokenizer.ggml.model`` ``gpt2``: byte-level BPE from ``tokens`` and ``merges``, the text
+  split first by the regular expressions that ``tokenizer.ggml.pre`` names (``PRE_SPLITS``);
+- ``llama``: SentencePiece BPE, its merges recovered from ``tokens`` and ``scores`` (a merge
+  ranks by its result's score), bytes as ``<0xXX>`` pieces for what the vocabulary lacks, and
+  a space before the text when ``add_space_prefix`` (absent: true) says so.
+
+Tokens the file types CONTROL (and UNKNOWN) are special tokens, USER_DEFINED ones added
+tokens: typed in a text, each is that one token. Whether prompts get a BOS or an EOS is the
+file's ``add_bos_token``/``add_eos_token``, else llama.cpp's default for the vocabulary.
+
+Only the metadata is read, by ``read_metadata``, straight from the file: ``gguf.GGUFReader``
+makes a numpy view per element of every array, seconds for a 49k-token vocabulary.
+"""
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..base.errors import TokenizerError
+
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+TYPE_NORMAL, TYPE_UNKNOWN, TYPE_CONTROL, TYPE_USER_DEFINED = 1, 2, 3, 4  # token_type values
+STRING, ARRAY = 8, 9  # the two value types of variable size
+SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+           12: "d"}  # GGUF value type: struct format
+MODELS = ("gpt2", "llama")
+
+_GPT2 = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
+_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
+# tokenizer.ggml.pre: the regular expressions that split a text, in turn, before BPE
+PRE_SPLITS: Dict[str, Tuple[str, ...]] = {
+    "default": _DEFAULT,
+    **{name: (_GPT2,) for name in ("gpt-2", "gpt2", "mpt", "olmo", "jais", "phi-2",
+                                    "roberta-bpe")},
+    **{name: (_LLAMA3,) for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx",
+                                      "smaug-bpe")},
+    **{name: (_QWEN2,) for name in ("qwen2", "stablelm2", "megrez", "deepseek-r1-qwen")},
+    **{name: (r"\p{N}", _GPT2) for name in ("smollm", "starcoder", "refact", "command-r",
+                                             "codeshell", "exaone", "minerva-7b")},
+}
+# pre-tokenizers whose vocabularies take a word that is a token whole, and give prompts a BOS
+WHOLE_WORDS = {"llama3", "llama-v3", "llama-bpe", "falcon3"}
+
+
+@dataclass
+class GGUFVocab:
+    """What a GGUF file says about its text side: the built tokenizer and its special ids."""
+
+    tokenizer: Any  # tokenizers.Tokenizer
+    bos_id: Optional[int]
+    eos_id: Optional[int]
+    add_bos: bool
+    add_eos: bool
+    chat_template: Optional[str]
+    tokens: Dict[str, str]  # bos_token, eos_token, unk_token, pad_token: their texts
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether ``path`` is a file that starts with GGUF's magic bytes."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+class _Cursor:
+    """Reads little-endian values from a buffer, one after another."""
+
+    def __init__(self, buf: Any, path: Path) -> None:
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        size = self.scalar("Q")
+        if self.pos + size > len(self.buf):
+            raise struct.error(f"a string of {size} bytes past the end")
+        raw = self.buf[self.pos:self.pos + size]
+        self.pos += size
+        return raw.decode("utf-8")
+
+    def value(self, kind: int) -> Any:
+        if kind == STRING:
+            return self.string()
+        if kind == ARRAY:
+            return self.array()
+        if kind not in SCALARS:
+            raise TokenizerError(f"{self.path}: unknown GGUF value type {kind} in the metadata")
+        return self.scalar(SCALARS[kind])
+
+    def array(self) -> List[Any]:
+        kind, count = self.scalar("I"), self.scalar("Q")
+        if kind in SCALARS:  # one unpack for the whole array
+            fmt = f"<{count}{SCALARS[kind]}"
+            found = list(struct.unpack_from(fmt, self.buf, self.pos))
+            self.pos += struct.calcsize(fmt)
+            return found
+        if kind == STRING:
+            return [self.string() for _ in range(count)]
+        return [self.value(kind) for _ in range(count)]
+
+
+def read_metadata(path: Path) -> Dict[str, Any]:
+    """The key-value metadata of the GGUF file ``path`` (arrays as lists); one line for a
+    file that is not GGUF, of an unknown version, or cut short."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return _read_kv(_Cursor(buf, path))
+    except (OSError, ValueError) as e:
+        if isinstance(e, TokenizerError):
+            raise
+        raise TokenizerError(f"{path}: cannot read the GGUF file ({e})") from None
+
+
+def _read_kv(cur: _Cursor) -> Dict[str, Any]:
+    if bytes(cur.buf[:4]) != MAGIC:
+        raise TokenizerError(f"{cur.path}: not a GGUF file (starts {bytes(cur.buf[:4])!r})")
+    cur.pos = 4
+    found: Dict[str, Any] = {}
+    key = "the header"
+    try:
+        version = cur.scalar("I")
+        if version not in VERSIONS:
+            raise TokenizerError(f"{cur.path}: GGUF version {version} (mdiedge reads "
+                                 f"{', '.join(map(str, VERSIONS))})")
+        _tensors, count = cur.scalar("Q"), cur.scalar("Q")
+        for _ in range(count):
+            key = cur.string()
+            found[key] = cur.value(cur.scalar("I"))
+    except (struct.error, UnicodeDecodeError, MemoryError, OverflowError) as e:
+        raise TokenizerError(f"{cur.path}: GGUF metadata cut short or corrupt at {key!r} "
+                             f"({e})") from None
+    return found
+
+
+def _tokenizers() -> Any:
+    try:
+        import tokenizers
+    except ImportError:
+        raise TokenizerError("reading a GGUF file's tokenizer needs the 'tokenizers' package "
+                             "(pip install 'mdiedge[hf]')") from None
+    return tokenizers
+
+
+def _field(meta: Dict[str, Any], path: Path, name: str, size: int) -> List[Any]:
+    """The array ``tokenizer.ggml.<name>``, one entry per token ([] when absent)."""
+    found = meta.get("tokenizer.ggml." + name, [])
+    if not isinstance(found, list) or (found and len(found) != size):
+        raise TokenizerError(f"{path}: tokenizer.ggml.{name} has "
+                             f"{len(found) if isinstance(found, list) else found!r} entries "
+                             f"for {size} tokens")
+    return found
+
+
+def _added(tokens: List[str], types: List[int]) -> Tuple[List[str], List[str]]:
+    """The special tokens (CONTROL, UNKNOWN) and the added ones (USER_DEFINED)."""
+    special = [t for t, k in zip(tokens, types) if k in (TYPE_CONTROL, TYPE_UNKNOWN)]
+    added = [t for t, k in zip(tokens, types) if k == TYPE_USER_DEFINED]
+    return special, added
+
+
+def _byte_level(meta: Dict[str, Any], path: Path, tokens: List[str], keep: set) -> Any:
+    """A ``gpt2`` vocabulary: byte-level BPE, split as its ``pre`` says. ``keep``: tokens
+    matched whole in the text, left as the file spells them."""
+    tk = _tokenizers()
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_SPLITS:
+        raise TokenizerError(f"{path}: tokenizer.ggml.pre {pre!r} is not a pre-tokenizer "
+                             f"mdiedge knows (known: {', '.join(sorted(PRE_SPLITS))})")
+    merges = meta.get("tokenizer.ggml.merges")
+    if not merges:
+        raise TokenizerError(f"{path}: a 'gpt2' vocabulary without tokenizer.ggml.merges")
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    bad = next((m for m, p in zip(merges, pairs) if len(p) != 2), None)
+    if bad is not None:
+        raise TokenizerError(f"{path}: tokenizer.ggml.merges entry {bad!r} is not two tokens")
+    alphabet = set(tk.pre_tokenizers.ByteLevel.alphabet())
+    vocab = {(t if t in keep or set(t) <= alphabet else _spell_bytes(t)): i
+             for i, t in enumerate(tokens)}
+    tok = tk.Tokenizer(tk.models.BPE(vocab, pairs, ignore_merges=pre in WHOLE_WORDS))
+    tok.pre_tokenizer = tk.pre_tokenizers.Sequence(
+        [tk.pre_tokenizers.Split(tk.Regex(r), behavior="isolated") for r in PRE_SPLITS[pre]]
+        + [tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = tk.decoders.ByteLevel()
+    return tok
+
+
+def _spell_bytes(token: str) -> str:
+    """``token`` in the byte-level alphabet: GPT-2's printable stand-in for each byte."""
+    table = _byte_chars()
+    return "".join(table[b] for b in token.encode("utf-8"))
+
+
+@lru_cache(maxsize=1)
+def _byte_chars() -> Dict[int, str]:
+    """GPT-2's byte to character map: printable bytes stand for themselves, the others for
+    the characters from 256 on, in byte order."""
+    kept = [b for b in range(256) if 0x21 <= b <= 0x7E or 0xA1 <= b <= 0xAC or b >= 0xAE]
+    extra = [b for b in range(256) if b not in kept]
+    return {**{b: chr(b) for b in kept}, **{b: chr(256 + n) for n, b in enumerate(extra)}}
+
+
+def _sentencepiece(meta: Dict[str, Any], path: Path, tokens: List[str], keep: set) -> Any:
+    """A ``llama`` vocabulary: SentencePiece BPE with byte fallback and, when the file's
+    ``add_space_prefix`` (absent: true) says so, a space before the text."""
+    tk = _tokenizers()
+    scores = _field(meta, path, "scores", len(tokens)) or [0.0] * len(tokens)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    unk = meta.get("tokenizer.ggml.unknown_token_id", 0)
+    unk_token = tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None
+    tok = tk.Tokenizer(tk.models.BPE(vocab, _score_merges(tokens, scores, vocab, keep),
+                                     unk_token=unk_token, fuse_unk=True, byte_fallback=True))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    tok.pre_tokenizer = tk.pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
+    steps = [tk.decoders.Replace("\u2581", " "), tk.decoders.ByteFallback(), tk.decoders.Fuse()]
+    tok.decoder = tk.decoders.Sequence(steps + ([tk.decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tok
+
+
+def _score_merges(tokens: List[str], scores: List[float], vocab: Dict[str, int],
+                  keep: set) -> List[Tuple[str, str]]:
+    """Every split of a token into two tokens, best result first: by its score, then longer
+    left and right parts first, then file order (SentencePiece merges the best-scoring pair)."""
+    found = []
+    for token, score in zip(tokens, scores):
+        if token in keep:
+            continue
+        local = [(token[:i], token[i:]) for i in range(1, len(token))
+                 if token[:i] in vocab and token[i:] in vocab
+                 and token[:i] not in keep and token[i:] not in keep]
+        local.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
+        found.extend((score, len(left), len(right), left, right) for left, right in local)
+    found.sort(key=lambda m: (m[0], m[1], m[2]), reverse=True)
+    return [(m[3], m[4]) for m in found]
+
+
+BUILDERS = {"gpt2": _byte_level, "llama": _sentencepiece}
+
+
+def _special_id(meta: Dict[str, Any], path: Path, name: str, size: int,
+                default: Optional[int]) -> Optional[int]:
+    """``tokenizer.ggml.<name>_token_id``, else ``default``; one inside the vocabulary."""
+    found = meta.get(f"tokenizer.ggml.{name}_token_id", default)
+    if found is not None and not (isinstance(found, int) and 0 <= found < size):
+        raise TokenizerError(f"{path}: tokenizer.ggml.{name}_token_id {found!r} is not a token "
+                             f"of the {size}-token vocabulary")
+    return found
+
+
+def build_tokenizer(meta: Dict[str, Any], path: Path) -> Any:
+    """The ``tokenizers.Tokenizer`` that the metadata ``meta`` of ``path`` describes."""
+    model = meta.get("tokenizer.ggml.model")
+    if model not in BUILDERS:
+        raise TokenizerError(f"{path}: tokenizer.ggml.model {model!r} is not a vocabulary "
+                             f"mdiedge reads (known: {', '.join(MODELS)})")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not isinstance(tokens[0], str):
+        raise TokenizerError(f"{path}: no tokenizer.ggml.tokens (a list of strings)")
+    special, added = _added(tokens, _field(meta, path, "token_type", len(tokens)))
+    tok = BUILDERS[model](meta, path, tokens, set(special) | set(added))
+    tk = _tokenizers()
+    if special:
+        tok.add_special_tokens([tk.AddedToken(t, normalized=False, special=True)
+                                for t in special])
+    if added:
+        tok.add_tokens([tk.AddedToken(t, normalized=False, special=False) for t in added])
+    if tok.get_vocab_size() != len(tokens):
+        raise TokenizerError(f"{path}: the vocabulary has {tok.get_vocab_size()} distinct "
+                             f"tokens, tokenizer.ggml.tokens {len(tokens)}")
+    return tok
+
+
+def _special_ids(meta: Dict[str, Any], path: Path) -> Dict[str, Optional[int]]:
+    """The ids of the bos, eos, unk and pad tokens (llama.cpp's defaults for a ``llama``
+    vocabulary: <s> 1, </s> 2)."""
+    spm = meta.get("tokenizer.ggml.model") == "llama"
+    size = len(meta.get("tokenizer.ggml.tokens") or [])
+    return {"bos": _special_id(meta, path, "bos", size, 1 if spm else None),
+            "eos": _special_id(meta, path, "eos", size, 2 if spm else None),
+            "unk": _special_id(meta, path, "unknown", size, None),
+            "pad": _special_id(meta, path, "padding", size, None)}
+
+
+def _chat(meta: Dict[str, Any], ids: Dict[str, Optional[int]]) -> Dict[str, Any]:
+    """The chat template and the texts of the special tokens, as ``load_model_template``."""
+    template = meta.get("tokenizer.chat_template")
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    return {"template": template if isinstance(template, str) and template else None,
+            **{f"{k}_token": tokens[v] for k, v in ids.items() if v is not None}}
+
+
+def read_chat(path: Path) -> Dict[str, Any]:
+    """The GGUF file's chat template (None when it has none) and special tokens' texts."""
+    meta = read_metadata(path)
+    return _chat(meta, _special_ids(meta, path))
+
+
+def read_vocab(path: Path) -> GGUFVocab:
+    """The tokenizer, special ids and prompt flags of the GGUF file ``path``: BOS before a
+    prompt as ``add_bos_token`` says, else for a ``llama`` vocabulary and the pre-tokenizers
+    of ``WHOLE_WORDS``; EOS after it only when ``add_eos_token`` says so."""
+    meta = read_metadata(path)
+    tok = build_tokenizer(meta, path)
+    ids = _special_ids(meta, path)
+    whole = meta.get("tokenizer.ggml.pre") in WHOLE_WORDS
+    add = {"bos": bool(meta.get("tokenizer.ggml.add_bos_token",
+                                meta["tokenizer.ggml.model"] == "llama" or whole)),
+           "eos": bool(meta.get("tokenizer.ggml.add_eos_token", False))}
+    for key, wanted in add.items():
+        if wanted and ids[key] is None:
+            raise TokenizerError(f"{path}: tokenizer.ggml.add_{key}_token is true but the file "
+                                 f"names no {key} token")
+    chat = _chat(meta, ids)
+    return GGUFVocab(tok, ids["bos"], ids["eos"], add["bos"], add["eos"],
+                     chat.pop("template"), chat)

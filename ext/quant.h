@@ -154,19 +154,46 @@ static const qm_dot_fn qm_scalar[QM_TYPES][QM_GROUP + 1] = {
 
 /* -- the vector paths ------------------------------------------------------------------- */
 
+typedef float qs_f8 __attribute__((vector_size(32)));
+typedef uint8_t qs_u8 __attribute__((vector_size(8)));
+typedef int8_t qs_i8 __attribute__((vector_size(8)));
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+typedef int32_t qs_i32 __attribute__((vector_size(32)));
 #define QS_ATTR __attribute__((target("avx2,fma,f16c")))
 #define QS(name) name##_avx2
 #define QS_HALF(p) _cvtsh_ss((unsigned short)((p)[0] | ((p)[1] << 8)))
+/* bytes to int32 first: GCC widens u8 to float directly one lane at a time */
+#define QS_WIDEN_U(v) __builtin_convertvector(__builtin_convertvector(v, qs_i32), qs_f8)
+#define QS_WIDEN_S(v) __builtin_convertvector(__builtin_convertvector(v, qs_i32), qs_f8)
 #include "quant_simd.h"
 #define QM_SIMD_NAME "avx2"
 #define QM_SIMD_TABLE qs_table_avx2
 #elif defined(__aarch64__) && defined(__GNUC__)
+#include <arm_neon.h>
 #define QS_ATTR
 #define QS(name) name##_neon
 static inline float qm_half_neon(const uint8_t *p) { __fp16 h; memcpy(&h, p, 2); return (float)h; }
+/* two NEON registers of four floats as one eight-lane vector */
+static inline qs_f8 qm_pair_neon(float32x4_t a, float32x4_t b) {
+    union { qs_f8 v; float32x4_t h[2]; } u;
+    u.h[0] = a; u.h[1] = b;
+    return u.v;
+}
+static inline qs_f8 qm_widen_u_neon(qs_u8 v) {
+    uint16x8_t h = vmovl_u8((uint8x8_t)v);
+    return qm_pair_neon(vcvtq_f32_u32(vmovl_u16(vget_low_u16(h))),
+                        vcvtq_f32_u32(vmovl_high_u16(h)));
+}
+static inline qs_f8 qm_widen_s_neon(qs_i8 v) {
+    int16x8_t h = vmovl_s8((int8x8_t)v);
+    return qm_pair_neon(vcvtq_f32_s32(vmovl_s16(vget_low_s16(h))),
+                        vcvtq_f32_s32(vmovl_high_s16(h)));
+}
 #define QS_HALF(p) qm_half_neon(p)
+#define QS_WIDEN_U(v) qm_widen_u_neon(v)
+#define QS_WIDEN_S(v) qm_widen_s_neon(v)
 #include "quant_simd.h"
 #define QM_SIMD_NAME "neon"
 #define QM_SIMD_TABLE qs_table_neon

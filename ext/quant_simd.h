@@ -1,21 +1,19 @@
 /* The vector path of ext/quant.h, written once in GCC vector extensions and included once per
  * instruction set with QS_ATTR (the target attribute), QS(name) (the suffixed name) and
- * QS_HALF(p) (an f16 at p as float) defined: AVX2+FMA+F16C on x86-64, NEON on aarch64.
+ * QS_HALF(p) (an f16 at p as float), QS_WIDEN_U(v) and QS_WIDEN_S(v) (eight unsigned or
+ * signed bytes as eight floats) defined: AVX2+FMA+F16C on x86-64, NEON on aarch64.
  *
  * Eight weights at a time are widened from their bytes to eight float32 lanes
- * (__builtin_convertvector: vpmovzxbd + vcvtdq2ps on AVX2, uxtl/sxtl + scvtf on NEON) and
+ * (vpmovzxbd + vcvtdq2ps on AVX2, uxtl/sxtl twice + ucvtf/scvtf on NEON) and
  * multiplied into per-block partial sums; a block's partial sum is scaled once into the row's
  * accumulator. Up to QM_GROUP activation rows share each widened weight. Each row's sums are
  * formed in the same order whatever R is, so a row's result does not depend on its batch.
  */
-typedef float qs_f8 __attribute__((vector_size(32)));
-typedef uint8_t qs_u8 __attribute__((vector_size(8)));
-typedef int8_t qs_i8 __attribute__((vector_size(8)));
 
 QS_ATTR static inline qs_f8 QS(qs_x)(const float *p) { qs_f8 v; memcpy(&v, p, 32); return v; }
 QS_ATTR static inline qs_u8 QS(qs_b)(const uint8_t *p) { qs_u8 v; memcpy(&v, p, 8); return v; }
-QS_ATTR static inline qs_f8 QS(qs_u)(qs_u8 v) { return __builtin_convertvector(v, qs_f8); }
-QS_ATTR static inline qs_f8 QS(qs_s)(qs_i8 v) { return __builtin_convertvector(v, qs_f8); }
+QS_ATTR static inline qs_f8 QS(qs_u)(qs_u8 v) { return QS_WIDEN_U(v); }
+QS_ATTR static inline qs_f8 QS(qs_s)(qs_i8 v) { return QS_WIDEN_S(v); }
 
 QS_ATTR static inline float QS(qs_lanes)(qs_f8 v) {
     float s = 0.0f;

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .quant import TYPES, check_matmul, check_rows, dequantize
+from .quant import KERNEL_TYPES, TYPES, check_matmul, check_rows, dequantize  # noqa: F401  (API)
 
 TILE_BYTES = 1 << 20  # quantized bytes de-quantized per step of ``matmul``
 

@@ -145,7 +145,8 @@ static inline void qm_dot_scalar(int type, const uint8_t *w, const float *x, ptr
         (void)xs;                                                                          \
         qm_dot_scalar(T, w, x, k, R, s);                                                   \
     }
-#define QM_SCALAR_TYPE(T) QM_SCALAR_FN(T, 1) QM_SCALAR_FN(T, 2) QM_SCALAR_FN(T, 3) QM_SCALAR_FN(T, 4)
+#define QM_SCALAR_TYPE(T) \
+    QM_SCALAR_FN(T, 1) QM_SCALAR_FN(T, 2) QM_SCALAR_FN(T, 3) QM_SCALAR_FN(T, 4)
 QM_SCALAR_TYPE(0) QM_SCALAR_TYPE(1) QM_SCALAR_TYPE(2) QM_SCALAR_TYPE(3) QM_SCALAR_TYPE(4)
 #define QM_SCALAR_ROW(T) {NULL, qm_scalar_##T##_1, qm_scalar_##T##_2, qm_scalar_##T##_3, \
                           qm_scalar_##T##_4}
@@ -155,18 +156,17 @@ static const qm_dot_fn qm_scalar[QM_TYPES][QM_GROUP + 1] = {
 /* -- the vector paths ------------------------------------------------------------------- */
 
 typedef float qs_f8 __attribute__((vector_size(32)));
-typedef uint8_t qs_u8 __attribute__((vector_size(8)));
-typedef int8_t qs_i8 __attribute__((vector_size(8)));
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
-typedef int32_t qs_i32 __attribute__((vector_size(32)));
 #define QS_ATTR __attribute__((target("avx2,fma,f16c")))
 #define QS(name) name##_avx2
 #define QS_HALF(p) _cvtsh_ss((unsigned short)((p)[0] | ((p)[1] << 8)))
-/* bytes to int32 first: GCC widens u8 to float directly one lane at a time */
-#define QS_WIDEN_U(v) __builtin_convertvector(__builtin_convertvector(v, qs_i32), qs_f8)
-#define QS_WIDEN_S(v) __builtin_convertvector(__builtin_convertvector(v, qs_i32), qs_f8)
+/* (GCC's __builtin_convertvector widens bytes to floats one lane at a time) */
+#define QS_WIDEN_U(v) ((qs_f8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32( \
+    _mm_cvtsi64_si128((long long)(v)))))
+#define QS_WIDEN_S(v, off) ((qs_f8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32( \
+    _mm_sub_epi8(_mm_cvtsi64_si128((long long)(v)), _mm_set1_epi8((char)(off))))))
 #include "quant_simd.h"
 #define QM_SIMD_NAME "avx2"
 #define QM_SIMD_TABLE qs_table_avx2
@@ -181,19 +181,19 @@ static inline qs_f8 qm_pair_neon(float32x4_t a, float32x4_t b) {
     u.h[0] = a; u.h[1] = b;
     return u.v;
 }
-static inline qs_f8 qm_widen_u_neon(qs_u8 v) {
-    uint16x8_t h = vmovl_u8((uint8x8_t)v);
+static inline qs_f8 qm_widen_u_neon(uint64_t v) {
+    uint16x8_t h = vmovl_u8(vcreate_u8(v));
     return qm_pair_neon(vcvtq_f32_u32(vmovl_u16(vget_low_u16(h))),
                         vcvtq_f32_u32(vmovl_high_u16(h)));
 }
-static inline qs_f8 qm_widen_s_neon(qs_i8 v) {
-    int16x8_t h = vmovl_s8((int8x8_t)v);
+static inline qs_f8 qm_widen_s_neon(uint64_t v, int off) {
+    int16x8_t h = vmovl_s8(vsub_s8(vcreate_s8(v), vdup_n_s8((int8_t)off)));
     return qm_pair_neon(vcvtq_f32_s32(vmovl_s16(vget_low_s16(h))),
                         vcvtq_f32_s32(vmovl_high_s16(h)));
 }
 #define QS_HALF(p) qm_half_neon(p)
 #define QS_WIDEN_U(v) qm_widen_u_neon(v)
-#define QS_WIDEN_S(v) qm_widen_s_neon(v)
+#define QS_WIDEN_S(v, off) qm_widen_s_neon(v, off)
 #include "quant_simd.h"
 #define QM_SIMD_NAME "neon"
 #define QM_SIMD_TABLE qs_table_neon

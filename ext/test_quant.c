@@ -3,8 +3,9 @@
  * random blocks whose f16 scales are finite. Prints one line per type and exits non-zero on
  * a mismatch or where this CPU has no vector path (nothing would have been compared).
  *
- *   aarch64-linux-gnu-gcc -O2 -Iext -o test_quant ext/test_quant.c && qemu-aarch64-static ./test_quant
- *   gcc -O2 -Iext -o test_quant ext/test_quant.c && ./test_quant
+ *   aarch64-linux-gnu-gcc -O2 -Iext -o test_quant ext/test_quant.c -lm
+ *   qemu-aarch64-static -L /usr/aarch64-linux-gnu ./test_quant
+ *   gcc -O2 -Iext -o test_quant ext/test_quant.c -lm && ./test_quant
  * (tests/test_quant.py runs both.)
  */
 #include <math.h>
@@ -23,7 +24,8 @@ static uint32_t rng(void) {  /* xorshift32 */
 
 static float uniform(void) { return (float)(rng() >> 8) / 16777216.0f * 2.0f - 1.0f; }
 
-/* The f16 bits of a normal small number (0.001 <= |v| < 0.06), by hand: sign, exponent, 10 mantissa bits. */
+/* The f16 bits of a normal small number (0.001 <= |v| < 0.06), by hand: sign, exponent,
+   10 mantissa bits. */
 static void put_half(uint8_t *p, float v) {
     uint16_t h = 0;
     if (v != 0.0f) {
@@ -44,8 +46,10 @@ static int check(int type, int k, int rows, uint8_t *w, float *x, float *xs, int
     for (int i = 0; i < n * k / qm_block[type] * bb; i++) w[i] = (uint8_t)rng();
     for (int b = 0; b < nbl; b++)
         for (int s = 0; s < 2; s++)
-            if (scale_at[type][s] >= 0) put_half(w + b * bb + scale_at[type][s],
-                                           (0.001f + 0.05f * fabsf(uniform())) * (rng() & 1 ? 1 : -1));
+            if (scale_at[type][s] >= 0) {
+                float v = (0.001f + 0.05f * fabsf(uniform())) * (rng() & 1 ? 1.0f : -1.0f);
+                put_half(w + b * bb + scale_at[type][s], v);
+            }
     for (int i = 0; i < rows * k; i++) x[i] = uniform();
     qm_xsum(x, k, rows, xs);
     qm_use_simd(1);

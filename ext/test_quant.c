@@ -1,6 +1,7 @@
 /* The vector path of ext/quant.h (NEON on aarch64, AVX2 on x86-64) against its scalar
  * reference, outside Python: every type, rows 1..8, widths of one and several blocks, on
- * random blocks whose f16 scales are finite. Prints one line per type and exits non-zero on
+ * random blocks whose f16 scales are finite; and qm_rows_team (the entry for a parallel region
+ * already running, here without OpenMP) against qm_rows. Prints one line per type and exits non-zero on
  * a mismatch or where this CPU has no vector path (nothing would have been compared).
  *
  *   aarch64-linux-gnu-gcc -O2 -Iext -o test_quant ext/test_quant.c -lm
@@ -54,6 +55,17 @@ static int check(int type, int k, int rows, uint8_t *w, float *x, float *xs, int
     qm_xsum(x, k, rows, xs);
     qm_use_simd(1);
     qm_rows(type, w, x, got, n, k, rows, 1);
+    {  /* the in-region entry: base + x W^T, the same sums */
+        float base[8 * 4], team[8 * 4];
+        for (int i = 0; i < rows * n; i++) base[i] = uniform();
+        qm_rows_team(type, w, x, qm_needs_xsum(type) ? xs : NULL, team, base, n, k, rows);
+        for (int i = 0; i < rows * n; i++)
+            if (team[i] != base[i] + got[i]) {
+                printf("type %d k %d rows %d output %d: team %g, not %g + %g\n", type, k,
+                       rows, i, team[i], base[i], got[i]);
+                return 1;
+            }
+    }
     qm_use_simd(0);
     qm_rows(type, w, x, want, n, k, rows, 1);
     for (int i = 0; i < rows * n; i++) {

@@ -28,6 +28,12 @@ static const int qm_block_bytes[QM_TYPES] = {34, 18, 20, 144, 210};  /* bytes pe
 #define QM_GROUP 4           /* activation rows per pass over a weight row */
 #define QM_COLS_PER_TASK 16  /* output columns per OpenMP task */
 #define QM_SUB 32            /* activations summed per entry of qm_xsum */
+/* A weight row QM_AHEAD_ROWS ahead is prefetched by hand while the rows between are short
+   (QM_AHEAD_ROWS rows under QM_PREFETCH_BELOW bytes): the CPU's own prefetcher follows a
+   short stretch badly (as ext/matvec.h found). Reading past the matrix's end is harmless
+   (a prefetch does not fault). */
+#define QM_AHEAD_ROWS 8
+#define QM_PREFETCH_BELOW 16384
 
 /* One weight row against R activation rows (x rows of k floats, xs rows of k / QM_SUB sums):
    s[r] = sum_i W[i] x[r][i]. */
@@ -156,17 +162,16 @@ static const qm_dot_fn qm_scalar[QM_TYPES][QM_GROUP + 1] = {
 /* -- the vector paths ------------------------------------------------------------------- */
 
 typedef float qs_f8 __attribute__((vector_size(32)));
+typedef int32_t qs_i32 __attribute__((vector_size(32)));
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define QS_ATTR __attribute__((target("avx2,fma,f16c")))
 #define QS(name) name##_avx2
 #define QS_HALF(p) _cvtsh_ss((unsigned short)((p)[0] | ((p)[1] << 8)))
-/* (GCC's __builtin_convertvector widens bytes to floats one lane at a time) */
-#define QS_WIDEN_U(v) ((qs_f8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32( \
-    _mm_cvtsi64_si128((long long)(v)))))
-#define QS_WIDEN_S(v, off) ((qs_f8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32( \
-    _mm_sub_epi8(_mm_cvtsi64_si128((long long)(v)), _mm_set1_epi8((char)(off))))))
+#define QS_BYTES_U(p) ((qs_i32)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define QS_BYTES_S(p) ((qs_i32)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define QS_FLOAT(v) __builtin_convertvector(v, qs_f8)
 #include "quant_simd.h"
 #define QM_SIMD_NAME "avx2"
 #define QM_SIMD_TABLE qs_table_avx2
@@ -175,25 +180,30 @@ typedef float qs_f8 __attribute__((vector_size(32)));
 #define QS_ATTR
 #define QS(name) name##_neon
 static inline float qm_half_neon(const uint8_t *p) { __fp16 h; memcpy(&h, p, 2); return (float)h; }
-/* two NEON registers of four floats as one eight-lane vector */
-static inline qs_f8 qm_pair_neon(float32x4_t a, float32x4_t b) {
-    union { qs_f8 v; float32x4_t h[2]; } u;
-    u.h[0] = a; u.h[1] = b;
+/* two NEON registers of four lanes as one eight-lane vector, and back (GCC converts a
+   generic eight-lane vector one lane at a time) */
+typedef union { qs_i32 v; int32x4_t h[2]; } qm_i32_neon;
+typedef union { qs_f8 v; float32x4_t h[2]; } qm_f8_neon;
+static inline qs_i32 qm_bytes_u_neon(const uint8_t *p) {
+    uint16x8_t h = vmovl_u8(vld1_u8(p));
+    qm_i32_neon u = {.h = {vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(h))),
+                           vreinterpretq_s32_u32(vmovl_high_u16(h))}};
     return u.v;
 }
-static inline qs_f8 qm_widen_u_neon(uint64_t v) {
-    uint16x8_t h = vmovl_u8(vcreate_u8(v));
-    return qm_pair_neon(vcvtq_f32_u32(vmovl_u16(vget_low_u16(h))),
-                        vcvtq_f32_u32(vmovl_high_u16(h)));
+static inline qs_i32 qm_bytes_s_neon(const uint8_t *p) {
+    int16x8_t h = vmovl_s8(vld1_s8((const int8_t *)p));
+    qm_i32_neon u = {.h = {vmovl_s16(vget_low_s16(h)), vmovl_high_s16(h)}};
+    return u.v;
 }
-static inline qs_f8 qm_widen_s_neon(uint64_t v, int off) {
-    int16x8_t h = vmovl_s8(vsub_s8(vcreate_s8(v), vdup_n_s8((int8_t)off)));
-    return qm_pair_neon(vcvtq_f32_s32(vmovl_s16(vget_low_s16(h))),
-                        vcvtq_f32_s32(vmovl_high_s16(h)));
+static inline qs_f8 qm_float_neon(qs_i32 v) {
+    qm_i32_neon in = {.v = v};
+    qm_f8_neon out = {.h = {vcvtq_f32_s32(in.h[0]), vcvtq_f32_s32(in.h[1])}};
+    return out.v;
 }
 #define QS_HALF(p) qm_half_neon(p)
-#define QS_WIDEN_U(v) qm_widen_u_neon(v)
-#define QS_WIDEN_S(v, off) qm_widen_s_neon(v, off)
+#define QS_BYTES_U(p) qm_bytes_u_neon(p)
+#define QS_BYTES_S(p) qm_bytes_s_neon(p)
+#define QS_FLOAT(v) qm_float_neon(v)
 #include "quant_simd.h"
 #define QM_SIMD_NAME "neon"
 #define QM_SIMD_TABLE qs_table_neon
@@ -255,6 +265,10 @@ static inline void qm_range(int type, const uint8_t *w, const float *x, const fl
         int R = rows - r0 < QM_GROUP ? rows - r0 : QM_GROUP;
         qm_dot_fn dot = qm_fns[type][R];
         for (ptrdiff_t j = j0; j < j1; j++) {
+            if (r0 == 0 && rb * QM_AHEAD_ROWS < QM_PREFETCH_BELOW) {  /* see QM_AHEAD_ROWS */
+                const char *ahead = (const char *)(w + (j + QM_AHEAD_ROWS) * rb);
+                for (ptrdiff_t i = 0; i < rb; i += 64) __builtin_prefetch(ahead + i);
+            }
             dot(w + j * rb, x + r0 * k, xs ? xs + r0 * nb : NULL, k, s);
             for (int r = 0; r < R; r++) {
                 ptrdiff_t at = (r0 + r) * n + j;

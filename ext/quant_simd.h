@@ -1,29 +1,25 @@
 /* The vector path of ext/quant.h, written once in GCC vector extensions and included once per
  * instruction set with QS_ATTR (the target attribute), QS(name) (the suffixed name) and
- * QS_HALF(p) (an f16 at p as float), QS_WIDEN_U(v) and QS_WIDEN_S(v, off) (the eight bytes
- * of a 64-bit word as eight floats, unsigned, or signed less off) defined: AVX2+FMA+F16C
- * on x86-64, NEON on aarch64.
+ * QS_HALF(p) (an f16 at p as float), QS_BYTES_U(p) and QS_BYTES_S(p) (the eight bytes at p
+ * as eight int32 lanes, unsigned or signed) and QS_FLOAT(v) (int32 lanes to float) defined:
+ * AVX2+FMA+F16C on x86-64, NEON on aarch64.
  *
  * Eight weights at a time are widened from their bytes to eight float32 lanes
- * (vpmovzxbd + vcvtdq2ps on AVX2, uxtl/sxtl twice + ucvtf/scvtf on NEON) and
+ * (vpmovzxbd + vcvtdq2ps on AVX2, uxtl/sxtl twice + scvtf on NEON) and
  * multiplied into per-block partial sums; a block's partial sum is scaled once into the row's
  * accumulator. Up to QM_GROUP activation rows share each widened weight. Each row's sums are
  * formed in the same order whatever R is, so a row's result does not depend on its batch.
  */
 
 QS_ATTR static inline qs_f8 QS(qs_x)(const float *p) { qs_f8 v; memcpy(&v, p, 32); return v; }
-/* Nibbles and bit fields are cut from eight bytes held as one 64-bit word (x86 has no
-   byte-wise vector shift: GCC would shift each byte on its own), then widened to floats. */
-#define QS_NIB 0x0F0F0F0F0F0F0F0FULL
-#define QS_BYTES(m) (0x0101010101010101ULL * (m))
-QS_ATTR static inline uint64_t QS(qs_word)(const uint8_t *p) {
-    uint64_t v;
-    memcpy(&v, p, 8);
-    return v;
-}
-/* Eight bytes (a 64-bit word) as eight floats: unsigned, or signed less `off`. */
-QS_ATTR static inline qs_f8 QS(qs_u)(uint64_t v) { return QS_WIDEN_U(v); }
-QS_ATTR static inline qs_f8 QS(qs_s)(uint64_t v, int off) { return QS_WIDEN_S(v, off); }
+/* Eight bytes at p widened to eight int32 lanes first (one vpmovzxbd from memory on AVX2:
+   one shuffle for sixteen nibbles), then cut into nibbles and bit fields with 32-bit lane
+   operations, then converted to float. */
+QS_ATTR static inline qs_i32 QS(qs_bu)(const uint8_t *p) { return QS_BYTES_U(p); }
+QS_ATTR static inline qs_i32 QS(qs_bs)(const uint8_t *p) { return QS_BYTES_S(p); }
+QS_ATTR static inline qs_f8 QS(qs_f)(qs_i32 v) { return QS_FLOAT(v); }
+
+QS_ATTR static inline qs_f8 QS(qs_splat)(float v) { return (qs_f8){v, v, v, v, v, v, v, v}; }
 
 QS_ATTR static inline float QS(qs_lanes)(qs_f8 v) {
     float s = 0.0f;
@@ -44,8 +40,8 @@ QS_ALWAYS void QS(qs_q8_0)(const uint8_t *w, const float *x, ptrdiff_t k, float 
     qs_f8 acc[QM_GROUP] = {{0}};
     for (ptrdiff_t b = 0; b < k / 32; b++) {
         const uint8_t *blk = w + b * 34;
-        qs_f8 f[4], d = (qs_f8){0} + QS_HALF(blk);
-        for (int t = 0; t < 4; t++) f[t] = QS(qs_s)(QS(qs_word)(blk + 2 + 8 * t), 0);
+        qs_f8 f[4], d = QS(qs_splat)(QS_HALF(blk));
+        for (int t = 0; t < 4; t++) f[t] = QS(qs_f)(QS(qs_bs)(blk + 2 + 8 * t));
         for (int r = 0; r < R; r++) acc[r] += d * QS(qs_dot32)(f, x + r * k + b * 32);
     }
     for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(acc[r]);
@@ -55,10 +51,10 @@ QS_ALWAYS void QS(qs_q4_0)(const uint8_t *w, const float *x, ptrdiff_t k, float 
     qs_f8 acc[QM_GROUP] = {{0}};
     for (ptrdiff_t b = 0; b < k / 32; b++) {
         const uint8_t *blk = w + b * 18;
-        uint64_t lo = QS(qs_word)(blk + 2), hi = QS(qs_word)(blk + 10);
-        qs_f8 f[4], d = (qs_f8){0} + QS_HALF(blk);
-        f[0] = QS(qs_s)(lo & QS_NIB, 8); f[1] = QS(qs_s)(hi & QS_NIB, 8);
-        f[2] = QS(qs_s)((lo >> 4) & QS_NIB, 8); f[3] = QS(qs_s)((hi >> 4) & QS_NIB, 8);
+        qs_i32 a = QS(qs_bu)(blk + 2), c = QS(qs_bu)(blk + 10);
+        qs_f8 f[4], d = QS(qs_splat)(QS_HALF(blk));
+        f[0] = QS(qs_f)((a & 15) - 8); f[1] = QS(qs_f)((c & 15) - 8);
+        f[2] = QS(qs_f)((a >> 4) - 8); f[3] = QS(qs_f)((c >> 4) - 8);
         for (int r = 0; r < R; r++) acc[r] += d * QS(qs_dot32)(f, x + r * k + b * 32);
     }
     for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(acc[r]);
@@ -72,11 +68,11 @@ QS_ALWAYS void QS(qs_q4_1)(const uint8_t *w, const float *x, const float *xs, pt
     ptrdiff_t nb = k / 32;
     for (ptrdiff_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * 20;
-        uint64_t lo = QS(qs_word)(blk + 4), hi = QS(qs_word)(blk + 12);
-        qs_f8 f[4], d = (qs_f8){0} + QS_HALF(blk);
+        qs_i32 a = QS(qs_bu)(blk + 4), c = QS(qs_bu)(blk + 12);
+        qs_f8 f[4], d = QS(qs_splat)(QS_HALF(blk));
         float m = QS_HALF(blk + 2);
-        f[0] = QS(qs_u)(lo & QS_NIB); f[1] = QS(qs_u)(hi & QS_NIB);
-        f[2] = QS(qs_u)((lo >> 4) & QS_NIB); f[3] = QS(qs_u)((hi >> 4) & QS_NIB);
+        f[0] = QS(qs_f)(a & 15); f[1] = QS(qs_f)(c & 15);
+        f[2] = QS(qs_f)(a >> 4); f[3] = QS(qs_f)(c >> 4);
         for (int r = 0; r < R; r++) {
             acc[r] += d * QS(qs_dot32)(f, x + r * k + b * 32);
             mins[r] += m * xs[r * nb + b];
@@ -99,11 +95,11 @@ QS_ALWAYS void QS(qs_q4_k)(const uint8_t *w, const float *x, const float *xs, pt
             int sc0, m0, sc1, m1;
             qm_scale_min_k4(2 * c, blk + 4, &sc0, &m0);
             qm_scale_min_k4(2 * c + 1, blk + 4, &sc1, &m1);
-            qs_f8 lo[4], hi[4], d0 = (qs_f8){0} + d * sc0, d1 = (qs_f8){0} + d * sc1;
+            qs_f8 lo[4], hi[4], d0 = QS(qs_splat)(d * sc0), d1 = QS(qs_splat)(d * sc1);
             for (int t = 0; t < 4; t++) {
-                uint64_t q = QS(qs_word)(blk + 16 + 32 * c + 8 * t);
-                lo[t] = QS(qs_u)(q & QS_NIB);
-                hi[t] = QS(qs_u)((q >> 4) & QS_NIB);
+                qs_i32 q = QS(qs_bu)(blk + 16 + 32 * c + 8 * t);
+                lo[t] = QS(qs_f)(q & 15);
+                hi[t] = QS(qs_f)(q >> 4);
             }
             float dm0 = dmin * m0, dm1 = dmin * m1;
             for (int r = 0; r < R; r++) {
@@ -133,18 +129,17 @@ QS_ALWAYS void QS(qs_q6_k)(const uint8_t *w, const float *x, ptrdiff_t k, float 
             for (int l = 0; l < 32; l += 16) {
                 qs_f8 f[4][2];  /* [quarter][eight of sixteen] */
                 for (int e = 0; e < 2; e++) {
-                    uint64_t a = QS(qs_word)(ql + l + 8 * e);
-                    uint64_t c = QS(qs_word)(ql + l + 32 + 8 * e);
-                    uint64_t h = QS(qs_word)(qh + l + 8 * e), top = QS_BYTES(0x30);
-                    f[0][e] = QS(qs_s)((a & QS_NIB) | ((h << 4) & top), 32);
-                    f[1][e] = QS(qs_s)((c & QS_NIB) | ((h << 2) & top), 32);
-                    f[2][e] = QS(qs_s)(((a >> 4) & QS_NIB) | (h & top), 32);
-                    f[3][e] = QS(qs_s)(((c >> 4) & QS_NIB) | ((h >> 2) & top), 32);
+                    qs_i32 a = QS(qs_bu)(ql + l + 8 * e), c = QS(qs_bu)(ql + l + 32 + 8 * e);
+                    qs_i32 h = QS(qs_bu)(qh + l + 8 * e);
+                    f[0][e] = QS(qs_f)(((a & 15) | ((h & 3) << 4)) - 32);
+                    f[1][e] = QS(qs_f)(((c & 15) | ((h & 12) << 2)) - 32);
+                    f[2][e] = QS(qs_f)(((a >> 4) | (h & 48)) - 32);
+                    f[3][e] = QS(qs_f)(((c >> 4) | ((h & 192) >> 2)) - 32);
                 }
                 for (int r = 0; r < R; r++) {
                     const float *xr = x + r * k + b * 256 + 128 * half + l;
                     for (int q = 0; q < 4; q++) {
-                        qs_f8 ds = (qs_f8){0} + d * sc[l / 16 + 2 * q];
+                        qs_f8 ds = QS(qs_splat)(d * sc[l / 16 + 2 * q]);
                         acc[r] += ds * (f[q][0] * QS(qs_x)(xr + 32 * q)
                                         + f[q][1] * QS(qs_x)(xr + 32 * q + 8));
                     }

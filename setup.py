@@ -36,12 +36,13 @@ def _owner(pyx):
 
 
 def _extension(pyx):
-    """ext/_cmatvec.pyx and ext/_cstep.pyx (kernels in ext/matvec.h, ext/step.h) run threads
-    with OpenMP; the others not."""
+    """ext/_cmatvec.pyx, ext/_cstep.pyx and ext/_cquant.pyx (kernels in ext/matvec.h,
+    ext/step.h, ext/quant.h) run threads with OpenMP; the others not."""
     name = _owner(pyx) + "." + os.path.basename(pyx)[:-4]
     flags = ["-O3", "-Wno-psabi"]
-    if name.endswith(("._cmatvec", "._cstep")):
-        headers = [os.path.join("ext", h) for h in ("matvec.h", "step.h")]
+    if name.endswith(("._cmatvec", "._cstep", "._cquant")):
+        headers = [os.path.join("ext", h) for h in ("matvec.h", "step.h", "quant.h",
+                                                    "quant_simd.h")]
         return Extension(name, [pyx], include_dirs=["ext"], depends=headers,
                          extra_compile_args=flags + ["-fopenmp"], extra_link_args=["-fopenmp"])
     return Extension(name, [pyx], extra_compile_args=flags)

@@ -14,7 +14,7 @@ from types import ModuleType
 from typing import List, Optional
 
 TWINNED = {"framing": "mdiedge.runtime", "codec": "mdiedge.runtime", "matvec": "mdiedge.model",
-           "step": "mdiedge.model"}
+           "step": "mdiedge.model", "quant": "mdiedge.model"}
 
 
 def extensions_disabled() -> bool:

@@ -27,6 +27,11 @@ class CheckpointError(MdiedgeError):
     """A checkpoint file is missing, truncated, or lacks a tensor of the right shape."""
 
 
+class QuantError(CheckpointError, ValueError):
+    """Quantized weights that cannot be used: an unknown type, a width that is not a whole number
+    of blocks, rows of the wrong byte length, a block whose scale is not a finite number."""
+
+
 class TokenizerError(MdiedgeError):
     """A tokenizer file is missing or unusable."""
 

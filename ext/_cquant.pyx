@@ -1,0 +1,60 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Products with quantized weights, compiled: the twin of ``mdiedge/model/_pyquant.py`` with the
+same API. The kernels are ``ext/quant.h``: float32 arithmetic with each block's quants widened
+in registers, a scalar reference and a vector path (AVX2+FMA+F16C on x86-64, NEON on aarch64)
+chosen at import, OpenMP threads over the output columns, the GIL released. Arguments are
+checked by ``mdiedge.model.quant`` (one line each, ``QuantError``)."""
+from mdiedge.model.quant import KERNEL_TYPES, check_matmul, check_rows
+
+cdef extern from "quant.h" nogil:
+    void qm_init()
+    const char *qm_use_simd(int on)
+    int qm_rows(int type, const unsigned char *w, const float *x, float *y, Py_ssize_t n,
+                Py_ssize_t k, int rows, int threads)
+    void qm_dequant(int type, const unsigned char *w, Py_ssize_t k, Py_ssize_t count,
+                    float *out, int threads)
+
+qm_init()
+_CODE = {name: i for i, name in enumerate(("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"))}
+assert set(_CODE) == set(KERNEL_TYPES)
+_path = qm_use_simd(1).decode()
+
+
+def simd_path():
+    """The kernels in use: "avx2", "neon" or "scalar" (the plain reference)."""
+    return _path
+
+
+def set_simd(on):
+    """Use the vector kernels (where this CPU has them) or, ``on`` false, the scalar
+    reference; returns ``simd_path()``. Not while a product runs (tests, benchmarks)."""
+    global _path
+    _path = qm_use_simd(1 if on else 0).decode()
+    return _path
+
+
+def matmul(x, w, qtype, out, int threads=1):
+    """out = x @ W^T with W the de-quantized ``w`` (uint8 (n, row_bytes)) of type ``qtype``;
+    x float32 (rows, in), out float32 (rows, n); returns out."""
+    t = check_matmul(x, w, qtype, out, threads)
+    cdef int code = _CODE[t.name], rows = x.shape[0], status
+    cdef size_t w_ptr = w.data_ptr(), x_ptr = x.data_ptr(), y_ptr = out.data_ptr()
+    cdef Py_ssize_t n = w.shape[0], k = x.shape[1]
+    with nogil:
+        status = qm_rows(code, <const unsigned char *>w_ptr, <const float *>x_ptr,
+                         <float *>y_ptr, n, k, rows, threads)
+    if status:
+        raise MemoryError(f"no memory for the sums of {rows} rows of {k}")
+    return out
+
+
+def dequantize_rows(w, qtype, first, count, out, int threads=1):
+    """out (count, in) float32 = rows [first, first + count) of ``w`` de-quantized; returns
+    out."""
+    t = check_rows(w, qtype, first, count, out, threads)
+    cdef int code = _CODE[t.name]
+    cdef size_t w_ptr = w.data_ptr() + first * w.shape[1], y_ptr = out.data_ptr()
+    cdef Py_ssize_t k = out.shape[1], c = count
+    with nogil:
+        qm_dequant(code, <const unsigned char *>w_ptr, k, c, <float *>y_ptr, threads)
+    return out

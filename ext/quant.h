@@ -1,0 +1,323 @@
+/* Products y = x W^T with W held in ggml's quantized blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; the
+ * layouts are described in mdiedge/model/quant.py), x (rows, k) and y (rows, n) float32.
+ *
+ * Arithmetic is float32 only (the Jetson rule): each block's quants are widened to float32
+ * in registers and multiplied with the float32 activations; nothing is rounded to int8 and no
+ * integer dot product is taken (llama.cpp's CPU path quantizes the activations instead). A
+ * block's scale is applied once to the block's partial sum, d * sum(q * x) rather than
+ * sum((d * q) * x); a block's minimum (Q4_1, Q4_K) is applied to the sum of the activations
+ * under the block, computed once per call (qm_xsum).
+ *
+ * Per type there is a plain scalar reference (qm_dot_scalar: the block de-quantized as
+ * ggml's dequantize_row_<type> does, then a sequential dot product) and a vector path written
+ * once in GCC vector extensions (quant_simd.h), compiled for AVX2+FMA+F16C on x86-64 and for
+ * NEON on aarch64; qm_init picks the vector path where the CPU has it, qm_use_simd(0) forces
+ * the scalar one (tests compare them). Threads (OpenMP) split the output columns; every
+ * output is computed in the same order whatever the rows beside it or the thread count.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { QM_Q8_0, QM_Q4_0, QM_Q4_1, QM_Q4_K, QM_Q6_K, QM_TYPES };
+
+static const int qm_block[QM_TYPES] = {32, 32, 32, 256, 256};        /* weights per block */
+static const int qm_block_bytes[QM_TYPES] = {34, 18, 20, 144, 210};  /* bytes per block */
+
+#define QM_GROUP 4           /* activation rows per pass over a weight row */
+#define QM_COLS_PER_TASK 16  /* output columns per OpenMP task */
+#define QM_SUB 32            /* activations summed per entry of qm_xsum */
+/* A weight row QM_AHEAD_ROWS ahead is prefetched by hand while the rows between are short
+   (QM_AHEAD_ROWS rows under QM_PREFETCH_BELOW bytes): the CPU's own prefetcher follows a
+   short stretch badly (as ext/matvec.h found). Reading past the matrix's end is harmless
+   (a prefetch does not fault). */
+#define QM_AHEAD_ROWS 8
+#define QM_PREFETCH_BELOW 16384
+
+/* One weight row against R activation rows (x rows of k floats, xs rows of k / QM_SUB sums):
+   s[r] = sum_i W[i] x[r][i]. */
+typedef void (*qm_dot_fn)(const uint8_t *w, const float *x, const float *xs, ptrdiff_t k,
+                          float *s);
+
+/* An IEEE half at p (little-endian) as float, exactly, in portable C. */
+static inline float qm_half(const uint8_t *p) {
+    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+    uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else {  /* zero or subnormal: man * 2^-24 */
+        float f = (float)man * 5.9604644775390625e-8f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Q4_K's j-th 6-bit scale and min of a block's 12 packed bytes (ggml's get_scale_min_k4). */
+static inline void qm_scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63; *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* -- the scalar reference: one block de-quantized as ggml's dequantize_row_<type> --------- */
+
+static void qm_deq_q8_0(const uint8_t *b, float *y) {
+    float d = qm_half(b);
+    for (int i = 0; i < 32; i++) y[i] = d * (float)(int8_t)b[2 + i];
+}
+
+static void qm_deq_q4_0(const uint8_t *b, float *y) {
+    float d = qm_half(b);
+    for (int i = 0; i < 16; i++) {
+        y[i] = d * (float)((b[2 + i] & 0xF) - 8);
+        y[i + 16] = d * (float)((b[2 + i] >> 4) - 8);
+    }
+}
+
+static void qm_deq_q4_1(const uint8_t *b, float *y) {
+    float d = qm_half(b), m = qm_half(b + 2);
+    for (int i = 0; i < 16; i++) {
+        y[i] = d * (float)(b[4 + i] & 0xF) + m;
+        y[i + 16] = d * (float)(b[4 + i] >> 4) + m;
+    }
+}
+
+static void qm_deq_q4_k(const uint8_t *b, float *y) {
+    float d = qm_half(b), dmin = qm_half(b + 2);
+    const uint8_t *scales = b + 4, *q = b + 16;
+    for (int j = 0; j < 4; j++, q += 32, y += 64) {
+        int sc, m;
+        qm_scale_min_k4(2 * j, scales, &sc, &m);
+        float d1 = d * sc, m1 = dmin * m;
+        qm_scale_min_k4(2 * j + 1, scales, &sc, &m);
+        float d2 = d * sc, m2 = dmin * m;
+        for (int l = 0; l < 32; l++) y[l] = d1 * (float)(q[l] & 0xF) - m1;
+        for (int l = 0; l < 32; l++) y[32 + l] = d2 * (float)(q[l] >> 4) - m2;
+    }
+}
+
+static void qm_deq_q6_k(const uint8_t *b, float *y) {
+    float d = qm_half(b + 208);
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, y += 128) {
+        for (int l = 0; l < 32; l++) {
+            int is = l / 16;
+            int q1 = (int)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+            int q2 = (int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+            int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+            int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+            y[l] = d * sc[is] * q1;
+            y[l + 32] = d * sc[is + 2] * q2;
+            y[l + 64] = d * sc[is + 4] * q3;
+            y[l + 96] = d * sc[is + 6] * q4;
+        }
+    }
+}
+
+typedef void (*qm_deq_fn)(const uint8_t *, float *);
+static const qm_deq_fn qm_deq[QM_TYPES] = {qm_deq_q8_0, qm_deq_q4_0, qm_deq_q4_1, qm_deq_q4_k,
+                                            qm_deq_q6_k};
+
+/* The reference dot of one weight row with R activation rows. */
+static inline void qm_dot_scalar(int type, const uint8_t *w, const float *x, ptrdiff_t k,
+                                 int R, float *s) {
+    float block[256];
+    int bk = qm_block[type], bb = qm_block_bytes[type];
+    for (int r = 0; r < R; r++) s[r] = 0.0f;
+    for (ptrdiff_t b = 0; b < k / bk; b++) {
+        qm_deq[type](w + b * bb, block);
+        for (int r = 0; r < R; r++) {
+            const float *xr = x + r * k + b * bk;
+            float acc = s[r];
+            for (int i = 0; i < bk; i++) acc += block[i] * xr[i];
+            s[r] = acc;
+        }
+    }
+}
+
+#define QM_SCALAR_FN(T, R)                                                                  \
+    static void qm_scalar_##T##_##R(const uint8_t *w, const float *x, const float *xs,     \
+                                    ptrdiff_t k, float *s) {                               \
+        (void)xs;                                                                          \
+        qm_dot_scalar(T, w, x, k, R, s);                                                   \
+    }
+#define QM_SCALAR_TYPE(T) \
+    QM_SCALAR_FN(T, 1) QM_SCALAR_FN(T, 2) QM_SCALAR_FN(T, 3) QM_SCALAR_FN(T, 4)
+QM_SCALAR_TYPE(0) QM_SCALAR_TYPE(1) QM_SCALAR_TYPE(2) QM_SCALAR_TYPE(3) QM_SCALAR_TYPE(4)
+#define QM_SCALAR_ROW(T) {NULL, qm_scalar_##T##_1, qm_scalar_##T##_2, qm_scalar_##T##_3, \
+                          qm_scalar_##T##_4}
+static const qm_dot_fn qm_scalar[QM_TYPES][QM_GROUP + 1] = {
+    QM_SCALAR_ROW(0), QM_SCALAR_ROW(1), QM_SCALAR_ROW(2), QM_SCALAR_ROW(3), QM_SCALAR_ROW(4)};
+
+/* -- the vector paths ------------------------------------------------------------------- */
+
+typedef float qs_f8 __attribute__((vector_size(32)));
+typedef int32_t qs_i32 __attribute__((vector_size(32)));
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define QS_ATTR __attribute__((target("avx2,fma,f16c")))
+#define QS(name) name##_avx2
+#define QS_HALF(p) _cvtsh_ss((unsigned short)((p)[0] | ((p)[1] << 8)))
+#define QS_BYTES_U(p) ((qs_i32)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define QS_BYTES_S(p) ((qs_i32)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define QS_FLOAT(v) __builtin_convertvector(v, qs_f8)
+#include "quant_simd.h"
+#define QM_SIMD_NAME "avx2"
+#define QM_SIMD_TABLE qs_table_avx2
+#elif defined(__aarch64__) && defined(__GNUC__)
+#include <arm_neon.h>
+#define QS_ATTR
+#define QS(name) name##_neon
+static inline float qm_half_neon(const uint8_t *p) { __fp16 h; memcpy(&h, p, 2); return (float)h; }
+/* two NEON registers of four lanes as one eight-lane vector, and back (GCC converts a
+   generic eight-lane vector one lane at a time) */
+typedef union { qs_i32 v; int32x4_t h[2]; } qm_i32_neon;
+typedef union { qs_f8 v; float32x4_t h[2]; } qm_f8_neon;
+static inline qs_i32 qm_bytes_u_neon(const uint8_t *p) {
+    uint16x8_t h = vmovl_u8(vld1_u8(p));
+    qm_i32_neon u = {.h = {vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(h))),
+                           vreinterpretq_s32_u32(vmovl_high_u16(h))}};
+    return u.v;
+}
+static inline qs_i32 qm_bytes_s_neon(const uint8_t *p) {
+    int16x8_t h = vmovl_s8(vld1_s8((const int8_t *)p));
+    qm_i32_neon u = {.h = {vmovl_s16(vget_low_s16(h)), vmovl_high_s16(h)}};
+    return u.v;
+}
+static inline qs_f8 qm_float_neon(qs_i32 v) {
+    qm_i32_neon in = {.v = v};
+    qm_f8_neon out = {.h = {vcvtq_f32_s32(in.h[0]), vcvtq_f32_s32(in.h[1])}};
+    return out.v;
+}
+#define QS_HALF(p) qm_half_neon(p)
+#define QS_BYTES_U(p) qm_bytes_u_neon(p)
+#define QS_BYTES_S(p) qm_bytes_s_neon(p)
+#define QS_FLOAT(v) qm_float_neon(v)
+#include "quant_simd.h"
+#define QM_SIMD_NAME "neon"
+#define QM_SIMD_TABLE qs_table_neon
+#endif
+
+static qm_dot_fn qm_fns[QM_TYPES][QM_GROUP + 1];
+static const char *qm_path = "scalar";
+
+/* Whether this CPU runs the vector path compiled here. */
+static int qm_simd_available(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+           && __builtin_cpu_supports("f16c");
+#elif defined(QM_SIMD_TABLE)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Use the vector path (on != 0, where available) or the scalar reference; returns the name
+   of the path now used. Not while a product runs. */
+static const char *qm_use_simd(int on) {
+    memcpy(qm_fns, qm_scalar, sizeof qm_fns);
+    qm_path = "scalar";
+#ifdef QM_SIMD_TABLE
+    if (on && qm_simd_available()) {
+        memcpy(qm_fns, QM_SIMD_TABLE, sizeof qm_fns);
+        qm_path = QM_SIMD_NAME;
+    }
+#endif
+    return qm_path;
+}
+
+static void qm_init(void) { qm_use_simd(1); }
+
+/* Whether the type's kernels read qm_xsum's sums (types with a per-block minimum). */
+static inline int qm_needs_xsum(int type) { return type == QM_Q4_1 || type == QM_Q4_K; }
+
+/* xs[r][b] = sum of x[r][QM_SUB b .. QM_SUB b + QM_SUB), for k a multiple of QM_SUB. */
+static inline void qm_xsum(const float *x, ptrdiff_t k, int rows, float *xs) {
+    ptrdiff_t nb = k / QM_SUB;
+    for (int r = 0; r < rows; r++)
+        for (ptrdiff_t b = 0; b < nb; b++) {
+            float s = 0.0f;
+            for (int i = 0; i < QM_SUB; i++) s += x[r * k + b * QM_SUB + i];
+            xs[r * nb + b] = s;
+        }
+}
+
+/* Columns [j0, j1) of every row of y (added to base's where base is not NULL). */
+static inline void qm_range(int type, const uint8_t *w, const float *x, const float *xs,
+                            float *y, const float *base, ptrdiff_t n, ptrdiff_t k, int rows,
+                            ptrdiff_t j0, ptrdiff_t j1) {
+    ptrdiff_t rb = k / qm_block[type] * qm_block_bytes[type], nb = k / QM_SUB;
+    float s[QM_GROUP];
+    for (int r0 = 0; r0 < rows; r0 += QM_GROUP) {
+        int R = rows - r0 < QM_GROUP ? rows - r0 : QM_GROUP;
+        qm_dot_fn dot = qm_fns[type][R];
+        for (ptrdiff_t j = j0; j < j1; j++) {
+            if (r0 == 0 && rb * QM_AHEAD_ROWS < QM_PREFETCH_BELOW) {  /* see QM_AHEAD_ROWS */
+                const char *ahead = (const char *)(w + (j + QM_AHEAD_ROWS) * rb);
+                for (ptrdiff_t i = 0; i < rb; i += 64) __builtin_prefetch(ahead + i);
+            }
+            dot(w + j * rb, x + r0 * k, xs ? xs + r0 * nb : NULL, k, s);
+            for (int r = 0; r < R; r++) {
+                ptrdiff_t at = (r0 + r) * n + j;
+                y[at] = base ? base[at] + s[r] : s[r];
+            }
+        }
+    }
+}
+
+static inline void qm_task(int type, const uint8_t *w, const float *x, const float *xs,
+                           float *y, const float *base, ptrdiff_t n, ptrdiff_t k, int rows,
+                           ptrdiff_t t) {
+    ptrdiff_t j0 = t * QM_COLS_PER_TASK;
+    ptrdiff_t j1 = j0 + QM_COLS_PER_TASK < n ? j0 + QM_COLS_PER_TASK : n;
+    qm_range(type, w, x, xs, y, base, n, k, rows, j0, j1);
+}
+
+/* y = x W^T on `threads` threads; W is n rows of k weights of `type`. Returns 0, or -1 where
+   the activation sums cannot be allocated. */
+static inline int qm_rows(int type, const uint8_t *w, const float *x, float *y, ptrdiff_t n,
+                          ptrdiff_t k, int rows, int threads) {
+    float *xs = NULL;
+    if (qm_needs_xsum(type)) {
+        xs = malloc(sizeof(float) * (size_t)rows * (size_t)(k / QM_SUB));
+        if (!xs) return -1;
+        qm_xsum(x, k, rows, xs);
+    }
+    ptrdiff_t tasks = (n + QM_COLS_PER_TASK - 1) / QM_COLS_PER_TASK;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (ptrdiff_t t = 0; t < tasks; t++) qm_task(type, w, x, xs, y, NULL, n, k, rows, t);
+    free(xs);
+    return 0;
+}
+
+/* y = base + x W^T (base NULL: y = x W^T) for the threads of a parallel region already
+   running (every thread calls it; it ends with the team's barrier); xs from qm_xsum where
+   qm_needs_xsum(type), else NULL. */
+static inline void qm_rows_team(int type, const uint8_t *w, const float *x, const float *xs,
+                                float *y, const float *base, ptrdiff_t n, ptrdiff_t k,
+                                int rows) {
+    ptrdiff_t tasks = (n + QM_COLS_PER_TASK - 1) / QM_COLS_PER_TASK;
+    #pragma omp for schedule(static)
+    for (ptrdiff_t t = 0; t < tasks; t++) qm_task(type, w, x, xs, y, base, n, k, rows, t);
+}
+
+/* out (count, k) = the de-quantized rows w[0 .. count) (w points at the first). */
+static inline void qm_dequant(int type, const uint8_t *w, ptrdiff_t k, ptrdiff_t count,
+                              float *out, int threads) {
+    ptrdiff_t bk = qm_block[type], bb = qm_block_bytes[type], nb = k / bk;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (ptrdiff_t i = 0; i < count * nb; i++) qm_deq[type](w + i * bb, out + i * bk);
+}

@@ -1,0 +1,175 @@
+/* The vector path of ext/quant.h, written once in GCC vector extensions and included once per
+ * instruction set with QS_ATTR (the target attribute), QS(name) (the suffixed name) and
+ * QS_HALF(p) (an f16 at p as float), QS_BYTES_U(p) and QS_BYTES_S(p) (the eight bytes at p
+ * as eight int32 lanes, unsigned or signed) and QS_FLOAT(v) (int32 lanes to float) defined:
+ * AVX2+FMA+F16C on x86-64, NEON on aarch64.
+ *
+ * Eight weights at a time are widened from their bytes to eight float32 lanes
+ * (vpmovzxbd + vcvtdq2ps on AVX2, uxtl/sxtl twice + scvtf on NEON) and
+ * multiplied into per-block partial sums; a block's partial sum is scaled once into the row's
+ * accumulator. Up to QM_GROUP activation rows share each widened weight. Each row's sums are
+ * formed in the same order whatever R is, so a row's result does not depend on its batch.
+ */
+
+QS_ATTR static inline qs_f8 QS(qs_x)(const float *p) { qs_f8 v; memcpy(&v, p, 32); return v; }
+/* Eight bytes at p widened to eight int32 lanes first (one vpmovzxbd from memory on AVX2:
+   one shuffle for sixteen nibbles), then cut into nibbles and bit fields with 32-bit lane
+   operations, then converted to float. */
+QS_ATTR static inline qs_i32 QS(qs_bu)(const uint8_t *p) { return QS_BYTES_U(p); }
+QS_ATTR static inline qs_i32 QS(qs_bs)(const uint8_t *p) { return QS_BYTES_S(p); }
+QS_ATTR static inline qs_f8 QS(qs_f)(qs_i32 v) { return QS_FLOAT(v); }
+
+QS_ATTR static inline qs_f8 QS(qs_splat)(float v) { return (qs_f8){v, v, v, v, v, v, v, v}; }
+
+QS_ATTR static inline float QS(qs_lanes)(qs_f8 v) {
+    float s = 0.0f;
+    for (int l = 0; l < 8; l++) s += v[l];
+    return s;
+}
+
+/* Four vectors of widened weights against 32 activations from xr: the block's partial sum. */
+QS_ATTR static inline qs_f8 QS(qs_dot32)(const qs_f8 *f, const float *xr) {
+    return (f[0] * QS(qs_x)(xr) + f[1] * QS(qs_x)(xr + 8))
+         + (f[2] * QS(qs_x)(xr + 16) + f[3] * QS(qs_x)(xr + 24));
+}
+
+#define QS_ALWAYS QS_ATTR static inline __attribute__((always_inline))
+
+/* Q8_0 {f16 d; int8 qs[32]} and Q4_0 {f16 d; uint8 qs[16]}: sum_b d_b * (q . x). */
+QS_ALWAYS void QS(qs_q8_0)(const uint8_t *w, const float *x, ptrdiff_t k, float *s, int R) {
+    qs_f8 acc[QM_GROUP] = {{0}};
+    for (ptrdiff_t b = 0; b < k / 32; b++) {
+        const uint8_t *blk = w + b * 34;
+        qs_f8 f[4], d = QS(qs_splat)(QS_HALF(blk));
+        for (int t = 0; t < 4; t++) f[t] = QS(qs_f)(QS(qs_bs)(blk + 2 + 8 * t));
+        for (int r = 0; r < R; r++) acc[r] += d * QS(qs_dot32)(f, x + r * k + b * 32);
+    }
+    for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(acc[r]);
+}
+
+QS_ALWAYS void QS(qs_q4_0)(const uint8_t *w, const float *x, ptrdiff_t k, float *s, int R) {
+    qs_f8 acc[QM_GROUP] = {{0}};
+    for (ptrdiff_t b = 0; b < k / 32; b++) {
+        const uint8_t *blk = w + b * 18;
+        qs_i32 a = QS(qs_bu)(blk + 2), c = QS(qs_bu)(blk + 10);
+        qs_f8 f[4], d = QS(qs_splat)(QS_HALF(blk));
+        f[0] = QS(qs_f)((a & 15) - 8); f[1] = QS(qs_f)((c & 15) - 8);
+        f[2] = QS(qs_f)((a >> 4) - 8); f[3] = QS(qs_f)((c >> 4) - 8);
+        for (int r = 0; r < R; r++) acc[r] += d * QS(qs_dot32)(f, x + r * k + b * 32);
+    }
+    for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(acc[r]);
+}
+
+/* Q4_1 {f16 d, m; uint8 qs[16]}: sum_b d_b * (q . x) + m_b * sum(x under b). */
+QS_ALWAYS void QS(qs_q4_1)(const uint8_t *w, const float *x, const float *xs, ptrdiff_t k,
+                           float *s, int R) {
+    qs_f8 acc[QM_GROUP] = {{0}};
+    float mins[QM_GROUP] = {0};
+    ptrdiff_t nb = k / 32;
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * 20;
+        qs_i32 a = QS(qs_bu)(blk + 4), c = QS(qs_bu)(blk + 12);
+        qs_f8 f[4], d = QS(qs_splat)(QS_HALF(blk));
+        float m = QS_HALF(blk + 2);
+        f[0] = QS(qs_f)(a & 15); f[1] = QS(qs_f)(c & 15);
+        f[2] = QS(qs_f)(a >> 4); f[3] = QS(qs_f)(c >> 4);
+        for (int r = 0; r < R; r++) {
+            acc[r] += d * QS(qs_dot32)(f, x + r * k + b * 32);
+            mins[r] += m * xs[r * nb + b];
+        }
+    }
+    for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(acc[r]) + mins[r];
+}
+
+/* Q4_K {f16 d, dmin; uint8 scales[12]; uint8 qs[128]}: per 32 bytes of qs, the low nibbles
+   are sub-block 2c and the high ones 2c + 1; w = d sc q - dmin m. */
+QS_ALWAYS void QS(qs_q4_k)(const uint8_t *w, const float *x, const float *xs, ptrdiff_t k,
+                           float *s, int R) {
+    qs_f8 acc[QM_GROUP] = {{0}};
+    float mins[QM_GROUP] = {0};
+    ptrdiff_t nb = k / 32;
+    for (ptrdiff_t b = 0; b < k / 256; b++) {
+        const uint8_t *blk = w + b * 144;
+        float d = QS_HALF(blk), dmin = QS_HALF(blk + 2);
+        for (int c = 0; c < 4; c++) {
+            int sc0, m0, sc1, m1;
+            qm_scale_min_k4(2 * c, blk + 4, &sc0, &m0);
+            qm_scale_min_k4(2 * c + 1, blk + 4, &sc1, &m1);
+            qs_f8 lo[4], hi[4], d0 = QS(qs_splat)(d * sc0), d1 = QS(qs_splat)(d * sc1);
+            for (int t = 0; t < 4; t++) {
+                qs_i32 q = QS(qs_bu)(blk + 16 + 32 * c + 8 * t);
+                lo[t] = QS(qs_f)(q & 15);
+                hi[t] = QS(qs_f)(q >> 4);
+            }
+            float dm0 = dmin * m0, dm1 = dmin * m1;
+            for (int r = 0; r < R; r++) {
+                const float *xr = x + r * k + b * 256 + 64 * c;
+                acc[r] += d0 * QS(qs_dot32)(lo, xr);
+                acc[r] += d1 * QS(qs_dot32)(hi, xr + 32);
+                const float *sr = xs + r * nb + b * 8 + 2 * c;
+                mins[r] -= dm0 * sr[0] + dm1 * sr[1];
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(acc[r]) + mins[r];
+}
+
+/* Q6_K {uint8 ql[128], qh[64]; int8 scales[16]; f16 d}: per half of 128 weights and l < 32,
+   weights l, l + 32, l + 64, l + 96 take ql[l] low, ql[l + 32] low, ql[l] high, ql[l + 32]
+   high for their four low bits and successive bit pairs of qh[l] for the top two; one
+   scale per 16 weights. */
+QS_ALWAYS void QS(qs_q6_k)(const uint8_t *w, const float *x, ptrdiff_t k, float *s, int R) {
+    qs_f8 acc[QM_GROUP] = {{0}};
+    for (ptrdiff_t b = 0; b < k / 256; b++) {
+        const uint8_t *blk = w + b * 210;
+        float d = QS_HALF(blk + 208);
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *ql = blk + 64 * half, *qh = blk + 128 + 32 * half;
+            const int8_t *sc = (const int8_t *)(blk + 192) + 8 * half;
+            for (int l = 0; l < 32; l += 16) {
+                qs_f8 f[4][2];  /* [quarter][eight of sixteen] */
+                for (int e = 0; e < 2; e++) {
+                    qs_i32 a = QS(qs_bu)(ql + l + 8 * e), c = QS(qs_bu)(ql + l + 32 + 8 * e);
+                    qs_i32 h = QS(qs_bu)(qh + l + 8 * e);
+                    f[0][e] = QS(qs_f)(((a & 15) | ((h & 3) << 4)) - 32);
+                    f[1][e] = QS(qs_f)(((c & 15) | ((h & 12) << 2)) - 32);
+                    f[2][e] = QS(qs_f)(((a >> 4) | (h & 48)) - 32);
+                    f[3][e] = QS(qs_f)(((c >> 4) | ((h & 192) >> 2)) - 32);
+                }
+                for (int r = 0; r < R; r++) {
+                    const float *xr = x + r * k + b * 256 + 128 * half + l;
+                    for (int q = 0; q < 4; q++) {
+                        qs_f8 ds = QS(qs_splat)(d * sc[l / 16 + 2 * q]);
+                        acc[r] += ds * (f[q][0] * QS(qs_x)(xr + 32 * q)
+                                        + f[q][1] * QS(qs_x)(xr + 32 * q + 8));
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(acc[r]);
+}
+
+/* The kernels for R = 1 .. QM_GROUP rows (R a constant once inlined). */
+#define QS_FN(T, R, call)                                                                   \
+    QS_ATTR static void QS(qs_##T##_##R)(const uint8_t *w, const float *x, const float *xs, \
+                                          ptrdiff_t k, float *s) {                         \
+        (void)xs;                                                                          \
+        call;                                                                              \
+    }
+#define QS_TYPE(T, call_R)                                                                  \
+    QS_FN(T, 1, call_R(1)) QS_FN(T, 2, call_R(2)) QS_FN(T, 3, call_R(3)) QS_FN(T, 4, call_R(4))
+#define QS_CALL_Q8_0(R) QS(qs_q8_0)(w, x, k, s, R)
+#define QS_CALL_Q4_0(R) QS(qs_q4_0)(w, x, k, s, R)
+#define QS_CALL_Q4_1(R) QS(qs_q4_1)(w, x, xs, k, s, R)
+#define QS_CALL_Q4_K(R) QS(qs_q4_k)(w, x, xs, k, s, R)
+#define QS_CALL_Q6_K(R) QS(qs_q6_k)(w, x, k, s, R)
+QS_TYPE(q8_0, QS_CALL_Q8_0)
+QS_TYPE(q4_0, QS_CALL_Q4_0)
+QS_TYPE(q4_1, QS_CALL_Q4_1)
+QS_TYPE(q4_k, QS_CALL_Q4_K)
+QS_TYPE(q6_k, QS_CALL_Q6_K)
+
+#define QS_ROW(T) {NULL, QS(qs_##T##_1), QS(qs_##T##_2), QS(qs_##T##_3), QS(qs_##T##_4)}
+static const qm_dot_fn QS(qs_table)[QM_TYPES][QM_GROUP + 1] = {
+    QS_ROW(q8_0), QS_ROW(q4_0), QS_ROW(q4_1), QS_ROW(q4_k), QS_ROW(q6_k)};

@@ -1,0 +1,44 @@
+"""Products with quantized weights, pure numpy and torch: the twin of ``ext/_cquant.pyx`` with
+the same API. The weight is de-quantized by the reference (``mdiedge.model.quant``) a tile of
+rows at a time and multiplied in float32 by torch; ``threads`` is torch's own thread count
+here. Arguments are checked as the compiled module checks them."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .quant import KERNEL_TYPES, TYPES, check_matmul, check_rows, dequantize  # noqa: F401  (API)
+
+TILE_BYTES = 1 << 20  # quantized bytes de-quantized per step of ``matmul``
+
+
+def simd_path() -> str:
+    """The kernels in use: "torch" (this module has no vector kernels of its own)."""
+    return "torch"
+
+
+def set_simd(on: bool) -> str:
+    """Nothing to switch here; returns ``simd_path()`` (the compiled module's API)."""
+    return simd_path()
+
+
+def matmul(x: Any, w: Any, qtype: str, out: Any, threads: int = 1) -> Any:
+    """out = x @ W^T with W the de-quantized ``w`` (uint8 (n, row_bytes)) of type ``qtype``;
+    x float32 (rows, in), out float32 (rows, n); returns out."""
+    t = check_matmul(x, w, qtype, out, threads)
+    step = max(1, TILE_BYTES // w.shape[1])
+    for first in range(0, w.shape[0], step):
+        tile = dequantize(w[first:first + step], t.name, x.shape[1])
+        out[:, first:first + tile.shape[0]] = x @ tile.t()
+    return out
+
+
+def dequantize_rows(w: Any, qtype: str, first: int, count: int, out: Any,
+                    threads: int = 1) -> Any:
+    """out (count, in) float32 = rows [first, first + count) of ``w`` de-quantized; returns
+    out."""
+    t = check_rows(w, qtype, first, count, out, threads)
+    k = w.shape[1] // TYPES[t.name].block_bytes * t.block
+    out.copy_(dequantize(w[first:first + count], t.name, k))
+    return out

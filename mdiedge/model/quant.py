@@ -1,0 +1,282 @@
+"""Quantized weights as GGUF files hold them (ggml's block layouts), in plain numpy and torch.
+
+This module is the one source of the facts: which weight types exist, their ggml type ids,
+elements and bytes per block (``TYPES``), the bytes of a row (``row_bytes``), the reference
+de-quantizer (``dequantize``) and quantizer (``quantize``, for Q8_0, Q4_0 and Q4_1), and the
+argument checks that both implementations of the quantized product (``ext/_cquant.pyx`` and
+``mdiedge/model/_pyquant.py``, selected by ``mdiedge.base.accel``) apply at their boundary.
+
+A weight of ``out`` rows and ``in`` columns is a uint8 array (out, row_bytes): each row is
+``in / block`` blocks laid out as ggml's ``block_<type>`` structs (ggml-common.h):
+
+- Q8_0 ``{f16 d; int8 qs[32]}``: w = d * q.
+- Q4_0 ``{f16 d; uint8 qs[16]}``: element i < 16 is the low nibble of qs[i], element 16 + i
+  the high one; w = d * (q - 8).
+- Q4_1 ``{f16 d, m; uint8 qs[16]}``: nibbles as Q4_0; w = d * q + m.
+- Q4_K ``{f16 d, dmin; uint8 scales[12]; uint8 qs[128]}``: 256 elements, eight sub-blocks
+  of 32 with 6-bit scales and mins packed in ``scales``; 64 elements per 32 bytes of qs (low
+  nibbles, then high); w = d * sc * q - dmin * m.
+- Q6_K ``{uint8 ql[128], qh[64]; int8 scales[16]; f16 d}``: 256 elements in two halves of
+  128, each 6-bit quant four bits from ql and two from qh; w = d * scale * (q - 32) with one
+  int8 scale per 16 elements.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Tuple
+
+import numpy as np
+import torch
+
+from ..base.errors import QuantError
+
+
+@dataclass(frozen=True)
+class QType:
+    """A ggml weight type: its name, ggml type id, elements and bytes per block, and whether
+    the compiled product runs it natively (the others are de-quantized at load)."""
+
+    name: str
+    ggml_id: int
+    block: int
+    block_bytes: int
+    kernel: bool
+
+
+TYPES: Dict[str, QType] = {t.name: t for t in (
+    QType("F32", 0, 1, 4, False),
+    QType("F16", 1, 1, 2, False),
+    QType("Q4_0", 2, 32, 18, True),
+    QType("Q4_1", 3, 32, 20, True),
+    QType("Q8_0", 8, 32, 34, True),
+    QType("Q4_K", 12, 256, 144, True),
+    QType("Q6_K", 14, 256, 210, True),
+)}
+KERNEL_TYPES: Tuple[str, ...] = tuple(n for n, t in TYPES.items() if t.kernel)
+QUANTIZERS: Tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1")
+
+
+def qtype_of(name: str) -> QType:
+    """The type called ``name`` (as GGUF files and llama.cpp write it, any case)."""
+    found = TYPES.get(str(name).upper())
+    if found is None:
+        raise QuantError(f"weight type {name!r} is not one of {', '.join(TYPES)}")
+    return found
+
+
+def row_bytes(qtype: str, in_features: int) -> int:
+    """Bytes of one row of ``in_features`` weights of type ``qtype``."""
+    t = qtype_of(qtype)
+    if in_features < 1 or in_features % t.block:
+        raise QuantError(f"width {in_features} is not a positive multiple of {t.name}'s "
+                         f"block of {t.block}")
+    return in_features // t.block * t.block_bytes
+
+
+# -- the reference de-quantizer ---------------------------------------------------------------
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The f16 field at byte ``at`` of every block, as float32 (blocks, 1)."""
+    return np.ascontiguousarray(blocks[:, at:at + 2]).view("<f2").astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Low nibbles of each run of bytes, then its high nibbles: (n, b) bytes to (n, 2b)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _k4_scales(scales: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Q4_K's eight 6-bit scales and mins of each block (ggml's get_scale_min_k4)."""
+    q = scales.astype(np.int32)
+    sc = np.concatenate([q[:, 0:4] & 63, (q[:, 8:12] & 0x0F) | ((q[:, 0:4] >> 6) << 4)], 1)
+    mn = np.concatenate([q[:, 4:8] & 63, (q[:, 8:12] >> 4) | ((q[:, 4:8] >> 6) << 4)], 1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _q6_k(b: np.ndarray) -> np.ndarray:
+    ql, qh = b[:, :128].reshape(-1, 2, 2, 32), b[:, 128:192].reshape(-1, 2, 1, 32)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)  # (n, half, quarter, 32)
+    high = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    q = (low | (high << 4)).astype(np.float32) - 32
+    scale = b[:, 192:208].view(np.int8).astype(np.float32) * _f16(b, 208)
+    return (q.reshape(-1, 16, 16) * scale[:, :, None]).reshape(-1, 256)
+
+
+def _q4_k(b: np.ndarray) -> np.ndarray:
+    sc, mn = _k4_scales(b[:, 4:16])
+    q = _nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32).astype(np.float32)
+    d, dmin = _f16(b, 0) * sc, _f16(b, 2) * mn
+    return (d[:, :, None] * q - dmin[:, :, None]).reshape(-1, 256)
+
+
+def _blocks_to_float(b: np.ndarray, name: str) -> np.ndarray:
+    """Every block of ``b`` (blocks, block_bytes) de-quantized: (blocks, block) float32."""
+    if name == "F32":
+        return np.ascontiguousarray(b).view("<f4").copy()
+    if name == "F16":
+        return np.ascontiguousarray(b).view("<f2").astype(np.float32)
+    if name == "Q8_0":
+        return _f16(b, 0) * b[:, 2:].view(np.int8).astype(np.float32)
+    if name == "Q4_0":
+        return _f16(b, 0) * (_nibbles(b[:, 2:]).astype(np.float32) - 8)
+    if name == "Q4_1":
+        return _f16(b, 0) * _nibbles(b[:, 4:]).astype(np.float32) + _f16(b, 2)
+    return _q4_k(b) if name == "Q4_K" else _q6_k(b)
+
+
+SCALE_FIELDS = {"F32": (), "F16": (), "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2),
+                "Q4_K": (0, 2), "Q6_K": (208,)}  # byte offsets of each block's f16 scales
+
+
+def check_blocks(data: Any, qtype: str) -> None:
+    """Refuses weights whose blocks hold a scale that is not finite (NaN or infinity: a
+    corrupt file), naming the first such block."""
+    t, raw = qtype_of(qtype), _as_numpy(data)
+    blocks = raw.reshape(-1, t.block_bytes)
+    for at in SCALE_FIELDS[t.name]:
+        bad = np.flatnonzero(~np.isfinite(_f16(blocks, at)))
+        if bad.size:
+            per_row = raw.shape[-1] // t.block_bytes
+            row, block = divmod(int(bad[0]), per_row)
+            raise QuantError(f"{t.name} block {block} of row {row} has a scale of "
+                             f"{float(_f16(blocks[bad[:1]], at)[0, 0])} (not finite)")
+
+
+def _as_numpy(data: Any) -> np.ndarray:
+    raw = data.numpy() if isinstance(data, torch.Tensor) else np.asarray(data)
+    if raw.dtype != np.uint8 or raw.ndim != 2:
+        raise QuantError(f"quantized weights must be 2-D uint8 (rows, bytes), not "
+                         f"{raw.dtype} {tuple(raw.shape)}")
+    return raw
+
+
+def dequantize(data: Any, qtype: str, in_features: int) -> torch.Tensor:
+    """The float32 weight (out, in) that ``data`` (uint8 (out, row_bytes)) encodes."""
+    raw = _as_numpy(data)
+    t, width = qtype_of(qtype), row_bytes(qtype, in_features)
+    if raw.shape[1] != width:
+        raise QuantError(f"rows of {raw.shape[1]} bytes do not hold {in_features} {t.name} "
+                         f"weights ({width} bytes)")
+    check_blocks(raw, t.name)
+    values = _blocks_to_float(raw.reshape(-1, t.block_bytes), t.name)
+    return torch.from_numpy(np.ascontiguousarray(values).reshape(raw.shape[0], in_features))
+
+
+# -- the reference quantizer (ggml's quantize_row_<type>_ref) ---------------------------------
+
+def _round_away(v: np.ndarray) -> np.ndarray:
+    """Rounding half away from zero, as C's roundf (without adding 0.5, which rounds
+    0.49999997 up in float32)."""
+    a = np.abs(v)
+    whole = np.floor(a)
+    return np.sign(v) * (whole + np.floor(2 * (a - whole)))
+
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+
+
+def _pack(qs: np.ndarray) -> np.ndarray:
+    """32 nibbles per block to 16 bytes: element i low, element 16 + i high."""
+    q = qs.astype(np.uint8)
+    return q[:, :16] | (q[:, 16:] << 4)
+
+
+def _half_bytes(v: np.ndarray) -> np.ndarray:
+    return v.astype(np.float16).view(np.uint8)
+
+
+def _quantize_blocks(b: np.ndarray, name: str) -> np.ndarray:
+    if name == "Q8_0":
+        d = np.abs(b).max(axis=1, keepdims=True) / np.float32(127)
+        qs = _round_away(b * _inverse(d)).astype(np.int8).view(np.uint8)
+        return np.concatenate([_half_bytes(d), qs], axis=1)
+    if name == "Q4_0":
+        at = np.abs(b).argmax(axis=1)[:, None]
+        d = np.take_along_axis(b, at, axis=1) / np.float32(-8)
+        qs = np.minimum(np.trunc(b * _inverse(d) + np.float32(8.5)), 15)
+        return np.concatenate([_half_bytes(d), _pack(qs)], axis=1)
+    lo, hi = b.min(axis=1, keepdims=True), b.max(axis=1, keepdims=True)
+    d = (hi - lo) / np.float32(15)
+    qs = np.minimum(np.trunc((b - lo) * _inverse(d) + np.float32(0.5)), 15)
+    return np.concatenate([_half_bytes(d), _half_bytes(lo), _pack(qs)], axis=1)
+
+
+def quantize(weight: Any, qtype: str) -> torch.Tensor:
+    """``weight`` (out, in) float32 as ``qtype`` blocks: uint8 (out, row_bytes), the bytes
+    llama.cpp's reference quantizer writes. Q8_0, Q4_0 and Q4_1 only."""
+    t = qtype_of(qtype)
+    if t.name not in QUANTIZERS:
+        raise QuantError(f"cannot quantize to {t.name}: only to {', '.join(QUANTIZERS)}")
+    w = weight.detach().cpu().float().numpy() if isinstance(weight, torch.Tensor) \
+        else np.asarray(weight, dtype=np.float32)
+    if w.ndim != 2 or not np.isfinite(w).all():
+        raise QuantError(f"cannot quantize a weight of shape {tuple(w.shape)} that is not "
+                         "2-D or not finite")
+    width = row_bytes(t.name, w.shape[1])
+    packed = _quantize_blocks(w.reshape(-1, t.block).astype(np.float32), t.name)
+    return torch.from_numpy(np.ascontiguousarray(packed).reshape(w.shape[0], width))
+
+
+# -- the boundary of the quantized product (both implementations) -----------------------------
+
+def _weight_fits(w: Any, t: QType, k: int) -> None:
+    if not (isinstance(w, torch.Tensor) and w.dtype == torch.uint8 and w.dim() == 2
+            and w.device.type == "cpu" and w.is_contiguous()):
+        shown = tuple(w.shape) if hasattr(w, "shape") else type(w).__name__
+        raise QuantError(f"quantized weight {shown} {getattr(w, 'dtype', '')} is not a "
+                         "contiguous uint8 CPU tensor (rows, bytes)")
+    width = row_bytes(t.name, k)
+    if w.shape[1] != width:
+        raise QuantError(f"weight rows of {w.shape[1]} bytes do not hold {k} {t.name} "
+                         f"weights ({width} bytes)")
+
+
+def _float_rows(what: str, v: Any, shape: Tuple[int, int]) -> None:
+    if not (isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.device.type == "cpu"
+            and tuple(v.shape) == shape and v.is_contiguous()):
+        shown = tuple(v.shape) if hasattr(v, "shape") else type(v).__name__
+        raise QuantError(f"{what} {shown} {getattr(v, 'dtype', '')} is not a contiguous "
+                         f"float32 CPU tensor of shape {shape}")
+
+
+def _kernel_type(qtype: str, threads: int) -> QType:
+    t = qtype_of(qtype)
+    if not t.kernel:
+        raise QuantError(f"no quantized kernel for {t.name}: they run "
+                         f"{', '.join(KERNEL_TYPES)}")
+    if threads < 1:
+        raise QuantError(f"threads {threads} is not >= 1")
+    return t
+
+
+def check_matmul(x: Any, w: Any, qtype: str, out: Any, threads: int) -> QType:
+    """The type of a call ``matmul(x, w, qtype, out, threads)`` that both implementations
+    accept: x (rows >= 1, in), w uint8 (n, row_bytes(in)), out (rows, n), all contiguous."""
+    t = _kernel_type(qtype, threads)
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] < 1:
+        raise QuantError(f"activations {tuple(getattr(x, 'shape', ()))} are not 2-D "
+                         "(rows >= 1, width)")
+    _weight_fits(w, t, x.shape[1])
+    _float_rows("activations", x, (x.shape[0], x.shape[1]))
+    _float_rows("out", out, (x.shape[0], w.shape[0]))
+    return t
+
+
+def check_rows(w: Any, qtype: str, first: int, count: int, out: Any, threads: int) -> QType:
+    """The type of a call ``dequantize_rows(w, qtype, first, count, out, threads)``: rows
+    [first, first + count) of w, out float32 (count, in) with in from w's row bytes."""
+    t = _kernel_type(qtype, threads)
+    n = w.shape[0] if hasattr(w, "shape") and len(w.shape) == 2 else 0
+    if not (0 <= first and count >= 1 and first + count <= n):
+        raise QuantError(f"rows {first}..{first + count - 1} are not rows of a weight of "
+                         f"{n} rows")
+    width = w.shape[1]
+    if width % t.block_bytes:
+        raise QuantError(f"rows of {width} bytes are not whole {t.name} blocks of "
+                         f"{t.block_bytes} bytes")
+    k = width // t.block_bytes * t.block
+    _weight_fits(w, t, k)
+    _float_rows("out", out, (count, k))
+    return t

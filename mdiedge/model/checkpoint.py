@@ -300,8 +300,8 @@ def resolve_model_path(model: Optional[PathLike]) -> Path:
 def load_config(model: Optional[PathLike]) -> ModelConfig:
     path = resolve_model_path(model)
     if path.is_file():
-        from .gguf import gguf_config, is_gguf
-        return gguf_config(path) if is_gguf(path) else llama2c_config(path)
+        from .gguf import gguf_config, looks_like_gguf
+        return gguf_config(path) if looks_like_gguf(path) else llama2c_config(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{cfg_file}: file not found (is {path} a Hugging Face model "
@@ -361,8 +361,8 @@ def chunk_safetensors(model: PathLike, layers: Tuple[int, int], head: bool = Fal
 
 def open_source(path: Path) -> TensorSource:
     if path.is_file():
-        from .gguf import GGUFSource, is_gguf
-        return GGUFSource(path) if is_gguf(path) else Llama2cSource(path)
+        from .gguf import GGUFSource, looks_like_gguf
+        return GGUFSource(path) if looks_like_gguf(path) else Llama2cSource(path)
     if (path / "model.safetensors.index.json").exists() or (path / "model.safetensors").exists():
         return SafetensorsSource(path)
     if (path / "pytorch_model.bin").exists():

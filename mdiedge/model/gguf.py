@@ -62,6 +62,12 @@ def is_gguf(path: PathLike) -> bool:
         return False
 
 
+def looks_like_gguf(path: Path) -> bool:
+    """Whether ``path`` is to be read as GGUF: its magic, or its name (so that a damaged
+    ``.gguf`` file gets GGUF's error, not another format's)."""
+    return path.suffix.lower() == ".gguf" or is_gguf(path)
+
+
 def _gguf_package() -> Any:
     try:
         import gguf
@@ -75,11 +81,16 @@ class _OutOfFile(Exception):
     """A read of bytes [start, end) of a file that has fewer."""
 
 
+class _UnknownType(Exception):
+    """A tensor (name) of a ggml type number that gguf does not know."""
+
+
 def _reader_class() -> type:
     """gguf's ``GGUFReader`` with bounds-checked reads and arrays read whole (a string
     array is skipped: ``field.parts`` keeps only its element type and length)."""
     gguf = _gguf_package()
     array, string = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
+    known = {int(t) for t in gguf.GGMLQuantizationType}
 
     class Reader(gguf.GGUFReader):  # type: ignore[misc,name-defined]
         def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None
@@ -88,6 +99,13 @@ def _reader_class() -> type:
             if end > len(self.data):
                 raise _OutOfFile(int(offset), end)
             return super()._get(offset, dtype, count, override_order)
+
+        def _get_tensor_info_field(self, orig_offs: int) -> Any:
+            field = super()._get_tensor_info_field(orig_offs)
+            kind = int(field.parts[4][0])
+            if kind not in known:
+                raise _UnknownType(bytes(field.parts[1]).decode("utf-8", "replace"), kind)
+            return field
 
         def _get_field_parts(self, orig_offs: int, raw_type: int) -> Tuple[int, list, list, list]:
             if raw_type != array:
@@ -131,6 +149,9 @@ def open_reader(path: PathLike) -> Any:
         start, end = e.args
         raise CheckpointError(f"{path}: truncated GGUF file, or an offset beyond its end (bytes "
                               f"{start}..{end} asked for, the file has {size})") from None
+    except _UnknownType as e:
+        raise CheckpointError(f"{path}: tensor {e.args[0]!r} has an unknown ggml type "
+                              f"{e.args[1]}") from None
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
     except Exception as e:  # gguf raises ValueError, KeyError, IndexError, ... on bad input

@@ -129,13 +129,17 @@ def gguf_in_folder(folder: Path) -> Path:
 
 
 def pick_gguf(folder: Path, quant: str, name: str) -> Path:
-    """The one GGUF file in ``folder`` whose name holds the quantization ``quant`` (``Q4_K_M``,
-    any case, between separators); CheckpointError listing the files otherwise."""
-    pattern = re.compile(rf"(?:^|[-._]){re.escape(quant)}(?:[-._]|$)", re.IGNORECASE)
+    """The one GGUF file in ``folder`` whose name holds the quantization ``quant`` (any case)
+    as a whole word (``Q4_K_M`` in ``model-Q4_K_M.gguf``), else as the start of one (``Q4_K``
+    picks ``model.Q4_K_M.gguf`` when no other Q4_K file is there); CheckpointError listing
+    the files otherwise."""
     files = _gguf_files(folder)
-    found = [p for p in files if pattern.search(p.stem)]
-    if len(found) == 1:
-        return found[0]
+    found: List[Path] = []
+    for end in (r"(?:[-.]|$)", r"(?:[-._]|$)"):
+        pattern = re.compile(rf"(?:^|[-._]){re.escape(quant)}{end}", re.IGNORECASE)
+        found = [p for p in files if pattern.search(p.stem)]
+        if len(found) == 1:
+            return found[0]
     listed = ", ".join(p.name for p in files) or "none"
     what = "several GGUF files match" if found else "no GGUF file matches"
     raise CheckpointError(f"{name}: {what} {quant!r} in {folder} (its GGUF files: {listed})")

@@ -337,7 +337,9 @@ class GGUFSource(TensorSource):
         return str(self.index[name].tensor.tensor_type.name)
 
     def _data(self, entry: _Entry) -> np.ndarray:
-        data = entry.tensor.data
+        """The tensor's stored array, a plain ndarray view of the map (numpy's memmap
+        subclass makes each of gguf's many slices cost a Python call)."""
+        data = entry.tensor.data.view(np.ndarray)
         return data if entry.expert is None else data[entry.expert]
 
     def raw(self, name: str) -> Tensor:

@@ -92,6 +92,16 @@ def test_config_equals_the_hf_config(tmp_path: Path, overrides: Dict[str, Any]) 
     assert load_config(file) == gguf_config(file)
 
 
+def test_vocab_size_from_the_token_list(tiny_files: Dict[str, Path], tmp_path: Path) -> None:
+    path = tmp_path / "no-vocab-size.gguf"
+    shutil.copyfile(tiny_files["Q8_0"], path)
+    reader = gguf.GGUFReader(path, "r+")
+    reader.fields["llama.vocab_size"].parts[1][...] = np.frombuffer(b"llama.vocab_sizX", np.uint8)
+    reader.data.flush()
+    del reader
+    assert gguf_config(path) == gguf_config(tiny_files["Q8_0"])  # 96 tokens in the list
+
+
 def test_smollm2_config_equals_the_converted_one() -> None:
     cfg = gguf_config(smollm2_file())
     want = dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
@@ -139,14 +149,25 @@ def test_qtype_and_raw_bytes(tiny_files: Dict[str, Path], qtype: str) -> None:
         assert torch.equal(torch.from_numpy(np.array(values, np.float32)), want), name
 
 
+def test_a_chunk_reads_only_its_blocks(tiny_files: Dict[str, Path]) -> None:
+    seen: List[str] = []
+    load_model(tiny_files["Q4_0"], layers=(1, 3), embedding=False, head=False,
+               on_source=lambda source: seen.extend(source.read_names))
+    assert seen and all(n.startswith(("model.layers.1.", "model.layers.2.")) for n in seen)
+    assert len(seen) == 2 * 9
+
+
 def test_raw_shares_the_files_memory(tiny_files: Dict[str, Path]) -> None:
     source = GGUFSource(tiny_files["Q4_1"])
     tensor = source.index[V_PROJ].tensor
     raw = source.raw(V_PROJ)
     assert raw.data_ptr() == tensor.data.ctypes.data  # a view of the map, not a copy
-    # Q's rows come back in Hugging Face's order: the converter's permutation undone
-    q = source.raw(Q_PROJ)
-    assert not torch.equal(q, torch.from_numpy(np.asarray(source.index[Q_PROJ].tensor.data)))
+    # Q's rows come back in Hugging Face's order (the converter's permutation undone), or as
+    # the file's view in its own order
+    q, stored = source.raw(Q_PROJ), source.raw(Q_PROJ, hf_order=False)
+    assert stored.data_ptr() == source.index[Q_PROJ].tensor.data.ctypes.data
+    assert not torch.equal(q, stored) and sorted(q.tolist()) == sorted(stored.tolist())
+    assert (source.heads(Q_PROJ), source.heads(K_PROJ), source.heads(V_PROJ)) == (4, 2, 0)
 
 
 def test_a_mixtral_gguf_equals_its_hf_directory(tmp_path: Path) -> None:

@@ -10,10 +10,11 @@ rows of the Q and K projections interleaved for its RoPE; both reads give Huggin
 """
 from __future__ import annotations
 
+import functools
 import re
 import struct
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -26,7 +27,6 @@ from .tensors import TensorSource, tensor_plan
 PathLike = Union[str, Path]
 MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = ("llama",)
-FLOAT_TYPES = ("F32", "F16")  # the types whose raw rows are plain floats
 
 # our parameter names (``layers.{i}.`` stripped) -> GGUF names (``blk.{i}.`` stripped)
 GGUF_GLOBAL_NAMES: Dict[str, str] = {
@@ -85,6 +85,7 @@ class _UnknownType(Exception):
     """A tensor (name) of a ggml type number that gguf does not know."""
 
 
+@functools.lru_cache(maxsize=None)
 def _reader_class() -> type:
     """gguf's ``GGUFReader`` with bounds-checked reads and arrays read whole (a string
     array is skipped: ``field.parts`` keeps only its element type and length)."""
@@ -342,14 +343,21 @@ class GGUFSource(TensorSource):
         data = entry.tensor.data.view(np.ndarray)
         return data if entry.expert is None else data[entry.expert]
 
-    def raw(self, name: str) -> Tensor:
+    def raw(self, name: str, hf_order: bool = True) -> Tensor:
         """Tensor ``name``'s stored bytes, uint8 of shape (rows, bytes per row) (a vector: one
-        row), rows in Hugging Face's order: a view of the file's memory map, except for the Q
-        and K projections, whose rows are gathered into a copy in that order."""
+        row), a view of the file's memory map. Rows are in Hugging Face's order: for the Q and
+        K projections that is a copy with the rows gathered; ``hf_order=False`` gives their
+        view in the file's order instead (each head's rows as interleaved pairs, the order
+        llama.cpp's RoPE rotates; ``heads(name)`` says which tensors differ)."""
         entry = self.index[name]
         rows = entry.shape[0] if len(entry.shape) == 2 else 1
         data = torch.from_numpy(self._data(entry).view(np.uint8).reshape(rows, -1))
-        return data[_hf_rows(rows, entry.heads)] if entry.heads else data
+        return data[_hf_rows(rows, entry.heads)] if entry.heads and hf_order else data
+
+    def heads(self, name: str) -> int:
+        """For the Q and K projections, their head count (the file holds their rows in
+        llama.cpp's RoPE order); 0 for every other tensor."""
+        return self.index[name].heads
 
     def _read(self, name: str) -> Tensor:
         entry = self.index[name]

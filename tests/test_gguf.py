@@ -102,6 +102,20 @@ def test_vocab_size_from_the_token_list(tiny_files: Dict[str, Path], tmp_path: P
     assert gguf_config(path) == gguf_config(tiny_files["Q8_0"])  # 96 tokens in the list
 
 
+def test_string_arrays_are_read_on_demand(tiny_files: Dict[str, Path]) -> None:
+    from mdiedge.model.gguf import open_reader, string_array
+
+    reader = open_reader(tiny_files["F16"])
+    assert string_array(reader, "tokenizer.ggml.tokens") == [f"<t{i}>" for i in range(96)]
+    plain = gguf.GGUFReader(tiny_files["F16"])
+    assert plain.fields["tokenizer.ggml.tokens"].contents() == [f"<t{i}>" for i in range(96)]
+    smollm2 = open_reader(smollm2_file())
+    tokens = string_array(smollm2, "tokenizer.ggml.tokens")
+    merges = string_array(smollm2, "tokenizer.ggml.merges")
+    assert (len(tokens), tokens[1], len(merges), merges[0]) == (49152, "<|im_start|>", 48900,
+                                                                 "Ġ t")
+
+
 def test_smollm2_config_equals_the_converted_one() -> None:
     cfg = gguf_config(smollm2_file())
     want = dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,

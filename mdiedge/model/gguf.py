@@ -13,8 +13,9 @@ from __future__ import annotations
 import functools
 import re
 import struct
+import sys
 from pathlib import Path
-from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -77,6 +78,13 @@ def _gguf_package() -> Any:
     return gguf
 
 
+def _u64(byte_order: str) -> str:
+    """The struct format of a length in a file of gguf's ``byte_order`` ("I": this host's,
+    "S": swapped)."""
+    host = "<" if sys.byteorder == "little" else ">"
+    return (host if byte_order == "I" else {"<": ">", ">": "<"}[host]) + "Q"
+
+
 class _OutOfFile(Exception):
     """A read of bytes [start, end) of a file that has fewer."""
 
@@ -125,7 +133,7 @@ def _reader_class() -> type:
         def _skip_strings(self, offs: int, count: int) -> int:
             """The offset after ``count`` length-prefixed strings from ``offs``."""
             view, size = memoryview(self.data), len(self.data)
-            fmt = "<Q" if (self.byte_order == "I") == (struct.pack("=H", 1) == b"\1\0") else ">Q"
+            fmt = _u64(self.byte_order)
             for _ in range(count):
                 if offs + 8 > size:
                     raise _OutOfFile(offs, offs + 8)
@@ -158,6 +166,24 @@ def open_reader(path: PathLike) -> Any:
     except Exception as e:  # gguf raises ValueError, KeyError, IndexError, ... on bad input
         raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: "
                               f"{e})") from None
+
+
+def string_array(reader: Any, key: str) -> List[str]:
+    """The strings of the metadata array ``key`` (the vocabulary ``tokenizer.ggml.tokens``,
+    ``tokenizer.ggml.merges``), which ``open_reader`` skipped: decoded from the map in one
+    walk. KeyError when the file has no such key."""
+    field = reader.fields[key]
+    if len(field.types) != 2 or field.types[1] != _gguf_package().GGUFValueType.STRING:
+        raise CheckpointError(f"metadata {key!r} is not an array of strings")
+    offs = field.offset + 8 + len(key.encode()) + 4 + 12  # key, value type, item type, count
+    view = memoryview(reader.data)
+    fmt = _u64(reader.byte_order)
+    out: List[str] = []
+    for _ in range(int(field.parts[-1][0])):
+        length = struct.unpack_from(fmt, view, offs)[0]
+        out.append(bytes(view[offs + 8:offs + 8 + length]).decode("utf-8", "replace"))
+        offs += 8 + length
+    return out
 
 
 # --------------------------------------------------------------------------- config

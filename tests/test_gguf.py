@@ -314,7 +314,9 @@ def test_a_folder_with_several_files_lists_them(tiny_files: Dict[str, Path],
     with pytest.raises(CheckpointError) as e:
         resolve_model_path(tmp_path)
     assert str(e.value) == (f"{tmp_path}: holds 2 GGUF files (tiny-Q4_1.gguf, tiny-Q8_0.gguf); "
-                            f"pass one of them, or REPO:QUANT for a cached repo")
+                            f"pass one of them, or add :QUANT to the folder or repo id (as in "
+                            f"ORG/NAME:Q4_K_M)")
+    assert resolve_model_path(f"{tmp_path}:q8_0") == tmp_path / "tiny-Q8_0.gguf"
 
 
 @pytest.fixture
@@ -345,7 +347,8 @@ def test_a_cached_repo_with_a_quantization(gguf_cache: Path, name: str) -> None:
     ("Org/Tiny-GGUF:Q4", "Org/Tiny-GGUF:Q4: several GGUF files match 'Q4' in {snap} (its GGUF "
                          "files: tiny-Q4_0.gguf, tiny-Q4_1.gguf, tiny-Q8_0.gguf)"),
     ("Org/Tiny-GGUF", "{snap}: holds 3 GGUF files (tiny-Q4_0.gguf, tiny-Q4_1.gguf, "
-                      "tiny-Q8_0.gguf); pass one of them, or REPO:QUANT for a cached repo"),
+                      "tiny-Q8_0.gguf); pass one of them, or add :QUANT to the folder or repo "
+                      "id (as in ORG/NAME:Q4_K_M)"),
 ])
 def test_a_cached_repo_without_a_single_match(gguf_cache: Path, name: str, message: str) -> None:
     with pytest.raises(CheckpointError) as e:

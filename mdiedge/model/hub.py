@@ -124,7 +124,7 @@ def gguf_in_folder(folder: Path) -> Path:
     if len(found) > 1:
         raise CheckpointError(f"{folder}: holds {len(found)} GGUF files "
                               f"({', '.join(p.name for p in found)}); pass one of them, or "
-                              f"REPO:QUANT for a cached repo")
+                              f"add :QUANT to the folder or repo id (as in ORG/NAME:Q4_K_M)")
     return found[0] if found else folder
 
 
@@ -148,7 +148,8 @@ def pick_gguf(folder: Path, quant: str, name: str) -> Path:
 def resolve_name(name: str, env: Mapping[str, str] = os.environ) -> Optional[Path]:
     """The local model that ``name`` names, a path that does not exist: a short name of an
     installed package's model, or a ``models--Org--Name`` folder of the cache or a repo id,
-    each with an optional ``:QUANT`` that picks a GGUF file of the snapshot. None when ``name``
+    each with an optional ``:QUANT`` that picks a GGUF file of the snapshot (as it does in a
+    folder that exists: ``DIR:QUANT``). None when ``name``
     is none of these; CheckpointError naming what to download (or install) when it is one but
     is not there."""
     packaged = packaged_model(name)
@@ -157,7 +158,12 @@ def resolve_name(name: str, env: Mapping[str, str] = os.environ) -> Optional[Pat
     repo, colon, quant = name.partition(":")
     if colon and not quant:
         return None
-    snapshot = _resolve_repo(repo, env)
+    folder = Path(repo).expanduser()
+    if quant and folder.is_dir():  # a local folder of GGUF files, or a cache folder
+        snapshot: Optional[Path] = cache_folder_snapshot(folder) if is_cache_folder(folder) \
+            else folder
+    else:
+        snapshot = _resolve_repo(repo, env)
     if snapshot is None or not quant:
         return snapshot
     return pick_gguf(snapshot, quant, name)

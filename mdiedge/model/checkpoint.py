@@ -1,4 +1,5 @@
-"""Checkpoints: Hugging Face model directories and llama2.c files, read one block range at a time.
+"""Checkpoints: Hugging Face model directories, llama2.c files and GGUF files (``.gguf``), read
+one block range at a time.
 
 A node reads only the tensors of the blocks it holds (safetensors: each file's header parsed
 once, then each tensor read at its offset straight into its parameter, never a whole-file
@@ -22,66 +23,12 @@ from ..base.dtypes import BY_SAFETENSORS
 from ..base.errors import CheckpointError, ConfigError
 from .config import ModelConfig, config_from_hf, config_to_hf, read_json
 from .exitfiles import CLASSIFIER_FILE
+# the name tables and TensorSource live in .tensors (GGUF's source needs them too); imported
+# here as well for the modules that know them from this one
+from .tensors import (BLOCK_NAMES, GLOBAL_NAMES, MOE_BLOCK_NAMES,  # noqa: F401
+                      TensorSource, block_names, tensor_plan)
 
 PathLike = Union[str, Path]
-
-# Our parameter name -> Hugging Face name, declaratively. Block names are relative to
-# ``layers.{i}.`` (ours) and ``model.layers.{i}.`` (theirs).
-GLOBAL_NAMES: Dict[str, str] = {
-    "embed.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "lm_head.weight": "lm_head.weight",
-}
-BLOCK_NAMES: Dict[str, str] = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn.wq.weight": "self_attn.q_proj.weight",
-    "attn.wk.weight": "self_attn.k_proj.weight",
-    "attn.wv.weight": "self_attn.v_proj.weight",
-    "attn.wo.weight": "self_attn.o_proj.weight",
-    "mlp_norm.weight": "post_attention_layernorm.weight",
-    "mlp.gate.weight": "mlp.gate_proj.weight",
-    "mlp.up.weight": "mlp.up_proj.weight",
-    "mlp.down.weight": "mlp.down_proj.weight",
-}
-MOE_BLOCK_NAMES: Dict[str, str] = {
-    "mlp.router.weight": "block_sparse_moe.gate.weight",
-    "mlp.experts.{e}.gate.weight": "block_sparse_moe.experts.{e}.w1.weight",
-    "mlp.experts.{e}.down.weight": "block_sparse_moe.experts.{e}.w2.weight",
-    "mlp.experts.{e}.up.weight": "block_sparse_moe.experts.{e}.w3.weight",
-}
-
-
-def block_names(cfg: ModelConfig) -> Dict[str, str]:
-    if not cfg.is_moe:
-        return BLOCK_NAMES
-    names = {k: v for k, v in BLOCK_NAMES.items() if not k.startswith("mlp.")}
-    for ours, theirs in MOE_BLOCK_NAMES.items():
-        if "{e}" in ours:
-            for e in range(cfg.n_experts):
-                names[ours.format(e=e)] = theirs.format(e=e)
-        else:
-            names[ours] = theirs
-    return names
-
-
-def tensor_plan(cfg: ModelConfig, layers: Tuple[int, int], embedding: bool, head: bool
-                ) -> Dict[str, str]:
-    """Our parameter names -> Hugging Face names for one chunk of the model."""
-    plan: Dict[str, str] = {}
-    if embedding:
-        plan["embed.weight"] = GLOBAL_NAMES["embed.weight"]
-    for i in range(*layers):
-        for ours, theirs in block_names(cfg).items():
-            plan[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
-    if head:
-        plan["norm.weight"] = GLOBAL_NAMES["norm.weight"]
-        if cfg.tie_embeddings:
-            if not embedding:
-                plan["lm_head.weight"] = GLOBAL_NAMES["embed.weight"]
-        else:
-            plan["lm_head.weight"] = GLOBAL_NAMES["lm_head.weight"]
-    return plan
-
 
 # --------------------------------------------------------------------------- sources
 
@@ -89,39 +36,6 @@ _SAFETENSORS_DTYPES: Dict[str, torch.dtype] = {tag: getattr(torch, d.name)
                                                for tag, d in BY_SAFETENSORS.items()}
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 READ_CHUNK_BYTES = 4 << 20  # the temporary of a tensor read that converts dtype or layout
-
-
-class TensorSource:
-    """Reads named tensors lazily from one checkpoint; records what it read."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.read_names: List[str] = []
-
-    def names(self) -> Sequence[str]:
-        raise NotImplementedError
-
-    def _read(self, name: str) -> Tensor:
-        raise NotImplementedError
-
-    def get(self, name: str) -> Tensor:
-        self.read_names.append(name)
-        return self._read(name)
-
-    def read_into(self, name: str, out: Tensor) -> None:
-        """Copy tensor ``name`` into ``out`` (same shape, any dtype); a shape mismatch is a
-        CheckpointError. Sources that can read straight into ``out`` override this."""
-        t = self.get(name)
-        self._check_shape(name, tuple(t.shape), tuple(out.shape))
-        out.copy_(t)
-
-    def _check_shape(self, name: str, got: Tuple[int, ...], want: Tuple[int, ...]) -> None:
-        if got != want:
-            raise CheckpointError(f"{self.path}: tensor {name!r} has shape {got}, "
-                                  f"expected {want}")
-
-    def close(self) -> None:
-        pass
 
 
 class SafetensorsSource(TensorSource):
@@ -363,8 +277,10 @@ def llama2c_config(path: Path) -> ModelConfig:
 
 def resolve_model_path(model: Optional[PathLike]) -> Path:
     """The model's file or directory: ``model`` itself when it exists (a ``models--Org--Name``
-    cache folder: its snapshot), else a repo id or cache folder name from the local Hugging
-    Face cache (``mdiedge.model.hub``); None: the shipped model."""
+    cache folder: its snapshot; a folder of GGUF files without config.json: its one GGUF
+    file), else a short name of an installed model package, a repo id (``ORG/NAME:QUANT``
+    picks a GGUF file) or cache folder name from the local Hugging Face cache
+    (``mdiedge.model.hub``); None: the shipped model."""
     if model is None:
         from ..base.defaults import default_model_path
         return default_model_path()
@@ -372,17 +288,20 @@ def resolve_model_path(model: Optional[PathLike]) -> Path:
 
     path = Path(model).expanduser()
     if path.exists():
-        return hub.cache_folder_snapshot(path) if hub.is_cache_folder(path) else path
-    found = hub.resolve_name(str(model))
+        found: Optional[Path] = hub.cache_folder_snapshot(path) if hub.is_cache_folder(path) \
+            else path
+    else:
+        found = hub.resolve_name(str(model))
     if found is None:
         raise CheckpointError(f"{path}: model directory or file not found")
-    return found
+    return hub.gguf_in_folder(found) if found.is_dir() else found
 
 
 def load_config(model: Optional[PathLike]) -> ModelConfig:
     path = resolve_model_path(model)
     if path.is_file():
-        return llama2c_config(path)
+        from .gguf import gguf_config, looks_like_gguf
+        return gguf_config(path) if looks_like_gguf(path) else llama2c_config(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{cfg_file}: file not found (is {path} a Hugging Face model "
@@ -442,7 +361,8 @@ def chunk_safetensors(model: PathLike, layers: Tuple[int, int], head: bool = Fal
 
 def open_source(path: Path) -> TensorSource:
     if path.is_file():
-        return Llama2cSource(path)
+        from .gguf import GGUFSource, looks_like_gguf
+        return GGUFSource(path) if looks_like_gguf(path) else Llama2cSource(path)
     if (path / "model.safetensors.index.json").exists() or (path / "model.safetensors").exists():
         return SafetensorsSource(path)
     if (path / "pytorch_model.bin").exists():

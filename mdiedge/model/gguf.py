@@ -1,0 +1,412 @@
+"""GGUF files (llama.cpp's format): the model's config from the file's metadata, its tensors
+memory-mapped and answered under Hugging Face names.
+
+Parsing is the ``gguf`` package's (llama.cpp's own reader), with every read bounds-checked and
+the vocabulary's string arrays skipped (the tokenizer reads them; the config needs only their
+length), so that opening a file costs its metadata, not its vocabulary. A tensor is read when
+asked for: de-quantized to float32 (``GGUFSource.get``), or as the file's bytes
+(``GGUFSource.raw``, for kernels that keep blocks quantized). llama.cpp's converter stores the
+rows of the Q and K projections interleaved for its RoPE; both reads give Hugging Face's order.
+"""
+from __future__ import annotations
+
+import functools
+import re
+import struct
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..base.errors import CheckpointError, ConfigError
+from .config import ModelConfig, config_from_hf
+from .tensors import TensorSource, tensor_plan
+
+PathLike = Union[str, Path]
+MAGIC = b"GGUF"
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+# our parameter names (``layers.{i}.`` stripped) -> GGUF names (``blk.{i}.`` stripped)
+GGUF_GLOBAL_NAMES: Dict[str, str] = {
+    "embed.weight": "token_embd.weight",
+    "norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+GGUF_BLOCK_NAMES: Dict[str, str] = {
+    "attn_norm.weight": "attn_norm.weight",
+    "attn.wq.weight": "attn_q.weight",
+    "attn.wk.weight": "attn_k.weight",
+    "attn.wv.weight": "attn_v.weight",
+    "attn.wo.weight": "attn_output.weight",
+    "mlp_norm.weight": "ffn_norm.weight",
+    "mlp.gate.weight": "ffn_gate.weight",
+    "mlp.up.weight": "ffn_up.weight",
+    "mlp.down.weight": "ffn_down.weight",
+    "mlp.router.weight": "ffn_gate_inp.weight",
+    "mlp.experts.{e}.gate.weight": "ffn_gate_exps.weight",  # (experts, rows, cols) stacked
+    "mlp.experts.{e}.up.weight": "ffn_up_exps.weight",
+    "mlp.experts.{e}.down.weight": "ffn_down_exps.weight",
+}
+_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(.+)")
+
+
+def is_gguf(path: PathLike) -> bool:
+    """Whether ``path`` is a file that starts with GGUF's magic."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+def looks_like_gguf(path: Path) -> bool:
+    """Whether ``path`` is to be read as GGUF: its magic, or its name (so that a damaged
+    ``.gguf`` file gets GGUF's error, not another format's)."""
+    return path.suffix.lower() == ".gguf" or is_gguf(path)
+
+
+def _gguf_package() -> Any:
+    try:
+        import gguf
+    except ImportError:
+        raise CheckpointError("reading GGUF files needs the gguf package: pip install gguf") \
+            from None
+    return gguf
+
+
+def _u64(byte_order: str) -> str:
+    """The struct format of a length in a file of gguf's ``byte_order`` ("I": this host's,
+    "S": swapped)."""
+    host = "<" if sys.byteorder == "little" else ">"
+    return (host if byte_order == "I" else {"<": ">", ">": "<"}[host]) + "Q"
+
+
+class _OutOfFile(Exception):
+    """A read of bytes [start, end) of a file that has fewer."""
+
+
+class _UnknownType(Exception):
+    """A tensor (name) of a ggml type number that gguf does not know."""
+
+
+@functools.lru_cache(maxsize=None)
+def _reader_class() -> type:
+    """gguf's ``GGUFReader`` with bounds-checked reads and arrays read whole (a string
+    array is skipped: ``field.parts`` keeps only its element type and length)."""
+    gguf = _gguf_package()
+    array, string = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
+    known = {int(t) for t in gguf.GGMLQuantizationType}
+
+    class Reader(gguf.GGUFReader):  # type: ignore[misc,name-defined]
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None
+                 ) -> np.ndarray:
+            end = int(offset) + np.dtype(dtype).itemsize * int(count)
+            if end > len(self.data):
+                raise _OutOfFile(int(offset), end)
+            return super()._get(offset, dtype, count, override_order)
+
+        def _get_tensor_info_field(self, orig_offs: int) -> Any:
+            field = super()._get_tensor_info_field(orig_offs)
+            kind = int(field.parts[4][0])
+            if kind not in known:
+                raise _UnknownType(bytes(field.parts[1]).decode("utf-8", "replace"), kind)
+            return field
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Tuple[int, list, list, list]:
+            if raw_type != array:
+                return super()._get_field_parts(orig_offs, raw_type)
+            itype, length = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            start, count = orig_offs + 12, int(length[0])
+            types = [gguf.GGUFValueType(raw_type), gguf.GGUFValueType(int(itype[0]))]
+            if types[1] == string:
+                return self._skip_strings(start, count) - orig_offs, [itype, length], [], types
+            scalar = self.gguf_scalar_to_np.get(types[1])
+            if scalar is None:  # arrays of arrays: gguf's own walk
+                return super()._get_field_parts(orig_offs, raw_type)
+            values = self._get(start, scalar, count)
+            return 12 + int(values.nbytes), [itype, length, values], [2], types
+
+        def _skip_strings(self, offs: int, count: int) -> int:
+            """The offset after ``count`` length-prefixed strings from ``offs``."""
+            view, size = memoryview(self.data), len(self.data)
+            fmt = _u64(self.byte_order)
+            for _ in range(count):
+                if offs + 8 > size:
+                    raise _OutOfFile(offs, offs + 8)
+                offs += 8 + struct.unpack_from(fmt, view, offs)[0]
+            if offs > size:
+                raise _OutOfFile(offs, offs)
+            return offs
+
+    return Reader
+
+
+def open_reader(path: PathLike) -> Any:
+    """The file's reader (memory-mapped copy-on-write: the file is never written); any failure
+    to parse it is one CheckpointError naming the file."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        return _reader_class()(path, "c")
+    except CheckpointError:
+        raise
+    except _OutOfFile as e:
+        start, end = e.args
+        raise CheckpointError(f"{path}: truncated GGUF file, or an offset beyond its end (bytes "
+                              f"{start}..{end} asked for, the file has {size})") from None
+    except _UnknownType as e:
+        raise CheckpointError(f"{path}: tensor {e.args[0]!r} has an unknown ggml type "
+                              f"{e.args[1]}") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    except Exception as e:  # gguf raises ValueError, KeyError, IndexError, ... on bad input
+        raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: "
+                              f"{e})") from None
+
+
+def string_array(reader: Any, key: str) -> List[str]:
+    """The strings of the metadata array ``key`` (the vocabulary ``tokenizer.ggml.tokens``,
+    ``tokenizer.ggml.merges``), which ``open_reader`` skipped: decoded from the map in one
+    walk. KeyError when the file has no such key."""
+    field = reader.fields[key]
+    if len(field.types) != 2 or field.types[1] != _gguf_package().GGUFValueType.STRING:
+        raise CheckpointError(f"metadata {key!r} is not an array of strings")
+    offs = field.offset + 8 + len(key.encode()) + 4 + 12  # key, value type, item type, count
+    view = memoryview(reader.data)
+    fmt = _u64(reader.byte_order)
+    out: List[str] = []
+    for _ in range(int(field.parts[-1][0])):
+        length = struct.unpack_from(fmt, view, offs)[0]
+        out.append(bytes(view[offs + 8:offs + 8 + length]).decode("utf-8", "replace"))
+        offs += 8 + length
+    return out
+
+
+# --------------------------------------------------------------------------- config
+
+
+def metadata(reader: Any) -> Dict[str, Any]:
+    """The file's key/value metadata: scalars and numeric arrays by value, a string array as
+    its length (the vocabulary)."""
+    out: Dict[str, Any] = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        if len(field.types) > 1 and not field.data:  # a skipped string array
+            out[name] = int(field.parts[-1][0])
+        else:
+            out[name] = field.contents()
+    return out
+
+
+def _single(value: Any, key: str, source: str) -> Any:
+    """A per-layer array whose entries are all equal is that value; else unsupported."""
+    if isinstance(value, list):
+        if not value or len(set(value)) != 1:
+            raise CheckpointError(f"{source}: per-layer {key} {value[:8]!r} is not supported")
+        return value[0]
+    return value
+
+
+def _hf_fields(meta: Mapping[str, Any], tensors: Sequence[str], source: str) -> Dict[str, Any]:
+    """The Hugging Face config.json that the metadata of a ``llama`` GGUF file describes."""
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise CheckpointError(f"{source}: unsupported architecture {arch!r} (supported: "
+                              f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none") or "rope_freqs.weight" in tensors:
+        raise CheckpointError(f"{source}: RoPE scaling ({scaling or 'rope_freqs.weight'}) is "
+                              f"not supported for GGUF files yet")
+
+    def get(key: str, default: Any = None) -> Any:
+        return _single(meta.get(f"{arch}.{key}", default), key, source)
+
+    heads = get("attention.head_count")
+    dim = get("embedding_length")
+    head_dim = get("attention.key_length") or get("rope.dimension_count") or (
+        dim // heads if isinstance(dim, int) and isinstance(heads, int) and heads else None)
+    rotary = get("rope.dimension_count", head_dim)
+    if rotary != head_dim:
+        raise CheckpointError(f"{source}: partial RoPE ({rotary} of {head_dim} dimensions per "
+                              f"head) is not supported")
+    experts = get("expert_count", 0) or 0
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+           if isinstance(meta.get(k), int)]
+    return {
+        "model_type": "mixtral" if experts else "llama",
+        "vocab_size": get("vocab_size") or meta.get("tokenizer.ggml.tokens"),
+        "hidden_size": dim, "num_hidden_layers": get("block_count"),
+        "num_attention_heads": heads, "num_key_value_heads": get("attention.head_count_kv"),
+        "intermediate_size": get("feed_forward_length") or get("expert_feed_forward_length"),
+        "max_position_embeddings": get("context_length"), "head_dim": head_dim,
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "num_local_experts": experts, "num_experts_per_tok": get("expert_used_count", 0) or 0,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": list(dict.fromkeys(eos)),
+        "_name_or_path": meta.get("general.name"),
+    }
+
+
+def config_of(reader: Any, path: PathLike) -> ModelConfig:
+    """The ModelConfig of an open file (config.py's checks, errors naming the file)."""
+    source = str(path)
+    meta = metadata(reader)
+    hf = _hf_fields(meta, [t.name for t in reader.tensors], source)
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                           "num_attention_heads", "intermediate_size", "max_position_embeddings")
+               if hf[k] is None]
+    if missing:
+        arch = meta.get("general.architecture")
+        raise CheckpointError(f"{source}: metadata lacks {arch}.* values for {', '.join(missing)}")
+    if not hf["_name_or_path"]:
+        hf["_name_or_path"] = Path(path).stem
+    try:
+        return config_from_hf(hf, source)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def gguf_config(path: PathLike) -> ModelConfig:
+    """The ModelConfig that a GGUF file's metadata describes."""
+    return config_of(open_reader(path), path)
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+class _Entry(NamedTuple):
+    """Where a Hugging Face-named tensor lies in the file."""
+
+    tensor: Any  # gguf's ReaderTensor
+    expert: Optional[int]  # this expert's slice of a stacked (experts, rows, cols) tensor
+    heads: int  # > 0: its rows are llama.cpp's RoPE order for this many heads
+    shape: Tuple[int, ...]  # its shape as Hugging Face has it
+
+
+def gguf_name(ours: str) -> Tuple[str, Optional[int]]:
+    """The GGUF tensor holding our parameter ``ours``, and the expert's index in it."""
+    block = _BLOCK.fullmatch(ours)
+    if block is None:
+        return GGUF_GLOBAL_NAMES[ours], None
+    layer, rest = block.groups()
+    expert = _EXPERT.fullmatch(rest)
+    if expert is not None:
+        rest = "mlp.experts.{e}." + expert.group(2)
+    return f"blk.{layer}.{GGUF_BLOCK_NAMES[rest]}", None if expert is None else int(expert.group(1))
+
+
+def expected_shape(cfg: ModelConfig, ours: str) -> Tuple[int, ...]:
+    """The shape of our parameter ``ours`` (Hugging Face's (out, in) for a matrix)."""
+    key = ours.rsplit(".", 2)[-2] if "." in ours else ours
+    d, h = cfg.dim, cfg.intermediate_size
+    return {"embed": (cfg.vocab_size, d), "lm_head": (cfg.vocab_size, d), "norm": (d,),
+            "attn_norm": (d,), "mlp_norm": (d,), "wq": (cfg.q_dim, d), "wk": (cfg.kv_dim, d),
+            "wv": (cfg.kv_dim, d), "wo": (d, cfg.q_dim), "gate": (h, d), "up": (h, d),
+            "down": (d, h), "router": (cfg.n_experts, d)}[key]
+
+
+def _hf_rows(rows: int, heads: int) -> Tensor:
+    """For each row in Hugging Face's order, the row of llama.cpp's RoPE order holding it
+    (the inverse of the converter's permutation: (heads, 2, half) <- (heads, half, 2))."""
+    return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
+
+
+class GGUFSource(TensorSource):
+    """A GGUF file's tensors under Hugging Face names: ``get`` de-quantizes to float32,
+    ``raw`` gives the stored bytes. Opening checks every tensor of the model (present, of a
+    known type, of the shape the config implies), so a bad file fails before any read."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.gguf = _gguf_package()
+        reader = open_reader(path)
+        self.cfg = config_of(reader, path)
+        tensors = {t.name: t for t in reader.tensors}
+        self.index: Dict[str, _Entry] = {}
+        cfg = self.cfg
+        for ours, theirs in tensor_plan(cfg, (0, cfg.n_layers), True, True).items():
+            self.index[theirs] = self._entry(ours, tensors)
+
+    def _entry(self, ours: str, tensors: Mapping[str, Any]) -> _Entry:
+        name, expert = gguf_name(ours)
+        tensor = tensors.get(name)
+        if tensor is None:
+            raise CheckpointError(f"{self.path}: missing tensor {name!r}")
+        shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+        if expert is not None:
+            if len(shape) != 3 or not 0 <= expert < shape[0]:
+                raise CheckpointError(f"{self.path}: tensor {name!r} has shape {shape}, not "
+                                      f"({self.cfg.n_experts}, rows, columns)")
+            shape = shape[1:]
+        want = expected_shape(self.cfg, ours)
+        if shape != want:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has shape {shape}, the "
+                                  f"config implies {want}")
+        if not _dequantizable(self.gguf, tensor.tensor_type):
+            raise CheckpointError(f"{self.path}: tensor {name!r} has type "
+                                  f"{tensor.tensor_type.name}, which cannot be de-quantized")
+        heads = {"attn.wq.weight": self.cfg.n_heads,
+                 "attn.wk.weight": self.cfg.n_kv_heads}.get(ours.split(".", 2)[-1], 0)
+        return _Entry(tensor, expert, heads, shape)
+
+    def names(self) -> Sequence[str]:
+        return list(self.index)
+
+    def qtype(self, name: str) -> str:
+        """The ggml type of tensor ``name`` as llama.cpp names it: "F32", "Q4_1", "Q6_K", ..."""
+        return str(self.index[name].tensor.tensor_type.name)
+
+    def _data(self, entry: _Entry) -> np.ndarray:
+        """The tensor's stored array, a plain ndarray view of the map (numpy's memmap
+        subclass makes each of gguf's many slices cost a Python call)."""
+        data = entry.tensor.data.view(np.ndarray)
+        return data if entry.expert is None else data[entry.expert]
+
+    def raw(self, name: str, hf_order: bool = True) -> Tensor:
+        """Tensor ``name``'s stored bytes, uint8 of shape (rows, bytes per row) (a vector: one
+        row), a view of the file's memory map. Rows are in Hugging Face's order: for the Q and
+        K projections that is a copy with the rows gathered; ``hf_order=False`` gives their
+        view in the file's order instead (each head's rows as interleaved pairs, the order
+        llama.cpp's RoPE rotates; ``heads(name)`` says which tensors differ)."""
+        entry = self.index[name]
+        rows = entry.shape[0] if len(entry.shape) == 2 else 1
+        data = torch.from_numpy(self._data(entry).view(np.uint8).reshape(rows, -1))
+        return data[_hf_rows(rows, entry.heads)] if entry.heads and hf_order else data
+
+    def heads(self, name: str) -> int:
+        """For the Q and K projections, their head count (the file holds their rows in
+        llama.cpp's RoPE order); 0 for every other tensor."""
+        return self.index[name].heads
+
+    def _read(self, name: str) -> Tensor:
+        entry = self.index[name]
+        qtype = entry.tensor.tensor_type
+        try:
+            values = self.gguf.quants.dequantize(self._data(entry), qtype)
+        except Exception as e:  # gguf's numpy code on bytes it cannot take
+            raise CheckpointError(f"{self.path}: cannot de-quantize tensor "
+                                  f"{entry.tensor.name!r} ({qtype.name}: {e})") from None
+        out = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(entry.shape)
+        return out[_hf_rows(entry.shape[0], entry.heads)] if entry.heads else out
+
+
+_DEQUANTIZABLE: Dict[int, bool] = {}
+
+
+def _dequantizable(gguf: Any, qtype: Any) -> bool:
+    """Whether ``gguf.quants`` de-quantizes ``qtype`` (tried once on a zero block)."""
+    if int(qtype) not in _DEQUANTIZABLE:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        try:
+            gguf.quants.dequantize(np.zeros((1, size), np.uint8), qtype)
+            _DEQUANTIZABLE[int(qtype)] = True
+        except Exception:
+            _DEQUANTIZABLE[int(qtype)] = False
+    return _DEQUANTIZABLE[int(qtype)]

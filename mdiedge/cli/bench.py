@@ -64,7 +64,6 @@ def bench(
     if compression is not None:
         _guard(model, compression, text, eval_tokens, nodes, context, new_tokens, as_json)
         return
-
     if one:
         result = benchmarks.run_config(Path(model or ""), nodes, samples, new_tokens, context,
                                        micro_batch)

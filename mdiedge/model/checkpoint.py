@@ -374,37 +374,58 @@ def open_source(path: Path) -> TensorSource:
 def load_model(model: Optional[PathLike] = None, layers: Optional[Tuple[int, int]] = None,
                embedding: bool = True, head: bool = True, device: str = "cpu",
                dtype: torch.dtype = torch.float32,
-               on_source: Optional[Callable[[TensorSource], None]] = None):  # -> Transformer
+               on_source: Optional[Callable[[TensorSource], None]] = None,
+               quantize: Optional[str] = None):  # -> Transformer
     """Build the chunk ``[layers)`` (+ embedding, + head) of a checkpoint, reading only its
-    tensors. ``on_source`` sees the tensor source (tests use it to check what was read)."""
+    tensors. ``on_source`` sees the tensor source (tests use it to check what was read).
+    On the CPU in float32, tensors a file stores in a kernel type (GGUF) stay in it
+    (``mdiedge.model.qlayers``), and ``quantize`` (Q8_0, Q4_0, Q4_1) quantizes the blocks'
+    float ones; elsewhere every weight is float (de-quantized as it is read)."""
     from .transformer import Transformer
 
     path = resolve_model_path(model)
     cfg = load_config(path)
     layers = layers if layers is not None else (0, cfg.n_layers)
+    native = torch.device(device).type == "cpu" and dtype == torch.float32
     source = open_source(path)
     try:
         with _skip_init():
             net = Transformer(cfg, layers, embedding, head).to(dtype)
-        net.store_head_transposed()
-        if torch.device(device).type == "cpu":  # elsewhere the move would unshare the buffers
-            net.fuse_projections()
-        params = dict(net.named_parameters())  # a tied head is the embedding, listed once
         plan = tensor_plan(cfg, layers, embedding, head)
-        unplanned = set(params) - set(plan)
-        if unplanned:
-            raise RuntimeError(f"no checkpoint tensor planned for {sorted(unplanned)}")
-        available = set(source.names())
-        with torch.no_grad():
-            for ours, theirs in plan.items():
-                if theirs not in available:
-                    raise CheckpointError(f"{source.path}: missing tensor {theirs!r}")
-                source.read_into(theirs, params[ours])  # straight into the parameter
+        if native:
+            from .qlayers import keep_quantized
+
+            plan = {k: v for k, v in plan.items()
+                    if k not in keep_quantized(net, source, plan)}
+        _read_floats(net, source, plan, device)
+        if native and quantize:
+            from .qlayers import quantize_blocks
+
+            quantize_blocks(net, quantize)
         if on_source is not None:
             on_source(source)
     finally:
         source.close()
     return net.to(device=device).eval()
+
+
+def _read_floats(net: Any, source: TensorSource, plan: Dict[str, str], device: str) -> None:
+    """Read the float parameters of ``net`` that ``plan`` names from ``source``, in place."""
+    net.store_head_transposed()
+    if torch.device(device).type == "cpu":  # elsewhere the move would unshare the buffers
+        net.fuse_projections()
+    params = dict(net.named_parameters())  # a tied head is the embedding, listed once
+    unplanned = set(params) - set(plan)
+    if unplanned:
+        raise RuntimeError(f"no checkpoint tensor planned for {sorted(unplanned)}")
+    available = set(source.names())
+    with torch.no_grad():
+        for ours, theirs in plan.items():
+            if ours not in params:  # a tied head read as the embedding
+                continue
+            if theirs not in available:
+                raise CheckpointError(f"{source.path}: missing tensor {theirs!r}")
+            source.read_into(theirs, params[ours])  # straight into the parameter
 
 
 class _skip_init:

@@ -376,6 +376,7 @@ class GGUFSource(TensorSource):
         view in the file's order instead (each head's rows as interleaved pairs, the order
         llama.cpp's RoPE rotates; ``heads(name)`` says which tensors differ)."""
         entry = self.index[name]
+        self.read_names.append(name)
         rows = entry.shape[0] if len(entry.shape) == 2 else 1
         data = torch.from_numpy(self._data(entry).view(np.uint8).reshape(rows, -1))
         return data[_hf_rows(rows, entry.heads)] if entry.heads and hf_order else data

@@ -134,7 +134,9 @@ class MLP(nn.Module):
         self.gate_up: Optional[Tensor] = None
 
     def fuse_projections(self) -> None:
-        self.gate_up = fuse([self.gate, self.up])
+        """gate and up as one product; quantized ones stay two."""
+        if type(self.gate) is Linear and type(self.up) is Linear:
+            self.gate_up = fuse([self.gate, self.up])
 
     def forward(self, x: Tensor) -> Tensor:
         if fused_with(self.gate_up, self.gate):

@@ -12,6 +12,7 @@ SwiGLU (Shazeer 2020), Mixtral (Jiang et al. 2024).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -110,8 +111,10 @@ class Attention(nn.Module):
         self.qkv: Optional[Tensor] = None
 
     def fuse_projections(self) -> None:
-        """Q, K and V as one product (``mdiedge.model.layers.fuse``)."""
-        self.qkv = fuse([self.wq, self.wk, self.wv])
+        """Q, K and V as one product (``mdiedge.model.layers.fuse``); quantized ones stay
+        three."""
+        if all(type(layer) is Linear for layer in (self.wq, self.wk, self.wv)):
+            self.qkv = fuse([self.wq, self.wk, self.wv])
 
     def _project_qkv(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """q (B, T, q_dim), k and v (B, T, kv_dim) of x (B, T, dim)."""
@@ -208,7 +211,8 @@ class Transformer(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        if self.cfg.tie_embeddings and self.embed is not None and self.lm_head is not None:
+        if self.cfg.tie_embeddings and isinstance(self.embed, nn.Embedding) and \
+                isinstance(self.lm_head, Linear):
             self.lm_head.weight = self.embed.weight
 
     def store_head_transposed(self) -> None:
@@ -220,7 +224,7 @@ class Transformer(nn.Module):
         compiled few-row product (``mdiedge.model.layers``) runs decode: it reads row-major."""
         if not transposed_head_pays():
             return
-        if self.lm_head is None or not self.lm_head.weight.is_contiguous():
+        if not isinstance(self.lm_head, Linear) or not self.lm_head.weight.is_contiguous():
             return
         weight = self.lm_head.weight
         storage = torch.empty(weight.shape[1], weight.shape[0], dtype=weight.dtype,
@@ -267,6 +271,8 @@ class Transformer(nn.Module):
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         if self.embed is None:
             raise RuntimeError("this chunk holds no embedding")
+        if not isinstance(self.embed, nn.Embedding):  # quantized rows
+            return self.embed(tokens)  # (…, dim)
         return F.embedding(tokens, self.embed.weight)  # (…, dim)
 
     def run_blocks(self, x: Tensor, slots: Tensor, positions: Sequence[int],
@@ -418,6 +424,8 @@ class Transformer(nn.Module):
         CPU take the compiled step's one call for both, as the blocks do."""
         if self.norm is None or self.lm_head is None:
             raise RuntimeError("this chunk holds no head")
+        if not isinstance(self.lm_head, Linear):  # quantized: its own few-row kernel
+            return self.lm_head(self.norm(x)).float()
         norm, head = self.norm.weight, self.lm_head.weight
         if _step.PREFERRED and x.dim() == 2 and x.shape[0] <= _step.MAX_ROWS:
             rows = x.contiguous()  # (B, dim)
@@ -445,7 +453,9 @@ class Transformer(nn.Module):
                 if hasattr(block.mlp, "expert_counts")}
 
     def parameter_bytes(self) -> int:
+        """Bytes of the weights as held: float parameters and quantized blocks."""
         seen: Dict[int, int] = {}
-        for p in self.parameters():
+        for p in itertools.chain(self.parameters(), (m.qweight for m in self.modules()
+                                                     if hasattr(m, "qweight"))):
             seen[id(p)] = p.numel() * p.element_size()
         return sum(seen.values())

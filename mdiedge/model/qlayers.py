@@ -1,0 +1,168 @@
+"""Layers whose weights stay in a GGUF block type (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: see
+``mdiedge.model.quant``) while every activation, accumulator and output stays float32 (the
+Jetson FP32 rule): the weights are widened to float32 inside the kernels.
+
+- ``QuantLinear``: up to ``KERNEL_ROWS`` rows (decode, micro-batched or not) take the
+  compiled product of ``mdiedge.model._cquant`` (or its twin), which reads each block once
+  for every row; more rows (prefill) de-quantize the weight a tile of rows at a time into one
+  reused float32 buffer and multiply with torch.
+- ``QuantEmbedding``: a token's row de-quantized when it is looked up.
+
+``quantize_module`` swaps a float ``Linear``/``Embedding`` for these, either from a file's
+blocks (``raw``) or by quantizing its float weight (``--quantize``).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Set, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..base.accel import select
+from ..base.errors import CheckpointError, QuantError
+from .layers import Linear
+from .quant import TYPES, check_blocks, qtype_of, quantize, row_bytes
+
+_quant = select("quant")
+KERNEL_ROWS = 8  # rows the compiled product takes; more are a prefill
+TILE_BYTES = 4 << 20  # float32 bytes of the de-quantized tile a prefill multiplies by
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+class QuantLinear(nn.Module):
+    """``x @ W^T`` with W held as ``qweight`` (uint8 (out, row_bytes)) of type ``qtype``."""
+
+    def __init__(self, qweight: Tensor, qtype: str, in_features: int) -> None:
+        super().__init__()
+        self.qtype = qtype_of(qtype).name
+        self.in_features, self.out_features = in_features, int(qweight.shape[0])
+        want = (self.out_features, row_bytes(self.qtype, in_features))
+        if qweight.dtype != torch.uint8 or tuple(qweight.shape) != want:
+            raise ValueError(f"{self.qtype} weight of {tuple(qweight.shape)} {qweight.dtype}, "
+                             f"expected uint8 {want}")
+        self.register_buffer("qweight", qweight, persistent=False)
+        self._tile: Optional[Tensor] = None
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"qtype={self.qtype}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, self.in_features).float().contiguous()  # (rows, in)
+        out = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32,
+                          device=flat.device)  # (rows, out)
+        if flat.shape[0] <= KERNEL_ROWS:
+            _quant.matmul(flat, self.qweight, self.qtype, out, _threads())
+        else:
+            self._tiled(flat, out)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _tiled(self, flat: Tensor, out: Tensor) -> None:
+        """out = flat @ W^T a tile of W's rows at a time (prefill)."""
+        step = max(1, min(self.out_features, TILE_BYTES // (4 * self.in_features)))
+        if self._tile is None or self._tile.shape[0] != step:
+            self._tile = torch.empty(step, self.in_features)  # (step, in), reused
+        for first in range(0, self.out_features, step):
+            count = min(step, self.out_features - first)
+            tile = self._tile[:count]
+            _quant.dequantize_rows(self.qweight, self.qtype, first, count, tile, _threads())
+            torch.mm(flat, tile.t(), out=out[:, first:first + count])
+
+    def dequantized(self) -> Tensor:
+        """The whole weight in float32 (out, in)."""
+        weight = torch.empty(self.out_features, self.in_features)
+        _quant.dequantize_rows(self.qweight, self.qtype, 0, self.out_features, weight,
+                               _threads())
+        return weight
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings held as ``qweight`` (uint8 (vocab, row_bytes)) of type ``qtype``."""
+
+    def __init__(self, qweight: Tensor, qtype: str, dim: int) -> None:
+        super().__init__()
+        self.rows = QuantLinear(qweight, qtype, dim)  # shares its checks and its buffer
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        flat = tokens.reshape(-1).tolist()
+        out = torch.empty(len(flat), self.rows.in_features)  # (tokens, dim)
+        for i, token in enumerate(flat):
+            _quant.dequantize_rows(self.rows.qweight, self.rows.qtype, int(token), 1,
+                                   out[i:i + 1], 1)
+        return out.view(*tokens.shape, self.rows.in_features)
+
+
+def _parent(net: nn.Module, ours: str) -> Tuple[nn.Module, str]:
+    """The module holding parameter ``ours`` ("layers.3.attn.wq.weight") and the attribute
+    naming the layer in it ("wq")."""
+    path = ours.rsplit(".", 1)[0]  # the layer: "layers.3.attn.wq"
+    owner, _, attr = path.rpartition(".")
+    return (net.get_submodule(owner) if owner else net), attr
+
+
+def _kernel_qtype(source: Any, theirs: str) -> Optional[str]:
+    """The stored type of ``theirs`` when the source keeps blocks the kernels run."""
+    qtype = getattr(source, "qtype", None)
+    if qtype is None:
+        return None
+    name = str(qtype(theirs)).upper()
+    return name if name in TYPES and TYPES[name].kernel else None
+
+
+def keep_quantized(net: nn.Module, source: Any, plan: Dict[str, str]) -> Set[str]:
+    """Swap each float layer of ``net`` whose tensor ``source`` stores in a kernel type (a
+    GGUF file, a pushed quantized chunk) for a quantized one holding those bytes; the
+    parameter names now held so, which need no float read. A tied head shares the
+    embedding's bytes."""
+    held: Set[str] = set()
+    for ours, theirs in plan.items():
+        qtype = _kernel_qtype(source, theirs)
+        owner, attr = _parent(net, ours)
+        layer = getattr(owner, attr, None)
+        if qtype is None or not isinstance(layer, (nn.Linear, nn.Embedding)):
+            continue
+        raw = source.raw(theirs)
+        try:
+            check_blocks(raw, qtype)
+        except QuantError as e:
+            raise CheckpointError(f"{source.path}: tensor {theirs!r}: {e}") from None
+        if isinstance(layer, nn.Embedding):
+            setattr(owner, attr, QuantEmbedding(raw, qtype, layer.embedding_dim))
+        else:
+            setattr(owner, attr, QuantLinear(raw, qtype, layer.in_features))
+        held.add(ours)
+    _tie_quantized(net, held)
+    return held
+
+
+def _tie_quantized(net: nn.Module, held: Set[str]) -> None:
+    """A tied head (read from the embedding's tensor) shares the quantized embedding."""
+    embed, head = getattr(net, "embed", None), getattr(net, "lm_head", None)
+    if isinstance(embed, QuantEmbedding) and head is not None and getattr(
+            net, "cfg").tie_embeddings:
+        net.lm_head = embed.rows
+        held.add("lm_head.weight")
+
+
+def quantize_blocks(net: nn.Module, qtype: str) -> int:
+    """Quantize every float linear layer of ``net``'s blocks to ``qtype`` (``--quantize``);
+    layers whose width is not a whole number of blocks stay float. The count quantized."""
+    count = 0
+    for name, layer in list(net.named_modules()):
+        if not name.startswith("layers.") or type(layer) is not Linear:
+            continue
+        if layer.in_features % qtype_of(qtype).block:
+            continue
+        owner, attr = _parent(net, name + ".weight")
+        setattr(owner, attr, QuantLinear(quantize_weight(layer.weight, qtype), qtype,
+                                         layer.in_features))
+        count += 1
+    return count
+
+
+def quantize_weight(weight: Tensor, qtype: str) -> Tensor:
+    """A float weight (out, in) as ``qtype`` blocks, uint8 (out, row_bytes)."""
+    return quantize(weight.detach().float().cpu().contiguous(), qtype)

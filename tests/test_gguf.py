@@ -4,6 +4,7 @@ the ways ``--model`` names a GGUF model, and a ring on a GGUF model."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 from pathlib import Path
@@ -19,6 +20,7 @@ from mdiedge.base.errors import CheckpointError
 from mdiedge.model import hub
 from mdiedge.model.checkpoint import (chunk_safetensors, content_hash, load_config, load_model,
                                       resolve_model_path)
+from mdiedge.model.config import config_to_hf
 from mdiedge.model.gguf import GGUFSource, gguf_config, is_gguf
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.runtime.generation import Generation
@@ -398,17 +400,40 @@ def test_content_hash_is_the_files(tiny_files: Dict[str, Path], tmp_path: Path) 
 # --------------------------------------------------------------------------- a ring
 
 
-def test_chunks_pushed_to_a_worker_hold_the_de_quantized_blocks(
-        tiny_files: Dict[str, Path]) -> None:
-    from safetensors.torch import load
+def test_chunks_pushed_to_a_worker_hold_the_files_blocks(tiny_files: Dict[str, Path],
+                                                         tmp_path: Path) -> None:
+    """Kernel types travel as the file's blocks (their type in the chunk's metadata), the
+    rest in float; a worker's load of the chunk keeps the blocks, and a float load of it
+    (another device) gets them de-quantized."""
+    from safetensors import safe_open
+
+    from mdiedge.model.checkpoint import QTYPE_KEY, SafetensorsSource
+    from mdiedge.model.qlayers import QuantLinear
 
     file = tiny_files["Q4_1"]
-    chunk = load(chunk_safetensors(file, (1, 3), head=True))
+    (tmp_path / "model.safetensors").write_bytes(chunk_safetensors(file, (1, 3), head=True))
     source = GGUFSource(file)
-    assert sorted(chunk) == sorted(n for n in source.names()
-                                   if n.startswith(("model.layers.1.", "model.layers.2."))
-                                   or n in ("model.norm.weight", "lm_head.weight"))
-    assert all(torch.equal(t, source.get(n)) for n, t in chunk.items())
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as chunk:
+        meta = chunk.metadata()
+        assert sorted(chunk.keys()) == sorted(
+            n for n in source.names() if n.startswith(("model.layers.1.", "model.layers.2."))
+            or n in ("model.norm.weight", "lm_head.weight"))
+        for name in chunk.keys():
+            if source.qtype(name) == "Q4_1":
+                assert meta[QTYPE_KEY + name] == "Q4_1"
+                assert torch.equal(chunk.get_tensor(name), source.raw(name))
+            else:
+                assert QTYPE_KEY + name not in meta
+                assert torch.equal(chunk.get_tensor(name), source.get(name))
+    floats = SafetensorsSource(tmp_path)
+    wq = "model.layers.1.self_attn.q_proj.weight"
+    assert floats.qtype(wq) == "Q4_1" and torch.equal(floats.get(wq), floats.raw(wq))
+    out = torch.empty(tuple(source.get(wq).shape))
+    floats.read_into(wq, out)
+    assert torch.equal(out, source.get(wq))
+    (tmp_path / "config.json").write_text(json.dumps(config_to_hf(gguf_config(file))))
+    net = load_model(tmp_path, layers=(1, 3), embedding=False, head=False)
+    assert isinstance(net.layers["1"].attn.wq, QuantLinear)
 
 
 @pytest.fixture(scope="module")

@@ -357,7 +357,7 @@ def test_the_starter_reads_the_secret_from_stdin(tmp_path: Path) -> None:
         out = subprocess.run([sys.executable, "-m", "mdiedge", "starter", "--config", str(ring),
                               "--secret-fd", "0"], stdin=stdin, capture_output=True, text=True,
                              timeout=120)
-    assert out.returncode == 1 and out.stderr == \
+    assert out.returncode == 2 and out.stderr == \
         "mdiedge: error: --secret-fd 0: expected a secret of at least 16 bytes, got 5 bytes\n"
 
 

@@ -60,6 +60,30 @@ class SafetensorsSource(TensorSource):
     def names(self) -> Sequence[str]:
         return list(self.file_of)
 
+    def qtype(self, name: str) -> str:
+        """The block type a pushed chunk keeps tensor ``name`` in (``QTYPE_KEY`` metadata,
+        see ``chunk_safetensors``), else "F32"."""
+        meta = self._header(self.file_of[name]).get("__metadata__")
+        found = meta.get(QTYPE_KEY + name) if isinstance(meta, dict) else None
+        return str(found) if isinstance(found, str) else "F32"
+
+    def raw(self, name: str) -> Tensor:
+        """A quantized tensor's blocks, uint8 (rows, bytes per row)."""
+        return self.get(name)
+
+    def _dequantized(self, name: str) -> Optional[Tensor]:
+        """Tensor ``name`` in float32 when the chunk keeps it quantized, else None."""
+        qtype = self.qtype(name)
+        if qtype == "F32":
+            return None
+        from .quant import dequantize, qtype_of
+
+        raw, t = self.raw(name), qtype_of(qtype)
+        if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % t.block_bytes:
+            raise CheckpointError(f"{self.path}: tensor {name!r} of {qtype} blocks has "
+                                  f"{tuple(raw.shape)} {raw.dtype}, not whole uint8 blocks")
+        return dequantize(raw, qtype, raw.shape[1] // t.block_bytes * t.block)
+
     def _entry(self, name: str) -> Tuple[Path, torch.dtype, Tuple[int, ...], int, int]:
         """File, dtype, shape, start and size in bytes of tensor ``name``, all checked."""
         file = self.file_of[name]
@@ -89,6 +113,11 @@ class SafetensorsSource(TensorSource):
         layout differs, through a temporary of at most ``READ_CHUNK_BYTES`` at a time: no
         memory map, so the file's pages never count in this process's RSS, and the peak is
         the model plus one chunk."""
+        floats = self._dequantized(name)
+        if floats is not None:  # a pushed chunk's blocks, for a float model (not the CPU)
+            self._check_shape(name, tuple(floats.shape), tuple(out.shape))
+            out.copy_(floats)
+            return
         entry = self._entry(name)
         self._check_shape(name, entry[2], tuple(out.shape))
         self.read_names.append(name)
@@ -348,15 +377,31 @@ def chunk_safetensors(model: PathLike, layers: Tuple[int, int], head: bool = Fal
     path = resolve_model_path(model)
     cfg = load_config(path)
     source = open_source(path)
+    metadata = dict(extra_metadata or {}, format="pt")
     try:
         plan = tensor_plan(cfg, layers, False, False)
         if head:
             plan.update(tensor_plan(cfg, (0, 0), False, True))
-        tensors = {theirs: source.get(theirs).contiguous() for theirs in plan.values()}
+        tensors = {theirs: _chunk_tensor(source, theirs, metadata) for theirs in plan.values()}
     finally:
         source.close()
     tensors.update(extra or {})
-    return save(tensors, metadata=dict(extra_metadata or {}, format="pt"))
+    return save(tensors, metadata=metadata)
+
+
+QTYPE_KEY = "mdiedge.qtype."  # + a tensor's name: the block type a chunk keeps it in
+
+
+def _chunk_tensor(source: TensorSource, name: str, metadata: Dict[str, str]) -> Tensor:
+    """Tensor ``name`` as a chunk carries it: a kernel type's blocks as the file holds them
+    (uint8, its type in ``metadata``), anything else in float."""
+    from .qlayers import kernel_qtype
+
+    qtype = kernel_qtype(source, name)
+    if qtype is None:
+        return source.get(name).contiguous()
+    metadata[QTYPE_KEY + name] = qtype
+    return source.raw(name).contiguous()
 
 
 def open_source(path: Path) -> TensorSource:

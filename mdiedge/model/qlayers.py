@@ -103,7 +103,7 @@ def _parent(net: nn.Module, ours: str) -> Tuple[nn.Module, str]:
     return (net.get_submodule(owner) if owner else net), attr
 
 
-def _kernel_qtype(source: Any, theirs: str) -> Optional[str]:
+def kernel_qtype(source: Any, theirs: str) -> Optional[str]:
     """The stored type of ``theirs`` when the source keeps blocks the kernels run."""
     qtype = getattr(source, "qtype", None)
     if qtype is None:
@@ -119,7 +119,7 @@ def keep_quantized(net: nn.Module, source: Any, plan: Dict[str, str]) -> Set[str
     embedding's bytes."""
     held: Set[str] = set()
     for ours, theirs in plan.items():
-        qtype = _kernel_qtype(source, theirs)
+        qtype = kernel_qtype(source, theirs)
         owner, attr = _parent(net, ours)
         layer = getattr(owner, attr, None)
         if qtype is None or not isinstance(layer, (nn.Linear, nn.Embedding)):

@@ -1,5 +1,7 @@
-"""Greedy output of the converted SmolLM2 directory (SmolLM2-135M-Instruct, fp32) equals
-transformers' for 40 new tokens, as a user meets it: ``mdiedge generate`` on a plain prompt in
+"""Greedy output of SmolLM2-135M-Instruct equals transformers' (fp32, de-quantized from the
+GGUF file) for 40 new tokens, from the converted directory (fp32) and from the GGUF file itself
+(``--model smollm2``: its tokenizer and template, its Q4_1 blocks kept quantized), as a user
+meets it: ``mdiedge generate`` on a plain prompt in
 one process and across a ring of three, ``mdiedge chat --message`` with the model's chat
 template (the answer alone on stdout), and ``mdiedge serve`` through the official ``openai``
 client (the prompt's token count and the text)."""
@@ -35,11 +37,17 @@ def mdiedge(*args: str) -> subprocess.CompletedProcess:
     return out
 
 
+def model_arg(kind: str, smollm2_dir: Path) -> str:
+    """``--model`` for the converted directory ("dir") or the installed GGUF file ("gguf")."""
+    return str(smollm2_dir) if kind == "dir" else "smollm2"
+
+
+@pytest.mark.parametrize("kind", ["dir", "gguf"])
 @pytest.mark.parametrize("nodes", [1, 3])
 def test_generate_is_transformers_greedy(smollm2_dir: Path, reference: Reference,
-                                         nodes: int) -> None:
+                                         nodes: int, kind: str) -> None:
     prompt = reference.plain(PROMPT)
-    out = json.loads(mdiedge("generate", PROMPT, "--model", str(smollm2_dir), "-n",
+    out = json.loads(mdiedge("generate", PROMPT, "--model", model_arg(kind, smollm2_dir), "-n",
                              str(NEW_TOKENS), "--temperature", "0", "--nodes", str(nodes),
                              "--json").stdout)
     sample = out["samples"][0]
@@ -49,23 +57,25 @@ def test_generate_is_transformers_greedy(smollm2_dir: Path, reference: Reference
     assert sample["text"] == reference.answer_text(prompt)
 
 
-@pytest.mark.parametrize("system", [None, SYSTEM], ids=["template-system", "own-system"])
+@pytest.mark.parametrize("kind, system", [("dir", None), ("dir", SYSTEM), ("gguf", SYSTEM)],
+                         ids=["template-system", "own-system", "gguf"])
 def test_chat_message_is_transformers_greedy(smollm2_dir: Path, reference: Reference,
-                                             system: Optional[str]) -> None:
+                                             system: Optional[str], kind: str) -> None:
     extra = ["--system", system] if system else []
-    out = mdiedge("chat", "--message", QUESTION, *extra, "--model", str(smollm2_dir), "-n",
+    out = mdiedge("chat", "--message", QUESTION, *extra, "--model",
+                  model_arg(kind, smollm2_dir), "-n",
                   str(NEW_TOKENS), "--temperature", "0", "--nodes", "1")
     assert out.stdout.rstrip("\n") == reference.answer_text(reference.chat(QUESTION, system))
 
 
-@pytest.fixture(scope="module")
-def served(smollm2_dir: Path) -> Iterator[Dict[str, Any]]:
-    """``mdiedge serve`` on the converted directory (a ring of two); its ready line (the API's
-    ``url``, the ``model`` name it serves)."""
+@pytest.fixture(scope="module", params=["dir", "gguf"])
+def served(smollm2_dir: Path, request: Any) -> Iterator[Dict[str, Any]]:
+    """``mdiedge serve`` on the converted directory or the GGUF file (a ring of two); its
+    ready line (the API's ``url``, the ``model`` name it serves)."""
     env = dict(os.environ, MDIEDGE_API_KEY=KEY)
     proc = subprocess.Popen(
         [sys.executable, "-m", "mdiedge", "serve", "--port", "0", "--nodes", "2", "--slots", "1",
-         "--context", "512", "--model", str(smollm2_dir)],
+         "--context", "512", "--model", model_arg(request.param, smollm2_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout is not None and proc.stderr is not None

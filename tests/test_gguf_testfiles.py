@@ -1,6 +1,6 @@
 """The committed K-quant GGUF test files (tests/data/gguf/) are what their README says:
 llama-quantize's Q4_K_M and Q6_K of bin/make-gguf-testfiles' seeded random Llama, with
-NanoLlama's SentencePiece vocabulary."""
+NanoLlama's SentencePiece vocabulary; and mdiedge runs them as transformers de-quantizes them."""
 from __future__ import annotations
 
 import importlib.machinery
@@ -10,6 +10,7 @@ from typing import Any, Dict
 
 import numpy as np
 import pytest
+import torch
 
 gguf = pytest.importorskip("gguf")
 
@@ -76,3 +77,34 @@ def test_the_weights_are_the_seeded_random_model_quantized() -> None:
             error = np.sqrt(np.mean((got - want) ** 2)) / np.sqrt(np.mean(want ** 2))
             limit = RELATIVE_RMS.get(t.tensor_type.name, 0.0)
             assert error <= limit, (kind, t.name, t.tensor_type.name, error)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K_M", "Q6_K"])
+@torch.no_grad()
+def test_mdiedge_runs_the_k_quants_as_transformers_de_quantizes_them(kind: str) -> None:
+    """The K-quant blocks stay quantized in mdiedge (its Q4_K and Q6_K kernels) and give
+    transformers' logits of the de-quantized file, and its greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from mdiedge.model.checkpoint import load_model
+    from mdiedge.model.qlayers import QuantLinear
+    from mdiedge.model.sampling import SamplingParams
+    from mdiedge.runtime.generation import Generation
+    from mdiedge.runtime.scheduler import run_single
+
+    file = DATA / f"tiny-llama-2x256-{kind}.gguf"
+    ours = load_model(file)
+    assert isinstance(ours.layers["0"].mlp.gate, QuantLinear)
+    assert ours.layers["0"].mlp.gate.qtype == ("Q6_K" if kind == "Q6_K" else "Q4_K")
+    ref = AutoModelForCausalLM.from_pretrained(str(DATA), gguf_file=file.name,
+                                               dtype=torch.float32).eval()
+    ids = [1] + torch.randint(3, 2048, (19,), generator=torch.Generator().manual_seed(0)).tolist()
+    ours.setup_cache(1, 64)
+    theirs = ref(torch.tensor([ids])).logits[0]
+    mine = ours(torch.tensor([ids]), torch.tensor([0]), [0], all_logits=True)[0]
+    assert (mine - theirs).abs().max().item() <= 1e-4 * max(1.0, theirs.abs().max().item())
+    want = ref.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16,
+                        do_sample=False, eos_token_id=None, pad_token_id=0)[0, 20:].tolist()
+    gen = Generation(ids, 1, 16, SamplingParams(temperature=0), eos_ids=(), context=64)
+    run_single(load_model(file), gen)
+    assert gen.samples[0].tokens == want

@@ -112,8 +112,8 @@ def fuse(linears: Sequence[Linear]) -> Tensor:
 def fused_with(buffer: Optional[Tensor], first: Linear) -> bool:
     """Whether ``buffer`` (from ``fuse``) still holds the weights: nothing has replaced them
     (a move to another device makes each parameter a tensor of its own)."""
-    return buffer is not None and first.weight.data_ptr() == buffer.data_ptr() and \
-        first.weight.device == buffer.device
+    return buffer is not None and type(first) is Linear and \
+        first.weight.data_ptr() == buffer.data_ptr() and first.weight.device == buffer.device
 
 
 def transposed_head_pays() -> bool:

@@ -13,6 +13,7 @@ blocks (``raw``) or by quantizing its float weight (``--quantize``).
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Dict, Optional, Set, Tuple
 
 import torch
@@ -32,6 +33,17 @@ def _threads() -> int:
     return max(1, torch.get_num_threads())
 
 
+_local = threading.local()
+
+
+def _tile_buffer(floats: int) -> Tensor:
+    """This thread's float32 buffer of at least ``floats`` values (prefill tiles)."""
+    buffer = getattr(_local, "tile", None)
+    if buffer is None or buffer.numel() < floats:
+        buffer = _local.tile = torch.empty(max(floats, TILE_BYTES // 4))
+    return buffer
+
+
 class QuantLinear(nn.Module):
     """``x @ W^T`` with W held as ``qweight`` (uint8 (out, row_bytes)) of type ``qtype``."""
 
@@ -44,13 +56,14 @@ class QuantLinear(nn.Module):
             raise ValueError(f"{self.qtype} weight of {tuple(qweight.shape)} {qweight.dtype}, "
                              f"expected uint8 {want}")
         self.register_buffer("qweight", qweight, persistent=False)
-        self._tile: Optional[Tensor] = None
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
                f"qtype={self.qtype}"
 
+    @torch.no_grad()
     def forward(self, x: Tensor) -> Tensor:
+        """Inference only: the blocks are not trainable, nothing is recorded for autograd."""
         flat = x.reshape(-1, self.in_features).float().contiguous()  # (rows, in)
         out = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32,
                           device=flat.device)  # (rows, out)
@@ -61,13 +74,13 @@ class QuantLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def _tiled(self, flat: Tensor, out: Tensor) -> None:
-        """out = flat @ W^T a tile of W's rows at a time (prefill)."""
+        """out = flat @ W^T a tile of W's rows at a time (prefill), the tiles de-quantized
+        into this thread's one buffer, which every layer shares."""
         step = max(1, min(self.out_features, TILE_BYTES // (4 * self.in_features)))
-        if self._tile is None or self._tile.shape[0] != step:
-            self._tile = torch.empty(step, self.in_features)  # (step, in), reused
+        buffer = _tile_buffer(step * self.in_features)
         for first in range(0, self.out_features, step):
             count = min(step, self.out_features - first)
-            tile = self._tile[:count]
+            tile = buffer[:count * self.in_features].view(count, self.in_features)
             _quant.dequantize_rows(self.qweight, self.qtype, first, count, tile, _threads())
             torch.mm(flat, tile.t(), out=out[:, first:first + count])
 
@@ -86,6 +99,7 @@ class QuantEmbedding(nn.Module):
         super().__init__()
         self.rows = QuantLinear(qweight, qtype, dim)  # shares its checks and its buffer
 
+    @torch.no_grad()
     def forward(self, tokens: Tensor) -> Tensor:
         flat = tokens.reshape(-1).tolist()
         out = torch.empty(len(flat), self.rows.in_features)  # (tokens, dim)
@@ -159,6 +173,9 @@ def quantize_blocks(net: nn.Module, qtype: str) -> int:
         owner, attr = _parent(net, name + ".weight")
         setattr(owner, attr, QuantLinear(quantize_weight(layer.weight, qtype), qtype,
                                          layer.in_features))
+        for fused in ("qkv", "gate_up"):  # float buffers of fused products: gone with them
+            if getattr(owner, fused, None) is not None:
+                setattr(owner, fused, None)
         count += 1
     return count
 

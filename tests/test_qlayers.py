@@ -1,0 +1,71 @@
+"""Layers that keep GGUF blocks (``mdiedge.model.qlayers``): their products against the
+de-quantized weight for decode rows and prefill tiles, one shared prefill buffer, a tied
+head sharing the embedding's bytes, and ``load_model(quantize=...)``."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mdiedge.model import qlayers
+from mdiedge.model.layers import Linear
+from mdiedge.model.qlayers import QuantEmbedding, QuantLinear, quantize_weight
+from mdiedge.model.quant import dequantize
+from tolerance import assert_close
+
+NANOLLAMA = Path(__file__).resolve().parent.parent / "models" / "nanollama"
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
+def test_a_product_is_the_de_quantized_weights(qtype: str, rows: int) -> None:
+    weight = torch.randn(70, 96, generator=torch.Generator().manual_seed(rows))
+    layer = QuantLinear(quantize_weight(weight, qtype), qtype, 96)
+    x = torch.randn(rows, 96, requires_grad=True)  # a float model's activations carry grad
+    want = x.detach() @ dequantize(layer.qweight, qtype, 96).t()
+    assert_close(layer(x), want, 96)
+    assert_close(layer(x.view(1, rows, 96))[0], want, 96)
+
+
+def test_prefill_tiles_share_one_buffer() -> None:
+    layers = [QuantLinear(quantize_weight(torch.randn(64, 32 * (i + 1)), "Q8_0"), "Q8_0",
+                          32 * (i + 1)) for i in range(3)]
+    seen = set()
+    for layer in layers:
+        layer(torch.randn(20, layer.in_features))
+        seen.add(id(qlayers._local.tile))
+    assert len(seen) == 1 and qlayers._local.tile.numel() * 4 <= 2 * qlayers.TILE_BYTES
+
+
+def test_an_embedding_looks_up_de_quantized_rows() -> None:
+    weight = torch.randn(50, 64)
+    embed = QuantEmbedding(quantize_weight(weight, "Q4_1"), "Q4_1", 64)
+    tokens = torch.tensor([[3, 0, 49], [7, 7, 1]])
+    rows = dequantize(embed.rows.qweight, "Q4_1", 64)
+    assert torch.equal(embed(tokens), rows[tokens])
+
+
+def test_a_bad_weight_is_one_line() -> None:
+    with pytest.raises(ValueError, match=r"Q8_0 weight of \(4, 30\) torch.uint8, expected uint8 "
+                       r"\(4, 34\)"):
+        QuantLinear(torch.zeros(4, 30, dtype=torch.uint8), "Q8_0", 32)
+
+
+def test_load_model_quantizes_the_blocks_on_request() -> None:
+    from mdiedge.model.checkpoint import load_model
+
+    floats, quantized = load_model(NANOLLAMA), load_model(NANOLLAMA, quantize="Q8_0")
+    block = quantized.layers["0"]
+    assert all(isinstance(layer, QuantLinear) and layer.qtype == "Q8_0" for layer in (
+        block.attn.wq, block.attn.wk, block.attn.wv, block.attn.wo, block.mlp.gate,
+        block.mlp.up))
+    assert type(block.mlp.down) is Linear  # its width, 688, is not a whole number of blocks
+    assert quantized.parameter_bytes() < 0.5 * floats.parameter_bytes()
+    tokens = torch.tensor([[827, 2007, 3]])
+    for net in (floats, quantized):
+        net.setup_cache(1, 16)
+    a = floats(tokens, torch.tensor([0]), [0])
+    b = quantized(tokens, torch.tensor([0]), [0])
+    assert a.argmax().item() == b.argmax().item()
+    assert (a - b).abs().max().item() < 0.05 * a.abs().max().item()

@@ -69,3 +69,35 @@ def test_load_model_quantizes_the_blocks_on_request() -> None:
     b = quantized(tokens, torch.tensor([0]), [0])
     assert a.argmax().item() == b.argmax().item()
     assert (a - b).abs().max().item() < 0.05 * a.abs().max().item()
+
+
+def test_generate_quantize_is_the_same_on_one_node_and_a_ring() -> None:
+    """``--quantize``: the starter and each worker quantize their own blocks alike, so a
+    ring's greedy tokens are one process's."""
+    import json
+    import subprocess
+    import sys
+
+    def ids(nodes: int) -> list:
+        out = subprocess.run([sys.executable, "-m", "mdiedge", "generate", "ROMEO:", "-n", "24",
+                              "--temperature", "0", "--nodes", str(nodes), "--quantize", "q4_0",
+                              "--json"], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["samples"][0]["token_ids"]
+
+    assert ids(1) == ids(3)
+
+
+def test_an_assignment_carries_its_quantizer() -> None:
+    from mdiedge.runtime.protocol import Assignment, ModelRef
+    from mdiedge.model.checkpoint import load_config
+    from mdiedge.model.config import config_to_hf
+
+    cfg = load_config(NANOLLAMA)
+    ref = ModelRef(cfg.name, "0" * 64, config_to_hf(cfg), {})
+    one = Assignment(ref, (0, 4), 1, 64, quantize="Q8_0")
+    back = Assignment.from_json(one.to_json())
+    assert back.quantize == "Q8_0" and back.same_weights(one)
+    assert not back.same_weights(Assignment(ref, (0, 4), 1, 64))
+    with pytest.raises(ValueError, match="quantize 'Q5_K' is not one of Q8_0, Q4_0, Q4_1"):
+        Assignment.from_json(dict(one.to_json(), quantize="Q5_K"))

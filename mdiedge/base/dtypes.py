@@ -49,3 +49,17 @@ def by_code(code: int) -> DType:
         return BY_CODE[code]
     except KeyError:
         raise FrameError(f"unknown dtype code {code}") from None
+
+
+# the block types a float weight may be quantized to on load (``--quantize``); the types
+# themselves are ``mdiedge.model.quant``'s
+QUANTIZERS = ("Q8_0", "Q4_0", "Q4_1")
+
+
+def quantizer(name: str, option: str = "--quantize") -> str:
+    """``name`` as a quantizer's type ("q8_0" -> "Q8_0"); ConfigError names the choices."""
+    found = str(name).upper()
+    if found not in QUANTIZERS:
+        raise ConfigError(f"{option}: expected one of {', '.join(q.lower() for q in QUANTIZERS)}"
+                          f", got {name!r}")
+    return found

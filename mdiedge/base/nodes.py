@@ -38,6 +38,7 @@ class StarterOptions:
     host: str = "127.0.0.1"  # the address the last worker connects back to
     device: str = "cpu"
     dtype: str = "float32"
+    quantize: str = ""  # quantize the blocks' float weights to this type on load ("": no)
     weight: float = 1.0
     memory: Optional[int] = None
     layers: Optional[Tuple[int, int]] = None

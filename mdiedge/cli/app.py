@@ -222,6 +222,27 @@ def parse_compression(value: Optional[str]) -> Optional[str]:
         return None if value is None else str(Compression.parse(value, "--compression"))
 
 
+def quantize_option() -> Any:
+    """``--quantize TYPE``, the same on generate, chat and serve."""
+    return typer.Option(None, "--quantize", metavar="TYPE", help="Quantize the blocks' "
+                        "float weights on load: q8_0, q4_0 or q4_1 (CPU, float32 arithmetic; "
+                        "a GGUF file's blocks are kept as they are).")
+
+
+def ring_options(stall_timeout: Optional[float], recover: Optional[bool], spares: int,
+                 compression: Optional[str], prefill_chunk: Optional[int],
+                 quantize: Optional[str]) -> Tuple[Dict[str, Any], int]:
+    """``recovery_options`` with ``--quantize``'s type, checked."""
+    changes, spares = recovery_options(stall_timeout, recover, spares, compression,
+                                       prefill_chunk)
+    if quantize is not None:
+        from ..base.dtypes import quantizer
+
+        with usage_errors():
+            changes["quantize"] = quantizer(quantize)
+    return changes, spares
+
+
 def recovery_options(stall_timeout: Optional[float], recover: Optional[bool], spares: int,
                      compression: Optional[str] = None,
                      prefill_chunk: Optional[int] = None) -> Tuple[Dict[str, Any], int]:

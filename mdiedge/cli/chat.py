@@ -21,6 +21,8 @@ from ..base.errors import GenerationError
 from .app import (
     app,
     compression_option,
+    quantize_option,
+    ring_options,
     need,
     one_line_errors,
     prefill_chunk_option,
@@ -214,6 +216,7 @@ def chat(
     prefill_chunk: Optional[int] = prefill_chunk_option(),
     spares: int = typer.Option(0, help="Spare workers beside the local ring's (for a lost one)."),
     compression: Optional[str] = compression_option(),
+    quantize: Optional[str] = quantize_option(),
 ) -> None:
     """Chat with an instruct model through its chat template (interactive, or one --message)."""
     import secrets
@@ -221,7 +224,7 @@ def chat(
     need(max_new_tokens >= 1, "-n/--max-new-tokens", max_new_tokens, "an integer >= 1")
     need(ring is not None or nodes >= 1, "--nodes", nodes, "an integer >= 1")
     need(message is None or bool(message.strip()), "--message", message, "some text")
-    changes = recovery_options(stall_timeout, recover, spares, compression, prefill_chunk)
+    changes = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p,
                     seed=secrets.randbelow(2 ** 31) if seed is None else seed)
     from ..model.sampling import SamplingParams

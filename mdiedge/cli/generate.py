@@ -18,6 +18,8 @@ from .app import (
     check_early_exit,
     check_sampling,
     compression_option,
+    quantize_option,
+    ring_options,
     early_exit_option,
     early_exit_settings,
     exit_threshold_option,
@@ -68,6 +70,7 @@ def generate(
     stop: Optional[List[str]] = typer.Option(None, "--stop", metavar="TEXT", help="End a "
                                              "sample at this text, not printed (repeatable)."),
     compression: Optional[str] = compression_option(),
+    quantize: Optional[str] = quantize_option(),
     early_exit: Optional[str] = early_exit_option(),
     exit_threshold: Optional[str] = exit_threshold_option(),
 ) -> None:
@@ -76,17 +79,15 @@ def generate(
     need(ring is not None or nodes >= 1, "--nodes", nodes, "an integer >= 1")
     check_device(device, dtype)
     exits = check_early_exit(early_exit, exit_threshold, starter)
-    changes = recovery_options(stall_timeout, recover, spares, compression, prefill_chunk)
+    changes = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize)
     stops = list(stop or [])
     if starter:  # no torch here: the starter checks the values and samples
         _generate_through(check_url("--starter", starter), prompt, max_new_tokens, samples,
                           dict(sampling, stop=stops), micro_batch, as_json)
         return
-    from ..ops.console import Progress
     with ExitStack() as stack:
         terminate_gracefully()
-        progress = stack.enter_context(Progress(max_new_tokens * samples, not as_json,
-                                                streaming=samples == 1 and not as_json))
+        progress = stack.enter_context(_progress(max_new_tokens * samples, samples, as_json))
         params = _sampling_params(sampling)
         progress.phase(_first_phase(ring, nodes))
         engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring, changes,
@@ -114,6 +115,13 @@ def _sampling_params(sampling: Dict[str, Any]) -> Any:
     from ..model.sampling import SamplingParams
 
     return SamplingParams(**sampling)
+
+
+def _progress(tokens: int, samples: int, as_json: bool) -> Any:
+    """The spinner and bar of a generation of ``tokens`` new tokens on stderr."""
+    from ..ops.console import Progress
+
+    return Progress(tokens, not as_json, streaming=samples == 1 and not as_json)
 
 
 def _first_phase(ring: Optional[str], nodes: int) -> str:
@@ -164,7 +172,8 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
     if ring is None and nodes == 1:
         from ..roles.engine import LocalEngine
 
-        return LocalEngine(model, tokenizer, device=device, dtype=dtype, early_exit=settings)
+        return LocalEngine(model, tokenizer, device=device, dtype=dtype, early_exit=settings,
+                           quantize=changes.get("quantize", ""))
     from ..roles.starter import RingEngine
 
     if ring is None:

@@ -13,8 +13,8 @@ import typer
 from .app import (app, check_device, check_early_exit, check_log_level, check_port,
                   compression_option, early_exit_option, exit_threshold_option, need,
                   one_line_errors,
-                  prefill_chunk_option, recover_option, recovery_options,
-                  stall_timeout_option)
+                  prefill_chunk_option, quantize_option, recover_option, recovery_options,
+                  stall_timeout_option, ring_options)
 
 API_PORT = 8000
 SLOTS = 8
@@ -22,7 +22,10 @@ MAX_WAITING = 32  # requests waiting for slots before a 429 (at most rules.MAX_Q
 MAX_BODY = 1 << 20
 
 
-def check_api_options(slots: int, context: int, max_queue: int, max_body: int) -> None:
+def check_api_options(slots: int, context: int, max_queue: int, max_body: int,
+                      port: int = 0, log_level: str = "info") -> None:
+    check_port("--port", port)
+    check_log_level(log_level)
     need(1 <= slots <= 256, "--slots", slots, "an integer 1..256")
     need(context >= 0, "--context", context, "an integer >= 0 (0: the model's, at most 4096)")
     from ..ops.api.rules import MAX_QUEUE
@@ -115,15 +118,14 @@ def serve(
     spares: int = typer.Option(0, help="Spare workers started beside the local ring's."),
     log_level: str = typer.Option("warning", help="debug, info, warning or error."),
     compression: Optional[str] = compression_option(),
+    quantize: Optional[str] = quantize_option(),
     early_exit: Optional[str] = early_exit_option(),
     exit_threshold: Optional[str] = exit_threshold_option(),
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /metrics)."""
-    check_port("--port", port)
-    check_api_options(slots, context, max_queue, max_body)
-    check_log_level(log_level)
+    check_api_options(slots, context, max_queue, max_body, port, log_level)
     check_device(device, dtype)
-    recovery = recovery_options(stall_timeout, recover, spares, compression, prefill_chunk)
+    recovery = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize)
     exits = check_early_exit(early_exit, exit_threshold)
     key = api_key_for(host, api_key_file, insecure)
     from ..ops.api.server import listen

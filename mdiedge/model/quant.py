@@ -28,6 +28,7 @@ from typing import Any, Dict, Tuple
 import numpy as np
 import torch
 
+from ..base.dtypes import QUANTIZERS as _QUANTIZERS
 from ..base.errors import QuantError
 
 
@@ -53,7 +54,7 @@ TYPES: Dict[str, QType] = {t.name: t for t in (
     QType("Q6_K", 14, 256, 210, True),
 )}
 KERNEL_TYPES: Tuple[str, ...] = tuple(n for n, t in TYPES.items() if t.kernel)
-QUANTIZERS: Tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1")
+QUANTIZERS: Tuple[str, ...] = _QUANTIZERS  # mdiedge.base.dtypes: the one list
 
 
 def qtype_of(name: str) -> QType:

@@ -223,14 +223,16 @@ class LocalEngine(Engine):
 
     def __init__(self, model: Optional[PathLike] = None, tokenizer: Optional[PathLike] = None,
                  device: str = "cpu", dtype: str = "float32", stages: int = 1,
-                 prefill_chunk: int = 0, early_exit: Optional[ExitSettings] = None) -> None:
+                 prefill_chunk: int = 0, early_exit: Optional[ExitSettings] = None,
+                 quantize: str = "") -> None:
         self._open(model, tokenizer)
         self.early_exit = early_exit
         self.device, self.dtype = str(parse_device(device)), parse_dtype(dtype)
         self.ranges = split_layers(self.cfg.n_layers, [1.0] * stages) if stages > 1 \
             else [(0, self.cfg.n_layers)]
         self.chunks = [load_model(self.path, layers=r, embedding=i == 0, head=i == 0,
-                                  device=self.device, dtype=self.dtype)
+                                  device=self.device, dtype=self.dtype,
+                                  quantize=quantize or None)
                        for i, r in enumerate(self.ranges)]
         self.model = self.chunks[0]  # the embedding, the first blocks and the head
         self.exit_policy = starter_policy(early_exit, content_hash(self.path), self.model)

@@ -228,8 +228,8 @@ class RingStarter:
         first = self.placements[0].layers
         if self.model is None or (self.model.first, self.model.last) != first:
             self.model = None
-            self.model = load_model(self.path, layers=first, embedding=True, head=True,
-                                    device=self.device, dtype=parse_dtype(self.options.dtype))
+            self.model = load_model(self.path, first, True, True, self.device,
+                                    parse_dtype(self.options.dtype), quantize=self.options.quantize)
         stage = LocalStage(self.model, n_slots, context,
                            exit_policy=starter_policy(self.early_exit, self.hash, self.model))
         last = len(self.members) - 1
@@ -257,7 +257,7 @@ class RingStarter:
                          str(self.path.resolve()) if self.options.share_path else None)
         request = Assignment(model, layers, n_slots, context, self.options.dtype,
                              client.node.device, last, self.options.max_payload, self.session,
-                             exit_spec(self.early_exit))
+                             exit_spec(self.early_exit), self.options.quantize)
         reply = AssignReply.from_json(self._call(client, "POST", "/assign", request.to_json(),
                                                  timeout=ASSIGN_TIMEOUT_S))
         if reply.need_weights:

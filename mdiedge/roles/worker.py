@@ -275,7 +275,8 @@ class WorkerNode:
         log.info("%s: loading blocks %s from %s", self.name, block_range(request.layers), source)
         self.model = load_model(source, layers=tuple(request.layers), embedding=False,
                                 head=False, device=str(parse_device(request.device)),
-                                dtype=parse_dtype(request.dtype))
+                                dtype=parse_dtype(request.dtype),
+                                quantize=request.quantize or None)
         self.assignment, self.source = request, source
         self.state = "ready"
 

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..base import defaults
 from ..base.codecs import Compression
-from ..base.dtypes import compute_dtype
+from ..base.dtypes import QUANTIZERS, compute_dtype
 from ..model.config import ModelConfig, config_from_hf
 
 MAX_SLOTS = 4096
@@ -113,12 +113,13 @@ class Assignment:
     max_payload: int = defaults.MAX_PAYLOAD
     session: str = ""
     early_exit: Optional[ExitSpec] = None
+    quantize: str = ""  # a block type its float blocks are quantized to at load ("": none)
 
     def to_json(self) -> Dict[str, Any]:
         return {"model": self.model.to_json(), "layers": list(self.layers),
                 "n_slots": self.n_slots, "context": self.context, "dtype": self.dtype,
                 "device": self.device, "last": self.last, "max_payload": self.max_payload,
-                "session": self.session,
+                "session": self.session, "quantize": self.quantize,
                 "early_exit": None if self.early_exit is None else self.early_exit.to_json()}
 
     @classmethod
@@ -144,14 +145,20 @@ class Assignment:
         if not 0 < max_payload <= 1 << 34:
             raise ValueError(f"max_payload {max_payload} out of range")
         early_exit = body.get("early_exit")
+        quantize = _get(body, "quantize", str, "")
+        if quantize and quantize not in QUANTIZERS:
+            raise ValueError(f"quantize {quantize!r} is not one of {', '.join(QUANTIZERS)}")
         return cls(model, (a, b), n_slots, context, dtype, device,
                    _get(body, "last", bool, False), max_payload, _get(body, "session", str, ""),
-                   None if early_exit is None else ExitSpec.from_json(early_exit, cfg.n_layers))
+                   None if early_exit is None else ExitSpec.from_json(early_exit, cfg.n_layers),
+                   quantize)
 
     def same_weights(self, other: Optional["Assignment"]) -> bool:
         """Whether ``other`` needs exactly the weights this one does."""
-        return other is not None and (self.model.hash, self.layers, self.dtype, self.device) \
-            == (other.model.hash, other.layers, other.dtype, other.device)
+        return other is not None and (self.model.hash, self.layers, self.dtype, self.device,
+                                      self.quantize) == (other.model.hash, other.layers,
+                                                         other.dtype, other.device,
+                                                         other.quantize)
 
 
 @dataclass

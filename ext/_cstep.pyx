@@ -1,27 +1,30 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """The decode step, compiled: the twin of ``mdiedge/model/_pystep.py`` with the same API (see
 ``mdiedge/model/_stepspec.py``). The kernel is ``ext/step.h``: a whole dense block for 1..8
-rows in one call with the GIL released, its products ``ext/matvec.h``'s; a ``Plan`` holds
+rows in one call with the GIL released, its products ``ext/matvec.h``'s (float32 matrices) or
+``ext/quant.h``'s (a ``QuantMatrix``); a ``Plan`` holds
 consecutive blocks' pointers, made once, so ``blocks`` runs them all in one call; ``logits``
 is the final norm and the head product in one call."""
 from libc.stdlib cimport free, malloc
 
-from mdiedge.model._stepspec import (MAX_ROWS, BlockWeights, Limits, check,  # noqa: F401
-                                     check_call, check_logits, logits_usable, usable)
+from mdiedge.model._stepspec import (MAX_ROWS, BlockWeights, Limits, QuantMatrix,  # noqa: F401
+                                     check, check_call, check_logits, logits_usable, usable)
 
 PREFERRED = True  # the model decodes through it (see the twin's)
 
 cdef extern from "step.h" nogil:
     void st_init()
+    int ST_FLOAT
     ctypedef struct st_block:
         const float *attn_norm
-        const float *qkv
-        const float *wo
         const float *mlp_norm
-        const float *gate_up
-        const float *down
         const float *cos
         const float *sin
+        const void *qkv
+        const void *wo
+        const void *gate_up
+        const void *down
+        int qkv_t, wo_t, gate_up_t, down_t
         float *k
         float *v
         Py_ssize_t dim, n_heads, n_kv, head_dim, hidden, n_slots, max_seq
@@ -30,8 +33,8 @@ cdef extern from "step.h" nogil:
                       const long long *slots, const long long *pos, int threads)
     int st_blocks_step(const st_block *bs, int n, const float *x, float *out, int R,
                        const long long *slots, const long long *pos, int threads)
-    int st_logits(const float *x, const float *norm, float eps, const float *head, float *out,
-                  Py_ssize_t dim, Py_ssize_t vocab, int R, int threads)
+    int st_logits(const float *x, const float *norm, float eps, const void *head, int head_t,
+                  float *out, Py_ssize_t dim, Py_ssize_t vocab, int R, int threads)
 
 st_init()
 
@@ -39,10 +42,21 @@ cdef const float *_ptr(t) except? NULL:
     return <const float *><size_t>t.data_ptr()
 
 
+cdef int _type(m) except? -2:
+    """ST_FLOAT for a float32 tensor, else the QuantMatrix's quant.h type."""
+    return m.code if isinstance(m, QuantMatrix) else ST_FLOAT
+
+
+cdef const void *_matrix(m) except? NULL:
+    return <const void *><size_t>(m.data if isinstance(m, QuantMatrix) else m).data_ptr()
+
+
 cdef void _fill(st_block *b, weights) except *:
-    b.attn_norm, b.qkv, b.wo = _ptr(weights.attn_norm), _ptr(weights.qkv), _ptr(weights.wo)
-    b.mlp_norm, b.gate_up = _ptr(weights.mlp_norm), _ptr(weights.gate_up)
-    b.down = _ptr(weights.down)
+    b.attn_norm, b.mlp_norm = _ptr(weights.attn_norm), _ptr(weights.mlp_norm)
+    b.qkv, b.qkv_t = _matrix(weights.qkv), _type(weights.qkv)
+    b.wo, b.wo_t = _matrix(weights.wo), _type(weights.wo)
+    b.gate_up, b.gate_up_t = _matrix(weights.gate_up), _type(weights.gate_up)
+    b.down, b.down_t = _matrix(weights.down), _type(weights.down)
     b.cos, b.sin = _ptr(weights.cos), _ptr(weights.sin)
     b.k, b.v = <float *>_ptr(weights.k), <float *>_ptr(weights.v)
     b.n_slots, b.n_kv, b.max_seq = weights.n_slots, weights.n_kv, weights.k.shape[2]
@@ -121,9 +135,10 @@ def logits(norm, double eps, head, x, out, int threads):
     cdef Py_ssize_t dim = head.shape[1], vocab = head.shape[0]
     cdef const float *xp = _ptr(x)
     cdef const float *np_ = _ptr(norm)
-    cdef const float *hp = _ptr(head)
+    cdef const void *hp = _matrix(head)
+    cdef int head_t = _type(head)
     cdef float *op = <float *>_ptr(out)
     with nogil:
-        status = st_logits(xp, np_, <float>eps, hp, op, dim, vocab, rows, threads)
+        status = st_logits(xp, np_, <float>eps, hp, head_t, op, dim, vocab, rows, threads)
     if status != 0:
         raise MemoryError(f"logits of {rows} rows: no scratch memory")

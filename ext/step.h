@@ -16,17 +16,28 @@
  * Layouts (row-major): x, out (R, dim); qkv (q_dim + 2 kv_dim, dim); wo (dim, q_dim);
  * gate_up (2 hidden, dim); down (dim, hidden); k, v caches (slots, kv_heads, max_seq,
  * head_dim); cos, sin (rope_len, head_dim) in the "rotate half" layout.
+ *
+ * Each of the four matrices (and the head of st_logits) is float32 (its type ST_FLOAT) or
+ * held in ggml's quantized blocks (its type one of quant.h's QM_*: uint8 rows of whole
+ * blocks), multiplied by quant.h's kernels inside the same parallel region (qm_rows_team);
+ * the activation sums those kernels read for a block's minimum (qm_xsum) are taken by each
+ * thread for itself, as the norms are, so a quantized product adds no barrier.
  */
 #include <math.h>
 #include <stdlib.h>
 
 #include "matvec.h"
+#include "quant.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
+#define ST_FLOAT (-1) /* a matrix's type: float32, not quantized */
+
 typedef struct {
-    const float *attn_norm, *qkv, *wo, *mlp_norm, *gate_up, *down, *cos, *sin;
+    const float *attn_norm, *mlp_norm, *cos, *sin;
+    const void *qkv, *wo, *gate_up, *down;  /* float32, or quantized blocks (their type) */
+    int qkv_t, wo_t, gate_up_t, down_t;     /* ST_FLOAT or a QM_* type */
     float *k, *v;
     ptrdiff_t dim, n_heads, n_kv, head_dim, hidden, n_slots, max_seq;
     float eps;
@@ -197,9 +208,11 @@ ST_HEAD_FN(st_head_avx2, __attribute__((target("avx2,fma"))))
 #endif
 static st_head_fn st_head = st_head_base;
 
-/* matvec.h's kernels and the attention head for this CPU; once, before any step. */
+/* matvec.h's and quant.h's kernels and the attention head for this CPU; once, before any
+   step. */
 static void st_init(void) {
     mv_init();
+    qm_init();
 #ifdef MV_X86
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) st_head = st_head_avx2;
 #endif
@@ -223,16 +236,25 @@ static void st_rope_write(const st_block *b, float *qkv, int R, const long long 
 }
 
 /* Scratch of one step: each thread's normed rows, Q/K/V, attention, gate/up, SwiGLU,
-   scores. */
+   scores, and each thread's activation sums for quantized products (qm_xsum). */
 typedef struct {
-    float *h, *qkv, *att, *gu, *act, *scores;
+    float *h, *qkv, *att, *gu, *act, *scores, *xs;
     ptrdiff_t longest;  /* the furthest row's keys: positions + 1 */
+    ptrdiff_t xs_floats;  /* one thread's share of xs */
 } st_scratch;
+
+/* One thread's activation sums: R rows of the widest product input over QM_SUB. */
+static ptrdiff_t st_xs_floats(const st_block *b, int R) {
+    ptrdiff_t widest = b->dim, q_dim = b->n_heads * b->head_dim;
+    if (q_dim > widest) widest = q_dim;
+    if (b->hidden > widest) widest = b->hidden;
+    return (ptrdiff_t)R * (widest / QM_SUB + 1);
+}
 
 static size_t st_scratch_floats(const st_block *b, int R, ptrdiff_t longest, int threads) {
     ptrdiff_t q_dim = b->n_heads * b->head_dim, width = q_dim + 2 * b->n_kv * b->head_dim;
     return (size_t)R * (threads * b->dim + width + q_dim + 3 * b->hidden
-                        + b->n_heads * longest);
+                        + b->n_heads * longest) + (size_t)threads * st_xs_floats(b, R);
 }
 
 static void st_scratch_at(st_scratch *s, const st_block *b, int R, int threads, float *base) {
@@ -243,6 +265,8 @@ static void st_scratch_at(st_scratch *s, const st_block *b, int R, int threads, 
     s->gu = s->att + R * q_dim;
     s->act = s->gu + R * 2 * b->hidden;
     s->scores = s->act + R * b->hidden;
+    s->xs = s->scores + R * b->n_heads * s->longest;
+    s->xs_floats = st_xs_floats(b, R);
 }
 
 static int st_thread(void) {
@@ -266,12 +290,44 @@ static ptrdiff_t st_split(ptrdiff_t n, int parts, int t) {
     return t >= parts ? n : n * t / parts / MV_COLS * MV_COLS;
 }
 
-/* gate/up products of hidden columns [j0, j1) and act = SwiGLU of them, for every row. */
-static void st_swiglu_cols(const st_block *b, const float *h, const st_scratch *s, int R,
-                           ptrdiff_t j0, ptrdiff_t j1) {
+/* The sums quant.h's kernels of ``type`` read of x (R rows of k) in this thread's own part
+   of the scratch; NULL where the type reads none. */
+static const float *st_sums(int type, const float *x, ptrdiff_t k, int R, const st_scratch *s) {
+    if (type == ST_FLOAT || !qm_needs_xsum(type)) return NULL;
+    float *xs = s->xs + (ptrdiff_t)st_thread() * s->xs_floats;
+    qm_xsum(x, k, R, xs);
+    return xs;
+}
+
+/* y = base + x W^T (base NULL: y = x W^T), W (n, k) of ``type``, for the team (every
+   thread calls it; it ends with the team's barrier). */
+static void st_product_team(const void *w, int type, const float *x, float *y,
+                            const float *base, ptrdiff_t n, ptrdiff_t k, int R,
+                            const st_scratch *s) {
+    if (type == ST_FLOAT) {
+        mv_rows_team((const float *)w, x, y, base, n, k, R);
+        return;
+    }
+    qm_rows_team(type, (const uint8_t *)w, x, st_sums(type, x, k, R, s), y, base, n, k, R);
+}
+
+/* Columns [j0, j1) of y = x W^T for every row, W (n, k) of ``type``; xs as st_sums. */
+static void st_product_cols(const void *w, int type, const float *x, const float *xs, float *y,
+                            ptrdiff_t n, ptrdiff_t k, int R, ptrdiff_t j0, ptrdiff_t j1) {
+    if (type == ST_FLOAT)
+        mv_range((const float *)w, x, y, NULL, n, k, R, j0, j1);
+    else
+        qm_range(type, (const uint8_t *)w, x, xs, y, NULL, n, k, R, j0, j1);
+}
+
+/* gate/up products of hidden columns [j0, j1) and act = SwiGLU of them, for every row; xs
+   the sums of h as st_sums. */
+static void st_swiglu_cols(const st_block *b, const float *h, const float *xs,
+                           const st_scratch *s, int R, ptrdiff_t j0, ptrdiff_t j1) {
     ptrdiff_t hidden = b->hidden, dim = b->dim;
-    mv_range(b->gate_up, h, s->gu, NULL, 2 * hidden, dim, R, j0, j1);
-    mv_range(b->gate_up, h, s->gu, NULL, 2 * hidden, dim, R, hidden + j0, hidden + j1);
+    int t = b->gate_up_t;
+    st_product_cols(b->gate_up, t, h, xs, s->gu, 2 * hidden, dim, R, j0, j1);
+    st_product_cols(b->gate_up, t, h, xs, s->gu, 2 * hidden, dim, R, hidden + j0, hidden + j1);
     for (int r = 0; r < R; r++)
         for (ptrdiff_t i = j0; i < j1; i++) {
             float g = s->gu[r * 2 * hidden + i], u = s->gu[r * 2 * hidden + hidden + i];
@@ -290,7 +346,7 @@ static void st_block_team(const st_block *b, float *x, int R, const long long *s
     ptrdiff_t heads = (ptrdiff_t)R * b->n_heads;
     float *h = s->h + (ptrdiff_t)st_thread() * R * dim;
     for (int r = 0; r < R; r++) st_rmsnorm(x + r * dim, b->attn_norm, h + r * dim, dim, b->eps);
-    mv_rows_team(b->qkv, h, s->qkv, NULL, width, dim, R);
+    st_product_team(b->qkv, b->qkv_t, h, s->qkv, NULL, width, dim, R, s);
     #pragma omp single
     st_rope_write(b, s->qkv, R, slots, pos);
     #pragma omp for schedule(static)
@@ -300,13 +356,14 @@ static void st_block_team(const st_block *b, float *x, int R, const long long *s
         st_head(s->qkv + r * width + hh * hd, b->k + at, b->v + at, s->att + r * q_dim + hh * hd,
                 s->scores + t * s->longest, pos[r] + 1, hd);
     }
-    mv_rows_team(b->wo, s->att, x, x, dim, q_dim, R);  /* x += attention */
+    st_product_team(b->wo, b->wo_t, s->att, x, x, dim, q_dim, R, s);  /* x += attention */
     for (int r = 0; r < R; r++) st_rmsnorm(x + r * dim, b->mlp_norm, h + r * dim, dim, b->eps);
     int team = st_team();
+    const float *xs = st_sums(b->gate_up_t, h, dim, R, s);
     #pragma omp for schedule(static)  /* one stretch of columns per thread */
     for (int t = 0; t < team; t++)
-        st_swiglu_cols(b, h, s, R, st_split(hidden, team, t), st_split(hidden, team, t + 1));
-    mv_rows_team(b->down, s->act, x, x, dim, hidden, R);  /* x += feed-forward */
+        st_swiglu_cols(b, h, xs, s, R, st_split(hidden, team, t), st_split(hidden, team, t + 1));
+    st_product_team(b->down, b->down_t, s->act, x, x, dim, hidden, R, s);  /* x += FFN */
 }
 
 /* out = the n blocks of bs applied to x one after another, in one parallel region of
@@ -327,24 +384,29 @@ static int st_blocks_step(const st_block *bs, int n, const float *x, float *out,
     #pragma omp parallel num_threads(threads) if (threads > 1)
     for (int i = 0; i < n; i++) {
         st_scratch s;
-        st_scratch_at(&s, &bs[i], R, threads, base);
         s.longest = longest;
+        st_scratch_at(&s, &bs[i], R, threads, base);
         st_block_team(&bs[i], out, R, slots, pos, &s);
     }
     free(base);
     return 0;
 }
 
-/* out = head(norm(x)) for R rows: the model's final RMSNorm and its head product (vocab, dim)
-   in one call of ``threads``; returns 0, or -1 when scratch memory cannot be had. */
-static int st_logits(const float *x, const float *norm, float eps, const float *head, float *out,
-                     ptrdiff_t dim, ptrdiff_t vocab, int R, int threads) {
+/* out = head(norm(x)) for R rows: the model's final RMSNorm and its head product (vocab, dim),
+   the head float32 (head_t ST_FLOAT) or quantized, in one call of ``threads``; returns 0, or
+   -1 when scratch memory cannot be had. */
+static int st_logits(const float *x, const float *norm, float eps, const void *head, int head_t,
+                     float *out, ptrdiff_t dim, ptrdiff_t vocab, int R, int threads) {
     float *h = malloc((size_t)R * dim * sizeof(float));
     if (h == NULL) return -1;
     for (int r = 0; r < R; r++) st_rmsnorm(x + r * dim, norm, h + r * dim, dim, eps);
-    mv_rows(head, h, out, vocab, dim, R, threads);
+    int status = 0;
+    if (head_t == ST_FLOAT)
+        mv_rows((const float *)head, h, out, vocab, dim, R, threads);
+    else
+        status = qm_rows(head_t, (const uint8_t *)head, h, out, vocab, dim, R, threads);
     free(h);
-    return 0;
+    return status;
 }
 
 static int st_block_step(const st_block *b, const float *x, float *out, int R,

@@ -1,7 +1,8 @@
 """The decode step, pure torch: the twin of ``ext/_cstep.pyx`` with the same API (see
 ``mdiedge/model/_stepspec.py``). The same computation as ``ext/step.h``, one torch operation
 at a time, its sums and exp in torch's own order (equal within float32 rounding, not bit for
-bit); ``threads`` is torch's own thread count here."""
+bit), a ``QuantMatrix`` multiplied by the quantized product's twin (``_pyquant``, the
+reference de-quantizer then float32); ``threads`` is torch's own thread count here."""
 from __future__ import annotations
 
 import math
@@ -10,8 +11,9 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from ._stepspec import (MAX_ROWS, BlockWeights, Limits, check, check_call,  # noqa: F401
-                        check_logits, logits_usable, usable)
+from . import _pyquant
+from ._stepspec import (MAX_ROWS, BlockWeights, Limits, QuantMatrix, check,  # noqa: F401
+                        check_call, check_logits, logits_usable, usable)
 from .layers import apply_rope, rms_norm
 
 # Row by row in torch operations this is no faster than the model's own batched torch path,
@@ -49,7 +51,15 @@ def block(weights: BlockWeights, x: Any, out: Any, slots: Sequence[int],
 
 def logits(norm: Any, eps: float, head: Any, x: Any, out: Any, threads: int) -> None:
     check_logits(norm, head, x, out, threads)
-    out.copy_(F.linear(rms_norm(x, norm, eps), head))
+    out.copy_(_product(rms_norm(x, norm, eps), head))
+
+
+def _product(x: Any, w: Any) -> Any:
+    """x (rows, in) times w^T, w float32 (out, in) or a ``QuantMatrix``: (rows, out)."""
+    if isinstance(w, QuantMatrix):
+        out = torch.empty(x.shape[0], w.shape[0])  # (rows, out)
+        return _pyquant.matmul(x.contiguous(), w.data, w.qtype, out)
+    return F.linear(x, w)
 
 
 def _block(w: BlockWeights, x: Any, out: Any, slots: Sequence[int],
@@ -57,7 +67,7 @@ def _block(w: BlockWeights, x: Any, out: Any, slots: Sequence[int],
     rows = x.shape[0]
     n_kv, head_dim = w.k.shape[1], w.k.shape[3]
     q_dim, kv_dim = w.n_heads * head_dim, n_kv * head_dim
-    qkv = F.linear(rms_norm(x, w.attn_norm, w.eps), w.qkv)  # (rows, q_dim + 2 kv_dim)
+    qkv = _product(rms_norm(x, w.attn_norm, w.eps), w.qkv)  # (rows, q_dim + 2 kv_dim)
     index = torch.as_tensor(list(positions))
     cos, sin = w.cos[index][:, None], w.sin[index][:, None]  # (rows, 1, hd)
     q = apply_rope(qkv[:, :q_dim].reshape(rows, w.n_heads, head_dim), cos, sin)
@@ -71,7 +81,7 @@ def _block(w: BlockWeights, x: Any, out: Any, slots: Sequence[int],
         query = q[r].reshape(n_kv, group, head_dim)  # (kv, group, hd)
         scores = (query @ keys.transpose(1, 2)) * (1.0 / math.sqrt(head_dim))  # (kv, group, L)
         att[r] = (torch.softmax(scores, -1) @ values).reshape(w.n_heads, head_dim)
-    mid = x + F.linear(att.reshape(rows, q_dim), w.wo)
-    both = F.linear(rms_norm(mid, w.mlp_norm, w.eps), w.gate_up)  # (rows, 2 hidden)
+    mid = x + _product(att.reshape(rows, q_dim), w.wo)
+    both = _product(rms_norm(mid, w.mlp_norm, w.eps), w.gate_up)  # (rows, 2 hidden)
     hidden = both.shape[1] // 2
-    out.copy_(mid + F.linear(F.silu(both[:, :hidden]) * both[:, hidden:], w.down))
+    out.copy_(mid + _product(F.silu(both[:, :hidden]) * both[:, hidden:], w.down))

@@ -6,26 +6,77 @@ dim) and the rows' keys and values into the cache; ``blocks(plan(weights), x, ou
 runs consecutive blocks in one call, ``plan`` made once for them; ``logits(norm, eps, head,
 x, out, threads)`` writes the final RMSNorm and the head product of ``x`` (rows, dim) to
 ``out`` (rows, vocab) in one call (``logits_usable``, ``check_logits``). Everything is
-C-contiguous float32 on the CPU, 1 <= rows <= ``MAX_ROWS``; ``usable`` says whether a call
+C-contiguous float32 on the CPU, 1 <= rows <= ``MAX_ROWS``, except that each of a block's
+four matrices (qkv, wo, gate_up, down) and the head may instead be a ``QuantMatrix``: uint8
+blocks of a kernel type (``mdiedge.model.quant``), multiplied by the quantized product
+(``ext/quant.h``; its twin ``mdiedge/model/_pyquant.py``); ``usable`` says whether a call
 qualifies and ``check`` raises ``ValueError`` quoting what does not. ``PREFERRED`` (each
 module's own) says whether the model should decode through it rather than through its own
 torch operations.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Sequence, Tuple
 
 import torch
 
+from ..base.errors import QuantError
 from ._matvecspec import MAX_ROWS
+from .quant import KERNEL_TYPES, qtype_of
 
 
 _TENSORS = ("attn_norm", "qkv", "wo", "mlp_norm", "gate_up", "down", "k", "v", "cos", "sin")
+_MATRICES = ("qkv", "wo", "gate_up", "down")  # float32 or QuantMatrix
+QUANT_CODES = {name: i for i, name in enumerate(("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"))}
+assert set(QUANT_CODES) == set(KERNEL_TYPES)  # ext/quant.h's enum, in its order
 
 
 def plain(t: Any) -> bool:
     """A contiguous float32 CPU tensor, as the step reads every tensor."""
     return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
+class QuantMatrix:
+    """A matrix of ``shape`` (out, in) held as ``data``, uint8 (out, row_bytes) contiguous on
+    the CPU, in the kernel type ``qtype`` (its ext/quant.h enum value ``code``); refused with
+    ``ValueError`` quoting what does not fit."""
+
+    __slots__ = ("data", "qtype", "code", "shape")
+
+    def __init__(self, data: Any, qtype: str) -> None:
+        try:
+            t = qtype_of(qtype)
+        except QuantError as e:
+            raise ValueError(str(e)) from None
+        if t.name not in QUANT_CODES:
+            raise ValueError(f"no quantized kernel for {t.name}: the step runs "
+                             f"{', '.join(QUANT_CODES)}")
+        if not (isinstance(data, torch.Tensor) and data.dtype == torch.uint8 and data.dim() == 2
+                and data.device.type == "cpu" and data.is_contiguous()
+                and data.shape[1] % t.block_bytes == 0 and data.shape[1] > 0):
+            raise ValueError(f"{t.name} matrix {tuple(getattr(data, 'shape', ()))} "
+                             f"{getattr(data, 'dtype', type(data).__name__)} is not contiguous "
+                             f"uint8 CPU rows of whole {t.block_bytes}-byte blocks")
+        for name, value in (("data", data), ("qtype", t.name), ("code", QUANT_CODES[t.name]),
+                            ("shape", (data.shape[0], data.shape[1] // t.block_bytes * t.block))):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"QuantMatrix is frozen ({name})")
+
+    @property
+    def requires_grad(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"QuantMatrix({self.qtype}, {self.shape})"
+
+
+def _acceptable(name: str, t: Any) -> bool:
+    """A plain float32 tensor, or for a block's matrices a ``QuantMatrix``."""
+    if isinstance(t, QuantMatrix):
+        return name in _MATRICES
+    return isinstance(t, torch.Tensor) and plain(t)
 
 
 class BlockWeights:
@@ -34,7 +85,8 @@ class BlockWeights:
 
     attn_norm, mlp_norm (dim,); qkv (q_dim + 2 kv_dim, dim), Q, K and V fused; wo (dim,
     q_dim); gate_up (2 hidden, dim), gate and up fused; down (dim, hidden); k, v caches
-    (slots, kv_heads, max_seq, head_dim); cos, sin RoPE tables (rope_len, head_dim)."""
+    (slots, kv_heads, max_seq, head_dim); cos, sin RoPE tables (rope_len, head_dim). Each of
+    qkv, wo, gate_up and down is float32 or a ``QuantMatrix`` of that shape."""
 
     __slots__ = _TENSORS + ("n_heads", "eps", "dim", "n_kv", "head_dim", "hidden", "n_slots",
                             "positions")
@@ -45,8 +97,9 @@ class BlockWeights:
         given = dict(zip(_TENSORS, (attn_norm, qkv, wo, mlp_norm, gate_up, down, k, v, cos,
                                     sin)))
         for name, t in given.items():
-            if not isinstance(t, torch.Tensor) or not plain(t):
-                raise ValueError(f"{name} is not a contiguous float32 CPU tensor")
+            if not _acceptable(name, t):
+                raise ValueError(f"{name} is not a contiguous float32 CPU tensor"
+                                 + (" or a QuantMatrix" if name in _MATRICES else ""))
         n_slots, n_kv, max_seq, head_dim = k.shape
         dim, hidden = attn_norm.shape[0], gate_up.shape[0] // 2
         q_dim = n_heads * head_dim
@@ -75,6 +128,10 @@ class BlockWeights:
 
     def wants_grad(self) -> bool:
         return any(getattr(self, n).requires_grad for n in _TENSORS)
+
+    def quantized(self) -> Tuple[str, ...]:
+        """The names of the matrices held quantized."""
+        return tuple(n for n in _MATRICES if isinstance(getattr(self, n), QuantMatrix))
 
 
 class Limits:
@@ -136,10 +193,12 @@ def check_call(limits: Any, wants_grad: bool, x: Any, out: Any, slots: Sequence[
 
 def logits_usable(norm: Any, head: Any, x: Any) -> bool:
     """The final norm ``norm`` (dim,) and head ``head`` (vocab, dim), contiguous float32 on
-    the CPU, for 1..``MAX_ROWS`` rows ``x`` of dim, and no gradient wanted."""
-    return (isinstance(norm, torch.Tensor) and isinstance(head, torch.Tensor)
-            and norm.dim() == 1 and head.dim() == 2 and head.shape[1] == norm.shape[0]
-            and plain(norm) and plain(head) and _rows_fit(x, norm.shape[0])
+    the CPU (the head may be a ``QuantMatrix``), for 1..``MAX_ROWS`` rows ``x`` of dim, and
+    no gradient wanted."""
+    head_fits = isinstance(head, QuantMatrix) or (isinstance(head, torch.Tensor) and plain(head)
+                                                  and head.dim() == 2)
+    return (isinstance(norm, torch.Tensor) and head_fits and norm.dim() == 1
+            and head.shape[1] == norm.shape[0] and plain(norm) and _rows_fit(x, norm.shape[0])
             and not (torch.is_grad_enabled()
                      and (x.requires_grad or norm.requires_grad or head.requires_grad)))
 

@@ -5,7 +5,7 @@ products, and the SwiGLU feed-forward (Shazeer 2020). Plain torch, no state beyo
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -109,11 +109,40 @@ def fuse(linears: Sequence[Linear]) -> Tensor:
     return buffer
 
 
-def fused_with(buffer: Optional[Tensor], first: Linear) -> bool:
-    """Whether ``buffer`` (from ``fuse``) still holds the weights: nothing has replaced them
-    (a move to another device makes each parameter a tensor of its own)."""
-    return buffer is not None and type(first) is Linear and \
-        first.weight.data_ptr() == buffer.data_ptr() and first.weight.device == buffer.device
+def fuse_layers(linears: Sequence[nn.Module]) -> Optional[Any]:
+    """One product for ``linears`` (one input width), their memory shared: float ``Linear``s
+    give ``fuse``'s buffer; layers of one other type that has ``fuse_group`` (quantized ones
+    of one block type, ``mdiedge.model.qlayers``) give what it returns; anything else None
+    (each layer keeps its own product)."""
+    kinds = {type(layer) for layer in linears}
+    if kinds == {Linear}:
+        return fuse(linears)  # type: ignore[arg-type]
+    group = getattr(kinds.pop(), "fuse_group", None) if len(kinds) == 1 else None
+    return group(linears) if group is not None else None
+
+
+def _held(layer_or_fused: Any) -> Tensor:
+    """The tensor holding the weights: a float buffer itself, a layer's ``weight``, or a
+    quantized layer's (or fused group's) ``qweight``."""
+    if isinstance(layer_or_fused, Tensor):
+        return layer_or_fused
+    held = getattr(layer_or_fused, "qweight", None)
+    return held if held is not None else layer_or_fused.weight
+
+
+def fused_with(buffer: Optional[Any], first: nn.Module) -> bool:
+    """Whether ``buffer`` (from ``fuse_layers``) still holds the weights: nothing has
+    replaced them (a move to another device makes each parameter a tensor of its own)."""
+    if buffer is None:
+        return False
+    mine, theirs = _held(buffer), _held(first)
+    return theirs.data_ptr() == mine.data_ptr() and theirs.device == mine.device
+
+
+def project_fused(x: Tensor, fused: Any) -> Tensor:
+    """``x`` times the fused weights of ``fuse_layers``: float ones by ``project``, a
+    quantized group by its own product."""
+    return project(x, fused) if isinstance(fused, Tensor) else fused(x)
 
 
 def transposed_head_pays() -> bool:
@@ -131,15 +160,14 @@ class MLP(nn.Module):
         self.gate = Linear(dim, hidden)
         self.up = Linear(dim, hidden)
         self.down = Linear(hidden, dim)
-        self.gate_up: Optional[Tensor] = None
+        self.gate_up: Optional[Any] = None  # see fuse_projections
 
     def fuse_projections(self) -> None:
-        """gate and up as one product; quantized ones stay two."""
-        if type(self.gate) is Linear and type(self.up) is Linear:
-            self.gate_up = fuse([self.gate, self.up])
+        """gate and up as one product (``fuse_layers``: float, or quantized of one type)."""
+        self.gate_up = fuse_layers([self.gate, self.up])
 
     def forward(self, x: Tensor) -> Tensor:
         if fused_with(self.gate_up, self.gate):
-            both = project(x, self.gate_up)  # (…, 2 * hidden)
+            both = project_fused(x, self.gate_up)  # (…, 2 * hidden)
             return self.down(F.silu(both[..., :self.hidden]) * both[..., self.hidden:])
         return self.down(F.silu(self.gate(x)) * self.up(x))

@@ -14,7 +14,7 @@ blocks (``raw``) or by quantizing its float weight (``--quantize``).
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any, Dict, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -84,12 +84,45 @@ class QuantLinear(nn.Module):
             _quant.dequantize_rows(self.qweight, self.qtype, first, count, tile, _threads())
             torch.mm(flat, tile.t(), out=out[:, first:first + count])
 
+    @staticmethod
+    def fuse_group(layers: Sequence["QuantLinear"]) -> Optional["FusedQuant"]:
+        """One product for ``layers`` of one block type and input width (``layers.
+        fuse_layers``): their rows copied once into one buffer, each layer's ``qweight`` then
+        a view of its rows (memory not doubled); None for mixed types or widths (each layer
+        keeps its own product)."""
+        if len({(layer.qtype, layer.in_features) for layer in layers}) != 1:
+            return None
+        buffer = torch.cat([layer.qweight for layer in layers])  # (sum of outs, row_bytes)
+        offset = 0
+        for layer in layers:
+            layer.qweight = buffer[offset:offset + layer.out_features]
+            offset += layer.out_features
+        return FusedQuant(buffer, layers[0].qtype, layers[0].in_features)
+
     def dequantized(self) -> Tensor:
         """The whole weight in float32 (out, in)."""
         weight = torch.empty(self.out_features, self.in_features)
         _quant.dequantize_rows(self.qweight, self.qtype, 0, self.out_features, weight,
                                _threads())
         return weight
+
+
+class FusedQuant:
+    """Consecutive quantized layers' rows as one product (``QuantLinear.fuse_group``): the
+    buffer ``qweight`` (uint8 (sum of outs, row_bytes)) of type ``qtype``, called as a
+    ``QuantLinear`` is. Not a module, so a block holding it does not count or move its bytes
+    twice (its layers' views do)."""
+
+    def __init__(self, qweight: Tensor, qtype: str, in_features: int) -> None:
+        self._layer = QuantLinear(qweight, qtype, in_features)
+        self.qtype, self.in_features = self._layer.qtype, in_features
+
+    @property
+    def qweight(self) -> Tensor:
+        return self._layer.qweight
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self._layer(x)
 
 
 class QuantEmbedding(nn.Module):
@@ -163,7 +196,8 @@ def _tie_quantized(net: nn.Module, held: Set[str]) -> None:
 
 def quantize_blocks(net: nn.Module, qtype: str) -> int:
     """Quantize every float linear layer of ``net``'s blocks to ``qtype`` (``--quantize``);
-    layers whose width is not a whole number of blocks stay float. The count quantized."""
+    layers whose width is not a whole number of blocks stay float; the blocks' Q/K/V and
+    gate/up are then fused again, as quantized groups. The count quantized."""
     count = 0
     for name, layer in list(net.named_modules()):
         if not name.startswith("layers.") or type(layer) is not Linear:
@@ -177,6 +211,9 @@ def quantize_blocks(net: nn.Module, qtype: str) -> int:
             if getattr(owner, fused, None) is not None:
                 setattr(owner, fused, None)
         count += 1
+    fuse_projections = getattr(net, "fuse_projections", None)
+    if count and fuse_projections is not None:  # the float groups now quantized ones
+        fuse_projections()
     return count
 
 

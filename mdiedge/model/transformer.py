@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..base.accel import select
-from ._stepspec import BlockWeights, plain
+from ._stepspec import BlockWeights, QuantMatrix, plain
 from .config import ModelConfig
 from .exits import ExitStep
-from .layers import (MLP, Linear, RMSNorm, apply_rope, fuse, fused_with, project, rope_tables,
-                     transposed_head_pays)
+from .layers import (MLP, Linear, RMSNorm, apply_rope, fuse_layers, fused_with,
+                     project_fused, rope_tables, transposed_head_pays)
 from .moe import MoE
 
 _HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
@@ -108,19 +108,17 @@ class Attention(nn.Module):
         self.wv = Linear(cfg.dim, cfg.kv_dim)
         self.wo = Linear(cfg.q_dim, cfg.dim)
         self.cache: Optional[KVCache] = None
-        self.qkv: Optional[Tensor] = None
+        self.qkv: Optional[Any] = None  # see fuse_projections
 
     def fuse_projections(self) -> None:
-        """Q, K and V as one product (``mdiedge.model.layers.fuse``); quantized ones stay
-        three."""
-        if all(type(layer) is Linear for layer in (self.wq, self.wk, self.wv)):
-            self.qkv = fuse([self.wq, self.wk, self.wv])
+        """Q, K and V as one product (``mdiedge.model.layers.fuse_layers``: float ones, or
+        quantized ones of one block type; mixed types stay three)."""
+        self.qkv = fuse_layers([self.wq, self.wk, self.wv])
 
     def _project_qkv(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """q (B, T, q_dim), k and v (B, T, kv_dim) of x (B, T, dim)."""
         if fused_with(self.qkv, self.wq):
-            assert self.qkv is not None
-            out = project(x, self.qkv)  # (B, T, q_dim + 2 * kv_dim)
+            out = project_fused(x, self.qkv)  # (B, T, q_dim + 2 * kv_dim)
             q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
             return out[..., :q_dim], out[..., q_dim:q_dim + kv_dim], out[..., q_dim + kv_dim:]
         return self.wq(x), self.wk(x), self.wv(x)
@@ -166,17 +164,35 @@ class Block(nn.Module):
 
     def step_weights(self, cos: Tensor, sin: Tensor) -> Optional[BlockWeights]:
         """This block's tensors for the compiled decode step (``mdiedge.model._cstep``), with
-        RoPE tables ``cos``, ``sin`` (L, hd); None where the step does not apply (a mixture
-        of experts, unfused projections, no KV cache)."""
+        RoPE tables ``cos``, ``sin`` (L, hd); float32 or quantized matrices (``QuantMatrix``)
+        each; None where the step does not apply (a mixture of experts, unfused projections,
+        quantized Q/K/V or gate/up of mixed types, no KV cache)."""
         attn, mlp = self.attn, self.mlp
         if (not isinstance(mlp, MLP) or attn.cache is None or not fused_with(attn.qkv, attn.wq)
                 or not fused_with(mlp.gate_up, mlp.gate)):
             return None
-        tensors = (self.attn_norm.weight, attn.qkv, attn.wo.weight, self.mlp_norm.weight,
-                   mlp.gate_up, mlp.down.weight, attn.cache.k, attn.cache.v, cos, sin)
-        if not all(plain(t) for t in tensors):
+        matrices = [step_matrix(m) for m in (attn.qkv, attn.wo, mlp.gate_up, mlp.down)]
+        tensors = (self.attn_norm.weight, self.mlp_norm.weight, attn.cache.k, attn.cache.v,
+                   cos, sin)
+        if any(m is None for m in matrices) or not all(plain(t) for t in tensors):
             return None
-        return BlockWeights(*tensors, attn.n_heads, self.attn_norm.eps)
+        qkv, wo, gate_up, down = matrices
+        return BlockWeights(self.attn_norm.weight, qkv, wo, self.mlp_norm.weight, gate_up, down,
+                            attn.cache.k, attn.cache.v, cos, sin, attn.n_heads,
+                            self.attn_norm.eps)
+
+
+def step_matrix(held: Any) -> Optional[Any]:
+    """A matrix as the compiled step reads it: a float buffer or a float layer's weight when
+    plain float32, a quantized layer's or group's blocks as a ``QuantMatrix``; else None."""
+    qweight = getattr(held, "qweight", None)
+    if qweight is not None:
+        try:
+            return QuantMatrix(qweight, held.qtype)
+        except ValueError:  # on another device, or a type the step has no kernel for
+            return None
+    weight = held if isinstance(held, Tensor) else getattr(held, "weight", None)
+    return weight if isinstance(weight, Tensor) and plain(weight) else None
 
 
 def _feed_forward(cfg: ModelConfig) -> nn.Module:
@@ -421,15 +437,14 @@ class Transformer(nn.Module):
 
     def head_logits(self, x: Tensor) -> Tensor:
         """Final norm and head: (…, dim) -> (…, vocab) in fp32. Decode rows (B, dim) on the
-        CPU take the compiled step's one call for both, as the blocks do."""
+        CPU take the compiled step's one call for both, as the blocks do, a quantized head
+        too."""
         if self.norm is None or self.lm_head is None:
             raise RuntimeError("this chunk holds no head")
-        if not isinstance(self.lm_head, Linear):  # quantized: its own few-row kernel
-            return self.lm_head(self.norm(x)).float()
-        norm, head = self.norm.weight, self.lm_head.weight
         if _step.PREFERRED and x.dim() == 2 and x.shape[0] <= _step.MAX_ROWS:
-            rows = x.contiguous()  # (B, dim)
-            if _step.logits_usable(norm, head, rows):
+            rows, head = x.contiguous(), step_matrix(self.lm_head)  # (B, dim)
+            norm = self.norm.weight
+            if head is not None and _step.logits_usable(norm, head, rows):
                 out = torch.empty(rows.shape[0], head.shape[0])  # (B, vocab)
                 _step.logits(norm, self.norm.eps, head, rows, out, torch.get_num_threads())
                 return out

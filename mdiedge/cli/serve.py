@@ -11,6 +11,7 @@ from typing import Any, Optional
 import typer
 
 from .app import (app, check_device, check_early_exit, check_log_level, check_port,
+                  device_option, dtype_option, model_option, tokenizer_option,
                   compression_option, early_exit_option, exit_threshold_option, need,
                   one_line_errors,
                   prefill_chunk_option, quantize_option, recover_option, recovery_options,
@@ -91,16 +92,15 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address of the API (another than loopback "
                              "needs an API key, or --insecure)."),
     port: int = typer.Option(API_PORT, help="Port of the API (0: any free port)."),
-    model: Optional[str] = typer.Option(None, help="HF model directory or llama2.c .bin file "
-                                        "(default: the shipped NanoLlama)."),
-    tokenizer: Optional[str] = typer.Option(None, help="Tokenizer file, if not the model's own."),
+    model: Optional[str] = model_option(),
+    tokenizer: Optional[str] = tokenizer_option(),
     model_name: Optional[str] = typer.Option(None, help="Model id of the API (default: the "
                                              "model folder's name)."),
     nodes: int = typer.Option(3, help="Nodes of the local ring started for the server (1: one "
                               "process, no ring)."),
     ring: Optional[str] = typer.Option(None, help="Ring file (TOML) of running workers."),
-    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
-    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    device: str = device_option(),
+    dtype: str = dtype_option(),
     slots: int = typer.Option(SLOTS, help="KV slots: samples decoded at once, shared by all "
                               "requests."),
     context: int = typer.Option(0, help="Tokens per slot, prompt plus completion (0: the "

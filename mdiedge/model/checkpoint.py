@@ -63,6 +63,8 @@ class SafetensorsSource(TensorSource):
     def qtype(self, name: str) -> str:
         """The block type a pushed chunk keeps tensor ``name`` in (``QTYPE_KEY`` metadata,
         see ``chunk_safetensors``), else "F32"."""
+        if name not in self.file_of:  # missing: the float read names it
+            return "F32"
         meta = self._header(self.file_of[name]).get("__metadata__")
         found = meta.get(QTYPE_KEY + name) if isinstance(meta, dict) else None
         return str(found) if isinstance(found, str) else "F32"

@@ -13,7 +13,7 @@ from mdiedge.ops.profile import CATEGORIES, profile_ring, table_lines
 
 def test_profile_of_a_two_node_ring(ring_model: Path) -> None:
     def patched() -> tuple:
-        return (layers.project, transformer.project, layers.RMSNorm.forward,
+        return (layers.project, layers.RMSNorm.forward,
                 transformer.apply_rope, transformer.attention, transformer.KVCache.update,
                 transformer._step.block, transformer._step.blocks, transformer._step.logits)
 

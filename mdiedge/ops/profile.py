@@ -44,7 +44,7 @@ def _timed(timers: _Timers) -> Iterator[None]:
     from ..model import layers, transformer
 
     patches: List[Tuple[Any, str, Any]] = [
-        (layers, "project", "projections"), (transformer, "project", "projections"),
+        (layers, "project", "projections"),  # fused float products call it too
         (layers.RMSNorm, "forward", "norms"),
         (transformer, "apply_rope", "rope"), (transformer, "attention", "attention"),
         (transformer.KVCache, "update", "attention"), (transformer._step, "block", "block step"),

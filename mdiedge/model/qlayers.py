@@ -8,8 +8,9 @@ Jetson FP32 rule): the weights are widened to float32 inside the kernels.
   reused float32 buffer and multiply with torch.
 - ``QuantEmbedding``: a token's row de-quantized when it is looked up.
 
-``quantize_module`` swaps a float ``Linear``/``Embedding`` for these, either from a file's
-blocks (``raw``) or by quantizing its float weight (``--quantize``).
+``keep_quantized`` swaps a float ``Linear``/``Embedding`` for these where the file stores
+the tensor in a kernel type (``raw``); ``quantize_blocks`` quantizes the blocks' float
+weights (``--quantize``).
 """
 from __future__ import annotations
 

@@ -21,12 +21,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .gguf_vocab import MAGIC, is_gguf  # noqa: F401 - one magic check, re-exported
+
 from ..base.errors import CheckpointError, ConfigError
 from .config import ModelConfig, config_from_hf
 from .tensors import TensorSource, tensor_plan
 
 PathLike = Union[str, Path]
-MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = ("llama",)
 
 # our parameter names (``layers.{i}.`` stripped) -> GGUF names (``blk.{i}.`` stripped)
@@ -52,15 +53,6 @@ GGUF_BLOCK_NAMES: Dict[str, str] = {
 }
 _BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(.+)")
-
-
-def is_gguf(path: PathLike) -> bool:
-    """Whether ``path`` is a file that starts with GGUF's magic."""
-    try:
-        with open(path, "rb") as fh:
-            return fh.read(4) == MAGIC
-    except OSError:
-        return False
 
 
 def looks_like_gguf(path: Path) -> bool:

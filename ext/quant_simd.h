@@ -21,10 +21,9 @@ QS_ATTR static inline qs_f8 QS(qs_f)(qs_i32 v) { return QS_FLOAT(v); }
 
 QS_ATTR static inline qs_f8 QS(qs_splat)(float v) { return (qs_f8){v, v, v, v, v, v, v, v}; }
 
+/* The eight lanes summed as a tree: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). */
 QS_ATTR static inline float QS(qs_lanes)(qs_f8 v) {
-    float s = 0.0f;
-    for (int l = 0; l < 8; l++) s += v[l];
-    return s;
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
 }
 
 /* Four vectors of widened weights against 32 activations from xr: the block's partial sum. */
@@ -35,57 +34,74 @@ QS_ATTR static inline qs_f8 QS(qs_dot32)(const qs_f8 *f, const float *xr) {
 
 #define QS_ALWAYS QS_ATTR static inline __attribute__((always_inline))
 
-/* Q8_0 {f16 d; int8 qs[32]} and Q4_0 {f16 d; uint8 qs[16]}: sum_b d_b * (q . x). */
-QS_ALWAYS void QS(qs_q8_0)(const uint8_t *w, const float *x, ptrdiff_t k, float *s, int R) {
-    qs_f8 acc[QM_GROUP] = {{0}};
-    for (ptrdiff_t b = 0; b < k / 32; b++) {
-        const uint8_t *blk = w + b * 34;
-        qs_f8 f[4], d = QS(qs_splat)(QS_HALF(blk));
-        for (int t = 0; t < 4; t++) f[t] = QS(qs_f)(QS(qs_bs)(blk + 2 + 8 * t));
-        for (int r = 0; r < R; r++) acc[r] += d * QS(qs_dot32)(f, x + r * k + b * 32);
-    }
-    for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(acc[r]);
+/* The 32-weight types (Q8_0, Q4_0, Q4_1) add even blocks into one accumulator per row and odd
+   blocks into another, summed at the end: two chains of additions, each half as long, so a
+   short row (k of a few hundred) is not bound by one chain's latency. */
+QS_ALWAYS void QS(qs_blk_q8_0)(const uint8_t *blk, const float *x, ptrdiff_t k, qs_f8 *acc,
+                               int R) {
+    qs_f8 f[4], d = QS(qs_splat)(QS_HALF(blk));
+    for (int t = 0; t < 4; t++) f[t] = QS(qs_f)(QS(qs_bs)(blk + 2 + 8 * t));
+    for (int r = 0; r < R; r++) acc[r] += d * QS(qs_dot32)(f, x + r * k);
 }
 
-QS_ALWAYS void QS(qs_q4_0)(const uint8_t *w, const float *x, ptrdiff_t k, float *s, int R) {
-    qs_f8 acc[QM_GROUP] = {{0}};
-    for (ptrdiff_t b = 0; b < k / 32; b++) {
-        const uint8_t *blk = w + b * 18;
-        qs_i32 a = QS(qs_bu)(blk + 2), c = QS(qs_bu)(blk + 10);
-        qs_f8 f[4], d = QS(qs_splat)(QS_HALF(blk));
-        f[0] = QS(qs_f)((a & 15) - 8); f[1] = QS(qs_f)((c & 15) - 8);
-        f[2] = QS(qs_f)((a >> 4) - 8); f[3] = QS(qs_f)((c >> 4) - 8);
-        for (int r = 0; r < R; r++) acc[r] += d * QS(qs_dot32)(f, x + r * k + b * 32);
-    }
-    for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(acc[r]);
+QS_ALWAYS void QS(qs_blk_q4_0)(const uint8_t *blk, const float *x, ptrdiff_t k, qs_f8 *acc,
+                               int R) {
+    qs_i32 a = QS(qs_bu)(blk + 2), c = QS(qs_bu)(blk + 10);
+    qs_f8 f[4], d = QS(qs_splat)(QS_HALF(blk));
+    f[0] = QS(qs_f)((a & 15) - 8); f[1] = QS(qs_f)((c & 15) - 8);
+    f[2] = QS(qs_f)((a >> 4) - 8); f[3] = QS(qs_f)((c >> 4) - 8);
+    for (int r = 0; r < R; r++) acc[r] += d * QS(qs_dot32)(f, x + r * k);
 }
+
+/* Q4_1's minimum: m * the sum of x under the block (xs, one per row, nb apart). */
+QS_ALWAYS void QS(qs_blk_q4_1)(const uint8_t *blk, const float *x, const float *xs,
+                               ptrdiff_t k, ptrdiff_t nb, qs_f8 *acc, float *mins, int R) {
+    qs_i32 a = QS(qs_bu)(blk + 4), c = QS(qs_bu)(blk + 12);
+    qs_f8 f[4], d = QS(qs_splat)(QS_HALF(blk));
+    float m = QS_HALF(blk + 2);
+    f[0] = QS(qs_f)(a & 15); f[1] = QS(qs_f)(c & 15);
+    f[2] = QS(qs_f)(a >> 4); f[3] = QS(qs_f)(c >> 4);
+    for (int r = 0; r < R; r++) {
+        acc[r] += d * QS(qs_dot32)(f, x + r * k);
+        mins[r] += m * xs[r * nb];
+    }
+}
+
+/* Q8_0 {f16 d; int8 qs[32]} and Q4_0 {f16 d; uint8 qs[16]}: sum_b d_b * (q . x). */
+#define QS_TWO_CHAINS(T, BB)                                                                  \
+QS_ALWAYS void QS(qs_##T)(const uint8_t *w, const float *x, ptrdiff_t k, float *s, int R) {  \
+    qs_f8 even[QM_GROUP] = {{0}}, odd[QM_GROUP] = {{0}};                                      \
+    ptrdiff_t nb = k / 32, b = 0;                                                             \
+    for (; b + 2 <= nb; b += 2) {                                                             \
+        QS(qs_blk_##T)(w + b * BB, x + b * 32, k, even, R);                                   \
+        QS(qs_blk_##T)(w + (b + 1) * BB, x + (b + 1) * 32, k, odd, R);                        \
+    }                                                                                         \
+    if (b < nb) QS(qs_blk_##T)(w + b * BB, x + b * 32, k, even, R);                           \
+    for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(even[r] + odd[r]);                        \
+}
+QS_TWO_CHAINS(q8_0, 34)
+QS_TWO_CHAINS(q4_0, 18)
 
 /* Q4_1 {f16 d, m; uint8 qs[16]}: sum_b d_b * (q . x) + m_b * sum(x under b). */
 QS_ALWAYS void QS(qs_q4_1)(const uint8_t *w, const float *x, const float *xs, ptrdiff_t k,
                            float *s, int R) {
-    qs_f8 acc[QM_GROUP] = {{0}};
-    float mins[QM_GROUP] = {0};
-    ptrdiff_t nb = k / 32;
-    for (ptrdiff_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * 20;
-        qs_i32 a = QS(qs_bu)(blk + 4), c = QS(qs_bu)(blk + 12);
-        qs_f8 f[4], d = QS(qs_splat)(QS_HALF(blk));
-        float m = QS_HALF(blk + 2);
-        f[0] = QS(qs_f)(a & 15); f[1] = QS(qs_f)(c & 15);
-        f[2] = QS(qs_f)(a >> 4); f[3] = QS(qs_f)(c >> 4);
-        for (int r = 0; r < R; r++) {
-            acc[r] += d * QS(qs_dot32)(f, x + r * k + b * 32);
-            mins[r] += m * xs[r * nb + b];
-        }
+    qs_f8 even[QM_GROUP] = {{0}}, odd[QM_GROUP] = {{0}};
+    float mins_even[QM_GROUP] = {0}, mins_odd[QM_GROUP] = {0};
+    ptrdiff_t nb = k / 32, b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        QS(qs_blk_q4_1)(w + b * 20, x + b * 32, xs + b, k, nb, even, mins_even, R);
+        QS(qs_blk_q4_1)(w + (b + 1) * 20, x + (b + 1) * 32, xs + b + 1, k, nb, odd, mins_odd, R);
     }
-    for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(acc[r]) + mins[r];
+    if (b < nb) QS(qs_blk_q4_1)(w + b * 20, x + b * 32, xs + b, k, nb, even, mins_even, R);
+    for (int r = 0; r < R; r++)
+        s[r] = QS(qs_lanes)(even[r] + odd[r]) + (mins_even[r] + mins_odd[r]);
 }
 
 /* Q4_K {f16 d, dmin; uint8 scales[12]; uint8 qs[128]}: per 32 bytes of qs, the low nibbles
    are sub-block 2c and the high ones 2c + 1; w = d sc q - dmin m. */
 QS_ALWAYS void QS(qs_q4_k)(const uint8_t *w, const float *x, const float *xs, ptrdiff_t k,
                            float *s, int R) {
-    qs_f8 acc[QM_GROUP] = {{0}};
+    qs_f8 even[QM_GROUP] = {{0}}, odd[QM_GROUP] = {{0}};  /* two chains */
     float mins[QM_GROUP] = {0};
     ptrdiff_t nb = k / 32;
     for (ptrdiff_t b = 0; b < k / 256; b++) {
@@ -104,14 +120,14 @@ QS_ALWAYS void QS(qs_q4_k)(const uint8_t *w, const float *x, const float *xs, pt
             float dm0 = dmin * m0, dm1 = dmin * m1;
             for (int r = 0; r < R; r++) {
                 const float *xr = x + r * k + b * 256 + 64 * c;
-                acc[r] += d0 * QS(qs_dot32)(lo, xr);
-                acc[r] += d1 * QS(qs_dot32)(hi, xr + 32);
+                even[r] += d0 * QS(qs_dot32)(lo, xr);
+                odd[r] += d1 * QS(qs_dot32)(hi, xr + 32);
                 const float *sr = xs + r * nb + b * 8 + 2 * c;
                 mins[r] -= dm0 * sr[0] + dm1 * sr[1];
             }
         }
     }
-    for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(acc[r]) + mins[r];
+    for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(even[r] + odd[r]) + mins[r];
 }
 
 /* Q6_K {uint8 ql[128], qh[64]; int8 scales[16]; f16 d}: per half of 128 weights and l < 32,
@@ -119,7 +135,7 @@ QS_ALWAYS void QS(qs_q4_k)(const uint8_t *w, const float *x, const float *xs, pt
    high for their four low bits and successive bit pairs of qh[l] for the top two; one
    scale per 16 weights. */
 QS_ALWAYS void QS(qs_q6_k)(const uint8_t *w, const float *x, ptrdiff_t k, float *s, int R) {
-    qs_f8 acc[QM_GROUP] = {{0}};
+    qs_f8 acc[2][QM_GROUP] = {{{0}}};  /* two chains: even and odd quarters */
     for (ptrdiff_t b = 0; b < k / 256; b++) {
         const uint8_t *blk = w + b * 210;
         float d = QS_HALF(blk + 208);
@@ -140,14 +156,14 @@ QS_ALWAYS void QS(qs_q6_k)(const uint8_t *w, const float *x, ptrdiff_t k, float 
                     const float *xr = x + r * k + b * 256 + 128 * half + l;
                     for (int q = 0; q < 4; q++) {
                         qs_f8 ds = QS(qs_splat)(d * sc[l / 16 + 2 * q]);
-                        acc[r] += ds * (f[q][0] * QS(qs_x)(xr + 32 * q)
-                                        + f[q][1] * QS(qs_x)(xr + 32 * q + 8));
+                        acc[q & 1][r] += ds * (f[q][0] * QS(qs_x)(xr + 32 * q)
+                                              + f[q][1] * QS(qs_x)(xr + 32 * q + 8));
                     }
                 }
             }
         }
     }
-    for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(acc[r]);
+    for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(acc[0][r] + acc[1][r]);
 }
 
 /* The kernels for R = 1 .. QM_GROUP rows (R a constant once inlined). */

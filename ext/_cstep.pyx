@@ -2,29 +2,32 @@
 """The decode step, compiled: the twin of ``mdiedge/model/_pystep.py`` with the same API (see
 ``mdiedge/model/_stepspec.py``). The kernel is ``ext/step.h``: a whole dense block for 1..8
 rows in one call with the GIL released, its products ``ext/matvec.h``'s (float32 matrices) or
-``ext/quant.h``'s (a ``QuantMatrix``); a ``Plan`` holds
+``ext/quant.h``'s (a ``QuantMatrix``, or a ``StackedMatrix`` of them); a ``Plan`` holds
 consecutive blocks' pointers, made once, so ``blocks`` runs them all in one call; ``logits``
 is the final norm and the head product in one call."""
 from libc.stdlib cimport free, malloc
 
-from mdiedge.model._stepspec import (MAX_ROWS, BlockWeights, Limits, QuantMatrix,  # noqa: F401
-                                     check, check_call, check_logits, logits_usable, usable)
+from mdiedge.model._stepspec import (MAX_PARTS, MAX_ROWS, BlockWeights, Limits,  # noqa: F401
+                                     QuantMatrix, StackedMatrix, check, check_call, check_logits,
+                                     logits_usable, usable)
 
 PREFERRED = True  # the model decodes through it (see the twin's)
 
 cdef extern from "step.h" nogil:
     void st_init()
     int ST_FLOAT
+    int ST_PARTS
+    ctypedef struct st_matrix:
+        const void *w[3]
+        int t[3]
+        Py_ssize_t n[3]
+        int parts
     ctypedef struct st_block:
         const float *attn_norm
         const float *mlp_norm
         const float *cos
         const float *sin
-        const void *qkv
-        const void *wo
-        const void *gate_up
-        const void *down
-        int qkv_t, wo_t, gate_up_t, down_t
+        st_matrix qkv, wo, gate_up, down
         float *k
         float *v
         Py_ssize_t dim, n_heads, n_kv, head_dim, hidden, n_slots, max_seq
@@ -37,6 +40,7 @@ cdef extern from "step.h" nogil:
                   float *out, Py_ssize_t dim, Py_ssize_t vocab, int R, int threads)
 
 st_init()
+assert ST_PARTS == MAX_PARTS == 3, "ext/step.h's ST_PARTS is not _stepspec's MAX_PARTS"
 
 cdef const float *_ptr(t) except? NULL:
     return <const float *><size_t>t.data_ptr()
@@ -51,12 +55,21 @@ cdef const void *_matrix(m) except? NULL:
     return <const void *><size_t>(m.data if isinstance(m, QuantMatrix) else m).data_ptr()
 
 
+cdef void _fill_matrix(st_matrix *m, matrix) except *:
+    """m = ``matrix``: a float32 tensor or a ``QuantMatrix`` (one part), or a
+    ``StackedMatrix`` (its parts)."""
+    parts = matrix.parts if isinstance(matrix, StackedMatrix) else (matrix,)
+    m.parts = len(parts)
+    for p, part in enumerate(parts):
+        m.w[p], m.t[p], m.n[p] = _matrix(part), _type(part), part.shape[0]
+
+
 cdef void _fill(st_block *b, weights) except *:
     b.attn_norm, b.mlp_norm = _ptr(weights.attn_norm), _ptr(weights.mlp_norm)
-    b.qkv, b.qkv_t = _matrix(weights.qkv), _type(weights.qkv)
-    b.wo, b.wo_t = _matrix(weights.wo), _type(weights.wo)
-    b.gate_up, b.gate_up_t = _matrix(weights.gate_up), _type(weights.gate_up)
-    b.down, b.down_t = _matrix(weights.down), _type(weights.down)
+    _fill_matrix(&b.qkv, weights.qkv)
+    _fill_matrix(&b.wo, weights.wo)
+    _fill_matrix(&b.gate_up, weights.gate_up)
+    _fill_matrix(&b.down, weights.down)
     b.cos, b.sin = _ptr(weights.cos), _ptr(weights.sin)
     b.k, b.v = <float *>_ptr(weights.k), <float *>_ptr(weights.v)
     b.n_slots, b.n_kv, b.max_seq = weights.n_slots, weights.n_kv, weights.k.shape[2]

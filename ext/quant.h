@@ -255,9 +255,10 @@ static inline void qm_xsum(const float *x, ptrdiff_t k, int rows, float *xs) {
         }
 }
 
-/* Columns [j0, j1) of every row of y (added to base's where base is not NULL). */
+/* Columns [j0, j1) of every row of y, whose rows are ldy floats apart (base's too; added to
+   base's where base is not NULL). */
 static inline void qm_range(int type, const uint8_t *w, const float *x, const float *xs,
-                            float *y, const float *base, ptrdiff_t n, ptrdiff_t k, int rows,
+                            float *y, const float *base, ptrdiff_t ldy, ptrdiff_t k, int rows,
                             ptrdiff_t j0, ptrdiff_t j1) {
     ptrdiff_t rb = k / qm_block[type] * qm_block_bytes[type], nb = k / QM_SUB;
     float s[QM_GROUP];
@@ -271,7 +272,7 @@ static inline void qm_range(int type, const uint8_t *w, const float *x, const fl
             }
             dot(w + j * rb, x + r0 * k, xs ? xs + r0 * nb : NULL, k, s);
             for (int r = 0; r < R; r++) {
-                ptrdiff_t at = (r0 + r) * n + j;
+                ptrdiff_t at = (r0 + r) * ldy + j;
                 y[at] = base ? base[at] + s[r] : s[r];
             }
         }
@@ -301,17 +302,6 @@ static inline int qm_rows(int type, const uint8_t *w, const float *x, float *y, 
     for (ptrdiff_t t = 0; t < tasks; t++) qm_task(type, w, x, xs, y, NULL, n, k, rows, t);
     free(xs);
     return 0;
-}
-
-/* y = base + x W^T (base NULL: y = x W^T) for the threads of a parallel region already
-   running (every thread calls it; it ends with the team's barrier); xs from qm_xsum where
-   qm_needs_xsum(type), else NULL. */
-static inline void qm_rows_team(int type, const uint8_t *w, const float *x, const float *xs,
-                                float *y, const float *base, ptrdiff_t n, ptrdiff_t k,
-                                int rows) {
-    ptrdiff_t tasks = (n + QM_COLS_PER_TASK - 1) / QM_COLS_PER_TASK;
-    #pragma omp for schedule(static)
-    for (ptrdiff_t t = 0; t < tasks; t++) qm_task(type, w, x, xs, y, base, n, k, rows, t);
 }
 
 /* out (count, k) = the de-quantized rows w[0 .. count) (w points at the first). */

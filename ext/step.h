@@ -19,9 +19,12 @@
  *
  * Each of the four matrices (and the head of st_logits) is float32 (its type ST_FLOAT) or
  * held in ggml's quantized blocks (its type one of quant.h's QM_*: uint8 rows of whole
- * blocks), multiplied by quant.h's kernels inside the same parallel region (qm_rows_team);
- * the activation sums those kernels read for a block's minimum (qm_xsum) are taken by each
- * thread for itself, as the norms are, so a quantized product adds no barrier.
+ * blocks), multiplied by quant.h's kernels inside the same parallel region. A quantized
+ * matrix may be stacked from up to ST_PARTS parts, each with its own rows and type (Q, K and
+ * V of a GGUF file as the file holds them, Q6_K beside Q4_K included): one product over all
+ * their rows, each part read where it lies, nothing copied. The activation sums those
+ * kernels read for a block's minimum (qm_xsum) are taken by each thread for itself, as the
+ * norms are, so a quantized product adds no barrier.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -33,11 +36,20 @@
 #endif
 
 #define ST_FLOAT (-1) /* a matrix's type: float32, not quantized */
+#define ST_PARTS 3     /* the most parts of one stacked matrix */
+
+/* A matrix of n[0] + ... + n[parts - 1] rows stacked from its parts: one float32 part (type
+   ST_FLOAT), or 1..ST_PARTS parts of quantized blocks (their QM_* types). */
+typedef struct {
+    const void *w[ST_PARTS];
+    int t[ST_PARTS];
+    ptrdiff_t n[ST_PARTS];
+    int parts;
+} st_matrix;
 
 typedef struct {
     const float *attn_norm, *mlp_norm, *cos, *sin;
-    const void *qkv, *wo, *gate_up, *down;  /* float32, or quantized blocks (their type) */
-    int qkv_t, wo_t, gate_up_t, down_t;     /* ST_FLOAT or a QM_* type */
+    st_matrix qkv, wo, gate_up, down;
     float *k, *v;
     ptrdiff_t dim, n_heads, n_kv, head_dim, hidden, n_slots, max_seq;
     float eps;
@@ -290,34 +302,68 @@ static ptrdiff_t st_split(ptrdiff_t n, int parts, int t) {
     return t >= parts ? n : n * t / parts / MV_COLS * MV_COLS;
 }
 
-/* The sums quant.h's kernels of ``type`` read of x (R rows of k) in this thread's own part
-   of the scratch; NULL where the type reads none. */
-static const float *st_sums(int type, const float *x, ptrdiff_t k, int R, const st_scratch *s) {
-    if (type == ST_FLOAT || !qm_needs_xsum(type)) return NULL;
+/* Whether a part of m is of a type whose kernels read qm_xsum's sums. */
+static int st_needs_xsum(const st_matrix *m) {
+    for (int p = 0; p < m->parts; p++)
+        if (m->t[p] != ST_FLOAT && qm_needs_xsum(m->t[p])) return 1;
+    return 0;
+}
+
+/* The sums quant.h's kernels of m read of x (R rows of k) in this thread's own part of the
+   scratch; NULL where they read none. */
+static const float *st_sums(const st_matrix *m, const float *x, ptrdiff_t k, int R,
+                            const st_scratch *s) {
+    if (!st_needs_xsum(m)) return NULL;
     float *xs = s->xs + (ptrdiff_t)st_thread() * s->xs_floats;
     qm_xsum(x, k, R, xs);
     return xs;
 }
 
-/* y = base + x W^T (base NULL: y = x W^T), W (n, k) of ``type``, for the team (every
-   thread calls it; it ends with the team's barrier). */
-static void st_product_team(const void *w, int type, const float *x, float *y,
-                            const float *base, ptrdiff_t n, ptrdiff_t k, int R,
-                            const st_scratch *s) {
-    if (type == ST_FLOAT) {
-        mv_rows_team((const float *)w, x, y, base, n, k, R);
+/* Columns [j0, j1) of y = base + x W^T (base NULL: y = x W^T) for every row, W (n, k) the
+   stacked matrix m, y's rows n floats apart; each part does its own columns. */
+static void st_product_cols(const st_matrix *m, const float *x, const float *xs, float *y,
+                            const float *base, ptrdiff_t n, ptrdiff_t k, int R, ptrdiff_t j0,
+                            ptrdiff_t j1) {
+    if (m->t[0] == ST_FLOAT) {
+        mv_range((const float *)m->w[0], x, y, base, n, k, R, j0, j1);
         return;
     }
-    qm_rows_team(type, (const uint8_t *)w, x, st_sums(type, x, k, R, s), y, base, n, k, R);
+    ptrdiff_t first = 0;
+    for (int p = 0; p < m->parts; first += m->n[p], p++) {
+        ptrdiff_t a = j0 > first ? j0 - first : 0, b = j1 - first;
+        if (b > m->n[p]) b = m->n[p];
+        if (a < b)
+            qm_range(m->t[p], (const uint8_t *)m->w[p], x, xs, y + first,
+                     base ? base + first : NULL, n, k, R, a, b);
+    }
 }
 
-/* Columns [j0, j1) of y = x W^T for every row, W (n, k) of ``type``; xs as st_sums. */
-static void st_product_cols(const void *w, int type, const float *x, const float *xs, float *y,
-                            ptrdiff_t n, ptrdiff_t k, int R, ptrdiff_t j0, ptrdiff_t j1) {
-    if (type == ST_FLOAT)
-        mv_range((const float *)w, x, y, NULL, n, k, R, j0, j1);
-    else
-        qm_range(type, (const uint8_t *)w, x, xs, y, NULL, n, k, R, j0, j1);
+/* y = base + x W^T (base NULL: y = x W^T), W (n, k) the stacked matrix m, for the team
+   (every thread calls it; it ends with the team's barrier): QM_COLS_PER_TASK columns of one
+   part per task, one loop over every part's tasks. */
+static void st_product_team(const st_matrix *m, const float *x, float *y, const float *base,
+                            ptrdiff_t n, ptrdiff_t k, int R, const st_scratch *s) {
+    if (m->t[0] == ST_FLOAT) {
+        mv_rows_team((const float *)m->w[0], x, y, base, n, k, R);
+        return;
+    }
+    const float *xs = st_sums(m, x, k, R, s);
+    ptrdiff_t tasks = 0;
+    for (int p = 0; p < m->parts; p++)
+        tasks += (m->n[p] + QM_COLS_PER_TASK - 1) / QM_COLS_PER_TASK;
+    #pragma omp for schedule(static)
+    for (ptrdiff_t t = 0; t < tasks; t++) {
+        ptrdiff_t task = t, first = 0;
+        int p = 0;
+        for (;; first += m->n[p], p++) {  /* the part holding task t, and its first column */
+            ptrdiff_t count = (m->n[p] + QM_COLS_PER_TASK - 1) / QM_COLS_PER_TASK;
+            if (task < count) break;
+            task -= count;
+        }
+        ptrdiff_t j0 = first + task * QM_COLS_PER_TASK, end = first + m->n[p];
+        ptrdiff_t j1 = j0 + QM_COLS_PER_TASK < end ? j0 + QM_COLS_PER_TASK : end;
+        st_product_cols(m, x, xs, y, base, n, k, R, j0, j1);
+    }
 }
 
 /* gate/up products of hidden columns [j0, j1) and act = SwiGLU of them, for every row; xs
@@ -325,9 +371,9 @@ static void st_product_cols(const void *w, int type, const float *x, const float
 static void st_swiglu_cols(const st_block *b, const float *h, const float *xs,
                            const st_scratch *s, int R, ptrdiff_t j0, ptrdiff_t j1) {
     ptrdiff_t hidden = b->hidden, dim = b->dim;
-    int t = b->gate_up_t;
-    st_product_cols(b->gate_up, t, h, xs, s->gu, 2 * hidden, dim, R, j0, j1);
-    st_product_cols(b->gate_up, t, h, xs, s->gu, 2 * hidden, dim, R, hidden + j0, hidden + j1);
+    st_product_cols(&b->gate_up, h, xs, s->gu, NULL, 2 * hidden, dim, R, j0, j1);
+    st_product_cols(&b->gate_up, h, xs, s->gu, NULL, 2 * hidden, dim, R, hidden + j0,
+                    hidden + j1);
     for (int r = 0; r < R; r++)
         for (ptrdiff_t i = j0; i < j1; i++) {
             float g = s->gu[r * 2 * hidden + i], u = s->gu[r * 2 * hidden + hidden + i];
@@ -346,7 +392,7 @@ static void st_block_team(const st_block *b, float *x, int R, const long long *s
     ptrdiff_t heads = (ptrdiff_t)R * b->n_heads;
     float *h = s->h + (ptrdiff_t)st_thread() * R * dim;
     for (int r = 0; r < R; r++) st_rmsnorm(x + r * dim, b->attn_norm, h + r * dim, dim, b->eps);
-    st_product_team(b->qkv, b->qkv_t, h, s->qkv, NULL, width, dim, R, s);
+    st_product_team(&b->qkv, h, s->qkv, NULL, width, dim, R, s);
     #pragma omp single
     st_rope_write(b, s->qkv, R, slots, pos);
     #pragma omp for schedule(static)
@@ -356,14 +402,14 @@ static void st_block_team(const st_block *b, float *x, int R, const long long *s
         st_head(s->qkv + r * width + hh * hd, b->k + at, b->v + at, s->att + r * q_dim + hh * hd,
                 s->scores + t * s->longest, pos[r] + 1, hd);
     }
-    st_product_team(b->wo, b->wo_t, s->att, x, x, dim, q_dim, R, s);  /* x += attention */
+    st_product_team(&b->wo, s->att, x, x, dim, q_dim, R, s);  /* x += attention */
     for (int r = 0; r < R; r++) st_rmsnorm(x + r * dim, b->mlp_norm, h + r * dim, dim, b->eps);
     int team = st_team();
-    const float *xs = st_sums(b->gate_up_t, h, dim, R, s);
+    const float *xs = st_sums(&b->gate_up, h, dim, R, s);
     #pragma omp for schedule(static)  /* one stretch of columns per thread */
     for (int t = 0; t < team; t++)
         st_swiglu_cols(b, h, xs, s, R, st_split(hidden, team, t), st_split(hidden, team, t + 1));
-    st_product_team(b->down, b->down_t, s->act, x, x, dim, hidden, R, s);  /* x += FFN */
+    st_product_team(&b->down, s->act, x, x, dim, hidden, R, s);  /* x += FFN */
 }
 
 /* out = the n blocks of bs applied to x one after another, in one parallel region of

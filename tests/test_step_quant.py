@@ -1,9 +1,9 @@
 """The compiled decode step on quantized blocks (``ext/_cstep.pyx`` with ``ext/quant.h``'s
 kernels, and its twin ``mdiedge/model/_pystep.py``): for every kernel type, a model's blocks
 and quantized head through the step equal the torch path with ``QuantLinear`` for 1..8 rows;
-Q/K/V and gate/up fused as quantized groups sharing their layers' bytes; a tiny GGUF model and
-``--quantize`` decode through the step with the torch path's tokens; mixed types keep the
-torch path; and the SmolLM2 Q4_1 file, decoded through the step, gives transformers' greedy
+Q/K/V and gate/up as groups reading their layers' bytes where they lie; a tiny GGUF model and
+``--quantize`` decode through the step with the torch path's tokens; mixed types (Q6_K V beside
+Q4_K Q and K) decode through the step as stacked parts; and the SmolLM2 Q4_1 file, decoded through the step, gives transformers' greedy
 tokens of its de-quantized fp32 directory."""
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ from test_step import TorchPath, decode, preferred
 from mdiedge.base.accel import implementations
 from mdiedge.model import quant
 from mdiedge.model import transformer as transformer_module
-from mdiedge.model._stepspec import BlockWeights, QuantMatrix
+from mdiedge.model._stepspec import BlockWeights, QuantMatrix, StackedMatrix
 from mdiedge.model.checkpoint import load_model
 from mdiedge.model.config import ModelConfig
-from mdiedge.model.qlayers import FusedQuant, QuantLinear
+from mdiedge.model.qlayers import QuantGroup, QuantLinear
 from mdiedge.model.transformer import Transformer
 from tolerance import assert_close, model_path_length
 
@@ -55,9 +55,9 @@ def random_blocks(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
 
 
 def quantized_model(qtype: str, cfg: ModelConfig = CFG, v_type: str = "",
-                    seed: int = 0) -> Transformer:
+                    seed: int = 0, up_type: str = "") -> Transformer:
     """A model whose every block matrix and head are random ``qtype`` blocks (V as
-    ``v_type`` where given), fused as a GGUF model is after loading."""
+    ``v_type``, up as ``up_type`` where given), grouped as a GGUF model is after loading."""
     torch.manual_seed(seed)
     net = Transformer(cfg).eval()
     with torch.no_grad():
@@ -69,7 +69,7 @@ def quantized_model(qtype: str, cfg: ModelConfig = CFG, v_type: str = "",
                                    for name in names.split()]
     for i, (owner, name) in enumerate(layers):
         old = getattr(owner, name)
-        kind = v_type if name == "wv" and v_type else qtype
+        kind = {"wv": v_type, "up": up_type}.get(name) or qtype
         blocks = random_blocks(kind, old.out_features, old.in_features, seed * 100 + i)
         setattr(owner, name, QuantLinear(blocks, kind, old.in_features))
     net.fuse_projections()
@@ -78,20 +78,19 @@ def quantized_model(qtype: str, cfg: ModelConfig = CFG, v_type: str = "",
 
 @pytest.mark.parametrize("qtype", quant.KERNEL_TYPES)
 def test_quantized_groups_share_their_layers_bytes(qtype: str) -> None:
-    """Q/K/V and gate/up each one buffer; each layer's blocks a view of its rows, equal to
-    what it held; the model's bytes counted once."""
+    """Q/K/V and gate/up each one group of the layers themselves (nothing copied), read by
+    the step as a stacked matrix of the layers' own blocks; the model's bytes counted once."""
     torch.manual_seed(0)
     alone = quantized_model(qtype)
     before = {n: b.clone() for n, b in alone.named_buffers() if b.dtype == torch.uint8}
     block = alone.layers["0"]
-    assert isinstance(block.attn.qkv, FusedQuant) and isinstance(block.mlp.gate_up, FusedQuant)
-    rows = 0
-    for layer in (block.attn.wq, block.attn.wk, block.attn.wv):
-        assert layer.qweight.data_ptr() == block.attn.qkv.qweight[rows].data_ptr()
-        rows += layer.out_features
-    assert rows == block.attn.qkv.qweight.shape[0]
-    assert block.mlp.up.qweight.data_ptr() == block.mlp.gate_up.qweight[CFG.intermediate_size
-                                                                         ].data_ptr()
+    assert isinstance(block.attn.qkv, QuantGroup) and isinstance(block.mlp.gate_up, QuantGroup)
+    assert block.attn.qkv.layers == (block.attn.wq, block.attn.wk, block.attn.wv)
+    alone.setup_cache(1, CFG.max_seq_len)
+    qkv = block.step_weights(alone.rope_cos, alone.rope_sin).qkv
+    assert isinstance(qkv, StackedMatrix)
+    assert [part.data.data_ptr() for part in qkv.parts] == [
+        layer.qweight.data_ptr() for layer in (block.attn.wq, block.attn.wk, block.attn.wv)]
     after = {n: b for n, b in alone.named_buffers() if b.dtype == torch.uint8}
     assert all(torch.equal(before[n], after[n]) for n in before)
     quantized_bytes = sum(b.numel() for b in before.values())
@@ -153,10 +152,10 @@ def test_quantized_decode_matches_the_torch_path(impl: ModuleType,
         assert_close(a, b, model_path_length(CFG))
 
 
-def counting(calls: List[int], heads: List[Any]) -> Any:
-    """The compiled step (or the twin where it is not built), counting its calls: blocks
-    per ``blocks`` call, the head's type per ``logits`` call."""
-    chosen = IMPLS[-1]
+def counting(calls: List[int], heads: List[Any], chosen: Any = None) -> Any:
+    """The step ``chosen`` (default the compiled one, or the twin where it is not built),
+    counting its calls: blocks per ``blocks`` call, the head's type per ``logits`` call."""
+    chosen = chosen or IMPLS[-1]
 
     class Counting:
         PREFERRED, MAX_ROWS = True, chosen.MAX_ROWS
@@ -200,11 +199,11 @@ def test_a_gguf_model_decodes_through_the_step(monkeypatch: pytest.MonkeyPatch, 
 
 def test_quantize_on_load_fuses_and_decodes_through_the_step(
         monkeypatch: pytest.MonkeyPatch, tiny_llama: Path) -> None:
-    """``--quantize``: the quantized layers fused again as groups (the float buffers they
-    replace released), and decode through the step with the torch path's tokens."""
+    """``--quantize``: the quantized layers grouped again (the float buffers they replace
+    released), and decode through the step with the torch path's tokens."""
     net = load_model(tiny_llama, quantize="Q8_0")
     block = net.layers["0"]
-    assert isinstance(block.attn.qkv, FusedQuant) and isinstance(block.mlp.gate_up, FusedQuant)
+    assert isinstance(block.attn.qkv, QuantGroup) and isinstance(block.mlp.gate_up, QuantGroup)
     calls: List[int] = []
     prompts = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(4))
     ref, _ = decode(net, TorchPath, monkeypatch, prompts, [0], 6)
@@ -213,21 +212,39 @@ def test_quantize_on_load_fuses_and_decodes_through_the_step(
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
-def test_mixed_types_keep_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """V in Q6_K beside Q/K in Q4_K (as Q4_K_M files hold some): Q/K/V stay three products,
-    the block is not the step's, and decode (the head still through ``logits``) gives the
-    torch path's result."""
-    net = quantized_model("Q4_K", v_type="Q6_K")
-    assert net.layers["0"].attn.qkv is None
-    net.setup_cache(2, CFG.max_seq_len)
-    assert net.layers["0"].step_weights(net.rope_cos, net.rope_sin) is None
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_mixed_types_decode_through_the_step(impl: ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                             rows: int) -> None:
+    """V in Q6_K beside Q/K in Q4_K (as Q4_K_M files hold some), and gate/up of two types:
+    each group is one stacked matrix of its parts, every block decodes through the step,
+    equal to the torch path."""
+    net = quantized_model("Q4_K", v_type="Q6_K", up_type="Q8_0")
+    net.setup_cache(8, CFG.max_seq_len)
+    weights = net.layers["0"].step_weights(net.rope_cos, net.rope_sin)
+    assert [p.qtype for p in weights.qkv.parts] == ["Q4_K", "Q4_K", "Q6_K"]
+    assert [p.qtype for p in weights.gate_up.parts] == ["Q4_K", "Q8_0"]
     calls: List[int] = []
     heads: List[Any] = []
-    prompts = torch.randint(0, CFG.vocab_size, (1, 4), generator=torch.Generator().manual_seed(5))
-    ref, _ = decode(net, TorchPath, monkeypatch, prompts, [0], 3)
-    got, _ = decode(net, counting(calls, heads), monkeypatch, prompts, [0], 3)
-    assert calls == [] and heads == ["Q4_K"] * 4
+    gen = torch.Generator().manual_seed(5)
+    prompts = torch.randint(0, CFG.vocab_size, (rows, 4), generator=gen)
+    slots = list(range(rows))
+    ref, _ = decode(net, TorchPath, monkeypatch, prompts, slots, 3)
+    got, _ = decode(net, counting(calls, heads, impl), monkeypatch, prompts, slots, 3)
+    assert calls == [CFG.n_layers] * 3
     assert_close(got, ref, model_path_length(CFG))
+
+
+def test_stacked_matrices_refuse_what_does_not_fit() -> None:
+    q8 = QuantMatrix(torch.zeros(4, 34, dtype=torch.uint8), "Q8_0")
+    wide = QuantMatrix(torch.zeros(4, 68, dtype=torch.uint8), "Q8_0")
+    q4 = QuantMatrix(torch.zeros(2, 18, dtype=torch.uint8), "Q4_0")
+    assert StackedMatrix([q8, q4]).shape == (6, 32)
+    with pytest.raises(ValueError, match=r"input widths \[32, 64\]"):
+        StackedMatrix([q8, wide])
+    with pytest.raises(ValueError, match="4 parts"):
+        StackedMatrix([q8] * 4)
+    with pytest.raises(ValueError, match="Tensor"):
+        StackedMatrix([q8, torch.zeros(4, 32)])
 
 
 @pytest.mark.parametrize("matrix, message", [

@@ -1,7 +1,7 @@
 """The decode step, pure torch: the twin of ``ext/_cstep.pyx`` with the same API (see
 ``mdiedge/model/_stepspec.py``). The same computation as ``ext/step.h``, one torch operation
 at a time, its sums and exp in torch's own order (equal within float32 rounding, not bit for
-bit), a ``QuantMatrix`` multiplied by the quantized product's twin (``_pyquant``, the
+bit), a ``QuantMatrix`` (each part of a ``StackedMatrix``) multiplied by the quantized product's twin (``_pyquant``, the
 reference de-quantizer then float32); ``threads`` is torch's own thread count here."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from . import _pyquant
-from ._stepspec import (MAX_ROWS, BlockWeights, Limits, QuantMatrix, check,  # noqa: F401
-                        check_call, check_logits, logits_usable, usable)
+from ._stepspec import (MAX_ROWS, BlockWeights, Limits, QuantMatrix,  # noqa: F401
+                        StackedMatrix, check, check_call, check_logits, logits_usable, usable)
 from .layers import apply_rope, rms_norm
 
 # Row by row in torch operations this is no faster than the model's own batched torch path,
@@ -55,7 +55,10 @@ def logits(norm: Any, eps: float, head: Any, x: Any, out: Any, threads: int) -> 
 
 
 def _product(x: Any, w: Any) -> Any:
-    """x (rows, in) times w^T, w float32 (out, in) or a ``QuantMatrix``: (rows, out)."""
+    """x (rows, in) times w^T, w float32 (out, in), a ``QuantMatrix`` or a ``StackedMatrix``
+    (its parts' products side by side): (rows, out)."""
+    if isinstance(w, StackedMatrix):
+        return torch.cat([_product(x, part) for part in w.parts], 1)
     if isinstance(w, QuantMatrix):
         out = torch.empty(x.shape[0], w.shape[0])  # (rows, out)
         return _pyquant.matmul(x.contiguous(), w.data, w.qtype, out)

@@ -9,7 +9,8 @@ x, out, threads)`` writes the final RMSNorm and the head product of ``x`` (rows,
 C-contiguous float32 on the CPU, 1 <= rows <= ``MAX_ROWS``, except that each of a block's
 four matrices (qkv, wo, gate_up, down) and the head may instead be a ``QuantMatrix``: uint8
 blocks of a kernel type (``mdiedge.model.quant``), multiplied by the quantized product
-(``ext/quant.h``; its twin ``mdiedge/model/_pyquant.py``); ``usable`` says whether a call
+(``ext/quant.h``; its twin ``mdiedge/model/_pyquant.py``); a block's matrix may also be a
+``StackedMatrix`` of up to ``MAX_PARTS`` of them, each of its own type; ``usable`` says whether a call
 qualifies and ``check`` raises ``ValueError`` quoting what does not. ``PREFERRED`` (each
 module's own) says whether the model should decode through it rather than through its own
 torch operations.
@@ -26,7 +27,8 @@ from .quant import KERNEL_TYPES, qtype_of
 
 
 _TENSORS = ("attn_norm", "qkv", "wo", "mlp_norm", "gate_up", "down", "k", "v", "cos", "sin")
-_MATRICES = ("qkv", "wo", "gate_up", "down")  # float32 or QuantMatrix
+_MATRICES = ("qkv", "wo", "gate_up", "down")  # float32, QuantMatrix or StackedMatrix
+MAX_PARTS = 3  # of a StackedMatrix: ext/step.h's ST_PARTS
 QUANT_CODES = {name: i for i, name in enumerate(("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"))}
 assert set(QUANT_CODES) == set(KERNEL_TYPES)  # ext/quant.h's enum, in its order
 
@@ -72,9 +74,42 @@ class QuantMatrix:
         return f"QuantMatrix({self.qtype}, {self.shape})"
 
 
+class StackedMatrix:
+    """1..``MAX_PARTS`` ``QuantMatrix`` parts of one input width read as one matrix of their
+    rows stacked, (sum of their rows, in): Q, K and V (or gate and up) multiplied where they
+    lie, each of its own type, with nothing copied; ``ValueError`` quoting what does not
+    fit."""
+
+    __slots__ = ("parts", "shape")
+
+    def __init__(self, parts: Sequence[Any]) -> None:
+        parts = tuple(parts)
+        if not 1 <= len(parts) <= MAX_PARTS or not all(isinstance(p, QuantMatrix)
+                                                       for p in parts):
+            raise ValueError(f"a stacked matrix of {len(parts)} parts "
+                             f"({', '.join(type(p).__name__ for p in parts)}): needs 1.."
+                             f"{MAX_PARTS} QuantMatrix parts")
+        widths = sorted({p.shape[1] for p in parts})
+        if len(widths) != 1:
+            raise ValueError(f"parts of input widths {widths} cannot be stacked")
+        object.__setattr__(self, "parts", parts)
+        object.__setattr__(self, "shape", (sum(p.shape[0] for p in parts), widths[0]))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"StackedMatrix is frozen ({name})")
+
+    @property
+    def requires_grad(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"StackedMatrix({', '.join(map(repr, self.parts))})"
+
+
 def _acceptable(name: str, t: Any) -> bool:
-    """A plain float32 tensor, or for a block's matrices a ``QuantMatrix``."""
-    if isinstance(t, QuantMatrix):
+    """A plain float32 tensor, or for a block's matrices a ``QuantMatrix`` or
+    ``StackedMatrix``."""
+    if isinstance(t, (QuantMatrix, StackedMatrix)):
         return name in _MATRICES
     return isinstance(t, torch.Tensor) and plain(t)
 
@@ -86,7 +121,8 @@ class BlockWeights:
     attn_norm, mlp_norm (dim,); qkv (q_dim + 2 kv_dim, dim), Q, K and V fused; wo (dim,
     q_dim); gate_up (2 hidden, dim), gate and up fused; down (dim, hidden); k, v caches
     (slots, kv_heads, max_seq, head_dim); cos, sin RoPE tables (rope_len, head_dim). Each of
-    qkv, wo, gate_up and down is float32 or a ``QuantMatrix`` of that shape."""
+    qkv, wo, gate_up and down is float32, or a ``QuantMatrix`` or ``StackedMatrix`` of that
+    shape."""
 
     __slots__ = _TENSORS + ("n_heads", "eps", "dim", "n_kv", "head_dim", "hidden", "n_slots",
                             "positions")
@@ -99,7 +135,7 @@ class BlockWeights:
         for name, t in given.items():
             if not _acceptable(name, t):
                 raise ValueError(f"{name} is not a contiguous float32 CPU tensor"
-                                 + (" or a QuantMatrix" if name in _MATRICES else ""))
+                                 + (" or a Quant/StackedMatrix" if name in _MATRICES else ""))
         n_slots, n_kv, max_seq, head_dim = k.shape
         dim, hidden = attn_norm.shape[0], gate_up.shape[0] // 2
         q_dim = n_heads * head_dim
@@ -131,7 +167,8 @@ class BlockWeights:
 
     def quantized(self) -> Tuple[str, ...]:
         """The names of the matrices held quantized."""
-        return tuple(n for n in _MATRICES if isinstance(getattr(self, n), QuantMatrix))
+        return tuple(n for n in _MATRICES
+                     if isinstance(getattr(self, n), (QuantMatrix, StackedMatrix)))
 
 
 class Limits:

@@ -111,9 +111,9 @@ def fuse(linears: Sequence[Linear]) -> Tensor:
 
 def fuse_layers(linears: Sequence[nn.Module]) -> Optional[Any]:
     """One product for ``linears`` (one input width), their memory shared: float ``Linear``s
-    give ``fuse``'s buffer; layers of one other type that has ``fuse_group`` (quantized ones
-    of one block type, ``mdiedge.model.qlayers``) give what it returns; anything else None
-    (each layer keeps its own product)."""
+    give ``fuse``'s buffer; layers of one other type that has ``fuse_group`` (quantized ones,
+    ``mdiedge.model.qlayers``) give what it returns; anything else None (each layer keeps
+    its own product)."""
     kinds = {type(layer) for layer in linears}
     if kinds == {Linear}:
         return fuse(linears)  # type: ignore[arg-type]
@@ -132,9 +132,13 @@ def _held(layer_or_fused: Any) -> Tensor:
 
 def fused_with(buffer: Optional[Any], first: nn.Module) -> bool:
     """Whether ``buffer`` (from ``fuse_layers``) still holds the weights: nothing has
-    replaced them (a move to another device makes each parameter a tensor of its own)."""
+    replaced them (a move to another device makes each parameter a tensor of its own); a
+    group of layers (quantized ones) holds them while ``first`` is its first."""
     if buffer is None:
         return False
+    group = getattr(buffer, "layers", None)
+    if group is not None:
+        return group[0] is first
     mine, theirs = _held(buffer), _held(first)
     return theirs.data_ptr() == mine.data_ptr() and theirs.device == mine.device
 

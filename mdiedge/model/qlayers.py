@@ -86,19 +86,12 @@ class QuantLinear(nn.Module):
             torch.mm(flat, tile.t(), out=out[:, first:first + count])
 
     @staticmethod
-    def fuse_group(layers: Sequence["QuantLinear"]) -> Optional["FusedQuant"]:
-        """One product for ``layers`` of one block type and input width (``layers.
-        fuse_layers``): their rows copied once into one buffer, each layer's ``qweight`` then
-        a view of its rows (memory not doubled); None for mixed types or widths (each layer
-        keeps its own product)."""
-        if len({(layer.qtype, layer.in_features) for layer in layers}) != 1:
+    def fuse_group(layers: Sequence["QuantLinear"]) -> Optional["QuantGroup"]:
+        """One product for ``layers`` of one input width (``layers.fuse_layers``), each
+        layer's blocks left where they lie and of its own type; None for mixed widths."""
+        if len({layer.in_features for layer in layers}) != 1:
             return None
-        buffer = torch.cat([layer.qweight for layer in layers])  # (sum of outs, row_bytes)
-        offset = 0
-        for layer in layers:
-            layer.qweight = buffer[offset:offset + layer.out_features]
-            offset += layer.out_features
-        return FusedQuant(buffer, layers[0].qtype, layers[0].in_features)
+        return QuantGroup(layers)
 
     def dequantized(self) -> Tensor:
         """The whole weight in float32 (out, in)."""
@@ -108,22 +101,20 @@ class QuantLinear(nn.Module):
         return weight
 
 
-class FusedQuant:
-    """Consecutive quantized layers' rows as one product (``QuantLinear.fuse_group``): the
-    buffer ``qweight`` (uint8 (sum of outs, row_bytes)) of type ``qtype``, called as a
-    ``QuantLinear`` is. Not a module, so a block holding it does not count or move its bytes
-    twice (its layers' views do)."""
+class QuantGroup:
+    """Quantized layers of one input width as one product, their outputs side by side
+    (``QuantLinear.fuse_group``): each layer's blocks are read where they lie (a GGUF file's
+    mapping: no copy, no second set of pages), each of its own type (a Q4_K_M file's Q6_K V
+    beside Q4_K Q and K). The compiled step multiplies them as one ``StackedMatrix``; the
+    torch path calls each layer. Not a module, so a block holding it does not count or move
+    the layers' bytes twice."""
 
-    def __init__(self, qweight: Tensor, qtype: str, in_features: int) -> None:
-        self._layer = QuantLinear(qweight, qtype, in_features)
-        self.qtype, self.in_features = self._layer.qtype, in_features
-
-    @property
-    def qweight(self) -> Tensor:
-        return self._layer.qweight
+    def __init__(self, layers: Sequence[QuantLinear]) -> None:
+        self.layers = tuple(layers)
+        self.in_features = self.layers[0].in_features
 
     def __call__(self, x: Tensor) -> Tensor:
-        return self._layer(x)
+        return torch.cat([layer(x) for layer in self.layers], -1)
 
 
 class QuantEmbedding(nn.Module):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..base.accel import select
-from ._stepspec import BlockWeights, QuantMatrix, plain
+from ._stepspec import BlockWeights, QuantMatrix, StackedMatrix, plain
 from .config import ModelConfig
 from .exits import ExitStep
 from .layers import (MLP, Linear, RMSNorm, apply_rope, fuse_layers, fused_with,
@@ -112,7 +112,7 @@ class Attention(nn.Module):
 
     def fuse_projections(self) -> None:
         """Q, K and V as one product (``mdiedge.model.layers.fuse_layers``: float ones, or
-        quantized ones of one block type; mixed types stay three)."""
+        quantized ones, each of its own type)."""
         self.qkv = fuse_layers([self.wq, self.wk, self.wv])
 
     def _project_qkv(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
@@ -166,7 +166,7 @@ class Block(nn.Module):
         """This block's tensors for the compiled decode step (``mdiedge.model._cstep``), with
         RoPE tables ``cos``, ``sin`` (L, hd); float32 or quantized matrices (``QuantMatrix``)
         each; None where the step does not apply (a mixture of experts, unfused projections,
-        quantized Q/K/V or gate/up of mixed types, no KV cache)."""
+        float beside quantized layers in Q/K/V or gate/up, no KV cache)."""
         attn, mlp = self.attn, self.mlp
         if (not isinstance(mlp, MLP) or attn.cache is None or not fused_with(attn.qkv, attn.wq)
                 or not fused_with(mlp.gate_up, mlp.gate)):
@@ -184,7 +184,17 @@ class Block(nn.Module):
 
 def step_matrix(held: Any) -> Optional[Any]:
     """A matrix as the compiled step reads it: a float buffer or a float layer's weight when
-    plain float32, a quantized layer's or group's blocks as a ``QuantMatrix``; else None."""
+    plain float32, a quantized layer's blocks as a ``QuantMatrix``, a group of quantized
+    layers (``qlayers.QuantGroup``) as a ``StackedMatrix``; else None."""
+    group = getattr(held, "layers", None)
+    if group is not None:
+        parts = [step_matrix(layer) for layer in group]
+        if not all(isinstance(part, QuantMatrix) for part in parts):
+            return None
+        try:
+            return StackedMatrix(parts)
+        except ValueError:  # more parts than the step takes
+            return None
     qweight = getattr(held, "qweight", None)
     if qweight is not None:
         try:

@@ -1,8 +1,9 @@
 /* The vector path of ext/quant.h (NEON on aarch64, AVX2 on x86-64) against its scalar
  * reference, outside Python: every type, rows 1..8, widths of one and several blocks, on
- * random blocks whose f16 scales are finite; and qm_rows_team (the entry for a parallel region
- * already running, here without OpenMP) against qm_rows. Prints one line per type and exits non-zero on
- * a mismatch or where this CPU has no vector path (nothing would have been compared).
+ * random blocks whose f16 scales are finite; and qm_range (the entry for a parallel region
+ * already running: base + x W^T into rows ldy floats apart) against qm_rows. Prints one line
+ * per type and exits non-zero on a mismatch or where this CPU has no vector path (nothing
+ * would have been compared).
  *
  *   aarch64-linux-gnu-gcc -O2 -Iext -o test_quant ext/test_quant.c -lm
  *   qemu-aarch64-static -L /usr/aarch64-linux-gnu ./test_quant
@@ -55,15 +56,20 @@ static int check(int type, int k, int rows, uint8_t *w, float *x, float *xs, int
     qm_xsum(x, k, rows, xs);
     qm_use_simd(1);
     qm_rows(type, w, x, got, n, k, rows, 1);
-    {  /* the in-region entry: base + x W^T, the same sums */
-        float base[8 * 4], team[8 * 4];
-        for (int i = 0; i < rows * n; i++) base[i] = uniform();
-        qm_rows_team(type, w, x, qm_needs_xsum(type) ? xs : NULL, team, base, n, k, rows);
-        for (int i = 0; i < rows * n; i++)
-            if (team[i] != base[i] + got[i]) {
-                printf("type %d k %d rows %d output %d: team %g, not %g + %g\n", type, k,
-                       rows, i, team[i], base[i], got[i]);
-                return 1;
+    {  /* the in-region entry: base + x W^T into rows ldy = n + 3 floats apart */
+        enum { LDY = 4 + 3 };
+        float base[8 * LDY], team[8 * LDY];
+        for (int i = 0; i < rows * LDY; i++) base[i] = team[i] = uniform();
+        qm_range(type, w, x, qm_needs_xsum(type) ? xs : NULL, team, base, n + 3, k, rows, 0, n);
+        for (int r = 0; r < rows; r++)
+            for (int j = 0; j < n + 3; j++) {
+                int at = r * LDY + j;
+                float expect = j < n ? base[at] + got[r * n + j] : base[at];
+                if (team[at] != expect) {
+                    printf("type %d k %d rows %d row %d column %d: range %g, not %g\n", type,
+                           k, rows, r, j, team[at], expect);
+                    return 1;
+                }
             }
     }
     qm_use_simd(0);

@@ -1,7 +1,8 @@
 """The starter's ring options from a file and from the command line: ``recover`` and
 ``prefill_chunk`` of a ring file hold unless ``--recover/--no-recover`` or ``--prefill-chunk``
 is given (an explicit flag wins, even with the default's value); ``mdiedge starter`` passes
-every ``[starter]`` option of its config into the ring; and the prefill chunk a ring uses."""
+every ``[starter]`` option of its config into the ring (``quantize`` included, ``--quantize``
+winning); and the prefill chunk a ring uses."""
 from __future__ import annotations
 
 from contextlib import ExitStack
@@ -12,7 +13,7 @@ import pytest
 
 from mdiedge.base import defaults
 from mdiedge.base.settings import load_settings
-from mdiedge.cli.app import recovery_options
+from mdiedge.cli.app import checked_quantizer, recovery_options, ring_options
 from mdiedge.cli.generate import _open_engine
 from mdiedge.cli.nodes import _starter_engine
 
@@ -79,12 +80,40 @@ def test_generate_ring_merges_prefill_chunk(tmp_path: Path, ring_model: Path,
 
 def test_the_starter_passes_its_config(tmp_path: Path, fake_engine: List[FakeEngine]) -> None:
     path = ring_file(tmp_path, "stall_s = 7.5\nrecover = false\nrebalance_margin = 0\n"
-                               "prefill_chunk = 16\ntimeout_s = 9\n")
+                               "prefill_chunk = 16\ntimeout_s = 9\nquantize = 'q8_0'\n")
     settings = load_settings(path)
     _starter_engine(settings, settings.starter, None, None, None, "http://127.0.0.1:1")
     options = fake_engine[0].options
     assert (options.stall_s, options.recover, options.rebalance_margin, options.prefill_chunk,
-            options.timeout_s) == (7.5, False, 0.0, 16, 9.0)
+            options.timeout_s, options.quantize) == (7.5, False, 0.0, 16, 9.0, "Q8_0")
+    # the command line's --quantize (and --compression) win over the file's
+    _starter_engine(settings, settings.starter, None, None, None, "http://127.0.0.1:1",
+                    ("int8", "Q4_1"))
+    assert (fake_engine[1].options.quantize, fake_engine[1].options.compression) == (
+        "Q4_1", "int8")
+
+
+@pytest.mark.parametrize("in_file,flag,want", [
+    ("quantize = 'q4_0'\n", None, "Q4_0"),
+    ("quantize = 'q4_0'\n", "q8_0", "Q8_0"),
+    ("", None, ""),
+])
+def test_generate_ring_merges_quantize(tmp_path: Path, ring_model: Path,
+                                       fake_engine: List[FakeEngine], in_file: str,
+                                       flag: Optional[str], want: str) -> None:
+    with ExitStack() as stack:
+        _open_engine(stack, str(ring_model), None, "cpu", "float32", 1,
+                     str(ring_file(tmp_path, in_file)),
+                     ring_options(None, None, 0, None, None, flag), lambda text: None)
+    assert fake_engine[0].options.quantize == want
+
+
+def test_a_bad_quantize_type_is_a_usage_error() -> None:
+    from mdiedge.base.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"--quantize: expected one of q8_0, q4_0, q4_1, "
+                                         r"got 'q2_k'"):
+        checked_quantizer("q2_k")
 
 
 @pytest.mark.parametrize("chunk,max_payload,row_bytes,want", [
@@ -100,8 +129,8 @@ def test_prefill_rows(chunk: int, max_payload: int, row_bytes: int, want: int) -
 
 def test_the_starter_takes_early_exit(tmp_path: Path, fake_engine: List[FakeEngine]) -> None:
     settings = load_settings(ring_file(tmp_path, ""))
-    _starter_engine(settings, settings.starter, None, None, None, "http://127.0.0.1:1", None,
-                    ("softmax", "0.25"))
+    _starter_engine(settings, settings.starter, None, None, None, "http://127.0.0.1:1",
+                    (None, None), ("softmax", "0.25"))
     _starter_engine(settings, settings.starter, None, None, None, "http://127.0.0.1:1")
     chosen = fake_engine[0].changes["early_exit"]
     assert chosen.criterion == "softmax" and set(chosen.thresholds[:-1]) == {0.25}

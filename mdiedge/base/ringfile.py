@@ -17,6 +17,7 @@ is ignored here::
     recover = true
     rebalance_margin = 0.25   # re-split when the slowest node is this far above the mean
     compression = "int8"      # codecs of every link whose worker names none (--compression wins)
+    quantize = "q8_0"         # the blocks' float weights quantized on load (--quantize wins)
 
     [[workers]]
     name = "w1"
@@ -50,7 +51,7 @@ def load_ring(path: Union[str, "os.PathLike[str]"], secret: bool = False,
               env: Mapping[str, str] = os.environ) -> Tuple[Dict[str, Any], List[NodeSpec]]:
     """The starter's options (fields of ``StarterOptions``, the ``RingEngine`` keywords: host,
     device, weight, memory, layers, max_payload, prefill_chunk, timeout_s, stall_s, recover,
-    rebalance_margin, compression, busy_poll_us; with ``secret``, also ``secret``:
+    rebalance_margin, compression, quantize, busy_poll_us; with ``secret``, also ``secret``:
     the ``[starter]`` table's secret or secret_file, else ``$MDIEDGE_SECRET(_FILE)`` in ``env``,
     else None) and the workers of a ring file, in ring order; errors name the file and key."""
     settings = load_settings(path)
@@ -64,7 +65,8 @@ def load_ring(path: Union[str, "os.PathLike[str]"], secret: bool = False,
         "prefill_chunk": starter.prefill_chunk, "timeout_s": starter.timeout_s,
         "stall_s": starter.stall_s,
         "recover": starter.recover, "rebalance_margin": starter.rebalance_margin,
-        "compression": starter.compression, "busy_poll_us": starter.busy_poll_us,
+        "compression": starter.compression, "quantize": starter.quantize,
+        "busy_poll_us": starter.busy_poll_us,
     }
     if secret:
         options["secret"] = read_secret(settings.starter, env)

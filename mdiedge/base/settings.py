@@ -52,7 +52,7 @@ from typing import (Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Opt
 from .defaults import (BUSY_POLL_US, IDLE_TIMEOUT_S, MAX_BUSY_POLL_US, MAX_PAYLOAD, MAX_THREADS,
                        PREFILL_CHUNK, REBALANCE_MARGIN, RING_TIMEOUT_S, STALL_S,
                        STARTER_CONTROL_PORT, WORKER_CONTROL_PORT, WORKER_DATA_PORT)
-from .dtypes import COMPUTE_NAMES
+from .dtypes import COMPUTE_NAMES, QUANTIZERS
 from .errors import ConfigError
 from .nodes import COMPRESSION_NAMES, NodeSpec
 from .values import (MIN_SECRET_BYTES, Bad, Check, boolean, choice, device_name, fraction,
@@ -126,6 +126,7 @@ class StarterSettings:
     recover: bool = True
     rebalance_margin: float = REBALANCE_MARGIN
     compression: str = "none"  # codecs of every link whose worker names none
+    quantize: str = ""  # the block type the ring's float blocks are quantized to ("": none)
     busy_poll_us: int = BUSY_POLL_US  # of the link back from the last worker
     secret: Optional[str] = field(default=None, repr=False)
     secret_file: Optional[str] = None
@@ -150,6 +151,15 @@ Section = Union[WorkerSettings, StarterSettings]
 
 
 _CODECS = choice(COMPRESSION_NAMES)
+
+
+def _quantizer(value: Any) -> str:
+    """A ``--quantize`` type, as the command line takes it ("q8_0"), stored as "Q8_0"."""
+    if not isinstance(value, str) or value.upper() not in QUANTIZERS:
+        raise Bad(f"one of {', '.join(q.lower() for q in QUANTIZERS)}")
+    return value.upper()
+
+
 _COMMON: Dict[str, Check] = {
     "device": device_name, "dtype": choice(COMPUTE_NAMES), "layers": layer_range,
 }
@@ -167,7 +177,7 @@ STARTER_SCHEMA: Dict[str, Check] = dict(
     tokenizer=string("a tokenizer path"), weight=positive, memory=size, max_payload=size,
     prefill_chunk=integer(0), timeout_s=positive, stall_s=positive, recover=boolean,
     rebalance_margin=fraction, compression=_CODECS, busy_poll_us=integer(0, MAX_BUSY_POLL_US),
-    **_SECRETS, **_COMMON)
+    quantize=_quantizer, **_SECRETS, **_COMMON)
 WORKERS_SCHEMA: Dict[str, Check] = dict(
     name=string(), host=host_name, control_port=integer(1, 65535), device=device_name,
     weight=positive, memory=size, layers=layer_range, spare=boolean, compression=_CODECS)

@@ -259,7 +259,7 @@ def top_p_option() -> Any:
 
 
 def quantize_option() -> Any:
-    """``--quantize TYPE``, the same on generate, chat and serve."""
+    """``--quantize TYPE``, the same on generate, chat, serve and starter."""
     return typer.Option(None, "--quantize", metavar="TYPE", help="Quantize the blocks' "
                         "float weights on load: q8_0, q4_0 or q4_1 (CPU, float32 arithmetic; "
                         "a GGUF file's blocks are kept as they are).")
@@ -272,11 +272,19 @@ def ring_options(stall_timeout: Optional[float], recover: Optional[bool], spares
     changes, spares = recovery_options(stall_timeout, recover, spares, compression,
                                        prefill_chunk)
     if quantize is not None:
-        from ..base.dtypes import quantizer
-
-        with usage_errors():
-            changes["quantize"] = quantizer(quantize)
+        changes["quantize"] = checked_quantizer(quantize)
     return changes, spares
+
+
+def checked_quantizer(quantize: Optional[str]) -> Optional[str]:
+    """``--quantize``'s type ("q8_0" -> "Q8_0"), a usage error naming the choices; None
+    where not given."""
+    if quantize is None:
+        return None
+    from ..base.dtypes import quantizer
+
+    with usage_errors():
+        return quantizer(quantize)
 
 
 def recovery_options(stall_timeout: Optional[float], recover: Optional[bool], spares: int,

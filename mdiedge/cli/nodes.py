@@ -13,6 +13,7 @@ from .app import (
     app,
     check_early_exit,
     check_log_level,
+    checked_quantizer,
     check_port,
     compression_option,
     early_exit_option,
@@ -22,6 +23,7 @@ from .app import (
     need,
     one_line_errors,
     parse_compression,
+    quantize_option,
     seconds_ok,
     serve_under_systemd,
 )
@@ -197,6 +199,7 @@ def starter_command(
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
     insecure: bool = typer.Option(False, help="Allow a non-loopback address without a secret."),
     compression: Optional[str] = compression_option(),
+    quantize: Optional[str] = quantize_option(),
     api_port: Optional[int] = typer.Option(None, help="Also serve the OpenAI API on this port "
                                            "(as `mdiedge serve`; default: no API)."),
     api_host: str = typer.Option("127.0.0.1", help="Address of the API."),
@@ -215,6 +218,7 @@ def starter_command(
         check_port("--control-port", control_port)
     check_log_level(log_level)
     compression = parse_compression(compression)
+    quantize = checked_quantizer(quantize)
     exits = check_early_exit(early_exit, exit_threshold)
     settings, section = _starter_config(config)
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
@@ -229,7 +233,7 @@ def starter_command(
     port = section.control_port if control_port is None else control_port
     control = ControlServer(section.host, port, {}, auth=Authenticator(secret))
     engine = _starter_engine(settings, section, model, tokenizer, secret, control.url,
-                             compression, exits)
+                             (compression, quantize), exits)
     api = starter_api(engine, api_port, api_host, api_key_file, insecure, slots, log_level)
     _serve_starter(StarterServer(engine, control).start(), api, section.host)
 
@@ -271,15 +275,16 @@ def _starter_secret(section: Any, insecure: bool, secret_fd: int) -> Optional[by
 
 def _starter_engine(settings: Any, section: Any, model: Optional[str],
                     tokenizer: Optional[str], secret: Optional[bytes], control_url: str,
-                    compression: Optional[str] = None,
+                    overrides: Tuple[Optional[str], Optional[str]] = (None, None),
                     exits: Optional[Tuple[str, Optional[str]]] = None) -> Any:
-    """The starter's ``RingEngine`` over the config's workers (nothing set up yet); an explicit
-    ``compression`` wins over the config's; ``exits``: the early-exit criterion and
-    threshold."""
+    """The starter's ``RingEngine`` over the config's workers (nothing set up yet);
+    ``overrides``: the command line's compression and quantize types, which win over the
+    config's where given; ``exits``: the early-exit criterion and threshold."""
     from ..base.nodes import StarterOptions
     from ..roles.engine import TextModel
     from ..roles.starter import RingEngine
 
+    compression, quantize = overrides
     options = StarterOptions(
         host=section.host, device=section.device, dtype=section.dtype, weight=section.weight,
         memory=section.memory, layers=section.layers,
@@ -287,7 +292,8 @@ def _starter_engine(settings: Any, section: Any, model: Optional[str],
         prefill_chunk=section.prefill_chunk, stall_s=section.stall_s, recover=section.recover,
         rebalance_margin=section.rebalance_margin, busy_poll_us=section.busy_poll_us,
         secret=secret, control_url=control_url,
-        compression=section.compression if compression is None else compression)
+        compression=section.compression if compression is None else compression,
+        quantize=section.quantize if quantize is None else quantize)
     model, tokenizer = model or section.model, tokenizer or section.tokenizer
     early_exit = early_exit_settings(TextModel(model, tokenizer), exits) if exits else None
     return RingEngine(settings.workers, model, tokenizer, options, early_exit=early_exit)

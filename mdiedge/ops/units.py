@@ -135,6 +135,9 @@ rebalance_margin = {REBALANCE_MARGIN:g}
 # Optional: codecs of every link whose [[workers]] entry names none: none, fp16, int8, or
 # PREFILL:DECODE such as int8:fp16 (--compression on the command line wins).
 # compression = "none"
+# Optional: quantize the blocks' float weights on load to q8_0, q4_0 or q4_1 (CPU, float32
+# arithmetic; a GGUF file's blocks are kept as they are; --quantize on the command line wins).
+# quantize = "q8_0"
 # Microseconds a wait for the last worker's message polls the link before it sleeps: a
 # message that comes sooner saves the wake-up from sleep at the price of that much CPU.
 # 0: sleep at once (the least power).

@@ -79,3 +79,17 @@ def test_a_gpu_ring_recovers_from_a_killed_worker(ring_model: Path,
             engine.close()
     assert tokens(out) == want and [r.nodes for r in out.recoveries] == [["w1"]]
     assert devices == ["cuda"]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama-2x256-Q4_K_M.gguf", "tiny-llama-2x256-Q6_K.gguf"])
+def test_gguf_blocks_stay_quantized_on_the_gpu(name: str) -> None:
+    """A GGUF file's blocks move to the GPU as the file holds them (uint8), each product
+    widens its weight there in float32: the CPU kernels' greedy tokens."""
+    from mdiedge.model.qlayers import QuantLinear
+
+    file = Path(__file__).parent / "data" / "gguf" / name
+    gpu = LocalEngine(file, device="cuda")
+    held = [m.qweight for m in gpu.model.modules() if isinstance(m, QuantLinear)]
+    assert held and all(q.device.type == "cuda" and q.dtype == torch.uint8 for q in held)
+    want = LocalEngine(file).generate(PROMPT, max_new_tokens=24, params=GREEDY)
+    assert tokens(gpu.generate(PROMPT, max_new_tokens=24, params=GREEDY)) == tokens(want)

@@ -425,21 +425,23 @@ def load_model(model: Optional[PathLike] = None, layers: Optional[Tuple[int, int
                quantize: Optional[str] = None):  # -> Transformer
     """Build the chunk ``[layers)`` (+ embedding, + head) of a checkpoint, reading only its
     tensors. ``on_source`` sees the tensor source (tests use it to check what was read).
-    On the CPU in float32, tensors a file stores in a kernel type (GGUF) stay in it
-    (``mdiedge.model.qlayers``), and ``quantize`` (Q8_0, Q4_0, Q4_1) quantizes the blocks'
-    float ones; elsewhere every weight is float (de-quantized as it is read)."""
+    In float32, tensors a file stores in a kernel type (GGUF) stay in it
+    (``mdiedge.model.qlayers``: compiled kernels on the CPU, de-quantized per product on
+    another device), and on the CPU ``quantize`` (Q8_0, Q4_0, Q4_1) quantizes the blocks'
+    float ones; in other dtypes every weight is float (de-quantized as it is read)."""
     from .transformer import Transformer
 
     path = resolve_model_path(model)
     cfg = load_config(path)
     layers = layers if layers is not None else (0, cfg.n_layers)
     native = torch.device(device).type == "cpu" and dtype == torch.float32
+    keeps_blocks = dtype == torch.float32
     source = open_source(path)
     try:
         with _skip_init():
             net = Transformer(cfg, layers, embedding, head).to(dtype)
         plan = tensor_plan(cfg, layers, embedding, head)
-        if native:
+        if keeps_blocks:
             from .qlayers import keep_quantized
 
             plan = {k: v for k, v in plan.items()

@@ -8,6 +8,10 @@ Jetson FP32 rule): the weights are widened to float32 inside the kernels.
   reused float32 buffer and multiply with torch.
 - ``QuantEmbedding``: a token's row de-quantized when it is looked up.
 
+On another device (CUDA) the blocks move with the model and each product de-quantizes its
+weight there, with torch operations (``mdiedge.model.quant_device``), then multiplies in
+float32.
+
 ``keep_quantized`` swaps a float ``Linear``/``Embedding`` for these where the file stores
 the tensor in a kernel type (``raw``); ``quantize_blocks`` quantizes the blocks' float
 weights (``--quantize``).
@@ -24,6 +28,7 @@ from ..base.accel import select
 from ..base.errors import CheckpointError, QuantError
 from .layers import Linear
 from .quant import TYPES, check_blocks, qtype_of, quantize, row_bytes
+from .quant_device import dequantize_on_device
 
 _quant = select("quant")
 KERNEL_ROWS = 8  # rows the compiled product takes; more are a prefill
@@ -43,6 +48,12 @@ def _tile_buffer(floats: int) -> Tensor:
     if buffer is None or buffer.numel() < floats:
         buffer = _local.tile = torch.empty(max(floats, TILE_BYTES // 4))
     return buffer
+
+
+def widens_on_device(held: Tensor) -> bool:
+    """Whether blocks ``held`` are de-quantized on their device by torch operations (CUDA)
+    rather than multiplied by the CPU kernels."""
+    return held.device.type != "cpu"
 
 
 class QuantLinear(nn.Module):
@@ -65,6 +76,9 @@ class QuantLinear(nn.Module):
     @torch.no_grad()
     def forward(self, x: Tensor) -> Tensor:
         """Inference only: the blocks are not trainable, nothing is recorded for autograd."""
+        if widens_on_device(self.qweight):
+            weight = dequantize_on_device(self.qweight, self.qtype, self.in_features)
+            return torch.nn.functional.linear(x.float(), weight)  # (…, out)
         flat = x.reshape(-1, self.in_features).float().contiguous()  # (rows, in)
         out = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32,
                           device=flat.device)  # (rows, out)
@@ -126,6 +140,11 @@ class QuantEmbedding(nn.Module):
 
     @torch.no_grad()
     def forward(self, tokens: Tensor) -> Tensor:
+        held = self.rows.qweight
+        if widens_on_device(held):  # the tokens' rows widened on their device
+            rows = held[tokens.reshape(-1).to(held.device)]  # (tokens, row_bytes)
+            out = dequantize_on_device(rows, self.rows.qtype, self.rows.in_features)
+            return out.view(*tokens.shape, self.rows.in_features)
         flat = tokens.reshape(-1).tolist()
         out = torch.empty(len(flat), self.rows.in_features)  # (tokens, dim)
         for i, token in enumerate(flat):

@@ -89,3 +89,14 @@ def test_the_device_branch_gives_the_kernels_results(files: Dict[str, Path], kin
         got = net(torch.tensor([prompt]), torch.tensor([0]), [0], all_logits=True)
     assert_close(got, want, model_path_length(net.cfg))
     assert run(net, prompt, 8) == tokens
+
+
+def test_the_blocks_are_swapped_in_one_pass(files: Dict[str, Path],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading walks the tensor plan once (once per tensor made loading quadratic: seconds
+    for SmolLM2's 272 tensors)."""
+    calls = []
+    keep = qlayers.keep_quantized
+    monkeypatch.setattr(qlayers, "keep_quantized", lambda *a: calls.append(1) or keep(*a))
+    load_model(files["Q8_0"])
+    assert len(calls) == 1

@@ -444,8 +444,8 @@ def load_model(model: Optional[PathLike] = None, layers: Optional[Tuple[int, int
         if keeps_blocks:
             from .qlayers import keep_quantized
 
-            plan = {k: v for k, v in plan.items()
-                    if k not in keep_quantized(net, source, plan)}
+            held = keep_quantized(net, source, plan)
+            plan = {k: v for k, v in plan.items() if k not in held}
         _read_floats(net, source, plan, device)
         if native and quantize:
             from .qlayers import quantize_blocks

@@ -2,7 +2,7 @@
  * instruction set with QS_ATTR (the target attribute), QS(name) (the suffixed name) and
  * QS_HALF(p) (an f16 at p as float), QS_BYTES_U(p) and QS_BYTES_S(p) (the eight bytes at p
  * as eight int32 lanes, unsigned or signed) and QS_FLOAT(v) (int32 lanes to float) defined:
- * AVX2+FMA+F16C on x86-64, NEON on aarch64.
+ * QS_HALF2(p, a, b) (the two f16 at p as floats): AVX2+FMA+F16C on x86-64, NEON on aarch64.
  *
  * Eight weights at a time are widened from their bytes to eight float32 lanes
  * (vpmovzxbd + vcvtdq2ps on AVX2, uxtl/sxtl twice + scvtf on NEON) and
@@ -57,8 +57,9 @@ QS_ALWAYS void QS(qs_blk_q4_0)(const uint8_t *blk, const float *x, ptrdiff_t k, 
 QS_ALWAYS void QS(qs_blk_q4_1)(const uint8_t *blk, const float *x, const float *xs,
                                ptrdiff_t k, ptrdiff_t nb, qs_f8 *acc, float *mins, int R) {
     qs_i32 a = QS(qs_bu)(blk + 4), c = QS(qs_bu)(blk + 12);
-    qs_f8 f[4], d = QS(qs_splat)(QS_HALF(blk));
-    float m = QS_HALF(blk + 2);
+    float scale, m;
+    QS_HALF2(blk, &scale, &m);
+    qs_f8 f[4], d = QS(qs_splat)(scale);
     f[0] = QS(qs_f)(a & 15); f[1] = QS(qs_f)(c & 15);
     f[2] = QS(qs_f)(a >> 4); f[3] = QS(qs_f)(c >> 4);
     for (int r = 0; r < R; r++) {

@@ -33,6 +33,9 @@ QS_ATTR static inline qs_f8 QS(qs_dot32)(const qs_f8 *f, const float *xr) {
 }
 
 #define QS_ALWAYS QS_ATTR static inline __attribute__((always_inline))
+/* Loops over the R <= QM_GROUP rows unrolled whole, so each row's accumulators stay in
+   registers (GCC otherwise keeps an array of them in memory: a store and a load a block). */
+#define QS_UNROLL _Pragma("GCC unroll 4")
 
 /* The 32-weight types (Q8_0, Q4_0, Q4_1) add even blocks into one accumulator per row and odd
    blocks into another, summed at the end: two chains of additions, each half as long, so a
@@ -41,6 +44,7 @@ QS_ALWAYS void QS(qs_blk_q8_0)(const uint8_t *blk, const float *x, ptrdiff_t k, 
                                int R) {
     qs_f8 f[4], d = QS(qs_splat)(QS_HALF(blk));
     for (int t = 0; t < 4; t++) f[t] = QS(qs_f)(QS(qs_bs)(blk + 2 + 8 * t));
+    QS_UNROLL
     for (int r = 0; r < R; r++) acc[r] += d * QS(qs_dot32)(f, x + r * k);
 }
 
@@ -50,6 +54,7 @@ QS_ALWAYS void QS(qs_blk_q4_0)(const uint8_t *blk, const float *x, ptrdiff_t k, 
     qs_f8 f[4], d = QS(qs_splat)(QS_HALF(blk));
     f[0] = QS(qs_f)((a & 15) - 8); f[1] = QS(qs_f)((c & 15) - 8);
     f[2] = QS(qs_f)((a >> 4) - 8); f[3] = QS(qs_f)((c >> 4) - 8);
+    QS_UNROLL
     for (int r = 0; r < R; r++) acc[r] += d * QS(qs_dot32)(f, x + r * k);
 }
 
@@ -62,6 +67,7 @@ QS_ALWAYS void QS(qs_blk_q4_1)(const uint8_t *blk, const float *x, const float *
     qs_f8 f[4], d = QS(qs_splat)(scale);
     f[0] = QS(qs_f)(a & 15); f[1] = QS(qs_f)(c & 15);
     f[2] = QS(qs_f)(a >> 4); f[3] = QS(qs_f)(c >> 4);
+    QS_UNROLL
     for (int r = 0; r < R; r++) {
         acc[r] += d * QS(qs_dot32)(f, x + r * k);
         mins[r] += m * xs[r * nb];
@@ -78,6 +84,7 @@ QS_ALWAYS void QS(qs_##T)(const uint8_t *w, const float *x, ptrdiff_t k, float *
         QS(qs_blk_##T)(w + (b + 1) * BB, x + (b + 1) * 32, k, odd, R);                        \
     }                                                                                         \
     if (b < nb) QS(qs_blk_##T)(w + b * BB, x + b * 32, k, even, R);                           \
+    QS_UNROLL                                                                                 \
     for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(even[r] + odd[r]);                        \
 }
 QS_TWO_CHAINS(q8_0, 34)
@@ -94,6 +101,7 @@ QS_ALWAYS void QS(qs_q4_1)(const uint8_t *w, const float *x, const float *xs, pt
         QS(qs_blk_q4_1)(w + (b + 1) * 20, x + (b + 1) * 32, xs + b + 1, k, nb, odd, mins_odd, R);
     }
     if (b < nb) QS(qs_blk_q4_1)(w + b * 20, x + b * 32, xs + b, k, nb, even, mins_even, R);
+    QS_UNROLL
     for (int r = 0; r < R; r++)
         s[r] = QS(qs_lanes)(even[r] + odd[r]) + (mins_even[r] + mins_odd[r]);
 }
@@ -119,6 +127,7 @@ QS_ALWAYS void QS(qs_q4_k)(const uint8_t *w, const float *x, const float *xs, pt
                 hi[t] = QS(qs_f)(q >> 4);
             }
             float dm0 = dmin * m0, dm1 = dmin * m1;
+            QS_UNROLL
             for (int r = 0; r < R; r++) {
                 const float *xr = x + r * k + b * 256 + 64 * c;
                 even[r] += d0 * QS(qs_dot32)(lo, xr);
@@ -128,6 +137,7 @@ QS_ALWAYS void QS(qs_q4_k)(const uint8_t *w, const float *x, const float *xs, pt
             }
         }
     }
+    QS_UNROLL
     for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(even[r] + odd[r]) + mins[r];
 }
 
@@ -153,6 +163,7 @@ QS_ALWAYS void QS(qs_q6_k)(const uint8_t *w, const float *x, ptrdiff_t k, float 
                     f[2][e] = QS(qs_f)(((a >> 4) | (h & 48)) - 32);
                     f[3][e] = QS(qs_f)(((c >> 4) | ((h & 192) >> 2)) - 32);
                 }
+                QS_UNROLL
                 for (int r = 0; r < R; r++) {
                     const float *xr = x + r * k + b * 256 + 128 * half + l;
                     for (int q = 0; q < 4; q++) {
@@ -164,6 +175,7 @@ QS_ALWAYS void QS(qs_q6_k)(const uint8_t *w, const float *x, ptrdiff_t k, float 
             }
         }
     }
+    QS_UNROLL
     for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(acc[0][r] + acc[1][r]);
 }
 

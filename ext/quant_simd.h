@@ -144,33 +144,43 @@ QS_ALWAYS void QS(qs_q4_k)(const uint8_t *w, const float *x, const float *xs, pt
 /* Q6_K {uint8 ql[128], qh[64]; int8 scales[16]; f16 d}: per half of 128 weights and l < 32,
    weights l, l + 32, l + 64, l + 96 take ql[l] low, ql[l + 32] low, ql[l] high, ql[l + 32]
    high for their four low bits and successive bit pairs of qh[l] for the top two; one
-   scale per 16 weights. */
+   scale per 16 weights. The 6-bit quants of a quarter (32 weights) are assembled 32 bytes at
+   a time and stored once, then widened eight at a time from there. */
+typedef uint8_t qs_u8 __attribute__((vector_size(32)));
+
+QS_ATTR static inline qs_u8 QS(qs_u8_load)(const uint8_t *p) {
+    qs_u8 v;
+    memcpy(&v, p, 32);
+    return v;
+}
+
 QS_ALWAYS void QS(qs_q6_k)(const uint8_t *w, const float *x, ptrdiff_t k, float *s, int R) {
-    qs_f8 acc[2][QM_GROUP] = {{{0}}};  /* two chains: even and odd quarters */
+    qs_f8 acc[2][QM_GROUP] = {{{0}}};  /* two chains: even and odd sixteens */
+    uint8_t quants[4][32] __attribute__((aligned(32)));  /* a half's four quarters, q - 32 */
     for (ptrdiff_t b = 0; b < k / 256; b++) {
         const uint8_t *blk = w + b * 210;
         float d = QS_HALF(blk + 208);
         for (int half = 0; half < 2; half++) {
             const uint8_t *ql = blk + 64 * half, *qh = blk + 128 + 32 * half;
             const int8_t *sc = (const int8_t *)(blk + 192) + 8 * half;
-            for (int l = 0; l < 32; l += 16) {
-                qs_f8 f[4][2];  /* [quarter][eight of sixteen] */
-                for (int e = 0; e < 2; e++) {
-                    qs_i32 a = QS(qs_bu)(ql + l + 8 * e), c = QS(qs_bu)(ql + l + 32 + 8 * e);
-                    qs_i32 h = QS(qs_bu)(qh + l + 8 * e);
-                    f[0][e] = QS(qs_f)(((a & 15) | ((h & 3) << 4)) - 32);
-                    f[1][e] = QS(qs_f)(((c & 15) | ((h & 12) << 2)) - 32);
-                    f[2][e] = QS(qs_f)(((a >> 4) | (h & 48)) - 32);
-                    f[3][e] = QS(qs_f)(((c >> 4) | ((h & 192) >> 2)) - 32);
-                }
+            qs_u8 a = QS(qs_u8_load)(ql), c = QS(qs_u8_load)(ql + 32), h = QS(qs_u8_load)(qh);
+            qs_u8 q[4] = {(a & 15) | ((h & 3) << 4), (c & 15) | ((h & 12) << 2),
+                          (a >> 4) | (h & 48), (c >> 4) | ((h & 192) >> 2)};
+            for (int quarter = 0; quarter < 4; quarter++) {
+                qs_u8 centered = q[quarter] - 32;  /* as int8: q - 32 */
+                memcpy(quants[quarter], &centered, 32);
+            }
+            for (int quarter = 0; quarter < 4; quarter++) {
+                const uint8_t *qq = quants[quarter];
+                qs_f8 f[4];
+                for (int t = 0; t < 4; t++) f[t] = QS(qs_f)(QS(qs_bs)(qq + 8 * t));
+                qs_f8 d0 = QS(qs_splat)(d * sc[2 * quarter]);
+                qs_f8 d1 = QS(qs_splat)(d * sc[2 * quarter + 1]);
                 QS_UNROLL
                 for (int r = 0; r < R; r++) {
-                    const float *xr = x + r * k + b * 256 + 128 * half + l;
-                    for (int q = 0; q < 4; q++) {
-                        qs_f8 ds = QS(qs_splat)(d * sc[l / 16 + 2 * q]);
-                        acc[q & 1][r] += ds * (f[q][0] * QS(qs_x)(xr + 32 * q)
-                                              + f[q][1] * QS(qs_x)(xr + 32 * q + 8));
-                    }
+                    const float *xr = x + r * k + b * 256 + 128 * half + 32 * quarter;
+                    acc[0][r] += d0 * (f[0] * QS(qs_x)(xr) + f[1] * QS(qs_x)(xr + 8));
+                    acc[1][r] += d1 * (f[2] * QS(qs_x)(xr + 16) + f[3] * QS(qs_x)(xr + 24));
                 }
             }
         }

@@ -203,6 +203,16 @@ def test_add_eos_token_is_honoured(tmp_path: Path) -> None:
     assert ours.encode_prompt("Hi") == ours.encode("Hi") + [2]
 
 
+def test_a_files_tokenizer_is_built_once_while_the_file_is_unchanged(tmp_path: Path) -> None:
+    path = _write(tmp_path / "v.gguf", add_bos_token=True)
+    first = load_tokenizer(path)
+    assert load_tokenizer(path) is first and first.adds_bos
+    _write(path, add_bos_token=False)  # the file rewritten: its own flags again
+    os.utime(path, ns=(1, 1))
+    second = load_tokenizer(path)
+    assert second is not first and not second.adds_bos
+
+
 def test_the_chat_template_renders_as_transformers(smollm2: Dict[str, Any]) -> None:
     from mdiedge.ops.api.chat import ChatTemplate
     from mdiedge.ops.api.schema import ChatMessage

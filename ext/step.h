@@ -127,7 +127,7 @@ static inline __attribute__((always_inline)) mv_v8 st_exp8(mv_v8 x) {
 /* out[0 .. 8C) = sum over t < len of p[t] v[t * hd ...], C vectors in registers. */
 static inline __attribute__((always_inline)) void st_weigh(
         const float *v, const float *p, float *out, ptrdiff_t len, ptrdiff_t hd, int C) {
-    mv_v8 acc[4] = {{0}};
+    mv_v8 acc[8] = {{0}};
     for (ptrdiff_t t = 0; t < len; t++)
         for (int c = 0; c < C; c++) acc[c] += p[t] * mv_load(v + t * hd + 8 * c);
     for (int c = 0; c < C; c++) memcpy(out + 8 * c, &acc[c], sizeof acc[c]);
@@ -195,9 +195,11 @@ static inline __attribute__((always_inline)) void st_head_body(
     float top = st_scores(q, k, scores, len, hd, 1.0f / sqrtf((float)hd));
     float inv = 1.0f / st_exps(scores, len, top);
     for (ptrdiff_t t = 0; t < len; t++) scores[t] *= inv;
-    /* out = sum over t of p_t v_t, in order of t, four vectors of out at a time in
-       registers (a sum through memory would wait on its own store at every key) */
+    /* out = sum over t of p_t v_t, in order of t, eight vectors of out at a time in
+       registers (a sum through memory would wait on its own store at every key; eight
+       chains of additions keep the FMA units busy where four wait on their latency) */
     ptrdiff_t i0 = 0;
+    for (; i0 + 64 <= hv; i0 += 64) st_weigh(v + i0, scores, out + i0, len, hd, 8);
     for (; i0 + 32 <= hv; i0 += 32) st_weigh(v + i0, scores, out + i0, len, hd, 4);
     for (; i0 < hv; i0 += 8) st_weigh(v + i0, scores, out + i0, len, hd, 1);
     for (ptrdiff_t i = hv; i < hd; i++) {

@@ -162,6 +162,7 @@ static const qm_dot_fn qm_scalar[QM_TYPES][QM_GROUP + 1] = {
 /* -- the vector paths ------------------------------------------------------------------- */
 
 typedef float qs_f8 __attribute__((vector_size(32)));
+typedef float qs_f4 __attribute__((vector_size(16)));
 typedef int32_t qs_i32 __attribute__((vector_size(32)));
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -171,15 +172,13 @@ typedef int32_t qs_i32 __attribute__((vector_size(32)));
 /* The f16 at p as float: moved in from a general register (vmovd), where _cvtsh_ss's
    vpinsrw costs twice the uops. */
 #define QS_HALF(p) _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((p)[0] | ((p)[1] << 8))))
-/* The two f16 at p (a block's d and m) as floats, in one conversion. */
-QS_ATTR static inline void qm_half2_avx2(const uint8_t *p, float *a, float *b) {
+/* The two f16 at p (a block's d and m) as the first two of four lanes, in one conversion. */
+QS_ATTR static inline qs_f4 qm_half2_avx2(const uint8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
-    __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(v));
-    *a = _mm_cvtss_f32(f);
-    *b = _mm_cvtss_f32(_mm_movehdup_ps(f));
+    return (qs_f4)_mm_cvtph_ps(_mm_cvtsi32_si128(v));
 }
-#define QS_HALF2(p, a, b) qm_half2_avx2(p, a, b)
+#define QS_HALF2(p) qm_half2_avx2(p)
 #define QS_BYTES_U(p) ((qs_i32)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define QS_BYTES_S(p) ((qs_i32)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define QS_FLOAT(v) __builtin_convertvector(v, qs_f8)
@@ -212,7 +211,7 @@ static inline qs_f8 qm_float_neon(qs_i32 v) {
     return out.v;
 }
 #define QS_HALF(p) qm_half_neon(p)
-#define QS_HALF2(p, a, b) (*(a) = qm_half_neon(p), *(b) = qm_half_neon((p) + 2))
+#define QS_HALF2(p) ((qs_f4){qm_half_neon(p), qm_half_neon((p) + 2), 0.0f, 0.0f})
 #define QS_BYTES_U(p) qm_bytes_u_neon(p)
 #define QS_BYTES_S(p) qm_bytes_s_neon(p)
 #define QS_FLOAT(v) qm_float_neon(v)

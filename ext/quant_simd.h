@@ -2,7 +2,8 @@
  * instruction set with QS_ATTR (the target attribute), QS(name) (the suffixed name) and
  * QS_HALF(p) (an f16 at p as float), QS_BYTES_U(p) and QS_BYTES_S(p) (the eight bytes at p
  * as eight int32 lanes, unsigned or signed) and QS_FLOAT(v) (int32 lanes to float) defined:
- * QS_HALF2(p, a, b) (the two f16 at p as floats): AVX2+FMA+F16C on x86-64, NEON on aarch64.
+ * QS_HALF2(p) (the two f16 at p as the first two lanes of four): AVX2+FMA+F16C on x86-64,
+ * NEON on aarch64.
  *
  * Eight weights at a time are widened from their bytes to eight float32 lanes
  * (vpmovzxbd + vcvtdq2ps on AVX2, uxtl/sxtl twice + scvtf on NEON) and
@@ -58,19 +59,21 @@ QS_ALWAYS void QS(qs_blk_q4_0)(const uint8_t *blk, const float *x, ptrdiff_t k, 
     for (int r = 0; r < R; r++) acc[r] += d * QS(qs_dot32)(f, x + r * k);
 }
 
-/* Q4_1's minimum: m * the sum of x under the block (xs, one per row, nb apart). */
+/* Q4_1's minimum: m * the sum of x under the block (xs, one per row, nb apart), in lane 1
+   of mins (the block's d and m converted together are lanes 0 and 1 of one vector, which
+   multiplies the sum whole: lane 0 is ignored). */
 QS_ALWAYS void QS(qs_blk_q4_1)(const uint8_t *blk, const float *x, const float *xs,
-                               ptrdiff_t k, ptrdiff_t nb, qs_f8 *acc, float *mins, int R) {
+                               ptrdiff_t k, ptrdiff_t nb, qs_f8 *acc, qs_f4 *mins, int R) {
     qs_i32 a = QS(qs_bu)(blk + 4), c = QS(qs_bu)(blk + 12);
-    float scale, m;
-    QS_HALF2(blk, &scale, &m);
-    qs_f8 f[4], d = QS(qs_splat)(scale);
+    qs_f4 dm = QS_HALF2(blk);
+    qs_f8 f[4], d = QS(qs_splat)(dm[0]);
     f[0] = QS(qs_f)(a & 15); f[1] = QS(qs_f)(c & 15);
     f[2] = QS(qs_f)(a >> 4); f[3] = QS(qs_f)(c >> 4);
     QS_UNROLL
     for (int r = 0; r < R; r++) {
         acc[r] += d * QS(qs_dot32)(f, x + r * k);
-        mins[r] += m * xs[r * nb];
+        float sum = xs[r * nb];
+        mins[r] += dm * (qs_f4){sum, sum, sum, sum};
     }
 }
 
@@ -94,7 +97,7 @@ QS_TWO_CHAINS(q4_0, 18)
 QS_ALWAYS void QS(qs_q4_1)(const uint8_t *w, const float *x, const float *xs, ptrdiff_t k,
                            float *s, int R) {
     qs_f8 even[QM_GROUP] = {{0}}, odd[QM_GROUP] = {{0}};
-    float mins_even[QM_GROUP] = {0}, mins_odd[QM_GROUP] = {0};
+    qs_f4 mins_even[QM_GROUP] = {{0}}, mins_odd[QM_GROUP] = {{0}};
     ptrdiff_t nb = k / 32, b = 0;
     for (; b + 2 <= nb; b += 2) {
         QS(qs_blk_q4_1)(w + b * 20, x + b * 32, xs + b, k, nb, even, mins_even, R);
@@ -103,7 +106,7 @@ QS_ALWAYS void QS(qs_q4_1)(const uint8_t *w, const float *x, const float *xs, pt
     if (b < nb) QS(qs_blk_q4_1)(w + b * 20, x + b * 32, xs + b, k, nb, even, mins_even, R);
     QS_UNROLL
     for (int r = 0; r < R; r++)
-        s[r] = QS(qs_lanes)(even[r] + odd[r]) + (mins_even[r] + mins_odd[r]);
+        s[r] = QS(qs_lanes)(even[r] + odd[r]) + (mins_even[r][1] + mins_odd[r][1]);
 }
 
 /* Q4_K {f16 d, dmin; uint8 scales[12]; uint8 qs[128]}: per 32 bytes of qs, the low nibbles

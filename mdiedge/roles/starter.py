@@ -286,16 +286,20 @@ class RingStarter:
         auth = bind(self.auth, ring)
         outbound = inbound = None
         try:
+            seal = self.options.encrypt
             outbound = connect_authenticated(*ends[0], auth,
                                              f"{first.name} ({ends[0][0]}:{ends[0][1]})",
-                                             retry_s=defaults.LINK_RETRY_S, codecs=codecs[0])
+                                             retry_s=defaults.LINK_RETRY_S, codecs=codecs[0],
+                                             seal=seal)
             inbound = accept_authenticated(self.listener, auth, defaults.LINK_ACCEPT_TIMEOUT_S,
-                                           "starter", codecs=codecs[-1])
-            links = LinkPair(inbound, outbound, self.options.max_payload, "starter",
-                             codecs[-1], codecs[0], busy_poll_us=self.options.busy_poll_us)
+                                           "starter", codecs=codecs[-1], seal=seal)
+            links = LinkPair(inbound.sock, outbound.sock, self.options.max_payload, "starter",
+                             codecs[-1], codecs[0], busy_poll_us=self.options.busy_poll_us,
+                             keys_in=inbound.keys, keys_out=outbound.keys)
         except Exception as e:  # OSError, AuthError (a RingError) or anything else
-            close_quietly(outbound)
-            close_quietly(inbound)
+            for link in (outbound, inbound):
+                if link is not None:
+                    link.close()
             raise RingError(f"cannot close the ring (last worker {last.name!r}): {e}") from None
         return RingTail(links, self.members, self.options.timeout_s, self.options.stall_s)
 

@@ -9,7 +9,11 @@ another id (``NODE_CHANGED``: mostly a client that knew this node before it rest
 asks the id again and retries) from one signed with a wrong secret. A node checks the
 MAC from the headers alone (``check_headers``: constant time, finite timestamp within
 ``MAX_SKEW_S``, nonce not seen before) before it reads any body; then it reads the body, and
-``accept`` compares its digest with the signed one and records the nonce (no replay). A nonce
+``accept`` compares its digest with the signed one and records the nonce (no replay). Each
+reply to an authenticated request is signed too (``sign_reply``: an HMAC over its status, the
+request's nonce, the node id and the body's digest, in ``HEADER_REPLY``), and the client
+checks it (``check_reply``), so a reply forged or altered on the way, or one replayed from an
+earlier request, is refused. A nonce
 is recorded only once the whole request is verified, so a forged body sent under genuine
 headers cannot burn it; while its body is being read it is in flight (``release`` if the body
 never comes), and the same headers on another connection meanwhile are a replay, so one
@@ -46,6 +50,7 @@ from ..base.errors import CodecMismatch, ConfigError, RingError, SealMismatch
 MAX_SKEW_S = 60.0
 HEADER_TS, HEADER_NONCE, HEADER_MAC = "X-Mdiedge-Timestamp", "X-Mdiedge-Nonce", "X-Mdiedge-Mac"
 HEADER_BODY, HEADER_NODE = "X-Mdiedge-Body-Sha256", "X-Mdiedge-Node"
+HEADER_REPLY = "X-Mdiedge-Reply-Mac"
 NODE_CHANGED = "signed for another node id"  # how such a refusal starts (logged as routine)
 _HEX = re.compile(r"[0-9a-f]{16,64}")
 _MAX_NONCES = 10000
@@ -104,6 +109,29 @@ class Authenticator:
         mac = self._mac(method, path, digest, timestamp, nonce, node)
         return {HEADER_TS: timestamp, HEADER_NONCE: nonce, HEADER_BODY: digest,
                 HEADER_NODE: node, HEADER_MAC: mac}
+
+    def _reply_mac(self, status: int, nonce: str, node: str, body: bytes) -> str:
+        message = "\n".join(("reply", str(status), nonce, node, body_digest(body)))
+        return hmac.new(self.key, message.encode(), hashlib.sha256).hexdigest()
+
+    def sign_reply(self, status: int, nonce: str, body: bytes) -> str:
+        """The ``HEADER_REPLY`` of this node's reply (``status``, ``body``) to the
+        authenticated request that carried ``nonce``."""
+        return self._reply_mac(status, nonce, self.node, body)
+
+    def check_reply(self, status: int, request: Mapping[str, str], body: bytes,
+                    mac: Optional[str]) -> Optional[str]:
+        """None if ``mac`` signs this reply to the request whose signed ``request`` headers
+        were sent (to the node they name), else why it is refused."""
+        if not self.enabled:
+            return None
+        if not mac:
+            return "the reply is not signed (no ring secret signature)"
+        expected = self._reply_mac(status, request.get(HEADER_NONCE) or "",
+                                   request.get(HEADER_NODE) or "", body)
+        if not hmac.compare_digest(mac.encode("utf-8", "surrogateescape"), expected.encode()):
+            return "the reply's signature does not match (forged or altered on the way)"
+        return None
 
     def check_headers(self, method: str, path: str, headers: Mapping[str, str]) -> Optional[str]:
         """None if the headers carry a fresh, genuine signature, else why they are refused.

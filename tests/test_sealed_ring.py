@@ -69,7 +69,8 @@ class Tamper:
             seen = 0
             while True:
                 head = bytearray(_exactly(src, framing.HEADER_SIZE))
-                n, size = struct.unpack_from("<H", head, 8)[0], struct.unpack_from("<Q", head, 36)[0]
+                n = struct.unpack_from("<H", head, 8)[0]
+                size = struct.unpack_from("<Q", head, 36)[0]
                 tag = framing.TAG_SIZE if head[6] & framing.FLAG_SEALED else 0
                 rest = bytearray(_exactly(src, 8 * n + size + tag))
                 if head[5] == framing.ACTIVATION and size:

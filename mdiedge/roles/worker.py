@@ -29,8 +29,8 @@ from ..model.devices import parse_device, parse_dtype
 from ..runtime import messages
 from ..runtime.auth import Authenticator, is_loopback
 from ..runtime.control import Conflict, ControlServer, round_trip_ms
-from ..runtime.links import LinkDown, LinkPair, accept_authenticated, bind, close_quietly, \
-    connect_authenticated, tcp_listen
+from ..runtime.links import LinkDown, LinkPair, accept_authenticated, bind, close_links, \
+    close_quietly, connect_authenticated, tcp_listen
 from ..runtime.protocol import Assignment, AssignReply, ConnectRequest, ModelRef, NodeStatus
 from ..runtime.stages import LocalStage, inference
 from .exitparts import cache_suffix, extra_bytes, has_parts, keep_sent_classifier, worker_policy
@@ -370,12 +370,10 @@ def _link_pair(listener: Any, auth: Authenticator, request: ConnectRequest, name
                                          f"next node {request.next_host}:{request.next_port}",
                                          retry_s=defaults.LINK_RETRY_S, cancelled=moved_on,
                                          codecs=codecs_out, seal=encrypt)
-        return LinkPair(inbound.sock, outbound.sock, max_payload, name, codecs_in, codecs_out,
-                        inline_receive=True, busy_poll_us=busy_poll_us, keys_in=inbound.keys,
-                        keys_out=outbound.keys)
+        return LinkPair(inbound, outbound, max_payload, name, codecs_in, codecs_out,
+                        inline_receive=True, busy_poll_us=busy_poll_us)
     except Exception as e:  # OSError, AuthError (a RingError), or anything else
         side = "no previous node connected" if inbound is None else "cannot reach its next node"
         log.warning("%s: %s: %s", name, side, e)
-        if inbound is not None:
-            inbound.close()
+        close_links(inbound)
         return None

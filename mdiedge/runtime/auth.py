@@ -203,7 +203,8 @@ class Authenticator:
         with self._lock:
             self._pending.pop(headers.get(HEADER_NONCE) or "", None)
 
-    def check(self, method: str, path: str, body: bytes, headers: Mapping[str, str]) -> Optional[str]:
+    def check(self, method: str, path: str, body: bytes,
+              headers: Mapping[str, str]) -> Optional[str]:
         """``check_headers`` then ``accept`` for a body already in hand."""
         return self.check_headers(method, path, headers) or self.accept(headers, body_digest(body))
 

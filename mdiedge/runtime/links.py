@@ -372,14 +372,18 @@ class LinkPair:
     thread (a worker's compute loop, which has nothing else to do while it waits), saving
     the thread hand-off on every hop. Frames still arrive into the socket's buffer while
     the caller computes. ``busy_poll_us``: how long a wait for a frame polls before it sleeps
-    (a wake-up from sleep costs tens of µs; see ``framing.reader``). ``keys_in`` and
-    ``keys_out``: the links' keys when they are sealed (``Link.keys``)."""
+    (a wake-up from sleep costs tens of µs; see ``framing.reader``). ``inbound`` and
+    ``outbound``: the ``Link`` of each handshake (sealed with its keys, if it has any), or a
+    bare socket (unsealed)."""
 
-    def __init__(self, inbound: socket.socket, outbound: socket.socket, max_payload: int,
-                 name: str, codecs_in: Compression = NO_COMPRESSION,
+    def __init__(self, inbound: Union[Link, socket.socket], outbound: Union[Link, socket.socket],
+                 max_payload: int, name: str, codecs_in: Compression = NO_COMPRESSION,
                  codecs_out: Compression = NO_COMPRESSION, inline_receive: bool = False,
-                 busy_poll_us: int = 0, keys_in: Optional[LinkKeys] = None,
-                 keys_out: Optional[LinkKeys] = None) -> None:
+                 busy_poll_us: int = 0) -> None:
+        inbound, keys_in = (inbound.sock, inbound.keys) if isinstance(inbound, Link) \
+            else (inbound, None)
+        outbound, keys_out = (outbound.sock, outbound.keys) if isinstance(outbound, Link) \
+            else (outbound, None)
         self.inbound, self.outbound = inbound, outbound
         self.inbox: "queue.SimpleQueue[Received]" = queue.SimpleQueue()
         self.receiver = Receiver(inbound, self.inbox, max_payload, f"{name}/recv", codecs_in,
@@ -427,6 +431,13 @@ def _shutdown(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+def close_links(*links: Optional[Link]) -> None:
+    """Close each link that was opened (None: not)."""
+    for link in links:
+        if link is not None:
+            link.close()
 
 
 def close_quietly(sock: Optional[socket.socket]) -> None:

@@ -206,20 +206,20 @@ def recv_frame(source: Any, max_payload: int, out: Optional[torch.Tensor] = None
 def _open(header: Any, dtype: torch.dtype, out: Optional[torch.Tensor], fill: Any,
           opener: Any, codec: int, codec_impl: Optional[ModuleType]) -> torch.Tensor:
     """The tensor of a sealed frame: payload and tag received into one buffer, the tag
-    checked and the payload decrypted in place; a payload in no codec, with no ``out``,
-    is then the tensor itself, with no copy."""
+    checked and the payload decrypted straight into the tensor (an encoded one in place,
+    then decoded into the tensor)."""
     size = header.payload_len
-    raw = _allocate((size + TAG_SIZE,), torch.uint8)
-    sealed = raw.numpy()
+    try:
+        sealed = np.empty(size + TAG_SIZE, dtype=np.uint8)
+    except MemoryError:
+        raise FrameError(f"cannot allocate the frame's {size + TAG_SIZE} sealed bytes") from None
     fill(sealed)
-    if codec == NONE and out is not None:
-        opener.open_into(header.wire, sealed, tensor_bytes(out))
-        return out
-    opener.open_into(header.wire, sealed, sealed[:size])
-    if codec == NONE:
-        return raw[:size].view(dtype).view(header.shape)
     tensor = _allocate(header.shape, dtype) if out is None else out
-    (codec_impl or _codec_impl).decode(codec, sealed[:size], tensor_bytes(tensor))
+    if codec == NONE:
+        opener.open_into(header.wire, sealed, tensor_bytes(tensor))
+    else:
+        opener.open_into(header.wire, sealed, sealed[:size])
+        (codec_impl or _codec_impl).decode(codec, sealed[:size], tensor_bytes(tensor))
     return tensor
 
 

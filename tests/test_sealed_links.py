@@ -23,7 +23,8 @@ from mdiedge.base.codecs import FP16, INT8, NONE, Compression
 from mdiedge.base.errors import FrameError, IntegrityError, SealMismatch
 from mdiedge.runtime import framing
 from mdiedge.runtime.auth import Authenticator
-from mdiedge.runtime.links import Link, accept_authenticated, connect_authenticated, tcp_listen
+from mdiedge.runtime.links import Link, LinkDown, LinkPair, accept_authenticated, \
+    connect_authenticated, tcp_listen
 from mdiedge.runtime.seal import LinkKeys, derive
 
 pytestmark = pytest.mark.twins
@@ -315,3 +316,28 @@ def test_a_sealing_mismatch_is_one_line_at_set_up_on_both_ends() -> None:
     assert "\n" not in str(ends["accept"])
     codecs = Compression.parse("int8")
     assert codecs.wire  # the codecs travel beside the sealing byte, both under the MAC
+
+
+# ------------------------------------------------------------------- a link's receiver
+
+@pytest.mark.parametrize("order, bad", [([0, 0], 1), ([1, 0], 0), ([0, 2], 1)],
+                         ids=["replayed", "reordered", "dropped"])
+def test_a_receiver_closes_its_link_on_a_frame_out_of_order(
+        impl: ModuleType, order: List[int], bad: int, monkeypatch: pytest.MonkeyPatch,
+        caplog: Any) -> None:
+    monkeypatch.setattr(framing, "_impl", impl)
+    sender, receiver = link_keys()
+    wire = wire_of(impl, FRAMES[:3], sender.sealer())
+    out, unused = socket.socketpair()
+    pair = LinkPair(Link(feed(b"".join(wire[i] for i in order)), receiver), Link(out, sender),
+                    1 << 20, "test", inline_receive=True)
+    try:
+        got = [pair.receive() for _ in range(len(order))]
+    finally:
+        pair.close()
+        unused.close()
+    assert [isinstance(g, LinkDown) for g in got] == [i >= bad for i in range(len(order))]
+    down = got[bad]
+    assert down.reason.startswith("integrity error: sealed frame")
+    assert "\n" not in down.reason
+    assert "test/recv: link down: integrity error" in caplog.text

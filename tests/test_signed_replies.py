@@ -30,6 +30,25 @@ def server() -> Iterator[ControlServer]:
     control.stop()
 
 
+def _request(client: socket.socket) -> bytes:
+    """One whole request from ``client``: its headers, then its Content-Length of body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = client.recv(1 << 16)
+        if not chunk:
+            return data
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        chunk = client.recv(length - len(body))
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
 class ReplyProxy:
     """A TCP proxy in front of ``port`` that passes requests as they are and hands each
     reply (up to its end: the connection is closed after it) to ``rewrite``."""
@@ -54,9 +73,7 @@ class ReplyProxy:
 
     def _one(self, client: socket.socket) -> None:
         with client, socket.create_connection(("127.0.0.1", self.port)) as server:
-            request = client.recv(1 << 16)
-            server.sendall(request.replace(b"Connection: keep-alive", b"Connection: close")
-                           if b"Connection: keep-alive" in request else request)
+            server.sendall(_request(client))
             reply = b""
             while True:
                 chunk = server.recv(1 << 16)

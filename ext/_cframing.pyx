@@ -30,11 +30,11 @@ from posix.uio cimport iovec, writev
 
 from mdiedge.runtime._framingspec import (  # the constants are part of this module's API
     ACTIVATION, CODEC_SHIFT, CRC_OFFSET, ELIGIBLE_BIT, ENTRY_SIZE, FLAG_CODEC, FLAG_PREFILL,
-    FLAGS_KNOWN, FLOAT32, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_BUSY_POLL_US, MAX_EXIT_DEPTH,
-    MAX_NDIM, MAX_POSITION, MAX_SAMPLES, MIN_READ_BUFFER, MSG_TYPES, PING, READ_BUFFER, RELEASE,
-    SHUTDOWN, VERSION, FrameHeader, byte_view, check_busy_poll, check_capacity, check_crc,
-    check_eligible, check_fields, check_fixed_size, check_pack_args, check_table_size,
-    closed_early, codec_of)
+    FLAG_SEALED, FLAGS_KNOWN, FLOAT32, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_BUSY_POLL_US,
+    MAX_EXIT_DEPTH, MAX_NDIM, MAX_POSITION, MAX_SAMPLES, MIN_READ_BUFFER, MSG_TYPES, PING,
+    READ_BUFFER, RELEASE, SHUTDOWN, TAG_SIZE, VERSION, FrameHeader, byte_view, check_busy_poll,
+    check_capacity, check_crc, check_eligible, check_fields, check_fixed_size, check_pack_args,
+    check_table_size, closed_early, codec_of)
 from mdiedge.base import codecs as _codecs
 
 
@@ -383,6 +383,16 @@ cdef object _parse_fixed(const unsigned char* p, object max_payload):
                        tuple([d[i] for i in range(ndim)]), _get32(p + 32), size, p[11], ())
 
 
+cdef bytes _wire(const unsigned char* fixed, const unsigned char* table, size_t table_len):
+    """The header's bytes as received: fixed header, then sample table."""
+    cdef bytes wire = PyBytes_FromStringAndSize(NULL, C_HEADER_SIZE + table_len)
+    cdef char* p = PyBytes_AS_STRING(wire)
+    memcpy(p, fixed, C_HEADER_SIZE)
+    if table_len:
+        memcpy(p + C_HEADER_SIZE, table, table_len)
+    return wire
+
+
 cdef object _fill_table(object header, const unsigned char* fixed, const unsigned char* table,
                         size_t table_len):
     cdef size_t n_samples = _get16(fixed + 8), i
@@ -404,6 +414,7 @@ cdef object _fill_table(object header, const unsigned char* fixed, const unsigne
             check_eligible(fixed[5], fixed[6], eligible)
     else:
         eligible = (False,) * n_samples
+    header.wire = _wire(fixed, table, table_len)
     header.sample_ids = tuple([_get32(table + C_ENTRY_SIZE * i) for i in range(n_samples)])
     header.positions = tuple([_get32(table + C_ENTRY_SIZE * i + 4) & C_MAX_POSITION
                               for i in range(n_samples)])
@@ -423,7 +434,7 @@ def parse_header(fixed, max_payload):
 
 def parse_table(header, fixed, table):
     """Check the crc over ``fixed`` + ``table`` and the eligible bits, and fill the header's
-    sample ids, positions and eligible flags."""
+    sample ids, positions and eligible flags, and its ``wire`` (``fixed`` + ``table``)."""
     cdef const unsigned char[::1] f = byte_view(fixed, False)
     cdef const unsigned char[::1] t = byte_view(table, False)
     if f.shape[0] != C_HEADER_SIZE:

@@ -23,7 +23,7 @@ from mdiedge.roles.local_ring import LocalRing
 from mdiedge.roles.starter import RingEngine
 from mdiedge.runtime import framing, messages
 from mdiedge.runtime.auth import Authenticator
-from mdiedge.runtime.links import accept_authenticated, connect_authenticated, tcp_listen
+from mdiedge.runtime.links import Link, accept_authenticated, connect_authenticated, tcp_listen
 from mdiedge.runtime.messages import Message
 
 pytestmark = pytest.mark.twins
@@ -97,15 +97,15 @@ def handshake(ours: str, theirs: str) -> Dict[str, Any]:
         except Exception as e:
             results["connect"] = e
         thread.join(10)
-    for sock in results.values():
-        if isinstance(sock, socket.socket):
-            sock.close()
+    for link in results.values():
+        if isinstance(link, Link):
+            link.close()
     return results
 
 
 def test_the_handshake_agrees_on_the_codecs() -> None:
     ends = handshake("int8:fp16", "int8:fp16")
-    assert all(isinstance(s, socket.socket) for s in ends.values())
+    assert all(isinstance(s, Link) and s.keys is not None for s in ends.values())
 
 
 def test_a_codec_mismatch_is_one_line_at_set_up_on_both_ends() -> None:

@@ -109,7 +109,7 @@ def test_the_first_peer_to_pass_wins_and_the_others_are_closed() -> None:
                 if not chunk:
                     break
                 data += chunk
-            assert data.startswith(b"MDIEHS2\0")
+            assert data.startswith(b"MDIEHS3\0")
             s.close()
         good.close()
         got[0].close()
@@ -197,7 +197,7 @@ def test_the_receiver_reports_a_zero_element_frame_as_link_down(
 
 def test_the_receiver_reports_any_exception_as_link_down(
         monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
-    def broken(sock: Any, max_payload: int, codecs: Any) -> Any:
+    def broken(sock: Any, max_payload: int, codecs: Any, opener: Any) -> Any:
         raise RuntimeError("Trying to create tensor with negative dimension -1\nmore")
 
     monkeypatch.setattr(links.messages, "receive", broken)

@@ -602,7 +602,7 @@ def test_load_ring_shape(tmp_path: Path) -> None:
                        "timeout_s": defaults.RING_TIMEOUT_S, "stall_s": defaults.STALL_S,
                        "recover": True,
                        "rebalance_margin": defaults.REBALANCE_MARGIN, "compression": "none",
-                       "quantize": "", "busy_poll_us": defaults.BUSY_POLL_US}
+                       "quantize": "", "busy_poll_us": defaults.BUSY_POLL_US, "encrypt": True}
     assert workers == [
         NodeSpec(name="w1", host="10.0.0.2", control_port=7700, weight=2.5,
                  memory=6 * GiB, layers=(6, 14), device="cuda"),
@@ -621,7 +621,7 @@ def test_load_ring_starter_options(tmp_path: Path) -> None:
                        "max_payload": 64 << 20, "prefill_chunk": defaults.PREFILL_CHUNK,
                        "timeout_s": 12.5, "stall_s": defaults.STALL_S, "recover": True,
                        "rebalance_margin": defaults.REBALANCE_MARGIN, "compression": "none",
-                       "quantize": "", "busy_poll_us": defaults.BUSY_POLL_US}
+                       "quantize": "", "busy_poll_us": defaults.BUSY_POLL_US, "encrypt": True}
     options, _ = load_ring(write(tmp_path, "[starter]\ntimeout_s = 30\n" + R))
     assert (options["timeout_s"], options["max_payload"]) == (30.0, defaults.MAX_PAYLOAD)
     options, _ = load_ring(write(tmp_path, "[starter]\nprefill_chunk = 0\n" + R))
@@ -644,7 +644,7 @@ def test_load_ring_without_starter_table(tmp_path: Path) -> None:
                        "timeout_s": defaults.RING_TIMEOUT_S, "stall_s": defaults.STALL_S,
                        "recover": True,
                        "rebalance_margin": defaults.REBALANCE_MARGIN, "compression": "none",
-                       "quantize": "", "busy_poll_us": defaults.BUSY_POLL_US}
+                       "quantize": "", "busy_poll_us": defaults.BUSY_POLL_US, "encrypt": True}
     assert [w.name for w in workers] == ["w1"]
 
 
@@ -794,7 +794,7 @@ PLAUSIBLE = {  # values near and on both sides of each key's rule
     "device": st.sampled_from(["cpu", "cuda", "cuda:0", "gpu"]),
     "dtype": st.sampled_from(["float32", "bf16", "float64"]),
     "memory": sizes, "max_payload": sizes, "stall_s": numbers, "rebalance_margin": numbers,
-    "recover": st.booleans(), "spare": st.booleans(), "prefill_chunk": st.integers(-1, 600),
+    "recover": st.booleans(), "encrypt": st.booleans(), "spare": st.booleans(), "prefill_chunk": st.integers(-1, 600),
     "compression": st.sampled_from(["none", "int8", "int8:fp16", "int4", "fp16:"]),
     "quantize": st.sampled_from(["q8_0", "Q4_1", "q4_k", "", "f16"]),
     "busy_poll_us": st.integers(-1, 3) | st.sampled_from([200, 100_000, 100_001]),

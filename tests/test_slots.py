@@ -97,3 +97,25 @@ def test_a_random_workload_matches_a_list_scan() -> None:
         assert list(table.assignments().items()) == list(spec.assignments().items())
         assert table.in_use == len(spec.assignments())
 
+
+
+def test_a_step_must_follow_its_slots_filled_length() -> None:
+    table = slots.SlotTable(2)
+    table.allocate(7)
+    table.advance([7], [0], 3, restart=True)  # a prompt of 3
+    with pytest.raises(SlotError, match=r"sample 7 at position 50 does not follow its KV "
+                                        r"cache \(3 positions filled\)"):
+        table.advance([7], [50], 1)
+    with pytest.raises(SlotError, match="at position 1 does not follow"):  # no going back
+        table.advance([7], [1], 1)
+    table.advance([7], [3], 1)
+    assert table.filled(7) == 4
+    table.allocate(8)
+    with pytest.raises(SlotError, match="sample 8 at position 2"):  # nothing recorded
+        table.advance([7, 8], [4, 2], 1)
+    assert (table.filled(7), table.filled(8)) == (4, 0)
+    table.advance([7], [0], 2, restart=True)  # a replay starts the rows over
+    assert table.filled(7) == 2
+    table.free(7)
+    table.allocate(7)
+    assert table.filled(7) == 0

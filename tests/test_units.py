@@ -366,13 +366,13 @@ def test_config_skeletons_follow_the_schema() -> None:
     assert worker == {"worker": {
         "name": "w1", "host": "0.0.0.0", "control_port": 7700, "data_port": 7701, "threads": 0,
         "cache_dir": "/var/lib/mdiedge", "log_level": "info", "idle_timeout_s": 60,
-        "busy_poll_us": 200, "insecure": False}}
+        "busy_poll_us": 200, "encrypt": True, "insecure": False}}
     starter = tomllib.loads(units.STARTER_CONFIG)
     assert starter == {
         "starter": {"host": "0.0.0.0", "control_port": 7600,
                     "model": "/var/lib/mdiedge/models/tinyllama", "device": "cpu",
                     "dtype": "float32", "weight": 1.0, "stall_s": 3, "recover": True,
-                    "rebalance_margin": 0.25, "busy_poll_us": 200},
+                    "rebalance_margin": 0.25, "busy_poll_us": 200, "encrypt": True},
         "workers": [{"name": "w1", "host": "10.0.0.2", "control_port": 7700, "device": "cuda",
                      "weight": 1.0, "spare": False}]}
     # the optional keys are there, commented out, with the schema's example values

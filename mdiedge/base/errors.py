@@ -52,6 +52,11 @@ class FrameError(MdiedgeError):
     """A data-plane frame is malformed, oversized or truncated; the link must be closed."""
 
 
+class IntegrityError(FrameError):
+    """A sealed frame's tag does not verify: it was altered, replayed or reordered on the
+    way, or one before it was dropped; the link must be closed."""
+
+
 class PartitionError(MdiedgeError, ValueError):
     """Layers cannot be split over the nodes as requested."""
 
@@ -60,8 +65,16 @@ class RingError(MdiedgeError):
     """A node of the ring failed, timed out, or refused a request."""
 
 
-class CodecMismatch(RingError):
-    """The two ends of a data link name different codecs in its handshake (set-up fails)."""
+class LinkMismatch(RingError):
+    """The two ends of a data link disagree in its handshake on how it runs (set-up fails)."""
+
+
+class CodecMismatch(LinkMismatch):
+    """The two ends of a data link name different codecs in its handshake."""
+
+
+class SealMismatch(LinkMismatch):
+    """One end of a data link seals its frames and the other runs ``--no-encrypt``."""
 
 
 class NodeLost(RingError):

@@ -50,6 +50,7 @@ class StarterOptions:
     recover: bool = True  # a lost node's layers move to a spare or the survivors
     rebalance_margin: float = defaults.REBALANCE_MARGIN  # 0: never re-split by measurements
     busy_poll_us: int = defaults.BUSY_POLL_US  # of the link back from the last worker
+    encrypt: bool = True  # seal the ring's links (False: --no-encrypt, for measurements only)
     share_path: bool = True  # tell workers where the model lies (a shared filesystem)
     secret: Optional[bytes] = None
     control_url: Optional[str] = None  # set when the starter serves a control plane

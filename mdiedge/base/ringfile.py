@@ -51,9 +51,9 @@ def load_ring(path: Union[str, "os.PathLike[str]"], secret: bool = False,
               env: Mapping[str, str] = os.environ) -> Tuple[Dict[str, Any], List[NodeSpec]]:
     """The starter's options (fields of ``StarterOptions``, the ``RingEngine`` keywords: host,
     device, weight, memory, layers, max_payload, prefill_chunk, timeout_s, stall_s, recover,
-    rebalance_margin, compression, quantize, busy_poll_us; with ``secret``, also ``secret``:
-    the ``[starter]`` table's secret or secret_file, else ``$MDIEDGE_SECRET(_FILE)`` in ``env``,
-    else None) and the workers of a ring file, in ring order; errors name the file and key."""
+    rebalance_margin, compression, quantize, busy_poll_us, encrypt; with ``secret``, also
+    ``secret``: the ``[starter]`` table's secret or secret_file, else
+    ``$MDIEDGE_SECRET(_FILE)`` in ``env``, else None) and the workers of a ring file, in ring order; errors name the file and key."""
     settings = load_settings(path)
     if not settings.workers:
         raise ConfigError(f"{settings.source}: workers: a ring file needs at least one "
@@ -66,7 +66,7 @@ def load_ring(path: Union[str, "os.PathLike[str]"], secret: bool = False,
         "stall_s": starter.stall_s,
         "recover": starter.recover, "rebalance_margin": starter.rebalance_margin,
         "compression": starter.compression, "quantize": starter.quantize,
-        "busy_poll_us": starter.busy_poll_us,
+        "busy_poll_us": starter.busy_poll_us, "encrypt": starter.encrypt,
     }
     if secret:
         options["secret"] = read_secret(settings.starter, env)

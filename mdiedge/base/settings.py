@@ -93,6 +93,7 @@ class WorkerSettings:
     log_level: str = "info"
     idle_timeout_s: float = IDLE_TIMEOUT_S
     busy_poll_us: int = BUSY_POLL_US  # of the inbound link, before a wait sleeps
+    encrypt: bool = True  # seal the data links (false: for measurements only)
     secret: Optional[str] = field(default=None, repr=False)
     secret_file: Optional[str] = None
     insecure: bool = False
@@ -128,6 +129,7 @@ class StarterSettings:
     compression: str = "none"  # codecs of every link whose worker names none
     quantize: str = ""  # the block type the ring's float blocks are quantized to ("": none)
     busy_poll_us: int = BUSY_POLL_US  # of the link back from the last worker
+    encrypt: bool = True  # seal the data links (false: for measurements only)
     secret: Optional[str] = field(default=None, repr=False)
     secret_file: Optional[str] = None
     insecure: bool = False
@@ -170,14 +172,14 @@ WORKER_SCHEMA: Dict[str, Check] = dict(
     name=string(), host=host_name, control_port=integer(0, 65535), data_port=integer(0, 65535),
     threads=integer(0, MAX_THREADS), cache_dir=string("a directory path"),
     log_level=choice(LOG_LEVELS), idle_timeout_s=positive,
-    busy_poll_us=integer(0, MAX_BUSY_POLL_US), **_SECRETS,
+    busy_poll_us=integer(0, MAX_BUSY_POLL_US), encrypt=boolean, **_SECRETS,
     model=string("a model path"), **_COMMON)
 STARTER_SCHEMA: Dict[str, Check] = dict(
     host=host_name, control_port=integer(0, 65535), model=string("a model path"),
     tokenizer=string("a tokenizer path"), weight=positive, memory=size, max_payload=size,
     prefill_chunk=integer(0), timeout_s=positive, stall_s=positive, recover=boolean,
     rebalance_margin=fraction, compression=_CODECS, busy_poll_us=integer(0, MAX_BUSY_POLL_US),
-    quantize=_quantizer, **_SECRETS, **_COMMON)
+    quantize=_quantizer, encrypt=boolean, **_SECRETS, **_COMMON)
 WORKERS_SCHEMA: Dict[str, Check] = dict(
     name=string(), host=host_name, control_port=integer(1, 65535), device=device_name,
     weight=positive, memory=size, layers=layer_range, spare=boolean, compression=_CODECS)

@@ -265,12 +265,32 @@ def quantize_option() -> Any:
                         "a GGUF file's blocks are kept as they are).")
 
 
+def no_encrypt_option() -> Any:
+    """``--no-encrypt``, the same on every command that runs ring links."""
+    return typer.Option(False, "--no-encrypt", help="Do not seal the data links (they go "
+                        "unauthenticated and in plaintext after the handshake): for "
+                        "measuring the cost of sealing only. Every node of the ring must "
+                        "agree.")
+
+
+def warn_unsealed(name: str) -> None:
+    """The one warning of a node that runs ``--no-encrypt``."""
+    import logging
+
+    logging.getLogger("mdiedge").warning("%s: data links are not sealed (--no-encrypt): "
+                                         "activations travel in plaintext; for measurements "
+                                         "only", name)
+
+
 def ring_options(stall_timeout: Optional[float], recover: Optional[bool], spares: int,
                  compression: Optional[str], prefill_chunk: Optional[int],
-                 quantize: Optional[str]) -> Tuple[Dict[str, Any], int]:
-    """``recovery_options`` with ``--quantize``'s type, checked."""
+                 quantize: Optional[str], no_encrypt: bool = False
+                 ) -> Tuple[Dict[str, Any], int]:
+    """``recovery_options`` with ``--quantize``'s type, checked, and ``--no-encrypt``."""
     changes, spares = recovery_options(stall_timeout, recover, spares, compression,
                                        prefill_chunk)
+    if no_encrypt:
+        changes["encrypt"] = False
     if quantize is not None:
         changes["quantize"] = checked_quantizer(quantize)
     return changes, spares

@@ -29,6 +29,7 @@ from .app import (
     app,
     compression_option,
     quantize_option,
+    no_encrypt_option,
     ring_options,
     need,
     one_line_errors,
@@ -222,6 +223,7 @@ def chat(
     spares: int = typer.Option(0, help="Spare workers beside the local ring's (for a lost one)."),
     compression: Optional[str] = compression_option(),
     quantize: Optional[str] = quantize_option(),
+    no_encrypt: bool = no_encrypt_option(),
 ) -> None:
     """Chat with an instruct model through its chat template (interactive, or one --message)."""
     import secrets
@@ -229,7 +231,8 @@ def chat(
     need(max_new_tokens >= 1, "-n/--max-new-tokens", max_new_tokens, "an integer >= 1")
     need(ring is not None or nodes >= 1, "--nodes", nodes, "an integer >= 1")
     need(message is None or bool(message.strip()), "--message", message, "some text")
-    changes = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize)
+    changes = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize,
+                           no_encrypt)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p,
                     seed=secrets.randbelow(2 ** 31) if seed is None else seed)
     from ..model.sampling import SamplingParams

@@ -26,6 +26,7 @@ from .app import (
     check_sampling,
     compression_option,
     quantize_option,
+    no_encrypt_option,
     ring_options,
     early_exit_option,
     early_exit_settings,
@@ -76,6 +77,7 @@ def generate(
                                              "sample at this text, not printed (repeatable)."),
     compression: Optional[str] = compression_option(),
     quantize: Optional[str] = quantize_option(),
+    no_encrypt: bool = no_encrypt_option(),
     early_exit: Optional[str] = early_exit_option(),
     exit_threshold: Optional[str] = exit_threshold_option(),
 ) -> None:
@@ -84,7 +86,8 @@ def generate(
     need(ring is not None or nodes >= 1, "--nodes", nodes, "an integer >= 1")
     check_device(device, dtype)
     exits = check_early_exit(early_exit, exit_threshold, starter)
-    changes = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize)
+    changes = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize,
+                           no_encrypt)
     stops = list(stop or [])
     if starter:  # no torch here: the starter checks the values and samples
         _generate_through(check_url("--starter", starter), prompt, max_new_tokens, samples,
@@ -200,7 +203,8 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
 
         threads = threads_per_node(nodes)
         torch.set_num_threads(threads)
-        local_ring = LocalRing(nodes - 1, threads=threads, device=device, spares=spares)
+        local_ring = LocalRing(nodes - 1, threads=threads, device=device, spares=spares,
+                               encrypt=changes.get("encrypt", True))
         workers = stack.enter_context(local_ring)
         engine = RingEngine(workers, model, tokenizer, device=device, dtype=dtype,
                             secret=local_ring.secret, timeout_s=defaults.LOCAL_RING_TIMEOUT_S,

@@ -1,6 +1,7 @@
 """``mdiedge worker`` and ``mdiedge starter``: the long-lived nodes."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -21,11 +22,13 @@ from .app import (
     exit_threshold_option,
     load_torch,
     need,
+    no_encrypt_option,
     one_line_errors,
     parse_compression,
     quantize_option,
     seconds_ok,
     serve_under_systemd,
+    warn_unsealed,
 )
 
 
@@ -59,6 +62,7 @@ def worker(
     busy_poll_us: int = typer.Option(defaults.BUSY_POLL_US, help="Microseconds a wait for the "
                                      "next activation polls before it sleeps (0: sleep at "
                                      "once, the least power)."),
+    no_encrypt: bool = no_encrypt_option(),
     secret_fd: int = secret_fd_option(),
 ) -> None:
     """Run a worker node: it waits for a starter to assign it layers."""
@@ -74,7 +78,8 @@ def worker(
     # a flag given on the command line wins over the file, the file over the flag's default
     flags = {"host": host, "control_port": control_port, "data_port": data_port,
              "threads": threads, "name": name, "cache_dir": cache_dir, "log_level": log_level,
-             "insecure": insecure, "idle_timeout_s": idle_timeout, "busy_poll_us": busy_poll_us}
+             "insecure": insecure, "idle_timeout_s": idle_timeout, "busy_poll_us": busy_poll_us,
+             "encrypt": not no_encrypt}
     _check_worker_flags(flags)
     chosen = {key: value if _from_command_line(ctx, key) or key not in section.keys_set
               else getattr(section, key) for key, value in flags.items()}
@@ -146,8 +151,10 @@ def _run_worker(chosen: Dict[str, Any], section: Any, parent_pid: int,
                       name=chosen["name"],
                       secret=secret if secret is not None else read_secret(section),
                       insecure=chosen["insecure"], idle_timeout_s=chosen["idle_timeout_s"],
-                      busy_poll_us=chosen["busy_poll_us"],
+                      busy_poll_us=chosen["busy_poll_us"], encrypt=chosen["encrypt"],
                       heartbeat=heartbeat)
+    if not chosen["encrypt"]:
+        warn_unsealed(chosen["name"])
     if section.model is not None:
         node.preload(section.model, section.layers, section.device, section.dtype)
     node.start()
@@ -181,7 +188,7 @@ def _stop_with_parent(parent_pid: int, stopped: Any) -> None:
 def _from_command_line(ctx: typer.Context, name: str) -> bool:
     from click.core import ParameterSource
 
-    param = {"idle_timeout_s": "idle_timeout"}.get(name, name)
+    param = {"idle_timeout_s": "idle_timeout", "encrypt": "no_encrypt"}.get(name, name)
     return ctx.get_parameter_source(param) == ParameterSource.COMMANDLINE
 
 
@@ -208,6 +215,7 @@ def starter_command(
     slots: int = typer.Option(8, help="KV slots the API's requests share."),
     early_exit: Optional[str] = early_exit_option(),
     exit_threshold: Optional[str] = exit_threshold_option(),
+    no_encrypt: bool = no_encrypt_option(),
     secret_fd: int = secret_fd_option(),
 ) -> None:
     """Run the starter as a long-lived process that owns the ring (and, with --api-port,
@@ -232,6 +240,10 @@ def starter_command(
 
     port = section.control_port if control_port is None else control_port
     control = ControlServer(section.host, port, {}, auth=Authenticator(secret))
+    if no_encrypt:
+        section = dataclasses.replace(section, encrypt=False)
+    if not section.encrypt:
+        warn_unsealed("starter")
     engine = _starter_engine(settings, section, model, tokenizer, secret, control.url,
                              (compression, quantize), exits)
     api = starter_api(engine, api_port, api_host, api_key_file, insecure, slots, log_level)
@@ -291,7 +303,7 @@ def _starter_engine(settings: Any, section: Any, model: Optional[str],
         max_payload=section.max_payload or defaults.MAX_PAYLOAD, timeout_s=section.timeout_s,
         prefill_chunk=section.prefill_chunk, stall_s=section.stall_s, recover=section.recover,
         rebalance_margin=section.rebalance_margin, busy_poll_us=section.busy_poll_us,
-        secret=secret, control_url=control_url,
+        secret=secret, control_url=control_url, encrypt=section.encrypt,
         compression=section.compression if compression is None else compression,
         quantize=section.quantize if quantize is None else quantize)
     model, tokenizer = model or section.model, tokenizer or section.tokenizer

@@ -15,7 +15,7 @@ from .app import (app, check_device, check_early_exit, check_log_level, check_po
                   compression_option, early_exit_option, exit_threshold_option, need,
                   one_line_errors,
                   prefill_chunk_option, quantize_option, recover_option, recovery_options,
-                  stall_timeout_option, ring_options)
+                  stall_timeout_option, ring_options, no_encrypt_option)
 
 API_PORT = 8000
 SLOTS = 8
@@ -119,13 +119,15 @@ def serve(
     log_level: str = typer.Option("warning", help="debug, info, warning or error."),
     compression: Optional[str] = compression_option(),
     quantize: Optional[str] = quantize_option(),
+    no_encrypt: bool = no_encrypt_option(),
     early_exit: Optional[str] = early_exit_option(),
     exit_threshold: Optional[str] = exit_threshold_option(),
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /metrics)."""
     check_api_options(slots, context, max_queue, max_body, port, log_level)
     check_device(device, dtype)
-    recovery = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize)
+    recovery = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize,
+                            no_encrypt)
     exits = check_early_exit(early_exit, exit_threshold)
     key = api_key_for(host, api_key_file, insecure)
     from ..ops.api.server import listen

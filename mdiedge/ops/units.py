@@ -70,6 +70,10 @@ idle_timeout_s = {IDLE_TIMEOUT_S:g}
 # message that comes sooner saves the wake-up from sleep (tens of µs a hop) at the price of
 # that much CPU. 0: sleep at once (the least power).
 busy_poll_us = {BUSY_POLL_US}
+# false: the data links go unsealed, as with --no-encrypt (every node of a ring must agree,
+# or the link set-up fails): for measuring the cost of sealing only. Activations then travel
+# in plaintext and unauthenticated after the handshake.
+encrypt = true
 # File holding the ring secret (one line). Leave it unset under the shipped units: systemd
 # opens /etc/mdiedge/secret (mode 0600, root) as the worker's standard input and the worker
 # reads it there (--secret-fd 0, which wins); the unit's dynamic user cannot read the file.
@@ -142,6 +146,10 @@ rebalance_margin = {REBALANCE_MARGIN:g}
 # message that comes sooner saves the wake-up from sleep at the price of that much CPU.
 # 0: sleep at once (the least power).
 busy_poll_us = {BUSY_POLL_US}
+# false: the data links go unsealed, as with --no-encrypt (every node of a ring must agree,
+# or the link set-up fails): for measuring the cost of sealing only. Activations then travel
+# in plaintext and unauthenticated after the handshake.
+encrypt = true
 # File holding the ring secret (one line). Leave it unset under the shipped unit: systemd
 # opens /etc/mdiedge/secret (mode 0600, root) as the starter's standard input and the starter
 # reads it there (--secret-fd 0, which wins); the unit's dynamic user cannot read the file.

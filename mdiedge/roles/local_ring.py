@@ -54,12 +54,14 @@ def _frozen(pid: int) -> bool:
 class LocalRing:
     """``with LocalRing(2) as workers:`` starts two workers and yields their addresses;
     ``spares`` more are started as spares (``NodeSpec.spare``), after them in the list;
-    ``busy_poll_us`` is each worker's ``--busy-poll-us``."""
+    ``busy_poll_us`` is each worker's ``--busy-poll-us``; ``encrypt`` False gives each
+    ``--no-encrypt`` (its starter must run without sealing too: measurements only)."""
 
     def __init__(self, n_workers: int, threads: int = 1, log_level: str = "warning",
                  cache_dir: Optional[str] = None, device: str = "cpu", spares: int = 0,
-                 busy_poll_us: int = defaults.BUSY_POLL_US) -> None:
+                 busy_poll_us: int = defaults.BUSY_POLL_US, encrypt: bool = True) -> None:
         self.n_workers, self.threads, self.log_level = n_workers, threads, log_level
+        self.encrypt = encrypt
         self.busy_poll_us = busy_poll_us
         self.spares = spares
         self.device = device  # where every worker computes
@@ -97,6 +99,8 @@ class LocalRing:
                "--busy-poll-us", str(self.busy_poll_us), "--no-config"]
         if self.cache_dir:
             cmd += ["--cache-dir", self.cache_dir]
+        if not self.encrypt:
+            cmd += ["--no-encrypt"]
         preexec = _die_with_parent if sys.platform.startswith("linux") else None
         env = {k: v for k, v in os.environ.items()
                if k not in ("MDIEDGE_SECRET", "MDIEDGE_SECRET_FILE")}

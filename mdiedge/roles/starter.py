@@ -30,7 +30,7 @@ from ..model.config import config_to_hf
 from ..model.devices import itemsize, parse_device, parse_dtype
 from ..runtime.auth import Authenticator
 from ..runtime.control import Conflict, ControlClient, round_trip_ms
-from ..runtime.links import LinkPair, accept_authenticated, bind, close_quietly, \
+from ..runtime.links import LinkPair, accept_authenticated, bind, close_links, close_quietly, \
     connect_authenticated, tcp_listen
 from ..runtime.partition import Placement, partition
 from ..runtime.pipeline import ModelEnds, Pipeline
@@ -288,14 +288,14 @@ class RingStarter:
         try:
             outbound = connect_authenticated(*ends[0], auth,
                                              f"{first.name} ({ends[0][0]}:{ends[0][1]})",
-                                             retry_s=defaults.LINK_RETRY_S, codecs=codecs[0])
+                                             retry_s=defaults.LINK_RETRY_S, codecs=codecs[0],
+                                             seal=self.options.encrypt)
             inbound = accept_authenticated(self.listener, auth, defaults.LINK_ACCEPT_TIMEOUT_S,
-                                           "starter", codecs=codecs[-1])
+                                           "starter", codecs=codecs[-1], seal=self.options.encrypt)
             links = LinkPair(inbound, outbound, self.options.max_payload, "starter",
                              codecs[-1], codecs[0], busy_poll_us=self.options.busy_poll_us)
         except Exception as e:  # OSError, AuthError (a RingError) or anything else
-            close_quietly(outbound)
-            close_quietly(inbound)
+            close_links(outbound, inbound)
             raise RingError(f"cannot close the ring (last worker {last.name!r}): {e}") from None
         return RingTail(links, self.members, self.options.timeout_s, self.options.stall_s)
 

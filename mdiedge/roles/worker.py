@@ -29,8 +29,8 @@ from ..model.devices import parse_device, parse_dtype
 from ..runtime import messages
 from ..runtime.auth import Authenticator, is_loopback
 from ..runtime.control import Conflict, ControlServer, round_trip_ms
-from ..runtime.links import LinkDown, LinkPair, accept_authenticated, bind, close_quietly, \
-    connect_authenticated, tcp_listen
+from ..runtime.links import LinkDown, LinkPair, accept_authenticated, bind, close_links, \
+    close_quietly, connect_authenticated, tcp_listen
 from ..runtime.protocol import Assignment, AssignReply, ConnectRequest, ModelRef, NodeStatus
 from ..runtime.stages import LocalStage, inference
 from .exitparts import cache_suffix, extra_bytes, has_parts, keep_sent_classifier, worker_policy
@@ -49,7 +49,7 @@ class WorkerNode:
                  cache_dir: Optional[Path] = None, name: str = "worker",
                  secret: Optional[bytes] = None, insecure: bool = False,
                  idle_timeout_s: float = defaults.IDLE_TIMEOUT_S, heartbeat: Any = None,
-                 busy_poll_us: int = defaults.BUSY_POLL_US) -> None:
+                 busy_poll_us: int = defaults.BUSY_POLL_US, encrypt: bool = True) -> None:
         if secret is None and not insecure and not is_loopback(host):
             raise ConfigError(f"refusing to listen on {host} without a ring secret "
                               f"(set one, or pass --insecure on a trusted network)")
@@ -57,6 +57,7 @@ class WorkerNode:
         self.auth = Authenticator(secret)
         self.idle_timeout_s = idle_timeout_s
         self.busy_poll_us = busy_poll_us  # of its inbound link: see LinkPair
+        self.encrypt = encrypt  # seal its links (False: --no-encrypt, for measurements only)
         self.heartbeat = heartbeat  # fed by the compute loop: the systemd watchdog reads it
         self.owner = ""  # session of the starter this worker serves; "" when free
         self.owner_seen = 0.0
@@ -307,7 +308,7 @@ class WorkerNode:
         assert self.assignment is not None
         return _link_pair(self.listener, bind(self.auth, request.ring), request, self.name,
                           self.assignment.max_payload, lambda: self.ring_id != ring_id,
-                          self.busy_poll_us)
+                          self.busy_poll_us, self.encrypt)
 
     def _serve_ring(self, request: ConnectRequest, ring_id: int) -> None:
         links = self._open_links(request, ring_id)
@@ -354,24 +355,25 @@ def compute_loop(name: str, stage: LocalStage, links: LinkPair, heartbeat: Any) 
 
 
 def _link_pair(listener: Any, auth: Authenticator, request: ConnectRequest, name: str,
-               max_payload: int, moved_on: Any, busy_poll_us: int) -> Optional[LinkPair]:
-    """The links of a worker (inbound first, with the request's codecs on each); a reset or a
-    newer connect (``moved_on()``) cancels the wait. None (every socket closed) on any
-    failure, a codec mismatch included."""
+               max_payload: int, moved_on: Any, busy_poll_us: int,
+               encrypt: bool) -> Optional[LinkPair]:
+    """The links of a worker (inbound first, with the request's codecs on each, sealed
+    unless not ``encrypt``); a reset or a newer connect (``moved_on()``) cancels the wait.
+    None (every socket closed) on any failure, a codec or sealing mismatch included."""
     codecs_in, codecs_out = (Compression.parse(c) for c in (request.codecs_in,
                                                             request.codecs_out))
     inbound = None
     try:
         inbound = accept_authenticated(listener, auth, defaults.LINK_ACCEPT_TIMEOUT_S, name,
-                                       cancelled=moved_on, codecs=codecs_in)
+                                       cancelled=moved_on, codecs=codecs_in, seal=encrypt)
         outbound = connect_authenticated(request.next_host, request.next_port, auth,
                                          f"next node {request.next_host}:{request.next_port}",
                                          retry_s=defaults.LINK_RETRY_S, cancelled=moved_on,
-                                         codecs=codecs_out)
+                                         codecs=codecs_out, seal=encrypt)
         return LinkPair(inbound, outbound, max_payload, name, codecs_in, codecs_out,
                         inline_receive=True, busy_poll_us=busy_poll_us)
     except Exception as e:  # OSError, AuthError (a RingError), or anything else
         side = "no previous node connected" if inbound is None else "cannot reach its next node"
         log.warning("%s: %s: %s", name, side, e)
-        close_quietly(inbound)
+        close_links(inbound)
         return None

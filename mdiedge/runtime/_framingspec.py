@@ -12,7 +12,8 @@ offset type    field
 4      u8      version (3: ndim a u8, exit_depth, the eligible bit of positions)
 5      u8      msg_type: ACTIVATION 1, RELEASE 2, PING 3, SHUTDOWN 5 (4 is reserved)
 6      u8      flags: bit 0 PREFILL, bits 1-2 the payload's codec (0 none, 1 fp16, 2 int8;
-               ``mdiedge.base.codecs``; not 0 only with dtype float32), the others reserved (0)
+               ``mdiedge.base.codecs``; not 0 only with dtype float32), bit 3 SEALED, the
+               others reserved (0)
 7      u8      dtype code, a key of ``ITEMSIZE`` (``mdiedge.base.dtypes``)
 8      u16     n_samples B (at most MAX_SAMPLES)
 10     u8      ndim (at most MAX_NDIM; 0 means the frame carries no tensor)
@@ -25,6 +26,15 @@ offset type    field
                prod(shape) float32 values otherwise; 0 when ndim is 0
 44     u32     CRC-32 (zlib's, IEEE 802.3) of bytes 0..44 followed by the sample table
 ====== ======= ====================================================================
+
+A SEALED frame (every frame of a link sealed in its handshake, ``mdiedge.runtime.seal``)
+carries its payload encrypted, and after it (right after the sample table when there is no
+payload) a TAG_SIZE-byte AEAD tag over the header and table (in the clear, as associated data)
+and the payload, under the link's key for that direction and the frame's counter; a frame
+whose tag does not verify (altered, replayed, reordered, or one was dropped) is an
+``IntegrityError``. payload_len counts the payload alone, not the tag. The header's fields
+are bounds-checked, as in any frame, before anything is allocated, and authenticated with
+the payload once it is in.
 
 The sample table holds B pairs (u32 sample id, u32 position word); the payload follows it.
 A position word holds the row's position in bits 0-30 (at most MAX_POSITION) and, in bit 31
@@ -66,7 +76,9 @@ MSG_TYPES = (ACTIVATION, RELEASE, PING, SHUTDOWN)
 MSG_NAMES = {ACTIVATION: "ACTIVATION", RELEASE: "RELEASE", PING: "PING", SHUTDOWN: "SHUTDOWN"}
 FLAG_PREFILL = 0x01
 CODEC_SHIFT, FLAG_CODEC = 1, 0x06  # the codec field of flags
-FLAGS_KNOWN = FLAG_PREFILL | FLAG_CODEC
+FLAG_SEALED = 0x08  # the payload is encrypted and a TAG_SIZE-byte tag follows it
+FLAGS_KNOWN = FLAG_PREFILL | FLAG_CODEC | FLAG_SEALED
+TAG_SIZE = 16
 FLOAT32 = 0  # the only dtype code a codec other than none applies to
 
 U32_MAX = 2 ** 32 - 1
@@ -75,10 +87,13 @@ U64_LIMIT = 2 ** 64
 
 class FrameHeader:
     """A validated header; ``shape`` has ``ndim`` dims (empty when the frame has no tensor);
-    ``eligible`` has one bool per sample (all False when no row is eligible to exit)."""
+    ``eligible`` has one bool per sample (all False when no row is eligible to exit);
+    ``wire``: a received header's bytes, fixed header and sample table as they came (what a
+    sealed frame's tag authenticates), else b"" (not a field: equality ignores it)."""
 
-    __slots__ = ("msg_type", "flags", "dtype", "sample_ids", "positions", "n_tokens", "shape",
-                 "seq", "payload_len", "exit_depth", "eligible")
+    FIELDS = ("msg_type", "flags", "dtype", "sample_ids", "positions", "n_tokens", "shape",
+              "seq", "payload_len", "exit_depth", "eligible")
+    __slots__ = FIELDS + ("wire",)
 
     def __init__(self, msg_type: int, flags: int, dtype: int, sample_ids: Tuple[int, ...],
                  positions: Tuple[int, ...], n_tokens: int, shape: Tuple[int, ...], seq: int,
@@ -94,15 +109,16 @@ class FrameHeader:
         self.payload_len = payload_len
         self.exit_depth = exit_depth
         self.eligible = eligible
+        self.wire = b""
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.FIELDS)
         return f"FrameHeader({fields})"
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, FrameHeader):
             return NotImplemented
-        return all(getattr(self, n) == getattr(other, n) for n in self.__slots__)
+        return all(getattr(self, n) == getattr(other, n) for n in self.FIELDS)
 
 
 # ---------------------------------------------------------------- sending: the arguments

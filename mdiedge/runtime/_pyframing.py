@@ -13,11 +13,11 @@ from typing import Any, List, Optional, Sequence
 
 from ._framingspec import (  # noqa: F401  (the constants are part of this module's API)
     ACTIVATION, CODEC_SHIFT, CRC_OFFSET, ELIGIBLE_BIT, ENTRY_SIZE, FLAG_CODEC, FLAG_PREFILL,
-    FLAGS_KNOWN, FLOAT32, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_BUSY_POLL_US, MAX_EXIT_DEPTH,
-    MAX_NDIM, MAX_POSITION, MAX_SAMPLES, MIN_READ_BUFFER, MSG_TYPES, PING, READ_BUFFER, RELEASE,
-    SHUTDOWN, VERSION, FrameHeader, byte_view, check_busy_poll, check_capacity, check_crc,
-    check_eligible, check_fields, check_fixed_size, check_pack_args, check_table_size,
-    closed_early, codec_of)
+    FLAG_SEALED, FLAGS_KNOWN, FLOAT32, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_BUSY_POLL_US,
+    MAX_EXIT_DEPTH, MAX_NDIM, MAX_POSITION, MAX_SAMPLES, MIN_READ_BUFFER, MSG_TYPES, PING,
+    READ_BUFFER, RELEASE, SHUTDOWN, TAG_SIZE, VERSION, FrameHeader, byte_view, check_busy_poll,
+    check_capacity, check_crc, check_eligible, check_fields, check_fixed_size, check_pack_args,
+    check_table_size, closed_early, codec_of)
 
 _FIXED = struct.Struct("<4sBBBBHBBI4IIQ")  # everything before the crc
 _CRC = struct.Struct("<I")
@@ -62,7 +62,7 @@ def parse_header(fixed: Any, max_payload: int) -> FrameHeader:
 
 def parse_table(header: FrameHeader, fixed: Any, table: Any) -> None:
     """Check the crc over ``fixed`` + ``table`` and the eligible bits, and fill the header's
-    sample ids, positions and eligible flags."""
+    sample ids, positions and eligible flags, and its ``wire`` (``fixed`` + ``table``)."""
     fixed = byte_view(fixed, writable=False)
     table = byte_view(table, writable=False)
     check_fixed_size(len(fixed))
@@ -78,6 +78,7 @@ def parse_table(header: FrameHeader, fixed: Any, table: Any) -> None:
         bits.append(bool(word & ELIGIBLE_BIT))
     check_eligible(header.msg_type, header.flags, bits)
     header.sample_ids, header.positions, header.eligible = tuple(ids), tuple(pos), tuple(bits)
+    header.wire = bytes(fixed) + bytes(table)
 
 
 def recv_exact_into(sock: Any, buffer: Any) -> None:

@@ -9,15 +9,22 @@ another id (``NODE_CHANGED``: mostly a client that knew this node before it rest
 asks the id again and retries) from one signed with a wrong secret. A node checks the
 MAC from the headers alone (``check_headers``: constant time, finite timestamp within
 ``MAX_SKEW_S``, nonce not seen before) before it reads any body; then it reads the body, and
-``accept`` compares its digest with the signed one and records the nonce (no replay). A nonce
+``accept`` compares its digest with the signed one and records the nonce (no replay). Each
+reply to an authenticated request is signed too (``sign_reply``: an HMAC over its status, the
+request's nonce, the node id and the body's digest, in ``HEADER_REPLY``), and the client
+checks it (``check_reply``), so a reply forged or altered on the way, or one replayed from an
+earlier request, is refused. A nonce
 is recorded only once the whole request is verified, so a forged body sent under genuine
 headers cannot burn it; while its body is being read it is in flight (``release`` if the body
 never comes), and the same headers on another connection meanwhile are a replay, so one
 captured request cannot hold more than one of a node's connections.
 Data plane: before any frame, the two ends of a link run a mutual challenge-response: each
 proves knowledge of the secret by MACing the other's fresh random challenge, and with it the
-link's codecs (``Compression.wire``: two bytes, prefill and decode), so both ends know the
-other's; when they differ, both fail with one ``CodecMismatch`` line naming both.
+link's codecs (``Compression.wire``: two bytes, prefill and decode) and whether it is sealed
+(one byte), so both ends know the other's; when they differ, both fail with one line naming
+both (``CodecMismatch``, ``SealMismatch``). A sealed link's keys, one per direction, come from
+the handshake key and both challenges (``mdiedge.runtime.seal``): every frame after the
+handshake is then authenticated and encrypted.
 
 Without a secret (loopback only, or ``--insecure``) the same handshake runs with a fixed
 public key, so the protocol is the same and only the protection is missing.
@@ -36,17 +43,19 @@ import time
 from typing import Dict, Mapping, Optional
 
 from ..base.codecs import NO_COMPRESSION, Compression
-from ..base.errors import CodecMismatch, ConfigError, RingError
+from .seal import LinkKeys, derive
+from ..base.errors import CodecMismatch, ConfigError, RingError, SealMismatch
 
 
 MAX_SKEW_S = 60.0
 HEADER_TS, HEADER_NONCE, HEADER_MAC = "X-Mdiedge-Timestamp", "X-Mdiedge-Nonce", "X-Mdiedge-Mac"
 HEADER_BODY, HEADER_NODE = "X-Mdiedge-Body-Sha256", "X-Mdiedge-Node"
+HEADER_REPLY = "X-Mdiedge-Reply-Mac"
 NODE_CHANGED = "signed for another node id"  # how such a refusal starts (logged as routine)
 _HEX = re.compile(r"[0-9a-f]{16,64}")
 _MAX_NONCES = 10000
 _INSECURE_KEY = b"mdiedge-insecure-ring"
-_HELLO = b"MDIEHS2\0"  # 2: the link codecs in the handshake
+_HELLO = b"MDIEHS3\0"  # 2: the link codecs in the handshake; 3: sealing
 _NONCE_BYTES = 32
 
 
@@ -100,6 +109,29 @@ class Authenticator:
         mac = self._mac(method, path, digest, timestamp, nonce, node)
         return {HEADER_TS: timestamp, HEADER_NONCE: nonce, HEADER_BODY: digest,
                 HEADER_NODE: node, HEADER_MAC: mac}
+
+    def _reply_mac(self, status: int, nonce: str, node: str, body: bytes) -> str:
+        message = "\n".join(("reply", str(status), nonce, node, body_digest(body)))
+        return hmac.new(self.key, message.encode(), hashlib.sha256).hexdigest()
+
+    def sign_reply(self, status: int, nonce: str, body: bytes) -> str:
+        """The ``HEADER_REPLY`` of this node's reply (``status``, ``body``) to the
+        authenticated request that carried ``nonce``."""
+        return self._reply_mac(status, nonce, self.node, body)
+
+    def check_reply(self, status: int, request: Mapping[str, str], body: bytes,
+                    mac: Optional[str]) -> Optional[str]:
+        """None if ``mac`` signs this reply to the request whose signed ``request`` headers
+        were sent (to the node they name), else why it is refused."""
+        if not self.enabled:
+            return None
+        if not mac:
+            return "the reply is not signed (no ring secret signature)"
+        expected = self._reply_mac(status, request.get(HEADER_NONCE) or "",
+                                   request.get(HEADER_NODE) or "", body)
+        if not hmac.compare_digest(mac.encode("utf-8", "surrogateescape"), expected.encode()):
+            return "the reply's signature does not match (forged or altered on the way)"
+        return None
 
     def check_headers(self, method: str, path: str, headers: Mapping[str, str]) -> Optional[str]:
         """None if the headers carry a fresh, genuine signature, else why they are refused.
@@ -171,7 +203,8 @@ class Authenticator:
         with self._lock:
             self._pending.pop(headers.get(HEADER_NONCE) or "", None)
 
-    def check(self, method: str, path: str, body: bytes, headers: Mapping[str, str]) -> Optional[str]:
+    def check(self, method: str, path: str, body: bytes,
+              headers: Mapping[str, str]) -> Optional[str]:
         """``check_headers`` then ``accept`` for a body already in hand."""
         return self.check_headers(method, path, headers) or self.accept(headers, body_digest(body))
 
@@ -181,48 +214,72 @@ class Authenticator:
         return hmac.new(self.key, role + theirs + ours, hashlib.sha256).digest()
 
     def accept_link(self, sock: socket.socket, peer: str, timeout: float = 10.0,
-                    codecs: Compression = NO_COMPRESSION) -> None:
+                    codecs: Compression = NO_COMPRESSION, seal: bool = True
+                    ) -> Optional[LinkKeys]:
         """Acceptor side: challenge the connecting node, then prove ourselves to it; both
-        send their ``codecs`` under the MAC and a difference is a CodecMismatch."""
+        send their ``codecs`` and ``seal`` under the MAC and a difference is a CodecMismatch
+        or SealMismatch. The link's keys when it is sealed, else None."""
         challenge = os.urandom(_NONCE_BYTES)
         with _deadline(sock, timeout):
             sock.sendall(_HELLO + challenge)
-            reply = _recv_exact(sock, _NONCE_BYTES + _CODEC_BYTES + 32, peer)
-            theirs, mac = reply[:_NONCE_BYTES + _CODEC_BYTES], reply[_NONCE_BYTES + _CODEC_BYTES:]
+            reply = _recv_exact(sock, _NONCE_BYTES + _TERMS_BYTES + 32, peer)
+            theirs, mac = reply[:-32], reply[-32:]
             if not hmac.compare_digest(mac, self._link_mac(b"connect", challenge, theirs)):
                 raise AuthError(f"data link from {peer} refused: wrong ring secret")
-            sock.sendall(codecs.wire + self._link_mac(b"accept", theirs + codecs.wire, challenge))
-            _agree(codecs, theirs[_NONCE_BYTES:], f"data link from {peer}")
+            ours = _terms(codecs, seal)
+            sock.sendall(ours + self._link_mac(b"accept", theirs + ours, challenge))
+            _agree(codecs, seal, theirs[_NONCE_BYTES:], f"data link from {peer}")
+        return derive(self.key, challenge, theirs[:_NONCE_BYTES], False) if seal else None
 
     def connect_link(self, sock: socket.socket, peer: str, timeout: float = 10.0,
-                     codecs: Compression = NO_COMPRESSION) -> None:
-        """Connector side: answer the challenge, then check the acceptor's proof and codecs."""
+                     codecs: Compression = NO_COMPRESSION, seal: bool = True
+                     ) -> Optional[LinkKeys]:
+        """Connector side: answer the challenge, then check the acceptor's proof, codecs and
+        sealing. The link's keys when it is sealed, else None."""
         with _deadline(sock, timeout):
             hello = _recv_exact(sock, len(_HELLO) + _NONCE_BYTES, peer)
             if hello[:len(_HELLO)] != _HELLO:
                 raise AuthError(f"{peer} is not an mdiedge data port (or an older version)")
             challenge = hello[len(_HELLO):]
-            ours = os.urandom(_NONCE_BYTES) + codecs.wire
+            nonce = os.urandom(_NONCE_BYTES)
+            ours = nonce + _terms(codecs, seal)
             sock.sendall(ours + self._link_mac(b"connect", challenge, ours))
-            reply = _recv_exact(sock, _CODEC_BYTES + 32, peer)
-            theirs, proof = reply[:_CODEC_BYTES], reply[_CODEC_BYTES:]
+            reply = _recv_exact(sock, _TERMS_BYTES + 32, peer)
+            theirs, proof = reply[:-32], reply[-32:]
             if not hmac.compare_digest(proof, self._link_mac(b"accept", ours + theirs, challenge)):
                 raise AuthError(f"{peer} failed the ring-secret handshake")
-            _agree(codecs, theirs, f"data link to {peer}")
+            _agree(codecs, seal, theirs, f"data link to {peer}")
+        return derive(self.key, challenge, nonce, True) if seal else None
 
 
 _CODEC_BYTES = 2
+_TERMS_BYTES = _CODEC_BYTES + 1  # the codecs, then 1 for a sealed link, 0 for a plain one
 
 
-def _agree(ours: Compression, raw: bytes, link: str) -> None:
-    """CodecMismatch unless the peer's ``raw`` codecs are ``ours``."""
+def _terms(codecs: Compression, seal: bool) -> bytes:
+    """What one end says of how the link runs: its codecs and whether it seals."""
+    return codecs.wire + bytes([1 if seal else 0])
+
+
+def _sealing(seal: bool) -> str:
+    return "seals its frames" if seal else "runs --no-encrypt"
+
+
+def _agree(ours: Compression, seal: bool, raw: bytes, link: str) -> None:
+    """CodecMismatch unless the peer's ``raw`` codecs are ``ours``; SealMismatch unless it
+    seals its frames as this end does (``seal``)."""
     try:
-        theirs = str(Compression.from_wire(raw))
+        theirs = str(Compression.from_wire(raw[:_CODEC_BYTES]))
     except ConfigError as e:
         theirs = str(e)
     if theirs != str(ours):
         raise CodecMismatch(f"{link}: codec mismatch: this node uses {ours}, the other end "
                             f"{theirs}")
+    if raw[_CODEC_BYTES] not in (0, 1) or bool(raw[_CODEC_BYTES]) != seal:
+        other = _sealing(raw[_CODEC_BYTES] == 1) if raw[_CODEC_BYTES] in (0, 1) else \
+            f"sent sealing byte {raw[_CODEC_BYTES]}"
+        raise SealMismatch(f"{link}: sealing mismatch: this node {_sealing(seal)}, the other "
+                           f"end {other} (both ends need the same setting)")
 
 
 class _deadline:

@@ -4,7 +4,9 @@ and ``mdiedge status``'s).
 
 A request is authenticated from its headers before any body is read (the signature covers a
 digest of the body, checked once the body is in); an unauthenticated peer never makes the node
-read or allocate a body. Bodies are size-bounded, read in chunks, and parsed as JSON only
+read or allocate a body. The reply to an authenticated request is signed (``HEADER_REPLY``,
+bound to the request's nonce) and the client refuses a successful reply whose signature does
+not verify. Bodies are size-bounded, read in chunks, and parsed as JSON only
 (nothing is unpickled or evaluated). Connections are bounded (``max_connections``: at the limit
 a new one evicts the oldest not yet authenticated, else gets a 503) and time out (``timeout_s``
 per socket read or write); a reply that leaves a body unread closes the connection, so nothing
@@ -31,7 +33,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
 
-from .auth import NODE_CHANGED, Authenticator
+from .auth import HEADER_NONCE, HEADER_REPLY, NODE_CHANGED, Authenticator
 from .protocol import NodeStatus
 from ..base.errors import ListenError, MdiedgeError, RingError
 from ..base.nodes import NodeSpec
@@ -86,6 +88,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _reply(self, code: int, payload: Dict[str, Any], close: bool = False) -> None:
         body = json.dumps(payload).encode()
         self.send_response(code)
+        nonce = getattr(self, "signed_nonce", "")
+        if nonce:  # the reply to an authenticated request: signed for it
+            self.send_header(HEADER_REPLY, self.server.control.auth.sign_reply(code, nonce, body))
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         if close or code >= 400:  # an error may leave a body unread: never parse it as a request
@@ -104,6 +109,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self, method: str) -> None:
         control: "ControlServer" = self.server.control
+        self.signed_nonce = ""  # set once this request is authenticated
         url = urlsplit(self.path)
         handler = control.routes.get((method, url.path))
         if handler is None:
@@ -119,6 +125,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._refuse(401, refused)
                 return
             control.slots.authenticated(self.connection)
+            if control.auth.enabled:
+                self.signed_nonce = self.headers.get(HEADER_NONCE) or ""
         raw = self._read_body(control, url.path, length)
         if raw is None:
             return
@@ -175,6 +183,7 @@ class _Handler(BaseHTTPRequestHandler):
         refused = None if path in PUBLIC_PATHS else \
             control.auth.accept(self.headers, digest.hexdigest())
         if refused is not None:
+            self.signed_nonce = ""
             self._refuse(401, refused)
             return None
         return body if path in control.raw_routes else bytes(body)
@@ -399,7 +408,8 @@ def call(base_url: str, method: str, path: str, body: Optional[Dict[str, Any]] =
         return _request(base_url, method, path, data, {}, raw is not None, timeout, who)
     def signed_for(target: str) -> Dict[str, Any]:
         headers = auth.sign(method, path, data or b"", target)
-        return _request(base_url, method, path, data, headers, raw is not None, timeout, who)
+        return _request(base_url, method, path, data, headers, raw is not None, timeout, who,
+                        auth)
 
     target = node_id(base_url, timeout)
     try:
@@ -413,15 +423,22 @@ def call(base_url: str, method: str, path: str, body: Optional[Dict[str, Any]] =
 
 
 def _request(base_url: str, method: str, path: str, data: Optional[bytes],
-             headers: Dict[str, str], raw: bool, timeout: float, who: str) -> Dict[str, Any]:
-    """One request with ``headers``; its JSON object, or a one-line RingError."""
+             headers: Dict[str, str], raw: bool, timeout: float, who: str,
+             auth: Optional[Authenticator] = None) -> Dict[str, Any]:
+    """One request with ``headers``; its JSON object, or a one-line RingError. With ``auth``
+    (``headers`` signed by it) a successful reply must carry the node's signature of it."""
     request = urllib.request.Request(base_url + path, data=data, method=method)
     for name, value in headers.items():
         request.add_header(name, value)
     request.add_header("Content-Type", "application/octet-stream" if raw else "application/json")
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            reply = json.loads(response.read() or b"{}")
+            body = response.read()
+            refused = None if auth is None else auth.check_reply(
+                response.status, headers, body, response.headers.get(HEADER_REPLY))
+            if refused is not None:
+                raise RingError(f"{who}: {method} {path}: {refused}")
+            reply = json.loads(body or b"{}")
     except urllib.error.HTTPError as e:
         error = RingError(f"{who}: {method} {path} refused ({e.code}): {_error_message(e)}")
         error.status = e.code  # type: ignore[attr-defined]

@@ -16,6 +16,12 @@ A float32 tensor may travel encoded with a codec (``fp16`` or blockwise ``int8``
 encoded size on send, and decoded on receipt from one such buffer into the tensor the frame
 fills (the caller's ``out`` or a fresh one), with no other copy.
 
+A link sealed in its handshake (``mdiedge.runtime.seal``) passes its ``Sealer`` to the sends
+(``sealer``) and its ``Opener`` to the receives (``opener``): each frame then goes with
+FLAG_SEALED, its payload encrypted and a tag after it; a receive opens the frame before it
+returns anything of it (an IntegrityError when the tag does not verify), and a frame sealed
+or not otherwise than the link agreed on is a FrameError.
+
 Every function takes ``impl`` to force one implementation (tests run both); by default it
 is ``select("framing")``: the compiled module unless disabled or not built. ``codec_impl``
 does the same for the codecs (``select("codec")``).
@@ -48,6 +54,8 @@ RELEASE: int = _impl.RELEASE
 PING: int = _impl.PING
 SHUTDOWN: int = _impl.SHUTDOWN
 FLAG_PREFILL: int = _impl.FLAG_PREFILL
+FLAG_SEALED: int = _impl.FLAG_SEALED
+TAG_SIZE: int = _impl.TAG_SIZE
 CODEC_SHIFT: int = _impl.CODEC_SHIFT
 codec_of = _impl.codec_of
 ITEMSIZE: Dict[int, int] = _impl.ITEMSIZE
@@ -82,12 +90,12 @@ def send_tensor(sock: Any, msg_type: int, sample_ids: Sequence[int], positions: 
                 tensor: torch.Tensor, flags: int = 0, seq: int = 0,
                 impl: Optional[ModuleType] = None, codec: int = NONE,
                 codec_impl: Optional[ModuleType] = None, exit_depth: int = 0,
-                eligible: Sequence[bool] = ()) -> int:
+                eligible: Sequence[bool] = (), sealer: Optional[Any] = None) -> int:
     """Send one frame carrying ``tensor`` (1 to 4 dims; moved to the CPU and made contiguous
     first if need be); its n_tokens is ``tensor.shape[1]`` for 2+ dims, else 1. A float32
     tensor goes encoded with ``codec`` (a tensor of another dtype as it is). ``exit_depth``
     and ``eligible`` (one flag per sample, or empty for none) only on an ACTIVATION frame
-    without FLAG_PREFILL. The bytes sent."""
+    without FLAG_PREFILL. ``sealer``: the frame goes sealed. The bytes sent."""
     impl = impl or _impl
     if tensor.dim() == 0:
         raise FrameError("a 0-dim tensor cannot be framed (ndim 0 means no payload); "
@@ -102,9 +110,13 @@ def send_tensor(sock: Any, msg_type: int, sample_ids: Sequence[int], positions: 
         encoded = np.empty(encoded_size(codec, tensor.numel()), dtype=np.uint8)
         (codec_impl or _codec_impl).encode(codec, payload, encoded)
         payload, flags = encoded, flags | (codec << CODEC_SHIFT)
+    if sealer is not None:
+        flags |= FLAG_SEALED
     header = impl.pack_header(msg_type, flags, dtype_code(tensor.dtype), sample_ids, positions,
                               shape[1] if len(shape) >= 2 else 1, shape, seq, exit_depth,
                               eligible)
+    if sealer is not None:
+        payload = sealer.seal(header, payload)
     impl.send_all(sock, header, payload)
     return len(header) + payload.nbytes
 
@@ -112,14 +124,16 @@ def send_tensor(sock: Any, msg_type: int, sample_ids: Sequence[int], positions: 
 def send_control(sock: Any, msg_type: int, sample_ids: Sequence[int] = (),
                  positions: Sequence[int] = (), seq: int = 0,
                  impl: Optional[ModuleType] = None, exit_depth: int = 0,
-                 eligible: Sequence[bool] = ()) -> int:
+                 eligible: Sequence[bool] = (), sealer: Optional[Any] = None) -> int:
     """Send one frame with no tensor (RELEASE, PING without payload, SHUTDOWN). Its bytes.
-    ``exit_depth`` and ``eligible`` as for ``send_tensor``: only an ACTIVATION takes them."""
+    ``exit_depth`` and ``eligible`` as for ``send_tensor``: only an ACTIVATION takes them;
+    ``sealer``: the frame goes sealed (a tag after the sample table)."""
     impl = impl or _impl
-    header = impl.pack_header(msg_type, 0, CONTROL_DTYPE, sample_ids, positions, 0, (), seq,
-                              exit_depth, eligible)
-    impl.send_all(sock, header, None)
-    return len(header)
+    header = impl.pack_header(msg_type, 0 if sealer is None else FLAG_SEALED, CONTROL_DTYPE,
+                              sample_ids, positions, 0, (), seq, exit_depth, eligible)
+    tag = None if sealer is None else sealer.seal(header, None)
+    impl.send_all(sock, header, tag)
+    return len(header) + (0 if tag is None else TAG_SIZE)
 
 
 def _allocate(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -143,8 +157,8 @@ def reader(sock: Any, impl: Optional[ModuleType] = None, capacity: Optional[int]
 
 
 def recv_frame(source: Any, max_payload: int, out: Optional[torch.Tensor] = None,
-               impl: Optional[ModuleType] = None, codec_impl: Optional[ModuleType] = None
-               ) -> Tuple[Any, Optional[torch.Tensor]]:
+               impl: Optional[ModuleType] = None, codec_impl: Optional[ModuleType] = None,
+               opener: Optional[Any] = None) -> Tuple[Any, Optional[torch.Tensor]]:
     """Receive one frame from ``source``, a link's ``reader`` (or a socket, read up to the
     frame's end and no further): its validated header and its tensor (None for a frame
     without one).
@@ -153,25 +167,33 @@ def recv_frame(source: Any, max_payload: int, out: Optional[torch.Tensor] = None
     ``max_payload`` bytes), unless ``out`` is given: a contiguous CPU tensor of the frame's
     shape and dtype, received into in place (else FrameError). Any FrameError leaves the
     stream at an unknown position: close the link. An encoded payload (the header's codec)
-    is received into one buffer of its size and decoded into the tensor."""
+    is received into one buffer of its size and decoded into the tensor. ``opener``: the
+    link is sealed; the frame must be, and nothing of it is returned before its tag
+    verified (else IntegrityError)."""
     impl = impl or _impl
     if hasattr(source, "recv_header"):
         header, fill = source.recv_header(max_payload), source.recv_into
     else:  # a socket: one receive per part, nothing past the frame
         header = impl.recv_frame_header(source, max_payload)
         fill = functools.partial(impl.recv_exact_into, source)
+    if bool(header.flags & FLAG_SEALED) != (opener is not None):
+        raise FrameError(f"a{' sealed' if opener is None else 'n unsealed'} frame on a link "
+                         f"that agreed on {'sealed' if opener is not None else 'plain'} frames")
     if not header.shape:
+        if opener is not None:
+            tag = bytearray(TAG_SIZE)
+            fill(tag)
+            opener.open_into(header.wire, tag, None)
         return header, None
     dtype = torch_dtype(header.dtype)
-    if out is None:
-        tensor = _allocate(header.shape, dtype)
-    elif (tuple(out.shape) != header.shape or out.dtype != dtype or out.device.type != "cpu"
-          or not out.is_contiguous()):
+    if out is not None and (tuple(out.shape) != header.shape or out.dtype != dtype
+                            or out.device.type != "cpu" or not out.is_contiguous()):
         raise FrameError(f"out tensor {tuple(out.shape)} {out.dtype} on {out.device} does not "
                          f"fit the frame's {header.shape} {dtype} payload")
-    else:
-        tensor = out
     codec = impl.codec_of(header.flags)
+    if opener is not None:
+        return header, _open(header, dtype, out, fill, opener, codec, codec_impl)
+    tensor = _allocate(header.shape, dtype) if out is None else out
     if codec == NONE:
         fill(tensor_bytes(tensor))
     else:
@@ -181,6 +203,27 @@ def recv_frame(source: Any, max_payload: int, out: Optional[torch.Tensor] = None
     return header, tensor
 
 
+def _open(header: Any, dtype: torch.dtype, out: Optional[torch.Tensor], fill: Any,
+          opener: Any, codec: int, codec_impl: Optional[ModuleType]) -> torch.Tensor:
+    """The tensor of a sealed frame: payload and tag received into one buffer, the tag
+    checked and the payload decrypted straight into the tensor (an encoded one in place,
+    then decoded into the tensor)."""
+    size = header.payload_len
+    try:
+        sealed = np.empty(size + TAG_SIZE, dtype=np.uint8)
+    except MemoryError:
+        raise FrameError(f"cannot allocate the frame's {size + TAG_SIZE} sealed bytes") from None
+    fill(sealed)
+    tensor = _allocate(header.shape, dtype) if out is None else out
+    if codec == NONE:
+        opener.open_into(header.wire, sealed, tensor_bytes(tensor))
+    else:
+        opener.open_into(header.wire, sealed, sealed[:size])
+        (codec_impl or _codec_impl).decode(codec, sealed[:size], tensor_bytes(tensor))
+    return tensor
+
+
 def frame_bytes(header: Any) -> int:
-    """Bytes a received frame took on the wire: header, sample table, payload."""
-    return HEADER_SIZE + 8 * len(header.sample_ids) + header.payload_len
+    """Bytes a received frame took on the wire: header, sample table, payload, tag."""
+    tag = TAG_SIZE if header.flags & FLAG_SEALED else 0
+    return HEADER_SIZE + 8 * len(header.sample_ids) + header.payload_len + tag

@@ -13,8 +13,11 @@ own thread with its own deadline while it goes on accepting, and ``bind`` ties t
 key to one ring set-up, so a silent connection cannot starve it and a stale link from an
 earlier set-up is refused.
 
-Each link has its codecs (``Compression``: one for prefill frames, one for decode frames),
-agreed in the handshake: a mismatch fails the set-up with one line, never a frame. Both ends
+Each link has its codecs (``Compression``: one for prefill frames, one for decode frames)
+and is sealed (``mdiedge.runtime.seal``: every frame authenticated and encrypted under keys
+of its own) unless both ends run ``--no-encrypt``, all agreed in the handshake: a mismatch
+fails the set-up with one line, never a frame. A sealed frame that does not verify closes
+the link with one line (an ``IntegrityError``), as any malformed frame does. Both ends
 count the frames and bytes that cross it (``LinkPair.stats``).
 """
 from __future__ import annotations
@@ -32,8 +35,9 @@ from typing import Callable, Dict, Optional, Union
 from . import framing, messages
 from .auth import AuthError, Authenticator
 from .messages import Message
+from .seal import LinkKeys
 from ..base.codecs import NO_COMPRESSION, Compression
-from ..base.errors import CodecMismatch, FrameError, ListenError
+from ..base.errors import FrameError, IntegrityError, LinkMismatch, ListenError
 
 log = logging.getLogger("mdiedge.links")
 
@@ -50,6 +54,17 @@ class LinkDown:
 
 
 Received = Union[Message, LinkDown]
+
+
+@dataclass
+class Link:
+    """A socket that passed the handshake, with its keys when it is sealed (else None)."""
+
+    sock: socket.socket
+    keys: Optional[LinkKeys] = None
+
+    def close(self) -> None:
+        close_quietly(self.sock)
 
 
 def configure(sock: socket.socket) -> socket.socket:
@@ -107,18 +122,19 @@ def bind(auth: Authenticator, ring: str) -> Authenticator:
 def connect_authenticated(host: str, port: int, auth: Authenticator, peer: str,
                           timeout: float = HANDSHAKE_TIMEOUT_S, retry_s: float = 0.0,
                           cancelled: Optional[Callable[[], bool]] = None,
-                          codecs: Compression = NO_COMPRESSION) -> socket.socket:
-    """A link to ``host:port`` that passed the ring-secret handshake with these ``codecs``. A
-    failed try (OSError or AuthError) is retried for ``retry_s`` s unless ``cancelled()``;
-    then the last error. A CodecMismatch is not retried."""
+                          codecs: Compression = NO_COMPRESSION, seal: bool = True) -> Link:
+    """A link to ``host:port`` that passed the ring-secret handshake with these ``codecs``,
+    sealed unless ``seal`` is False. A failed try (OSError or AuthError) is retried for
+    ``retry_s`` s unless ``cancelled()``; then the last error. A LinkMismatch is not
+    retried."""
     deadline = time.monotonic() + retry_s
     pause = 0.05
     while True:
         sock = None
         try:
             sock = tcp_connect(host, port, timeout=timeout)
-            auth.connect_link(sock, peer, timeout=timeout, codecs=codecs)
-            return sock
+            return Link(sock, auth.connect_link(sock, peer, timeout=timeout, codecs=codecs,
+                                                seal=seal))
         except (AuthError, OSError) as e:
             close_quietly(sock)
             if time.monotonic() + pause >= deadline or (cancelled is not None and cancelled()):
@@ -137,12 +153,13 @@ class _Handshakes:
     passes wins; every other connection is closed (``finish``)."""
 
     def __init__(self, auth: Authenticator, name: str, timeout: float,
-                 codecs: Compression = NO_COMPRESSION) -> None:
+                 codecs: Compression = NO_COMPRESSION, seal: bool = True) -> None:
         self.auth, self.name, self.timeout, self.codecs = auth, name, timeout, codecs
-        self.mismatch: Optional[CodecMismatch] = None  # an authenticated peer that disagrees
+        self.seal = seal
+        self.mismatch: Optional[LinkMismatch] = None  # an authenticated peer that disagrees
         self.lock = threading.Lock()
         self.open: Dict[socket.socket, None] = {}  # in accept order
-        self.won: "queue.SimpleQueue[socket.socket]" = queue.SimpleQueue()
+        self.won: "queue.SimpleQueue[Link]" = queue.SimpleQueue()
         self.done = False
         self.last = "none connected"
 
@@ -161,11 +178,13 @@ class _Handshakes:
         return bool(self.open) or not self.won.empty()
 
     def _run(self, sock: socket.socket) -> None:
+        keys = None
         try:
             peer = "%s:%s" % sock.getpeername()[:2]
-            self.auth.accept_link(sock, peer, timeout=self.timeout, codecs=self.codecs)
+            keys = self.auth.accept_link(sock, peer, timeout=self.timeout, codecs=self.codecs,
+                                         seal=self.seal)
             ok = True
-        except CodecMismatch as e:  # the right peer, set up otherwise: no use waiting on
+        except LinkMismatch as e:  # the right peer, set up otherwise: no use waiting on
             self.last, self.mismatch, ok = str(e), e, False
             log.warning("%s: %s", self.name, e)
         except Exception as e:  # AuthError, OSError, or anything a stray's bytes provoke
@@ -175,7 +194,7 @@ class _Handshakes:
             evicted = self.open.pop(sock, True) is True  # a flood made it give way
             if ok and not self.done and not evicted:
                 self.done = True
-                self.won.put(sock)
+                self.won.put(Link(sock, keys))
             else:
                 close_quietly(sock)
 
@@ -186,20 +205,21 @@ class _Handshakes:
             for sock in self.open:
                 _shutdown(sock)
         while not self.won.empty():
-            close_quietly(self.won.get())
+            self.won.get().close()
 
 
 def accept_authenticated(listener: socket.socket, auth: Authenticator, timeout: float,
                          name: str, handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
                          cancelled: Optional[Callable[[], bool]] = None,
-                         codecs: Compression = NO_COMPRESSION) -> socket.socket:
-    """The first connection on ``listener`` within ``timeout`` s that passes the handshake.
-    Handshakes run concurrently, each within ``handshake_timeout`` s, while accepting goes
-    on: strays and stale links cannot starve the right peer. The losers are closed. OSError
-    when none passed in time, or as soon as ``cancelled()``; CodecMismatch as soon as an
-    authenticated peer names other ``codecs``."""
+                         codecs: Compression = NO_COMPRESSION, seal: bool = True) -> Link:
+    """The first connection on ``listener`` within ``timeout`` s that passes the handshake
+    (sealed unless ``seal`` is False). Handshakes run concurrently, each within
+    ``handshake_timeout`` s, while accepting goes on: strays and stale links cannot starve
+    the right peer. The losers are closed. OSError when none passed in time, or as soon as
+    ``cancelled()``; a LinkMismatch as soon as an authenticated peer names other ``codecs``
+    or sealing."""
     deadline = time.monotonic() + timeout
-    handshakes = _Handshakes(auth, name, handshake_timeout, codecs)
+    handshakes = _Handshakes(auth, name, handshake_timeout, codecs, seal)
     try:
         while True:
             if not handshakes.won.empty():
@@ -234,9 +254,11 @@ class Receiver(threading.Thread):
     ``framing.reader``)."""
 
     def __init__(self, sock: socket.socket, inbox: "queue.SimpleQueue[Received]", max_payload: int,
-                 name: str, codecs: Compression = NO_COMPRESSION, busy_poll_us: int = 0) -> None:
+                 name: str, codecs: Compression = NO_COMPRESSION, busy_poll_us: int = 0,
+                 keys: Optional[LinkKeys] = None) -> None:
         super().__init__(name=name, daemon=True)
         self.sock, self.inbox, self.max_payload = sock, inbox, max_payload
+        self.opener = keys.opener() if keys is not None else None  # a sealed link's
         # after the handshake: nothing of it is buffered
         self.reader = framing.reader(sock, busy_poll_us=busy_poll_us)
         self.codecs = codecs
@@ -259,7 +281,10 @@ class Receiver(threading.Thread):
         if self.ended is not None:
             return LinkDown(self.ended)
         try:
-            message, size = messages.receive(self.reader, self.max_payload, self.codecs)
+            message, size = messages.receive(self.reader, self.max_payload, self.codecs,
+                                             self.opener)
+        except IntegrityError as e:  # a link tampered with: worth a warning
+            reason, expected = f"integrity error: {e}", False
         except FrameError as e:
             reason, expected = str(e), True
         except OSError as e:
@@ -287,9 +312,10 @@ class Sender(threading.Thread):
     Order holds because a message is sent inline only when every earlier one is on the wire."""
 
     def __init__(self, sock: socket.socket, name: str, inline_max_bytes: int = 64 << 10,
-                 codecs: Compression = NO_COMPRESSION) -> None:
+                 codecs: Compression = NO_COMPRESSION, keys: Optional[LinkKeys] = None) -> None:
         super().__init__(name=name, daemon=True)
         self.sock, self.codecs = sock, codecs
+        self.sealer = keys.sealer() if keys is not None else None  # a sealed link's
         self.frames = self.bytes = 0  # sent on this link
         self.inline_max_bytes = inline_max_bytes
         self.error: Optional[str] = None
@@ -331,7 +357,7 @@ class Sender(threading.Thread):
         if self.error is not None:
             return
         try:
-            size = messages.send(self.sock, message, self.codecs)
+            size = messages.send(self.sock, message, self.codecs, self.sealer)
             self.frames, self.bytes = self.frames + 1, self.bytes + size
         except OSError as e:
             self.error = f"send failed: {e}"
@@ -346,17 +372,23 @@ class LinkPair:
     thread (a worker's compute loop, which has nothing else to do while it waits), saving
     the thread hand-off on every hop. Frames still arrive into the socket's buffer while
     the caller computes. ``busy_poll_us``: how long a wait for a frame polls before it sleeps
-    (a wake-up from sleep costs tens of µs; see ``framing.reader``)."""
+    (a wake-up from sleep costs tens of µs; see ``framing.reader``). ``inbound`` and
+    ``outbound``: the ``Link`` of each handshake (sealed with its keys, if it has any), or a
+    bare socket (unsealed)."""
 
-    def __init__(self, inbound: socket.socket, outbound: socket.socket, max_payload: int,
-                 name: str, codecs_in: Compression = NO_COMPRESSION,
+    def __init__(self, inbound: Union[Link, socket.socket], outbound: Union[Link, socket.socket],
+                 max_payload: int, name: str, codecs_in: Compression = NO_COMPRESSION,
                  codecs_out: Compression = NO_COMPRESSION, inline_receive: bool = False,
                  busy_poll_us: int = 0) -> None:
+        inbound, keys_in = (inbound.sock, inbound.keys) if isinstance(inbound, Link) \
+            else (inbound, None)
+        outbound, keys_out = (outbound.sock, outbound.keys) if isinstance(outbound, Link) \
+            else (outbound, None)
         self.inbound, self.outbound = inbound, outbound
         self.inbox: "queue.SimpleQueue[Received]" = queue.SimpleQueue()
         self.receiver = Receiver(inbound, self.inbox, max_payload, f"{name}/recv", codecs_in,
-                                 busy_poll_us)
-        self.sender = Sender(outbound, f"{name}/send", codecs=codecs_out)
+                                 busy_poll_us, keys_in)
+        self.sender = Sender(outbound, f"{name}/send", codecs=codecs_out, keys=keys_out)
         self.inline_receive = inline_receive
         if not inline_receive:
             self.receiver.start()
@@ -379,10 +411,13 @@ class LinkPair:
         return self.sender.error
 
     def stats(self) -> Dict[str, Dict[str, object]]:
-        """Frames and bytes (headers included) of each direction, with its codecs."""
+        """Frames and bytes (headers and tags included) of each direction, with its codecs
+        and whether it is sealed."""
         r, s = self.receiver, self.sender
-        return {"in": {"codec": str(r.codecs), "frames": r.frames, "bytes": r.bytes},
-                "out": {"codec": str(s.codecs), "frames": s.frames, "bytes": s.bytes}}
+        return {"in": {"codec": str(r.codecs), "sealed": r.opener is not None,
+                       "frames": r.frames, "bytes": r.bytes},
+                "out": {"codec": str(s.codecs), "sealed": s.sealer is not None,
+                        "frames": s.frames, "bytes": s.bytes}}
 
     def close(self, timeout: float = 2.0) -> None:
         self.sender.close(timeout=timeout)
@@ -396,6 +431,13 @@ def _shutdown(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+def close_links(*links: Optional[Link]) -> None:
+    """Close each link that was opened (None: not)."""
+    for link in links:
+        if link is not None:
+            link.close()
 
 
 def close_quietly(sock: Optional[socket.socket]) -> None:

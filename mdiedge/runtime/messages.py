@@ -51,26 +51,30 @@ class Message:
                        self.exit_depth, self.eligible)
 
 
-def send(sock: Any, message: Message, codecs: Compression = NO_COMPRESSION) -> int:
+def send(sock: Any, message: Message, codecs: Compression = NO_COMPRESSION,
+         sealer: Optional[Any] = None) -> int:
     """Frame ``message`` onto ``sock`` (its tensor moved to the CPU first if need be), a
-    float32 tensor encoded with the link's prefill or decode codec. The bytes sent."""
+    float32 tensor encoded with the link's prefill or decode codec, sealed with ``sealer``
+    on a sealed link (``mdiedge.runtime.seal``). The bytes sent."""
     if message.hidden is None:
         return framing.send_control(sock, message.kind, message.sample_ids, message.positions,
                                     seq=message.seq, exit_depth=message.exit_depth,
-                                    eligible=message.eligible)
+                                    eligible=message.eligible, sealer=sealer)
     flags = framing.FLAG_PREFILL if message.prefill else 0
     return framing.send_tensor(sock, message.kind, message.sample_ids, message.positions,
                                message.hidden, flags=flags, seq=message.seq,
                                codec=codecs.code(message.prefill),
-                               exit_depth=message.exit_depth, eligible=message.eligible)
+                               exit_depth=message.exit_depth, eligible=message.eligible,
+                               sealer=sealer)
 
 
-def receive(source: Any, max_payload: int,
-            codecs: Compression = NO_COMPRESSION) -> Tuple[Message, int]:
+def receive(source: Any, max_payload: int, codecs: Compression = NO_COMPRESSION,
+            opener: Optional[Any] = None) -> Tuple[Message, int]:
     """One message from ``source`` (a link's ``framing.reader``, or a socket) and the bytes
     its frame took; FrameError (close the link) on anything malformed, or on a float32
-    payload in another codec than the link agreed on."""
-    header, tensor = framing.recv_frame(source, max_payload)
+    payload in another codec than the link agreed on; on a sealed link (``opener``) an
+    IntegrityError for a frame whose tag does not verify."""
+    header, tensor = framing.recv_frame(source, max_payload, opener=opener)
     prefill = bool(header.flags & framing.FLAG_PREFILL)
     codec = framing.codec_of(header.flags)
     if tensor is not None and tensor.dtype == torch.float32 and codec != codecs.code(prefill):

@@ -3,6 +3,10 @@
 Sample ids are unsigned 32-bit (they come from the wire). The lowest free slot is handed out
 first and a finished sample's slot is reused. A dict finds a sample's slot and a heap the
 lowest free one, so every operation but ``clear``/``assignments`` costs O(log n_slots).
+
+Each slot knows how many positions of its KV rows are filled: a step must start there
+(``advance``), so a stale or forged step (a decode at position 50 of a sample with 3 tokens
+in its cache) is refused rather than run against KV rows that do not hold its past.
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ class SlotTable:
             raise SlotError(f"all {self._n} KV slots in use; cannot admit sample {sample_id}")
         slot = heapq.heappop(self._free)
         self._slot[sample_id] = slot
+        self._filled[sample_id] = 0
         return slot
 
     def slot_of(self, sample_id: int) -> int:
@@ -61,12 +66,34 @@ class SlotTable:
     def free(self, sample_id: int) -> int:
         slot = self.slot_of(sample_id)
         del self._slot[sample_id]
+        self._filled.pop(sample_id, None)
         heapq.heappush(self._free, slot)
         return slot
 
     def clear(self) -> None:
         self._slot: Dict[int, int] = {}  # sample id -> slot
+        self._filled: Dict[int, int] = {}  # sample id -> positions of its KV rows filled
         self._free: List[int] = list(range(self._n))  # a heap: the lowest free slot first
+
+    def filled(self, sample_id: int) -> int:
+        """Positions of the sample's KV rows filled so far."""
+        self.slot_of(sample_id)
+        return self._filled[sample_id]
+
+    def advance(self, sample_ids: Sequence[int], positions: Sequence[int], tokens: int,
+                restart: bool = False) -> None:
+        """Record a step of ``tokens`` tokens for each sample (all holding slots) from its
+        position; a SlotError, recording nothing, unless every position is its slot's filled
+        length. ``restart``: a position 0 starts the sample's rows over (a prefill, or its
+        replay after a recovery)."""
+        for sample_id, position in zip(sample_ids, positions):
+            done = 0 if restart and position == 0 else self.filled(sample_id)
+            if position != done:
+                raise SlotError(f"sample {sample_id} at position {position} does not follow "
+                                f"its KV cache ({done} positions filled): a stale or forged "
+                                f"step")
+        for sample_id, position in zip(sample_ids, positions):
+            self._filled[sample_id] = position + tokens
 
     def assignments(self) -> Dict[int, int]:
         """sample id -> slot for every slot in use, in slot order."""

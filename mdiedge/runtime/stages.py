@@ -137,12 +137,18 @@ class LocalStage:
                             f"{self.context}")
 
     def _rows(self, message: Message) -> List[int]:
-        """KV rows of the message's samples: a prefill at position 0 takes a free row."""
+        """KV rows of the message's samples: a prefill at position 0 takes a free row (or
+        starts its own over). Each row's position must follow its KV cache's filled length
+        (a RingError otherwise: a stale or forged step), which the step then extends."""
         slots = self.slots
+        assert message.hidden is not None
         try:
-            return [slots.get_or_allocate(i) if message.prefill and p == 0 else slots.slot_of(i)
+            rows = [slots.get_or_allocate(i) if message.prefill and p == 0 else slots.slot_of(i)
                     for i, p in zip(message.sample_ids, message.positions)]
-        except Exception as e:  # SlotError: unknown sample or every row taken
+            slots.advance(message.sample_ids, message.positions, message.hidden.shape[1],
+                          restart=message.prefill)
+            return rows
+        except Exception as e:  # SlotError: unknown sample, every row taken, a stale step
             raise RingError(f"layers {self.layers}: {e}") from None
 
     def release(self, sample_ids: List[int]) -> None:

@@ -171,17 +171,21 @@ def serve_under_systemd(stopped: Any, status: str, heartbeat: Any = None) -> Non
     """READY=1 now (the node listens and holds what it was configured to load), WATCHDOG=1
     pings while it runs (for a worker, only while its compute makes progress: see
     ``Heartbeat``), STOPPING=1 once a stop is requested; returns then."""
-    from ..ops.sdnotify import Watchdog, always_healthy, notify, watchdog_interval
+    from ..ops.sdnotify import Notifier, Watchdog, always_healthy, watchdog_interval
 
-    notify(f"READY=1\nSTATUS={status}\nMAINPID={os.getpid()}")
+    notifier = Notifier()  # one socket for every notification: kept through an fd flood
+    notifier.send(f"READY=1\nSTATUS={status}\nMAINPID={os.getpid()}")
     interval = watchdog_interval()
     if interval is not None:
         healthy = heartbeat.healthy if heartbeat is not None else always_healthy
         reason = heartbeat.reason if heartbeat is not None else None
-        Watchdog(interval, stopped, healthy, reason).start()
+        Watchdog(interval, stopped, healthy, reason, notifier).start()
     while not stopped.wait(0.5):  # a timed wait lets signal handlers run
         pass
-    notify("STOPPING=1")
+    try:
+        notifier.send("STOPPING=1")
+    except OSError:  # systemd learns of the stop from the exit anyway
+        pass
 
 
 def terminate_gracefully() -> None:

@@ -33,14 +33,17 @@ from urllib.parse import parse_qs, urlsplit
 
 from .auth import NODE_CHANGED, Authenticator
 from .protocol import NodeStatus
+from ..base import defaults
+from ..base.backoff import AcceptBackoff
 from ..base.errors import ListenError, MdiedgeError, RingError
 from ..base.nodes import NodeSpec
+from ..base.ratelog import Throttled
 
 log = logging.getLogger("mdiedge.control")
 
 MAX_JSON_BODY = 1 << 20
 PUBLIC_PATHS = frozenset({"/ping"})  # {"pong": true, "node": its id}: RTTs, and what to sign for
-MAX_CONNECTIONS = 64
+MAX_CONNECTIONS = defaults.MAX_CONTROL_CONNECTIONS
 SOCKET_TIMEOUT_S = 20.0
 MIN_BODY_RATE = 1 << 16  # bytes/s a request's body arrives at, on average, at the least
 _CHUNK = 1 << 20
@@ -94,12 +97,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _refuse(self, code: int, message: str) -> None:
-        """Answer ``code`` and close, with one log line: a warning, but for a request signed
-        for an earlier id of this node (its client retries at once): info."""
+        """Answer ``code`` and close, with a log line: info for a request signed for an earlier
+        id of this node (its client retries at once), else a warning, rate-limited (a flood of
+        refused requests is one line, then a summary per ``LOG_SUMMARY_S``)."""
         routine = message.startswith(NODE_CHANGED)
-        (log.info if routine else log.warning)("refused %s %s from %s (%d): %s", self.command,
-                                               self.path[:200], self.client_address[0], code,
-                                               message)
+        say = log.info if routine else self.server.control.refusals
+        say("refused %s %s from %s (%d): %s", self.command, self.path[:200],
+            self.client_address[0], code, message)
         self._reply(code, {"error": message}, close=True)
 
     def _serve(self, method: str) -> None:
@@ -281,10 +285,22 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = 128  # socketserver's 5 drops SYNs in a burst: clients stall 1 s
     control: "ControlServer"
 
+    def get_request(self) -> Tuple[Any, Any]:
+        """The next connection; out of descriptors, a wait first (``AcceptBackoff``): the
+        serving loop would try again at once, for ever, while the shortage lasts."""
+        try:
+            pair = super().get_request()
+        except OSError as e:
+            self.control.backoff.failed(e)
+            raise  # socketserver drops a failed accept quietly
+        self.control.backoff.ok()
+        return pair
+
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.control.slots.enter(request, self.control.max_connections):
-            log.warning("refused a control connection from %s: %d connections already open",
-                        client_address[0], self.control.max_connections)
+            self.control.refusals("refused a control connection from %s: %d connections "
+                                  "already open", client_address[0],
+                                  self.control.max_connections)
             try:
                 request.setblocking(False)
                 request.send(_BUSY)
@@ -307,8 +323,9 @@ class _Server(ThreadingHTTPServer):
     def handle_error(self, request: Any, client_address: Any) -> None:
         error = sys.exc_info()[1]
         peer = isinstance(error, (OSError, http.client.HTTPException))
-        (log.debug if peer else log.warning)("control connection from %s ended: %s: %s",
-                                             client_address[0], type(error).__name__, error)
+        (log.debug if peer else self.control.refusals)("control connection from %s ended: "
+                                                       "%s: %s", client_address[0],
+                                                       type(error).__name__, error)
 
 
 class ControlServer:
@@ -330,10 +347,12 @@ class ControlServer:
         self.auth = (auth or Authenticator(None)).for_node(os.urandom(16).hex())
         self.max_connections, self.timeout_s = MAX_CONNECTIONS, SOCKET_TIMEOUT_S
         self.slots = _Slots()
+        self.refusals = Throttled(log, logging.WARNING, f"{what}: refused requests")
         try:
             self.httpd = _Server((host, port), _Handler)
         except OSError as e:
             raise ListenError(host, port, what, e) from None
+        self.backoff = AcceptBackoff(log, f"{what} {self.port}")
         self.httpd.control = self
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="control", daemon=True)
 
@@ -360,6 +379,7 @@ class ControlServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+        self.refusals.flush()
 
 
 def round_trip_ms(base_url: str, timeout: float = 2.0) -> Optional[float]:

@@ -364,6 +364,7 @@ def read_secret(section: Optional[Section],
     if section is not None:
         where = f"{section.source or '<settings>'}: {section.TABLE}"
         if section.secret is not None:
+            _inline_secret_private(section)
             return _check_length(section.secret.encode("utf-8", "surrogatepass"),
                                  f"{where}.secret")
         if section.secret_file is not None:
@@ -375,6 +376,21 @@ def read_secret(section: Optional[Section],
     if value:
         return _secret_file(value, f"${ENV_SECRET_FILE}")
     return None
+
+
+def _inline_secret_private(section: Section) -> None:
+    """A file holding the secret inline (``secret = ...``) is as private as a secret file must
+    be: readable by its owner alone, else a one-line error saying how to fix it."""
+    if not section.source:
+        return
+    try:
+        mode = stat.S_IMODE(os.stat(section.source).st_mode)
+    except OSError:  # not a file (settings built in memory): nothing to check
+        return
+    if mode & 0o077:
+        raise ConfigError(f"{section.source}: {section.TABLE}.secret is set inline, but the "
+                          f"file (mode {mode:04o}) is readable by other users: chmod 600 "
+                          f"{section.source}, or move the secret to a secret_file")
 
 
 def _check_length(secret: bytes, where: str) -> bytes:
@@ -428,6 +444,7 @@ def _secret_io(action: Callable[[], Any], verb: str, name: str, where: str, read
 
 def _secret_summary(section: Section) -> str:
     if section.secret is not None:
+        _inline_secret_private(section)
         return "secret set inline"
     if section.secret_file is not None:
         where = f"{section.source}: {section.TABLE}.secret_file"

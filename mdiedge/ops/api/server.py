@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 from pathlib import Path
@@ -28,13 +29,24 @@ LISTEN_BACKLOG = 128  # also the most connections asyncio accepts in one go, bef
 
 def read_api_key(path: Optional[str]) -> Optional[str]:
     """The API key from ``path`` (its first line), else ``$MDIEDGE_API_KEY``, else None.
-    Never from the command line: argv is visible to every user (``ps``)."""
+    Never from the command line: argv is visible to every user (``ps``). The file must be a
+    regular file its owner alone may read, as the ring's secret file."""
     if path:
+        file = Path(path).expanduser()
         try:
-            lines = Path(path).expanduser().read_text(encoding="utf-8").splitlines()
+            info = file.stat()
+            if not stat.S_ISREG(info.st_mode):
+                raise ConfigError(f"--api-key-file {path}: not a regular file")
+            mode = stat.S_IMODE(info.st_mode)
+            if mode & 0o077:
+                raise ConfigError(f"--api-key-file {path} (mode {mode:04o}) is readable by "
+                                  f"other users: chmod 600 {path}")
+            lines = file.read_text(encoding="utf-8").splitlines()
             key = lines[0].strip() if lines else ""
         except OSError as e:
             raise ConfigError(f"--api-key-file {path}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"--api-key-file {path}: not UTF-8 text") from None
         if not key:
             raise ConfigError(f"--api-key-file {path}: the file is empty")
         return key

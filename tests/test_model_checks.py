@@ -207,6 +207,20 @@ def test_a_model_larger_than_free_memory_is_refused_before_it_is_built(tmp_path:
     folder = tmp_path / "huge"
     _sparse_model(folder, int(blocks), width)
     out, seconds = _generate(["--model", str(folder), "--nodes", "1"])
-    _one_line(out, f"blocks [0, {blocks}), the embedding and the head in float32 need about ")
-    assert "GiB free: use more nodes, --quantize, or a smaller model" in out.stderr
+    _one_line(out, f"blocks [0, {blocks}), the embedding and the head in float32: ")
+    assert "GiB free on this node: use more nodes, --quantize, or a smaller model" in out.stderr
+    assert seconds < 60, f"{seconds:.0f} s"
+
+
+def test_kv_slots_beyond_free_memory_are_refused_before_they_are_allocated() -> None:
+    from mdiedge.base.memory import available_bytes
+
+    need = 4096 * 12 * 2 * 64 * 1002 * 4  # slots x blocks x (K, V) x kv_dim x tokens x fp32
+    free = available_bytes()
+    if free is None or free > need:
+        pytest.skip(f"this machine has {free} bytes free, more than the {need} asked for")
+    out, seconds = _generate(["--samples", "4096", "-n", "1000", "--nodes", "1"])
+    _one_line(out, "a KV cache of 4096 slots x 1002 tokens for blocks [0, 12): 23.48 GiB "
+                   "needed, ")
+    assert "GiB free on this node: fewer samples (slots) or a shorter context" in out.stderr
     assert seconds < 60, f"{seconds:.0f} s"

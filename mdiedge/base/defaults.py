@@ -25,6 +25,7 @@ GREEDY_BELOW = 1e-5  # a temperature under this samples as greedy does (vLLM's r
 #                      distribution is the argmax's, and logits / it may overflow float32
 EARLY_EXIT_CRITERIA = ("softmax", "similarity", "classifier")  # mdiedge.model.exits
 MAX_NEW_TOKENS = 256
+MAX_SAMPLES = 4096  # samples of one `generate` (a KV slot each; their memory is checked too)
 
 # data plane and liveness
 MAX_PAYLOAD = 64 << 20  # bytes of one frame's tensor; larger frames close the link

@@ -81,8 +81,10 @@ def check_sampling(max_new_tokens: int, samples: int, temperature: float, top_k:
                    top_p: float, seed: Optional[int]) -> None:
     """``generate``'s budget and sampling values, with no torch (SamplingParams' ranges)."""
     need(max_new_tokens >= 1, "-n/--max-new-tokens", max_new_tokens, "an integer >= 1")
-    need(samples >= 1, "--samples", samples, "an integer >= 1")
-    need(temperature >= 0, "--temperature", temperature, "a number >= 0 (0: greedy)")
+    need(1 <= samples <= defaults.MAX_SAMPLES, "--samples", samples,
+         f"an integer 1..{defaults.MAX_SAMPLES}")
+    need(0 <= temperature < float("inf"), "--temperature", temperature,
+         "a finite number >= 0 (0: greedy)")
     need(top_k >= 0, "--top-k", top_k, "an integer >= 0 (0: off)")
     need(0 < top_p <= 1, "--top-p", top_p, "a number in (0, 1] (1: off)")
     need(seed is None or 0 <= seed < 2 ** 40, "--seed", seed, "an integer 0..2**40-1")

@@ -98,17 +98,17 @@ def chunk_bytes(cfg: ModelConfig, source: TensorSource, plan: "dict[str, str]",
     return total
 
 
-def check_memory(need: int, device: str, what: str) -> None:
+def check_memory(need: int, device: str, what: str,
+                 remedy: str = "use more nodes, --quantize, or a smaller model") -> None:
     """``need`` bytes of ``what`` fit the free memory of ``device`` (a CUDA device's, else
-    this machine's, within a cgroup's limit), or a ConfigError saying both."""
+    this machine's, within a cgroup's limit), or a ConfigError saying both and ``remedy``."""
     free = available_bytes()
     place = "this node"
     if torch.device(device).type == "cuda" and torch.cuda.is_available():
         free, place = int(torch.cuda.mem_get_info(torch.device(device))[0]), device
     if free is not None and need > free:
-        raise ConfigError(f"{what} need about {need / GiB:.2f} GiB, but {place} has "
-                          f"{free / GiB:.2f} GiB free: use more nodes, --quantize, or a "
-                          f"smaller model")
+        raise ConfigError(f"{what}: {need / GiB:.2f} GiB needed, {free / GiB:.2f} GiB free "
+                          f"on {place}: {remedy}")
 
 
 def check_finite(t: Tensor, name: str, where: Path) -> None:

@@ -689,6 +689,19 @@ def test_load_ring_options_are_starter_options(tmp_path: Path) -> None:
     assert StarterOptions(**options).weight == 2.0  # every key is a field
 
 
+def test_config_check_refuses_two_entries_for_one_worker(tmp_path: Path) -> None:
+    config = write(tmp_path, '[[workers]]\nhost = "localhost"\ncontrol_port = 7700\n'
+                             '[[workers]]\nhost = "127.0.0.1"\ncontrol_port = 7700\n')
+    with pytest.raises(ConfigError) as e:
+        check_config(config)
+    assert str(e.value) == (f"{config}: workers[1].host: 127.0.0.1:7700 and workers[0]'s "
+                            f"localhost:7700 are one worker (127.0.0.1:7700): every worker "
+                            f"needs its own address")
+    other_port = write(tmp_path, '[[workers]]\nhost = "localhost"\ncontrol_port = 7700\n'
+                                 '[[workers]]\nhost = "127.0.0.1"\ncontrol_port = 7710\n')
+    assert "2 workers in the ring" in check_config(other_port)
+
+
 @pytest.mark.parametrize("table", ["worker", "starter"])
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
 def test_an_inline_secret_in_a_file_others_may_read_is_refused(tmp_path: Path, table: str,

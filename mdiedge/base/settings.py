@@ -46,8 +46,8 @@ import stat
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import (Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Optional, Tuple,
-                    Union)
+from typing import (Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Optional,
+                    Sequence, Tuple, Union)
 
 from .defaults import (BUSY_POLL_US, IDLE_TIMEOUT_S, MAX_BUSY_POLL_US, MAX_PAYLOAD, MAX_THREADS,
                        PREFILL_CHUNK, REBALANCE_MARGIN, RING_TIMEOUT_S, STALL_S,
@@ -456,6 +456,27 @@ def _secret_summary(section: Section) -> str:
     return "secret from the environment if set"
 
 
+def _one_worker_per_address(workers: Sequence[NodeSpec], source: str) -> None:
+    """No two ``[[workers]]`` entries reach one control port: hosts are resolved (``localhost``
+    and ``127.0.0.1`` are one machine); a host that does not resolve here is left alone."""
+    import socket
+
+    seen: Dict[Tuple[str, int], int] = {}
+    for i, entry in enumerate(workers):
+        try:
+            found = socket.getaddrinfo(entry.host, entry.control_port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            continue
+        for address in {(str(info[4][0]), entry.control_port) for info in found}:
+            if address in seen and seen[address] != i:
+                other = workers[seen[address]]
+                raise _error(source, f"workers[{i}].host",
+                             f"{entry.address} and workers[{seen[address]}]'s {other.address} "
+                             f"are one worker ({address[0]}:{address[1]}): every worker needs "
+                             f"its own address")
+            seen[address] = i
+
+
 def check_config(path: Union[str, "os.PathLike[str]"]) -> str:
     """Validate a settings file (and its secret files) and summarise it in one paragraph."""
     settings = load_settings(path)
@@ -472,6 +493,7 @@ def check_config(path: Union[str, "os.PathLike[str]"]) -> str:
         parts.append(f"[starter] on {s.host}:{s.control_port}, {model} on {s.device}/{s.dtype}, "
                      f"{_secret_summary(s)}")
     if settings.workers:
+        _one_worker_per_address(settings.workers, settings.source)
         n = len(settings.workers)
         ring = ", ".join(f"{e.name} at {e.address}" for e in settings.workers)
         parts.append(f"{n} worker{'s' if n != 1 else ''} in the ring ({ring})")

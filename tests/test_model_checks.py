@@ -45,6 +45,7 @@ def _config(**changes: object) -> Callable[[Path], None]:
 
 def _write(name: str, data: bytes) -> Callable[[Path], None]:
     def corrupt(folder: Path) -> None:
+        (folder / name).unlink()  # never through the link to the shipped weights
         (folder / name).write_bytes(data)
     return corrupt
 
@@ -109,6 +110,10 @@ CASES: Dict[str, Tuple[Callable[[Path], None], str]] = {
     "nested-objects": (_write("config.json", b'{"a":' * 100000 + b"1" + b"}" * 100000),
                        "config.json: invalid JSON (nested too deeply)"),
     "fifo": (_fifo, "config.json: not a regular file"),
+    "nested-weights-header": (_write("model.safetensors",
+                                     struct.pack("<Q", 200000) + b"[" * 200000),
+                              "model.safetensors: not a readable safetensors file (its header "
+                              "is nested too deeply)"),
     "nan-weight": (_weight("model.layers.3.mlp.up_proj.weight", float("nan")),
                    "tensor 'model.layers.3.mlp.up_proj.weight' holds nan (a weight that is not "
                    "a finite number)"),

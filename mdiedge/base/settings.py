@@ -273,6 +273,9 @@ def _workers(raw: Any, source: str) -> Tuple[NodeSpec, ...]:
                          f"(every worker needs its own address)")
         names[entry.name], addresses[entry.address] = i, i
         entries.append(entry)
+    if entries and all(entry.spare for entry in entries):
+        raise _error(source, "workers", f"every one of the {len(entries)} workers is a spare "
+                     f"(spare = true): a ring needs at least one member to set up")
     return tuple(entries)
 
 

@@ -197,6 +197,9 @@ class SafetensorsSource(TensorSource):
                 except ValueError as e:
                     raise CheckpointError(f"{file}: not a readable safetensors file "
                                           f"({e})") from None
+                except RecursionError:
+                    raise CheckpointError(f"{file}: not a readable safetensors file (its "
+                                          f"header is nested too deeply)") from None
             if not isinstance(header, dict):
                 raise CheckpointError(f"{file}: not a readable safetensors file (header is "
                                       f"not an object)")

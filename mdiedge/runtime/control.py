@@ -18,6 +18,7 @@ import hashlib
 import http.client
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -31,7 +32,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
 
-from .auth import NODE_CHANGED, Authenticator
+from .auth import MAX_SKEW_S, NODE_CHANGED, Authenticator
 from .protocol import NodeStatus
 from ..base import defaults
 from ..base.backoff import AcceptBackoff
@@ -357,7 +358,7 @@ class ControlServer:
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="control", daemon=True)
 
     def _ping(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
-        return {"pong": True, "node": self.auth.node}
+        return {"pong": True, "node": self.auth.node, "time": time.time()}
 
     @property
     def port(self) -> int:
@@ -398,13 +399,32 @@ def round_trip_ms(base_url: str, timeout: float = 2.0) -> Optional[float]:
 _NODE_IDS: Dict[str, str] = {}  # base URL -> the id its control server signs for
 
 
-def node_id(base_url: str, timeout: float, fresh: bool = False) -> str:
+def node_id(base_url: str, timeout: float, fresh: bool = False, who: str = "") -> str:
     """The id of the control server at ``base_url`` (its ``/ping``; "" from one that has
-    none), asked once and remembered, or again when ``fresh``."""
+    none), asked once and remembered, or again when ``fresh``. Its clock is checked on the
+    way (``check_clock``): signed requests need clocks within ``MAX_SKEW_S``."""
     if fresh or base_url not in _NODE_IDS:
+        sent = time.time()
         reply = _request(base_url, "GET", "/ping", None, {}, False, timeout, base_url)
+        check_clock(reply.get("time"), (sent + time.time()) / 2, who or base_url)
         _NODE_IDS[base_url] = str(reply.get("node") or "")
     return _NODE_IDS[base_url]
+
+
+def check_clock(theirs: Any, ours: float, who: str) -> None:
+    """A node whose clock (``theirs``, its time when it answered ``/ping``) is more than
+    ``MAX_SKEW_S`` from ours (the middle of the round trip) would refuse every signed request
+    as stale, or we its: a one-line RingError naming the skew instead."""
+    if not isinstance(theirs, (int, float)) or isinstance(theirs, bool) \
+            or not math.isfinite(theirs):
+        return  # a node of a release that does not tell its time
+    skew = theirs - ours
+    if abs(skew) > MAX_SKEW_S:
+        raise RingError(f"{who}: its clock is {abs(skew):.0f} s "
+                        f"{'ahead of' if skew > 0 else 'behind'} this node's; signed requests "
+                        f"need clocks within {MAX_SKEW_S:.0f} s: set the clocks (NTP; a board "
+                        f"without a battery-backed clock, such as a Jetson, boots with a "
+                        f"wrong one)")
 
 
 def call(base_url: str, method: str, path: str, body: Optional[Dict[str, Any]] = None,
@@ -421,11 +441,11 @@ def call(base_url: str, method: str, path: str, body: Optional[Dict[str, Any]] =
         headers = auth.sign(method, path, data or b"", target)
         return _request(base_url, method, path, data, headers, raw is not None, timeout, who)
 
-    target = node_id(base_url, timeout)
+    target = node_id(base_url, timeout, who=who)
     try:
         return signed_for(target)
     except RingError as e:
-        if getattr(e, "status", None) != 401 or node_id(base_url, timeout, True) == target:
+        if getattr(e, "status", None) != 401 or node_id(base_url, timeout, True, who) == target:
             raise
     log.info("%s restarted since it was last asked (its node id changed): %s %s signed for "
              "its new id and sent again", who, method, path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import resource
 import shutil
 import socket
@@ -221,17 +222,21 @@ def test_a_flood_of_refused_control_requests_is_summarised_in_the_log(
     server = ControlServer("127.0.0.1", 0, {("GET", "/status"): lambda b, r, q: {}},
                            auth=Authenticator(b"flood-secret-0123456789abcdef")).start()
     try:
+        started = time.monotonic()
         with caplog.at_level(logging.INFO, logger="mdiedge.control"):
             for _ in range(300):
                 reply = _get(server.port, "/status")
                 assert reply.startswith(b"HTTP/1.1 401"), reply[:80]
             server.refusals.flush()
+        seconds = time.monotonic() - started
     finally:
         server.stop()
     lines = [r.getMessage() for r in caplog.records if r.name == "mdiedge.control"]
-    assert len(lines) == 2, lines
     assert lines[0].startswith("refused GET /status from 127.0.0.1 (401)"), lines
-    assert "299 more in the last 10 s" in lines[1], lines
+    summaries = [re.fullmatch(r"control port: refused requests: (\d+) more in the last 10 s "
+                              r"\(latest: refused GET /status .*\)", line) for line in lines[1:]]
+    assert all(summaries) and 1 + sum(int(m.group(1)) for m in summaries) == 300, lines
+    assert len(lines) <= 2 + int(seconds // 10), lines  # one summary per 10 s at most
 
 
 class _Clock:
@@ -258,3 +263,42 @@ def test_throttled_logs_the_first_then_one_summary_per_interval(
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["refused 0", "refusals: 999 more in the last 10 s (latest: refused 999)",
                      "refused 1000"], lines
+
+
+def test_the_watchdog_outlives_a_lost_notify_socket_and_finds_it_again(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """systemd re-executed (its socket re-bound): the pings that fail meanwhile are one
+    warning, the thread lives on, and the pings reach the new socket."""
+    import threading
+
+    from mdiedge.ops.sdnotify import Watchdog
+
+    folder = tempfile.mkdtemp(prefix="sdx-")
+    path = os.path.join(folder, "notify")
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    first = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    first.bind(path)
+    stop = threading.Event()
+    with caplog.at_level(logging.WARNING, logger="mdiedge.watchdog"):
+        dog = Watchdog(0.02, stop)
+        dog.start()
+        try:
+            assert _pings(first, 0.3) >= 3
+            first.close()
+            os.unlink(path)
+            time.sleep(0.5)  # ~25 pings that cannot be sent
+            assert dog.is_alive()
+            second = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            second.bind(path)
+            try:
+                assert _pings(second, 0.5) >= 5
+            finally:
+                second.close()
+        finally:
+            stop.set()
+            dog.join(5)
+            shutil.rmtree(folder, ignore_errors=True)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "mdiedge.watchdog"]
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith("watchdog: cannot ping systemd (FileNotFoundError"), warnings
+    assert warnings[1] == "watchdog: pings reach systemd again", warnings

@@ -201,7 +201,9 @@ class Watchdog(threading.Thread):
 
     Stops pinging (so that systemd restarts the service once ``WatchdogSec`` passes) while
     ``healthy()`` is false or raises; logs a warning once when it stops, with ``reason()`` when
-    given, and once when it resumes.
+    given, and once when it resumes. Pings go over one socket (a ``Notifier``, shared with
+    READY=1 and STOPPING=1), opened before any flood can take the last descriptor; no error
+    ends the thread.
     """
 
     def __init__(self, interval: float, stop: threading.Event,

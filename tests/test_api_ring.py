@@ -169,6 +169,25 @@ def test_bad_serve_options_are_one_line_errors(args: Any, message: str) -> None:
     assert lines[0].startswith("mdiedge: error: ") and message in lines[0], out.stderr
 
 
+@pytest.mark.parametrize("command", ["serve", "starter"])
+def test_an_api_key_file_others_may_read_is_refused(command: str, tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_text("an-api-key-0123456789\n")
+    key.chmod(0o644)
+    ring = tmp_path / "ring.toml"
+    ring.write_text('[[workers]]\nhost = "127.0.0.1"\ncontrol_port = 1\n')
+    args = ["--port", "0"] if command == "serve" else ["--config", str(ring), "--api-port", "0",
+                                                        "--control-port", "0"]
+    env = {k: v for k, v in os.environ.items() if k != "MDIEDGE_API_KEY"}
+    out = subprocess.run([sys.executable, "-m", "mdiedge", command, *args, "--api-key-file",
+                          str(key)], capture_output=True, text=True, timeout=120,
+                         stdin=subprocess.DEVNULL, env=env)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode != 0 and len(lines) == 1, out.stderr
+    assert lines[0] == (f"mdiedge: error: --api-key-file {key} (mode 0644) is readable by "
+                        f"other users: chmod 600 {key}"), out.stderr
+
+
 def test_a_port_in_use_is_a_one_line_error() -> None:
     import socket
 

@@ -265,6 +265,7 @@ def test_the_api_key_is_the_files_first_line(tmp_path, monkeypatch) -> None:
 
     key = tmp_path / "key"
     key.write_text("  s3cret-key  \n# rotated 2026-11-01\n")
+    key.chmod(0o600)
     assert read_api_key(str(key)) == "s3cret-key"
     key.write_text("")
     with pytest.raises(ConfigError, match="the file is empty"):

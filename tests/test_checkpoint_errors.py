@@ -151,7 +151,9 @@ def test_prompt_longer_than_context() -> None:
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(temperature=-1.0), "temperature must be >= 0, got -1.0"),
+    (dict(temperature=-1.0), "temperature must be a finite number >= 0, got -1.0"),
+    (dict(temperature=float("inf")), "temperature must be a finite number >= 0, got inf"),
+    (dict(temperature=float("nan")), "temperature must be a finite number >= 0, got nan"),
     (dict(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
     (dict(top_k=-3), "top_k must be >= 0, got -3"),
 ])

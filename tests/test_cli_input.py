@@ -39,9 +39,12 @@ CASES = [
 # exit status 2 (a usage error, as the parser's own)
 EARLY = [
     (["-n", "-5"], "-n/--max-new-tokens: expected an integer >= 1, got -5"),
-    (["--samples", "0"], "--samples: expected an integer >= 1, got 0"),
+    (["--samples", "0"], "--samples: expected an integer 1..4096, got 0"),
+    (["--samples", "100000"], "--samples: expected an integer 1..4096, got 100000"),
     (["--nodes", "0"], "--nodes: expected an integer >= 1, got 0"),
-    (["--temperature", "-1"], "--temperature: expected a number >= 0 (0: greedy), got -1.0"),
+    (["--temperature", "-1"], "--temperature: expected a finite number >= 0 (0: greedy), got -1.0"),
+    (["--temperature", "inf"], "--temperature: expected a finite number >= 0 (0: greedy), got inf"),
+    (["--temperature", "nan"], "--temperature: expected a finite number >= 0 (0: greedy), got nan"),
     (["--top-k", "-1"], "--top-k: expected an integer >= 0 (0: off), got -1"),
     (["--top-p", "2"], "--top-p: expected a number in (0, 1] (1: off), got 2.0"),
     (["--seed", "-1"], "--seed: expected an integer 0..2**40-1, got -1"),

@@ -559,6 +559,7 @@ def test_check_config_summary(tmp_path: Path) -> None:
     text = WORKER_FILE.replace("/etc/mdiedge/secret", str(path)) + STARTER_FILE + \
         RING_FILE.replace("[starter]\nhost = \"10.0.0.1\"\nmemory = 1000\n", "")
     config = write(tmp_path, text)
+    config.chmod(0o600)  # it holds the starter's secret inline
     summary = check_config(config)
     assert "\n" not in summary
     assert summary.startswith(f"{config}: valid; ")
@@ -693,13 +694,47 @@ def test_load_ring_options_are_starter_options(tmp_path: Path) -> None:
     assert StarterOptions(**options).weight == 2.0  # every key is a field
 
 
+def test_config_check_refuses_two_entries_for_one_worker(tmp_path: Path) -> None:
+    config = write(tmp_path, '[[workers]]\nhost = "localhost"\ncontrol_port = 7700\n'
+                             '[[workers]]\nhost = "127.0.0.1"\ncontrol_port = 7700\n')
+    with pytest.raises(ConfigError) as e:
+        check_config(config)
+    assert str(e.value) == (f"{config}: workers[1].host: 127.0.0.1:7700 and workers[0]'s "
+                            f"localhost:7700 are one worker (127.0.0.1:7700): every worker "
+                            f"needs its own address")
+    other_port = write(tmp_path, '[[workers]]\nhost = "localhost"\ncontrol_port = 7700\n'
+                                 '[[workers]]\nhost = "127.0.0.1"\ncontrol_port = 7710\n')
+    assert "2 workers in the ring" in check_config(other_port)
+
+
+@pytest.mark.parametrize("table", ["worker", "starter"])
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
+def test_an_inline_secret_in_a_file_others_may_read_is_refused(tmp_path: Path, table: str,
+                                                               mode: int) -> None:
+    config = write(tmp_path, f'[{table}]\nsecret = "inline-secret-0123456"\n')
+    config.chmod(mode)
+    settings = load_settings(config)
+    section = settings.worker if table == "worker" else settings.starter
+    message = (f"{config}: {table}.secret is set inline, but the file (mode {mode:04o}) is "
+               f"readable by other users: chmod 600 {config}, or move the secret to a "
+               f"secret_file")
+    for check in (lambda: read_secret(section, {}), lambda: check_config(config)):
+        with pytest.raises(ConfigError) as e:
+            check()
+        assert str(e.value) == message
+    config.chmod(0o600)
+    assert read_secret(section, {}) == b"inline-secret-0123456"
+    assert "secret set inline" in check_config(config)
+
+
 def test_load_ring_secret_from_the_starter_table_else_the_environment(tmp_path: Path) -> None:
     secret_file = tmp_path / "secret"
     secret_file.write_text("from-the-secret-file-0123\n")
     secret_file.chmod(0o600)
     env = {"MDIEDGE_SECRET": "from-the-environment-0123"}
-    inline, _ = load_ring(write(tmp_path, S + 'secret = "inline-secret-0123456"\n' + R),
-                          secret=True, env=env)
+    private = write(tmp_path, S + 'secret = "inline-secret-0123456"\n' + R)
+    private.chmod(0o600)
+    inline, _ = load_ring(private, secret=True, env=env)
     assert inline["secret"] == b"inline-secret-0123456"
     in_file, _ = load_ring(write(tmp_path, S + f'secret_file = "{secret_file}"\n' + R),
                            secret=True, env=env)

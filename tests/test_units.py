@@ -138,11 +138,22 @@ def test_systemd_analyze_verify_reports_problems(tmp_path: Path) -> None:
 SINCE = {"Description": 0, "Documentation": 0, "After": 0, "Wants": 0, "WantedBy": 0,
          "Type": 0, "NotifyAccess": 0, "ExecStart": 0, "Environment": 0, "Restart": 0,
          "RestartSec": 0, "KillSignal": 0, "PrivateTmp": 0, "SupplementaryGroups": 0,
-         "TimeoutStartSec": 0, "TimeoutStopSec": 0, "WatchdogSec": 0, "NoNewPrivileges": 0,
+         "TimeoutStartSec": 0, "TimeoutStopSec": 0, "WatchdogSec": 0, "LimitNOFILE": 0, "NoNewPrivileges": 0,
          "User": 0, "StandardOutput": 0, "ProtectHome": 214, "ProtectSystem": 232,
          "DynamicUser": 232, "StateDirectory": 235, "ConfigurationDirectory": 235,
          "StandardInput": 236, "$STATE_DIRECTORY": 240}
 JETPACK5_SYSTEMD = 245
+
+
+@pytest.mark.parametrize("name", units.UNIT_NAMES)
+def test_units_raise_the_descriptor_limit(name: str) -> None:
+    """systemd's default soft LimitNOFILE (1024) is within reach of a connection flood."""
+    from mdiedge.base import defaults
+
+    lines = units.render_unit(name, "/opt/venv/bin/mdiedge").splitlines()
+    assert f"LimitNOFILE={defaults.LIMIT_NOFILE}" in lines
+    assert defaults.LIMIT_NOFILE > 4 * (defaults.MAX_CONTROL_CONNECTIONS +
+                                        defaults.MAX_API_CONNECTIONS)
 
 
 @pytest.mark.parametrize("name", units.UNIT_NAMES)

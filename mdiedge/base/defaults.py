@@ -25,6 +25,7 @@ GREEDY_BELOW = 1e-5  # a temperature under this samples as greedy does (vLLM's r
 #                      distribution is the argmax's, and logits / it may overflow float32
 EARLY_EXIT_CRITERIA = ("softmax", "similarity", "classifier")  # mdiedge.model.exits
 MAX_NEW_TOKENS = 256
+MAX_SAMPLES = 4096  # samples of one `generate` (a KV slot each; their memory is checked too)
 
 # data plane and liveness
 MAX_PAYLOAD = 64 << 20  # bytes of one frame's tensor; larger frames close the link
@@ -46,6 +47,16 @@ BUSY_POLL_US = 200  # a node waiting for a frame polls its link this long before
 #                   a frame that comes sooner costs no wake-up (0: sleep at once)
 MAX_BUSY_POLL_US = 100_000
 MAX_THREADS = 4096  # the most torch threads a worker may be told to use
+
+# exhaustion: what a flood of connections may hold, and how its log lines are kept short
+MAX_CONTROL_CONNECTIONS = 64  # open connections to a control port (a thread each)
+MAX_API_CONNECTIONS = 256  # open connections to the API port; the oldest idle one gives way
+#                            to a new one at the limit, else the new one is closed
+ACCEPT_BACKOFF_S = (0.05, 1.0)  # an accept that fails for want of descriptors or memory
+#                                 (EMFILE, ENFILE, ENOBUFS, ENOMEM) waits from the first to
+#                                 the second, doubling, before it tries again
+LOG_SUMMARY_S = 10.0  # repeated refusals are logged once, then summarised once per this
+LIMIT_NOFILE = 65536  # the systemd units' LimitNOFILE (systemd's default soft limit is 1024)
 
 # held-out text of the quality measurements (calibrate-exit, bench --compression/--early-exit)
 HELD_OUT_SHARE = 0.1  # the share at the end of a --text file held out (NanoLlama's validation

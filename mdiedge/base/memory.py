@@ -26,3 +26,40 @@ def max_rss_bytes() -> int:
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
+
+
+def available_bytes() -> "int | None":
+    """Memory this process may still take: ``MemAvailable`` (Linux), within the room left
+    under its cgroup's ``memory.max`` (a systemd ``MemoryMax=``, a container); None when
+    neither is known."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    room = _cgroup_room()
+    if room is not None:
+        found.append(room)
+    return min(found) if found else None
+
+
+def _cgroup_room() -> "int | None":
+    """``memory.max`` less ``memory.current`` of this process's cgroup (v2), or None."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            line = next((x for x in f if x.startswith("0::")), None)
+        if line is None:
+            return None
+        folder = "/sys/fs/cgroup" + line.strip()[3:]
+        with open(folder + "/memory.max") as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open(folder + "/memory.current") as f:
+            return max(0, int(limit) - int(f.read().strip()))
+    except (OSError, ValueError):
+        return None

@@ -46,8 +46,8 @@ import stat
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import (Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Optional, Tuple,
-                    Union)
+from typing import (Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Optional,
+                    Sequence, Tuple, Union)
 
 from .defaults import (BUSY_POLL_US, IDLE_TIMEOUT_S, MAX_BUSY_POLL_US, MAX_PAYLOAD, MAX_THREADS,
                        PREFILL_CHUNK, REBALANCE_MARGIN, RING_TIMEOUT_S, STALL_S,
@@ -285,6 +285,9 @@ def _workers(raw: Any, source: str) -> Tuple[NodeSpec, ...]:
                          f"(every worker needs its own address)")
         names[entry.name], addresses[entry.address] = i, i
         entries.append(entry)
+    if entries and all(entry.spare for entry in entries):
+        raise _error(source, "workers", f"every one of the {len(entries)} workers is a spare "
+                     f"(spare = true): a ring needs at least one member to set up")
     return tuple(entries)
 
 
@@ -376,6 +379,7 @@ def read_secret(section: Optional[Section],
     if section is not None:
         where = f"{section.source or '<settings>'}: {section.TABLE}"
         if section.secret is not None:
+            _inline_secret_private(section)
             return _check_length(section.secret.encode("utf-8", "surrogatepass"),
                                  f"{where}.secret")
         if section.secret_file is not None:
@@ -387,6 +391,21 @@ def read_secret(section: Optional[Section],
     if value:
         return _secret_file(value, f"${ENV_SECRET_FILE}")
     return None
+
+
+def _inline_secret_private(section: Section) -> None:
+    """A file holding the secret inline (``secret = ...``) is as private as a secret file must
+    be: readable by its owner alone, else a one-line error saying how to fix it."""
+    if not section.source:
+        return
+    try:
+        mode = stat.S_IMODE(os.stat(section.source).st_mode)
+    except OSError:  # not a file (settings built in memory): nothing to check
+        return
+    if mode & 0o077:
+        raise ConfigError(f"{section.source}: {section.TABLE}.secret is set inline, but the "
+                          f"file (mode {mode:04o}) is readable by other users: chmod 600 "
+                          f"{section.source}, or move the secret to a secret_file")
 
 
 def _check_length(secret: bytes, where: str) -> bytes:
@@ -440,6 +459,7 @@ def _secret_io(action: Callable[[], Any], verb: str, name: str, where: str, read
 
 def _secret_summary(section: Section) -> str:
     if section.secret is not None:
+        _inline_secret_private(section)
         return "secret set inline"
     if section.secret_file is not None:
         where = f"{section.source}: {section.TABLE}.secret_file"
@@ -449,6 +469,27 @@ def _secret_summary(section: Section) -> str:
     if section.insecure:
         return "insecure (no secret)"
     return "secret from the environment if set"
+
+
+def _one_worker_per_address(workers: Sequence[NodeSpec], source: str) -> None:
+    """No two ``[[workers]]`` entries reach one control port: hosts are resolved (``localhost``
+    and ``127.0.0.1`` are one machine); a host that does not resolve here is left alone."""
+    import socket
+
+    seen: Dict[Tuple[str, int], int] = {}
+    for i, entry in enumerate(workers):
+        try:
+            found = socket.getaddrinfo(entry.host, entry.control_port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            continue
+        for address in {(str(info[4][0]), entry.control_port) for info in found}:
+            if address in seen and seen[address] != i:
+                other = workers[seen[address]]
+                raise _error(source, f"workers[{i}].host",
+                             f"{entry.address} and workers[{seen[address]}]'s {other.address} "
+                             f"are one worker ({address[0]}:{address[1]}): every worker needs "
+                             f"its own address")
+            seen[address] = i
 
 
 def check_config(path: Union[str, "os.PathLike[str]"]) -> str:
@@ -467,6 +508,7 @@ def check_config(path: Union[str, "os.PathLike[str]"]) -> str:
         parts.append(f"[starter] on {s.host}:{s.control_port}, {model} on {s.device}/{s.dtype}, "
                      f"{_secret_summary(s)}")
     if settings.workers:
+        _one_worker_per_address(settings.workers, settings.source)
         n = len(settings.workers)
         ring = ", ".join(f"{e.name} at {e.address}" for e in settings.workers)
         parts.append(f"{n} worker{'s' if n != 1 else ''} in the ring ({ring})")

@@ -81,8 +81,10 @@ def check_sampling(max_new_tokens: int, samples: int, temperature: float, top_k:
                    top_p: float, seed: Optional[int]) -> None:
     """``generate``'s budget and sampling values, with no torch (SamplingParams' ranges)."""
     need(max_new_tokens >= 1, "-n/--max-new-tokens", max_new_tokens, "an integer >= 1")
-    need(samples >= 1, "--samples", samples, "an integer >= 1")
-    need(temperature >= 0, "--temperature", temperature, "a number >= 0 (0: greedy)")
+    need(1 <= samples <= defaults.MAX_SAMPLES, "--samples", samples,
+         f"an integer 1..{defaults.MAX_SAMPLES}")
+    need(0 <= temperature < float("inf"), "--temperature", temperature,
+         "a finite number >= 0 (0: greedy)")
     need(top_k >= 0, "--top-k", top_k, "an integer >= 0 (0: off)")
     need(0 < top_p <= 1, "--top-p", top_p, "a number in (0, 1] (1: off)")
     need(seed is None or 0 <= seed < 2 ** 40, "--seed", seed, "an integer 0..2**40-1")
@@ -171,17 +173,21 @@ def serve_under_systemd(stopped: Any, status: str, heartbeat: Any = None) -> Non
     """READY=1 now (the node listens and holds what it was configured to load), WATCHDOG=1
     pings while it runs (for a worker, only while its compute makes progress: see
     ``Heartbeat``), STOPPING=1 once a stop is requested; returns then."""
-    from ..ops.sdnotify import Watchdog, always_healthy, notify, watchdog_interval
+    from ..ops.sdnotify import Notifier, Watchdog, always_healthy, watchdog_interval
 
-    notify(f"READY=1\nSTATUS={status}\nMAINPID={os.getpid()}")
+    notifier = Notifier()  # one socket for every notification: kept through an fd flood
+    notifier.send(f"READY=1\nSTATUS={status}\nMAINPID={os.getpid()}")
     interval = watchdog_interval()
     if interval is not None:
         healthy = heartbeat.healthy if heartbeat is not None else always_healthy
         reason = heartbeat.reason if heartbeat is not None else None
-        Watchdog(interval, stopped, healthy, reason).start()
+        Watchdog(interval, stopped, healthy, reason, notifier).start()
     while not stopped.wait(0.5):  # a timed wait lets signal handlers run
         pass
-    notify("STOPPING=1")
+    try:
+        notifier.send("STOPPING=1")
+    except OSError:  # systemd learns of the stop from the exit anyway
+        pass
 
 
 def terminate_gracefully() -> None:

@@ -169,11 +169,13 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
     need(ring is not None or nodes >= 1, "--nodes", nodes, "an integer >= 1")
     load_torch()
     from ..model.devices import parse_device, parse_dtype
+    from ..model.checkpoint import check_checkpoint
     from ..roles.engine import TextModel
 
     with usage_errors():  # errors before any node process starts
         parse_device(device), parse_dtype(dtype)
     text = TextModel(model, tokenizer)
+    check_checkpoint(text.path, text.cfg)  # the config against the weights, from headers
     with usage_errors():  # the request's values against the model (its context)
         check(text)
     settings = early_exit_settings(text, exits)

@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import shutil
+import stat
 import struct
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -23,6 +24,7 @@ from ..base.dtypes import BY_SAFETENSORS
 from ..base.errors import CheckpointError, ConfigError
 from .config import ModelConfig, config_from_hf, config_to_hf, read_json
 from .exitfiles import CLASSIFIER_FILE
+from .fit import check_finite
 # the name tables and TensorSource live in .tensors (GGUF's source needs them too); imported
 # here as well for the modules that know them from this one
 from .tensors import (BLOCK_NAMES, GLOBAL_NAMES, MOE_BLOCK_NAMES,  # noqa: F401
@@ -36,6 +38,17 @@ _SAFETENSORS_DTYPES: Dict[str, torch.dtype] = {tag: getattr(torch, d.name)
                                                for tag, d in BY_SAFETENSORS.items()}
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 READ_CHUNK_BYTES = 4 << 20  # the temporary of a tensor read that converts dtype or layout
+
+
+def regular_file_size(file: Path) -> int:
+    """The size of ``file``, a regular file (a FIFO or a device would block a read)."""
+    try:
+        info = file.stat()
+    except OSError:
+        raise CheckpointError(f"{file}: file not found") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckpointError(f"{file}: not a regular file")
+    return info.st_size
 
 
 class SafetensorsSource(TensorSource):
@@ -72,6 +85,14 @@ class SafetensorsSource(TensorSource):
     def raw(self, name: str) -> Tensor:
         """A quantized tensor's blocks, uint8 (rows, bytes per row)."""
         return self.get(name)
+
+    def shape(self, name: str) -> Optional[Tuple[int, ...]]:
+        if name not in self.file_of or self.qtype(name) != "F32":
+            return None
+        return self._entry(name)[2]
+
+    def stored_bytes(self, name: str) -> Optional[int]:
+        return self._entry(name)[4] if name in self.file_of else None
 
     def _dequantized(self, name: str) -> Optional[Tensor]:
         """Tensor ``name`` in float32 when the chunk keeps it quantized, else None."""
@@ -164,10 +185,7 @@ class SafetensorsSource(TensorSource):
         """The JSON header of a safetensors file (8-byte little-endian length, then JSON),
         checked against the file's size so that a truncated file fails before any read."""
         if file not in self._headers:
-            try:
-                size = file.stat().st_size
-            except OSError:
-                raise CheckpointError(f"{file}: file not found") from None
+            size = regular_file_size(file)
             with open(file, "rb") as fh:
                 prefix = fh.read(8)
                 length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
@@ -179,6 +197,9 @@ class SafetensorsSource(TensorSource):
                 except ValueError as e:
                     raise CheckpointError(f"{file}: not a readable safetensors file "
                                           f"({e})") from None
+                except RecursionError:
+                    raise CheckpointError(f"{file}: not a readable safetensors file (its "
+                                          f"header is nested too deeply)") from None
             if not isinstance(header, dict):
                 raise CheckpointError(f"{file}: not a readable safetensors file (header is "
                                       f"not an object)")
@@ -205,6 +226,7 @@ class TorchBinSource(TensorSource):
     def __init__(self, path: Path) -> None:
         super().__init__(path)
         file = path / "pytorch_model.bin"
+        regular_file_size(file)
         kwargs = {"map_location": "cpu", "weights_only": True}
         try:
             try:
@@ -216,6 +238,10 @@ class TorchBinSource(TensorSource):
 
     def names(self) -> Sequence[str]:
         return list(self.state)
+
+    def shape(self, name: str) -> Optional[Tuple[int, ...]]:
+        found = self.state.get(name)
+        return tuple(found.shape) if isinstance(found, Tensor) else None
 
     def _read(self, name: str) -> Tensor:
         return self.state[name]
@@ -339,7 +365,7 @@ def load_config(model: Optional[PathLike]) -> ModelConfig:
                               f"directory?)")
     gen_file = path / "generation_config.json"
     generation = read_json(gen_file) if gen_file.exists() else None
-    return config_from_hf(read_json(cfg_file), str(cfg_file), generation)
+    return config_from_hf(read_json(cfg_file), str(cfg_file), generation, str(gen_file))
 
 
 _HASH_CACHE: Dict[Tuple[str, Tuple[Tuple[str, int, int], ...]], str] = {}
@@ -406,6 +432,18 @@ def _chunk_tensor(source: TensorSource, name: str, metadata: Dict[str, str]) -> 
     return source.raw(name).contiguous()
 
 
+def check_checkpoint(path: Path, cfg: ModelConfig) -> None:
+    """The whole config against the whole checkpoint, from the files' headers alone: what a
+    starter checks before any node builds or loads anything (``fit.check_source``)."""
+    from .fit import check_source
+
+    source = open_source(path)
+    try:
+        check_source(cfg, source)
+    finally:
+        source.close()
+
+
 def open_source(path: Path) -> TensorSource:
     if path.is_file():
         from .gguf import GGUFSource, looks_like_gguf
@@ -438,9 +476,9 @@ def load_model(model: Optional[PathLike] = None, layers: Optional[Tuple[int, int
     keeps_blocks = dtype == torch.float32
     source = open_source(path)
     try:
+        plan = _checked_plan(cfg, source, layers, embedding, head, device, dtype, keeps_blocks)
         with _skip_init():
             net = Transformer(cfg, layers, embedding, head).to(dtype)
-        plan = tensor_plan(cfg, layers, embedding, head)
         if keeps_blocks:
             from .qlayers import keep_quantized
 
@@ -456,6 +494,29 @@ def load_model(model: Optional[PathLike] = None, layers: Optional[Tuple[int, int
     finally:
         source.close()
     return net.to(device=device).eval()
+
+
+def _checked_plan(cfg: ModelConfig, source: TensorSource, layers: Tuple[int, int],
+                  embedding: bool, head: bool, device: str, dtype: torch.dtype,
+                  keeps_blocks: bool) -> Dict[str, str]:
+    """The tensor plan of a chunk, once the config is seen to fit the checkpoint (the blocks
+    asked for exist, every tensor has its shape) and the chunk this node's free memory."""
+    from .fit import check_memory, check_plan, chunk_bytes, describe
+
+    if not 0 <= layers[0] <= layers[1] <= cfg.n_layers:
+        raise ConfigError(f"{source.path}: blocks [{layers[0]}, {layers[1]}) are not blocks of "
+                          f"a model of {cfg.n_layers}")
+    last = f"model.layers.{layers[1] - 1}.input_layernorm.weight"
+    if layers[1] > layers[0] and last not in set(source.names()):  # before a plan of every
+        raise CheckpointError(f"{source.path}: num_hidden_layers = {cfg.n_layers}, but the "
+                              f"checkpoint has no tensor {last!r}: the config does not match "
+                              f"the weights")  # block is made: a config may name 10^9
+    plan = tensor_plan(cfg, layers, embedding, head)
+    check_plan(cfg, source, plan)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    check_memory(chunk_bytes(cfg, source, plan, itemsize, keeps_blocks), device,
+                 f"{source.path}: {describe(layers, embedding, head)} in {str(dtype)[6:]}")
+    return plan
 
 
 def _read_floats(net: Any, source: TensorSource, plan: Dict[str, str], device: str) -> None:
@@ -475,6 +536,7 @@ def _read_floats(net: Any, source: TensorSource, plan: Dict[str, str], device: s
             if theirs not in available:
                 raise CheckpointError(f"{source.path}: missing tensor {theirs!r}")
             source.read_into(theirs, params[ours])  # straight into the parameter
+            check_finite(params[ours], theirs, source.path)
 
 
 class _skip_init:

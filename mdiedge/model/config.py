@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
@@ -71,6 +73,26 @@ class ModelConfig:
                 f"1..n_experts={self.n_experts}")
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"model config: unsupported model_type {self.model_type!r}")
+        self._check_numbers()
+
+    def _check_numbers(self) -> None:
+        """Norm epsilon and RoPE values are positive finite numbers; token ids are tokens."""
+        numbers = {"rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            numbers.update({f"rope_scaling.{k}": v
+                            for k, v in dataclasses.asdict(self.rope_scaling).items()})
+        for key, value in numbers.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"model config: {key} must be a positive finite number, "
+                                  f"got {value!r}")
+        ids = [("bos_token_id", self.bos_id)] if self.bos_id is not None else []
+        ids += [("eos_token_id", i) for i in self.eos_ids]
+        for key, value in ids:
+            if isinstance(value, bool) or not isinstance(value, int) \
+                    or not 0 <= value < self.vocab_size:
+                raise ConfigError(f"model config: {key} {value!r} is not a token of the "
+                                  f"vocabulary (0..{self.vocab_size - 1})")
 
     @property
     def kv_dim(self) -> int:
@@ -197,17 +219,54 @@ def _rope_from_hf(raw: Mapping[str, Any], source: str) -> Tuple[float, Optional[
         raise ConfigError(f"{source}: llama3 rope scaling lacks key {e.args[0]!r}") from None
 
 
-def _token_ids(value: Any) -> Tuple[int, ...]:
+def _token_ids(value: Any, key: str, source: str) -> Tuple[int, ...]:
+    """A token id or a list of them (None: none), each an integer."""
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    found = value if isinstance(value, list) else [value]
+    for v in found:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(f"{source}: {key} must be a token id (an integer) or a list of "
+                              f"them, got {value!r}"[:300])
+    return tuple(found)
+
+
+def _special_ids(raw: Mapping[str, Any], gen: Mapping[str, Any], source: str,
+                 generation_source: str, vocab_size: Any) -> Tuple[Optional[int], Tuple[int, ...]]:
+    """BOS id and EOS ids, ``generation_config.json``'s over ``config.json``'s, each a token
+    of the vocabulary (errors name the file the value came from)."""
+    found = {}
+    for key in ("bos_token_id", "eos_token_id"):
+        which = generation_source if key in gen else source
+        ids = _token_ids(gen.get(key, raw.get(key)), key, which)
+        if key == "bos_token_id" and len(ids) > 1:
+            raise ConfigError(f"{which}: {key} must be one token id, got {list(ids)}")
+        for i in ids:
+            if isinstance(vocab_size, int) and not 0 <= i < vocab_size:
+                raise ConfigError(f"{which}: {key} {i} is not a token of the vocabulary "
+                                  f"(0..{vocab_size - 1})")
+        found[key] = ids
+    bos = found["bos_token_id"]
+    return (bos[0] if bos else None), found["eos_token_id"]
 
 
 def config_from_hf(raw: Mapping[str, Any], source: str = "config.json",
-                   generation: Optional[Mapping[str, Any]] = None) -> ModelConfig:
-    """Map a Hugging Face ``config.json`` dict (and ``generation_config.json``) to ModelConfig."""
+                   generation: Optional[Mapping[str, Any]] = None,
+                   generation_source: str = "generation_config.json") -> ModelConfig:
+    """Map a Hugging Face ``config.json`` dict (and ``generation_config.json``) to ModelConfig;
+    any value of the wrong kind is a one-line ConfigError naming ``source``."""
+    try:
+        return _config_from_hf(raw, source, generation, generation_source)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise ConfigError(f"{source}: a value of the wrong kind ({type(e).__name__}: "
+                          f"{e})"[:300]) from None
+
+
+def _config_from_hf(raw: Mapping[str, Any], source: str,
+                    generation: Optional[Mapping[str, Any]],
+                    generation_source: str) -> ModelConfig:
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"{source}: unsupported model_type {model_type!r} "
@@ -230,10 +289,8 @@ def config_from_hf(raw: Mapping[str, Any], source: str = "config.json",
     if window is not None and raw.get("use_sliding_window", True) and window < values["max_seq_len"]:
         values["max_seq_len"] = int(window)  # attention beyond the window is not implemented
     values["rope_theta"], values["rope_scaling"] = _rope_from_hf(raw, source)
-    gen = generation or {}
-    bos = gen.get("bos_token_id", raw.get("bos_token_id"))
-    values["bos_id"] = None if bos is None else int(bos)
-    values["eos_ids"] = _token_ids(gen.get("eos_token_id", raw.get("eos_token_id")))
+    values["bos_id"], values["eos_ids"] = _special_ids(raw, generation or {}, source,
+                                                       generation_source, values["vocab_size"])
     values["model_type"] = model_type
     values["name"] = str(raw.get("_name_or_path") or source)
     for key in ("rms_norm_eps", "rope_theta"):
@@ -269,15 +326,35 @@ def config_to_hf(cfg: ModelConfig) -> Dict[str, Any]:
     return out
 
 
+MAX_JSON_BYTES = 64 << 20  # a model's JSON file (config, generation config, index)
+
+
 def read_json(path: Path) -> Dict[str, Any]:
+    """A JSON object from a regular file of at most ``MAX_JSON_BYTES``, or a one-line
+    ConfigError: never a traceback (bytes that are not UTF-8, nesting too deep), and never
+    a wait on a FIFO or a device."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        info = path.stat()
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"{path}: not a regular file")
+    if info.st_size > MAX_JSON_BYTES:
+        raise ConfigError(f"{path}: {info.st_size} bytes, more than a model's JSON file may "
+                          f"hold ({MAX_JSON_BYTES})")
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(MAX_JSON_BYTES + 1).decode("utf-8"))
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a JSON file (not UTF-8 text: byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid JSON (nested too deeply)") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
-

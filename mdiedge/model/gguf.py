@@ -25,7 +25,8 @@ from .gguf_vocab import MAGIC, is_gguf  # noqa: F401 - one magic check, re-expor
 
 from ..base.errors import CheckpointError, ConfigError
 from .config import ModelConfig, config_from_hf
-from .tensors import TensorSource, tensor_plan
+from .fit import check_blocks, indices
+from .tensors import TensorSource, expected_shape, tensor_plan  # noqa: F401
 
 PathLike = Union[str, Path]
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -52,6 +53,7 @@ GGUF_BLOCK_NAMES: Dict[str, str] = {
     "mlp.experts.{e}.down.weight": "ffn_down_exps.weight",
 }
 _BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
+_GGUF_BLOCK = re.compile(r"blk\.(\d+)\.")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(.+)")
 
 
@@ -294,16 +296,6 @@ def gguf_name(ours: str) -> Tuple[str, Optional[int]]:
     return f"blk.{layer}.{GGUF_BLOCK_NAMES[rest]}", None if expert is None else int(expert.group(1))
 
 
-def expected_shape(cfg: ModelConfig, ours: str) -> Tuple[int, ...]:
-    """The shape of our parameter ``ours`` (Hugging Face's (out, in) for a matrix)."""
-    key = ours.rsplit(".", 2)[-2] if "." in ours else ours
-    d, h = cfg.dim, cfg.intermediate_size
-    return {"embed": (cfg.vocab_size, d), "lm_head": (cfg.vocab_size, d), "norm": (d,),
-            "attn_norm": (d,), "mlp_norm": (d,), "wq": (cfg.q_dim, d), "wk": (cfg.kv_dim, d),
-            "wv": (cfg.kv_dim, d), "wo": (d, cfg.q_dim), "gate": (h, d), "up": (h, d),
-            "down": (d, h), "router": (cfg.n_experts, d)}[key]
-
-
 def _hf_rows(rows: int, heads: int) -> Tensor:
     """For each row in Hugging Face's order, the row of llama.cpp's RoPE order holding it
     (the inverse of the converter's permutation: (heads, 2, half) <- (heads, half, 2))."""
@@ -323,6 +315,10 @@ class GGUFSource(TensorSource):
         tensors = {t.name: t for t in reader.tensors}
         self.index: Dict[str, _Entry] = {}
         cfg = self.cfg
+        stacked = tensors.get("blk.0.ffn_gate_exps.weight")
+        experts = set(range(int(stacked.shape.tolist()[-1]))) if stacked is not None else set()
+        check_blocks(cfg, indices(tensors, _GGUF_BLOCK), path, "block_count",
+                     experts if cfg.is_moe else None)
         for ours, theirs in tensor_plan(cfg, (0, cfg.n_layers), True, True).items():
             self.index[theirs] = self._entry(ours, tensors)
 
@@ -350,6 +346,16 @@ class GGUFSource(TensorSource):
 
     def names(self) -> Sequence[str]:
         return list(self.index)
+
+    def shape(self, name: str) -> Optional[Tuple[int, ...]]:
+        return self.index[name].shape if name in self.index else None
+
+    def stored_bytes(self, name: str) -> Optional[int]:
+        entry = self.index.get(name)
+        if entry is None:
+            return None
+        whole = int(entry.tensor.n_bytes)
+        return whole // self.cfg.n_experts if entry.expert is not None else whole
 
     def qtype(self, name: str) -> str:
         """The ggml type of tensor ``name`` as llama.cpp names it: "F32", "Q4_1", "Q6_K", ..."""

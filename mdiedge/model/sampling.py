@@ -28,8 +28,9 @@ class SamplingParams:
     seed: int = defaults.SEED
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise GenerationError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 <= self.temperature < float("inf"):
+            raise GenerationError(f"temperature must be a finite number >= 0, got "
+                                  f"{self.temperature!r}")
         if self.top_k < 0:
             raise GenerationError(f"top_k must be >= 0, got {self.top_k!r}")
         if not 0 < self.top_p <= 1:

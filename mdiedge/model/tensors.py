@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch import Tensor
 
@@ -68,6 +68,16 @@ def tensor_plan(cfg: ModelConfig, layers: Tuple[int, int], embedding: bool, head
     return plan
 
 
+def expected_shape(cfg: ModelConfig, ours: str) -> Tuple[int, ...]:
+    """The shape of our parameter ``ours`` (Hugging Face's (out, in) for a matrix)."""
+    key = ours.rsplit(".", 2)[-2] if "." in ours else ours
+    d, h = cfg.dim, cfg.intermediate_size
+    return {"embed": (cfg.vocab_size, d), "lm_head": (cfg.vocab_size, d), "norm": (d,),
+            "attn_norm": (d,), "mlp_norm": (d,), "wq": (cfg.q_dim, d), "wk": (cfg.kv_dim, d),
+            "wv": (cfg.kv_dim, d), "wo": (d, cfg.q_dim), "gate": (h, d), "up": (h, d),
+            "down": (d, h), "router": (cfg.n_experts, d)}[key]
+
+
 class TensorSource:
     """Reads named tensors lazily from one checkpoint; records what it read."""
 
@@ -80,6 +90,15 @@ class TensorSource:
 
     def _read(self, name: str) -> Tensor:
         raise NotImplementedError
+
+    def shape(self, name: str) -> Optional[Tuple[int, ...]]:
+        """The float shape of tensor ``name`` as stored, read from the file's metadata only
+        (None: not known before it is read, or stored in quantized blocks)."""
+        return None
+
+    def stored_bytes(self, name: str) -> Optional[int]:
+        """Bytes tensor ``name`` takes in its stored (quantized) form, None when unknown."""
+        return None
 
     def get(self, name: str) -> Tensor:
         self.read_names.append(name)

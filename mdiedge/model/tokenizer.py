@@ -52,6 +52,8 @@ def read_tokenizer_config(folder: Path) -> Dict[str, Any]:
         found = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise TokenizerError(f"{path}: not a JSON file ({e})") from None
+    except RecursionError:
+        raise TokenizerError(f"{path}: not a JSON file (nested too deeply)") from None
     if not isinstance(found, dict):
         raise TokenizerError(f"{path}: expected a JSON object, got {type(found).__name__}")
     return found

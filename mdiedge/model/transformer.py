@@ -27,6 +27,7 @@ from .config import ModelConfig
 from .exits import ExitStep
 from .layers import (MLP, Linear, RMSNorm, apply_rope, fuse_layers, fused_with,
                      project_fused, rope_tables, transposed_head_pays)
+from .fit import check_memory
 from .moe import MoE
 
 _HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
@@ -282,6 +283,13 @@ class Transformer(nn.Module):
         max_seq_len = max_seq_len or self.cfg.max_seq_len
         param = next(self.parameters())
         dtype, device = param.dtype, param.device
+        for block in self.layers.values():  # the old cache's memory is free for the new
+            block.attn.cache = None
+        need = 2 * n_slots * self.cfg.kv_dim * max_seq_len * param.element_size() * \
+            len(self.layers)
+        check_memory(need, str(device), f"a KV cache of {n_slots} slots x {max_seq_len} "
+                     f"tokens for blocks [{self.first}, {self.last})",
+                     "fewer samples (slots) or a shorter context")
         for block in self.layers.values():
             block.attn.cache = KVCache(n_slots, self.cfg.n_kv_heads, max_seq_len,
                                        self.cfg.head_dim, dtype, device)

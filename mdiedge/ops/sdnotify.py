@@ -25,17 +25,59 @@ from typing import Callable, Iterator, NamedTuple, Optional, Tuple
 log = logging.getLogger("mdiedge.watchdog")
 
 
-def notify(state: str) -> bool:
-    """Send one notification; False when not started by systemd (no ``$NOTIFY_SOCKET``)."""
+def notify_address() -> Optional[str]:
+    """``$NOTIFY_SOCKET`` as a socket address (``@name``: the abstract ``\\0name``), or None."""
     address = os.environ.get("NOTIFY_SOCKET")
     if not address:
+        return None
+    return "\0" + address[1:] if address.startswith("@") else address
+
+
+def notify(state: str) -> bool:
+    """Send one notification; False when not started by systemd (no ``$NOTIFY_SOCKET``)."""
+    address = notify_address()
+    if address is None:
         return False
-    if address.startswith("@"):
-        address = "\0" + address[1:]
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.connect(address)
-        sock.sendall(state.encode())
+        sock.sendto(state.encode(), address)
     return True
+
+
+class Notifier:
+    """Notifications over one socket, opened once and kept: a process that has run out of
+    descriptors (a connection flood) still pings. It is not connected: each send names the
+    address, so a socket that systemd re-bound is found again by the next send."""
+
+    def __init__(self) -> None:
+        self.sock: Optional[socket.socket] = None
+        self.lock = threading.Lock()  # the watchdog's thread and the main one share it
+        try:
+            self._open()
+        except OSError:  # already out of descriptors: each send tries again
+            pass
+
+    def _open(self) -> socket.socket:
+        if self.sock is None:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        return self.sock
+
+    def send(self, state: str) -> bool:
+        """Send ``state``; False without ``$NOTIFY_SOCKET``; OSError when it cannot be sent."""
+        address = notify_address()
+        if address is None:
+            return False
+        with self.lock:  # unconnected: a failed send leaves it usable for the next
+            self._open().sendto(state.encode(), address)
+        return True
+
+    def _close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def close(self) -> None:
+        with self.lock:
+            self._close()
 
 
 def watchdog_interval() -> Optional[float]:
@@ -159,16 +201,21 @@ class Watchdog(threading.Thread):
 
     Stops pinging (so that systemd restarts the service once ``WatchdogSec`` passes) while
     ``healthy()`` is false or raises; logs a warning once when it stops, with ``reason()`` when
-    given, and once when it resumes.
+    given, and once when it resumes. Pings go over one socket (a ``Notifier``, shared with
+    READY=1 and STOPPING=1), opened before any flood can take the last descriptor; no error
+    ends the thread.
     """
 
     def __init__(self, interval: float, stop: threading.Event,
                  healthy: Callable[[], bool] = always_healthy,
-                 reason: Optional[Callable[[], str]] = None) -> None:
+                 reason: Optional[Callable[[], str]] = None,
+                 notifier: Optional[Notifier] = None) -> None:
         super().__init__(name="watchdog", daemon=True)
         self.interval, self.stop = interval, stop
         self.healthy, self.reason = healthy, reason
         self.pinging = True  # False while pings are withheld
+        self.notifier = notifier or Notifier()  # one socket, opened now
+        self.pings = 0
 
     def _check(self) -> Tuple[bool, str]:
         try:
@@ -186,14 +233,35 @@ class Watchdog(threading.Thread):
         return False, why
 
     def run(self) -> None:
+        """Until ``stop``: a ping each interval while healthy. Nothing ends the thread: a ping
+        that cannot be sent (out of descriptors, systemd's socket gone) is logged once per
+        spell of failures and tried again at the next interval."""
+        failing = ""
         while not self.stop.wait(self.interval):
-            ok, why = self._check()
-            if ok:
-                if not self.pinging:
-                    log.warning("watchdog: healthy again, WATCHDOG=1 pings resume")
-                    self.pinging = True
-                notify("WATCHDOG=1")
-            elif self.pinging:
+            try:
+                failing = self._tick(failing)
+            except Exception as e:  # the thread must outlive anything: the next tick
+                why = f"{type(e).__name__}: {e}"
+                if why != failing:
+                    log.warning("watchdog: cannot ping systemd (%s); trying again every "
+                                "%.2f s", why, self.interval)
+                failing = why
+
+    def _tick(self, failing: str) -> str:
+        """One interval: check, then ping or withhold; returns "" (the ping went out, or was
+        withheld on purpose)."""
+        ok, why = self._check()
+        if not ok:
+            if self.pinging:
                 log.warning("watchdog: WATCHDOG=1 pings withheld (systemd restarts the service "
                             "if this lasts): %s", why)
                 self.pinging = False
+            return ""
+        if not self.pinging:
+            log.warning("watchdog: healthy again, WATCHDOG=1 pings resume")
+            self.pinging = True
+        self.notifier.send("WATCHDOG=1")
+        if failing:
+            log.warning("watchdog: pings reach systemd again")
+        self.pings += 1
+        return ""

@@ -16,7 +16,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from ..base import defaults
 from ..base.errors import MdiedgeError
 from ..base.words import SHOWN_SETUP_S, plural
-from ..model.checkpoint import content_hash, load_config, load_model, resolve_model_path
+from ..model.checkpoint import check_checkpoint, content_hash, load_config, load_model, \
+    resolve_model_path
+from ..model.fit import check_tokenizer
 from ..model.exitfiles import ExitSettings
 from ..model.config import ModelConfig
 from ..model.devices import parse_device, parse_dtype
@@ -93,6 +95,7 @@ class TextModel:
     path: Path
     cfg: ModelConfig
     tokenizer: Tokenizer
+    holds_weights = False  # an engine's (below) are checked against its config at once
 
     def __init__(self, model: Optional[PathLike] = None,
                  tokenizer: Optional[PathLike] = None) -> None:
@@ -101,7 +104,10 @@ class TextModel:
     def _open(self, model: Optional[PathLike], tokenizer: Optional[PathLike]) -> None:
         self.path = resolve_model_path(model)
         self.cfg = load_config(self.path)
+        if self.holds_weights:  # the config against the weights, before any node builds
+            check_checkpoint(self.path, self.cfg)
         self.tokenizer = load_tokenizer(self.path, tokenizer)
+        check_tokenizer(self.cfg, self.tokenizer, tokenizer or self.path)
 
     def encode_prompt(self, prompt: str, templated: bool = False) -> List[int]:
         """A prompt's ids, with the special tokens its tokenizer adds (the rule of
@@ -150,6 +156,8 @@ class TextModel:
 
 class Engine(TextModel):
     """What both engines share: a generation run by the scheduler that ``prepare`` gives."""
+
+    holds_weights = True
 
     _setup_lock: threading.Lock
     reserved: Tuple[int, int] = (0, 0)  # the least (slots, context) of any set-up

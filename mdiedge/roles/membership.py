@@ -69,6 +69,9 @@ class Membership:
         by_name = {c.node.name: c for c in self.clients}
         self.members = [by_name[n.name] for n in self.planned()]
         if not self.members:
+            if not self.lost:  # nobody is lost: every configured worker is a spare
+                raise RingError("no worker of the ring to set up: every configured worker is "
+                                "a spare (spare = true); make at least one of them a member")
             raise RingError("no worker of the ring answers: " + "; ".join(
                 f"{name}: {why}" for name, why in self.lost.items()))
         if self.lost:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from .. import __version__
 from ..base import defaults
 from ..base.codecs import Compression
-from ..base.errors import GenerationError, NodeLost, PartitionError, RingError
+from ..base.errors import ConfigError, GenerationError, NodeLost, PartitionError, RingError
 from ..base.memory import max_rss_bytes, rss_bytes
 from ..base.nodes import NodeSpec, StarterOptions
 from ..base.words import block_range
@@ -61,6 +61,10 @@ def _ring_rows(options: StarterOptions, cfg: Any) -> Tuple[int, int]:
     """A ring's prompt tokens per prefill message (its ``prefill_chunk``) and the most rows a
     decode message may carry (what a frame of ``max_payload`` bytes holds)."""
     row_bytes = cfg.dim * itemsize(options.dtype)
+    if options.max_payload < row_bytes:  # no frame could carry a token: every hop would fail
+        raise ConfigError(f"max_payload = {options.max_payload} bytes cannot carry one token's "
+                          f"hidden state ({cfg.dim} x {itemsize(options.dtype)} bytes): raise "
+                          f"max_payload to at least {row_bytes} bytes")
     return (prefill_rows(options.prefill_chunk, options.max_payload, row_bytes),
             prefill_rows(0, options.max_payload, row_bytes))
 
@@ -391,6 +395,7 @@ class RingEngine(Engine):
                  **changes: Any) -> None:
         self._open(model, tokenizer)
         self.options = dataclasses.replace(options, **changes)
+        _ring_rows(self.options, self.cfg)  # a max_payload too small for the model: now
         self.early_exit = early_exit
         self.starter = RingStarter(self.path, self.cfg, workers, self.options, early_exit,
                                    route)

@@ -20,6 +20,7 @@ import hashlib
 import http.client
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -33,16 +34,19 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
 
-from .auth import HEADER_NONCE, HEADER_REPLY, NODE_CHANGED, Authenticator
+from .auth import HEADER_NONCE, HEADER_REPLY, MAX_SKEW_S, NODE_CHANGED, Authenticator
 from .protocol import NodeStatus
+from ..base import defaults
+from ..base.backoff import AcceptBackoff
 from ..base.errors import ListenError, MdiedgeError, RingError
 from ..base.nodes import NodeSpec
+from ..base.ratelog import Throttled
 
 log = logging.getLogger("mdiedge.control")
 
 MAX_JSON_BODY = 1 << 20
 PUBLIC_PATHS = frozenset({"/ping"})  # {"pong": true, "node": its id}: RTTs, and what to sign for
-MAX_CONNECTIONS = 64
+MAX_CONNECTIONS = defaults.MAX_CONTROL_CONNECTIONS
 SOCKET_TIMEOUT_S = 20.0
 MIN_BODY_RATE = 1 << 16  # bytes/s a request's body arrives at, on average, at the least
 _CHUNK = 1 << 20
@@ -99,12 +103,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _refuse(self, code: int, message: str) -> None:
-        """Answer ``code`` and close, with one log line: a warning, but for a request signed
-        for an earlier id of this node (its client retries at once): info."""
+        """Answer ``code`` and close, with a log line: info for a request signed for an earlier
+        id of this node (its client retries at once), else a warning, rate-limited (a flood of
+        refused requests is one line, then a summary per ``LOG_SUMMARY_S``)."""
         routine = message.startswith(NODE_CHANGED)
-        (log.info if routine else log.warning)("refused %s %s from %s (%d): %s", self.command,
-                                               self.path[:200], self.client_address[0], code,
-                                               message)
+        say = log.info if routine else self.server.control.refusals
+        say("refused %s %s from %s (%d): %s", self.command, self.path[:200],
+            self.client_address[0], code, message)
         self._reply(code, {"error": message}, close=True)
 
     def _serve(self, method: str) -> None:
@@ -290,10 +295,22 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = 128  # socketserver's 5 drops SYNs in a burst: clients stall 1 s
     control: "ControlServer"
 
+    def get_request(self) -> Tuple[Any, Any]:
+        """The next connection; out of descriptors, a wait first (``AcceptBackoff``): the
+        serving loop would try again at once, for ever, while the shortage lasts."""
+        try:
+            pair = super().get_request()
+        except OSError as e:
+            self.control.backoff.failed(e)
+            raise  # socketserver drops a failed accept quietly
+        self.control.backoff.ok()
+        return pair
+
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.control.slots.enter(request, self.control.max_connections):
-            log.warning("refused a control connection from %s: %d connections already open",
-                        client_address[0], self.control.max_connections)
+            self.control.refusals("refused a control connection from %s: %d connections "
+                                  "already open", client_address[0],
+                                  self.control.max_connections)
             try:
                 request.setblocking(False)
                 request.send(_BUSY)
@@ -316,8 +333,9 @@ class _Server(ThreadingHTTPServer):
     def handle_error(self, request: Any, client_address: Any) -> None:
         error = sys.exc_info()[1]
         peer = isinstance(error, (OSError, http.client.HTTPException))
-        (log.debug if peer else log.warning)("control connection from %s ended: %s: %s",
-                                             client_address[0], type(error).__name__, error)
+        (log.debug if peer else self.control.refusals)("control connection from %s ended: "
+                                                       "%s: %s", client_address[0],
+                                                       type(error).__name__, error)
 
 
 class ControlServer:
@@ -339,15 +357,17 @@ class ControlServer:
         self.auth = (auth or Authenticator(None)).for_node(os.urandom(16).hex())
         self.max_connections, self.timeout_s = MAX_CONNECTIONS, SOCKET_TIMEOUT_S
         self.slots = _Slots()
+        self.refusals = Throttled(log, logging.WARNING, f"{what}: refused requests")
         try:
             self.httpd = _Server((host, port), _Handler)
         except OSError as e:
             raise ListenError(host, port, what, e) from None
+        self.backoff = AcceptBackoff(log, f"{what} {self.port}")
         self.httpd.control = self
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="control", daemon=True)
 
     def _ping(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
-        return {"pong": True, "node": self.auth.node}
+        return {"pong": True, "node": self.auth.node, "time": time.time()}
 
     @property
     def port(self) -> int:
@@ -369,6 +389,7 @@ class ControlServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+        self.refusals.flush()
 
 
 def round_trip_ms(base_url: str, timeout: float = 2.0) -> Optional[float]:
@@ -387,13 +408,32 @@ def round_trip_ms(base_url: str, timeout: float = 2.0) -> Optional[float]:
 _NODE_IDS: Dict[str, str] = {}  # base URL -> the id its control server signs for
 
 
-def node_id(base_url: str, timeout: float, fresh: bool = False) -> str:
+def node_id(base_url: str, timeout: float, fresh: bool = False, who: str = "") -> str:
     """The id of the control server at ``base_url`` (its ``/ping``; "" from one that has
-    none), asked once and remembered, or again when ``fresh``."""
+    none), asked once and remembered, or again when ``fresh``. Its clock is checked on the
+    way (``check_clock``): signed requests need clocks within ``MAX_SKEW_S``."""
     if fresh or base_url not in _NODE_IDS:
+        sent = time.time()
         reply = _request(base_url, "GET", "/ping", None, {}, False, timeout, base_url)
+        check_clock(reply.get("time"), (sent + time.time()) / 2, who or base_url)
         _NODE_IDS[base_url] = str(reply.get("node") or "")
     return _NODE_IDS[base_url]
+
+
+def check_clock(theirs: Any, ours: float, who: str) -> None:
+    """A node whose clock (``theirs``, its time when it answered ``/ping``) is more than
+    ``MAX_SKEW_S`` from ours (the middle of the round trip) would refuse every signed request
+    as stale, or we its: a one-line RingError naming the skew instead."""
+    if not isinstance(theirs, (int, float)) or isinstance(theirs, bool) \
+            or not math.isfinite(theirs):
+        return  # a node of a release that does not tell its time
+    skew = theirs - ours
+    if abs(skew) > MAX_SKEW_S:
+        raise RingError(f"{who}: its clock is {abs(skew):.0f} s "
+                        f"{'ahead of' if skew > 0 else 'behind'} this node's; signed requests "
+                        f"need clocks within {MAX_SKEW_S:.0f} s: set the clocks (NTP; a board "
+                        f"without a battery-backed clock, such as a Jetson, boots with a "
+                        f"wrong one)")
 
 
 def call(base_url: str, method: str, path: str, body: Optional[Dict[str, Any]] = None,
@@ -411,11 +451,11 @@ def call(base_url: str, method: str, path: str, body: Optional[Dict[str, Any]] =
         return _request(base_url, method, path, data, headers, raw is not None, timeout, who,
                         auth)
 
-    target = node_id(base_url, timeout)
+    target = node_id(base_url, timeout, who=who)
     try:
         return signed_for(target)
     except RingError as e:
-        if getattr(e, "status", None) != 401 or node_id(base_url, timeout, True) == target:
+        if getattr(e, "status", None) != 401 or node_id(base_url, timeout, True, who) == target:
             raise
     log.info("%s restarted since it was last asked (its node id changed): %s %s signed for "
              "its new id and sent again", who, method, path)

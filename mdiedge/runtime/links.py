@@ -36,10 +36,13 @@ from . import framing, messages
 from .auth import AuthError, Authenticator
 from .messages import Message
 from .seal import LinkKeys
+from ..base.backoff import AcceptBackoff
 from ..base.codecs import NO_COMPRESSION, Compression
 from ..base.errors import FrameError, IntegrityError, LinkMismatch, ListenError
+from ..base.ratelog import Throttled
 
 log = logging.getLogger("mdiedge.links")
+_refused = Throttled(log, logging.WARNING, "refused data-link handshakes")  # strays, floods
 
 HANDSHAKE_TIMEOUT_S = 10.0  # per connection: handshakes run side by side, so strays cost nothing
 MAX_HANDSHAKES = 64  # handshakes under way on one listener; a flood closes the oldest
@@ -189,7 +192,7 @@ class _Handshakes:
             log.warning("%s: %s", self.name, e)
         except Exception as e:  # AuthError, OSError, or anything a stray's bytes provoke
             self.last, ok = str(e), False
-            (log.debug if self.done else log.warning)("%s: %s", self.name, e)
+            (log.debug if self.done else _refused)("%s: %s", self.name, e)
         with self.lock:
             evicted = self.open.pop(sock, True) is True  # a flood made it give way
             if ok and not self.done and not evicted:
@@ -220,6 +223,7 @@ def accept_authenticated(listener: socket.socket, auth: Authenticator, timeout: 
     or sealing."""
     deadline = time.monotonic() + timeout
     handshakes = _Handshakes(auth, name, handshake_timeout, codecs, seal)
+    backoff = AcceptBackoff(log, f"{name}: data port")
     try:
         while True:
             if not handshakes.won.empty():
@@ -238,8 +242,9 @@ def accept_authenticated(listener: socket.socket, auth: Authenticator, timeout: 
                 if listener.fileno() == -1:
                     raise
                 handshakes.last = f"accept failed: {e}"
-                time.sleep(POLL_S)
+                time.sleep(min(backoff.wait_s(e) or POLL_S, max(0.0, left)))
                 continue
+            backoff.ok()
             handshakes.start(sock)
     finally:
         handshakes.finish()

@@ -3,30 +3,50 @@ app for an engine and binds the port at once (so a port in use is an error befor
 says it is ready)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
+from ...base import defaults
+from ...base.backoff import is_shortage
 from ...base.errors import ConfigError
+from ...base.ratelog import Throttled
 from .rules import HEAD_TIMEOUT_S, ServeLimits
+
+log = logging.getLogger("mdiedge.api")
 
 API_KEY_ENV = "MDIEDGE_API_KEY"
 START_TIMEOUT_S = 30.0
+LISTEN_BACKLOG = 128  # also the most connections asyncio accepts in one go, before the cap
+#                       on open connections (guarded_protocol) closes any of them
 
 
 def read_api_key(path: Optional[str]) -> Optional[str]:
     """The API key from ``path`` (its first line), else ``$MDIEDGE_API_KEY``, else None.
-    Never from the command line: argv is visible to every user (``ps``)."""
+    Never from the command line: argv is visible to every user (``ps``). The file must be a
+    regular file its owner alone may read, as the ring's secret file."""
     if path:
+        file = Path(path).expanduser()
         try:
-            lines = Path(path).expanduser().read_text(encoding="utf-8").splitlines()
+            info = file.stat()
+            if not stat.S_ISREG(info.st_mode):
+                raise ConfigError(f"--api-key-file {path}: not a regular file")
+            mode = stat.S_IMODE(info.st_mode)
+            if mode & 0o077:
+                raise ConfigError(f"--api-key-file {path} (mode {mode:04o}) is readable by "
+                                  f"other users: chmod 600 {path}")
+            lines = file.read_text(encoding="utf-8").splitlines()
             key = lines[0].strip() if lines else ""
         except OSError as e:
             raise ConfigError(f"--api-key-file {path}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"--api-key-file {path}: not UTF-8 text") from None
         if not key:
             raise ConfigError(f"--api-key-file {path}: the file is empty")
         return key
@@ -50,38 +70,101 @@ def listen(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-        sock.listen(128)
+        sock.listen(LISTEN_BACKLOG)
     except OSError as e:
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     return sock
 
 
-def guarded_protocol() -> Any:
-    """uvicorn's h11 protocol with a deadline on each request's head: a connection that has
-    not sent a whole request line and headers within ``HEAD_TIMEOUT_S`` of opening, or of
-    its last response, is closed. uvicorn times out only idle kept-alive connections, so a
-    client that connects and stays silent, or sends its headers a byte at a time, would
-    hold its socket for ever, and a few hundred of them every file descriptor."""
+def guarded_protocol(max_connections: int = defaults.MAX_API_CONNECTIONS) -> Any:
+    """uvicorn's h11 protocol with a deadline on each request's head and a bound on open
+    connections. A connection that has not sent a whole request line and headers within
+    ``HEAD_TIMEOUT_S`` of opening, or of its last response, is closed: uvicorn times out only
+    idle kept-alive connections, so a client that connects and stays silent, or sends its
+    headers a byte at a time, would hold its socket for ever. At ``max_connections`` open, a
+    new connection closes the one that has waited longest for its request's head, else (every
+    one is serving a request) is closed itself: a flood of idle connections cannot take every
+    file descriptor of the process, nor lock a genuine client out."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class GuardedH11Protocol(H11Protocol):
+        _awaiting: Any = None  # the cycle current when the wait for a head began
+        _idle_since = 0.0
+
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self._await_head()
+            if not _make_room(self, self.connections, max_connections):
+                transport.abort()
 
         def on_response_complete(self) -> None:
             self._await_head()  # first: a pipelined request starts its cycle in there
             super().on_response_complete()
 
         def _await_head(self) -> None:  # a new request makes a new cycle
+            self._awaiting, self._idle_since = self.cycle, self.loop.time()
             self.loop.call_later(HEAD_TIMEOUT_S, self._head_due, self.cycle)
 
         def _head_due(self, cycle: Any) -> None:
             if self.cycle is cycle and not self.transport.is_closing():
                 self.transport.close()
 
+        @property
+        def idle(self) -> bool:
+            """Open and waiting for a request's head (not serving one)."""
+            return self.cycle is self._awaiting and not self.transport.is_closing()
+
     return GuardedH11Protocol
+
+
+def _make_room(new: Any, connections: Any, limit: int) -> bool:
+    """Whether ``new`` may stay open: under ``limit`` open connections, or once the one idle
+    longest (not ``new``) is closed to make room."""
+    open_ = [c for c in connections if not c.transport.is_closing()]
+    if len(open_) <= limit:
+        return True
+    idle = [c for c in open_ if c is not new and c.idle]
+    if not idle:
+        _refused("API connection from %s closed: %d connections open, none idle",
+                 _peer(new), len(open_) - 1)
+        return False
+    oldest = min(idle, key=lambda c: c._idle_since)
+    oldest.transport.abort()
+    _refused("API connection from %s closed to make room (%d connections open)",
+             _peer(oldest), limit)
+    return True
+
+
+def _peer(protocol: Any) -> str:
+    return str(protocol.client[0]) if protocol.client else "?"
+
+
+_refused = Throttled(log, logging.WARNING, "API connections closed at the limit")
+_shortage = Throttled(log, logging.WARNING, "API port: failed accepts")
+
+
+def _loop_errors(loop: Any, context: Dict[str, Any]) -> None:
+    """The event loop's error handler: an accept out of descriptors or memory (asyncio tries
+    again after a second) is a rate-limited line, not a traceback per try; the rest as
+    asyncio's own handler says them."""
+    error = context.get("exception")
+    if is_shortage(error) and "accept" in str(context.get("message", "")):
+        _shortage("API port: cannot accept a connection (%s); retrying", error)
+        return
+    loop.default_exception_handler(context)
+
+
+def _server_class() -> Any:
+    """uvicorn's server, with ``_loop_errors`` as its event loop's error handler."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            asyncio.get_running_loop().set_exception_handler(_loop_errors)
+            await super().startup(sockets=sockets)
+
+    return Server
 
 
 class ApiServer:
@@ -98,8 +181,9 @@ class ApiServer:
         log_config = None if logging.getLogger().handlers else LOGGING_CONFIG
         config = uvicorn.Config(app, log_level=log_level, lifespan="off", access_log=False,
                                 timeout_graceful_shutdown=3, http=guarded_protocol(),
+                                backlog=LISTEN_BACKLOG,
                                 log_config=log_config)
-        self.server = uvicorn.Server(config)
+        self.server = _server_class()(config)
         self.thread = threading.Thread(target=self._serve, name="mdiedge-api", daemon=True)
         self.error: Optional[BaseException] = None
 

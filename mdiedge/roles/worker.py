@@ -37,6 +37,16 @@ from .exitparts import cache_suffix, extra_bytes, has_parts, keep_sent_classifie
 
 log = logging.getLogger("mdiedge.worker")
 
+TEST_PAUSE_ENV = "MDIEDGE_TEST_PAUSE"  # tests only: "NAME:POINT:SECONDS", see pause_for_tests
+
+
+def pause_for_tests(name: str, point: str) -> None:
+    """For tests only: the worker ``name`` sleeps at ``point`` (``/assign``, ``/connect``)
+    when ``$MDIEDGE_TEST_PAUSE`` says so ("w2:/assign:4"), so that a test can kill or freeze
+    it at a known step of its set-up while its control port still answers."""
+    spec = os.environ.get(TEST_PAUSE_ENV, "").split(":")
+    if len(spec) == 3 and spec[:2] == [name, point]:
+        time.sleep(float(spec[2]))
 
 
 def default_cache_dir() -> Path:
@@ -158,6 +168,7 @@ class WorkerNode:
             self._claim(request.session)
             if self.state == "busy":
                 raise Conflict(f"{self.name} is serving a ring already")
+            pause_for_tests(self.name, "/assign")
             if not (request.same_weights(self.assignment) and self.model is not None
                     and has_parts(self.source, request.early_exit)):
                 source = self._find_local_copy(request)
@@ -222,6 +233,7 @@ class WorkerNode:
             self.state = "busy"
             self.ring_id += 1
             ring_id = self.ring_id
+            pause_for_tests(self.name, "/connect")
         threading.Thread(target=self._serve_ring, args=(request, ring_id), name="ring",
                          daemon=True).start()
         return {"state": "busy"}

@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -80,7 +81,8 @@ class RingStarter:
         self.device = str(parse_device(options.device))
         self.auth = Authenticator(options.secret)
         self.session = os.urandom(8).hex()  # workers serve one starter session at a time
-        self.clients = [ControlClient(w, self.auth, self.session) for w in workers]
+        self.clients = [ControlClient(w, self.auth, self.session, options.name)
+                        for w in workers]
         self.membership = Membership(self.clients)
         self.watch = SetupWatch(options.stall_s)  # set-up steps under the stall rule
         self.recoveries = 0
@@ -285,7 +287,8 @@ class RingStarter:
             log.info("sending blocks %s to %s", block_range(layers), client.node.name)
             raw = sent_chunk(self.path, layers, request.early_exit)
             reply = AssignReply.from_json(self._call(
-                client, "PUT", f"/weights?hash={self.hash}&session={self.session}",
+                client, "PUT", f"/weights?hash={self.hash}&session={self.session}&starter="
+                f"{urllib.parse.quote(self.options.name)}",
                 what=f"blocks {block_range(layers)}", raw=raw,
                 timeout=defaults.ASSIGN_TIMEOUT_S))
         return reply.data_port

@@ -70,6 +70,7 @@ class WorkerNode:
         self.heartbeat = heartbeat  # fed by the compute loop: the systemd watchdog reads it
         self.owner = ""  # session of the starter this worker serves; "" when free
         self.owner_seen = 0.0
+        self.owner_name = ""  # the name that starter signs its requests with
         self.cache_dir = cache_dir or default_cache_dir()
         self.state = "idle"
         self.started = time.time()
@@ -102,14 +103,22 @@ class WorkerNode:
         threading.Thread(target=self._expire_owner, name="lease", daemon=True).start()
         return self
 
-    def _claim(self, session: str) -> None:
+    def _claim(self, session: str, starter: str = "") -> None:
         """Serve only one starter at a time: another is refused while the owner's lease holds
-        (the ring is up, or the owner spoke within ``idle_timeout_s``)."""
+        (the ring is up, or the owner spoke within ``idle_timeout_s``), but for a signed
+        request of the owner's ``starter`` name in a new session (the same starter,
+        restarted): it takes over, and the old session's ring is ended."""
         now = time.time()
         if self.owner and self.owner != session and (
                 self.state in ("busy", "loading") or now - self.owner_seen < self.idle_timeout_s):
-            raise Conflict(f"{self.name} is serving another starter; try again when it is done")
-        self.owner, self.owner_seen = session, now
+            if not (starter and starter == self.owner_name and self.auth.enabled):
+                raise Conflict(f"{self.name} is serving another starter; try again when it "
+                               f"is done")
+            log.warning("%s: starter %r is back in a new session: it takes over, the old "
+                        "session's ring is ended", self.name, starter)
+            self.ring_id += 1
+            self._end_ring()
+        self.owner, self.owner_name, self.owner_seen = session, starter, now
 
     def _expire_owner(self) -> None:
         """Free the slots and return to idle when the owning starter has gone away."""
@@ -165,7 +174,7 @@ class WorkerNode:
         request = Assignment.from_json(body)
         parse_device(request.device)
         with self.lock:
-            self._claim(request.session)
+            self._claim(request.session, str(body.get("starter", "")))
             if self.state == "busy":
                 raise Conflict(f"{self.name} is serving a ring already")
             pause_for_tests(self.name, "/assign")
@@ -194,7 +203,7 @@ class WorkerNode:
     def receive_weights(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
         """The starter's safetensors of exactly the pending range: cache them, then load."""
         with self.lock:
-            self._claim(query.get("session", ""))
+            self._claim(query.get("session", ""), query.get("starter", ""))
             request = self.pending
             if request is None or query.get("hash") != request.model.hash:
                 raise Conflict("no pending assignment for these weights")
@@ -223,7 +232,7 @@ class WorkerNode:
         """Open the link to the next node, wait for the previous one, start the threads."""
         request = ConnectRequest.from_json(body)
         with self.lock:
-            self._claim(request.session)
+            self._claim(request.session, str(body.get("starter", "")))
             if self.stage is None:
                 raise Conflict(f"{self.name} has no layers assigned")
             if self.state == "busy":
@@ -240,7 +249,7 @@ class WorkerNode:
 
     def reset(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
         with self.lock:
-            self._claim(str(body.get("session", "")))
+            self._claim(str(body.get("session", "")), str(body.get("starter", "")))
             if body.get("release"):  # the starter is done with this worker
                 self.owner = ""
             self.ring_id += 1

@@ -135,7 +135,8 @@ def serve(
         sock = listen(host, port)  # a port in use fails before any node starts
         stack.callback(sock.close)
         engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring,
-                              recovery, lambda text: check_context(context, text), exits)
+                              recovery, lambda text: check_context(context, text), exits,
+                              respawn=True)
         api = open_api(engine, sock, slots, context, max_queue, max_body, key, model_name,
                        log_level)
         stack.callback(api.close)

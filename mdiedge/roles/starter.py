@@ -87,6 +87,9 @@ class RingStarter:
         self.watch = SetupWatch(options.stall_s)  # set-up steps under the stall rule
         self.recoveries = 0
         self.measured: Dict[str, float] = {}  # weights from measured speed, by node name
+        self.pinned: Tuple[Tuple[str, ...], Dict[str, Tuple[int, int]]] = ((), {})  # the last
+        #     balancing step's ranges, for the ring of these nodes (starter first)
+        self.evidence = balance.Evidence()  # of the current ring's balance checks
         self._balanced_at = 0  # the scheduler's message count at the last balance check
         self.hash = content_hash(path)
         self.model: Any = None
@@ -153,38 +156,38 @@ class RingStarter:
                   itemsize(self.options.dtype))
 
     def _shares(self, workers: Sequence[NodeSpec]) -> List[NodeSpec]:
-        """The starter and ``workers``, each with its measured weight where there is one."""
-        return [dataclasses.replace(n, weight=self.measured.get(n.name, n.weight))
-                for n in [self.options.spec] + list(workers)]
+        """The starter and ``workers``, each with its measured weight where there is one, and
+        the ranges of the last balancing step while the ring has the same nodes."""
+        nodes = [self.options.spec] + list(workers)
+        names, pins = self.pinned
+        ours = pins if tuple(n.name for n in nodes) == names else {}
+        return [dataclasses.replace(n, weight=self.measured.get(n.name, n.weight),
+                                    layers=ours.get(n.name, n.layers)) for n in nodes]
 
     def _rebalance(self, current: Scheduler) -> bool:
-        """Between requests: whether the measured time per block calls for a new split (its
-        weights are kept in ``measured`` for the set-up that follows)."""
-        if self.options.rebalance_margin <= 0 or \
-                current.stats.messages < self._balanced_at + balance.MIN_MESSAGES:
+        """Between requests: whether the measured times per block call for a step toward a
+        new split (``balance``; the step's ranges are kept in ``pinned``, its weights in
+        ``measured``, for the set-up that follows)."""
+        margin = self.options.rebalance_margin
+        if margin <= 0 or current.stats.messages < self._balanced_at + balance.MIN_MESSAGES:
             return False
         self._balanced_at = current.stats.messages
         stage = current.pipeline.stages[0]
         own = NodeStatus("starter", "starter", "ready", layers=stage.layers,
                          messages=stage.counters.messages, compute_s=stage.counters.compute_s)
-        shares = self._shares(self.ring_workers)
+        self.evidence = balance.observe(
+            self.evidence, [own] + probe_all(self.members, defaults.DIAGNOSE_TIMEOUT_S), margin)
         weights = balance.measured_weights(
-            [own] + probe_all(self.members, defaults.DIAGNOSE_TIMEOUT_S),
-            {n.name: n.weight for n in shares}, self.options.rebalance_margin)
+            self.evidence, {n.name: n.weight for n in self._shares(self.ring_workers)}, margin)
         if weights is None:
             return False
-        before, self.measured = self.measured, dict(self.measured, **weights)
-        n_slots, context = current.pipeline.n_slots, current.pipeline.context
-        try:
-            split = partition(self.cfg, self._shares(self.ring_workers), n_slots, context,
-                              itemsize(self.options.dtype))
-        except PartitionError:  # the measured weights do not fit the declared memory
-            split = self.placements
-        if [p.layers for p in split] == [p.layers for p in self.placements]:
-            self.measured = before
+        step = balance_step(self, weights, current.pipeline.n_slots, current.pipeline.context)
+        if step is None:
             return False
+        self.measured = dict(self.measured, **weights)
+        self.pinned = (tuple(p.name for p in step), {p.name: p.layers for p in step})
         log.info("re-splitting by measured speed %s: %s", {k: round(v, 2) for k, v in
-                 weights.items()}, [f"{p.name} {block_range(p.layers)}" for p in split])
+                 weights.items()}, [f"{p.name} {block_range(p.layers)}" for p in step])
         return True
 
     def _setup(self, n_slots: int, context: int) -> Scheduler:
@@ -240,7 +243,7 @@ class RingStarter:
             self._call(client, "POST", "/reset", {}, timeout=10)
         self.placements = partition(self.cfg, self._shares(self.ring_workers), n_slots, context,
                                     itemsize(self.options.dtype))
-        self._balanced_at = 0
+        self._balanced_at, self.evidence = 0, balance.Evidence()
         first = self.placements[0].layers
         if self.model is None or (self.model.first, self.model.last) != first:
             self.model = None
@@ -352,6 +355,28 @@ class RingStarter:
         for thread in threads:
             thread.join(3)
         close_quietly(self.listener)
+
+
+def balance_step(starter: RingStarter, weights: Dict[str, float], n_slots: int,
+                 context: int) -> Optional[List[Placement]]:
+    """The placements one balancing step from the current ones toward the split by
+    ``weights`` (``balance.bounded_split``: bounded, no node emptied, pinned nodes kept), or
+    None when it moves nothing or does not fit the declared memory."""
+    nodes = [starter.options.spec] + starter.ring_workers  # as configured: their own pins
+    aimed = [dataclasses.replace(n, weight=weights.get(n.name, n.weight)) for n in nodes]
+    size = itemsize(starter.options.dtype)
+    current = [p.layers[1] - p.layers[0] for p in starter.placements]
+    try:
+        target = [p.layers[1] - p.layers[0] for p in partition(starter.cfg, aimed, n_slots,
+                                                                  context, size)]
+        counts = balance.bounded_split(current, target, [n.layers is not None for n in nodes],
+                                       balance.max_move(starter.cfg.n_layers))
+        if counts == current:
+            return None
+        return partition(starter.cfg, [dataclasses.replace(n, layers=r) for n, r in
+                                       zip(aimed, balance.ranges(counts))], n_slots, context, size)
+    except PartitionError:  # the measured weights do not fit the declared memory
+        return None
 
 
 def starter_links(starter: RingStarter, ends: List[Tuple[str, int]], auth: Authenticator,

@@ -73,18 +73,21 @@ def generate_within(engine: Any, seconds: float) -> Any:
         pool.shutdown(wait=False)
 
 
-@pytest.mark.parametrize("step, sig", [
-    ("w2's POST /assign", signal.SIGSTOP),
-    ("w2's POST /assign", signal.SIGKILL),
-    ("w2's POST /connect", signal.SIGSTOP),
-], ids=["frozen-in-assign", "killed-in-assign", "frozen-in-connect"])
+@pytest.mark.parametrize("step, sig, spares, ring", [
+    ("w2's POST /assign", signal.SIGSTOP, 0, ["w1", "w3"]),
+    ("w2's POST /assign", signal.SIGKILL, 0, ["w1", "w3"]),
+    ("w2's POST /connect", signal.SIGSTOP, 0, ["w1", "w3"]),
+    ("the ring's links", signal.SIGSTOP, 0, ["w1", "w3"]),  # after its /connect answered
+    ("w2's POST /assign", signal.SIGSTOP, 1, ["w1", "spare1", "w3"]),  # the spare steps in
+], ids=["frozen-in-assign", "killed-in-assign", "frozen-in-connect", "frozen-linking",
+        "frozen-with-a-spare"])
 def test_a_worker_lost_during_set_up_is_named_and_left_out(
         reference: LocalEngine, ring_model: Path, monkeypatch: Any, step: str,
-        sig: int) -> None:
+        sig: int, spares: int, ring: List[str]) -> None:
     want = [s["token_ids"] for s in reference.generate(PROMPT, 40, 2, GREEDY).samples]
-    point = step.rsplit(" ", 1)[1]
+    point = step.rsplit(" ", 1)[1]  # /assign, /connect, links
     monkeypatch.setenv(TEST_PAUSE_ENV, f"w2:{point}:{HOLD_S}")
-    local = LocalRing(3)
+    local = LocalRing(3, spares=spares)
     seen: Dict[str, Any] = {}
     with local as workers:
         engine = ring_engine(local, workers, ring_model)
@@ -93,7 +96,7 @@ def test_a_worker_lost_during_set_up_is_named_and_left_out(
         try:
             out = generate_within(engine, 60)
             striker.join(10)
-            assert [w.name for w in engine.starter.ring_workers] == ["w1", "w3"]
+            assert [w.name for w in engine.starter.ring_workers] == ring
             assert engine.starter.recoveries == 1
             assert "does not answer" in engine.starter.membership.lost["w2"] or \
                 sig == signal.SIGKILL

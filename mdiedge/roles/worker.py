@@ -41,7 +41,8 @@ TEST_PAUSE_ENV = "MDIEDGE_TEST_PAUSE"  # tests only: "NAME:POINT:SECONDS", see p
 
 
 def pause_for_tests(name: str, point: str) -> None:
-    """For tests only: the worker ``name`` sleeps at ``point`` (``/assign``, ``/connect``)
+    """For tests only: the worker ``name`` sleeps at ``point`` (``/assign``, ``/connect``,
+    ``links``: before it opens the ring's links)
     when ``$MDIEDGE_TEST_PAUSE`` says so ("w2:/assign:4"), so that a test can kill or freeze
     it at a known step of its set-up while its control port still answers."""
     spec = os.environ.get(TEST_PAUSE_ENV, "").split(":")
@@ -104,10 +105,9 @@ class WorkerNode:
         return self
 
     def _claim(self, session: str, starter: str = "") -> None:
-        """Serve only one starter at a time: another is refused while the owner's lease holds
-        (the ring is up, or the owner spoke within ``idle_timeout_s``), but for a signed
-        request of the owner's ``starter`` name in a new session (the same starter,
-        restarted): it takes over, and the old session's ring is ended."""
+        """Serve one starter at a time: another is refused while the owner's lease holds (ring
+        up, or owner heard within ``idle_timeout_s``), but the owner's ``starter`` name in a
+        new signed session (it restarted) takes over, and the old session's ring ends."""
         now = time.time()
         if self.owner and self.owner != session and (
                 self.state in ("busy", "loading") or now - self.owner_seen < self.idle_timeout_s):
@@ -331,6 +331,7 @@ class WorkerNode:
                           self.busy_poll_us)
 
     def _serve_ring(self, request: ConnectRequest, ring_id: int) -> None:
+        pause_for_tests(self.name, "links")
         links = self._open_links(request, ring_id)
         with self.lock:
             if links is None or self.ring_id != ring_id:  # failed, or reset while waiting

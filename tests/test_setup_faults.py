@@ -140,3 +140,15 @@ def test_a_slow_load_that_answers_is_waited_for(reference: LocalEngine, ring_mod
     (setup, health), = seen
     assert setup.startswith("w2's POST /assign (blocks ")
     assert health.startswith("setting up the ring: waiting for w2's POST /assign (blocks ")
+
+
+def test_status_says_what_the_set_up_waits_for(capsys: Any) -> None:
+    from mdiedge.ops.console import print_status
+
+    print_status([{"name": "starter", "role": "starter", "address": "starter:7600",
+                   "state": "idle", "layers": None,
+                   "setup": "w2's POST /assign (blocks [3, 5)) for 12.0 s"},
+                  {"name": "w2", "role": "worker", "address": "w2:7700", "state": "loading",
+                   "layers": None}])
+    assert "starter: setting up the ring: waiting for w2's POST /assign (blocks [3, 5)) for " \
+        "12.0 s" in capsys.readouterr().out

@@ -67,3 +67,28 @@ def test_a_restarted_starter_serves_at_once_and_another_is_refused(stories: Path
     finally:
         for proc in procs + [w for w, _ in workers]:
             stop(proc)
+
+
+@pytest.mark.parametrize("secret, name, takes_over", [
+    (SECRET.encode(), "host http://10.0.0.1:7600", True),   # the same starter, restarted
+    (SECRET.encode(), "host http://10.0.0.1:7601", False),  # another starter
+    (SECRET.encode(), "", False),                           # one that names none (generate)
+    (None, "host http://10.0.0.1:7600", False),             # unsigned: no takeover
+])
+def test_who_may_take_a_worker_over(secret: Any, name: str, takes_over: bool) -> None:
+    from mdiedge.roles.worker import WorkerNode
+    from mdiedge.runtime.control import Conflict
+
+    worker = WorkerNode(secret=secret, name="w1").start()
+    try:
+        worker.reset({"session": "old", "starter": "host http://10.0.0.1:7600"}, b"", {})
+        if takes_over:
+            worker.reset({"session": "new", "starter": name}, b"", {})
+            assert worker.owner == "new"
+        else:
+            with pytest.raises(Conflict, match="w1 is serving another starter"):
+                worker.reset({"session": "new", "starter": name}, b"", {})
+            assert worker.owner == "old"
+    finally:
+        worker.stopped.set()
+        worker.close()

@@ -40,6 +40,8 @@ COMPUTE_STALL_S = 60.0  # a worker busy this long on one message stops its syste
 LOCAL_RING_TIMEOUT_S = 15.0  # `generate --nodes N`: a message not back within this is a stall
 STALL_S = 3.0  # no message back this long: every worker is asked; one that does not answer
 #                within this again is lost, and the ring recovers without it
+ASSIGN_TIMEOUT_S = 600.0  # a worker that answers its control port may load (or receive) its
+#                         layers this long; one that stops answering is lost within STALL_S
 REBALANCE_MARGIN = 0.25  # re-split between requests when the slowest node is this far above the mean
 DIAGNOSE_TIMEOUT_S = 2.0  # a node whose control plane does not answer within this is down
 STATUS_RTT_TIMEOUT_S = 0.25  # a worker's /status waits at most this for its next node's ping

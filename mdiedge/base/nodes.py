@@ -54,6 +54,8 @@ class StarterOptions:
     share_path: bool = True  # tell workers where the model lies (a shared filesystem)
     secret: Optional[bytes] = None
     control_url: Optional[str] = None  # set when the starter serves a control plane
+    name: str = ""  # a starter restarted under its name (and secret) takes its workers over
+#                     at once ("": never; a long-lived starter's is its host and control port)
 
     @property
     def spec(self) -> NodeSpec:

@@ -160,11 +160,13 @@ def _generate_through(url: str, prompt: str, max_new_tokens: int, samples: int,
 def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], device: str,
                  dtype: str, nodes: int, ring: Optional[str],
                  recovery: Tuple[Dict[str, Any], int], check: Callable[[Any], Any],
-                 exits: Optional[Tuple[str, Optional[str]]] = None) -> Any:
+                 exits: Optional[Tuple[str, Optional[str]]] = None,
+                 respawn: bool = False) -> Any:
     """The engine for ``--nodes``/``--ring``; ``check`` validates the request (given the
     model's text side) before any node process is started; ``recovery``: the starter options
     given on the command line (stall time, recover) and the local ring's spares; ``exits``:
-    the early-exit criterion and threshold."""
+    the early-exit criterion and threshold; ``respawn``: a local ring's worker that dies is
+    started again."""
     changes, spares = recovery
     need(ring is not None or nodes >= 1, "--nodes", nodes, "an integer >= 1")
     load_torch()
@@ -206,7 +208,7 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
         threads = threads_per_node(nodes)
         torch.set_num_threads(threads)
         local_ring = LocalRing(nodes - 1, threads=threads, device=device, spares=spares,
-                               encrypt=changes.get("encrypt", True))
+                               encrypt=changes.get("encrypt", True), respawn=respawn)
         workers = stack.enter_context(local_ring)
         engine = RingEngine(workers, model, tokenizer, device=device, dtype=dtype,
                             secret=local_ring.secret, timeout_s=defaults.LOCAL_RING_TIMEOUT_S,

@@ -304,11 +304,20 @@ def _starter_engine(settings: Any, section: Any, model: Optional[str],
         prefill_chunk=section.prefill_chunk, stall_s=section.stall_s, recover=section.recover,
         rebalance_margin=section.rebalance_margin, busy_poll_us=section.busy_poll_us,
         secret=secret, control_url=control_url, encrypt=section.encrypt,
+        name=starter_name(control_url),
         compression=section.compression if compression is None else compression,
         quantize=section.quantize if quantize is None else quantize)
     model, tokenizer = model or section.model, tokenizer or section.tokenizer
     early_exit = early_exit_settings(TextModel(model, tokenizer), exits) if exits else None
     return RingEngine(settings.workers, model, tokenizer, options, early_exit=early_exit)
+
+
+def starter_name(control_url: str) -> str:
+    """The long-lived starter's name: this machine and its control address, the same after
+    a restart (so it takes its workers back at once), another for any other starter."""
+    import socket
+
+    return f"{socket.gethostname()} {control_url}"
 
 
 def _starter_config(config: Optional[str]) -> Any:

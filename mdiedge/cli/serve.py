@@ -137,17 +137,23 @@ def serve(
         sock = listen(host, port)  # a port in use fails before any node starts
         stack.callback(sock.close)
         engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring,
-                              recovery, lambda text: check_context(context, text), exits)
+                              recovery, lambda text: check_context(context, text), exits,
+                              respawn=True)
         api = open_api(engine, sock, slots, context, max_queue, max_body, key, model_name,
                        log_level)
         stack.callback(api.close)
         engine.prepare(*engine.reserved)  # set the ring up now: its errors before "ready"
         api.start()
-        typer.echo(json.dumps({"event": "ready", "url": api.url + "/v1",
-                               "model": api.service.name, "slots": slots,
-                               "context": api.service.context, "pid": os.getpid()}))
-        sys.stdout.flush()
+        _say_ready(api, slots)
         _wait_for_signal()
+
+
+def _say_ready(api: Any, slots: int) -> None:
+    """The one JSON line a supervisor waits for: where the API listens, and its shape."""
+    typer.echo(json.dumps({"event": "ready", "url": api.url + "/v1", "model": api.service.name,
+                           "slots": slots, "context": api.service.context,
+                           "pid": os.getpid()}))
+    sys.stdout.flush()
 
 
 def _wait_for_signal() -> None:

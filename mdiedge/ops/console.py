@@ -188,6 +188,9 @@ def print_status(nodes: List[Dict[str, Any]], wide: bool = False) -> None:
         if n.get("error"):
             console.print(f"{n.get('name', '?')}: {shown_state(n)}: {n['error']}", markup=False,
                           highlight=False, soft_wrap=True)
+        if n.get("setup"):
+            console.print(f"{n.get('name', '?')}: setting up the ring: waiting for "
+                          f"{n['setup']}", markup=False, highlight=False, soft_wrap=True)
         if n.get("role") == "starter" and n.get("recoveries"):
             console.print(f"{n.get('name', '?')}: "
                           f"{plural(n['recoveries'], 'recovery', 'recoveries')} from lost "

@@ -1,40 +1,130 @@
-"""Load balancing between requests: each node's measured time per block (its stage's compute
-time over its block count, every node seeing the same messages) gives it a weight in
-proportion to its speed, and the layers are split anew by those weights when the slowest
-node is more than a margin above the mean (``runtime.partition.balanced_weights``)."""
+"""Load balancing between requests, from measurements, in bounded steps.
+
+Each check (at a request boundary, once the ring has handled ``MIN_MESSAGES`` more messages)
+measures every node's compute time per block over the messages since the last check (every
+node sees the same messages). A check finds the ring out of balance when the slowest node's
+time per block is more than a margin above the mean (``runtime.partition.balanced_weights``);
+only after ``SUSTAINED_CHECKS`` such checks in a row do the layers move, so one skewed
+measurement (a co-located node's threads contending for a moment) moves nothing, and the
+speeds they move by are each node's median over those checks. The new split aims at
+weights in proportion to the measured speed, but one step moves at most ``MAX_MOVE_SHARE``
+of the blocks (at least one), never empties a node that holds blocks, and keeps pinned
+nodes where they are (``bounded_split``); the next step needs fresh evidence.
+
+All functions here are pure: the starter keeps the ``Evidence`` between checks.
+"""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..runtime.partition import balanced_weights
 from ..runtime.protocol import NodeStatus
 
-MIN_MESSAGES = 64  # messages a ring handles before its measurements are trusted
+MIN_MESSAGES = 64  # messages a ring handles between two checks (a measurement's size)
+SUSTAINED_CHECKS = 3  # checks in a row out of balance before the layers move (and the
+#                       measurements a node's speed is the median of)
+MAX_MOVE_SHARE = 0.25  # one step moves at most this share of the blocks (at least one)
 
 
-def seconds_per_block(statuses: Sequence[NodeStatus]) -> Optional[Dict[str, float]]:
-    """Each node's compute seconds per block so far (nodes with no block left out), or None
-    when a node is down, holds no layers or has handled too few messages."""
+@dataclass(frozen=True)
+class Evidence:
+    """What the checks of one ring so far say: each node's counters at the last check
+    (compute seconds, messages), its last ``SUSTAINED_CHECKS`` seconds per block, and how
+    many checks in a row found the ring out of balance."""
+
+    counters: Dict[str, Tuple[float, int]] = field(default_factory=dict)
+    samples: Dict[str, Tuple[float, ...]] = field(default_factory=dict)
+    streak: int = 0
+
+    @property
+    def seconds(self) -> Dict[str, float]:
+        """Each node's median seconds per block over its kept measurements."""
+        return {name: statistics.median(kept) for name, kept in self.samples.items()}
+
+
+def seconds_per_block(statuses: Sequence[NodeStatus], before: Dict[str, Tuple[float, int]]
+                      ) -> Optional[Dict[str, float]]:
+    """Each node's compute seconds per block since its counters ``before`` (nodes with no
+    block left out), or None when a node is down, holds no layers, has handled fewer than
+    ``MIN_MESSAGES`` messages since, or its counters went back (a new ring)."""
     times = {}
     for status in statuses:
-        if status.state == "down" or status.layers is None or status.messages < MIN_MESSAGES:
+        seconds, messages = before.get(status.name, (0.0, 0))
+        if status.state == "down" or status.layers is None or \
+                status.messages - messages < MIN_MESSAGES or status.compute_s < seconds:
             return None
         blocks = status.layers[1] - status.layers[0]
         if blocks > 0:
-            times[status.name] = status.compute_s / blocks
+            times[status.name] = (status.compute_s - seconds) / blocks
     return times
 
 
-def measured_weights(statuses: Sequence[NodeStatus], declared: Dict[str, float],
-                     margin: float) -> Optional[Dict[str, float]]:
-    """New weights by node name when the ring is out of balance by more than ``margin``, on
-    the declared weights' scale (their mean over the measured nodes is kept); else None."""
-    times = seconds_per_block(statuses)
+def observe(evidence: Evidence, statuses: Sequence[NodeStatus], margin: float) -> Evidence:
+    """``evidence`` with one more check of ``statuses`` (unchanged when the check measured
+    nothing: see ``seconds_per_block``)."""
+    times = seconds_per_block(statuses, evidence.counters)
     if not times:
+        return evidence
+    counters = {s.name: (s.compute_s, s.messages) for s in statuses}
+    samples = {name: (evidence.samples.get(name, ()) + (t,))[-SUSTAINED_CHECKS:]
+               for name, t in times.items()}
+    out = balanced_weights(list(times.values()), margin) is not None
+    return Evidence(counters, samples, evidence.streak + 1 if out else 0)
+
+
+def measured_weights(evidence: Evidence, declared: Dict[str, float],
+                     margin: float) -> Optional[Dict[str, float]]:
+    """New weights by node name once the ring has been out of balance by more than
+    ``margin`` for ``SUSTAINED_CHECKS`` checks in a row, on the declared weights' scale
+    (their mean over the measured nodes is kept); else None."""
+    if evidence.streak < SUSTAINED_CHECKS or not evidence.seconds:
         return None
-    names: List[str] = list(times)
-    weights = balanced_weights([times[n] for n in names], margin)
+    names: List[str] = list(evidence.seconds)
+    weights = balanced_weights([evidence.seconds[n] for n in names], margin)
     if weights is None:
         return None
     scale = sum(declared[n] for n in names) / sum(weights)
     return {name: w * scale for name, w in zip(names, weights)}
+
+
+def max_move(blocks: int) -> int:
+    """The most blocks one step may move in a model of ``blocks`` blocks."""
+    return max(1, math.floor(MAX_MOVE_SHARE * blocks))
+
+
+def bounded_split(current: Sequence[int], target: Sequence[int], fixed: Sequence[bool],
+                  limit: int) -> List[int]:
+    """Block counts (ring order) one step from ``current`` toward ``target``: at most
+    ``limit`` blocks move, one at a time from the node furthest above its target to the one
+    furthest below; only within a run of nodes between ``fixed`` (pinned) ones, so a pinned
+    node keeps its range; a node that holds blocks keeps at least one."""
+    out = list(current)
+    runs: List[List[int]] = [[]]
+    for i, pinned in enumerate(fixed):
+        if pinned:
+            runs.append([])
+        else:
+            runs[-1].append(i)
+    moved = 0
+    for run in runs:
+        while moved < limit:
+            givers = [i for i in run if out[i] > target[i] and out[i] > 1]
+            takers = [i for i in run if out[i] < target[i]]
+            if not givers or not takers:
+                break
+            giver = max(givers, key=lambda i: out[i] - target[i])
+            taker = max(takers, key=lambda i: target[i] - out[i])
+            out[giver], out[taker], moved = out[giver] - 1, out[taker] + 1, moved + 1
+    return out
+
+
+def ranges(counts: Sequence[int]) -> List[Tuple[int, int]]:
+    """Consecutive block ranges [first, end) of ``counts`` blocks each, from block 0."""
+    out, first = [], 0
+    for count in counts:
+        out.append((first, first + count))
+        first += count
+    return out

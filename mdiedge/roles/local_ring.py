@@ -6,6 +6,11 @@ nor its environment (``ps e``, ``/proc/PID/environ``). It dies with its parent
 (``PR_SET_PDEATHSIG`` on Linux, plus a watchdog on the parent pid), and the launcher
 terminates (or, if it is stopped, kills at once), then kills, every process it started when
 the block ends, however it ends.
+
+With ``respawn`` (``mdiedge serve``), a worker that dies is started again on its control port,
+as systemd's ``Restart=`` would: after ``RESPAWN_FIRST_S``, doubling up to ``RESPAWN_MAX_S``
+while restarts keep dying within ``RESPAWN_STABLE_S``, and given up after ``RESPAWN_TRIES``
+such restarts in a row. The starter takes it back at the next request (``Membership``).
 """
 from __future__ import annotations
 
@@ -16,9 +21,10 @@ import select as _select
 import signal
 import subprocess
 import sys
+import logging
 import threading
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ..base import defaults
 from ..base.errors import RingError
@@ -26,6 +32,12 @@ from ..base.nodes import NodeSpec
 
 READY_TIMEOUT_S = 60.0
 REAP_INTERVAL_S = 1.0
+RESPAWN_FIRST_S = 1.0  # a dead worker is started again this long after it was seen dead
+RESPAWN_MAX_S = 30.0  # the pause doubles, up to this, while restarts keep dying
+RESPAWN_STABLE_S = 60.0  # a restart that lived this long resets the pause and the count
+RESPAWN_TRIES = 5  # restarts in a row that died (or did not start) before it is given up
+
+log = logging.getLogger("mdiedge.local_ring")
 
 
 def threads_per_node(n_nodes: int) -> int:
@@ -51,15 +63,28 @@ def _frozen(pid: int) -> bool:
         return False
 
 
+def restart_pause(tries: int, lived_s: float) -> Tuple[int, Optional[float]]:
+    """A worker seen dead after living ``lived_s`` s, restarted ``tries`` times in a row
+    before: its count of restarts in a row (reset by a restart that lived
+    ``RESPAWN_STABLE_S``) and the pause before the next, or None when it is given up."""
+    if lived_s >= RESPAWN_STABLE_S:
+        tries = 0
+    if tries >= RESPAWN_TRIES:
+        return tries, None
+    return tries, min(RESPAWN_MAX_S, RESPAWN_FIRST_S * 2 ** tries)
+
+
 class LocalRing:
     """``with LocalRing(2) as workers:`` starts two workers and yields their addresses;
     ``spares`` more are started as spares (``NodeSpec.spare``), after them in the list;
     ``busy_poll_us`` is each worker's ``--busy-poll-us``; ``encrypt`` False gives each
-    ``--no-encrypt`` (its starter must run without sealing too: measurements only)."""
+    ``--no-encrypt`` (its starter must run without sealing too: measurements only);
+    ``respawn``: a worker that dies is started again (see the module's docstring)."""
 
     def __init__(self, n_workers: int, threads: int = 1, log_level: str = "warning",
                  cache_dir: Optional[str] = None, device: str = "cpu", spares: int = 0,
-                 busy_poll_us: int = defaults.BUSY_POLL_US, encrypt: bool = True) -> None:
+                 busy_poll_us: int = defaults.BUSY_POLL_US, encrypt: bool = True,
+                 respawn: bool = False) -> None:
         self.n_workers, self.threads, self.log_level = n_workers, threads, log_level
         self.encrypt = encrypt
         self.busy_poll_us = busy_poll_us
@@ -69,38 +94,96 @@ class LocalRing:
         self.processes: List[subprocess.Popen] = []
         self.workers: List[NodeSpec] = []
         self.secret = os.urandom(32).hex().encode()  # this ring's own; passed on a pipe
+        self.respawn = respawn
+        self._started: List[float] = []  # when each worker's process was started
+        self._restarts: Dict[int, Tuple[int, Optional[float]]] = {}  # index: tries, due at
         self._stopped = threading.Event()
+        self._lock = threading.Lock()  # a restart and stop, one at a time
 
     def __enter__(self) -> List[NodeSpec]:
         try:
             for i in range(self.n_workers):
-                self._spawn(f"w{i + 1}")
+                self._add(f"w{i + 1}")
             for i in range(self.spares):
-                self._spawn(f"spare{i + 1}", spare=True)
+                self._add(f"spare{i + 1}", spare=True)
         except BaseException:
             self.stop()
             raise
         threading.Thread(target=self._reap, name="local-ring-reaper", daemon=True).start()
         return self.workers
 
+    def _add(self, name: str, spare: bool = False) -> None:
+        with self._lock:
+            proc, spec = self._spawn(name, 0, spare)
+            self.processes.append(proc)
+            self.workers.append(spec)
+            self._started.append(time.monotonic())
+
     def _reap(self) -> None:
-        """Collect a worker that died while the ring runs, so it lingers as no zombie."""
+        """Collect a worker that died while the ring runs, so it lingers as no zombie; with
+        ``respawn``, start it again when its pause has passed."""
         while not self._stopped.wait(REAP_INTERVAL_S):
-            for proc in list(self.processes):
-                proc.poll()
+            for i, proc in enumerate(list(self.processes)):
+                if proc.poll() is not None and self.respawn:
+                    self._restart(i, proc.returncode)
+
+    def _restart(self, i: int, code: int) -> None:
+        now, name = time.monotonic(), self.workers[i].name
+        tries, due = self._restarts.get(i, (0, None))
+        if due is None:  # seen dead now: when to start it again
+            tries, pause = restart_pause(tries, now - self._started[i])
+            if pause is None:
+                log.error("%s died (exit %s) after %d restarts in a row; not started again",
+                          name, code, tries)
+            self._restarts[i] = (tries, now + pause if pause is not None else float("inf"))
+            return
+        if now < due:
+            return
+        self._restarts[i] = (tries + 1, None)
+        with self._lock:
+            if self._stopped.is_set():
+                return
+            self._started[i] = now  # a start that fails counts as a restart that died
+            try:
+                proc, _ = self._spawn(name, self.workers[i].control_port, self.workers[i].spare)
+            except RingError as e:
+                log.warning("%s: starting it again failed: %s", name, e)
+                return
+            _close_stdout(self.processes[i])
+            self.processes[i], self._started[i] = proc, time.monotonic()
+        log.warning("%s died (exit %s); started again on control port %d", name, code,
+                    self.workers[i].control_port)
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _spawn(self, name: str, spare: bool = False) -> None:
+    def _spawn(self, name: str, control_port: int, spare: bool) -> Tuple[subprocess.Popen,
+                                                                          NodeSpec]:
+        """A worker process on ``control_port`` (0: a free one), ready, and its address; a
+        RingError (the process ended) when it does not start."""
         cmd = [sys.executable, "-m", "mdiedge", "worker", "--host", "127.0.0.1",
-               "--control-port", "0", "--data-port", "0", "--threads", str(self.threads),
-               "--name", name, "--log-level", self.log_level, "--parent-pid", str(os.getpid()),
-               "--busy-poll-us", str(self.busy_poll_us), "--no-config"]
+               "--control-port", str(control_port), "--data-port", "0",
+               "--threads", str(self.threads), "--name", name, "--log-level", self.log_level,
+               "--parent-pid", str(os.getpid()), "--busy-poll-us", str(self.busy_poll_us),
+               "--no-config"]
         if self.cache_dir:
             cmd += ["--cache-dir", self.cache_dir]
         if not self.encrypt:
             cmd += ["--no-encrypt"]
+        proc = self._popen(cmd)
+        try:
+            line = self._ready_line(proc, name)
+            ready = json.loads(line)
+            return proc, NodeSpec(name, "127.0.0.1", int(ready["control_port"]),
+                                  device=self.device, spare=spare)
+        except (ValueError, KeyError):
+            _end(proc)
+            raise RingError(f"worker {name} did not start: {line.strip()!r}") from None
+        except BaseException:
+            _end(proc)
+            raise
+
+    def _popen(self, cmd: List[str]) -> subprocess.Popen:
         preexec = _die_with_parent if sys.platform.startswith("linux") else None
         env = {k: v for k, v in os.environ.items()
                if k not in ("MDIEDGE_SECRET", "MDIEDGE_SECRET_FILE")}
@@ -109,21 +192,13 @@ class LocalRing:
             os.write(write_end, self.secret)  # 64 bytes: within any pipe's buffer
             os.close(write_end)
             write_end = -1
-            proc = subprocess.Popen(cmd + ["--secret-fd", str(read_end)], stdout=subprocess.PIPE,
-                                    stdin=subprocess.DEVNULL, preexec_fn=preexec, env=env,
-                                    pass_fds=(read_end,))
+            return subprocess.Popen(cmd + ["--secret-fd", str(read_end)],
+                                    stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                    preexec_fn=preexec, env=env, pass_fds=(read_end,))
         finally:
             os.close(read_end)
             if write_end >= 0:
                 os.close(write_end)
-        self.processes.append(proc)
-        line = self._ready_line(proc, name)
-        try:
-            ready = json.loads(line)
-            self.workers.append(NodeSpec(name, "127.0.0.1", int(ready["control_port"]),
-                                        device=self.device, spare=spare))
-        except (ValueError, KeyError):
-            raise RingError(f"worker {name} did not start: {line.strip()!r}") from None
 
     def _ready_line(self, proc: subprocess.Popen, name: str) -> str:
         assert proc.stdout is not None
@@ -138,19 +213,32 @@ class LocalRing:
 
     def stop(self) -> None:
         self._stopped.set()
-        for proc in self.processes:
+        with self._lock:  # after a restart under way
+            processes, self.processes = self.processes, []
+        for proc in processes:
             if proc.poll() is None:
                 if _frozen(proc.pid):  # SIGSTOPped: it cannot act on a SIGTERM
                     proc.kill()
                 else:
                     proc.terminate()
         deadline = time.monotonic() + 5
-        for proc in self.processes:
+        for proc in processes:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
-        self.processes = []
+            _close_stdout(proc)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """Kill a worker process that did not start, and collect it."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    _close_stdout(proc)
+
+
+def _close_stdout(proc: subprocess.Popen) -> None:
+    if proc.stdout is not None:
+        proc.stdout.close()

@@ -14,8 +14,9 @@ import logging
 import os
 import threading
 import time
+import urllib.parse
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from .. import __version__
 from ..base import defaults
@@ -43,10 +44,9 @@ from . import balance
 from .exitparts import check_ring_exits, exit_spec, sent_chunk, starter_policy
 from .membership import Membership
 from .ring import RingTail, probe_all
+from .setupwatch import SetupWatch
 
 log = logging.getLogger("mdiedge.starter")
-
-ASSIGN_TIMEOUT_S = 600.0  # loading (or receiving) a layer range may take minutes
 
 # Maps a data endpoint (host, port) to the address a link to it connects to instead, e.g. a
 # delaying relay in front of it (``mdiedge.ops.relay.Relays``); the wire protocol is the same.
@@ -85,10 +85,15 @@ class RingStarter:
         self.device = str(parse_device(options.device))
         self.auth = Authenticator(options.secret)
         self.session = os.urandom(8).hex()  # workers serve one starter session at a time
-        self.clients = [ControlClient(w, self.auth, self.session) for w in workers]
+        self.clients = [ControlClient(w, self.auth, self.session, options.name)
+                        for w in workers]
         self.membership = Membership(self.clients)
+        self.watch = SetupWatch(options.stall_s)  # set-up steps under the stall rule
         self.recoveries = 0
         self.measured: Dict[str, float] = {}  # weights from measured speed, by node name
+        self.pinned: Tuple[Tuple[str, ...], Dict[str, Tuple[int, int]]] = ((), {})  # the last
+        #     balancing step's ranges, for the ring of these nodes (starter first)
+        self.evidence = balance.Evidence()  # of the current ring's balance checks
         self._balanced_at = 0  # the scheduler's message count at the last balance check
         self.hash = content_hash(path)
         self.model: Any = None
@@ -155,58 +160,72 @@ class RingStarter:
                   itemsize(self.options.dtype))
 
     def _shares(self, workers: Sequence[NodeSpec]) -> List[NodeSpec]:
-        """The starter and ``workers``, each with its measured weight where there is one."""
-        return [dataclasses.replace(n, weight=self.measured.get(n.name, n.weight))
-                for n in [self.options.spec] + list(workers)]
+        """The starter and ``workers``, each with its measured weight where there is one, and
+        the ranges of the last balancing step while the ring has the same nodes."""
+        nodes = [self.options.spec] + list(workers)
+        names, pins = self.pinned
+        ours = pins if tuple(n.name for n in nodes) == names else {}
+        return [dataclasses.replace(n, weight=self.measured.get(n.name, n.weight),
+                                    layers=ours.get(n.name, n.layers)) for n in nodes]
 
     def _rebalance(self, current: Scheduler) -> bool:
-        """Between requests: whether the measured time per block calls for a new split (its
-        weights are kept in ``measured`` for the set-up that follows)."""
-        if self.options.rebalance_margin <= 0 or \
-                current.stats.messages < self._balanced_at + balance.MIN_MESSAGES:
+        """Between requests: whether the measured times per block call for a step toward a
+        new split (``balance``; the step's ranges are kept in ``pinned``, its weights in
+        ``measured``, for the set-up that follows)."""
+        margin = self.options.rebalance_margin
+        if margin <= 0 or current.stats.messages < self._balanced_at + balance.MIN_MESSAGES:
             return False
         self._balanced_at = current.stats.messages
         stage = current.pipeline.stages[0]
         own = NodeStatus("starter", "starter", "ready", layers=stage.layers,
                          messages=stage.counters.messages, compute_s=stage.counters.compute_s)
-        shares = self._shares(self.ring_workers)
+        self.evidence = balance.observe(
+            self.evidence, [own] + probe_all(self.members, defaults.DIAGNOSE_TIMEOUT_S), margin)
         weights = balance.measured_weights(
-            [own] + probe_all(self.members, defaults.DIAGNOSE_TIMEOUT_S),
-            {n.name: n.weight for n in shares}, self.options.rebalance_margin)
+            self.evidence, {n.name: n.weight for n in self._shares(self.ring_workers)}, margin)
         if weights is None:
             return False
-        before, self.measured = self.measured, dict(self.measured, **weights)
-        n_slots, context = current.pipeline.n_slots, current.pipeline.context
-        try:
-            split = partition(self.cfg, self._shares(self.ring_workers), n_slots, context,
-                              itemsize(self.options.dtype))
-        except PartitionError:  # the measured weights do not fit the declared memory
-            split = self.placements
-        if [p.layers for p in split] == [p.layers for p in self.placements]:
-            self.measured = before
+        step = balance_step(self, weights, current.pipeline.n_slots, current.pipeline.context)
+        if step is None:
             return False
+        self.measured = dict(self.measured, **weights)
+        self.pinned = (tuple(p.name for p in step), {p.name: p.layers for p in step})
         log.info("re-splitting by measured speed %s: %s", {k: round(v, 2) for k, v in
-                 weights.items()}, [f"{p.name} {block_range(p.layers)}" for p in split])
+                 weights.items()}, [f"{p.name} {block_range(p.layers)}" for p in step])
         return True
 
     def _setup(self, n_slots: int, context: int) -> Scheduler:
-        """A new ring of the workers that answer now (a lost one that is back rejoins; if it
-        then fails the set-up, it is left out again and the ring is set up without it)."""
+        """A new ring of the workers that answer now (see ``_build_surviving``)."""
         was_lost = set(self.membership.lost)
         self.membership.refresh()
-        try:
-            pipeline, ends = self._build(n_slots, context)
-        except (RingError, Conflict) as e:
-            back = [c.node.name for c in self.members if c.node.name in was_lost]
-            if not back:
-                raise
-            log.warning("%s answered again but failed to rejoin: %s", ", ".join(back), e)
-            self.membership.lose(back, f"failed to rejoin: {e}")
-            pipeline, ends = self._build(n_slots, context)
+        pipeline, ends = self._build_surviving(n_slots, context, was_lost)
         chunk, rows = _ring_rows(self.options, self.cfg)
         return Scheduler(pipeline, ends, chunk, self.options.timeout_s, max_rows=rows,
                          rebuild=self.rebuild if self.options.recover else None,
                          exit_layers=self.cfg.n_layers if self.early_exit is not None else 0)
+
+    def _build_surviving(self, n_slots: int, context: int, was_lost: Set[str]
+                         ) -> Tuple[Pipeline, ModelEnds]:
+        """``_build``, set up again without each worker lost meanwhile, as a loss while
+        decoding is (a spare, else the survivors take its layers); a lost worker that
+        answered again but then fails the set-up is left out again."""
+        for _ in range(len(self.clients) + 1):
+            try:
+                return self._build(n_slots, context)
+            except NodeLost as e:
+                if not e.nodes or not self.options.recover:
+                    raise
+                self.recoveries += 1
+                log.warning("recovering during set-up: %s", e)
+                self.membership.lose(e.nodes, str(e))
+            except (RingError, Conflict) as e:
+                back = [c.node.name for c in self.members if c.node.name in was_lost]
+                if not back:
+                    raise
+                log.warning("%s answered again but failed to rejoin: %s", ", ".join(back), e)
+                self.membership.lose(back, f"failed to rejoin: {e}")
+                was_lost = set()
+        raise RingError(f"gave up setting up the ring after {len(self.clients) + 1} tries")
 
     def rebuild(self, lost: NodeLost) -> Tuple[Pipeline, ModelEnds]:
         """The scheduler's recovery: a ring without the ``lost`` workers, of the same layout
@@ -228,7 +247,7 @@ class RingStarter:
             self._call(client, "POST", "/reset", {}, timeout=10)
         self.placements = partition(self.cfg, self._shares(self.ring_workers), n_slots, context,
                                     itemsize(self.options.dtype))
-        self._balanced_at = 0
+        self._balanced_at, self.evidence = 0, balance.Evidence()
         first = self.placements[0].layers
         if self.model is None or (self.model.first, self.model.last) != first:
             self.model = None
@@ -243,10 +262,16 @@ class RingStarter:
         return Pipeline([stage], self.tail), ModelEnds(self.model)
 
     def _call(self, client: ControlClient, method: str, path: str, body: Any = None,
-              **kwargs: Any) -> Any:
-        """A control call to a member during set-up; one that does not answer is lost."""
+              what: str = "", **kwargs: Any) -> Any:
+        """A control call to a member during set-up, under the stall rule (``SetupWatch``):
+        one that stops answering, or fails and does not answer, is lost."""
+        step = f"{client.node.name}'s {method} {path.split('?')[0]}" + (f" ({what})" if what
+                                                                          else "")
         try:
-            return client.call(method, path, body, **kwargs)
+            return self.watch.run(step, [client], lambda: client.call(method, path, body,
+                                                                      **kwargs))
+        except NodeLost:
+            raise
         except RingError as e:
             if client.status(timeout=defaults.DIAGNOSE_TIMEOUT_S).state == "down":
                 raise NodeLost(f"worker {client.node.name!r} at {client.node.address}: {e}",
@@ -263,13 +288,16 @@ class RingStarter:
                              client.node.device, last, self.options.max_payload, self.session,
                              exit_spec(self.early_exit), self.options.quantize)
         reply = AssignReply.from_json(self._call(client, "POST", "/assign", request.to_json(),
-                                                 timeout=ASSIGN_TIMEOUT_S))
+                                                 f"blocks {block_range(layers)}",
+                                                 timeout=defaults.ASSIGN_TIMEOUT_S))
         if reply.need_weights:
             log.info("sending blocks %s to %s", block_range(layers), client.node.name)
             raw = sent_chunk(self.path, layers, request.early_exit)
             reply = AssignReply.from_json(self._call(
-                client, "PUT", f"/weights?hash={self.hash}&session={self.session}", raw=raw,
-                timeout=ASSIGN_TIMEOUT_S))
+                client, "PUT", f"/weights?hash={self.hash}&session={self.session}&starter="
+                f"{urllib.parse.quote(self.options.name)}",
+                what=f"blocks {block_range(layers)}", raw=raw,
+                timeout=defaults.ASSIGN_TIMEOUT_S))
         return reply.data_port
 
     def _connect(self, ports: List[int]) -> RingTail:
@@ -286,55 +314,17 @@ class RingStarter:
             request = ConnectRequest(*ends[i + 1], control, ring=ring, codecs_in=str(codecs[i]),
                                      codecs_out=str(codecs[i + 1]))
             self._call(client, "POST", "/connect", request.to_json())
-        first, last = workers[0], workers[-1]
-        auth = bind(self.auth, ring)
-        outbound = inbound = None
-        try:
-            outbound = connect_authenticated(*ends[0], auth,
-                                             f"{first.name} ({ends[0][0]}:{ends[0][1]})",
-                                             retry_s=defaults.LINK_RETRY_S, codecs=codecs[0],
-                                             seal=self.options.encrypt)
-            inbound = accept_authenticated(self.listener, auth, defaults.LINK_ACCEPT_TIMEOUT_S,
-                                           "starter", codecs=codecs[-1], seal=self.options.encrypt)
-            links = LinkPair(inbound, outbound, self.options.max_payload, "starter",
-                             codecs[-1], codecs[0], busy_poll_us=self.options.busy_poll_us)
-        except Exception as e:  # OSError, AuthError (a RingError) or anything else
-            close_links(outbound, inbound)
-            raise RingError(f"cannot close the ring (last worker {last.name!r}): {e}") from None
+        cancel = threading.Event()
+        links = self.watch.run(
+            "the ring's links", self.members,
+            lambda: starter_links(self, ends, bind(self.auth, ring), codecs, cancel),
+            abandon=lambda late: late.close(timeout=0), cancel=cancel)
         return RingTail(links, self.members, self.options.timeout_s, self.options.stall_s)
 
     # ----------------------------------------------------------------- status and end
 
     def status(self) -> NodeStatus:
-        scheduler = self.scheduler  # read once: another thread may set up a new ring
-        stage = scheduler.pipeline.stages[0] if scheduler is not None else None
-        url = self.options.control_url
-        status = NodeStatus(
-            "starter", "starter", "idle", address=url.split("//", 1)[-1] if url
-            else self.options.host, version=__version__, model=self.cfg.name, hash=self.hash,
-            device=self.device, rss_bytes=rss_bytes(), max_rss_bytes=max_rss_bytes(),
-            uptime_s=round(time.time() - self.started, 1), pid=os.getpid(),
-            link_rtt_ms=round_trip_ms((self.ring_workers or self.workers)[0].url),
-            recoveries=self.recoveries)
-        if scheduler is not None and stage is not None:
-            stats = scheduler.stats
-            status.state = "ready" if scheduler.idle else "busy"
-            status.layers = stage.layers
-            memory = stage.memory()
-            status.weight_bytes, status.kv_bytes = memory["weight_bytes"], memory["kv_bytes"]
-            status.expert_load = stage.model.expert_load()
-            status.slots_in_use = scheduler.slots_in_use
-            status.messages, status.tokens = stats.messages, stats.tokens
-            status.compute_s = round(stats.compute_s, 6)
-            status.busy_fraction = round(stats.compute_s / stats.wall_s, 4) if stats.wall_s else 0.0
-        if self.tail is not None:
-            status.links = self.tail.links.stats()
-        status.lost = sorted(dict(self.membership.lost))
-        if self.membership.degraded:
-            status.state = "degraded"
-            status.error = "serving without " + "; ".join(
-                f"{name} ({why})" for name, why in dict(self.membership.lost).items())
-        return status
+        return starter_status(self)
 
     def link_stats(self) -> List[Dict[str, Any]]:
         """Every link of the ring in ring order (see ``ring_links``)."""
@@ -369,6 +359,85 @@ class RingStarter:
         for thread in threads:
             thread.join(3)
         close_quietly(self.listener)
+
+
+def balance_step(starter: RingStarter, weights: Dict[str, float], n_slots: int,
+                 context: int) -> Optional[List[Placement]]:
+    """The placements one balancing step from the current ones toward the split by
+    ``weights`` (``balance.bounded_split``: bounded, no node emptied, pinned nodes kept), or
+    None when it moves nothing or does not fit the declared memory."""
+    nodes = [starter.options.spec] + starter.ring_workers  # as configured: their own pins
+    aimed = [dataclasses.replace(n, weight=weights.get(n.name, n.weight)) for n in nodes]
+    size = itemsize(starter.options.dtype)
+    current = [p.layers[1] - p.layers[0] for p in starter.placements]
+    try:
+        target = [p.layers[1] - p.layers[0] for p in partition(starter.cfg, aimed, n_slots,
+                                                                  context, size)]
+        counts = balance.bounded_split(current, target, [n.layers is not None for n in nodes],
+                                       balance.max_move(starter.cfg.n_layers))
+        if counts == current:
+            return None
+        return partition(starter.cfg, [dataclasses.replace(n, layers=r) for n, r in
+                                       zip(aimed, balance.ranges(counts))], n_slots, context, size)
+    except PartitionError:  # the measured weights do not fit the declared memory
+        return None
+
+
+def starter_links(starter: RingStarter, ends: List[Tuple[str, int]], auth: Authenticator,
+                  codecs: List[Compression], cancel: threading.Event) -> LinkPair:
+    """The starter's links: out to the first worker, in from the last (waiting for them
+    stops when ``cancel`` is set)."""
+    first, last, options = starter.ring_workers[0], starter.ring_workers[-1], starter.options
+    outbound = inbound = None
+    try:
+        outbound = connect_authenticated(*ends[0], auth,
+                                         f"{first.name} ({ends[0][0]}:{ends[0][1]})",
+                                         retry_s=defaults.LINK_RETRY_S,
+                                         cancelled=cancel.is_set, codecs=codecs[0],
+                                         seal=options.encrypt)
+        inbound = accept_authenticated(starter.listener, auth, defaults.LINK_ACCEPT_TIMEOUT_S,
+                                       "starter", cancelled=cancel.is_set, codecs=codecs[-1],
+                                       seal=options.encrypt)
+        return LinkPair(inbound, outbound, options.max_payload, "starter",
+                        codecs[-1], codecs[0], busy_poll_us=options.busy_poll_us)
+    except Exception as e:  # OSError, AuthError (a RingError) or anything else
+        close_links(outbound, inbound)
+        raise RingError(f"cannot close the ring (last worker {last.name!r}): {e}") from None
+
+
+def starter_status(starter: RingStarter) -> NodeStatus:
+    """The starter's own status: its stage, links, lost workers and set-up step."""
+    scheduler = starter.scheduler  # read once: another thread may set up a new ring
+    stage = scheduler.pipeline.stages[0] if scheduler is not None else None
+    url = starter.options.control_url
+    status = NodeStatus(
+        "starter", "starter", "idle", address=url.split("//", 1)[-1] if url
+        else starter.options.host, version=__version__, model=starter.cfg.name,
+        hash=starter.hash,
+        device=starter.device, rss_bytes=rss_bytes(), max_rss_bytes=max_rss_bytes(),
+        uptime_s=round(time.time() - starter.started, 1), pid=os.getpid(),
+        link_rtt_ms=round_trip_ms((starter.ring_workers or starter.workers)[0].url),
+        recoveries=starter.recoveries)
+    if scheduler is not None and stage is not None:
+        stats = scheduler.stats
+        status.state = "ready" if scheduler.idle else "busy"
+        status.layers = stage.layers
+        memory = stage.memory()
+        status.weight_bytes, status.kv_bytes = memory["weight_bytes"], memory["kv_bytes"]
+        status.expert_load = stage.model.expert_load()
+        status.slots_in_use = scheduler.slots_in_use
+        status.messages, status.tokens = stats.messages, stats.tokens
+        status.compute_s = round(stats.compute_s, 6)
+        status.busy_fraction = round(stats.compute_s / stats.wall_s, 4) if stats.wall_s else 0.0
+    if starter.tail is not None:
+        status.links = starter.tail.links.stats()
+    status.lost = sorted(dict(starter.membership.lost))
+    status.setup = starter.watch.waiting()
+    if starter.membership.degraded:
+        status.state = "degraded"
+        status.error = "serving without " + "; ".join(
+            f"{name} ({why})" for name, why in dict(starter.membership.lost).items())
+    return status
 
 
 def ring_links(tail: Optional[RingTail], workers: List[NodeSpec],
@@ -411,9 +480,13 @@ class RingEngine(Engine):
     def unavailable(self, timeout: float) -> Optional[str]:
         """None when a request would find a ring: the current one's links are up, or a
         worker answers its control plane within ``timeout`` s (the next request sets up a
-        ring of those that do); else why not, in one line."""
+        ring of those that do); else why not, in one line (a set-up under way: what it
+        waits for)."""
         starter = self.starter
         scheduler = starter.scheduler
+        waiting = starter.watch.waiting()
+        if waiting is not None:
+            return f"setting up the ring: waiting for {waiting}"
         if scheduler is not None and scheduler.usable and starter.ring_alive():
             return None
         statuses = probe_all(starter.clients, timeout)

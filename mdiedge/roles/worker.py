@@ -37,6 +37,24 @@ from .exitparts import cache_suffix, extra_bytes, has_parts, keep_sent_classifie
 
 log = logging.getLogger("mdiedge.worker")
 
+TEST_PAUSE_ENV = "MDIEDGE_TEST_PAUSE"  # tests only: "NAME:POINT:SECONDS", see pause_for_tests
+
+
+def pause_for_tests(name: str, point: str) -> None:
+    """For tests only: the worker ``name`` sleeps at ``point`` (``/assign``, ``/connect``,
+    ``links``: before it opens the ring's links)
+    when ``$MDIEDGE_TEST_PAUSE`` says so ("w2:/assign:4"), so that a test can kill or freeze
+    it at a known step of its set-up while its control port still answers."""
+    spec = os.environ.get(TEST_PAUSE_ENV, "").split(":")
+    if len(spec) == 3 and spec[:2] == [name, point]:
+        time.sleep(float(spec[2]))
+
+
+def cache_folder(cache_dir: Path, request: Assignment) -> Path:
+    """Where a worker keeps the blocks a starter pushed for ``request``."""
+    a, b = request.layers
+    return cache_dir / "weights" / request.model.hash / \
+        f"layers-{a}-{b}{cache_suffix(request.early_exit)}"
 
 
 def default_cache_dir() -> Path:
@@ -61,6 +79,7 @@ class WorkerNode:
         self.heartbeat = heartbeat  # fed by the compute loop: the systemd watchdog reads it
         self.owner = ""  # session of the starter this worker serves; "" when free
         self.owner_seen = 0.0
+        self.owner_name = ""  # the name that starter signs its requests with
         self.cache_dir = cache_dir or default_cache_dir()
         self.state = "idle"
         self.started = time.time()
@@ -93,14 +112,21 @@ class WorkerNode:
         threading.Thread(target=self._expire_owner, name="lease", daemon=True).start()
         return self
 
-    def _claim(self, session: str) -> None:
-        """Serve only one starter at a time: another is refused while the owner's lease holds
-        (the ring is up, or the owner spoke within ``idle_timeout_s``)."""
+    def _claim(self, session: str, starter: str = "") -> None:
+        """Serve one starter at a time: another is refused while the owner's lease holds (ring
+        up, or owner heard within ``idle_timeout_s``), but the owner's ``starter`` name in a
+        new signed session (it restarted) takes over, and the old session's ring ends."""
         now = time.time()
         if self.owner and self.owner != session and (
                 self.state in ("busy", "loading") or now - self.owner_seen < self.idle_timeout_s):
-            raise Conflict(f"{self.name} is serving another starter; try again when it is done")
-        self.owner, self.owner_seen = session, now
+            if not (starter and starter == self.owner_name and self.auth.enabled):
+                raise Conflict(f"{self.name} is serving another starter; try again when it "
+                               f"is done")
+            log.warning("%s: starter %r is back in a new session: it takes over, the old "
+                        "session's ring is ended", self.name, starter)
+            self.ring_id += 1
+            self._end_ring()
+        self.owner, self.owner_name, self.owner_seen = session, starter, now
 
     def _expire_owner(self) -> None:
         """Free the slots and return to idle when the owning starter has gone away."""
@@ -156,9 +182,10 @@ class WorkerNode:
         request = Assignment.from_json(body)
         parse_device(request.device)
         with self.lock:
-            self._claim(request.session)
+            self._claim(request.session, str(body.get("starter", "")))
             if self.state == "busy":
                 raise Conflict(f"{self.name} is serving a ring already")
+            pause_for_tests(self.name, "/assign")
             if not (request.same_weights(self.assignment) and self.model is not None
                     and has_parts(self.source, request.early_exit)):
                 source = self._find_local_copy(request)
@@ -184,7 +211,7 @@ class WorkerNode:
     def receive_weights(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
         """The starter's safetensors of exactly the pending range: cache them, then load."""
         with self.lock:
-            self._claim(query.get("session", ""))
+            self._claim(query.get("session", ""), query.get("starter", ""))
             request = self.pending
             if request is None or query.get("hash") != request.model.hash:
                 raise Conflict("no pending assignment for these weights")
@@ -195,7 +222,7 @@ class WorkerNode:
         return self._ready_reply().to_json()
 
     def _cache_weights(self, request: Assignment, raw: bytes) -> Path:
-        folder = self._cache_folder(request)
+        folder = cache_folder(self.cache_dir, request)
         tmp = folder.with_name(folder.name + ".tmp")
         tmp.mkdir(parents=True, exist_ok=True)
         (tmp / "model.safetensors").write_bytes(raw)
@@ -213,7 +240,7 @@ class WorkerNode:
         """Open the link to the next node, wait for the previous one, start the threads."""
         request = ConnectRequest.from_json(body)
         with self.lock:
-            self._claim(request.session)
+            self._claim(request.session, str(body.get("starter", "")))
             if self.stage is None:
                 raise Conflict(f"{self.name} has no layers assigned")
             if self.state == "busy":
@@ -223,13 +250,14 @@ class WorkerNode:
             self.state = "busy"
             self.ring_id += 1
             ring_id = self.ring_id
+            pause_for_tests(self.name, "/connect")
         threading.Thread(target=self._serve_ring, args=(request, ring_id), name="ring",
                          daemon=True).start()
         return {"state": "busy"}
 
     def reset(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
         with self.lock:
-            self._claim(str(body.get("session", "")))
+            self._claim(str(body.get("session", "")), str(body.get("starter", "")))
             if body.get("release"):  # the starter is done with this worker
                 self.owner = ""
             self.ring_id += 1
@@ -252,11 +280,6 @@ class WorkerNode:
         self._load(path, Assignment(ref, (first, last), 1, 1, dtype, device))
         self.state = "idle"
 
-    def _cache_folder(self, request: Assignment) -> Path:
-        a, b = request.layers
-        return self.cache_dir / "weights" / request.model.hash / \
-            f"layers-{a}-{b}{cache_suffix(request.early_exit)}"
-
     def _find_local_copy(self, request: Assignment) -> Optional[Path]:
         path = request.model.path
         if path and Path(path).exists():
@@ -265,7 +288,7 @@ class WorkerNode:
                     return Path(path)
             except OSError:
                 pass
-        cached = self._cache_folder(request)
+        cached = cache_folder(self.cache_dir, request)
         if (cached / "model.safetensors").exists() and has_parts(cached, request.early_exit):
             return cached
         return None
@@ -311,6 +334,7 @@ class WorkerNode:
                           self.busy_poll_us, self.encrypt)
 
     def _serve_ring(self, request: ConnectRequest, ring_id: int) -> None:
+        pause_for_tests(self.name, "links")
         links = self._open_links(request, ring_id)
         with self.lock:
             if links is None or self.ring_id != ring_id:  # failed, or reset while waiting

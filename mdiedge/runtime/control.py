@@ -511,16 +511,17 @@ def _error_message(e: urllib.error.HTTPError) -> str:
 
 class ControlClient:
     """Signed requests to one node's control plane; JSON bodies carry ``session`` (a worker
-    serves one starter session at a time)."""
+    serves one starter session at a time) and the ``starter``'s name (the same starter in a
+    new session, restarted, takes its workers over)."""
 
     def __init__(self, node: NodeSpec, auth: Optional[Authenticator] = None,
-                 session: str = "") -> None:
-        self.node, self.auth, self.session = node, auth, session
+                 session: str = "", starter: str = "") -> None:
+        self.node, self.auth, self.session, self.starter = node, auth, session, starter
 
     def call(self, method: str, path: str, body: Optional[Dict[str, Any]] = None,
              raw: Optional[bytes] = None, timeout: float = 30.0) -> Dict[str, Any]:
         if body is not None and self.session:
-            body = dict(body, session=self.session)
+            body = dict(body, session=self.session, starter=self.starter)
         return call(self.node.url, method, path, body, raw, timeout, self.node.name, self.auth)
 
     def status(self, role: str = "worker", timeout: float = 5.0) -> NodeStatus:

@@ -242,6 +242,7 @@ class NodeStatus:
     lost: List[str] = field(default_factory=list)  # a starter: workers it serves without
     links: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # LinkPair.stats(): in, out
     error: Optional[str] = None
+    setup: Optional[str] = None  # a starter: what setting up its ring waits for now
 
     def to_json(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)

@@ -57,7 +57,7 @@ def test_the_starter_merges_its_config_and_the_flag(tmp_path: Path,
                                                     want: str) -> None:
     settings = load_settings(ring_file(tmp_path, in_file))
     _starter_engine(settings, settings.starter, None, None, None, "http://127.0.0.1:1",
-                    parse_compression(flag))
+                    (parse_compression(flag), None))
     assert fake_engine[0].options.compression == want
 
 

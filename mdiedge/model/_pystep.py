@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _pyquant
-from ._stepspec import (MAX_ROWS, BlockWeights, Limits, QuantMatrix,  # noqa: F401
+from ._stepspec import (MAX_PARTS, MAX_ROWS, BlockWeights, Limits, QuantMatrix,  # noqa: F401
                         StackedMatrix, check, check_call, check_logits, logits_usable, usable)
 from .layers import apply_rope, rms_norm
 

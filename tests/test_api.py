@@ -15,9 +15,9 @@ import openai
 import pytest
 
 from mdiedge.model.sampling import SamplingParams
-from mdiedge.ops.api.rules import ServeLimits
-from mdiedge.ops.api.server import Api, listen
-from mdiedge.roles.engine import LocalEngine
+from mdiedge.serving.api.rules import ServeLimits
+from mdiedge.serving.api.server import Api, listen
+from mdiedge.engine.local import LocalEngine
 
 KEY = "test-key-0123456789"
 GREEDY = {"temperature": 0}
@@ -278,7 +278,7 @@ def test_uvicorns_lines_take_the_format_of_a_process_that_set_up_logging() -> No
         "import logging, sys\n"
         "logging.basicConfig(level='INFO', stream=sys.stderr,\n"
         "                    format='LINE %(levelname)s %(message)s')\n"
-        "from mdiedge.ops.api.server import ApiServer, listen\n"
+        "from mdiedge.serving.api.server import ApiServer, listen\n"
         "async def app(scope, receive, send): pass\n"
         "ApiServer(app, listen('127.0.0.1', 0), 'info').start().stop()\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

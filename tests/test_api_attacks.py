@@ -15,11 +15,11 @@ import httpx
 import openai
 import pytest
 
-from mdiedge.ops.api import app as api_app
-from mdiedge.ops.api import server as api_server
-from mdiedge.ops.api.rules import ServeLimits
-from mdiedge.ops.api.server import Api, listen
-from mdiedge.roles.engine import LocalEngine
+from mdiedge.serving.api import app as api_app
+from mdiedge.serving.api import server as api_server
+from mdiedge.serving.api.rules import ServeLimits
+from mdiedge.serving.api.server import Api, listen
+from mdiedge.engine.local import LocalEngine
 from mdiedge.runtime.generation import Generation
 
 GREEDY = {"temperature": 0}

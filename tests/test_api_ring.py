@@ -206,7 +206,8 @@ def test_serve_decodes_with_early_exit() -> None:
     not as it does without them (a threshold of 0: every token exits after block 1)."""
     from mdiedge.cli.app import early_exit_settings
     from mdiedge.model.sampling import SamplingParams
-    from mdiedge.roles.engine import LocalEngine, TextModel
+    from mdiedge.engine.facade import TextModel
+    from mdiedge.engine.local import LocalEngine
 
     env = {k: v for k, v in os.environ.items() if k != "MDIEDGE_API_KEY"}
     proc = subprocess.Popen([sys.executable, "-m", "mdiedge", "serve", "--port", "0", "--nodes",

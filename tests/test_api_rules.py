@@ -11,14 +11,14 @@ import pytest
 
 from mdiedge.base.errors import (CheckpointError, ConfigError, FrameError, GenerationError,
                                   QueueFull, RingError)
-from mdiedge.ops.api.chat import DEFAULT_TEMPLATE, ChatTemplate, load_model_template
-from mdiedge.ops.api.errors import ApiError, api_error
-from mdiedge.ops.api.responses import (ChatChunk, ChatCompletion, Choice, Completion,
+from mdiedge.serving.api.chat import DEFAULT_TEMPLATE, ChatTemplate, load_model_template
+from mdiedge.serving.api.errors import ApiError, api_error
+from mdiedge.serving.api.responses import (ChatChunk, ChatCompletion, Choice, Completion,
                                        CompletionChunk, Usage, finish_reason, sse)
-from mdiedge.ops.api.rules import (authorized, may_join, queue_state, retry_after_s,
+from mdiedge.serving.api.rules import (authorized, may_join, queue_state, retry_after_s,
                                    slot_context)
-from mdiedge.ops.api.server import model_name
-from mdiedge.ops.api.schema import ChatMessage, ChatRequest, CompletionRequest, Options
+from mdiedge.serving.api.server import model_name
+from mdiedge.serving.api.schema import ChatMessage, ChatRequest, CompletionRequest, Options
 from mdiedge.runtime.control import Conflict
 
 
@@ -261,7 +261,7 @@ def test_the_context_of_a_slot(asked: int, model: int, context: int) -> None:
 
 
 def test_the_api_key_is_the_files_first_line(tmp_path, monkeypatch) -> None:
-    from mdiedge.ops.api.server import API_KEY_ENV, read_api_key
+    from mdiedge.serving.api.server import API_KEY_ENV, read_api_key
 
     key = tmp_path / "key"
     key.write_text("  s3cret-key  \n# rotated 2026-11-01\n")

@@ -15,8 +15,8 @@ from conftest import make_hf_llama, write_tiny_tokenizer
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.roles import balance
 from mdiedge.roles.local_ring import LocalRing
-from mdiedge.roles.starter import RingEngine
-from mdiedge.runtime.partition import balanced_weights
+from mdiedge.engine.ring import RingEngine
+from mdiedge.placement.partition import balanced_weights
 from mdiedge.runtime.protocol import NodeStatus
 
 
@@ -133,7 +133,7 @@ def test_a_sustained_skew_moves_one_bounded_step(ring_model: Path) -> None:
     blocks, and the starter keeps one."""
     from mdiedge.base.nodes import NodeSpec
     from mdiedge.model.checkpoint import load_config
-    from mdiedge.runtime.partition import partition
+    from mdiedge.placement.partition import partition
 
     cfg = load_config(ring_model)
     evidence = checks([SKEWED] * 3, BLOCKS)[-1]

@@ -12,10 +12,10 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from mdiedge.ops import bench as benchmarks
-from mdiedge.ops.benchtable import (COLUMNS, RANGE_COLUMN, column_widths, columns, format_line,
+from mdiedge.tools import bench as benchmarks
+from mdiedge.tools.benchtable import (COLUMNS, RANGE_COLUMN, column_widths, columns, format_line,
                                     row_cells)
-from mdiedge.ops.roofline import Roofline
+from mdiedge.tools.roofline import Roofline
 
 
 def figures(nodes: int, micro_batch: int) -> Dict[str, Any]:
@@ -233,7 +233,7 @@ def test_a_real_run_prints_rows_before_it_ends(ring_model: Path) -> None:
 ])
 def test_limit_tokens_per_s(read: List[int], samples: int, micro: int, bandwidth: float,
                             expected: float) -> None:
-    from mdiedge.ops.roofline import limit_tokens_per_s
+    from mdiedge.tools.roofline import limit_tokens_per_s
 
     assert limit_tokens_per_s(read, samples, micro, bandwidth) == pytest.approx(expected)
 
@@ -249,7 +249,7 @@ def test_limit_tokens_per_s(read: List[int], samples: int, micro: int, bandwidth
 ])
 def test_limit_counts_each_rows_kv_cache(read: List[int], kv: List[int], samples: int,
                                          micro: int, bandwidth: float, expected: float) -> None:
-    from mdiedge.ops.roofline import limit_tokens_per_s
+    from mdiedge.tools.roofline import limit_tokens_per_s
 
     assert limit_tokens_per_s(read, samples, micro, bandwidth, kv) == pytest.approx(expected)
 
@@ -258,7 +258,7 @@ def test_limit_counts_each_rows_kv_cache(read: List[int], kv: List[int], samples
     (0, 1, 0.5), (128, 128, 192.0), (3, 800, 403.0), (10, 2, 11.0)])
 def test_mean_keys(prompt: int, new: int, expected: float) -> None:
     """Decode messages k = 1 .. new - 1 attend over prompt + k keys: their mean."""
-    from mdiedge.ops.roofline import mean_keys
+    from mdiedge.tools.roofline import mean_keys
 
     assert mean_keys(prompt, new) == expected
     if new > 1:
@@ -274,7 +274,7 @@ def test_mean_keys(prompt: int, new: int, expected: float) -> None:
     (lambda f: f.limit_tokens_per_s([100], 1, 1, 0.0), "bandwidth 0.0"),
 ])
 def test_limit_refuses_bad_input(call: Any, match: str) -> None:
-    from mdiedge.ops import roofline
+    from mdiedge.tools import roofline
 
     with pytest.raises(ValueError, match=match):
         call(roofline)
@@ -290,7 +290,7 @@ def test_figures_take_the_kv_cache_into_the_limit() -> None:
 @pytest.mark.parametrize("nodes, samples, micro, expected", [
     (1, 3, 1, 1), (2, 3, 1, 2), (3, 3, 3, 1), (3, 4, 2, 2), (4, 8, 1, 4)])
 def test_concurrency(nodes: int, samples: int, micro: int, expected: int) -> None:
-    from mdiedge.ops.roofline import concurrency
+    from mdiedge.tools.roofline import concurrency
 
     assert concurrency(nodes, samples, micro) == expected
 
@@ -305,7 +305,7 @@ def test_concurrency(nodes: int, samples: int, micro: int, expected: int) -> Non
 ])
 def test_probe_bytes_hold_the_rings_working_set(read: List[int], concurrent: int,
                                                 expected: int) -> None:
-    from mdiedge.ops.roofline import probe_bytes
+    from mdiedge.tools.roofline import probe_bytes
 
     assert probe_bytes(read, concurrent) == expected
 
@@ -325,7 +325,7 @@ def test_roofline_measures_each_shape_once() -> None:
 
 
 def test_read_bandwidth_measures_a_real_product() -> None:
-    from mdiedge.ops.roofline import read_bandwidth
+    from mdiedge.tools.roofline import read_bandwidth
 
     assert 1e8 < read_bandwidth(4 << 20, 1, 2, seconds=0.1) < 1e13
     assert 1e8 < read_bandwidth(4 << 20, 1, 1, seconds=0.1) < 1e13
@@ -348,7 +348,7 @@ def test_a_run_reports_each_nodes_kv_cache_read(ring_model: Path, nodes: int) ->
     """Every node's KV bytes per row of a message: its blocks' keys and values (fp32) over
     the generation's mean keys, the whole model's between them."""
     from mdiedge.model.checkpoint import load_config
-    from mdiedge.ops.roofline import mean_keys
+    from mdiedge.tools.roofline import mean_keys
 
     cfg = load_config(ring_model)
     result = benchmarks.run_config(ring_model, nodes, 2, 8, 24, 2, pings=5)

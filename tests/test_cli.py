@@ -123,7 +123,7 @@ def test_generate_with_a_ring_file_talks_to_secured_workers(stories: Path, tmp_p
 def test_local_ring_workers_get_the_secret_on_a_pipe(ring_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from mdiedge.model.sampling import SamplingParams
     from mdiedge.roles.local_ring import LocalRing
-    from mdiedge.roles.starter import RingEngine
+    from mdiedge.engine.ring import RingEngine
 
     monkeypatch.setenv("MDIEDGE_SECRET", "the-callers-own-secret-0123456789")
     local = LocalRing(2)

@@ -18,9 +18,9 @@ from mdiedge.base.codecs import FP16, INT8, NONE, Compression, encoded_size
 from mdiedge.base.errors import CodecMismatch, ConfigError, FrameError
 from mdiedge.base.nodes import NodeSpec
 from mdiedge.model.sampling import SamplingParams
-from mdiedge.roles.engine import LocalEngine
+from mdiedge.engine.local import LocalEngine
 from mdiedge.roles.local_ring import LocalRing
-from mdiedge.roles.starter import RingEngine
+from mdiedge.engine.ring import RingEngine
 from mdiedge.runtime import framing, messages
 from mdiedge.runtime.auth import Authenticator
 from mdiedge.runtime.links import Link, accept_authenticated, connect_authenticated, tcp_listen

@@ -10,7 +10,7 @@ import pytest
 
 from mdiedge.base import settings
 from mdiedge.base.errors import ConfigError
-from mdiedge.ops import configdoc
+from mdiedge.tools import configdoc
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -44,7 +44,7 @@ def test_the_readme_tables_are_current() -> None:
     text = README.read_text(encoding="utf-8")
     block = text[text.index(configdoc.BEGIN):text.index(configdoc.END) + len(configdoc.END)]
     assert block == configdoc.markdown(), \
-        "README config keys are stale: run python -m mdiedge.ops.configdoc --write README.md"
+        "README config keys are stale: run python -m mdiedge.tools.configdoc --write README.md"
 
 
 def test_meanings_are_the_first_sentence_above_each_key() -> None:

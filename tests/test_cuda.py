@@ -12,9 +12,9 @@ if not torch.cuda.is_available():
     pytest.skip("CUDA is not available here", allow_module_level=True)
 
 from mdiedge.model.sampling import SamplingParams  # noqa: E402
-from mdiedge.roles.engine import LocalEngine  # noqa: E402
+from mdiedge.engine.local import LocalEngine  # noqa: E402
 from mdiedge.roles.local_ring import LocalRing  # noqa: E402
-from mdiedge.roles.starter import RingEngine  # noqa: E402
+from mdiedge.engine.ring import RingEngine  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0)
 SAMPLED = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=11)

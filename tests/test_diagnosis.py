@@ -16,7 +16,7 @@ from mdiedge.base import defaults
 from mdiedge.base.errors import RingError
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.roles.local_ring import LocalRing
-from mdiedge.roles.starter import RingEngine
+from mdiedge.engine.ring import RingEngine
 from test_ring import workers_of
 
 GREEDY = SamplingParams(temperature=0)

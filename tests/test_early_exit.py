@@ -19,7 +19,7 @@ from mdiedge.model.exitfiles import (CLASSIFIER_FILE, THRESHOLDS_FILE, ExitSetti
                                      exit_settings, load_classifier, save_classifier)
 from mdiedge.model.exits import NEVER, ExitClassifier, ExitPolicy, ExitStep, cosine, softmax_margin
 from mdiedge.model.sampling import SamplingParams
-from mdiedge.roles.engine import LocalEngine
+from mdiedge.engine.local import LocalEngine
 from tolerance import assert_close, model_path_length
 
 GREEDY = SamplingParams(temperature=0)
@@ -144,7 +144,7 @@ def test_the_ring_exits_like_in_process_stages(ring_model: Path, tmp_path: Path,
     """A real ring (messages that exited on one node, filled on the next) gives the tokens of
     in-process stages with the same split, and reports the same exits."""
     from mdiedge.roles.local_ring import LocalRing
-    from mdiedge.roles.starter import RingEngine
+    from mdiedge.engine.ring import RingEngine
 
     model = copy_model(ring_model, tmp_path)
     if criterion == "classifier":
@@ -188,7 +188,7 @@ def train_tiny_classifier(model: Path) -> None:
 
 
 def test_calibration_files_round_trip(ring_model: Path, tmp_path: Path) -> None:
-    from mdiedge.ops.exitcal import write_calibration
+    from mdiedge.tools.exitcal import write_calibration
 
     model = copy_model(ring_model, tmp_path)
     digest = content_hash(model)

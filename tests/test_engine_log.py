@@ -11,7 +11,8 @@ import pytest
 
 from mdiedge.base.errors import RingError
 from mdiedge.model.sampling import SamplingParams
-from mdiedge.roles.engine import Engine, LocalEngine, failure_line, summary_line
+from mdiedge.engine.facade import Engine, failure_line, summary_line
+from mdiedge.engine.local import LocalEngine
 from mdiedge.runtime.generation import Generation, Timing
 
 

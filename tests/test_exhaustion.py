@@ -153,7 +153,7 @@ def test_a_starter_flooded_on_its_api_port_keeps_its_watchdog_and_control_port(
 
 _WATCHDOG_OUT_OF_FDS = """
 import os, resource, socket, sys, threading, time
-from mdiedge.ops.sdnotify import Watchdog
+from mdiedge.serving.sdnotify import Watchdog
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 stop = threading.Event()
 dog = Watchdog(0.05, stop)
@@ -271,7 +271,7 @@ def test_the_watchdog_outlives_a_lost_notify_socket_and_finds_it_again(
     warning, the thread lives on, and the pings reach the new socket."""
     import threading
 
-    from mdiedge.ops.sdnotify import Watchdog
+    from mdiedge.serving.sdnotify import Watchdog
 
     folder = tempfile.mkdtemp(prefix="sdx-")
     path = os.path.join(folder, "notify")

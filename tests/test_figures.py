@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 from mdiedge.base.words import block_range, plural
-from mdiedge.ops.console import print_status, timing_line
-from mdiedge.ops.serve import link_deltas
+from mdiedge.cli.console import print_status, timing_line
+from mdiedge.serving.service import link_deltas
 from mdiedge.runtime.generation import Generation, Timing
 from mdiedge.model.sampling import SamplingParams
 

@@ -446,9 +446,9 @@ def ring_gguf(tiny_files: Dict[str, Path], tmp_path_factory: Any) -> Path:
 
 @pytest.mark.parametrize("share_path", [True, False], ids=["own-copy", "pushed"])
 def test_a_three_node_ring_equals_one_process(ring_gguf: Path, share_path: bool) -> None:
-    from mdiedge.roles.engine import LocalEngine
+    from mdiedge.engine.local import LocalEngine
     from mdiedge.roles.local_ring import LocalRing
-    from mdiedge.roles.starter import RingEngine
+    from mdiedge.engine.ring import RingEngine
 
     params = SamplingParams(temperature=0)
     want = LocalEngine(ring_gguf).generate("hello ring", 16, 1, params)

@@ -160,7 +160,7 @@ def test_decoding_round_trips(vocab: Dict[str, Any]) -> None:
 
 def test_the_text_model_encodes_with_a_gguf_tokenizer(spm: Dict[str, Any]) -> None:
     """``--tokenizer FILE.gguf`` beside a model: the engine's prompts are the file's."""
-    from mdiedge.roles.engine import TextModel
+    from mdiedge.engine.facade import TextModel
 
     model = TextModel(NANOLLAMA, spm["path"])
     for text in CORPUS:
@@ -169,7 +169,7 @@ def test_the_text_model_encodes_with_a_gguf_tokenizer(spm: Dict[str, Any]) -> No
 
 def test_the_text_model_of_a_gguf_model(smollm2: Dict[str, Any]) -> None:
     from mdiedge.base.errors import MdiedgeError
-    from mdiedge.roles.engine import TextModel
+    from mdiedge.engine.facade import TextModel
 
     try:
         model = TextModel(smollm2["path"])
@@ -214,8 +214,8 @@ def test_a_files_tokenizer_is_built_once_while_the_file_is_unchanged(tmp_path: P
 
 
 def test_the_chat_template_renders_as_transformers(smollm2: Dict[str, Any]) -> None:
-    from mdiedge.ops.api.chat import ChatTemplate
-    from mdiedge.ops.api.schema import ChatMessage
+    from mdiedge.serving.api.chat import ChatTemplate
+    from mdiedge.serving.api.schema import ChatMessage
 
     template = ChatTemplate.for_model(smollm2["path"], smollm2["ours"])
     assert not template.is_default
@@ -229,7 +229,7 @@ def test_the_chat_template_renders_as_transformers(smollm2: Dict[str, Any]) -> N
 
 
 def test_a_gguf_without_a_template_gets_the_default(spm: Dict[str, Any]) -> None:
-    from mdiedge.ops.api.chat import ChatTemplate, load_model_template
+    from mdiedge.serving.api.chat import ChatTemplate, load_model_template
 
     assert load_model_template(spm["path"]) == {
         "template": None, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}

@@ -25,14 +25,17 @@ REPO = Path(__file__).resolve().parent.parent
 # (pattern, layer): "pkg.sub.*" is the subpackage pkg.sub and every module below it; any other
 # pattern is one module. The most specific pattern wins; a module that none matches is an error.
 LAYERS: Tuple[Tuple[str, int], ...] = (
-    ("mdiedge", 0),            # __init__.py: the version only
-    ("mdiedge.base.*", 0),     # errors, defaults, dtypes, nodes, accel, settings, ringfile
-    ("mdiedge.model.*", 1),    # config, layers, transformer, moe, checkpoint, tokenizer, ...
-    ("mdiedge.runtime.*", 2),  # framing, links, auth, control, partition, generation, ...
-    ("mdiedge.roles.*", 3),    # starter, worker, local_ring, engine
-    ("mdiedge.ops.*", 4),      # serve, bench, units, sdnotify
-    ("mdiedge.cli.*", 5),
-    ("mdiedge.__main__", 5),
+    ("mdiedge", 0),              # __init__.py: the version only
+    ("mdiedge.base.*", 0),       # errors, defaults, dtypes, nodes, accel, settings, ringfile
+    ("mdiedge.model.*", 1),      # config, layers, transformer, moe, checkpoint, tokenizer, ...
+    ("mdiedge.runtime.*", 2),    # scheduler, stages, generation, framing, links, ring, control
+    ("mdiedge.placement.*", 3),  # partition, balance
+    ("mdiedge.roles.*", 4),      # starter, worker, membership, local rings of workers
+    ("mdiedge.engine.*", 5),     # facade, local, ring
+    ("mdiedge.serving.*", 6),    # api, service, units, sdnotify
+    ("mdiedge.tools.*", 6),      # bench, profile, roofline, quality, exitcal, relay, configdoc
+    ("mdiedge.cli.*", 7),
+    ("mdiedge.__main__", 7),
 )
 
 # Layers whose modules may import torch only inside functions (or under TYPE_CHECKING).
@@ -392,8 +395,9 @@ def test_checker_on_synthetic_packages(files: Mapping[str, str], expected: List[
 
 @pytest.mark.parametrize("name, layer", [
     ("mdiedge", 0), ("mdiedge.base", 0), ("mdiedge.base.ringfile", 0), ("mdiedge.model.moe", 1),
-    ("mdiedge.runtime._cframing", 2), ("mdiedge.roles.starter", 3), ("mdiedge.ops.sdnotify", 4),
-    ("mdiedge.cli", 5), ("mdiedge.__main__", 5), ("mdiedge.elsewhere", None),
+    ("mdiedge.runtime._cframing", 2), ("mdiedge.placement.balance", 3),
+    ("mdiedge.roles.starter", 4), ("mdiedge.engine.ring", 5), ("mdiedge.serving.sdnotify", 6),
+    ("mdiedge.tools.bench", 6), ("mdiedge.cli", 7), ("mdiedge.__main__", 7), ("mdiedge.elsewhere", None),
     ("mdiedge.basement", None),
 ])
 def test_layer_table(name: str, layer: Optional[int]) -> None:
@@ -405,4 +409,4 @@ def test_checker_reports_the_real_layer_numbers() -> None:
         "mdiedge/base/ringfile.py": "def f():\n    from ..roles.starter import W\n",
         "mdiedge/roles/starter.py": "W = 1\n"})
     assert check(sources) == [
-        "mdiedge/base/ringfile.py:2 imports mdiedge.roles.starter (layer 3 > 0) [in a function]"]
+        "mdiedge/base/ringfile.py:2 imports mdiedge.roles.starter (layer 4 > 0) [in a function]"]

@@ -23,7 +23,7 @@ from mdiedge.base.accel import implementations
 from mdiedge.base.errors import FrameError
 from mdiedge.base.nodes import NodeSpec
 from mdiedge.model.sampling import SamplingParams
-from mdiedge.roles.starter import RingEngine
+from mdiedge.engine.ring import RingEngine
 from mdiedge.roles.worker import WorkerNode
 from mdiedge.runtime import framing, links, messages
 from mdiedge.runtime.auth import Authenticator

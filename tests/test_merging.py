@@ -10,7 +10,7 @@ from typing import Any, Dict, List
 import pytest
 
 from mdiedge.model.sampling import SamplingParams
-from mdiedge.roles.engine import LocalEngine
+from mdiedge.engine.local import LocalEngine
 from mdiedge.runtime.scheduler import DecodeMerger
 
 GREEDY = SamplingParams(temperature=0)

@@ -375,10 +375,10 @@ def test_ring_equals_single_process(ring_mixtral: Path, nodes: int) -> None:
     processes; every block reports its expert load, and every token went through every
     block to k experts."""
     from mdiedge.model import expertstats
-    from mdiedge.roles.engine import LocalEngine
+    from mdiedge.engine.local import LocalEngine
     from mdiedge.roles.local_ring import LocalRing
     from mdiedge.model.sampling import SamplingParams
-    from mdiedge.roles.starter import RingEngine
+    from mdiedge.engine.ring import RingEngine
 
     greedy_params = SamplingParams(temperature=0)
     sampled = SamplingParams(temperature=1.0, top_k=20, seed=5)

@@ -20,7 +20,7 @@ from mdiedge.runtime.auth import Authenticator, AuthError
 from mdiedge.runtime.control import call, node_id
 from mdiedge.base.errors import RingError
 from mdiedge.base.nodes import NodeSpec
-from mdiedge.roles.starter import RingEngine
+from mdiedge.engine.ring import RingEngine
 
 SECRET = "s3cret-ring-key-0123456789abcdef"
 

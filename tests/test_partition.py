@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from mdiedge.model.config import ModelConfig, preset
 from mdiedge.base.errors import PartitionError
 from mdiedge.base.nodes import NodeSpec
-from mdiedge.runtime.partition import Placement, format_bytes, partition, split_layers
+from mdiedge.placement.partition import Placement, format_bytes, partition, split_layers
 
 Ranges = List[Tuple[int, int]]
 
@@ -375,7 +375,7 @@ def test_partition_without_pins_is_split_layers(n_layers: int, weights: List[flo
     (12, 13, True), (12, 14, False), (12, 20, False), (1, 2, True), (1, 3, False),
     (5, 1, True), (0, 1, True), (0, 2, False)])
 def test_check_ring_size(n_layers: int, n_nodes: int, ok: bool) -> None:
-    from mdiedge.runtime.partition import check_ring_size
+    from mdiedge.placement.partition import check_ring_size
 
     if ok:
         check_ring_size(n_layers, n_nodes)
@@ -390,7 +390,7 @@ def test_check_ring_size(n_layers: int, n_nodes: int, ok: bool) -> None:
 @settings(max_examples=200, deadline=None)
 def test_check_ring_size_agrees_with_split_layers(n_layers: int, n_nodes: int) -> None:
     """The check needs no weights: it passes exactly when an equal split exists."""
-    from mdiedge.runtime.partition import check_ring_size
+    from mdiedge.placement.partition import check_ring_size
 
     try:
         split_layers(n_layers, [1.0] * n_nodes)

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from mdiedge.model import layers, transformer
-from mdiedge.ops.profile import CATEGORIES, profile_ring, table_lines
+from mdiedge.tools.profile import CATEGORIES, profile_ring, table_lines
 
 
 def test_profile_of_a_two_node_ring(ring_model: Path) -> None:

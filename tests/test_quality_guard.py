@@ -12,7 +12,7 @@ import torch
 
 from mdiedge.base.codecs import FP16, INT8, NONE, Compression
 from mdiedge.model.checkpoint import load_model
-from mdiedge.ops.quality import agreement, round_trip, stage_ranges, teacher_forced
+from mdiedge.tools.quality import agreement, round_trip, stage_ranges, teacher_forced
 
 
 @pytest.fixture(scope="module")

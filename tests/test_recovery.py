@@ -17,10 +17,10 @@ import pytest
 from mdiedge.base.errors import GenerationError, NodeLost, PartitionError, RingError
 from mdiedge.base.nodes import NodeSpec
 from mdiedge.model.sampling import SamplingParams
-from mdiedge.roles.engine import LocalEngine
+from mdiedge.engine.local import LocalEngine
 from mdiedge.roles.local_ring import LocalRing
-from mdiedge.roles.starter import RingEngine
-from mdiedge.runtime.partition import choose_members
+from mdiedge.engine.ring import RingEngine
+from mdiedge.placement.partition import choose_members
 from mdiedge.runtime.pipeline import ModelEnds, Pipeline
 from mdiedge.runtime.scheduler import MAX_FRUITLESS_RECOVERIES, Scheduler
 from mdiedge.runtime.stages import LocalStage

@@ -1,4 +1,4 @@
-"""mdiedge.ops.relay: a delaying TCP relay in front of an echo server passes bytes intact (random
+"""mdiedge.tools.relay: a delaying TCP relay in front of an echo server passes bytes intact (random
 payloads, large ones), adds its delay each way and not much more, passes a close on, serves
 many connections at once, and routes by target (``Relays``)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Iterator, Tuple
 
 import pytest
 
-from mdiedge.ops.relay import DelayRelay, Relays
+from mdiedge.tools.relay import DelayRelay, Relays
 
 DELAY = 0.05
 
@@ -160,9 +160,9 @@ def test_relays_start_one_relay_per_target(echo: Tuple[str, int]) -> None:
 
 def test_a_local_ring_runs_through_relays_on_every_link(ring_model: Any) -> None:
     from mdiedge.model.sampling import SamplingParams
-    from mdiedge.roles.engine import LocalEngine
+    from mdiedge.engine.local import LocalEngine
     from mdiedge.roles.local_ring import LocalRing
-    from mdiedge.roles.starter import RingEngine
+    from mdiedge.engine.ring import RingEngine
 
     greedy, prompt, delay = SamplingParams(temperature=0), "hello ring the quick fox", 0.02
     local = LocalRing(2, threads=1)

@@ -12,11 +12,11 @@ from typing import Any, Iterator, List, Tuple
 import pytest
 
 from mdiedge.base import defaults
-from mdiedge.roles.engine import LocalEngine
+from mdiedge.engine.local import LocalEngine
 from mdiedge.base.errors import RingError
 from mdiedge.roles.local_ring import LocalRing
 from mdiedge.model.sampling import SamplingParams
-from mdiedge.roles.starter import RingEngine
+from mdiedge.engine.ring import RingEngine
 
 GREEDY = SamplingParams(temperature=0)
 SAMPLED = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=11)

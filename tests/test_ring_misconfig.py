@@ -90,7 +90,7 @@ def test_a_ring_engine_of_spares_only_names_why(workers: List[subprocess.Popen])
     reason."""
     from mdiedge.base.errors import RingError
     from mdiedge.base.nodes import NodeSpec
-    from mdiedge.roles.starter import RingEngine
+    from mdiedge.engine.ring import RingEngine
 
     workers.append(_worker())
     spare = NodeSpec("w1", "127.0.0.1", _port(workers[0]), spare=True)

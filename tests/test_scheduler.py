@@ -12,7 +12,7 @@ import pytest
 
 from mdiedge.base.errors import GenerationError, RingError
 from mdiedge.model.sampling import SamplingParams
-from mdiedge.roles.engine import LocalEngine
+from mdiedge.engine.local import LocalEngine
 from mdiedge.runtime.generation import Generation
 from mdiedge.runtime.messages import Message
 from mdiedge.runtime.scheduler import Scheduler, group_size, prefill_chunks

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import pytest
 
-from mdiedge.ops import sdnotify
+from mdiedge.serving import sdnotify
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -18,9 +18,9 @@ import torch
 
 from mdiedge.base.errors import NodeLost, RingError
 from mdiedge.model.sampling import SamplingParams
-from mdiedge.roles.engine import LocalEngine
+from mdiedge.engine.local import LocalEngine
 from mdiedge.roles.local_ring import LocalRing
-from mdiedge.roles.starter import RingEngine
+from mdiedge.engine.ring import RingEngine
 from mdiedge.runtime import framing, messages
 from mdiedge.runtime.messages import Message
 

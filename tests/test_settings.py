@@ -672,7 +672,7 @@ def test_a_bad_starter_compression_is_one_line(tmp_path: Path, value: str, shown
 
 
 def test_the_starter_skeletons_explain_compression() -> None:
-    from mdiedge.ops import units
+    from mdiedge.serving import units
 
     for kind in ("starter", "ring"):
         text = units.skeleton(kind)

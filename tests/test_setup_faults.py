@@ -16,7 +16,7 @@ from typing import Any, Dict, List
 
 import pytest
 
-from mdiedge.roles.engine import LocalEngine
+from mdiedge.engine.local import LocalEngine
 from mdiedge.roles.local_ring import LocalRing
 from mdiedge.roles.worker import TEST_PAUSE_ENV
 from test_recovery import GREEDY, PROMPT, STALL_S, ring_engine
@@ -143,7 +143,7 @@ def test_a_slow_load_that_answers_is_waited_for(reference: LocalEngine, ring_mod
 
 
 def test_status_says_what_the_set_up_waits_for(capsys: Any) -> None:
-    from mdiedge.ops.console import print_status
+    from mdiedge.cli.console import print_status
 
     print_status([{"name": "starter", "role": "starter", "address": "starter:7600",
                    "state": "idle", "layers": None,

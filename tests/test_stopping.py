@@ -78,7 +78,7 @@ def test_matcher_finds_a_stop_split_over_tokens():
 
 
 def test_engine_stops_and_cuts(stories: Path):
-    from mdiedge.roles.engine import LocalEngine
+    from mdiedge.engine.local import LocalEngine
 
     engine = LocalEngine(stories / "stories260K.bin", stories / "tok512.model")
     greedy = SamplingParams(temperature=0.0)

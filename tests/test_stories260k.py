@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mdiedge.roles.engine import LocalEngine
+from mdiedge.engine.local import LocalEngine
 from mdiedge.model.sampling import SamplingParams
 
 GOLDEN = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park."

@@ -11,7 +11,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from mdiedge.ops import units
+from mdiedge.serving import units
 
 try:
     import tomllib
@@ -36,7 +36,7 @@ def _directives(text: str, key: str) -> List[str]:
 
 
 def test_sources_are_the_checkout_units() -> None:
-    package = Path(units.__file__).resolve().parent.parent  # mdiedge/, beside ops/
+    package = Path(units.__file__).resolve().parent.parent  # mdiedge/, beside serving/
     assert units.unit_source_dir() in (REPO / "systemd", package / "_systemd")
     for name in units.UNIT_NAMES:
         assert (REPO / "systemd" / name).is_file()

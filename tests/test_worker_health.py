@@ -14,8 +14,8 @@ import pytest
 from conftest import make_hf_llama, write_tiny_tokenizer
 from mdiedge.base.nodes import NodeSpec
 from mdiedge.model.sampling import SamplingParams
-from mdiedge.ops.sdnotify import Heartbeat
-from mdiedge.roles.starter import RingEngine
+from mdiedge.serving.sdnotify import Heartbeat
+from mdiedge.engine.ring import RingEngine
 from mdiedge.roles.worker import WorkerNode
 
 GREEDY = SamplingParams(temperature=0)

@@ -173,7 +173,7 @@ def serve_under_systemd(stopped: Any, status: str, heartbeat: Any = None) -> Non
     """READY=1 now (the node listens and holds what it was configured to load), WATCHDOG=1
     pings while it runs (for a worker, only while its compute makes progress: see
     ``Heartbeat``), STOPPING=1 once a stop is requested; returns then."""
-    from ..ops.sdnotify import Notifier, Watchdog, always_healthy, watchdog_interval
+    from ..serving.sdnotify import Notifier, Watchdog, always_healthy, watchdog_interval
 
     notifier = Notifier()  # one socket for every notification: kept through an fd flood
     notifier.send(f"READY=1\nSTATUS={status}\nMAINPID={os.getpid()}")

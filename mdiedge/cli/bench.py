@@ -53,7 +53,7 @@ def bench(
 
     _check_bench(nodes, samples, new_tokens, repeat if isinstance(repeat, int) else 1)
     load_torch()
-    from ..ops import bench as benchmarks
+    from ..tools import bench as benchmarks
 
     if isinstance(early_exit, str) or isinstance(exit_threshold, str):  # not typer defaults
         _exits(model, early_exit, exit_threshold, text, nodes, samples, new_tokens, as_json)
@@ -83,8 +83,8 @@ def _check_bench(nodes: int, samples: int, new_tokens: int, repeat: int) -> None
 
 def _table(model: Optional[str], preset: Optional[str], nodes: int, samples: int,
            new_tokens: int, context: int, as_json: bool, repeat: int) -> None:
-    from ..ops import bench as benchmarks
-    from ..ops.benchtable import TableWriter, measuring_on_stderr
+    from ..tools import bench as benchmarks
+    from ..tools.benchtable import TableWriter, measuring_on_stderr
 
     title = (f"{preset or model or 'nanollama'}: {samples} samples x {new_tokens} tokens, "
              f"context {context}" + (f", median of {repeat} runs" if repeat > 1 else ""))
@@ -108,8 +108,8 @@ def _profile(model: Optional[str], preset: Optional[str], nodes: int, samples: i
     from pathlib import Path
 
     from .app import need
-    from ..ops import bench as benchmarks
-    from ..ops.profile import profile_ring, table_lines
+    from ..tools import bench as benchmarks
+    from ..tools.profile import profile_ring, table_lines
     from ..model.checkpoint import resolve_model_path
 
     need(1 <= samples <= 8, "--samples", samples, "an integer 1..8 (rows of a decode step)")
@@ -141,7 +141,7 @@ def _guard(model: Optional[str], compression: str, text: Optional[str], eval_tok
          "a text file (its last 10% is the held-out text)")
     need(nodes >= 2, "--nodes", nodes, "an integer >= 2 (links need a ring)")
     from ..base.defaults import held_out_text
-    from ..ops.quality import guard
+    from ..tools.quality import guard
 
     path, share = held_out_text(text)
     result = guard(model, compression, path, share, eval_tokens=eval_tokens,
@@ -179,7 +179,7 @@ def _exits(model: Optional[str], criterion: Any, threshold: Any,
          "a text file (its last 10% is the held-out text)")
     need(nodes >= 1, "--nodes", nodes, "an integer >= 1")
     need(samples >= 1, "--samples", samples, "an integer >= 1")
-    from ..ops.exitbench import run
+    from ..tools.exitbench import run
 
     def shown(row: dict) -> None:
         if not as_json:

@@ -53,7 +53,7 @@ class Conversation:
     turns: List[Tuple[str, str]] = field(default_factory=list)  # (user, assistant)
 
     def messages(self, user: str) -> List[Any]:
-        from ..ops.api.schema import ChatMessage
+        from ..serving.api.schema import ChatMessage
 
         out = [ChatMessage("system", self.system)] if self.system else []
         for question, answer in self.turns:
@@ -82,7 +82,7 @@ class ChatSession:
 
     def __init__(self, engine: Any, conversation: Conversation, budget: int, params: Any,
                  stream: bool) -> None:
-        from ..ops.api.chat import ChatTemplate
+        from ..serving.api.chat import ChatTemplate
 
         self.engine, self.conversation, self.budget, self.params = engine, conversation, \
             budget, params
@@ -106,7 +106,7 @@ class ChatSession:
         return ids(0)
 
     def _render(self, user: str) -> str:
-        from ..ops.api.errors import ApiError
+        from ..serving.api.errors import ApiError
 
         try:
             return str(self.template.render(self.conversation.messages(user)))

@@ -22,7 +22,7 @@ def config_check(file: str = typer.Argument(..., help="The TOML file to validate
 @one_line_errors
 def config_init(kind: str = typer.Argument(..., help="worker, starter or ring.")) -> None:
     """Print a commented config skeleton of KIND: redirect it into a file and edit it."""
-    from ..ops.units import skeleton
+    from ..serving.units import skeleton
 
     typer.echo(skeleton(kind), nl=False)
 

@@ -127,7 +127,7 @@ def _sampling_params(sampling: Dict[str, Any]) -> Any:
 
 def _progress(tokens: int, samples: int, as_json: bool) -> Any:
     """The spinner and bar of a generation of ``tokens`` new tokens on stderr."""
-    from ..ops.console import Progress
+    from .console import Progress
 
     return Progress(tokens, not as_json, streaming=samples == 1 and not as_json)
 
@@ -139,7 +139,7 @@ def _first_phase(ring: Optional[str], nodes: int) -> str:
 
 def _generate_through(url: str, prompt: str, max_new_tokens: int, samples: int,
                       sampling: Dict[str, Any], micro_batch: int, as_json: bool) -> None:
-    from ..ops.console import timing_line
+    from .console import timing_line
     from ..runtime.control import call
 
     body = dict(sampling, prompt=prompt, max_new_tokens=max_new_tokens, samples=samples,
@@ -172,7 +172,7 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
     load_torch()
     from ..model.devices import parse_device, parse_dtype
     from ..model.checkpoint import check_checkpoint
-    from ..roles.engine import TextModel
+    from ..engine.facade import TextModel
 
     with usage_errors():  # errors before any node process starts
         parse_device(device), parse_dtype(dtype)
@@ -182,14 +182,14 @@ def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], dev
         check(text)
     settings = early_exit_settings(text, exits)
     if ring is None and nodes == 1:
-        from ..roles.engine import LocalEngine
+        from ..engine.local import LocalEngine
 
         return LocalEngine(model, tokenizer, device=device, dtype=dtype, early_exit=settings,
                            quantize=changes.get("quantize", ""))
-    from ..roles.starter import RingEngine
+    from ..engine.ring import RingEngine
 
     if ring is None:
-        from ..runtime.partition import check_ring_size
+        from ..placement.partition import check_ring_size
 
         check_ring_size(text.cfg.n_layers, nodes)
     if ring is not None:
@@ -276,7 +276,7 @@ def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, 
     summary line names it."""
     import time
 
-    from ..ops.console import timing_line
+    from .console import timing_line
 
     stream = _Stream(engine, prompt, stops) if samples == 1 and not as_json else None
     early = _Finished(engine, prompt, progress) \

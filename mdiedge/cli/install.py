@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from ..ops.units import DEFAULT_CONFIG_DIR, DEFAULT_UNIT_DIR
+from ..serving.units import DEFAULT_CONFIG_DIR, DEFAULT_UNIT_DIR
 from .app import app, fail, one_line_errors
 
 AS_ROOT = 'sudo "$(command -v mdiedge)" install-units'
@@ -29,7 +29,7 @@ def install_units_command(
 ) -> None:
     """Install the worker and starter systemd units, running this install of mdiedge, and
     commented configs. As root: sudo "$(command -v mdiedge)" install-units"""
-    from ..ops.units import install_units
+    from ..serving.units import install_units
 
     try:
         written = install_units(dest, executable, config_dir, force, root)

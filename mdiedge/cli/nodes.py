@@ -140,7 +140,7 @@ def _run_worker(chosen: Dict[str, Any], section: Any, parent_pid: int,
     import torch
 
     from ..base.settings import read_secret
-    from ..ops.sdnotify import Heartbeat
+    from ..serving.sdnotify import Heartbeat
     from ..roles.worker import WorkerNode
 
     if chosen["threads"] > 0:
@@ -233,7 +233,7 @@ def starter_command(
                         format="%(asctime)s starter %(levelname)s %(message)s")
     secret = _starter_secret(section, insecure, secret_fd)
     load_torch()
-    from ..ops.serve import StarterServer
+    from ..serving.service import StarterServer
     from ..runtime.auth import Authenticator
     from ..runtime.control import ControlServer
     from .serve import starter_api
@@ -293,8 +293,8 @@ def _starter_engine(settings: Any, section: Any, model: Optional[str],
     ``overrides``: the command line's compression and quantize types, which win over the
     config's where given; ``exits``: the early-exit criterion and threshold."""
     from ..base.nodes import StarterOptions
-    from ..roles.engine import TextModel
-    from ..roles.starter import RingEngine
+    from ..engine.facade import TextModel
+    from ..engine.ring import RingEngine
 
     compression, quantize = overrides
     options = StarterOptions(

@@ -29,7 +29,7 @@ def check_api_options(slots: int, context: int, max_queue: int, max_body: int,
     check_log_level(log_level)
     need(1 <= slots <= 256, "--slots", slots, "an integer 1..256")
     need(context >= 0, "--context", context, "an integer >= 0 (0: the model's, at most 4096)")
-    from ..ops.api.rules import MAX_QUEUE
+    from ..serving.api.rules import MAX_QUEUE
 
     need(0 <= max_queue <= MAX_QUEUE, "--max-queue", max_queue, f"an integer 0..{MAX_QUEUE}")
     need(1024 <= max_body <= 1 << 30, "--max-body", max_body, "a number of bytes 1024..2**30")
@@ -39,7 +39,7 @@ def api_key_for(host: str, key_file: Optional[str], insecure: bool) -> Optional[
     """The API key (file, else $MDIEDGE_API_KEY); refuses a non-loopback address without one
     unless ``insecure``."""
     from ..base.errors import ConfigError
-    from ..ops.api.server import API_KEY_ENV, read_api_key
+    from ..serving.api.server import API_KEY_ENV, read_api_key
     from ..runtime.auth import is_loopback
 
     key = read_api_key(key_file)
@@ -55,8 +55,8 @@ def api_key_for(host: str, key_file: Optional[str], insecure: bool) -> Optional[
 def open_api(engine: Any, sock: Any, slots: int, context: int, max_queue: int, max_body: int,
              key: Optional[str], name: Optional[str], log_level: str) -> Any:
     """The API of ``engine`` on the listening socket ``sock``: set up, not started."""
-    from ..ops.api.rules import ServeLimits
-    from ..ops.api.server import Api
+    from ..serving.api.rules import ServeLimits
+    from ..serving.api.server import Api
 
     limits = ServeLimits(slots=slots, context=context, max_waiting=max_queue, max_body=max_body)
     return Api(engine, sock, limits, key, name, log_level)
@@ -80,7 +80,7 @@ def starter_api(engine: Any, port: Optional[int], host: str, key_file: Optional[
     check_port("--api-port", port)
     check_api_options(slots, 0, MAX_WAITING, MAX_BODY)
     key = api_key_for(host, key_file, insecure)
-    from ..ops.api.server import listen
+    from ..serving.api.server import listen
 
     return open_api(engine, listen(host, port), slots, 0, MAX_WAITING, MAX_BODY, key, None,
                     log_level)
@@ -130,7 +130,7 @@ def serve(
                             no_encrypt)
     exits = check_early_exit(early_exit, exit_threshold)
     key = api_key_for(host, api_key_file, insecure)
-    from ..ops.api.server import listen
+    from ..serving.api.server import listen
     from .generate import _open_engine
 
     with ExitStack() as stack:

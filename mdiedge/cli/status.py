@@ -24,7 +24,7 @@ def status(
     (state "degraded": it rejoins when it answers again); else 77 when a node refused the
     request as unsigned or wrongly signed (state "unauthorized": set MDIEDGE_SECRET or the
     ring file's secret)."""
-    from ..ops.console import print_status, refused, starter_nodes
+    from .console import print_status, refused, starter_nodes
 
     if starter:
         nodes = starter_nodes(check_url("--starter", starter), starter, client_auth())

@@ -1,5 +1,5 @@
 """Which configured workers form the ring now: those that answer, a spare in the place of one
-that is lost (``mdiedge.runtime.partition.choose_members``), and a watch on the lost ones so
+that is lost (``mdiedge.placement.partition.choose_members``), and a watch on the lost ones so
 that one that answers again rejoins at the next request boundary (Petals keeps a generation
 alive across a server's loss; here the ring also takes the server back)."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ from ..base import defaults
 from ..base.errors import RingError
 from ..base.nodes import NodeSpec
 from ..runtime.control import ControlClient
-from ..runtime.partition import choose_members
+from ..placement.partition import choose_members
 from ..runtime.protocol import NodeStatus
-from .ring import probe_all
+from ..runtime.ring import probe_all
 
 log = logging.getLogger("mdiedge.starter")
 

@@ -1,7 +1,7 @@
 """Setting up a ring under the stall rule: each step of a set-up (a worker's ``/reset``,
 ``/assign``, ``/weights``, ``/connect``, the ring's links) runs on its own thread while the
 workers it waits for are asked for their status every third of ``stall_s``, as a running ring's
-are (``mdiedge.roles.ring``). A worker that does not answer twice in a row (killed, frozen,
+are (``mdiedge.runtime.ring``). A worker that does not answer twice in a row (killed, frozen,
 unreachable) is a ``NodeLost`` within ``stall_s``, however long the step itself may take while
 the worker answers (loading weights takes minutes on a board). The step left behind is
 abandoned: what it returns late is handed to ``abandon`` (links are closed), and ``cancel`` is
@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from ..base.errors import NodeLost
 from ..runtime.control import ControlClient
-from .ring import probe_all
+from ..runtime.ring import probe_all
 
 T = TypeVar("T")
 

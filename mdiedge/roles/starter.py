@@ -1,7 +1,7 @@
 """The starter node: the embedding, its first blocks, the head and the sampler, and the ring
 it sets up over the control plane (partition, assignment, weights when a worker lacks them,
-links). ``RingEngine`` is the engine of a ring: the starter's stage and the workers as the
-pipeline's remote tail, run by the one scheduler.
+links). ``mdiedge.engine.ring.RingEngine`` wraps it as an engine: the starter's stage and the
+workers as the pipeline's remote tail, run by the one scheduler.
 
 Recurrent pipeline parallelism (MDI-LLM, Macario et al. 2024): with at least as many messages
 in flight as nodes, every node is busy; each node keeps a KV slot per sample, so a decode
@@ -33,23 +33,22 @@ from ..runtime.auth import Authenticator
 from ..runtime.control import Conflict, ControlClient, round_trip_ms
 from ..runtime.links import LinkPair, accept_authenticated, bind, close_links, close_quietly, \
     connect_authenticated, tcp_listen
-from ..runtime.partition import Placement, partition
+from ..placement.partition import Placement, partition
 from ..runtime.pipeline import ModelEnds, Pipeline
 from ..runtime.protocol import (MAX_SLOTS, Assignment, AssignReply, ConnectRequest, ModelRef,
                                 NodeStatus)
 from ..runtime.scheduler import Scheduler, prefill_rows
 from ..runtime.stages import LocalStage
-from .engine import Engine, PathLike
-from . import balance
+from ..placement import balance
 from .exitparts import check_ring_exits, exit_spec, sent_chunk, starter_policy
 from .membership import Membership
-from .ring import RingTail, probe_all
+from ..runtime.ring import RingTail, probe_all
 from .setupwatch import SetupWatch
 
 log = logging.getLogger("mdiedge.starter")
 
 # Maps a data endpoint (host, port) to the address a link to it connects to instead, e.g. a
-# delaying relay in front of it (``mdiedge.ops.relay.Relays``); the wire protocol is the same.
+# delaying relay in front of it (``mdiedge.tools.relay.Relays``); the wire protocol is the same.
 Route = Callable[[str, int], Tuple[str, int]]
 
 
@@ -450,59 +449,3 @@ def ring_links(tail: Optional[RingTail], workers: List[NodeSpec],
     outs = [tail.links.stats()["out"]] + [s.links.get("out", {}) for s in
                                           probe_all(members, defaults.DIAGNOSE_TIMEOUT_S)]
     return [dict({"from": a, "to": b}, **out) for a, b, out in zip(names, names[1:], outs)]
-
-
-class RingEngine(Engine):
-    """Generation over a ring: this process is the starter, ``workers`` are running nodes.
-    ``changes`` are fields of ``StarterOptions`` (``timeout_s=30``, ``secret=...``); ``route``
-    maps each ring link's data endpoint to the address it connects to (``Route``)."""
-
-    def __init__(self, workers: Sequence[NodeSpec], model: Optional[PathLike] = None,
-                 tokenizer: Optional[PathLike] = None,
-                 options: StarterOptions = StarterOptions(),
-                 early_exit: Optional[ExitSettings] = None, route: Optional[Route] = None,
-                 **changes: Any) -> None:
-        self._open(model, tokenizer)
-        self.options = dataclasses.replace(options, **changes)
-        _ring_rows(self.options, self.cfg)  # a max_payload too small for the model: now
-        self.early_exit = early_exit
-        self.starter = RingStarter(self.path, self.cfg, workers, self.options, early_exit,
-                                   route)
-        self._setup_lock = self.starter._setup_lock
-
-    @property
-    def workers(self) -> List[NodeSpec]:
-        return self.starter.workers
-
-    def prepare(self, n_slots: int, context: int) -> Scheduler:
-        return self.starter.ensure(n_slots, context)
-
-    def unavailable(self, timeout: float) -> Optional[str]:
-        """None when a request would find a ring: the current one's links are up, or a
-        worker answers its control plane within ``timeout`` s (the next request sets up a
-        ring of those that do); else why not, in one line (a set-up under way: what it
-        waits for)."""
-        starter = self.starter
-        scheduler = starter.scheduler
-        waiting = starter.watch.waiting()
-        if waiting is not None:
-            return f"setting up the ring: waiting for {waiting}"
-        if scheduler is not None and scheduler.usable and starter.ring_alive():
-            return None
-        statuses = probe_all(starter.clients, timeout)
-        if any(s.state != "down" for s in statuses):
-            return None
-        return "no worker of the ring answers: " + "; ".join(f"{s.name} ({s.error})"
-                                                             for s in statuses)
-
-    def kv_fill_s(self) -> float:
-        """The starter's stage's and, with early exit on, every worker's (asked)."""
-        scheduler = self.starter.scheduler
-        if self.early_exit is None or scheduler is None:
-            return 0.0
-        own = sum(stage.counters.kv_fill_s for stage in scheduler.pipeline.stages)
-        members = {n.name for n in self.starter.ring_workers}
-        return own + sum(s.kv_fill_s for s in self.starter.node_status() if s.name in members)
-
-    def close(self) -> None:
-        self.starter.close()

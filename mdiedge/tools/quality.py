@@ -27,10 +27,11 @@ from ..base.accel import select
 from ..base.codecs import NONE, Compression, encoded_size
 from ..base.nodes import NodeSpec, StarterOptions
 from ..model.sampling import SamplingParams
-from ..roles.engine import TextModel
+from ..engine.facade import TextModel
 from ..roles.local_ring import LocalRing, threads_per_node
-from ..roles.starter import RingEngine, Route
-from ..runtime.partition import partition
+from ..roles.starter import Route
+from ..engine.ring import RingEngine
+from ..placement.partition import partition
 
 FRAME_HEADER = 48 + 8  # fixed header and one sample's table entry
 
@@ -111,7 +112,7 @@ def ring_run(model: Optional[str], compression: str, prompt: List[int], new_toke
     """Greedy generations from the ``prompt`` token ids on a local ring, after a warm-up: the
     medians of ``repeats`` timings, and the links' counts over all of them (``generations``).
     ``options``: more ``StarterOptions`` (``prefill_chunk``: tokens per prefill message);
-    ``route``: the ring links' route (``mdiedge.ops.relay.Relays``: delaying relays)."""
+    ``route``: the ring links' route (``mdiedge.tools.relay.Relays``: delaying relays)."""
     threads = threads_per_node(nodes)
     torch.set_num_threads(threads)
     local = LocalRing(nodes - 1, threads=threads)

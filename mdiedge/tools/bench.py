@@ -2,7 +2,7 @@
 local rings of 1..N nodes, one sample per message against micro-batched messages.
 
 Each configuration runs in a fresh process (so peak RSS is that configuration's own), and its
-figures come back as soon as it ends (``run_all`` yields them; ``mdiedge.ops.benchtable``
+figures come back as soon as it ends (``run_all`` yields them; ``mdiedge.tools.benchtable``
 prints them); a model preset with random weights is written once to a temporary Hugging Face
 directory.
 """
@@ -28,9 +28,9 @@ from ..model.checkpoint import resolve_model_path, save_hf_checkpoint
 from ..model.config import preset
 from ..base.memory import max_rss_bytes
 from ..model.sampling import SamplingParams
-from ..roles.engine import LocalEngine
+from ..engine.local import LocalEngine
 from ..roles.local_ring import LocalRing, threads_per_node
-from ..roles.starter import RingEngine
+from ..engine.ring import RingEngine
 from .roofline import Roofline, mean_keys
 from ..runtime.generation import Generation
 

@@ -8,7 +8,7 @@ from typing import Any, Dict, List
 
 from ..base import defaults
 from ..model.sampling import SamplingParams
-from ..roles.starter import RingEngine
+from ..engine.ring import RingEngine
 from ..runtime.control import ControlServer
 
 GENERATE_FIELDS = {"prompt": str, "max_new_tokens": int, "samples": int, "temperature": float,

@@ -1,6 +1,6 @@
 """From a prompt string to sampled text: the tokenizer, the scheduler and a pipeline to run
-the blocks. ``LocalEngine`` builds a pipeline of in-process stages (``--nodes 1`` is one);
-``RingEngine`` (``mdiedge.roles.starter``) builds the starter's stage plus the ring.
+the blocks. ``LocalEngine`` (``local``) builds a pipeline of in-process stages (``--nodes 1`` is
+one); ``RingEngine`` (``ring``) is the starter's stage plus the ring.
 """
 from __future__ import annotations
 
@@ -16,22 +16,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from ..base import defaults
 from ..base.errors import MdiedgeError
 from ..base.words import SHOWN_SETUP_S, plural
-from ..model.checkpoint import check_checkpoint, content_hash, load_config, load_model, \
-    resolve_model_path
+from ..model.checkpoint import check_checkpoint, load_config, resolve_model_path
 from ..model.fit import check_tokenizer
 from ..model.exitfiles import ExitSettings
 from ..model.config import ModelConfig
-from ..model.devices import parse_device, parse_dtype
 from ..model.sampling import SamplingParams
 from ..model.tokenizer import Tokenizer, decode_continuation, load_tokenizer
 from ..model.stopping import StopMatcher, check_stops, cut_at_stop
 from ..runtime.generation import (ExitCounts, Generation, Recovery, Sample, Timing,
                                   TokenCallback)
-from ..runtime.partition import split_layers
-from ..runtime.pipeline import ModelEnds, Pipeline
 from ..runtime.scheduler import Scheduler
-from ..runtime.stages import LocalStage
-from .exitparts import starter_policy
 
 PathLike = Union[str, Path]
 
@@ -223,49 +217,3 @@ class Engine(TextModel):
 
     def close(self) -> None:
         """Release what the engine holds (nodes, links); a local engine holds nothing."""
-
-
-class LocalEngine(Engine):
-    """Every block in this process, split over ``stages`` in-process stages in the ring's
-    proportions (one stage: the plain single-process engine)."""
-
-    def __init__(self, model: Optional[PathLike] = None, tokenizer: Optional[PathLike] = None,
-                 device: str = "cpu", dtype: str = "float32", stages: int = 1,
-                 prefill_chunk: int = 0, early_exit: Optional[ExitSettings] = None,
-                 quantize: str = "") -> None:
-        self._open(model, tokenizer)
-        self.early_exit = early_exit
-        self.device, self.dtype = str(parse_device(device)), parse_dtype(dtype)
-        self.ranges = split_layers(self.cfg.n_layers, [1.0] * stages) if stages > 1 \
-            else [(0, self.cfg.n_layers)]
-        self.chunks = [load_model(self.path, layers=r, embedding=i == 0, head=i == 0,
-                                  device=self.device, dtype=self.dtype,
-                                  quantize=quantize or None)
-                       for i, r in enumerate(self.ranges)]
-        self.model = self.chunks[0]  # the embedding, the first blocks and the head
-        self.exit_policy = starter_policy(early_exit, content_hash(self.path), self.model)
-        self.prefill_chunk = prefill_chunk
-        self.scheduler: Optional[Scheduler] = None
-        self._setup_lock = threading.Lock()
-
-    def prepare(self, n_slots: int, context: int) -> Scheduler:
-        current = self.scheduler
-        if current is not None and (not current.usable or current.idle and (
-                current.pipeline.n_slots < n_slots or current.pipeline.context < context)):
-            current = None  # broken, or too small with nothing running: set up anew
-        if current is None:
-            last = len(self.chunks) - 1
-            stages = [LocalStage(chunk, n_slots, context, trim_prefill=i == last,
-                                 exit_policy=self.exit_policy)
-                      for i, chunk in enumerate(self.chunks)]
-            current = self.scheduler = Scheduler(
-                Pipeline(stages), ModelEnds(self.model), self.prefill_chunk,
-                exit_layers=self.cfg.n_layers if self.exit_policy is not None else 0)
-        return current
-
-    @property
-    def stages(self) -> Sequence[LocalStage]:
-        return self.scheduler.pipeline.stages if self.scheduler is not None else []
-
-    def kv_fill_s(self) -> float:
-        return sum(stage.counters.kv_fill_s for stage in self.stages)

@@ -21,12 +21,12 @@ import torch
 from ..base import defaults
 from ..base.errors import NodeLost, RingError
 from ..base.nodes import NodeSpec
-from ..runtime import messages
-from ..runtime.control import ControlClient
-from ..runtime.links import LinkDown, LinkPair
-from ..runtime.messages import Message
-from ..runtime.pipeline import Tail
-from ..runtime.protocol import NodeStatus
+from . import messages
+from .control import ControlClient
+from .links import LinkDown, LinkPair
+from .messages import Message
+from .pipeline import Tail
+from .protocol import NodeStatus
 
 log = logging.getLogger("mdiedge.ring")
 

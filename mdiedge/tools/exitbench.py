@@ -2,7 +2,7 @@
 one run.
 
 - Quality, teacher-forced over held-out text (the second half of the held-out tail; the first
-  half calibrates, see ``mdiedge.ops.exitcal``): every position is a real decode step through
+  half calibrates, see ``mdiedge.tools.exitcal``): every position is a real decode step through
   the model with its KV cache, the exit rule and the KV fill, so a token sees the cache that
   earlier exits left. Reported: top-1 agreement with the same steps without early exit, and
   the perplexity of both.
@@ -23,9 +23,10 @@ import torch
 from ..model.checkpoint import content_hash, load_model
 from ..model.exitfiles import ExitSettings, exit_policy, exit_settings
 from ..model.sampling import SamplingParams
-from ..roles.engine import Engine, LocalEngine, TextModel
+from ..engine.facade import Engine, TextModel
+from ..engine.local import LocalEngine
 from ..roles.local_ring import LocalRing, threads_per_node
-from ..roles.starter import RingEngine
+from ..engine.ring import RingEngine
 from ..base.errors import ConfigError
 from ..model.exitfiles import THRESHOLDS_FILE
 from .exitcal import MIN_TOKENS, decode_forced, held_out_halves

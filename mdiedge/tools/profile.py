@@ -109,7 +109,7 @@ def profile_ring(model_path: Path, nodes: int, rows: int, context: int = 256,
     """Each node's profile (``profile_node``) with its blocks and thread count."""
     from ..model.checkpoint import load_config, load_model
     from ..roles.local_ring import threads_per_node
-    from ..runtime.partition import split_layers
+    from ..placement.partition import split_layers
 
     cfg = load_config(model_path)
     ranges = split_layers(cfg.n_layers, [1.0] * nodes) if nodes > 1 else [(0, cfg.n_layers)]

@@ -20,7 +20,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..runtime.partition import balanced_weights
+from .partition import balanced_weights
 from ..runtime.protocol import NodeStatus
 
 MIN_MESSAGES = 64  # messages a ring handles between two checks (a measurement's size)

@@ -184,8 +184,8 @@ class FakeEngine:
 @pytest.fixture
 def fake_engine(monkeypatch: pytest.MonkeyPatch) -> List[FakeEngine]:
     """``RingEngine`` replaced by ``FakeEngine``; the engines made, in order."""
-    import mdiedge.roles.starter as starter_module
+    import mdiedge.engine.ring as ring_module
 
     FakeEngine.made = []
-    monkeypatch.setattr(starter_module, "RingEngine", FakeEngine)
+    monkeypatch.setattr(ring_module, "RingEngine", FakeEngine)
     return FakeEngine.made

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import make_hf_llama, write_tiny_tokenizer
 from mdiedge.model.sampling import SamplingParams
-from mdiedge.roles import balance
+from mdiedge.placement import balance
 from mdiedge.roles.local_ring import LocalRing
 from mdiedge.engine.ring import RingEngine
 from mdiedge.placement.partition import balanced_weights

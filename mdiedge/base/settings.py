@@ -415,6 +415,17 @@ def _check_length(secret: bytes, where: str) -> bytes:
     return secret
 
 
+def check_private(info: os.stat_result, shown: str, path: str) -> None:
+    """The one rule for a file that holds a secret (the ring's secret, the API key): a regular
+    file that its owner alone may read; ``shown`` names it in the error."""
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"{shown} is not a regular file")
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o077:
+        raise ConfigError(f"{shown} (mode {mode:04o}) is readable by other users: "
+                          f"chmod 600 {path}")
+
+
 def _secret_file(name: str, where: str, read: bool = True) -> Optional[bytes]:
     """The secret in file ``name`` after the permission checks; ``read=False`` (for
     ``config check``) skips a file this user may not read and returns None."""
@@ -422,12 +433,7 @@ def _secret_file(name: str, where: str, read: bool = True) -> Optional[bytes]:
     info = _secret_io(path.stat, "stat", name, where, read)
     if info is None:
         return None
-    if not stat.S_ISREG(info.st_mode):
-        raise ConfigError(f"{where}: secret file {name!r} is not a regular file")
-    mode = stat.S_IMODE(info.st_mode)
-    if mode & 0o077:
-        raise ConfigError(f"{where}: {name!r} (mode {mode:04o}) is readable by other users; "
-                          f"chmod 600 it")
+    check_private(info, f"{where}: secret file {name!r}", name)
     data = _secret_io(path.read_bytes, "read", name, where, read)
     if data is None:
         return None

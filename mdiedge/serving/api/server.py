@@ -7,7 +7,6 @@ import asyncio
 import logging
 import os
 import socket
-import stat
 import threading
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from ...base import defaults
 from ...base.backoff import is_shortage
 from ...base.errors import ConfigError
 from ...base.ratelog import Throttled
+from ...base.settings import check_private
 from .rules import HEAD_TIMEOUT_S, ServeLimits
 
 log = logging.getLogger("mdiedge.api")
@@ -34,13 +34,7 @@ def read_api_key(path: Optional[str]) -> Optional[str]:
     if path:
         file = Path(path).expanduser()
         try:
-            info = file.stat()
-            if not stat.S_ISREG(info.st_mode):
-                raise ConfigError(f"--api-key-file {path}: not a regular file")
-            mode = stat.S_IMODE(info.st_mode)
-            if mode & 0o077:
-                raise ConfigError(f"--api-key-file {path} (mode {mode:04o}) is readable by "
-                                  f"other users: chmod 600 {path}")
+            check_private(file.stat(), f"--api-key-file {path}", path)
             lines = file.read_text(encoding="utf-8").splitlines()
             key = lines[0].strip() if lines else ""
         except OSError as e:

@@ -77,3 +77,13 @@ def test_the_starter_ends_the_ring_with_shutdown(
     assert node.stage is not None and node.stage.counters.messages > 0
     assert "w1: the starter ended the ring" in caplog.text  # SHUTDOWN, not a dropped link
     assert "link down" not in caplog.text
+
+
+def test_a_worker_never_started_closes_at_once() -> None:
+    """A worker whose set-up failed after its ports opened is closed without ever serving:
+    that must free its ports at once, not wait for a control loop that never ran."""
+    node = WorkerNode(name="w", cache_dir=Path("/nonexistent"))
+    done = threading.Event()
+    closer = threading.Thread(target=lambda: (node.close(), done.set()), daemon=True)
+    closer.start()
+    assert done.wait(5.0), "WorkerNode.close() hung on a node that was never started"

@@ -387,7 +387,10 @@ class ControlServer:
         return self
 
     def stop(self) -> None:
-        self.httpd.shutdown()
+        """Stop serving and close the port; a server never started just closes its port
+        (``shutdown`` would wait forever for a loop that never ran)."""
+        if self.thread.ident is not None:
+            self.httpd.shutdown()
         self.httpd.server_close()
         self.refusals.flush()
 

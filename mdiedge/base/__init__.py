@@ -1,2 +1,6 @@
-"""Layer 0, no torch: the exception hierarchy, the one set of defaults, the dtype table, the
-node record, config files and ring files, memory readings, the compiled-module selector."""
+"""Layer 0, no torch: the exception hierarchy, the one set of defaults and time limits, the dtype
+table, the node record, config files and ring files, memory readings, the compiled-module
+selector.
+
+Imports nothing of mdiedge above it, and torch only inside functions.
+"""

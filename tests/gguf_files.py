@@ -1,7 +1,8 @@
-"""Tiny GGUF models for the tests, written from a Hugging Face Llama or Mixtral directory with
-``gguf.GGUFWriter`` the way llama.cpp's converter (``convert_hf_to_gguf.py``) lays them out:
-``llama.*`` metadata, ``blk.N.*`` names, the Q and K rows permuted for llama.cpp's RoPE,
-experts stacked in 3-D tensors, vectors in F32 and matrices in the asked type.
+"""Tiny GGUF models for the tests, written from a Hugging Face Llama, Mixtral or Qwen2 directory
+with ``gguf.GGUFWriter`` the way llama.cpp's converter (``convert_hf_to_gguf.py``) lays them
+out: ``llama.*`` (``qwen2.*``) metadata, ``blk.N.*`` names, the Q and K rows permuted for
+llama.cpp's RoPE (Llama and Mixtral only: Qwen2's RoPE is rotate-half there too), experts
+stacked in 3-D tensors, vectors (and biases) in F32 and matrices in the asked type.
 
 This module is written independently of ``mdiedge.model.gguf`` (its own name table and
 permutation), so that a test that reads what it writes checks the reader against the
@@ -30,6 +31,9 @@ _BLOCK = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
     "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
 }
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
            "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
@@ -56,6 +60,7 @@ def gguf_tensors(hf_dir: Path, config: Dict[str, Any]) -> Iterator[Tuple[str, np
     """(GGUF name, float32 array) of every tensor of the model, in the converter's layout."""
     tensors = _hf_tensors(hf_dir)
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
+    permuted = config["model_type"] != "qwen2"
     for name, gname in _GLOBAL.items():
         if name in tensors:
             yield gname, tensors[name]
@@ -64,9 +69,9 @@ def gguf_tensors(hf_dir: Path, config: Dict[str, Any]) -> Iterator[Tuple[str, np
         for name, gname in _BLOCK.items():
             if prefix + name in tensors:
                 w = tensors[prefix + name]
-                if name.startswith("self_attn.q_proj"):
+                if name == "self_attn.q_proj.weight" and permuted:
                     w = permute(w, heads)
-                elif name.startswith("self_attn.k_proj"):
+                elif name == "self_attn.k_proj.weight" and permuted:
                     w = permute(w, kv_heads or heads)
                 yield f"blk.{i}.{gname}", w
         for w_name, gname in _EXPERTS.items():
@@ -140,7 +145,7 @@ def write_gguf(path: PathLike, hf_dir: PathLike, qtype: str = "F32",
 
     path, hf_dir = Path(path), Path(hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
-    writer = gguf.GGUFWriter(path, "llama")
+    writer = gguf.GGUFWriter(path, "qwen2" if config["model_type"] == "qwen2" else "llama")
     _add_metadata(writer, config, qtype)
     _add_vocab(writer, config, tokenizer)
     kind = gguf.GGMLQuantizationType[qtype]

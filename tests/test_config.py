@@ -5,7 +5,8 @@ from typing import Any, Dict
 
 import pytest
 
-from mdiedge.model.config import PRESETS, ModelConfig, config_from_hf, config_to_hf, preset
+from mdiedge.model.config import PRESETS, ModelConfig, preset
+from mdiedge.model.families import config_from_hf, config_to_hf
 from mdiedge.base.errors import ConfigError
 
 BASE: Dict[str, Any] = {

@@ -20,7 +20,7 @@ from mdiedge.base.errors import CheckpointError
 from mdiedge.model import hub
 from mdiedge.model.checkpoint import (chunk_safetensors, content_hash, load_config, load_model,
                                       resolve_model_path)
-from mdiedge.model.config import config_to_hf
+from mdiedge.model.families import config_to_hf
 from mdiedge.model.gguf import GGUFSource, gguf_config, is_gguf
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.runtime.generation import Generation
@@ -268,8 +268,9 @@ BAD_FILES = {
               "tensor 'blk.0.attn_norm.weight' has shape (16,), the config implies (32,)"),
     "missing": (lambda p: rename_tensor(p, "blk.3.ffn_up.weight", "blk.3.ffn_uq.weight"),
                 "missing tensor 'blk.3.ffn_up.weight'"),
-    "architecture": (lambda p: set_architecture(p, "qwen2"),
-                     "unsupported architecture 'qwen2' (supported: llama)"),
+    "architecture": (lambda p: set_architecture(p, "bloom"),
+                     "unsupported architecture 'bloom' (supported: llama, qwen2; known "
+                     "families: llama (llama, mistral), mixtral (mixtral), qwen2 (qwen2))"),
 }
 
 

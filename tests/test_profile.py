@@ -7,14 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mdiedge.model import layers, transformer
+from mdiedge.model import block, layers, transformer
 from mdiedge.tools.profile import CATEGORIES, profile_ring, table_lines
 
 
 def test_profile_of_a_two_node_ring(ring_model: Path) -> None:
     def patched() -> tuple:
         return (layers.project, layers.RMSNorm.forward,
-                transformer.apply_rope, transformer.attention, transformer.KVCache.update,
+                block.apply_rope, block.attention, block.KVCache.update,
                 transformer._step.block, transformer._step.blocks, transformer._step.logits)
 
     originals = patched()

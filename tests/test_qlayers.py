@@ -91,7 +91,7 @@ def test_generate_quantize_is_the_same_on_one_node_and_a_ring() -> None:
 def test_an_assignment_carries_its_quantizer() -> None:
     from mdiedge.runtime.protocol import Assignment, ModelRef
     from mdiedge.model.checkpoint import load_config
-    from mdiedge.model.config import config_to_hf
+    from mdiedge.model.families import config_to_hf
 
     cfg = load_config(NANOLLAMA)
     ref = ModelRef(cfg.name, "0" * 64, config_to_hf(cfg), {})

@@ -22,12 +22,13 @@ from torch import Tensor
 
 from ..base.dtypes import BY_SAFETENSORS
 from ..base.errors import CheckpointError, ConfigError
-from .config import ModelConfig, config_from_hf, config_to_hf, read_json
+from .config import ModelConfig, read_json
 from .exitfiles import CLASSIFIER_FILE
+from .families import config_from_hf, config_to_hf
 from .fit import check_finite
 # the name tables and TensorSource live in .tensors (GGUF's source needs them too); imported
 # here as well for the modules that know them from this one
-from .tensors import (BLOCK_NAMES, GLOBAL_NAMES, MOE_BLOCK_NAMES,  # noqa: F401
+from .tensors import (BLOCK_NAMES, GLOBAL_NAMES,  # noqa: F401
                       TensorSource, block_names, tensor_plan)
 
 PathLike = Union[str, Path]
@@ -506,7 +507,7 @@ def _checked_plan(cfg: ModelConfig, source: TensorSource, layers: Tuple[int, int
     if not 0 <= layers[0] <= layers[1] <= cfg.n_layers:
         raise ConfigError(f"{source.path}: blocks [{layers[0]}, {layers[1]}) are not blocks of "
                           f"a model of {cfg.n_layers}")
-    last = f"model.layers.{layers[1] - 1}.input_layernorm.weight"
+    last = next(iter(tensor_plan(cfg, (layers[1] - 1, layers[1]), False, False).values()), "")
     if layers[1] > layers[0] and last not in set(source.names()):  # before a plan of every
         raise CheckpointError(f"{source.path}: num_hidden_layers = {cfg.n_layers}, but the "
                               f"checkpoint has no tensor {last!r}: the config does not match "

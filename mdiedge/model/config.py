@@ -1,4 +1,6 @@
-"""Model configuration: one dataclass, a table of named presets, Hugging Face mapping.
+"""Model configuration: one dataclass, a table of named presets, and the reading of a Hugging
+Face ``config.json`` by a table of keys (each family declares its table:
+``mdiedge.model.families``, which also checks ``model_type``).
 
 Derived values (``head_dim``, ``kv_dim``, parameter and byte counts) are computed here and
 nowhere else.
@@ -15,7 +17,6 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from ..base.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -47,7 +48,7 @@ class ModelConfig:
     experts_per_token: int = 0
     bos_id: Optional[int] = 1
     eos_ids: Tuple[int, ...] = (2,)
-    model_type: str = "llama"
+    model_type: str = "llama"  # the family's (``mdiedge.model.families``)
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -71,8 +72,9 @@ class ModelConfig:
             raise ConfigError(
                 f"model config: experts_per_token={self.experts_per_token} must be in "
                 f"1..n_experts={self.n_experts}")
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(f"model config: unsupported model_type {self.model_type!r}")
+        if not isinstance(self.model_type, str) or not self.model_type:
+            raise ConfigError(f"model config: model_type must be a name, got "
+                              f"{self.model_type!r}")
         self._check_numbers()
 
     def _check_numbers(self) -> None:
@@ -164,33 +166,6 @@ def preset(name: str) -> ModelConfig:
         raise ConfigError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}") from None
 
 
-# Hugging Face config.json key -> ModelConfig field. Every key in the left column is required
-# unless it has a default in ``_HF_DEFAULTS``.
-_HF_KEYS: Dict[str, str] = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "dim",
-    "num_hidden_layers": "n_layers",
-    "num_attention_heads": "n_heads",
-    "num_key_value_heads": "n_kv_heads",
-    "intermediate_size": "intermediate_size",
-    "max_position_embeddings": "max_seq_len",
-    "head_dim": "head_dim",
-    "rms_norm_eps": "rms_norm_eps",
-    "tie_word_embeddings": "tie_embeddings",
-    "num_local_experts": "n_experts",
-    "num_experts_per_tok": "experts_per_token",
-}
-_HF_DEFAULTS: Dict[str, Any] = {
-    "num_key_value_heads": None,  # = num_attention_heads
-    "head_dim": None,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "num_local_experts": 0,
-    "num_experts_per_tok": 0,
-}
-_HF_FLAGS_MUST_BE_FALSE = ("attention_bias", "mlp_bias")
-
-
 def _rope_from_hf(raw: Mapping[str, Any], source: str) -> Tuple[float, Optional[RopeScaling]]:
     """Read RoPE settings from either layout: transformers 4 (``rope_theta`` + ``rope_scaling``)
     or transformers 5 (``rope_parameters``)."""
@@ -250,13 +225,16 @@ def _special_ids(raw: Mapping[str, Any], gen: Mapping[str, Any], source: str,
     return (bos[0] if bos else None), found["eos_token_id"]
 
 
-def config_from_hf(raw: Mapping[str, Any], source: str = "config.json",
-                   generation: Optional[Mapping[str, Any]] = None,
-                   generation_source: str = "generation_config.json") -> ModelConfig:
-    """Map a Hugging Face ``config.json`` dict (and ``generation_config.json``) to ModelConfig;
-    any value of the wrong kind is a one-line ConfigError naming ``source``."""
+def config_from_keys(raw: Mapping[str, Any], source: str,
+                     generation: Optional[Mapping[str, Any]], generation_source: str,
+                     keys: Mapping[str, str], defaults: Mapping[str, Any]) -> ModelConfig:
+    """A ModelConfig from a Hugging Face ``config.json`` dict (and ``generation_config.json``)
+    by a family's table: ``keys`` maps config.json keys to fields, each required unless
+    ``defaults`` has it (None: the field's own default); RoPE, the special tokens and the
+    sliding window are read the same for every family. Any value of the wrong kind is a
+    one-line ConfigError naming ``source``."""
     try:
-        return _config_from_hf(raw, source, generation, generation_source)
+        return _config_from_keys(raw, source, generation, generation_source, keys, defaults)
     except ConfigError:
         raise
     except (TypeError, ValueError, AttributeError, OverflowError) as e:
@@ -264,23 +242,16 @@ def config_from_hf(raw: Mapping[str, Any], source: str = "config.json",
                           f"{e})"[:300]) from None
 
 
-def _config_from_hf(raw: Mapping[str, Any], source: str,
-                    generation: Optional[Mapping[str, Any]],
-                    generation_source: str) -> ModelConfig:
-    model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"{source}: unsupported model_type {model_type!r} "
-                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    for flag in _HF_FLAGS_MUST_BE_FALSE:
-        if raw.get(flag):
-            raise ConfigError(f"{source}: {flag}=true is not supported")
+def _config_from_keys(raw: Mapping[str, Any], source: str,
+                      generation: Optional[Mapping[str, Any]], generation_source: str,
+                      keys: Mapping[str, str], defaults: Mapping[str, Any]) -> ModelConfig:
     values: Dict[str, Any] = {}
-    for hf_key, ours in _HF_KEYS.items():
+    for hf_key, ours in keys.items():
         if hf_key in raw and raw[hf_key] is not None:
             values[ours] = raw[hf_key]
-        elif hf_key in _HF_DEFAULTS:
-            if _HF_DEFAULTS[hf_key] is not None:
-                values[ours] = _HF_DEFAULTS[hf_key]
+        elif hf_key in defaults:
+            if defaults[hf_key] is not None:
+                values[ours] = defaults[hf_key]
         else:
             raise ConfigError(f"{source}: missing required key {hf_key!r}")
     values.setdefault("n_kv_heads", values["n_heads"])
@@ -291,7 +262,7 @@ def _config_from_hf(raw: Mapping[str, Any], source: str,
     values["rope_theta"], values["rope_scaling"] = _rope_from_hf(raw, source)
     values["bos_id"], values["eos_ids"] = _special_ids(raw, generation or {}, source,
                                                        generation_source, values["vocab_size"])
-    values["model_type"] = model_type
+    values["model_type"] = raw["model_type"]
     values["name"] = str(raw.get("_name_or_path") or source)
     for key in ("rms_norm_eps", "rope_theta"):
         if not isinstance(values[key], (int, float)):
@@ -304,22 +275,16 @@ def _config_from_hf(raw: Mapping[str, Any], source: str,
         raise ConfigError(f"{source}: {e}") from None
 
 
-def config_to_hf(cfg: ModelConfig) -> Dict[str, Any]:
-    """Inverse of :func:`config_from_hf`, for the checkpoints mdiedge writes."""
+def keys_of_config(cfg: ModelConfig, keys: Mapping[str, str]) -> Dict[str, Any]:
+    """Inverse of :func:`config_from_keys`: the config.json values of ``cfg`` by a family's
+    table, with RoPE, the special tokens and the dtype we write."""
     out: Dict[str, Any] = {
-        "architectures": ["MixtralForCausalLM" if cfg.is_moe else "LlamaForCausalLM"],
-        "model_type": cfg.model_type,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
         "torch_dtype": "float32",
         "rope_theta": cfg.rope_theta,
         "bos_token_id": cfg.bos_id,
         "eos_token_id": cfg.eos_ids[0] if len(cfg.eos_ids) == 1 else list(cfg.eos_ids),
     }
-    for hf_key, ours in _HF_KEYS.items():
-        if ours in ("n_experts", "experts_per_token") and not cfg.is_moe:
-            continue
+    for hf_key, ours in keys.items():
         out[hf_key] = getattr(cfg, ours)
     if cfg.rope_scaling is not None:
         out["rope_scaling"] = dict(dataclasses.asdict(cfg.rope_scaling), rope_type="llama3")

@@ -5,8 +5,10 @@ Parsing is the ``gguf`` package's (llama.cpp's own reader), with every read boun
 the vocabulary's string arrays skipped (the tokenizer reads them; the config needs only their
 length), so that opening a file costs its metadata, not its vocabulary. A tensor is read when
 asked for: de-quantized to float32 (``GGUFSource.get``), or as the file's bytes
-(``GGUFSource.raw``, for kernels that keep blocks quantized). llama.cpp's converter stores the
-rows of the Q and K projections interleaved for its RoPE; both reads give Hugging Face's order.
+(``GGUFSource.raw``, for kernels that keep blocks quantized). Which family reads a file, and
+its tensors' names, are the families' declarations (``mdiedge.model.families``). For Llama,
+llama.cpp's converter stores the rows of the Q and K projections interleaved for its RoPE;
+both reads give Hugging Face's order.
 """
 from __future__ import annotations
 
@@ -24,34 +26,13 @@ from torch import Tensor
 from .gguf_vocab import MAGIC, is_gguf  # noqa: F401 - one magic check, re-exported
 
 from ..base.errors import CheckpointError, ConfigError
-from .config import ModelConfig, config_from_hf
+from .config import ModelConfig
+from .families import by_gguf_architecture, config_from_hf, family_of
+from .families.spec import Family
 from .fit import check_blocks, indices
 from .tensors import TensorSource, expected_shape, tensor_plan  # noqa: F401
 
 PathLike = Union[str, Path]
-SUPPORTED_ARCHITECTURES = ("llama",)
-
-# our parameter names (``layers.{i}.`` stripped) -> GGUF names (``blk.{i}.`` stripped)
-GGUF_GLOBAL_NAMES: Dict[str, str] = {
-    "embed.weight": "token_embd.weight",
-    "norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-GGUF_BLOCK_NAMES: Dict[str, str] = {
-    "attn_norm.weight": "attn_norm.weight",
-    "attn.wq.weight": "attn_q.weight",
-    "attn.wk.weight": "attn_k.weight",
-    "attn.wv.weight": "attn_v.weight",
-    "attn.wo.weight": "attn_output.weight",
-    "mlp_norm.weight": "ffn_norm.weight",
-    "mlp.gate.weight": "ffn_gate.weight",
-    "mlp.up.weight": "ffn_up.weight",
-    "mlp.down.weight": "ffn_down.weight",
-    "mlp.router.weight": "ffn_gate_inp.weight",
-    "mlp.experts.{e}.gate.weight": "ffn_gate_exps.weight",  # (experts, rows, cols) stacked
-    "mlp.experts.{e}.up.weight": "ffn_up_exps.weight",
-    "mlp.experts.{e}.down.weight": "ffn_down_exps.weight",
-}
 _BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
 _GGUF_BLOCK = re.compile(r"blk\.(\d+)\.")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(.+)")
@@ -207,11 +188,14 @@ def _single(value: Any, key: str, source: str) -> Any:
 
 
 def _hf_fields(meta: Mapping[str, Any], tensors: Sequence[str], source: str) -> Dict[str, Any]:
-    """The Hugging Face config.json that the metadata of a ``llama`` GGUF file describes."""
+    """The Hugging Face config.json that the metadata of a GGUF file describes (``{arch}.*``
+    keys), its ``model_type`` that of the family reading the file's architecture."""
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise CheckpointError(f"{source}: unsupported architecture {arch!r} (supported: "
-                              f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+    experts = _single(meta.get(f"{arch}.expert_count", 0), "expert_count", source) or 0
+    try:
+        family = by_gguf_architecture(arch, bool(experts), source)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none") or "rope_freqs.weight" in tensors:
         raise CheckpointError(f"{source}: RoPE scaling ({scaling or 'rope_freqs.weight'}) is "
@@ -228,11 +212,10 @@ def _hf_fields(meta: Mapping[str, Any], tensors: Sequence[str], source: str) -> 
     if rotary != head_dim:
         raise CheckpointError(f"{source}: partial RoPE ({rotary} of {head_dim} dimensions per "
                               f"head) is not supported")
-    experts = get("expert_count", 0) or 0
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
            if isinstance(meta.get(k), int)]
     return {
-        "model_type": "mixtral" if experts else "llama",
+        "model_type": family.model_types[0],
         "vocab_size": get("vocab_size") or meta.get("tokenizer.ggml.tokens"),
         "hidden_size": dim, "num_hidden_layers": get("block_count"),
         "num_attention_heads": heads, "num_key_value_heads": get("attention.head_count_kv"),
@@ -284,16 +267,18 @@ class _Entry(NamedTuple):
     shape: Tuple[int, ...]  # its shape as Hugging Face has it
 
 
-def gguf_name(ours: str) -> Tuple[str, Optional[int]]:
-    """The GGUF tensor holding our parameter ``ours``, and the expert's index in it."""
+def gguf_name(ours: str, family: Family) -> Tuple[str, Optional[int]]:
+    """The GGUF tensor holding our parameter ``ours`` in a file of ``family``, and the
+    expert's index in it."""
     block = _BLOCK.fullmatch(ours)
     if block is None:
-        return GGUF_GLOBAL_NAMES[ours], None
+        return family.gguf_global_names[ours], None
     layer, rest = block.groups()
     expert = _EXPERT.fullmatch(rest)
     if expert is not None:
         rest = "mlp.experts.{e}." + expert.group(2)
-    return f"blk.{layer}.{GGUF_BLOCK_NAMES[rest]}", None if expert is None else int(expert.group(1))
+    expert_index = None if expert is None else int(expert.group(1))
+    return f"blk.{layer}.{family.gguf_block_names[rest]}", expert_index
 
 
 def _hf_rows(rows: int, heads: int) -> Tensor:
@@ -312,6 +297,7 @@ class GGUFSource(TensorSource):
         self.gguf = _gguf_package()
         reader = open_reader(path)
         self.cfg = config_of(reader, path)
+        self.family = family_of(self.cfg)
         tensors = {t.name: t for t in reader.tensors}
         self.index: Dict[str, _Entry] = {}
         cfg = self.cfg
@@ -323,7 +309,7 @@ class GGUFSource(TensorSource):
             self.index[theirs] = self._entry(ours, tensors)
 
     def _entry(self, ours: str, tensors: Mapping[str, Any]) -> _Entry:
-        name, expert = gguf_name(ours)
+        name, expert = gguf_name(ours, self.family)
         tensor = tensors.get(name)
         if tensor is None:
             raise CheckpointError(f"{self.path}: missing tensor {name!r}")
@@ -340,8 +326,8 @@ class GGUFSource(TensorSource):
         if not _dequantizable(self.gguf, tensor.tensor_type):
             raise CheckpointError(f"{self.path}: tensor {name!r} has type "
                                   f"{tensor.tensor_type.name}, which cannot be de-quantized")
-        heads = {"attn.wq.weight": self.cfg.n_heads,
-                 "attn.wk.weight": self.cfg.n_kv_heads}.get(ours.split(".", 2)[-1], 0)
+        heads = {"attn.wq.weight": self.cfg.n_heads, "attn.wk.weight": self.cfg.n_kv_heads
+                 }.get(ours.split(".", 2)[-1], 0) if self.family.gguf_qk_permuted else 0
         return _Entry(tensor, expert, heads, shape)
 
     def names(self) -> Sequence[str]:

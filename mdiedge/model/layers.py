@@ -1,6 +1,6 @@
 """The building blocks shared by dense and mixture-of-experts decoders: RMSNorm, rotary position
-embeddings (RoPE, Su et al. 2021, with Llama 3 scaling), a bias-free Linear tuned for few-row
-products, and the SwiGLU feed-forward (Shazeer 2020). Plain torch, no state beyond weights.
+embeddings (RoPE, Su et al. 2021, with Llama 3 scaling), a Linear tuned for few-row products,
+and the SwiGLU feed-forward (Shazeer 2020). Plain torch, no state beyond weights.
 """
 from __future__ import annotations
 
@@ -70,17 +70,18 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Linear(nn.Linear):
-    """A bias-free ``nn.Linear``. Up to ``MAX_ROWS`` float32 rows on the CPU (decode, micro-
+    """An ``nn.Linear``, bias-free unless asked (``bias``: added after the product). Up to ``MAX_ROWS`` float32 rows on the CPU (decode, micro-
     batched or not) take the few-row product of ``mdiedge.model._cmatvec`` (its kernel reads
     the weight once for three rows, where CPU BLAS runs thin products far below the memory
     bound; ``bin/bench-decode`` measures it) or its pure-torch twin; everything else, and
     any weight kept in transposed storage, takes ``F.linear``."""
 
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return project(x, self.weight)
+        out = project(x, self.weight)
+        return out if self.bias is None else out + self.bias
 
 
 def project(x: Tensor, weight: Tensor) -> Tensor:
@@ -94,17 +95,18 @@ def project(x: Tensor, weight: Tensor) -> Tensor:
     return F.linear(x, weight)
 
 
-def fuse(linears: Sequence[Linear]) -> Tensor:
-    """Store the weights of ``linears`` (one input width) as consecutive row blocks of one
-    contiguous buffer, returned; each ``Linear`` keeps its own parameter, a view of its rows,
-    so names, loading and values are unchanged, and one product by the buffer computes all
-    of them at once (fewer, larger products)."""
-    weights = [layer.weight for layer in linears]
+def fuse(linears: Sequence[Linear], attr: str = "weight") -> Tensor:
+    """Store the weights (``attr``: or the biases) of ``linears`` (one input width) as
+    consecutive row blocks of one contiguous buffer, returned; each ``Linear`` keeps its own
+    parameter, a view of its rows, so names, loading and values are unchanged, and one
+    product by the buffer computes all of them at once (fewer, larger products)."""
+    weights = [getattr(layer, attr) for layer in linears]
     buffer = torch.cat([w.detach() for w in weights])  # (sum of outs, in)
     offset = 0
     for layer, w in zip(linears, weights):
         rows = w.shape[0]
-        layer.weight = nn.Parameter(buffer[offset:offset + rows], requires_grad=w.requires_grad)
+        setattr(layer, attr, nn.Parameter(buffer[offset:offset + rows],
+                                          requires_grad=w.requires_grad))
         offset += rows
     return buffer
 

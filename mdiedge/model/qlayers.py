@@ -180,7 +180,8 @@ def keep_quantized(net: nn.Module, source: Any, plan: Dict[str, str]) -> Set[str
         qtype = kernel_qtype(source, theirs)
         owner, attr = _parent(net, ours)
         layer = getattr(owner, attr, None)
-        if qtype is None or not isinstance(layer, (nn.Linear, nn.Embedding)):
+        if qtype is None or not isinstance(layer, (nn.Linear, nn.Embedding)) \
+                or getattr(layer, "bias", None) is not None:  # a biased layer stays float
             continue
         raw = source.raw(theirs)
         try:
@@ -207,11 +208,12 @@ def _tie_quantized(net: nn.Module, held: Set[str]) -> None:
 
 def quantize_blocks(net: nn.Module, qtype: str) -> int:
     """Quantize every float linear layer of ``net``'s blocks to ``qtype`` (``--quantize``);
-    layers whose width is not a whole number of blocks stay float; the blocks' Q/K/V and
+    layers with a bias, or whose width is not a whole number of blocks, stay float; the blocks' Q/K/V and
     gate/up are then fused again, as quantized groups. The count quantized."""
     count = 0
     for name, layer in list(net.named_modules()):
-        if not name.startswith("layers.") or type(layer) is not Linear:
+        if not name.startswith("layers.") or type(layer) is not Linear \
+                or layer.bias is not None:  # a biased layer stays float
             continue
         if layer.in_features % qtype_of(qtype).block:
             continue

@@ -1,81 +1,71 @@
 """Names and sources of a checkpoint's tensors: our parameter names <-> Hugging Face names
-(the names every source answers to), and the interface of a source that reads them lazily."""
+(the names every source answers to; each family declares its own, ``mdiedge.model.families``),
+and the interface of a source that reads them lazily."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torch import Tensor
 
 from ..base.errors import CheckpointError
 from .config import ModelConfig
+from .families import family_of, llama
 
-# Our parameter name -> Hugging Face name, declaratively. Block names are relative to
-# ``layers.{i}.`` (ours) and ``model.layers.{i}.`` (theirs).
-GLOBAL_NAMES: Dict[str, str] = {
-    "embed.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "lm_head.weight": "lm_head.weight",
-}
-BLOCK_NAMES: Dict[str, str] = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn.wq.weight": "self_attn.q_proj.weight",
-    "attn.wk.weight": "self_attn.k_proj.weight",
-    "attn.wv.weight": "self_attn.v_proj.weight",
-    "attn.wo.weight": "self_attn.o_proj.weight",
-    "mlp_norm.weight": "post_attention_layernorm.weight",
-    "mlp.gate.weight": "mlp.gate_proj.weight",
-    "mlp.up.weight": "mlp.up_proj.weight",
-    "mlp.down.weight": "mlp.down_proj.weight",
-}
-MOE_BLOCK_NAMES: Dict[str, str] = {
-    "mlp.router.weight": "block_sparse_moe.gate.weight",
-    "mlp.experts.{e}.gate.weight": "block_sparse_moe.experts.{e}.w1.weight",
-    "mlp.experts.{e}.down.weight": "block_sparse_moe.experts.{e}.w2.weight",
-    "mlp.experts.{e}.up.weight": "block_sparse_moe.experts.{e}.w3.weight",
-}
+# the Llama family's names, which every family so far shares for the embedding and the head
+GLOBAL_NAMES = llama.HF_GLOBAL_NAMES
+BLOCK_NAMES = llama.HF_BLOCK_NAMES
+
+
+def expand_experts(names: Mapping[str, str], n_experts: int) -> Dict[str, str]:
+    """A family's block names with each ``{e}`` name repeated for experts 0..n_experts-1."""
+    out: Dict[str, str] = {}
+    for ours, theirs in names.items():
+        if "{e}" in ours:
+            for e in range(n_experts):
+                out[ours.format(e=e)] = theirs.format(e=e)
+        else:
+            out[ours] = theirs
+    return out
 
 
 def block_names(cfg: ModelConfig) -> Dict[str, str]:
-    if not cfg.is_moe:
-        return BLOCK_NAMES
-    names = {k: v for k, v in BLOCK_NAMES.items() if not k.startswith("mlp.")}
-    for ours, theirs in MOE_BLOCK_NAMES.items():
-        if "{e}" in ours:
-            for e in range(cfg.n_experts):
-                names[ours.format(e=e)] = theirs.format(e=e)
-        else:
-            names[ours] = theirs
-    return names
+    """Our names -> Hugging Face names of one block of ``cfg``'s family (prefixes stripped)."""
+    return expand_experts(family_of(cfg).hf_block_names, cfg.n_experts)
 
 
 def tensor_plan(cfg: ModelConfig, layers: Tuple[int, int], embedding: bool, head: bool
                 ) -> Dict[str, str]:
     """Our parameter names -> Hugging Face names for one chunk of the model."""
+    family = family_of(cfg)
+    names = family.hf_global_names
     plan: Dict[str, str] = {}
     if embedding:
-        plan["embed.weight"] = GLOBAL_NAMES["embed.weight"]
+        plan["embed.weight"] = names["embed.weight"]
+    block = block_names(cfg) if layers[1] > layers[0] else {}
     for i in range(*layers):
-        for ours, theirs in block_names(cfg).items():
+        for ours, theirs in block.items():
             plan[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
     if head:
-        plan["norm.weight"] = GLOBAL_NAMES["norm.weight"]
+        plan["norm.weight"] = names["norm.weight"]
         if cfg.tie_embeddings:
             if not embedding:
-                plan["lm_head.weight"] = GLOBAL_NAMES["embed.weight"]
+                plan["lm_head.weight"] = names["embed.weight"]
         else:
-            plan["lm_head.weight"] = GLOBAL_NAMES["lm_head.weight"]
+            plan["lm_head.weight"] = names["lm_head.weight"]
     return plan
 
 
 def expected_shape(cfg: ModelConfig, ours: str) -> Tuple[int, ...]:
-    """The shape of our parameter ``ours`` (Hugging Face's (out, in) for a matrix)."""
+    """The shape of our parameter ``ours`` (Hugging Face's (out, in) for a matrix, (out,) for
+    a layer's bias)."""
     key = ours.rsplit(".", 2)[-2] if "." in ours else ours
     d, h = cfg.dim, cfg.intermediate_size
-    return {"embed": (cfg.vocab_size, d), "lm_head": (cfg.vocab_size, d), "norm": (d,),
-            "attn_norm": (d,), "mlp_norm": (d,), "wq": (cfg.q_dim, d), "wk": (cfg.kv_dim, d),
-            "wv": (cfg.kv_dim, d), "wo": (d, cfg.q_dim), "gate": (h, d), "up": (h, d),
-            "down": (d, h), "router": (cfg.n_experts, d)}[key]
+    shape = {"embed": (cfg.vocab_size, d), "lm_head": (cfg.vocab_size, d), "norm": (d,),
+             "attn_norm": (d,), "mlp_norm": (d,), "wq": (cfg.q_dim, d), "wk": (cfg.kv_dim, d),
+             "wv": (cfg.kv_dim, d), "wo": (d, cfg.q_dim), "gate": (h, d), "up": (h, d),
+             "down": (d, h), "router": (cfg.n_experts, d)}[key]
+    return shape[:1] if ours.endswith(".bias") else shape
 
 
 class TensorSource:

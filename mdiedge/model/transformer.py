@@ -1,19 +1,17 @@
-"""A Llama-family decoder in plain torch; it knows nothing of sockets.
+"""A decoder in plain torch; it knows nothing of sockets.
 
-A ``Transformer`` holds a contiguous range of blocks ``[first, last)``, optionally the token
+A ``Transformer`` holds a contiguous range of blocks ``[first, last)`` of the block its
+family builds (``mdiedge.model.families``, ``mdiedge.model.block``), optionally the token
 embedding and optionally the final norm and head, so a node of the ring runs exactly the code
 that runs single-process. The KV cache has a slot dimension: a sample is a slot index, and
 each row of a micro-batch carries its own slot and position ("rotating KV caches",
-MDI-LLM, Macario et al. 2024).
-
-References: Llama (Touvron et al. 2023), RoPE (Su et al. 2021), GQA (Ainslie et al. 2023),
-SwiGLU (Shazeer 2020), Mixtral (Jiang et al. 2024).
+MDI-LLM, Macario et al. 2024). Decode takes the compiled step (``mdiedge.model._stepspec``)
+for the parts the family declares it runs, and torch for the rest.
 """
 from __future__ import annotations
 
 import functools
 import itertools
-import math
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -22,201 +20,23 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..base.accel import select
-from ._stepspec import BlockWeights, QuantMatrix, StackedMatrix, plain
+from ._stepspec import BlockWeights
+from .block import KVCache, step_matrix
 from .config import ModelConfig
 from .exits import ExitStep
-from .layers import (MLP, Linear, RMSNorm, apply_rope, fuse_layers, fused_with,
-                     project_fused, rope_tables, transposed_head_pays)
+from .families import family_of
 from .fit import check_memory
-from .moe import MoE
+from .layers import Linear, RMSNorm, rope_tables, transposed_head_pays
 
-_HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
-_SHORT_QUERY = 4096  # T * L below which explicit attention beats the fused CPU kernel
 _NO_SLOTS = torch.empty(0, dtype=torch.long)
 _step = select("step")
-
-
-class KVCache(nn.Module):
-    """Preallocated keys and values of one block for ``n_slots`` samples, KV heads only."""
-
-    def __init__(self, n_slots: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        shape = (n_slots, n_kv_heads, max_seq_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-
-    def update(self, slots: Tensor, positions: Sequence[int], k: Tensor, v: Tensor
-               ) -> Tuple[Tensor, Tensor]:
-        """Write k, v ``(B, kv_heads, T, head_dim)`` at each row's slot and position; return
-        the keys and values of those slots up to the furthest position written."""
-        batch, _, seq_len, _ = k.shape
-        length = max(positions) + seq_len
-        if batch == 1:
-            slot = int(slots[0])
-            pos = positions[0]
-            self.k[slot, :, pos:pos + seq_len] = k[0]
-            self.v[slot, :, pos:pos + seq_len] = v[0]
-            return self.k[slot:slot + 1, :, :length], self.v[slot:slot + 1, :, :length]
-        if seq_len == 1:
-            pos_index = torch.as_tensor(positions, device=k.device)
-            self.k[slots, :, pos_index] = k[:, :, 0]
-            self.v[slots, :, pos_index] = v[:, :, 0]
-        else:
-            for row, pos in enumerate(positions):
-                slot = int(slots[row])
-                self.k[slot, :, pos:pos + seq_len] = k[row]
-                self.v[slot, :, pos:pos + seq_len] = v[row]
-        first = int(slots[0]) if slots.device.type == "cpu" else -1  # no device sync
-        if first >= 0 and slots.tolist() == list(range(first, first + batch)):  # no copy
-            return self.k[first:first + batch, :, :length], self.v[first:first + batch, :, :length]
-        return (self.k[:, :, :length].index_select(0, slots),
-                self.v[:, :, :length].index_select(0, slots))
-
-
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
-              causal: bool = False) -> Tensor:
-    """q: (B, heads, T, hd); k, v: (B, kv_heads, L, hd); mask: (B, 1, T, L) bool or None;
-    ``causal`` (no cache, T == L) masks the upper triangle instead.
-
-    Short queries (decode) take a grouped matmul path that never copies K/V per query head;
-    long ones (prefill, training) use the fused kernel where torch has one."""
-    batch, n_heads, seq_len, head_dim = q.shape
-    n_kv, length = k.shape[1], k.shape[2]
-    groups = n_heads // n_kv
-    if _HAS_SDPA and seq_len * length > _SHORT_QUERY:
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)  # (B, heads, L, hd)
-            v = v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-    q = q.reshape(batch, n_kv, groups * seq_len, head_dim)  # (B, kv_heads, g*T, hd)
-    scores = (q @ k.transpose(-2, -1)).float() * (1.0 / math.sqrt(head_dim))  # (B, kv, g*T, L)
-    if causal:
-        mask = torch.ones(seq_len, length, dtype=torch.bool, device=q.device).tril()[None, None]
-    if mask is not None:
-        mask = mask.unsqueeze(2).expand(batch, 1, groups, seq_len, length)
-        scores = scores.masked_fill(~mask.reshape(batch, 1, groups * seq_len, length), float("-inf"))
-    out = torch.softmax(scores, dim=-1).to(v.dtype) @ v  # (B, kv_heads, g*T, hd)
-    return out.view(batch, n_heads, seq_len, head_dim)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = Linear(cfg.dim, cfg.q_dim)
-        self.wk = Linear(cfg.dim, cfg.kv_dim)
-        self.wv = Linear(cfg.dim, cfg.kv_dim)
-        self.wo = Linear(cfg.q_dim, cfg.dim)
-        self.cache: Optional[KVCache] = None
-        self.qkv: Optional[Any] = None  # see fuse_projections
-
-    def fuse_projections(self) -> None:
-        """Q, K and V as one product (``mdiedge.model.layers.fuse_layers``: float ones, or
-        quantized ones, each of its own type)."""
-        self.qkv = fuse_layers([self.wq, self.wk, self.wv])
-
-    def _project_qkv(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        """q (B, T, q_dim), k and v (B, T, kv_dim) of x (B, T, dim)."""
-        if fused_with(self.qkv, self.wq):
-            out = project_fused(x, self.qkv)  # (B, T, q_dim + 2 * kv_dim)
-            q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-            return out[..., :q_dim], out[..., q_dim:q_dim + kv_dim], out[..., q_dim + kv_dim:]
-        return self.wq(x), self.wk(x), self.wv(x)
-
-    def fill_kv(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor,
-                positions: Sequence[int]) -> None:
-        """Write the keys and values of ``x`` (B, T, dim), already normed, at each row's slot
-        and position, as ``forward`` would, without computing the attention."""
-        batch, seq_len, _ = x.shape
-        k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        assert self.cache is not None
-        self.cache.update(slots, positions, apply_rope(k, cos, sin), v)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor],
-                slots: Tensor, positions: Sequence[int]) -> Tensor:
-        batch, seq_len, _ = x.shape
-        q, k, v = self._project_qkv(x)
-        q = q.view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, heads, T, hd)
-        if self.cache is None:  # training: the whole sequence at once, causal
-            out = attention(q, k, v, None, causal=True)
-        else:
-            keys, values = self.cache.update(slots, positions, k, v)  # (B, kv_heads, L, hd)
-            out = attention(q, keys, values, mask)  # (B, heads, T, hd)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.attn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
-        self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
-        self.mlp = _feed_forward(cfg)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor],
-                slots: Tensor, positions: Sequence[int]) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, slots, positions)
-        return x + self.mlp(self.mlp_norm(x))
-
-    def step_weights(self, cos: Tensor, sin: Tensor) -> Optional[BlockWeights]:
-        """This block's tensors for the compiled decode step (``mdiedge.model._cstep``), with
-        RoPE tables ``cos``, ``sin`` (L, hd); float32 or quantized matrices (``QuantMatrix``)
-        each; None where the step does not apply (a mixture of experts, unfused projections,
-        float beside quantized layers in Q/K/V or gate/up, no KV cache)."""
-        attn, mlp = self.attn, self.mlp
-        if (not isinstance(mlp, MLP) or attn.cache is None or not fused_with(attn.qkv, attn.wq)
-                or not fused_with(mlp.gate_up, mlp.gate)):
-            return None
-        matrices = [step_matrix(m) for m in (attn.qkv, attn.wo, mlp.gate_up, mlp.down)]
-        tensors = (self.attn_norm.weight, self.mlp_norm.weight, attn.cache.k, attn.cache.v,
-                   cos, sin)
-        if any(m is None for m in matrices) or not all(plain(t) for t in tensors):
-            return None
-        qkv, wo, gate_up, down = matrices
-        return BlockWeights(self.attn_norm.weight, qkv, wo, self.mlp_norm.weight, gate_up, down,
-                            attn.cache.k, attn.cache.v, cos, sin, attn.n_heads,
-                            self.attn_norm.eps)
-
-
-def step_matrix(held: Any) -> Optional[Any]:
-    """A matrix as the compiled step reads it: a float buffer or a float layer's weight when
-    plain float32, a quantized layer's blocks as a ``QuantMatrix``, a group of quantized
-    layers (``qlayers.QuantGroup``) as a ``StackedMatrix``; else None."""
-    group = getattr(held, "layers", None)
-    if group is not None:
-        parts = [step_matrix(layer) for layer in group]
-        if not all(isinstance(part, QuantMatrix) for part in parts):
-            return None
-        try:
-            return StackedMatrix(parts)
-        except ValueError:  # more parts than the step takes
-            return None
-    qweight = getattr(held, "qweight", None)
-    if qweight is not None:
-        try:
-            return QuantMatrix(qweight, held.qtype)
-        except ValueError:  # on another device, or a type the step has no kernel for
-            return None
-    weight = held if isinstance(held, Tensor) else getattr(held, "weight", None)
-    return weight if isinstance(weight, Tensor) and plain(weight) else None
-
-
-def _feed_forward(cfg: ModelConfig) -> nn.Module:
-    if cfg.is_moe:
-        return MoE(cfg)
-    return MLP(cfg.dim, cfg.intermediate_size)
 
 
 class Transformer(nn.Module):
     """Blocks ``[first, last)`` of a decoder, with the embedding and the head each optional.
 
     Parameter names: ``embed.weight``, ``layers.{i}.…`` with the global block index ``i``,
-    ``norm.weight``, ``lm_head.weight`` (see ``checkpoint.HF_NAMES``).
+    ``norm.weight``, ``lm_head.weight`` (``tensors.tensor_plan`` maps them to a checkpoint's).
     """
 
     def __init__(self, cfg: ModelConfig, layers: Optional[Tuple[int, int]] = None,
@@ -226,8 +46,10 @@ class Transformer(nn.Module):
         if not 0 <= first <= last <= cfg.n_layers:
             raise ValueError(f"layer range [{first}, {last}) outside 0..{cfg.n_layers}")
         self.cfg, self.first, self.last = cfg, first, last
+        self.family = family_of(cfg)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim) if embedding else None
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(first, last)})
+        self.layers = nn.ModuleDict({str(i): self.family.make_block(cfg)
+                                     for i in range(first, last)})
         self.norm = RMSNorm(cfg.dim, cfg.rms_norm_eps) if head else None
         self.lm_head = Linear(cfg.dim, cfg.vocab_size) if head else None
         self.n_slots = 0
@@ -266,9 +88,7 @@ class Transformer(nn.Module):
         parameters' memory (see ``layers.fuse``); for inference on the CPU, before loading."""
         self._steps = None
         for block in self.layers.values():
-            block.attn.fuse_projections()
-            for mlp in [block.mlp] if isinstance(block.mlp, MLP) else block.mlp.experts:
-                mlp.fuse_projections()
+            block.fuse_projections()
 
     @property
     def has_embedding(self) -> bool:
@@ -381,12 +201,14 @@ class Transformer(nn.Module):
         return out
 
     def _step_weights(self) -> List[BlockWeights]:
-        """Every block's ``step_weights`` (empty unless all have them), made once per KV cache
-        set-up, with the step's plans of them (``_plans``): ``setup_cache``,
-        ``fuse_projections`` and any ``.to()`` make them again. A parameter replaced by hand
-        after ``setup_cache`` needs ``setup_cache`` again."""
+        """Every block's ``step_weights`` (empty unless all have them, and always empty for a
+        family that does not declare ``step_blocks``), made once per KV cache set-up, with the
+        step's plans of them (``_plans``): ``setup_cache``, ``fuse_projections`` and any
+        ``.to()`` make them again. A parameter replaced by hand after ``setup_cache`` needs
+        ``setup_cache`` again."""
         if self._steps is None:
-            found = [b.step_weights(self.rope_cos, self.rope_sin) for b in self.layers.values()]
+            found = [b.step_weights(self.rope_cos, self.rope_sin) for b in self.layers.values()
+                     ] if self.family.step_blocks else []
             self._steps = [] if any(w is None for w in found) else found  # type: ignore[misc]
             self._plans = {}
         return self._steps
@@ -399,7 +221,7 @@ class Transformer(nn.Module):
         """KV fill of this chunk's blocks from the ``start``-th on (early exit)."""
         cos, sin, _ = self._rope_and_mask(x, positions)
         for skipped in list(self.layers.values())[start:]:
-            skipped.attn.fill_kv(skipped.attn_norm(x), cos, sin, slots, positions)
+            skipped.fill_kv(x, cos, sin, slots, positions)
 
     def fill_kv(self, x: Tensor, slots: Tensor, positions: Sequence[int]) -> None:
         """KV fill (early exit): every block of this chunk writes the keys and values its own
@@ -456,10 +278,11 @@ class Transformer(nn.Module):
     def head_logits(self, x: Tensor) -> Tensor:
         """Final norm and head: (…, dim) -> (…, vocab) in fp32. Decode rows (B, dim) on the
         CPU take the compiled step's one call for both, as the blocks do, a quantized head
-        too."""
+        too, where the family declares ``step_head``."""
         if self.norm is None or self.lm_head is None:
             raise RuntimeError("this chunk holds no head")
-        if _step.PREFERRED and x.dim() == 2 and x.shape[0] <= _step.MAX_ROWS:
+        if self.family.step_head and _step.PREFERRED and x.dim() == 2 \
+                and x.shape[0] <= _step.MAX_ROWS:
             rows, head = x.contiguous(), step_matrix(self.lm_head)  # (B, dim)
             norm = self.norm.weight
             if head is not None and _step.logits_usable(norm, head, rows):

@@ -27,7 +27,7 @@ from ..base.nodes import NodeSpec, StarterOptions
 from ..base.words import block_range
 from ..model.checkpoint import content_hash, load_model
 from ..model.exitfiles import ExitSettings
-from ..model.config import config_to_hf
+from ..model.families import config_to_hf
 from ..model.devices import itemsize, parse_device, parse_dtype
 from ..runtime.auth import Authenticator
 from ..runtime.control import Conflict, ControlClient, round_trip_ms

@@ -14,7 +14,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from ..base import defaults
 from ..base.codecs import Compression
 from ..base.dtypes import QUANTIZERS, compute_dtype
-from ..model.config import ModelConfig, config_from_hf
+from ..model.config import ModelConfig
+from ..model.families import config_from_hf
 
 MAX_SLOTS = 4096
 

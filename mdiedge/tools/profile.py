@@ -41,13 +41,13 @@ class _Timers:
 @contextmanager
 def _timed(timers: _Timers) -> Iterator[None]:
     """Timers around the model's leaf operations (patched in for the profile, then restored)."""
-    from ..model import layers, transformer
+    from ..model import block, layers, transformer
 
     patches: List[Tuple[Any, str, Any]] = [
         (layers, "project", "projections"),  # fused float products call it too
         (layers.RMSNorm, "forward", "norms"),
-        (transformer, "apply_rope", "rope"), (transformer, "attention", "attention"),
-        (transformer.KVCache, "update", "attention"), (transformer._step, "block", "block step"),
+        (block, "apply_rope", "rope"), (block, "attention", "attention"),
+        (block.KVCache, "update", "attention"), (transformer._step, "block", "block step"),
         (transformer._step, "blocks", "block step"), (transformer._step, "logits", "head step")]
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
     try:

@@ -1,0 +1,237 @@
+"""The Llama-style decoder block in plain torch, which the families build (``mdiedge.model.
+families``): RMSNorm, grouped-query attention with rotate-half RoPE over a slotted KV cache
+(each row of a micro-batch carries its own slot and position, "rotating KV caches", MDI-LLM,
+Macario et al. 2024), optionally with Q/K/V biases (Qwen2), and a feed-forward given by the
+family (SwiGLU, or a mixture of experts). ``step_weights`` gives a block's tensors to the
+compiled decode step, for the families that declare the step runs their block.
+
+References: Llama (Touvron et al. 2023), RoPE (Su et al. 2021), GQA (Ainslie et al. 2023),
+SwiGLU (Shazeer 2020).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ._stepspec import BlockWeights, QuantMatrix, StackedMatrix, plain
+from .config import ModelConfig
+from .layers import (MLP, Linear, RMSNorm, apply_rope, fuse, fuse_layers, fused_with,
+                     project_fused)
+
+_HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
+_SHORT_QUERY = 4096  # T * L below which explicit attention beats the fused CPU kernel
+
+
+class KVCache(nn.Module):
+    """Preallocated keys and values of one block for ``n_slots`` samples, KV heads only."""
+
+    def __init__(self, n_slots: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        shape = (n_slots, n_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, slots: Tensor, positions: Sequence[int], k: Tensor, v: Tensor
+               ) -> Tuple[Tensor, Tensor]:
+        """Write k, v ``(B, kv_heads, T, head_dim)`` at each row's slot and position; return
+        the keys and values of those slots up to the furthest position written."""
+        batch, _, seq_len, _ = k.shape
+        length = max(positions) + seq_len
+        if batch == 1:
+            slot = int(slots[0])
+            pos = positions[0]
+            self.k[slot, :, pos:pos + seq_len] = k[0]
+            self.v[slot, :, pos:pos + seq_len] = v[0]
+            return self.k[slot:slot + 1, :, :length], self.v[slot:slot + 1, :, :length]
+        if seq_len == 1:
+            pos_index = torch.as_tensor(positions, device=k.device)
+            self.k[slots, :, pos_index] = k[:, :, 0]
+            self.v[slots, :, pos_index] = v[:, :, 0]
+        else:
+            for row, pos in enumerate(positions):
+                slot = int(slots[row])
+                self.k[slot, :, pos:pos + seq_len] = k[row]
+                self.v[slot, :, pos:pos + seq_len] = v[row]
+        first = int(slots[0]) if slots.device.type == "cpu" else -1  # no device sync
+        if first >= 0 and slots.tolist() == list(range(first, first + batch)):  # no copy
+            return self.k[first:first + batch, :, :length], self.v[first:first + batch, :, :length]
+        return (self.k[:, :, :length].index_select(0, slots),
+                self.v[:, :, :length].index_select(0, slots))
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
+              causal: bool = False) -> Tensor:
+    """q: (B, heads, T, hd); k, v: (B, kv_heads, L, hd); mask: (B, 1, T, L) bool or None;
+    ``causal`` (no cache, T == L) masks the upper triangle instead.
+
+    Short queries (decode) take a grouped matmul path that never copies K/V per query head;
+    long ones (prefill, training) use the fused kernel where torch has one."""
+    batch, n_heads, seq_len, head_dim = q.shape
+    n_kv, length = k.shape[1], k.shape[2]
+    groups = n_heads // n_kv
+    if _HAS_SDPA and seq_len * length > _SHORT_QUERY:
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)  # (B, heads, L, hd)
+            v = v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    q = q.reshape(batch, n_kv, groups * seq_len, head_dim)  # (B, kv_heads, g*T, hd)
+    scores = (q @ k.transpose(-2, -1)).float() * (1.0 / math.sqrt(head_dim))  # (B, kv, g*T, L)
+    if causal:
+        mask = torch.ones(seq_len, length, dtype=torch.bool, device=q.device).tril()[None, None]
+    if mask is not None:
+        mask = mask.unsqueeze(2).expand(batch, 1, groups, seq_len, length)
+        scores = scores.masked_fill(~mask.reshape(batch, 1, groups * seq_len, length), float("-inf"))
+    out = torch.softmax(scores, dim=-1).to(v.dtype) @ v  # (B, kv_heads, g*T, hd)
+    return out.view(batch, n_heads, seq_len, head_dim)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with rotate-half RoPE; with ``qkv_bias``, the Q, K and V
+    projections add a bias (Qwen2)."""
+
+    def __init__(self, cfg: ModelConfig, qkv_bias: bool = False) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = Linear(cfg.dim, cfg.q_dim, bias=qkv_bias)
+        self.wk = Linear(cfg.dim, cfg.kv_dim, bias=qkv_bias)
+        self.wv = Linear(cfg.dim, cfg.kv_dim, bias=qkv_bias)
+        self.wo = Linear(cfg.q_dim, cfg.dim)
+        self.cache: Optional[KVCache] = None
+        self.qkv: Optional[Any] = None  # see fuse_projections
+        self.qkv_bias: Optional[Tensor] = None
+
+    def fuse_projections(self) -> None:
+        """Q, K and V as one product (``mdiedge.model.layers.fuse_layers``: float ones, or
+        quantized ones, each of its own type), and their biases as one vector."""
+        projections = [self.wq, self.wk, self.wv]
+        self.qkv = fuse_layers(projections)
+        if all(getattr(p, "bias", None) is not None for p in projections):
+            self.qkv_bias = fuse(projections, "bias")
+
+    def _fused_bias(self) -> Optional[Tensor]:
+        """The Q, K and V biases side by side (None without biases): the fused vector while
+        the layers' biases are still its views, else a copy of them."""
+        bias = getattr(self.wq, "bias", None)
+        if bias is None:
+            return None
+        if self.qkv_bias is not None and bias.data_ptr() == self.qkv_bias.data_ptr() \
+                and bias.device == self.qkv_bias.device:
+            return self.qkv_bias
+        return torch.cat([self.wq.bias, self.wk.bias, self.wv.bias])
+
+    def _project_qkv(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """q (B, T, q_dim), k and v (B, T, kv_dim) of x (B, T, dim)."""
+        if fused_with(self.qkv, self.wq):
+            out = project_fused(x, self.qkv)  # (B, T, q_dim + 2 * kv_dim)
+            bias = self._fused_bias()
+            if bias is not None:
+                out = out + bias
+            q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            return out[..., :q_dim], out[..., q_dim:q_dim + kv_dim], out[..., q_dim + kv_dim:]
+        return self.wq(x), self.wk(x), self.wv(x)
+
+    def fill_kv(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor,
+                positions: Sequence[int]) -> None:
+        """Write the keys and values of ``x`` (B, T, dim), already normed, at each row's slot
+        and position, as ``forward`` would, without computing the attention."""
+        batch, seq_len, _ = x.shape
+        k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        assert self.cache is not None
+        self.cache.update(slots, positions, apply_rope(k, cos, sin), v)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor],
+                slots: Tensor, positions: Sequence[int]) -> Tensor:
+        batch, seq_len, _ = x.shape
+        q, k, v = self._project_qkv(x)
+        q = q.view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, heads, T, hd)
+        if self.cache is None:  # training: the whole sequence at once, causal
+            out = attention(q, k, v, None, causal=True)
+        else:
+            keys, values = self.cache.update(slots, positions, k, v)  # (B, kv_heads, L, hd)
+            out = attention(q, keys, values, mask)  # (B, heads, T, hd)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``, with the
+    feed-forward ``mlp`` the family gives (``MLP``, or ``MoE`` with ``experts``)."""
+
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module, qkv_bias: bool = False) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, qkv_bias)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor],
+                slots: Tensor, positions: Sequence[int]) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, slots, positions)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def fuse_projections(self) -> None:
+        """Q/K/V and each feed-forward's gate/up as one product (``layers.fuse``)."""
+        self.attn.fuse_projections()
+        experts = getattr(self.mlp, "experts", None)
+        for mlp in [self.mlp] if experts is None else experts:
+            mlp.fuse_projections()
+
+    def fill_kv(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor,
+                positions: Sequence[int]) -> None:
+        """KV fill (early exit): the keys and values this block makes of ``x`` (B, T, dim)."""
+        self.attn.fill_kv(self.attn_norm(x), cos, sin, slots, positions)
+
+    def step_weights(self, cos: Tensor, sin: Tensor) -> Optional[BlockWeights]:
+        """This block's tensors for the compiled decode step (``mdiedge.model._cstep``), with
+        RoPE tables ``cos``, ``sin`` (L, hd); float32 or quantized matrices (``QuantMatrix``)
+        each; None where the step does not apply (a mixture of experts, biases, unfused
+        projections, float beside quantized layers in Q/K/V or gate/up, no KV cache). Whether
+        the step runs a family's blocks at all is the family's declaration (``step_blocks``),
+        which the model checks first."""
+        attn, mlp = self.attn, self.mlp
+        if (not isinstance(mlp, MLP) or attn.cache is None or not fused_with(attn.qkv, attn.wq)
+                or not fused_with(mlp.gate_up, mlp.gate)
+                or getattr(attn.wq, "bias", None) is not None):
+            return None
+        matrices = [step_matrix(m) for m in (attn.qkv, attn.wo, mlp.gate_up, mlp.down)]
+        tensors = (self.attn_norm.weight, self.mlp_norm.weight, attn.cache.k, attn.cache.v,
+                   cos, sin)
+        if any(m is None for m in matrices) or not all(plain(t) for t in tensors):
+            return None
+        qkv, wo, gate_up, down = matrices
+        return BlockWeights(self.attn_norm.weight, qkv, wo, self.mlp_norm.weight, gate_up, down,
+                            attn.cache.k, attn.cache.v, cos, sin, attn.n_heads,
+                            self.attn_norm.eps)
+
+
+def step_matrix(held: Any) -> Optional[Any]:
+    """A matrix as the compiled step reads it: a float buffer or a float layer's weight when
+    plain float32, a quantized layer's blocks as a ``QuantMatrix``, a group of quantized
+    layers (``qlayers.QuantGroup``) as a ``StackedMatrix``; else None."""
+    group = getattr(held, "layers", None)
+    if group is not None:
+        parts = [step_matrix(layer) for layer in group]
+        if not all(isinstance(part, QuantMatrix) for part in parts):
+            return None
+        try:
+            return StackedMatrix(parts)
+        except ValueError:  # more parts than the step takes
+            return None
+    qweight = getattr(held, "qweight", None)
+    if qweight is not None:
+        try:
+            return QuantMatrix(qweight, held.qtype)
+        except ValueError:  # on another device, or a type the step has no kernel for
+            return None
+    weight = held if isinstance(held, Tensor) else getattr(held, "weight", None)
+    return weight if isinstance(weight, Tensor) and plain(weight) else None
+
+

@@ -256,7 +256,7 @@ def test_qwen2_on_a_ring_equals_transformers(qwen2: Path, nodes: int) -> None:
     gives transformers' tokens."""
     from mdiedge.model.sampling import SamplingParams
     from mdiedge.roles.local_ring import LocalRing
-    from mdiedge.roles.starter import RingEngine
+    from mdiedge.engine.ring import RingEngine
     from mdiedge.runtime.generation import Generation
 
     prompt = prompt_ids(9, seed=2)

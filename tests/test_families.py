@@ -300,3 +300,22 @@ def test_qwen2_gguf_matches_transformers(qwen2: Path, tmp_path: Path) -> None:
         assert (type(attn.wo) is QuantLinear) == (qtype == "Q8_0")
     assert (got["F32"] - theirs).abs().max().item() <= 1e-5
     assert (got["Q8_0"] - theirs).abs().max().item() <= 0.05 * theirs.abs().max().item()
+
+
+@torch.no_grad()
+def test_qwen2_quantized_keeps_its_biased_projections_float(qwen2: Path) -> None:
+    """``--quantize``: Q/K/V (biased) stay float with their biases, the other matrices of a
+    whole number of blocks take Q8_0, and the logits stay near the float model's."""
+    from mdiedge.model.checkpoint import load_model
+    from mdiedge.model.qlayers import QuantLinear
+
+    ids = torch.tensor([prompt_ids(16, seed=4)])
+    logits = []
+    for quantize in (None, "Q8_0"):
+        model = load_model(qwen2, quantize=quantize)
+        attn = model.layers["0"].attn
+        assert type(attn.wq) is not QuantLinear and attn.wq.bias is not None
+        assert (type(attn.wo) is QuantLinear) == (quantize is not None)
+        model.setup_cache(1, 32)
+        logits.append(model(ids, torch.tensor([0]), [0], all_logits=True)[0])
+    assert (logits[1] - logits[0]).abs().max().item() <= 0.05 * logits[0].abs().max().item()

@@ -566,7 +566,7 @@ def hf_state_dict(net) -> Iterator[Tuple[str, Tensor]]:  # net: Transformer
 
 def save_hf_checkpoint(net, out: PathLike, dtype: torch.dtype = torch.float32,
                        tokenizer: Optional[PathLike] = None) -> None:
-    """Write a whole model as a Hugging Face Llama directory (config, safetensors)."""
+    """Write a whole model as a Hugging Face directory of its family (config, safetensors)."""
     from safetensors.torch import save_file
 
     out = Path(out)

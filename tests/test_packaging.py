@@ -1,0 +1,32 @@
+"""What an install carries: every package under mdiedge/ is listed in setup.cfg, so that a
+wheel or a non-editable install does not silently leave a subpackage out."""
+from __future__ import annotations
+
+import configparser
+from pathlib import Path
+from typing import Set
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _listed() -> Set[str]:
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    return {line.strip() for line in config["options"]["packages"].splitlines() if line.strip()}
+
+
+def _on_disk() -> Set[str]:
+    root = REPO / "mdiedge"
+    return {".".join(init.parent.relative_to(REPO).parts) for init in root.rglob("__init__.py")
+            if "__pycache__" not in init.parts}
+
+
+def test_every_package_is_installed() -> None:
+    missing = sorted(_on_disk() - _listed())
+    assert not missing, f"setup.cfg [options] packages lacks {missing}"
+
+
+def test_setup_cfg_lists_no_package_that_is_gone() -> None:
+    listed = {name for name in _listed() if not name.startswith("mdiedge._")}  # package_dir maps
+    gone = sorted(listed - _on_disk())
+    assert not gone, f"setup.cfg lists packages with no __init__.py: {gone}"

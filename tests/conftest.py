@@ -177,15 +177,19 @@ class FakeEngine:
         self.options, self.changes = options, changes
         FakeEngine.made.append(self)
 
+    def on_close(self, callback: Any) -> None:
+        callback()
+
     def close(self) -> None:
         pass
 
 
 @pytest.fixture
 def fake_engine(monkeypatch: pytest.MonkeyPatch) -> List[FakeEngine]:
-    """``RingEngine`` replaced by ``FakeEngine``; the engines made, in order."""
-    import mdiedge.roles.starter as starter_module
+    """``RingEngine`` replaced by ``FakeEngine`` (in what ``open_engine`` opens); the engines
+    made, in order."""
+    import mdiedge.engine.ring as ring_module
 
     FakeEngine.made = []
-    monkeypatch.setattr(starter_module, "RingEngine", FakeEngine)
+    monkeypatch.setattr(ring_module, "RingEngine", FakeEngine)
     return FakeEngine.made

@@ -12,7 +12,7 @@ import sys
 import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import typer
 
@@ -33,6 +33,8 @@ from .app import (
     ring_options,
     need,
     one_line_errors,
+    engine_spec,
+    open_checked,
     prefill_chunk_option,
     recover_option,
     recovery_options,
@@ -89,21 +91,27 @@ class ChatSession:
         self.template = ChatTemplate.for_model(engine.path, engine.tokenizer)
         self.stream = stream
 
-    def prompt_ids(self, user: str) -> List[int]:
-        """The conversation's ids with ``user`` as the next message, the oldest turns dropped
-        (from the conversation too) until it fits."""
-        def ids(dropped: int) -> List[int]:
+    def prompt(self, user: str) -> Any:
+        """The conversation's ``Prompt`` with ``user`` as the next message, the oldest turns
+        dropped (from the conversation too) until it fits."""
+        def prompt(dropped: int) -> Any:
             saved = self.conversation.turns
             self.conversation.turns = saved[dropped:]
             try:
-                return self.engine.encode_prompt(self._render(user), templated=True)
+                return self.engine.prompt(self._render(user), templated=True)
             finally:
                 self.conversation.turns = saved
 
-        dropped = fit_turns(len(self.conversation.turns), lambda d: len(ids(d)), self.budget,
+        tried: Dict[int, Any] = {}  # each length tried is tokenized once
+
+        def length(dropped: int) -> int:
+            tried[dropped] = prompt(dropped)
+            return len(tried[dropped].ids)
+
+        dropped = fit_turns(len(self.conversation.turns), length, self.budget,
                             self.engine.cfg.max_seq_len)
         del self.conversation.turns[:dropped]
-        return ids(0)
+        return tried[dropped]
 
     def _render(self, user: str) -> str:
         from ..serving.api.errors import ApiError
@@ -118,15 +126,15 @@ class ChatSession:
         the answer's text. Ctrl-C stops the answer: what was generated is kept."""
         from ..model.stopping import TextStream
 
-        ids = self.prompt_ids(user)
-        shown = TextStream(self.engine.tokenizer, ids, ()) if self.stream else None
+        request = self.prompt(user)
+        shown = TextStream(self.engine.tokenizer, request.ids, ()) if self.stream else None
 
         def on_token(index: int, token: int) -> None:
             if shown is not None:
                 _write(shown.push(token))
 
-        generation = self.engine.new_generation(self._render(user), self.budget, 1, self.params,
-                                                on_token, templated=True)
+        generation = self.engine.new_generation(request, self.budget, 1, self.params,
+                                                on_token)
         interrupted = _run_interruptibly(self.engine, generation)
         text = self.engine.sample_text(generation.samples[0])
         if shown is not None:
@@ -235,14 +243,13 @@ def chat(
                            no_encrypt)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p,
                     seed=secrets.randbelow(2 ** 31) if seed is None else seed)
+    spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, changes)
     from ..model.sampling import SamplingParams
-    from .generate import _open_engine
 
     params = SamplingParams(**sampling)
     with ExitStack() as stack:
         terminate_gracefully()
-        engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring, changes,
-                              lambda text: None)
+        engine, _ = open_checked(stack, spec, lambda text: None)
         session = ChatSession(engine, Conversation(system), max_new_tokens, params,
                               stream=message is None)
         if message is not None:

@@ -11,7 +11,8 @@ from typing import Any, Optional
 import typer
 
 from .app import (app, check_device, check_early_exit, check_log_level, check_port,
-                  device_option, dtype_option, model_option, tokenizer_option,
+                  device_option, dtype_option, model_option, tokenizer_option, engine_spec,
+                  open_checked,
                   compression_option, early_exit_option, exit_threshold_option, need,
                   one_line_errors,
                   prefill_chunk_option, quantize_option, recover_option, recovery_options,
@@ -131,18 +132,17 @@ def serve(
     exits = check_early_exit(early_exit, exit_threshold)
     key = api_key_for(host, api_key_file, insecure)
     from ..serving.api.server import listen
-    from .generate import _open_engine
 
     with ExitStack() as stack:
         sock = listen(host, port)  # a port in use fails before any node starts
         stack.callback(sock.close)
-        engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring,
-                              recovery, lambda text: check_context(context, text), exits,
-                              respawn=True)
+        spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, recovery, exits,
+                           respawn=True)
+        engine, _ = open_checked(stack, spec, lambda text: check_context(context, text))
         api = open_api(engine, sock, slots, context, max_queue, max_body, key, model_name,
                        log_level)
         stack.callback(api.close)
-        engine.prepare(*engine.reserved)  # set the ring up now: its errors before "ready"
+        engine.set_up()  # set the ring up now: its errors before "ready"
         api.start()
         _say_ready(api, slots)
         _wait_for_signal()

@@ -12,9 +12,12 @@ import sys
 import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import typer
+
+if TYPE_CHECKING:
+    from ..engine.facade import Engine, Prompt
 
 from ..base import defaults
 from ..base.errors import GenerationError
@@ -82,7 +85,7 @@ def fit_turns(n_turns: int, prompt_length: Callable[[int], int], budget: int,
 class ChatSession:
     """One engine, its template and a conversation; ``answer`` runs one turn."""
 
-    def __init__(self, engine: Any, conversation: Conversation, budget: int, params: Any,
+    def __init__(self, engine: "Engine", conversation: Conversation, budget: int, params: Any,
                  stream: bool) -> None:
         from ..serving.api.chat import ChatTemplate
 
@@ -91,10 +94,10 @@ class ChatSession:
         self.template = ChatTemplate.for_model(engine.path, engine.tokenizer)
         self.stream = stream
 
-    def prompt(self, user: str) -> Any:
+    def prompt(self, user: str) -> "Prompt":
         """The conversation's ``Prompt`` with ``user`` as the next message, the oldest turns
         dropped (from the conversation too) until it fits."""
-        def prompt(dropped: int) -> Any:
+        def prompt(dropped: int) -> "Prompt":
             saved = self.conversation.turns
             self.conversation.turns = saved[dropped:]
             try:
@@ -102,7 +105,7 @@ class ChatSession:
             finally:
                 self.conversation.turns = saved
 
-        tried: Dict[int, Any] = {}  # each length tried is tokenized once
+        tried: Dict[int, "Prompt"] = {}  # each length tried is tokenized once
 
         def length(dropped: int) -> int:
             tried[dropped] = prompt(dropped)
@@ -150,7 +153,7 @@ def _write(text: str) -> None:
     sys.stdout.flush()
 
 
-def _run_interruptibly(engine: Any, generation: Any) -> bool:
+def _run_interruptibly(engine: "Engine", generation: Any) -> bool:
     """Run ``generation`` on a thread of its own; Ctrl-C cancels it (its KV rows are freed)
     and waits for it to end. True when it was interrupted."""
     failure: List[BaseException] = []

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import sys
 from contextlib import ExitStack
-from typing import Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import typer
+
+if TYPE_CHECKING:
+    from ..engine.facade import Engine, Prompt, TextModel
 
 from ..base import defaults
 from .app import (
@@ -117,7 +120,8 @@ def _request(max_new_tokens: int, samples: int, temperature: float, top_k: int, 
             "seed": defaults.random_seed() if seed is None else seed}
 
 
-def _checked_prompt(text: Any, prompt: str, max_new_tokens: int, stops: List[str]) -> Any:
+def _checked_prompt(text: "TextModel", prompt: str, max_new_tokens: int,
+                    stops: List[str]) -> "Prompt":
     """``prompt`` tokenized, the request's one tokenization, and checked against the model
     of ``text`` (its context, the stop strings): a usage error before any node starts."""
     request = text.prompt(prompt)
@@ -171,7 +175,7 @@ class _Stream:
     """One sample's text on stdout as it is sampled: the prompt with the first token, and
     never a stop string, nor the start of one that may still form."""
 
-    def __init__(self, engine: Any, prompt: Any, stops: List[str]) -> None:
+    def __init__(self, engine: "Engine", prompt: "Prompt", stops: List[str]) -> None:
         from ..model.stopping import TextStream
 
         self.text = TextStream(engine.tokenizer, prompt.ids, stops)
@@ -193,7 +197,7 @@ class _Finished:
     """Several samples on a terminal: each is printed, labelled, as soon as it is seen
     finished (so in the order they finish); the ones left at the end in index order."""
 
-    def __init__(self, engine: Any, prompt: str, progress: Any) -> None:
+    def __init__(self, engine: "Engine", prompt: str, progress: Any) -> None:
         self.engine, self.prompt, self.progress = engine, prompt, progress
         self.shown: set = set()
 
@@ -216,7 +220,7 @@ class _Finished:
                 self.show(sample["index"], sample["finish_reason"], sample["text"])
 
 
-def _generate_with(engine: Any, request: Any, max_new_tokens: int, samples: int, params: Any,
+def _generate_with(engine: "Engine", request: "Prompt", max_new_tokens: int, samples: int, params: Any,
                    stops: List[str], micro_batch: int, as_json: bool,
                    n_nodes: Callable[[], int],
                    progress: Any, drawn_seed: bool = False) -> None:

@@ -6,9 +6,12 @@ import json
 import os
 import sys
 from contextlib import ExitStack
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
+
+if TYPE_CHECKING:
+    from ..engine.facade import Engine
 
 from .app import (app, check_device, check_early_exit, check_log_level, check_port,
                   device_option, dtype_option, model_option, tokenizer_option, engine_spec,
@@ -53,7 +56,7 @@ def api_key_for(host: str, key_file: Optional[str], insecure: bool) -> Optional[
     return key
 
 
-def open_api(engine: Any, sock: Any, slots: int, context: int, max_queue: int, max_body: int,
+def open_api(engine: "Engine", sock: Any, slots: int, context: int, max_queue: int, max_body: int,
              key: Optional[str], name: Optional[str], log_level: str) -> Any:
     """The API of ``engine`` on the listening socket ``sock``: set up, not started."""
     from ..serving.api.rules import ServeLimits
@@ -72,7 +75,7 @@ def check_context(context: int, text_model: Any) -> None:
         raise UsageError(f"--context: expected 0..{top} tokens (the model's), got {context}")
 
 
-def starter_api(engine: Any, port: Optional[int], host: str, key_file: Optional[str],
+def starter_api(engine: "Engine", port: Optional[int], host: str, key_file: Optional[str],
                 insecure: bool, slots: int, log_level: str) -> Any:
     """``mdiedge starter --api-port``: the API of the starter's engine, bound, not started
     (None without a port)."""

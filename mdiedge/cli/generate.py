@@ -220,14 +220,14 @@ class _Finished:
                 self.show(sample["index"], sample["finish_reason"], sample["text"])
 
 
-def _generate_with(engine: "Engine", request: "Prompt", max_new_tokens: int, samples: int, params: Any,
-                   stops: List[str], micro_batch: int, as_json: bool,
+def _generate_with(engine: "Engine", request: "Prompt", max_new_tokens: int, samples: int,
+                   params: Any, stops: List[str], micro_batch: int, as_json: bool,
                    n_nodes: Callable[[], int],
                    progress: Any, drawn_seed: bool = False) -> None:
-    """Generate ``request`` (a ``Prompt``) on ``engine``; one sample streams to stdout, the prompt written with the first
-    token (once ``progress`` has left the terminal to the text); several are printed as they
-    finish on a terminal, else at the end; ``drawn_seed``: the seed was not given, so the
-    summary line names it."""
+    """Generate ``request`` on ``engine``; one sample streams to stdout, the prompt written
+    with the first token (once ``progress`` has left the terminal to the text); several are
+    printed as they finish on a terminal, else at the end; ``drawn_seed``: the seed was not
+    given, so the summary line names it."""
     import time
 
     from .console import timing_line

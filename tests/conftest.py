@@ -177,13 +177,17 @@ class FakeEngine:
         self.options, self.changes = options, changes
         FakeEngine.made.append(self)
 
+    def on_close(self, callback: Any) -> None:
+        callback()
+
     def close(self) -> None:
         pass
 
 
 @pytest.fixture
 def fake_engine(monkeypatch: pytest.MonkeyPatch) -> List[FakeEngine]:
-    """``RingEngine`` replaced by ``FakeEngine``; the engines made, in order."""
+    """``RingEngine`` replaced by ``FakeEngine`` (in what ``open_engine`` opens); the engines
+    made, in order."""
     import mdiedge.engine.ring as ring_module
 
     FakeEngine.made = []

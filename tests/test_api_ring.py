@@ -204,7 +204,7 @@ def test_a_port_in_use_is_a_one_line_error() -> None:
 def test_serve_decodes_with_early_exit() -> None:
     """``serve --early-exit`` answers as the in-process engine with the same exits does, and
     not as it does without them (a threshold of 0: every token exits after block 1)."""
-    from mdiedge.cli.app import early_exit_settings
+    from mdiedge.engine.factory import exit_settings_of
     from mdiedge.model.sampling import SamplingParams
     from mdiedge.engine.facade import TextModel
     from mdiedge.engine.local import LocalEngine
@@ -224,7 +224,7 @@ def test_serve_decodes_with_early_exit() -> None:
         proc.terminate()
         proc.wait(20)
     greedy = SamplingParams(temperature=0)
-    exits = early_exit_settings(TextModel(None, None), ("softmax", "0"))
+    exits = exit_settings_of(TextModel(None, None), "softmax", "0")
     texts = [LocalEngine(early_exit=e).generate("ROMEO:", 10, params=greedy).samples[0]["text"]
              for e in (exits, None)]
     assert served == texts[0] != texts[1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import pytest
 
@@ -71,6 +71,9 @@ class _Failing(Engine):
 
     def prepare(self, n_slots: int, context: int) -> None:  # type: ignore[override]
         raise RingError("worker 'w1' (127.0.0.1:7700) is unreachable")
+
+    def status(self) -> List[Any]:
+        return []
 
 
 def test_a_failed_generation_logs_one_warning(caplog: pytest.LogCaptureFixture) -> None:

@@ -3,7 +3,6 @@ worker names none, unless ``--compression`` is given on the command line (an exp
 wins, even ``none``; an absent one keeps the file's)."""
 from __future__ import annotations
 
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -11,7 +10,8 @@ import pytest
 
 from mdiedge.base.settings import load_settings
 from mdiedge.cli.app import parse_compression, recovery_options
-from mdiedge.cli.generate import _open_engine
+from mdiedge.cli.app import engine_spec
+from mdiedge.engine.factory import open_engine
 from mdiedge.cli.nodes import _starter_engine
 
 from conftest import FakeEngine
@@ -43,9 +43,8 @@ def test_generate_ring_merges_the_file_and_the_flag(tmp_path: Path, ring_model: 
                                                     in_file: Optional[str], flag: Optional[str],
                                                     want: str) -> None:
     recovery = recovery_options(None, True, 0, flag)
-    with ExitStack() as stack:
-        _open_engine(stack, str(ring_model), None, "cpu", "float32", 1,
-                     str(ring_file(tmp_path, in_file)), recovery, lambda text: None)
+    open_engine(engine_spec(str(ring_model), None, "cpu", "float32", 1,
+                            str(ring_file(tmp_path, in_file)), recovery))
     assert fake_engine[0].options.compression == want
 
 
@@ -81,8 +80,7 @@ def test_local_rings_keep_the_default_without_a_flag(ring_model: Path,
     monkeypatch.setattr(local_ring, "LocalRing", NoRing)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # leave this process's alone
     for flag in (None, "int8"):
-        with ExitStack() as stack:
-            _open_engine(stack, str(ring_model), None, "cpu", "float32", 2, None,
-                         recovery_options(None, True, 0, flag), lambda text: None)
+        open_engine(engine_spec(str(ring_model), None, "cpu", "float32", 2, None,
+                                recovery_options(None, True, 0, flag)))
     assert "compression" not in fake_engine[0].changes
     assert fake_engine[1].changes["compression"] == "int8"

@@ -5,7 +5,6 @@ every ``[starter]`` option of its config into the ring (``quantize`` included, `
 winning); and the prefill chunk a ring uses."""
 from __future__ import annotations
 
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -14,7 +13,8 @@ import pytest
 from mdiedge.base import defaults
 from mdiedge.base.settings import load_settings
 from mdiedge.cli.app import checked_quantizer, recovery_options, ring_options
-from mdiedge.cli.generate import _open_engine
+from mdiedge.cli.app import engine_spec
+from mdiedge.engine.factory import open_engine
 from mdiedge.cli.nodes import _starter_engine
 
 from conftest import FakeEngine
@@ -55,10 +55,8 @@ def test_a_negative_prefill_chunk_is_a_usage_error() -> None:
 def test_generate_ring_merges_recover(tmp_path: Path, ring_model: Path,
                                       fake_engine: List[FakeEngine], in_file: str,
                                       flag: Optional[bool], want: bool) -> None:
-    with ExitStack() as stack:
-        _open_engine(stack, str(ring_model), None, "cpu", "float32", 1,
-                     str(ring_file(tmp_path, in_file)), recovery_options(None, flag, 0),
-                     lambda text: None)
+    open_engine(engine_spec(str(ring_model), None, "cpu", "float32", 1,
+                            str(ring_file(tmp_path, in_file)), recovery_options(None, flag, 0)))
     assert fake_engine[0].options.recover is want
 
 
@@ -71,10 +69,9 @@ def test_generate_ring_merges_recover(tmp_path: Path, ring_model: Path,
 def test_generate_ring_merges_prefill_chunk(tmp_path: Path, ring_model: Path,
                                             fake_engine: List[FakeEngine], in_file: str,
                                             flag: Optional[int], want: int) -> None:
-    with ExitStack() as stack:
-        _open_engine(stack, str(ring_model), None, "cpu", "float32", 1,
-                     str(ring_file(tmp_path, in_file)),
-                     recovery_options(None, None, 0, None, flag), lambda text: None)
+    open_engine(engine_spec(str(ring_model), None, "cpu", "float32", 1,
+                            str(ring_file(tmp_path, in_file)),
+                            recovery_options(None, None, 0, None, flag)))
     assert fake_engine[0].options.prefill_chunk == want
 
 
@@ -101,10 +98,9 @@ def test_the_starter_passes_its_config(tmp_path: Path, fake_engine: List[FakeEng
 def test_generate_ring_merges_quantize(tmp_path: Path, ring_model: Path,
                                        fake_engine: List[FakeEngine], in_file: str,
                                        flag: Optional[str], want: str) -> None:
-    with ExitStack() as stack:
-        _open_engine(stack, str(ring_model), None, "cpu", "float32", 1,
-                     str(ring_file(tmp_path, in_file)),
-                     ring_options(None, None, 0, None, None, flag), lambda text: None)
+    open_engine(engine_spec(str(ring_model), None, "cpu", "float32", 1,
+                            str(ring_file(tmp_path, in_file)),
+                            ring_options(None, None, 0, None, None, flag)))
     assert fake_engine[0].options.quantize == want
 
 

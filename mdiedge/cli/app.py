@@ -17,6 +17,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
                   help="Model-distributed inference of decoder-only LLMs across small devices.")
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 _failed: List[str] = []  # the error lines printed by this process
@@ -387,11 +388,41 @@ def check_early_exit(criterion: Optional[str], threshold: Optional[str],
     return criterion, threshold
 
 
-def early_exit_settings(text: Any, exits: Optional[Tuple[str, Optional[str]]]) -> Any:
-    """The checked ``ExitSettings`` for the model of ``text`` (a ``TextModel``), or None."""
-    if exits is None:
-        return None
-    from ..model.checkpoint import content_hash
-    from ..model.exitfiles import exit_settings
+def engine_spec(model: Optional[str], tokenizer: Optional[str], device: str, dtype: str,
+                nodes: int, ring: Optional[str], recovery: Tuple[Dict[str, Any], int],
+                exits: Optional[Tuple[str, Optional[str]]] = None,
+                respawn: bool = False) -> Any:
+    """The ``EngineSpec`` of a command's engine flags (torch loaded first, see
+    ``load_torch``): ``recovery``, the starter options given on the command line and the
+    local ring's spares (``ring_options``); ``exits``, the early-exit criterion and
+    threshold; ``respawn``, a local ring's worker that dies is started again."""
+    load_torch()
+    from ..engine.factory import EngineSpec
 
-    return exit_settings(text.path, text.cfg, content_hash(text.path), *exits)
+    changes, spares = recovery
+    criterion, threshold = exits or (None, None)
+    return EngineSpec(model=model, tokenizer=tokenizer, nodes=nodes, ring=ring, device=device,
+                      dtype=dtype, changes=changes, spares=spares, respawn=respawn,
+                      early_exit=criterion, exit_threshold=threshold)
+
+
+def open_text_model(spec: Any) -> Any:
+    """The text side of ``spec``'s model (``open_text``), its device and dtype checked as
+    usage errors first: a command checks its request against it before any node starts,
+    then opens the engine on it (``open_engine(spec, text)``)."""
+    from ..engine.factory import check_spec, open_text
+
+    with usage_errors():
+        check_spec(spec)
+    return open_text(spec)
+
+
+def open_checked(stack: Any, spec: Any, check: Callable[[Any], T]) -> Tuple[Any, T]:
+    """The engine of ``spec``, closed with ``stack``, and what ``check`` returned: given the
+    model's text side (``open_text_model``), it checks the command's request before any node
+    starts, and the engine is opened on that same text side."""
+    from ..engine.factory import open_engine
+
+    text = open_text_model(spec)
+    checked = check(text)
+    return stack.enter_context(open_engine(spec, text)), checked

@@ -12,9 +12,12 @@ import sys
 import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import typer
+
+if TYPE_CHECKING:
+    from ..engine.facade import Engine, Prompt
 
 from ..base import defaults
 from ..base.errors import GenerationError
@@ -33,6 +36,8 @@ from .app import (
     ring_options,
     need,
     one_line_errors,
+    engine_spec,
+    open_checked,
     prefill_chunk_option,
     recover_option,
     recovery_options,
@@ -80,7 +85,7 @@ def fit_turns(n_turns: int, prompt_length: Callable[[int], int], budget: int,
 class ChatSession:
     """One engine, its template and a conversation; ``answer`` runs one turn."""
 
-    def __init__(self, engine: Any, conversation: Conversation, budget: int, params: Any,
+    def __init__(self, engine: "Engine", conversation: Conversation, budget: int, params: Any,
                  stream: bool) -> None:
         from ..serving.api.chat import ChatTemplate
 
@@ -89,21 +94,27 @@ class ChatSession:
         self.template = ChatTemplate.for_model(engine.path, engine.tokenizer)
         self.stream = stream
 
-    def prompt_ids(self, user: str) -> List[int]:
-        """The conversation's ids with ``user`` as the next message, the oldest turns dropped
-        (from the conversation too) until it fits."""
-        def ids(dropped: int) -> List[int]:
+    def prompt(self, user: str) -> "Prompt":
+        """The conversation's ``Prompt`` with ``user`` as the next message, the oldest turns
+        dropped (from the conversation too) until it fits."""
+        def prompt(dropped: int) -> "Prompt":
             saved = self.conversation.turns
             self.conversation.turns = saved[dropped:]
             try:
-                return self.engine.encode_prompt(self._render(user), templated=True)
+                return self.engine.prompt(self._render(user), templated=True)
             finally:
                 self.conversation.turns = saved
 
-        dropped = fit_turns(len(self.conversation.turns), lambda d: len(ids(d)), self.budget,
+        tried: Dict[int, "Prompt"] = {}  # each length tried is tokenized once
+
+        def length(dropped: int) -> int:
+            tried[dropped] = prompt(dropped)
+            return len(tried[dropped].ids)
+
+        dropped = fit_turns(len(self.conversation.turns), length, self.budget,
                             self.engine.cfg.max_seq_len)
         del self.conversation.turns[:dropped]
-        return ids(0)
+        return tried[dropped]
 
     def _render(self, user: str) -> str:
         from ..serving.api.errors import ApiError
@@ -118,15 +129,15 @@ class ChatSession:
         the answer's text. Ctrl-C stops the answer: what was generated is kept."""
         from ..model.stopping import TextStream
 
-        ids = self.prompt_ids(user)
-        shown = TextStream(self.engine.tokenizer, ids, ()) if self.stream else None
+        request = self.prompt(user)
+        shown = TextStream(self.engine.tokenizer, request.ids, ()) if self.stream else None
 
         def on_token(index: int, token: int) -> None:
             if shown is not None:
                 _write(shown.push(token))
 
-        generation = self.engine.new_generation(self._render(user), self.budget, 1, self.params,
-                                                on_token, templated=True)
+        generation = self.engine.new_generation(request, self.budget, 1, self.params,
+                                                on_token)
         interrupted = _run_interruptibly(self.engine, generation)
         text = self.engine.sample_text(generation.samples[0])
         if shown is not None:
@@ -142,7 +153,7 @@ def _write(text: str) -> None:
     sys.stdout.flush()
 
 
-def _run_interruptibly(engine: Any, generation: Any) -> bool:
+def _run_interruptibly(engine: "Engine", generation: Any) -> bool:
     """Run ``generation`` on a thread of its own; Ctrl-C cancels it (its KV rows are freed)
     and waits for it to end. True when it was interrupted."""
     failure: List[BaseException] = []
@@ -235,14 +246,13 @@ def chat(
                            no_encrypt)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p,
                     seed=secrets.randbelow(2 ** 31) if seed is None else seed)
+    spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, changes)
     from ..model.sampling import SamplingParams
-    from .generate import _open_engine
 
     params = SamplingParams(**sampling)
     with ExitStack() as stack:
         terminate_gracefully()
-        engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring, changes,
-                              lambda text: None)
+        engine, _ = open_checked(stack, spec, lambda text: None)
         session = ChatSession(engine, Conversation(system), max_new_tokens, params,
                               stream=message is None)
         if message is not None:

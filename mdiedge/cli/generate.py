@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import sys
 from contextlib import ExitStack
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import typer
+
+if TYPE_CHECKING:
+    from ..engine.facade import Engine, Prompt, TextModel
 
 from ..base import defaults
 from .app import (
@@ -29,11 +32,12 @@ from .app import (
     no_encrypt_option,
     ring_options,
     early_exit_option,
-    early_exit_settings,
+    engine_spec,
     exit_threshold_option,
     load_torch,
     need,
     one_line_errors,
+    open_checked,
     prefill_chunk_option,
     recover_option,
     recovery_options,
@@ -98,12 +102,12 @@ def generate(
         progress = stack.enter_context(_progress(max_new_tokens * samples, samples, as_json))
         params = _sampling_params(sampling)
         progress.phase(_first_phase(ring, nodes))
-        engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring, changes,
-                              lambda e: e.new_generation(prompt, max_new_tokens, samples, params,
-                                                         None, stops), exits)
-        _generate_with(engine, prompt, max_new_tokens, samples, params, stops, micro_batch,
-                       as_json, lambda: nodes if ring is None else len(engine.starter.ring_workers)
-                       + 1, progress, seed is None)
+        spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, changes, exits)
+        engine, request = open_checked(stack, spec, lambda text: _checked_prompt(
+            text, prompt, max_new_tokens, stops))
+        _generate_with(engine, request, max_new_tokens, samples, params, stops, micro_batch,
+                       as_json, lambda: nodes if ring is None else engine.ring_nodes(),
+                       progress, seed is None)
 
 
 def _request(max_new_tokens: int, samples: int, temperature: float, top_k: int, top_p: float,
@@ -114,6 +118,16 @@ def _request(max_new_tokens: int, samples: int, temperature: float, top_k: int, 
     need(micro_batch >= 0, "--micro-batch", micro_batch, "an integer >= 0")
     return {"temperature": temperature, "top_k": top_k, "top_p": top_p,
             "seed": defaults.random_seed() if seed is None else seed}
+
+
+def _checked_prompt(text: "TextModel", prompt: str, max_new_tokens: int,
+                    stops: List[str]) -> "Prompt":
+    """``prompt`` tokenized, the request's one tokenization, and checked against the model
+    of ``text`` (its context, the stop strings): a usage error before any node starts."""
+    request = text.prompt(prompt)
+    with usage_errors():
+        text.check_request(request, max_new_tokens, stops)
+    return request
 
 
 def _sampling_params(sampling: Dict[str, Any]) -> Any:
@@ -157,75 +171,15 @@ def _generate_through(url: str, prompt: str, max_new_tokens: int, samples: int,
 
 
 
-def _open_engine(stack: Any, model: Optional[str], tokenizer: Optional[str], device: str,
-                 dtype: str, nodes: int, ring: Optional[str],
-                 recovery: Tuple[Dict[str, Any], int], check: Callable[[Any], Any],
-                 exits: Optional[Tuple[str, Optional[str]]] = None,
-                 respawn: bool = False) -> Any:
-    """The engine for ``--nodes``/``--ring``; ``check`` validates the request (given the
-    model's text side) before any node process is started; ``recovery``: the starter options
-    given on the command line (stall time, recover) and the local ring's spares; ``exits``:
-    the early-exit criterion and threshold; ``respawn``: a local ring's worker that dies is
-    started again."""
-    changes, spares = recovery
-    need(ring is not None or nodes >= 1, "--nodes", nodes, "an integer >= 1")
-    load_torch()
-    from ..model.devices import parse_device, parse_dtype
-    from ..model.checkpoint import check_checkpoint
-    from ..engine.facade import TextModel
-
-    with usage_errors():  # errors before any node process starts
-        parse_device(device), parse_dtype(dtype)
-    text = TextModel(model, tokenizer)
-    check_checkpoint(text.path, text.cfg)  # the config against the weights, from headers
-    with usage_errors():  # the request's values against the model (its context)
-        check(text)
-    settings = early_exit_settings(text, exits)
-    if ring is None and nodes == 1:
-        from ..engine.local import LocalEngine
-
-        return LocalEngine(model, tokenizer, device=device, dtype=dtype, early_exit=settings,
-                           quantize=changes.get("quantize", ""))
-    from ..engine.ring import RingEngine
-
-    if ring is None:
-        from ..placement.partition import check_ring_size
-
-        check_ring_size(text.cfg.n_layers, nodes)
-    if ring is not None:
-        from ..base.nodes import StarterOptions
-        from ..base.ringfile import load_ring
-
-        found, workers = load_ring(ring, secret=True)  # [starter] secret(_file), else the env
-        found.update(changes)
-        engine = RingEngine(workers, model, tokenizer, StarterOptions(**found), dtype=dtype,
-                            early_exit=settings)
-    else:
-        import torch
-
-        from ..roles.local_ring import LocalRing, threads_per_node
-
-        threads = threads_per_node(nodes)
-        torch.set_num_threads(threads)
-        local_ring = LocalRing(nodes - 1, threads=threads, device=device, spares=spares,
-                               encrypt=changes.get("encrypt", True), respawn=respawn)
-        workers = stack.enter_context(local_ring)
-        engine = RingEngine(workers, model, tokenizer, device=device, dtype=dtype,
-                            secret=local_ring.secret, timeout_s=defaults.LOCAL_RING_TIMEOUT_S,
-                            early_exit=settings, **changes)
-    stack.callback(engine.close)
-    return engine
-
-
 class _Stream:
     """One sample's text on stdout as it is sampled: the prompt with the first token, and
     never a stop string, nor the start of one that may still form."""
 
-    def __init__(self, engine: Any, prompt: str, stops: List[str]) -> None:
+    def __init__(self, engine: "Engine", prompt: "Prompt", stops: List[str]) -> None:
         from ..model.stopping import TextStream
 
-        self.text = TextStream(engine.tokenizer, engine.encode_prompt(prompt), stops)
-        self.prompt = prompt
+        self.text = TextStream(engine.tokenizer, prompt.ids, stops)
+        self.prompt = prompt.text
 
     def push(self, token: int) -> None:
         self._write(self.text.push(token))
@@ -243,7 +197,7 @@ class _Finished:
     """Several samples on a terminal: each is printed, labelled, as soon as it is seen
     finished (so in the order they finish); the ones left at the end in index order."""
 
-    def __init__(self, engine: Any, prompt: str, progress: Any) -> None:
+    def __init__(self, engine: "Engine", prompt: str, progress: Any) -> None:
         self.engine, self.prompt, self.progress = engine, prompt, progress
         self.shown: set = set()
 
@@ -266,19 +220,20 @@ class _Finished:
                 self.show(sample["index"], sample["finish_reason"], sample["text"])
 
 
-def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, params: Any,
-                   stops: List[str], micro_batch: int, as_json: bool,
+def _generate_with(engine: "Engine", request: "Prompt", max_new_tokens: int, samples: int,
+                   params: Any, stops: List[str], micro_batch: int, as_json: bool,
                    n_nodes: Callable[[], int],
                    progress: Any, drawn_seed: bool = False) -> None:
-    """Generate on ``engine``; one sample streams to stdout, the prompt written with the first
-    token (once ``progress`` has left the terminal to the text); several are printed as they
-    finish on a terminal, else at the end; ``drawn_seed``: the seed was not given, so the
-    summary line names it."""
+    """Generate ``request`` on ``engine``; one sample streams to stdout, the prompt written
+    with the first token (once ``progress`` has left the terminal to the text); several are
+    printed as they finish on a terminal, else at the end; ``drawn_seed``: the seed was not
+    given, so the summary line names it."""
     import time
 
     from .console import timing_line
 
-    stream = _Stream(engine, prompt, stops) if samples == 1 and not as_json else None
+    prompt = request.text
+    stream = _Stream(engine, request, stops) if samples == 1 and not as_json else None
     early = _Finished(engine, prompt, progress) \
         if samples > 1 and not as_json and sys.stdout.isatty() else None
     started = time.perf_counter()
@@ -294,8 +249,8 @@ def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, 
             early.check(generation)
 
     progress.phase("prefill")
-    generation = engine.new_generation(prompt, max_new_tokens, samples, params, on_token, stops)
-    out = engine.output(prompt, generation, engine.run(generation, micro_batch))
+    generation = engine.new_generation(request, max_new_tokens, samples, params, on_token, stops)
+    out = engine.output(request, generation, engine.run(generation, micro_batch))
     if early is not None:
         early.rest(out.samples)
     progress.stop()
@@ -304,7 +259,7 @@ def _generate_with(engine: Any, prompt: str, max_new_tokens: int, samples: int, 
         result["seed"] = params.seed
         result["model"] = str(engine.path)
         result["nodes"] = n_nodes()
-        result["links"] = engine.starter.link_stats() if hasattr(engine, "starter") else []
+        result["links"] = engine.link_stats()
         typer.echo(json.dumps(result))
         return
     if stream is not None:

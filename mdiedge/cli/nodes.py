@@ -18,7 +18,6 @@ from .app import (
     check_port,
     compression_option,
     early_exit_option,
-    early_exit_settings,
     exit_threshold_option,
     load_torch,
     need,
@@ -293,8 +292,7 @@ def _starter_engine(settings: Any, section: Any, model: Optional[str],
     ``overrides``: the command line's compression and quantize types, which win over the
     config's where given; ``exits``: the early-exit criterion and threshold."""
     from ..base.nodes import StarterOptions
-    from ..engine.facade import TextModel
-    from ..engine.ring import RingEngine
+    from ..engine.factory import EngineSpec, open_engine
 
     compression, quantize = overrides
     options = StarterOptions(
@@ -307,9 +305,11 @@ def _starter_engine(settings: Any, section: Any, model: Optional[str],
         name=starter_name(control_url),
         compression=section.compression if compression is None else compression,
         quantize=section.quantize if quantize is None else quantize)
-    model, tokenizer = model or section.model, tokenizer or section.tokenizer
-    early_exit = early_exit_settings(TextModel(model, tokenizer), exits) if exits else None
-    return RingEngine(settings.workers, model, tokenizer, options, early_exit=early_exit)
+    criterion, threshold = exits or (None, None)
+    return open_engine(EngineSpec(model=model or section.model,
+                                  tokenizer=tokenizer or section.tokenizer,
+                                  workers=settings.workers, options=options,
+                                  early_exit=criterion, exit_threshold=threshold))
 
 
 def starter_name(control_url: str) -> str:

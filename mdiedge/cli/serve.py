@@ -6,12 +6,16 @@ import json
 import os
 import sys
 from contextlib import ExitStack
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
+if TYPE_CHECKING:
+    from ..engine.facade import Engine
+
 from .app import (app, check_device, check_early_exit, check_log_level, check_port,
-                  device_option, dtype_option, model_option, tokenizer_option,
+                  device_option, dtype_option, model_option, tokenizer_option, engine_spec,
+                  open_checked,
                   compression_option, early_exit_option, exit_threshold_option, need,
                   one_line_errors,
                   prefill_chunk_option, quantize_option, recover_option, recovery_options,
@@ -52,7 +56,7 @@ def api_key_for(host: str, key_file: Optional[str], insecure: bool) -> Optional[
     return key
 
 
-def open_api(engine: Any, sock: Any, slots: int, context: int, max_queue: int, max_body: int,
+def open_api(engine: "Engine", sock: Any, slots: int, context: int, max_queue: int, max_body: int,
              key: Optional[str], name: Optional[str], log_level: str) -> Any:
     """The API of ``engine`` on the listening socket ``sock``: set up, not started."""
     from ..serving.api.rules import ServeLimits
@@ -71,7 +75,7 @@ def check_context(context: int, text_model: Any) -> None:
         raise UsageError(f"--context: expected 0..{top} tokens (the model's), got {context}")
 
 
-def starter_api(engine: Any, port: Optional[int], host: str, key_file: Optional[str],
+def starter_api(engine: "Engine", port: Optional[int], host: str, key_file: Optional[str],
                 insecure: bool, slots: int, log_level: str) -> Any:
     """``mdiedge starter --api-port``: the API of the starter's engine, bound, not started
     (None without a port)."""
@@ -131,18 +135,17 @@ def serve(
     exits = check_early_exit(early_exit, exit_threshold)
     key = api_key_for(host, api_key_file, insecure)
     from ..serving.api.server import listen
-    from .generate import _open_engine
 
     with ExitStack() as stack:
         sock = listen(host, port)  # a port in use fails before any node starts
         stack.callback(sock.close)
-        engine = _open_engine(stack, model, tokenizer, device, dtype, nodes, ring,
-                              recovery, lambda text: check_context(context, text), exits,
-                              respawn=True)
+        spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, recovery, exits,
+                           respawn=True)
+        engine, _ = open_checked(stack, spec, lambda text: check_context(context, text))
         api = open_api(engine, sock, slots, context, max_queue, max_body, key, model_name,
                        log_level)
         stack.callback(api.close)
-        engine.prepare(*engine.reserved)  # set the ring up now: its errors before "ready"
+        engine.set_up()  # set the ring up now: its errors before "ready"
         api.start()
         _say_ready(api, slots)
         _wait_for_signal()

@@ -1,17 +1,24 @@
 """From a prompt string to sampled text: the tokenizer, the scheduler and a pipeline to run
-the blocks. ``LocalEngine`` (``local``) builds a pipeline of in-process stages (``--nodes 1`` is
-one); ``RingEngine`` (``ring``) is the starter's stage plus the ring.
+the blocks. ``Engine`` is the typed surface every caller (the CLI, the API, the tools) works
+with; ``LocalEngine`` (``local``) builds a pipeline of in-process stages (``--nodes 1`` is
+one); ``RingEngine`` (``ring``) is the starter's stage plus the ring; ``open_engine``
+(``factory``) makes either from one ``EngineSpec``.
+
+A request's prompt is tokenized once, into a ``Prompt`` (text and ids); its ``Generation``
+is built from those ids.
 """
 from __future__ import annotations
 
+import abc
 import itertools
 import logging
 import threading
 import time
 from collections import Counter
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..base import defaults
 from ..base.errors import MdiedgeError
@@ -24,7 +31,8 @@ from ..model.sampling import SamplingParams
 from ..model.tokenizer import Tokenizer, decode_continuation, load_tokenizer
 from ..model.stopping import StopMatcher, check_stops, cut_at_stop
 from ..runtime.generation import (ExitCounts, Generation, Recovery, Sample, Timing,
-                                  TokenCallback)
+                                  TokenCallback, check_context)
+from ..runtime.protocol import NodeStatus
 from ..runtime.scheduler import Scheduler
 
 PathLike = Union[str, Path]
@@ -64,6 +72,16 @@ def failure_line(request: int, generation: Generation, error: BaseException) -> 
             f"s ({_shape(generation)}, {plural(produced, 'new token')}): {reason}")
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """A request's prompt: its text and its token ids, tokenized once
+    (``TextModel.prompt``); every later step (the checks, the ``Generation``, a stream of
+    its text) takes the ids from here."""
+
+    text: str
+    ids: Tuple[int, ...]
+
+
 @dataclass
 class GenerationOutput:
     prompt: str
@@ -95,7 +113,13 @@ class TextModel:
                  tokenizer: Optional[PathLike] = None) -> None:
         self._open(model, tokenizer)
 
-    def _open(self, model: Optional[PathLike], tokenizer: Optional[PathLike]) -> None:
+    def _open(self, model: Optional[PathLike], tokenizer: Optional[PathLike],
+              text: Optional["TextModel"] = None) -> None:
+        """Load the config and the tokenizer; ``text``: a text side opened already (its
+        weights checked against its config, as ``open_engine`` does), taken as it is."""
+        if text is not None:
+            self.path, self.cfg, self.tokenizer = text.path, text.cfg, text.tokenizer
+            return
         self.path = resolve_model_path(model)
         self.cfg = load_config(self.path)
         if self.holds_weights:  # the config against the weights, before any node builds
@@ -115,17 +139,33 @@ class TextModel:
             ids = [start] if start is not None else []
         return ids
 
-    def new_generation(self, prompt: str, max_new_tokens: int, n_samples: int,
-                       params: SamplingParams, on_token: Optional[TokenCallback],
+    def prompt(self, text: Union[str, Prompt], templated: bool = False) -> Prompt:
+        """``text`` tokenized (``encode_prompt``), once: a ``Prompt`` is taken as it is."""
+        if isinstance(text, Prompt):
+            return text
+        return Prompt(text, tuple(self.encode_prompt(text, templated)))
+
+    def check_request(self, prompt: Prompt, max_new_tokens: int,
+                      stop: Sequence[str] = ()) -> None:
+        """The errors ``new_generation`` would raise for this request, before anything heavy
+        starts (a command checks its values before it starts any node)."""
+        check_stops(stop)
+        check_context(len(prompt.ids), max_new_tokens, self.cfg.max_seq_len)
+
+    def new_generation(self, prompt: Union[str, Prompt], max_new_tokens: int, n_samples: int,
+                       params: SamplingParams, on_token: Optional[TokenCallback] = None,
                        stop: Sequence[str] = (), templated: bool = False) -> Generation:
-        """A request's ``Generation``; ``stop``: strings that end a sample (checked here, so
-        a bad one is an error before anything runs); ``templated``: see ``encode_prompt``."""
+        """A request's ``Generation`` from the ids of ``prompt`` (a text is tokenized here, a
+        ``Prompt`` is not tokenized again); ``stop``: strings that end a sample (checked here,
+        so a bad one is an error before anything runs); ``templated``: see
+        ``encode_prompt``."""
         stops = check_stops(stop)
         factory = None
         if stops:
             def factory(prefix: Sequence[int]) -> StopMatcher:
                 return StopMatcher(stops, self.tokenizer, prefix)
-        return Generation(self.encode_prompt(prompt, templated), n_samples, max_new_tokens, params,
+        ids = self.prompt(prompt, templated).ids
+        return Generation(ids, n_samples, max_new_tokens, params,
                           self.cfg.eos_ids, self.cfg.max_seq_len, on_token, factory)
 
     def sample_text(self, sample: Sample) -> str:
@@ -135,7 +175,8 @@ class TextModel:
             text = cut_at_stop(text, sample.stop.stops)[0]
         return text
 
-    def output(self, prompt: str, generation: Generation, timing: Timing) -> GenerationOutput:
+    def output(self, prompt: Union[str, Prompt], generation: Generation,
+               timing: Timing) -> GenerationOutput:
         samples = [{"index": s.index, "text": self.sample_text(s),
                     "token_ids": s.tokens, "finish_reason": s.finish_reason}
                    for s in generation.samples]
@@ -144,31 +185,60 @@ class TextModel:
         if settings is not None:
             counts = generation.exits or ExitCounts(self.cfg.n_layers)
             early_exit = dict(criterion=settings.criterion, **counts.as_dict())
-        return GenerationOutput(prompt, generation.samples[0].prompt, samples, timing,
+        text = prompt.text if isinstance(prompt, Prompt) else prompt
+        return GenerationOutput(text, generation.samples[0].prompt, samples, timing,
                                 generation.recoveries, early_exit)
 
 
-class Engine(TextModel):
-    """What both engines share: a generation run by the scheduler that ``prepare`` gives."""
+class Engine(TextModel, abc.ABC):
+    """What the CLI, the API and the tools generate with (``open_engine`` makes one): a
+    request's ``Generation`` run by the one scheduler of a pipeline that ``prepare`` sets up,
+    the nodes' status, and ``close``. ``LocalEngine`` and ``RingEngine`` are the two kinds;
+    no caller needs to know which it holds."""
 
     holds_weights = True
 
     _setup_lock: threading.Lock
     reserved: Tuple[int, int] = (0, 0)  # the least (slots, context) of any set-up
+    _closers: Optional[ExitStack] = None
 
     def reserve(self, n_slots: int, context: int) -> None:
         """Set every later pipeline up with at least ``n_slots`` x ``context`` (a server's
         fixed layout: its requests share one pipeline and never make it resize)."""
         self.reserved = (n_slots, context)
 
+    def set_up(self) -> None:
+        """Set the pipeline of the reserved layout up now (a server: its errors before it
+        says it is ready), not at the first request."""
+        self.prepare(*self.reserved)
+
+    @abc.abstractmethod
     def prepare(self, n_slots: int, context: int) -> Scheduler:
         """A scheduler whose pipeline holds ``n_slots`` samples of ``context`` tokens (the
         caller holds ``_setup_lock``, or knows no other thread uses the engine)."""
-        raise NotImplementedError
+
+    @abc.abstractmethod
+    def status(self) -> List[NodeStatus]:
+        """Every node's status, this process's first (``mdiedge status``, the API's
+        per-node metrics)."""
 
     def unavailable(self, timeout: float) -> Optional[str]:
         """None when the engine can take a request, else why not, in one line; ``timeout``:
         how long a ring may ask its nodes. A process of its own always can."""
+        return None
+
+    def link_stats(self) -> List[Dict[str, Any]]:
+        """Every link of the ring in ring order, as its sender counts it (none in one
+        process)."""
+        return []
+
+    def ring_nodes(self) -> int:
+        """The nodes generating now, this process included."""
+        return 1
+
+    def ring_id(self) -> object:
+        """Which ring is up now (None: none): a link's counts start at its ring's set-up,
+        so counts of two rings do not subtract."""
         return None
 
     def submit(self, generation: Generation, micro_batch: int = 0) -> Scheduler:
@@ -198,7 +268,7 @@ class Engine(TextModel):
         log.info("%s", summary_line(request, generation, timing))
         return timing
 
-    def generate(self, prompt: str, max_new_tokens: int = defaults.MAX_NEW_TOKENS,
+    def generate(self, prompt: Union[str, Prompt], max_new_tokens: int = defaults.MAX_NEW_TOKENS,
                  n_samples: int = 1, params: SamplingParams = SamplingParams(),
                  micro_batch: int = 0, on_token: Optional[TokenCallback] = None,
                  stop: Sequence[str] = (), templated: bool = False) -> GenerationOutput:
@@ -215,5 +285,27 @@ class Engine(TextModel):
         """Seconds the nodes spent filling the KV of blocks that early exits skipped."""
         return 0.0
 
+    def on_close(self, callback: Callable[[], Any]) -> None:
+        """Have ``close`` call ``callback`` after the engine let its nodes go, the latest
+        given first (``open_engine``: stop the worker processes it started)."""
+        if self._closers is None:
+            self._closers = ExitStack()
+        self._closers.callback(callback)
+
+    def release(self) -> None:
+        """Let what the engine holds go (nodes, links); a local engine holds nothing."""
+
     def close(self) -> None:
-        """Release what the engine holds (nodes, links); a local engine holds nothing."""
+        """``release``, then what ``on_close`` was given, even when the release fails."""
+        try:
+            self.release()
+        finally:
+            closers, self._closers = self._closers, None
+            if closers is not None:
+                closers.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -3,7 +3,7 @@ a ring's proportions (tests and the quality guard compare those with a real ring
 from __future__ import annotations
 
 import threading
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 from ..model.checkpoint import content_hash, load_model
 from ..model.devices import parse_device, parse_dtype
@@ -13,7 +13,8 @@ from ..roles.exitparts import starter_policy
 from ..runtime.pipeline import ModelEnds, Pipeline
 from ..runtime.scheduler import Scheduler
 from ..runtime.stages import LocalStage
-from .facade import Engine, PathLike
+from ..runtime.protocol import NodeStatus
+from .facade import Engine, PathLike, TextModel
 
 
 class LocalEngine(Engine):
@@ -23,8 +24,8 @@ class LocalEngine(Engine):
     def __init__(self, model: Optional[PathLike] = None, tokenizer: Optional[PathLike] = None,
                  device: str = "cpu", dtype: str = "float32", stages: int = 1,
                  prefill_chunk: int = 0, early_exit: Optional[ExitSettings] = None,
-                 quantize: str = "") -> None:
-        self._open(model, tokenizer)
+                 quantize: str = "", text: Optional[TextModel] = None) -> None:
+        self._open(model, tokenizer, text)
         self.early_exit = early_exit
         self.device, self.dtype = str(parse_device(device)), parse_dtype(dtype)
         self.ranges = split_layers(self.cfg.n_layers, [1.0] * stages) if stages > 1 \
@@ -57,6 +58,17 @@ class LocalEngine(Engine):
     @property
     def stages(self) -> Sequence[LocalStage]:
         return self.scheduler.pipeline.stages if self.scheduler is not None else []
+
+    def status(self) -> List[NodeStatus]:
+        """This process as the one node: its blocks, its share of time computing and the KV
+        slots its requests hold."""
+        scheduler = self.scheduler
+        stats = scheduler.stats if scheduler is not None else None
+        busy = stats.compute_s / stats.wall_s if stats is not None and stats.wall_s else 0.0
+        idle = scheduler is None or scheduler.idle
+        return [NodeStatus("starter", "local", "ready" if idle else "busy",
+                           layers=[0, self.cfg.n_layers], busy_fraction=round(busy, 4),
+                           slots_in_use=scheduler.slots_in_use if scheduler is not None else 0)]
 
     def kv_fill_s(self) -> float:
         return sum(stage.counters.kv_fill_s for stage in self.stages)

@@ -3,14 +3,15 @@ workers are running nodes reached over links (``mdiedge.roles.starter`` sets the
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from ..base.nodes import NodeSpec
 from ..model.exitfiles import ExitSettings
 from ..roles.starter import RingStarter, Route, StarterOptions, _ring_rows
 from ..runtime.ring import probe_all
 from ..runtime.scheduler import Scheduler
-from .facade import Engine, PathLike
+from ..runtime.protocol import NodeStatus
+from .facade import Engine, PathLike, TextModel
 
 
 class RingEngine(Engine):
@@ -22,8 +23,8 @@ class RingEngine(Engine):
                  tokenizer: Optional[PathLike] = None,
                  options: StarterOptions = StarterOptions(),
                  early_exit: Optional[ExitSettings] = None, route: Optional[Route] = None,
-                 **changes: Any) -> None:
-        self._open(model, tokenizer)
+                 text: Optional[TextModel] = None, **changes: Any) -> None:
+        self._open(model, tokenizer, text)
         self.options = dataclasses.replace(options, **changes)
         _ring_rows(self.options, self.cfg)  # a max_payload too small for the model: now
         self.early_exit = early_exit
@@ -65,5 +66,18 @@ class RingEngine(Engine):
         members = {n.name for n in self.starter.ring_workers}
         return own + sum(s.kv_fill_s for s in self.starter.node_status() if s.name in members)
 
-    def close(self) -> None:
+    def status(self) -> List[NodeStatus]:
+        """The starter's status, then each worker's (asked on its control port)."""
+        return [self.starter.status()] + self.starter.node_status()
+
+    def link_stats(self) -> List[Dict[str, Any]]:
+        return self.starter.link_stats()
+
+    def ring_nodes(self) -> int:
+        return len(self.starter.ring_workers) + 1
+
+    def ring_id(self) -> object:
+        return self.starter.tail
+
+    def release(self) -> None:
         self.starter.close()

@@ -8,7 +8,7 @@ from typing import Any, Dict, List
 
 from ..base import defaults
 from ..model.sampling import SamplingParams
-from ..engine.ring import RingEngine
+from ..engine.facade import Engine
 from ..runtime.control import ControlServer
 
 GENERATE_FIELDS = {"prompt": str, "max_new_tokens": int, "samples": int, "temperature": float,
@@ -29,7 +29,7 @@ def check_fields(body: Dict[str, Any], fields: Dict[str, type]) -> None:
 class StarterServer:
     """Routes ``GET /status`` and ``POST /generate`` of ``control`` to ``engine``."""
 
-    def __init__(self, engine: RingEngine, control: ControlServer) -> None:
+    def __init__(self, engine: Engine, control: ControlServer) -> None:
         self.engine, self.control = engine, control
         control.add_routes({("GET", "/status"): self.status,
                             ("POST", "/generate"): self.generate})
@@ -43,13 +43,12 @@ class StarterServer:
         self.engine.close()
 
     def status(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
-        starter = self.engine.starter
-        return {"nodes": [s.to_json() for s in [starter.status()] + starter.node_status()]}
+        return {"nodes": [s.to_json() for s in self.engine.status()]}
 
     def generate(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
         check_fields(body, GENERATE_FIELDS)
-        starter = self.engine.starter
-        tail, before = starter.tail, starter.link_stats()  # [] before the first ring
+        engine = self.engine
+        ring, before = engine.ring_id(), engine.link_stats()  # [] before the first ring
         params = SamplingParams(float(body.get("temperature", defaults.TEMPERATURE)),
                                 body.get("top_k", defaults.TOP_K),
                                 float(body.get("top_p", defaults.TOP_P)),
@@ -59,10 +58,10 @@ class StarterServer:
                                    body.get("samples", 1), params, body.get("micro_batch", 0),
                                    stop=body.get("stop", []))
         result = out.as_dict()
-        result["nodes"] = len(starter.ring_workers) + 1
-        result["model"] = str(self.engine.path)
-        since = before if starter.tail is tail else []  # a ring set up anew counts from 0
-        result["links"] = link_deltas(since, starter.link_stats())
+        result["nodes"] = engine.ring_nodes()
+        result["model"] = str(engine.path)
+        since = before if engine.ring_id() is ring else []  # a ring set up anew counts from 0
+        result["links"] = link_deltas(since, engine.link_stats())
         return result
 
 

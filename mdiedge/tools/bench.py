@@ -28,8 +28,10 @@ from ..model.checkpoint import resolve_model_path, save_hf_checkpoint
 from ..model.config import preset
 from ..base.memory import max_rss_bytes
 from ..model.sampling import SamplingParams
+from ..base import defaults
+from ..engine.factory import EngineSpec, open_engine
 from ..engine.local import LocalEngine
-from ..roles.local_ring import LocalRing, threads_per_node
+from ..roles.local_ring import threads_per_node
 from ..engine.ring import RingEngine
 from .roofline import Roofline, mean_keys
 from ..runtime.generation import Generation
@@ -57,27 +59,22 @@ def run_config(model: Path, nodes: int, samples: int, new_tokens: int, context: 
     if nodes == 1:
         return _run_local(model, samples, new_tokens, context, micro_batch)
     threads = threads_per_node(nodes)
-    torch.set_num_threads(threads)
-    local = LocalRing(nodes - 1, threads=threads)
-    with local as workers:
-        engine = RingEngine(workers, model, secret=local.secret)
-        try:
-            scheduler = engine.prepare(samples, context)
-            rtt = engine.starter.tail.ping(torch.randn(1, 1, engine.cfg.dim), pings)
-            before = engine.starter.node_status()
-            timing = scheduler.run(_generation(engine.cfg, samples, new_tokens, context), micro_batch)
-            scheduler.drain()
-            after = engine.starter.node_status()
-            stage = scheduler.pipeline.stages[0]
-            starter_load = stage.model.expert_load()  # a fresh model: all of it is this run's
-            own_bytes = sum(stage.memory().values())
-            own_read = read_per_message(stage.model)
-            blocks = [len(stage.model.layers)] + [a.layers[1] - a.layers[0] if a.layers else 0
-                                                  for a in after]
-            kv_read = [kv_read_per_row(stage.model, engine.cfg, n, context, new_tokens)
-                       for n in blocks]
-        finally:
-            engine.close()
+    with open_engine(_spec(model, nodes)) as engine:
+        assert isinstance(engine, RingEngine)  # a ring's tail answers pings
+        scheduler = engine.prepare(samples, context)
+        rtt = engine.starter.tail.ping(torch.randn(1, 1, engine.cfg.dim), pings)
+        before = engine.starter.node_status()
+        timing = scheduler.run(_generation(engine.cfg, samples, new_tokens, context), micro_batch)
+        scheduler.drain()
+        after = engine.starter.node_status()
+        stage = scheduler.pipeline.stages[0]
+        starter_load = stage.model.expert_load()  # a fresh model: all of it is this run's
+        own_bytes = sum(stage.memory().values())
+        own_read = read_per_message(stage.model)
+        blocks = [len(stage.model.layers)] + [a.layers[1] - a.layers[0] if a.layers else 0
+                                              for a in after]
+        kv_read = [kv_read_per_row(stage.model, engine.cfg, n, context, new_tokens)
+                   for n in blocks]
     wall = timing.total_s
     busy = [scheduler.stats.compute_s / wall] + [
         (a.compute_s - b.compute_s) / wall for a, b in zip(after, before)]
@@ -124,9 +121,16 @@ def _generation(cfg: Any, samples: int, new_tokens: int, context: int) -> Genera
     return Generation(prompt, samples, new_tokens, SamplingParams(temperature=0), (), context)
 
 
+def _spec(model: Path, nodes: int) -> EngineSpec:
+    """One process, or a local ring of ``nodes`` with a ring file's patience (a large
+    preset's message may take long)."""
+    return EngineSpec(model=model, nodes=nodes, changes={"timeout_s": defaults.RING_TIMEOUT_S})
+
+
 def _run_local(model: Path, samples: int, new_tokens: int, context: int,
                micro_batch: int) -> Dict[str, Any]:
-    engine = LocalEngine(model)
+    engine = open_engine(_spec(model, 1))
+    assert isinstance(engine, LocalEngine)  # its one model's figures
     t0 = time.process_time()
     timing = engine.run(_generation(engine.cfg, samples, new_tokens, context), micro_batch)
     busy = [(time.process_time() - t0) / timing.total_s / torch.get_num_threads()]

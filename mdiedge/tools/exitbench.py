@@ -18,15 +18,13 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import torch
 
 from ..model.checkpoint import content_hash, load_model
 from ..model.exitfiles import ExitSettings, exit_policy, exit_settings
 from ..model.sampling import SamplingParams
+from ..base.defaults import RING_TIMEOUT_S
 from ..engine.facade import Engine, TextModel
-from ..engine.local import LocalEngine
-from ..roles.local_ring import LocalRing, threads_per_node
-from ..engine.ring import RingEngine
+from ..engine.factory import EngineSpec, open_engine
 from ..base.errors import ConfigError
 from ..model.exitfiles import THRESHOLDS_FILE
 from .exitcal import MIN_TOKENS, decode_forced, held_out_halves
@@ -55,25 +53,17 @@ def _timed(engine: Engine, prompt: str, new_tokens: int, samples: int, repeats: 
     return {"tokens_per_s": round(statistics.median(rates), 2), "early_exit": best.early_exit}
 
 
-def speed(path: Path, nodes: int, samples: int, settings: ExitSettings, prompt: str,
+def speed(path: Path, nodes: int, samples: int, exits: Tuple[str, Optional[str]], prompt: str,
           new_tokens: int, repeats: int) -> Dict[str, Any]:
-    """tokens/s of the same generations without and with early exit on ``nodes``."""
+    """tokens/s of the same generations without and with early exit (``exits``: the
+    criterion and threshold) on ``nodes``."""
     results = {}
-    if nodes == 1:
-        for name, chosen in (("none", None), ("exit", settings)):
-            results[name] = _timed(LocalEngine(path, early_exit=chosen), prompt, new_tokens,
-                                   samples, repeats)
-    else:
-        threads = threads_per_node(nodes)
-        torch.set_num_threads(threads)
-        for name, chosen in (("none", None), ("exit", settings)):
-            local = LocalRing(nodes - 1, threads=threads)
-            with local as workers:
-                engine = RingEngine(workers, path, secret=local.secret, early_exit=chosen)
-                try:
-                    results[name] = _timed(engine, prompt, new_tokens, samples, repeats)
-                finally:
-                    engine.close()
+    for name, (criterion, threshold) in (("none", (None, None)), ("exit", exits)):
+        spec = EngineSpec(model=path, nodes=nodes, early_exit=criterion,
+                          exit_threshold=threshold,
+                          changes={} if nodes == 1 else {"timeout_s": RING_TIMEOUT_S})
+        with open_engine(spec) as engine:
+            results[name] = _timed(engine, prompt, new_tokens, samples, repeats)
     ratio = results["exit"]["tokens_per_s"] / max(results["none"]["tokens_per_s"], 1e-9)
     return {"nodes": nodes, "samples": samples,
             "tokens_per_s_none": results["none"]["tokens_per_s"],
@@ -115,7 +105,7 @@ def run(model: Optional[str], criterion: str, threshold: Optional[str], text: Pa
                               "quality": quality(path, measured, settings), "runs": []}
     for n in sorted({1, nodes}):
         for s in sorted({1, samples}):
-            row = speed(path, n, s, settings, prompt, new_tokens, repeats)
+            row = speed(path, n, s, (criterion, threshold), prompt, new_tokens, repeats)
             result["runs"].append(row)
             if shown is not None:
                 shown(row)

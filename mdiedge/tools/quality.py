@@ -27,10 +27,10 @@ from ..base.accel import select
 from ..base.codecs import NONE, Compression, encoded_size
 from ..base.nodes import NodeSpec, StarterOptions
 from ..model.sampling import SamplingParams
+from ..base.defaults import RING_TIMEOUT_S
 from ..engine.facade import TextModel
-from ..roles.local_ring import LocalRing, threads_per_node
+from ..engine.factory import EngineSpec, open_engine
 from ..roles.starter import Route
-from ..engine.ring import RingEngine
 from ..placement.partition import partition
 
 FRAME_HEADER = 48 + 8  # fixed header and one sample's table entry
@@ -113,22 +113,16 @@ def ring_run(model: Optional[str], compression: str, prompt: List[int], new_toke
     medians of ``repeats`` timings, and the links' counts over all of them (``generations``).
     ``options``: more ``StarterOptions`` (``prefill_chunk``: tokens per prefill message);
     ``route``: the ring links' route (``mdiedge.tools.relay.Relays``: delaying relays)."""
-    threads = threads_per_node(nodes)
-    torch.set_num_threads(threads)
-    local = LocalRing(nodes - 1, threads=threads)
     timings = []
-    with local as workers:
-        engine = RingEngine(workers, model, secret=local.secret, compression=compression,
-                            route=route, **options)
-        try:
-            text = engine.tokenizer.decode(prompt)
-            engine.generate(text, 2, 1, SamplingParams(temperature=0))  # warm-up
-            for _ in range(repeats):
-                timings.append(engine.generate(text, new_tokens, 1,
-                                               SamplingParams(temperature=0)).timing)
-            links = engine.starter.link_stats()
-        finally:
-            engine.close()
+    spec = EngineSpec(model=model, nodes=nodes, route=route,
+                      changes=dict(timeout_s=RING_TIMEOUT_S, compression=compression, **options))
+    with open_engine(spec) as engine:
+        text = engine.tokenizer.decode(prompt)
+        engine.generate(text, 2, 1, SamplingParams(temperature=0))  # warm-up
+        for _ in range(repeats):
+            timings.append(engine.generate(text, new_tokens, 1,
+                                           SamplingParams(temperature=0)).timing)
+        links = engine.link_stats()
 
     def median(values: List[float]) -> float:
         return round(sorted(values)[len(values) // 2], 4)

@@ -9,7 +9,7 @@ half-close, so closing one side closes the other; a reset or error closes both.
 
 ``Relays(delay_s)`` is a ``route``: ``relays(host, port)`` is the address of a relay in front
 of ``(host, port)``, started on first use, so that a ring's links can be routed through relays
-(``RingEngine(..., route=relays)``). ``close()`` ends every relay and connection.
+(``open_engine(EngineSpec(..., route=relays))``). ``close()`` ends every relay and connection.
 """
 from __future__ import annotations
 

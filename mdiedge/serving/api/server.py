@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from ...base import defaults
 from ...base.backoff import is_shortage
@@ -18,6 +18,9 @@ from ...base.errors import ConfigError
 from ...base.ratelog import Throttled
 from ...base.settings import check_private
 from .rules import HEAD_TIMEOUT_S, ServeLimits
+
+if TYPE_CHECKING:
+    from ...engine.facade import Engine
 
 log = logging.getLogger("mdiedge.api")
 
@@ -212,7 +215,7 @@ class Api:
     """An engine served on ``sock`` (see ``listen``): its ``ApiService`` and the
     ``ApiServer`` of its app."""
 
-    def __init__(self, engine: Any, sock: socket.socket, limits: ServeLimits,
+    def __init__(self, engine: "Engine", sock: socket.socket, limits: ServeLimits,
                  api_key: Optional[str] = None, name: Optional[str] = None,
                  log_level: str = "warning") -> None:
         from .app import build_app

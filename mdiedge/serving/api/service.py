@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable, List, Optional, Set, Tuple
 
 from ...base import defaults
 from ...base.errors import ConfigError
+from ...engine.facade import Engine, Prompt
 from ...model.sampling import SamplingParams
 from ...runtime.generation import Generation
 from ...runtime.protocol import NodeStatus
@@ -101,7 +102,7 @@ class Run:
 class ApiService:
     """Runs the API's requests on ``engine`` with ``limits``; ``name``: the model id."""
 
-    def __init__(self, engine: Any, name: str, limits: ServeLimits) -> None:
+    def __init__(self, engine: Engine, name: str, limits: ServeLimits) -> None:
         from .chat import ChatTemplate
 
         context = slot_context(limits.context, engine.cfg.max_seq_len)
@@ -147,15 +148,7 @@ class ApiService:
 
     def node_status(self) -> List[NodeStatus]:
         """The starter's and each worker's status (a ring), or this process as one node."""
-        starter = getattr(self.engine, "starter", None)
-        if starter is not None:
-            return [starter.status()] + starter.node_status()
-        scheduler = getattr(self.engine, "scheduler", None)
-        stats = scheduler.stats if scheduler is not None else None
-        busy = stats.compute_s / stats.wall_s if stats is not None and stats.wall_s else 0.0
-        return [NodeStatus("starter", "local", "busy" if self.counts()[0] else "ready",
-                           layers=[0, self.engine.cfg.n_layers], busy_fraction=round(busy, 4),
-                           slots_in_use=self.slots_in_use())]
+        return self.engine.status()
 
     def unavailable(self) -> Optional[str]:
         """None when the engine can take a request, else why not, in one line (``/health``):
@@ -167,16 +160,18 @@ class ApiService:
     # ----------------------------------------------------------------- requests
 
     def plan(self, prompt: str, options: Options,
-             templated: bool = False) -> Tuple[List[int], int, SamplingParams]:
-        """The prompt's ids, the token budget and the sampling of a request; a 404 for another
-        model, a 400 for what this server cannot hold; ``templated``: a chat template's text."""
+             templated: bool = False) -> Tuple[Prompt, int, SamplingParams]:
+        """The prompt tokenized (the request's one tokenization), the token budget and the
+        sampling of a request; a 404 for another model, a 400 for what this server cannot
+        hold; ``templated``: a chat template's text."""
         if options.model is not None and options.model != self.name:
             raise ApiError(404, f"model {options.model!r} not found: this server serves "
                            f"{self.name!r}", "model", "model_not_found")
         if options.n > self.limits.slots:
             raise ApiError(400, f"n: at most {self.limits.slots} samples (the server's KV "
                            f"slots), got {options.n}", "n", "invalid_value")
-        ids = self.engine.encode_prompt(prompt, templated)
+        request = self.engine.prompt(prompt, templated)
+        ids = request.ids
         if not ids:
             raise ApiError(400, "prompt: empty, and the model has no BOS token to start from",
                            "prompt", "invalid_value")
@@ -197,7 +192,7 @@ class ApiService:
             defaults.TEMPERATURE if options.temperature is None else options.temperature,
             defaults.TOP_K if options.top_k is None else options.top_k,
             defaults.TOP_P if options.top_p is None else options.top_p, seed)
-        return ids, budget, params
+        return request, budget, params
 
     async def start(self, prompt: str, options: Options, templated: bool = False) -> Run:
         """Check and start a request (on its own thread); a 429 when the queue is full."""
@@ -205,8 +200,8 @@ class ApiService:
         if self.closed:
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         run = Run(loop, self.metrics, options.stream)
-        ids, budget, params = await loop.run_in_executor(None, self.plan, prompt, options,
-                                                         templated)
+        request, budget, params = await loop.run_in_executor(None, self.plan, prompt, options,
+                                                             templated)
         with self._lock:
             taken, waiting = self._queue()
             if not may_join(waiting, self.limits.slots - taken, options.n,
@@ -217,12 +212,12 @@ class ApiService:
                                    self._mean_e2e_s, waiting, self.limits.slots))
             run._last = [0.0] * options.n
             try:
-                run.generation = self.engine.new_generation(prompt, budget, options.n, params,
-                                                            run.on_token, options.stop, templated)
+                run.generation = self.engine.new_generation(request, budget, options.n, params,
+                                                            run.on_token, options.stop)
             except Exception as e:
                 raise api_error(e) from None
             self._runs.add(run)
-        self.metrics.prompt_tokens.inc(len(ids))
+        self.metrics.prompt_tokens.inc(len(request.ids))
         self.executor.submit(self._work, run)
         return run
 

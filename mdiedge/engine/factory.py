@@ -1,0 +1,143 @@
+"""The one way to open an engine: ``open_engine(EngineSpec(...))``, for the CLI, the API's
+commands, the long-lived starter and the tools alike.
+
+An ``EngineSpec`` names where the blocks run: in this process (``nodes=1``), on a local ring
+of worker processes started here (``nodes=N``, ``mdiedge.roles.local_ring``), on a ring
+file's running workers (``ring``), or on workers given as they are (``workers`` with
+``options``: the long-lived starter's config). ``open_text`` opens the model's text side
+once (config, tokenizer, the config against the weights' headers) so that a command can
+check its request before any node starts; ``open_engine`` then builds on that text side, so
+the tokenizer is loaded once. The engine it gives owns what it started: its ``close``
+stops the local ring's worker processes.
+"""
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+from ..base import defaults
+from ..base.errors import UsageError
+from ..base.nodes import NodeSpec, StarterOptions
+from ..model.checkpoint import check_checkpoint, content_hash
+from ..model.devices import parse_device, parse_dtype
+from ..model.exitfiles import ExitSettings, exit_settings
+from ..roles.starter import Route
+from .facade import Engine, PathLike, TextModel
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Which engine to open and how it runs.
+
+    ``nodes``: 1, every block in this process; N > 1, a local ring of N - 1 worker processes
+    started for the engine (``spares`` more as spares; ``respawn``: a worker that dies is
+    started again). ``ring``: a ring file (TOML) of running workers instead. ``workers``: running
+    workers given as they are, with the starter's ``options`` (a long-lived starter).
+    ``changes``: fields of ``StarterOptions`` the caller sets (they win over a ring file's;
+    ``quantize`` also holds in one process). ``early_exit``/``exit_threshold``: the early-exit
+    criterion and its threshold (checked against the model when it opens). ``route``: where
+    each ring link connects (``Route``, tests and the relay tool)."""
+
+    model: Optional[PathLike] = None
+    tokenizer: Optional[PathLike] = None
+    nodes: int = 1
+    ring: Optional[str] = None
+    workers: Sequence[NodeSpec] = ()
+    options: StarterOptions = StarterOptions()
+    device: str = "cpu"
+    dtype: str = "float32"
+    changes: Mapping[str, Any] = field(default_factory=dict)
+    spares: int = 0
+    respawn: bool = False
+    early_exit: Optional[str] = None
+    exit_threshold: Optional[str] = None
+    route: Optional[Route] = None
+
+    @property
+    def local(self) -> bool:
+        """Every block in this process: no ring."""
+        return self.ring is None and not self.workers and self.nodes == 1
+
+
+def check_spec(spec: EngineSpec) -> None:
+    """The spec's own values (device, dtype, ring size), before any file is read."""
+    if spec.ring is None and not spec.workers and spec.nodes < 1:
+        raise UsageError(f"--nodes: expected an integer >= 1, got {spec.nodes}")
+    parse_device(spec.device), parse_dtype(spec.dtype)
+
+
+def open_text(spec: EngineSpec) -> TextModel:
+    """The model's text side (config and tokenizer, no weights), its config checked against
+    the weights' headers: what a command checks its request against before nodes start."""
+    text = TextModel(spec.model, spec.tokenizer)
+    check_checkpoint(text.path, text.cfg)
+    return text
+
+
+def exit_settings_of(text: TextModel, criterion: Optional[str],
+                     threshold: Optional[str]) -> Optional[ExitSettings]:
+    """The checked ``ExitSettings`` of ``criterion`` and ``threshold`` for the model of
+    ``text``, or None without a criterion."""
+    if criterion is None:
+        return None
+    return exit_settings(text.path, text.cfg, content_hash(text.path), criterion, threshold)
+
+
+def open_engine(spec: EngineSpec, text: Optional[TextModel] = None) -> Engine:
+    """The engine of ``spec`` (nothing set up yet on a ring: the first request does it, or
+    ``Engine.set_up``); ``text``: its text side opened already (``open_text``). Worker
+    processes it starts are stopped by the engine's ``close``, or here when opening fails."""
+    check_spec(spec)
+    text = text or open_text(spec)
+    settings = exit_settings_of(text, spec.early_exit, spec.exit_threshold)
+    if spec.local:
+        from .local import LocalEngine
+
+        return LocalEngine(device=spec.device, dtype=spec.dtype, early_exit=settings,
+                           quantize=spec.changes.get("quantize", ""), text=text)
+    from .ring import RingEngine
+
+    if spec.ring is not None or spec.workers:
+        options, workers = _running(spec)
+        return RingEngine(workers, options=options, early_exit=settings, route=spec.route,
+                          text=text)
+    with ExitStack() as stack:  # the workers stop here unless the engine took them over
+        workers, secret = _start_local_ring(spec, text, stack)
+        changes: Dict[str, Any] = dict(device=spec.device, dtype=spec.dtype, secret=secret,
+                                       timeout_s=defaults.LOCAL_RING_TIMEOUT_S)
+        changes.update(spec.changes)
+        engine = RingEngine(workers, early_exit=settings, route=spec.route, text=text,
+                            **changes)
+        engine.on_close(stack.pop_all().close)
+    return engine
+
+
+def _running(spec: EngineSpec) -> Any:
+    """The starter's options and the workers of a ring file (its secret, else the
+    environment's; the spec's dtype), or those given; the spec's ``changes`` win."""
+    import dataclasses
+
+    if spec.ring is None:
+        return dataclasses.replace(spec.options, **spec.changes), list(spec.workers)
+    from ..base.ringfile import load_ring
+
+    found, workers = load_ring(spec.ring, secret=True)
+    found.update(spec.changes, dtype=spec.dtype)
+    return StarterOptions(**found), workers
+
+
+def _start_local_ring(spec: EngineSpec, text: TextModel, stack: ExitStack) -> Any:
+    """The workers of a local ring of ``spec.nodes`` started (each given its share of this
+    machine's cores, this process too), entered on ``stack``; and the ring's secret."""
+    import torch
+
+    from ..placement.partition import check_ring_size
+    from ..roles.local_ring import LocalRing, threads_per_node
+
+    check_ring_size(text.cfg.n_layers, spec.nodes)
+    threads = threads_per_node(spec.nodes)
+    torch.set_num_threads(threads)
+    ring = LocalRing(spec.nodes - 1, threads=threads, device=spec.device, spares=spec.spares,
+                     encrypt=spec.changes.get("encrypt", True), respawn=spec.respawn)
+    return stack.enter_context(ring), ring.secret

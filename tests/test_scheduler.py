@@ -285,6 +285,66 @@ def test_a_request_that_fails_on_its_own_spares_the_others(model_dir: Path) -> N
     assert [s.slots_in_use for s in engine.stages] == [0, 0]
 
 
+# ------------------------------------------------------------------------------ the loop
+
+
+def test_one_loop_thread_samples_every_request(model_dir: Path) -> None:
+    """Requests waited for on threads of their own: every token is sampled (and its
+    callback run) on the scheduler's one loop thread, never on a request's thread."""
+    engine = LocalEngine(model_dir, stages=2)
+    scheduler = engine.prepare(8, 128)
+    seen: Dict[int, set] = {0: set(), 1: set()}
+    waiters: Dict[int, int] = {}
+
+    def on_token(i: int) -> Any:
+        return lambda index, token: seen[i].add(threading.get_ident())
+
+    generations = [engine.new_generation(PROMPT, 12, 2, SAMPLED, on_token(i)) for i in (0, 1)]
+
+    def run(i: int) -> None:
+        waiters[i] = threading.get_ident()
+        scheduler.run(generations[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(g.finished and not g.error for g in generations)
+    assert len(seen[0] | seen[1]) == 1  # one thread sampled both requests
+    assert not (seen[0] | seen[1]) & set(waiters.values())
+    assert threading.get_ident() not in seen[0]
+
+
+def test_a_raising_callback_or_a_cancel_does_not_stop_the_loop(model_dir: Path) -> None:
+    """A token callback that raises fails its own request; a request cancelled from another
+    thread ends; the loop goes on with the others and with requests that come later."""
+    engine = LocalEngine(model_dir, stages=2)
+    alone = tokens(engine.generate(PROMPT, 16, 1, GREEDY))
+    scheduler = engine.prepare(8, 128)
+
+    def raising(index: int, token: int) -> None:
+        raise ValueError("a callback bug")
+
+    failing = engine.new_generation(PROMPT, 16, 1, GREEDY, raising)
+    cancelled = engine.new_generation(PROMPT, 100, 1, GREEDY,
+                                      lambda index, token: cancelled.cancel())
+    kept = engine.new_generation(PROMPT, 16, 1, GREEDY, None)
+    for generation in (failing, cancelled, kept):
+        scheduler.submit(generation)
+    with pytest.raises(GenerationError, match="ValueError: a callback bug"):
+        scheduler.wait(failing)
+    assert scheduler.wait(cancelled) is not None
+    assert cancelled.samples[0].finish_reason == "cancelled"
+    scheduler.wait(kept)
+    assert [s.tokens for s in kept.samples] == alone and scheduler.usable
+    later = engine.new_generation(PROMPT, 16, 1, GREEDY, None)
+    scheduler.run(later)
+    assert [s.tokens for s in later.samples] == alone
+    scheduler.drain()
+    assert [s.slots_in_use for s in engine.stages] == [0, 0]
+
+
 def test_busy_time_is_counted(engines: Dict[Tuple[int, int], LocalEngine]) -> None:
     engine = engines[(2, 0)]
     scheduler = engine.prepare(4, 64)

@@ -10,11 +10,12 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from mdiedge.base.errors import GenerationError, RingError
+from mdiedge.base.errors import ContextExceeded, GenerationError, QueueFull, RingError
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.roles.engine import LocalEngine
 from mdiedge.runtime.generation import Generation
 from mdiedge.runtime.messages import Message
+from mdiedge.runtime.plan import QueueView
 from mdiedge.runtime.scheduler import Scheduler, group_size, prefill_chunks
 
 GREEDY = SamplingParams(temperature=0)
@@ -209,6 +210,38 @@ def test_requests_beyond_the_pipeline_are_refused(model_dir: Path) -> None:
     with pytest.raises(GenerationError, match="3 samples exceed the 2 KV slots"):
         scheduler.submit(engine.new_generation(PROMPT, 4, 3, GREEDY, None))
     with pytest.raises(GenerationError, match="exceeds the 32 set up"):
+        scheduler.submit(engine.new_generation(PROMPT, 40, 1, GREEDY, None))
+
+
+def test_the_scheduler_decides_whether_a_request_may_queue(model_dir: Path) -> None:
+    """The queue's rule is the scheduler's (the API's 429 asks it): a request that fits the
+    free slots is taken at once, one that does not waits while fewer than ``max_waiting``
+    wait, else QueueFull."""
+    engine = LocalEngine(model_dir)
+    scheduler = engine.prepare(2, 64)
+    first = engine.new_generation(PROMPT, 10, 2, GREEDY, None)
+    second = engine.new_generation(PROMPT, 10, 1, GREEDY, None)
+    third = engine.new_generation(PROMPT, 10, 1, GREEDY, None)
+    scheduler.submit(first, max_waiting=0)  # queued, but it fits: not waiting
+    assert scheduler.queue() == QueueView(2, 0, 0, (2,)) and scheduler.queue().waiting == 0
+    with pytest.raises(QueueFull, match="0 requests are waiting for the 2 KV slots"):
+        scheduler.submit(second, max_waiting=0)
+    scheduler.submit(second, max_waiting=1)
+    with pytest.raises(QueueFull, match="1 requests are waiting"):
+        scheduler.submit(third, max_waiting=1)
+    assert scheduler.queue().waiting == 1
+    scheduler.wait(first)
+    scheduler.wait(second)
+    scheduler.drain()
+    assert scheduler.queue() == QueueView(2, 0, 0, ())
+
+
+def test_a_budget_beyond_the_context_is_one_error_type(model_dir: Path) -> None:
+    engine = LocalEngine(model_dir)
+    with pytest.raises(ContextExceeded, match="plus 100000 new tokens exceeds the context"):
+        engine.new_generation(PROMPT, 100_000, 1, GREEDY, None)
+    scheduler = engine.prepare(1, 32)
+    with pytest.raises(ContextExceeded, match="exceeds the 32 set up"):
         scheduler.submit(engine.new_generation(PROMPT, 40, 1, GREEDY, None))
 
 

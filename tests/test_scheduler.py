@@ -378,6 +378,26 @@ def test_a_raising_callback_or_a_cancel_does_not_stop_the_loop(model_dir: Path) 
     assert [s.slots_in_use for s in engine.stages] == [0, 0]
 
 
+def test_an_interrupted_wait_cancels_its_request_and_the_loop_frees_it(model_dir: Path) -> None:
+    """Ctrl-C reaches the waiting thread, not the loop: the request is cancelled, its rows
+    are freed, and the scheduler stays usable."""
+    engine = LocalEngine(model_dir, stages=2)
+    scheduler = engine.prepare(2, 128)
+    generation = engine.new_generation(PROMPT, 100, 2, GREEDY, None)
+
+    def interrupted(timeout: Any = None) -> bool:
+        raise KeyboardInterrupt
+
+    generation.wait = interrupted  # type: ignore[method-assign]
+    scheduler.submit(generation)
+    with pytest.raises(KeyboardInterrupt):
+        scheduler.wait(generation)
+    assert generation.cancel_requested
+    scheduler.drain()
+    assert {s.finish_reason for s in generation.samples} == {"cancelled"}
+    assert [s.slots_in_use for s in engine.stages] == [0, 0] and scheduler.usable
+
+
 def test_busy_time_is_counted(engines: Dict[Tuple[int, int], LocalEngine]) -> None:
     engine = engines[(2, 0)]
     scheduler = engine.prepare(4, 64)

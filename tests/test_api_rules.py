@@ -9,13 +9,13 @@ from typing import Any, Dict, List
 
 import pytest
 
-from mdiedge.base.errors import (CheckpointError, ConfigError, FrameError, GenerationError,
-                                  QueueFull, RingError)
+from mdiedge.base.errors import (CheckpointError, ConfigError, ContextExceeded, FrameError,
+                                 GenerationError, QueueFull, RingError)
 from mdiedge.serving.api.chat import DEFAULT_TEMPLATE, ChatTemplate, load_model_template
 from mdiedge.serving.api.errors import ApiError, api_error
 from mdiedge.serving.api.responses import (ChatChunk, ChatCompletion, Choice, Completion,
-                                       CompletionChunk, Usage, finish_reason, sse)
-from mdiedge.serving.api.rules import (authorized, may_join, queue_state, retry_after_s,
+                                           CompletionChunk, Usage, finish_reason, sse)
+from mdiedge.serving.api.rules import (authorized, retry_after_s,
                                    slot_context)
 from mdiedge.serving.api.server import model_name
 from mdiedge.serving.api.schema import ChatMessage, ChatRequest, CompletionRequest, Options
@@ -191,36 +191,16 @@ def test_errors_map_to_status_codes(error: Exception, status: int) -> None:
     assert set(mapped.to_json()["error"]) == {"message", "type", "param", "code"}
 
 
+def test_a_prompt_beyond_the_context_is_a_400_that_says_so() -> None:
+    mapped = api_error(ContextExceeded("prompt of 9 tokens plus 8 new tokens exceeds the 16 "
+                                       "set up on this pipeline"))
+    assert (mapped.status, mapped.code) == (400, "context_length_exceeded")
+
+
 def test_a_429_and_a_503_say_when_to_retry() -> None:
     assert ApiError(429, "full", retry_after=3).headers() == {"Retry-After": "3"}
     assert api_error(RingError("down")).headers()["Retry-After"].isdigit()
     assert ApiError(400, "bad").headers() == {}
-
-
-@pytest.mark.parametrize("waiting, free, n, max_waiting, taken", [
-    (0, 4, 1, 0, True),    # fits the free slots: runs at once, even with no queue
-    (0, 4, 4, 0, True),
-    (0, 3, 4, 0, False),   # does not fit and no queue
-    (0, 0, 1, 2, True),    # waits
-    (1, 4, 1, 2, True),    # others wait ahead: it queues behind them
-    (2, 4, 1, 2, False),   # the queue is full
-])
-def test_a_request_is_taken_or_refused(waiting: int, free: int, n: int, max_waiting: int,
-                                       taken: bool) -> None:
-    assert may_join(waiting, free, n, max_waiting) is taken
-
-
-@pytest.mark.parametrize("sizes, slots, state", [
-    ([], 8, (0, 0)),
-    ([1, 1, 1], 8, (3, 0)),        # requests not yet admitted but fitting do not wait
-    ([4, 4], 8, (8, 0)),
-    ([4, 4, 1], 8, (8, 1)),
-    ([4, 5, 1], 8, (4, 2)),        # first come, first served: 1 waits behind the 5
-    ([9], 8, (0, 1)),
-])
-def test_requests_take_slots_in_the_order_they_came(sizes: List[int], slots: int,
-                                                     state: Any) -> None:
-    assert queue_state(sizes, slots) == state
 
 
 @pytest.mark.parametrize("mean, waiting, slots, seconds", [

@@ -189,9 +189,9 @@ def test_an_error_while_recovering_fails_every_request(split: LocalEngine) -> No
     generation = split.new_generation(PROMPT, 24, 2, GREEDY, None)
     scheduler = Scheduler(FailingPipeline(stages_of(split, 8, 256), [4]),
                           ModelEnds(split.model), rebuild=rebuild)
-    with pytest.raises(OSError):
+    with pytest.raises(RingError, match="No space left on device"):  # the request's error
         scheduler.run(generation)
-    assert not scheduler.usable and isinstance(generation.error, RingError)
+    assert not scheduler.usable and isinstance(scheduler.broken, OSError)
     assert "interrupted while recovering" in str(generation.error)
 
 

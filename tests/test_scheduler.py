@@ -10,11 +10,12 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from mdiedge.base.errors import GenerationError, RingError
+from mdiedge.base.errors import ContextExceeded, GenerationError, QueueFull, RingError
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.engine.local import LocalEngine
 from mdiedge.runtime.generation import Generation
 from mdiedge.runtime.messages import Message
+from mdiedge.runtime.plan import QueueView
 from mdiedge.runtime.scheduler import Scheduler, group_size, prefill_chunks
 
 GREEDY = SamplingParams(temperature=0)
@@ -212,6 +213,38 @@ def test_requests_beyond_the_pipeline_are_refused(model_dir: Path) -> None:
         scheduler.submit(engine.new_generation(PROMPT, 40, 1, GREEDY, None))
 
 
+def test_the_scheduler_decides_whether_a_request_may_queue(model_dir: Path) -> None:
+    """The queue's rule is the scheduler's (the API's 429 asks it): a request that fits the
+    free slots is taken at once, one that does not waits while fewer than ``max_waiting``
+    wait, else QueueFull."""
+    engine = LocalEngine(model_dir)
+    scheduler = engine.prepare(2, 64)
+    first = engine.new_generation(PROMPT, 10, 2, GREEDY, None)
+    second = engine.new_generation(PROMPT, 10, 1, GREEDY, None)
+    third = engine.new_generation(PROMPT, 10, 1, GREEDY, None)
+    scheduler.submit(first, max_waiting=0)  # queued, but it fits: not waiting
+    assert scheduler.queue() == QueueView(2, 0, 0, (2,)) and scheduler.queue().waiting == 0
+    with pytest.raises(QueueFull, match="0 requests are waiting for the 2 KV slots"):
+        scheduler.submit(second, max_waiting=0)
+    scheduler.submit(second, max_waiting=1)
+    with pytest.raises(QueueFull, match="1 requests are waiting"):
+        scheduler.submit(third, max_waiting=1)
+    assert scheduler.queue().waiting == 1
+    scheduler.wait(first)
+    scheduler.wait(second)
+    scheduler.drain()
+    assert scheduler.queue() == QueueView(2, 0, 0, ())
+
+
+def test_a_budget_beyond_the_context_is_one_error_type(model_dir: Path) -> None:
+    engine = LocalEngine(model_dir)
+    with pytest.raises(ContextExceeded, match="plus 100000 new tokens exceeds the context"):
+        engine.new_generation(PROMPT, 100_000, 1, GREEDY, None)
+    scheduler = engine.prepare(1, 32)
+    with pytest.raises(ContextExceeded, match="exceeds the 32 set up"):
+        scheduler.submit(engine.new_generation(PROMPT, 40, 1, GREEDY, None))
+
+
 class _Failing:
     """A stage that fails on its ``fail_at``-th message."""
 
@@ -283,6 +316,86 @@ def test_a_request_that_fails_on_its_own_spares_the_others(model_dir: Path) -> N
     assert scheduler.wait(kept) and [s.tokens for s in kept.samples] == alone
     scheduler.drain()
     assert [s.slots_in_use for s in engine.stages] == [0, 0]
+
+
+# ------------------------------------------------------------------------------ the loop
+
+
+def test_one_loop_thread_samples_every_request(model_dir: Path) -> None:
+    """Requests waited for on threads of their own: every token is sampled (and its
+    callback run) on the scheduler's one loop thread, never on a request's thread."""
+    engine = LocalEngine(model_dir, stages=2)
+    scheduler = engine.prepare(8, 128)
+    seen: Dict[int, set] = {0: set(), 1: set()}
+    waiters: Dict[int, int] = {}
+
+    def on_token(i: int) -> Any:
+        return lambda index, token: seen[i].add(threading.get_ident())
+
+    generations = [engine.new_generation(PROMPT, 12, 2, SAMPLED, on_token(i)) for i in (0, 1)]
+
+    def run(i: int) -> None:
+        waiters[i] = threading.get_ident()
+        scheduler.run(generations[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(g.finished and not g.error for g in generations)
+    assert len(seen[0] | seen[1]) == 1  # one thread sampled both requests
+    assert not (seen[0] | seen[1]) & set(waiters.values())
+    assert threading.get_ident() not in seen[0]
+
+
+def test_a_raising_callback_or_a_cancel_does_not_stop_the_loop(model_dir: Path) -> None:
+    """A token callback that raises fails its own request; a request cancelled from another
+    thread ends; the loop goes on with the others and with requests that come later."""
+    engine = LocalEngine(model_dir, stages=2)
+    alone = tokens(engine.generate(PROMPT, 16, 1, GREEDY))
+    scheduler = engine.prepare(8, 128)
+
+    def raising(index: int, token: int) -> None:
+        raise ValueError("a callback bug")
+
+    failing = engine.new_generation(PROMPT, 16, 1, GREEDY, raising)
+    cancelled = engine.new_generation(PROMPT, 100, 1, GREEDY,
+                                      lambda index, token: cancelled.cancel())
+    kept = engine.new_generation(PROMPT, 16, 1, GREEDY, None)
+    for generation in (failing, cancelled, kept):
+        scheduler.submit(generation)
+    with pytest.raises(GenerationError, match="ValueError: a callback bug"):
+        scheduler.wait(failing)
+    assert scheduler.wait(cancelled) is not None
+    assert cancelled.samples[0].finish_reason == "cancelled"
+    scheduler.wait(kept)
+    assert [s.tokens for s in kept.samples] == alone and scheduler.usable
+    later = engine.new_generation(PROMPT, 16, 1, GREEDY, None)
+    scheduler.run(later)
+    assert [s.tokens for s in later.samples] == alone
+    scheduler.drain()
+    assert [s.slots_in_use for s in engine.stages] == [0, 0]
+
+
+def test_an_interrupted_wait_cancels_its_request_and_the_loop_frees_it(model_dir: Path) -> None:
+    """Ctrl-C reaches the waiting thread, not the loop: the request is cancelled, its rows
+    are freed, and the scheduler stays usable."""
+    engine = LocalEngine(model_dir, stages=2)
+    scheduler = engine.prepare(2, 128)
+    generation = engine.new_generation(PROMPT, 100, 2, GREEDY, None)
+
+    def interrupted(timeout: Any = None) -> bool:
+        raise KeyboardInterrupt
+
+    generation.wait = interrupted  # type: ignore[method-assign]
+    scheduler.submit(generation)
+    with pytest.raises(KeyboardInterrupt):
+        scheduler.wait(generation)
+    assert generation.cancel_requested
+    scheduler.drain()
+    assert {s.finish_reason for s in generation.samples} == {"cancelled"}
+    assert [s.slots_in_use for s in engine.stages] == [0, 0] and scheduler.usable
 
 
 def test_busy_time_is_counted(engines: Dict[Tuple[int, int], LocalEngine]) -> None:

@@ -96,3 +96,9 @@ class ListenError(MdiedgeError, OSError):
         super().__init__(f"cannot listen on {shown}:{port} ({what}): "
                          f"{reason[:1].lower()}{reason[1:]}")
         self.errno = error.errno
+
+
+class ContextExceeded(GenerationError):
+    """A prompt and its token budget do not fit the context they would run in (the model's,
+    a server's slots, a pipeline's): the API's 400 ``context_length_exceeded``, the CLI's
+    one line."""

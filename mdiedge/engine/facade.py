@@ -241,23 +241,27 @@ class Engine(TextModel, abc.ABC):
         so counts of two rings do not subtract."""
         return None
 
-    def submit(self, generation: Generation, micro_batch: int = 0) -> Scheduler:
-        """Queue ``generation`` on a pipeline that holds it; that pipeline's scheduler. Set-up
-        and submission are one step, so no other request's set-up replaces the pipeline
-        between them."""
+    def submit(self, generation: Generation, micro_batch: int = 0,
+               max_waiting: Optional[int] = None) -> Scheduler:
+        """Queue ``generation`` on a pipeline that holds it; that pipeline's scheduler
+        (QueueFull when its queue's rule refuses it; ``max_waiting``: see
+        ``Scheduler.submit``). Set-up and submission are one step, so no other request's
+        set-up replaces the pipeline between them."""
         with self._setup_lock:
             scheduler = self.prepare(max(len(generation.samples), self.reserved[0]),
                                      max(generation.context, self.reserved[1]))
             generation.mark_set_up()
-            scheduler.submit(generation, micro_batch)
+            scheduler.submit(generation, micro_batch, max_waiting)
         return scheduler
 
-    def run(self, generation: Generation, micro_batch: int = 0) -> Timing:
-        """Run ``generation`` to its end; one log line says how it went (INFO when it
-        finished, WARNING when it failed or was interrupted)."""
+    def run(self, generation: Generation, micro_batch: int = 0,
+            submitted: Optional[Scheduler] = None) -> Timing:
+        """Run ``generation`` to its end (``submitted``: the scheduler it was submitted to
+        already); one log line says how it went (INFO when it finished, WARNING when it
+        failed or was interrupted)."""
         request = next(_requests)
         try:
-            scheduler = self.submit(generation, micro_batch)
+            scheduler = submitted or self.submit(generation, micro_batch)
             filled = self.kv_fill_s()  # the pipeline it runs on is set up now
             timing = scheduler.wait(generation)
             if generation.exits is not None:  # the nodes' fill time meanwhile

@@ -7,6 +7,7 @@ a message with.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
@@ -14,7 +15,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..base.errors import GenerationError
+from ..base.errors import ContextExceeded, GenerationError, MdiedgeError
 from ..model.sampling import SamplingParams, sample_generator, sample_rows
 from ..model.stopping import StopMatcher
 
@@ -120,15 +121,26 @@ class ExitCounts:
                 "kv_fill_s": round(self.kv_fill_s, 4)}
 
 
-def check_context(prompt_len: int, max_new_tokens: int, context: int) -> None:
+def check_context(prompt_len: int, max_new_tokens: Optional[int], context: int,
+                  default: int = 0, where: str = "") -> int:
+    """The one check of a prompt's token budget: ``max_new_tokens`` (None: ``default``, cut
+    to what the context leaves), which must be at least 1 and fit ``context`` with the
+    prompt; ``where`` names that context (default: "the context of N tokens"). The budget,
+    or ``ContextExceeded``."""
     if prompt_len == 0:
         raise GenerationError("empty prompt: the model needs at least one token (a BOS id or text)")
+    where = where or f"the context of {context} tokens"
+    if max_new_tokens is None:
+        if prompt_len >= context:
+            raise ContextExceeded(f"prompt of {prompt_len} tokens leaves no room for a new one "
+                                  f"in {where}")
+        return min(default, context - prompt_len)
     if max_new_tokens < 1:
         raise GenerationError(f"token budget must be >= 1, got {max_new_tokens}")
     if prompt_len + max_new_tokens > context:
-        raise GenerationError(
-            f"prompt of {prompt_len} tokens plus {max_new_tokens} new tokens exceeds the "
-            f"context of {context} tokens")
+        raise ContextExceeded(f"prompt of {prompt_len} tokens plus {max_new_tokens} new tokens "
+                              f"exceeds {where}")
+    return max_new_tokens
 
 
 class Generation:
@@ -159,6 +171,7 @@ class Generation:
         self.error: Optional[BaseException] = None  # set when the pipeline failed under it
         self.recoveries: List[Recovery] = []  # lost nodes it lived through
         self.exits: Optional[ExitCounts] = None  # set by a scheduler that exits early
+        self._ended = threading.Event()  # set by the scheduler's loop: nothing left to wait for
 
     @property
     def active(self) -> List[Sample]:
@@ -182,11 +195,48 @@ class Generation:
         """Ask the scheduler to stop this request (its KV rows are freed on every node)."""
         self.cancel_requested = True
 
+    def end(self, reason: str, samples: Optional[Sequence[Sample]] = None) -> None:
+        """End each of ``samples`` (default: all) not ended yet with ``reason`` ("cancelled"
+        or "error"): ending by sampling is ``accept``'s."""
+        for sample in self.samples if samples is None else samples:
+            if not sample.done:
+                sample.finish_reason = reason
+
+    def fail(self, error: BaseException) -> None:
+        """This request failed on its own: it ends with ``error`` (the first one stays) and
+        the scheduler frees its rows as its messages come back; the others go on."""
+        if self.error is None:
+            self.error = error if isinstance(error, MdiedgeError) else \
+                GenerationError(f"{type(error).__name__}: {error}")
+        self.cancel_requested = True
+        self.end("error")
+
+    def release(self, samples: Sequence[Sample]) -> List[Sample]:
+        """How a sample ends, in one place: of ``samples``, live ones are cancelled when the
+        request asked, and those ended but still holding KV rows are marked released (the
+        caller frees their rows, or knows none are held); the timing closes once every sample
+        of the request has ended. The samples released now."""
+        if self.cancel_requested:
+            self.end("cancelled", samples)
+        ended = [s for s in samples if s.done and not s.released]
+        for sample in ended:
+            sample.released = True
+        if ended and all(s.done for s in self.samples):
+            self.finish()
+        return ended
+
+    def wake(self) -> None:
+        """The scheduler's loop is done with this request (or failed): ``wait`` returns."""
+        self._ended.set()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until ``wake`` (at most ``timeout`` s); whether it came."""
+        return self._ended.wait(timeout)
+
     def accept(self, samples: Sequence[Sample], logits: Tensor) -> None:
         """Sample one token for each of ``samples`` from its row of ``logits`` (B, vocab)."""
         if self.cancel_requested:
-            for sample in samples:
-                sample.finish_reason = sample.finish_reason or "cancelled"  # "error" stays
+            self.end("cancelled", samples)  # "error" stays
             return
         tokens = sample_rows(logits, self.params, [s.generator for s in samples])
         now = time.perf_counter()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from ...base.errors import (ConfigError, FrameError, GenerationError, MdiedgeError, QueueFull, RingError,
-                            SlotError, TokenizerError)
+from ...base.errors import (ConfigError, ContextExceeded, FrameError, GenerationError, MdiedgeError,
+                            QueueFull, RingError, SlotError, TokenizerError)
 from ...runtime.control import Conflict
 
 # status -> OpenAI error type
@@ -43,6 +43,8 @@ def api_error(error: BaseException) -> ApiError:
     message = str(error).replace("\n", " ") or type(error).__name__
     if isinstance(error, QueueFull):
         return ApiError(429, message, code="queue_full", retry_after=5)
+    if isinstance(error, ContextExceeded):
+        return ApiError(400, message, code="context_length_exceeded")
     if isinstance(error, (GenerationError, TokenizerError, ConfigError)):
         return ApiError(400, message)
     if isinstance(error, (RingError, Conflict, FrameError, SlotError)):  # the ring, not the request

@@ -1,16 +1,16 @@
-"""The API's decisions as pure functions (no torch, no I/O): a server's fixed sizes, whether a
-request is taken or refused with a 429, how long a refused client should wait, and whether a
-request carries the API key."""
+"""The API's decisions as pure functions (no torch, no I/O): a server's fixed sizes, how long a
+client refused with a 429 should wait, and whether a request carries the API key. Whether a
+request is taken is the scheduler's decision (``mdiedge.runtime.plan.QueueView``)."""
 from __future__ import annotations
 
 import hmac
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Optional
 
 from ...base import defaults
 
-MAX_QUEUE = 64  # the scheduler's own bound on waiting requests (Scheduler max_waiting)
+MAX_QUEUE = 64  # the most requests a server lets wait for KV slots (--max-queue)
 DEFAULT_CONTEXT = 4096  # tokens per slot unless asked: a model's own may be 128k (KV memory)
 HEAD_TIMEOUT_S = 10.0  # a connection's request line and headers arrive within this, or it closes
 BODY_TIMEOUT_S = 30.0  # a request's body arrives within this, or it is a 408
@@ -27,24 +27,6 @@ class ServeLimits:
     max_waiting: int = 32
     max_body: int = 1 << 20
     max_tokens: int = defaults.MAX_NEW_TOKENS
-
-
-def queue_state(sizes: Sequence[int], slots: int) -> Tuple[int, int]:
-    """(KV slots taken, requests waiting) for requests of ``sizes`` samples in the order they
-    came: first come, first served, so once one does not fit, it and all after it wait."""
-    taken = waiting = 0
-    for n in sizes:
-        if waiting or taken + n > slots:
-            waiting += 1
-        else:
-            taken += n
-    return taken, waiting
-
-
-def may_join(waiting: int, free_slots: int, n: int, max_waiting: int) -> bool:
-    """Whether a request of ``n`` samples is taken: at once when it fits the free slots and
-    none waits ahead of it, else when fewer than ``max_waiting`` requests wait."""
-    return (waiting == 0 and n <= free_slots) or waiting < max_waiting
 
 
 def retry_after_s(mean_e2e_s: float, waiting: int, slots: int) -> int:

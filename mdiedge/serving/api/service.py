@@ -3,10 +3,12 @@ scheduler, set up once with a fixed number of KV slots and context (continuous b
 request joins between steps when its samples fit the free slots, else it waits in a bounded
 queue, and beyond that it is refused with a 429 and ``Retry-After``).
 
-Each request's own thread steps the scheduler until that request is done (any number of
-threads may, one steps at a time), so tokens are sampled on whichever thread steps; they reach
-the request's HTTP handler through its own asyncio queue. A handler whose client went away
-cancels its ``Generation``, which frees its KV rows on every node.
+A request is submitted before its handler answers, so the scheduler alone decides whether it
+is taken (its queue's rule; a refusal is the 429) and says what runs and waits (metrics).
+The scheduler's loop thread samples every token; tokens reach the request's HTTP handler
+through its own asyncio queue, while a thread of the service's pool only waits for the
+request's end. A handler whose client went away cancels its ``Generation``, which frees its
+KV rows on every node.
 """
 from __future__ import annotations
 
@@ -17,15 +19,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, List, Optional, Set, Tuple
 
 from ...base import defaults
-from ...base.errors import ConfigError
+from ...base.errors import ConfigError, ContextExceeded, QueueFull
 from ...engine.facade import Engine, Prompt
 from ...model.sampling import SamplingParams
-from ...runtime.generation import Generation
+from ...runtime.generation import Generation, check_context
+from ...runtime.plan import QueueView
 from ...runtime.protocol import NodeStatus
 from .errors import ApiError, api_error
 from .metrics import ApiMetrics
 from .responses import Usage
-from .rules import ServeLimits, may_join, queue_state, retry_after_s, slot_context
+from .rules import ServeLimits, retry_after_s, slot_context
 from .schema import Options
 
 _DONE = object()
@@ -121,30 +124,23 @@ class ApiService:
         self._runs: Set[Run] = set()
         self._lock = threading.Lock()
         self._mean_e2e_s = 1.0
+        self._scheduler: Optional[Any] = None  # the one the last request was submitted to
         self.closed = False
 
     # ----------------------------------------------------------------- state
 
+    def queue(self) -> QueueView:
+        """What the scheduler runs and queues (nothing before the first request)."""
+        scheduler = self._scheduler
+        return scheduler.queue() if scheduler is not None else QueueView(self.limits.slots, 0, 0)
+
     def counts(self) -> Tuple[int, int]:
         """Requests running (holding KV slots) and waiting for them."""
-        with self._lock:
-            runs = list(self._runs)
-            waiting = self._queue()[1]
-        return sum(1 for r in runs if r.admitted), waiting
-
-    def _queue(self) -> Tuple[int, int]:
-        """(KV slots taken, requests waiting) of the requests not yet ended, in the order they
-        came; the caller holds the lock. A request that fits counts as taking its slots
-        before the scheduler admits it: it is not waiting for slots."""
-        sizes = [len(r.generation.samples) for r in sorted(self._runs, key=lambda r: r.arrived)
-                 if r.generation is not None and not (r.admitted and r.generation.settled)]
-        return queue_state(sizes, self.limits.slots)
+        view = self.queue()
+        return view.running, view.waiting
 
     def slots_in_use(self) -> int:
-        with self._lock:
-            runs = list(self._runs)
-        return sum(len(r.generation.samples) for r in runs
-                   if r.admitted and r.generation is not None and not r.generation.settled)
+        return self.queue().in_use
 
     def node_status(self) -> List[NodeStatus]:
         """The starter's and each worker's status (a ring), or this process as one node."""
@@ -175,18 +171,12 @@ class ApiService:
         if not ids:
             raise ApiError(400, "prompt: empty, and the model has no BOS token to start from",
                            "prompt", "invalid_value")
-        budget = options.max_tokens
-        if budget is None and len(ids) >= self.context:
-            raise ApiError(400, f"prompt of {len(ids)} tokens leaves no room for a new one in "
-                           f"the context of {self.context} tokens", "prompt",
-                           "context_length_exceeded")
-        if budget is None:
-            budget = min(self.limits.max_tokens, self.context - len(ids))
-        if budget < 1 or len(ids) + budget > self.context:
-            key = options.max_tokens_key
-            raise ApiError(400, f"prompt of {len(ids)} tokens plus {key} {budget} exceeds "
-                           f"the context of {self.context} tokens", key,
-                           "context_length_exceeded")
+        try:
+            budget = check_context(len(ids), options.max_tokens, self.context,
+                                   self.limits.max_tokens)
+        except ContextExceeded as e:
+            raise ApiError(400, str(e), "prompt" if options.max_tokens is None
+                           else options.max_tokens_key, "context_length_exceeded") from None
         seed = options.seed if options.seed is not None else defaults.random_seed()
         params = SamplingParams(
             defaults.TEMPERATURE if options.temperature is None else options.temperature,
@@ -195,36 +185,47 @@ class ApiService:
         return request, budget, params
 
     async def start(self, prompt: str, options: Options, templated: bool = False) -> Run:
-        """Check and start a request (on its own thread); a 429 when the queue is full."""
+        """Check and submit a request (its end awaited on a thread of its own); a 429 when
+        the scheduler's queue refuses it."""
         loop = asyncio.get_event_loop()
         if self.closed:
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         run = Run(loop, self.metrics, options.stream)
         request, budget, params = await loop.run_in_executor(None, self.plan, prompt, options,
                                                              templated)
+        run._last = [0.0] * options.n
+        try:
+            run.generation = self.engine.new_generation(request, budget, options.n, params,
+                                                        run.on_token, options.stop)
+        except Exception as e:
+            raise api_error(e) from None
         with self._lock:
-            taken, waiting = self._queue()
-            if not may_join(waiting, self.limits.slots - taken, options.n,
-                            self.limits.max_waiting):
-                raise ApiError(429, f"{waiting} requests are waiting for the "
-                               f"{self.limits.slots} KV slots already; try again later",
-                               code="queue_full", retry_after=retry_after_s(
-                                   self._mean_e2e_s, waiting, self.limits.slots))
-            run._last = [0.0] * options.n
-            try:
-                run.generation = self.engine.new_generation(request, budget, options.n, params,
-                                                            run.on_token, options.stop)
-            except Exception as e:
-                raise api_error(e) from None
             self._runs.add(run)
+        try:
+            scheduler = await loop.run_in_executor(None, self._submit, run.generation)
+        except BaseException as e:
+            with self._lock:
+                self._runs.discard(run)
+            raise self._refusal(e) from None
         self.metrics.prompt_tokens.inc(len(request.ids))
-        self.executor.submit(self._work, run)
+        self.executor.submit(self._work, run, scheduler)
         return run
 
-    def _work(self, run: Run) -> None:
+    def _submit(self, generation: Generation) -> Any:
+        scheduler = self._scheduler = self.engine.submit(generation,
+                                                         max_waiting=self.limits.max_waiting)
+        return scheduler
+
+    def _refusal(self, error: BaseException) -> ApiError:
+        if not isinstance(error, QueueFull):
+            return api_error(error)
+        return ApiError(429, str(error), code="queue_full", retry_after=retry_after_s(
+            self._mean_e2e_s, self.queue().waiting, self.limits.slots))
+
+    def _work(self, run: Run, scheduler: Any) -> None:
         error: Optional[BaseException] = None
         try:
-            self.engine.run(run.generation)
+            self.engine.run(run.generation, submitted=scheduler)
         except BaseException as e:  # the handler reports it; the server goes on
             error = e
         finally:

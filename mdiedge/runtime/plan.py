@@ -1,0 +1,286 @@
+"""The scheduler's decisions as pure functions of its state: which requests to admit, how
+their samples group into messages and their prompts into prefill chunks, which decode steps
+travel alone or merged, which samples' KV rows are freed, whether a request may queue, and
+when recovery gives up. No torch, no I/O, no threads: ``mdiedge.runtime.scheduler`` builds
+the state, asks for a plan and carries it out (in the manner of vLLM's ``schedule()`` and
+``update_from_output()``; Kwon et al., "Efficient Memory Management for Large Language Model
+Serving with PagedAttention", SOSP 2023).
+
+Samples are named by their ring-wide ids and groups by the scheduler's keys; a decode part
+carries ``width`` consecutive positions of each of its samples (1 today; several once a
+sample's draft tokens are checked in one step), and only parts of one width share a message.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple, Union
+
+
+# ----------------------------------------------------------------- sizes
+
+
+def group_size(n_samples: int, micro_batch: int, nodes: int, max_rows: int = 0) -> int:
+    """Samples per decode message: ``micro_batch`` if given, else enough groups to keep
+    every node busy; never more rows than one frame may carry (``max_rows``, 0: no limit)."""
+    size = micro_batch if micro_batch > 0 else max(1, math.ceil(n_samples / max(1, nodes)))
+    return max(1, min(size, max_rows)) if max_rows > 0 else size
+
+
+def prefill_chunks(prompt_len: int, chunk: int) -> List[Tuple[int, int]]:
+    """``[start, end)`` of each prefill message of a prompt (``chunk`` 0: one message)."""
+    step = chunk if chunk > 0 else max(1, prompt_len)
+    return [(start, min(start + step, prompt_len)) for start in range(0, prompt_len, step)]
+
+
+def prefill_rows(chunk: int, max_payload: int, row_bytes: int) -> int:
+    """Prompt tokens per prefill message of a ring: ``chunk`` (0: the whole prompt), never
+    more than a frame of ``max_payload`` bytes holds at ``row_bytes`` a token (at least 1)."""
+    rows = max(1, max_payload // max(1, row_bytes))
+    return min(rows, chunk) if chunk > 0 else rows
+
+
+# ----------------------------------------------------------------- the queue
+
+
+def queue_state(sizes: Sequence[int], slots: int) -> Tuple[int, int]:
+    """(KV slots taken, requests waiting) for requests of ``sizes`` samples in the order they
+    came: first come, first served, so once one does not fit, it and all after it wait."""
+    taken = waiting = 0
+    for n in sizes:
+        if waiting or taken + n > slots:
+            waiting += 1
+        else:
+            taken += n
+    return taken, waiting
+
+
+def may_join(waiting: int, free_slots: int, n: int, max_waiting: int) -> bool:
+    """Whether a request of ``n`` samples is taken: at once when it fits the free slots and
+    none waits ahead of it, else when fewer than ``max_waiting`` requests wait."""
+    return (waiting == 0 and n <= free_slots) or waiting < max_waiting
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """What a scheduler holds and queues: ``slots`` KV slots, ``in_use`` held by admitted
+    requests (``running`` of them), and the samples of each request not yet admitted, in
+    order. A queued request that fits the free slots is not waiting: it runs next step."""
+
+    slots: int
+    in_use: int
+    running: int
+    queued: Tuple[int, ...] = ()
+
+    @property
+    def waiting(self) -> int:
+        return queue_state(self.queued, self.slots - self.in_use)[1]
+
+    @property
+    def slots_taken(self) -> int:
+        """Slots held, or about to be by the queued requests that fit."""
+        return self.in_use + queue_state(self.queued, self.slots - self.in_use)[0]
+
+    def takes(self, n: int, max_waiting: int) -> bool:
+        """Whether a request of ``n`` samples may join (see ``may_join``)."""
+        return may_join(self.waiting, self.slots - self.slots_taken, n, max_waiting)
+
+
+# ----------------------------------------------------------------- admission
+
+
+@dataclass(frozen=True)
+class Waiter:
+    """A request not yet admitted: its key, samples, prompt tokens, the micro-batch asked
+    (0: as many groups as nodes) and whether it was cancelled meanwhile."""
+
+    key: int
+    n_samples: int
+    prompt_len: int
+    micro_batch: int = 0
+    cancelled: bool = False
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One prefill message: tokens ``[start, end)`` of sample ``index`` of a request;
+    ``final``: its last, whose result gives the sample's first token."""
+
+    index: int
+    start: int
+    end: int
+    final: bool
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A request admitted: its samples (indices) by group, whether the groups were sized by
+    an explicit micro-batch (their decode steps then travel alone), and its prefill
+    messages in the order they go."""
+
+    key: int
+    groups: Tuple[Tuple[int, ...], ...]
+    fixed: bool
+    chunks: Tuple[Chunk, ...]
+
+
+@dataclass(frozen=True)
+class AdmitPlan:
+    dropped: Tuple[int, ...] = ()  # cancelled while waiting: they end, never admitted
+    admitted: Tuple[Admission, ...] = ()
+
+
+def chunks_of(index: int, length: int, prefill_chunk: int) -> List[Chunk]:
+    """The prefill messages of ``length`` tokens of sample ``index``."""
+    return [Chunk(index, start, end, end == length)
+            for start, end in prefill_chunks(length, prefill_chunk)]
+
+
+def admit(waiting: Sequence[Waiter], free_slots: int, nodes: int, max_rows: int,
+          prefill_chunk: int) -> AdmitPlan:
+    """The requests at the head of ``waiting`` that fit ``free_slots``, first come first
+    served (one that does not fit holds back those behind it), each cut into groups and
+    prefill chunks; a cancelled one at the head is dropped."""
+    dropped: List[int] = []
+    admitted: List[Admission] = []
+    for waiter in waiting:
+        if waiter.cancelled:
+            dropped.append(waiter.key)
+            continue
+        if waiter.n_samples > free_slots:
+            break
+        free_slots -= waiter.n_samples
+        size = group_size(waiter.n_samples, waiter.micro_batch, nodes, max_rows)
+        indices = range(waiter.n_samples)
+        groups = tuple(tuple(indices[i:i + size]) for i in range(0, waiter.n_samples, size))
+        chunks = tuple(c for i in indices for c in chunks_of(i, waiter.prompt_len, prefill_chunk))
+        admitted.append(Admission(waiter.key, groups, waiter.micro_batch > 0, chunks))
+    return AdmitPlan(tuple(dropped), tuple(admitted))
+
+
+# ----------------------------------------------------------------- after a step
+
+
+@dataclass(frozen=True)
+class Row:
+    """A sample of a group whose step came back: ``done`` when it ended (end token, stop,
+    length, cancelled, failed), ``released`` when its rows were freed already."""
+
+    sid: int
+    done: bool = False
+    released: bool = False
+
+
+@dataclass(frozen=True)
+class Back:
+    """A group whose step came back (for a prefill: every member's last chunk)."""
+
+    group: int
+    rows: Tuple[Row, ...]
+    fixed: bool = False
+    width: int = 1  # positions each row computes in its next step
+
+
+@dataclass(frozen=True)
+class Part:
+    """Rows of one group in a decode message, ``width`` positions each."""
+
+    group: int
+    sids: Tuple[int, ...]
+    width: int = 1
+
+
+@dataclass(frozen=True)
+class Release:
+    """Free the rows of ``sids`` (of ``group``) on every node."""
+
+    group: int
+    sids: Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Decode:
+    """One decode message; ``merged``: it counts against the limit of merged messages."""
+
+    parts: Tuple[Part, ...]
+    merged: bool = False
+
+
+Send = Union[Release, Decode]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The messages to send, in order; the groups with no sample left; the parts still
+    waiting to merge; merged messages in flight after the sends."""
+
+    sends: Tuple[Send, ...] = ()
+    retired: Tuple[int, ...] = ()
+    queued: Tuple[Part, ...] = ()
+    merged_in_flight: int = 0
+
+
+def take_merged(queued: Sequence[Part], in_flight: int, limit: int,
+                max_rows: int = 0) -> Tuple[Tuple[Part, ...], Tuple[Part, ...]]:
+    """(the parts of the next merged message, those left waiting): none while ``limit``
+    merged messages are in flight; else the first part and those after it of its width, in
+    order, up to ``max_rows`` rows (0: no limit; a part over it still leaves, alone)."""
+    if not queued or in_flight >= limit:
+        return (), tuple(queued)
+    head = queued[0]
+    taken, rows, left = [head], len(head.sids), list(queued[1:])
+    while left and left[0].width == head.width and (
+            max_rows <= 0 or rows + len(left[0].sids) <= max_rows):
+        rows += len(left[0].sids)
+        taken.append(left.pop(0))
+    return tuple(taken), tuple(left)
+
+
+def after_step(backs: Sequence[Back], queued: Sequence[Part], merged_in_flight: int,
+               limit: int, max_rows: int = 0) -> StepPlan:
+    """What follows groups' steps coming back: each frees its ended samples' rows, then
+    sends its next decode step alone (an explicit micro-batch) or queues it to merge with
+    other requests'; then merged messages leave while fewer than ``limit`` are in flight."""
+    sends: List[Send] = []
+    retired: List[int] = []
+    waiting = list(queued)
+    for back in backs:
+        ended = tuple(r.sid for r in back.rows if r.done and not r.released)
+        if ended:
+            sends.append(Release(back.group, ended))
+        going = tuple(r.sid for r in back.rows if not r.done)
+        if not going:
+            retired.append(back.group)
+        elif back.fixed:
+            sends.append(Decode((Part(back.group, going, back.width),)))
+        else:
+            waiting.append(Part(back.group, going, back.width))
+    while True:
+        taken, rest = take_merged(waiting, merged_in_flight, limit, max_rows)
+        if not taken:
+            break
+        sends.append(Decode(taken, merged=True))
+        waiting, merged_in_flight = list(rest), merged_in_flight + 1
+    return StepPlan(tuple(sends), tuple(retired), tuple(waiting), merged_in_flight)
+
+
+# ----------------------------------------------------------------- recovery
+
+MAX_FRUITLESS_RECOVERIES = 3  # recoveries in a row with no token sampled between them
+MAX_RECOVERIES_PER_REQUEST = 8  # a loss that keeps coming back fails the request
+
+
+def give_up(fruitless: int, most_recoveries: int) -> Optional[str]:
+    """Why recovery stops after a loss (None: it goes on): ``fruitless`` recoveries in a row
+    (this one included) sampled no token, or a request lived through ``most_recoveries``."""
+    if fruitless > MAX_FRUITLESS_RECOVERIES:
+        return f"{MAX_FRUITLESS_RECOVERIES} recoveries in a row sampled no token"
+    if most_recoveries >= MAX_RECOVERIES_PER_REQUEST:
+        return f"a request lived through {MAX_RECOVERIES_PER_REQUEST} recoveries"
+    return None
+
+
+def replay(samples: Sequence[Tuple[int, int]], prefill_chunk: int) -> List[Tuple[int, Chunk]]:
+    """(sid, chunk) of each prefill message that replays ``samples`` ((sid, tokens so far,
+    prompt included)) through a rebuilt pipeline, in order."""
+    return [(sid, c) for sid, length in samples for c in chunks_of(0, length, prefill_chunk)]

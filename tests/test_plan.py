@@ -1,0 +1,176 @@
+"""The scheduler's planning step as tables: admission under the slot limit, grouping into
+micro-batches, prefill chunks, what follows a step (releases, decode steps alone or merged),
+the queue's rule, and when recovery gives up. Pure functions: no model, no threads."""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import pytest
+
+from mdiedge.runtime import plan
+from mdiedge.runtime.plan import (Back, Chunk, Decode, Part, QueueView, Release, Row, Waiter,
+                                  admit, after_step, give_up, queue_state, take_merged)
+
+# ------------------------------------------------------------------------------ admission
+
+
+@pytest.mark.parametrize("sizes, cancelled, free, admitted, dropped", [
+    ([1, 2, 3], [], 8, [0, 1, 2], []),          # all fit
+    ([4, 4, 1], [], 8, [0, 1], []),             # the third waits for rows
+    ([2, 5, 1], [], 6, [0], []),                # first come, first served: 1 waits behind 5
+    ([3], [], 2, [], []),                       # nothing fits
+    ([2, 2], [0], 2, [1], [0]),                 # a cancelled head is dropped, never admitted
+    ([5, 2], [1], 2, [], []),                   # a cancelled one behind a wait stays queued
+    ([], [], 4, [], []),
+])
+def test_admission_under_the_slot_limit(sizes: List[int], cancelled: List[int], free: int,
+                                        admitted: List[int], dropped: List[int]) -> None:
+    waiting = [Waiter(i, n, 3, cancelled=i in cancelled) for i, n in enumerate(sizes)]
+    got = admit(waiting, free, nodes=2, max_rows=0, prefill_chunk=0)
+    assert [a.key for a in got.admitted] == admitted
+    assert list(got.dropped) == dropped
+
+
+@pytest.mark.parametrize("n, micro_batch, nodes, max_rows, groups, fixed", [
+    (4, 0, 2, 0, ((0, 1), (2, 3)), False),           # as many groups as nodes
+    (5, 0, 2, 0, ((0, 1, 2), (3, 4)), False),
+    (5, 0, 3, 0, ((0, 1), (2, 3), (4,)), False),
+    (4, 1, 2, 0, ((0,), (1,), (2,), (3,)), True),    # an explicit micro-batch travels alone
+    (4, 0, 1, 3, ((0, 1, 2), (3,)), False),          # never more rows than a frame carries
+    (1, 0, 4, 0, ((0,),), False),
+])
+def test_samples_group_into_micro_batches(n: int, micro_batch: int, nodes: int, max_rows: int,
+                                          groups: Tuple[Tuple[int, ...], ...], fixed: bool) -> None:
+    got = admit([Waiter(7, n, 2, micro_batch)], 8, nodes, max_rows, 0).admitted[0]
+    assert (got.key, got.groups, got.fixed) == (7, groups, fixed)
+
+
+@pytest.mark.parametrize("n, prompt_len, chunk, want", [
+    (1, 5, 0, [(0, 0, 5, True)]),
+    (1, 5, 2, [(0, 0, 2, False), (0, 2, 4, False), (0, 4, 5, True)]),
+    (2, 3, 2, [(0, 0, 2, False), (0, 2, 3, True), (1, 0, 2, False), (1, 2, 3, True)]),
+    (2, 1, 4, [(0, 0, 1, True), (1, 0, 1, True)]),
+])
+def test_prompts_are_cut_into_prefill_chunks_in_sending_order(
+        n: int, prompt_len: int, chunk: int, want: List[Tuple[int, int, int, bool]]) -> None:
+    got = admit([Waiter(0, n, prompt_len)], 8, 1, 0, chunk).admitted[0].chunks
+    assert got == tuple(Chunk(*c) for c in want)
+
+
+@pytest.mark.parametrize("max_payload, row_bytes, chunk, rows", [
+    (1000, 100, 0, 10), (1000, 100, 4, 4), (1000, 100, 40, 10), (50, 100, 0, 1),
+])
+def test_prefill_rows_fit_a_frame(max_payload: int, row_bytes: int, chunk: int,
+                                  rows: int) -> None:
+    assert plan.prefill_rows(chunk, max_payload, row_bytes) == rows
+
+
+# ------------------------------------------------------------------------------ after a step
+
+
+def back(group: int, rows: str, fixed: bool = False, width: int = 1) -> Back:
+    """A group's rows as letters: ``l`` live, ``d`` done (rows held), ``r`` done and
+    released already; sample ids count from group * 10."""
+    return Back(group, tuple(Row(group * 10 + i, c != "l", c == "r") for i, c in enumerate(rows)),
+                fixed, width)
+
+
+@pytest.mark.parametrize("backs, queued, in_flight, limit, max_rows, sends, retired, left", [
+    # one group decoding alone, nothing ends: its next step merges (limit permitting)
+    ([back(1, "ll")], [], 0, 2, 0, [Decode((Part(1, (10, 11)),), True)], [], []),
+    # a sample ended: its rows are freed before the next step of the others
+    ([back(1, "ld")], [], 0, 2, 0,
+     [Release(1, (11,)), Decode((Part(1, (10,)),), True)], [], []),
+    # every sample ended: a release, and the group retires
+    ([back(1, "dd")], [], 0, 2, 0, [Release(1, (10, 11))], [1], []),
+    # released already (a recovery settled it): nothing to free again
+    ([back(1, "rl")], [], 0, 2, 0, [Decode((Part(1, (11,)),), True)], [], []),
+    # an explicit micro-batch travels alone, never merged
+    ([back(1, "l", fixed=True)], [], 2, 2, 0, [Decode((Part(1, (10,)),))], [], []),
+    # the limit of merged messages is in flight: the step waits to merge
+    ([back(1, "l")], [Part(2, (20,))], 2, 2, 0, [], [], [Part(2, (20,)), Part(1, (10,))]),
+    # two requests' steps leave in one message, in the order they queued
+    ([back(1, "l")], [Part(2, (20,))], 1, 2, 0,
+     [Decode((Part(2, (20,)), Part(1, (10,))), True)], [], []),
+    # up to max_rows rows a message; the rest leave in another while the limit allows
+    ([back(1, "ll"), back(3, "l")], [Part(2, (20,))], 1, 2, 3,
+     [Decode((Part(2, (20,)), Part(1, (10, 11))), True)], [], [Part(3, (30,))]),
+    ([back(1, "ll"), back(3, "l")], [Part(2, (20,))], 0, 3, 3,
+     [Decode((Part(2, (20,)), Part(1, (10, 11))), True), Decode((Part(3, (30,)),), True)],
+     [], []),
+    # rows of several positions (a speculative step) never share a message with single ones
+    ([back(1, "l", width=3)], [Part(2, (20,))], 0, 3, 0,
+     [Decode((Part(2, (20,)),), True), Decode((Part(1, (10,), 3),), True)], [], []),
+    # releases and steps in group order
+    ([back(1, "d", fixed=True), back(2, "ld", fixed=True)], [], 0, 1, 0,
+     [Release(1, (10,)), Release(2, (21,)), Decode((Part(2, (20,)),))], [1], []),
+])
+def test_what_follows_a_step(backs: List[Back], queued: List[Part], in_flight: int, limit: int,
+                             max_rows: int, sends: list, retired: List[int],
+                             left: List[Part]) -> None:
+    got = after_step(backs, queued, in_flight, limit, max_rows)
+    assert list(got.sends) == sends
+    assert list(got.retired) == retired
+    assert list(got.queued) == left
+    assert got.merged_in_flight == in_flight + sum(1 for s in sends
+                                                   if isinstance(s, Decode) and s.merged)
+
+
+@pytest.mark.parametrize("widths, taken", [
+    ([1, 1, 2, 1], 2), ([2, 2, 1], 2), ([3], 1),
+])
+def test_only_rows_of_one_width_merge(widths: List[int], taken: int) -> None:
+    queued = [Part(i, (i,), w) for i, w in enumerate(widths)]
+    got, left = take_merged(queued, 0, 4)
+    assert len(got) == taken and list(got) + list(left) == queued
+
+
+# ------------------------------------------------------------------------------ the queue
+
+
+@pytest.mark.parametrize("slots, in_use, queued, n, max_waiting, takes, waiting", [
+    (8, 0, (), 1, 0, True, 0),          # fits the free slots: runs at once, no queue needed
+    (8, 6, (1,), 1, 0, True, 0),        # queued but fitting is not waiting
+    (8, 6, (1,), 2, 0, False, 0),       # does not fit and no queue
+    (8, 8, (), 1, 2, True, 0),          # waits
+    (8, 8, (1,), 1, 2, True, 1),        # others wait ahead: it queues behind them
+    (8, 8, (1, 1), 1, 2, False, 2),     # the queue is full
+    (8, 4, (5, 1), 1, 3, True, 2),      # first come, first served: the 1 waits behind the 5
+])
+def test_the_queue_takes_or_refuses(slots: int, in_use: int, queued: Tuple[int, ...], n: int,
+                                    max_waiting: int, takes: bool, waiting: int) -> None:
+    view = QueueView(slots, in_use, 1, queued)
+    assert view.waiting == waiting
+    assert view.takes(n, max_waiting) is takes
+
+
+@pytest.mark.parametrize("sizes, slots, state", [
+    ([], 8, (0, 0)), ([1, 1, 1], 8, (3, 0)), ([4, 4], 8, (8, 0)), ([4, 4, 1], 8, (8, 1)),
+    ([4, 5, 1], 8, (4, 2)), ([9], 8, (0, 1)),
+])
+def test_requests_take_slots_in_the_order_they_came(sizes: List[int], slots: int,
+                                                     state: Tuple[int, int]) -> None:
+    assert queue_state(sizes, slots) == state
+
+
+# ------------------------------------------------------------------------------ recovery
+
+
+@pytest.mark.parametrize("fruitless, most, why", [
+    (1, 0, None), (3, 7, None),
+    (4, 0, "3 recoveries in a row sampled no token"),
+    (1, 8, "a request lived through 8 recoveries"),
+])
+def test_when_recovery_gives_up(fruitless: int, most: int, why: Optional[str]) -> None:
+    assert give_up(fruitless, most) == why
+
+
+@pytest.mark.parametrize("samples, chunk, want", [
+    ([(5, 3)], 0, [(5, 0, 3, True)]),
+    ([(5, 3), (6, 4)], 2, [(5, 0, 2, False), (5, 2, 3, True), (6, 0, 2, False),
+                           (6, 2, 4, True)]),
+])
+def test_a_replay_prefills_each_live_sample_again(samples: Sequence[Tuple[int, int]], chunk: int,
+                                                  want: List[Tuple[int, int, int, bool]]) -> None:
+    got = plan.replay(samples, chunk)
+    assert [(sid, c.start, c.end, c.final) for sid, c in got] == want

@@ -12,12 +12,13 @@ and knows a sample only by its tokens so far (prompt and output):
 - ``mdiedge.runtime.draftmodel.DraftModelDrafter``: a small model that shares the
   tokenizer, with its own KV slots (``draft:PATH``).
 
-``drafter_for`` makes one from the ``--speculate`` spelling.
+``parse_speculate`` reads the ``--speculate`` spelling (``mdiedge.runtime.speculation.drafter_for``
+makes the drafter).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 from torch import Tensor
 
@@ -106,16 +107,3 @@ def parse_speculate(spec: str) -> Tuple[str, str]:
     if kind == "draft" and arg:
         return kind, arg
     raise ConfigError(f"speculate {spec!r}: expected ngram, ngram:N (1..16) or draft:PATH")
-
-
-def drafter_for(spec: str, target_cfg: Any, n_slots: int, context: int,
-                params: Any, device: str = "cpu") -> Drafter:
-    """The drafter ``spec`` names (``parse_speculate``), for a target model of config
-    ``target_cfg`` run with ``n_slots`` samples of ``context`` tokens and sampling
-    ``params``."""
-    kind, arg = parse_speculate(spec)
-    if kind == "ngram":
-        return NgramDrafter(max_n=int(arg) if arg else 3)
-    from .draftmodel import DraftModelDrafter
-
-    return DraftModelDrafter.load(arg, target_cfg, n_slots, context, params, device)

@@ -18,11 +18,12 @@ When no k pays, speculation is off for the sample (k = 0) and retried with k = 1
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .drafting import Drafter, Proposal
+from .draftmodel import DraftModelDrafter
+from .drafting import Drafter, NgramDrafter, Proposal, parse_speculate
 from ..base import defaults
 from ..base.errors import GenerationError
 from ..model.sampling import SamplingParams
@@ -164,3 +165,14 @@ class Speculation:
         """Forget the sample here and in the drafter."""
         self.rounds.pop(sample_id, None)
         self.drafter.release(sample_id)
+
+
+def drafter_for(spec: str, target_cfg: Any, n_slots: int, context: int,
+                params: Any, device: str = "cpu") -> Drafter:
+    """The drafter ``spec`` names (``parse_speculate``), for a target model of config
+    ``target_cfg`` run with ``n_slots`` samples of ``context`` tokens and sampling
+    ``params``."""
+    kind, arg = parse_speculate(spec)
+    if kind == "ngram":
+        return NgramDrafter(max_n=int(arg) if arg else 3)
+    return DraftModelDrafter.load(arg, target_cfg, n_slots, context, params, device)

@@ -108,6 +108,22 @@ def test_several_positions_of_a_sample_in_one_step_equal_one_at_a_time(
         assert_close(together, one_by_one, model_path_length(CFG))
 
 
+@pytest.mark.parametrize("impl", STEPS, ids=[m.__name__ for m in STEPS])
+def test_several_positions_go_through_the_compiled_step(impl: ModuleType,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verification of up to the step's rows is one call of the step, as a decode is."""
+    calls: List[int] = []
+    step = preferred(impl)
+
+    def blocks(plan: Any, x: torch.Tensor, *args: Any) -> None:
+        calls.append(x.shape[0])
+        impl.blocks(plan, x, *args)
+
+    step.blocks = blocks
+    stage_steps(step, monkeypatch, [4, 4])
+    assert calls == [5, 4, 4]  # the prompt of 5 too: as few rows as the step takes
+
+
 @pytest.mark.parametrize("step", [TorchPath] + [preferred(m) for m in STEPS],
                          ids=["torch"] + [m.__name__ for m in STEPS])
 def test_a_rewound_step_overwrites_the_dead_rows(step: Any,

@@ -178,3 +178,15 @@ def test_speculative_greedy_decoding_equals_plain_decoding(stages: int, spec: st
     assert getattr(drafter, "samples") == 0
     if isinstance(drafter, DraftModelDrafter):
         assert drafter.slots.in_use == 0
+
+
+def test_a_seed_gives_the_same_speculative_text_on_1_and_3_stages(prompt_ids: List[int]) -> None:
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=11)
+    texts = []
+    for stages in (1, 3):
+        pipeline, ends = build(NANOLLAMA, stages)
+        speculation = Speculation(drafter_for(f"draft:{DRAFT}", ends.model.cfg, 1, 512, params),
+                                  params)
+        texts.append(decode(pipeline, ends, prompt_ids, 40, params, speculation).tokens)
+        assert speculation.stats.accepted > 0
+    assert texts[0] == texts[1]

@@ -406,7 +406,7 @@ def test_every_dim_is_bounded_even_with_no_elements(impl: ModuleType, dims: Tupl
 @pytest.mark.parametrize("kwargs,message", [
     (dict(msg_type=9), "unknown msg_type 9"),
     (dict(msg_type=-1), "msg_type -1 outside 0..255"),
-    (dict(flags=0x10), "reserved bits set in flags 0x10"),
+    (dict(flags=0x20), "reserved bits set in flags 0x20"),
     (dict(flags=6), "unknown codec 3 in flags 0x06"),
     (dict(flags=4, dtype=2), "codec int8 with dtype code 2"),
     (dict(dtype=7), "unknown dtype code 7"),

@@ -139,7 +139,7 @@ def test_common_head_sizes_match_the_torch_path(
 
 def test_the_model_decodes_through_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """A dense fused model's decode runs its blocks in one call of the step per step; its
-    prefill does not call it. The head of every step, prefill's last position too, is one
+    prefill, of more positions than the step's rows, does not call it. The head of every step, prefill's last position too, is one
     call of ``logits``."""
     calls: List[int] = []
     heads: List[int] = []
@@ -162,7 +162,8 @@ def test_the_model_decodes_through_the_step(monkeypatch: pytest.MonkeyPatch) -> 
             heads.append(x.shape[0])
             compiled.logits(norm, eps, head, x, *args)
 
-    prompts = torch.randint(0, CFG.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
+    prompts = torch.randint(0, CFG.vocab_size, (2, compiled.MAX_ROWS + 1),
+                            generator=torch.Generator().manual_seed(3))
     decode(model(), Counting, monkeypatch, prompts, [0, 0], 4)
     assert calls == [CFG.n_layers] * 4
     assert heads == [1, 1] + [2] * 4

@@ -140,8 +140,8 @@ class Transformer(nn.Module):
             return x
         if self.n_slots == 0:
             return self._run_blocks_uncached(x)
-        if (_step.PREFERRED and x.shape[1] == 1 and x.shape[0] <= _step.MAX_ROWS
-                and x.device.type == "cpu"):
+        if (_step.PREFERRED and x.shape[0] * x.shape[1] <= _step.MAX_ROWS
+                and x.device.type == "cpu" and (exit_step is None or x.shape[1] == 1)):
             stepped = self._step_blocks(x, slots, positions, exit_step)
             if stepped is not None:
                 return stepped
@@ -159,21 +159,27 @@ class Transformer(nn.Module):
 
     def _step_blocks(self, x: Tensor, slots: Tensor, positions: Sequence[int],
                      exit_step: Optional[ExitStep]) -> Optional[Tensor]:
-        """Decode (one token per row, x (B, 1, dim)) through the compiled step: every block
-        in one call, or, with ``exit_step``, the blocks between two checked ones in one call,
-        each checked block in its own, and early exit as in ``run_blocks``. None, before
+        """Decode (few tokens, x (B, T, dim), B x T at most the step's rows) through the
+        compiled step: every block in one call, or, with ``exit_step`` (T = 1), the blocks
+        between two checked ones in one call, each checked block in its own, and early exit
+        as in ``run_blocks``. Several positions of a row are rows of the step in the same
+        slot at consecutive positions: each writes its keys and values before any attends,
+        and attends up to its own position, so they see each other causally. None, before
         anything runs, where the step does not apply to every block."""
         weights = self._step_weights()
-        rows = x.reshape(x.shape[0], x.shape[2])  # (B, dim)
+        batch, seq_len, dim = x.shape
+        rows = x.reshape(batch * seq_len, dim)  # (B*T, dim)
         if not weights or not _step.usable(weights[0], rows):
             return None
-        if max(positions) + 1 > self.max_seq_len:
-            raise ValueError(f"position {max(positions) + 1} beyond the KV cache "
+        if max(positions) + seq_len > self.max_seq_len:
+            raise ValueError(f"position {max(positions) + seq_len} beyond the KV cache "
                              f"length {self.max_seq_len}")
-        run = functools.partial(self._step_run, slots=slots.tolist(), positions=positions,
+        slot_list = [s for s in slots.tolist() for _ in range(seq_len)]
+        row_positions = [p + t for p in positions for t in range(seq_len)]
+        run = functools.partial(self._step_run, slots=slot_list, positions=row_positions,
                                 threads=torch.get_num_threads())
         if exit_step is None:
-            return run(0, len(weights), rows)[:, None]
+            return run(0, len(weights), rows).view(batch, seq_len, dim)
         indices = [int(i) for i in self.layers]
         start = 0
         for n, index in enumerate(indices):

@@ -3,7 +3,7 @@
 Each check (at a request boundary, once the ring has handled ``MIN_MESSAGES`` more messages)
 measures every node's compute time per block over the messages since the last check (every
 node sees the same messages). A check finds the ring out of balance when the slowest node's
-time per block is more than a margin above the mean (``runtime.partition.balanced_weights``);
+time per block is more than a margin above the mean (``placement.partition.balanced_weights``);
 only after ``SUSTAINED_CHECKS`` such checks in a row do the layers move, so one skewed
 measurement (a co-located node's threads contending for a moment) moves nothing, and the
 speeds they move by are each node's median over those checks. The new split aims at

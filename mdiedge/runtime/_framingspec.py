@@ -12,8 +12,9 @@ offset type    field
 4      u8      version (3: ndim a u8, exit_depth, the eligible bit of positions)
 5      u8      msg_type: ACTIVATION 1, RELEASE 2, PING 3, SHUTDOWN 5 (4 is reserved)
 6      u8      flags: bit 0 PREFILL, bits 1-2 the payload's codec (0 none, 1 fp16, 2 int8;
-               ``mdiedge.base.codecs``; not 0 only with dtype float32), bit 3 SEALED, the
-               others reserved (0)
+               ``mdiedge.base.codecs``; not 0 only with dtype float32), bit 3 SEALED, bit 4
+               REWIND (a decode step may start before its KV fill: speculative decoding
+               drops the rows past what the model kept), the others reserved (0)
 7      u8      dtype code, a key of ``ITEMSIZE`` (``mdiedge.base.dtypes``)
 8      u16     n_samples B (at most MAX_SAMPLES)
 10     u8      ndim (at most MAX_NDIM; 0 means the frame carries no tensor)
@@ -77,7 +78,8 @@ MSG_NAMES = {ACTIVATION: "ACTIVATION", RELEASE: "RELEASE", PING: "PING", SHUTDOW
 FLAG_PREFILL = 0x01
 CODEC_SHIFT, FLAG_CODEC = 1, 0x06  # the codec field of flags
 FLAG_SEALED = 0x08  # the payload is encrypted and a TAG_SIZE-byte tag follows it
-FLAGS_KNOWN = FLAG_PREFILL | FLAG_CODEC | FLAG_SEALED
+FLAG_REWIND = 0x10  # rows may start at or before their KV fill (``runtime.slots``)
+FLAGS_KNOWN = FLAG_PREFILL | FLAG_CODEC | FLAG_SEALED | FLAG_REWIND
 TAG_SIZE = 16
 FLOAT32 = 0  # the only dtype code a codec other than none applies to
 

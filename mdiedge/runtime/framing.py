@@ -39,6 +39,7 @@ from ..base import dtypes
 from ..base.codecs import NONE, encoded_size
 from ..base.accel import select
 from ..base.errors import FrameError
+from ._framingspec import FLAG_REWIND  # noqa: F401  (both implementations read the spec's)
 
 _impl: ModuleType = select("framing")
 _codec_impl: ModuleType = select("codec")

@@ -37,6 +37,9 @@ class Message:
     # per row, eligible to exit in this step (sticky: once eligible, eligible for the
     # blocks after it, on this node and the next); empty: no row is
     eligible: List[bool] = field(default_factory=list)
+    # decode only: rows may start at or before their KV fill, the rows past their start
+    # dead (speculative decoding: a verification wrote more positions than the model kept)
+    rewind: bool = False
 
     @property
     def tokens(self) -> int:
@@ -48,7 +51,7 @@ class Message:
     def reply(self, hidden: Optional[torch.Tensor]) -> "Message":
         """The same rows, carrying ``hidden``."""
         return Message(self.kind, self.sample_ids, self.positions, hidden, self.prefill, self.seq,
-                       self.exit_depth, self.eligible)
+                       self.exit_depth, self.eligible, self.rewind)
 
 
 def send(sock: Any, message: Message, codecs: Compression = NO_COMPRESSION,
@@ -60,7 +63,8 @@ def send(sock: Any, message: Message, codecs: Compression = NO_COMPRESSION,
         return framing.send_control(sock, message.kind, message.sample_ids, message.positions,
                                     seq=message.seq, exit_depth=message.exit_depth,
                                     eligible=message.eligible, sealer=sealer)
-    flags = framing.FLAG_PREFILL if message.prefill else 0
+    flags = (framing.FLAG_PREFILL if message.prefill else 0) | \
+        (framing.FLAG_REWIND if message.rewind else 0)
     return framing.send_tensor(sock, message.kind, message.sample_ids, message.positions,
                                message.hidden, flags=flags, seq=message.seq,
                                codec=codecs.code(message.prefill),
@@ -82,7 +86,8 @@ def receive(source: Any, max_payload: int, codecs: Compression = NO_COMPRESSION,
                          f"{CODEC_NAMES[codec]} on a link that agreed on {codecs}")
     eligible = list(header.eligible) if any(header.eligible) else []
     message = Message(header.msg_type, list(header.sample_ids), list(header.positions), tensor,
-                      prefill, header.seq, header.exit_depth, eligible)
+                      prefill, header.seq, header.exit_depth, eligible,
+                      bool(header.flags & framing.FLAG_REWIND))
     return message, framing.frame_bytes(header)
 
 

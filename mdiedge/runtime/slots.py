@@ -6,7 +6,10 @@ lowest free one, so every operation but ``clear``/``assignments`` costs O(log n_
 
 Each slot knows how many positions of its KV rows are filled: a step must start there
 (``advance``), so a stale or forged step (a decode at position 50 of a sample with 3 tokens
-in its cache) is refused rather than run against KV rows that do not hold its past.
+in its cache) is refused rather than run against KV rows that do not hold its past. The one
+way back is explicit: a step marked ``rewind`` (speculative decoding, after the model kept
+fewer drafted tokens than a verification wrote) may start at or before the filled length;
+the rows past its start are dead and it overwrites them.
 """
 from __future__ import annotations
 
@@ -81,14 +84,15 @@ class SlotTable:
         return self._filled[sample_id]
 
     def advance(self, sample_ids: Sequence[int], positions: Sequence[int], tokens: int,
-                restart: bool = False) -> None:
+                restart: bool = False, rewind: bool = False) -> None:
         """Record a step of ``tokens`` tokens for each sample (all holding slots) from its
         position; a SlotError, recording nothing, unless every position is its slot's filled
         length. ``restart``: a position 0 starts the sample's rows over (a prefill, or its
-        replay after a recovery)."""
+        replay after a recovery). ``rewind``: a position may also be below the filled
+        length (a verification kept fewer tokens than it wrote); the fill goes back to it."""
         for sample_id, position in zip(sample_ids, positions):
             done = 0 if restart and position == 0 else self.filled(sample_id)
-            if position != done:
+            if position != done and not (rewind and 0 <= position < done):
                 raise SlotError(f"sample {sample_id} at position {position} does not follow "
                                 f"its KV cache ({done} positions filled): a stale or forged "
                                 f"step")

@@ -49,9 +49,11 @@ class LocalStage:
     """Blocks of one in-process model chunk, for ``n_slots`` samples of ``context`` tokens.
 
     ``trim_prefill``: the last stage before the head returns only the last position of a
-    prefill chunk (the head needs no more). ``exit_policy``: decode steps may exit early
-    after any of its blocks (``mdiedge.model.exits``); a step that exited on an earlier node
-    only fills this stage's KV and passes on."""
+    prefill chunk (the head needs no more). A decode step may carry several consecutive
+    positions per sample (speculative decoding verifies drafted tokens so) and returns them
+    all. ``exit_policy``: one-position decode steps may exit early after any of its blocks
+    (``mdiedge.model.exits``); a step that exited on an earlier node only fills this
+    stage's KV and passes on."""
 
     def __init__(self, model: Any, n_slots: int, context: int, trim_prefill: bool = False,
                  exit_policy: Optional[ExitPolicy] = None) -> None:
@@ -93,7 +95,7 @@ class LocalStage:
         if x.device != self.device or x.dtype != self.dtype:
             x = x.to(device=self.device, dtype=self.dtype)
         slots, positions = torch.tensor(rows, device=self.device), list(message.positions)
-        if self.exit_policy is not None and not message.prefill:
+        if self.exit_policy is not None and not message.prefill and x.shape[1] == 1:
             return self._run_exiting(message, x, slots, positions)
         if message.exit_depth:
             raise RingError(f"layers {self.layers}: a step exited after block "
@@ -139,14 +141,16 @@ class LocalStage:
     def _rows(self, message: Message) -> List[int]:
         """KV rows of the message's samples: a prefill at position 0 takes a free row (or
         starts its own over). Each row's position must follow its KV cache's filled length
-        (a RingError otherwise: a stale or forged step), which the step then extends."""
+        (a RingError otherwise: a stale or forged step), which the step then extends; a
+        decode step marked ``rewind`` may also start before it, overwriting the rows past."""
         slots = self.slots
         assert message.hidden is not None
         try:
             rows = [slots.get_or_allocate(i) if message.prefill and p == 0 else slots.slot_of(i)
                     for i, p in zip(message.sample_ids, message.positions)]
             slots.advance(message.sample_ids, message.positions, message.hidden.shape[1],
-                          restart=message.prefill)
+                          restart=message.prefill,
+                          rewind=message.rewind and not message.prefill)
             return rows
         except Exception as e:  # SlotError: unknown sample, every row taken, a stale step
             raise RingError(f"layers {self.layers}: {e}") from None

@@ -1,0 +1,102 @@
+"""Verifying drafted tokens: which of them the model keeps, and the token after them.
+
+A drafter proposes tokens d_1..d_k after a sample's text; one step of the model scores the
+sample's last token and the k drafts together, giving its logits at k + 1 positions (row i:
+the distribution of the token after d_i; row 0 that after the last accepted token).
+
+Greedy: keep the longest prefix of the drafts equal to the model's argmax at each position,
+then the model's argmax after it, so the output is the one plain greedy decoding makes.
+
+Sampling: the speculative sampling rule (Leviathan, Kalman and Matias 2023, "Fast Inference
+from Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language
+Model Decoding with Speculative Sampling"): with p the model's and q the drafter's
+distribution at a position, both after the sampling transforms (temperature, top-k, top-p of
+``mdiedge.model.sampling``), a drafted token x is kept with probability min(1, p(x) / q(x));
+at the first rejection the token is drawn from normalize(max(0, p - q)) and the rest is
+dropped; if every draft is kept, one more token is drawn from p at the last position. Each
+emitted token is then distributed exactly as the model's own sampling would draw it. A
+drafter without probabilities (prompt lookup) proposes with q one-hot on its token. Draws come
+from the sample's own generator, so a seed gives the same tokens every run.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .sampling import SamplingParams, filter_logits
+
+
+def greedy_accept(drafts: Sequence[int], argmaxes: Sequence[int]) -> List[int]:
+    """The tokens greedy decoding emits from one verification: the drafts up to the first
+    that differs from the model's argmax at its position, then the model's argmax there.
+    ``argmaxes`` holds len(drafts) + 1 tokens, the model's choice at each position."""
+    if len(argmaxes) != len(drafts) + 1:
+        raise ValueError(f"{len(argmaxes)} model tokens for {len(drafts)} drafts: needs "
+                         f"{len(drafts) + 1}")
+    out: List[int] = []
+    for drafted, chosen in zip(drafts, argmaxes):
+        if drafted != chosen:
+            break
+        out.append(int(drafted))
+    out.append(int(argmaxes[len(out)]))
+    return out
+
+
+def distributions(logits: Tensor, params: SamplingParams) -> Tensor:
+    """Rows of ``logits`` (T, vocab) as the probabilities sampling draws from: softmax after
+    temperature, top-k and top-p (fp32, on the CPU)."""
+    rows = logits.detach().float().cpu()
+    return torch.stack([torch.softmax(filter_logits(row, params), dim=-1) for row in rows])
+
+
+def sampled_accept(drafts: Sequence[int], p: Tensor, q: Optional[Tensor],
+                   generator: torch.Generator) -> List[int]:
+    """The tokens one verification emits under the speculative sampling rule.
+
+    ``p``: the model's distributions (len(drafts) + 1, vocab); ``q``: the drafter's at the
+    drafted positions (len(drafts), vocab), or None for one-hot proposals. Between 1 and
+    len(drafts) + 1 tokens."""
+    k = len(drafts)
+    if p.dim() != 2 or p.shape[0] != k + 1:
+        raise ValueError(f"model distributions {tuple(p.shape)} for {k} drafts: needs "
+                         f"({k + 1}, vocab)")
+    if q is not None and tuple(q.shape) != (k, p.shape[1]):
+        raise ValueError(f"draft distributions {tuple(q.shape)} for {k} drafts of a "
+                         f"vocabulary of {p.shape[1]}")
+    out: List[int] = []
+    for i, drafted in enumerate(drafts):
+        x = int(drafted)
+        q_row = q[i] if q is not None else _one_hot(x, p.shape[1])
+        ratio = float(p[i, x]) / float(q_row[x]) if float(q_row[x]) > 0 else 0.0
+        if float(torch.rand(1, generator=generator)) < min(1.0, ratio):
+            out.append(x)
+            continue
+        out.append(_draw(torch.clamp(p[i] - q_row, min=0.0), p[i], generator))
+        return out
+    out.append(_draw(p[k], p[k], generator))
+    return out
+
+
+def accept(drafts: Sequence[int], logits: Tensor, q: Optional[Tensor],
+           params: SamplingParams, generator: torch.Generator) -> List[int]:
+    """The tokens a verification emits: greedy or sampled as ``params`` say. ``logits``: the
+    model's raw logits at the len(drafts) + 1 positions (T, vocab)."""
+    if params.greedy:
+        return greedy_accept(drafts, logits.argmax(dim=-1).tolist())
+    return sampled_accept(drafts, distributions(logits, params), q, generator)
+
+
+def _one_hot(token: int, vocab: int) -> Tensor:
+    row = torch.zeros(vocab)
+    row[token] = 1.0
+    return row
+
+
+def _draw(weights: Tensor, fallback: Tensor, generator: torch.Generator) -> int:
+    """One token drawn in proportion to ``weights``; from ``fallback`` where they sum to 0
+    (p equal to q: a rejection there has probability 0, rounding aside)."""
+    if float(weights.sum()) <= 0.0:
+        weights = fallback
+    return int(torch.multinomial(weights, 1, generator=generator))

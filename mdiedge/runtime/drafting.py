@@ -1,0 +1,109 @@
+"""Drafters: cheap proposals of a sample's next tokens, for the model to verify in one step.
+
+Speculative decoding (Leviathan et al. 2023; Chen et al. 2023) sends a sample's last token
+and k proposed tokens around the ring as k + 1 positions of one message; the model keeps the
+longest prefix it agrees with (``mdiedge.model.speculative``). A drafter runs on the starter
+and knows a sample only by its tokens so far (prompt and output):
+
+- ``NgramDrafter``: prompt lookup (Saxena 2023, "Prompt Lookup Decoding"; the n-gram
+  drafter of llama.cpp's lookup and vLLM): the sample's last n tokens found earlier in its
+  own text propose what followed them there. No model; its only state is an index of the
+  sample's own n-grams.
+- ``mdiedge.runtime.draftmodel.DraftModelDrafter``: a small model that shares the
+  tokenizer, with its own KV slots (``draft:PATH``).
+
+``parse_speculate`` reads the ``--speculate`` spelling (``mdiedge.runtime.speculation.drafter_for``
+makes the drafter).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+
+from torch import Tensor
+
+from ..base.errors import ConfigError
+
+
+@dataclass
+class Proposal:
+    """Drafted tokens, and the drafter's distributions they were drawn from (len(tokens),
+    vocab) after the sampling transforms; None: each proposal is certain (one-hot)."""
+
+    tokens: List[int] = field(default_factory=list)
+    q: Optional[Tensor] = None
+
+
+class Drafter(Protocol):
+    """What the scheduler asks of a drafter, per sample (its ring-wide id)."""
+
+    def propose(self, sample_id: int, tokens: Sequence[int], k: int) -> Proposal:
+        """Up to ``k`` tokens to follow ``tokens`` (the sample's prompt and output so far);
+        fewer, or none, where the drafter has nothing."""
+        ...
+
+    def release(self, sample_id: int) -> None:
+        """Forget the sample (finished or cancelled): nothing of it stays behind."""
+        ...
+
+
+@dataclass
+class _Index:
+    """A sample's n-grams: each n-gram's latest end (the index after its last token) among
+    those ending before the sample's last token, for n in ``sizes``."""
+
+    done: int = 0  # n-grams ending at or before this index are in ``ends``
+    ends: Dict[Tuple[int, ...], int] = field(default_factory=dict)
+
+
+class NgramDrafter:
+    """Prompt lookup: the longest of the sample's last ``max_n`` .. ``min_n`` tokens that
+    occurs earlier in its text, at its latest earlier occurrence, proposes the tokens that
+    followed it there (at most up to the end of the text)."""
+
+    def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ConfigError(f"n-gram sizes {min_n}..{max_n}: need 1 <= min <= max")
+        self.max_n, self.min_n = max_n, min_n
+        self._index: Dict[int, _Index] = {}
+
+    def propose(self, sample_id: int, tokens: Sequence[int], k: int) -> Proposal:
+        if k <= 0 or len(tokens) < 2:
+            return Proposal()
+        index = self._indexed(sample_id, tokens)
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            end = index.ends.get(tuple(tokens[-n:]))
+            if end is not None:
+                return Proposal([int(t) for t in tokens[end:end + k]])
+        return Proposal()
+
+    def _indexed(self, sample_id: int, tokens: Sequence[int]) -> _Index:
+        """The sample's index brought up to its n-grams ending before its last token (made
+        anew when the text is shorter than what was indexed: a sample id reused)."""
+        index = self._index.get(sample_id)
+        if index is None or index.done > len(tokens) - 1:
+            index = self._index[sample_id] = _Index()
+        for end in range(index.done + 1, len(tokens)):  # n-grams ending at tokens[end - 1]
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                index.ends[tuple(tokens[end - n:end])] = end
+        index.done = max(index.done, len(tokens) - 1)
+        return index
+
+    def release(self, sample_id: int) -> None:
+        self._index.pop(sample_id, None)
+
+    @property
+    def samples(self) -> int:
+        """Samples with state here (tests: a released sample leaves nothing)."""
+        return len(self._index)
+
+
+def parse_speculate(spec: str) -> Tuple[str, str]:
+    """``ngram``, ``ngram:N`` (longest n-gram N) or ``draft:PATH`` as (kind, argument); a
+    ConfigError quoting anything else."""
+    kind, _, arg = spec.partition(":")
+    if kind == "ngram" and (not arg or arg.isdigit() and 1 <= int(arg) <= 16):
+        return kind, arg
+    if kind == "draft" and arg:
+        return kind, arg
+    raise ConfigError(f"speculate {spec!r}: expected ngram, ngram:N (1..16) or draft:PATH")

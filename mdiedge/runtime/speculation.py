@@ -1,0 +1,178 @@
+"""Speculative decoding per sample: how many tokens to draft, what a step feeds, what it keeps.
+
+A sample's step feeds its last token and k drafted tokens (``mdiedge.runtime.drafting``) as
+k + 1 consecutive positions of one decode message, marked ``rewind`` since the KV rows a
+verification wrote past the tokens the model kept are dead (``mdiedge.runtime.slots``); the
+head scores every position and ``settle`` keeps the tokens ``mdiedge.model.speculative``
+accepts (1 to k + 1 of them). The scheduler calls ``Speculation.draft`` before a sample's
+step and ``Speculation.settle`` after it, and ``release`` when the sample ends.
+
+Adaptive k (``choose_k``, a pure function): the acceptance rate a of a sample's recent
+verifications (the maximum-likelihood estimate under the usual geometric model, each draft
+accepted with probability a given the ones before it, with a prior) gives the expected
+tokens of a step drafting k, (1 - a^(k+1)) / (1 - a) (Leviathan et al. 2023, section 3.4);
+each verified row costs ``row_cost`` of a one-row step, and k maximises tokens per cost.
+When no k pays, speculation is off for the sample (k = 0) and retried with k = 1 after
+``retry_after`` plain steps; steps where the drafter had nothing are no evidence either way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .draftmodel import DraftModelDrafter
+from .drafting import Drafter, NgramDrafter, Proposal, parse_speculate
+from ..base import defaults
+from ..base.errors import GenerationError
+from ..model.sampling import SamplingParams
+from ..model.speculative import accept
+
+
+@dataclass(frozen=True)
+class KPolicy:
+    """The adaptive-k rule's settings: ``max_k`` bounds k (rows of a message: k + 1 per
+    sample, so the scheduler lowers it to fit a frame or the step's rows)."""
+
+    max_k: int = defaults.SPEC_MAX_K
+    row_cost: float = defaults.SPEC_ROW_COST
+    window: int = defaults.SPEC_WINDOW
+    retry_after: int = defaults.SPEC_RETRY_AFTER
+    prior_accepted: float = 1.0  # pseudo-counts: an acceptance of 1/2 before any evidence
+    prior_rejected: float = 1.0
+
+
+def acceptance(rounds: Sequence[Tuple[int, int]], policy: KPolicy) -> float:
+    """The estimated chance a draft is accepted, given those before it were, from the last
+    ``policy.window`` rounds (drafted, accepted) that drafted anything: accepted drafts over
+    accepted drafts plus rejections (a round that kept fewer than it drafted ended on one)."""
+    drafting = [(d, a) for d, a in rounds if d > 0][-policy.window:]
+    kept = policy.prior_accepted + sum(a for _, a in drafting)
+    rejected = policy.prior_rejected + sum(1 for d, a in drafting if a < d)
+    return kept / (kept + rejected)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a step emits on average drafting k with acceptance ``alpha``: the accepted
+    drafts and the model's token after them."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def choose_k(rounds: Sequence[Tuple[int, int]], policy: KPolicy = KPolicy(),
+             max_k: Optional[int] = None) -> int:
+    """How many tokens to draft for a sample's next step, from its rounds so far (drafted,
+    accepted; the latest last; (0, 0) for a plain step or one the drafter had nothing for),
+    at most ``max_k`` (default ``policy.max_k``): the k of the most tokens per cost, 0 when
+    none pays better than a plain step, and 1 again after ``policy.retry_after`` plain
+    steps in a row."""
+    bound = policy.max_k if max_k is None else min(max_k, policy.max_k)
+    if bound <= 0:
+        return 0
+    alpha = acceptance(rounds, policy)
+    gains = [expected_tokens(alpha, k) / (1.0 + policy.row_cost * k) for k in range(bound + 1)]
+    best = max(range(bound + 1), key=lambda k: (gains[k], -k))
+    if best > 0:
+        return best
+    idle = 0
+    for drafted, _ in reversed(rounds):
+        if drafted:
+            break
+        idle += 1
+    return 1 if idle >= policy.retry_after else 0
+
+
+@dataclass
+class Draft:
+    """What one sample feeds in a step: ``tokens`` (its last token, then the drafts) from
+    ``position``, the first of len(tokens) consecutive positions."""
+
+    position: int
+    tokens: List[int]
+    proposal: Proposal
+
+    @property
+    def drafted(self) -> int:
+        return len(self.proposal.tokens)
+
+
+@dataclass
+class SpecStats:
+    """What speculation did: drafted and accepted tokens, verification steps (those that
+    drafted anything), tokens emitted by them, and how often each k was drafted."""
+
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+    emitted: int = 0
+    k_histogram: Dict[int, int] = field(default_factory=dict)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.emitted / self.steps if self.steps else 0.0
+
+
+class Speculation:
+    """Speculative decoding for the samples of a scheduler: ``drafter`` proposes, ``params``
+    say how tokens are chosen, ``policy`` how many are drafted."""
+
+    def __init__(self, drafter: Drafter, params: SamplingParams,
+                 policy: KPolicy = KPolicy()) -> None:
+        self.drafter, self.params, self.policy = drafter, params, policy
+        self.rounds: Dict[int, List[Tuple[int, int]]] = {}
+        self.stats = SpecStats()
+
+    def draft(self, sample_id: int, tokens: Sequence[int], budget: int,
+              max_k: Optional[int] = None) -> Draft:
+        """The sample's next step: ``tokens`` are its prompt and output so far (the last
+        not yet in its KV rows); ``budget`` the tokens it may still emit (its max-tokens
+        left, and its context room), so a step never emits more; ``max_k`` the scheduler's
+        bound (rows per frame)."""
+        if not tokens:
+            raise GenerationError("a sample with no tokens cannot be drafted for")
+        rounds = self.rounds.setdefault(sample_id, [])
+        k = min(choose_k(rounds, self.policy, max_k), budget - 1)
+        proposal = self.drafter.propose(sample_id, tokens, k) if k > 0 else Proposal()
+        if len(proposal.tokens) > max(k, 0):  # a drafter that proposed more than asked
+            proposal = Proposal(proposal.tokens[:k],
+                                None if proposal.q is None else proposal.q[:k])
+        return Draft(len(tokens) - 1, [int(tokens[-1])] + proposal.tokens, proposal)
+
+    def settle(self, sample_id: int, draft: Draft, logits: torch.Tensor,
+               generator: torch.Generator) -> List[int]:
+        """The tokens the step emits (1 to draft.drafted + 1), from the head's ``logits``
+        at its positions (len(draft.tokens), vocab); ``generator``: the sample's own."""
+        out = accept(draft.proposal.tokens, logits, draft.proposal.q, self.params, generator)
+        drafted = draft.drafted
+        self.rounds.setdefault(sample_id, []).append((drafted, len(out) - 1))
+        del self.rounds[sample_id][:-max(self.policy.window, self.policy.retry_after) * 2]
+        if drafted:
+            stats = self.stats
+            stats.drafted += drafted
+            stats.accepted += len(out) - 1
+            stats.steps += 1
+            stats.emitted += len(out)
+            stats.k_histogram[drafted] = stats.k_histogram.get(drafted, 0) + 1
+        return out
+
+    def release(self, sample_id: int) -> None:
+        """Forget the sample here and in the drafter."""
+        self.rounds.pop(sample_id, None)
+        self.drafter.release(sample_id)
+
+
+def drafter_for(spec: str, target_cfg: Any, n_slots: int, context: int,
+                params: Any, device: str = "cpu") -> Drafter:
+    """The drafter ``spec`` names (``parse_speculate``), for a target model of config
+    ``target_cfg`` run with ``n_slots`` samples of ``context`` tokens and sampling
+    ``params``."""
+    kind, arg = parse_speculate(spec)
+    if kind == "ngram":
+        return NgramDrafter(max_n=int(arg) if arg else 3)
+    return DraftModelDrafter.load(arg, target_cfg, n_slots, context, params, device)

@@ -157,11 +157,11 @@ def test_the_declaration_decides_where_the_step_runs(
     llama = _module()
     monkeypatch.setattr(transformer, "_step", llama)
     want = _greedy(_random_model(CFG), 4)
-    assert llama.calls == {"blocks": 4, "logits": 5}
+    assert llama.calls == {"blocks": 5, "logits": 5}  # the 5-token prompt is 5 rows of a step
     other = _module()
     monkeypatch.setattr(transformer, "_step", other)
     got = _greedy(_random_model(CFG.replace(model_type="declared")), 4)
-    assert other.calls == {"blocks": 4 * step_blocks, "logits": 5 * step_head}
+    assert other.calls == {"blocks": 5 * step_blocks, "logits": 5 * step_head}
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..base.accel import select
+from ..base.accel import Twins
+from . import _pystep
 from ._stepspec import BlockWeights, QuantMatrix, StackedMatrix, plain
 from .config import ModelConfig
 from .exits import ExitStep
@@ -33,7 +34,12 @@ from .moe import MoE
 _HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
 _SHORT_QUERY = 4096  # T * L below which explicit attention beats the fused CPU kernel
 _NO_SLOTS = torch.empty(0, dtype=torch.long)
-_step = select("step")
+try:
+    from . import _cstep
+except ImportError:  # not built: the twin serves
+    _cstep = None  # type: ignore[assignment]
+STEP = Twins(_pystep, _cstep)
+_step = STEP.select()
 
 
 class KVCache(nn.Module):

@@ -9,17 +9,16 @@ from typing import Any, Dict, List
 
 import pytest
 
-from mdiedge.base.errors import (CheckpointError, ConfigError, FrameError, GenerationError,
-                                  QueueFull, RingError)
+from mdiedge.base.errors import (ApiError, CheckpointError, ConfigError, Conflict, FrameError,
+                                  GenerationError, QueueFull, RingError)
 from mdiedge.ops.api.chat import DEFAULT_TEMPLATE, ChatTemplate, load_model_template
-from mdiedge.ops.api.errors import ApiError, api_error
+from mdiedge.ops.api.errors import api_error
 from mdiedge.ops.api.responses import (ChatChunk, ChatCompletion, Choice, Completion,
                                        CompletionChunk, Usage, finish_reason, sse)
 from mdiedge.ops.api.rules import (authorized, may_join, queue_state, retry_after_s,
                                    slot_context)
 from mdiedge.ops.api.server import model_name
 from mdiedge.ops.api.schema import ChatMessage, ChatRequest, CompletionRequest, Options
-from mdiedge.runtime.control import Conflict
 
 
 def status_of(body: Dict[str, Any], chat: bool = False) -> ApiError:

@@ -13,11 +13,11 @@ from typing import Any, Dict, Iterator
 
 import pytest
 
-from mdiedge.base.errors import ConfigError, RingError
+from mdiedge.base.errors import ConfigError, Conflict, RingError
 from mdiedge.base.memory import rss_bytes
 from mdiedge.runtime import auth as auth_module
 from mdiedge.runtime.auth import Authenticator, is_loopback
-from mdiedge.runtime.control import Conflict, ControlServer, call
+from mdiedge.runtime.control import ControlServer, call
 
 SECRET = b"hardening-secret-0123456789abcdef"
 MiB = 1 << 20

@@ -94,11 +94,12 @@ def check_device(device: str, dtype: str) -> None:
     """``--device`` and ``--dtype`` spelled as a device and a compute dtype (whether the
     device exists is known once torch is loaded)."""
     from ..base.dtypes import COMPUTE_NAMES
-    from ..base.values import Bad, device_name
+    from ..base.errors import BadValue
+    from ..base.values import device_name
 
     try:
         device_name(device)
-    except Bad as e:
+    except BadValue as e:
         need(False, "--device", device, e.expected)
     need(dtype in COMPUTE_NAMES, "--dtype", dtype, "one of " + ", ".join(COMPUTE_NAMES))
 

@@ -106,7 +106,7 @@ class ChatSession:
         return ids(0)
 
     def _render(self, user: str) -> str:
-        from ..ops.api.errors import ApiError
+        from ..base.errors import ApiError
 
         try:
             return str(self.template.render(self.conversation.messages(user)))

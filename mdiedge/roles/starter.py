@@ -21,7 +21,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 from .. import __version__
 from ..base import defaults
 from ..base.codecs import Compression
-from ..base.errors import ConfigError, GenerationError, NodeLost, PartitionError, RingError
+from ..base.errors import (ConfigError, Conflict, GenerationError, NodeLost, PartitionError,
+                           RingError)
 from ..base.memory import max_rss_bytes, rss_bytes
 from ..base.nodes import NodeSpec, StarterOptions
 from ..base.words import block_range
@@ -30,7 +31,7 @@ from ..model.exitfiles import ExitSettings
 from ..model.config import config_to_hf
 from ..model.devices import itemsize, parse_device, parse_dtype
 from ..runtime.auth import Authenticator
-from ..runtime.control import Conflict, ControlClient, round_trip_ms
+from ..runtime.control import ControlClient, round_trip_ms
 from ..runtime.links import LinkPair, accept_authenticated, bind, close_links, close_quietly, \
     connect_authenticated, tcp_listen
 from ..runtime.partition import Placement, partition

@@ -21,14 +21,14 @@ from typing import Any, Dict, Optional
 from .. import __version__
 from ..base import defaults
 from ..base.codecs import Compression
-from ..base.errors import ConfigError, MdiedgeError, RingError
+from ..base.errors import ConfigError, Conflict, MdiedgeError, RingError
 from ..base.memory import max_rss_bytes, rss_bytes
 from ..base.words import block_range
 from ..model.checkpoint import content_hash, load_config, load_model, resolve_model_path
 from ..model.devices import parse_device, parse_dtype
 from ..runtime import messages
 from ..runtime.auth import Authenticator, is_loopback
-from ..runtime.control import Conflict, ControlServer, round_trip_ms
+from ..runtime.control import ControlServer, round_trip_ms
 from ..runtime.links import LinkDown, LinkPair, accept_authenticated, bind, close_links, \
     close_quietly, connect_authenticated, tcp_listen
 from ..runtime.protocol import Assignment, AssignReply, ConnectRequest, ModelRef, NodeStatus

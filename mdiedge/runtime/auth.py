@@ -44,7 +44,7 @@ from typing import Dict, Mapping, Optional
 
 from ..base.codecs import NO_COMPRESSION, Compression
 from .seal import LinkKeys, derive
-from ..base.errors import CodecMismatch, ConfigError, RingError, SealMismatch
+from ..base.errors import AuthError, CodecMismatch, ConfigError, SealMismatch
 
 
 MAX_SKEW_S = 60.0
@@ -57,10 +57,6 @@ _MAX_NONCES = 10000
 _INSECURE_KEY = b"mdiedge-insecure-ring"
 _HELLO = b"MDIEHS3\0"  # 2: the link codecs in the handshake; 3: sealing
 _NONCE_BYTES = 32
-
-
-class AuthError(RingError):
-    """A peer failed authentication (wrong or missing secret, replay, stale request)."""
 
 
 def is_loopback(host: str) -> bool:

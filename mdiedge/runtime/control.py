@@ -38,7 +38,7 @@ from .auth import HEADER_NONCE, HEADER_REPLY, MAX_SKEW_S, NODE_CHANGED, Authenti
 from .protocol import NodeStatus
 from ..base import defaults
 from ..base.backoff import AcceptBackoff
-from ..base.errors import ListenError, MdiedgeError, RingError
+from ..base.errors import Conflict, ListenError, MdiedgeError, RingError
 from ..base.nodes import NodeSpec
 from ..base.ratelog import Throttled
 
@@ -64,10 +64,6 @@ def body_deadline_s(length: int, timeout_s: float) -> float:
 
 
 Handler = Callable[[Dict[str, Any], bytes, Dict[str, str]], Dict[str, Any]]
-
-
-class Conflict(MdiedgeError):
-    """The node cannot take the request in its current state (HTTP 409)."""
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -33,12 +33,12 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Union
 
 from . import framing, messages
-from .auth import AuthError, Authenticator
+from .auth import Authenticator
 from .messages import Message
 from .seal import LinkKeys
 from ..base.backoff import AcceptBackoff
 from ..base.codecs import NO_COMPRESSION, Compression
-from ..base.errors import FrameError, IntegrityError, LinkMismatch, ListenError
+from ..base.errors import AuthError, FrameError, IntegrityError, LinkMismatch, ListenError
 from ..base.ratelog import Throttled
 
 log = logging.getLogger("mdiedge.links")

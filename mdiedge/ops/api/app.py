@@ -19,7 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .errors import ApiError, api_error
+from ...base.errors import ApiError
+from .errors import api_error
 from .metrics import CONTENT_TYPE
 from .responses import (ChatChunk, ChatCompletion, Choice, Completion, CompletionChunk,
                         ModelCard, new_id, sse)

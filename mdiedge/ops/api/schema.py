@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from .errors import ApiError
-from ...base.errors import GenerationError
+from ...base.errors import ApiError, GenerationError
 from ...model.stopping import check_stops
 
 ROLES = ("system", "developer", "user", "assistant")

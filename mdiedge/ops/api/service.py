@@ -17,11 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, List, Optional, Set, Tuple
 
 from ...base import defaults
-from ...base.errors import ConfigError
+from ...base.errors import ApiError, ConfigError
 from ...model.sampling import SamplingParams
 from ...runtime.generation import Generation
 from ...runtime.protocol import NodeStatus
-from .errors import ApiError, api_error
+from .errors import api_error
 from .metrics import ApiMetrics
 from .responses import Usage
 from .rules import ServeLimits, may_join, queue_state, retry_after_s, slot_context

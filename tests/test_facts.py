@@ -87,3 +87,55 @@ def test_checker_finds_exceptions_outside_errors() -> None:
         "mdiedge/ops/y.py:3 class _Local(TemplateError) is an exception outside "
         "mdiedge/base/errors.py",
         "mdiedge/base/errors.py:5 class Stray does not derive from MdiedgeError"]
+
+
+FACT_NAME = re.compile(r"^[A-Z][A-Z0-9_]*(_S|_US)$|^([A-Z0-9_]+_)?PORTS?(_[A-Z0-9_]+)?$")
+
+
+def _assigned_names(target: ast.expr) -> Iterator[str]:
+    if isinstance(target, ast.Name):
+        yield target.id
+    elif isinstance(target, (ast.Tuple, ast.List)):
+        for element in target.elts:
+            yield from _assigned_names(element)
+
+
+def facts_outside_defaults(sources: Mapping[str, str]) -> List[str]:
+    """Module-level (or class-level) constants named as time limits (``*_S``, ``*_US``) or
+    ports (``*PORT*``) assigned anywhere but ``mdiedge/base/defaults.py``."""
+    problems = []
+    for path, text in sources.items():
+        if path == DEFAULTS:
+            continue
+        tree = ast.parse(text, filename=path)
+        scopes = [tree] + [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+        for scope in scopes:
+            for node in scope.body:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                    if isinstance(node, ast.AnnAssign) and node.value is not None else []
+                for name in (n for t in targets for n in _assigned_names(t)):
+                    if FACT_NAME.match(name):
+                        problems.append(f"{path}:{node.lineno} {name} is defined outside "
+                                        f"{DEFAULTS}")
+    return problems
+
+
+def test_time_limits_and_ports_are_defined_in_defaults() -> None:
+    problems = facts_outside_defaults(package_sources())
+    assert not problems, "\n".join(problems)
+
+
+def test_checker_finds_time_limits_and_ports_outside_defaults() -> None:
+    sources = {DEFAULTS: "RING_TIMEOUT_S = 60.0\nAPI_PORT = 8000\n",
+               "mdiedge/runtime/links.py": "from ..base.defaults import RING_TIMEOUT_S\n"
+                                           "POLL_S, IDLE_POLL_S = 0.01, 0.2\n"
+                                           "BUSY_US: int = 5\nclass C:\n    WAIT_S = 1\n"
+                                           "def f():\n    LOCAL_S = 2\n",
+               "mdiedge/cli/serve.py": "API_PORT = 8000\nSUPPORTED_MODEL_TYPES = ()\n"
+                                       "REPORT = 1\n"}
+    assert facts_outside_defaults(sources) == [
+        "mdiedge/runtime/links.py:2 POLL_S is defined outside mdiedge/base/defaults.py",
+        "mdiedge/runtime/links.py:2 IDLE_POLL_S is defined outside mdiedge/base/defaults.py",
+        "mdiedge/runtime/links.py:3 BUSY_US is defined outside mdiedge/base/defaults.py",
+        "mdiedge/runtime/links.py:5 WAIT_S is defined outside mdiedge/base/defaults.py",
+        "mdiedge/cli/serve.py:1 API_PORT is defined outside mdiedge/base/defaults.py"]

@@ -15,7 +15,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..base import defaults
 from ..base.errors import MdiedgeError
-from ..base.words import SHOWN_SETUP_S, plural
+from ..base.defaults import SHOWN_SETUP_S
+from ..base.words import plural
 from ..model.checkpoint import check_checkpoint, content_hash, load_config, load_model, \
     resolve_model_path
 from ..model.fit import check_tokenizer

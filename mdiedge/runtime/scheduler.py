@@ -26,6 +26,7 @@ from .messages import Message
 from .pipeline import ModelEnds, Pipeline
 from .slots import MAX_SAMPLE_ID
 from .stages import LocalStage, inference
+from ..base import defaults
 from ..base.errors import GenerationError, MdiedgeError, NodeLost, QueueFull, RingError
 
 _ID_SPACE = MAX_SAMPLE_ID  # sample ids and seqs are u32 on the wire; 0 is never used
@@ -238,7 +239,7 @@ class Scheduler:
     early (their exits are counted per request)."""
 
     def __init__(self, pipeline: Pipeline, ends: ModelEnds, prefill_chunk: int = 0,
-                 timeout_s: Optional[float] = None, max_waiting: int = 64, max_rows: int = 0,
+                 timeout_s: Optional[float] = None, max_waiting: int = defaults.MAX_QUEUE, max_rows: int = 0,
                  rebuild: Optional[Rebuild] = None, exit_layers: int = 0) -> None:
         self.pipeline, self.ends, self.rebuild = pipeline, ends, rebuild
         self.exit_layers, self.max_rows = exit_layers, max_rows or prefill_chunk

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from .errors import CheckpointError
+from .values import Span
 
 DEFAULT_MODEL = "nanollama"
 
@@ -22,6 +23,12 @@ TOP_K = 0
 TOP_P = 0.95
 SEED = 0  # SamplingParams() and the bench, quality and calibration tools: repeatable runs
 SEEDS_BELOW = 2 ** 31  # a drawn seed (a request or a `generate` that names none) is under this
+# what SamplingParams, the command line and the API accept (OpenAI's range of temperature)
+TEMPERATURE_RANGE = Span(0, 2)  # 0: greedy
+TOP_K_RANGE = Span(0, integer=True)  # 0: no top-k filter
+TOP_P_RANGE = Span(0, 1, low_open=True)  # 1: no nucleus filter
+SEED_RANGE = Span(0, 2 ** 40, integer=True, high_open=True)
+MAX_NEW_TOKENS_RANGE = Span(1, integer=True)
 GREEDY_BELOW = 1e-5  # a temperature under this samples as greedy does (vLLM's rule): its
 #                      distribution is the argmax's, and logits / it may overflow float32
 EARLY_EXIT_CRITERIA = ("softmax", "similarity", "classifier")  # mdiedge.model.exits

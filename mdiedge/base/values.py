@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Optional, Tuple
 
 from .errors import BadValue, ConfigError
 
-__all__ = ["MIN_SECRET_BYTES", "Check", "parse_bytes", "show", "is_int", "string",
+__all__ = ["MIN_SECRET_BYTES", "Span", "Check", "parse_bytes", "show", "is_int", "string",
            "host_name", "integer", "at_least", "positive", "fraction", "boolean", "choice",
            "device_name", "size", "layer_range", "secret_value", "toml_type"]
 
@@ -41,6 +42,44 @@ def parse_bytes(value: Any, where: str) -> int:
 
 
 Check = Callable[[Any], Any]
+
+
+def _bound(x: float) -> str:
+    """A bound as messages write it: ``2``, ``0.5``, ``2**40`` (a large power of two)."""
+    if isinstance(x, int) and x >= 1 << 16 and x & (x - 1) == 0:
+        return f"2**{x.bit_length() - 1}"
+    return f"{x:g}"
+
+
+@dataclass(frozen=True)
+class Span:
+    """The numbers a value may take, the one statement of a range that the command line, the
+    API and the library check against: ``low`` to ``high`` (None: any finite number above),
+    each end closed unless named open, whole numbers only when ``integer``."""
+
+    low: float
+    high: Optional[float] = None
+    integer: bool = False
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            return False
+        if not (value > self.low if self.low_open else value >= self.low):
+            return False
+        if self.high is None:
+            return value < math.inf
+        return value < self.high if self.high_open else value <= self.high
+
+    @property
+    def expected(self) -> str:
+        """What a message says a value should be: ``a number in (0, 1]``, ``an integer >= 0``."""
+        kind = "an integer" if self.integer else "a number"
+        if self.high is None:
+            return f"{kind} {'>' if self.low_open else '>='} {_bound(self.low)}"
+        return (f"{kind} in {'(' if self.low_open else '['}{_bound(self.low)}, "
+                f"{_bound(self.high)}{')' if self.high_open else ']'}")
 
 
 def show(value: Any, limit: int = 80) -> str:

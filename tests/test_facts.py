@@ -11,6 +11,8 @@ import re
 from pathlib import Path
 from typing import Dict, Iterator, List, Mapping, Tuple
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 ERRORS = "mdiedge/base/errors.py"
 DEFAULTS = "mdiedge/base/defaults.py"
@@ -139,3 +141,85 @@ def test_checker_finds_time_limits_and_ports_outside_defaults() -> None:
         "mdiedge/runtime/links.py:3 BUSY_US is defined outside mdiedge/base/defaults.py",
         "mdiedge/runtime/links.py:5 WAIT_S is defined outside mdiedge/base/defaults.py",
         "mdiedge/cli/serve.py:1 API_PORT is defined outside mdiedge/base/defaults.py"]
+
+
+def _computed(value: ast.expr, names: Mapping[str, List[ast.expr]], depth: int = 0) -> bool:
+    """Whether ``value`` is made only of ``busy_fraction(...)`` calls (in lists, sums of lists,
+    conditionals, names assigned such values) and zeros."""
+    if depth > 8:
+        return False
+    again = lambda v: _computed(v, names, depth + 1)  # noqa: E731
+    if isinstance(value, ast.Call):
+        return _base_name(value.func) == "busy_fraction"
+    if isinstance(value, ast.Constant):
+        return value.value == 0
+    if isinstance(value, ast.List):
+        return all(again(e) for e in value.elts)
+    if isinstance(value, ast.ListComp):
+        return again(value.elt)
+    if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add):
+        return again(value.left) and again(value.right)
+    if isinstance(value, ast.IfExp):
+        return again(value.body) and again(value.orelse)
+    if isinstance(value, ast.Name):
+        return bool(names.get(value.id)) and all(again(v) for v in names[value.id])
+    return False
+
+
+def busy_fractions_not_from_the_function(sources: Mapping[str, str]) -> List[str]:
+    """Every value given to ``busy_fraction`` (a keyword, an attribute, a dict key) that is not
+    computed by the function ``busy_fraction`` of ``mdiedge/runtime/protocol.py``."""
+    problems = []
+    for path, text in sources.items():
+        tree = ast.parse(text, filename=path)
+        for scope in [tree] + [n for n in ast.walk(tree)
+                               if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+            names: Dict[str, List[ast.expr]] = {}
+            given: List[Tuple[int, ast.expr]] = []
+            for node in ast.walk(scope):
+                if isinstance(node, ast.Assign):
+                    for target in node.targets:
+                        if isinstance(target, ast.Name):
+                            names.setdefault(target.id, []).append(node.value)
+                        elif isinstance(target, ast.Attribute) and target.attr == "busy_fraction":
+                            given.append((node.lineno, node.value))
+                elif isinstance(node, ast.keyword) and node.arg == "busy_fraction":
+                    given.append((node.value.lineno, node.value))
+                elif isinstance(node, ast.Dict):
+                    given.extend((v.lineno, v) for k, v in zip(node.keys, node.values)
+                                 if isinstance(k, ast.Constant) and k.value == "busy_fraction")
+            problems.extend(f"{path}:{line} busy_fraction is not computed by busy_fraction()"
+                            for line, value in given if not _computed(value, names))
+    return sorted(set(problems))
+
+
+def test_busy_fraction_has_one_meaning() -> None:
+    problems = busy_fractions_not_from_the_function(package_sources())
+    assert not problems, "\n".join(problems)
+
+
+def test_checker_finds_busy_fractions_computed_elsewhere() -> None:
+    sources = {"mdiedge/roles/worker.py":
+               "def status(s, c, wall):\n"
+               "    s.busy_fraction = busy_fraction(c.compute_s, wall)\n"
+               "    s.busy_fraction = round(c.compute_s / wall, 4) if wall > 0 else 0.0\n"
+               "    busy = [busy_fraction(1, 2)] + [busy_fraction(a, 2) for a in c]\n"
+               "    other = [c.compute_s / wall]\n"
+               "    return {'busy_fraction': busy}, {'busy_fraction': other}, \\\n"
+               "        NodeStatus(busy_fraction=0.0), NodeStatus(busy_fraction=c.cpu / 2)\n"}
+    assert busy_fractions_not_from_the_function(sources) == [
+        "mdiedge/roles/worker.py:3 busy_fraction is not computed by busy_fraction()",
+        "mdiedge/roles/worker.py:6 busy_fraction is not computed by busy_fraction()",
+        "mdiedge/roles/worker.py:7 busy_fraction is not computed by busy_fraction()"]
+
+
+@pytest.mark.parametrize("compute_s, elapsed_s, fraction", [
+    (0.0, 0.0, 0.0), (1.0, 0.0, 0.0), (1.0, -1.0, 0.0),  # no time yet (or a clock step)
+    (0.5, 2.0, 0.25), (1.0, 3.0, 0.3333), (2.0, 2.0, 1.0),
+    (2.1, 2.0, 1.0),  # two clocks: never more than all of the time
+    (-0.1, 1.0, 0.0),
+])
+def test_busy_fraction(compute_s: float, elapsed_s: float, fraction: float) -> None:
+    from mdiedge.runtime.protocol import busy_fraction
+
+    assert busy_fraction(compute_s, elapsed_s) == fraction

@@ -37,7 +37,7 @@ from ..runtime.links import LinkPair, accept_authenticated, bind, close_links, c
 from ..runtime.partition import Placement, partition
 from ..runtime.pipeline import ModelEnds, Pipeline
 from ..runtime.protocol import (MAX_SLOTS, Assignment, AssignReply, ConnectRequest, ModelRef,
-                                NodeStatus)
+                                NodeStatus, busy_fraction)
 from ..runtime.scheduler import Scheduler, prefill_rows
 from ..runtime.stages import LocalStage
 from .engine import Engine, PathLike
@@ -429,7 +429,7 @@ def starter_status(starter: RingStarter) -> NodeStatus:
         status.slots_in_use = scheduler.slots_in_use
         status.messages, status.tokens = stats.messages, stats.tokens
         status.compute_s = round(stats.compute_s, 6)
-        status.busy_fraction = round(stats.compute_s / stats.wall_s, 4) if stats.wall_s else 0.0
+        status.busy_fraction = busy_fraction(stats.compute_s, time.time() - stage.counters.since)
     if starter.tail is not None:
         status.links = starter.tail.links.stats()
     status.lost = sorted(dict(starter.membership.lost))

@@ -20,7 +20,7 @@ from ...base import defaults
 from ...base.errors import ApiError, ConfigError
 from ...model.sampling import SamplingParams
 from ...runtime.generation import Generation
-from ...runtime.protocol import NodeStatus
+from ...runtime.protocol import NodeStatus, busy_fraction
 from .errors import api_error
 from .metrics import ApiMetrics
 from .responses import Usage
@@ -151,10 +151,10 @@ class ApiService:
         if starter is not None:
             return [starter.status()] + starter.node_status()
         scheduler = getattr(self.engine, "scheduler", None)
-        stats = scheduler.stats if scheduler is not None else None
-        busy = stats.compute_s / stats.wall_s if stats is not None and stats.wall_s else 0.0
+        busy = 0.0 if scheduler is None else busy_fraction(
+            scheduler.stats.compute_s, time.time() - scheduler.pipeline.stages[0].counters.since)
         return [NodeStatus("starter", "local", "busy" if self.counts()[0] else "ready",
-                           layers=[0, self.engine.cfg.n_layers], busy_fraction=round(busy, 4),
+                           layers=[0, self.engine.cfg.n_layers], busy_fraction=busy,
                            slots_in_use=self.slots_in_use())]
 
     def unavailable(self) -> Optional[str]:

@@ -1,6 +1,6 @@
-"""Builds each Cython module ext/_c<name>.pyx as <package>._c<name>, <package> being the one
-that owns the pair in TWINNED (mdiedge/base/accel.py); a failed compile still installs a
-working package (each compiled module has a pure-Python twin, <package>._py<name>)."""
+"""Builds each Cython module ext/_c<name>.pyx as <package>._c<name>, beside its pure-Python twin
+<package>._py<name> (the package that owns the pair and imports both); a failed compile still
+installs a working package (the twin serves)."""
 import glob
 import os
 import sys
@@ -24,15 +24,12 @@ class OptionalBuildExt(build_ext):
 
 
 def _owner(pyx):
-    """The package of a compiled module, from the one table in mdiedge/base/accel.py."""
-    import ast
-
-    with open(os.path.join("mdiedge", "base", "accel.py")) as f:
-        tree = ast.parse(f.read())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "TWINNED":
-            return ast.literal_eval(node.value)[os.path.basename(pyx)[2:-4]]
-    raise RuntimeError("TWINNED not found in mdiedge/base/accel.py")
+    """The package of a compiled module: the one that holds its twin, _py<name>.py."""
+    name = os.path.basename(pyx)[2:-4]
+    found = glob.glob(os.path.join("mdiedge", "**", f"_py{name}.py"), recursive=True)
+    if len(found) != 1:
+        raise RuntimeError(f"{pyx}: expected one twin mdiedge/**/_py{name}.py, found {found}")
+    return os.path.dirname(found[0]).replace(os.sep, ".")
 
 
 def _extension(pyx):

@@ -126,8 +126,8 @@ def wait_closed(sock: socket.socket, within: float) -> float:
 
 
 def test_silent_and_slow_clients_are_cut_off(api: Api, monkeypatch: Any) -> None:
-    monkeypatch.setattr(api_server, "HEAD_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(api_app, "BODY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(api_server, "API_HEAD_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(api_app, "API_BODY_TIMEOUT_S", 0.5)
     host, port = api.server.host, api.server.port
     silent = socket.create_connection((host, port))
     slow = socket.create_connection((host, port))

@@ -9,17 +9,15 @@ from typing import Any, Dict, List
 
 import pytest
 
-from mdiedge.base.errors import (CheckpointError, ConfigError, ContextExceeded, FrameError,
-                                 GenerationError, QueueFull, RingError)
+from mdiedge.base.errors import (ApiError, CheckpointError, ConfigError, Conflict, ContextExceeded,
+                                 FrameError, GenerationError, QueueFull, RingError)
 from mdiedge.serving.api.chat import DEFAULT_TEMPLATE, ChatTemplate, load_model_template
-from mdiedge.serving.api.errors import ApiError, api_error
+from mdiedge.serving.api.errors import api_error
 from mdiedge.serving.api.responses import (ChatChunk, ChatCompletion, Choice, Completion,
                                            CompletionChunk, Usage, finish_reason, sse)
-from mdiedge.serving.api.rules import (authorized, retry_after_s,
-                                   slot_context)
+from mdiedge.serving.api.rules import authorized, retry_after_s, slot_context
 from mdiedge.serving.api.server import model_name
 from mdiedge.serving.api.schema import ChatMessage, ChatRequest, CompletionRequest, Options
-from mdiedge.runtime.control import Conflict
 
 
 def status_of(body: Dict[str, Any], chat: bool = False) -> ApiError:

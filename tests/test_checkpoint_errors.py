@@ -151,11 +151,13 @@ def test_prompt_longer_than_context() -> None:
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(temperature=-1.0), "temperature must be a finite number >= 0, got -1.0"),
-    (dict(temperature=float("inf")), "temperature must be a finite number >= 0, got inf"),
-    (dict(temperature=float("nan")), "temperature must be a finite number >= 0, got nan"),
-    (dict(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
-    (dict(top_k=-3), "top_k must be >= 0, got -3"),
+    (dict(temperature=-1.0), "temperature: expected a number in [0, 2], got -1.0"),
+    (dict(temperature=float("inf")), "temperature: expected a number in [0, 2], got inf"),
+    (dict(temperature=float("nan")), "temperature: expected a number in [0, 2], got nan"),
+    (dict(temperature=2.5), "temperature: expected a number in [0, 2], got 2.5"),
+    (dict(top_p=0.0), "top_p: expected a number in (0, 1], got 0.0"),
+    (dict(top_k=-3), "top_k: expected an integer >= 0, got -3"),
+    (dict(seed=2 ** 40), "seed: expected an integer in [0, 2**40), got 1099511627776"),
 ])
 def test_bad_sampling_parameters(kwargs: Any, message: str) -> None:
     with pytest.raises(MdiedgeError) as e:

@@ -11,12 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mdiedge.base import codecs
-from mdiedge.base.accel import implementations
+from mdiedge.runtime.framing import CODEC
 from mdiedge.base.codecs import FP16, INT8, Compression, encoded_size, int8_error_bound
 from mdiedge.base.errors import ConfigError, FrameError
 
 pytestmark = pytest.mark.twins
-IMPLS = implementations("codec")
+IMPLS = CODEC.implementations()
 FAST = settings(max_examples=80, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 FINITE = st.floats(-1e6, 1e6, width=32, allow_nan=False, allow_infinity=False)

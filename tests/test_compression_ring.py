@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterator, List
 import pytest
 import torch
 
-from mdiedge.base.accel import implementations
+from mdiedge.runtime.framing import CODEC, FRAMING
 from mdiedge.base.codecs import FP16, INT8, NONE, Compression, encoded_size
 from mdiedge.base.errors import CodecMismatch, ConfigError, FrameError
 from mdiedge.base.nodes import NodeSpec
@@ -29,7 +29,7 @@ from mdiedge.runtime.messages import Message
 pytestmark = pytest.mark.twins
 GREEDY = SamplingParams(temperature=0)
 PROMPT = "hello ring 1 the quick brown fox jumps hello ring 2 the quick brown fox"
-PAIRS = [(f, c) for f in implementations("framing") for c in implementations("codec")]
+PAIRS = [(f, c) for f in FRAMING.implementations() for c in CODEC.implementations()]
 
 
 @pytest.mark.parametrize("framing_impl,codec_impl", PAIRS,

@@ -13,11 +13,11 @@ from typing import Any, Dict, Iterator
 
 import pytest
 
-from mdiedge.base.errors import ConfigError, RingError
+from mdiedge.base.errors import ConfigError, Conflict, RingError
 from mdiedge.base.memory import rss_bytes
 from mdiedge.runtime import auth as auth_module
 from mdiedge.runtime.auth import Authenticator, is_loopback
-from mdiedge.runtime.control import Conflict, ControlServer, call
+from mdiedge.runtime.control import ControlServer, call
 
 SECRET = b"hardening-secret-0123456789abcdef"
 MiB = 1 << 20
@@ -315,7 +315,7 @@ def test_a_nonce_in_flight_is_a_replay_until_released_or_accepted() -> None:
 
 def test_captured_headers_hold_one_connection_and_a_trickled_body_is_dropped(
         server: ControlServer, monkeypatch: Any) -> None:
-    monkeypatch.setattr("mdiedge.runtime.control.MIN_BODY_RATE", 1 << 30)
+    monkeypatch.setattr("mdiedge.runtime.control.CONTROL_MIN_BODY_RATE", 1 << 30)
     server.timeout_s = 1.0  # a body must come within a second, whatever its pace
     body = b'{"a": "' + b"x" * 1000 + b'"}'
     request = head("POST", "/echo", signed("POST", "/echo", body, server))

@@ -16,12 +16,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mdiedge.base.accel import implementations
+from mdiedge.runtime.framing import FRAMING
 from mdiedge.base.errors import FrameError
 from mdiedge.runtime import _framingspec, framing
 
 pytestmark = pytest.mark.twins
-IMPLS = implementations("framing")
+IMPLS = FRAMING.implementations()
 FAST = settings(max_examples=40, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 CAPACITIES = [0, _framingspec.MIN_READ_BUFFER, _framingspec.READ_BUFFER]

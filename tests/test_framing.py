@@ -18,15 +18,14 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from mdiedge.base import accel as _accel
 from mdiedge.base import dtypes
 from mdiedge.runtime import _framingspec
 from mdiedge.runtime import framing
-from mdiedge.base.accel import implementations
+from mdiedge.runtime.framing import FRAMING
 from mdiedge.base.errors import FrameError
 
 pytestmark = pytest.mark.twins
-IMPLS = implementations("framing")
+IMPLS = FRAMING.implementations()
 FAST = settings(max_examples=60, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -545,19 +544,19 @@ def test_twins_pack_identical_bytes(args: Any) -> None:  # coded, not whole
 # ------------------------------------------------------------------- selection
 
 def test_select_prefers_the_compiled_module(monkeypatch: pytest.MonkeyPatch) -> None:
-    compiled = _accel.compiled("framing")
+    compiled = FRAMING.compiled
     if compiled is None:
-        pytest.skip("mdiedge._cframing is not built")
+        pytest.skip("mdiedge.runtime._cframing is not built")
     monkeypatch.delenv("MDIEDGE_NO_EXTENSIONS", raising=False)
-    assert _accel.select("framing") is compiled
-    assert [m.__name__ for m in implementations("framing")] == ["mdiedge.runtime._pyframing",
-                                                                "mdiedge.runtime._cframing"]
+    assert FRAMING.select() is compiled
+    assert [m.__name__ for m in FRAMING.implementations()] == ["mdiedge.runtime._pyframing",
+                                                               "mdiedge.runtime._cframing"]
     monkeypatch.setenv("MDIEDGE_NO_EXTENSIONS", "1")
-    assert _accel.select("framing").__name__ == "mdiedge.runtime._pyframing"
+    assert FRAMING.select().__name__ == "mdiedge.runtime._pyframing"
 
 
 def test_public_layer_uses_the_selected_module() -> None:
-    assert framing._impl is _accel.select("framing")
+    assert framing._impl is FRAMING.select()
     assert framing.HEADER_SIZE == 48 and framing.MAGIC == b"MDIE"
     for impl in IMPLS:
         types = (impl.ACTIVATION, impl.RELEASE, impl.PING, impl.SHUTDOWN)

@@ -14,13 +14,13 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from mdiedge.base.accel import implementations
+from mdiedge.runtime.framing import FRAMING
 from mdiedge.base.errors import FrameError
 from mdiedge.runtime import framing, messages
 from mdiedge.runtime.messages import Message
 
 pytestmark = pytest.mark.twins
-IMPLS = implementations("framing")
+IMPLS = FRAMING.implementations()
 FAST = settings(max_examples=60, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 ACTIVATION, PREFILL = framing.ACTIVATION, framing.FLAG_PREFILL

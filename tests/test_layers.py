@@ -3,11 +3,12 @@ modules import each other in a cycle, and layer 0 does not import torch when it 
 
 Read with ``ast`` (nothing is imported): module-level and function-level imports, absolute and
 relative (``from . import x``, ``from ..pkg import y``), ``if TYPE_CHECKING:`` imports, and
-``importlib.import_module("literal")`` / ``__import__("literal")``. Each resolves to its target
-module: ``from pkg import name`` is the module ``pkg.name`` when that file exists, else ``pkg``.
-Names built at run time (``mdiedge.base.accel`` builds ``<package>._c<name>`` from a table) are
-not seen. An import of a package is an edge to its ``__init__`` only, not to the packages
-above it that Python initialises on the way.
+dynamic loads: ``importlib.import_module("literal")`` / ``__import__("literal")`` are edges like
+imports, and a dynamic load whose module is not one literal absolute name (built at run time,
+relative to a package, passed on as a variable) is an error, since the graph cannot see where it
+goes. Each import resolves to its target module: ``from pkg import name`` is the module
+``pkg.name`` when that file exists, else ``pkg``. An import of a package is an edge to its
+``__init__`` only, not to the packages above it that Python initialises on the way.
 
 The checker is a pure function of a table (``LAYERS``) and the sources; test_checker_* run it on
 synthetic packages so that it is seen to fail.
@@ -85,19 +86,24 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _literal_import_call(node: ast.Call) -> Optional[str]:
-    """The module of ``importlib.import_module("x")`` / ``import_module("x")`` /
-    ``__import__("x")`` with a literal absolute name."""
+DYNAMIC_LOADERS = ("import_module", "__import__")
+
+
+def _dynamic_load(node: ast.Call) -> Optional[Tuple[Optional[str], str]]:
+    """For ``importlib.import_module(...)`` / ``import_module(...)`` / ``__import__(...)``:
+    (the module when it is one literal absolute name, else None; the loader's name). None for
+    any other call."""
     func = node.func
     name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(
         func, ast.Attribute) else ""
-    if name not in ("import_module", "__import__") or not node.args:
+    if name not in DYNAMIC_LOADERS:
         return None
-    arg = node.args[0]
+    arg = node.args[0] if node.args else next(
+        (k.value for k in node.keywords if k.arg == "name"), None)
     if isinstance(arg, ast.Constant) and isinstance(arg.value, str) \
-            and not arg.value.startswith("."):
-        return arg.value
-    return None
+            and arg.value and not arg.value.startswith("."):
+        return arg.value, name
+    return None, name
 
 
 class _Collector(ast.NodeVisitor):
@@ -157,9 +163,13 @@ class _Collector(ast.NodeVisitor):
             self._add(target, node.lineno)
 
     def visit_Call(self, node: ast.Call) -> None:
-        target = _literal_import_call(node)
-        if target is not None:
-            self._add(target, node.lineno)
+        load = _dynamic_load(node)
+        if load is not None and load[0] is not None:
+            self._add(load[0], node.lineno)
+        elif load is not None:
+            self.problems.append(f"{self.source.path}:{node.lineno} {load[1]}() of a name that is "
+                                 f"not one literal absolute module name: the import graph cannot "
+                                 f"see it (import the module by its name)")
         self.generic_visit(node)
 
 
@@ -361,6 +371,25 @@ CASES = [
      {"pkg/low/a.py": "import importlib\nM = importlib.import_module('pkg.top')\n",
       "pkg/top.py": ""},
      ["pkg/low/a.py:2 imports pkg.top (layer 2 > 0)"]),
+    ("a literal __import__ closes a cycle",
+     {"pkg/mid/c.py": "from . import d\n",
+      "pkg/mid/d.py": "def f():\n    return __import__(name='pkg.mid.c')\n"},
+     ["import cycle among pkg.mid.c, pkg.mid.d: pkg/mid/c.py:1 imports pkg.mid.d -> "
+      "pkg/mid/d.py:2 imports pkg.mid.c [in a function]"]),
+    ("dynamic loads of names built at run time, relative or passed on",
+     {"pkg/low/a.py": "import importlib\nTABLE = {'x': 'pkg.top'}\n"
+                      "def f(n):\n    return importlib.import_module(TABLE[n])\n"
+                      "def g(n):\n    return importlib.import_module(f'pkg.{n}')\n"
+                      "def h():\n    return importlib.import_module('.b', __package__)\n"
+                      "def i(n):\n    return __import__(n)\n",
+      "pkg/low/b.py": "from importlib import import_module\nM = import_module(name='pkg.' + 'x')\n",
+      "pkg/top.py": ""},
+     [f"pkg/low/a.py:{line} {loader}() of a name that is not one literal absolute module name: "
+      f"the import graph cannot see it (import the module by its name)"
+      for line, loader in ((4, "import_module"), (6, "import_module"), (8, "import_module"),
+                           (10, "__import__"))]
+     + ["pkg/low/b.py:2 import_module() of a name that is not one literal absolute module "
+        "name: the import graph cannot see it (import the module by its name)"]),
     ("a cycle inside one layer, closed by a function-level import",
      {"pkg/mid/c.py": "from .d import y\nx = 1\n",
       "pkg/mid/d.py": "from . import e\ny = 2\n",

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import make_hf_llama, write_tiny_tokenizer
-from mdiedge.base.accel import implementations
+from mdiedge.runtime.framing import FRAMING
 from mdiedge.base.errors import FrameError
 from mdiedge.base.nodes import NodeSpec
 from mdiedge.model.sampling import SamplingParams
@@ -31,7 +31,7 @@ from mdiedge.runtime.links import LinkDown, LinkPair, Receiver, accept_authentic
     connect_authenticated, tcp_listen
 
 GREEDY = SamplingParams(temperature=0)
-IMPLS = implementations("framing")
+IMPLS = FRAMING.implementations()
 FIXED = struct.Struct("<4sBBBBHBBI4IIQ")
 
 

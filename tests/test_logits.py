@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mdiedge.base.accel import implementations
+from mdiedge.model.transformer import STEP
 from mdiedge.model import transformer as transformer_module
 from mdiedge.model.config import ModelConfig
 from mdiedge.model.layers import rms_norm
@@ -19,7 +19,7 @@ from mdiedge.model.transformer import Transformer
 from tolerance import assert_close
 
 pytestmark = pytest.mark.twins
-IMPLS = implementations("step")
+IMPLS = STEP.implementations()
 EPS = 1e-5
 
 

@@ -11,12 +11,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mdiedge.base.accel import implementations
+from mdiedge.model.layers import MATVEC
 from mdiedge.model.layers import Linear
 from tolerance import assert_close
 
 pytestmark = pytest.mark.twins
-IMPLS = implementations("matvec")
+IMPLS = MATVEC.implementations()
 FAST = settings(max_examples=60, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 

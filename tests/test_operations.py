@@ -16,9 +16,9 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 
-from mdiedge.runtime.auth import Authenticator, AuthError
+from mdiedge.base.errors import AuthError, RingError
+from mdiedge.runtime.auth import Authenticator
 from mdiedge.runtime.control import call, node_id
-from mdiedge.base.errors import RingError
 from mdiedge.base.nodes import NodeSpec
 from mdiedge.engine.ring import RingEngine
 

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from mdiedge.base.accel import implementations
+from mdiedge.model.qlayers import QUANT
 from mdiedge.base.errors import CheckpointError, QuantError
 from mdiedge.model import quant
 
 ROOT = Path(__file__).resolve().parents[1]
-IMPLS = implementations("quant")
+IMPLS = QUANT.implementations()
 PATHS = [("twin", IMPLS[0], True)] + [(f"compiled-{p}", m, p == "simd") for m in IMPLS[1:]
                                       for p in ("simd", "scalar")]
 WIDTHS = {32: (32, 96, 256, 544), 256: (256, 768)}

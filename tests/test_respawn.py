@@ -16,8 +16,8 @@ from typing import Optional
 import httpx
 import pytest
 
-from mdiedge.roles.local_ring import (RESPAWN_FIRST_S, RESPAWN_MAX_S, RESPAWN_STABLE_S,
-                                      RESPAWN_TRIES, restart_pause)
+from mdiedge.base.defaults import RESPAWN_FIRST_S, RESPAWN_MAX_S, RESPAWN_STABLE_S
+from mdiedge.roles.local_ring import RESPAWN_TRIES, restart_pause
 from test_ring import workers_of
 
 BACK_WITHIN_S = 30.0

@@ -77,7 +77,7 @@ def test_a_restarted_starter_serves_at_once_and_another_is_refused(stories: Path
 ])
 def test_who_may_take_a_worker_over(secret: Any, name: str, takes_over: bool) -> None:
     from mdiedge.roles.worker import WorkerNode
-    from mdiedge.runtime.control import Conflict
+    from mdiedge.base.errors import Conflict
 
     worker = WorkerNode(secret=secret, name="w1").start()
     try:

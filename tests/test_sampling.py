@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import List
+from typing import Any, List
 
 import pytest
 import torch
@@ -70,3 +70,70 @@ def test_sampling_follows_the_distribution() -> None:
     gen = sample_generator(0, 0)
     draws = [sample_rows(LOGITS[None], params, [gen])[0] for _ in range(4000)]
     assert math.isclose(draws.count(0) / 4000, 0.5, abs_tol=0.03)
+
+
+# -- one range per sampling value: the library, the command line and the API agree
+
+SAMPLING_VALUES = [  # (field, value, accepted)
+    ("temperature", 0.0, True), ("temperature", 2.0, True), ("temperature", 2.5, False),
+    ("temperature", -0.1, False), ("temperature", math.inf, False),
+    ("temperature", math.nan, False),
+    ("top_p", 1.0, True), ("top_p", 0.01, True), ("top_p", 0.0, False), ("top_p", 1.5, False),
+    ("top_k", 0, True), ("top_k", 40, True), ("top_k", -1, False),
+    ("seed", 0, True), ("seed", 2 ** 40 - 1, True), ("seed", 2 ** 40, False), ("seed", -1, False),
+]
+
+
+def _library_accepts(name: str, value: object) -> bool:
+    from mdiedge.base.errors import GenerationError
+
+    try:
+        SamplingParams(**{name: value})
+    except GenerationError:
+        return False
+    return True
+
+
+def _command_line_accepts(name: str, value: object) -> bool:
+    from mdiedge.base.errors import UsageError
+    from mdiedge.cli.app import check_sampling
+
+    values = dict(temperature=defaults.TEMPERATURE, top_k=defaults.TOP_K, top_p=defaults.TOP_P,
+                  seed=None)
+    values[name] = value
+    try:
+        check_sampling(defaults.MAX_NEW_TOKENS, 1, **values)  # type: ignore[arg-type]
+    except UsageError:
+        return False
+    return True
+
+
+def _api_accepts(name: str, value: object) -> bool:
+    from mdiedge.base.errors import ApiError
+    from mdiedge.ops.api.schema import CompletionRequest
+
+    try:
+        CompletionRequest.from_json({"prompt": "x", name: value})
+    except ApiError as e:
+        assert e.status == 400 and e.param == name
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name,value,accepted", SAMPLING_VALUES)
+def test_one_range_per_sampling_value(name: str, value: object, accepted: bool) -> None:
+    assert (_library_accepts(name, value), _command_line_accepts(name, value),
+            _api_accepts(name, value)) == (accepted,) * 3
+
+
+@pytest.mark.parametrize("span,inside,outside,expected", [
+    (defaults.TEMPERATURE_RANGE, [0, 0.0, 1, 2.0], [-1e-9, 2.0001, math.nan, True, "1"],
+     "a number in [0, 2]"),
+    (defaults.TOP_P_RANGE, [1e-9, 1], [0, 0.0, 1.0001], "a number in (0, 1]"),
+    (defaults.TOP_K_RANGE, [0, 10 ** 9], [-1, 1.0, math.inf], "an integer >= 0"),
+    (defaults.SEED_RANGE, [0, 2 ** 40 - 1], [2 ** 40, -1, 0.0], "an integer in [0, 2**40)"),
+    (defaults.MAX_NEW_TOKENS_RANGE, [1], [0, 1.5], "an integer >= 1"),
+])
+def test_spans(span: Any, inside: list, outside: list, expected: str) -> None:
+    assert all(v in span for v in inside) and not any(v in span for v in outside)
+    assert span.expected == expected

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 import torch
 
-from mdiedge.base.accel import implementations
+from mdiedge.runtime.framing import FRAMING
 from mdiedge.base.codecs import FP16, INT8, NONE, Compression
 from mdiedge.base.errors import FrameError, IntegrityError, SealMismatch
 from mdiedge.runtime import framing
@@ -28,7 +28,7 @@ from mdiedge.runtime.links import Link, LinkDown, LinkPair, accept_authenticated
 from mdiedge.runtime.seal import LinkKeys, derive
 
 pytestmark = pytest.mark.twins
-IMPLS = implementations("framing")
+IMPLS = FRAMING.implementations()
 KEY = b"k" * 32
 
 

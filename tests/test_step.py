@@ -12,7 +12,7 @@ from typing import Any, List, Tuple
 import pytest
 import torch
 
-from mdiedge.base.accel import implementations
+from mdiedge.model.transformer import STEP
 from mdiedge.model import transformer as transformer_module
 from mdiedge.model.config import ModelConfig
 from mdiedge.model.exits import NEVER, ExitPolicy, ExitStep
@@ -20,7 +20,7 @@ from mdiedge.model.transformer import Transformer
 from tolerance import assert_close, model_path_length
 
 pytestmark = pytest.mark.twins
-IMPLS = implementations("step")
+IMPLS = STEP.implementations()
 # head_dim 10 and widths that are not multiples of 8 reach every tail of the kernels
 CFG = ModelConfig(vocab_size=64, dim=40, n_layers=3, n_heads=4, n_kv_heads=2,
                   intermediate_size=52, max_seq_len=48)

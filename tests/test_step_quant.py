@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_step import TorchPath, decode, preferred
 
-from mdiedge.base.accel import implementations
+from mdiedge.model.transformer import STEP
 from mdiedge.model import quant
 from mdiedge.model import transformer as transformer_module
 from mdiedge.model._stepspec import BlockWeights, QuantMatrix, StackedMatrix
@@ -27,7 +27,7 @@ from mdiedge.model.transformer import Transformer
 from tolerance import assert_close, model_path_length
 
 pytestmark = pytest.mark.twins
-IMPLS = implementations("step")
+IMPLS = STEP.implementations()
 # Q4_K and Q6_K blocks hold 256 weights: every product's input width is a multiple of 256
 CFG = ModelConfig(vocab_size=64, dim=256, n_layers=2, n_heads=4, n_kv_heads=2,
                   intermediate_size=512, max_seq_len=48)

@@ -1,51 +1,52 @@
-"""One selector for compiled modules: ``<package>._c<name>`` (Cython, built from ``ext/``) or
-its pure-Python twin ``<package>._py<name>`` with the same API, where ``TWINNED`` names the
-package that owns each pair.
+"""The choice between a compiled module and its pure-Python twin, made by the package that
+owns the pair.
 
-``MDIEDGE_NO_EXTENSIONS=1`` forces the twins; a missing compiled module falls back to its twin.
-A module earns a compiled twin only where a benchmark shows it matters end to end; the others
-(KV slot tables, expert grouping) have one Python implementation and are imported directly.
+Each compiled module ``<package>._c<name>`` (Cython, built from ``ext/_c<name>.pyx``) has a
+twin ``<package>._py<name>`` beside it with the same API. The owning module imports both with
+literal imports, so the import graph (tests/test_layers.py) sees them, and wraps them in a
+``Twins``::
+
+    from . import _pyframing
+    try:
+        from . import _cframing
+    except ImportError:  # not built: the twin serves
+        _cframing = None
+    FRAMING = Twins(_pyframing, _cframing)
+
+``Twins.select()`` is the compiled module unless ``MDIEDGE_NO_EXTENSIONS=1`` or it is not
+built; ``Twins.implementations()`` lists what may be selected here, for tests that run both.
+This module knows only that switch, no package or module name. A module earns a compiled twin
+only where a benchmark shows it matters end to end; the others (KV slot tables, expert
+grouping) have one Python implementation and are imported directly.
 """
 from __future__ import annotations
 
-import importlib
 import os
+from dataclasses import dataclass
 from types import ModuleType
 from typing import List, Optional
 
-TWINNED = {"framing": "mdiedge.runtime", "codec": "mdiedge.runtime", "matvec": "mdiedge.model",
-           "step": "mdiedge.model", "quant": "mdiedge.model"}
-
 
 def extensions_disabled() -> bool:
+    """Whether ``MDIEDGE_NO_EXTENSIONS`` forces the twins (set, and not ``0``)."""
     return os.environ.get("MDIEDGE_NO_EXTENSIONS", "") not in ("", "0")
 
 
-def compiled(name: str) -> Optional[ModuleType]:
-    try:
-        return importlib.import_module(f"{TWINNED[name]}._c{name}")
-    except ImportError:
-        return None
+@dataclass(frozen=True)
+class Twins:
+    """A pure-Python module and its compiled counterpart (None when not built)."""
 
+    twin: ModuleType
+    compiled: Optional[ModuleType] = None
 
-def twin(name: str) -> ModuleType:
-    return importlib.import_module(f"{TWINNED[name]}._py{name}")
+    def select(self) -> ModuleType:
+        """The compiled module unless disabled or not built, else the twin."""
+        if self.compiled is not None and not extensions_disabled():
+            return self.compiled
+        return self.twin
 
-
-def select(name: str) -> ModuleType:
-    """The compiled module ``name`` unless disabled or not built, else its twin."""
-    if not extensions_disabled():
-        module = compiled(name)
-        if module is not None:
-            return module
-    return twin(name)
-
-
-def implementations(name: str) -> List[ModuleType]:
-    """Every implementation that may be selected here (for tests): twin, then compiled."""
-    found = [twin(name)]
-    if not extensions_disabled():
-        module = compiled(name)
-        if module is not None:
-            found.append(module)
-    return found
+    def implementations(self) -> List[ModuleType]:
+        """Every implementation that may be selected here (for tests): twin, then compiled."""
+        if self.compiled is not None and not extensions_disabled():
+            return [self.twin, self.compiled]
+        return [self.twin]

@@ -7,13 +7,15 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from .errors import CheckpointError
+from .values import Span
 
 DEFAULT_MODEL = "nanollama"
 
-# ports of a long-lived ring (a local ring binds free ports)
+# ports of a long-lived ring (a local ring binds free ports), and of the OpenAI API
 STARTER_CONTROL_PORT = 7600
 WORKER_CONTROL_PORT = 7700
 WORKER_DATA_PORT = 7701
+API_PORT = 8000
 
 # sampling, the same for `mdiedge generate`, the starter service and SamplingParams()
 TEMPERATURE = 0.8
@@ -21,6 +23,12 @@ TOP_K = 0
 TOP_P = 0.95
 SEED = 0  # SamplingParams() and the bench, quality and calibration tools: repeatable runs
 SEEDS_BELOW = 2 ** 31  # a drawn seed (a request or a `generate` that names none) is under this
+# what SamplingParams, the command line and the API accept (OpenAI's range of temperature)
+TEMPERATURE_RANGE = Span(0, 2)  # 0: greedy
+TOP_K_RANGE = Span(0, integer=True)  # 0: no top-k filter
+TOP_P_RANGE = Span(0, 1, low_open=True)  # 1: no nucleus filter
+SEED_RANGE = Span(0, 2 ** 40, integer=True, high_open=True)
+MAX_NEW_TOKENS_RANGE = Span(1, integer=True)
 GREEDY_BELOW = 1e-5  # a temperature under this samples as greedy does (vLLM's rule): its
 #                      distribution is the argmax's, and logits / it may overflow float32
 EARLY_EXIT_CRITERIA = ("softmax", "similarity", "classifier")  # mdiedge.model.exits
@@ -52,6 +60,22 @@ ASSIGN_TIMEOUT_S = 600.0  # a worker that answers its control port may load (or 
 REBALANCE_MARGIN = 0.25  # re-split between requests when the slowest node is this far above the mean
 DIAGNOSE_TIMEOUT_S = 2.0  # a node whose control plane does not answer within this is down
 STATUS_RTT_TIMEOUT_S = 0.25  # a worker's /status waits at most this for its next node's ping
+HANDSHAKE_TIMEOUT_S = 10.0  # a data link's handshake, per connection (they run side by side,
+#                            so strays cost nothing)
+LINK_POLL_S = 0.01  # a node's accept waits this long while handshakes are under way,
+LINK_IDLE_POLL_S = 0.2  # and this long without
+MAX_SKEW_S = 60.0  # a signed control request older (or newer) than this is refused: clocks
+#                    must agree within it
+CONTROL_SOCKET_TIMEOUT_S = 20.0  # a control connection's each read and write
+CONTROL_MIN_BODY_RATE = 1 << 16  # bytes/s a control request's body arrives at, on average,
+#                                  at the least
+REJOIN_CHECK_S = 2.0  # how often a starter asks a lost worker whether it is back
+RING_SHUTDOWN_WAIT_S = 2.0  # a ring's shutdown message waits this long to come back
+WORKER_READY_TIMEOUT_S = 60.0  # a local ring's worker process says it is ready within this
+REAP_INTERVAL_S = 1.0  # how often a local ring looks for dead worker processes
+RESPAWN_FIRST_S = 1.0  # a dead worker is started again this long after it was seen dead
+RESPAWN_MAX_S = 30.0  # the pause doubles, up to this, while restarts keep dying
+RESPAWN_STABLE_S = 60.0  # a restart that lived this long resets the pause and the count
 BUSY_POLL_US = 200  # a node waiting for a frame polls its link this long before it sleeps:
 #                   a frame that comes sooner costs no wake-up (0: sleep at once)
 MAX_BUSY_POLL_US = 100_000
@@ -66,6 +90,18 @@ ACCEPT_BACKOFF_S = (0.05, 1.0)  # an accept that fails for want of descriptors o
 #                                 the second, doubling, before it tries again
 LOG_SUMMARY_S = 10.0  # repeated refusals are logged once, then summarised once per this
 LIMIT_NOFILE = 65536  # the systemd units' LimitNOFILE (systemd's default soft limit is 1024)
+
+# the OpenAI API
+API_HEAD_TIMEOUT_S = 10.0  # a connection's request line and headers arrive within this, or it
+#                            closes
+API_BODY_TIMEOUT_S = 30.0  # a request's body arrives within this, or it is a 408
+API_START_TIMEOUT_S = 30.0  # the API's server thread is listening within this
+API_SLOTS = 8  # KV slots the API's requests share (`serve --slots`, `starter --slots`)
+API_CONTEXT = 4096  # tokens per slot unless asked: a model's own may be 128k (KV memory)
+API_MAX_WAITING = 32  # requests waiting for slots before a 429 (`serve --max-queue`)
+MAX_QUEUE = 64  # the scheduler's own bound on waiting requests, and --max-queue's largest
+API_MAX_BODY = 1 << 20  # bytes of a request's body (413 past it)
+SHOWN_SETUP_S = 0.05  # a generation's line names its set-up from this many seconds (JSON always)
 
 # held-out text of the quality measurements (calibrate-exit, bench --compression/--early-exit)
 HELD_OUT_SHARE = 0.1  # the share at the end of a --text file held out (NanoLlama's validation

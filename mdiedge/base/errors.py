@@ -1,9 +1,13 @@
 """The one exception hierarchy of mdiedge.
 
 Every error a user can cause (bad input, bad files, a dead node) is an ``MdiedgeError``;
-the CLI prints its message on one line and exits non-zero.
+the CLI prints its message on one line and exits non-zero. Every exception class of the
+package is defined here (tests/test_facts.py checks it), the API's and the control plane's
+included: their HTTP statuses are mapped where they are served.
 """
 from __future__ import annotations
+
+from typing import Dict, Optional
 
 
 class MdiedgeError(Exception):
@@ -14,6 +18,16 @@ class MdiedgeError(Exception):
 
 class ConfigError(MdiedgeError, ValueError):
     """A model or ring configuration is invalid (missing key, wrong type, bad value)."""
+
+
+class BadValue(ConfigError):
+    """A value does not fit a check of ``mdiedge.base.values``: ``expected`` says what would;
+    ``shown`` replaces the value in the message (a secret). The settings and the command line
+    catch it and name the key or option and the value."""
+
+    def __init__(self, expected: str, shown: Optional[str] = None) -> None:
+        super().__init__(expected)
+        self.expected, self.shown = expected, shown
 
 
 class UsageError(ConfigError):
@@ -40,6 +54,11 @@ class GenerationError(MdiedgeError, ValueError):
     """A generation request cannot be served (e.g. prompt plus budget beyond the context)."""
 
 
+class ConversationError(GenerationError):
+    """A chat template refused the conversation (its ``raise_exception``): the messages break
+    the template's rules, e.g. roles that do not alternate."""
+
+
 class QueueFull(GenerationError):
     """Too many requests wait for KV slots already: try again later (HTTP 429)."""
 
@@ -63,6 +82,15 @@ class PartitionError(MdiedgeError, ValueError):
 
 class RingError(MdiedgeError):
     """A node of the ring failed, timed out, or refused a request."""
+
+
+class AuthError(RingError):
+    """A peer failed authentication (wrong or missing secret, replay, stale request)."""
+
+
+class Conflict(MdiedgeError):
+    """A node cannot take a control request in its current state (HTTP 409), e.g. a worker
+    that serves another starter."""
 
 
 class LinkMismatch(RingError):
@@ -102,3 +130,30 @@ class ContextExceeded(GenerationError):
     """A prompt and its token budget do not fit the context they would run in (the model's,
     a server's slots, a pipeline's): the API's 400 ``context_length_exceeded``, the CLI's
     one line."""
+# status -> OpenAI's error type
+API_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                   404: "invalid_request_error", 405: "invalid_request_error",
+                   408: "invalid_request_error", 413: "invalid_request_error",
+                   422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+                   503: "service_unavailable"}
+
+
+class ApiError(MdiedgeError):
+    """An API request that ends with HTTP ``status`` and OpenAI's error body
+    ``{"error": {"message", "type", "param", "code"}}``; ``retry_after``: seconds for a 429's
+    or 503's ``Retry-After`` header. ``mdiedge.serving.api.errors.api_error`` maps every other
+    error onto one."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 code: Optional[str] = None, retry_after: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after
+
+    def to_json(self) -> Dict[str, Dict[str, Optional[str]]]:
+        return {"error": {"message": self.message,
+                          "type": API_ERROR_TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+    def headers(self) -> Dict[str, str]:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}

@@ -53,9 +53,9 @@ from .defaults import (BUSY_POLL_US, IDLE_TIMEOUT_S, MAX_BUSY_POLL_US, MAX_PAYLO
                        PREFILL_CHUNK, REBALANCE_MARGIN, RING_TIMEOUT_S, STALL_S,
                        STARTER_CONTROL_PORT, WORKER_CONTROL_PORT, WORKER_DATA_PORT)
 from .dtypes import COMPUTE_NAMES, QUANTIZERS
-from .errors import ConfigError
+from .errors import BadValue, ConfigError
 from .nodes import COMPRESSION_NAMES, NodeSpec
-from .values import (MIN_SECRET_BYTES, Bad, Check, boolean, choice, device_name, fraction,
+from .values import (MIN_SECRET_BYTES, Check, boolean, choice, device_name, fraction,
                      host_name, integer, layer_range, parse_bytes, positive, secret_value, show,
                      size, string)
 
@@ -158,7 +158,7 @@ _CODECS = choice(COMPRESSION_NAMES)
 def _quantizer(value: Any) -> str:
     """A ``--quantize`` type, as the command line takes it ("q8_0"), stored as "Q8_0"."""
     if not isinstance(value, str) or value.upper() not in QUANTIZERS:
-        raise Bad(f"one of {', '.join(q.lower() for q in QUANTIZERS)}")
+        raise BadValue(f"one of {', '.join(q.lower() for q in QUANTIZERS)}")
     return value.upper()
 
 
@@ -199,7 +199,7 @@ def _error(source: str, key: str, message: str) -> ConfigError:
     return ConfigError(f"{source}: {key}: {message}".replace("\n", " "))
 
 
-def _expected(source: str, key: str, value: Any, bad: Bad) -> ConfigError:
+def _expected(source: str, key: str, value: Any, bad: BadValue) -> ConfigError:
     shown = bad.shown if bad.shown is not None else show(value)
     return _error(source, key, f"expected {bad.expected}, got {shown}")
 
@@ -229,7 +229,7 @@ def _table(raw: Any, schema: Dict[str, Check], source: str, path: str,
             continue
         try:
             values[name] = check(raw[name])
-        except Bad as bad:
+        except BadValue as bad:
             raise _expected(source, _key(path, name), raw[name], bad) from None
     return values
 

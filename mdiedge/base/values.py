@@ -1,7 +1,7 @@
 """The value checks of the settings schemas (:mod:`mdiedge.base.settings`): each takes a
-value read from TOML and returns it converted, or raises :class:`Bad` saying what it expected
-(``expected``, the text of the README key tables) and, where the value must not be quoted
-(a secret), what to show instead. Also :func:`parse_bytes`, the size strings of the command
+value read from TOML and returns it converted, or raises ``BadValue`` (of
+:mod:`mdiedge.base.errors`) saying what it expected (``expected``, the text of the README key
+tables) and, where the value must not be quoted (a secret), what to show instead. Also :func:`parse_bytes`, the size strings of the command
 line and the files (``"4GiB"``).
 
 This module needs no torch (it runs in the Python 3.8 CI job).
@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Optional, Tuple
 
-from .errors import ConfigError
+from .errors import BadValue, ConfigError
 
-__all__ = ["MIN_SECRET_BYTES", "Bad", "Check", "parse_bytes", "show", "is_int", "string",
+__all__ = ["MIN_SECRET_BYTES", "Span", "Check", "parse_bytes", "show", "is_int", "string",
            "host_name", "integer", "at_least", "positive", "fraction", "boolean", "choice",
            "device_name", "size", "layer_range", "secret_value", "toml_type"]
 
@@ -40,15 +41,45 @@ def parse_bytes(value: Any, where: str) -> int:
     raise ConfigError(f"{where}: expected a size such as 4GiB or 512MB, got {show(value)}")
 
 
-class Bad(Exception):
-    """A value does not fit: ``expected`` says what would; ``shown`` replaces the value."""
-
-    def __init__(self, expected: str, shown: Optional[str] = None) -> None:
-        super().__init__(expected)
-        self.expected, self.shown = expected, shown
-
-
 Check = Callable[[Any], Any]
+
+
+def _bound(x: float) -> str:
+    """A bound as messages write it: ``2``, ``0.5``, ``2**40`` (a large power of two)."""
+    if isinstance(x, int) and x >= 1 << 16 and x & (x - 1) == 0:
+        return f"2**{x.bit_length() - 1}"
+    return f"{x:g}"
+
+
+@dataclass(frozen=True)
+class Span:
+    """The numbers a value may take, the one statement of a range that the command line, the
+    API and the library check against: ``low`` to ``high`` (None: any finite number above),
+    each end closed unless named open, whole numbers only when ``integer``."""
+
+    low: float
+    high: Optional[float] = None
+    integer: bool = False
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            return False
+        if not (value > self.low if self.low_open else value >= self.low):
+            return False
+        if self.high is None:
+            return value < math.inf
+        return value < self.high if self.high_open else value <= self.high
+
+    @property
+    def expected(self) -> str:
+        """What a message says a value should be: ``a number in (0, 1]``, ``an integer >= 0``."""
+        kind = "an integer" if self.integer else "a number"
+        if self.high is None:
+            return f"{kind} {'>' if self.low_open else '>='} {_bound(self.low)}"
+        return (f"{kind} in {'(' if self.low_open else '['}{_bound(self.low)}, "
+                f"{_bound(self.high)}{')' if self.high_open else ']'}")
 
 
 def show(value: Any, limit: int = 80) -> str:
@@ -68,14 +99,14 @@ def is_int(value: Any) -> bool:
 def string(what: str = "a non-empty string") -> Check:
     def check(value: Any) -> str:
         if not isinstance(value, str) or not value:
-            raise Bad(what)
+            raise BadValue(what)
         return value
     return check
 
 
 def host_name(value: Any) -> str:
     if not isinstance(value, str) or not value or any(c.isspace() for c in value):
-        raise Bad("a host name or address")
+        raise BadValue("a host name or address")
     return value
 
 
@@ -84,7 +115,7 @@ def integer(low: int, high: Optional[int] = None) -> Check:
 
     def check(value: Any) -> int:
         if not is_int(value) or value < low or (high is not None and value > high):
-            raise Bad(what)
+            raise BadValue(what)
         return int(value)
     return check
 
@@ -93,7 +124,7 @@ def at_least(low: float, strict: bool) -> Check:
     def check(value: Any) -> float:
         if (not isinstance(value, (int, float)) or isinstance(value, bool)
                 or not math.isfinite(value) or value < low or (strict and value == low)):
-            raise Bad(f"a number {'>' if strict else '>='} {low:g}")
+            raise BadValue(f"a number {'>' if strict else '>='} {low:g}")
         return float(value)
     return check
 
@@ -103,21 +134,21 @@ positive, fraction = at_least(0, strict=True), at_least(0, strict=False)
 
 def boolean(value: Any) -> bool:
     if not isinstance(value, bool):
-        raise Bad("true or false")
+        raise BadValue("true or false")
     return value
 
 
 def choice(options: Tuple[str, ...]) -> Check:
     def check(value: Any) -> str:
         if not isinstance(value, str) or value not in options:
-            raise Bad(f"one of {', '.join(options)}")
+            raise BadValue(f"one of {', '.join(options)}")
         return value
     return check
 
 
 def device_name(value: Any) -> str:
     if not isinstance(value, str) or not re.fullmatch(r"cpu|cuda(:[0-9]{1,3})?", value):
-        raise Bad("cpu, cuda or cuda:N")
+        raise BadValue("cpu, cuda or cuda:N")
     return value
 
 
@@ -125,22 +156,22 @@ def size(value: Any) -> int:
     try:
         return parse_bytes(value, "")
     except ConfigError:
-        raise Bad("a size in bytes such as 4GiB, 512MB or 4096") from None
+        raise BadValue("a size in bytes such as 4GiB, 512MB or 4096") from None
 
 
 def layer_range(value: Any) -> Tuple[int, int]:
     if (not isinstance(value, list) or len(value) != 2 or not all(is_int(v) for v in value)
             or not 0 <= value[0] < value[1]):
-        raise Bad("[first, last] with 0 <= first < last")
+        raise BadValue("[first, last] with 0 <= first < last")
     return int(value[0]), int(value[1])
 
 
 def secret_value(value: Any) -> str:
     if not isinstance(value, str):
-        raise Bad("a string", toml_type(value))
+        raise BadValue("a string", toml_type(value))
     n = len(value.encode("utf-8", "surrogatepass"))
     if n < MIN_SECRET_BYTES:
-        raise Bad(f"a secret of at least {MIN_SECRET_BYTES} bytes", f"{n} bytes (not shown)")
+        raise BadValue(f"a secret of at least {MIN_SECRET_BYTES} bytes", f"{n} bytes (not shown)")
     return value
 
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-__all__ = ["plural", "block_range", "SHOWN_SETUP_S"]
-
-SHOWN_SETUP_S = 0.05  # a generation's line names its set-up from this many seconds (JSON always)
+__all__ = ["plural", "block_range"]
 
 
 def plural(n: int, word: str, many: Optional[str] = None) -> str:

@@ -81,25 +81,28 @@ def usage_errors() -> Iterator[None]:
 def check_sampling(max_new_tokens: int, samples: int, temperature: float, top_k: int,
                    top_p: float, seed: Optional[int]) -> None:
     """``generate``'s budget and sampling values, with no torch (SamplingParams' ranges)."""
-    need(max_new_tokens >= 1, "-n/--max-new-tokens", max_new_tokens, "an integer >= 1")
+    span = defaults.MAX_NEW_TOKENS_RANGE
+    need(max_new_tokens in span, "-n/--max-new-tokens", max_new_tokens, span.expected)
     need(1 <= samples <= defaults.MAX_SAMPLES, "--samples", samples,
          f"an integer 1..{defaults.MAX_SAMPLES}")
-    need(0 <= temperature < float("inf"), "--temperature", temperature,
-         "a finite number >= 0 (0: greedy)")
-    need(top_k >= 0, "--top-k", top_k, "an integer >= 0 (0: off)")
-    need(0 < top_p <= 1, "--top-p", top_p, "a number in (0, 1] (1: off)")
-    need(seed is None or 0 <= seed < 2 ** 40, "--seed", seed, "an integer 0..2**40-1")
+    for option, value, span, note in (
+            ("--temperature", temperature, defaults.TEMPERATURE_RANGE, " (0: greedy)"),
+            ("--top-k", top_k, defaults.TOP_K_RANGE, " (0: off)"),
+            ("--top-p", top_p, defaults.TOP_P_RANGE, " (1: off)"),
+            ("--seed", seed, defaults.SEED_RANGE, "")):
+        need(value is None or value in span, option, value, span.expected + note)  # seed: None
 
 
 def check_device(device: str, dtype: str) -> None:
     """``--device`` and ``--dtype`` spelled as a device and a compute dtype (whether the
     device exists is known once torch is loaded)."""
     from ..base.dtypes import COMPUTE_NAMES
-    from ..base.values import Bad, device_name
+    from ..base.errors import BadValue
+    from ..base.values import device_name
 
     try:
         device_name(device)
-    except Bad as e:
+    except BadValue as e:
         need(False, "--device", device, e.expected)
     need(dtype in COMPUTE_NAMES, "--dtype", dtype, "one of " + ", ".join(COMPUTE_NAMES))
 

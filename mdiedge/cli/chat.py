@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 from ..base import defaults
 from ..base.errors import GenerationError
 from .app import (
+    check_sampling,
     temperature_option,
     top_k_option,
     top_p_option,
@@ -117,7 +118,7 @@ class ChatSession:
         return tried[dropped]
 
     def _render(self, user: str) -> str:
-        from ..serving.api.errors import ApiError
+        from ..base.errors import ApiError
 
         try:
             return str(self.template.render(self.conversation.messages(user)))
@@ -237,15 +238,13 @@ def chat(
     no_encrypt: bool = no_encrypt_option(),
 ) -> None:
     """Chat with an instruct model through its chat template (interactive, or one --message)."""
-    import secrets
-
-    need(max_new_tokens >= 1, "-n/--max-new-tokens", max_new_tokens, "an integer >= 1")
+    check_sampling(max_new_tokens, 1, temperature, top_k, top_p, seed)
     need(ring is not None or nodes >= 1, "--nodes", nodes, "an integer >= 1")
     need(message is None or bool(message.strip()), "--message", message, "some text")
     changes = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize,
                            no_encrypt)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p,
-                    seed=secrets.randbelow(2 ** 31) if seed is None else seed)
+                    seed=defaults.random_seed() if seed is None else seed)
     spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, changes)
     from ..model.sampling import SamplingParams
 

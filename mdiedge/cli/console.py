@@ -7,7 +7,8 @@ import os
 import sys
 from typing import Any, Callable, Dict, List
 
-from ..base.words import SHOWN_SETUP_S, block_range, plural
+from ..base.defaults import SHOWN_SETUP_S
+from ..base.words import block_range, plural
 
 __all__ = ["Progress", "print_status", "refused", "starter_nodes", "timing_line"]
 

@@ -211,7 +211,7 @@ def starter_command(
     api_host: str = typer.Option("127.0.0.1", help="Address of the API."),
     api_key_file: Optional[str] = typer.Option(None, help="File holding the API key (default: "
                                                "$MDIEDGE_API_KEY; none: no key)."),
-    slots: int = typer.Option(8, help="KV slots the API's requests share."),
+    slots: int = typer.Option(defaults.API_SLOTS, help="KV slots the API's requests share."),
     early_exit: Optional[str] = early_exit_option(),
     exit_threshold: Optional[str] = exit_threshold_option(),
     no_encrypt: bool = no_encrypt_option(),

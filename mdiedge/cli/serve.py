@@ -13,6 +13,7 @@ import typer
 if TYPE_CHECKING:
     from ..engine.facade import Engine
 
+from ..base import defaults
 from .app import (app, check_device, check_early_exit, check_log_level, check_port,
                   device_option, dtype_option, model_option, tokenizer_option, engine_spec,
                   open_checked,
@@ -21,10 +22,6 @@ from .app import (app, check_device, check_early_exit, check_log_level, check_po
                   prefill_chunk_option, quantize_option, recover_option, recovery_options,
                   stall_timeout_option, ring_options, no_encrypt_option)
 
-API_PORT = 8000
-SLOTS = 8
-MAX_WAITING = 32  # requests waiting for slots before a 429 (at most rules.MAX_QUEUE)
-MAX_BODY = 1 << 20
 
 
 def check_api_options(slots: int, context: int, max_queue: int, max_body: int,
@@ -32,10 +29,10 @@ def check_api_options(slots: int, context: int, max_queue: int, max_body: int,
     check_port("--port", port)
     check_log_level(log_level)
     need(1 <= slots <= 256, "--slots", slots, "an integer 1..256")
-    need(context >= 0, "--context", context, "an integer >= 0 (0: the model's, at most 4096)")
-    from ..serving.api.rules import MAX_QUEUE
-
-    need(0 <= max_queue <= MAX_QUEUE, "--max-queue", max_queue, f"an integer 0..{MAX_QUEUE}")
+    need(context >= 0, "--context", context,
+         f"an integer >= 0 (0: the model's, at most {defaults.API_CONTEXT})")
+    need(0 <= max_queue <= defaults.MAX_QUEUE, "--max-queue", max_queue,
+         f"an integer 0..{defaults.MAX_QUEUE}")
     need(1024 <= max_body <= 1 << 30, "--max-body", max_body, "a number of bytes 1024..2**30")
 
 
@@ -82,12 +79,12 @@ def starter_api(engine: "Engine", port: Optional[int], host: str, key_file: Opti
     if port is None:
         return None
     check_port("--api-port", port)
-    check_api_options(slots, 0, MAX_WAITING, MAX_BODY)
+    check_api_options(slots, 0, defaults.API_MAX_WAITING, defaults.API_MAX_BODY)
     key = api_key_for(host, key_file, insecure)
     from ..serving.api.server import listen
 
-    return open_api(engine, listen(host, port), slots, 0, MAX_WAITING, MAX_BODY, key, None,
-                    log_level)
+    return open_api(engine, listen(host, port), slots, 0, defaults.API_MAX_WAITING,
+                    defaults.API_MAX_BODY, key, None, log_level)
 
 
 @app.command()
@@ -95,7 +92,7 @@ def starter_api(engine: "Engine", port: Optional[int], host: str, key_file: Opti
 def serve(
     host: str = typer.Option("127.0.0.1", help="Address of the API (another than loopback "
                              "needs an API key, or --insecure)."),
-    port: int = typer.Option(API_PORT, help="Port of the API (0: any free port)."),
+    port: int = typer.Option(defaults.API_PORT, help="Port of the API (0: any free port)."),
     model: Optional[str] = model_option(),
     tokenizer: Optional[str] = tokenizer_option(),
     model_name: Optional[str] = typer.Option(None, help="Model id of the API (default: the "
@@ -105,13 +102,13 @@ def serve(
     ring: Optional[str] = typer.Option(None, help="Ring file (TOML) of running workers."),
     device: str = device_option(),
     dtype: str = dtype_option(),
-    slots: int = typer.Option(SLOTS, help="KV slots: samples decoded at once, shared by all "
+    slots: int = typer.Option(defaults.API_SLOTS, help="KV slots: samples decoded at once, shared by all "
                               "requests."),
     context: int = typer.Option(0, help="Tokens per slot, prompt plus completion (0: the "
-                                "model's context, at most 4096)."),
-    max_queue: int = typer.Option(MAX_WAITING, help="Requests that may wait for free slots; "
+                                f"model's context, at most {defaults.API_CONTEXT})."),
+    max_queue: int = typer.Option(defaults.API_MAX_WAITING, help="Requests that may wait for free slots; "
                                   "more are refused with 429."),
-    max_body: int = typer.Option(MAX_BODY, help="Largest request body in bytes (413 past it)."),
+    max_body: int = typer.Option(defaults.API_MAX_BODY, help="Largest request body in bytes (413 past it)."),
     api_key_file: Optional[str] = typer.Option(None, help="File holding the API key clients "
                                                "send as 'Authorization: Bearer KEY' (default: "
                                                "$MDIEDGE_API_KEY; none: no key)."),

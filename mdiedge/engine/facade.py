@@ -22,7 +22,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..base import defaults
 from ..base.errors import MdiedgeError
-from ..base.words import SHOWN_SETUP_S, plural
+from ..base.defaults import SHOWN_SETUP_S
+from ..base.words import plural
 from ..model.checkpoint import check_checkpoint, load_config, resolve_model_path
 from ..model.fit import check_tokenizer
 from ..model.exitfiles import ExitSettings

@@ -3,6 +3,7 @@ a ring's proportions (tests and the quality guard compare those with a real ring
 from __future__ import annotations
 
 import threading
+import time
 from typing import List, Optional, Sequence
 
 from ..model.checkpoint import content_hash, load_model
@@ -13,7 +14,7 @@ from ..roles.exitparts import starter_policy
 from ..runtime.pipeline import ModelEnds, Pipeline
 from ..runtime.scheduler import Scheduler
 from ..runtime.stages import LocalStage
-from ..runtime.protocol import NodeStatus
+from ..runtime.protocol import NodeStatus, busy_fraction
 from .facade import Engine, PathLike, TextModel
 
 
@@ -63,11 +64,11 @@ class LocalEngine(Engine):
         """This process as the one node: its blocks, its share of time computing and the KV
         slots its requests hold."""
         scheduler = self.scheduler
-        stats = scheduler.stats if scheduler is not None else None
-        busy = stats.compute_s / stats.wall_s if stats is not None and stats.wall_s else 0.0
+        busy = 0.0 if scheduler is None else busy_fraction(
+            scheduler.stats.compute_s, time.time() - scheduler.pipeline.stages[0].counters.since)
         idle = scheduler is None or scheduler.idle
         return [NodeStatus("starter", "local", "ready" if idle else "busy",
-                           layers=[0, self.cfg.n_layers], busy_fraction=round(busy, 4),
+                           layers=[0, self.cfg.n_layers], busy_fraction=busy,
                            slots_in_use=scheduler.slots_in_use if scheduler is not None else 0)]
 
     def kv_fill_s(self) -> float:

@@ -60,12 +60,11 @@ def _u64(byte_order: str) -> str:
     return (host if byte_order == "I" else {"<": ">", ">": "<"}[host]) + "Q"
 
 
-class _OutOfFile(Exception):
-    """A read of bytes [start, end) of a file that has fewer."""
-
-
-class _UnknownType(Exception):
-    """A tensor (name) of a ggml type number that gguf does not know."""
+def _out_of_file(start: int, end: int, size: int) -> CheckpointError:
+    """A read of bytes [start, end) of a file of ``size`` bytes (``open_reader`` prefixes the
+    file's name)."""
+    return CheckpointError(f"truncated GGUF file, or an offset beyond its end (bytes "
+                           f"{start}..{end} asked for, the file has {size})")
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,14 +80,15 @@ def _reader_class() -> type:
                  ) -> np.ndarray:
             end = int(offset) + np.dtype(dtype).itemsize * int(count)
             if end > len(self.data):
-                raise _OutOfFile(int(offset), end)
+                raise _out_of_file(int(offset), end, len(self.data))
             return super()._get(offset, dtype, count, override_order)
 
         def _get_tensor_info_field(self, orig_offs: int) -> Any:
             field = super()._get_tensor_info_field(orig_offs)
             kind = int(field.parts[4][0])
             if kind not in known:
-                raise _UnknownType(bytes(field.parts[1]).decode("utf-8", "replace"), kind)
+                name = bytes(field.parts[1]).decode("utf-8", "replace")
+                raise CheckpointError(f"tensor {name!r} has an unknown ggml type {kind}")
             return field
 
         def _get_field_parts(self, orig_offs: int, raw_type: int) -> Tuple[int, list, list, list]:
@@ -111,10 +111,10 @@ def _reader_class() -> type:
             fmt = _u64(self.byte_order)
             for _ in range(count):
                 if offs + 8 > size:
-                    raise _OutOfFile(offs, offs + 8)
+                    raise _out_of_file(offs, offs + 8, size)
                 offs += 8 + struct.unpack_from(fmt, view, offs)[0]
             if offs > size:
-                raise _OutOfFile(offs, offs)
+                raise _out_of_file(offs, offs, size)
             return offs
 
     return Reader
@@ -124,18 +124,11 @@ def open_reader(path: PathLike) -> Any:
     """The file's reader (memory-mapped copy-on-write: the file is never written); any failure
     to parse it is one CheckpointError naming the file."""
     path = Path(path)
+    reader = _reader_class()  # a missing gguf package: its own CheckpointError
     try:
-        size = path.stat().st_size
-        return _reader_class()(path, "c")
-    except CheckpointError:
-        raise
-    except _OutOfFile as e:
-        start, end = e.args
-        raise CheckpointError(f"{path}: truncated GGUF file, or an offset beyond its end (bytes "
-                              f"{start}..{end} asked for, the file has {size})") from None
-    except _UnknownType as e:
-        raise CheckpointError(f"{path}: tensor {e.args[0]!r} has an unknown ggml type "
-                              f"{e.args[1]}") from None
+        return reader(path, "c")
+    except CheckpointError as e:  # the reader's bounds and type checks
+        raise CheckpointError(f"{path}: {e}") from None
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
     except Exception as e:  # gguf raises ValueError, KeyError, IndexError, ... on bad input

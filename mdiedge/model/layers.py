@@ -11,10 +11,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..base.accel import select
+from ..base.accel import Twins
+from . import _pymatvec
 from .config import ModelConfig
 
-_matvec = select("matvec")
+try:
+    from . import _cmatvec
+except ImportError:  # not built: the twin serves
+    _cmatvec = None  # type: ignore[assignment]
+
+MATVEC = Twins(_pymatvec, _cmatvec)
+_matvec = MATVEC.select()
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:

@@ -24,13 +24,19 @@ from typing import Any, Dict, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..base.accel import select
+from ..base.accel import Twins
 from ..base.errors import CheckpointError, QuantError
+from . import _pyquant
 from .layers import Linear
 from .quant import TYPES, check_blocks, qtype_of, quantize, row_bytes
 from .quant_device import dequantize_on_device
 
-_quant = select("quant")
+try:
+    from . import _cquant
+except ImportError:  # not built: the twin serves
+    _cquant = None  # type: ignore[assignment]
+QUANT = Twins(_pyquant, _cquant)
+_quant = QUANT.select()
 KERNEL_ROWS = 8  # rows the compiled product takes; more are a prefill
 TILE_BYTES = 4 << 20  # float32 bytes of the de-quantized tile a prefill multiplies by
 

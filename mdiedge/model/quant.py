@@ -4,7 +4,7 @@ This module is the one source of the facts: which weight types exist, their ggml
 elements and bytes per block (``TYPES``), the bytes of a row (``row_bytes``), the reference
 de-quantizer (``dequantize``) and quantizer (``quantize``, for Q8_0, Q4_0 and Q4_1), and the
 argument checks that both implementations of the quantized product (``ext/_cquant.pyx`` and
-``mdiedge/model/_pyquant.py``, selected by ``mdiedge.base.accel``) apply at their boundary.
+``mdiedge/model/_pyquant.py``, selected in ``mdiedge.model.qlayers``) apply at their boundary.
 
 A weight of ``out`` rows and ``in`` columns is a uint8 array (out, row_bytes): each row is
 ``in / block`` blocks laid out as ggml's ``block_<type>`` structs (ggml-common.h):

@@ -28,15 +28,12 @@ class SamplingParams:
     seed: int = defaults.SEED
 
     def __post_init__(self) -> None:
-        if not 0 <= self.temperature < float("inf"):
-            raise GenerationError(f"temperature must be a finite number >= 0, got "
-                                  f"{self.temperature!r}")
-        if self.top_k < 0:
-            raise GenerationError(f"top_k must be >= 0, got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise GenerationError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not 0 <= self.seed < 2 ** 40:
-            raise GenerationError(f"seed must be in [0, 2**40), got {self.seed!r}")
+        for name, span in (("temperature", defaults.TEMPERATURE_RANGE),
+                           ("top_k", defaults.TOP_K_RANGE), ("top_p", defaults.TOP_P_RANGE),
+                           ("seed", defaults.SEED_RANGE)):
+            value = getattr(self, name)
+            if value not in span:
+                raise GenerationError(f"{name}: expected {span.expected}, got {value!r}")
 
     @property
     def greedy(self) -> bool:

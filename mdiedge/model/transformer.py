@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..base.accel import select
+from ..base.accel import Twins
+from . import _pystep
 from ._stepspec import BlockWeights
 from .block import KVCache, step_matrix
 from .config import ModelConfig
@@ -29,7 +30,12 @@ from .fit import check_memory
 from .layers import Linear, RMSNorm, rope_tables, transposed_head_pays
 
 _NO_SLOTS = torch.empty(0, dtype=torch.long)
-_step = select("step")
+try:
+    from . import _cstep
+except ImportError:  # not built: the twin serves
+    _cstep = None  # type: ignore[assignment]
+STEP = Twins(_pystep, _cstep)
+_step = STEP.select()
 
 
 class Transformer(nn.Module):

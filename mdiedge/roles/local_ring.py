@@ -28,13 +28,9 @@ from typing import Dict, List, Optional, Tuple
 
 from ..base import defaults
 from ..base.errors import RingError
+from ..base.defaults import REAP_INTERVAL_S, RESPAWN_FIRST_S, RESPAWN_MAX_S, RESPAWN_STABLE_S, WORKER_READY_TIMEOUT_S
 from ..base.nodes import NodeSpec
 
-READY_TIMEOUT_S = 60.0
-REAP_INTERVAL_S = 1.0
-RESPAWN_FIRST_S = 1.0  # a dead worker is started again this long after it was seen dead
-RESPAWN_MAX_S = 30.0  # the pause doubles, up to this, while restarts keep dying
-RESPAWN_STABLE_S = 60.0  # a restart that lived this long resets the pause and the count
 RESPAWN_TRIES = 5  # restarts in a row that died (or did not start) before it is given up
 
 log = logging.getLogger("mdiedge.local_ring")
@@ -202,14 +198,14 @@ class LocalRing:
 
     def _ready_line(self, proc: subprocess.Popen, name: str) -> str:
         assert proc.stdout is not None
-        deadline = time.monotonic() + READY_TIMEOUT_S
+        deadline = time.monotonic() + WORKER_READY_TIMEOUT_S
         while time.monotonic() < deadline:
             readable, _, _ = _select.select([proc.stdout], [], [], 0.2)
             if readable:
                 return proc.stdout.readline().decode(errors="replace")
             if proc.poll() is not None:
                 raise RingError(f"worker {name} exited with code {proc.returncode} before it was ready")
-        raise RingError(f"worker {name} was not ready within {READY_TIMEOUT_S:.0f} s")
+        raise RingError(f"worker {name} was not ready within {WORKER_READY_TIMEOUT_S:.0f} s")
 
     def stop(self) -> None:
         self._stopped.set()

@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Sequence
 
 from ..base import defaults
 from ..base.errors import RingError
+from ..base.defaults import REJOIN_CHECK_S
 from ..base.nodes import NodeSpec
 from ..runtime.control import ControlClient
 from ..placement.partition import choose_members
@@ -18,7 +19,6 @@ from ..runtime.ring import probe_all
 
 log = logging.getLogger("mdiedge.starter")
 
-REJOIN_CHECK_S = 2.0  # how often a lost worker is asked whether it is back
 
 
 class Membership:

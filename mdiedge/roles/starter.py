@@ -21,7 +21,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 from .. import __version__
 from ..base import defaults
 from ..base.codecs import Compression
-from ..base.errors import ConfigError, GenerationError, NodeLost, PartitionError, RingError
+from ..base.errors import (ConfigError, Conflict, GenerationError, NodeLost, PartitionError,
+                           RingError)
 from ..base.memory import max_rss_bytes, rss_bytes
 from ..base.nodes import NodeSpec, StarterOptions
 from ..base.words import block_range
@@ -30,13 +31,13 @@ from ..model.exitfiles import ExitSettings
 from ..model.families import config_to_hf
 from ..model.devices import itemsize, parse_device, parse_dtype
 from ..runtime.auth import Authenticator
-from ..runtime.control import Conflict, ControlClient, round_trip_ms
+from ..runtime.control import ControlClient, round_trip_ms
 from ..runtime.links import LinkPair, accept_authenticated, bind, close_links, close_quietly, \
     connect_authenticated, tcp_listen
 from ..placement.partition import Placement, partition
 from ..runtime.pipeline import ModelEnds, Pipeline
 from ..runtime.protocol import (MAX_SLOTS, Assignment, AssignReply, ConnectRequest, ModelRef,
-                                NodeStatus)
+                                NodeStatus, busy_fraction)
 from ..runtime.scheduler import Scheduler, prefill_rows
 from ..runtime.stages import LocalStage
 from ..placement import balance
@@ -427,7 +428,7 @@ def starter_status(starter: RingStarter) -> NodeStatus:
         status.slots_in_use = scheduler.slots_in_use
         status.messages, status.tokens = stats.messages, stats.tokens
         status.compute_s = round(stats.compute_s, 6)
-        status.busy_fraction = round(stats.compute_s / stats.wall_s, 4) if stats.wall_s else 0.0
+        status.busy_fraction = busy_fraction(stats.compute_s, time.time() - stage.counters.since)
     if starter.tail is not None:
         status.links = starter.tail.links.stats()
     status.lost = sorted(dict(starter.membership.lost))

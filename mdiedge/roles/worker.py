@@ -21,17 +21,18 @@ from typing import Any, Dict, Optional
 from .. import __version__
 from ..base import defaults
 from ..base.codecs import Compression
-from ..base.errors import ConfigError, MdiedgeError, RingError
+from ..base.errors import ConfigError, Conflict, MdiedgeError, RingError
 from ..base.memory import max_rss_bytes, rss_bytes
 from ..base.words import block_range
 from ..model.checkpoint import content_hash, load_config, load_model, resolve_model_path
 from ..model.devices import parse_device, parse_dtype
 from ..runtime import messages
 from ..runtime.auth import Authenticator, is_loopback
-from ..runtime.control import Conflict, ControlServer, round_trip_ms
+from ..runtime.control import ControlServer, round_trip_ms
 from ..runtime.links import LinkDown, LinkPair, accept_authenticated, bind, close_links, \
     close_quietly, connect_authenticated, tcp_listen
-from ..runtime.protocol import Assignment, AssignReply, ConnectRequest, ModelRef, NodeStatus
+from ..runtime.protocol import (Assignment, AssignReply, ConnectRequest, ModelRef, NodeStatus,
+                                busy_fraction)
 from ..runtime.stages import LocalStage, inference
 from .exitparts import cache_suffix, extra_bytes, has_parts, keep_sent_classifier, worker_policy
 
@@ -173,8 +174,7 @@ class WorkerNode:
             c = stage.counters
             status.slots_in_use, status.messages, status.tokens = stage.slots_in_use, c.messages, c.tokens
             status.compute_s, status.kv_fill_s = round(c.compute_s, 6), round(c.kv_fill_s, 6)
-            wall = time.time() - c.since
-            status.busy_fraction = round(c.compute_s / wall, 4) if wall > 0 else 0.0
+            status.busy_fraction = busy_fraction(c.compute_s, time.time() - c.since)
         return status.to_json()
 
     def assign(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:

@@ -43,11 +43,11 @@ import time
 from typing import Dict, Mapping, Optional
 
 from ..base.codecs import NO_COMPRESSION, Compression
+from ..base.defaults import MAX_SKEW_S
 from .seal import LinkKeys, derive
-from ..base.errors import CodecMismatch, ConfigError, RingError, SealMismatch
+from ..base.errors import AuthError, CodecMismatch, ConfigError, SealMismatch
 
 
-MAX_SKEW_S = 60.0
 HEADER_TS, HEADER_NONCE, HEADER_MAC = "X-Mdiedge-Timestamp", "X-Mdiedge-Nonce", "X-Mdiedge-Mac"
 HEADER_BODY, HEADER_NODE = "X-Mdiedge-Body-Sha256", "X-Mdiedge-Node"
 HEADER_REPLY = "X-Mdiedge-Reply-Mac"
@@ -57,10 +57,6 @@ _MAX_NONCES = 10000
 _INSECURE_KEY = b"mdiedge-insecure-ring"
 _HELLO = b"MDIEHS3\0"  # 2: the link codecs in the handshake; 3: sealing
 _NONCE_BYTES = 32
-
-
-class AuthError(RingError):
-    """A peer failed authentication (wrong or missing secret, replay, stale request)."""
 
 
 def is_loopback(host: str) -> bool:

@@ -34,11 +34,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
 
-from .auth import HEADER_NONCE, HEADER_REPLY, MAX_SKEW_S, NODE_CHANGED, Authenticator
+from .auth import HEADER_NONCE, HEADER_REPLY, NODE_CHANGED, Authenticator
 from .protocol import NodeStatus
 from ..base import defaults
 from ..base.backoff import AcceptBackoff
-from ..base.errors import ListenError, MdiedgeError, RingError
+from ..base.defaults import CONTROL_MIN_BODY_RATE, CONTROL_SOCKET_TIMEOUT_S, MAX_SKEW_S
+from ..base.errors import Conflict, ListenError, MdiedgeError, RingError
 from ..base.nodes import NodeSpec
 from ..base.ratelog import Throttled
 
@@ -47,8 +48,6 @@ log = logging.getLogger("mdiedge.control")
 MAX_JSON_BODY = 1 << 20
 PUBLIC_PATHS = frozenset({"/ping"})  # {"pong": true, "node": its id}: RTTs, and what to sign for
 MAX_CONNECTIONS = defaults.MAX_CONTROL_CONNECTIONS
-SOCKET_TIMEOUT_S = 20.0
-MIN_BODY_RATE = 1 << 16  # bytes/s a request's body arrives at, on average, at the least
 _CHUNK = 1 << 20
 _LENGTH = re.compile(r"[0-9]{1,19}")
 _BUSY_BODY = b'{"error": "too many control connections"}'
@@ -58,16 +57,12 @@ _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\
 
 def body_deadline_s(length: int, timeout_s: float) -> float:
     """Seconds a request's body of ``length`` bytes may take to arrive: one socket timeout,
-    plus the body at ``MIN_BODY_RATE``, so a body trickled a byte at a time within each
+    plus the body at ``CONTROL_MIN_BODY_RATE``, so a body trickled a byte at a time within each
     read's timeout cannot hold its connection for ever."""
-    return timeout_s + length / MIN_BODY_RATE
+    return timeout_s + length / CONTROL_MIN_BODY_RATE
 
 
 Handler = Callable[[Dict[str, Any], bytes, Dict[str, str]], Dict[str, Any]]
-
-
-class Conflict(MdiedgeError):
-    """The node cannot take the request in its current state (HTTP 409)."""
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -355,7 +350,7 @@ class ControlServer:
         self.raw_routes = raw_routes or {}
         # its own id: a request signed for another node is refused here
         self.auth = (auth or Authenticator(None)).for_node(os.urandom(16).hex())
-        self.max_connections, self.timeout_s = MAX_CONNECTIONS, SOCKET_TIMEOUT_S
+        self.max_connections, self.timeout_s = MAX_CONNECTIONS, CONTROL_SOCKET_TIMEOUT_S
         self.slots = _Slots()
         self.refusals = Throttled(log, logging.WARNING, f"{what}: refused requests")
         try:

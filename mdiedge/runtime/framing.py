@@ -23,8 +23,8 @@ returns anything of it (an IntegrityError when the tag does not verify), and a f
 or not otherwise than the link agreed on is a FrameError.
 
 Every function takes ``impl`` to force one implementation (tests run both); by default it
-is ``select("framing")``: the compiled module unless disabled or not built. ``codec_impl``
-does the same for the codecs (``select("codec")``).
+is ``FRAMING.select()``: the compiled module unless disabled or not built. ``codec_impl``
+does the same for the codecs (``CODEC.select()``). This module owns both pairs.
 """
 from __future__ import annotations
 
@@ -37,12 +37,24 @@ import torch
 
 from ..base import dtypes
 from ..base.codecs import NONE, encoded_size
-from ..base.accel import select
+from ..base.accel import Twins
 from ..base.errors import FrameError
 from ._framingspec import FLAG_REWIND  # noqa: F401  (both implementations read the spec's)
+from . import _pycodec, _pyframing
 
-_impl: ModuleType = select("framing")
-_codec_impl: ModuleType = select("codec")
+try:
+    from . import _cframing
+except ImportError:  # not built: the twin serves
+    _cframing = None  # type: ignore[assignment]
+try:
+    from . import _ccodec
+except ImportError:
+    _ccodec = None  # type: ignore[assignment]
+
+FRAMING = Twins(_pyframing, _cframing)
+CODEC = Twins(_pycodec, _ccodec)
+_impl: ModuleType = FRAMING.select()
+_codec_impl: ModuleType = CODEC.select()
 
 MAGIC: bytes = _impl.MAGIC
 VERSION: int = _impl.VERSION

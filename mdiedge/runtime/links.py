@@ -33,20 +33,19 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Union
 
 from . import framing, messages
-from .auth import AuthError, Authenticator
+from .auth import Authenticator
 from .messages import Message
 from .seal import LinkKeys
 from ..base.backoff import AcceptBackoff
+from ..base.defaults import HANDSHAKE_TIMEOUT_S, LINK_IDLE_POLL_S, LINK_POLL_S
 from ..base.codecs import NO_COMPRESSION, Compression
-from ..base.errors import FrameError, IntegrityError, LinkMismatch, ListenError
+from ..base.errors import AuthError, FrameError, IntegrityError, LinkMismatch, ListenError
 from ..base.ratelog import Throttled
 
 log = logging.getLogger("mdiedge.links")
 _refused = Throttled(log, logging.WARNING, "refused data-link handshakes")  # strays, floods
 
-HANDSHAKE_TIMEOUT_S = 10.0  # per connection: handshakes run side by side, so strays cost nothing
 MAX_HANDSHAKES = 64  # handshakes under way on one listener; a flood closes the oldest
-POLL_S, IDLE_POLL_S = 0.01, 0.2  # accept's wait while handshakes are under way, and without
 
 
 @dataclass
@@ -235,14 +234,15 @@ def accept_authenticated(listener: socket.socket, auth: Authenticator, timeout: 
                 why = "cancelled" if left > 0 else f"within {timeout:.0f} s"
                 raise OSError(f"no authenticated previous node {why} ({handshakes.last})")
             try:
-                sock = accept(listener, min(left, POLL_S if handshakes.pending else IDLE_POLL_S))
+                wait = LINK_POLL_S if handshakes.pending else LINK_IDLE_POLL_S
+                sock = accept(listener, min(left, wait))
             except socket.timeout:
                 continue
             except OSError as e:  # a connection reset before accept(), out of descriptors
                 if listener.fileno() == -1:
                     raise
                 handshakes.last = f"accept failed: {e}"
-                time.sleep(min(backoff.wait_s(e) or POLL_S, max(0.0, left)))
+                time.sleep(min(backoff.wait_s(e) or LINK_POLL_S, max(0.0, left)))
                 continue
             backoff.ok()
             handshakes.start(sock)

@@ -211,9 +211,20 @@ class ConnectRequest:
                    _get(body, "session", str, ""), _get(body, "ring", str, ""), *codecs)
 
 
+def busy_fraction(compute_s: float, elapsed_s: float) -> float:
+    """How busy a node is, the one meaning of ``NodeStatus.busy_fraction`` (starter, worker,
+    the API's metrics, the bench): the share of ``elapsed_s`` seconds of wall time, counted
+    from when the node's stage was set up (or over a run's window), that it spent computing
+    (``compute_s`` over the same time), rounded to 4 places; 0 before any time has passed."""
+    if elapsed_s <= 0:
+        return 0.0
+    return round(min(1.0, max(0.0, compute_s / elapsed_s)), 4)
+
+
 @dataclass
 class NodeStatus:
-    """``GET /status`` of any node, starter or worker: the same keys for both."""
+    """``GET /status`` of any node, starter or worker: the same keys for both.
+    ``busy_fraction`` is ``busy_fraction(compute_s, seconds since the stage was set up)``."""
 
     role: str
     name: str
@@ -233,7 +244,7 @@ class NodeStatus:
     tokens: int = 0
     compute_s: float = 0.0
     kv_fill_s: float = 0.0  # early exit: KV fill of the blocks decode steps skipped
-    busy_fraction: float = 0.0
+    busy_fraction: float = 0.0  # busy_fraction(): compute_s over the time since set-up
     link_rtt_ms: Optional[float] = None
     uptime_s: float = 0.0
     pid: int = 0

@@ -20,6 +20,7 @@ import torch
 
 from ..base import defaults
 from ..base.errors import NodeLost, RingError
+from ..base.defaults import RING_SHUTDOWN_WAIT_S
 from ..base.nodes import NodeSpec
 from . import messages
 from .control import ControlClient
@@ -30,7 +31,6 @@ from .protocol import NodeStatus
 
 log = logging.getLogger("mdiedge.ring")
 
-SHUTDOWN_WAIT_S = 2.0
 
 
 def probe_all(clients: List[ControlClient], timeout: float) -> List[NodeStatus]:
@@ -130,7 +130,7 @@ class RingTail(Tail):
         links close. A broken ring just closes."""
         if self.broken is None and self.links.send_error is None:
             self.links.send(Message(messages.SHUTDOWN))
-            deadline = time.monotonic() + SHUTDOWN_WAIT_S
+            deadline = time.monotonic() + RING_SHUTDOWN_WAIT_S
             while time.monotonic() < deadline:
                 try:
                     item = self.links.receive(max(0.01, deadline - time.monotonic()))

@@ -30,6 +30,7 @@ from .plan import (MAX_FRUITLESS_RECOVERIES, Back, Decode, Part, QueueView, Rele
                    Waiter, group_size, prefill_chunks, prefill_rows)
 from .slots import MAX_SAMPLE_ID
 from .stages import LocalStage, inference
+from ..base import defaults
 from ..base.errors import GenerationError, MdiedgeError, NodeLost, QueueFull, RingError
 
 __all__ = ["MAX_FRUITLESS_RECOVERIES", "Scheduler", "group_size", "prefill_chunks",
@@ -281,7 +282,7 @@ class Scheduler:
     early (their exits are counted per request)."""
 
     def __init__(self, pipeline: Pipeline, ends: ModelEnds, prefill_chunk: int = 0,
-                 timeout_s: Optional[float] = None, max_waiting: int = 64, max_rows: int = 0,
+                 timeout_s: Optional[float] = None, max_waiting: int = defaults.MAX_QUEUE, max_rows: int = 0,
                  rebuild: Optional[Rebuild] = None, exit_layers: int = 0) -> None:
         self.pipeline, self.ends = pipeline, ends
         self.exit_layers, self.max_rows = exit_layers, max_rows or prefill_chunk

@@ -15,7 +15,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
@@ -35,6 +34,7 @@ from ..roles.local_ring import threads_per_node
 from ..engine.ring import RingEngine
 from .roofline import Roofline, mean_keys
 from ..runtime.generation import Generation
+from ..runtime.protocol import busy_fraction
 
 
 def random_checkpoint(preset_name: str, out: Path, tokenizer: Path, seed: int = 0) -> Path:
@@ -76,8 +76,8 @@ def run_config(model: Path, nodes: int, samples: int, new_tokens: int, context: 
         kv_read = [kv_read_per_row(stage.model, engine.cfg, n, context, new_tokens)
                    for n in blocks]
     wall = timing.total_s
-    busy = [scheduler.stats.compute_s / wall] + [
-        (a.compute_s - b.compute_s) / wall for a, b in zip(after, before)]
+    busy = [busy_fraction(scheduler.stats.compute_s, wall)] + [
+        busy_fraction(a.compute_s - b.compute_s, wall) for a, b in zip(after, before)]
     return {"nodes": nodes, "micro_batch": micro_batch, "tokens_per_s": timing.tokens_per_s,
             "decode_tokens_per_s": decode_rate(timing, samples), "busy_fraction": busy,
             "hop_overhead_us": statistics.median(rtt) / nodes * 1e6,
@@ -131,11 +131,12 @@ def _run_local(model: Path, samples: int, new_tokens: int, context: int,
                micro_batch: int) -> Dict[str, Any]:
     engine = open_engine(_spec(model, 1))
     assert isinstance(engine, LocalEngine)  # its one model's figures
-    t0 = time.process_time()
     timing = engine.run(_generation(engine.cfg, samples, new_tokens, context), micro_batch)
-    busy = [(time.process_time() - t0) / timing.total_s / torch.get_num_threads()]
+    assert engine.scheduler is not None  # set up by the run
+    busy = busy_fraction(engine.scheduler.stats.compute_s, timing.total_s)
     return {"nodes": 1, "micro_batch": micro_batch, "tokens_per_s": timing.tokens_per_s,
-            "decode_tokens_per_s": decode_rate(timing, samples), "busy_fraction": busy, "hop_overhead_us": None,
+            "decode_tokens_per_s": decode_rate(timing, samples), "busy_fraction": [busy],
+            "hop_overhead_us": None,
             "expert_load": engine.model.expert_load(),
             "peak_rss_bytes": [max_rss_bytes()],
             "weight_kv_bytes": [engine.model.parameter_bytes() + engine.model.kv_cache_bytes()],

@@ -6,9 +6,10 @@ sets a codec against ``none`` on
 - top-1 agreement and perplexity, teacher-forced over held-out text: the model runs in this
   process split at the very block boundaries a ring of ``nodes`` would use, and every hop's
   hidden states go through the codec's encode and decode (the same functions a link calls:
-  ``select("codec")``), the return hop to the starter included. The prefill codec and the
-  decode codec are each applied to every position (the ring applies the prefill codec to
-  prompts and the decode codec to generated tokens), and the worse of the two is reported;
+  ``CODEC.select()`` of ``mdiedge.runtime.framing``), the return hop to the starter
+  included. The prefill codec and the decode codec are each applied to every position (the
+  ring applies the prefill codec to prompts and the decode codec to generated tokens), and
+  the worse of the two is reported;
 - tokens per second and time to first token of the same generation on a real local ring.
 
 Held-out text: the last ``held_out`` fraction of ``text`` (NanoLlama was trained on the
@@ -23,7 +24,6 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..base.accel import select
 from ..base.codecs import NONE, Compression, encoded_size
 from ..base.nodes import NodeSpec, StarterOptions
 from ..model.sampling import SamplingParams
@@ -31,6 +31,7 @@ from ..base.defaults import RING_TIMEOUT_S
 from ..engine.facade import TextModel
 from ..engine.factory import EngineSpec, open_engine
 from ..roles.starter import Route
+from ..runtime.framing import CODEC
 from ..placement.partition import partition
 
 FRAME_HEADER = 48 + 8  # fixed header and one sample's table entry
@@ -40,7 +41,7 @@ def round_trip(x: torch.Tensor, codec: int, impl: Any = None) -> torch.Tensor:
     """``x`` after a link's encode and decode with ``codec``."""
     if codec == NONE:
         return x
-    impl = impl or select("codec")
+    impl = impl or CODEC.select()
     flat = x.detach().contiguous().reshape(-1)
     raw = np.empty(encoded_size(codec, flat.numel()), dtype=np.uint8)
     impl.encode(codec, flat.numpy(), raw)

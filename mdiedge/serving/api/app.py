@@ -19,11 +19,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .errors import ApiError, api_error
+from ...base.errors import ApiError
+from ...base.defaults import API_BODY_TIMEOUT_S
+from .errors import api_error
 from .metrics import CONTENT_TYPE
 from .responses import (ChatChunk, ChatCompletion, Choice, Completion, CompletionChunk,
                         ModelCard, new_id, sse)
-from .rules import BODY_TIMEOUT_S, authorized
+from .rules import authorized
 from .schema import ChatRequest, CompletionRequest, Options
 from ...model.stopping import TextStream
 from .service import ApiService, Run
@@ -61,14 +63,14 @@ async def read_json(request: Request, limit: int) -> Dict[str, Any]:
                        code="body_too_large")
     body = bytearray()
     chunks = request.stream().__aiter__()
-    deadline = time.monotonic() + BODY_TIMEOUT_S
+    deadline = time.monotonic() + API_BODY_TIMEOUT_S
     while True:
         try:
             chunk = await asyncio.wait_for(chunks.__anext__(), deadline - time.monotonic())
         except StopAsyncIteration:
             break
         except asyncio.TimeoutError:
-            raise ApiError(408, f"request body not received within {BODY_TIMEOUT_S:.0f} s",
+            raise ApiError(408, f"request body not received within {API_BODY_TIMEOUT_S:.0f} s",
                            code="timeout") from None
         body += chunk
         if len(body) > limit:

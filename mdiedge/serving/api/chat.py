@@ -24,10 +24,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from ...base.errors import ConfigError
+from ...base.errors import ApiError, ConfigError, ConversationError
 from ...model import gguf_vocab
 from ...model.tokenizer import Tokenizer, read_tokenizer_config, token_text
-from .errors import ApiError
 from .schema import ChatMessage
 
 DEFAULT_TEMPLATE = (
@@ -38,12 +37,8 @@ DEFAULT_TEMPLATE = (
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
-class TemplateError(Exception):
-    """What a template's ``raise_exception`` raised: the request broke the template's rules."""
-
-
 def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
+    raise ConversationError(message)
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
@@ -117,7 +112,7 @@ class ChatTemplate:
         try:
             text = self.template.render(messages=plain, add_generation_prompt=True, tools=None,
                                         documents=None, **self.tokens)
-        except TemplateError as e:
+        except ConversationError as e:
             raise ApiError(400, f"messages: {e}", "messages", "invalid_conversation") from None
         except jinja2.TemplateError as e:
             raise ApiError(400, f"messages: the chat template failed: {e}", "messages",

@@ -1,38 +1,12 @@
-"""API errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}`` with an
-HTTP status, and the one rule that maps mdiedge's own errors onto them."""
+"""The one rule that maps mdiedge's errors onto API errors in OpenAI's shape (``ApiError`` of
+``mdiedge.base.errors``: an HTTP status and ``{"error": {"message", "type", "param", "code"}}``)."""
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from ...base.errors import (ConfigError, ContextExceeded, FrameError, GenerationError, MdiedgeError,
-                            QueueFull, RingError, SlotError, TokenizerError)
-from ...runtime.control import Conflict
-
-# status -> OpenAI error type
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-               404: "invalid_request_error", 405: "invalid_request_error",
-               408: "invalid_request_error",
-               413: "invalid_request_error", 422: "invalid_request_error",
-               429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
-
-
-class ApiError(Exception):
-    """A request that ends with ``status`` and OpenAI's error body; ``retry_after``: seconds
-    for a 429's or 503's ``Retry-After`` header."""
-
-    def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 code: Optional[str] = None, retry_after: Optional[int] = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.retry_after = retry_after
-
-    def to_json(self) -> Dict[str, Any]:
-        return {"error": {"message": self.message,
-                          "type": ERROR_TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
-
-    def headers(self) -> Dict[str, str]:
-        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
+from ...base.errors import (ApiError, ConfigError, Conflict, ContextExceeded, FrameError,
+                            GenerationError, MdiedgeError, QueueFull, RingError, SlotError,
+                            TokenizerError)
 
 
 def api_error(error: BaseException) -> ApiError:

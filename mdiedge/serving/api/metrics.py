@@ -30,8 +30,8 @@ class NodeCollector:
         labels = ["node", "role"]
         up = GaugeMetricFamily("mdiedge_node_up", "1 if the node answers its status, else 0",
                                labels=labels)
-        busy = GaugeMetricFamily("mdiedge_node_busy_fraction", "Share of the node's time with "
-                                 "a message in flight spent computing", labels=labels)
+        busy = GaugeMetricFamily("mdiedge_node_busy_fraction", "Share of the node's wall time "
+                                 "since its stage was set up spent computing", labels=labels)
         layers = GaugeMetricFamily("mdiedge_node_layers", "Transformer blocks the node holds",
                                    labels=labels)
         slots = GaugeMetricFamily("mdiedge_node_kv_slots_in_use", "KV slots the node holds "

@@ -10,22 +10,18 @@ from typing import Optional
 
 from ...base import defaults
 
-MAX_QUEUE = 64  # the most requests a server lets wait for KV slots (--max-queue)
-DEFAULT_CONTEXT = 4096  # tokens per slot unless asked: a model's own may be 128k (KV memory)
-HEAD_TIMEOUT_S = 10.0  # a connection's request line and headers arrive within this, or it closes
-BODY_TIMEOUT_S = 30.0  # a request's body arrives within this, or it is a 408
 
 
 @dataclass
 class ServeLimits:
     """A server's fixed sizes: KV slots (samples at once), context per slot (0: the model's,
-    at most ``DEFAULT_CONTEXT``),
+    at most ``defaults.API_CONTEXT``),
     requests that may wait for slots, request body bytes, and the default ``max_tokens``."""
 
-    slots: int = 8
+    slots: int = defaults.API_SLOTS
     context: int = 0
-    max_waiting: int = 32
-    max_body: int = 1 << 20
+    max_waiting: int = defaults.API_MAX_WAITING
+    max_body: int = defaults.API_MAX_BODY
     max_tokens: int = defaults.MAX_NEW_TOKENS
 
 
@@ -48,5 +44,5 @@ def authorized(header: Optional[str], key: Optional[str]) -> bool:
 
 
 def slot_context(asked: int, model: int) -> int:
-    """Tokens per KV slot: ``asked``, else the model's context up to ``DEFAULT_CONTEXT``."""
-    return asked if asked > 0 else min(model, DEFAULT_CONTEXT)
+    """Tokens per KV slot: ``asked``, else the model's context up to ``API_CONTEXT``."""
+    return asked if asked > 0 else min(model, defaults.API_CONTEXT)

@@ -11,12 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from .errors import ApiError
-from ...base.errors import GenerationError
+from ...base import defaults
+from ...base.errors import ApiError, GenerationError
+from ...base.values import Span
 from ...model.stopping import check_stops
 
 ROLES = ("system", "developer", "user", "assistant")
 MAX_MESSAGES = 1024
+SAMPLES = Span(1, integer=True)  # n: the KV slots bound it further
 
 
 def _is_int(v: Any) -> bool:
@@ -107,8 +109,8 @@ class Options:
         if not isinstance(include, bool):
             raise ApiError(422, f"stream_options.include_usage: expected a boolean, got {include!r}",
                            "stream_options", "invalid_type")
-        options = cls(body.get("model"), max_tokens, _float(body, "temperature", "[0, 2]"),
-                      _float(body, "top_p", "(0, 1]"),
+        options = cls(body.get("model"), max_tokens, _float(body, "temperature", defaults.TEMPERATURE_RANGE),
+                      _float(body, "top_p", defaults.TOP_P_RANGE),
                       body.get("top_k"), body.get("seed"),
                       [stop] if isinstance(stop, str) else list(stop or []),
                       1 if body.get("n") is None else body["n"], bool(body.get("stream")),
@@ -118,19 +120,15 @@ class Options:
 
     def check(self) -> None:
         """400 for a value out of range, or stop strings the engine would refuse."""
-        for name, ok, expected in (
-                (self.max_tokens_key, self.max_tokens is None or self.max_tokens >= 1,
-                 "an integer >= 1"),
-                ("n", self.n >= 1, "an integer >= 1"),
-                ("temperature", self.temperature is None or 0 <= self.temperature <= 2,
-                 "a number in [0, 2]"),
-                ("top_p", self.top_p is None or 0 < self.top_p <= 1, "a number in (0, 1]"),
-                ("top_k", self.top_k is None or self.top_k >= 0, "an integer >= 0"),
-                ("seed", self.seed is None or 0 <= self.seed < 2 ** 40,
-                 "an integer in [0, 2**40)")):
-            if not ok:
-                value = self.max_tokens if name == self.max_tokens_key else getattr(self, name)
-                raise ApiError(400, f"{name}: expected {expected}, got {value!r}", name,
+        for name, value, span in (
+                (self.max_tokens_key, self.max_tokens, defaults.MAX_NEW_TOKENS_RANGE),
+                ("n", self.n, SAMPLES),
+                ("temperature", self.temperature, defaults.TEMPERATURE_RANGE),
+                ("top_p", self.top_p, defaults.TOP_P_RANGE),
+                ("top_k", self.top_k, defaults.TOP_K_RANGE),
+                ("seed", self.seed, defaults.SEED_RANGE)):
+            if value is not None and value not in span:
+                raise ApiError(400, f"{name}: expected {span.expected}, got {value!r}", name,
                                "invalid_value")
         try:
             check_stops(self.stop)
@@ -213,13 +211,13 @@ class ChatRequest:
         return cls(messages, Options.from_json(body, "max_completion_tokens"))
 
 
-def _float(body: Mapping[str, Any], name: str, bounds: str) -> Optional[float]:
+def _float(body: Mapping[str, Any], name: str, span: Span) -> Optional[float]:
     """A number field as a float (None when absent); a 400 for an integer no float holds."""
     value = body.get(name)
     try:
         return None if value is None else float(value)
     except OverflowError:
-        raise ApiError(400, f"{name}: expected a number in {bounds}, got {_short(value)}",
+        raise ApiError(400, f"{name}: expected {span.expected}, got {_short(value)}",
                        name, "invalid_value") from None
 
 

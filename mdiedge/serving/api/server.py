@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from ...base import defaults
 from ...base.backoff import is_shortage
+from ...base.defaults import API_HEAD_TIMEOUT_S, API_START_TIMEOUT_S
 from ...base.errors import ConfigError
 from ...base.ratelog import Throttled
 from ...base.settings import check_private
-from .rules import HEAD_TIMEOUT_S, ServeLimits
+from .rules import ServeLimits
 
 if TYPE_CHECKING:
     from ...engine.facade import Engine
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("mdiedge.api")
 
 API_KEY_ENV = "MDIEDGE_API_KEY"
-START_TIMEOUT_S = 30.0
 LISTEN_BACKLOG = 128  # also the most connections asyncio accepts in one go, before the cap
 #                       on open connections (guarded_protocol) closes any of them
 
@@ -77,7 +77,7 @@ def listen(host: str, port: int) -> socket.socket:
 def guarded_protocol(max_connections: int = defaults.MAX_API_CONNECTIONS) -> Any:
     """uvicorn's h11 protocol with a deadline on each request's head and a bound on open
     connections. A connection that has not sent a whole request line and headers within
-    ``HEAD_TIMEOUT_S`` of opening, or of its last response, is closed: uvicorn times out only
+    ``API_HEAD_TIMEOUT_S`` of opening, or of its last response, is closed: uvicorn times out
     idle kept-alive connections, so a client that connects and stays silent, or sends its
     headers a byte at a time, would hold its socket for ever. At ``max_connections`` open, a
     new connection closes the one that has waited longest for its request's head, else (every
@@ -101,7 +101,7 @@ def guarded_protocol(max_connections: int = defaults.MAX_API_CONNECTIONS) -> Any
 
         def _await_head(self) -> None:  # a new request makes a new cycle
             self._awaiting, self._idle_since = self.cycle, self.loop.time()
-            self.loop.call_later(HEAD_TIMEOUT_S, self._head_due, self.cycle)
+            self.loop.call_later(API_HEAD_TIMEOUT_S, self._head_due, self.cycle)
 
         def _head_due(self, cycle: Any) -> None:
             if self.cycle is cycle and not self.transport.is_closing():
@@ -197,7 +197,7 @@ class ApiServer:
 
     def start(self) -> "ApiServer":
         self.thread.start()
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + API_START_TIMEOUT_S
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise ConfigError(f"the API server on {self.url} did not start: {self.error}")

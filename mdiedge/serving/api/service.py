@@ -19,13 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, List, Optional, Set, Tuple
 
 from ...base import defaults
-from ...base.errors import ConfigError, ContextExceeded, QueueFull
+from ...base.errors import ApiError, ConfigError, ContextExceeded, QueueFull
 from ...engine.facade import Engine, Prompt
 from ...model.sampling import SamplingParams
 from ...runtime.generation import Generation, check_context
 from ...runtime.plan import QueueView
 from ...runtime.protocol import NodeStatus
-from .errors import ApiError, api_error
+from .errors import api_error
 from .metrics import ApiMetrics
 from .responses import Usage
 from .rules import ServeLimits, retry_after_s, slot_context

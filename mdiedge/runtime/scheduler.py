@@ -38,7 +38,6 @@ __all__ = ["MAX_FRUITLESS_RECOVERIES", "Scheduler", "group_size", "prefill_chunk
 
 _ID_SPACE = MAX_SAMPLE_ID  # sample ids and seqs are u32 on the wire; 0 is never used
 MAX_RECOVERY_ATTEMPTS = 8  # set-ups tried in a row after a loss (each may lose another node)
-WAIT_POLL_S = 0.5  # a request thread's wait is timed, so that Ctrl-C reaches it
 
 # Given the loss, a pipeline without the lost nodes and its model ends (or an error saying
 # why there is none): the starter's ``RingStarter.rebuild``.
@@ -347,7 +346,7 @@ class Scheduler:
         if self.usable:
             self._loop.start()
         try:
-            while not generation.wait(WAIT_POLL_S):
+            while not generation.wait(defaults.WAIT_POLL_S):
                 pass
         except BaseException:
             generation.cancel()

@@ -53,7 +53,7 @@ def test_several_samples(stories: Path) -> None:
 
 @pytest.mark.parametrize("args,message,code", [
     (["generate", "hi", "--model", "/no/such/model"], "/no/such/model: model directory or file not found", 1),
-    (["generate", "hi", "--temperature", "-1"], "--temperature: expected a finite number >= 0 (0: greedy), got -1.0", 2),
+    (["generate", "hi", "--temperature", "-1"], "--temperature: expected a number in [0, 2] (0: greedy), got -1.0", 2),
     (["generate", "hi", "--device", "tpu"], "--device: expected cpu, cuda or cuda:N, got 'tpu'", 2),
     (["generate", "hi", "--dtype", "float8"], "--dtype: expected one of float32", 2),
     (["generate", "hi", "-n", "100000"], "exceeds the context", 2),

@@ -103,9 +103,9 @@ def _module(**changes: Any) -> Any:
     forwards them to the compiled step (or its twin where there is none)."""
     from types import SimpleNamespace
 
-    from mdiedge.base.accel import implementations
+    from mdiedge.model.transformer import STEP
 
-    step = implementations("step")[-1]
+    step = STEP.implementations()[-1]
     calls: Dict[str, int] = {"blocks": 0, "logits": 0}
 
     def counted(name: str) -> Any:

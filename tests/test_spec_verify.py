@@ -14,7 +14,8 @@ from typing import Any, List, Optional, Sequence
 import pytest
 import torch
 
-from mdiedge.base.accel import implementations
+from mdiedge.model.transformer import STEP
+from mdiedge.runtime.framing import FRAMING
 from mdiedge.base.errors import RingError, SlotError
 from mdiedge.model import transformer as transformer_module
 from mdiedge.model.sampling import SamplingParams
@@ -32,8 +33,8 @@ from tolerance import assert_close, model_path_length
 REPO = Path(__file__).resolve().parent.parent
 NANOLLAMA = REPO / "models" / "nanollama"
 DRAFT = REPO / "models" / "nanollama-draft"
-STEPS = implementations("step")
-FRAMINGS = implementations("framing")
+STEPS = STEP.implementations()
+FRAMINGS = FRAMING.implementations()
 
 
 @pytest.mark.parametrize("filled, position, tokens, rewind, after", [

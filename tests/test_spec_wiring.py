@@ -140,3 +140,21 @@ def test_the_cli_refuses_in_one_line(args: List[str], quoted: str) -> None:
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mdiedge: error: ") and quoted in lines[0]
+
+
+def test_an_engine_spec_refuses_speculation_with_early_exit() -> None:
+    from mdiedge.base.errors import UsageError
+    from mdiedge.engine.factory import EngineSpec, check_spec
+
+    with pytest.raises(UsageError, match="--early-exit softmax"):
+        check_spec(EngineSpec(model=NANOLLAMA, early_exit="softmax", speculate="ngram"))
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_before_anything_runs(
+        stories: Path) -> None:
+    from mdiedge.base.errors import ConfigError
+    from mdiedge.engine.factory import EngineSpec, open_engine
+
+    draft = stories / "stories260K.bin"
+    with pytest.raises(ConfigError, match="vocabulary 512"):
+        open_engine(EngineSpec(model=NANOLLAMA, speculate=f"draft:{draft}"))

@@ -31,17 +31,23 @@ def test_admission_under_the_slot_limit(sizes: List[int], cancelled: List[int], 
     assert list(got.dropped) == dropped
 
 
-@pytest.mark.parametrize("n, micro_batch, nodes, max_rows, groups, fixed", [
-    (4, 0, 2, 0, ((0, 1), (2, 3)), False),           # as many groups as nodes
-    (5, 0, 2, 0, ((0, 1, 2), (3, 4)), False),
-    (5, 0, 3, 0, ((0, 1), (2, 3), (4,)), False),
-    (4, 1, 2, 0, ((0,), (1,), (2,), (3,)), True),    # an explicit micro-batch travels alone
-    (4, 0, 1, 3, ((0, 1, 2), (3,)), False),          # never more rows than a frame carries
-    (1, 0, 4, 0, ((0,),), False),
+@pytest.mark.parametrize("n, micro_batch, nodes, max_rows, groups, fixed, speculating", [
+    (4, 0, 2, 0, ((0, 1), (2, 3)), False, False),           # as many groups as nodes
+    (5, 0, 2, 0, ((0, 1, 2), (3, 4)), False, False),
+    (5, 0, 3, 0, ((0, 1), (2, 3), (4,)), False, False),
+    (4, 1, 2, 0, ((0,), (1,), (2,), (3,)), True, False),    # an explicit micro-batch: alone
+    (4, 0, 1, 3, ((0, 1, 2), (3,)), False, False),          # never more rows than a frame
+    (1, 0, 4, 0, ((0,),), False, False),
+    # speculating: a group each, the same on any ring (their steps merge by width)
+    (3, 0, 1, 0, ((0,), (1,), (2,)), False, True),
+    (3, 0, 3, 0, ((0,), (1,), (2,)), False, True),
+    (4, 2, 1, 0, ((0, 1), (2, 3)), True, True),              # unless a micro-batch is asked
 ])
 def test_samples_group_into_micro_batches(n: int, micro_batch: int, nodes: int, max_rows: int,
-                                          groups: Tuple[Tuple[int, ...], ...], fixed: bool) -> None:
-    got = admit([Waiter(7, n, 2, micro_batch)], 8, nodes, max_rows, 0).admitted[0]
+                                          groups: Tuple[Tuple[int, ...], ...], fixed: bool,
+                                          speculating: bool) -> None:
+    got = admit([Waiter(7, n, 2, micro_batch, speculating=speculating)], 8, nodes, max_rows,
+                0).admitted[0]
     assert (got.key, got.groups, got.fixed) == (7, groups, fixed)
 
 
@@ -101,6 +107,11 @@ def back(group: int, rows: str, fixed: bool = False, width: int = 1) -> Back:
     # rows of several positions (a speculative step) never share a message with single ones
     ([back(1, "l", width=3)], [Part(2, (20,))], 0, 3, 0,
      [Decode((Part(2, (20,)),), True), Decode((Part(1, (10,), 3),), True)], [], []),
+    # rows of width 3 count as 3 token rows each against max_rows: 2 x 3 fits 6, not 3 more
+    ([back(1, "ll", width=3), back(3, "l", width=3)], [], 0, 2, 6,
+     [Decode((Part(1, (10, 11), 3),), True), Decode((Part(3, (30,), 3),), True)], [], []),
+    ([back(1, "l", width=3), back(3, "l", width=3)], [], 0, 2, 6,
+     [Decode((Part(1, (10,), 3), Part(3, (30,), 3)), True)], [], []),
     # releases and steps in group order
     ([back(1, "d", fixed=True), back(2, "ld", fixed=True)], [], 0, 1, 0,
      [Release(1, (10,)), Release(2, (21,)), Decode((Part(2, (20,)),))], [1], []),

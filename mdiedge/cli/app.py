@@ -364,6 +364,13 @@ def prefill_chunk_option() -> Any:
                         "file's prefill_chunk).")
 
 
+def speculate_option() -> Any:
+    """``--speculate ngram|draft:PATH|off``."""
+    return typer.Option("off", "--speculate", metavar="ngram|draft:PATH|off", help="Draft "
+                        "tokens on this process and verify several in one pass: ngram "
+                        "(prompt lookup) or draft:PATH (a small model sharing the tokenizer).")
+
+
 def early_exit_option() -> Any:
     """``--early-exit CRITERION``, the same on generate and bench."""
     return typer.Option(None, "--early-exit", metavar="CRITERION", help="Let confident decode "
@@ -378,9 +385,16 @@ def exit_threshold_option() -> Any:
 
 
 def check_early_exit(criterion: Optional[str], threshold: Optional[str],
-                     starter: Optional[str] = None) -> Optional[Tuple[str, Optional[str]]]:
-    """``--early-exit``/``--exit-threshold`` as given, checked as far as no model is needed."""
+                     starter: Optional[str] = None,
+                     speculate: str = "off") -> Optional[Tuple[str, Optional[str]]]:
+    """``--early-exit``/``--exit-threshold`` as given, checked as far as no model is needed
+    (and against ``--speculate``: neither goes with a running starter, nor with the other)."""
     from ..base.defaults import EARLY_EXIT_CRITERIA as CRITERIA
+
+    need(starter is None or speculate == "off", "--speculate", speculate,
+         "off with --starter (a running starter generates as it was started)")
+    need(criterion is None or speculate == "off", "--speculate", speculate,
+         f"off with --early-exit {criterion} (a verification step runs every block)")
 
     if criterion is None:
         need(threshold is None, "--exit-threshold", threshold, "given with --early-exit")
@@ -394,11 +408,12 @@ def check_early_exit(criterion: Optional[str], threshold: Optional[str],
 def engine_spec(model: Optional[str], tokenizer: Optional[str], device: str, dtype: str,
                 nodes: int, ring: Optional[str], recovery: Tuple[Dict[str, Any], int],
                 exits: Optional[Tuple[str, Optional[str]]] = None,
-                respawn: bool = False) -> Any:
+                speculate: Optional[str] = None, respawn: bool = False) -> Any:
     """The ``EngineSpec`` of a command's engine flags (torch loaded first, see
     ``load_torch``): ``recovery``, the starter options given on the command line and the
     local ring's spares (``ring_options``); ``exits``, the early-exit criterion and
-    threshold; ``respawn``, a local ring's worker that dies is started again."""
+    threshold; ``respawn``, a local ring's worker that dies is started again; ``speculate``,
+    the drafter of speculative decoding (``off``: none)."""
     load_torch()
     from ..engine.factory import EngineSpec
 
@@ -406,7 +421,7 @@ def engine_spec(model: Optional[str], tokenizer: Optional[str], device: str, dty
     criterion, threshold = exits or (None, None)
     return EngineSpec(model=model, tokenizer=tokenizer, nodes=nodes, ring=ring, device=device,
                       dtype=dtype, changes=changes, spares=spares, respawn=respawn,
-                      early_exit=criterion, exit_threshold=threshold)
+                      early_exit=criterion, exit_threshold=threshold, speculate=speculate)
 
 
 def open_text_model(spec: Any) -> Any:

@@ -32,6 +32,7 @@ from .app import (
     no_encrypt_option,
     ring_options,
     early_exit_option,
+    speculate_option,
     engine_spec,
     exit_threshold_option,
     load_torch,
@@ -84,12 +85,13 @@ def generate(
     no_encrypt: bool = no_encrypt_option(),
     early_exit: Optional[str] = early_exit_option(),
     exit_threshold: Optional[str] = exit_threshold_option(),
+    speculate: str = speculate_option(),
 ) -> None:
     """Generate text from PROMPT, on a ring of nodes (by default a local ring of 3)."""
     sampling = _request(max_new_tokens, samples, temperature, top_k, top_p, seed, micro_batch)
     need(ring is not None or nodes >= 1, "--nodes", nodes, "an integer >= 1")
     check_device(device, dtype)
-    exits = check_early_exit(early_exit, exit_threshold, starter)
+    exits = check_early_exit(early_exit, exit_threshold, starter, speculate)
     changes = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize,
                            no_encrypt)
     stops = list(stop or [])
@@ -102,7 +104,7 @@ def generate(
         progress = stack.enter_context(_progress(max_new_tokens * samples, samples, as_json))
         params = _sampling_params(sampling)
         progress.phase(_first_phase(ring, nodes))
-        spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, changes, exits)
+        spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, changes, exits, speculate)
         engine, request = open_checked(stack, spec, lambda text: _checked_prompt(
             text, prompt, max_new_tokens, stops))
         _generate_with(engine, request, max_new_tokens, samples, params, stops, micro_batch,

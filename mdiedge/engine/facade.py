@@ -91,6 +91,7 @@ class GenerationOutput:
     timing: Timing
     recoveries: List[Recovery] = field(default_factory=list)
     early_exit: Optional[Dict[str, Any]] = None  # criterion, exit rates, layers per token
+    speculation: Optional[Dict[str, Any]] = None  # drafted, accepted, k histogram
 
     def as_dict(self) -> Dict[str, Any]:
         out = {"prompt": self.prompt, "prompt_tokens": len(self.prompt_ids),
@@ -98,6 +99,8 @@ class GenerationOutput:
                "recoveries": [r.as_dict() for r in self.recoveries]}
         if self.early_exit is not None:
             out["early_exit"] = self.early_exit
+        if self.speculation is not None:
+            out["speculation"] = self.speculation
         return out
 
 
@@ -187,8 +190,10 @@ class TextModel:
             counts = generation.exits or ExitCounts(self.cfg.n_layers)
             early_exit = dict(criterion=settings.criterion, **counts.as_dict())
         text = prompt.text if isinstance(prompt, Prompt) else prompt
+        spec = generation.speculation
         return GenerationOutput(text, generation.samples[0].prompt, samples, timing,
-                                generation.recoveries, early_exit)
+                                generation.recoveries, early_exit,
+                                None if spec is None else spec.stats.as_dict())
 
 
 class Engine(TextModel, abc.ABC):
@@ -202,6 +207,26 @@ class Engine(TextModel, abc.ABC):
     _setup_lock: threading.Lock
     reserved: Tuple[int, int] = (0, 0)  # the least (slots, context) of any set-up
     _closers: Optional[ExitStack] = None
+    speculate: Optional[str] = None  # every request's drafter (``drafter_for``); None: off
+    speculate_device: str = "cpu"  # where a draft model runs
+
+    def speculating(self, spec: Optional[str], device: str = "cpu") -> None:
+        """Have every later request speculate with the drafter ``spec`` names (``ngram``,
+        ``draft:PATH``; None or ``off``: not), a draft model on ``device``."""
+        self.speculate = None if spec in (None, "off") else spec
+        self.speculate_device = device
+
+    def speculation_for(self, generation: Generation) -> Optional[Any]:
+        """A ``Speculation`` for ``generation``'s samples (its own drafter: a draft model's
+        KV rows are the request's), or None when the engine does not speculate."""
+        if self.speculate is None:
+            return None
+        from ..runtime.speculation import Speculation, drafter_for
+
+        params = generation.params
+        drafter = drafter_for(self.speculate, self.cfg, len(generation.samples),
+                              generation.context, params, self.speculate_device)
+        return Speculation(drafter, params)
 
     def reserve(self, n_slots: int, context: int) -> None:
         """Set every later pipeline up with at least ``n_slots`` x ``context`` (a server's
@@ -248,6 +273,8 @@ class Engine(TextModel, abc.ABC):
         (QueueFull when its queue's rule refuses it; ``max_waiting``: see
         ``Scheduler.submit``). Set-up and submission are one step, so no other request's
         set-up replaces the pipeline between them."""
+        if generation.speculation is None:
+            generation.speculation = self.speculation_for(generation)
         with self._setup_lock:
             scheduler = self.prepare(max(len(generation.samples), self.reserved[0]),
                                      max(generation.context, self.reserved[1]))

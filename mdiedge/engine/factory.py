@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 from ..base import defaults
-from ..base.errors import UsageError
+from ..base.errors import ConfigError, UsageError
 from ..base.nodes import NodeSpec, StarterOptions
-from ..model.checkpoint import check_checkpoint, content_hash
+from ..model.checkpoint import check_checkpoint, content_hash, load_config
 from ..model.devices import parse_device, parse_dtype
 from ..model.exitfiles import ExitSettings, exit_settings
 from ..roles.starter import Route
+from ..runtime.drafting import parse_speculate
 from .facade import Engine, PathLike, TextModel
 
 
@@ -37,7 +38,9 @@ class EngineSpec:
     ``changes``: fields of ``StarterOptions`` the caller sets (they win over a ring file's;
     ``quantize`` also holds in one process). ``early_exit``/``exit_threshold``: the early-exit
     criterion and its threshold (checked against the model when it opens). ``route``: where
-    each ring link connects (``Route``, tests and the relay tool)."""
+    each ring link connects (``Route``, tests and the relay tool). ``speculate``: every
+    request decodes speculatively with this drafter (``ngram``, ``draft:PATH``; None or
+    ``off``: not), refused together with early exit."""
 
     model: Optional[PathLike] = None
     tokenizer: Optional[PathLike] = None
@@ -53,6 +56,7 @@ class EngineSpec:
     early_exit: Optional[str] = None
     exit_threshold: Optional[str] = None
     route: Optional[Route] = None
+    speculate: Optional[str] = None
 
     @property
     def local(self) -> bool:
@@ -65,6 +69,26 @@ def check_spec(spec: EngineSpec) -> None:
     if spec.ring is None and not spec.workers and spec.nodes < 1:
         raise UsageError(f"--nodes: expected an integer >= 1, got {spec.nodes}")
     parse_device(spec.device), parse_dtype(spec.dtype)
+    if spec.speculate not in (None, "off"):
+        parse_speculate(spec.speculate)
+        if spec.early_exit is not None:
+            raise UsageError(f"--speculate {spec.speculate}: not together with --early-exit "
+                             f"{spec.early_exit} (a verification step scores every block)")
+
+
+def check_draft(speculate: Optional[str], text: TextModel) -> None:
+    """A ``draft:PATH`` drafter's model shares the target's vocabulary (a ConfigError
+    quoting both otherwise), checked from its config before any node starts."""
+    if speculate in (None, "off"):
+        return
+    kind, arg = parse_speculate(speculate)
+    if kind != "draft":
+        return
+    cfg = load_config(arg)
+    if (cfg.vocab_size, cfg.bos_id) != (text.cfg.vocab_size, text.cfg.bos_id):
+        raise ConfigError(f"draft model {arg!r}: vocabulary {cfg.vocab_size} (bos "
+                          f"{cfg.bos_id}) is not the target's {text.cfg.vocab_size} (bos "
+                          f"{text.cfg.bos_id}); a draft shares the tokenizer")
 
 
 def open_text(spec: EngineSpec) -> TextModel:
@@ -90,7 +114,16 @@ def open_engine(spec: EngineSpec, text: Optional[TextModel] = None) -> Engine:
     processes it starts are stopped by the engine's ``close``, or here when opening fails."""
     check_spec(spec)
     text = text or open_text(spec)
+    check_draft(spec.speculate, text)
     settings = exit_settings_of(text, spec.early_exit, spec.exit_threshold)
+    engine = _open(spec, text, settings)
+    if spec.speculate not in (None, "off"):
+        engine.speculating(spec.speculate, spec.device)
+    return engine
+
+
+def _open(spec: EngineSpec, text: TextModel, settings: Optional[ExitSettings]) -> Engine:
+    """The engine of ``spec`` on ``text``: in this process, or the starter of a ring."""
     if spec.local:
         from .local import LocalEngine
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -171,6 +171,9 @@ class Generation:
         self.error: Optional[BaseException] = None  # set when the pipeline failed under it
         self.recoveries: List[Recovery] = []  # lost nodes it lived through
         self.exits: Optional[ExitCounts] = None  # set by a scheduler that exits early
+        # speculative decoding of its samples (``mdiedge.runtime.speculation.Speculation``),
+        # set by the engine before it is submitted; None: one token per step
+        self.speculation: Optional[Any] = None
         self._ended = threading.Event()  # set by the scheduler's loop: nothing left to wait for
 
     @property
@@ -221,6 +224,8 @@ class Generation:
         ended = [s for s in samples if s.done and not s.released]
         for sample in ended:
             sample.released = True
+            if self.speculation is not None:
+                self.speculation.release(sample.index)
         if ended and all(s.done for s in self.samples):
             self.finish()
         return ended
@@ -239,13 +244,37 @@ class Generation:
             self.end("cancelled", samples)  # "error" stays
             return
         tokens = sample_rows(logits, self.params, [s.generator for s in samples])
-        now = time.perf_counter()
         for sample, token in zip(samples, tokens):
+            self.take(sample, [token])
+
+    def settle(self, samples: Sequence[Sample], logits: Tensor, drafts: Dict[int, Any]) -> None:
+        """The tokens of a step that verified drafted tokens: ``logits`` (B, T, vocab) at
+        every position of ``samples``' rows, ``drafts`` their ``Draft``s by sample id (a
+        request that does not speculate, merged into that step, takes its last position)."""
+        if self.speculation is None or samples[0].sid not in drafts:
+            self.accept(samples, logits[:, -1])
+            return
+        if self.cancel_requested:
+            self.end("cancelled", samples)  # "error" stays
+            return
+        for i, sample in enumerate(samples):
+            draft = drafts[sample.sid]
+            self.take(sample, self.speculation.settle(
+                sample.index, draft, logits[i, :len(draft.tokens)], sample.generator))
+
+    def take(self, sample: Sample, tokens: Sequence[int]) -> None:
+        """Append ``tokens`` (chosen for ``sample`` in one step: one, or a speculative step's
+        accepted drafts and the token after them) in order, until one ends the sample (end
+        token, stop string, budget): those after it are dropped."""
+        now = time.perf_counter()
+        for token in tokens:
+            if sample.done:
+                return
             if not sample.tokens:
                 sample.first_token_s = now - self.started
             if token in self.eos_ids:
                 sample.finish_reason = "eos"
-                continue
+                return
             sample.tokens.append(token)
             self.timing.new_tokens += 1
             if self.on_token is not None:

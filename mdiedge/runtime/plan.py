@@ -92,13 +92,16 @@ class QueueView:
 @dataclass(frozen=True)
 class Waiter:
     """A request not yet admitted: its key, samples, prompt tokens, the micro-batch asked
-    (0: as many groups as nodes) and whether it was cancelled meanwhile."""
+    (0: as many groups as nodes), whether it was cancelled meanwhile and whether it decodes
+    speculatively (each sample then drafts as its own acceptance says, so its tokens do
+    not depend on which samples it shares a group with)."""
 
     key: int
     n_samples: int
     prompt_len: int
     micro_batch: int = 0
     cancelled: bool = False
+    speculating: bool = False
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,9 @@ def admit(waiting: Sequence[Waiter], free_slots: int, nodes: int, max_rows: int,
           prefill_chunk: int) -> AdmitPlan:
     """The requests at the head of ``waiting`` that fit ``free_slots``, first come first
     served (one that does not fit holds back those behind it), each cut into groups and
-    prefill chunks; a cancelled one at the head is dropped."""
+    prefill chunks (a speculating request's samples in groups of one, unless an explicit
+    micro-batch says otherwise: its steps still merge with others of their width); a
+    cancelled one at the head is dropped."""
     dropped: List[int] = []
     admitted: List[Admission] = []
     for waiter in waiting:
@@ -150,7 +155,8 @@ def admit(waiting: Sequence[Waiter], free_slots: int, nodes: int, max_rows: int,
         if waiter.n_samples > free_slots:
             break
         free_slots -= waiter.n_samples
-        size = group_size(waiter.n_samples, waiter.micro_batch, nodes, max_rows)
+        size = 1 if waiter.speculating and waiter.micro_batch <= 0 else \
+            group_size(waiter.n_samples, waiter.micro_batch, nodes, max_rows)
         indices = range(waiter.n_samples)
         groups = tuple(tuple(indices[i:i + size]) for i in range(0, waiter.n_samples, size))
         chunks = tuple(c for i in indices for c in chunks_of(i, waiter.prompt_len, prefill_chunk))
@@ -224,14 +230,16 @@ def take_merged(queued: Sequence[Part], in_flight: int, limit: int,
                 max_rows: int = 0) -> Tuple[Tuple[Part, ...], Tuple[Part, ...]]:
     """(the parts of the next merged message, those left waiting): none while ``limit``
     merged messages are in flight; else the first part and those after it of its width, in
-    order, up to ``max_rows`` rows (0: no limit; a part over it still leaves, alone)."""
+    order, up to ``max_rows`` token rows (samples x width; 0: no limit; a part over it
+    still leaves, alone)."""
     if not queued or in_flight >= limit:
         return (), tuple(queued)
     head = queued[0]
-    taken, rows, left = [head], len(head.sids), list(queued[1:])
-    while left and left[0].width == head.width and (
-            max_rows <= 0 or rows + len(left[0].sids) <= max_rows):
-        rows += len(left[0].sids)
+    width = head.width
+    taken, rows, left = [head], len(head.sids) * width, list(queued[1:])
+    while left and left[0].width == width and (
+            max_rows <= 0 or rows + len(left[0].sids) * width <= max_rows):
+        rows += len(left[0].sids) * width
         taken.append(left.pop(0))
     return tuple(taken), tuple(left)
 

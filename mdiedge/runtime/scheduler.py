@@ -29,6 +29,7 @@ from .pipeline import ModelEnds, Pipeline
 from .plan import (MAX_FRUITLESS_RECOVERIES, Back, Decode, Part, QueueView, Release, Row,
                    Waiter, group_size, prefill_chunks, prefill_rows)
 from .slots import MAX_SAMPLE_ID
+from .speculation import Draft, plan_step, step_rows
 from .stages import LocalStage, inference
 from ..base import defaults
 from ..base.errors import GenerationError, MdiedgeError, NodeLost, QueueFull, RingError
@@ -58,9 +59,9 @@ class _Group:
         wanted = set(sids)
         return [s for s in self.samples if s.sid in wanted]
 
-    def back(self) -> Back:
+    def back(self, width: int = 1) -> Back:
         return Back(self.key, tuple(Row(s.sid, s.done, s.released) for s in self.samples),
-                    self.fixed)
+                    self.fixed, width)
 
 
 Rows = Tuple[_Group, List[Sample]]  # a group and its samples in one message
@@ -73,6 +74,7 @@ class _InFlight:
     final: bool = True  # the last chunk of a prefill
     replay: Optional[Recovery] = None  # the recovery this prefill replays for
     merged: bool = False  # a decode message that counts against the merged limit
+    drafts: Dict[int, Draft] = field(default_factory=dict)  # speculating rows by sample id
 
 
 class Waiting:
@@ -129,11 +131,17 @@ class SchedulerStats:
     wall_s: float = 0.0  # time with something in flight
 
 
-def accept_parts(ends: ModelEnds, parts: List[Rows], hidden: Any) -> None:
+def accept_parts(ends: ModelEnds, parts: List[Rows], hidden: Any,
+                 drafts: Optional[Dict[int, Draft]] = None) -> None:
     """Each request's next tokens from its rows of ``hidden`` (B, T, dim), in order; a
-    failure (sampling, a token callback) is that request's own."""
+    failure (sampling, a token callback) is that request's own. ``drafts``: the step
+    verified drafted tokens of these samples (by id): the head scores every position."""
     try:
-        logits = ends.head(hidden[:, -1])  # (B, vocab)
+        if drafts:
+            b, t = hidden.shape[:2]
+            logits = ends.head(hidden.reshape(b * t, -1)).view(b, t, -1)  # (B, T, vocab)
+        else:
+            logits = ends.head(hidden[:, -1])  # (B, vocab)
     except Exception as e:
         for group, _ in parts:
             group.generation.fail(e)
@@ -141,7 +149,11 @@ def accept_parts(ends: ModelEnds, parts: List[Rows], hidden: Any) -> None:
     row = 0
     for group, samples in parts:
         try:
-            group.generation.accept(samples, logits[row:row + len(samples)])
+            rows = logits[row:row + len(samples)]
+            if drafts:
+                group.generation.settle(samples, rows, drafts)
+            else:
+                group.generation.accept(samples, rows)
         except Exception as e:
             group.generation.fail(e)
         row += len(samples)
@@ -209,6 +221,7 @@ class Flights:
     def send(self, pipeline: Pipeline, message: Message, entry: _InFlight) -> None:
         self._seq = self._seq % _ID_SPACE + 1
         message.seq = self._seq
+        message.rewind = message.rewind or bool(entry.drafts)  # a verification step
         self.entries[self._seq] = entry
         pipeline.submit(message)
         self.stats.messages += 1
@@ -417,8 +430,8 @@ class Scheduler:
         queued = self._waiting.head()
         if not queued:
             return
-        waiters = [Waiter(i, len(g.samples), len(g.samples[0].prompt), micro_batch,
-                          g.cancel_requested) for i, (g, micro_batch) in enumerate(queued)]
+        waiters = [Waiter(i, len(g.samples), len(g.samples[0].prompt), m, g.cancel_requested,
+                          g.speculation is not None) for i, (g, m) in enumerate(queued)]
         decided = plan.admit(waiters, self.pipeline.n_slots - self._live, self.pipeline.nodes,
                              self.max_rows, self.prefill_chunk)
         admitted = {a.key: a for a in decided.admitted}
@@ -469,7 +482,7 @@ class Scheduler:
         self._recovery.fruitless = 0
         if self.exit_layers and entry.kind == "decode":
             count_exits(entry.parts, message.exit_depth, self.exit_layers)
-        accept_parts(self.ends, entry.parts, message.hidden)
+        accept_parts(self.ends, entry.parts, message.hidden, entry.drafts)
         self.stats.compute_s += time.perf_counter() - t0  # sends count their own time
         if entry.merged:
             self._merged -= 1
@@ -484,7 +497,7 @@ class Scheduler:
                     group.generation.mark_prefilled()
             if group.generation.cancel_requested:
                 group.generation.end("cancelled", group.samples)
-            backs.append(group.back())
+            backs.append(group.back(plan_step(group, self.pipeline.context, self.max_rows)))
         self._carry_out(plan.after_step(backs, self._queued, self._merged,
                                         self.pipeline.nodes, self.max_rows))
 
@@ -505,9 +518,9 @@ class Scheduler:
     def _send_decode(self, decode: Decode) -> None:
         parts = [(self._groups[p.group], self._groups[p.group].rows(p.sids))
                  for p in decode.parts]
-        rows = [s for _, samples in parts for s in samples]
-        self._send(messages.ACTIVATION, rows, [[s.tokens[-1]] for s in rows],
-                   [s.position for s in rows], _InFlight("decode", parts, merged=decode.merged))
+        rows, tokens, drafts = step_rows(parts)
+        self._send(messages.ACTIVATION, rows, tokens, [s.position for s in rows],
+                   _InFlight("decode", parts, merged=decode.merged, drafts=drafts))
 
     # ----------------------------------------------------------------- sending
 

@@ -98,6 +98,16 @@ class Draft:
         return len(self.proposal.tokens)
 
 
+def trim_draft(draft: Draft, k: int) -> Draft:
+    """``draft`` with its first ``k`` drafted tokens at most (the rows of one message carry
+    as many positions each)."""
+    if draft.drafted <= k:
+        return draft
+    q = draft.proposal.q
+    return Draft(draft.position, draft.tokens[:k + 1],
+                 Proposal(draft.proposal.tokens[:k], None if q is None else q[:k]))
+
+
 @dataclass
 class SpecStats:
     """What speculation did: drafted and accepted tokens, verification steps (those that
@@ -117,6 +127,13 @@ class SpecStats:
     def tokens_per_step(self) -> float:
         return self.emitted / self.steps if self.steps else 0.0
 
+    def as_dict(self) -> Dict[str, Any]:
+        """``--json``'s ``speculation``: tokens per ring pass over the steps that drafted."""
+        return {"drafted": self.drafted, "accepted": self.accepted,
+                "acceptance": round(self.acceptance, 4), "verify_steps": self.steps,
+                "tokens_per_pass": round(self.tokens_per_step, 3),
+                "k_histogram": {str(k): n for k, n in sorted(self.k_histogram.items())}}
+
 
 class Speculation:
     """Speculative decoding for the samples of a scheduler: ``drafter`` proposes, ``params``
@@ -126,6 +143,7 @@ class Speculation:
                  policy: KPolicy = KPolicy()) -> None:
         self.drafter, self.params, self.policy = drafter, params, policy
         self.rounds: Dict[int, List[Tuple[int, int]]] = {}
+        self.pending: Dict[int, Draft] = {}  # drafted steps not sent yet, by sample id
         self.stats = SpecStats()
 
     def draft(self, sample_id: int, tokens: Sequence[int], budget: int,
@@ -165,6 +183,56 @@ class Speculation:
         """Forget the sample here and in the drafter."""
         self.rounds.pop(sample_id, None)
         self.drafter.release(sample_id)
+
+
+def draft_rows(frame_rows: int) -> int:
+    """Token rows (samples x positions) one group's verification step may carry: the
+    compiled step's rows, and never more than a frame holds (``frame_rows``, 0: no limit)."""
+    rows = defaults.SPEC_MAX_K + 1
+    return min(rows, frame_rows) if frame_rows > 0 else rows
+
+
+def plan_step(group: Any, context: int, frame_rows: int = 0) -> int:
+    """Draft the next step of the live samples of ``group`` (samples of one generation
+    that travel together) when their request speculates, each within its budget (max-tokens left, ``context`` room) and all
+    with the same k (the fewest any drafted: a message carries one width; ``draft_rows``
+    of ``frame_rows`` bound it); kept in its ``Speculation.pending`` until the step is sent.
+    The positions each row of the step feeds: k + 1 (1: a plain step, as without
+    speculation). The request's ``Speculation`` is its own and names samples by index, so
+    a seed drafts the same on any pipeline."""
+    generation = group.generation
+    speculation = generation.speculation
+    live = [s for s in group.samples if not s.done]
+    if speculation is None or not live:
+        return 1
+    max_k = max(0, draft_rows(frame_rows) // len(live) - 1)
+    drafts = {}
+    for sample in live:
+        tokens = sample.prompt + sample.tokens
+        budget = min(generation.max_new_tokens - len(sample.tokens), context - len(tokens))
+        drafts[sample.sid] = speculation.draft(sample.index, tokens, budget, max_k)
+    k = min(d.drafted for d in drafts.values())
+    speculation.pending.update((sid, trim_draft(d, k)) for sid, d in drafts.items())
+    return k + 1
+
+
+def step_rows(parts: Sequence[Tuple[Any, Sequence[Any]]]
+              ) -> Tuple[List[Any], List[List[int]], Dict[int, Draft]]:
+    """For a decode message of ``parts`` ((group, samples) each): its rows (the samples in
+    order), each row's tokens (its last token and its drafts, or its last token alone) and
+    the drafted steps sent now (by sample id, taken from their requests' ``pending``)."""
+    rows: List[Any] = []
+    drafts: Dict[int, Draft] = {}
+    tokens: List[List[int]] = []
+    for group, samples in parts:
+        pending = getattr(group.generation.speculation, "pending", {})
+        rows += samples
+        for sample in samples:
+            draft = pending.pop(sample.sid, None)
+            if draft is not None:
+                drafts[sample.sid] = draft
+            tokens.append(draft.tokens if draft is not None else [sample.tokens[-1]])
+    return rows, tokens, drafts
 
 
 def drafter_for(spec: str, target_cfg: Any, n_slots: int, context: int,

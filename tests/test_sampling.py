@@ -110,7 +110,7 @@ def _command_line_accepts(name: str, value: object) -> bool:
 
 def _api_accepts(name: str, value: object) -> bool:
     from mdiedge.base.errors import ApiError
-    from mdiedge.ops.api.schema import CompletionRequest
+    from mdiedge.serving.api.schema import CompletionRequest
 
     try:
         CompletionRequest.from_json({"prompt": "x", name: value})

@@ -19,7 +19,7 @@ from test_step import TorchPath, decode, preferred
 from mdiedge.model.transformer import STEP
 from mdiedge.model import quant
 from mdiedge.model import transformer as transformer_module
-from mdiedge.model._stepspec import BlockWeights, QuantMatrix, StackedMatrix
+from mdiedge.model._stepspec import MAX_ROWS, BlockWeights, QuantMatrix, StackedMatrix
 from mdiedge.model.checkpoint import load_model
 from mdiedge.model.config import ModelConfig
 from mdiedge.model.qlayers import QuantGroup, QuantLinear
@@ -191,7 +191,7 @@ def test_a_gguf_model_decodes_through_the_step(monkeypatch: pytest.MonkeyPatch, 
     prompts = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(3))
     ref, _ = decode(net, TorchPath, monkeypatch, prompts, [0, 4], 10)
     got, _ = decode(net, counting(calls, heads), monkeypatch, prompts, [0, 4], 10)
-    assert calls == [net.cfg.n_layers] * 10
+    assert calls == [net.cfg.n_layers] * (2 + 10)  # each row's 5-token prefill: one step too
     assert set(heads) == {qtype}
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     assert_close(got, ref, model_path_length(net.cfg))
@@ -208,7 +208,7 @@ def test_quantize_on_load_fuses_and_decodes_through_the_step(
     prompts = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(4))
     ref, _ = decode(net, TorchPath, monkeypatch, prompts, [0], 6)
     got, _ = decode(net, counting(calls, []), monkeypatch, prompts, [0], 6)
-    assert calls == [net.cfg.n_layers] * 6
+    assert calls == [net.cfg.n_layers] * (1 + 6)  # the 5-token prefill is one step too
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
@@ -230,7 +230,7 @@ def test_mixed_types_decode_through_the_step(impl: ModuleType, monkeypatch: pyte
     slots = list(range(rows))
     ref, _ = decode(net, TorchPath, monkeypatch, prompts, slots, 3)
     got, _ = decode(net, counting(calls, heads, impl), monkeypatch, prompts, slots, 3)
-    assert calls == [CFG.n_layers] * 3
+    assert calls == [CFG.n_layers] * (rows + 3)  # each row's 4-token prefill: one step too
     assert_close(got, ref, model_path_length(CFG))
 
 
@@ -294,5 +294,6 @@ def test_smollm2_q4_1_through_the_step_is_the_fp32_reference(
         for i in range(NEW_TOKENS - 1):
             logits = net(torch.tensor([[ids[-1]]]), slots, [len(prompt) + i])
             ids.append(int(logits.argmax(-1)))
-    assert calls == [30] * (NEW_TOKENS - 1) and set(heads) == {"Q8_0"}
+    prefill = 1 if len(prompt) <= MAX_ROWS else 0  # a short prompt is rows of one step
+    assert calls == [30] * (prefill + NEW_TOKENS - 1) and set(heads) == {"Q8_0"}
     assert ids[:len(want)] == want

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import pytest
 import torch
 
 from conftest import TINY_LLAMA, write_tiny_tokenizer
+from test_hf_parity import assert_logits_match, prompt_ids
 from mdiedge.base.errors import ConfigError
 from mdiedge.model import families
 from mdiedge.model.config import ModelConfig
@@ -201,11 +202,6 @@ def hf_qwen2(path: Path) -> Any:
     return Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def prompt_ids(n: int, seed: int = 0) -> List[int]:
-    g = torch.Generator().manual_seed(seed)
-    return [1] + torch.randint(3, 96, (n - 1,), generator=g).tolist()
-
-
 @torch.no_grad()
 def test_qwen2_logits_match_transformers_without_the_block_step(
         qwen2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -218,19 +214,7 @@ def test_qwen2_logits_match_transformers_without_the_block_step(
     monkeypatch.setattr(transformer, "_step", step)
     ref, ours = hf_qwen2(qwen2), load_model(qwen2)
     assert ours.family.name == "qwen2" and ours.layers["0"].attn.wq.bias is not None
-    ours.setup_cache(2, 160)
-    ids = torch.tensor([prompt_ids(20)])
-    out = ref(ids, use_cache=True)
-    theirs, past = out.logits[0], out.past_key_values
-    mine = ours(ids, torch.tensor([1]), [0], all_logits=True)[0]
-    assert (mine - theirs).abs().max().item() <= 1e-5
-    token = theirs[-1].argmax()
-    for i in range(32):
-        out = ref(token.view(1, 1), past_key_values=past, use_cache=True)
-        theirs, past = out.logits[0, -1], out.past_key_values
-        mine = ours(token.view(1, 1), torch.tensor([1]), [20 + i])[0]
-        assert (mine - theirs).abs().max().item() <= 1e-5, f"decode step {i}"
-        token = theirs.argmax()
+    assert_logits_match(ref, ours)
     heads = 32 if ours.lm_head.weight.is_contiguous() else 0  # the twin's product: transposed
     assert step.calls == {"blocks": 0, "logits": heads} and ours._step_weights() == []
 

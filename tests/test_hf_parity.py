@@ -45,23 +45,27 @@ def prompt_ids(n: int, seed: int = 0) -> List[int]:
     return [1] + torch.randint(3, 96, (n - 1,), generator=g).tolist()
 
 
-@torch.no_grad()
-def test_logits_match_prefill_and_decode(checkpoint: Path) -> None:
-    ref = hf_model(checkpoint)
-    ours = load_model(checkpoint)
+def assert_logits_match(ref: Any, ours: Any, prompt_len: int = 20, steps: int = 32) -> None:
+    """Our logits within 1e-5 of transformers' ``ref`` for a prefill of ``prompt_len`` tokens
+    in slot 1, then ``steps`` greedy decode steps (transformers' choice fed to both)."""
     ours.setup_cache(2, 160)
-    ids = torch.tensor([prompt_ids(20)])
+    ids = torch.tensor([prompt_ids(prompt_len)])
     out = ref(ids, use_cache=True)
     theirs, past = out.logits[0], out.past_key_values
     mine = ours(ids, torch.tensor([1]), [0], all_logits=True)[0]
     assert (mine - theirs).abs().max().item() <= 1e-5
     token = theirs[-1].argmax()
-    for step in range(32):
+    for step in range(steps):
         out = ref(token.view(1, 1), past_key_values=past, use_cache=True)
         theirs, past = out.logits[0, -1], out.past_key_values
-        mine = ours(token.view(1, 1), torch.tensor([1]), [20 + step])[0]
+        mine = ours(token.view(1, 1), torch.tensor([1]), [prompt_len + step])[0]
         assert (mine - theirs).abs().max().item() <= 1e-5, f"decode step {step}"
         token = theirs.argmax()
+
+
+@torch.no_grad()
+def test_logits_match_prefill_and_decode(checkpoint: Path) -> None:
+    assert_logits_match(hf_model(checkpoint), load_model(checkpoint))
 
 
 @torch.no_grad()

@@ -194,8 +194,8 @@ def draft_rows(frame_rows: int) -> int:
 
 def plan_step(group: Any, context: int, frame_rows: int = 0) -> int:
     """Draft the next step of the live samples of ``group`` (samples of one generation
-    that travel together) when their request speculates, each within its budget (max-tokens left, ``context`` room) and all
-    with the same k (the fewest any drafted: a message carries one width; ``draft_rows``
+    that travel together) when their request speculates, each within its budget (max-tokens
+    left, ``context`` room) and all with the same k (the fewest any drafted: a message carries one width; ``draft_rows``
     of ``frame_rows`` bound it); kept in its ``Speculation.pending`` until the step is sent.
     The positions each row of the step feeds: k + 1 (1: a plain step, as without
     speculation). The request's ``Speculation`` is its own and names samples by index, so

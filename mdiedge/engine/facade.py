@@ -34,6 +34,7 @@ from ..model.stopping import StopMatcher, check_stops, cut_at_stop
 from ..runtime.generation import (ExitCounts, Generation, Recovery, Sample, Timing,
                                   TokenCallback, check_context)
 from ..runtime.protocol import NodeStatus
+from ..runtime.compute import ComputeThread
 from ..runtime.scheduler import Scheduler
 
 PathLike = Union[str, Path]
@@ -205,6 +206,7 @@ class Engine(TextModel, abc.ABC):
     holds_weights = True
 
     _setup_lock: threading.Lock
+    compute: ComputeThread  # this process's torch work: loading, set-up, stepping
     reserved: Tuple[int, int] = (0, 0)  # the least (slots, context) of any set-up
     _closers: Optional[ExitStack] = None
     speculate: Optional[str] = None  # every request's drafter (``drafter_for``); None: off

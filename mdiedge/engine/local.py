@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 from ..model.checkpoint import content_hash, load_model
 from ..model.devices import parse_device, parse_dtype
 from ..model.exitfiles import ExitSettings
 from ..placement.partition import split_layers
 from ..roles.exitparts import starter_policy
+from ..runtime.compute import ComputeThread
 from ..runtime.pipeline import ModelEnds, Pipeline
 from ..runtime.scheduler import Scheduler
 from ..runtime.stages import LocalStage
@@ -31,15 +32,20 @@ class LocalEngine(Engine):
         self.device, self.dtype = str(parse_device(device)), parse_dtype(dtype)
         self.ranges = split_layers(self.cfg.n_layers, [1.0] * stages) if stages > 1 \
             else [(0, self.cfg.n_layers)]
-        self.chunks = [load_model(self.path, layers=r, embedding=i == 0, head=i == 0,
-                                  device=self.device, dtype=self.dtype,
-                                  quantize=quantize or None)
-                       for i, r in enumerate(self.ranges)]
+        self.compute = ComputeThread()  # loads, sets up and steps: all torch work here
+        self.chunks = self.compute.call(self._load, quantize)
         self.model = self.chunks[0]  # the embedding, the first blocks and the head
-        self.exit_policy = starter_policy(early_exit, content_hash(self.path), self.model)
+        self.exit_policy = self.compute.call(starter_policy, early_exit,
+                                             content_hash(self.path), self.model)
         self.prefill_chunk = prefill_chunk
         self.scheduler: Optional[Scheduler] = None
         self._setup_lock = threading.Lock()
+
+    def _load(self, quantize: str) -> List[Any]:
+        """Each stage's chunk of the model (on the compute thread)."""
+        return [load_model(self.path, layers=r, embedding=i == 0, head=i == 0,
+                           device=self.device, dtype=self.dtype, quantize=quantize or None)
+                for i, r in enumerate(self.ranges)]
 
     def prepare(self, n_slots: int, context: int) -> Scheduler:
         current = self.scheduler
@@ -47,14 +53,19 @@ class LocalEngine(Engine):
                 current.pipeline.n_slots < n_slots or current.pipeline.context < context)):
             current = None  # broken, or too small with nothing running: set up anew
         if current is None:
-            last = len(self.chunks) - 1
-            stages = [LocalStage(chunk, n_slots, context, trim_prefill=i == last,
-                                 exit_policy=self.exit_policy)
-                      for i, chunk in enumerate(self.chunks)]
-            current = self.scheduler = Scheduler(
-                Pipeline(stages), ModelEnds(self.model), self.prefill_chunk,
-                exit_layers=self.cfg.n_layers if self.exit_policy is not None else 0)
+            current = self.scheduler = self.compute.call(self._set_up, n_slots, context)
         return current
+
+    def _set_up(self, n_slots: int, context: int) -> Scheduler:
+        """A scheduler over new stages of ``n_slots`` x ``context`` KV rows (on the compute
+        thread, which steps it)."""
+        last = len(self.chunks) - 1
+        stages = [LocalStage(chunk, n_slots, context, trim_prefill=i == last,
+                             exit_policy=self.exit_policy)
+                  for i, chunk in enumerate(self.chunks)]
+        return Scheduler(Pipeline(stages), ModelEnds(self.model), self.prefill_chunk,
+                         exit_layers=self.cfg.n_layers if self.exit_policy is not None else 0,
+                         compute=self.compute)
 
     @property
     def stages(self) -> Sequence[LocalStage]:

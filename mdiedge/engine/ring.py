@@ -31,6 +31,7 @@ class RingEngine(Engine):
         self.starter = RingStarter(self.path, self.cfg, workers, self.options, early_exit,
                                    route)
         self._setup_lock = self.starter._setup_lock
+        self.compute = self.starter.compute
 
     @property
     def workers(self) -> List[NodeSpec]:

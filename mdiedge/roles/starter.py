@@ -35,6 +35,7 @@ from ..runtime.control import ControlClient, round_trip_ms
 from ..runtime.links import LinkPair, accept_authenticated, bind, close_links, close_quietly, \
     connect_authenticated, tcp_listen
 from ..placement.partition import Placement, partition
+from ..runtime.compute import ComputeThread
 from ..runtime.pipeline import ModelEnds, Pipeline
 from ..runtime.protocol import (MAX_SLOTS, Assignment, AssignReply, ConnectRequest, ModelRef,
                                 NodeStatus, busy_fraction)
@@ -103,6 +104,7 @@ class RingStarter:
         self.started = time.time()
         self.listener = tcp_listen(options.host, 0)
         self._setup_lock = threading.RLock()  # set-up, submission and closing, one at a time
+        self.compute = ComputeThread()  # the starter's torch work: loading, stage, stepping
 
     @property
     def workers(self) -> List[NodeSpec]:
@@ -202,7 +204,8 @@ class RingStarter:
         chunk, rows = _ring_rows(self.options, self.cfg)
         return Scheduler(pipeline, ends, chunk, self.options.timeout_s, max_rows=rows,
                          rebuild=self.rebuild if self.options.recover else None,
-                         exit_layers=self.cfg.n_layers if self.early_exit is not None else 0)
+                         exit_layers=self.cfg.n_layers if self.early_exit is not None else 0,
+                         compute=self.compute)
 
     def _build_surviving(self, n_slots: int, context: int, was_lost: Set[str]
                          ) -> Tuple[Pipeline, ModelEnds]:
@@ -249,17 +252,22 @@ class RingStarter:
                                     itemsize(self.options.dtype))
         self._balanced_at, self.evidence = 0, balance.Evidence()
         first = self.placements[0].layers
-        if self.model is None or (self.model.first, self.model.last) != first:
-            self.model = None
-            self.model = load_model(self.path, first, True, True, self.device,
-                                    parse_dtype(self.options.dtype), quantize=self.options.quantize)
-        stage = LocalStage(self.model, n_slots, context,
-                           exit_policy=starter_policy(self.early_exit, self.hash, self.model))
+        stage = self.compute.call(self._stage, first, n_slots, context)
         last = len(self.members) - 1
         ports = [self._assign(client, placement.layers, n_slots, context, last=i == last)
                  for i, (client, placement) in enumerate(zip(self.members, self.placements[1:]))]
         self.tail = self._connect(ports)
         return Pipeline([stage], self.tail), ModelEnds(self.model)
+
+    def _stage(self, first: Tuple[int, int], n_slots: int, context: int) -> LocalStage:
+        """The starter's stage of blocks ``first`` (loaded unless held already), on the
+        compute thread."""
+        if self.model is None or (self.model.first, self.model.last) != first:
+            self.model = None
+            self.model = load_model(self.path, first, True, True, self.device,
+                                    parse_dtype(self.options.dtype), quantize=self.options.quantize)
+        return LocalStage(self.model, n_slots, context,
+                          exit_policy=starter_policy(self.early_exit, self.hash, self.model))
 
     def _call(self, client: ControlClient, method: str, path: str, body: Any = None,
               what: str = "", **kwargs: Any) -> Any:

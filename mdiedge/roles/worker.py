@@ -28,6 +28,7 @@ from ..model.checkpoint import content_hash, load_config, load_model, resolve_mo
 from ..model.devices import parse_device, parse_dtype
 from ..runtime import messages
 from ..runtime.auth import Authenticator, is_loopback
+from ..runtime.compute import ComputeThread
 from ..runtime.control import ControlServer, round_trip_ms
 from ..runtime.links import LinkDown, LinkPair, accept_authenticated, bind, close_links, \
     close_quietly, connect_authenticated, tcp_listen
@@ -91,6 +92,7 @@ class WorkerNode:
         self.pending: Optional[Assignment] = None  # an assignment waiting for weights
         self.next_control: Optional[str] = None
         self.lock = threading.Lock()
+        self.compute = ComputeThread()  # loading, the stage's KV and serving the ring's links
         self.links: Optional[LinkPair] = None
         self.ring_id = 0  # bumped by every connect and reset; a stale ring thread cleans nothing
         self.stopped = threading.Event()
@@ -297,19 +299,23 @@ class WorkerNode:
         self.state = "loading"
         self.model, self.stage, self.assignment = None, None, None
         log.info("%s: loading blocks %s from %s", self.name, block_range(request.layers), source)
-        self.model = load_model(source, layers=tuple(request.layers), embedding=False,
-                                head=False, device=str(parse_device(request.device)),
-                                dtype=parse_dtype(request.dtype),
-                                quantize=request.quantize or None)
+        self.model = self.compute.call(
+            load_model, source, layers=tuple(request.layers), embedding=False, head=False,
+            device=str(parse_device(request.device)), dtype=parse_dtype(request.dtype),
+            quantize=request.quantize or None)
         self.assignment, self.source = request, source
         self.state = "ready"
 
     def _setup_stage(self, request: Assignment) -> None:
+        self.stage = self.compute.call(self._new_stage, request)
+        self.assignment = request
+
+    def _new_stage(self, request: Assignment) -> LocalStage:
+        """The stage of the loaded blocks for ``request`` (on the compute thread)."""
         policy = worker_policy(self.source, request, str(parse_device(request.device)),
                                parse_dtype(request.dtype))
-        self.stage = LocalStage(self.model, request.n_slots, request.context,
-                                trim_prefill=request.last, exit_policy=policy)
-        self.assignment = request
+        return LocalStage(self.model, request.n_slots, request.context,
+                          trim_prefill=request.last, exit_policy=policy)
 
     # ----------------------------------------------------------------- data plane
 
@@ -345,7 +351,7 @@ class WorkerNode:
                 return
             self.links = links
         try:
-            self._compute_loop(links)
+            self.compute.call(self._compute_loop, links)
         except MdiedgeError as e:
             log.error("%s: %s; closing the ring links", self.name, e)
         except Exception:

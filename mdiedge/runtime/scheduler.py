@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from . import messages, plan
+from .compute import ComputeThread
 from .generation import ExitCounts, Generation, Recovery, Sample, Timing, check_context
 from .messages import Message
 from .pipeline import ModelEnds, Pipeline
@@ -128,7 +129,6 @@ class SchedulerStats:
     messages: int = 0
     tokens: int = 0
     compute_s: float = 0.0  # embedding, local stages and head, on this process
-    wall_s: float = 0.0  # time with something in flight
 
 
 def accept_parts(ends: ModelEnds, parts: List[Rows], hidden: Any,
@@ -170,36 +170,40 @@ def count_exits(parts: List[Rows], depth: int, n_layers: int) -> None:
 
 
 class StepLoop:
-    """The one thread that steps a scheduler: started when a request is waited for, it
-    calls ``step`` while ``busy()`` (work in flight or waiting), then ends, and the next
-    ``start`` begins another. A step's failure is the step's to record."""
+    """The loop that steps a scheduler, on the node's ``ComputeThread``: started when a
+    request is waited for, it calls ``step`` while ``busy()`` (work in flight or waiting),
+    then ends, and the next ``start`` runs it again. A step's failure is the step's to
+    record."""
 
-    def __init__(self, step: Callable[[], None], busy: Callable[[], bool]) -> None:
-        self._step, self._busy = step, busy
-        self._lock = threading.Lock()  # starting and ending the thread
-        self._thread: Optional[threading.Thread] = None
+    def __init__(self, step: Callable[[], None], busy: Callable[[], bool],
+                 compute: ComputeThread) -> None:
+        self._step, self._busy, self.compute = step, busy, compute
+        self._lock = threading.Condition()  # starting and ending a run
+        self._running = False
 
     def start(self) -> None:
+        """Run the loop on the compute thread; a caller on that thread runs it now."""
         with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="mdiedge-scheduler",
-                                                daemon=True)
-                self._thread.start()
+            if self._running:
+                return
+            self._running = True
+            if not self.compute.here():
+                self.compute.submit(self._run)
+                return
+        self._run()
 
     def join(self) -> None:
-        """Until no loop thread runs."""
-        while True:
-            with self._lock:
-                thread = self._thread
-            if thread is None:
-                return
-            thread.join()
+        """Until the loop does not run."""
+        with self._lock:
+            while self._running:
+                self._lock.wait()
 
     def _run(self) -> None:
         while True:
-            with self._lock:  # work added before ``start`` is seen here, or a new thread starts
+            with self._lock:  # work added before ``start`` is seen here, or a new run starts
                 if not self._busy():
-                    self._thread = None
+                    self._running = False
+                    self._lock.notify_all()
                     return
             try:
                 self._step()
@@ -287,23 +291,24 @@ class Scheduler:
     per decode message at most (0: ``prefill_chunk``); ``timeout_s``: how long a message may
     take around the pipeline; ``max_waiting``: requests that may wait for KV slots unless a
     submission says otherwise; ``rebuild``: when nodes are lost, gives the pipeline without
-    them, and every live sample's tokens so far are replayed through it as a
-    prefill (Petals-style recovery; its sampling generator carries on, so the output is the
-    one it would have been, except under early exit: a replay computes every block where the
-    exits had filled KV); ``exit_layers``: the model's blocks, when decode steps may exit
-    early (their exits are counted per request)."""
+    them, and every live sample's tokens so far are replayed through it as a prefill
+    (Petals-style recovery; its sampling generator carries on, so the output is the one it
+    would have been, except under early exit: a replay computes every block where the exits had
+    filled KV); ``exit_layers``: the model's blocks, when decode steps may exit early (their
+    exits are counted per request); ``compute``: the node's torch thread."""
 
     def __init__(self, pipeline: Pipeline, ends: ModelEnds, prefill_chunk: int = 0,
-                 timeout_s: Optional[float] = None, max_waiting: int = defaults.MAX_QUEUE, max_rows: int = 0,
-                 rebuild: Optional[Rebuild] = None, exit_layers: int = 0) -> None:
+                 timeout_s: Optional[float] = None, max_waiting: int = defaults.MAX_QUEUE,
+                 max_rows: int = 0, rebuild: Optional[Rebuild] = None, exit_layers: int = 0,
+                 compute: Optional[ComputeThread] = None) -> None:
         self.pipeline, self.ends = pipeline, ends
         self.exit_layers, self.max_rows = exit_layers, max_rows or prefill_chunk
-        self._recovery = Recoverer(rebuild)
         self.prefill_chunk, self.timeout_s, self.max_waiting = prefill_chunk, timeout_s, max_waiting
+        self._recovery = Recoverer(rebuild)
         self._waiting = Waiting(max_waiting)
         self._driver = threading.Lock()  # held by the thread that steps
         self._loop = StepLoop(self.step, lambda: self.broken is None and bool(
-            self._inflight or len(self._waiting)))
+            self._inflight or len(self._waiting)), compute or ComputeThread("mdiedge-scheduler"))
         self._inflight = Flights()
         self.stats = self._inflight.stats
         self._groups: Dict[int, _Group] = {}  # live groups by key, in admission order
@@ -386,7 +391,6 @@ class Scheduler:
                 self._wake()
 
     def _step(self) -> None:
-        started = time.perf_counter()
         try:
             with inference():  # once for the step's stages and ends (recovery runs outside)
                 self._admit()
@@ -397,7 +401,6 @@ class Scheduler:
                 message = self.pipeline.receive(self.timeout_s)
                 self._recovery.progress = time.perf_counter()
                 self._complete(self._inflight.back(message), message)
-            self.stats.wall_s += time.perf_counter() - started  # time with work in flight
         except NodeLost as e:
             try:
                 live = list({id(g.generation): g.generation

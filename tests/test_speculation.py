@@ -11,8 +11,8 @@ import torch
 
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.runtime.drafting import NgramDrafter, Proposal
-from mdiedge.runtime.speculation import (KPolicy, Speculation, acceptance, choose_k,
-                                         expected_tokens, group_width, plan_step)
+from mdiedge.runtime.speculation import (KPolicy, RowCost, Speculation, acceptance,
+                                         choose_k, expected_tokens, group_width, plan_step)
 
 Rounds = List[Tuple[int, int]]
 BAD: Rounds = [(3, 0)] * 8  # every draft rejected
@@ -156,3 +156,49 @@ def test_a_sample_without_drafts_does_not_hold_back_one_that_has_them() -> None:
     assert second.drafted == 0 and second.tokens == [43] * 4
     out = spec.settle(1, second, one_hot_logits([7, 7, 7, 7]), torch.Generator())
     assert out == [7]  # its one position scored: the padding is not
+
+
+# ------------------------------------------------------------------ a row's measured cost
+
+
+def timed(points: Sequence[Tuple[int, Sequence[float]]]) -> RowCost:
+    cost = RowCost(prior=0.1)
+    for rows, times in points:
+        for seconds in times:
+            cost.observe(rows, seconds)
+    return cost
+
+
+@pytest.mark.parametrize("points, value", [
+    ([], 0.1),  # nothing timed: the prior
+    ([(1, [0.010] * 3)], 0.1),  # one row count: no slope yet
+    ([(1, [0.010] * 3), (8, [0.017] * 2)], 0.1),  # too few timings of 8 rows
+    ([(1, [0.010] * 3), (8, [0.017] * 3)], 0.1),  # 1 ms a row on a 10 ms step
+    ([(1, [0.010] * 3), (4, [0.025] * 3), (8, [0.045] * 3)], 0.5),  # a step per two rows
+    ([(1, [0.030, 0.010, 0.020]), (8, [0.017, 0.090, 0.050])], 0.1),  # the fastest counts
+    ([(2, [0.010] * 3), (8, [0.010] * 3)], 0.0),  # rows for free
+    ([(1, [0.010] * 3), (2, [0.040] * 3)], 2.0),  # bounded
+    ([(1, [0.050] * 3), (8, [0.010] * 3)], 0.0),  # faster with more rows: noise, free
+])
+def test_row_cost_is_fitted_from_the_fastest_timings(
+        points: Sequence[Tuple[int, Sequence[float]]], value: float) -> None:
+    assert timed(points).value == pytest.approx(value)
+
+
+def test_only_the_latest_timings_count() -> None:
+    cost = timed([(1, [0.010] * 3), (8, [0.010] * 3)])
+    assert cost.value == 0.0
+    for _ in range(cost.window):  # the machine's rows got dearer
+        cost.observe(8, 0.017)
+    assert cost.value == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("temperature, width", [(0.0, 1), (0.8, 4)])
+def test_the_measured_cost_decides_greedy_widths_only(temperature: float, width: int) -> None:
+    """Rows measured dear: a greedy group steps plainly; a sampled one keeps its policy's
+    cost (its k must not depend on the pipeline, for its seed's sake)."""
+    spec = Speculation(NgramDrafter(), SamplingParams(temperature=temperature, seed=1))
+    for sample in (0, 1):
+        spec.rounds[sample] = list(GOOD)
+    repeating = [1, 2, 3, 4, 5, 6] * 4
+    assert plan_step(_Group([repeating, repeating], spec), 512, row_cost=1.5) == width

@@ -17,7 +17,7 @@ When no k pays, speculation is off for the sample (k = 0) and retried with k = 1
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -146,11 +146,14 @@ class Speculation:
         self.pending: Dict[int, Draft] = {}  # drafted steps not sent yet, by sample id
         self.stats = SpecStats()
 
-    def want(self, sample_id: int, max_k: Optional[int] = None) -> Tuple[float, int]:
+    def want(self, sample_id: int, max_k: Optional[int] = None,
+             row_cost: Optional[float] = None) -> Tuple[float, int]:
         """The sample's estimated acceptance and the k it would draft alone (``choose_k``
-        within ``max_k``): what ``group_width`` weighs."""
+        within ``max_k``, a row costing ``row_cost``, default the policy's): what
+        ``group_width`` weighs."""
         rounds = self.rounds.get(sample_id, [])
-        return acceptance(rounds, self.policy), choose_k(rounds, self.policy, max_k)
+        policy = self.policy if row_cost is None else replace(self.policy, row_cost=row_cost)
+        return acceptance(rounds, policy), choose_k(rounds, policy, max_k)
 
     def draft(self, sample_id: int, tokens: Sequence[int], budget: int,
               max_k: Optional[int] = None, k: Optional[int] = None) -> Draft:
@@ -196,6 +199,40 @@ class Speculation:
         self.drafter.release(sample_id)
 
 
+class RowCost:
+    """What a verified row costs on this pipeline, as a share of a one-row step, measured:
+    the round trips of decode messages sent with nothing else in flight, by row count
+    (B x T), the fastest of each count's last ``window`` (a busy machine only adds time),
+    and a straight line t = a + b rows fitted through them; the cost is b / (a + b) (one
+    more row over one row), clamped to [0, 2]. Until two row counts were timed ``least``
+    times each it is ``prior``. A quantized model whose kernels are bound by arithmetic
+    pays most of a step per row; float weights, read once for every row, little."""
+
+    def __init__(self, prior: float = defaults.SPEC_ROW_COST, window: int = 8,
+                 least: int = 3) -> None:
+        self.prior, self.window, self.least = prior, window, least
+        self.seconds: Dict[int, List[float]] = {}  # rows -> the latest round trips
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows >= 1 and seconds > 0:
+            times = self.seconds.setdefault(rows, [])
+            times.append(seconds)
+            del times[:-self.window]
+
+    @property
+    def value(self) -> float:
+        points = [(r, min(t)) for r, t in sorted(self.seconds.items()) if len(t) >= self.least]
+        if len(points) < 2:
+            return self.prior
+        n = len(points)
+        mean_r = sum(r for r, _ in points) / n
+        mean_t = sum(t for _, t in points) / n
+        slope = sum((r - mean_r) * (t - mean_t) for r, t in points) / \
+            sum((r - mean_r) ** 2 for r, _ in points)
+        one = mean_t + slope * (1 - mean_r)  # a + b: the fitted one-row step
+        return 2.0 if one <= 0 else min(2.0, max(0.0, slope / one))
+
+
 def draft_rows(frame_rows: int) -> int:
     """Token rows (samples x positions) one group's verification step may carry: the
     compiled step's rows, and never more than a frame holds (``frame_rows``, 0: no limit)."""
@@ -223,7 +260,8 @@ def group_width(wants: Sequence[Tuple[float, int]], rows: int, room: int,
     return 2 if best == 1 and any(k > 0 for _, k in wants) else best
 
 
-def plan_step(group: Any, context: int, frame_rows: int = 0) -> int:
+def plan_step(group: Any, context: int, frame_rows: int = 0,
+              row_cost: Optional[float] = None) -> int:
     """Draft the next step of the live samples of ``group`` (samples of one generation
     that travel together) when their request speculates: the group's width
     (``group_width``, within ``draft_rows`` of ``frame_rows`` and the context), then each
@@ -232,7 +270,9 @@ def plan_step(group: Any, context: int, frame_rows: int = 0) -> int:
     ``Speculation.pending`` until the step is sent. The positions each
     row of the step feeds: k + 1 (1: a plain step, as without speculation). The request's
     ``Speculation`` is its own and names samples by index, so a seed drafts the same on
-    any pipeline."""
+    any pipeline. ``row_cost``: a verified row's measured cost (``RowCost``), for greedy
+    requests only: a sampled request's k depends on its draws alone (its policy's cost),
+    so its seed gives the same text on every pipeline."""
     generation = group.generation
     speculation = generation.speculation
     live = [s for s in group.samples if not s.done]
@@ -242,9 +282,11 @@ def plan_step(group: Any, context: int, frame_rows: int = 0) -> int:
     texts = [s.prompt + s.tokens for s in live]
     budgets = [min(generation.max_new_tokens - len(s.tokens), context - len(t))
                for s, t in zip(live, texts)]
-    wants = [speculation.want(s.index, b - 1) for s, b in zip(live, budgets)]
+    measured = row_cost is not None and speculation.params.greedy  # a seed's k: fixed
+    cost = row_cost if measured else speculation.policy.row_cost
+    wants = [speculation.want(s.index, b - 1, cost) for s, b in zip(live, budgets)]
     room = min(context - len(t) + 1 for t in texts)
-    width = group_width(wants, rows, room, speculation.policy.row_cost)
+    width = group_width(wants, rows, room, cost)
     drafts = {s.sid: speculation.draft(s.index, t, b, k=width - 1)
               for s, t, b in zip(live, texts, budgets)}
     width = 1 + max(d.drafted for d in drafts.values())

@@ -111,13 +111,15 @@ def pad_draft(draft: Draft, width: int) -> Draft:
 @dataclass
 class SpecStats:
     """What speculation did: drafted and accepted tokens, verification steps (those that
-    drafted anything), tokens emitted by them, and how often each k was drafted."""
+    drafted anything), tokens emitted by them, how often each k was drafted, and the row
+    cost its widths were last chosen with."""
 
     drafted: int = 0
     accepted: int = 0
     steps: int = 0
     emitted: int = 0
     k_histogram: Dict[int, int] = field(default_factory=dict)
+    row_cost: float = 0.0  # a verified row's cost as the last step's width was chosen
 
     @property
     def acceptance(self) -> float:
@@ -132,7 +134,8 @@ class SpecStats:
         return {"drafted": self.drafted, "accepted": self.accepted,
                 "acceptance": round(self.acceptance, 4), "verify_steps": self.steps,
                 "tokens_per_pass": round(self.tokens_per_step, 3),
-                "k_histogram": {str(k): n for k, n in sorted(self.k_histogram.items())}}
+                "k_histogram": {str(k): n for k, n in sorted(self.k_histogram.items())},
+                "row_cost": round(self.row_cost, 3)}
 
 
 class Speculation:
@@ -283,7 +286,7 @@ def plan_step(group: Any, context: int, frame_rows: int = 0,
     budgets = [min(generation.max_new_tokens - len(s.tokens), context - len(t))
                for s, t in zip(live, texts)]
     measured = row_cost is not None and speculation.params.greedy  # a seed's k: fixed
-    cost = row_cost if measured else speculation.policy.row_cost
+    cost = speculation.stats.row_cost = row_cost if measured else speculation.policy.row_cost
     wants = [speculation.want(s.index, b - 1, cost) for s, b in zip(live, budgets)]
     room = min(context - len(t) + 1 for t in texts)
     width = group_width(wants, rows, room, cost)

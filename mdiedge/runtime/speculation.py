@@ -24,6 +24,7 @@ import torch
 
 from .draftmodel import DraftModelDrafter
 from .drafting import Drafter, NgramDrafter, Proposal, parse_speculate
+from .plan import verify_rows
 from ..base import defaults
 from ..base.errors import GenerationError
 from ..model.sampling import SamplingParams
@@ -236,13 +237,6 @@ class RowCost:
         return 2.0 if one <= 0 else min(2.0, max(0.0, slope / one))
 
 
-def draft_rows(frame_rows: int) -> int:
-    """Token rows (samples x positions) one group's verification step may carry: the
-    compiled step's rows, and never more than a frame holds (``frame_rows``, 0: no limit)."""
-    rows = defaults.SPEC_MAX_K + 1
-    return min(rows, frame_rows) if frame_rows > 0 else rows
-
-
 def group_width(wants: Sequence[Tuple[float, int]], rows: int, room: int,
                 row_cost: float) -> int:
     """The positions each row of a group's step feeds (1: a plain step; a message carries
@@ -267,7 +261,7 @@ def plan_step(group: Any, context: int, frame_rows: int = 0,
               row_cost: Optional[float] = None) -> int:
     """Draft the next step of the live samples of ``group`` (samples of one generation
     that travel together) when their request speculates: the group's width
-    (``group_width``, within ``draft_rows`` of ``frame_rows`` and the context), then each
+    (``group_width``, within ``plan.verify_rows`` of ``frame_rows`` and the context), then each
     sample's drafts within its budget (max-tokens left, ``context`` room), padded to the
     longest (none at width 1: a plain step, recorded as such for the retry); kept in its
     ``Speculation.pending`` until the step is sent. The positions each
@@ -281,7 +275,7 @@ def plan_step(group: Any, context: int, frame_rows: int = 0,
     live = [s for s in group.samples if not s.done]
     if speculation is None or not live:
         return 1
-    rows = draft_rows(frame_rows)
+    rows = verify_rows(frame_rows)
     texts = [s.prompt + s.tokens for s in live]
     budgets = [min(generation.max_new_tokens - len(s.tokens), context - len(t))
                for s, t in zip(live, texts)]

@@ -8,6 +8,7 @@ import dataclasses
 import os
 import random
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -18,7 +19,9 @@ from mdiedge.base.errors import GenerationError, NodeLost, PartitionError, RingE
 from mdiedge.base.nodes import NodeSpec
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.engine.local import LocalEngine
+from mdiedge.model.checkpoint import load_config
 from mdiedge.roles.local_ring import LocalRing
+from mdiedge.roles.starter import RingStarter, StarterOptions
 from mdiedge.engine.ring import RingEngine
 from mdiedge.placement.partition import choose_members
 from mdiedge.runtime.pipeline import ModelEnds, Pipeline
@@ -490,3 +493,32 @@ def test_concurrent_requests_all_complete_when_a_worker_dies(reference: LocalEng
         engine.close()
     assert [[s["token_ids"] for s in out.samples] for out in outs] == want
     assert any(out.recoveries for out in outs)
+
+
+def test_a_recovery_of_a_ring_closed_meanwhile_gives_up(ring_model: Path) -> None:
+    """A scheduler's loop recovering while another request sets a new ring up (it holds the
+    set-up lock and waits for that loop to end, on the one compute thread): the recovery
+    of the closed ring gives up at once instead of waiting for the lock for ever."""
+    starter = RingStarter(ring_model, load_config(ring_model), [NodeSpec("w1", control_port=1)],
+                          StarterOptions())
+    ring = starter.rings
+    held, done = threading.Event(), threading.Event()
+
+    def set_up_anew() -> None:
+        with starter._setup_lock:
+            starter.close_ring()
+            held.set()
+            done.wait(30)
+
+    other = threading.Thread(target=set_up_anew)
+    other.start()
+    try:
+        assert held.wait(10)
+        started = time.monotonic()
+        with pytest.raises(RingError, match="closed while recovering"):
+            starter.rebuild(NodeLost("w1 is gone", ("w1",)), ring)
+        assert time.monotonic() - started < 5
+    finally:
+        done.set()
+        other.join(10)
+        starter.close()

@@ -10,6 +10,7 @@ message is one token's activation per sample.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -105,6 +106,7 @@ class RingStarter:
         self.listener = tcp_listen(options.host, 0)
         self._setup_lock = threading.RLock()  # set-up, submission and closing, one at a time
         self.compute = ComputeThread()  # the starter's torch work: loading, stage, stepping
+        self.rings = 0  # rings closed so far: the current ring's number
 
     @property
     def workers(self) -> List[NodeSpec]:
@@ -203,7 +205,8 @@ class RingStarter:
         pipeline, ends = self._build_surviving(n_slots, context, was_lost)
         chunk, rows = _ring_rows(self.options, self.cfg)
         return Scheduler(pipeline, ends, chunk, self.options.timeout_s, max_rows=rows,
-                         rebuild=self.rebuild if self.options.recover else None,
+                         rebuild=functools.partial(self.rebuild, ring=self.rings)
+                         if self.options.recover else None,
                          exit_layers=self.cfg.n_layers if self.early_exit is not None else 0,
                          compute=self.compute)
 
@@ -230,11 +233,17 @@ class RingStarter:
                 was_lost = set()
         raise RingError(f"gave up setting up the ring after {len(self.clients) + 1} tries")
 
-    def rebuild(self, lost: NodeLost) -> Tuple[Pipeline, ModelEnds]:
+    def rebuild(self, lost: NodeLost, ring: int) -> Tuple[Pipeline, ModelEnds]:
         """The scheduler's recovery: a ring without the ``lost`` workers, of the same layout
-        (a spare takes a lost worker's place, else the survivors share its layers)."""
-        with self._setup_lock:
-            if self.scheduler is None or self.membership.closed.is_set():
+        (a spare takes a lost worker's place, else the survivors share its layers); ``ring``:
+        the number of the ring set up for that scheduler. A ring closed meanwhile (another
+        set-up, which waits for this scheduler's loop to end, or the starter's close) is not
+        rebuilt: a RingError ends the loop."""
+        while not self._setup_lock.acquire(timeout=defaults.WAIT_POLL_S):
+            if self.rings != ring:
+                raise RingError("the ring was closed while recovering")
+        try:
+            if self.scheduler is None or self.rings != ring or self.membership.closed.is_set():
                 raise RingError("the starter was closed")
             self.recoveries += 1
             log.warning("recovering: %s", lost)
@@ -243,6 +252,8 @@ class RingStarter:
             self.membership.lose(lost.nodes, str(lost))
             pipeline = self.scheduler.pipeline
             return self._build(pipeline.n_slots, pipeline.context)
+        finally:
+            self._setup_lock.release()
 
     def _build(self, n_slots: int, context: int) -> Tuple[Pipeline, ModelEnds]:
         """Set up the members' ring: the split, the layers, the links."""
@@ -345,6 +356,7 @@ class RingStarter:
 
     def close_ring(self) -> None:
         with self._setup_lock:
+            self.rings += 1  # a recovery of the closed ring gives up
             if self.tail is not None:
                 self.tail.close()
             self.tail, self.scheduler = None, None
@@ -354,19 +366,24 @@ class RingStarter:
         timeout), then stop listening."""
         self.membership.closed.set()
         self.close_ring()
-
-        def release(client: ControlClient) -> None:
-            try:
-                client.call("POST", "/reset", {"release": True}, timeout=2)
-            except RingError:
-                pass
-
-        threads = [threading.Thread(target=release, args=(c,), daemon=True) for c in self.clients]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(3)
+        release_all(self.clients)
         close_quietly(self.listener)
+
+
+def release_all(clients: Sequence[ControlClient]) -> None:
+    """Tell every worker that its starter is done with it, in parallel, each call bounded."""
+
+    def release(client: ControlClient) -> None:
+        try:
+            client.call("POST", "/reset", {"release": True}, timeout=2)
+        except RingError:
+            pass
+
+    threads = [threading.Thread(target=release, args=(c,), daemon=True) for c in clients]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(3)
 
 
 def balance_step(starter: RingStarter, weights: Dict[str, float], n_slots: int,

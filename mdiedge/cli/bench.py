@@ -46,6 +46,13 @@ def bench(
                                  "goes on each node of a ring of --nodes (projections, "
                                  "attention, norms, RoPE, sampling, other), for 1 and "
                                  "--samples rows per step."),
+    speculate: Optional[str] = typer.Option(
+        None, "--speculate", metavar="DRAFTER", help="Instead, greedy decoding plain and "
+        "speculating with DRAFTER (ngram, ngram:N, draft:PATH; as generate's --speculate) "
+        "side by side, in alternating runs (--repeat rounds), in one process and on a local "
+        "ring of --nodes: a prompt that quotes a passage of --text and asks for it again "
+        "(an instruct model's chat template), and free generation; decode tokens/s both "
+        "ways, the ratio, acceptance, tokens per ring pass, and whether the texts are equal."),
 ) -> None:
     """Measure tokens/s (with the bandwidth limit and the share reached), busy fraction,
     per-hop overhead and peak RSS of 1..N-node rings."""
@@ -55,6 +62,10 @@ def bench(
     load_torch()
     from ..tools import bench as benchmarks
 
+    if isinstance(speculate, str) and speculate != "off":  # not the typer default
+        _speculation(model, speculate, text, nodes, samples, new_tokens,
+                     repeat if isinstance(repeat, int) else 1, as_json)
+        return
     if isinstance(early_exit, str) or isinstance(exit_threshold, str):  # not typer defaults
         _exits(model, early_exit, exit_threshold, text, nodes, samples, new_tokens, as_json)
         return
@@ -204,3 +215,60 @@ def _exits(model: Optional[str], criterion: Any, threshold: Any,
     typer.echo(f"top-1 agreement {100 * q['top1_agreement']:.2f}% over {q['tokens']} held-out "
                f"tokens; perplexity {q['perplexity_none']} -> {q['perplexity']}; "
                f"{q['mean_layers']:.2f} blocks per token")
+
+
+SPEC_COLUMNS = ("nodes", "workload", "plain tok/s", "spec tok/s", "ratio", "acceptance",
+                "tokens/pass", "same text")
+
+
+def spec_cells(row: dict) -> list:
+    """A ``bench --speculate`` row's cells, in ``SPEC_COLUMNS`` order."""
+    return [str(row["nodes"]), row["workload"], f"{row['plain_tokens_per_s']:.1f}",
+            f"{row['spec_tokens_per_s']:.1f}", f"{row['speedup']:.2f}x",
+            f"{100 * row['acceptance']:.0f}%", f"{row['tokens_per_pass']:.2f}",
+            "yes" if row["same_text"] else "NO"]
+
+
+def _speculation(model: Optional[str], speculate: str, text: Optional[str], nodes: int,
+                 samples: int, new_tokens: int, rounds: int, as_json: bool) -> None:
+    from pathlib import Path
+
+    from ..base.defaults import held_out_text
+    from ..engine.factory import EngineSpec, check_spec
+    from ..model.checkpoint import resolve_model_path
+    from ..tools import specbench
+    from ..tools.benchtable import measuring_on_stderr
+
+    check_spec(EngineSpec(speculate=speculate))
+    need(text is None or Path(text).is_file(), "--text", text,
+         "a text file (passages to quote come from it)")
+    path = resolve_model_path(model)
+    source = held_out_text(text)[0]
+    render = _chat_render(path)
+    title = (f"{path.name}: {speculate} against plain, greedy, {samples} sample"
+             f"{'s' if samples > 1 else ''} x {new_tokens} tokens, "
+             f"{rounds} round{'s' if rounds > 1 else ''} each way"
+             + (", chat template" if render else ""))
+    rows = specbench.run_all(path, speculate, nodes, samples, new_tokens, rounds, source,
+                             render, measuring=measuring_on_stderr)
+    if as_json:
+        typer.echo(json.dumps({"title": title, "speculate": speculate, "results": list(rows)}))
+        return
+    widths = [max(len(c), 8) for c in SPEC_COLUMNS]
+    typer.echo(title)
+    typer.echo("  ".join(c.rjust(w) for c, w in zip(SPEC_COLUMNS, widths)))
+    for row in rows:
+        typer.echo("  ".join(c.rjust(w) for c, w in zip(spec_cells(row), widths)))
+
+
+def _chat_render(path: Any) -> Any:
+    """A user message as the model's own chat template renders it, or None when the model
+    has none (a base model)."""
+    from ..model.tokenizer import load_tokenizer
+    from ..serving.api.chat import ChatTemplate
+    from ..serving.api.schema import ChatMessage
+
+    template = ChatTemplate.for_model(path, load_tokenizer(path))
+    if template.is_default:
+        return None
+    return lambda user: str(template.render([ChatMessage("user", user)]))

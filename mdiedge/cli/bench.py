@@ -9,10 +9,25 @@ import typer
 from .app import app, exit_threshold_option, load_torch, need, one_line_errors
 
 
+COMPRESSION_OPTION = typer.Option(
+    None, metavar="CODEC", help="Instead, the quality guard of this link codec (as "
+    "generate's --compression) against none on a ring of --nodes: bytes per hop, top-1 "
+    "agreement and perplexity (teacher-forced over --text's held-out tail), time to first "
+    "token and tokens/s.")
+SPECULATE_OPTION = typer.Option(
+    None, "--speculate", metavar="DRAFTER", help="Instead, greedy decoding plain and "
+    "speculating with DRAFTER (ngram, ngram:N, draft:PATH; as generate's --speculate) "
+    "side by side, in alternating runs (--repeat rounds), in one process and on a local "
+    "ring of --nodes: a prompt that quotes a passage of --text and asks for it again "
+    "(an instruct model's chat template), and free generation; decode tokens/s both "
+    "ways, the ratio, acceptance, tokens per ring pass, and whether the texts are equal.")
+
+
 @app.command()
 @one_line_errors
 def bench(
-    model: Optional[str] = typer.Option(None, help="Model to run (default: the shipped NanoLlama)."),
+    model: Optional[str] = typer.Option(None, help="Model to run (default: the shipped "
+                                        "NanoLlama)."),
     preset: Optional[str] = typer.Option(None, help="Instead, random weights of a preset shape, "
                                          "e.g. nanollama-304m."),
     nodes: int = typer.Option(3, help="Largest ring to measure (1..nodes)."),
@@ -26,15 +41,11 @@ def bench(
                                "bandwidth probe: the row is the run with the median decode "
                                "tokens/s, beside the slowest and fastest (every run's figures "
                                "under \"runs\" in --json). For a machine whose speed varies."),
-    compression: Optional[str] = typer.Option(
-        None, metavar="CODEC", help="Instead, the quality guard of this link codec (as "
-        "generate's --compression) against none on a ring of --nodes: bytes per hop, top-1 "
-        "agreement and perplexity (teacher-forced over --text's held-out tail), time to first "
-        "token and tokens/s."),
+    compression: Optional[str] = COMPRESSION_OPTION,
     text: Optional[str] = typer.Option(None, help="Text file for --compression and "
-                                       "--early-exit: its last 10% is the held-out text. "
-                                       "Default: Tiny Shakespeare's held-out tenth, shipped "
-                                       "with NanoLlama."),
+                                       "--early-exit (its last 10% is the held-out text) and "
+                                       "--speculate (its passages). Default: Tiny "
+                                       "Shakespeare's held-out tenth, shipped with NanoLlama."),
     eval_tokens: int = typer.Option(4096, help="Held-out tokens scored with --compression."),
     early_exit: Optional[str] = typer.Option(
         None, "--early-exit", metavar="CRITERION", help="Instead, the same workload with and "
@@ -46,25 +57,19 @@ def bench(
                                  "goes on each node of a ring of --nodes (projections, "
                                  "attention, norms, RoPE, sampling, other), for 1 and "
                                  "--samples rows per step."),
-    speculate: Optional[str] = typer.Option(
-        None, "--speculate", metavar="DRAFTER", help="Instead, greedy decoding plain and "
-        "speculating with DRAFTER (ngram, ngram:N, draft:PATH; as generate's --speculate) "
-        "side by side, in alternating runs (--repeat rounds), in one process and on a local "
-        "ring of --nodes: a prompt that quotes a passage of --text and asks for it again "
-        "(an instruct model's chat template), and free generation; decode tokens/s both "
-        "ways, the ratio, acceptance, tokens per ring pass, and whether the texts are equal."),
+    speculate: Optional[str] = SPECULATE_OPTION,
 ) -> None:
     """Measure tokens/s (with the bandwidth limit and the share reached), busy fraction,
     per-hop overhead and peak RSS of 1..N-node rings."""
     from pathlib import Path
 
-    _check_bench(nodes, samples, new_tokens, repeat if isinstance(repeat, int) else 1)
+    repeat = repeat if isinstance(repeat, int) else 1  # a typer default when called directly
+    _check_bench(nodes, samples, new_tokens, repeat)
     load_torch()
     from ..tools import bench as benchmarks
 
     if isinstance(speculate, str) and speculate != "off":  # not the typer default
-        _speculation(model, speculate, text, nodes, samples, new_tokens,
-                     repeat if isinstance(repeat, int) else 1, as_json)
+        _speculation(model, speculate, text, nodes, samples, new_tokens, repeat, as_json)
         return
     if isinstance(early_exit, str) or isinstance(exit_threshold, str):  # not typer defaults
         _exits(model, early_exit, exit_threshold, text, nodes, samples, new_tokens, as_json)
@@ -80,8 +85,7 @@ def bench(
                                        micro_batch)
         typer.echo(json.dumps(result))
         return
-    _table(model, preset, nodes, samples, new_tokens, context, as_json,
-           repeat if isinstance(repeat, int) else 1)  # a typer default when called directly
+    _table(model, preset, nodes, samples, new_tokens, context, as_json, repeat)
 
 
 def _check_bench(nodes: int, samples: int, new_tokens: int, repeat: int) -> None:

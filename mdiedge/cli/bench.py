@@ -26,8 +26,7 @@ SPECULATE_OPTION = typer.Option(
 @app.command()
 @one_line_errors
 def bench(
-    model: Optional[str] = typer.Option(None, help="Model to run (default: the shipped "
-                                        "NanoLlama)."),
+    model: Optional[str] = typer.Option(None, help="Model to run (default: the shipped NanoLlama)."),
     preset: Optional[str] = typer.Option(None, help="Instead, random weights of a preset shape, "
                                          "e.g. nanollama-304m."),
     nodes: int = typer.Option(3, help="Largest ring to measure (1..nodes)."),

@@ -133,6 +133,7 @@ def test_the_table_names_its_columns_and_a_row_per_workload() -> None:
 @pytest.mark.parametrize("args, quoted", [
     (["--speculate", "bigram"], "'bigram'"),
     (["--speculate", "ngram", "--text", "/nonexistent/text"], "/nonexistent/text"),
+    (["--speculate", "ngram", "--preset", "nanollama-304m"], "'nanollama-304m'"),
 ])
 def test_bad_input_is_refused_in_one_line(args: List[str], quoted: str) -> None:
     done = bench("--nodes", "1", *args)

@@ -68,7 +68,7 @@ def bench(
     from ..tools import bench as benchmarks
 
     if isinstance(speculate, str) and speculate != "off":  # not the typer default
-        _speculation(model, speculate, text, nodes, samples, new_tokens, repeat, as_json)
+        _speculation(model, preset, speculate, text, nodes, samples, new_tokens, repeat, as_json)
         return
     if isinstance(early_exit, str) or isinstance(exit_threshold, str):  # not typer defaults
         _exits(model, early_exit, exit_threshold, text, nodes, samples, new_tokens, as_json)
@@ -232,8 +232,8 @@ def spec_cells(row: dict) -> list:
             "yes" if row["same_text"] else "NO"]
 
 
-def _speculation(model: Optional[str], speculate: str, text: Optional[str], nodes: int,
-                 samples: int, new_tokens: int, rounds: int, as_json: bool) -> None:
+def _speculation(model: Optional[str], preset: Any, speculate: str, text: Optional[str],
+                 nodes: int, samples: int, new_tokens: int, rounds: int, as_json: bool) -> None:
     from pathlib import Path
 
     from ..base.defaults import held_out_text
@@ -243,6 +243,8 @@ def _speculation(model: Optional[str], speculate: str, text: Optional[str], node
     from ..tools.benchtable import measuring_on_stderr
 
     check_spec(EngineSpec(speculate=speculate))
+    need(not isinstance(preset, str), "--preset", preset, "none with --speculate (random "
+         "weights repeat nothing: give --model)")
     need(text is None or Path(text).is_file(), "--text", text,
          "a text file (passages to quote come from it)")
     path = resolve_model_path(model)

@@ -126,7 +126,8 @@ def measure(engine: Any, nodes: int, work: Sequence[Workload], speculate: str, s
                 return engine.generate(workload.prompt, n, samples, GREEDY,
                                        templated=workload.templated)
 
-            run("spec", 4), run("plain", 4)  # warm-up: set-up and first steps untimed
+            run("spec", 4)  # warm-up: the set-up and the first steps untimed
+            run("plain", 4)
             runs: Dict[str, List[Dict[str, Any]]] = {way: [] for way in WAYS}
             for r in range(rounds):
                 for way in order(r):

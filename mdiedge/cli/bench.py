@@ -9,6 +9,20 @@ import typer
 from .app import app, exit_threshold_option, load_torch, need, one_line_errors
 
 
+COMPRESSION_OPTION = typer.Option(
+    None, metavar="CODEC", help="Instead, the quality guard of this link codec (as "
+    "generate's --compression) against none on a ring of --nodes: bytes per hop, top-1 "
+    "agreement and perplexity (teacher-forced over --text's held-out tail), time to first "
+    "token and tokens/s.")
+SPECULATE_OPTION = typer.Option(
+    None, "--speculate", metavar="DRAFTER", help="Instead, greedy decoding plain and "
+    "speculating with DRAFTER (ngram, ngram:N, draft:PATH; as generate's --speculate) "
+    "side by side, in alternating runs (--repeat rounds), in one process and on a local "
+    "ring of --nodes: a prompt that quotes a passage of --text and asks for it again "
+    "(an instruct model's chat template), and free generation; decode tokens/s both "
+    "ways, the ratio, acceptance, tokens per ring pass, and whether the texts are equal.")
+
+
 @app.command()
 @one_line_errors
 def bench(
@@ -26,15 +40,11 @@ def bench(
                                "bandwidth probe: the row is the run with the median decode "
                                "tokens/s, beside the slowest and fastest (every run's figures "
                                "under \"runs\" in --json). For a machine whose speed varies."),
-    compression: Optional[str] = typer.Option(
-        None, metavar="CODEC", help="Instead, the quality guard of this link codec (as "
-        "generate's --compression) against none on a ring of --nodes: bytes per hop, top-1 "
-        "agreement and perplexity (teacher-forced over --text's held-out tail), time to first "
-        "token and tokens/s."),
+    compression: Optional[str] = COMPRESSION_OPTION,
     text: Optional[str] = typer.Option(None, help="Text file for --compression and "
-                                       "--early-exit: its last 10% is the held-out text. "
-                                       "Default: Tiny Shakespeare's held-out tenth, shipped "
-                                       "with NanoLlama."),
+                                       "--early-exit (its last 10% is the held-out text) and "
+                                       "--speculate (its passages). Default: Tiny "
+                                       "Shakespeare's held-out tenth, shipped with NanoLlama."),
     eval_tokens: int = typer.Option(4096, help="Held-out tokens scored with --compression."),
     early_exit: Optional[str] = typer.Option(
         None, "--early-exit", metavar="CRITERION", help="Instead, the same workload with and "
@@ -46,15 +56,20 @@ def bench(
                                  "goes on each node of a ring of --nodes (projections, "
                                  "attention, norms, RoPE, sampling, other), for 1 and "
                                  "--samples rows per step."),
+    speculate: Optional[str] = SPECULATE_OPTION,
 ) -> None:
     """Measure tokens/s (with the bandwidth limit and the share reached), busy fraction,
     per-hop overhead and peak RSS of 1..N-node rings."""
     from pathlib import Path
 
-    _check_bench(nodes, samples, new_tokens, repeat if isinstance(repeat, int) else 1)
+    repeat = repeat if isinstance(repeat, int) else 1  # a typer default when called directly
+    _check_bench(nodes, samples, new_tokens, repeat)
     load_torch()
     from ..tools import bench as benchmarks
 
+    if isinstance(speculate, str) and speculate != "off":  # not the typer default
+        _speculation(model, preset, speculate, text, nodes, samples, new_tokens, repeat, as_json)
+        return
     if isinstance(early_exit, str) or isinstance(exit_threshold, str):  # not typer defaults
         _exits(model, early_exit, exit_threshold, text, nodes, samples, new_tokens, as_json)
         return
@@ -69,8 +84,7 @@ def bench(
                                        micro_batch)
         typer.echo(json.dumps(result))
         return
-    _table(model, preset, nodes, samples, new_tokens, context, as_json,
-           repeat if isinstance(repeat, int) else 1)  # a typer default when called directly
+    _table(model, preset, nodes, samples, new_tokens, context, as_json, repeat)
 
 
 def _check_bench(nodes: int, samples: int, new_tokens: int, repeat: int) -> None:
@@ -204,3 +218,62 @@ def _exits(model: Optional[str], criterion: Any, threshold: Any,
     typer.echo(f"top-1 agreement {100 * q['top1_agreement']:.2f}% over {q['tokens']} held-out "
                f"tokens; perplexity {q['perplexity_none']} -> {q['perplexity']}; "
                f"{q['mean_layers']:.2f} blocks per token")
+
+
+SPEC_COLUMNS = ("nodes", "workload", "plain tok/s", "spec tok/s", "ratio", "acceptance",
+                "tokens/pass", "same text")
+
+
+def spec_cells(row: dict) -> list:
+    """A ``bench --speculate`` row's cells, in ``SPEC_COLUMNS`` order."""
+    return [str(row["nodes"]), row["workload"], f"{row['plain_tokens_per_s']:.1f}",
+            f"{row['spec_tokens_per_s']:.1f}", f"{row['speedup']:.2f}x",
+            f"{100 * row['acceptance']:.0f}%", f"{row['tokens_per_pass']:.2f}",
+            "yes" if row["same_text"] else "NO"]
+
+
+def _speculation(model: Optional[str], preset: Any, speculate: str, text: Optional[str],
+                 nodes: int, samples: int, new_tokens: int, rounds: int, as_json: bool) -> None:
+    from pathlib import Path
+
+    from ..base.defaults import held_out_text
+    from ..engine.factory import EngineSpec, check_spec
+    from ..model.checkpoint import resolve_model_path
+    from ..tools import specbench
+    from ..tools.benchtable import measuring_on_stderr
+
+    check_spec(EngineSpec(speculate=speculate))
+    need(not isinstance(preset, str), "--preset", preset, "none with --speculate (random "
+         "weights repeat nothing: give --model)")
+    need(text is None or Path(text).is_file(), "--text", text,
+         "a text file (passages to quote come from it)")
+    path = resolve_model_path(model)
+    source = held_out_text(text)[0]
+    render = _chat_render(path)
+    title = (f"{path.name}: {speculate} against plain, greedy, {samples} sample"
+             f"{'s' if samples > 1 else ''} x {new_tokens} tokens, "
+             f"{rounds} round{'s' if rounds > 1 else ''} each way"
+             + (", chat template" if render else ""))
+    rows = specbench.run_all(path, speculate, nodes, samples, new_tokens, rounds, source,
+                             render, measuring=measuring_on_stderr)
+    if as_json:
+        typer.echo(json.dumps({"title": title, "speculate": speculate, "results": list(rows)}))
+        return
+    widths = [max(len(c), 8) for c in SPEC_COLUMNS]
+    typer.echo(title)
+    typer.echo("  ".join(c.rjust(w) for c, w in zip(SPEC_COLUMNS, widths)))
+    for row in rows:
+        typer.echo("  ".join(c.rjust(w) for c, w in zip(spec_cells(row), widths)))
+
+
+def _chat_render(path: Any) -> Any:
+    """A user message as the model's own chat template renders it, or None when the model
+    has none (a base model)."""
+    from ..model.tokenizer import load_tokenizer
+    from ..serving.api.chat import ChatTemplate
+    from ..serving.api.schema import ChatMessage
+
+    template = ChatTemplate.for_model(path, load_tokenizer(path))
+    if template.is_default:
+        return None
+    return lambda user: str(template.render([ChatMessage("user", user)]))

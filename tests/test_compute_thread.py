@@ -103,3 +103,21 @@ def test_a_request_waited_for_on_the_compute_thread_is_stepped_there(
     again = engine.compute.call(engine.generate, PROMPT, 8, 1, GREEDY)
     assert time.monotonic() - started < 60
     assert again.samples == expected.samples
+
+
+def test_closing_ends_the_thread_after_its_work_and_a_later_job_starts_another() -> None:
+    compute = ComputeThread("test-compute-close")
+    seen: List[int] = []
+    compute.submit(lambda: time.sleep(0.2) or seen.append(1))
+    first = compute._thread
+    compute.close()
+    assert seen == [1] and first is not None and not first.is_alive()
+    assert compute.call(lambda: 2) == 2 and compute._thread is not first
+
+
+def test_closing_an_engine_ends_its_compute_thread(ring_model: Path) -> None:
+    engine = LocalEngine(ring_model)
+    engine.generate(PROMPT, 4, 1, GREEDY)
+    thread = engine.compute._thread
+    engine.close()
+    assert thread is not None and not thread.is_alive()

@@ -330,13 +330,19 @@ class Engine(TextModel, abc.ABC):
         """Let what the engine holds go (nodes, links); a local engine holds nothing."""
 
     def close(self) -> None:
-        """``release``, then what ``on_close`` was given, even when the release fails."""
+        """``release``, then what ``on_close`` was given, even when the release fails, then
+        the compute thread ends."""
         try:
             self.release()
         finally:
             closers, self._closers = self._closers, None
-            if closers is not None:
-                closers.close()
+            try:
+                if closers is not None:
+                    closers.close()
+            finally:
+                compute = getattr(self, "compute", None)  # none if opening failed early
+                if compute is not None:
+                    compute.close()
 
     def __enter__(self) -> "Engine":
         return self

@@ -150,6 +150,7 @@ class WorkerNode:
         self._drop_links()
         self.control.stop()
         close_quietly(self.listener)
+        self.compute.close()
 
     # ----------------------------------------------------------------- control handlers
 
@@ -195,7 +196,7 @@ class WorkerNode:
                     self.pending = request
                     return AssignReply(True).to_json()
                 self._load(source, request)
-            self._setup_stage(request)
+            self.compute.call(self._setup_stage, request)
         return self._ready_reply().to_json()
 
     def _ready_reply(self) -> AssignReply:
@@ -219,7 +220,7 @@ class WorkerNode:
                 raise Conflict("no pending assignment for these weights")
             folder = self._cache_weights(request, raw)
             self._load(folder, request)
-            self._setup_stage(request)
+            self.compute.call(self._setup_stage, request)
             self.pending = None
         return self._ready_reply().to_json()
 
@@ -307,15 +308,12 @@ class WorkerNode:
         self.state = "ready"
 
     def _setup_stage(self, request: Assignment) -> None:
-        self.stage = self.compute.call(self._new_stage, request)
-        self.assignment = request
-
-    def _new_stage(self, request: Assignment) -> LocalStage:
-        """The stage of the loaded blocks for ``request`` (on the compute thread)."""
+        """The stage of the loaded blocks for ``request`` (called on the compute thread)."""
         policy = worker_policy(self.source, request, str(parse_device(request.device)),
                                parse_dtype(request.dtype))
-        return LocalStage(self.model, request.n_slots, request.context,
-                          trim_prefill=request.last, exit_policy=policy)
+        self.stage = LocalStage(self.model, request.n_slots, request.context,
+                                trim_prefill=request.last, exit_policy=policy)
+        self.assignment = request
 
     # ----------------------------------------------------------------- data plane
 

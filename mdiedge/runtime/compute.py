@@ -16,6 +16,8 @@ import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Optional, Tuple
 
+from ..base import defaults
+
 
 class ComputeThread:
     """A daemon thread that runs what it is given, one at a time, in order; started at the
@@ -45,6 +47,18 @@ class ComputeThread:
                 self._thread.start()
             self._queue.put((future, fn, args, kwargs))
         return future
+
+    def close(self, timeout: float = defaults.COMPUTE_CLOSE_S) -> None:
+        """End the thread after what it was given (waiting up to ``timeout`` s for that),
+        so that no torch work runs while the interpreter exits; a later ``submit`` starts
+        another."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            if thread is None:
+                return
+            self._queue.put(None)
+        if thread is not threading.current_thread():
+            thread.join(timeout)
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` run on the thread (at once when the caller is on it), its

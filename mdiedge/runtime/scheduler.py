@@ -580,6 +580,8 @@ class Scheduler:
         failed.update(self._requests)
         for generation in failed.values():
             generation.error = error
+            if generation.speculation is not None:  # a shared draft model's slots: free
+                generation.speculation.close([s.index for s in generation.samples])
             generation.wake()
         self._groups, self._inflight.entries, self._live, self._requests = {}, {}, 0, {}
         self._queued, self._merged = (), 0

@@ -1,0 +1,215 @@
+"""Speculative decoding in the OpenAI API, driven by the official ``openai`` client: the
+extra body field ``speculate`` (``ngram``, ``draft``: the server's draft model, ``off``) over
+the server's default (``serve --speculate``); greedy text the same with and without; a bad
+value a 400 naming the field; the ``mdiedge_spec_*`` metrics; one draft model per engine,
+shared by concurrent requests in slots of their own and left empty when they end."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+import httpx
+import openai
+import pytest
+
+from mdiedge.engine.local import LocalEngine
+from mdiedge.runtime.draftmodel import DraftModel
+from mdiedge.serving.api.rules import ServeLimits
+from mdiedge.serving.api.server import Api, listen
+
+REPO = Path(__file__).resolve().parent.parent
+NANOLLAMA = REPO / "models" / "nanollama"
+DRAFT = f"draft:{REPO / 'models' / 'nanollama-draft'}"
+PASSAGE = ("ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and "
+           "Juliet is the sun.\n")
+PROMPT = f"{PASSAGE}{PASSAGE}{PASSAGE}"  # repeats itself: prompt lookup has drafts to offer
+OTHER = "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\n" * 2
+SLOTS = 4
+SPEC = ("drafted_tokens_total", "accepted_tokens_total", "verify_steps_total",
+        "tokens_per_pass_count")
+
+
+@pytest.fixture(scope="module")
+def engine() -> LocalEngine:
+    engine = LocalEngine(NANOLLAMA)
+    engine.speculating(DRAFT)  # the server's default: the draft model
+    return engine
+
+
+@pytest.fixture(scope="module")
+def api(engine: LocalEngine) -> Iterator[Api]:
+    server = Api(engine, listen("127.0.0.1", 0),
+                 ServeLimits(slots=SLOTS, context=512, max_waiting=8), name="nanollama").start()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def client(api: Api) -> openai.OpenAI:
+    return openai.OpenAI(base_url=api.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def complete(client: openai.OpenAI, speculate: Optional[str], prompt: str = PROMPT,
+             n: int = 40) -> str:
+    extra = {} if speculate is None else {"speculate": speculate}
+    response = client.completions.create(model="nanollama", prompt=prompt, max_tokens=n,
+                                         temperature=0, extra_body=extra)
+    return response.choices[0].text
+
+
+def spec_metrics(url: str) -> Dict[str, float]:
+    """The ``mdiedge_spec_*`` figures of ``/metrics`` (``url``: the server's, or its /v1)."""
+    text = httpx.get(url.rsplit("/v1", 1)[0] + "/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("mdiedge_spec_") and name[len("mdiedge_spec_"):] in SPEC:
+            out[name[len("mdiedge_spec_"):]] = float(value)
+    return out
+
+
+def moved(before: Dict[str, float], after: Dict[str, float]) -> Dict[str, float]:
+    return {k: after[k] - before[k] for k in SPEC}
+
+
+@pytest.fixture(scope="module")
+def plain(client: openai.OpenAI) -> Dict[str, str]:
+    """Each prompt's greedy text with speculation off."""
+    return {p: complete(client, "off", p) for p in (PROMPT, OTHER)}
+
+
+@pytest.mark.parametrize("speculate", ["ngram", "draft"])
+def test_a_speculating_request_gives_the_plain_greedy_text(client: openai.OpenAI, api: Api,
+                                                           plain: Dict[str, str],
+                                                           speculate: str) -> None:
+    before = spec_metrics(api.url)
+    assert complete(client, speculate) == plain[PROMPT]
+    delta = moved(before, spec_metrics(api.url))
+    assert delta["accepted_tokens_total"] > 0 and delta["tokens_per_pass_count"] == 1
+    assert delta["drafted_tokens_total"] >= delta["accepted_tokens_total"]
+    assert 0 < delta["verify_steps_total"] < 40  # fewer passes than tokens
+
+
+def test_the_server_default_applies_and_off_overrides_it(client: openai.OpenAI, api: Api,
+                                                         plain: Dict[str, str]) -> None:
+    before = spec_metrics(api.url)
+    assert complete(client, None) == plain[PROMPT]  # the default: the draft model
+    after = spec_metrics(api.url)
+    assert moved(before, after)["drafted_tokens_total"] > 0
+    assert complete(client, "off") == plain[PROMPT]
+    assert moved(after, spec_metrics(api.url)) == {k: 0.0 for k in SPEC}
+
+
+@pytest.mark.parametrize("value, status, message", [
+    ("fast", openai.BadRequestError, "speculate: expected one of ngram, draft, off, got 'fast'"),
+    ("draft:/tmp/model", openai.BadRequestError, "speculate: expected one of"),
+    (3, openai.UnprocessableEntityError, "speculate: expected a string, got 3"),
+])
+def test_a_bad_speculate_value_is_refused_naming_the_field(client: openai.OpenAI, value: Any,
+                                                          status: type, message: str) -> None:
+    with pytest.raises(status, match=message) as caught:
+        client.completions.create(model="nanollama", prompt="ROMEO:", max_tokens=4,
+                                  extra_body={"speculate": value})
+    assert caught.value.body["param"] == "speculate"  # type: ignore[index]
+    with pytest.raises(status, match=message):
+        client.chat.completions.create(model="nanollama", max_tokens=4,
+                                       messages=[{"role": "user", "content": "Hi"}],
+                                       extra_body={"speculate": value})
+
+
+def test_concurrent_requests_share_the_draft_model_in_slots_of_their_own(
+        client: openai.OpenAI, api: Api, engine: LocalEngine, plain: Dict[str, str]) -> None:
+    """Alone and together, each request drafts exactly as much and keeps exactly as much: a
+    request that read another's KV rows would draft other tokens."""
+    draft = engine.draft_model
+    assert isinstance(draft, DraftModel) and draft.n_slots == SLOTS  # the server's slots
+    alone = {}
+    for prompt in (PROMPT, OTHER):
+        before = spec_metrics(api.url)
+        assert complete(client, "draft", prompt) == plain[prompt]
+        alone[prompt] = moved(before, spec_metrics(api.url))
+    before = spec_metrics(api.url)
+    texts: Dict[str, str] = {}
+    start = threading.Barrier(2)
+
+    def one(prompt: str) -> None:
+        start.wait()
+        texts[prompt] = complete(client, "draft", prompt)
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in (PROMPT, OTHER)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert texts == plain
+    together = moved(before, spec_metrics(api.url))
+    for key in ("drafted_tokens_total", "accepted_tokens_total", "verify_steps_total"):
+        assert together[key] == alone[PROMPT][key] + alone[OTHER][key] > 0
+    assert engine.draft_model is draft  # loaded once
+    assert draft.slots.in_use == 0
+
+
+def test_a_dropped_stream_leaves_no_draft_slot_behind(api: Api, engine: LocalEngine) -> None:
+    body = {"model": "nanollama", "prompt": PROMPT, "max_tokens": 400, "temperature": 0,
+            "stream": True, "speculate": "draft"}
+    draft = engine.draft_model
+    assert draft is not None
+    with httpx.stream("POST", api.url + "/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                break
+        held = draft.slots.in_use
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and draft.slots.in_use:
+        time.sleep(0.1)
+    assert held == 1 and draft.slots.in_use == 0
+
+
+# ------------------------------------------------------------------ mdiedge serve --speculate
+
+def serve(*args: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "MDIEDGE_API_KEY"}
+    return subprocess.Popen([sys.executable, "-m", "mdiedge", "serve", "--port", "0", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def test_serve_speculate_sets_the_default_a_request_overrides() -> None:
+    proc = serve("--nodes", "1", "--slots", "2", "--context", "512", "--speculate", "ngram")
+    try:
+        assert proc.stdout is not None
+        ready = json.loads(proc.stdout.readline())
+        url = ready["url"]
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        texts: List[str] = []
+        deltas = []
+        for speculate in (None, "off"):
+            before = spec_metrics(url)
+            texts.append(complete(client, speculate))
+            deltas.append(moved(before, spec_metrics(url)))
+        assert texts[0] == texts[1]
+        assert deltas[0]["accepted_tokens_total"] > 0  # the default: prompt lookup
+        assert deltas[1] == {k: 0.0 for k in SPEC}  # the request's "off"
+        with pytest.raises(openai.BadRequestError, match="speculate 'draft': this server has "
+                           "no draft model"):
+            complete(client, "draft")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--speculate", "ngram", "--early-exit", "softmax"],
+     "--speculate: expected off with --early-exit softmax"),
+    (["--speculate", "fast"], "speculate 'fast': expected ngram, ngram:N (1..16) or draft:PATH"),
+])
+def test_bad_serve_speculate_options_are_one_line_errors(args: List[str], message: str) -> None:
+    proc = serve("--nodes", "1", *args)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err

@@ -124,15 +124,18 @@ def test_a_bad_speculate_value_is_refused_naming_the_field(client: openai.OpenAI
 
 
 def test_concurrent_requests_share_the_draft_model_in_slots_of_their_own(
-        client: openai.OpenAI, api: Api, engine: LocalEngine, plain: Dict[str, str]) -> None:
-    """Alone and together, each request drafts exactly as much and keeps exactly as much: a
-    request that read another's KV rows would draft other tokens."""
+        client: openai.OpenAI, api: Api, engine: LocalEngine) -> None:
+    """Alone and together (both holding slots of the draft model at once), each request
+    gives its plain text and drafts and keeps exactly as much: a request that read another's
+    KV rows would draft other tokens."""
     draft = engine.draft_model
     assert isinstance(draft, DraftModel) and draft.n_slots == SLOTS  # the server's slots
+    n = 120
+    plain = {p: complete(client, "off", p, n) for p in (PROMPT, OTHER)}
     alone = {}
     for prompt in (PROMPT, OTHER):
         before = spec_metrics(api.url)
-        assert complete(client, "draft", prompt) == plain[prompt]
+        assert complete(client, "draft", prompt, n) == plain[prompt]
         alone[prompt] = moved(before, spec_metrics(api.url))
     before = spec_metrics(api.url)
     texts: Dict[str, str] = {}
@@ -140,13 +143,16 @@ def test_concurrent_requests_share_the_draft_model_in_slots_of_their_own(
 
     def one(prompt: str) -> None:
         start.wait()
-        texts[prompt] = complete(client, "draft", prompt)
+        texts[prompt] = complete(client, "draft", prompt, n)
 
     threads = [threading.Thread(target=one, args=(p,)) for p in (PROMPT, OTHER)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(120)
+    held = 0
+    while any(t.is_alive() for t in threads):
+        held = max(held, draft.slots.in_use)
+        time.sleep(0.002)
+    assert held == 2  # the two ran at once
     assert texts == plain
     together = moved(before, spec_metrics(api.url))
     for key in ("drafted_tokens_total", "accepted_tokens_total", "verify_steps_total"):

@@ -2,7 +2,8 @@
 extra body field ``speculate`` (``ngram``, ``draft``: the server's draft model, ``off``) over
 the server's default (``serve --speculate``); greedy text the same with and without; a bad
 value a 400 naming the field; the ``mdiedge_spec_*`` metrics; one draft model per engine,
-shared by concurrent requests in slots of their own and left empty when they end."""
+shared by concurrent requests in slots of their own and left empty when they end (or when
+the pipeline breaks under them)."""
 from __future__ import annotations
 
 import json
@@ -18,8 +19,12 @@ import httpx
 import openai
 import pytest
 
+from mdiedge.base.errors import ConfigError, RingError
 from mdiedge.engine.local import LocalEngine
+from mdiedge.model.checkpoint import load_config
+from mdiedge.model.sampling import SamplingParams
 from mdiedge.runtime.draftmodel import DraftModel
+from mdiedge.runtime.drafting import request_speculate
 from mdiedge.serving.api.rules import ServeLimits
 from mdiedge.serving.api.server import Api, listen
 
@@ -219,3 +224,77 @@ def test_bad_serve_speculate_options_are_one_line_errors(args: List[str], messag
     out, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and out == ""
     assert len(err.strip().splitlines()) == 1 and message in err
+
+
+# ------------------------------------------------------------------ the shared draft model
+
+@pytest.mark.parametrize("default, requested, want", [
+    (None, None, None), ("off", None, None), ("ngram", None, "ngram"), (DRAFT, None, DRAFT),
+    (DRAFT, "off", None), ("ngram:5", "off", None), (None, "off", None),
+    (None, "ngram", "ngram"), (DRAFT, "ngram", "ngram"), ("ngram:5", "ngram", "ngram:5"),
+    (DRAFT, "draft", DRAFT),
+])
+def test_a_requests_choice_over_the_default(default: Optional[str], requested: Optional[str],
+                                            want: Optional[str]) -> None:
+    assert request_speculate(default, requested) == want
+
+
+@pytest.mark.parametrize("default, requested, message", [
+    (None, "draft", "speculate 'draft': this server has no draft model"),
+    ("ngram", "draft", "speculate 'draft': this server has no draft model"),
+    (DRAFT, "fast", "speculate 'fast': expected one of ngram, draft, off"),
+])
+def test_a_choice_the_engine_cannot_serve_is_quoted(default: Optional[str], requested: str,
+                                                    message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        request_speculate(default, requested)
+
+
+def test_the_draft_models_slots_grow_only_when_none_is_held() -> None:
+    draft = DraftModel.load(DRAFT.split(":", 1)[1], load_config(NANOLLAMA))
+    assert (draft.n_slots, draft.context) == (0, 0) and not draft.holds(1, 16)
+    draft.fit(2, 64)
+    assert (draft.n_slots, draft.context) == (2, 64)
+    assert draft.holds(2, 64) and not draft.holds(3, 64) and not draft.holds(2, 65)
+    drafter = draft.drafter(SamplingParams(temperature=0))
+    assert len(drafter.propose(0, [1, 827, 2007], 3).tokens) == 3
+    draft.fit(4, 128)  # a slot is held: as it was
+    assert (draft.n_slots, draft.context) == (2, 64)
+    assert drafter.propose(1, [1, 827], 2).tokens and draft.slots.in_use == 2
+    assert draft.drafter(SamplingParams(temperature=0)).propose(0, [1, 827], 2).tokens == []
+    drafter.close()  # every slot held: a third sample is drafted nothing, then all go
+    assert draft.slots.in_use == 0 and drafter.samples == 0
+    draft.fit(4, 128)
+    assert (draft.n_slots, draft.context) == (4, 128)
+
+
+def test_a_broken_pipeline_leaves_no_draft_slot_behind() -> None:
+    engine = LocalEngine(NANOLLAMA, stages=2)
+    engine.speculating(DRAFT)
+    scheduler = engine.prepare(4, 256)
+    pipeline = scheduler.pipeline
+    pipeline.stages[1] = _Failing(pipeline.stages[1], fail_at=6)
+    a = engine.new_generation(PROMPT, 40, 1, SamplingParams(temperature=0))
+    b = engine.new_generation(PROMPT, 40, 2, SamplingParams(temperature=0))
+    draft = engine.draft_model
+    assert draft is not None and draft.n_slots == 2
+    scheduler.submit(a)
+    with pytest.raises(RingError, match="lost its node"):
+        scheduler.run(b)
+    assert a.error is b.error and isinstance(a.error, RingError)
+    assert a.speculation is not None and a.speculation.stats.drafted > 0
+    assert draft.slots.in_use == 0
+
+
+class _Failing:
+    """A stage that fails on its ``fail_at``-th message."""
+
+    def __init__(self, inner: Any, fail_at: int) -> None:
+        self.inner, self.fail_at, self.seen = inner, fail_at, 0
+        self.n_slots, self.context = inner.n_slots, inner.context
+
+    def forward(self, message: Any) -> Any:
+        self.seen += 1
+        if self.seen == self.fail_at:
+            raise RingError("stage 1 lost its node")
+        return self.inner.forward(message)

@@ -579,9 +579,7 @@ class Scheduler:
         failed.update((id(g), g) for g, _ in self._waiting.take_all())
         failed.update(self._requests)
         for generation in failed.values():
-            generation.error = error
-            if generation.speculation is not None:  # a shared draft model's slots: free
-                generation.speculation.close([s.index for s in generation.samples])
+            generation.broken(error)
             generation.wake()
         self._groups, self._inflight.entries, self._live, self._requests = {}, {}, 0, {}
         self._queued, self._merged = (), 0

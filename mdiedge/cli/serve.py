@@ -19,7 +19,7 @@ from .app import (app, check_device, check_early_exit, check_log_level, check_po
                   open_checked,
                   compression_option, early_exit_option, exit_threshold_option, need,
                   one_line_errors,
-                  prefill_chunk_option, quantize_option, recover_option, recovery_options,
+                  prefill_chunk_option, quantize_option, recover_option,
                   speculate_option, stall_timeout_option, ring_options, no_encrypt_option)
 
 

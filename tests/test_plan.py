@@ -112,6 +112,11 @@ def back(group: int, rows: str, fixed: bool = False, width: int = 1) -> Back:
      [Decode((Part(1, (10, 11), 3),), True), Decode((Part(3, (30,), 3),), True)], [], []),
     ([back(1, "l", width=3), back(3, "l", width=3)], [], 0, 2, 6,
      [Decode((Part(1, (10,), 3), Part(3, (30,), 3)), True)], [], []),
+    # with no row limit (one process), verifications still merge within the step's 8 rows
+    ([back(1, "l", width=5), back(3, "l", width=5)], [], 0, 2, 0,
+     [Decode((Part(1, (10,), 5),), True), Decode((Part(3, (30,), 5),), True)], [], []),
+    ([back(1, "l", width=4), back(3, "l", width=4)], [], 0, 2, 0,
+     [Decode((Part(1, (10,), 4), Part(3, (30,), 4)), True)], [], []),
     # releases and steps in group order
     ([back(1, "d", fixed=True), back(2, "ld", fixed=True)], [], 0, 1, 0,
      [Release(1, (10,)), Release(2, (21,)), Decode((Part(2, (20,)),))], [1], []),

@@ -131,8 +131,10 @@ def test_a_bad_speculate_value_is_refused_naming_the_field(client: openai.OpenAI
 def test_concurrent_requests_share_the_draft_model_in_slots_of_their_own(
         client: openai.OpenAI, api: Api, engine: LocalEngine) -> None:
     """Alone and together (both holding slots of the draft model at once), each request
-    gives its plain text and drafts and keeps exactly as much: a request that read another's
-    KV rows would draft other tokens."""
+    gives the same text: greedy, its plain text; sampled with a seed (whose drafts decide
+    which tokens are drawn, and whose k never depends on timings), the same text and as
+    many drafted and accepted tokens: a request that read another's KV rows would draft
+    other tokens."""
     draft = engine.draft_model
     assert isinstance(draft, DraftModel) and draft.n_slots == SLOTS  # the server's slots
     n = 120
@@ -140,15 +142,39 @@ def test_concurrent_requests_share_the_draft_model_in_slots_of_their_own(
     alone = {}
     for prompt in (PROMPT, OTHER):
         before = spec_metrics(api.url)
+        alone[prompt] = (sampled(client, prompt, n), moved(before, spec_metrics(api.url)))
         assert complete(client, "draft", prompt, n) == plain[prompt]
-        alone[prompt] = moved(before, spec_metrics(api.url))
-    before = spec_metrics(api.url)
+    for ask in (sampled, lambda c, p, n: complete(c, "draft", p, n)):
+        before = spec_metrics(api.url)
+        texts, held = both(client, draft, ask, n)
+        assert held == 2  # the two ran at once
+        if ask is sampled:
+            assert texts == {p: alone[p][0] for p in (PROMPT, OTHER)}
+            together = moved(before, spec_metrics(api.url))
+            for key in ("drafted_tokens_total", "accepted_tokens_total"):
+                assert together[key] == alone[PROMPT][1][key] + alone[OTHER][1][key] > 0
+        else:
+            assert texts == plain
+    assert engine.draft_model is draft  # loaded once
+    assert draft.slots.in_use == 0
+
+
+def sampled(client: openai.OpenAI, prompt: str, n: int) -> str:
+    response = client.completions.create(model="nanollama", prompt=prompt, max_tokens=n,
+                                         temperature=0.8, seed=7,
+                                         extra_body={"speculate": "draft", "top_k": 40})
+    return response.choices[0].text
+
+
+def both(client: openai.OpenAI, draft: DraftModel, ask: Any, n: int) -> Any:
+    """Each prompt's text from ``ask`` with the two sent at once, and the most slots of the
+    draft model held meanwhile."""
     texts: Dict[str, str] = {}
     start = threading.Barrier(2)
 
     def one(prompt: str) -> None:
         start.wait()
-        texts[prompt] = complete(client, "draft", prompt, n)
+        texts[prompt] = ask(client, prompt, n)
 
     threads = [threading.Thread(target=one, args=(p,)) for p in (PROMPT, OTHER)]
     for t in threads:
@@ -157,13 +183,7 @@ def test_concurrent_requests_share_the_draft_model_in_slots_of_their_own(
     while any(t.is_alive() for t in threads):
         held = max(held, draft.slots.in_use)
         time.sleep(0.002)
-    assert held == 2  # the two ran at once
-    assert texts == plain
-    together = moved(before, spec_metrics(api.url))
-    for key in ("drafted_tokens_total", "accepted_tokens_total", "verify_steps_total"):
-        assert together[key] == alone[PROMPT][key] + alone[OTHER][key] > 0
-    assert engine.draft_model is draft  # loaded once
-    assert draft.slots.in_use == 0
+    return texts, held
 
 
 def test_a_dropped_stream_leaves_no_draft_slot_behind(api: Api, engine: LocalEngine) -> None:

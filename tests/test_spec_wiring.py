@@ -134,6 +134,7 @@ def test_the_cli_speculates_on_a_local_ring_and_reports_it(plain: Dict[int, Any]
 @pytest.mark.parametrize("args, quoted", [
     (["--early-exit", "softmax", "--speculate", "ngram"], "--early-exit"),
     (["--speculate", "bigram"], "'bigram'"),
+    (["--speculate", "draft:/no/such/draft"], "--speculate draft:/no/such/draft: "),
 ])
 def test_the_cli_refuses_in_one_line(args: List[str], quoted: str) -> None:
     done = cli("-n", "3", "--nodes", "1", *args)

@@ -3,6 +3,7 @@ estimate, tokens per cost, off at 0, retried, bounded), and ``Speculation`` draf
 sample's budget, settling what the model accepts and counting it."""
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import List, Sequence, Tuple
 
 import pytest
@@ -10,8 +11,8 @@ import torch
 
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.runtime.drafting import NgramDrafter, Proposal
-from mdiedge.runtime.speculation import (KPolicy, Speculation, acceptance, choose_k,
-                                         expected_tokens)
+from mdiedge.runtime.speculation import (KPolicy, RowCost, Speculation, acceptance,
+                                         choose_k, expected_tokens, group_width, plan_step)
 
 Rounds = List[Tuple[int, int]]
 BAD: Rounds = [(3, 0)] * 8  # every draft rejected
@@ -102,3 +103,102 @@ def test_a_sample_whose_drafts_fail_stops_drafting_then_retries() -> None:
     first_off = ks.index(0)
     assert ks[0] == 2 and 0 < first_off < 10
     assert ks[first_off:first_off + 16] == [0] * 16 and ks[first_off + 16] == 1
+
+
+# ------------------------------------------------------------------ a group's width
+
+
+@pytest.mark.parametrize("wants, rows, room, width", [
+    ([(0.9, 7)], 8, 100, 8),  # one sample that keeps its drafts: every row it may have
+    ([(0.9, 2)], 8, 100, 3),  # one sample: the k it wants
+    ([(0.9, 7)], 8, 3, 3),  # the context's room bounds a row
+    ([(0.9, 7), (0.1, 0)], 8, 100, 4),  # the good sample pays for the other's padding
+    ([(0.2, 0)] * 3, 8, 100, 1),  # nobody keeps drafts: a plain step
+    ([(0.2, 1), (0.2, 0), (0.2, 0)], 8, 100, 2),  # a retry is honoured
+    ([(0.95, 7)] * 4, 8, 100, 2),  # four samples share eight rows
+    ([(0.9, 7)] * 9, 8, 100, 1),  # more samples than rows: plain
+    ([], 8, 100, 1),
+])
+def test_group_width(wants: List[Tuple[float, int]], rows: int, room: int,
+                     width: int) -> None:
+    assert group_width(wants, rows, room, 0.1) == width
+
+
+@pytest.mark.parametrize("rounds", [[], GOOD, BAD, BAD + [(0, 0)] * 16, [(4, 1)] * 3,
+                                    [(3, 3), (3, 1)] * 4])
+def test_one_samples_width_is_its_own_k(rounds: Rounds) -> None:
+    """Alone in its group, a sample's step is as wide as its adaptive k says."""
+    policy = KPolicy()
+    k = choose_k(rounds, policy)
+    assert group_width([(acceptance(rounds, policy), k)], 8, 1000, policy.row_cost) == k + 1
+
+
+class _Group:
+    """A group of two live samples of one request, as ``plan_step`` reads it."""
+
+    def __init__(self, texts: Sequence[List[int]], speculation: Speculation) -> None:
+        self.generation = SimpleNamespace(speculation=speculation, max_new_tokens=100)
+        self.samples = [SimpleNamespace(sid=10 + i, index=i, done=False, prompt=text[:-1],
+                                        tokens=text[-1:]) for i, text in enumerate(texts)]
+
+
+def test_a_sample_without_drafts_does_not_hold_back_one_that_has_them() -> None:
+    """One sample repeats its text (the drafter proposes), the other has nothing to look
+    up: the step still verifies the first's drafts, the second's row is padded."""
+    spec = Speculation(NgramDrafter(), SamplingParams(temperature=0))
+    for sample in (0, 1):  # both have kept their drafts so far
+        spec.rounds[sample] = list(GOOD)
+    repeating, fresh = [1, 2, 3, 4, 5, 6] * 4, list(range(20, 44))
+    width = plan_step(_Group([repeating, fresh], spec), context=512)
+    assert width == 4  # two samples x 4 positions: the eight rows of a step
+    first, second = spec.pending[10], spec.pending[11]
+    assert first.drafted == 3 and first.tokens == [6, 1, 2, 3]
+    assert second.drafted == 0 and second.tokens == [43] * 4
+    out = spec.settle(1, second, one_hot_logits([7, 7, 7, 7]), torch.Generator())
+    assert out == [7]  # its one position scored: the padding is not
+
+
+# ------------------------------------------------------------------ a row's measured cost
+
+
+def timed(points: Sequence[Tuple[int, Sequence[float]]]) -> RowCost:
+    cost = RowCost(prior=0.1)
+    for rows, times in points:
+        for seconds in times:
+            cost.observe(rows, seconds)
+    return cost
+
+
+@pytest.mark.parametrize("points, value", [
+    ([], 0.1),  # nothing timed: the prior
+    ([(1, [0.010] * 3)], 0.1),  # one row count: no slope yet
+    ([(1, [0.010] * 3), (8, [0.017] * 2)], 0.1),  # too few timings of 8 rows
+    ([(1, [0.010] * 3), (8, [0.017] * 3)], 0.1),  # 1 ms a row on a 10 ms step
+    ([(1, [0.010] * 3), (4, [0.025] * 3), (8, [0.045] * 3)], 0.5),  # a step per two rows
+    ([(1, [0.030, 0.010, 0.020]), (8, [0.017, 0.090, 0.050])], 0.1),  # the fastest counts
+    ([(2, [0.010] * 3), (8, [0.010] * 3)], 0.0),  # rows for free
+    ([(1, [0.010] * 3), (2, [0.040] * 3)], 2.0),  # bounded
+    ([(1, [0.050] * 3), (8, [0.010] * 3)], 0.0),  # faster with more rows: noise, free
+])
+def test_row_cost_is_fitted_from_the_fastest_timings(
+        points: Sequence[Tuple[int, Sequence[float]]], value: float) -> None:
+    assert timed(points).value == pytest.approx(value)
+
+
+def test_only_the_latest_timings_count() -> None:
+    cost = timed([(1, [0.010] * 3), (8, [0.010] * 3)])
+    assert cost.value == 0.0
+    for _ in range(cost.window):  # the machine's rows got dearer
+        cost.observe(8, 0.017)
+    assert cost.value == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("temperature, width", [(0.0, 1), (0.8, 4)])
+def test_the_measured_cost_decides_greedy_widths_only(temperature: float, width: int) -> None:
+    """Rows measured dear: a greedy group steps plainly; a sampled one keeps its policy's
+    cost (its k must not depend on the pipeline, for its seed's sake)."""
+    spec = Speculation(NgramDrafter(), SamplingParams(temperature=temperature, seed=1))
+    for sample in (0, 1):
+        spec.rounds[sample] = list(GOOD)
+    repeating = [1, 2, 3, 4, 5, 6] * 4
+    assert plan_step(_Group([repeating, repeating], spec), 512, row_cost=1.5) == width

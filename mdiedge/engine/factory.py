@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 from ..base import defaults
-from ..base.errors import ConfigError, UsageError
+from ..base.errors import ConfigError, MdiedgeError, UsageError
 from ..base.nodes import NodeSpec, StarterOptions
 from ..model.checkpoint import check_checkpoint, content_hash, load_config
 from ..model.devices import parse_device, parse_dtype
@@ -84,7 +84,10 @@ def check_draft(speculate: Optional[str], text: TextModel) -> None:
     kind, arg = parse_speculate(speculate)
     if kind != "draft":
         return
-    cfg = load_config(arg)
+    try:
+        cfg = load_config(arg)
+    except MdiedgeError as e:
+        raise ConfigError(f"--speculate {speculate}: {e}") from None
     if (cfg.vocab_size, cfg.bos_id) != (text.cfg.vocab_size, text.cfg.bos_id):
         raise ConfigError(f"draft model {arg!r}: vocabulary {cfg.vocab_size} (bos "
                           f"{cfg.bos_id}) is not the target's {text.cfg.vocab_size} (bos "

@@ -267,7 +267,7 @@ class Generation:
         for i, sample in enumerate(samples):
             draft = drafts[sample.sid]
             self.take(sample, self.speculation.settle(
-                sample.index, draft, logits[i, :len(draft.tokens)], sample.generator))
+                sample.index, draft, logits[i], sample.generator))
 
     def take(self, sample: Sample, tokens: Sequence[int]) -> None:
         """Append ``tokens`` (chosen for ``sample`` in one step: one, or a speculative step's

@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
+from ..base import defaults
+
 
 # ----------------------------------------------------------------- sizes
 
@@ -226,19 +228,27 @@ class StepPlan:
     merged_in_flight: int = 0
 
 
+def verify_rows(frame_rows: int) -> int:
+    """Token rows (samples x positions) a verification message carries at most: the
+    compiled step's rows, and never more than a frame holds (``frame_rows``, 0: no limit)."""
+    rows = defaults.SPEC_MAX_K + 1
+    return min(rows, frame_rows) if frame_rows > 0 else rows
+
+
 def take_merged(queued: Sequence[Part], in_flight: int, limit: int,
                 max_rows: int = 0) -> Tuple[Tuple[Part, ...], Tuple[Part, ...]]:
     """(the parts of the next merged message, those left waiting): none while ``limit``
     merged messages are in flight; else the first part and those after it of its width, in
-    order, up to ``max_rows`` token rows (samples x width; 0: no limit; a part over it
-    still leaves, alone)."""
+    order, up to ``max_rows`` token rows (samples x width; 0: no limit; parts wider than 1,
+    verifications, ``verify_rows`` of it; a part over it still leaves, alone)."""
     if not queued or in_flight >= limit:
         return (), tuple(queued)
     head = queued[0]
     width = head.width
+    cap = max_rows if width == 1 else verify_rows(max_rows)
     taken, rows, left = [head], len(head.sids) * width, list(queued[1:])
     while left and left[0].width == width and (
-            max_rows <= 0 or rows + len(left[0].sids) * width <= max_rows):
+            cap <= 0 or rows + len(left[0].sids) * width <= cap):
         rows += len(left[0].sids) * width
         taken.append(left.pop(0))
     return tuple(taken), tuple(left)

@@ -30,7 +30,7 @@ from .pipeline import ModelEnds, Pipeline
 from .plan import (MAX_FRUITLESS_RECOVERIES, Back, Decode, Part, QueueView, Release, Row,
                    Waiter, group_size, prefill_chunks, prefill_rows)
 from .slots import MAX_SAMPLE_ID
-from .speculation import Draft, plan_step, step_rows
+from .speculation import Draft, RowCost, plan_step, step_rows
 from .stages import LocalStage, inference
 from ..base import defaults
 from ..base.errors import GenerationError, MdiedgeError, NodeLost, QueueFull, RingError
@@ -76,6 +76,7 @@ class _InFlight:
     replay: Optional[Recovery] = None  # the recovery this prefill replays for
     merged: bool = False  # a decode message that counts against the merged limit
     drafts: Dict[int, Draft] = field(default_factory=dict)  # speculating rows by sample id
+    sent: float = 0.0  # a decode message sent alone: when (0: timed with others in flight)
 
 
 class Waiting:
@@ -212,17 +213,21 @@ class StepLoop:
 
 
 class Flights:
-    """Messages in flight by sequence number, and the counts of what was sent."""
+    """Messages in flight by sequence number, the counts of what was sent, and the cost of
+    a decode row measured from them."""
 
     def __init__(self) -> None:
         self.entries: Dict[int, _InFlight] = {}
         self.stats = SchedulerStats()
+        self.row_cost = RowCost()  # a verified row's cost, from decode messages timed alone
         self._seq = 0
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def send(self, pipeline: Pipeline, message: Message, entry: _InFlight) -> None:
+        if entry.kind == "decode" and not self.entries:
+            entry.sent = time.perf_counter()
         self._seq = self._seq % _ID_SPACE + 1
         message.seq = self._seq
         message.rewind = message.rewind or bool(entry.drafts)  # a verification step
@@ -236,6 +241,8 @@ class Flights:
         entry = self.entries.pop(message.seq, None)
         if entry is None:
             raise RingError(f"the ring returned an unknown message (seq {message.seq})")
+        if entry.sent and not self.entries:
+            self.row_cost.observe(message.tokens, time.perf_counter() - entry.sent)
         return entry
 
 
@@ -500,7 +507,8 @@ class Scheduler:
                     group.generation.mark_prefilled()
             if group.generation.cancel_requested:
                 group.generation.end("cancelled", group.samples)
-            backs.append(group.back(plan_step(group, self.pipeline.context, self.max_rows)))
+            backs.append(group.back(plan_step(group, self.pipeline.context, self.max_rows,
+                                                 self._inflight.row_cost.value)))
         self._carry_out(plan.after_step(backs, self._queued, self._merged,
                                         self.pipeline.nodes, self.max_rows))
 

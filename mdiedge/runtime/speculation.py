@@ -17,13 +17,14 @@ When no k pays, speculation is off for the sample (k = 0) and retried with k = 1
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .draftmodel import DraftModel
 from .drafting import Drafter, NgramDrafter, Proposal, parse_speculate
+from .plan import verify_rows
 from ..base import defaults
 from ..base.errors import GenerationError
 from ..model.sampling import SamplingParams
@@ -86,8 +87,9 @@ def choose_k(rounds: Sequence[Tuple[int, int]], policy: KPolicy = KPolicy(),
 
 @dataclass
 class Draft:
-    """What one sample feeds in a step: ``tokens`` (its last token, then the drafts) from
-    ``position``, the first of len(tokens) consecutive positions."""
+    """What one sample feeds in a step: ``tokens`` (its last token, the drafts, then any
+    padding) from ``position``, the first of len(tokens) consecutive positions; the head's
+    scores at the first ``drafted + 1`` decide what is kept."""
 
     position: int
     tokens: List[int]
@@ -98,26 +100,27 @@ class Draft:
         return len(self.proposal.tokens)
 
 
-def trim_draft(draft: Draft, k: int) -> Draft:
-    """``draft`` with its first ``k`` drafted tokens at most (the rows of one message carry
-    as many positions each)."""
-    if draft.drafted <= k:
+def pad_draft(draft: Draft, width: int) -> Draft:
+    """``draft`` fed as ``width`` positions (the rows of one message carry as many each):
+    its tokens repeated after its drafts, whose KV rows are dead like a rejected draft's."""
+    pad = width - len(draft.tokens)
+    if pad <= 0:
         return draft
-    q = draft.proposal.q
-    return Draft(draft.position, draft.tokens[:k + 1],
-                 Proposal(draft.proposal.tokens[:k], None if q is None else q[:k]))
+    return Draft(draft.position, draft.tokens + [draft.tokens[-1]] * pad, draft.proposal)
 
 
 @dataclass
 class SpecStats:
     """What speculation did: drafted and accepted tokens, verification steps (those that
-    drafted anything), tokens emitted by them, and how often each k was drafted."""
+    drafted anything), tokens emitted by them, how often each k was drafted, and the row
+    cost its widths were last chosen with."""
 
     drafted: int = 0
     accepted: int = 0
     steps: int = 0
     emitted: int = 0
     k_histogram: Dict[int, int] = field(default_factory=dict)
+    row_cost: float = 0.0  # a verified row's cost as the last step's width was chosen
 
     @property
     def acceptance(self) -> float:
@@ -132,7 +135,8 @@ class SpecStats:
         return {"drafted": self.drafted, "accepted": self.accepted,
                 "acceptance": round(self.acceptance, 4), "verify_steps": self.steps,
                 "tokens_per_pass": round(self.tokens_per_step, 3),
-                "k_histogram": {str(k): n for k, n in sorted(self.k_histogram.items())}}
+                "k_histogram": {str(k): n for k, n in sorted(self.k_histogram.items())},
+                "row_cost": round(self.row_cost, 3)}
 
 
 class Speculation:
@@ -146,16 +150,28 @@ class Speculation:
         self.pending: Dict[int, Draft] = {}  # drafted steps not sent yet, by sample id
         self.stats = SpecStats()
 
+    def want(self, sample_id: int, max_k: Optional[int] = None,
+             row_cost: Optional[float] = None) -> Tuple[float, int]:
+        """The sample's estimated acceptance and the k it would draft alone (``choose_k``
+        within ``max_k``, a row costing ``row_cost``, default the policy's): what
+        ``group_width`` weighs."""
+        rounds = self.rounds.get(sample_id, [])
+        policy = self.policy if row_cost is None else replace(self.policy, row_cost=row_cost)
+        return acceptance(rounds, policy), choose_k(rounds, policy, max_k)
+
     def draft(self, sample_id: int, tokens: Sequence[int], budget: int,
-              max_k: Optional[int] = None) -> Draft:
+              max_k: Optional[int] = None, k: Optional[int] = None) -> Draft:
         """The sample's next step: ``tokens`` are its prompt and output so far (the last
         not yet in its KV rows); ``budget`` the tokens it may still emit (its max-tokens
         left, and its context room), so a step never emits more; ``max_k`` the scheduler's
-        bound (rows per frame)."""
+        bound (rows per frame); ``k``: draft that many (within the budget) instead of the
+        sample's own choice (its group's width decides)."""
         if not tokens:
             raise GenerationError("a sample with no tokens cannot be drafted for")
         rounds = self.rounds.setdefault(sample_id, [])
-        k = min(choose_k(rounds, self.policy, max_k), budget - 1)
+        if k is None:
+            k = choose_k(rounds, self.policy, max_k)
+        k = min(k, budget - 1)
         proposal = self.drafter.propose(sample_id, tokens, k) if k > 0 else Proposal()
         if len(proposal.tokens) > max(k, 0):  # a drafter that proposed more than asked
             proposal = Proposal(proposal.tokens[:k],
@@ -165,8 +181,10 @@ class Speculation:
     def settle(self, sample_id: int, draft: Draft, logits: torch.Tensor,
                generator: torch.Generator) -> List[int]:
         """The tokens the step emits (1 to draft.drafted + 1), from the head's ``logits``
-        at its positions (len(draft.tokens), vocab); ``generator``: the sample's own."""
-        out = accept(draft.proposal.tokens, logits, draft.proposal.q, self.params, generator)
+        at its positions (len(draft.tokens), vocab: those past its drafts, padding, are not
+        read); ``generator``: the sample's own."""
+        out = accept(draft.proposal.tokens, logits[:draft.drafted + 1], draft.proposal.q,
+                     self.params, generator)
         drafted = draft.drafted
         self.rounds.setdefault(sample_id, []).append((drafted, len(out) - 1))
         del self.rounds[sample_id][:-max(self.policy.window, self.policy.retry_after) * 2]
@@ -192,35 +210,92 @@ class Speculation:
         self.pending.clear()
 
 
-def draft_rows(frame_rows: int) -> int:
-    """Token rows (samples x positions) one group's verification step may carry: the
-    compiled step's rows, and never more than a frame holds (``frame_rows``, 0: no limit)."""
-    rows = defaults.SPEC_MAX_K + 1
-    return min(rows, frame_rows) if frame_rows > 0 else rows
+class RowCost:
+    """What a verified row costs on this pipeline, as a share of a one-row step, measured:
+    the round trips of decode messages sent with nothing else in flight, by row count
+    (B x T), the fastest of each count's last ``window`` (a busy machine only adds time),
+    and a straight line t = a + b rows fitted through them; the cost is b / (a + b) (one
+    more row over one row), clamped to [0, 2]. Until two row counts were timed ``least``
+    times each it is ``prior``. A quantized model whose kernels are bound by arithmetic
+    pays most of a step per row; float weights, read once for every row, little."""
+
+    def __init__(self, prior: float = defaults.SPEC_ROW_COST, window: int = 8,
+                 least: int = 3) -> None:
+        self.prior, self.window, self.least = prior, window, least
+        self.seconds: Dict[int, List[float]] = {}  # rows -> the latest round trips
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows >= 1 and seconds > 0:
+            times = self.seconds.setdefault(rows, [])
+            times.append(seconds)
+            del times[:-self.window]
+
+    @property
+    def value(self) -> float:
+        points = [(r, min(t)) for r, t in sorted(self.seconds.items()) if len(t) >= self.least]
+        if len(points) < 2:
+            return self.prior
+        n = len(points)
+        mean_r = sum(r for r, _ in points) / n
+        mean_t = sum(t for _, t in points) / n
+        slope = sum((r - mean_r) * (t - mean_t) for r, t in points) / \
+            sum((r - mean_r) ** 2 for r, _ in points)
+        one = mean_t + slope * (1 - mean_r)  # a + b: the fitted one-row step
+        return 2.0 if one <= 0 else min(2.0, max(0.0, slope / one))
 
 
-def plan_step(group: Any, context: int, frame_rows: int = 0) -> int:
+def group_width(wants: Sequence[Tuple[float, int]], rows: int, room: int,
+                row_cost: float) -> int:
+    """The positions each row of a group's step feeds (1: a plain step; a message carries
+    one width): the width T of the most tokens expected per cost, each sample (its
+    acceptance a and the k it wants alone, ``Speculation.want``) counting E(a, min(T - 1,
+    k)) tokens, the step's n x T rows costing 1 + ``row_cost`` (n T - 1) one-row steps.
+    Rows are spent where acceptance is highest: every sample carries the width, and the
+    samples that are likely to keep their drafts pay for it. At most ``rows`` rows in all
+    and ``room`` positions per row; when no width pays but a sample wants to draft again
+    (``choose_k``'s retry), 2."""
+    n = len(wants)
+    cap = min(rows // n, room) if n else 0
+    if cap <= 1:
+        return 1
+    gains = [sum(expected_tokens(a, min(t - 1, k)) for a, k in wants) /
+             (1.0 + row_cost * (n * t - 1)) for t in range(1, cap + 1)]
+    best = max(range(cap), key=lambda i: (gains[i], -i)) + 1
+    return 2 if best == 1 and any(k > 0 for _, k in wants) else best
+
+
+def plan_step(group: Any, context: int, frame_rows: int = 0,
+              row_cost: Optional[float] = None) -> int:
     """Draft the next step of the live samples of ``group`` (samples of one generation
-    that travel together) when their request speculates, each within its budget (max-tokens
-    left, ``context`` room) and all with the same k (the fewest any drafted: a message carries one width; ``draft_rows``
-    of ``frame_rows`` bound it); kept in its ``Speculation.pending`` until the step is sent.
-    The positions each row of the step feeds: k + 1 (1: a plain step, as without
-    speculation). The request's ``Speculation`` is its own and names samples by index, so
-    a seed drafts the same on any pipeline."""
+    that travel together) when their request speculates: the group's width
+    (``group_width``, within ``plan.verify_rows`` of ``frame_rows`` and the context), then each
+    sample's drafts within its budget (max-tokens left, ``context`` room), padded to the
+    longest (none at width 1: a plain step, recorded as such for the retry); kept in its
+    ``Speculation.pending`` until the step is sent. The positions each
+    row of the step feeds: k + 1 (1: a plain step, as without speculation). The request's
+    ``Speculation`` is its own and names samples by index, so a seed drafts the same on
+    any pipeline. ``row_cost``: a verified row's measured cost (``RowCost``), for greedy
+    requests only: a sampled request's k depends on its draws alone (its policy's cost),
+    so its seed gives the same text on every pipeline."""
     generation = group.generation
     speculation = generation.speculation
     live = [s for s in group.samples if not s.done]
     if speculation is None or not live:
         return 1
-    max_k = max(0, draft_rows(frame_rows) // len(live) - 1)
-    drafts = {}
-    for sample in live:
-        tokens = sample.prompt + sample.tokens
-        budget = min(generation.max_new_tokens - len(sample.tokens), context - len(tokens))
-        drafts[sample.sid] = speculation.draft(sample.index, tokens, budget, max_k)
-    k = min(d.drafted for d in drafts.values())
-    speculation.pending.update((sid, trim_draft(d, k)) for sid, d in drafts.items())
-    return k + 1
+    rows = verify_rows(frame_rows)
+    texts = [s.prompt + s.tokens for s in live]
+    budgets = [min(generation.max_new_tokens - len(s.tokens), context - len(t))
+               for s, t in zip(live, texts)]
+    measured = row_cost is not None and speculation.params.greedy  # a seed's k: fixed
+    cost = speculation.stats.row_cost = row_cost if measured else speculation.policy.row_cost
+    wants = [speculation.want(s.index, b - 1, cost) for s, b in zip(live, budgets)]
+    room = min(context - len(t) + 1 for t in texts)
+    width = group_width(wants, rows, room, cost)
+    drafts = {s.sid: speculation.draft(s.index, t, b, k=width - 1)
+              for s, t, b in zip(live, texts, budgets)}
+    width = 1 + max(d.drafted for d in drafts.values())
+    speculation.pending.update((sid, pad_draft(d, width)) for sid, d in drafts.items())
+    return width
 
 
 def step_rows(parts: Sequence[Tuple[Any, Sequence[Any]]]

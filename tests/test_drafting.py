@@ -13,7 +13,7 @@ import torch
 from mdiedge.base.errors import ConfigError
 from mdiedge.model.checkpoint import load_config, load_model
 from mdiedge.model.sampling import SamplingParams
-from mdiedge.runtime.draftmodel import DraftModelDrafter
+from mdiedge.runtime.draftmodel import DraftModel, DraftModelDrafter
 from mdiedge.runtime.drafting import NgramDrafter, parse_speculate
 from mdiedge.runtime.speculation import drafter_for
 
@@ -101,14 +101,14 @@ def test_the_draft_model_proposes_its_greedy_continuation_after_any_history() ->
 
 def test_the_draft_model_carries_its_distributions_when_sampling() -> None:
     params = SamplingParams(temperature=0.8, top_k=20, top_p=1.0, seed=3)
-    drafter = DraftModelDrafter(load_model(DRAFT), 1, 128, params)
+    drafter = DraftModel(load_model(DRAFT), 1, 128).drafter(params)
     proposal = drafter.propose(0, [1, 827, 2007], 3)
     assert proposal.q is not None and proposal.q.shape == (3, 2048)
     assert torch.allclose(proposal.q.sum(-1), torch.ones(3))
     assert all(int((row > 0).sum()) <= 20 for row in proposal.q)  # after top-k
     assert all(float(proposal.q[i, t]) > 0 for i, t in enumerate(proposal.tokens))
     drafter.release(0)
-    again = DraftModelDrafter(load_model(DRAFT), 1, 128, params).propose(0, [1, 827, 2007], 3)
+    again = DraftModel(load_model(DRAFT), 1, 128).drafter(params).propose(0, [1, 827, 2007], 3)
     assert again.tokens == proposal.tokens  # a seed repeats
 
 

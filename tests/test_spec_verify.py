@@ -178,7 +178,7 @@ def test_speculative_greedy_decoding_equals_plain_decoding(stages: int, spec: st
     assert all(stage.slots_in_use == 0 for stage in pipeline.stages)
     assert getattr(drafter, "samples") == 0
     if isinstance(drafter, DraftModelDrafter):
-        assert drafter.slots.in_use == 0
+        assert drafter.draft.slots.in_use == 0
 
 
 def test_a_seed_gives_the_same_speculative_text_on_1_and_3_stages(prompt_ids: List[int]) -> None:

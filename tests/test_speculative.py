@@ -14,7 +14,7 @@ from mdiedge.model.config import ModelConfig
 from mdiedge.model.sampling import SamplingParams, sample_generator
 from mdiedge.model.speculative import (accept, distributions, greedy_accept, sampled_accept)
 from mdiedge.model.transformer import Transformer
-from mdiedge.runtime.draftmodel import DraftModelDrafter
+from mdiedge.runtime.draftmodel import DraftModel
 from mdiedge.runtime.pipeline import ModelEnds, Pipeline
 from mdiedge.runtime.speculation import KPolicy, Speculation
 from mdiedge.runtime.stages import LocalStage
@@ -153,7 +153,7 @@ def test_speculative_sampling_keeps_the_models_distribution(one_thread: None) ->
     target = tiny(0, 0.6)
     pipeline = Pipeline([LocalStage(target, 1, TINY.max_seq_len, trim_prefill=True)])
     ends = ModelEnds(target)
-    drafter = DraftModelDrafter(tiny(1, 0.6), 1, TINY.max_seq_len, params)
+    drafter = DraftModel(tiny(1, 0.6), 1, TINY.max_seq_len).drafter(params)
     speculation = Speculation(drafter, params, KPolicy(max_k=3, row_cost=0.0))
     prompt, runs = [1, 5, 3], 600
     plain = [decode(pipeline, ends, prompt, 5, params, None, 0,

@@ -19,8 +19,8 @@ from .app import (app, check_device, check_early_exit, check_log_level, check_po
                   open_checked,
                   compression_option, early_exit_option, exit_threshold_option, need,
                   one_line_errors,
-                  prefill_chunk_option, quantize_option, recover_option, recovery_options,
-                  stall_timeout_option, ring_options, no_encrypt_option)
+                  prefill_chunk_option, quantize_option, recover_option,
+                  speculate_option, stall_timeout_option, ring_options, no_encrypt_option)
 
 
 
@@ -123,13 +123,14 @@ def serve(
     no_encrypt: bool = no_encrypt_option(),
     early_exit: Optional[str] = early_exit_option(),
     exit_threshold: Optional[str] = exit_threshold_option(),
+    speculate: str = speculate_option(),
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /metrics)."""
     check_api_options(slots, context, max_queue, max_body, port, log_level)
     check_device(device, dtype)
     recovery = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize,
                             no_encrypt)
-    exits = check_early_exit(early_exit, exit_threshold)
+    exits = check_early_exit(early_exit, exit_threshold, speculate=speculate)
     key = api_key_for(host, api_key_file, insecure)
     from ..serving.api.server import listen
 
@@ -137,7 +138,7 @@ def serve(
         sock = listen(host, port)  # a port in use fails before any node starts
         stack.callback(sock.close)
         spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, recovery, exits,
-                           respawn=True)
+                           speculate, respawn=True)
         engine, _ = open_checked(stack, spec, lambda text: check_context(context, text))
         api = open_api(engine, sock, slots, context, max_queue, max_body, key, model_name,
                        log_level)

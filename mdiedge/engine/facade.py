@@ -35,6 +35,8 @@ from ..runtime.generation import (ExitCounts, Generation, Recovery, Sample, Timi
                                   TokenCallback, check_context)
 from ..runtime.protocol import NodeStatus
 from ..runtime.compute import ComputeThread
+from ..runtime.draftmodel import DraftModel
+from ..runtime.drafting import parse_speculate, request_speculate
 from ..runtime.scheduler import Scheduler
 
 PathLike = Union[str, Path]
@@ -211,29 +213,58 @@ class Engine(TextModel, abc.ABC):
     _closers: Optional[ExitStack] = None
     speculate: Optional[str] = None  # every request's drafter (``drafter_for``); None: off
     speculate_device: str = "cpu"  # where a draft model runs
+    draft_model: Optional[DraftModel] = None  # ``draft:PATH``'s model, shared by requests
 
     def speculating(self, spec: Optional[str], device: str = "cpu") -> None:
         """Have every later request speculate with the drafter ``spec`` names (``ngram``,
-        ``draft:PATH``; None or ``off``: not), a draft model on ``device``."""
+        ``draft:PATH``; None or ``off``: not), a draft model on ``device``: loaded here,
+        once, on the compute thread, its KV slots those of the reserved layout."""
         self.speculate = None if spec in (None, "off") else spec
         self.speculate_device = device
+        self.draft_model = None
+        if self.speculate is not None:
+            kind, path = parse_speculate(self.speculate)
+            if kind == "draft":
+                self.draft_model = self.compute.call(DraftModel.load, path, self.cfg,
+                                                     *self.reserved, device)
 
-    def speculation_for(self, generation: Generation) -> Optional[Any]:
-        """A ``Speculation`` for ``generation``'s samples (its own drafter: a draft model's
-        KV rows are the request's), or None when the engine does not speculate."""
-        if self.speculate is None:
+    def speculation_for(self, generation: Generation,
+                        speculate: Optional[str] = None) -> Optional[Any]:
+        """A ``Speculation`` for ``generation``'s samples, or None when it does not
+        speculate: ``speculate`` is the request's choice (``request_speculate``: ``ngram``,
+        ``draft``, ``off``; None: the engine's). A draft model's drafter holds the
+        request's own slots of the engine's shared ``draft_model``."""
+        spec = request_speculate(self.speculate, speculate)
+        if spec is None:
             return None
         from ..runtime.speculation import Speculation, drafter_for
 
-        params = generation.params
-        drafter = drafter_for(self.speculate, self.cfg, len(generation.samples),
-                              generation.context, params, self.speculate_device)
+        params, draft = generation.params, self.draft_model
+        n, context = len(generation.samples), generation.context
+        if draft is not None and spec == self.speculate and not draft.holds(n, context):
+            self.compute.call(draft.fit, max(n, self.reserved[0]),
+                              max(context, self.reserved[1]))
+        drafter = drafter_for(spec, self.cfg, n, context, params, self.speculate_device, draft)
         return Speculation(drafter, params)
+
+    def new_generation(self, prompt: Union[str, Prompt], max_new_tokens: int, n_samples: int,
+                       params: SamplingParams, on_token: Optional[TokenCallback] = None,
+                       stop: Sequence[str] = (), templated: bool = False,
+                       speculate: Optional[str] = None) -> Generation:
+        """``TextModel.new_generation``, with its ``Speculation`` (``speculation_for``:
+        ``speculate`` is the request's choice, None the engine's)."""
+        generation = super().new_generation(prompt, max_new_tokens, n_samples, params,
+                                            on_token, stop, templated)
+        generation.speculation = self.speculation_for(generation, speculate)
+        return generation
 
     def reserve(self, n_slots: int, context: int) -> None:
         """Set every later pipeline up with at least ``n_slots`` x ``context`` (a server's
-        fixed layout: its requests share one pipeline and never make it resize)."""
+        fixed layout: its requests share one pipeline and never make it resize), and the
+        draft model's KV slots too."""
         self.reserved = (n_slots, context)
+        if self.draft_model is not None:
+            self.compute.call(self.draft_model.fit, n_slots, context)
 
     def set_up(self) -> None:
         """Set the pipeline of the reserved layout up now (a server: its errors before it
@@ -275,8 +306,6 @@ class Engine(TextModel, abc.ABC):
         (QueueFull when its queue's rule refuses it; ``max_waiting``: see
         ``Scheduler.submit``). Set-up and submission are one step, so no other request's
         set-up replaces the pipeline between them."""
-        if generation.speculation is None:
-            generation.speculation = self.speculation_for(generation)
         with self._setup_lock:
             scheduler = self.prepare(max(len(generation.samples), self.reserved[0]),
                                      max(generation.context, self.reserved[1]))

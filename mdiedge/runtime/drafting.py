@@ -13,7 +13,8 @@ and knows a sample only by its tokens so far (prompt and output):
   tokenizer, with its own KV slots (``draft:PATH``).
 
 ``parse_speculate`` reads the ``--speculate`` spelling (``mdiedge.runtime.speculation.drafter_for``
-makes the drafter).
+makes the drafter); ``request_speculate`` resolves a request's own choice (the API's
+``speculate`` field) against the engine's.
 """
 from __future__ import annotations
 
@@ -107,3 +108,28 @@ def parse_speculate(spec: str) -> Tuple[str, str]:
     if kind == "draft" and arg:
         return kind, arg
     raise ConfigError(f"speculate {spec!r}: expected ngram, ngram:N (1..16) or draft:PATH")
+
+
+REQUEST_SPECULATE = ("ngram", "draft", "off")  # a request's choice (the API's ``speculate``)
+
+
+def request_speculate(default: Optional[str], requested: Optional[str]) -> Optional[str]:
+    """The drafter spelling a request decodes with (None: no speculation): ``requested``
+    (``ngram``, ``draft``: the engine's draft model, ``off``; None: the default) over the
+    engine's ``default`` (``--speculate``; None or ``off``: none). A ConfigError quoting the
+    value for any other, and for ``draft`` when the default names no draft model."""
+    default = None if default in (None, "off") else default
+    kind = parse_speculate(default)[0] if default is not None else None
+    if requested is None:
+        return default
+    if requested == "off":
+        return None
+    if requested == "ngram":
+        return default if kind == "ngram" else "ngram"
+    if requested == "draft":
+        if kind != "draft":
+            raise ConfigError("speculate 'draft': this server has no draft model (start it "
+                              "with --speculate draft:PATH)")
+        return default
+    raise ConfigError(f"speculate {requested!r}: expected one of "
+                      f"{', '.join(REQUEST_SPECULATE)}")

@@ -214,6 +214,13 @@ class Generation:
         self.cancel_requested = True
         self.end("error")
 
+    def broken(self, error: BaseException) -> None:
+        """The pipeline broke under this request: it ends with ``error``, and its
+        speculation lets every sample go (a shared draft model's slots are free again)."""
+        self.error = error
+        if self.speculation is not None:
+            self.speculation.close([s.index for s in self.samples])
+
     def release(self, samples: Sequence[Sample]) -> List[Sample]:
         """How a sample ends, in one place: of ``samples``, live ones are cancelled when the
         request asked, and those ended but still holding KV rows are marked released (the

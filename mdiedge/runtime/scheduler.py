@@ -587,7 +587,7 @@ class Scheduler:
         failed.update((id(g), g) for g, _ in self._waiting.take_all())
         failed.update(self._requests)
         for generation in failed.values():
-            generation.error = error
+            generation.broken(error)
             generation.wake()
         self._groups, self._inflight.entries, self._live, self._requests = {}, {}, 0, {}
         self._queued, self._merged = (), 0

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .draftmodel import DraftModelDrafter
+from .draftmodel import DraftModel
 from .drafting import Drafter, NgramDrafter, Proposal, parse_speculate
 from .plan import verify_rows
 from ..base import defaults
@@ -202,6 +202,13 @@ class Speculation:
         self.rounds.pop(sample_id, None)
         self.drafter.release(sample_id)
 
+    def close(self, sample_ids: Sequence[int]) -> None:
+        """Forget every one of ``sample_ids`` (a request that failed as a whole): a shared
+        draft model's slots are free again."""
+        for sample_id in sample_ids:
+            self.release(sample_id)
+        self.pending.clear()
+
 
 class RowCost:
     """What a verified row costs on this pipeline, as a share of a one-row step, measured:
@@ -311,11 +318,14 @@ def step_rows(parts: Sequence[Tuple[Any, Sequence[Any]]]
 
 
 def drafter_for(spec: str, target_cfg: Any, n_slots: int, context: int,
-                params: Any, device: str = "cpu") -> Drafter:
+                params: Any, device: str = "cpu", draft: Optional[DraftModel] = None) -> Drafter:
     """The drafter ``spec`` names (``parse_speculate``), for a target model of config
     ``target_cfg`` run with ``n_slots`` samples of ``context`` tokens and sampling
-    ``params``."""
+    ``params``; ``draft``: the engine's shared draft model for ``draft:PATH`` (None: one
+    loaded here for this drafter alone)."""
     kind, arg = parse_speculate(spec)
     if kind == "ngram":
         return NgramDrafter(max_n=int(arg) if arg else 3)
-    return DraftModelDrafter.load(arg, target_cfg, n_slots, context, params, device)
+    if draft is None:
+        draft = DraftModel.load(arg, target_cfg, n_slots, context, device)
+    return draft.drafter(params)

@@ -1,7 +1,8 @@
 """``/metrics`` in Prometheus' text format, through prometheus-client, with the names people
 know from vLLM and llama.cpp under an ``mdiedge_`` prefix.
 
-Counters and histograms are updated as requests run; gauges (requests running and waiting,
+Counters and histograms are updated as requests run (speculative decoding's ``mdiedge_spec_*``
+when a request ends, from its ``Speculation``'s stats); gauges (requests running and waiting,
 KV slots) and the per-node figures (up, busy fraction, layers) are read when scraped: the
 nodes from ``nodes()``, the starter's and every worker's status.
 """
@@ -18,6 +19,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 
                    10.0, 20.0, 40.0, 80.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
                  0.75, 1.0, 2.5)
+PASS_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0)
 
 
 class NodeCollector:
@@ -74,6 +76,24 @@ class ApiMetrics:
                              "sample", registry=r, buckets=TOKEN_BUCKETS)
         self.e2e = Histogram("mdiedge_e2e_request_latency_seconds", "From a request's arrival "
                              "to its end", registry=r, buckets=LATENCY_BUCKETS)
+        self.spec_drafted = Counter("mdiedge_spec_drafted_tokens", "Tokens drafted by "
+                                    "speculative decoding", registry=r)
+        self.spec_accepted = Counter("mdiedge_spec_accepted_tokens", "Drafted tokens the "
+                                     "model accepted", registry=r)
+        self.spec_steps = Counter("mdiedge_spec_verify_steps", "Steps that verified drafted "
+                                  "tokens (one pass of the ring each)", registry=r)
+        self.spec_per_pass = Histogram("mdiedge_spec_tokens_per_pass", "A speculating "
+                                       "request's tokens per verification pass", registry=r,
+                                       buckets=PASS_BUCKETS)
+
+    def speculated(self, stats: Any) -> None:
+        """Count what a request's speculative decoding did (its ``SpecStats``), when it
+        ends."""
+        self.spec_drafted.inc(stats.drafted)
+        self.spec_accepted.inc(stats.accepted)
+        self.spec_steps.inc(stats.steps)
+        if stats.steps:
+            self.spec_per_pass.observe(stats.tokens_per_step)
 
     def watch(self, running: Callable[[], float], waiting: Callable[[], float],
               slots_used: Callable[[], float], slots_total: int,

@@ -1,6 +1,6 @@
 """Requests of the OpenAI API, read and checked: ``CompletionRequest`` (``/v1/completions``)
 and ``ChatRequest`` (``/v1/chat/completions``), both with ``Options`` (sampling, ``n``,
-``stop``, ``stream``).
+``stop``, ``stream``, and the extra ``speculate``).
 
 A body that does not match the schema (a missing or unknown field, a wrong JSON type) is a
 422; a well-formed value the server cannot serve (out of range, unsupported) is a 400. Every
@@ -15,6 +15,7 @@ from ...base import defaults
 from ...base.errors import ApiError, GenerationError
 from ...base.values import Span
 from ...model.stopping import check_stops
+from ...runtime.drafting import REQUEST_SPECULATE
 
 ROLES = ("system", "developer", "user", "assistant")
 MAX_MESSAGES = 1024
@@ -47,6 +48,7 @@ COMMON: Dict[str, _Check] = {
     "stream": (lambda v: isinstance(v, bool), "a boolean"),
     "stream_options": (lambda v: isinstance(v, dict), "an object"),
     "user": (lambda v: isinstance(v, str), "a string"),
+    "speculate": (lambda v: isinstance(v, str), "a string"),  # extra: ngram, draft or off
 }
 # accepted and ignored only with a value that changes nothing; any other value is a 400
 NEUTRAL: Dict[str, Tuple[Any, ...]] = {
@@ -96,6 +98,7 @@ class Options:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
     max_tokens_key: str = "max_tokens"  # the field max_tokens came from (errors name it)
+    speculate: Optional[str] = None  # speculative decoding: ngram, draft, off (None: server's)
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any], max_tokens_key: str = "max_tokens") -> "Options":
@@ -114,7 +117,7 @@ class Options:
                       body.get("top_k"), body.get("seed"),
                       [stop] if isinstance(stop, str) else list(stop or []),
                       1 if body.get("n") is None else body["n"], bool(body.get("stream")),
-                      include, max_tokens_key)
+                      include, max_tokens_key, body.get("speculate"))
         options.check()
         return options
 
@@ -130,6 +133,9 @@ class Options:
             if value is not None and value not in span:
                 raise ApiError(400, f"{name}: expected {span.expected}, got {value!r}", name,
                                "invalid_value")
+        if self.speculate is not None and self.speculate not in REQUEST_SPECULATE:
+            raise ApiError(400, f"speculate: expected one of {', '.join(REQUEST_SPECULATE)}, "
+                           f"got {_short(self.speculate)}", "speculate", "invalid_value")
         try:
             check_stops(self.stop)
         except GenerationError as e:

@@ -22,6 +22,7 @@ from ...base import defaults
 from ...base.errors import ApiError, ConfigError, ContextExceeded, QueueFull
 from ...engine.facade import Engine, Prompt
 from ...model.sampling import SamplingParams
+from ...runtime.drafting import request_speculate
 from ...runtime.generation import Generation, check_context
 from ...runtime.plan import QueueView
 from ...runtime.protocol import NodeStatus
@@ -72,6 +73,8 @@ class Run:
         if self.generation is not None and error is None:
             for sample in self.generation.samples:
                 self.metrics.success.labels(sample.finish_reason or "none").inc()
+        if self.generation is not None and self.generation.speculation is not None:
+            self.metrics.speculated(self.generation.speculation.stats)
         self._push(_DONE)
 
     async def next(self, disconnected: Callable[[], Awaitable[bool]],
@@ -177,6 +180,10 @@ class ApiService:
         except ContextExceeded as e:
             raise ApiError(400, str(e), "prompt" if options.max_tokens is None
                            else options.max_tokens_key, "context_length_exceeded") from None
+        try:
+            request_speculate(self.engine.speculate, options.speculate)
+        except ConfigError as e:
+            raise ApiError(400, str(e), "speculate", "invalid_value") from None
         seed = options.seed if options.seed is not None else defaults.random_seed()
         params = SamplingParams(
             defaults.TEMPERATURE if options.temperature is None else options.temperature,
@@ -196,7 +203,8 @@ class ApiService:
         run._last = [0.0] * options.n
         try:
             run.generation = self.engine.new_generation(request, budget, options.n, params,
-                                                        run.on_token, options.stop)
+                                                        run.on_token, options.stop,
+                                                        speculate=options.speculate)
         except Exception as e:
             raise api_error(e) from None
         with self._lock:

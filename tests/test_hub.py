@@ -142,7 +142,7 @@ def test_generate_by_repo_id(cache: Path) -> None:
     from mdiedge.cli import app
 
     result = CliRunner().invoke(app, ["generate", "hello", "--model", REPO, "-n", "3",
-                                      "--nodes", "1", "--json"])
+                                      "--nodes", "1", "--json", "--temperature", "0"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)
     assert out["model"] == str(cache / FOLDER / "snapshots" / "c0ffee")

@@ -1,0 +1,62 @@
+"""Greedy speculative decoding equals plain decoding on the ring shapes the other speculation
+tests leave out (2 and 4 nodes, 2 and 4 samples, one sample per message, prompt chunks), and
+on a real 4-bit model: SmolLM2-135M-Instruct from its GGUF file, one process and a ring of
+three."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+
+from mdiedge.engine.factory import EngineSpec, open_engine
+from mdiedge.model.sampling import SamplingParams
+
+REPO = Path(__file__).resolve().parent.parent
+NANOLLAMA = REPO / "models" / "nanollama"
+GREEDY = SamplingParams(temperature=0)
+PASSAGE = ("ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and "
+           "Juliet is the sun.\n")
+PROMPT = PASSAGE * 3  # repeats itself: prompt lookup has drafts to offer
+
+
+def tokens_of(out: Any) -> List[List[int]]:
+    return [s["token_ids"] for s in out.samples]
+
+
+def generate(spec: EngineSpec, prompt: str, n: int, samples: int, micro_batch: int = 0) -> Any:
+    with open_engine(spec) as engine:
+        return engine.generate(prompt, n, samples, GREEDY, micro_batch=micro_batch)
+
+
+@pytest.fixture(scope="module")
+def plain() -> Dict[int, Any]:
+    return {n: generate(EngineSpec(model=NANOLLAMA), PROMPT, 40, n) for n in (2, 4)}
+
+
+@pytest.mark.parametrize("nodes, samples, micro_batch, chunk", [
+    (2, 2, 0, 0),
+    (2, 4, 1, 0),  # one sample per message
+    (4, 4, 0, 16),  # the prompt in chunks of 16 tokens
+    (4, 2, 1, 0),
+])
+def test_ring_shapes_equal_plain(plain: Dict[int, Any], nodes: int, samples: int,
+                                 micro_batch: int, chunk: int) -> None:
+    changes = {"prefill_chunk": chunk} if chunk else {}
+    spec = EngineSpec(model=NANOLLAMA, nodes=nodes, speculate="ngram", changes=changes)
+    out = generate(spec, PROMPT, 40, samples, micro_batch)
+    assert tokens_of(out) == tokens_of(plain[samples])
+    stats = out.as_dict()["speculation"]
+    assert stats["accepted"] > 0 and stats["tokens_per_pass"] > 1.0
+
+
+def test_smollm2_from_its_gguf_file_equals_plain() -> None:
+    """The real model users bring: 4-bit weights, its own tokenizer, a prompt that quotes."""
+    prompt = ("Repeat the text.\nText: The quick brown fox jumps over the lazy dog. The quick "
+              "brown fox jumps over the lazy dog.\nRepeated: The quick brown fox")
+    want = generate(EngineSpec(model="smollm2"), prompt, 24, 1)
+    for nodes in (1, 3):
+        out = generate(EngineSpec(model="smollm2", nodes=nodes, speculate="ngram"), prompt,
+                       24, 1)
+        assert tokens_of(out) == tokens_of(want), nodes
+        assert out.as_dict()["speculation"]["accepted"] > 0

@@ -19,11 +19,12 @@ makes the drafter); ``request_speculate`` resolves a request's own choice (the A
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Protocol, Sequence, Tuple
-
-from torch import Tensor
+from typing import TYPE_CHECKING, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from ..base.errors import ConfigError
+
+if TYPE_CHECKING:  # the API's schema imports this module where torch may be missing
+    from torch import Tensor
 
 
 @dataclass

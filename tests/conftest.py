@@ -7,7 +7,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
 
@@ -193,3 +193,14 @@ def fake_engine(monkeypatch: pytest.MonkeyPatch) -> List[FakeEngine]:
     FakeEngine.made = []
     monkeypatch.setattr(ring_module, "RingEngine", FakeEngine)
     return FakeEngine.made
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Hundreds of tiny steps: one thread (a team's barriers cost more than the work)."""
+    import torch  # here: the tests that need no torch load this file too
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

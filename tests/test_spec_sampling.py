@@ -8,7 +8,7 @@ speculation on."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import pytest
 import torch
@@ -31,15 +31,6 @@ def draft_model(tmp_path_factory: Any) -> Path:
                          max_position_embeddings=256)
     write_tiny_tokenizer(path)
     return path
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """Hundreds of tiny steps: one thread (a team's barriers cost more than the work)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def token_at(sample: Dict[str, Any], position: int, eos: int) -> int:

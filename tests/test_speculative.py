@@ -5,7 +5,7 @@ of the second and fifth generated tokens of a tiny model decoded with a draft mo
 plain sampling (p > 0.01), on seeded draws that repeat exactly."""
 from __future__ import annotations
 
-from typing import Iterator, List, Sequence
+from typing import List, Sequence
 
 import pytest
 import torch
@@ -134,15 +134,6 @@ def tiny(seed: int, std: float) -> Transformer:
             p.normal_(0, std) if p.dim() == 2 else p.fill_(1.0)
     net.fuse_projections()
     return net
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """Hundreds of tiny steps: one thread (a team's barriers cost more than the work)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_speculative_sampling_keeps_the_models_distribution(one_thread: None) -> None:

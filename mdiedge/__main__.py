@@ -1,14 +1,14 @@
-"""``python -m mdiedge`` and the ``mdiedge`` console command: the command line, loaded here so
-that a Ctrl-C while it loads is the same one line and status 130 as later."""
-import sys
+"""``python -m mdiedge`` and the ``mdiedge`` console command. Ctrl-C is held back from here
+until the command starts (:mod:`mdiedge.base.interrupts`), so a Ctrl-C while the command line
+loads is the same one line and status 130 as later."""
 
 
 def main() -> None:
-    try:
-        from .cli import main as run
-    except KeyboardInterrupt:
-        sys.stderr.write("mdiedge: error: interrupted\n")
-        raise SystemExit(130) from None
+    from .base import interrupts
+
+    interrupts.hold()
+    from .cli import main as run
+
     run()
 
 

@@ -234,6 +234,36 @@ def test_ctrl_c_while_torch_imports_stops_the_command() -> None:
     assert "ROMEO:" not in raw and "tokens in" not in raw and "Traceback" not in raw, raw
 
 
+# Ctrl-C inside code run from a string (as dataclasses and typing do while modules load): in
+# CPython that marks the process as ended by an unhandled Ctrl-C, and a ``python -m`` run then
+# kills itself with SIGINT on the way out, whatever status the program exits with
+CTRL_C_IN_EXEC = """
+import runpy, sys
+class PressCtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name == "mdiedge.cli":
+            sys.meta_path.remove(self)
+            exec("import os, signal; os.kill(os.getpid(), signal.SIGINT)\\nfor i in range(99): pass")
+sys.meta_path.insert(0, PressCtrlC())
+runpy.run_module("mdiedge", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("args", [["generate", "ROMEO:", "-n", "5", "--nodes", "1"], ["--help"],
+                                  ["generate", "--nodes", "0"]])
+def test_ctrl_c_while_the_command_line_loads_is_status_130(args: List[str], tmp_path) -> None:
+    """Held back until the command starts, or until typer is done when no command runs (help,
+    a usage error): one line, status 130 (not a death by SIGINT), no traceback."""
+    (tmp_path / "press_ctrl_c.py").write_text(CTRL_C_IN_EXEC)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
+        str(tmp_path), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-m", "press_ctrl_c", *args], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert (proc.returncode, proc.stderr.splitlines()[-1:]) == \
+        (130, ["mdiedge: error: interrupted"]), proc.stderr
+    assert "Traceback" not in proc.stderr and "ROMEO:" not in proc.stdout, proc.stderr
+
+
 @pytest.mark.parametrize("at", [0.2, 0.6])
 def test_ctrl_c_at_any_moment_is_one_line_and_status_130(at: float) -> None:
     """Ctrl-C typed at 0.2 s (the command line loading) and 0.6 s (torch loading, or the

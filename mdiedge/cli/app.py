@@ -5,12 +5,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 
 import typer
 
-from ..base import defaults
+from ..base import defaults, interrupts
 from ..base.errors import MdiedgeError, UsageError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -30,11 +29,19 @@ def fail(message: str, code: int = 1) -> "typer.Exit":
 
 
 def run_app() -> None:
-    """Run the command line. typer ends a Ctrl-C while it parses the command line (that may
-    import slow modules) with status 130 and no word: the line of a later Ctrl-C is printed
-    then too."""
+    """Run the command line. A Ctrl-C while it loads was held back (``__main__``); the
+    command acts on it once it starts (:func:`one_line_errors`), or this does when no command
+    ran. typer ends a Ctrl-C while it parses the command line with status 130 and no word:
+    the line is printed here then."""
     try:
-        app()
+        try:
+            app()
+        finally:
+            interrupts.release()
+    except KeyboardInterrupt:
+        if not _failed:
+            typer.echo("mdiedge: error: interrupted", err=True)
+        raise SystemExit(130) from None
     except SystemExit as e:
         if e.code == 130 and not _failed:
             typer.echo("mdiedge: error: interrupted", err=True)
@@ -42,11 +49,13 @@ def run_app() -> None:
 
 
 def one_line_errors(func: F) -> F:
-    """Turn mdiedge errors, Ctrl-C and OS errors into one stderr line and an exit code."""
+    """Turn mdiedge errors, Ctrl-C and OS errors into one stderr line and an exit code. A
+    Ctrl-C held back while the command line loaded is acted on here, as the command starts."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
+            interrupts.release()
             return func(*args, **kwargs)
         except MdiedgeError as e:
             raise fail(str(e).replace("\n", " "), e.exit_code) from None
@@ -108,23 +117,10 @@ def check_device(device: str, dtype: str) -> None:
 
 
 def load_torch() -> None:
-    """Import torch with Ctrl-C held back until the import is done, then acted on: torch's
-    C start-up imports numpy and clears any error it meets there, a KeyboardInterrupt
-    included, so a Ctrl-C in that moment would be lost and the command run on."""
-    import signal
-    import threading
-
-    if "torch" in sys.modules or threading.current_thread() is not threading.main_thread():
+    """Import torch with Ctrl-C held back until the import is done, then acted on (see
+    :mod:`mdiedge.base.interrupts`)."""
+    with interrupts.held():
         import torch  # noqa: F401
-        return
-    pressed: List[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
-    try:
-        import torch  # noqa: F401, F811
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if pressed:
-        raise KeyboardInterrupt
 
 
 def seconds_ok(value: float) -> bool:

@@ -4,8 +4,8 @@ For each ring size, one engine runs each workload plain and speculating in alter
 rounds (the order swapped every round, so a slow spell of the machine falls on both alike):
 
 - ``repeat``: a prompt that quotes a passage and asks for it again (an instruct model's
-  chat template around "repeat this text", else the passage followed by its first line: a
-  base model goes on quoting), the case where drafts are accepted;
+  chat template around "repeat this text", else the passage followed by its first line, for
+  a base model able to quote to go on quoting), the case where drafts are accepted;
 - ``free``: a passage of the same text to continue, where drafts are mostly guesses.
 
 Greedy decoding gives the same tokens either way: each row says whether every run's tokens

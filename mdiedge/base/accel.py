@@ -21,10 +21,17 @@ grouping) have one Python implementation and are imported directly.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from types import ModuleType
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
+
+from .selfcommand import package_root
+
+log = logging.getLogger("mdiedge.accel")
+_PAIRS: Dict[str, "Twins"] = {}  # every pair made in this process, by its twin's module
+_warned = False
 
 
 def extensions_disabled() -> bool:
@@ -39,6 +46,14 @@ class Twins:
     twin: ModuleType
     compiled: Optional[ModuleType] = None
 
+    def __post_init__(self) -> None:
+        _PAIRS[self.twin.__name__] = self
+
+    @property
+    def name(self) -> str:
+        """The pair's short name: ``step`` of ``mdiedge.model._pystep``."""
+        return self.twin.__name__.rsplit("._py", 1)[-1]
+
     def select(self) -> ModuleType:
         """The compiled module unless disabled or not built, else the twin."""
         if self.compiled is not None and not extensions_disabled():
@@ -50,3 +65,25 @@ class Twins:
         if self.compiled is not None and not extensions_disabled():
             return [self.twin, self.compiled]
         return [self.twin]
+
+
+def running_code() -> Dict[str, Any]:
+    """What this process runs, for a node's status: the package's directory, and each pair
+    imported so far by the implementation it selects (``compiled`` or ``twin``)."""
+    return {"package": package_root(),
+            "modules": {pair.name: "compiled" if pair.select() is pair.compiled else "twin"
+                        for pair in _PAIRS.values()}}
+
+
+def warn_if_uncompiled() -> None:
+    """One warning per process when a pair imported so far runs its twin although the
+    compiled modules were not disabled: not built (no C compiler at install), or a source tree
+    imported instead of the installed package."""
+    global _warned
+    missing = [pair.name for pair in _PAIRS.values() if pair.compiled is None]
+    if _warned or not missing or extensions_disabled():
+        return
+    _warned = True
+    log.warning("compiled modules missing (%s): running their pure-Python twins, many times "
+                "slower; mdiedge imported from %s (install it with `pip install .`, which "
+                "needs a C compiler)", ", ".join(missing), package_root())

@@ -88,7 +88,7 @@ class WorkerSettings:
     host: str = "127.0.0.1"
     control_port: int = WORKER_CONTROL_PORT
     data_port: int = WORKER_DATA_PORT
-    threads: int = 0  # torch threads; 0: torch's default
+    threads: int = 0  # compute threads; 0: every core this process may use
     cache_dir: Optional[str] = None
     log_level: str = "info"
     idle_timeout_s: float = IDLE_TIMEOUT_S
@@ -128,6 +128,7 @@ class StarterSettings:
     rebalance_margin: float = REBALANCE_MARGIN
     compression: str = "none"  # codecs of every link whose worker names none
     quantize: str = ""  # the block type the ring's float blocks are quantized to ("": none)
+    threads: int = 0  # compute threads; 0: every core this process may use
     busy_poll_us: int = BUSY_POLL_US  # of the link back from the last worker
     encrypt: bool = True  # seal the data links (false: for measurements only)
     secret: Optional[str] = field(default=None, repr=False)
@@ -179,7 +180,8 @@ STARTER_SCHEMA: Dict[str, Check] = dict(
     tokenizer=string("a tokenizer path"), weight=positive, memory=size, max_payload=size,
     prefill_chunk=integer(0), timeout_s=positive, stall_s=positive, recover=boolean,
     rebalance_margin=fraction, compression=_CODECS, busy_poll_us=integer(0, MAX_BUSY_POLL_US),
-    quantize=_quantizer, encrypt=boolean, **_SECRETS, **_COMMON)
+    quantize=_quantizer, encrypt=boolean, threads=integer(0, MAX_THREADS), **_SECRETS,
+    **_COMMON)
 WORKERS_SCHEMA: Dict[str, Check] = dict(
     name=string(), host=host_name, control_port=integer(1, 65535), device=device_name,
     weight=positive, memory=size, layers=layer_range, spare=boolean, compression=_CODECS)

@@ -360,6 +360,18 @@ def prefill_chunk_option() -> Any:
                         "file's prefill_chunk).")
 
 
+def threads_option() -> Any:
+    """``--threads N`` (``-t``), the same on every command that computes."""
+    return typer.Option(0, "--threads", "-t", metavar="N", help="Compute threads of each node "
+                        "this command runs here (0: its share of this machine's cores: all "
+                        "of them for one node, cores / nodes for a local ring, at least 1).")
+
+
+def check_threads(threads: int) -> None:
+    need(0 <= threads <= defaults.MAX_THREADS, "--threads", threads,
+         f"an integer 0..{defaults.MAX_THREADS}")
+
+
 def speculate_option() -> Any:
     """``--speculate ngram|draft:PATH|off``."""
     return typer.Option("off", "--speculate", metavar="ngram|draft:PATH|off", help="Draft "
@@ -404,12 +416,14 @@ def check_early_exit(criterion: Optional[str], threshold: Optional[str],
 def engine_spec(model: Optional[str], tokenizer: Optional[str], device: str, dtype: str,
                 nodes: int, ring: Optional[str], recovery: Tuple[Dict[str, Any], int],
                 exits: Optional[Tuple[str, Optional[str]]] = None,
-                speculate: Optional[str] = None, respawn: bool = False) -> Any:
+                speculate: Optional[str] = None, respawn: bool = False,
+                threads: int = 0) -> Any:
     """The ``EngineSpec`` of a command's engine flags (torch loaded first, see
     ``load_torch``): ``recovery``, the starter options given on the command line and the
     local ring's spares (``ring_options``); ``exits``, the early-exit criterion and
     threshold; ``respawn``, a local ring's worker that dies is started again; ``speculate``,
-    the drafter of speculative decoding (``off``: none)."""
+    the drafter of speculative decoding (``off``: none); ``threads``, ``--threads``."""
+    check_threads(threads)
     load_torch()
     from ..engine.factory import EngineSpec
 
@@ -417,7 +431,8 @@ def engine_spec(model: Optional[str], tokenizer: Optional[str], device: str, dty
     criterion, threshold = exits or (None, None)
     return EngineSpec(model=model, tokenizer=tokenizer, nodes=nodes, ring=ring, device=device,
                       dtype=dtype, changes=changes, spares=spares, respawn=respawn,
-                      early_exit=criterion, exit_threshold=threshold, speculate=speculate)
+                      early_exit=criterion, exit_threshold=threshold, speculate=speculate,
+                      threads=threads)
 
 
 def open_text_model(spec: Any) -> Any:

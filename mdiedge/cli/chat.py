@@ -38,6 +38,7 @@ from .app import (
     need,
     one_line_errors,
     engine_spec,
+    threads_option,
     open_checked,
     prefill_chunk_option,
     recover_option,
@@ -236,6 +237,7 @@ def chat(
     compression: Optional[str] = compression_option(),
     quantize: Optional[str] = quantize_option(),
     no_encrypt: bool = no_encrypt_option(),
+    threads: int = threads_option(),
 ) -> None:
     """Chat with an instruct model through its chat template (interactive, or one --message)."""
     check_sampling(max_new_tokens, 1, temperature, top_k, top_p, seed)
@@ -245,7 +247,7 @@ def chat(
                            no_encrypt)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p,
                     seed=defaults.random_seed() if seed is None else seed)
-    spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, changes)
+    spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, changes, threads=threads)
     from ..model.sampling import SamplingParams
 
     params = SamplingParams(**sampling)

@@ -27,6 +27,7 @@ from .app import (
     check_device,
     check_early_exit,
     check_sampling,
+    check_threads,
     compression_option,
     quantize_option,
     no_encrypt_option,
@@ -44,6 +45,7 @@ from .app import (
     recovery_options,
     stall_timeout_option,
     terminate_gracefully,
+    threads_option,
     usage_errors,
 )
 
@@ -86,30 +88,37 @@ def generate(
     early_exit: Optional[str] = early_exit_option(),
     exit_threshold: Optional[str] = exit_threshold_option(),
     speculate: str = speculate_option(),
+    threads: int = threads_option(),
 ) -> None:
     """Generate text from PROMPT, on a ring of nodes (by default a local ring of 3)."""
     sampling = _request(max_new_tokens, samples, temperature, top_k, top_p, seed, micro_batch)
-    need(ring is not None or nodes >= 1, "--nodes", nodes, "an integer >= 1")
-    check_device(device, dtype)
+    _check_nodes(nodes, ring, device, dtype, threads)
     exits = check_early_exit(early_exit, exit_threshold, starter, speculate)
     changes = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize,
                            no_encrypt)
     stops = list(stop or [])
     if starter:  # no torch here: the starter checks the values and samples
-        _generate_through(check_url("--starter", starter), prompt, max_new_tokens, samples,
-                          dict(sampling, stop=stops), micro_batch, as_json)
-        return
+        return _generate_through(check_url("--starter", starter), prompt, max_new_tokens,
+                                 samples, dict(sampling, stop=stops), micro_batch, as_json)
     with ExitStack() as stack:
         terminate_gracefully()
         progress = stack.enter_context(_progress(max_new_tokens * samples, samples, as_json))
         params = _sampling_params(sampling)
         progress.phase(_first_phase(ring, nodes))
-        spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, changes, exits, speculate)
+        spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, changes, exits, speculate,
+                           threads=threads)
         engine, request = open_checked(stack, spec, lambda text: _checked_prompt(
             text, prompt, max_new_tokens, stops))
         _generate_with(engine, request, max_new_tokens, samples, params, stops, micro_batch,
                        as_json, lambda: nodes if ring is None else engine.ring_nodes(),
                        progress, seed is None)
+
+
+def _check_nodes(nodes: int, ring: Optional[str], device: str, dtype: str, threads: int) -> None:
+    """Where and how the nodes compute, checked before torch loads."""
+    need(ring is not None or nodes >= 1, "--nodes", nodes, "an integer >= 1")
+    check_device(device, dtype)
+    check_threads(threads)
 
 
 def _request(max_new_tokens: int, samples: int, temperature: float, top_k: int, top_p: float,

@@ -16,6 +16,7 @@ from .app import (
     check_log_level,
     checked_quantizer,
     check_port,
+    check_threads,
     compression_option,
     early_exit_option,
     exit_threshold_option,
@@ -27,6 +28,7 @@ from .app import (
     quantize_option,
     seconds_ok,
     serve_under_systemd,
+    threads_option,
     warn_unsealed,
 )
 
@@ -50,7 +52,7 @@ def worker(
                                      help="HTTP control port (0: any free port)."),
     data_port: int = typer.Option(defaults.WORKER_DATA_PORT,
                                   help="Data-plane port (0: any free port)."),
-    threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
+    threads: int = threads_option(),
     name: str = typer.Option("worker", help="Name shown in logs and status."),
     cache_dir: Optional[str] = typer.Option(None, help="Where received weights are cached."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
@@ -92,8 +94,7 @@ def _check_worker_flags(flags: Dict[str, Any]) -> None:
     """The worker's command-line values (a config file's are checked by its schema)."""
     for key in ("control_port", "data_port"):
         check_port("--" + key.replace("_", "-"), flags[key])
-    need(0 <= flags["threads"] <= defaults.MAX_THREADS, "--threads", flags["threads"],
-          f"an integer 0..{defaults.MAX_THREADS}")
+    check_threads(flags["threads"])
     check_log_level(flags["log_level"])
     need(seconds_ok(flags["idle_timeout_s"]), "--idle-timeout", flags["idle_timeout_s"],
           "a number of seconds > 0")
@@ -139,11 +140,11 @@ def _run_worker(chosen: Dict[str, Any], section: Any, parent_pid: int,
     import torch
 
     from ..base.settings import read_secret
+    from ..base.threads import available_cores, node_threads
     from ..serving.sdnotify import Heartbeat
     from ..roles.worker import WorkerNode
 
-    if chosen["threads"] > 0:
-        torch.set_num_threads(chosen["threads"])
+    torch.set_num_threads(node_threads(chosen["threads"], 1, available_cores()))
     heartbeat = Heartbeat(stall_limit=defaults.COMPUTE_STALL_S)
     node = WorkerNode(chosen["host"], chosen["control_port"], chosen["data_port"],
                       Path(chosen["cache_dir"]) if chosen["cache_dir"] else None,
@@ -216,6 +217,9 @@ def starter_command(
     exit_threshold: Optional[str] = exit_threshold_option(),
     no_encrypt: bool = no_encrypt_option(),
     secret_fd: int = secret_fd_option(),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", metavar="N", help="Compute "
+                                          "threads (default: the config's, else 0: every core "
+                                          "this process may use)."),
 ) -> None:
     """Run the starter as a long-lived process that owns the ring (and, with --api-port,
     the OpenAI API)."""
@@ -228,6 +232,9 @@ def starter_command(
     quantize = checked_quantizer(quantize)
     exits = check_early_exit(early_exit, exit_threshold)
     settings, section = _starter_config(config)
+    if threads is not None:
+        check_threads(threads)
+        section = dataclasses.replace(section, threads=threads)
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s starter %(levelname)s %(message)s")
     secret = _starter_secret(section, insecure, secret_fd)
@@ -309,7 +316,8 @@ def _starter_engine(settings: Any, section: Any, model: Optional[str],
     return open_engine(EngineSpec(model=model or section.model,
                                   tokenizer=tokenizer or section.tokenizer,
                                   workers=settings.workers, options=options,
-                                  early_exit=criterion, exit_threshold=threshold))
+                                  early_exit=criterion, exit_threshold=threshold,
+                                  threads=section.threads))
 
 
 def starter_name(control_url: str) -> str:

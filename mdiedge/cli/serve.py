@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 from ..base import defaults
 from .app import (app, check_device, check_early_exit, check_log_level, check_port,
                   device_option, dtype_option, model_option, tokenizer_option, engine_spec,
+                  threads_option,
                   open_checked,
                   compression_option, early_exit_option, exit_threshold_option, need,
                   one_line_errors,
@@ -124,6 +125,7 @@ def serve(
     early_exit: Optional[str] = early_exit_option(),
     exit_threshold: Optional[str] = exit_threshold_option(),
     speculate: str = speculate_option(),
+    threads: int = threads_option(),
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /metrics)."""
     check_api_options(slots, context, max_queue, max_body, port, log_level)
@@ -138,7 +140,7 @@ def serve(
         sock = listen(host, port)  # a port in use fails before any node starts
         stack.callback(sock.close)
         spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, recovery, exits,
-                           speculate, respawn=True)
+                           speculate, respawn=True, threads=threads)
         engine, _ = open_checked(stack, spec, lambda text: check_context(context, text))
         api = open_api(engine, sock, slots, context, max_queue, max_body, key, model_name,
                        log_level)

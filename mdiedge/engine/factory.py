@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 from ..base import defaults
+from ..base.accel import warn_if_uncompiled
 from ..base.errors import ConfigError, MdiedgeError, UsageError
 from ..base.nodes import NodeSpec, StarterOptions
+from ..base.threads import available_cores, node_threads
 from ..model.checkpoint import check_checkpoint, content_hash, load_config
 from ..model.devices import parse_device, parse_dtype
 from ..model.exitfiles import ExitSettings, exit_settings
@@ -40,7 +42,8 @@ class EngineSpec:
     criterion and its threshold (checked against the model when it opens). ``route``: where
     each ring link connects (``Route``, tests and the relay tool). ``speculate``: every
     request decodes speculatively with this drafter (``ngram``, ``draft:PATH``; None or
-    ``off``: not), refused together with early exit."""
+    ``off``: not), refused together with early exit. ``threads``: this process's compute
+    threads and each local worker's (0: each node's share of the cores, ``node_threads``)."""
 
     model: Optional[PathLike] = None
     tokenizer: Optional[PathLike] = None
@@ -57,6 +60,7 @@ class EngineSpec:
     exit_threshold: Optional[str] = None
     route: Optional[Route] = None
     speculate: Optional[str] = None
+    threads: int = 0
 
     @property
     def local(self) -> bool:
@@ -120,6 +124,7 @@ def open_engine(spec: EngineSpec, text: Optional[TextModel] = None) -> Engine:
     check_draft(spec.speculate, text)
     settings = exit_settings_of(text, spec.early_exit, spec.exit_threshold)
     engine = _open(spec, text, settings)
+    warn_if_uncompiled()
     if spec.speculate not in (None, "off"):
         engine.speculating(spec.speculate, spec.device)
     return engine
@@ -127,6 +132,7 @@ def open_engine(spec: EngineSpec, text: Optional[TextModel] = None) -> Engine:
 
 def _open(spec: EngineSpec, text: TextModel, settings: Optional[ExitSettings]) -> Engine:
     """The engine of ``spec`` on ``text``: in this process, or the starter of a ring."""
+    _use_threads(node_threads(spec.threads, 1, available_cores()))
     if spec.local:
         from .local import LocalEngine
 
@@ -166,14 +172,20 @@ def _running(spec: EngineSpec) -> Any:
 def _start_local_ring(spec: EngineSpec, text: TextModel, stack: ExitStack) -> Any:
     """The workers of a local ring of ``spec.nodes`` started (each given its share of this
     machine's cores, this process too), entered on ``stack``; and the ring's secret."""
-    import torch
-
     from ..placement.partition import check_ring_size
-    from ..roles.local_ring import LocalRing, threads_per_node
+    from ..roles.local_ring import LocalRing
 
     check_ring_size(text.cfg.n_layers, spec.nodes)
-    threads = threads_per_node(spec.nodes)
-    torch.set_num_threads(threads)
+    threads = node_threads(spec.threads, spec.nodes, available_cores())
+    _use_threads(threads)
     ring = LocalRing(spec.nodes - 1, threads=threads, device=spec.device, spares=spec.spares,
                      encrypt=spec.changes.get("encrypt", True), respawn=spec.respawn)
     return stack.enter_context(ring), ring.secret
+
+
+def _use_threads(threads: int) -> None:
+    """This process computes with ``threads`` threads (torch's, which the kernels take)."""
+    import torch
+
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

@@ -6,6 +6,8 @@ import threading
 import time
 from typing import Any, List, Optional, Sequence
 
+from ..base.accel import running_code
+from ..base.threads import compute_threads
 from ..model.checkpoint import content_hash, load_model
 from ..model.devices import parse_device, parse_dtype
 from ..model.exitfiles import ExitSettings
@@ -80,7 +82,8 @@ class LocalEngine(Engine):
         idle = scheduler is None or scheduler.idle
         return [NodeStatus("starter", "local", "ready" if idle else "busy",
                            layers=[0, self.cfg.n_layers], busy_fraction=busy,
-                           slots_in_use=scheduler.slots_in_use if scheduler is not None else 0)]
+                           slots_in_use=scheduler.slots_in_use if scheduler is not None else 0,
+                           threads=compute_threads(), code=running_code())]
 
     def kv_fill_s(self) -> float:
         return sum(stage.counters.kv_fill_s for stage in self.stages)

@@ -30,16 +30,11 @@ from ..base import defaults
 from ..base.errors import RingError
 from ..base.defaults import REAP_INTERVAL_S, RESPAWN_FIRST_S, RESPAWN_MAX_S, RESPAWN_STABLE_S, WORKER_READY_TIMEOUT_S
 from ..base.nodes import NodeSpec
+from ..base.selfcommand import mdiedge_command
 
 RESPAWN_TRIES = 5  # restarts in a row that died (or did not start) before it is given up
 
 log = logging.getLogger("mdiedge.local_ring")
-
-
-def threads_per_node(n_nodes: int) -> int:
-    """Divide the machine's cores among the nodes of a local ring."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // n_nodes)
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -157,11 +152,11 @@ class LocalRing:
                                                                           NodeSpec]:
         """A worker process on ``control_port`` (0: a free one), ready, and its address; a
         RingError (the process ended) when it does not start."""
-        cmd = [sys.executable, "-m", "mdiedge", "worker", "--host", "127.0.0.1",
+        cmd = mdiedge_command(["worker", "--host", "127.0.0.1",
                "--control-port", str(control_port), "--data-port", "0",
                "--threads", str(self.threads), "--name", name, "--log-level", self.log_level,
                "--parent-pid", str(os.getpid()), "--busy-poll-us", str(self.busy_poll_us),
-               "--no-config"]
+               "--no-config"])
         if self.cache_dir:
             cmd += ["--cache-dir", self.cache_dir]
         if not self.encrypt:

@@ -24,7 +24,9 @@ from ..base import defaults
 from ..base.codecs import Compression
 from ..base.errors import (ConfigError, Conflict, GenerationError, NodeLost, PartitionError,
                            RingError)
+from ..base.accel import running_code
 from ..base.memory import max_rss_bytes, rss_bytes
+from ..base.threads import compute_threads
 from ..base.nodes import NodeSpec, StarterOptions
 from ..base.words import block_range
 from ..model.checkpoint import content_hash, load_model
@@ -442,7 +444,7 @@ def starter_status(starter: RingStarter) -> NodeStatus:
         device=starter.device, rss_bytes=rss_bytes(), max_rss_bytes=max_rss_bytes(),
         uptime_s=round(time.time() - starter.started, 1), pid=os.getpid(),
         link_rtt_ms=round_trip_ms((starter.ring_workers or starter.workers)[0].url),
-        recoveries=starter.recoveries)
+        recoveries=starter.recoveries, threads=compute_threads(), code=running_code())
     if scheduler is not None and stage is not None:
         stats = scheduler.stats
         status.state = "ready" if scheduler.idle else "busy"

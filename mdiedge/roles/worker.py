@@ -22,7 +22,9 @@ from .. import __version__
 from ..base import defaults
 from ..base.codecs import Compression
 from ..base.errors import ConfigError, Conflict, MdiedgeError, RingError
+from ..base.accel import running_code, warn_if_uncompiled
 from ..base.memory import max_rss_bytes, rss_bytes
+from ..base.threads import compute_threads
 from ..base.words import block_range
 from ..model.checkpoint import content_hash, load_config, load_model, resolve_model_path
 from ..model.devices import parse_device, parse_dtype
@@ -160,7 +162,7 @@ class WorkerNode:
             "worker", self.name, self.state, address=f"{self.host}:{self.control.port}",
             version=__version__, rss_bytes=rss_bytes(), max_rss_bytes=max_rss_bytes(),
             uptime_s=round(time.time() - self.started, 1), pid=os.getpid(),
-            data_port=self.data_port,
+            data_port=self.data_port, threads=compute_threads(), code=running_code(),
             # a short limit: a frozen next node must not make this node look frozen too
             link_rtt_ms=round_trip_ms(self.next_control, defaults.STATUS_RTT_TIMEOUT_S)
             if self.next_control and self.state == "busy" else None)
@@ -304,6 +306,7 @@ class WorkerNode:
             load_model, source, layers=tuple(request.layers), embedding=False, head=False,
             device=str(parse_device(request.device)), dtype=parse_dtype(request.dtype),
             quantize=request.quantize or None)
+        warn_if_uncompiled()
         self.assignment, self.source = request, source
         self.state = "ready"
 

@@ -255,6 +255,8 @@ class NodeStatus:
     links: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # LinkPair.stats(): in, out
     error: Optional[str] = None
     setup: Optional[str] = None  # a starter: what setting up its ring waits for now
+    threads: int = 0  # compute threads
+    code: Dict[str, Any] = field(default_factory=dict)  # accel.running_code(): what it runs
 
     def to_json(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)

@@ -13,7 +13,6 @@ import math
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 from contextlib import nullcontext
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 import torch
 
 from ..base.errors import MdiedgeError
+from ..base.selfcommand import mdiedge_command
 from ..model import expertstats
 from ..model.checkpoint import resolve_model_path, save_hf_checkpoint
 from ..model.config import preset
@@ -30,7 +30,7 @@ from ..model.sampling import SamplingParams
 from ..base import defaults
 from ..engine.factory import EngineSpec, open_engine
 from ..engine.local import LocalEngine
-from ..roles.local_ring import threads_per_node
+from ..base.threads import available_cores, node_threads
 from ..engine.ring import RingEngine
 from .roofline import Roofline, mean_keys
 from ..runtime.generation import Generation
@@ -58,7 +58,7 @@ def run_config(model: Path, nodes: int, samples: int, new_tokens: int, context: 
     torch.manual_seed(0)
     if nodes == 1:
         return _run_local(model, samples, new_tokens, context, micro_batch)
-    threads = threads_per_node(nodes)
+    threads = node_threads(0, nodes, available_cores())
     with open_engine(_spec(model, nodes)) as engine:
         assert isinstance(engine, RingEngine)  # a ring's tail answers pings
         scheduler = engine.prepare(samples, context)
@@ -159,10 +159,11 @@ Runner = Callable[[Path, int, int, int, int, int], Dict[str, Any]]
 
 def run_subprocess(path: Path, nodes: int, samples: int, new_tokens: int, context: int,
                    micro_batch: int) -> Dict[str, Any]:
-    """One configuration in a fresh ``python -m mdiedge bench --one`` process: its figures."""
-    cmd = [sys.executable, "-m", "mdiedge", "bench", "--one", "--model", str(path),
+    """One configuration in a fresh ``mdiedge bench --one`` process (this process's own
+    package, :mod:`mdiedge.base.selfcommand`): its figures."""
+    cmd = mdiedge_command(["bench", "--one", "--model", str(path),
            "--nodes", str(nodes), "--samples", str(samples), "--new-tokens", str(new_tokens),
-           "--context", str(context), "--micro-batch", str(micro_batch)]
+           "--context", str(context), "--micro-batch", str(micro_batch)])
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
     if out.returncode != 0:
         lines = [line for line in out.stderr.splitlines() if line.strip()]

@@ -108,12 +108,12 @@ def profile_ring(model_path: Path, nodes: int, rows: int, context: int = 256,
                  steps: int = 16) -> List[Dict[str, Any]]:
     """Each node's profile (``profile_node``) with its blocks and thread count."""
     from ..model.checkpoint import load_config, load_model
-    from ..roles.local_ring import threads_per_node
+    from ..base.threads import available_cores, node_threads
     from ..placement.partition import split_layers
 
     cfg = load_config(model_path)
     ranges = split_layers(cfg.n_layers, [1.0] * nodes) if nodes > 1 else [(0, cfg.n_layers)]
-    threads = threads_per_node(nodes) if nodes > 1 else torch.get_num_threads()
+    threads = node_threads(0, nodes, available_cores()) if nodes > 1 else torch.get_num_threads()
     saved = torch.get_num_threads()
     out = []
     try:

@@ -1,0 +1,32 @@
+"""The command line that runs this very mdiedge in a new process: the same interpreter and the
+same package directory, whatever the working directory.
+
+``python -m mdiedge`` would put the working directory first on ``sys.path``: started from a
+clone's root, a worker would import the uncompiled source tree instead of the installed
+package its starter runs (the pure-Python twins, many times slower), and after a ``git pull``
+other code than its starter's. ``-c`` with the package's own directory in ``sys.path[0]``
+imports exactly what this process imported, on every Python from 3.8 (``-P`` is 3.11's).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import List, Sequence
+
+PROGRAM = "mdiedge"  # the name usage lines and errors give the child
+
+
+def package_root() -> str:
+    """The directory that holds the ``mdiedge`` package this process runs."""
+    here = os.path.dirname(os.path.abspath(__file__))  # .../mdiedge/base
+    return os.path.dirname(os.path.dirname(here))
+
+
+def _boot_source(root: str) -> str:
+    return ("import sys; sys.path[0] = %r; sys.argv[0] = %r; "
+            "from mdiedge.__main__ import main; main()" % (root, PROGRAM))
+
+
+def mdiedge_command(args: Sequence[str]) -> List[str]:
+    """``[python, ..., *args]``: ``mdiedge ARGS`` run by this interpreter on this package."""
+    return [sys.executable, "-c", _boot_source(package_root())] + list(args)

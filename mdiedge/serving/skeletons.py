@@ -128,8 +128,76 @@ secret_file = "{secret_file}"
 # insecure = false"""
 
 
-# the [starter] keys, each with the comment that explains it, in the skeleton's order
+# the [starter] keys but host and the secret, each with the comment that explains it, in the
+# skeleton's order
+_SHARED_KEYS: List[Tuple[str, str]] = [
+    ("control_port", f"""\
+# HTTP control port of the starter (generation requests, ring status).
+control_port = {STARTER_CONTROL_PORT}"""),
+    ("model", """\
+# The model the ring runs, as --model takes it; unset: the shipped NanoLlama. Under the
+# shipped unit, a folder the service can read (under /var/lib/mdiedge, its state directory).
+# model = "/var/lib/mdiedge/models/tinyllama\""""),
+    ("tokenizer", """\
+# Optional: a tokenizer file, if not the model's own (tokenizer.model or tokenizer.json).
+# tokenizer = "/var/lib/mdiedge/models/tinyllama/tokenizer.model\""""),
+    ("device", """\
+# Device of the starter's own share of the layers: "cpu" or "cuda".
+device = "cpu"
+# device = "cuda\""""),
+    ("dtype", f"""\
+# Weight dtype on the ring: {_DTYPES}.
+dtype = "float32\""""),
+    ("weight", """\
+# Relative speed of this board: layers are split in proportion to the weights.
+weight = 1.0"""),
+    ("memory", """\
+# Optional: cap the memory the starter's share may use ("4GiB", "512MiB", ...).
+# memory = "4GiB\""""),
+    ("layers", """\
+# Optional: pin the starter to this block range [first, end) instead of the automatic split.
+# layers = [0, 6]"""),
+    ("max_payload", f"""\
+# Largest tensor payload of one data-plane frame; a larger frame closes the link.
+# max_payload = "{MAX_PAYLOAD >> 20}MiB\""""),
+    ("prefill_chunk", f"""\
+# Prompt tokens per prefill message, so that the nodes work on chunks of a long prompt in
+# parallel and a chunk travels while the next is computed (0: the whole prompt at once).
+# prefill_chunk = {PREFILL_CHUNK}"""),
+    ("timeout_s", f"""\
+# A message not back around the ring within this many seconds is a failure, and the node
+# that froze is named.
+# timeout_s = {RING_TIMEOUT_S:g}"""),
+    ("stall_s", f"""\
+# A worker that returns no message for this many seconds, and then does not answer on its
+# control port within it either, is lost: its layers move to a spare or to the survivors.
+stall_s = {STALL_S:g}"""),
+    ("recover", """\
+# false: a lost node fails the requests in flight instead of the ring recovering without it.
+recover = true"""),
+    ("rebalance_margin", f"""\
+# Between requests, re-split the layers when the slowest node's measured time per block is
+# this fraction above the mean (0: never).
+rebalance_margin = {REBALANCE_MARGIN:g}"""),
+    ("compression", """\
+# Optional: codecs of every link whose [[workers]] entry names none: none, fp16, int8, or
+# PREFILL:DECODE such as int8:fp16 (--compression on the command line wins).
+# compression = "none\""""),
+    ("quantize", """\
+# Optional: quantize the blocks' float weights on load to q8_0, q4_0 or q4_1 (CPU, float32
+# arithmetic; a GGUF file's blocks are kept as they are; --quantize on the command line wins).
+# quantize = "q8_0\""""),
+    ("busy_poll_us", f"""\
+# Microseconds a wait for the last worker's message polls the link before it sleeps: a
+# message that comes sooner saves the wake-up from sleep at the price of that much CPU.
+# 0: sleep at once (the least power).
+busy_poll_us = {BUSY_POLL_US}"""),
+    ("encrypt", _ENCRYPT.rstrip("\n")),
+]
+
+
 def _starter_keys(secret_file: str, starter: bool) -> List[Tuple[str, str]]:
+    """The [starter] keys of a starter's config, or of a ring file (not ``starter``)."""
     return [
         ("host", ("""\
 # Listen address of the starter's control port, and the address the last worker connects
@@ -139,70 +207,8 @@ def _starter_keys(secret_file: str, starter: bool) -> List[Tuple[str, str]]:
 # loopback on one machine. On a ring of boards: this machine's address.""") + """
 host = "127.0.0.1"
 # host = "10.0.0.1\""""),
-        ("control_port", f"""\
-# HTTP control port of the starter (generation requests, ring status).
-control_port = {STARTER_CONTROL_PORT}"""),
-        ("model", """\
-# The model the ring runs, as --model takes it; unset: the shipped NanoLlama. Under the
-# shipped unit, a folder the service can read (under /var/lib/mdiedge, its state directory).
-# model = "/var/lib/mdiedge/models/tinyllama\""""),
-        ("tokenizer", """\
-# Optional: a tokenizer file, if not the model's own (tokenizer.model or tokenizer.json).
-# tokenizer = "/var/lib/mdiedge/models/tinyllama/tokenizer.model\""""),
-        ("device", """\
-# Device of the starter's own share of the layers: "cpu" or "cuda".
-device = "cpu"
-# device = "cuda\""""),
-        ("dtype", f"""\
-# Weight dtype on the ring: {_DTYPES}.
-dtype = "float32\""""),
-        ("weight", """\
-# Relative speed of this board: layers are split in proportion to the weights.
-weight = 1.0"""),
-        ("memory", """\
-# Optional: cap the memory the starter's share may use ("4GiB", "512MiB", ...).
-# memory = "4GiB\""""),
-        ("layers", """\
-# Optional: pin the starter to this block range [first, end) instead of the automatic split.
-# layers = [0, 6]"""),
-        ("max_payload", f"""\
-# Largest tensor payload of one data-plane frame; a larger frame closes the link.
-# max_payload = "{MAX_PAYLOAD >> 20}MiB\""""),
-        ("prefill_chunk", f"""\
-# Prompt tokens per prefill message, so that the nodes work on chunks of a long prompt in
-# parallel and a chunk travels while the next is computed (0: the whole prompt at once).
-# prefill_chunk = {PREFILL_CHUNK}"""),
-        ("timeout_s", f"""\
-# A message not back around the ring within this many seconds is a failure, and the node
-# that froze is named.
-# timeout_s = {RING_TIMEOUT_S:g}"""),
-        ("stall_s", f"""\
-# A worker that returns no message for this many seconds, and then does not answer on its
-# control port within it either, is lost: its layers move to a spare or to the survivors.
-stall_s = {STALL_S:g}"""),
-        ("recover", """\
-# false: a lost node fails the requests in flight instead of the ring recovering without it.
-recover = true"""),
-        ("rebalance_margin", f"""\
-# Between requests, re-split the layers when the slowest node's measured time per block is
-# this fraction above the mean (0: never).
-rebalance_margin = {REBALANCE_MARGIN:g}"""),
-        ("compression", """\
-# Optional: codecs of every link whose [[workers]] entry names none: none, fp16, int8, or
-# PREFILL:DECODE such as int8:fp16 (--compression on the command line wins).
-# compression = "none\""""),
-        ("quantize", """\
-# Optional: quantize the blocks' float weights on load to q8_0, q4_0 or q4_1 (CPU, float32
-# arithmetic; a GGUF file's blocks are kept as they are; --quantize on the command line wins).
-# quantize = "q8_0\""""),
-        ("busy_poll_us", f"""\
-# Microseconds a wait for the last worker's message polls the link before it sleeps: a
-# message that comes sooner saves the wake-up from sleep at the price of that much CPU.
-# 0: sleep at once (the least power).
-busy_poll_us = {BUSY_POLL_US}"""),
-        ("encrypt", _ENCRYPT.rstrip("\n")),
-        ("secret", _secret_keys(secret_file, "port" if starter else None)),
-    ]
+    ] + _SHARED_KEYS + [
+        ("secret", _secret_keys(secret_file, "port" if starter else None))]
 
 
 # the keys a ring file's [starter] holds: those of load_ring's options

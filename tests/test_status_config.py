@@ -174,7 +174,30 @@ def test_status_reads_the_ring_of_serve(serve_ring: str, tmp_path: Path,
         shown = json.loads(out.stdout)["nodes"]
         assert [n["role"] for n in shown] == ["starter", "worker"]
         assert all(n["state"] != "down" and n["name"] for n in shown)
+    signing = dict(env, MDIEDGE_SECRET="s" * 32)  # a client that signs: the API has no /ping
+    out = mdiedge(signing, "status", "--starter", serve_ring, "--json", cwd=tmp_path)
+    assert out.returncode == 0 and len(json.loads(out.stdout)["nodes"]) == 2, out.stderr
     table = mdiedge(env, "status", "--starter", serve_ring, cwd=tmp_path)
     assert table.returncode == 0 and all(n["name"] in table.stdout for n in shown)
     nothing = mdiedge(env, "status", "--starter", "http://127.0.0.1:9/v1", cwd=tmp_path)
     assert nothing.returncode == 69 and "unreachable" in nothing.stdout + nothing.stderr
+
+
+def test_status_sends_the_api_key_of_serve(tmp_path: Path, env: Dict[str, str]) -> None:
+    key = tmp_path / "key"
+    key.write_text("k" * 24 + "\n")
+    key.chmod(0o600)
+    server, ready = start(dict(env, MDIEDGE_API_KEY="k" * 24), tmp_path, "serve", "--nodes",
+                          "1", "--port", "0", "--slots", "1")
+    try:
+        out = mdiedge(env, "status", "--starter", ready["url"], "--json", cwd=tmp_path)
+        assert out.returncode == 77, out.stdout + out.stderr
+        assert json.loads(out.stdout)["unauthorized"] == ["starter"]
+        for given in (["--api-key-file", str(key)], []):
+            client = env if given else dict(env, MDIEDGE_API_KEY="k" * 24)
+            out = mdiedge(client, "status", "--starter", ready["url"], "--json", *given,
+                          cwd=tmp_path)
+            assert out.returncode == 0, out.stdout + out.stderr
+            assert [n["state"] for n in json.loads(out.stdout)["nodes"]] == ["ready"]
+    finally:
+        stop([server])

@@ -211,13 +211,13 @@ def starter_nodes(url: str, given: str, auth: Any, api_key: Callable[[], Optiona
     when it refused our signature or key (HTTP 401), ``unauthorized``; the reason in
     ``error``."""
     from ..base.errors import MdiedgeError
-    from ..runtime.control import call, get_json
+    from ..runtime.control import call, get_json, round_trip_ms
 
     try:
         return call(url, "GET", "/status", timeout=10, node="starter", auth=auth)["nodes"]
     except MdiedgeError as e:
         error = e
-    if getattr(error, "status", None) == 404:
+    if getattr(error, "status", None) in (401, 404) and round_trip_ms(url) is None:
         base = url[:-len("/v1")] if url.endswith("/v1") else url
         key = api_key()
         try:

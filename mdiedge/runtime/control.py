@@ -509,6 +509,8 @@ def _error_message(e: urllib.error.HTTPError) -> str:
     try:
         payload = json.loads(e.read())
         message = payload.get("error", e.reason) if isinstance(payload, dict) else e.reason
+        if isinstance(message, dict) and "message" in message:  # an OpenAI-shaped error
+            message = message["message"]
     except (ValueError, OSError, http.client.HTTPException):
         message = e.reason
     return _one_line(message)

@@ -32,7 +32,7 @@ CASES = [
     (["generate", "hi", "--nodes", "0"], "--nodes: expected an integer >= 1, got 0"),
     (["bench", "--repeat", "0"], "--repeat: expected an integer 1..100, got 0"),
     (["bench", "--repeat", "1000000000"], "--repeat: expected an integer 1..100, got 1000000000"),
-    (["status"], "pass --ring FILE or --starter URL"),
+    (["status"], "no ring to ask: pass --starter URL, --ring FILE or --config FILE"),
 ]
 
 # generate's values that need no model: refused before torch is imported or a bar is drawn,

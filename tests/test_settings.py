@@ -576,7 +576,17 @@ def test_check_config_summary(tmp_path: Path) -> None:
     ('[[workers]]\nhost = "h"\ncontrol_port = 1\n', "1 worker in the ring (w1 at h:1)"),
 ])
 def test_check_config_small(tmp_path: Path, text: str, expected: str) -> None:
-    assert expected in check_config(write(tmp_path, text))
+    assert expected in check_config(write(tmp_path, text), env={"MDIEDGE_SECRET": SECRET})
+
+
+def test_check_config_refuses_a_ring_without_a_secret(tmp_path: Path) -> None:
+    ring = write(tmp_path, '[[workers]]\nhost = "h"\ncontrol_port = 1\n')
+    with pytest.raises(ConfigError, match=r"starter\.secret_file: a ring needs a secret"):
+        check_config(ring, env={})
+    assert "1 worker" in check_config(ring, env={"MDIEDGE_SECRET_FILE": "/s"})
+    open_ring = write(tmp_path, '[starter]\ninsecure = true\n[[workers]]\nhost = "h"\n'
+                                'control_port = 1\n')
+    assert "insecure (no secret)" in check_config(open_ring, env={})
 
 
 def test_check_config_checks_secret_files(tmp_path: Path) -> None:
@@ -673,10 +683,10 @@ def test_a_bad_starter_compression_is_one_line(tmp_path: Path, value: str, shown
 
 
 def test_the_starter_skeletons_explain_compression() -> None:
-    from mdiedge.serving import units
+    from mdiedge.serving.skeletons import skeleton
 
     for kind in ("starter", "ring"):
-        text = units.skeleton(kind)
+        text = skeleton(kind)
         assert '# compression = "none"' in text.split("\n[[workers]]")[0]
         loaded = tomllib_loads(text.replace('# compression = "none"', 'compression = "int8"'))
         assert loaded["starter"]["compression"] == "int8"
@@ -699,13 +709,13 @@ def test_config_check_refuses_two_entries_for_one_worker(tmp_path: Path) -> None
     config = write(tmp_path, '[[workers]]\nhost = "localhost"\ncontrol_port = 7700\n'
                              '[[workers]]\nhost = "127.0.0.1"\ncontrol_port = 7700\n')
     with pytest.raises(ConfigError) as e:
-        check_config(config)
+        check_config(config, env={"MDIEDGE_SECRET": SECRET})
     assert str(e.value) == (f"{config}: workers[1].host: 127.0.0.1:7700 and workers[0]'s "
                             f"localhost:7700 are one worker (127.0.0.1:7700): every worker "
                             f"needs its own address")
     other_port = write(tmp_path, '[[workers]]\nhost = "localhost"\ncontrol_port = 7700\n'
                                  '[[workers]]\nhost = "127.0.0.1"\ncontrol_port = 7710\n')
-    assert "2 workers in the ring" in check_config(other_port)
+    assert "2 workers in the ring" in check_config(other_port, env={"MDIEDGE_SECRET": SECRET})
 
 
 @pytest.mark.parametrize("table", ["worker", "starter"])

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional
 import pytest
 
 from mdiedge.serving import units
+from mdiedge.serving.skeletons import skeleton
 
 try:
     import tomllib
@@ -216,10 +217,11 @@ def test_install_units(tmp_path: Path) -> None:
         assert _directives(text, "ExecStart")[0].startswith("/opt/venv/bin/mdiedge ")
         assert (dest / name).stat().st_mode & 0o777 == 0o644
     worker_config = (config_dir / "mdiedge.toml").read_text()
-    assert worker_config == units.WORKER_CONFIG.replace("/etc/mdiedge/", f"{config_dir}/")
-    assert f"# mdiedge worker config ({config_dir}/mdiedge.toml)" in worker_config
+    assert worker_config == skeleton("worker").replace("/etc/mdiedge/", f"{config_dir}/")
+    assert f"reads\n# {config_dir}/mdiedge.toml" in worker_config
+    assert f'\nsecret_file = "{config_dir}/secret"\n' in worker_config  # the units' file
     assert (config_dir / "starter.toml").read_text() == \
-        units.STARTER_CONFIG.replace("/etc/mdiedge/", f"{config_dir}/")
+        skeleton("starter").replace("/etc/mdiedge/", f"{config_dir}/")
 
     # a second call changes nothing: units exist, configs are never overwritten
     (config_dir / "mdiedge.toml").write_text("# mine\n")
@@ -373,22 +375,33 @@ def test_the_starter_reads_the_secret_from_stdin(tmp_path: Path) -> None:
 
 
 def test_config_skeletons_follow_the_schema() -> None:
-    worker = tomllib.loads(units.WORKER_CONFIG)
+    worker = tomllib.loads(skeleton("worker", "/home/u/secret", "/home/u/cache"))
     assert worker == {"worker": {
-        "name": "w1", "host": "0.0.0.0", "control_port": 7700, "data_port": 7701, "threads": 0,
-        "cache_dir": "/var/lib/mdiedge", "log_level": "info", "idle_timeout_s": 60,
-        "busy_poll_us": 200, "encrypt": True, "insecure": False}}
-    starter = tomllib.loads(units.STARTER_CONFIG)
+        "name": "w1", "host": "127.0.0.1", "control_port": 7700, "data_port": 7701,
+        "threads": 0, "cache_dir": "/home/u/cache", "log_level": "info", "idle_timeout_s": 60,
+        "busy_poll_us": 200, "encrypt": True, "secret_file": "/home/u/secret"}}
+    assert tomllib.loads(skeleton("worker", name="w2"))["worker"]["control_port"] == 7702
+    workers = [{"name": "w1", "host": "127.0.0.1", "control_port": 7700, "device": "cpu",
+                "weight": 1.0, "spare": False},
+               {"name": "w2", "host": "127.0.0.1", "control_port": 7702, "device": "cpu"}]
+    starter = tomllib.loads(skeleton("starter", "/home/u/secret"))
     assert starter == {
-        "starter": {"host": "0.0.0.0", "control_port": 7600,
-                    "model": "/var/lib/mdiedge/models/tinyllama", "device": "cpu",
+        "starter": {"host": "127.0.0.1", "control_port": 7600, "device": "cpu",
                     "dtype": "float32", "weight": 1.0, "stall_s": 3, "recover": True,
-                    "rebalance_margin": 0.25, "busy_poll_us": 200, "encrypt": True},
-        "workers": [{"name": "w1", "host": "10.0.0.2", "control_port": 7700, "device": "cuda",
-                     "weight": 1.0, "spare": False}]}
-    # the optional keys are there, commented out, with the schema's example values
-    for text, keys in ((units.WORKER_CONFIG, ("secret_file", "model", "layers")),
-                       (units.STARTER_CONFIG, ("memory", "layers", "secret_file"))):
+                    "rebalance_margin": 0.25, "busy_poll_us": 200, "encrypt": True,
+                    "secret_file": "/home/u/secret"},
+        "workers": workers}
+    ring = tomllib.loads(skeleton("ring", "/home/u/secret"))
+    assert ring == {"starter": {"host": "127.0.0.1", "device": "cpu", "weight": 1.0,
+                                "stall_s": 3, "recover": True, "rebalance_margin": 0.25,
+                                "busy_poll_us": 200, "encrypt": True,
+                                "secret_file": "/home/u/secret"},
+                    "workers": workers}
+    # the optional keys, and every value for boards, are there commented, as valid TOML
+    for kind, keys in (("worker", ("secret_file", "model", "layers", "host", "cache_dir")),
+                       ("starter", ("memory", "layers", "secret_file", "model", "host")),
+                       ("ring", ("memory", "host", "device"))):
+        text = skeleton(kind)
         for key in keys:
             commented = [line[2:] for line in text.splitlines() if line.startswith(f"# {key} = ")]
             assert commented, key
@@ -398,8 +411,8 @@ def test_config_skeletons_follow_the_schema() -> None:
 def test_config_skeletons_show_the_defaults(tmp_path: Path) -> None:
     from mdiedge.base.settings import StarterSettings, WorkerSettings, load_settings
 
-    (tmp_path / "w.toml").write_text(units.WORKER_CONFIG)
-    (tmp_path / "s.toml").write_text(units.STARTER_CONFIG)
+    (tmp_path / "w.toml").write_text(skeleton("worker"))
+    (tmp_path / "s.toml").write_text(skeleton("starter"))
     worker = load_settings(tmp_path / "w.toml").worker
     ring = load_settings(tmp_path / "s.toml")
     default_worker, default_starter = WorkerSettings(), StarterSettings()
@@ -407,23 +420,23 @@ def test_config_skeletons_show_the_defaults(tmp_path: Path) -> None:
     assert (worker.control_port, worker.data_port, worker.idle_timeout_s) == \
         (default_worker.control_port, default_worker.data_port, default_worker.idle_timeout_s)
     assert ring.starter.control_port == default_starter.control_port
-    assert [w.control_port for w in ring.workers] == [default_worker.control_port]
+    assert [w.control_port for w in ring.workers] == [default_worker.control_port, 7702]
 
 
 @pytest.mark.parametrize("kind", ["worker", "starter", "ring"])
 def test_config_init_round_trips_through_config_check(tmp_path: Path, kind: str) -> None:
-    import subprocess
-    import sys
-
     from mdiedge.base.settings import check_config
 
+    env = dict(os.environ, XDG_CONFIG_HOME=str(tmp_path / "config"),
+               XDG_CACHE_HOME=str(tmp_path / "cache"))
     out = subprocess.run([sys.executable, "-m", "mdiedge", "config", "init", kind],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
-    assert out.stdout == units.skeleton(kind)
+    secret = tmp_path / "config" / "mdiedge" / "secret"
+    assert out.stdout == skeleton(kind, str(secret), str(tmp_path / "cache" / "mdiedge"))
     path = tmp_path / f"{kind}.toml"
     path.write_text(out.stdout)
-    assert check_config(path).startswith(f"{path}: valid;")
+    assert check_config(path, env={}).startswith(f"{path}: valid;")
 
 
 def test_config_init_refuses_an_unknown_kind() -> None:
@@ -432,6 +445,6 @@ def test_config_init_refuses_an_unknown_kind() -> None:
 
     out = subprocess.run([sys.executable, "-m", "mdiedge", "config", "init", "gateway"],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 1 and out.stdout == ""
+    assert out.returncode == 2 and out.stdout == ""
     assert out.stderr == "mdiedge: error: unknown config kind 'gateway'; choose worker, " \
                          "starter or ring\n"

@@ -145,3 +145,17 @@ def held_out_text(text: Optional[str]) -> Tuple[Path, float]:
     raise CheckpointError(f"held-out text {HELD_OUT_TEXT!r} not found (looked in "
                           f"{here / '_models' / DEFAULT_MODEL} and "
                           f"{here.parent / 'models' / DEFAULT_MODEL}); pass --text FILE")
+
+
+def default_cache_dir() -> Path:
+    """Where a worker caches received weights unless told: ``$MDIEDGE_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/mdiedge``, else ``~/.cache/mdiedge``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(os.environ.get("MDIEDGE_CACHE_DIR") or os.path.join(base, "mdiedge"))
+
+
+def default_secret_file() -> Path:
+    """The ring secret that ``mdiedge config init`` creates and its skeletons name:
+    ``$XDG_CONFIG_HOME/mdiedge/secret``, else ``~/.config/mdiedge/secret``."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "mdiedge" / "secret"

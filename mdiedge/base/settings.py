@@ -500,9 +500,42 @@ def _one_worker_per_address(workers: Sequence[NodeSpec], source: str) -> None:
             seen[address] = i
 
 
-def check_config(path: Union[str, "os.PathLike[str]"]) -> str:
-    """Validate a settings file (and its secret files) and summarise it in one paragraph."""
+def _models_found(settings: Settings, find_model: Callable[[str], Any]) -> None:
+    """Every ``model`` the file names is there (``find_model`` resolves it as --model does,
+    raising a one-line error when it is not)."""
+    from .errors import MdiedgeError
+
+    for section in (settings.worker, settings.starter):
+        if section is not None and section.model is not None:
+            try:
+                find_model(section.model)
+            except MdiedgeError as e:
+                raise _error(settings.source, f"{section.TABLE}.model", str(e)) from None
+
+
+def _ring_has_secret(settings: Settings, env: Mapping[str, str]) -> None:
+    """A ring (``[[workers]]``) names its secret, or the environment holds one, or
+    ``[starter] insecure`` says it goes without."""
+    s = settings.starter
+    if s is not None and (s.secret is not None or s.secret_file is not None or s.insecure):
+        return
+    if env.get(ENV_SECRET) or env.get(ENV_SECRET_FILE):
+        return
+    raise _error(settings.source, "starter.secret_file", f"a ring needs a secret: set "
+                 f"secret_file (`mdiedge config init` makes one) or ${ENV_SECRET_FILE} "
+                 f"(insecure = true only on an isolated test network)")
+
+
+def check_config(path: Union[str, "os.PathLike[str]"],
+                 find_model: Optional[Callable[[str], Any]] = None,
+                 env: Mapping[str, str] = os.environ) -> str:
+    """Validate a settings file (its secret files, that a ring has a secret, and with
+    ``find_model`` its models) and summarise it in one paragraph."""
     settings = load_settings(path)
+    if find_model is not None:
+        _models_found(settings, find_model)
+    if settings.workers:
+        _ring_has_secret(settings, env)
     parts: List[str] = []
     w = settings.worker
     if w is not None:

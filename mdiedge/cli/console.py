@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import os
 import sys
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 from ..base.defaults import SHOWN_SETUP_S
 from ..base.words import block_range, plural
@@ -203,18 +203,31 @@ def print_status(nodes: List[Dict[str, Any]], wide: bool = False) -> None:
             console.print("  " + line)
 
 
-def starter_nodes(url: str, given: str, auth: Any) -> List[Dict[str, Any]]:
-    """The nodes a starter reports, or the starter alone: ``down`` or, when it refused our
-    signature (HTTP 401), ``unauthorized``; the reason in ``error``."""
+def starter_nodes(url: str, given: str, auth: Any, api_key: Callable[[], Optional[str]]
+                  ) -> List[Dict[str, Any]]:
+    """The nodes a starter reports on its control plane, else (a URL that has no control
+    plane's routes) on its OpenAI API (``serve``'s, ``starter --api-port``'s; a URL ending
+    /v1 is its base; ``api_key()``: the key it takes); or the starter alone: ``down`` or,
+    when it refused our signature or key (HTTP 401), ``unauthorized``; the reason in
+    ``error``."""
     from ..base.errors import MdiedgeError
-    from ..runtime.control import call
+    from ..runtime.control import call, get_json, round_trip_ms
 
     try:
         return call(url, "GET", "/status", timeout=10, node="starter", auth=auth)["nodes"]
     except MdiedgeError as e:
-        state = "unauthorized" if getattr(e, "status", None) == 401 else "down"
-        return [{"role": "starter", "name": "starter", "address": given, "state": state,
-                 "error": str(e)}]
+        error = e
+    if getattr(error, "status", None) in (401, 404) and round_trip_ms(url) is None:
+        base = url[:-len("/v1")] if url.endswith("/v1") else url
+        key = api_key()
+        try:
+            return get_json(base, "/status", {"Authorization": f"Bearer {key}"} if key else {},
+                            10, f"starter ({base})")["nodes"]
+        except MdiedgeError as e:
+            error = e
+    state = "unauthorized" if getattr(error, "status", None) == 401 else "down"
+    return [{"role": "starter", "name": "starter", "address": given, "state": state,
+             "error": str(error)}]
 
 
 def refused(node: Dict[str, Any]) -> Dict[str, Any]:

@@ -334,25 +334,10 @@ def llama2c_config(path: Path) -> ModelConfig:
 
 
 def resolve_model_path(model: Optional[PathLike]) -> Path:
-    """The model's file or directory: ``model`` itself when it exists (a ``models--Org--Name``
-    cache folder: its snapshot; a folder of GGUF files without config.json: its one GGUF
-    file), else a short name of an installed model package, a repo id (``ORG/NAME:QUANT``
-    picks a GGUF file) or cache folder name from the local Hugging Face cache
-    (``mdiedge.model.hub``); None: the shipped model."""
-    if model is None:
-        from ..base.defaults import default_model_path
-        return default_model_path()
-    from . import hub
+    """The model's file or directory (``mdiedge.model.hub.resolve_model``)."""
+    from .hub import resolve_model
 
-    path = Path(model).expanduser()
-    if path.exists():
-        found: Optional[Path] = hub.cache_folder_snapshot(path) if hub.is_cache_folder(path) \
-            else path
-    else:
-        found = hub.resolve_name(str(model))
-    if found is None:
-        raise CheckpointError(f"{path}: model directory or file not found")
-    return hub.gguf_in_folder(found) if found.is_dir() else found
+    return resolve_model(model)
 
 
 def load_config(model: Optional[PathLike]) -> ModelConfig:

@@ -15,13 +15,13 @@ import importlib.util
 import os
 import re
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple, Union
 
 from ..base.errors import CheckpointError
 
 __all__ = ["hub_cache_dir", "looks_like_repo_id", "is_cache_folder", "cache_folder_snapshot",
            "resolve_name", "download_command", "gguf_in_folder", "pick_gguf", "packaged_model",
-           "PACKAGED_MODELS"]
+           "PACKAGED_MODELS", "resolve_model"]
 
 CACHE_PREFIX = "models--"
 # short name -> (Python package, its pip name, the model file inside the package)
@@ -192,3 +192,22 @@ def _resolve_repo(name: str, env: Mapping[str, str]) -> Optional[Path]:
     raise CheckpointError(f"{name}: no such file or directory, nor a model in the local Hugging "
                           f"Face cache {cache}; download it first: "
                           f"{download_command(name, huggingface_hub.__version__)}")
+
+
+def resolve_model(model: Optional[Union[str, "os.PathLike[str]"]]) -> Path:
+    """The model's file or directory: ``model`` itself when it exists (a ``models--Org--Name``
+    cache folder: its snapshot; a folder of GGUF files without config.json: its one GGUF
+    file), else a short name of an installed model package, a repo id (``ORG/NAME:QUANT``
+    picks a GGUF file) or cache folder name from the local Hugging Face cache; None: the
+    shipped model. CheckpointError naming it when it is none of these (no torch needed)."""
+    if model is None:
+        from ..base.defaults import default_model_path
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.exists():
+        found: Optional[Path] = cache_folder_snapshot(path) if is_cache_folder(path) else path
+    else:
+        found = resolve_name(str(model))
+    if found is None:
+        raise CheckpointError(f"{path}: model directory or file not found")
+    return gguf_in_folder(found) if found.is_dir() else found

@@ -61,9 +61,6 @@ def cache_folder(cache_dir: Path, request: Assignment) -> Path:
         f"layers-{a}-{b}{cache_suffix(request.early_exit)}"
 
 
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(os.environ.get("MDIEDGE_CACHE_DIR") or os.path.join(base, "mdiedge"))
 
 
 class WorkerNode:
@@ -84,7 +81,7 @@ class WorkerNode:
         self.owner = ""  # session of the starter this worker serves; "" when free
         self.owner_seen = 0.0
         self.owner_name = ""  # the name that starter signs its requests with
-        self.cache_dir = cache_dir or default_cache_dir()
+        self.cache_dir = cache_dir or defaults.default_cache_dir()
         self.state = "idle"
         self.started = time.time()
         self.assignment: Optional[Assignment] = None  # what the loaded model is

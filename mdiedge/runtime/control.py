@@ -460,6 +460,13 @@ def call(base_url: str, method: str, path: str, body: Optional[Dict[str, Any]] =
     return signed_for(_NODE_IDS[base_url])
 
 
+def get_json(base_url: str, path: str, headers: Dict[str, str], timeout: float,
+             who: str) -> Dict[str, Any]:
+    """One unsigned ``GET`` with ``headers`` (an HTTP API's, not a control plane's); its JSON
+    object, or a one-line RingError as ``call`` raises."""
+    return _request(base_url, "GET", path, None, headers, False, timeout, who)
+
+
 def _request(base_url: str, method: str, path: str, data: Optional[bytes],
              headers: Dict[str, str], raw: bool, timeout: float, who: str,
              auth: Optional[Authenticator] = None) -> Dict[str, Any]:
@@ -502,6 +509,8 @@ def _error_message(e: urllib.error.HTTPError) -> str:
     try:
         payload = json.loads(e.read())
         message = payload.get("error", e.reason) if isinstance(payload, dict) else e.reason
+        if isinstance(message, dict) and "message" in message:  # an OpenAI-shaped error
+            message = message["message"]
     except (ValueError, OSError, http.client.HTTPException):
         message = e.reason
     return _one_line(message)

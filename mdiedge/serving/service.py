@@ -26,6 +26,12 @@ def check_fields(body: Dict[str, Any], fields: Dict[str, type]) -> None:
             raise ValueError(f"field {key!r} must be {kind.__name__}, got {value!r}")
 
 
+def status_body(engine: Engine) -> Dict[str, Any]:
+    """``GET /status`` of a starter, on its control plane and on its API alike: every node of
+    its ring (``mdiedge status --starter URL`` reads either)."""
+    return {"nodes": [s.to_json() for s in engine.status()]}
+
+
 class StarterServer:
     """Routes ``GET /status`` and ``POST /generate`` of ``control`` to ``engine``."""
 
@@ -43,7 +49,7 @@ class StarterServer:
         self.engine.close()
 
     def status(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
-        return {"nodes": [s.to_json() for s in self.engine.status()]}
+        return status_body(self.engine)
 
     def generate(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
         check_fields(body, GENERATE_FIELDS)

@@ -1,5 +1,6 @@
 """The ASGI app (starlette): ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``
-(JSON, or server-sent events ending ``data: [DONE]``), ``/metrics`` and ``/health``; an
+(JSON, or server-sent events ending ``data: [DONE]``), ``/metrics``, ``/health`` and the
+ring's ``/status`` (as a starter's control plane answers it); an
 optional API key (``Authorization: Bearer``) on every route but ``/health``; bounded bodies;
 every error in OpenAI's shape."""
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .rules import authorized
 from .schema import ChatRequest, CompletionRequest, Options
 from ...model.stopping import TextStream
 from .service import ApiService, Run
+from ..service import status_body
 
 log = logging.getLogger("mdiedge.api")
 OPEN_PATHS = ("/health",)  # answered without the API key
@@ -138,6 +140,9 @@ class ApiRoutes:
         return Response(await run_in_threadpool(self.service.metrics.render),
                         media_type=CONTENT_TYPE)
 
+    async def status(self, request: Request) -> Response:
+        return JSONResponse(await run_in_threadpool(status_body, self.service.engine))
+
     async def health(self, request: Request) -> Response:
         """200 while a request would be served; 503 with the reason while it would not (a
         load balancer's cue to send requests elsewhere)."""
@@ -231,7 +236,8 @@ def build_app(service: ApiService, api_key: Optional[str] = None) -> Any:
              ("/v1/completions", routes.completions, ["POST"]),
              ("/v1/chat/completions", routes.chat, ["POST"]),
              ("/metrics", routes.metrics, ["GET"]),
-             ("/health", routes.health, ["GET"])]
+             ("/health", routes.health, ["GET"]),
+             ("/status", routes.status, ["GET"])]
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500

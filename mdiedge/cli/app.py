@@ -239,6 +239,12 @@ def model_option() -> Any:
     return typer.Option(None, help=MODEL_HELP)
 
 
+def nodes_option(started_for: str) -> Any:
+    """``--nodes``, the same default on generate, chat and serve."""
+    return typer.Option(defaults.LOCAL_NODES, help=f"Nodes of the local ring started for "
+                        f"{started_for} (1: one process, no ring).")
+
+
 def tokenizer_option() -> Any:
     return typer.Option(None, help="Tokenizer file (tokenizer.model, tokenizer.json or a "
                         ".gguf), if not the model's own.")

@@ -29,6 +29,7 @@ from .app import (
     device_option,
     dtype_option,
     model_option,
+    nodes_option,
     tokenizer_option,
     app,
     compression_option,
@@ -226,8 +227,7 @@ def chat(
     top_p: float = top_p_option(),
     device: str = device_option(),
     dtype: str = dtype_option(),
-    nodes: int = typer.Option(1, help="Nodes of a local ring started for the session (1: one "
-                              "process, no ring)."),
+    nodes: int = nodes_option("the session"),
     ring: Optional[str] = typer.Option(None, help="Ring file (TOML) of running workers."),
     stall_timeout: Optional[float] = stall_timeout_option(),
     recover: Optional[bool] = recover_option(),

@@ -20,6 +20,7 @@ from .app import (
     device_option,
     dtype_option,
     model_option,
+    nodes_option,
     tokenizer_option,
     app,
     check_url,
@@ -68,8 +69,7 @@ def generate(
     dtype: str = dtype_option(),
     micro_batch: int = typer.Option(0, help="Samples per message / forward pass (0: chosen "
                                     "to keep every node busy)."),
-    nodes: int = typer.Option(3, help="Nodes of the local ring started for this run (1: one "
-                              "process, no ring)."),
+    nodes: int = nodes_option("this run"),
     ring: Optional[str] = typer.Option(None, help="Ring file (TOML) of running workers."),
     starter: Optional[str] = typer.Option(None, help="URL of a running `mdiedge starter` to "
                                           "generate through."),
@@ -87,7 +87,7 @@ def generate(
     exit_threshold: Optional[str] = exit_threshold_option(),
     speculate: str = speculate_option(),
 ) -> None:
-    """Generate text from PROMPT, on a ring of nodes (by default a local ring of 3)."""
+    """Generate text from PROMPT, on a ring of nodes (by default a local ring: --nodes)."""
     sampling = _request(max_new_tokens, samples, temperature, top_k, top_p, seed, micro_batch)
     need(ring is not None or nodes >= 1, "--nodes", nodes, "an integer >= 1")
     check_device(device, dtype)

@@ -47,12 +47,14 @@ from .app import (
     terminate_gracefully,
     usage_errors,
 )
+from .usage import ArgumentsCommand
 
 
-@app.command()
+@app.command(cls=ArgumentsCommand)
 @one_line_errors
 def generate(
-    prompt: str = typer.Argument(..., help="Text to continue ('' starts from BOS alone)."),
+    prompt: str = typer.Argument(..., metavar="PROMPT",
+                                 help="Text to continue ('' starts from BOS alone)."),
     max_new_tokens: int = typer.Option(defaults.MAX_NEW_TOKENS, "-n", "--max-new-tokens",
                                        help="Token budget per sample."),
     model: Optional[str] = model_option(),
@@ -190,9 +192,10 @@ class _Stream:
         self._write(self.text.finish(text) + "\n")
 
     def _write(self, text: str) -> None:
-        sys.stdout.write(self.prompt + text)
+        from .console import write_text
+
+        write_text(self.prompt + text)
         self.prompt = ""
-        sys.stdout.flush()
 
 
 class _Finished:

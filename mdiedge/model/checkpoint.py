@@ -351,7 +351,8 @@ def resolve_model_path(model: Optional[PathLike]) -> Path:
     else:
         found = hub.resolve_name(str(model))
     if found is None:
-        raise CheckpointError(f"{path}: model directory or file not found")
+        raise CheckpointError(f"{path}: model directory or file not found"
+                              f"{hub.closest_short_names(str(model))}")
     return hub.gguf_in_folder(found) if found.is_dir() else found
 
 

@@ -46,7 +46,7 @@ from .app import (
     stall_timeout_option,
     terminate_gracefully,
 )
-from .console import write_text
+from .console import end_line, write_text
 
 HELP_LINE = "/reset forgets the conversation, /exit (or Ctrl-D) ends it, Ctrl-C stops an answer"
 PROMPT = ">>> "
@@ -204,6 +204,7 @@ def _converse(session: ChatSession) -> None:
             try:
                 session.answer(line)
             except GenerationError as e:  # this message does not fit: the session goes on
+                end_line()
                 typer.echo(f"mdiedge: error: {e}", err=True)
 
 

@@ -87,7 +87,7 @@ def one_line(e: Any, argv: Sequence[str]) -> str:
         return f"no such option {e.option_name}; did you mean {' or '.join(e.possibilities)}?"
     message = " ".join(e.format_message().split()).rstrip(".")
     message = message[:1].lower() + message[1:]
-    if isinstance(e, _click.UsageError) and e.ctx is not None and "no such command" not in message:
+    if e.ctx is not None and not message.startswith("no such command"):
         message += f" (see {e.ctx.command_path} --help)"
     return message
 

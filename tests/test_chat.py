@@ -3,7 +3,6 @@ for scripts, and the interactive session as a user meets it in a terminal."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -103,11 +102,13 @@ def pexpect_eof() -> Any:
 
 
 def test_ctrl_c_stops_the_answer_not_the_session() -> None:
+    """Ctrl-C typed in the terminal reaches its whole process group, the local ring's
+    workers too (the default --nodes): they leave it to the chat, whose answer stops."""
     child = _spawn("-n", "900", "--temperature", "0.8", "--seed", "3")
     child.sendline("Speak at length")
     child.expect(r"\S", timeout=60)  # the answer streams
     time.sleep(0.5)
-    child.kill(signal.SIGINT)
+    child.sendintr()
     child.expect_exact("[stopped]")
     child.expect_exact(">>> ")
     child.sendline("And now?")  # the session goes on, with the stopped answer in its history
@@ -116,3 +117,29 @@ def test_ctrl_c_stops_the_answer_not_the_session() -> None:
     child.expect(pexpect_eof())
     child.close()
     assert child.exitstatus == 0
+
+
+def test_one_message_streams_in_a_terminal() -> None:
+    """``--message`` on a terminal (the default local ring): the answer's words keep coming
+    for more than a second, while it is generated (not all at once at its end); Ctrl-C then
+    ends the command with one line of its own after the text, status 130."""
+    pexpect = pytest.importorskip("pexpect")
+    child = pexpect.spawn(MDIEDGE[0], MDIEDGE[1:] + ["chat", "--message", "Speak at length",
+                                                     "-n", "900", "--seed", "3"],
+                          encoding="utf-8", timeout=90, env=dict(os.environ, COLUMNS="100"))
+    shown, first_word = "", None
+    while first_word is None or time.monotonic() - first_word < 1.0:
+        try:
+            shown += child.read_nonblocking(4096, timeout=90)
+        except pexpect.EOF:
+            break
+        if first_word is None and any(c.isalnum() for c in shown):
+            first_word = time.monotonic()
+    assert child.isalive() and first_word is not None, shown  # 900 tokens take longer
+    assert "mdiedge" not in shown and len(shown.split()) >= 2, shown  # the answer alone
+    child.sendintr()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 130, child.before
+    lines = [line.replace("^C", "") for line in (shown + child.before).split("\r\n")]
+    assert lines[-2:] == ["mdiedge: error: interrupted", ""], lines[-3:]

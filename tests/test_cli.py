@@ -57,6 +57,9 @@ def test_several_samples(stories: Path) -> None:
     (["generate", "hi", "--device", "tpu"], "--device: expected cpu, cuda or cuda:N, got 'tpu'", 2),
     (["generate", "hi", "--dtype", "float8"], "--dtype: expected one of float32", 2),
     (["generate", "hi", "-n", "100000"], "exceeds the context", 2),
+    (["generate", "hi", "--model", "smollm3"], "smollm3: model directory or file not found; "
+     "did you mean smollm2?", 1),
+    (["chat", "--message", "hi", "--model", "SmolLM"], "did you mean smollm2?", 1),
 ])
 def test_errors_are_one_line(args: List[str], message: str, code: int, stories: Path) -> None:
     if "--model" not in args:
@@ -156,6 +159,28 @@ def help_text(*args: str) -> str:
                          text=True, timeout=60, env=dict(os.environ, COLUMNS="200"))
     assert out.returncode == 0, out.stderr
     return out.stdout
+
+
+def test_generate_chat_and_serve_start_the_same_local_ring() -> None:
+    """One default of --nodes (chat takes generate's options)."""
+    from typer.main import get_command
+
+    from mdiedge.base import defaults
+    from mdiedge.cli import app
+
+    commands = get_command(app).commands  # type: ignore[attr-defined]
+    assert {name: next(p.default for p in commands[name].params if p.name == "nodes")
+            for name in ("generate", "chat", "serve")} == dict.fromkeys(
+                ("generate", "chat", "serve"), defaults.LOCAL_NODES)
+
+
+@pytest.mark.parametrize("args, usage", [
+    (["generate"], "generate [OPTIONS] PROMPT"),
+    (["config", "init"], "config init [OPTIONS] KIND"),
+    (["config", "check"], "config check [OPTIONS] FILE"),
+])
+def test_usage_lines_name_the_arguments_as_the_help_does(args: List[str], usage: str) -> None:
+    assert help_text(*args).splitlines()[0].endswith(usage)
 
 
 def test_help_keeps_square_brackets() -> None:

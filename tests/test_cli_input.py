@@ -33,6 +33,20 @@ CASES = [
     (["bench", "--repeat", "0"], "--repeat: expected an integer 1..100, got 0"),
     (["bench", "--repeat", "1000000000"], "--repeat: expected an integer 1..100, got 1000000000"),
     (["status"], "no ring to ask: pass --starter URL, --ring FILE or --config FILE"),
+    # the parser's own errors: one line naming the value, as the others
+    (["genrate", "hi"], "no such command 'genrate'; did you mean generate?"),
+    (["config", "int"], "no such command 'int'; did you mean init?"),
+    (["frobnicate"], "no such command 'frobnicate'; the commands: generate, chat, serve"),
+    (["generate", "hi", "--nodes", "abc"], "--nodes: expected an integer, got 'abc'"),
+    (["chat", "--nodes=abc"], "--nodes: expected an integer, got 'abc'"),
+    (["serve", "--nodes", "many"], "--nodes: expected an integer, got 'many'"),
+    (["generate", "hi", "-n1.5"], "-n/--max-new-tokens: expected an integer, got '1.5'"),
+    (["generate", "hi", "--temperature", "hot"], "--temperature: expected a number, got 'hot'"),
+    (["generate"], "missing argument 'PROMPT'"),
+    (["config", "init"], "missing argument 'KIND'"),
+    (["generate", "hi", "--nodez", "2"], "no such option --nodez; did you mean --nodes"),
+    (["generate", "hi", "there"], "unexpected extra argument"),
+    (["config", "init", "wrker"], "unknown config kind 'wrker'; choose worker, starter or ring"),
 ]
 
 # generate's values that need no model: refused before torch is imported or a bar is drawn,

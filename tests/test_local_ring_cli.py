@@ -51,21 +51,31 @@ def test_two_runs_back_to_back_leave_no_process(stories: Path) -> None:
         assert wait_gone(children) == []
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_interrupted_run_leaves_no_process(stories: Path, signum: int) -> None:
+@pytest.mark.parametrize("signum, group", [(signal.SIGINT, False), (signal.SIGTERM, False),
+                                           (signal.SIGINT, True)],
+                         ids=["SIGINT", "SIGTERM", "Ctrl-C"])
+def test_interrupted_run_leaves_no_process(stories: Path, signum: int, group: bool) -> None:
+    """SIGINT or SIGTERM to the command, or Ctrl-C in its terminal (SIGINT to its process
+    group, the workers included: they leave it to the command, which stops them)."""
     proc = subprocess.Popen(command(stories, "-n", "480", "--nodes", "3", "--samples", "4",
                                     "--micro-batch", "1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=group)
     deadline = time.monotonic() + 60
     while len(workers_of(proc.pid)) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     children = workers_of(proc.pid)
     assert len(children) == 2
     time.sleep(1.0)
-    proc.send_signal(signum)
+    if group:
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode != 0
     assert "Traceback" not in err
+    if group:
+        assert proc.returncode == 130 and err.splitlines() == ["mdiedge: error: interrupted"], err
     assert wait_gone(children) == []
 
 

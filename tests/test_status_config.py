@@ -10,7 +10,6 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Dict, Iterator, List
 
@@ -80,7 +79,7 @@ def skeletons(tmp_path: Path, env: Dict[str, str]) -> Path:
     secret = tmp_path / "config" / "mdiedge" / "secret"
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and len(secret.read_text()) == 65
     first = mdiedge(env, "config", "init", "worker", cwd=tmp_path)
-    assert f"kept as it was" in first.stderr and str(secret) in first.stderr
+    assert "kept as it was" in first.stderr and str(secret) in first.stderr
     assert (tmp_path / "w1.toml").read_text() == first.stdout
     for name in ("w1", "w2", "starter", "ring"):
         out = mdiedge(env, "config", "check", f"{name}.toml", cwd=tmp_path)

@@ -9,7 +9,7 @@ import select
 import subprocess
 import sys
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import pytest
 
@@ -18,10 +18,12 @@ ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(\x07|\x1b\\)|\x1b
 
 def in_terminal(args: List[str], columns: int = 100, timeout: float = 120, status: int = 0,
                 interrupt_at: Optional[float] = None,
-                command: Optional[List[str]] = None) -> str:
+                command: Optional[List[str]] = None,
+                interrupt_when: Optional[Callable[[str], bool]] = None) -> str:
     """Run ``python -m mdiedge ARGS`` (or ``command`` ARGS) with stdin, stdout and stderr on
     one pseudo-terminal, its controlling terminal; ``interrupt_at``: seconds after the start
-    at which Ctrl-C is typed. The exit status must be ``status``."""
+    at which Ctrl-C is typed; ``interrupt_when``: Ctrl-C is typed once it holds for the output
+    so far. The exit status must be ``status``."""
     import fcntl
     import struct
     import termios
@@ -52,6 +54,9 @@ def in_terminal(args: List[str], columns: int = 100, timeout: float = 120, statu
             if not data:
                 break
             chunks.append(data)
+            if interrupt_when is not None and interrupt_when(b"".join(chunks).decode(errors="replace")):
+                os.write(master, b"\x03")
+                interrupt_when = None
         elif proc.poll() is not None:
             break
     os.close(master)
@@ -272,6 +277,21 @@ def test_ctrl_c_at_any_moment_is_one_line_and_status_130(at: float) -> None:
     lines = [line.replace("^C", "") for line in screen(raw)]
     assert [line for line in lines if line] == ["mdiedge: error: interrupted"], (lines, raw)
     assert "Traceback" not in raw and "tokens in" not in raw, raw
+
+
+def test_ctrl_c_after_text_mid_line_gives_the_error_a_line_of_its_own() -> None:
+    """Ctrl-C while the text streams, its line unfinished: the error starts a line of its
+    own (not ``...text^Cmdiedge: error: ...``); status 130."""
+    def mid_line(raw: str) -> bool:
+        text = as_seen(raw)
+        return "ROMEO:" in text and len(text.split("ROMEO:", 1)[1]) > 20 and \
+            bool(re.search(r"\w$", text))
+
+    raw = in_terminal(["generate", "ROMEO:", "-n", "900", "--nodes", "1", "--seed", "1"],
+                      status=130, interrupt_when=mid_line)
+    lines = [line for line in screen(raw) if line]
+    assert lines[-1].replace("^C", "") == "mdiedge: error: interrupted", (lines, raw)
+    assert "ROMEO:" in lines[0] and "Traceback" not in raw and "tokens in" not in raw, raw
 
 
 def test_samples_are_printed_as_they_finish() -> None:

@@ -445,6 +445,6 @@ def test_config_init_refuses_an_unknown_kind() -> None:
 
     out = subprocess.run([sys.executable, "-m", "mdiedge", "config", "init", "gateway"],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and out.stdout == ""
+    assert out.returncode == 2 and out.stdout == ""  # a usage error
     assert out.stderr == "mdiedge: error: unknown config kind 'gateway'; choose worker, " \
                          "starter or ring\n"

@@ -17,6 +17,8 @@ WORKER_CONTROL_PORT = 7700
 WORKER_DATA_PORT = 7701
 API_PORT = 8000
 
+LOCAL_NODES = 3  # nodes of the local ring that `generate`, `chat` and `serve` start (--nodes)
+
 # sampling, the same for `mdiedge generate`, the starter service and SamplingParams()
 TEMPERATURE = 0.8
 TOP_K = 0

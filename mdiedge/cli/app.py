@@ -11,8 +11,10 @@ import typer
 
 from ..base import defaults, interrupts
 from ..base.errors import MdiedgeError, UsageError
+from .usage import CommandGroup
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+app = typer.Typer(cls=CommandGroup, add_completion=False, no_args_is_help=True,
+                  rich_markup_mode=None,
                   help="Model-distributed inference of decoder-only LLMs across small devices.")
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -23,6 +25,9 @@ _failed: List[str] = []  # the error lines printed by this process
 
 
 def fail(message: str, code: int = 1) -> "typer.Exit":
+    from .console import end_line
+
+    end_line()  # text streamed to the terminal left its cursor mid-line
     typer.echo(f"mdiedge: error: {message}", err=True)
     _failed.append(message)
     return typer.Exit(code)
@@ -40,11 +45,11 @@ def run_app() -> None:
             interrupts.release()
     except KeyboardInterrupt:
         if not _failed:
-            typer.echo("mdiedge: error: interrupted", err=True)
+            fail("interrupted")
         raise SystemExit(130) from None
     except SystemExit as e:
         if e.code == 130 and not _failed:
-            typer.echo("mdiedge: error: interrupted", err=True)
+            fail("interrupted")
         raise
 
 
@@ -237,6 +242,12 @@ MODEL_HELP = ("A Hugging Face model directory, a GGUF file (a folder holding one
 def model_option() -> Any:
     """``--model``, the same on generate, chat and serve."""
     return typer.Option(None, help=MODEL_HELP)
+
+
+def nodes_option(started_for: str) -> Any:
+    """``--nodes``, the same default on generate, chat and serve."""
+    return typer.Option(defaults.LOCAL_NODES, help=f"Nodes of the local ring started for "
+                        f"{started_for} (1: one process, no ring).")
 
 
 def tokenizer_option() -> Any:

@@ -4,11 +4,11 @@
 Each turn renders the whole conversation with the template (as transformers'
 ``apply_chat_template(..., add_generation_prompt=True)``) and generates the answer, which
 streams to stdout. The oldest turns are dropped when the conversation and the answer's budget
-would not fit the context. ``--message`` answers one turn and prints the answer alone.
+would not fit the context. ``--message`` answers one turn, streamed as well, and prints the
+answer alone.
 """
 from __future__ import annotations
 
-import sys
 import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -29,6 +29,7 @@ from .app import (
     device_option,
     dtype_option,
     model_option,
+    nodes_option,
     tokenizer_option,
     app,
     compression_option,
@@ -46,6 +47,7 @@ from .app import (
     stall_timeout_option,
     terminate_gracefully,
 )
+from .console import end_line, write_text
 
 HELP_LINE = "/reset forgets the conversation, /exit (or Ctrl-D) ends it, Ctrl-C stops an answer"
 PROMPT = ">>> "
@@ -85,16 +87,17 @@ def fit_turns(n_turns: int, prompt_length: Callable[[int], int], budget: int,
 
 
 class ChatSession:
-    """One engine, its template and a conversation; ``answer`` runs one turn."""
+    """One engine, its template and a conversation; ``answer`` runs one turn. ``interactive``:
+    Ctrl-C stops an answer and the session goes on; else (``--message``) it ends the command."""
 
     def __init__(self, engine: "Engine", conversation: Conversation, budget: int, params: Any,
-                 stream: bool) -> None:
+                 interactive: bool) -> None:
         from ..serving.api.chat import ChatTemplate
 
         self.engine, self.conversation, self.budget, self.params = engine, conversation, \
             budget, params
         self.template = ChatTemplate.for_model(engine.path, engine.tokenizer)
-        self.stream = stream
+        self.interactive = interactive
 
     def prompt(self, user: str) -> "Prompt":
         """The conversation's ``Prompt`` with ``user`` as the next message, the oldest turns
@@ -127,32 +130,28 @@ class ChatSession:
             raise GenerationError(f"chat template: {e.message}") from None
 
     def answer(self, user: str) -> str:
-        """Generate the answer to ``user`` (streamed when ``stream``), add the turn, return
-        the answer's text. Ctrl-C stops the answer: what was generated is kept."""
+        """Generate the answer to ``user``, streamed to stdout, add the turn, return the
+        answer's text. Ctrl-C stops the answer: what was generated is kept (and the command
+        ends with KeyboardInterrupt unless ``interactive``)."""
         from ..model.stopping import TextStream
 
         request = self.prompt(user)
-        shown = TextStream(self.engine.tokenizer, request.ids, ()) if self.stream else None
+        shown = TextStream(self.engine.tokenizer, request.ids, ())
 
         def on_token(index: int, token: int) -> None:
-            if shown is not None:
-                _write(shown.push(token))
+            write_text(shown.push(token))
 
         generation = self.engine.new_generation(request, self.budget, 1, self.params,
                                                 on_token)
         interrupted = _run_interruptibly(self.engine, generation)
         text = self.engine.sample_text(generation.samples[0])
-        if shown is not None:
-            _write(shown.finish(text) + "\n")
+        write_text(shown.finish(text) + "\n")
+        if interrupted and not self.interactive:
+            raise KeyboardInterrupt
         if interrupted:
             typer.echo("[stopped]", err=True)
         self.conversation.turns.append((user, text))
         return text
-
-
-def _write(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
 
 
 def _run_interruptibly(engine: "Engine", generation: Any) -> bool:
@@ -206,6 +205,7 @@ def _converse(session: ChatSession) -> None:
             try:
                 session.answer(line)
             except GenerationError as e:  # this message does not fit: the session goes on
+                end_line()
                 typer.echo(f"mdiedge: error: {e}", err=True)
 
 
@@ -227,8 +227,7 @@ def chat(
     top_p: float = top_p_option(),
     device: str = device_option(),
     dtype: str = dtype_option(),
-    nodes: int = typer.Option(1, help="Nodes of a local ring started for the session (1: one "
-                              "process, no ring)."),
+    nodes: int = nodes_option("the session"),
     ring: Optional[str] = typer.Option(None, help="Ring file (TOML) of running workers."),
     stall_timeout: Optional[float] = stall_timeout_option(),
     recover: Optional[bool] = recover_option(),
@@ -255,8 +254,8 @@ def chat(
         terminate_gracefully()
         engine, _ = open_checked(stack, spec, lambda text: None)
         session = ChatSession(engine, Conversation(system), max_new_tokens, params,
-                              stream=message is None)
+                              interactive=message is None)
         if message is not None:
-            typer.echo(session.answer(message))
+            session.answer(message)
             return
         _converse(session)

@@ -6,14 +6,17 @@ from typing import Optional
 import typer
 
 from .app import app, one_line_errors
+from .usage import ArgumentsCommand, CommandGroup
 
-config_app = typer.Typer(help="Config files.", no_args_is_help=True, rich_markup_mode=None)
+config_app = typer.Typer(cls=CommandGroup, help="Config files.", no_args_is_help=True,
+                         rich_markup_mode=None)
 app.add_typer(config_app, name="config")
 
 
-@config_app.command("check")
+@config_app.command("check", cls=ArgumentsCommand)
 @one_line_errors
-def config_check(file: str = typer.Argument(..., help="The TOML file to validate.")) -> None:
+def config_check(file: str = typer.Argument(..., metavar="FILE",
+                                            help="The TOML file to validate.")) -> None:
     """Validate a config file (its models and secret files are there; a ring names a
     secret); one line naming the file and key on error."""
     from ..base.settings import check_config
@@ -22,10 +25,10 @@ def config_check(file: str = typer.Argument(..., help="The TOML file to validate
     typer.echo(check_config(file, find_model=resolve_model))
 
 
-@config_app.command("init")
+@config_app.command("init", cls=ArgumentsCommand)
 @one_line_errors
 def config_init(
-    kind: str = typer.Argument(..., help="worker, starter or ring."),
+    kind: str = typer.Argument(..., metavar="KIND", help="worker, starter or ring."),
     name: str = typer.Option("w1", help="The worker's name; wN takes the N-th pair of ports "
                              "from 7700 (w2: 7702 and 7703), as the starter's and the ring's "
                              "skeletons name them."),

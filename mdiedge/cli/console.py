@@ -10,7 +10,29 @@ from typing import Any, Callable, Dict, List, Optional
 from ..base.defaults import SHOWN_SETUP_S
 from ..base.words import block_range, plural
 
-__all__ = ["Progress", "print_status", "refused", "starter_nodes", "timing_line"]
+__all__ = ["Progress", "end_line", "print_status", "refused", "starter_nodes", "timing_line",
+           "write_text"]
+
+_line_open = False  # the last text write_text wrote ended mid-line
+
+
+def write_text(text: str) -> None:
+    """Generated text on stdout, now (flushed)."""
+    global _line_open
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        _line_open = not text.endswith("\n")
+
+
+def end_line() -> None:
+    """Before an error line (a Ctrl-C, a lost ring): end the line of generated text that a
+    terminal's cursor is left on, so that the error has a line of its own. A file or a pipe
+    keeps the text as it was generated."""
+    global _line_open
+    if _line_open and sys.stdout.isatty():
+        write_text("\n")
+    _line_open = False
 
 
 def timing_line(timing: Dict[str, Any], extra: str = "") -> str:
@@ -66,8 +88,7 @@ class Progress:
         """``text`` on stdout now (a sample that finished while others run): on the bar's
         terminal, above the bar, which is drawn again below it."""
         if self.bar is None or not _same_terminal():
-            sys.stdout.write(text)
-            sys.stdout.flush()
+            write_text(text)
             return
         console = self.bar.console
         console.file = sys.stdout  # the bar's terminal: it clears the bar, writes, redraws

@@ -20,6 +20,7 @@ from .app import (
     device_option,
     dtype_option,
     model_option,
+    nodes_option,
     tokenizer_option,
     app,
     check_url,
@@ -48,12 +49,14 @@ from .app import (
     threads_option,
     usage_errors,
 )
+from .usage import ArgumentsCommand
 
 
-@app.command()
+@app.command(cls=ArgumentsCommand)
 @one_line_errors
 def generate(
-    prompt: str = typer.Argument(..., help="Text to continue ('' starts from BOS alone)."),
+    prompt: str = typer.Argument(..., metavar="PROMPT",
+                                 help="Text to continue ('' starts from BOS alone)."),
     max_new_tokens: int = typer.Option(defaults.MAX_NEW_TOKENS, "-n", "--max-new-tokens",
                                        help="Token budget per sample."),
     model: Optional[str] = model_option(),
@@ -70,8 +73,7 @@ def generate(
     dtype: str = dtype_option(),
     micro_batch: int = typer.Option(0, help="Samples per message / forward pass (0: chosen "
                                     "to keep every node busy)."),
-    nodes: int = typer.Option(3, help="Nodes of the local ring started for this run (1: one "
-                              "process, no ring)."),
+    nodes: int = nodes_option("this run"),
     ring: Optional[str] = typer.Option(None, help="Ring file (TOML) of running workers."),
     starter: Optional[str] = typer.Option(None, help="URL of a running `mdiedge starter` to "
                                           "generate through."),
@@ -90,7 +92,7 @@ def generate(
     speculate: str = speculate_option(),
     threads: int = threads_option(),
 ) -> None:
-    """Generate text from PROMPT, on a ring of nodes (by default a local ring of 3)."""
+    """Generate text from PROMPT, on a ring of nodes (by default a local ring: --nodes)."""
     sampling = _request(max_new_tokens, samples, temperature, top_k, top_p, seed, micro_batch)
     _check_nodes(nodes, ring, device, dtype, threads)
     exits = check_early_exit(early_exit, exit_threshold, starter, speculate)
@@ -199,9 +201,10 @@ class _Stream:
         self._write(self.text.finish(text) + "\n")
 
     def _write(self, text: str) -> None:
-        sys.stdout.write(self.prompt + text)
+        from .console import write_text
+
+        write_text(self.prompt + text)
         self.prompt = ""
-        sys.stdout.flush()
 
 
 class _Finished:

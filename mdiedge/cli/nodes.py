@@ -158,7 +158,8 @@ def _run_worker(chosen: Dict[str, Any], section: Any, parent_pid: int,
     if section.model is not None:
         node.preload(section.model, section.layers, section.device, section.dtype)
     node.start()
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    # a local ring's worker (parent_pid) leaves Ctrl-C to its parent, which stops it
+    for signum in (signal.SIGTERM,) if parent_pid else (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: node.stopped.set())
     if parent_pid:
         _stop_with_parent(parent_pid, node.stopped)

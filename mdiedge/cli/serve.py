@@ -15,9 +15,8 @@ if TYPE_CHECKING:
 
 from ..base import defaults
 from .app import (app, check_device, check_early_exit, check_log_level, check_port,
-                  device_option, dtype_option, model_option, tokenizer_option, engine_spec,
-                  threads_option,
-                  open_checked,
+                  device_option, dtype_option, model_option, nodes_option, tokenizer_option,
+                  engine_spec, threads_option, open_checked,
                   compression_option, early_exit_option, exit_threshold_option, need,
                   one_line_errors,
                   prefill_chunk_option, quantize_option, recover_option,
@@ -98,8 +97,7 @@ def serve(
     tokenizer: Optional[str] = tokenizer_option(),
     model_name: Optional[str] = typer.Option(None, help="Model id of the API (default: the "
                                              "model folder's name)."),
-    nodes: int = typer.Option(3, help="Nodes of the local ring started for the server (1: one "
-                              "process, no ring)."),
+    nodes: int = nodes_option("the server"),
     ring: Optional[str] = typer.Option(None, help="Ring file (TOML) of running workers."),
     device: str = device_option(),
     dtype: str = dtype_option(),

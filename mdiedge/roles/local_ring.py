@@ -37,7 +37,13 @@ RESPAWN_TRIES = 5  # restarts in a row that died (or did not start) before it is
 log = logging.getLogger("mdiedge.local_ring")
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _as_child() -> None:  # runs in the worker between fork and exec
+    """Ctrl-C in a terminal reaches its whole foreground process group: a worker ignores it
+    (Python keeps an ignored SIGINT) and leaves it to its parent, which stops the answer
+    (chat) or the ring. On Linux the worker ends when its parent does."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not sys.platform.startswith("linux"):
+        return
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -175,7 +181,7 @@ class LocalRing:
             raise
 
     def _popen(self, cmd: List[str]) -> subprocess.Popen:
-        preexec = _die_with_parent if sys.platform.startswith("linux") else None
+        preexec = _as_child if os.name == "posix" else None
         env = {k: v for k, v in os.environ.items()
                if k not in ("MDIEDGE_SECRET", "MDIEDGE_SECRET_FILE")}
         read_end, write_end = os.pipe()  # the secret: neither in argv nor in the environment

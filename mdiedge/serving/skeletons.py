@@ -72,7 +72,8 @@ control_port = {control}
 # Data-plane port: hidden states of the ring travel here (the starter learns it on the
 # control port).
 data_port = {data}
-# torch threads; 0 = torch's default (one per core).
+# Compute threads (--threads on the command line wins); 0 = every core this process may
+# use (its CPU affinity, within a cgroup's cpu.max).
 threads = 0
 # Where received weights are cached (by content hash): a folder this user can write. The
 # shipped units pass --cache-dir $STATE_DIRECTORY ({BOARD_CACHE}), which wins over this.
@@ -187,6 +188,10 @@ rebalance_margin = {REBALANCE_MARGIN:g}"""),
 # Optional: quantize the blocks' float weights on load to q8_0, q4_0 or q4_1 (CPU, float32
 # arithmetic; a GGUF file's blocks are kept as they are; --quantize on the command line wins).
 # quantize = "q8_0\""""),
+    ("threads", """\
+# Optional: compute threads of the long-lived starter (--threads wins); 0 = every core
+# this process may use (its CPU affinity, within a cgroup's cpu.max).
+# threads = 0"""),
     ("busy_poll_us", f"""\
 # Microseconds a wait for the last worker's message polls the link before it sleeps: a
 # message that comes sooner saves the wake-up from sleep at the price of that much CPU.

@@ -114,10 +114,11 @@ def rows(table: str, schema: Dict[str, Any], cls: Any, skeleton: str) -> List[Li
 def markdown() -> str:
     """The tables of every config table, between the README markers."""
     lines = [BEGIN]
-    for table, schema, cls, skeleton, where in TABLES:
+    for table, schema, cls, skeleton_text, where in TABLES:
         lines += ["", f"`{table}`: {where}.", "", "| key | takes | default | meaning |",
                   "|---|---|---|---|"]
-        lines += ["| " + " | ".join(row) + " |" for row in rows(table, schema, cls, skeleton)]
+        lines += ["| " + " | ".join(row) + " |"
+                  for row in rows(table, schema, cls, skeleton_text)]
     return "\n".join(lines + ["", END])
 
 

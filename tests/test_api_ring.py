@@ -76,8 +76,10 @@ def test_sigterm_stops_the_server_and_its_nodes(served: Dict[str, Any]) -> None:
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                               text=True).stdout.split()
     assert len(children) == 2  # the two workers
+    signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(20) == 0
+    assert time.monotonic() - signalled < 1.5  # about 2.5 s before the quick exit
     time.sleep(0.5)
     assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")]
 

@@ -103,6 +103,8 @@ MAX_QUEUE = 64  # the scheduler's own bound on waiting requests, and --max-queue
 API_MAX_BODY = 1 << 20  # bytes of a request's body (413 past it)
 WAIT_POLL_S = 0.5  # a request thread's wait for its generation is timed, so Ctrl-C reaches it
 COMPUTE_CLOSE_S = 10.0  # how long closing an engine or a worker waits for its compute thread
+STOP_POLL_S = 0.05  # a blocked main thread or server loop looks this often for a stop (a
+#                    signal that lands on another thread wakes no blocked main thread)
 SHOWN_SETUP_S = 0.05  # a generation's line names its set-up from this many seconds (JSON always)
 
 # held-out text of the quality measurements (calibrate-exit, bench --compression/--early-exit)

@@ -165,5 +165,5 @@ def _wait_for_signal() -> None:
     stopped = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopped.set())
-    while not stopped.wait(0.5):  # a timed wait lets signal handlers run
+    while not stopped.wait(defaults.STOP_POLL_S):  # a timed wait lets signal handlers run
         pass

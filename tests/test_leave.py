@@ -15,6 +15,8 @@ import atexit, sys, threading, time
 from mdiedge.base.leave import leave
 atexit.register(lambda: print("atexit ran", flush=False))
 threading.Thread(target=lambda: (time.sleep(0.3), print("thread done", end="; "))).start()
+from concurrent.futures import ThreadPoolExecutor
+ThreadPoolExecutor(1).submit(print, "pool ran", end="; ").result()  # idle, not shut down
 print("buffered", end="; ")
 leave(%s)
 """
@@ -27,11 +29,12 @@ def test_exit_status_is_systemexits(code: object, status: int) -> None:
 
 
 @pytest.mark.parametrize("code, status", [("3", 3), ("None", 0), ("'no model'", 1)])
-def test_leave_waits_for_threads_runs_atexit_and_flushes(code: str, status: int) -> None:
+def test_leave_ends_pools_waits_for_threads_runs_atexit_and_flushes(code: str,
+                                                                    status: int) -> None:
     out = subprocess.run([sys.executable, "-c", PROGRAM % code], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == status
-    assert out.stdout == "buffered; thread done; atexit ran\n"
+    assert out.stdout == "pool ran; buffered; thread done; atexit ran\n"
     assert out.stderr == ("no model\n" if status == 1 else "")
 
 

@@ -28,15 +28,20 @@ def exit_status(code: object) -> int:
 
 
 def leave(code: object) -> "NoReturn":
-    """End the process as ``raise SystemExit(code)`` at the top would: wait for the threads
-    that are not daemons, run the ``atexit`` functions (logging's flush among them), flush
-    stdout and stderr; then exit at once, without unloading modules."""
+    """End the process as ``raise SystemExit(code)`` at the top would: what the interpreter
+    does first on its way out (``threading._shutdown``: threading's exit callbacks, which
+    end idle thread pools, then a wait for every thread that is not a daemon), the
+    ``atexit`` functions (logging's flush among them), stdout and stderr flushed; then exit
+    at once, without unloading modules."""
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)
-    main = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main and not thread.daemon:
-            thread.join()
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    else:  # not CPython's threading
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

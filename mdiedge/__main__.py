@@ -1,7 +1,9 @@
 """``python -m mdiedge`` and the ``mdiedge`` console command. Ctrl-C is held back from here
 until the command starts (:mod:`mdiedge.base.interrupts`), so a Ctrl-C while the command line
 loads is the same one line and status 130 as later. Idle OpenMP threads are told to sleep
-before any OpenMP runtime loads (:func:`mdiedge.base.threads.prefer_passive_waits`)."""
+before any OpenMP runtime loads (:func:`mdiedge.base.threads.prefer_passive_waits`). A
+command that ends (with any status) leaves without the interpreter's teardown
+(:mod:`mdiedge.base.leave`)."""
 
 
 def main() -> None:
@@ -9,9 +11,14 @@ def main() -> None:
 
     interrupts.hold()
     threads.prefer_passive_waits()
+    from .base.leave import leave
     from .cli import main as run
 
-    run()
+    try:
+        run()
+    except SystemExit as e:
+        leave(e.code)
+    leave(0)
 
 
 if __name__ == "__main__":

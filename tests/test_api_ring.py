@@ -76,8 +76,10 @@ def test_sigterm_stops_the_server_and_its_nodes(served: Dict[str, Any]) -> None:
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                               text=True).stdout.split()
     assert len(children) == 2  # the two workers
+    signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(20) == 0
+    assert time.monotonic() - signalled < 1.5  # about 2.5 s before the quick exit
     time.sleep(0.5)
     assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")]
 
@@ -201,6 +203,36 @@ def test_a_port_in_use_is_a_one_line_error() -> None:
     assert f"mdiedge: error: cannot listen on 127.0.0.1:{port}" in out.stderr.strip()
 
 
+GIB = 1 << 30
+SMOLLM2 = dict(blocks=30, kv_heads=3, head_dim=64, itemsize=4, max_context=8192)
+WHERE = "for the 30 blocks on this machine (3 nodes)"
+
+
+@pytest.mark.parametrize("available, slots, context, line", [
+    (24 * GIB, None, None, "serve: 8 slots x 4096 tokens, KV cache 1.41 GiB " + WHERE +
+     ", 6% of 24.00 GiB available: within 25% of it"),
+    (int(2.9 * GIB), None, None, "serve: 4 slots x 4096 tokens, KV cache 720.00 MiB " + WHERE +
+     ", 24% of 2.90 GiB available: sized to 25% of it (8 x 4096 would take 1.41 GiB)"),
+    (int(2.9 * GIB), 2, None, "serve: 2 slots x 4096 tokens, KV cache 360.00 MiB " + WHERE +
+     ", 12% of 2.90 GiB available: within 25% of it"),
+    (GIB, 4, None, "serve: 4 slots x 1024 tokens, KV cache 180.00 MiB " + WHERE +
+     ", 18% of 1.00 GiB available: sized to 25% of it (4 x 4096 would take 720.00 MiB)"),
+    (GIB // 64, None, None, "serve: 1 slot x 512 tokens, KV cache 22.50 MiB " + WHERE +
+     ", 141% of 16.00 MiB available: over 25%, the least it sizes to"),
+    (GIB // 64, 2, 256, "serve: 2 slots x 256 tokens, KV cache 22.50 MiB " + WHERE +
+     ", 141% of 16.00 MiB available (--slots, --context)"),
+    (None, None, None, "serve: 8 slots x 4096 tokens, KV cache 1.41 GiB " + WHERE +
+     "; available memory unknown: the most (--slots, --context to choose)"),
+])
+def test_serve_says_what_it_chose_and_why(available: Any, slots: Any, context: Any,
+                                          line: str) -> None:
+    from mdiedge.cli.serve import shape_line
+    from mdiedge.serving.api.rules import KvModel, slot_shape
+
+    model = KvModel(**SMOLLM2)
+    assert shape_line(slot_shape(model, available, 30, slots, context), WHERE) == line
+
+
 def test_serve_decodes_with_early_exit() -> None:
     """``serve --early-exit`` answers as the in-process engine with the same exits does, and
     not as it does without them (a threshold of 0: every token exits after block 1)."""
@@ -212,7 +244,8 @@ def test_serve_decodes_with_early_exit() -> None:
     env = {k: v for k, v in os.environ.items() if k != "MDIEDGE_API_KEY"}
     proc = subprocess.Popen([sys.executable, "-m", "mdiedge", "serve", "--port", "0", "--nodes",
                              "1", "--slots", "1", "--early-exit", "softmax",
-                             "--exit-threshold", "0"], stdout=subprocess.PIPE, text=True, env=env)
+                             "--exit-threshold", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout is not None
         ready = json.loads(proc.stdout.readline())
@@ -222,7 +255,11 @@ def test_serve_decodes_with_early_exit() -> None:
                                            temperature=0).choices[0].text
     finally:
         proc.terminate()
-        proc.wait(20)
+        _, err = proc.communicate(timeout=20)
+    # --slots given, the context sized: NanoLlama's own 1024 fits any machine that runs this
+    assert re.search(r"^mdiedge: serve: 1 slot x 1024 tokens, KV cache 6.00 MiB for the 12 "
+                     r"blocks on this machine, (<1|\d+)% of [\d.]+ [GM]iB available: within 25% of "
+                     r"it$", err, re.M), err
     greedy = SamplingParams(temperature=0)
     exits = exit_settings_of(TextModel(None, None), "softmax", "0")
     texts = [LocalEngine(early_exit=e).generate("ROMEO:", 10, params=greedy).samples[0]["text"]

@@ -15,7 +15,8 @@ from mdiedge.serving.api.chat import DEFAULT_TEMPLATE, ChatTemplate, load_model_
 from mdiedge.serving.api.errors import api_error
 from mdiedge.serving.api.responses import (ChatChunk, ChatCompletion, Choice, Completion,
                                            CompletionChunk, Usage, finish_reason, sse)
-from mdiedge.serving.api.rules import authorized, retry_after_s, slot_context
+from mdiedge.serving.api.rules import (KvModel, authorized, retry_after_s, slot_context,
+                                       slot_shape)
 from mdiedge.serving.api.server import model_name
 from mdiedge.serving.api.schema import ChatMessage, ChatRequest, CompletionRequest, Options
 
@@ -236,6 +237,62 @@ def test_the_served_model_id(path: str, name: str) -> None:
 ])
 def test_the_context_of_a_slot(asked: int, model: int, context: int) -> None:
     assert slot_context(asked, model) == context
+
+
+MiB, GiB = 1 << 20, 1 << 30
+# SmolLM2-135M in float32: 30 blocks of 3 KV heads of 64; 45 KiB a token for all 30 blocks
+SMOLLM2 = KvModel(blocks=30, kv_heads=3, head_dim=64, itemsize=4, max_context=8192)
+PER_TOKEN = 2 * 30 * 3 * 64 * 4
+NANO = KvModel(blocks=12, kv_heads=2, head_dim=32, itemsize=4, max_context=1024)  # 6 KiB/token
+
+
+@pytest.mark.parametrize("model, available, blocks, slots, context, want, chosen", [
+    # plenty: the most, 8 slots of the model's context up to 4096
+    (SMOLLM2, 24 * GiB, 30, None, None, (8, 4096), "memory"),
+    (NANO, 24 * GiB, 12, None, None, (8, 1024), "memory"),
+    # a 4 GB board with 2.9 GiB available: a quarter holds 4 slots of 4096 (720 MiB)
+    (SMOLLM2, int(2.9 * GiB), 30, None, None, (4, 4096), "memory"),
+    # 1 GiB: 256 MiB for 5825 tokens, one slot of 4096
+    (SMOLLM2, GiB, 30, None, None, (1, 4096), "memory"),
+    # 256 MiB: 1456 tokens, one slot of the context halved to 1024
+    (SMOLLM2, 256 * MiB, 30, None, None, (1, 1024), "memory"),
+    # too little for even one slot of 512: the floor anyway
+    (SMOLLM2, 16 * MiB, 30, None, None, (1, 512), "memory"),
+    (NANO, 16 * MiB, 12, None, None, (1, 512), "memory"),
+    # a model whose own context is under the floor keeps its own
+    (KvModel(30, 3, 64, 4, 256), 1 * MiB, 30, None, None, (1, 256), "memory"),
+    # one node of a ring of three holds 10 blocks: three times the tokens of 30
+    (SMOLLM2, GiB, 10, None, None, (4, 4096), "memory"),
+    # half-size values (bfloat16) hold twice the tokens
+    (KvModel(30, 3, 64, 2, 8192), GiB, 30, None, None, (2, 4096), "memory"),
+    # --slots given: the context is sized for that many slots
+    (SMOLLM2, GiB, 30, 4, None, (4, 1024), "memory"),
+    (SMOLLM2, 24 * GiB, 30, 2, None, (2, 4096), "memory"),
+    # --context given: as many slots of it as fit, up to 8
+    (SMOLLM2, GiB, 30, None, 1024, (5, 1024), "memory"),
+    (SMOLLM2, GiB, 30, None, 0, (1, 4096), "memory"),  # 0: the model's, at most 4096
+    (SMOLLM2, 16 * MiB, 30, None, 8192, (1, 8192), "memory"),
+    # both given: used as they are, whatever the memory
+    (SMOLLM2, 16 * MiB, 30, 8, 4096, (8, 4096), "given"),
+    (SMOLLM2, 24 * GiB, 30, 2, 0, (2, 4096), "given"),
+    # memory unknown: the most, as before
+    (SMOLLM2, None, 30, None, None, (8, 4096), "unknown"),
+    (SMOLLM2, None, 30, 3, None, (3, 4096), "unknown"),
+])
+def test_serve_sizes_its_slots_and_context_from_memory(model: KvModel, available: Any,
+                                                        blocks: int, slots: Any, context: Any,
+                                                        want: Any, chosen: str) -> None:
+    shape = slot_shape(model, available, blocks, slots, context)
+    assert (shape.slots, shape.context) == want and shape.chosen == chosen
+    assert shape.kv_bytes == want[0] * want[1] * model.position_bytes(blocks)
+    assert shape.most == (slots or 8, context or min(model.max_context, 4096))  # memory enough
+    above_floor = want[1] > 512 if context is None else want[0] > 1
+    if chosen == "memory" and above_floor:
+        assert shape.kv_bytes <= available // 4  # within the share, unless at the floor
+
+
+def test_a_token_of_smollm2_takes_45_kib_of_kv_cache() -> None:
+    assert SMOLLM2.position_bytes(30) == PER_TOKEN == 45 * 1024
 
 
 def test_the_api_key_is_the_files_first_line(tmp_path, monkeypatch) -> None:

@@ -51,6 +51,19 @@ def test_two_runs_back_to_back_leave_no_process(stories: Path) -> None:
         assert wait_gone(children) == []
 
 
+def test_a_run_ends_soon_after_its_last_token(stories: Path) -> None:
+    """Its workers stop at once and no process unloads its modules (about 2.5 s before)."""
+    proc = subprocess.Popen(command(stories, "-n", "20", "--nodes", "3"),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    last = time.monotonic()
+    while os.read(proc.stdout.fileno(), 4096):
+        last = time.monotonic()
+    proc.wait(60)
+    assert proc.returncode == 0
+    assert time.monotonic() - last < 1.5
+
+
 @pytest.mark.parametrize("signum, group", [(signal.SIGINT, False), (signal.SIGTERM, False),
                                            (signal.SIGINT, True)],
                          ids=["SIGINT", "SIGTERM", "Ctrl-C"])

@@ -98,13 +98,18 @@ API_HEAD_TIMEOUT_S = 10.0  # a connection's request line and headers arrive with
 #                            closes
 API_BODY_TIMEOUT_S = 30.0  # a request's body arrives within this, or it is a 408
 API_START_TIMEOUT_S = 30.0  # the API's server thread is listening within this
-API_SLOTS = 8  # KV slots the API's requests share (`serve --slots`, `starter --slots`)
+API_SLOTS = 8  # KV slots the API's requests share (`starter --slots`; `serve`'s most)
 API_CONTEXT = 4096  # tokens per slot unless asked: a model's own may be 128k (KV memory)
+API_KV_SHARE = 0.25  # `serve` sizes its slots and context to keep its KV cache within this
+#                      share of the memory available when it starts
+API_MIN_CONTEXT = 512  # and halves the context down to this (or the model's, if shorter)
 API_MAX_WAITING = 32  # requests waiting for slots before a 429 (`serve --max-queue`)
 MAX_QUEUE = 64  # the scheduler's own bound on waiting requests, and --max-queue's largest
 API_MAX_BODY = 1 << 20  # bytes of a request's body (413 past it)
 WAIT_POLL_S = 0.5  # a request thread's wait for its generation is timed, so Ctrl-C reaches it
 COMPUTE_CLOSE_S = 10.0  # how long closing an engine or a worker waits for its compute thread
+STOP_POLL_S = 0.05  # a blocked main thread or server loop looks this often for a stop (a
+#                    signal that lands on another thread wakes no blocked main thread)
 SHOWN_SETUP_S = 0.05  # a generation's line names its set-up from this many seconds (JSON always)
 
 # held-out text of the quality measurements (calibrate-exit, bench --compression/--early-exit)

@@ -187,7 +187,7 @@ def serve_under_systemd(stopped: Any, status: str, heartbeat: Any = None) -> Non
         healthy = heartbeat.healthy if heartbeat is not None else always_healthy
         reason = heartbeat.reason if heartbeat is not None else None
         Watchdog(interval, stopped, healthy, reason, notifier).start()
-    while not stopped.wait(0.5):  # a timed wait lets signal handlers run
+    while not stopped.wait(defaults.STOP_POLL_S):  # a timed wait lets signal handlers run
         pass
     try:
         notifier.send("STOPPING=1")

@@ -24,12 +24,13 @@ from .app import (app, check_device, check_early_exit, check_log_level, check_po
 
 
 
-def check_api_options(slots: int, context: int, max_queue: int, max_body: int,
-                      port: int = 0, log_level: str = "info") -> None:
+def check_api_options(slots: Optional[int], context: Optional[int], max_queue: int,
+                      max_body: int, port: int = 0, log_level: str = "info") -> None:
+    """The API's options in range (a slot count or context of None: sized from memory)."""
     check_port("--port", port)
     check_log_level(log_level)
-    need(1 <= slots <= 256, "--slots", slots, "an integer 1..256")
-    need(context >= 0, "--context", context,
+    need(slots is None or 1 <= slots <= 256, "--slots", slots, "an integer 1..256")
+    need(context is None or context >= 0, "--context", context,
          f"an integer >= 0 (0: the model's, at most {defaults.API_CONTEXT})")
     need(0 <= max_queue <= defaults.MAX_QUEUE, "--max-queue", max_queue,
          f"an integer 0..{defaults.MAX_QUEUE}")
@@ -63,13 +64,63 @@ def open_api(engine: "Engine", sock: Any, slots: int, context: int, max_queue: i
     return Api(engine, sock, limits, key, name, log_level)
 
 
-def check_context(context: int, text_model: Any) -> None:
+def check_context(context: Optional[int], text_model: Any) -> None:
     """``--context`` within the model's, before any node starts."""
     from ..base.errors import UsageError
 
     top = text_model.cfg.max_seq_len
-    if not 0 <= context <= top:
+    if context is not None and not 0 <= context <= top:
         raise UsageError(f"--context: expected 0..{top} tokens (the model's), got {context}")
+
+
+def sized_slots(text_model: Any, slots: Optional[int], context: Optional[int], dtype: str,
+                device: str, nodes: int, ring: Optional[str]) -> Any:
+    """The ``SlotShape`` of ``serve``: ``--slots`` and ``--context`` as given, what is not
+    sized from the memory free for the KV cache (``slot_shape``), said on stderr."""
+    from ..base.dtypes import compute_dtype
+    from ..model.fit import free_bytes
+    from ..serving.api.rules import KvModel, slot_shape
+
+    check_context(context, text_model)
+    cfg = text_model.cfg
+    model = KvModel(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, compute_dtype(dtype).itemsize,
+                    cfg.max_seq_len)
+    if ring is None:  # every node on this machine
+        blocks, where = cfg.n_layers, (f"for the {cfg.n_layers} blocks on this machine" +
+                                       (f" ({nodes} nodes)" if nodes > 1 else ""))
+    else:
+        from ..base.ringfile import load_ring
+
+        held = 1 + sum(1 for w in load_ring(ring)[1] if not w.spare)
+        blocks = -(-cfg.n_layers // held)
+        where = f"per node of {blocks} blocks (sized on this machine, the starter)"
+    free, _ = free_bytes(device)
+    shape = slot_shape(model, free, blocks, slots, context)
+    typer.echo("mdiedge: " + shape_line(shape, where), err=True)
+    return shape
+
+
+def shape_line(shape: Any, where: str) -> str:
+    """``serve``'s line on its slots and context: what it chose, and why (a ``SlotShape``
+    of a KV cache held ``where``)."""
+    from ..base.words import plural
+    from ..placement.partition import format_bytes
+
+    line = (f"serve: {plural(shape.slots, 'slot')} x {shape.context} tokens, KV cache "
+            f"{format_bytes(shape.kv_bytes)} {where}")
+    if shape.available is None:
+        return line + "; available memory unknown: the most (--slots, --context to choose)"
+    used = shape.kv_bytes / max(1, shape.available)
+    percent = f"{used:.0%}" if used == 0 or used >= 0.005 else "<1%"
+    line += f", {percent} of {format_bytes(shape.available)} available"
+    if shape.chosen == "given":
+        return line + " (--slots, --context)"
+    if used > shape.share:
+        return line + f": over {shape.share:.0%}, the least it sizes to"
+    if shape.kv_bytes < shape.largest:
+        return line + (f": sized to {shape.share:.0%} of it ({shape.most[0]} x "
+                       f"{shape.most[1]} would take {format_bytes(shape.largest)})")
+    return line + f": within {shape.share:.0%} of it"
 
 
 def starter_api(engine: "Engine", port: Optional[int], host: str, key_file: Optional[str],
@@ -101,10 +152,11 @@ def serve(
     ring: Optional[str] = typer.Option(None, help="Ring file (TOML) of running workers."),
     device: str = device_option(),
     dtype: str = dtype_option(),
-    slots: int = typer.Option(defaults.API_SLOTS, help="KV slots: samples decoded at once, shared by all "
-                              "requests."),
-    context: int = typer.Option(0, help="Tokens per slot, prompt plus completion (0: the "
-                                f"model's context, at most {defaults.API_CONTEXT})."),
+    slots: Optional[int] = typer.Option(None, help="KV slots: samples decoded at once (default: "
+                                        f"up to {defaults.API_SLOTS}, as memory allows)."),
+    context: Optional[int] = typer.Option(None, help="Tokens per slot, prompt plus completion "
+                                          f"(default: the model's, at most "
+                                          f"{defaults.API_CONTEXT}, as memory allows; 0: that)."),
     max_queue: int = typer.Option(defaults.API_MAX_WAITING, help="Requests that may wait for free slots; "
                                   "more are refused with 429."),
     max_body: int = typer.Option(defaults.API_MAX_BODY, help="Largest request body in bytes (413 past it)."),
@@ -139,13 +191,14 @@ def serve(
         stack.callback(sock.close)
         spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, recovery, exits,
                            speculate, respawn=True, threads=threads)
-        engine, _ = open_checked(stack, spec, lambda text: check_context(context, text))
-        api = open_api(engine, sock, slots, context, max_queue, max_body, key, model_name,
-                       log_level)
+        engine, shape = open_checked(stack, spec, lambda text: sized_slots(
+            text, slots, context, dtype, device, nodes, ring))
+        api = open_api(engine, sock, shape.slots, shape.context, max_queue, max_body, key,
+                       model_name, log_level)
         stack.callback(api.close)
         engine.set_up()  # set the ring up now: its errors before "ready"
         api.start()
-        _say_ready(api, slots)
+        _say_ready(api, shape.slots)
         _wait_for_signal()
 
 
@@ -165,5 +218,5 @@ def _wait_for_signal() -> None:
     stopped = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopped.set())
-    while not stopped.wait(0.5):  # a timed wait lets signal handlers run
+    while not stopped.wait(defaults.STOP_POLL_S):  # a timed wait lets signal handlers run
         pass

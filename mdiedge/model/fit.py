@@ -102,13 +102,18 @@ def check_memory(need: int, device: str, what: str,
                  remedy: str = "use more nodes, --quantize, or a smaller model") -> None:
     """``need`` bytes of ``what`` fit the free memory of ``device`` (a CUDA device's, else
     this machine's, within a cgroup's limit), or a ConfigError saying both and ``remedy``."""
-    free = available_bytes()
-    place = "this node"
-    if torch.device(device).type == "cuda" and torch.cuda.is_available():
-        free, place = int(torch.cuda.mem_get_info(torch.device(device))[0]), device
+    free, place = free_bytes(device)
     if free is not None and need > free:
         raise ConfigError(f"{what}: {need / GiB:.2f} GiB needed, {free / GiB:.2f} GiB free "
                           f"on {place}: {remedy}")
+
+
+def free_bytes(device: str) -> "Tuple[Optional[int], str]":
+    """The free memory of ``device`` (a CUDA device's, else this machine's, within a
+    cgroup's limit; None when unknown) and where that is, in words."""
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.mem_get_info(torch.device(device))[0]), device
+    return available_bytes(), "this node"
 
 
 def check_finite(t: Tensor, name: str, where: Path) -> None:

@@ -359,7 +359,8 @@ class ControlServer:
             raise ListenError(host, port, what, e) from None
         self.backoff = AcceptBackoff(log, f"{what} {self.port}")
         self.httpd.control = self
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="control", daemon=True)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="control",
+                                       args=(defaults.STOP_POLL_S,), daemon=True)
 
     def _ping(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
         return {"pong": True, "node": self.auth.node, "time": time.time()}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hmac
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 from ...base import defaults
 
@@ -46,3 +46,71 @@ def authorized(header: Optional[str], key: Optional[str]) -> bool:
 def slot_context(asked: int, model: int) -> int:
     """Tokens per KV slot: ``asked``, else the model's context up to ``API_CONTEXT``."""
     return asked if asked > 0 else min(model, defaults.API_CONTEXT)
+
+
+@dataclass(frozen=True)
+class KvModel:
+    """What a model's KV cache takes: its blocks, KV heads and head size, the bytes of one
+    value (the dtype it computes in), and its own context in tokens."""
+
+    blocks: int
+    kv_heads: int
+    head_dim: int
+    itemsize: int
+    max_context: int
+
+    def position_bytes(self, blocks: int) -> int:
+        """Bytes one token takes in the KV cache of ``blocks`` blocks (keys and values)."""
+        return 2 * blocks * self.kv_heads * self.head_dim * self.itemsize
+
+
+@dataclass(frozen=True)
+class SlotShape:
+    """A server's KV slots and tokens per slot, and why: ``per_token`` bytes of KV cache a
+    token takes where ``available`` bytes were free (None: unknown); ``chosen`` says who
+    chose (``given``: both options, ``memory``: sized to ``share`` of it, ``unknown``: the
+    most, memory unknown); ``most``: the slots and context that memory enough would give."""
+
+    slots: int
+    context: int
+    per_token: int
+    available: Optional[int]
+    chosen: str
+    most: Tuple[int, int]
+    share: float = defaults.API_KV_SHARE
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.slots * self.context * self.per_token
+
+    @property
+    def largest(self) -> int:
+        """The KV bytes of ``most``."""
+        return self.most[0] * self.most[1] * self.per_token
+
+
+def slot_shape(model: KvModel, available: Optional[int], blocks_here: int,
+               slots: Optional[int] = None, context: Optional[int] = None,
+               share: float = defaults.API_KV_SHARE) -> SlotShape:
+    """The slots and context of a server whose ``blocks_here`` blocks keep their KV cache
+    in ``available`` bytes: what is given (``context`` 0: the model's, at most
+    ``API_CONTEXT``) and, for what is not, the most that keeps the cache within ``share`` of
+    ``available``: up to ``API_SLOTS`` slots of the model's context (at most
+    ``API_CONTEXT``), fewer slots first, then the context halved down to ``API_MIN_CONTEXT``
+    (or the model's, if shorter) for one slot. That floor is kept even past the share."""
+    top = min(model.max_context, defaults.API_CONTEXT)
+    per_token = model.position_bytes(blocks_here)
+    context = top if context == 0 else context
+    most = (slots or defaults.API_SLOTS, context or top)
+    if slots is not None and context is not None:
+        return SlotShape(slots, context, per_token, available, "given", most, share)
+    if available is None:
+        return SlotShape(most[0], most[1], per_token, None, "unknown", most, share)
+    tokens = int(available * share) // max(1, per_token)
+    if context is None:
+        context, least = top, min(top, defaults.API_MIN_CONTEXT)
+        while context > least and (slots or 1) * context > tokens:
+            context = max(least, context // 2)
+    if slots is None:
+        slots = max(1, min(defaults.API_SLOTS, tokens // context))
+    return SlotShape(slots, context, per_token, available, "memory", most, share)

@@ -49,18 +49,49 @@ def test_available_cores_within_the_quota(tmp_path, monkeypatch: pytest.MonkeyPa
     assert threads.available_cores() == len(os.sched_getaffinity(0))
 
 
-@pytest.mark.parametrize("given, expected", [(None, "PASSIVE"), ("active", "active")])
-def test_openmp_waits_passively_unless_told(given: str, expected: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k != threads.WAIT_POLICY}
-    if given is not None:
-        env[threads.WAIT_POLICY] = given
+@pytest.mark.parametrize("environ, others, cores, expected", [
+    ({}, 0, 2, {"GOMP_SPINCOUNT": "3000"}),     # quiet: a short spin outlasts a barrier
+    ({}, 2, 2, {"OMP_WAIT_POLICY": "PASSIVE"}),  # two busy loops on two cores
+    ({}, 1, 2, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    ({}, 1, 4, {"GOMP_SPINCOUNT": "3000"}),     # less than half the cores taken
+    ({}, 2, 4, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    ({"OMP_WAIT_POLICY": "active"}, 2, 2, {}),  # the user's choice wins
+    ({"GOMP_SPINCOUNT": "10"}, 0, 2, {}),
+])
+def test_openmp_waits(environ, others, cores, expected) -> None:
+    assert threads.openmp_waits(environ, others, cores) == expected
+
+
+def test_others_running_reads_proc_stat(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  1 2 3\nprocs_running 4\nprocs_blocked 0\n")
+    monkeypatch.setattr(threads, "PROC_STAT", str(stat))
+    assert threads.others_running() == 3
+    stat.write_text("cpu  1 2 3\n")
+    assert threads.others_running() == 0
+
+
+@pytest.mark.parametrize("given", [{}, {"OMP_WAIT_POLICY": "active"}], ids=["unset", "set"])
+def test_the_command_sets_the_waits_before_anything_loads(given) -> None:
+    """``python -m mdiedge`` chooses the waits first (quiet here, or busy: either choice),
+    and keeps the user's."""
+    env = {k: v for k, v in os.environ.items() if k not in (threads.WAIT_POLICY,
+                                                              threads.SPIN_COUNT)}
+    env.update(given)
     probe = ("import os, sys; from mdiedge.__main__ import main; "
-             "sys.argv = ['mdiedge', '--help']; "
-             "import atexit; atexit.register(lambda: print('POLICY', os.environ.get('%s')))\n"
-             "try:\n    main()\nexcept SystemExit:\n    pass" % threads.WAIT_POLICY)
+             "sys.argv = ['mdiedge', '--help']; import atexit; "
+             "atexit.register(lambda: print('WAITS', os.environ.get('OMP_WAIT_POLICY'), "
+             "os.environ.get('GOMP_SPINCOUNT')))\n"
+             "try:\n    main()\nexcept SystemExit:\n    pass")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env,
                          cwd="/")
-    assert f"POLICY {expected}" in out.stdout, out.stderr
+    line = [w for w in out.stdout.splitlines() if w.startswith("WAITS")]
+    assert line, out.stderr
+    policy, spin = line[0].split()[1:]
+    if given:
+        assert (policy, spin) == ("active", "None")
+    else:
+        assert (policy, spin) in (("PASSIVE", "None"), ("None", "3000"))
 
 
 def test_threads_flag_reaches_every_node(stories) -> None:

@@ -28,6 +28,7 @@ from types import ModuleType
 from typing import Any, Dict, List, Optional
 
 from .selfcommand import package_root
+from .threads import openmp_wait_mode
 
 log = logging.getLogger("mdiedge.accel")
 _PAIRS: Dict[str, "Twins"] = {}  # every pair made in this process, by its twin's module
@@ -68,9 +69,10 @@ class Twins:
 
 
 def running_code() -> Dict[str, Any]:
-    """What this process runs, for a node's status: the package's directory, and each pair
-    imported so far by the implementation it selects (``compiled`` or ``twin``)."""
-    return {"package": package_root(),
+    """What this process runs, for a node's status: the package's directory, each pair
+    imported so far by the implementation it selects (``compiled`` or ``twin``), and how
+    its idle OpenMP threads wait."""
+    return {"package": package_root(), "openmp_waits": openmp_wait_mode(),
             "modules": {pair.name: "compiled" if pair.select() is pair.compiled else "twin"
                         for pair in _PAIRS.values()}}
 

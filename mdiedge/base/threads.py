@@ -5,28 +5,76 @@ A node's compute threads are torch's thread count, which the compiled kernels ta
 machine its share of the cores this process may use (its CPU affinity, within a cgroup's
 ``cpu.max``): all of them for one node, ``cores // nodes`` for a local ring, at least one.
 
-OpenMP's threads spin by default between parallel regions. On a machine others share, a
-spinning thread holds a core while the thread its team waits for is not running, and a decode
-step (six barriers per block) collapses: SmolLM2 fell from 135 to 1.8 tok/s beside two busy
-loops. ``prefer_passive_waits`` makes them sleep instead unless the user chose otherwise; it
+OpenMP's threads spin between parallel regions (libgomp: 300,000 rounds) before they sleep,
+and a decode step has six barriers per block. On a machine others share, a spinning thread
+holds a core while the thread its team waits for is not running: SmolLM2 fell from 135 to 1.8
+tok/s beside two busy loops. Sleeping at once costs the other way: a wake-up per barrier
+(in a VM, an interrupt through the hypervisor) took a quiet 2-core machine from 115 to 74
+tok/s. So a process looks once, as it starts, at how many other tasks are running:
+``openmp_waits`` picks passive waits where they take half the cores or more, else a short
+spin (``SPIN_BEFORE_SLEEP``) that outlasts a quiet barrier; a policy the user sets wins. It
 must run before an OpenMP runtime loads (torch's or the kernels'), so ``python -m mdiedge``
-calls it first.
+calls ``choose_openmp_waits`` first, and a local ring's workers inherit the choice.
 """
 from __future__ import annotations
 
 import math
 import os
+import re
+import statistics
 import sys
-from typing import Optional
+import time
+from typing import Dict, Mapping, Optional
 
 WAIT_POLICY = "OMP_WAIT_POLICY"
+SPIN_COUNT = "GOMP_SPINCOUNT"
+SPIN_BEFORE_SLEEP = 3000  # libgomp's rounds of spinning before a wait sleeps, on a quiet machine
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
+PROC_STAT = "/proc/stat"
+LOAD_SAMPLES, LOAD_SAMPLE_GAP_S = 5, 0.002
 
 
-def prefer_passive_waits() -> None:
-    """Idle OpenMP threads sleep (``OMP_WAIT_POLICY=PASSIVE``) unless the environment sets a
-    policy already; child processes inherit it."""
-    os.environ.setdefault(WAIT_POLICY, "PASSIVE")
+def openmp_waits(environ: Mapping[str, str], others_running: int, cores: int) -> Dict[str, str]:
+    """The OpenMP settings to add to ``environ``: none where the user set a policy or a
+    spin count; passive waits where other tasks take half the ``cores`` or more; else a
+    short spin before a wait sleeps."""
+    if WAIT_POLICY in environ or SPIN_COUNT in environ:
+        return {}
+    if others_running * 2 >= cores:
+        return {WAIT_POLICY: "PASSIVE"}
+    return {SPIN_COUNT: str(SPIN_BEFORE_SLEEP)}
+
+
+def others_running() -> int:
+    """How many other tasks run on this machine now: the median of a few readings of
+    ``procs_running``, less this process; 0 where it cannot be read."""
+    readings = []
+    for i in range(LOAD_SAMPLES):
+        text = _read(PROC_STAT, 1 << 16) or ""
+        found = re.search(r"^procs_running (\d+)$", text, re.M)
+        if found is None:
+            return 0
+        readings.append(int(found.group(1)) - 1)
+        if i + 1 < LOAD_SAMPLES:
+            time.sleep(LOAD_SAMPLE_GAP_S)
+    return max(0, int(statistics.median(readings)))
+
+
+def choose_openmp_waits() -> None:
+    """Put this machine's ``openmp_waits`` into the environment (child processes inherit
+    it); nothing where the user chose a policy."""
+    if WAIT_POLICY in os.environ or SPIN_COUNT in os.environ:
+        return
+    os.environ.update(openmp_waits(os.environ, others_running(), available_cores()))
+
+
+def openmp_wait_mode() -> str:
+    """How this process's idle OpenMP threads wait, for its status: ``passive``, ``spin N``
+    (rounds), or ``libgomp default``."""
+    policy = os.environ.get(WAIT_POLICY, "").strip().lower()
+    if SPIN_COUNT in os.environ:
+        return f"spin {os.environ[SPIN_COUNT]}"
+    return policy or "libgomp default"
 
 
 def cgroup_cores(text: Optional[str]) -> Optional[int]:
@@ -44,10 +92,10 @@ def cgroup_cores(text: Optional[str]) -> Optional[int]:
     return max(1, math.ceil(quota / period)) if quota > 0 and period > 0 else None
 
 
-def _read(path: str) -> Optional[str]:
+def _read(path: str, limit: int = 200) -> Optional[str]:
     try:
         with open(path, encoding="ascii") as f:
-            return f.read(200)
+            return f.read(limit)
     except (OSError, ValueError):
         return None
 

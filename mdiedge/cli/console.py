@@ -134,6 +134,7 @@ COLUMNS: Dict[str, Callable[[Dict[str, Any]], str]] = {
     "hash": lambda n: (n.get("hash") or "-")[:12],
     "layers": lambda n: block_range(n.get("layers")),
     "device": lambda n: str(n.get("device") or "-"),
+    "threads": lambda n: str(n.get("threads") or "-"),
     "RSS MB": lambda n: _mb(n.get("rss_bytes")),
     "weights MB": lambda n: _mb(n.get("weight_bytes")),
     "KV MB": lambda n: _mb(n.get("kv_bytes")),
@@ -148,10 +149,22 @@ COLUMNS: Dict[str, Callable[[Dict[str, Any]], str]] = {
     "uptime s": lambda n: str(n.get("uptime_s", "-")),
     "recoveries": lambda n: str(n.get("recoveries", "-")) if n.get("role") == "starter" else "-",
     "version": lambda n: str(n.get("version", "-")),
+    "code": lambda n: code_summary(n.get("code") or {}),
+    "OpenMP waits": lambda n: str((n.get("code") or {}).get("openmp_waits", "-")),
 }
 IDENTITY = ("node", "role", "address", "state")
-DEFAULT = ("node", "state", "role", "address", "layers", "busy", "slots", "device", "RSS MB",
-           "KV MB", "rtt ms")
+DEFAULT = ("node", "state", "role", "address", "layers", "busy", "slots", "device", "threads",
+           "RSS MB", "KV MB", "rtt ms")
+
+
+def code_summary(code: Dict[str, Any]) -> str:
+    """``compiled``, ``twins: step, quant`` (the modules running their pure-Python twins),
+    or ``-`` where a node does not say."""
+    modules = code.get("modules") or {}
+    if not modules:
+        return "-"
+    twins = sorted(name for name, how in modules.items() if how != "compiled")
+    return "twins: " + ", ".join(twins) if twins else "compiled"
 
 
 def shown_state(node: Dict[str, Any]) -> str:
@@ -210,6 +223,10 @@ def print_status(nodes: List[Dict[str, Any]], wide: bool = False) -> None:
         if n.get("error"):
             console.print(f"{n.get('name', '?')}: {shown_state(n)}: {n['error']}", markup=False,
                           highlight=False, soft_wrap=True)
+        if code_summary(n.get("code") or {}).startswith("twins"):
+            console.print(f"{n.get('name', '?')}: runs the pure-Python {code_summary(n['code'])}"
+                          f" (many times slower), from {n['code'].get('package', '?')}",
+                          markup=False, highlight=False, soft_wrap=True)
         if n.get("setup"):
             console.print(f"{n.get('name', '?')}: setting up the ring: waiting for "
                           f"{n['setup']}", markup=False, highlight=False, soft_wrap=True)

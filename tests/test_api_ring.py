@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterator
@@ -16,6 +15,7 @@ from typing import Any, Dict, Iterator
 import httpx
 import openai
 import pytest
+from commands import MDIEDGE
 
 KEY = "ring-test-key-42"
 
@@ -24,7 +24,7 @@ KEY = "ring-test-key-42"
 def served(stories: Path) -> Iterator[Dict[str, Any]]:
     env = dict(os.environ, MDIEDGE_API_KEY=KEY)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mdiedge", "serve", "--port", "0", "--nodes", "3", "--slots", "4",
+        [*MDIEDGE, "serve", "--port", "0", "--nodes", "3", "--slots", "4",
          "--context", "512", "--model", str(stories / "stories260K.bin"),
          "--tokenizer", str(stories / "tok512.model")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -87,7 +87,7 @@ def test_sigterm_stops_the_server_and_its_nodes(served: Dict[str, Any]) -> None:
 def test_health_says_when_no_worker_answers_and_the_dead_one_is_reaped(stories: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "MDIEDGE_API_KEY"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mdiedge", "serve", "--port", "0", "--nodes", "2", "--slots", "2",
+        [*MDIEDGE, "serve", "--port", "0", "--nodes", "2", "--slots", "2",
          "--context", "256", "--model", str(stories / "stories260K.bin"),
          "--tokenizer", str(stories / "tok512.model")],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
@@ -117,7 +117,7 @@ def test_the_starter_serves_the_api_beside_its_control_plane(stories: Path,
                                                              tmp_path: Path) -> None:
     env = dict(os.environ, MDIEDGE_SECRET="s3cret-ring-key-0123456789abcdef")
     env.pop("MDIEDGE_API_KEY", None)
-    worker = subprocess.Popen([sys.executable, "-m", "mdiedge", "worker", "--no-config",
+    worker = subprocess.Popen([*MDIEDGE, "worker", "--no-config",
                                "--control-port", "0", "--data-port", "0", "--name", "w1",
                                "--log-level", "warning"], stdout=subprocess.PIPE, text=True,
                               env=env)
@@ -128,7 +128,7 @@ def test_the_starter_serves_the_api_beside_its_control_plane(stories: Path,
         ring = tmp_path / "ring.toml"
         ring.write_text(f'[[workers]]\nname = "w1"\nhost = "127.0.0.1"\ncontrol_port = {port}\n')
         starter = subprocess.Popen(
-            [sys.executable, "-m", "mdiedge", "starter", "--config", str(ring), "--control-port",
+            [*MDIEDGE, "starter", "--config", str(ring), "--control-port",
              "0", "--api-port", "0", "--slots", "2", "--log-level", "warning",
              "--model", str(stories / "stories260K.bin"),
              "--tokenizer", str(stories / "tok512.model")],
@@ -164,7 +164,7 @@ def test_the_starter_serves_the_api_beside_its_control_plane(stories: Path,
 ])
 def test_bad_serve_options_are_one_line_errors(args: Any, message: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "MDIEDGE_API_KEY"}
-    out = subprocess.run([sys.executable, "-m", "mdiedge", "serve", *args], capture_output=True,
+    out = subprocess.run([*MDIEDGE, "serve", *args], capture_output=True,
                          text=True, timeout=120, stdin=subprocess.DEVNULL, env=env)
     lines = out.stderr.strip().splitlines()
     assert out.returncode != 0 and len(lines) == 1, out.stderr
@@ -181,7 +181,7 @@ def test_an_api_key_file_others_may_read_is_refused(command: str, tmp_path: Path
     args = ["--port", "0"] if command == "serve" else ["--config", str(ring), "--api-port", "0",
                                                         "--control-port", "0"]
     env = {k: v for k, v in os.environ.items() if k != "MDIEDGE_API_KEY"}
-    out = subprocess.run([sys.executable, "-m", "mdiedge", command, *args, "--api-key-file",
+    out = subprocess.run([*MDIEDGE, command, *args, "--api-key-file",
                           str(key)], capture_output=True, text=True, timeout=120,
                          stdin=subprocess.DEVNULL, env=env)
     lines = out.stderr.strip().splitlines()
@@ -197,7 +197,7 @@ def test_a_port_in_use_is_a_one_line_error() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        out = subprocess.run([sys.executable, "-m", "mdiedge", "serve", "--nodes", "3",
+        out = subprocess.run([*MDIEDGE, "serve", "--nodes", "3",
                               "--port", str(port)], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert f"mdiedge: error: cannot listen on 127.0.0.1:{port}" in out.stderr.strip()
@@ -242,7 +242,7 @@ def test_serve_decodes_with_early_exit() -> None:
     from mdiedge.engine.local import LocalEngine
 
     env = {k: v for k, v in os.environ.items() if k != "MDIEDGE_API_KEY"}
-    proc = subprocess.Popen([sys.executable, "-m", "mdiedge", "serve", "--port", "0", "--nodes",
+    proc = subprocess.Popen([*MDIEDGE, "serve", "--port", "0", "--nodes",
                              "1", "--slots", "1", "--early-exit", "softmax",
                              "--exit-threshold", "0"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)

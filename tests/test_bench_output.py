@@ -16,6 +16,7 @@ from mdiedge.tools import bench as benchmarks
 from mdiedge.tools.benchtable import (COLUMNS, RANGE_COLUMN, column_widths, columns, format_line,
                                     row_cells)
 from mdiedge.tools.roofline import Roofline
+from commands import MDIEDGE
 
 
 def figures(nodes: int, micro_batch: int) -> Dict[str, Any]:
@@ -208,7 +209,7 @@ def test_cli_json_is_one_object_at_the_end(capsys: pytest.CaptureFixture,
 
 def test_a_real_run_prints_rows_before_it_ends(ring_model: Path) -> None:
     """The command as a user runs it: the first row is on stdout while the next runs."""
-    proc = subprocess.Popen([sys.executable, "-m", "mdiedge", "bench", "--model", str(ring_model),
+    proc = subprocess.Popen([*MDIEDGE, "bench", "--model", str(ring_model),
                              "--nodes", "2", "--samples", "1", "--new-tokens", "2",
                              "--context", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)

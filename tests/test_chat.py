@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from typing import Any, List
 
@@ -12,8 +11,8 @@ import pytest
 
 from mdiedge.base.errors import GenerationError
 from mdiedge.cli.chat import Conversation, fit_turns
+from commands import MDIEDGE
 
-MDIEDGE = [sys.executable, "-m", "mdiedge"]
 
 
 @pytest.mark.parametrize("lengths, budget, context, dropped", [

@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import List
 
 import pytest
+from commands import MDIEDGE
 
 
 def mdiedge(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mdiedge", *args], capture_output=True,
+    return subprocess.run([*MDIEDGE, *args], capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -79,7 +80,7 @@ def spawn_worker(name: str) -> "subprocess.Popen[str]":
 
     env = dict(os.environ, MDIEDGE_SECRET=RING_SECRET)
     env.pop("MDIEDGE_SECRET_FILE", None)
-    return subprocess.Popen([sys.executable, "-m", "mdiedge", "worker", "--no-config",
+    return subprocess.Popen([*MDIEDGE, "worker", "--no-config",
                              "--control-port", "0", "--data-port", "0", "--name", name,
                              "--log-level", "warning", "--idle-timeout", "3"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -107,14 +108,14 @@ def test_generate_with_a_ring_file_talks_to_secured_workers(stories: Path, tmp_p
         ring.write_text(starter + "".join(
             f'[[workers]]\nname = "w{i + 1}"\nhost = "127.0.0.1"\ncontrol_port = {port}\n'
             for i, port in enumerate(ports)))
-        out = subprocess.run([sys.executable, "-m", "mdiedge", "generate", "Once", "-n", "12",
+        out = subprocess.run([*MDIEDGE, "generate", "Once", "-n", "12",
                               "--temperature", "0", "--json", "--ring", str(ring), *stall,
                               *stories_args(stories)], capture_output=True, text=True,
                              timeout=120, env=env)
         assert out.returncode == 0, out.stderr
         result = json.loads(out.stdout)
         assert result["nodes"] == 3 and len(result["samples"][0]["token_ids"]) == 12
-        status = subprocess.run([sys.executable, "-m", "mdiedge", "status", "--ring", str(ring),
+        status = subprocess.run([*MDIEDGE, "status", "--ring", str(ring),
                                  "--json"], capture_output=True, text=True, timeout=60, env=env)
         assert status.returncode == 0, status.stdout + status.stderr
     finally:
@@ -155,7 +156,7 @@ def test_version_prints_the_version() -> None:
 def help_text(*args: str) -> str:
     import os
 
-    out = subprocess.run([sys.executable, "-m", "mdiedge", *args, "--help"], capture_output=True,
+    out = subprocess.run([*MDIEDGE, *args, "--help"], capture_output=True,
                          text=True, timeout=60, env=dict(os.environ, COLUMNS="200"))
     assert out.returncode == 0, out.stderr
     return out.stdout

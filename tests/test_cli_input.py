@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
+from commands import MDIEDGE
 
 CASES = [
     (["worker", "--no-config", "--control-port", "-1"], "--control-port: expected a port 0..65535, got -1"),
@@ -71,7 +72,7 @@ EARLY = [
 
 
 def mdiedge(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mdiedge", *args], capture_output=True,
+    return subprocess.run([*MDIEDGE, *args], capture_output=True,
                           text=True, timeout=120, stdin=subprocess.DEVNULL)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from mdiedge.model.sampling import SamplingParams
 from mdiedge.roles.local_ring import LocalRing
 from mdiedge.engine.ring import RingEngine
 from test_ring import workers_of
+from commands import MDIEDGE
 
 GREEDY = SamplingParams(temperature=0)
 STALL_S = 4.0
@@ -64,7 +64,7 @@ def test_the_local_ring_default_stall_time_is_short() -> None:
 
 
 def test_generate_stall_timeout_names_the_frozen_worker(stories: Path) -> None:
-    cmd = [sys.executable, "-m", "mdiedge", "generate", "Once upon", "--model",
+    cmd = [*MDIEDGE, "generate", "Once upon", "--model",
            str(stories / "stories260K.bin"), "--tokenizer", str(stories / "tok512.model"),
            "-n", "480", "--nodes", "4", "--stall-timeout", str(STALL_S), "--no-recover"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -6,7 +6,6 @@ import json
 import math
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any, List
 
@@ -15,12 +14,13 @@ import torch
 
 from mdiedge.base.errors import ConfigError
 from mdiedge.model.checkpoint import content_hash, load_config, load_model
-from mdiedge.model.exitfiles import (CLASSIFIER_FILE, THRESHOLDS_FILE, ExitSettings,
+from mdiedge.model.exitfiles import (CLASSIFIER_FILE, ExitSettings,
                                      exit_settings, load_classifier, save_classifier)
 from mdiedge.model.exits import NEVER, ExitClassifier, ExitPolicy, ExitStep, cosine, softmax_margin
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.engine.local import LocalEngine
 from tolerance import assert_close, model_path_length
+from commands import MDIEDGE
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -232,7 +232,7 @@ def test_unknown_criterion_is_refused() -> None:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mdiedge", *args], capture_output=True,
+    return subprocess.run([*MDIEDGE, *args], capture_output=True,
                           text=True, timeout=300)
 
 

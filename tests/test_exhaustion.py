@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 from typing import Iterator, List, Tuple
@@ -26,6 +25,7 @@ import pytest
 from mdiedge.base.ratelog import Throttled
 from mdiedge.runtime.auth import Authenticator
 from mdiedge.runtime.control import ControlServer
+from commands import MDIEDGE
 
 REPO = Path(__file__).resolve().parent.parent
 STORIES = REPO / "tests" / "data" / "stories260k"
@@ -110,7 +110,7 @@ def test_a_starter_flooded_on_its_api_port_keeps_its_watchdog_and_control_port(
     env.pop("MDIEDGE_API_KEY", None)
     log = (tmp_path / "stderr").open("w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mdiedge", "starter", "--config", str(ring), "--control-port",
+        [*MDIEDGE, "starter", "--config", str(ring), "--control-port",
          "0", "--api-port", "0", "--log-level", "info", "--model",
          str(STORIES / "stories260K.bin"), "--tokenizer", str(STORIES / "tok512.model")],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True,

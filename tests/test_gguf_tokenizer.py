@@ -8,7 +8,6 @@ import importlib.util
 import os
 import struct
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -17,6 +16,7 @@ import pytest
 from mdiedge.base.errors import TokenizerError
 from mdiedge.model import gguf_vocab
 from mdiedge.model.tokenizer import load_tokenizer
+from commands import MDIEDGE
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
@@ -290,7 +290,7 @@ def test_an_unknown_version_is_one_line(spm: Dict[str, Any], tmp_path: Path) -> 
 def test_the_cli_says_one_line_for_a_bad_vocabulary(tmp_path: Path) -> None:
     path = _write(tmp_path / "bad.gguf", "gpt2", pre="smollm")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-m", "mdiedge", "generate", "--model",
+    done = subprocess.run([*MDIEDGE, "generate", "--model",
                            str(NANOLLAMA), "--tokenizer", str(path), "hi",
                            "--max-new-tokens", "1"], capture_output=True, text=True, env=env,
                           timeout=120)

@@ -7,10 +7,10 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 from mdiedge.base import defaults
+from commands import MDIEDGE
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,7 +42,7 @@ def test_calibrate_exit_without_text(tmp_path: Path) -> None:
     work = tmp_path / "empty"
     work.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "mdiedge", "calibrate-exit", "--model",
+    done = subprocess.run([*MDIEDGE, "calibrate-exit", "--model",
                            str(model), "--criterion", "classifier", "--criterion", "similarity",
                            "--tokens", "600", "--train-tokens", "300", "--json"],
                           cwd=work, env=env, capture_output=True, text=True, timeout=300)

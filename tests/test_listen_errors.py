@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import socket
 import subprocess
-import sys
 from typing import Iterator
 
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from mdiedge.base.errors import ListenError, MdiedgeError
 from mdiedge.runtime.control import ControlServer
 from mdiedge.runtime.links import tcp_listen
+from commands import MDIEDGE
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def test_ipv6_address_is_bracketed() -> None:
 
 
 def test_worker_command_names_the_port(taken: int) -> None:
-    out = subprocess.run([sys.executable, "-m", "mdiedge", "worker", "--no-config",
+    out = subprocess.run([*MDIEDGE, "worker", "--no-config",
                           "--control-port", str(taken), "--data-port", "0"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0

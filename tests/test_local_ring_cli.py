@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import List
@@ -14,10 +13,11 @@ from typing import List
 import pytest
 
 from test_ring import workers_of
+from commands import MDIEDGE
 
 
 def command(stories: Path, *extra: str) -> List[str]:
-    return [sys.executable, "-m", "mdiedge", "generate", "Once upon", "--model",
+    return [*MDIEDGE, "generate", "Once upon", "--model",
             str(stories / "stories260K.bin"), "--tokenizer", str(stories / "tok512.model"), *extra]
 
 

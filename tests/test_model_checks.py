@@ -11,12 +11,12 @@ import os
 import shutil
 import struct
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
 import pytest
+from commands import MDIEDGE
 
 REPO = Path(__file__).resolve().parent.parent
 NANO = REPO / "models" / "nanollama"
@@ -125,7 +125,7 @@ CASES: Dict[str, Tuple[Callable[[Path], None], str]] = {
 def _generate(args: List[str], timeout: float = 120) -> Tuple[subprocess.CompletedProcess, float]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     started = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "mdiedge", "generate", "ROMEO:", "-n", "4",
+    out = subprocess.run([*MDIEDGE, "generate", "ROMEO:", "-n", "4",
                           "--temperature", "0", *args], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     return out, time.monotonic() - started

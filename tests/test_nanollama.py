@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 
 import torch
 
 from mdiedge.model.checkpoint import load_model
 from mdiedge.base.defaults import default_model_path
+from commands import MDIEDGE
 
 
 def test_transformers_loads_it_and_logits_match() -> None:
@@ -28,7 +28,7 @@ def test_transformers_loads_it_and_logits_match() -> None:
 
 
 def test_main_command_writes_play_dialogue() -> None:
-    out = subprocess.run([sys.executable, "-m", "mdiedge", "generate", "ROMEO:", "-n", "800",
+    out = subprocess.run([*MDIEDGE, "generate", "ROMEO:", "-n", "800",
                           "--json", "--seed", "1"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)

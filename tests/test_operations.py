@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -21,13 +20,14 @@ from mdiedge.runtime.auth import Authenticator
 from mdiedge.runtime.control import call, node_id
 from mdiedge.base.nodes import NodeSpec
 from mdiedge.engine.ring import RingEngine
+from commands import MDIEDGE
 
 SECRET = "s3cret-ring-key-0123456789abcdef"
 
 
 def spawn(args: List[str], secret: str = SECRET) -> Tuple[subprocess.Popen, Dict[str, Any]]:
     env = dict(os.environ, MDIEDGE_SECRET=secret)
-    proc = subprocess.Popen([sys.executable, "-m", "mdiedge", *args], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([*MDIEDGE, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=env, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -74,7 +74,7 @@ def cluster(tmp_path_factory: Any, stories_model: Path) -> Iterator[Dict[str, An
 
 
 def mdiedge(*args: str, secret: str = SECRET) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mdiedge", *args], capture_output=True, text=True,
+    return subprocess.run([*MDIEDGE, *args], capture_output=True, text=True,
                           timeout=120, env=dict(os.environ, MDIEDGE_SECRET=secret))
 
 
@@ -233,7 +233,7 @@ def test_worker_data_port_refuses_an_unauthenticated_peer(cluster: Dict[str, Any
 
 
 def test_non_loopback_without_secret_is_refused() -> None:
-    out = subprocess.run([sys.executable, "-m", "mdiedge", "worker", "--host", "0.0.0.0",
+    out = subprocess.run([*MDIEDGE, "worker", "--host", "0.0.0.0",
                           "--control-port", "0", "--data-port", "0"], capture_output=True,
                          text=True, timeout=60, env={k: v for k, v in os.environ.items()
                                                      if not k.startswith("MDIEDGE_SECRET")})

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 from mdiedge.model import block, layers, transformer
 from mdiedge.tools.profile import CATEGORIES, profile_ring, table_lines
+from commands import MDIEDGE
 
 
 def test_profile_of_a_two_node_ring(ring_model: Path) -> None:
@@ -39,7 +39,7 @@ def test_profile_of_a_two_node_ring(ring_model: Path) -> None:
 
 
 def test_cli_profile_json_and_bad_rows(ring_model: Path) -> None:
-    run = [sys.executable, "-m", "mdiedge", "bench", "--profile", "--model", str(ring_model),
+    run = [*MDIEDGE, "bench", "--profile", "--model", str(ring_model),
            "--nodes", "2", "--samples", "2", "--context", "32"]
     out = subprocess.run(run + ["--json"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

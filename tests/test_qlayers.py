@@ -13,6 +13,7 @@ from mdiedge.model.layers import Linear
 from mdiedge.model.qlayers import QuantEmbedding, QuantLinear, quantize_weight
 from mdiedge.model.quant import dequantize
 from tolerance import assert_close
+from commands import MDIEDGE
 
 NANOLLAMA = Path(__file__).resolve().parent.parent / "models" / "nanollama"
 
@@ -76,10 +77,9 @@ def test_generate_quantize_is_the_same_on_one_node_and_a_ring() -> None:
     ring's greedy tokens are one process's."""
     import json
     import subprocess
-    import sys
 
     def ids(nodes: int) -> list:
-        out = subprocess.run([sys.executable, "-m", "mdiedge", "generate", "ROMEO:", "-n", "24",
+        out = subprocess.run([*MDIEDGE, "generate", "ROMEO:", "-n", "24",
                               "--temperature", "0", "--nodes", str(nodes), "--quantize", "q4_0",
                               "--json"], capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr

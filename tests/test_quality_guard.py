@@ -4,7 +4,6 @@ own forward, a codec's hops change the hidden states within its bound, and the f
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from mdiedge.base.codecs import FP16, INT8, NONE, Compression
 from mdiedge.model.checkpoint import load_model
 from mdiedge.tools.quality import agreement, round_trip, stage_ranges, teacher_forced
+from commands import MDIEDGE
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_agreement_figures(model: torch.nn.Module) -> None:
     (["--compression", "int8", "--text", "/nonexistent"], "--text: expected a text file"),
 ])
 def test_bad_guard_options_are_one_line(args: list, message: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "mdiedge", "bench", *args],
+    done = subprocess.run([*MDIEDGE, "bench", *args],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and message in done.stderr
     assert "Traceback" not in done.stderr

@@ -27,6 +27,7 @@ from mdiedge.placement.partition import choose_members
 from mdiedge.runtime.pipeline import ModelEnds, Pipeline
 from mdiedge.runtime.scheduler import MAX_FRUITLESS_RECOVERIES, Scheduler
 from mdiedge.runtime.stages import LocalStage
+from commands import MDIEDGE
 
 GREEDY = SamplingParams(temperature=0)
 SAMPLED = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=11)
@@ -377,7 +378,6 @@ def test_the_long_lived_starter_serves_degraded_then_takes_the_worker_back(
     port (as systemd's Restart= does), rejoins, and status exits 0."""
     import json
     import subprocess
-    import sys
 
     from test_operations import SECRET, spawn, stop
 
@@ -386,7 +386,7 @@ def test_the_long_lived_starter_serves_degraded_then_takes_the_worker_back(
                       "--log-level", "warning"])
 
     def status() -> Any:
-        return subprocess.run([sys.executable, "-m", "mdiedge", "status", "--starter", url,
+        return subprocess.run([*MDIEDGE, "status", "--starter", url,
                                "--json"], capture_output=True, text=True, timeout=60,
                               env=dict(os.environ, MDIEDGE_SECRET=SECRET))
 
@@ -442,11 +442,10 @@ def test_generate_goes_on_when_a_worker_of_its_local_ring_is_killed(stories: Pat
     """``mdiedge generate --nodes 3`` in a terminal-less pipe: a worker killed while it
     streams; the text equals the one-process text and the command exits 0."""
     import subprocess
-    import sys
 
     from test_ring import workers_of
 
-    args = [sys.executable, "-m", "mdiedge", "generate", "Once upon", "-n", "300",
+    args = [*MDIEDGE, "generate", "Once upon", "-n", "300",
             "--temperature", "0", "--model", str(stories / "stories260K.bin"),
             "--tokenizer", str(stories / "tok512.model"), "--stall-timeout", str(STALL_S)]
     alone = subprocess.run(args + ["--nodes", "1"], capture_output=True, text=True, timeout=120)

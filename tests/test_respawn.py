@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -19,6 +18,7 @@ import pytest
 from mdiedge.base.defaults import RESPAWN_FIRST_S, RESPAWN_MAX_S, RESPAWN_STABLE_S
 from mdiedge.roles.local_ring import RESPAWN_TRIES, restart_pause
 from test_ring import workers_of
+from commands import MDIEDGE
 
 BACK_WITHIN_S = 30.0
 
@@ -51,7 +51,7 @@ def completion(base: str) -> Optional[str]:
 def test_serve_starts_its_dead_workers_again_and_serves(stories: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "MDIEDGE_API_KEY"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mdiedge", "serve", "--port", "0", "--nodes", "3", "--slots", "2",
+        [*MDIEDGE, "serve", "--port", "0", "--nodes", "3", "--slots", "2",
          "--context", "256", "--stall-timeout", "2", "--model", str(stories / "stories260K.bin"),
          "--tokenizer", str(stories / "tok512.model")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

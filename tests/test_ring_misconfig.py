@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterator, List
 
 import pytest
+from commands import MDIEDGE
 
 REPO = Path(__file__).resolve().parent.parent
 SECRET = "misconfig-ring-secret-0123456789"
@@ -21,7 +22,7 @@ SKEWED = ("import sys, time, runpy; _time = time.time; time.time = lambda: _time
 
 def _worker(skewed: bool = False) -> subprocess.Popen:
     env = dict(os.environ, MDIEDGE_SECRET=SECRET, OMP_NUM_THREADS="1")
-    head = [sys.executable, "-c", SKEWED] if skewed else [sys.executable, "-m", "mdiedge"]
+    head = [sys.executable, "-c", SKEWED] if skewed else list(MDIEDGE)
     return subprocess.Popen(head + ["worker", "--no-config", "--control-port", "0",
                                     "--data-port", "0", "--name", "w1", "--log-level",
                                     "warning"], cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -46,7 +47,7 @@ def _port(proc: subprocess.Popen) -> int:
 
 def _generate(ring: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, MDIEDGE_SECRET=SECRET, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "mdiedge", "generate", "ROMEO:", "-n", "3",
+    return subprocess.run([*MDIEDGE, "generate", "ROMEO:", "-n", "3",
                            "--temperature", "0", "--ring", str(ring)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=180,
                           stdin=subprocess.DEVNULL)
@@ -76,7 +77,7 @@ def test_a_ring_of_spares_only_is_refused_with_a_reason(tmp_path: Path) -> None:
     ring = tmp_path / "ring.toml"
     ring.write_text('[[workers]]\nhost = "127.0.0.1"\ncontrol_port = 7700\nspare = true\n'
                     '[[workers]]\nhost = "127.0.0.1"\ncontrol_port = 7710\nspare = true\n')
-    out = subprocess.run([sys.executable, "-m", "mdiedge", "config", "check", str(ring)],
+    out = subprocess.run([*MDIEDGE, "config", "check", str(ring)],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0, out
     assert out.stderr.strip() == (f"mdiedge: error: {ring}: workers: every one of the 2 workers "

@@ -9,7 +9,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -20,6 +19,7 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import pytest
 
 from mdiedge.serving import sdnotify
+from commands import MDIEDGE
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -318,7 +318,7 @@ def test_worker_under_a_fake_systemd(notify_socket: Tuple[socket.socket, str],
     sock, path = notify_socket
     env = dict(os.environ, NOTIFY_SOCKET=path, WATCHDOG_USEC="400000", OMP_NUM_THREADS="1")
     env.pop("WATCHDOG_PID", None)
-    command = [sys.executable, "-m", "mdiedge", "worker", "--host", "127.0.0.1",
+    command = [*MDIEDGE, "worker", "--host", "127.0.0.1",
                "--control-port", "0", "--data-port", "0", "--log-level", "warning"]
     stderr = (tmp_path / "stderr").open("w+")
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr,

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
 
 import pytest
 from smollm2 import NEW_TOKENS, Reference
+from commands import MDIEDGE
 
 PROMPT = "The capital of France is"
 QUESTION = "What is the capital of France?"
@@ -31,7 +31,7 @@ def reference(smollm2_dir: Path) -> Reference:
 
 def mdiedge(*args: str) -> subprocess.CompletedProcess:
     """``mdiedge ARGS`` as a user runs it, with no standard input; stderr on failure."""
-    out = subprocess.run([sys.executable, "-m", "mdiedge", *args], capture_output=True,
+    out = subprocess.run([*MDIEDGE, *args], capture_output=True,
                          text=True, timeout=RUN_S, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, f"mdiedge {' '.join(args)}: exit {out.returncode}\n{out.stderr}"
     return out
@@ -74,7 +74,7 @@ def served(smollm2_dir: Path, request: Any) -> Iterator[Dict[str, Any]]:
     ready line (the API's ``url``, the ``model`` name it serves)."""
     env = dict(os.environ, MDIEDGE_API_KEY=KEY)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mdiedge", "serve", "--port", "0", "--nodes", "2", "--slots", "1",
+        [*MDIEDGE, "serve", "--port", "0", "--nodes", "2", "--slots", "1",
          "--context", "512", "--model", model_arg(request.param, smollm2_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:

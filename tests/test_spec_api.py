@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from mdiedge.runtime.draftmodel import DraftModel
 from mdiedge.runtime.drafting import request_speculate
 from mdiedge.serving.api.rules import ServeLimits
 from mdiedge.serving.api.server import Api, listen
+from commands import MDIEDGE
 
 REPO = Path(__file__).resolve().parent.parent
 NANOLLAMA = REPO / "models" / "nanollama"
@@ -207,7 +207,7 @@ def test_a_dropped_stream_leaves_no_draft_slot_behind(api: Api, engine: LocalEng
 
 def serve(*args: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "MDIEDGE_API_KEY"}
-    return subprocess.Popen([sys.executable, "-m", "mdiedge", "serve", "--port", "0", *args],
+    return subprocess.Popen([*MDIEDGE, "serve", "--port", "0", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -14,6 +13,7 @@ import pytest
 
 from mdiedge.base.errors import UsageError
 from mdiedge.tools import specbench
+from commands import MDIEDGE
 
 REPO = Path(__file__).resolve().parent.parent
 NANOLLAMA = REPO / "models" / "nanollama"
@@ -95,7 +95,7 @@ def test_the_order_alternates_and_the_rings_are_one_process_and_the_largest() ->
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mdiedge", "bench", "--model", str(NANOLLAMA),
+    return subprocess.run([*MDIEDGE, "bench", "--model", str(NANOLLAMA),
                            "--samples", "2", "--new-tokens", "12", *args],
                           capture_output=True, text=True, timeout=300)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Tuple
 
@@ -18,6 +17,7 @@ from mdiedge.engine.local import LocalEngine
 from mdiedge.engine.ring import RingEngine
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.roles.local_ring import LocalRing
+from commands import MDIEDGE
 
 REPO = Path(__file__).resolve().parent.parent
 NANOLLAMA = REPO / "models" / "nanollama"
@@ -115,7 +115,7 @@ def test_a_seed_gives_the_same_sampled_text_on_one_and_three_nodes(
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mdiedge", "generate", PROMPT, "--model",
+    return subprocess.run([*MDIEDGE, "generate", PROMPT, "--model",
                            str(NANOLLAMA), "--temperature", "0", *args],
                           capture_output=True, text=True, timeout=300)
 

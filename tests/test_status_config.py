@@ -9,7 +9,6 @@ import os
 import socket
 import stat
 import subprocess
-import sys
 from pathlib import Path
 from typing import Dict, Iterator, List
 
@@ -17,6 +16,7 @@ import pytest
 
 from mdiedge.base.defaults import STARTER_CONTROL_PORT
 from mdiedge.serving.skeletons import worker_ports
+from commands import MDIEDGE
 
 ENV_KEYS = ("MDIEDGE_CONFIG", "MDIEDGE_SECRET", "MDIEDGE_SECRET_FILE", "MDIEDGE_API_KEY")
 
@@ -31,13 +31,13 @@ def env(tmp_path: Path) -> Dict[str, str]:
 
 
 def mdiedge(env: Dict[str, str], *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mdiedge", *args], capture_output=True,
+    return subprocess.run([*MDIEDGE, *args], capture_output=True,
                           text=True, timeout=300, env=env, cwd=cwd, stdin=subprocess.DEVNULL)
 
 
 def start(env: Dict[str, str], cwd: Path, *args: str) -> "tuple[subprocess.Popen, dict]":
     """A long-lived node (or server), once it printed its ready line."""
-    process = subprocess.Popen([sys.executable, "-m", "mdiedge", *args], cwd=cwd, env=env,
+    process = subprocess.Popen([*MDIEDGE, *args], cwd=cwd, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                stdin=subprocess.DEVNULL)
     assert process.stdout is not None

@@ -12,6 +12,7 @@ import time
 from typing import Callable, List, Optional
 
 import pytest
+from commands import MDIEDGE
 
 ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(\x07|\x1b\\)|\x1b[()][0-9A-Za-z]|\x1b[=>78]")
 
@@ -33,7 +34,7 @@ def in_terminal(args: List[str], columns: int = 100, timeout: float = 120, statu
     env = dict(os.environ, TERM="xterm-256color", COLUMNS=str(columns))
     for key in ("NO_COLOR", "FORCE_COLOR", "TERM_PROGRAM"):
         env.pop(key, None)
-    proc = subprocess.Popen([*(command or [sys.executable, "-m", "mdiedge"]), *args],
+    proc = subprocess.Popen([*(command or MDIEDGE), *args],
                             stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True,
                             start_new_session=True,
                             preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
@@ -95,7 +96,7 @@ def as_seen(raw: str) -> str:
 
 def test_streamed_text_is_continuous_in_a_terminal() -> None:
     args = ["generate", "ROMEO:", "-n", "40", "--nodes", "1", "--seed", "1"]
-    out = subprocess.run([sys.executable, "-m", "mdiedge", *args, "--json"], capture_output=True,
+    out = subprocess.run([*MDIEDGE, *args, "--json"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     expected = "ROMEO:" + json.loads(out.stdout)["samples"][0]["text"]
@@ -137,7 +138,7 @@ def fake_starter() -> "object":
 def status(url: str, columns: int, secret: str = SECRET, *more: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MDIEDGE_SECRET")}
     env.update(COLUMNS=str(columns), MDIEDGE_SECRET=secret) if secret else env.update(COLUMNS=str(columns))
-    return subprocess.run([sys.executable, "-m", "mdiedge", "status", "--starter", url, *more],
+    return subprocess.run([*MDIEDGE, "status", "--starter", url, *more],
                           capture_output=True, text=True, timeout=60, env=env)
 
 
@@ -299,7 +300,7 @@ def test_samples_are_printed_as_they_finish() -> None:
     sample 2 meets the stop string after 12 tokens, sample 1 after 17, sample 0 runs its 30."""
     args = ["generate", "ROMEO:", "-n", "30", "--nodes", "1", "--samples", "3", "--stop", "\n\n",
             "--seed", "5"]
-    out = subprocess.run([sys.executable, "-m", "mdiedge", *args, "--json"],
+    out = subprocess.run([*MDIEDGE, *args, "--json"],
                          capture_output=True, text=True, timeout=120)
     assert [(s["index"], s["finish_reason"], len(s["token_ids"]))
             for s in json.loads(out.stdout)["samples"]] == [(0, "length", 30), (1, "stop", 17),
@@ -314,7 +315,7 @@ def test_a_drawn_seed_is_shown_and_repeats_the_run() -> None:
     """No --seed: a seed is drawn (two runs differ), named in the summary line and in --json;
     --seed with it prints the same text again."""
     args = ["generate", "ROMEO:", "-n", "20", "--nodes", "1"]
-    first, second = (subprocess.run([sys.executable, "-m", "mdiedge", *args, "--json"],
+    first, second = (subprocess.run([*MDIEDGE, *args, "--json"],
                                     capture_output=True, text=True, timeout=120)
                      for _ in range(2))
     a, b = json.loads(first.stdout), json.loads(second.stdout)

@@ -10,6 +10,7 @@ import pytest
 
 from mdiedge.base import threads
 from mdiedge.base.threads import cgroup_cores, node_threads
+from commands import MDIEDGE
 
 
 @pytest.mark.parametrize("requested, nodes_here, cores, expected", [
@@ -106,7 +107,7 @@ def test_threads_flag_reaches_every_node(stories) -> None:
 
 @pytest.mark.parametrize("value", ["-1", "5000", "abc"])
 def test_bad_threads_is_a_usage_error(value: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "mdiedge", "generate", "x", "--threads", value],
+    out = subprocess.run([*MDIEDGE, "generate", "x", "--threads", value],
                          capture_output=True, text=True, cwd="/")
     assert out.returncode == 2, out.stderr
     assert "--threads" in out.stderr or "threads" in out.stderr.lower()

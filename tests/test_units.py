@@ -13,6 +13,7 @@ import pytest
 
 from mdiedge.serving import units
 from mdiedge.serving.skeletons import skeleton
+from commands import MDIEDGE
 
 try:
     import tomllib
@@ -285,7 +286,7 @@ def test_default_command_without_a_console_script(tmp_path: Path) -> None:
 
 
 def _cli(*args: str) -> "subprocess.CompletedProcess[str]":
-    return subprocess.run([sys.executable, "-m", "mdiedge", *args], capture_output=True,
+    return subprocess.run([*MDIEDGE, *args], capture_output=True,
                           text=True, timeout=120, stdin=subprocess.DEVNULL)
 
 
@@ -345,7 +346,7 @@ def test_the_nodes_read_the_secret_systemd_opens_as_stdin(tmp_path: Path) -> Non
     env = {k: v for k, v in os.environ.items() if not k.startswith("MDIEDGE_")}
     with secret.open("rb") as stdin:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "mdiedge", "worker", "--no-config", "--host", "0.0.0.0",
+            [*MDIEDGE, "worker", "--no-config", "--host", "0.0.0.0",
              "--control-port", "0", "--data-port", "0", "--secret-fd", "0"],
             stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -367,7 +368,7 @@ def test_the_starter_reads_the_secret_from_stdin(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_text("short\n")
     with secret.open("rb") as stdin:
-        out = subprocess.run([sys.executable, "-m", "mdiedge", "starter", "--config", str(ring),
+        out = subprocess.run([*MDIEDGE, "starter", "--config", str(ring),
                               "--secret-fd", "0"], stdin=stdin, capture_output=True, text=True,
                              timeout=120)
     assert out.returncode == 2 and out.stderr == \
@@ -429,7 +430,7 @@ def test_config_init_round_trips_through_config_check(tmp_path: Path, kind: str)
 
     env = dict(os.environ, XDG_CONFIG_HOME=str(tmp_path / "config"),
                XDG_CACHE_HOME=str(tmp_path / "cache"))
-    out = subprocess.run([sys.executable, "-m", "mdiedge", "config", "init", kind],
+    out = subprocess.run([*MDIEDGE, "config", "init", kind],
                          capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     secret = tmp_path / "config" / "mdiedge" / "secret"
@@ -441,9 +442,8 @@ def test_config_init_round_trips_through_config_check(tmp_path: Path, kind: str)
 
 def test_config_init_refuses_an_unknown_kind() -> None:
     import subprocess
-    import sys
 
-    out = subprocess.run([sys.executable, "-m", "mdiedge", "config", "init", "gateway"],
+    out = subprocess.run([*MDIEDGE, "config", "init", "gateway"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stdout == ""  # a usage error
     assert out.stderr == "mdiedge: error: unknown config kind 'gateway'; choose worker, " \

@@ -81,6 +81,8 @@ RESPAWN_STABLE_S = 60.0  # a restart that lived this long resets the pause and t
 BUSY_POLL_US = 200  # a node waiting for a frame polls its link this long before it sleeps:
 #                   a frame that comes sooner costs no wake-up (0: sleep at once)
 MAX_BUSY_POLL_US = 100_000
+LOAD_SAMPLES = 5  # readings of procs_running a process takes as it starts (threads.py)
+LOAD_SAMPLE_GAP_S = 0.002  # the pause between two of them
 MAX_THREADS = 4096  # the most torch threads a worker may be told to use
 
 # exhaustion: what a flood of connections may hold, and how its log lines are kept short

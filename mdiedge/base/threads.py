@@ -26,12 +26,13 @@ import sys
 import time
 from typing import Dict, Mapping, Optional
 
+from . import defaults
+
 WAIT_POLICY = "OMP_WAIT_POLICY"
 SPIN_COUNT = "GOMP_SPINCOUNT"
 SPIN_BEFORE_SLEEP = 3000  # libgomp's rounds of spinning before a wait sleeps, on a quiet machine
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
 PROC_STAT = "/proc/stat"
-LOAD_SAMPLES, LOAD_SAMPLE_GAP_S = 5, 0.002
 
 
 def openmp_waits(environ: Mapping[str, str], others_running: int, cores: int) -> Dict[str, str]:
@@ -49,14 +50,14 @@ def others_running() -> int:
     """How many other tasks run on this machine now: the median of a few readings of
     ``procs_running``, less this process; 0 where it cannot be read."""
     readings = []
-    for i in range(LOAD_SAMPLES):
+    for i in range(defaults.LOAD_SAMPLES):
         text = _read(PROC_STAT, 1 << 16) or ""
         found = re.search(r"^procs_running (\d+)$", text, re.M)
         if found is None:
             return 0
         readings.append(int(found.group(1)) - 1)
-        if i + 1 < LOAD_SAMPLES:
-            time.sleep(LOAD_SAMPLE_GAP_S)
+        if i + 1 < defaults.LOAD_SAMPLES:
+            time.sleep(defaults.LOAD_SAMPLE_GAP_S)
     return max(0, int(statistics.median(readings)))
 
 

@@ -46,3 +46,30 @@ def test_a_control_server_stops_within_a_poll() -> None:
     began = time.monotonic()
     server.stop()
     assert time.monotonic() - began < 0.3  # up to 0.5 s before
+
+
+@pytest.mark.parametrize("code, status", [("0", 120), ("3", 3)])
+def test_output_that_cannot_be_written_is_a_failure(code: str, status: int) -> None:
+    """stdout that cannot take the rest of the answer (a full disk): a status 0 becomes
+    Python's own 120, another status stays."""
+    program = ("import sys\nfrom mdiedge.base.leave import leave\n"
+               "class Full:\n"
+               "    def write(self, text): return len(text)\n"
+               "    def flush(self): raise OSError(28, 'No space left on device')\n"
+               "sys.stdout = Full()\nleave(%s)\n" % code)
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == status, out.stderr
+
+
+def test_a_ctrl_c_while_leaving_is_status_130() -> None:
+    program = ("import os, signal, threading, time\n"
+               "from mdiedge.base.leave import leave\n"
+               "threading.Thread(target=lambda: (time.sleep(0.5), os.kill(os.getpid(),"
+               " signal.SIGINT), time.sleep(5))).start()\n"
+               "leave(0)\n")
+    began = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 130 and "Traceback" not in out.stderr, out.stderr
+    assert time.monotonic() - began < 4

@@ -23,7 +23,15 @@ from commands import MDIEDGE
     (1, 1, 16, 1),
 ])
 def test_node_threads(requested: int, nodes_here: int, cores: int, expected: int) -> None:
-    assert node_threads(requested, nodes_here, cores) == expected
+    assert node_threads(requested, nodes_here, cores, environ={}) == expected
+
+
+@pytest.mark.parametrize("requested, told, expected", [
+    (0, "1", 1), (0, "3", 3), (2, "1", 2), (0, "", 4), (0, "0", 4), (0, "many", 4),
+    (0, "2,1", 4),  # a nested list: not a count this node takes
+])
+def test_omp_num_threads_is_the_default(requested: int, told: str, expected: int) -> None:
+    assert node_threads(requested, 1, 4, environ={"OMP_NUM_THREADS": told}) == expected
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional
 import pytest
 
 from mdiedge.serving import units
-from mdiedge.serving.skeletons import skeleton
+from mdiedge.serving.skeletons import on_boards, skeleton
 from commands import MDIEDGE
 
 try:
@@ -218,11 +218,14 @@ def test_install_units(tmp_path: Path) -> None:
         assert _directives(text, "ExecStart")[0].startswith("/opt/venv/bin/mdiedge ")
         assert (dest / name).stat().st_mode & 0o777 == 0o644
     worker_config = (config_dir / "mdiedge.toml").read_text()
-    assert worker_config == skeleton("worker").replace("/etc/mdiedge/", f"{config_dir}/")
+    # a board's worker: every interface, where the one-machine skeleton listens on loopback
+    assert worker_config == on_boards(skeleton("worker")).replace("/etc/mdiedge/",
+                                                                  f"{config_dir}/")
+    assert '\nhost = "0.0.0.0"\n# host = "127.0.0.1"\n' in worker_config
     assert f"reads\n# {config_dir}/mdiedge.toml" in worker_config
     assert f'\nsecret_file = "{config_dir}/secret"\n' in worker_config  # the units' file
     assert (config_dir / "starter.toml").read_text() == \
-        skeleton("starter").replace("/etc/mdiedge/", f"{config_dir}/")
+        on_boards(skeleton("starter")).replace("/etc/mdiedge/", f"{config_dir}/")
 
     # a second call changes nothing: units exist, configs are never overwritten
     (config_dir / "mdiedge.toml").write_text("# mine\n")

@@ -32,20 +32,40 @@ def leave(code: object) -> "NoReturn":
     does first on its way out (``threading._shutdown``: threading's exit callbacks, which
     end idle thread pools, then a wait for every thread that is not a daemon), the
     ``atexit`` functions (logging's flush among them), stdout and stderr flushed; then exit
-    at once, without unloading modules."""
+    at once, without unloading modules. A Ctrl-C meanwhile ends it with status 130; stdout
+    that cannot be written (a full disk) turns a status 0 into Python's 120."""
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)
+    status = exit_status(code)
+    try:
+        _wait_for_threads()
+        atexit._run_exitfuncs()
+    except KeyboardInterrupt:
+        status = 130
+    if not _flushed(sys.stdout) and status == 0:
+        status = 120
+    _flushed(sys.stderr)
+    os._exit(status)
+
+
+def _wait_for_threads() -> None:
     shutdown = getattr(threading, "_shutdown", None)
     if shutdown is not None:
         shutdown()
-    else:  # not CPython's threading
-        for thread in threading.enumerate():
-            if thread is not threading.main_thread() and not thread.daemon:
-                thread.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a reader gone, or a stream closed
-            pass
-    os._exit(exit_status(code))
+        return
+    for thread in threading.enumerate():  # not CPython's threading
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+
+
+def _flushed(stream: object) -> bool:
+    """Whether ``stream`` is flushed, or its reader is gone (EPIPE), or it is closed."""
+    try:
+        stream.flush()  # type: ignore[attr-defined]
+    except BrokenPipeError:
+        return True
+    except OSError:
+        return False
+    except (ValueError, AttributeError):  # closed, or replaced by something without flush
+        return True
+    return True

@@ -4,8 +4,9 @@ same package directory, whatever the working directory.
 ``python -m mdiedge`` would put the working directory first on ``sys.path``: started from a
 clone's root, a worker would import the uncompiled source tree instead of the installed
 package its starter runs (the pure-Python twins, many times slower), and after a ``git pull``
-other code than its starter's. ``-c`` with the package's own directory in ``sys.path[0]``
-imports exactly what this process imported, on every Python from 3.8 (``-P`` is 3.11's).
+other code than its starter's. ``-c`` without the working directory on ``sys.path``, and the
+package's own directory on it, imports what this process imported, on every Python from 3.8
+(``-P`` is 3.11's).
 """
 from __future__ import annotations
 
@@ -23,8 +24,15 @@ def package_root() -> str:
 
 
 def _boot_source(root: str) -> str:
-    return ("import sys; sys.path[0] = %r; sys.argv[0] = %r; "
-            "from mdiedge.__main__ import main; main()" % (root, PROGRAM))
+    """``-c`` code that drops the working directory ``-c`` puts first on ``sys.path``, puts
+    ``root`` first unless it is on the path already (site-packages stays behind the
+    standard library), and runs the command line."""
+    return ("import sys\n"
+            "if sys.path and sys.path[0] == '': del sys.path[0]\n"
+            "if %r not in sys.path: sys.path.insert(0, %r)\n"
+            "sys.argv[0] = %r\n"
+            "from mdiedge.__main__ import main\n"
+            "main()" % (root, root, PROGRAM))
 
 
 def mdiedge_command(args: Sequence[str]) -> List[str]:

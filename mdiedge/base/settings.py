@@ -511,6 +511,8 @@ def _models_found(settings: Settings, find_model: Callable[[str], Any]) -> None:
                 find_model(section.model)
             except MdiedgeError as e:
                 raise _error(settings.source, f"{section.TABLE}.model", str(e)) from None
+            except PermissionError:  # not this user's to read (a unit's DynamicUser's may)
+                continue
 
 
 def _ring_has_secret(settings: Settings, env: Mapping[str, str]) -> None:

@@ -30,6 +30,7 @@ from . import defaults
 
 WAIT_POLICY = "OMP_WAIT_POLICY"
 SPIN_COUNT = "GOMP_SPINCOUNT"
+NUM_THREADS = "OMP_NUM_THREADS"
 SPIN_BEFORE_SLEEP = 3000  # libgomp's rounds of spinning before a wait sleeps, on a quiet machine
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
 PROC_STAT = "/proc/stat"
@@ -66,7 +67,8 @@ def choose_openmp_waits() -> None:
     it); nothing where the user chose a policy."""
     if WAIT_POLICY in os.environ or SPIN_COUNT in os.environ:
         return
-    os.environ.update(openmp_waits(os.environ, others_running(), available_cores()))
+    # procs_running counts the whole machine's tasks: weigh them against all its cores
+    os.environ.update(openmp_waits(os.environ, others_running(), os.cpu_count() or 1))
 
 
 def openmp_wait_mode() -> str:
@@ -111,11 +113,16 @@ def available_cores() -> int:
     return max(1, min(cores, quota) if quota is not None else cores)
 
 
-def node_threads(requested: int, nodes_here: int, cores: int) -> int:
+def node_threads(requested: int, nodes_here: int, cores: int,
+                 environ: Mapping[str, str] = os.environ) -> int:
     """The threads of one of ``nodes_here`` nodes sharing ``cores``: ``requested`` when it is
-    set (> 0), else an equal share of the cores, at least one."""
+    set (> 0), else ``OMP_NUM_THREADS`` when the environment sets a number >= 1 (the habit
+    torch and llama.cpp's users bring), else an equal share of the cores, at least one."""
     if requested > 0:
         return requested
+    told = environ.get(NUM_THREADS, "").strip()
+    if told.isdigit() and int(told) >= 1:
+        return int(told)
     return max(1, cores // max(1, nodes_here))
 
 

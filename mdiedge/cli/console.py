@@ -149,19 +149,24 @@ COLUMNS: Dict[str, Callable[[Dict[str, Any]], str]] = {
     "uptime s": lambda n: str(n.get("uptime_s", "-")),
     "recoveries": lambda n: str(n.get("recoveries", "-")) if n.get("role") == "starter" else "-",
     "version": lambda n: str(n.get("version", "-")),
-    "code": lambda n: code_summary(n.get("code") or {}),
-    "OpenMP waits": lambda n: str((n.get("code") or {}).get("openmp_waits", "-")),
+    "code": lambda n: code_summary(n.get("code")),
+    "OpenMP waits": lambda n: str(_code(n).get("openmp_waits", "-")),
 }
 IDENTITY = ("node", "role", "address", "state")
 DEFAULT = ("node", "state", "role", "address", "layers", "busy", "slots", "device", "threads",
            "RSS MB", "KV MB", "rtt ms")
 
 
-def code_summary(code: Dict[str, Any]) -> str:
+def _code(node: Dict[str, Any]) -> Dict[str, Any]:
+    code = node.get("code")
+    return code if isinstance(code, dict) else {}
+
+
+def code_summary(code: Any) -> str:
     """``compiled``, ``twins: step, quant`` (the modules running their pure-Python twins),
     or ``-`` where a node does not say."""
-    modules = code.get("modules") or {}
-    if not modules:
+    modules = code.get("modules") if isinstance(code, dict) else None
+    if not modules or not isinstance(modules, dict):
         return "-"
     twins = sorted(name for name, how in modules.items() if how != "compiled")
     return "twins: " + ", ".join(twins) if twins else "compiled"
@@ -223,9 +228,9 @@ def print_status(nodes: List[Dict[str, Any]], wide: bool = False) -> None:
         if n.get("error"):
             console.print(f"{n.get('name', '?')}: {shown_state(n)}: {n['error']}", markup=False,
                           highlight=False, soft_wrap=True)
-        if code_summary(n.get("code") or {}).startswith("twins"):
+        if code_summary(n.get("code")).startswith("twins"):
             console.print(f"{n.get('name', '?')}: runs the pure-Python {code_summary(n['code'])}"
-                          f" (many times slower), from {n['code'].get('package', '?')}",
+                          f" (many times slower), from {_code(n).get('package', '?')}",
                           markup=False, highlight=False, soft_wrap=True)
         if n.get("setup"):
             console.print(f"{n.get('name', '?')}: setting up the ring: waiting for "

@@ -9,6 +9,7 @@ differs on a ring of boards, that value is a comment. The ring secret itself is 
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -51,6 +52,11 @@ def worker_ports(name: str) -> Tuple[int, int]:
     return WORKER_CONTROL_PORT + 2 * (index - 1), WORKER_DATA_PORT + 2 * (index - 1)
 
 
+def _toml(text: str) -> str:
+    """``text`` as a TOML basic string (a path with a quote or a backslash included)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
 def _worker(name: str, secret_file: str, cache_dir: str) -> str:
     control, data = worker_ports(name)
     return f"""\
@@ -77,7 +83,7 @@ data_port = {data}
 threads = 0
 # Where received weights are cached (by content hash): a folder this user can write. The
 # shipped units pass --cache-dir $STATE_DIRECTORY ({BOARD_CACHE}), which wins over this.
-cache_dir = "{cache_dir}"
+cache_dir = {_toml(cache_dir)}
 # cache_dir = "{BOARD_CACHE}"
 # debug, info, warning or error (logs go to stderr; under the units, the journal).
 log_level = "info"
@@ -116,7 +122,7 @@ def _secret_keys(secret_file: str, drives: Optional[str]) -> str:
 # node of a ring holds the same secret (`mdiedge config init` made this one): copy the file
 # to each board. The shipped units hand {BOARD_SECRET} to the node on its standard input
 # (--secret-fd 0, which wins).
-secret_file = "{secret_file}"
+secret_file = {_toml(secret_file)}
 # secret_file = "{BOARD_SECRET}"
 # The ring secret itself, at least 16 bytes, instead of secret_file (then make this file
 # unreadable to others). Neither set: $MDIEDGE_SECRET, else $MDIEDGE_SECRET_FILE.
@@ -306,6 +312,16 @@ def create_secret_file(path: Path) -> bool:
     return True
 
 
+def on_boards(text: str, keys: Tuple[str, ...] = ("host",)) -> str:
+    """A skeleton's ``text`` with the board value of each of ``keys`` in force: the commented
+    line below an active ``key = ...`` becomes the active one, and that one a comment."""
+    pattern = re.compile(r"^(%s) = (.*)\n# \1 = (.*)$" % "|".join(map(re.escape, keys)), re.M)
+    return pattern.sub(lambda m: f"{m.group(1)} = {m.group(3)}\n# {m.group(1)} = {m.group(2)}",
+                       text)
+
+
 def configs_for_units() -> Dict[str, str]:
-    """The configs ``install-units`` writes beside the units, by file name."""
-    return {"mdiedge.toml": skeleton("worker"), "starter.toml": skeleton("starter")}
+    """The configs ``install-units`` writes beside the units, by file name: nodes of a ring
+    of boards, so every address is a board's (the starter's to be edited)."""
+    return {"mdiedge.toml": on_boards(skeleton("worker")),
+            "starter.toml": on_boards(skeleton("starter"))}

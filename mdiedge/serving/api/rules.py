@@ -98,9 +98,9 @@ def slot_shape(model: KvModel, available: Optional[int], blocks_here: int,
     ``available``: up to ``API_SLOTS`` slots of the model's context (at most
     ``API_CONTEXT``), fewer slots first, then the context halved down to ``API_MIN_CONTEXT``
     (or the model's, if shorter) for one slot. That floor is kept even past the share."""
-    top = min(model.max_context, defaults.API_CONTEXT)
+    top = slot_context(0, model.max_context)
     per_token = model.position_bytes(blocks_here)
-    context = top if context == 0 else context
+    context = None if context is None else slot_context(context, model.max_context)
     most = (slots or defaults.API_SLOTS, context or top)
     if slots is not None and context is not None:
         return SlotShape(slots, context, per_token, available, "given", most, share)

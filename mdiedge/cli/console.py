@@ -151,6 +151,7 @@ COLUMNS: Dict[str, Callable[[Dict[str, Any]], str]] = {
     "version": lambda n: str(n.get("version", "-")),
     "code": lambda n: code_summary(n.get("code")),
     "OpenMP waits": lambda n: str(_code(n).get("openmp_waits", "-")),
+    "decode": lambda n: decode_summary(n.get("decode")),
 }
 IDENTITY = ("node", "role", "address", "state")
 DEFAULT = ("node", "state", "role", "address", "layers", "busy", "slots", "device", "threads",
@@ -160,6 +161,19 @@ DEFAULT = ("node", "state", "role", "address", "layers", "busy", "slots", "devic
 def _code(node: Dict[str, Any]) -> Dict[str, Any]:
     code = node.get("code")
     return code if isinstance(code, dict) else {}
+
+
+def decode_summary(route: Any) -> str:
+    """``step`` where the node's blocks and head both decode in the compiled step, else each
+    part's route (``blocks torch, head step``); ``-`` where unknown."""
+    if not isinstance(route, dict):
+        return "-"
+    parts = {p: str(route[p]) for p in ("blocks", "head") if p in route}
+    if not parts:
+        return "-"
+    if set(parts.values()) == {"step"}:
+        return "step"
+    return ", ".join(f"{p} {how}" for p, how in parts.items())
 
 
 def code_summary(code: Any) -> str:
@@ -232,6 +246,10 @@ def print_status(nodes: List[Dict[str, Any]], wide: bool = False) -> None:
             console.print(f"{n.get('name', '?')}: runs the pure-Python {code_summary(n['code'])}"
                           f" (many times slower), from {_code(n).get('package', '?')}",
                           markup=False, highlight=False, soft_wrap=True)
+        reason = n.get("decode", {}).get("reason") if isinstance(n.get("decode"), dict) else None
+        if reason:
+            console.print(f"{n.get('name', '?')}: decodes in torch ({reason})", markup=False,
+                          highlight=False, soft_wrap=True)
         if n.get("setup"):
             console.print(f"{n.get('name', '?')}: setting up the ring: waiting for "
                           f"{n['setup']}", markup=False, highlight=False, soft_wrap=True)

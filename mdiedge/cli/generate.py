@@ -274,6 +274,8 @@ def _generate_with(engine: "Engine", request: "Prompt", max_new_tokens: int, sam
         result["model"] = str(engine.path)
         result["nodes"] = n_nodes()
         result["links"] = engine.link_stats()
+        result["decode"] = [dict(node=n.name, layers=n.layers, **n.decode)
+                            for n in engine.status()]
         typer.echo(json.dumps(result))
         return
     if stream is not None:

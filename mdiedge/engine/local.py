@@ -16,7 +16,7 @@ from ..roles.exitparts import starter_policy
 from ..runtime.compute import ComputeThread
 from ..runtime.pipeline import ModelEnds, Pipeline
 from ..runtime.scheduler import Scheduler
-from ..runtime.stages import LocalStage
+from ..runtime.stages import LocalStage, joined_routes
 from ..runtime.protocol import NodeStatus, busy_fraction
 from .facade import Engine, PathLike, TextModel
 
@@ -83,7 +83,8 @@ class LocalEngine(Engine):
         return [NodeStatus("starter", "local", "ready" if idle else "busy",
                            layers=[0, self.cfg.n_layers], busy_fraction=busy,
                            slots_in_use=scheduler.slots_in_use if scheduler is not None else 0,
-                           threads=compute_threads(), code=running_code())]
+                           threads=compute_threads(), code=running_code(),
+                           decode=joined_routes([s.decode_route for s in self.stages]))]
 
     def kv_fill_s(self) -> float:
         return sum(stage.counters.kv_fill_s for stage in self.stages)

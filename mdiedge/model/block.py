@@ -212,6 +212,35 @@ class Block(nn.Module):
                             self.attn_norm.eps)
 
 
+    def step_refusal(self) -> str:
+        """Why ``step_weights`` gives None for this block, in a few words."""
+        attn, mlp = self.attn, self.mlp
+        if not isinstance(mlp, MLP):
+            return f"its feed-forward is a {type(mlp).__name__}, not a dense MLP"
+        if attn.cache is None:
+            return "no KV cache"
+        if not fused_with(attn.qkv, attn.wq) or not fused_with(mlp.gate_up, mlp.gate):
+            return "Q/K/V or gate/up are not fused"
+        if getattr(attn.wq, "bias", None) is not None:
+            return "Q/K/V biases"
+        for name, held in (("qkv", attn.qkv), ("wo", attn.wo), ("gate_up", mlp.gate_up),
+                           ("down", mlp.down)):
+            if step_matrix(held) is None:
+                return f"matrix {name} ({_held_type(held)}) has no kernel in the step"
+        return "a tensor is not contiguous float32 on the CPU"
+
+
+def _held_type(held: Any) -> str:
+    group = getattr(held, "layers", None)
+    if group is not None:
+        return " + ".join(_held_type(layer) for layer in group)
+    qtype = getattr(held, "qtype", None)
+    if qtype is not None:
+        return str(qtype)
+    weight = held if isinstance(held, Tensor) else getattr(held, "weight", None)
+    return str(getattr(weight, "dtype", type(held).__name__)).replace("torch.", "")
+
+
 def step_matrix(held: Any) -> Optional[Any]:
     """A matrix as the compiled step reads it: a float buffer or a float layer's weight when
     plain float32, a quantized layer's blocks as a ``QuantMatrix``, a group of quantized

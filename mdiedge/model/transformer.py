@@ -24,6 +24,7 @@ from . import _pystep
 from ._stepspec import BlockWeights
 from .block import KVCache, step_matrix
 from .config import ModelConfig
+from .decoderoute import decode_route
 from .exits import ExitStep
 from .families import family_of
 from .fit import check_memory
@@ -224,6 +225,10 @@ class Transformer(nn.Module):
             self._steps = [] if any(w is None for w in found) else found  # type: ignore[misc]
             self._plans = {}
         return self._steps
+
+    def decode_route(self) -> Dict[str, str]:
+        """How a decode step runs here (``mdiedge.model.decoderoute``)."""
+        return decode_route(self, _step)
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "Transformer":
         self._steps = None  # tensors moved or converted

@@ -449,6 +449,7 @@ def starter_status(starter: RingStarter) -> NodeStatus:
         stats = scheduler.stats
         status.state = "ready" if scheduler.idle else "busy"
         status.layers = stage.layers
+        status.decode = dict(stage.decode_route)
         memory = stage.memory()
         status.weight_bytes, status.kv_bytes = memory["weight_bytes"], memory["kv_bytes"]
         status.expert_load = stage.model.expert_load()

@@ -177,6 +177,7 @@ class WorkerNode:
             status.slots_in_use, status.messages, status.tokens = stage.slots_in_use, c.messages, c.tokens
             status.compute_s, status.kv_fill_s = round(c.compute_s, 6), round(c.kv_fill_s, 6)
             status.busy_fraction = busy_fraction(c.compute_s, time.time() - c.since)
+            status.decode = dict(stage.decode_route)
         return status.to_json()
 
     def assign(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:

@@ -257,6 +257,7 @@ class NodeStatus:
     setup: Optional[str] = None  # a starter: what setting up its ring waits for now
     threads: int = 0  # compute threads
     code: Dict[str, Any] = field(default_factory=dict)  # accel.running_code(): what it runs
+    decode: Dict[str, str] = field(default_factory=dict)  # Transformer.decode_route()
 
     def to_json(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)

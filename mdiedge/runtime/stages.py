@@ -10,6 +10,7 @@ a remote tail.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, ContextManager, Dict, List, Optional
@@ -24,6 +25,7 @@ from ..base.errors import RingError
 
 
 _ALREADY = contextlib.nullcontext()
+log = logging.getLogger("mdiedge.stage")
 
 
 def inference() -> ContextManager[Any]:
@@ -43,6 +45,20 @@ class StageCounters:
     compute_s: float = 0.0
     since: float = 0.0  # time.time() of the set-up
     kv_fill_s: float = 0.0  # early exit: filling the KV of the blocks a step skipped
+
+
+def joined_routes(routes: List[Dict[str, str]]) -> Dict[str, str]:
+    """One process's decode route over its stages' (``Transformer.decode_route``): a part is
+    ``step`` only where every stage holding it runs it there; their reasons joined."""
+    joined: Dict[str, str] = {}
+    for route in routes:
+        for part in ("blocks", "head"):
+            if part in route and joined.get(part) != "torch":
+                joined[part] = route[part]
+    reasons = [r["reason"] for r in routes if r.get("reason")]
+    if reasons:
+        joined["reason"] = "; ".join(reasons)
+    return joined
 
 
 class LocalStage:
@@ -65,6 +81,10 @@ class LocalStage:
         self.trim_prefill = trim_prefill
         self.n_slots, self.context = n_slots, context
         model.setup_cache(n_slots, context)
+        self.decode_route = model.decode_route()
+        if "reason" in self.decode_route and self.device.type == "cpu":
+            log.warning("decode of blocks [%d, %d) runs in torch, not the compiled step: %s",
+                        model.first, model.last, self.decode_route["reason"])
         self.slots = SlotTable(n_slots)
         self.counters = StageCounters(since=time.time())
 

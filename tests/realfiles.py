@@ -183,7 +183,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="assemble real files, record golden answers")
     parser.add_argument("--record", choices=sorted(REAL_FILES), action="append", default=[])
     parser.add_argument("--path", choices=sorted(REAL_FILES))
+    parser.add_argument("--wheels", action="store_true", help="print every file's wheels")
     args = parser.parse_args()
+    if args.wheels:
+        print(" ".join(f.wheels for f in REAL_FILES.values()))
     if args.path:
         print(REAL_FILES[args.path].path())
     for each in args.record:

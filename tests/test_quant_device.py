@@ -1,4 +1,4 @@
-"""The CUDA path of quantized layers, checked where no GPU is: ``quant_device``'s torch
+"""The CUDA path of quantized layers, checked where no GPU is: ``quant.dequantize_on_device``'s torch
 de-quantizer equals the reference one value for value for every kernel type, and a GGUF model
 whose products take the device branch (``qlayers.widens_on_device`` forced: each weight
 widened with torch operations, then one float32 product) gives the CPU kernels' logits and
@@ -18,7 +18,7 @@ from gguf_files import write_gguf
 from mdiedge.model import qlayers, quant
 from mdiedge.model import transformer as transformer_module
 from mdiedge.model.checkpoint import load_model
-from mdiedge.model.quant_device import dequantize_on_device
+from mdiedge.model.quant import dequantize_on_device
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.runtime.generation import Generation
 from mdiedge.runtime.scheduler import run_single

@@ -1,5 +1,5 @@
-"""Layers whose weights stay in a GGUF block type (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: see
-``mdiedge.model.quant``) while every activation, accumulator and output stays float32 (the
+"""Layers whose weights stay in a GGUF block type (every type of ``mdiedge.model.quant.TYPES``
+with a kernel: F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K, IQ4_NL, IQ4_XS) while every activation, accumulator and output stays float32 (the
 Jetson FP32 rule): the weights are widened to float32 inside the kernels.
 
 - ``QuantLinear``: up to ``KERNEL_ROWS`` rows (decode, micro-batched or not) take the
@@ -9,7 +9,7 @@ Jetson FP32 rule): the weights are widened to float32 inside the kernels.
 - ``QuantEmbedding``: a token's row de-quantized when it is looked up.
 
 On another device (CUDA) the blocks move with the model and each product de-quantizes its
-weight there, with torch operations (``mdiedge.model.quant_device``), then multiplies in
+weight there, with torch operations (``mdiedge.model.quant.dequantize_on_device``), then multiplies in
 float32.
 
 ``keep_quantized`` swaps a float ``Linear``/``Embedding`` for these where the file stores
@@ -28,8 +28,7 @@ from ..base.accel import Twins
 from ..base.errors import CheckpointError, QuantError
 from . import _pyquant
 from .layers import Linear
-from .quant import TYPES, check_blocks, qtype_of, quantize, row_bytes
-from .quant_device import dequantize_on_device
+from .quant import TYPES, check_blocks, dequantize_on_device, qtype_of, quantize, row_bytes
 
 try:
     from . import _cquant
@@ -173,7 +172,7 @@ def kernel_qtype(source: Any, theirs: str) -> Optional[str]:
     if qtype is None:
         return None
     name = str(qtype(theirs)).upper()
-    return name if name in TYPES and TYPES[name].kernel else None
+    return name if name in TYPES and TYPES[name].native else None
 
 
 def keep_quantized(net: nn.Module, source: Any, plan: Dict[str, str]) -> Set[str]:

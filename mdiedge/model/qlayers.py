@@ -18,6 +18,7 @@ weights (``--quantize``).
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Dict, Optional, Sequence, Set, Tuple
 
@@ -36,6 +37,7 @@ except ImportError:  # not built: the twin serves
     _cquant = None  # type: ignore[assignment]
 QUANT = Twins(_pyquant, _cquant)
 _quant = QUANT.select()
+log = logging.getLogger("mdiedge.quant")
 KERNEL_ROWS = 8  # rows the compiled product takes; more are a prefill
 TILE_BYTES = 4 << 20  # float32 bytes of the de-quantized tile a prefill multiplies by
 
@@ -181,6 +183,7 @@ def keep_quantized(net: nn.Module, source: Any, plan: Dict[str, str]) -> Set[str
     parameter names now held so, which need no float read. A tied head shares the
     embedding's bytes."""
     held: Set[str] = set()
+    _log_widened(source, plan.values())
     for ours, theirs in plan.items():
         qtype = kernel_qtype(source, theirs)
         owner, attr = _parent(net, ours)
@@ -200,6 +203,23 @@ def keep_quantized(net: nn.Module, source: Any, plan: Dict[str, str]) -> Set[str
         held.add(ours)
     _tie_quantized(net, held)
     return held
+
+
+def _log_widened(source: Any, names: Any) -> None:
+    """One log line per type without a kernel that ``source`` stores some of ``names`` in
+    (de-quantized to float32 as they are read), naming those tensors."""
+    qtype = getattr(source, "qtype", None)
+    if qtype is None:
+        return
+    widened: Dict[str, list] = {}
+    for name in names:
+        stored = str(qtype(name)).upper()
+        if stored != "F32" and not (stored in TYPES and TYPES[stored].native):
+            widened.setdefault(stored, []).append(name)
+    for stored, tensors in sorted(widened.items()):
+        log.warning("%s: %d tensor(s) of type %s have no kernel and are de-quantized to "
+                    "float32 at load: %s", getattr(source, "path", "model"), len(tensors),
+                    stored, ", ".join(tensors))
 
 
 def _tie_quantized(net: nn.Module, held: Set[str]) -> None:

@@ -169,11 +169,15 @@ def _parent(net: nn.Module, ours: str) -> Tuple[nn.Module, str]:
 
 
 def kernel_qtype(source: Any, theirs: str) -> Optional[str]:
-    """The stored type of ``theirs`` when the source keeps blocks the kernels run."""
+    """The stored type of ``theirs`` when the source keeps blocks the kernels run (a vector,
+    such as a norm a file stores in F16, is read as float)."""
     qtype = getattr(source, "qtype", None)
     if qtype is None:
         return None
     name = str(qtype(theirs)).upper()
+    shape = getattr(source, "shape", None)
+    if shape is not None and len(shape(theirs) or ()) == 1:
+        return None
     return name if name in TYPES and TYPES[name].native else None
 
 

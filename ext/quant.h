@@ -307,6 +307,8 @@ static const qm_dot_fn qm_scalar[QM_TYPES][QM_GROUP + 1] = {
 typedef float qs_f8 __attribute__((vector_size(32)));
 typedef float qs_f4 __attribute__((vector_size(16)));
 typedef int32_t qs_i32 __attribute__((vector_size(32)));
+typedef int8_t qs_i8x16 __attribute__((vector_size(16)));
+typedef uint8_t qs_u8x16 __attribute__((vector_size(16)));
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -329,6 +331,13 @@ QS_ATTR static inline qs_f4 qm_half2_avx2(const uint8_t *p) {
 #define QS_HALF8(p) ((qs_f8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p))))
 #define QS_BF16_8(p) \
     ((qs_f8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+/* Sixteen int8 lanes as two vectors of eight floats, from registers. */
+QS_ATTR static inline void qm_widen16_avx2(qs_i8x16 v, qs_f8 *out) {
+    __m128i m = (__m128i)v;
+    out[0] = (qs_f8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(m));
+    out[1] = (qs_f8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(m, m)));
+}
+#define QS_WIDEN16(v, out) qm_widen16_avx2(v, out)
 #include "quant_simd.h"
 #define QM_SIMD_NAME "avx2"
 #define QM_SIMD_TABLE qs_table_avx2
@@ -373,6 +382,17 @@ static inline qs_f8 qm_bf16_8_neon(const uint8_t *p) {
                             vreinterpretq_f32_u32(vshll_high_n_u16(h, 16))}};
     return out.v;
 }
+static inline void qm_widen16_neon(qs_i8x16 v, qs_f8 *out) {
+    int8x16_t m = (int8x16_t)v;
+    int16x8_t lo = vmovl_s8(vget_low_s8(m)), hi = vmovl_high_s8(m);
+    qm_f8_neon a = {.h = {vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))),
+                          vcvtq_f32_s32(vmovl_high_s16(lo))}};
+    qm_f8_neon b = {.h = {vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))),
+                          vcvtq_f32_s32(vmovl_high_s16(hi))}};
+    out[0] = a.v;
+    out[1] = b.v;
+}
+#define QS_WIDEN16(v, out) qm_widen16_neon(v, out)
 #define QS_HALF8(p) qm_half8_neon(p)
 #define QS_BF16_8(p) qm_bf16_8_neon(p)
 #include "quant_simd.h"

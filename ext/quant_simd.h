@@ -77,24 +77,23 @@ QS_ALWAYS void QS(qs_blk_q4_1)(const uint8_t *blk, const float *x, const float *
     }
 }
 
-/* Bits 8 t .. 8 t + 7 of qh as eight lanes: 16 where the bit is set, else 0 (the fifth bit of
-   Q5_0's and Q5_1's weights 8 t .. 8 t + 7). */
-QS_ATTR static inline qs_i32 QS(qs_bit4)(uint32_t qh, int t) {
-    int32_t v = (int32_t)(qh >> (8 * t));
-    qs_i32 lanes = {v, v, v, v, v, v, v, v};
-    return ((lanes >> (qs_i32){0, 1, 2, 3, 4, 5, 6, 7}) & 1) << 4;
-}
-
-/* A Q5_0 or Q5_1 block's 32 five-bit quants (less `offset`) as four vectors: nibbles from
-   the 16 bytes at qs, fifth bits from the four at qh. */
+/* A Q5_0 or Q5_1 block's 32 five-bit quants (less `offset`) as four vectors: assembled as 32
+   bytes in two byte vectors (nibbles from the 16 bytes at qs; each of qh's four bytes spread
+   over eight lanes by one byte shuffle, masked to its lane's bit and compared, giving 16 where
+   the fifth bit is set), then widened to floats from the registers. */
 QS_ALWAYS void QS(qs_five)(const uint8_t *qh_at, const uint8_t *qs, int offset, qs_f8 *f) {
-    uint32_t qh;
+    const qs_u8x16 spread_lo = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
+    const qs_u8x16 spread_hi = {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
+    const qs_u8x16 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    qs_u8x16 qh = {0}, q;
     memcpy(&qh, qh_at, 4);
-    qs_i32 a = QS(qs_bu)(qs), c = QS(qs_bu)(qs + 8);
-    f[0] = QS(qs_f)(((a & 15) | QS(qs_bit4)(qh, 0)) - offset);
-    f[1] = QS(qs_f)(((c & 15) | QS(qs_bit4)(qh, 1)) - offset);
-    f[2] = QS(qs_f)(((a >> 4) | QS(qs_bit4)(qh, 2)) - offset);
-    f[3] = QS(qs_f)(((c >> 4) | QS(qs_bit4)(qh, 3)) - offset);
+    memcpy(&q, qs, 16);
+    qs_u8x16 lo = (qs_u8x16)((__builtin_shuffle(qh, spread_lo) & bit) == bit) & 16;
+    qs_u8x16 hi = (qs_u8x16)((__builtin_shuffle(qh, spread_hi) & bit) == bit) & 16;
+    qs_i8x16 first = (qs_i8x16)((q & 15) | lo) - (int8_t)offset;
+    qs_i8x16 second = (qs_i8x16)((q >> 4) | hi) - (int8_t)offset;
+    QS_WIDEN16(first, f);
+    QS_WIDEN16(second, f + 2);
 }
 
 QS_ALWAYS void QS(qs_blk_q5_0)(const uint8_t *blk, const float *x, ptrdiff_t k, qs_f8 *acc,
@@ -119,10 +118,7 @@ QS_ALWAYS void QS(qs_blk_q5_1)(const uint8_t *blk, const float *x, const float *
 }
 
 /* IQ4_NL's and IQ4_XS's 16 bytes of nibbles at qs looked up in qm_iq4nl (one byte shuffle
-   each: pshufb, tbl), stored as 32 int8 and widened from there into four vectors. */
-typedef int8_t qs_i8x16 __attribute__((vector_size(16)));
-typedef uint8_t qs_u8x16 __attribute__((vector_size(16)));
-
+   each: pshufb, tbl), widened from the registers into four vectors. */
 QS_ALWAYS void QS(qs_iq4)(const uint8_t *qs, qs_f8 *f) {
     const qs_i8x16 table = {-127, -104, -83, -65, -49, -35, -22, -10,
                             1, 13, 25, 38, 53, 69, 89, 113};
@@ -130,10 +126,8 @@ QS_ALWAYS void QS(qs_iq4)(const uint8_t *qs, qs_f8 *f) {
     memcpy(&q, qs, 16);
     qs_i8x16 lo = __builtin_shuffle(table, (qs_i8x16)(q & 15));
     qs_i8x16 hi = __builtin_shuffle(table, (qs_i8x16)(q >> 4));
-    int8_t values[32] __attribute__((aligned(16)));
-    memcpy(values, &lo, 16);
-    memcpy(values + 16, &hi, 16);
-    for (int t = 0; t < 4; t++) f[t] = QS(qs_f)(QS(qs_bs)((const uint8_t *)values + 8 * t));
+    QS_WIDEN16(lo, f);
+    QS_WIDEN16(hi, f + 2);
 }
 
 QS_ALWAYS void QS(qs_blk_iq4_nl)(const uint8_t *blk, const float *x, ptrdiff_t k, qs_f8 *acc,

@@ -4,7 +4,7 @@ same API. The kernels are ``ext/quant.h``: float32 arithmetic with each block's 
 in registers, a scalar reference and a vector path (AVX2+FMA+F16C on x86-64, NEON on aarch64)
 chosen at import, OpenMP threads over the output columns, the GIL released. Arguments are
 checked by ``mdiedge.model.quant`` (one line each, ``QuantError``)."""
-from mdiedge.model.quant import TYPES, check_compiled, check_matmul, check_rows
+from mdiedge.model.quant import check_compiled as _check_compiled, check_matmul, check_rows
 
 cdef extern from "quant.h" nogil:
     int QM_TYPES
@@ -22,7 +22,7 @@ qm_init()
 # ext/quant.h's types, in enum order: (name, weights per block, bytes per block)
 COMPILED_TYPES = tuple((qm_names[i].decode(), qm_block[i], qm_block_bytes[i])
                        for i in range(QM_TYPES))
-check_compiled(COMPILED_TYPES, __name__)
+_check_compiled(COMPILED_TYPES, __name__)
 _path = qm_use_simd(1).decode()
 
 

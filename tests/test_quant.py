@@ -78,6 +78,7 @@ def test_the_compiled_modules_kernel_tables_are_the_type_table() -> None:
     assert [(quant.TYPES[n].kernel, quant.TYPES[n].block, quant.TYPES[n].block_bytes)
             for n, _, _ in compiled] == [(i, b, bb) for i, (_, b, bb) in enumerate(compiled)]
     quant.check_compiled(compiled, "_cquant")
+    assert IMPLS[0].COMPILED_TYPES == compiled  # the twin runs the same types
     stale = list(compiled)
     stale[7] = ("Q5_0", 32, 20)
     with pytest.raises(QuantError, match=r"_cquant was built with quant type 7 = \('Q5_0', "

@@ -4,9 +4,13 @@ same API. The kernels are ``ext/quant.h``: float32 arithmetic with each block's 
 in registers, a scalar reference and a vector path (AVX2+FMA+F16C on x86-64, NEON on aarch64)
 chosen at import, OpenMP threads over the output columns, the GIL released. Arguments are
 checked by ``mdiedge.model.quant`` (one line each, ``QuantError``)."""
-from mdiedge.model.quant import KERNEL_TYPES, check_matmul, check_rows
+from mdiedge.model.quant import check_compiled as _check_compiled, check_matmul, check_rows
 
 cdef extern from "quant.h" nogil:
+    int QM_TYPES
+    const char *qm_names[]
+    const int qm_block[]
+    const int qm_block_bytes[]
     void qm_init()
     const char *qm_use_simd(int on)
     int qm_rows(int type, const unsigned char *w, const float *x, float *y, Py_ssize_t n,
@@ -15,8 +19,10 @@ cdef extern from "quant.h" nogil:
                     float *out, int threads)
 
 qm_init()
-_CODE = {name: i for i, name in enumerate(("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"))}
-assert set(_CODE) == set(KERNEL_TYPES)
+# ext/quant.h's types, in enum order: (name, weights per block, bytes per block)
+COMPILED_TYPES = tuple((qm_names[i].decode(), qm_block[i], qm_block_bytes[i])
+                       for i in range(QM_TYPES))
+_check_compiled(COMPILED_TYPES, __name__)
 _path = qm_use_simd(1).decode()
 
 
@@ -37,7 +43,7 @@ def matmul(x, w, qtype, out, int threads=1):
     """out = x @ W^T with W the de-quantized ``w`` (uint8 (n, row_bytes)) of type ``qtype``;
     x float32 (rows, in), out float32 (rows, n); returns out."""
     t = check_matmul(x, w, qtype, out, threads)
-    cdef int code = _CODE[t.name], rows = x.shape[0], status
+    cdef int code = t.kernel, rows = x.shape[0], status
     cdef size_t w_ptr = w.data_ptr(), x_ptr = x.data_ptr(), y_ptr = out.data_ptr()
     cdef Py_ssize_t n = w.shape[0], k = x.shape[1]
     with nogil:
@@ -52,7 +58,7 @@ def dequantize_rows(w, qtype, first, count, out, int threads=1):
     """out (count, in) float32 = rows [first, first + count) of ``w`` de-quantized; returns
     out."""
     t = check_rows(w, qtype, first, count, out, threads)
-    cdef int code = _CODE[t.name]
+    cdef int code = t.kernel
     cdef size_t w_ptr = w.data_ptr() + first * w.shape[1], y_ptr = out.data_ptr()
     cdef Py_ssize_t k = out.shape[1], c = count
     with nogil:

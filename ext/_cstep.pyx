@@ -7,6 +7,7 @@ consecutive blocks' pointers, made once, so ``blocks`` runs them all in one call
 is the final norm and the head product in one call."""
 from libc.stdlib cimport free, malloc
 
+from mdiedge.model.quant import check_compiled as _check_compiled
 from mdiedge.model._stepspec import (MAX_PARTS, MAX_ROWS, BlockWeights, Limits,  # noqa: F401
                                      QuantMatrix, StackedMatrix, check, check_call, check_logits,
                                      logits_usable, usable)
@@ -36,10 +37,16 @@ cdef extern from "step.h" nogil:
                       const long long *slots, const long long *pos, int threads)
     int st_blocks_step(const st_block *bs, int n, const float *x, float *out, int R,
                        const long long *slots, const long long *pos, int threads)
+    int QM_TYPES
+    const char *qm_names[]
+    const int qm_block[]
+    const int qm_block_bytes[]
     int st_logits(const float *x, const float *norm, float eps, const void *head, int head_t,
                   float *out, Py_ssize_t dim, Py_ssize_t vocab, int R, int threads)
 
 st_init()
+_check_compiled(tuple((qm_names[i].decode(), qm_block[i], qm_block_bytes[i])
+                     for i in range(QM_TYPES)), __name__)
 assert ST_PARTS == MAX_PARTS == 3, "ext/step.h's ST_PARTS is not _stepspec's MAX_PARTS"
 
 cdef const float *_ptr(t) except? NULL:

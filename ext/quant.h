@@ -1,12 +1,16 @@
-/* Products y = x W^T with W held in ggml's quantized blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; the
- * layouts are described in mdiedge/model/quant.py), x (rows, k) and y (rows, n) float32.
+/* Products y = x W^T with W held in ggml's quantized blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, F16,
+ * BF16, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL, IQ4_XS; the layouts are ggml-common.h's, described
+ * in mdiedge/model/quant.py, whose TYPES table holds each one's enum value below and is checked
+ * against qm_names, qm_block and qm_block_bytes when the modules are imported), x (rows, k)
+ * and y (rows, n) float32.
  *
  * Arithmetic is float32 only (the Jetson rule): each block's quants are widened to float32
  * in registers and multiplied with the float32 activations; nothing is rounded to int8 and no
  * integer dot product is taken (llama.cpp's CPU path quantizes the activations instead). A
  * block's scale is applied once to the block's partial sum, d * sum(q * x) rather than
- * sum((d * q) * x); a block's minimum (Q4_1, Q4_K) is applied to the sum of the activations
- * under the block, computed once per call (qm_xsum).
+ * sum((d * q) * x); a block's minimum (Q4_1, Q4_K, Q5_1, Q5_K) is applied to the sum of the
+ * activations under the block, computed once per call (qm_xsum); Q2_K's minimum (one per 16
+ * weights) is taken into its widened weights instead.
  *
  * Per type there is a plain scalar reference (qm_dot_scalar: the block de-quantized as
  * ggml's dequantize_row_<type> does, then a sequential dot product) and a vector path written
@@ -20,10 +24,19 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { QM_Q8_0, QM_Q4_0, QM_Q4_1, QM_Q4_K, QM_Q6_K, QM_TYPES };
+enum { QM_Q8_0, QM_Q4_0, QM_Q4_1, QM_Q4_K, QM_Q6_K, QM_F16, QM_BF16, QM_Q5_0, QM_Q5_1, QM_Q2_K,
+       QM_Q3_K, QM_Q5_K, QM_IQ4_NL, QM_IQ4_XS, QM_TYPES };
 
-static const int qm_block[QM_TYPES] = {32, 32, 32, 256, 256};        /* weights per block */
-static const int qm_block_bytes[QM_TYPES] = {34, 18, 20, 144, 210};  /* bytes per block */
+static const char *const qm_names[QM_TYPES] = {
+    "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "F16", "BF16", "Q5_0", "Q5_1", "Q2_K", "Q3_K",
+    "Q5_K", "IQ4_NL", "IQ4_XS"};
+static const int qm_block[QM_TYPES] = {             /* weights per block */
+    32, 32, 32, 256, 256, 1, 1, 32, 32, 256, 256, 256, 32, 256};
+static const int qm_block_bytes[QM_TYPES] = {       /* bytes per block */
+    34, 18, 20, 144, 210, 2, 2, 22, 24, 84, 110, 176, 18, 136};
+/* IQ4_NL's and IQ4_XS's sixteen values (ggml's kvalues_iq4nl) */
+static const int8_t qm_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                    1, 13, 25, 38, 53, 69, 89, 113};
 
 #define QM_GROUP 4           /* activation rows per pass over a weight row */
 #define QM_COLS_PER_TASK 16  /* output columns per OpenMP task */
@@ -124,9 +137,135 @@ static void qm_deq_q6_k(const uint8_t *b, float *y) {
     }
 }
 
+static void qm_deq_f16(const uint8_t *b, float *y) { y[0] = qm_half(b); }
+
+static void qm_deq_bf16(const uint8_t *b, float *y) {
+    uint32_t bits = ((uint32_t)b[0] | ((uint32_t)b[1] << 8)) << 16;
+    memcpy(y, &bits, 4);
+}
+
+static inline uint32_t qm_u32(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+/* Q5_0 {f16 d; uint8 qh[4]; uint8 qs[16]}: bit i of qh is weight i's fifth bit. */
+static void qm_deq_q5_0(const uint8_t *b, float *y) {
+    float d = qm_half(b);
+    uint32_t qh = qm_u32(b + 2);
+    for (int j = 0; j < 16; j++) {
+        int x0 = (int)((b[6 + j] & 0xF) | (((qh >> j) & 1) << 4)) - 16;
+        int x1 = (int)((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16;
+        y[j] = d * (float)x0;
+        y[j + 16] = d * (float)x1;
+    }
+}
+
+/* Q5_1 {f16 d, m; uint8 qh[4]; uint8 qs[16]} */
+static void qm_deq_q5_1(const uint8_t *b, float *y) {
+    float d = qm_half(b), m = qm_half(b + 2);
+    uint32_t qh = qm_u32(b + 4);
+    for (int j = 0; j < 16; j++) {
+        int x0 = (int)((b[8 + j] & 0xF) | (((qh >> j) & 1) << 4));
+        int x1 = (int)((b[8 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+        y[j] = d * (float)x0 + m;
+        y[j + 16] = d * (float)x1 + m;
+    }
+}
+
+/* Q2_K {uint8 scales[16]; uint8 qs[64]; f16 d, dmin}: per half of 128 weights, weight
+   32 j + l takes bits 2j of qs[l]; one 4-bit scale and 4-bit min per 16 weights. */
+static void qm_deq_q2_k(const uint8_t *b, float *y) {
+    const uint8_t *q = b + 16;
+    float d = qm_half(b + 80), dmin = qm_half(b + 82);
+    for (int n = 0; n < 2; n++, q += 32)
+        for (int j = 0; j < 4; j++)
+            for (int h = 0; h < 2; h++, y += 16) {
+                int sc = b[8 * n + 2 * j + h];
+                float dl = d * (float)(sc & 0xF), ml = dmin * (float)(sc >> 4);
+                for (int l = 0; l < 16; l++)
+                    y[l] = dl * (float)((q[16 * h + l] >> (2 * j)) & 3) - ml;
+            }
+}
+
+/* Q3_K's sixteen 6-bit scales, less 32, from its 12 packed bytes. */
+static inline void qm_scales_q3_k(const uint8_t *s, int *out) {
+    for (int j = 0; j < 16; j++) {
+        int low = j < 8 ? s[j] & 0xF : s[j - 8] >> 4;
+        int high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+        out[j] = (low | (high << 4)) - 32;
+    }
+}
+
+/* Q3_K {uint8 hmask[32]; uint8 qs[64]; uint8 scales[12]; f16 d}: as Q2_K's low bits, and
+   bit 4 n + j of hmask[l] the third (a clear bit subtracts 4). */
+static void qm_deq_q3_k(const uint8_t *b, float *y) {
+    const uint8_t *hm = b, *q = b + 32;
+    float d = qm_half(b + 108);
+    int sc[16];
+    qm_scales_q3_k(b + 96, sc);
+    for (int n = 0; n < 2; n++, q += 32)
+        for (int j = 0; j < 4; j++)
+            for (int h = 0; h < 2; h++, y += 16) {
+                float dl = d * (float)sc[8 * n + 2 * j + h];
+                for (int l = 16 * h; l < 16 * h + 16; l++) {
+                    int v = ((q[l] >> (2 * j)) & 3) - (((hm[l] >> (4 * n + j)) & 1) ? 0 : 4);
+                    y[l - 16 * h] = dl * (float)v;
+                }
+            }
+}
+
+/* Q5_K {f16 d, dmin; uint8 scales[12]; uint8 qh[32]; uint8 qs[128]}: Q4_K's, with bits 2c
+   and 2c + 1 of qh[l] the fifth bits of sub-blocks 2c and 2c + 1. */
+static void qm_deq_q5_k(const uint8_t *b, float *y) {
+    float d = qm_half(b), dmin = qm_half(b + 2);
+    const uint8_t *scales = b + 4, *qh = b + 16, *q = b + 48;
+    for (int c = 0; c < 4; c++, q += 32, y += 64) {
+        int sc, m;
+        qm_scale_min_k4(2 * c, scales, &sc, &m);
+        float d1 = d * sc, m1 = dmin * m;
+        qm_scale_min_k4(2 * c + 1, scales, &sc, &m);
+        float d2 = d * sc, m2 = dmin * m;
+        for (int l = 0; l < 32; l++) {
+            y[l] = d1 * (float)((q[l] & 0xF) | (((qh[l] >> (2 * c)) & 1) << 4)) - m1;
+            y[32 + l] = d2 * (float)((q[l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4)) - m2;
+        }
+    }
+}
+
+/* IQ4_NL {f16 d; uint8 qs[16]}: Q4_0's nibbles index qm_iq4nl. */
+static void qm_deq_iq4_nl(const uint8_t *b, float *y) {
+    float d = qm_half(b);
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)qm_iq4nl[b[2 + j] & 0xF];
+        y[j + 16] = d * (float)qm_iq4nl[b[2 + j] >> 4];
+    }
+}
+
+/* IQ4_XS's 6-bit scale of sub-block ib, less 32. */
+static inline int qm_scale_iq4_xs(const uint8_t *b, int ib) {
+    int high = ((b[2] | (b[3] << 8)) >> (2 * ib)) & 3;
+    return (((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (high << 4)) - 32;
+}
+
+/* IQ4_XS {f16 d; uint16 scales_h; uint8 scales_l[4]; uint8 qs[128]}: eight IQ4_NL-like
+   sub-blocks of 32, each scaled by d (scale - 32). */
+static void qm_deq_iq4_xs(const uint8_t *b, float *y) {
+    float d = qm_half(b);
+    const uint8_t *qs = b + 8;
+    for (int ib = 0; ib < 8; ib++, qs += 16, y += 32) {
+        float dl = d * (float)qm_scale_iq4_xs(b, ib);
+        for (int j = 0; j < 16; j++) {
+            y[j] = dl * (float)qm_iq4nl[qs[j] & 0xF];
+            y[j + 16] = dl * (float)qm_iq4nl[qs[j] >> 4];
+        }
+    }
+}
+
 typedef void (*qm_deq_fn)(const uint8_t *, float *);
-static const qm_deq_fn qm_deq[QM_TYPES] = {qm_deq_q8_0, qm_deq_q4_0, qm_deq_q4_1, qm_deq_q4_k,
-                                            qm_deq_q6_k};
+static const qm_deq_fn qm_deq[QM_TYPES] = {
+    qm_deq_q8_0, qm_deq_q4_0, qm_deq_q4_1, qm_deq_q4_k, qm_deq_q6_k, qm_deq_f16, qm_deq_bf16,
+    qm_deq_q5_0, qm_deq_q5_1, qm_deq_q2_k, qm_deq_q3_k, qm_deq_q5_k, qm_deq_iq4_nl,
+    qm_deq_iq4_xs};
 
 /* The reference dot of one weight row with R activation rows. */
 static inline void qm_dot_scalar(int type, const uint8_t *w, const float *x, ptrdiff_t k,
@@ -154,16 +293,22 @@ static inline void qm_dot_scalar(int type, const uint8_t *w, const float *x, ptr
 #define QM_SCALAR_TYPE(T) \
     QM_SCALAR_FN(T, 1) QM_SCALAR_FN(T, 2) QM_SCALAR_FN(T, 3) QM_SCALAR_FN(T, 4)
 QM_SCALAR_TYPE(0) QM_SCALAR_TYPE(1) QM_SCALAR_TYPE(2) QM_SCALAR_TYPE(3) QM_SCALAR_TYPE(4)
+QM_SCALAR_TYPE(5) QM_SCALAR_TYPE(6) QM_SCALAR_TYPE(7) QM_SCALAR_TYPE(8) QM_SCALAR_TYPE(9)
+QM_SCALAR_TYPE(10) QM_SCALAR_TYPE(11) QM_SCALAR_TYPE(12) QM_SCALAR_TYPE(13)
 #define QM_SCALAR_ROW(T) {NULL, qm_scalar_##T##_1, qm_scalar_##T##_2, qm_scalar_##T##_3, \
                           qm_scalar_##T##_4}
 static const qm_dot_fn qm_scalar[QM_TYPES][QM_GROUP + 1] = {
-    QM_SCALAR_ROW(0), QM_SCALAR_ROW(1), QM_SCALAR_ROW(2), QM_SCALAR_ROW(3), QM_SCALAR_ROW(4)};
+    QM_SCALAR_ROW(0), QM_SCALAR_ROW(1), QM_SCALAR_ROW(2), QM_SCALAR_ROW(3), QM_SCALAR_ROW(4),
+    QM_SCALAR_ROW(5), QM_SCALAR_ROW(6), QM_SCALAR_ROW(7), QM_SCALAR_ROW(8), QM_SCALAR_ROW(9),
+    QM_SCALAR_ROW(10), QM_SCALAR_ROW(11), QM_SCALAR_ROW(12), QM_SCALAR_ROW(13)};
 
 /* -- the vector paths ------------------------------------------------------------------- */
 
 typedef float qs_f8 __attribute__((vector_size(32)));
 typedef float qs_f4 __attribute__((vector_size(16)));
 typedef int32_t qs_i32 __attribute__((vector_size(32)));
+typedef int8_t qs_i8x16 __attribute__((vector_size(16)));
+typedef uint8_t qs_u8x16 __attribute__((vector_size(16)));
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -182,6 +327,17 @@ QS_ATTR static inline qs_f4 qm_half2_avx2(const uint8_t *p) {
 #define QS_BYTES_U(p) ((qs_i32)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define QS_BYTES_S(p) ((qs_i32)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define QS_FLOAT(v) __builtin_convertvector(v, qs_f8)
+/* Eight f16 (F16 weights) or bf16 (BF16) at p as eight float lanes. */
+#define QS_HALF8(p) ((qs_f8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p))))
+#define QS_BF16_8(p) \
+    ((qs_f8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+/* Sixteen int8 lanes as two vectors of eight floats, from registers. */
+QS_ATTR static inline void qm_widen16_avx2(qs_i8x16 v, qs_f8 *out) {
+    __m128i m = (__m128i)v;
+    out[0] = (qs_f8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(m));
+    out[1] = (qs_f8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(m, m)));
+}
+#define QS_WIDEN16(v, out) qm_widen16_avx2(v, out)
 #include "quant_simd.h"
 #define QM_SIMD_NAME "avx2"
 #define QM_SIMD_TABLE qs_table_avx2
@@ -215,6 +371,30 @@ static inline qs_f8 qm_float_neon(qs_i32 v) {
 #define QS_BYTES_U(p) qm_bytes_u_neon(p)
 #define QS_BYTES_S(p) qm_bytes_s_neon(p)
 #define QS_FLOAT(v) qm_float_neon(v)
+static inline qs_f8 qm_half8_neon(const uint8_t *p) {
+    float16x8_t h = vld1q_f16((const __fp16 *)p);
+    qm_f8_neon out = {.h = {vcvt_f32_f16(vget_low_f16(h)), vcvt_high_f32_f16(h)}};
+    return out.v;
+}
+static inline qs_f8 qm_bf16_8_neon(const uint8_t *p) {
+    uint16x8_t h = vld1q_u16((const uint16_t *)p);
+    qm_f8_neon out = {.h = {vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(h), 16)),
+                            vreinterpretq_f32_u32(vshll_high_n_u16(h, 16))}};
+    return out.v;
+}
+static inline void qm_widen16_neon(qs_i8x16 v, qs_f8 *out) {
+    int8x16_t m = (int8x16_t)v;
+    int16x8_t lo = vmovl_s8(vget_low_s8(m)), hi = vmovl_high_s8(m);
+    qm_f8_neon a = {.h = {vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))),
+                          vcvtq_f32_s32(vmovl_high_s16(lo))}};
+    qm_f8_neon b = {.h = {vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))),
+                          vcvtq_f32_s32(vmovl_high_s16(hi))}};
+    out[0] = a.v;
+    out[1] = b.v;
+}
+#define QS_WIDEN16(v, out) qm_widen16_neon(v, out)
+#define QS_HALF8(p) qm_half8_neon(p)
+#define QS_BF16_8(p) qm_bf16_8_neon(p)
 #include "quant_simd.h"
 #define QM_SIMD_NAME "neon"
 #define QM_SIMD_TABLE qs_table_neon
@@ -253,7 +433,9 @@ static const char *qm_use_simd(int on) {
 static void qm_init(void) { qm_use_simd(1); }
 
 /* Whether the type's kernels read qm_xsum's sums (types with a per-block minimum). */
-static inline int qm_needs_xsum(int type) { return type == QM_Q4_1 || type == QM_Q4_K; }
+static inline int qm_needs_xsum(int type) {
+    return type == QM_Q4_1 || type == QM_Q4_K || type == QM_Q5_1 || type == QM_Q5_K;
+}
 
 /* xs[r][b] = sum of x[r][QM_SUB b .. QM_SUB b + QM_SUB), for k a multiple of QM_SUB. */
 static inline void qm_xsum(const float *x, ptrdiff_t k, int rows, float *xs) {

@@ -77,6 +77,67 @@ QS_ALWAYS void QS(qs_blk_q4_1)(const uint8_t *blk, const float *x, const float *
     }
 }
 
+/* A Q5_0 or Q5_1 block's 32 five-bit quants (less `offset`) as four vectors: assembled as 32
+   bytes in two byte vectors (nibbles from the 16 bytes at qs; each of qh's four bytes spread
+   over eight lanes by one byte shuffle, masked to its lane's bit and compared, giving 16 where
+   the fifth bit is set), then widened to floats from the registers. */
+QS_ALWAYS void QS(qs_five)(const uint8_t *qh_at, const uint8_t *qs, int offset, qs_f8 *f) {
+    const qs_u8x16 spread_lo = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
+    const qs_u8x16 spread_hi = {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
+    const qs_u8x16 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    qs_u8x16 qh = {0}, q;
+    memcpy(&qh, qh_at, 4);
+    memcpy(&q, qs, 16);
+    qs_u8x16 lo = (qs_u8x16)((__builtin_shuffle(qh, spread_lo) & bit) == bit) & 16;
+    qs_u8x16 hi = (qs_u8x16)((__builtin_shuffle(qh, spread_hi) & bit) == bit) & 16;
+    qs_i8x16 first = (qs_i8x16)((q & 15) | lo) - (int8_t)offset;
+    qs_i8x16 second = (qs_i8x16)((q >> 4) | hi) - (int8_t)offset;
+    QS_WIDEN16(first, f);
+    QS_WIDEN16(second, f + 2);
+}
+
+QS_ALWAYS void QS(qs_blk_q5_0)(const uint8_t *blk, const float *x, ptrdiff_t k, qs_f8 *acc,
+                               int R) {
+    qs_f8 f[4], d = QS(qs_splat)(QS_HALF(blk));
+    QS(qs_five)(blk + 2, blk + 6, 16, f);
+    QS_UNROLL
+    for (int r = 0; r < R; r++) acc[r] += d * QS(qs_dot32)(f, x + r * k);
+}
+
+QS_ALWAYS void QS(qs_blk_q5_1)(const uint8_t *blk, const float *x, const float *xs,
+                               ptrdiff_t k, ptrdiff_t nb, qs_f8 *acc, qs_f4 *mins, int R) {
+    qs_f4 dm = QS_HALF2(blk);
+    qs_f8 f[4], d = QS(qs_splat)(dm[0]);
+    QS(qs_five)(blk + 4, blk + 8, 0, f);
+    QS_UNROLL
+    for (int r = 0; r < R; r++) {
+        acc[r] += d * QS(qs_dot32)(f, x + r * k);
+        float sum = xs[r * nb];
+        mins[r] += dm * (qs_f4){sum, sum, sum, sum};
+    }
+}
+
+/* IQ4_NL's and IQ4_XS's 16 bytes of nibbles at qs looked up in qm_iq4nl (one byte shuffle
+   each: pshufb, tbl), widened from the registers into four vectors. */
+QS_ALWAYS void QS(qs_iq4)(const uint8_t *qs, qs_f8 *f) {
+    const qs_i8x16 table = {-127, -104, -83, -65, -49, -35, -22, -10,
+                            1, 13, 25, 38, 53, 69, 89, 113};
+    qs_u8x16 q;
+    memcpy(&q, qs, 16);
+    qs_i8x16 lo = __builtin_shuffle(table, (qs_i8x16)(q & 15));
+    qs_i8x16 hi = __builtin_shuffle(table, (qs_i8x16)(q >> 4));
+    QS_WIDEN16(lo, f);
+    QS_WIDEN16(hi, f + 2);
+}
+
+QS_ALWAYS void QS(qs_blk_iq4_nl)(const uint8_t *blk, const float *x, ptrdiff_t k, qs_f8 *acc,
+                                 int R) {
+    qs_f8 f[4], d = QS(qs_splat)(QS_HALF(blk));
+    QS(qs_iq4)(blk + 2, f);
+    QS_UNROLL
+    for (int r = 0; r < R; r++) acc[r] += d * QS(qs_dot32)(f, x + r * k);
+}
+
 /* Q8_0 {f16 d; int8 qs[32]} and Q4_0 {f16 d; uint8 qs[16]}: sum_b d_b * (q . x). */
 #define QS_TWO_CHAINS(T, BB)                                                                  \
 QS_ALWAYS void QS(qs_##T)(const uint8_t *w, const float *x, ptrdiff_t k, float *s, int R) {  \
@@ -92,22 +153,29 @@ QS_ALWAYS void QS(qs_##T)(const uint8_t *w, const float *x, ptrdiff_t k, float *
 }
 QS_TWO_CHAINS(q8_0, 34)
 QS_TWO_CHAINS(q4_0, 18)
+QS_TWO_CHAINS(q5_0, 22)
+QS_TWO_CHAINS(iq4_nl, 18)
 
-/* Q4_1 {f16 d, m; uint8 qs[16]}: sum_b d_b * (q . x) + m_b * sum(x under b). */
-QS_ALWAYS void QS(qs_q4_1)(const uint8_t *w, const float *x, const float *xs, ptrdiff_t k,
-                           float *s, int R) {
-    qs_f8 even[QM_GROUP] = {{0}}, odd[QM_GROUP] = {{0}};
-    qs_f4 mins_even[QM_GROUP] = {{0}}, mins_odd[QM_GROUP] = {{0}};
-    ptrdiff_t nb = k / 32, b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        QS(qs_blk_q4_1)(w + b * 20, x + b * 32, xs + b, k, nb, even, mins_even, R);
-        QS(qs_blk_q4_1)(w + (b + 1) * 20, x + (b + 1) * 32, xs + b + 1, k, nb, odd, mins_odd, R);
-    }
-    if (b < nb) QS(qs_blk_q4_1)(w + b * 20, x + b * 32, xs + b, k, nb, even, mins_even, R);
-    QS_UNROLL
-    for (int r = 0; r < R; r++)
-        s[r] = QS(qs_lanes)(even[r] + odd[r]) + (mins_even[r][1] + mins_odd[r][1]);
+/* Q4_1 {f16 d, m; uint8 qs[16]} and Q5_1 {f16 d, m; uint8 qh[4]; uint8 qs[16]}:
+   sum_b d_b * (q . x) + m_b * sum(x under b). */
+#define QS_TWO_CHAINS_MIN(T, BB)                                                             \
+QS_ALWAYS void QS(qs_##T)(const uint8_t *w, const float *x, const float *xs, ptrdiff_t k,   \
+                          float *s, int R) {                                                \
+    qs_f8 even[QM_GROUP] = {{0}}, odd[QM_GROUP] = {{0}};                                    \
+    qs_f4 mins_even[QM_GROUP] = {{0}}, mins_odd[QM_GROUP] = {{0}};                          \
+    ptrdiff_t nb = k / 32, b = 0;                                                           \
+    for (; b + 2 <= nb; b += 2) {                                                           \
+        QS(qs_blk_##T)(w + b * BB, x + b * 32, xs + b, k, nb, even, mins_even, R);          \
+        QS(qs_blk_##T)(w + (b + 1) * BB, x + (b + 1) * 32, xs + b + 1, k, nb, odd, mins_odd, \
+                       R);                                                                  \
+    }                                                                                       \
+    if (b < nb) QS(qs_blk_##T)(w + b * BB, x + b * 32, xs + b, k, nb, even, mins_even, R);  \
+    QS_UNROLL                                                                               \
+    for (int r = 0; r < R; r++)                                                             \
+        s[r] = QS(qs_lanes)(even[r] + odd[r]) + (mins_even[r][1] + mins_odd[r][1]);         \
 }
+QS_TWO_CHAINS_MIN(q4_1, 20)
+QS_TWO_CHAINS_MIN(q5_1, 24)
 
 /* Q4_K {f16 d, dmin; uint8 scales[12]; uint8 qs[128]}: per 32 bytes of qs, the low nibbles
    are sub-block 2c and the high ones 2c + 1; w = d sc q - dmin m. */
@@ -192,6 +260,164 @@ QS_ALWAYS void QS(qs_q6_k)(const uint8_t *w, const float *x, ptrdiff_t k, float 
     for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(acc[0][r] + acc[1][r]);
 }
 
+/* Q5_K {f16 d, dmin; uint8 scales[12]; uint8 qh[32]; uint8 qs[128]}: Q4_K's, with bit 2c
+   (2c + 1) of qh[l] the fifth bit of sub-block 2c's (2c + 1's) weight l. */
+QS_ALWAYS void QS(qs_q5_k)(const uint8_t *w, const float *x, const float *xs, ptrdiff_t k,
+                           float *s, int R) {
+    qs_f8 even[QM_GROUP] = {{0}}, odd[QM_GROUP] = {{0}};
+    float mins[QM_GROUP] = {0};
+    ptrdiff_t nb = k / 32;
+    for (ptrdiff_t b = 0; b < k / 256; b++) {
+        const uint8_t *blk = w + b * 176;
+        float d = QS_HALF(blk), dmin = QS_HALF(blk + 2);
+        qs_i32 high[4];
+        for (int t = 0; t < 4; t++) high[t] = QS(qs_bu)(blk + 16 + 8 * t);
+        for (int c = 0; c < 4; c++) {
+            int sc0, m0, sc1, m1;
+            qm_scale_min_k4(2 * c, blk + 4, &sc0, &m0);
+            qm_scale_min_k4(2 * c + 1, blk + 4, &sc1, &m1);
+            qs_f8 lo[4], hi[4], d0 = QS(qs_splat)(d * sc0), d1 = QS(qs_splat)(d * sc1);
+            for (int t = 0; t < 4; t++) {
+                qs_i32 q = QS(qs_bu)(blk + 48 + 32 * c + 8 * t);
+                lo[t] = QS(qs_f)((q & 15) | (((high[t] >> (2 * c)) & 1) << 4));
+                hi[t] = QS(qs_f)((q >> 4) | (((high[t] >> (2 * c + 1)) & 1) << 4));
+            }
+            float dm0 = dmin * m0, dm1 = dmin * m1;
+            QS_UNROLL
+            for (int r = 0; r < R; r++) {
+                const float *xr = x + r * k + b * 256 + 64 * c;
+                even[r] += d0 * QS(qs_dot32)(lo, xr);
+                odd[r] += d1 * QS(qs_dot32)(hi, xr + 32);
+                const float *sr = xs + r * nb + b * 8 + 2 * c;
+                mins[r] -= dm0 * sr[0] + dm1 * sr[1];
+            }
+        }
+    }
+    QS_UNROLL
+    for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(even[r] + odd[r]) + mins[r];
+}
+
+/* Q2_K {uint8 scales[16]; uint8 qs[64]; f16 d, dmin}: per half of 128 weights, the 32 bytes of
+   qs widened once and each bit pair cut from them; a sixteen's min (dmin * (scale >> 4)) is
+   taken into its widened weights, w = dl q - ml, as the reference has them. */
+QS_ALWAYS void QS(qs_q2_k)(const uint8_t *w, const float *x, ptrdiff_t k, float *s, int R) {
+    qs_f8 acc[2][QM_GROUP] = {{{0}}};  /* two chains: even and odd sixteens */
+    for (ptrdiff_t b = 0; b < k / 256; b++) {
+        const uint8_t *blk = w + b * 84;
+        float d = QS_HALF(blk + 80), dmin = QS_HALF(blk + 82);
+        for (int n = 0; n < 2; n++) {
+            qs_i32 q[4];
+            for (int t = 0; t < 4; t++) q[t] = QS(qs_bu)(blk + 16 + 32 * n + 8 * t);
+            for (int j = 0; j < 4; j++) {
+                int s0 = blk[8 * n + 2 * j], s1 = blk[8 * n + 2 * j + 1];
+                qs_f8 d0 = QS(qs_splat)(d * (float)(s0 & 15));
+                qs_f8 m0 = QS(qs_splat)(dmin * (float)(s0 >> 4));
+                qs_f8 d1 = QS(qs_splat)(d * (float)(s1 & 15));
+                qs_f8 m1 = QS(qs_splat)(dmin * (float)(s1 >> 4));
+                qs_f8 f[4];
+                for (int t = 0; t < 4; t++) {
+                    qs_f8 v = QS(qs_f)((q[t] >> (2 * j)) & 3);
+                    f[t] = t < 2 ? d0 * v - m0 : d1 * v - m1;
+                }
+                QS_UNROLL
+                for (int r = 0; r < R; r++) {
+                    const float *xr = x + r * k + b * 256 + 128 * n + 32 * j;
+                    acc[0][r] += f[0] * QS(qs_x)(xr) + f[1] * QS(qs_x)(xr + 8);
+                    acc[1][r] += f[2] * QS(qs_x)(xr + 16) + f[3] * QS(qs_x)(xr + 24);
+                }
+            }
+        }
+    }
+    QS_UNROLL
+    for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(acc[0][r] + acc[1][r]);
+}
+
+/* Q3_K {uint8 hmask[32]; uint8 qs[64]; uint8 scales[12]; f16 d}: Q2_K's bit pairs, the third
+   bit from hmask (widened once per block), q = (low | high << 2) - 4; one scale per 16. */
+QS_ALWAYS void QS(qs_q3_k)(const uint8_t *w, const float *x, ptrdiff_t k, float *s, int R) {
+    qs_f8 acc[2][QM_GROUP] = {{{0}}};
+    for (ptrdiff_t b = 0; b < k / 256; b++) {
+        const uint8_t *blk = w + b * 110;
+        float d = QS_HALF(blk + 108);
+        int sc[16];
+        qm_scales_q3_k(blk + 96, sc);
+        qs_i32 hm[4];
+        for (int t = 0; t < 4; t++) hm[t] = QS(qs_bu)(blk + 8 * t);
+        for (int n = 0; n < 2; n++) {
+            qs_i32 q[4];
+            for (int t = 0; t < 4; t++) q[t] = QS(qs_bu)(blk + 32 + 32 * n + 8 * t);
+            for (int j = 0; j < 4; j++) {
+                qs_f8 f[4];
+                for (int t = 0; t < 4; t++)
+                    f[t] = QS(qs_f)((((q[t] >> (2 * j)) & 3)
+                                     | (((hm[t] >> (4 * n + j)) & 1) << 2)) - 4);
+                qs_f8 d0 = QS(qs_splat)(d * (float)sc[8 * n + 2 * j]);
+                qs_f8 d1 = QS(qs_splat)(d * (float)sc[8 * n + 2 * j + 1]);
+                QS_UNROLL
+                for (int r = 0; r < R; r++) {
+                    const float *xr = x + r * k + b * 256 + 128 * n + 32 * j;
+                    acc[0][r] += d0 * (f[0] * QS(qs_x)(xr) + f[1] * QS(qs_x)(xr + 8));
+                    acc[1][r] += d1 * (f[2] * QS(qs_x)(xr + 16) + f[3] * QS(qs_x)(xr + 24));
+                }
+            }
+        }
+    }
+    QS_UNROLL
+    for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(acc[0][r] + acc[1][r]);
+}
+
+/* IQ4_XS {f16 d; uint16 scales_h; uint8 scales_l[4]; uint8 qs[128]}: eight sub-blocks of 32
+   as IQ4_NL's, each scaled by d (scale - 32); even and odd sub-blocks in two chains. */
+QS_ALWAYS void QS(qs_iq4_xs)(const uint8_t *w, const float *x, ptrdiff_t k, float *s, int R) {
+    qs_f8 acc[2][QM_GROUP] = {{{0}}};
+    for (ptrdiff_t b = 0; b < k / 256; b++) {
+        const uint8_t *blk = w + b * 136;
+        float d = QS_HALF(blk);
+        for (int ib = 0; ib < 8; ib++) {
+            qs_f8 f[4], dl = QS(qs_splat)(d * (float)qm_scale_iq4_xs(blk, ib));
+            QS(qs_iq4)(blk + 8 + 16 * ib, f);
+            QS_UNROLL
+            for (int r = 0; r < R; r++)
+                acc[ib & 1][r] += dl * QS(qs_dot32)(f, x + r * k + b * 256 + 32 * ib);
+        }
+    }
+    QS_UNROLL
+    for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(acc[0][r] + acc[1][r]);
+}
+
+/* F16 and BF16 rows of any width: sixteen weights at a time in two chains, eight more, then
+   one at a time (the reference's own conversion) for the last k % 8. */
+#define QS_FLOATS(T, WIDEN8, ONE)                                                          \
+QS_ALWAYS void QS(qs_##T)(const uint8_t *w, const float *x, ptrdiff_t k, float *s, int R) { \
+    qs_f8 even[QM_GROUP] = {{0}}, odd[QM_GROUP] = {{0}};                                   \
+    float tail[QM_GROUP] = {0};                                                            \
+    ptrdiff_t i = 0;                                                                       \
+    for (; i + 16 <= k; i += 16) {                                                         \
+        qs_f8 f0 = WIDEN8(w + 2 * i), f1 = WIDEN8(w + 2 * i + 16);                         \
+        QS_UNROLL                                                                          \
+        for (int r = 0; r < R; r++) {                                                      \
+            even[r] += f0 * QS(qs_x)(x + r * k + i);                                       \
+            odd[r] += f1 * QS(qs_x)(x + r * k + i + 8);                                    \
+        }                                                                                  \
+    }                                                                                      \
+    if (i + 8 <= k) {                                                                      \
+        qs_f8 f0 = WIDEN8(w + 2 * i);                                                      \
+        QS_UNROLL                                                                          \
+        for (int r = 0; r < R; r++) even[r] += f0 * QS(qs_x)(x + r * k + i);               \
+        i += 8;                                                                            \
+    }                                                                                      \
+    for (; i < k; i++) {                                                                   \
+        float one;                                                                         \
+        ONE(w + 2 * i, &one);                                                              \
+        QS_UNROLL                                                                          \
+        for (int r = 0; r < R; r++) tail[r] += one * x[r * k + i];                         \
+    }                                                                                      \
+    QS_UNROLL                                                                              \
+    for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(even[r] + odd[r]) + tail[r];           \
+}
+QS_FLOATS(f16, QS_HALF8, qm_deq_f16)
+QS_FLOATS(bf16, QS_BF16_8, qm_deq_bf16)
+
 /* The kernels for R = 1 .. QM_GROUP rows (R a constant once inlined). */
 #define QS_FN(T, R, call)                                                                   \
     QS_ATTR static void QS(qs_##T##_##R)(const uint8_t *w, const float *x, const float *xs, \
@@ -206,12 +432,32 @@ QS_ALWAYS void QS(qs_q6_k)(const uint8_t *w, const float *x, ptrdiff_t k, float 
 #define QS_CALL_Q4_1(R) QS(qs_q4_1)(w, x, xs, k, s, R)
 #define QS_CALL_Q4_K(R) QS(qs_q4_k)(w, x, xs, k, s, R)
 #define QS_CALL_Q6_K(R) QS(qs_q6_k)(w, x, k, s, R)
+#define QS_CALL_F16(R) QS(qs_f16)(w, x, k, s, R)
+#define QS_CALL_BF16(R) QS(qs_bf16)(w, x, k, s, R)
+#define QS_CALL_Q5_0(R) QS(qs_q5_0)(w, x, k, s, R)
+#define QS_CALL_Q5_1(R) QS(qs_q5_1)(w, x, xs, k, s, R)
+#define QS_CALL_Q2_K(R) QS(qs_q2_k)(w, x, k, s, R)
+#define QS_CALL_Q3_K(R) QS(qs_q3_k)(w, x, k, s, R)
+#define QS_CALL_Q5_K(R) QS(qs_q5_k)(w, x, xs, k, s, R)
+#define QS_CALL_IQ4_NL(R) QS(qs_iq4_nl)(w, x, k, s, R)
+#define QS_CALL_IQ4_XS(R) QS(qs_iq4_xs)(w, x, k, s, R)
 QS_TYPE(q8_0, QS_CALL_Q8_0)
 QS_TYPE(q4_0, QS_CALL_Q4_0)
 QS_TYPE(q4_1, QS_CALL_Q4_1)
 QS_TYPE(q4_k, QS_CALL_Q4_K)
 QS_TYPE(q6_k, QS_CALL_Q6_K)
+QS_TYPE(f16, QS_CALL_F16)
+QS_TYPE(bf16, QS_CALL_BF16)
+QS_TYPE(q5_0, QS_CALL_Q5_0)
+QS_TYPE(q5_1, QS_CALL_Q5_1)
+QS_TYPE(q2_k, QS_CALL_Q2_K)
+QS_TYPE(q3_k, QS_CALL_Q3_K)
+QS_TYPE(q5_k, QS_CALL_Q5_K)
+QS_TYPE(iq4_nl, QS_CALL_IQ4_NL)
+QS_TYPE(iq4_xs, QS_CALL_IQ4_XS)
 
 #define QS_ROW(T) {NULL, QS(qs_##T##_1), QS(qs_##T##_2), QS(qs_##T##_3), QS(qs_##T##_4)}
 static const qm_dot_fn QS(qs_table)[QM_TYPES][QM_GROUP + 1] = {
-    QS_ROW(q8_0), QS_ROW(q4_0), QS_ROW(q4_1), QS_ROW(q4_k), QS_ROW(q6_k)};
+    QS_ROW(q8_0), QS_ROW(q4_0), QS_ROW(q4_1), QS_ROW(q4_k), QS_ROW(q6_k), QS_ROW(f16),
+    QS_ROW(bf16), QS_ROW(q5_0), QS_ROW(q5_1), QS_ROW(q2_k), QS_ROW(q3_k), QS_ROW(q5_k),
+    QS_ROW(iq4_nl), QS_ROW(iq4_xs)};

@@ -39,8 +39,22 @@ static void put_half(uint8_t *p, float v) {
     p[0] = (uint8_t)h; p[1] = (uint8_t)(h >> 8);
 }
 
-/* Offsets of each type's f16 scales in a block (-1: none). */
-static const int scale_at[QM_TYPES][2] = {{0, -1}, {0, -1}, {0, 2}, {0, 2}, {208, -1}};
+/* Offsets of each type's f16 scales in a block (-1: none); F16's and BF16's every value. */
+static const int scale_at[QM_TYPES][2] = {
+    {0, -1}, {0, -1}, {0, 2}, {0, 2}, {208, -1}, {0, -1}, {0, -1}, {0, -1}, {0, 2}, {80, 82},
+    {108, -1}, {0, 2}, {0, -1}, {0, -1}};
+
+/* A small value of either sign as the block's f16 scale, or for BF16 as its bf16 weight. */
+static void put_scale(int type, uint8_t *p) {
+    float v = (0.001f + 0.05f * fabsf(uniform())) * (rng() & 1 ? 1.0f : -1.0f);
+    if (type == QM_BF16) {
+        uint32_t bits;
+        memcpy(&bits, &v, 4);
+        p[0] = (uint8_t)(bits >> 16); p[1] = (uint8_t)(bits >> 24);
+    } else {
+        put_half(p, v);
+    }
+}
 
 static int check(int type, int k, int rows, uint8_t *w, float *x, float *xs, int n) {
     float got[8 * 4], want[8 * 4];
@@ -48,10 +62,7 @@ static int check(int type, int k, int rows, uint8_t *w, float *x, float *xs, int
     for (int i = 0; i < n * k / qm_block[type] * bb; i++) w[i] = (uint8_t)rng();
     for (int b = 0; b < nbl; b++)
         for (int s = 0; s < 2; s++)
-            if (scale_at[type][s] >= 0) {
-                float v = (0.001f + 0.05f * fabsf(uniform())) * (rng() & 1 ? 1.0f : -1.0f);
-                put_half(w + b * bb + scale_at[type][s], v);
-            }
+            if (scale_at[type][s] >= 0) put_scale(type, w + b * bb + scale_at[type][s]);
     for (int i = 0; i < rows * k; i++) x[i] = uniform();
     qm_xsum(x, k, rows, xs);
     qm_use_simd(1);
@@ -91,8 +102,7 @@ static int check(int type, int k, int rows, uint8_t *w, float *x, float *xs, int
 }
 
 int main(void) {
-    static const char *names[QM_TYPES] = {"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"};
-    static uint8_t w[4 * 768 / 32 * 34];
+    static uint8_t w[4 * 768 * 2];
     static float x[8 * 768], xs[8 * 768 / 32];
     int failed = 0;
     qm_init();
@@ -102,11 +112,12 @@ int main(void) {
     }
     printf("path %s\n", qm_use_simd(1));
     for (int type = 0; type < QM_TYPES; type++) {
-        int widths[3] = {qm_block[type], 3 * qm_block[type], 768}, bad = 0, cases = 0;
+        int block = qm_block[type], bad = 0, cases = 0;
+        int widths[3] = {block > 1 ? block : 13, block > 1 ? 3 * block : 100, 768};
         for (int wi = 0; wi < 3; wi++)
             for (int rows = 1; rows <= 8; rows++, cases++)
                 bad += check(type, widths[wi], rows, w, x, xs, 4);
-        printf("%s: %d cases, %d mismatches\n", names[type], cases, bad);
+        printf("%s: %d cases, %d mismatches\n", qm_names[type], cases, bad);
         failed |= bad;
     }
     return failed ? 1 : 0;

@@ -101,3 +101,43 @@ def test_an_assignment_carries_its_quantizer() -> None:
     assert not back.same_weights(Assignment(ref, (0, 4), 1, 64))
     with pytest.raises(ValueError, match="quantize 'Q5_K' is not one of Q8_0, Q4_0, Q4_1"):
         Assignment.from_json(dict(one.to_json(), quantize="Q5_K"))
+
+
+def test_file_types_stay_in_their_blocks_and_the_others_are_named(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A file's Q5_0 and F16 matrices stay quantized (no float32 copy); a type without a
+    kernel is read as float, named in one warning line."""
+    import logging
+
+    from mdiedge.model.config import ModelConfig
+    from mdiedge.model.transformer import Transformer
+    from quantblocks import random_blocks
+
+    cfg = ModelConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2,
+                      intermediate_size=96, max_seq_len=16)
+    net = Transformer(cfg)
+    stored = {"q": "Q5_0", "k": "IQ2_XXS", "v": "IQ2_XXS", "d": "F16"}
+    shapes = {"q": (64, 64), "k": (32, 64), "v": (32, 64), "d": (64, 96)}
+
+    class Source:
+        path = "m.gguf"
+
+        @staticmethod
+        def qtype(name: str) -> str:
+            return stored[name]
+
+        @staticmethod
+        def raw(name: str) -> torch.Tensor:
+            return random_blocks(stored[name], *shapes[name])
+
+    plan = {"layers.0.attn.wq.weight": "q", "layers.0.attn.wk.weight": "k",
+            "layers.0.attn.wv.weight": "v", "layers.0.mlp.down.weight": "d"}
+    with caplog.at_level(logging.WARNING, logger="mdiedge.quant"):
+        held = qlayers.keep_quantized(net, Source(), plan)
+    block = net.layers["0"]
+    assert held == {"layers.0.attn.wq.weight", "layers.0.mlp.down.weight"}
+    assert (block.attn.wq.qtype, block.mlp.down.qtype) == ("Q5_0", "F16")
+    assert isinstance(block.attn.wk, Linear)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["m.gguf: 2 tensor(s) of type IQ2_XXS have no kernel and are "
+                     "de-quantized to float32 at load: k, v"]

@@ -20,12 +20,15 @@ import torch
 from mdiedge.model.qlayers import QUANT
 from mdiedge.base.errors import CheckpointError, QuantError
 from mdiedge.model import quant
+from quantblocks import random_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPLS = QUANT.implementations()
 PATHS = [("twin", IMPLS[0], True)] + [(f"compiled-{p}", m, p == "simd") for m in IMPLS[1:]
                                       for p in ("simd", "scalar")]
-WIDTHS = {32: (32, 96, 256, 544), 256: (256, 768)}
+# widths of one and several blocks; for the 32-weight types, widths that are not multiples of
+# 256; for F16 and BF16, widths that are not multiples of 8 or 16
+WIDTHS = {1: (13, 100, 544), 32: (32, 96, 256, 544), 256: (256, 768)}
 
 
 @pytest.fixture(params=PATHS, ids=[p[0] for p in PATHS])
@@ -38,17 +41,9 @@ def impl(request: pytest.FixtureRequest) -> Iterator[ModuleType]:
 
 
 def blocks(qtype: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """Random valid blocks: random bytes, with each block's f16 scales set to finite small
-    numbers of either sign."""
-    rng = np.random.default_rng(seed)
-    t = quant.TYPES[qtype]
-    raw = rng.integers(0, 256, (n, quant.row_bytes(qtype, k)), dtype=np.uint8)
-    per_block = raw.reshape(-1, t.block_bytes)
-    for at in quant.SCALE_FIELDS[qtype]:
-        scale = rng.uniform(0.001, 0.05, (per_block.shape[0], 1)) * rng.choice([-1, 1], (
-            per_block.shape[0], 1))
-        per_block[:, at:at + 2] = scale.astype(np.float16).view(np.uint8)
-    return torch.from_numpy(raw)
+    """Random valid blocks: random bytes, with each block's f16 scales (F16's and BF16's
+    every value) set to finite small numbers of either sign."""
+    return random_blocks(qtype, n, k, seed)
 
 
 def within(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> Tuple[bool, float]:
@@ -66,15 +61,38 @@ def test_types_are_ggmls() -> None:
         ggml = gguf.GGMLQuantizationType[name]
         assert t.ggml_id == int(ggml)
         assert (t.block, t.block_bytes) == gguf.GGML_QUANT_SIZES[ggml]
+    # every type llama.cpp's usual presets write is multiplied natively
+    assert set(quant.KERNEL_TYPES) == {"F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                                       "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+                                       "IQ4_XS"}
+    codes = sorted(quant.TYPES[n].kernel for n in quant.KERNEL_TYPES)
+    assert codes == list(range(len(codes)))
+
+
+def test_the_compiled_modules_kernel_tables_are_the_type_table() -> None:
+    """Each compiled module's ext/quant.h table (name, weights and bytes per block in enum
+    order) is TYPES' (checked at import too); a stale one is refused with one line."""
+    if len(IMPLS) < 2:
+        pytest.skip("the compiled module is not built")
+    compiled = IMPLS[1].COMPILED_TYPES
+    assert [(quant.TYPES[n].kernel, quant.TYPES[n].block, quant.TYPES[n].block_bytes)
+            for n, _, _ in compiled] == [(i, b, bb) for i, (_, b, bb) in enumerate(compiled)]
+    quant.check_compiled(compiled, "_cquant")
+    assert IMPLS[0].COMPILED_TYPES == compiled  # the twin runs the same types
+    stale = list(compiled)
+    stale[7] = ("Q5_0", 32, 20)
+    with pytest.raises(QuantError, match=r"_cquant was built with quant type 7 = \('Q5_0', "
+                                         r"32, 20\), but .* has \('Q5_0', 32, 22\): rebuild"):
+        quant.check_compiled(stale, "_cquant")
+    with pytest.raises(QuantError, match="quant type 13 = None"):
+        quant.check_compiled(compiled[:-1], "_cstep")
 
 
 @pytest.mark.parametrize("qtype", list(quant.TYPES))
 def test_dequantize_equals_gguf(qtype: str) -> None:
     gguf = pytest.importorskip("gguf")
     k = 512 if quant.TYPES[qtype].block == 256 else 96
-    raw = blocks(qtype, 5, k).numpy() if quant.TYPES[qtype].block > 1 else (
-        np.random.default_rng(1).standard_normal((5, k)).astype(
-            np.float32 if qtype == "F32" else np.float16).view(np.uint8))
+    raw = blocks(qtype, 5, k).numpy()
     want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
     got = quant.dequantize(torch.from_numpy(raw), qtype, k)
     assert got.dtype == torch.float32 and got.shape == (5, k)
@@ -154,13 +172,13 @@ def test_row_bytes_and_widths() -> None:
     with pytest.raises(QuantError, match="width 576 is not a positive multiple of Q4_K's "
                                          "block of 256"):
         quant.row_bytes("Q4_K", 576)
-    with pytest.raises(QuantError, match="weight type 'Q5_K' is not one of"):
-        quant.row_bytes("Q5_K", 256)
+    with pytest.raises(QuantError, match="weight type 'Q8_K' is not one of"):
+        quant.row_bytes("Q8_K", 256)
     assert issubclass(QuantError, CheckpointError)
 
 
 BAD_CALLS = [
-    ("type", "no quantized kernel for F16"),
+    ("type", "no quantized kernel for F32"),
     ("width", "width 40 is not a positive multiple of Q4_1's block of 32"),
     ("row_bytes", r"weight rows of 21 bytes do not hold 64 Q4_1 weights \(40 bytes\)"),
     ("x_dtype", r"activations \(2, 64\) torch.float64 is not a contiguous float32"),
@@ -180,7 +198,7 @@ def test_bad_calls_are_refused_with_one_line(impl: ModuleType, case: str, match:
     x, w, qtype = torch.randn(2, 64), blocks("Q4_1", 3, 64), "Q4_1"
     out, threads = torch.empty(2, 3), 1
     if case == "type":
-        qtype = "F16"
+        qtype = "F32"
     elif case == "width":
         x = torch.randn(2, 40)
     elif case == "row_bytes":

@@ -1,4 +1,4 @@
-"""The CUDA path of quantized layers, checked where no GPU is: ``quant_device``'s torch
+"""The CUDA path of quantized layers, checked where no GPU is: ``quant.dequantize_on_device``'s torch
 de-quantizer equals the reference one value for value for every kernel type, and a GGUF model
 whose products take the device branch (``qlayers.widens_on_device`` forced: each weight
 widened with torch operations, then one float32 product) gives the CPU kernels' logits and
@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List
 
-import numpy as np
 import pytest
 import torch
 
@@ -18,7 +17,8 @@ from gguf_files import write_gguf
 from mdiedge.model import qlayers, quant
 from mdiedge.model import transformer as transformer_module
 from mdiedge.model.checkpoint import load_model
-from mdiedge.model.quant_device import dequantize_on_device
+from mdiedge.model.quant import dequantize_on_device
+from quantblocks import random_blocks
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.runtime.generation import Generation
 from mdiedge.runtime.scheduler import run_single
@@ -27,21 +27,10 @@ from tolerance import assert_close, model_path_length
 DATA = Path(__file__).parent / "data" / "gguf"
 
 
-def random_blocks(qtype: str, rows: int, width: int, seed: int) -> torch.Tensor:
-    """Random bytes as ``qtype`` blocks, their f16 scales small and finite."""
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (rows, quant.row_bytes(qtype, width)), dtype=np.uint8)
-    blocks = raw.reshape(-1, quant.TYPES[qtype].block_bytes)
-    for at in quant.SCALE_FIELDS[qtype]:
-        scales = rng.uniform(-0.05, 0.05, blocks.shape[0]).astype(np.float16)
-        blocks[:, at:at + 2] = scales.view(np.uint8).reshape(-1, 2)
-    return torch.from_numpy(raw)
-
-
 @pytest.mark.parametrize("qtype", quant.KERNEL_TYPES)
 def test_the_device_dequantizer_equals_the_reference(qtype: str) -> None:
     width = quant.TYPES[qtype].block * 3
-    raw = random_blocks(qtype, 7, width, seed=len(qtype))
+    raw = random_blocks(qtype, 7, width, seed=len(qtype), low=0, high=0.05)
     assert torch.equal(dequantize_on_device(raw, qtype, width),
                        quant.dequantize(raw, qtype, width))
 

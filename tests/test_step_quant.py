@@ -11,8 +11,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, List
 
-import numpy as np
 import pytest
+import quantblocks
 import torch
 from test_step import TorchPath, decode, preferred
 
@@ -32,7 +32,9 @@ IMPLS = STEP.implementations()
 CFG = ModelConfig(vocab_size=64, dim=256, n_layers=2, n_heads=4, n_kv_heads=2,
                   intermediate_size=512, max_seq_len=48)
 # scales giving weights of about 0.01..0.1 (activations as a trained model's) per type
-SCALE = {"Q8_0": 2e-3, "Q4_0": 1.5e-2, "Q4_1": 8e-3, "Q4_K": 4e-4, "Q6_K": 1e-4}
+SCALE = {"Q8_0": 2e-3, "Q4_0": 1.5e-2, "Q4_1": 8e-3, "Q4_K": 4e-4, "Q6_K": 1e-4, "F16": 0.1,
+         "BF16": 0.1, "Q5_0": 8e-3, "Q5_1": 4e-3, "Q2_K": 2e-3, "Q3_K": 5e-4, "Q5_K": 2e-4,
+         "IQ4_NL": 2e-3, "IQ4_XS": 1e-4}
 
 
 @pytest.fixture(params=IMPLS, ids=[m.__name__ for m in IMPLS])
@@ -41,17 +43,9 @@ def impl(request: pytest.FixtureRequest) -> Any:
 
 
 def random_blocks(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
-    """Valid random blocks (n, row_bytes): random quants, each block's f16 scales of either
-    sign and of size up to SCALE[qtype]."""
-    rng = np.random.default_rng(seed)
-    t = quant.TYPES[qtype]
-    raw = rng.integers(0, 256, (n, quant.row_bytes(qtype, k)), dtype=np.uint8)
-    per_block = raw.reshape(-1, t.block_bytes)
-    for at in quant.SCALE_FIELDS[qtype]:
-        size = rng.uniform(0.1, 1.0, (per_block.shape[0], 1)) * SCALE[qtype]
-        sign = rng.choice([-1, 1], (per_block.shape[0], 1))
-        per_block[:, at:at + 2] = (size * sign).astype(np.float16).view(np.uint8)
-    return torch.from_numpy(raw)
+    """Valid random blocks (n, row_bytes): random quants, each block's f16 scales (F16's and
+    BF16's every weight) of either sign and of size up to SCALE[qtype]."""
+    return quantblocks.random_blocks(qtype, n, k, seed, 0.1 * SCALE[qtype], SCALE[qtype])
 
 
 def quantized_model(qtype: str, cfg: ModelConfig = CFG, v_type: str = "",
@@ -234,6 +228,32 @@ def test_mixed_types_decode_through_the_step(impl: ModuleType, monkeypatch: pyte
     assert_close(got, ref, model_path_length(CFG))
 
 
+@pytest.mark.parametrize("types", [("Q5_0", "Q8_0", "F16"), ("Q2_K", "Q5_K", "Q5_1"),
+                                   ("Q3_K", "IQ4_XS", "BF16"), ("IQ4_NL", "Q6_K", "Q4_K")])
+def test_new_types_mixed_in_stacked_matrices_equal_the_twin(types: Any) -> None:
+    """The compiled step on blocks whose Q/K/V and gate/up are stacked parts of different
+    types (as real Q4_K_M files mix Q5_0, Q8_0, Q4_K and Q6_K) equals the twin, 1..8 rows."""
+    if len(IMPLS) < 2:
+        pytest.skip("the compiled step is not built")
+    qtype, v_type, up_type = types
+    net = quantized_model(qtype, v_type=v_type, up_type=up_type, seed=2)
+    net.setup_cache(8, CFG.max_seq_len)
+    weights = net.layers["0"].step_weights(net.rope_cos, net.rope_sin)
+    assert [p.qtype for p in weights.qkv.parts] == [qtype, qtype, v_type]
+    assert [p.qtype for p in weights.gate_up.parts] == [qtype, up_type]
+    slots, positions = [3, 0, 7, 1, 2, 4, 5, 6], [17, 0, 40, 3, 9, 31, 1, 46]
+    x = torch.randn(8, CFG.dim, generator=torch.Generator().manual_seed(7))
+    for rows in (1, 2, 5, 8):
+        args = (x[:rows].contiguous(), slots[:rows], positions[:rows])
+        twin = run_blocks(net, preferred(IMPLS[0]), *args)
+        compiled = run_blocks(net, preferred(IMPLS[1]), *args)
+        assert float(twin[0].abs().max()) > 0.5
+        for a, b in zip(compiled[:2], twin[:2]):
+            assert_close(a, b, model_path_length(CFG))
+        for a, b in zip(compiled[2], twin[2]):
+            assert_close(a, b, model_path_length(CFG))
+
+
 def test_stacked_matrices_refuse_what_does_not_fit() -> None:
     q8 = QuantMatrix(torch.zeros(4, 34, dtype=torch.uint8), "Q8_0")
     wide = QuantMatrix(torch.zeros(4, 68, dtype=torch.uint8), "Q8_0")
@@ -255,8 +275,8 @@ def test_stacked_matrices_refuse_what_does_not_fit() -> None:
 def test_bad_quantized_matrices_quote_the_value(matrix: torch.Tensor, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         QuantMatrix(matrix, "Q8_0")
-    with pytest.raises(ValueError, match="no quantized kernel for F16"):
-        QuantMatrix(torch.zeros(4, 64, dtype=torch.uint8), "F16")
+    with pytest.raises(ValueError, match="no quantized kernel for F32"):
+        QuantMatrix(torch.zeros(4, 64, dtype=torch.uint8), "F32")
 
 
 def test_block_weights_check_quantized_shapes() -> None:

@@ -11,6 +11,9 @@ import torch
 from .quant import KERNEL_TYPES, TYPES, check_matmul, check_rows, dequantize  # noqa: F401  (API)
 
 TILE_BYTES = 1 << 20  # quantized bytes de-quantized per step of ``matmul``
+# the types multiplied natively, in kernel-code order: (name, weights per block, bytes per block)
+COMPILED_TYPES = tuple((t.name, t.block, t.block_bytes)
+                       for t in sorted((TYPES[n] for n in KERNEL_TYPES), key=lambda t: t.kernel))
 
 
 def simd_path() -> str:

@@ -23,14 +23,13 @@ import torch
 
 from ..base.errors import QuantError
 from ._matvecspec import MAX_ROWS
-from .quant import KERNEL_TYPES, qtype_of
+from .quant import KERNEL_TYPES, TYPES, qtype_of
 
 
 _TENSORS = ("attn_norm", "qkv", "wo", "mlp_norm", "gate_up", "down", "k", "v", "cos", "sin")
 _MATRICES = ("qkv", "wo", "gate_up", "down")  # float32, QuantMatrix or StackedMatrix
 MAX_PARTS = 3  # of a StackedMatrix: ext/step.h's ST_PARTS
-QUANT_CODES = {name: i for i, name in enumerate(("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"))}
-assert set(QUANT_CODES) == set(KERNEL_TYPES)  # ext/quant.h's enum, in its order
+QUANT_CODES = {name: TYPES[name].kernel for name in KERNEL_TYPES}  # ext/quant.h's enum values
 
 
 def plain(t: Any) -> bool:

@@ -1,5 +1,5 @@
-"""Layers whose weights stay in a GGUF block type (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: see
-``mdiedge.model.quant``) while every activation, accumulator and output stays float32 (the
+"""Layers whose weights stay in a GGUF block type (every type of ``mdiedge.model.quant.TYPES``
+with a kernel: F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K, IQ4_NL, IQ4_XS) while every activation, accumulator and output stays float32 (the
 Jetson FP32 rule): the weights are widened to float32 inside the kernels.
 
 - ``QuantLinear``: up to ``KERNEL_ROWS`` rows (decode, micro-batched or not) take the
@@ -9,7 +9,7 @@ Jetson FP32 rule): the weights are widened to float32 inside the kernels.
 - ``QuantEmbedding``: a token's row de-quantized when it is looked up.
 
 On another device (CUDA) the blocks move with the model and each product de-quantizes its
-weight there, with torch operations (``mdiedge.model.quant_device``), then multiplies in
+weight there, with torch operations (``mdiedge.model.quant.dequantize_on_device``), then multiplies in
 float32.
 
 ``keep_quantized`` swaps a float ``Linear``/``Embedding`` for these where the file stores
@@ -18,6 +18,7 @@ weights (``--quantize``).
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Dict, Optional, Sequence, Set, Tuple
 
@@ -28,8 +29,7 @@ from ..base.accel import Twins
 from ..base.errors import CheckpointError, QuantError
 from . import _pyquant
 from .layers import Linear
-from .quant import TYPES, check_blocks, qtype_of, quantize, row_bytes
-from .quant_device import dequantize_on_device
+from .quant import TYPES, check_blocks, dequantize_on_device, qtype_of, quantize, row_bytes
 
 try:
     from . import _cquant
@@ -37,6 +37,7 @@ except ImportError:  # not built: the twin serves
     _cquant = None  # type: ignore[assignment]
 QUANT = Twins(_pyquant, _cquant)
 _quant = QUANT.select()
+log = logging.getLogger("mdiedge.quant")
 KERNEL_ROWS = 8  # rows the compiled product takes; more are a prefill
 TILE_BYTES = 4 << 20  # float32 bytes of the de-quantized tile a prefill multiplies by
 
@@ -168,12 +169,16 @@ def _parent(net: nn.Module, ours: str) -> Tuple[nn.Module, str]:
 
 
 def kernel_qtype(source: Any, theirs: str) -> Optional[str]:
-    """The stored type of ``theirs`` when the source keeps blocks the kernels run."""
+    """The stored type of ``theirs`` when the source keeps blocks the kernels run (a vector,
+    such as a norm a file stores in F16, is read as float)."""
     qtype = getattr(source, "qtype", None)
     if qtype is None:
         return None
     name = str(qtype(theirs)).upper()
-    return name if name in TYPES and TYPES[name].kernel else None
+    shape = getattr(source, "shape", None)
+    if shape is not None and len(shape(theirs) or ()) == 1:
+        return None
+    return name if name in TYPES and TYPES[name].native else None
 
 
 def keep_quantized(net: nn.Module, source: Any, plan: Dict[str, str]) -> Set[str]:
@@ -182,6 +187,7 @@ def keep_quantized(net: nn.Module, source: Any, plan: Dict[str, str]) -> Set[str
     parameter names now held so, which need no float read. A tied head shares the
     embedding's bytes."""
     held: Set[str] = set()
+    _log_widened(source, plan.values())
     for ours, theirs in plan.items():
         qtype = kernel_qtype(source, theirs)
         owner, attr = _parent(net, ours)
@@ -201,6 +207,23 @@ def keep_quantized(net: nn.Module, source: Any, plan: Dict[str, str]) -> Set[str
         held.add(ours)
     _tie_quantized(net, held)
     return held
+
+
+def _log_widened(source: Any, names: Any) -> None:
+    """One log line per type without a kernel that ``source`` stores some of ``names`` in
+    (de-quantized to float32 as they are read), naming those tensors."""
+    qtype = getattr(source, "qtype", None)
+    if qtype is None:
+        return
+    widened: Dict[str, list] = {}
+    for name in names:
+        stored = str(qtype(name)).upper()
+        if stored != "F32" and not (stored in TYPES and TYPES[stored].native):
+            widened.setdefault(stored, []).append(name)
+    for stored, tensors in sorted(widened.items()):
+        log.warning("%s: %d tensor(s) of type %s have no kernel and are de-quantized to "
+                    "float32 at load: %s", getattr(source, "path", "model"), len(tensors),
+                    stored, ", ".join(tensors))
 
 
 def _tie_quantized(net: nn.Module, held: Set[str]) -> None:

@@ -1,60 +1,96 @@
 """Quantized weights as GGUF files hold them (ggml's block layouts), in plain numpy and torch.
 
 This module is the one source of the facts: which weight types exist, their ggml type ids,
-elements and bytes per block (``TYPES``), the bytes of a row (``row_bytes``), the reference
-de-quantizer (``dequantize``) and quantizer (``quantize``, for Q8_0, Q4_0 and Q4_1), and the
-argument checks that both implementations of the quantized product (``ext/_cquant.pyx`` and
+elements and bytes per block, the offsets of each block's f16 scales and the code of the
+compiled kernel that multiplies them natively (``TYPES``: ``ext/quant.h``'s enum value, or
+None for a type de-quantized to float32 at load; the compiled modules check their own table
+against it when imported), the bytes of a row (``row_bytes``), the reference de-quantizer
+(``dequantize``, on the CPU, and ``dequantize_on_device``, both ``mdiedge.model.dequant``'s
+torch code) and quantizer (``quantize``, for Q8_0, Q4_0 and Q4_1), and the argument checks
+that both implementations of the quantized product (``ext/_cquant.pyx`` and
 ``mdiedge/model/_pyquant.py``, selected in ``mdiedge.model.qlayers``) apply at their boundary.
 
 A weight of ``out`` rows and ``in`` columns is a uint8 array (out, row_bytes): each row is
 ``in / block`` blocks laid out as ggml's ``block_<type>`` structs (ggml-common.h):
 
+- F16, BF16: one 2-byte value per weight.
 - Q8_0 ``{f16 d; int8 qs[32]}``: w = d * q.
 - Q4_0 ``{f16 d; uint8 qs[16]}``: element i < 16 is the low nibble of qs[i], element 16 + i
   the high one; w = d * (q - 8).
 - Q4_1 ``{f16 d, m; uint8 qs[16]}``: nibbles as Q4_0; w = d * q + m.
+- Q5_0 ``{f16 d; uint8 qh[4]; uint8 qs[16]}``: nibbles as Q4_0, bit i of qh (little-endian)
+  element i's fifth bit; w = d * (q - 16). Q5_1 ``{f16 d, m; uint8 qh[4]; uint8 qs[16]}``:
+  w = d * q + m.
+- IQ4_NL ``{f16 d; uint8 qs[16]}``: nibbles as Q4_0 index 16 fixed values; w = d * value.
+- Q2_K ``{uint8 scales[16]; uint8 qs[64]; f16 d, dmin}``: 256 elements in two halves of
+  128; element 32 j + l of a half is bits 2j of its qs[l]; per 16 elements a 4-bit scale and
+  min (low and high nibble); w = d * sc * q - dmin * m.
+- Q3_K ``{uint8 hmask[32]; uint8 qs[64]; uint8 scales[12]; f16 d}``: Q2_K's low bits, the
+  third from bit 4 half + j of hmask[l] (clear: minus 4); 16 packed 6-bit scales less 32.
 - Q4_K ``{f16 d, dmin; uint8 scales[12]; uint8 qs[128]}``: 256 elements, eight sub-blocks
   of 32 with 6-bit scales and mins packed in ``scales``; 64 elements per 32 bytes of qs (low
   nibbles, then high); w = d * sc * q - dmin * m.
+- Q5_K ``{f16 d, dmin; uint8 scales[12]; uint8 qh[32]; uint8 qs[128]}``: Q4_K's, with bit i
+  of qh[l] the fifth bit of sub-block i's element l.
 - Q6_K ``{uint8 ql[128], qh[64]; int8 scales[16]; f16 d}``: 256 elements in two halves of
   128, each 6-bit quant four bits from ql and two from qh; w = d * scale * (q - 32) with one
   int8 scale per 16 elements.
+- IQ4_XS ``{f16 d; uint16 scales_h; uint8 scales_l[4]; uint8 qs[128]}``: eight IQ4_NL-like
+  sub-blocks of 32, each scaled by d * (6-bit scale - 32).
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from ..base.dtypes import QUANTIZERS as _QUANTIZERS
 from ..base.errors import QuantError
+from .dequant import blocks_to_float
 
 
 @dataclass(frozen=True)
 class QType:
-    """A ggml weight type: its name, ggml type id, elements and bytes per block, and whether
-    the compiled product runs it natively (the others are de-quantized at load)."""
+    """A ggml weight type: its name, ggml type id, elements and bytes per block, the byte
+    offsets of each block's f16 scales, and the code of its compiled kernel (``ext/quant.h``'s
+    enum value; None: de-quantized to float32 at load)."""
 
     name: str
     ggml_id: int
     block: int
     block_bytes: int
-    kernel: bool
+    scales: Tuple[int, ...]
+    kernel: Optional[int]
+
+    @property
+    def native(self) -> bool:
+        """Whether the compiled product multiplies this type where it lies."""
+        return self.kernel is not None
 
 
 TYPES: Dict[str, QType] = {t.name: t for t in (
-    QType("F32", 0, 1, 4, False),
-    QType("F16", 1, 1, 2, False),
-    QType("Q4_0", 2, 32, 18, True),
-    QType("Q4_1", 3, 32, 20, True),
-    QType("Q8_0", 8, 32, 34, True),
-    QType("Q4_K", 12, 256, 144, True),
-    QType("Q6_K", 14, 256, 210, True),
+    QType("F32", 0, 1, 4, (), None),
+    QType("F16", 1, 1, 2, (), 5),
+    QType("Q4_0", 2, 32, 18, (0,), 1),
+    QType("Q4_1", 3, 32, 20, (0, 2), 2),
+    QType("Q5_0", 6, 32, 22, (0,), 7),
+    QType("Q5_1", 7, 32, 24, (0, 2), 8),
+    QType("Q8_0", 8, 32, 34, (0,), 0),
+    QType("Q2_K", 10, 256, 84, (80, 82), 9),
+    QType("Q3_K", 11, 256, 110, (108,), 10),
+    QType("Q4_K", 12, 256, 144, (0, 2), 3),
+    QType("Q5_K", 13, 256, 176, (0, 2), 11),
+    QType("Q6_K", 14, 256, 210, (208,), 4),
+    QType("IQ4_NL", 20, 32, 18, (0,), 12),
+    QType("IQ4_XS", 23, 256, 136, (0,), 13),
+    QType("BF16", 30, 1, 2, (), 6),
 )}
-KERNEL_TYPES: Tuple[str, ...] = tuple(n for n, t in TYPES.items() if t.kernel)
+KERNEL_TYPES: Tuple[str, ...] = tuple(n for n, t in TYPES.items() if t.native)
 QUANTIZERS: Tuple[str, ...] = _QUANTIZERS  # mdiedge.base.dtypes: the one list
+SCALE_FIELDS = {n: t.scales for n, t in TYPES.items()}  # byte offsets of each block's f16 scales
 
 
 def qtype_of(name: str) -> QType:
@@ -63,6 +99,19 @@ def qtype_of(name: str) -> QType:
     if found is None:
         raise QuantError(f"weight type {name!r} is not one of {', '.join(TYPES)}")
     return found
+
+
+def check_compiled(compiled: Sequence[Tuple[Any, int, int]], module: str) -> None:
+    """Refuses a compiled module whose kernel table (``ext/quant.h``'s names, weights and
+    bytes per block, in enum order) is not ``TYPES``' kernel codes: a stale build."""
+    want = {t.kernel: (t.name, t.block, t.block_bytes) for t in TYPES.values() if t.native}
+    got = {code: (name.decode() if isinstance(name, bytes) else str(name), int(b), int(bb))
+           for code, (name, b, bb) in enumerate(compiled)}
+    for code in sorted(set(want) | set(got), key=int):
+        if want.get(code) != got.get(code):
+            raise QuantError(f"{module} was built with quant type {code} = {got.get(code)}, "
+                             f"but mdiedge.model.quant.TYPES has {want.get(code)}: rebuild it "
+                             "(python setup.py build_ext --inplace)")
 
 
 def row_bytes(qtype: str, in_features: int) -> int:
@@ -74,59 +123,11 @@ def row_bytes(qtype: str, in_features: int) -> int:
     return in_features // t.block * t.block_bytes
 
 
-# -- the reference de-quantizer ---------------------------------------------------------------
+# -- the reference de-quantizer (mdiedge.model.dequant) ---------------------------------------
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
     """The f16 field at byte ``at`` of every block, as float32 (blocks, 1)."""
     return np.ascontiguousarray(blocks[:, at:at + 2]).view("<f2").astype(np.float32)
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """Low nibbles of each run of bytes, then its high nibbles: (n, b) bytes to (n, 2b)."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-
-
-def _k4_scales(scales: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """Q4_K's eight 6-bit scales and mins of each block (ggml's get_scale_min_k4)."""
-    q = scales.astype(np.int32)
-    sc = np.concatenate([q[:, 0:4] & 63, (q[:, 8:12] & 0x0F) | ((q[:, 0:4] >> 6) << 4)], 1)
-    mn = np.concatenate([q[:, 4:8] & 63, (q[:, 8:12] >> 4) | ((q[:, 4:8] >> 6) << 4)], 1)
-    return sc.astype(np.float32), mn.astype(np.float32)
-
-
-def _q6_k(b: np.ndarray) -> np.ndarray:
-    ql, qh = b[:, :128].reshape(-1, 2, 2, 32), b[:, 128:192].reshape(-1, 2, 1, 32)
-    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)  # (n, half, quarter, 32)
-    high = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
-    q = (low | (high << 4)).astype(np.float32) - 32
-    scale = b[:, 192:208].view(np.int8).astype(np.float32) * _f16(b, 208)
-    return (q.reshape(-1, 16, 16) * scale[:, :, None]).reshape(-1, 256)
-
-
-def _q4_k(b: np.ndarray) -> np.ndarray:
-    sc, mn = _k4_scales(b[:, 4:16])
-    q = _nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32).astype(np.float32)
-    d, dmin = _f16(b, 0) * sc, _f16(b, 2) * mn
-    return (d[:, :, None] * q - dmin[:, :, None]).reshape(-1, 256)
-
-
-def _blocks_to_float(b: np.ndarray, name: str) -> np.ndarray:
-    """Every block of ``b`` (blocks, block_bytes) de-quantized: (blocks, block) float32."""
-    if name == "F32":
-        return np.ascontiguousarray(b).view("<f4").copy()
-    if name == "F16":
-        return np.ascontiguousarray(b).view("<f2").astype(np.float32)
-    if name == "Q8_0":
-        return _f16(b, 0) * b[:, 2:].view(np.int8).astype(np.float32)
-    if name == "Q4_0":
-        return _f16(b, 0) * (_nibbles(b[:, 2:]).astype(np.float32) - 8)
-    if name == "Q4_1":
-        return _f16(b, 0) * _nibbles(b[:, 4:]).astype(np.float32) + _f16(b, 2)
-    return _q4_k(b) if name == "Q4_K" else _q6_k(b)
-
-
-SCALE_FIELDS = {"F32": (), "F16": (), "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2),
-                "Q4_K": (0, 2), "Q6_K": (208,)}  # byte offsets of each block's f16 scales
 
 
 def check_blocks(data: Any, qtype: str) -> None:
@@ -134,7 +135,7 @@ def check_blocks(data: Any, qtype: str) -> None:
     corrupt file), naming the first such block."""
     t, raw = qtype_of(qtype), _as_numpy(data)
     blocks = raw.reshape(-1, t.block_bytes)
-    for at in SCALE_FIELDS[t.name]:
+    for at in t.scales:
         bad = np.flatnonzero(~np.isfinite(_f16(blocks, at)))
         if bad.size:
             per_row = raw.shape[-1] // t.block_bytes
@@ -152,15 +153,30 @@ def _as_numpy(data: Any) -> np.ndarray:
 
 
 def dequantize(data: Any, qtype: str, in_features: int) -> torch.Tensor:
-    """The float32 weight (out, in) that ``data`` (uint8 (out, row_bytes)) encodes."""
+    """The float32 weight (out, in) that ``data`` (uint8 (out, row_bytes), numpy or a CPU
+    tensor) encodes; blocks with a scale that is not finite refused."""
     raw = _as_numpy(data)
     t, width = qtype_of(qtype), row_bytes(qtype, in_features)
     if raw.shape[1] != width:
         raise QuantError(f"rows of {raw.shape[1]} bytes do not hold {in_features} {t.name} "
                          f"weights ({width} bytes)")
     check_blocks(raw, t.name)
-    values = _blocks_to_float(raw.reshape(-1, t.block_bytes), t.name)
-    return torch.from_numpy(np.ascontiguousarray(values).reshape(raw.shape[0], in_features))
+    with warnings.catch_warnings():  # a read-only map: only read here
+        warnings.simplefilter("ignore", UserWarning)
+        blocks = torch.from_numpy(np.ascontiguousarray(raw)).reshape(-1, t.block_bytes)
+    return blocks_to_float(blocks, t.name).reshape(raw.shape[0], in_features)
+
+
+def dequantize_on_device(qweight: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
+    """The float32 weight (rows, in) that ``qweight`` (uint8 (rows, row_bytes), any device)
+    encodes, computed on ``qweight``'s device (the CUDA path of ``mdiedge.model.qlayers``)."""
+    t = qtype_of(qtype)
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or \
+            qweight.shape[1] != row_bytes(t.name, in_features):
+        raise ValueError(f"{t.name} rows {tuple(qweight.shape)} {qweight.dtype} do not hold "
+                         f"{in_features} weights each")
+    values = blocks_to_float(qweight.reshape(-1, t.block_bytes), t.name)  # (blocks, block)
+    return values.reshape(qweight.shape[0], in_features)
 
 
 # -- the reference quantizer (ggml's quantize_row_<type>_ref) ---------------------------------
@@ -244,7 +260,7 @@ def _float_rows(what: str, v: Any, shape: Tuple[int, int]) -> None:
 
 def _kernel_type(qtype: str, threads: int) -> QType:
     t = qtype_of(qtype)
-    if not t.kernel:
+    if not t.native:
         raise QuantError(f"no quantized kernel for {t.name}: they run "
                          f"{', '.join(KERNEL_TYPES)}")
     if threads < 1:

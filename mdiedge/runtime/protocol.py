@@ -257,6 +257,8 @@ class NodeStatus:
     setup: Optional[str] = None  # a starter: what setting up its ring waits for now
     threads: int = 0  # compute threads
     code: Dict[str, Any] = field(default_factory=dict)  # accel.running_code(): what it runs
+    file_reads: Dict[str, int] = field(default_factory=dict)  # modelfile.reads(): GGUF
+    #     headers parsed and model contents hashed by the node's process
 
     def to_json(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)

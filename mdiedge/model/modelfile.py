@@ -4,8 +4,8 @@
 Hugging Face directory, kept while its files are unchanged (their size and modification
 time). It holds what the readers of a model want from its files, each read when first asked
 for and then kept: the config; for a GGUF file its one reader (the header parsed once: the
-index of tensors and the vocabulary's metadata come from it, and the tokenizer built from
-that); and the content hash. The text side, the checks of a command, the starter's stage and
+index of tensors and the vocabulary's metadata come from it, and the tokenizer and chat
+template built from that); and the content hash. The text side, the checks of a command, the starter's stage and
 a worker's loads all take it, so that a process parses a GGUF header once and hashes a model
 at most once (``reads`` counts both; a node's status reports them).
 """
@@ -120,10 +120,9 @@ class ModelFile:
     @property
     def vocab(self) -> Dict[str, Any]:
         """A GGUF file's metadata with the vocabulary's string arrays read (tokens, merges):
-        what ``mdiedge.model.gguf_vocab`` builds a tokenizer and a chat template from."""
-        return self.memo("vocab", self._vocab)
-
-    def _vocab(self) -> Dict[str, Any]:
+        what ``mdiedge.model.gguf_vocab`` builds a tokenizer and a chat template from. Read
+        from the parsed header each time, not kept (a large vocabulary's strings are tens of
+        MB): what is built from it is (``memo``)."""
         found = metadata(self.reader)
         for key in VOCAB_STRINGS:
             if key in self.reader.fields:

@@ -18,13 +18,14 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar, Union
 
 from ..base.errors import CheckpointError, TokenizerError
 from . import gguf_vocab
 from .modelfile import model_file
 
 CONFIG_FILE = "tokenizer_config.json"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -217,23 +218,28 @@ class HFTokenizer(Tokenizer):
         return int(self.tok.get_vocab_size())
 
 
-def gguf_metadata(path: Path) -> Dict[str, Any]:
-    """The metadata of the GGUF file ``path`` that its tokenizer and chat template are built
-    from (this process's ``ModelFile``: the header the config and the tensors come from);
-    a file that cannot be read is a TokenizerError."""
+def _from_gguf(path: Path, key: str, build: Callable[[Dict[str, Any], Path], T]) -> T:
+    """``build(metadata, path)`` once per GGUF file and process (``ModelFile.memo``), from
+    the metadata of the header that the config and the tensors come from too; a file that
+    cannot be read is a TokenizerError."""
+    file = model_file(path)
     try:
-        return model_file(path).vocab
+        return file.memo(key, lambda: build(file.vocab, path))
     except CheckpointError as e:
         raise TokenizerError(str(e)) from None
+
+
+def gguf_chat(path: Path) -> Dict[str, Any]:
+    """The chat template (None when it has none) and special tokens' texts of a GGUF file."""
+    return _from_gguf(path, "chat", gguf_vocab.read_chat)
 
 
 def gguf_tokenizer(path: Path) -> HFTokenizer:
     """The tokenizer a GGUF file carries, prompts getting BOS/EOS as its flags say. Building
     one from the file's vocabulary and merges takes most of a second, and a command opens a
     model's text side more than once (its checks, then the engine), so it is built once per
-    file (``ModelFile.memo``); a tokenizer is not changed by use."""
-    meta = gguf_metadata(path)
-    return model_file(path).memo("tokenizer", lambda: _gguf_built(meta, path))
+    file; a tokenizer is not changed by use."""
+    return _from_gguf(path, "tokenizer", _gguf_built)
 
 
 def _gguf_built(meta: Dict[str, Any], path: Path) -> HFTokenizer:

@@ -141,6 +141,21 @@ def test_the_kept_file_follows_changes(fresh: Path, counted: Dict[str, Any]) -> 
     assert _parses(counted, fresh) == 2
 
 
+def test_a_directory_is_kept_too(tmp_path: Path, counted: Dict[str, Any]) -> None:
+    """A Hugging Face directory: its config read and its contents hashed once while its
+    files are unchanged; a changed config.json is read again."""
+    hf = make_hf_llama(tmp_path / "hf", seed=2, intermediate_size=64)
+    first = model_file(hf)
+    assert load_config(hf) is first.cfg and model_file(hf) is first
+    assert content_hash(hf) == content_hash(hf) == first.content_hash()
+    weights = (hf / "model.safetensors").stat().st_size
+    assert sum(h.fed >= weights for h in counted["hashes"]) == 1
+    config = (hf / "config.json").read_text()
+    changed = config.replace('"rms_norm_eps": 1e-05', '"rms_norm_eps": 1e-06')
+    (hf / "config.json").write_text(changed)
+    assert model_file(hf) is not first and load_config(hf).rms_norm_eps == 1e-6
+
+
 def _nested(path: Path, depth: int) -> Path:
     """A GGUF file whose one metadata value is arrays nested ``depth`` deep (an empty uint8
     array innermost), written by hand: gguf's writer recurses as its reader does."""
@@ -156,7 +171,7 @@ def _nested(path: Path, depth: int) -> Path:
 def test_nested_arrays_are_one_line(tmp_path: Path, depth: int) -> None:
     path = _nested(tmp_path / f"nested{depth}.gguf", depth)
     message = (f"{path}: GGUF metadata cut short or corrupt at 'general.nested' (an array of "
-               f"arrays, which GGUF files do not hold (llama.cpp refuses them too))")
+               f"arrays, which GGUF files do not hold: llama.cpp refuses them)")
     with pytest.raises(CheckpointError) as e:
         load_config(path)
     assert str(e.value) == message
@@ -174,5 +189,5 @@ def test_nested_arrays_through_the_cli(tmp_path: Path) -> None:
         assert done.returncode == 1
         assert done.stderr.splitlines() == [
             f"mdiedge: error: {path}: GGUF metadata cut short or corrupt at 'general.nested' "
-            f"(an array of arrays, which GGUF files do not hold (llama.cpp refuses them "
-            f"too))"], done.stderr
+            f"(an array of arrays, which GGUF files do not hold: llama.cpp refuses them)"], \
+            done.stderr

@@ -174,8 +174,8 @@ def _reader_class() -> type:
             if types[1] == string:
                 return _skip_strings(self, start, count) - orig_offs, [itype, length], [], types
             if types[1] == array:
-                raise CheckpointError("an array of arrays, which GGUF files do not hold "
-                                      "(llama.cpp refuses them too)")
+                raise CheckpointError("an array of arrays, which GGUF files do not hold: "
+                                      "llama.cpp refuses them")
             values = self._get(start, self.gguf_scalar_to_np[types[1]], count)
             return 12 + int(values.nbytes), [itype, length, values], [2], types
 
@@ -359,12 +359,13 @@ class GGUFSource(TensorSource):
         reader = open_reader(path) if file is None else file.reader
         self.cfg = config_of(reader, path) if file is None else file.cfg
         self.family = family_of(self.cfg)
-        self.index: Dict[str, _Entry] = self._indexed(reader) if file is None else \
-            file.memo("gguf-index", lambda: self._indexed(reader))
+        self.index: Dict[str, _Entry] = \
+            self._indexed({t.name: t for t in reader.tensors}) if file is None else \
+            file.memo("gguf-index", lambda: self._indexed(file.tensors))
 
-    def _indexed(self, reader: Any) -> Dict[str, _Entry]:
-        """Every tensor of the model by its Hugging Face name, each checked."""
-        tensors = {t.name: t for t in reader.tensors}
+    def _indexed(self, tensors: Mapping[str, Any]) -> Dict[str, _Entry]:
+        """Every tensor of the model by its Hugging Face name, each checked (``tensors``: the
+        file's, by their names there)."""
         cfg = self.cfg
         stacked = tensors.get("blk.0.ffn_gate_exps.weight")
         experts = set(range(int(stacked.shape.tolist()[-1]))) if stacked is not None else set()

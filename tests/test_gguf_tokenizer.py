@@ -14,8 +14,8 @@ from typing import Any, Dict, List
 import pytest
 
 from mdiedge.base.errors import TokenizerError
-from mdiedge.model import gguf_vocab
-from mdiedge.model.tokenizer import load_tokenizer
+from mdiedge.model.modelfile import model_file
+from mdiedge.model.tokenizer import gguf_tokenizer, load_tokenizer
 from commands import MDIEDGE
 
 gguf = pytest.importorskip("gguf")
@@ -237,7 +237,9 @@ def test_a_gguf_without_a_template_gets_the_default(spm: Dict[str, Any]) -> None
 
 
 def test_the_metadata_reader_agrees_with_gguf_reader(spm: Dict[str, Any]) -> None:
-    ours = gguf_vocab.read_metadata(spm["path"])
+    """What the tokenizer is built from (the bounds-checked reader skips string arrays, then
+    decodes the vocabulary's from the map) is what gguf's own reader reads."""
+    ours = dict(model_file(spm["path"]).vocab)
     reader = gguf.GGUFReader(str(spm["path"]))
     theirs = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     assert ours.keys() == theirs.keys()
@@ -275,7 +277,7 @@ def test_a_cut_file_is_one_line(spm: Dict[str, Any], tmp_path: Path) -> None:
         cut = tmp_path / f"cut{size}.gguf"
         cut.write_bytes(data[:size] if size > 3 else b"GGU")
         with pytest.raises(TokenizerError, match=message):
-            load_tokenizer(NANOLLAMA, cut) if size > 3 else gguf_vocab.read_metadata(cut)
+            load_tokenizer(NANOLLAMA, cut) if size > 3 else gguf_tokenizer(cut)
 
 
 def test_an_unknown_version_is_one_line(spm: Dict[str, Any], tmp_path: Path) -> None:

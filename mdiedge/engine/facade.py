@@ -24,7 +24,8 @@ from ..base import defaults
 from ..base.errors import MdiedgeError
 from ..base.defaults import SHOWN_SETUP_S
 from ..base.words import plural
-from ..model.checkpoint import check_checkpoint, load_config, resolve_model_path
+from ..model.checkpoint import check_checkpoint, resolve_model_path
+from ..model.modelfile import ModelFile, model_file
 from ..model.fit import check_tokenizer
 from ..model.exitfiles import ExitSettings
 from ..model.config import ModelConfig
@@ -112,6 +113,7 @@ class TextModel:
     sampled ids back to text. Checks a request before anything heavy starts."""
 
     path: Path
+    file: ModelFile  # the model's files as this process reads them, opened once
     cfg: ModelConfig
     tokenizer: Tokenizer
     holds_weights = False  # an engine's (below) are checked against its config at once
@@ -125,10 +127,12 @@ class TextModel:
         """Load the config and the tokenizer; ``text``: a text side opened already (its
         weights checked against its config, as ``open_engine`` does), taken as it is."""
         if text is not None:
-            self.path, self.cfg, self.tokenizer = text.path, text.cfg, text.tokenizer
+            self.path, self.file, self.cfg = text.path, text.file, text.cfg
+            self.tokenizer = text.tokenizer
             return
         self.path = resolve_model_path(model)
-        self.cfg = load_config(self.path)
+        self.file = model_file(self.path)
+        self.cfg = self.file.cfg
         if self.holds_weights:  # the config against the weights, before any node builds
             check_checkpoint(self.path, self.cfg)
         self.tokenizer = load_tokenizer(self.path, tokenizer)

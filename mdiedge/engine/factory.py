@@ -21,7 +21,7 @@ from ..base.accel import warn_if_uncompiled
 from ..base.errors import ConfigError, MdiedgeError, UsageError
 from ..base.nodes import NodeSpec, StarterOptions
 from ..base.threads import available_cores, node_threads
-from ..model.checkpoint import check_checkpoint, content_hash, load_config
+from ..model.checkpoint import check_checkpoint, load_config
 from ..model.devices import parse_device, parse_dtype
 from ..model.exitfiles import ExitSettings, exit_settings
 from ..roles.starter import Route
@@ -112,7 +112,7 @@ def exit_settings_of(text: TextModel, criterion: Optional[str],
     ``text``, or None without a criterion."""
     if criterion is None:
         return None
-    return exit_settings(text.path, text.cfg, content_hash(text.path), criterion, threshold)
+    return exit_settings(text.path, text.cfg, text.file.content_hash(), criterion, threshold)
 
 
 def open_engine(spec: EngineSpec, text: Optional[TextModel] = None) -> Engine:

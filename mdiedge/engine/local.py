@@ -8,7 +8,8 @@ from typing import Any, List, Optional, Sequence
 
 from ..base.accel import running_code
 from ..base.threads import compute_threads
-from ..model.checkpoint import content_hash, load_model
+from ..model.checkpoint import load_model
+from ..model.modelfile import reads
 from ..model.devices import parse_device, parse_dtype
 from ..model.exitfiles import ExitSettings
 from ..placement.partition import split_layers
@@ -37,8 +38,8 @@ class LocalEngine(Engine):
         self.compute = ComputeThread()  # loads, sets up and steps: all torch work here
         self.chunks = self.compute.call(self._load, quantize)
         self.model = self.chunks[0]  # the embedding, the first blocks and the head
-        self.exit_policy = self.compute.call(starter_policy, early_exit,
-                                             content_hash(self.path), self.model)
+        self.exit_policy = None if early_exit is None else self.compute.call(
+            starter_policy, early_exit, self.file.content_hash(), self.model)
         self.prefill_chunk = prefill_chunk
         self.scheduler: Optional[Scheduler] = None
         self._setup_lock = threading.Lock()
@@ -84,7 +85,8 @@ class LocalEngine(Engine):
                            layers=[0, self.cfg.n_layers], busy_fraction=busy,
                            slots_in_use=scheduler.slots_in_use if scheduler is not None else 0,
                            threads=compute_threads(), code=running_code(),
-                           decode=joined_routes([s.decode_route for s in self.stages]))]
+                           decode=joined_routes([s.decode_route for s in self.stages]),
+                           file_reads=reads())]
 
     def kv_fill_s(self) -> float:
         return sum(stage.counters.kv_fill_s for stage in self.stages)

@@ -7,12 +7,10 @@ load or memory map) and builds its chunk of the model without materialising the 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import shutil
 import stat
-import struct
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -23,9 +21,9 @@ from torch import Tensor
 from ..base.dtypes import BY_SAFETENSORS
 from ..base.errors import CheckpointError, ConfigError
 from .config import ModelConfig, read_json
-from .exitfiles import CLASSIFIER_FILE
-from .families import config_from_hf, config_to_hf
+from .families import config_to_hf
 from .fit import check_finite
+from .modelfile import LLAMA2C_HEADER, llama2c_config, model_file  # noqa: F401
 # the name tables and TensorSource live in .tensors (GGUF's source needs them too); imported
 # here as well for the modules that know them from this one
 from .tensors import (BLOCK_NAMES, GLOBAL_NAMES,  # noqa: F401
@@ -257,7 +255,7 @@ def _llama2c_permute(w: Tensor, n_heads: int) -> Tensor:
 class Llama2cSource(TensorSource):
     """A llama2.c "legacy" (version 0) checkpoint file, exposed under Hugging Face names."""
 
-    HEADER = struct.Struct("<7i")
+    HEADER = LLAMA2C_HEADER
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
@@ -314,22 +312,6 @@ class Llama2cSource(TensorSource):
         return t
 
 
-def llama2c_config(path: Path) -> ModelConfig:
-    with open(path, "rb") as f:
-        raw = f.read(Llama2cSource.HEADER.size)
-    if len(raw) < Llama2cSource.HEADER.size:
-        raise CheckpointError(f"{path}: truncated llama2.c header ({len(raw)} bytes)")
-    dim, hidden, layers, heads, kv_heads, vocab, seq_len = Llama2cSource.HEADER.unpack(raw)
-    try:
-        return ModelConfig(
-            name=path.stem, vocab_size=abs(vocab), dim=dim, n_layers=layers, n_heads=heads,
-            n_kv_heads=kv_heads, intermediate_size=hidden, max_seq_len=seq_len,
-            tie_embeddings=vocab > 0, rms_norm_eps=1e-5, rope_theta=10000.0, bos_id=1,
-            eos_ids=(2,))
-    except ConfigError as e:
-        raise CheckpointError(f"{path}: not a llama2.c checkpoint ({e})") from None
-
-
 # --------------------------------------------------------------------------- model loading
 
 
@@ -341,43 +323,14 @@ def resolve_model_path(model: Optional[PathLike]) -> Path:
 
 
 def load_config(model: Optional[PathLike]) -> ModelConfig:
-    path = resolve_model_path(model)
-    if path.is_file():
-        from .gguf import gguf_config, looks_like_gguf
-        return gguf_config(path) if looks_like_gguf(path) else llama2c_config(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.exists():
-        raise CheckpointError(f"{cfg_file}: file not found (is {path} a Hugging Face model "
-                              f"directory?)")
-    gen_file = path / "generation_config.json"
-    generation = read_json(gen_file) if gen_file.exists() else None
-    return config_from_hf(read_json(cfg_file), str(cfg_file), generation, str(gen_file))
-
-
-_HASH_CACHE: Dict[Tuple[str, Tuple[Tuple[str, int, int], ...]], str] = {}
+    return model_file(resolve_model_path(model)).cfg
 
 
 def content_hash(model: PathLike) -> str:
     """sha256 (hex) of a model's identity: config.json and the weight files (not the exit
-    classifier calibrated for it), or the llama2.c file. Cached per process by path, size and modification time."""
-    path = Path(model)
-    if path.is_file():
-        files = [path]
-    else:
-        files = sorted(f for f in path.iterdir() if f.is_file() and (
-            f.name in ("config.json", "pytorch_model.bin", "model.safetensors.index.json")
-            or f.suffix == ".safetensors" and f.name != CLASSIFIER_FILE))
-    stamp = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
-    key = (str(path.resolve()), stamp)
-    if key not in _HASH_CACHE:
-        digest = hashlib.sha256()
-        for f in files:
-            digest.update(f.name.encode() + b"\0")
-            with open(f, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 20), b""):
-                    digest.update(block)
-        _HASH_CACHE[key] = digest.hexdigest()
-    return _HASH_CACHE[key]
+    classifier calibrated for it), or the file (``ModelFile.content_hash``: once per process
+    while the files are unchanged)."""
+    return model_file(model).content_hash()
 
 
 def chunk_safetensors(model: PathLike, layers: Tuple[int, int], head: bool = False,
@@ -432,8 +385,11 @@ def check_checkpoint(path: Path, cfg: ModelConfig) -> None:
 
 def open_source(path: Path) -> TensorSource:
     if path.is_file():
-        from .gguf import GGUFSource, looks_like_gguf
-        return GGUFSource(path) if looks_like_gguf(path) else Llama2cSource(path)
+        file = model_file(path)
+        if file.is_gguf:
+            from .gguf import GGUFSource
+            return GGUFSource(path, file)
+        return Llama2cSource(path)
     if (path / "model.safetensors.index.json").exists() or (path / "model.safetensors").exists():
         return SafetensorsSource(path)
     if (path / "pytorch_model.bin").exists():

@@ -16,6 +16,7 @@ import functools
 import re
 import struct
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -36,6 +37,7 @@ PathLike = Union[str, Path]
 _BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
 _GGUF_BLOCK = re.compile(r"blk\.(\d+)\.")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(.+)")
+VERSIONS = (2, 3)  # the GGUF versions read (gguf's and llama.cpp's)
 
 
 def looks_like_gguf(path: Path) -> bool:
@@ -67,21 +69,93 @@ def _out_of_file(start: int, end: int, size: int) -> CheckpointError:
                            f"{start}..{end} asked for, the file has {size})")
 
 
+# GGUF headers parsed by this process, by file: ``ModelFile`` opens each file once (tests
+# and ``NodeStatus.file_reads`` read it)
+HEADERS_PARSED: Counter = Counter()
+
+
+def _diagnosis(head: bytes) -> Optional[str]:
+    """What is wrong with a file that starts ``head`` (its first 8 bytes) if its magic or
+    version is, else None."""
+    if head[:4] != MAGIC:
+        return f"not a GGUF file (GGUF magic invalid: it starts {head[:4]!r})"
+    if len(head) < 8:
+        return None
+    version = int.from_bytes(head[4:8], "little")
+    if not version & 0xFFFF:  # written on a host of the other byte order
+        version = int.from_bytes(head[4:8], "big")
+    if version not in VERSIONS:
+        return f"GGUF version {version} (mdiedge reads {', '.join(map(str, VERSIONS))})"
+    return None
+
+
+def _read_fields(reader: Any, offs: int, count: int) -> int:
+    """gguf's ``_build_fields``: the ``count`` key/value fields from ``offs`` read into
+    ``reader.fields``, an error naming the key it met; the offset after them."""
+    gguf = _gguf_package()
+    key = "the header"
+    try:
+        for _ in range(int(count)):
+            start = offs
+            size, data = reader._get_str(offs)
+            key = str(bytes(data), encoding="utf-8")
+            kind = reader._get(offs + 8 + int(size[0]), np.uint32)
+            offs += 12 + int(size[0])
+            length, parts, found, types = reader._get_field_parts(offs, int(kind[0]))
+            reader._push_field(gguf.ReaderField(
+                start, key, [size, data, kind, *parts], [i + 3 for i in found], types),
+                skip_sum=True)
+            offs += length
+    except (CheckpointError, ValueError, KeyError, OverflowError) as e:
+        detail = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+        raise CheckpointError(f"GGUF metadata cut short or corrupt at {key!r} "
+                              f"({detail})") from None
+    return offs
+
+
+def _skip_strings(reader: Any, offs: int, count: int) -> int:
+    """The offset after ``count`` length-prefixed strings from ``offs``."""
+    view, size = memoryview(reader.data), len(reader.data)
+    fmt = _u64(reader.byte_order)
+    for _ in range(count):
+        if offs + 8 > size:
+            raise _out_of_file(offs, offs + 8, size)
+        offs += 8 + struct.unpack_from(fmt, view, offs)[0]
+    if offs > size:
+        raise _out_of_file(offs, offs, size)
+    return offs
+
+
 @functools.lru_cache(maxsize=None)
 def _reader_class() -> type:
-    """gguf's ``GGUFReader`` with bounds-checked reads and arrays read whole (a string
-    array is skipped: ``field.parts`` keeps only its element type and length)."""
+    """gguf's ``GGUFReader`` with bounds-checked reads, errors naming the metadata key they
+    met, arrays read whole (a string array is skipped: ``field.parts`` keeps only its element
+    type and length) and arrays of arrays refused, as llama.cpp does."""
     gguf = _gguf_package()
     array, string = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
     known = {int(t) for t in gguf.GGMLQuantizationType}
 
     class Reader(gguf.GGUFReader):  # type: ignore[misc,name-defined]
+        def __init__(self, path: PathLike, mode: str = "r") -> None:
+            HEADERS_PARSED[str(path)] += 1
+            try:
+                super().__init__(path, mode)
+            except (ValueError, CheckpointError):
+                data = self.__dict__.get("data")  # the map, unless mapping failed
+                found = None if data is None else _diagnosis(bytes(data[:8]))
+                if found is not None:
+                    raise CheckpointError(found) from None
+                raise
+
         def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None
                  ) -> np.ndarray:
             end = int(offset) + np.dtype(dtype).itemsize * int(count)
             if end > len(self.data):
                 raise _out_of_file(int(offset), end, len(self.data))
             return super()._get(offset, dtype, count, override_order)
+
+        def _build_fields(self, offs: int, count: int) -> int:
+            return _read_fields(self, offs, count)
 
         def _get_tensor_info_field(self, orig_offs: int) -> Any:
             field = super()._get_tensor_info_field(orig_offs)
@@ -98,24 +172,12 @@ def _reader_class() -> type:
             start, count = orig_offs + 12, int(length[0])
             types = [gguf.GGUFValueType(raw_type), gguf.GGUFValueType(int(itype[0]))]
             if types[1] == string:
-                return self._skip_strings(start, count) - orig_offs, [itype, length], [], types
-            scalar = self.gguf_scalar_to_np.get(types[1])
-            if scalar is None:  # arrays of arrays: gguf's own walk
-                return super()._get_field_parts(orig_offs, raw_type)
-            values = self._get(start, scalar, count)
+                return _skip_strings(self, start, count) - orig_offs, [itype, length], [], types
+            if types[1] == array:
+                raise CheckpointError("an array of arrays, which GGUF files do not hold: "
+                                      "llama.cpp refuses them")
+            values = self._get(start, self.gguf_scalar_to_np[types[1]], count)
             return 12 + int(values.nbytes), [itype, length, values], [2], types
-
-        def _skip_strings(self, offs: int, count: int) -> int:
-            """The offset after ``count`` length-prefixed strings from ``offs``."""
-            view, size = memoryview(self.data), len(self.data)
-            fmt = _u64(self.byte_order)
-            for _ in range(count):
-                if offs + 8 > size:
-                    raise _out_of_file(offs, offs + 8, size)
-                offs += 8 + struct.unpack_from(fmt, view, offs)[0]
-            if offs > size:
-                raise _out_of_file(offs, offs, size)
-            return offs
 
     return Reader
 
@@ -166,8 +228,12 @@ def metadata(reader: Any) -> Dict[str, Any]:
             continue
         if len(field.types) > 1 and not field.data:  # a skipped string array
             out[name] = int(field.parts[-1][0])
-        else:
+            continue
+        try:
             out[name] = field.contents()
+        except UnicodeDecodeError as e:
+            raise CheckpointError(f"{reader.data.filename}: metadata {name!r} is not UTF-8 text "
+                                  f"(byte {e.start})") from None
     return out
 
 
@@ -285,21 +351,28 @@ class GGUFSource(TensorSource):
     ``raw`` gives the stored bytes. Opening checks every tensor of the model (present, of a
     known type, of the shape the config implies), so a bad file fails before any read."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, file: Any = None) -> None:
+        """``file``: this process's ``ModelFile`` of ``path`` (``mdiedge.model.modelfile``),
+        whose reader, config and index of tensors it takes; None: ``path`` is parsed anew."""
         super().__init__(path)
         self.gguf = _gguf_package()
-        reader = open_reader(path)
-        self.cfg = config_of(reader, path)
+        reader = open_reader(path) if file is None else file.reader
+        self.cfg = config_of(reader, path) if file is None else file.cfg
         self.family = family_of(self.cfg)
-        tensors = {t.name: t for t in reader.tensors}
-        self.index: Dict[str, _Entry] = {}
+        self.index: Dict[str, _Entry] = \
+            self._indexed({t.name: t for t in reader.tensors}) if file is None else \
+            file.memo("gguf-index", lambda: self._indexed(file.tensors))
+
+    def _indexed(self, tensors: Mapping[str, Any]) -> Dict[str, _Entry]:
+        """Every tensor of the model by its Hugging Face name, each checked (``tensors``: the
+        file's, by their names there)."""
         cfg = self.cfg
         stacked = tensors.get("blk.0.ffn_gate_exps.weight")
         experts = set(range(int(stacked.shape.tolist()[-1]))) if stacked is not None else set()
-        check_blocks(cfg, indices(tensors, _GGUF_BLOCK), path, "block_count",
+        check_blocks(cfg, indices(tensors, _GGUF_BLOCK), self.path, "block_count",
                      experts if cfg.is_moe else None)
-        for ours, theirs in tensor_plan(cfg, (0, cfg.n_layers), True, True).items():
-            self.index[theirs] = self._entry(ours, tensors)
+        return {theirs: self._entry(ours, tensors)
+                for ours, theirs in tensor_plan(cfg, (0, cfg.n_layers), True, True).items()}
 
     def _entry(self, ours: str, tensors: Mapping[str, Any]) -> _Entry:
         name, expert = gguf_name(ours, self.family)

@@ -11,13 +11,11 @@ Tokens the file types CONTROL (and UNKNOWN) are special tokens, USER_DEFINED one
 tokens: typed in a text, each is that one token. Whether prompts get a BOS or an EOS is the
 file's ``add_bos_token``/``add_eos_token``, else llama.cpp's default for the vocabulary.
 
-Only the metadata is read, by ``read_metadata``, straight from the file: ``gguf.GGUFReader``
-makes a numpy view per element of every array, seconds for a 49k-token vocabulary.
+The metadata comes from the file's one reader (``mdiedge.model.modelfile.ModelFile.vocab``:
+the header parsed once, the string arrays of the vocabulary decoded from the map in one walk).
 """
 from __future__ import annotations
 
-import mmap
-import struct
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -26,11 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..base.errors import TokenizerError
 
 MAGIC = b"GGUF"
-VERSIONS = (2, 3)
 TYPE_NORMAL, TYPE_UNKNOWN, TYPE_CONTROL, TYPE_USER_DEFINED = 1, 2, 3, 4  # token_type values
-STRING, ARRAY = 8, 9  # the two value types of variable size
-SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
-           12: "d"}  # GGUF value type: struct format
 MODELS = ("gpt2", "llama")
 
 _GPT2 = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
@@ -73,79 +67,6 @@ def is_gguf(path: Path) -> bool:
             return f.read(4) == MAGIC
     except OSError:
         return False
-
-
-class _Cursor:
-    """Reads little-endian values from a buffer, one after another."""
-
-    def __init__(self, buf: Any, path: Path) -> None:
-        self.buf, self.pos, self.path = buf, 0, path
-
-    def scalar(self, fmt: str) -> Any:
-        (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return value
-
-    def string(self) -> str:
-        size = self.scalar("Q")
-        if self.pos + size > len(self.buf):
-            raise struct.error(f"a string of {size} bytes past the end")
-        raw = self.buf[self.pos:self.pos + size]
-        self.pos += size
-        return raw.decode("utf-8")
-
-    def value(self, kind: int) -> Any:
-        if kind == STRING:
-            return self.string()
-        if kind == ARRAY:
-            return self.array()
-        if kind not in SCALARS:
-            raise TokenizerError(f"{self.path}: unknown GGUF value type {kind} in the metadata")
-        return self.scalar(SCALARS[kind])
-
-    def array(self) -> List[Any]:
-        kind, count = self.scalar("I"), self.scalar("Q")
-        if kind in SCALARS:  # one unpack for the whole array
-            fmt = f"<{count}{SCALARS[kind]}"
-            found = list(struct.unpack_from(fmt, self.buf, self.pos))
-            self.pos += struct.calcsize(fmt)
-            return found
-        if kind == STRING:
-            return [self.string() for _ in range(count)]
-        return [self.value(kind) for _ in range(count)]
-
-
-def read_metadata(path: Path) -> Dict[str, Any]:
-    """The key-value metadata of the GGUF file ``path`` (arrays as lists); one line for a
-    file that is not GGUF, of an unknown version, or cut short."""
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _read_kv(_Cursor(buf, path))
-    except (OSError, ValueError) as e:
-        if isinstance(e, TokenizerError):
-            raise
-        raise TokenizerError(f"{path}: cannot read the GGUF file ({e})") from None
-
-
-def _read_kv(cur: _Cursor) -> Dict[str, Any]:
-    if bytes(cur.buf[:4]) != MAGIC:
-        raise TokenizerError(f"{cur.path}: not a GGUF file (starts {bytes(cur.buf[:4])!r})")
-    cur.pos = 4
-    found: Dict[str, Any] = {}
-    key = "the header"
-    try:
-        version = cur.scalar("I")
-        if version not in VERSIONS:
-            raise TokenizerError(f"{cur.path}: GGUF version {version} (mdiedge reads "
-                                 f"{', '.join(map(str, VERSIONS))})")
-        _tensors, count = cur.scalar("Q"), cur.scalar("Q")
-        for _ in range(count):
-            key = cur.string()
-            found[key] = cur.value(cur.scalar("I"))
-    except (struct.error, UnicodeDecodeError, MemoryError, OverflowError) as e:
-        raise TokenizerError(f"{cur.path}: GGUF metadata cut short or corrupt at {key!r} "
-                             f"({e})") from None
-    return found
 
 
 def _tokenizers() -> Any:
@@ -305,17 +226,17 @@ def _chat(meta: Dict[str, Any], ids: Dict[str, Optional[int]]) -> Dict[str, Any]
             **{f"{k}_token": tokens[v] for k, v in ids.items() if v is not None}}
 
 
-def read_chat(path: Path) -> Dict[str, Any]:
-    """The GGUF file's chat template (None when it has none) and special tokens' texts."""
-    meta = read_metadata(path)
+def read_chat(meta: Dict[str, Any], path: Path) -> Dict[str, Any]:
+    """The chat template (None when it has none) and special tokens' texts that the metadata
+    ``meta`` of the GGUF file ``path`` holds."""
     return _chat(meta, _special_ids(meta, path))
 
 
-def read_vocab(path: Path) -> GGUFVocab:
-    """The tokenizer, special ids and prompt flags of the GGUF file ``path``: BOS before a
-    prompt as ``add_bos_token`` says, else for a ``llama`` vocabulary and the pre-tokenizers
-    of ``WHOLE_WORDS``; EOS after it only when ``add_eos_token`` says so."""
-    meta = read_metadata(path)
+def read_vocab(meta: Dict[str, Any], path: Path) -> GGUFVocab:
+    """The tokenizer, special ids and prompt flags that the metadata ``meta`` of the GGUF
+    file ``path`` holds (its string arrays read: ``ModelFile.vocab``): BOS before a prompt as
+    ``add_bos_token`` says, else for a ``llama`` vocabulary and the pre-tokenizers of
+    ``WHOLE_WORDS``; EOS after it only when ``add_eos_token`` says so."""
     tok = build_tokenizer(meta, path)
     ids = _special_ids(meta, path)
     whole = meta.get("tokenizer.ggml.pre") in WHOLE_WORDS

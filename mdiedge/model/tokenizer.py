@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar, Union
 
-from ..base.errors import TokenizerError
+from ..base.errors import CheckpointError, TokenizerError
 from . import gguf_vocab
+from .modelfile import model_file
 
 CONFIG_FILE = "tokenizer_config.json"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -217,29 +218,35 @@ class HFTokenizer(Tokenizer):
         return int(self.tok.get_vocab_size())
 
 
-_GGUF_BUILT: Dict[Tuple[str, int, int], HFTokenizer] = {}  # see gguf_tokenizer
-_GGUF_LOCK = threading.Lock()
+def _from_gguf(path: Path, key: str, build: Callable[[Dict[str, Any], Path], T]) -> T:
+    """``build(metadata, path)`` once per GGUF file and process (``ModelFile.memo``), from
+    the metadata of the header that the config and the tensors come from too; a file that
+    cannot be read is a TokenizerError."""
+    file = model_file(path)
+    try:
+        return file.memo(key, lambda: build(file.vocab, path))
+    except CheckpointError as e:
+        raise TokenizerError(str(e)) from None
+
+
+def gguf_chat(path: Path) -> Dict[str, Any]:
+    """The chat template (None when it has none) and special tokens' texts of a GGUF file."""
+    return _from_gguf(path, "chat", gguf_vocab.read_chat)
 
 
 def gguf_tokenizer(path: Path) -> HFTokenizer:
     """The tokenizer a GGUF file carries, prompts getting BOS/EOS as its flags say. Building
     one from the file's vocabulary and merges takes most of a second, and a command opens a
-    model's text side more than once (its checks, then the engine), so the last file's is
-    kept while the file is unchanged (its size and modification time); a tokenizer is not
-    changed by use."""
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    with _GGUF_LOCK:
-        if key in _GGUF_BUILT:
-            return _GGUF_BUILT[key]
-    found = gguf_vocab.read_vocab(path)
+    model's text side more than once (its checks, then the engine), so it is built once per
+    file; a tokenizer is not changed by use."""
+    return _from_gguf(path, "tokenizer", _gguf_built)
+
+
+def _gguf_built(meta: Dict[str, Any], path: Path) -> HFTokenizer:
+    found = gguf_vocab.read_vocab(meta, path)
     rule = PromptRule(found.bos_id if found.add_bos else None,
                       found.eos_id if found.add_eos else None)
-    built = HFTokenizer.from_tokenizer(found.tokenizer, found.bos_id, found.eos_id, rule)
-    with _GGUF_LOCK:
-        _GGUF_BUILT.clear()
-        _GGUF_BUILT[key] = built
-    return built
+    return HFTokenizer.from_tokenizer(found.tokenizer, found.bos_id, found.eos_id, rule)
 
 
 def load_tokenizer(model_path: Path, tokenizer: Optional[Union[str, Path]] = None) -> Tokenizer:

@@ -30,6 +30,7 @@ from ..base.threads import compute_threads
 from ..base.nodes import NodeSpec, StarterOptions
 from ..base.words import block_range
 from ..model.checkpoint import content_hash, load_model
+from ..model.modelfile import reads
 from ..model.exitfiles import ExitSettings
 from ..model.families import config_to_hf
 from ..model.devices import itemsize, parse_device, parse_dtype
@@ -444,7 +445,8 @@ def starter_status(starter: RingStarter) -> NodeStatus:
         device=starter.device, rss_bytes=rss_bytes(), max_rss_bytes=max_rss_bytes(),
         uptime_s=round(time.time() - starter.started, 1), pid=os.getpid(),
         link_rtt_ms=round_trip_ms((starter.ring_workers or starter.workers)[0].url),
-        recoveries=starter.recoveries, threads=compute_threads(), code=running_code())
+        recoveries=starter.recoveries, threads=compute_threads(), code=running_code(),
+        file_reads=reads())
     if scheduler is not None and stage is not None:
         stats = scheduler.stats
         status.state = "ready" if scheduler.idle else "busy"

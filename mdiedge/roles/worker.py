@@ -27,6 +27,7 @@ from ..base.memory import max_rss_bytes, rss_bytes
 from ..base.threads import compute_threads
 from ..base.words import block_range
 from ..model.checkpoint import content_hash, load_config, load_model, resolve_model_path
+from ..model.modelfile import reads
 from ..model.devices import parse_device, parse_dtype
 from ..runtime import messages
 from ..runtime.auth import Authenticator, is_loopback
@@ -160,6 +161,7 @@ class WorkerNode:
             version=__version__, rss_bytes=rss_bytes(), max_rss_bytes=max_rss_bytes(),
             uptime_s=round(time.time() - self.started, 1), pid=os.getpid(),
             data_port=self.data_port, threads=compute_threads(), code=running_code(),
+            file_reads=reads(),
             # a short limit: a frozen next node must not make this node look frozen too
             link_rtt_ms=round_trip_ms(self.next_control, defaults.STATUS_RTT_TIMEOUT_S)
             if self.next_control and self.state == "busy" else None)

@@ -258,6 +258,8 @@ class NodeStatus:
     threads: int = 0  # compute threads
     code: Dict[str, Any] = field(default_factory=dict)  # accel.running_code(): what it runs
     decode: Dict[str, str] = field(default_factory=dict)  # Transformer.decode_route()
+    file_reads: Dict[str, int] = field(default_factory=dict)  # modelfile.reads(): GGUF
+    #     headers parsed and model contents hashed by the node's process
 
     def to_json(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ...base.errors import ApiError, ConfigError, ConversationError
 from ...model import gguf_vocab
-from ...model.tokenizer import Tokenizer, read_tokenizer_config, token_text
+from ...model.tokenizer import Tokenizer, gguf_chat, read_tokenizer_config, token_text
 from .schema import ChatMessage
 
 DEFAULT_TEMPLATE = (
@@ -51,7 +51,7 @@ def load_model_template(model_path: Path) -> Dict[str, Any]:
     """The model's chat template and special tokens: a GGUF file's own, else its folder's
     (``{"template": None}`` when it has none)."""
     if model_path.is_file() and gguf_vocab.is_gguf(model_path):
-        return gguf_vocab.read_chat(model_path)
+        return dict(gguf_chat(model_path))
     folder = model_path if model_path.is_dir() else model_path.parent
     config = read_tokenizer_config(folder)
     template = config.get("chat_template")

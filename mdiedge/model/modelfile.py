@@ -1,0 +1,173 @@
+"""The model a process reads, opened once.
+
+``model_file(path)`` is this process's ``ModelFile`` of a GGUF file, a llama2.c file or a
+Hugging Face directory, kept while its files are unchanged (their size and modification
+time). It holds what the readers of a model want from its files, each read when first asked
+for and then kept: the config; for a GGUF file its one reader (the header parsed once: the
+index of tensors and the vocabulary's metadata come from it, and the tokenizer and chat
+template built from that); and the content hash. The text side, the checks of a command, the
+starter's stage and a worker's loads all take it, so that a process parses a GGUF header
+once and hashes a model at most once (``reads`` counts both; a node's status reports them).
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+from collections import Counter, OrderedDict
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Tuple, TypeVar, Union
+
+from ..base.errors import CheckpointError, ConfigError
+from .config import ModelConfig, read_json
+from .exitfiles import CLASSIFIER_FILE
+from .families import config_from_hf
+from .gguf import HEADERS_PARSED, config_of, looks_like_gguf, metadata, open_reader, string_array
+
+PathLike = Union[str, Path]
+T = TypeVar("T")
+LLAMA2C_HEADER = struct.Struct("<7i")  # dim, hidden, layers, heads, kv heads, vocab, context
+KEPT = 4  # the files whose ModelFile a process keeps: a model, its draft, a tokenizer's file
+HASHES: Counter = Counter()  # content hashes computed by this process, by path
+VOCAB_STRINGS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")  # string arrays to decode
+
+
+def identity_files(path: Path) -> List[Path]:
+    """The files whose bytes are the model's identity: the file itself, or a directory's
+    config.json and weight files (not the exit classifier calibrated for it)."""
+    if path.is_file():
+        return [path]
+    return sorted(f for f in path.iterdir() if f.is_file() and (
+        f.name in ("config.json", "pytorch_model.bin", "model.safetensors.index.json")
+        or f.suffix == ".safetensors" and f.name != CLASSIFIER_FILE))
+
+
+def _stamp(path: Path) -> Tuple[Tuple[str, int, int], ...]:
+    """Name, size and modification time of each file the ModelFile of ``path`` reads."""
+    files = identity_files(path)
+    if not path.is_file() and (path / "generation_config.json").is_file():
+        files.append(path / "generation_config.json")
+    stats = [(f.name, f.stat()) for f in files]
+    return tuple((name, s.st_size, s.st_mtime_ns) for name, s in stats)
+
+
+def llama2c_config(path: Path) -> ModelConfig:
+    with open(path, "rb") as f:
+        raw = f.read(LLAMA2C_HEADER.size)
+    if len(raw) < LLAMA2C_HEADER.size:
+        raise CheckpointError(f"{path}: truncated llama2.c header ({len(raw)} bytes)")
+    dim, hidden, layers, heads, kv_heads, vocab, seq_len = LLAMA2C_HEADER.unpack(raw)
+    try:
+        return ModelConfig(
+            name=path.stem, vocab_size=abs(vocab), dim=dim, n_layers=layers, n_heads=heads,
+            n_kv_heads=kv_heads, intermediate_size=hidden, max_seq_len=seq_len,
+            tie_embeddings=vocab > 0, rms_norm_eps=1e-5, rope_theta=10000.0, bos_id=1,
+            eos_ids=(2,))
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: not a llama2.c checkpoint ({e})") from None
+
+
+def hf_config(path: Path) -> ModelConfig:
+    """The config of the Hugging Face directory ``path`` (with its generation config)."""
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"{cfg_file}: file not found (is {path} a Hugging Face model "
+                              f"directory?)")
+    gen_file = path / "generation_config.json"
+    generation = read_json(gen_file) if gen_file.exists() else None
+    return config_from_hf(read_json(cfg_file), str(cfg_file), generation, str(gen_file))
+
+
+class ModelFile:
+    """One model's files as this process reads them. Each fact is read when first asked for
+    and kept (``memo``); an error is not kept, so a second ask raises it again."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.is_gguf = path.is_file() and looks_like_gguf(path)
+        self._memo: Dict[str, Any] = {}
+        self._lock = threading.RLock()  # one build at a time: each is built once
+
+    def memo(self, key: str, build: Callable[[], T]) -> T:
+        """``build()``, called once for this file: what a reader derives from it (the
+        tokenizer, the index of tensors) is built once per process too."""
+        with self._lock:
+            if key not in self._memo:
+                self._memo[key] = build()
+            return self._memo[key]
+
+    @property
+    def reader(self) -> Any:
+        """A GGUF file's reader (``mdiedge.model.gguf.open_reader``): its header parsed."""
+        if not self.is_gguf:
+            raise CheckpointError(f"{self.path}: not a GGUF file")
+        return self.memo("reader", lambda: open_reader(self.path))
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.memo("config", self._config)
+
+    def _config(self) -> ModelConfig:
+        if self.is_gguf:
+            return config_of(self.reader, self.path)
+        return llama2c_config(self.path) if self.path.is_file() else hf_config(self.path)
+
+    @property
+    def tensors(self) -> Dict[str, Any]:
+        """A GGUF file's tensors by their names in the file (gguf's ``ReaderTensor``)."""
+        return self.memo("tensors", lambda: {t.name: t for t in self.reader.tensors})
+
+    @property
+    def vocab(self) -> Dict[str, Any]:
+        """A GGUF file's metadata with the vocabulary's string arrays read (tokens, merges):
+        what ``mdiedge.model.gguf_vocab`` builds a tokenizer and a chat template from. Read
+        from the parsed header each time, not kept (a large vocabulary's strings are tens of
+        MB): what is built from it is (``memo``)."""
+        found = metadata(self.reader)
+        for key in VOCAB_STRINGS:
+            if key in self.reader.fields:
+                try:
+                    found[key] = string_array(self.reader, key)
+                except CheckpointError:  # not strings: the tokenizer's own error names it
+                    pass
+        return found
+
+    def content_hash(self) -> str:
+        """sha256 (hex) of the model's identity (``identity_files``), each file's name then
+        its bytes."""
+        return self.memo("hash", self._hash)
+
+    def _hash(self) -> str:
+        HASHES[str(self.path)] += 1
+        digest = hashlib.sha256()
+        for f in identity_files(self.path):
+            digest.update(f.name.encode() + b"\0")
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    digest.update(block)
+        return digest.hexdigest()
+
+
+_OPEN: "OrderedDict[Tuple[str, Tuple[Tuple[str, int, int], ...]], ModelFile]" = OrderedDict()
+_OPEN_LOCK = threading.Lock()
+
+
+def model_file(path: PathLike) -> ModelFile:
+    """This process's ModelFile of the model at ``path`` (a file or a directory that exists;
+    OSError otherwise): the one opened before while its files are unchanged."""
+    path = Path(path)
+    key = (str(path.resolve()), _stamp(path))
+    with _OPEN_LOCK:
+        found = _OPEN.get(key)
+        if found is None:
+            found = _OPEN[key] = ModelFile(path)
+            while len(_OPEN) > KEPT:
+                _OPEN.popitem(last=False)
+        _OPEN.move_to_end(key)
+    return found
+
+
+def reads() -> Dict[str, int]:
+    """GGUF headers parsed and model contents hashed by this process so far."""
+    return {"gguf_headers": sum(HEADERS_PARSED.values()), "hashes": sum(HASHES.values())}
+

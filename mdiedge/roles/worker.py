@@ -172,8 +172,7 @@ class WorkerNode:
             status.weight_bytes = self.model.parameter_bytes()
             status.kv_bytes = self.model.kv_cache_bytes()
             status.expert_load = self.model.expert_load()
-        links = self.links
-        status.links = links.stats() if links is not None else {}
+        status.links = links.stats() if (links := self.links) is not None else {}
         if stage is not None:
             c = stage.counters
             status.slots_in_use, status.messages, status.tokens = stage.slots_in_use, c.messages, c.tokens

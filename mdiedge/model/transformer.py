@@ -125,13 +125,12 @@ class Transformer(nn.Module):
         self._steps = None
 
     def _set_rope(self, length: int, device: torch.device) -> None:
-        """RoPE tables of ``length`` positions: the global layers' (``rope_cos``,
-        ``rope_sin``), and the sliding layers' (``local_rope_cos``, ``local_rope_sin``: the
-        same tensors unless this chunk has sliding layers with a base of their own)."""
+        """RoPE tables of ``length`` positions: the global layers' (``rope_cos``, ``rope_sin``)
+        and the sliding layers' (``local_rope_…``, the same unless their base differs)."""
         cos, sin = rope_tables(self.cfg, length)
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
         self.local_rope_cos, self.local_rope_sin = self.rope_cos, self.rope_sin
-        if self.cfg.rope_local_theta and any(w for w in self._windows()):
+        if self.cfg.rope_local_theta and any(self._windows()):
             cos, sin = rope_tables(self.cfg, length, local=True)
             self.local_rope_cos, self.local_rope_sin = cos.to(device), sin.to(device)
 
@@ -139,11 +138,10 @@ class Transformer(nn.Module):
         """The attention windows of this chunk's blocks, each once (0: full attention)."""
         return sorted({block.attn.window for block in self.layers.values()})
 
-    def _tables(self, block: nn.Module) -> Tuple[Tensor, Tensor]:
-        """Block ``block``'s RoPE tables (L, hd): the sliding layers' or the global ones."""
-        if block.attn.window:
-            return self.local_rope_cos, self.local_rope_sin
-        return self.rope_cos, self.rope_sin
+    def _tables(self, window: int) -> Tuple[Tensor, Tensor]:
+        """The RoPE tables (L, hd) of the blocks of ``window``: sliding (> 0) or global."""
+        return (self.local_rope_cos, self.local_rope_sin) if window else (self.rope_cos,
+                                                                          self.rope_sin)
 
     def kv_cache_bytes(self) -> int:
         return sum(b.attn.cache.k.nbytes * 2 for b in self.layers.values()
@@ -244,7 +242,7 @@ class Transformer(nn.Module):
         ``.to()`` make them again. A parameter replaced by hand after ``setup_cache`` needs
         ``setup_cache`` again."""
         if self._steps is None:
-            found = [b.step_weights(*self._tables(b)) for b in self.layers.values()
+            found = [b.step_weights(*self._tables(b.attn.window)) for b in self.layers.values()
                      ] if self.family.step_blocks else []
             self._steps = [] if any(w is None for w in found) else found  # type: ignore[misc]
             self._plans = {}
@@ -270,34 +268,9 @@ class Transformer(nn.Module):
 
     def _attention_inputs(self, x: Tensor, positions: Sequence[int]
                           ) -> Dict[int, Tuple[Tensor, Tensor, Optional[Tensor]]]:
-        """``_rope_and_mask`` for each attention window of this chunk's blocks."""
-        return {window: self._rope_and_mask(x, positions, window) for window in self._windows()}
-
-    def _rope_and_mask(self, x: Tensor, positions: Sequence[int], window: int = 0
-                       ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        """RoPE tables (B, 1, T, hd) of the rows' positions (a sliding layer's where
-        ``window``), and the attention mask (B, 1, T, L), causal and, with ``window``, of the
-        last ``window`` positions (None where every row sees its whole cache: one token per
-        row at one position, within the window)."""
-        batch, seq_len, _ = x.shape
-        length = max(positions) + seq_len
-        if length > self.max_seq_len:
-            raise ValueError(f"position {length} beyond the KV cache length {self.max_seq_len}")
-        device = x.device
-        offsets = torch.arange(seq_len, device=device)
-        starts = torch.as_tensor(positions, device=device)
-        query_pos = starts[:, None] + offsets  # (B, T)
-        table_cos, table_sin = ((self.local_rope_cos, self.local_rope_sin) if window
-                                else (self.rope_cos, self.rope_sin))
-        cos = table_cos[query_pos].unsqueeze(1)  # (B, 1, T, hd)
-        sin = table_sin[query_pos].unsqueeze(1)
-        if seq_len == 1 and min(positions) == max(positions) and not 0 < window < length:
-            return cos, sin, None
-        key_pos = torch.arange(length, device=device)
-        mask = key_pos <= query_pos[..., None]  # (B, T, L)
-        if window:
-            mask &= key_pos > query_pos[..., None] - window
-        return cos, sin, mask.unsqueeze(1)  # (B, 1, T, L)
+        """``rope_and_mask`` for each attention window of this chunk's blocks (0: full)."""
+        return {window: rope_and_mask(x, positions, self._tables(window), window,
+                                      self.max_seq_len) for window in self._windows()}
 
     def hidden_states(self, tokens: Tensor) -> List[Tensor]:
         """Every block's output, each (B, T, dim), for whole sequences from position 0 without
@@ -316,7 +289,8 @@ class Transformer(nn.Module):
             self._set_rope(seq_len, x.device)
             self._train_rope_len = seq_len
         for block in self.layers.values():
-            cos, sin = (table[None, None, :seq_len] for table in self._tables(block))  # (1,1,T,hd)
+            tables = self._tables(block.attn.window)
+            cos, sin = (table[None, None, :seq_len] for table in tables)  # (1, 1, T, hd)
             x = block(x, cos, sin, None, _NO_SLOTS, ())
             if states is not None:
                 states.append(x)
@@ -362,3 +336,28 @@ class Transformer(nn.Module):
                                                      if hasattr(m, "qweight"))):
             seen[id(p)] = p.numel() * p.element_size()
         return sum(seen.values())
+
+
+def rope_and_mask(x: Tensor, positions: Sequence[int], tables: Tuple[Tensor, Tensor],
+                  window: int, max_seq_len: int) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """RoPE ``tables`` (L, hd) at the positions of rows x (B, T, dim), (B, 1, T, hd) each, and
+    the attention mask (B, 1, T, L): causal and, with ``window``, of the last ``window``
+    positions (None where every row sees its whole cache: one token per row at one position,
+    within the window)."""
+    batch, seq_len, _ = x.shape
+    length = max(positions) + seq_len
+    if length > max_seq_len:
+        raise ValueError(f"position {length} beyond the KV cache length {max_seq_len}")
+    device = x.device
+    offsets = torch.arange(seq_len, device=device)
+    starts = torch.as_tensor(positions, device=device)
+    query_pos = starts[:, None] + offsets  # (B, T)
+    cos = tables[0][query_pos].unsqueeze(1)  # (B, 1, T, hd)
+    sin = tables[1][query_pos].unsqueeze(1)
+    if seq_len == 1 and min(positions) == max(positions) and not 0 < window < length:
+        return cos, sin, None
+    key_pos = torch.arange(length, device=device)
+    mask = key_pos <= query_pos[..., None]  # (B, T, L)
+    if window:
+        mask &= key_pos > query_pos[..., None] - window
+    return cos, sin, mask.unsqueeze(1)  # (B, 1, T, L)

@@ -157,6 +157,15 @@ def test_uncached_forward_equals_the_cached_one(model_dir: Path) -> None:
     torch.testing.assert_close(uncached, cached, rtol=1e-5, atol=1e-5)
 
 
+@torch.no_grad()
+def test_a_written_checkpoint_reads_back_in_transformers(model_dir: Path, tmp_path: Path) -> None:
+    """``save_hf_checkpoint``: the family's config.json and tensors (Gemma's norms less 1)."""
+    from mdiedge.model.checkpoint import save_hf_checkpoint
+
+    save_hf_checkpoint(load_model(model_dir), tmp_path)
+    assert_logits_match(hf_model(tmp_path), load_model(model_dir), steps=4)
+
+
 @pytest.fixture(scope="module")
 def gguf_dirs(tmp_path_factory: Any) -> Dict[str, Path]:
     """The GGUF kinds' Hugging Face directories and their F32 files (with a tokenizer)."""

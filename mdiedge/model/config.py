@@ -85,6 +85,8 @@ class ModelConfig:
 
     def _check_windows(self) -> None:
         """Sliding layers are distinct blocks of the model, in order, with a window."""
+        if isinstance(self.sliding_layers, list):
+            object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))
         layers = self.sliding_layers
         if not isinstance(layers, tuple) or any(
                 isinstance(i, bool) or not isinstance(i, int) for i in layers) \

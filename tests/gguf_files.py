@@ -1,8 +1,10 @@
-"""Tiny GGUF models for the tests, written from a Hugging Face Llama, Mixtral or Qwen2 directory
-with ``gguf.GGUFWriter`` the way llama.cpp's converter (``convert_hf_to_gguf.py``) lays them
-out: ``llama.*`` (``qwen2.*``) metadata, ``blk.N.*`` names, the Q and K rows permuted for
-llama.cpp's RoPE (Llama and Mixtral only: Qwen2's RoPE is rotate-half there too), experts
-stacked in 3-D tensors, vectors (and biases) in F32 and matrices in the asked type.
+"""Tiny GGUF models for the tests, written from a Hugging Face Llama, Mixtral, Qwen2, Qwen3,
+Qwen3-MoE or Gemma 3 directory with ``gguf.GGUFWriter`` the way llama.cpp's converter
+(``convert_hf_to_gguf.py``) lays them out: ``llama.*`` (``qwen2.*``, ``qwen3.*``,
+``qwen3moe.*``, ``gemma3.*``) metadata, ``blk.N.*`` names, the Q and K rows permuted for
+llama.cpp's RoPE (Llama and Mixtral only: the others' RoPE is rotate-half there too), experts
+stacked in 3-D tensors, Gemma's RMSNorm weights stored as 1 + w, vectors (and biases) in F32
+and matrices in the asked type.
 
 This module is written independently of ``mdiedge.model.gguf`` (its own name table and
 permutation), so that a test that reads what it writes checks the reader against the
@@ -34,11 +36,25 @@ _BLOCK = {
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
 }
+_GEMMA3_BLOCK = dict(_BLOCK, **{
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+})
+ARCHITECTURES = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+                 "gemma3_text": "gemma3"}  # config.json model_type -> GGUF (else llama)
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
            "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
-_EXPERTS = {"w1": "ffn_gate_exps.weight", "w2": "ffn_down_exps.weight",
-            "w3": "ffn_up_exps.weight"}
+_EXPERTS = {"block_sparse_moe.experts.{e}.w1.weight": "ffn_gate_exps.weight",
+            "block_sparse_moe.experts.{e}.w2.weight": "ffn_down_exps.weight",
+            "block_sparse_moe.experts.{e}.w3.weight": "ffn_up_exps.weight",
+            "mlp.experts.{e}.gate_proj.weight": "ffn_gate_exps.weight",
+            "mlp.experts.{e}.down_proj.weight": "ffn_down_exps.weight",
+            "mlp.experts.{e}.up_proj.weight": "ffn_up_exps.weight"}
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -60,13 +76,16 @@ def gguf_tensors(hf_dir: Path, config: Dict[str, Any]) -> Iterator[Tuple[str, np
     """(GGUF name, float32 array) of every tensor of the model, in the converter's layout."""
     tensors = _hf_tensors(hf_dir)
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
-    permuted = config["model_type"] != "qwen2"
+    permuted = config["model_type"] not in ARCHITECTURES
+    gemma = config["model_type"] == "gemma3_text"
+    if gemma:
+        tensors = {k: v + 1 if k.endswith("norm.weight") else v for k, v in tensors.items()}
     for name, gname in _GLOBAL.items():
         if name in tensors:
             yield gname, tensors[name]
     for i in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{i}."
-        for name, gname in _BLOCK.items():
+        for name, gname in (_GEMMA3_BLOCK if gemma else _BLOCK).items():
             if prefix + name in tensors:
                 w = tensors[prefix + name]
                 if name == "self_attn.q_proj.weight" and permuted:
@@ -74,11 +93,15 @@ def gguf_tensors(hf_dir: Path, config: Dict[str, Any]) -> Iterator[Tuple[str, np
                 elif name == "self_attn.k_proj.weight" and permuted:
                     w = permute(w, kv_heads or heads)
                 yield f"blk.{i}.{gname}", w
-        for w_name, gname in _EXPERTS.items():
-            experts = [tensors[f"{prefix}block_sparse_moe.experts.{e}.{w_name}.weight"]
-                       for e in range(config.get("num_local_experts", 0))]
+        for name, gname in _EXPERTS.items():
+            experts = [tensors[prefix + name.format(e=e)] for e in range(_experts(config))
+                       if prefix + name.format(e=e) in tensors]
             if experts:
                 yield f"blk.{i}.{gname}", np.stack(experts)
+
+
+def _experts(config: Dict[str, Any]) -> int:
+    return config.get("num_local_experts") or config.get("num_experts") or 0
 
 
 def _add_metadata(writer: Any, config: Dict[str, Any], qtype: str) -> None:
@@ -92,14 +115,22 @@ def _add_metadata(writer: Any, config: Dict[str, Any], qtype: str) -> None:
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
-    rope = (config.get("rope_parameters") or {}).get("rope_theta") or config.get("rope_theta")
+    params = config.get("rope_parameters") or {}
+    rope = params.get("full_attention", params).get("rope_theta") or config.get("rope_theta")
     writer.add_rope_freq_base(float(rope or 10000.0))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // heads)
-    if config.get("num_local_experts"):
-        writer.add_expert_count(config["num_local_experts"])
+    if config["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text"):
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    if config.get("sliding_window") and config["model_type"] == "gemma3_text":
+        writer.add_sliding_window(config["sliding_window"])
+    if _experts(config):
+        writer.add_expert_count(_experts(config))
         writer.add_expert_used_count(config["num_experts_per_tok"])
+    if config.get("moe_intermediate_size"):
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
                           "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
                           "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
@@ -145,7 +176,7 @@ def write_gguf(path: PathLike, hf_dir: PathLike, qtype: str = "F32",
 
     path, hf_dir = Path(path), Path(hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
-    writer = gguf.GGUFWriter(path, "qwen2" if config["model_type"] == "qwen2" else "llama")
+    writer = gguf.GGUFWriter(path, ARCHITECTURES.get(config["model_type"], "llama"))
     _add_metadata(writer, config, qtype)
     _add_vocab(writer, config, tokenizer)
     kind = gguf.GGMLQuantizationType[qtype]

@@ -102,7 +102,7 @@ def test_kv_fill_writes_each_skipped_blocks_projections(ring_model: Path) -> Non
     with torch.no_grad():
         out = model.run_blocks(x, slots, positions, step)
         assert step.depth == 1
-        exit_state = model.layers["0"](x, *model._rope_and_mask(x, positions), slots,
+        exit_state = model.layers["0"](x, *model._attention_inputs(x, positions)[0], slots,
                                         positions)  # block 0 again: the same keys rewritten
         assert_close(out, exit_state, model_path_length(model.cfg))
         for i in range(1, 6):
@@ -110,7 +110,7 @@ def test_kv_fill_writes_each_skipped_blocks_projections(ring_model: Path) -> Non
             normed = block.attn_norm(out)
             k = block.attn.wk(normed).view(2, 1, model.cfg.n_kv_heads, -1).transpose(1, 2)
             v = block.attn.wv(normed).view(2, 1, model.cfg.n_kv_heads, -1).transpose(1, 2)
-            cos, sin, _ = model._rope_and_mask(out, positions)
+            cos, sin, _ = model._attention_inputs(out, positions)[0]
             k = apply_rope(k, cos, sin)
             for row, (slot, pos) in enumerate(zip(slots.tolist(), positions)):
                 for cache, own in ((block.attn.cache.k, k), (block.attn.cache.v, v)):

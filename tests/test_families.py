@@ -20,7 +20,8 @@ from mdiedge.model.families import (by_gguf_architecture, by_model_type, config_
                                     config_to_hf, family_of)
 from mdiedge.model.tensors import expected_shape, tensor_plan
 
-KNOWN = "known families: llama (llama, mistral), mixtral (mixtral), qwen2 (qwen2)"
+KNOWN = ("known families: llama (llama, mistral), mixtral (mixtral), qwen2 (qwen2), qwen3 (qwen3), "
+         "qwen3_moe (qwen3_moe), gemma3 (gemma3_text)")
 CFG = ModelConfig(vocab_size=64, dim=40, n_layers=3, n_heads=4, n_kv_heads=2,
                   intermediate_size=52, max_seq_len=48)
 
@@ -46,7 +47,8 @@ def test_gguf_architectures_find_their_family(arch: str, moe: bool, family: str)
     (lambda: by_model_type(None, "config.json"),
      f"config.json: unsupported model_type None ({KNOWN})"),
     (lambda: by_gguf_architecture("gpt2", False, "f.gguf"),
-     f"f.gguf: unsupported architecture 'gpt2' (supported: llama, qwen2; {KNOWN})"),
+     f"f.gguf: unsupported architecture 'gpt2' (supported: gemma3, llama, qwen2, qwen3, "
+     f"qwen3moe; {KNOWN})"),
     (lambda: by_gguf_architecture("qwen2", True, "f.gguf"),
      "f.gguf: architecture 'qwen2' with experts is not supported"),
     (lambda: family_of(CFG.replace(n_experts=4, experts_per_token=2)),

@@ -269,8 +269,10 @@ BAD_FILES = {
     "missing": (lambda p: rename_tensor(p, "blk.3.ffn_up.weight", "blk.3.ffn_uq.weight"),
                 "missing tensor 'blk.3.ffn_up.weight'"),
     "architecture": (lambda p: set_architecture(p, "bloom"),
-                     "unsupported architecture 'bloom' (supported: llama, qwen2; known "
-                     "families: llama (llama, mistral), mixtral (mixtral), qwen2 (qwen2))"),
+                     "unsupported architecture 'bloom' (supported: gemma3, llama, qwen2, "
+                     "qwen3, qwen3moe; known families: llama (llama, mistral), mixtral "
+                     "(mixtral), qwen2 (qwen2), qwen3 (qwen3), qwen3_moe (qwen3_moe), gemma3 "
+                     "(gemma3_text))"),
 }
 
 

@@ -1,9 +1,10 @@
 """The Llama-style decoder block in plain torch, which the families build (``mdiedge.model.
 families``): RMSNorm, grouped-query attention with rotate-half RoPE over a slotted KV cache
 (each row of a micro-batch carries its own slot and position, "rotating KV caches", MDI-LLM,
-Macario et al. 2024), optionally with Q/K/V biases (Qwen2), and a feed-forward given by the
-family (SwiGLU, or a mixture of experts). ``step_weights`` gives a block's tensors to the
-compiled decode step, for the families that declare the step runs their block.
+Macario et al. 2024), optionally with Q/K/V biases (Qwen2), Q/K head norms (Qwen3, Gemma 3),
+sandwich norms, a scale of its own and a sliding window (Gemma 3), and a feed-forward given by
+the family (SwiGLU, GeGLU, or a mixture of experts). ``step_weights`` gives a block's tensors
+to the compiled decode step, for the families that declare the step runs their block.
 
 References: Llama (Touvron et al. 2023), RoPE (Su et al. 2021), GQA (Ainslie et al. 2023),
 SwiGLU (Shazeer 2020).
@@ -65,9 +66,10 @@ class KVCache(nn.Module):
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
-              causal: bool = False) -> Tensor:
+              causal: bool = False, scale: Optional[float] = None) -> Tensor:
     """q: (B, heads, T, hd); k, v: (B, kv_heads, L, hd); mask: (B, 1, T, L) bool or None;
-    ``causal`` (no cache, T == L) masks the upper triangle instead.
+    ``causal`` (no cache, T == L) masks the upper triangle instead; scores are scaled by
+    ``scale`` (None: 1/sqrt(hd)).
 
     Short queries (decode) take a grouped matmul path that never copies K/V per query head;
     long ones (prefill, training) use the fused kernel where torch has one."""
@@ -78,9 +80,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)  # (B, heads, L, hd)
             v = v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        scaled = {} if scale is None else {"scale": scale}
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              **scaled)
     q = q.reshape(batch, n_kv, groups * seq_len, head_dim)  # (B, kv_heads, g*T, hd)
-    scores = (q @ k.transpose(-2, -1)).float() * (1.0 / math.sqrt(head_dim))  # (B, kv, g*T, L)
+    factor = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)).float() * factor  # (B, kv, g*T, L)
     if causal:
         mask = torch.ones(seq_len, length, dtype=torch.bool, device=q.device).tril()[None, None]
     if mask is not None:
@@ -90,13 +95,30 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
     return out.view(batch, n_heads, seq_len, head_dim)
 
 
+def band_mask(seq_len: int, window: int, device: torch.device) -> Tensor:
+    """(1, 1, T, T): causal, each query seeing its last ``window`` positions, itself included."""
+    rows = torch.arange(seq_len, device=device)
+    distance = rows[:, None] - rows[None, :]  # query - key
+    return ((distance >= 0) & (distance < window))[None, None]
+
+
 class Attention(nn.Module):
     """Grouped-query attention with rotate-half RoPE; with ``qkv_bias``, the Q, K and V
-    projections add a bias (Qwen2)."""
+    projections add a bias (Qwen2); with ``qk_norm``, each head of Q and K is RMS-normed
+    before RoPE (``q_norm``, ``k_norm``; Qwen3, Gemma 3). ``scale``: the scores' factor (None:
+    1/sqrt(head_dim)); ``window`` > 0: a sliding layer (its mask is the caller's, see
+    ``Transformer``), 0: full attention."""
 
-    def __init__(self, cfg: ModelConfig, qkv_bias: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, qkv_bias: bool = False, qk_norm: bool = False,
+                 window: int = 0) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        norm = (lambda: RMSNorm(cfg.head_dim, cfg.rms_norm_eps)) if qk_norm else (lambda: None)
+        self.q_norm: Optional[RMSNorm] = norm()
+        self.k_norm: Optional[RMSNorm] = norm()
+        self.scale: Optional[float] = (cfg.query_pre_attn_scalar ** -0.5
+                                       if cfg.query_pre_attn_scalar else None)
+        self.window = window
         self.wq = Linear(cfg.dim, cfg.q_dim, bias=qkv_bias)
         self.wk = Linear(cfg.dim, cfg.kv_dim, bias=qkv_bias)
         self.wv = Linear(cfg.dim, cfg.kv_dim, bias=qkv_bias)
@@ -142,6 +164,8 @@ class Attention(nn.Module):
         batch, seq_len, _ = x.shape
         k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
         assert self.cache is not None
         self.cache.update(slots, positions, apply_rope(k, cos, sin), v)
 
@@ -152,30 +176,45 @@ class Attention(nn.Module):
         q = q.view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, heads, T, hd)
         if self.cache is None:  # training: the whole sequence at once, causal
-            out = attention(q, k, v, None, causal=True)
+            band = band_mask(seq_len, self.window, x.device) if self.window else None
+            out = attention(q, k, v, band, causal=band is None, scale=self.scale)
         else:
             keys, values = self.cache.update(slots, positions, k, v)  # (B, kv_heads, L, hd)
-            out = attention(q, keys, values, mask)  # (B, heads, T, hd)
+            out = attention(q, keys, values, mask, scale=self.scale)  # (B, heads, T, hd)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
 class Block(nn.Module):
     """Pre-norm decoder block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``, with the
-    feed-forward ``mlp`` the family gives (``MLP``, or ``MoE`` with ``experts``)."""
+    feed-forward ``mlp`` the family gives (``MLP``, or ``MoE`` with ``experts``); with
+    ``sandwich_norms`` (Gemma 3) each output is normed too before its residual add
+    (``post_attn_norm``, ``post_mlp_norm``). ``qkv_bias``, ``qk_norm``, ``window``: see
+    ``Attention``."""
 
-    def __init__(self, cfg: ModelConfig, mlp: nn.Module, qkv_bias: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module, qkv_bias: bool = False,
+                 qk_norm: bool = False, sandwich_norms: bool = False, window: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, qkv_bias)
+        self.attn = Attention(cfg, qkv_bias, qk_norm, window)
+        self.post_attn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps) if sandwich_norms else None
         self.mlp_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
         self.mlp = mlp
+        self.post_mlp_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps) if sandwich_norms else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor],
                 slots: Tensor, positions: Sequence[int]) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, slots, positions)
-        return x + self.mlp(self.mlp_norm(x))
+        attended = self.attn(self.attn_norm(x), cos, sin, mask, slots, positions)
+        if self.post_attn_norm is not None:
+            attended = self.post_attn_norm(attended)
+        x = x + attended
+        fed = self.mlp(self.mlp_norm(x))
+        if self.post_mlp_norm is not None:
+            fed = self.post_mlp_norm(fed)
+        return x + fed
 
     def fuse_projections(self) -> None:
         """Q/K/V and each feed-forward's gate/up as one product (``layers.fuse``)."""

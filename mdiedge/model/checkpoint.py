@@ -471,6 +471,7 @@ def _read_floats(net: Any, source: TensorSource, plan: Dict[str, str], device: s
     if unplanned:
         raise RuntimeError(f"no checkpoint tensor planned for {sorted(unplanned)}")
     available = set(source.names())
+    offset = net.family.norm_offset
     with torch.no_grad():
         for ours, theirs in plan.items():
             if ours not in params:  # a tied head read as the embedding
@@ -479,6 +480,8 @@ def _read_floats(net: Any, source: TensorSource, plan: Dict[str, str], device: s
                 raise CheckpointError(f"{source.path}: missing tensor {theirs!r}")
             source.read_into(theirs, params[ours])  # straight into the parameter
             check_finite(params[ours], theirs, source.path)
+            if offset and ours.endswith("norm.weight"):
+                params[ours] += offset
 
 
 class _skip_init:
@@ -497,12 +500,15 @@ class _skip_init:
 
 
 def hf_state_dict(net) -> Iterator[Tuple[str, Tensor]]:  # net: Transformer
-    """(Hugging Face name, tensor) for every parameter of a chunk; the tied head is skipped."""
+    """(Hugging Face name, tensor) for every parameter of a chunk (an RMSNorm weight less
+    the family's ``norm_offset``); the tied head is skipped."""
     cfg = net.cfg
     plan = tensor_plan(cfg, (net.first, net.last), net.has_embedding, net.has_head)
     params = dict(net.named_parameters(remove_duplicate=False))
+    offset = net.family.norm_offset
     for ours, theirs in plan.items():
-        yield theirs, params[ours]
+        held = params[ours]
+        yield theirs, held - offset if offset and ours.endswith("norm.weight") else held
 
 
 def save_hf_checkpoint(net, out: PathLike, dtype: torch.dtype = torch.float32,

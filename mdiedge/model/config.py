@@ -13,7 +13,7 @@ import math
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from ..base.errors import ConfigError
 
@@ -46,6 +46,11 @@ class ModelConfig:
     tie_embeddings: bool = False
     n_experts: int = 0  # 0: dense MLP in every block
     experts_per_token: int = 0
+    norm_topk_prob: bool = True  # the k routing weights renormalised to sum to one
+    sliding_window: int = 0  # keys a sliding layer's query sees, itself included
+    sliding_layers: Tuple[int, ...] = ()  # the blocks attending through the window
+    rope_local_theta: float = 0.0  # RoPE base of the sliding layers; 0: rope_theta
+    query_pre_attn_scalar: float = 0.0  # attention scores scaled by its -1/2 power; 0: head_dim
     bos_id: Optional[int] = 1
     eos_ids: Tuple[int, ...] = (2,)
     model_type: str = "llama"  # the family's (``mdiedge.model.families``)
@@ -72,14 +77,35 @@ class ModelConfig:
             raise ConfigError(
                 f"model config: experts_per_token={self.experts_per_token} must be in "
                 f"1..n_experts={self.n_experts}")
+        self._check_windows()
         if not isinstance(self.model_type, str) or not self.model_type:
             raise ConfigError(f"model config: model_type must be a name, got "
                               f"{self.model_type!r}")
         self._check_numbers()
 
+    def _check_windows(self) -> None:
+        """Sliding layers are distinct blocks of the model, in order, with a window."""
+        if isinstance(self.sliding_layers, list):
+            object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))
+        layers = self.sliding_layers
+        if not isinstance(layers, tuple) or any(
+                isinstance(i, bool) or not isinstance(i, int) for i in layers) \
+                or list(layers) != sorted(set(layers)) \
+                or not all(0 <= i < self.n_layers for i in layers):
+            raise ConfigError(f"model config: sliding_layers must be ascending block indices "
+                              f"in 0..{self.n_layers - 1}, got {layers!r}"[:300])
+        window = self.sliding_window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0 \
+                or (layers and not window):
+            raise ConfigError(f"model config: sliding_window must be a positive integer where "
+                              f"layers slide, got {window!r}")
+
     def _check_numbers(self) -> None:
         """Norm epsilon and RoPE values are positive finite numbers; token ids are tokens."""
         numbers = {"rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta}
+        numbers.update({k: v for k, v in (("rope_local_theta", self.rope_local_theta),
+                                          ("query_pre_attn_scalar", self.query_pre_attn_scalar))
+                        if v != 0})
         if self.rope_scaling is not None:
             numbers.update({f"rope_scaling.{k}": v
                             for k, v in dataclasses.asdict(self.rope_scaling).items()})
@@ -227,14 +253,18 @@ def _special_ids(raw: Mapping[str, Any], gen: Mapping[str, Any], source: str,
 
 def config_from_keys(raw: Mapping[str, Any], source: str,
                      generation: Optional[Mapping[str, Any]], generation_source: str,
-                     keys: Mapping[str, str], defaults: Mapping[str, Any]) -> ModelConfig:
+                     keys: Mapping[str, str], defaults: Mapping[str, Any],
+                     extra: Optional[Callable[[Mapping[str, Any], str], Dict[str, Any]]] = None
+                     ) -> ModelConfig:
     """A ModelConfig from a Hugging Face ``config.json`` dict (and ``generation_config.json``)
     by a family's table: ``keys`` maps config.json keys to fields, each required unless
     ``defaults`` has it (None: the field's own default); RoPE, the special tokens and the
-    sliding window are read the same for every family. Any value of the wrong kind is a
+    sliding window are read the same for every family, unless the family's ``extra`` reads
+    them: the fields it returns replace the generic ones. Any value of the wrong kind is a
     one-line ConfigError naming ``source``."""
     try:
-        return _config_from_keys(raw, source, generation, generation_source, keys, defaults)
+        return _config_from_keys(raw, source, generation, generation_source, keys, defaults,
+                                 extra)
     except ConfigError:
         raise
     except (TypeError, ValueError, AttributeError, OverflowError) as e:
@@ -244,7 +274,9 @@ def config_from_keys(raw: Mapping[str, Any], source: str,
 
 def _config_from_keys(raw: Mapping[str, Any], source: str,
                       generation: Optional[Mapping[str, Any]], generation_source: str,
-                      keys: Mapping[str, str], defaults: Mapping[str, Any]) -> ModelConfig:
+                      keys: Mapping[str, str], defaults: Mapping[str, Any],
+                      extra: Optional[Callable[[Mapping[str, Any], str], Dict[str, Any]]]
+                      ) -> ModelConfig:
     values: Dict[str, Any] = {}
     for hf_key, ours in keys.items():
         if hf_key in raw and raw[hf_key] is not None:
@@ -256,10 +288,14 @@ def _config_from_keys(raw: Mapping[str, Any], source: str,
             raise ConfigError(f"{source}: missing required key {hf_key!r}")
     values.setdefault("n_kv_heads", values["n_heads"])
     values.setdefault("head_dim", 0)
-    window = raw.get("sliding_window")
-    if window is not None and raw.get("use_sliding_window", True) and window < values["max_seq_len"]:
-        values["max_seq_len"] = int(window)  # attention beyond the window is not implemented
-    values["rope_theta"], values["rope_scaling"] = _rope_from_hf(raw, source)
+    own = extra(raw, source) if extra is not None else {}
+    window = None if "sliding_window" in own else raw.get("sliding_window")
+    if window is not None and raw.get("use_sliding_window", True) \
+            and window < values["max_seq_len"]:
+        values["max_seq_len"] = int(window)  # a window on every layer: the context is capped
+    if "rope_theta" not in own:
+        values["rope_theta"], values["rope_scaling"] = _rope_from_hf(raw, source)
+    values.update(own)
     values["bos_id"], values["eos_ids"] = _special_ids(raw, generation or {}, source,
                                                        generation_source, values["vocab_size"])
     values["model_type"] = raw["model_type"]

@@ -19,7 +19,7 @@ from .config import ModelConfig
 from .tensors import TensorSource, expected_shape, tensor_plan
 
 HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.")
-HF_EXPERT = re.compile(r"model\.layers\.0\.block_sparse_moe\.experts\.(\d+)\.")
+HF_EXPERT = re.compile(r"model\.layers\.0\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.")
 FINITE_CHUNK = 1 << 22  # elements checked at a time (a bool temporary of this many bytes)
 GiB = float(1 << 30)
 

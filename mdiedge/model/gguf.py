@@ -6,7 +6,9 @@ the vocabulary's string arrays skipped (the tokenizer reads them; the config nee
 length), so that opening a file costs its metadata, not its vocabulary. A tensor is read when
 asked for: de-quantized to float32 (``GGUFSource.get``), or as the file's bytes
 (``GGUFSource.raw``, for kernels that keep blocks quantized). Which family reads a file, and
-its tensors' names, are the families' declarations (``mdiedge.model.families``). For Llama,
+its tensors' names, are the families' declarations (``mdiedge.model.families``); RMSNorm
+weights that llama.cpp stores with the family's ``norm_offset`` added (Gemma) are answered
+without it, as Hugging Face has them. For Llama,
 llama.cpp's converter stores the rows of the Q and K projections interleaved for its RoPE;
 both reads give Hugging Face's order.
 """
@@ -287,6 +289,7 @@ def _hf_fields(meta: Mapping[str, Any], tensors: Sequence[str], source: str) -> 
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": list(dict.fromkeys(eos)),
         "_name_or_path": meta.get("general.name"),
+        **(family.gguf_extra(get) if family.gguf_extra is not None else {}),
     }
 
 
@@ -324,6 +327,7 @@ class _Entry(NamedTuple):
     expert: Optional[int]  # this expert's slice of a stacked (experts, rows, cols) tensor
     heads: int  # > 0: its rows are llama.cpp's RoPE order for this many heads
     shape: Tuple[int, ...]  # its shape as Hugging Face has it
+    offset: float = 0.0  # an RMSNorm weight stored as offset + w, answered as w
 
 
 def gguf_name(ours: str, family: Family) -> Tuple[str, Optional[int]]:
@@ -394,7 +398,8 @@ class GGUFSource(TensorSource):
                                   f"{tensor.tensor_type.name}, which cannot be de-quantized")
         heads = {"attn.wq.weight": self.cfg.n_heads, "attn.wk.weight": self.cfg.n_kv_heads
                  }.get(ours.split(".", 2)[-1], 0) if self.family.gguf_qk_permuted else 0
-        return _Entry(tensor, expert, heads, shape)
+        offset = self.family.norm_offset if ours.endswith("norm.weight") else 0.0
+        return _Entry(tensor, expert, heads, shape, offset)
 
     def names(self) -> Sequence[str]:
         return list(self.index)
@@ -445,6 +450,8 @@ class GGUFSource(TensorSource):
             raise CheckpointError(f"{self.path}: cannot de-quantize tensor "
                                   f"{entry.tensor.name!r} ({qtype.name}: {e})") from None
         out = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(entry.shape)
+        if entry.offset:
+            out -= entry.offset
         return out[_hf_rows(entry.shape[0], entry.heads)] if entry.heads else out
 
 

@@ -1,9 +1,10 @@
 """The building blocks shared by dense and mixture-of-experts decoders: RMSNorm, rotary position
 embeddings (RoPE, Su et al. 2021, with Llama 3 scaling), a Linear tuned for few-row products,
-and the SwiGLU feed-forward (Shazeer 2020). Plain torch, no state beyond weights.
+and the gated feed-forward, SwiGLU or GeGLU (Shazeer 2020). Plain torch, no state beyond weights.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional, Sequence, Tuple
 
@@ -40,12 +41,14 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * x32.to(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> Tensor:
-    """Inverse RoPE frequencies ``(head_dim/2,)`` in fp32, with ``llama3`` scaling if set."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> Tensor:
+    """Inverse RoPE frequencies ``(head_dim/2,)`` in fp32, with ``llama3`` scaling if set;
+    ``local``: the sliding layers' (their own base where the config has one, unscaled)."""
     exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** exponents)
+    local = local and bool(cfg.rope_local_theta)
+    inv_freq = 1.0 / ((cfg.rope_local_theta if local else cfg.rope_theta) ** exponents)
     s = cfg.rope_scaling
-    if s is None:
+    if s is None or local:
         return inv_freq
     low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
@@ -58,10 +61,12 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_tables(cfg: ModelConfig, max_seq_len: int) -> Tuple[Tensor, Tensor]:
-    """cos and sin tables ``(max_seq_len, head_dim)`` in the "rotate half" layout, fp32."""
+def rope_tables(cfg: ModelConfig, max_seq_len: int, local: bool = False
+                ) -> Tuple[Tensor, Tensor]:
+    """cos and sin tables ``(max_seq_len, head_dim)`` in the "rotate half" layout, fp32
+    (``local``: the sliding layers', see ``rope_inv_freq``)."""
     positions = torch.arange(max_seq_len, dtype=torch.float32)
-    freqs = torch.outer(positions, rope_inv_freq(cfg))  # (L, head_dim/2)
+    freqs = torch.outer(positions, rope_inv_freq(cfg, local))  # (L, head_dim/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (L, head_dim)
     return emb.cos(), emb.sin()
 
@@ -163,12 +168,21 @@ def transposed_head_pays() -> bool:
     return bool(_matvec.TRANSPOSED_HEAD)
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); ``fuse_projections`` lets gate and
-    up run as one product."""
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
 
-    def __init__(self, dim: int, hidden: int) -> None:
+
+class MLP(nn.Module):
+    """Gated feed-forward: down(act(gate(x)) * up(x)), ``activation`` "silu" (SwiGLU) or
+    "gelu_tanh" (GeGLU, GELU's tanh approximation); ``fuse_projections`` lets gate and up run
+    as one product."""
+
+    def __init__(self, dim: int, hidden: int, activation: str = "silu") -> None:
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r} (known: "
+                             f"{', '.join(ACTIVATIONS)})")
+        self.activation = activation
+        self._act = ACTIVATIONS[activation]
         self.hidden = hidden
         self.gate = Linear(dim, hidden)
         self.up = Linear(dim, hidden)
@@ -182,5 +196,5 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if fused_with(self.gate_up, self.gate):
             both = project_fused(x, self.gate_up)  # (…, 2 * hidden)
-            return self.down(F.silu(both[..., :self.hidden]) * both[..., self.hidden:])
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+            return self.down(self._act(both[..., :self.hidden]) * both[..., self.hidden:])
+        return self.down(self._act(self.gate(x)) * self.up(x))

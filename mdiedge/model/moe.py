@@ -1,7 +1,8 @@
 """Sparse mixture-of-experts feed-forward, as in Mixtral (Jiang et al. 2024).
 
 Each token's router logits go through a softmax in fp32; the top ``k`` experts are kept and
-their probabilities renormalised to sum to one (exactly as transformers' Mixtral does). The
+their probabilities renormalised to sum to one (exactly as transformers' Mixtral does; Qwen3-MoE
+only where its config's ``norm_topk_prob`` says so). The
 (token, expert) assignments are then grouped by expert ("group by expert" dispatch, as in
 Switch Transformers, Fedus et al. 2022, and MegaBlocks, Gale et al. 2023, without their
 capacity limit or padding): every expert that received tokens runs ONE batched SwiGLU call on
@@ -43,6 +44,7 @@ class MoE(nn.Module):
         if not cfg.is_moe:
             raise ValueError("MoE needs a config with n_experts > 0")
         self.n_experts, self.top_k = cfg.n_experts, cfg.experts_per_token
+        self.renormalize = cfg.norm_topk_prob
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg.dim, cfg.intermediate_size)
                                      for _ in range(cfg.n_experts))
@@ -54,11 +56,12 @@ class MoE(nn.Module):
 
     def route(self, x_flat: Tensor) -> Tuple[Tensor, Tensor]:
         """x_flat (N, dim) -> expert ids (N, k) int64 and their weights (N, k) fp32, which sum
-        to one per token."""
+        to one per token where the config renormalises them."""
         logits = self.router(x_flat)  # (N, E)
         probs = torch.softmax(logits.float(), dim=-1)  # (N, E) fp32
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (N, k) each
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
         return experts, weights
 
     def group(self, experts: Tensor, weights: Tensor) -> Tuple[List[int], Tensor, Tensor]:

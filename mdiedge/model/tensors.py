@@ -62,7 +62,9 @@ def expected_shape(cfg: ModelConfig, ours: str) -> Tuple[int, ...]:
     key = ours.rsplit(".", 2)[-2] if "." in ours else ours
     d, h = cfg.dim, cfg.intermediate_size
     shape = {"embed": (cfg.vocab_size, d), "lm_head": (cfg.vocab_size, d), "norm": (d,),
-             "attn_norm": (d,), "mlp_norm": (d,), "wq": (cfg.q_dim, d), "wk": (cfg.kv_dim, d),
+             "attn_norm": (d,), "mlp_norm": (d,), "post_attn_norm": (d,), "post_mlp_norm": (d,),
+             "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,),
+             "wq": (cfg.q_dim, d), "wk": (cfg.kv_dim, d),
              "wv": (cfg.kv_dim, d), "wo": (d, cfg.q_dim), "gate": (h, d), "up": (h, d),
              "down": (d, h), "router": (cfg.n_experts, d)}[key]
     return shape[:1] if ours.endswith(".bias") else shape

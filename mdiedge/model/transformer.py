@@ -55,13 +55,14 @@ class Transformer(nn.Module):
         self.cfg, self.first, self.last = cfg, first, last
         self.family = family_of(cfg)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim) if embedding else None
-        self.layers = nn.ModuleDict({str(i): self.family.make_block(cfg)
+        self.layers = nn.ModuleDict({str(i): self.family.make_block(cfg, i)
                                      for i in range(first, last)})
         self.norm = RMSNorm(cfg.dim, cfg.rms_norm_eps) if head else None
         self.lm_head = Linear(cfg.dim, cfg.vocab_size) if head else None
         self.n_slots = 0
         self.max_seq_len = 0
         self.rope_cos = self.rope_sin = torch.empty(0)
+        self.local_rope_cos = self.local_rope_sin = self.rope_cos  # see _set_rope
         self._steps: Optional[List[BlockWeights]] = None  # see _step_weights
         self._plans: Dict[Tuple[int, int], Any] = {}
         self.tie_weights()
@@ -120,10 +121,28 @@ class Transformer(nn.Module):
         for block in self.layers.values():
             block.attn.cache = KVCache(n_slots, self.cfg.n_kv_heads, max_seq_len,
                                        self.cfg.head_dim, dtype, device)
-        cos, sin = rope_tables(self.cfg, max_seq_len)
-        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        self._set_rope(max_seq_len, device)
         self.n_slots, self.max_seq_len = n_slots, max_seq_len
         self._steps = None
+
+    def _set_rope(self, length: int, device: torch.device) -> None:
+        """RoPE tables of ``length`` positions: the global layers' (``rope_cos``, ``rope_sin``)
+        and the sliding layers' (``local_rope_…``, the same unless their base differs)."""
+        cos, sin = rope_tables(self.cfg, length)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        self.local_rope_cos, self.local_rope_sin = self.rope_cos, self.rope_sin
+        if self.cfg.rope_local_theta and any(self._windows()):
+            cos, sin = rope_tables(self.cfg, length, local=True)
+            self.local_rope_cos, self.local_rope_sin = cos.to(device), sin.to(device)
+
+    def _windows(self) -> List[int]:
+        """The attention windows of this chunk's blocks, each once (0: full attention)."""
+        return sorted({block.attn.window for block in self.layers.values()})
+
+    def _tables(self, window: int) -> Tuple[Tensor, Tensor]:
+        """The RoPE tables (L, hd) of the blocks of ``window``: sliding (> 0) or global."""
+        return (self.local_rope_cos, self.local_rope_sin) if window else (self.rope_cos,
+                                                                          self.rope_sin)
 
     def kv_cache_bytes(self) -> int:
         return sum(b.attn.cache.k.nbytes * 2 for b in self.layers.values()
@@ -133,8 +152,12 @@ class Transformer(nn.Module):
         if self.embed is None:
             raise RuntimeError("this chunk holds no embedding")
         if not isinstance(self.embed, nn.Embedding):  # quantized rows
-            return self.embed(tokens)  # (…, dim)
-        return F.embedding(tokens, self.embed.weight)  # (…, dim)
+            x = self.embed(tokens)  # (…, dim)
+        else:
+            x = F.embedding(tokens, self.embed.weight)  # (…, dim)
+        if self.family.embed_scaled:
+            return x * torch.tensor(self.cfg.dim ** 0.5, dtype=x.dtype, device=x.device)
+        return x
 
     def run_blocks(self, x: Tensor, slots: Tensor, positions: Sequence[int],
                    exit_step: Optional[ExitStep] = None) -> Tensor:
@@ -152,11 +175,11 @@ class Transformer(nn.Module):
             stepped = self._step_blocks(x, slots, positions, exit_step)
             if stepped is not None:
                 return stepped
-        cos, sin, mask = self._rope_and_mask(x, positions)
+        inputs = self._attention_inputs(x, positions)
         blocks = list(self.layers.items())
         for n, (index, block) in enumerate(blocks):
             previous = x
-            x = block(x, cos, sin, mask, slots, positions)
+            x = block(x, *inputs[block.attn.window], slots, positions)
             if exit_step is not None and exit_step.after_block(int(index), x, previous):
                 t0 = time.perf_counter()
                 self._fill_from(n + 1, x, slots, positions)
@@ -220,7 +243,7 @@ class Transformer(nn.Module):
         ``.to()`` make them again. A parameter replaced by hand after ``setup_cache`` needs
         ``setup_cache`` again."""
         if self._steps is None:
-            found = [b.step_weights(self.rope_cos, self.rope_sin) for b in self.layers.values()
+            found = [b.step_weights(*self._tables(b.attn.window)) for b in self.layers.values()
                      ] if self.family.step_blocks else []
             self._steps = [] if any(w is None for w in found) else found  # type: ignore[misc]
             self._plans = {}
@@ -236,8 +259,9 @@ class Transformer(nn.Module):
 
     def _fill_from(self, start: int, x: Tensor, slots: Tensor, positions: Sequence[int]) -> None:
         """KV fill of this chunk's blocks from the ``start``-th on (early exit)."""
-        cos, sin, _ = self._rope_and_mask(x, positions)
+        inputs = self._attention_inputs(x, positions)
         for skipped in list(self.layers.values())[start:]:
+            cos, sin, _ = inputs[skipped.attn.window]
             skipped.fill_kv(x, cos, sin, slots, positions)
 
     def fill_kv(self, x: Tensor, slots: Tensor, positions: Sequence[int]) -> None:
@@ -247,25 +271,11 @@ class Transformer(nn.Module):
         if self.layers:
             self._fill_from(0, x, slots, positions)
 
-    def _rope_and_mask(self, x: Tensor, positions: Sequence[int]
-                       ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        """RoPE tables (B, 1, T, hd) of the rows' positions, and the attention mask
-        (B, 1, T, L) (None for one token per row at one position: each sees its whole cache)."""
-        batch, seq_len, _ = x.shape
-        if max(positions) + seq_len > self.max_seq_len:
-            raise ValueError(f"position {max(positions) + seq_len} beyond the KV cache "
-                             f"length {self.max_seq_len}")
-        device = x.device
-        offsets = torch.arange(seq_len, device=device)
-        starts = torch.as_tensor(positions, device=device)
-        query_pos = starts[:, None] + offsets  # (B, T)
-        cos = self.rope_cos[query_pos].unsqueeze(1)  # (B, 1, T, hd)
-        sin = self.rope_sin[query_pos].unsqueeze(1)
-        mask: Optional[Tensor] = None
-        if not (seq_len == 1 and min(positions) == max(positions)):  # else all keys are seen
-            key_pos = torch.arange(max(positions) + seq_len, device=device)
-            mask = (key_pos <= query_pos[..., None]).unsqueeze(1)  # (B, 1, T, L)
-        return cos, sin, mask
+    def _attention_inputs(self, x: Tensor, positions: Sequence[int]
+                          ) -> Dict[int, Tuple[Tensor, Tensor, Optional[Tensor]]]:
+        """``rope_and_mask`` for each attention window of this chunk's blocks (0: full)."""
+        return {window: rope_and_mask(x, positions, self._tables(window), window,
+                                      self.max_seq_len) for window in self._windows()}
 
     def hidden_states(self, tokens: Tensor) -> List[Tensor]:
         """Every block's output, each (B, T, dim), for whole sequences from position 0 without
@@ -281,12 +291,11 @@ class Transformer(nn.Module):
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {seq_len} beyond max_seq_len {self.cfg.max_seq_len}")
         if getattr(self, "_train_rope_len", 0) < seq_len or self.rope_cos.device != x.device:
-            cos, sin = rope_tables(self.cfg, seq_len)
-            self.rope_cos, self.rope_sin = cos.to(x.device), sin.to(x.device)
+            self._set_rope(seq_len, x.device)
             self._train_rope_len = seq_len
-        cos = self.rope_cos[None, None, :seq_len]  # (1, 1, T, hd)
-        sin = self.rope_sin[None, None, :seq_len]
         for block in self.layers.values():
+            tables = self._tables(block.attn.window)
+            cos, sin = (table[None, None, :seq_len] for table in tables)  # (1, 1, T, hd)
             x = block(x, cos, sin, None, _NO_SLOTS, ())
             if states is not None:
                 states.append(x)
@@ -332,3 +341,28 @@ class Transformer(nn.Module):
                                                      if hasattr(m, "qweight"))):
             seen[id(p)] = p.numel() * p.element_size()
         return sum(seen.values())
+
+
+def rope_and_mask(x: Tensor, positions: Sequence[int], tables: Tuple[Tensor, Tensor],
+                  window: int, max_seq_len: int) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """RoPE ``tables`` (L, hd) at the positions of rows x (B, T, dim), (B, 1, T, hd) each, and
+    the attention mask (B, 1, T, L): causal and, with ``window``, of the last ``window``
+    positions (None where every row sees its whole cache: one token per row at one position,
+    within the window)."""
+    batch, seq_len, _ = x.shape
+    length = max(positions) + seq_len
+    if length > max_seq_len:
+        raise ValueError(f"position {length} beyond the KV cache length {max_seq_len}")
+    device = x.device
+    offsets = torch.arange(seq_len, device=device)
+    starts = torch.as_tensor(positions, device=device)
+    query_pos = starts[:, None] + offsets  # (B, T)
+    cos = tables[0][query_pos].unsqueeze(1)  # (B, 1, T, hd)
+    sin = tables[1][query_pos].unsqueeze(1)
+    if seq_len == 1 and min(positions) == max(positions) and not 0 < window < length:
+        return cos, sin, None
+    key_pos = torch.arange(length, device=device)
+    mask = key_pos <= query_pos[..., None]  # (B, T, L)
+    if window:
+        mask &= key_pos > query_pos[..., None] - window
+    return cos, sin, mask.unsqueeze(1)  # (B, 1, T, L)

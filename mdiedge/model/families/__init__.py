@@ -1,7 +1,8 @@
-"""Model families: one module per family (``llama``, ``mixtral``, ``qwen2``), each declaring a
-``Family`` (``spec``): its config mapping, tensor names, block and what the compiled decode
-step runs for it. This registry finds a model's family, by ``config.json``'s ``model_type``,
-by a GGUF file's architecture, or by a ``ModelConfig``, and maps configs both ways.
+"""Model families: one module per family (``llama``, ``mixtral``, ``qwen2``, ``qwen3``,
+``qwen3_moe``, ``gemma3``), each declaring a ``Family`` (``spec``): its config mapping, tensor
+names, block, arithmetic features and what the compiled decode step runs for it. This
+registry finds a model's family, by ``config.json``'s ``model_type``, by a GGUF file's
+architecture, or by a ``ModelConfig``, and maps configs both ways.
 
 A new family is a module here that builds a ``Family``, listed in ``FAMILIES``.
 Torch-free (configs are read where torch is not installed); imports only ``..config``.
@@ -12,10 +13,11 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from ...base.errors import ConfigError
 from ..config import ModelConfig, config_from_keys, keys_of_config
-from . import llama, mixtral, qwen2
+from . import gemma3, llama, mixtral, qwen2, qwen3, qwen3_moe
 from .spec import Family
 
-FAMILIES: Dict[str, Family] = {f.name: f for f in (llama.FAMILY, mixtral.FAMILY, qwen2.FAMILY)}
+FAMILIES: Dict[str, Family] = {f.name: f for f in (
+    llama.FAMILY, mixtral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, gemma3.FAMILY)}
 
 
 def _known() -> str:
@@ -69,7 +71,7 @@ def config_from_hf(raw: Mapping[str, Any], source: str = "config.json",
         if raw.get(flag):
             raise ConfigError(f"{source}: {flag}=true is not supported")
     cfg = config_from_keys(raw, source, generation, generation_source, family.hf_keys,
-                           family.hf_defaults)
+                           family.hf_defaults, family.hf_extra)
     try:
         family_of(cfg)
     except ConfigError as e:
@@ -85,6 +87,8 @@ def config_to_hf(cfg: ModelConfig) -> Dict[str, Any]:
                            "model_type": cfg.model_type}
     out.update(family.hf_written)
     out.update(keys_of_config(cfg, family.hf_keys))
+    if family.hf_extra_written is not None:
+        out.update(family.hf_extra_written(cfg))
     return out
 
 

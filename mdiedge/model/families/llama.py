@@ -69,7 +69,7 @@ GGUF_BLOCK_NAMES: Dict[str, str] = dict(GGUF_ATTENTION_NAMES, **{
 })
 
 
-def make_block(cfg: Any) -> Any:
+def make_block(cfg: Any, layer: int) -> Any:
     from ..block import Block
     from ..layers import MLP
 

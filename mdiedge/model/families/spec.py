@@ -8,7 +8,7 @@ built by a function that imports its torch module when called.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Tuple
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
@@ -24,6 +24,11 @@ class Family:
     compiled step computes exactly as this family does: its block (RMSNorm, bias-free GQA
     with rotate-half RoPE, SwiGLU) and its head (RMSNorm, then a bias-free product). Where
     False, the model runs that part in torch, whatever the shapes.
+
+    The block's arithmetic beyond Llama's is declared by the fields after them; what a
+    config decides (sliding layers, RoPE bases, the attention scale) is in ``ModelConfig``,
+    read by ``hf_extra`` (config.json) and ``gguf_extra`` (GGUF metadata, as config.json
+    keys) where the generic keys do not say it, and written back by ``hf_extra_written``.
     """
 
     name: str
@@ -40,9 +45,17 @@ class Family:
     gguf_block_names: Mapping[str, str]
     gguf_qk_permuted: bool  # llama.cpp's converter stores Q and K rows in its RoPE order
     moe: bool  # blocks are mixtures of experts (``n_experts`` > 0), else dense
-    make_block: Callable[["ModelConfig"], Any]  # a block (torch module) of this family
+    make_block: Callable[["ModelConfig", int], Any]  # block ``layer`` (a torch module)
     step_blocks: bool
     step_head: bool
+    qk_norm: bool = False  # RMSNorm over each head of Q and K, before RoPE
+    sandwich_norms: bool = False  # RMSNorm of the attention's and feed-forward's outputs too
+    activation: str = "silu"  # of the gated feed-forward: "silu" (SwiGLU), "gelu_tanh" (GeGLU)
+    embed_scaled: bool = False  # embeddings times sqrt(dim), rounded to the weights' dtype
+    norm_offset: float = 0.0  # a checkpoint's RMSNorm weight w multiplies by (norm_offset + w)
+    hf_extra: Optional[Callable[[Mapping[str, Any], str], Dict[str, Any]]] = None  # fields
+    hf_extra_written: Optional[Callable[["ModelConfig"], Dict[str, Any]]] = None
+    gguf_extra: Optional[Callable[[Callable[..., Any]], Dict[str, Any]]] = None  # by get(key)
 
     def describe(self) -> str:
         """``name (model types)`` for error messages listing the known families."""

@@ -48,7 +48,7 @@ def _blocks_refusal(model: Any, step: Any) -> Optional[str]:
     if model._step_weights():
         return None
     for index, block in model.layers.items():
-        if block.step_weights(model.rope_cos, model.rope_sin) is None:
+        if block.step_weights(*model._tables(block.attn.window)) is None:
             return f"{family} block {index}: {block.step_refusal()}"
     return f"{family} blocks: the compiled step refuses them"
 

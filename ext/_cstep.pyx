@@ -3,14 +3,14 @@
 ``mdiedge/model/_stepspec.py``). The kernel is ``ext/step.h``: a whole dense block for 1..8
 rows in one call with the GIL released, its products ``ext/matvec.h``'s (float32 matrices) or
 ``ext/quant.h``'s (a ``QuantMatrix``, or a ``StackedMatrix`` of them), with the optional
-parts of ``BlockWeights`` (biases, Q/K norms, sandwich norms, GeGLU, scale, window); a ``Plan`` holds
-consecutive blocks' pointers, made once, so ``blocks`` runs them all in one call; ``logits``
-is the final norm and the head product in one call."""
+parts of ``BlockWeights`` (bias, Q/K norms, sandwich norms, GeGLU, scale, window); a
+``Plan`` holds consecutive blocks' pointers, made once, so ``blocks`` runs them all in one
+call; ``logits`` is the final norm and the head product in one call."""
 from libc.stdlib cimport free, malloc
 
 from mdiedge.model._stepspec import (ACTIVATIONS, MAX_PARTS, MAX_ROWS,  # noqa: F401
-                                     BlockWeights, Limits, QuantMatrix, StackedMatrix, check, check_call, check_logits,
-                                     logits_usable, usable)
+                                     BlockWeights, Limits, QuantMatrix, StackedMatrix, check,
+                                     check_call, check_logits, logits_usable, usable)
 
 PREFERRED = True  # the model decodes through it (see the twin's)
 

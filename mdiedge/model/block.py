@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._stepspec import BlockWeights, QuantMatrix, StackedMatrix, plain
+from ._stepspec import ACTIVATIONS, BlockWeights, QuantMatrix, StackedMatrix, plain
 from .config import ModelConfig
 from .layers import (MLP, Linear, RMSNorm, apply_rope, fuse, fuse_layers, fused_with,
                      project_fused)
@@ -194,7 +194,7 @@ class Block(nn.Module):
         RoPE tables ``cos``, ``sin`` (L, hd); float32 or quantized matrices (``QuantMatrix``)
         each, and the optional parts the block has (``step_options``); None where the step
         does not apply (a mixture of experts, unfused projections, float beside quantized
-        layers in Q/K/V or gate/up, no KV cache, a part the step cannot take). Whether the
+        layers in Q/K/V or gate/up, no KV cache, a part the step does not have). Whether the
         step runs a family's blocks at all is the family's declaration (``step_blocks``),
         which the model checks first."""
         attn, mlp = self.attn, self.mlp
@@ -209,18 +209,16 @@ class Block(nn.Module):
                 or options is None):
             return None
         qkv, wo, gate_up, down = matrices
-        try:
-            return BlockWeights(self.attn_norm.weight, qkv, wo, self.mlp_norm.weight, gate_up,
-                                down, attn.cache.k, attn.cache.v, cos, sin, attn.n_heads,
-                                self.attn_norm.eps, **options)
-        except ValueError:  # an optional part of another shape or kind than the step takes
-            return None
+        return BlockWeights(self.attn_norm.weight, qkv, wo, self.mlp_norm.weight, gate_up, down,
+                            attn.cache.k, attn.cache.v, cos, sin, attn.n_heads,
+                            self.attn_norm.eps, **options)
 
     def step_options(self) -> Optional[Dict[str, Any]]:
         """The optional parts of ``BlockWeights`` this block has: the fused Q/K/V bias, the
         per-head Q and K norms, the sandwich norms (each norm's eps the block's), the
         feed-forward's activation, the attention's scale and window; None where a norm has
-        another eps or a tensor is not plain float32 on the CPU."""
+        another eps, a tensor is not plain float32 on the CPU or the activation is not one
+        the step has."""
         attn, eps = self.attn, self.attn_norm.eps
         norms = {"q_norm": getattr(attn, "q_norm", None), "k_norm": getattr(attn, "k_norm", None),
                  "post_attn_norm": getattr(self, "post_attn_norm", None),
@@ -235,7 +233,7 @@ class Block(nn.Module):
         options.update(activation=getattr(self.mlp, "activation", "silu"),
                        attn_scale=getattr(attn, "scale", None),
                        window=getattr(attn, "window", 0) or 0)
-        return options
+        return options if options["activation"] in ACTIVATIONS else None
 
 
 def step_matrix(held: Any) -> Optional[Any]:

@@ -2,15 +2,16 @@
 """The decode step, compiled: the twin of ``mdiedge/model/_pystep.py`` with the same API (see
 ``mdiedge/model/_stepspec.py``). The kernel is ``ext/step.h``: a whole dense block for 1..8
 rows in one call with the GIL released, its products ``ext/matvec.h``'s (float32 matrices) or
-``ext/quant.h``'s (a ``QuantMatrix``, or a ``StackedMatrix`` of them); a ``Plan`` holds
-consecutive blocks' pointers, made once, so ``blocks`` runs them all in one call; ``logits``
-is the final norm and the head product in one call."""
+``ext/quant.h``'s (a ``QuantMatrix``, or a ``StackedMatrix`` of them), with the optional
+parts of ``BlockWeights`` (bias, Q/K norms, sandwich norms, GeGLU, scale, window); a
+``Plan`` holds consecutive blocks' pointers, made once, so ``blocks`` runs them all in one
+call; ``logits`` is the final norm and the head product in one call."""
 from libc.stdlib cimport free, malloc
 
 from mdiedge.model.quant import check_compiled as _check_compiled
-from mdiedge.model._stepspec import (MAX_PARTS, MAX_ROWS, BlockWeights, Limits,  # noqa: F401
-                                     QuantMatrix, StackedMatrix, check, check_call, check_logits,
-                                     logits_usable, usable)
+from mdiedge.model._stepspec import (ACTIVATIONS, MAX_PARTS, MAX_ROWS,  # noqa: F401
+                                     BlockWeights, Limits, QuantMatrix, StackedMatrix, check,
+                                     check_call, check_logits, logits_usable, usable)
 
 PREFERRED = True  # the model decodes through it (see the twin's)
 
@@ -18,6 +19,8 @@ cdef extern from "step.h" nogil:
     void st_init()
     int ST_FLOAT
     int ST_PARTS
+    int ST_SILU
+    int ST_GELU_TANH
     ctypedef struct st_matrix:
         const void *w[3]
         int t[3]
@@ -33,6 +36,14 @@ cdef extern from "step.h" nogil:
         float *v
         Py_ssize_t dim, n_heads, n_kv, head_dim, hidden, n_slots, max_seq
         float eps
+        const float *qkv_bias
+        const float *q_norm
+        const float *k_norm
+        const float *post_attn_norm
+        const float *post_mlp_norm
+        int activation
+        float attn_scale
+        Py_ssize_t window
     int st_block_step(const st_block *b, const float *x, float *out, int R,
                       const long long *slots, const long long *pos, int threads)
     int st_blocks_step(const st_block *bs, int n, const float *x, float *out, int R,
@@ -48,9 +59,16 @@ st_init()
 _check_compiled(tuple((qm_names[i].decode(), qm_block[i], qm_block_bytes[i])
                      for i in range(QM_TYPES)), __name__)
 assert ST_PARTS == MAX_PARTS == 3, "ext/step.h's ST_PARTS is not _stepspec's MAX_PARTS"
+assert (ST_SILU, ST_GELU_TANH) == tuple(map(ACTIVATIONS.index, ("silu", "gelu_tanh"))), \
+    "ext/step.h's activations are not _stepspec's ACTIVATIONS"
 
 cdef const float *_ptr(t) except? NULL:
     return <const float *><size_t>t.data_ptr()
+
+
+cdef const float *_optional(t) except? NULL:
+    """NULL for a part the block does not have (None)."""
+    return NULL if t is None else _ptr(t)
 
 
 cdef int _type(m) except? -2:
@@ -82,6 +100,13 @@ cdef void _fill(st_block *b, weights) except *:
     b.n_slots, b.n_kv, b.max_seq = weights.n_slots, weights.n_kv, weights.k.shape[2]
     b.dim, b.n_heads, b.head_dim = weights.dim, weights.n_heads, weights.head_dim
     b.hidden, b.eps = weights.hidden, weights.eps
+    b.qkv_bias, b.q_norm = _optional(weights.qkv_bias), _optional(weights.q_norm)
+    b.k_norm = _optional(weights.k_norm)
+    b.post_attn_norm = _optional(weights.post_attn_norm)
+    b.post_mlp_norm = _optional(weights.post_mlp_norm)
+    b.activation = ACTIVATIONS.index(weights.activation)
+    b.attn_scale = 0.0 if weights.attn_scale is None else weights.attn_scale
+    b.window = weights.window
 
 
 cdef class Plan:

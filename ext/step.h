@@ -4,7 +4,9 @@
  * twenty-odd torch operations costs microseconds of Python and allocation around a few
  * microseconds of arithmetic. Here the whole block (RMSNorm, fused Q/K/V product, RoPE,
  * the KV cache write, grouped-query attention over the row's cache, output product and
- * residual, RMSNorm, fused gate/up product, SwiGLU, down product and residual) is one call
+ * residual, RMSNorm, fused gate/up product, SwiGLU, down product and residual; and where a
+ * family has them, the Q/K/V bias, per-head Q and K norms, sandwich norms, GeGLU, another
+ * attention scale and a sliding window: st_block's optional parts) is one call
  * with the GIL released, and a node's consecutive blocks run in one call and one OpenMP
  * parallel region (st_blocks_step) with six barriers per block. The products are matvec.h's
  * few-row kernel; attention sums eight keys' dot products at once and takes their exp eight
@@ -47,12 +49,25 @@ typedef struct {
     int parts;
 } st_matrix;
 
+#define ST_SILU 0      /* an activation: SwiGLU, silu(gate) * up */
+#define ST_GELU_TANH 1 /* GeGLU, gelu(gate) * up, gelu in its tanh approximation */
+
+/* A block's tensors and shape. The optional parts, NULL (0) where the block has none: a bias
+   added to the Q/K/V product (q_dim + 2 kv_dim); RMSNorm weights (head_dim) of each head of Q
+   and of K, after the bias and before RoPE; "sandwich" norms (dim) of the attention's and
+   the feed-forward's outputs before each is added to x; attn_scale, the scores' factor (0:
+   1 / sqrt(head_dim)); window, the keys a row attends (0: all, else the last ``window``
+   positions up to its own). */
 typedef struct {
     const float *attn_norm, *mlp_norm, *cos, *sin;
     st_matrix qkv, wo, gate_up, down;
     float *k, *v;
     ptrdiff_t dim, n_heads, n_kv, head_dim, hidden, n_slots, max_seq;
     float eps;
+    const float *qkv_bias, *q_norm, *k_norm, *post_attn_norm, *post_mlp_norm;
+    int activation;
+    float attn_scale;
+    ptrdiff_t window;
 } st_block;
 
 /* y = w * (x / sqrt(mean(x^2) + eps)), as RMSNorm computes it (x scaled, then weighted). */
@@ -187,12 +202,13 @@ static inline __attribute__((always_inline)) float st_exps(float *scores, ptrdif
     return st_pairwise(sum);
 }
 
-/* One query head over keys [0, len) of its KV head: out (head_dim); scores (len) scratch. */
+/* One query head over keys [0, len) of its KV head, scores scaled by ``scale``: out
+   (head_dim); scores (len) scratch. */
 static inline __attribute__((always_inline)) void st_head_body(
         const float *q, const float *k, const float *v, float *out, float *scores,
-        ptrdiff_t len, ptrdiff_t hd) {
+        ptrdiff_t len, ptrdiff_t hd, float scale) {
     ptrdiff_t hv = hd - hd % 8;
-    float top = st_scores(q, k, scores, len, hd, 1.0f / sqrtf((float)hd));
+    float top = st_scores(q, k, scores, len, hd, scale);
     float inv = 1.0f / st_exps(scores, len, top);
     for (ptrdiff_t t = 0; t < len; t++) scores[t] *= inv;
     /* out = sum over t of p_t v_t, in order of t, eight vectors of out at a time in
@@ -210,11 +226,11 @@ static inline __attribute__((always_inline)) void st_head_body(
 }
 
 typedef void (*st_head_fn)(const float *, const float *, const float *, float *, float *,
-                           ptrdiff_t, ptrdiff_t);
+                           ptrdiff_t, ptrdiff_t, float);
 #define ST_HEAD_FN(name, attrs)                                                              \
     attrs static void name(const float *q, const float *k, const float *v, float *out,      \
-                           float *scores, ptrdiff_t len, ptrdiff_t hd) {                     \
-        st_head_body(q, k, v, out, scores, len, hd);                                         \
+                           float *scores, ptrdiff_t len, ptrdiff_t hd, float scale) {        \
+        st_head_body(q, k, v, out, scores, len, hd, scale);                                  \
     }
 ST_HEAD_FN(st_head_base, )
 #ifdef MV_X86
@@ -232,7 +248,13 @@ static void st_init(void) {
 #endif
 }
 
-/* Q and K of every row roped at its position, K and V written to the row's cache slot. */
+/* Each of ``heads`` heads of hd (in place) normed by RMSNorm of weights w. */
+static void st_head_norms(float *x, const float *w, ptrdiff_t heads, ptrdiff_t hd, float eps) {
+    for (ptrdiff_t h = 0; h < heads; h++) st_rmsnorm(x + h * hd, w, x + h * hd, hd, eps);
+}
+
+/* Every row's Q/K/V with the bias added and Q and K normed per head (where the block has
+   them), Q and K roped at the row's position, K and V written to the row's cache slot. */
 static void st_rope_write(const st_block *b, float *qkv, int R, const long long *slots,
                           const long long *pos) {
     ptrdiff_t hd = b->head_dim, q_dim = b->n_heads * hd, kv_dim = b->n_kv * hd;
@@ -240,6 +262,10 @@ static void st_rope_write(const st_block *b, float *qkv, int R, const long long 
     for (int r = 0; r < R; r++) {
         float *row = qkv + r * width;
         const float *c = b->cos + pos[r] * hd, *s = b->sin + pos[r] * hd;
+        if (b->qkv_bias)
+            for (ptrdiff_t i = 0; i < width; i++) row[i] += b->qkv_bias[i];
+        if (b->q_norm) st_head_norms(row, b->q_norm, b->n_heads, hd, b->eps);
+        if (b->k_norm) st_head_norms(row + q_dim, b->k_norm, b->n_kv, hd, b->eps);
         for (ptrdiff_t h = 0; h < b->n_heads + b->n_kv; h++) st_rope(row + h * hd, c, s, hd);
         for (ptrdiff_t h = 0; h < b->n_kv; h++) {
             ptrdiff_t at = ((slots[r] * b->n_kv + h) * b->max_seq + pos[r]) * hd;
@@ -249,10 +275,11 @@ static void st_rope_write(const st_block *b, float *qkv, int R, const long long 
     }
 }
 
-/* Scratch of one step: each thread's normed rows, Q/K/V, attention, gate/up, SwiGLU,
-   scores, and each thread's activation sums for quantized products (qm_xsum). */
+/* Scratch of one step: each thread's normed rows, Q/K/V, attention, a product's output
+   before its sandwich norm, gate/up, SwiGLU, scores, and each thread's activation sums for
+   quantized products (qm_xsum). */
 typedef struct {
-    float *h, *qkv, *att, *gu, *act, *scores, *xs;
+    float *h, *qkv, *att, *o, *gu, *act, *scores, *xs;
     ptrdiff_t longest;  /* the furthest row's keys: positions + 1 */
     ptrdiff_t xs_floats;  /* one thread's share of xs */
 } st_scratch;
@@ -267,7 +294,7 @@ static ptrdiff_t st_xs_floats(const st_block *b, int R) {
 
 static size_t st_scratch_floats(const st_block *b, int R, ptrdiff_t longest, int threads) {
     ptrdiff_t q_dim = b->n_heads * b->head_dim, width = q_dim + 2 * b->n_kv * b->head_dim;
-    return (size_t)R * (threads * b->dim + width + q_dim + 3 * b->hidden
+    return (size_t)R * ((threads + 1) * b->dim + width + q_dim + 3 * b->hidden
                         + b->n_heads * longest) + (size_t)threads * st_xs_floats(b, R);
 }
 
@@ -276,7 +303,8 @@ static void st_scratch_at(st_scratch *s, const st_block *b, int R, int threads, 
     s->h = base;
     s->qkv = s->h + (ptrdiff_t)threads * R * b->dim;
     s->att = s->qkv + R * width;
-    s->gu = s->att + R * q_dim;
+    s->o = s->att + R * q_dim;
+    s->gu = s->o + R * b->dim;
     s->act = s->gu + R * 2 * b->hidden;
     s->scores = s->act + R * b->hidden;
     s->xs = s->scores + R * b->n_heads * s->longest;
@@ -368,30 +396,65 @@ static void st_product_team(const st_matrix *m, const float *x, float *y, const 
     }
 }
 
-/* gate/up products of hidden columns [j0, j1) and act = SwiGLU of them, for every row; xs
-   the sums of h as st_sums. */
+/* gelu(x) in its tanh approximation, as torch's gelu(approximate="tanh") writes it. */
+static inline float st_gelu_tanh(float x) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;  /* sqrt(2 / pi) */
+    return 0.5f * x * (1.0f + tanhf(beta * (x + kappa * (x * x * x))));
+}
+
+/* gate/up products of hidden columns [j0, j1) and act = activation(gate) * up of them, for
+   every row; xs the sums of h as st_sums. */
 static void st_swiglu_cols(const st_block *b, const float *h, const float *xs,
                            const st_scratch *s, int R, ptrdiff_t j0, ptrdiff_t j1) {
     ptrdiff_t hidden = b->hidden, dim = b->dim;
     st_product_cols(&b->gate_up, h, xs, s->gu, NULL, 2 * hidden, dim, R, j0, j1);
     st_product_cols(&b->gate_up, h, xs, s->gu, NULL, 2 * hidden, dim, R, hidden + j0,
                     hidden + j1);
-    for (int r = 0; r < R; r++)
-        for (ptrdiff_t i = j0; i < j1; i++) {
-            float g = s->gu[r * 2 * hidden + i], u = s->gu[r * 2 * hidden + hidden + i];
-            s->act[r * hidden + i] = g / (1.0f + expf(-g)) * u;
-        }
+    for (int r = 0; r < R; r++) {
+        const float *g = s->gu + r * 2 * hidden, *u = g + hidden;
+        float *a = s->act + r * hidden;
+        if (b->activation == ST_GELU_TANH)
+            for (ptrdiff_t i = j0; i < j1; i++) a[i] = st_gelu_tanh(g[i]) * u[i];
+        else
+            for (ptrdiff_t i = j0; i < j1; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* x += RMSNorm(o) (weights w) for R rows of dim, the norm written over o; rows shared out,
+   ending with the team's barrier. */
+static void st_add_normed_team(const float *w, float *o, float *x, int R, ptrdiff_t dim,
+                               float eps) {
+    #pragma omp for schedule(static)
+    for (int r = 0; r < R; r++) {
+        st_rmsnorm(o + r * dim, w, o + r * dim, dim, eps);
+        for (ptrdiff_t i = 0; i < dim; i++) x[r * dim + i] += o[r * dim + i];
+    }
+}
+
+/* x += the product of m with a (R rows of k) for the team: straight into x, or, with a
+   sandwich norm ``post`` (NULL: none), through o and the norm (one more barrier). */
+static void st_residual_team(const st_matrix *m, const float *post, const float *a, float *x,
+                             ptrdiff_t dim, ptrdiff_t k, int R, const st_block *b,
+                             const st_scratch *s) {
+    if (post == NULL) {
+        st_product_team(m, a, x, x, dim, k, R, s);
+        return;
+    }
+    st_product_team(m, a, s->o, NULL, dim, k, R, s);
+    st_add_normed_team(post, s->o, x, R, dim, b->eps);
 }
 
 /* x = block(x) for R rows, in place. Every thread of the team calls it: each normalizes
    the rows for itself (its own copy, no wait), the products, attention heads and the
-   gate/up columns are shared out, RoPE and the cache write run on one thread, and each
-   shared phase ends with the team's barrier: six per block. */
+   gate/up columns are shared out, the bias, Q/K norms, RoPE and the cache write run on one
+   thread, and each shared phase ends with the team's barrier: six per block, and one more
+   for each sandwich norm. */
 static void st_block_team(const st_block *b, float *x, int R, const long long *slots,
                           const long long *pos, const st_scratch *s) {
     ptrdiff_t dim = b->dim, hd = b->head_dim, q_dim = b->n_heads * hd, hidden = b->hidden;
     ptrdiff_t width = q_dim + 2 * b->n_kv * hd, group = b->n_heads / b->n_kv;
     ptrdiff_t heads = (ptrdiff_t)R * b->n_heads;
+    float scale = b->attn_scale > 0.0f ? b->attn_scale : 1.0f / sqrtf((float)hd);
     float *h = s->h + (ptrdiff_t)st_thread() * R * dim;
     for (int r = 0; r < R; r++) st_rmsnorm(x + r * dim, b->attn_norm, h + r * dim, dim, b->eps);
     st_product_team(&b->qkv, h, s->qkv, NULL, width, dim, R, s);
@@ -400,18 +463,19 @@ static void st_block_team(const st_block *b, float *x, int R, const long long *s
     #pragma omp for schedule(static)
     for (ptrdiff_t t = 0; t < heads; t++) {
         ptrdiff_t r = t / b->n_heads, hh = t % b->n_heads;
-        ptrdiff_t at = (slots[r] * b->n_kv + hh / group) * b->max_seq * hd;
+        ptrdiff_t first = b->window && pos[r] >= b->window ? pos[r] + 1 - b->window : 0;
+        ptrdiff_t at = ((slots[r] * b->n_kv + hh / group) * b->max_seq + first) * hd;
         st_head(s->qkv + r * width + hh * hd, b->k + at, b->v + at, s->att + r * q_dim + hh * hd,
-                s->scores + t * s->longest, pos[r] + 1, hd);
+                s->scores + t * s->longest, pos[r] + 1 - first, hd, scale);
     }
-    st_product_team(&b->wo, s->att, x, x, dim, q_dim, R, s);  /* x += attention */
+    st_residual_team(&b->wo, b->post_attn_norm, s->att, x, dim, q_dim, R, b, s);  /* attention */
     for (int r = 0; r < R; r++) st_rmsnorm(x + r * dim, b->mlp_norm, h + r * dim, dim, b->eps);
     int team = st_team();
     const float *xs = st_sums(&b->gate_up, h, dim, R, s);
     #pragma omp for schedule(static)  /* one stretch of columns per thread */
     for (int t = 0; t < team; t++)
         st_swiglu_cols(b, h, xs, s, R, st_split(hidden, team, t), st_split(hidden, team, t + 1));
-    st_product_team(&b->down, s->act, x, x, dim, hidden, R, s);  /* x += FFN */
+    st_residual_team(&b->down, b->post_mlp_norm, s->act, x, dim, hidden, R, b, s);  /* FFN */
 }
 
 /* out = the n blocks of bs applied to x one after another, in one parallel region of

@@ -205,10 +205,11 @@ def hf_qwen2(path: Path) -> Any:
 
 
 @torch.no_grad()
-def test_qwen2_logits_match_transformers_without_the_block_step(
+def test_qwen2_logits_match_transformers_through_the_block_step(
         qwen2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Prefill and 32 decode steps within float32 rounding of Qwen2ForCausalLM; decode runs
-    the head through the step (where it is kept row-major) and never the blocks."""
+    the blocks, biases included, through the step, and the head (where it is kept
+    row-major)."""
     from mdiedge.model import transformer
     from mdiedge.model.checkpoint import load_model
 
@@ -218,7 +219,8 @@ def test_qwen2_logits_match_transformers_without_the_block_step(
     assert ours.family.name == "qwen2" and ours.layers["0"].attn.wq.bias is not None
     assert_logits_match(ref, ours)
     heads = 32 if ours.lm_head.weight.is_contiguous() else 0  # the twin's product: transposed
-    assert step.calls == {"blocks": 0, "logits": heads} and ours._step_weights() == []
+    assert step.calls == {"blocks": 32, "logits": heads}
+    assert ours._step_weights()[0].qkv_bias is not None
 
 
 @torch.no_grad()

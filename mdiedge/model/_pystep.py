@@ -71,20 +71,33 @@ def _block(w: BlockWeights, x: Any, out: Any, slots: Sequence[int],
     n_kv, head_dim = w.k.shape[1], w.k.shape[3]
     q_dim, kv_dim = w.n_heads * head_dim, n_kv * head_dim
     qkv = _product(rms_norm(x, w.attn_norm, w.eps), w.qkv)  # (rows, q_dim + 2 kv_dim)
+    if w.qkv_bias is not None:
+        qkv = qkv + w.qkv_bias
     index = torch.as_tensor(list(positions))
     cos, sin = w.cos[index][:, None], w.sin[index][:, None]  # (rows, 1, hd)
-    q = apply_rope(qkv[:, :q_dim].reshape(rows, w.n_heads, head_dim), cos, sin)
-    k = apply_rope(qkv[:, q_dim:q_dim + kv_dim].reshape(rows, n_kv, head_dim), cos, sin)
+    q = _normed(qkv[:, :q_dim].reshape(rows, w.n_heads, head_dim), w.q_norm, w.eps)
+    k = _normed(qkv[:, q_dim:q_dim + kv_dim].reshape(rows, n_kv, head_dim), w.k_norm, w.eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     v = qkv[:, q_dim + kv_dim:].reshape(rows, n_kv, head_dim)
     att = torch.empty(rows, w.n_heads, head_dim)
     group = w.n_heads // n_kv
+    scale = 1.0 / math.sqrt(head_dim) if w.attn_scale is None else w.attn_scale
     for r, (slot, pos) in enumerate(zip(slots, positions)):
         w.k[slot, :, pos], w.v[slot, :, pos] = k[r], v[r]
-        keys, values = w.k[slot, :, :pos + 1], w.v[slot, :, :pos + 1]  # (kv, L, hd)
+        first = pos + 1 - w.window if w.window and pos >= w.window else 0
+        keys, values = w.k[slot, :, first:pos + 1], w.v[slot, :, first:pos + 1]  # (kv, L, hd)
         query = q[r].reshape(n_kv, group, head_dim)  # (kv, group, hd)
-        scores = (query @ keys.transpose(1, 2)) * (1.0 / math.sqrt(head_dim))  # (kv, group, L)
+        scores = (query @ keys.transpose(1, 2)) * scale  # (kv, group, L)
         att[r] = (torch.softmax(scores, -1) @ values).reshape(w.n_heads, head_dim)
-    mid = x + _product(att.reshape(rows, q_dim), w.wo)
+    mid = x + _normed(_product(att.reshape(rows, q_dim), w.wo), w.post_attn_norm, w.eps)
     both = _product(rms_norm(mid, w.mlp_norm, w.eps), w.gate_up)  # (rows, 2 hidden)
     hidden = both.shape[1] // 2
-    out.copy_(mid + _product(F.silu(both[:, :hidden]) * both[:, hidden:], w.down))
+    gate = both[:, :hidden]
+    gate = F.silu(gate) if w.activation == "silu" else F.gelu(gate, approximate="tanh")
+    out.copy_(mid + _normed(_product(gate * both[:, hidden:], w.down), w.post_mlp_norm, w.eps))
+
+
+def _normed(x: Any, weight: Any, eps: float) -> Any:
+    """x normed over its last dimension by RMSNorm of ``weight`` (a head's Q/K norm, a
+    sandwich norm); None: x as it is."""
+    return x if weight is None else rms_norm(x, weight, eps)

@@ -17,7 +17,9 @@ torch operations.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence, Tuple
+import math
+import operator
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -28,6 +30,9 @@ from .quant import KERNEL_TYPES, TYPES, qtype_of
 
 _TENSORS = ("attn_norm", "qkv", "wo", "mlp_norm", "gate_up", "down", "k", "v", "cos", "sin")
 _MATRICES = ("qkv", "wo", "gate_up", "down")  # float32, QuantMatrix or StackedMatrix
+_OPTIONAL = ("qkv_bias", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")  # or None
+_SETTINGS = ("activation", "attn_scale", "window")
+ACTIVATIONS = ("silu", "gelu_tanh")  # in ext/step.h's order (ST_SILU, ST_GELU_TANH)
 MAX_PARTS = 3  # of a StackedMatrix: ext/step.h's ST_PARTS
 QUANT_CODES = {name: TYPES[name].kernel for name in KERNEL_TYPES}  # ext/quant.h's enum values
 
@@ -121,14 +126,26 @@ class BlockWeights:
     q_dim); gate_up (2 hidden, dim), gate and up fused; down (dim, hidden); k, v caches
     (slots, kv_heads, max_seq, head_dim); cos, sin RoPE tables (rope_len, head_dim). Each of
     qkv, wo, gate_up and down is float32, or a ``QuantMatrix`` or ``StackedMatrix`` of that
-    shape."""
+    shape.
 
-    __slots__ = _TENSORS + ("n_heads", "eps", "dim", "n_kv", "head_dim", "hidden", "n_slots",
-                            "positions")
+    Keywords, each absent by default (a Llama block): ``qkv_bias`` (q_dim + 2 kv_dim,) added
+    to the Q/K/V product; ``q_norm``, ``k_norm`` (head_dim,) RMSNorm weights of each head of
+    Q and of K, after the bias and before RoPE (eps the block's); ``post_attn_norm``,
+    ``post_mlp_norm`` (dim,) RMSNorm weights of the attention's and the feed-forward's output
+    before each is added to x ("sandwich" norms); ``activation`` of the gate, one of
+    ``ACTIVATIONS`` ("silu": SwiGLU; "gelu_tanh": GeGLU with tanh-approximated gelu);
+    ``attn_scale`` the scores' factor (None: 1 / sqrt(head_dim)); ``window`` the keys a row
+    at position p attends (0: all; else positions p - window + 1 .. p)."""
+
+    __slots__ = _TENSORS + _OPTIONAL + _SETTINGS + (
+        "n_heads", "eps", "dim", "n_kv", "head_dim", "hidden", "n_slots", "positions")
 
     def __init__(self, attn_norm: Any, qkv: Any, wo: Any, mlp_norm: Any, gate_up: Any,
                  down: Any, k: Any, v: Any, cos: Any, sin: Any, n_heads: int,
-                 eps: float) -> None:
+                 eps: float, *, qkv_bias: Any = None, q_norm: Any = None, k_norm: Any = None,
+                 post_attn_norm: Any = None, post_mlp_norm: Any = None,
+                 activation: str = "silu", attn_scale: Optional[float] = None,
+                 window: int = 0) -> None:
         given = dict(zip(_TENSORS, (attn_norm, qkv, wo, mlp_norm, gate_up, down, k, v, cos,
                                     sin)))
         for name, t in given.items():
@@ -147,7 +164,13 @@ class BlockWeights:
         if n_heads % n_kv or cos.dim() != 2 or cos.shape[1] != head_dim or head_dim % 2:
             raise ValueError(f"{n_heads} heads over {n_kv} KV heads of {head_dim} with "
                              f"RoPE tables {tuple(cos.shape)} do not fit")
-        values = dict(given, n_heads=int(n_heads), eps=float(eps), dim=dim, n_kv=n_kv,
+        optional = _checked_optional(
+            dict(qkv_bias=qkv_bias, q_norm=q_norm, k_norm=k_norm, post_attn_norm=post_attn_norm,
+                 post_mlp_norm=post_mlp_norm),
+            dict(qkv_bias=(q_dim + 2 * n_kv * head_dim,), q_norm=(head_dim,),
+                 k_norm=(head_dim,), post_attn_norm=(dim,), post_mlp_norm=(dim,)))
+        values = dict(given, **optional, **_checked_settings(activation, attn_scale, window),
+                      n_heads=int(n_heads), eps=float(eps), dim=dim, n_kv=n_kv,
                       head_dim=head_dim, hidden=hidden, n_slots=n_slots,
                       positions=min(max_seq, cos.shape[0]))
         for name, value in values.items():
@@ -157,17 +180,54 @@ class BlockWeights:
         raise AttributeError(f"BlockWeights is frozen ({name})")
 
     def replace(self, **changes: Any) -> "BlockWeights":
-        """A copy with some tensors (or n_heads, eps) changed, checked again."""
-        names = _TENSORS + ("n_heads", "eps")
+        """A copy with some tensors (or n_heads, eps, the optional parts) changed, checked
+        again."""
+        names = _TENSORS + ("n_heads", "eps") + _OPTIONAL + _SETTINGS
         return BlockWeights(**{n: changes.get(n, getattr(self, n)) for n in names})
 
     def wants_grad(self) -> bool:
-        return any(getattr(self, n).requires_grad for n in _TENSORS)
+        return any(getattr(self, n) is not None and getattr(self, n).requires_grad
+                   for n in _TENSORS + _OPTIONAL)
 
     def quantized(self) -> Tuple[str, ...]:
         """The names of the matrices held quantized."""
         return tuple(n for n in _MATRICES
                      if isinstance(getattr(self, n), (QuantMatrix, StackedMatrix)))
+
+
+def _checked_optional(given: Dict[str, Any], shapes: Dict[str, Tuple[int, ...]]
+                      ) -> Dict[str, Any]:
+    """The optional tensors, each None or a plain float32 tensor of its shape."""
+    for name, t in given.items():
+        if t is None:
+            continue
+        if not (isinstance(t, torch.Tensor) and plain(t)):
+            raise ValueError(f"{name} is not a contiguous float32 CPU tensor")
+        if tuple(t.shape) != shapes[name]:
+            raise ValueError(f"{name} {tuple(t.shape)} is not {shapes[name]}")
+    return given
+
+
+def _checked_settings(activation: Any, attn_scale: Any, window: Any) -> Dict[str, Any]:
+    """activation one of ``ACTIVATIONS``, attn_scale None or a positive finite number,
+    window an int >= 0."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+    scale = attn_scale
+    if scale is not None:
+        try:
+            scale = float(scale)
+        except (TypeError, ValueError):
+            scale = math.nan
+        if isinstance(attn_scale, bool) or not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"attn_scale {attn_scale!r} is not a positive number")
+    try:
+        keys = -1 if isinstance(window, bool) else operator.index(window)
+    except TypeError:
+        keys = -1
+    if keys < 0:
+        raise ValueError(f"window {window!r} is not a whole number >= 0")
+    return dict(activation=activation, attn_scale=scale, window=keys)
 
 
 class Limits:

@@ -12,13 +12,13 @@ SwiGLU (Shazeer 2020).
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._stepspec import BlockWeights, QuantMatrix, StackedMatrix, plain
+from ._stepspec import ACTIVATIONS, BlockWeights, QuantMatrix, StackedMatrix, plain
 from .config import ModelConfig
 from .layers import (MLP, Linear, RMSNorm, apply_rope, fuse, fuse_layers, fused_with,
                      project_fused)
@@ -231,24 +231,48 @@ class Block(nn.Module):
     def step_weights(self, cos: Tensor, sin: Tensor) -> Optional[BlockWeights]:
         """This block's tensors for the compiled decode step (``mdiedge.model._cstep``), with
         RoPE tables ``cos``, ``sin`` (L, hd); float32 or quantized matrices (``QuantMatrix``)
-        each; None where the step does not apply (a mixture of experts, biases, unfused
-        projections, float beside quantized layers in Q/K/V or gate/up, no KV cache). Whether
-        the step runs a family's blocks at all is the family's declaration (``step_blocks``),
+        each, and the optional parts the block has (``step_options``); None where the step
+        does not apply (a mixture of experts, unfused projections, float beside quantized
+        layers in Q/K/V or gate/up, no KV cache, a part the step does not have). Whether the
+        step runs a family's blocks at all is the family's declaration (``step_blocks``),
         which the model checks first."""
         attn, mlp = self.attn, self.mlp
         if (not isinstance(mlp, MLP) or attn.cache is None or not fused_with(attn.qkv, attn.wq)
-                or not fused_with(mlp.gate_up, mlp.gate)
-                or getattr(attn.wq, "bias", None) is not None):
+                or not fused_with(mlp.gate_up, mlp.gate)):
             return None
         matrices = [step_matrix(m) for m in (attn.qkv, attn.wo, mlp.gate_up, mlp.down)]
         tensors = (self.attn_norm.weight, self.mlp_norm.weight, attn.cache.k, attn.cache.v,
                    cos, sin)
-        if any(m is None for m in matrices) or not all(plain(t) for t in tensors):
+        options = self.step_options()
+        if (any(m is None for m in matrices) or not all(plain(t) for t in tensors)
+                or options is None):
             return None
         qkv, wo, gate_up, down = matrices
         return BlockWeights(self.attn_norm.weight, qkv, wo, self.mlp_norm.weight, gate_up, down,
                             attn.cache.k, attn.cache.v, cos, sin, attn.n_heads,
-                            self.attn_norm.eps)
+                            self.attn_norm.eps, **options)
+
+    def step_options(self) -> Optional[Dict[str, Any]]:
+        """The optional parts of ``BlockWeights`` this block has: the fused Q/K/V bias, the
+        per-head Q and K norms, the sandwich norms (each norm's eps the block's), the
+        feed-forward's activation, the attention's scale and window; None where a norm has
+        another eps, a tensor is not plain float32 on the CPU or the activation is not one
+        the step has."""
+        attn, eps = self.attn, self.attn_norm.eps
+        norms = {"q_norm": getattr(attn, "q_norm", None), "k_norm": getattr(attn, "k_norm", None),
+                 "post_attn_norm": getattr(self, "post_attn_norm", None),
+                 "post_mlp_norm": getattr(self, "post_mlp_norm", None)}
+        if any(n is not None and n.eps != eps for n in norms.values()):
+            return None
+        options: Dict[str, Any] = {name: None if n is None else n.weight
+                                   for name, n in norms.items()}
+        options["qkv_bias"] = attn._fused_bias()
+        if not all(t is None or plain(t) for t in options.values()):
+            return None
+        options.update(activation=getattr(self.mlp, "activation", "silu"),
+                       attn_scale=getattr(attn, "scale", None),
+                       window=getattr(attn, "window", 0) or 0)
+        return options if options["activation"] in ACTIVATIONS else None
 
 
     def step_refusal(self) -> str:

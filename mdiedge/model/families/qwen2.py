@@ -1,6 +1,5 @@
 """The Qwen2 family (Qwen2 / Qwen2.5, Yang et al. 2024): Llama's block with a bias on the Q,
-K and V projections. The compiled step has no biases, so it runs the head only; the blocks
-decode in torch.
+K and V projections, which the compiled decode step adds (``BlockWeights.qkv_bias``).
 """
 from __future__ import annotations
 
@@ -35,4 +34,4 @@ FAMILY = Family(
     hf_global_names=llama.HF_GLOBAL_NAMES, hf_block_names=HF_BLOCK_NAMES,
     gguf_architectures=("qwen2",), gguf_global_names=llama.GGUF_GLOBAL_NAMES,
     gguf_block_names=GGUF_BLOCK_NAMES, gguf_qk_permuted=False, moe=False,
-    make_block=make_block, step_blocks=False, step_head=True)
+    make_block=make_block, step_blocks=True, step_head=True)

@@ -129,7 +129,7 @@ FAMILY = Family(
     hf_written={"attention_bias": False}, hf_global_names=llama.HF_GLOBAL_NAMES,
     hf_block_names=HF_BLOCK_NAMES, gguf_architectures=("gemma3",),
     gguf_global_names=llama.GGUF_GLOBAL_NAMES, gguf_block_names=GGUF_BLOCK_NAMES,
-    gguf_qk_permuted=False, moe=False, make_block=make_block, step_blocks=False,
+    gguf_qk_permuted=False, moe=False, make_block=make_block, step_blocks=True,
     step_head=True, qk_norm=True, sandwich_norms=True, activation="gelu_tanh",
     embed_scaled=True, norm_offset=1.0, hf_extra=hf_extra,
     hf_extra_written=hf_extra_written, gguf_extra=gguf_extra)

@@ -38,5 +38,5 @@ FAMILY = Family(
     hf_written=HF_WRITTEN, hf_global_names=llama.HF_GLOBAL_NAMES,
     hf_block_names=HF_BLOCK_NAMES, gguf_architectures=("qwen3",),
     gguf_global_names=llama.GGUF_GLOBAL_NAMES, gguf_block_names=GGUF_BLOCK_NAMES,
-    gguf_qk_permuted=False, moe=False, make_block=make_block, step_blocks=False,
+    gguf_qk_permuted=False, moe=False, make_block=make_block, step_blocks=True,
     step_head=True, qk_norm=True)

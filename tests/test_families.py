@@ -268,8 +268,8 @@ def test_qwen2_on_a_ring_equals_transformers(qwen2: Path, nodes: int) -> None:
 @torch.no_grad()
 def test_qwen2_gguf_matches_transformers(qwen2: Path, tmp_path: Path) -> None:
     """A ``qwen2`` GGUF file (Q and K rows in Hugging Face's order, biases in F32): in F32 the
-    logits of transformers; in Q8_0 the biased Q/K/V stay float, the other matrices keep
-    their blocks, and the logits stay near."""
+    logits of transformers; in Q8_0 every matrix keeps its blocks, the Q/K/V with their float
+    biases beside them, and the logits stay near."""
     from gguf_files import write_gguf
 
     from mdiedge.model.checkpoint import load_model
@@ -284,16 +284,17 @@ def test_qwen2_gguf_matches_transformers(qwen2: Path, tmp_path: Path) -> None:
         model.setup_cache(1, 32)
         got[qtype] = model(ids, torch.tensor([0]), [0], all_logits=True)[0]
         attn = model.layers["1"].attn
-        assert type(attn.wq) is not QuantLinear and attn.wq.bias is not None
-        assert (type(attn.wo) is QuantLinear) == (qtype == "Q8_0")
+        assert attn.wq.bias is not None and attn.wq.bias.dtype == torch.float32
+        assert (type(attn.wq) is QuantLinear) == (type(attn.wo) is QuantLinear) \
+            == (qtype == "Q8_0")
     assert (got["F32"] - theirs).abs().max().item() <= 1e-5
     assert (got["Q8_0"] - theirs).abs().max().item() <= 0.05 * theirs.abs().max().item()
 
 
 @torch.no_grad()
-def test_qwen2_quantized_keeps_its_biased_projections_float(qwen2: Path) -> None:
-    """``--quantize``: Q/K/V (biased) stay float with their biases, the other matrices of a
-    whole number of blocks take Q8_0, and the logits stay near the float model's."""
+def test_qwen2_quantized_keeps_its_biases_float(qwen2: Path) -> None:
+    """``--quantize``: every matrix of a whole number of blocks takes Q8_0, the Q/K/V with
+    their float biases beside, and the logits stay near the float model's."""
     from mdiedge.model.checkpoint import load_model
     from mdiedge.model.qlayers import QuantLinear
 
@@ -302,8 +303,9 @@ def test_qwen2_quantized_keeps_its_biased_projections_float(qwen2: Path) -> None
     for quantize in (None, "Q8_0"):
         model = load_model(qwen2, quantize=quantize)
         attn = model.layers["0"].attn
-        assert type(attn.wq) is not QuantLinear and attn.wq.bias is not None
-        assert (type(attn.wo) is QuantLinear) == (quantize is not None)
+        assert attn.wq.bias is not None and attn.wq.bias.abs().sum() > 0
+        assert (type(attn.wq) is QuantLinear) == (type(attn.wo) is QuantLinear) \
+            == (quantize is not None)
         model.setup_cache(1, 32)
         logits.append(model(ids, torch.tensor([0]), [0], all_logits=True)[0])
     assert (logits[1] - logits[0]).abs().max().item() <= 0.05 * logits[0].abs().max().item()

@@ -29,6 +29,21 @@ def test_a_product_is_the_de_quantized_weights(qtype: str, rows: int) -> None:
     assert_close(layer(x.view(1, rows, 96))[0], want, 96)
 
 
+@pytest.mark.parametrize("rows", [1, 8, 40])
+def test_a_bias_is_added_by_the_layer_and_left_to_the_caller_in_a_group(rows: int) -> None:
+    weights = [torch.randn(n, 64, generator=torch.Generator().manual_seed(n)) for n in (48, 16)]
+    layers = [QuantLinear(quantize_weight(w, "Q8_0"), "Q8_0", 64, with_bias=True)
+              for w in weights]
+    for layer in layers:
+        layer.bias.data.normal_()
+    x = torch.randn(rows, 64)
+    plain = [x @ dequantize(layer.qweight, "Q8_0", 64).t() for layer in layers]
+    for layer, product in zip(layers, plain):
+        assert_close(layer(x), product + layer.bias, 64)
+    group = QuantLinear.fuse_group(layers)
+    assert_close(group(x), torch.cat(plain, 1), 64)  # Attention adds the fused biases
+
+
 def test_prefill_tiles_share_one_buffer() -> None:
     layers = [QuantLinear(quantize_weight(torch.randn(64, 32 * (i + 1)), "Q8_0"), "Q8_0",
                           32 * (i + 1)) for i in range(3)]

@@ -64,9 +64,11 @@ def widens_on_device(held: Tensor) -> bool:
 
 
 class QuantLinear(nn.Module):
-    """``x @ W^T`` with W held as ``qweight`` (uint8 (out, row_bytes)) of type ``qtype``."""
+    """``x @ W^T`` with W held as ``qweight`` (uint8 (out, row_bytes)) of type ``qtype``, plus
+    a float32 ``bias`` (out,) where made ``with_bias`` (Qwen2's Q/K/V)."""
 
-    def __init__(self, qweight: Tensor, qtype: str, in_features: int) -> None:
+    def __init__(self, qweight: Tensor, qtype: str, in_features: int,
+                 with_bias: bool = False) -> None:
         super().__init__()
         self.qtype = qtype_of(qtype).name
         self.in_features, self.out_features = in_features, int(qweight.shape[0])
@@ -75,6 +77,8 @@ class QuantLinear(nn.Module):
             raise ValueError(f"{self.qtype} weight of {tuple(qweight.shape)} {qweight.dtype}, "
                              f"expected uint8 {want}")
         self.register_buffer("qweight", qweight, persistent=False)
+        self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) \
+            if with_bias else None
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
@@ -83,6 +87,12 @@ class QuantLinear(nn.Module):
     @torch.no_grad()
     def forward(self, x: Tensor) -> Tensor:
         """Inference only: the blocks are not trainable, nothing is recorded for autograd."""
+        out = self.product(x)
+        return out if self.bias is None else out + self.bias
+
+    @torch.no_grad()
+    def product(self, x: Tensor) -> Tensor:
+        """``x @ W^T``, the bias left out."""
         if widens_on_device(self.qweight):
             weight = dequantize_on_device(self.qweight, self.qtype, self.in_features)
             return torch.nn.functional.linear(x.float(), weight)  # (…, out)
@@ -135,7 +145,9 @@ class QuantGroup:
         self.in_features = self.layers[0].in_features
 
     def __call__(self, x: Tensor) -> Tensor:
-        return torch.cat([layer(x) for layer in self.layers], -1)
+        """The layers' products side by side, without their biases (the caller adds them
+        fused: ``block.Attention``)."""
+        return torch.cat([layer.product(x) for layer in self.layers], -1)
 
 
 class QuantEmbedding(nn.Module):
@@ -192,8 +204,7 @@ def keep_quantized(net: nn.Module, source: Any, plan: Dict[str, str]) -> Set[str
         qtype = kernel_qtype(source, theirs)
         owner, attr = _parent(net, ours)
         layer = getattr(owner, attr, None)
-        if qtype is None or not isinstance(layer, (nn.Linear, nn.Embedding)) \
-                or getattr(layer, "bias", None) is not None:  # a biased layer stays float
+        if qtype is None or not isinstance(layer, (nn.Linear, nn.Embedding)):
             continue
         raw = source.raw(theirs)
         try:
@@ -203,7 +214,8 @@ def keep_quantized(net: nn.Module, source: Any, plan: Dict[str, str]) -> Set[str
         if isinstance(layer, nn.Embedding):
             setattr(owner, attr, QuantEmbedding(raw, qtype, layer.embedding_dim))
         else:
-            setattr(owner, attr, QuantLinear(raw, qtype, layer.in_features))
+            setattr(owner, attr, QuantLinear(raw, qtype, layer.in_features,
+                                             getattr(layer, "bias", None) is not None))
         held.add(ours)
     _tie_quantized(net, held)
     return held
@@ -237,18 +249,20 @@ def _tie_quantized(net: nn.Module, held: Set[str]) -> None:
 
 def quantize_blocks(net: nn.Module, qtype: str) -> int:
     """Quantize every float linear layer of ``net``'s blocks to ``qtype`` (``--quantize``);
-    layers with a bias, or whose width is not a whole number of blocks, stay float; the blocks' Q/K/V and
-    gate/up are then fused again, as quantized groups. The count quantized."""
+    layers whose width is not a whole number of blocks stay float (a bias stays float beside
+    the blocks); the blocks' Q/K/V and gate/up are then fused again, as quantized groups. The
+    count quantized."""
     count = 0
     for name, layer in list(net.named_modules()):
         if not name.startswith("layers.") or type(layer) is not Linear \
-                or layer.bias is not None:  # a biased layer stays float
-            continue
-        if layer.in_features % qtype_of(qtype).block:
+                or layer.in_features % qtype_of(qtype).block:
             continue
         owner, attr = _parent(net, name + ".weight")
-        setattr(owner, attr, QuantLinear(quantize_weight(layer.weight, qtype), qtype,
-                                         layer.in_features))
+        made = QuantLinear(quantize_weight(layer.weight, qtype), qtype, layer.in_features,
+                           layer.bias is not None)
+        if layer.bias is not None:
+            made.bias.data.copy_(layer.bias.detach())
+        setattr(owner, attr, made)
         for fused in ("qkv", "gate_up"):  # float buffers of fused products: gone with them
             if getattr(owner, fused, None) is not None:
                 setattr(owner, fused, None)

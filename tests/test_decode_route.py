@@ -15,7 +15,7 @@ from commands import MDIEDGE
 from mdiedge.cli.console import decode_summary
 from mdiedge.model import _pystep, transformer
 from mdiedge.model.config import ModelConfig
-from mdiedge.model.transformer import Transformer
+from mdiedge.model.transformer import Transformer, route_of
 from mdiedge.runtime.stages import LocalStage, joined_routes
 
 LLAMA = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -35,8 +35,8 @@ def test_a_llama_chunk_decodes_in_the_step() -> None:
     m.setup_cache(2, 16)
     if not transformer._step.PREFERRED:
         pytest.skip("the compiled step is not built here")
-    assert m.decode_route() == {"blocks": "step", "head": "step"}
-    assert model(LLAMA, layers=(1, 2), embedding=False, head=False).decode_route() == {
+    assert route_of(m) == {"blocks": "step", "head": "step"}
+    assert route_of(model(LLAMA, layers=(1, 2), embedding=False, head=False)) == {
         "blocks": "torch", "reason": "llama blocks: no KV cache set up"}
 
 
@@ -55,7 +55,7 @@ def test_the_twin_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(transformer, "_step", _pystep)
     m = model(LLAMA)
     m.setup_cache(1, 16)
-    route = m.decode_route()
+    route = route_of(m)
     assert route["blocks"] == route["head"] == "torch"
     assert "not built" in route["reason"]
 
@@ -66,9 +66,21 @@ def test_a_block_that_does_not_fit_is_named() -> None:
     block = m.layers["1"]
     block.attn.cache.k = block.attn.cache.k.transpose(2, 3)  # not contiguous: refused
     m._steps = None
-    route = m.decode_route()
+    route = route_of(m)
     assert route["blocks"] == "torch"
     assert route["reason"].startswith("llama block 1: ")
+
+
+def test_a_norm_of_another_eps_is_named() -> None:
+    if not transformer._step.PREFERRED:
+        pytest.skip("the compiled step is not built here")
+    m = model(LLAMA.replace(model_type="qwen3", head_dim=8))
+    m.setup_cache(1, 16)
+    assert route_of(m)["blocks"] == "step"
+    m.layers["0"].attn.q_norm.eps = 1e-3
+    m._steps = None
+    assert route_of(m)["reason"] == "qwen3 block 0: norms of eps [1e-05, 0.001] beside " \
+        "the block's 1e-05"
 
 
 @pytest.mark.parametrize("routes, joined", [

@@ -274,7 +274,6 @@ class Block(nn.Module):
                        window=getattr(attn, "window", 0) or 0)
         return options if options["activation"] in ACTIVATIONS else None
 
-
     def step_refusal(self) -> str:
         """Why ``step_weights`` gives None for this block, in a few words."""
         attn, mlp = self.attn, self.mlp
@@ -284,12 +283,18 @@ class Block(nn.Module):
             return "no KV cache"
         if not fused_with(attn.qkv, attn.wq) or not fused_with(mlp.gate_up, mlp.gate):
             return "Q/K/V or gate/up are not fused"
-        if getattr(attn.wq, "bias", None) is not None:
-            return "Q/K/V biases"
         for name, held in (("qkv", attn.qkv), ("wo", attn.wo), ("gate_up", mlp.gate_up),
                            ("down", mlp.down)):
             if step_matrix(held) is None:
                 return f"matrix {name} ({_held_type(held)}) has no kernel in the step"
+        activation = getattr(mlp, "activation", "silu")
+        if activation not in ACTIVATIONS:
+            return f"activation {activation!r} is not one of the step's ({', '.join(ACTIVATIONS)})"
+        eps = {n.eps for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None),
+                               getattr(self, "post_attn_norm", None),
+                               getattr(self, "post_mlp_norm", None)) if n is not None}
+        if eps - {self.attn_norm.eps}:
+            return f"norms of eps {sorted(eps)} beside the block's {self.attn_norm.eps}"
         return "a tensor is not contiguous float32 on the CPU"
 
 

@@ -42,7 +42,8 @@ def _blocks_refusal(model: Any, step: Any) -> Optional[str]:
     if why is not None:
         return f"{family} blocks {why}"
     if not model.family.step_blocks:
-        return f"the compiled step does not run {family} blocks"
+        kind = " (mixture-of-experts blocks decode in torch)" if model.family.moe else ""
+        return f"the compiled step does not run {family} blocks{kind}"
     if model.n_slots == 0:
         return f"{family} blocks: no KV cache set up"
     if model._step_weights():

@@ -249,10 +249,6 @@ class Transformer(nn.Module):
             self._plans = {}
         return self._steps
 
-    def decode_route(self) -> Dict[str, str]:
-        """How a decode step runs here (``mdiedge.model.decoderoute``)."""
-        return decode_route(self, _step)
-
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "Transformer":
         self._steps = None  # tensors moved or converted
         return super()._apply(fn, *args, **kwargs)
@@ -366,3 +362,9 @@ def rope_and_mask(x: Tensor, positions: Sequence[int], tables: Tuple[Tensor, Ten
     if window:
         mask &= key_pos > query_pos[..., None] - window
     return cos, sin, mask.unsqueeze(1)  # (B, 1, T, L)
+
+
+def route_of(model: Transformer) -> Dict[str, str]:
+    """How a decode step of ``model`` runs here (``mdiedge.model.decoderoute``), with the step
+    this process selected."""
+    return decode_route(model, _step)

@@ -257,7 +257,7 @@ class NodeStatus:
     setup: Optional[str] = None  # a starter: what setting up its ring waits for now
     threads: int = 0  # compute threads
     code: Dict[str, Any] = field(default_factory=dict)  # accel.running_code(): what it runs
-    decode: Dict[str, str] = field(default_factory=dict)  # Transformer.decode_route()
+    decode: Dict[str, str] = field(default_factory=dict)  # transformer.route_of(): step or torch
     file_reads: Dict[str, int] = field(default_factory=dict)  # modelfile.reads(): GGUF
     #     headers parsed and model contents hashed by the node's process
 

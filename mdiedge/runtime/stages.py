@@ -21,6 +21,7 @@ from . import messages
 from .messages import Message
 from .slots import SlotTable
 from ..model.exits import ExitPolicy, ExitStep
+from ..model.transformer import route_of
 from ..base.errors import RingError
 
 
@@ -81,7 +82,7 @@ class LocalStage:
         self.trim_prefill = trim_prefill
         self.n_slots, self.context = n_slots, context
         model.setup_cache(n_slots, context)
-        self.decode_route = model.decode_route()
+        self.decode_route = route_of(model)
         if "reason" in self.decode_route and self.device.type == "cpu":
             log.warning("decode of blocks [%d, %d) runs in torch, not the compiled step: %s",
                         model.first, model.last, self.decode_route["reason"])

@@ -21,9 +21,11 @@ class Family:
     Names map our parameter names (``layers.{i}.`` stripped for a block's) to the checkpoint's
     (``model.layers.{i}.`` stripped for Hugging Face, ``blk.{i}.`` for GGUF); ``{e}`` in a
     name stands for each expert's index. ``step_blocks`` and ``step_head`` declare what the
-    compiled step computes exactly as this family does: its block (RMSNorm, bias-free GQA
-    with rotate-half RoPE, SwiGLU) and its head (RMSNorm, then a bias-free product). Where
-    False, the model runs that part in torch, whatever the shapes.
+    compiled step computes exactly as this family does: its dense block (RMSNorm, GQA with
+    rotate-half RoPE, a gated feed-forward, and the optional parts of ``_stepspec.
+    BlockWeights`` the fields below declare) and its head (RMSNorm, then a bias-free
+    product). Where False, the model runs that part in torch, whatever the shapes, and says
+    so (``mdiedge.model.decoderoute``).
 
     The block's arithmetic beyond Llama's is declared by the fields after them; what a
     config decides (sliding layers, RoPE bases, the attention scale) is in ``ModelConfig``,

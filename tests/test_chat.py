@@ -142,3 +142,17 @@ def test_one_message_streams_in_a_terminal() -> None:
     assert child.exitstatus == 130, child.before
     lines = [line.replace("^C", "") for line in (shown + child.before).split("\r\n")]
     assert lines[-2:] == ["mdiedge: error: interrupted", ""], lines[-3:]
+
+
+def test_the_default_template_ends_an_answer_at_the_next_role() -> None:
+    """A model without a chat template of its own (a base model such as Gemma 3 270M) goes
+    on to write the next turn: under the default template an answer ends at a role's line;
+    a model's own template ends answers with its own tokens, so it adds no stop."""
+    from mdiedge.serving.api.chat import ChatTemplate
+    from mdiedge.serving.api.schema import ChatMessage
+
+    default = ChatTemplate()
+    assert default.stops == ("\nUSER:", "\nASSISTANT:", "\nSYSTEM:")
+    assert ChatTemplate("{{ messages[0]['content'] }}").stops == ()
+    prompt = default.render([ChatMessage("user", "hi")])
+    assert prompt.endswith("USER:\nhi\n\nASSISTANT:\n")

@@ -136,13 +136,14 @@ class ChatSession:
         from ..model.stopping import TextStream
 
         request = self.prompt(user)
-        shown = TextStream(self.engine.tokenizer, request.ids, ())
+        stops = self.template.stops
+        shown = TextStream(self.engine.tokenizer, request.ids, stops)
 
         def on_token(index: int, token: int) -> None:
             write_text(shown.push(token))
 
         generation = self.engine.new_generation(request, self.budget, 1, self.params,
-                                                on_token)
+                                                on_token, stops)
         interrupted = _run_interruptibly(self.engine, generation)
         text = self.engine.sample_text(generation.samples[0])
         write_text(shown.finish(text) + "\n")

@@ -35,6 +35,9 @@ DEFAULT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}ASSISTANT:\n{% endif %}")
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# where an answer under the default template ends: a role's line (a model without a chat
+# template of its own, such as a base model, would go on to write the next turn)
+DEFAULT_STOPS = ("\nUSER:", "\nASSISTANT:", "\nSYSTEM:")
 
 
 def _raise_exception(message: str) -> None:
@@ -75,6 +78,7 @@ class ChatTemplate:
 
         self.source = source or DEFAULT_TEMPLATE
         self.is_default = source is None
+        self.stops = DEFAULT_STOPS if self.is_default else ()
         self.tokens = dict(tokens, bos_token=bos_token, eos_token=eos_token)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=[jinja2.ext.loopcontrols])

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from . import _pyquant
-from ._stepspec import (MAX_PARTS, MAX_ROWS, BlockWeights, Limits, QuantMatrix,  # noqa: F401
-                        StackedMatrix, check, check_call, check_logits, logits_usable, usable)
+from ._stepspec import (ACTIVATIONS, MAX_PARTS, MAX_ROWS, BlockWeights,  # noqa: F401
+                        Limits, QuantMatrix, StackedMatrix, check, check_call, check_logits,
+                        logits_usable, usable)
 from .layers import apply_rope, rms_norm
 
 # Row by row in torch operations this is no faster than the model's own batched torch path,

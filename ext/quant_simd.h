@@ -177,39 +177,73 @@ QS_ALWAYS void QS(qs_##T)(const uint8_t *w, const float *x, const float *xs, ptr
 QS_TWO_CHAINS_MIN(q4_1, 20)
 QS_TWO_CHAINS_MIN(q5_1, 24)
 
+/* Sixteen 6-bit values packed as Q4_K's and Q5_K's scales (ggml's get_scale_min_k4, four
+   bytes at a time as ggml's vec_dot does it): the eight scales times d and the eight mins
+   times dmin, each as eight lanes. */
+QS_ALWAYS void QS(qs_scales_k4)(const uint8_t *blk, qs_f8 *scale, qs_f8 *minimum) {
+    uint64_t u01;
+    uint32_t u2;
+    memcpy(&u01, blk + 4, 8);
+    memcpy(&u2, blk + 12, 4);
+    uint32_t u0 = (uint32_t)u01, u1 = (uint32_t)(u01 >> 32);
+    uint64_t scales = (u0 & 0x3f3f3f3fu)
+        | (uint64_t)((u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4)) << 32;
+    uint64_t mins = (u1 & 0x3f3f3f3fu)
+        | (uint64_t)(((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4)) << 32;
+    uint8_t bytes[16];
+    memcpy(bytes, &scales, 8);
+    memcpy(bytes + 8, &mins, 8);
+    qs_f4 dm = QS_HALF2(blk);
+    *scale = QS(qs_splat)(dm[0]) * QS(qs_f)(QS(qs_bu)(bytes));
+    *minimum = QS(qs_splat)(dm[1]) * QS(qs_f)(QS(qs_bu)(bytes + 8));
+}
+
+/* v kept in memory, its lanes to be read back as splats: the empty asm keeps the store
+   (GCC otherwise splats each lane from the register with two shuffles, where a broadcast
+   load costs none). */
+#define QS_IN_MEMORY(v) __asm__ volatile("" : "+m"(v))
+
+/* Four vectors of widened weights against 32 activations from xr as one chain of products
+   (four operations where qs_dot32's tree takes five). */
+QS_ATTR static inline qs_f8 QS(qs_chain32)(const qs_f8 *f, const float *xr) {
+    qs_f8 p = f[0] * QS(qs_x)(xr);
+    p += f[1] * QS(qs_x)(xr + 8);
+    p += f[2] * QS(qs_x)(xr + 16);
+    return p + f[3] * QS(qs_x)(xr + 24);
+}
+
 /* Q4_K {f16 d, dmin; uint8 scales[12]; uint8 qs[128]}: per 32 bytes of qs, the low nibbles
-   are sub-block 2c and the high ones 2c + 1; w = d sc q - dmin m. */
+   are sub-block 2c and the high ones 2c + 1; w = d sc q - dmin m. The eight mins of a block
+   times the eight sums of x under its sub-blocks are one vector product per row. */
 QS_ALWAYS void QS(qs_q4_k)(const uint8_t *w, const float *x, const float *xs, ptrdiff_t k,
                            float *s, int R) {
-    qs_f8 even[QM_GROUP] = {{0}}, odd[QM_GROUP] = {{0}};  /* two chains */
-    float mins[QM_GROUP] = {0};
+    qs_f8 even[QM_GROUP] = {{0}}, odd[QM_GROUP] = {{0}}, mins[QM_GROUP] = {{0}};
     ptrdiff_t nb = k / 32;
     for (ptrdiff_t b = 0; b < k / 256; b++) {
         const uint8_t *blk = w + b * 144;
-        float d = QS_HALF(blk), dmin = QS_HALF(blk + 2);
+        qs_f8 scale, minimum;
+        QS(qs_scales_k4)(blk, &scale, &minimum);
+        QS_IN_MEMORY(scale);
         for (int c = 0; c < 4; c++) {
-            int sc0, m0, sc1, m1;
-            qm_scale_min_k4(2 * c, blk + 4, &sc0, &m0);
-            qm_scale_min_k4(2 * c + 1, blk + 4, &sc1, &m1);
-            qs_f8 lo[4], hi[4], d0 = QS(qs_splat)(d * sc0), d1 = QS(qs_splat)(d * sc1);
+            qs_f8 lo[4], hi[4], d0 = QS(qs_splat)(scale[2 * c]);
+            qs_f8 d1 = QS(qs_splat)(scale[2 * c + 1]);
             for (int t = 0; t < 4; t++) {
                 qs_i32 q = QS(qs_bu)(blk + 16 + 32 * c + 8 * t);
                 lo[t] = QS(qs_f)(q & 15);
                 hi[t] = QS(qs_f)(q >> 4);
             }
-            float dm0 = dmin * m0, dm1 = dmin * m1;
             QS_UNROLL
             for (int r = 0; r < R; r++) {
                 const float *xr = x + r * k + b * 256 + 64 * c;
-                even[r] += d0 * QS(qs_dot32)(lo, xr);
-                odd[r] += d1 * QS(qs_dot32)(hi, xr + 32);
-                const float *sr = xs + r * nb + b * 8 + 2 * c;
-                mins[r] -= dm0 * sr[0] + dm1 * sr[1];
+                even[r] += d0 * QS(qs_chain32)(lo, xr);
+                odd[r] += d1 * QS(qs_chain32)(hi, xr + 32);
             }
         }
+        QS_UNROLL
+        for (int r = 0; r < R; r++) mins[r] += minimum * QS(qs_x)(xs + r * nb + b * 8);
     }
     QS_UNROLL
-    for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(even[r] + odd[r]) + mins[r];
+    for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(even[r] + odd[r]) - QS(qs_lanes)(mins[r]);
 }
 
 /* Q6_K {uint8 ql[128], qh[64]; int8 scales[16]; f16 d}: per half of 128 weights and l < 32,

@@ -259,33 +259,46 @@ QS_ATTR static inline qs_u8 QS(qs_u8_load)(const uint8_t *p) {
     return v;
 }
 
+/* The 32 bytes of v shifted as sixteen 16-bit lanes (one instruction where a byte shift takes
+   several on AVX2; the caller masks off the bits that crossed from the neighbour byte). */
+typedef uint16_t qs_u16 __attribute__((vector_size(32)));
+QS_ATTR static inline qs_u8 QS(qs_shl16)(qs_u8 v, int n) { return (qs_u8)((qs_u16)v << n); }
+QS_ATTR static inline qs_u8 QS(qs_shr16)(qs_u8 v, int n) { return (qs_u8)((qs_u16)v >> n); }
+
 QS_ALWAYS void QS(qs_q6_k)(const uint8_t *w, const float *x, ptrdiff_t k, float *s, int R) {
     qs_f8 acc[2][QM_GROUP] = {{{0}}};  /* two chains: even and odd sixteens */
     uint8_t quants[4][32] __attribute__((aligned(32)));  /* a half's four quarters, q - 32 */
     for (ptrdiff_t b = 0; b < k / 256; b++) {
         const uint8_t *blk = w + b * 210;
-        float d = QS_HALF(blk + 208);
+        qs_f8 d = QS(qs_splat)(QS_HALF(blk + 208));
+        qs_f8 scale[2] = {d * QS(qs_f)(QS(qs_bs)(blk + 192)),
+                          d * QS(qs_f)(QS(qs_bs)(blk + 200))};  /* the sixteens' d sc */
+        QS_IN_MEMORY(scale);
         for (int half = 0; half < 2; half++) {
             const uint8_t *ql = blk + 64 * half, *qh = blk + 128 + 32 * half;
-            const int8_t *sc = (const int8_t *)(blk + 192) + 8 * half;
             qs_u8 a = QS(qs_u8_load)(ql), c = QS(qs_u8_load)(ql + 32), h = QS(qs_u8_load)(qh);
-            qs_u8 q[4] = {(a & 15) | ((h & 3) << 4), (c & 15) | ((h & 12) << 2),
-                          (a >> 4) | (h & 48), (c >> 4) | ((h & 192) >> 2)};
+            qs_u8 q[4] = {(a & 15) | (QS(qs_shl16)(h, 4) & 48), (c & 15) | (QS(qs_shl16)(h, 2) & 48),
+                          (QS(qs_shr16)(a, 4) & 15) | (h & 48),
+                          (QS(qs_shr16)(c, 4) & 15) | (QS(qs_shr16)(h, 2) & 48)};
             for (int quarter = 0; quarter < 4; quarter++) {
                 qs_u8 centered = q[quarter] - 32;  /* as int8: q - 32 */
                 memcpy(quants[quarter], &centered, 32);
             }
+            QS_IN_MEMORY(quants);  /* widened from there: one instruction per eight */
             for (int quarter = 0; quarter < 4; quarter++) {
                 const uint8_t *qq = quants[quarter];
                 qs_f8 f[4];
                 for (int t = 0; t < 4; t++) f[t] = QS(qs_f)(QS(qs_bs)(qq + 8 * t));
-                qs_f8 d0 = QS(qs_splat)(d * sc[2 * quarter]);
-                qs_f8 d1 = QS(qs_splat)(d * sc[2 * quarter + 1]);
+                qs_f8 d0 = QS(qs_splat)(scale[half][2 * quarter]);
+                qs_f8 d1 = QS(qs_splat)(scale[half][2 * quarter + 1]);
                 QS_UNROLL
                 for (int r = 0; r < R; r++) {
                     const float *xr = x + r * k + b * 256 + 128 * half + 32 * quarter;
-                    acc[0][r] += d0 * (f[0] * QS(qs_x)(xr) + f[1] * QS(qs_x)(xr + 8));
-                    acc[1][r] += d1 * (f[2] * QS(qs_x)(xr + 16) + f[3] * QS(qs_x)(xr + 24));
+                    qs_f8 p0 = f[0] * QS(qs_x)(xr), p1 = f[2] * QS(qs_x)(xr + 16);
+                    p0 += f[1] * QS(qs_x)(xr + 8);
+                    p1 += f[3] * QS(qs_x)(xr + 24);
+                    acc[0][r] += d0 * p0;
+                    acc[1][r] += d1 * p1;
                 }
             }
         }

@@ -33,6 +33,20 @@ QS_ATTR static inline qs_f8 QS(qs_dot32)(const qs_f8 *f, const float *xr) {
          + (f[2] * QS(qs_x)(xr + 16) + f[3] * QS(qs_x)(xr + 24));
 }
 
+/* Four vectors of widened weights against 32 activations from xr as one chain of products
+   (four operations where qs_dot32's tree takes five). */
+QS_ATTR static inline qs_f8 QS(qs_chain32)(const qs_f8 *f, const float *xr) {
+    qs_f8 p = f[0] * QS(qs_x)(xr);
+    p += f[1] * QS(qs_x)(xr + 8);
+    p += f[2] * QS(qs_x)(xr + 16);
+    return p + f[3] * QS(qs_x)(xr + 24);
+}
+
+/* v kept in memory, to be read back from there (its lanes as splats, its bytes widened): the
+   empty asm keeps the store, where GCC would otherwise take lanes and bytes out of the
+   register with shuffles, two or three for each, where a load costs none. */
+#define QS_IN_MEMORY(v) __asm__ volatile("" : "+m"(v))
+
 #define QS_ALWAYS QS_ATTR static inline __attribute__((always_inline))
 /* Loops over the R <= QM_GROUP rows unrolled whole, so each row's accumulators stay in
    registers (GCC otherwise keeps an array of them in memory: a store and a load a block). */
@@ -46,7 +60,7 @@ QS_ALWAYS void QS(qs_blk_q8_0)(const uint8_t *blk, const float *x, ptrdiff_t k, 
     qs_f8 f[4], d = QS(qs_splat)(QS_HALF(blk));
     for (int t = 0; t < 4; t++) f[t] = QS(qs_f)(QS(qs_bs)(blk + 2 + 8 * t));
     QS_UNROLL
-    for (int r = 0; r < R; r++) acc[r] += d * QS(qs_dot32)(f, x + r * k);
+    for (int r = 0; r < R; r++) acc[r] += d * QS(qs_chain32)(f, x + r * k);
 }
 
 QS_ALWAYS void QS(qs_blk_q4_0)(const uint8_t *blk, const float *x, ptrdiff_t k, qs_f8 *acc,
@@ -80,7 +94,8 @@ QS_ALWAYS void QS(qs_blk_q4_1)(const uint8_t *blk, const float *x, const float *
 /* A Q5_0 or Q5_1 block's 32 five-bit quants (less `offset`) as four vectors: assembled as 32
    bytes in two byte vectors (nibbles from the 16 bytes at qs; each of qh's four bytes spread
    over eight lanes by one byte shuffle, masked to its lane's bit and compared, giving 16 where
-   the fifth bit is set), then widened to floats from the registers. */
+   the fifth bit is set, or for offset 16 taking 16 off where it is clear), then widened to
+   floats from the registers. */
 QS_ALWAYS void QS(qs_five)(const uint8_t *qh_at, const uint8_t *qs, int offset, qs_f8 *f) {
     const qs_u8x16 spread_lo = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
     const qs_u8x16 spread_hi = {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
@@ -88,10 +103,16 @@ QS_ALWAYS void QS(qs_five)(const uint8_t *qh_at, const uint8_t *qs, int offset, 
     qs_u8x16 qh = {0}, q;
     memcpy(&qh, qh_at, 4);
     memcpy(&q, qs, 16);
-    qs_u8x16 lo = (qs_u8x16)((__builtin_shuffle(qh, spread_lo) & bit) == bit) & 16;
-    qs_u8x16 hi = (qs_u8x16)((__builtin_shuffle(qh, spread_hi) & bit) == bit) & 16;
-    qs_i8x16 first = (qs_i8x16)((q & 15) | lo) - (int8_t)offset;
-    qs_i8x16 second = (qs_i8x16)((q >> 4) | hi) - (int8_t)offset;
+    qs_u8x16 lo = (qs_u8x16)((__builtin_shuffle(qh, spread_lo) & bit) == bit);
+    qs_u8x16 hi = (qs_u8x16)((__builtin_shuffle(qh, spread_hi) & bit) == bit);
+    qs_i8x16 first, second;
+    if (offset == 16) {  /* q - 16: the low bits less 16 where the fifth bit is clear */
+        first = (qs_i8x16)((q & 15) - (~lo & 16));
+        second = (qs_i8x16)((q >> 4) - (~hi & 16));
+    } else {
+        first = (qs_i8x16)((q & 15) | (lo & 16)) - (int8_t)offset;
+        second = (qs_i8x16)((q >> 4) | (hi & 16)) - (int8_t)offset;
+    }
     QS_WIDEN16(first, f);
     QS_WIDEN16(second, f + 2);
 }
@@ -101,7 +122,7 @@ QS_ALWAYS void QS(qs_blk_q5_0)(const uint8_t *blk, const float *x, ptrdiff_t k, 
     qs_f8 f[4], d = QS(qs_splat)(QS_HALF(blk));
     QS(qs_five)(blk + 2, blk + 6, 16, f);
     QS_UNROLL
-    for (int r = 0; r < R; r++) acc[r] += d * QS(qs_dot32)(f, x + r * k);
+    for (int r = 0; r < R; r++) acc[r] += d * QS(qs_chain32)(f, x + r * k);
 }
 
 QS_ALWAYS void QS(qs_blk_q5_1)(const uint8_t *blk, const float *x, const float *xs,
@@ -196,20 +217,6 @@ QS_ALWAYS void QS(qs_scales_k4)(const uint8_t *blk, qs_f8 *scale, qs_f8 *minimum
     qs_f4 dm = QS_HALF2(blk);
     *scale = QS(qs_splat)(dm[0]) * QS(qs_f)(QS(qs_bu)(bytes));
     *minimum = QS(qs_splat)(dm[1]) * QS(qs_f)(QS(qs_bu)(bytes + 8));
-}
-
-/* v kept in memory, its lanes to be read back as splats: the empty asm keeps the store
-   (GCC otherwise splats each lane from the register with two shuffles, where a broadcast
-   load costs none). */
-#define QS_IN_MEMORY(v) __asm__ volatile("" : "+m"(v))
-
-/* Four vectors of widened weights against 32 activations from xr as one chain of products
-   (four operations where qs_dot32's tree takes five). */
-QS_ATTR static inline qs_f8 QS(qs_chain32)(const qs_f8 *f, const float *xr) {
-    qs_f8 p = f[0] * QS(qs_x)(xr);
-    p += f[1] * QS(qs_x)(xr + 8);
-    p += f[2] * QS(qs_x)(xr + 16);
-    return p + f[3] * QS(qs_x)(xr + 24);
 }
 
 /* Q4_K {f16 d, dmin; uint8 scales[12]; uint8 qs[128]}: per 32 bytes of qs, the low nibbles

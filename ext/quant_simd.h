@@ -256,8 +256,9 @@ QS_ALWAYS void QS(qs_q4_k)(const uint8_t *w, const float *x, const float *xs, pt
 /* Q6_K {uint8 ql[128], qh[64]; int8 scales[16]; f16 d}: per half of 128 weights and l < 32,
    weights l, l + 32, l + 64, l + 96 take ql[l] low, ql[l + 32] low, ql[l] high, ql[l + 32]
    high for their four low bits and successive bit pairs of qh[l] for the top two; one
-   scale per 16 weights. The 6-bit quants of a quarter (32 weights) are assembled 32 bytes at
-   a time and stored once, then widened eight at a time from there. */
+   scale per 16 weights, taken times d as vectors once per block. The 6-bit quants of a
+   quarter (32 weights) are assembled 32 bytes at a time, then widened from the registers
+   (from memory instead, a store and four loads, costs more: the loads wait on the store). */
 typedef uint8_t qs_u8 __attribute__((vector_size(32)));
 
 QS_ATTR static inline qs_u8 QS(qs_u8_load)(const uint8_t *p) {
@@ -274,7 +275,6 @@ QS_ATTR static inline qs_u8 QS(qs_shr16)(qs_u8 v, int n) { return (qs_u8)((qs_u1
 
 QS_ALWAYS void QS(qs_q6_k)(const uint8_t *w, const float *x, ptrdiff_t k, float *s, int R) {
     qs_f8 acc[2][QM_GROUP] = {{{0}}};  /* two chains: even and odd sixteens */
-    uint8_t quants[4][32] __attribute__((aligned(32)));  /* a half's four quarters, q - 32 */
     for (ptrdiff_t b = 0; b < k / 256; b++) {
         const uint8_t *blk = w + b * 210;
         qs_f8 d = QS(qs_splat)(QS_HALF(blk + 208));
@@ -284,18 +284,17 @@ QS_ALWAYS void QS(qs_q6_k)(const uint8_t *w, const float *x, ptrdiff_t k, float 
         for (int half = 0; half < 2; half++) {
             const uint8_t *ql = blk + 64 * half, *qh = blk + 128 + 32 * half;
             qs_u8 a = QS(qs_u8_load)(ql), c = QS(qs_u8_load)(ql + 32), h = QS(qs_u8_load)(qh);
-            qs_u8 q[4] = {(a & 15) | (QS(qs_shl16)(h, 4) & 48), (c & 15) | (QS(qs_shl16)(h, 2) & 48),
+            qs_u8 q[4] = {(a & 15) | (QS(qs_shl16)(h, 4) & 48),
+                          (c & 15) | (QS(qs_shl16)(h, 2) & 48),
                           (QS(qs_shr16)(a, 4) & 15) | (h & 48),
                           (QS(qs_shr16)(c, 4) & 15) | (QS(qs_shr16)(h, 2) & 48)};
             for (int quarter = 0; quarter < 4; quarter++) {
                 qs_u8 centered = q[quarter] - 32;  /* as int8: q - 32 */
-                memcpy(quants[quarter], &centered, 32);
-            }
-            QS_IN_MEMORY(quants);  /* widened from there: one instruction per eight */
-            for (int quarter = 0; quarter < 4; quarter++) {
-                const uint8_t *qq = quants[quarter];
+                qs_i8x16 halves[2];
+                memcpy(halves, &centered, 32);
                 qs_f8 f[4];
-                for (int t = 0; t < 4; t++) f[t] = QS(qs_f)(QS(qs_bs)(qq + 8 * t));
+                QS_WIDEN16(halves[0], f);
+                QS_WIDEN16(halves[1], f + 2);
                 qs_f8 d0 = QS(qs_splat)(scale[half][2 * quarter]);
                 qs_f8 d1 = QS(qs_splat)(scale[half][2 * quarter + 1]);
                 QS_UNROLL

@@ -42,9 +42,9 @@ QS_ATTR static inline qs_f8 QS(qs_chain32)(const qs_f8 *f, const float *xr) {
     return p + f[3] * QS(qs_x)(xr + 24);
 }
 
-/* v kept in memory, to be read back from there (its lanes as splats, its bytes widened): the
-   empty asm keeps the store, where GCC would otherwise take lanes and bytes out of the
-   register with shuffles, two or three for each, where a load costs none. */
+/* v kept in memory, its lanes to be read back as splats: the empty asm keeps the store (GCC
+   otherwise splats each lane from the register with two shuffles, where a broadcast load
+   costs none). */
 #define QS_IN_MEMORY(v) __asm__ volatile("" : "+m"(v))
 
 #define QS_ALWAYS QS_ATTR static inline __attribute__((always_inline))

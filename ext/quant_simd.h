@@ -33,6 +33,20 @@ QS_ATTR static inline qs_f8 QS(qs_dot32)(const qs_f8 *f, const float *xr) {
          + (f[2] * QS(qs_x)(xr + 16) + f[3] * QS(qs_x)(xr + 24));
 }
 
+/* Four vectors of widened weights against 32 activations from xr as one chain of products
+   (four operations where qs_dot32's tree takes five). */
+QS_ATTR static inline qs_f8 QS(qs_chain32)(const qs_f8 *f, const float *xr) {
+    qs_f8 p = f[0] * QS(qs_x)(xr);
+    p += f[1] * QS(qs_x)(xr + 8);
+    p += f[2] * QS(qs_x)(xr + 16);
+    return p + f[3] * QS(qs_x)(xr + 24);
+}
+
+/* v kept in memory, its lanes to be read back as splats: the empty asm keeps the store (GCC
+   otherwise splats each lane from the register with two shuffles, where a broadcast load
+   costs none). */
+#define QS_IN_MEMORY(v) __asm__ volatile("" : "+m"(v))
+
 #define QS_ALWAYS QS_ATTR static inline __attribute__((always_inline))
 /* Loops over the R <= QM_GROUP rows unrolled whole, so each row's accumulators stay in
    registers (GCC otherwise keeps an array of them in memory: a store and a load a block). */
@@ -46,7 +60,7 @@ QS_ALWAYS void QS(qs_blk_q8_0)(const uint8_t *blk, const float *x, ptrdiff_t k, 
     qs_f8 f[4], d = QS(qs_splat)(QS_HALF(blk));
     for (int t = 0; t < 4; t++) f[t] = QS(qs_f)(QS(qs_bs)(blk + 2 + 8 * t));
     QS_UNROLL
-    for (int r = 0; r < R; r++) acc[r] += d * QS(qs_dot32)(f, x + r * k);
+    for (int r = 0; r < R; r++) acc[r] += d * QS(qs_chain32)(f, x + r * k);
 }
 
 QS_ALWAYS void QS(qs_blk_q4_0)(const uint8_t *blk, const float *x, ptrdiff_t k, qs_f8 *acc,
@@ -80,7 +94,8 @@ QS_ALWAYS void QS(qs_blk_q4_1)(const uint8_t *blk, const float *x, const float *
 /* A Q5_0 or Q5_1 block's 32 five-bit quants (less `offset`) as four vectors: assembled as 32
    bytes in two byte vectors (nibbles from the 16 bytes at qs; each of qh's four bytes spread
    over eight lanes by one byte shuffle, masked to its lane's bit and compared, giving 16 where
-   the fifth bit is set), then widened to floats from the registers. */
+   the fifth bit is set, or for offset 16 taking 16 off where it is clear), then widened to
+   floats from the registers. */
 QS_ALWAYS void QS(qs_five)(const uint8_t *qh_at, const uint8_t *qs, int offset, qs_f8 *f) {
     const qs_u8x16 spread_lo = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
     const qs_u8x16 spread_hi = {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
@@ -88,10 +103,16 @@ QS_ALWAYS void QS(qs_five)(const uint8_t *qh_at, const uint8_t *qs, int offset, 
     qs_u8x16 qh = {0}, q;
     memcpy(&qh, qh_at, 4);
     memcpy(&q, qs, 16);
-    qs_u8x16 lo = (qs_u8x16)((__builtin_shuffle(qh, spread_lo) & bit) == bit) & 16;
-    qs_u8x16 hi = (qs_u8x16)((__builtin_shuffle(qh, spread_hi) & bit) == bit) & 16;
-    qs_i8x16 first = (qs_i8x16)((q & 15) | lo) - (int8_t)offset;
-    qs_i8x16 second = (qs_i8x16)((q >> 4) | hi) - (int8_t)offset;
+    qs_u8x16 lo = (qs_u8x16)((__builtin_shuffle(qh, spread_lo) & bit) == bit);
+    qs_u8x16 hi = (qs_u8x16)((__builtin_shuffle(qh, spread_hi) & bit) == bit);
+    qs_i8x16 first, second;
+    if (offset == 16) {  /* q - 16: the low bits less 16 where the fifth bit is clear */
+        first = (qs_i8x16)((q & 15) - (~lo & 16));
+        second = (qs_i8x16)((q >> 4) - (~hi & 16));
+    } else {
+        first = (qs_i8x16)((q & 15) | (lo & 16)) - (int8_t)offset;
+        second = (qs_i8x16)((q >> 4) | (hi & 16)) - (int8_t)offset;
+    }
     QS_WIDEN16(first, f);
     QS_WIDEN16(second, f + 2);
 }
@@ -101,7 +122,7 @@ QS_ALWAYS void QS(qs_blk_q5_0)(const uint8_t *blk, const float *x, ptrdiff_t k, 
     qs_f8 f[4], d = QS(qs_splat)(QS_HALF(blk));
     QS(qs_five)(blk + 2, blk + 6, 16, f);
     QS_UNROLL
-    for (int r = 0; r < R; r++) acc[r] += d * QS(qs_dot32)(f, x + r * k);
+    for (int r = 0; r < R; r++) acc[r] += d * QS(qs_chain32)(f, x + r * k);
 }
 
 QS_ALWAYS void QS(qs_blk_q5_1)(const uint8_t *blk, const float *x, const float *xs,
@@ -177,46 +198,67 @@ QS_ALWAYS void QS(qs_##T)(const uint8_t *w, const float *x, const float *xs, ptr
 QS_TWO_CHAINS_MIN(q4_1, 20)
 QS_TWO_CHAINS_MIN(q5_1, 24)
 
+/* Sixteen 6-bit values packed as Q4_K's and Q5_K's scales (ggml's get_scale_min_k4, four
+   bytes at a time as ggml's vec_dot does it): the eight scales times d and the eight mins
+   times dmin, each as eight lanes. */
+QS_ALWAYS void QS(qs_scales_k4)(const uint8_t *blk, qs_f8 *scale, qs_f8 *minimum) {
+    uint64_t u01;
+    uint32_t u2;
+    memcpy(&u01, blk + 4, 8);
+    memcpy(&u2, blk + 12, 4);
+    uint32_t u0 = (uint32_t)u01, u1 = (uint32_t)(u01 >> 32);
+    uint64_t scales = (u0 & 0x3f3f3f3fu)
+        | (uint64_t)((u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4)) << 32;
+    uint64_t mins = (u1 & 0x3f3f3f3fu)
+        | (uint64_t)(((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4)) << 32;
+    uint8_t bytes[16];
+    memcpy(bytes, &scales, 8);
+    memcpy(bytes + 8, &mins, 8);
+    qs_f4 dm = QS_HALF2(blk);
+    *scale = QS(qs_splat)(dm[0]) * QS(qs_f)(QS(qs_bu)(bytes));
+    *minimum = QS(qs_splat)(dm[1]) * QS(qs_f)(QS(qs_bu)(bytes + 8));
+}
+
 /* Q4_K {f16 d, dmin; uint8 scales[12]; uint8 qs[128]}: per 32 bytes of qs, the low nibbles
-   are sub-block 2c and the high ones 2c + 1; w = d sc q - dmin m. */
+   are sub-block 2c and the high ones 2c + 1; w = d sc q - dmin m. The eight mins of a block
+   times the eight sums of x under its sub-blocks are one vector product per row. */
 QS_ALWAYS void QS(qs_q4_k)(const uint8_t *w, const float *x, const float *xs, ptrdiff_t k,
                            float *s, int R) {
-    qs_f8 even[QM_GROUP] = {{0}}, odd[QM_GROUP] = {{0}};  /* two chains */
-    float mins[QM_GROUP] = {0};
+    qs_f8 even[QM_GROUP] = {{0}}, odd[QM_GROUP] = {{0}}, mins[QM_GROUP] = {{0}};
     ptrdiff_t nb = k / 32;
     for (ptrdiff_t b = 0; b < k / 256; b++) {
         const uint8_t *blk = w + b * 144;
-        float d = QS_HALF(blk), dmin = QS_HALF(blk + 2);
+        qs_f8 scale, minimum;
+        QS(qs_scales_k4)(blk, &scale, &minimum);
+        QS_IN_MEMORY(scale);
         for (int c = 0; c < 4; c++) {
-            int sc0, m0, sc1, m1;
-            qm_scale_min_k4(2 * c, blk + 4, &sc0, &m0);
-            qm_scale_min_k4(2 * c + 1, blk + 4, &sc1, &m1);
-            qs_f8 lo[4], hi[4], d0 = QS(qs_splat)(d * sc0), d1 = QS(qs_splat)(d * sc1);
+            qs_f8 lo[4], hi[4], d0 = QS(qs_splat)(scale[2 * c]);
+            qs_f8 d1 = QS(qs_splat)(scale[2 * c + 1]);
             for (int t = 0; t < 4; t++) {
                 qs_i32 q = QS(qs_bu)(blk + 16 + 32 * c + 8 * t);
                 lo[t] = QS(qs_f)(q & 15);
                 hi[t] = QS(qs_f)(q >> 4);
             }
-            float dm0 = dmin * m0, dm1 = dmin * m1;
             QS_UNROLL
             for (int r = 0; r < R; r++) {
                 const float *xr = x + r * k + b * 256 + 64 * c;
-                even[r] += d0 * QS(qs_dot32)(lo, xr);
-                odd[r] += d1 * QS(qs_dot32)(hi, xr + 32);
-                const float *sr = xs + r * nb + b * 8 + 2 * c;
-                mins[r] -= dm0 * sr[0] + dm1 * sr[1];
+                even[r] += d0 * QS(qs_chain32)(lo, xr);
+                odd[r] += d1 * QS(qs_chain32)(hi, xr + 32);
             }
         }
+        QS_UNROLL
+        for (int r = 0; r < R; r++) mins[r] += minimum * QS(qs_x)(xs + r * nb + b * 8);
     }
     QS_UNROLL
-    for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(even[r] + odd[r]) + mins[r];
+    for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(even[r] + odd[r]) - QS(qs_lanes)(mins[r]);
 }
 
 /* Q6_K {uint8 ql[128], qh[64]; int8 scales[16]; f16 d}: per half of 128 weights and l < 32,
    weights l, l + 32, l + 64, l + 96 take ql[l] low, ql[l + 32] low, ql[l] high, ql[l + 32]
    high for their four low bits and successive bit pairs of qh[l] for the top two; one
-   scale per 16 weights. The 6-bit quants of a quarter (32 weights) are assembled 32 bytes at
-   a time and stored once, then widened eight at a time from there. */
+   scale per 16 weights, taken times d as vectors once per block. The 6-bit quants of a
+   quarter (32 weights) are assembled 32 bytes at a time, then widened from the registers
+   (from memory instead, a store and four loads, costs more: the loads wait on the store). */
 typedef uint8_t qs_u8 __attribute__((vector_size(32)));
 
 QS_ATTR static inline qs_u8 QS(qs_u8_load)(const uint8_t *p) {
@@ -225,33 +267,44 @@ QS_ATTR static inline qs_u8 QS(qs_u8_load)(const uint8_t *p) {
     return v;
 }
 
+/* The 32 bytes of v shifted as sixteen 16-bit lanes (one instruction where a byte shift takes
+   several on AVX2; the caller masks off the bits that crossed from the neighbour byte). */
+typedef uint16_t qs_u16 __attribute__((vector_size(32)));
+QS_ATTR static inline qs_u8 QS(qs_shl16)(qs_u8 v, int n) { return (qs_u8)((qs_u16)v << n); }
+QS_ATTR static inline qs_u8 QS(qs_shr16)(qs_u8 v, int n) { return (qs_u8)((qs_u16)v >> n); }
+
 QS_ALWAYS void QS(qs_q6_k)(const uint8_t *w, const float *x, ptrdiff_t k, float *s, int R) {
     qs_f8 acc[2][QM_GROUP] = {{{0}}};  /* two chains: even and odd sixteens */
-    uint8_t quants[4][32] __attribute__((aligned(32)));  /* a half's four quarters, q - 32 */
     for (ptrdiff_t b = 0; b < k / 256; b++) {
         const uint8_t *blk = w + b * 210;
-        float d = QS_HALF(blk + 208);
+        qs_f8 d = QS(qs_splat)(QS_HALF(blk + 208));
+        qs_f8 scale[2] = {d * QS(qs_f)(QS(qs_bs)(blk + 192)),
+                          d * QS(qs_f)(QS(qs_bs)(blk + 200))};  /* the sixteens' d sc */
+        QS_IN_MEMORY(scale);
         for (int half = 0; half < 2; half++) {
             const uint8_t *ql = blk + 64 * half, *qh = blk + 128 + 32 * half;
-            const int8_t *sc = (const int8_t *)(blk + 192) + 8 * half;
             qs_u8 a = QS(qs_u8_load)(ql), c = QS(qs_u8_load)(ql + 32), h = QS(qs_u8_load)(qh);
-            qs_u8 q[4] = {(a & 15) | ((h & 3) << 4), (c & 15) | ((h & 12) << 2),
-                          (a >> 4) | (h & 48), (c >> 4) | ((h & 192) >> 2)};
+            qs_u8 q[4] = {(a & 15) | (QS(qs_shl16)(h, 4) & 48),
+                          (c & 15) | (QS(qs_shl16)(h, 2) & 48),
+                          (QS(qs_shr16)(a, 4) & 15) | (h & 48),
+                          (QS(qs_shr16)(c, 4) & 15) | (QS(qs_shr16)(h, 2) & 48)};
             for (int quarter = 0; quarter < 4; quarter++) {
                 qs_u8 centered = q[quarter] - 32;  /* as int8: q - 32 */
-                memcpy(quants[quarter], &centered, 32);
-            }
-            for (int quarter = 0; quarter < 4; quarter++) {
-                const uint8_t *qq = quants[quarter];
+                qs_i8x16 halves[2];
+                memcpy(halves, &centered, 32);
                 qs_f8 f[4];
-                for (int t = 0; t < 4; t++) f[t] = QS(qs_f)(QS(qs_bs)(qq + 8 * t));
-                qs_f8 d0 = QS(qs_splat)(d * sc[2 * quarter]);
-                qs_f8 d1 = QS(qs_splat)(d * sc[2 * quarter + 1]);
+                QS_WIDEN16(halves[0], f);
+                QS_WIDEN16(halves[1], f + 2);
+                qs_f8 d0 = QS(qs_splat)(scale[half][2 * quarter]);
+                qs_f8 d1 = QS(qs_splat)(scale[half][2 * quarter + 1]);
                 QS_UNROLL
                 for (int r = 0; r < R; r++) {
                     const float *xr = x + r * k + b * 256 + 128 * half + 32 * quarter;
-                    acc[0][r] += d0 * (f[0] * QS(qs_x)(xr) + f[1] * QS(qs_x)(xr + 8));
-                    acc[1][r] += d1 * (f[2] * QS(qs_x)(xr + 16) + f[3] * QS(qs_x)(xr + 24));
+                    qs_f8 p0 = f[0] * QS(qs_x)(xr), p1 = f[2] * QS(qs_x)(xr + 16);
+                    p0 += f[1] * QS(qs_x)(xr + 8);
+                    p1 += f[3] * QS(qs_x)(xr + 24);
+                    acc[0][r] += d0 * p0;
+                    acc[1][r] += d1 * p1;
                 }
             }
         }

@@ -1,7 +1,8 @@
 """What both implementations of the compiled decode step (``ext/_cstep.pyx`` and
 ``mdiedge/model/_pystep.py``) accept: ``block(weights, x, out, slots, positions, threads)``
-runs one dense decoder block for ``x`` (rows, dim), one new token per row, row ``r`` in KV
-slot ``slots[r]`` at position ``positions[r]``, writes the block's output to ``out`` (rows,
+runs one decoder block (dense, or with a mixture of experts: ``Experts``) for ``x`` (rows,
+dim), one new token per row, row ``r`` in KV slot ``slots[r]`` at position ``positions[r]``,
+writes the block's output to ``out`` (rows,
 dim) and the rows' keys and values into the cache; ``blocks(plan(weights), x, out, …)``
 runs consecutive blocks in one call, ``plan`` made once for them; ``logits(norm, eps, head,
 x, out, threads)`` writes the final RMSNorm and the head product of ``x`` (rows, dim) to
@@ -177,7 +178,7 @@ def _acceptable(name: str, t: Any) -> bool:
 
 
 class BlockWeights:
-    """One dense block's tensors as the step reads them, checked once when made (shapes,
+    """One block's tensors as the step reads them, checked once when made (shapes,
     float32, CPU, contiguous; ``ValueError`` quoting what is not) and frozen after.
 
     attn_norm, mlp_norm (dim,); qkv (q_dim + 2 kv_dim, dim), Q, K and V fused; wo (dim,

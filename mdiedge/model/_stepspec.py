@@ -2,8 +2,8 @@
 ``mdiedge/model/_pystep.py``) accept: ``block(weights, x, out, slots, positions, threads)``
 runs one decoder block (dense, or with a mixture of experts: ``Experts``) for ``x`` (rows,
 dim), one new token per row, row ``r`` in KV slot ``slots[r]`` at position ``positions[r]``,
-writes the block's output to ``out`` (rows,
-dim) and the rows' keys and values into the cache; ``blocks(plan(weights), x, out, …)``
+writes the block's output to ``out`` (rows, dim) and the rows' keys and values into the
+cache; ``blocks(plan(weights), x, out, …)``
 runs consecutive blocks in one call, ``plan`` made once for them; ``logits(norm, eps, head,
 x, out, threads)`` writes the final RMSNorm and the head product of ``x`` (rows, dim) to
 ``out`` (rows, vocab) in one call (``logits_usable``, ``check_logits``). Everything is

@@ -11,8 +11,9 @@ from libc.stdlib cimport free, malloc
 
 from mdiedge.model.quant import check_compiled as _check_compiled
 from mdiedge.model._stepspec import (ACTIVATIONS, MAX_PARTS, MAX_ROWS,  # noqa: F401
-                                     BlockWeights, Experts, Limits, QuantMatrix, StackedMatrix, check,
-                                     check_call, check_logits, logits_usable, usable)
+                                     BlockWeights, Experts, Limits, QuantMatrix,
+                                     StackedMatrix, check, check_call, check_logits,
+                                     logits_usable, usable)
 
 PREFERRED = True  # the model decodes through it (see the twin's)
 

@@ -145,7 +145,8 @@ def test_a_quantized_gguf_mixtral_decodes_its_experts_where_the_file_holds_them(
     gates = [m.parts[0].data for m in experts.gate_up]
     stride = gates[0].numel()
     assert [g.data_ptr() - gates[0].data_ptr() for g in gates] == [e * stride for e in range(4)]
-    assert experts.down[1].data.data_ptr() == model.layers["0"].mlp.experts[1].down.qweight.data_ptr()
+    held = model.layers["0"].mlp.experts[1].down.qweight
+    assert experts.down[1].data.data_ptr() == held.data_ptr()
     prompt = torch.tensor([[1, 5, 9, 30, 77, 4]])
     tokens = {}
     for name, step in (("step", transformer_module._step), ("torch", TorchPath)):

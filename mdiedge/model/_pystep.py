@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from . import _pyquant
 from ._stepspec import (MAX_PARTS, MAX_ROWS, BlockWeights, Experts, Limits,  # noqa: F401
-                        QuantMatrix, StackedMatrix, check, check_call, check_logits, logits_usable, usable)
+                        QuantMatrix, StackedMatrix, check, check_call, check_logits,
+                        logits_usable, usable)
 from .layers import apply_rope, rms_norm
 
 # Row by row in torch operations this is no faster than the model's own batched torch path,

@@ -3,15 +3,17 @@
 ``mdiedge/model/_stepspec.py``). The kernel is ``ext/step.h``: a whole dense block for 1..8
 rows in one call with the GIL released, its products ``ext/matvec.h``'s (float32 matrices) or
 ``ext/quant.h``'s (a ``QuantMatrix``, or a ``StackedMatrix`` of them), with the optional
-parts of ``BlockWeights`` (bias, Q/K norms, sandwich norms, GeGLU, scale, window); a
+parts of ``BlockWeights`` (bias, Q/K norms, sandwich norms, GeGLU, scale, window, a
+mixture of experts: ``ext/step_moe.h``); a
 ``Plan`` holds consecutive blocks' pointers, made once, so ``blocks`` runs them all in one
 call; ``logits`` is the final norm and the head product in one call."""
 from libc.stdlib cimport free, malloc
 
 from mdiedge.model.quant import check_compiled as _check_compiled
 from mdiedge.model._stepspec import (ACTIVATIONS, MAX_PARTS, MAX_ROWS,  # noqa: F401
-                                     BlockWeights, Limits, QuantMatrix, StackedMatrix, check,
-                                     check_call, check_logits, logits_usable, usable)
+                                     BlockWeights, Experts, Limits, QuantMatrix,
+                                     StackedMatrix, check, check_call, check_logits,
+                                     logits_usable, usable)
 
 PREFERRED = True  # the model decodes through it (see the twin's)
 
@@ -44,6 +46,12 @@ cdef extern from "step.h" nogil:
         int activation
         float attn_scale
         Py_ssize_t window
+        Py_ssize_t n_experts, top_k
+        int renormalize
+        st_matrix router
+        const st_matrix *expert_gate_up
+        const st_matrix *expert_down
+        long long *expert_counts
     int st_block_step(const st_block *b, const float *x, float *out, int R,
                       const long long *slots, const long long *pos, int threads)
     int st_blocks_step(const st_block *bs, int n, const float *x, float *out, int R,
@@ -89,12 +97,39 @@ cdef void _fill_matrix(st_matrix *m, matrix) except *:
         m.w[p], m.t[p], m.n[p] = _matrix(part), _type(part), part.shape[0]
 
 
-cdef void _fill(st_block *b, weights) except *:
+cdef Py_ssize_t _expert_matrices(weights):
+    """The st_matrix entries the block's experts take (two per expert; 0 for a dense block)."""
+    return 0 if weights.experts is None else 2 * weights.experts.n_experts
+
+
+cdef void _fill_experts(st_block *b, experts, st_matrix *room) except *:
+    """b's mixture of experts (none where ``experts`` is None), its matrices' entries in
+    ``room`` (``_expert_matrices``)."""
+    b.n_experts, b.top_k, b.renormalize, b.expert_counts = 0, 0, 0, NULL
+    b.expert_gate_up = b.expert_down = NULL
+    if experts is None:
+        return
+    cdef Py_ssize_t n = experts.n_experts
+    b.n_experts, b.top_k, b.renormalize = n, experts.top_k, experts.renormalize
+    _fill_matrix(&b.router, experts.router)
+    for e in range(n):
+        _fill_matrix(&room[e], experts.gate_up[e])
+        _fill_matrix(&room[n + e], experts.down[e])
+    b.expert_gate_up = room
+    b.expert_down = room + n
+    if experts.counts is not None:
+        b.expert_counts = <long long *><size_t>experts.counts.data_ptr()
+
+
+cdef void _fill(st_block *b, weights, st_matrix *room) except *:
     b.attn_norm, b.mlp_norm = _ptr(weights.attn_norm), _ptr(weights.mlp_norm)
     _fill_matrix(&b.qkv, weights.qkv)
     _fill_matrix(&b.wo, weights.wo)
-    _fill_matrix(&b.gate_up, weights.gate_up)
-    _fill_matrix(&b.down, weights.down)
+    b.gate_up.parts = b.down.parts = 0
+    if weights.experts is None:
+        _fill_matrix(&b.gate_up, weights.gate_up)
+        _fill_matrix(&b.down, weights.down)
+    _fill_experts(b, weights.experts, room)
     b.cos, b.sin = _ptr(weights.cos), _ptr(weights.sin)
     b.k, b.v = <float *>_ptr(weights.k), <float *>_ptr(weights.v)
     b.n_slots, b.n_kv, b.max_seq = weights.n_slots, weights.n_kv, weights.k.shape[2]
@@ -111,8 +146,9 @@ cdef void _fill(st_block *b, weights) except *:
 
 cdef class Plan:
     """Consecutive blocks to run in one call: their ``BlockWeights`` (kept, so the tensors
-    live as long as the pointers) and the pointers."""
+    live as long as the pointers) and the pointers, their experts' matrices in ``room``."""
     cdef st_block *bs
+    cdef st_matrix *room
     cdef int n
     cdef readonly object weights, limits
 
@@ -120,14 +156,18 @@ cdef class Plan:
         self.limits = Limits(weights)
         self.weights = list(weights)
         self.n = len(self.weights)
+        cdef Py_ssize_t entries = sum(_expert_matrices(w) for w in self.weights), at = 0
         self.bs = <st_block *>malloc(self.n * sizeof(st_block))
-        if self.bs == NULL:
+        self.room = <st_matrix *>malloc((entries + 1) * sizeof(st_matrix))
+        if self.bs == NULL or self.room == NULL:
             raise MemoryError(f"a plan of {self.n} blocks: no memory")
         for i in range(self.n):
-            _fill(&self.bs[i], self.weights[i])
+            _fill(&self.bs[i], self.weights[i], self.room + at)
+            at += _expert_matrices(self.weights[i])
 
     def __dealloc__(self):
         free(self.bs)
+        free(self.room)
 
 
 def plan(weights):
@@ -165,11 +205,18 @@ def block(weights, x, out, slots, positions, int threads):
     cdef long long c_pos[8]
     cdef int rows = x.shape[0], status
     _rows(slots, positions, c_slots, c_pos, rows)
-    _fill(&b, weights)
+    cdef st_matrix *room = <st_matrix *>malloc((_expert_matrices(weights) + 1)
+                                               * sizeof(st_matrix))
+    if room == NULL:
+        raise MemoryError("a block's experts: no memory")
     cdef const float *xp = _ptr(x)
     cdef float *op = <float *>_ptr(out)
-    with nogil:
-        status = st_block_step(&b, xp, op, rows, c_slots, c_pos, threads)
+    try:
+        _fill(&b, weights, room)
+        with nogil:
+            status = st_block_step(&b, xp, op, rows, c_slots, c_pos, threads)
+    finally:
+        free(room)
     if status != 0:
         raise MemoryError(f"decode step of {rows} rows: no scratch memory")
 

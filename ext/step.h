@@ -6,7 +6,8 @@
  * the KV cache write, grouped-query attention over the row's cache, output product and
  * residual, RMSNorm, fused gate/up product, SwiGLU, down product and residual; and where a
  * family has them, the Q/K/V bias, per-head Q and K norms, sandwich norms, GeGLU, another
- * attention scale and a sliding window: st_block's optional parts) is one call
+ * attention scale and a sliding window, a mixture of experts in place of the feed-forward
+(step_moe.h): st_block's optional parts) is one call
  * with the GIL released, and a node's consecutive blocks run in one call and one OpenMP
  * parallel region (st_blocks_step) with six barriers per block. The products are matvec.h's
  * few-row kernel; attention sums eight keys' dot products at once and takes their exp eight
@@ -57,7 +58,11 @@ typedef struct {
    and of K, after the bias and before RoPE; "sandwich" norms (dim) of the attention's and
    the feed-forward's outputs before each is added to x; attn_scale, the scores' factor (0:
    1 / sqrt(head_dim)); window, the keys a row attends (0: all, else the last ``window``
-   positions up to its own). */
+   positions up to its own). With n_experts > 0 the feed-forward is a mixture of experts
+   (step_moe.h) instead of gate_up and down: the router (n_experts, dim), each expert's
+   gate_up (2 hidden, dim) and down (dim, hidden), top_k of them per row, their weights
+   renormalized to sum one where ``renormalize``; expert_counts (n_experts) NULL or counting
+   the rows routed to each expert. */
 typedef struct {
     const float *attn_norm, *mlp_norm, *cos, *sin;
     st_matrix qkv, wo, gate_up, down;
@@ -68,6 +73,11 @@ typedef struct {
     int activation;
     float attn_scale;
     ptrdiff_t window;
+    ptrdiff_t n_experts, top_k;
+    int renormalize;
+    st_matrix router;
+    const st_matrix *expert_gate_up, *expert_down;
+    long long *expert_counts;
 } st_block;
 
 /* y = w * (x / sqrt(mean(x^2) + eps)), as RMSNorm computes it (x scaled, then weighted). */
@@ -276,39 +286,61 @@ static void st_rope_write(const st_block *b, float *qkv, int R, const long long 
 }
 
 /* Scratch of one step: each thread's normed rows, Q/K/V, attention, a product's output
-   before its sandwich norm, gate/up, SwiGLU, scores, and each thread's activation sums for
-   quantized products (qm_xsum). */
+   before its sandwich norm, gate/up, SwiGLU, scores, each thread's activation sums for
+   quantized products (qm_xsum) and, for a mixture of experts, each thread's routing
+   (step_moe.h's st_route), the router's logits and the experts' down products. */
 typedef struct {
-    float *h, *qkv, *att, *o, *gu, *act, *scores, *xs;
+    float *h, *qkv, *att, *o, *gu, *act, *scores, *xs, *route, *logits, *ydown;
     ptrdiff_t longest;  /* the furthest row's keys: positions + 1 */
-    ptrdiff_t xs_floats;  /* one thread's share of xs */
+    ptrdiff_t xs_floats, route_floats;  /* one thread's share of xs, of route */
 } st_scratch;
 
-/* One thread's activation sums: R rows of the widest product input over QM_SUB. */
+/* The feed-forward's rows: R, or with experts R top_k (one per row and chosen expert). */
+static ptrdiff_t st_ffn_rows(const st_block *b, int R) {
+    return (ptrdiff_t)R * (b->n_experts > 0 ? b->top_k : 1);
+}
+
+/* One thread's activation sums: the feed-forward's rows of the widest product input over
+   QM_SUB. */
 static ptrdiff_t st_xs_floats(const st_block *b, int R) {
     ptrdiff_t widest = b->dim, q_dim = b->n_heads * b->head_dim;
     if (q_dim > widest) widest = q_dim;
     if (b->hidden > widest) widest = b->hidden;
-    return (ptrdiff_t)R * (widest / QM_SUB + 1);
+    return st_ffn_rows(b, R) * (widest / QM_SUB + 1);
+}
+
+/* One thread's routing: probabilities (n_experts), weights, five int arrays of the
+   assignments and the assigned rows gathered (st_route_at). */
+static ptrdiff_t st_route_floats(const st_block *b, int R) {
+    ptrdiff_t n = st_ffn_rows(b, R);
+    return b->n_experts > 0 ? b->n_experts + 7 * n + 1 + n * b->dim : 0;
 }
 
 static size_t st_scratch_floats(const st_block *b, int R, ptrdiff_t longest, int threads) {
     ptrdiff_t q_dim = b->n_heads * b->head_dim, width = q_dim + 2 * b->n_kv * b->head_dim;
-    return (size_t)R * ((threads + 1) * b->dim + width + q_dim + 3 * b->hidden
-                        + b->n_heads * longest) + (size_t)threads * st_xs_floats(b, R);
+    ptrdiff_t ffn = st_ffn_rows(b, R);
+    size_t experts = b->n_experts > 0 ? (size_t)(R * b->n_experts + ffn * b->dim) : 0;
+    return (size_t)R * ((threads + 1) * b->dim + width + q_dim + b->n_heads * longest)
+           + (size_t)ffn * 3 * b->hidden
+           + (size_t)threads * (st_xs_floats(b, R) + st_route_floats(b, R)) + experts;
 }
 
 static void st_scratch_at(st_scratch *s, const st_block *b, int R, int threads, float *base) {
     ptrdiff_t q_dim = b->n_heads * b->head_dim, width = q_dim + 2 * b->n_kv * b->head_dim;
+    ptrdiff_t ffn = st_ffn_rows(b, R);
+    s->xs_floats = st_xs_floats(b, R);
+    s->route_floats = st_route_floats(b, R);
     s->h = base;
     s->qkv = s->h + (ptrdiff_t)threads * R * b->dim;
     s->att = s->qkv + R * width;
     s->o = s->att + R * q_dim;
     s->gu = s->o + R * b->dim;
-    s->act = s->gu + R * 2 * b->hidden;
-    s->scores = s->act + R * b->hidden;
+    s->act = s->gu + ffn * 2 * b->hidden;
+    s->scores = s->act + ffn * b->hidden;
     s->xs = s->scores + R * b->n_heads * s->longest;
-    s->xs_floats = st_xs_floats(b, R);
+    s->route = s->xs + (ptrdiff_t)threads * s->xs_floats;
+    s->logits = s->route + (ptrdiff_t)threads * s->route_floats;
+    s->ydown = s->logits + R * b->n_experts;
 }
 
 static int st_thread(void) {
@@ -402,18 +434,17 @@ static inline float st_gelu_tanh(float x) {
     return 0.5f * x * (1.0f + tanhf(beta * (x + kappa * (x * x * x))));
 }
 
-/* gate/up products of hidden columns [j0, j1) and act = activation(gate) * up of them, for
-   every row; xs the sums of h as st_sums. */
-static void st_swiglu_cols(const st_block *b, const float *h, const float *xs,
-                           const st_scratch *s, int R, ptrdiff_t j0, ptrdiff_t j1) {
-    ptrdiff_t hidden = b->hidden, dim = b->dim;
-    st_product_cols(&b->gate_up, h, xs, s->gu, NULL, 2 * hidden, dim, R, j0, j1);
-    st_product_cols(&b->gate_up, h, xs, s->gu, NULL, 2 * hidden, dim, R, hidden + j0,
-                    hidden + j1);
+/* gate/up products (gate_up, 2 hidden by dim, into gu) of hidden columns [j0, j1) and act =
+   activation(gate) * up of them, for R rows h; xs the sums of h as st_sums. */
+static void st_gated_cols(const st_matrix *gate_up, int activation, const float *h,
+                          const float *xs, float *gu, float *act, ptrdiff_t hidden,
+                          ptrdiff_t dim, int R, ptrdiff_t j0, ptrdiff_t j1) {
+    st_product_cols(gate_up, h, xs, gu, NULL, 2 * hidden, dim, R, j0, j1);
+    st_product_cols(gate_up, h, xs, gu, NULL, 2 * hidden, dim, R, hidden + j0, hidden + j1);
     for (int r = 0; r < R; r++) {
-        const float *g = s->gu + r * 2 * hidden, *u = g + hidden;
-        float *a = s->act + r * hidden;
-        if (b->activation == ST_GELU_TANH)
+        const float *g = gu + r * 2 * hidden, *u = g + hidden;
+        float *a = act + r * hidden;
+        if (activation == ST_GELU_TANH)
             for (ptrdiff_t i = j0; i < j1; i++) a[i] = st_gelu_tanh(g[i]) * u[i];
         else
             for (ptrdiff_t i = j0; i < j1; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
@@ -444,6 +475,23 @@ static void st_residual_team(const st_matrix *m, const float *post, const float 
     st_add_normed_team(post, s->o, x, R, dim, b->eps);
 }
 
+/* x += the dense feed-forward of h (R rows normed): the gate/up columns shared out, one
+   stretch per thread (one barrier), then the down product (one, and one more with a
+   sandwich norm). */
+static void st_dense_team(const st_block *b, const float *h, float *x, int R,
+                          const st_scratch *s) {
+    ptrdiff_t dim = b->dim, hidden = b->hidden;
+    int team = st_team();
+    const float *xs = st_sums(&b->gate_up, h, dim, R, s);
+    #pragma omp for schedule(static)  /* one stretch of columns per thread */
+    for (int t = 0; t < team; t++)
+        st_gated_cols(&b->gate_up, b->activation, h, xs, s->gu, s->act, hidden, dim, R,
+                      st_split(hidden, team, t), st_split(hidden, team, t + 1));
+    st_residual_team(&b->down, b->post_mlp_norm, s->act, x, dim, hidden, R, b, s);
+}
+
+#include "step_moe.h"
+
 /* x = block(x) for R rows, in place. Every thread of the team calls it: each normalizes
    the rows for itself (its own copy, no wait), the products, attention heads and the
    gate/up columns are shared out, the bias, Q/K norms, RoPE and the cache write run on one
@@ -451,7 +499,7 @@ static void st_residual_team(const st_matrix *m, const float *post, const float 
    for each sandwich norm. */
 static void st_block_team(const st_block *b, float *x, int R, const long long *slots,
                           const long long *pos, const st_scratch *s) {
-    ptrdiff_t dim = b->dim, hd = b->head_dim, q_dim = b->n_heads * hd, hidden = b->hidden;
+    ptrdiff_t dim = b->dim, hd = b->head_dim, q_dim = b->n_heads * hd;
     ptrdiff_t width = q_dim + 2 * b->n_kv * hd, group = b->n_heads / b->n_kv;
     ptrdiff_t heads = (ptrdiff_t)R * b->n_heads;
     float scale = b->attn_scale > 0.0f ? b->attn_scale : 1.0f / sqrtf((float)hd);
@@ -470,12 +518,10 @@ static void st_block_team(const st_block *b, float *x, int R, const long long *s
     }
     st_residual_team(&b->wo, b->post_attn_norm, s->att, x, dim, q_dim, R, b, s);  /* attention */
     for (int r = 0; r < R; r++) st_rmsnorm(x + r * dim, b->mlp_norm, h + r * dim, dim, b->eps);
-    int team = st_team();
-    const float *xs = st_sums(&b->gate_up, h, dim, R, s);
-    #pragma omp for schedule(static)  /* one stretch of columns per thread */
-    for (int t = 0; t < team; t++)
-        st_swiglu_cols(b, h, xs, s, R, st_split(hidden, team, t), st_split(hidden, team, t + 1));
-    st_residual_team(&b->down, b->post_mlp_norm, s->act, x, dim, hidden, R, b, s);  /* FFN */
+    if (b->n_experts > 0)
+        st_moe_team(b, h, x, R, s);
+    else
+        st_dense_team(b, h, x, R, s);
 }
 
 /* out = the n blocks of bs applied to x one after another, in one parallel region of

@@ -134,10 +134,21 @@ def test_qwen3_moe_with_dense_blocks_is_one_line() -> None:
 # --------------------------------------------------------------------------- one process
 
 
+def assert_decoded_in_the_step(model: Any) -> None:
+    """Where the compiled step is built, every block decoded in it (MoE blocks too)."""
+    from mdiedge.model import transformer
+
+    if transformer._step.PREFERRED:
+        assert transformer.route_of(model)["blocks"] == "step"
+
+
 @torch.no_grad()
 def test_logits_match_transformers(model_dir: Path) -> None:
-    """Prefill of 20 tokens (5 windows of Gemma's sliding layers) and 32 decode steps."""
-    assert_logits_match(hf_model(model_dir), load_model(model_dir))
+    """Prefill of 20 tokens (5 windows of Gemma's sliding layers) and 32 decode steps, in
+    the compiled step."""
+    model = load_model(model_dir)
+    assert_logits_match(hf_model(model_dir), model)
+    assert_decoded_in_the_step(model)
 
 
 @torch.no_grad()
@@ -190,7 +201,9 @@ def test_a_gguf_file_equals_its_hf_directory(gguf_dirs: Dict[str, Path], kind: s
     folder = gguf_dirs[kind]
     file = folder / "gguf" / "tiny.gguf"
     assert load_config(file).replace(name="x") == as_float32(load_config(folder))
-    assert_logits_match(hf_model(folder), load_model(file))
+    model = load_model(file)
+    assert_logits_match(hf_model(folder), model)
+    assert_decoded_in_the_step(model)
 
 
 # --------------------------------------------------------------------------- ring

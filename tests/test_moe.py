@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from mdiedge.model import grouping
+from mdiedge.model import grouping, transformer
+from mdiedge.model.transformer import route_of
 from tolerance import assert_close, model_path_length
 
 IMPLS = [grouping]
@@ -298,7 +299,9 @@ def test_logits_match_prefill_and_decode(mixtral: Path) -> None:
         assert (mine - theirs).abs().max().item() <= 1e-5, f"decode step {step}"
         token = theirs.argmax()
     moe = ours.layers["0"].mlp
-    assert int(moe.expert_counts.sum()) == (16 + 32) * moe.top_k
+    assert int(moe.expert_counts.sum()) == (16 + 32) * moe.top_k  # the step counts too
+    if transformer._step.PREFERRED:
+        assert route_of(ours)["blocks"] == "step"
 
 
 def load(path: Path, **kwargs: Any) -> Any:

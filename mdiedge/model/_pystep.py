@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from . import _pyquant
 from ._stepspec import (ACTIVATIONS, MAX_PARTS, MAX_ROWS, BlockWeights,  # noqa: F401
-                        Limits, QuantMatrix, StackedMatrix, check, check_call, check_logits,
-                        logits_usable, usable)
+                        Experts, Limits, QuantMatrix, StackedMatrix, check, check_call,
+                        check_logits, logits_usable, usable)
 from .layers import apply_rope, rms_norm
 
 # Row by row in torch operations this is no faster than the model's own batched torch path,
@@ -91,11 +91,38 @@ def _block(w: BlockWeights, x: Any, out: Any, slots: Sequence[int],
         scores = (query @ keys.transpose(1, 2)) * scale  # (kv, group, L)
         att[r] = (torch.softmax(scores, -1) @ values).reshape(w.n_heads, head_dim)
     mid = x + _normed(_product(att.reshape(rows, q_dim), w.wo), w.post_attn_norm, w.eps)
-    both = _product(rms_norm(mid, w.mlp_norm, w.eps), w.gate_up)  # (rows, 2 hidden)
+    h = rms_norm(mid, w.mlp_norm, w.eps)
+    fed = _dense(h, w.gate_up, w.down, w.activation) if w.experts is None else _moe(h, w.experts)
+    out.copy_(mid + _normed(fed, w.post_mlp_norm, w.eps))
+
+
+def _dense(h: Any, gate_up: Any, down: Any, activation: str) -> Any:
+    """The gated feed-forward of h (rows, dim): (rows, dim)."""
+    both = _product(h, gate_up)  # (rows, 2 hidden)
     hidden = both.shape[1] // 2
     gate = both[:, :hidden]
-    gate = F.silu(gate) if w.activation == "silu" else F.gelu(gate, approximate="tanh")
-    out.copy_(mid + _normed(_product(gate * both[:, hidden:], w.down), w.post_mlp_norm, w.eps))
+    gate = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    return _product(gate * both[:, hidden:], down)
+
+
+def _moe(h: Any, experts: Experts) -> Any:
+    """The mixture of experts of h (rows, dim), each row alone: the router's softmax, its
+    top k (renormalized where the experts say), the chosen experts' outputs times their
+    weights summed in ascending expert order; the rows counted per expert."""
+    probs = torch.softmax(_product(h, experts.router), -1)  # (rows, E)
+    weights, ids = torch.topk(probs, experts.top_k, -1)  # (rows, k) each
+    if experts.renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    fed = torch.zeros_like(h)  # (rows, dim)
+    for r in range(h.shape[0]):
+        order = torch.argsort(ids[r])
+        for j in order.tolist():
+            e = int(ids[r, j])
+            y = _dense(h[r:r + 1], experts.gate_up[e], experts.down[e], "silu")
+            fed[r:r + 1] += y * weights[r, j]
+        if experts.counts is not None:
+            experts.counts[ids[r]] += 1
+    return fed
 
 
 def _normed(x: Any, weight: Any, eps: float) -> Any:

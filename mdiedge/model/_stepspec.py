@@ -1,8 +1,9 @@
 """What both implementations of the compiled decode step (``ext/_cstep.pyx`` and
 ``mdiedge/model/_pystep.py``) accept: ``block(weights, x, out, slots, positions, threads)``
-runs one dense decoder block for ``x`` (rows, dim), one new token per row, row ``r`` in KV
-slot ``slots[r]`` at position ``positions[r]``, writes the block's output to ``out`` (rows,
-dim) and the rows' keys and values into the cache; ``blocks(plan(weights), x, out, …)``
+runs one decoder block (dense, or with a mixture of experts: ``Experts``) for ``x`` (rows,
+dim), one new token per row, row ``r`` in KV slot ``slots[r]`` at position ``positions[r]``,
+writes the block's output to ``out`` (rows, dim) and the rows' keys and values into the
+cache; ``blocks(plan(weights), x, out, …)``
 runs consecutive blocks in one call, ``plan`` made once for them; ``logits(norm, eps, head,
 x, out, threads)`` writes the final RMSNorm and the head product of ``x`` (rows, dim) to
 ``out`` (rows, vocab) in one call (``logits_usable``, ``check_logits``). Everything is
@@ -31,7 +32,7 @@ from .quant import KERNEL_TYPES, TYPES, qtype_of
 _TENSORS = ("attn_norm", "qkv", "wo", "mlp_norm", "gate_up", "down", "k", "v", "cos", "sin")
 _MATRICES = ("qkv", "wo", "gate_up", "down")  # float32, QuantMatrix or StackedMatrix
 _OPTIONAL = ("qkv_bias", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")  # or None
-_SETTINGS = ("activation", "attn_scale", "window")
+_SETTINGS = ("activation", "attn_scale", "window", "experts")
 ACTIVATIONS = ("silu", "gelu_tanh")  # in ext/step.h's order (ST_SILU, ST_GELU_TANH)
 MAX_PARTS = 3  # of a StackedMatrix: ext/step.h's ST_PARTS
 QUANT_CODES = {name: TYPES[name].kernel for name in KERNEL_TYPES}  # ext/quant.h's enum values
@@ -110,6 +111,64 @@ class StackedMatrix:
         return f"StackedMatrix({', '.join(map(repr, self.parts))})"
 
 
+def _matrix_of(name: str, t: Any, shape: Tuple[int, ...]) -> None:
+    """``ValueError`` quoting ``name`` unless t is a plain float32 tensor, a
+    ``QuantMatrix`` or a ``StackedMatrix`` of ``shape``."""
+    if not (isinstance(t, (QuantMatrix, StackedMatrix))
+            or isinstance(t, torch.Tensor) and plain(t)):
+        raise ValueError(f"{name} is not a contiguous float32 CPU tensor or a "
+                         "Quant/StackedMatrix")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} {tuple(t.shape)} is not {shape}")
+
+
+class Experts:
+    """A mixture of experts as a block's feed-forward (Mixtral, Qwen3-MoE; ``mdiedge.model.
+    moe``): ``router`` (n_experts, dim), each expert's ``gate_up`` (2 hidden, dim), gate and
+    up fused, and ``down`` (dim, hidden), each float32 or quantized as a block's matrices;
+    ``top_k`` experts per row, their softmax probabilities renormalized to sum one where
+    ``renormalize``; ``counts`` None or a contiguous int64 CPU tensor (n_experts,) to which
+    the step adds the rows routed to each expert. Checked when made, frozen after."""
+
+    __slots__ = ("router", "gate_up", "down", "top_k", "renormalize", "counts", "n_experts",
+                 "dim", "hidden")
+
+    def __init__(self, router: Any, gate_up: Sequence[Any], down: Sequence[Any], top_k: int,
+                 renormalize: bool, counts: Any = None) -> None:
+        n_experts, dim = tuple(getattr(router, "shape", (0, 0)))[:2]
+        gate_up, down = tuple(gate_up), tuple(down)
+        if not n_experts or len(gate_up) != n_experts or len(down) != n_experts:
+            raise ValueError(f"a router of {n_experts} experts with {len(gate_up)} gate_up and "
+                             f"{len(down)} down matrices")
+        hidden = gate_up[0].shape[0] // 2
+        _matrix_of("router", router, (n_experts, dim))
+        for e in range(n_experts):
+            _matrix_of(f"expert {e} gate_up", gate_up[e], (2 * hidden, dim))
+            _matrix_of(f"expert {e} down", down[e], (dim, hidden))
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 < top_k <= n_experts:
+            raise ValueError(f"top_k {top_k!r} is not in 1..{n_experts}")
+        if counts is not None and not (
+                isinstance(counts, torch.Tensor) and counts.dtype == torch.int64
+                and counts.device.type == "cpu" and counts.is_contiguous()
+                and tuple(counts.shape) == (n_experts,)):
+            raise ValueError(f"expert counts {tuple(getattr(counts, 'shape', ()))} are not "
+                             f"contiguous int64 CPU ({n_experts},)")
+        for name, value in (("router", router), ("gate_up", gate_up), ("down", down),
+                            ("top_k", top_k), ("renormalize", bool(renormalize)),
+                            ("counts", counts), ("n_experts", n_experts), ("dim", dim),
+                            ("hidden", hidden)):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"Experts is frozen ({name})")
+
+    def matrices(self) -> Tuple[Any, ...]:
+        return (self.router,) + self.gate_up + self.down
+
+    def wants_grad(self) -> bool:
+        return any(m.requires_grad for m in self.matrices())
+
+
 def _acceptable(name: str, t: Any) -> bool:
     """A plain float32 tensor, or for a block's matrices a ``QuantMatrix`` or
     ``StackedMatrix``."""
@@ -119,7 +178,7 @@ def _acceptable(name: str, t: Any) -> bool:
 
 
 class BlockWeights:
-    """One dense block's tensors as the step reads them, checked once when made (shapes,
+    """One block's tensors as the step reads them, checked once when made (shapes,
     float32, CPU, contiguous; ``ValueError`` quoting what is not) and frozen after.
 
     attn_norm, mlp_norm (dim,); qkv (q_dim + 2 kv_dim, dim), Q, K and V fused; wo (dim,
@@ -135,7 +194,8 @@ class BlockWeights:
     before each is added to x ("sandwich" norms); ``activation`` of the gate, one of
     ``ACTIVATIONS`` ("silu": SwiGLU; "gelu_tanh": GeGLU with tanh-approximated gelu);
     ``attn_scale`` the scores' factor (None: 1 / sqrt(head_dim)); ``window`` the keys a row
-    at position p attends (0: all; else positions p - window + 1 .. p)."""
+    at position p attends (0: all; else positions p - window + 1 .. p); ``experts`` an
+    ``Experts``, the block's feed-forward a mixture of experts, gate_up and down None."""
 
     __slots__ = _TENSORS + _OPTIONAL + _SETTINGS + (
         "n_heads", "eps", "dim", "n_kv", "head_dim", "hidden", "n_slots", "positions")
@@ -145,21 +205,22 @@ class BlockWeights:
                  eps: float, *, qkv_bias: Any = None, q_norm: Any = None, k_norm: Any = None,
                  post_attn_norm: Any = None, post_mlp_norm: Any = None,
                  activation: str = "silu", attn_scale: Optional[float] = None,
-                 window: int = 0) -> None:
+                 window: int = 0, experts: Optional[Experts] = None) -> None:
         given = dict(zip(_TENSORS, (attn_norm, qkv, wo, mlp_norm, gate_up, down, k, v, cos,
                                     sin)))
+        hidden = _feed_forward(gate_up, down, experts, attn_norm)
         for name, t in given.items():
-            if not _acceptable(name, t):
+            if not (t is None and experts is not None and name in ("gate_up", "down")
+                    or _acceptable(name, t)):
                 raise ValueError(f"{name} is not a contiguous float32 CPU tensor"
                                  + (" or a Quant/StackedMatrix" if name in _MATRICES else ""))
         n_slots, n_kv, max_seq, head_dim = k.shape
-        dim, hidden = attn_norm.shape[0], gate_up.shape[0] // 2
-        q_dim = n_heads * head_dim
+        dim, q_dim = attn_norm.shape[0], n_heads * head_dim
         shapes = {"attn_norm": (dim,), "mlp_norm": (dim,), "wo": (dim, q_dim),
                   "qkv": (q_dim + 2 * n_kv * head_dim, dim), "gate_up": (2 * hidden, dim),
                   "down": (dim, hidden), "v": tuple(k.shape), "sin": tuple(cos.shape)}
         for name, shape in shapes.items():
-            if tuple(given[name].shape) != shape:
+            if given[name] is not None and tuple(given[name].shape) != shape:
                 raise ValueError(f"{name} {tuple(given[name].shape)} is not {shape}")
         if n_heads % n_kv or cos.dim() != 2 or cos.shape[1] != head_dim or head_dim % 2:
             raise ValueError(f"{n_heads} heads over {n_kv} KV heads of {head_dim} with "
@@ -170,7 +231,7 @@ class BlockWeights:
             dict(qkv_bias=(q_dim + 2 * n_kv * head_dim,), q_norm=(head_dim,),
                  k_norm=(head_dim,), post_attn_norm=(dim,), post_mlp_norm=(dim,)))
         values = dict(given, **optional, **_checked_settings(activation, attn_scale, window),
-                      n_heads=int(n_heads), eps=float(eps), dim=dim, n_kv=n_kv,
+                      experts=experts, n_heads=int(n_heads), eps=float(eps), dim=dim, n_kv=n_kv,
                       head_dim=head_dim, hidden=hidden, n_slots=n_slots,
                       positions=min(max_seq, cos.shape[0]))
         for name, value in values.items():
@@ -187,12 +248,31 @@ class BlockWeights:
 
     def wants_grad(self) -> bool:
         return any(getattr(self, n) is not None and getattr(self, n).requires_grad
-                   for n in _TENSORS + _OPTIONAL)
+                   for n in _TENSORS + _OPTIONAL) or (self.experts is not None
+                                                      and self.experts.wants_grad())
 
     def quantized(self) -> Tuple[str, ...]:
-        """The names of the matrices held quantized."""
-        return tuple(n for n in _MATRICES
-                     if isinstance(getattr(self, n), (QuantMatrix, StackedMatrix)))
+        """The names of the matrices held quantized ("experts" where any expert's is)."""
+        held = [getattr(self, n) for n in _MATRICES] + [
+            m for m in (self.experts.matrices() if self.experts is not None else ())]
+        names = _MATRICES + ("experts",) * (len(held) - len(_MATRICES))
+        return tuple(dict.fromkeys(n for n, m in zip(names, held)
+                                   if isinstance(m, (QuantMatrix, StackedMatrix))))
+
+
+def _feed_forward(gate_up: Any, down: Any, experts: Optional[Experts], attn_norm: Any) -> int:
+    """The feed-forward's hidden width: gate_up's half, or the experts' (gate_up and down
+    then None, the experts of the block's width)."""
+    if experts is None:
+        return int(getattr(gate_up, "shape", (0,))[0]) // 2
+    if not isinstance(experts, Experts):
+        raise ValueError(f"experts {type(experts).__name__} are not Experts")
+    if gate_up is not None or down is not None:
+        raise ValueError("a block with experts has no gate_up or down of its own")
+    dim = tuple(getattr(attn_norm, "shape", ()))
+    if dim != (experts.dim,):
+        raise ValueError(f"experts of width {experts.dim} in a block of width {dim}")
+    return experts.hidden
 
 
 def _checked_optional(given: Dict[str, Any], shapes: Dict[str, Tuple[int, ...]]

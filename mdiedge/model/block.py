@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._stepspec import ACTIVATIONS, BlockWeights, QuantMatrix, StackedMatrix, plain
+from ._stepspec import (ACTIVATIONS, BlockWeights, Experts, QuantMatrix, StackedMatrix,
+                        plain)
 from .config import ModelConfig
 from .layers import (MLP, Linear, RMSNorm, apply_rope, fuse, fuse_layers, fused_with,
                      project_fused)
@@ -231,26 +232,38 @@ class Block(nn.Module):
     def step_weights(self, cos: Tensor, sin: Tensor) -> Optional[BlockWeights]:
         """This block's tensors for the compiled decode step (``mdiedge.model._cstep``), with
         RoPE tables ``cos``, ``sin`` (L, hd); float32 or quantized matrices (``QuantMatrix``)
-        each, and the optional parts the block has (``step_options``); None where the step
-        does not apply (a mixture of experts, unfused projections, float beside quantized
-        layers in Q/K/V or gate/up, no KV cache, a part the step does not have). Whether the
-        step runs a family's blocks at all is the family's declaration (``step_blocks``),
-        which the model checks first."""
-        attn, mlp = self.attn, self.mlp
-        if (not isinstance(mlp, MLP) or attn.cache is None or not fused_with(attn.qkv, attn.wq)
-                or not fused_with(mlp.gate_up, mlp.gate)):
+        each, its feed-forward dense or a mixture of experts (``step_experts``), and the
+        optional parts the block has (``step_options``); None where the step does not apply
+        (unfused projections, float beside quantized layers in Q/K/V or gate/up, no KV cache,
+        a part the step does not have). Whether the step runs a family's blocks at all is the
+        family's declaration (``step_blocks``), which the model checks first."""
+        attn = self.attn
+        if attn.cache is None or not fused_with(attn.qkv, attn.wq):
             return None
-        matrices = [step_matrix(m) for m in (attn.qkv, attn.wo, mlp.gate_up, mlp.down)]
+        matrices = [step_matrix(m) for m in (attn.qkv, attn.wo)]
         tensors = (self.attn_norm.weight, self.mlp_norm.weight, attn.cache.k, attn.cache.v,
                    cos, sin)
-        options = self.step_options()
+        options, fed = self.step_options(), self._step_feed_forward()
         if (any(m is None for m in matrices) or not all(plain(t) for t in tensors)
-                or options is None):
+                or options is None or fed is None):
             return None
-        qkv, wo, gate_up, down = matrices
+        qkv, wo = matrices
+        gate_up, down, experts = fed
         return BlockWeights(self.attn_norm.weight, qkv, wo, self.mlp_norm.weight, gate_up, down,
                             attn.cache.k, attn.cache.v, cos, sin, attn.n_heads,
-                            self.attn_norm.eps, **options)
+                            self.attn_norm.eps, experts=experts, **options)
+
+    def _step_feed_forward(self) -> Optional[Tuple[Any, Any, Optional[Experts]]]:
+        """(gate_up, down, None) of a dense feed-forward, (None, None, experts) of a mixture
+        of experts, as the step reads them; None where it cannot."""
+        mlp = self.mlp
+        if not isinstance(mlp, MLP):
+            experts = step_experts(mlp)
+            return None if experts is None else (None, None, experts)
+        if not fused_with(mlp.gate_up, mlp.gate):
+            return None
+        gate_up, down = step_matrix(mlp.gate_up), step_matrix(mlp.down)
+        return None if gate_up is None or down is None else (gate_up, down, None)
 
     def step_options(self) -> Optional[Dict[str, Any]]:
         """The optional parts of ``BlockWeights`` this block has: the fused Q/K/V bias, the
@@ -276,26 +289,59 @@ class Block(nn.Module):
 
     def step_refusal(self) -> str:
         """Why ``step_weights`` gives None for this block, in a few words."""
-        attn, mlp = self.attn, self.mlp
-        if not isinstance(mlp, MLP):
-            return f"its feed-forward is a {type(mlp).__name__}, not a dense MLP"
+        attn = self.attn
         if attn.cache is None:
             return "no KV cache"
-        if not fused_with(attn.qkv, attn.wq) or not fused_with(mlp.gate_up, mlp.gate):
+        mlps = list(getattr(self.mlp, "experts", [self.mlp]))
+        if not isinstance(self.mlp, MLP) and not _is_moe(self.mlp):
+            return f"its feed-forward is a {type(self.mlp).__name__}, not one the step has"
+        if not fused_with(attn.qkv, attn.wq) or not all(
+                isinstance(m, MLP) and fused_with(m.gate_up, m.gate) for m in mlps):
             return "Q/K/V or gate/up are not fused"
-        for name, held in (("qkv", attn.qkv), ("wo", attn.wo), ("gate_up", mlp.gate_up),
-                           ("down", mlp.down)):
-            if step_matrix(held) is None:
-                return f"matrix {name} ({_held_type(held)}) has no kernel in the step"
-        activation = getattr(mlp, "activation", "silu")
-        if activation not in ACTIVATIONS:
-            return f"activation {activation!r} is not one of the step's ({', '.join(ACTIVATIONS)})"
+        held = [("qkv", attn.qkv), ("wo", attn.wo)] + (
+            [("gate_up", self.mlp.gate_up), ("down", self.mlp.down)] if isinstance(self.mlp, MLP)
+            else [("router", self.mlp.router)] + [
+                (f"expert {e} {name}", getattr(m, name)) for e, m in enumerate(mlps)
+                for name in ("gate_up", "down")])
+        for name, matrix in held:
+            if step_matrix(matrix) is None:
+                return f"matrix {name} ({_held_type(matrix)}) has no kernel in the step"
+        wanted = ACTIVATIONS if isinstance(self.mlp, MLP) else ("silu",)  # experts: SwiGLU
+        for m in mlps:
+            if m.activation not in wanted:
+                return f"activation {m.activation!r} is not one the step has here " \
+                       f"({', '.join(wanted)})"
         eps = {n.eps for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None),
                                getattr(self, "post_attn_norm", None),
                                getattr(self, "post_mlp_norm", None)) if n is not None}
         if eps - {self.attn_norm.eps}:
             return f"norms of eps {sorted(eps)} beside the block's {self.attn_norm.eps}"
         return "a tensor is not contiguous float32 on the CPU"
+
+
+def _is_moe(mlp: Any) -> bool:
+    """A mixture of experts as ``mdiedge.model.moe.MoE`` holds one: a router and experts."""
+    return all(hasattr(mlp, name) for name in ("router", "experts", "top_k", "renormalize",
+                                               "expert_counts"))
+
+
+def step_experts(moe: Any) -> Optional[Experts]:
+    """A mixture of experts (``mdiedge.model.moe.MoE``) as the compiled step reads it: its
+    router's and every expert's fused gate/up and down matrices (``step_matrix``), its top k,
+    renormalization and the counts of rows per expert the step adds to; None where the step
+    cannot read one (an expert unfused, or not SwiGLU, a matrix of no kernel)."""
+    if not _is_moe(moe) or not all(isinstance(m, MLP) and m.activation == "silu"
+                                   and fused_with(m.gate_up, m.gate) for m in moe.experts):
+        return None
+    router = step_matrix(moe.router)
+    gate_up = [step_matrix(m.gate_up) for m in moe.experts]
+    down = [step_matrix(m.down) for m in moe.experts]
+    if router is None or any(m is None for m in gate_up + down):
+        return None
+    try:
+        return Experts(router, gate_up, down, moe.top_k, moe.renormalize, moe.expert_counts)
+    except ValueError:  # mixed widths, a counter that is not plain int64
+        return None
 
 
 def _held_type(held: Any) -> str:

@@ -1,6 +1,6 @@
 """The Mixtral family (Jiang et al. 2024): Llama's attention with a sparse mixture-of-experts
 feed-forward (``mdiedge.model.moe``). In GGUF it is the ``llama`` architecture with experts.
-The compiled step runs its head, not its blocks.
+The compiled step runs its blocks, the experts included, and its head.
 """
 from __future__ import annotations
 
@@ -40,5 +40,5 @@ FAMILY = Family(
     hf_written=llama.HF_WRITTEN, hf_global_names=llama.HF_GLOBAL_NAMES,
     hf_block_names=HF_BLOCK_NAMES, gguf_architectures=("llama",),
     gguf_global_names=llama.GGUF_GLOBAL_NAMES, gguf_block_names=GGUF_BLOCK_NAMES,
-    gguf_qk_permuted=True, moe=True, make_block=make_block, step_blocks=False,
+    gguf_qk_permuted=True, moe=True, make_block=make_block, step_blocks=True,
     step_head=True)

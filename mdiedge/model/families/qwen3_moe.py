@@ -62,5 +62,5 @@ FAMILY = Family(
     hf_written=qwen3.HF_WRITTEN, hf_global_names=llama.HF_GLOBAL_NAMES,
     hf_block_names=HF_BLOCK_NAMES, gguf_architectures=("qwen3moe",),
     gguf_global_names=llama.GGUF_GLOBAL_NAMES, gguf_block_names=GGUF_BLOCK_NAMES,
-    gguf_qk_permuted=False, moe=True, make_block=make_block, step_blocks=False,
+    gguf_qk_permuted=False, moe=True, make_block=make_block, step_blocks=True,
     step_head=True, qk_norm=True, hf_extra=hf_extra, gguf_extra=gguf_extra)

@@ -71,6 +71,8 @@ def test_the_twin_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_block_that_does_not_fit_is_named() -> None:
+    if not transformer._step.PREFERRED:
+        pytest.skip("the compiled step is not built here")
     m = model(LLAMA)
     m.setup_cache(1, 16)
     block = m.layers["1"]
@@ -114,6 +116,8 @@ def test_decode_summary(route: object, shown: str) -> None:
 
 
 def test_generate_json_lists_each_nodes_route() -> None:
+    if not transformer._step.PREFERRED:
+        pytest.skip("the compiled step is not built here")
     out = subprocess.run([*MDIEDGE, "generate", "hi", "-n", "3",
                           "--temperature", "0", "--nodes", "2", "--json"],
                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)

@@ -1,10 +1,9 @@
 """Gemma 3 and Qwen3 (dense and MoE) against transformers' Gemma3ForCausalLM,
 Qwen3ForCausalLM and Qwen3MoeForCausalLM: tiny random models as Hugging Face directories and
 as GGUF files, logits and greedy tokens in one process and on a 3-node ring; the sliding
-window of Gemma 3 shorter than the prompts; and the real Gemma 3 270M file where it is."""
+window of Gemma 3 shorter than the prompts (the real Gemma 3 270M file: test_real_files.py)."""
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Dict, List
@@ -21,8 +20,6 @@ from mdiedge.model.sampling import SamplingParams
 from mdiedge.runtime.generation import Generation
 from mdiedge.runtime.scheduler import run_single
 
-GEMMA3_FILE = Path(os.environ.get("MDIEDGE_GEMMA3_GGUF",
-                                  "/work/dl/files/gemma-3-270m-q4_k_m.gguf"))
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
 MODELS: Dict[str, Any] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(TINY_LLAMA, head_dim=12)),
@@ -230,34 +227,3 @@ def test_a_three_node_ring_equals_transformers(gguf_dirs: Dict[str, Path], kind:
             assert [s.tokens for s in gen.samples] == [want] * 2
         finally:
             engine.close()
-
-
-# --------------------------------------------------------------------------- Gemma 3 270M
-
-
-@pytest.fixture(scope="module")
-def gemma3_file() -> Path:
-    if not GEMMA3_FILE.is_file():
-        pytest.skip(f"{GEMMA3_FILE} is absent (MDIEDGE_GEMMA3_GGUF names the file)")
-    return GEMMA3_FILE
-
-
-@torch.no_grad()
-def test_gemma3_270m_greedy_equals_transformers(gemma3_file: Path) -> None:
-    """transformers reads the same GGUF file (de-quantized): the same prompt tokens (BOS
-    first) and the same 16 greedy tokens; the text goes on about France."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from mdiedge.engine.local import LocalEngine
-
-    text = "The capital of France is"
-    ours = LocalEngine(gemma3_file).generate(text, 16, 1, SamplingParams(temperature=0))
-    where = dict(gguf_file=gemma3_file.name)
-    ids = AutoTokenizer.from_pretrained(str(gemma3_file.parent), **where)(text).input_ids
-    assert list(ours.prompt_ids) == ids and ids[0] == 2
-    ref = AutoModelForCausalLM.from_pretrained(str(gemma3_file.parent), dtype=torch.float32,
-                                               **where).eval()
-    want = ref.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16,
-                        do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(ids):]
-    assert ours.samples[0]["token_ids"] == want.tolist()
-    assert "France" in ours.samples[0]["text"]

@@ -4,7 +4,6 @@ as GGUF files, logits and greedy tokens in one process and on a 3-node ring; the
 window of Gemma 3 shorter than the prompts (the real Gemma 3 270M file: test_real_files.py)."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any, Dict, List
 

@@ -55,6 +55,9 @@ def test_generate_is_transformers_greedy(smollm2_dir: Path, reference: Reference
     assert sample["token_ids"] == reference.continue_ids(prompt)
     assert sample["finish_reason"] == ("eos" if reference.stopped(prompt) else "length")
     assert sample["text"] == reference.answer_text(prompt)
+    if kind == "gguf":  # its Q4_1 blocks and head in the compiled step on every node
+        assert [(n["blocks"], n.get("head", "step")) for n in out["decode"]] == \
+            [("step", "step")] * nodes
 
 
 @pytest.mark.parametrize("kind, system", [("dir", None), ("dir", SYSTEM), ("gguf", SYSTEM)],

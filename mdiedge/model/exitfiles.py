@@ -14,9 +14,9 @@ from typing import Any, Dict, List, Optional, Union
 from ..base.errors import ConfigError
 from .config import ModelConfig
 from .exits import CRITERIA, NEVER, ExitClassifier, ExitPolicy, Head
+from .modelfile import CLASSIFIER_FILE  # noqa: F401  (re-exported with the exit files)
 
 THRESHOLDS_FILE = "early_exit.json"
-CLASSIFIER_FILE = "exit_classifier.safetensors"
 
 
 def exit_layers(cfg: ModelConfig) -> int:

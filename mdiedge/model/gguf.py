@@ -20,11 +20,9 @@ import struct
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from .gguf_vocab import MAGIC, is_gguf  # noqa: F401 - one magic check, re-exported
 
@@ -32,8 +30,10 @@ from ..base.errors import CheckpointError, ConfigError
 from .config import ModelConfig
 from .families import by_gguf_architecture, config_from_hf, family_of
 from .families.spec import Family
-from .fit import check_blocks, indices
 from .tensors import TensorSource, expected_shape, tensor_plan  # noqa: F401
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 PathLike = Union[str, Path]
 _BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
@@ -347,6 +347,8 @@ def gguf_name(ours: str, family: Family) -> Tuple[str, Optional[int]]:
 def _hf_rows(rows: int, heads: int) -> Tensor:
     """For each row in Hugging Face's order, the row of llama.cpp's RoPE order holding it
     (the inverse of the converter's permutation: (heads, 2, half) <- (heads, half, 2))."""
+    import torch
+
     return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
 
 
@@ -370,6 +372,8 @@ class GGUFSource(TensorSource):
     def _indexed(self, tensors: Mapping[str, Any]) -> Dict[str, _Entry]:
         """Every tensor of the model by its Hugging Face name, each checked (``tensors``: the
         file's, by their names there)."""
+        from .fit import check_blocks, indices  # imports torch, which a vocabulary needs not
+
         cfg = self.cfg
         stacked = tensors.get("blk.0.ffn_gate_exps.weight")
         experts = set(range(int(stacked.shape.tolist()[-1]))) if stacked is not None else set()
@@ -430,6 +434,8 @@ class GGUFSource(TensorSource):
         K projections that is a copy with the rows gathered; ``hf_order=False`` gives their
         view in the file's order instead (each head's rows as interleaved pairs, the order
         llama.cpp's RoPE rotates; ``heads(name)`` says which tensors differ)."""
+        import torch
+
         entry = self.index[name]
         self.read_names.append(name)
         rows = entry.shape[0] if len(entry.shape) == 2 else 1
@@ -442,6 +448,8 @@ class GGUFSource(TensorSource):
         return self.index[name].heads
 
     def _read(self, name: str) -> Tensor:
+        import torch
+
         entry = self.index[name]
         qtype = entry.tensor.tensor_type
         try:

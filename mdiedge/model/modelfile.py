@@ -20,7 +20,6 @@ from typing import Any, Callable, Dict, List, Tuple, TypeVar, Union
 
 from ..base.errors import CheckpointError, ConfigError
 from .config import ModelConfig, read_json
-from .exitfiles import CLASSIFIER_FILE
 from .families import config_from_hf
 from .gguf import HEADERS_PARSED, config_of, looks_like_gguf, metadata, open_reader, string_array
 
@@ -28,6 +27,7 @@ PathLike = Union[str, Path]
 T = TypeVar("T")
 LLAMA2C_HEADER = struct.Struct("<7i")  # dim, hidden, layers, heads, kv heads, vocab, context
 KEPT = 4  # the files whose ModelFile a process keeps: a model, its draft, a tokenizer's file
+CLASSIFIER_FILE = "exit_classifier.safetensors"  # beside a model, not part of its identity
 HASHES: Counter = Counter()  # content hashes computed by this process, by path
 VOCAB_STRINGS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")  # string arrays to decode
 

@@ -4,9 +4,11 @@ and the interface of a source that reads them lazily."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 from ..base.errors import CheckpointError
 from .config import ModelConfig

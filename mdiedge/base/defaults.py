@@ -84,6 +84,8 @@ MAX_BUSY_POLL_US = 100_000
 LOAD_SAMPLES = 5  # readings of procs_running a process takes as it starts (threads.py)
 LOAD_SAMPLE_GAP_S = 0.002  # the pause between two of them
 MAX_THREADS = 4096  # the most torch threads a worker may be told to use
+CPU_DOTS = ("q8", "f32")  # how CPU kernels multiply quantized weights (mdiedge.model.cpudot)
+CPU_DOT = "q8"  # 8-bit activations, integer dot products, as llama.cpp does; f32: exact
 
 # exhaustion: what a flood of connections may hold, and how its log lines are kept short
 MAX_CONTROL_CONNECTIONS = 64  # open connections to a control port (a thread each)

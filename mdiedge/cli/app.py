@@ -383,6 +383,21 @@ def check_threads(threads: int) -> None:
          f"an integer 0..{defaults.MAX_THREADS}")
 
 
+def cpu_dot_option() -> Any:
+    """``--cpu-dot q8|f32``, the same on every command that computes."""
+    return typer.Option(None, "--cpu-dot", metavar="q8|f32", help="How CPU nodes multiply "
+                        "quantized weights: q8 (8-bit activations, integer dot products, as "
+                        "llama.cpp does) or f32 (float32, exact); default the config's "
+                        f"cpu_dot, else $MDIEDGE_CPU_DOT, else {defaults.CPU_DOT}.")
+
+
+def check_cpu_dot(mode: Optional[str]) -> Optional[str]:
+    """``--cpu-dot`` as given (None: not given), checked."""
+    need(mode is None or mode in defaults.CPU_DOTS, "--cpu-dot", mode,
+         "one of " + ", ".join(defaults.CPU_DOTS))
+    return mode
+
+
 def speculate_option() -> Any:
     """``--speculate ngram|draft:PATH|off``."""
     return typer.Option("off", "--speculate", metavar="ngram|draft:PATH|off", help="Draft "

@@ -14,7 +14,7 @@ cdef extern from "quant.h" nogil:
     void qm_init()
     const char *qm_use_simd(int on)
     int qm_rows(int type, const unsigned char *w, const float *x, float *y, Py_ssize_t n,
-                Py_ssize_t k, int rows, int threads)
+                Py_ssize_t k, int rows, int threads, int dot)
     void qm_dequant(int type, const unsigned char *w, Py_ssize_t k, Py_ssize_t count,
                     float *out, int threads)
 
@@ -39,18 +39,19 @@ def set_simd(on):
     return _path
 
 
-def matmul(x, w, qtype, out, int threads=1):
+def matmul(x, w, qtype, out, int threads=1, int dot=0):
     """out = x @ W^T with W the de-quantized ``w`` (uint8 (n, row_bytes)) of type ``qtype``;
-    x float32 (rows, in), out float32 (rows, n); returns out."""
+    x float32 (rows, in), out float32 (rows, n); dot 1: the q8 mode (x quantized to 8 bits,
+    integer dot products; ``mdiedge.model.cpudot``); returns out."""
     t = check_matmul(x, w, qtype, out, threads)
     cdef int code = t.kernel, rows = x.shape[0], status
     cdef size_t w_ptr = w.data_ptr(), x_ptr = x.data_ptr(), y_ptr = out.data_ptr()
     cdef Py_ssize_t n = w.shape[0], k = x.shape[1]
     with nogil:
         status = qm_rows(code, <const unsigned char *>w_ptr, <const float *>x_ptr,
-                         <float *>y_ptr, n, k, rows, threads)
+                         <float *>y_ptr, n, k, rows, threads, dot)
     if status:
-        raise MemoryError(f"no memory for the sums of {rows} rows of {k}")
+        raise MemoryError(f"no memory for the activations of {rows} rows of {k}")
     return out
 
 

@@ -53,15 +53,15 @@ cdef extern from "step.h" nogil:
         const st_matrix *expert_down
         long long *expert_counts
     int st_block_step(const st_block *b, const float *x, float *out, int R,
-                      const long long *slots, const long long *pos, int threads)
+                      const long long *slots, const long long *pos, int threads, int dot)
     int st_blocks_step(const st_block *bs, int n, const float *x, float *out, int R,
-                       const long long *slots, const long long *pos, int threads)
+                       const long long *slots, const long long *pos, int threads, int dot)
     int QM_TYPES
     const char *qm_names[]
     const int qm_block[]
     const int qm_block_bytes[]
     int st_logits(const float *x, const float *norm, float eps, const void *head, int head_t,
-                  float *out, Py_ssize_t dim, Py_ssize_t vocab, int R, int threads)
+                  float *out, Py_ssize_t dim, Py_ssize_t vocab, int R, int threads, int dot)
 
 st_init()
 _check_compiled(tuple((qm_names[i].decode(), qm_block[i], qm_block_bytes[i])
@@ -180,7 +180,7 @@ cdef void _rows(slots, positions, long long *c_slots, long long *c_pos, int rows
         c_pos[r] = positions[r]
 
 
-def blocks(plan_, x, out, slots, positions, int threads):
+def blocks(plan_, x, out, slots, positions, int threads, int dot=0):
     if not isinstance(plan_, Plan):
         raise ValueError(f"plan {type(plan_).__name__} is not this module's Plan")
     cdef Plan made = plan_
@@ -193,12 +193,12 @@ def blocks(plan_, x, out, slots, positions, int threads):
     cdef const float *xp = _ptr(x)
     cdef float *op = <float *>_ptr(out)
     with nogil:
-        status = st_blocks_step(made.bs, made.n, xp, op, rows, c_slots, c_pos, threads)
+        status = st_blocks_step(made.bs, made.n, xp, op, rows, c_slots, c_pos, threads, dot)
     if status != 0:
         raise MemoryError(f"decode step of {rows} rows: no scratch memory")
 
 
-def block(weights, x, out, slots, positions, int threads):
+def block(weights, x, out, slots, positions, int threads, int dot=0):
     check(weights, x, out, slots, positions, threads)
     cdef st_block b
     cdef long long c_slots[8]
@@ -214,14 +214,14 @@ def block(weights, x, out, slots, positions, int threads):
     try:
         _fill(&b, weights, room)
         with nogil:
-            status = st_block_step(&b, xp, op, rows, c_slots, c_pos, threads)
+            status = st_block_step(&b, xp, op, rows, c_slots, c_pos, threads, dot)
     finally:
         free(room)
     if status != 0:
         raise MemoryError(f"decode step of {rows} rows: no scratch memory")
 
 
-def logits(norm, double eps, head, x, out, int threads):
+def logits(norm, double eps, head, x, out, int threads, int dot=0):
     check_logits(norm, head, x, out, threads)
     cdef int rows = x.shape[0], status
     cdef Py_ssize_t dim = head.shape[1], vocab = head.shape[0]
@@ -231,6 +231,6 @@ def logits(norm, double eps, head, x, out, int threads):
     cdef int head_t = _type(head)
     cdef float *op = <float *>_ptr(out)
     with nogil:
-        status = st_logits(xp, np_, <float>eps, hp, head_t, op, dim, vocab, rows, threads)
+        status = st_logits(xp, np_, <float>eps, hp, head_t, op, dim, vocab, rows, threads, dot)
     if status != 0:
         raise MemoryError(f"logits of {rows} rows: no scratch memory")

@@ -400,7 +400,13 @@ static inline void qm_widen16_neon(qs_i8x16 v, qs_f8 *out) {
 #define QM_SIMD_TABLE qs_table_neon
 #endif
 
+#include "quant_q8.h"
+#if defined(__x86_64__) && defined(__GNUC__)
+#include "quant_q8_avx2.h"
+#endif
+
 static qm_dot_fn qm_fns[QM_TYPES][QM_GROUP + 1];
+static qm_idot_fn qm_ifns[QM_TYPES];  /* the integer kernels (NULL: the type has none here) */
 static const char *qm_path = "scalar";
 
 /* Whether this CPU runs the vector path compiled here. */
@@ -420,11 +426,17 @@ static int qm_simd_available(void) {
    of the path now used. Not while a product runs. */
 static const char *qm_use_simd(int on) {
     memcpy(qm_fns, qm_scalar, sizeof qm_fns);
+    memcpy(qm_ifns, qm_iscalar, sizeof qm_ifns);
     qm_path = "scalar";
 #ifdef QM_SIMD_TABLE
     if (on && qm_simd_available()) {
         memcpy(qm_fns, QM_SIMD_TABLE, sizeof qm_fns);
         qm_path = QM_SIMD_NAME;
+#ifdef QM_ITABLE
+        memcpy(qm_ifns, QM_ITABLE, sizeof qm_ifns);
+#else
+        memset(qm_ifns, 0, sizeof qm_ifns);
+#endif
     }
 #endif
     return qm_path;
@@ -448,21 +460,107 @@ static inline void qm_xsum(const float *x, ptrdiff_t k, int rows, float *xs) {
         }
 }
 
+/* Whether the type is multiplied by the integer kernels where the q8 mode asks for them:
+   it has an activation form and a kernel on the path in use (the scalar references all). */
+static inline int qm_q8_usable(int type) {
+    return qm_act_form(type) != 0 && qm_ifns[type] != NULL;
+}
+
+/* What a product's kernels read besides x: qm_xsum's sums (xs, NULL where no float32 kernel
+   of a type with a minimum reads them) and, where q8, x quantized (act). */
+typedef struct {
+    const float *xs;
+    qm_act act;
+    int q8;
+} qm_input;
+
+/* Floats of the memory qm_input_fill takes for rows of k: the sums, then the quantized rows. */
+static inline size_t qm_input_floats(ptrdiff_t k, int rows) {
+    return (size_t)rows * (size_t)(k / QM_SUB + 1) + qm_act_bytes(k, rows) / sizeof(float) + 1;
+}
+
+/* in made for x (rows of k) and products of the ``count`` types: the q8 mode (dot != 0)
+   quantizes x into each activation form a usable type reads; the sums are taken where a
+   float32 kernel reads them. mem: qm_input_floats(k, rows) floats. */
+static void qm_input_fill(qm_input *in, const int *types, int count, int dot, const float *x,
+                          ptrdiff_t k, int rows, float *mem) {
+    int form32 = 0, form256 = 0, sums = 0;
+    for (int i = 0; i < count; i++) {
+        if (types[i] < 0) continue;  /* a float32 matrix */
+        if (dot && qm_q8_usable(types[i])) {
+            form32 |= qm_act_form(types[i]) == 32;
+            form256 |= qm_act_form(types[i]) == 256;
+        } else {
+            sums |= qm_needs_xsum(types[i]);
+        }
+    }
+    in->xs = NULL;
+    in->q8 = form32 || form256;
+    if (sums) {
+        qm_xsum(x, k, rows, mem);
+        in->xs = mem;
+    }
+    if (in->q8) {
+        qm_act_at(&in->act, mem + (ptrdiff_t)rows * (k / QM_SUB + 1), k, rows);
+        if (form32) qm_quantize32(x, k, rows, &in->act);
+        if (form256) qm_quantize256(x, k, rows, &in->act);
+    }
+}
+
+/* in's rows from r0 on (rows of k). */
+static inline qm_input qm_input_from(const qm_input *in, ptrdiff_t k, int r0) {
+    qm_input out = *in;
+    if (in->xs) out.xs = in->xs + r0 * (k / QM_SUB);
+    if (in->q8) out.act = qm_act_from(&in->act, k, r0);
+    return out;
+}
+
+/* Prefetch the weight row QM_AHEAD_ROWS ahead of row j while the rows are short. */
+static inline void qm_ahead(const uint8_t *w, ptrdiff_t rb, ptrdiff_t j) {
+    if (rb * QM_AHEAD_ROWS < QM_PREFETCH_BELOW) {
+        const char *ahead = (const char *)(w + (j + QM_AHEAD_ROWS) * rb);
+        for (ptrdiff_t i = 0; i < rb; i += 64) __builtin_prefetch(ahead + i);
+    }
+}
+
+/* qm_range's integer path: QM_IGROUP rows per pass over a weight row. */
+static inline void qm_irange(int type, const uint8_t *w, const qm_input *in, float *y,
+                             const float *base, ptrdiff_t ldy, ptrdiff_t k, int rows,
+                             ptrdiff_t j0, ptrdiff_t j1) {
+    ptrdiff_t rb = k / qm_block[type] * qm_block_bytes[type];
+    float s[QM_IGROUP];
+    qm_idot_fn dot = qm_ifns[type];
+    for (int r0 = 0; r0 < rows; r0 += QM_IGROUP) {
+        int R = rows - r0 < QM_IGROUP ? rows - r0 : QM_IGROUP;
+        qm_act act = qm_act_from(&in->act, k, r0);
+        for (ptrdiff_t j = j0; j < j1; j++) {
+            if (r0 == 0) qm_ahead(w, rb, j);
+            dot(w + j * rb, &act, k, R, s);
+            for (int r = 0; r < R; r++) {
+                ptrdiff_t at = (r0 + r) * ldy + j;
+                y[at] = base ? base[at] + s[r] : s[r];
+            }
+        }
+    }
+}
+
 /* Columns [j0, j1) of every row of y, whose rows are ldy floats apart (base's too; added to
-   base's where base is not NULL). */
-static inline void qm_range(int type, const uint8_t *w, const float *x, const float *xs,
+   base's where base is not NULL); in: qm_input_fill's for x (NULL: nothing read). */
+static inline void qm_range(int type, const uint8_t *w, const float *x, const qm_input *in,
                             float *y, const float *base, ptrdiff_t ldy, ptrdiff_t k, int rows,
                             ptrdiff_t j0, ptrdiff_t j1) {
+    if (in && in->q8 && qm_q8_usable(type)) {
+        qm_irange(type, w, in, y, base, ldy, k, rows, j0, j1);
+        return;
+    }
+    const float *xs = in ? in->xs : NULL;
     ptrdiff_t rb = k / qm_block[type] * qm_block_bytes[type], nb = k / QM_SUB;
     float s[QM_GROUP];
     for (int r0 = 0; r0 < rows; r0 += QM_GROUP) {
         int R = rows - r0 < QM_GROUP ? rows - r0 : QM_GROUP;
         qm_dot_fn dot = qm_fns[type][R];
         for (ptrdiff_t j = j0; j < j1; j++) {
-            if (r0 == 0 && rb * QM_AHEAD_ROWS < QM_PREFETCH_BELOW) {  /* see QM_AHEAD_ROWS */
-                const char *ahead = (const char *)(w + (j + QM_AHEAD_ROWS) * rb);
-                for (ptrdiff_t i = 0; i < rb; i += 64) __builtin_prefetch(ahead + i);
-            }
+            if (r0 == 0) qm_ahead(w, rb, j);  /* see QM_AHEAD_ROWS */
             dot(w + j * rb, x + r0 * k, xs ? xs + r0 * nb : NULL, k, s);
             for (int r = 0; r < R; r++) {
                 ptrdiff_t at = (r0 + r) * ldy + j;
@@ -472,28 +570,25 @@ static inline void qm_range(int type, const uint8_t *w, const float *x, const fl
     }
 }
 
-static inline void qm_task(int type, const uint8_t *w, const float *x, const float *xs,
-                           float *y, const float *base, ptrdiff_t n, ptrdiff_t k, int rows,
-                           ptrdiff_t t) {
+static inline void qm_task(int type, const uint8_t *w, const float *x, const qm_input *in,
+                           float *y, ptrdiff_t n, ptrdiff_t k, int rows, ptrdiff_t t) {
     ptrdiff_t j0 = t * QM_COLS_PER_TASK;
     ptrdiff_t j1 = j0 + QM_COLS_PER_TASK < n ? j0 + QM_COLS_PER_TASK : n;
-    qm_range(type, w, x, xs, y, base, n, k, rows, j0, j1);
+    qm_range(type, w, x, in, y, NULL, n, k, rows, j0, j1);
 }
 
-/* y = x W^T on `threads` threads; W is n rows of k weights of `type`. Returns 0, or -1 where
-   the activation sums cannot be allocated. */
+/* y = x W^T on `threads` threads; W is n rows of k weights of `type`; dot != 0: the q8
+   mode. Returns 0, or -1 where the activations' sums or quants cannot be allocated. */
 static inline int qm_rows(int type, const uint8_t *w, const float *x, float *y, ptrdiff_t n,
-                          ptrdiff_t k, int rows, int threads) {
-    float *xs = NULL;
-    if (qm_needs_xsum(type)) {
-        xs = malloc(sizeof(float) * (size_t)rows * (size_t)(k / QM_SUB));
-        if (!xs) return -1;
-        qm_xsum(x, k, rows, xs);
-    }
+                          ptrdiff_t k, int rows, int threads, int dot) {
+    float *mem = malloc(sizeof(float) * qm_input_floats(k, rows));
+    if (!mem) return -1;
+    qm_input in;
+    qm_input_fill(&in, &type, 1, dot, x, k, rows, mem);
     ptrdiff_t tasks = (n + QM_COLS_PER_TASK - 1) / QM_COLS_PER_TASK;
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (ptrdiff_t t = 0; t < tasks; t++) qm_task(type, w, x, xs, y, NULL, n, k, rows, t);
-    free(xs);
+    for (ptrdiff_t t = 0; t < tasks; t++) qm_task(type, w, x, &in, y, n, k, rows, t);
+    free(mem);
     return 0;
 }
 

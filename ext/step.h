@@ -293,6 +293,7 @@ typedef struct {
     float *h, *qkv, *att, *o, *gu, *act, *scores, *xs, *route, *logits, *ydown;
     ptrdiff_t longest;  /* the furthest row's keys: positions + 1 */
     ptrdiff_t xs_floats, route_floats;  /* one thread's share of xs, of route */
+    int dot;  /* the q8 mode (quant.h's integer kernels) where not 0 */
 } st_scratch;
 
 /* The feed-forward's rows: R, or with experts R top_k (one per row and chosen expert). */
@@ -300,13 +301,13 @@ static ptrdiff_t st_ffn_rows(const st_block *b, int R) {
     return (ptrdiff_t)R * (b->n_experts > 0 ? b->top_k : 1);
 }
 
-/* One thread's activation sums: the feed-forward's rows of the widest product input over
-   QM_SUB. */
+/* One thread's product inputs (qm_input_fill's sums and quantized rows): the feed-forward's
+   rows of the widest product input. */
 static ptrdiff_t st_xs_floats(const st_block *b, int R) {
     ptrdiff_t widest = b->dim, q_dim = b->n_heads * b->head_dim;
     if (q_dim > widest) widest = q_dim;
     if (b->hidden > widest) widest = b->hidden;
-    return st_ffn_rows(b, R) * (widest / QM_SUB + 1);
+    return (ptrdiff_t)qm_input_floats(widest, (int)st_ffn_rows(b, R));
 }
 
 /* One thread's routing: probabilities (n_experts), weights, five int arrays of the
@@ -364,26 +365,24 @@ static ptrdiff_t st_split(ptrdiff_t n, int parts, int t) {
     return t >= parts ? n : n * t / parts / MV_COLS * MV_COLS;
 }
 
-/* Whether a part of m is of a type whose kernels read qm_xsum's sums. */
-static int st_needs_xsum(const st_matrix *m) {
-    for (int p = 0; p < m->parts; p++)
-        if (m->t[p] != ST_FLOAT && qm_needs_xsum(m->t[p])) return 1;
-    return 0;
-}
-
-/* The sums quant.h's kernels of m read of x (R rows of k) in this thread's own part of the
-   scratch; NULL where they read none. */
-static const float *st_sums(const st_matrix *m, const float *x, ptrdiff_t k, int R,
-                            const st_scratch *s) {
-    if (!st_needs_xsum(m)) return NULL;
-    float *xs = s->xs + (ptrdiff_t)st_thread() * s->xs_floats;
-    qm_xsum(x, k, R, xs);
-    return xs;
+/* in: what quant.h's kernels of the ``count`` matrices ms read of x (R rows of k) besides x,
+   made in this thread's own part of the scratch (qm_input_fill). */
+static void st_input(const st_matrix *ms, ptrdiff_t count, const float *x, ptrdiff_t k, int R,
+                     const st_scratch *s, qm_input *in) {
+    int types[64], n = 0;
+    for (ptrdiff_t i = 0; i < count; i++)
+        for (int p = 0; p < ms[i].parts && n < 64; p++)
+            if (ms[i].t[p] != ST_FLOAT) {
+                int seen = 0;
+                for (int j = 0; j < n; j++) seen |= types[j] == ms[i].t[p];
+                if (!seen) types[n++] = ms[i].t[p];
+            }
+    qm_input_fill(in, types, n, s->dot, x, k, R, s->xs + (ptrdiff_t)st_thread() * s->xs_floats);
 }
 
 /* Columns [j0, j1) of y = base + x W^T (base NULL: y = x W^T) for every row, W (n, k) the
    stacked matrix m, y's rows n floats apart; each part does its own columns. */
-static void st_product_cols(const st_matrix *m, const float *x, const float *xs, float *y,
+static void st_product_cols(const st_matrix *m, const float *x, const qm_input *in, float *y,
                             const float *base, ptrdiff_t n, ptrdiff_t k, int R, ptrdiff_t j0,
                             ptrdiff_t j1) {
     if (m->t[0] == ST_FLOAT) {
@@ -395,7 +394,7 @@ static void st_product_cols(const st_matrix *m, const float *x, const float *xs,
         ptrdiff_t a = j0 > first ? j0 - first : 0, b = j1 - first;
         if (b > m->n[p]) b = m->n[p];
         if (a < b)
-            qm_range(m->t[p], (const uint8_t *)m->w[p], x, xs, y + first,
+            qm_range(m->t[p], (const uint8_t *)m->w[p], x, in, y + first,
                      base ? base + first : NULL, n, k, R, a, b);
     }
 }
@@ -409,7 +408,8 @@ static void st_product_team(const st_matrix *m, const float *x, float *y, const 
         mv_rows_team((const float *)m->w[0], x, y, base, n, k, R);
         return;
     }
-    const float *xs = st_sums(m, x, k, R, s);
+    qm_input in;
+    st_input(m, 1, x, k, R, s, &in);
     ptrdiff_t tasks = 0;
     for (int p = 0; p < m->parts; p++)
         tasks += (m->n[p] + QM_COLS_PER_TASK - 1) / QM_COLS_PER_TASK;
@@ -424,7 +424,7 @@ static void st_product_team(const st_matrix *m, const float *x, float *y, const 
         }
         ptrdiff_t j0 = first + task * QM_COLS_PER_TASK, end = first + m->n[p];
         ptrdiff_t j1 = j0 + QM_COLS_PER_TASK < end ? j0 + QM_COLS_PER_TASK : end;
-        st_product_cols(m, x, xs, y, base, n, k, R, j0, j1);
+        st_product_cols(m, x, &in, y, base, n, k, R, j0, j1);
     }
 }
 
@@ -435,12 +435,12 @@ static inline float st_gelu_tanh(float x) {
 }
 
 /* gate/up products (gate_up, 2 hidden by dim, into gu) of hidden columns [j0, j1) and act =
-   activation(gate) * up of them, for R rows h; xs the sums of h as st_sums. */
+   activation(gate) * up of them, for R rows h; in as st_input's of h. */
 static void st_gated_cols(const st_matrix *gate_up, int activation, const float *h,
-                          const float *xs, float *gu, float *act, ptrdiff_t hidden,
+                          const qm_input *in, float *gu, float *act, ptrdiff_t hidden,
                           ptrdiff_t dim, int R, ptrdiff_t j0, ptrdiff_t j1) {
-    st_product_cols(gate_up, h, xs, gu, NULL, 2 * hidden, dim, R, j0, j1);
-    st_product_cols(gate_up, h, xs, gu, NULL, 2 * hidden, dim, R, hidden + j0, hidden + j1);
+    st_product_cols(gate_up, h, in, gu, NULL, 2 * hidden, dim, R, j0, j1);
+    st_product_cols(gate_up, h, in, gu, NULL, 2 * hidden, dim, R, hidden + j0, hidden + j1);
     for (int r = 0; r < R; r++) {
         const float *g = gu + r * 2 * hidden, *u = g + hidden;
         float *a = act + r * hidden;
@@ -482,10 +482,11 @@ static void st_dense_team(const st_block *b, const float *h, float *x, int R,
                           const st_scratch *s) {
     ptrdiff_t dim = b->dim, hidden = b->hidden;
     int team = st_team();
-    const float *xs = st_sums(&b->gate_up, h, dim, R, s);
+    qm_input in;
+    st_input(&b->gate_up, 1, h, dim, R, s, &in);
     #pragma omp for schedule(static)  /* one stretch of columns per thread */
     for (int t = 0; t < team; t++)
-        st_gated_cols(&b->gate_up, b->activation, h, xs, s->gu, s->act, hidden, dim, R,
+        st_gated_cols(&b->gate_up, b->activation, h, &in, s->gu, s->act, hidden, dim, R,
                       st_split(hidden, team, t), st_split(hidden, team, t + 1));
     st_residual_team(&b->down, b->post_mlp_norm, s->act, x, dim, hidden, R, b, s);
 }
@@ -527,7 +528,7 @@ static void st_block_team(const st_block *b, float *x, int R, const long long *s
 /* out = the n blocks of bs applied to x one after another, in one parallel region of
    ``threads``; returns 0, or -1 when scratch memory cannot be had. */
 static int st_blocks_step(const st_block *bs, int n, const float *x, float *out, int R,
-                          const long long *slots, const long long *pos, int threads) {
+                          const long long *slots, const long long *pos, int threads, int dot) {
     ptrdiff_t longest = 0;
     for (int r = 0; r < R; r++)
         if (pos[r] + 1 > longest) longest = pos[r] + 1;
@@ -543,6 +544,7 @@ static int st_blocks_step(const st_block *bs, int n, const float *x, float *out,
     for (int i = 0; i < n; i++) {
         st_scratch s;
         s.longest = longest;
+        s.dot = dot;
         st_scratch_at(&s, &bs[i], R, threads, base);
         st_block_team(&bs[i], out, R, slots, pos, &s);
     }
@@ -554,7 +556,7 @@ static int st_blocks_step(const st_block *bs, int n, const float *x, float *out,
    the head float32 (head_t ST_FLOAT) or quantized, in one call of ``threads``; returns 0, or
    -1 when scratch memory cannot be had. */
 static int st_logits(const float *x, const float *norm, float eps, const void *head, int head_t,
-                     float *out, ptrdiff_t dim, ptrdiff_t vocab, int R, int threads) {
+                     float *out, ptrdiff_t dim, ptrdiff_t vocab, int R, int threads, int dot) {
     float *h = malloc((size_t)R * dim * sizeof(float));
     if (h == NULL) return -1;
     for (int r = 0; r < R; r++) st_rmsnorm(x + r * dim, norm, h + r * dim, dim, eps);
@@ -562,12 +564,12 @@ static int st_logits(const float *x, const float *norm, float eps, const void *h
     if (head_t == ST_FLOAT)
         mv_rows((const float *)head, h, out, vocab, dim, R, threads);
     else
-        status = qm_rows(head_t, (const uint8_t *)head, h, out, vocab, dim, R, threads);
+        status = qm_rows(head_t, (const uint8_t *)head, h, out, vocab, dim, R, threads, dot);
     free(h);
     return status;
 }
 
 static int st_block_step(const st_block *b, const float *x, float *out, int R,
-                         const long long *slots, const long long *pos, int threads) {
-    return st_blocks_step(b, 1, x, out, R, slots, pos, threads);
+                         const long long *slots, const long long *pos, int threads, int dot) {
+    return st_blocks_step(b, 1, x, out, R, slots, pos, threads, dot);
 }

@@ -91,15 +91,6 @@ static void st_route_rows(const st_block *b, const float *logits, const float *h
     rt->first[rt->groups] = (int)n;
 }
 
-/* The sums the kernels of any of the E matrices ms read of x (rows of k) in this thread's
-   own part of the scratch; NULL where none reads them. */
-static const float *st_expert_sums(const st_matrix *ms, ptrdiff_t E, const float *x,
-                                   ptrdiff_t k, ptrdiff_t rows, const st_scratch *s) {
-    for (ptrdiff_t e = 0; e < E; e++)
-        if (st_needs_xsum(&ms[e])) return st_sums(&ms[e], x, k, (int)rows, s);
-    return NULL;
-}
-
 /* Columns [j0, j1) of x (or of o, with a sandwich norm) += the weighted sum of every row's
    experts' down products (ydown, in group order), ascending experts. */
 static void st_expert_sum_cols(const st_block *b, const st_route *rt, const float *ydown,
@@ -127,24 +118,27 @@ static void st_moe_team(const st_block *b, const float *h, float *x, int R,
     st_route_rows(b, s->logits, h, R, &rt);
     if (b->expert_counts && st_thread() == 0)
         for (ptrdiff_t a = 0; a < n; a++) b->expert_counts[rt.ids[a]]++;
-    const float *xs = st_expert_sums(b->expert_gate_up, E, rt.gathered, dim, n, s);
+    qm_input in;
+    st_input(b->expert_gate_up, E, rt.gathered, dim, (int)n, s, &in);
     #pragma omp for schedule(static)  /* a stretch of one expert's columns per task */
     for (int t = 0; t < rt.groups * team; t++) {
         int g = t / team, part = t % team, at = rt.first[g], rows = rt.first[g + 1] - at;
+        qm_input at_rows = qm_input_from(&in, dim, at);
         st_gated_cols(&b->expert_gate_up[rt.expert[g]], ST_SILU, rt.gathered + at * dim,
-                      xs ? xs + at * (dim / QM_SUB) : NULL, s->gu + at * 2 * hidden,
+                      &at_rows, s->gu + at * 2 * hidden,
                       s->act + at * hidden, hidden, dim, rows, st_split(hidden, team, part),
                       st_split(hidden, team, part + 1));
     }
-    xs = st_expert_sums(b->expert_down, E, s->act, hidden, n, s);
+    st_input(b->expert_down, E, s->act, hidden, (int)n, s, &in);
     float *dest = b->post_mlp_norm ? s->o : x;
     #pragma omp for schedule(static)  /* one stretch of x's columns per thread */
     for (int t = 0; t < team; t++) {
         ptrdiff_t j0 = st_split(dim, team, t), j1 = st_split(dim, team, t + 1);
         for (int g = 0; g < rt.groups; g++) {
             int at = rt.first[g], rows = rt.first[g + 1] - at;
+            qm_input at_rows = qm_input_from(&in, hidden, at);
             st_product_cols(&b->expert_down[rt.expert[g]], s->act + at * hidden,
-                            xs ? xs + at * (hidden / QM_SUB) : NULL, s->ydown + at * dim, NULL,
+                            &at_rows, s->ydown + at * dim, NULL,
                             dim, hidden, rows, j0, j1);
         }
         st_expert_sum_cols(b, &rt, s->ydown, dest, b->post_mlp_norm == NULL, R, j0, j1);

@@ -1,0 +1,249 @@
+/* The integer kernels of quant_q8.h on AVX2 (x86-64): a block's quants unpacked to bytes once
+ * (unsigned, or signed with their magnitudes and signs apart), then for each activation row
+ * vpmaddubsw (unsigned bytes by signed bytes, pairs summed to 16 bits) and vpmaddwd (pairs to
+ * 32 bits, by one or by the sub-block's scale), the block's int32 sums converted to float once
+ * and scaled by the weight's and the row's scales. Included by quant_q8.h on x86-64 only.
+ *
+ * Bounds: a pair of 6-bit (Q6_K) or smaller quants by 8-bit activations (|y| <= 127) sums to
+ * at most 2 * 63 * 127 < 32767, so vpmaddubsw never saturates.
+ */
+#define QA_ATTR __attribute__((target("avx2,fma,f16c")))
+#define QA_ALWAYS QA_ATTR static inline __attribute__((always_inline))
+#define QA_UNROLL _Pragma("GCC unroll 8")
+
+QA_ALWAYS float qa_hsum(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+QA_ALWAYS __m256i qa_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* The 16 bytes at p as 32 nibbles: the low ones (weights 0..15), then the high ones. */
+QA_ALWAYS __m256i qa_nibbles(const uint8_t *p) {
+    __m128i t = _mm_loadu_si128((const __m128i *)p);
+    __m256i v = _mm256_insertf128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0xF));
+}
+
+/* 0xFF in byte i where bit i of the 32 bits at p is set. */
+QA_ALWAYS __m256i qa_bits(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    const __m256i spread = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                             0x0101010101010101LL, 0);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)v), spread);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+}
+
+/* Eight int32 sums of four products each: unsigned bytes u by signed bytes y. */
+QA_ALWAYS __m256i qa_madd_us(__m256i u, __m256i y) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), _mm256_set1_epi16(1));
+}
+
+/* A 32-weight block's quants as bytes: unsigned (Q4_1, Q5_1) in *u, or signed (Q8_0, Q4_0,
+   Q5_0, IQ4_NL) as their magnitudes in *u and themselves in *x (signs for vpsignb). */
+QA_ALWAYS int qa_unpack32(int type, const uint8_t *blk, __m256i *u, __m256i *x) {
+    const __m128i values = _mm_loadu_si128((const __m128i *)qm_iq4nl);
+    switch (type) {
+    case QM_Q4_1: *u = qa_nibbles(blk + 4); return 0;
+    case QM_Q5_1:
+        *u = _mm256_or_si256(qa_nibbles(blk + 8),
+                             _mm256_and_si256(qa_bits(blk + 4), _mm256_set1_epi8(0x10)));
+        return 0;
+    case QM_Q8_0: *x = qa_load(blk + 2); break;
+    case QM_Q4_0: *x = _mm256_sub_epi8(qa_nibbles(blk + 2), _mm256_set1_epi8(8)); break;
+    case QM_Q5_0:  /* q - 16: the low bits, less 16 where the fifth bit is clear */
+        *x = _mm256_or_si256(qa_nibbles(blk + 6),
+                             _mm256_andnot_si256(qa_bits(blk + 2), _mm256_set1_epi8((char)0xF0)));
+        break;
+    default:  /* IQ4_NL */
+        *x = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(values), qa_nibbles(blk + 2));
+    }
+    *u = _mm256_sign_epi8(*x, *x);
+    return 1;
+}
+
+/* The 32-weight types against R rows: even and odd blocks in two accumulators per row where
+   R <= 4 (two chains, each half as long), the minimum (Q4_1, Q5_1) m * s per block. */
+QA_ALWAYS void qa_dot32(int type, const uint8_t *w, const qm_act *a, ptrdiff_t k, const int R,
+                        float *s) {
+    const int A = R <= 4 ? 2 : 1, bb = qm_block_bytes[type];
+    const int has_min = type == QM_Q4_1 || type == QM_Q5_1;
+    const ptrdiff_t nb = k / 32;
+    __m256 acc[QM_IGROUP];
+    float mins[QM_IGROUP];
+    QA_UNROLL
+    for (int i = 0; i < QM_IGROUP; i++) { acc[i] = _mm256_setzero_ps(); mins[i] = 0.0f; }
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bb;
+        __m256i u, x = _mm256_setzero_si256();
+        int is_signed = qa_unpack32(type, blk, &u, &x);
+        float dw = QS_HALF(blk), mw = has_min ? QS_HALF(blk + 2) : 0.0f;
+        QA_UNROLL
+        for (int r = 0; r < R; r++) {
+            __m256i y = qa_load(a->q32 + r * k + 32 * b);
+            __m256i p = qa_madd_us(u, is_signed ? _mm256_sign_epi8(y, x) : y);
+            __m256 d = _mm256_set1_ps(dw * a->d32[r * nb + b]);
+            int at = A == 2 ? (int)(b & 1) * R + r : r;
+            acc[at] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc[at]);
+            if (has_min) mins[r] += mw * a->s32[r * nb + b];
+        }
+    }
+    QA_UNROLL
+    for (int r = 0; r < R; r++)
+        s[r] = qa_hsum(A == 2 ? _mm256_add_ps(acc[r], acc[R + r]) : acc[r]) + mins[r];
+}
+
+/* Q4_K's (and Q5_K's) eight 6-bit scales (bytes 0..7) and mins (8..15) of its 12 packed
+   bytes, unpacked with 32-bit operations. */
+QA_ALWAYS __m128i qa_scales_k4(const uint8_t *packed) {
+    uint32_t t[4];
+    memcpy(t, packed, 12);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+    uint32_t mins_hi = ((t[2] >> 4) & low4) | (((t[1] >> 6) & low2) << 4);
+    uint32_t mins_lo = t[1] & low6;
+    uint32_t scales_hi = (t[2] & low4) | (((t[0] >> 6) & low2) << 4);
+    uint32_t scales_lo = t[0] & low6;
+    return _mm_set_epi32((int)mins_hi, (int)mins_lo, (int)scales_hi, (int)scales_lo);
+}
+
+/* Lane pattern picking 16-bit lane j of a 128-bit half into every lane. */
+QA_ALWAYS __m256i qa_lane16(__m256i v, int j) {
+    return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)((2 * j) | ((2 * j + 1) << 8))));
+}
+
+/* Q4_K (five = 0) or Q5_K against R rows: per 256-block the 256 quants unpacked once into q
+   (eight vectors of 32 bytes, sub-block j in q[j]), then per row the sub-blocks' sums by
+   their scales, and the mins by the pairs of 16-sums (bsums) under each sub-block. */
+QA_ALWAYS void qa_dot_k45(const uint8_t *w, const qm_act *a, ptrdiff_t k, const int R,
+                          float *s, int five) {
+    const int bb = five ? 176 : 144;
+    const ptrdiff_t nb = k / 256;
+    __m256 acc[QM_IGROUP];
+    QA_UNROLL
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bb, *qs = blk + (five ? 48 : 16);
+        __m128i sm = qa_scales_k4(blk + 4);
+        __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+        __m128i mins = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(sm, sm));
+        __m256i q[8], hbits = five ? qa_load(blk + 16) : _mm256_setzero_si256();
+        const __m256i low4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
+        for (int c = 0; c < 4; c++) {
+            __m256i bits = qa_load(qs + 32 * c);
+            q[2 * c] = _mm256_and_si256(bits, low4);
+            q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low4);
+            if (five) {
+                __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(hbits, 2 * c), one);
+                __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(hbits, 2 * c + 1), one);
+                q[2 * c] = _mm256_or_si256(q[2 * c], _mm256_slli_epi16(h0, 4));
+                q[2 * c + 1] = _mm256_or_si256(q[2 * c + 1], _mm256_slli_epi16(h1, 4));
+            }
+        }
+        float dw = QS_HALF(blk), mw = QS_HALF(blk + 2);
+        QA_UNROLL
+        for (int r = 0; r < R; r++) {
+            const int8_t *y = a->qk + r * k + 256 * b;
+            __m256i sumi = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++)
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(q[j], qa_load(y + 32 * j)), qa_lane16(scales, j)));
+            __m256i bs = qa_load(a->bsums + r * (k / 16) + 16 * b);
+            __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs),
+                                           _mm256_extracti128_si256(bs, 1));
+            __m256i m = _mm256_zextsi128_si256(_mm_madd_epi16(mins, pairs));
+            float dy = a->dk[r * (nb + 1) + b];
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dy), _mm256_cvtepi32_ps(sumi), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(mw * dy), _mm256_cvtepi32_ps(m), acc[r]);
+        }
+    }
+    QA_UNROLL
+    for (int r = 0; r < R; r++) s[r] = qa_hsum(acc[r]);
+}
+
+/* Q6_K against R rows: the 256 six-bit quants (0..63) unpacked once; per row the 16-weight
+   sub-blocks by their int8 scales, less 32 * scale * bsum for the offset. */
+QA_ALWAYS void qa_dot_q6_k(const uint8_t *w, const qm_act *a, ptrdiff_t k, const int R,
+                           float *s) {
+    const ptrdiff_t nb = k / 256;
+    __m256 acc[QM_IGROUP];
+    QA_UNROLL
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * 210;
+        const __m256i low4 = _mm256_set1_epi8(0xF), low2 = _mm256_set1_epi8(3);
+        __m256i q[8], sc[8];
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *ql = blk + 64 * half, *qh = blk + 128 + 32 * half;
+            __m256i l0 = qa_load(ql), l1 = qa_load(ql + 32), h = qa_load(qh);
+            for (int g = 0; g < 4; g++) {
+                __m256i lo = g < 2 ? (g ? l1 : l0)
+                                   : _mm256_srli_epi16(g == 2 ? l0 : l1, 4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(h, 2 * g), low2);
+                q[4 * half + g] = _mm256_or_si256(_mm256_and_si256(lo, low4),
+                                                  _mm256_slli_epi16(hi, 4));
+            }
+        }
+        __m128i scales8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+        for (int i = 0; i < 8; i++) {  /* sub-blocks 2i and 2i + 1: the two halves of q[i] */
+            __m128i pick = _mm_set_epi8(2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1,
+                                        2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i, 2 * i, 2 * i,
+                                        2 * i, 2 * i, 2 * i, 2 * i, 2 * i);
+            sc[i] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales8, pick));
+        }
+        __m256i sc16 = _mm256_cvtepi8_epi16(scales8);
+        float dw = QS_HALF(blk + 208);
+        QA_UNROLL
+        for (int r = 0; r < R; r++) {
+            const int8_t *y = a->qk + r * k + 256 * b;
+            __m256i sumi = _mm256_setzero_si256();
+            for (int i = 0; i < 8; i++)
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(q[i], qa_load(y + 32 * i)), sc[i]));
+            __m256i offset = _mm256_madd_epi16(sc16, qa_load(a->bsums + r * (k / 16) + 16 * b));
+            sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(offset, 5));
+            float dy = a->dk[r * (nb + 1) + b];
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dy), _mm256_cvtepi32_ps(sumi), acc[r]);
+        }
+    }
+    QA_UNROLL
+    for (int r = 0; r < R; r++) s[r] = qa_hsum(acc[r]);
+}
+
+/* One function per type with R fixed in each branch (the loops over rows unrolled). */
+#define QA_BY_ROWS(name, CALL)                                                                \
+    QA_ATTR static void name(const uint8_t *w, const qm_act *a, ptrdiff_t k, int R, float *s) { \
+        switch (R) {                                                                          \
+        case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break;               \
+        case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break;               \
+        case 7: CALL(7); break; default: CALL(8); break;                                      \
+        }                                                                                     \
+    }
+#define QA_CALL32(T) (R_) qa_dot32(T, w, a, k, R_, s)
+#define QA_Q8_0(R_) qa_dot32(QM_Q8_0, w, a, k, R_, s)
+#define QA_Q4_0(R_) qa_dot32(QM_Q4_0, w, a, k, R_, s)
+#define QA_Q4_1(R_) qa_dot32(QM_Q4_1, w, a, k, R_, s)
+#define QA_Q5_0(R_) qa_dot32(QM_Q5_0, w, a, k, R_, s)
+#define QA_Q5_1(R_) qa_dot32(QM_Q5_1, w, a, k, R_, s)
+#define QA_IQ4_NL(R_) qa_dot32(QM_IQ4_NL, w, a, k, R_, s)
+#define QA_Q4_K(R_) qa_dot_k45(w, a, k, R_, s, 0)
+#define QA_Q5_K(R_) qa_dot_k45(w, a, k, R_, s, 1)
+#define QA_Q6_K(R_) qa_dot_q6_k(w, a, k, R_, s)
+QA_BY_ROWS(qa_q8_0, QA_Q8_0)
+QA_BY_ROWS(qa_q4_0, QA_Q4_0)
+QA_BY_ROWS(qa_q4_1, QA_Q4_1)
+QA_BY_ROWS(qa_q5_0, QA_Q5_0)
+QA_BY_ROWS(qa_q5_1, QA_Q5_1)
+QA_BY_ROWS(qa_iq4_nl, QA_IQ4_NL)
+QA_BY_ROWS(qa_q4_k, QA_Q4_K)
+QA_BY_ROWS(qa_q5_k, QA_Q5_K)
+QA_BY_ROWS(qa_q6_k, QA_Q6_K)
+
+/* The AVX2 integer kernels by type (NULL: none here; that type multiplies in float32). */
+static const qm_idot_fn qm_itable_avx2[QM_TYPES] = {
+    qa_q8_0, qa_q4_0, qa_q4_1, qa_q4_k, qa_q6_k, NULL, NULL, qa_q5_0, qa_q5_1, NULL, NULL,
+    qa_q5_k, qa_iq4_nl, NULL};
+#define QM_ITABLE qm_itable_avx2

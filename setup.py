@@ -38,8 +38,7 @@ def _extension(pyx):
     name = _owner(pyx) + "." + os.path.basename(pyx)[:-4]
     flags = ["-O3", "-Wno-psabi"]
     if name.endswith(("._cmatvec", "._cstep", "._cquant")):
-        headers = [os.path.join("ext", h) for h in ("matvec.h", "step.h", "step_moe.h", "quant.h",
-                                                    "quant_simd.h")]
+        headers = sorted(glob.glob(os.path.join("ext", "*.h")))
         return Extension(name, [pyx], include_dirs=["ext"], depends=headers,
                          extra_compile_args=flags + ["-fopenmp"], extra_link_args=["-fopenmp"])
     return Extension(name, [pyx], extra_compile_args=flags)

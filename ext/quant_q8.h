@@ -82,7 +82,7 @@ static void qm_quantize32(const float *x, ptrdiff_t k, int R, const qm_act *a) {
     for (ptrdiff_t b = 0; b < (ptrdiff_t)R * (k / 32); b++) {
         const float *xb = x + 32 * b;
         float amax = 0.0f;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        for (int i = 0; i < 32; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
         float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
         int sum = 0;
         for (int i = 0; i < 32; i++) {

@@ -66,35 +66,52 @@ QA_ALWAYS int qa_unpack32(int type, const uint8_t *blk, __m256i *u, __m256i *x) 
     return 1;
 }
 
-/* The 32-weight types against R rows: even and odd blocks in two accumulators per row where
-   R <= 4 (two chains, each half as long), the minimum (Q4_1, Q5_1) m * s per block. */
+/* One 32-weight block b against R rows, into acc (one vector per row) and mins (Q4_1's and
+   Q5_1's m * s). */
+QA_ALWAYS void qa_blk32(int type, const uint8_t *blk, const qm_act *a, ptrdiff_t k,
+                        ptrdiff_t b, const int R, __m256 *acc, float *mins) {
+    const ptrdiff_t nb = k / 32;
+    const int has_min = type == QM_Q4_1 || type == QM_Q5_1;
+    __m256i u, x = _mm256_setzero_si256();
+    int is_signed = qa_unpack32(type, blk, &u, &x);
+    qs_f4 dm = has_min ? QS_HALF2(blk) : (qs_f4){QS_HALF(blk), 0.0f, 0.0f, 0.0f};
+    float dw = dm[0];
+    QA_UNROLL
+    for (int r = 0; r < R; r++) {
+        __m256i y = qa_load(a->q32 + r * k + 32 * b);
+        __m256i p = qa_madd_us(u, is_signed ? _mm256_sign_epi8(y, x) : y);
+        __m256 d = _mm256_set1_ps(dw * a->d32[r * nb + b]);
+        acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc[r]);
+    }
+    if (has_min) {
+        QA_UNROLL
+        for (int r = 0; r < R; r++) mins[r] += dm[1] * a->s32[r * nb + b];
+    }
+}
+
+/* The 32-weight types against R rows: even and odd blocks in two accumulators per row (two
+   chains, each half as long) where R <= 4. */
 QA_ALWAYS void qa_dot32(int type, const uint8_t *w, const qm_act *a, ptrdiff_t k, const int R,
                         float *s) {
-    const int A = R <= 4 ? 2 : 1, bb = qm_block_bytes[type];
-    const int has_min = type == QM_Q4_1 || type == QM_Q5_1;
+    const int bb = qm_block_bytes[type];
     const ptrdiff_t nb = k / 32;
-    __m256 acc[QM_IGROUP];
-    float mins[QM_IGROUP];
+    __m256 even[QM_IGROUP], odd[QM_IGROUP];
+    float mins_even[QM_IGROUP], mins_odd[QM_IGROUP];
     QA_UNROLL
-    for (int i = 0; i < QM_IGROUP; i++) { acc[i] = _mm256_setzero_ps(); mins[i] = 0.0f; }
-    for (ptrdiff_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * bb;
-        __m256i u, x = _mm256_setzero_si256();
-        int is_signed = qa_unpack32(type, blk, &u, &x);
-        float dw = QS_HALF(blk), mw = has_min ? QS_HALF(blk + 2) : 0.0f;
-        QA_UNROLL
-        for (int r = 0; r < R; r++) {
-            __m256i y = qa_load(a->q32 + r * k + 32 * b);
-            __m256i p = qa_madd_us(u, is_signed ? _mm256_sign_epi8(y, x) : y);
-            __m256 d = _mm256_set1_ps(dw * a->d32[r * nb + b]);
-            int at = A == 2 ? (int)(b & 1) * R + r : r;
-            acc[at] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc[at]);
-            if (has_min) mins[r] += mw * a->s32[r * nb + b];
-        }
+    for (int r = 0; r < R; r++) {
+        even[r] = odd[r] = _mm256_setzero_ps();
+        mins_even[r] = mins_odd[r] = 0.0f;
     }
+    ptrdiff_t b = 0;
+    if (R <= 4)
+        for (; b + 1 < nb; b += 2) {
+            qa_blk32(type, w + b * bb, a, k, b, R, even, mins_even);
+            qa_blk32(type, w + (b + 1) * bb, a, k, b + 1, R, odd, mins_odd);
+        }
+    for (; b < nb; b++) qa_blk32(type, w + b * bb, a, k, b, R, even, mins_even);
     QA_UNROLL
     for (int r = 0; r < R; r++)
-        s[r] = qa_hsum(A == 2 ? _mm256_add_ps(acc[r], acc[R + r]) : acc[r]) + mins[r];
+        s[r] = qa_hsum(_mm256_add_ps(even[r], odd[r])) + (mins_even[r] + mins_odd[r]);
 }
 
 /* Q4_K's (and Q5_K's) eight 6-bit scales (bytes 0..7) and mins (8..15) of its 12 packed
@@ -115,99 +132,105 @@ QA_ALWAYS __m256i qa_lane16(__m256i v, int j) {
     return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)((2 * j) | ((2 * j + 1) << 8))));
 }
 
-/* Q4_K (five = 0) or Q5_K against R rows: per 256-block the 256 quants unpacked once into q
-   (eight vectors of 32 bytes, sub-block j in q[j]), then per row the sub-blocks' sums by
-   their scales, and the mins by the pairs of 16-sums (bsums) under each sub-block. */
+/* acc[r] += dw dy sumi[r] - mw dy m (m the row's mins by the pairs of its 16-sums, where
+   mins is not NULL) for R rows of block b, then sumi cleared. */
+QA_ALWAYS void qa_scale_k(const qm_act *a, ptrdiff_t k, ptrdiff_t b, const int R, float dw,
+                          float mw, const __m128i *mins, __m256i *sumi, __m256 *acc) {
+    const ptrdiff_t nb = k / 256;
+    QA_UNROLL
+    for (int r = 0; r < R; r++) {
+        float dy = a->dk[r * (nb + 1) + b];
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dy), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+        if (mins) {
+            __m256i bs = qa_load(a->bsums + r * (k / 16) + 16 * b);
+            __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs),
+                                           _mm256_extracti128_si256(bs, 1));
+            __m256i m = _mm256_zextsi128_si256(_mm_madd_epi16(*mins, pairs));
+            acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(mw * dy), _mm256_cvtepi32_ps(m), acc[r]);
+        }
+        sumi[r] = _mm256_setzero_si256();
+    }
+}
+
+/* sumi[r] += (q by row r's 32 quants at y + at) by the 16-bit scales sc, for R rows. */
+QA_ALWAYS void qa_rows_k(const qm_act *a, ptrdiff_t k, ptrdiff_t at, const int R, __m256i q,
+                         __m256i sc, __m256i *sumi) {
+    QA_UNROLL
+    for (int r = 0; r < R; r++)
+        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(
+            _mm256_maddubs_epi16(q, qa_load(a->qk + r * k + at)), sc));
+}
+
+/* Q4_K (five = 0) or Q5_K against R rows: per 64 weights the two sub-blocks' quants unpacked
+   once and their scales picked, then every row's products by them; per block the sums
+   scaled and the mins taken by the pairs of 16-sums (bsums) under each sub-block. */
 QA_ALWAYS void qa_dot_k45(const uint8_t *w, const qm_act *a, ptrdiff_t k, const int R,
                           float *s, int five) {
     const int bb = five ? 176 : 144;
     const ptrdiff_t nb = k / 256;
+    const __m256i low4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
     __m256 acc[QM_IGROUP];
+    __m256i sumi[QM_IGROUP];
     QA_UNROLL
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); sumi[r] = _mm256_setzero_si256(); }
     for (ptrdiff_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bb, *qs = blk + (five ? 48 : 16);
         __m128i sm = qa_scales_k4(blk + 4);
         __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
         __m128i mins = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(sm, sm));
-        __m256i q[8], hbits = five ? qa_load(blk + 16) : _mm256_setzero_si256();
-        const __m256i low4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
         for (int c = 0; c < 4; c++) {
             __m256i bits = qa_load(qs + 32 * c);
-            q[2 * c] = _mm256_and_si256(bits, low4);
-            q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low4);
+            __m256i lo = _mm256_and_si256(bits, low4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low4);
             if (five) {
-                __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(hbits, 2 * c), one);
-                __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(hbits, 2 * c + 1), one);
-                q[2 * c] = _mm256_or_si256(q[2 * c], _mm256_slli_epi16(h0, 4));
-                q[2 * c + 1] = _mm256_or_si256(q[2 * c + 1], _mm256_slli_epi16(h1, 4));
+                __m256i hb = qa_load(blk + 16);
+                __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one);
+                __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(h0, 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(h1, 4));
             }
+            qa_rows_k(a, k, 256 * b + 64 * c, R, lo, qa_lane16(scales, 2 * c), sumi);
+            qa_rows_k(a, k, 256 * b + 64 * c + 32, R, hi, qa_lane16(scales, 2 * c + 1), sumi);
         }
-        float dw = QS_HALF(blk), mw = QS_HALF(blk + 2);
-        QA_UNROLL
-        for (int r = 0; r < R; r++) {
-            const int8_t *y = a->qk + r * k + 256 * b;
-            __m256i sumi = _mm256_setzero_si256();
-            for (int j = 0; j < 8; j++)
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(q[j], qa_load(y + 32 * j)), qa_lane16(scales, j)));
-            __m256i bs = qa_load(a->bsums + r * (k / 16) + 16 * b);
-            __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs),
-                                           _mm256_extracti128_si256(bs, 1));
-            __m256i m = _mm256_zextsi128_si256(_mm_madd_epi16(mins, pairs));
-            float dy = a->dk[r * (nb + 1) + b];
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dy), _mm256_cvtepi32_ps(sumi), acc[r]);
-            acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(mw * dy), _mm256_cvtepi32_ps(m), acc[r]);
-        }
+        qa_scale_k(a, k, b, R, QS_HALF(blk), QS_HALF(blk + 2), &mins, sumi, acc);
     }
     QA_UNROLL
     for (int r = 0; r < R; r++) s[r] = qa_hsum(acc[r]);
 }
 
-/* Q6_K against R rows: the 256 six-bit quants (0..63) unpacked once; per row the 16-weight
-   sub-blocks by their int8 scales, less 32 * scale * bsum for the offset. */
+/* Q6_K against R rows: per 32 weights their six-bit quants (0..63) unpacked once and their
+   two int8 scales picked, then every row's products; per block 32 * scale * bsum taken off
+   for the offset, and the sums scaled. */
 QA_ALWAYS void qa_dot_q6_k(const uint8_t *w, const qm_act *a, ptrdiff_t k, const int R,
                            float *s) {
     const ptrdiff_t nb = k / 256;
+    const __m256i low4 = _mm256_set1_epi8(0xF), low2 = _mm256_set1_epi8(3);
     __m256 acc[QM_IGROUP];
+    __m256i sumi[QM_IGROUP];
     QA_UNROLL
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); sumi[r] = _mm256_setzero_si256(); }
     for (ptrdiff_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * 210;
-        const __m256i low4 = _mm256_set1_epi8(0xF), low2 = _mm256_set1_epi8(3);
-        __m256i q[8], sc[8];
-        for (int half = 0; half < 2; half++) {
-            const uint8_t *ql = blk + 64 * half, *qh = blk + 128 + 32 * half;
-            __m256i l0 = qa_load(ql), l1 = qa_load(ql + 32), h = qa_load(qh);
-            for (int g = 0; g < 4; g++) {
-                __m256i lo = g < 2 ? (g ? l1 : l0)
-                                   : _mm256_srli_epi16(g == 2 ? l0 : l1, 4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(h, 2 * g), low2);
-                q[4 * half + g] = _mm256_or_si256(_mm256_and_si256(lo, low4),
-                                                  _mm256_slli_epi16(hi, 4));
-            }
-        }
         __m128i scales8 = _mm_loadu_si128((const __m128i *)(blk + 192));
-        for (int i = 0; i < 8; i++) {  /* sub-blocks 2i and 2i + 1: the two halves of q[i] */
+        __m256i sc16 = _mm256_cvtepi8_epi16(scales8);
+        QA_UNROLL
+        for (int r = 0; r < R; r++)  /* the offset first: -32 scale bsum */
+            sumi[r] = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(_mm256_madd_epi16(
+                sc16, qa_load(a->bsums + r * (k / 16) + 16 * b)), 5));
+        for (int i = 0; i < 8; i++) {  /* weights 32 i ..: sub-blocks 2i and 2i + 1 */
+            int half = i / 4, g = i % 4;
+            __m256i l = qa_load(blk + 64 * half + 32 * (g % 2));
+            __m256i lo = _mm256_and_si256(g < 2 ? l : _mm256_srli_epi16(l, 4), low4);
+            __m256i h = _mm256_and_si256(
+                _mm256_srli_epi16(qa_load(blk + 128 + 32 * half), 2 * g), low2);
+            __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(h, 4));
             __m128i pick = _mm_set_epi8(2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1,
                                         2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i, 2 * i, 2 * i,
                                         2 * i, 2 * i, 2 * i, 2 * i, 2 * i);
-            sc[i] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales8, pick));
+            __m256i sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales8, pick));
+            qa_rows_k(a, k, 256 * b + 32 * i, R, q, sc, sumi);
         }
-        __m256i sc16 = _mm256_cvtepi8_epi16(scales8);
-        float dw = QS_HALF(blk + 208);
-        QA_UNROLL
-        for (int r = 0; r < R; r++) {
-            const int8_t *y = a->qk + r * k + 256 * b;
-            __m256i sumi = _mm256_setzero_si256();
-            for (int i = 0; i < 8; i++)
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(q[i], qa_load(y + 32 * i)), sc[i]));
-            __m256i offset = _mm256_madd_epi16(sc16, qa_load(a->bsums + r * (k / 16) + 16 * b));
-            sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(offset, 5));
-            float dy = a->dk[r * (nb + 1) + b];
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dy), _mm256_cvtepi32_ps(sumi), acc[r]);
-        }
+        qa_scale_k(a, k, b, R, QS_HALF(blk + 208), 0.0f, NULL, sumi, acc);
     }
     QA_UNROLL
     for (int r = 0; r < R; r++) s[r] = qa_hsum(acc[r]);
@@ -222,7 +245,6 @@ QA_ALWAYS void qa_dot_q6_k(const uint8_t *w, const qm_act *a, ptrdiff_t k, const
         case 7: CALL(7); break; default: CALL(8); break;                                      \
         }                                                                                     \
     }
-#define QA_CALL32(T) (R_) qa_dot32(T, w, a, k, R_, s)
 #define QA_Q8_0(R_) qa_dot32(QM_Q8_0, w, a, k, R_, s)
 #define QA_Q4_0(R_) qa_dot32(QM_Q4_0, w, a, k, R_, s)
 #define QA_Q4_1(R_) qa_dot32(QM_Q4_1, w, a, k, R_, s)

@@ -4,6 +4,7 @@ tokenizer for it."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,9 @@ def stories_dir() -> Path:
 
 
 def pytest_configure(config: Any) -> None:
+    # the exact float32 products (the transformers-equality tests' path), here and in every
+    # process a test starts; the q8 mode's tests ask for it
+    os.environ.setdefault("MDIEDGE_CPU_DOT", "f32")
     try:
         import torch
     except ImportError:  # the Python 3.8 CI job runs only the tests that need no torch

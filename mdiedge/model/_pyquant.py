@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from .quant import KERNEL_TYPES, TYPES, check_matmul, check_rows, dequantize  # noqa: F401  (API)
+from .quant import (KERNEL_TYPES, TYPES, check_matmul, check_rows, dequantize,  # noqa: F401
+                    quantized_activations)
 
 TILE_BYTES = 1 << 20  # quantized bytes de-quantized per step of ``matmul``
 # the types multiplied natively, in kernel-code order: (name, weights per block, bytes per block)
@@ -26,10 +27,13 @@ def set_simd(on: bool) -> str:
     return simd_path()
 
 
-def matmul(x: Any, w: Any, qtype: str, out: Any, threads: int = 1) -> Any:
+def matmul(x: Any, w: Any, qtype: str, out: Any, threads: int = 1, dot: int = 0) -> Any:
     """out = x @ W^T with W the de-quantized ``w`` (uint8 (n, row_bytes)) of type ``qtype``;
-    x float32 (rows, in), out float32 (rows, n); returns out."""
+    x float32 (rows, in), out float32 (rows, n); dot 1: the q8 mode, x first rounded as the
+    integer kernels quantize it (``quantized_activations``); returns out."""
     t = check_matmul(x, w, qtype, out, threads)
+    if dot and t.act_block:
+        x = quantized_activations(x, t.act_block)
     step = max(1, TILE_BYTES // w.shape[1])
     for first in range(0, w.shape[0], step):
         tile = dequantize(w[first:first + step], t.name, x.shape[1])

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from ..base.accel import Twins
 from ..base.errors import CheckpointError, QuantError
 from . import _pyquant
+from .cpudot import dot_code
 from .layers import Linear
 from .quant import TYPES, check_blocks, dequantize_on_device, qtype_of, quantize, row_bytes
 
@@ -100,7 +101,7 @@ class QuantLinear(nn.Module):
         out = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32,
                           device=flat.device)  # (rows, out)
         if flat.shape[0] <= KERNEL_ROWS:
-            _quant.matmul(flat, self.qweight, self.qtype, out, _threads())
+            _quant.matmul(flat, self.qweight, self.qtype, out, _threads(), dot_code())
         else:
             self._tiled(flat, out)
         return out.view(*x.shape[:-1], self.out_features)

@@ -70,6 +70,12 @@ class QType:
         """Whether the compiled product multiplies this type where it lies."""
         return self.kernel is not None
 
+    @property
+    def act_block(self) -> int:
+        """The activations' block in the q8 mode (``ext/quant_q8.h``): the weights' block,
+        32 or 256, for a quantized type; 0 for a float one (multiplied in float32)."""
+        return self.block if self.native and self.block > 1 else 0
+
 
 TYPES: Dict[str, QType] = {t.name: t for t in (
     QType("F32", 0, 1, 4, (), None),
@@ -112,6 +118,25 @@ def check_compiled(compiled: Sequence[Tuple[Any, int, int]], module: str) -> Non
             raise QuantError(f"{module} was built with quant type {code} = {got.get(code)}, "
                              f"but mdiedge.model.quant.TYPES has {want.get(code)}: rebuild it "
                              "(python setup.py build_ext --inplace)")
+
+
+def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x (rows, k) as the q8 mode's integer kernels see it (``ext/quant_q8.h``), in float32:
+    per 32 values (block 32, ggml's Q8_0) d = max|x| / 127 and x rounded to d * round(x / d);
+    per 256 (ggml's Q8_K) d = -m / 127, m the value of the largest magnitude, the quants
+    capped at 127. Rounding halves away from zero, as the kernels do."""
+    rows, k = x.shape
+    blocks = x.reshape(rows, k // block, block)
+    if block == 32:
+        d = blocks.abs().amax(-1, keepdim=True) / 127
+        inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    else:
+        top = torch.gather(blocks, -1, blocks.abs().argmax(-1, keepdim=True))
+        inverse = torch.where(top != 0, -127 / top, torch.zeros_like(top))
+        d = torch.where(inverse != 0, 1 / inverse, torch.zeros_like(inverse))
+    scaled = blocks * inverse
+    q = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)
+    return (q.clamp(max=127) * d).reshape(rows, k)
 
 
 def row_bytes(qtype: str, in_features: int) -> int:

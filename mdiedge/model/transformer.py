@@ -24,6 +24,7 @@ from . import _pystep
 from ._stepspec import BlockWeights
 from .block import KVCache, step_matrix
 from .config import ModelConfig
+from .cpudot import dot_code
 from .decoderoute import decode_route
 from .exits import ExitStep
 from .families import family_of
@@ -233,7 +234,7 @@ class Transformer(nn.Module):
         if plan is None:
             plan = plans[(first, end)] = _step.plan(self._step_weights()[first:end])
         out = torch.empty_like(rows)  # (B, dim)
-        _step.blocks(plan, rows, out, slots, positions, threads)
+        _step.blocks(plan, rows, out, slots, positions, threads, dot_code())
         return out
 
     def _step_weights(self) -> List[BlockWeights]:
@@ -309,7 +310,8 @@ class Transformer(nn.Module):
             norm = self.norm.weight
             if head is not None and _step.logits_usable(norm, head, rows):
                 out = torch.empty(rows.shape[0], head.shape[0])  # (B, vocab)
-                _step.logits(norm, self.norm.eps, head, rows, out, torch.get_num_threads())
+                _step.logits(norm, self.norm.eps, head, rows, out, torch.get_num_threads(),
+                             dot_code())
                 return out
         return self.lm_head(self.norm(x)).float()
 

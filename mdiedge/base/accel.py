@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Dict, List, Optional
 
+from .cpudot import cpu_dot
 from .selfcommand import package_root
 from .threads import openmp_wait_mode
 
@@ -70,9 +71,9 @@ class Twins:
 
 def running_code() -> Dict[str, Any]:
     """What this process runs, for a node's status: the package's directory, each pair
-    imported so far by the implementation it selects (``compiled`` or ``twin``), and how
-    its idle OpenMP threads wait."""
-    return {"package": package_root(), "openmp_waits": openmp_wait_mode(),
+    imported so far by the implementation it selects (``compiled`` or ``twin``), how its
+    idle OpenMP threads wait, and how its CPU kernels multiply quantized weights."""
+    return {"package": package_root(), "openmp_waits": openmp_wait_mode(), "cpu_dot": cpu_dot(),
             "modules": {pair.name: "compiled" if pair.select() is pair.compiled else "twin"
                         for pair in _PAIRS.values()}}
 

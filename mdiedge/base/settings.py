@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import (Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Optional,
                     Sequence, Tuple, Union)
 
-from .defaults import (BUSY_POLL_US, IDLE_TIMEOUT_S, MAX_BUSY_POLL_US, MAX_PAYLOAD, MAX_THREADS,
-                       PREFILL_CHUNK, REBALANCE_MARGIN, RING_TIMEOUT_S, STALL_S,
+from .defaults import (BUSY_POLL_US, CPU_DOTS, IDLE_TIMEOUT_S, MAX_BUSY_POLL_US, MAX_PAYLOAD,
+                       MAX_THREADS, PREFILL_CHUNK, REBALANCE_MARGIN, RING_TIMEOUT_S, STALL_S,
                        STARTER_CONTROL_PORT, WORKER_CONTROL_PORT, WORKER_DATA_PORT)
 from .dtypes import COMPUTE_NAMES, QUANTIZERS
 from .errors import BadValue, ConfigError
@@ -89,6 +89,7 @@ class WorkerSettings:
     control_port: int = WORKER_CONTROL_PORT
     data_port: int = WORKER_DATA_PORT
     threads: int = 0  # compute threads; 0: every core this process may use
+    cpu_dot: Optional[str] = None  # q8 or f32 (mdiedge.base.cpudot); None: $MDIEDGE_CPU_DOT
     cache_dir: Optional[str] = None
     log_level: str = "info"
     idle_timeout_s: float = IDLE_TIMEOUT_S
@@ -129,6 +130,7 @@ class StarterSettings:
     compression: str = "none"  # codecs of every link whose worker names none
     quantize: str = ""  # the block type the ring's float blocks are quantized to ("": none)
     threads: int = 0  # compute threads; 0: every core this process may use
+    cpu_dot: Optional[str] = None  # q8 or f32 (mdiedge.base.cpudot); None: $MDIEDGE_CPU_DOT
     busy_poll_us: int = BUSY_POLL_US  # of the link back from the last worker
     encrypt: bool = True  # seal the data links (false: for measurements only)
     secret: Optional[str] = field(default=None, repr=False)
@@ -171,7 +173,8 @@ _SECRETS: Dict[str, Check] = {
 }
 WORKER_SCHEMA: Dict[str, Check] = dict(
     name=string(), host=host_name, control_port=integer(0, 65535), data_port=integer(0, 65535),
-    threads=integer(0, MAX_THREADS), cache_dir=string("a directory path"),
+    threads=integer(0, MAX_THREADS), cpu_dot=choice(CPU_DOTS),
+    cache_dir=string("a directory path"),
     log_level=choice(LOG_LEVELS), idle_timeout_s=positive,
     busy_poll_us=integer(0, MAX_BUSY_POLL_US), encrypt=boolean, **_SECRETS,
     model=string("a model path"), **_COMMON)
@@ -180,7 +183,8 @@ STARTER_SCHEMA: Dict[str, Check] = dict(
     tokenizer=string("a tokenizer path"), weight=positive, memory=size, max_payload=size,
     prefill_chunk=integer(0), timeout_s=positive, stall_s=positive, recover=boolean,
     rebalance_margin=fraction, compression=_CODECS, busy_poll_us=integer(0, MAX_BUSY_POLL_US),
-    quantize=_quantizer, encrypt=boolean, threads=integer(0, MAX_THREADS), **_SECRETS,
+    quantize=_quantizer, encrypt=boolean, threads=integer(0, MAX_THREADS),
+    cpu_dot=choice(CPU_DOTS), **_SECRETS,
     **_COMMON)
 WORKERS_SCHEMA: Dict[str, Check] = dict(
     name=string(), host=host_name, control_port=integer(1, 65535), device=device_name,

@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 import typer
 
 from ..base import defaults, interrupts
+from ..base.cpudot import set_cpu_dot
 from ..base.errors import MdiedgeError, UsageError
 from .usage import CommandGroup
 
@@ -387,8 +388,8 @@ def cpu_dot_option() -> Any:
     """``--cpu-dot q8|f32``, the same on every command that computes."""
     return typer.Option(None, "--cpu-dot", metavar="q8|f32", help="How CPU nodes multiply "
                         "quantized weights: q8 (8-bit activations, integer dot products, as "
-                        "llama.cpp does) or f32 (float32, exact); default the config's "
-                        f"cpu_dot, else $MDIEDGE_CPU_DOT, else {defaults.CPU_DOT}.")
+                        "llama.cpp does) or f32 (float32, exact); default $MDIEDGE_CPU_DOT, "
+                        f"else {defaults.CPU_DOT} (a worker's or starter's config: cpu_dot).")
 
 
 def check_cpu_dot(mode: Optional[str]) -> Optional[str]:
@@ -443,13 +444,16 @@ def engine_spec(model: Optional[str], tokenizer: Optional[str], device: str, dty
                 nodes: int, ring: Optional[str], recovery: Tuple[Dict[str, Any], int],
                 exits: Optional[Tuple[str, Optional[str]]] = None,
                 speculate: Optional[str] = None, respawn: bool = False,
-                threads: int = 0) -> Any:
+                threads: int = 0, cpu_dot: Optional[str] = None) -> Any:
     """The ``EngineSpec`` of a command's engine flags (torch loaded first, see
     ``load_torch``): ``recovery``, the starter options given on the command line and the
     local ring's spares (``ring_options``); ``exits``, the early-exit criterion and
     threshold; ``respawn``, a local ring's worker that dies is started again; ``speculate``,
-    the drafter of speculative decoding (``off``: none); ``threads``, ``--threads``."""
+    the drafter of speculative decoding (``off``: none); ``threads``, ``--threads``;
+    ``cpu_dot``, ``--cpu-dot`` (None: the environment's or the default), set for this process
+    and the workers it starts."""
     check_threads(threads)
+    set_cpu_dot(check_cpu_dot(cpu_dot))
     load_torch()
     from ..engine.factory import EngineSpec
 

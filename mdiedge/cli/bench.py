@@ -6,7 +6,9 @@ from typing import Any, Optional
 
 import typer
 
-from .app import app, exit_threshold_option, load_torch, need, one_line_errors
+from ..base.cpudot import set_cpu_dot
+from .app import (app, check_cpu_dot, cpu_dot_option, exit_threshold_option, load_torch, need,
+                  one_line_errors)
 
 
 COMPRESSION_OPTION = typer.Option(
@@ -57,6 +59,7 @@ def bench(
                                  "attention, norms, RoPE, sampling, other), for 1 and "
                                  "--samples rows per step."),
     speculate: Optional[str] = SPECULATE_OPTION,
+    cpu_dot: Optional[str] = cpu_dot_option(),
 ) -> None:
     """Measure tokens/s (with the bandwidth limit and the share reached), busy fraction,
     per-hop overhead and peak RSS of 1..N-node rings."""
@@ -64,6 +67,7 @@ def bench(
 
     repeat = repeat if isinstance(repeat, int) else 1  # a typer default when called directly
     _check_bench(nodes, samples, new_tokens, repeat)
+    set_cpu_dot(check_cpu_dot(cpu_dot if isinstance(cpu_dot, str) else None))
     load_torch()
     from ..tools import bench as benchmarks
 

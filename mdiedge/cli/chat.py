@@ -40,6 +40,8 @@ from .app import (
     one_line_errors,
     engine_spec,
     threads_option,
+    cpu_dot_option,
+    check_cpu_dot,
     open_checked,
     prefill_chunk_option,
     recover_option,
@@ -238,6 +240,7 @@ def chat(
     quantize: Optional[str] = quantize_option(),
     no_encrypt: bool = no_encrypt_option(),
     threads: int = threads_option(),
+    cpu_dot: Optional[str] = cpu_dot_option(),
 ) -> None:
     """Chat with an instruct model through its chat template (interactive, or one --message)."""
     check_sampling(max_new_tokens, 1, temperature, top_k, top_p, seed)
@@ -247,7 +250,9 @@ def chat(
                            no_encrypt)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p,
                     seed=defaults.random_seed() if seed is None else seed)
-    spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, changes, threads=threads)
+    check_cpu_dot(cpu_dot)
+    spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, changes, threads=threads,
+                       cpu_dot=cpu_dot)
     from ..model.sampling import SamplingParams
 
     params = SamplingParams(**sampling)

@@ -151,6 +151,7 @@ COLUMNS: Dict[str, Callable[[Dict[str, Any]], str]] = {
     "version": lambda n: str(n.get("version", "-")),
     "code": lambda n: code_summary(n.get("code")),
     "OpenMP waits": lambda n: str(_code(n).get("openmp_waits", "-")),
+    "cpu dot": lambda n: str(_code(n).get("cpu_dot", "-")),
     "decode": lambda n: decode_summary(n.get("decode")),
 }
 IDENTITY = ("node", "role", "address", "state")

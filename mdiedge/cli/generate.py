@@ -47,6 +47,8 @@ from .app import (
     stall_timeout_option,
     terminate_gracefully,
     threads_option,
+    cpu_dot_option,
+    check_cpu_dot,
     usage_errors,
 )
 from .usage import ArgumentsCommand
@@ -91,10 +93,12 @@ def generate(
     exit_threshold: Optional[str] = exit_threshold_option(),
     speculate: str = speculate_option(),
     threads: int = threads_option(),
+    cpu_dot: Optional[str] = cpu_dot_option(),
 ) -> None:
     """Generate text from PROMPT, on a ring of nodes (by default a local ring: --nodes)."""
     sampling = _request(max_new_tokens, samples, temperature, top_k, top_p, seed, micro_batch)
     _check_nodes(nodes, ring, device, dtype, threads)
+    check_cpu_dot(cpu_dot)
     exits = check_early_exit(early_exit, exit_threshold, starter, speculate)
     changes = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize,
                            no_encrypt)
@@ -108,7 +112,7 @@ def generate(
         params = _sampling_params(sampling)
         progress.phase(_first_phase(ring, nodes))
         spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, changes, exits, speculate,
-                           threads=threads)
+                           threads=threads, cpu_dot=cpu_dot)
         engine, request = open_checked(stack, spec, lambda text: _checked_prompt(
             text, prompt, max_new_tokens, stops))
         _generate_with(engine, request, max_new_tokens, samples, params, stops, micro_batch,

@@ -10,6 +10,7 @@ from typing import Any, Dict, Optional, Tuple
 import typer
 
 from ..base import defaults
+from ..base.cpudot import set_cpu_dot
 from .app import (
     app,
     check_early_exit,
@@ -17,6 +18,8 @@ from .app import (
     checked_quantizer,
     check_port,
     check_threads,
+    check_cpu_dot,
+    cpu_dot_option,
     compression_option,
     early_exit_option,
     exit_threshold_option,
@@ -53,6 +56,7 @@ def worker(
     data_port: int = typer.Option(defaults.WORKER_DATA_PORT,
                                   help="Data-plane port (0: any free port)."),
     threads: int = threads_option(),
+    cpu_dot: Optional[str] = cpu_dot_option(),
     name: str = typer.Option("worker", help="Name shown in logs and status."),
     cache_dir: Optional[str] = typer.Option(None, help="Where received weights are cached."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
@@ -80,7 +84,7 @@ def worker(
     flags = {"host": host, "control_port": control_port, "data_port": data_port,
              "threads": threads, "name": name, "cache_dir": cache_dir, "log_level": log_level,
              "insecure": insecure, "idle_timeout_s": idle_timeout, "busy_poll_us": busy_poll_us,
-             "encrypt": not no_encrypt}
+             "encrypt": not no_encrypt, "cpu_dot": cpu_dot}
     _check_worker_flags(flags)
     chosen = {key: value if _from_command_line(ctx, key) or key not in section.keys_set
               else getattr(section, key) for key, value in flags.items()}
@@ -95,6 +99,7 @@ def _check_worker_flags(flags: Dict[str, Any]) -> None:
     for key in ("control_port", "data_port"):
         check_port("--" + key.replace("_", "-"), flags[key])
     check_threads(flags["threads"])
+    check_cpu_dot(flags["cpu_dot"])
     check_log_level(flags["log_level"])
     need(seconds_ok(flags["idle_timeout_s"]), "--idle-timeout", flags["idle_timeout_s"],
           "a number of seconds > 0")
@@ -145,6 +150,7 @@ def _run_worker(chosen: Dict[str, Any], section: Any, parent_pid: int,
     from ..roles.worker import WorkerNode
 
     torch.set_num_threads(node_threads(chosen["threads"], 1, available_cores()))
+    set_cpu_dot(chosen["cpu_dot"])
     heartbeat = Heartbeat(stall_limit=defaults.COMPUTE_STALL_S)
     node = WorkerNode(chosen["host"], chosen["control_port"], chosen["data_port"],
                       Path(chosen["cache_dir"]) if chosen["cache_dir"] else None,
@@ -221,6 +227,7 @@ def starter_command(
     threads: Optional[int] = typer.Option(None, "--threads", "-t", metavar="N", help="Compute "
                                           "threads (default: the config's, else 0: every core "
                                           "this process may use)."),
+    cpu_dot: Optional[str] = cpu_dot_option(),
 ) -> None:
     """Run the starter as a long-lived process that owns the ring (and, with --api-port,
     the OpenAI API)."""
@@ -236,6 +243,9 @@ def starter_command(
     if threads is not None:
         check_threads(threads)
         section = dataclasses.replace(section, threads=threads)
+    if check_cpu_dot(cpu_dot) is not None:
+        section = dataclasses.replace(section, cpu_dot=cpu_dot)
+    set_cpu_dot(section.cpu_dot)
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s starter %(levelname)s %(message)s")
     secret = _starter_secret(section, insecure, secret_fd)

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 from ..base import defaults
 from .app import (app, check_device, check_early_exit, check_log_level, check_port,
                   device_option, dtype_option, model_option, nodes_option, tokenizer_option,
-                  engine_spec, threads_option, open_checked,
+                  engine_spec, threads_option, open_checked, cpu_dot_option, check_cpu_dot,
                   compression_option, early_exit_option, exit_threshold_option, need,
                   one_line_errors,
                   prefill_chunk_option, quantize_option, recover_option,
@@ -176,10 +176,12 @@ def serve(
     exit_threshold: Optional[str] = exit_threshold_option(),
     speculate: str = speculate_option(),
     threads: int = threads_option(),
+    cpu_dot: Optional[str] = cpu_dot_option(),
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /metrics)."""
     check_api_options(slots, context, max_queue, max_body, port, log_level)
     check_device(device, dtype)
+    check_cpu_dot(cpu_dot)
     recovery = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize,
                             no_encrypt)
     exits = check_early_exit(early_exit, exit_threshold, speculate=speculate)
@@ -190,7 +192,7 @@ def serve(
         sock = listen(host, port)  # a port in use fails before any node starts
         stack.callback(sock.close)
         spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, recovery, exits,
-                           speculate, respawn=True, threads=threads)
+                           speculate, respawn=True, threads=threads, cpu_dot=cpu_dot)
         engine, shape = open_checked(stack, spec, lambda text: sized_slots(
             text, slots, context, dtype, device, nodes, ring))
         api = open_api(engine, sock, shape.slots, shape.context, max_queue, max_body, key,

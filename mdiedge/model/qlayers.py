@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from ..base.accel import Twins
 from ..base.errors import CheckpointError, QuantError
 from . import _pyquant
-from .cpudot import dot_code
+from ..base.cpudot import dot_code
 from .layers import Linear
 from .quant import TYPES, check_blocks, dequantize_on_device, qtype_of, quantize, row_bytes
 

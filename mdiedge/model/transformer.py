@@ -24,7 +24,7 @@ from . import _pystep
 from ._stepspec import BlockWeights
 from .block import KVCache, step_matrix
 from .config import ModelConfig
-from .cpudot import dot_code
+from ..base.cpudot import dot_code
 from .decoderoute import decode_route
 from .exits import ExitStep
 from .families import family_of

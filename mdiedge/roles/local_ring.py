@@ -27,6 +27,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from ..base import defaults
+from ..base.cpudot import cpu_dot
 from ..base.errors import RingError
 from ..base.defaults import REAP_INTERVAL_S, RESPAWN_FIRST_S, RESPAWN_MAX_S, RESPAWN_STABLE_S, WORKER_READY_TIMEOUT_S
 from ..base.nodes import NodeSpec
@@ -162,7 +163,7 @@ class LocalRing:
                "--control-port", str(control_port), "--data-port", "0",
                "--threads", str(self.threads), "--name", name, "--log-level", self.log_level,
                "--parent-pid", str(os.getpid()), "--busy-poll-us", str(self.busy_poll_us),
-               "--no-config"])
+               "--cpu-dot", cpu_dot(), "--no-config"])
         if self.cache_dir:
             cmd += ["--cache-dir", self.cache_dir]
         if not self.encrypt:

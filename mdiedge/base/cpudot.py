@@ -5,14 +5,16 @@ float32 and multiplied with the float32 activations: the exact path the transfor
 tests use). Float32 weights and CUDA (the Jetson FP32 rule) ignore it.
 
 One mode per process (a node), chosen at start: ``--cpu-dot``, the config's ``cpu_dot``,
-else ``$MDIEDGE_CPU_DOT``, else ``defaults.CPU_DOT``. Needs no torch."""
+else ``$MDIEDGE_CPU_DOT``, else ``defaults.CPU_DOT``; a mode set is exported to
+``$MDIEDGE_CPU_DOT``, so the processes this one starts (a local ring's workers, a benchmark's
+runs) take it too. Needs no torch."""
 from __future__ import annotations
 
 import os
 from typing import Optional
 
-from ..base.defaults import CPU_DOT, CPU_DOTS
-from ..base.errors import ConfigError
+from .defaults import CPU_DOT, CPU_DOTS
+from .errors import ConfigError
 
 ENV = "MDIEDGE_CPU_DOT"
 CODES = {"f32": 0, "q8": 1}  # the compiled kernels' ``dot`` argument
@@ -32,6 +34,8 @@ def set_cpu_dot(mode: Optional[str]) -> str:
     returns the mode in force."""
     global _chosen
     _chosen = None if mode is None else check_cpu_dot(mode)
+    if _chosen is not None:
+        os.environ[ENV] = _chosen
     return cpu_dot()
 
 

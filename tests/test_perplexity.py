@@ -248,3 +248,10 @@ def test_a_terminal_shows_a_bar_then_one_result_line() -> None:
     raw = in_terminal(args + ["--chunks", "2", "--json"])
     lines = [line for line in screen(raw) if line]
     assert len(lines) == 1 and "━" not in raw and json.loads(lines[0])["windows"] == 2, raw
+
+
+def test_help_names_the_file_argument() -> None:
+    done = subprocess.run([*MDIEDGE, "perplexity", "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and done.stdout.splitlines()[0].endswith(
+        "perplexity [OPTIONS] FILE"), done.stdout

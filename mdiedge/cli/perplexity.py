@@ -10,6 +10,7 @@ from typing import Any, Dict, Optional
 import typer
 
 from ..base import defaults
+from ..base.words import plural
 from .app import (
     app,
     check_cpu_dot,
@@ -111,6 +112,7 @@ def result_line(result: Dict[str, Any]) -> str:
     """The one line a run prints: llama-perplexity's final estimate, then what it covered
     and how fast it ran."""
     return (f"PPL = {result['ppl']:.4f} +/- {result['ppl_stderr']:.5f} over "
-            f"{result['tokens']} tokens ({result['windows']} windows of {result['ctx']}, "
+            f"{plural(result['tokens'], 'token')} ({plural(result['windows'], 'window')} "
+            f"of {result['ctx']}, "
             f"cpu-dot {result['cpu_dot']}; {result['seconds']:.1f} s, "
             f"{result['tokens_per_s']:.1f} tok/s)")

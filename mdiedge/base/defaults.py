@@ -86,6 +86,9 @@ LOAD_SAMPLE_GAP_S = 0.002  # the pause between two of them
 MAX_THREADS = 4096  # the most torch threads a worker may be told to use
 CPU_DOTS = ("q8", "f32")  # how CPU kernels multiply quantized weights (mdiedge.model.cpudot)
 CPU_DOT = "q8"  # 8-bit activations, integer dot products, as llama.cpp does; f32: exact
+PERPLEXITY_CTX = 512  # `mdiedge perplexity`'s window, as llama-perplexity's -c
+PERPLEXITY_MIN_CTX = 16  # a shorter window scores too few tokens to mean anything
+PERPLEXITY_BATCH = 8  # positions per pass: the few-row kernels' (qlayers.KERNEL_ROWS)
 
 # exhaustion: what a flood of connections may hold, and how its log lines are kept short
 MAX_CONTROL_CONNECTIONS = 64  # open connections to a control port (a thread each)

@@ -77,12 +77,14 @@ class Progress:
         if self.bar is not None:
             self.bar.update(self.task, description=text)
 
-    def advance(self, done: int, rate: float) -> None:
+    def advance(self, done: int, rate: float, description: str = "generating",
+                total: Optional[int] = None) -> None:
+        """``done`` of the total (``total``: a new one) at ``rate`` tokens/s."""
         if self.bar is not None and self.streaming:
             self.stop()  # the text now owns the terminal
         elif self.bar is not None:
             self.bar.update(self.task, completed=done, rate=f"{rate:.1f} tok/s",
-                            description="generating")
+                            description=description, total=total)
 
     def write(self, text: str) -> None:
         """``text`` on stdout now (a sample that finished while others run): on the bar's

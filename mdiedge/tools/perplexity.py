@@ -1,0 +1,199 @@
+"""``mdiedge perplexity``: a text's perplexity under a model, computed the way llama.cpp's
+``llama-perplexity`` computes it (``perplexity()`` in its tools/perplexity/perplexity.cpp):
+
+- the text is tokenized once, with the BOS token before it where the model's tokenizer adds
+  one (no EOS), and must hold at least ``2 * ctx`` tokens;
+- it is cut into consecutive windows of ``ctx`` tokens (``len // ctx`` of them, at most
+  ``chunks``), each run from position 0 on its own, its first token replaced by BOS where
+  the tokenizer adds one;
+- in each window the first ``ctx // 2`` positions are context only: the logits at positions
+  ``ctx // 2 .. ctx - 2`` are scored against the next token, ``ctx - 1 - ctx // 2`` tokens
+  per window;
+- the perplexity is exp of the mean negative log-likelihood (NLL) over every scored token,
+  and its standard error llama-perplexity's ``+/-``: ``ppl * sqrt(var / (count - 1))`` with
+  ``var = mean(nll^2) - mean(nll)^2``.
+
+A window runs through the model's KV cache ``batch`` positions at a time (one slot, the
+positions going on), so that at the default of ``KERNEL_ROWS`` every quantized product takes
+the few-row compiled kernels, where ``--cpu-dot`` applies; a larger batch is a prefill
+(float32 tiles de-quantized). The arithmetic is the model's own (``Transformer``).
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+from ..base.defaults import PERPLEXITY_MIN_CTX
+from ..base.errors import UsageError
+from ..base.words import plural
+
+Progress = Callable[[int], None]  # told the positions each batch ran
+
+
+class Tally(NamedTuple):
+    """Scored tokens so far, the sum of their NLLs and of their squares (as llama.cpp's
+    ``count``, ``nll``, ``nll2``)."""
+
+    count: int = 0
+    nll: float = 0.0
+    nll2: float = 0.0
+
+
+def tallied(tally: Tally, nlls: Sequence[float]) -> Tally:
+    """``tally`` with ``nlls`` added, in double precision."""
+    return Tally(tally.count + len(nlls), tally.nll + math.fsum(nlls),
+                 tally.nll2 + math.fsum(v * v for v in nlls))
+
+
+def estimate(tally: Tally) -> Tuple[float, float]:
+    """The perplexity of ``tally`` and its standard error, as llama-perplexity prints them
+    (``PPL = ... +/- ...``): 0 where the NLLs do not spread (or one token alone)."""
+    if tally.count < 1:
+        raise ValueError("no tokens scored")
+    mean = tally.nll / tally.count
+    ppl = math.exp(mean)
+    spread = tally.nll2 / tally.count - mean * mean
+    if tally.count < 2 or spread <= 0:
+        return ppl, 0.0
+    return ppl, ppl * math.sqrt(spread / (tally.count - 1))
+
+
+def context_positions(ctx: int) -> int:
+    """The positions of a window of ``ctx`` that are context only (not scored)."""
+    return ctx // 2
+
+
+def scored_per_window(ctx: int) -> int:
+    return ctx - 1 - context_positions(ctx)
+
+
+def cut_windows(tokens: Sequence[int], ctx: int, chunks: Optional[int] = None,
+                bos: Optional[int] = None) -> List[List[int]]:
+    """The windows llama-perplexity runs: consecutive ``ctx`` tokens of ``tokens`` (a partial
+    one at the end left out), at most ``chunks`` (None: all), each one's first token
+    replaced by ``bos`` where given."""
+    count = len(tokens) // ctx
+    if chunks is not None:
+        count = min(count, chunks)
+    windows = []
+    for i in range(count):
+        window = list(tokens[i * ctx:(i + 1) * ctx])
+        if bos is not None:
+            window[0] = bos
+        windows.append(window)
+    return windows
+
+
+def text_tokens(tokenizer: Any, text: str) -> List[int]:
+    """``text`` tokenized once as llama-perplexity does: BOS first where the tokenizer adds
+    one to a prompt, never an EOS."""
+    return ([tokenizer.bos_id] if tokenizer.adds_bos else []) + list(tokenizer.encode(text))
+
+
+def check_tokens(count: int, ctx: int, file: Any) -> None:
+    """llama-perplexity's requirement: at least two windows' worth of tokens."""
+    if count < 2 * ctx:
+        raise UsageError(f"{file}: tokenizes to only {plural(count, 'token')}; --ctx {ctx} "
+                         f"needs at least {2 * ctx} (2 x ctx)")
+
+
+def window_nlls(model: Any, window: Sequence[int], batch: int,
+                progress: Optional[Progress] = None) -> List[float]:
+    """The NLLs of a window's scored tokens: the window fed from position 0 through the KV
+    cache's slot 0 (``setup_cache`` done), ``batch`` positions at a time; the head runs on
+    the scored positions only."""
+    import torch
+
+    ctx, first = len(window), context_positions(len(window))
+    device = next(model.parameters()).device
+    ids = torch.tensor(window, device=device)
+    slots = torch.zeros(1, dtype=torch.long, device=device)
+    nlls: List[float] = []
+    with torch.no_grad():
+        for start in range(0, ctx, batch):
+            end = min(start + batch, ctx)
+            hidden = model.run_blocks(model.embed_tokens(ids[None, start:end]), slots,
+                                      [start])[0]  # (T, dim)
+            lo, hi = max(first, start), min(end, ctx - 1)  # the last position predicts nothing
+            if lo < hi:
+                logits = model.head_logits(hidden[lo - start:hi - start].contiguous())
+                nll = torch.nn.functional.cross_entropy(logits.double(), ids[lo + 1:hi + 1],
+                                                        reduction="none")  # (rows,)
+                nlls.extend(nll.tolist())
+            if progress is not None:
+                progress(end - start)
+    return nlls
+
+
+def score(model: Any, windows: Sequence[Sequence[int]], batch: int,
+          progress: Optional[Progress] = None) -> Tally:
+    """Every window's scored NLLs, tallied; the model's KV cache set up for one slot of a
+    window."""
+    model.setup_cache(1, len(windows[0]))
+    tally = Tally()
+    for window in windows:
+        tally = tallied(tally, window_nlls(model, window, batch, progress))
+    return tally
+
+
+def read_text(file: Path) -> str:
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+class Measurement:
+    """A perplexity run's inputs, prepared before the weights load: the model's text side,
+    the text's windows, and what the run reports."""
+
+    def __init__(self, text_model: Any, file: Path, ctx: int, chunks: Optional[int]) -> None:
+        max_ctx = text_model.cfg.max_seq_len
+        if ctx > max_ctx:
+            raise UsageError(f"--ctx: expected an integer {PERPLEXITY_MIN_CTX}..{max_ctx} (the model's "
+                             f"context), got {ctx}")
+        self.text_model, self.file, self.ctx = text_model, file, ctx
+        tokenizer = text_model.tokenizer
+        tokens = text_tokens(tokenizer, read_text(file))
+        check_tokens(len(tokens), ctx, file)
+        self.windows = cut_windows(tokens, ctx, chunks,
+                                   tokenizer.bos_id if tokenizer.adds_bos else None)
+
+    @property
+    def positions(self) -> int:
+        """The positions the model runs: every window's."""
+        return len(self.windows) * self.ctx
+
+    def run(self, model: Any, batch: int, progress: Optional[Progress] = None
+            ) -> Dict[str, Any]:
+        """The figures of ``model`` on the windows (``--json``'s object but the cpu-dot
+        mode and the threads)."""
+        started = time.perf_counter()
+        tally = score(model, self.windows, batch, progress)
+        seconds = time.perf_counter() - started
+        ppl, stderr = estimate(tally)
+        return {"model": str(self.text_model.path), "file": str(self.file), "ctx": self.ctx,
+                "batch": batch, "windows": len(self.windows), "tokens": tally.count,
+                "nll": tally.nll / tally.count, "ppl": ppl, "ppl_stderr": stderr,
+                "seconds": round(seconds, 3),
+                "tokens_per_s": round(self.positions / max(seconds, 1e-9), 2)}
+
+
+def open_model(text_model: Any, device: str, threads: int) -> Any:
+    """The whole model of ``text_model`` on ``device`` (float32: a GGUF file's blocks kept),
+    this process computing with ``threads`` threads (0: every core it may run on), as the
+    engine factory sets them."""
+    import torch
+
+    from ..base.accel import warn_if_uncompiled
+    from ..base.threads import available_cores, node_threads
+    from ..model.checkpoint import load_model
+
+    wanted = node_threads(threads, 1, available_cores())
+    if torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
+    model = load_model(text_model.path, device=device)
+    warn_if_uncompiled()
+    return model

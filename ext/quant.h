@@ -2,11 +2,13 @@
  * BF16, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL, IQ4_XS; the layouts are ggml-common.h's, described
  * in mdiedge/model/quant.py, whose TYPES table holds each one's enum value below and is checked
  * against qm_names, qm_block and qm_block_bytes when the modules are imported), x (rows, k)
- * and y (rows, n) float32.
+ * and y (rows, n) float32, in one of two modes (mdiedge.base.cpudot):
  *
- * Arithmetic is float32 only (the Jetson rule): each block's quants are widened to float32
- * in registers and multiplied with the float32 activations; nothing is rounded to int8 and no
- * integer dot product is taken (llama.cpp's CPU path quantizes the activations instead). A
+ * - q8 (dot != 0; quant_q8.h): x quantized to 8 bits per block once per product and
+ *   multiplied with the weights' quants in integer dot products, as llama.cpp's CPU path does;
+ *   a type without an integer kernel on this CPU takes the float32 path below;
+ * - f32 (the exact path, and the Jetson rule where asked): each block's quants are widened to
+ *   float32 in registers and multiplied with the float32 activations, as follows. A
  * block's scale is applied once to the block's partial sum, d * sum(q * x) rather than
  * sum((d * q) * x); a block's minimum (Q4_1, Q4_K, Q5_1, Q5_K) is applied to the sum of the
  * activations under the block, computed once per call (qm_xsum); Q2_K's minimum (one per 16

@@ -83,14 +83,15 @@ def _measure(file: str, model: Optional[str], ctx: int, chunks: Optional[int], b
              ) -> Dict[str, Any]:
     """The figures of the run (``--json``'s object), ``progress`` shown meanwhile."""
     progress.phase("loading")
-    spec = engine_spec(model, None, device, "float32", 1, None, ({}, 0), threads=threads)
-    from ..model import cpudot
+    spec = engine_spec(model, None, device, "float32", 1, None, ({}, 0), threads=threads,
+                       cpu_dot=cpu_dot)
+    from ..base.cpudot import cpu_dot as mode_in_force
     from ..tools.perplexity import Measurement, open_model
 
     text = open_text_model(spec)
     progress.phase("tokenizing")
     measurement = Measurement(text, Path(file), ctx, chunks)
-    mode = cpudot.set_cpu_dot(cpu_dot)
+    mode = mode_in_force()
     progress.phase("loading weights")
     net = open_model(text, device, threads)
     total, done, started = measurement.positions, 0, time.perf_counter()

@@ -1,6 +1,8 @@
 """Layers whose weights stay in a GGUF block type (every type of ``mdiedge.model.quant.TYPES``
-with a kernel: F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K, IQ4_NL, IQ4_XS) while every activation, accumulator and output stays float32 (the
-Jetson FP32 rule): the weights are widened to float32 inside the kernels.
+with a kernel: F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K, IQ4_NL, IQ4_XS), multiplied
+on the CPU as the process's dot mode says (``mdiedge.base.cpudot``): q8, the activations
+quantized to 8 bits and integer dot products (as llama.cpp does); f32, the weights widened to
+float32 inside the kernels and every activation, accumulator and output float32.
 
 - ``QuantLinear``: up to ``KERNEL_ROWS`` rows (decode, micro-batched or not) take the
   compiled product of ``mdiedge.model._cquant`` (or its twin), which reads each block once

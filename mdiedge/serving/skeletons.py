@@ -81,6 +81,10 @@ data_port = {data}
 # Compute threads (--threads on the command line wins); 0 = every core this process may
 # use (its CPU affinity, within a cgroup's cpu.max).
 threads = 0
+# How this node's CPU kernels multiply quantized weights (--cpu-dot wins): "q8" (8-bit
+# activations, integer dot products, as llama.cpp does) or "f32" (float32, exact); unset:
+# $MDIEDGE_CPU_DOT, else q8. A GPU ignores it.
+# cpu_dot = "q8"
 # Where received weights are cached (by content hash): a folder this user can write. The
 # shipped units pass --cache-dir $STATE_DIRECTORY ({BOARD_CACHE}), which wins over this.
 cache_dir = {_toml(cache_dir)}
@@ -191,13 +195,18 @@ rebalance_margin = {REBALANCE_MARGIN:g}"""),
 # PREFILL:DECODE such as int8:fp16 (--compression on the command line wins).
 # compression = "none\""""),
     ("quantize", """\
-# Optional: quantize the blocks' float weights on load to q8_0, q4_0 or q4_1 (CPU, float32
-# arithmetic; a GGUF file's blocks are kept as they are; --quantize on the command line wins).
+# Optional: quantize the blocks' float weights on load to q8_0, q4_0 or q4_1 (CPU; a GGUF
+# file's blocks are kept as they are; --quantize on the command line wins).
 # quantize = "q8_0\""""),
     ("threads", """\
 # Optional: compute threads of the long-lived starter (--threads wins); 0 = every core
 # this process may use (its CPU affinity, within a cgroup's cpu.max).
 # threads = 0"""),
+    ("cpu_dot", """\
+# Optional: how the starter's CPU kernels multiply quantized weights (--cpu-dot wins): "q8"
+# (8-bit activations, integer dot products, as llama.cpp does) or "f32" (float32, exact);
+# unset: $MDIEDGE_CPU_DOT, else q8.
+# cpu_dot = "q8\""""),
     ("busy_poll_us", f"""\
 # Microseconds a wait for the last worker's message polls the link before it sleeps: a
 # message that comes sooner saves the wake-up from sleep at the price of that much CPU.

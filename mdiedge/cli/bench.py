@@ -65,9 +65,7 @@ def bench(
     per-hop overhead and peak RSS of 1..N-node rings."""
     from pathlib import Path
 
-    repeat = repeat if isinstance(repeat, int) else 1  # a typer default when called directly
-    _check_bench(nodes, samples, new_tokens, repeat)
-    set_cpu_dot(check_cpu_dot(cpu_dot if isinstance(cpu_dot, str) else None))
+    repeat = _check_bench(nodes, samples, new_tokens, repeat, cpu_dot)
     load_torch()
     from ..tools import bench as benchmarks
 
@@ -91,12 +89,19 @@ def bench(
     _table(model, preset, nodes, samples, new_tokens, context, as_json, repeat)
 
 
-def _check_bench(nodes: int, samples: int, new_tokens: int, repeat: int) -> None:
-    """The values every kind of bench shares, checked before torch is loaded."""
+def _check_bench(nodes: int, samples: int, new_tokens: int, repeat: Any,
+                 cpu_dot: Any = None) -> int:
+    """The values every kind of bench shares, checked before torch is loaded; the dot mode
+    set (its runs take it from the environment). Returns ``repeat`` (1 for a typer default:
+    bench() called as a function)."""
+    repeat = repeat if isinstance(repeat, int) else 1
+    cpu_dot = cpu_dot if isinstance(cpu_dot, str) else None
     need(nodes >= 1, "--nodes", nodes, "an integer >= 1")
     need(samples >= 1, "--samples", samples, "an integer >= 1")
     need(new_tokens >= 1, "--new-tokens", new_tokens, "an integer >= 1")
     need(1 <= repeat <= 100, "--repeat", repeat, "an integer 1..100")
+    set_cpu_dot(check_cpu_dot(cpu_dot))
+    return repeat
 
 
 def _table(model: Optional[str], preset: Optional[str], nodes: int, samples: int,

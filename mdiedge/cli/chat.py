@@ -41,7 +41,6 @@ from .app import (
     engine_spec,
     threads_option,
     cpu_dot_option,
-    check_cpu_dot,
     open_checked,
     prefill_chunk_option,
     recover_option,
@@ -250,7 +249,6 @@ def chat(
                            no_encrypt)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p,
                     seed=defaults.random_seed() if seed is None else seed)
-    check_cpu_dot(cpu_dot)
     spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, changes, threads=threads,
                        cpu_dot=cpu_dot)
     from ..model.sampling import SamplingParams

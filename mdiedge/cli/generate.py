@@ -48,7 +48,6 @@ from .app import (
     terminate_gracefully,
     threads_option,
     cpu_dot_option,
-    check_cpu_dot,
     usage_errors,
 )
 from .usage import ArgumentsCommand
@@ -98,11 +97,9 @@ def generate(
     """Generate text from PROMPT, on a ring of nodes (by default a local ring: --nodes)."""
     sampling = _request(max_new_tokens, samples, temperature, top_k, top_p, seed, micro_batch)
     _check_nodes(nodes, ring, device, dtype, threads)
-    check_cpu_dot(cpu_dot)
-    exits = check_early_exit(early_exit, exit_threshold, starter, speculate)
+    exits, stops = check_early_exit(early_exit, exit_threshold, starter, speculate), stop or []
     changes = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize,
                            no_encrypt)
-    stops = list(stop or [])
     if starter:  # no torch here: the starter checks the values and samples
         return _generate_through(check_url("--starter", starter), prompt, max_new_tokens,
                                  samples, dict(sampling, stop=stops), micro_batch, as_json)

@@ -239,13 +239,7 @@ def starter_command(
     compression = parse_compression(compression)
     quantize = checked_quantizer(quantize)
     exits = check_early_exit(early_exit, exit_threshold)
-    settings, section = _starter_config(config)
-    if threads is not None:
-        check_threads(threads)
-        section = dataclasses.replace(section, threads=threads)
-    if check_cpu_dot(cpu_dot) is not None:
-        section = dataclasses.replace(section, cpu_dot=cpu_dot)
-    set_cpu_dot(section.cpu_dot)
+    settings, section = _starter_config(config, threads, cpu_dot)
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s starter %(levelname)s %(message)s")
     secret = _starter_secret(section, insecure, secret_fd)
@@ -339,15 +333,25 @@ def starter_name(control_url: str) -> str:
     return f"{socket.gethostname()} {control_url}"
 
 
-def _starter_config(config: Optional[str]) -> Any:
-    """The starter's settings file (it must name the workers) and its ``[starter]`` table."""
+def _starter_config(config: Optional[str], threads: Optional[int] = None,
+                    cpu_dot: Optional[str] = None) -> Any:
+    """The starter's settings file (it must name the workers) and its ``[starter]`` table,
+    with ``--threads`` and ``--cpu-dot`` where given; the dot mode set for this process."""
     from ..base.errors import ConfigError, UsageError
     from ..base.settings import StarterSettings, find_config, load_settings
 
+    if threads is not None:
+        check_threads(threads)
+    check_cpu_dot(cpu_dot)
     path = find_config(config)
     if path is None:
         raise UsageError("no config: pass --config FILE with [starter] and [[workers]]")
     settings = load_settings(path)
     if not settings.workers:
         raise ConfigError(f"{path}: workers: a starter needs at least one [[workers]] entry")
-    return settings, settings.starter or StarterSettings()
+    section = settings.starter or StarterSettings()
+    given = {key: value for key, value in (("threads", threads), ("cpu_dot", cpu_dot))
+             if value is not None}
+    section = dataclasses.replace(section, **given)
+    set_cpu_dot(section.cpu_dot)
+    return settings, section

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from typing import TYPE_CHECKING, Any, Optional
 
 import typer
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 from ..base import defaults
 from .app import (app, check_device, check_early_exit, check_log_level, check_port,
                   device_option, dtype_option, model_option, nodes_option, tokenizer_option,
-                  engine_spec, threads_option, open_checked, cpu_dot_option, check_cpu_dot,
+                  engine_spec, threads_option, open_checked, cpu_dot_option,
                   compression_option, early_exit_option, exit_threshold_option, need,
                   one_line_errors,
                   prefill_chunk_option, quantize_option, recover_option,
@@ -181,7 +181,6 @@ def serve(
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /metrics)."""
     check_api_options(slots, context, max_queue, max_body, port, log_level)
     check_device(device, dtype)
-    check_cpu_dot(cpu_dot)
     recovery = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize,
                             no_encrypt)
     exits = check_early_exit(early_exit, exit_threshold, speculate=speculate)
@@ -189,8 +188,7 @@ def serve(
     from ..serving.api.server import listen
 
     with ExitStack() as stack:
-        sock = listen(host, port)  # a port in use fails before any node starts
-        stack.callback(sock.close)
+        sock = stack.enter_context(closing(listen(host, port)))  # in use: fails before any node
         spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, recovery, exits,
                            speculate, respawn=True, threads=threads, cpu_dot=cpu_dot)
         engine, shape = open_checked(stack, spec, lambda text: sized_slots(

@@ -13,6 +13,7 @@ cdef extern from "quant.h" nogil:
     const int qm_block_bytes[]
     void qm_init()
     const char *qm_use_simd(int on)
+    int qm_q8_usable(int type)
     int qm_rows(int type, const unsigned char *w, const float *x, float *y, Py_ssize_t n,
                 Py_ssize_t k, int rows, int threads, int dot)
     void qm_dequant(int type, const unsigned char *w, Py_ssize_t k, Py_ssize_t count,
@@ -29,6 +30,13 @@ _path = qm_use_simd(1).decode()
 def simd_path():
     """The kernels in use: "avx2", "neon" or "scalar" (the plain reference)."""
     return _path
+
+
+def q8_types():
+    """The types the q8 mode multiplies in integer dot products on the path in use (the
+    others in float32): every quantized type on the scalar reference; on a vector path, those
+    with a kernel there for this CPU."""
+    return tuple(qm_names[i].decode() for i in range(QM_TYPES) if qm_q8_usable(i))
 
 
 def set_simd(on):

@@ -844,6 +844,7 @@ PLAUSIBLE = {  # values near and on both sides of each key's rule
     "compression": st.sampled_from(["none", "int8", "int8:fp16", "int4", "fp16:"]),
     "quantize": st.sampled_from(["q8_0", "Q4_1", "q4_k", "", "f16"]),
     "busy_poll_us": st.integers(-1, 3) | st.sampled_from([200, 100_000, 100_001]),
+    "cpu_dot": st.sampled_from(["q8", "f32", "Q8", "int8", ""]),
 }
 
 

@@ -22,6 +22,11 @@ def simd_path() -> str:
     return "torch"
 
 
+def q8_types() -> tuple:
+    """The types the q8 mode rounds the activations for (every quantized type)."""
+    return tuple(name for name, _, _ in COMPILED_TYPES if TYPES[name].act_block)
+
+
 def set_simd(on: bool) -> str:
     """Nothing to switch here; returns ``simd_path()`` (the compiled module's API)."""
     return simd_path()

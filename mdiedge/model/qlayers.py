@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from ..base.accel import Twins
 from ..base.errors import CheckpointError, QuantError
 from . import _pyquant
-from ..base.cpudot import dot_code
+from ..base.cpudot import cpu_dot, dot_code
 from .layers import Linear
 from .quant import TYPES, check_blocks, dequantize_on_device, qtype_of, quantize, row_bytes
 
@@ -220,8 +220,23 @@ def keep_quantized(net: nn.Module, source: Any, plan: Dict[str, str]) -> Set[str
             setattr(owner, attr, QuantLinear(raw, qtype, layer.in_features,
                                              getattr(layer, "bias", None) is not None))
         held.add(ours)
+        log_float_dots(qtype)
     _tie_quantized(net, held)
     return held
+
+
+_logged_float_dots: Set[str] = set()
+
+
+def log_float_dots(qtype: str) -> None:
+    """One log line per process and quantized type that the q8 mode multiplies in float32
+    here (no integer kernel on this CPU's vector path: ``_quant.q8_types()``)."""
+    if cpu_dot() != "q8" or not TYPES[qtype].act_block or qtype in _logged_float_dots \
+            or qtype in _quant.q8_types():
+        return
+    _logged_float_dots.add(qtype)
+    log.warning("%s weights have no integer kernel on this CPU (%s kernels): their products "
+                "run in float32 under --cpu-dot q8", qtype, _quant.simd_path())
 
 
 def _log_widened(source: Any, names: Any) -> None:

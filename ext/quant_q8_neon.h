@@ -148,6 +148,7 @@ QN_ALWAYS void qn_rows_k(const qm_act *a, ptrdiff_t k, ptrdiff_t at, const int R
     for (int r = 0; r < R; r++) {
         const int8_t *y = a->qk + r * k + at;
         int32x4_t p[4];
+        QN_UNROLL
         for (int i = 0; i < 4; i++)
             p[i] = g == 2 ? qn_dot2(q[2 * i], q[2 * i + 1], y + 32 * i)
                           : vdotq_s32(vdupq_n_s32(0), q[i], vld1q_s8(y + 16 * i));
@@ -228,7 +229,9 @@ QN_ALWAYS void qn_dot_k45(const uint8_t *w, const qm_act *a, ptrdiff_t k, const 
         uint8x16_t h[2] = {vld1q_u8(blk + 16), vld1q_u8(blk + 32)};
         for (int c = 0; c < 2; c++) {
             int8x16_t q[8];
+            QN_UNROLL
             for (int p = 0; p < 2; p++) {  /* sub-blocks 4c + 2p (low nibbles), 4c + 2p + 1 */
+                QN_UNROLL
                 for (int i = 0; i < 2; i++) {
                     uint8x16_t raw = vld1q_u8(qs + 64 * c + 32 * p + 16 * i);
                     uint8x16_t lo = vandq_u8(raw, low4), hi = vshrq_n_u8(raw, 4);
@@ -264,8 +267,10 @@ QN_ALWAYS void qn_dot_q6_k(const uint8_t *w, const qm_act *a, ptrdiff_t k, const
         qn_widen_s8(vld1q_s8((const int8_t *)blk + 192), sc);
         for (int half = 0; half < 2; half++) {
             const uint8_t *ql = blk + 64 * half, *qh = blk + 128 + 32 * half;
+            QN_UNROLL
             for (int gp = 0; gp < 2; gp++) {  /* weights 64 gp ..: g = 2 gp, 2 gp + 1 */
                 int8x16_t q[4];
+                QN_UNROLL
                 for (int i = 0; i < 4; i++) {  /* 16 weights: g = 2 gp + i / 2, l from 16 (i % 2) */
                     int g = 2 * gp + i / 2;
                     uint8x16_t l = vld1q_u8(ql + 32 * (g % 2) + 16 * (i % 2));
@@ -303,8 +308,10 @@ QN_ALWAYS void qn_dot_q2_k(const uint8_t *w, const qm_act *a, ptrdiff_t k, const
                              vreinterpretq_s16_u16(vmovl_high_u8(m))};
         for (int n = 0; n < 2; n++) {
             uint8x16_t raw[2] = {vld1q_u8(blk + 16 + 32 * n), vld1q_u8(blk + 32 + 32 * n)};
+            QN_UNROLL
             for (int jp = 0; jp < 2; jp++) {  /* weights 128 n + 64 jp ..: j = 2 jp, 2 jp + 1 */
                 int8x16_t q[4];
+                QN_UNROLL
                 for (int i = 0; i < 4; i++)
                     q[i] = vreinterpretq_s8_u8(
                         vandq_u8(qn_shr(raw[i % 2], 2 * (2 * jp + i / 2)), low2));
@@ -345,8 +352,10 @@ QN_ALWAYS void qn_dot_q3_k(const uint8_t *w, const qm_act *a, ptrdiff_t k, const
         uint8x16_t hm[2] = {vld1q_u8(blk), vld1q_u8(blk + 16)};
         for (int n = 0; n < 2; n++) {
             uint8x16_t raw[2] = {vld1q_u8(blk + 32 + 32 * n), vld1q_u8(blk + 48 + 32 * n)};
+            QN_UNROLL
             for (int jp = 0; jp < 2; jp++) {
                 int8x16_t q[4];
+                QN_UNROLL
                 for (int i = 0; i < 4; i++) {
                     int j = 2 * jp + i / 2;
                     uint8x16_t set = vtstq_u8(hm[i % 2], vdupq_n_u8((uint8_t)(1 << (4 * n + j))));
@@ -375,9 +384,11 @@ QN_ALWAYS void qn_dot_iq4_xs(const uint8_t *w, const qm_act *a, ptrdiff_t k, con
     for (ptrdiff_t b = 0; b < k / 256; b++) {
         const uint8_t *blk = w + b * 136;
         int32_t scales[8];
+        QN_UNROLL
         for (int ib = 0; ib < 8; ib++) scales[ib] = qm_scale_iq4_xs(blk, ib);
         for (int c = 0; c < 2; c++) {
             int8x16_t q[8];
+            QN_UNROLL
             for (int i = 0; i < 4; i++) {
                 uint8x16_t raw = vld1q_u8(blk + 8 + 64 * c + 16 * i);
                 q[2 * i] = vqtbl1q_s8(values, vandq_u8(raw, low4));

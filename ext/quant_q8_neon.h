@@ -171,6 +171,16 @@ QN_ALWAYS int qn_mins(const int16_t *bs, const int16x8_t *mins, const int m16) {
     return vaddvq_s32(vmlal_high_s16(m, hi, mins[1]));
 }
 
+/* R rows' accumulators cleared (fmin's where not NULL). */
+QN_ALWAYS void qn_clear(const int R, float32x4_t *acc, int32x4_t *sumi, float *fmin) {
+    QN_UNROLL
+    for (int r = 0; r < R; r++) {
+        acc[r] = vdupq_n_f32(0.0f);
+        sumi[r] = vdupq_n_s32(0);
+        if (fmin) fmin[r] = 0.0f;
+    }
+}
+
 /* Block b's end for R rows: acc[r] += dw dy sumi[r] and fmin[r] += mw dy (its mins by the
    16-sums, where m16 is not 0), then sumi cleared. */
 QN_ALWAYS void qn_scale_k(const qm_act *a, ptrdiff_t k, ptrdiff_t b, const int R, float dw,
@@ -218,8 +228,7 @@ QN_ALWAYS void qn_dot_k45(const uint8_t *w, const qm_act *a, ptrdiff_t k, const 
     float32x4_t acc[QM_IGROUP];
     int32x4_t sumi[QM_IGROUP];
     float fmin[QM_IGROUP];
-    QN_UNROLL
-    for (int r = 0; r < R; r++) { acc[r] = vdupq_n_f32(0.0f); sumi[r] = vdupq_n_s32(0); fmin[r] = 0; }
+    qn_clear(R, acc, sumi, fmin);
     for (ptrdiff_t b = 0; b < k / 256; b++) {
         const uint8_t *blk = w + b * bb, *qs = blk + (five ? 48 : 16);
         int8x16_t sm = qn_scales_k4(blk + 4);
@@ -259,8 +268,7 @@ QN_ALWAYS void qn_dot_q6_k(const uint8_t *w, const qm_act *a, ptrdiff_t k, const
     const uint8x16_t low4 = vdupq_n_u8(0xF), low2 = vdupq_n_u8(3);
     float32x4_t acc[QM_IGROUP];
     int32x4_t sumi[QM_IGROUP];
-    QN_UNROLL
-    for (int r = 0; r < R; r++) { acc[r] = vdupq_n_f32(0.0f); sumi[r] = vdupq_n_s32(0); }
+    qn_clear(R, acc, sumi, NULL);
     for (ptrdiff_t b = 0; b < k / 256; b++) {
         const uint8_t *blk = w + b * 210;
         int32x4_t sc[4];
@@ -296,8 +304,7 @@ QN_ALWAYS void qn_dot_q2_k(const uint8_t *w, const qm_act *a, ptrdiff_t k, const
     float32x4_t acc[QM_IGROUP];
     int32x4_t sumi[QM_IGROUP];
     float fmin[QM_IGROUP];
-    QN_UNROLL
-    for (int r = 0; r < R; r++) { acc[r] = vdupq_n_f32(0.0f); sumi[r] = vdupq_n_s32(0); fmin[r] = 0; }
+    qn_clear(R, acc, sumi, fmin);
     for (ptrdiff_t b = 0; b < k / 256; b++) {
         const uint8_t *blk = w + b * 84;
         uint8x16_t packed = vld1q_u8(blk);
@@ -343,8 +350,7 @@ QN_ALWAYS void qn_dot_q3_k(const uint8_t *w, const qm_act *a, ptrdiff_t k, const
     const uint8x16_t low2 = vdupq_n_u8(3), four = vdupq_n_u8(4);
     float32x4_t acc[QM_IGROUP];
     int32x4_t sumi[QM_IGROUP];
-    QN_UNROLL
-    for (int r = 0; r < R; r++) { acc[r] = vdupq_n_f32(0.0f); sumi[r] = vdupq_n_s32(0); }
+    qn_clear(R, acc, sumi, NULL);
     for (ptrdiff_t b = 0; b < k / 256; b++) {
         const uint8_t *blk = w + b * 110;
         int32x4_t sc[4];
@@ -379,8 +385,7 @@ QN_ALWAYS void qn_dot_iq4_xs(const uint8_t *w, const qm_act *a, ptrdiff_t k, con
     const uint8x16_t low4 = vdupq_n_u8(0xF);
     float32x4_t acc[QM_IGROUP];
     int32x4_t sumi[QM_IGROUP];
-    QN_UNROLL
-    for (int r = 0; r < R; r++) { acc[r] = vdupq_n_f32(0.0f); sumi[r] = vdupq_n_s32(0); }
+    qn_clear(R, acc, sumi, NULL);
     for (ptrdiff_t b = 0; b < k / 256; b++) {
         const uint8_t *blk = w + b * 136;
         int32_t scales[8];

@@ -21,6 +21,7 @@
  * the scalar one (tests compare them). Threads (OpenMP) split the output columns; every
  * output is computed in the same order whatever the rows beside it or the thread count.
  */
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -405,6 +406,11 @@ static inline void qm_widen16_neon(qs_i8x16 v, qs_f8 *out) {
 #include "quant_q8.h"
 #if defined(__x86_64__) && defined(__GNUC__)
 #include "quant_q8_avx2.h"
+#elif defined(__aarch64__) && (defined(__clang__) || __GNUC__ >= 8)
+#include "quant_q8_neon.h"
+#endif
+#ifndef QM_ITABLE_USABLE  /* whether this CPU runs QM_ITABLE, beyond qm_simd_available */
+#define QM_ITABLE_USABLE() 1
 #endif
 
 static qm_dot_fn qm_fns[QM_TYPES][QM_GROUP + 1];
@@ -434,10 +440,9 @@ static const char *qm_use_simd(int on) {
     if (on && qm_simd_available()) {
         memcpy(qm_fns, QM_SIMD_TABLE, sizeof qm_fns);
         qm_path = QM_SIMD_NAME;
-#ifdef QM_ITABLE
-        memcpy(qm_ifns, QM_ITABLE, sizeof qm_ifns);
-#else
         memset(qm_ifns, 0, sizeof qm_ifns);
+#ifdef QM_ITABLE
+        if (QM_ITABLE_USABLE()) memcpy(qm_ifns, QM_ITABLE, sizeof qm_ifns);
 #endif
     }
 #endif

@@ -1,12 +1,19 @@
-/* The vector path of ext/quant.h (NEON on aarch64, AVX2 on x86-64) against its scalar
- * reference, outside Python: every type, rows 1..8, widths of one and several blocks, on
- * random blocks whose f16 scales are finite; and qm_range (the entry for a parallel region
- * already running: base + x W^T into rows ldy floats apart) against qm_rows. Prints one line
- * per type and exits non-zero on a mismatch or where this CPU has no vector path (nothing
- * would have been compared).
+/* The vector paths of ext/quant.h (NEON on aarch64, AVX2 on x86-64) against their scalar
+ * references, outside Python, on random blocks whose f16 scales are finite:
+ *  - the float32 kernels: every type, rows 1..8, widths of one and several blocks; and
+ *    qm_range (the entry for a parallel region already running: base + x W^T into rows ldy
+ *    floats apart) against qm_rows;
+ *  - the integer kernels (the q8 dot mode: AVX2, or NEON where the CPU has sdot): every type
+ *    with one on this path, rows 1..8, widths of one and several blocks (96 for the 32-weight
+ *    types), activations quantized by qm_quantize32 / qm_quantize256; and qm_rows's q8 mode
+ *    against the kernel (exactly) and against the float32 mode (within the quantization's
+ *    error).
+ * Prints one line per type and test; exits non-zero on a mismatch, where this CPU has no
+ * vector path (2: nothing would have been compared), or where it has integer kernels and
+ * none ran.
  *
  *   aarch64-linux-gnu-gcc -O2 -Iext -o test_quant ext/test_quant.c -lm
- *   qemu-aarch64-static -L /usr/aarch64-linux-gnu ./test_quant
+ *   qemu-aarch64-static -cpu max -L /usr/aarch64-linux-gnu ./test_quant
  *   gcc -O2 -Iext -o test_quant ext/test_quant.c -lm && ./test_quant
  * (tests/test_quant.py runs both.)
  */
@@ -56,69 +63,200 @@ static void put_scale(int type, uint8_t *p) {
     }
 }
 
-static int check(int type, int k, int rows, uint8_t *w, float *x, float *xs, int n) {
-    float got[8 * 4], want[8 * 4];
+enum { N = 4, MAX_K = 768, MAX_ROWS = 11 };  /* weight rows, widths, activation rows */
+
+/* n rows of k random weights of type (scales set by put_scale) and rows of k random x. */
+static void fill(int type, int k, int rows, uint8_t *w, float *x, int n) {
     int bb = qm_block_bytes[type], nbl = n * k / qm_block[type];
-    for (int i = 0; i < n * k / qm_block[type] * bb; i++) w[i] = (uint8_t)rng();
+    for (int i = 0; i < nbl * bb; i++) w[i] = (uint8_t)rng();
     for (int b = 0; b < nbl; b++)
         for (int s = 0; s < 2; s++)
             if (scale_at[type][s] >= 0) put_scale(type, w + b * bb + scale_at[type][s]);
     for (int i = 0; i < rows * k; i++) x[i] = uniform();
-    qm_xsum(x, k, rows, xs);
-    qm_use_simd(1);
-    qm_rows(type, w, x, got, n, k, rows, 1);
-    {  /* the in-region entry: base + x W^T into rows ldy = n + 3 floats apart */
-        enum { LDY = 4 + 3 };
-        float base[8 * LDY], team[8 * LDY];
-        for (int i = 0; i < rows * LDY; i++) base[i] = team[i] = uniform();
-        qm_range(type, w, x, qm_needs_xsum(type) ? xs : NULL, team, base, n + 3, k, rows, 0, n);
-        for (int r = 0; r < rows; r++)
-            for (int j = 0; j < n + 3; j++) {
-                int at = r * LDY + j;
-                float expect = j < n ? base[at] + got[r * n + j] : base[at];
-                if (team[at] != expect) {
-                    printf("type %d k %d rows %d row %d column %d: range %g, not %g\n", type,
-                           k, rows, r, j, team[at], expect);
-                    return 1;
-                }
-            }
-    }
-    qm_use_simd(0);
-    qm_rows(type, w, x, want, n, k, rows, 1);
-    for (int i = 0; i < rows * n; i++) {
-        float mag = 0.0f, row[256];
-        for (int b = 0; b < k / qm_block[type]; b++) {  /* sum |w| |x| for the bound */
-            qm_deq[type](w + ((i % n) * (k / qm_block[type]) + b) * bb, row);
-            for (int j = 0; j < qm_block[type]; j++)
-                mag += fabsf(row[j] * x[(i / n) * k + b * qm_block[type] + j]);
+}
+
+/* sum |W[j][i] x[r][i]| of output i = r n + j (the bound of its rounding error), or where
+   rms the root of sum (W[j][i] x[r][i])^2 (the size of x's rounding error's effect there, by
+   the rounding's relative size); x: the activations as the kernels read them. */
+static float magnitude(int type, const uint8_t *w, const float *x, int k, int n, int i,
+                       int rms) {
+    int bk = qm_block[type], bb = qm_block_bytes[type];
+    float mag = 0.0f, row[256];
+    for (int b = 0; b < k / bk; b++) {
+        qm_deq[type](w + ((i % n) * (k / bk) + b) * bb, row);
+        for (int j = 0; j < bk; j++) {
+            float p = row[j] * x[(i / n) * k + b * bk + j];
+            mag += rms ? p * p : fabsf(p);
         }
-        if (!(fabsf(got[i] - want[i]) <= 1e-5f * mag + 1e-30f)) {
+    }
+    return rms ? sqrtf(mag) : mag;
+}
+
+/* qm_range into rows ldy = n + 3 floats apart, over a random base: base + got where j < n. */
+static int check_range(int type, int k, int rows, const uint8_t *w, const float *x,
+                       const float *got, int n) {
+    enum { LDY = N + 3 };
+    static float mem[MAX_ROWS * (MAX_K + 64)];
+    float base[8 * LDY], team[8 * LDY];
+    qm_input in;
+    qm_input_fill(&in, &type, 1, 0, x, k, rows, mem);
+    for (int i = 0; i < rows * LDY; i++) base[i] = team[i] = uniform();
+    qm_range(type, w, x, &in, team, base, n + 3, k, rows, 0, n);
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < n + 3; j++) {
+            int at = r * LDY + j;
+            float expect = j < n ? base[at] + got[r * n + j] : base[at];
+            if (team[at] != expect) {
+                printf("type %d k %d rows %d row %d column %d: range %g, not %g\n", type, k,
+                       rows, r, j, team[at], expect);
+                return 1;
+            }
+        }
+    return 0;
+}
+
+/* The float32 kernels: vector against scalar, and qm_range against qm_rows. */
+static int check(int type, int k, int rows, uint8_t *w, float *x, int n) {
+    float got[8 * N], want[8 * N];
+    fill(type, k, rows, w, x, n);
+    qm_use_simd(1);
+    qm_rows(type, w, x, got, n, k, rows, 1, 0);
+    if (check_range(type, k, rows, w, x, got, n)) return 1;
+    qm_use_simd(0);
+    qm_rows(type, w, x, want, n, k, rows, 1, 0);
+    for (int i = 0; i < rows * n; i++)
+        if (!(fabsf(got[i] - want[i]) <= 1e-5f * magnitude(type, w, x, k, n, i, 0) + 1e-30f)) {
             printf("type %d k %d rows %d output %d: vector %g scalar %g\n", type, k, rows, i,
                    got[i], want[i]);
+            return 1;
+        }
+    return 0;
+}
+
+/* x's rows as the integer kernels read them: quantized into act, and de-quantized into xq. */
+static void quantize(int type, const float *x, int k, int rows, qm_act *act, void *mem,
+                     float *xq) {
+    qm_act_at(act, mem, k, rows);
+    if (qm_act_form(type) == 32) {
+        qm_quantize32(x, k, rows, act);
+        for (int i = 0; i < rows * k; i++) xq[i] = act->q32[i] * act->d32[i / 32];
+    } else {
+        qm_quantize256(x, k, rows, act);
+        for (int i = 0; i < rows * k; i++)
+            xq[i] = act->qk[i] * act->dk[(i / k) * (k / 256 + 1) + (i % k) / 256];
+    }
+}
+
+/* One integer kernel (qm_ifns[type] of the path qm_use_simd(simd) picks) over n weight
+   rows: out[r n + j]. */
+static void idot(int simd, int type, const uint8_t *w, const qm_act *act, int k, int rows,
+                 int n, float *out) {
+    float s[QM_IGROUP];
+    qm_use_simd(simd);
+    for (int j = 0; j < n; j++) {
+        qm_ifns[type](w + j * (k / qm_block[type] * qm_block_bytes[type]), act, k, rows, s);
+        for (int r = 0; r < rows; r++) out[r * n + j] = s[r];
+    }
+}
+
+/* qm_rows's q8 mode (rows may pass QM_IGROUP): got, where rows <= QM_IGROUP the kernel's
+   own outputs (equal), and within 3e-2 of each output's size (magnitude's rms: 8-bit
+   rounding moves it by about 0.4 %) of the float32 mode. */
+static int check_q8_rows(int type, int k, int rows, const uint8_t *w, const float *x,
+                         const float *got, int n) {
+    float q8[MAX_ROWS * N], f32[MAX_ROWS * N];
+    qm_use_simd(1);
+    qm_rows(type, w, x, q8, n, k, rows, 1, 1);
+    qm_rows(type, w, x, f32, n, k, rows, 1, 0);
+    for (int i = 0; i < rows * n; i++) {
+        float size = magnitude(type, w, x, k, n, i, 1);
+        if ((rows <= QM_IGROUP && q8[i] != got[i]) || !(fabsf(q8[i] - f32[i]) <= 3e-2f * size)) {
+            printf("type %d k %d rows %d output %d: qm_rows q8 %g, kernel %g, f32 %g (size %g)\n",
+                   type, k, rows, i, q8[i], rows <= QM_IGROUP ? got[i] : q8[i], f32[i], size);
             return 1;
         }
     }
     return 0;
 }
 
+/* The integer kernel of the vector path against the scalar reference's, and qm_rows's q8
+   mode. */
+static int check_int(int type, int k, int rows, uint8_t *w, float *x, int n) {
+    static float mem[MAX_ROWS * MAX_K];  /* qm_act_bytes(MAX_K, MAX_ROWS) and more */
+    static float xq[MAX_ROWS * MAX_K];
+    float got[MAX_ROWS * N], want[MAX_ROWS * N];
+    qm_act act;
+    fill(type, k, rows, w, x, n);
+    if (rows <= QM_IGROUP) {
+        quantize(type, x, k, rows, &act, mem, xq);
+        idot(1, type, w, &act, k, rows, n, got);
+        idot(0, type, w, &act, k, rows, n, want);
+        for (int i = 0; i < rows * n; i++)
+            if (!(fabsf(got[i] - want[i]) <= 1e-5f * magnitude(type, w, xq, k, n, i, 0) + 1e-30f)) {
+                printf("type %d k %d rows %d output %d: integer vector %g scalar %g\n", type, k,
+                       rows, i, got[i], want[i]);
+                return 1;
+            }
+    }
+    return check_q8_rows(type, k, rows, w, x, got, n);
+}
+
+/* Whether this CPU runs integer kernels on its vector path. */
+static int has_integer_path(void) {
+#ifdef QM_ITABLE
+    return qm_simd_available() && QM_ITABLE_USABLE();
+#else
+    return 0;
+#endif
+}
+
+/* The integer kernels of every type that has one here; returns the mismatches, or 1 where
+   this CPU has the path and none ran. */
+static int check_integer(const char *path, uint8_t *w, float *x) {
+    int failed = 0, ran = 0;
+    for (int type = 0; type < QM_TYPES; type++) {
+        int block = qm_block[type], bad = 0, cases = 0;
+        qm_use_simd(1);
+        if (!qm_act_form(type) || !qm_ifns[type]) {
+            printf("%s integer: none on this path (float32)\n", qm_names[type]);
+            continue;
+        }
+        int widths[3] = {block, 3 * block, block == 32 ? MAX_K : 2 * block};
+        for (int wi = 0; wi < 3; wi++)
+            for (int rows = 1; rows <= MAX_ROWS; rows += rows == QM_IGROUP ? 3 : 1, cases++)
+                bad += check_int(type, widths[wi], rows, w, x, N);
+        printf("%s integer %s: %d cases, %d mismatches\n", qm_names[type], path, cases, bad);
+        failed |= bad;
+        ran++;
+    }
+    if (!ran && has_integer_path()) {
+        printf("no integer kernel ran on path %s\n", path);
+        return 1;
+    }
+    if (!has_integer_path()) printf("no integer kernels on this CPU's path %s\n", path);
+    return failed;
+}
+
 int main(void) {
-    static uint8_t w[4 * 768 * 2];
-    static float x[8 * 768], xs[8 * 768 / 32];
+    static uint8_t w[N * MAX_K * 2];
+    static float x[MAX_ROWS * MAX_K];
     int failed = 0;
     qm_init();
     if (!qm_simd_available()) {
         printf("no vector path on this CPU\n");
         return 2;
     }
-    printf("path %s\n", qm_use_simd(1));
+    const char *path = qm_use_simd(1);
+    printf("path %s\n", path);
     for (int type = 0; type < QM_TYPES; type++) {
         int block = qm_block[type], bad = 0, cases = 0;
-        int widths[3] = {block > 1 ? block : 13, block > 1 ? 3 * block : 100, 768};
+        int widths[3] = {block > 1 ? block : 13, block > 1 ? 3 * block : 100, MAX_K};
         for (int wi = 0; wi < 3; wi++)
             for (int rows = 1; rows <= 8; rows++, cases++)
-                bad += check(type, widths[wi], rows, w, x, xs, 4);
+                bad += check(type, widths[wi], rows, w, x, N);
         printf("%s: %d cases, %d mismatches\n", qm_names[type], cases, bad);
         failed |= bad;
     }
+    failed |= check_integer(path, w, x);
     return failed ? 1 : 0;
 }

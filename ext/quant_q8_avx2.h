@@ -194,6 +194,7 @@ QA_ALWAYS void qa_blk_k45(const uint8_t *blk, const qm_act *a, ptrdiff_t k, ptrd
     __m128i sm = qa_scales_k4(blk + 4);
     __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
     __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
+    QA_UNROLL
     for (int c = 0; c < 4; c++) {
         __m256i bits = qa_load(qs + 32 * c);
         __m256i lo = _mm256_and_si256(bits, low4);
@@ -219,6 +220,7 @@ QA_ALWAYS void qa_blk_q6_k(const uint8_t *blk, const qm_act *a, ptrdiff_t k, ptr
     const __m256i low4 = _mm256_set1_epi8(0xF), low2 = _mm256_set1_epi8(3);
     __m128i scales8 = _mm_loadu_si128((const __m128i *)(blk + 192));
     qa_offset_k(a, k, b, R, _mm256_cvtepi8_epi16(scales8), 5, sumi);
+    QA_UNROLL
     for (int i = 0; i < 8; i++) {  /* weights 32 i ..: sub-blocks 2i and 2i + 1 */
         int half = i / 4, g = i % 4;
         __m256i l = qa_load(blk + 64 * half + 32 * (g % 2));
@@ -241,6 +243,7 @@ QA_ALWAYS void qa_blk_q2_k(const uint8_t *blk, const qm_act *a, ptrdiff_t k, ptr
     __m128i packed = _mm_loadu_si128((const __m128i *)blk);
     __m128i scales8 = _mm_and_si128(packed, low4);
     __m256i mins16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), low4));
+    QA_UNROLL
     for (int i = 0; i < 8; i++) {  /* weights 32 i ..: bits 2 (i % 4) of 32 bytes */
         __m256i bits = qa_load(blk + 16 + 32 * (i / 4));
         __m256i q = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * (i % 4)), low2);
@@ -271,6 +274,7 @@ QA_ALWAYS void qa_blk_q3_k(const uint8_t *blk, const qm_act *a, ptrdiff_t k, ptr
     __m128i scales8 = qa_scales_q3_k(blk + 96);
     __m256i hmask = qa_load(blk);
     qa_offset_k(a, k, b, R, _mm256_cvtepi8_epi16(scales8), 2, sumi);
+    QA_UNROLL
     for (int i = 0; i < 8; i++) {  /* weights 32 i ..: bits 2 (i % 4) of 32 bytes, bit i */
         __m256i bits = qa_load(blk + 32 + 32 * (i / 4));
         __m256i lo = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * (i % 4)), low2);
@@ -307,6 +311,7 @@ QA_ALWAYS void qa_blk_iq4_xs(const uint8_t *blk, const qm_act *a, ptrdiff_t k, p
     const __m256i values = _mm256_broadcastsi128_si256(
         _mm_loadu_si128((const __m128i *)qm_iq4nl));
     __m256i scales = qa_scales_iq4_xs(blk);
+    QA_UNROLL
     for (int ib = 0; ib < 8; ib++) {
         __m256i x = _mm256_shuffle_epi8(values, qa_nibbles(blk + 8 + 16 * ib));
         __m256i sc = _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(ib));

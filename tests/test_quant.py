@@ -2,9 +2,9 @@
 (``ext/_cquant.pyx``, its vector and scalar paths, and its twin ``mdiedge/model/_pyquant.py``):
 the block layouts equal to llama.cpp's own reader and quantizer (the ``gguf`` package), every
 kernel within 1e-5 of de-quantize-then-float32 for rows 1..8 and widths of one or several
-blocks, a row's result independent of its batch and threads, bad sizes and bad blocks refused
-with one line, and the C kernels' unit test natively and on aarch64 (qemu) where the tools
-are installed."""
+blocks (the integer q8 kernels: of the activations quantized to 8 bits), a row's result
+independent of its batch and threads, bad sizes and bad blocks refused with one line, and the
+C kernels' unit test natively and on aarch64 (qemu) where the tools are installed."""
 from __future__ import annotations
 
 import shutil
@@ -128,6 +128,58 @@ def test_matmul_equals_dequantize_then_float32(impl: ModuleType, qtype: str) -> 
             assert impl.matmul(x, w, qtype, out, 2) is out
             ok, worst = within(out, x, weight)
             assert ok, f"{qtype} k={k} rows={rows}: {worst:.2e}"
+
+
+# the types with an integer (q8) kernel: a scalar reference each, and on these paths a kernel
+# each (elsewhere, a type without one multiplies in float32)
+Q8_TYPES = [n for n in quant.KERNEL_TYPES if quant.TYPES[n].block > 1]
+Q8_EVERY_TYPE = ("scalar", "avx2")
+
+
+def activations_q8(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x quantized to 8 bits and back as ext/quant_q8.h quantizes activations: per 32 values
+    d = max|x| / 127 (ggml's Q8_0), per 256 d = -max / 127 with max the value of largest
+    magnitude (Q8_K, quants capped at 127); quants rounded half away from zero."""
+    rows, k = x.shape
+    b = x.view(rows, k // block, block)
+    if block == 32:
+        d = b.abs().amax(-1, keepdim=True) / 127
+        inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    else:
+        top = torch.gather(b, -1, b.abs().argmax(-1, keepdim=True))
+        inv = torch.where(top != 0, -127 / top, torch.zeros_like(top))
+        d = torch.where(inv != 0, 1 / inv, torch.zeros_like(inv))
+    v = b * inv
+    q = (torch.sign(v) * torch.floor(v.abs() + 0.5)).clamp(max=127)
+    return (q * d).view(rows, k)
+
+
+@pytest.mark.parametrize("simd", [True, False], ids=["simd", "scalar"])
+@pytest.mark.parametrize("qtype", Q8_TYPES)
+def test_q8_matmul_equals_quantized_activations_then_float32(qtype: str, simd: bool) -> None:
+    """dot=1: within 1e-5 of x quantized to 8 bits times the de-quantized weight, for rows
+    1..11 and widths of one and several blocks, and not the float32 product (the integer
+    kernel ran) on every path that has one for every type."""
+    if len(IMPLS) < 2:
+        pytest.skip("the compiled module is not built")
+    compiled, block = IMPLS[1], quant.TYPES[qtype].block
+    path = compiled.set_simd(simd)
+    try:
+        for k in WIDTHS[block]:
+            w = blocks(qtype, 13, k, seed=k)
+            weight = quant.dequantize(w, qtype, k)
+            for rows in range(1, 12):
+                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+                got = compiled.matmul(x, w, qtype, torch.full((rows, 13), float("nan")), 1,
+                                      dot=1)
+                f32 = compiled.matmul(x, w, qtype, torch.empty(rows, 13), 1, dot=0)
+                if path not in Q8_EVERY_TYPE and torch.equal(got, f32):
+                    continue  # no integer kernel for this type on this path
+                ok, worst = within(got, activations_q8(x, 32 if block == 32 else 256), weight)
+                assert ok, f"{qtype} {path} k={k} rows={rows}: {worst:.2e}"
+                assert not within(got, x, weight)[0], f"{qtype} {path}: the float32 product"
+    finally:
+        compiled.set_simd(True)
 
 
 @pytest.mark.twins

@@ -28,9 +28,9 @@ import torch
 from torch import Tensor, nn
 
 from ..base.accel import Twins
+from ..base.cpudot import cpu_dot, dot_code
 from ..base.errors import CheckpointError, QuantError
 from . import _pyquant
-from ..base.cpudot import cpu_dot, dot_code
 from .layers import Linear
 from .quant import TYPES, check_blocks, dequantize_on_device, qtype_of, quantize, row_bytes
 

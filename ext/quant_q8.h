@@ -35,6 +35,17 @@ typedef struct {
 /* One weight row against R <= QM_IGROUP quantized activation rows: s[r] = sum_i W[i] x[r][i]. */
 typedef void (*qm_idot_fn)(const uint8_t *w, const qm_act *a, ptrdiff_t k, int R, float *s);
 
+/* A vector kernel ``name`` (a qm_idot_fn, ATTR its target attribute) that calls CALL(R) with
+   R fixed in each branch, so that the loops over rows unroll whole. */
+#define QM_BY_ROWS(ATTR, name, CALL)                                                          \
+    ATTR static void name(const uint8_t *w, const qm_act *a, ptrdiff_t k, int R, float *s) { \
+        switch (R) {                                                                        \
+        case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break;             \
+        case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break;             \
+        case 7: CALL(7); break; default: CALL(8); break;                                    \
+        }                                                                                   \
+    }
+
 /* Which activation form a type's integer kernel reads: 32 or 256 (0: none, F16 and BF16). */
 static inline int qm_act_form(int type) {
     switch (type) {

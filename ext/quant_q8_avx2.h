@@ -344,15 +344,7 @@ QA_ALWAYS void qa_dot_k(int type, const uint8_t *w, const qm_act *a, ptrdiff_t k
     for (int r = 0; r < R; r++) s[r] = qa_hsum(acc[r]);
 }
 
-/* One function per type with R fixed in each branch (the loops over rows unrolled). */
-#define QA_BY_ROWS(name, CALL)                                                                \
-    QA_ATTR static void name(const uint8_t *w, const qm_act *a, ptrdiff_t k, int R, float *s) { \
-        switch (R) {                                                                          \
-        case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break;               \
-        case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break;               \
-        case 7: CALL(7); break; default: CALL(8); break;                                      \
-        }                                                                                     \
-    }
+#define QA_BY_ROWS(name, CALL) QM_BY_ROWS(QA_ATTR, name, CALL)
 #define QA_Q8_0(R_) qa_dot32(QM_Q8_0, w, a, k, R_, s)
 #define QA_Q4_0(R_) qa_dot32(QM_Q4_0, w, a, k, R_, s)
 #define QA_Q4_1(R_) qa_dot32(QM_Q4_1, w, a, k, R_, s)

@@ -407,15 +407,7 @@ QN_ALWAYS void qn_dot_iq4_xs(const uint8_t *w, const qm_act *a, ptrdiff_t k, con
     for (int r = 0; r < R; r++) s[r] = vaddvq_f32(acc[r]);
 }
 
-/* One function per type with R fixed in each branch (the loops over rows unrolled). */
-#define QN_BY_ROWS(name, CALL)                                                                \
-    QN_ATTR static void name(const uint8_t *w, const qm_act *a, ptrdiff_t k, int R, float *s) { \
-        switch (R) {                                                                          \
-        case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break;               \
-        case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break;               \
-        case 7: CALL(7); break; default: CALL(8); break;                                      \
-        }                                                                                     \
-    }
+#define QN_BY_ROWS(name, CALL) QM_BY_ROWS(QN_ATTR, name, CALL)
 #define QN_Q8_0(R_) qn_dot32(QM_Q8_0, w, a, k, R_, s)
 #define QN_Q4_0(R_) qn_dot32(QM_Q4_0, w, a, k, R_, s)
 #define QN_Q4_1(R_) qn_dot32(QM_Q4_1, w, a, k, R_, s)

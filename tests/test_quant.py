@@ -132,26 +132,8 @@ def test_matmul_equals_dequantize_then_float32(impl: ModuleType, qtype: str) -> 
 
 # the types with an integer (q8) kernel: a scalar reference each, and on these paths a kernel
 # each (elsewhere, a type without one multiplies in float32)
-Q8_TYPES = [n for n in quant.KERNEL_TYPES if quant.TYPES[n].block > 1]
+Q8_TYPES = [n for n in quant.KERNEL_TYPES if quant.TYPES[n].act_block]
 Q8_EVERY_TYPE = ("scalar", "avx2")
-
-
-def activations_q8(x: torch.Tensor, block: int) -> torch.Tensor:
-    """x quantized to 8 bits and back as ext/quant_q8.h quantizes activations: per 32 values
-    d = max|x| / 127 (ggml's Q8_0), per 256 d = -max / 127 with max the value of largest
-    magnitude (Q8_K, quants capped at 127); quants rounded half away from zero."""
-    rows, k = x.shape
-    b = x.view(rows, k // block, block)
-    if block == 32:
-        d = b.abs().amax(-1, keepdim=True) / 127
-        inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-    else:
-        top = torch.gather(b, -1, b.abs().argmax(-1, keepdim=True))
-        inv = torch.where(top != 0, -127 / top, torch.zeros_like(top))
-        d = torch.where(inv != 0, 1 / inv, torch.zeros_like(inv))
-    v = b * inv
-    q = (torch.sign(v) * torch.floor(v.abs() + 0.5)).clamp(max=127)
-    return (q * d).view(rows, k)
 
 
 @pytest.mark.parametrize("simd", [True, False], ids=["simd", "scalar"])
@@ -175,7 +157,7 @@ def test_q8_matmul_equals_quantized_activations_then_float32(qtype: str, simd: b
                 f32 = compiled.matmul(x, w, qtype, torch.empty(rows, 13), 1, dot=0)
                 if path not in Q8_EVERY_TYPE and torch.equal(got, f32):
                     continue  # no integer kernel for this type on this path
-                ok, worst = within(got, activations_q8(x, 32 if block == 32 else 256), weight)
+                ok, worst = within(got, quant.quantized_activations(x, block), weight)
                 assert ok, f"{qtype} {path} k={k} rows={rows}: {worst:.2e}"
                 assert not within(got, x, weight)[0], f"{qtype} {path}: the float32 product"
     finally:

@@ -112,6 +112,8 @@ API_KV_SHARE = 0.25  # `serve` sizes its slots and context to keep its KV cache 
 API_MIN_CONTEXT = 512  # and halves the context down to this (or the model's, if shorter)
 API_MAX_WAITING = 32  # requests waiting for slots before a 429 (`serve --max-queue`)
 MAX_QUEUE = 64  # the scheduler's own bound on waiting requests, and --max-queue's largest
+PROMPT_CACHE_MIN_TOKENS = 16  # a prompt reuses a finished request's KV rows from this many
+#                              shared leading tokens (`serve`, `chat`: the prompt cache)
 API_MAX_BODY = 1 << 20  # bytes of a request's body (413 past it)
 WAIT_POLL_S = 0.5  # a request thread's wait for its generation is timed, so Ctrl-C reaches it
 COMPUTE_CLOSE_S = 10.0  # how long closing an engine or a worker waits for its compute thread

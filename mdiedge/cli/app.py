@@ -399,6 +399,13 @@ def check_cpu_dot(mode: Optional[str]) -> Optional[str]:
     return mode
 
 
+def prompt_cache_option() -> Any:
+    """``--prompt-cache/--no-prompt-cache``, the same on serve and chat."""
+    return typer.Option(True, "--prompt-cache/--no-prompt-cache", help="Keep each finished "
+                        "request's KV rows so a prompt that begins with its tokens (the next "
+                        "turn of a conversation) computes only the rest.")
+
+
 def speculate_option() -> Any:
     """``--speculate ngram|draft:PATH|off``."""
     return typer.Option("off", "--speculate", metavar="ngram|draft:PATH|off", help="Draft "

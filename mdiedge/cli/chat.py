@@ -23,6 +23,7 @@ from ..base import defaults
 from ..base.errors import GenerationError
 from .app import (
     check_sampling,
+    prompt_cache_option,
     temperature_option,
     top_k_option,
     top_p_option,
@@ -240,6 +241,7 @@ def chat(
     no_encrypt: bool = no_encrypt_option(),
     threads: int = threads_option(),
     cpu_dot: Optional[str] = cpu_dot_option(),
+    prompt_cache: bool = prompt_cache_option(),
 ) -> None:
     """Chat with an instruct model through its chat template (interactive, or one --message)."""
     check_sampling(max_new_tokens, 1, temperature, top_k, top_p, seed)
@@ -257,6 +259,9 @@ def chat(
     with ExitStack() as stack:
         terminate_gracefully()
         engine, _ = open_checked(stack, spec, lambda text: None)
+        if prompt_cache:  # one layout for every turn, so each turn finds the last one's rows
+            engine.prompt_cache = True
+            engine.reserve(1, min(engine.cfg.max_seq_len, defaults.API_CONTEXT))
         session = ChatSession(engine, Conversation(system), max_new_tokens, params,
                               interactive=message is None)
         if message is not None:

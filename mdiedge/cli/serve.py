@@ -20,7 +20,8 @@ from .app import (app, check_device, check_early_exit, check_log_level, check_po
                   compression_option, early_exit_option, exit_threshold_option, need,
                   one_line_errors,
                   prefill_chunk_option, quantize_option, recover_option,
-                  speculate_option, stall_timeout_option, ring_options, no_encrypt_option)
+                  speculate_option, stall_timeout_option, ring_options, no_encrypt_option,
+                  prompt_cache_option)
 
 
 
@@ -55,11 +56,13 @@ def api_key_for(host: str, key_file: Optional[str], insecure: bool) -> Optional[
 
 
 def open_api(engine: "Engine", sock: Any, slots: int, context: int, max_queue: int, max_body: int,
-             key: Optional[str], name: Optional[str], log_level: str) -> Any:
+             key: Optional[str], name: Optional[str], log_level: str,
+             prompt_cache: bool = True) -> Any:
     """The API of ``engine`` on the listening socket ``sock``: set up, not started."""
     from ..serving.api.rules import ServeLimits
     from ..serving.api.server import Api
 
+    engine.prompt_cache = prompt_cache
     limits = ServeLimits(slots=slots, context=context, max_waiting=max_queue, max_body=max_body)
     return Api(engine, sock, limits, key, name, log_level)
 
@@ -146,8 +149,7 @@ def serve(
     port: int = typer.Option(defaults.API_PORT, help="Port of the API (0: any free port)."),
     model: Optional[str] = model_option(),
     tokenizer: Optional[str] = tokenizer_option(),
-    model_name: Optional[str] = typer.Option(None, help="Model id of the API (default: the "
-                                             "model folder's name)."),
+    model_name: Optional[str] = typer.Option(None, help="Model id (default: the model's name)."),
     nodes: int = nodes_option("the server"),
     ring: Optional[str] = typer.Option(None, help="Ring file (TOML) of running workers."),
     device: str = device_option(),
@@ -177,6 +179,7 @@ def serve(
     speculate: str = speculate_option(),
     threads: int = threads_option(),
     cpu_dot: Optional[str] = cpu_dot_option(),
+    prompt_cache: bool = prompt_cache_option(),
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /metrics)."""
     check_api_options(slots, context, max_queue, max_body, port, log_level)
@@ -194,7 +197,7 @@ def serve(
         engine, shape = open_checked(stack, spec, lambda text: sized_slots(
             text, slots, context, dtype, device, nodes, ring))
         api = open_api(engine, sock, shape.slots, shape.context, max_queue, max_body, key,
-                       model_name, log_level)
+                       model_name, log_level, prompt_cache)
         stack.callback(api.close)
         engine.set_up()  # set the ring up now: its errors before "ready"
         api.start()

@@ -218,6 +218,7 @@ class Engine(TextModel, abc.ABC):
     speculate: Optional[str] = None  # every request's drafter (``drafter_for``); None: off
     speculate_device: str = "cpu"  # where a draft model runs
     draft_model: Optional[DraftModel] = None  # ``draft:PATH``'s model, shared by requests
+    prompt_cache = False  # finished requests' KV rows kept for prompts that continue them
 
     def speculating(self, spec: Optional[str], device: str = "cpu") -> None:
         """Have every later request speculate with the drafter ``spec`` names (``ngram``,
@@ -314,6 +315,8 @@ class Engine(TextModel, abc.ABC):
             scheduler = self.prepare(max(len(generation.samples), self.reserved[0]),
                                      max(generation.context, self.reserved[1]))
             generation.mark_set_up()
+            if self.prompt_cache:
+                scheduler.keep_prompts()
             scheduler.submit(generation, micro_batch, max_waiting)
         return scheduler
 

@@ -168,6 +168,8 @@ class Generation:
         self.admitted_at = 0.0  # perf_counter() when its samples got KV rows
         self.prefilled_at = 0.0  # when every sample had its first token
         self.cancel_requested = False  # set by any thread; the scheduler acts on it
+        self.cache_prompt = True  # may reuse, and leave, KV rows in the prompt cache
+        self.cached_tokens = 0  # prompt tokens whose KV rows the prompt cache gave
         self.error: Optional[BaseException] = None  # set when the pipeline failed under it
         self.recoveries: List[Recovery] = []  # lost nodes it lived through
         self.exits: Optional[ExitCounts] = None  # set by a scheduler that exits early

@@ -37,8 +37,9 @@ class Message:
     # per row, eligible to exit in this step (sticky: once eligible, eligible for the
     # blocks after it, on this node and the next); empty: no row is
     eligible: List[bool] = field(default_factory=list)
-    # decode only: rows may start at or before their KV fill, the rows past their start
-    # dead (speculative decoding: a verification wrote more positions than the model kept)
+    # rows may start at or before their KV fill, the rows past their start dead
+    # (speculative decoding: a verification wrote more positions than the model kept; the
+    # prompt cache: a prefill after the prefix a parked sample's rows hold)
     rewind: bool = False
 
     @property

@@ -16,11 +16,10 @@ every token callback runs, on the loop thread.
 """
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from . import messages, plan
 from .compute import ComputeThread
@@ -29,11 +28,13 @@ from .messages import Message
 from .pipeline import ModelEnds, Pipeline
 from .plan import (MAX_FRUITLESS_RECOVERIES, Back, Decode, Part, QueueView, Release, Row,
                    Waiter, group_size, prefill_chunks, prefill_rows)
+from .promptcache import PromptCache, SampleIds
 from .slots import MAX_SAMPLE_ID
 from .speculation import Draft, RowCost, plan_step, step_rows
 from .stages import LocalStage, inference
+from .steploop import StepLoop, Waiting
 from ..base import defaults
-from ..base.errors import GenerationError, MdiedgeError, NodeLost, QueueFull, RingError
+from ..base.errors import GenerationError, MdiedgeError, NodeLost, RingError
 
 __all__ = ["MAX_FRUITLESS_RECOVERIES", "Scheduler", "group_size", "prefill_chunks",
            "prefill_rows", "run_single"]
@@ -79,52 +80,6 @@ class _InFlight:
     sent: float = 0.0  # a decode message sent alone: when (0: timed with others in flight)
 
 
-class Waiting:
-    """Requests not yet admitted, first come first served: any thread adds (as the queue's
-    rule allows), the loop takes them in order."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._items: Deque[Tuple[Generation, int]] = collections.deque()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def add(self, item: Tuple[Generation, int], broken: Callable[[], Optional[BaseException]],
-            view: Callable[[Tuple[int, ...]], QueueView], limit: Optional[int] = None) -> None:
-        """Queue ``item`` unless the pipeline broke (checked under the lock ``take_all``
-        holds, so nothing is queued after a failure drained the queue) or the queue's rule
-        (``QueueView.takes``, at most ``limit`` waiting) refuses it."""
-        with self._lock:
-            error = broken()
-            if error is not None:
-                raise RingError(f"the pipeline failed before: {error}")
-            now = view(self.sizes())
-            if not now.takes(len(item[0].samples), self.limit if limit is None else limit):
-                raise QueueFull(f"{now.waiting} requests are waiting for the {now.slots} KV "
-                                f"slots already; try again later")
-            self._items.append(item)
-
-    def sizes(self) -> Tuple[int, ...]:
-        """Samples of each queued request, in order."""
-        return tuple(len(g.samples) for g, _ in list(self._items))
-
-    def head(self) -> List[Tuple[Generation, int]]:
-        with self._lock:
-            return list(self._items)
-
-    def pop(self) -> None:
-        with self._lock:
-            self._items.popleft()
-
-    def take_all(self) -> List[Tuple[Generation, int]]:
-        with self._lock:
-            items = list(self._items)
-            self._items.clear()
-            return items
-
-
 @dataclass
 class SchedulerStats:
     messages: int = 0
@@ -160,6 +115,29 @@ def accept_parts(ends: ModelEnds, parts: List[Rows], hidden: Any,
         row += len(samples)
 
 
+def settle_groups(groups: Dict[int, _Group]) -> int:
+    """Release every sample of ``groups`` (a rebuilt pipeline holds no rows) and keep the
+    live ones, dropping groups left empty; how many samples were released."""
+    released = 0
+    for key, group in list(groups.items()):
+        released += len(group.generation.release(group.samples))
+        group.samples, group.prefilled = [s for s in group.samples if not s.done], 0
+        if not group.samples:
+            del groups[key]
+    return released
+
+
+def replay_chunks(groups: Iterable[_Group], prefill_chunk: int
+                  ) -> Iterator[Tuple[_Group, Sample, plan.Chunk]]:
+    """Each prefill message that replays the live samples of ``groups`` (prompt and tokens
+    so far), in order."""
+    for group in groups:
+        by_sid = {s.sid: s for s in group.samples}
+        for sid, chunk in plan.replay([(s.sid, len(s.prompt) + len(s.tokens))
+                                       for s in group.samples], prefill_chunk):
+            yield group, by_sid[sid], chunk
+
+
 def count_exits(parts: List[Rows], depth: int, n_layers: int) -> None:
     """Each request's decode rows of a message that came back after ``depth`` blocks (0:
     every block)."""
@@ -168,48 +146,6 @@ def count_exits(parts: List[Rows], depth: int, n_layers: int) -> None:
         if generation.exits is None:
             generation.exits = ExitCounts(n_layers)
         generation.exits.add(depth, len(samples))
-
-
-class StepLoop:
-    """The loop that steps a scheduler, on the node's ``ComputeThread``: started when a
-    request is waited for, it calls ``step`` while ``busy()`` (work in flight or waiting),
-    then ends, and the next ``start`` runs it again. A step's failure is the step's to
-    record."""
-
-    def __init__(self, step: Callable[[], None], busy: Callable[[], bool],
-                 compute: ComputeThread) -> None:
-        self._step, self._busy, self.compute = step, busy, compute
-        self._lock = threading.Condition()  # starting and ending a run
-        self._running = False
-
-    def start(self) -> None:
-        """Run the loop on the compute thread; a caller on that thread runs it now."""
-        with self._lock:
-            if self._running:
-                return
-            self._running = True
-            if not self.compute.here():
-                self.compute.submit(self._run)
-                return
-        self._run()
-
-    def join(self) -> None:
-        """Until the loop does not run."""
-        with self._lock:
-            while self._running:
-                self._lock.wait()
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:  # work added before ``start`` is seen here, or a new run starts
-                if not self._busy():
-                    self._running = False
-                    self._lock.notify_all()
-                    return
-            try:
-                self._step()
-            except BaseException:  # recorded by the step: its requests failed and were woken
-                pass
 
 
 class Flights:
@@ -291,61 +227,39 @@ class Recoverer:
         return None
 
 
-class Scheduler:
-    """Runs generations over ``pipeline`` with ``ends`` (embedding and head).
+class SchedulerRequests:
+    """The request side of a ``Scheduler``: queueing, waiting, the queue's view and the
+    prompt cache's switch; the loop side steps."""
 
-    ``prefill_chunk``: tokens per prefill message (0: the whole prompt); ``max_rows``: samples
-    per decode message at most (0: ``prefill_chunk``); ``timeout_s``: how long a message may
-    take around the pipeline; ``max_waiting``: requests that may wait for KV slots unless a
-    submission says otherwise; ``rebuild``: when nodes are lost, gives the pipeline without
-    them, and every live sample's tokens so far are replayed through it as a prefill
-    (Petals-style recovery; its sampling generator carries on, so the output is the one it
-    would have been, except under early exit: a replay computes every block where the exits had
-    filled KV); ``exit_layers``: the model's blocks, when decode steps may exit early (their
-    exits are counted per request); ``compute``: the node's torch thread."""
-
-    def __init__(self, pipeline: Pipeline, ends: ModelEnds, prefill_chunk: int = 0,
-                 timeout_s: Optional[float] = None, max_waiting: int = defaults.MAX_QUEUE,
-                 max_rows: int = 0, rebuild: Optional[Rebuild] = None, exit_layers: int = 0,
-                 compute: Optional[ComputeThread] = None) -> None:
-        self.pipeline, self.ends = pipeline, ends
-        self.exit_layers, self.max_rows = exit_layers, max_rows or prefill_chunk
-        self.prefill_chunk, self.timeout_s, self.max_waiting = prefill_chunk, timeout_s, max_waiting
-        self._recovery = Recoverer(rebuild)
-        self._waiting = Waiting(max_waiting)
-        self._driver = threading.Lock()  # held by the thread that steps
-        self._loop = StepLoop(self.step, lambda: self.broken is None and bool(
-            self._inflight or len(self._waiting)), compute or ComputeThread("mdiedge-scheduler"))
-        self._inflight = Flights()
-        self.stats = self._inflight.stats
-        self._groups: Dict[int, _Group] = {}  # live groups by key, in admission order
-        self._queued: Tuple[Part, ...] = ()  # decode parts waiting to merge
-        self._merged = 0  # merged decode messages in flight
-        self._requests: Dict[int, Generation] = {}  # admitted or dropped, not yet woken
-        self._live = 0  # samples holding KV rows
-        self._next_id = self._next_key = 0
-        self.broken: Optional[BaseException] = None  # set when a step failed
-
-    # ----------------------------------------------------------------- requests
+    pipeline: Pipeline
+    exit_layers: int
+    cache: PromptCache
+    broken: Optional[BaseException]
+    _waiting: Waiting
+    _loop: StepLoop
+    _inflight: Flights
+    _requests: Dict[int, Generation]
+    _live: int
 
     @property
     def usable(self) -> bool:
         return self.broken is None
 
-    @property
-    def idle(self) -> bool:
-        """No request admitted or waiting (a RELEASE may still be on its way round)."""
-        return self._live == 0 and len(self._waiting) == 0
-
-    @property
-    def slots_in_use(self) -> int:
-        return self._live
+    def step(self) -> None:
+        raise NotImplementedError
 
     def queue(self, queued: Optional[Tuple[int, ...]] = None) -> QueueView:
         """KV slots held and requests running and queued, now (the API's 429 and metrics)."""
         running = sum(1 for g in list(self._requests.values()) if not g.settled)
         return QueueView(self.pipeline.n_slots, self._live, running,
                          self._waiting.sizes() if queued is None else queued)
+
+    def keep_prompts(self) -> None:
+        """Turn the prompt cache on: finished samples keep their KV rows for a later prompt
+        that begins with their tokens (``mdiedge.runtime.promptcache``; not under early
+        exit, whose rows are approximate)."""
+        if not self.exit_layers:
+            self.cache.capacity = self.pipeline.n_slots
 
     def submit(self, generation: Generation, micro_batch: int = 0,
                max_waiting: Optional[int] = None) -> None:
@@ -385,6 +299,55 @@ class Scheduler:
         self._loop.join()
         while self._inflight:
             self.step()
+
+
+class Scheduler(SchedulerRequests):
+    """Runs generations over ``pipeline`` with ``ends`` (embedding and head).
+
+    ``prefill_chunk``: tokens per prefill message (0: the whole prompt); ``max_rows``: samples
+    per decode message at most (0: ``prefill_chunk``); ``timeout_s``: how long a message may
+    take around the pipeline; ``max_waiting``: requests that may wait for KV slots unless a
+    submission says otherwise; ``rebuild``: when nodes are lost, gives the pipeline without
+    them, and every live sample's tokens so far are replayed through it as a prefill
+    (Petals-style recovery; its sampling generator carries on, so the output is the one it
+    would have been, except under early exit: a replay computes every block where the exits had
+    filled KV); ``exit_layers``: the model's blocks, when decode steps may exit early (their
+    exits are counted per request); ``compute``: the node's torch thread."""
+
+    def __init__(self, pipeline: Pipeline, ends: ModelEnds, prefill_chunk: int = 0,
+                 timeout_s: Optional[float] = None, max_waiting: int = defaults.MAX_QUEUE,
+                 max_rows: int = 0, rebuild: Optional[Rebuild] = None, exit_layers: int = 0,
+                 compute: Optional[ComputeThread] = None) -> None:
+        self.pipeline, self.ends = pipeline, ends
+        self.exit_layers, self.max_rows = exit_layers, max_rows or prefill_chunk
+        self.prefill_chunk, self.timeout_s, self.max_waiting = prefill_chunk, timeout_s, max_waiting
+        self._recovery = Recoverer(rebuild)
+        self._waiting = Waiting(max_waiting)
+        self._driver = threading.Lock()  # held by the thread that steps
+        self._loop = StepLoop(self.step, lambda: self.broken is None and bool(
+            self._inflight or len(self._waiting)), compute or ComputeThread("mdiedge-scheduler"))
+        self._inflight = Flights()
+        self.stats = self._inflight.stats
+        self._groups: Dict[int, _Group] = {}  # live groups by key, in admission order
+        self._queued: Tuple[Part, ...] = ()  # decode parts waiting to merge
+        self._merged = 0  # merged decode messages in flight
+        self._requests: Dict[int, Generation] = {}  # admitted or dropped, not yet woken
+        self._live = 0  # samples holding KV rows
+        self._next_key = 0
+        self.ids = SampleIds(_ID_SPACE - 1)
+        self.cache = self.ids.cache  # off until ``keep_prompts``
+        self.broken: Optional[BaseException] = None  # set when a step failed
+
+    # ----------------------------------------------------------------- requests
+
+    @property
+    def idle(self) -> bool:
+        """No request admitted or waiting (a RELEASE may still be on its way round)."""
+        return self._live == 0 and len(self._waiting) == 0
+
+    @property
+    def slots_in_use(self) -> int:
+        return self._live
 
     # ----------------------------------------------------------------- one step
 
@@ -458,8 +421,7 @@ class Scheduler:
 
     def _start(self, generation: Generation, admission: plan.Admission) -> None:
         samples = generation.samples
-        for sample in samples:
-            sample.sid = self._new_id()
+        reused = self._adopt(generation)
         generation.mark_admitted()
         group_of: Dict[int, _Group] = {}
         for members in admission.groups:
@@ -469,14 +431,20 @@ class Scheduler:
             self._groups[group.key] = group
             group_of.update((i, group) for i in members)
         for chunk in admission.chunks:
-            sample = samples[chunk.index]
-            self._send(messages.ACTIVATION, [sample], [sample.prompt[chunk.start:chunk.end]],
-                       [chunk.start], _InFlight("prefill", [(group_of[chunk.index], [sample])],
-                                                final=chunk.final), prefill=True)
+            sample, cached = samples[chunk.index], reused.get(chunk.index, 0)
+            if chunk.end <= cached:
+                continue
+            start = max(chunk.start, cached)
+            self._send(messages.ACTIVATION, [sample], [sample.prompt[start:chunk.end]],
+                       [start], _InFlight("prefill", [(group_of[chunk.index], [sample])],
+                                          final=chunk.final), prefill=True,
+                       rewind=start == cached > 0)
 
-    def _new_id(self) -> int:
-        self._next_id = self._next_id % (_ID_SPACE - 1) + 1
-        return self._next_id
+    def _adopt(self, generation: Generation) -> Dict[int, int]:
+        """``SampleIds.assign``; then parked rows that live samples now need go."""
+        reused = self.ids.assign(generation)
+        self._release_ids(self.cache.evict(self._live + len(self.cache) - self.pipeline.n_slots))
+        return reused
 
     # ----------------------------------------------------------------- results
 
@@ -519,7 +487,7 @@ class Scheduler:
                 group = self._groups[send.group]
                 done = group.generation.release(group.rows(send.sids))
                 self._live -= len(done)
-                self._send(messages.RELEASE, done, None, [0] * len(done), _InFlight("release"))
+                self._release_ids(self.ids.park(group.generation, done))
             else:
                 self._send_decode(send)
         for key in step.retired:
@@ -536,14 +504,22 @@ class Scheduler:
     # ----------------------------------------------------------------- sending
 
     def _send(self, kind: int, samples: List[Sample], tokens: Optional[List[List[int]]],
-              positions: List[int], entry: _InFlight, prefill: bool = False) -> None:
+              positions: List[int], entry: _InFlight, prefill: bool = False,
+              rewind: bool = False) -> None:
         t0 = time.perf_counter()
         hidden = self.ends.embed(tokens) if tokens is not None else None  # (B, T, dim)
         if not self._inflight:  # a loss is timed from here when nothing was running
             self._recovery.progress = time.perf_counter()
         self._inflight.send(self.pipeline, Message(kind, [s.sid for s in samples],
-                                                   list(positions), hidden, prefill), entry)
+                                                   list(positions), hidden, prefill,
+                                                   rewind=rewind), entry)
         self.stats.compute_s += time.perf_counter() - t0
+
+    def _release_ids(self, sids: List[int]) -> None:
+        """Free the KV rows of ``sids`` on every node (one RELEASE; none for no ids)."""
+        if sids:
+            self._inflight.send(self.pipeline, Message(messages.RELEASE, list(sids),
+                                                       [0] * len(sids)), _InFlight("release"))
 
     # ----------------------------------------------------------------- recovery
 
@@ -551,6 +527,7 @@ class Scheduler:
         """Go on over a rebuilt ``pipeline``: nothing is in flight there; replay."""
         self.pipeline, self.ends = pipeline, ends
         self._inflight.entries, record.pending, record.tokens_replayed = {}, 0, 0
+        self.cache.clear()  # the rebuilt pipeline holds no parked rows
         self._queued, self._merged = (), 0
         self._replay(record)
 
@@ -560,22 +537,14 @@ class Scheduler:
         decode step that was lost would have. Every group is settled before the first send
         (the new pipeline never held rows for its ended samples: no RELEASE goes round), so
         a loss during the replay finds them all to replay again."""
-        for key, group in list(self._groups.items()):
-            self._live -= len(group.generation.release(group.samples))
-            group.samples, group.prefilled = [s for s in group.samples if not s.done], 0
-            if not group.samples:
-                del self._groups[key]
-        for group in self._groups.values():
-            by_sid = {s.sid: s for s in group.samples}
-            for sid, chunk in plan.replay([(s.sid, len(s.prompt) + len(s.tokens))
-                                           for s in group.samples], self.prefill_chunk):
-                sample = by_sid[sid]
-                tokens = (sample.prompt + sample.tokens)[chunk.start:chunk.end]
-                record.tokens_replayed += len(tokens)
-                record.pending += 1
-                self._send(messages.ACTIVATION, [sample], [tokens], [chunk.start],
-                           _InFlight("prefill", [(group, [sample])], chunk.final, record),
-                           prefill=True)
+        self._live -= settle_groups(self._groups)
+        for group, sample, chunk in replay_chunks(self._groups.values(), self.prefill_chunk):
+            tokens = (sample.prompt + sample.tokens)[chunk.start:chunk.end]
+            record.tokens_replayed += len(tokens)
+            record.pending += 1
+            self._send(messages.ACTIVATION, [sample], [tokens], [chunk.start],
+                       _InFlight("prefill", [(group, [sample])], chunk.final, record),
+                       prefill=True)
         if record.pending == 0:
             record.recover_s = time.perf_counter() - record.started
 
@@ -583,6 +552,7 @@ class Scheduler:
         """The pipeline broke (``cause``): every admitted and waiting request fails with
         ``error`` and is woken."""
         self.broken = cause
+        self.cache.clear()
         failed = {id(g.generation): g.generation for g in self._groups.values()}
         failed.update((id(g), g) for g, _ in self._waiting.take_all())
         failed.update(self._requests)

@@ -163,15 +163,15 @@ class LocalStage:
         """KV rows of the message's samples: a prefill at position 0 takes a free row (or
         starts its own over). Each row's position must follow its KV cache's filled length
         (a RingError otherwise: a stale or forged step), which the step then extends; a
-        decode step marked ``rewind`` may also start before it, overwriting the rows past."""
+        step marked ``rewind`` may also start before it, overwriting the rows past (a
+        verification of drafted tokens, or a prefill after a prefix the prompt cache kept)."""
         slots = self.slots
         assert message.hidden is not None
         try:
             rows = [slots.get_or_allocate(i) if message.prefill and p == 0 else slots.slot_of(i)
                     for i, p in zip(message.sample_ids, message.positions)]
             slots.advance(message.sample_ids, message.positions, message.hidden.shape[1],
-                          restart=message.prefill,
-                          rewind=message.rewind and not message.prefill)
+                          restart=message.prefill, rewind=message.rewind)
             return rows
         except Exception as e:  # SlotError: unknown sample, every row taken, a stale step
             raise RingError(f"layers {self.layers}: {e}") from None

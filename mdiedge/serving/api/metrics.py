@@ -76,6 +76,10 @@ class ApiMetrics:
                              "sample", registry=r, buckets=TOKEN_BUCKETS)
         self.e2e = Histogram("mdiedge_e2e_request_latency_seconds", "From a request's arrival "
                              "to its end", registry=r, buckets=LATENCY_BUCKETS)
+        self.cache_hits = Counter("mdiedge_prompt_cache_hits", "Requests whose prompt began "
+                                  "with KV rows the prompt cache kept", registry=r)
+        self.cached_tokens = Counter("mdiedge_prompt_cache_tokens", "Prompt tokens whose KV "
+                                     "rows the prompt cache gave (not computed)", registry=r)
         self.spec_drafted = Counter("mdiedge_spec_drafted_tokens", "Tokens drafted by "
                                     "speculative decoding", registry=r)
         self.spec_accepted = Counter("mdiedge_spec_accepted_tokens", "Drafted tokens the "

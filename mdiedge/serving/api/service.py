@@ -73,6 +73,9 @@ class Run:
         if self.generation is not None and error is None:
             for sample in self.generation.samples:
                 self.metrics.success.labels(sample.finish_reason or "none").inc()
+        if self.generation is not None and self.generation.cached_tokens:
+            self.metrics.cache_hits.inc()
+            self.metrics.cached_tokens.inc(self.generation.cached_tokens)
         if self.generation is not None and self.generation.speculation is not None:
             self.metrics.speculated(self.generation.speculation.stats)
         self._push(_DONE)
@@ -102,7 +105,8 @@ class Run:
     def usage(self) -> Usage:
         assert self.generation is not None
         samples = self.generation.samples
-        return Usage(len(samples[0].prompt), sum(len(s.tokens) for s in samples))
+        return Usage(len(samples[0].prompt), sum(len(s.tokens) for s in samples),
+                     self.generation.cached_tokens)
 
 
 class ApiService:

@@ -175,3 +175,9 @@ def default_secret_file() -> Path:
     ``$XDG_CONFIG_HOME/mdiedge/secret``, else ``~/.config/mdiedge/secret``."""
     base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
     return Path(base) / "mdiedge" / "secret"
+
+# constrained decoding (response_format, grammars; mdiedge.model.grammar)
+GRAMMAR_MAX_BYTES = 64 << 10  # a grammar's or JSON schema's text
+GRAMMAR_MAX_DEPTH = 32  # a JSON schema's nesting
+GRAMMAR_MAX_SYMBOLS = 50_000  # llguidance's max_grammar_size (symbols of its productions)
+GRAMMAR_STEP_FUEL = 200_000  # llguidance's lexer fuel per token (about 15 ms of work)

@@ -1,0 +1,111 @@
+"""Grammars for constrained decoding: compiled against SmolLM2's vocabulary, the tokens they
+allow, a walk that always takes the most likely allowed token of random logits ending in
+valid JSON, and every hostile or broken grammar a one-line ``GrammarError`` within a
+second."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("llguidance")
+
+from mdiedge.base import defaults  # noqa: E402
+from mdiedge.base.errors import GenerationError  # noqa: E402
+from mdiedge.model.grammar import Grammar, GrammarError  # noqa: E402
+from mdiedge.model.tokenizer import load_tokenizer  # noqa: E402
+from tests.smollm2 import gguf_file  # noqa: E402
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return load_tokenizer(gguf_file())
+
+
+def walk(grammar: Grammar, tokenizer: Any, seed: int, steps: int = 80) -> str:
+    """Greedy over random logits under ``grammar`` until it ends (or EOS)."""
+    constraint, ids = grammar.matcher(), []
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        token = int(constraint.mask(torch.randn(grammar.vocab_size, generator=generator)).argmax())
+        if token == tokenizer.eos_id:
+            break
+        constraint.take([token])
+        ids.append(token)
+        if constraint.finished:
+            break
+    return tokenizer.decode(ids)
+
+
+def test_json_object_allows_only_an_opening_brace_first(tokenizer: Any) -> None:
+    allowed = Grammar(tokenizer, 49152, "json_object", None).matcher().allowed()
+    assert allowed.dtype == torch.bool and allowed.shape == (49152,)
+    assert {tokenizer.token(i) for i in allowed.nonzero().flatten().tolist()} == \
+        {"{", "{}", '{"'}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_walk_under_a_schema_is_valid_json_of_that_schema(tokenizer: Any, seed: int) -> None:
+    text = walk(Grammar(tokenizer, 49152, "json_schema", PERSON), tokenizer, seed, steps=200)
+    value = json.loads(text)
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+
+
+@pytest.mark.parametrize("kind, source, pattern", [
+    ("regex", r"(yes|no)", r"^(yes|no)$"),
+    ("gbnf", 'root ::= "red" | "green" | "blue"', r"^(red|green|blue)$"),
+    ("lark", 'start: "A" DIGIT DIGIT\nDIGIT: /[0-9]/', r"^A[0-9]{2}$"),
+])
+def test_grammars_of_each_kind_hold_the_output(tokenizer: Any, kind: str, source: str,
+                                                pattern: str) -> None:
+    import re
+
+    for seed in range(3):
+        assert re.match(pattern, walk(Grammar(tokenizer, 49152, kind, source), tokenizer, seed))
+
+
+def test_a_refused_token_is_a_generation_error(tokenizer: Any) -> None:
+    constraint = Grammar(tokenizer, 49152, "regex", "abc").matcher()
+    with pytest.raises(GenerationError, match="grammar: .*doesn't satisfy the grammar"):
+        constraint.take(tokenizer.encode("xyz"))
+
+
+def deep_schema(depth: int) -> Any:
+    schema: Any = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("kind, source, message", [
+    ("json_schema", deep_schema(40), "nested deeper than"),
+    ("json_schema", {"type": "string", "pattern": "x" * (defaults.GRAMMAR_MAX_BYTES + 1)},
+     "bytes a grammar may have"),
+    ("json_schema", ["not", "an", "object"], "expected a JSON object"),
+    ("json_schema", {"type": "no-such-type"}, "json_schema"),
+    ("gbnf", "root ::= missing-rule", "gbnf"),
+    ("gbnf", 12, "expected a string"),
+    ("regex", "(unclosed", "regex"),
+    ("lark", "start: (", "lark"),
+    ("bnf", "x", "grammar kind 'bnf'"),
+])
+def test_bad_grammars_are_one_line_errors(tokenizer: Any, kind: str, source: Any,
+                                          message: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(GrammarError) as caught:
+        Grammar(tokenizer, 49152, kind, source)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+    assert time.monotonic() - started < 5
+
+
+def test_a_sentencepiece_tokenizer_is_refused_in_one_line(stories: Any) -> None:
+    piece = load_tokenizer(stories / "stories260K.bin", stories / "tok512.model")
+    with pytest.raises(GrammarError, match="needs a Hugging Face tokenizer"):
+        Grammar(piece, 512, "json_object", None)

@@ -141,7 +141,6 @@ class ToolCallSplitter:
         not shown yet, and the whole output's content and calls."""
         self.text = text
         parsed = parse_tool_calls(text, names)
-        if parsed.calls:
-            start = text.find(OPEN)
-            return (text[self.shown:start] if start > self.shown else ""), parsed
+        if parsed.calls:  # the content is the text before the first call, or none
+            return (parsed.content or "")[self.shown:], parsed
         return text[self.shown:], parsed

@@ -30,6 +30,10 @@ CALLS: List[Tuple[str, Optional[str], Tuple[ToolCall, ...]]] = [
     ('  {"name": "get_weather", "arguments": {"city": "Paris"}}\n', None, (PARIS,)),
     ('<tool_call>{"name": "get_weather", "arguments": {"city": "Zürich"}}</tool_call>', None,
      (ToolCall("get_weather", '{"city": "Zürich"}'),)),
+    ('```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
+     None, (PARIS,)),  # Qwen2.5-Coder's greedy answer
+    ("```\n" + HERMES + "\n```\n", None, (PARIS,)),
+    ("```python\nx = 1\n```\n" + HERMES, "```python\nx = 1\n```\n", (PARIS,)),
 ]
 NOT_CALLS = [
     "The weather is fine.",
@@ -46,6 +50,11 @@ NOT_CALLS = [
     '{"name": "get_weather", "arguments": {"city": "Paris"}} trailing',
     'Call: {"name": "get_weather", "arguments": {"city": "Paris"}}',  # JSON not the whole
     '{"city": "Paris"}',
+    '```python\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
+    '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n``` and more',
+    '```json\n{"name": "get_weather", "arguments": {}}\n```\n```json\n{}\n```',
+    "```json\n```",
+    "```",
     "{" * 5000,  # deep or broken JSON is text
     "[" * 100000,
 ]
@@ -77,8 +86,8 @@ def split(text: str, size: int) -> Tuple[List[str], str, ParsedOutput]:
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
-@pytest.mark.parametrize("text", [t for t, _, _ in CALLS] + NOT_CALLS[:13]
-                         + ["a < b <tool", "x <tool_cal", "<tool_call", "\n\n<t"])
+@pytest.mark.parametrize("text", [t for t, _, _ in CALLS] + NOT_CALLS[:18]
+                         + ["a < b <tool", "x <tool_cal", "<tool_call", "\n\n<t", "``x", "`"])
 def test_a_stream_shows_the_content_of_the_whole_text(text: str, size: int) -> None:
     shown, rest, parsed = split(text, size)
     assert parsed == parse_tool_calls(text, NAMES)
@@ -92,6 +101,9 @@ def test_a_stream_shows_the_content_of_the_whole_text(text: str, size: int) -> N
     ("  \n", ""),  # a leading blank waits for what follows
     ('  {"name": "get_weather"', ""),  # may be a whole-output call
     ("a {b} c", "a {b} c"),
+    ("``", ""),  # may be a fenced call
+    ("`x` is a name", "`x` is a name"),
+    ("```python\nprint(1)\n```", ""),
 ])
 def test_a_stream_holds_back_only_what_may_be_a_call(text: str, before: str) -> None:
     splitter = ToolCallSplitter()

@@ -1,12 +1,14 @@
 """Tool calls in a model's output text, read as pure functions (no I/O): the Hermes form that
 Qwen2.5 and many others write, one or more ``<tool_call>{"name": ..., "arguments": {...}}
 </tool_call>`` (the text before the first one is the reply's content), and a whole output that
-is one JSON object ``{"name": ..., "arguments": {...}}``.
+is one JSON object ``{"name": ..., "arguments": {...}}``; either also as the inside of an output
+that is one fenced code block (```` ```json ````), as Qwen2.5-Coder writes them.
 
 ``parse_tool_calls`` reads a finished text; ``ToolCallSplitter`` follows a text as it grows and
 says what a stream may show as content now: the text before a tool call, never a suffix that
 could still grow into ``<tool_call>``, and nothing of an output that begins as JSON (either is
-held until the end, then read by ``parse_tool_calls``). A call naming no known function, or
+held until the end, then read by ``parse_tool_calls``; so is an output that begins with a
+code fence, which may hold a call). A call naming no known function, or
 whose JSON does not parse, makes the whole text content: no calls.
 """
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any, Collection, List, Optional, Tuple
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
+FENCE = "```"
+FENCE_LANGUAGES = ("", "json")
 MAX_CALLS = 128  # calls read from one output
 
 
@@ -80,9 +84,26 @@ def _tagged_calls(text: str, names: Collection[str]) -> Optional[List[ToolCall]]
     return calls
 
 
+def _fenced(text: str) -> Optional[str]:
+    """The inside of a text that is one fenced code block (``json`` or none named), else
+    None."""
+    stripped = text.strip()
+    head, newline, body = stripped.partition("\n")
+    if not (newline and head.startswith(FENCE) and head[len(FENCE):].strip() in FENCE_LANGUAGES
+            and body.rstrip().endswith(FENCE)):
+        return None
+    inside = body.rstrip()[:-len(FENCE)]
+    return None if FENCE in inside else inside
+
+
 def parse_tool_calls(text: str, names: Collection[str]) -> ParsedOutput:
     """The content and calls of a finished output; the text as content, no calls, where it
     holds no call or one that is not valid (bad JSON, a name not in ``names``)."""
+    inside = _fenced(text)
+    if inside is not None:
+        parsed = parse_tool_calls(inside, names)
+        if parsed.calls and parsed.content is None:
+            return parsed
     start = text.find(OPEN)
     if start >= 0:
         calls = _tagged_calls(text[start:].rstrip(), names)
@@ -118,17 +139,17 @@ class ToolCallSplitter:
         self.text += piece
         if self.holding:
             return ""
+        begun = self.text.lstrip() if self.shown == 0 else ""
+        if begun.startswith(("{", FENCE)):
+            self.holding = True
+            return ""
         start = self.text.find(OPEN, self.shown)
         if start >= 0:
             self.holding = True
             return self._show(start) if self.text[:start].strip() else ""
         end = len(self.text) - _partial_open(self.text)
-        if self.shown == 0:
-            if not self.text[:end].strip():
-                return ""  # a leading blank shows once something else follows it
-            if self.text.lstrip().startswith("{"):
-                self.holding = True
-                return ""
+        if self.shown == 0 and (not self.text[:end].strip() or FENCE.startswith(begun)):
+            return ""  # a leading blank, or the start of a fence: what follows decides
         return self._show(end)
 
     def _show(self, end: int) -> str:

@@ -3,8 +3,8 @@
 tokenizes, ``tool_choice: "none"`` keeps them out, a conversation with an assistant's calls
 and a tool's result is answered in OpenAI's shape, whole and streamed, and bad tools are
 400s naming the field; with Qwen2.5-Coder-1.5B (tests/realfiles.py; its template has tools)
-a two-step conversation gets a parsed ``get_weather`` call, then an answer that uses the
-tool's result."""
+a two-step conversation gets a parsed ``get_weather`` call (greedy, it writes the call as a
+fenced json block), then an answer that uses the tool's result."""
 from __future__ import annotations
 
 import json
@@ -145,8 +145,10 @@ def test_qwen_calls_a_tool_then_answers_with_its_result() -> None:
         assert json.loads(call.function.arguments) == {"city": "Paris"}
         messages += [choice.message.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": call.id, "content": "22 C and sunny"}]
+        # offered the tool again, this 1.5B model calls it again: "none" asks for the answer
         second = qwen.chat.completions.create(model=served["model"], messages=messages,
-                                              tools=[WEATHER], max_tokens=40, temperature=0)
+                                              tools=[WEATHER], tool_choice="none",
+                                              max_tokens=40, temperature=0)
         answer = second.choices[0]
         assert answer.message.tool_calls is None and "22" in (answer.message.content or ""), \
             answer

@@ -17,7 +17,7 @@ from mdiedge.serving.api.chat import DEFAULT_TEMPLATE, ChatTemplate
 from mdiedge.serving.api.rules import ServeLimits
 from mdiedge.serving.api.schema import ChatRequest
 from mdiedge.serving.api.server import Api, listen
-from mdiedge.serving.api.tools import GENERIC_PROMPT, REQUIRED_INSTRUCTION
+from mdiedge.serving.api.tools import GENERIC_PROMPT, REQUIRED_INSTRUCTION, ToolRequest
 
 HERE = Path(__file__).resolve().parent
 NANOLLAMA = HERE.parent / "models" / "nanollama"
@@ -79,6 +79,25 @@ def test_a_template_without_tools_gets_the_generic_prompt() -> None:
         "USER:\n<tool_response>\n18 C, sunny\n</tool_response>\n"
         "<tool_response>\nrain at 6\n</tool_response>\n\nASSISTANT:\n")
     assert rendered(plain, tools=[WEATHER], tool_choice="none") == rendered(plain)
+
+
+def test_tools_are_read_as_openai_sends_them_with_a_schema_for_a_grammar() -> None:
+    bare = {"type": "function", "function": {"name": "ping", "description": None,
+                                             "strict": True}}
+    tools = ToolRequest.from_body({"tools": [WEATHER, bare]})
+    assert tools is not None and tools.choice == "auto" and tools.parallel
+    assert tools.tools[1].to_json() == {"type": "function", "function": {
+        "name": "ping", "parameters": {"type": "object", "properties": {}}}}
+    assert tools.call_schema() is None
+    assert ToolRequest.from_body({"tools": [], "tool_choice": "none"}) is None
+    named = ToolRequest.from_body({"tools": [WEATHER, bare], "parallel_tool_calls": False,
+                                   "tool_choice": {"type": "function",
+                                                   "function": {"name": "get_weather"}}})
+    assert named is not None and named.names == ("get_weather",) and not named.parallel
+    assert named.call_schema() == {"anyOf": [{
+        "type": "object", "properties": {"name": {"const": "get_weather"},
+                                         "arguments": PARAMETERS},
+        "required": ["name", "arguments"], "additionalProperties": False}]}
 
 
 SCRIPT: Dict[str, str] = {"text": ""}

@@ -76,12 +76,13 @@ class Tool:
         if not isinstance(body, dict) or not isinstance(body.get("function"), dict):
             raise _fail(422, f"{where}: expected {{\"type\": \"function\", \"function\": "
                         f"{{...}}}}, got {_short(body)}", "invalid_type")
-        if body.get("type") != "function" or set(body) - {"type", "function"}:
+        if body.get("type") != "function":
             raise _fail(400, f"{where}.type: only \"function\" tools are supported, got "
                         f"{_short(body.get('type'))}", "unsupported_tool")
         function = body["function"]
-        name, description = function.get("name"), function.get("description", "")
-        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        name, description = function.get("name"), function.get("description") or ""
+        parameters = function.get("parameters")
+        parameters = {"type": "object", "properties": {}} if parameters is None else parameters
         if not isinstance(name, str) or not NAME.match(name):
             raise _fail(400, f"{where}.function.name: expected 1..64 letters, digits, _ or -, "
                         f"got {_short(name)}", "invalid_value")

@@ -70,7 +70,10 @@ def test_a_completion_body_is_read_with_defaults_and_neutral_fields() -> None:
     (["hi"], 422, "'hi'"),
     ([{"role": "user", "content": 5}], 422, "5"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], 400, "image_url"),
-    ([{"role": "user", "content": "x", "tool_calls": []}], 422, "tool_calls"),
+    ([{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
+     400, "tool_calls"),
+    ([{"role": "tool", "content": "x"}], 422, "tool_call_id"),
 ])
 def test_a_chat_body_that_does_not_fit_is_refused(messages: Any, status: int, quoted: str) -> None:
     error = status_of({"messages": messages}, chat=True)

@@ -28,6 +28,8 @@ from .responses import (ChatChunk, ChatCompletion, Choice, Completion, Completio
                         ModelCard, new_id, sse)
 from .rules import authorized
 from .schema import ChatRequest, CompletionRequest, Options
+from .toolreplies import ChoiceStream, reply
+from .tools import ToolRequest
 from ...model.stopping import TextStream
 from .service import ApiService, Run
 from ..service import status_body
@@ -133,10 +135,10 @@ class ApiRoutes:
 
     async def chat(self, request: Request) -> Response:
         body = ChatRequest.from_json(await read_json(request, self.service.limits.max_body))
-        prompt = self.service.template.render(body.messages)
+        prompt = self.service.template.render(body.messages, body.tools)
         body.options.stop = list(body.options.stop) + [
             s for s in self.service.template.stops if s not in body.options.stop]
-        return await self.respond(request, prompt, body.options, chat=True)
+        return await self.respond(request, prompt, body.options, chat=True, tools=body.tools)
 
     async def metrics(self, request: Request) -> Response:
         return Response(await run_in_threadpool(self.service.metrics.render),
@@ -155,7 +157,7 @@ class ApiRoutes:
                             headers={"Retry-After": "5"})
 
     async def respond(self, request: Request, prompt: str, options: Options,
-                      chat: bool) -> Response:
+                      chat: bool, tools: Optional[ToolRequest] = None) -> Response:
         run = await self.service.start(prompt, options, templated=chat)
         first = await run.next(request.is_disconnected)
         if first is None and run.error is not None:
@@ -164,8 +166,8 @@ class ApiRoutes:
             stopped = self.shutdown_error(run)
             if stopped is not None:
                 raise stopped
-            return JSONResponse(self.whole(run, chat))
-        return StreamingResponse(self.events(run, first, options, chat),
+            return JSONResponse(self.whole(run, chat, tools))
+        return StreamingResponse(self.events(run, first, options, chat, tools),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -178,16 +180,16 @@ class ApiRoutes:
                             code="shutting_down", retry_after=5)
         return None
 
-    def whole(self, run: Run, chat: bool) -> Dict[str, Any]:
+    def whole(self, run: Run, chat: bool, tools: Optional[ToolRequest] = None) -> Dict[str, Any]:
         assert run.generation is not None
-        choices = [Choice(s.index, self.service.engine.sample_text(s), s.finish_reason)
-                   for s in run.generation.samples]
+        choices = [reply(Choice(s.index, self.service.engine.sample_text(s), s.finish_reason),
+                         tools) for s in run.generation.samples]
         kind = ChatCompletion if chat else Completion
         return kind(new_id("chatcmpl" if chat else "cmpl"), int(time.time()), self.service.name,
                     choices, run.usage()).to_json()
 
-    async def events(self, run: Run, first: Any, options: Options,
-                     chat: bool) -> AsyncIterator[bytes]:
+    async def events(self, run: Run, first: Any, options: Options, chat: bool,
+                     tools: Optional[ToolRequest] = None) -> AsyncIterator[bytes]:
         """The stream: a chat's role chunks, then text as it is sampled, each sample's last
         text and finish reason, the usage if asked, ``[DONE]``. A client that goes away
         cancels the request (starlette cancels this generator)."""
@@ -201,23 +203,24 @@ class ApiRoutes:
 
         tokenizer = self.service.engine.tokenizer
         streams = [TextStream(tokenizer, s.prompt, options.stop) for s in generation.samples]
+        shapes = [ChoiceStream(s.index, tools) for s in generation.samples]
         try:
             if chat:
                 for sample in generation.samples:
                     yield chunk([Choice(sample.index, "")], role=True)
             item = first
             while item is not None:
-                text = streams[item[0]].push(item[1])
-                if text:
-                    yield chunk([Choice(item[0], text)])
+                for choice in shapes[item[0]].push(streams[item[0]].push(item[1])):
+                    yield chunk([choice])
                 item = await run.next(_never)
             error = api_error(run.error) if run.error is not None else self.shutdown_error(run)
             if error is not None:
                 yield sse(error.to_json())
                 return
-            for sample, stream in zip(generation.samples, streams):
-                rest = stream.finish(self.service.engine.sample_text(sample))
-                yield chunk([Choice(sample.index, rest, sample.finish_reason)])
+            for sample, stream, shape in zip(generation.samples, streams, shapes):
+                final = self.service.engine.sample_text(sample)
+                for choice in shape.finish(stream.finish(final), final, sample.finish_reason):
+                    yield chunk([choice])
             if options.include_usage:
                 yield chunk([], usage=run.usage())
             yield sse("[DONE]")

@@ -22,12 +22,14 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from ...base.errors import ApiError, ConfigError, ConversationError
 from ...model import gguf_vocab
 from ...model.tokenizer import Tokenizer, gguf_chat, read_tokenizer_config, token_text
 from .schema import ChatMessage
+from .toolprompt import supports_tools, template_inputs
+from .tools import ToolRequest
 
 DEFAULT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -78,6 +80,7 @@ class ChatTemplate:
 
         self.source = source or DEFAULT_TEMPLATE
         self.is_default = source is None
+        self.native_tools = supports_tools(self.source)  # else toolprompt's generic prompt
         self.stops = DEFAULT_STOPS if self.is_default else ()
         self.tokens = dict(tokens, bos_token=bos_token, eos_token=eos_token)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -107,14 +110,14 @@ class ChatTemplate:
             found["bos_token"] = ""
         return cls(source, **found)
 
-    def render(self, messages: Sequence[ChatMessage]) -> str:
-        """The prompt text, special tokens included (encode it with nothing added). A
-        template's own refusal is a 400."""
+    def render(self, messages: Sequence[ChatMessage], tools: Optional[ToolRequest] = None) -> str:
+        """The prompt text, special tokens included (encode it with nothing added), with
+        ``tools`` as toolprompt.py renders them. A template's own refusal is a 400."""
         import jinja2
 
-        plain: List[Dict[str, str]] = [{"role": m.role, "content": m.content} for m in messages]
+        plain, shown = template_inputs(messages, tools, self.native_tools)
         try:
-            text = self.template.render(messages=plain, add_generation_prompt=True, tools=None,
+            text = self.template.render(messages=plain, add_generation_prompt=True, tools=shown,
                                         documents=None, **self.tokens)
         except ConversationError as e:
             raise ApiError(400, f"messages: {e}", "messages", "invalid_conversation") from None

@@ -45,6 +45,7 @@ class Choice:
     index: int
     text: str
     finish_reason: Optional[str] = None
+    tool_calls: Optional[List[Dict[str, Any]]] = None  # a chat reply's (toolreplies.py)
 
 
 @dataclass
@@ -90,6 +91,9 @@ class ChatCompletion(_Reply):
     OBJECT: ClassVar[str] = "chat.completion"
 
     def choice(self, c: Choice) -> Dict[str, Any]:
+        if c.tool_calls:  # the text before the calls, if any
+            return {"message": {"role": "assistant", "content": c.text or None,
+                                "tool_calls": c.tool_calls}}
         return {"message": {"role": "assistant", "content": c.text}}
 
 
@@ -101,9 +105,11 @@ class ChatChunk(_Reply):
     role: bool = False
 
     def choice(self, c: Choice) -> Dict[str, Any]:
-        delta: Dict[str, str] = {"role": "assistant"} if self.role else {}
+        delta: Dict[str, Any] = {"role": "assistant"} if self.role else {}
         if c.text or self.role:
             delta["content"] = c.text
+        if c.tool_calls:
+            delta["tool_calls"] = c.tool_calls
         return {"delta": delta}
 
 

@@ -16,8 +16,9 @@ from ...base.errors import ApiError, GenerationError
 from ...base.values import Span
 from ...model.stopping import check_stops
 from ...runtime.drafting import REQUEST_SPECULATE
+from .tools import ToolRequest, message_tool_calls, tool_call_id
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_MESSAGES = 1024
 SAMPLES = Span(1, integer=True)  # n: the KV slots bound it further
 
@@ -54,12 +55,15 @@ COMMON: Dict[str, _Check] = {
 NEUTRAL: Dict[str, Tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
     "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
-    "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False,),
+    "suffix": ("",),
     "response_format": ({"type": "text"},),
 }
 COMPLETION_FIELDS = dict(COMMON, prompt=(lambda v: isinstance(v, (str, list)), "a string"))
 CHAT_FIELDS = dict(COMMON, messages=(lambda v: isinstance(v, list), "a list of messages"),
-                   max_completion_tokens=(_is_int, "an integer"))
+                   max_completion_tokens=(_is_int, "an integer"),
+                   tools=(lambda v: isinstance(v, list), "a list of tools"),
+                   tool_choice=(lambda v: isinstance(v, (str, dict)), "a string or an object"),
+                   parallel_tool_calls=(lambda v: isinstance(v, bool), "a boolean"))
 
 
 def check_body(body: Mapping[str, Any], fields: Mapping[str, _Check],
@@ -163,6 +167,9 @@ class CompletionRequest:
 class ChatMessage:
     role: str
     content: str
+    name: Optional[str] = None
+    tool_calls: Tuple[Dict[str, Any], ...] = ()  # an assistant's (serving/api/tools.py)
+    tool_call_id: Optional[str] = None  # a tool message's: the call it answers
 
     @classmethod
     def from_json(cls, i: int, body: Any) -> "ChatMessage":
@@ -174,14 +181,19 @@ class ChatMessage:
         if role not in ROLES:
             raise ApiError(400, f"{where}.role: expected one of {', '.join(ROLES)}, got {role!r}",
                            "messages", "invalid_value")
-        unknown = sorted(set(body) - {"role", "content", "name"})
+        unknown = sorted(set(body) - {"role", "content", "name", "tool_calls", "tool_call_id"})
         if unknown:
             raise ApiError(422, f"{where}: unknown field {unknown[0]!r}", "messages", "unknown_field")
         name = body.get("name")
         if name is not None and not isinstance(name, str):
             raise ApiError(422, f"{where}.name: expected a string, got {_short(name)}",
                            "messages", "invalid_type")
-        return cls(role, _content(where, body.get("content")))
+        calls = message_tool_calls(where, body.get("tool_calls"))
+        if calls and role != "assistant":
+            raise ApiError(400, f"{where}.tool_calls: only an assistant message has them",
+                           "messages", "invalid_value")
+        return cls(role, _content(where, body.get("content")), name, calls,
+                   tool_call_id(where, role, body.get("tool_call_id")))
 
 
 def _content(where: str, content: Any) -> str:
@@ -205,6 +217,7 @@ def _content(where: str, content: Any) -> str:
 class ChatRequest:
     messages: List[ChatMessage]
     options: Options
+    tools: Optional[ToolRequest] = None
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> "ChatRequest":
@@ -214,7 +227,8 @@ class ChatRequest:
             raise ApiError(400, f"messages: expected 1..{MAX_MESSAGES} messages, got {len(raw)}",
                            "messages", "invalid_value")
         messages = [ChatMessage.from_json(i, m) for i, m in enumerate(raw)]
-        return cls(messages, Options.from_json(body, "max_completion_tokens"))
+        return cls(messages, Options.from_json(body, "max_completion_tokens"),
+                   ToolRequest.from_body(body))
 
 
 def _float(body: Mapping[str, Any], name: str, span: Span) -> Optional[float]:

@@ -97,7 +97,8 @@ class ChatSession:
 
         self.engine, self.conversation, self.budget, self.params = engine, conversation, \
             budget, params
-        self.template = ChatTemplate.for_model(engine.path, engine.tokenizer)
+        self.template = ChatTemplate.for_model(engine.path, engine.tokenizer,
+                                               engine.cfg.max_seq_len)
         self.interactive = interactive
 
     def prompt(self, user: str) -> "Prompt":
@@ -123,12 +124,13 @@ class ChatSession:
         return tried[dropped]
 
     def _render(self, user: str) -> str:
-        from ..base.errors import ApiError
+        """The conversation's text; the template's failure a GenerationError (one line)."""
+        from ..base.errors import ConversationError
 
         try:
-            return str(self.template.render(self.conversation.messages(user)))
-        except ApiError as e:
-            raise GenerationError(f"chat template: {e.message}") from None
+            return self.template.prompt(self.conversation.messages(user))
+        except ConversationError as e:
+            raise GenerationError(f"the chat template refused the conversation: {e}") from None
 
     def answer(self, user: str) -> str:
         """Generate the answer to ``user``, streamed to stdout, add the turn, return the

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from jinja2 import nodes
 from jinja2.runtime import LoopContext, Macro
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 from jinja2.visitor import NodeTransformer
 
 from ...base import defaults
@@ -425,7 +425,8 @@ class LimitedEnvironment(ImmutableSandboxedEnvironment):
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
         budget = active()
         budget.step()
-        budget.small_ints(args, kwargs)
+        if __obj is not safe_range:  # a lazy range, of at most jinja's MAX_RANGE
+            budget.small_ints(args, kwargs)
         method = getattr(__obj, "__wrapped__", __obj)  # jinja wraps str.format
         owner = getattr(method, "__self__", None)
         if isinstance(owner, (str, bytes)):

@@ -133,3 +133,33 @@ def test_chat_says_a_hostile_template_in_one_line(name: str, tiny_hf: Path,
     assert done.returncode == 1, done.stderr
     assert len(done.stderr.splitlines()) == 1 and done.stdout == "", done.stderr
     assert done.stderr.startswith("mdiedge: error: ") and says in done.stderr, done.stderr
+
+
+def test_text_beyond_what_the_context_holds_is_refused_before_it_is_rendered() -> None:
+    from mdiedge.base.errors import ApiError, ContextExceeded
+    from mdiedge.serving.api.chat import ChatTemplate
+    from mdiedge.serving.api.schema import ChatMessage
+
+    template = ChatTemplate(context=128)
+    with pytest.raises(ContextExceeded, match="5000 bytes, more than a 128-token context"):
+        template.prompt([ChatMessage("user", "x" * 5000)])
+    with pytest.raises(ApiError) as caught:
+        template.render([ChatMessage("user", "x" * 5000)])
+    assert caught.value.code == "context_length_exceeded" and caught.value.param == "messages"
+    inflating = ChatTemplate("{% for i in range(100) %}{{ messages[0].content }}{% endfor %}",
+                             context=128)
+    with pytest.raises(ContextExceeded, match="the chat template rendered a prompt of 4400"):
+        inflating.prompt([ChatMessage("user", "x" * 44)])
+
+
+def test_chat_drops_old_turns_whose_text_is_beyond_the_context(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from mdiedge.cli.chat import ChatSession, Conversation
+
+    engine = SimpleNamespace(path=tmp_path, tokenizer=None, cfg=SimpleNamespace(max_seq_len=256),
+                             prompt=lambda text, templated: SimpleNamespace(
+                                 ids=list(range(len(text) // 4))))
+    conversation = Conversation(turns=[("q" * 3000, "a" * 3000)] * 3)
+    session = ChatSession(engine, conversation, 8, None, interactive=False)  # type: ignore
+    assert len(session.prompt("hi").ids) < 256 and conversation.turns == []

@@ -2,8 +2,8 @@
 loop, repeat, format, join, replace, indent, recurse and raise, nested inside loops, macros and
 ``{% set %}`` blocks, with sizes from 0 to 10**12; the probe's templates first. Each one either
 fails to compile (a ConfigError), renders a prompt within the size limit, or fails with the
-renderer's own errors; none takes past its deadline or allocates more than a few MB. Bounded
-to about 20 s."""
+renderer's own errors (a prompt beyond the context included); none takes past its deadline or
+allocates more than a few MB. Bounded to about 20 s."""
 from __future__ import annotations
 
 import time
@@ -14,7 +14,7 @@ from typing import Any, Callable, List
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from mdiedge.base.errors import ChatTemplateError, ConfigError, ConversationError
+from mdiedge.base.errors import ChatTemplateError, ConfigError, ContextExceeded, ConversationError
 from mdiedge.serving.api.chat import ChatTemplate
 from mdiedge.serving.api.schema import ChatMessage
 
@@ -83,7 +83,7 @@ def render_within_limits(source: str) -> None:
         try:
             text = template.prompt(MESSAGES)
             assert len(text.encode("utf-8")) <= template.limits.size
-        except (ChatTemplateError, ConversationError):
+        except (ChatTemplateError, ContextExceeded, ConversationError):
             pass
         peak = tracemalloc.get_traced_memory()[1]
         assert peak < PEAK_BYTES, f"{peak} bytes for {source!r}"

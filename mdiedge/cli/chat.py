@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from ..engine.facade import Engine, Prompt
 
 from ..base import defaults
-from ..base.errors import GenerationError
+from ..base.errors import ContextExceeded, ConversationError, GenerationError
 from .app import (
     check_sampling,
     temperature_option,
@@ -113,20 +113,23 @@ class ChatSession:
                 self.conversation.turns = saved
 
         tried: Dict[int, "Prompt"] = {}  # each length tried is tokenized once
+        context = self.engine.cfg.max_seq_len
 
         def length(dropped: int) -> int:
-            tried[dropped] = prompt(dropped)
+            try:
+                tried[dropped] = prompt(dropped)
+            except ContextExceeded:  # its text is too long to tokenize: drop older turns
+                if dropped == len(self.conversation.turns):
+                    raise
+                return context + 1
             return len(tried[dropped].ids)
 
-        dropped = fit_turns(len(self.conversation.turns), length, self.budget,
-                            self.engine.cfg.max_seq_len)
+        dropped = fit_turns(len(self.conversation.turns), length, self.budget, context)
         del self.conversation.turns[:dropped]
         return tried[dropped]
 
     def _render(self, user: str) -> str:
         """The conversation's text; the template's failure a GenerationError (one line)."""
-        from ..base.errors import ConversationError
-
         try:
             return self.template.prompt(self.conversation.messages(user))
         except ConversationError as e:

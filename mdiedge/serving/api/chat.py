@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from ...base import defaults
-from ...base.errors import ApiError, ChatTemplateError, ConfigError, ConversationError
+from ...base.errors import (ApiError, ChatTemplateError, ConfigError, ContextExceeded,
+                            ConversationError)
 from ...model import gguf_vocab
 from ...model.tokenizer import Tokenizer, gguf_chat, read_tokenizer_config, token_text
 from .schema import ChatMessage
@@ -123,11 +124,14 @@ class ChatTemplate:
 
     def prompt(self, messages: Sequence[ChatMessage]) -> str:
         """The prompt text, special tokens included (encode it with nothing added): a
-        ConversationError for the template's own refusal, a ChatTemplateError for any other
+        ConversationError for the template's own refusal, a ContextExceeded for a text (the
+        messages', the prompt) that cannot fit the context, a ChatTemplateError for any other
         failure (one past its limits included)."""
         from . import sandbox
 
         plain: List[Dict[str, str]] = [{"role": m.role, "content": m.content} for m in messages]
+        sandbox.check_fits("the messages hold", sum(
+            len(m.content.encode("utf-8", "surrogatepass")) for m in messages), self.limits)
         return sandbox.render(self.template, self.limits, dict(
             messages=plain, add_generation_prompt=True, tools=None, documents=None,
             **self.tokens))
@@ -140,6 +144,8 @@ class ChatTemplate:
             raise ApiError(400, f"messages: {e}", "messages", "invalid_conversation") from None
         except ChatTemplateError as e:
             raise ApiError(400, f"messages: {e}", "messages", "template_error") from None
+        except ContextExceeded as e:
+            raise ApiError(400, f"messages: {e}", "messages", "context_length_exceeded") from None
 
     async def render_async(self, messages: Sequence[ChatMessage]) -> str:
         """``render`` on a thread of the template's own (the event loop goes on meanwhile):

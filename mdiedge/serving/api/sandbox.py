@@ -31,7 +31,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 from jinja2.visitor import NodeTransformer
 
 from ...base import defaults
-from ...base.errors import ChatTemplateError, ConversationError
+from ...base.errors import ChatTemplateError, ContextExceeded, ConversationError
 
 LOOP, CONCAT, WRITE = "~loop", "~concat", "~write"  # names no template can write
 INT_BITS = 1 << 16  # the largest integer an operator may make
@@ -138,7 +138,8 @@ class Budget:
     def format_widths(self, text: Any) -> None:
         """A format string's widths and precisions (``%9999s``, ``{:9999}``) within the size."""
         if isinstance(text, (str, bytes)):
-            for digits in _WIDTHS.findall(text if isinstance(text, str) else text.decode("latin-1")):
+            shown = text if isinstance(text, str) else text.decode("latin-1")
+            for digits in _WIDTHS.findall(shown):
                 if len(digits) > 12 or int(digits) > self.limits.size:
                     raise ChatTemplateError(f"the chat template formats with a width of "
                                             f"{digits[:20]}, over its limit of {self.limits.size}")
@@ -172,13 +173,18 @@ def render(template: Any, limits: Limits, variables: Dict[str, Any]) -> str:
                                 f"{_one_line(e)}") from None
     finally:
         _local.budget = saved
-    size = len(text.encode("utf-8", "surrogatepass"))
-    if size > limits.size:
-        raise ChatTemplateError(f"the chat template rendered a prompt of {size} bytes, over "
-                                f"its limit of {limits.size} ({defaults.TEMPLATE_BYTES_PER_TOKEN}"
-                                f" per token of a {limits.size // defaults.TEMPLATE_BYTES_PER_TOKEN}"
-                                f"-token context)")
+    check_fits(f"the chat template rendered a prompt of", len(text.encode("utf-8", "surrogatepass")),
+               limits)
     return text
+
+
+def check_fits(what: str, size: int, limits: Limits) -> None:
+    """A ContextExceeded when ``size`` bytes of text cannot fit the context ``limits`` are for
+    (``what``: the text, as the message says it)."""
+    per_token = defaults.TEMPLATE_BYTES_PER_TOKEN
+    if size > limits.size:
+        raise ContextExceeded(f"{what} {size} bytes, more than a {limits.size // per_token}-token "
+                              f"context holds (at most {per_token} bytes per token)")
 
 
 def _one_line(error: BaseException) -> str:

@@ -41,6 +41,7 @@ LEAVES = [
     "{% for x in [1] recursive %}{{ loop([1] * N) }}{% endfor %}", "{{ 'a' ~ ns.s ~ N }}",
     "{{ ns.s | wordwrap(N) }}", "{{ range(N) }}", "{{ ns }}", "{{ (ns.s * N).split('a') }}",
     "{{ '%s' * N % ns.s }}", "{{ '%*s' % (N, 'x') }}", "{{ ns.l | join(ns.s) }}",
+    "{{ '{0:>{1}}'.format('x', 'N') }}", "{{ raise_exception('a\\n' * N) }}",
 ]
 WRAPS = [
     "{% for i in range(N) %}BODY{% endfor %}", "{% for c in ns.s %}BODY{% endfor %}",

@@ -45,7 +45,8 @@ DEFAULT_STOPS = ("\nUSER:", "\nASSISTANT:", "\nSYSTEM:")
 
 
 def _raise_exception(message: str) -> None:
-    raise ConversationError(message)
+    text = " ".join(str(message).split())
+    raise ConversationError(text if len(text) <= 300 else text[:300] + "...")
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: Optional[int] = None,

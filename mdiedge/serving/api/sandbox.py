@@ -39,6 +39,7 @@ MAX_INDENT = 16  # tojson's indent
 MAX_SUMMED = 1024  # lists `sum` may join (each sum copies all before it)
 REFUSED_METHODS = ("expandtabs", "translate", "maketrans")  # of str and bytes: no bound known
 _WIDTHS = re.compile(r"\d+")
+_NESTED_FIELD = re.compile(r"\{[^{}]*:[^{}]*\{")  # "{0:>{1}}": a width no digit run shows
 _local = threading.local()
 
 
@@ -246,6 +247,9 @@ def _check_text_method(budget: Budget, text: Any, name: str, args: Tuple[Any, ..
         budget.fits(measure(items, size) + len(text) * len(items), "a joined text")
         args = (items,) + args[1:]
     elif name in ("format", "format_map"):
+        if _NESTED_FIELD.search(text if isinstance(text, str) else ""):
+            raise ChatTemplateError("the chat template formats with a width from an argument "
+                                    "(a nested replacement field), which a chat template may not")
         _check_format(budget, text, args, kwargs)
     return args
 

@@ -115,6 +115,15 @@ MAX_QUEUE = 64  # the scheduler's own bound on waiting requests, and --max-queue
 PROMPT_CACHE_MIN_TOKENS = 16  # a prompt reuses a finished request's KV rows from this many
 #                              shared leading tokens (`serve`, `chat`: the prompt cache)
 API_MAX_BODY = 1 << 20  # bytes of a request's body (413 past it)
+# a chat template's render (a model file's template is not trusted): see serving/api/sandbox.py
+TEMPLATE_BYTES_PER_TOKEN = 32  # the rendered prompt, and any value made on the way: at most
+#                                this many bytes (characters) per token of the context
+TEMPLATE_WORK = 16  # all the text and items a render makes, garbage included: this many times that
+TEMPLATE_STEPS = 200_000  # loop iterations, calls, filters and operators of one render
+TEMPLATE_DEPTH = 32  # macros (and recursive loops) called inside one another
+TEMPLATE_DEADLINE_S = 2.0  # one render's wall-clock time
+TEMPLATE_MAX_SOURCE = 256 << 10  # characters of a template's source (refused at load past it)
+TEMPLATE_THREADS = 4  # the API's renders at once, off its event loop
 WAIT_POLL_S = 0.5  # a request thread's wait for its generation is timed, so Ctrl-C reaches it
 COMPUTE_CLOSE_S = 10.0  # how long closing an engine or a worker waits for its compute thread
 STOP_POLL_S = 0.05  # a blocked main thread or server loop looks this often for a stop (a

@@ -59,6 +59,13 @@ class ConversationError(GenerationError):
     the template's rules, e.g. roles that do not alternate."""
 
 
+class ChatTemplateError(GenerationError):
+    """A chat template failed while it rendered a conversation: jinja's error, Python's from
+    inside the template (a range too big, recursion, no memory), or one of the limits a
+    render runs under (steps, text made, nesting, time); the API's 400 ``template_error``,
+    the CLI's one line."""
+
+
 class QueueFull(GenerationError):
     """Too many requests wait for KV slots already: try again later (HTTP 429)."""
 

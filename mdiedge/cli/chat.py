@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from ..engine.facade import Engine, Prompt
 
 from ..base import defaults
-from ..base.errors import GenerationError
+from ..base.errors import ContextExceeded, ConversationError, GenerationError
 from .app import (
     check_sampling,
     prompt_cache_option,
@@ -98,7 +98,8 @@ class ChatSession:
 
         self.engine, self.conversation, self.budget, self.params = engine, conversation, \
             budget, params
-        self.template = ChatTemplate.for_model(engine.path, engine.tokenizer)
+        self.template = ChatTemplate.for_model(engine.path, engine.tokenizer,
+                                               engine.cfg.max_seq_len)
         self.interactive = interactive
 
     def prompt(self, user: str) -> "Prompt":
@@ -113,23 +114,27 @@ class ChatSession:
                 self.conversation.turns = saved
 
         tried: Dict[int, "Prompt"] = {}  # each length tried is tokenized once
+        context = self.engine.cfg.max_seq_len
 
         def length(dropped: int) -> int:
-            tried[dropped] = prompt(dropped)
+            try:
+                tried[dropped] = prompt(dropped)
+            except ContextExceeded:  # its text is too long to tokenize: drop older turns
+                if dropped == len(self.conversation.turns):
+                    raise
+                return context + 1
             return len(tried[dropped].ids)
 
-        dropped = fit_turns(len(self.conversation.turns), length, self.budget,
-                            self.engine.cfg.max_seq_len)
+        dropped = fit_turns(len(self.conversation.turns), length, self.budget, context)
         del self.conversation.turns[:dropped]
         return tried[dropped]
 
     def _render(self, user: str) -> str:
-        from ..base.errors import ApiError
-
+        """The conversation's text; the template's failure a GenerationError (one line)."""
         try:
-            return str(self.template.render(self.conversation.messages(user)))
-        except ApiError as e:
-            raise GenerationError(f"chat template: {e.message}") from None
+            return self.template.prompt(self.conversation.messages(user))
+        except ConversationError as e:
+            raise GenerationError(f"the chat template refused the conversation: {e}") from None
 
     def answer(self, user: str) -> str:
         """Generate the answer to ``user``, streamed to stdout, add the turn, return the

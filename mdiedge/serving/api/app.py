@@ -135,7 +135,7 @@ class ApiRoutes:
 
     async def chat(self, request: Request) -> Response:
         body = ChatRequest.from_json(await read_json(request, self.service.limits.max_body))
-        prompt = self.service.template.render(body.messages, body.tools)
+        prompt = await self.service.template.render_async(body.messages, body.tools)
         body.options.stop = list(body.options.stop) + [
             s for s in self.service.template.stops if s not in body.options.stop]
         return await self.respond(request, prompt, body.options, chat=True, tools=body.tools)

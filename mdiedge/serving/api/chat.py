@@ -19,12 +19,16 @@ newline for the reply::
 """
 from __future__ import annotations
 
+import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
-from ...base.errors import ApiError, ConfigError, ConversationError
+from ...base import defaults
+from ...base.errors import (ApiError, ChatTemplateError, ConfigError, ContextExceeded,
+                            ConversationError)
 from ...model import gguf_vocab
 from ...model.tokenizer import Tokenizer, gguf_chat, read_tokenizer_config, token_text
 from .schema import ChatMessage
@@ -43,7 +47,8 @@ DEFAULT_STOPS = ("\nUSER:", "\nASSISTANT:", "\nSYSTEM:")
 
 
 def _raise_exception(message: str) -> None:
-    raise ConversationError(message)
+    text = " ".join(str(message).split())
+    raise ConversationError(text if len(text) <= 300 else text[:300] + "...")
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
@@ -70,31 +75,42 @@ def load_model_template(model_path: Path) -> Dict[str, Any]:
 
 
 class ChatTemplate:
-    """A compiled template; ``render`` gives the prompt text for a list of messages."""
+    """A template compiled once, in the limited sandbox (``sandbox``); ``render`` gives the
+    prompt text for a list of messages within ``limits`` (``context``: the tokens a prompt
+    may take, which bound its size)."""
 
     def __init__(self, source: Optional[str] = None, bos_token: str = "", eos_token: str = "",
-                 **tokens: str) -> None:
+                 context: int = defaults.API_CONTEXT, **tokens: str) -> None:
         import jinja2
         import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        from . import sandbox
 
         self.source = source or DEFAULT_TEMPLATE
         self.is_default = source is None
         self.native_tools = supports_tools(self.source)  # else toolprompt's generic prompt
         self.stops = DEFAULT_STOPS if self.is_default else ()
         self.tokens = dict(tokens, bos_token=bos_token, eos_token=eos_token)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self.limits = sandbox.Limits.for_context(context)
+        self._renderers: Optional[ThreadPoolExecutor] = None
+        if len(self.source) > defaults.TEMPLATE_MAX_SOURCE:
+            raise ConfigError(f"chat template: {len(self.source)} characters, over the limit "
+                              f"of {defaults.TEMPLATE_MAX_SOURCE}")
+        env = sandbox.LimitedEnvironment(
+            {"tojson": _tojson}, {"raise_exception": _raise_exception,
+                                  "strftime_now": lambda fmt: datetime.now().strftime(fmt)},
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
         try:
             self.template = env.from_string(self.source)
         except jinja2.TemplateSyntaxError as e:
             raise ConfigError(f"chat template: line {e.lineno}: {e.message}") from None
+        except Exception as e:  # noqa: BLE001 - nested too deeply for jinja or Python
+            raise ConfigError(f"chat template: cannot be compiled: {type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:200]}") from None
 
     @classmethod
-    def for_model(cls, model_path: Path, tokenizer: Optional[Tokenizer] = None) -> "ChatTemplate":
+    def for_model(cls, model_path: Path, tokenizer: Optional[Tokenizer] = None,
+                  context: int = defaults.API_CONTEXT) -> "ChatTemplate":
         """The model's template; ``tokenizer`` names the BOS and EOS tokens that its config
         does not (the default template's BOS: only when the tokenizer gives prompts one)."""
         found = load_model_template(model_path)
@@ -108,20 +124,47 @@ class ChatTemplate:
                 found["bos_token"] = ""
         elif source is None:
             found["bos_token"] = ""
-        return cls(source, **found)
+        return cls(source, context=context, **found)
 
-    def render(self, messages: Sequence[ChatMessage], tools: Optional[ToolRequest] = None) -> str:
+    def prompt(self, messages: Sequence[ChatMessage],
+               tools: Optional[ToolRequest] = None) -> str:
         """The prompt text, special tokens included (encode it with nothing added), with
-        ``tools`` as toolprompt.py renders them. A template's own refusal is a 400."""
-        import jinja2
+        ``tools`` as toolprompt.py renders them: a ConversationError for the template's own
+        refusal, a ContextExceeded for a text (the messages', the prompt) that cannot fit the
+        context, a ChatTemplateError for any other failure (one past its limits included)."""
+        from . import sandbox
 
+        sandbox.check_fits("the messages hold", sum(
+            len((m.content or "").encode("utf-8", "surrogatepass")) for m in messages),
+            self.limits)
         plain, shown = template_inputs(messages, tools, self.native_tools)
+        return sandbox.render(self.template, self.limits, dict(
+            messages=plain, add_generation_prompt=True, tools=shown, documents=None,
+            **self.tokens))
+
+    def render(self, messages: Sequence[ChatMessage],
+               tools: Optional[ToolRequest] = None) -> str:
+        """``prompt``, its failures 400s."""
         try:
-            text = self.template.render(messages=plain, add_generation_prompt=True, tools=shown,
-                                        documents=None, **self.tokens)
+            return self.prompt(messages, tools)
         except ConversationError as e:
             raise ApiError(400, f"messages: {e}", "messages", "invalid_conversation") from None
-        except jinja2.TemplateError as e:
-            raise ApiError(400, f"messages: the chat template failed: {e}", "messages",
-                           "template_error") from None
-        return text
+        except ChatTemplateError as e:
+            raise ApiError(400, f"messages: {e}", "messages", "template_error") from None
+        except ContextExceeded as e:
+            raise ApiError(400, f"messages: {e}", "messages", "context_length_exceeded") from None
+
+    async def render_async(self, messages: Sequence[ChatMessage],
+                           tools: Optional[ToolRequest] = None) -> str:
+        """``render`` on a thread of the template's own (the event loop goes on meanwhile):
+        a render ends itself by its deadline, and a caller waits a second past it at most."""
+        if self._renderers is None:
+            self._renderers = ThreadPoolExecutor(defaults.TEMPLATE_THREADS,
+                                                 thread_name_prefix="mdiedge-template")
+        future = self._renderers.submit(self.render, messages, tools)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future),
+                                          self.limits.deadline_s + 1.0)
+        except asyncio.TimeoutError:
+            raise ApiError(400, f"messages: the chat template did not finish within "
+                           f"{self.limits.deadline_s:g} s", "messages", "template_error") from None

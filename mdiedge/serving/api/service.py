@@ -121,7 +121,7 @@ class ApiService:
                               f"model's), got {context}")
         self.engine, self.name, self.limits, self.context = engine, name, limits, context
         self.created = int(time.time())
-        self.template = ChatTemplate.for_model(engine.path, engine.tokenizer)
+        self.template = ChatTemplate.for_model(engine.path, engine.tokenizer, context)
         engine.reserve(limits.slots, context)
         self.metrics = ApiMetrics()
         self.metrics.watch(lambda: self.counts()[0], lambda: self.counts()[1],

@@ -92,7 +92,9 @@ def test_chat_messages_take_text_parts_and_max_completion_tokens() -> None:
 
 def test_responses_map_to_openai_json() -> None:
     usage = Usage(3, 4)
-    assert usage.to_json() == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert usage.to_json() == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                               "prompt_tokens_details": {"cached_tokens": 0}}
+    assert Usage(9, 1, 8).to_json()["prompt_tokens_details"] == {"cached_tokens": 8}
     done = [Choice(0, "hi", "eos"), Choice(1, "ho", "length")]
     body = Completion("cmpl-1", 5, "m", done, usage).to_json()
     assert body["object"] == "text_completion"

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 from contextlib import ExitStack, closing
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import typer
 
@@ -55,13 +55,14 @@ def api_key_for(host: str, key_file: Optional[str], insecure: bool) -> Optional[
 
 
 def open_api(engine: "Engine", sock: Any, slots: int, context: int, max_queue: int, max_body: int,
-             key: Optional[str], name: Optional[str], log_level: str) -> Any:
+             key: Optional[str], name: Optional[str], log_level: str,
+             strict_model_name: bool = False, cors_origins: Sequence[str] = ()) -> Any:
     """The API of ``engine`` on the listening socket ``sock``: set up, not started."""
     from ..serving.api.rules import ServeLimits
     from ..serving.api.server import Api
 
     limits = ServeLimits(slots=slots, context=context, max_waiting=max_queue, max_body=max_body)
-    return Api(engine, sock, limits, key, name, log_level)
+    return Api(engine, sock, limits, key, name, log_level, strict_model_name, cors_origins)
 
 
 def check_context(context: Optional[int], text_model: Any) -> None:
@@ -148,6 +149,12 @@ def serve(
     tokenizer: Optional[str] = tokenizer_option(),
     model_name: Optional[str] = typer.Option(None, help="Model id of the API (default: the "
                                              "model folder's name)."),
+    strict_model_name: bool = typer.Option(False, help="Answer a request naming another "
+                                           "model with 404 (default: any name is served)."),
+    cors_origins: Optional[str] = typer.Option(None, help="Origins browsers may call the API "
+                                               "from: a comma list "
+                                               "(https://app.example.com) or '*' (default: "
+                                               "none)."),
     nodes: int = nodes_option("the server"),
     ring: Optional[str] = typer.Option(None, help="Ring file (TOML) of running workers."),
     device: str = device_option(),
@@ -161,7 +168,8 @@ def serve(
                                   "more are refused with 429."),
     max_body: int = typer.Option(defaults.API_MAX_BODY, help="Largest request body in bytes (413 past it)."),
     api_key_file: Optional[str] = typer.Option(None, help="File holding the API key clients "
-                                               "send as 'Authorization: Bearer KEY' (default: "
+                                               "send as 'Authorization: Bearer KEY' or "
+                                               "'X-Api-Key: KEY' (default: "
                                                "$MDIEDGE_API_KEY; none: no key)."),
     insecure: bool = typer.Option(False, help="Serve a non-loopback address without a key."),
     stall_timeout: Optional[float] = stall_timeout_option(),
@@ -185,8 +193,10 @@ def serve(
                             no_encrypt)
     exits = check_early_exit(early_exit, exit_threshold, speculate=speculate)
     key = api_key_for(host, api_key_file, insecure)
+    from ..serving.api.cors import parse_origins
     from ..serving.api.server import listen
 
+    origins = parse_origins(cors_origins)
     with ExitStack() as stack:
         sock = stack.enter_context(closing(listen(host, port)))  # in use: fails before any node
         spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, recovery, exits,
@@ -194,7 +204,7 @@ def serve(
         engine, shape = open_checked(stack, spec, lambda text: sized_slots(
             text, slots, context, dtype, device, nodes, ring))
         api = open_api(engine, sock, shape.slots, shape.context, max_queue, max_body, key,
-                       model_name, log_level)
+                       model_name, log_level, strict_model_name, origins)
         stack.callback(api.close)
         engine.set_up()  # set the ring up now: its errors before "ready"
         api.start()

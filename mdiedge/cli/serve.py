@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from ..engine.facade import Engine
 
 from ..base import defaults
+from ..serving.api.cors import parse_origins
 from .app import (app, check_device, check_early_exit, check_log_level, check_port,
                   device_option, dtype_option, model_option, nodes_option, tokenizer_option,
                   engine_spec, threads_option, open_checked, cpu_dot_option,
@@ -139,6 +140,22 @@ def starter_api(engine: "Engine", port: Optional[int], host: str, key_file: Opti
                     defaults.API_MAX_BODY, key, None, log_level)
 
 
+def api_key_file_option() -> Any:
+    return typer.Option(None, help="File holding the API key clients send as 'Authorization: "
+                        "Bearer KEY' or 'X-Api-Key: KEY' (default: $MDIEDGE_API_KEY; none: "
+                        "no key).")
+
+
+def strict_model_name_option() -> Any:
+    return typer.Option(False, help="Answer a request naming another model with 404 "
+                        "(default: the one model is served under any name).")
+
+
+def cors_origins_option() -> Any:
+    return typer.Option(None, help="Origins browsers may call the API from: a comma list "
+                        "(https://app.example.com) or '*' (default: none).")
+
+
 @app.command()
 @one_line_errors
 def serve(
@@ -149,12 +166,8 @@ def serve(
     tokenizer: Optional[str] = tokenizer_option(),
     model_name: Optional[str] = typer.Option(None, help="Model id of the API (default: the "
                                              "model folder's name)."),
-    strict_model_name: bool = typer.Option(False, help="Answer a request naming another "
-                                           "model with 404 (default: any name is served)."),
-    cors_origins: Optional[str] = typer.Option(None, help="Origins browsers may call the API "
-                                               "from: a comma list "
-                                               "(https://app.example.com) or '*' (default: "
-                                               "none)."),
+    strict_model_name: bool = strict_model_name_option(),
+    cors_origins: Optional[str] = cors_origins_option(),
     nodes: int = nodes_option("the server"),
     ring: Optional[str] = typer.Option(None, help="Ring file (TOML) of running workers."),
     device: str = device_option(),
@@ -167,10 +180,7 @@ def serve(
     max_queue: int = typer.Option(defaults.API_MAX_WAITING, help="Requests that may wait for free slots; "
                                   "more are refused with 429."),
     max_body: int = typer.Option(defaults.API_MAX_BODY, help="Largest request body in bytes (413 past it)."),
-    api_key_file: Optional[str] = typer.Option(None, help="File holding the API key clients "
-                                               "send as 'Authorization: Bearer KEY' or "
-                                               "'X-Api-Key: KEY' (default: "
-                                               "$MDIEDGE_API_KEY; none: no key)."),
+    api_key_file: Optional[str] = api_key_file_option(),
     insecure: bool = typer.Option(False, help="Serve a non-loopback address without a key."),
     stall_timeout: Optional[float] = stall_timeout_option(),
     recover: Optional[bool] = recover_option(),
@@ -192,11 +202,9 @@ def serve(
     recovery = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize,
                             no_encrypt)
     exits = check_early_exit(early_exit, exit_threshold, speculate=speculate)
-    key = api_key_for(host, api_key_file, insecure)
-    from ..serving.api.cors import parse_origins
+    key, origins = api_key_for(host, api_key_file, insecure), parse_origins(cors_origins)
     from ..serving.api.server import listen
 
-    origins = parse_origins(cors_origins)
     with ExitStack() as stack:
         sock = stack.enter_context(closing(listen(host, port)))  # in use: fails before any node
         spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, recovery, exits,

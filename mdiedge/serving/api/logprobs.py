@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
-from ...model.sampling import TokenLogprob
-from ...model.tokenizer import Tokenizer
+if TYPE_CHECKING:  # no torch where only the shapes are needed
+    from ...model.sampling import TokenLogprob
+    from ...model.tokenizer import Tokenizer
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's and llama.cpp's byte tokens
 

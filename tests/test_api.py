@@ -59,8 +59,7 @@ def streamed(chunks: Any, chat: bool = False) -> Dict[int, Dict[str, Any]]:
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == ["stories"]
     assert client.models.retrieve("stories").owned_by == "mdiedge"
-    with pytest.raises(openai.NotFoundError, match="'gpt-4' not found"):
-        client.models.retrieve("gpt-4")
+    assert client.models.retrieve("gpt-4").id == "gpt-4"  # one model, served under any name
 
 
 def test_a_greedy_completion_is_the_engines_text(client: openai.OpenAI,
@@ -143,11 +142,10 @@ def test_requests_sent_while_others_decode_get_what_each_gets_alone(
 
 
 @pytest.mark.parametrize("args, error, match", [
-    ({"model": "gpt-4"}, openai.NotFoundError, "model 'gpt-4' not found"),
     ({"max_tokens": 10_000}, openai.BadRequestError, "exceeds the context of 256"),
     ({"n": 5}, openai.BadRequestError, "at most 4 samples"),
-    ({"extra_body": {"bogus": 1}}, openai.UnprocessableEntityError, "bogus: unknown field"),
-    ({"max_tokens": "7"}, openai.UnprocessableEntityError, "expected an integer, got '7'"),
+    ({"extra_body": {"bogus": 1}}, openai.BadRequestError, "bogus: unknown field"),
+    ({"max_tokens": "7"}, openai.BadRequestError, "expected an integer, got '7'"),
     ({"stop": [""]}, openai.BadRequestError, "stop: expected non-empty strings"),
     ({"top_p": 0}, openai.BadRequestError, r"top_p: expected a number in \(0, 1\]"),
 ])

@@ -77,7 +77,7 @@ def test_chat_errors_name_the_fields_the_client_sent(api: Api) -> None:
     assert "max_completion_tokens: expected an integer >= 1, got 0" in error_of(zero)["message"]
     named = post(api, {"messages": [{"role": "user", "content": "Hi", "name": 5}]},
                  "/v1/chat/completions")
-    assert named.status_code == 422 and "messages[0].name" in error_of(named)["message"]
+    assert named.status_code == 400 and "messages[0].name" in error_of(named)["message"]
     usage = post(api, dict(chat, max_tokens=2, stream_options={"include_usage": None}),
                  "/v1/chat/completions")
     assert usage.status_code == 200

@@ -1,4 +1,4 @@
-"""The OpenAI API's pure parts, no torch and no server: request schema (422 against 400), the
+"""The OpenAI API's pure parts, no torch and no server: request schema (every error a 400), the
 response mappings, chat templates, the error map, and the rules for 429, Retry-After and the
 API key. Runs on Python 3.8 too."""
 from __future__ import annotations
@@ -28,21 +28,28 @@ def status_of(body: Dict[str, Any], chat: bool = False) -> ApiError:
 
 
 @pytest.mark.parametrize("body, status, param, quoted", [
-    ({}, 422, "prompt", "missing"),
-    ({"prompt": "x", "max_tokens": "5"}, 422, "max_tokens", "'5'"),
-    ({"prompt": "x", "temperature": True}, 422, "temperature", "True"),
-    ({"prompt": "x", "stop": [1]}, 422, "stop", "[1]"),
-    ({"prompt": "x", "bogus": 1}, 422, "bogus", "unknown"),
-    ({"prompt": "x", "stream": "yes"}, 422, "stream", "'yes'"),
+    ({}, 400, "prompt", "missing"),
+    ({"prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "'5'"),
+    ({"prompt": "x", "temperature": True}, 400, "temperature", "True"),
+    ({"prompt": "x", "stop": [1]}, 400, "stop", "[1]"),
+    ({"prompt": "x", "bogus": 1}, 400, "bogus", "unknown"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream", "'yes'"),
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "0"),
     ({"prompt": "x", "n": 0}, 400, "n", "0"),
     ({"prompt": "x", "temperature": 2.5}, 400, "temperature", "2.5"),
     ({"prompt": "x", "top_p": 0}, 400, "top_p", "0"),
     ({"prompt": "x", "seed": -1}, 400, "seed", "-1"),
-    ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "0.5"),
-    ({"prompt": "x", "logprobs": 3}, 400, "logprobs", "3"),
+    ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty", "2.5"),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs", "21"),
+    ({"prompt": "x", "logprobs": True}, 400, "logprobs", "True"),
+    ({"prompt": "x", "min_p": 1.5}, 400, "min_p", "1.5"),
+    ({"prompt": "x", "repeat_penalty": 0}, 400, "repeat_penalty", "0"),
+    ({"prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias", "'x'"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias", "101"),
+    ({"prompt": "x", "logit_bias": [1]}, 400, "logit_bias", "[1]"),
+    ({"prompt": "x", "echo": True}, 400, "echo", "True"),
     ({"prompt": ["a", "b"]}, 400, "prompt", "['a', 'b']"),
-    ({"prompt": "x", "stream_options": {"include_usage": 1}}, 422, "stream_options", "1"),
+    ({"prompt": "x", "stream_options": {"include_usage": 1}}, 400, "stream_options", "1"),
 ])
 def test_a_completion_body_that_does_not_fit_names_field_and_value(
         body: Dict[str, Any], status: int, param: str, quoted: str) -> None:
@@ -65,15 +72,15 @@ def test_a_completion_body_is_read_with_defaults_and_neutral_fields() -> None:
 
 @pytest.mark.parametrize("messages, status, quoted", [
     ([], 400, "got 0"),
-    ("hi", 422, "'hi'"),
+    ("hi", 400, "'hi'"),
     ([{"role": "robot", "content": "x"}], 400, "'robot'"),
-    (["hi"], 422, "'hi'"),
-    ([{"role": "user", "content": 5}], 422, "5"),
+    (["hi"], 400, "'hi'"),
+    ([{"role": "user", "content": 5}], 400, "5"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], 400, "image_url"),
     ([{"role": "user", "content": "x", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
      400, "tool_calls"),
-    ([{"role": "tool", "content": "x"}], 422, "tool_call_id"),
+    ([{"role": "tool", "content": "x"}], 400, "tool_call_id"),
 ])
 def test_a_chat_body_that_does_not_fit_is_refused(messages: Any, status: int, quoted: str) -> None:
     error = status_of({"messages": messages}, chat=True)
@@ -312,3 +319,41 @@ def test_the_api_key_is_the_files_first_line(tmp_path, monkeypatch) -> None:
         read_api_key(str(key))
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     assert read_api_key(None) == "from-env"
+
+
+def test_fields_openais_clients_send_are_ignored_and_sampling_fields_read() -> None:
+    from mdiedge.serving.api.schema import IGNORED
+    from mdiedge.serving.api.sampling import SamplingOptions
+
+    body = {"messages": [{"role": "assistant", "content": "a", "refusal": None,
+                          "annotations": []}, {"role": "user", "content": "b"}],
+            "store": True, "metadata": {"k": "v"}, "service_tier": "auto", "user": 5,
+            "reasoning_effort": "low", "modalities": ["text"], "prediction": {"x": 1},
+            "audio": None, "stream_options": {"include_usage": True, "other": 1},
+            "presence_penalty": 0.5, "frequency_penalty": -1, "repeat_penalty": 1.2,
+            "min_p": 0.1, "logit_bias": {"7": -100, " 9": 2.5}, "logprobs": True,
+            "top_logprobs": 3}
+    assert {"store", "metadata", "service_tier", "user", "reasoning_effort"} <= set(IGNORED)
+    options = ChatRequest.from_json(body).options
+    assert options.sampling == SamplingOptions(0.5, -1.0, 1.2, 0.1, {7: -100.0, 9: 2.5}, 3)
+    assert ChatRequest.from_json({"messages": [{"role": "user", "content": "x"}],
+                                  "logprobs": True}).options.sampling.top_logprobs == 0
+    assert CompletionRequest.from_json({"prompt": "x", "logprobs": 0}
+                                       ).options.sampling.top_logprobs == 0
+    assert CompletionRequest.from_json({"prompt": "x"}).options.sampling.top_logprobs is None
+
+
+@pytest.mark.parametrize("extra, param, quoted", [
+    ({"top_logprobs": 2}, "top_logprobs", "needs logprobs true"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "21"),
+    ({"logprobs": 2}, "logprobs", "2"),
+])
+def test_chat_logprobs_out_of_shape_are_400s(extra: Dict[str, Any], param: str,
+                                            quoted: str) -> None:
+    error = status_of(dict({"messages": [{"role": "user", "content": "x"}]}, **extra), chat=True)
+    assert (error.status, error.param) == (400, param) and quoted in error.message
+
+
+def test_the_key_may_come_as_x_api_key() -> None:
+    assert authorized(None, "k", "k") and authorized("Bearer k", "k", "wrong")
+    assert not authorized(None, "k", "wrong") and not authorized("Bearer x", "k", None)

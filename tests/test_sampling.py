@@ -137,3 +137,106 @@ def test_one_range_per_sampling_value(name: str, value: object, accepted: bool) 
 def test_spans(span: Any, inside: list, outside: list, expected: str) -> None:
     assert all(v in span for v in inside) and not any(v in span for v in outside)
     assert span.expected == expected
+
+
+# -- penalties, biases and min-p: OpenAI's and llama.cpp's definitions, term by term
+
+ROW = torch.tensor([2.0, -1.0, 0.5, 0.0, 1.0])
+
+
+@pytest.mark.parametrize("params, prompt, output, expected", [
+    # frequency: logit - count * f, over the output only (the prompt's tokens not counted)
+    (dict(frequency_penalty=0.5), [0], [2, 2, 4], [2.0, -1.0, -0.5, 0.0, 0.5]),
+    # presence: logit - p once a token appeared in the output, whatever its count
+    (dict(presence_penalty=1.0), [0], [2, 2, 4], [2.0, -1.0, -0.5, 0.0, 0.0]),
+    # both, and a negative penalty encourages repeats
+    (dict(presence_penalty=-1.0, frequency_penalty=0.25), [], [1, 1], [2.0, -0.5, 0.5, 0.0, 1.0]),
+    # repetition: over prompt and output, positive logits divided, negative multiplied
+    (dict(repetition_penalty=2.0), [0, 1], [4], [1.0, -2.0, 0.5, 0.0, 0.5]),
+    (dict(repetition_penalty=0.5), [0, 1], [], [4.0, -0.5, 0.5, 0.0, 1.0]),
+    # logit_bias: added, before the penalties (which then see the biased logit)
+    (dict(logit_bias={3: -100}), [], [], [2.0, -1.0, 0.5, -100.0, 1.0]),
+    (dict(logit_bias={1: 4.0}, repetition_penalty=2.0), [1], [], [2.0, 1.5, 0.5, 0.0, 1.0]),
+    (dict(logit_bias={9: 5.0}), [], [], [2.0, -1.0, 0.5, 0.0, 1.0]),  # past the vocabulary
+    (dict(), [0], [0, 0], [2.0, -1.0, 0.5, 0.0, 1.0]),  # neutral values change nothing
+])
+def test_penalties_change_the_logits_as_documented(params: Any, prompt: List[int],
+                                                   output: List[int], expected: List[float]
+                                                   ) -> None:
+    from mdiedge.model.sampling import penalize
+
+    out = penalize(ROW, SamplingParams(temperature=0, **params), prompt, output)
+    assert out.tolist() == pytest.approx(expected)
+    assert ROW.tolist() == [2.0, -1.0, 0.5, 0.0, 1.0]  # the model's row is not changed
+
+
+@pytest.mark.parametrize("params, history, token", [
+    (dict(), ([], []), 0),  # greedy: the argmax
+    (dict(logit_bias={0: -100}), ([], []), 4),  # the greedy token banned: the next one
+    (dict(logit_bias={3: 100}), ([], []), 3),  # +100 forces a token
+    (dict(frequency_penalty=2.0), ([], [0]), 4),  # applied before the argmax
+    (dict(presence_penalty=1.5), ([], [0]), 4),
+    (dict(presence_penalty=1.5), ([0], []), 0),  # presence counts the output only
+    (dict(repetition_penalty=2.5), ([0], []), 4),  # repetition counts the prompt too
+])
+def test_greedy_takes_the_argmax_after_penalties(params: Any, history: Any, token: int) -> None:
+    for temperature in (0.0, 1.0):  # and sampling draws from the changed row
+        sampling = SamplingParams(temperature=temperature, top_k=1 if temperature else 0,
+                                  **params)
+        assert sample_rows(ROW[None], sampling, [sample_generator(0, 0)],
+                           [history]) == [token]
+
+
+def test_a_bias_shifts_the_sampled_distribution() -> None:
+    params = SamplingParams(temperature=1.0, top_p=1.0, logit_bias={4: math.log(0.5 / 0.03)})
+    gen = sample_generator(0, 0)
+    draws = [sample_rows(LOGITS[None], params, [gen], [([], [])])[0] for _ in range(4000)]
+    # token 4 (p 0.03) now as likely as token 0: each about 0.5 / 1.47
+    assert math.isclose(draws.count(4) / 4000, 0.5 / 1.47, abs_tol=0.03)
+    assert math.isclose(draws.count(0) / 4000, 0.5 / 1.47, abs_tol=0.03)
+
+
+@pytest.mark.parametrize("min_p, kept", [
+    (0.0, [0, 1, 2, 3, 4]), (0.1, [0, 1, 2, 3]), (0.3, [0, 1, 2]), (0.5, [0, 1]), (1.0, [0])])
+def test_min_p_keeps_tokens_at_least_that_share_of_the_likeliest(min_p: float,
+                                                                 kept: List[int]) -> None:
+    out = filter_logits(LOGITS, SamplingParams(temperature=1.0, top_p=1.0, min_p=min_p))
+    assert torch.isfinite(out).nonzero().flatten().tolist() == kept
+
+
+def test_logprobs_are_the_models_log_softmax_with_the_likeliest() -> None:
+    from mdiedge.model.sampling import token_logprobs
+
+    rows = torch.stack([LOGITS, LOGITS.flip(0)]) + 3.0  # logits, not log-probabilities
+    scored = token_logprobs(rows, [2, 0], 2)
+    assert scored[0].logprob == pytest.approx(math.log(0.15), abs=1e-6)
+    assert [t for t, _ in scored[0].top] == [0, 1] and [t for t, _ in scored[1].top] == [4, 3]
+    assert scored[1].top[0][1] == pytest.approx(math.log(0.5), abs=1e-6)
+    assert token_logprobs(rows[:1], [1], 0)[0].top == ()
+
+
+PENALTY_VALUES = [  # (field, value, accepted): the library's and the API's one range
+    ("presence_penalty", 2.0, True), ("presence_penalty", -2.0, True),
+    ("presence_penalty", 2.1, False), ("frequency_penalty", -2.5, False),
+    ("repetition_penalty", 1.3, True), ("repetition_penalty", 0, False),
+    ("repetition_penalty", 11, False), ("min_p", 0.05, True), ("min_p", -0.1, False),
+    ("min_p", 1.01, False),
+]
+
+
+@pytest.mark.parametrize("name,value,accepted", PENALTY_VALUES)
+def test_one_range_per_penalty(name: str, value: object, accepted: bool) -> None:
+    assert (_library_accepts(name, value), _api_accepts(name, value)) == (accepted,) * 2
+
+
+@pytest.mark.parametrize("bias, message", [
+    ({-1: 1.0}, "token ids >= 0, got -1"), ({"3": 1.0}, "got '3'"),
+    ({3: 100.5}, "logit_bias[3]: expected a number in [-100, 100], got 100.5"),
+    ({i: 1.0 for i in range(defaults.MAX_LOGIT_BIAS + 1)}, "at most 1024 tokens"),
+])
+def test_a_bad_logit_bias_is_one_line_naming_it(bias: Any, message: str) -> None:
+    from mdiedge.base.errors import GenerationError
+
+    with pytest.raises(GenerationError) as caught:
+        SamplingParams(logit_bias=bias)
+    assert message in str(caught.value)

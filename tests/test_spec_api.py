@@ -114,7 +114,7 @@ def test_the_server_default_applies_and_off_overrides_it(client: openai.OpenAI, 
 @pytest.mark.parametrize("value, status, message", [
     ("fast", openai.BadRequestError, "speculate: expected one of ngram, draft, off, got 'fast'"),
     ("draft:/tmp/model", openai.BadRequestError, "speculate: expected one of"),
-    (3, openai.UnprocessableEntityError, "speculate: expected a string, got 3"),
+    (3, openai.BadRequestError, "speculate: expected a string, got 3"),
 ])
 def test_a_bad_speculate_value_is_refused_naming_the_field(client: openai.OpenAI, value: Any,
                                                           status: type, message: str) -> None:

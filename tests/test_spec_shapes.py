@@ -60,3 +60,28 @@ def test_smollm2_from_its_gguf_file_equals_plain() -> None:
                        24, 1)
         assert tokens_of(out) == tokens_of(want), nodes
         assert out.as_dict()["speculation"]["accepted"] > 0
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, frequency_penalty=0.4, presence_penalty=0.3, top_logprobs=3),
+    SamplingParams(temperature=0, repetition_penalty=1.05, logit_bias={13: -100},
+                   top_logprobs=0),
+])
+def test_greedy_with_penalties_and_logprobs_is_the_same_speculating(
+        params: SamplingParams) -> None:
+    """Penalties apply before the argmax at every verified position (a draft counted as
+    output for the positions after it); logprobs are those of each emitted token's row."""
+    def run(speculate: Any) -> Any:
+        with open_engine(EngineSpec(model=NANOLLAMA, speculate=speculate)) as engine:
+            generation = engine.new_generation(PROMPT, 40, 2, params)
+            engine.run(generation)
+            return generation
+
+    plain, spec = run(None), run("ngram")
+    assert [s.tokens for s in spec.samples] == [s.tokens for s in plain.samples]
+    assert spec.speculation.stats.accepted > 0
+    for a, b in zip(plain.samples, spec.samples):
+        assert len(a.logprobs) == len(a.tokens) and [x.token for x in b.logprobs] == b.tokens
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]

@@ -171,3 +171,23 @@ def exact_second(net: Transformer, prompt: List[int], params: SamplingParams) ->
                 total += first[t] * distributions(row, params)[0]
     net.setup_cache(1, TINY.max_seq_len)
     return total
+
+
+@pytest.mark.parametrize("params, history, want", [
+    # the model's argmax is token 1 at both positions: the draft 1 is kept, then ...
+    (SamplingParams(temperature=0), ([], []), [1, 1]),
+    # ... a frequency penalty counts the kept draft as output: the second argmax is 2
+    (SamplingParams(temperature=0, frequency_penalty=1.5), ([], []), [1, 2]),
+    # and counts the output before the step too: the draft is rejected at once
+    (SamplingParams(temperature=0, frequency_penalty=1.5), ([0], [1]), [2]),
+    # a repetition penalty counts the prompt
+    (SamplingParams(temperature=0, repetition_penalty=3.0), ([1], []), [2]),
+    (SamplingParams(temperature=0, logit_bias={1: -100}), ([], []), [2]),
+])
+def test_verification_applies_penalties_before_the_argmax(params: SamplingParams, history: tuple,
+                                                          want: List[int]) -> None:
+    logits = torch.tensor([[0.0, 3.0, 2.0], [0.0, 3.0, 2.0]])
+    for sampled in (False, True):  # top-k 1: sampling from one token, the argmax
+        if sampled:
+            params = SamplingParams(**dict(params.__dict__, temperature=1.0, top_k=1))
+        assert accept([1], logits, None, params, sample_generator(0, 0), history) == want

@@ -31,6 +31,13 @@ TOP_K_RANGE = Span(0, integer=True)  # 0: no top-k filter
 TOP_P_RANGE = Span(0, 1, low_open=True)  # 1: no nucleus filter
 SEED_RANGE = Span(0, 2 ** 40, integer=True, high_open=True)
 MAX_NEW_TOKENS_RANGE = Span(1, integer=True)
+# the penalties and filters OpenAI's and llama.cpp's clients send (neutral values: 0, 0, 1, 0)
+PENALTY_RANGE = Span(-2, 2)  # presence_penalty, frequency_penalty (OpenAI's range)
+REPETITION_PENALTY_RANGE = Span(0, 10, low_open=True)  # 1: none; > 1 discourages repeats
+MIN_P_RANGE = Span(0, 1)  # 0: no min-p filter
+LOGIT_BIAS_RANGE = Span(-100, 100)  # added to a token's logit (OpenAI's range)
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+TOP_LOGPROBS_RANGE = Span(0, 20, integer=True)  # alternatives reported per token
 GREEDY_BELOW = 1e-5  # a temperature under this samples as greedy does (vLLM's rule): its
 #                      distribution is the argmax's, and logits / it may overflow float32
 EARLY_EXIT_CRITERIA = ("softmax", "similarity", "classifier")  # mdiedge.model.exits

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 from contextlib import ExitStack, closing
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import typer
 
@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from ..engine.facade import Engine
 
 from ..base import defaults
+from ..serving.api.cors import parse_origins
 from .app import (app, check_device, check_early_exit, check_log_level, check_port,
                   device_option, dtype_option, model_option, nodes_option, tokenizer_option,
                   engine_spec, threads_option, open_checked, cpu_dot_option,
@@ -57,6 +58,7 @@ def api_key_for(host: str, key_file: Optional[str], insecure: bool) -> Optional[
 
 def open_api(engine: "Engine", sock: Any, slots: int, context: int, max_queue: int, max_body: int,
              key: Optional[str], name: Optional[str], log_level: str,
+             strict_model_name: bool = False, cors_origins: Sequence[str] = (),
              prompt_cache: bool = True) -> Any:
     """The API of ``engine`` on the listening socket ``sock``: set up, not started."""
     from ..serving.api.rules import ServeLimits
@@ -64,7 +66,7 @@ def open_api(engine: "Engine", sock: Any, slots: int, context: int, max_queue: i
 
     engine.prompt_cache = prompt_cache
     limits = ServeLimits(slots=slots, context=context, max_waiting=max_queue, max_body=max_body)
-    return Api(engine, sock, limits, key, name, log_level)
+    return Api(engine, sock, limits, key, name, log_level, strict_model_name, cors_origins)
 
 
 def check_context(context: Optional[int], text_model: Any) -> None:
@@ -141,6 +143,22 @@ def starter_api(engine: "Engine", port: Optional[int], host: str, key_file: Opti
                     defaults.API_MAX_BODY, key, None, log_level)
 
 
+def api_key_file_option() -> Any:
+    return typer.Option(None, help="File holding the API key clients send as 'Authorization: "
+                        "Bearer KEY' or 'X-Api-Key: KEY' (default: $MDIEDGE_API_KEY; none: "
+                        "no key).")
+
+
+def strict_model_name_option() -> Any:
+    return typer.Option(False, help="Answer a request naming another model with 404 "
+                        "(default: the one model is served under any name).")
+
+
+def cors_origins_option() -> Any:
+    return typer.Option(None, help="Origins browsers may call the API from: a comma list "
+                        "(https://app.example.com) or '*' (default: none).")
+
+
 @app.command()
 @one_line_errors
 def serve(
@@ -149,7 +167,10 @@ def serve(
     port: int = typer.Option(defaults.API_PORT, help="Port of the API (0: any free port)."),
     model: Optional[str] = model_option(),
     tokenizer: Optional[str] = tokenizer_option(),
-    model_name: Optional[str] = typer.Option(None, help="Model id (default: the model's name)."),
+    model_name: Optional[str] = typer.Option(None, help="Model id of the API (default: the "
+                                             "model folder's name)."),
+    strict_model_name: bool = strict_model_name_option(),
+    cors_origins: Optional[str] = cors_origins_option(),
     nodes: int = nodes_option("the server"),
     ring: Optional[str] = typer.Option(None, help="Ring file (TOML) of running workers."),
     device: str = device_option(),
@@ -162,9 +183,7 @@ def serve(
     max_queue: int = typer.Option(defaults.API_MAX_WAITING, help="Requests that may wait for free slots; "
                                   "more are refused with 429."),
     max_body: int = typer.Option(defaults.API_MAX_BODY, help="Largest request body in bytes (413 past it)."),
-    api_key_file: Optional[str] = typer.Option(None, help="File holding the API key clients "
-                                               "send as 'Authorization: Bearer KEY' (default: "
-                                               "$MDIEDGE_API_KEY; none: no key)."),
+    api_key_file: Optional[str] = api_key_file_option(),
     insecure: bool = typer.Option(False, help="Serve a non-loopback address without a key."),
     stall_timeout: Optional[float] = stall_timeout_option(),
     recover: Optional[bool] = recover_option(),
@@ -187,7 +206,7 @@ def serve(
     recovery = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize,
                             no_encrypt)
     exits = check_early_exit(early_exit, exit_threshold, speculate=speculate)
-    key = api_key_for(host, api_key_file, insecure)
+    key, origins = api_key_for(host, api_key_file, insecure), parse_origins(cors_origins)
     from ..serving.api.server import listen
 
     with ExitStack() as stack:
@@ -197,7 +216,7 @@ def serve(
         engine, shape = open_checked(stack, spec, lambda text: sized_slots(
             text, slots, context, dtype, device, nodes, ring))
         api = open_api(engine, sock, shape.slots, shape.context, max_queue, max_body, key,
-                       model_name, log_level, prompt_cache)
+                       model_name, log_level, strict_model_name, origins, prompt_cache)
         stack.callback(api.close)
         engine.set_up()  # set the ring up now: its errors before "ready"
         api.start()

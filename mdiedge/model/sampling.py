@@ -1,15 +1,29 @@
-"""Choosing the next token: greedy, temperature, top-k and top-p (nucleus, Holtzman et al. 2019).
+"""Choosing the next token: penalties and biases, then greedy, or temperature, top-k, top-p
+(nucleus, Holtzman et al. 2019) and min-p; and the log-probabilities a client may ask for.
 
 ``SamplingParams()`` samples with the defaults of :mod:`mdiedge.base.defaults` (those of
 ``mdiedge generate``); ``temperature=0`` is greedy, and so is any temperature below
 ``GREEDY_BELOW``. Each sample draws from its own generator,
 seeded from (seed, sample index), so a sample's tokens do not depend on how samples are
 grouped or scheduled.
+
+A row of logits is changed first, in this order, before greedy's argmax or any filter:
+
+- ``logit_bias``: each listed token's logit plus its bias (OpenAI's; -100 bans a token in
+  practice, +100 forces it);
+- ``repetition_penalty`` r (llama.cpp's ``repeat_penalty``, Hugging Face's, after Keskar et
+  al. 2019): the logit of every token the sample has seen (its prompt and its output) divided
+  by r where positive, multiplied by r where negative;
+- ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI's): logit - c * f - (c > 0) * p,
+  where c counts the token in the sample's output so far.
+
+Log-probabilities (``top_logprobs``) are those of the model's own logits, before all of
+this and before temperature, as OpenAI reports them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -18,6 +32,7 @@ from ..base import defaults
 from ..base.errors import GenerationError
 
 _SEED_STRIDE = 1_000_003
+History = Tuple[Sequence[int], Sequence[int]]  # a sample's prompt and its output so far
 
 
 @dataclass(frozen=True)
@@ -26,18 +41,53 @@ class SamplingParams:
     top_k: int = defaults.TOP_K  # 0: no top-k filter
     top_p: float = defaults.TOP_P  # 1: no nucleus filter
     seed: int = defaults.SEED
+    min_p: float = 0.0  # 0: no min-p filter
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: none
+    logit_bias: Tuple[Tuple[int, float], ...] = ()  # (token id, bias); a dict is taken too
+    top_logprobs: Optional[int] = None  # None: no logprobs; N: the chosen token's and N more
 
     def __post_init__(self) -> None:
         for name, span in (("temperature", defaults.TEMPERATURE_RANGE),
                            ("top_k", defaults.TOP_K_RANGE), ("top_p", defaults.TOP_P_RANGE),
-                           ("seed", defaults.SEED_RANGE)):
+                           ("seed", defaults.SEED_RANGE), ("min_p", defaults.MIN_P_RANGE),
+                           ("presence_penalty", defaults.PENALTY_RANGE),
+                           ("frequency_penalty", defaults.PENALTY_RANGE),
+                           ("repetition_penalty", defaults.REPETITION_PENALTY_RANGE),
+                           ("top_logprobs", defaults.TOP_LOGPROBS_RANGE)):
             value = getattr(self, name)
-            if value not in span:
+            if value not in span and not (name == "top_logprobs" and value is None):
                 raise GenerationError(f"{name}: expected {span.expected}, got {value!r}")
+        object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
         return self.temperature < defaults.GREEDY_BELOW or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a row's logits change before sampling (a bias or a penalty)."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or \
+            self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def check_logit_bias(bias: Any) -> Tuple[Tuple[int, float], ...]:
+    """``bias`` (a mapping or pairs of token id and bias) as sorted pairs, or a one-line error
+    naming the first bad entry."""
+    pairs = list(bias.items()) if isinstance(bias, Mapping) else list(bias)
+    if len(pairs) > defaults.MAX_LOGIT_BIAS:
+        raise GenerationError(f"logit_bias: at most {defaults.MAX_LOGIT_BIAS} tokens, got "
+                              f"{len(pairs)}")
+    out = {}
+    for token, value in pairs:
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise GenerationError(f"logit_bias: expected token ids >= 0, got {token!r}")
+        if value not in defaults.LOGIT_BIAS_RANGE:
+            raise GenerationError(f"logit_bias[{token}]: expected "
+                                  f"{defaults.LOGIT_BIAS_RANGE.expected}, got {value!r}")
+        out[token] = float(value)
+    return tuple(sorted(out.items()))
 
 
 def sample_generator(seed: int, sample_index: int) -> torch.Generator:
@@ -45,8 +95,42 @@ def sample_generator(seed: int, sample_index: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * _SEED_STRIDE + sample_index)
 
 
+def penalize(logits: Tensor, params: SamplingParams, prompt: Sequence[int],
+             output: Sequence[int]) -> Tensor:
+    """One row of logits (vocab,) with ``params``' bias and penalties applied (module
+    docstring), for a sample with ``prompt`` and ``output`` so far; fp32."""
+    logits = logits.detach().float().cpu().clone()
+    vocab = logits.shape[-1]
+    for token, bias in params.logit_bias:
+        if token < vocab:
+            logits[token] += bias
+    if params.repetition_penalty != 1:
+        seen = torch.tensor(sorted({t for t in (*prompt, *output) if 0 <= t < vocab}),
+                            dtype=torch.long)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                   values * params.repetition_penalty)
+    if output and (params.frequency_penalty != 0 or params.presence_penalty != 0):
+        counts = torch.bincount(torch.tensor([t for t in output if 0 <= t < vocab],
+                                             dtype=torch.long), minlength=vocab).float()
+        logits -= counts * params.frequency_penalty + (counts > 0).float() * \
+            params.presence_penalty
+    return logits
+
+
+def penalize_rows(logits: Tensor, params: SamplingParams,
+                  histories: Optional[Sequence[History]]) -> Tensor:
+    """Rows (B, vocab), row b penalized for ``histories[b]``; as they are when ``params``
+    change nothing (or no histories are given)."""
+    if not params.penalized or histories is None:
+        return logits
+    return torch.stack([penalize(row, params, prompt, output)
+                        for row, (prompt, output) in zip(logits, histories)])
+
+
 def filter_logits(logits: Tensor, params: SamplingParams) -> Tensor:
-    """Temperature, then top-k, then top-p on one row of logits (vocab,); -inf outside."""
+    """Temperature, then top-k, top-p and min-p on one row of logits (vocab,); -inf
+    outside."""
     logits = logits.float() / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
@@ -57,12 +141,18 @@ def filter_logits(logits: Tensor, params: SamplingParams) -> Tensor:
         drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= params.top_p
         drop[0] = False  # always keep the most likely token
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if params.min_p > 0:  # keep tokens at least min_p times as likely as the likeliest
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     return logits
 
 
 def sample_rows(logits: Tensor, params: SamplingParams,
-                generators: Sequence[torch.Generator]) -> List[int]:
-    """One token per row of ``logits`` (B, vocab); row b draws from ``generators[b]``."""
+                generators: Sequence[torch.Generator],
+                histories: Optional[Sequence[History]] = None) -> List[int]:
+    """One token per row of ``logits`` (B, vocab); row b draws from ``generators[b]``, its
+    penalties counted on ``histories[b]`` (the sample's prompt and output so far)."""
+    logits = penalize_rows(logits, params, histories)
     if params.greedy:
         return logits.argmax(dim=-1).tolist()
     rows = logits.detach().float().cpu()
@@ -70,4 +160,26 @@ def sample_rows(logits: Tensor, params: SamplingParams,
     for row, gen in zip(rows, generators):
         probs = torch.softmax(filter_logits(row, params), dim=-1)
         out.append(int(torch.multinomial(probs, 1, generator=gen)))
+    return out
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A chosen token's log-probability and the ``top`` likeliest tokens' (id, logprob)."""
+
+    token: int
+    logprob: float
+    top: Tuple[Tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: Tensor, tokens: Sequence[int], top: int) -> List[TokenLogprob]:
+    """Row i of ``logits`` (T, vocab) scored for ``tokens[i]`` (zip's length): the
+    log-softmax of the model's logits, with the ``top`` likeliest of each row."""
+    out = []
+    rows = torch.log_softmax(logits.detach().float().cpu(), dim=-1)
+    for row, token in zip(rows, tokens):
+        best = torch.topk(row, min(top, row.shape[-1])) if top > 0 else None
+        alternatives = tuple(zip(best.indices.tolist(), best.values.tolist())) \
+            if best is not None else ()
+        out.append(TokenLogprob(int(token), float(row[int(token)]), alternatives))
     return out

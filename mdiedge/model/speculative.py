@@ -10,8 +10,9 @@ then the model's argmax after it, so the output is the one plain greedy decoding
 Sampling: the speculative sampling rule (Leviathan, Kalman and Matias 2023, "Fast Inference
 from Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language
 Model Decoding with Speculative Sampling"): with p the model's and q the drafter's
-distribution at a position, both after the sampling transforms (temperature, top-k, top-p of
-``mdiedge.model.sampling``), a drafted token x is kept with probability min(1, p(x) / q(x));
+distribution at a position, both after the sampling transforms (penalties, temperature,
+top-k, top-p, min-p of ``mdiedge.model.sampling``; the penalties of the position after draft
+d_i count d_1..d_i as output), a drafted token x is kept with probability min(1, p(x) / q(x));
 at the first rejection the token is drawn from normalize(max(0, p - q)) and the rest is
 dropped; if every draft is kept, one more token is drawn from p at the last position. Each
 emitted token is then distributed exactly as the model's own sampling would draw it. A
@@ -25,7 +26,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .sampling import SamplingParams, filter_logits
+from .sampling import History, SamplingParams, filter_logits, penalize_rows
 
 
 def greedy_accept(drafts: Sequence[int], argmaxes: Sequence[int]) -> List[int]:
@@ -80,9 +81,15 @@ def sampled_accept(drafts: Sequence[int], p: Tensor, q: Optional[Tensor],
 
 
 def accept(drafts: Sequence[int], logits: Tensor, q: Optional[Tensor],
-           params: SamplingParams, generator: torch.Generator) -> List[int]:
+           params: SamplingParams, generator: torch.Generator,
+           history: Optional[History] = None) -> List[int]:
     """The tokens a verification emits: greedy or sampled as ``params`` say. ``logits``: the
-    model's raw logits at the len(drafts) + 1 positions (T, vocab)."""
+    model's raw logits at the len(drafts) + 1 positions (T, vocab); ``history``: the
+    sample's prompt and output before them (its penalties)."""
+    if history is not None and params.penalized:
+        prompt, output = history
+        logits = penalize_rows(logits, params, [(prompt, list(output) + list(drafts[:i]))
+                                                for i in range(len(drafts) + 1)])
     if params.greedy:
         return greedy_accept(drafts, logits.argmax(dim=-1).tolist())
     return sampled_accept(drafts, distributions(logits, params), q, generator)

@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from ..base.errors import ContextExceeded, GenerationError, MdiedgeError
-from ..model.sampling import SamplingParams, sample_generator, sample_rows
+from ..model.sampling import (SamplingParams, TokenLogprob, sample_generator, sample_rows,
+                              token_logprobs)
 from ..model.stopping import StopMatcher
 
 TokenCallback = Callable[[int, int], None]  # (sample index, token id)
@@ -34,6 +35,7 @@ class Sample:
     first_token_s: float = 0.0
     released: bool = False  # its KV rows were freed on every node
     stop: Optional[StopMatcher] = None  # its stop strings, if the request has any
+    logprobs: List[TokenLogprob] = field(default_factory=list)  # one per token, if asked
 
     @property
     def done(self) -> bool:
@@ -252,9 +254,16 @@ class Generation:
         if self.cancel_requested:
             self.end("cancelled", samples)  # "error" stays
             return
-        tokens = sample_rows(logits, self.params, [s.generator for s in samples])
-        for sample, token in zip(samples, tokens):
-            self.take(sample, [token])
+        tokens = sample_rows(logits, self.params, [s.generator for s in samples],
+                             [(s.prompt, s.tokens) for s in samples])
+        for i, (sample, token) in enumerate(zip(samples, tokens)):
+            self.take(sample, [token], self.scored(logits[i:i + 1], [token]))
+
+    def scored(self, logits: Tensor, tokens: Sequence[int]) -> Optional[List[TokenLogprob]]:
+        """The log-probabilities of ``tokens`` under ``logits`` (one row each), when the
+        request asked for them; else None."""
+        top = self.params.top_logprobs
+        return None if top is None else token_logprobs(logits, tokens, top)
 
     def settle(self, samples: Sequence[Sample], logits: Tensor, drafts: Dict[int, Any]) -> None:
         """The tokens of a step that verified drafted tokens: ``logits`` (B, T, vocab) at
@@ -267,16 +276,18 @@ class Generation:
             self.end("cancelled", samples)  # "error" stays
             return
         for i, sample in enumerate(samples):
-            draft = drafts[sample.sid]
-            self.take(sample, self.speculation.settle(
-                sample.index, draft, logits[i], sample.generator))
+            tokens = self.speculation.settle(sample.index, drafts[sample.sid], logits[i],
+                                             sample.generator, (sample.prompt, sample.tokens))
+            self.take(sample, tokens, self.scored(logits[i], tokens))
 
-    def take(self, sample: Sample, tokens: Sequence[int]) -> None:
+    def take(self, sample: Sample, tokens: Sequence[int],
+             logprobs: Optional[Sequence[TokenLogprob]] = None) -> None:
         """Append ``tokens`` (chosen for ``sample`` in one step: one, or a speculative step's
         accepted drafts and the token after them) in order, until one ends the sample (end
-        token, stop string, budget): those after it are dropped."""
+        token, stop string, budget): those after it are dropped. ``logprobs``: theirs, kept
+        beside them."""
         now = time.perf_counter()
-        for token in tokens:
+        for i, token in enumerate(tokens):
             if sample.done:
                 return
             if not sample.tokens:
@@ -284,6 +295,8 @@ class Generation:
             if token in self.eos_ids:
                 sample.finish_reason = "eos"
                 return
+            if logprobs is not None:
+                sample.logprobs.append(logprobs[i])
             sample.tokens.append(token)
             self.timing.new_tokens += 1
             if self.on_token is not None:

@@ -27,7 +27,7 @@ from .drafting import Drafter, NgramDrafter, Proposal, parse_speculate
 from .plan import verify_rows
 from ..base import defaults
 from ..base.errors import GenerationError
-from ..model.sampling import SamplingParams
+from ..model.sampling import History, SamplingParams
 from ..model.speculative import accept
 
 
@@ -179,12 +179,13 @@ class Speculation:
         return Draft(len(tokens) - 1, [int(tokens[-1])] + proposal.tokens, proposal)
 
     def settle(self, sample_id: int, draft: Draft, logits: torch.Tensor,
-               generator: torch.Generator) -> List[int]:
+               generator: torch.Generator, history: Optional[History] = None) -> List[int]:
         """The tokens the step emits (1 to draft.drafted + 1), from the head's ``logits``
         at its positions (len(draft.tokens), vocab: those past its drafts, padding, are not
-        read); ``generator``: the sample's own."""
+        read); ``generator``: the sample's own; ``history``: its prompt and output (its
+        penalties)."""
         out = accept(draft.proposal.tokens, logits[:draft.drafted + 1], draft.proposal.q,
-                     self.params, generator)
+                     self.params, generator, history)
         drafted = draft.drafted
         self.rounds.setdefault(sample_id, []).append((drafted, len(out) - 1))
         del self.rounds[sample_id][:-max(self.policy.window, self.policy.retry_after) * 2]

@@ -1,8 +1,9 @@
 """The ASGI app (starlette): ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``
 (JSON, or server-sent events ending ``data: [DONE]``), ``/metrics``, ``/health`` and the
 ring's ``/status`` (as a starter's control plane answers it); an
-optional API key (``Authorization: Bearer``) on every route but ``/health``; bounded bodies;
-every error in OpenAI's shape."""
+optional API key (``Authorization: Bearer`` or ``X-Api-Key``) on every route but
+``/health``; CORS for the origins allowed (``cors``); bounded bodies; every error in OpenAI's
+shape."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,7 @@ import functools
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional, Sequence
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -22,7 +23,9 @@ from starlette.routing import Route
 
 from ...base.errors import ApiError
 from ...base.defaults import API_BODY_TIMEOUT_S
+from .cors import Cors
 from .errors import api_error
+from .logprobs import StreamedLogprobs, chat_logprobs, completion_logprobs, entries
 from .metrics import CONTENT_TYPE
 from .responses import (ChatChunk, ChatCompletion, Choice, Completion, CompletionChunk,
                         ModelCard, new_id, sse)
@@ -50,10 +53,11 @@ class KeyCheck:
         self.app, self.key = app, key
 
     async def __call__(self, scope: Dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and \
-                not authorized(Headers(scope=scope).get("authorization"), self.key):
-            error = ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
-                             code="invalid_api_key")
+        headers = Headers(scope=scope) if scope["type"] == "http" else None
+        if headers is not None and scope["path"] not in OPEN_PATHS and \
+                not authorized(headers.get("authorization"), self.key, headers.get("x-api-key")):
+            error = ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY, "
+                             "or X-Api-Key: KEY)", code="invalid_api_key")
             await error_response(error)(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -124,7 +128,7 @@ class ApiRoutes:
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
-        if name != self.service.name:
+        if name != self.service.name and self.service.strict_model_name:
             raise ApiError(404, f"model {name!r} not found: this server serves "
                            f"{self.service.name!r}", "model", "model_not_found")
         return JSONResponse(ModelCard(name, self.service.created).to_json())
@@ -182,11 +186,23 @@ class ApiRoutes:
 
     def whole(self, run: Run, chat: bool, tools: Optional[ToolRequest] = None) -> Dict[str, Any]:
         assert run.generation is not None
-        choices = [reply(Choice(s.index, self.service.engine.sample_text(s), s.finish_reason),
-                         tools) for s in run.generation.samples]
+        choices = []
+        for sample in run.generation.samples:
+            text = self.service.engine.sample_text(sample)
+            choices.append(reply(Choice(sample.index, text, sample.finish_reason,
+                                        logprobs=self.logprobs(run, sample, text, chat)), tools))
         kind = ChatCompletion if chat else Completion
         return kind(new_id("chatcmpl" if chat else "cmpl"), int(time.time()), self.service.name,
-                    choices, run.usage()).to_json()
+                    choices, run.usage(), self.service.fingerprint).to_json()
+
+    def logprobs(self, run: Run, sample: Any, text: str, chat: bool) -> Optional[Dict[str, Any]]:
+        """A whole answer's logprobs of ``sample`` (its ``text``), if the request asked."""
+        assert run.generation is not None
+        if run.generation.params.top_logprobs is None:
+            return None
+        items = entries(self.service.engine.tokenizer, sample.prompt, sample.logprobs,
+                        len(text) if sample.finish_reason == "stop" else None)
+        return (chat_logprobs if chat else completion_logprobs)(items)
 
     async def events(self, run: Run, first: Any, options: Options, chat: bool,
                      tools: Optional[ToolRequest] = None) -> AsyncIterator[bytes]:
@@ -199,18 +215,23 @@ class ApiRoutes:
 
         def chunk(choices: Any, **extra: Any) -> bytes:
             kind = ChatChunk if chat else CompletionChunk
-            return sse(kind(ident, created, self.service.name, choices, **extra).to_json())
+            return sse(kind(ident, created, self.service.name, choices,
+                            system_fingerprint=self.service.fingerprint, **extra).to_json())
 
         tokenizer = self.service.engine.tokenizer
         streams = [TextStream(tokenizer, s.prompt, options.stop) for s in generation.samples]
         shapes = [ChoiceStream(s.index, tools) for s in generation.samples]
+        logprobs = StreamedLogprobs(tokenizer, generation.samples, chat,
+                                    generation.params.top_logprobs is not None)
         try:
             if chat:
                 for sample in generation.samples:
                     yield chunk([Choice(sample.index, "")], role=True)
             item = first
             while item is not None:
-                for choice in shapes[item[0]].push(streams[item[0]].push(item[1])):
+                logprobs.push(item[0])
+                for k, choice in enumerate(shapes[item[0]].push(streams[item[0]].push(item[1]))):
+                    choice.logprobs = logprobs.take(item[0]) if k == 0 else None
                     yield chunk([choice])
                 item = await run.next(_never)
             error = api_error(run.error) if run.error is not None else self.shutdown_error(run)
@@ -219,7 +240,10 @@ class ApiRoutes:
                 return
             for sample, stream, shape in zip(generation.samples, streams, shapes):
                 final = self.service.engine.sample_text(sample)
-                for choice in shape.finish(stream.finish(final), final, sample.finish_reason):
+                cut = len(final) if sample.finish_reason == "stop" else None
+                for k, choice in enumerate(shape.finish(stream.finish(final), final,
+                                                        sample.finish_reason)):
+                    choice.logprobs = logprobs.take(sample.index, cut) if k == 0 else None
                     yield chunk([choice])
             if options.include_usage:
                 yield chunk([], usage=run.usage())
@@ -232,9 +256,10 @@ async def _never() -> bool:
     return False
 
 
-def build_app(service: ApiService, api_key: Optional[str] = None) -> Any:
-    """The ASGI app of ``service``; ``api_key``: the Bearer key every route but /health
-    needs (None: none)."""
+def build_app(service: ApiService, api_key: Optional[str] = None,
+              cors_origins: Sequence[str] = ()) -> Any:
+    """The ASGI app of ``service``; ``api_key``: the key every route but /health needs (None:
+    none); ``cors_origins``: the origins browsers may call it from (``*``: any)."""
     routes = ApiRoutes(service)
     table = [("/v1/models", routes.models, ["GET"]),
              ("/v1/models/{model:path}", routes.model, ["GET"]),
@@ -254,4 +279,4 @@ def build_app(service: ApiService, api_key: Optional[str] = None) -> Any:
     app = Starlette(routes=[Route(path, routes.endpoint(fn), methods=methods)
                             for path, fn, methods in table],
                     exception_handlers={HTTPException: http_error})
-    return KeyCheck(app, api_key)
+    return Cors(KeyCheck(app, api_key), cors_origins)

@@ -46,6 +46,7 @@ class Choice:
     text: str
     finish_reason: Optional[str] = None
     tool_calls: Optional[List[Dict[str, Any]]] = None  # a chat reply's (toolreplies.py)
+    logprobs: Optional[Dict[str, Any]] = None  # its tokens' (``logprobs``' shapes), if asked
 
 
 @dataclass
@@ -59,6 +60,7 @@ class _Reply:
     model: str
     choices: List[Choice]
     usage: Optional[Usage] = None
+    system_fingerprint: Optional[str] = None
 
     def choice(self, c: Choice) -> Dict[str, Any]:
         return {"text": c.text}
@@ -66,9 +68,11 @@ class _Reply:
     def to_json(self) -> Dict[str, Any]:
         body: Dict[str, Any] = {
             "id": self.id, "object": self.OBJECT, "created": self.created, "model": self.model,
-            "choices": [dict(index=c.index, **self.choice(c), logprobs=None,
+            "choices": [dict(index=c.index, **self.choice(c), logprobs=c.logprobs,
                              finish_reason=finish_reason(c.finish_reason))
                         for c in self.choices]}
+        if self.system_fingerprint is not None:
+            body["system_fingerprint"] = self.system_fingerprint
         if self.usage is not None:
             body["usage"] = self.usage.to_json()
         return body

@@ -32,11 +32,16 @@ def retry_after_s(mean_e2e_s: float, waiting: int, slots: int) -> int:
     return int(min(60, max(1, math.ceil(estimate))))
 
 
-def authorized(header: Optional[str], key: Optional[str]) -> bool:
+def authorized(header: Optional[str], key: Optional[str],
+               api_key_header: Optional[str] = None) -> bool:
     """Whether an ``Authorization`` header carries ``key`` (always, when there is none): the
-    scheme ``Bearer`` in any case (RFC 9110), then the key; the key's comparison takes the
-    same time wherever the two differ."""
+    scheme ``Bearer`` in any case (RFC 9110), then the key; or an ``X-Api-Key`` header
+    (``api_key_header``, llama-server's) is the key. The key's comparison takes the same
+    time wherever the two differ."""
     if not key:
+        return True
+    if api_key_header is not None and hmac.compare_digest(api_key_header.strip().encode(),
+                                                          key.encode()):
         return True
     scheme, _, token = (header or "").strip().partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),

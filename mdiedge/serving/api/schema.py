@@ -2,9 +2,10 @@
 and ``ChatRequest`` (``/v1/chat/completions``), both with ``Options`` (sampling, ``n``,
 ``stop``, ``stream``, and the extra ``speculate``).
 
-A body that does not match the schema (a missing or unknown field, a wrong JSON type) is a
-422; a well-formed value the server cannot serve (out of range, unsupported) is a 400. Every
-message quotes the field and the value.
+Every error of a body is a 400 in OpenAI's shape, as OpenAI and llama-server answer: a
+missing or unknown field, a wrong JSON type, a value out of range or one the server cannot
+serve. Every message quotes the field and the value. The fields of ``IGNORED``, which OpenAI's
+clients send and which change nothing here, are accepted with any value and ignored.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from ...base.values import Span
 from ...model.stopping import check_stops
 from ...runtime.drafting import REQUEST_SPECULATE
 from .tools import ToolRequest, message_tool_calls, tool_call_id
+from .sampling import (CHAT_LOGPROBS, COMPLETION_LOGPROBS, SAMPLING_FIELDS, SamplingOptions,
+                       read_sampling)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_MESSAGES = 1024
@@ -48,18 +51,25 @@ COMMON: Dict[str, _Check] = {
     "n": (_is_int, "an integer"),
     "stream": (lambda v: isinstance(v, bool), "a boolean"),
     "stream_options": (lambda v: isinstance(v, dict), "an object"),
-    "user": (lambda v: isinstance(v, str), "a string"),
     "speculate": (lambda v: isinstance(v, str), "a string"),  # extra: ngram, draft or off
 }
 # accepted and ignored only with a value that changes nothing; any other value is a 400
 NEUTRAL: Dict[str, Tuple[Any, ...]] = {
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
-    "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
+    "echo": (False,), "best_of": (1,),
     "suffix": ("",),
     "response_format": ({"type": "text"},),
 }
-COMPLETION_FIELDS = dict(COMMON, prompt=(lambda v: isinstance(v, (str, list)), "a string"))
-CHAT_FIELDS = dict(COMMON, messages=(lambda v: isinstance(v, list), "a list of messages"),
+# fields OpenAI's clients send that change nothing here: accepted with any value, ignored
+IGNORED = ("store", "metadata", "service_tier", "user", "reasoning_effort", "modalities",
+           "prediction", "audio", "web_search_options", "safety_identifier",
+           "prompt_cache_key", "verbosity")
+# what a message may carry beside its role, content and name, ignored (as a client sends
+# back an answer it got)
+IGNORED_IN_MESSAGES = ("refusal", "annotations", "audio")
+COMPLETION_FIELDS = dict(COMMON, **SAMPLING_FIELDS, **COMPLETION_LOGPROBS,
+                         prompt=(lambda v: isinstance(v, (str, list)), "a string"))
+CHAT_FIELDS = dict(COMMON, **SAMPLING_FIELDS, **CHAT_LOGPROBS,
+                   messages=(lambda v: isinstance(v, list), "a list of messages"),
                    max_completion_tokens=(_is_int, "an integer"),
                    tools=(lambda v: isinstance(v, list), "a list of tools"),
                    tool_choice=(lambda v: isinstance(v, (str, dict)), "a string or an object"),
@@ -68,12 +78,13 @@ CHAT_FIELDS = dict(COMMON, messages=(lambda v: isinstance(v, list), "a list of m
 
 def check_body(body: Mapping[str, Any], fields: Mapping[str, _Check],
                required: Tuple[str, ...]) -> None:
-    """422 for the first missing, unknown or mistyped field; 400 for an unsupported one."""
+    """A 400 for the first missing, unknown, mistyped or unsupported field; those of
+    ``IGNORED`` pass."""
     for name in required:
         if body.get(name) is None:
-            raise ApiError(422, f"{name}: a required field is missing", name, "missing_field")
+            raise ApiError(400, f"{name}: a required field is missing", name, "missing_field")
     for name, value in body.items():
-        if value is None and name not in required:
+        if (value is None and name not in required) or name in IGNORED:
             continue
         if name in NEUTRAL:
             if value not in NEUTRAL[name]:
@@ -82,9 +93,10 @@ def check_body(body: Mapping[str, Any], fields: Mapping[str, _Check],
             continue
         check = fields.get(name)
         if check is None:
-            raise ApiError(422, f"{name}: unknown field", name, "unknown_field")
+            raise ApiError(400, f"{name}: unknown field", name, "unknown_field")
         if not check[0](value):
-            raise ApiError(422, f"{name}: expected {check[1]}, got {value!r}", name, "invalid_type")
+            raise ApiError(400, f"{name}: expected {check[1]}, got {_short(value)}", name,
+                           "invalid_type")
 
 
 @dataclass
@@ -103,9 +115,11 @@ class Options:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
     max_tokens_key: str = "max_tokens"  # the field max_tokens came from (errors name it)
     speculate: Optional[str] = None  # speculative decoding: ngram, draft, off (None: server's)
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)  # penalties, logprobs
 
     @classmethod
-    def from_json(cls, body: Mapping[str, Any], max_tokens_key: str = "max_tokens") -> "Options":
+    def from_json(cls, body: Mapping[str, Any], max_tokens_key: str = "max_tokens",
+                  chat: bool = False) -> "Options":
         stop = body.get("stop")
         max_tokens = body.get(max_tokens_key)
         if max_tokens is None:
@@ -114,14 +128,15 @@ class Options:
         include = stream_options.get("include_usage")
         include = False if include is None else include
         if not isinstance(include, bool):
-            raise ApiError(422, f"stream_options.include_usage: expected a boolean, got {include!r}",
+            raise ApiError(400, f"stream_options.include_usage: expected a boolean, got {include!r}",
                            "stream_options", "invalid_type")
         options = cls(body.get("model"), max_tokens, _float(body, "temperature", defaults.TEMPERATURE_RANGE),
                       _float(body, "top_p", defaults.TOP_P_RANGE),
                       body.get("top_k"), body.get("seed"),
                       [stop] if isinstance(stop, str) else list(stop or []),
                       1 if body.get("n") is None else body["n"], bool(body.get("stream")),
-                      include, max_tokens_key, body.get("speculate"))
+                      include, max_tokens_key, body.get("speculate"),
+                      read_sampling(body, chat))
         options.check()
         return options
 
@@ -175,18 +190,19 @@ class ChatMessage:
     def from_json(cls, i: int, body: Any) -> "ChatMessage":
         where = f"messages[{i}]"
         if not isinstance(body, dict):
-            raise ApiError(422, f"{where}: expected an object, got {_short(body)}", "messages",
+            raise ApiError(400, f"{where}: expected an object, got {_short(body)}", "messages",
                            "invalid_type")
         role = body.get("role")
         if role not in ROLES:
             raise ApiError(400, f"{where}.role: expected one of {', '.join(ROLES)}, got {role!r}",
                            "messages", "invalid_value")
-        unknown = sorted(set(body) - {"role", "content", "name", "tool_calls", "tool_call_id"})
+        unknown = sorted(set(body) - {"role", "content", "name", "tool_calls", "tool_call_id"}
+                         - set(IGNORED_IN_MESSAGES))
         if unknown:
-            raise ApiError(422, f"{where}: unknown field {unknown[0]!r}", "messages", "unknown_field")
+            raise ApiError(400, f"{where}: unknown field {unknown[0]!r}", "messages", "unknown_field")
         name = body.get("name")
         if name is not None and not isinstance(name, str):
-            raise ApiError(422, f"{where}.name: expected a string, got {_short(name)}",
+            raise ApiError(400, f"{where}.name: expected a string, got {_short(name)}",
                            "messages", "invalid_type")
         calls = message_tool_calls(where, body.get("tool_calls"))
         if calls and role != "assistant":
@@ -209,7 +225,7 @@ def _content(where: str, content: Any) -> str:
                                f"{_short(part)}", "messages", "unsupported_content")
             texts.append(part["text"])
         return "".join(texts)
-    raise ApiError(422, f"{where}.content: expected a string or a list of text parts, got "
+    raise ApiError(400, f"{where}.content: expected a string or a list of text parts, got "
                    f"{_short(content)}", "messages", "invalid_type")
 
 
@@ -227,7 +243,7 @@ class ChatRequest:
             raise ApiError(400, f"messages: expected 1..{MAX_MESSAGES} messages, got {len(raw)}",
                            "messages", "invalid_value")
         messages = [ChatMessage.from_json(i, m) for i, m in enumerate(raw)]
-        return cls(messages, Options.from_json(body, "max_completion_tokens"),
+        return cls(messages, Options.from_json(body, "max_completion_tokens", chat=True),
                    ToolRequest.from_body(body))
 
 

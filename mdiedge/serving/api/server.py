@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
 
 from ...base import defaults
 from ...base.backoff import is_shortage
@@ -217,12 +217,15 @@ class Api:
 
     def __init__(self, engine: "Engine", sock: socket.socket, limits: ServeLimits,
                  api_key: Optional[str] = None, name: Optional[str] = None,
-                 log_level: str = "warning") -> None:
+                 log_level: str = "warning", strict_model_name: bool = False,
+                 cors_origins: Sequence[str] = ()) -> None:
         from .app import build_app
         from .service import ApiService
 
-        self.service = ApiService(engine, name or model_name(engine.path), limits)
-        self.server = ApiServer(build_app(self.service, api_key), sock, log_level)
+        self.service = ApiService(engine, name or model_name(engine.path), limits,
+                                  strict_model_name)
+        self.server = ApiServer(build_app(self.service, api_key, cors_origins), sock,
+                                log_level)
 
     @property
     def url(self) -> str:

@@ -13,13 +13,14 @@ KV rows on every node.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, List, Optional, Set, Tuple
 
 from ...base import defaults
-from ...base.errors import ApiError, ConfigError, ContextExceeded, QueueFull
+from ...base.errors import ApiError, ConfigError, ContextExceeded, GenerationError, QueueFull
 from ...engine.facade import Engine, Prompt
 from ...model.sampling import SamplingParams
 from ...runtime.drafting import request_speculate
@@ -110,9 +111,11 @@ class Run:
 
 
 class ApiService:
-    """Runs the API's requests on ``engine`` with ``limits``; ``name``: the model id."""
+    """Runs the API's requests on ``engine`` with ``limits``; ``name``: the model id, which
+    requests may name differently unless ``strict_model_name`` (then that is a 404)."""
 
-    def __init__(self, engine: Engine, name: str, limits: ServeLimits) -> None:
+    def __init__(self, engine: Engine, name: str, limits: ServeLimits,
+                 strict_model_name: bool = False) -> None:
         from .chat import ChatTemplate
 
         context = slot_context(limits.context, engine.cfg.max_seq_len)
@@ -120,6 +123,8 @@ class ApiService:
             raise ConfigError(f"context: expected 1..{engine.cfg.max_seq_len} tokens (the "
                               f"model's), got {context}")
         self.engine, self.name, self.limits, self.context = engine, name, limits, context
+        self.strict_model_name = strict_model_name
+        self.fingerprint = system_fingerprint(engine.path)
         self.created = int(time.time())
         self.template = ChatTemplate.for_model(engine.path, engine.tokenizer, context)
         engine.reserve(limits.slots, context)
@@ -167,7 +172,7 @@ class ApiService:
         """The prompt tokenized (the request's one tokenization), the token budget and the
         sampling of a request; a 404 for another model, a 400 for what this server cannot
         hold; ``templated``: a chat template's text."""
-        if options.model is not None and options.model != self.name:
+        if options.model is not None and options.model != self.name and self.strict_model_name:
             raise ApiError(404, f"model {options.model!r} not found: this server serves "
                            f"{self.name!r}", "model", "model_not_found")
         if options.n > self.limits.slots:
@@ -188,12 +193,21 @@ class ApiService:
             request_speculate(self.engine.speculate, options.speculate)
         except ConfigError as e:
             raise ApiError(400, str(e), "speculate", "invalid_value") from None
+        return request, budget, self.sampling(options)
+
+    def sampling(self, options: Options) -> SamplingParams:
+        """The request's ``SamplingParams`` (a drawn seed where it names none); a 400 for a
+        biased token the model does not have."""
+        options.sampling.check_vocab(self.engine.cfg.vocab_size)
         seed = options.seed if options.seed is not None else defaults.random_seed()
-        params = SamplingParams(
-            defaults.TEMPERATURE if options.temperature is None else options.temperature,
-            defaults.TOP_K if options.top_k is None else options.top_k,
-            defaults.TOP_P if options.top_p is None else options.top_p, seed)
-        return request, budget, params
+        try:
+            return SamplingParams(
+                defaults.TEMPERATURE if options.temperature is None else options.temperature,
+                defaults.TOP_K if options.top_k is None else options.top_k,
+                defaults.TOP_P if options.top_p is None else options.top_p, seed,
+                **options.sampling.params())
+        except GenerationError as e:
+            raise ApiError(400, str(e), code="invalid_value") from None
 
     async def start(self, prompt: str, options: Options, templated: bool = False) -> Run:
         """Check and submit a request (its end awaited on a thread of its own); a 429 when
@@ -254,3 +268,22 @@ class ApiService:
         for run in runs:
             run.cancel()
         self.executor.shutdown(wait=False)
+
+
+def system_fingerprint(model_path: Any) -> str:
+    """``system_fingerprint``: what the answers come from, the model file (or folder: its
+    files) by name, size and time, and this code's version; it changes when either does."""
+    from pathlib import Path
+
+    from ... import __version__
+
+    path = Path(model_path)
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    digest = hashlib.sha256(__version__.encode())
+    for file in files:
+        try:
+            stat = file.stat()
+        except OSError:
+            continue
+        digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+    return "fp_" + digest.hexdigest()[:12]

@@ -74,7 +74,7 @@ class Tool:
     def from_json(cls, i: int, body: Any) -> "Tool":
         where = f"tools[{i}]"
         if not isinstance(body, dict) or not isinstance(body.get("function"), dict):
-            raise _fail(422, f"{where}: expected {{\"type\": \"function\", \"function\": "
+            raise _fail(400, f"{where}: expected {{\"type\": \"function\", \"function\": "
                         f"{{...}}}}, got {_short(body)}", "invalid_type")
         if body.get("type") != "function":
             raise _fail(400, f"{where}.type: only \"function\" tools are supported, got "
@@ -120,7 +120,7 @@ class ToolRequest:
         raw = body.get("tools")
         raw = [] if raw is None else raw
         if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
-            raise _fail(400 if isinstance(raw, list) else 422, f"tools: expected a list of at "
+            raise _fail(400, f"tools: expected a list of at "
                         f"most {MAX_TOOLS} tools, got {_short(raw)}", "invalid_value")
         tools = tuple(Tool.from_json(i, t) for i, t in enumerate(raw))
         names = [t.name for t in tools]
@@ -129,7 +129,7 @@ class ToolRequest:
         choice, function = _choice(body.get("tool_choice"), names)
         parallel = body.get("parallel_tool_calls")
         if parallel is not None and not isinstance(parallel, bool):
-            raise _fail(422, f"parallel_tool_calls: expected a boolean, got {_short(parallel)}",
+            raise _fail(400, f"parallel_tool_calls: expected a boolean, got {_short(parallel)}",
                         "invalid_type", "parallel_tool_calls")
         if not tools:
             return None
@@ -180,7 +180,7 @@ def _choice(value: Any, names: Sequence[str]) -> Tuple[str, Optional[str]]:
     function = value.get("function") if isinstance(value, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str) or value.get("type") != "function":
-        raise _fail(422, f"tool_choice: expected a string or {{\"type\": \"function\", "
+        raise _fail(400, f"tool_choice: expected a string or {{\"type\": \"function\", "
                     f"\"function\": {{\"name\": ...}}}}, got {_short(value)}", "invalid_type",
                     "tool_choice")
     if name not in names:
@@ -195,7 +195,7 @@ def message_tool_calls(where: str, value: Any) -> Tuple[Dict[str, Any], ...]:
     if value is None:
         return ()
     if not isinstance(value, list) or len(value) > MAX_CALLS:
-        raise _fail(400 if isinstance(value, list) else 422, f"{where}.tool_calls: expected a "
+        raise _fail(400, f"{where}.tool_calls: expected a "
                     f"list of at most {MAX_CALLS} calls, got {_short(value)}", "invalid_value",
                     "messages")
     calls = []
@@ -208,7 +208,7 @@ def message_tool_calls(where: str, value: Any) -> Tuple[Dict[str, Any], ...]:
             arguments = json.dumps(arguments, ensure_ascii=False)
         if not isinstance(name, str) or not isinstance(arguments, str) or \
                 not isinstance(ident, str) or call.get("type", "function") != "function":
-            raise _fail(422, f"{where}.tool_calls[{j}]: expected {{\"id\": ..., \"type\": "
+            raise _fail(400, f"{where}.tool_calls[{j}]: expected {{\"id\": ..., \"type\": "
                         f"\"function\", \"function\": {{\"name\": ..., \"arguments\": ...}}}}, "
                         f"got {_short(call)}", "invalid_type", "messages")
         if len(ident) > MAX_ID:
@@ -227,7 +227,7 @@ def tool_call_id(where: str, role: str, value: Any) -> Optional[str]:
                         "messages")
         return None
     if not isinstance(value, str) or len(value) > MAX_ID:
-        raise _fail(422, f"{where}.tool_call_id: a tool message needs the id (a string of at "
+        raise _fail(400, f"{where}.tool_call_id: a tool message needs the id (a string of at "
                     f"most {MAX_ID} characters) of the call it answers, got {_short(value)}",
                     "invalid_type", "messages")
     return value

@@ -1,0 +1,144 @@
+"""Log-probabilities in OpenAI's shapes: each reported token's text as it reads in its
+sample's text, its UTF-8 bytes, and the bodies of chat (``choices[].logprobs.content[]``)
+and of completions (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``).
+
+The values are ``mdiedge.model.sampling.token_logprobs``': the log-softmax of the model's
+logits, before penalties and temperature. A token that is part of a character (a byte
+piece) reads as U+FFFD and has its own byte in ``bytes``."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:  # no torch where only the shapes are needed
+    from ...model.sampling import TokenLogprob
+    from ...model.tokenizer import Tokenizer
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's and llama.cpp's byte tokens
+
+
+def _byte_level_table() -> Dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character that spells each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+_BYTE_LEVEL = _byte_level_table()
+
+
+def token_bytes(tokenizer: Tokenizer, token: int, text: str) -> List[int]:
+    """The bytes of ``token``, whose text reads ``text``: its UTF-8, but a piece of a
+    character's own byte(s)."""
+    if "\ufffd" not in text:
+        return list(text.encode("utf-8"))
+    piece = tokenizer.token(token)
+    match = _BYTE_PIECE.fullmatch(piece)
+    if match:
+        return [int(match.group(1), 16)]
+    if piece and all(c in _BYTE_LEVEL for c in piece):
+        return [_BYTE_LEVEL[c] for c in piece]
+    return list(text.encode("utf-8"))
+
+
+@dataclass
+class Entry:
+    """One reported token: its text, bytes, logprob and the alternatives' (text, bytes,
+    logprob); ``offset``: where its text starts in the sample's text."""
+
+    text: str
+    bytes: List[int]
+    logprob: float
+    top: List[Tuple[str, List[int], float]]
+    offset: int
+
+
+class TokenTexts:
+    """One sample's reported tokens as they come, each read after the ``CONTEXT`` ids
+    before it (a piece's leading space, as in the whole text)."""
+
+    CONTEXT = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.window: List[int] = list(prompt[-self.CONTEXT:])
+        self.offset = 0
+
+    def _text(self, token: int, before: str) -> str:
+        return self.tokenizer.decode(self.window + [token])[len(before):]
+
+    def push(self, scored: TokenLogprob) -> Entry:
+        before = self.tokenizer.decode(self.window)
+        text = self._text(scored.token, before)
+        top = []
+        for token, logprob in scored.top:
+            alt = self._text(token, before)
+            top.append((alt, token_bytes(self.tokenizer, token, alt), logprob))
+        entry = Entry(text, token_bytes(self.tokenizer, scored.token, text), scored.logprob,
+                      top, self.offset)
+        self.offset += len(text)
+        self.window = (self.window + [scored.token])[-self.CONTEXT:]
+        return entry
+
+
+def entries(tokenizer: Tokenizer, prompt: Sequence[int], scored: Sequence[TokenLogprob],
+            text_length: Optional[int] = None) -> List[Entry]:
+    """The entries of a sample's ``scored`` tokens; with ``text_length`` (its text cut at a
+    stop string), those whose text starts within it."""
+    texts = TokenTexts(tokenizer, prompt)
+    out = [texts.push(s) for s in scored]
+    return out if text_length is None else within(out, text_length)
+
+
+def within(items: Sequence[Entry], text_length: int) -> List[Entry]:
+    """The entries whose text starts before ``text_length``."""
+    return [e for e in items if e.offset < text_length]
+
+
+def chat_logprobs(items: Sequence[Entry]) -> Dict[str, Any]:
+    """A chat choice's ``logprobs``."""
+    return {"content": [{"token": e.text, "logprob": e.logprob, "bytes": e.bytes,
+                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": b}
+                                          for t, b, lp in e.top]} for e in items],
+            "refusal": None}
+
+
+def completion_logprobs(items: Sequence[Entry]) -> Dict[str, Any]:
+    """A completion choice's ``logprobs`` (``text_offset`` from the completion's start)."""
+    return {"tokens": [e.text for e in items], "token_logprobs": [e.logprob for e in items],
+            "top_logprobs": [{t: lp for t, _, lp in e.top} for e in items],
+            "text_offset": [e.offset for e in items]}
+
+
+class StreamedLogprobs:
+    """The logprobs of a stream's chunks: each sample's tokens since its last chunk with
+    text (none at all when the request did not ask, ``enabled`` false)."""
+
+    def __init__(self, tokenizer: Tokenizer, samples: Sequence[Any], chat: bool,
+                 enabled: bool) -> None:
+        self.samples, self.enabled = samples, enabled
+        self.texts = [TokenTexts(tokenizer, s.prompt) for s in samples] if enabled else []
+        self.pending: List[List[Entry]] = [[] for _ in samples]
+        self.read = [0] * len(samples)
+        self.shape = chat_logprobs if chat else completion_logprobs
+
+    def push(self, index: int) -> None:
+        """The sample's next token was streamed (its logprob is kept before it is)."""
+        if self.enabled:
+            scored = self.samples[index].logprobs[self.read[index]]
+            self.read[index] += 1
+            self.pending[index].append(self.texts[index].push(scored))
+
+    def take(self, index: int, text_length: Optional[int] = None) -> Optional[Dict[str, Any]]:
+        """The sample's tokens not reported yet, in its choice's shape (None: none); with
+        ``text_length``, those whose text starts within it (the final chunk's)."""
+        items, self.pending[index] = self.pending[index], []
+        if text_length is not None:
+            items = within(items, text_length)
+        return self.shape(items) if items else None

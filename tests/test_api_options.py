@@ -172,7 +172,9 @@ def test_chat_logprobs_are_the_models_log_softmax(client: openai.OpenAI,
     chunks = list(client.chat.completions.create(stream=True, **args))
     assert all(c.system_fingerprint == reply.system_fingerprint for c in chunks)
     streamed = [e for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    assert [e.token for e in streamed] == [e.token for e in content]  # the prompt cache may
+    assert [e.logprob for e in streamed] == pytest.approx(  # round the rows it reused apart
+        [e.logprob for e in content], abs=1e-4)
     plain = client.chat.completions.create(**dict(args, logprobs=False, top_logprobs=None))
     assert plain.choices[0].logprobs is None
 

@@ -167,8 +167,7 @@ def serve(
     port: int = typer.Option(defaults.API_PORT, help="Port of the API (0: any free port)."),
     model: Optional[str] = model_option(),
     tokenizer: Optional[str] = tokenizer_option(),
-    model_name: Optional[str] = typer.Option(None, help="Model id of the API (default: the "
-                                             "model folder's name)."),
+    model_name: Optional[str] = typer.Option(None, help="Model id (default: the model's name)."),
     strict_model_name: bool = strict_model_name_option(),
     cors_origins: Optional[str] = cors_origins_option(),
     nodes: int = nodes_option("the server"),

@@ -50,6 +50,11 @@ PREFILL_CHUNK = 128  # prompt tokens per prefill message of a ring (0: the whole
 #                      that nodes work on one chunk while the next travels and the one before
 #                      is computed downstream
 RING_TIMEOUT_S = 60.0  # a message not back around the ring within this is a failure
+PROGRESS_FACTOR = 8.0  # a message in flight this many times the median recent round trip,
+PROGRESS_MIN_S = 1.0  # and at least this long, is overdue: a PING behind it tells a lost
+#                       frame (it comes back first) from a slow node (mdiedge.runtime.progress)
+PROGRESS_WINDOW = 32  # the recent round trips the median is taken over,
+PROGRESS_SAMPLES = 3  # of which at least this many before any probe
 IDLE_TIMEOUT_S = 60.0  # a worker whose starter is silent this long returns to idle
 LINK_ACCEPT_TIMEOUT_S = 30.0  # a node waits this long for its previous node's link
 LINK_RETRY_S = 10.0  # a node retries its link to the next node this long

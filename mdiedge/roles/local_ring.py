@@ -238,6 +238,9 @@ class LocalRing:
                 proc.kill()
                 proc.wait()
             _close_stdout(proc)
+            log_tail = self._logs.pop(proc.pid, None)
+            if log_tail is not None:  # its last lines passed on before this process ends
+                log_tail.thread.join(0.5)
 
 
 def _end(proc: subprocess.Popen) -> None:

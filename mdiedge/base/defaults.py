@@ -120,6 +120,7 @@ MAX_QUEUE = 64  # the scheduler's own bound on waiting requests, and --max-queue
 API_MAX_BODY = 1 << 20  # bytes of a request's body (413 past it)
 API_SETUP_WAIT_S = 5.0  # a request waits this long for a set-up of the ring under way, then
 #                         it is a 503 with Retry-After (the set-up goes on)
+API_SETUP_POLL_S = 0.1  # how often such a request looks again
 WAIT_POLL_S = 0.5  # a request thread's wait for its generation is timed, so Ctrl-C reaches it
 COMPUTE_CLOSE_S = 10.0  # how long closing an engine or a worker waits for its compute thread
 STOP_POLL_S = 0.05  # a blocked main thread or server loop looks this often for a stop (a

@@ -33,7 +33,6 @@ from .rules import ServeLimits, retry_after_s, slot_context
 from .schema import Options
 
 _DONE = object()
-SET_UP_POLL_S = 0.1  # how often a request waiting for a set-up of the ring looks again
 
 
 def _setting_up(waiting: str) -> ApiError:
@@ -238,15 +237,15 @@ class ApiService:
                 return
             if time.monotonic() >= deadline:
                 raise _setting_up(waiting)
-            await asyncio.sleep(SET_UP_POLL_S)
+            await asyncio.sleep(defaults.API_SETUP_POLL_S)
 
     async def _submitted(self, loop: asyncio.AbstractEventLoop, run: Run,
                          deadline: float) -> Optional[Any]:
         """``run`` submitted (a set-up of the ring first, when it needs one): its scheduler;
-        None when that takes past ``deadline`` (at least ``SET_UP_POLL_S``): the request is
-        cancelled (``_submitted_late`` ends it), the set-up goes on."""
+        None when that takes past ``deadline`` (at least ``API_SETUP_POLL_S``): the request
+        is cancelled (``_submitted_late`` ends it), the set-up goes on."""
         future = loop.run_in_executor(None, self._submit, run.generation)
-        wait = max(SET_UP_POLL_S, deadline - time.monotonic())
+        wait = max(defaults.API_SETUP_POLL_S, deadline - time.monotonic())
         try:
             return await asyncio.wait_for(asyncio.shield(future), wait)
         except asyncio.TimeoutError:

@@ -102,3 +102,36 @@ def test_killed_starter_takes_its_workers_with_it(stories: Path) -> None:
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert wait_gone(children) == []
+
+
+def test_a_worker_killed_while_the_ring_starts_is_named_with_how_it_ended(stories: Path) -> None:
+    """Killed before it said it was ready: one line naming the worker and its signal (it was
+    ``worker w1 did not start: ''``)."""
+    proc = subprocess.Popen(command(stories, "-n", "4", "--nodes", "3"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not workers_of(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first = workers_of(proc.pid)
+    assert first, "no worker started"
+    os.kill(first[0], signal.SIGKILL)  # it is still importing: seconds from being ready
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert err.splitlines() == ["mdiedge: error: worker w1 did not start: killed by SIGKILL, "
+                                "nothing in its log"], err
+
+
+def test_a_worker_that_exits_at_start_is_named_with_its_status_and_log() -> None:
+    """A worker that cannot start (here: a log level it refuses) gives its exit status and
+    the last lines of its log, and the workers started before it are ended."""
+    from mdiedge.base.errors import RingError
+    from mdiedge.roles.local_ring import LocalRing
+
+    ring = LocalRing(1, log_level="loud")
+    with pytest.raises(RingError) as caught:
+        with ring:
+            pass
+    message = str(caught.value)
+    assert message.startswith("worker w1 did not start: exit status 2; its log ended: "), message
+    assert "--log-level" in message and "'loud'" in message and "\n" not in message
+    assert ring.processes == []

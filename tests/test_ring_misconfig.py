@@ -20,13 +20,13 @@ SKEWED = ("import sys, time, runpy; _time = time.time; time.time = lambda: _time
           "sys.argv = ['mdiedge'] + sys.argv[1:]; runpy.run_module('mdiedge', run_name='__main__')")
 
 
-def _worker(skewed: bool = False) -> subprocess.Popen:
+def _worker(skewed: bool = False, name: str = "w1", *extra: str) -> subprocess.Popen:
     env = dict(os.environ, MDIEDGE_SECRET=SECRET, OMP_NUM_THREADS="1")
     head = [sys.executable, "-c", SKEWED] if skewed else list(MDIEDGE)
     return subprocess.Popen(head + ["worker", "--no-config", "--control-port", "0",
-                                    "--data-port", "0", "--name", "w1", "--log-level",
-                                    "warning"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+                                    "--data-port", "0", "--name", name, "--log-level",
+                                    "warning", *extra], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
 @pytest.fixture
@@ -45,10 +45,10 @@ def _port(proc: subprocess.Popen) -> int:
     return int(json.loads(proc.stdout.readline())["control_port"])
 
 
-def _generate(ring: Path) -> subprocess.CompletedProcess:
+def _generate(ring: Path, *extra: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, MDIEDGE_SECRET=SECRET, OMP_NUM_THREADS="1")
     return subprocess.run([*MDIEDGE, "generate", "ROMEO:", "-n", "3",
-                           "--temperature", "0", "--ring", str(ring)], cwd=REPO, env=env,
+                           "--temperature", "0", "--ring", str(ring), *extra], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=180,
                           stdin=subprocess.DEVNULL)
 
@@ -116,3 +116,29 @@ def test_a_worker_whose_clock_is_off_is_named_with_its_skew(workers: List[subpro
                                f"node's; signed requests need clocks within 60 s: set the "
                                f"clocks (NTP; a board without a battery-backed clock, such as a "
                                f"Jetson, boots with a wrong one)", whole=False)
+
+
+@pytest.mark.slow
+def test_a_worker_that_does_not_seal_is_named_and_left_out_at_once(
+        workers: List[subprocess.Popen], tmp_path: Path) -> None:
+    """A ``--no-encrypt`` worker between two that seal: one line names it and why, within
+    the set-up's first second, and the ring serves without it (it cost 32 s and "cannot
+    close the ring (last worker 'w3'): no authenticated previous node within 30 s")."""
+    names = ["w1", "w2", "w3"]
+    workers.extend(_worker(False, name, *(["--no-encrypt"] if name == "w2" else []))
+                   for name in names)
+    ring = tmp_path / "ring.toml"
+    ring.write_text("".join(f'[[workers]]\nname = "{name}"\nhost = "127.0.0.1"\n'
+                            f'control_port = {_port(proc)}\n'
+                            for name, proc in zip(names, workers)))
+    out = _generate(ring, "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines() == [
+        "w2 left out of the ring: sealing mismatch: it runs --no-encrypt, this ring seals its "
+        "links (every node needs the same setting)"], out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["timing"]["setup_s"] < 5, result["timing"]
+    assert [(link["from"], link["to"]) for link in result["links"]] == [
+        ("starter", "w1"), ("w1", "w3"), ("w3", "starter")]
+    assert all(link["sealed"] for link in result["links"])
+    assert len(result["samples"][0]["token_ids"]) == 3

@@ -57,6 +57,11 @@ PREFILL_CHUNK = 128  # prompt tokens per prefill message of a ring (0: the whole
 #                      that nodes work on one chunk while the next travels and the one before
 #                      is computed downstream
 RING_TIMEOUT_S = 60.0  # a message not back around the ring within this is a failure
+PROGRESS_FACTOR = 8.0  # a message in flight this many times the median recent round trip,
+PROGRESS_MIN_S = 1.0  # and at least this long, is overdue: a PING behind it tells a lost
+#                       frame (it comes back first) from a slow node (mdiedge.runtime.progress)
+PROGRESS_WINDOW = 32  # the recent round trips the median is taken over,
+PROGRESS_SAMPLES = 3  # of which at least this many before any probe
 IDLE_TIMEOUT_S = 60.0  # a worker whose starter is silent this long returns to idle
 LINK_ACCEPT_TIMEOUT_S = 30.0  # a node waits this long for its previous node's link
 LINK_RETRY_S = 10.0  # a node retries its link to the next node this long
@@ -131,6 +136,9 @@ TEMPLATE_DEPTH = 32  # macros (and recursive loops) called inside one another
 TEMPLATE_DEADLINE_S = 2.0  # one render's wall-clock time
 TEMPLATE_MAX_SOURCE = 256 << 10  # characters of a template's source (refused at load past it)
 TEMPLATE_THREADS = 4  # the API's renders at once, off its event loop
+API_SETUP_WAIT_S = 5.0  # a request waits this long for a set-up of the ring under way, then
+#                         it is a 503 with Retry-After (the set-up goes on)
+API_SETUP_POLL_S = 0.1  # how often such a request looks again
 WAIT_POLL_S = 0.5  # a request thread's wait for its generation is timed, so Ctrl-C reaches it
 COMPUTE_CLOSE_S = 10.0  # how long closing an engine or a worker waits for its compute thread
 STOP_POLL_S = 0.05  # a blocked main thread or server loop looks this often for a stop (a

@@ -36,6 +36,13 @@ class Throttled:
         self.total = 0  # every event, logged or counted
 
     def __call__(self, msg: str, *args: Any) -> None:
+        if self.admit(msg, *args):
+            self.logger.log(self.level, msg, *args)
+
+    def admit(self, msg: str, *args: Any) -> bool:
+        """Count an event: True when it is the first of a quiet spell, which the caller logs
+        itself (a record of another logger passed on whole, its traceback included), False
+        when it is counted for the summary."""
         now = self._clock()
         with self._lock:
             self.total += 1
@@ -50,8 +57,7 @@ class Throttled:
                     self._timer = threading.Timer(max(0.0, self._quiet_from - now), self.flush)
                     self._timer.daemon = True
                     self._timer.start()
-        if log_now:
-            self.logger.log(self.level, msg, *args)
+        return log_now
 
     def flush(self) -> None:
         """Log the summary of the events counted so far (none: nothing)."""

@@ -34,7 +34,7 @@ def status(
     the config file names the ring. Exit code 0 when every node answered; 69 when a node is
     down that the starter does not know of yet (or any node is down, with --ring); else 75
     when the starter serves without a lost worker or spare (state "degraded": it rejoins
-    when it answers again); else 77 when a node refused the request as unsigned or wrongly
+    when it answers again) or is setting its ring up (`setup` says what it waits for); else 77 when a node refused the request as unsigned or wrongly
     signed (state "unauthorized": set MDIEDGE_SECRET or the ring file's secret)."""
     from .console import print_status, refused
 
@@ -52,13 +52,15 @@ def status(
     down = [n["name"] for n in nodes if n.get("state") == "down"]
     denied = [n["name"] for n in nodes if n.get("state") == "unauthorized"]
     degraded = any(n.get("state") == "degraded" for n in nodes)
+    setting_up = any(n.get("role") == "starter" and n.get("setup") for n in nodes)
     if as_json:
         typer.echo(json.dumps({"nodes": nodes, "down": down, "unauthorized": denied,
                                "degraded": degraded}))
     else:
         print_status(nodes, wide)
     lost = {name for n in nodes if n.get("role") == "starter" for name in n.get("lost") or []}
-    code = 69 if set(down) - lost else 75 if degraded or down else 77 if denied else 0
+    code = 69 if set(down) - lost else 75 if degraded or down or setting_up else \
+        77 if denied else 0
     if code:
         raise typer.Exit(code)
 

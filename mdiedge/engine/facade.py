@@ -291,6 +291,11 @@ class Engine(TextModel, abc.ABC):
         how long a ring may ask its nodes. A process of its own always can."""
         return None
 
+    def setting_up(self) -> Optional[str]:
+        """What a set-up of the ring under way waits for now, in one line (asking no node);
+        None when none is (a process of its own: never)."""
+        return None
+
     def link_stats(self) -> List[Dict[str, Any]]:
         """Every link of the ring in ring order, as its sender counts it (none in one
         process)."""

@@ -58,6 +58,9 @@ class RingEngine(Engine):
         return "no worker of the ring answers: " + "; ".join(f"{s.name} ({s.error})"
                                                              for s in statuses)
 
+    def setting_up(self) -> Optional[str]:
+        return self.starter.watch.waiting()
+
     def kv_fill_s(self) -> float:
         """The starter's stage's and, with early exit on, every worker's (asked)."""
         scheduler = self.starter.scheduler

@@ -14,6 +14,7 @@ such restarts in a row. The starter takes it back at the next request (``Members
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import json
 import os
@@ -34,6 +35,7 @@ from ..base.nodes import NodeSpec
 from ..base.selfcommand import mdiedge_command
 
 RESPAWN_TRIES = 5  # restarts in a row that died (or did not start) before it is given up
+LOG_TAIL_LINES = 3  # lines of a worker's log that the error of a worker that did not start quotes
 
 log = logging.getLogger("mdiedge.local_ring")
 
@@ -97,6 +99,7 @@ class LocalRing:
         self._restarts: Dict[int, Tuple[int, Optional[float]]] = {}  # index: tries, due at
         self._stopped = threading.Event()
         self._lock = threading.Lock()  # a restart and stop, one at a time
+        self._logs: Dict[int, _LogTail] = {}  # by pid: each worker's log, passed on
 
     def __enter__(self) -> List[NodeSpec]:
         try:
@@ -148,6 +151,7 @@ class LocalRing:
                 log.warning("%s: starting it again failed: %s", name, e)
                 return
             _close_stdout(self.processes[i])
+            self._logs.pop(self.processes[i].pid, None)
             self.processes[i], self._started[i] = proc, time.monotonic()
         log.warning("%s died (exit %s); started again on control port %d", name, code,
                     self.workers[i].control_port)
@@ -176,7 +180,8 @@ class LocalRing:
                                   device=self.device, spare=spare)
         except (ValueError, KeyError):
             _end(proc)
-            raise RingError(f"worker {name} did not start: {line.strip()!r}") from None
+            raise RingError(f"worker {name} did not start: it said {line.strip()!r}; "
+                            f"{_ending(proc, self._logs.get(proc.pid))}") from None
         except BaseException:
             _end(proc)
             raise
@@ -190,23 +195,29 @@ class LocalRing:
             os.write(write_end, self.secret)  # 64 bytes: within any pipe's buffer
             os.close(write_end)
             write_end = -1
-            return subprocess.Popen(cmd + ["--secret-fd", str(read_end)],
+            proc = subprocess.Popen(cmd + ["--secret-fd", str(read_end)],
                                     stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                    preexec_fn=preexec, env=env, pass_fds=(read_end,))
+                                    stderr=subprocess.PIPE, preexec_fn=preexec, env=env,
+                                    pass_fds=(read_end,))
         finally:
             os.close(read_end)
             if write_end >= 0:
                 os.close(write_end)
+        self._logs[proc.pid] = _LogTail(proc)
+        return proc
 
     def _ready_line(self, proc: subprocess.Popen, name: str) -> str:
         assert proc.stdout is not None
         deadline = time.monotonic() + WORKER_READY_TIMEOUT_S
         while time.monotonic() < deadline:
             readable, _, _ = _select.select([proc.stdout], [], [], 0.2)
-            if readable:
-                return proc.stdout.readline().decode(errors="replace")
-            if proc.poll() is not None:
-                raise RingError(f"worker {name} exited with code {proc.returncode} before it was ready")
+            line = proc.stdout.readline().decode(errors="replace") if readable else ""
+            if line:
+                return line
+            if readable or proc.poll() is not None:  # its stdout ended: so did it
+                _end(proc)
+                raise RingError(f"worker {name} did not start: "
+                                f"{_ending(proc, self._logs.get(proc.pid))}")
         raise RingError(f"worker {name} was not ready within {WORKER_READY_TIMEOUT_S:.0f} s")
 
     def stop(self) -> None:
@@ -227,6 +238,9 @@ class LocalRing:
                 proc.kill()
                 proc.wait()
             _close_stdout(proc)
+            log_tail = self._logs.pop(proc.pid, None)
+            if log_tail is not None:  # its last lines passed on before this process ends
+                log_tail.thread.join(0.5)
 
 
 def _end(proc: subprocess.Popen) -> None:
@@ -240,3 +254,58 @@ def _end(proc: subprocess.Popen) -> None:
 def _close_stdout(proc: subprocess.Popen) -> None:
     if proc.stdout is not None:
         proc.stdout.close()
+
+
+def _ending(proc: subprocess.Popen, log_tail: Optional[_LogTail]) -> str:
+    """How the ended worker ``proc`` ended, and the last lines of its log, in one line."""
+    code = proc.returncode
+    if code is not None and code < 0:
+        try:
+            status = f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            status = f"killed by signal {-code}"
+    else:
+        status = f"exit status {code}"
+    lines = log_tail.last() if log_tail is not None else []
+    if not lines:
+        return f"{status}, nothing in its log"
+    return f"{status}; its log ended: " + " | ".join(repr(line) for line in lines)
+
+
+class _LogTail:
+    """A worker's standard error, passed on to ours as it comes, its last lines kept for the
+    error of a worker that did not start."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.lines: collections.deque = collections.deque(maxlen=LOG_TAIL_LINES)
+        self.thread = threading.Thread(target=self._pass_on, args=(proc.stderr,),
+                                       name="local-ring-log", daemon=True)
+
+        self.thread.start()
+
+    def last(self) -> List[str]:
+        """The last lines logged (the log read to its end, within a second)."""
+        self.thread.join(1.0)
+        return list(self.lines)
+
+    def _pass_on(self, stream: object) -> None:
+        try:
+            for raw in iter(stream.readline, b""):  # type: ignore[attr-defined]
+                _write_stderr(raw)
+                text = raw.decode(errors="replace").strip()
+                if text:
+                    self.lines.append(text[:300])
+        except (OSError, ValueError):  # closed under us
+            pass
+        finally:
+            stream.close()  # type: ignore[attr-defined]
+
+
+def _write_stderr(data: bytes) -> None:
+    """``data`` onto this process's standard error (descriptor 2, where a worker's own log
+    went before it was read through a pipe); a closed one drops it."""
+    try:
+        while data:
+            data = data[os.write(2, data):]
+    except OSError:
+        pass

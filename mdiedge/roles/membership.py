@@ -22,10 +22,12 @@ log = logging.getLogger("mdiedge.starter")
 
 
 class Membership:
-    """The ring's workers among ``clients`` (every configured worker, spares included)."""
+    """The ring's workers among ``clients`` (every configured worker, spares included);
+    ``sealed``: whether the ring seals its links (a worker that does otherwise is left out)."""
 
-    def __init__(self, clients: Sequence[ControlClient]) -> None:
+    def __init__(self, clients: Sequence[ControlClient], sealed: bool = True) -> None:
         self.clients = list(clients)
+        self.sealed = sealed
         self.members: List[ControlClient] = []  # the current ring's workers, in ring order
         self.lost: Dict[str, str] = {}  # left out of the ring (name: why) until they answer
         self.rejoin = threading.Event()  # a lost worker answers again: set up anew when idle
@@ -51,13 +53,26 @@ class Membership:
         self.rejoin.clear()
         for client, status in zip(self.clients, probe_all(self.clients,
                                                           defaults.DIAGNOSE_TIMEOUT_S)):
-            if status.state == "down":
-                self.lost[client.node.name] = f"down ({status.error})"
+            why = self.unfit(status)
+            if why is not None:
+                self.lost[client.node.name] = why
             else:
                 self.lost.pop(client.node.name, None)
         for name, why in self.lost.items():
             log.warning("%s left out of the ring: %s", name, why)
         self._choose()
+
+    def unfit(self, status: NodeStatus) -> Optional[str]:
+        """Why a worker of ``status`` cannot be in the ring now (down, or a setting of the
+        ring it does not share, which the links' handshake would refuse), or None."""
+        if status.state == "down":
+            return f"down ({status.error})"
+        if status.sealed is not None and status.sealed != self.sealed:
+            ring = "seals its links" if self.sealed else "runs --no-encrypt"
+            it = "seals its links" if status.sealed else "runs --no-encrypt"
+            return (f"sealing mismatch: it {it}, this ring {ring} (every node needs the same "
+                    f"setting)")
+        return None
 
     def lose(self, names: Sequence[str], why: str) -> None:
         """``names`` are lost (``why``): the ring's workers without them."""
@@ -72,8 +87,9 @@ class Membership:
             if not self.lost:  # nobody is lost: every configured worker is a spare
                 raise RingError("no worker of the ring to set up: every configured worker is "
                                 "a spare (spare = true); make at least one of them a member")
-            raise RingError("no worker of the ring answers: " + "; ".join(
-                f"{name}: {why}" for name, why in self.lost.items()))
+            down = all(why.startswith("down") for why in self.lost.values())
+            raise RingError(f"no worker of the ring {'answers' if down else 'can join'}: " +
+                            "; ".join(f"{name}: {why}" for name, why in self.lost.items()))
         if self.lost:
             self._watch()
 
@@ -85,7 +101,8 @@ class Membership:
             while not self.closed.wait(REJOIN_CHECK_S):
                 lost = [c for c in self.clients if c.node.name in self.lost]
                 if lost and not self.rejoin.is_set() and any(
-                        s.state != "down" for s in probe_all(lost, defaults.DIAGNOSE_TIMEOUT_S)):
+                        self.unfit(s) is None for s in probe_all(lost,
+                                                                 defaults.DIAGNOSE_TIMEOUT_S)):
                     log.info("a lost worker answers again: it rejoins at the next request")
                     self.rejoin.set()
 

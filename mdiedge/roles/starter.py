@@ -92,7 +92,7 @@ class RingStarter:
         self.session = os.urandom(8).hex()  # workers serve one starter session at a time
         self.clients = [ControlClient(w, self.auth, self.session, options.name)
                         for w in workers]
-        self.membership = Membership(self.clients)
+        self.membership = Membership(self.clients, sealed=options.encrypt)
         self.watch = SetupWatch(options.stall_s)  # set-up steps under the stall rule
         self.recoveries = 0
         self.measured: Dict[str, float] = {}  # weights from measured speed, by node name

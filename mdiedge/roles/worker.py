@@ -161,7 +161,7 @@ class WorkerNode:
             version=__version__, rss_bytes=rss_bytes(), max_rss_bytes=max_rss_bytes(),
             uptime_s=round(time.time() - self.started, 1), pid=os.getpid(),
             data_port=self.data_port, threads=compute_threads(), code=running_code(),
-            file_reads=reads(),
+            file_reads=reads(), sealed=self.encrypt,
             # a short limit: a frozen next node must not make this node look frozen too
             link_rtt_ms=round_trip_ms(self.next_control, defaults.STATUS_RTT_TIMEOUT_S)
             if self.next_control and self.state == "busy" else None)

@@ -176,8 +176,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.connection.settimeout(control.timeout_s)
         except OSError as e:
             control.auth.release(self.headers)
-            log.info("%s dropped: body of %s %s not received: %s", self.client_address[0],
-                     self.command, path, e)
+            control.dropped("%s dropped: body of %s %s not received: %s",
+                            self.client_address[0], self.command, path, e)
             self.close_connection = True
             return None
         refused = None if path in PUBLIC_PATHS else \
@@ -353,6 +353,7 @@ class ControlServer:
         self.max_connections, self.timeout_s = MAX_CONNECTIONS, CONTROL_SOCKET_TIMEOUT_S
         self.slots = _Slots()
         self.refusals = Throttled(log, logging.WARNING, f"{what}: refused requests")
+        self.dropped = Throttled(log, logging.INFO, f"{what}: requests whose body never came")
         try:
             self.httpd = _Server((host, port), _Handler)
         except OSError as e:
@@ -389,6 +390,7 @@ class ControlServer:
             self.httpd.shutdown()
         self.httpd.server_close()
         self.refusals.flush()
+        self.dropped.flush()
 
 
 def round_trip_ms(base_url: str, timeout: float = 2.0) -> Optional[float]:

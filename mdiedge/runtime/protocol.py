@@ -255,6 +255,7 @@ class NodeStatus:
     links: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # LinkPair.stats(): in, out
     error: Optional[str] = None
     setup: Optional[str] = None  # a starter: what setting up its ring waits for now
+    sealed: Optional[bool] = None  # a worker: whether it seals its links (False: --no-encrypt)
     threads: int = 0  # compute threads
     code: Dict[str, Any] = field(default_factory=dict)  # accel.running_code(): what it runs
     decode: Dict[str, str] = field(default_factory=dict)  # transformer.route_of(): step or torch

@@ -6,7 +6,9 @@ Detection is bounded: a closed link is noticed at once; while no message comes b
 worker's control plane is asked every third of ``stall_s`` (all at once, each within a third
 of ``stall_s``), and one that does not answer is asked once more, so a dead or frozen worker
 is named within ``stall_s`` as a ``NodeLost`` (the scheduler recovers from it), while a
-worker that is slow but answers is waited for up to ``timeout_s``.
+worker that is slow but answers is waited for up to ``timeout_s``. A frame lost on the way
+while every node answers is told from a slow node by a probe behind the overdue message
+(``mdiedge.runtime.progress``), within about a second.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from .control import ControlClient
 from .links import LinkDown, LinkPair
 from .messages import Message
 from .pipeline import Tail
+from .progress import Progress
 from .protocol import NodeStatus
 
 log = logging.getLogger("mdiedge.ring")
@@ -61,32 +64,53 @@ class RingTail(Tail):
         self.links, self.clients, self.timeout_s, self.stall_s = links, clients, timeout_s, stall_s
         self.nodes = len(clients)
         self.broken: Optional[str] = None
+        self.progress = Progress()
 
     def send(self, message: Message) -> None:
         error = self.broken or self.links.send_error
         if error is not None:
             raise self.diagnose(error)
         self.links.send(message)
+        self.progress.on_send(message)
 
     def receive(self, timeout: Optional[float] = None) -> Message:
+        """The next message back. A probe goes out behind an overdue one (``Progress``): one
+        that comes back first means a lost frame; the stall rule and ``timeout`` apply."""
         limit = self.timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        third = self.stall_s / 3
+        now = time.monotonic()
+        deadline, third = now + limit, self.stall_s / 3
+        check_at = now + third
         while True:
+            due = self.progress.due()
+            until = min(deadline, check_at, due if due is not None else deadline)
             try:
-                item = self.links.receive(max(0.0, min(third, deadline - time.monotonic())))
-                break
+                item = self.links.receive(max(0.0, until - time.monotonic()))
             except queue.Empty:
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if due is not None and now >= due and self.links.send_error is None:
+                    self.links.send(self.progress.probe())  # behind the overdue message
+                if now >= deadline:
                     raise self.diagnose(f"no message returned within {limit:.0f} s") from None
-                lost = self.lost(third)
-                if lost:  # asked again: a busy control port gets a second chance
-                    lost = self.lost(third, [node for node, _ in lost])
-                if lost:
-                    raise self._lost(lost, f"no message back for {third:.3g} s") from None
-        if isinstance(item, LinkDown):
-            raise self.diagnose(item.reason)
-        return item
+                if now >= check_at:
+                    self._stall_check(third)
+                    check_at = time.monotonic() + third
+                continue
+            if isinstance(item, LinkDown):
+                raise self.diagnose(item.reason)
+            lost_frame = self.progress.on_back(item)
+            if lost_frame is None:
+                return item
+            if lost_frame:
+                log.warning("%s", lost_frame)
+                raise self.diagnose(lost_frame)
+
+    def _stall_check(self, third: float) -> None:
+        """``NodeLost`` naming the workers that do not answer within ``third`` s, twice."""
+        lost = self.lost(third)
+        if lost:  # asked again: a busy control port gets a second chance
+            lost = self.lost(third, [node for node, _ in lost])
+        if lost:
+            raise self._lost(lost, f"no message back for {third:.3g} s")
 
     def lost(self, timeout: float, among: Optional[List[NodeSpec]] = None
              ) -> List[Tuple[NodeSpec, str]]:

@@ -139,17 +139,44 @@ def _peer(protocol: Any) -> str:
 
 _refused = Throttled(log, logging.WARNING, "API connections closed at the limit")
 _shortage = Throttled(log, logging.WARNING, "API port: failed accepts")
+_loop_faults = Throttled(log, logging.WARNING, "API port: connection errors")
+UVICORN_LOG = "uvicorn.error"  # the logger uvicorn's protocols write a peer's faults to
+
+
+class PeerLines(logging.Filter):
+    """On uvicorn's error logger: what its protocols log about a peer's bytes ("Invalid
+    HTTP request received.", an unsupported upgrade), which any client can repeat at will,
+    goes through a rate-limited summary; its other lines pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.throttled = Throttled(logging.getLogger(UVICORN_LOG), logging.WARNING,
+                                   "API port: refused requests")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if f"{os.sep}protocols{os.sep}" not in record.pathname:
+            return True  # uvicorn's own start and stop, and this filter's summaries
+        return self.throttled.admit("%s", record.getMessage())
+
+
+def throttle_peer_lines() -> None:
+    """Put a ``PeerLines`` filter on uvicorn's error logger, once per process."""
+    logger = logging.getLogger(UVICORN_LOG)
+    if not any(isinstance(f, PeerLines) for f in logger.filters):
+        logger.addFilter(PeerLines())
 
 
 def _loop_errors(loop: Any, context: Dict[str, Any]) -> None:
     """The event loop's error handler: an accept out of descriptors or memory (asyncio tries
-    again after a second) is a rate-limited line, not a traceback per try; the rest as
-    asyncio's own handler says them."""
+    again after a second) is a rate-limited line, not a traceback per try; the rest (a
+    connection's transport failing, which a peer can provoke) as asyncio's own handler says
+    them, rate-limited too."""
     error = context.get("exception")
     if is_shortage(error) and "accept" in str(context.get("message", "")):
         _shortage("API port: cannot accept a connection (%s); retrying", error)
         return
-    loop.default_exception_handler(context)
+    if _loop_faults.admit("%s: %s", context.get("message"), error):
+        loop.default_exception_handler(context)
 
 
 def _server_class() -> Any:
@@ -180,6 +207,7 @@ class ApiServer:
                                 timeout_graceful_shutdown=3, http=guarded_protocol(),
                                 backlog=LISTEN_BACKLOG,
                                 log_config=log_config)
+        throttle_peer_lines()  # after the config: uvicorn sets its loggers up in there
         self.server = _server_class()(config)
         self.thread = threading.Thread(target=self._serve, name="mdiedge-api", daemon=True)
         self.error: Optional[BaseException] = None

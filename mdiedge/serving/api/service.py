@@ -36,6 +36,11 @@ from .schema import Options
 _DONE = object()
 
 
+def _setting_up(waiting: str) -> ApiError:
+    return ApiError(503, f"setting up the ring: waiting for {waiting}; try again later",
+                    code="setting_up", retry_after=int(defaults.API_SETUP_WAIT_S))
+
+
 class Run:
     """One request in flight: its generation, its tokens as they come (when streamed), its
     end. ``on_token`` and ``finish`` run on a stepping thread; the rest on the event loop."""
@@ -216,6 +221,8 @@ class ApiService:
         if self.closed:
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         run = Run(loop, self.metrics, options.stream)
+        set_up_by = time.monotonic() + defaults.API_SETUP_WAIT_S
+        await self._set_up_within(set_up_by)
         request, budget, params = await loop.run_in_executor(None, self.plan, prompt, options,
                                                              templated)
         run._last = [0.0] * options.n
@@ -228,14 +235,53 @@ class ApiService:
         with self._lock:
             self._runs.add(run)
         try:
-            scheduler = await loop.run_in_executor(None, self._submit, run.generation)
+            scheduler = await self._submitted(loop, run, set_up_by)
         except BaseException as e:
             with self._lock:
                 self._runs.discard(run)
             raise self._refusal(e) from None
+        if scheduler is None:
+            raise _setting_up(self.engine.setting_up() or "its set-up to end")
         self.metrics.prompt_tokens.inc(len(request.ids))
         self.executor.submit(self._work, run, scheduler)
         return run
+
+    async def _set_up_within(self, deadline: float) -> None:
+        """Return once no set-up of the ring is under way; a 503 with Retry-After when one
+        still is at ``deadline``."""
+        while True:
+            waiting = self.engine.setting_up()
+            if waiting is None:
+                return
+            if time.monotonic() >= deadline:
+                raise _setting_up(waiting)
+            await asyncio.sleep(defaults.API_SETUP_POLL_S)
+
+    async def _submitted(self, loop: asyncio.AbstractEventLoop, run: Run,
+                         deadline: float) -> Optional[Any]:
+        """``run`` submitted (a set-up of the ring first, when it needs one): its scheduler;
+        None when that takes past ``deadline`` (at least ``API_SETUP_POLL_S``): the request
+        is cancelled (``_submitted_late`` ends it), the set-up goes on."""
+        future = loop.run_in_executor(None, self._submit, run.generation)
+        wait = max(defaults.API_SETUP_POLL_S, deadline - time.monotonic())
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), wait)
+        except asyncio.TimeoutError:
+            run.cancel()
+            future.add_done_callback(lambda done: self._submitted_late(run, done))
+            return None
+
+    def _submitted_late(self, run: Run, done: "asyncio.Future[Any]") -> None:
+        """A cancelled ``run`` whose submission ended after its 503: run to its end (which
+        frees what it holds), or forgotten when it was not taken."""
+        if not done.cancelled() and done.exception() is None:
+            try:
+                self.executor.submit(self._work, run, done.result())
+                return
+            except RuntimeError:  # the server is closed: its engine ends the rest
+                pass
+        with self._lock:
+            self._runs.discard(run)
 
     def _submit(self, generation: Generation) -> Any:
         scheduler = self._scheduler = self.engine.submit(generation,

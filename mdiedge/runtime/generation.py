@@ -36,6 +36,7 @@ class Sample:
     released: bool = False  # its KV rows were freed on every node
     stop: Optional[StopMatcher] = None  # its stop strings, if the request has any
     logprobs: List[TokenLogprob] = field(default_factory=list)  # one per token, if asked
+    constraint: Optional[Any] = None  # the grammar its tokens follow (model/grammar.py)
 
     @property
     def done(self) -> bool:
@@ -143,6 +144,18 @@ def check_context(prompt_len: int, max_new_tokens: Optional[int], context: int,
         raise ContextExceeded(f"prompt of {prompt_len} tokens plus {max_new_tokens} new tokens "
                               f"exceeds {where}")
     return max_new_tokens
+
+
+def constrained(samples: Sequence[Sample], logits: Tensor) -> Tensor:
+    """``logits`` (B, vocab), each row of a sample that follows a grammar masked to the
+    tokens it allows next (-inf elsewhere)."""
+    if all(s.constraint is None for s in samples):
+        return logits
+    rows = logits.clone()
+    for i, sample in enumerate(samples):
+        if sample.constraint is not None:
+            rows[i] = sample.constraint.mask(logits[i])
+    return rows
 
 
 class Generation:
@@ -254,10 +267,18 @@ class Generation:
         if self.cancel_requested:
             self.end("cancelled", samples)  # "error" stays
             return
-        tokens = sample_rows(logits, self.params, [s.generator for s in samples],
+        tokens = sample_rows(constrained(samples, logits), self.params,
+                             [s.generator for s in samples],
                              [(s.prompt, s.tokens) for s in samples])
         for i, (sample, token) in enumerate(zip(samples, tokens)):
             self.take(sample, [token], self.scored(logits[i:i + 1], [token]))
+
+    def constrain(self, grammar: Any) -> None:
+        """Hold every sample's tokens to ``grammar`` (``mdiedge.model.grammar.Grammar``);
+        drafted tokens are not checked against one, so it decodes without speculation."""
+        for sample in self.samples:
+            sample.constraint = grammar.matcher()
+        self.speculation = None
 
     def scored(self, logits: Tensor, tokens: Sequence[int]) -> Optional[List[TokenLogprob]]:
         """The log-probabilities of ``tokens`` under ``logits`` (one row each), when the
@@ -299,9 +320,12 @@ class Generation:
                 sample.logprobs.append(logprobs[i])
             sample.tokens.append(token)
             self.timing.new_tokens += 1
+            if sample.constraint is not None:
+                sample.constraint.take([token])
             if self.on_token is not None:
                 self.on_token(sample.index, token)
-            if sample.stop is not None and sample.stop.push(token):
+            if sample.stop is not None and sample.stop.push(token) or \
+                    sample.constraint is not None and sample.constraint.finished:
                 sample.finish_reason = "stop"
             elif len(sample.tokens) >= self.max_new_tokens:
                 sample.finish_reason = "length"

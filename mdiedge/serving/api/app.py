@@ -140,6 +140,9 @@ class ApiRoutes:
     async def chat(self, request: Request) -> Response:
         body = ChatRequest.from_json(await read_json(request, self.service.limits.max_body))
         prompt = await self.service.template.render_async(body.messages, body.tools)
+        call = body.tools.call_schema() if body.tools is not None else None
+        if call is not None and body.options.output is None:  # a call is required: hold to one
+            body.options.output = ("json_schema", call, "tool_choice")
         body.options.stop = list(body.options.stop) + [
             s for s in self.service.template.stops if s not in body.options.stop]
         return await self.respond(request, prompt, body.options, chat=True, tools=body.tools)

@@ -18,6 +18,7 @@ from ...base.values import Span
 from ...model.stopping import check_stops
 from ...runtime.drafting import REQUEST_SPECULATE
 from .tools import ToolRequest, message_tool_calls, tool_call_id
+from .formats import FORMAT_FIELDS, Format, read_format
 from .sampling import (CHAT_LOGPROBS, COMPLETION_LOGPROBS, SAMPLING_FIELDS, SamplingOptions,
                        read_sampling)
 
@@ -52,12 +53,12 @@ COMMON: Dict[str, _Check] = {
     "stream": (lambda v: isinstance(v, bool), "a boolean"),
     "stream_options": (lambda v: isinstance(v, dict), "an object"),
     "speculate": (lambda v: isinstance(v, str), "a string"),  # extra: ngram, draft or off
+    **FORMAT_FIELDS,
 }
 # accepted and ignored only with a value that changes nothing; any other value is a 400
 NEUTRAL: Dict[str, Tuple[Any, ...]] = {
     "echo": (False,), "best_of": (1,),
     "suffix": ("",),
-    "response_format": ({"type": "text"},),
 }
 # fields OpenAI's clients send that change nothing here: accepted with any value, ignored
 IGNORED = ("store", "metadata", "service_tier", "user", "reasoning_effort", "modalities",
@@ -116,6 +117,8 @@ class Options:
     max_tokens_key: str = "max_tokens"  # the field max_tokens came from (errors name it)
     speculate: Optional[str] = None  # speculative decoding: ngram, draft, off (None: server's)
     sampling: SamplingOptions = field(default_factory=SamplingOptions)  # penalties, logprobs
+    output: Optional[Format] = None  # a grammar the output is held to (formats.py)
+    cache_prompt: bool = True  # may use and leave KV rows in the prompt cache
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any], max_tokens_key: str = "max_tokens",
@@ -136,7 +139,8 @@ class Options:
                       [stop] if isinstance(stop, str) else list(stop or []),
                       1 if body.get("n") is None else body["n"], bool(body.get("stream")),
                       include, max_tokens_key, body.get("speculate"),
-                      read_sampling(body, chat))
+                      read_sampling(body, chat), read_format(body),
+                      body.get("cache_prompt") is not False)
         options.check()
         return options
 

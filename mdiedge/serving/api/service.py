@@ -214,6 +214,18 @@ class ApiService:
         except GenerationError as e:
             raise ApiError(400, str(e), code="invalid_value") from None
 
+    def grammar(self, options: Options) -> Any:
+        """The grammar the request's output is held to (compiled here, once), or None."""
+        if options.output is None:
+            return None
+        from ...model.grammar import Grammar, GrammarError
+
+        kind, source, field = options.output
+        try:
+            return Grammar(self.engine.tokenizer, self.engine.cfg.vocab_size, kind, source)
+        except GrammarError as e:
+            raise ApiError(400, f"{field}: {e}", field, "invalid_grammar") from None
+
     async def start(self, prompt: str, options: Options, templated: bool = False) -> Run:
         """Check and submit a request (its end awaited on a thread of its own); a 429 when
         the scheduler's queue refuses it."""
@@ -227,9 +239,13 @@ class ApiService:
                                                              templated)
         run._last = [0.0] * options.n
         try:
+            grammar = await loop.run_in_executor(None, self.grammar, options)
             run.generation = self.engine.new_generation(request, budget, options.n, params,
                                                         run.on_token, options.stop,
                                                         speculate=options.speculate)
+            if grammar is not None:
+                run.generation.constrain(grammar)
+            run.generation.cache_prompt = options.cache_prompt
         except Exception as e:
             raise api_error(e) from None
         with self._lock:

@@ -11,7 +11,7 @@ import functools
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional, Sequence, Union
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -22,11 +22,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ...base.errors import ApiError
+from ...engine.facade import Prompt
 from ...base.defaults import API_BODY_TIMEOUT_S
 from .cors import Cors
 from .errors import api_error
 from .logprobs import StreamedLogprobs, chat_logprobs, completion_logprobs, entries
 from .metrics import CONTENT_TYPE
+from .native import NativeRoutes
 from .responses import (ChatChunk, ChatCompletion, Choice, Completion, CompletionChunk,
                         ModelCard, new_id, sse)
 from .rules import authorized
@@ -135,7 +137,8 @@ class ApiRoutes:
 
     async def completions(self, request: Request) -> Response:
         body = CompletionRequest.from_json(await read_json(request, self.service.limits.max_body))
-        return await self.respond(request, body.prompt, body.options, chat=False)
+        return await self.respond(request, self.service.prompt_of(body.prompt), body.options,
+                                  chat=False)
 
     async def chat(self, request: Request) -> Response:
         body = ChatRequest.from_json(await read_json(request, self.service.limits.max_body))
@@ -163,7 +166,7 @@ class ApiRoutes:
         return JSONResponse({"status": "unavailable", "error": why}, 503,
                             headers={"Retry-After": "5"})
 
-    async def respond(self, request: Request, prompt: str, options: Options,
+    async def respond(self, request: Request, prompt: Union[str, Prompt], options: Options,
                       chat: bool, tools: Optional[ToolRequest] = None) -> Response:
         run = await self.service.start(prompt, options, templated=chat)
         first = await run.next(request.is_disconnected)
@@ -270,7 +273,7 @@ def build_app(service: ApiService, api_key: Optional[str] = None,
              ("/v1/chat/completions", routes.chat, ["POST"]),
              ("/metrics", routes.metrics, ["GET"]),
              ("/health", routes.health, ["GET"]),
-             ("/status", routes.status, ["GET"])]
+             ("/status", routes.status, ["GET"])] + NativeRoutes(routes).table()
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500

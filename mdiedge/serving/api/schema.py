@@ -10,7 +10,7 @@ clients send and which change nothing here, are accepted with any value and igno
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from ...base import defaults
 from ...base.errors import ApiError, GenerationError
@@ -119,6 +119,7 @@ class Options:
     sampling: SamplingOptions = field(default_factory=SamplingOptions)  # penalties, logprobs
     output: Optional[Format] = None  # a grammar the output is held to (formats.py)
     cache_prompt: bool = True  # may use and leave KV rows in the prompt cache
+    ignore_eos: bool = False  # llama-server's: the end token does not end a sample
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any], max_tokens_key: str = "max_tokens",
@@ -167,19 +168,27 @@ class Options:
 
 @dataclass
 class CompletionRequest:
-    prompt: str
+    prompt: Union[str, Tuple[int, ...]]  # text, or token ids
     options: Options
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> "CompletionRequest":
         check_body(body, COMPLETION_FIELDS, ("prompt",))
-        prompt = body["prompt"]
-        if isinstance(prompt, list):
-            if len(prompt) != 1 or not isinstance(prompt[0], str):
-                raise ApiError(400, f"prompt: one string per request (or a list of one), got "
-                               f"{_short(prompt)}", "prompt", "invalid_value")
-            prompt = prompt[0]
-        return cls(prompt, Options.from_json(body))
+        return cls(token_prompt(body["prompt"]), Options.from_json(body))
+
+
+def token_prompt(value: Any, field: str = "prompt",
+                 empty: bool = False) -> Union[str, Tuple[int, ...]]:
+    """A prompt given as a string, a list of one string, or token ids (a 400 otherwise:
+    one prompt per request)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        return value[0]
+    if isinstance(value, list) and (value or empty) and all(_is_int(v) for v in value):
+        return tuple(value)
+    raise ApiError(400, f"{field}: one string per request, a list of one, or token ids, got "
+                   f"{_short(value)}", field, "invalid_value")
 
 
 @dataclass

@@ -17,7 +17,7 @@ import hashlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Awaitable, Callable, List, Optional, Set, Tuple
+from typing import Any, Awaitable, Callable, List, Optional, Set, Tuple, Union
 
 from ...base import defaults
 from ...base.errors import ApiError, ConfigError, ContextExceeded, GenerationError, QueueFull
@@ -172,7 +172,7 @@ class ApiService:
 
     # ----------------------------------------------------------------- requests
 
-    def plan(self, prompt: str, options: Options,
+    def plan(self, prompt: Union[str, Prompt], options: Options,
              templated: bool = False) -> Tuple[Prompt, int, SamplingParams]:
         """The prompt tokenized (the request's one tokenization), the token budget and the
         sampling of a request; a 404 for another model, a 400 for what this server cannot
@@ -214,6 +214,23 @@ class ApiService:
         except GenerationError as e:
             raise ApiError(400, str(e), code="invalid_value") from None
 
+    def prompt_of(self, prompt: Union[str, Prompt, Tuple[int, ...]]) -> Union[str, Prompt]:
+        """A prompt given as token ids as a ``Prompt`` (a 400 for an id the model does not
+        have); text as it is."""
+        if not isinstance(prompt, tuple):
+            return prompt
+        vocab = self.engine.cfg.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"prompt: token id {bad[0]} is not in the model's vocabulary "
+                           f"of {vocab}", "prompt", "invalid_value")
+        return Prompt(self.engine.tokenizer.decode(list(prompt)), tuple(prompt))
+
+    def tokenize(self, text: str, add_special: bool) -> List[int]:
+        """``text``'s ids, with the special tokens a prompt gets when ``add_special``."""
+        tokenizer = self.engine.tokenizer
+        return list(tokenizer.encode_prompt(text) if add_special else tokenizer.encode(text))
+
     def grammar(self, options: Options) -> Any:
         """The grammar the request's output is held to (compiled here, once), or None."""
         if options.output is None:
@@ -226,7 +243,8 @@ class ApiService:
         except GrammarError as e:
             raise ApiError(400, f"{field}: {e}", field, "invalid_grammar") from None
 
-    async def start(self, prompt: str, options: Options, templated: bool = False) -> Run:
+    async def start(self, prompt: Union[str, Prompt], options: Options,
+                    templated: bool = False) -> Run:
         """Check and submit a request (its end awaited on a thread of its own); a 429 when
         the scheduler's queue refuses it."""
         loop = asyncio.get_event_loop()
@@ -246,6 +264,8 @@ class ApiService:
             if grammar is not None:
                 run.generation.constrain(grammar)
             run.generation.cache_prompt = options.cache_prompt
+            if options.ignore_eos:
+                run.generation.eos_ids = frozenset()
         except Exception as e:
             raise api_error(e) from None
         with self._lock:

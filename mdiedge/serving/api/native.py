@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ...base import defaults
 from ...base.errors import ApiError
 from ...model.stopping import TextStream
+from .bodies import read_json
 from .errors import api_error
 from .logprobs import entries
 from .schema import ChatRequest, CompletionRequest, Options, token_prompt
@@ -82,8 +83,6 @@ class NativeRoutes:
                 ("/props", self.props, ["GET"])]
 
     async def body(self, request: Request) -> Dict[str, Any]:
-        from .app import read_json
-
         return await read_json(request, self.service.limits.max_body)
 
     async def completion(self, request: Request) -> Response:

@@ -126,6 +126,10 @@ API_MAX_WAITING = 32  # requests waiting for slots before a 429 (`serve --max-qu
 MAX_QUEUE = 64  # the scheduler's own bound on waiting requests, and --max-queue's largest
 PROMPT_CACHE_MIN_TOKENS = 16  # a prompt reuses a finished request's KV rows from this many
 #                              shared leading tokens (`serve`, `chat`: the prompt cache)
+CORS_MAX_AGE_S = 600  # how long a browser may keep a preflight's answer (--cors-origins)
+API_THREADS = 8  # threads the API's handlers run blocking work on (anyio's default: 40)
+API_HEAP_ARENAS = 2  # glibc heaps of a serving process (its default: 8 per core)
+API_TRIM_S = 10.0  # how often an idle API gives a burst's freed memory back to the system
 API_MAX_BODY = 1 << 20  # bytes of a request's body (413 past it)
 # a chat template's render (a model file's template is not trusted): see serving/api/sandbox.py
 TEMPLATE_BYTES_PER_TOKEN = 32  # the rendered prompt, and any value made on the way: at most

@@ -54,6 +54,11 @@ class GenerationError(MdiedgeError, ValueError):
     """A generation request cannot be served (e.g. prompt plus budget beyond the context)."""
 
 
+class GrammarError(GenerationError):
+    """A grammar for constrained decoding that cannot be used: too big, too deep, or not one
+    the grammar engine compiles."""
+
+
 class ConversationError(GenerationError):
     """A chat template refused the conversation (its ``raise_exception``): the messages break
     the template's rules, e.g. roles that do not alternate."""

@@ -1,6 +1,7 @@
 """Memory of this process as status and benchmarks report it (Linux ``/proc``, else rusage)."""
 from __future__ import annotations
 
+import ctypes
 import os
 
 
@@ -63,3 +64,26 @@ def _cgroup_room() -> "int | None":
             return max(0, int(limit) - int(f.read().strip()))
     except (OSError, ValueError):
         return None
+
+
+def give_back_free_memory() -> bool:
+    """Return the C heap's free pages to the system (glibc's ``malloc_trim``: after a burst,
+    freed buffers stay resident otherwise); False where the C library has no such call."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
+
+
+M_ARENA_MAX = -8  # glibc's mallopt parameter
+
+
+def limit_heap_arenas(arenas: int) -> bool:
+    """At most ``arenas`` glibc heaps for this process's threads (each thread of a burst
+    otherwise gets its own, and their free pages stay); False without glibc's mallopt."""
+    try:
+        return bool(ctypes.CDLL(None).mallopt(M_ARENA_MAX, arenas))
+    except (OSError, AttributeError):
+        return False

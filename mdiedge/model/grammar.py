@@ -18,14 +18,10 @@ import torch
 from torch import Tensor
 
 from ..base import defaults
-from ..base.errors import GenerationError
+from ..base.errors import GenerationError, GrammarError
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "gbnf", "lark", "regex")
 ANY_JSON_OBJECT = {"type": "object"}  # response_format json_object: any object
-
-
-class GrammarError(GenerationError):
-    """A grammar that cannot be used: too big, too deep, or not one llguidance compiles."""
 
 
 def available() -> bool:

@@ -81,6 +81,7 @@ class ApiRoutes:
                     log.error("%s %s failed", request.method, request.url.path, exc_info=e)
                 response = error_response(error)
             self.service.metrics.requests.labels(str(response.status_code)).inc()
+            self.service.answered += 1
             return response
         return wrapped
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ...base.errors import UsageError
+from ...base import defaults
 
 ALLOWED_METHODS = "GET, POST, OPTIONS"
 ALLOWED_HEADERS = "Authorization, Content-Type, X-Api-Key"  # without a request's own list
-MAX_AGE_S = 600  # how long a browser may keep a preflight's answer
 
 
 def parse_origins(text: Optional[str]) -> Tuple[str, ...]:
@@ -41,7 +41,7 @@ def allowed_origin(origin: Optional[str], origins: Sequence[str]) -> Optional[st
 def preflight_headers(allowed: str, requested: Optional[str]) -> Dict[str, str]:
     return {"Access-Control-Allow-Origin": allowed, "Access-Control-Allow-Methods": ALLOWED_METHODS,
             "Access-Control-Allow-Headers": (requested or ALLOWED_HEADERS)[:1024],
-            "Access-Control-Max-Age": str(MAX_AGE_S), "Vary": "Origin"}
+            "Access-Control-Max-Age": str(defaults.CORS_MAX_AGE_S), "Vary": "Origin"}
 
 
 class Cors:

@@ -10,10 +10,11 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple
 
 from ...base import defaults
 from ...base.backoff import is_shortage
+from ...base.memory import give_back_free_memory, limit_heap_arenas
 from ...base.defaults import API_HEAD_TIMEOUT_S, API_START_TIMEOUT_S
 from ...base.errors import ConfigError
 from ...base.ratelog import Throttled
@@ -179,16 +180,38 @@ def _loop_errors(loop: Any, context: Dict[str, Any]) -> None:
         loop.default_exception_handler(context)
 
 
-def _server_class() -> Any:
-    """uvicorn's server, with ``_loop_errors`` as its event loop's error handler."""
+def _server_class(activity: Callable[[], Tuple[int, int]]) -> Any:
+    """uvicorn's server, with ``_loop_errors`` as its event loop's error handler, at most
+    ``API_THREADS`` threads for its handlers' blocking work, and memory given back when it
+    goes idle (``activity``: requests answered so far, and running now)."""
+    import anyio.to_thread
     import uvicorn
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
-            asyncio.get_running_loop().set_exception_handler(_loop_errors)
+            loop = asyncio.get_running_loop()
+            loop.set_exception_handler(_loop_errors)
+            anyio.to_thread.current_default_thread_limiter().total_tokens = \
+                defaults.API_THREADS
+            self.trimmer = loop.create_task(trim_when_idle(activity))
             await super().startup(sockets=sockets)
 
     return Server
+
+
+async def trim_when_idle(activity: Callable[[], Tuple[int, int]]) -> None:
+    """Every ``API_TRIM_S``: when requests were answered since the last look and none runs
+    now, give the heap's free memory back to the system (a burst's buffers)."""
+    last = -1
+    if not give_back_free_memory():
+        log.debug("no malloc_trim in this C library: a burst's memory stays resident")
+        return
+    while True:
+        await asyncio.sleep(defaults.API_TRIM_S)
+        answered, running = activity()
+        if answered != last and running == 0:
+            last = answered
+            await asyncio.get_running_loop().run_in_executor(None, give_back_free_memory)
 
 
 class ApiServer:
@@ -196,7 +219,8 @@ class ApiServer:
     whose logging is set up (``mdiedge starter``), uvicorn's loggers go through its handlers
     and format, one kind of line; else uvicorn sets up its own."""
 
-    def __init__(self, app: Any, sock: socket.socket, log_level: str = "warning") -> None:
+    def __init__(self, app: Any, sock: socket.socket, log_level: str = "warning",
+                 activity: Callable[[], Tuple[int, int]] = lambda: (0, 1)) -> None:
         import uvicorn
         from uvicorn.config import LOGGING_CONFIG
 
@@ -208,7 +232,8 @@ class ApiServer:
                                 backlog=LISTEN_BACKLOG,
                                 log_config=log_config)
         throttle_peer_lines()  # after the config: uvicorn sets its loggers up in there
-        self.server = _server_class()(config)
+        limit_heap_arenas(defaults.API_HEAP_ARENAS)
+        self.server = _server_class(activity)(config)
         self.thread = threading.Thread(target=self._serve, name="mdiedge-api", daemon=True)
         self.error: Optional[BaseException] = None
 
@@ -253,7 +278,7 @@ class Api:
         self.service = ApiService(engine, name or model_name(engine.path), limits,
                                   strict_model_name)
         self.server = ApiServer(build_app(self.service, api_key, cors_origins), sock,
-                                log_level)
+                                log_level, self.service.activity)
 
     @property
     def url(self) -> str:

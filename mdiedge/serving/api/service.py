@@ -127,6 +127,7 @@ class ApiService:
         if not 0 < context <= engine.cfg.max_seq_len:
             raise ConfigError(f"context: expected 1..{engine.cfg.max_seq_len} tokens (the "
                               f"model's), got {context}")
+        self.answered = 0  # requests answered (any status)
         self.engine, self.name, self.limits, self.context = engine, name, limits, context
         self.strict_model_name = strict_model_name
         self.fingerprint = system_fingerprint(engine.path)
@@ -213,6 +214,11 @@ class ApiService:
                 **options.sampling.params())
         except GenerationError as e:
             raise ApiError(400, str(e), code="invalid_value") from None
+
+    def activity(self) -> Tuple[int, int]:
+        """Requests answered so far, and requests running now."""
+        with self._lock:
+            return self.answered, len(self._runs)
 
     def prompt_of(self, prompt: Union[str, Prompt, Tuple[int, ...]]) -> Union[str, Prompt]:
         """A prompt given as token ids as a ``Prompt`` (a 400 for an id the model does not

@@ -184,6 +184,14 @@ class ApiService:
         if options.n > self.limits.slots:
             raise ApiError(400, f"n: at most {self.limits.slots} samples (the server's KV "
                            f"slots), got {options.n}", "n", "invalid_value")
+        if isinstance(prompt, str):  # bounded before it is tokenized
+            from .sandbox import Limits, check_fits
+
+            try:
+                check_fits("the prompt holds", len(prompt.encode("utf-8", "surrogatepass")),
+                           Limits.for_context(self.context))
+            except ContextExceeded as e:
+                raise ApiError(400, str(e), "prompt", "context_length_exceeded") from None
         request = self.engine.prompt(prompt, templated)
         ids = request.ids
         if not ids:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
-from typing import Dict, Tuple, Union
+from typing import Dict, List, Tuple, Union
 
 ROOT = Path(__file__).resolve().parent.parent
 VALID = ROOT / "tests" / "data" / "gguf" / "tiny-llama-2x256-Q6_K.gguf"  # alignment 32
@@ -51,14 +51,34 @@ def add_entry(data: bytes, key: str, kind: int, payload: bytes) -> bytes:
     return HEADER.pack(magic, version, tensors, entries + 1) + added + data[HEADER.size:]
 
 
-def tensor_infos(data: bytes) -> Dict[str, Tuple[int, int]]:
-    """Each tensor's name -> (where its offset field lies in ``data``, the offset)."""
+def length_fields(data: bytes) -> List[int]:
+    """Where each 64-bit count of ``data``'s header lies: the tensor and entry counts, every
+    string's and array's length, every tensor's dimensions and data offset."""
+    found = [8, 16]
     _, _, tensors, entries = HEADER.unpack_from(data)
     pos = HEADER.size
     for _ in range(entries):
-        pos = _skip_value(data, pos + 8 + struct.unpack_from("<Q", data, pos)[0] + 4,
-                          struct.unpack_from("<I", data, pos + 8 +
-                                             struct.unpack_from("<Q", data, pos)[0])[0])
+        found.append(pos)
+        pos += 8 + struct.unpack_from("<Q", data, pos)[0]
+        kind = struct.unpack_from("<I", data, pos)[0]
+        pos = _skip_value(data, pos + 4, kind, found)
+    for _ in range(tensors):
+        found.append(pos)
+        pos += 8 + struct.unpack_from("<Q", data, pos)[0]
+        dims = struct.unpack_from("<I", data, pos)[0]
+        found.extend(pos + 4 + 8 * i for i in range(dims))  # its dimensions, and
+        found.append(pos + 4 + 8 * dims + 4)  # after its type, its offset
+        pos += 4 + 8 * dims + 4 + 8
+    return sorted(set(found))
+
+
+def tensor_infos(data: bytes) -> Dict[str, Tuple[int, int]]:
+    """Each tensor's name -> (where its data offset field lies in ``data``, the offset)."""
+    _, _, tensors, entries = HEADER.unpack_from(data)
+    pos = HEADER.size
+    for _ in range(entries):
+        pos += 8 + struct.unpack_from("<Q", data, pos)[0]
+        pos = _skip_value(data, pos + 4, struct.unpack_from("<I", data, pos)[0], [])
     found = {}
     for _ in range(tensors):
         size = struct.unpack_from("<Q", data, pos)[0]
@@ -70,14 +90,23 @@ def tensor_infos(data: bytes) -> Dict[str, Tuple[int, int]]:
     return found
 
 
-def _skip_value(data: bytes, pos: int, kind: int) -> int:
+def header_size(data: bytes) -> int:
+    """Where the header's tensor descriptions end (the data section follows, aligned)."""
+    return max(at for at, _ in tensor_infos(data).values()) + 8
+
+
+def _skip_value(data: bytes, pos: int, kind: int, lengths: List[int]) -> int:
+    """The position after the value of ``kind`` at ``pos``; its lengths' places added to
+    ``lengths``."""
     if kind == STRING:
+        lengths.append(pos)
         return pos + 8 + struct.unpack_from("<Q", data, pos)[0]
     if kind == ARRAY:
         item, count = struct.unpack_from("<IQ", data, pos)
+        lengths.append(pos + 4)
         pos += 12
         for _ in range(count):
-            pos = _skip_value(data, pos, item)
+            pos = _skip_value(data, pos, item, lengths if item != STRING else [])
         return pos
     return pos + {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}[kind]
 

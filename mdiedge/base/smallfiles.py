@@ -56,16 +56,21 @@ def check_secret(secret: bytes, where: str) -> bytes:
     if len(secret) > MAX_SECRET_BYTES:
         raise ConfigError(f"{where}: expected a secret of at most {MAX_SECRET_BYTES} bytes, "
                           f"got {len(secret)} bytes")
-    if not is_printable(secret):
-        raise ConfigError(f"{where}: the secret is not printable text (expected letters, "
-                          f"digits and punctuation, e.g. hex, as `mdiedge config init` writes)")
+    flaw = unprintable(secret)
+    if flaw is not None:
+        raise ConfigError(f"{where}: the secret is not printable text ({flaw}; expected "
+                          f"letters, digits and punctuation, e.g. hex, as `mdiedge config "
+                          f"init` writes)")
     return secret
 
 
-def is_printable(data: bytes) -> bool:
-    """Whether ``data`` is UTF-8 text of printable characters only (no control characters,
-    no NUL)."""
+def unprintable(data: bytes) -> Optional[str]:
+    """Where ``data`` is not UTF-8 text of printable characters (a control character, NUL
+    among them), or None."""
     try:
-        return data.decode("utf-8").isprintable()
-    except UnicodeDecodeError:
-        return False
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"not UTF-8 at byte {e.start}"
+    at = next((i for i, c in enumerate(text) if not c.isprintable()), None)
+    return None if at is None else \
+        f"a control character at byte {len(text[:at].encode('utf-8'))}"

@@ -31,8 +31,8 @@ from ..base.errors import CheckpointError, ConfigError
 from .config import ModelConfig
 from .families import by_gguf_architecture, config_from_hf, family_of
 from .families.spec import Family
-from .gguf_checks import (check_count, check_dims, header_limit, key_limit,
-                          check_overlaps, out_of_file, tensor_region, value_limit)
+from .gguf_checks import (check_count, check_header, check_overlaps, check_tensor_info,
+                          header_limit, key_limit, out_of_file, tensor_region, value_limit)
 from .tensors import TensorSource, expected_shape, tensor_plan  # noqa: F401
 
 if TYPE_CHECKING:
@@ -169,19 +169,13 @@ def _reader_class() -> type:
 
         def _get_tensor_info_field(self, orig_offs: int) -> Any:
             field = super()._get_tensor_info_field(orig_offs)
-            kind = int(field.parts[4][0])
-            name = bytes(field.parts[1]).decode("utf-8", "replace")
-            if kind not in known:
-                raise CheckpointError(f"tensor {name!r} has an unknown ggml type {kind}")
-            check_dims(name, len(field.parts[3]))
+            check_tensor_info(field, known)
             return field
 
         def _build_tensor_info(self, offs: int, count: int) -> Tuple[int, list]:
             check_count(count, "tensors")
             end, fields = super()._build_tensor_info(offs, count)
-            limit = header_limit(end)
-            if limit is not None:
-                raise CheckpointError(limit)
+            check_header(end)
             return end, fields
 
         def _build_tensors(self, start_offs: int, fields: list) -> None:

@@ -7,7 +7,7 @@ is one CheckpointError; the reader's ``open_reader`` puts the file's name before
 from __future__ import annotations
 
 import math
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional, Set
 
 import numpy as np
 
@@ -64,7 +64,21 @@ def value_limit(reader: Any, offs: int, kind: int, key: str) -> Optional[str]:
     return None if found is None else f"metadata {key!r} holds {found}"
 
 
-def check_dims(name: str, dims: int) -> None:
+def check_header(end: int) -> None:
+    """``header_limit`` as an error."""
+    limit = header_limit(end)
+    if limit is not None:
+        raise CheckpointError(limit)
+
+
+def check_tensor_info(field: Any, known: Set[int]) -> None:
+    """The description of a tensor that gguf's ``field`` holds (parts: name length, name,
+    dimension count, dimensions, type, offset): a ggml type of ``known``, at most
+    ``GGUF_MAX_DIMS`` dimensions."""
+    name = bytes(field.parts[1]).decode("utf-8", "replace")
+    kind, dims = int(field.parts[4][0]), len(field.parts[3])
+    if kind not in known:
+        raise CheckpointError(f"tensor {name!r} has an unknown ggml type {kind}")
     if dims > GGUF_MAX_DIMS:
         raise CheckpointError(f"tensor {name!r} has {dims} dimensions (at most {GGUF_MAX_DIMS})")
 
@@ -96,7 +110,8 @@ def tensor_region(gguf: Any, field: Any, data_start: int, alignment: int,
     start = data_start + offset
     end = start + math.prod(dims) // block * block_bytes
     if end > file_size:
-        raise CheckpointError(f"tensor {name!r}: {out_of_file(start, end, file_size)}")
+        raise CheckpointError(f"truncated GGUF file, or an offset beyond its end (tensor "
+                              f"{name!r} at bytes {start}..{end}, the file has {file_size})")
     return Region(name, start, end)
 
 

@@ -475,10 +475,10 @@ def test_secret_file_ok(tmp_path: Path, data: bytes, expected: bytes) -> None:
 
 
 @pytest.mark.parametrize("data,reason", [
-    (SECRET.encode() + b"\n\n", "not printable text (a control character at byte 32)"),
-    (b"\x00\xff" * 8, "not printable text (not UTF-8 at byte 1)"),
+    (SECRET.encode() + b"\n\n", "not printable text (a control character at byte 16; "),
+    (b"\x00\xff" * 8, "not printable text (not UTF-8 at byte 1; "),
     (bytes(300_000), "too large (300000 bytes; at most 4096)"),
-    (b"a" * 4097, "expected a secret of at most 4096 bytes, got 4097 bytes"),
+    (b"a" * 4097, "too large (4097 bytes; at most 4096)"),
 ])
 def test_secret_file_refused(tmp_path: Path, data: bytes, reason: str) -> None:
     """A secret file holds at most 4 KiB of printable text (issue 45, finding 9)."""
@@ -540,6 +540,21 @@ def test_secret_env_file_checked(tmp_path: Path) -> None:
         read_secret(None, {"MDIEDGE_SECRET_FILE": str(path)})
     assert str(e.value).startswith("$MDIEDGE_SECRET_FILE: ")
     assert str(e.value).endswith(f"is readable by other users: chmod 600 {path}")
+
+
+@pytest.mark.parametrize("section, env, message", [
+    (None, {"MDIEDGE_SECRET": "x" * 5000},
+     "$MDIEDGE_SECRET: expected a secret of at most 4096 bytes, got 5000 bytes"),
+    (None, {"MDIEDGE_SECRET": "0123456789\tabcdef"},
+     "$MDIEDGE_SECRET: the secret is not printable text (a control character at byte 10; "),
+    (WorkerSettings(secret="0123456789abcdef\x00"), {},
+     "<settings>: worker.secret: the secret is not printable text (a control character at "
+     "byte 16; "),
+])
+def test_secrets_are_printable_and_bounded(section: Any, env: Any, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        read_secret(section, env)
+    assert str(e.value).startswith(message)
 
 
 @pytest.mark.parametrize("where,section,env", [

@@ -102,3 +102,11 @@ def test_an_api_key_fifo(tmp_path: Path) -> None:
     os.mkfifo(fifo, 0o600)
     assert run("serve", "--port", "0", "--api-key-file", str(fifo)) == [
         f"mdiedge: error: --api-key-file {fifo} is not a regular file"]
+
+
+def test_a_tokenizer_fifo(tmp_path: Path) -> None:
+    fifo = tmp_path / "tokenizer.json"
+    os.mkfifo(fifo)
+    assert run("generate", "hi", "-n", "1", "--nodes", "1", "--model",
+               str(ROOT / "models" / "nanollama"), "--tokenizer", str(fifo)) == [
+        f"mdiedge: error: {fifo}: not a regular file (a FIFO)"]

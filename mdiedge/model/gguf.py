@@ -1,9 +1,11 @@
 """GGUF files (llama.cpp's format): the model's config from the file's metadata, its tensors
 memory-mapped and answered under Hugging Face names.
 
-Parsing is the ``gguf`` package's (llama.cpp's own reader), with every read bounds-checked and
+Parsing is the ``gguf`` package's (llama.cpp's own reader), with every read bounds-checked, the
+header's limits and the tensors' data regions checked (``mdiedge.model.gguf_checks``), and
 the vocabulary's string arrays skipped (the tokenizer reads them; the config needs only their
-length), so that opening a file costs its metadata, not its vocabulary. A tensor is read when
+length), so that opening a file costs its metadata, not its vocabulary; a numeric array
+becomes Python numbers only when a reader asks for it (``Metadata``). A tensor is read when
 asked for: de-quantized to float32 (``GGUFSource.get``), or as the file's bytes
 (``GGUFSource.raw``, for kernels that keep blocks quantized). Which family reads a file, and
 its tensors' names, are the families' declarations (``mdiedge.model.families``); RMSNorm

@@ -15,6 +15,7 @@ ALIGNMENT = 32
 HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, metadata entry count
 UINT8, UINT32, FLOAT32, STRING, ARRAY, UINT64 = 0, 4, 6, 8, 9, 10  # GGUF value types
 TYPE_SIZES = {UINT8: 1, UINT32: 4, FLOAT32: 4, UINT64: 8}
+SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # fixed-size types
 
 
 def gguf_string(text: Union[str, bytes]) -> bytes:
@@ -105,10 +106,14 @@ def _skip_value(data: bytes, pos: int, kind: int, lengths: List[int]) -> int:
         item, count = struct.unpack_from("<IQ", data, pos)
         lengths.append(pos + 4)
         pos += 12
+        if item in SIZES:
+            return pos + count * SIZES[item]
         for _ in range(count):
             pos = _skip_value(data, pos, item, lengths if item != STRING else [])
+            if pos > len(data):
+                raise ValueError("an array past the end of the file")
         return pos
-    return pos + {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}[kind]
+    return pos + SIZES[kind]
 
 
 def set_offset(data: bytes, name: str, offset: int) -> bytes:

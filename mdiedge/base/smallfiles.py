@@ -33,16 +33,25 @@ def read_small_file(path: Path, limit: int, shown: str,
     file's. OSError (not found, not permitted) is the caller's to word."""
     fd = os.open(str(path), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
                  | getattr(os, "O_CLOEXEC", 0))
-    with os.fdopen(fd, "rb") as f:
+    try:
         info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise IsADirectoryError(21, "Is a directory", str(path))
         if not stat.S_ISREG(info.st_mode):
             raise ConfigError(f"{shown}: not a regular file ({kind_of(info)})")
         if check is not None:
             check(info)
-        data = f.read(limit + 1) if info.st_size <= limit else b""
-        if info.st_size > limit or len(data) > limit:
-            raise ConfigError(f"{shown}: too large ({max(info.st_size, len(data))} bytes; "
-                              f"at most {limit})")
+        data = b""
+        while info.st_size <= limit and len(data) <= limit:  # a file may grow as it is read
+            more = os.read(fd, limit + 1 - len(data))
+            if not more:
+                break
+            data += more
+    finally:
+        os.close(fd)
+    if info.st_size > limit or len(data) > limit:
+        raise ConfigError(f"{shown}: too large ({max(info.st_size, len(data))} bytes; "
+                          f"at most {limit})")
     return data
 
 

@@ -170,8 +170,8 @@ def _nested(path: Path, depth: int) -> Path:
 @pytest.mark.parametrize("depth", [2, 440, 5000])
 def test_nested_arrays_are_one_line(tmp_path: Path, depth: int) -> None:
     path = _nested(tmp_path / f"nested{depth}.gguf", depth)
-    message = (f"{path}: GGUF metadata cut short or corrupt at 'general.nested' (an array of "
-               f"arrays, which GGUF files do not hold: llama.cpp refuses them)")
+    message = (f"{path}: metadata 'general.nested' holds an array of arrays (GGUF nests none; "
+               f"llama.cpp refuses them)")
     with pytest.raises(CheckpointError) as e:
         load_config(path)
     assert str(e.value) == message
@@ -188,6 +188,6 @@ def test_nested_arrays_through_the_cli(tmp_path: Path) -> None:
                               env=dict(os.environ, PYTHONPATH=str(ROOT)))
         assert done.returncode == 1
         assert done.stderr.splitlines() == [
-            f"mdiedge: error: {path}: GGUF metadata cut short or corrupt at 'general.nested' "
-            f"(an array of arrays, which GGUF files do not hold: llama.cpp refuses them)"], \
+            f"mdiedge: error: {path}: metadata 'general.nested' holds an array of arrays (GGUF "
+            f"nests none; llama.cpp refuses them)"], \
             done.stderr

@@ -467,12 +467,26 @@ def secret_file(tmp_path: Path, data: bytes, mode: int = 0o600, name: str = "sec
     (SECRET.encode() + b"\n", SECRET.encode()),
     (SECRET.encode(), SECRET.encode()),
     (SECRET.encode() + b"\r\n", SECRET.encode()),
-    (SECRET.encode() + b"\n\n", SECRET.encode() + b"\n"),  # one newline only
-    (b"\x00\xff" * 8, b"\x00\xff" * 8),  # any bytes
+    ("pässwörd-ünicode-✓".encode(), "pässwörd-ünicode-✓".encode()),  # printable text
 ])
 def test_secret_file_ok(tmp_path: Path, data: bytes, expected: bytes) -> None:
     path = secret_file(tmp_path, data)
     assert read_secret(WorkerSettings(secret_file=str(path)), env={}) == expected
+
+
+@pytest.mark.parametrize("data,reason", [
+    (SECRET.encode() + b"\n\n", "not printable text (a control character at byte 16; "),
+    (b"\x00\xff" * 8, "not printable text (not UTF-8 at byte 1; "),
+    (bytes(300_000), "too large (300000 bytes; at most 4096)"),
+    (b"a" * 4097, "too large (4097 bytes; at most 4096)"),
+])
+def test_secret_file_refused(tmp_path: Path, data: bytes, reason: str) -> None:
+    """A secret file holds at most 4 KiB of printable text (issue 45, finding 9)."""
+    path = secret_file(tmp_path, data)
+    with pytest.raises(ConfigError) as e:
+        read_secret(WorkerSettings(secret_file=str(path), source="f.toml"), env={})
+    assert str(e.value).startswith("f.toml: worker.secret_file: ")
+    assert reason in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620, 0o660])
@@ -526,6 +540,21 @@ def test_secret_env_file_checked(tmp_path: Path) -> None:
         read_secret(None, {"MDIEDGE_SECRET_FILE": str(path)})
     assert str(e.value).startswith("$MDIEDGE_SECRET_FILE: ")
     assert str(e.value).endswith(f"is readable by other users: chmod 600 {path}")
+
+
+@pytest.mark.parametrize("section, env, message", [
+    (None, {"MDIEDGE_SECRET": "x" * 5000},
+     "$MDIEDGE_SECRET: expected a secret of at most 4096 bytes, got 5000 bytes"),
+    (None, {"MDIEDGE_SECRET": "0123456789\tabcdef"},
+     "$MDIEDGE_SECRET: the secret is not printable text (a control character at byte 10; "),
+    (WorkerSettings(secret="0123456789abcdef\x00"), {},
+     "<settings>: worker.secret: the secret is not printable text (a control character at "
+     "byte 16; "),
+])
+def test_secrets_are_printable_and_bounded(section: Any, env: Any, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        read_secret(section, env)
+    assert str(e.value).startswith(message)
 
 
 @pytest.mark.parametrize("where,section,env", [
@@ -949,14 +978,16 @@ def test_check_config_unreadable_secret_file(tmp_path: Path,
     """``config check`` run by a user who may not read a root-only secret file says so."""
     path = secret_file(tmp_path, SECRET.encode(), 0o600)
     config = write(tmp_path, f'[worker]\nsecret_file = "{path}"\n')
-    read_bytes = Path.read_bytes
+    from mdiedge.base import settings
 
-    def fake_read_bytes(self: Path) -> bytes:
-        if self == path:
-            raise PermissionError(13, "Permission denied", str(self))
-        return read_bytes(self)
+    read = settings.read_small_file
 
-    monkeypatch.setattr(Path, "read_bytes", fake_read_bytes)
+    def fake_read(file: Path, *args: Any, **kwargs: Any) -> bytes:
+        if file == path:
+            raise PermissionError(13, "Permission denied", str(file))
+        return read(file, *args, **kwargs)
+
+    monkeypatch.setattr(settings, "read_small_file", fake_read)
     assert "not readable by this user, unchecked" in check_config(config)
     with pytest.raises(ConfigError, match=r"worker\.secret_file: cannot read secret file .*"
                                           r"Permission denied$"):

@@ -112,6 +112,20 @@ ACCEPT_BACKOFF_S = (0.05, 1.0)  # an accept that fails for want of descriptors o
 LOG_SUMMARY_S = 10.0  # repeated refusals are logged once, then summarised once per this
 LIMIT_NOFILE = 65536  # the systemd units' LimitNOFILE (systemd's default soft limit is 1024)
 
+# the files a person writes (mdiedge.base.smallfiles): regular files of at most these sizes
+MAX_CONFIG_BYTES = 1 << 20  # a TOML config file
+MAX_SECRET_BYTES = 4 << 10  # a ring secret (a file, a --secret-fd pipe, inline) or an API key
+
+# what a GGUF file's header may hold (mdiedge.model.gguf): more is refused with one line, so
+# that a hostile file costs memory in proportion to its size (GGUF nests no arrays: an array
+# of arrays is refused, as llama.cpp does)
+GGUF_MAX_KEYS = 1 << 16  # metadata entries (a model's: about 40)
+GGUF_MAX_TENSORS = 1 << 16  # tensors (a large MoE's: about 1,100)
+GGUF_MAX_ARRAY = 1 << 21  # entries of one metadata array (the largest vocabularies: 262,144)
+GGUF_MAX_STRING = 64 << 20  # bytes of one metadata string (a key, a template, a tokenizer.json)
+GGUF_MAX_HEADER = 256 << 20  # bytes of the header: metadata and tensor descriptions
+GGUF_MAX_DIMS = 4  # dimensions of a tensor (ggml's GGML_MAX_DIMS)
+
 # the OpenAI API
 API_HEAD_TIMEOUT_S = 10.0  # a connection's request line and headers arrive within this, or it
 #                            closes

@@ -49,12 +49,14 @@ from pathlib import Path
 from typing import (Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Optional,
                     Sequence, Tuple, Union)
 
-from .defaults import (BUSY_POLL_US, CPU_DOTS, IDLE_TIMEOUT_S, MAX_BUSY_POLL_US, MAX_PAYLOAD,
-                       MAX_THREADS, PREFILL_CHUNK, REBALANCE_MARGIN, RING_TIMEOUT_S, STALL_S,
+from .defaults import (BUSY_POLL_US, CPU_DOTS, IDLE_TIMEOUT_S, MAX_BUSY_POLL_US,
+                       MAX_CONFIG_BYTES, MAX_PAYLOAD, MAX_SECRET_BYTES, MAX_THREADS,
+                       PREFILL_CHUNK, REBALANCE_MARGIN, RING_TIMEOUT_S, STALL_S,
                        STARTER_CONTROL_PORT, WORKER_CONTROL_PORT, WORKER_DATA_PORT)
 from .dtypes import COMPUTE_NAMES, QUANTIZERS
 from .errors import BadValue, ConfigError
 from .nodes import COMPRESSION_NAMES, NodeSpec
+from .smallfiles import check_secret, read_small_file
 from .values import (MIN_SECRET_BYTES, Check, boolean, choice, device_name, fraction,
                      host_name, integer, layer_range, parse_bytes, positive, secret_value, show,
                      size, string)
@@ -299,7 +301,7 @@ def _workers(raw: Any, source: str) -> Tuple[NodeSpec, ...]:
 
 def _read_toml(path: Path, source: str) -> Dict[str, Any]:
     try:
-        data = path.read_bytes()
+        data = read_small_file(path, MAX_CONFIG_BYTES, source)
     except FileNotFoundError:
         raise ConfigError(f"{source}: file not found") from None
     except IsADirectoryError:
@@ -386,13 +388,13 @@ def read_secret(section: Optional[Section],
         where = f"{section.source or '<settings>'}: {section.TABLE}"
         if section.secret is not None:
             _inline_secret_private(section)
-            return _check_length(section.secret.encode("utf-8", "surrogatepass"),
+            return check_secret(section.secret.encode("utf-8", "surrogatepass"),
                                  f"{where}.secret")
         if section.secret_file is not None:
             return _secret_file(section.secret_file, f"{where}.secret_file")
     value = env.get(ENV_SECRET)
     if value:
-        return _check_length(value.encode("utf-8", "surrogateescape"), f"${ENV_SECRET}")
+        return check_secret(value.encode("utf-8", "surrogateescape"), f"${ENV_SECRET}")
     value = env.get(ENV_SECRET_FILE)
     if value:
         return _secret_file(value, f"${ENV_SECRET_FILE}")
@@ -414,13 +416,6 @@ def _inline_secret_private(section: Section) -> None:
                           f"{section.source}, or move the secret to a secret_file")
 
 
-def _check_length(secret: bytes, where: str) -> bytes:
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ConfigError(f"{where}: expected a secret of at least {MIN_SECRET_BYTES} bytes, "
-                          f"got {len(secret)} bytes")
-    return secret
-
-
 def check_private(info: os.stat_result, shown: str, path: str) -> None:
     """The one rule for a file that holds a secret (the ring's secret, the API key): a regular
     file that its owner alone may read; ``shown`` names it in the error."""
@@ -439,15 +434,18 @@ def _secret_file(name: str, where: str, read: bool = True) -> Optional[bytes]:
     info = _secret_io(path.stat, "stat", name, where, read)
     if info is None:
         return None
-    check_private(info, f"{where}: secret file {name!r}", name)
-    data = _secret_io(path.read_bytes, "read", name, where, read)
+    shown = f"{where}: secret file {name!r}"
+    check_private(info, shown, name)
+    data = _secret_io(lambda: read_small_file(path, MAX_SECRET_BYTES, shown,
+                                              lambda opened: check_private(opened, shown, name)),
+                      "read", name, where, read)
     if data is None:
         return None
     if data.endswith(b"\r\n"):
         data = data[:-2]
     elif data.endswith(b"\n"):
         data = data[:-1]
-    return _check_length(data, where)
+    return check_secret(data, where)
 
 
 def _secret_io(action: Callable[[], Any], verb: str, name: str, where: str, read: bool) -> Any:

@@ -172,6 +172,9 @@ def secret_value(value: Any) -> str:
     n = len(value.encode("utf-8", "surrogatepass"))
     if n < MIN_SECRET_BYTES:
         raise BadValue(f"a secret of at least {MIN_SECRET_BYTES} bytes", f"{n} bytes (not shown)")
+    if not value.isprintable():
+        raise BadValue("a secret of printable text", f"{n} bytes with a control character "
+                       f"(not shown)")
     return value
 
 

@@ -111,20 +111,21 @@ def _secret_from_fd(fd: int) -> bytes:
     """The secret written to inherited descriptor ``fd`` (read to its end, then closed; a
     standard stream is left open on /dev/null): the secret stays out of the environment and
     the command line."""
-    from ..base.errors import UsageError
-    from ..base.settings import MIN_SECRET_BYTES
+    from ..base.defaults import MAX_SECRET_BYTES
+    from ..base.errors import ConfigError, UsageError
+    from ..base.smallfiles import check_secret
 
     try:
         with os.fdopen(fd, "rb") as pipe:
-            secret = pipe.read().rstrip(b"\n")
+            secret = pipe.read(MAX_SECRET_BYTES + 3).rstrip(b"\r\n")  # + CR LF, + 1
     except OSError as e:
         raise UsageError(f"--secret-fd {fd}: cannot read the secret: {e.strerror or e}") from None
     if fd <= 2:
         _reopen_devnull(fd)
-    if len(secret) < MIN_SECRET_BYTES:
-        raise UsageError(f"--secret-fd {fd}: expected a secret of at least {MIN_SECRET_BYTES} "
-                          f"bytes, got {len(secret)} bytes")
-    return secret
+    try:
+        return check_secret(secret, f"--secret-fd {fd}")
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
 
 
 def _reopen_devnull(fd: int) -> None:

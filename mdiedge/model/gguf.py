@@ -1,9 +1,11 @@
 """GGUF files (llama.cpp's format): the model's config from the file's metadata, its tensors
 memory-mapped and answered under Hugging Face names.
 
-Parsing is the ``gguf`` package's (llama.cpp's own reader), with every read bounds-checked and
+Parsing is the ``gguf`` package's (llama.cpp's own reader), with every read bounds-checked, the
+header's limits and the tensors' data regions checked (``mdiedge.model.gguf_checks``), and
 the vocabulary's string arrays skipped (the tokenizer reads them; the config needs only their
-length), so that opening a file costs its metadata, not its vocabulary. A tensor is read when
+length), so that opening a file costs its metadata, not its vocabulary; a numeric array
+becomes Python numbers only when a reader asks for it (``Metadata``). A tensor is read when
 asked for: de-quantized to float32 (``GGUFSource.get``), or as the file's bytes
 (``GGUFSource.raw``, for kernels that keep blocks quantized). Which family reads a file, and
 its tensors' names, are the families' declarations (``mdiedge.model.families``); RMSNorm
@@ -19,8 +21,9 @@ import re
 import struct
 import sys
 from collections import Counter
+from collections.abc import MutableMapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -30,6 +33,8 @@ from ..base.errors import CheckpointError, ConfigError
 from .config import ModelConfig
 from .families import by_gguf_architecture, config_from_hf, family_of
 from .families.spec import Family
+from .gguf_checks import (check_count, check_header, check_overlaps, check_tensor_info,
+                          header_limit, key_limit, out_of_file, tensor_region, value_limit)
 from .tensors import TensorSource, expected_shape, tensor_plan  # noqa: F401
 
 if TYPE_CHECKING:
@@ -64,13 +69,6 @@ def _u64(byte_order: str) -> str:
     return (host if byte_order == "I" else {"<": ">", ">": "<"}[host]) + "Q"
 
 
-def _out_of_file(start: int, end: int, size: int) -> CheckpointError:
-    """A read of bytes [start, end) of a file of ``size`` bytes (``open_reader`` prefixes the
-    file's name)."""
-    return CheckpointError(f"truncated GGUF file, or an offset beyond its end (bytes "
-                           f"{start}..{end} asked for, the file has {size})")
-
-
 # GGUF headers parsed by this process, by file: ``ModelFile`` opens each file once (tests
 # and ``NodeStatus.file_reads`` read it)
 HEADERS_PARSED: Counter = Counter()
@@ -95,23 +93,35 @@ def _read_fields(reader: Any, offs: int, count: int) -> int:
     """gguf's ``_build_fields``: the ``count`` key/value fields from ``offs`` read into
     ``reader.fields``, an error naming the key it met; the offset after them."""
     gguf = _gguf_package()
-    key = "the header"
+    check_count(count, "keys")
+    key, limit = "the header", None
     try:
-        for _ in range(int(count)):
+        for index in range(int(count)):
             start = offs
+            limit = key_limit(int(reader._get(offs, np.uint64)[0]), index)
+            if limit is not None:
+                break
             size, data = reader._get_str(offs)
             key = str(bytes(data), encoding="utf-8")
             kind = reader._get(offs + 8 + int(size[0]), np.uint32)
             offs += 12 + int(size[0])
+            limit = value_limit(reader, offs, int(kind[0]), key)
+            if limit is not None:
+                break
             length, parts, found, types = reader._get_field_parts(offs, int(kind[0]))
             reader._push_field(gguf.ReaderField(
                 start, key, [size, data, kind, *parts], [i + 3 for i in found], types),
                 skip_sum=True)
             offs += length
+            limit = header_limit(offs)
+            if limit is not None:
+                break
     except (CheckpointError, ValueError, KeyError, OverflowError) as e:
         detail = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
         raise CheckpointError(f"GGUF metadata cut short or corrupt at {key!r} "
                               f"({detail})") from None
+    if limit is not None:
+        raise CheckpointError(limit)
     return offs
 
 
@@ -121,10 +131,10 @@ def _skip_strings(reader: Any, offs: int, count: int) -> int:
     fmt = _u64(reader.byte_order)
     for _ in range(count):
         if offs + 8 > size:
-            raise _out_of_file(offs, offs + 8, size)
+            raise out_of_file(offs, offs + 8, size)
         offs += 8 + struct.unpack_from(fmt, view, offs)[0]
     if offs > size:
-        raise _out_of_file(offs, offs, size)
+        raise out_of_file(offs, offs, size)
     return offs
 
 
@@ -153,7 +163,7 @@ def _reader_class() -> type:
                  ) -> np.ndarray:
             end = int(offset) + np.dtype(dtype).itemsize * int(count)
             if end > len(self.data):
-                raise _out_of_file(int(offset), end, len(self.data))
+                raise out_of_file(int(offset), end, len(self.data))
             return super()._get(offset, dtype, count, override_order)
 
         def _build_fields(self, offs: int, count: int) -> int:
@@ -161,11 +171,19 @@ def _reader_class() -> type:
 
         def _get_tensor_info_field(self, orig_offs: int) -> Any:
             field = super()._get_tensor_info_field(orig_offs)
-            kind = int(field.parts[4][0])
-            if kind not in known:
-                name = bytes(field.parts[1]).decode("utf-8", "replace")
-                raise CheckpointError(f"tensor {name!r} has an unknown ggml type {kind}")
+            check_tensor_info(field, known)
             return field
+
+        def _build_tensor_info(self, offs: int, count: int) -> Tuple[int, list]:
+            check_count(count, "tensors")
+            end, fields = super()._build_tensor_info(offs, count)
+            check_header(end)
+            return end, fields
+
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            check_overlaps([tensor_region(gguf, field, start_offs, int(self.alignment),
+                                          len(self.data)) for field in fields])
+            super()._build_tensors(start_offs, fields)
 
         def _get_field_parts(self, orig_offs: int, raw_type: int) -> Tuple[int, list, list, list]:
             if raw_type != array:
@@ -175,9 +193,6 @@ def _reader_class() -> type:
             types = [gguf.GGUFValueType(raw_type), gguf.GGUFValueType(int(itype[0]))]
             if types[1] == string:
                 return _skip_strings(self, start, count) - orig_offs, [itype, length], [], types
-            if types[1] == array:
-                raise CheckpointError("an array of arrays, which GGUF files do not hold: "
-                                      "llama.cpp refuses them")
             values = self._get(start, self.gguf_scalar_to_np[types[1]], count)
             return 12 + int(values.nbytes), [itype, length, values], [2], types
 
@@ -221,15 +236,44 @@ def string_array(reader: Any, key: str) -> List[str]:
 # --------------------------------------------------------------------------- config
 
 
-def metadata(reader: Any) -> Dict[str, Any]:
-    """The file's key/value metadata: scalars and numeric arrays by value, a string array as
-    its length (the vocabulary)."""
-    out: Dict[str, Any] = {}
+class Metadata(MutableMapping):
+    """A GGUF file's key/value metadata. A numeric array becomes a list when first read (its
+    numbers are a view of the file's map until then), so that arrays no reader asks for
+    cost nothing: a file may hold megabytes of them."""
+
+    def __init__(self) -> None:
+        self._values: Dict[str, Any] = {}
+
+    def __getitem__(self, key: str) -> Any:
+        value = self._values[key]
+        if isinstance(value, np.ndarray):
+            value = self._values[key] = value.tolist()
+        return value
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._values[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+def metadata(reader: Any) -> Metadata:
+    """The file's key/value metadata: scalars by value, numeric arrays by value when read, a
+    string array as its length (the vocabulary)."""
+    out = Metadata()
     for name, field in reader.fields.items():
         if name.startswith("GGUF."):
             continue
-        if len(field.types) > 1 and not field.data:  # a skipped string array
-            out[name] = int(field.parts[-1][0])
+        if len(field.types) > 1:
+            # a skipped string array, else a numeric one (``_reader_class``: parts are its
+            # item type, its length, its numbers)
+            out[name] = np.asarray(field.parts[-1]) if field.data else int(field.parts[-1][0])
             continue
         try:
             out[name] = field.contents()

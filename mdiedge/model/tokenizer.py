@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar, Union
 
 from ..base.errors import CheckpointError, TokenizerError
+from ..base.smallfiles import kind_of
 from . import gguf_vocab
 from .modelfile import model_file
 
@@ -257,7 +258,8 @@ def load_tokenizer(model_path: Path, tokenizer: Optional[Union[str, Path]] = Non
     if tokenizer is not None:
         path = Path(tokenizer).expanduser()
         if not path.is_file():
-            raise TokenizerError(f"{path}: tokenizer file not found")
+            raise TokenizerError(f"{path}: not a regular file ({kind_of(path.stat())})"
+                                 if path.exists() else f"{path}: tokenizer file not found")
         if gguf_vocab.is_gguf(path):
             return gguf_tokenizer(path)
         config = read_tokenizer_config(path.parent)

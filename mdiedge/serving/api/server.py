@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple
 from ...base import defaults
 from ...base.backoff import is_shortage
 from ...base.memory import give_back_free_memory, limit_heap_arenas
-from ...base.defaults import API_HEAD_TIMEOUT_S, API_START_TIMEOUT_S
+from ...base.defaults import API_HEAD_TIMEOUT_S, API_START_TIMEOUT_S, MAX_SECRET_BYTES
 from ...base.errors import ConfigError
 from ...base.ratelog import Throttled
 from ...base.settings import check_private
+from ...base.smallfiles import read_small_file
 from .rules import ServeLimits
 
 if TYPE_CHECKING:
@@ -36,17 +37,20 @@ def read_api_key(path: Optional[str]) -> Optional[str]:
     Never from the command line: argv is visible to every user (``ps``). The file must be a
     regular file its owner alone may read, as the ring's secret file."""
     if path:
-        file = Path(path).expanduser()
+        file, shown = Path(path).expanduser(), f"--api-key-file {path}"
         try:
-            check_private(file.stat(), f"--api-key-file {path}", path)
-            lines = file.read_text(encoding="utf-8").splitlines()
+            check_private(file.stat(), shown, path)
+            lines = read_small_file(file, MAX_SECRET_BYTES, shown, lambda info: check_private(
+                info, shown, path)).decode("utf-8").splitlines()
             key = lines[0].strip() if lines else ""
         except OSError as e:
-            raise ConfigError(f"--api-key-file {path}: {e.strerror or e}") from None
+            raise ConfigError(f"{shown}: {e.strerror or e}") from None
         except UnicodeDecodeError:
-            raise ConfigError(f"--api-key-file {path}: not UTF-8 text") from None
+            raise ConfigError(f"{shown}: not UTF-8 text") from None
         if not key:
-            raise ConfigError(f"--api-key-file {path}: the file is empty")
+            raise ConfigError(f"{shown}: the file is empty")
+        if not key.isprintable():
+            raise ConfigError(f"{shown}: the key is not printable text")
         return key
     return os.environ.get(API_KEY_ENV, "").strip() or None
 

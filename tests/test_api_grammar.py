@@ -18,8 +18,8 @@ import pytest
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
-from tests.commands import MDIEDGE  # noqa: E402
-from tests.smollm2 import gguf_file  # noqa: E402
+from commands import MDIEDGE  # noqa: E402
+from smollm2 import gguf_file  # noqa: E402
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 20},

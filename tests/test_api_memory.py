@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from mdiedge.base import defaults
-from tests.commands import MDIEDGE
+from commands import MDIEDGE
 
 
 def rss_mb(pid: int) -> float:

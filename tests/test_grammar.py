@@ -17,7 +17,7 @@ from mdiedge.base import defaults  # noqa: E402
 from mdiedge.base.errors import GenerationError  # noqa: E402
 from mdiedge.model.grammar import Grammar, GrammarError  # noqa: E402
 from mdiedge.model.tokenizer import load_tokenizer  # noqa: E402
-from tests.smollm2 import gguf_file  # noqa: E402
+from smollm2 import gguf_file  # noqa: E402
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer"}},

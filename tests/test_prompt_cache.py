@@ -20,7 +20,7 @@ from mdiedge.engine.local import LocalEngine
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.runtime.generation import Generation
 from mdiedge.runtime.promptcache import PromptCache, Reuse, best_reuse, shared_prefix
-from tests.commands import MDIEDGE
+from commands import MDIEDGE
 
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in "
          "the park with her friends. One day, ")

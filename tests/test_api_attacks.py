@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from mdiedge.serving.api import app as api_app
+from mdiedge.serving.api import bodies as api_bodies
 from mdiedge.serving.api import server as api_server
 from mdiedge.serving.api.rules import ServeLimits
 from mdiedge.serving.api.server import Api, listen
@@ -127,7 +127,7 @@ def wait_closed(sock: socket.socket, within: float) -> float:
 
 def test_silent_and_slow_clients_are_cut_off(api: Api, monkeypatch: Any) -> None:
     monkeypatch.setattr(api_server, "API_HEAD_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(api_app, "API_BODY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(api_bodies, "API_BODY_TIMEOUT_S", 0.5)
     host, port = api.server.host, api.server.port
     silent = socket.create_connection((host, port))
     slow = socket.create_connection((host, port))

@@ -347,7 +347,8 @@ class Scheduler(SchedulerRequests):
 
     @property
     def slots_in_use(self) -> int:
-        return self._live
+        """KV rows held on each node: live samples' and the prompt cache's."""
+        return self._live + len(self.cache)
 
     # ----------------------------------------------------------------- one step
 

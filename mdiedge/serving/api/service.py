@@ -13,6 +13,7 @@ KV rows on every node.
 from __future__ import annotations
 
 import asyncio
+import logging
 import hashlib
 import threading
 import time
@@ -33,6 +34,7 @@ from .responses import Usage
 from .rules import ServeLimits, retry_after_s, slot_context
 from .schema import Options
 
+log = logging.getLogger("mdiedge.api")
 _DONE = object()
 
 
@@ -255,6 +257,9 @@ class ApiService:
         try:
             return Grammar(self.engine.tokenizer, self.engine.cfg.vocab_size, kind, source)
         except GrammarError as e:
+            if field == "tool_choice":  # implied, not asked for: the call is only asked for
+                log.warning("tool_choice: a call cannot be enforced (%s); asking for it only", e)
+                return None
             raise ApiError(400, f"{field}: {e}", field, "invalid_grammar") from None
 
     async def start(self, prompt: Union[str, Prompt], options: Options,

@@ -11,7 +11,7 @@ one that does not compile, is a ``GrammarError`` naming where, never a hang.
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -22,14 +22,6 @@ from ..base.errors import GenerationError, GrammarError
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "gbnf", "lark", "regex")
 ANY_JSON_OBJECT = {"type": "object"}  # response_format json_object: any object
-
-
-def available() -> bool:
-    try:
-        import llguidance  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _llguidance() -> Any:
@@ -178,6 +170,3 @@ class Constraint:
         if self.matcher.is_error():
             raise GenerationError(f"grammar: {_one_line(self.matcher.get_error())}")
 
-
-def constraint_for(grammar: Optional[Grammar]) -> Optional[Constraint]:
-    return None if grammar is None else grammar.matcher()

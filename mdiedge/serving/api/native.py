@@ -29,9 +29,9 @@ IGNORED_NATIVE = ("n_keep", "n_indent", "tfs_z", "typical_p", "repeat_last_n", "
                   "post_sampling_probs", "response_fields", "lora", "t_max_predict_ms",
                   "image_data", "timings_per_token", "top_n_sigma", "min_keep",
                   "return_progress", "n_cmpl", "n_cache_reuse", "cache_reuse")
-RENAMED = {"n_predict": "max_tokens", "repeat_penalty": "repeat_penalty", "n_probs": "logprobs"}
-KEPT = ("temperature", "top_k", "top_p", "min_p", "stop", "stream", "presence_penalty",
-        "frequency_penalty", "grammar", "json_schema", "cache_prompt", "model")
+RENAMED = {"n_predict": "max_tokens", "n_probs": "logprobs"}
+KEPT = ("temperature", "repeat_penalty", "top_k", "top_p", "min_p", "stop", "stream",
+        "presence_penalty", "frequency_penalty", "grammar", "json_schema", "cache_prompt", "model")
 
 
 def openai_fields(body: Mapping[str, Any]) -> Dict[str, Any]:

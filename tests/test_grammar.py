@@ -109,3 +109,26 @@ def test_a_sentencepiece_tokenizer_is_refused_in_one_line(stories: Any) -> None:
     piece = load_tokenizer(stories / "stories260K.bin", stories / "tok512.model")
     with pytest.raises(GrammarError, match="needs a Hugging Face tokenizer"):
         Grammar(piece, 512, "json_object", None)
+
+
+def test_drafts_are_masked_as_the_grammar_stands_after_each(tokenizer: Any) -> None:
+    """Row i masked after drafts 0..i-1; a draft outside the grammar leaves the rows after
+    it unmasked (never read: verification stops there); the matcher ends where it began."""
+    from mdiedge.model.speculative import greedy_accept
+
+    constraint = Grammar(tokenizer, 49152, "gbnf", 'root ::= "red" | "green"').matcher()
+    good = tokenizer.encode("green")
+    logits = torch.zeros(len(good) + 2, 49152)
+    rows = constraint.masked_drafts(logits, good + [tokenizer.encode("x")[0]])
+    for i, token in enumerate(good):
+        assert rows[i, token] == 0 and int((rows[i] == 0).sum()) < 49152
+    assert bool(torch.isinf(rows[:len(good)]).any())
+    assert not bool(torch.isinf(rows[len(good) + 1]).any())  # after the refused draft
+    assert {tokenizer.token(i) for i in constraint.allowed().nonzero().flatten().tolist()} >= \
+        {tokenizer.token(good[0])}  # back at the start
+    bad = tokenizer.encode("blue")
+    masked = constraint.masked_drafts(torch.zeros(len(bad) + 1, 49152), bad)
+    assert torch.isinf(masked[0, bad[0]])
+    assert greedy_accept(bad, masked.argmax(dim=-1).tolist())[0] != bad[0]
+    constraint.take(good)
+    assert constraint.finished

@@ -157,6 +157,24 @@ class Constraint:
             allowed = torch.cat([allowed, allowed.new_zeros(width - allowed.shape[0])])
         return logits.masked_fill(~allowed[:width], float("-inf"))
 
+    def masked_drafts(self, logits: Tensor, drafts: Sequence[int]) -> Tensor:
+        """A verification's ``logits`` (len(drafts) + 1 or more, vocab), each row masked as
+        the grammar stands after the drafts before it; rows after a draft the grammar
+        refuses, or after it is complete, stay as they are (verification stops there: a
+        draft outside the grammar has probability 0 and is rejected). The matcher ends
+        where it began."""
+        rows, followed = logits.clone(), 0
+        for i in range(len(drafts) + 1):
+            if self.matcher.is_stopped():
+                break
+            rows[i] = self.mask(logits[i])
+            if i == len(drafts) or not self.matcher.try_consume_tokens([int(drafts[i])]):
+                break
+            followed += 1
+        if followed:
+            self.matcher.rollback(followed)
+        return rows
+
     def take(self, tokens: Sequence[int]) -> None:
         """Follow the tokens sampled; a GenerationError when the grammar refuses one."""
         for token in tokens:

@@ -275,10 +275,9 @@ class Generation:
 
     def constrain(self, grammar: Any) -> None:
         """Hold every sample's tokens to ``grammar`` (``mdiedge.model.grammar.Grammar``);
-        drafted tokens are not checked against one, so it decodes without speculation."""
+        a drafted token outside it is rejected when verified."""
         for sample in self.samples:
             sample.constraint = grammar.matcher()
-        self.speculation = None
 
     def scored(self, logits: Tensor, tokens: Sequence[int]) -> Optional[List[TokenLogprob]]:
         """The log-probabilities of ``tokens`` under ``logits`` (one row each), when the
@@ -297,7 +296,10 @@ class Generation:
             self.end("cancelled", samples)  # "error" stays
             return
         for i, sample in enumerate(samples):
-            tokens = self.speculation.settle(sample.index, drafts[sample.sid], logits[i],
+            draft, rows = drafts[sample.sid], logits[i]
+            if sample.constraint is not None:
+                rows = sample.constraint.masked_drafts(rows, draft.proposal.tokens)
+            tokens = self.speculation.settle(sample.index, draft, rows,
                                              sample.generator, (sample.prompt, sample.tokens))
             self.take(sample, tokens, self.scored(logits[i], tokens))
 

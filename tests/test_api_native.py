@@ -108,7 +108,7 @@ def test_apply_template_and_props(base: str) -> None:
     ({"prompt": "x", "bogus": 1}, "unknown field 'bogus'"),
     ({"n_predict": 3}, "prompt: required"),
     ({"prompt": "x", "logit_bias": 5}, "logit_bias"),
-    ({"prompt": ["a", "b"]}, "one string per request"),
+    ({"prompt": ["a", "b"]}, "one prompt here, got 2"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
 ])
 def test_bad_native_bodies_are_400s(base: str, body: Dict[str, Any], message: str) -> None:

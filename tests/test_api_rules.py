@@ -47,8 +47,13 @@ def status_of(body: Dict[str, Any], chat: bool = False) -> ApiError:
     ({"prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias", "'x'"),
     ({"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias", "101"),
     ({"prompt": "x", "logit_bias": [1]}, 400, "logit_bias", "[1]"),
-    ({"prompt": "x", "echo": True}, 400, "echo", "True"),
-    ({"prompt": ["a", "b"]}, 400, "prompt", "['a', 'b']"),
+    ({"prompt": "x", "echo": 1}, 400, "echo", "1"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", "not computed"),
+    ({"prompt": "x", "best_of": 1, "n": 2}, 400, "best_of", "got 1"),
+    ({"prompt": "x", "best_of": 3, "stream": True}, 400, "best_of", "cannot be streamed"),
+    ({"prompt": ["a", 1]}, 400, "prompt", "['a', 1]"),
+    ({"prompt": [[1], []]}, 400, "prompt", "[[1], []]"),
+    ({"prompt": []}, 400, "prompt", "[]"),
     ({"prompt": "x", "stream_options": {"include_usage": 1}}, 400, "stream_options", "1"),
 ])
 def test_a_completion_body_that_does_not_fit_names_field_and_value(
@@ -65,7 +70,9 @@ def test_a_completion_body_is_read_with_defaults_and_neutral_fields() -> None:
         "seed": 3, "stop": "\n", "n": 2, "stream": True, "presence_penalty": 0,
         "frequency_penalty": 0.0, "logit_bias": {}, "user": "u", "echo": False,
         "stream_options": {"include_usage": True}, "top_k": None})
-    assert request.prompt == "Once"
+    assert request.prompts == ["Once"] and (request.echo, request.best_of) == (False, 2)
+    assert CompletionRequest.from_json({"prompt": [[1, 2], [3]]}).prompts == [(1, 2), (3,)]
+    assert CompletionRequest.from_json({"prompt": ["a", "b"]}).prompts == ["a", "b"]
     assert request.options == Options("m", 7, 0.0, 0.5, None, 3, ["\n"], 2, True, True)
     assert CompletionRequest.from_json({"prompt": "x"}).options == Options()
 

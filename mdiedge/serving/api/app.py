@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence, Union
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -35,6 +35,7 @@ from .toolreplies import ChoiceStream, reply
 from .tools import ToolRequest
 from ...model.stopping import TextStream
 from .service import ApiService, Run
+from .shapes import Shape, total_usage
 from ..service import status_body
 
 log = logging.getLogger("mdiedge.api")
@@ -98,8 +99,14 @@ class ApiRoutes:
 
     async def completions(self, request: Request) -> Response:
         body = CompletionRequest.from_json(await read_json(request, self.service.limits.max_body))
-        return await self.respond(request, self.service.prompt_of(body.prompt), body.options,
-                                  chat=False)
+        drawn = len(body.prompts) * body.best_of
+        if drawn > self.service.limits.slots and drawn > body.options.n:  # else: n's 400
+            raise ApiError(400, f"prompt: {len(body.prompts)} prompts of {body.best_of} samples "
+                           f"each need {drawn} KV slots, the server has "
+                           f"{self.service.limits.slots}", "prompt", "invalid_value")
+        prompts = [self.service.prompt_of(p) for p in body.prompts]
+        return await self.respond(request, prompts, body.options, chat=False,
+                                  shape=Shape(body.echo, body.best_of, body.options))
 
     async def chat(self, request: Request) -> Response:
         body = ChatRequest.from_json(await read_json(request, self.service.limits.max_body))
@@ -109,7 +116,7 @@ class ApiRoutes:
             body.options.output = ("json_schema", call, "tool_choice")
         body.options.stop = list(body.options.stop) + [
             s for s in self.service.template.stops if s not in body.options.stop]
-        return await self.respond(request, prompt, body.options, chat=True, tools=body.tools)
+        return await self.respond(request, [prompt], body.options, chat=True, tools=body.tools)
 
     async def metrics(self, request: Request) -> Response:
         return Response(await run_in_threadpool(self.service.metrics.render),
@@ -127,20 +134,42 @@ class ApiRoutes:
         return JSONResponse({"status": "unavailable", "error": why}, 503,
                             headers={"Retry-After": "5"})
 
-    async def respond(self, request: Request, prompt: Union[str, Prompt], options: Options,
-                      chat: bool, tools: Optional[ToolRequest] = None) -> Response:
-        run = await self.service.start(prompt, options, templated=chat)
-        first = await run.next(request.is_disconnected)
-        if first is None and run.error is not None:
-            raise api_error(run.error)
+    async def respond(self, request: Request, prompts: Sequence[Union[str, Prompt]],
+                      options: Options, chat: bool, tools: Optional[ToolRequest] = None,
+                      shape: Optional[Shape] = None) -> Response:
+        """Run ``prompts`` (each its own request to the scheduler, ``shape.best_of`` samples
+        each) and answer with their choices, in order, as one body or one stream."""
+        shape = shape or Shape(asked_logprobs=options.sampling.top_logprobs is not None)
+        runs = await self.start_all(prompts, shape.drawing(options), chat)
+        first = await runs[0].next(request.is_disconnected)
+        if first is None and runs[0].error is not None:
+            raise api_error(runs[0].error)
         if not options.stream:
-            stopped = self.shutdown_error(run)
-            if stopped is not None:
-                raise stopped
-            return JSONResponse(self.whole(run, chat, tools))
-        return StreamingResponse(self.events(run, first, options, chat, tools),
+            for run in runs[1:]:
+                while await run.next(request.is_disconnected) is not None:
+                    pass
+            for run in runs:
+                stopped = api_error(run.error) if run.error is not None \
+                    else self.shutdown_error(run)
+                if stopped is not None:
+                    raise stopped
+            return JSONResponse(self.whole(runs, chat, shape, tools))
+        return StreamingResponse(self.events(runs, first, options, chat, shape, tools),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def start_all(self, prompts: Sequence[Union[str, Prompt]], options: Options,
+                        chat: bool) -> List[Run]:
+        """A run for each prompt; when one is refused, those started are cancelled."""
+        runs: List[Run] = []
+        try:
+            for prompt in prompts:
+                runs.append(await self.service.start(prompt, options, templated=chat))
+        except BaseException:
+            for run in runs:
+                run.cancel()
+            raise
+        return runs
 
     def shutdown_error(self, run: Run) -> Optional[ApiError]:
         """A 503 for a request the server's shutdown cut short (its samples "cancelled"),
@@ -151,33 +180,33 @@ class ApiRoutes:
                             code="shutting_down", retry_after=5)
         return None
 
-    def whole(self, run: Run, chat: bool, tools: Optional[ToolRequest] = None) -> Dict[str, Any]:
-        assert run.generation is not None
+    def whole(self, runs: Sequence[Run], chat: bool, shape: Shape,
+              tools: Optional[ToolRequest] = None) -> Dict[str, Any]:
         choices = []
-        for sample in run.generation.samples:
-            text = self.service.engine.sample_text(sample)
-            choices.append(reply(Choice(sample.index, text, sample.finish_reason,
-                                        logprobs=self.logprobs(run, sample, text, chat)), tools))
+        for k, run in enumerate(runs):
+            assert run.generation is not None
+            kept = shape.kept(run.generation.samples)
+            for j, sample in enumerate(kept):
+                text = self.service.engine.sample_text(sample)
+                logprobs = self.logprobs(sample, text, chat) if shape.asked_logprobs else None
+                choices.append(reply(Choice(k * len(kept) + j, shape.echoed(run) + text,
+                                            sample.finish_reason, logprobs=logprobs), tools))
         kind = ChatCompletion if chat else Completion
         return kind(new_id("chatcmpl" if chat else "cmpl"), int(time.time()), self.service.name,
-                    choices, run.usage(), self.service.fingerprint).to_json()
+                    choices, total_usage(runs), self.service.fingerprint).to_json()
 
-    def logprobs(self, run: Run, sample: Any, text: str, chat: bool) -> Optional[Dict[str, Any]]:
-        """A whole answer's logprobs of ``sample`` (its ``text``), if the request asked."""
-        assert run.generation is not None
-        if run.generation.params.top_logprobs is None:
-            return None
+    def logprobs(self, sample: Any, text: str, chat: bool) -> Dict[str, Any]:
+        """A whole answer's logprobs of ``sample`` (its ``text``)."""
         items = entries(self.service.engine.tokenizer, sample.prompt, sample.logprobs,
                         len(text) if sample.finish_reason == "stop" else None)
         return (chat_logprobs if chat else completion_logprobs)(items)
 
-    async def events(self, run: Run, first: Any, options: Options, chat: bool,
-                     tools: Optional[ToolRequest] = None) -> AsyncIterator[bytes]:
-        """The stream: a chat's role chunks, then text as it is sampled, each sample's last
-        text and finish reason, the usage if asked, ``[DONE]``. A client that goes away
-        cancels the request (starlette cancels this generator)."""
-        generation = run.generation
-        assert generation is not None
+    async def events(self, runs: Sequence[Run], first: Any, options: Options, chat: bool,
+                     shape: Shape, tools: Optional[ToolRequest] = None) -> AsyncIterator[bytes]:
+        """The stream: a chat's role chunks, then each run's text as it is sampled (its
+        prompt first, if echoed), each sample's last text and finish reason, the usage if
+        asked, ``[DONE]``. A client that goes away cancels the requests (starlette cancels
+        this generator)."""
         ident, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
 
         def chunk(choices: Any, **extra: Any) -> bytes:
@@ -185,38 +214,57 @@ class ApiRoutes:
             return sse(kind(ident, created, self.service.name, choices,
                             system_fingerprint=self.service.fingerprint, **extra).to_json())
 
+        try:
+            if chat:
+                for index in range(options.n):
+                    yield chunk([Choice(index, "")], role=True)
+            for k, run in enumerate(runs):
+                item = first if k == 0 else await run.next(_never)
+                if shape.echo:
+                    for index in range(options.n):
+                        yield chunk([Choice(k * options.n + index, shape.echoed(run))])
+                async for choice in self.run_choices(run, item, options, chat, tools):
+                    if isinstance(choice, ApiError):
+                        yield sse(choice.to_json())
+                        return
+                    choice.index += k * options.n
+                    yield chunk([choice])
+            if options.include_usage:
+                yield chunk([], usage=total_usage(runs))
+            yield sse("[DONE]")
+        finally:
+            for run in runs:
+                run.cancel()  # nothing when it ended; else the client is gone
+
+    async def run_choices(self, run: Run, first: Any, options: Options, chat: bool,
+                          tools: Optional[ToolRequest]) -> AsyncIterator[Any]:
+        """One run's stream: its samples' text as it is sampled, then their last text and
+        finish reasons; an ApiError last where it failed."""
+        generation = run.generation
+        assert generation is not None
         tokenizer = self.service.engine.tokenizer
         streams = [TextStream(tokenizer, s.prompt, options.stop) for s in generation.samples]
         shapes = [ChoiceStream(s.index, tools) for s in generation.samples]
         logprobs = StreamedLogprobs(tokenizer, generation.samples, chat,
                                     generation.params.top_logprobs is not None)
-        try:
-            if chat:
-                for sample in generation.samples:
-                    yield chunk([Choice(sample.index, "")], role=True)
-            item = first
-            while item is not None:
-                logprobs.push(item[0])
-                for k, choice in enumerate(shapes[item[0]].push(streams[item[0]].push(item[1]))):
-                    choice.logprobs = logprobs.take(item[0]) if k == 0 else None
-                    yield chunk([choice])
-                item = await run.next(_never)
-            error = api_error(run.error) if run.error is not None else self.shutdown_error(run)
-            if error is not None:
-                yield sse(error.to_json())
-                return
-            for sample, stream, shape in zip(generation.samples, streams, shapes):
-                final = self.service.engine.sample_text(sample)
-                cut = len(final) if sample.finish_reason == "stop" else None
-                for k, choice in enumerate(shape.finish(stream.finish(final), final,
-                                                        sample.finish_reason)):
-                    choice.logprobs = logprobs.take(sample.index, cut) if k == 0 else None
-                    yield chunk([choice])
-            if options.include_usage:
-                yield chunk([], usage=run.usage())
-            yield sse("[DONE]")
-        finally:
-            run.cancel()  # nothing when it ended; else the client is gone
+        item = first
+        while item is not None:
+            logprobs.push(item[0])
+            for k, choice in enumerate(shapes[item[0]].push(streams[item[0]].push(item[1]))):
+                choice.logprobs = logprobs.take(item[0]) if k == 0 else None
+                yield choice
+            item = await run.next(_never)
+        error = api_error(run.error) if run.error is not None else self.shutdown_error(run)
+        if error is not None:
+            yield error
+            return
+        for sample, stream, shape in zip(generation.samples, streams, shapes):
+            final = self.service.engine.sample_text(sample)
+            cut = len(final) if sample.finish_reason == "stop" else None
+            for k, choice in enumerate(shape.finish(stream.finish(final), final,
+                                                    sample.finish_reason)):
+                choice.logprobs = logprobs.take(sample.index, cut) if k == 0 else None
+                yield choice
 
 
 async def _never() -> bool:

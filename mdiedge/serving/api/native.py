@@ -92,7 +92,8 @@ class NativeRoutes:
         parsed = CompletionRequest.from_json(dict(openai_fields(body), prompt=body["prompt"]))
         options = parsed.options
         options.ignore_eos = body.get("ignore_eos") is True
-        run = await self.service.start(self.service.prompt_of(parsed.prompt), options)
+        run = await self.service.start(self.service.prompt_of(token_prompt(body["prompt"])),
+                                       options)
         first = await run.next(request.is_disconnected)
         if first is None and run.error is not None:
             raise api_error(run.error)

@@ -57,7 +57,6 @@ COMMON: Dict[str, _Check] = {
 }
 # accepted and ignored only with a value that changes nothing; any other value is a 400
 NEUTRAL: Dict[str, Tuple[Any, ...]] = {
-    "echo": (False,), "best_of": (1,),
     "suffix": ("",),
 }
 # fields OpenAI's clients send that change nothing here: accepted with any value, ignored
@@ -68,7 +67,10 @@ IGNORED = ("store", "metadata", "service_tier", "user", "reasoning_effort", "mod
 # back an answer it got)
 IGNORED_IN_MESSAGES = ("refusal", "annotations", "audio")
 COMPLETION_FIELDS = dict(COMMON, **SAMPLING_FIELDS, **COMPLETION_LOGPROBS,
-                         prompt=(lambda v: isinstance(v, (str, list)), "a string"))
+                         prompt=(lambda v: isinstance(v, (str, list)),
+                                 "a string, a list of strings, token ids or lists of them"),
+                         echo=(lambda v: isinstance(v, bool), "a boolean"),
+                         best_of=(_is_int, "an integer"))
 CHAT_FIELDS = dict(COMMON, **SAMPLING_FIELDS, **CHAT_LOGPROBS,
                    messages=(lambda v: isinstance(v, list), "a list of messages"),
                    max_completion_tokens=(_is_int, "an integer"),
@@ -166,29 +168,61 @@ class Options:
             raise ApiError(400, str(e), "stop", "invalid_value") from None
 
 
+TextOrIds = Union[str, Tuple[int, ...]]
+
+
 @dataclass
 class CompletionRequest:
-    prompt: Union[str, Tuple[int, ...]]  # text, or token ids
-    options: Options
+    prompts: List[TextOrIds]  # each run on its own: text, or token ids
+    options: Options  # its n: the samples returned per prompt
+    echo: bool = False  # each choice's text starts with its prompt's
+    best_of: int = 1  # samples drawn per prompt, of which the n likeliest are returned
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> "CompletionRequest":
         check_body(body, COMPLETION_FIELDS, ("prompt",))
-        return cls(token_prompt(body["prompt"]), Options.from_json(body))
+        options = Options.from_json(body)
+        best_of = options.n if body.get("best_of") is None else body["best_of"]
+        if best_of < options.n:
+            raise ApiError(400, f"best_of: expected at least n ({options.n}), got {best_of}",
+                           "best_of", "invalid_value")
+        if best_of > options.n and options.stream:
+            raise ApiError(400, f"best_of: {best_of} samples for n={options.n} cannot be "
+                           "streamed (the best are known at the end)", "best_of",
+                           "invalid_value")
+        echo = body.get("echo") is True
+        if echo and options.sampling.top_logprobs is not None:
+            raise ApiError(400, "echo: with logprobs, the prompt's log-probabilities are not "
+                           "computed by this server", "echo", "unsupported_parameter")
+        return cls(token_prompts(body["prompt"]), options, echo, best_of)
 
 
-def token_prompt(value: Any, field: str = "prompt",
-                 empty: bool = False) -> Union[str, Tuple[int, ...]]:
-    """A prompt given as a string, a list of one string, or token ids (a 400 otherwise:
-    one prompt per request)."""
+def token_prompts(value: Any, field: str = "prompt") -> List[TextOrIds]:
+    """Prompts given as a string, a list of strings, token ids, or a list of lists of token
+    ids (a 400 for anything else, or an empty one)."""
     if isinstance(value, str):
-        return value
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-        return value[0]
-    if isinstance(value, list) and (value or empty) and all(_is_int(v) for v in value):
-        return tuple(value)
-    raise ApiError(400, f"{field}: one string per request, a list of one, or token ids, got "
-                   f"{_short(value)}", field, "invalid_value")
+        return [value]
+    if isinstance(value, list) and value and all(_is_int(v) for v in value):
+        return [tuple(value)]
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return list(value)
+    if isinstance(value, list) and value and all(
+            isinstance(v, list) and v and all(_is_int(t) for t in v) for v in value):
+        return [tuple(v) for v in value]
+    raise ApiError(400, f"{field}: expected a string, a list of strings, token ids or lists "
+                   f"of token ids, none empty, got {_short(value)}", field, "invalid_value")
+
+
+def token_prompt(value: Any, field: str = "prompt", empty: bool = False) -> TextOrIds:
+    """One prompt given as a string, a list of one string, or token ids (``empty``: an
+    empty list of them too); a 400 otherwise."""
+    if isinstance(value, list) and not value and empty:
+        return ()
+    prompts = token_prompts(value, field)
+    if len(prompts) != 1:
+        raise ApiError(400, f"{field}: one prompt here, got {len(prompts)}", field,
+                       "invalid_value")
+    return prompts[0]
 
 
 @dataclass

@@ -51,6 +51,7 @@ class Run:
         self.loop, self.metrics, self.stream = loop, metrics, stream
         self.arrived = time.perf_counter()
         self.generation: Optional[Generation] = None
+        self.prompt_text = ""  # the prompt as the client gave it (text), or its ids' text
         self.error: Optional[BaseException] = None
         self.finished = False
         self._queue: "asyncio.Queue[Any]" = asyncio.Queue()
@@ -270,6 +271,7 @@ class ApiService:
         if self.closed:
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         run = Run(loop, self.metrics, options.stream)
+        run.prompt_text = prompt if isinstance(prompt, str) else prompt.text
         set_up_by = time.monotonic() + defaults.API_SETUP_WAIT_S
         await self._set_up_within(set_up_by)
         request, budget, params = await loop.run_in_executor(None, self.plan, prompt, options,

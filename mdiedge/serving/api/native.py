@@ -7,7 +7,7 @@ and stream shapes, ``timings``), ``/tokenize``, ``/detokenize``, ``/apply-templa
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Tuple
+from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -80,7 +80,8 @@ class NativeRoutes:
                 ("/tokenize", self.tokenize, ["POST"]),
                 ("/detokenize", self.detokenize, ["POST"]),
                 ("/apply-template", self.apply_template, ["POST"]),
-                ("/props", self.props, ["GET"])]
+                ("/props", self.props, ["GET"]),
+                ("/slots", self.slots, ["GET"])]
 
     async def body(self, request: Request) -> Dict[str, Any]:
         return await read_json(request, self.service.limits.max_body)
@@ -184,6 +185,37 @@ class NativeRoutes:
             "model_path": str(self.service.engine.path),
             "chat_template": self.service.template.source, "modalities": {"vision": False},
             "build_info": f"mdiedge {__version__}"})
+
+
+    async def slots(self, request: Request) -> Response:
+        """llama-server's ``/slots``: each KV slot of the API, the sample that holds it (in
+        order of the requests) and how far it is; prompts are not shown (another client's)."""
+        return JSONResponse(slot_views(self.service.running(), self.service.limits.slots,
+                                       self.service.context))
+
+
+def slot_views(runs: Sequence[Any], n_slots: int, n_ctx: int) -> List[Dict[str, Any]]:
+    """One body per slot: busy ones hold the live samples of ``runs`` (admitted, not ended),
+    in order; the rest are idle."""
+    live = [(run, sample) for run in runs if run.generation is not None and run.admitted
+            for sample in run.generation.samples if not sample.done]
+    views = []
+    for slot in range(n_slots):
+        view: Dict[str, Any] = {"id": slot, "id_task": -1, "n_ctx": n_ctx,
+                                "is_processing": slot < len(live)}
+        if slot < len(live):
+            run, sample = live[slot]
+            generation = run.generation
+            view.update(id_task=run.task, speculative=generation.speculation is not None,
+                        params={"n_predict": generation.max_new_tokens,
+                                "temperature": generation.params.temperature,
+                                "top_k": generation.params.top_k,
+                                "top_p": generation.params.top_p,
+                                "seed": generation.params.seed},
+                        next_token={"has_next_token": True, "n_decoded": len(sample.tokens),
+                                    "n_remain": generation.max_new_tokens - len(sample.tokens)})
+        views.append(view)
+    return views
 
 
 def timings(generation: Any) -> Dict[str, float]:

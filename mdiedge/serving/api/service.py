@@ -51,6 +51,7 @@ class Run:
         self.loop, self.metrics, self.stream = loop, metrics, stream
         self.arrived = time.perf_counter()
         self.generation: Optional[Generation] = None
+        self.task = 0  # this server's request number
         self.prompt_text = ""  # the prompt as the client gave it (text), or its ids' text
         self.error: Optional[BaseException] = None
         self.finished = False
@@ -145,6 +146,7 @@ class ApiService:
         self._runs: Set[Run] = set()
         self._lock = threading.Lock()
         self._mean_e2e_s = 1.0
+        self._tasks = 0  # requests started (each run's ``task``: llama-server's id_task)
         self._scheduler: Optional[Any] = None  # the one the last request was submitted to
         self.closed = False
 
@@ -226,6 +228,11 @@ class ApiService:
         except GenerationError as e:
             raise ApiError(400, str(e), code="invalid_value") from None
 
+    def running(self) -> List[Run]:
+        """The requests in flight, oldest first."""
+        with self._lock:
+            return sorted(self._runs, key=lambda run: run.task)
+
     def activity(self) -> Tuple[int, int]:
         """Requests answered so far, and requests running now."""
         with self._lock:
@@ -272,6 +279,9 @@ class ApiService:
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         run = Run(loop, self.metrics, options.stream)
         run.prompt_text = prompt if isinstance(prompt, str) else prompt.text
+        with self._lock:
+            self._tasks += 1
+            run.task = self._tasks
         set_up_by = time.monotonic() + defaults.API_SETUP_WAIT_S
         await self._set_up_within(set_up_by)
         request, budget, params = await loop.run_in_executor(None, self.plan, prompt, options,

@@ -1,6 +1,8 @@
 """``/v1/completions`` beyond one prompt, through a real ``mdiedge serve`` (a ring of 2 of
-stories260K) and the official ``openai`` client: a list of prompts (text or token ids), each
-answered as a request of its own would be, choices indexed prompt by prompt; ``echo``; and
+stories260K, prompts prefilled 8 tokens a message) and the official ``openai`` client: a
+list of prompts (text or token ids), each answered as a request of its own would be, choices
+indexed prompt by prompt; ``echo``, with the prompt's logprobs equal to the log-softmax of
+the model's logits computed here; and
 ``best_of``, whose answer is the likeliest (mean log-probability per token) of the samples a
 request with ``n = best_of`` draws from the same seed."""
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any, Dict, Iterator, List
 import httpx
 import openai
 import pytest
+import torch
 
 from commands import MDIEDGE
 
@@ -26,6 +29,7 @@ def served(stories: Path) -> Iterator[Dict[str, Any]]:
     env = {k: v for k, v in os.environ.items() if k != "MDIEDGE_API_KEY"}
     proc = subprocess.Popen(
         [*MDIEDGE, "serve", "--port", "0", "--slots", "6", "--context", "128", "--nodes", "2",
+         "--prefill-chunk", "8",
          "--model", str(stories / "stories260K.bin"), "--tokenizer",
          str(stories / "tok512.model")],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
@@ -104,3 +108,46 @@ def test_more_samples_than_slots_is_a_400(served: Dict[str, Any]) -> None:
     with pytest.raises(openai.BadRequestError, match="need 8 KV slots, the server has 6"):
         served["client"].completions.create(model="m", prompt=PROMPTS[:2], best_of=4,
                                             max_tokens=2)
+
+
+LONG = "Once upon a time there was a little girl named Lily. She liked to play"
+
+
+def reference_logprobs(stories: Path, ids: List[int]) -> torch.Tensor:
+    """Row p: the log-softmax of stories260K's logits after ids[:p + 1], computed here."""
+    from mdiedge.model.checkpoint import load_model
+
+    model = load_model(stories / "stories260K.bin")
+    model.setup_cache(1, len(ids))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), torch.tensor([0]), [0], all_logits=True)[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def test_echo_with_logprobs_scores_the_prompt(served: Dict[str, Any], stories: Path) -> None:
+    base = served["url"].rsplit("/v1", 1)[0]
+    ids = httpx.post(base + "/tokenize", json={"content": LONG, "add_special": True},
+                     timeout=30).json()["tokens"]
+    assert len(ids) > 16  # three prefill messages
+    client = served["client"]
+    plain = client.completions.create(model="m", prompt=LONG, logprobs=2, **SAMPLED)
+    echoed = client.completions.create(model="m", prompt=LONG, logprobs=2, echo=True, **SAMPLED)
+    choice, lp = echoed.choices[0], echoed.choices[0].logprobs
+    assert choice.text == LONG + plain.choices[0].text
+    assert lp.token_logprobs[0] is None and len(lp.tokens) == len(ids) + len(
+        plain.choices[0].logprobs.tokens)
+    rows = reference_logprobs(stories, ids)
+    for p in range(1, len(ids)):
+        assert abs(lp.token_logprobs[p] - float(rows[p - 1, ids[p]])) < 1e-4, p
+        best = torch.topk(rows[p - 1], 2)
+        assert sorted(lp.top_logprobs[p].values(), reverse=True) == pytest.approx(
+            best.values.tolist(), abs=1e-4)
+    assert lp.token_logprobs[len(ids):] == pytest.approx(
+        plain.choices[0].logprobs.token_logprobs, abs=1e-6)
+    assert "".join(lp.tokens[:len(ids)]).strip() == LONG
+    assert lp.text_offset[len(ids)] == len(LONG)
+    streamed = list(client.completions.create(model="m", prompt=LONG, logprobs=2, echo=True,
+                                              stream=True, **SAMPLED))
+    first = streamed[0].choices[0]
+    assert first.text == LONG and first.logprobs.token_logprobs[1:len(ids)] == pytest.approx(
+        lp.token_logprobs[1:len(ids)], abs=1e-6)

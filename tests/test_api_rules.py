@@ -48,7 +48,7 @@ def status_of(body: Dict[str, Any], chat: bool = False) -> ApiError:
     ({"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias", "101"),
     ({"prompt": "x", "logit_bias": [1]}, 400, "logit_bias", "[1]"),
     ({"prompt": "x", "echo": 1}, 400, "echo", "1"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", "not computed"),
+    ({"prompt": "x", "suffix": "y"}, 400, "suffix", "'y'"),
     ({"prompt": "x", "best_of": 1, "n": 2}, 400, "best_of", "got 1"),
     ({"prompt": "x", "best_of": 3, "stream": True}, 400, "best_of", "cannot be streamed"),
     ({"prompt": ["a", 1]}, 400, "prompt", "['a', 1]"),

@@ -309,7 +309,7 @@ def corrupt(frame: bytes, offset: int, fmt: str, value: int) -> bytes:
 
 @pytest.mark.parametrize("offset,fmt,value,message", [
     (0, "I", 0x4549444E, "bad magic b'NDIE', expected b'MDIE'"),
-    (4, "B", 2, "unsupported version 2, expected 3"),
+    (4, "B", 2, "unsupported version 2, expected 4"),
     (6, "B", 0x06, "unknown codec 3 in flags 0x06"),
     (6, "B", 0x02, "codec fp16 with dtype code 1: codecs apply to float32 (0) only"),
     (5, "B", 0, "unknown msg_type 0"),
@@ -405,7 +405,7 @@ def test_every_dim_is_bounded_even_with_no_elements(impl: ModuleType, dims: Tupl
 @pytest.mark.parametrize("kwargs,message", [
     (dict(msg_type=9), "unknown msg_type 9"),
     (dict(msg_type=-1), "msg_type -1 outside 0..255"),
-    (dict(flags=0x20), "reserved bits set in flags 0x20"),
+    (dict(flags=0x40), "reserved bits set in flags 0x40"),
     (dict(flags=6), "unknown codec 3 in flags 0x06"),
     (dict(flags=4, dtype=2), "codec int8 with dtype code 2"),
     (dict(dtype=7), "unknown dtype code 7"),

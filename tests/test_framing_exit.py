@@ -180,11 +180,11 @@ def test_version_2_frames_are_refused(impl: ModuleType, pair: Any) -> None:
     fixed = V2_FIXED.pack(b"MDIE", 2, ACTIVATION, 0, 0, 1, 3, 1, 1, 1, 4, 0, 7, 16)
     table = struct.pack("<II", 9, 0)
     frame = fixed + struct.pack("<I", zlib.crc32(table, zlib.crc32(fixed))) + table
-    with pytest.raises(FrameError, match="^unsupported version 2, expected 3$"):
+    with pytest.raises(FrameError, match="^unsupported version 2, expected 4$"):
         impl.parse_header(frame[:48], 1 << 20)
     a, b = pair
     a.sendall(frame + bytes(16))
-    with pytest.raises(FrameError, match="^unsupported version 2, expected 3$"):
+    with pytest.raises(FrameError, match="^unsupported version 2, expected 4$"):
         framing.recv_frame(b, 1 << 20, impl=impl)
 
 

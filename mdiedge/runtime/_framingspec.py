@@ -60,7 +60,7 @@ from ..base.dtypes import ITEMSIZE
 from ..base.errors import FrameError
 
 MAGIC = b"MDIE"
-VERSION = 3
+VERSION = 4
 HEADER_SIZE = 48
 CRC_OFFSET = 44  # the crc covers the bytes before it, then the sample table
 ENTRY_SIZE = 8  # one sample-table entry: u32 sample id, u32 position word
@@ -79,7 +79,8 @@ FLAG_PREFILL = 0x01
 CODEC_SHIFT, FLAG_CODEC = 1, 0x06  # the codec field of flags
 FLAG_SEALED = 0x08  # the payload is encrypted and a TAG_SIZE-byte tag follows it
 FLAG_REWIND = 0x10  # rows may start at or before their KV fill (``runtime.slots``)
-FLAGS_KNOWN = FLAG_PREFILL | FLAG_CODEC | FLAG_SEALED | FLAG_REWIND
+FLAG_ALL_ROWS = 0x20  # a prefill whose every row goes back to the head (prompt logprobs)
+FLAGS_KNOWN = FLAG_PREFILL | FLAG_CODEC | FLAG_SEALED | FLAG_REWIND | FLAG_ALL_ROWS
 TAG_SIZE = 16
 FLOAT32 = 0  # the only dtype code a codec other than none applies to
 

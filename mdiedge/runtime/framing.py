@@ -39,7 +39,7 @@ from ..base import dtypes
 from ..base.codecs import NONE, encoded_size
 from ..base.accel import Twins
 from ..base.errors import FrameError
-from ._framingspec import FLAG_REWIND  # noqa: F401  (both implementations read the spec's)
+from ._framingspec import FLAG_ALL_ROWS, FLAG_REWIND  # noqa: F401  (both implementations read the spec's)
 from . import _pycodec, _pyframing
 
 try:

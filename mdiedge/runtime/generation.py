@@ -191,6 +191,9 @@ class Generation:
         # speculative decoding of its samples (``mdiedge.runtime.speculation.Speculation``),
         # set by the engine before it is submitted; None: one token per step
         self.speculation: Optional[Any] = None
+        # the prompt's log-probabilities (entry p: prompt[p] after the tokens before it; p 0
+        # has none), asked for by ``score_prompt``; None: not asked
+        self.prompt_logprobs: Optional[List[Optional[TokenLogprob]]] = None
         self._ended = threading.Event()  # set by the scheduler's loop: nothing left to wait for
 
     @property
@@ -272,6 +275,30 @@ class Generation:
                              [(s.prompt, s.tokens) for s in samples])
         for i, (sample, token) in enumerate(zip(samples, tokens)):
             self.take(sample, [token], self.scored(logits[i:i + 1], [token]))
+
+    def score_prompt(self) -> None:
+        """Ask for the prompt's log-probabilities: the first sample's prefill comes back
+        whole, every row through the head (so it does not start from the prompt cache)."""
+        self.prompt_logprobs = [None] * len(self.samples[0].prompt)
+        self.cache_prompt = False
+
+    def unscored(self, sample: Sample, start: int, end: int) -> int:
+        """``start`` when a prefill of ``sample``'s positions [start, end) scores prompt
+        tokens not scored yet (it is to come back whole); else -1."""
+        wanted = self.prompt_logprobs
+        if wanted is None or sample.index != 0 or \
+                all(p is not None for p in wanted[start + 1:end + 1]):
+            return -1
+        return start
+
+    def scored_prompt(self, start: int, logits: Tensor) -> None:
+        """Keep the log-probabilities of the prompt tokens each row of ``logits`` (T, vocab;
+        positions from ``start``) predicts."""
+        prompt, wanted = self.samples[0].prompt, self.prompt_logprobs
+        count = min(logits.shape[0], len(prompt) - 1 - start)
+        if wanted is not None and count > 0:
+            wanted[start + 1:start + 1 + count] = token_logprobs(
+                logits[:count], prompt[start + 1:start + 1 + count], self.params.top_logprobs or 0)
 
     def constrain(self, grammar: Any) -> None:
         """Hold every sample's tokens to ``grammar`` (``mdiedge.model.grammar.Grammar``);

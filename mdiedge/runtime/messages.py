@@ -41,6 +41,8 @@ class Message:
     # (speculative decoding: a verification wrote more positions than the model kept; the
     # prompt cache: a prefill after the prefix a parked sample's rows hold)
     rewind: bool = False
+    # a prefill whose every row goes back (not only its last): the head scores the prompt
+    all_rows: bool = False
 
     @property
     def tokens(self) -> int:
@@ -52,7 +54,7 @@ class Message:
     def reply(self, hidden: Optional[torch.Tensor]) -> "Message":
         """The same rows, carrying ``hidden``."""
         return Message(self.kind, self.sample_ids, self.positions, hidden, self.prefill, self.seq,
-                       self.exit_depth, self.eligible, self.rewind)
+                       self.exit_depth, self.eligible, self.rewind, self.all_rows)
 
 
 def send(sock: Any, message: Message, codecs: Compression = NO_COMPRESSION,
@@ -65,7 +67,8 @@ def send(sock: Any, message: Message, codecs: Compression = NO_COMPRESSION,
                                     seq=message.seq, exit_depth=message.exit_depth,
                                     eligible=message.eligible, sealer=sealer)
     flags = (framing.FLAG_PREFILL if message.prefill else 0) | \
-        (framing.FLAG_REWIND if message.rewind else 0)
+        (framing.FLAG_REWIND if message.rewind else 0) | \
+        (framing.FLAG_ALL_ROWS if message.all_rows else 0)
     return framing.send_tensor(sock, message.kind, message.sample_ids, message.positions,
                                message.hidden, flags=flags, seq=message.seq,
                                codec=codecs.code(message.prefill),
@@ -88,7 +91,8 @@ def receive(source: Any, max_payload: int, codecs: Compression = NO_COMPRESSION,
     eligible = list(header.eligible) if any(header.eligible) else []
     message = Message(header.msg_type, list(header.sample_ids), list(header.positions), tensor,
                       prefill, header.seq, header.exit_depth, eligible,
-                      bool(header.flags & framing.FLAG_REWIND))
+                      bool(header.flags & framing.FLAG_REWIND),
+                      bool(header.flags & framing.FLAG_ALL_ROWS))
     return message, framing.frame_bytes(header)
 
 

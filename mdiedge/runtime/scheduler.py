@@ -78,6 +78,7 @@ class _InFlight:
     merged: bool = False  # a decode message that counts against the merged limit
     drafts: Dict[int, Draft] = field(default_factory=dict)  # speculating rows by sample id
     sent: float = 0.0  # a decode message sent alone: when (0: timed with others in flight)
+    scored_from: int = -1  # a prefill sent back whole from this position: the head scores it
 
 
 @dataclass
@@ -113,6 +114,15 @@ def accept_parts(ends: ModelEnds, parts: List[Rows], hidden: Any,
         except Exception as e:
             group.generation.fail(e)
         row += len(samples)
+
+
+def score_rows(ends: ModelEnds, entry: _InFlight, hidden: Any) -> None:
+    """The prompt's log-probabilities from a prefill sent back whole (one sample's rows)."""
+    generation = entry.parts[0][0].generation
+    try:
+        generation.scored_prompt(entry.scored_from, ends.head(hidden[0]))
+    except Exception as e:
+        generation.fail(e)
 
 
 def settle_groups(groups: Dict[int, _Group]) -> int:
@@ -438,7 +448,8 @@ class Scheduler(SchedulerRequests):
             start = max(chunk.start, cached)
             self._send(messages.ACTIVATION, [sample], [sample.prompt[start:chunk.end]],
                        [start], _InFlight("prefill", [(group_of[chunk.index], [sample])],
-                                          final=chunk.final), prefill=True,
+                                          final=chunk.final, scored_from=generation.unscored(
+                                              sample, start, chunk.end)), prefill=True,
                        rewind=start == cached > 0)
 
     def _adopt(self, generation: Generation) -> Dict[int, int]:
@@ -454,6 +465,8 @@ class Scheduler(SchedulerRequests):
             entry.replay.pending -= 1
             if entry.replay.pending == 0:
                 entry.replay.recover_s = time.perf_counter() - entry.replay.started
+        if entry.scored_from >= 0 and message.hidden is not None:
+            score_rows(self.ends, entry, message.hidden)
         if entry.kind == "release" or not entry.final:
             return
         assert message.hidden is not None
@@ -513,7 +526,8 @@ class Scheduler(SchedulerRequests):
             self._recovery.progress = time.perf_counter()
         self._inflight.send(self.pipeline, Message(kind, [s.sid for s in samples],
                                                    list(positions), hidden, prefill,
-                                                   rewind=rewind), entry)
+                                                   rewind=rewind,
+                                                   all_rows=entry.scored_from >= 0), entry)
         self.stats.compute_s += time.perf_counter() - t0
 
     def _release_ids(self, sids: List[int]) -> None:
@@ -544,7 +558,9 @@ class Scheduler(SchedulerRequests):
             record.tokens_replayed += len(tokens)
             record.pending += 1
             self._send(messages.ACTIVATION, [sample], [tokens], [chunk.start],
-                       _InFlight("prefill", [(group, [sample])], chunk.final, record),
+                       _InFlight("prefill", [(group, [sample])], chunk.final, record,
+                                 scored_from=group.generation.unscored(sample, chunk.start,
+                                                                       chunk.end)),
                        prefill=True)
         if record.pending == 0:
             record.recover_s = time.perf_counter() - record.started

@@ -66,7 +66,7 @@ class LocalStage:
     """Blocks of one in-process model chunk, for ``n_slots`` samples of ``context`` tokens.
 
     ``trim_prefill``: the last stage before the head returns only the last position of a
-    prefill chunk (the head needs no more). A decode step may carry several consecutive
+    prefill chunk (the head needs no more), unless the message asks for ``all_rows``. A decode step may carry several consecutive
     positions per sample (speculative decoding verifies drafted tokens so) and returns them
     all. ``exit_policy``: one-position decode steps may exit early after any of its blocks
     (``mdiedge.model.exits``); a step that exited on an earlier node only fills this
@@ -123,7 +123,7 @@ class LocalStage:
                             f"{message.exit_depth} but early exit is off here")
         with inference():
             y = self.model.run_blocks(x, slots, positions)  # (B, T, dim)
-        if self.trim_prefill and message.prefill:
+        if self.trim_prefill and message.prefill and not message.all_rows:
             y = y[:, -1:]  # (B, 1, dim)
         return message.reply(y)
 

@@ -23,7 +23,8 @@ from ...base.errors import ApiError
 from ...engine.facade import Prompt
 from .cors import Cors
 from .errors import api_error
-from .logprobs import StreamedLogprobs, chat_logprobs, completion_logprobs, entries
+from .logprobs import (StreamedLogprobs, chat_logprobs, completion_logprobs, entries,
+                       prompt_entries)
 from .bodies import read_json
 from .metrics import CONTENT_TYPE
 from .native import NativeRoutes
@@ -187,18 +188,26 @@ class ApiRoutes:
             assert run.generation is not None
             kept = shape.kept(run.generation.samples)
             for j, sample in enumerate(kept):
-                text = self.service.engine.sample_text(sample)
-                logprobs = self.logprobs(sample, text, chat) if shape.asked_logprobs else None
-                choices.append(reply(Choice(k * len(kept) + j, shape.echoed(run) + text,
+                text, echo = self.service.engine.sample_text(sample), shape.echoed(run)
+                logprobs = self.logprobs(run, sample, text, chat, echo) \
+                    if shape.asked_logprobs else None
+                choices.append(reply(Choice(k * len(kept) + j, echo + text,
                                             sample.finish_reason, logprobs=logprobs), tools))
         kind = ChatCompletion if chat else Completion
         return kind(new_id("chatcmpl" if chat else "cmpl"), int(time.time()), self.service.name,
                     choices, total_usage(runs), self.service.fingerprint).to_json()
 
-    def logprobs(self, sample: Any, text: str, chat: bool) -> Dict[str, Any]:
-        """A whole answer's logprobs of ``sample`` (its ``text``)."""
-        items = entries(self.service.engine.tokenizer, sample.prompt, sample.logprobs,
-                        len(text) if sample.finish_reason == "stop" else None)
+    def logprobs(self, run: Run, sample: Any, text: str, chat: bool,
+                 echo: str = "") -> Dict[str, Any]:
+        """A whole answer's logprobs of ``sample`` (its ``text``, after the ``echo``ed
+        prompt's, whose tokens come first when it was scored)."""
+        assert run.generation is not None
+        tokenizer, scores = self.service.engine.tokenizer, run.generation.prompt_logprobs
+        items = entries(tokenizer, sample.prompt, sample.logprobs,
+                        len(echo) + len(text) if sample.finish_reason == "stop" else None,
+                        len(echo))
+        if echo and scores is not None:
+            items = prompt_entries(tokenizer, sample.prompt, scores) + items
         return (chat_logprobs if chat else completion_logprobs)(items)
 
     async def events(self, runs: Sequence[Run], first: Any, options: Options, chat: bool,
@@ -220,10 +229,10 @@ class ApiRoutes:
                     yield chunk([Choice(index, "")], role=True)
             for k, run in enumerate(runs):
                 item = first if k == 0 else await run.next(_never)
-                if shape.echo:
-                    for index in range(options.n):
-                        yield chunk([Choice(k * options.n + index, shape.echoed(run))])
-                async for choice in self.run_choices(run, item, options, chat, tools):
+                for index in range(options.n if shape.echo else 0):
+                    yield chunk([self.echo_choice(run, k * options.n + index, shape)])
+                async for choice in self.run_choices(run, item, options, chat, tools,
+                                                     shape.echoed(run)):
                     if isinstance(choice, ApiError):
                         yield sse(choice.to_json())
                         return
@@ -236,17 +245,28 @@ class ApiRoutes:
             for run in runs:
                 run.cancel()  # nothing when it ended; else the client is gone
 
+    def echo_choice(self, run: Run, index: int, shape: Shape) -> Choice:
+        """A stream's first chunk of a choice that echoes its prompt (and the prompt's
+        logprobs, when scored)."""
+        assert run.generation is not None
+        choice, scores = Choice(index, shape.echoed(run)), run.generation.prompt_logprobs
+        if scores is not None:
+            choice.logprobs = completion_logprobs(prompt_entries(
+                self.service.engine.tokenizer, run.generation.samples[0].prompt, scores))
+        return choice
+
     async def run_choices(self, run: Run, first: Any, options: Options, chat: bool,
-                          tools: Optional[ToolRequest]) -> AsyncIterator[Any]:
-        """One run's stream: its samples' text as it is sampled, then their last text and
-        finish reasons; an ApiError last where it failed."""
+                          tools: Optional[ToolRequest], echo: str = "") -> AsyncIterator[Any]:
+        """One run's stream: its samples' text as it is sampled (after ``echo``, the
+        prompt's text already sent), then their last text and finish reasons; an ApiError
+        last where it failed."""
         generation = run.generation
         assert generation is not None
         tokenizer = self.service.engine.tokenizer
         streams = [TextStream(tokenizer, s.prompt, options.stop) for s in generation.samples]
         shapes = [ChoiceStream(s.index, tools) for s in generation.samples]
         logprobs = StreamedLogprobs(tokenizer, generation.samples, chat,
-                                    generation.params.top_logprobs is not None)
+                                    generation.params.top_logprobs is not None, len(echo))
         item = first
         while item is not None:
             logprobs.push(item[0])
@@ -260,7 +280,7 @@ class ApiRoutes:
             return
         for sample, stream, shape in zip(generation.samples, streams, shapes):
             final = self.service.engine.sample_text(sample)
-            cut = len(final) if sample.finish_reason == "stop" else None
+            cut = len(echo) + len(final) if sample.finish_reason == "stop" else None
             for k, choice in enumerate(shape.finish(stream.finish(final), final,
                                                     sample.finish_reason)):
                 choice.logprobs = logprobs.take(sample.index, cut) if k == 0 else None

@@ -65,10 +65,10 @@ class TokenTexts:
 
     CONTEXT = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int], offset: int = 0) -> None:
         self.tokenizer = tokenizer
         self.window: List[int] = list(prompt[-self.CONTEXT:])
-        self.offset = 0
+        self.offset = offset
 
     def _text(self, token: int, before: str) -> str:
         return self.tokenizer.decode(self.window + [token])[len(before):]
@@ -88,12 +88,27 @@ class TokenTexts:
 
 
 def entries(tokenizer: Tokenizer, prompt: Sequence[int], scored: Sequence[TokenLogprob],
-            text_length: Optional[int] = None) -> List[Entry]:
-    """The entries of a sample's ``scored`` tokens; with ``text_length`` (its text cut at a
-    stop string), those whose text starts within it."""
-    texts = TokenTexts(tokenizer, prompt)
+            text_length: Optional[int] = None, offset: int = 0) -> List[Entry]:
+    """The entries of a sample's ``scored`` tokens (their text from ``offset``); with
+    ``text_length`` (the text cut at a stop string), those whose text starts within it."""
+    texts = TokenTexts(tokenizer, prompt, offset)
     out = [texts.push(s) for s in scored]
     return out if text_length is None else within(out, text_length)
+
+
+def prompt_entries(tokenizer: Tokenizer, prompt: Sequence[int],
+                   scored: Sequence[Optional[TokenLogprob]]) -> List[Entry]:
+    """An echoed prompt's entries: its first token's logprob is null (nothing before it)."""
+    from ...model.sampling import TokenLogprob
+
+    texts = TokenTexts(tokenizer, [])
+    out = []
+    for token, score in zip(prompt, scored):
+        entry = texts.push(score if score is not None else TokenLogprob(token, 0.0))
+        if score is None:
+            entry.logprob = None  # type: ignore[assignment]
+        out.append(entry)
+    return out
 
 
 def within(items: Sequence[Entry], text_length: int) -> List[Entry]:
@@ -121,9 +136,10 @@ class StreamedLogprobs:
     text (none at all when the request did not ask, ``enabled`` false)."""
 
     def __init__(self, tokenizer: Tokenizer, samples: Sequence[Any], chat: bool,
-                 enabled: bool) -> None:
+                 enabled: bool, offset: int = 0) -> None:
         self.samples, self.enabled = samples, enabled
-        self.texts = [TokenTexts(tokenizer, s.prompt) for s in samples] if enabled else []
+        self.texts = [TokenTexts(tokenizer, s.prompt, offset) for s in samples] if enabled \
+            else []
         self.pending: List[List[Entry]] = [[] for _ in samples]
         self.read = [0] * len(samples)
         self.shape = chat_logprobs if chat else completion_logprobs

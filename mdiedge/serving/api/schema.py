@@ -122,6 +122,7 @@ class Options:
     output: Optional[Format] = None  # a grammar the output is held to (formats.py)
     cache_prompt: bool = True  # may use and leave KV rows in the prompt cache
     ignore_eos: bool = False  # llama-server's: the end token does not end a sample
+    score_prompt: bool = False  # the prompt's own logprobs too (completions' echo)
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any], max_tokens_key: str = "max_tokens",
@@ -191,9 +192,7 @@ class CompletionRequest:
                            "streamed (the best are known at the end)", "best_of",
                            "invalid_value")
         echo = body.get("echo") is True
-        if echo and options.sampling.top_logprobs is not None:
-            raise ApiError(400, "echo: with logprobs, the prompt's log-probabilities are not "
-                           "computed by this server", "echo", "unsupported_parameter")
+        options.score_prompt = echo and options.sampling.top_logprobs is not None
         return cls(token_prompts(body["prompt"]), options, echo, best_of)
 
 

@@ -295,6 +295,8 @@ class ApiService:
             if grammar is not None:
                 run.generation.constrain(grammar)
             run.generation.cache_prompt = options.cache_prompt
+            if options.score_prompt:
+                run.generation.score_prompt()
             if options.ignore_eos:
                 run.generation.eos_ids = frozenset()
         except Exception as e:

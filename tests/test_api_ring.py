@@ -132,7 +132,8 @@ def test_the_starter_serves_the_api_beside_its_control_plane(stories: Path,
         starter = subprocess.Popen(
             [*MDIEDGE, "starter", "--config", str(ring), "--control-port",
              "0", "--api-port", "0", "--slots", "2", "--log-level", "warning",
-             "--model", str(stories / "stories260K.bin"),
+             "--strict-model-name", "--cors-origins", "https://app.example.com",
+             "--no-prompt-cache", "--model", str(stories / "stories260K.bin"),
              "--tokenizer", str(stories / "tok512.model")],
             stdout=subprocess.PIPE, text=True, env=env)
         assert starter.stdout is not None
@@ -145,6 +146,14 @@ def test_the_starter_serves_the_api_beside_its_control_plane(stories: Path,
         with pytest.raises(openai.BadRequestError, match="at most 2 samples"):
             client.completions.create(model="stories260K", prompt="Once", max_tokens=8, n=3)
         assert sorted(node_slots(ready["api_url"])) == ["starter", "w1"]
+        with pytest.raises(openai.NotFoundError, match="model 'gpt-4' not found"):
+            client.completions.create(model="gpt-4", prompt="Once", max_tokens=2)
+        allowed = httpx.options(ready["api_url"] + "/completions", timeout=30, headers={
+            "Origin": "https://app.example.com", "Access-Control-Request-Method": "POST"})
+        assert allowed.headers["access-control-allow-origin"] == "https://app.example.com"
+        twice = [client.completions.create(model="stories260K", prompt="Once upon a time " * 6,
+                                           max_tokens=2) for _ in range(2)]
+        assert twice[1].usage.prompt_tokens_details.cached_tokens == 0
     finally:
         for proc in (starter, worker):
             if proc is not None:

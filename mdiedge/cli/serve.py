@@ -6,7 +6,7 @@ import json
 import os
 import sys
 from contextlib import ExitStack, closing
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
 
 import typer
 
@@ -129,9 +129,11 @@ def shape_line(shape: Any, where: str) -> str:
 
 
 def starter_api(engine: "Engine", port: Optional[int], host: str, key_file: Optional[str],
-                insecure: bool, slots: int, log_level: str) -> Any:
+                insecure: bool, slots: int, log_level: str,
+                naming: Tuple[bool, Sequence[str], bool] = (False, (), True)) -> Any:
     """``mdiedge starter --api-port``: the API of the starter's engine, bound, not started
-    (None without a port)."""
+    (None without a port); ``naming``: ``--strict-model-name``, the CORS origins and
+    ``--prompt-cache`` as ``serve`` takes them."""
     if port is None:
         return None
     check_port("--api-port", port)
@@ -140,7 +142,7 @@ def starter_api(engine: "Engine", port: Optional[int], host: str, key_file: Opti
     from ..serving.api.server import listen
 
     return open_api(engine, listen(host, port), slots, 0, defaults.API_MAX_WAITING,
-                    defaults.API_MAX_BODY, key, None, log_level)
+                    defaults.API_MAX_BODY, key, None, log_level, *naming)
 
 
 def api_key_file_option() -> Any:

@@ -9,6 +9,7 @@ from typing import Any, Dict, List
 
 import pytest
 
+from mdiedge.base.request import Asked, SamplingParams
 from mdiedge.base.errors import (ApiError, CheckpointError, ConfigError, Conflict, ContextExceeded,
                                  FrameError, GenerationError, QueueFull, RingError)
 from mdiedge.serving.api.chat import DEFAULT_TEMPLATE, ChatTemplate, load_model_template
@@ -73,8 +74,10 @@ def test_a_completion_body_is_read_with_defaults_and_neutral_fields() -> None:
     assert request.prompts == ["Once"] and (request.echo, request.best_of) == (False, 2)
     assert CompletionRequest.from_json({"prompt": [[1, 2], [3]]}).prompts == [(1, 2), (3,)]
     assert CompletionRequest.from_json({"prompt": ["a", "b"]}).prompts == ["a", "b"]
-    assert request.options == Options("m", 7, 0.0, 0.5, None, 3, ["\n"], 2, True, True)
-    assert CompletionRequest.from_json({"prompt": "x"}).options == Options()
+    assert request.options == Options("m", Asked(7, 2, SamplingParams(0.0, top_p=0.5, seed=3),
+                                                 ("\n",)), True, True)
+    plain = CompletionRequest.from_json({"prompt": "x"}).options
+    assert plain == Options(asked=Asked(params=SamplingParams(seed=plain.asked.params.seed)))
 
 
 @pytest.mark.parametrize("messages, status, quoted", [
@@ -101,7 +104,7 @@ def test_chat_messages_take_text_parts_and_max_completion_tokens() -> None:
                                                   {"type": "text", "text": "b"}]}],
         "max_completion_tokens": 9, "max_tokens": 3})
     assert request.messages == [ChatMessage("system", ""), ChatMessage("user", "ab")]
-    assert request.options.max_tokens == 9
+    assert request.options.asked.max_new_tokens == 9
 
 
 def test_responses_map_to_openai_json() -> None:
@@ -330,8 +333,6 @@ def test_the_api_key_is_the_files_first_line(tmp_path, monkeypatch) -> None:
 
 def test_fields_openais_clients_send_are_ignored_and_sampling_fields_read() -> None:
     from mdiedge.serving.api.schema import IGNORED
-    from mdiedge.serving.api.sampling import SamplingOptions
-
     body = {"messages": [{"role": "assistant", "content": "a", "refusal": None,
                           "annotations": []}, {"role": "user", "content": "b"}],
             "store": True, "metadata": {"k": "v"}, "service_tier": "auto", "user": 5,
@@ -341,13 +342,14 @@ def test_fields_openais_clients_send_are_ignored_and_sampling_fields_read() -> N
             "min_p": 0.1, "logit_bias": {"7": -100, " 9": 2.5}, "logprobs": True,
             "top_logprobs": 3}
     assert {"store", "metadata", "service_tier", "user", "reasoning_effort"} <= set(IGNORED)
-    options = ChatRequest.from_json(body).options
-    assert options.sampling == SamplingOptions(0.5, -1.0, 1.2, 0.1, {7: -100.0, 9: 2.5}, 3)
+    params = ChatRequest.from_json(body).options.asked.params
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
+            params.min_p, params.logit_bias, params.top_logprobs) == \
+        (0.5, -1.0, 1.2, 0.1, ((7, -100.0), (9, 2.5)), 3)
     assert ChatRequest.from_json({"messages": [{"role": "user", "content": "x"}],
-                                  "logprobs": True}).options.sampling.top_logprobs == 0
-    assert CompletionRequest.from_json({"prompt": "x", "logprobs": 0}
-                                       ).options.sampling.top_logprobs == 0
-    assert CompletionRequest.from_json({"prompt": "x"}).options.sampling.top_logprobs is None
+                                  "logprobs": True}).options.top_logprobs == 0
+    assert CompletionRequest.from_json({"prompt": "x", "logprobs": 0}).options.top_logprobs == 0
+    assert CompletionRequest.from_json({"prompt": "x"}).options.top_logprobs is None
 
 
 @pytest.mark.parametrize("extra, param, quoted", [

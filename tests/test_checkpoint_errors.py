@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from mdiedge.model.checkpoint import load_config, load_model
 from mdiedge.base.errors import CheckpointError, ConfigError, GenerationError, MdiedgeError
+from mdiedge.base.request import ids_request
 from mdiedge.runtime.generation import Generation
 from mdiedge.model.sampling import SamplingParams
 
@@ -147,7 +148,7 @@ def test_eos_list_from_generation_config(ckpt: Path) -> None:
 
 def test_prompt_longer_than_context() -> None:
     with pytest.raises(GenerationError, match=r"prompt of 150 tokens plus 20 new tokens exceeds the context of 160"):
-        Generation([1] * 150, 1, 20, SamplingParams(temperature=0), (2,), 160)
+        Generation(ids_request([1] * 150, 20, 1, SamplingParams(temperature=0), 160), (2,))
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -13,12 +13,13 @@ from mdiedge.base.errors import RingError
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.engine.facade import Engine, failure_line, summary_line
 from mdiedge.engine.local import LocalEngine
+from mdiedge.base.request import ids_request
 from mdiedge.runtime.generation import Generation, Timing
 
 
 def generation(n_samples: int, prompt: int, ends: List[Optional[str]],
                tokens: int = 0) -> Generation:
-    g = Generation(list(range(1, prompt + 1)), n_samples, 8, SamplingParams(), (), 64)
+    g = Generation(ids_request(list(range(1, prompt + 1)), 8, n_samples, SamplingParams(), 64), ())
     for sample, reason in zip(g.samples, ends):
         sample.finish_reason, sample.tokens = reason, [5] * tokens
     return g

@@ -227,13 +227,14 @@ def test_qwen2_logits_match_transformers_through_the_block_step(
 def test_qwen2_greedy_generation_matches_transformers(qwen2: Path) -> None:
     from mdiedge.model.checkpoint import load_model
     from mdiedge.model.sampling import SamplingParams
+    from mdiedge.base.request import ids_request
     from mdiedge.runtime.generation import Generation
     from mdiedge.runtime.scheduler import run_single
 
     prompt = prompt_ids(12, seed=1)
     want = hf_qwen2(qwen2).generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False,
                                     min_new_tokens=48, eos_token_id=None, pad_token_id=0)[0, 12:]
-    gen = Generation(prompt, 1, 48, SamplingParams(temperature=0), eos_ids=(), context=160)
+    gen = Generation(ids_request(prompt, 48, 1, SamplingParams(temperature=0), 160), ())
     run_single(load_model(qwen2), gen)
     assert gen.samples[0].tokens == want.tolist()
 
@@ -257,8 +258,7 @@ def test_qwen2_on_a_ring_equals_transformers(qwen2: Path, nodes: int) -> None:
         engine = RingEngine(workers, qwen2, timeout_s=30, secret=local.secret)
         try:
             for micro_batch in (1, 0):
-                gen = Generation(prompt, 2, 16, SamplingParams(temperature=0), eos_ids=(),
-                                 context=160)
+                gen = Generation(ids_request(prompt, 16, 2, SamplingParams(temperature=0), 160), ())
                 engine.run(gen, micro_batch)
                 assert [s.tokens for s in gen.samples] == [want] * 2, micro_batch
         finally:

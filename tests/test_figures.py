@@ -8,6 +8,7 @@ from typing import Any, Dict, List
 from mdiedge.base.words import block_range, plural
 from mdiedge.cli.console import print_status, timing_line
 from mdiedge.serving.service import link_deltas
+from mdiedge.base.request import ids_request
 from mdiedge.runtime.generation import Generation, Timing
 from mdiedge.model.sampling import SamplingParams
 
@@ -45,7 +46,7 @@ def test_tokens_per_s_leave_the_set_up_out() -> None:
 
 
 def test_a_generation_times_its_set_up_apart() -> None:
-    generation = Generation([1, 2], 1, 4, SamplingParams(), (), 16)
+    generation = Generation(ids_request([1, 2], 4, 1, SamplingParams(), 16), ())
     generation.started -= 2.0  # as if its ring took 2 s to set up
     generation.mark_set_up()
     timing = generation.finish()

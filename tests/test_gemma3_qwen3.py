@@ -16,6 +16,7 @@ from mdiedge.base.errors import ConfigError
 from mdiedge.model.checkpoint import load_config, load_model
 from mdiedge.model.families import config_from_hf, config_to_hf
 from mdiedge.model.sampling import SamplingParams
+from mdiedge.base.request import ids_request
 from mdiedge.runtime.generation import Generation
 from mdiedge.runtime.scheduler import run_single
 
@@ -81,7 +82,7 @@ def hf_greedy(path: Path, prompt: List[int], n: int) -> List[int]:
 
 
 def greedy(model: Any, prompt: List[int], n: int) -> List[int]:
-    gen = Generation(prompt, 1, n, SamplingParams(temperature=0), eos_ids=(), context=160)
+    gen = Generation(ids_request(prompt, n, 1, SamplingParams(temperature=0), 160), ())
     run_single(model, gen)
     return list(gen.samples[0].tokens)
 
@@ -220,8 +221,7 @@ def test_a_three_node_ring_equals_transformers(gguf_dirs: Dict[str, Path], kind:
         engine = RingEngine(workers, folder / "gguf" / "tiny.gguf", timeout_s=30,
                             share_path=False, secret=local.secret)
         try:
-            gen = Generation(prompt, 2, 16, SamplingParams(temperature=0), eos_ids=(),
-                             context=160)
+            gen = Generation(ids_request(prompt, 16, 2, SamplingParams(temperature=0), 160), ())
             engine.run(gen, 0)
             assert [s.tokens for s in gen.samples] == [want] * 2
         finally:

@@ -23,6 +23,7 @@ from mdiedge.model.checkpoint import (chunk_safetensors, content_hash, load_conf
 from mdiedge.model.families import config_to_hf
 from mdiedge.model.gguf import GGUFSource, gguf_config, is_gguf
 from mdiedge.model.sampling import SamplingParams
+from mdiedge.base.request import ids_request
 from mdiedge.runtime.generation import Generation
 from mdiedge.runtime.scheduler import run_single
 
@@ -69,7 +70,7 @@ def prompt_ids(n: int, vocab: int, seed: int = 0) -> List[int]:
 
 
 def greedy(model: Any, prompt: List[int], n: int, context: int) -> List[int]:
-    gen = Generation(prompt, 1, n, SamplingParams(temperature=0), eos_ids=(), context=context)
+    gen = Generation(ids_request(prompt, n, 1, SamplingParams(temperature=0), context), ())
     run_single(model, gen)
     return list(gen.samples[0].tokens)
 

@@ -89,6 +89,7 @@ def test_mdiedge_runs_the_k_quants_as_transformers_de_quantizes_them(kind: str) 
     from mdiedge.model.checkpoint import load_model
     from mdiedge.model.qlayers import QuantLinear
     from mdiedge.model.sampling import SamplingParams
+    from mdiedge.base.request import ids_request
     from mdiedge.runtime.generation import Generation
     from mdiedge.runtime.scheduler import run_single
 
@@ -105,6 +106,6 @@ def test_mdiedge_runs_the_k_quants_as_transformers_de_quantizes_them(kind: str) 
     assert (mine - theirs).abs().max().item() <= 1e-4 * max(1.0, theirs.abs().max().item())
     want = ref.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16,
                         do_sample=False, eos_token_id=None, pad_token_id=0)[0, 20:].tolist()
-    gen = Generation(ids, 1, 16, SamplingParams(temperature=0), eos_ids=(), context=64)
+    gen = Generation(ids_request(ids, 16, 1, SamplingParams(temperature=0), 64), ())
     run_single(load_model(file), gen)
     assert gen.samples[0].tokens == want

@@ -9,6 +9,7 @@ import torch
 
 from conftest import make_hf_llama
 from mdiedge.model.checkpoint import load_config, load_model
+from mdiedge.base.request import ids_request
 from mdiedge.runtime.generation import Generation
 from mdiedge.runtime.scheduler import run_single
 from mdiedge.model.sampling import SamplingParams
@@ -74,7 +75,7 @@ def test_greedy_generation_matches_transformers(checkpoint: Path) -> None:
     prompt = prompt_ids(12, seed=1)
     hf_tokens = ref.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
                              min_new_tokens=64, eos_token_id=None, pad_token_id=0)[0, 12:]
-    gen = Generation(prompt, 1, 64, SamplingParams(temperature=0), eos_ids=(), context=160)
+    gen = Generation(ids_request(prompt, 64, 1, SamplingParams(temperature=0), 160), ())
     run_single(load_model(checkpoint), gen)
     assert gen.samples[0].tokens == hf_tokens.tolist()
 
@@ -110,7 +111,7 @@ def test_batched_decode_equals_one_at_a_time(tiny_llama: Path) -> None:
     prompts = [prompt_ids(4 + s, seed=s) for s in range(3)]
     singles = []
     for p in prompts:
-        gen = Generation(p, 1, 16, SamplingParams(temperature=0), (), 160)
+        gen = Generation(ids_request(p, 16, 1, SamplingParams(temperature=0), 160), ())
         run_single(model, gen)
         singles.append(gen.samples[0].tokens)
     model.setup_cache(3, 64)

@@ -20,6 +20,7 @@ from mdiedge.model.checkpoint import load_model
 from mdiedge.model.quant import dequantize_on_device
 from quantblocks import random_blocks
 from mdiedge.model.sampling import SamplingParams
+from mdiedge.base.request import ids_request
 from mdiedge.runtime.generation import Generation
 from mdiedge.runtime.scheduler import run_single
 from tolerance import assert_close, model_path_length
@@ -51,7 +52,7 @@ def files(tmp_path_factory: Any) -> Dict[str, Path]:
 
 
 def run(net: Any, prompt: List[int], steps: int) -> List[int]:
-    gen = Generation(prompt, 1, steps, SamplingParams(temperature=0), eos_ids=(), context=64)
+    gen = Generation(ids_request(prompt, steps, 1, SamplingParams(temperature=0), 64), ())
     run_single(net, gen)
     return list(gen.samples[0].tokens)
 

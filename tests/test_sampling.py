@@ -96,13 +96,13 @@ def _library_accepts(name: str, value: object) -> bool:
 
 def _command_line_accepts(name: str, value: object) -> bool:
     from mdiedge.base.errors import UsageError
-    from mdiedge.cli.app import check_sampling
+    from mdiedge.cli.app import asked
 
     values = dict(temperature=defaults.TEMPERATURE, top_k=defaults.TOP_K, top_p=defaults.TOP_P,
                   seed=None)
     values[name] = value
     try:
-        check_sampling(defaults.MAX_NEW_TOKENS, 1, **values)  # type: ignore[arg-type]
+        asked(defaults.MAX_NEW_TOKENS, 1, **values)  # type: ignore[arg-type]
     except UsageError:
         return False
     return True

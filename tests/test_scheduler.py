@@ -13,6 +13,7 @@ import pytest
 from mdiedge.base.errors import ContextExceeded, GenerationError, QueueFull, RingError
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.engine.local import LocalEngine
+from mdiedge.base.request import ids_request
 from mdiedge.runtime.generation import Generation
 from mdiedge.runtime.messages import Message
 from mdiedge.runtime.plan import QueueView
@@ -292,7 +293,7 @@ def test_an_unknown_message_is_an_error(model_dir: Path) -> None:
 
 
 def test_generation_timing_is_filled(engines: Dict[Tuple[int, int], LocalEngine]) -> None:
-    generation = Generation([1, 5, 6], 2, 6, GREEDY, (), 64)
+    generation = Generation(ids_request([1, 5, 6], 6, 2, GREEDY, 64), ())
     engines[(2, 0)].run(generation)
     t = generation.timing
     assert t.new_tokens == 12 and t.total_s > 0 and t.prefill_s > 0 and t.decode_s > 0

@@ -8,7 +8,8 @@ from typer.testing import CliRunner
 from mdiedge.base.errors import GenerationError
 from mdiedge.cli import app
 from mdiedge.model.sampling import SamplingParams
-from mdiedge.model.stopping import (MAX_STOPS, StopMatcher, check_stops, cut_at_stop, find_stop,
+from mdiedge.base.request import MAX_STOPS, check_stops
+from mdiedge.model.stopping import (StopMatcher, cut_at_stop, find_stop,
                                     streamable)
 
 

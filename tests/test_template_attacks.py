@@ -155,11 +155,12 @@ def test_text_beyond_what_the_context_holds_is_refused_before_it_is_rendered() -
 def test_chat_drops_old_turns_whose_text_is_beyond_the_context(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
+    from mdiedge.base.request import Asked
     from mdiedge.cli.chat import ChatSession, Conversation
 
     engine = SimpleNamespace(path=tmp_path, tokenizer=None, cfg=SimpleNamespace(max_seq_len=256),
                              prompt=lambda text, templated: SimpleNamespace(
                                  ids=list(range(len(text) // 4))))
     conversation = Conversation(turns=[("q" * 3000, "a" * 3000)] * 3)
-    session = ChatSession(engine, conversation, 8, None, interactive=False)  # type: ignore
+    session = ChatSession(engine, conversation, Asked(8), interactive=False)  # type: ignore
     assert len(session.prompt("hi").ids) < 256 and conversation.turns == []

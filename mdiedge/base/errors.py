@@ -51,7 +51,12 @@ class TokenizerError(MdiedgeError):
 
 
 class GenerationError(MdiedgeError, ValueError):
-    """A generation request cannot be served (e.g. prompt plus budget beyond the context)."""
+    """A generation request cannot be served (e.g. prompt plus budget beyond the context);
+    ``field``: the request's value at fault (``mdiedge.base.request``'s names), if one is."""
+
+    def __init__(self, message: str, field: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class GrammarError(GenerationError):

@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import typer
 
 from ..base import defaults, interrupts
 from ..base.cpudot import set_cpu_dot
-from ..base.errors import MdiedgeError, UsageError
+from ..base.errors import GenerationError, MdiedgeError, UsageError
+from ..base.request import Asked, SamplingParams
 from .usage import CommandGroup
 
 app = typer.Typer(cls=CommandGroup, add_completion=False, no_args_is_help=True,
@@ -93,19 +94,27 @@ def usage_errors() -> Iterator[None]:
         raise UsageError(str(e)) from None
 
 
-def check_sampling(max_new_tokens: int, samples: int, temperature: float, top_k: int,
-                   top_p: float, seed: Optional[int]) -> None:
-    """``generate``'s budget and sampling values, with no torch (SamplingParams' ranges)."""
-    span = defaults.MAX_NEW_TOKENS_RANGE
-    need(max_new_tokens in span, "-n/--max-new-tokens", max_new_tokens, span.expected)
-    need(1 <= samples <= defaults.MAX_SAMPLES, "--samples", samples,
-         f"an integer 1..{defaults.MAX_SAMPLES}")
-    for option, value, span, note in (
-            ("--temperature", temperature, defaults.TEMPERATURE_RANGE, " (0: greedy)"),
-            ("--top-k", top_k, defaults.TOP_K_RANGE, " (0: off)"),
-            ("--top-p", top_p, defaults.TOP_P_RANGE, " (1: off)"),
-            ("--seed", seed, defaults.SEED_RANGE, "")):
-        need(value is None or value in span, option, value, span.expected + note)  # seed: None
+# a request's fields (``mdiedge.base.request``) -> the option that gives each, and a note
+REQUEST_OPTIONS = {"max_new_tokens": ("-n/--max-new-tokens", ""), "n_samples": ("--samples", ""),
+                   "temperature": ("--temperature", " (0: greedy)"),
+                   "top_k": ("--top-k", " (0: off)"), "top_p": ("--top-p", " (1: off)"),
+                   "seed": ("--seed", ""), "stop": ("--stop", "")}
+
+
+def asked(max_new_tokens: int, samples: int, temperature: float, top_k: int, top_p: float,
+          seed: Optional[int], stop: Sequence[str] = ()) -> Asked:
+    """The request the options ask for, checked once, with no model and no torch; the seed:
+    ``seed``, else a drawn one. A value out of range is a usage error naming its option."""
+    try:
+        params = SamplingParams(temperature, top_k, top_p,
+                                defaults.random_seed() if seed is None else seed)
+        return Asked(max_new_tokens, samples, params, tuple(stop))
+    except GenerationError as e:
+        option, note = REQUEST_OPTIONS.get(e.field or "", (e.field, ""))
+        message = str(e)
+        if e.field and message.startswith(e.field + ":"):
+            message = option + message[len(e.field):].replace(", got ", note + ", got ", 1)
+        raise UsageError(message) from None
 
 
 def check_device(device: str, dtype: str) -> None:

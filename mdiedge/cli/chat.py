@@ -9,6 +9,7 @@ answer alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -21,8 +22,9 @@ if TYPE_CHECKING:
 
 from ..base import defaults
 from ..base.errors import ContextExceeded, ConversationError, GenerationError
+from ..base.request import Asked
 from .app import (
-    check_sampling,
+    asked,
     prompt_cache_option,
     temperature_option,
     top_k_option,
@@ -92,14 +94,15 @@ class ChatSession:
     """One engine, its template and a conversation; ``answer`` runs one turn. ``interactive``:
     Ctrl-C stops an answer and the session goes on; else (``--message``) it ends the command."""
 
-    def __init__(self, engine: "Engine", conversation: Conversation, budget: int, params: Any,
+    def __init__(self, engine: "Engine", conversation: Conversation, wanted: Asked,
                  interactive: bool) -> None:
         from ..serving.api.chat import ChatTemplate
 
-        self.engine, self.conversation, self.budget, self.params = engine, conversation, \
-            budget, params
+        self.engine, self.conversation = engine, conversation
         self.template = ChatTemplate.for_model(engine.path, engine.tokenizer,
                                                engine.cfg.max_seq_len)
+        self.wanted = dataclasses.replace(wanted, stop=tuple(self.template.stops))
+        self.budget = wanted.max_new_tokens or 1
         self.interactive = interactive
 
     def prompt(self, user: str) -> "Prompt":
@@ -142,15 +145,13 @@ class ChatSession:
         ends with KeyboardInterrupt unless ``interactive``)."""
         from ..model.stopping import TextStream
 
-        request = self.prompt(user)
-        stops = self.template.stops
-        shown = TextStream(self.engine.tokenizer, request.ids, stops)
+        request = self.engine.request(self.prompt(user), self.wanted)
+        shown = TextStream(self.engine.tokenizer, request.prompt.ids, list(request.stop))
 
         def on_token(index: int, token: int) -> None:
             write_text(shown.push(token))
 
-        generation = self.engine.new_generation(request, self.budget, 1, self.params,
-                                                on_token, stops)
+        generation = self.engine.generation_of(request, on_token)
         interrupted = _run_interruptibly(self.engine, generation)
         text = self.engine.sample_text(generation.samples[0])
         write_text(shown.finish(text) + "\n")
@@ -249,26 +250,20 @@ def chat(
     prompt_cache: bool = prompt_cache_option(),
 ) -> None:
     """Chat with an instruct model through its chat template (interactive, or one --message)."""
-    check_sampling(max_new_tokens, 1, temperature, top_k, top_p, seed)
+    wanted = asked(max_new_tokens, 1, temperature, top_k, top_p, seed)
     need(ring is not None or nodes >= 1, "--nodes", nodes, "an integer >= 1")
     need(message is None or bool(message.strip()), "--message", message, "some text")
     changes = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize,
                            no_encrypt)
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p,
-                    seed=defaults.random_seed() if seed is None else seed)
     spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, changes, threads=threads,
                        cpu_dot=cpu_dot)
-    from ..model.sampling import SamplingParams
-
-    params = SamplingParams(**sampling)
     with ExitStack() as stack:
         terminate_gracefully()
         engine, _ = open_checked(stack, spec, lambda text: None)
         if prompt_cache:  # one layout for every turn, so each turn finds the last one's rows
             engine.prompt_cache = True
             engine.reserve(1, min(engine.cfg.max_seq_len, defaults.API_CONTEXT))
-        session = ChatSession(engine, Conversation(system), max_new_tokens, params,
-                              interactive=message is None)
+        session = ChatSession(engine, Conversation(system), wanted, interactive=message is None)
         if message is not None:
             session.answer(message)
             return

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 import typer
 
 if TYPE_CHECKING:
+    from ..base.request import Asked, Request
     from ..engine.facade import Engine, Prompt, TextModel
 
 from ..base import defaults
@@ -27,7 +28,7 @@ from .app import (
     client_auth,
     check_device,
     check_early_exit,
-    check_sampling,
+    asked,
     check_threads,
     compression_option,
     quantize_option,
@@ -95,25 +96,25 @@ def generate(
     cpu_dot: Optional[str] = cpu_dot_option(),
 ) -> None:
     """Generate text from PROMPT, on a ring of nodes (by default a local ring: --nodes)."""
-    sampling = _request(max_new_tokens, samples, temperature, top_k, top_p, seed, micro_batch)
+    wanted = asked(max_new_tokens, samples, temperature, top_k, top_p, seed, stop or ())
+    need(micro_batch >= 0, "--micro-batch", micro_batch, "an integer >= 0")
     _check_nodes(nodes, ring, device, dtype, threads)
-    exits, stops = check_early_exit(early_exit, exit_threshold, starter, speculate), stop or []
+    exits = check_early_exit(early_exit, exit_threshold, starter, speculate)
     changes = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize,
                            no_encrypt)
-    if starter:  # no torch here: the starter checks the values and samples
-        return _generate_through(check_url("--starter", starter), prompt, max_new_tokens,
-                                 samples, dict(sampling, stop=stops), micro_batch, as_json)
+    if starter:  # no torch here: the starter takes the request in
+        return _generate_through(check_url("--starter", starter), prompt, wanted, micro_batch,
+                                 as_json)
     with ExitStack() as stack:
         terminate_gracefully()
         progress = stack.enter_context(_progress(max_new_tokens * samples, samples, as_json))
-        params = _sampling_params(sampling)
+        load_torch()
         progress.phase(_first_phase(ring, nodes))
         spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, changes, exits, speculate,
                            threads=threads, cpu_dot=cpu_dot)
-        engine, request = open_checked(stack, spec, lambda text: _checked_prompt(
-            text, prompt, max_new_tokens, stops))
-        _generate_with(engine, request, max_new_tokens, samples, params, stops, micro_batch,
-                       as_json, lambda: nodes if ring is None else engine.ring_nodes(),
+        engine, request = open_checked(stack, spec, lambda text: _taken_in(text, prompt, wanted))
+        _generate_with(engine, request, micro_batch, as_json,
+                       lambda: nodes if ring is None else engine.ring_nodes(),
                        progress, seed is None)
 
 
@@ -124,33 +125,11 @@ def _check_nodes(nodes: int, ring: Optional[str], device: str, dtype: str, threa
     check_threads(threads)
 
 
-def _request(max_new_tokens: int, samples: int, temperature: float, top_k: int, top_p: float,
-             seed: Optional[int], micro_batch: int) -> Dict[str, Any]:
-    """The budget and sampling values checked (no torch), and the sampling with its seed:
-    ``seed``, else a drawn one."""
-    check_sampling(max_new_tokens, samples, temperature, top_k, top_p, seed)
-    need(micro_batch >= 0, "--micro-batch", micro_batch, "an integer >= 0")
-    return {"temperature": temperature, "top_k": top_k, "top_p": top_p,
-            "seed": defaults.random_seed() if seed is None else seed}
-
-
-def _checked_prompt(text: "TextModel", prompt: str, max_new_tokens: int,
-                    stops: List[str]) -> "Prompt":
-    """``prompt`` tokenized, the request's one tokenization, and checked against the model
-    of ``text`` (its context, the stop strings): a usage error before any node starts."""
-    request = text.prompt(prompt)
+def _taken_in(text: "TextModel", prompt: str, wanted: "Asked") -> "Request":
+    """The request, taken in by the model of ``text`` (the prompt tokenized, once, and its
+    budget fitting the model's context): a usage error before any node starts."""
     with usage_errors():
-        text.check_request(request, max_new_tokens, stops)
-    return request
-
-
-def _sampling_params(sampling: Dict[str, Any]) -> Any:
-    """``SamplingParams`` of the checked ``sampling``; torch loaded first, with Ctrl-C held
-    back until it is (see ``load_torch``)."""
-    load_torch()
-    from ..model.sampling import SamplingParams
-
-    return SamplingParams(**sampling)
+        return text.request(prompt, wanted)
 
 
 def _progress(tokens: int, samples: int, as_json: bool) -> Any:
@@ -165,13 +144,15 @@ def _first_phase(ring: Optional[str], nodes: int) -> str:
         "connecting" if ring is not None else "starting nodes"
 
 
-def _generate_through(url: str, prompt: str, max_new_tokens: int, samples: int,
-                      sampling: Dict[str, Any], micro_batch: int, as_json: bool) -> None:
+def _generate_through(url: str, prompt: str, wanted: "Asked", micro_batch: int,
+                      as_json: bool) -> None:
     from .console import timing_line
     from ..runtime.control import call
 
-    body = dict(sampling, prompt=prompt, max_new_tokens=max_new_tokens, samples=samples,
-                micro_batch=micro_batch)
+    params = wanted.params
+    body = dict(prompt=prompt, max_new_tokens=wanted.max_new_tokens, samples=wanted.n_samples,
+                temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                seed=params.seed, stop=list(wanted.stop), micro_batch=micro_batch)
     result = call(url, "POST", "/generate", body, timeout=3600, node="starter",
                   auth=client_auth())
     if as_json:
@@ -235,10 +216,8 @@ class _Finished:
                 self.show(sample["index"], sample["finish_reason"], sample["text"])
 
 
-def _generate_with(engine: "Engine", request: "Prompt", max_new_tokens: int, samples: int,
-                   params: Any, stops: List[str], micro_batch: int, as_json: bool,
-                   n_nodes: Callable[[], int],
-                   progress: Any, drawn_seed: bool = False) -> None:
+def _generate_with(engine: "Engine", request: "Request", micro_batch: int, as_json: bool,
+                   n_nodes: Callable[[], int], progress: Any, drawn_seed: bool = False) -> None:
     """Generate ``request`` on ``engine``; one sample streams to stdout, the prompt written
     with the first token (once ``progress`` has left the terminal to the text); several are
     printed as they finish on a terminal, else at the end; ``drawn_seed``: the seed was not
@@ -247,8 +226,9 @@ def _generate_with(engine: "Engine", request: "Prompt", max_new_tokens: int, sam
 
     from .console import timing_line
 
-    prompt = request.text
-    stream = _Stream(engine, request, stops) if samples == 1 and not as_json else None
+    prompt, samples, params = request.prompt.text, request.n_samples, request.params
+    stream = _Stream(engine, request.prompt, list(request.stop)) \
+        if samples == 1 and not as_json else None
     early = _Finished(engine, prompt, progress) \
         if samples > 1 and not as_json and sys.stdout.isatty() else None
     started = time.perf_counter()
@@ -264,8 +244,8 @@ def _generate_with(engine: "Engine", request: "Prompt", max_new_tokens: int, sam
             early.check(generation)
 
     progress.phase("prefill")
-    generation = engine.new_generation(request, max_new_tokens, samples, params, on_token, stops)
-    out = engine.output(request, generation, engine.run(generation, micro_batch))
+    generation = engine.generation_of(request, on_token)
+    out = engine.output(request.prompt, generation, engine.run(generation, micro_batch))
     if early is not None:
         early.rest(out.samples)
     progress.stop()

@@ -36,7 +36,7 @@ from .app import (
     threads_option,
     warn_unsealed,
 )
-from .serve import cors_origins_option, strict_model_name_option
+from .serve import api_key_file_option, cors_origins_option, strict_model_name_option
 
 
 def secret_fd_option() -> Any:
@@ -221,8 +221,7 @@ def starter_command(
     api_port: Optional[int] = typer.Option(None, help="Also serve the OpenAI API on this port "
                                            "(as `mdiedge serve`; default: no API)."),
     api_host: str = typer.Option("127.0.0.1", help="Address of the API."),
-    api_key_file: Optional[str] = typer.Option(None, help="File holding the API key (default: "
-                                               "$MDIEDGE_API_KEY; none: no key)."),
+    api_key_file: Optional[str] = api_key_file_option(),
     slots: int = typer.Option(defaults.API_SLOTS, help="KV slots the API's requests share."),
     strict_model_name: bool = strict_model_name_option(),
     cors_origins: Optional[str] = cors_origins_option(),
@@ -243,8 +242,7 @@ def starter_command(
     if control_port is not None:
         check_port("--control-port", control_port)
     check_log_level(log_level)
-    compression = parse_compression(compression)
-    quantize = checked_quantizer(quantize)
+    compression, quantize = parse_compression(compression), checked_quantizer(quantize)
     exits = check_early_exit(early_exit, exit_threshold)
     settings, section = _starter_config(config, threads, cpu_dot)
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,

@@ -4,8 +4,9 @@ with; ``LocalEngine`` (``local``) builds a pipeline of in-process stages (``--no
 one); ``RingEngine`` (``ring``) is the starter's stage plus the ring; ``open_engine``
 (``factory``) makes either from one ``EngineSpec``.
 
-A request's prompt is tokenized once, into a ``Prompt`` (text and ids); its ``Generation``
-is built from those ids.
+A request is taken in once (``TextModel.request``): its prompt tokenized into a ``Prompt``
+(text and ids) and every limit checked, into a ``Request`` that its ``Generation`` is built
+from without checking again.
 """
 from __future__ import annotations
 
@@ -31,9 +32,9 @@ from ..model.exitfiles import ExitSettings
 from ..model.config import ModelConfig
 from ..model.sampling import SamplingParams
 from ..model.tokenizer import Tokenizer, decode_continuation, load_tokenizer
-from ..model.stopping import StopMatcher, check_stops, cut_at_stop
-from ..runtime.generation import (ExitCounts, Generation, Recovery, Sample, Timing,
-                                  TokenCallback, check_context)
+from ..base.request import Asked, Prompt, Request, take_request
+from ..model.stopping import StopMatcher, cut_at_stop
+from ..runtime.generation import ExitCounts, Generation, Recovery, Sample, Timing, TokenCallback
 from ..runtime.protocol import NodeStatus
 from ..runtime.compute import ComputeThread
 from ..runtime.draftmodel import DraftModel
@@ -75,16 +76,6 @@ def failure_line(request: int, generation: Generation, error: BaseException) -> 
     reason = f"{type(error).__name__}: {detail}" if detail else type(error).__name__
     return (f"generation {request} failed after {time.perf_counter() - generation.started:.2f} "
             f"s ({_shape(generation)}, {plural(produced, 'new token')}): {reason}")
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """A request's prompt: its text and its token ids, tokenized once
-    (``TextModel.prompt``); every later step (the checks, the ``Generation``, a stream of
-    its text) takes the ids from here."""
-
-    text: str
-    ids: Tuple[int, ...]
 
 
 @dataclass
@@ -156,28 +147,30 @@ class TextModel:
             return text
         return Prompt(text, tuple(self.encode_prompt(text, templated)))
 
-    def check_request(self, prompt: Prompt, max_new_tokens: int,
-                      stop: Sequence[str] = ()) -> None:
-        """The errors ``new_generation`` would raise for this request, before anything heavy
-        starts (a command checks its values before it starts any node)."""
-        check_stops(stop)
-        check_context(len(prompt.ids), max_new_tokens, self.cfg.max_seq_len)
+    def request(self, prompt: Union[str, Prompt], asked: Asked, templated: bool = False,
+                context: int = 0, default_budget: int = 0,
+                server_stops: Sequence[str] = ()) -> Request:
+        """A request taken in, once (``mdiedge.base.request.take_request``): ``prompt``
+        tokenized (``prompt``; a ``Prompt`` as it is), its budget fitting ``context`` (0: the
+        model's) with it, before anything heavy starts."""
+        return take_request(self.prompt(prompt, templated), asked,
+                            context or self.cfg.max_seq_len, default_budget, server_stops)
 
     def new_generation(self, prompt: Union[str, Prompt], max_new_tokens: int, n_samples: int,
                        params: SamplingParams, on_token: Optional[TokenCallback] = None,
                        stop: Sequence[str] = (), templated: bool = False) -> Generation:
-        """A request's ``Generation`` from the ids of ``prompt`` (a text is tokenized here, a
-        ``Prompt`` is not tokenized again); ``stop``: strings that end a sample (checked here,
-        so a bad one is an error before anything runs); ``templated``: see
-        ``encode_prompt``."""
-        stops = check_stops(stop)
+        """``generation_of`` a request taken in here (``request``)."""
+        return self.generation_of(self.request(prompt, Asked(max_new_tokens, n_samples, params,
+                                                             tuple(stop)), templated), on_token)
+
+    def generation_of(self, request: Request,
+                      on_token: Optional[TokenCallback] = None) -> Generation:
+        """The ``Generation`` of a request taken in (checked already)."""
         factory = None
-        if stops:
+        if request.stop:
             def factory(prefix: Sequence[int]) -> StopMatcher:
-                return StopMatcher(stops, self.tokenizer, prefix)
-        ids = self.prompt(prompt, templated).ids
-        return Generation(ids, n_samples, max_new_tokens, params,
-                          self.cfg.eos_ids, self.cfg.max_seq_len, on_token, factory)
+                return StopMatcher(list(request.stop), self.tokenizer, prefix)
+        return Generation(request, self.cfg.eos_ids, on_token, factory)
 
     def sample_text(self, sample: Sample) -> str:
         """A sample's text after its prompt, up to its stop string if it stopped on one."""
@@ -256,10 +249,16 @@ class Engine(TextModel, abc.ABC):
                        params: SamplingParams, on_token: Optional[TokenCallback] = None,
                        stop: Sequence[str] = (), templated: bool = False,
                        speculate: Optional[str] = None) -> Generation:
-        """``TextModel.new_generation``, with its ``Speculation`` (``speculation_for``:
+        """``generation_of`` a request taken in here (``request``)."""
+        return self.generation_of(self.request(prompt, Asked(max_new_tokens, n_samples, params,
+                                                             tuple(stop)), templated),
+                                  on_token, speculate)
+
+    def generation_of(self, request: Request, on_token: Optional[TokenCallback] = None,
+                      speculate: Optional[str] = None) -> Generation:
+        """``TextModel.generation_of``, with its ``Speculation`` (``speculation_for``:
         ``speculate`` is the request's choice, None the engine's)."""
-        generation = super().new_generation(prompt, max_new_tokens, n_samples, params,
-                                            on_token, stop, templated)
+        generation = super().generation_of(request, on_token)
         generation.speculation = self.speculation_for(generation, speculate)
         return generation
 

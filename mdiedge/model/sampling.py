@@ -23,71 +23,15 @@ this and before temperature, as OpenAI reports them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Mapping, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from ..base import defaults
-from ..base.errors import GenerationError
+from ..base.request import SamplingParams
 
 _SEED_STRIDE = 1_000_003
 History = Tuple[Sequence[int], Sequence[int]]  # a sample's prompt and its output so far
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = defaults.TEMPERATURE  # 0: greedy
-    top_k: int = defaults.TOP_K  # 0: no top-k filter
-    top_p: float = defaults.TOP_P  # 1: no nucleus filter
-    seed: int = defaults.SEED
-    min_p: float = 0.0  # 0: no min-p filter
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # 1: none
-    logit_bias: Tuple[Tuple[int, float], ...] = ()  # (token id, bias); a dict is taken too
-    top_logprobs: Optional[int] = None  # None: no logprobs; N: the chosen token's and N more
-
-    def __post_init__(self) -> None:
-        for name, span in (("temperature", defaults.TEMPERATURE_RANGE),
-                           ("top_k", defaults.TOP_K_RANGE), ("top_p", defaults.TOP_P_RANGE),
-                           ("seed", defaults.SEED_RANGE), ("min_p", defaults.MIN_P_RANGE),
-                           ("presence_penalty", defaults.PENALTY_RANGE),
-                           ("frequency_penalty", defaults.PENALTY_RANGE),
-                           ("repetition_penalty", defaults.REPETITION_PENALTY_RANGE),
-                           ("top_logprobs", defaults.TOP_LOGPROBS_RANGE)):
-            value = getattr(self, name)
-            if value not in span and not (name == "top_logprobs" and value is None):
-                raise GenerationError(f"{name}: expected {span.expected}, got {value!r}")
-        object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < defaults.GREEDY_BELOW or self.top_k == 1
-
-    @property
-    def penalized(self) -> bool:
-        """Whether a row's logits change before sampling (a bias or a penalty)."""
-        return bool(self.logit_bias) or self.presence_penalty != 0 or \
-            self.frequency_penalty != 0 or self.repetition_penalty != 1
-
-
-def check_logit_bias(bias: Any) -> Tuple[Tuple[int, float], ...]:
-    """``bias`` (a mapping or pairs of token id and bias) as sorted pairs, or a one-line error
-    naming the first bad entry."""
-    pairs = list(bias.items()) if isinstance(bias, Mapping) else list(bias)
-    if len(pairs) > defaults.MAX_LOGIT_BIAS:
-        raise GenerationError(f"logit_bias: at most {defaults.MAX_LOGIT_BIAS} tokens, got "
-                              f"{len(pairs)}")
-    out = {}
-    for token, value in pairs:
-        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-            raise GenerationError(f"logit_bias: expected token ids >= 0, got {token!r}")
-        if value not in defaults.LOGIT_BIAS_RANGE:
-            raise GenerationError(f"logit_bias[{token}]: expected "
-                                  f"{defaults.LOGIT_BIAS_RANGE.expected}, got {value!r}")
-        out[token] = float(value)
-    return tuple(sorted(out.items()))
 
 
 def sample_generator(seed: int, sample_index: int) -> torch.Generator:

@@ -7,30 +7,10 @@ a stop string could still be forming at its end.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
-from ..base.errors import GenerationError
 from .tokenizer import StreamDecoder, Tokenizer
 
-MAX_STOPS = 16  # strings per request
-MAX_STOP_CHARS = 256  # characters per string
-
-
-def check_stops(stops: Sequence[str]) -> List[str]:
-    """``stops`` as a list, or a one-line error naming the first that is not a usable stop
-    string (empty, too long, not a string) or saying there are too many."""
-    if isinstance(stops, str):
-        stops = [stops]
-    stops = list(stops)
-    if len(stops) > MAX_STOPS:
-        raise GenerationError(f"stop: at most {MAX_STOPS} strings, got {len(stops)}")
-    for stop in stops:
-        if not isinstance(stop, str) or not stop:
-            raise GenerationError(f"stop: expected non-empty strings, got {stop!r}")
-        if len(stop) > MAX_STOP_CHARS:
-            raise GenerationError(f"stop: a string of at most {MAX_STOP_CHARS} characters, got "
-                                  f"{len(stop)}: {stop[:20]!r}...")
-    return stops
 
 
 def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int:

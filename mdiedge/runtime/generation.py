@@ -15,8 +15,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..base.errors import ContextExceeded, GenerationError, MdiedgeError
-from ..model.sampling import (SamplingParams, TokenLogprob, sample_generator, sample_rows,
+from ..base.errors import GenerationError, MdiedgeError
+from ..base.request import Request
+from ..model.sampling import (TokenLogprob, sample_generator, sample_rows,
                               token_logprobs)
 from ..model.stopping import StopMatcher
 
@@ -124,28 +125,6 @@ class ExitCounts:
                 "kv_fill_s": round(self.kv_fill_s, 4)}
 
 
-def check_context(prompt_len: int, max_new_tokens: Optional[int], context: int,
-                  default: int = 0, where: str = "") -> int:
-    """The one check of a prompt's token budget: ``max_new_tokens`` (None: ``default``, cut
-    to what the context leaves), which must be at least 1 and fit ``context`` with the
-    prompt; ``where`` names that context (default: "the context of N tokens"). The budget,
-    or ``ContextExceeded``."""
-    if prompt_len == 0:
-        raise GenerationError("empty prompt: the model needs at least one token (a BOS id or text)")
-    where = where or f"the context of {context} tokens"
-    if max_new_tokens is None:
-        if prompt_len >= context:
-            raise ContextExceeded(f"prompt of {prompt_len} tokens leaves no room for a new one "
-                                  f"in {where}")
-        return min(default, context - prompt_len)
-    if max_new_tokens < 1:
-        raise GenerationError(f"token budget must be >= 1, got {max_new_tokens}")
-    if prompt_len + max_new_tokens > context:
-        raise ContextExceeded(f"prompt of {prompt_len} tokens plus {max_new_tokens} new tokens "
-                              f"exceeds {where}")
-    return max_new_tokens
-
-
 def constrained(samples: Sequence[Sample], logits: Tensor) -> Tensor:
     """``logits`` (B, vocab), each row of a sample that follows a grammar masked to the
     tokens it allows next (-inf elsewhere)."""
@@ -161,19 +140,15 @@ def constrained(samples: Sequence[Sample], logits: Tensor) -> Tensor:
 class Generation:
     """Samples of one request and the rule that turns logits into their next tokens."""
 
-    def __init__(self, prompt: Sequence[int], n_samples: int, max_new_tokens: int,
-                 params: SamplingParams, eos_ids: Sequence[int], context: int,
+    def __init__(self, request: Request, eos_ids: Sequence[int],
                  on_token: Optional[TokenCallback] = None,
                  stop: Optional[StopFactory] = None) -> None:
-        if n_samples < 1:
-            raise GenerationError(f"number of samples must be >= 1, got {n_samples}")
-        check_context(len(prompt), max_new_tokens, context)
-        self.params = params
-        self.max_new_tokens = max_new_tokens
+        self.params = params = request.params
+        self.max_new_tokens = request.max_new_tokens
         self.eos_ids = frozenset(eos_ids)
         self.on_token = on_token
-        self.samples = [Sample(i, list(prompt), sample_generator(params.seed, i))
-                        for i in range(n_samples)]
+        self.samples = [Sample(i, list(request.prompt.ids), sample_generator(params.seed, i))
+                        for i in range(request.n_samples)]
         if stop is not None:
             for sample in self.samples:
                 sample.stop = stop(sample.prompt)

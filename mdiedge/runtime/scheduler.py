@@ -23,7 +23,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 from . import messages, plan
 from .compute import ComputeThread
-from .generation import ExitCounts, Generation, Recovery, Sample, Timing, check_context
+from ..base.request import check_context
+from .generation import ExitCounts, Generation, Recovery, Sample, Timing
 from .messages import Message
 from .pipeline import ModelEnds, Pipeline
 from .plan import (MAX_FRUITLESS_RECOVERIES, Back, Decode, Part, QueueView, Release, Row,

@@ -33,6 +33,7 @@ from ..engine.local import LocalEngine
 from ..base.threads import available_cores, node_threads
 from ..engine.ring import RingEngine
 from .roofline import Roofline, mean_keys
+from ..base.request import ids_request
 from ..runtime.generation import Generation
 from ..runtime.protocol import busy_fraction
 
@@ -118,7 +119,7 @@ def kv_read_per_row(model: Any, cfg: Any, blocks: int, context: int, new_tokens:
 def _generation(cfg: Any, samples: int, new_tokens: int, context: int) -> Generation:
     """Greedy samples of a random prompt that fills ``context`` with the new tokens."""
     prompt = torch.randint(3, cfg.vocab_size, (context - new_tokens,)).tolist()
-    return Generation(prompt, samples, new_tokens, SamplingParams(temperature=0), (), context)
+    return Generation(ids_request(prompt, new_tokens, samples, SamplingParams(temperature=0), context), ())
 
 
 def _spec(model: Path, nodes: int) -> EngineSpec:

@@ -115,8 +115,7 @@ class ApiRoutes:
         call = body.tools.call_schema() if body.tools is not None else None
         if call is not None and body.options.output is None:  # a call is required: hold to one
             body.options.output = ("json_schema", call, "tool_choice")
-        body.options.stop = list(body.options.stop) + [
-            s for s in self.service.template.stops if s not in body.options.stop]
+        body.options.server_stops = tuple(self.service.template.stops)
         return await self.respond(request, [prompt], body.options, chat=True, tools=body.tools)
 
     async def metrics(self, request: Request) -> Response:
@@ -140,7 +139,7 @@ class ApiRoutes:
                       shape: Optional[Shape] = None) -> Response:
         """Run ``prompts`` (each its own request to the scheduler, ``shape.best_of`` samples
         each) and answer with their choices, in order, as one body or one stream."""
-        shape = shape or Shape(asked_logprobs=options.sampling.top_logprobs is not None)
+        shape = shape or Shape(asked_logprobs=options.top_logprobs is not None)
         runs = await self.start_all(prompts, shape.drawing(options), chat)
         first = await runs[0].next(request.is_disconnected)
         if first is None and runs[0].error is not None:
@@ -263,7 +262,7 @@ class ApiRoutes:
         generation = run.generation
         assert generation is not None
         tokenizer = self.service.engine.tokenizer
-        streams = [TextStream(tokenizer, s.prompt, options.stop) for s in generation.samples]
+        streams = [TextStream(tokenizer, s.prompt, options.stops) for s in generation.samples]
         shapes = [ChoiceStream(s.index, tools) for s in generation.samples]
         logprobs = StreamedLogprobs(tokenizer, generation.samples, chat,
                                     generation.params.top_logprobs is not None, len(echo))

@@ -106,7 +106,7 @@ class NativeRoutes:
 
     async def events(self, run: Any, first: Any, options: Options) -> AsyncIterator[bytes]:
         sample = run.generation.samples[0]
-        stream = TextStream(self.service.engine.tokenizer, sample.prompt, options.stop)
+        stream = TextStream(self.service.engine.tokenizer, sample.prompt, options.stops)
         try:
             item = first
             while item is not None:

@@ -1,16 +1,17 @@
-"""The sampling fields of a request beyond OpenAI's basic ones, read and checked: the
-penalties (``presence_penalty``, ``frequency_penalty``, ``repetition_penalty`` or llama.cpp's
-``repeat_penalty``), ``logit_bias``, ``min_p``, and the log-probabilities asked for (chat:
-``logprobs`` true and ``top_logprobs``; completions: ``logprobs`` N). Their meaning is
-``mdiedge.model.sampling``'s; a bad value is a 400 naming the field and quoting the value."""
+"""A request's sampling as a body gives it, read once into ``Asked`` (``asked_from``): the
+budget, ``n``, ``stop``, temperature, top-k, top-p, seed, and the fields beyond OpenAI's
+basic ones: the penalties (``presence_penalty``, ``frequency_penalty``,
+``repetition_penalty`` or llama.cpp's ``repeat_penalty``), ``logit_bias``, ``min_p``, and the
+log-probabilities asked for (chat: ``logprobs`` true and ``top_logprobs``; completions:
+``logprobs`` N). Their meaning and ranges are ``mdiedge.base.request``'s; a bad value is a
+400 naming the body's field and quoting the value."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from ...base import defaults
-from ...base.errors import ApiError
-from ...base.values import Span
+from ...base.errors import ApiError, GenerationError
+from ...base.request import Asked, SamplingParams
 
 _Check = Tuple[Callable[[Any], bool], str]
 
@@ -34,57 +35,74 @@ CHAT_LOGPROBS: Dict[str, _Check] = {
     "top_logprobs": (_is_int, "an integer"),
 }
 COMPLETION_LOGPROBS: Dict[str, _Check] = {"logprobs": (_is_int, "an integer")}
-RANGES: Dict[str, Span] = {
-    "presence_penalty": defaults.PENALTY_RANGE, "frequency_penalty": defaults.PENALTY_RANGE,
-    "repetition_penalty": defaults.REPETITION_PENALTY_RANGE,
-    "repeat_penalty": defaults.REPETITION_PENALTY_RANGE, "min_p": defaults.MIN_P_RANGE,
-    "top_logprobs": defaults.TOP_LOGPROBS_RANGE, "logprobs": defaults.TOP_LOGPROBS_RANGE,
-}
+def asked_from(body: Mapping[str, Any], chat: bool, max_tokens_key: str) -> Asked:
+    """The request ``body`` asks for (type-checked already), its values checked once by
+    ``Asked`` and ``SamplingParams``: a 400 naming the body's field for one out of range."""
+    stop = body.get("stop")
+    try:
+        params = SamplingParams(
+            _number(body, "temperature", defaults.TEMPERATURE),
+            defaults.TOP_K if body.get("top_k") is None else body["top_k"],
+            _number(body, "top_p", defaults.TOP_P),
+            defaults.random_seed() if body.get("seed") is None else body["seed"],
+            **read_sampling(body, chat))
+        return Asked(body.get(max_tokens_key), 1 if body.get("n") is None else body["n"],
+                     params, (stop,) if isinstance(stop, str) else tuple(stop or ()))
+    except GenerationError as e:
+        field = _field_names(body, chat, max_tokens_key).get(e.field or "", e.field or "")
+        message = str(e)
+        if e.field and message.startswith(e.field):
+            message = field + message[len(e.field):]
+        raise ApiError(400, message, field, "invalid_value") from None
 
 
-@dataclass
-class SamplingOptions:
-    """A request's extra sampling, as ``SamplingParams`` takes it (``params()``)."""
-
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    logit_bias: Dict[int, float] = field(default_factory=dict)
-    top_logprobs: Optional[int] = None  # None: no logprobs
-
-    def params(self) -> Dict[str, Any]:
-        return {"presence_penalty": self.presence_penalty,
-                "frequency_penalty": self.frequency_penalty,
-                "repetition_penalty": self.repetition_penalty, "min_p": self.min_p,
-                "logit_bias": self.logit_bias, "top_logprobs": self.top_logprobs}
-
-    def check_vocab(self, vocab: int) -> None:
-        """A 400 for a biased token the model does not have."""
-        for token in self.logit_bias:
-            if token >= vocab:
-                raise ApiError(400, f"logit_bias: token id {token} is not in the model's "
-                               f"vocabulary of {vocab}", "logit_bias", "invalid_value")
+def _field_names(body: Mapping[str, Any], chat: bool, max_tokens_key: str) -> Dict[str, str]:
+    """A request's fields (``mdiedge.base.request``) -> the body's names for them."""
+    repetition = "repeat_penalty" if body.get("repetition_penalty") is None and \
+        body.get("repeat_penalty") is not None else "repetition_penalty"
+    return {"max_new_tokens": max_tokens_key, "n_samples": "n",
+            "top_logprobs": "top_logprobs" if chat else "logprobs",
+            "repetition_penalty": repetition}
 
 
-def read_sampling(body: Mapping[str, Any], chat: bool) -> SamplingOptions:
-    """The fields of ``body`` (already type-checked) in range, or a 400."""
-    for name, span in RANGES.items():
-        value = body.get(name)
-        if value is not None and not (isinstance(value, bool) and name == "logprobs") \
-                and value not in span:
-            raise ApiError(400, f"{name}: expected {span.expected}, got {value!r}", name,
-                           "invalid_value")
-    repetition = body.get("repetition_penalty")
-    if repetition is None:
-        repetition = body.get("repeat_penalty")
-    out = SamplingOptions(float(body.get("presence_penalty") or 0.0),
-                          float(body.get("frequency_penalty") or 0.0),
-                          1.0 if repetition is None else float(repetition),
-                          float(body.get("min_p") or 0.0),
-                          _logit_bias(body.get("logit_bias") or {}))
-    out.top_logprobs = _chat_logprobs(body) if chat else body.get("logprobs")
-    return out
+def _number(body: Mapping[str, Any], name: str, default: float) -> float:
+    """A number field as a float (``default`` when absent); a 400 for an integer no float
+    holds."""
+    value = body.get(name)
+    try:
+        return default if value is None else float(value)
+    except OverflowError:
+        raise ApiError(400, f"{name}: expected a number, got {repr(value)[:60]}", name,
+                       "invalid_value") from None
+
+
+def read_sampling(body: Mapping[str, Any], chat: bool) -> Dict[str, Any]:
+    """``SamplingParams``' fields beyond OpenAI's basic ones, as ``body`` gives them."""
+    repetition = "repetition_penalty" if body.get("repetition_penalty") is not None \
+        else "repeat_penalty"
+    return {"presence_penalty": _number(body, "presence_penalty", 0.0),
+            "frequency_penalty": _number(body, "frequency_penalty", 0.0),
+            "repetition_penalty": _number(body, repetition, 1.0),
+            "min_p": _number(body, "min_p", 0.0),
+            "logit_bias": _logit_bias(body.get("logit_bias") or {}),
+            "top_logprobs": _chat_logprobs(body) if chat else _completion_logprobs(body)}
+
+
+def check_vocab(params: SamplingParams, vocab: int) -> None:
+    """A 400 for a biased token the model does not have."""
+    for token, _ in params.logit_bias:
+        if token >= vocab:
+            raise ApiError(400, f"logit_bias: token id {token} is not in the model's "
+                           f"vocabulary of {vocab}", "logit_bias", "invalid_value")
+
+
+def _completion_logprobs(body: Mapping[str, Any]) -> Optional[int]:
+    """Completions' ``logprobs`` N (an integer; ``true`` is a 400 naming it)."""
+    value = body.get("logprobs")
+    if isinstance(value, bool):
+        raise ApiError(400, f"logprobs: expected an integer, got {value!r}", "logprobs",
+                       "invalid_type")
+    return value
 
 
 def _chat_logprobs(body: Mapping[str, Any]) -> Optional[int]:
@@ -99,20 +117,17 @@ def _chat_logprobs(body: Mapping[str, Any]) -> Optional[int]:
     return top or 0
 
 
-def _logit_bias(bias: Mapping[str, Any]) -> Dict[int, float]:
-    """OpenAI's ``logit_bias`` (token id strings to biases) as ids to floats."""
-    if len(bias) > defaults.MAX_LOGIT_BIAS:
-        raise ApiError(400, f"logit_bias: at most {defaults.MAX_LOGIT_BIAS} tokens, got "
-                       f"{len(bias)}", "logit_bias", "invalid_value")
-    out = {}
+def _logit_bias(bias: Mapping[str, Any]) -> Tuple[Tuple[int, Any], ...]:
+    """OpenAI's ``logit_bias`` (token id strings to numbers) as (id, bias) pairs (their
+    count and range are ``SamplingParams``')."""
+    out = []
     for key, value in bias.items():
         token = key.strip() if isinstance(key, str) else ""
         if not (token.isascii() and token.isdigit()) or len(token) > 12:
             raise ApiError(400, f"logit_bias: expected token ids as keys, got {key[:40]!r}",
                            "logit_bias", "invalid_value")
-        if not _is_number(value) or value not in defaults.LOGIT_BIAS_RANGE:
-            raise ApiError(400, f"logit_bias[{token}]: expected "
-                           f"{defaults.LOGIT_BIAS_RANGE.expected}, got {value!r}",
+        if not _is_number(value):
+            raise ApiError(400, f"logit_bias[{token}]: expected a number, got {value!r}",
                            "logit_bias", "invalid_value")
-        out[int(token)] = float(value)
-    return out
+        out.append((int(token), value))
+    return tuple(out)

@@ -9,22 +9,18 @@ clients send and which change nothing here, are accepted with any value and igno
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
-from ...base import defaults
-from ...base.errors import ApiError, GenerationError
-from ...base.values import Span
-from ...model.stopping import check_stops
+from ...base.errors import ApiError
+from ...base.request import Asked
 from ...runtime.drafting import REQUEST_SPECULATE
 from .tools import ToolRequest, message_tool_calls, tool_call_id
 from .formats import FORMAT_FIELDS, Format, read_format
-from .sampling import (CHAT_LOGPROBS, COMPLETION_LOGPROBS, SAMPLING_FIELDS, SamplingOptions,
-                       read_sampling)
+from .sampling import CHAT_LOGPROBS, COMPLETION_LOGPROBS, SAMPLING_FIELDS, asked_from
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_MESSAGES = 1024
-SAMPLES = Span(1, integer=True)  # n: the KV slots bound it further
 
 
 def _is_int(v: Any) -> bool:
@@ -104,69 +100,53 @@ def check_body(body: Mapping[str, Any], fields: Mapping[str, _Check],
 
 @dataclass
 class Options:
-    """What both endpoints share. ``None`` means the server's default."""
+    """What both endpoints share: ``asked``, the request's budget (None: the server's
+    default), samples, sampling (a drawn seed where it names none) and stop strings, checked
+    once as the body is read; the rest is how it is answered."""
 
     model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    seed: Optional[int] = None
-    stop: List[str] = field(default_factory=list)
-    n: int = 1
+    asked: Asked = Asked()
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
     max_tokens_key: str = "max_tokens"  # the field max_tokens came from (errors name it)
     speculate: Optional[str] = None  # speculative decoding: ngram, draft, off (None: server's)
-    sampling: SamplingOptions = field(default_factory=SamplingOptions)  # penalties, logprobs
     output: Optional[Format] = None  # a grammar the output is held to (formats.py)
     cache_prompt: bool = True  # may use and leave KV rows in the prompt cache
     ignore_eos: bool = False  # llama-server's: the end token does not end a sample
     score_prompt: bool = False  # the prompt's own logprobs too (completions' echo)
+    server_stops: Tuple[str, ...] = ()  # stop strings the server adds (a chat template's)
+
+    @property
+    def n(self) -> int:
+        return self.asked.n_samples
+
+    @property
+    def stops(self) -> List[str]:
+        """Every stop string of the request: the client's, then the server's."""
+        return list(self.asked.stop) + [s for s in self.server_stops if s not in self.asked.stop]
+
+    @property
+    def top_logprobs(self) -> Optional[int]:
+        return self.asked.params.top_logprobs
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any], max_tokens_key: str = "max_tokens",
                   chat: bool = False) -> "Options":
-        stop = body.get("stop")
-        max_tokens = body.get(max_tokens_key)
-        if max_tokens is None:
-            max_tokens, max_tokens_key = body.get("max_tokens"), "max_tokens"
+        if body.get(max_tokens_key) is None:
+            max_tokens_key = "max_tokens"
         stream_options = body.get("stream_options") or {}
         include = stream_options.get("include_usage")
         include = False if include is None else include
         if not isinstance(include, bool):
             raise ApiError(400, f"stream_options.include_usage: expected a boolean, got {include!r}",
                            "stream_options", "invalid_type")
-        options = cls(body.get("model"), max_tokens, _float(body, "temperature", defaults.TEMPERATURE_RANGE),
-                      _float(body, "top_p", defaults.TOP_P_RANGE),
-                      body.get("top_k"), body.get("seed"),
-                      [stop] if isinstance(stop, str) else list(stop or []),
-                      1 if body.get("n") is None else body["n"], bool(body.get("stream")),
-                      include, max_tokens_key, body.get("speculate"),
-                      read_sampling(body, chat), read_format(body),
-                      body.get("cache_prompt") is not False)
-        options.check()
-        return options
-
-    def check(self) -> None:
-        """400 for a value out of range, or stop strings the engine would refuse."""
-        for name, value, span in (
-                (self.max_tokens_key, self.max_tokens, defaults.MAX_NEW_TOKENS_RANGE),
-                ("n", self.n, SAMPLES),
-                ("temperature", self.temperature, defaults.TEMPERATURE_RANGE),
-                ("top_p", self.top_p, defaults.TOP_P_RANGE),
-                ("top_k", self.top_k, defaults.TOP_K_RANGE),
-                ("seed", self.seed, defaults.SEED_RANGE)):
-            if value is not None and value not in span:
-                raise ApiError(400, f"{name}: expected {span.expected}, got {value!r}", name,
-                               "invalid_value")
-        if self.speculate is not None and self.speculate not in REQUEST_SPECULATE:
+        speculate = body.get("speculate")
+        if speculate is not None and speculate not in REQUEST_SPECULATE:
             raise ApiError(400, f"speculate: expected one of {', '.join(REQUEST_SPECULATE)}, "
-                           f"got {_short(self.speculate)}", "speculate", "invalid_value")
-        try:
-            check_stops(self.stop)
-        except GenerationError as e:
-            raise ApiError(400, str(e), "stop", "invalid_value") from None
+                           f"got {_short(speculate)}", "speculate", "invalid_value")
+        return cls(body.get("model"), asked_from(body, chat, max_tokens_key),
+                   bool(body.get("stream")), include, max_tokens_key, speculate,
+                   read_format(body), body.get("cache_prompt") is not False)
 
 
 TextOrIds = Union[str, Tuple[int, ...]]
@@ -192,7 +172,7 @@ class CompletionRequest:
                            "streamed (the best are known at the end)", "best_of",
                            "invalid_value")
         echo = body.get("echo") is True
-        options.score_prompt = echo and options.sampling.top_logprobs is not None
+        options.score_prompt = echo and options.top_logprobs is not None
         return cls(token_prompts(body["prompt"]), options, echo, best_of)
 
 
@@ -291,16 +271,6 @@ class ChatRequest:
         messages = [ChatMessage.from_json(i, m) for i, m in enumerate(raw)]
         return cls(messages, Options.from_json(body, "max_completion_tokens", chat=True),
                    ToolRequest.from_body(body))
-
-
-def _float(body: Mapping[str, Any], name: str, span: Span) -> Optional[float]:
-    """A number field as a float (None when absent); a 400 for an integer no float holds."""
-    value = body.get(name)
-    try:
-        return None if value is None else float(value)
-    except OverflowError:
-        raise ApiError(400, f"{name}: expected {span.expected}, got {_short(value)}",
-                       name, "invalid_value") from None
 
 
 def _short(value: Any, limit: int = 60) -> str:

@@ -23,15 +23,16 @@ from typing import Any, Awaitable, Callable, List, Optional, Set, Tuple, Union
 from ...base import defaults
 from ...base.errors import ApiError, ConfigError, ContextExceeded, GenerationError, QueueFull
 from ...engine.facade import Engine, Prompt
-from ...model.sampling import SamplingParams
+from ...base.request import Request
 from ...runtime.drafting import request_speculate
-from ...runtime.generation import Generation, check_context
+from ...runtime.generation import Generation
 from ...runtime.plan import QueueView
 from ...runtime.protocol import NodeStatus
 from .errors import api_error
 from .metrics import ApiMetrics
 from .responses import Usage
 from .rules import ServeLimits, retry_after_s, slot_context
+from .sampling import check_vocab
 from .schema import Options
 
 log = logging.getLogger("mdiedge.api")
@@ -179,9 +180,9 @@ class ApiService:
     # ----------------------------------------------------------------- requests
 
     def plan(self, prompt: Union[str, Prompt], options: Options,
-             templated: bool = False) -> Tuple[Prompt, int, SamplingParams]:
-        """The prompt tokenized (the request's one tokenization), the token budget and the
-        sampling of a request; a 404 for another model, a 400 for what this server cannot
+             templated: bool = False) -> Request:
+        """The request taken in: its prompt tokenized (its one tokenization), its budget
+        fitting a slot's context; a 404 for another model, a 400 for what this server cannot
         hold; ``templated``: a chat template's text."""
         if options.model is not None and options.model != self.name and self.strict_model_name:
             raise ApiError(404, f"model {options.model!r} not found: this server serves "
@@ -197,36 +198,19 @@ class ApiService:
                            Limits.for_context(self.context))
             except ContextExceeded as e:
                 raise ApiError(400, str(e), "prompt", "context_length_exceeded") from None
-        request = self.engine.prompt(prompt, templated)
-        ids = request.ids
-        if not ids:
-            raise ApiError(400, "prompt: empty, and the model has no BOS token to start from",
-                           "prompt", "invalid_value")
-        try:
-            budget = check_context(len(ids), options.max_tokens, self.context,
-                                   self.limits.max_tokens)
-        except ContextExceeded as e:
-            raise ApiError(400, str(e), "prompt" if options.max_tokens is None
-                           else options.max_tokens_key, "context_length_exceeded") from None
+        check_vocab(options.asked.params, self.engine.cfg.vocab_size)
         try:
             request_speculate(self.engine.speculate, options.speculate)
         except ConfigError as e:
             raise ApiError(400, str(e), "speculate", "invalid_value") from None
-        return request, budget, self.sampling(options)
-
-    def sampling(self, options: Options) -> SamplingParams:
-        """The request's ``SamplingParams`` (a drawn seed where it names none); a 400 for a
-        biased token the model does not have."""
-        options.sampling.check_vocab(self.engine.cfg.vocab_size)
-        seed = options.seed if options.seed is not None else defaults.random_seed()
         try:
-            return SamplingParams(
-                defaults.TEMPERATURE if options.temperature is None else options.temperature,
-                defaults.TOP_K if options.top_k is None else options.top_k,
-                defaults.TOP_P if options.top_p is None else options.top_p, seed,
-                **options.sampling.params())
-        except GenerationError as e:
-            raise ApiError(400, str(e), code="invalid_value") from None
+            return self.engine.request(prompt, options.asked, templated, self.context,
+                                       self.limits.max_tokens, options.server_stops)
+        except ContextExceeded as e:
+            raise ApiError(400, str(e), "prompt" if options.asked.max_new_tokens is None
+                           else options.max_tokens_key, "context_length_exceeded") from None
+        except GenerationError as e:  # an empty prompt of a model with no BOS token
+            raise ApiError(400, f"prompt: {e}", "prompt", "invalid_value") from None
 
     def running(self) -> List[Run]:
         """The requests in flight, oldest first."""
@@ -284,14 +268,11 @@ class ApiService:
             run.task = self._tasks
         set_up_by = time.monotonic() + defaults.API_SETUP_WAIT_S
         await self._set_up_within(set_up_by)
-        request, budget, params = await loop.run_in_executor(None, self.plan, prompt, options,
-                                                             templated)
+        request = await loop.run_in_executor(None, self.plan, prompt, options, templated)
         run._last = [0.0] * options.n
         try:
             grammar = await loop.run_in_executor(None, self.grammar, options)
-            run.generation = self.engine.new_generation(request, budget, options.n, params,
-                                                        run.on_token, options.stop,
-                                                        speculate=options.speculate)
+            run.generation = self.engine.generation_of(request, run.on_token, options.speculate)
             if grammar is not None:
                 run.generation.constrain(grammar)
             run.generation.cache_prompt = options.cache_prompt
@@ -311,7 +292,7 @@ class ApiService:
             raise self._refusal(e) from None
         if scheduler is None:
             raise _setting_up(self.engine.setting_up() or "its set-up to end")
-        self.metrics.prompt_tokens.inc(len(request.ids))
+        self.metrics.prompt_tokens.inc(len(request.prompt.ids))
         self.executor.submit(self._work, run, scheduler)
         return run
 

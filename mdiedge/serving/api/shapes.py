@@ -21,7 +21,7 @@ class Shape:
 
     def __post_init__(self) -> None:
         if self.options is not None:
-            self.asked_logprobs = self.options.sampling.top_logprobs is not None
+            self.asked_logprobs = self.options.top_logprobs is not None
 
     @property
     def ranks(self) -> bool:
@@ -32,10 +32,11 @@ class Shape:
         log-probability kept (what ranking reads)."""
         if not self.ranks:
             return options
-        sampling = options.sampling
-        if sampling.top_logprobs is None:
-            sampling = dataclasses.replace(sampling, top_logprobs=0)
-        return dataclasses.replace(options, n=self.best_of, sampling=sampling)
+        params = options.asked.params
+        if params.top_logprobs is None:
+            params = dataclasses.replace(params, top_logprobs=0)
+        return dataclasses.replace(options, asked=dataclasses.replace(
+            options.asked, n_samples=self.best_of, params=params))
 
     def kept(self, samples: Sequence[Any]) -> List[Any]:
         """The samples a run answers with: all, or the ``n`` likeliest, best first."""

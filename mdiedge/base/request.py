@@ -1,0 +1,182 @@
+"""A request as the engine takes it in, once: its prompt's text and ids (``Prompt``, tokenized
+once), how each token is chosen (``SamplingParams``), its token budget, samples and stop
+strings, every limit checked here (``take_request``) and trusted by every later layer. No
+torch: the command line checks a request before torch loads. Errors are
+``GenerationError``s whose ``field`` names the value at fault (the CLI and the API name their
+own option or field for it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
+
+from . import defaults
+from .errors import ContextExceeded, GenerationError
+
+MAX_STOPS = 16  # strings per request
+MAX_STOP_CHARS = 256  # characters per string
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A request's prompt: its text and its token ids, tokenized once
+    (``TextModel.prompt``); every later step (the checks, the ``Generation``, a stream of
+    its text) takes the ids from here."""
+
+    text: str
+    ids: Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = defaults.TEMPERATURE  # 0: greedy
+    top_k: int = defaults.TOP_K  # 0: no top-k filter
+    top_p: float = defaults.TOP_P  # 1: no nucleus filter
+    seed: int = defaults.SEED
+    min_p: float = 0.0  # 0: no min-p filter
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: none
+    logit_bias: Tuple[Tuple[int, float], ...] = ()  # (token id, bias); a dict is taken too
+    top_logprobs: Optional[int] = None  # None: no logprobs; N: the chosen token's and N more
+
+    def __post_init__(self) -> None:
+        for name, span in (("temperature", defaults.TEMPERATURE_RANGE),
+                           ("top_k", defaults.TOP_K_RANGE), ("top_p", defaults.TOP_P_RANGE),
+                           ("seed", defaults.SEED_RANGE), ("min_p", defaults.MIN_P_RANGE),
+                           ("presence_penalty", defaults.PENALTY_RANGE),
+                           ("frequency_penalty", defaults.PENALTY_RANGE),
+                           ("repetition_penalty", defaults.REPETITION_PENALTY_RANGE),
+                           ("top_logprobs", defaults.TOP_LOGPROBS_RANGE)):
+            value = getattr(self, name)
+            if value not in span and not (name == "top_logprobs" and value is None):
+                raise GenerationError(f"{name}: expected {span.expected}, got {value!r}",
+                                      name)
+        object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < defaults.GREEDY_BELOW or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a row's logits change before sampling (a bias or a penalty)."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or \
+            self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def check_logit_bias(bias: Any) -> Tuple[Tuple[int, float], ...]:
+    """``bias`` (a mapping or pairs of token id and bias) as sorted pairs, or a one-line error
+    naming the first bad entry."""
+    pairs = list(bias.items()) if isinstance(bias, Mapping) else list(bias)
+    if len(pairs) > defaults.MAX_LOGIT_BIAS:
+        raise GenerationError(f"logit_bias: at most {defaults.MAX_LOGIT_BIAS} tokens, got "
+                              f"{len(pairs)}", "logit_bias")
+    out = {}
+    for token, value in pairs:
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise GenerationError(f"logit_bias: expected token ids >= 0, got {token!r}",
+                                  "logit_bias")
+        if value not in defaults.LOGIT_BIAS_RANGE:
+            raise GenerationError(f"logit_bias[{token}]: expected "
+                                  f"{defaults.LOGIT_BIAS_RANGE.expected}, got {value!r}",
+                                  "logit_bias")
+        out[token] = float(value)
+    return tuple(sorted(out.items()))
+
+
+def check_stops(stops: Sequence[str]) -> List[str]:
+    """``stops`` as a list, or a one-line error naming the first that is not a usable stop
+    string (empty, too long, not a string) or saying there are too many."""
+    if isinstance(stops, str):
+        stops = [stops]
+    stops = list(stops)
+    if len(stops) > MAX_STOPS:
+        raise GenerationError(f"stop: at most {MAX_STOPS} strings, got {len(stops)}", "stop")
+    for stop in stops:
+        if not isinstance(stop, str) or not stop:
+            raise GenerationError(f"stop: expected non-empty strings, got {stop!r}", "stop")
+        if len(stop) > MAX_STOP_CHARS:
+            raise GenerationError(f"stop: a string of at most {MAX_STOP_CHARS} characters, got "
+                                  f"{len(stop)}: {stop[:20]!r}...", "stop")
+    return stops
+
+
+def check_context(prompt_len: int, max_new_tokens: Optional[int], context: int,
+                  default: int = 0, where: str = "") -> int:
+    """The one check of a prompt's token budget: ``max_new_tokens`` (at least 1, as
+    ``Asked`` has it; None: ``default``, cut to what the context leaves) must fit ``context``
+    with the prompt; ``where`` names that context (default: "the context of N tokens"). The budget,
+    or ``ContextExceeded``."""
+    if prompt_len == 0:
+        raise GenerationError("empty prompt: the model needs at least one token (a BOS id or "
+                              "text)", "prompt")
+    where = where or f"the context of {context} tokens"
+    if max_new_tokens is None:
+        if prompt_len >= context:
+            raise ContextExceeded(f"prompt of {prompt_len} tokens leaves no room for a new one "
+                                  f"in {where}", "prompt")
+        return min(default, context - prompt_len)
+    if prompt_len + max_new_tokens > context:
+        raise ContextExceeded(f"prompt of {prompt_len} tokens plus {max_new_tokens} new tokens "
+                              f"exceeds {where}", "max_new_tokens")
+    return max_new_tokens
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a request asks for, checked when made, with no model: its budget (None: the
+    server's default, cut to what the context leaves), samples, sampling and stop strings.
+    A front end (the CLI, the starter's service, the API) makes one as it reads the request;
+    ``take_request`` adds the prompt and the one check that needs the model, its context."""
+
+    max_new_tokens: Optional[int] = None
+    n_samples: int = 1
+    params: SamplingParams = SamplingParams()
+    stop: Tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        budget, span = self.max_new_tokens, defaults.MAX_NEW_TOKENS_RANGE
+        if budget is not None and budget not in span:
+            raise GenerationError(f"max_new_tokens: expected {span.expected}, got {budget!r}",
+                                  "max_new_tokens")
+        if isinstance(self.n_samples, bool) or not isinstance(self.n_samples, int) or \
+                not 1 <= self.n_samples <= defaults.MAX_SAMPLES:
+            raise GenerationError(f"n_samples: expected an integer 1..{defaults.MAX_SAMPLES}, "
+                                  f"got {self.n_samples!r}", "n_samples")
+        object.__setattr__(self, "stop", tuple(check_stops(self.stop)))
+
+
+@dataclass(frozen=True)
+class Request:
+    """A request taken in (``take_request``): what every later layer runs without checking
+    again."""
+
+    prompt: Prompt
+    max_new_tokens: int  # the budget, fitting the context with the prompt
+    n_samples: int
+    params: SamplingParams
+    stop: Tuple[str, ...] = ()
+
+    @property
+    def context(self) -> int:
+        """KV positions a sample needs: prompt plus budget."""
+        return len(self.prompt.ids) + self.max_new_tokens
+
+
+def take_request(prompt: Prompt, asked: Asked, context: int, default_budget: int = 0,
+                 server_stops: Sequence[str] = ()) -> Request:
+    """``prompt``'s request as ``asked``, its budget fitting ``context`` with the prompt
+    (``asked.max_new_tokens`` None: ``default_budget``, cut to what the context leaves);
+    ``server_stops``: stop strings the server adds (a chat template's), after the asked."""
+    budget = check_context(len(prompt.ids), asked.max_new_tokens, context, default_budget)
+    stops = asked.stop + tuple(s for s in server_stops if s not in asked.stop)
+    return Request(prompt, budget, asked.n_samples, asked.params, stops)
+
+
+def ids_request(ids: Sequence[int], max_new_tokens: int, n_samples: int = 1,
+                params: SamplingParams = SamplingParams(), context: int = 0) -> Request:
+    """A request of token ids alone (no text, no stop strings), taken in as ``take_request``
+    does in ``context`` (0: just the prompt and the budget): tools and tests."""
+    return take_request(Prompt("", tuple(ids)), Asked(max_new_tokens, n_samples, params),
+                        context or len(ids) + max_new_tokens)

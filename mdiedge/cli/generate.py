@@ -186,22 +186,13 @@ def _generate_through(url: str, prompt: str, max_new_tokens: int, samples: int,
 
 
 class _Stream:
-    """One sample's text on stdout as it is sampled: the prompt with the first token, and
-    never a stop string, nor the start of one that may still form."""
+    """One sample's text on stdout as it is sampled, the prompt written with its first part
+    (``TextOutput.fresh``: never a stop string, nor the start of one that may still form)."""
 
-    def __init__(self, engine: "Engine", prompt: "Prompt", stops: List[str]) -> None:
-        from ..model.stopping import TextStream
+    def __init__(self, prompt: str) -> None:
+        self.prompt = prompt
 
-        self.text = TextStream(engine.tokenizer, prompt.ids, stops)
-        self.prompt = prompt.text
-
-    def push(self, token: int) -> None:
-        self._write(self.text.push(token))
-
-    def finish(self, text: str) -> None:
-        self._write(self.text.finish(text) + "\n")
-
-    def _write(self, text: str) -> None:
+    def write(self, text: str) -> None:
         from .console import write_text
 
         write_text(self.prompt + text)
@@ -212,8 +203,8 @@ class _Finished:
     """Several samples on a terminal: each is printed, labelled, as soon as it is seen
     finished (so in the order they finish); the ones left at the end in index order."""
 
-    def __init__(self, engine: "Engine", prompt: str, progress: Any) -> None:
-        self.engine, self.prompt, self.progress = engine, prompt, progress
+    def __init__(self, prompt: str, progress: Any) -> None:
+        self.prompt, self.progress = prompt, progress
         self.shown: set = set()
 
     def check(self, generation: Any) -> None:
@@ -222,8 +213,7 @@ class _Finished:
         for sample in generation.samples:
             full = len(sample.tokens) >= generation.max_new_tokens
             if sample.index not in self.shown and (sample.done or full):
-                self.show(sample.index, sample.finish_reason or "length",
-                          self.engine.sample_text(sample))
+                self.show(sample.index, sample.finish_reason or "length", sample.text)
 
     def show(self, index: int, reason: str, text: str) -> None:
         self.shown.add(index)
@@ -248,8 +238,8 @@ def _generate_with(engine: "Engine", request: "Prompt", max_new_tokens: int, sam
     from .console import timing_line
 
     prompt = request.text
-    stream = _Stream(engine, request, stops) if samples == 1 and not as_json else None
-    early = _Finished(engine, prompt, progress) \
+    stream = _Stream(prompt) if samples == 1 and not as_json else None
+    early = _Finished(prompt, progress) \
         if samples > 1 and not as_json and sys.stdout.isatty() else None
     started = time.perf_counter()
     produced = 0
@@ -259,7 +249,7 @@ def _generate_with(engine: "Engine", request: "Prompt", max_new_tokens: int, sam
         produced += 1
         progress.advance(produced, produced / max(time.perf_counter() - started, 1e-9))
         if stream is not None:
-            stream.push(token)
+            stream.write(generation.samples[index].output.fresh())
         if early is not None:
             early.check(generation)
 
@@ -280,7 +270,7 @@ def _generate_with(engine: "Engine", request: "Prompt", max_new_tokens: int, sam
         typer.echo(json.dumps(result))
         return
     if stream is not None:
-        stream.finish(out.samples[0]["text"])
+        stream.write(generation.samples[0].output.rest(out.samples[0]["text"]) + "\n")
     elif early is None:
         for sample in out.samples:
             typer.echo(f"--- sample {sample['index']} ({sample['finish_reason']}) ---")

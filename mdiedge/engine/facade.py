@@ -30,9 +30,9 @@ from ..model.fit import check_tokenizer
 from ..model.exitfiles import ExitSettings
 from ..model.config import ModelConfig
 from ..model.sampling import SamplingParams
-from ..model.tokenizer import Tokenizer, decode_continuation, load_tokenizer
-from ..model.stopping import StopMatcher, check_stops, cut_at_stop
-from ..runtime.generation import (ExitCounts, Generation, Recovery, Sample, Timing,
+from ..model.tokenizer import Tokenizer, load_tokenizer
+from ..model.stopping import TextOutput, check_stops
+from ..runtime.generation import (ExitCounts, Generation, Recovery, Timing,
                                   TokenCallback, check_context)
 from ..runtime.protocol import NodeStatus
 from ..runtime.compute import ComputeThread
@@ -171,24 +171,16 @@ class TextModel:
         so a bad one is an error before anything runs); ``templated``: see
         ``encode_prompt``."""
         stops = check_stops(stop)
-        factory = None
-        if stops:
-            def factory(prefix: Sequence[int]) -> StopMatcher:
-                return StopMatcher(stops, self.tokenizer, prefix)
+
+        def output(prefix: Sequence[int]) -> TextOutput:
+            return TextOutput(self.tokenizer, prefix, stops)
         ids = self.prompt(prompt, templated).ids
         return Generation(ids, n_samples, max_new_tokens, params,
-                          self.cfg.eos_ids, self.cfg.max_seq_len, on_token, factory)
-
-    def sample_text(self, sample: Sample) -> str:
-        """A sample's text after its prompt, up to its stop string if it stopped on one."""
-        text = decode_continuation(self.tokenizer, sample.prompt, sample.tokens)
-        if sample.finish_reason == "stop" and sample.stop is not None:
-            text = cut_at_stop(text, sample.stop.stops)[0]
-        return text
+                          self.cfg.eos_ids, self.cfg.max_seq_len, on_token, output)
 
     def output(self, prompt: Union[str, Prompt], generation: Generation,
                timing: Timing) -> GenerationOutput:
-        samples = [{"index": s.index, "text": self.sample_text(s),
+        samples = [{"index": s.index, "text": s.text,
                     "token_ids": s.tokens, "finish_reason": s.finish_reason}
                    for s in generation.samples]
         early_exit = None

@@ -33,7 +33,6 @@ from .rules import authorized
 from .schema import ChatRequest, CompletionRequest, Options
 from .toolreplies import ChoiceStream, reply
 from .tools import ToolRequest
-from ...model.stopping import TextStream
 from .service import ApiService, Run
 from ..service import status_body
 
@@ -155,7 +154,7 @@ class ApiRoutes:
         assert run.generation is not None
         choices = []
         for sample in run.generation.samples:
-            text = self.service.engine.sample_text(sample)
+            text = sample.text
             choices.append(reply(Choice(sample.index, text, sample.finish_reason,
                                         logprobs=self.logprobs(run, sample, text, chat)), tools))
         kind = ChatCompletion if chat else Completion
@@ -186,7 +185,6 @@ class ApiRoutes:
                             system_fingerprint=self.service.fingerprint, **extra).to_json())
 
         tokenizer = self.service.engine.tokenizer
-        streams = [TextStream(tokenizer, s.prompt, options.stop) for s in generation.samples]
         shapes = [ChoiceStream(s.index, tools) for s in generation.samples]
         logprobs = StreamedLogprobs(tokenizer, generation.samples, chat,
                                     generation.params.top_logprobs is not None)
@@ -197,7 +195,7 @@ class ApiRoutes:
             item = first
             while item is not None:
                 logprobs.push(item[0])
-                for k, choice in enumerate(shapes[item[0]].push(streams[item[0]].push(item[1]))):
+                for k, choice in enumerate(shapes[item[0]].push(item[2])):
                     choice.logprobs = logprobs.take(item[0]) if k == 0 else None
                     yield chunk([choice])
                 item = await run.next(_never)
@@ -205,10 +203,10 @@ class ApiRoutes:
             if error is not None:
                 yield sse(error.to_json())
                 return
-            for sample, stream, shape in zip(generation.samples, streams, shapes):
-                final = self.service.engine.sample_text(sample)
+            for sample, shape in zip(generation.samples, shapes):
+                final = sample.text
                 cut = len(final) if sample.finish_reason == "stop" else None
-                for k, choice in enumerate(shape.finish(stream.finish(final), final,
+                for k, choice in enumerate(shape.finish(sample.output.rest(final), final,
                                                         sample.finish_reason)):
                     choice.logprobs = logprobs.take(sample.index, cut) if k == 0 else None
                     yield chunk([choice])

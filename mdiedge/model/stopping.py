@@ -93,6 +93,8 @@ class TextOutput:
         """The sample's text after its prompt, up to its stop string if it ``stopped`` on
         one."""
         text = self.text + self.decoder.held()
+        if "\ufffd" in text:  # invalid UTF-8, which reads differently in the whole text
+            text = self.decoder.whole()
         return cut_at_stop(text, self.stops)[0] if stopped else text
 
     def fresh(self) -> str:

@@ -293,7 +293,7 @@ class StreamDecoder:
     def __init__(self, tokenizer: Tokenizer, prefix: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.ids: List[int] = list(prefix)
-        self.read = len(self.ids)  # ids before this one are emitted
+        self.read = self.prefix = len(self.ids)  # ids before ``read`` are emitted
         self.start = max(0, self.read - self.CONTEXT)  # the window's first id
         self.emitted = self.window = tokenizer.decode(self.ids[self.start:])
 
@@ -312,3 +312,8 @@ class StreamDecoder:
     def held(self) -> str:
         """The text of the ids not emitted yet (an incomplete character reads U+FFFD)."""
         return self.window[len(self.emitted):] if self.read < len(self.ids) else ""
+
+    def whole(self) -> str:
+        """Every id after the prefix, decoded at once."""
+        decode = self.tokenizer.decode
+        return decode(self.ids)[len(decode(self.ids[:self.prefix])):]

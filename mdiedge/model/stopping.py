@@ -51,18 +51,15 @@ def streamable(text: str, stops: Sequence[str]) -> int:
     """How many leading characters of ``text`` a stream may show now: everything before a
     stop string, and before any suffix that could still grow into one."""
     at = find_stop(text, stops)
-    return at if at >= 0 else len(text) - _forming(text, stops)
-
-
-def _forming(text: str, stops: Sequence[str]) -> int:
-    """The length of the longest suffix of ``text`` that begins a stop string."""
+    if at >= 0:
+        return at
     held = 0
     for stop in stops:
         for n in range(min(len(stop) - 1, len(text)), held, -1):
             if text.endswith(stop[:n]):
                 held = n
                 break
-    return held
+    return len(text) - held
 
 
 class TextOutput:
@@ -99,10 +96,7 @@ class TextOutput:
 
     def fresh(self) -> str:
         """The text a stream may show now that it was not given yet."""
-        end = self.stopped_at
-        if end is None:
-            end = len(self.text) - _forming(self.text, self.stops)
-        return self._show(self.text[:end])
+        return self._show(self.text[:streamable(self.text, self.stops)])
 
     def rest(self, final: str) -> str:
         """What a stream was not given yet of the ``final`` text."""

@@ -106,9 +106,8 @@ class Reference:
         return out
 
     def text(self, prompt: Sequence[int], tokens: Sequence[int]) -> str:
-        from mdiedge.model.tokenizer import decode_continuation
-
-        return decode_continuation(self.tokenizer, prompt, tokens)
+        whole = self.tokenizer.decode(list(prompt) + list(tokens))
+        return whole[len(self.tokenizer.decode(prompt)):]
 
 
 @pytest.fixture(scope="module")

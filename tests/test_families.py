@@ -245,6 +245,7 @@ def test_qwen2_on_a_ring_equals_transformers(qwen2: Path, nodes: int) -> None:
     gives transformers' tokens."""
     from mdiedge.model.sampling import SamplingParams
     from mdiedge.roles.local_ring import LocalRing
+    from mdiedge.base.request import ids_request
     from mdiedge.engine.ring import RingEngine
     from mdiedge.runtime.generation import Generation
 

@@ -66,7 +66,7 @@ def run(engine: Engine, text: str, n: int = 12, cache: bool = True) -> Tuple[Gen
     generation = engine.new_generation(text, n, 1, SamplingParams(temperature=0))
     generation.cache_prompt = cache
     engine.run(generation)
-    return generation, engine.sample_text(generation.samples[0])
+    return generation, generation.samples[0].text
 
 
 @pytest.fixture(params=[1, 3], ids=["one-node", "ring-of-3"], scope="module")

@@ -9,7 +9,7 @@ from mdiedge.base.errors import GenerationError
 from mdiedge.cli import app
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.base.request import MAX_STOPS, check_stops
-from mdiedge.model.stopping import (StopMatcher, cut_at_stop, find_stop,
+from mdiedge.model.stopping import (TextOutput, cut_at_stop, find_stop,
                                     streamable)
 
 
@@ -72,7 +72,7 @@ class _Chars:
 
 
 def test_matcher_finds_a_stop_split_over_tokens():
-    matcher = StopMatcher(["END"], _Chars(), prefix=[ord(">")])
+    matcher = TextOutput(_Chars(), [ord(">")], ["END"])
     pushed = [matcher.push(ord(c)) for c in "abENxEND"]
     assert pushed == [False] * 7 + [True]
     assert matcher.stopped_at == 5 and matcher.text == "abENxEND"

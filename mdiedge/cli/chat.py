@@ -143,18 +143,15 @@ class ChatSession:
         """Generate the answer to ``user``, streamed to stdout, add the turn, return the
         answer's text. Ctrl-C stops the answer: what was generated is kept (and the command
         ends with KeyboardInterrupt unless ``interactive``)."""
-        from ..model.stopping import TextStream
-
         request = self.engine.request(self.prompt(user), self.wanted)
-        shown = TextStream(self.engine.tokenizer, request.prompt.ids, list(request.stop))
 
         def on_token(index: int, token: int) -> None:
-            write_text(shown.push(token))
+            write_text(generation.samples[0].output.fresh())
 
         generation = self.engine.generation_of(request, on_token)
         interrupted = _run_interruptibly(self.engine, generation)
-        text = self.engine.sample_text(generation.samples[0])
-        write_text(shown.finish(text) + "\n")
+        text = generation.samples[0].text
+        write_text(generation.samples[0].output.rest(text) + "\n")
         if interrupted and not self.interactive:
             raise KeyboardInterrupt
         if interrupted:

@@ -11,7 +11,7 @@ import typer
 
 if TYPE_CHECKING:
     from ..base.request import Asked, Request
-    from ..engine.facade import Engine, Prompt, TextModel
+    from ..engine.facade import Engine, TextModel
 
 from ..base import defaults
 from .app import (
@@ -167,22 +167,13 @@ def _generate_through(url: str, prompt: str, wanted: "Asked", micro_batch: int,
 
 
 class _Stream:
-    """One sample's text on stdout as it is sampled: the prompt with the first token, and
-    never a stop string, nor the start of one that may still form."""
+    """One sample's text on stdout as it is sampled, the prompt written with its first part
+    (``TextOutput.fresh``: never a stop string, nor the start of one that may still form)."""
 
-    def __init__(self, engine: "Engine", prompt: "Prompt", stops: List[str]) -> None:
-        from ..model.stopping import TextStream
+    def __init__(self, prompt: str) -> None:
+        self.prompt = prompt
 
-        self.text = TextStream(engine.tokenizer, prompt.ids, stops)
-        self.prompt = prompt.text
-
-    def push(self, token: int) -> None:
-        self._write(self.text.push(token))
-
-    def finish(self, text: str) -> None:
-        self._write(self.text.finish(text) + "\n")
-
-    def _write(self, text: str) -> None:
+    def write(self, text: str) -> None:
         from .console import write_text
 
         write_text(self.prompt + text)
@@ -193,8 +184,8 @@ class _Finished:
     """Several samples on a terminal: each is printed, labelled, as soon as it is seen
     finished (so in the order they finish); the ones left at the end in index order."""
 
-    def __init__(self, engine: "Engine", prompt: str, progress: Any) -> None:
-        self.engine, self.prompt, self.progress = engine, prompt, progress
+    def __init__(self, prompt: str, progress: Any) -> None:
+        self.prompt, self.progress = prompt, progress
         self.shown: set = set()
 
     def check(self, generation: Any) -> None:
@@ -203,8 +194,7 @@ class _Finished:
         for sample in generation.samples:
             full = len(sample.tokens) >= generation.max_new_tokens
             if sample.index not in self.shown and (sample.done or full):
-                self.show(sample.index, sample.finish_reason or "length",
-                          self.engine.sample_text(sample))
+                self.show(sample.index, sample.finish_reason or "length", sample.text)
 
     def show(self, index: int, reason: str, text: str) -> None:
         self.shown.add(index)
@@ -227,9 +217,8 @@ def _generate_with(engine: "Engine", request: "Request", micro_batch: int, as_js
     from .console import timing_line
 
     prompt, samples, params = request.prompt.text, request.n_samples, request.params
-    stream = _Stream(engine, request.prompt, list(request.stop)) \
-        if samples == 1 and not as_json else None
-    early = _Finished(engine, prompt, progress) \
+    stream = _Stream(prompt) if samples == 1 and not as_json else None
+    early = _Finished(prompt, progress) \
         if samples > 1 and not as_json and sys.stdout.isatty() else None
     started = time.perf_counter()
     produced = 0
@@ -239,7 +228,7 @@ def _generate_with(engine: "Engine", request: "Request", micro_batch: int, as_js
         produced += 1
         progress.advance(produced, produced / max(time.perf_counter() - started, 1e-9))
         if stream is not None:
-            stream.push(token)
+            stream.write(generation.samples[index].output.fresh())
         if early is not None:
             early.check(generation)
 
@@ -260,7 +249,7 @@ def _generate_with(engine: "Engine", request: "Request", micro_batch: int, as_js
         typer.echo(json.dumps(result))
         return
     if stream is not None:
-        stream.finish(out.samples[0]["text"])
+        stream.write(generation.samples[0].output.rest(out.samples[0]["text"]) + "\n")
     elif early is None:
         for sample in out.samples:
             typer.echo(f"--- sample {sample['index']} ({sample['finish_reason']}) ---")

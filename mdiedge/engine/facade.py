@@ -31,10 +31,10 @@ from ..model.fit import check_tokenizer
 from ..model.exitfiles import ExitSettings
 from ..model.config import ModelConfig
 from ..model.sampling import SamplingParams
-from ..model.tokenizer import Tokenizer, decode_continuation, load_tokenizer
+from ..model.tokenizer import Tokenizer, load_tokenizer
 from ..base.request import Asked, Prompt, Request, take_request
-from ..model.stopping import StopMatcher, cut_at_stop
-from ..runtime.generation import ExitCounts, Generation, Recovery, Sample, Timing, TokenCallback
+from ..model.stopping import TextOutput
+from ..runtime.generation import ExitCounts, Generation, Recovery, Timing, TokenCallback
 from ..runtime.protocol import NodeStatus
 from ..runtime.compute import ComputeThread
 from ..runtime.draftmodel import DraftModel
@@ -165,23 +165,15 @@ class TextModel:
 
     def generation_of(self, request: Request,
                       on_token: Optional[TokenCallback] = None) -> Generation:
-        """The ``Generation`` of a request taken in (checked already)."""
-        factory = None
-        if request.stop:
-            def factory(prefix: Sequence[int]) -> StopMatcher:
-                return StopMatcher(list(request.stop), self.tokenizer, prefix)
-        return Generation(request, self.cfg.eos_ids, on_token, factory)
-
-    def sample_text(self, sample: Sample) -> str:
-        """A sample's text after its prompt, up to its stop string if it stopped on one."""
-        text = decode_continuation(self.tokenizer, sample.prompt, sample.tokens)
-        if sample.finish_reason == "stop" and sample.stop is not None:
-            text = cut_at_stop(text, sample.stop.stops)[0]
-        return text
+        """The ``Generation`` of a request taken in (checked already): each sample's text
+        put out by a ``TextOutput`` of its own."""
+        def output(prefix: Sequence[int]) -> TextOutput:
+            return TextOutput(self.tokenizer, prefix, list(request.stop))
+        return Generation(request, self.cfg.eos_ids, on_token, output)
 
     def output(self, prompt: Union[str, Prompt], generation: Generation,
                timing: Timing) -> GenerationOutput:
-        samples = [{"index": s.index, "text": self.sample_text(s),
+        samples = [{"index": s.index, "text": s.text,
                     "token_ids": s.tokens, "finish_reason": s.finish_reason}
                    for s in generation.samples]
         early_exit = None

@@ -1,9 +1,10 @@
-"""Stop strings: a sample ends when its text contains one of them, and its output ends just
-before it (the OpenAI ``stop`` parameter; ``mdiedge generate --stop``).
+"""A sample's text output, and its stop strings: a sample ends when its text contains one of
+them, and its output ends just before it (the OpenAI ``stop`` parameter; ``mdiedge generate
+--stop``).
 
-``StopMatcher`` follows one sample's text token by token; ``cut_at_stop`` and
-``streamable`` are the pure rules for the finished text and for what a stream may show while
-a stop string could still be forming at its end.
+``TextOutput`` follows one sample's text token by token; ``cut_at_stop`` and ``streamable``
+are the pure rules for the finished text and for what a stream may show while a stop string
+could still be forming at its end.
 """
 from __future__ import annotations
 
@@ -41,42 +42,44 @@ def streamable(text: str, stops: Sequence[str]) -> int:
     return len(text) - held
 
 
-class StopMatcher:
-    """One sample's text as its tokens arrive; ``push`` says when a stop string appeared.
-    Each push searches only the new text and the stop's length before it."""
+class TextOutput:
+    """One sample's text, each token decoded once as it is sampled (``push``, on the
+    stepping thread): whether a stop string appeared, what a stream may show (``fresh``:
+    never a stop string, nor the start of one that may still form) and the final text."""
 
-    def __init__(self, stops: Sequence[str], tokenizer: Tokenizer,
-                 prefix: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int],
+                 stops: Sequence[str] = ()) -> None:
+        self.decoder = StreamDecoder(tokenizer, prompt)
         self.stops = list(stops)
         self._longest = max((len(s) for s in self.stops), default=0)
-        self._decoder = StreamDecoder(tokenizer, prefix)
-        self.text = ""
+        self.text = ""  # decoded so far, up to an incomplete character
         self.stopped_at: Optional[int] = None  # index in ``text`` of the stop string
+        self.shown = 0  # characters of the text a stream was given
 
     def push(self, token: int) -> bool:
-        if self.stopped_at is not None:
-            return True
-        start = max(0, len(self.text) - self._longest + 1)
-        self.text += self._decoder.push(token)
-        at = find_stop(self.text, self.stops, start)
-        if at >= 0:
-            self.stopped_at = at
+        """Take the sample's next token; whether its text holds a stop string now. Each
+        push searches only the new text and the stop's length before it."""
+        if self.stopped_at is None:
+            start = max(0, len(self.text) - self._longest + 1)
+            self.text += self.decoder.push(token)
+            at = find_stop(self.text, self.stops, start)
+            self.stopped_at = at if at >= 0 else None
         return self.stopped_at is not None
 
+    def final(self, stopped: bool) -> str:
+        """The sample's text after its prompt, up to its stop string if it ``stopped`` on
+        one."""
+        text = self.text + self.decoder.held()
+        if "\ufffd" in text:  # invalid UTF-8, which reads differently in the whole text
+            text = self.decoder.whole()
+        return cut_at_stop(text, self.stops)[0] if stopped else text
 
-class TextStream:
-    """One sample's text as its tokens arrive: what a stream may show now (never a stop
-    string, nor the start of one that may still form), and the rest at the end."""
-
-    def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int], stops: Sequence[str]) -> None:
-        self.decoder = StreamDecoder(tokenizer, prompt)
-        self.stops, self.text, self.shown = list(stops), "", 0
-
-    def push(self, token: int) -> str:
-        self.text += self.decoder.push(token)
+    def fresh(self) -> str:
+        """The text a stream may show now that it was not given yet."""
         return self._show(self.text[:streamable(self.text, self.stops)])
 
-    def finish(self, final: str) -> str:
+    def rest(self, final: str) -> str:
+        """What a stream was not given yet of the ``final`` text."""
         return self._show(final)
 
     def _show(self, text: str) -> str:

@@ -275,36 +275,45 @@ def load_tokenizer(model_path: Path, tokenizer: Optional[Union[str, Path]] = Non
     raise TokenizerError(f"{folder}: no tokenizer.model or tokenizer.json; pass --tokenizer FILE")
 
 
-def decode_continuation(tokenizer: Tokenizer, prefix: Sequence[int], ids: Sequence[int]) -> str:
-    """Text of ``ids`` as it reads after ``prefix`` (keeps the leading space that decoding
-    ``ids`` alone would strip)."""
-    return tokenizer.decode(list(prefix) + list(ids))[len(tokenizer.decode(prefix)):]
-
-
 class StreamDecoder:
     """Turns a growing list of ids into text increments after a prefix (the prompt), holding
     back an incomplete UTF-8 sequence (byte-fallback pieces) until it is complete.
 
-    Each push decodes a window, not every id so far: ``CONTEXT`` emitted ids, then those not
-    yet emitted, and takes what the latter add to the former's text. Decoding strips the
-    leading space of a window's first piece and may render a piece by its neighbours, so the
-    emitted ids give the new ones the context they have in the whole text; the increments
-    are those of decoding every id each time, at a cost that does not grow with the text
-    (the incremental detokenization of vLLM and Hugging Face's ``TextStreamer``)."""
+    Each push decodes one window, not every id so far: from ``CONTEXT`` to ``2 * CONTEXT``
+    emitted ids, then those not yet emitted, and takes what the latter add to the former's
+    text (kept from the push that emitted them; decoded again only when the window moves
+    on). Decoding strips the leading space of a window's first piece and may render a piece
+    by its neighbours, so the emitted ids give the new ones the context they have in the
+    whole text; the increments are those of decoding every id each time, at a cost that does
+    not grow with the text (the incremental detokenization of vLLM and Hugging Face's
+    ``TextStreamer``)."""
 
-    CONTEXT = 5  # emitted ids decoded before the new ones
+    CONTEXT = 5  # emitted ids decoded before the new ones, at least
 
     def __init__(self, tokenizer: Tokenizer, prefix: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.ids: List[int] = list(prefix)
-        self.read = len(self.ids)  # ids before this one are emitted
+        self.read = self.prefix = len(self.ids)  # ids before ``read`` are emitted
+        self.start = max(0, self.read - self.CONTEXT)  # the window's first id
+        self.emitted = self.window = tokenizer.decode(self.ids[self.start:])
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        start = max(0, self.read - self.CONTEXT)
-        emitted = self.tokenizer.decode(self.ids[start:self.read])
-        text = self.tokenizer.decode(self.ids[start:])
-        if text.endswith("\ufffd") or len(text) <= len(emitted):
+        if self.read - self.start > 2 * self.CONTEXT:
+            self.start = self.read - self.CONTEXT
+            self.emitted = self.tokenizer.decode(self.ids[self.start:self.read])
+        self.window = text = self.tokenizer.decode(self.ids[self.start:])
+        if text.endswith("\ufffd") or len(text) <= len(self.emitted):
             return ""
         self.read = len(self.ids)
-        return text[len(emitted):]
+        new, self.emitted = text[len(self.emitted):], text
+        return new
+
+    def held(self) -> str:
+        """The text of the ids not emitted yet (an incomplete character reads U+FFFD)."""
+        return self.window[len(self.emitted):] if self.read < len(self.ids) else ""
+
+    def whole(self) -> str:
+        """Every id after the prefix, decoded at once."""
+        decode = self.tokenizer.decode
+        return decode(self.ids)[len(decode(self.ids[:self.prefix])):]

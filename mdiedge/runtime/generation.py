@@ -19,10 +19,10 @@ from ..base.errors import GenerationError, MdiedgeError
 from ..base.request import Request
 from ..model.sampling import (TokenLogprob, sample_generator, sample_rows,
                               token_logprobs)
-from ..model.stopping import StopMatcher
+from ..model.stopping import TextOutput
 
 TokenCallback = Callable[[int, int], None]  # (sample index, token id)
-StopFactory = Callable[[Sequence[int]], StopMatcher]  # a sample's prompt -> its matcher
+TextFactory = Callable[[Sequence[int]], TextOutput]  # a sample's prompt -> its text output
 
 
 @dataclass(eq=False)
@@ -35,13 +35,19 @@ class Sample:
     finish_reason: Optional[str] = None  # "eos", "stop", "length", "cancelled" or "error"
     first_token_s: float = 0.0
     released: bool = False  # its KV rows were freed on every node
-    stop: Optional[StopMatcher] = None  # its stop strings, if the request has any
+    output: Optional[TextOutput] = None  # its text and stop strings (an engine's requests)
     logprobs: List[TokenLogprob] = field(default_factory=list)  # one per token, if asked
     constraint: Optional[Any] = None  # the grammar its tokens follow (model/grammar.py)
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        """Its text after the prompt, up to its stop string if it stopped on one."""
+        assert self.output is not None, "a sample of a request with no text output"
+        return self.output.final(self.finish_reason == "stop")
 
     @property
     def position(self) -> int:
@@ -142,16 +148,16 @@ class Generation:
 
     def __init__(self, request: Request, eos_ids: Sequence[int],
                  on_token: Optional[TokenCallback] = None,
-                 stop: Optional[StopFactory] = None) -> None:
+                 output: Optional[TextFactory] = None) -> None:
         self.params = params = request.params
         self.max_new_tokens = request.max_new_tokens
         self.eos_ids = frozenset(eos_ids)
         self.on_token = on_token
         self.samples = [Sample(i, list(request.prompt.ids), sample_generator(params.seed, i))
                         for i in range(request.n_samples)]
-        if stop is not None:
+        if output is not None:
             for sample in self.samples:
-                sample.stop = stop(sample.prompt)
+                sample.output = output(sample.prompt)
         self.started = time.perf_counter()
         self.timing = Timing()
         self.set_up_at = 0.0  # perf_counter() when a ring for it was up (its set-up done)
@@ -326,9 +332,10 @@ class Generation:
             self.timing.new_tokens += 1
             if sample.constraint is not None:
                 sample.constraint.take([token])
+            stopped = sample.output is not None and sample.output.push(token)
             if self.on_token is not None:
                 self.on_token(sample.index, token)
-            if sample.stop is not None and sample.stop.push(token) or \
+            if stopped or \
                     sample.constraint is not None and sample.constraint.finished:
                 sample.finish_reason = "stop"
             elif len(sample.tokens) >= self.max_new_tokens:

@@ -34,7 +34,6 @@ from .rules import authorized
 from .schema import ChatRequest, CompletionRequest, Options
 from .toolreplies import ChoiceStream, reply
 from .tools import ToolRequest
-from ...model.stopping import TextStream
 from .service import ApiService, Run
 from .shapes import Shape, total_usage
 from ..service import status_body
@@ -187,7 +186,7 @@ class ApiRoutes:
             assert run.generation is not None
             kept = shape.kept(run.generation.samples)
             for j, sample in enumerate(kept):
-                text, echo = self.service.engine.sample_text(sample), shape.echoed(run)
+                text, echo = sample.text, shape.echoed(run)
                 logprobs = self.logprobs(run, sample, text, chat, echo) \
                     if shape.asked_logprobs else None
                 choices.append(reply(Choice(k * len(kept) + j, echo + text,
@@ -262,14 +261,13 @@ class ApiRoutes:
         generation = run.generation
         assert generation is not None
         tokenizer = self.service.engine.tokenizer
-        streams = [TextStream(tokenizer, s.prompt, options.stops) for s in generation.samples]
         shapes = [ChoiceStream(s.index, tools) for s in generation.samples]
         logprobs = StreamedLogprobs(tokenizer, generation.samples, chat,
                                     generation.params.top_logprobs is not None, len(echo))
         item = first
         while item is not None:
             logprobs.push(item[0])
-            for k, choice in enumerate(shapes[item[0]].push(streams[item[0]].push(item[1]))):
+            for k, choice in enumerate(shapes[item[0]].push(item[2])):
                 choice.logprobs = logprobs.take(item[0]) if k == 0 else None
                 yield choice
             item = await run.next(_never)
@@ -277,10 +275,10 @@ class ApiRoutes:
         if error is not None:
             yield error
             return
-        for sample, stream, shape in zip(generation.samples, streams, shapes):
-            final = self.service.engine.sample_text(sample)
+        for sample, shape in zip(generation.samples, shapes):
+            final = sample.text
             cut = len(echo) + len(final) if sample.finish_reason == "stop" else None
-            for k, choice in enumerate(shape.finish(stream.finish(final), final,
+            for k, choice in enumerate(shape.finish(sample.output.rest(final), final,
                                                     sample.finish_reason)):
                 choice.logprobs = logprobs.take(sample.index, cut) if k == 0 else None
                 yield choice

@@ -14,7 +14,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ...base import defaults
 from ...base.errors import ApiError
-from ...model.stopping import TextStream
 from .bodies import read_json
 from .errors import api_error
 from .logprobs import entries
@@ -106,18 +105,16 @@ class NativeRoutes:
 
     async def events(self, run: Any, first: Any, options: Options) -> AsyncIterator[bytes]:
         sample = run.generation.samples[0]
-        stream = TextStream(self.service.engine.tokenizer, sample.prompt, options.stops)
         try:
             item = first
             while item is not None:
-                text = stream.push(item[1])
-                if text:
-                    yield _sse({"content": text, "stop": False, "index": 0, "id_slot": 0})
+                if item[2]:
+                    yield _sse({"content": item[2], "stop": False, "index": 0, "id_slot": 0})
                 item = await run.next(_never)
             if run.error is not None:
                 yield _sse(api_error(run.error).to_json())
                 return
-            rest = stream.finish(self.service.engine.sample_text(sample))
+            rest = sample.output.rest(sample.text)
             yield _sse(self.final(run, rest, options))
         finally:
             run.cancel()
@@ -127,7 +124,7 @@ class NativeRoutes:
         fields for the first sample."""
         generation = run.generation
         sample = generation.samples[0]
-        whole = self.service.engine.sample_text(sample)
+        whole = sample.text
         reason = sample.finish_reason
         out = {"content": whole if not options.stream else content, "index": 0, "id_slot": 0,
                "stop": True, "model": self.service.name, "tokens_predicted": len(sample.tokens),

@@ -121,11 +121,6 @@ class Options:
         return self.asked.n_samples
 
     @property
-    def stops(self) -> List[str]:
-        """Every stop string of the request: the client's, then the server's."""
-        return list(self.asked.stop) + [s for s in self.server_stops if s not in self.asked.stop]
-
-    @property
     def top_logprobs(self) -> Optional[int]:
         return self.asked.params.top_logprobs
 

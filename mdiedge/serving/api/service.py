@@ -75,8 +75,9 @@ class Run:
             self.metrics.itl.observe(now - self._last[index])
         self._last[index] = now
         self.metrics.generation_tokens.inc()
-        if self.stream:
-            self._push((index, token))
+        if self.stream:  # the text a stream may show now, made here once
+            assert self.generation is not None
+            self._push((index, token, self.generation.samples[index].output.fresh()))
 
     def finish(self, error: Optional[BaseException]) -> None:
         self.error, self.finished = error, True
@@ -92,8 +93,9 @@ class Run:
         self._push(_DONE)
 
     async def next(self, disconnected: Callable[[], Awaitable[bool]],
-                   poll_s: float = 0.5) -> Optional[Tuple[int, int]]:
-        """The next ``(sample index, token)``, or None at the end; cancels the request when
+                   poll_s: float = 0.5) -> Optional[Tuple[int, int, str]]:
+        """The next ``(sample index, token, text to stream)``, or None at the end; cancels
+        the request when
         ``disconnected()`` says the client is gone."""
         while True:
             try:

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
@@ -127,22 +126,33 @@ def test_the_key_is_needed(base: str) -> None:
     assert httpx.post(base + "/completion", json={"prompt": "x"}, timeout=30).status_code == 401
 
 
-def test_slots_show_the_sample_streaming_then_idle(base: str) -> None:
+def busy_slots(base: str, body: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The busy slots ``/slots`` shows first while ``body`` runs (none if it never saw one)."""
+    import threading
+
     headers = {"X-Api-Key": KEY}
-    body = {"prompt": "Once upon a time", "n_predict": 200, "temperature": 0, "stream": True,
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (post(base, "/completion", body), done.set()))
+    worker.start()
+    try:
+        while not done.is_set():
+            slots = httpx.get(base + "/slots", headers=headers, timeout=30).json()
+            busy = [s for s in slots if s["is_processing"]]
+            if busy:
+                assert len(slots) == 2
+                return busy
+        return []
+    finally:
+        worker.join()
+
+
+def test_slots_show_the_sample_running_then_idle(base: str) -> None:
+    body = {"prompt": "Once upon a time", "n_predict": 240, "temperature": 0,
             "ignore_eos": True}
-    with httpx.stream("POST", base + "/completion", json=body, headers=headers,
-                      timeout=120) as response:
-        next(response.iter_lines())
-        slots = httpx.get(base + "/slots", headers=headers, timeout=30).json()
-    busy = [s for s in slots if s["is_processing"]]
-    assert len(slots) == 2 and len(busy) == 1 and busy[0]["id_task"] > 0
-    assert busy[0]["params"]["n_predict"] == 200 and busy[0]["n_ctx"] == 256
-    assert 1 <= busy[0]["next_token"]["n_decoded"] < 200 and "prompt" not in busy[0]
-    for _ in range(100):
-        slots = httpx.get(base + "/slots", headers=headers, timeout=30).json()
-        if not any(s["is_processing"] for s in slots):
-            break
-        time.sleep(0.05)
+    busy = next(filter(None, (busy_slots(base, body) for _ in range(10))), [])
+    assert len(busy) == 1 and busy[0]["id_task"] > 0, busy
+    assert busy[0]["params"]["n_predict"] == 240 and busy[0]["n_ctx"] == 256
+    assert busy[0]["next_token"]["n_decoded"] < 240 and "prompt" not in busy[0]
+    slots = httpx.get(base + "/slots", headers={"X-Api-Key": KEY}, timeout=30).json()
     assert not any(s["is_processing"] for s in slots)
     assert httpx.get(base + "/slots", timeout=30).status_code == 401

@@ -111,9 +111,9 @@ def written(script: str) -> str:
 
 def scripted(engine: LocalEngine) -> LocalEngine:
     """``engine`` whose every sample writes ``SCRIPT["text"]``, then ends (its end token)."""
-    original = engine.new_generation
+    original = engine.generation_of
 
-    def new_generation(*args: Any, **kwargs: Any) -> Any:
+    def generation_of(*args: Any, **kwargs: Any) -> Any:
         generation = original(*args, **kwargs)
         ids, end = engine.tokenizer.encode(SCRIPT["text"]), min(generation.eos_ids)
 
@@ -126,7 +126,7 @@ def scripted(engine: LocalEngine) -> LocalEngine:
                 generation.take(sample, [ids[done] if done < len(ids) else end])
         generation.accept = accept
         return generation
-    engine.new_generation = new_generation  # type: ignore[assignment]
+    engine.generation_of = generation_of  # type: ignore[assignment]
     return engine
 
 

@@ -35,6 +35,13 @@ CHAT_LOGPROBS: Dict[str, _Check] = {
     "top_logprobs": (_is_int, "an integer"),
 }
 COMPLETION_LOGPROBS: Dict[str, _Check] = {"logprobs": (_is_int, "an integer")}
+NUMBER_RANGES = {"temperature": defaults.TEMPERATURE_RANGE, "top_p": defaults.TOP_P_RANGE,
+                 "presence_penalty": defaults.PENALTY_RANGE,
+                 "frequency_penalty": defaults.PENALTY_RANGE, "min_p": defaults.MIN_P_RANGE,
+                 "repetition_penalty": defaults.REPETITION_PENALTY_RANGE,
+                 "repeat_penalty": defaults.REPETITION_PENALTY_RANGE}
+
+
 def asked_from(body: Mapping[str, Any], chat: bool, max_tokens_key: str) -> Asked:
     """The request ``body`` asks for (type-checked already), its values checked once by
     ``Asked`` and ``SamplingParams``: a 400 naming the body's field for one out of range."""
@@ -71,9 +78,10 @@ def _number(body: Mapping[str, Any], name: str, default: float) -> float:
     value = body.get(name)
     try:
         return default if value is None else float(value)
-    except OverflowError:
-        raise ApiError(400, f"{name}: expected a number, got {repr(value)[:60]}", name,
-                       "invalid_value") from None
+    except OverflowError:  # an integer past a float's range: out of any field's
+        span = NUMBER_RANGES.get(name)
+        raise ApiError(400, f"{name}: expected {span.expected if span else 'a number'}, got "
+                       f"{repr(value)[:60]}...", name, "invalid_value") from None
 
 
 def read_sampling(body: Mapping[str, Any], chat: bool) -> Dict[str, Any]:

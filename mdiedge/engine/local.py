@@ -3,7 +3,6 @@ a ring's proportions (tests and the quality guard compare those with a real ring
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, List, Optional, Sequence
 
 from ..base.accel import running_code
@@ -18,7 +17,7 @@ from ..runtime.compute import ComputeThread
 from ..runtime.pipeline import ModelEnds, Pipeline
 from ..runtime.scheduler import Scheduler
 from ..runtime.stages import LocalStage, joined_routes
-from ..runtime.protocol import NodeStatus, busy_fraction
+from ..runtime.protocol import NodeStatus
 from .facade import Engine, PathLike, TextModel
 
 
@@ -78,15 +77,19 @@ class LocalEngine(Engine):
         """This process as the one node: its blocks, its share of time computing and the KV
         slots its requests hold."""
         scheduler = self.scheduler
-        busy = 0.0 if scheduler is None else busy_fraction(
-            scheduler.stats.compute_s, time.time() - scheduler.pipeline.stages[0].counters.since)
-        idle = scheduler is None or scheduler.idle
-        return [NodeStatus("starter", "local", "ready" if idle else "busy",
-                           layers=[0, self.cfg.n_layers], busy_fraction=busy,
-                           slots_in_use=scheduler.slots_in_use if scheduler is not None else 0,
-                           threads=compute_threads(), code=running_code(),
-                           decode=joined_routes([s.decode_route for s in self.stages]),
-                           file_reads=reads())]
+        status = NodeStatus("starter", "local", "ready" if scheduler is None or scheduler.idle
+                            else "busy", threads=compute_threads(), code=running_code(),
+                            file_reads=reads(), layers=[0, self.cfg.n_layers])
+        stages = self.stages
+        if scheduler is not None and stages:
+            stages[0].describe(status, scheduler)  # then the whole process's blocks:
+            status.layers = [0, self.cfg.n_layers]
+            status.decode = joined_routes([s.decode_route for s in stages])
+            status.weight_bytes = sum(s.memory()["weight_bytes"] for s in stages)
+            status.kv_bytes = sum(s.memory()["kv_bytes"] for s in stages)
+            status.kv_fill_s = round(self.kv_fill_s(), 6)
+            status.expert_load = {k: v for s in stages for k, v in s.model.expert_load().items()}
+        return [status]
 
     def kv_fill_s(self) -> float:
         return sum(stage.counters.kv_fill_s for stage in self.stages)

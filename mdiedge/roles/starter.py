@@ -42,7 +42,7 @@ from ..placement.partition import Placement, partition
 from ..runtime.compute import ComputeThread
 from ..runtime.pipeline import ModelEnds, Pipeline
 from ..runtime.protocol import (MAX_SLOTS, Assignment, AssignReply, ConnectRequest, ModelRef,
-                                NodeStatus, busy_fraction)
+                                NodeStatus)
 from ..runtime.scheduler import Scheduler, prefill_rows
 from ..runtime.stages import LocalStage
 from ..placement import balance
@@ -448,17 +448,8 @@ def starter_status(starter: RingStarter) -> NodeStatus:
         recoveries=starter.recoveries, threads=compute_threads(), code=running_code(),
         file_reads=reads())
     if scheduler is not None and stage is not None:
-        stats = scheduler.stats
         status.state = "ready" if scheduler.idle else "busy"
-        status.layers = stage.layers
-        status.decode = dict(stage.decode_route)
-        memory = stage.memory()
-        status.weight_bytes, status.kv_bytes = memory["weight_bytes"], memory["kv_bytes"]
-        status.expert_load = stage.model.expert_load()
-        status.slots_in_use = scheduler.slots_in_use
-        status.messages, status.tokens = stats.messages, stats.tokens
-        status.compute_s = round(stats.compute_s, 6)
-        status.busy_fraction = busy_fraction(stats.compute_s, time.time() - stage.counters.since)
+        stage.describe(status, scheduler)
     if starter.tail is not None:
         status.links = starter.tail.links.stats()
     status.lost = sorted(dict(starter.membership.lost))

@@ -35,8 +35,7 @@ from ..runtime.compute import ComputeThread
 from ..runtime.control import ControlServer, round_trip_ms
 from ..runtime.links import LinkDown, LinkPair, accept_authenticated, bind, close_links, \
     close_quietly, connect_authenticated, tcp_listen
-from ..runtime.protocol import (Assignment, AssignReply, ConnectRequest, ModelRef, NodeStatus,
-                                busy_fraction)
+from ..runtime.protocol import Assignment, AssignReply, ConnectRequest, ModelRef, NodeStatus
 from ..runtime.stages import LocalStage, inference
 from .exitparts import cache_suffix, extra_bytes, has_parts, keep_sent_classifier, worker_policy
 
@@ -168,17 +167,12 @@ class WorkerNode:
         if a is not None:
             status.model, status.hash, status.device = a.model.name, a.model.hash, a.device
             status.layers = list(a.layers)
-        if self.model is not None:
-            status.weight_bytes = self.model.parameter_bytes()
-            status.kv_bytes = self.model.kv_cache_bytes()
-            status.expert_load = self.model.expert_load()
         status.links = links.stats() if (links := self.links) is not None else {}
         if stage is not None:
-            c = stage.counters
-            status.slots_in_use, status.messages, status.tokens = stage.slots_in_use, c.messages, c.tokens
-            status.compute_s, status.kv_fill_s = round(c.compute_s, 6), round(c.kv_fill_s, 6)
-            status.busy_fraction = busy_fraction(c.compute_s, time.time() - c.since)
-            status.decode = dict(stage.decode_route)
+            stage.describe(status)
+        elif self.model is not None:  # loaded, its ring gone: what it holds
+            status.weight_bytes = self.model.parameter_bytes()
+            status.kv_bytes = self.model.kv_cache_bytes()
         return status.to_json()
 
     def assign(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:

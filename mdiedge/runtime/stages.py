@@ -19,6 +19,7 @@ import torch
 
 from . import messages
 from .messages import Message
+from .protocol import NodeStatus, busy_fraction
 from .slots import SlotTable
 from ..model.exits import ExitPolicy, ExitStep
 from ..model.transformer import route_of
@@ -189,6 +190,23 @@ class LocalStage:
     @property
     def slots_in_use(self) -> int:
         return int(self.slots.in_use)
+
+    def describe(self, status: NodeStatus, scheduler: Optional[Any] = None) -> None:
+        """Fill ``status`` (a node's, any role's) with what this stage holds and has done:
+        its blocks, decode route, memory, experts' load, slots in use, messages, tokens,
+        compute and busy share. A starter's ``scheduler`` counts for its whole process (the
+        embedding and head too, and the slots its requests hold)."""
+        counters = self.counters
+        stats = scheduler.stats if scheduler is not None else counters
+        memory = self.memory()
+        status.layers, status.decode = self.layers, dict(self.decode_route)
+        status.weight_bytes, status.kv_bytes = memory["weight_bytes"], memory["kv_bytes"]
+        status.expert_load = self.model.expert_load()
+        status.slots_in_use = scheduler.slots_in_use if scheduler is not None \
+            else self.slots_in_use
+        status.messages, status.tokens = stats.messages, stats.tokens
+        status.compute_s, status.kv_fill_s = round(stats.compute_s, 6), round(counters.kv_fill_s, 6)
+        status.busy_fraction = busy_fraction(stats.compute_s, time.time() - counters.since)
 
     def memory(self) -> Dict[str, int]:
         return {"weight_bytes": self.model.parameter_bytes(),

@@ -190,3 +190,24 @@ def test_a_replay_prefills_each_live_sample_again(samples: Sequence[Tuple[int, i
                                                   want: List[Tuple[int, int, int, bool]]) -> None:
     got = plan.replay(samples, chunk)
     assert [(sid, c.start, c.end, c.final) for sid, c in got] == want
+
+
+@pytest.mark.parametrize("current, usable, idle, wanted, expected", [
+    (None, False, True, (2, 64), (2, 64)),  # nothing yet: as wanted
+    ((4, 128), False, True, (2, 64), (2, 64)),  # broken: anew, as wanted
+    ((4, 128), True, True, (2, 64), None),  # holds it: kept
+    ((4, 128), True, False, (4, 128), None),  # running and holds it: kept
+    ((4, 128), True, True, (8, 64), (8, 128)),  # idle, too few slots: never smaller
+    ((4, 128), True, True, (2, 256), (4, 256)),  # idle, too short
+    ((4, 128), True, False, (8, 64), "busy with a layout of 4 samples x 128 tokens"),
+])
+def test_a_pipeline_is_kept_grown_or_refused_by_one_rule(current, usable, idle, wanted,
+                                                         expected) -> None:
+    from mdiedge.base.errors import Conflict
+    from mdiedge.runtime.plan import layout_for
+
+    if isinstance(expected, str):
+        with pytest.raises(Conflict, match=expected):
+            layout_for(current, usable, idle, wanted)
+    else:
+        assert layout_for(current, usable, idle, wanted) == expected

@@ -15,6 +15,7 @@ from ..placement.partition import split_layers
 from ..roles.exitparts import starter_policy
 from ..runtime.compute import ComputeThread
 from ..runtime.pipeline import ModelEnds, Pipeline
+from ..runtime.plan import layout_for
 from ..runtime.scheduler import Scheduler
 from ..runtime.stages import LocalStage, joined_routes
 from ..runtime.protocol import NodeStatus
@@ -51,12 +52,13 @@ class LocalEngine(Engine):
 
     def prepare(self, n_slots: int, context: int) -> Scheduler:
         current = self.scheduler
-        if current is not None and (not current.usable or current.idle and (
-                current.pipeline.n_slots < n_slots or current.pipeline.context < context)):
-            current = None  # broken, or too small with nothing running: set up anew
-        if current is None:
-            current = self.scheduler = self.compute.call(self._set_up, n_slots, context)
-        return current
+        layout = layout_for(None if current is None else current.pipeline.layout,
+                            current is not None and current.usable,
+                            current is None or current.idle, (n_slots, context))
+        if layout is not None:
+            self.scheduler = self.compute.call(self._set_up, *layout)
+        assert self.scheduler is not None
+        return self.scheduler
 
     def _set_up(self, n_slots: int, context: int) -> Scheduler:
         """A scheduler over new stages of ``n_slots`` x ``context`` KV rows (on the compute

@@ -43,6 +43,7 @@ from ..runtime.compute import ComputeThread
 from ..runtime.pipeline import ModelEnds, Pipeline
 from ..runtime.protocol import (MAX_SLOTS, Assignment, AssignReply, ConnectRequest, ModelRef,
                                 NodeStatus)
+from ..runtime.plan import layout_for
 from ..runtime.scheduler import Scheduler, prefill_rows
 from ..runtime.stages import LocalStage
 from ..placement import balance
@@ -133,24 +134,17 @@ class RingStarter:
         needs the current one idle (Conflict otherwise)."""
         with self._setup_lock:
             current = self.scheduler
-            fits = current is not None and current.pipeline.n_slots >= n_slots and \
-                current.pipeline.context >= context
-            if current is not None and current.usable and not current.idle:
-                if fits:  # busy: it recovers from a lost node itself
-                    return current
-                raise Conflict(f"the ring is busy with a layout of {current.pipeline.n_slots} "
-                               f"samples x {current.pipeline.context} tokens, smaller than "
-                               f"{n_slots} x {context}; try again when it is idle")
-            usable = current is not None and current.usable and self.ring_alive() and \
-                not self.membership.rejoin.is_set()
-            if usable and fits and not self._rebalance(current):
+            running = current is not None and current.usable and not current.idle
+            usable = running or current is not None and current.usable and \
+                self.ring_alive() and not self.membership.rejoin.is_set()  # busy: it recovers
+            layout = layout_for(None if current is None else current.pipeline.layout, usable,
+                                not running, (n_slots, context))
+            if layout is None and (running or not self._rebalance(current)):
                 return current
-            if usable:
-                n_slots = max(n_slots, current.pipeline.n_slots)
-                context = max(context, current.pipeline.context)
-            self._check_layout(n_slots, context)  # before the working ring is closed
+            layout = layout or current.pipeline.layout  # the same, balanced anew
+            self._check_layout(*layout)  # before the working ring is closed
             self.close_ring()
-            self.scheduler = self._setup(n_slots, context)
+            self.scheduler = self._setup(*layout)
             return self.scheduler
 
     def ring_alive(self) -> bool:

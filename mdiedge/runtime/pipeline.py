@@ -9,7 +9,7 @@ and N local stages test the scheduler's grouping, chunking and release without s
 from __future__ import annotations
 
 import collections
-from typing import Any, Deque, List, Optional, Sequence
+from typing import Any, Deque, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -73,6 +73,11 @@ class Pipeline:
     @property
     def context(self) -> int:
         return min(stage.context for stage in self.stages)
+
+    @property
+    def layout(self) -> Tuple[int, int]:
+        """Its KV slots and tokens per slot (``plan.layout_for``)."""
+        return self.n_slots, self.context
 
     def submit(self, message: Message) -> None:
         for stage in self.stages:

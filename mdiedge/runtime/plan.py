@@ -17,9 +17,29 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
 from ..base import defaults
+from ..base.errors import Conflict
+
+Layout = Tuple[int, int]  # a pipeline's KV slots and tokens per slot
 
 
 # ----------------------------------------------------------------- sizes
+
+
+def layout_for(current: Optional[Layout], usable: bool, idle: bool,
+               wanted: Layout) -> Optional[Layout]:
+    """The one rule of a pipeline's size, for one process and for a ring: None keeps the
+    ``current`` pipeline (it holds ``wanted`` and is ``usable``), else the layout to set one
+    up with, never smaller than a usable current one; a ``Conflict`` when that one is
+    running (not ``idle``) and too small, as it cannot be replaced under its requests."""
+    if current is None or not usable:
+        return wanted
+    if current[0] >= wanted[0] and current[1] >= wanted[1]:
+        return None
+    if not idle:
+        raise Conflict(f"the ring is busy with a layout of {current[0]} samples x "
+                       f"{current[1]} tokens, smaller than {wanted[0]} x {wanted[1]}; try "
+                       "again when it is idle")
+    return max(current[0], wanted[0]), max(current[1], wanted[1])
 
 
 def group_size(n_samples: int, micro_batch: int, nodes: int, max_rows: int = 0) -> int:

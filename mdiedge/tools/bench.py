@@ -120,7 +120,8 @@ def kv_read_per_row(model: Any, cfg: Any, blocks: int, context: int, new_tokens:
 def _generation(cfg: Any, samples: int, new_tokens: int, context: int) -> Generation:
     """Greedy samples of a random prompt that fills ``context`` with the new tokens."""
     prompt = torch.randint(3, cfg.vocab_size, (context - new_tokens,)).tolist()
-    return Generation(ids_request(prompt, new_tokens, samples, SamplingParams(temperature=0), context), ())
+    return Generation(ids_request(prompt, new_tokens, samples, SamplingParams(temperature=0),
+                                  context), ())
 
 
 def _spec(model: Path, nodes: int) -> EngineSpec:

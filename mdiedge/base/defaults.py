@@ -37,6 +37,8 @@ REPETITION_PENALTY_RANGE = Span(0, 10, low_open=True)  # 1: none; > 1 discourage
 MIN_P_RANGE = Span(0, 1)  # 0: no min-p filter
 LOGIT_BIAS_RANGE = Span(-100, 100)  # added to a token's logit (OpenAI's range)
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+MAX_STOPS = 16  # stop strings per request
+MAX_STOP_CHARS = 256  # characters per stop string
 TOP_LOGPROBS_RANGE = Span(0, 20, integer=True)  # alternatives reported per token
 GREEDY_BELOW = 1e-5  # a temperature under this samples as greedy does (vLLM's rule): its
 #                      distribution is the argmax's, and logits / it may overflow float32

@@ -11,10 +11,8 @@ from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 from . import defaults
+from .defaults import MAX_STOP_CHARS, MAX_STOPS
 from .errors import ContextExceeded, GenerationError
-
-MAX_STOPS = 16  # strings per request
-MAX_STOP_CHARS = 256  # characters per string
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import pytest
 
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.engine.local import LocalEngine
-from mdiedge.runtime.plan import Part, take_merged
+from mdiedge.runtime.plan import DecodeRows, take_merged
 
 GREEDY = SamplingParams(temperature=0)
 SAMPLED = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=3)
@@ -27,7 +27,7 @@ PROMPTS = ["hello ring", "the quick brown fox", "jumps", "ring 1", "fox 7", "qui
 ])
 def test_the_merger_takes_waiting_parts_in_order(rows: List[int], in_flight: int, limit: int,
                                                  max_rows: int, taken: List[int]) -> None:
-    queued = [Part(i, tuple(range(n))) for i, n in enumerate(rows)]
+    queued = [DecodeRows(i, tuple(range(n))) for i, n in enumerate(rows)]
     got, left = take_merged(queued, in_flight, limit, max_rows)
     assert [len(p.sids) for p in got] == taken
     assert [len(p.sids) for p in left] == rows[len(taken):]

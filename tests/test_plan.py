@@ -8,8 +8,9 @@ from typing import List, Optional, Sequence, Tuple
 import pytest
 
 from mdiedge.runtime import plan
-from mdiedge.runtime.plan import (Back, Chunk, Decode, Part, QueueView, Release, Row, Waiter,
-                                  admit, after_step, give_up, queue_state, take_merged)
+from mdiedge.runtime.plan import (Chunk, Decode, DecodeRows, QueueView, Release, ReturnedGroup,
+                                  ReturnedSample, Waiter, admit, after_step, give_up,
+                                  queue_state, take_merged)
 
 # ------------------------------------------------------------------------------ admission
 
@@ -74,56 +75,60 @@ def test_prefill_rows_fit_a_frame(max_payload: int, row_bytes: int, chunk: int,
 # ------------------------------------------------------------------------------ after a step
 
 
-def back(group: int, rows: str, fixed: bool = False, width: int = 1) -> Back:
+def back(group: int, rows: str, fixed: bool = False, width: int = 1) -> ReturnedGroup:
     """A group's rows as letters: ``l`` live, ``d`` done (rows held), ``r`` done and
     released already; sample ids count from group * 10."""
-    return Back(group, tuple(Row(group * 10 + i, c != "l", c == "r") for i, c in enumerate(rows)),
-                fixed, width)
+    return ReturnedGroup(group, tuple(ReturnedSample(group * 10 + i, c != "l", c == "r")
+                                      for i, c in enumerate(rows)), fixed, width)
 
 
 @pytest.mark.parametrize("backs, queued, in_flight, limit, max_rows, sends, retired, left", [
     # one group decoding alone, nothing ends: its next step merges (limit permitting)
-    ([back(1, "ll")], [], 0, 2, 0, [Decode((Part(1, (10, 11)),), True)], [], []),
+    ([back(1, "ll")], [], 0, 2, 0, [Decode((DecodeRows(1, (10, 11)),), True)], [], []),
     # a sample ended: its rows are freed before the next step of the others
     ([back(1, "ld")], [], 0, 2, 0,
-     [Release(1, (11,)), Decode((Part(1, (10,)),), True)], [], []),
+     [Release(1, (11,)), Decode((DecodeRows(1, (10,)),), True)], [], []),
     # every sample ended: a release, and the group retires
     ([back(1, "dd")], [], 0, 2, 0, [Release(1, (10, 11))], [1], []),
     # released already (a recovery settled it): nothing to free again
-    ([back(1, "rl")], [], 0, 2, 0, [Decode((Part(1, (11,)),), True)], [], []),
+    ([back(1, "rl")], [], 0, 2, 0, [Decode((DecodeRows(1, (11,)),), True)], [], []),
     # an explicit micro-batch travels alone, never merged
-    ([back(1, "l", fixed=True)], [], 2, 2, 0, [Decode((Part(1, (10,)),))], [], []),
+    ([back(1, "l", fixed=True)], [], 2, 2, 0, [Decode((DecodeRows(1, (10,)),))], [], []),
     # the limit of merged messages is in flight: the step waits to merge
-    ([back(1, "l")], [Part(2, (20,))], 2, 2, 0, [], [], [Part(2, (20,)), Part(1, (10,))]),
+    ([back(1, "l")], [DecodeRows(2, (20,))], 2, 2, 0, [], [],
+     [DecodeRows(2, (20,)), DecodeRows(1, (10,))]),
     # two requests' steps leave in one message, in the order they queued
-    ([back(1, "l")], [Part(2, (20,))], 1, 2, 0,
-     [Decode((Part(2, (20,)), Part(1, (10,))), True)], [], []),
+    ([back(1, "l")], [DecodeRows(2, (20,))], 1, 2, 0,
+     [Decode((DecodeRows(2, (20,)), DecodeRows(1, (10,))), True)], [], []),
     # up to max_rows rows a message; the rest leave in another while the limit allows
-    ([back(1, "ll"), back(3, "l")], [Part(2, (20,))], 1, 2, 3,
-     [Decode((Part(2, (20,)), Part(1, (10, 11))), True)], [], [Part(3, (30,))]),
-    ([back(1, "ll"), back(3, "l")], [Part(2, (20,))], 0, 3, 3,
-     [Decode((Part(2, (20,)), Part(1, (10, 11))), True), Decode((Part(3, (30,)),), True)],
+    ([back(1, "ll"), back(3, "l")], [DecodeRows(2, (20,))], 1, 2, 3,
+     [Decode((DecodeRows(2, (20,)), DecodeRows(1, (10, 11))), True)], [], [DecodeRows(3, (30,))]),
+    ([back(1, "ll"), back(3, "l")], [DecodeRows(2, (20,))], 0, 3, 3,
+     [Decode((DecodeRows(2, (20,)), DecodeRows(1, (10, 11))), True),
+      Decode((DecodeRows(3, (30,)),), True)],
      [], []),
     # rows of several positions (a speculative step) never share a message with single ones
-    ([back(1, "l", width=3)], [Part(2, (20,))], 0, 3, 0,
-     [Decode((Part(2, (20,)),), True), Decode((Part(1, (10,), 3),), True)], [], []),
+    ([back(1, "l", width=3)], [DecodeRows(2, (20,))], 0, 3, 0,
+     [Decode((DecodeRows(2, (20,)),), True), Decode((DecodeRows(1, (10,), 3),), True)], [], []),
     # rows of width 3 count as 3 token rows each against max_rows: 2 x 3 fits 6, not 3 more
     ([back(1, "ll", width=3), back(3, "l", width=3)], [], 0, 2, 6,
-     [Decode((Part(1, (10, 11), 3),), True), Decode((Part(3, (30,), 3),), True)], [], []),
+     [Decode((DecodeRows(1, (10, 11), 3),), True), Decode((DecodeRows(3, (30,), 3),), True)],
+     [], []),
     ([back(1, "l", width=3), back(3, "l", width=3)], [], 0, 2, 6,
-     [Decode((Part(1, (10,), 3), Part(3, (30,), 3)), True)], [], []),
+     [Decode((DecodeRows(1, (10,), 3), DecodeRows(3, (30,), 3)), True)], [], []),
     # with no row limit (one process), verifications still merge within the step's 8 rows
     ([back(1, "l", width=5), back(3, "l", width=5)], [], 0, 2, 0,
-     [Decode((Part(1, (10,), 5),), True), Decode((Part(3, (30,), 5),), True)], [], []),
+     [Decode((DecodeRows(1, (10,), 5),), True), Decode((DecodeRows(3, (30,), 5),), True)], [], []),
     ([back(1, "l", width=4), back(3, "l", width=4)], [], 0, 2, 0,
-     [Decode((Part(1, (10,), 4), Part(3, (30,), 4)), True)], [], []),
+     [Decode((DecodeRows(1, (10,), 4), DecodeRows(3, (30,), 4)), True)], [], []),
     # releases and steps in group order
     ([back(1, "d", fixed=True), back(2, "ld", fixed=True)], [], 0, 1, 0,
-     [Release(1, (10,)), Release(2, (21,)), Decode((Part(2, (20,)),))], [1], []),
+     [Release(1, (10,)), Release(2, (21,)), Decode((DecodeRows(2, (20,)),))], [1], []),
 ])
-def test_what_follows_a_step(backs: List[Back], queued: List[Part], in_flight: int, limit: int,
-                             max_rows: int, sends: list, retired: List[int],
-                             left: List[Part]) -> None:
+def test_what_follows_a_step(backs: List[ReturnedGroup], queued: List[DecodeRows],
+                             in_flight: int, limit: int, max_rows: int, sends: list,
+                             retired: List[int],
+                             left: List[DecodeRows]) -> None:
     got = after_step(backs, queued, in_flight, limit, max_rows)
     assert list(got.sends) == sends
     assert list(got.retired) == retired
@@ -136,7 +141,7 @@ def test_what_follows_a_step(backs: List[Back], queued: List[Part], in_flight: i
     ([1, 1, 2, 1], 2), ([2, 2, 1], 2), ([3], 1),
 ])
 def test_only_rows_of_one_width_merge(widths: List[int], taken: int) -> None:
-    queued = [Part(i, (i,), w) for i, w in enumerate(widths)]
+    queued = [DecodeRows(i, (i,), w) for i, w in enumerate(widths)]
     got, left = take_merged(queued, 0, 4)
     assert len(got) == taken and list(got) + list(left) == queued
 

@@ -190,7 +190,7 @@ def admit(waiting: Sequence[Waiter], free_slots: int, nodes: int, max_rows: int,
 
 
 @dataclass(frozen=True)
-class Row:
+class ReturnedSample:
     """A sample of a group whose step came back: ``done`` when it ended (end token, stop,
     length, cancelled, failed), ``released`` when its rows were freed already."""
 
@@ -200,17 +200,17 @@ class Row:
 
 
 @dataclass(frozen=True)
-class Back:
+class ReturnedGroup:
     """A group whose step came back (for a prefill: every member's last chunk)."""
 
     group: int
-    rows: Tuple[Row, ...]
+    rows: Tuple[ReturnedSample, ...]
     fixed: bool = False
     width: int = 1  # positions each row computes in its next step
 
 
 @dataclass(frozen=True)
-class Part:
+class DecodeRows:
     """Rows of one group in a decode message, ``width`` positions each."""
 
     group: int
@@ -230,7 +230,7 @@ class Release:
 class Decode:
     """One decode message; ``merged``: it counts against the limit of merged messages."""
 
-    parts: Tuple[Part, ...]
+    parts: Tuple[DecodeRows, ...]
     merged: bool = False
 
 
@@ -244,7 +244,7 @@ class StepPlan:
 
     sends: Tuple[Send, ...] = ()
     retired: Tuple[int, ...] = ()
-    queued: Tuple[Part, ...] = ()
+    queued: Tuple[DecodeRows, ...] = ()
     merged_in_flight: int = 0
 
 
@@ -255,8 +255,8 @@ def verify_rows(frame_rows: int) -> int:
     return min(rows, frame_rows) if frame_rows > 0 else rows
 
 
-def take_merged(queued: Sequence[Part], in_flight: int, limit: int,
-                max_rows: int = 0) -> Tuple[Tuple[Part, ...], Tuple[Part, ...]]:
+def take_merged(queued: Sequence[DecodeRows], in_flight: int, limit: int,
+                max_rows: int = 0) -> Tuple[Tuple[DecodeRows, ...], Tuple[DecodeRows, ...]]:
     """(the parts of the next merged message, those left waiting): none while ``limit``
     merged messages are in flight; else the first part and those after it of its width, in
     order, up to ``max_rows`` token rows (samples x width; 0: no limit; parts wider than 1,
@@ -274,8 +274,8 @@ def take_merged(queued: Sequence[Part], in_flight: int, limit: int,
     return tuple(taken), tuple(left)
 
 
-def after_step(backs: Sequence[Back], queued: Sequence[Part], merged_in_flight: int,
-               limit: int, max_rows: int = 0) -> StepPlan:
+def after_step(backs: Sequence[ReturnedGroup], queued: Sequence[DecodeRows],
+               merged_in_flight: int, limit: int, max_rows: int = 0) -> StepPlan:
     """What follows groups' steps coming back: each frees its ended samples' rows, then
     sends its next decode step alone (an explicit micro-batch) or queues it to merge with
     other requests'; then merged messages leave while fewer than ``limit`` are in flight."""
@@ -290,9 +290,9 @@ def after_step(backs: Sequence[Back], queued: Sequence[Part], merged_in_flight: 
         if not going:
             retired.append(back.group)
         elif back.fixed:
-            sends.append(Decode((Part(back.group, going, back.width),)))
+            sends.append(Decode((DecodeRows(back.group, going, back.width),)))
         else:
-            waiting.append(Part(back.group, going, back.width))
+            waiting.append(DecodeRows(back.group, going, back.width))
     while True:
         taken, rest = take_merged(waiting, merged_in_flight, limit, max_rows)
         if not taken:

@@ -27,8 +27,9 @@ from ..base.request import check_context
 from .generation import ExitCounts, Generation, Recovery, Sample, Timing
 from .messages import Message
 from .pipeline import ModelEnds, Pipeline
-from .plan import (MAX_FRUITLESS_RECOVERIES, Back, Decode, Part, QueueView, Release, Row,
-                   Waiter, group_size, prefill_chunks, prefill_rows)
+from .plan import (MAX_FRUITLESS_RECOVERIES, Decode, DecodeRows, QueueView, Release,
+                   ReturnedGroup, ReturnedSample, Waiter, group_size, prefill_chunks,
+                   prefill_rows)
 from .promptcache import PromptCache, SampleIds
 from .slots import MAX_SAMPLE_ID
 from .speculation import Draft, RowCost, plan_step, step_rows
@@ -62,9 +63,9 @@ class _Group:
         wanted = set(sids)
         return [s for s in self.samples if s.sid in wanted]
 
-    def back(self, width: int = 1) -> Back:
-        return Back(self.key, tuple(Row(s.sid, s.done, s.released) for s in self.samples),
-                    self.fixed, width)
+    def back(self, width: int = 1) -> ReturnedGroup:
+        return ReturnedGroup(self.key, tuple(ReturnedSample(s.sid, s.done, s.released)
+                                             for s in self.samples), self.fixed, width)
 
 
 Rows = Tuple[_Group, List[Sample]]  # a group and its samples in one message
@@ -163,7 +164,7 @@ def count_exits(parts: List[Rows], depth: int, n_layers: int) -> None:
         generation.exits.add(depth, len(samples))
 
 
-class Flights:
+class InFlightMessages:
     """Messages in flight by sequence number, the counts of what was sent, and the cost of
     a decode row measured from them."""
 
@@ -252,7 +253,7 @@ class SchedulerRequests:
     broken: Optional[BaseException]
     _waiting: Waiting
     _loop: StepLoop
-    _inflight: Flights
+    _inflight: InFlightMessages
     _requests: Dict[int, Generation]
     _live: int
 
@@ -341,10 +342,10 @@ class Scheduler(SchedulerRequests):
         self._driver = threading.Lock()  # held by the thread that steps
         self._loop = StepLoop(self.step, lambda: self.broken is None and bool(
             self._inflight or len(self._waiting)), compute or ComputeThread("mdiedge-scheduler"))
-        self._inflight = Flights()
+        self._inflight = InFlightMessages()
         self.stats = self._inflight.stats
         self._groups: Dict[int, _Group] = {}  # live groups by key, in admission order
-        self._queued: Tuple[Part, ...] = ()  # decode parts waiting to merge
+        self._queued: Tuple[DecodeRows, ...] = ()  # decode parts waiting to merge
         self._merged = 0  # merged decode messages in flight
         self._requests: Dict[int, Generation] = {}  # admitted or dropped, not yet woken
         self._live = 0  # samples holding KV rows

@@ -83,7 +83,7 @@ def sized_slots(text_model: Any, slots: Optional[int], context: Optional[int], d
     """The ``SlotShape`` of ``serve``: ``--slots`` and ``--context`` as given, what is not
     sized from the memory free for the KV cache (``slot_shape``), said on stderr."""
     from ..base.dtypes import compute_dtype
-    from ..model.fit import free_bytes
+    from ..model.checks import free_bytes
     from ..serving.api.rules import KvModel, slot_shape
 
     check_context(context, text_model)

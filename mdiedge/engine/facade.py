@@ -27,7 +27,7 @@ from ..base.defaults import SHOWN_SETUP_S
 from ..base.words import plural
 from ..model.checkpoint import check_checkpoint, resolve_model_path
 from ..model.modelfile import ModelFile, model_file
-from ..model.fit import check_tokenizer
+from ..model.checks import check_tokenizer
 from ..model.exitfiles import ExitSettings
 from ..model.config import ModelConfig
 from ..model.sampling import SamplingParams

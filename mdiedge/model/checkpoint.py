@@ -22,7 +22,7 @@ from ..base.dtypes import BY_SAFETENSORS
 from ..base.errors import CheckpointError, ConfigError
 from .config import ModelConfig, read_json
 from .families import config_to_hf
-from .fit import check_finite
+from .checks import check_finite
 from .modelfile import LLAMA2C_HEADER, llama2c_config, model_file  # noqa: F401
 # the name tables and TensorSource live in .tensors (GGUF's source needs them too); imported
 # here as well for the modules that know them from this one
@@ -374,7 +374,7 @@ def _chunk_tensor(source: TensorSource, name: str, metadata: Dict[str, str]) -> 
 def check_checkpoint(path: Path, cfg: ModelConfig) -> None:
     """The whole config against the whole checkpoint, from the files' headers alone: what a
     starter checks before any node builds or loads anything (``fit.check_source``)."""
-    from .fit import check_source
+    from .checks import check_source
 
     source = open_source(path)
     try:
@@ -443,7 +443,7 @@ def _checked_plan(cfg: ModelConfig, source: TensorSource, layers: Tuple[int, int
                   keeps_blocks: bool) -> Dict[str, str]:
     """The tensor plan of a chunk, once the config is seen to fit the checkpoint (the blocks
     asked for exist, every tensor has its shape) and the chunk this node's free memory."""
-    from .fit import check_memory, check_plan, chunk_bytes, describe
+    from .checks import check_memory, check_plan, chunk_bytes, describe
 
     if not 0 <= layers[0] <= layers[1] <= cfg.n_layers:
         raise ConfigError(f"{source.path}: blocks [{layers[0]}, {layers[1]}) are not blocks of "

@@ -416,7 +416,7 @@ class GGUFSource(TensorSource):
     def _indexed(self, tensors: Mapping[str, Any]) -> Dict[str, _Entry]:
         """Every tensor of the model by its Hugging Face name, each checked (``tensors``: the
         file's, by their names there)."""
-        from .fit import check_blocks, indices  # imports torch, which a vocabulary needs not
+        from .checks import check_blocks, indices  # imports torch, which a vocabulary needs not
 
         cfg = self.cfg
         stacked = tensors.get("blk.0.ffn_gate_exps.weight")

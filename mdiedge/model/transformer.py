@@ -29,7 +29,7 @@ from ..base.cpudot import dot_code
 from .decoderoute import decode_route
 from .exits import ExitStep
 from .families import family_of
-from .fit import check_memory
+from .checks import check_memory
 from .layers import Linear, RMSNorm, rope_tables, transposed_head_pays
 
 NO_SLOTS = torch.empty(0, dtype=torch.long)

@@ -12,8 +12,8 @@ import typer
 
 from ..base import defaults, interrupts
 from ..base.cpudot import set_cpu_dot
-from ..base.engineoptions import EngineOptions, seconds_ok  # noqa: F401
-from ..base.errors import GenerationError, MdiedgeError, UsageError, need  # noqa: F401
+from ..base.engineoptions import EngineOptions
+from ..base.errors import GenerationError, MdiedgeError, UsageError, need
 from ..base.request import Asked, SamplingParams
 from .usage import CommandGroup
 

@@ -12,7 +12,7 @@ import typer
 from ..base import defaults
 from ..base.cpudot import set_cpu_dot
 from ..serving.api.cors import parse_origins
-from ..base.engineoptions import EngineOptions, check_cpu_dot, check_threads
+from ..base.engineoptions import EngineOptions, check_cpu_dot, check_threads, seconds_ok
 from .app import (
     app,
     check_log_level,
@@ -21,7 +21,6 @@ from .app import (
     load_torch,
     need,
     one_line_errors,
-    seconds_ok,
     serve_under_systemd,
     warn_unsealed,
     with_engine_options,

@@ -286,17 +286,11 @@ def _starter_engine(settings: Any, section: Any, opts: EngineOptions,
     """The starter's ``RingEngine`` over the config's workers (nothing set up yet): the
     config's ``[starter]`` options, the command line's (``opts``) winning where given."""
     from ..base.nodes import StarterOptions
+    from ..base.ringfile import starter_options
     from ..engine.factory import EngineSpec, open_engine
 
-    options = StarterOptions(
-        host=section.host, device=section.device, dtype=section.dtype, weight=section.weight,
-        memory=section.memory, layers=section.layers,
-        max_payload=section.max_payload or defaults.MAX_PAYLOAD, timeout_s=section.timeout_s,
-        prefill_chunk=section.prefill_chunk, stall_s=section.stall_s, recover=section.recover,
-        rebalance_margin=section.rebalance_margin, busy_poll_us=section.busy_poll_us,
-        secret=secret, control_url=control_url, encrypt=section.encrypt,
-        name=starter_name(control_url), compression=section.compression,
-        quantize=section.quantize)
+    options = StarterOptions(**starter_options(section), dtype=section.dtype, secret=secret,
+                             control_url=control_url, name=starter_name(control_url))
     return open_engine(EngineSpec(**dict(
         vars(opts), model=opts.model or section.model,
         tokenizer=opts.tokenizer or section.tokenizer, threads=section.threads),

@@ -34,7 +34,8 @@ from .facade import Engine, PathLike, TextModel
 class EngineSpec(EngineOptions):
     """Which engine to open and how it runs: the command line's options (``EngineOptions``:
     its ring options, where given, win over a ring file's; ``quantize`` also holds in one
-    process), and where the blocks run.
+    process; ``cpu_dot`` and ``prompt_cache`` are the command's to apply), and where the
+    blocks run.
 
     ``nodes``: 1, every block in this process; N > 1, a local ring of N - 1 worker processes
     started for the engine (``spares`` more as spares; ``respawn``: a worker that dies is
@@ -46,7 +47,6 @@ class EngineSpec(EngineOptions):
     model: Optional[PathLike] = None
     tokenizer: Optional[PathLike] = None
     nodes: int = 1
-    speculate: Optional[str] = None
     workers: Sequence[NodeSpec] = ()
     options: StarterOptions = StarterOptions()
     respawn: bool = False

@@ -112,10 +112,12 @@ def exit_settings_of(text: TextModel, criterion: Optional[str],
 
 def open_engine(spec: EngineSpec, text: Optional[TextModel] = None) -> Engine:
     """The engine of ``spec`` (nothing set up yet on a ring: the first request does it, or
-    ``Engine.set_up``); ``text``: its text side opened already (``open_text``). Worker
-    processes it starts are stopped by the engine's ``close``, or here when opening fails."""
-    check_spec(spec)
-    text = text or open_text(spec)
+    ``Engine.set_up``); ``text``: its text side opened already (``open_text``, the spec
+    checked: ``check_spec``). Worker processes it starts are stopped by the engine's
+    ``close``, or here when opening fails."""
+    if text is None:
+        check_spec(spec)
+        text = open_text(spec)
     check_draft(spec.speculate, text)
     settings = exit_settings_of(text, spec.early_exit, spec.exit_threshold)
     engine = _open(spec, text, settings)

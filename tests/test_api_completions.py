@@ -151,3 +151,62 @@ def test_echo_with_logprobs_scores_the_prompt(served: Dict[str, Any], stories: P
     first = streamed[0].choices[0]
     assert first.text == LONG and first.logprobs.token_logprobs[1:len(ids)] == pytest.approx(
         lp.token_logprobs[1:len(ids)], abs=1e-6)
+
+
+def test_unseeded_prompts_draw_their_own_samples(served: Dict[str, Any]) -> None:
+    reply = served["client"].completions.create(model="m", prompt=[PROMPTS[0]] * 3,
+                                                temperature=1.0, max_tokens=12)
+    assert len(set(texts(reply))) > 1
+
+
+def test_a_refused_prompt_of_a_list_frees_the_others(served: Dict[str, Any]) -> None:
+    base = served["url"].rsplit("/v1", 1)[0]
+    with pytest.raises(openai.BadRequestError, match="exceeds the context of 128"):
+        served["client"].completions.create(model="m", prompt=[PROMPTS[0], "Lily " * 200],
+                                            max_tokens=100, temperature=0)
+    for _ in range(100):
+        if not any(s["is_processing"] for s in httpx.get(base + "/slots", timeout=30).json()):
+            break
+    assert not any(s["is_processing"] for s in httpx.get(base + "/slots", timeout=30).json())
+
+
+def test_one_process_scores_a_long_prompt_in_slices(stories: Path) -> None:
+    """No prefill chunks on one node: the prompt's 100 rows go to the head 64 at a time."""
+    env = {k: v for k, v in os.environ.items() if k != "MDIEDGE_API_KEY"}
+    proc = subprocess.Popen(
+        [*MDIEDGE, "serve", "--port", "0", "--slots", "1", "--context", "128", "--nodes", "1",
+         "--model", str(stories / "stories260K.bin"), "--tokenizer",
+         str(stories / "tok512.model")],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        url = json.loads(proc.stdout.readline())["url"]
+        prompt = " ".join([LONG] * 6)
+        ids = httpx.post(url.rsplit("/v1", 1)[0] + "/tokenize",
+                         json={"content": prompt, "add_special": True}, timeout=30).json()["tokens"]
+        assert 64 < len(ids) < 120
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=120)
+        lp = client.completions.create(model="m", prompt=prompt, logprobs=1, echo=True,
+                                       max_tokens=1, temperature=0).choices[0].logprobs
+        rows = reference_logprobs(stories, ids)
+        assert all(abs(lp.token_logprobs[p] - float(rows[p - 1, ids[p]])) < 1e-4
+                   for p in range(1, len(ids)))
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_echoed_entries_lie_over_the_prompt_text_with_an_unshown_special_token() -> None:
+    from mdiedge.model.sampling import TokenLogprob
+    from mdiedge.model.tokenizer import load_tokenizer
+    from mdiedge.serving.api.logprobs import prompt_entries
+    from smollm2 import gguf_file
+
+    tokenizer = load_tokenizer(gguf_file())
+    text = "Hello world, hi"
+    ids = [1] + tokenizer.encode(text)  # <|im_start|>: a special token the text does not show
+    entries = prompt_entries(tokenizer, ids, [None] + [TokenLogprob(t, -1.0) for t in ids[1:]],
+                             text)
+    assert entries[0].text == "" and entries[0].offset == 0 and entries[0].logprob is None
+    assert "".join(e.text for e in entries) == text
+    assert [e.offset for e in entries] == sorted(e.offset for e in entries)

@@ -1,31 +1,39 @@
-"""llama-server's native routes on an in-process server of stories260K: ``/completion``
+"""llama-server's native routes on a real ``mdiedge serve`` of stories260K: ``/completion``
 (text or token ids, llama-server's fields and reply, its stream, ``n_probs``,
 ``ignore_eos``, ``logit_bias`` pairs), ``/tokenize`` (with pieces), ``/detokenize``,
-``/apply-template``, ``/props``; the same text as the OpenAI route for the same request."""
+``/apply-template``, ``/props``, ``/slots``; the same text as the OpenAI route for the same
+request."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
 import httpx
 import pytest
 
-from mdiedge.engine.local import LocalEngine
-from mdiedge.serving.api.rules import ServeLimits
-from mdiedge.serving.api.server import Api, listen
+from commands import MDIEDGE
 
 KEY = "native-key-0123456789"
 
 
 @pytest.fixture(scope="module")
 def base(stories: Path) -> Iterator[str]:
-    engine = LocalEngine(stories / "stories260K.bin", stories / "tok512.model")
-    server = Api(engine, listen("127.0.0.1", 0), ServeLimits(slots=2, context=256),
-                 api_key=KEY, name="stories").start()
-    yield server.url.rsplit("/v1", 1)[0]
-    server.close()
-    engine.close()
+    """A real ``mdiedge serve`` of stories260K (2 slots of 256 tokens) with an API key."""
+    env = dict(os.environ, MDIEDGE_API_KEY=KEY)
+    proc = subprocess.Popen(
+        [*MDIEDGE, "serve", "--port", "0", "--nodes", "1", "--slots", "2", "--context", "256",
+         "--model-name", "stories", "--model", str(stories / "stories260K.bin"),
+         "--tokenizer", str(stories / "tok512.model")],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line, "serve did not start"
+    yield json.loads(line)["url"].rsplit("/v1", 1)[0]
+    proc.terminate()
+    proc.wait(30)
 
 
 def post(base: str, path: str, body: Dict[str, Any], status: int = 200) -> Any:

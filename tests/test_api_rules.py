@@ -75,7 +75,7 @@ def test_a_completion_body_is_read_with_defaults_and_neutral_fields() -> None:
     assert CompletionRequest.from_json({"prompt": [[1, 2], [3]]}).prompts == [(1, 2), (3,)]
     assert CompletionRequest.from_json({"prompt": ["a", "b"]}).prompts == ["a", "b"]
     assert request.options == Options("m", Asked(7, 2, SamplingParams(0.0, top_p=0.5, seed=3),
-                                                 ("\n",)), True, True)
+                                                 ("\n",)), True, True, seeded=True)
     plain = CompletionRequest.from_json({"prompt": "x"}).options
     assert plain == Options(asked=Asked(params=SamplingParams(seed=plain.asked.params.seed)))
 
@@ -95,6 +95,13 @@ def test_a_completion_body_is_read_with_defaults_and_neutral_fields() -> None:
 def test_a_chat_body_that_does_not_fit_is_refused(messages: Any, status: int, quoted: str) -> None:
     error = status_of({"messages": messages}, chat=True)
     assert error.status == status and quoted in error.message and error.param == "messages"
+
+
+def test_chat_takes_completions_neutral_values_and_refuses_others() -> None:
+    messages = [{"role": "user", "content": "x"}]
+    ChatRequest.from_json({"messages": messages, "echo": False, "best_of": 1})
+    with pytest.raises(ApiError, match="best_of: not supported by this server, got 2"):
+        ChatRequest.from_json({"messages": messages, "best_of": 2})
 
 
 def test_chat_messages_take_text_parts_and_max_completion_tokens() -> None:

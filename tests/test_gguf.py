@@ -119,16 +119,15 @@ def test_string_arrays_are_read_on_demand(tiny_files: Dict[str, Path]) -> None:
                                                                  "Ġ t")
 
 
-def test_smollm2_config_equals_the_converted_one() -> None:
+def test_smollm2_config_equals_the_converted_one(smollm2_dir: Path) -> None:
     cfg = gguf_config(smollm2_file())
     want = dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
                 intermediate_size=1536, max_seq_len=8192, head_dim=64, rope_theta=100000.0,
                 tie_embeddings=True, bos_id=1, eos_ids=(2,), model_type="llama")
     assert {k: getattr(cfg, k) for k in want} == want
     assert cfg.rms_norm_eps == pytest.approx(1e-5)
-    reference = Path("/tmp/smollm2-hf")
-    if (reference / "config.json").is_file():  # transformers' de-quantized conversion
-        assert cfg.replace(name="x") == load_config(reference).replace(name="x")
+    # transformers' de-quantized conversion (tests/smollm2.py, cached across runs)
+    assert cfg.replace(name="x") == load_config(smollm2_dir).replace(name="x")
 
 
 # --------------------------------------------------------------------------- tensors
@@ -201,19 +200,15 @@ def test_a_mixtral_gguf_equals_its_hf_directory(tmp_path: Path) -> None:
                            b(ids, torch.tensor([1]), [0], all_logits=True))
 
 
-def test_smollm2_greedy_equals_transformers() -> None:
+def test_smollm2_greedy_equals_transformers(smollm2_dir: Path) -> None:
+    """Against transformers on its de-quantized conversion of the same file (made once and
+    cached: tests/smollm2.py), not a conversion per run."""
     file = smollm2_file()
     from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
 
-    reference = Path("/tmp/smollm2-hf")
-    if (reference / "config.json").is_file():
-        from transformers import AutoModelForCausalLM
-        ref = AutoModelForCausalLM.from_pretrained(str(reference), dtype=torch.float32).eval()
-        tok = Tokenizer.from_file(str(reference / "tokenizer.json"))
-    else:
-        ref = transformers_model(file)
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)._tokenizer
+    ref = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+    tok = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
     prompt = tok.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
                         "<|im_start|>assistant\n").ids
     with torch.no_grad():

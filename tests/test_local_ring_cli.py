@@ -42,8 +42,12 @@ def test_two_runs_back_to_back_leave_no_process(stories: Path) -> None:
     for _ in range(2):
         proc = subprocess.Popen(command(stories, "-n", "40", "--nodes", "3", "--json"),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(1.5)
+        deadline = time.monotonic() + 60  # its two workers, seen while it runs
+        while len(workers_of(proc.pid)) < 2 and proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
         children = workers_of(proc.pid)
+        assert len(children) == 2
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
         result = json.loads(out)

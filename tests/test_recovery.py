@@ -504,7 +504,7 @@ def test_a_recovery_of_a_ring_closed_meanwhile_gives_up(ring_model: Path) -> Non
     held, done = threading.Event(), threading.Event()
 
     def set_up_anew() -> None:
-        with starter._setup_lock:
+        with starter.setup_lock:
             starter.close_ring()
             held.set()
             done.wait(30)

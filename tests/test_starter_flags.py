@@ -18,7 +18,7 @@ from mdiedge.engine.factory import open_engine
 from mdiedge.cli.nodes import _starter_engine
 
 from conftest import FakeEngine
-from mdiedge.roles.starter import _ring_rows
+from mdiedge.roles.starter import ring_message_rows
 from mdiedge.runtime.scheduler import prefill_rows
 
 
@@ -138,10 +138,10 @@ def test_the_starter_takes_early_exit(tmp_path: Path, fake_engine: List[FakeEngi
     (0, 1 << 20, (1024, 1024)),
     (4096, 64 * 1024, (64, 64)),      # a chunk beyond a frame is cut to what a frame holds
 ])
-def test_ring_rows(chunk: int, max_payload: int, want: Any) -> None:
+def testring_message_rows(chunk: int, max_payload: int, want: Any) -> None:
     from types import SimpleNamespace
 
     from mdiedge.base.nodes import StarterOptions
 
     options = StarterOptions(prefill_chunk=chunk, max_payload=max_payload)
-    assert _ring_rows(options, SimpleNamespace(dim=256)) == want
+    assert ring_message_rows(options, SimpleNamespace(dim=256)) == want

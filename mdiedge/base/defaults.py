@@ -145,6 +145,7 @@ API_THREADS = 8  # threads the API's handlers run blocking work on (anyio's defa
 API_HEAP_ARENAS = 2  # glibc heaps of a serving process (its default: 8 per core)
 API_TRIM_S = 10.0  # how often an idle API gives a burst's freed memory back to the system
 API_MAX_BODY = 1 << 20  # bytes of a request's body (413 past it)
+PROMPT_SCORE_ROWS = 64  # prompt rows through the head at a time (echo with logprobs)
 # a chat template's render (a model file's template is not trusted): see serving/api/sandbox.py
 TEMPLATE_BYTES_PER_TOKEN = 32  # the rendered prompt, and any value made on the way: at most
 #                                this many bytes (characters) per token of the context

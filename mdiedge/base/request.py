@@ -133,7 +133,7 @@ class Asked:
     max_new_tokens: Optional[int] = None
     n_samples: int = 1
     params: SamplingParams = SamplingParams()
-    stop: Tuple[str, ...] = ()
+    stop: Sequence[str] = ()  # a string or strings; kept as a tuple
 
     def __post_init__(self) -> None:
         budget, span = self.max_new_tokens, defaults.MAX_NEW_TOKENS_RANGE
@@ -162,6 +162,19 @@ class Request:
     def context(self) -> int:
         """KV positions a sample needs: prompt plus budget."""
         return len(self.prompt.ids) + self.max_new_tokens
+
+
+def named(error: GenerationError, names: Mapping[str, str],
+          notes: Optional[Mapping[str, str]] = None) -> Tuple[str, str]:
+    """``error``'s field as a front end names it (``names``: request field -> option or body
+    field; others keep theirs), and its message saying so, with the front end's note on
+    what the value means (``notes``) before what it got."""
+    field = error.field or ""
+    name, message = names.get(field, field), str(error)
+    if field and message.startswith(field):
+        note = (notes or {}).get(field, "")
+        message = name + message[len(field):].replace(", got ", note + ", got ", 1)
+    return name, message
 
 
 def take_request(prompt: Prompt, asked: Asked, context: int, default_budget: int = 0,

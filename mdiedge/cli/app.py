@@ -14,7 +14,7 @@ from ..base import defaults, interrupts
 from ..base.cpudot import set_cpu_dot
 from ..base.engineoptions import EngineOptions
 from ..base.errors import GenerationError, MdiedgeError, UsageError, need
-from ..base.request import Asked, SamplingParams
+from ..base.request import Asked, SamplingParams, named
 from .usage import CommandGroup
 
 app = typer.Typer(cls=CommandGroup, add_completion=False, no_args_is_help=True,
@@ -88,11 +88,11 @@ def usage_errors() -> Iterator[None]:
         raise UsageError(str(e)) from None
 
 
-# a request's fields (``mdiedge.base.request``) -> the option that gives each, and a note
-REQUEST_OPTIONS = {"max_new_tokens": ("-n/--max-new-tokens", ""), "n_samples": ("--samples", ""),
-                   "temperature": ("--temperature", " (0: greedy)"),
-                   "top_k": ("--top-k", " (0: off)"), "top_p": ("--top-p", " (1: off)"),
-                   "seed": ("--seed", ""), "stop": ("--stop", "")}
+# a request's fields (``mdiedge.base.request``) -> the option that gives each, and notes
+REQUEST_OPTIONS = {"max_new_tokens": "-n/--max-new-tokens", "n_samples": "--samples",
+                   "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+                   "seed": "--seed", "stop": "--stop"}
+REQUEST_NOTES = {"temperature": " (0: greedy)", "top_k": " (0: off)", "top_p": " (1: off)"}
 
 
 def asked(max_new_tokens: int, samples: int, temperature: float, top_k: int, top_p: float,
@@ -104,11 +104,7 @@ def asked(max_new_tokens: int, samples: int, temperature: float, top_k: int, top
                                 defaults.random_seed() if seed is None else seed)
         return Asked(max_new_tokens, samples, params, tuple(stop))
     except GenerationError as e:
-        option, note = REQUEST_OPTIONS.get(e.field or "", (e.field, ""))
-        message = str(e)
-        if e.field and message.startswith(e.field + ":"):
-            message = option + message[len(e.field):].replace(", got ", note + ", got ", 1)
-        raise UsageError(message) from None
+        raise UsageError(named(e, REQUEST_OPTIONS, REQUEST_NOTES)[1]) from None
 
 
 def load_torch() -> None:

@@ -161,7 +161,7 @@ class TextModel:
                        stop: Sequence[str] = (), templated: bool = False) -> Generation:
         """``generation_of`` a request taken in here (``request``)."""
         return self.generation_of(self.request(prompt, Asked(max_new_tokens, n_samples, params,
-                                                             tuple(stop)), templated), on_token)
+                                                             stop), templated), on_token)
 
     def generation_of(self, request: Request,
                       on_token: Optional[TokenCallback] = None) -> Generation:
@@ -243,7 +243,7 @@ class Engine(TextModel, abc.ABC):
                        speculate: Optional[str] = None) -> Generation:
         """``generation_of`` a request taken in here (``request``)."""
         return self.generation_of(self.request(prompt, Asked(max_new_tokens, n_samples, params,
-                                                             tuple(stop)), templated),
+                                                             stop), templated),
                                   on_token, speculate)
 
     def generation_of(self, request: Request, on_token: Optional[TokenCallback] = None,

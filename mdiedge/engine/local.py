@@ -54,7 +54,8 @@ class LocalEngine(Engine):
         current = self.scheduler
         layout = layout_for(None if current is None else current.pipeline.layout,
                             current is not None and current.usable,
-                            current is None or current.idle, (n_slots, context))
+                            current is None or current.idle, (n_slots, context),
+                            "this process's pipeline")
         if layout is not None:
             self.scheduler = self.compute.call(self._set_up, *layout)
         assert self.scheduler is not None

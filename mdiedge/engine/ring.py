@@ -5,11 +5,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional, Sequence
 
+import torch
+
+from ..base.errors import RingError
 from ..base.nodes import NodeSpec
 from ..model.exitfiles import ExitSettings
-from ..roles.starter import RingStarter, Route, StarterOptions, _ring_rows
+from ..roles.starter import RingStarter, Route, StarterOptions, ring_message_rows
 from ..runtime.ring import probe_all
 from ..runtime.scheduler import Scheduler
+from ..runtime.stages import LocalStage
 from ..runtime.protocol import NodeStatus
 from .facade import Engine, PathLike, TextModel
 
@@ -26,11 +30,11 @@ class RingEngine(Engine):
                  text: Optional[TextModel] = None, **changes: Any) -> None:
         self._open(model, tokenizer, text)
         self.options = dataclasses.replace(options, **changes)
-        _ring_rows(self.options, self.cfg)  # a max_payload too small for the model: now
+        ring_message_rows(self.options, self.cfg)  # a max_payload too small for the model: now
         self.early_exit = early_exit
         self.starter = RingStarter(self.path, self.cfg, workers, self.options, early_exit,
                                    route)
-        self._setup_lock = self.starter._setup_lock
+        self._setup_lock = self.starter.setup_lock
         self.compute = self.starter.compute
 
     @property
@@ -73,6 +77,23 @@ class RingEngine(Engine):
     def status(self) -> List[NodeStatus]:
         """The starter's status, then each worker's (asked on its control port)."""
         return [self.starter.status()] + self.starter.node_status()
+
+    def worker_status(self) -> List[NodeStatus]:
+        """Each worker's status (asked on its control port)."""
+        return self.starter.node_status()
+
+    def ping(self, count: int) -> List[float]:
+        """Round-trip times (s) of ``count`` one-token pings around the ring set up (no
+        compute; nothing else may be in flight)."""
+        tail = self.starter.tail
+        if tail is None:
+            raise RingError("no ring is set up to ping")
+        return tail.ping(torch.randn(1, 1, self.cfg.dim), count)
+
+    def own_stage(self) -> Optional[LocalStage]:
+        """This process's stage of the ring set up (None before one is)."""
+        scheduler = self.starter.scheduler
+        return scheduler.pipeline.stages[0] if scheduler is not None else None
 
     def link_stats(self) -> List[Dict[str, Any]]:
         return self.starter.link_stats()

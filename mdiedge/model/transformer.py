@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 import time
+from types import ModuleType
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -31,13 +32,18 @@ from .families import family_of
 from .fit import check_memory
 from .layers import Linear, RMSNorm, rope_tables, transposed_head_pays
 
-_NO_SLOTS = torch.empty(0, dtype=torch.long)
+NO_SLOTS = torch.empty(0, dtype=torch.long)
 try:
     from . import _cstep
 except ImportError:  # not built: the twin serves
     _cstep = None  # type: ignore[assignment]
 STEP = Twins(_pystep, _cstep)
 _step = STEP.select()
+
+
+def step_code() -> ModuleType:
+    """The step module the blocks and the head decode through (compiled, or its twin)."""
+    return _step
 
 
 class Transformer(nn.Module):
@@ -293,7 +299,7 @@ class Transformer(nn.Module):
         for block in self.layers.values():
             tables = self._tables(block.attn.window)
             cos, sin = (table[None, None, :seq_len] for table in tables)  # (1, 1, T, hd)
-            x = block(x, cos, sin, None, _NO_SLOTS, ())
+            x = block(x, cos, sin, None, NO_SLOTS, ())
             if states is not None:
                 states.append(x)
         return x

@@ -63,7 +63,7 @@ def _direct(host: str, port: int) -> Tuple[str, int]:
     return host, port
 
 
-def _ring_rows(options: StarterOptions, cfg: Any) -> Tuple[int, int]:
+def ring_message_rows(options: StarterOptions, cfg: Any) -> Tuple[int, int]:
     """A ring's prompt tokens per prefill message (its ``prefill_chunk``) and the most rows a
     decode message may carry (what a frame of ``max_payload`` bytes holds)."""
     row_bytes = cfg.dim * itemsize(options.dtype)
@@ -108,7 +108,7 @@ class RingStarter:
         self.tail: Optional[RingTail] = None
         self.started = time.time()
         self.listener = tcp_listen(options.host, 0)
-        self._setup_lock = threading.RLock()  # set-up, submission and closing, one at a time
+        self.setup_lock = threading.RLock()  # set-up, submission and closing, one at a time
         self.compute = ComputeThread()  # the starter's torch work: loading, stage, stepping
         self.rings = 0  # rings closed so far: the current ring's number
 
@@ -132,7 +132,7 @@ class RingStarter:
         """The ring's scheduler, holding at least ``n_slots`` x ``context``: the current one
         when it does, else a ring set up anew (never smaller than the current one), which
         needs the current one idle (Conflict otherwise)."""
-        with self._setup_lock:
+        with self.setup_lock:
             current = self.scheduler
             running = current is not None and current.usable and not current.idle
             usable = running or current is not None and current.usable and \
@@ -200,7 +200,7 @@ class RingStarter:
         was_lost = set(self.membership.lost)
         self.membership.refresh()
         pipeline, ends = self._build_surviving(n_slots, context, was_lost)
-        chunk, rows = _ring_rows(self.options, self.cfg)
+        chunk, rows = ring_message_rows(self.options, self.cfg)
         return Scheduler(pipeline, ends, chunk, self.options.timeout_s, max_rows=rows,
                          rebuild=functools.partial(self.rebuild, ring=self.rings)
                          if self.options.recover else None,
@@ -236,7 +236,7 @@ class RingStarter:
         the number of the ring set up for that scheduler. A ring closed meanwhile (another
         set-up, which waits for this scheduler's loop to end, or the starter's close) is not
         rebuilt: a RingError ends the loop."""
-        while not self._setup_lock.acquire(timeout=defaults.WAIT_POLL_S):
+        while not self.setup_lock.acquire(timeout=defaults.WAIT_POLL_S):
             if self.rings != ring:
                 raise RingError("the ring was closed while recovering")
         try:
@@ -250,7 +250,7 @@ class RingStarter:
             pipeline = self.scheduler.pipeline
             return self._build(pipeline.n_slots, pipeline.context)
         finally:
-            self._setup_lock.release()
+            self.setup_lock.release()
 
     def _build(self, n_slots: int, context: int) -> Tuple[Pipeline, ModelEnds]:
         """Set up the members' ring: the split, the layers, the links."""
@@ -352,7 +352,7 @@ class RingStarter:
         return self.membership.statuses()
 
     def close_ring(self) -> None:
-        with self._setup_lock:
+        with self.setup_lock:
             self.rings += 1  # a recovery of the closed ring gives up
             if self.tail is not None:
                 self.tail.close()

@@ -25,8 +25,8 @@ Layout = Tuple[int, int]  # a pipeline's KV slots and tokens per slot
 # ----------------------------------------------------------------- sizes
 
 
-def layout_for(current: Optional[Layout], usable: bool, idle: bool,
-               wanted: Layout) -> Optional[Layout]:
+def layout_for(current: Optional[Layout], usable: bool, idle: bool, wanted: Layout,
+               what: str = "the ring") -> Optional[Layout]:
     """The one rule of a pipeline's size, for one process and for a ring: None keeps the
     ``current`` pipeline (it holds ``wanted`` and is ``usable``), else the layout to set one
     up with, never smaller than a usable current one; a ``Conflict`` when that one is
@@ -36,7 +36,7 @@ def layout_for(current: Optional[Layout], usable: bool, idle: bool,
     if current[0] >= wanted[0] and current[1] >= wanted[1]:
         return None
     if not idle:
-        raise Conflict(f"the ring is busy with a layout of {current[0]} samples x "
+        raise Conflict(f"{what} is busy with a layout of {current[0]} samples x "
                        f"{current[1]} tokens, smaller than {wanted[0]} x {wanted[1]}; try "
                        "again when it is idle")
     return max(current[0], wanted[0]), max(current[1], wanted[1])

@@ -20,7 +20,7 @@ from ..model.families import config_from_hf
 MAX_SLOTS = 4096
 
 
-def _get(body: Mapping[str, Any], key: str, kind: type, default: Any = dataclasses.MISSING) -> Any:
+def _field(body: Mapping[str, Any], key: str, kind: type, default: Any = dataclasses.MISSING) -> Any:
     if key not in body or body[key] is None:
         if default is dataclasses.MISSING:
             raise ValueError(f"missing field {key!r}")
@@ -49,11 +49,11 @@ class ModelRef:
     def from_json(cls, body: Any) -> "ModelRef":
         if not isinstance(body, dict):
             raise ValueError(f"field 'model' must be an object, got {body!r:.80}")
-        digest = _get(body, "hash", str)
+        digest = _field(body, "hash", str)
         if not (len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
             raise ValueError(f"model hash {digest!r} is not a sha256 hex digest")
-        return cls(_get(body, "name", str, ""), digest, _get(body, "config", dict),
-                   _get(body, "generation_config", dict, {}), _get(body, "path", str, None))
+        return cls(_field(body, "name", str, ""), digest, _field(body, "config", dict),
+                   _field(body, "generation_config", dict, {}), _field(body, "path", str, None))
 
     def model_config(self) -> ModelConfig:
         return config_from_hf(self.config, "assignment config", self.generation_config)
@@ -85,15 +85,15 @@ class ExitSpec:
     def from_json(cls, body: Any, n_layers: int) -> "ExitSpec":
         if not isinstance(body, Mapping):
             raise ValueError(f"field 'early_exit' must be an object, got {body!r}")
-        criterion = _get(body, "criterion", str)
+        criterion = _field(body, "criterion", str)
         if criterion not in defaults.EARLY_EXIT_CRITERIA:
             raise ValueError(f"unknown early-exit criterion {criterion!r}")
-        thresholds = _get(body, "thresholds", list)
+        thresholds = _field(body, "thresholds", list)
         if len(thresholds) != n_layers - 1 or not all(
                 t is None or isinstance(t, (int, float)) and not isinstance(t, bool)
                 and math.isfinite(t) for t in thresholds):
             raise ValueError(f"field 'thresholds' must hold {n_layers - 1} numbers or nulls")
-        classifier = _get(body, "classifier", str, "")
+        classifier = _field(body, "classifier", str, "")
         if classifier and (len(classifier) != 64 or
                            any(c not in "0123456789abcdef" for c in classifier)):
             raise ValueError(f"field 'classifier' {classifier!r} is not a sha256 hex digest")
@@ -127,30 +127,30 @@ class Assignment:
     def from_json(cls, body: Mapping[str, Any]) -> "Assignment":
         model = ModelRef.from_json(body.get("model"))
         cfg = model.model_config()
-        layers = _get(body, "layers", list)
+        layers = _field(body, "layers", list)
         if len(layers) != 2 or not all(isinstance(v, int) and not isinstance(v, bool)
                                        for v in layers):
             raise ValueError(f"field 'layers' must be [first, end), got {layers!r}")
         a, b = layers
         if not 0 <= a < b <= cfg.n_layers:
             raise ValueError(f"layers {[a, b]} outside the model's 0..{cfg.n_layers}")
-        n_slots, context = _get(body, "n_slots", int), _get(body, "context", int)
+        n_slots, context = _field(body, "n_slots", int), _field(body, "context", int)
         if not 0 < n_slots <= MAX_SLOTS or not 0 < context <= cfg.max_seq_len:
             raise ValueError(f"n_slots={n_slots} or context={context} out of range")
-        dtype = _get(body, "dtype", str)
+        dtype = _field(body, "dtype", str)
         compute_dtype(dtype)
-        device = _get(body, "device", str)
+        device = _field(body, "device", str)
         if device != "cpu" and not device.startswith("cuda"):
             raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N")
-        max_payload = _get(body, "max_payload", int, defaults.MAX_PAYLOAD)
+        max_payload = _field(body, "max_payload", int, defaults.MAX_PAYLOAD)
         if not 0 < max_payload <= 1 << 34:
             raise ValueError(f"max_payload {max_payload} out of range")
         early_exit = body.get("early_exit")
-        quantize = _get(body, "quantize", str, "")
+        quantize = _field(body, "quantize", str, "")
         if quantize and quantize not in QUANTIZERS:
             raise ValueError(f"quantize {quantize!r} is not one of {', '.join(QUANTIZERS)}")
         return cls(model, (a, b), n_slots, context, dtype, device,
-                   _get(body, "last", bool, False), max_payload, _get(body, "session", str, ""),
+                   _field(body, "last", bool, False), max_payload, _field(body, "session", str, ""),
                    None if early_exit is None else ExitSpec.from_json(early_exit, cfg.n_layers),
                    quantize)
 
@@ -176,13 +176,13 @@ class AssignReply:
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> "AssignReply":
-        need = _get(body, "need_weights", bool)
+        need = _field(body, "need_weights", bool)
         if need:
             return cls(True)
-        port = _get(body, "data_port", int)
+        port = _field(body, "data_port", int)
         if not 0 < port < 65536:
             raise ValueError(f"data_port {port} out of range")
-        return cls(False, port, _get(body, "weight_bytes", int, 0), _get(body, "kv_bytes", int, 0))
+        return cls(False, port, _field(body, "weight_bytes", int, 0), _field(body, "kv_bytes", int, 0))
 
 
 @dataclass
@@ -202,13 +202,13 @@ class ConnectRequest:
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> "ConnectRequest":
-        port = _get(body, "next_port", int)
+        port = _field(body, "next_port", int)
         if not 0 < port < 65536:
             raise ValueError(f"next_port {port} out of range")
-        codecs = [str(Compression.parse(_get(body, key, str, "none"), f"field {key!r}"))
+        codecs = [str(Compression.parse(_field(body, key, str, "none"), f"field {key!r}"))
                   for key in ("codecs_in", "codecs_out")]
-        return cls(_get(body, "next_host", str), port, _get(body, "next_control", str, None),
-                   _get(body, "session", str, ""), _get(body, "ring", str, ""), *codecs)
+        return cls(_field(body, "next_host", str), port, _field(body, "next_control", str, None),
+                   _field(body, "session", str, ""), _field(body, "ring", str, ""), *codecs)
 
 
 def busy_fraction(compute_s: float, elapsed_s: float) -> float:

@@ -118,10 +118,14 @@ def accept_parts(ends: ModelEnds, parts: List[Rows], hidden: Any,
 
 
 def score_rows(ends: ModelEnds, entry: _InFlight, hidden: Any) -> None:
-    """The prompt's log-probabilities from a prefill sent back whole (one sample's rows)."""
-    generation = entry.parts[0][0].generation
+    """The prompt's log-probabilities from a prefill sent back whole (one sample's rows),
+    ``PROMPT_SCORE_ROWS`` rows through the head at a time (a whole prompt's logits would
+    take prompt x vocabulary floats)."""
+    generation, rows = entry.parts[0][0].generation, hidden[0]
     try:
-        generation.scored_prompt(entry.scored_from, ends.head(hidden[0]))
+        for start in range(0, rows.shape[0], defaults.PROMPT_SCORE_ROWS):
+            generation.scored_prompt(entry.scored_from + start, ends.head(
+                rows[start:start + defaults.PROMPT_SCORE_ROWS]))
     except Exception as e:
         generation.fail(e)
 

@@ -67,9 +67,9 @@ class LocalStage:
     """Blocks of one in-process model chunk, for ``n_slots`` samples of ``context`` tokens.
 
     ``trim_prefill``: the last stage before the head returns only the last position of a
-    prefill chunk (the head needs no more), unless the message asks for ``all_rows``. A decode step may carry several consecutive
-    positions per sample (speculative decoding verifies drafted tokens so) and returns them
-    all. ``exit_policy``: one-position decode steps may exit early after any of its blocks
+    prefill chunk (the head needs no more), unless the message asks for ``all_rows``. A
+    decode step may carry several consecutive positions per sample (speculative decoding
+    verifies drafted tokens so) and returns them all. ``exit_policy``: one-position decode steps may exit early after any of its blocks
     (``mdiedge.model.exits``); a step that exited on an earlier node only fills this
     stage's KV and passes on."""
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 from ..base import defaults
-from ..model.sampling import SamplingParams
+from ..base.errors import GenerationError
+from ..base.request import SamplingParams, named
 from ..engine.facade import Engine
 from ..runtime.control import ControlServer
 
@@ -55,14 +56,17 @@ class StarterServer:
         check_fields(body, GENERATE_FIELDS)
         engine = self.engine
         ring, before = engine.ring_id(), engine.link_stats()  # [] before the first ring
-        params = SamplingParams(float(body.get("temperature", defaults.TEMPERATURE)),
-                                body.get("top_k", defaults.TOP_K),
-                                float(body.get("top_p", defaults.TOP_P)),
-                                body.get("seed", defaults.SEED))
-        out = self.engine.generate(body.get("prompt", ""),
-                                   body.get("max_new_tokens", defaults.MAX_NEW_TOKENS),
-                                   body.get("samples", 1), params, body.get("micro_batch", 0),
-                                   stop=body.get("stop", []))
+        try:
+            params = SamplingParams(float(body.get("temperature", defaults.TEMPERATURE)),
+                                    body.get("top_k", defaults.TOP_K),
+                                    float(body.get("top_p", defaults.TOP_P)),
+                                    body.get("seed", defaults.SEED))
+            out = self.engine.generate(body.get("prompt", ""),
+                                       body.get("max_new_tokens", defaults.MAX_NEW_TOKENS),
+                                       body.get("samples", 1), params, body.get("micro_batch", 0),
+                                       stop=body.get("stop", []))
+        except GenerationError as e:  # the field as this body names it
+            raise type(e)(named(e, {"n_samples": "samples"})[1], e.field) from None
         result = out.as_dict()
         result["nodes"] = engine.ring_nodes()
         result["model"] = str(engine.path)

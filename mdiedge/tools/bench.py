@@ -61,14 +61,15 @@ def run_config(model: Path, nodes: int, samples: int, new_tokens: int, context: 
         return _run_local(model, samples, new_tokens, context, micro_batch)
     threads = node_threads(0, nodes, available_cores())
     with open_engine(_spec(model, nodes)) as engine:
-        assert isinstance(engine, RingEngine)  # a ring's tail answers pings
+        assert isinstance(engine, RingEngine)  # a ring answers pings
         scheduler = engine.prepare(samples, context)
-        rtt = engine.starter.tail.ping(torch.randn(1, 1, engine.cfg.dim), pings)
-        before = engine.starter.node_status()
+        rtt = engine.ping(pings)
+        before = engine.worker_status()
         timing = scheduler.run(_generation(engine.cfg, samples, new_tokens, context), micro_batch)
         scheduler.drain()
-        after = engine.starter.node_status()
-        stage = scheduler.pipeline.stages[0]
+        after = engine.worker_status()
+        stage = engine.own_stage()
+        assert stage is not None  # the ring prepared above
         starter_load = stage.model.expert_load()  # a fresh model: all of it is this run's
         own_bytes = sum(stage.memory().values())
         own_read = read_per_message(stage.model)
@@ -119,7 +120,8 @@ def kv_read_per_row(model: Any, cfg: Any, blocks: int, context: int, new_tokens:
 def _generation(cfg: Any, samples: int, new_tokens: int, context: int) -> Generation:
     """Greedy samples of a random prompt that fills ``context`` with the new tokens."""
     prompt = torch.randint(3, cfg.vocab_size, (context - new_tokens,)).tolist()
-    return Generation(ids_request(prompt, new_tokens, samples, SamplingParams(temperature=0), context), ())
+    return Generation(ids_request(prompt, new_tokens, samples, SamplingParams(temperature=0),
+                                  context), ())
 
 
 def _spec(model: Path, nodes: int) -> EngineSpec:

@@ -43,12 +43,13 @@ def _timed(timers: _Timers) -> Iterator[None]:
     """Timers around the model's leaf operations (patched in for the profile, then restored)."""
     from ..model import block, layers, transformer
 
+    step = transformer.step_code()
     patches: List[Tuple[Any, str, Any]] = [
         (layers, "project", "projections"),  # fused float products call it too
         (layers.RMSNorm, "forward", "norms"),
         (block, "apply_rope", "rope"), (block, "attention", "attention"),
-        (block.KVCache, "update", "attention"), (transformer._step, "block", "block step"),
-        (transformer._step, "blocks", "block step"), (transformer._step, "logits", "head step")]
+        (block.KVCache, "update", "attention"), (step, "block", "block step"),
+        (step, "blocks", "block step"), (step, "logits", "head step")]
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
     try:
         for owner, attr, name in patches:

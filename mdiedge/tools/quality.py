@@ -58,12 +58,12 @@ def stage_ranges(cfg: Any, nodes: int, context: int) -> List[Tuple[int, int]]:
 
 def _run_range(model: Any, x: torch.Tensor, layers: Tuple[int, int]) -> torch.Tensor:
     from ..model.layers import rope_tables
-    from ..model.transformer import _NO_SLOTS
+    from ..model.transformer import NO_SLOTS
 
     cos, sin = rope_tables(model.cfg, x.shape[1])
     cos, sin = cos[None, None], sin[None, None]
     for i in range(*layers):
-        x = model.layers[str(i)](x, cos, sin, None, _NO_SLOTS, ())
+        x = model.layers[str(i)](x, cos, sin, None, NO_SLOTS, ())
     return x
 
 

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ...base.errors import ApiError
+from ...base.words import plural
 from ...engine.facade import Prompt
 from .cors import Cors
 from .errors import api_error
@@ -99,11 +100,12 @@ class ApiRoutes:
 
     async def completions(self, request: Request) -> Response:
         body = CompletionRequest.from_json(await read_json(request, self.service.limits.max_body))
-        drawn = len(body.prompts) * body.best_of
-        if drawn > self.service.limits.slots and drawn > body.options.n:  # else: n's 400
-            raise ApiError(400, f"prompt: {len(body.prompts)} prompts of {body.best_of} samples "
-                           f"each need {drawn} KV slots, the server has "
-                           f"{self.service.limits.slots}", "prompt", "invalid_value")
+        drawn, slots = len(body.prompts) * body.best_of, self.service.limits.slots
+        if drawn > slots and drawn > body.options.n:  # else: n's own 400
+            field = "prompt" if len(body.prompts) > 1 else "best_of"
+            raise ApiError(400, f"{field}: {plural(len(body.prompts), 'prompt')} of "
+                           f"{plural(body.best_of, 'sample')} each need {drawn} KV slots, the "
+                           f"server has {slots}", field, "invalid_value")
         prompts = [self.service.prompt_of(p) for p in body.prompts]
         return await self.respond(request, prompts, body.options, chat=False,
                                   shape=Shape(body.echo, body.best_of, body.options))
@@ -140,30 +142,41 @@ class ApiRoutes:
         each) and answer with their choices, in order, as one body or one stream."""
         shape = shape or Shape(asked_logprobs=options.top_logprobs is not None)
         runs = await self.start_all(prompts, shape.drawing(options), chat)
-        first = await runs[0].next(request.is_disconnected)
-        if first is None and runs[0].error is not None:
-            raise api_error(runs[0].error)
-        if not options.stream:
-            for run in runs[1:]:
-                while await run.next(request.is_disconnected) is not None:
-                    pass
-            for run in runs:
-                stopped = api_error(run.error) if run.error is not None \
-                    else self.shutdown_error(run)
-                if stopped is not None:
-                    raise stopped
-            return JSONResponse(self.whole(runs, chat, shape, tools))
+        try:
+            first = await runs[0].next(request.is_disconnected)
+            if first is None and runs[0].error is not None:
+                raise api_error(runs[0].error)
+            if not options.stream:
+                return JSONResponse(await self.answered(request, runs, chat, shape, tools))
+        except BaseException:
+            for run in runs:  # none of them is answered now
+                run.cancel()
+            raise
         return StreamingResponse(self.events(runs, first, options, chat, shape, tools),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    async def answered(self, request: Request, runs: Sequence[Run], chat: bool, shape: Shape,
+                       tools: Optional[ToolRequest]) -> Dict[str, Any]:
+        """The whole body once every run has ended; the first run's error if one failed."""
+        for run in runs[1:]:
+            while await run.next(request.is_disconnected) is not None:
+                pass
+        for run in runs:
+            stopped = api_error(run.error) if run.error is not None else self.shutdown_error(run)
+            if stopped is not None:
+                raise stopped
+        return self.whole(runs, chat, shape, tools)
+
     async def start_all(self, prompts: Sequence[Union[str, Prompt]], options: Options,
                         chat: bool) -> List[Run]:
-        """A run for each prompt; when one is refused, those started are cancelled."""
+        """A run for each prompt (each drawing its own seed unless the body named one); when
+        one is refused, those started are cancelled."""
         runs: List[Run] = []
         try:
-            for prompt in prompts:
-                runs.append(await self.service.start(prompt, options, templated=chat))
+            for k, prompt in enumerate(prompts):
+                runs.append(await self.service.start(prompt, options.reseeded() if k else options,
+                                                      templated=chat))
         except BaseException:
             for run in runs:
                 run.cancel()
@@ -205,7 +218,7 @@ class ApiRoutes:
                         len(echo) + len(text) if sample.finish_reason == "stop" else None,
                         len(echo))
         if echo and scores is not None:
-            items = prompt_entries(tokenizer, sample.prompt, scores) + items
+            items = prompt_entries(tokenizer, sample.prompt, scores, echo) + items
         return (chat_logprobs if chat else completion_logprobs)(items)
 
     async def events(self, runs: Sequence[Run], first: Any, options: Options, chat: bool,
@@ -250,7 +263,8 @@ class ApiRoutes:
         choice, scores = Choice(index, shape.echoed(run)), run.generation.prompt_logprobs
         if scores is not None:
             choice.logprobs = completion_logprobs(prompt_entries(
-                self.service.engine.tokenizer, run.generation.samples[0].prompt, scores))
+                self.service.engine.tokenizer, run.generation.samples[0].prompt, scores,
+                choice.text))
         return choice
 
     async def run_choices(self, run: Run, first: Any, options: Options, chat: bool,

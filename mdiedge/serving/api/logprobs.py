@@ -97,14 +97,20 @@ def entries(tokenizer: Tokenizer, prompt: Sequence[int], scored: Sequence[TokenL
 
 
 def prompt_entries(tokenizer: Tokenizer, prompt: Sequence[int],
-                   scored: Sequence[Optional[TokenLogprob]]) -> List[Entry]:
-    """An echoed prompt's entries: its first token's logprob is null (nothing before it)."""
+                   scored: Sequence[Optional[TokenLogprob]], echo: str) -> List[Entry]:
+    """An echoed prompt's entries, laid over ``echo`` (the prompt's text as its choice
+    shows it): each token's text where ``echo`` reads it next, else (a special token the
+    text does not show, a piece of a character) empty; the first token's logprob is null
+    (nothing comes before it)."""
     from ...model.sampling import TokenLogprob
 
-    texts = TokenTexts(tokenizer, [])
-    out = []
+    texts, out, at = TokenTexts(tokenizer, []), [], 0
     for token, score in zip(prompt, scored):
         entry = texts.push(score if score is not None else TokenLogprob(token, 0.0))
+        if entry.text and echo.startswith(entry.text, at):
+            entry.offset, at = at, at + len(entry.text)
+        else:
+            entry.text, entry.offset = "", at
         if score is None:
             entry.logprob = None  # type: ignore[assignment]
         out.append(entry)

@@ -183,7 +183,6 @@ class NativeRoutes:
             "chat_template": self.service.template.source, "modalities": {"vision": False},
             "build_info": f"mdiedge {__version__}"})
 
-
     async def slots(self, request: Request) -> Response:
         """llama-server's ``/slots``: each KV slot of the API, the sample that holds it (in
         order of the requests) and how far it is; prompts are not shown (another client's)."""

@@ -7,11 +7,12 @@ log-probabilities asked for (chat: ``logprobs`` true and ``top_logprobs``; compl
 400 naming the body's field and quoting the value."""
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from ...base import defaults
 from ...base.errors import ApiError, GenerationError
-from ...base.request import Asked, SamplingParams
+from ...base.request import Asked, SamplingParams, named
 
 _Check = Tuple[Callable[[Any], bool], str]
 
@@ -35,13 +36,6 @@ CHAT_LOGPROBS: Dict[str, _Check] = {
     "top_logprobs": (_is_int, "an integer"),
 }
 COMPLETION_LOGPROBS: Dict[str, _Check] = {"logprobs": (_is_int, "an integer")}
-NUMBER_RANGES = {"temperature": defaults.TEMPERATURE_RANGE, "top_p": defaults.TOP_P_RANGE,
-                 "presence_penalty": defaults.PENALTY_RANGE,
-                 "frequency_penalty": defaults.PENALTY_RANGE, "min_p": defaults.MIN_P_RANGE,
-                 "repetition_penalty": defaults.REPETITION_PENALTY_RANGE,
-                 "repeat_penalty": defaults.REPETITION_PENALTY_RANGE}
-
-
 def asked_from(body: Mapping[str, Any], chat: bool, max_tokens_key: str) -> Asked:
     """The request ``body`` asks for (type-checked already), its values checked once by
     ``Asked`` and ``SamplingParams``: a 400 naming the body's field for one out of range."""
@@ -56,10 +50,7 @@ def asked_from(body: Mapping[str, Any], chat: bool, max_tokens_key: str) -> Aske
         return Asked(body.get(max_tokens_key), 1 if body.get("n") is None else body["n"],
                      params, (stop,) if isinstance(stop, str) else tuple(stop or ()))
     except GenerationError as e:
-        field = _field_names(body, chat, max_tokens_key).get(e.field or "", e.field or "")
-        message = str(e)
-        if e.field and message.startswith(e.field):
-            message = field + message[len(e.field):]
+        field, message = named(e, _field_names(body, chat, max_tokens_key))
         raise ApiError(400, message, field, "invalid_value") from None
 
 
@@ -73,15 +64,13 @@ def _field_names(body: Mapping[str, Any], chat: bool, max_tokens_key: str) -> Di
 
 
 def _number(body: Mapping[str, Any], name: str, default: float) -> float:
-    """A number field as a float (``default`` when absent); a 400 for an integer no float
-    holds."""
+    """A number field as a float (``default`` when absent; an integer past any float's range
+    as infinity, which no range holds: a 400 quoting it)."""
     value = body.get(name)
     try:
         return default if value is None else float(value)
-    except OverflowError:  # an integer past a float's range: out of any field's
-        span = NUMBER_RANGES.get(name)
-        raise ApiError(400, f"{name}: expected {span.expected if span else 'a number'}, got "
-                       f"{repr(value)[:60]}...", name, "invalid_value") from None
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def read_sampling(body: Mapping[str, Any], chat: bool) -> Dict[str, Any]:

@@ -9,9 +9,11 @@ clients send and which change nothing here, are accepted with any value and igno
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
+from ...base import defaults
 from ...base.errors import ApiError
 from ...base.request import Asked
 from ...runtime.drafting import REQUEST_SPECULATE
@@ -53,7 +55,7 @@ COMMON: Dict[str, _Check] = {
 }
 # accepted and ignored only with a value that changes nothing; any other value is a 400
 NEUTRAL: Dict[str, Tuple[Any, ...]] = {
-    "suffix": ("",),
+    "suffix": ("",), "echo": (False,), "best_of": (1,),  # completions' own: fields there
 }
 # fields OpenAI's clients send that change nothing here: accepted with any value, ignored
 IGNORED = ("store", "metadata", "service_tier", "user", "reasoning_effort", "modalities",
@@ -85,7 +87,7 @@ def check_body(body: Mapping[str, Any], fields: Mapping[str, _Check],
     for name, value in body.items():
         if (value is None and name not in required) or name in IGNORED:
             continue
-        if name in NEUTRAL:
+        if name in NEUTRAL and name not in fields:
             if value not in NEUTRAL[name]:
                 raise ApiError(400, f"{name}: not supported by this server, got {value!r}",
                                name, "unsupported_parameter")
@@ -115,6 +117,7 @@ class Options:
     ignore_eos: bool = False  # llama-server's: the end token does not end a sample
     score_prompt: bool = False  # the prompt's own logprobs too (completions' echo)
     server_stops: Tuple[str, ...] = ()  # stop strings the server adds (a chat template's)
+    seeded: bool = False  # the body named a seed (else each prompt draws its own)
 
     @property
     def n(self) -> int:
@@ -141,7 +144,16 @@ class Options:
                            f"got {_short(speculate)}", "speculate", "invalid_value")
         return cls(body.get("model"), asked_from(body, chat, max_tokens_key),
                    bool(body.get("stream")), include, max_tokens_key, speculate,
-                   read_format(body), body.get("cache_prompt") is not False)
+                   read_format(body), body.get("cache_prompt") is not False,
+                   seeded=body.get("seed") is not None)
+
+    def reseeded(self) -> "Options":
+        """These options for another prompt of the same body: its own drawn seed, unless
+        the body named one."""
+        if self.seeded:
+            return self
+        params = dataclasses.replace(self.asked.params, seed=defaults.random_seed())
+        return dataclasses.replace(self, asked=dataclasses.replace(self.asked, params=params))
 
 
 TextOrIds = Union[str, Tuple[int, ...]]

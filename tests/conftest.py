@@ -177,8 +177,8 @@ class FakeEngine:
     made: List["FakeEngine"] = []
 
     def __init__(self, workers: Any, model: Any = None, tokenizer: Any = None,
-                 options: Any = None, **changes: Any) -> None:
-        self.options, self.changes = options, changes
+                 options: Any = None, **kwargs: Any) -> None:
+        self.options, self.kwargs = options, kwargs
         FakeEngine.made.append(self)
 
     def on_close(self, callback: Any) -> None:

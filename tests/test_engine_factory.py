@@ -76,11 +76,11 @@ def test_a_local_ring_stops_with_the_engine(ring_model: Path, fake_ring: List[Ri
 
     monkeypatch.setattr(ring_module, "RingEngine", ClosingEngine)
     engine: Any = open_engine(EngineSpec(model=ring_model, nodes=3, spares=1, respawn=True,
-                                         changes={"prefill_chunk": 8}))
+                                         prefill_chunk=8))
     [ring] = fake_ring
     assert ring.entered and not ring.left
     assert ring.n_workers == 2 and ring.kwargs["spares"] == 1 and ring.kwargs["respawn"]
-    assert engine.changes["prefill_chunk"] == 8 and engine.changes["secret"] == ring.secret
+    assert engine.options.prefill_chunk == 8 and engine.options.secret == ring.secret
     engine.close()
     assert ring.left
 

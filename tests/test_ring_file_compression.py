@@ -9,7 +9,7 @@ from typing import Any, List, Optional
 import pytest
 
 from mdiedge.base.settings import load_settings
-from mdiedge.cli.app import parse_compression, recovery_options
+from mdiedge.base.engineoptions import EngineOptions, canonical_compression
 from mdiedge.cli.app import engine_spec
 from mdiedge.engine.factory import open_engine
 from mdiedge.cli.nodes import _starter_engine
@@ -25,10 +25,11 @@ def ring_file(tmp_path: Path, compression: Optional[str]) -> Path:
 
 
 def test_an_absent_flag_is_no_change() -> None:
-    assert "compression" not in recovery_options(None, True, 0)[0]
-    assert "compression" not in recovery_options(None, True, 0, None)[0]
-    assert recovery_options(None, True, 0, "none")[0]["compression"] == "none"
-    assert parse_compression(None) is None and parse_compression("int8:fp16") == "int8:fp16"
+    assert "compression" not in EngineOptions(recover=True).checked().given_ring_options()
+    given = EngineOptions(recover=True, compression="none").checked().given_ring_options()
+    assert given["compression"] == "none"
+    assert canonical_compression(None) is None
+    assert canonical_compression("int8:fp16") == "int8:fp16"
 
 
 @pytest.mark.parametrize("in_file,flag,want", [
@@ -42,9 +43,9 @@ def test_generate_ring_merges_the_file_and_the_flag(tmp_path: Path, ring_model: 
                                                     fake_engine: List[FakeEngine],
                                                     in_file: Optional[str], flag: Optional[str],
                                                     want: str) -> None:
-    recovery = recovery_options(None, True, 0, flag)
-    open_engine(engine_spec(str(ring_model), None, "cpu", "float32", 1,
-                            str(ring_file(tmp_path, in_file)), recovery))
+    open_engine(engine_spec(EngineOptions(model=str(ring_model), nodes=1, recover=True,
+                                          compression=flag,
+                                          ring=str(ring_file(tmp_path, in_file))).checked()))
     assert fake_engine[0].options.compression == want
 
 
@@ -55,8 +56,8 @@ def test_the_starter_merges_its_config_and_the_flag(tmp_path: Path,
                                                     in_file: Optional[str], flag: Optional[str],
                                                     want: str) -> None:
     settings = load_settings(ring_file(tmp_path, in_file))
-    _starter_engine(settings, settings.starter, None, None, None, "http://127.0.0.1:1",
-                    (parse_compression(flag), None))
+    _starter_engine(settings, settings.starter, EngineOptions(compression=flag).checked(), None,
+                    "http://127.0.0.1:1")
     assert fake_engine[0].options.compression == want
 
 
@@ -80,7 +81,7 @@ def test_local_rings_keep_the_default_without_a_flag(ring_model: Path,
     monkeypatch.setattr(local_ring, "LocalRing", NoRing)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # leave this process's alone
     for flag in (None, "int8"):
-        open_engine(engine_spec(str(ring_model), None, "cpu", "float32", 2, None,
-                                recovery_options(None, True, 0, flag)))
-    assert "compression" not in fake_engine[0].changes
-    assert fake_engine[1].changes["compression"] == "int8"
+        open_engine(engine_spec(EngineOptions(model=str(ring_model), nodes=2, recover=True,
+                                              compression=flag).checked()))
+    assert fake_engine[0].options.compression == "none"
+    assert fake_engine[1].options.compression == "int8"

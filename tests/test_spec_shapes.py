@@ -42,8 +42,8 @@ def plain() -> Dict[int, Any]:
 ])
 def test_ring_shapes_equal_plain(plain: Dict[int, Any], nodes: int, samples: int,
                                  micro_batch: int, chunk: int) -> None:
-    changes = {"prefill_chunk": chunk} if chunk else {}
-    spec = EngineSpec(model=NANOLLAMA, nodes=nodes, speculate="ngram", changes=changes)
+    spec = EngineSpec(model=NANOLLAMA, nodes=nodes, speculate="ngram",
+                      prefill_chunk=chunk or None)
     out = generate(spec, PROMPT, 40, samples, micro_batch)
     assert tokens_of(out) == tokens_of(plain[samples])
     stats = out.as_dict()["speculation"]

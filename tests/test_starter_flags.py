@@ -12,7 +12,7 @@ import pytest
 
 from mdiedge.base import defaults
 from mdiedge.base.settings import load_settings
-from mdiedge.cli.app import checked_quantizer, recovery_options, ring_options
+from mdiedge.base.engineoptions import EngineOptions, canonical_quantizer
 from mdiedge.cli.app import engine_spec
 from mdiedge.engine.factory import open_engine
 from mdiedge.cli.nodes import _starter_engine
@@ -30,10 +30,12 @@ def ring_file(tmp_path: Path, starter_lines: str) -> Path:
 
 
 def test_absent_flags_change_nothing() -> None:
-    assert recovery_options(None, None, 0) == ({}, 0)
-    changes, _ = recovery_options(2.0, False, 1, "int8", 0)
-    assert changes == {"stall_s": 2.0, "recover": False, "compression": "int8",
-                       "prefill_chunk": 0}
+    assert EngineOptions().checked().given_ring_options() == {}
+    given = EngineOptions(stall_timeout=2.0, recover=False, spares=1, compression="int8",
+                          prefill_chunk=0, quantize="q8_0", no_encrypt=True).checked()
+    assert given.given_ring_options() == {"stall_s": 2.0, "recover": False,
+                                          "compression": "int8", "prefill_chunk": 0,
+                                          "quantize": "Q8_0", "encrypt": False}
 
 
 def test_a_negative_prefill_chunk_is_a_usage_error() -> None:
@@ -41,7 +43,7 @@ def test_a_negative_prefill_chunk_is_a_usage_error() -> None:
     from mdiedge.base.errors import UsageError
 
     with pytest.raises(UsageError) as raised:
-        recovery_options(None, None, 0, None, -1)
+        EngineOptions(prefill_chunk=-1).checked()
     assert str(raised.value) == "--prefill-chunk: expected an integer >= 0, got -1"
     assert raised.value.exit_code == 2
 
@@ -55,8 +57,8 @@ def test_a_negative_prefill_chunk_is_a_usage_error() -> None:
 def test_generate_ring_merges_recover(tmp_path: Path, ring_model: Path,
                                       fake_engine: List[FakeEngine], in_file: str,
                                       flag: Optional[bool], want: bool) -> None:
-    open_engine(engine_spec(str(ring_model), None, "cpu", "float32", 1,
-                            str(ring_file(tmp_path, in_file)), recovery_options(None, flag, 0)))
+    open_engine(engine_spec(EngineOptions(model=str(ring_model), nodes=1, recover=flag,
+                                          ring=str(ring_file(tmp_path, in_file))).checked()))
     assert fake_engine[0].options.recover is want
 
 
@@ -69,9 +71,8 @@ def test_generate_ring_merges_recover(tmp_path: Path, ring_model: Path,
 def test_generate_ring_merges_prefill_chunk(tmp_path: Path, ring_model: Path,
                                             fake_engine: List[FakeEngine], in_file: str,
                                             flag: Optional[int], want: int) -> None:
-    open_engine(engine_spec(str(ring_model), None, "cpu", "float32", 1,
-                            str(ring_file(tmp_path, in_file)),
-                            recovery_options(None, None, 0, None, flag)))
+    open_engine(engine_spec(EngineOptions(model=str(ring_model), nodes=1, prefill_chunk=flag,
+                                          ring=str(ring_file(tmp_path, in_file))).checked()))
     assert fake_engine[0].options.prefill_chunk == want
 
 
@@ -79,13 +80,13 @@ def test_the_starter_passes_its_config(tmp_path: Path, fake_engine: List[FakeEng
     path = ring_file(tmp_path, "stall_s = 7.5\nrecover = false\nrebalance_margin = 0\n"
                                "prefill_chunk = 16\ntimeout_s = 9\nquantize = 'q8_0'\n")
     settings = load_settings(path)
-    _starter_engine(settings, settings.starter, None, None, None, "http://127.0.0.1:1")
+    _starter_engine(settings, settings.starter, EngineOptions(), None, "http://127.0.0.1:1")
     options = fake_engine[0].options
     assert (options.stall_s, options.recover, options.rebalance_margin, options.prefill_chunk,
             options.timeout_s, options.quantize) == (7.5, False, 0.0, 16, 9.0, "Q8_0")
     # the command line's --quantize (and --compression) win over the file's
-    _starter_engine(settings, settings.starter, None, None, None, "http://127.0.0.1:1",
-                    ("int8", "Q4_1"))
+    flags = EngineOptions(compression="int8", quantize="q4_1").checked()
+    _starter_engine(settings, settings.starter, flags, None, "http://127.0.0.1:1")
     assert (fake_engine[1].options.quantize, fake_engine[1].options.compression) == (
         "Q4_1", "int8")
 
@@ -98,9 +99,8 @@ def test_the_starter_passes_its_config(tmp_path: Path, fake_engine: List[FakeEng
 def test_generate_ring_merges_quantize(tmp_path: Path, ring_model: Path,
                                        fake_engine: List[FakeEngine], in_file: str,
                                        flag: Optional[str], want: str) -> None:
-    open_engine(engine_spec(str(ring_model), None, "cpu", "float32", 1,
-                            str(ring_file(tmp_path, in_file)),
-                            ring_options(None, None, 0, None, None, flag)))
+    open_engine(engine_spec(EngineOptions(model=str(ring_model), nodes=1, quantize=flag,
+                                          ring=str(ring_file(tmp_path, in_file))).checked()))
     assert fake_engine[0].options.quantize == want
 
 
@@ -109,7 +109,7 @@ def test_a_bad_quantize_type_is_a_usage_error() -> None:
 
     with pytest.raises(UsageError, match=r"--quantize: expected one of q8_0, q4_0, q4_1, "
                                          r"got 'q2_k'"):
-        checked_quantizer("q2_k")
+        canonical_quantizer("q2_k")
 
 
 @pytest.mark.parametrize("chunk,max_payload,row_bytes,want", [
@@ -125,12 +125,12 @@ def test_prefill_rows(chunk: int, max_payload: int, row_bytes: int, want: int) -
 
 def test_the_starter_takes_early_exit(tmp_path: Path, fake_engine: List[FakeEngine]) -> None:
     settings = load_settings(ring_file(tmp_path, ""))
-    _starter_engine(settings, settings.starter, None, None, None, "http://127.0.0.1:1",
-                    (None, None), ("softmax", "0.25"))
-    _starter_engine(settings, settings.starter, None, None, None, "http://127.0.0.1:1")
-    chosen = fake_engine[0].changes["early_exit"]
+    exits = EngineOptions(early_exit="softmax", exit_threshold="0.25").checked()
+    _starter_engine(settings, settings.starter, exits, None, "http://127.0.0.1:1")
+    _starter_engine(settings, settings.starter, EngineOptions(), None, "http://127.0.0.1:1")
+    chosen = fake_engine[0].kwargs["early_exit"]
     assert chosen.criterion == "softmax" and set(chosen.thresholds[:-1]) == {0.25}
-    assert fake_engine[1].changes["early_exit"] is None
+    assert fake_engine[1].kwargs["early_exit"] is None
 
 
 @pytest.mark.parametrize("chunk,max_payload,want", [

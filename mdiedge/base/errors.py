@@ -7,7 +7,7 @@ included: their HTTP statuses are mapped where they are served.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 
 class MdiedgeError(Exception):
@@ -35,6 +35,13 @@ class UsageError(ConfigError):
     context): exit status 2, as for the command-line parser's own errors."""
 
     exit_code = 2
+
+
+def need(ok: bool, option: str, value: Any, expected: str) -> None:
+    """A command-line value out of range: a ``UsageError`` naming the option and the value.
+    Every value that needs no model is checked so before anything slow."""
+    if not ok:
+        raise UsageError(f"{option}: expected {expected}, got {value!r}")
 
 
 class CheckpointError(MdiedgeError):

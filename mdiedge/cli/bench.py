@@ -7,8 +7,8 @@ from typing import Any, Optional
 import typer
 
 from ..base.cpudot import set_cpu_dot
-from .app import (app, check_cpu_dot, cpu_dot_option, exit_threshold_option, load_torch, need,
-                  one_line_errors)
+from ..base.engineoptions import check_cpu_dot
+from .app import app, engine_option, load_torch, need, one_line_errors
 
 
 COMPRESSION_OPTION = typer.Option(
@@ -53,13 +53,13 @@ def bench(
         "without early exit (softmax, similarity or classifier) on 1 and --nodes nodes, 1 and "
         "--samples samples: the throughput ratio, and top-1 agreement and perplexity "
         "teacher-forced over --text's held-out tail."),
-    exit_threshold: Optional[str] = exit_threshold_option(),
+    exit_threshold: Optional[str] = engine_option("exit_threshold"),
     profile: bool = typer.Option(False, "--profile", help="Instead, where a decode step's time "
                                  "goes on each node of a ring of --nodes (projections, "
                                  "attention, norms, RoPE, sampling, other), for 1 and "
                                  "--samples rows per step."),
     speculate: Optional[str] = SPECULATE_OPTION,
-    cpu_dot: Optional[str] = cpu_dot_option(),
+    cpu_dot: Optional[str] = engine_option("cpu_dot"),
 ) -> None:
     """Measure tokens/s (with the bandwidth limit and the share reached), busy fraction,
     per-hop overhead and peak RSS of 1..N-node rings."""
@@ -157,9 +157,9 @@ def _guard(model: Optional[str], compression: str, text: Optional[str], eval_tok
            nodes: int, context: int, new_tokens: int, as_json: bool) -> None:
     from pathlib import Path
 
-    from .app import need, parse_compression
+    from ..base.engineoptions import canonical_compression
 
-    compression = parse_compression(compression)
+    compression = canonical_compression(compression)
     need(text is None or Path(text).is_file(), "--text", text,
          "a text file (its last 10% is the held-out text)")
     need(nodes >= 2, "--nodes", nodes, "an integer >= 2 (links need a ring)")
@@ -195,7 +195,7 @@ def _exits(model: Optional[str], criterion: Any, threshold: Any,
     criterion = criterion if isinstance(criterion, str) else None  # bench() called directly
     threshold = threshold if isinstance(threshold, str) else None
 
-    from .app import check_early_exit, need
+    from ..base.engineoptions import check_early_exit
 
     check_early_exit(criterion, threshold)
     need(text is None or Path(text).is_file(), "--text", text,

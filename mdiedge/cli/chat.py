@@ -21,35 +21,21 @@ if TYPE_CHECKING:
     from ..engine.facade import Engine, Prompt
 
 from ..base import defaults
+from ..base.engineoptions import EngineOptions
 from ..base.errors import ContextExceeded, ConversationError, GenerationError
 from ..base.request import Asked
 from .app import (
-    asked,
-    prompt_cache_option,
-    temperature_option,
-    top_k_option,
-    top_p_option,
-    device_option,
-    dtype_option,
-    model_option,
-    nodes_option,
-    tokenizer_option,
     app,
-    compression_option,
-    quantize_option,
-    no_encrypt_option,
-    ring_options,
+    asked,
+    engine_spec,
     need,
     one_line_errors,
-    engine_spec,
-    threads_option,
-    cpu_dot_option,
     open_checked,
-    prefill_chunk_option,
-    recover_option,
-    recovery_options,
-    stall_timeout_option,
+    temperature_option,
     terminate_gracefully,
+    top_k_option,
+    top_p_option,
+    with_engine_options,
 )
 from .console import end_line, write_text
 
@@ -217,6 +203,7 @@ def _converse(session: ChatSession) -> None:
 
 @app.command()
 @one_line_errors
+@with_engine_options("the session", skip=("early_exit", "exit_threshold", "speculate"))
 def chat(
     message: Optional[str] = typer.Option(None, "--message", "-m", metavar="TEXT",
                                           help="Answer this one message, print the answer "
@@ -225,39 +212,20 @@ def chat(
                                          help="A system message that opens the conversation."),
     max_new_tokens: int = typer.Option(defaults.MAX_NEW_TOKENS, "-n", "--max-new-tokens",
                                        help="Token budget per answer."),
-    model: Optional[str] = model_option(),
-    tokenizer: Optional[str] = tokenizer_option(),
     seed: Optional[int] = typer.Option(None, help="Random seed (default: a new one each run)."),
     temperature: float = temperature_option(),
     top_k: int = top_k_option(),
     top_p: float = top_p_option(),
-    device: str = device_option(),
-    dtype: str = dtype_option(),
-    nodes: int = nodes_option("the session"),
-    ring: Optional[str] = typer.Option(None, help="Ring file (TOML) of running workers."),
-    stall_timeout: Optional[float] = stall_timeout_option(),
-    recover: Optional[bool] = recover_option(),
-    prefill_chunk: Optional[int] = prefill_chunk_option(),
-    spares: int = typer.Option(0, help="Spare workers beside the local ring's (for a lost one)."),
-    compression: Optional[str] = compression_option(),
-    quantize: Optional[str] = quantize_option(),
-    no_encrypt: bool = no_encrypt_option(),
-    threads: int = threads_option(),
-    cpu_dot: Optional[str] = cpu_dot_option(),
-    prompt_cache: bool = prompt_cache_option(),
+    opts: EngineOptions = EngineOptions(),
 ) -> None:
     """Chat with an instruct model through its chat template (interactive, or one --message)."""
     wanted = asked(max_new_tokens, 1, temperature, top_k, top_p, seed)
-    need(ring is not None or nodes >= 1, "--nodes", nodes, "an integer >= 1")
     need(message is None or bool(message.strip()), "--message", message, "some text")
-    changes = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize,
-                           no_encrypt)
-    spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, changes, threads=threads,
-                       cpu_dot=cpu_dot)
+    spec = engine_spec(opts)
     with ExitStack() as stack:
         terminate_gracefully()
         engine, _ = open_checked(stack, spec, lambda text: None)
-        if prompt_cache:  # one layout for every turn, so each turn finds the last one's rows
+        if opts.prompt_cache:  # one layout for every turn: each finds the last one's rows
             engine.prompt_cache = True
             engine.reserve(1, min(engine.cfg.max_seq_len, defaults.API_CONTEXT))
         session = ChatSession(engine, Conversation(system), wanted, interactive=message is None)

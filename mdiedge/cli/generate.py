@@ -14,55 +14,35 @@ if TYPE_CHECKING:
     from ..engine.facade import Engine, TextModel
 
 from ..base import defaults
+from ..base.engineoptions import EngineOptions
 from .app import (
-    temperature_option,
-    top_k_option,
-    top_p_option,
-    device_option,
-    dtype_option,
-    model_option,
-    nodes_option,
-    tokenizer_option,
     app,
+    asked,
     check_url,
     client_auth,
-    check_device,
-    check_early_exit,
-    asked,
-    check_threads,
-    compression_option,
-    quantize_option,
-    no_encrypt_option,
-    ring_options,
-    early_exit_option,
-    speculate_option,
     engine_spec,
-    exit_threshold_option,
     load_torch,
     need,
     one_line_errors,
     open_checked,
-    prefill_chunk_option,
-    recover_option,
-    recovery_options,
-    stall_timeout_option,
+    temperature_option,
     terminate_gracefully,
-    threads_option,
-    cpu_dot_option,
+    top_k_option,
+    top_p_option,
     usage_errors,
+    with_engine_options,
 )
 from .usage import ArgumentsCommand
 
 
 @app.command(cls=ArgumentsCommand)
 @one_line_errors
+@with_engine_options("this run", skip=("prompt_cache",))
 def generate(
     prompt: str = typer.Argument(..., metavar="PROMPT",
                                  help="Text to continue ('' starts from BOS alone)."),
     max_new_tokens: int = typer.Option(defaults.MAX_NEW_TOKENS, "-n", "--max-new-tokens",
                                        help="Token budget per sample."),
-    model: Optional[str] = model_option(),
-    tokenizer: Optional[str] = tokenizer_option(),
     samples: int = typer.Option(1, help="Number of samples generated together (on a "
                                 "terminal each is printed as soon as it finishes)."),
     seed: Optional[int] = typer.Option(None, help="Random seed; sample i uses its own stream "
@@ -71,37 +51,19 @@ def generate(
     temperature: float = temperature_option(),
     top_k: int = top_k_option(),
     top_p: float = top_p_option(),
-    device: str = device_option(),
-    dtype: str = dtype_option(),
     micro_batch: int = typer.Option(0, help="Samples per message / forward pass (0: chosen "
                                     "to keep every node busy)."),
-    nodes: int = nodes_option("this run"),
-    ring: Optional[str] = typer.Option(None, help="Ring file (TOML) of running workers."),
     starter: Optional[str] = typer.Option(None, help="URL of a running `mdiedge starter` to "
                                           "generate through."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
-    stall_timeout: Optional[float] = stall_timeout_option(),
-    recover: Optional[bool] = recover_option(),
-    prefill_chunk: Optional[int] = prefill_chunk_option(),
-    spares: int = typer.Option(0, help="Spare workers beside the local ring's (for a lost one)."),
     stop: Optional[List[str]] = typer.Option(None, "--stop", metavar="TEXT", help="End a "
                                              "sample at this text, not printed (repeatable)."),
-    compression: Optional[str] = compression_option(),
-    quantize: Optional[str] = quantize_option(),
-    no_encrypt: bool = no_encrypt_option(),
-    early_exit: Optional[str] = early_exit_option(),
-    exit_threshold: Optional[str] = exit_threshold_option(),
-    speculate: str = speculate_option(),
-    threads: int = threads_option(),
-    cpu_dot: Optional[str] = cpu_dot_option(),
+    opts: "EngineOptions" = EngineOptions(),
 ) -> None:
     """Generate text from PROMPT, on a ring of nodes (by default a local ring: --nodes)."""
     wanted = asked(max_new_tokens, samples, temperature, top_k, top_p, seed, stop or ())
     need(micro_batch >= 0, "--micro-batch", micro_batch, "an integer >= 0")
-    _check_nodes(nodes, ring, device, dtype, threads)
-    exits = check_early_exit(early_exit, exit_threshold, starter, speculate)
-    changes = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize,
-                           no_encrypt)
+    _check_starter(starter, opts)
     if starter:  # no torch here: the starter takes the request in
         return _generate_through(check_url("--starter", starter), prompt, wanted, micro_batch,
                                  as_json)
@@ -109,20 +71,20 @@ def generate(
         terminate_gracefully()
         progress = stack.enter_context(_progress(max_new_tokens * samples, samples, as_json))
         load_torch()
-        progress.phase(_first_phase(ring, nodes))
-        spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, changes, exits, speculate,
-                           threads=threads, cpu_dot=cpu_dot)
+        progress.phase(_first_phase(opts.ring, opts.nodes))
+        spec = engine_spec(opts)
         engine, request = open_checked(stack, spec, lambda text: _taken_in(text, prompt, wanted))
         _generate_with(engine, request, micro_batch, as_json,
-                       lambda: nodes if ring is None else engine.ring_nodes(),
+                       lambda: opts.nodes if opts.ring is None else engine.ring_nodes(),
                        progress, seed is None)
 
 
-def _check_nodes(nodes: int, ring: Optional[str], device: str, dtype: str, threads: int) -> None:
-    """Where and how the nodes compute, checked before torch loads."""
-    need(ring is not None or nodes >= 1, "--nodes", nodes, "an integer >= 1")
-    check_device(device, dtype)
-    check_threads(threads)
+def _check_starter(starter: Optional[str], opts: EngineOptions) -> None:
+    """A running starter generates as it was started: no ``--speculate`` nor ``--early-exit``."""
+    need(starter is None or opts.speculate == "off", "--speculate", opts.speculate,
+         "off with --starter (a running starter generates as it was started)")
+    need(starter is None or opts.early_exit is None, "--early-exit", opts.early_exit,
+         "no --starter (a running starter generates as it was started)")
 
 
 def _taken_in(text: "TextModel", prompt: str, wanted: "Asked") -> "Request":

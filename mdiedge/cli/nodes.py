@@ -5,36 +5,25 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import typer
 
 from ..base import defaults
 from ..base.cpudot import set_cpu_dot
 from ..serving.api.cors import parse_origins
+from ..base.engineoptions import EngineOptions, check_cpu_dot, check_threads, seconds_ok
 from .app import (
     app,
-    check_early_exit,
     check_log_level,
-    checked_quantizer,
     check_port,
-    check_threads,
-    check_cpu_dot,
-    cpu_dot_option,
-    compression_option,
-    early_exit_option,
-    exit_threshold_option,
+    engine_option,
     load_torch,
     need,
-    no_encrypt_option,
     one_line_errors,
-    parse_compression,
-    prompt_cache_option,
-    quantize_option,
-    seconds_ok,
     serve_under_systemd,
-    threads_option,
     warn_unsealed,
+    with_engine_options,
 )
 from .serve import api_key_file_option, cors_origins_option, strict_model_name_option
 
@@ -58,8 +47,8 @@ def worker(
                                      help="HTTP control port (0: any free port)."),
     data_port: int = typer.Option(defaults.WORKER_DATA_PORT,
                                   help="Data-plane port (0: any free port)."),
-    threads: int = threads_option(),
-    cpu_dot: Optional[str] = cpu_dot_option(),
+    threads: int = engine_option("threads"),
+    cpu_dot: Optional[str] = engine_option("cpu_dot"),
     name: str = typer.Option("worker", help="Name shown in logs and status."),
     cache_dir: Optional[str] = typer.Option(None, help="Where received weights are cached."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
@@ -70,7 +59,7 @@ def worker(
     busy_poll_us: int = typer.Option(defaults.BUSY_POLL_US, help="Microseconds a wait for the "
                                      "next activation polls before it sleeps (0: sleep at "
                                      "once, the least power)."),
-    no_encrypt: bool = no_encrypt_option(),
+    no_encrypt: bool = engine_option("no_encrypt"),
     secret_fd: int = secret_fd_option(),
 ) -> None:
     """Run a worker node: it waits for a starter to assign it layers."""
@@ -205,19 +194,18 @@ def _from_command_line(ctx: typer.Context, name: str) -> bool:
 
 @app.command("starter")
 @one_line_errors
+@with_engine_options("", skip=("device", "dtype", "nodes", "ring", "stall_timeout", "recover",
+                               "prefill_chunk", "spares", "speculate", "threads"),
+                     helps={"model": "Model (default: the config's, else the shipped NanoLlama).",
+                            "tokenizer": "Tokenizer file, if not the model's own."})
 def starter_command(
     config: Optional[str] = typer.Option(None, help="Starter config (TOML): [starter] and "
                                          "[[workers]]; default $MDIEDGE_CONFIG, then "
                                          "/etc/mdiedge/mdiedge.toml."),
     control_port: Optional[int] = typer.Option(None, help="Port of this starter's control "
                                                "plane (default: the config's, else 7600)."),
-    model: Optional[str] = typer.Option(None, help="Model (default: the config's, else the "
-                                        "shipped NanoLlama)."),
-    tokenizer: Optional[str] = typer.Option(None, help="Tokenizer file, if not the model's own."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
     insecure: bool = typer.Option(False, help="Allow a non-loopback address without a secret."),
-    compression: Optional[str] = compression_option(),
-    quantize: Optional[str] = quantize_option(),
     api_port: Optional[int] = typer.Option(None, help="Also serve the OpenAI API on this port "
                                            "(as `mdiedge serve`; default: no API)."),
     api_host: str = typer.Option("127.0.0.1", help="Address of the API."),
@@ -225,15 +213,11 @@ def starter_command(
     slots: int = typer.Option(defaults.API_SLOTS, help="KV slots the API's requests share."),
     strict_model_name: bool = strict_model_name_option(),
     cors_origins: Optional[str] = cors_origins_option(),
-    prompt_cache: bool = prompt_cache_option(),
-    early_exit: Optional[str] = early_exit_option(),
-    exit_threshold: Optional[str] = exit_threshold_option(),
-    no_encrypt: bool = no_encrypt_option(),
     secret_fd: int = secret_fd_option(),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", metavar="N", help="Compute "
                                           "threads (default: the config's, else 0: every core "
                                           "this process may use)."),
-    cpu_dot: Optional[str] = cpu_dot_option(),
+    opts: EngineOptions = EngineOptions(),
 ) -> None:
     """Run the starter as a long-lived process that owns the ring (and, with --api-port,
     the OpenAI API)."""
@@ -242,9 +226,7 @@ def starter_command(
     if control_port is not None:
         check_port("--control-port", control_port)
     check_log_level(log_level)
-    compression, quantize = parse_compression(compression), checked_quantizer(quantize)
-    exits = check_early_exit(early_exit, exit_threshold)
-    settings, section = _starter_config(config, threads, cpu_dot)
+    settings, section = _starter_config(config, threads, opts.cpu_dot)
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s starter %(levelname)s %(message)s")
     secret = _starter_secret(section, insecure, secret_fd)
@@ -256,14 +238,11 @@ def starter_command(
 
     port = section.control_port if control_port is None else control_port
     control = ControlServer(section.host, port, {}, auth=Authenticator(secret))
-    if no_encrypt:
-        section = dataclasses.replace(section, encrypt=False)
-    if not section.encrypt:
+    if opts.no_encrypt or not section.encrypt:
         warn_unsealed("starter")
-    engine = _starter_engine(settings, section, model, tokenizer, secret, control.url,
-                             (compression, quantize), exits)
+    engine = _starter_engine(settings, section, opts, secret, control.url)
     api = starter_api(engine, api_port, api_host, api_key_file, insecure, slots, log_level,
-                      (strict_model_name, parse_origins(cors_origins), prompt_cache))
+                      (strict_model_name, parse_origins(cors_origins), opts.prompt_cache))
     _serve_starter(StarterServer(engine, control).start(), api, section.host)
 
 
@@ -302,33 +281,20 @@ def _starter_secret(section: Any, insecure: bool, secret_fd: int) -> Optional[by
     return secret
 
 
-def _starter_engine(settings: Any, section: Any, model: Optional[str],
-                    tokenizer: Optional[str], secret: Optional[bytes], control_url: str,
-                    overrides: Tuple[Optional[str], Optional[str]] = (None, None),
-                    exits: Optional[Tuple[str, Optional[str]]] = None) -> Any:
-    """The starter's ``RingEngine`` over the config's workers (nothing set up yet);
-    ``overrides``: the command line's compression and quantize types, which win over the
-    config's where given; ``exits``: the early-exit criterion and threshold."""
+def _starter_engine(settings: Any, section: Any, opts: EngineOptions,
+                    secret: Optional[bytes], control_url: str) -> Any:
+    """The starter's ``RingEngine`` over the config's workers (nothing set up yet): the
+    config's ``[starter]`` options, the command line's (``opts``) winning where given."""
     from ..base.nodes import StarterOptions
+    from ..base.ringfile import starter_options
     from ..engine.factory import EngineSpec, open_engine
 
-    compression, quantize = overrides
-    options = StarterOptions(
-        host=section.host, device=section.device, dtype=section.dtype, weight=section.weight,
-        memory=section.memory, layers=section.layers,
-        max_payload=section.max_payload or defaults.MAX_PAYLOAD, timeout_s=section.timeout_s,
-        prefill_chunk=section.prefill_chunk, stall_s=section.stall_s, recover=section.recover,
-        rebalance_margin=section.rebalance_margin, busy_poll_us=section.busy_poll_us,
-        secret=secret, control_url=control_url, encrypt=section.encrypt,
-        name=starter_name(control_url),
-        compression=section.compression if compression is None else compression,
-        quantize=section.quantize if quantize is None else quantize)
-    criterion, threshold = exits or (None, None)
-    return open_engine(EngineSpec(model=model or section.model,
-                                  tokenizer=tokenizer or section.tokenizer,
-                                  workers=settings.workers, options=options,
-                                  early_exit=criterion, exit_threshold=threshold,
-                                  threads=section.threads))
+    options = StarterOptions(**starter_options(section), dtype=section.dtype, secret=secret,
+                             control_url=control_url, name=starter_name(control_url))
+    return open_engine(EngineSpec(**dict(
+        vars(opts), model=opts.model or section.model,
+        tokenizer=opts.tokenizer or section.tokenizer, threads=section.threads),
+        workers=settings.workers, options=options))
 
 
 def starter_name(control_url: str) -> str:

@@ -11,21 +11,9 @@ import typer
 
 from ..base import defaults
 from ..base.words import plural
-from .app import (
-    app,
-    check_cpu_dot,
-    check_device,
-    check_threads,
-    cpu_dot_option,
-    device_option,
-    engine_spec,
-    model_option,
-    need,
-    one_line_errors,
-    open_text_model,
-    terminate_gracefully,
-    threads_option,
-)
+from ..base.engineoptions import EngineOptions, check_cpu_dot, check_device, check_threads
+from .app import (app, engine_option, engine_spec, need, one_line_errors, open_text_model,
+                  terminate_gracefully)
 from .usage import ArgumentsCommand
 
 
@@ -34,7 +22,7 @@ from .usage import ArgumentsCommand
 def perplexity(
     file: str = typer.Argument(..., metavar="FILE", help="UTF-8 text to score: at least 2 x "
                                "--ctx tokens."),
-    model: Optional[str] = model_option(),
+    model: Optional[str] = engine_option("model"),
     ctx: int = typer.Option(defaults.PERPLEXITY_CTX, "--ctx", "-c", metavar="N",
                             help="Tokens per window; the second half of each is scored "
                             "(llama-perplexity's -c)."),
@@ -45,9 +33,9 @@ def perplexity(
                               f"{defaults.PERPLEXITY_BATCH} take the few-row kernels, "
                               "which --cpu-dot applies to; more are a prefill (float32 "
                               "tiles of de-quantized weights)."),
-    device: str = device_option(),
-    threads: int = threads_option(),
-    cpu_dot: Optional[str] = cpu_dot_option(),
+    device: str = engine_option("device"),
+    threads: int = engine_option("threads"),
+    cpu_dot: Optional[str] = engine_option("cpu_dot"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the "
                                  "result line."),
 ) -> None:
@@ -83,8 +71,8 @@ def _measure(file: str, model: Optional[str], ctx: int, chunks: Optional[int], b
              ) -> Dict[str, Any]:
     """The figures of the run (``--json``'s object), ``progress`` shown meanwhile."""
     progress.phase("loading")
-    spec = engine_spec(model, None, device, "float32", 1, None, ({}, 0), threads=threads,
-                       cpu_dot=cpu_dot)
+    spec = engine_spec(EngineOptions(model=model, device=device, nodes=1, threads=threads,
+                                     cpu_dot=cpu_dot))
     from ..base.cpudot import cpu_dot as mode_in_force
     from ..tools.perplexity import Measurement, open_model
 

@@ -15,15 +15,9 @@ if TYPE_CHECKING:
 
 from ..base import defaults
 from ..serving.api.cors import parse_origins
-from .app import (app, check_device, check_early_exit, check_log_level, check_port,
-                  device_option, dtype_option, model_option, nodes_option, tokenizer_option,
-                  engine_spec, threads_option, open_checked, cpu_dot_option,
-                  compression_option, early_exit_option, exit_threshold_option, need,
-                  one_line_errors,
-                  prefill_chunk_option, quantize_option, recover_option,
-                  speculate_option, stall_timeout_option, ring_options, no_encrypt_option,
-                  prompt_cache_option)
-
+from ..base.engineoptions import EngineOptions
+from .app import (app, check_log_level, check_port, engine_spec, need, one_line_errors,
+                  open_checked, with_engine_options)
 
 
 def check_api_options(slots: Optional[int], context: Optional[int], max_queue: int,
@@ -78,8 +72,8 @@ def check_context(context: Optional[int], text_model: Any) -> None:
         raise UsageError(f"--context: expected 0..{top} tokens (the model's), got {context}")
 
 
-def sized_slots(text_model: Any, slots: Optional[int], context: Optional[int], dtype: str,
-                device: str, nodes: int, ring: Optional[str]) -> Any:
+def sized_slots(text_model: Any, slots: Optional[int], context: Optional[int],
+                opts: EngineOptions) -> Any:
     """The ``SlotShape`` of ``serve``: ``--slots`` and ``--context`` as given, what is not
     sized from the memory free for the KV cache (``slot_shape``), said on stderr."""
     from ..base.dtypes import compute_dtype
@@ -88,18 +82,18 @@ def sized_slots(text_model: Any, slots: Optional[int], context: Optional[int], d
 
     check_context(context, text_model)
     cfg = text_model.cfg
-    model = KvModel(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, compute_dtype(dtype).itemsize,
-                    cfg.max_seq_len)
-    if ring is None:  # every node on this machine
+    model = KvModel(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
+                    compute_dtype(opts.dtype).itemsize, cfg.max_seq_len)
+    if opts.ring is None:  # every node on this machine
         blocks, where = cfg.n_layers, (f"for the {cfg.n_layers} blocks on this machine" +
-                                       (f" ({nodes} nodes)" if nodes > 1 else ""))
+                                       (f" ({opts.nodes} nodes)" if opts.nodes > 1 else ""))
     else:
         from ..base.ringfile import load_ring
 
-        held = 1 + sum(1 for w in load_ring(ring)[1] if not w.spare)
+        held = 1 + sum(1 for w in load_ring(opts.ring)[1] if not w.spare)
         blocks = -(-cfg.n_layers // held)
         where = f"per node of {blocks} blocks (sized on this machine, the starter)"
-    free, _ = free_bytes(device)
+    free, _ = free_bytes(opts.device)
     shape = slot_shape(model, free, blocks, slots, context)
     typer.echo("mdiedge: " + shape_line(shape, where), err=True)
     return shape
@@ -163,19 +157,15 @@ def cors_origins_option() -> Any:
 
 @app.command()
 @one_line_errors
+@with_engine_options("the server", helps={"spares": "Spare workers started beside the local "
+                                          "ring's."})
 def serve(
     host: str = typer.Option("127.0.0.1", help="Address of the API (another than loopback "
                              "needs an API key, or --insecure)."),
     port: int = typer.Option(defaults.API_PORT, help="Port of the API (0: any free port)."),
-    model: Optional[str] = model_option(),
-    tokenizer: Optional[str] = tokenizer_option(),
     model_name: Optional[str] = typer.Option(None, help="Model id (default: the model's name)."),
     strict_model_name: bool = strict_model_name_option(),
     cors_origins: Optional[str] = cors_origins_option(),
-    nodes: int = nodes_option("the server"),
-    ring: Optional[str] = typer.Option(None, help="Ring file (TOML) of running workers."),
-    device: str = device_option(),
-    dtype: str = dtype_option(),
     slots: Optional[int] = typer.Option(None, help="KV slots: samples decoded at once (default: "
                                         f"up to {defaults.API_SLOTS}, as memory allows)."),
     context: Optional[int] = typer.Option(None, help="Tokens per slot, prompt plus completion "
@@ -186,38 +176,21 @@ def serve(
     max_body: int = typer.Option(defaults.API_MAX_BODY, help="Largest request body in bytes (413 past it)."),
     api_key_file: Optional[str] = api_key_file_option(),
     insecure: bool = typer.Option(False, help="Serve a non-loopback address without a key."),
-    stall_timeout: Optional[float] = stall_timeout_option(),
-    recover: Optional[bool] = recover_option(),
-    prefill_chunk: Optional[int] = prefill_chunk_option(),
-    spares: int = typer.Option(0, help="Spare workers started beside the local ring's."),
     log_level: str = typer.Option("warning", help="debug, info, warning or error."),
-    compression: Optional[str] = compression_option(),
-    quantize: Optional[str] = quantize_option(),
-    no_encrypt: bool = no_encrypt_option(),
-    early_exit: Optional[str] = early_exit_option(),
-    exit_threshold: Optional[str] = exit_threshold_option(),
-    speculate: str = speculate_option(),
-    threads: int = threads_option(),
-    cpu_dot: Optional[str] = cpu_dot_option(),
-    prompt_cache: bool = prompt_cache_option(),
+    opts: EngineOptions = EngineOptions(),
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /metrics)."""
     check_api_options(slots, context, max_queue, max_body, port, log_level)
-    check_device(device, dtype)
-    recovery = ring_options(stall_timeout, recover, spares, compression, prefill_chunk, quantize,
-                            no_encrypt)
-    exits = check_early_exit(early_exit, exit_threshold, speculate=speculate)
     key, origins = api_key_for(host, api_key_file, insecure), parse_origins(cors_origins)
     from ..serving.api.server import listen
 
     with ExitStack() as stack:
         sock = stack.enter_context(closing(listen(host, port)))  # in use: fails before any node
-        spec = engine_spec(model, tokenizer, device, dtype, nodes, ring, recovery, exits,
-                           speculate, respawn=True, threads=threads, cpu_dot=cpu_dot)
-        engine, shape = open_checked(stack, spec, lambda text: sized_slots(
-            text, slots, context, dtype, device, nodes, ring))
+        spec = engine_spec(opts, respawn=True)
+        engine, shape = open_checked(stack, spec, lambda text: sized_slots(text, slots, context,
+                                                                            opts))
         api = open_api(engine, sock, shape.slots, shape.context, max_queue, max_body, key,
-                       model_name, log_level, strict_model_name, origins, prompt_cache)
+                       model_name, log_level, strict_model_name, origins, opts.prompt_cache)
         stack.callback(api.close)
         engine.set_up()  # set the ring up now: its errors before "ready"
         api.start()

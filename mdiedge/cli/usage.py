@@ -114,7 +114,8 @@ def expected_value(ctx: Any, name: Optional[str]) -> Optional[str]:
     callback = getattr(getattr(ctx, "command", None), "callback", None)
     if callback is None or name is None:
         return None
-    annotation = inspect.unwrap(callback).__annotations__.get(name)
+    param = inspect.signature(callback).parameters.get(name)
+    annotation = None if param is None else param.annotation
     for word, expected in _EXPECTED:
         if re.search(rf"\b{word}\b", str(annotation)):
             return expected

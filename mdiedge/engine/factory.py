@@ -13,11 +13,12 @@ stops the local ring's worker processes.
 from __future__ import annotations
 
 from contextlib import ExitStack
-from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Sequence
 
 from ..base import defaults
 from ..base.accel import warn_if_uncompiled
+from ..base.engineoptions import EngineOptions
 from ..base.errors import ConfigError, MdiedgeError, UsageError
 from ..base.nodes import NodeSpec, StarterOptions
 from ..base.threads import available_cores, node_threads
@@ -30,37 +31,31 @@ from .facade import Engine, PathLike, TextModel
 
 
 @dataclass(frozen=True)
-class EngineSpec:
-    """Which engine to open and how it runs.
+class EngineSpec(EngineOptions):
+    """Which engine to open and how it runs: the command line's options (``EngineOptions``:
+    its ring options, where given, win over a ring file's; ``quantize`` also holds in one
+    process; ``cpu_dot`` and ``prompt_cache`` are the command's to apply), and where the
+    blocks run.
 
     ``nodes``: 1, every block in this process; N > 1, a local ring of N - 1 worker processes
     started for the engine (``spares`` more as spares; ``respawn``: a worker that dies is
     started again). ``ring``: a ring file (TOML) of running workers instead. ``workers``: running
     workers given as they are, with the starter's ``options`` (a long-lived starter).
-    ``changes``: fields of ``StarterOptions`` the caller sets (they win over a ring file's;
-    ``quantize`` also holds in one process). ``early_exit``/``exit_threshold``: the early-exit
-    criterion and its threshold (checked against the model when it opens). ``route``: where
-    each ring link connects (``Route``, tests and the relay tool). ``speculate``: every
-    request decodes speculatively with this drafter (``ngram``, ``draft:PATH``; None or
-    ``off``: not), refused together with early exit. ``threads``: this process's compute
-    threads and each local worker's (0: each node's share of the cores, ``node_threads``)."""
+    ``route``: where each ring link connects (``Route``, tests and the relay tool).
+    ``timeout_s``: the ring's set-up timeout (None: the ring file's, else a local ring's)."""
 
     model: Optional[PathLike] = None
     tokenizer: Optional[PathLike] = None
     nodes: int = 1
-    ring: Optional[str] = None
     workers: Sequence[NodeSpec] = ()
     options: StarterOptions = StarterOptions()
-    device: str = "cpu"
-    dtype: str = "float32"
-    changes: Mapping[str, Any] = field(default_factory=dict)
-    spares: int = 0
     respawn: bool = False
-    early_exit: Optional[str] = None
-    exit_threshold: Optional[str] = None
     route: Optional[Route] = None
-    speculate: Optional[str] = None
-    threads: int = 0
+    timeout_s: Optional[float] = None
+
+    def given_ring_options(self) -> Dict[str, Any]:
+        given = super().given_ring_options()
+        return given if self.timeout_s is None else dict(given, timeout_s=self.timeout_s)
 
     @property
     def local(self) -> bool:
@@ -117,10 +112,12 @@ def exit_settings_of(text: TextModel, criterion: Optional[str],
 
 def open_engine(spec: EngineSpec, text: Optional[TextModel] = None) -> Engine:
     """The engine of ``spec`` (nothing set up yet on a ring: the first request does it, or
-    ``Engine.set_up``); ``text``: its text side opened already (``open_text``). Worker
-    processes it starts are stopped by the engine's ``close``, or here when opening fails."""
-    check_spec(spec)
-    text = text or open_text(spec)
+    ``Engine.set_up``); ``text``: its text side opened already (``open_text``, the spec
+    checked: ``check_spec``). Worker processes it starts are stopped by the engine's
+    ``close``, or here when opening fails."""
+    if text is None:
+        check_spec(spec)
+        text = open_text(spec)
     check_draft(spec.speculate, text)
     settings = exit_settings_of(text, spec.early_exit, spec.exit_threshold)
     engine = _open(spec, text, settings)
@@ -137,7 +134,7 @@ def _open(spec: EngineSpec, text: TextModel, settings: Optional[ExitSettings]) -
         from .local import LocalEngine
 
         return LocalEngine(device=spec.device, dtype=spec.dtype, early_exit=settings,
-                           quantize=spec.changes.get("quantize", ""), text=text)
+                           quantize=spec.quantize or "", text=text)
     from .ring import RingEngine
 
     if spec.ring is not None or spec.workers:
@@ -146,26 +143,25 @@ def _open(spec: EngineSpec, text: TextModel, settings: Optional[ExitSettings]) -
                           text=text)
     with ExitStack() as stack:  # the workers stop here unless the engine took them over
         workers, secret = _start_local_ring(spec, text, stack)
-        changes: Dict[str, Any] = dict(device=spec.device, dtype=spec.dtype, secret=secret,
-                                       timeout_s=defaults.LOCAL_RING_TIMEOUT_S)
-        changes.update(spec.changes)
-        engine = RingEngine(workers, early_exit=settings, route=spec.route, text=text,
-                            **changes)
+        given = {"timeout_s": defaults.LOCAL_RING_TIMEOUT_S, **spec.given_ring_options()}
+        options = StarterOptions(device=spec.device, dtype=spec.dtype, secret=secret, **given)
+        engine = RingEngine(workers, options=options, early_exit=settings, route=spec.route,
+                            text=text)
         engine.on_close(stack.pop_all().close)
     return engine
 
 
 def _running(spec: EngineSpec) -> Any:
     """The starter's options and the workers of a ring file (its secret, else the
-    environment's; the spec's dtype), or those given; the spec's ``changes`` win."""
+    environment's; the spec's dtype), or those given; the spec's ring options win."""
     import dataclasses
 
     if spec.ring is None:
-        return dataclasses.replace(spec.options, **spec.changes), list(spec.workers)
+        return dataclasses.replace(spec.options, **spec.given_ring_options()), list(spec.workers)
     from ..base.ringfile import load_ring
 
     found, workers = load_ring(spec.ring, secret=True)
-    found.update(spec.changes, dtype=spec.dtype)
+    found.update(spec.given_ring_options(), dtype=spec.dtype)
     return StarterOptions(**found), workers
 
 
@@ -179,7 +175,7 @@ def _start_local_ring(spec: EngineSpec, text: TextModel, stack: ExitStack) -> An
     threads = node_threads(spec.threads, spec.nodes, available_cores())
     _use_threads(threads)
     ring = LocalRing(spec.nodes - 1, threads=threads, device=spec.device, spares=spec.spares,
-                     encrypt=spec.changes.get("encrypt", True), respawn=spec.respawn)
+                     encrypt=not spec.no_encrypt, respawn=spec.respawn)
     return stack.enter_context(ring), ring.secret
 
 

@@ -127,7 +127,7 @@ def _generation(cfg: Any, samples: int, new_tokens: int, context: int) -> Genera
 def _spec(model: Path, nodes: int) -> EngineSpec:
     """One process, or a local ring of ``nodes`` with a ring file's patience (a large
     preset's message may take long)."""
-    return EngineSpec(model=model, nodes=nodes, changes={"timeout_s": defaults.RING_TIMEOUT_S})
+    return EngineSpec(model=model, nodes=nodes, timeout_s=defaults.RING_TIMEOUT_S)
 
 
 def _run_local(model: Path, samples: int, new_tokens: int, context: int,

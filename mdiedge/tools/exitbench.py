@@ -61,7 +61,7 @@ def speed(path: Path, nodes: int, samples: int, exits: Tuple[str, Optional[str]]
     for name, (criterion, threshold) in (("none", (None, None)), ("exit", exits)):
         spec = EngineSpec(model=path, nodes=nodes, early_exit=criterion,
                           exit_threshold=threshold,
-                          changes={} if nodes == 1 else {"timeout_s": RING_TIMEOUT_S})
+                          timeout_s=None if nodes == 1 else RING_TIMEOUT_S)
         with open_engine(spec) as engine:
             results[name] = _timed(engine, prompt, new_tokens, samples, repeats)
     ratio = results["exit"]["tokens_per_s"] / max(results["none"]["tokens_per_s"], 1e-9)

@@ -112,11 +112,11 @@ def ring_run(model: Optional[str], compression: str, prompt: List[int], new_toke
              **options: Any) -> Dict[str, Any]:
     """Greedy generations from the ``prompt`` token ids on a local ring, after a warm-up: the
     medians of ``repeats`` timings, and the links' counts over all of them (``generations``).
-    ``options``: more ``StarterOptions`` (``prefill_chunk``: tokens per prefill message);
+    ``options``: more ``EngineSpec`` fields (``prefill_chunk``: tokens per prefill message);
     ``route``: the ring links' route (``mdiedge.tools.relay.Relays``: delaying relays)."""
     timings = []
-    spec = EngineSpec(model=model, nodes=nodes, route=route,
-                      changes=dict(timeout_s=RING_TIMEOUT_S, compression=compression, **options))
+    spec = EngineSpec(model=model, nodes=nodes, route=route, timeout_s=RING_TIMEOUT_S,
+                      compression=compression, **options)
     with open_engine(spec) as engine:
         text = engine.tokenizer.decode(prompt)
         engine.generate(text, 2, 1, SamplingParams(temperature=0))  # warm-up

@@ -154,8 +154,7 @@ def run_all(model: Path, speculate: str, max_nodes: int, samples: int, new_token
     shown = measuring or (lambda what: nullcontext())
     source = text.read_text(encoding="utf-8", errors="replace")
     for nodes in ring_sizes(max_nodes):
-        spec = EngineSpec(model=model, nodes=nodes,
-                          changes={"timeout_s": defaults.RING_TIMEOUT_S})
+        spec = EngineSpec(model=model, nodes=nodes, timeout_s=defaults.RING_TIMEOUT_S)
         with open_engine(spec) as engine:
             work = workloads(source, lambda s: len(engine.encode_prompt(s)), new_tokens, render)
             rows = measure(engine, nodes, work, speculate, samples, new_tokens, rounds)

@@ -145,3 +145,17 @@ def testring_message_rows(chunk: int, max_payload: int, want: Any) -> None:
 
     options = StarterOptions(prefill_chunk=chunk, max_payload=max_payload)
     assert ring_message_rows(options, SimpleNamespace(dim=256)) == want
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cors-origins", "*"], "--cors-origins: expected given with --api-port, got '*'"),
+    (["--strict-model-name"], "--strict-model-name: expected given with --api-port, got True"),
+])
+def test_api_flags_without_an_api_port_are_one_line_errors(args: List[str], message: str) -> None:
+    import subprocess
+
+    from commands import MDIEDGE
+
+    out = subprocess.run([*MDIEDGE, "starter", *args], capture_output=True, text=True,
+                         timeout=120, stdin=subprocess.DEVNULL)
+    assert out.returncode == 2 and out.stderr.strip() == f"mdiedge: error: {message}", out.stderr

@@ -5,7 +5,7 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import typer
 
@@ -226,6 +226,7 @@ def starter_command(
     if control_port is not None:
         check_port("--control-port", control_port)
     check_log_level(log_level)
+    naming = _api_naming(api_port, strict_model_name, cors_origins, opts.prompt_cache)
     settings, section = _starter_config(config, threads, opts.cpu_dot)
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s starter %(levelname)s %(message)s")
@@ -242,8 +243,17 @@ def starter_command(
         warn_unsealed("starter")
     engine = _starter_engine(settings, section, opts, secret, control.url)
     api = starter_api(engine, api_port, api_host, api_key_file, insecure, slots, log_level,
-                      (strict_model_name, parse_origins(cors_origins), opts.prompt_cache))
+                      naming)
     _serve_starter(StarterServer(engine, control).start(), api, section.host)
+
+
+def _api_naming(api_port: Optional[int], strict_model_name: bool, cors_origins: Optional[str],
+                prompt_cache: bool) -> Tuple[bool, Any, bool]:
+    """The API's flags, checked before anything starts: they need ``--api-port``."""
+    for flag, value in (("--strict-model-name", strict_model_name or None),
+                        ("--cors-origins", cors_origins)):
+        need(api_port is not None or value is None, flag, value, "given with --api-port")
+    return strict_model_name, parse_origins(cors_origins), prompt_cache
 
 
 def _serve_starter(server: Any, api: Any, host: str) -> None:

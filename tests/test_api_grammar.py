@@ -39,7 +39,7 @@ def start(nodes: int) -> Dict[str, Any]:
     line = proc.stdout.readline()
     assert line, "serve did not start"
     url = json.loads(line)["url"]
-    return {"proc": proc, "url": url, "client": openai.OpenAI(
+    return {"proc": proc, "url": url, "nodes": nodes, "client": openai.OpenAI(
         base_url=url, api_key="unused", max_retries=0, timeout=300)}
 
 
@@ -111,7 +111,9 @@ def spec_drafted(url: str) -> float:
 def test_speculation_under_a_schema_keeps_greedy_tokens(served: Dict[str, Any]) -> None:
     """Drafts proposed from the prompt (its JSON has the keys in another order than the
     schema's, so some are outside the grammar and must be rejected): the greedy answer is
-    the one decoded without speculation, and valid."""
+    the one decoded without speculation, and valid. On the ring, where a verified row costs
+    little, drafts were made; one node's adaptive k may draft none (a row costs it nearly a
+    step): ``tests/test_grammar.py`` verifies such drafts directly."""
     asked = [{"role": "user", "content": 'Copy this JSON: {"pets": ["dog", "cat"], "age": '
                                          '41, "name": "Ann Lee"} {"name": "Ann Lee", "age": 41'}]
     kwargs = dict(model="m", messages=asked, temperature=0, max_tokens=60,
@@ -121,7 +123,7 @@ def test_speculation_under_a_schema_keeps_greedy_tokens(served: Dict[str, Any]) 
     fast = served["client"].chat.completions.create(**kwargs, extra_body={"speculate": "ngram"})
     assert fast.choices[0].message.content == plain.choices[0].message.content
     jsonschema.validate(json.loads(fast.choices[0].message.content), PERSON)
-    assert spec_drafted(served["url"]) > drafted
+    assert served["nodes"] == 1 or spec_drafted(served["url"]) > drafted
 
 
 def test_a_required_tool_call_is_held_to_the_tools(served: Dict[str, Any]) -> None:

@@ -132,3 +132,36 @@ def test_drafts_are_masked_as_the_grammar_stands_after_each(tokenizer: Any) -> N
     assert greedy_accept(bad, masked.argmax(dim=-1).tolist())[0] != bad[0]
     constraint.take(good)
     assert constraint.finished
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_verified_draft_outside_the_grammar_is_rejected(tokenizer: Any,
+                                                          temperature: float) -> None:
+    """A step verifying drafts the raw logits favour most: greedy or sampled, the tokens
+    kept follow the grammar ("red" or "green"), never the drafted "blue"."""
+    from mdiedge.base.request import SamplingParams, ids_request
+    from mdiedge.runtime.drafting import Proposal
+    from mdiedge.runtime.generation import Generation
+    from mdiedge.runtime.speculation import Draft, Speculation
+
+    class NoDrafter:
+        def propose(self, sample_id: int, tokens: Any, k: int) -> Proposal:
+            return Proposal()
+
+        def release(self, sample_id: int) -> None:
+            pass
+
+    params = SamplingParams(temperature, seed=5)
+    generation = Generation(ids_request([1, 2, 3], 8, 1, params), ())
+    generation.constrain(Grammar(tokenizer, 49152, "gbnf", 'root ::= "red" | "green"'))
+    generation.speculation = Speculation(NoDrafter(), params)
+    sample, blue = generation.samples[0], tokenizer.encode("blue")
+    sample.sid = 7
+    logits = torch.zeros(len(blue) + 1, 49152)
+    for i, token in enumerate(blue):
+        logits[i, token] = 50.0  # the model itself would pick the drafts
+    draft = Draft(2, [3] + blue, Proposal(list(blue)))
+    generation.settle([sample], logits.unsqueeze(0), {7: draft})
+    text = tokenizer.decode(sample.tokens)
+    assert sample.tokens and not text.startswith("b") and ("red".startswith(text) or
+                                                           "green".startswith(text)), text

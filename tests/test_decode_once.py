@@ -16,6 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from storiesapi import stories_args, stories_client
+
 from mdiedge.model.stopping import TextOutput, cut_at_stop
 from mdiedge.model.tokenizer import SentencePieceTokenizer, StreamDecoder
 
@@ -75,11 +77,6 @@ def once_each(lengths: List[int], tokens: int, samples: int = 1) -> None:
     assert max(lengths) <= WINDOW, lengths
 
 
-def stories_args(stories: Path) -> List[str]:
-    return ["--model", str(stories / "stories260K.bin"), "--tokenizer",
-            str(stories / "tok512.model")]
-
-
 @pytest.mark.parametrize("extra", [[], ["--json"], ["--stop", "zq#"]])
 def test_generate_decodes_each_token_once(stories: Path, decoded: List[int],
                                           sampled: Callable[[], int], extra: List[str]) -> None:
@@ -110,19 +107,8 @@ def test_chat_decodes_each_token_once(stories: Path, decoded: List[int],
 
 @pytest.fixture
 def client(stories: Path, decoded: List[int]) -> Iterator[openai.OpenAI]:
-    from mdiedge.engine.local import LocalEngine
-    from mdiedge.serving.api.rules import ServeLimits
-    from mdiedge.serving.api.server import Api, listen
-
-    engine = LocalEngine(stories / "stories260K.bin", stories / "tok512.model")
-    server = Api(engine, listen("127.0.0.1", 0), ServeLimits(slots=2, context=128,
-                                                             max_waiting=2),
-                 name="stories").start()
-    try:
-        yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                            timeout=60)
-    finally:
-        server.close()
+    with stories_client(stories) as client:
+        yield client
 
 
 @pytest.mark.parametrize("chat,stream,n", [(False, False, 1), (False, True, 1),

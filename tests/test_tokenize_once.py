@@ -13,6 +13,8 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
+from storiesapi import stories_args, stories_client
+
 MARK = "Once upon a time Lily"
 
 
@@ -51,11 +53,6 @@ def tokenized(monkeypatch: pytest.MonkeyPatch) -> List[str]:
     return seen
 
 
-def stories_args(stories: Path) -> List[str]:
-    return ["--model", str(stories / "stories260K.bin"), "--tokenizer",
-            str(stories / "tok512.model")]
-
-
 @pytest.mark.parametrize("nodes,as_json", [("1", False), ("1", True), ("2", False)])
 def test_generate_tokenizes_the_prompt_once(stories: Path, tokenized: List[str], nodes: str,
                                             as_json: bool) -> None:
@@ -83,19 +80,8 @@ def test_chat_tokenizes_the_conversation_once(stories: Path, tokenized: List[str
 
 @pytest.fixture
 def client(stories: Path, tokenized: List[str]) -> Iterator[openai.OpenAI]:
-    from mdiedge.engine.local import LocalEngine
-    from mdiedge.serving.api.rules import ServeLimits
-    from mdiedge.serving.api.server import Api, listen
-
-    engine = LocalEngine(stories / "stories260K.bin", stories / "tok512.model")
-    server = Api(engine, listen("127.0.0.1", 0), ServeLimits(slots=2, context=128,
-                                                             max_waiting=2),
-                 name="stories").start()
-    try:
-        yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                            timeout=60)
-    finally:
-        server.close()
+    with stories_client(stories) as client:
+        yield client
 
 
 @pytest.mark.parametrize("chat", [False, True])

@@ -108,7 +108,7 @@ class ApiRoutes:
                            f"server has {slots}", field, "invalid_value")
         prompts = [self.service.prompt_of(p) for p in body.prompts]
         return await self.respond(request, prompts, body.options, chat=False,
-                                  shape=Shape(body.echo, body.best_of, body.options))
+                                  shape=Shape(body.options, body.echo, body.best_of))
 
     async def chat(self, request: Request) -> Response:
         body = ChatRequest.from_json(await read_json(request, self.service.limits.max_body))
@@ -140,7 +140,7 @@ class ApiRoutes:
                       shape: Optional[Shape] = None) -> Response:
         """Run ``prompts`` (each its own request to the scheduler, ``shape.best_of`` samples
         each) and answer with their choices, in order, as one body or one stream."""
-        shape = shape or Shape(asked_logprobs=options.top_logprobs is not None)
+        shape = shape or Shape(options)
         runs = await self.start_all(prompts, shape.drawing(options), chat)
         try:
             first = await runs[0].next(request.is_disconnected)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Sequence
 
 from .responses import Usage
 from .schema import Options
@@ -14,18 +14,18 @@ from .schema import Options
 
 @dataclass
 class Shape:
+    options: Options  # the request's, as asked
     echo: bool = False
     best_of: int = 1  # samples drawn per prompt (``n`` of them returned)
-    options: Optional[Options] = None  # the request's as asked (None: drawn as asked)
-    asked_logprobs: bool = False  # the client asked for logprobs (ranking needs them anyway)
 
-    def __post_init__(self) -> None:
-        if self.options is not None:
-            self.asked_logprobs = self.options.top_logprobs is not None
+    @property
+    def asked_logprobs(self) -> bool:
+        """The client asked for logprobs (ranking draws them anyway)."""
+        return self.options.top_logprobs is not None
 
     @property
     def ranks(self) -> bool:
-        return self.options is not None and self.best_of > self.options.n
+        return self.best_of > self.options.n
 
     def drawing(self, options: Options) -> Options:
         """The options each run draws its samples with: ``best_of`` of them, each token's
@@ -42,7 +42,6 @@ class Shape:
         """The samples a run answers with: all, or the ``n`` likeliest, best first."""
         if not self.ranks:
             return list(samples)
-        assert self.options is not None
         return sorted(samples, key=mean_logprob, reverse=True)[:self.options.n]
 
     def echoed(self, run: Any) -> str:

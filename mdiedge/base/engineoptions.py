@@ -96,12 +96,32 @@ class EngineOptions:
         return replace(self, compression=canonical_compression(self.compression),
                        quantize=canonical_quantizer(self.quantize))
 
+    def needs_torch(self) -> Optional[str]:
+        """The option that needs torch (the torch model), or None: a CPU node computing in
+        float32 runs without it."""
+        return torch_option(self.device, self.dtype, self.early_exit, self.speculate)
+
     def given_ring_options(self) -> Dict[str, Any]:
         """The ``StarterOptions`` fields given (not None), which win over a ring file's."""
         given = dict(recover=self.recover, compression=self.compression,
                      stall_s=self.stall_timeout, prefill_chunk=self.prefill_chunk,
                      quantize=self.quantize, encrypt=False if self.no_encrypt else None)
         return {key: value for key, value in given.items() if value is not None}
+
+
+def torch_option(device: str, dtype: str = "float32", early_exit: Optional[str] = None,
+                 speculate: Optional[str] = "off") -> Optional[str]:
+    """Of these options, the first that needs torch, as the command line spells it; None
+    where none does."""
+    if device != "cpu":
+        return f"--device {device}"
+    if dtype != "float32":
+        return f"--dtype {dtype}"
+    if early_exit is not None:
+        return f"--early-exit {early_exit}"
+    if speculate is not None and speculate.startswith("draft:"):
+        return "--speculate draft:PATH"
+    return None
 
 
 def seconds_ok(value: float) -> bool:

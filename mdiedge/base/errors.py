@@ -44,6 +44,11 @@ def need(ok: bool, option: str, value: Any, expected: str) -> None:
         raise UsageError(f"{option}: expected {expected}, got {value!r}")
 
 
+class TorchMissing(MdiedgeError):
+    """A command or option needs torch and torch is not installed: one line naming what
+    needs it and how to install it (``mdiedge.base.torchcheck.require_torch``)."""
+
+
 class CheckpointError(MdiedgeError):
     """A checkpoint file is missing, truncated, or lacks a tensor of the right shape."""
 

@@ -1,7 +1,7 @@
 """How many threads a node computes with, and how its idle threads wait.
 
-A node's compute threads are torch's thread count, which the compiled kernels take too
-(OpenMP). ``--threads N`` (and the ``threads`` config key) sets it; 0 gives each node of this
+A node's compute threads are the count ``use_threads`` sets, which the compiled kernels take
+(OpenMP), and torch's too where torch is loaded. ``--threads N`` (and the ``threads`` config key) sets it; 0 gives each node of this
 machine its share of the cores this process may use (its CPU affinity, within a cgroup's
 ``cpu.max``): all of them for one node, ``cores // nodes`` for a local ring, at least one.
 
@@ -24,7 +24,7 @@ import re
 import statistics
 import sys
 import time
-from typing import Dict, Mapping, Optional
+from typing import Dict, List, Mapping, Optional
 
 from . import defaults
 
@@ -126,8 +126,29 @@ def node_threads(requested: int, nodes_here: int, cores: int,
     return max(1, cores // max(1, nodes_here))
 
 
+_chosen: List[int] = []  # the threads this process was told to compute with (use_threads)
+
+
+def use_threads(threads: int) -> None:
+    """This process computes with ``threads`` threads: the compiled kernels take the count
+    (``compute_threads``), and torch's is set too where torch is loaded (never imported
+    here: a CPU node runs without it)."""
+    _chosen[:] = [threads]
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+def torch_follows() -> None:
+    """torch, imported after ``use_threads``, computes with the chosen count too."""
+    if _chosen:
+        use_threads(_chosen[0])
+
+
 def compute_threads() -> int:
-    """The threads this process computes with (torch's count, which the kernels take), or
-    0 before torch is loaded."""
+    """The threads this process computes with: those ``use_threads`` set, else torch's
+    count where torch is loaded, else 0 (not chosen yet)."""
+    if _chosen:
+        return _chosen[0]
     torch = sys.modules.get("torch")
     return int(torch.get_num_threads()) if torch is not None else 0

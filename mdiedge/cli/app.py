@@ -15,6 +15,7 @@ from ..base.cpudot import set_cpu_dot
 from ..base.engineoptions import EngineOptions
 from ..base.errors import GenerationError, MdiedgeError, UsageError, need
 from ..base.request import Asked, SamplingParams, named
+from ..base.torchcheck import require_torch, torch_missing
 from .usage import CommandGroup
 
 app = typer.Typer(cls=CommandGroup, add_completion=False, no_args_is_help=True,
@@ -68,6 +69,11 @@ def one_line_errors(func: F) -> F:
             return func(*args, **kwargs)
         except MdiedgeError as e:
             raise fail(str(e).replace("\n", " "), e.exit_code) from None
+        except ImportError as e:  # torch, where a path that needs it did not ask first
+            if (e.name or "").split(".")[0] != "torch":
+                raise
+            command = "mdiedge " + func.__name__.strip("_").replace("_", "-")
+            raise fail(str(torch_missing(command))) from None
         except KeyboardInterrupt:
             raise fail("interrupted", 130) from None
         except OSError as e:
@@ -105,13 +111,6 @@ def asked(max_new_tokens: int, samples: int, temperature: float, top_k: int, top
         return Asked(max_new_tokens, samples, params, tuple(stop))
     except GenerationError as e:
         raise UsageError(named(e, REQUEST_OPTIONS, REQUEST_NOTES)[1]) from None
-
-
-def load_torch() -> None:
-    """Import torch with Ctrl-C held back until the import is done, then acted on (see
-    :mod:`mdiedge.base.interrupts`)."""
-    with interrupts.held():
-        import torch  # noqa: F401
 
 
 def check_port(option: str, port: int) -> None:
@@ -215,12 +214,14 @@ def warn_unsealed(name: str) -> None:
 
 
 def engine_spec(opts: EngineOptions, respawn: bool = False) -> Any:
-    """The ``EngineSpec`` of a command's checked options (torch loaded first, see
-    ``load_torch``); ``respawn``: a local ring's worker that dies is started again.
-    ``--cpu-dot`` (None: the environment's or the default) is set for this process and the
-    workers it starts."""
+    """The ``EngineSpec`` of a command's checked options (torch loaded first where an option
+    needs it, a one-line error where it is not installed); ``respawn``: a local ring's
+    worker that dies is started again. ``--cpu-dot`` (None: the environment's or the
+    default) is set for this process and the workers it starts."""
     set_cpu_dot(opts.cpu_dot)
-    load_torch()
+    needs = opts.needs_torch()
+    if needs is not None:
+        require_torch(needs)
     from ..engine.factory import EngineSpec
 
     return EngineSpec(**vars(opts), respawn=respawn)

@@ -8,7 +8,8 @@ import typer
 
 from ..base.cpudot import set_cpu_dot
 from ..base.engineoptions import check_cpu_dot
-from .app import app, engine_option, load_torch, need, one_line_errors
+from ..base.torchcheck import require_torch
+from .app import app, engine_option, need, one_line_errors
 
 
 COMPRESSION_OPTION = typer.Option(
@@ -66,7 +67,7 @@ def bench(
     from pathlib import Path
 
     repeat = _check_bench(nodes, samples, new_tokens, repeat, cpu_dot)
-    load_torch()
+    require_torch("mdiedge bench")
     from ..tools import bench as benchmarks
 
     if isinstance(speculate, str) and speculate != "off":  # not the typer default

@@ -6,7 +6,8 @@ from typing import List, Optional
 
 import typer
 
-from .app import app, load_torch, need, one_line_errors
+from ..base.torchcheck import require_torch
+from .app import app, need, one_line_errors
 
 
 @app.command("calibrate-exit")
@@ -43,7 +44,7 @@ def calibrate_exit(
     need(train_tokens >= 64, "--train-tokens", train_tokens, "an integer >= 64")
     need(text is None or Path(text).is_file(), "--text", text, "a text file")
     from ..base.defaults import held_out_text
-    load_torch()
+    require_torch("mdiedge calibrate-exit")
     from ..tools.exitcal import run
 
     path, share = held_out_text(text)

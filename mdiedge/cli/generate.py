@@ -21,7 +21,6 @@ from .app import (
     check_url,
     client_auth,
     engine_spec,
-    load_torch,
     need,
     one_line_errors,
     open_checked,
@@ -70,7 +69,6 @@ def generate(
     with ExitStack() as stack:
         terminate_gracefully()
         progress = stack.enter_context(_progress(max_new_tokens * samples, samples, as_json))
-        load_torch()
         progress.phase(_first_phase(opts.ring, opts.nodes))
         spec = engine_spec(opts)
         engine, request = open_checked(stack, spec, lambda text: _taken_in(text, prompt, wanted))

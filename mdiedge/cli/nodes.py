@@ -18,7 +18,6 @@ from .app import (
     check_log_level,
     check_port,
     engine_option,
-    load_torch,
     need,
     one_line_errors,
     serve_under_systemd,
@@ -134,15 +133,18 @@ def _run_worker(chosen: Dict[str, Any], section: Any, parent_pid: int,
     import signal
     from pathlib import Path
 
-    load_torch()
-    import torch
-
+    from ..base.engineoptions import torch_option
     from ..base.settings import read_secret
-    from ..base.threads import available_cores, node_threads
+    from ..base.threads import available_cores, node_threads, use_threads
+    from ..base.torchcheck import require_torch
+
+    needs = torch_option(section.device, section.dtype) if section.model is not None else None
+    if needs is not None:
+        require_torch(f"the worker's preload ({needs[2:]})")
     from ..serving.sdnotify import Heartbeat
     from ..roles.worker import WorkerNode
 
-    torch.set_num_threads(node_threads(chosen["threads"], 1, available_cores()))
+    use_threads(node_threads(chosen["threads"], 1, available_cores()))
     set_cpu_dot(chosen["cpu_dot"])
     heartbeat = Heartbeat(stall_limit=defaults.COMPUTE_STALL_S)
     node = WorkerNode(chosen["host"], chosen["control_port"], chosen["data_port"],
@@ -231,7 +233,7 @@ def starter_command(
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s starter %(levelname)s %(message)s")
     secret = _starter_secret(section, insecure, secret_fd)
-    load_torch()
+    _starter_torch(section, opts)
     from ..serving.service import StarterServer
     from ..runtime.auth import Authenticator
     from ..runtime.control import ControlServer
@@ -289,6 +291,17 @@ def _starter_secret(section: Any, insecure: bool, secret_fd: int) -> Optional[by
         raise ConfigError(f"refusing to listen on {section.host} without a ring secret "
                           f"(set one, or pass --insecure on a trusted network)")
     return secret
+
+
+def _starter_torch(section: Any, opts: EngineOptions) -> None:
+    """torch loaded where the starter's dtype or options need it (a one-line error where it
+    is not installed)."""
+    from ..base.engineoptions import torch_option
+    from ..base.torchcheck import require_torch
+
+    needs = torch_option("cpu", section.dtype, opts.early_exit, opts.speculate)
+    if needs is not None:
+        require_torch(needs)
 
 
 def _starter_engine(settings: Any, section: Any, opts: EngineOptions,

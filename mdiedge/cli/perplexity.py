@@ -10,6 +10,8 @@ from typing import Any, Dict, Optional
 import typer
 
 from ..base import defaults
+from ..base.threads import compute_threads
+from ..base.torchcheck import require_torch
 from ..base.words import plural
 from ..base.engineoptions import EngineOptions, check_cpu_dot, check_device, check_threads
 from .app import (app, engine_option, engine_spec, need, one_line_errors, open_text_model,
@@ -42,6 +44,7 @@ def perplexity(
     """The perplexity of FILE's text under a model, with its standard error: windows of
     --ctx tokens, the second half of each scored, as llama.cpp's llama-perplexity does."""
     _check(file, ctx, chunks, batch, device, threads, cpu_dot)
+    require_torch("mdiedge perplexity")
     from .console import Progress
 
     terminate_gracefully()
@@ -92,9 +95,7 @@ def _measure(file: str, model: Optional[str], ctx: int, chunks: Optional[int], b
 
     progress.advance(0, 0.0, "scoring", total)
     result = measurement.run(net, batch, ran)
-    import torch
-
-    return dict(result, cpu_dot=mode, device=device, threads=torch.get_num_threads())
+    return dict(result, cpu_dot=mode, device=device, threads=compute_threads())
 
 
 def result_line(result: Dict[str, Any]) -> str:

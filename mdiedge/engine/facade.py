@@ -25,21 +25,22 @@ from ..base import defaults
 from ..base.errors import MdiedgeError
 from ..base.defaults import SHOWN_SETUP_S
 from ..base.words import plural
-from ..model.checkpoint import check_checkpoint, resolve_model_path
+from ..model.hub import resolve_model
 from ..model.modelfile import ModelFile, model_file
-from ..model.checks import check_tokenizer
-from ..model.exitfiles import ExitSettings
 from ..model.config import ModelConfig
-from ..model.sampling import SamplingParams
 from ..model.tokenizer import Tokenizer, load_tokenizer
-from ..base.request import Asked, Prompt, Request, take_request
+from ..base.request import Asked, Prompt, Request, SamplingParams, take_request
 from ..model.stopping import TextOutput
 from ..runtime.generation import ExitCounts, Generation, Recovery, Timing, TokenCallback
 from ..runtime.protocol import NodeStatus
 from ..runtime.compute import ComputeThread
-from ..runtime.draftmodel import DraftModel
 from ..runtime.drafting import parse_speculate, request_speculate
 from ..runtime.scheduler import Scheduler
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # early exit and a draft model run on the torch path
+    from ..model.exitfiles import ExitSettings
+    from ..runtime.draftmodel import DraftModel
 
 PathLike = Union[str, Path]
 
@@ -121,7 +122,10 @@ class TextModel:
             self.path, self.file, self.cfg = text.path, text.file, text.cfg
             self.tokenizer = text.tokenizer
             return
-        self.path = resolve_model_path(model)
+        from ..model.checkpoint import check_checkpoint
+        from ..model.checks import check_tokenizer
+
+        self.path = resolve_model(model)
         self.file = model_file(self.path)
         self.cfg = self.file.cfg
         if self.holds_weights:  # the config against the weights, before any node builds
@@ -215,6 +219,8 @@ class Engine(TextModel, abc.ABC):
         if self.speculate is not None:
             kind, path = parse_speculate(self.speculate)
             if kind == "draft":
+                from ..runtime.draftmodel import DraftModel
+
                 self.draft_model = self.compute.call(DraftModel.load, path, self.cfg,
                                                      *self.reserved, device)
 

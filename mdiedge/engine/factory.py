@@ -18,16 +18,16 @@ from typing import Any, Dict, Optional, Sequence
 
 from ..base import defaults
 from ..base.accel import warn_if_uncompiled
-from ..base.engineoptions import EngineOptions
+from ..base.engineoptions import EngineOptions, torch_option
 from ..base.errors import ConfigError, MdiedgeError, UsageError
 from ..base.nodes import NodeSpec, StarterOptions
-from ..base.threads import available_cores, node_threads
-from ..model.checkpoint import check_checkpoint, load_config
-from ..model.devices import parse_device, parse_dtype
-from ..model.exitfiles import ExitSettings, exit_settings
-from ..roles.starter import Route
-from ..runtime.drafting import parse_speculate
+from ..base.threads import available_cores, node_threads, use_threads
 from .facade import Engine, PathLike, TextModel
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ..model.exitfiles import ExitSettings
+    from ..roles.starter import Route
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class EngineSpec(EngineOptions):
     workers: Sequence[NodeSpec] = ()
     options: StarterOptions = StarterOptions()
     respawn: bool = False
-    route: Optional[Route] = None
+    route: "Optional[Route]" = None
     timeout_s: Optional[float] = None
 
     def given_ring_options(self) -> Dict[str, Any]:
@@ -67,8 +67,16 @@ def check_spec(spec: EngineSpec) -> None:
     """The spec's own values (device, dtype, ring size), before any file is read."""
     if spec.ring is None and not spec.workers and spec.nodes < 1:
         raise UsageError(f"--nodes: expected an integer >= 1, got {spec.nodes}")
-    parse_device(spec.device), parse_dtype(spec.dtype)
+    needs = torch_option(spec.device, spec.dtype)
+    if needs is not None:  # cpu in float32 needs no torch
+        from ..base.torchcheck import require_torch
+        from ..model.devices import parse_device, parse_dtype
+
+        require_torch(needs)
+        parse_device(spec.device), parse_dtype(spec.dtype)
     if spec.speculate not in (None, "off"):
+        from ..runtime.drafting import parse_speculate
+
         parse_speculate(spec.speculate)
         if spec.early_exit is not None:
             raise UsageError(f"--speculate {spec.speculate}: not together with --early-exit "
@@ -80,6 +88,9 @@ def check_draft(speculate: Optional[str], text: TextModel) -> None:
     quoting both otherwise), checked from its config before any node starts."""
     if speculate in (None, "off"):
         return
+    from ..model.checkpoint import load_config
+    from ..runtime.drafting import parse_speculate
+
     kind, arg = parse_speculate(speculate)
     if kind != "draft":
         return
@@ -96,17 +107,21 @@ def check_draft(speculate: Optional[str], text: TextModel) -> None:
 def open_text(spec: EngineSpec) -> TextModel:
     """The model's text side (config and tokenizer, no weights), its config checked against
     the weights' headers: what a command checks its request against before nodes start."""
+    from ..model.checkpoint import check_checkpoint
+
     text = TextModel(spec.model, spec.tokenizer)
     check_checkpoint(text.path, text.cfg)
     return text
 
 
 def exit_settings_of(text: TextModel, criterion: Optional[str],
-                     threshold: Optional[str]) -> Optional[ExitSettings]:
+                     threshold: Optional[str]) -> "Optional[ExitSettings]":
     """The checked ``ExitSettings`` of ``criterion`` and ``threshold`` for the model of
     ``text``, or None without a criterion."""
     if criterion is None:
         return None
+    from ..model.exitfiles import exit_settings
+
     return exit_settings(text.path, text.cfg, text.file.content_hash(), criterion, threshold)
 
 
@@ -127,9 +142,9 @@ def open_engine(spec: EngineSpec, text: Optional[TextModel] = None) -> Engine:
     return engine
 
 
-def _open(spec: EngineSpec, text: TextModel, settings: Optional[ExitSettings]) -> Engine:
+def _open(spec: EngineSpec, text: TextModel, settings: "Optional[ExitSettings]") -> Engine:
     """The engine of ``spec`` on ``text``: in this process, or the starter of a ring."""
-    _use_threads(node_threads(spec.threads, 1, available_cores()))
+    use_threads(node_threads(spec.threads, 1, available_cores()))
     if spec.local:
         from .local import LocalEngine
 
@@ -173,15 +188,7 @@ def _start_local_ring(spec: EngineSpec, text: TextModel, stack: ExitStack) -> An
 
     check_ring_size(text.cfg.n_layers, spec.nodes)
     threads = node_threads(spec.threads, spec.nodes, available_cores())
-    _use_threads(threads)
+    use_threads(threads)
     ring = LocalRing(spec.nodes - 1, threads=threads, device=spec.device, spares=spec.spares,
                      encrypt=not spec.no_encrypt, respawn=spec.respawn)
     return stack.enter_context(ring), ring.secret
-
-
-def _use_threads(threads: int) -> None:
-    """This process computes with ``threads`` threads (torch's, which the kernels take)."""
-    import torch
-
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)

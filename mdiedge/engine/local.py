@@ -9,9 +9,8 @@ from ..base.accel import running_code
 from ..base.threads import compute_threads
 from ..model.checkpoint import load_model
 from ..model.modelfile import reads
-from ..model.devices import parse_device, parse_dtype
-from ..model.exitfiles import ExitSettings
 from ..placement.partition import split_layers
+from ..roles.devices import device_of
 from ..roles.exitparts import starter_policy
 from ..runtime.compute import ComputeThread
 from ..runtime.pipeline import ModelEnds, Pipeline
@@ -20,6 +19,10 @@ from ..runtime.scheduler import Scheduler
 from ..runtime.stages import LocalStage, joined_routes
 from ..runtime.protocol import NodeStatus
 from .facade import Engine, PathLike, TextModel
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ..model.exitfiles import ExitSettings
 
 
 class LocalEngine(Engine):
@@ -32,7 +35,9 @@ class LocalEngine(Engine):
                  quantize: str = "", text: Optional[TextModel] = None) -> None:
         self._open(model, tokenizer, text)
         self.early_exit = early_exit
-        self.device, self.dtype = str(parse_device(device)), parse_dtype(dtype)
+        from ..model.devices import parse_dtype  # the torch model's: open_chunk takes the name
+
+        self.device, self.dtype = device_of(device), parse_dtype(dtype)
         self.ranges = split_layers(self.cfg.n_layers, [1.0] * stages) if stages > 1 \
             else [(0, self.cfg.n_layers)]
         self.compute = ComputeThread()  # loads, sets up and steps: all torch work here

@@ -5,17 +5,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional, Sequence
 
-import torch
-
 from ..base.errors import RingError
 from ..base.nodes import NodeSpec
-from ..model.exitfiles import ExitSettings
 from ..roles.starter import RingStarter, Route, StarterOptions, ring_message_rows
 from ..runtime.ring import probe_all
 from ..runtime.scheduler import Scheduler
 from ..runtime.stages import LocalStage
 from ..runtime.protocol import NodeStatus
 from .facade import Engine, PathLike, TextModel
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ..model.exitfiles import ExitSettings
 
 
 class RingEngine(Engine):
@@ -88,6 +89,8 @@ class RingEngine(Engine):
         tail = self.starter.tail
         if tail is None:
             raise RingError("no ring is set up to ping")
+        import torch  # the bench's pings (it needs torch)
+
         return tail.ping(torch.randn(1, 1, self.cfg.dim), count)
 
     def own_stage(self) -> Optional[LocalStage]:

@@ -8,15 +8,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
-import torch
-
 from ..base.errors import CheckpointError, ConfigError
-from ..model.checkpoint import load_model
-from ..model.exitfiles import (CLASSIFIER_FILE, ExitSettings, exit_policy, load_classifier,
-                               thresholds_from_json)
-from ..model.exits import NEVER, ExitPolicy
+from ..model.modelfile import CLASSIFIER_FILE
 from ..runtime.framing import MAX_EXIT_DEPTH
 from ..runtime.protocol import Assignment, ExitSpec
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # early exit runs on the torch path: torch loads only where it is asked for
+    import torch
+
+    from ..model.exitfiles import ExitSettings
+    from ..model.exits import ExitPolicy
 
 CLASSIFIER_TENSOR = "exit_classifier.file"  # the classifier file's bytes inside a sent chunk
 
@@ -25,6 +27,8 @@ def exit_spec(settings: Optional[ExitSettings]) -> Optional[ExitSpec]:
     """What a worker is told of the user's early-exit settings."""
     if settings is None:
         return None
+    from ..model.exits import NEVER
+
     digest = file_sha256(settings.classifier) if settings.classifier is not None else ""
     return ExitSpec(settings.criterion,
                     [None if t == NEVER else float(t) for t in settings.thresholds[:-1]], digest)
@@ -50,6 +54,8 @@ def starter_policy(settings: Optional[ExitSettings], model_hash: str,
     on that chunk's device."""
     if settings is None:
         return None
+    from ..model.exitfiles import exit_policy
+
     return exit_policy(settings, model.cfg, model_hash, model.head_logits,
                        str(next(model.parameters()).device))
 
@@ -76,13 +82,15 @@ def extra_bytes(request: Assignment) -> int:
 
 
 def chunk_extras(model_dir: Path, spec: Optional[ExitSpec]
-                 ) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+                 ) -> "Tuple[Dict[str, torch.Tensor], Dict[str, str]]":
     """The exit classifier file's bytes as one tensor of a sent chunk (the worker writes them
     back verbatim, so its sha256 is the starter's), and the chunk metadata saying so (the
     head travels under its own checkpoint names; see ``chunk_safetensors(head=...)``)."""
     if spec is None or not spec.needs_classifier:
         return {}, {}
     model_dir = model_dir if model_dir.is_dir() else model_dir.parent
+    import torch
+
     raw = bytearray((model_dir / CLASSIFIER_FILE).read_bytes())
     return {CLASSIFIER_TENSOR: torch.frombuffer(raw, dtype=torch.uint8)}, {}
 
@@ -101,10 +109,9 @@ def keep_sent_classifier(folder: Path) -> None:
     beside it."""
     from safetensors import safe_open
 
-    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+    with safe_open(str(folder / "model.safetensors"), framework="numpy") as f:
         if CLASSIFIER_TENSOR in f.keys():
-            (folder / CLASSIFIER_FILE).write_bytes(f.get_tensor(CLASSIFIER_TENSOR).numpy()
-                                                   .tobytes())
+            (folder / CLASSIFIER_FILE).write_bytes(f.get_tensor(CLASSIFIER_TENSOR).tobytes())
 
 
 def has_parts(source: Path, spec: Optional[ExitSpec]) -> bool:
@@ -130,12 +137,16 @@ def has_parts(source: Path, spec: Optional[ExitSpec]) -> bool:
 
 
 def worker_policy(source: Path, request: Assignment, device: str,
-                  dtype: torch.dtype) -> Optional[ExitPolicy]:
+                  dtype: "torch.dtype") -> "Optional[ExitPolicy]":
     """The policy of a worker's stage, its parts read from ``source`` (a copy of the model,
     or the folder of a sent chunk); a CheckpointError names what is missing."""
     spec = request.early_exit
     if spec is None:
         return None
+    from ..model.checkpoint import load_model
+    from ..model.exitfiles import load_classifier, thresholds_from_json
+    from ..model.exits import ExitPolicy
+
     cfg = request.model.model_config()
     thresholds = thresholds_from_json(spec.thresholds, cfg, "early_exit")
     head: Any = None

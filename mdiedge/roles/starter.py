@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 from .. import __version__
 from ..base import defaults
 from ..base.codecs import Compression
+from ..base.dtypes import compute_dtype
 from ..base.errors import (ConfigError, Conflict, GenerationError, NodeLost, PartitionError,
                            RingError)
 from ..base.accel import running_code
@@ -29,11 +30,9 @@ from ..base.memory import max_rss_bytes, rss_bytes
 from ..base.threads import compute_threads
 from ..base.nodes import NodeSpec, StarterOptions
 from ..base.words import block_range
-from ..model.checkpoint import content_hash, load_model
-from ..model.modelfile import reads
-from ..model.exitfiles import ExitSettings
+from ..model.checkpoint import load_model
+from ..model.modelfile import model_file, reads
 from ..model.families import config_to_hf
-from ..model.devices import itemsize, parse_device, parse_dtype
 from ..runtime.auth import Authenticator
 from ..runtime.control import ControlClient, round_trip_ms
 from ..runtime.links import LinkPair, accept_authenticated, bind, close_links, close_quietly, \
@@ -47,10 +46,15 @@ from ..runtime.plan import layout_for
 from ..runtime.scheduler import Scheduler, prefill_rows
 from ..runtime.stages import LocalStage
 from ..placement import balance
+from .devices import device_of
 from .exitparts import check_ring_exits, exit_spec, sent_chunk, starter_policy
 from .membership import Membership
 from ..runtime.ring import RingTail, probe_all
 from .setupwatch import SetupWatch
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ..model.exitfiles import ExitSettings
 
 log = logging.getLogger("mdiedge.starter")
 
@@ -66,10 +70,10 @@ def _direct(host: str, port: int) -> Tuple[str, int]:
 def ring_message_rows(options: StarterOptions, cfg: Any) -> Tuple[int, int]:
     """A ring's prompt tokens per prefill message (its ``prefill_chunk``) and the most rows a
     decode message may carry (what a frame of ``max_payload`` bytes holds)."""
-    row_bytes = cfg.dim * itemsize(options.dtype)
+    row_bytes = cfg.dim * compute_dtype(options.dtype).itemsize
     if options.max_payload < row_bytes:  # no frame could carry a token: every hop would fail
         raise ConfigError(f"max_payload = {options.max_payload} bytes cannot carry one token's "
-                          f"hidden state ({cfg.dim} x {itemsize(options.dtype)} bytes): raise "
+                          f"hidden state ({cfg.dim} x {compute_dtype(options.dtype).itemsize} bytes): raise "
                           f"max_payload to at least {row_bytes} bytes")
     return (prefill_rows(options.prefill_chunk, options.max_payload, row_bytes),
             prefill_rows(0, options.max_payload, row_bytes))
@@ -88,7 +92,7 @@ class RingStarter:
         self.codecs = {w.name: Compression.parse(w.compression or options.compression,
                                                  f"compression of {w.name!r}")
                        for w in list(workers) + [options.spec]}  # of the link into each
-        self.device = str(parse_device(options.device))
+        self.device = device_of(options.device)
         self.auth = Authenticator(options.secret)
         self.session = os.urandom(8).hex()  # workers serve one starter session at a time
         self.clients = [ControlClient(w, self.auth, self.session, options.name)
@@ -101,7 +105,7 @@ class RingStarter:
         #     balancing step's ranges, for the ring of these nodes (starter first)
         self.evidence = balance.Evidence()  # of the current ring's balance checks
         self._balanced_at = 0  # the scheduler's message count at the last balance check
-        self.hash = content_hash(path)
+        self.hash = model_file(path).content_hash()
         self.model: Any = None
         self.placements: List[Placement] = []
         self.scheduler: Optional[Scheduler] = None
@@ -158,7 +162,7 @@ class RingStarter:
         if not 0 < n_slots <= MAX_SLOTS:
             raise GenerationError(f"{n_slots} samples at once: a ring holds 1..{MAX_SLOTS}")
         partition(self.cfg, self._shares(self.membership.planned()), n_slots, context,
-                  itemsize(self.options.dtype))
+                  compute_dtype(self.options.dtype).itemsize)
 
     def _shares(self, workers: Sequence[NodeSpec]) -> List[NodeSpec]:
         """The starter and ``workers``, each with its measured weight where there is one, and
@@ -257,7 +261,7 @@ class RingStarter:
         for client in self.members:  # end any ring these workers still serve for us
             self._call(client, "POST", "/reset", {}, timeout=10)
         self.placements = partition(self.cfg, self._shares(self.ring_workers), n_slots, context,
-                                    itemsize(self.options.dtype))
+                                    compute_dtype(self.options.dtype).itemsize)
         self._balanced_at, self.evidence = 0, balance.Evidence()
         first = self.placements[0].layers
         stage = self.compute.call(self._stage, first, n_slots, context)
@@ -272,6 +276,8 @@ class RingStarter:
         compute thread."""
         if self.model is None or (self.model.first, self.model.last) != first:
             self.model = None
+            from ..model.devices import parse_dtype  # open_chunk takes the name
+
             self.model = load_model(self.path, first, True, True, self.device,
                                     parse_dtype(self.options.dtype), quantize=self.options.quantize)
         return LocalStage(self.model, n_slots, context,
@@ -390,7 +396,7 @@ def balance_step(starter: RingStarter, weights: Dict[str, float], n_slots: int,
     None when it moves nothing or does not fit the declared memory."""
     nodes = [starter.options.spec] + starter.ring_workers  # as configured: their own pins
     aimed = [dataclasses.replace(n, weight=weights.get(n.name, n.weight)) for n in nodes]
-    size = itemsize(starter.options.dtype)
+    size = compute_dtype(starter.options.dtype).itemsize
     current = [p.layers[1] - p.layers[0] for p in starter.placements]
     try:
         target = [p.layers[1] - p.layers[0] for p in partition(starter.cfg, aimed, n_slots,

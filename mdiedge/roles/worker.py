@@ -26,9 +26,9 @@ from ..base.accel import running_code, warn_if_uncompiled
 from ..base.memory import max_rss_bytes, rss_bytes
 from ..base.threads import compute_threads
 from ..base.words import block_range
-from ..model.checkpoint import content_hash, load_config, load_model, resolve_model_path
-from ..model.modelfile import reads
-from ..model.devices import parse_device, parse_dtype
+from ..model.checkpoint import load_model
+from ..model.hub import resolve_model
+from ..model.modelfile import model_file, reads
 from ..runtime import messages
 from ..runtime.auth import Authenticator, is_loopback
 from ..runtime.compute import ComputeThread
@@ -37,6 +37,7 @@ from ..runtime.links import LinkDown, LinkPair, accept_authenticated, bind, clos
     close_quietly, connect_authenticated, tcp_listen
 from ..runtime.protocol import Assignment, AssignReply, ConnectRequest, ModelRef, NodeStatus
 from ..runtime.stages import LocalStage, inference
+from .devices import device_of
 from .exitparts import cache_suffix, extra_bytes, has_parts, keep_sent_classifier, worker_policy
 
 log = logging.getLogger("mdiedge.worker")
@@ -178,7 +179,7 @@ class WorkerNode:
     def assign(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
         """Take a layer range; load it (or ask for weights with ``need_weights``)."""
         request = Assignment.from_json(body)
-        parse_device(request.device)
+        device_of(request.device, "device")
         with self.lock:
             self._claim(request.session, str(body.get("starter", "")))
             if self.state == "busy":
@@ -271,10 +272,10 @@ class WorkerNode:
     def preload(self, model: str, layers: Optional[Any], device: str, dtype: str) -> None:
         """Load a configured block range before serving, so an assignment of the same range
         of the same model (by content hash) finds it ready."""
-        path = resolve_model_path(model)
-        cfg = load_config(path)
-        first, last = layers if layers is not None else (0, cfg.n_layers)
-        ref = ModelRef(cfg.name, content_hash(path), {}, {})
+        path = resolve_model(model)
+        file = model_file(path)
+        first, last = layers if layers is not None else (0, file.cfg.n_layers)
+        ref = ModelRef(file.cfg.name, file.content_hash(), {}, {})
         self._load(path, Assignment(ref, (first, last), 1, 1, dtype, device))
         self.state = "idle"
 
@@ -282,7 +283,7 @@ class WorkerNode:
         path = request.model.path
         if path and Path(path).exists():
             try:
-                if content_hash(Path(path)) == request.model.hash:
+                if model_file(Path(path)).content_hash() == request.model.hash:
                     return Path(path)
             except OSError:
                 pass
@@ -295,9 +296,11 @@ class WorkerNode:
         self.state = "loading"
         self.model, self.stage, self.assignment = None, None, None
         log.info("%s: loading blocks %s from %s", self.name, block_range(request.layers), source)
+        from ..model.devices import parse_dtype  # open_chunk takes the name
+
         self.model = self.compute.call(
             load_model, source, layers=tuple(request.layers), embedding=False, head=False,
-            device=str(parse_device(request.device)), dtype=parse_dtype(request.dtype),
+            device=device_of(request.device, "device"), dtype=parse_dtype(request.dtype),
             quantize=request.quantize or None)
         warn_if_uncompiled()
         self.assignment, self.source = request, source
@@ -305,8 +308,12 @@ class WorkerNode:
 
     def _setup_stage(self, request: Assignment) -> None:
         """The stage of the loaded blocks for ``request`` (called on the compute thread)."""
-        policy = worker_policy(self.source, request, str(parse_device(request.device)),
-                               parse_dtype(request.dtype))
+        policy = None
+        if request.early_exit is not None:  # on the torch path
+            from ..model.devices import parse_dtype
+
+            policy = worker_policy(self.source, request, device_of(request.device, "device"),
+                                   parse_dtype(request.dtype))
         self.stage = LocalStage(self.model, request.n_slots, request.context,
                                 trim_prefill=request.last, exit_policy=policy)
         self.assignment = request

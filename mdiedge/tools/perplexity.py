@@ -185,15 +185,13 @@ def open_model(text_model: Any, device: str, threads: int) -> Any:
     """The whole model of ``text_model`` on ``device`` (float32: a GGUF file's blocks kept),
     this process computing with ``threads`` threads (0: every core it may run on), as the
     engine factory sets them."""
-    import torch
-
     from ..base.accel import warn_if_uncompiled
-    from ..base.threads import available_cores, node_threads
+    from ..base.threads import available_cores, node_threads, use_threads
+    from ..base.torchcheck import require_torch
     from ..model.checkpoint import load_model
 
-    wanted = node_threads(threads, 1, available_cores())
-    if torch.get_num_threads() != wanted:
-        torch.set_num_threads(wanted)
+    require_torch("mdiedge perplexity")
+    use_threads(node_threads(threads, 1, available_cores()))
     model = load_model(text_model.path, device=device)
     warn_if_uncompiled()
     return model

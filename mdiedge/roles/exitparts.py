@@ -136,16 +136,20 @@ def has_parts(source: Path, spec: Optional[ExitSpec]) -> bool:
     return True
 
 
-def worker_policy(source: Path, request: Assignment, device: str,
-                  dtype: "torch.dtype") -> "Optional[ExitPolicy]":
+def worker_policy(source: Path, request: Assignment) -> "Optional[ExitPolicy]":
     """The policy of a worker's stage, its parts read from ``source`` (a copy of the model,
-    or the folder of a sent chunk); a CheckpointError names what is missing."""
+    or the folder of a sent chunk), on the request's device and dtype (the torch path); a
+    CheckpointError names what is missing."""
     spec = request.early_exit
     if spec is None:
         return None
     from ..model.checkpoint import load_model
+    from ..model.devices import parse_dtype
     from ..model.exitfiles import load_classifier, thresholds_from_json
     from ..model.exits import ExitPolicy
+    from .devices import device_of
+
+    device, dtype = device_of(request.device, "device"), parse_dtype(request.dtype)
 
     cfg = request.model.model_config()
     thresholds = thresholds_from_json(spec.thresholds, cfg, "early_exit")

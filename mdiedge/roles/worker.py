@@ -308,12 +308,7 @@ class WorkerNode:
 
     def _setup_stage(self, request: Assignment) -> None:
         """The stage of the loaded blocks for ``request`` (called on the compute thread)."""
-        policy = None
-        if request.early_exit is not None:  # on the torch path
-            from ..model.devices import parse_dtype
-
-            policy = worker_policy(self.source, request, device_of(request.device, "device"),
-                                   parse_dtype(request.dtype))
+        policy = worker_policy(self.source, request)
         self.stage = LocalStage(self.model, request.n_slots, request.context,
                                 trim_prefill=request.last, exit_policy=policy)
         self.assignment = request

@@ -26,7 +26,7 @@ class TorchWatch:
         if name != "torch" and not name.startswith("torch."):
             return None
         if _REPORT:
-            _write("torch", "".join(traceback.format_stack()))
+            _write("torch", "".join(traceback.format_stack()[:-1]))
         if _BLOCK:
             raise ModuleNotFoundError("No module named 'torch' (blocked by the test)",
                                       name="torch")

@@ -75,7 +75,8 @@ def test_the_hook_blocks_and_reports_torch(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("args, status", [
     (["--help"], 0), (["generate", "--help"], 0), (["chat", "--help"], 0),
-    (["serve", "--help"], 0), (["config", "--help"], 0), (["config", "init", "worker"], 0),
+    (["serve", "--help"], 0), (["worker", "--help"], 0), (["starter", "--help"], 0),
+    (["install-units", "--help"], 0), (["config", "--help"], 0), (["config", "init", "--help"], 0),
     (["status"], 2),  # no ring to ask: its one line, no torch either
 ])
 def test_commands_that_load_no_model_never_look_for_torch(tmp_path: Path, args: List[str],

@@ -72,3 +72,9 @@ def numpy_view(a: Any) -> np.ndarray:
     if is_torch(a):
         return a.detach().numpy()
     return np.asarray(a)
+
+
+def grad_enabled() -> bool:
+    """Whether torch is loaded and records gradients (never without torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.is_grad_enabled())

@@ -12,9 +12,8 @@ import math
 import shutil
 import stat
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, BinaryIO, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -24,6 +23,7 @@ from .config import ModelConfig, read_json
 from .families import config_to_hf
 from .checks import check_finite
 from .modelfile import LLAMA2C_HEADER, llama2c_config, model_file  # noqa: F401
+from .sources import Llama2cSource  # noqa: F401  (torch-free; known here too)
 # the name tables and TensorSource live in .tensors (GGUF's source needs them too); imported
 # here as well for the modules that know them from this one
 from .tensors import (BLOCK_NAMES, GLOBAL_NAMES,  # noqa: F401
@@ -244,72 +244,6 @@ class TorchBinSource(TensorSource):
 
     def _read(self, name: str) -> Tensor:
         return self.state[name]
-
-
-def _llama2c_permute(w: Tensor, n_heads: int) -> Tensor:
-    """Interleaved RoPE rows -> "rotate half" rows, as Hugging Face's converter does."""
-    rows, cols = w.shape
-    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-class Llama2cSource(TensorSource):
-    """A llama2.c "legacy" (version 0) checkpoint file, exposed under Hugging Face names."""
-
-    HEADER = LLAMA2C_HEADER
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
-        self.cfg = llama2c_config(path)
-        cfg = self.cfg
-        d, h, n, kv, v = cfg.dim, cfg.intermediate_size, cfg.n_layers, cfg.kv_dim, cfg.vocab_size
-        half_head = cfg.head_dim // 2
-        layout: List[Tuple[str, Tuple[int, ...]]] = [
-            ("embed", (v, d)), ("attn_norm", (n, d)), ("wq", (n, d, d)), ("wk", (n, kv, d)),
-            ("wv", (n, kv, d)), ("wo", (n, d, d)), ("mlp_norm", (n, d)), ("gate", (n, h, d)),
-            ("down", (n, d, h)), ("up", (n, h, d)), ("norm", (d,)),
-            ("rope_real", (cfg.max_seq_len, half_head)), ("rope_imag", (cfg.max_seq_len, half_head)),
-        ]
-        if not cfg.tie_embeddings:
-            layout.append(("lm_head", (v, d)))
-        offset = self.HEADER.size
-        self.arrays: Dict[str, Tuple[int, Tuple[int, ...]]] = {}
-        for key, shape in layout:
-            self.arrays[key] = (offset, shape)
-            offset += 4 * int(np.prod(shape))
-        size = path.stat().st_size
-        if size < offset:
-            raise CheckpointError(f"{path}: truncated llama2.c file ({size} bytes, the header "
-                                  f"implies {offset})")
-        self.map = np.memmap(path, dtype="<f4", mode="r")
-        hf = {"embed": GLOBAL_NAMES["embed.weight"], "norm": GLOBAL_NAMES["norm.weight"],
-              "lm_head": GLOBAL_NAMES["lm_head.weight"]}
-        self.index: Dict[str, Tuple[str, Optional[int]]] = {
-            name: (key, None) for key, name in hf.items() if key in self.arrays}
-        per_layer = {"attn_norm": "attn_norm.weight", "wq": "attn.wq.weight",
-                     "wk": "attn.wk.weight", "wv": "attn.wv.weight", "wo": "attn.wo.weight",
-                     "mlp_norm": "mlp_norm.weight", "gate": "mlp.gate.weight",
-                     "down": "mlp.down.weight", "up": "mlp.up.weight"}
-        for key, ours in per_layer.items():
-            for i in range(n):
-                self.index[f"model.layers.{i}.{BLOCK_NAMES[ours]}"] = (key, i)
-
-    def names(self) -> Sequence[str]:
-        return list(self.index)
-
-    def _read(self, name: str) -> Tensor:
-        key, layer = self.index[name]
-        offset, shape = self.arrays[key]
-        if layer is not None:
-            shape = shape[1:]
-            offset += 4 * layer * int(np.prod(shape))
-        start = offset // 4
-        count = int(np.prod(shape))
-        t = torch.from_numpy(np.array(self.map[start: start + count])).view(*shape)
-        if key == "wq":
-            t = _llama2c_permute(t, self.cfg.n_heads)
-        elif key == "wk":
-            t = _llama2c_permute(t, self.cfg.n_kv_heads)
-        return t
 
 
 # --------------------------------------------------------------------------- model loading

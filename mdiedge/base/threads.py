@@ -126,8 +126,28 @@ def node_threads(requested: int, nodes_here: int, cores: int,
     return max(1, cores // max(1, nodes_here))
 
 
-def compute_threads() -> int:
-    """The threads this process computes with (torch's count, which the kernels take), or
-    0 before torch is loaded."""
+_chosen = {"threads": 0}  # set by use_threads: the count where torch is not loaded
+
+
+def use_threads(threads: int) -> None:
+    """This process computes with ``threads`` threads: the compiled kernels' count, and
+    torch's where torch is loaded (a torch-free node never loads it)."""
+    _chosen["threads"] = max(1, int(threads))
     torch = sys.modules.get("torch")
-    return int(torch.get_num_threads()) if torch is not None else 0
+    if torch is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+def compute_threads() -> int:
+    """The threads this process computes with: torch's count where torch is loaded (the
+    kernels take it too), else the count ``use_threads`` set, else 0 (none chosen yet)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return int(torch.get_num_threads())
+    return _chosen["threads"]
+
+
+def kernel_threads() -> int:
+    """The threads the compiled kernels run with: ``compute_threads``, or where nothing has
+    chosen them, this process's share of the machine as a lone node (``node_threads``)."""
+    return compute_threads() or node_threads(0, 1, available_cores())

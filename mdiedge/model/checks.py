@@ -84,7 +84,7 @@ def chunk_bytes(cfg: ModelConfig, source: TensorSource, plan: "dict[str, str]",
                 itemsize: int, native: bool) -> int:
     """Bytes the chunk of ``plan`` takes: float weights at ``itemsize`` bytes each, and on the
     CPU in float32 (``native``) the tensors kept in quantized blocks at their stored size."""
-    from .qlayers import kernel_qtype
+    from .qtypes import kernel_qtype
 
     total = 0
     for ours, theirs in plan.items():

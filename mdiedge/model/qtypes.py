@@ -102,6 +102,19 @@ def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
     return np.ascontiguousarray(blocks[:, at:at + 2]).view("<f2").astype(np.float32)
 
 
+def kernel_qtype(source: Any, theirs: str) -> Optional[str]:
+    """The stored type of ``theirs`` when the source keeps blocks the kernels run (a vector,
+    such as a norm a file stores in F16, is read as float)."""
+    qtype = getattr(source, "qtype", None)
+    if qtype is None:
+        return None
+    name = str(qtype(theirs)).upper()
+    shape = getattr(source, "shape", None)
+    if shape is not None and len(shape(theirs) or ()) == 1:
+        return None
+    return name if name in TYPES and TYPES[name].native else None
+
+
 def check_blocks(data: Any, qtype: str) -> None:
     """Refuses weights whose blocks hold a scale that is not finite (NaN or infinity: a
     corrupt file), naming the first such block."""

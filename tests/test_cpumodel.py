@@ -242,3 +242,27 @@ def test_a_cpu_model_loads_and_runs_without_torch(gguf_models: Dict[str, Path]) 
                           text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "ran 3"
+
+
+def test_open_chunk_picks_the_cpu_model_and_falls_back_to_torch(
+        monkeypatch: Any, gguf_models: Dict[str, Path], caplog: Any) -> None:
+    import dataclasses
+
+    from mdiedge.model import chunks, cpuload
+    from mdiedge.model.transformer import Transformer
+
+    path = gguf_models["qwen3"]
+    assert isinstance(chunks.open_chunk(path, None, True, True), cpumodel.CpuModel)
+    assert isinstance(chunks.open_chunk(path, None, True, True, dtype_name="bfloat16"),
+                      Transformer)
+    real = cpuload.family_of
+    monkeypatch.setattr(cpuload, "family_of",
+                        lambda cfg: dataclasses.replace(real(cfg), step_head=False))
+    with caplog.at_level("WARNING", logger="mdiedge.model"):
+        chunk = chunks.open_chunk(path, (0, 2), True, True)
+    assert isinstance(chunk, Transformer) and (chunk.first, chunk.last) == (0, 2)
+    warned = [r.getMessage() for r in caplog.records if r.name == "mdiedge.model"]
+    assert len(warned) == 1 and "does not run the qwen3 head" in warned[0]
+    monkeypatch.setattr(chunks.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(CpuPathRefused, match=r"head \(install torch to run it: pip install"):
+        chunks.open_chunk(path, None, True, True)

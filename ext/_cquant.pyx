@@ -3,7 +3,8 @@
 same API. The kernels are ``ext/quant.h``: float32 arithmetic with each block's quants widened
 in registers, a scalar reference and a vector path (AVX2+FMA+F16C on x86-64, NEON on aarch64)
 chosen at import, OpenMP threads over the output columns, the GIL released. Arguments are
-checked by ``mdiedge.model.qtypes``; arrays are numpy arrays or torch CPU tensors (one line each, ``QuantError``)."""
+checked by ``mdiedge.model.qtypes`` (one line each, ``QuantError``); arrays are numpy arrays or
+torch CPU tensors."""
 from mdiedge.model.arrays import address as _address
 from mdiedge.model.qtypes import check_compiled as _check_compiled, check_matmul, check_rows
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import pytest
@@ -37,10 +37,10 @@ def step_impl(request: Any, monkeypatch: Any) -> str:
     return request.param
 
 
-def _torch_run(path: Path) -> List[np.ndarray]:
+def _torch_run(path: Path, quantize: Optional[str] = None) -> List[np.ndarray]:
     """The torch model's logits: each prompt's positions, then ``STEPS`` greedy decode
     steps of both slots at once."""
-    model = load_model(path)
+    model = load_model(path, quantize=quantize)
     model.setup_cache(2, 64)
     found, last = [], []
     with torch.no_grad():
@@ -60,9 +60,9 @@ def _torch_run(path: Path) -> List[np.ndarray]:
     return found
 
 
-def _cpu_run(path: Path) -> List[np.ndarray]:
+def _cpu_run(path: Path, quantize: Optional[str] = None) -> List[np.ndarray]:
     """``_torch_run`` through a ``CpuModel``."""
-    model = load_cpu_model(path)
+    model = load_cpu_model(path, quantize=quantize)
     model.setup_cache(2, 64)
     found, last = [], []
     for slot, prompt in enumerate(PROMPTS):
@@ -81,8 +81,8 @@ def _cpu_run(path: Path) -> List[np.ndarray]:
     return found
 
 
-def assert_same_run(path: Path, tolerance: float = 2e-4) -> None:
-    want, got = _torch_run(path), _cpu_run(path)
+def assert_same_run(path: Path, tolerance: float = 2e-4, quantize: Optional[str] = None) -> None:
+    want, got = _torch_run(path, quantize), _cpu_run(path, quantize)
     assert len(want) == len(got)
     for n, (w, g) in enumerate(zip(want, got)):
         assert w.shape == g.shape, n
@@ -122,6 +122,13 @@ def test_a_tiny_gguf_runs_as_the_torch_model(gguf_models: Dict[str, Path], name:
 
 def test_the_default_model_runs_as_the_torch_model(step_impl: str) -> None:
     assert_same_run(ROOT / "models" / "nanollama")
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_the_default_model_quantized_runs_as_the_torch_model(step_impl: str, qtype: str) -> None:
+    """``--quantize``: the blocks' float matrices quantized as ``qlayers.quantize_blocks``
+    quantizes them, so the same bytes multiply on both paths."""
+    assert_same_run(ROOT / "models" / "nanollama", quantize=qtype)
 
 
 def test_stories260k_runs_as_the_torch_model(step_impl: str) -> None:

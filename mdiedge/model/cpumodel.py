@@ -11,7 +11,7 @@ quantized table's rows de-quantized only when asked for.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -74,7 +74,6 @@ class Weights:
     blocks: List[BlockParts]
     norm: Optional[np.ndarray]
     head: Any
-    extra: Dict[str, Any] = field(default_factory=dict)
 
 
 class CpuModel:

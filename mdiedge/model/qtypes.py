@@ -115,20 +115,6 @@ def kernel_qtype(source: Any, theirs: str) -> Optional[str]:
     return name if name in TYPES and TYPES[name].native else None
 
 
-def check_blocks(data: Any, qtype: str) -> None:
-    """Refuses weights whose blocks hold a scale that is not finite (NaN or infinity: a
-    corrupt file), naming the first such block."""
-    t, raw = qtype_of(qtype), _as_numpy(data)
-    blocks = raw.reshape(-1, t.block_bytes)
-    for at in t.scales:
-        bad = np.flatnonzero(~np.isfinite(_f16(blocks, at)))
-        if bad.size:
-            per_row = raw.shape[-1] // t.block_bytes
-            row, block = divmod(int(bad[0]), per_row)
-            raise QuantError(f"{t.name} block {block} of row {row} has a scale of "
-                             f"{float(_f16(blocks[bad[:1]], at)[0, 0])} (not finite)")
-
-
 def as_blocks(data: Any) -> np.ndarray:
     """Quantized weights (numpy, or a CPU tensor) as a 2-D uint8 numpy array sharing them."""
     raw = numpy_view(data)
@@ -231,7 +217,8 @@ def quantized_activations_array(x: np.ndarray, block: int) -> np.ndarray:
             inverse = np.where(d != 0, np.float32(1) / d, zero)
         else:
             top = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[..., None], -1)
-            inverse = np.where(top != 0, (np.float32(1) / top) * np.float32(-127), zero)  # torch's order
+            # torch divides a number by a tensor as the reciprocal times the number
+            inverse = np.where(top != 0, (np.float32(1) / top) * np.float32(-127), zero)
             d = np.where(inverse != 0, np.float32(1) / inverse, zero)
     scaled = blocks * inverse
     q = np.sign(scaled) * np.floor(np.abs(scaled) + np.float32(0.5))

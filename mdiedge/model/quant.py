@@ -1,14 +1,15 @@
 """Quantized weights as GGUF files hold them (ggml's block layouts), in plain numpy and torch.
 
-The facts live torch-free in ``mdiedge.model.qtypes`` (re-exported here):: which weight types exist, their ggml type ids,
-elements and bytes per block, the offsets of each block's f16 scales and the code of the
-compiled kernel that multiplies them natively (``TYPES``: ``ext/quant.h``'s enum value, or
-None for a type de-quantized to float32 at load; the compiled modules check their own table
-against it when imported), the bytes of a row (``row_bytes``), the reference de-quantizer
-(``dequantize``, on the CPU, and ``dequantize_on_device``, both ``mdiedge.model.dequant``'s
-torch code) and quantizer (``quantize``, for Q8_0, Q4_0 and Q4_1), and the argument checks
-that both implementations of the quantized product (``ext/_cquant.pyx`` and
-``mdiedge/model/_pyquant.py``, selected in ``mdiedge.model.qlayers``) apply at their boundary.
+The facts live torch-free in ``mdiedge.model.qtypes`` and are re-exported here: which weight
+types exist, their ggml type ids, elements and bytes per block, the offsets of each block's f16
+scales and the code of the compiled kernel that multiplies them natively (``TYPES``:
+``ext/quant.h``'s enum value, or None for a type de-quantized to float32 at load; the compiled
+modules check their own table against it when imported), the bytes of a row (``row_bytes``),
+the numpy reference de-quantizer and quantizer (``dequantize_array``, ``quantize_array``) and
+the argument checks that both implementations of the quantized product (``ext/_cquant.pyx``
+and ``mdiedge/model/_pyquant.py``) apply at their boundary. This module adds their torch
+forms: ``dequantize`` (a CPU tensor) and ``dequantize_on_device`` (``mdiedge.model.dequant``'s
+torch code, for CUDA), ``quantize`` and ``quantized_activations`` on tensors.
 
 A weight of ``out`` rows and ``in`` columns is a uint8 array (out, row_bytes): each row is
 ``in / block`` blocks laid out as ggml's ``block_<type>`` structs (ggml-common.h):

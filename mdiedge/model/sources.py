@@ -1,6 +1,7 @@
 """Tensor sources that need no torch, reading numpy arrays (``get_array``; ``get`` wraps
-them as tensors for the torch path): Hugging Face safetensors (``SafetensorsArrays``, the default model) and
-the llama2.c format (``Llama2cSource``). GGUF's (``mdiedge.model.gguf.GGUFSource``) is torch-free too."""
+them as tensors for the torch path): Hugging Face safetensors (``SafetensorsArrays``, the
+default model) and the llama2.c format (``Llama2cSource``). GGUF's
+(``mdiedge.model.gguf.GGUFSource``) is torch-free too."""
 from __future__ import annotations
 
 import json
@@ -199,7 +200,8 @@ class Llama2cSource(TensorSource):
             ("embed", (v, d)), ("attn_norm", (n, d)), ("wq", (n, d, d)), ("wk", (n, kv, d)),
             ("wv", (n, kv, d)), ("wo", (n, d, d)), ("mlp_norm", (n, d)), ("gate", (n, h, d)),
             ("down", (n, d, h)), ("up", (n, h, d)), ("norm", (d,)),
-            ("rope_real", (cfg.max_seq_len, half_head)), ("rope_imag", (cfg.max_seq_len, half_head)),
+            ("rope_real", (cfg.max_seq_len, half_head)),
+            ("rope_imag", (cfg.max_seq_len, half_head)),
         ]
         if not cfg.tie_embeddings:
             layout.append(("lm_head", (v, d)))

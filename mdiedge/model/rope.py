@@ -1,7 +1,8 @@
-"""RoPE tables in numpy for the torch-free CPU path: ``mdiedge.model.layers.rope_inv_freq``
-and ``rope_tables``' operations in float32 in the same order (Llama 3 scaling included; the
-sliding layers' own base), so the values equal the torch model's within a rounding of the
-last cos/sin (tests compare them)."""
+"""RoPE tables (Su et al. 2021; Llama 3's frequency scaling; the sliding layers' own base), in
+numpy: the one source of them for both paths (``mdiedge.model.layers`` hands them to the torch
+model as tensors), so both rotate by the same values; a cos/sin rounded differently in the
+last bit changes Gemma 3's logits by percents. Computed in float32 as torch computed them
+before (the powers rounded from float64, as torch's scalar ** tensor rounds them)."""
 from __future__ import annotations
 
 import math

@@ -146,6 +146,21 @@ def test_smollm2_q4_1_runs_as_the_torch_model(step_impl: str) -> None:
     assert_same_run(path, tolerance=1e-3)
 
 
+@pytest.mark.realfiles
+@pytest.mark.parametrize("name", ["gemma3-270m", "qwen2.5-coder-1.5b"])
+def test_a_real_file_runs_as_the_torch_model(name: str) -> None:
+    """The real files (tests/realfiles.py) in the compiled step: Gemma 3's logits move by
+    percents with a last-bit change of a RoPE value, so both paths read one table."""
+    from realfiles import REAL_FILES
+
+    if name not in REAL_FILES:
+        pytest.skip(f"no real file {name!r}")
+    path = REAL_FILES[name].path()
+    if path is None or cpumodel._step is _pystep:
+        pytest.skip(f"{name} not found, or the compiled step not built")
+    assert_same_run(path, tolerance=1e-3)
+
+
 def test_an_experts_load_counts_the_routed_rows(gguf_models: Dict[str, Path]) -> None:
     model = load_cpu_model(gguf_models["qwen3_moe"])
     model.setup_cache(1, 16)

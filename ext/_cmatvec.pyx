@@ -3,6 +3,7 @@
 (see ``mdiedge/model/_matvecspec.py``). The kernel is ``ext/matvec.h``: the weight read once
 per three rows, vector accumulators, OpenMP threads over the output columns, the GIL
 released; a row's result does not depend on the rows beside it or the thread count."""
+from mdiedge.model.arrays import address as _address
 from mdiedge.model._matvecspec import MAX_ROWS, check, usable  # noqa: F401  (this module's API)
 
 TRANSPOSED_HEAD = False  # the kernel reads the head row-major, as every other weight
@@ -17,7 +18,7 @@ mv_init()
 
 def rows(x, weight, out, int threads):
     check(x, weight, out, threads)
-    cdef size_t w_ptr = weight.data_ptr(), x_ptr = x.data_ptr(), y_ptr = out.data_ptr()
+    cdef size_t w_ptr = _address(weight), x_ptr = _address(x), y_ptr = _address(out)
     cdef Py_ssize_t n = weight.shape[0], k = weight.shape[1]
     cdef int count = x.shape[0]
     with nogil:

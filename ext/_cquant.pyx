@@ -3,8 +3,10 @@
 same API. The kernels are ``ext/quant.h``: float32 arithmetic with each block's quants widened
 in registers, a scalar reference and a vector path (AVX2+FMA+F16C on x86-64, NEON on aarch64)
 chosen at import, OpenMP threads over the output columns, the GIL released. Arguments are
-checked by ``mdiedge.model.quant`` (one line each, ``QuantError``)."""
-from mdiedge.model.quant import check_compiled as _check_compiled, check_matmul, check_rows
+checked by ``mdiedge.model.qtypes`` (one line each, ``QuantError``); arrays are numpy arrays or
+torch CPU tensors."""
+from mdiedge.model.arrays import address as _address
+from mdiedge.model.qtypes import check_compiled as _check_compiled, check_matmul, check_rows
 
 cdef extern from "quant.h" nogil:
     int QM_TYPES
@@ -53,7 +55,7 @@ def matmul(x, w, qtype, out, int threads=1, int dot=0):
     integer dot products; ``mdiedge.model.cpudot``); returns out."""
     t = check_matmul(x, w, qtype, out, threads)
     cdef int code = t.kernel, rows = x.shape[0], status
-    cdef size_t w_ptr = w.data_ptr(), x_ptr = x.data_ptr(), y_ptr = out.data_ptr()
+    cdef size_t w_ptr = _address(w), x_ptr = _address(x), y_ptr = _address(out)
     cdef Py_ssize_t n = w.shape[0], k = x.shape[1]
     with nogil:
         status = qm_rows(code, <const unsigned char *>w_ptr, <const float *>x_ptr,
@@ -68,7 +70,7 @@ def dequantize_rows(w, qtype, first, count, out, int threads=1):
     out."""
     t = check_rows(w, qtype, first, count, out, threads)
     cdef int code = t.kernel
-    cdef size_t w_ptr = w.data_ptr() + first * w.shape[1], y_ptr = out.data_ptr()
+    cdef size_t w_ptr = _address(w) + first * w.shape[1], y_ptr = _address(out)
     cdef Py_ssize_t k = out.shape[1], c = count
     with nogil:
         qm_dequant(code, <const unsigned char *>w_ptr, k, c, <float *>y_ptr, threads)

@@ -6,10 +6,12 @@ rows in one call with the GIL released, its products ``ext/matvec.h``'s (float32
 parts of ``BlockWeights`` (bias, Q/K norms, sandwich norms, GeGLU, scale, window, a
 mixture of experts: ``ext/step_moe.h``); a
 ``Plan`` holds consecutive blocks' pointers, made once, so ``blocks`` runs them all in one
-call; ``logits`` is the final norm and the head product in one call."""
+call; ``logits`` is the final norm and the head product in one call. Arrays are numpy
+arrays or torch CPU tensors (their addresses: ``mdiedge.model.arrays.address``)."""
 from libc.stdlib cimport free, malloc
 
-from mdiedge.model.quant import check_compiled as _check_compiled
+from mdiedge.model.arrays import address as _address
+from mdiedge.model.qtypes import check_compiled as _check_compiled
 from mdiedge.model._stepspec import (ACTIVATIONS, MAX_PARTS, MAX_ROWS,  # noqa: F401
                                      BlockWeights, Experts, Limits, QuantMatrix,
                                      StackedMatrix, check, check_call, check_logits,
@@ -71,7 +73,7 @@ assert (ST_SILU, ST_GELU_TANH) == tuple(map(ACTIVATIONS.index, ("silu", "gelu_ta
     "ext/step.h's activations are not _stepspec's ACTIVATIONS"
 
 cdef const float *_ptr(t) except? NULL:
-    return <const float *><size_t>t.data_ptr()
+    return <const float *><size_t>_address(t)
 
 
 cdef const float *_optional(t) except? NULL:
@@ -85,7 +87,7 @@ cdef int _type(m) except? -2:
 
 
 cdef const void *_matrix(m) except? NULL:
-    return <const void *><size_t>(m.data if isinstance(m, QuantMatrix) else m).data_ptr()
+    return <const void *><size_t>_address(m.data if isinstance(m, QuantMatrix) else m)
 
 
 cdef void _fill_matrix(st_matrix *m, matrix) except *:
@@ -118,7 +120,7 @@ cdef void _fill_experts(st_block *b, experts, st_matrix *room) except *:
     b.expert_gate_up = room
     b.expert_down = room + n
     if experts.counts is not None:
-        b.expert_counts = <long long *><size_t>experts.counts.data_ptr()
+        b.expert_counts = <long long *><size_t>_address(experts.counts)
 
 
 cdef void _fill(st_block *b, weights, st_matrix *room) except *:

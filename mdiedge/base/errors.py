@@ -58,6 +58,11 @@ class QuantError(CheckpointError, ValueError):
     of blocks, rows of the wrong byte length, a block whose scale is not a finite number."""
 
 
+class CpuPathRefused(MdiedgeError):
+    """A model (or a part of it, or an option asked for) that the torch-free CPU path's
+    compiled step cannot run; the message is the reason in one line."""
+
+
 class TokenizerError(MdiedgeError):
     """A tokenizer file is missing or unusable."""
 

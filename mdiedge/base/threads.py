@@ -152,3 +152,9 @@ def compute_threads() -> int:
         return _chosen[0]
     torch = sys.modules.get("torch")
     return int(torch.get_num_threads()) if torch is not None else 0
+
+
+def kernel_threads() -> int:
+    """The threads the compiled kernels run with: ``compute_threads``, or where nothing has
+    chosen them, this process's share of the machine as a lone node (``node_threads``)."""
+    return compute_threads() or node_threads(0, 1, available_cores())

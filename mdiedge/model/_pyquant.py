@@ -1,15 +1,15 @@
-"""Products with quantized weights, pure numpy and torch: the twin of ``ext/_cquant.pyx`` with
-the same API. The weight is de-quantized by the reference (``mdiedge.model.quant``) a tile of
-rows at a time and multiplied in float32 by torch; ``threads`` is torch's own thread count
-here. Arguments are checked as the compiled module checks them."""
+"""Products with quantized weights, pure numpy: the twin of ``ext/_cquant.pyx`` with the same
+API. The weight is de-quantized by the reference (``mdiedge.model.qtypes``) a tile of rows at
+a time and multiplied in float32 by numpy; ``threads`` is numpy's BLAS's own count here.
+Arguments are numpy arrays or torch CPU tensors (written in place through ``.numpy()``),
+checked as the compiled module checks them."""
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from .quant import (KERNEL_TYPES, TYPES, check_matmul, check_rows, dequantize,  # noqa: F401
-                    quantized_activations)
+from .arrays import numpy_view
+from .qtypes import (KERNEL_TYPES, TYPES, check_matmul, check_rows,  # noqa: F401
+                     dequantize_array, quantized_activations_array)
 
 TILE_BYTES = 1 << 20  # quantized bytes de-quantized per step of ``matmul``
 # the types multiplied natively, in kernel-code order: (name, weights per block, bytes per block)
@@ -18,8 +18,8 @@ COMPILED_TYPES = tuple((t.name, t.block, t.block_bytes)
 
 
 def simd_path() -> str:
-    """The kernels in use: "torch" (this module has no vector kernels of its own)."""
-    return "torch"
+    """The kernels in use: "numpy" (this module has no vector kernels of its own)."""
+    return "numpy"
 
 
 def q8_types() -> tuple:
@@ -35,14 +35,15 @@ def set_simd(on: bool) -> str:
 def matmul(x: Any, w: Any, qtype: str, out: Any, threads: int = 1, dot: int = 0) -> Any:
     """out = x @ W^T with W the de-quantized ``w`` (uint8 (n, row_bytes)) of type ``qtype``;
     x float32 (rows, in), out float32 (rows, n); dot 1: the q8 mode, x first rounded as the
-    integer kernels quantize it (``quantized_activations``); returns out."""
+    integer kernels quantize it (``quantized_activations_array``); returns out."""
     t = check_matmul(x, w, qtype, out, threads)
+    rows, weights, into = numpy_view(x), numpy_view(w), numpy_view(out)
     if dot and t.act_block:
-        x = quantized_activations(x, t.act_block)
-    step = max(1, TILE_BYTES // w.shape[1])
-    for first in range(0, w.shape[0], step):
-        tile = dequantize(w[first:first + step], t.name, x.shape[1])
-        out[:, first:first + tile.shape[0]] = x @ tile.t()
+        rows = quantized_activations_array(rows, t.act_block)
+    step = max(1, TILE_BYTES // weights.shape[1])
+    for first in range(0, weights.shape[0], step):
+        tile = dequantize_array(weights[first:first + step], t.name, rows.shape[1])
+        into[:, first:first + tile.shape[0]] = rows @ tile.T
     return out
 
 
@@ -52,5 +53,5 @@ def dequantize_rows(w: Any, qtype: str, first: int, count: int, out: Any,
     out."""
     t = check_rows(w, qtype, first, count, out, threads)
     k = w.shape[1] // TYPES[t.name].block_bytes * t.block
-    out.copy_(dequantize(w[first:first + count], t.name, k))
+    numpy_view(out)[...] = dequantize_array(numpy_view(w)[first:first + count], t.name, k)
     return out

@@ -7,7 +7,8 @@ cache; ``blocks(plan(weights), x, out, …)``
 runs consecutive blocks in one call, ``plan`` made once for them; ``logits(norm, eps, head,
 x, out, threads)`` writes the final RMSNorm and the head product of ``x`` (rows, dim) to
 ``out`` (rows, vocab) in one call (``logits_usable``, ``check_logits``). Everything is
-C-contiguous float32 on the CPU, 1 <= rows <= ``MAX_ROWS``, except that each of a block's
+C-contiguous float32 on the CPU (numpy arrays or torch tensors), 1 <= rows <=
+``MAX_ROWS``, except that each of a block's
 four matrices (qkv, wo, gate_up, down) and the head may instead be a ``QuantMatrix``: uint8
 blocks of a kernel type (``mdiedge.model.quant``), multiplied by the quantized product
 (``ext/quant.h``; its twin ``mdiedge/model/_pyquant.py``); a block's matrix may also be a
@@ -22,11 +23,11 @@ import math
 import operator
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-import torch
-
 from ..base.errors import QuantError
 from ._matvecspec import MAX_ROWS
-from .quant import KERNEL_TYPES, TYPES, qtype_of
+from .arrays import contiguous_cpu, device_of, grad_enabled, ndim
+from .arrays import plain as _plain
+from .qtypes import KERNEL_TYPES, TYPES, qtype_of
 
 
 _TENSORS = ("attn_norm", "qkv", "wo", "mlp_norm", "gate_up", "down", "k", "v", "cos", "sin")
@@ -39,8 +40,8 @@ QUANT_CODES = {name: TYPES[name].kernel for name in KERNEL_TYPES}  # ext/quant.h
 
 
 def plain(t: Any) -> bool:
-    """A contiguous float32 CPU tensor, as the step reads every tensor."""
-    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+    """A contiguous float32 CPU tensor or numpy array, as the step reads every tensor."""
+    return _plain(t)
 
 
 class QuantMatrix:
@@ -58,8 +59,7 @@ class QuantMatrix:
         if t.name not in QUANT_CODES:
             raise ValueError(f"no quantized kernel for {t.name}: the step runs "
                              f"{', '.join(QUANT_CODES)}")
-        if not (isinstance(data, torch.Tensor) and data.dtype == torch.uint8 and data.dim() == 2
-                and data.device.type == "cpu" and data.is_contiguous()
+        if not (contiguous_cpu(data, "uint8") and ndim(data) == 2
                 and data.shape[1] % t.block_bytes == 0 and data.shape[1] > 0):
             raise ValueError(f"{t.name} matrix {tuple(getattr(data, 'shape', ()))} "
                              f"{getattr(data, 'dtype', type(data).__name__)} is not contiguous "
@@ -115,7 +115,7 @@ def _matrix_of(name: str, t: Any, shape: Tuple[int, ...]) -> None:
     """``ValueError`` quoting ``name`` unless t is a plain float32 tensor, a
     ``QuantMatrix`` or a ``StackedMatrix`` of ``shape``."""
     if not (isinstance(t, (QuantMatrix, StackedMatrix))
-            or isinstance(t, torch.Tensor) and plain(t)):
+            or plain(t)):
         raise ValueError(f"{name} is not a contiguous float32 CPU tensor or a "
                          "Quant/StackedMatrix")
     if tuple(t.shape) != shape:
@@ -148,9 +148,7 @@ class Experts:
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 < top_k <= n_experts:
             raise ValueError(f"top_k {top_k!r} is not in 1..{n_experts}")
         if counts is not None and not (
-                isinstance(counts, torch.Tensor) and counts.dtype == torch.int64
-                and counts.device.type == "cpu" and counts.is_contiguous()
-                and tuple(counts.shape) == (n_experts,)):
+                contiguous_cpu(counts, "int64") and tuple(counts.shape) == (n_experts,)):
             raise ValueError(f"expert counts {tuple(getattr(counts, 'shape', ()))} are not "
                              f"contiguous int64 CPU ({n_experts},)")
         for name, value in (("router", router), ("gate_up", gate_up), ("down", down),
@@ -166,7 +164,7 @@ class Experts:
         return (self.router,) + self.gate_up + self.down
 
     def wants_grad(self) -> bool:
-        return any(m.requires_grad for m in self.matrices())
+        return any(getattr(m, "requires_grad", False) for m in self.matrices())
 
 
 def _acceptable(name: str, t: Any) -> bool:
@@ -174,7 +172,7 @@ def _acceptable(name: str, t: Any) -> bool:
     ``StackedMatrix``."""
     if isinstance(t, (QuantMatrix, StackedMatrix)):
         return name in _MATRICES
-    return isinstance(t, torch.Tensor) and plain(t)
+    return plain(t)
 
 
 class BlockWeights:
@@ -222,7 +220,7 @@ class BlockWeights:
         for name, shape in shapes.items():
             if given[name] is not None and tuple(given[name].shape) != shape:
                 raise ValueError(f"{name} {tuple(given[name].shape)} is not {shape}")
-        if n_heads % n_kv or cos.dim() != 2 or cos.shape[1] != head_dim or head_dim % 2:
+        if n_heads % n_kv or ndim(cos) != 2 or cos.shape[1] != head_dim or head_dim % 2:
             raise ValueError(f"{n_heads} heads over {n_kv} KV heads of {head_dim} with "
                              f"RoPE tables {tuple(cos.shape)} do not fit")
         optional = _checked_optional(
@@ -247,7 +245,7 @@ class BlockWeights:
         return BlockWeights(**{n: changes.get(n, getattr(self, n)) for n in names})
 
     def wants_grad(self) -> bool:
-        return any(getattr(self, n) is not None and getattr(self, n).requires_grad
+        return any(getattr(getattr(self, n), "requires_grad", False)
                    for n in _TENSORS + _OPTIONAL) or (self.experts is not None
                                                       and self.experts.wants_grad())
 
@@ -281,7 +279,7 @@ def _checked_optional(given: Dict[str, Any], shapes: Dict[str, Tuple[int, ...]]
     for name, t in given.items():
         if t is None:
             continue
-        if not (isinstance(t, torch.Tensor) and plain(t)):
+        if not plain(t):
             raise ValueError(f"{name} is not a contiguous float32 CPU tensor")
         if tuple(t.shape) != shapes[name]:
             raise ValueError(f"{name} {tuple(t.shape)} is not {shapes[name]}")
@@ -331,11 +329,11 @@ def usable(weights: BlockWeights, x: Any) -> bool:
     """A 2-D float32 CPU ``x`` of 1..``MAX_ROWS`` rows of the block's width, and no gradient
     wanted."""
     return _rows_fit(x, weights.dim) and not (
-        torch.is_grad_enabled() and (x.requires_grad or weights.wants_grad()))
+        grad_enabled() and (getattr(x, "requires_grad", False) or weights.wants_grad()))
 
 
 def _rows_fit(x: Any, dim: int) -> bool:
-    return x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == dim and plain(x)
+    return ndim(x) == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == dim and plain(x)
 
 
 def check(weights: BlockWeights, x: Any, out: Any, slots: Sequence[int],
@@ -348,9 +346,9 @@ def check(weights: BlockWeights, x: Any, out: Any, slots: Sequence[int],
 def check_call(limits: Any, wants_grad: bool, x: Any, out: Any, slots: Sequence[int],
                positions: Sequence[int], threads: int) -> None:
     """The call's own arguments against ``limits`` (a ``BlockWeights`` or ``Limits``)."""
-    if not _rows_fit(x, limits.dim) or (torch.is_grad_enabled()
-                                        and (x.requires_grad or wants_grad)):
-        raise ValueError(f"decode step of x {tuple(x.shape)} {x.dtype} on {x.device}: needs "
+    if not _rows_fit(x, limits.dim) or (grad_enabled() and (
+            getattr(x, "requires_grad", False) or wants_grad)):
+        raise ValueError(f"decode step of x {tuple(x.shape)} {x.dtype} on {device_of(x)}: needs "
                          f"1..{MAX_ROWS} contiguous float32 CPU rows of {limits.dim} and "
                          "no gradient")
     rows = x.shape[0]
@@ -371,12 +369,11 @@ def logits_usable(norm: Any, head: Any, x: Any) -> bool:
     """The final norm ``norm`` (dim,) and head ``head`` (vocab, dim), contiguous float32 on
     the CPU (the head may be a ``QuantMatrix``), for 1..``MAX_ROWS`` rows ``x`` of dim, and
     no gradient wanted."""
-    head_fits = isinstance(head, QuantMatrix) or (isinstance(head, torch.Tensor) and plain(head)
-                                                  and head.dim() == 2)
-    return (isinstance(norm, torch.Tensor) and head_fits and norm.dim() == 1
-            and head.shape[1] == norm.shape[0] and plain(norm) and _rows_fit(x, norm.shape[0])
-            and not (torch.is_grad_enabled()
-                     and (x.requires_grad or norm.requires_grad or head.requires_grad)))
+    head_fits = isinstance(head, QuantMatrix) or (plain(head) and ndim(head) == 2)
+    return (head_fits and plain(norm) and ndim(norm) == 1 and head.shape[1] == norm.shape[0]
+            and _rows_fit(x, norm.shape[0])
+            and not (grad_enabled() and any(getattr(t, "requires_grad", False)
+                                            for t in (x, norm, head))))
 
 
 def check_logits(norm: Any, head: Any, x: Any, out: Any, threads: int) -> None:

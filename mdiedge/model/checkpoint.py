@@ -8,22 +8,21 @@ load or memory map) and builds its chunk of the model without materialising the 
 from __future__ import annotations
 
 import json
-import math
 import shutil
-import stat
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, BinaryIO, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from ..base.dtypes import BY_SAFETENSORS
 from ..base.errors import CheckpointError, ConfigError
-from .config import ModelConfig, read_json
+from .config import ModelConfig
 from .families import config_to_hf
 from .checks import check_finite
 from .modelfile import LLAMA2C_HEADER, llama2c_config, model_file  # noqa: F401
+from .sources import (QTYPE_KEY, Llama2cSource, SafetensorsArrays,  # noqa: F401 (torch-free)
+                      regular_file_size)
 # the name tables and TensorSource live in .tensors (GGUF's source needs them too); imported
 # here as well for the modules that know them from this one
 from .tensors import (BLOCK_NAMES, GLOBAL_NAMES,  # noqa: F401
@@ -35,63 +34,17 @@ PathLike = Union[str, Path]
 
 _SAFETENSORS_DTYPES: Dict[str, torch.dtype] = {tag: getattr(torch, d.name)
                                                for tag, d in BY_SAFETENSORS.items()}
-_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 READ_CHUNK_BYTES = 4 << 20  # the temporary of a tensor read that converts dtype or layout
 
 
-def regular_file_size(file: Path) -> int:
-    """The size of ``file``, a regular file (a FIFO or a device would block a read)."""
-    try:
-        info = file.stat()
-    except OSError:
-        raise CheckpointError(f"{file}: file not found") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise CheckpointError(f"{file}: not a regular file")
-    return info.st_size
-
-
-class SafetensorsSource(TensorSource):
+class SafetensorsSource(SafetensorsArrays):
     """``model.safetensors`` or a sharded ``model.safetensors.index.json``, read with our own
-    parse of each file's header and ``readinto`` (no memory map)."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
-        self._headers: Dict[Path, Dict[str, Any]] = {}
-        self._data_start: Dict[Path, int] = {}
-        self._files: Dict[Path, BinaryIO] = {}
-        index = path / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{index}: missing 'weight_map'")
-            self.file_of = {k: path / v for k, v in weight_map.items()}
-        else:
-            single = path / "model.safetensors"
-            self.file_of = {k: single for k in self._header(single) if k != "__metadata__"}
-
-    def names(self) -> Sequence[str]:
-        return list(self.file_of)
-
-    def qtype(self, name: str) -> str:
-        """The block type a pushed chunk keeps tensor ``name`` in (``QTYPE_KEY`` metadata,
-        see ``chunk_safetensors``), else "F32"."""
-        if name not in self.file_of:  # missing: the float read names it
-            return "F32"
-        meta = self._header(self.file_of[name]).get("__metadata__")
-        found = meta.get(QTYPE_KEY + name) if isinstance(meta, dict) else None
-        return str(found) if isinstance(found, str) else "F32"
+    parse of each file's header (``sources.SafetensorsArrays``) and ``readinto`` straight into
+    tensors (no memory map)."""
 
     def raw(self, name: str) -> Tensor:
         """A quantized tensor's blocks, uint8 (rows, bytes per row)."""
         return self.get(name)
-
-    def shape(self, name: str) -> Optional[Tuple[int, ...]]:
-        if name not in self.file_of or self.qtype(name) != "F32":
-            return None
-        return self._entry(name)[2]
-
-    def stored_bytes(self, name: str) -> Optional[int]:
-        return self._entry(name)[4] if name in self.file_of else None
 
     def _dequantized(self, name: str) -> Optional[Tensor]:
         """Tensor ``name`` in float32 when the chunk keeps it quantized, else None."""
@@ -108,21 +61,8 @@ class SafetensorsSource(TensorSource):
 
     def _entry(self, name: str) -> Tuple[Path, torch.dtype, Tuple[int, ...], int, int]:
         """File, dtype, shape, start and size in bytes of tensor ``name``, all checked."""
-        file = self.file_of[name]
-        entry = self._header(file).get(name)
-        if not isinstance(entry, dict):
-            raise CheckpointError(f"{file}: header has no entry for tensor {name!r}")
-        dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype"))  # type: ignore[arg-type]
-        shape, offsets = entry.get("shape"), entry.get("data_offsets")
-        if dtype is None or not isinstance(shape, list) or not isinstance(offsets, list) \
-                or len(offsets) != 2 or not all(isinstance(n, int) and n >= 0
-                                                for n in shape + offsets):
-            raise CheckpointError(f"{file}: bad header entry for tensor {name!r}: {entry!r}")
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if offsets[1] - offsets[0] != nbytes:
-            raise CheckpointError(f"{file}: tensor {name!r} spans {offsets[1] - offsets[0]} "
-                                  f"bytes, expected {nbytes}")
-        return file, dtype, tuple(shape), self._data_start[file] + offsets[0], nbytes
+        file, tag, shape, start, nbytes = self._array_entry(name)
+        return file, _SAFETENSORS_DTYPES[tag], shape, start, nbytes
 
     def _read(self, name: str) -> Tensor:
         entry = self._entry(name)
@@ -180,43 +120,6 @@ class SafetensorsSource(TensorSource):
             raise CheckpointError(f"{file}: cannot read tensor {name!r} (file truncated: "
                                   f"{done + got} of {total} bytes)")
 
-    def _header(self, file: Path) -> Dict[str, Any]:
-        """The JSON header of a safetensors file (8-byte little-endian length, then JSON),
-        checked against the file's size so that a truncated file fails before any read."""
-        if file not in self._headers:
-            size = regular_file_size(file)
-            with open(file, "rb") as fh:
-                prefix = fh.read(8)
-                length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-                if not 0 < length <= min(size - 8, _MAX_HEADER_BYTES):
-                    raise CheckpointError(f"{file}: not a readable safetensors file (header "
-                                          f"length {length}, file size {size})")
-                try:
-                    header = json.loads(fh.read(length))
-                except ValueError as e:
-                    raise CheckpointError(f"{file}: not a readable safetensors file "
-                                          f"({e})") from None
-                except RecursionError:
-                    raise CheckpointError(f"{file}: not a readable safetensors file (its "
-                                          f"header is nested too deeply)") from None
-            if not isinstance(header, dict):
-                raise CheckpointError(f"{file}: not a readable safetensors file (header is "
-                                      f"not an object)")
-            data_end = max((e["data_offsets"][1] for e in header.values() if isinstance(e, dict)
-                            and isinstance(e.get("data_offsets"), list)
-                            and len(e["data_offsets"]) == 2
-                            and isinstance(e["data_offsets"][1], int)), default=0)
-            if 8 + length + data_end > size:
-                raise CheckpointError(f"{file}: not a readable safetensors file (truncated: "
-                                      f"its tensors end at byte {8 + length + data_end}, the "
-                                      f"file has {size})")
-            self._headers[file], self._data_start[file] = header, 8 + length
-        return self._headers[file]
-
-    def close(self) -> None:
-        for fh in self._files.values():
-            fh.close()
-        self._files.clear()
 
 
 class TorchBinSource(TensorSource):
@@ -244,72 +147,6 @@ class TorchBinSource(TensorSource):
 
     def _read(self, name: str) -> Tensor:
         return self.state[name]
-
-
-def _llama2c_permute(w: Tensor, n_heads: int) -> Tensor:
-    """Interleaved RoPE rows -> "rotate half" rows, as Hugging Face's converter does."""
-    rows, cols = w.shape
-    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-class Llama2cSource(TensorSource):
-    """A llama2.c "legacy" (version 0) checkpoint file, exposed under Hugging Face names."""
-
-    HEADER = LLAMA2C_HEADER
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
-        self.cfg = llama2c_config(path)
-        cfg = self.cfg
-        d, h, n, kv, v = cfg.dim, cfg.intermediate_size, cfg.n_layers, cfg.kv_dim, cfg.vocab_size
-        half_head = cfg.head_dim // 2
-        layout: List[Tuple[str, Tuple[int, ...]]] = [
-            ("embed", (v, d)), ("attn_norm", (n, d)), ("wq", (n, d, d)), ("wk", (n, kv, d)),
-            ("wv", (n, kv, d)), ("wo", (n, d, d)), ("mlp_norm", (n, d)), ("gate", (n, h, d)),
-            ("down", (n, d, h)), ("up", (n, h, d)), ("norm", (d,)),
-            ("rope_real", (cfg.max_seq_len, half_head)), ("rope_imag", (cfg.max_seq_len, half_head)),
-        ]
-        if not cfg.tie_embeddings:
-            layout.append(("lm_head", (v, d)))
-        offset = self.HEADER.size
-        self.arrays: Dict[str, Tuple[int, Tuple[int, ...]]] = {}
-        for key, shape in layout:
-            self.arrays[key] = (offset, shape)
-            offset += 4 * int(np.prod(shape))
-        size = path.stat().st_size
-        if size < offset:
-            raise CheckpointError(f"{path}: truncated llama2.c file ({size} bytes, the header "
-                                  f"implies {offset})")
-        self.map = np.memmap(path, dtype="<f4", mode="r")
-        hf = {"embed": GLOBAL_NAMES["embed.weight"], "norm": GLOBAL_NAMES["norm.weight"],
-              "lm_head": GLOBAL_NAMES["lm_head.weight"]}
-        self.index: Dict[str, Tuple[str, Optional[int]]] = {
-            name: (key, None) for key, name in hf.items() if key in self.arrays}
-        per_layer = {"attn_norm": "attn_norm.weight", "wq": "attn.wq.weight",
-                     "wk": "attn.wk.weight", "wv": "attn.wv.weight", "wo": "attn.wo.weight",
-                     "mlp_norm": "mlp_norm.weight", "gate": "mlp.gate.weight",
-                     "down": "mlp.down.weight", "up": "mlp.up.weight"}
-        for key, ours in per_layer.items():
-            for i in range(n):
-                self.index[f"model.layers.{i}.{BLOCK_NAMES[ours]}"] = (key, i)
-
-    def names(self) -> Sequence[str]:
-        return list(self.index)
-
-    def _read(self, name: str) -> Tensor:
-        key, layer = self.index[name]
-        offset, shape = self.arrays[key]
-        if layer is not None:
-            shape = shape[1:]
-            offset += 4 * layer * int(np.prod(shape))
-        start = offset // 4
-        count = int(np.prod(shape))
-        t = torch.from_numpy(np.array(self.map[start: start + count])).view(*shape)
-        if key == "wq":
-            t = _llama2c_permute(t, self.cfg.n_heads)
-        elif key == "wk":
-            t = _llama2c_permute(t, self.cfg.n_kv_heads)
-        return t
 
 
 # --------------------------------------------------------------------------- model loading
@@ -356,7 +193,6 @@ def chunk_safetensors(model: PathLike, layers: Tuple[int, int], head: bool = Fal
     return save(tensors, metadata=metadata)
 
 
-QTYPE_KEY = "mdiedge.qtype."  # + a tensor's name: the block type a chunk keeps it in
 
 
 def _chunk_tensor(source: TensorSource, name: str, metadata: Dict[str, str]) -> Tensor:

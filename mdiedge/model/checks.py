@@ -10,11 +10,11 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Optional, Set, Tuple
 
-import torch
-from torch import Tensor
+import numpy as np
 
 from ..base.errors import CheckpointError, ConfigError, TokenizerError
 from ..base.memory import available_bytes
+from .arrays import is_torch
 from .config import ModelConfig
 from .tensors import TensorSource, expected_shape, tensor_plan
 
@@ -84,7 +84,7 @@ def chunk_bytes(cfg: ModelConfig, source: TensorSource, plan: "dict[str, str]",
                 itemsize: int, native: bool) -> int:
     """Bytes the chunk of ``plan`` takes: float weights at ``itemsize`` bytes each, and on the
     CPU in float32 (``native``) the tensors kept in quantized blocks at their stored size."""
-    from .qlayers import kernel_qtype
+    from .qtypes import kernel_qtype
 
     total = 0
     for ours, theirs in plan.items():
@@ -111,20 +111,27 @@ def check_memory(need: int, device: str, what: str,
 def free_bytes(device: str) -> "Tuple[Optional[int], str]":
     """The free memory of ``device`` (a CUDA device's, else this machine's, within a
     cgroup's limit; None when unknown) and where that is, in words."""
-    if torch.device(device).type == "cuda" and torch.cuda.is_available():
-        return int(torch.cuda.mem_get_info(torch.device(device))[0]), device
+    if str(device).startswith("cuda"):  # torch is loaded wherever CUDA is asked for
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.mem_get_info(torch.device(device))[0]), device
     return available_bytes(), "this node"
 
 
-def check_finite(t: Tensor, name: str, where: Path) -> None:
-    """Every value of ``t`` a finite number (checked in chunks: a small temporary)."""
-    if not t.is_floating_point() or t.numel() == 0:
+def check_finite(t: Any, name: str, where: Path) -> None:
+    """Every value of ``t`` (a tensor or a numpy array) a finite number (checked in chunks:
+    a small temporary)."""
+    torch = is_torch(t)
+    floating = t.is_floating_point() if torch else np.issubdtype(t.dtype, np.floating)
+    if not floating or not len(t.reshape(-1)):
         return
-    flat = t.detach().reshape(-1)
-    for start in range(0, flat.numel(), FINITE_CHUNK):
+    flat = t.detach().reshape(-1) if torch else t.reshape(-1)
+    finite = (lambda part: part.isfinite()) if torch else np.isfinite
+    for start in range(0, flat.shape[0], FINITE_CHUNK):
         part = flat[start:start + FINITE_CHUNK]
-        if not bool(torch.isfinite(part).all()):
-            bad = part[~torch.isfinite(part)][0].item()
+        if not bool(finite(part).all()):
+            bad = part[~finite(part)][0].item()
             raise CheckpointError(f"{where}: tensor {name!r} holds {bad} (a weight that is not "
                                   f"a finite number): the checkpoint is corrupt")
 

@@ -12,7 +12,8 @@ from typing import Callable, Dict, Tuple
 import torch
 from torch import Tensor
 
-IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+from .dequantvalues import IQ4_VALUES
+
 
 
 def _f16(b: Tensor, at: int) -> Tensor:

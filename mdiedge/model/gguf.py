@@ -388,12 +388,11 @@ def gguf_name(ours: str, family: Family) -> Tuple[str, Optional[int]]:
     return f"blk.{layer}.{family.gguf_block_names[rest]}", expert_index
 
 
-def _hf_rows(rows: int, heads: int) -> Tensor:
+def _hf_rows(rows: int, heads: int) -> np.ndarray:
     """For each row in Hugging Face's order, the row of llama.cpp's RoPE order holding it
     (the inverse of the converter's permutation: (heads, 2, half) <- (heads, half, 2))."""
-    import torch
-
-    return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
+    order = np.arange(rows).reshape(heads, rows // heads // 2, 2)
+    return np.ascontiguousarray(order.transpose(0, 2, 1)).reshape(rows)
 
 
 class GGUFSource(TensorSource):
@@ -478,12 +477,14 @@ class GGUFSource(TensorSource):
         K projections that is a copy with the rows gathered; ``hf_order=False`` gives their
         view in the file's order instead (each head's rows as interleaved pairs, the order
         llama.cpp's RoPE rotates; ``heads(name)`` says which tensors differ)."""
-        import torch
+        return _tensor(self.raw_array(name, hf_order))
 
+    def raw_array(self, name: str, hf_order: bool = True) -> np.ndarray:
+        """``raw`` as numpy: a read-only view of the map, or the rows gathered (a copy)."""
         entry = self.index[name]
         self.read_names.append(name)
         rows = entry.shape[0] if len(entry.shape) == 2 else 1
-        data = torch.from_numpy(self._data(entry).view(np.uint8).reshape(rows, -1))
+        data = self._data(entry).view(np.uint8).reshape(rows, -1)
         return data[_hf_rows(rows, entry.heads)] if entry.heads and hf_order else data
 
     def heads(self, name: str) -> int:
@@ -492,8 +493,14 @@ class GGUFSource(TensorSource):
         return self.index[name].heads
 
     def _read(self, name: str) -> Tensor:
-        import torch
+        return _tensor(self.read_array(name))
 
+    def get_array(self, name: str) -> np.ndarray:
+        """Tensor ``name`` de-quantized to float32, as numpy (``get``'s values)."""
+        self.read_names.append(name)
+        return self.read_array(name)
+
+    def read_array(self, name: str) -> np.ndarray:
         entry = self.index[name]
         qtype = entry.tensor.tensor_type
         try:
@@ -501,10 +508,21 @@ class GGUFSource(TensorSource):
         except Exception as e:  # gguf's numpy code on bytes it cannot take
             raise CheckpointError(f"{self.path}: cannot de-quantize tensor "
                                   f"{entry.tensor.name!r} ({qtype.name}: {e})") from None
-        out = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(entry.shape)
+        out = np.array(values, dtype=np.float32).reshape(entry.shape)
         if entry.offset:
-            out -= entry.offset
+            out -= np.float32(entry.offset)
         return out[_hf_rows(entry.shape[0], entry.heads)] if entry.heads else out
+
+
+def _tensor(array: np.ndarray) -> Tensor:
+    """A CPU tensor sharing ``array`` (a read-only map's view is only ever read)."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
 
 
 _DEQUANTIZABLE: Dict[int, bool] = {}

@@ -5,7 +5,6 @@ and the gated feed-forward, SwiGLU or GeGLU (Shazeer 2020). Plain torch, no stat
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Optional, Sequence, Tuple
 
 import torch
@@ -13,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..base.accel import Twins
-from . import _pymatvec
+from . import _pymatvec, rope
 from .config import ModelConfig
 
 try:
@@ -43,32 +42,16 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> Tensor:
     """Inverse RoPE frequencies ``(head_dim/2,)`` in fp32, with ``llama3`` scaling if set;
-    ``local``: the sliding layers' (their own base where the config has one, unscaled)."""
-    exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
-    local = local and bool(cfg.rope_local_theta)
-    inv_freq = 1.0 / ((cfg.rope_local_theta if local else cfg.rope_theta) ** exponents)
-    s = cfg.rope_scaling
-    if s is None or local:
-        return inv_freq
-    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
+    ``local``: the sliding layers' (``mdiedge.model.rope``, the one source)."""
+    return torch.from_numpy(rope.rope_inv_freq(cfg, local))
 
 
 def rope_tables(cfg: ModelConfig, max_seq_len: int, local: bool = False
                 ) -> Tuple[Tensor, Tensor]:
-    """cos and sin tables ``(max_seq_len, head_dim)`` in the "rotate half" layout, fp32
-    (``local``: the sliding layers', see ``rope_inv_freq``)."""
-    positions = torch.arange(max_seq_len, dtype=torch.float32)
-    freqs = torch.outer(positions, rope_inv_freq(cfg, local))  # (L, head_dim/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (L, head_dim)
-    return emb.cos(), emb.sin()
+    """cos and sin tables ``(max_seq_len, head_dim)`` in the "rotate half" layout, fp32: the
+    torch-free path's own (``mdiedge.model.rope``), so both paths rotate by the same values."""
+    cos, sin = rope.rope_tables(cfg, max_seq_len, local)
+    return torch.from_numpy(cos), torch.from_numpy(sin)
 
 
 def rotate_half(x: Tensor) -> Tensor:

@@ -32,6 +32,7 @@ from ..base.cpudot import cpu_dot, dot_code
 from ..base.errors import CheckpointError, QuantError
 from . import _pyquant
 from .layers import Linear
+from .qtypes import kernel_qtype  # noqa: F401  (known here too)
 from .quant import TYPES, check_blocks, dequantize_on_device, qtype_of, quantize, row_bytes
 
 try:
@@ -181,19 +182,6 @@ def _parent(net: nn.Module, ours: str) -> Tuple[nn.Module, str]:
     path = ours.rsplit(".", 1)[0]  # the layer: "layers.3.attn.wq"
     owner, _, attr = path.rpartition(".")
     return (net.get_submodule(owner) if owner else net), attr
-
-
-def kernel_qtype(source: Any, theirs: str) -> Optional[str]:
-    """The stored type of ``theirs`` when the source keeps blocks the kernels run (a vector,
-    such as a norm a file stores in F16, is read as float)."""
-    qtype = getattr(source, "qtype", None)
-    if qtype is None:
-        return None
-    name = str(qtype(theirs)).upper()
-    shape = getattr(source, "shape", None)
-    if shape is not None and len(shape(theirs) or ()) == 1:
-        return None
-    return name if name in TYPES and TYPES[name].native else None
 
 
 def keep_quantized(net: nn.Module, source: Any, plan: Dict[str, str]) -> Set[str]:

@@ -1,14 +1,15 @@
 """Quantized weights as GGUF files hold them (ggml's block layouts), in plain numpy and torch.
 
-This module is the one source of the facts: which weight types exist, their ggml type ids,
-elements and bytes per block, the offsets of each block's f16 scales and the code of the
-compiled kernel that multiplies them natively (``TYPES``: ``ext/quant.h``'s enum value, or
-None for a type de-quantized to float32 at load; the compiled modules check their own table
-against it when imported), the bytes of a row (``row_bytes``), the reference de-quantizer
-(``dequantize``, on the CPU, and ``dequantize_on_device``, both ``mdiedge.model.dequant``'s
-torch code) and quantizer (``quantize``, for Q8_0, Q4_0 and Q4_1), and the argument checks
-that both implementations of the quantized product (``ext/_cquant.pyx`` and
-``mdiedge/model/_pyquant.py``, selected in ``mdiedge.model.qlayers``) apply at their boundary.
+The facts live torch-free in ``mdiedge.model.qtypes`` and are re-exported here: which weight
+types exist, their ggml type ids, elements and bytes per block, the offsets of each block's f16
+scales and the code of the compiled kernel that multiplies them natively (``TYPES``:
+``ext/quant.h``'s enum value, or None for a type de-quantized to float32 at load; the compiled
+modules check their own table against it when imported), the bytes of a row (``row_bytes``),
+the numpy reference de-quantizer and quantizer (``dequantize_array``, ``quantize_array``) and
+the argument checks that both implementations of the quantized product (``ext/_cquant.pyx``
+and ``mdiedge/model/_pyquant.py``) apply at their boundary. This module adds their torch
+forms: ``dequantize`` (a CPU tensor) and ``dequantize_on_device`` (``mdiedge.model.dequant``'s
+torch code, for CUDA), ``quantize`` and ``quantized_activations`` on tensors.
 
 A weight of ``out`` rows and ``in`` columns is a uint8 array (out, row_bytes): each row is
 ``in / block`` blocks laid out as ggml's ``block_<type>`` structs (ggml-common.h):
@@ -41,83 +42,16 @@ A weight of ``out`` rows and ``in`` columns is a uint8 array (out, row_bytes): e
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 import torch
 
-from ..base.dtypes import QUANTIZERS as _QUANTIZERS
-from ..base.errors import QuantError
 from .dequant import blocks_to_float
-
-
-@dataclass(frozen=True)
-class QType:
-    """A ggml weight type: its name, ggml type id, elements and bytes per block, the byte
-    offsets of each block's f16 scales, and the code of its compiled kernel (``ext/quant.h``'s
-    enum value; None: de-quantized to float32 at load)."""
-
-    name: str
-    ggml_id: int
-    block: int
-    block_bytes: int
-    scales: Tuple[int, ...]
-    kernel: Optional[int]
-
-    @property
-    def native(self) -> bool:
-        """Whether the compiled product multiplies this type where it lies."""
-        return self.kernel is not None
-
-    @property
-    def act_block(self) -> int:
-        """The activations' block in the q8 mode (``ext/quant_q8.h``): the weights' block,
-        32 or 256, for a quantized type; 0 for a float one (multiplied in float32)."""
-        return self.block if self.native and self.block > 1 else 0
-
-
-TYPES: Dict[str, QType] = {t.name: t for t in (
-    QType("F32", 0, 1, 4, (), None),
-    QType("F16", 1, 1, 2, (), 5),
-    QType("Q4_0", 2, 32, 18, (0,), 1),
-    QType("Q4_1", 3, 32, 20, (0, 2), 2),
-    QType("Q5_0", 6, 32, 22, (0,), 7),
-    QType("Q5_1", 7, 32, 24, (0, 2), 8),
-    QType("Q8_0", 8, 32, 34, (0,), 0),
-    QType("Q2_K", 10, 256, 84, (80, 82), 9),
-    QType("Q3_K", 11, 256, 110, (108,), 10),
-    QType("Q4_K", 12, 256, 144, (0, 2), 3),
-    QType("Q5_K", 13, 256, 176, (0, 2), 11),
-    QType("Q6_K", 14, 256, 210, (208,), 4),
-    QType("IQ4_NL", 20, 32, 18, (0,), 12),
-    QType("IQ4_XS", 23, 256, 136, (0,), 13),
-    QType("BF16", 30, 1, 2, (), 6),
-)}
-KERNEL_TYPES: Tuple[str, ...] = tuple(n for n, t in TYPES.items() if t.native)
-QUANTIZERS: Tuple[str, ...] = _QUANTIZERS  # mdiedge.base.dtypes: the one list
-SCALE_FIELDS = {n: t.scales for n, t in TYPES.items()}  # byte offsets of each block's f16 scales
-
-
-def qtype_of(name: str) -> QType:
-    """The type called ``name`` (as GGUF files and llama.cpp write it, any case)."""
-    found = TYPES.get(str(name).upper())
-    if found is None:
-        raise QuantError(f"weight type {name!r} is not one of {', '.join(TYPES)}")
-    return found
-
-
-def check_compiled(compiled: Sequence[Tuple[Any, int, int]], module: str) -> None:
-    """Refuses a compiled module whose kernel table (``ext/quant.h``'s names, weights and
-    bytes per block, in enum order) is not ``TYPES``' kernel codes: a stale build."""
-    want = {t.kernel: (t.name, t.block, t.block_bytes) for t in TYPES.values() if t.native}
-    got = {code: (name.decode() if isinstance(name, bytes) else str(name), int(b), int(bb))
-           for code, (name, b, bb) in enumerate(compiled)}
-    for code in sorted(set(want) | set(got), key=int):
-        if want.get(code) != got.get(code):
-            raise QuantError(f"{module} was built with quant type {code} = {got.get(code)}, "
-                             f"but mdiedge.model.quant.TYPES has {want.get(code)}: rebuild it "
-                             "(python setup.py build_ext --inplace)")
+from .qtypes import (KERNEL_TYPES, QUANTIZERS, SCALE_FIELDS, TYPES, QType,  # noqa: F401
+                     as_blocks, check_blocks, check_compiled, check_matmul, check_rows,
+                     dequantize_array, qtype_of, quantize_array, row_bytes)
+from ..base.errors import QuantError
 
 
 def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -139,48 +73,10 @@ def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
     return (q.clamp(max=127) * d).reshape(rows, k)
 
 
-def row_bytes(qtype: str, in_features: int) -> int:
-    """Bytes of one row of ``in_features`` weights of type ``qtype``."""
-    t = qtype_of(qtype)
-    if in_features < 1 or in_features % t.block:
-        raise QuantError(f"width {in_features} is not a positive multiple of {t.name}'s "
-                         f"block of {t.block}")
-    return in_features // t.block * t.block_bytes
-
-
-# -- the reference de-quantizer (mdiedge.model.dequant) ---------------------------------------
-
-def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
-    """The f16 field at byte ``at`` of every block, as float32 (blocks, 1)."""
-    return np.ascontiguousarray(blocks[:, at:at + 2]).view("<f2").astype(np.float32)
-
-
-def check_blocks(data: Any, qtype: str) -> None:
-    """Refuses weights whose blocks hold a scale that is not finite (NaN or infinity: a
-    corrupt file), naming the first such block."""
-    t, raw = qtype_of(qtype), _as_numpy(data)
-    blocks = raw.reshape(-1, t.block_bytes)
-    for at in t.scales:
-        bad = np.flatnonzero(~np.isfinite(_f16(blocks, at)))
-        if bad.size:
-            per_row = raw.shape[-1] // t.block_bytes
-            row, block = divmod(int(bad[0]), per_row)
-            raise QuantError(f"{t.name} block {block} of row {row} has a scale of "
-                             f"{float(_f16(blocks[bad[:1]], at)[0, 0])} (not finite)")
-
-
-def _as_numpy(data: Any) -> np.ndarray:
-    raw = data.numpy() if isinstance(data, torch.Tensor) else np.asarray(data)
-    if raw.dtype != np.uint8 or raw.ndim != 2:
-        raise QuantError(f"quantized weights must be 2-D uint8 (rows, bytes), not "
-                         f"{raw.dtype} {tuple(raw.shape)}")
-    return raw
-
-
 def dequantize(data: Any, qtype: str, in_features: int) -> torch.Tensor:
     """The float32 weight (out, in) that ``data`` (uint8 (out, row_bytes), numpy or a CPU
-    tensor) encodes; blocks with a scale that is not finite refused."""
-    raw = _as_numpy(data)
+    tensor) encodes, as a tensor; blocks with a scale that is not finite refused."""
+    raw = as_blocks(data)
     t, width = qtype_of(qtype), row_bytes(qtype, in_features)
     if raw.shape[1] != width:
         raise QuantError(f"rows of {raw.shape[1]} bytes do not hold {in_features} {t.name} "
@@ -204,121 +100,8 @@ def dequantize_on_device(qweight: torch.Tensor, qtype: str, in_features: int) ->
     return values.reshape(qweight.shape[0], in_features)
 
 
-# -- the reference quantizer (ggml's quantize_row_<type>_ref) ---------------------------------
-
-def _round_away(v: np.ndarray) -> np.ndarray:
-    """Rounding half away from zero, as C's roundf (without adding 0.5, which rounds
-    0.49999997 up in float32)."""
-    a = np.abs(v)
-    whole = np.floor(a)
-    return np.sign(v) * (whole + np.floor(2 * (a - whole)))
-
-
-def _inverse(d: np.ndarray) -> np.ndarray:
-    with np.errstate(divide="ignore"):
-        return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
-
-
-def _pack(qs: np.ndarray) -> np.ndarray:
-    """32 nibbles per block to 16 bytes: element i low, element 16 + i high."""
-    q = qs.astype(np.uint8)
-    return q[:, :16] | (q[:, 16:] << 4)
-
-
-def _half_bytes(v: np.ndarray) -> np.ndarray:
-    return v.astype(np.float16).view(np.uint8)
-
-
-def _quantize_blocks(b: np.ndarray, name: str) -> np.ndarray:
-    if name == "Q8_0":
-        d = np.abs(b).max(axis=1, keepdims=True) / np.float32(127)
-        qs = _round_away(b * _inverse(d)).astype(np.int8).view(np.uint8)
-        return np.concatenate([_half_bytes(d), qs], axis=1)
-    if name == "Q4_0":
-        at = np.abs(b).argmax(axis=1)[:, None]
-        d = np.take_along_axis(b, at, axis=1) / np.float32(-8)
-        qs = np.minimum(np.trunc(b * _inverse(d) + np.float32(8.5)), 15)
-        return np.concatenate([_half_bytes(d), _pack(qs)], axis=1)
-    lo, hi = b.min(axis=1, keepdims=True), b.max(axis=1, keepdims=True)
-    d = (hi - lo) / np.float32(15)
-    qs = np.minimum(np.trunc((b - lo) * _inverse(d) + np.float32(0.5)), 15)
-    return np.concatenate([_half_bytes(d), _half_bytes(lo), _pack(qs)], axis=1)
-
-
 def quantize(weight: Any, qtype: str) -> torch.Tensor:
     """``weight`` (out, in) float32 as ``qtype`` blocks: uint8 (out, row_bytes), the bytes
-    llama.cpp's reference quantizer writes. Q8_0, Q4_0 and Q4_1 only."""
-    t = qtype_of(qtype)
-    if t.name not in QUANTIZERS:
-        raise QuantError(f"cannot quantize to {t.name}: only to {', '.join(QUANTIZERS)}")
-    w = weight.detach().cpu().float().numpy() if isinstance(weight, torch.Tensor) \
-        else np.asarray(weight, dtype=np.float32)
-    if w.ndim != 2 or not np.isfinite(w).all():
-        raise QuantError(f"cannot quantize a weight of shape {tuple(w.shape)} that is not "
-                         "2-D or not finite")
-    width = row_bytes(t.name, w.shape[1])
-    packed = _quantize_blocks(w.reshape(-1, t.block).astype(np.float32), t.name)
-    return torch.from_numpy(np.ascontiguousarray(packed).reshape(w.shape[0], width))
-
-
-# -- the boundary of the quantized product (both implementations) -----------------------------
-
-def _weight_fits(w: Any, t: QType, k: int) -> None:
-    if not (isinstance(w, torch.Tensor) and w.dtype == torch.uint8 and w.dim() == 2
-            and w.device.type == "cpu" and w.is_contiguous()):
-        shown = tuple(w.shape) if hasattr(w, "shape") else type(w).__name__
-        raise QuantError(f"quantized weight {shown} {getattr(w, 'dtype', '')} is not a "
-                         "contiguous uint8 CPU tensor (rows, bytes)")
-    width = row_bytes(t.name, k)
-    if w.shape[1] != width:
-        raise QuantError(f"weight rows of {w.shape[1]} bytes do not hold {k} {t.name} "
-                         f"weights ({width} bytes)")
-
-
-def _float_rows(what: str, v: Any, shape: Tuple[int, int]) -> None:
-    if not (isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.device.type == "cpu"
-            and tuple(v.shape) == shape and v.is_contiguous()):
-        shown = tuple(v.shape) if hasattr(v, "shape") else type(v).__name__
-        raise QuantError(f"{what} {shown} {getattr(v, 'dtype', '')} is not a contiguous "
-                         f"float32 CPU tensor of shape {shape}")
-
-
-def _kernel_type(qtype: str, threads: int) -> QType:
-    t = qtype_of(qtype)
-    if not t.native:
-        raise QuantError(f"no quantized kernel for {t.name}: they run "
-                         f"{', '.join(KERNEL_TYPES)}")
-    if threads < 1:
-        raise QuantError(f"threads {threads} is not >= 1")
-    return t
-
-
-def check_matmul(x: Any, w: Any, qtype: str, out: Any, threads: int) -> QType:
-    """The type of a call ``matmul(x, w, qtype, out, threads)`` that both implementations
-    accept: x (rows >= 1, in), w uint8 (n, row_bytes(in)), out (rows, n), all contiguous."""
-    t = _kernel_type(qtype, threads)
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] < 1:
-        raise QuantError(f"activations {tuple(getattr(x, 'shape', ()))} are not 2-D "
-                         "(rows >= 1, width)")
-    _weight_fits(w, t, x.shape[1])
-    _float_rows("activations", x, (x.shape[0], x.shape[1]))
-    _float_rows("out", out, (x.shape[0], w.shape[0]))
-    return t
-
-
-def check_rows(w: Any, qtype: str, first: int, count: int, out: Any, threads: int) -> QType:
-    """The type of a call ``dequantize_rows(w, qtype, first, count, out, threads)``: rows
-    [first, first + count) of w, out float32 (count, in) with in from w's row bytes."""
-    t = _kernel_type(qtype, threads)
-    n = w.shape[0] if hasattr(w, "shape") and len(w.shape) == 2 else 0
-    if not (0 <= first and count >= 1 and first + count <= n):
-        raise QuantError(f"rows {first}..{first + count - 1} are not rows of a weight of "
-                         f"{n} rows")
-    width = w.shape[1]
-    if width % t.block_bytes:
-        raise QuantError(f"rows of {width} bytes are not whole {t.name} blocks of "
-                         f"{t.block_bytes} bytes")
-    k = width // t.block_bytes * t.block
-    _weight_fits(w, t, k)
-    _float_rows("out", out, (count, k))
-    return t
+    llama.cpp's reference quantizer writes, as a tensor (``quantize_array``: numpy)."""
+    w = weight.detach().cpu().float() if isinstance(weight, torch.Tensor) else weight
+    return torch.from_numpy(quantize_array(w, qtype))

@@ -1,0 +1,209 @@
+"""Loading a chunk of a model for the torch-free CPU path (``CpuModel``): the tensors the
+chunk needs read as numpy from a torch-free source (GGUF memory-mapped, llama2.c), each
+matrix a file stores in a kernel type kept in its blocks (``QuantMatrix`` over the mapped
+bytes, no copy but for Llama's Q/K rows gathered), the rest float32; Q/K/V and gate/up
+stacked as the torch model's ``fuse_projections`` fuses them; ``quantize`` (Q8_0, Q4_0,
+Q4_1) quantizes the blocks' float matrices as ``qlayers.quantize_blocks`` does. Anything the
+compiled step cannot run is refused (``CpuPathRefused``) before weights are read."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import numpy as np
+
+from ..base.errors import CheckpointError, CpuPathRefused, QuantError
+from ._stepspec import ACTIVATIONS, QuantMatrix, StackedMatrix
+from .checks import check_finite, check_memory, check_plan, chunk_bytes, describe
+from .config import ModelConfig
+from .cpumodel import BlockParts, CpuModel, Weights
+from .families import family_of
+from .modelfile import model_file
+from .qtypes import (QUANTIZERS, check_blocks, dequantize_array, kernel_qtype, qtype_of,
+                     quantize_array)
+from .tensors import TensorSource, tensor_plan
+
+PathLike = Union[str, Path]
+Matrix = Any  # float32 (out, in) numpy, or a QuantMatrix
+
+
+def load_cpu_model(model: Optional[PathLike] = None, layers: Optional[Tuple[int, int]] = None,
+                   embedding: bool = True, head: bool = True, quantize: Optional[str] = None,
+                   on_source: Optional[Callable[[TensorSource], None]] = None) -> CpuModel:
+    """Blocks ``[layers)`` (+ embedding, + head) of a checkpoint as a ``CpuModel``, reading
+    only their tensors (``checkpoint.load_model``'s arguments); ``CpuPathRefused`` naming
+    the reason where the compiled step cannot run them."""
+    from .hub import resolve_model
+
+    path = resolve_model(model)
+    cfg = model_file(path).cfg
+    layers = layers if layers is not None else (0, cfg.n_layers)
+    _check_runs(cfg, layers, head, quantize)
+    source = open_array_source(path)
+    try:
+        plan = _checked_plan(cfg, source, layers, embedding, head)
+        reader = _Reader(cfg, source, quantize)
+        weights = Weights(
+            embed=reader.matrix(plan["embed.weight"]) if embedding else None,
+            blocks=[_block(reader, cfg, plan, i) for i in range(*layers)],
+            norm=reader.vector(plan["norm.weight"], True) if head else None,
+            head=_head(reader, cfg, plan, embedding) if head else None)
+        if on_source is not None:
+            on_source(source)
+    finally:
+        source.close()
+    return CpuModel(cfg, layers, weights)
+
+
+def open_array_source(path: Path) -> TensorSource:
+    """A source reading numpy arrays (``get_array``, ``raw_array``) without torch."""
+    if path.is_file():
+        file = model_file(path)
+        if file.is_gguf:
+            from .gguf import GGUFSource
+
+            return GGUFSource(path, file)
+        from .sources import Llama2cSource
+
+        return Llama2cSource(path)
+    from .sources import SafetensorsArrays
+
+    return SafetensorsArrays(path)
+
+
+def _check_runs(cfg: ModelConfig, layers: Tuple[int, int], head: bool,
+                quantize: Optional[str]) -> None:
+    """``CpuPathRefused`` where the family or the options ask what the step has not."""
+    family = family_of(cfg)
+    if layers[1] > layers[0] and not family.step_blocks:
+        raise CpuPathRefused(f"the compiled step does not run {family.name} blocks")
+    if head and not family.step_head:
+        raise CpuPathRefused(f"the compiled step does not run the {family.name} head")
+    if family.activation not in ACTIVATIONS or family.moe and family.activation != "silu":
+        raise CpuPathRefused(f"activation {family.activation!r} of {family.name} is not one "
+                             f"the step has here")
+    if quantize and qtype_of(quantize).name not in QUANTIZERS:
+        raise CpuPathRefused(f"--quantize {quantize!r}: only {', '.join(QUANTIZERS)}")
+
+
+def _checked_plan(cfg: ModelConfig, source: TensorSource, layers: Tuple[int, int],
+                  embedding: bool, head: bool) -> Dict[str, str]:
+    """The chunk's tensor plan, every tensor there in its shape, and its bytes within this
+    node's free memory (as ``checkpoint.load_model`` checks it)."""
+    if not 0 <= layers[0] <= layers[1] <= cfg.n_layers:
+        raise CheckpointError(f"{source.path}: blocks [{layers[0]}, {layers[1]}) are not "
+                              f"blocks of a model of {cfg.n_layers}")
+    plan = tensor_plan(cfg, layers, embedding, head)
+    check_plan(cfg, source, plan)
+    check_memory(chunk_bytes(cfg, source, plan, 4, True), "cpu",
+                 f"{source.path}: {describe(layers, embedding, head)} in float32")
+    return plan
+
+
+class _Reader:
+    """Reads a chunk's tensors from ``source`` as the step holds them."""
+
+    def __init__(self, cfg: ModelConfig, source: TensorSource,
+                 quantize: Optional[str]) -> None:
+        self.cfg, self.source, self.quantize = cfg, source, quantize
+        self.offset = np.float32(family_of(cfg).norm_offset)
+        self.names = set(source.names())
+
+    def has(self, theirs: str) -> bool:
+        return theirs in self.names
+
+    def floats(self, theirs: str) -> np.ndarray:
+        if theirs not in self.names:
+            raise CheckpointError(f"{self.source.path}: missing tensor {theirs!r}")
+        values = np.ascontiguousarray(self.source.get_array(theirs), dtype=np.float32)
+        check_finite(values, theirs, self.source.path)
+        return values
+
+    def vector(self, theirs: str, norm: bool = False) -> np.ndarray:
+        """A vector; an RMSNorm weight with the family's offset added (as the torch model)."""
+        values = self.floats(theirs)
+        return values + self.offset if norm and self.offset else values
+
+    def matrix(self, theirs: str, quantizable: bool = False) -> Matrix:
+        """A matrix in its file's kernel type (``QuantMatrix``), else float32; with
+        ``quantizable`` and ``quantize``, a float one of whole blocks quantized."""
+        qtype = kernel_qtype(self.source, theirs)
+        if qtype is None:
+            values = self.floats(theirs)
+            if quantizable and self.quantize and values.shape[1] % qtype_of(
+                    self.quantize).block == 0:
+                return QuantMatrix(quantize_array(values, self.quantize), self.quantize)
+            return values
+        raw = np.ascontiguousarray(self.source.raw_array(theirs))
+        try:
+            check_blocks(raw, qtype)
+        except QuantError as e:
+            raise CheckpointError(f"{self.source.path}: tensor {theirs!r}: {e}") from None
+        return QuantMatrix(raw, qtype)
+
+
+def stacked(parts: List[Matrix]) -> Matrix:
+    """Matrices of one input width as one (their rows stacked): quantized ones a
+    ``StackedMatrix`` over their blocks, float ones one float32 copy; quantized beside float
+    ones widened to float32."""
+    if all(isinstance(p, QuantMatrix) for p in parts):
+        return StackedMatrix(parts)
+    return np.ascontiguousarray(np.concatenate([
+        dequantize_array(p.data, p.qtype, p.shape[1]) if isinstance(p, QuantMatrix) else p
+        for p in parts]))
+
+
+def _block(reader: _Reader, cfg: ModelConfig, plan: Dict[str, str], i: int) -> BlockParts:
+    """Block ``i``'s tensors as the step reads them (``CpuModel`` makes its
+    ``BlockWeights`` when its caches are set up)."""
+    name = (lambda ours: plan[f"layers.{i}.{ours}"])
+    maybe = (lambda ours: f"layers.{i}.{ours}" in plan)
+    family = family_of(cfg)
+    qkv = stacked([reader.matrix(name(f"attn.{w}.weight"), True) for w in ("wq", "wk", "wv")])
+    bias = [name(f"attn.{w}.bias") for w in ("wq", "wk", "wv") if maybe(f"attn.{w}.bias")]
+    options = {key: reader.vector(name(_norm_name(key)), True)
+               for key in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
+               if maybe(_norm_name(key))}
+    if bias:
+        options["qkv_bias"] = np.concatenate([reader.vector(b) for b in bias])
+    experts = None
+    if cfg.is_moe:
+        experts = _experts(reader, cfg, plan, i)
+        gate_up = down = None
+    else:
+        gate_up = stacked([reader.matrix(name(f"mlp.{w}.weight"), True) for w in ("gate", "up")])
+        down = reader.matrix(name("mlp.down.weight"), True)
+    return BlockParts(
+        attn_norm=reader.vector(name("attn_norm.weight"), True), qkv=qkv,
+        wo=reader.matrix(name("attn.wo.weight"), True),
+        mlp_norm=reader.vector(name("mlp_norm.weight"), True), gate_up=gate_up, down=down,
+        experts=experts, options=dict(
+            options, activation=family.activation,
+            attn_scale=(cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar
+                        else None),
+            window=cfg.sliding_window if i in cfg.sliding_layers else 0))
+
+
+def _norm_name(key: str) -> str:
+    """Our block's parameter name of an optional norm (``BlockWeights``' keyword)."""
+    return {"q_norm": "attn.q_norm.weight", "k_norm": "attn.k_norm.weight",
+            "post_attn_norm": "post_attn_norm.weight",
+            "post_mlp_norm": "post_mlp_norm.weight"}[key]
+
+
+def _experts(reader: _Reader, cfg: ModelConfig, plan: Dict[str, str], i: int
+             ) -> Tuple[Matrix, List[Matrix], List[Matrix]]:
+    """Block ``i``'s router and each expert's gate/up (stacked) and down."""
+    name = (lambda ours: plan[f"layers.{i}.{ours}"])
+    gate_up = [stacked([reader.matrix(name(f"mlp.experts.{e}.{w}.weight")) for w in
+                        ("gate", "up")]) for e in range(cfg.n_experts)]
+    down = [reader.matrix(name(f"mlp.experts.{e}.down.weight")) for e in range(cfg.n_experts)]
+    return reader.matrix(name("mlp.router.weight")), gate_up, down
+
+
+def _head(reader: _Reader, cfg: ModelConfig, plan: Dict[str, str], embedding: bool) -> Matrix:
+    """The head's matrix; None where it is the chunk's tied embedding (``CpuModel`` shares
+    it)."""
+    if cfg.tie_embeddings and embedding:
+        return None
+    return reader.matrix(plan["lm_head.weight"])

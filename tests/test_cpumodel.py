@@ -1,0 +1,290 @@
+"""The torch-free CPU chunk (``mdiedge.model.cpumodel.CpuModel``, built by ``cpuload``)
+against the torch ``Transformer`` of the same file: logits of a prefill (more rows than the
+step takes in one call, so in chunks) and of several decode steps over two slots within a
+tight tolerance, greedy tokens identical; with the compiled step and with its numpy twin;
+for every family the tiny GGUF files cover, the default model (safetensors), stories260K
+(llama2.c) and SmolLM2 Q4_1; and a process that loads and runs one without torch."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_hf_llama, stories_dir
+from mdiedge.base.errors import CpuPathRefused
+from mdiedge.model import _pyquant, _pystep, cpumodel
+from mdiedge.model.checkpoint import load_model
+from mdiedge.model.cpuload import load_cpu_model
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ([5, 9, 3, 17, 4, 8, 21, 2, 6, 11, 7], [3, 12, 4, 9, 15])  # 11 > MAX_ROWS rows
+STEPS = 4
+
+
+@pytest.fixture(params=["compiled", "twin"])
+def step_impl(request: Any, monkeypatch: Any) -> str:
+    """Each test once with the step the process selected and once with the numpy twins."""
+    if request.param == "twin":
+        monkeypatch.setattr(cpumodel, "_step", _pystep)
+        monkeypatch.setattr(cpumodel, "_quant", _pyquant)
+    elif cpumodel._step is _pystep:
+        pytest.skip("the compiled step is not built")
+    return request.param
+
+
+def _torch_run(path: Path, quantize: Optional[str] = None) -> List[np.ndarray]:
+    """The torch model's logits: each prompt's positions, then ``STEPS`` greedy decode
+    steps of both slots at once."""
+    model = load_model(path, quantize=quantize)
+    model.setup_cache(2, 64)
+    found, last = [], []
+    with torch.no_grad():
+        for slot, prompt in enumerate(PROMPTS):
+            x = model.run_blocks(model.embed_tokens(torch.tensor([prompt])),
+                                 torch.tensor([slot]), [0])
+            logits = model.head_logits(x)[0].float().numpy()
+            found.append(logits)
+            last.append(int(logits[-1].argmax()))
+        positions = [len(p) for p in PROMPTS]
+        for _ in range(STEPS):
+            x = model.run_blocks(model.embed_tokens(torch.tensor([[t] for t in last])),
+                                 torch.tensor([0, 1]), positions)
+            logits = model.head_logits(x[:, 0]).float().numpy()
+            found.append(logits)
+            last, positions = [int(r.argmax()) for r in logits], [p + 1 for p in positions]
+    return found
+
+
+def _cpu_run(path: Path, quantize: Optional[str] = None) -> List[np.ndarray]:
+    """``_torch_run`` through a ``CpuModel``."""
+    model = load_cpu_model(path, quantize=quantize)
+    model.setup_cache(2, 64)
+    found, last = [], []
+    for slot, prompt in enumerate(PROMPTS):
+        x = model.run_blocks(model.embed_tokens(np.array([prompt])), np.array([slot]), [0])
+        logits = model.head_logits(x)[0]
+        assert logits.dtype == np.float32 and logits.flags.c_contiguous
+        found.append(logits)
+        last.append(int(logits[-1].argmax()))
+    positions = [len(p) for p in PROMPTS]
+    for _ in range(STEPS):
+        x = model.run_blocks(model.embed_tokens(np.array([[t] for t in last])),
+                             np.array([0, 1]), positions)
+        logits = model.head_logits(x[:, 0])
+        found.append(logits)
+        last, positions = [int(r.argmax()) for r in logits], [p + 1 for p in positions]
+    return found
+
+
+def assert_same_run(path: Path, tolerance: float = 2e-4, quantize: Optional[str] = None) -> None:
+    want, got = _torch_run(path, quantize), _cpu_run(path, quantize)
+    assert len(want) == len(got)
+    for n, (w, g) in enumerate(zip(want, got)):
+        assert w.shape == g.shape, n
+        worst = float(np.abs(w - g).max())
+        assert worst <= tolerance * max(1.0, float(np.abs(w).max())), (n, worst)
+        assert (w.argmax(-1) == g.argmax(-1)).all(), n
+
+
+@pytest.fixture(scope="module")
+def gguf_models(tmp_path_factory: Any) -> Dict[str, Path]:
+    """A tiny GGUF file of each family the step runs (tests/gguf_files.py's layout)."""
+    from gguf_files import write_gguf
+    from test_families import make_hf_qwen2
+    from test_gemma3_qwen3 import make_hf
+
+    made: Dict[str, Path] = {}
+    for name, qtype, build in (
+            ("llama-q8_0", "Q8_0", lambda p: make_hf_llama(p, seed=3, hidden_size=64,
+                                                          intermediate_size=64)),
+            ("llama-q4_1", "Q4_1", lambda p: make_hf_llama(p, seed=4, hidden_size=64,
+                                                          intermediate_size=64)),
+            ("qwen2", "F32", lambda p: make_hf_qwen2(p, seed=5)),
+            ("qwen3", "F16", lambda p: make_hf("qwen3", p, seed=6)),
+            ("qwen3_moe", "F32", lambda p: make_hf("qwen3_moe", p, seed=7)),
+            ("gemma3", "F32", lambda p: make_hf("gemma3-gguf", p, seed=8))):
+        folder = build(tmp_path_factory.mktemp(name))
+        made[name] = write_gguf(folder / f"{name}.gguf", folder, qtype)
+    return made
+
+
+@pytest.mark.parametrize("name", ["llama-q8_0", "llama-q4_1", "qwen2", "qwen3", "qwen3_moe",
+                                  "gemma3"])
+def test_a_tiny_gguf_runs_as_the_torch_model(gguf_models: Dict[str, Path], name: str,
+                                             step_impl: str) -> None:
+    assert_same_run(gguf_models[name])
+
+
+def test_the_default_model_runs_as_the_torch_model(step_impl: str) -> None:
+    assert_same_run(ROOT / "models" / "nanollama")
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_the_default_model_quantized_runs_as_the_torch_model(step_impl: str, qtype: str) -> None:
+    """``--quantize``: the blocks' float matrices quantized as ``qlayers.quantize_blocks``
+    quantizes them, so the same bytes multiply on both paths."""
+    assert_same_run(ROOT / "models" / "nanollama", quantize=qtype)
+
+
+def test_stories260k_runs_as_the_torch_model(step_impl: str) -> None:
+    assert_same_run(stories_dir() / "stories260K.bin")
+
+
+def test_smollm2_q4_1_runs_as_the_torch_model(step_impl: str) -> None:
+    from smollm2 import gguf_file
+
+    path = gguf_file()
+    if path is None:
+        pytest.skip("SmolLM2 Q4_1 not available")
+    if step_impl == "twin":
+        pytest.skip("the numpy twin is too slow for a 135M model here")
+    assert_same_run(path, tolerance=1e-3)
+
+
+@pytest.mark.realfiles
+@pytest.mark.parametrize("name", ["gemma3-270m", "qwen2.5-coder-1.5b"])
+def test_a_real_file_runs_as_the_torch_model(name: str) -> None:
+    """The real files (tests/realfiles.py) in the compiled step: Gemma 3's logits move by
+    percents with a last-bit change of a RoPE value, so both paths read one table."""
+    from realfiles import REAL_FILES
+
+    if name not in REAL_FILES:
+        pytest.skip(f"no real file {name!r}")
+    path = REAL_FILES[name].path()
+    if path is None or cpumodel._step is _pystep:
+        pytest.skip(f"{name} not found, or the compiled step not built")
+    assert_same_run(path, tolerance=1e-3)
+
+
+def test_an_experts_load_counts_the_routed_rows(gguf_models: Dict[str, Path]) -> None:
+    model = load_cpu_model(gguf_models["qwen3_moe"])
+    model.setup_cache(1, 16)
+    model.run_blocks(model.embed_tokens(np.array([[3, 4, 5]])), np.array([0]), [0])
+    load = model.expert_load()
+    assert sorted(load) == [str(i) for i in range(model.cfg.n_layers)]
+    assert all(sum(counts) == 3 * model.cfg.experts_per_token for counts in load.values())
+
+
+def test_a_chunk_of_blocks_passes_hidden_states_on(gguf_models: Dict[str, Path]) -> None:
+    """Two chunks (embedding + blocks [0, 2); blocks [2, 4) + head) give the whole model's
+    logits; each says what it holds."""
+    path = gguf_models["qwen2"]
+    whole, first = load_cpu_model(path), load_cpu_model(path, (0, 2), True, False)
+    second = load_cpu_model(path, (2, 4), False, True)
+    assert (first.has_embedding, first.has_head, second.has_embedding, second.has_head) == (
+        True, False, False, True)
+    assert first.decode_route == {"blocks": "step"}
+    assert whole.decode_route == {"blocks": "step", "head": "step"}
+    for m in (whole, first, second):
+        m.setup_cache(1, 16)
+    tokens, slot = np.array([[7, 3, 9]]), np.array([0])
+    want = whole.head_logits(whole.run_blocks(whole.embed_tokens(tokens), slot, [0]))
+    x = first.run_blocks(first.embed_tokens(tokens), slot, [0])
+    got = second.head_logits(second.run_blocks(x, slot, [0]))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert first.kv_cache_bytes() == second.kv_cache_bytes() == 2 * 2 * 4 * 16 * \
+        whole.cfg.kv_dim
+    assert 0 < first.parameter_bytes() < whole.parameter_bytes()
+
+
+def test_prefill_in_chunks_equals_token_by_token(gguf_models: Dict[str, Path]) -> None:
+    """Consecutive positions of one slot in one call of the step are causal: a prompt run
+    in calls of up to MAX_ROWS rows leaves the cache and the hidden states one token at a
+    time does."""
+    path = gguf_models["gemma3"]  # sliding windows too
+    a, b = load_cpu_model(path), load_cpu_model(path)
+    for m in (a, b):
+        m.setup_cache(1, 32)
+    tokens = np.array([[(5 * i + 3) % 90 for i in range(19)]])
+    whole = a.run_blocks(a.embed_tokens(tokens), np.array([0]), [0])
+    single = np.concatenate([b.run_blocks(b.embed_tokens(tokens[:, i:i + 1]), np.array([0]),
+                                          [i]) for i in range(tokens.shape[1])], 1)
+    np.testing.assert_allclose(whole, single, rtol=0, atol=1e-5)
+    for (ka, va), (kb, vb) in zip(a.caches, b.caches):
+        np.testing.assert_allclose(ka, kb, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(va, vb, rtol=0, atol=1e-5)
+
+
+def test_early_exit_is_not_run_here(gguf_models: Dict[str, Path]) -> None:
+    model = load_cpu_model(gguf_models["qwen3"])
+    model.setup_cache(1, 8)
+    with pytest.raises(NotImplementedError):
+        model.fill_kv(np.zeros((1, 1, model.cfg.dim), np.float32), np.array([0]), [0])
+    with pytest.raises(AssertionError):
+        model.run_blocks(np.zeros((1, 1, model.cfg.dim), np.float32), np.array([0]), [0],
+                         step=object())
+
+
+def test_beyond_the_cache_is_one_line(gguf_models: Dict[str, Path]) -> None:
+    model = load_cpu_model(gguf_models["qwen3"])
+    model.setup_cache(1, 8)
+    with pytest.raises(ValueError, match="beyond the KV cache length 8"):
+        model.run_blocks(np.zeros((1, 3, model.cfg.dim), np.float32), np.array([0]), [6])
+
+
+def test_a_family_the_step_does_not_run_is_refused(monkeypatch: Any,
+                                                   gguf_models: Dict[str, Path]) -> None:
+    import dataclasses
+
+    from mdiedge.model import cpuload
+
+    real = cpuload.family_of
+    monkeypatch.setattr(cpuload, "family_of",
+                        lambda cfg: dataclasses.replace(real(cfg), step_blocks=False))
+    with pytest.raises(CpuPathRefused, match="does not run qwen2 blocks"):
+        load_cpu_model(gguf_models["qwen2"])
+
+
+NO_TORCH = """
+import sys
+sys.modules["torch"] = None  # any import of torch fails
+import numpy as np
+from mdiedge.model.cpuload import load_cpu_model
+for path in sys.argv[1:]:
+    model = load_cpu_model(path)
+    model.setup_cache(1, 32)
+    x = model.run_blocks(model.embed_tokens(np.array([[1, 5, 9, 4, 7, 3, 8, 2, 6, 10]])),
+                         np.array([0]), [0])
+    token = int(model.head_logits(x[:, -1])[0].argmax())
+    x = model.run_blocks(model.embed_tokens(np.array([[token]])), np.array([0]), [10])
+    assert model.head_logits(x[:, 0]).shape == (1, model.cfg.vocab_size)
+print("ran", len(sys.argv) - 1)
+"""
+
+
+def test_a_cpu_model_loads_and_runs_without_torch(gguf_models: Dict[str, Path]) -> None:
+    paths = [str(ROOT / "models" / "nanollama"), str(gguf_models["llama-q4_1"]),
+             str(gguf_models["qwen3_moe"])]
+    done = subprocess.run([sys.executable, "-c", NO_TORCH, *paths], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "ran 3"
+
+
+def test_open_chunk_picks_the_cpu_model_and_falls_back_to_torch(
+        monkeypatch: Any, gguf_models: Dict[str, Path], caplog: Any) -> None:
+    import dataclasses
+
+    from mdiedge.model import chunks, cpuload
+    from mdiedge.model.transformer import Transformer
+
+    path = gguf_models["qwen3"]
+    assert isinstance(chunks.open_chunk(path, None, True, True), cpumodel.CpuModel)
+    assert isinstance(chunks.open_chunk(path, None, True, True, dtype_name="bfloat16"),
+                      Transformer)
+    real = cpuload.family_of
+    monkeypatch.setattr(cpuload, "family_of",
+                        lambda cfg: dataclasses.replace(real(cfg), step_head=False))
+    with caplog.at_level("WARNING", logger="mdiedge.model"):
+        chunk = chunks.open_chunk(path, (0, 2), True, True)
+    assert isinstance(chunk, Transformer) and (chunk.first, chunk.last) == (0, 2)
+    warned = [r.getMessage() for r in caplog.records if r.name == "mdiedge.model"]
+    assert len(warned) == 1 and "does not run the qwen3 head" in warned[0]
+    monkeypatch.setattr(chunks.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(CpuPathRefused, match=r"head \(install torch to run it: pip install"):
+        chunks.open_chunk(path, None, True, True)

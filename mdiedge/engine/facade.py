@@ -122,7 +122,7 @@ class TextModel:
             self.path, self.file, self.cfg = text.path, text.file, text.cfg
             self.tokenizer = text.tokenizer
             return
-        from ..model.checkpoint import check_checkpoint
+        from ..model.cpuload import check_checkpoint
         from ..model.checks import check_tokenizer
 
         self.path = resolve_model(model)

@@ -107,7 +107,7 @@ def check_draft(speculate: Optional[str], text: TextModel) -> None:
 def open_text(spec: EngineSpec) -> TextModel:
     """The model's text side (config and tokenizer, no weights), its config checked against
     the weights' headers: what a command checks its request against before nodes start."""
-    from ..model.checkpoint import check_checkpoint
+    from ..model.cpuload import check_checkpoint
 
     text = TextModel(spec.model, spec.tokenizer)
     check_checkpoint(text.path, text.cfg)

@@ -7,7 +7,7 @@ from typing import Any, List, Optional, Sequence
 
 from ..base.accel import running_code
 from ..base.threads import compute_threads
-from ..model.checkpoint import load_model
+from ..model.chunks import open_chunk
 from ..model.modelfile import reads
 from ..placement.partition import split_layers
 from ..roles.devices import device_of
@@ -35,9 +35,7 @@ class LocalEngine(Engine):
                  quantize: str = "", text: Optional[TextModel] = None) -> None:
         self._open(model, tokenizer, text)
         self.early_exit = early_exit
-        from ..model.devices import parse_dtype  # the torch model's: open_chunk takes the name
-
-        self.device, self.dtype = device_of(device), parse_dtype(dtype)
+        self.device, self.dtype = device_of(device), dtype
         self.ranges = split_layers(self.cfg.n_layers, [1.0] * stages) if stages > 1 \
             else [(0, self.cfg.n_layers)]
         self.compute = ComputeThread()  # loads, sets up and steps: all torch work here
@@ -51,8 +49,9 @@ class LocalEngine(Engine):
 
     def _load(self, quantize: str) -> List[Any]:
         """Each stage's chunk of the model (on the compute thread)."""
-        return [load_model(self.path, layers=r, embedding=i == 0, head=i == 0,
-                           device=self.device, dtype=self.dtype, quantize=quantize or None)
+        torch_for = None if self.early_exit is None else "--early-exit"
+        return [open_chunk(self.path, r, i == 0, i == 0, self.device, self.dtype,
+                           quantize or None, torch_for)
                 for i, r in enumerate(self.ranges)]
 
     def prepare(self, n_slots: int, context: int) -> Scheduler:

@@ -20,6 +20,7 @@ from ..base.errors import CheckpointError, ConfigError
 from .config import ModelConfig
 from .families import config_to_hf
 from .checks import check_finite
+from .cpuload import check_checkpoint  # noqa: F401 (torch-free)
 from .modelfile import LLAMA2C_HEADER, llama2c_config, model_file  # noqa: F401
 from .sources import (QTYPE_KEY, Llama2cSource, SafetensorsArrays,  # noqa: F401 (torch-free)
                       regular_file_size)
@@ -205,18 +206,6 @@ def _chunk_tensor(source: TensorSource, name: str, metadata: Dict[str, str]) -> 
         return source.get(name).contiguous()
     metadata[QTYPE_KEY + name] = qtype
     return source.raw(name).contiguous()
-
-
-def check_checkpoint(path: Path, cfg: ModelConfig) -> None:
-    """The whole config against the whole checkpoint, from the files' headers alone: what a
-    starter checks before any node builds or loads anything (``fit.check_source``)."""
-    from .checks import check_source
-
-    source = open_source(path)
-    try:
-        check_source(cfg, source)
-    finally:
-        source.close()
 
 
 def open_source(path: Path) -> TensorSource:

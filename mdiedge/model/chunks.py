@@ -11,6 +11,7 @@ from typing import Any, Optional, Tuple, Union
 
 from ..base.dtypes import compute_dtype
 from ..base.errors import CpuPathRefused
+from ..base.torchcheck import require_torch
 from .cpuload import load_cpu_model
 
 log = logging.getLogger("mdiedge.model")
@@ -19,12 +20,15 @@ TORCH_INSTALL = "pip install 'mdiedge[torch]'"
 
 def open_chunk(model: Optional[Union[str, Path]], layers: Optional[Tuple[int, int]],
                embedding: bool, head: bool, device: str = "cpu", dtype_name: str = "float32",
-               quantize: Optional[str] = None) -> Any:
+               quantize: Optional[str] = None, torch_for: Optional[str] = None) -> Any:
     """Blocks ``[layers)`` (+ embedding, + head) of ``model`` as a ``CpuModel`` on device
     cpu in float32, else (or where the CPU path refuses it and torch is installed) as the
-    torch ``Transformer``."""
+    torch ``Transformer``. ``torch_for``: the option that needs the torch model (early exit,
+    a draft model), which then loads whatever the device."""
     compute_dtype(dtype_name)  # a one-line error for an unknown name, before any load
-    if device == "cpu" and compute_dtype(dtype_name).name == "float32":
+    if torch_for is not None:
+        require_torch(torch_for)
+    elif device == "cpu" and compute_dtype(dtype_name).name == "float32":
         try:
             return load_cpu_model(model, layers, embedding, head, quantize)
         except CpuPathRefused as e:

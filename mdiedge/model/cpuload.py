@@ -23,6 +23,7 @@ from .qtypes import (QUANTIZERS, check_blocks, dequantize_array, kernel_qtype, q
                      quantize_array)
 from .tensors import TensorSource, tensor_plan
 
+SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
 PathLike = Union[str, Path]
 Matrix = Any  # float32 (out, in) numpy, or a QuantMatrix
 
@@ -68,7 +69,30 @@ def open_array_source(path: Path) -> TensorSource:
         return Llama2cSource(path)
     from .sources import SafetensorsArrays
 
+    if not any((path / name).exists() for name in SAFETENSORS_FILES) \
+            and (path / "pytorch_model.bin").exists():
+        raise CpuPathRefused(f"{path}: a pytorch_model.bin is read through torch")
     return SafetensorsArrays(path)
+
+
+def check_checkpoint(path: Path, cfg: ModelConfig) -> None:
+    """The whole config against the whole checkpoint, from the files' headers alone: what a
+    starter checks before any node builds or loads anything (``checks.check_source``);
+    torch only for a pytorch_model.bin."""
+    from .checks import check_source
+
+    try:
+        source = open_array_source(path)
+    except CpuPathRefused as e:
+        from ..base.torchcheck import require_torch
+        from .checkpoint import open_source
+
+        require_torch(str(e))
+        source = open_source(path)
+    try:
+        check_source(cfg, source)
+    finally:
+        source.close()
 
 
 def _check_runs(cfg: ModelConfig, layers: Tuple[int, int], head: bool,

@@ -30,7 +30,7 @@ from ..base.memory import max_rss_bytes, rss_bytes
 from ..base.threads import compute_threads
 from ..base.nodes import NodeSpec, StarterOptions
 from ..base.words import block_range
-from ..model.checkpoint import load_model
+from ..model.chunks import open_chunk
 from ..model.modelfile import model_file, reads
 from ..model.families import config_to_hf
 from ..runtime.auth import Authenticator
@@ -276,10 +276,9 @@ class RingStarter:
         compute thread."""
         if self.model is None or (self.model.first, self.model.last) != first:
             self.model = None
-            from ..model.devices import parse_dtype  # open_chunk takes the name
-
-            self.model = load_model(self.path, first, True, True, self.device,
-                                    parse_dtype(self.options.dtype), quantize=self.options.quantize)
+            torch_for = None if self.early_exit is None else "--early-exit"
+            self.model = open_chunk(self.path, first, True, True, self.device,
+                                    self.options.dtype, self.options.quantize or None, torch_for)
         return LocalStage(self.model, n_slots, context,
                           exit_policy=starter_policy(self.early_exit, self.hash, self.model))
 

@@ -26,7 +26,7 @@ from ..base.accel import running_code, warn_if_uncompiled
 from ..base.memory import max_rss_bytes, rss_bytes
 from ..base.threads import compute_threads
 from ..base.words import block_range
-from ..model.checkpoint import load_model
+from ..model.chunks import open_chunk
 from ..model.hub import resolve_model
 from ..model.modelfile import model_file, reads
 from ..runtime import messages
@@ -296,12 +296,11 @@ class WorkerNode:
         self.state = "loading"
         self.model, self.stage, self.assignment = None, None, None
         log.info("%s: loading blocks %s from %s", self.name, block_range(request.layers), source)
-        from ..model.devices import parse_dtype  # open_chunk takes the name
-
+        torch_for = None if request.early_exit is None else "early exit"
         self.model = self.compute.call(
-            load_model, source, layers=tuple(request.layers), embedding=False, head=False,
-            device=device_of(request.device, "device"), dtype=parse_dtype(request.dtype),
-            quantize=request.quantize or None)
+            open_chunk, source, tuple(request.layers), False, False,
+            device_of(request.device, "device"), request.dtype, request.quantize or None,
+            torch_for)
         warn_if_uncompiled()
         self.assignment, self.source = request, source
         self.state = "ready"

@@ -20,6 +20,7 @@ from ..base.errors import CheckpointError, ConfigError
 from .config import ModelConfig
 from .families import config_to_hf
 from .checks import check_finite
+from .chunkfile import chunk_safetensors  # noqa: F401 (torch-free)
 from .cpuload import check_checkpoint  # noqa: F401 (torch-free)
 from .modelfile import LLAMA2C_HEADER, llama2c_config, model_file  # noqa: F401
 from .sources import (QTYPE_KEY, Llama2cSource, SafetensorsArrays,  # noqa: F401 (torch-free)
@@ -169,43 +170,6 @@ def content_hash(model: PathLike) -> str:
     classifier calibrated for it), or the file (``ModelFile.content_hash``: once per process
     while the files are unchanged)."""
     return model_file(model).content_hash()
-
-
-def chunk_safetensors(model: PathLike, layers: Tuple[int, int], head: bool = False,
-                      extra: Optional[Dict[str, Tensor]] = None,
-                      extra_metadata: Optional[Dict[str, str]] = None) -> bytes:
-    """The tensors of blocks ``[layers)`` under their Hugging Face names, as safetensors bytes
-    (what a worker without its own copy of the model receives); with ``head``, the final
-    norm and head too, and ``extra`` tensors as they are named (early exit's parts)."""
-    from safetensors.torch import save
-
-    path = resolve_model_path(model)
-    cfg = load_config(path)
-    source = open_source(path)
-    metadata = dict(extra_metadata or {}, format="pt")
-    try:
-        plan = tensor_plan(cfg, layers, False, False)
-        if head:
-            plan.update(tensor_plan(cfg, (0, 0), False, True))
-        tensors = {theirs: _chunk_tensor(source, theirs, metadata) for theirs in plan.values()}
-    finally:
-        source.close()
-    tensors.update(extra or {})
-    return save(tensors, metadata=metadata)
-
-
-
-
-def _chunk_tensor(source: TensorSource, name: str, metadata: Dict[str, str]) -> Tensor:
-    """Tensor ``name`` as a chunk carries it: a kernel type's blocks as the file holds them
-    (uint8, its type in ``metadata``), anything else in float."""
-    from .qlayers import kernel_qtype
-
-    qtype = kernel_qtype(source, name)
-    if qtype is None:
-        return source.get(name).contiguous()
-    metadata[QTYPE_KEY + name] = qtype
-    return source.raw(name).contiguous()
 
 
 def open_source(path: Path) -> TensorSource:

@@ -82,23 +82,23 @@ def extra_bytes(request: Assignment) -> int:
 
 
 def chunk_extras(model_dir: Path, spec: Optional[ExitSpec]
-                 ) -> "Tuple[Dict[str, torch.Tensor], Dict[str, str]]":
+                 ) -> "Tuple[Dict[str, Any], Dict[str, str]]":
     """The exit classifier file's bytes as one tensor of a sent chunk (the worker writes them
     back verbatim, so its sha256 is the starter's), and the chunk metadata saying so (the
     head travels under its own checkpoint names; see ``chunk_safetensors(head=...)``)."""
     if spec is None or not spec.needs_classifier:
         return {}, {}
     model_dir = model_dir if model_dir.is_dir() else model_dir.parent
-    import torch
+    import numpy as np
 
-    raw = bytearray((model_dir / CLASSIFIER_FILE).read_bytes())
-    return {CLASSIFIER_TENSOR: torch.frombuffer(raw, dtype=torch.uint8)}, {}
+    raw = (model_dir / CLASSIFIER_FILE).read_bytes()
+    return {CLASSIFIER_TENSOR: np.frombuffer(raw, dtype=np.uint8)}, {}
 
 
 def sent_chunk(path: Path, layers: Tuple[int, int], spec: Optional[ExitSpec]) -> bytes:
     """What the starter sends a worker without a copy of the model: its blocks, and the
     exit parts its criterion needs."""
-    from ..model.checkpoint import chunk_safetensors
+    from ..model.chunkfile import chunk_safetensors
 
     extra, metadata = chunk_extras(path, spec)
     return chunk_safetensors(path, layers, spec is not None and spec.needs_head, extra, metadata)

@@ -75,6 +75,9 @@ class EngineOptions:
         "products, as llama.cpp does) or f32 (float32, exact); default $MDIEDGE_CPU_DOT, else "
         f"{defaults.CPU_DOT} (a worker's or starter's config: cpu_dot).", "--cpu-dot",
         metavar="q8|f32")
+    torch_cpu: bool = flag(
+        False, "Compute through torch on the CPU too (the reference path, which the "
+        "torch-free one is tested against; needs torch): one node only.", "--torch-cpu")
     prompt_cache: bool = flag(
         True, "Keep each finished request's KV rows so a prompt that begins with its tokens "
         "(the next turn of a conversation) computes only the rest.",
@@ -91,6 +94,9 @@ class EngineOptions:
         need(self.stall_timeout is None or seconds_ok(self.stall_timeout), "--stall-timeout",
              self.stall_timeout, "a number of seconds > 0")
         need(self.spares >= 0, "--spares", self.spares, "an integer >= 0")
+        need(not self.torch_cpu or (self.ring is None and self.nodes == 1), "--torch-cpu",
+             f"--ring {self.ring}" if self.ring else f"--nodes {self.nodes}",
+             "one node (--nodes 1): a ring's workers choose their own path")
         need(self.prefill_chunk is None or self.prefill_chunk >= 0, "--prefill-chunk",
              self.prefill_chunk, "an integer >= 0")
         return replace(self, compression=canonical_compression(self.compression),
@@ -99,7 +105,8 @@ class EngineOptions:
     def needs_torch(self) -> Optional[str]:
         """The option that needs torch (the torch model), or None: a CPU node computing in
         float32 runs without it."""
-        return torch_option(self.device, self.dtype, self.early_exit, self.speculate)
+        return torch_option(self.device, self.dtype, self.early_exit, self.speculate,
+                            self.torch_cpu)
 
     def given_ring_options(self) -> Dict[str, Any]:
         """The ``StarterOptions`` fields given (not None), which win over a ring file's."""
@@ -110,7 +117,8 @@ class EngineOptions:
 
 
 def torch_option(device: str, dtype: str = "float32", early_exit: Optional[str] = None,
-                 speculate: Optional[str] = "off") -> Optional[str]:
+                 speculate: Optional[str] = "off", torch_cpu: bool = False
+                 ) -> Optional[str]:
     """Of these options, the first that needs torch, as the command line spells it; None
     where none does."""
     if device != "cpu":
@@ -121,7 +129,7 @@ def torch_option(device: str, dtype: str = "float32", early_exit: Optional[str] 
         return f"--early-exit {early_exit}"
     if speculate is not None and speculate.startswith("draft:"):
         return "--speculate draft:PATH"
-    return None
+    return "--torch-cpu" if torch_cpu else None
 
 
 def seconds_ok(value: float) -> bool:

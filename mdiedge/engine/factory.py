@@ -149,7 +149,8 @@ def _open(spec: EngineSpec, text: TextModel, settings: "Optional[ExitSettings]")
         from .local import LocalEngine
 
         return LocalEngine(device=spec.device, dtype=spec.dtype, early_exit=settings,
-                           quantize=spec.quantize or "", text=text)
+                           quantize=spec.quantize or "", text=text,
+                           torch_for=spec.needs_torch())
     from .ring import RingEngine
 
     if spec.ring is not None or spec.workers:

@@ -32,9 +32,11 @@ class LocalEngine(Engine):
     def __init__(self, model: Optional[PathLike] = None, tokenizer: Optional[PathLike] = None,
                  device: str = "cpu", dtype: str = "float32", stages: int = 1,
                  prefill_chunk: int = 0, early_exit: Optional[ExitSettings] = None,
-                 quantize: str = "", text: Optional[TextModel] = None) -> None:
+                 quantize: str = "", text: Optional[TextModel] = None,
+                 torch_for: Optional[str] = None) -> None:
         self._open(model, tokenizer, text)
         self.early_exit = early_exit
+        self.torch_for = torch_for or (None if early_exit is None else "--early-exit")
         self.device, self.dtype = device_of(device), dtype
         self.ranges = split_layers(self.cfg.n_layers, [1.0] * stages) if stages > 1 \
             else [(0, self.cfg.n_layers)]
@@ -49,9 +51,8 @@ class LocalEngine(Engine):
 
     def _load(self, quantize: str) -> List[Any]:
         """Each stage's chunk of the model (on the compute thread)."""
-        torch_for = None if self.early_exit is None else "--early-exit"
         return [open_chunk(self.path, r, i == 0, i == 0, self.device, self.dtype,
-                           quantize or None, torch_for)
+                           quantize or None, self.torch_for)
                 for i, r in enumerate(self.ranges)]
 
     def prepare(self, n_slots: int, context: int) -> Scheduler:

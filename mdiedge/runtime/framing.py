@@ -107,10 +107,10 @@ def numpy_dtype(code: int) -> np.dtype:
     return DTYPES[dtypes.by_code(code).code]
 
 
-def tensor_bytes(array: np.ndarray) -> np.ndarray:
-    """The flat uint8 view of a C-contiguous numpy array's memory (the bytes the framing
-    modules send or fill)."""
-    return array.reshape(-1).view(np.uint8)
+def tensor_bytes(array: Any) -> np.ndarray:
+    """The flat uint8 view of an array's memory (``to_numpy``'s: a C-contiguous numpy array
+    is its own): the bytes the framing modules send or fill."""
+    return to_numpy(array).reshape(-1).view(np.uint8)
 
 
 def send_tensor(sock: Any, msg_type: int, sample_ids: Sequence[int], positions: Sequence[int],

@@ -241,3 +241,27 @@ def test_a_bad_logit_bias_is_one_line_naming_it(bias: Any, message: str) -> None
     with pytest.raises(GenerationError) as caught:
         SamplingParams(logit_bias=bias)
     assert message in str(caught.value)
+
+
+@pytest.mark.parametrize("scale, top_p", [(6.0, 0.95), (3.0, 0.9), (0.5, 0.5), (8.0, 0.999)])
+def test_top_p_keeps_what_sorting_the_whole_row_keeps(scale: float, top_p: float) -> None:
+    """The nucleus sorts only the tokens that can be in it: the same set as a full sort."""
+    rng = np.random.Generator(np.random.PCG64(int(scale * 10)))
+    logits = (rng.standard_normal(5000) * scale).astype(np.float32)
+    order = np.argsort(-logits, kind="stable")
+    probs = np.exp(logits[order].astype(np.float64) - logits.max())
+    probs /= probs.sum()
+    want = sorted(order[np.cumsum(probs) - probs < top_p].tolist())
+    out = filter_logits(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    assert np.flatnonzero(np.isfinite(out)).tolist() == want
+
+
+def test_a_draw_never_takes_a_token_of_weight_zero() -> None:
+    from mdiedge.model.sampling import draw
+
+    weights = np.zeros(1000, dtype=np.float32)
+    weights[[0, 500, 999]] = [0.2, 0.5, 0.3]
+    gen = sample_generator(1, 0)
+    draws = [draw(weights, gen) for _ in range(3000)]
+    assert set(draws) == {0, 500, 999}
+    assert math.isclose(draws.count(500) / 3000, 0.5, abs_tol=0.04)

@@ -98,25 +98,37 @@ def filter_logits(logits: Any, params: SamplingParams) -> np.ndarray:
         kth = np.partition(logits, vocab - params.top_k)[vocab - params.top_k]
         logits = np.where(logits < kth, np.float32(-np.inf), logits)
     if params.top_p < 1.0:
-        order = np.argsort(-logits, kind="stable")
-        probs = softmax(logits[order])
-        drop = np.cumsum(probs) - probs >= params.top_p
-        drop[0] = False  # always keep the most likely token
-        dropped = np.zeros(vocab, dtype=bool)
-        dropped[order] = drop
-        logits = np.where(dropped, np.float32(-np.inf), logits)
+        logits = nucleus(logits, params.top_p)
     if params.min_p > 0:  # keep tokens at least min_p times as likely as the likeliest
         probs = softmax(logits)
         logits = np.where(probs < params.min_p * probs.max(), np.float32(-np.inf), logits)
     return logits
 
 
+def nucleus(logits: np.ndarray, top_p: float) -> np.ndarray:
+    """``logits`` (vocab,) with -inf past the smallest set of likeliest tokens whose
+    probabilities reach ``top_p`` (the likeliest always kept; ties: the lower id first).
+    Only tokens of probability at least (1 - top_p) / (2 vocab) are sorted: those below
+    hold less than half of 1 - top_p between them, so the set lies among the others, and
+    sorting a whole vocabulary would cost milliseconds a token."""
+    probs, vocab = softmax(logits), logits.shape[-1]
+    candidates = np.flatnonzero(probs >= (1.0 - top_p) / (2 * vocab))
+    order = candidates[np.lexsort((candidates, -probs[candidates]))]
+    cumulative = np.cumsum(probs[order])
+    kept = order[cumulative - probs[order] < top_p]
+    out = np.full(vocab, -np.inf, dtype=np.float32)
+    out[order[0]] = logits[order[0]]  # always keep the most likely token
+    out[kept] = logits[kept]
+    return out
+
+
 def draw(weights: np.ndarray, generator: Generator) -> int:
     """One index drawn in proportion to ``weights`` (non-negative, not all 0): the inverse
-    of their running sum at one uniform draw; an index of weight 0 is never drawn."""
-    cumulative = np.cumsum(weights, dtype=np.float64)
+    of the running sum of those above 0 at one uniform draw."""
+    indices = np.flatnonzero(weights > 0)
+    cumulative = np.cumsum(weights[indices], dtype=np.float64)
     point = generator.random() * cumulative[-1]
-    return int(min(np.searchsorted(cumulative, point, side="right"), len(cumulative) - 1))
+    return int(indices[min(np.searchsorted(cumulative, point, side="right"), len(indices) - 1)])
 
 
 def sample_rows(logits: Any, params: SamplingParams, generators: Sequence[Generator],

@@ -1,9 +1,9 @@
 """The ``draft:PATH`` drafter: a small model sharing the target's tokenizer, on the starter.
 
-It is a model chunk like any other (the torch ``Transformer``, or a chunk that ``takes_numpy``),
-the whole model in this process with
-its own KV slots (``DraftModel``: loaded once per engine, its slots shared by the engine's
-requests, one per sample, from its own ``SlotTable``). A request's ``DraftModelDrafter``
+It is a model chunk like any other (the torch ``Transformer``, or a chunk that
+``takes_numpy``), the whole model in this process with its own KV slots (``DraftModel``:
+loaded once per engine, its slots shared by the engine's requests, one per sample, from its
+own ``SlotTable``). A request's ``DraftModelDrafter``
 holds its samples' slots there and frees each when the sample ends. For each sample it remembers
 the tokens its KV rows hold; a proposal feeds what the sample gained since (the tokens the
 target accepted after the common prefix: the KV rows past it are dead and are overwritten),

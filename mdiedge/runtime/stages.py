@@ -1,11 +1,13 @@
 """Stages: what runs a block range for a message and returns the next message.
 
 A ``LocalStage`` wraps a model chunk (blocks ``[first, last)``: the torch ``Transformer``, or a
-chunk that ``takes_numpy`` and runs on numpy buffers without torch) with its own KV slot table: the ring's sample ids map to KV rows per
-node, so a message never carries slots, and a RELEASE frees a sample's row on every node it
-passes. The starter's chunk, each worker's chunk and every in-process pipeline stage are
-``LocalStage``s; ``mdiedge.runtime.pipeline`` strings them together, with the ring's links as
-a remote tail.
+chunk that ``takes_numpy`` and runs on numpy buffers without torch) with its own KV slot
+table: the ring's sample ids map to KV rows per node, so a message never carries slots, and
+a RELEASE frees a sample's row on every node it passes. A numpy chunk is handed float32
+numpy (bfloat16 words widened) and never meets torch; a torch chunk is handed tensors on its
+device (``torch.from_numpy`` of what the wire delivered). The starter's chunk, each
+worker's chunk and every in-process pipeline stage are ``LocalStage``s;
+``mdiedge.runtime.pipeline`` strings them together, with the ring's links as a remote tail.
 """
 from __future__ import annotations
 

@@ -173,3 +173,21 @@ def test_the_double_is_the_reference() -> None:
         logits = chunk.head_logits(chunk.run_blocks(
             chunk.embed_tokens(np.array([[text[-1]]])), np.array([0]), [len(text) - 1]))
     assert text[5:] == greedy_reference([3, 1, 4, 1, 5], 6) and LAYERS == 4
+
+
+def test_a_numpy_draft_model_proposes_its_greedy_continuation() -> None:
+    from mdiedge.model.sampling import SamplingParams
+    from mdiedge.runtime.draftmodel import DraftModel
+
+    draft = DraftModel(ShiftChunk(), 2, CFG.max_seq_len)
+    drafter = draft.drafter(SamplingParams(temperature=0))
+    text = [3, 1, 4, 1, 5]
+    first = drafter.propose(0, text, 4)
+    assert first.q is None and first.tokens == greedy_reference(text, 4)
+    text = text + first.tokens[:2] + [(first.tokens[2] + 1) % CFG.vocab_size]
+    assert drafter.propose(0, text, 3).tokens == greedy_reference(text, 3)  # rows redone
+    sampled = draft.drafter(SamplingParams(temperature=1.0, top_p=1.0, seed=2))
+    proposal = sampled.propose(1, text, 3)
+    assert proposal.q is not None and proposal.q.shape == (3, CFG.vocab_size)
+    assert np.allclose(proposal.q.sum(-1), 1.0)
+    assert all(proposal.q[i, t] > 0 for i, t in enumerate(proposal.tokens))

@@ -227,7 +227,9 @@ def test_filters_that_leave_the_likeliest_token_sample_as_greedy(
         client: openai.OpenAI, fields: Dict[str, Any]) -> None:
     greedy = completion(client).choices[0].text
     sampled = completion(client, temperature=1.0, seed=3, extra_body=fields).choices[0].text
-    assert sampled == greedy != completion(client, temperature=1.0, seed=3).choices[0].text
+    assert sampled == greedy
+    assert any(completion(client, temperature=1.0, seed=seed).choices[0].text != greedy
+               for seed in (3, 4, 5))  # unfiltered, sampling leaves greedy text somewhere
 
 
 def test_stop_takes_up_to_16_strings(client: openai.OpenAI) -> None:

@@ -8,6 +8,7 @@ import json
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,8 +47,8 @@ def walk(grammar: Grammar, tokenizer: Any, seed: int, steps: int = 80) -> str:
 
 def test_json_object_allows_only_an_opening_brace_first(tokenizer: Any) -> None:
     allowed = Grammar(tokenizer, 49152, "json_object", None).matcher().allowed()
-    assert allowed.dtype == torch.bool and allowed.shape == (49152,)
-    assert {tokenizer.token(i) for i in allowed.nonzero().flatten().tolist()} == \
+    assert allowed.dtype == np.bool_ and allowed.shape == (49152,)
+    assert {tokenizer.token(i) for i in np.flatnonzero(allowed).tolist()} == \
         {"{", "{}", '{"'}
 
 
@@ -118,18 +119,18 @@ def test_drafts_are_masked_as_the_grammar_stands_after_each(tokenizer: Any) -> N
 
     constraint = Grammar(tokenizer, 49152, "gbnf", 'root ::= "red" | "green"').matcher()
     good = tokenizer.encode("green")
-    logits = torch.zeros(len(good) + 2, 49152)
+    logits = np.zeros((len(good) + 2, 49152), dtype=np.float32)
     rows = constraint.masked_drafts(logits, good + [tokenizer.encode("x")[0]])
     for i, token in enumerate(good):
         assert rows[i, token] == 0 and int((rows[i] == 0).sum()) < 49152
-    assert bool(torch.isinf(rows[:len(good)]).any())
-    assert not bool(torch.isinf(rows[len(good) + 1]).any())  # after the refused draft
-    assert {tokenizer.token(i) for i in constraint.allowed().nonzero().flatten().tolist()} >= \
+    assert bool(np.isinf(rows[:len(good)]).any())
+    assert not bool(np.isinf(rows[len(good) + 1]).any())  # after the refused draft
+    assert {tokenizer.token(i) for i in np.flatnonzero(constraint.allowed()).tolist()} >= \
         {tokenizer.token(good[0])}  # back at the start
     bad = tokenizer.encode("blue")
-    masked = constraint.masked_drafts(torch.zeros(len(bad) + 1, 49152), bad)
-    assert torch.isinf(masked[0, bad[0]])
-    assert greedy_accept(bad, masked.argmax(dim=-1).tolist())[0] != bad[0]
+    masked = constraint.masked_drafts(np.zeros((len(bad) + 1, 49152), dtype=np.float32), bad)
+    assert np.isinf(masked[0, bad[0]])
+    assert greedy_accept(bad, masked.argmax(axis=-1).tolist())[0] != bad[0]
     constraint.take(good)
     assert constraint.finished
 

@@ -1,5 +1,6 @@
 """Import direction: every module under mdiedge/ imports only from its own layer or below, no
-modules import each other in a cycle, and layer 0 does not import torch when it is imported.
+modules import each other in a cycle, and layers 0 (base) and 2 (runtime) do not import torch
+when they are imported.
 
 Read with ``ast`` (nothing is imported): module-level and function-level imports, absolute and
 relative (``from . import x``, ``from ..pkg import y``), ``if TYPE_CHECKING:`` imports, and
@@ -39,8 +40,10 @@ LAYERS: Tuple[Tuple[str, int], ...] = (
     ("mdiedge.__main__", 7),
 )
 
-# Layers whose modules may import torch only inside functions (or under TYPE_CHECKING).
-NO_TORCH_AT_IMPORT: Tuple[int, ...] = (0,)
+# Layers whose modules may import torch only inside functions (or under TYPE_CHECKING): base,
+# and the runtime, which a CPU node runs without torch (tests/test_numpy_runtime.py checks
+# that importing it pulls no torch in through the model layer either).
+NO_TORCH_AT_IMPORT: Tuple[int, ...] = (0, 2)
 HEAVY = ("torch",)
 
 

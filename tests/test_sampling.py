@@ -4,13 +4,13 @@ from __future__ import annotations
 import math
 from typing import Any, List
 
+import numpy as np
 import pytest
-import torch
 
 from mdiedge.base import defaults
 from mdiedge.model.sampling import SamplingParams, filter_logits, sample_generator, sample_rows
 
-LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]))
+LOGITS = np.log(np.array([0.5, 0.25, 0.15, 0.07, 0.03], dtype=np.float32))
 
 
 @pytest.mark.parametrize("params,kept", [
@@ -26,12 +26,12 @@ LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]))
 ])
 def test_filters_keep_the_expected_tokens(params: SamplingParams, kept: List[int]) -> None:
     out = filter_logits(LOGITS, params)
-    assert torch.isfinite(out).nonzero().flatten().tolist() == kept
+    assert np.flatnonzero(np.isfinite(out)).tolist() == kept
 
 
 def test_temperature_scales_logits() -> None:
     out = filter_logits(LOGITS, SamplingParams(temperature=2.0, top_p=1.0))
-    assert torch.allclose(out, LOGITS / 2)
+    assert np.allclose(out, LOGITS / 2)
 
 
 def test_default_params_are_the_cli_defaults() -> None:
@@ -42,7 +42,7 @@ def test_default_params_are_the_cli_defaults() -> None:
 
 
 def test_greedy_is_argmax() -> None:
-    logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 0.0]])
+    logits = np.array([[0.1, 3.0, 0.2], [5.0, 0.0, 0.0]], dtype=np.float32)
     assert sample_rows(logits, SamplingParams(temperature=0), []) == [1, 0]
 
 
@@ -50,7 +50,7 @@ def test_greedy_is_argmax() -> None:
     (0.0, True), (1e-300, True), (1e-45, True), (9.9e-6, True), (1e-5, False), (0.8, False)])
 def test_a_temperature_near_zero_is_greedy(temperature: float, greedy: bool) -> None:
     params = SamplingParams(temperature=temperature, top_p=1.0)
-    logits = torch.tensor([[0.1, 3.0, 2.9], [5.0, 0.0, 4.99]]) * 30
+    logits = np.array([[0.1, 3.0, 2.9], [5.0, 0.0, 4.99]], dtype=np.float32) * 30
     assert params.greedy is greedy
     rows = sample_rows(logits, params, [sample_generator(0, 0), sample_generator(0, 1)])
     assert rows == [1, 0]  # greedy, or a distribution all but certain of the argmax
@@ -58,7 +58,7 @@ def test_a_temperature_near_zero_is_greedy(temperature: float, greedy: bool) -> 
 
 def test_each_sample_has_its_own_stream() -> None:
     params = SamplingParams(temperature=1.0, seed=3)
-    logits = torch.zeros(2, 1000)
+    logits = np.zeros((2, 1000), dtype=np.float32)
     a = sample_rows(logits, params, [sample_generator(3, 0), sample_generator(3, 1)])
     b0 = sample_rows(logits[:1], params, [sample_generator(3, 0)])
     b1 = sample_rows(logits[1:], params, [sample_generator(3, 1)])
@@ -141,7 +141,7 @@ def test_spans(span: Any, inside: list, outside: list, expected: str) -> None:
 
 # -- penalties, biases and min-p: OpenAI's and llama.cpp's definitions, term by term
 
-ROW = torch.tensor([2.0, -1.0, 0.5, 0.0, 1.0])
+ROW = np.array([2.0, -1.0, 0.5, 0.0, 1.0], dtype=np.float32)
 
 
 @pytest.mark.parametrize("params, prompt, output, expected", [
@@ -197,17 +197,18 @@ def test_a_bias_shifts_the_sampled_distribution() -> None:
 
 
 @pytest.mark.parametrize("min_p, kept", [
-    (0.0, [0, 1, 2, 3, 4]), (0.1, [0, 1, 2, 3]), (0.3, [0, 1, 2]), (0.5, [0, 1]), (1.0, [0])])
+    (0.0, [0, 1, 2, 3, 4]), (0.1, [0, 1, 2, 3]), (0.29, [0, 1, 2]), (0.31, [0, 1]), (0.5, [0, 1]),
+    (1.0, [0])])  # 0.3 is token 2's share exactly: float rounding decides
 def test_min_p_keeps_tokens_at_least_that_share_of_the_likeliest(min_p: float,
                                                                  kept: List[int]) -> None:
     out = filter_logits(LOGITS, SamplingParams(temperature=1.0, top_p=1.0, min_p=min_p))
-    assert torch.isfinite(out).nonzero().flatten().tolist() == kept
+    assert np.flatnonzero(np.isfinite(out)).tolist() == kept
 
 
 def test_logprobs_are_the_models_log_softmax_with_the_likeliest() -> None:
     from mdiedge.model.sampling import token_logprobs
 
-    rows = torch.stack([LOGITS, LOGITS.flip(0)]) + 3.0  # logits, not log-probabilities
+    rows = np.stack([LOGITS, LOGITS[::-1]]) + 3.0  # logits, not log-probabilities
     scored = token_logprobs(rows, [2, 0], 2)
     assert scored[0].logprob == pytest.approx(math.log(0.15), abs=1e-6)
     assert [t for t, _ in scored[0].top] == [0, 1] and [t for t, _ in scored[1].top] == [4, 3]
@@ -240,3 +241,27 @@ def test_a_bad_logit_bias_is_one_line_naming_it(bias: Any, message: str) -> None
     with pytest.raises(GenerationError) as caught:
         SamplingParams(logit_bias=bias)
     assert message in str(caught.value)
+
+
+@pytest.mark.parametrize("scale, top_p", [(6.0, 0.95), (3.0, 0.9), (0.5, 0.5), (8.0, 0.999)])
+def test_top_p_keeps_what_sorting_the_whole_row_keeps(scale: float, top_p: float) -> None:
+    """The nucleus sorts only the tokens that can be in it: the same set as a full sort."""
+    rng = np.random.Generator(np.random.PCG64(int(scale * 10)))
+    logits = (rng.standard_normal(5000) * scale).astype(np.float32)
+    order = np.argsort(-logits, kind="stable")
+    probs = np.exp(logits[order].astype(np.float64) - logits.max())
+    probs /= probs.sum()
+    want = sorted(order[np.cumsum(probs) - probs < top_p].tolist())
+    out = filter_logits(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    assert np.flatnonzero(np.isfinite(out)).tolist() == want
+
+
+def test_a_draw_never_takes_a_token_of_weight_zero() -> None:
+    from mdiedge.model.sampling import draw
+
+    weights = np.zeros(1000, dtype=np.float32)
+    weights[[0, 500, 999]] = [0.2, 0.5, 0.3]
+    gen = sample_generator(1, 0)
+    draws = [draw(weights, gen) for _ in range(3000)]
+    assert set(draws) == {0, 500, 999}
+    assert math.isclose(draws.count(500) / 3000, 0.5, abs_tol=0.04)

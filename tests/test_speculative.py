@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import List, Sequence
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,7 +42,7 @@ def test_greedy_refuses_a_wrong_number_of_model_tokens() -> None:
 
 def test_accept_is_greedy_on_raw_argmax_for_greedy_params() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0], [0.0, 0.0, 5.0]])
-    gen = torch.Generator().manual_seed(0)
+    gen = sample_generator(0, 0)  # a torch tensor of logits is taken as numpy
     assert accept([1, 0], logits, None, SamplingParams(temperature=0), gen) == [1, 0, 2]
     assert accept([1, 2], logits, None, SamplingParams(temperature=0), gen) == [1, 0]
 
@@ -51,8 +52,9 @@ def p_value(stat: float, df: int) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(stat / 2.0)))
 
 
-def goodness_of_fit(counts: torch.Tensor, probs: torch.Tensor) -> float:
+def goodness_of_fit(counts: torch.Tensor, probs: np.ndarray) -> float:
     """p-value of ``counts`` drawn from ``probs`` (cells expected under 5 pooled)."""
+    probs = torch.as_tensor(np.asarray(probs, dtype=np.float32))
     n = float(counts.sum())
     expected = probs * n
     big = expected >= 5
@@ -78,29 +80,33 @@ def test_the_p_value_matches_known_chi_square_quantiles() -> None:
     assert p_value(18.307, 10) == pytest.approx(0.05, abs=1e-4)
 
 
-P = torch.tensor([0.30, 0.05, 0.25, 0.0, 0.15, 0.25])
-P_NEXT = torch.tensor([0.1, 0.2, 0.3, 0.2, 0.1, 0.1])
-Q = torch.tensor([0.05, 0.40, 0.10, 0.20, 0.15, 0.10])  # proposes where p is small or 0
+P = np.array([0.30, 0.05, 0.25, 0.0, 0.15, 0.25], dtype=np.float32)
+P_NEXT = np.array([0.1, 0.2, 0.3, 0.2, 0.1, 0.1], dtype=np.float32)
+Q = np.array([0.05, 0.40, 0.10, 0.20, 0.15, 0.10], dtype=np.float32)  # where p is small or 0
+
+
+def rng(seed: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(seed))
 
 
 @pytest.mark.parametrize("one_hot", [False, True])
 def test_one_verification_emits_tokens_distributed_as_p(one_hot: bool) -> None:
     draws = 4000
-    draft_gen, gen = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    draft_gen, gen = rng(1), rng(2)
     first, kept = torch.zeros(6, dtype=torch.long), 0
     for _ in range(draws):
-        x = 1 if one_hot else int(torch.multinomial(Q, 1, generator=draft_gen))
-        out = sampled_accept([x], torch.stack([P, P_NEXT]), None if one_hot else Q[None], gen)
+        x = 1 if one_hot else int(draft_gen.choice(6, p=Q / Q.sum()))
+        out = sampled_accept([x], np.stack([P, P_NEXT]), None if one_hot else Q[None], gen)
         first[out[0]] += 1
         kept += len(out) == 2
     assert goodness_of_fit(first, P) > 0.01
-    expected_kept = float(P[1]) if one_hot else float(torch.minimum(P, Q).sum())
+    expected_kept = float(P[1]) if one_hot else float(np.minimum(P, Q).sum())
     assert kept / draws == pytest.approx(expected_kept, abs=0.025)
 
 
 def test_sampled_acceptance_repeats_for_a_seed() -> None:
-    p = torch.stack([P, P_NEXT, P])
-    runs = [[sampled_accept([2, 0], p, Q[None].repeat(2, 1), torch.Generator().manual_seed(s))
+    p = np.stack([P, P_NEXT, P])
+    runs = [[sampled_accept([2, 0], p, np.repeat(Q[None], 2, 0), rng(s))
              for s in range(30)] for _ in range(2)]
     assert runs[0] == runs[1]
     assert len({tuple(r) for r in runs[0]}) > 3
@@ -108,17 +114,17 @@ def test_sampled_acceptance_repeats_for_a_seed() -> None:
 
 def test_sampled_refuses_mismatched_distributions() -> None:
     with pytest.raises(ValueError, match=r"model distributions \(1, 6\) for 1 drafts"):
-        sampled_accept([1], P[None], None, torch.Generator())
+        sampled_accept([1], P[None], None, rng(0))
     with pytest.raises(ValueError, match=r"draft distributions \(1, 5\) for 1 drafts"):
-        sampled_accept([1], torch.stack([P, P]), torch.ones(1, 5) / 5, torch.Generator())
+        sampled_accept([1], np.stack([P, P]), np.ones((1, 5)) / 5, rng(0))
 
 
 def test_distributions_follow_the_sampling_transforms() -> None:
-    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    logits = np.array([[2.0, 1.0, 0.0, -1.0]], dtype=np.float32)
     top2 = distributions(logits, SamplingParams(temperature=1.0, top_k=2, top_p=1.0))[0]
     assert top2[2:].sum() == 0 and top2.sum() == pytest.approx(1.0)
     hot = distributions(logits, SamplingParams(temperature=0.5, top_k=0, top_p=1.0))[0]
-    assert torch.allclose(hot, torch.softmax(logits[0] / 0.5, -1))
+    assert np.allclose(hot, torch.softmax(torch.from_numpy(logits[0]) / 0.5, -1).numpy())
 
 
 VOCAB = 8
@@ -158,13 +164,13 @@ def test_speculative_sampling_keeps_the_models_distribution(one_thread: None) ->
     assert homogeneity([t[4] for t in plain], [t[4] for t in spec], VOCAB) > 0.01
 
 
-def exact_second(net: Transformer, prompt: List[int], params: SamplingParams) -> torch.Tensor:
+def exact_second(net: Transformer, prompt: List[int], params: SamplingParams) -> np.ndarray:
     """The model's distribution of its second generated token after ``prompt``."""
     net.setup_cache(1, TINY.max_seq_len)
     slot = torch.tensor([0])
     with torch.inference_mode():
         first = distributions(net(torch.tensor([prompt]), slot, [0]), params)[0]
-        total = torch.zeros(VOCAB)
+        total = np.zeros(VOCAB)
         for t in range(VOCAB):
             if first[t] > 0:
                 row = net(torch.tensor([prompt + [t]]), slot, [0])

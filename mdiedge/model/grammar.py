@@ -14,10 +14,9 @@ import json
 from typing import Any, Sequence
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from ..base import defaults
+from ..base.arrays import float32
 from ..base.errors import GenerationError, GrammarError
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "gbnf", "lark", "regex")
@@ -140,30 +139,31 @@ class Constraint:
         """The grammar is complete and allows nothing more."""
         return bool(self.matcher.is_stopped())
 
-    def allowed(self) -> Tensor:
+    def allowed(self) -> np.ndarray:
         """A bool (vocab,) of the tokens the grammar allows next."""
         words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         bits = np.unpackbits(words, bitorder="little")[:self.vocab_size]
         if bits.shape[0] < self.vocab_size:
             bits = np.pad(bits, (0, self.vocab_size - bits.shape[0]))
         self._check()
-        return torch.from_numpy(bits.astype(bool))
+        return bits.astype(bool)
 
-    def mask(self, logits: Tensor) -> Tensor:
-        """``logits`` (vocab,) with -inf wherever the grammar allows no token."""
-        allowed = self.allowed().to(logits.device)
+    def mask(self, logits: Any) -> np.ndarray:
+        """``logits`` (vocab,) as float32 numpy, -inf wherever the grammar allows no token."""
+        logits, allowed = float32(logits), self.allowed()
         width = logits.shape[-1]
         if width > allowed.shape[0]:
-            allowed = torch.cat([allowed, allowed.new_zeros(width - allowed.shape[0])])
-        return logits.masked_fill(~allowed[:width], float("-inf"))
+            allowed = np.concatenate([allowed, np.zeros(width - allowed.shape[0], dtype=bool)])
+        return np.where(allowed[:width], logits, np.float32(-np.inf))
 
-    def masked_drafts(self, logits: Tensor, drafts: Sequence[int]) -> Tensor:
+    def masked_drafts(self, logits: Any, drafts: Sequence[int]) -> np.ndarray:
         """A verification's ``logits`` (len(drafts) + 1 or more, vocab), each row masked as
         the grammar stands after the drafts before it; rows after a draft the grammar
         refuses, or after it is complete, stay as they are (verification stops there: a
         draft outside the grammar has probability 0 and is rejected). The matcher ends
         where it began."""
-        rows, followed = logits.clone(), 0
+        logits = float32(logits)
+        rows, followed = logits.copy(), 0
         for i in range(len(drafts) + 1):
             if self.matcher.is_stopped():
                 break

@@ -19,92 +19,127 @@ A row of logits is changed first, in this order, before greedy's argmax or any f
 
 Log-probabilities (``top_logprobs``) are those of the model's own logits, before all of
 this and before temperature, as OpenAI reports them.
+
+Logits are numpy float32 rows (a torch tensor is taken too, turned into numpy), and each
+generator is a ``numpy.random.Generator``: no torch here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
-import torch
-from torch import Tensor
+import numpy as np
 
+from ..base.arrays import float32
 from ..base.request import SamplingParams
 
 _SEED_STRIDE = 1_000_003
 History = Tuple[Sequence[int], Sequence[int]]  # a sample's prompt and its output so far
+Generator = np.random.Generator
 
 
-def sample_generator(seed: int, sample_index: int) -> torch.Generator:
+def sample_generator(seed: int, sample_index: int) -> Generator:
     """The generator of one sample: independent of every other sample's."""
-    return torch.Generator().manual_seed(seed * _SEED_STRIDE + sample_index)
+    return np.random.Generator(np.random.PCG64(seed * _SEED_STRIDE + sample_index))
 
 
-def penalize(logits: Tensor, params: SamplingParams, prompt: Sequence[int],
-             output: Sequence[int]) -> Tensor:
+def penalize(logits: Any, params: SamplingParams, prompt: Sequence[int],
+             output: Sequence[int]) -> np.ndarray:
     """One row of logits (vocab,) with ``params``' bias and penalties applied (module
-    docstring), for a sample with ``prompt`` and ``output`` so far; fp32."""
-    logits = logits.detach().float().cpu().clone()
+    docstring), for a sample with ``prompt`` and ``output`` so far; a float32 copy."""
+    logits = np.array(float32(logits), dtype=np.float32)
     vocab = logits.shape[-1]
     for token, bias in params.logit_bias:
         if token < vocab:
-            logits[token] += bias
+            logits[token] += np.float32(bias)
     if params.repetition_penalty != 1:
-        seen = torch.tensor(sorted({t for t in (*prompt, *output) if 0 <= t < vocab}),
-                            dtype=torch.long)
+        seen = np.array(sorted({t for t in (*prompt, *output) if 0 <= t < vocab}),
+                        dtype=np.int64)
         values = logits[seen]
-        logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
-                                   values * params.repetition_penalty)
+        r = np.float32(params.repetition_penalty)
+        logits[seen] = np.where(values > 0, values / r, values * r)
     if output and (params.frequency_penalty != 0 or params.presence_penalty != 0):
-        counts = torch.bincount(torch.tensor([t for t in output if 0 <= t < vocab],
-                                             dtype=torch.long), minlength=vocab).float()
-        logits -= counts * params.frequency_penalty + (counts > 0).float() * \
-            params.presence_penalty
+        counts = np.bincount(np.array([t for t in output if 0 <= t < vocab], dtype=np.int64),
+                             minlength=vocab).astype(np.float32)
+        logits -= counts * np.float32(params.frequency_penalty) + \
+            (counts > 0).astype(np.float32) * np.float32(params.presence_penalty)
     return logits
 
 
-def penalize_rows(logits: Tensor, params: SamplingParams,
-                  histories: Optional[Sequence[History]]) -> Tensor:
-    """Rows (B, vocab), row b penalized for ``histories[b]``; as they are when ``params``
-    change nothing (or no histories are given)."""
+def penalize_rows(logits: Any, params: SamplingParams,
+                  histories: Optional[Sequence[History]]) -> np.ndarray:
+    """Rows (B, vocab) as float32 numpy, row b penalized for ``histories[b]``; as they are
+    when ``params`` change nothing (or no histories are given)."""
+    logits = float32(logits)
     if not params.penalized or histories is None:
         return logits
-    return torch.stack([penalize(row, params, prompt, output)
-                        for row, (prompt, output) in zip(logits, histories)])
+    return np.stack([penalize(row, params, prompt, output)
+                     for row, (prompt, output) in zip(logits, histories)])
 
 
-def filter_logits(logits: Tensor, params: SamplingParams) -> Tensor:
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Softmax of a row (or rows, over the last axis) in float32; -inf gives 0."""
+    shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return shifted / shifted.sum(axis=-1, keepdims=True)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log-softmax over the last axis, float32."""
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def filter_logits(logits: Any, params: SamplingParams) -> np.ndarray:
     """Temperature, then top-k, top-p and min-p on one row of logits (vocab,); -inf
     outside."""
-    logits = logits.float() / params.temperature
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    logits = float32(logits) / np.float32(params.temperature)
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = np.partition(logits, vocab - params.top_k)[vocab - params.top_k]
+        logits = np.where(logits < kth, np.float32(-np.inf), logits)
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= params.top_p
-        drop[0] = False  # always keep the most likely token
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        logits = nucleus(logits, params.top_p)
     if params.min_p > 0:  # keep tokens at least min_p times as likely as the likeliest
-        probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+        probs = softmax(logits)
+        logits = np.where(probs < params.min_p * probs.max(), np.float32(-np.inf), logits)
     return logits
 
 
-def sample_rows(logits: Tensor, params: SamplingParams,
-                generators: Sequence[torch.Generator],
+def nucleus(logits: np.ndarray, top_p: float) -> np.ndarray:
+    """``logits`` (vocab,) with -inf past the smallest set of likeliest tokens whose
+    probabilities reach ``top_p`` (the likeliest always kept; ties: the lower id first).
+    Only tokens of probability at least (1 - top_p) / (2 vocab) are sorted: those below
+    hold less than half of 1 - top_p between them, so the set lies among the others, and
+    sorting a whole vocabulary would cost milliseconds a token."""
+    probs, vocab = softmax(logits), logits.shape[-1]
+    candidates = np.flatnonzero(probs >= (1.0 - top_p) / (2 * vocab))
+    order = candidates[np.lexsort((candidates, -probs[candidates]))]
+    cumulative = np.cumsum(probs[order])
+    kept = order[cumulative - probs[order] < top_p]
+    out = np.full(vocab, -np.inf, dtype=np.float32)
+    out[order[0]] = logits[order[0]]  # always keep the most likely token
+    out[kept] = logits[kept]
+    return out
+
+
+def draw(weights: np.ndarray, generator: Generator) -> int:
+    """One index drawn in proportion to ``weights`` (non-negative, not all 0): the inverse
+    of the running sum of those above 0 at one uniform draw."""
+    indices = np.flatnonzero(weights > 0)
+    cumulative = np.cumsum(weights[indices], dtype=np.float64)
+    point = generator.random() * cumulative[-1]
+    return int(indices[min(np.searchsorted(cumulative, point, side="right"), len(indices) - 1)])
+
+
+def sample_rows(logits: Any, params: SamplingParams, generators: Sequence[Generator],
                 histories: Optional[Sequence[History]] = None) -> List[int]:
     """One token per row of ``logits`` (B, vocab); row b draws from ``generators[b]``, its
     penalties counted on ``histories[b]`` (the sample's prompt and output so far)."""
-    logits = penalize_rows(logits, params, histories)
+    rows = penalize_rows(logits, params, histories)
     if params.greedy:
-        return logits.argmax(dim=-1).tolist()
-    rows = logits.detach().float().cpu()
-    out = []
-    for row, gen in zip(rows, generators):
-        probs = torch.softmax(filter_logits(row, params), dim=-1)
-        out.append(int(torch.multinomial(probs, 1, generator=gen)))
-    return out
+        return [int(t) for t in rows.argmax(axis=-1)]
+    return [draw(softmax(filter_logits(row, params)), gen)
+            for row, gen in zip(rows, generators)]
 
 
 @dataclass(frozen=True)
@@ -116,14 +151,20 @@ class TokenLogprob:
     top: Tuple[Tuple[int, float], ...] = ()
 
 
-def token_logprobs(logits: Tensor, tokens: Sequence[int], top: int) -> List[TokenLogprob]:
+def top_entries(row: np.ndarray, top: int) -> Tuple[Tuple[int, float], ...]:
+    """The ``top`` largest entries of ``row`` as (index, value), largest first (ties: the
+    lower index first)."""
+    top = min(top, row.shape[-1])
+    if top <= 0:
+        return ()
+    best = np.argpartition(-row, top - 1)[:top]
+    best = best[np.lexsort((best, -row[best]))]
+    return tuple((int(i), float(row[i])) for i in best)
+
+
+def token_logprobs(logits: Any, tokens: Sequence[int], top: int) -> List[TokenLogprob]:
     """Row i of ``logits`` (T, vocab) scored for ``tokens[i]`` (zip's length): the
     log-softmax of the model's logits, with the ``top`` likeliest of each row."""
-    out = []
-    rows = torch.log_softmax(logits.detach().float().cpu(), dim=-1)
-    for row, token in zip(rows, tokens):
-        best = torch.topk(row, min(top, row.shape[-1])) if top > 0 else None
-        alternatives = tuple(zip(best.indices.tolist(), best.values.tolist())) \
-            if best is not None else ()
-        out.append(TokenLogprob(int(token), float(row[int(token)]), alternatives))
-    return out
+    rows = log_softmax(float32(logits))
+    return [TokenLogprob(int(token), float(row[int(token)]), top_entries(row, top))
+            for row, token in zip(rows, tokens)]

@@ -21,12 +21,13 @@ from the sample's own generator, so a seed gives the same tokens every run.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
-import torch
-from torch import Tensor
+import numpy as np
 
-from .sampling import History, SamplingParams, filter_logits, penalize_rows
+from ..base.arrays import float32
+from .sampling import (Generator, History, SamplingParams, draw, filter_logits,
+                       penalize_rows, softmax)
 
 
 def greedy_accept(drafts: Sequence[int], argmaxes: Sequence[int]) -> List[int]:
@@ -45,65 +46,68 @@ def greedy_accept(drafts: Sequence[int], argmaxes: Sequence[int]) -> List[int]:
     return out
 
 
-def distributions(logits: Tensor, params: SamplingParams) -> Tensor:
+def distributions(logits: Any, params: SamplingParams) -> np.ndarray:
     """Rows of ``logits`` (T, vocab) as the probabilities sampling draws from: softmax after
-    temperature, top-k and top-p (fp32, on the CPU)."""
-    rows = logits.detach().float().cpu()
-    return torch.stack([torch.softmax(filter_logits(row, params), dim=-1) for row in rows])
+    temperature, top-k and top-p (float32 numpy)."""
+    return np.stack([softmax(filter_logits(row, params)) for row in float32(logits)])
 
 
-def sampled_accept(drafts: Sequence[int], p: Tensor, q: Optional[Tensor],
-                   generator: torch.Generator) -> List[int]:
+def sampled_accept(drafts: Sequence[int], p: Any, q: Optional[Any],
+                   generator: Generator) -> List[int]:
     """The tokens one verification emits under the speculative sampling rule.
 
     ``p``: the model's distributions (len(drafts) + 1, vocab); ``q``: the drafter's at the
     drafted positions (len(drafts), vocab), or None for one-hot proposals. Between 1 and
     len(drafts) + 1 tokens."""
     k = len(drafts)
-    if p.dim() != 2 or p.shape[0] != k + 1:
+    p = float32(p)
+    if p.ndim != 2 or p.shape[0] != k + 1:
         raise ValueError(f"model distributions {tuple(p.shape)} for {k} drafts: needs "
                          f"({k + 1}, vocab)")
-    if q is not None and tuple(q.shape) != (k, p.shape[1]):
-        raise ValueError(f"draft distributions {tuple(q.shape)} for {k} drafts of a "
-                         f"vocabulary of {p.shape[1]}")
+    if q is not None:
+        q = float32(q)
+        if tuple(q.shape) != (k, p.shape[1]):
+            raise ValueError(f"draft distributions {tuple(q.shape)} for {k} drafts of a "
+                             f"vocabulary of {p.shape[1]}")
     out: List[int] = []
     for i, drafted in enumerate(drafts):
         x = int(drafted)
         q_row = q[i] if q is not None else _one_hot(x, p.shape[1])
         ratio = float(p[i, x]) / float(q_row[x]) if float(q_row[x]) > 0 else 0.0
-        if float(torch.rand(1, generator=generator)) < min(1.0, ratio):
+        if generator.random() < min(1.0, ratio):
             out.append(x)
             continue
-        out.append(_draw(torch.clamp(p[i] - q_row, min=0.0), p[i], generator))
+        out.append(_draw(np.maximum(p[i] - q_row, 0.0), p[i], generator))
         return out
     out.append(_draw(p[k], p[k], generator))
     return out
 
 
-def accept(drafts: Sequence[int], logits: Tensor, q: Optional[Tensor],
-           params: SamplingParams, generator: torch.Generator,
+def accept(drafts: Sequence[int], logits: Any, q: Optional[Any],
+           params: SamplingParams, generator: Generator,
            history: Optional[History] = None) -> List[int]:
     """The tokens a verification emits: greedy or sampled as ``params`` say. ``logits``: the
     model's raw logits at the len(drafts) + 1 positions (T, vocab); ``history``: the
     sample's prompt and output before them (its penalties)."""
+    logits = float32(logits)
     if history is not None and params.penalized:
         prompt, output = history
         logits = penalize_rows(logits, params, [(prompt, list(output) + list(drafts[:i]))
                                                 for i in range(len(drafts) + 1)])
     if params.greedy:
-        return greedy_accept(drafts, logits.argmax(dim=-1).tolist())
+        return greedy_accept(drafts, [int(t) for t in logits.argmax(axis=-1)])
     return sampled_accept(drafts, distributions(logits, params), q, generator)
 
 
-def _one_hot(token: int, vocab: int) -> Tensor:
-    row = torch.zeros(vocab)
+def _one_hot(token: int, vocab: int) -> np.ndarray:
+    row = np.zeros(vocab, dtype=np.float32)
     row[token] = 1.0
     return row
 
 
-def _draw(weights: Tensor, fallback: Tensor, generator: torch.Generator) -> int:
+def _draw(weights: np.ndarray, fallback: np.ndarray, generator: Generator) -> int:
     """One token drawn in proportion to ``weights``; from ``fallback`` where they sum to 0
     (p equal to q: a rejection there has probability 0, rounding aside)."""
     if float(weights.sum()) <= 0.0:
         weights = fallback
-    return int(torch.multinomial(weights, 1, generator=generator))
+    return draw(weights, generator)

@@ -19,21 +19,21 @@ makes the drafter); ``request_speculate`` resolves a request's own choice (the A
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+
+import numpy as np
 
 from ..base.errors import ConfigError
-
-if TYPE_CHECKING:  # the API's schema imports this module where torch may be missing
-    from torch import Tensor
 
 
 @dataclass
 class Proposal:
     """Drafted tokens, and the drafter's distributions they were drawn from (len(tokens),
-    vocab) after the sampling transforms; None: each proposal is certain (one-hot)."""
+    vocab; float32) after the sampling transforms; None: each proposal is certain
+    (one-hot)."""
 
     tokens: List[int] = field(default_factory=list)
-    q: Optional[Tensor] = None
+    q: Optional[np.ndarray] = None
 
 
 class Drafter(Protocol):

@@ -1,8 +1,9 @@
 """The ``draft:PATH`` drafter: a small model sharing the target's tokenizer, on the starter.
 
-It is the same plain torch ``Transformer`` as any chunk, the whole model in this process with
-its own KV slots (``DraftModel``: loaded once per engine, its slots shared by the engine's
-requests, one per sample, from its own ``SlotTable``). A request's ``DraftModelDrafter``
+It is a model chunk like any other (the torch ``Transformer``, or a chunk that
+``takes_numpy``), the whole model in this process with its own KV slots (``DraftModel``:
+loaded once per engine, its slots shared by the engine's requests, one per sample, from its
+own ``SlotTable``). A request's ``DraftModelDrafter``
 holds its samples' slots there and frees each when the sample ends. For each sample it remembers
 the tokens its KV rows hold; a proposal feeds what the sample gained since (the tokens the
 target accepted after the common prefix: the KV rows past it are dead and are overwritten),
@@ -15,13 +16,14 @@ from __future__ import annotations
 import itertools
 from typing import Any, Dict, List, Optional, Sequence
 
-import torch
+import numpy as np
 
 from .drafting import Proposal
 from .slots import MAX_SAMPLE_ID, SlotTable
 from .stages import inference
+from ..base.arrays import float32
 from ..base.errors import ConfigError
-from ..model.sampling import SamplingParams, sample_generator
+from ..model.sampling import Generator, SamplingParams, draw, sample_generator
 from ..model.speculative import distributions
 
 DRAFT_SEED_OFFSET = 0x5EED  # the draft's draws: another stream than the target's
@@ -94,7 +96,7 @@ class DraftModelDrafter:
         self.draft, self.params = draft, params
         self._keys: Dict[int, int] = {}  # sample id -> its slot's key in the shared table
         self._fed: Dict[int, List[int]] = {}  # sample id -> the tokens its KV rows hold
-        self._gens: Dict[int, torch.Generator] = {}
+        self._gens: Dict[int, Generator] = {}
 
     @property
     def model(self) -> Any:
@@ -129,7 +131,7 @@ class DraftModelDrafter:
         start = min(_common_prefix(fed, tokens), len(tokens) - 1)
         fed = self._fed[sample_id] = list(tokens)
         drafts: List[int] = []
-        rows: List[torch.Tensor] = []
+        rows: List[np.ndarray] = []
         with inference():
             logits = self._run(tokens[start:], slot, start)
             for i in range(k):
@@ -138,24 +140,22 @@ class DraftModelDrafter:
                 if i + 1 < k:
                     logits = self._run([token], slot, len(fed))
                     fed.append(token)
-        return Proposal(drafts, torch.stack(rows) if rows else None)
+        return Proposal(drafts, np.stack(rows) if rows else None)
 
-    def _run(self, tokens: Sequence[int], slot: int, position: int) -> torch.Tensor:
+    def _run(self, tokens: Sequence[int], slot: int, position: int) -> np.ndarray:
         """Logits (vocab,) after ``tokens`` fed into ``slot`` from ``position``."""
-        device = self.model.embed.weight.device
-        ids = torch.tensor([list(tokens)], device=device)
-        return self.model(ids, torch.tensor([slot], device=device), [position])[0]
+        return last_logits(self.model, tokens, slot, position)
 
-    def _choose(self, sample_id: int, logits: torch.Tensor, rows: List[torch.Tensor]) -> int:
+    def _choose(self, sample_id: int, logits: np.ndarray, rows: List[np.ndarray]) -> int:
         """The draft token after ``logits``: argmax (greedy), or a draw whose distribution
         is appended to ``rows``."""
         if self.params.greedy:
             return int(logits.argmax())
         q = distributions(logits[None], self.params)[0]
         rows.append(q)
-        return int(torch.multinomial(q, 1, generator=self._generator(sample_id)))
+        return draw(q, self._generator(sample_id))
 
-    def _generator(self, sample_id: int) -> torch.Generator:
+    def _generator(self, sample_id: int) -> Generator:
         gen = self._gens.get(sample_id)
         if gen is None:
             seed = (self.params.seed + DRAFT_SEED_OFFSET) % 2 ** 40
@@ -178,6 +178,21 @@ class DraftModelDrafter:
     def samples(self) -> int:
         """Samples with state here (tests: a released sample leaves nothing)."""
         return max(len(self._fed), len(self._keys), len(self._gens))
+
+
+def last_logits(model: Any, tokens: Sequence[int], slot: int, position: int) -> np.ndarray:
+    """float32 logits (vocab,) of a whole model chunk after ``tokens`` fed into KV ``slot``
+    from ``position``: numpy throughout for a chunk that ``takes_numpy``, else the torch
+    ``Transformer`` on its device."""
+    if getattr(model, "takes_numpy", False):
+        x = model.run_blocks(model.embed_tokens(np.array([list(tokens)], dtype=np.int64)),
+                             np.array([slot], dtype=np.int64), [position])
+        return model.head_logits(x[:, -1:])[0, -1]
+    import torch
+
+    device = model.embed.weight.device
+    ids = torch.tensor([list(tokens)], device=device)
+    return float32(model(ids, torch.tensor([slot], device=device), [position])[0])
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

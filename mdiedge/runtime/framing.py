@@ -3,17 +3,20 @@
 One frame carries one message between neighbour nodes: a header (message type, flags,
 sequence number, the samples it concerns with their positions, and for a decode ACTIVATION
 its early exit: ``exit_depth`` and each row's ``eligible`` flag) and, for ACTIVATION, PING
-and the like, one C-contiguous CPU tensor sent straight from its memory and received
-straight into a freshly allocated (or caller-given) tensor: no intermediate copies. The
-wire format is documented in ``mdiedge/runtime/_framingspec.py``.
+and the like, one C-contiguous array sent straight from its memory and received straight
+into a freshly allocated (or caller-given) numpy array: no intermediate copies. Any array
+is sent (numpy, or a torch tensor through ``.numpy()``, one on another device copied to the
+CPU first); every array received is numpy, a bfloat16 one as its uint16 words
+(``mdiedge.base.arrays``): no torch here. The wire format is documented in
+``mdiedge/runtime/_framingspec.py``.
 
 A malformed, oversized or truncated frame raises ``FrameError``. The stream position is
 then unknown (part of the frame may be unread), so the caller must close the link; the
 receivers of ``mdiedge.runtime.links`` do so.
 
-A float32 tensor may travel encoded with a codec (``fp16`` or blockwise ``int8``, see
+A float32 array may travel encoded with a codec (``fp16`` or blockwise ``int8``, see
 ``mdiedge.base.codecs``; the header's flags name it): it is encoded into one buffer of the
-encoded size on send, and decoded on receipt from one such buffer into the tensor the frame
+encoded size on send, and decoded on receipt from one such buffer into the array the frame
 fills (the caller's ``out`` or a fresh one), with no other copy.
 
 A link sealed in its handshake (``mdiedge.runtime.seal``) passes its ``Sealer`` to the sends
@@ -33,9 +36,9 @@ from types import ModuleType
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
-import torch
 
 from ..base import dtypes
+from ..base.arrays import BF16_WORDS, to_numpy
 from ..base.codecs import NONE, encoded_size
 from ..base.accel import Twins
 from ..base.errors import FrameError
@@ -74,58 +77,68 @@ codec_of = _impl.codec_of
 ITEMSIZE: Dict[int, int] = _impl.ITEMSIZE
 FrameHeader = _impl.FrameHeader
 
-DTYPE_CODES: Dict[torch.dtype, int] = {getattr(torch, d.name): d.code for d in dtypes.TABLE}
-DTYPES: Dict[int, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
-CONTROL_DTYPE = DTYPE_CODES[torch.uint8]  # the dtype field of frames with no tensor
+BFLOAT16 = dtypes.BY_NAME["bfloat16"].code
+# the numpy dtype each frame dtype code is received as (bfloat16: its uint16 words)
+DTYPES: Dict[int, np.dtype] = {d.code: BF16_WORDS if d.code == BFLOAT16 else np.dtype(d.name)
+                               for d in dtypes.TABLE}
+DTYPE_CODES: Dict[np.dtype, int] = {dtype: code for code, dtype in DTYPES.items()}
+CONTROL_DTYPE = DTYPE_CODES[np.dtype(np.uint8)]  # the dtype field of frames with no array
 
 
-def dtype_code(dtype: torch.dtype) -> int:
-    try:
-        return DTYPE_CODES[dtype]
-    except KeyError:
+def dtype_code(dtype: Any) -> int:
+    """The frame code of a numpy dtype (uint16: bfloat16 words) or a torch dtype (by name)."""
+    name = str(dtype)
+    if name.startswith("torch."):
+        found = dtypes.BY_NAME.get(name[len("torch."):])
+        code = None if found is None else found.code
+    else:
+        try:
+            code = DTYPE_CODES.get(np.dtype(dtype))
+        except TypeError:
+            code = None
+    if code is None:
         raise FrameError(f"dtype {dtype} cannot be framed; use one of "
-                         f"{', '.join(str(d) for d in DTYPE_CODES)}") from None
+                         f"{', '.join(d.name for d in dtypes.TABLE)}")
+    return code
 
 
-def torch_dtype(code: int) -> torch.dtype:
-    return getattr(torch, dtypes.by_code(code).name)
+def numpy_dtype(code: int) -> np.dtype:
+    """The numpy dtype a frame of ``code`` is received as; FrameError for an unknown one."""
+    return DTYPES[dtypes.by_code(code).code]
 
 
-def tensor_bytes(tensor: torch.Tensor) -> Any:
-    """A numpy view of a contiguous CPU tensor's memory (any dtype; bf16, which numpy lacks,
-    as flat uint8). The framing modules cast it to bytes."""
-    if tensor.dtype == torch.bfloat16 or tensor.requires_grad or tensor.numel() == 0:
-        return tensor.detach().reshape(-1).view(torch.uint8).numpy()
-    return tensor.numpy()
+def tensor_bytes(array: Any) -> np.ndarray:
+    """The flat uint8 view of an array's memory (``to_numpy``'s: a C-contiguous numpy array
+    is its own): the bytes the framing modules send or fill."""
+    return to_numpy(array).reshape(-1).view(np.uint8)
 
 
 def send_tensor(sock: Any, msg_type: int, sample_ids: Sequence[int], positions: Sequence[int],
-                tensor: torch.Tensor, flags: int = 0, seq: int = 0,
+                tensor: Any, flags: int = 0, seq: int = 0,
                 impl: Optional[ModuleType] = None, codec: int = NONE,
                 codec_impl: Optional[ModuleType] = None, exit_depth: int = 0,
                 eligible: Sequence[bool] = (), sealer: Optional[Any] = None) -> int:
-    """Send one frame carrying ``tensor`` (1 to 4 dims; moved to the CPU and made contiguous
-    first if need be); its n_tokens is ``tensor.shape[1]`` for 2+ dims, else 1. A float32
-    tensor goes encoded with ``codec`` (a tensor of another dtype as it is). ``exit_depth``
-    and ``eligible`` (one flag per sample, or empty for none) only on an ACTIVATION frame
-    without FLAG_PREFILL. ``sealer``: the frame goes sealed. The bytes sent."""
+    """Send one frame carrying ``tensor``, any array of 1 to 4 dims (numpy, or torch: moved
+    to the CPU and made contiguous first if need be); its n_tokens is ``tensor.shape[1]``
+    for 2+ dims, else 1. A float32 array goes encoded with ``codec`` (one of another dtype
+    as it is). ``exit_depth`` and ``eligible`` (one flag per sample, or empty for none) only
+    on an ACTIVATION frame without FLAG_PREFILL. ``sealer``: the frame goes sealed. The
+    bytes sent."""
     impl = impl or _impl
-    if tensor.dim() == 0:
+    if len(tensor.shape) == 0:
         raise FrameError("a 0-dim tensor cannot be framed (ndim 0 means no payload); "
                          "reshape it to (1,)")
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    if not tensor.is_contiguous():
-        tensor = tensor.contiguous()
-    shape = tuple(tensor.shape)
-    payload = tensor_bytes(tensor)
-    if codec != NONE and tensor.dtype == torch.float32:
-        encoded = np.empty(encoded_size(codec, tensor.numel()), dtype=np.uint8)
+    code = dtype_code(tensor.dtype)
+    array = to_numpy(tensor)
+    shape = tuple(array.shape)
+    payload = tensor_bytes(array)
+    if codec != NONE and array.dtype == np.float32:
+        encoded = np.empty(encoded_size(codec, array.size), dtype=np.uint8)
         (codec_impl or _codec_impl).encode(codec, payload, encoded)
         payload, flags = encoded, flags | (codec << CODEC_SHIFT)
     if sealer is not None:
         flags |= FLAG_SEALED
-    header = impl.pack_header(msg_type, flags, dtype_code(tensor.dtype), sample_ids, positions,
+    header = impl.pack_header(msg_type, flags, code, sample_ids, positions,
                               shape[1] if len(shape) >= 2 else 1, shape, seq, exit_depth,
                               eligible)
     if sealer is not None:
@@ -149,13 +162,13 @@ def send_control(sock: Any, msg_type: int, sample_ids: Sequence[int] = (),
     return len(header) + (0 if tag is None else TAG_SIZE)
 
 
-def _allocate(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The tensor for a validated header; a failed allocation is the frame's fault."""
+def _allocate(shape: Tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """The array for a validated header; a failed allocation is the frame's fault."""
     try:
-        return torch.empty(shape, dtype=dtype)
-    except (RuntimeError, MemoryError) as e:
+        return np.empty(shape, dtype=dtype)
+    except (ValueError, MemoryError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise FrameError(f"cannot allocate the frame's {shape} {dtype} tensor: {reason}") from None
+        raise FrameError(f"cannot allocate the frame's {shape} {dtype} array: {reason}") from None
 
 
 def reader(sock: Any, impl: Optional[ModuleType] = None, capacity: Optional[int] = None,
@@ -169,18 +182,18 @@ def reader(sock: Any, impl: Optional[ModuleType] = None, capacity: Optional[int]
                             busy_poll_us)
 
 
-def recv_frame(source: Any, max_payload: int, out: Optional[torch.Tensor] = None,
+def recv_frame(source: Any, max_payload: int, out: Optional[np.ndarray] = None,
                impl: Optional[ModuleType] = None, codec_impl: Optional[ModuleType] = None,
-               opener: Optional[Any] = None) -> Tuple[Any, Optional[torch.Tensor]]:
+               opener: Optional[Any] = None) -> Tuple[Any, Optional[np.ndarray]]:
     """Receive one frame from ``source``, a link's ``reader`` (or a socket, read up to the
-    frame's end and no further): its validated header and its tensor (None for a frame
-    without one).
+    frame's end and no further): its validated header and its numpy array (None for a
+    frame without one; bfloat16 as uint16 words).
 
-    The tensor is allocated only once the header is validated (its payload at most
-    ``max_payload`` bytes), unless ``out`` is given: a contiguous CPU tensor of the frame's
-    shape and dtype, received into in place (else FrameError). Any FrameError leaves the
+    The array is allocated only once the header is validated (its payload at most
+    ``max_payload`` bytes), unless ``out`` is given: a C-contiguous writable numpy array of
+    the frame's shape and dtype, received into in place (else FrameError). Any FrameError leaves the
     stream at an unknown position: close the link. An encoded payload (the header's codec)
-    is received into one buffer of its size and decoded into the tensor. ``opener``: the
+    is received into one buffer of its size and decoded into the array. ``opener``: the
     link is sealed; the frame must be, and nothing of it is returned before its tag
     verified (else IntegrityError)."""
     impl = impl or _impl
@@ -198,11 +211,10 @@ def recv_frame(source: Any, max_payload: int, out: Optional[torch.Tensor] = None
             fill(tag)
             opener.open_into(header.wire, tag, None)
         return header, None
-    dtype = torch_dtype(header.dtype)
-    if out is not None and (tuple(out.shape) != header.shape or out.dtype != dtype
-                            or out.device.type != "cpu" or not out.is_contiguous()):
-        raise FrameError(f"out tensor {tuple(out.shape)} {out.dtype} on {out.device} does not "
-                         f"fit the frame's {header.shape} {dtype} payload")
+    dtype = numpy_dtype(header.dtype)
+    if out is not None and not _fits(out, header.shape, dtype):
+        raise FrameError(f"out array {tuple(out.shape)} {getattr(out, 'dtype', None)} does "
+                         f"not fit the frame's {header.shape} {dtype} payload")
     codec = impl.codec_of(header.flags)
     if opener is not None:
         return header, _open(header, dtype, out, fill, opener, codec, codec_impl)
@@ -216,11 +228,17 @@ def recv_frame(source: Any, max_payload: int, out: Optional[torch.Tensor] = None
     return header, tensor
 
 
-def _open(header: Any, dtype: torch.dtype, out: Optional[torch.Tensor], fill: Any,
-          opener: Any, codec: int, codec_impl: Optional[ModuleType]) -> torch.Tensor:
-    """The tensor of a sealed frame: payload and tag received into one buffer, the tag
-    checked and the payload decrypted straight into the tensor (an encoded one in place,
-    then decoded into the tensor)."""
+def _fits(out: Any, shape: Tuple[int, ...], dtype: np.dtype) -> bool:
+    """Whether ``out`` is a numpy array a frame of ``shape`` and ``dtype`` may fill."""
+    return isinstance(out, np.ndarray) and tuple(out.shape) == shape and \
+        out.dtype == dtype and out.flags.c_contiguous and out.flags.writeable
+
+
+def _open(header: Any, dtype: np.dtype, out: Optional[np.ndarray], fill: Any,
+          opener: Any, codec: int, codec_impl: Optional[ModuleType]) -> np.ndarray:
+    """The array of a sealed frame: payload and tag received into one buffer, the tag
+    checked and the payload decrypted straight into the array (an encoded one in place,
+    then decoded into the array)."""
     size = header.payload_len
     try:
         sealed = np.empty(size + TAG_SIZE, dtype=np.uint8)

@@ -12,12 +12,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-import torch
-from torch import Tensor
+import numpy as np
 
+from ..base.arrays import float32
 from ..base.errors import GenerationError, MdiedgeError
 from ..base.request import Request
-from ..model.sampling import (TokenLogprob, sample_generator, sample_rows,
+from ..model.sampling import (Generator, TokenLogprob, sample_generator, sample_rows,
                               token_logprobs)
 from ..model.stopping import TextOutput
 
@@ -29,7 +29,7 @@ TextFactory = Callable[[Sequence[int]], TextOutput]  # a sample's prompt -> its 
 class Sample:
     index: int
     prompt: List[int]
-    generator: torch.Generator
+    generator: Generator
     sid: int = 0  # ring-wide sample id, given at admission; each node maps it to a KV row
     tokens: List[int] = field(default_factory=list)
     finish_reason: Optional[str] = None  # "eos", "stop", "length", "cancelled" or "error"
@@ -131,12 +131,12 @@ class ExitCounts:
                 "kv_fill_s": round(self.kv_fill_s, 4)}
 
 
-def constrained(samples: Sequence[Sample], logits: Tensor) -> Tensor:
+def constrained(samples: Sequence[Sample], logits: np.ndarray) -> np.ndarray:
     """``logits`` (B, vocab), each row of a sample that follows a grammar masked to the
     tokens it allows next (-inf elsewhere)."""
     if all(s.constraint is None for s in samples):
         return logits
-    rows = logits.clone()
+    rows = logits.copy()
     for i, sample in enumerate(samples):
         if sample.constraint is not None:
             rows[i] = sample.constraint.mask(logits[i])
@@ -246,11 +246,13 @@ class Generation:
         """Block until ``wake`` (at most ``timeout`` s); whether it came."""
         return self._ended.wait(timeout)
 
-    def accept(self, samples: Sequence[Sample], logits: Tensor) -> None:
-        """Sample one token for each of ``samples`` from its row of ``logits`` (B, vocab)."""
+    def accept(self, samples: Sequence[Sample], logits: Any) -> None:
+        """Sample one token for each of ``samples`` from its row of ``logits`` (B, vocab;
+        float32 numpy, or anything ``float32`` takes)."""
         if self.cancel_requested:
             self.end("cancelled", samples)  # "error" stays
             return
+        logits = float32(logits)
         tokens = sample_rows(constrained(samples, logits), self.params,
                              [s.generator for s in samples],
                              [(s.prompt, s.tokens) for s in samples])
@@ -272,7 +274,7 @@ class Generation:
             return -1
         return start
 
-    def scored_prompt(self, start: int, logits: Tensor) -> None:
+    def scored_prompt(self, start: int, logits: Any) -> None:
         """Keep the log-probabilities of the prompt tokens each row of ``logits`` (T, vocab;
         positions from ``start``) predicts."""
         prompt, wanted = self.samples[0].prompt, self.prompt_logprobs
@@ -287,13 +289,13 @@ class Generation:
         for sample in self.samples:
             sample.constraint = grammar.matcher()
 
-    def scored(self, logits: Tensor, tokens: Sequence[int]) -> Optional[List[TokenLogprob]]:
+    def scored(self, logits: Any, tokens: Sequence[int]) -> Optional[List[TokenLogprob]]:
         """The log-probabilities of ``tokens`` under ``logits`` (one row each), when the
         request asked for them; else None."""
         top = self.params.top_logprobs
         return None if top is None else token_logprobs(logits, tokens, top)
 
-    def settle(self, samples: Sequence[Sample], logits: Tensor, drafts: Dict[int, Any]) -> None:
+    def settle(self, samples: Sequence[Sample], logits: Any, drafts: Dict[int, Any]) -> None:
         """The tokens of a step that verified drafted tokens: ``logits`` (B, T, vocab) at
         every position of ``samples``' rows, ``drafts`` their ``Draft``s by sample id (a
         request that does not speculate, merged into that step, takes its last position)."""
@@ -303,6 +305,7 @@ class Generation:
         if self.cancel_requested:
             self.end("cancelled", samples)  # "error" stays
             return
+        logits = float32(logits)
         for i, sample in enumerate(samples):
             draft, rows = drafts[sample.sid], logits[i]
             if sample.constraint is not None:

@@ -2,14 +2,15 @@
 returns, and what a link frames. Both ends of a link use it; nothing else crosses modules.
 
 A message concerns rows of samples (a ring-wide sample id and the position of the row's first
-token) and, for ACTIVATION and PING, carries one tensor: ``(B, T, dim)`` hidden states.
+token) and, for ACTIVATION and PING, carries one array: ``(B, T, dim)`` hidden states (numpy
+as received; a torch tensor as a torch chunk made it, framed through ``.numpy()``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
-import torch
+import numpy as np
 
 from . import framing
 from ..base.codecs import NAMES as CODEC_NAMES, NO_COMPRESSION, Compression
@@ -28,7 +29,7 @@ class Message:
     kind: int
     sample_ids: List[int] = field(default_factory=list)
     positions: List[int] = field(default_factory=list)
-    hidden: Optional[torch.Tensor] = None  # (B, T, dim) for ACTIVATION and PING
+    hidden: Optional[Any] = None  # (B, T, dim) for ACTIVATION and PING: any array
     prefill: bool = False  # a prompt chunk: slots of rows at position 0 are allocated
     seq: int = 0  # the starter's message number; comes back unchanged
     # early exit (decode only): blocks run before the whole message exited (0: it did not);
@@ -51,7 +52,7 @@ class Message:
             return 0
         return int(self.hidden.shape[0] * self.hidden.shape[1])
 
-    def reply(self, hidden: Optional[torch.Tensor]) -> "Message":
+    def reply(self, hidden: Optional[Any]) -> "Message":
         """The same rows, carrying ``hidden``."""
         return Message(self.kind, self.sample_ids, self.positions, hidden, self.prefill, self.seq,
                        self.exit_depth, self.eligible, self.rewind, self.all_rows)
@@ -85,7 +86,7 @@ def receive(source: Any, max_payload: int, codecs: Compression = NO_COMPRESSION,
     header, tensor = framing.recv_frame(source, max_payload, opener=opener)
     prefill = bool(header.flags & framing.FLAG_PREFILL)
     codec = framing.codec_of(header.flags)
-    if tensor is not None and tensor.dtype == torch.float32 and codec != codecs.code(prefill):
+    if tensor is not None and tensor.dtype == np.float32 and codec != codecs.code(prefill):
         raise FrameError(f"a {'prefill' if prefill else 'decode'} frame in codec "
                          f"{CODEC_NAMES[codec]} on a link that agreed on {codecs}")
     eligible = list(header.eligible) if any(header.eligible) else []
@@ -98,4 +99,4 @@ def receive(source: Any, max_payload: int, codecs: Compression = NO_COMPRESSION,
 
 def nbytes(message: Message) -> int:
     hidden = message.hidden
-    return 0 if hidden is None else hidden.numel() * hidden.element_size()
+    return 0 if hidden is None else int(hidden.nbytes)

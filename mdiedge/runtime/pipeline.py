@@ -11,10 +11,11 @@ from __future__ import annotations
 import collections
 from typing import Any, Deque, List, Optional, Sequence, Tuple
 
-import torch
+import numpy as np
 
 from .messages import Message
-from .stages import LocalStage, inference
+from .stages import LocalStage, as_tensor, inference, takes_numpy
+from ..base.arrays import float32
 from ..base.errors import RingError
 
 
@@ -33,23 +34,36 @@ class Tail:
 
 class ModelEnds:
     """The embedding before the first block and the final norm and head after the last: the
-    starter's, wherever the blocks run."""
+    starter's, wherever the blocks run. ``head`` is where the runtime takes logits: float32
+    numpy whichever kind of chunk made them."""
 
-    def __init__(self, model: Any) -> None:  # a Transformer chunk with embedding and head
+    def __init__(self, model: Any) -> None:  # a chunk with embedding and head
         if not (model.has_embedding and model.has_head):
             raise ValueError("the model ends need a chunk with the embedding and the head")
         self.model = model
-        self.device = next(model.parameters()).device
+        self.numpy = takes_numpy(model)
+        if not self.numpy:
+            param = next(model.parameters())
+            self.device = param.device
 
-    def embed(self, tokens: List[List[int]]) -> torch.Tensor:
-        """(B, T) token ids -> (B, T, dim) hidden states."""
+    def embed(self, tokens: List[List[int]]) -> Any:
+        """(B, T) token ids -> (B, T, dim) hidden states (float32 numpy, or a tensor of a
+        torch chunk)."""
+        if self.numpy:
+            return self.model.embed_tokens(np.array(tokens, dtype=np.int64))
+        import torch
+
         with inference():
             return self.model.embed_tokens(torch.tensor(tokens, device=self.device))
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(B, dim) last hidden states -> (B, vocab) fp32 logits."""
+    def head(self, hidden: Any) -> np.ndarray:
+        """(B, dim) hidden states (one per row) -> (B, vocab) float32 numpy logits."""
+        if self.numpy:
+            rows = float32(hidden)
+            return self.model.head_logits(rows.reshape(rows.shape[0], 1, -1))[:, 0]
         with inference():
-            return self.model.head_logits(hidden.to(self.device))
+            logits = self.model.head_logits(as_tensor(hidden, self.device))
+            return logits.detach().float().cpu().numpy()
 
 
 class Pipeline:

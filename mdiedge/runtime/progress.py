@@ -15,7 +15,7 @@ import statistics
 import time
 from typing import Deque, Optional
 
-import torch
+import numpy as np
 
 from ..base.defaults import PROGRESS_FACTOR, PROGRESS_MIN_S, PROGRESS_SAMPLES, PROGRESS_WINDOW
 from . import messages
@@ -38,8 +38,7 @@ class Progress:
         self.sent.append(time.monotonic())
         hidden = message.hidden
         if self._probe is None and message.kind == messages.ACTIVATION and hidden is not None:
-            payload = torch.zeros(1, 1, hidden.shape[-1], dtype=hidden.dtype,
-                                  device=hidden.device)
+            payload = np.zeros((1, 1, hidden.shape[-1]), dtype=np.float32)
             self._probe = Message(messages.PING, [0], [0], payload, seq=PROBE_SEQ)
 
     def due(self) -> Optional[float]:

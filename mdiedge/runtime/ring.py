@@ -16,9 +16,7 @@ import logging
 import queue
 import threading
 import time
-from typing import List, Optional, Tuple
-
-import torch
+from typing import Any, List, Optional, Tuple
 
 from ..base import defaults
 from ..base.errors import NodeLost, RingError
@@ -136,9 +134,9 @@ class RingTail(Tail):
         text = "; ".join(f"worker {n.name!r} at {n.address} is {why}" for n, why in lost)
         return NodeLost(f"{text}; ring link: {reason}", tuple(n.name for n, _ in lost))
 
-    def ping(self, payload: torch.Tensor, count: int) -> List[float]:
-        """Round-trip times (s) of ``count`` PING messages carrying ``payload`` around the
-        ring: framing, queues and sockets with no compute. Nothing else may be in flight."""
+    def ping(self, payload: Any, count: int) -> List[float]:
+        """Round-trip times (s) of ``count`` PING messages carrying ``payload`` (any array,
+        numpy as a torch-free node makes it) around the ring: framing, queues and sockets with no compute. Nothing else may be in flight."""
         times = []
         for seq in range(1, count + 1):
             t0 = time.perf_counter()

@@ -98,7 +98,7 @@ def accept_parts(ends: ModelEnds, parts: List[Rows], hidden: Any,
     try:
         if drafts:
             b, t = hidden.shape[:2]
-            logits = ends.head(hidden.reshape(b * t, -1)).view(b, t, -1)  # (B, T, vocab)
+            logits = ends.head(hidden.reshape(b * t, -1)).reshape(b, t, -1)  # (B, T, vocab)
         else:
             logits = ends.head(hidden[:, -1])  # (B, vocab)
     except Exception as e:

@@ -20,14 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import torch
-
 from .draftmodel import DraftModel
 from .drafting import Drafter, NgramDrafter, Proposal, parse_speculate
 from .plan import verify_rows
 from ..base import defaults
 from ..base.errors import GenerationError
-from ..model.sampling import History, SamplingParams
+from ..model.sampling import Generator, History, SamplingParams
 from ..model.speculative import accept
 
 
@@ -178,8 +176,8 @@ class Speculation:
                                 None if proposal.q is None else proposal.q[:k])
         return Draft(len(tokens) - 1, [int(tokens[-1])] + proposal.tokens, proposal)
 
-    def settle(self, sample_id: int, draft: Draft, logits: torch.Tensor,
-               generator: torch.Generator, history: Optional[History] = None) -> List[int]:
+    def settle(self, sample_id: int, draft: Draft, logits: Any,
+               generator: Generator, history: Optional[History] = None) -> List[int]:
         """The tokens the step emits (1 to draft.drafted + 1), from the head's ``logits``
         at its positions (len(draft.tokens), vocab: those past its drafts, padding, are not
         read); ``generator``: the sample's own; ``history``: its prompt and output (its

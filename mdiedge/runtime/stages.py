@@ -1,29 +1,34 @@
 """Stages: what runs a block range for a message and returns the next message.
 
-A ``LocalStage`` wraps a ``Transformer`` chunk (blocks ``[first, last)`` of the same model code
-that runs single-process) with its own KV slot table: the ring's sample ids map to KV rows per
-node, so a message never carries slots, and a RELEASE frees a sample's row on every node it
-passes. The starter's chunk, each worker's chunk and every in-process pipeline stage are
-``LocalStage``s; ``mdiedge.runtime.pipeline`` strings them together, with the ring's links as
-a remote tail.
+A ``LocalStage`` wraps a model chunk (blocks ``[first, last)``: the torch ``Transformer``, or a
+chunk that ``takes_numpy`` and runs on numpy buffers without torch) with its own KV slot
+table: the ring's sample ids map to KV rows per node, so a message never carries slots, and
+a RELEASE frees a sample's row on every node it passes. A numpy chunk is handed float32
+numpy (bfloat16 words widened) and never meets torch; a torch chunk is handed tensors on its
+device (``torch.from_numpy`` of what the wire delivered). The starter's chunk, each
+worker's chunk and every in-process pipeline stage are ``LocalStage``s;
+``mdiedge.runtime.pipeline`` strings them together, with the ring's links as a remote tail.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from dataclasses import dataclass
-from typing import Any, ContextManager, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, List, Optional, Tuple
 
-import torch
+import numpy as np
 
 from . import messages
 from .messages import Message
 from .protocol import NodeStatus, busy_fraction
 from .slots import SlotTable
-from ..model.exits import ExitPolicy, ExitStep
-from ..model.transformer import route_of
+from ..base.arrays import BF16_WORDS, float32
 from ..base.errors import RingError
+
+if TYPE_CHECKING:
+    from ..model.exits import ExitPolicy
 
 
 _ALREADY = contextlib.nullcontext()
@@ -31,11 +36,35 @@ log = logging.getLogger("mdiedge.stage")
 
 
 def inference() -> ContextManager[Any]:
-    """``torch.inference_mode()``, or nothing where it is on already. The scheduler enters it
-    once per step and a worker once around its compute loop, so the code run for every
-    message does not enter it again: after a node's blocks have streamed their weights
-    through the cache, entering it costs tens of microseconds."""
-    return _ALREADY if torch.is_inference_mode_enabled() else torch.inference_mode()
+    """``torch.inference_mode()``, or nothing where it is on already or torch was never
+    imported (a node whose chunks run on numpy: nothing here runs torch). The scheduler
+    enters it once per step and a worker once around its compute loop, so the code run for
+    every message does not enter it again: after a node's blocks have streamed their
+    weights through the cache, entering it costs tens of microseconds."""
+    torch = sys.modules.get("torch")
+    if torch is None or torch.is_inference_mode_enabled():
+        return _ALREADY
+    return torch.inference_mode()
+
+
+def takes_numpy(model: Any) -> bool:
+    """Whether a model chunk runs on numpy arrays (else it is the torch ``Transformer``)."""
+    return bool(getattr(model, "takes_numpy", False))
+
+
+def as_tensor(x: Any, device: Any, dtype: Any = None) -> Any:
+    """A received array (numpy; bfloat16 as its uint16 words) or tensor as a torch tensor on
+    ``device`` in ``dtype`` (None: its own): numpy through ``torch.from_numpy``, no copy on
+    the CPU."""
+    import torch
+
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(x).view(torch.bfloat16) if x.dtype == BF16_WORDS \
+            else torch.from_numpy(x)
+    dtype = x.dtype if dtype is None else dtype
+    if x.device != device or x.dtype != dtype:
+        x = x.to(device=device, dtype=dtype)
+    return x
 
 
 @dataclass
@@ -75,16 +104,15 @@ class LocalStage:
 
     def __init__(self, model: Any, n_slots: int, context: int, trim_prefill: bool = False,
                  exit_policy: Optional[ExitPolicy] = None) -> None:
-        self.model = model  # a mdiedge.model.transformer.Transformer
+        self.model = model  # a Transformer, or a chunk that takes numpy
         self.exit_policy = exit_policy
-        param = next(model.parameters(), None)
-        self.device = param.device if param is not None else torch.device("cpu")
-        self.dtype = param.dtype if param is not None else torch.float32
+        self.numpy = takes_numpy(model)
+        self.device, self.dtype = ("cpu", np.float32) if self.numpy else _placement(model)
         self.trim_prefill = trim_prefill
         self.n_slots, self.context = n_slots, context
         model.setup_cache(n_slots, context)
-        self.decode_route = route_of(model)
-        if "reason" in self.decode_route and self.device.type == "cpu":
+        self.decode_route = dict(model.decode_route) if self.numpy else _torch_route(model)
+        if "reason" in self.decode_route and str(self.device) == "cpu":
             log.warning("decode of blocks [%d, %d) runs in torch, not the compiled step: %s",
                         model.first, model.last, self.decode_route["reason"])
         self.slots = SlotTable(n_slots)
@@ -109,14 +137,21 @@ class LocalStage:
         self.counters.compute_s += time.perf_counter() - t0
         return out
 
+    def _inputs(self, x: Any, rows: List[int]) -> Tuple[Any, Any]:
+        """The hidden states and KV rows as the chunk takes them: float32 numpy and int64
+        numpy, or torch tensors on its device."""
+        if self.numpy:
+            return float32(x), np.array(rows, dtype=np.int64)
+        import torch
+
+        return as_tensor(x, self.device, self.dtype), torch.tensor(rows, device=self.device)
+
     def _run(self, message: Message) -> Message:
         x = message.hidden
         assert x is not None
         self._check(message, x)
-        rows = self._rows(message)
-        if x.device != self.device or x.dtype != self.dtype:
-            x = x.to(device=self.device, dtype=self.dtype)
-        slots, positions = torch.tensor(rows, device=self.device), list(message.positions)
+        x, slots = self._inputs(x, self._rows(message))
+        positions = list(message.positions)
         if self.exit_policy is not None and not message.prefill and x.shape[1] == 1:
             return self._run_exiting(message, x, slots, positions)
         if message.exit_depth:
@@ -128,10 +163,12 @@ class LocalStage:
             y = y[:, -1:]  # (B, 1, dim)
         return message.reply(y)
 
-    def _run_exiting(self, message: Message, x: torch.Tensor, slots: torch.Tensor,
+    def _run_exiting(self, message: Message, x: Any, slots: Any,
                      positions: List[int]) -> Message:
         """A decode step under early exit: the blocks with the criterion after each, or,
         after an exit (here or before), the KV fill of the rest."""
+        from ..model.exits import ExitStep
+
         assert self.exit_policy is not None
         step = ExitStep.start(self.exit_policy, x.shape[0], message.eligible,
                               message.exit_depth)
@@ -148,11 +185,11 @@ class LocalStage:
         out.exit_depth, out.eligible = step.depth, step.eligible_list()
         return out
 
-    def _check(self, message: Message, x: torch.Tensor) -> None:
+    def _check(self, message: Message, x: Any) -> None:
         """A RingError (one line) for an activation that does not fit the message's samples,
         the model's width or this stage's context: a peer's bug or a forged frame."""
         rows, dim, positions = len(message.sample_ids), self.model.cfg.dim, message.positions
-        if x.dim() != 3 or x.shape[0] != rows or x.shape[2] != dim or len(positions) != rows:
+        if len(x.shape) != 3 or x.shape[0] != rows or x.shape[2] != dim or len(positions) != rows:
             raise RingError(f"layers {self.layers}: an activation {tuple(x.shape)} with "
                             f"{len(positions)} positions for {rows} samples of width {dim}")
         if rows and (min(positions) < 0 or max(positions) + x.shape[1] > self.context):
@@ -211,3 +248,19 @@ class LocalStage:
     def memory(self) -> Dict[str, int]:
         return {"weight_bytes": self.model.parameter_bytes(),
                 "kv_bytes": self.model.kv_cache_bytes()}
+
+
+def _placement(model: Any) -> Tuple[Any, Any]:
+    """A torch chunk's device and dtype: its first parameter's (the CPU in float32 for one
+    without parameters)."""
+    import torch
+
+    param = next(model.parameters(), None)
+    return (param.device, param.dtype) if param is not None else \
+        (torch.device("cpu"), torch.float32)
+
+
+def _torch_route(model: Any) -> Dict[str, str]:
+    from ..model.transformer import route_of
+
+    return route_of(model)

@@ -18,8 +18,8 @@ from conftest import make_hf_llama, write_tiny_tokenizer
 from gguf_files import QTYPES, write_gguf
 from mdiedge.base.errors import CheckpointError
 from mdiedge.model import hub
-from mdiedge.model.checkpoint import (chunk_safetensors, content_hash, load_config, load_model,
-                                      resolve_model_path)
+from mdiedge.model.checkpoint import content_hash, load_config, load_model, resolve_model_path
+from mdiedge.model.chunkfile import chunk_safetensors
 from mdiedge.model.families import config_to_hf
 from mdiedge.model.gguf import GGUFSource, gguf_config, is_gguf
 from mdiedge.model.sampling import SamplingParams

@@ -105,8 +105,7 @@ class EngineOptions:
     def needs_torch(self) -> Optional[str]:
         """The option that needs torch (the torch model), or None: a CPU node computing in
         float32 runs without it."""
-        return torch_option(self.device, self.dtype, self.early_exit, self.speculate,
-                            self.torch_cpu)
+        return torch_option(self.device, self.dtype, self.early_exit, self.torch_cpu)
 
     def given_ring_options(self) -> Dict[str, Any]:
         """The ``StarterOptions`` fields given (not None), which win over a ring file's."""
@@ -117,8 +116,7 @@ class EngineOptions:
 
 
 def torch_option(device: str, dtype: str = "float32", early_exit: Optional[str] = None,
-                 speculate: Optional[str] = "off", torch_cpu: bool = False
-                 ) -> Optional[str]:
+                 torch_cpu: bool = False) -> Optional[str]:
     """Of these options, the first that needs torch, as the command line spells it; None
     where none does."""
     if device != "cpu":
@@ -127,8 +125,6 @@ def torch_option(device: str, dtype: str = "float32", early_exit: Optional[str] 
         return f"--dtype {dtype}"
     if early_exit is not None:
         return f"--early-exit {early_exit}"
-    if speculate is not None and speculate.startswith("draft:"):
-        return "--speculate draft:PATH"
     return "--torch-cpu" if torch_cpu else None
 
 

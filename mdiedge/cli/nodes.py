@@ -299,7 +299,7 @@ def _starter_torch(section: Any, opts: EngineOptions) -> None:
     from ..base.engineoptions import torch_option
     from ..base.torchcheck import require_torch
 
-    needs = torch_option("cpu", section.dtype, opts.early_exit, opts.speculate)
+    needs = torch_option("cpu", section.dtype, opts.early_exit)
     if needs is not None:
         require_torch(needs)
 

@@ -88,14 +88,15 @@ def check_draft(speculate: Optional[str], text: TextModel) -> None:
     quoting both otherwise), checked from its config before any node starts."""
     if speculate in (None, "off"):
         return
-    from ..model.checkpoint import load_config
+    from ..model.hub import resolve_model
+    from ..model.modelfile import model_file
     from ..runtime.drafting import parse_speculate
 
     kind, arg = parse_speculate(speculate)
     if kind != "draft":
         return
     try:
-        cfg = load_config(arg)
+        cfg = model_file(resolve_model(arg)).cfg
     except MdiedgeError as e:
         raise ConfigError(f"--speculate {speculate}: {e}") from None
     if (cfg.vocab_size, cfg.bos_id) != (text.cfg.vocab_size, text.cfg.bos_id):

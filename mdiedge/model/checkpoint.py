@@ -20,8 +20,6 @@ from ..base.errors import CheckpointError, ConfigError
 from .config import ModelConfig
 from .families import config_to_hf
 from .checks import check_finite
-from .chunkfile import chunk_safetensors  # noqa: F401 (torch-free)
-from .cpuload import check_checkpoint  # noqa: F401 (torch-free)
 from .modelfile import LLAMA2C_HEADER, llama2c_config, model_file  # noqa: F401
 from .sources import (QTYPE_KEY, Llama2cSource, SafetensorsArrays,  # noqa: F401 (torch-free)
                       regular_file_size)

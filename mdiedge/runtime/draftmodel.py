@@ -49,9 +49,9 @@ class DraftModel:
              device: str = "cpu") -> "DraftModel":
         """The draft model at ``path``; a ConfigError when its vocabulary is not the
         target's (it must share the tokenizer)."""
-        from ..model.checkpoint import load_model
+        from ..model.chunks import open_chunk
 
-        model = load_model(path, device=device)
+        model = open_chunk(path, None, True, True, device=device)
         cfg = model.cfg
         if (cfg.vocab_size, cfg.bos_id) != (target_cfg.vocab_size, target_cfg.bos_id):
             raise ConfigError(f"draft model {path!r}: vocabulary {cfg.vocab_size} (bos "

@@ -1,6 +1,6 @@
 """What the compiled kernels' boundaries ask of an array, for numpy arrays and torch tensors
 alike, without importing torch: a torch tensor is recognised only where torch is already
-loaded (whoever made one imported it)."""
+loaded (whoever made one imported it). How the runtime holds arrays: ``mdiedge.base.arrays``."""
 from __future__ import annotations
 
 import sys
@@ -8,11 +8,7 @@ from typing import Any
 
 import numpy as np
 
-
-def is_torch(a: Any) -> bool:
-    """Whether ``a`` is a torch tensor (torch loaded by whoever made it)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(a, torch.Tensor)
+from ..base.arrays import is_torch
 
 
 def dtype_name(a: Any) -> str:

@@ -17,7 +17,7 @@ import torch
 
 from conftest import make_hf_llama, stories_dir
 from mdiedge.base.errors import CpuPathRefused
-from mdiedge.model import _pyquant, _pystep, cpumodel
+from mdiedge.model import _pyquant, _pystep, cpumodel, npprefill
 from mdiedge.model.checkpoint import load_model
 from mdiedge.model.cpuload import load_cpu_model
 
@@ -29,9 +29,14 @@ STEPS = 4
 @pytest.fixture(params=["compiled", "twin"])
 def step_impl(request: Any, monkeypatch: Any) -> str:
     """Each test once with the step the process selected and once with the numpy twins."""
-    if request.param == "twin":
+    if request.param == "twin":  # both paths as without the compiled modules
+        from mdiedge.model import qlayers, transformer
+
         monkeypatch.setattr(cpumodel, "_step", _pystep)
         monkeypatch.setattr(cpumodel, "_quant", _pyquant)
+        monkeypatch.setattr(npprefill, "_quant", _pyquant)
+        monkeypatch.setattr(transformer, "_step", _pystep)
+        monkeypatch.setattr(qlayers, "_quant", _pyquant)
     elif cpumodel._step is _pystep:
         pytest.skip("the compiled step is not built")
     return request.param

@@ -10,14 +10,14 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
-SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
-           "openblas_set_num_threads64_", "openblas_set_num_threads")
+PREFIXES = ("scipy_openblas", "openblas")
+SUFFIXES = ("64_", "")
 MAPS = "/proc/self/maps"
-_found: List[Optional[Callable[[int], Any]]] = []
+_found: List[Optional[Tuple[Callable[[int], Any], Callable[[], int]]]] = []
 _current: List[int] = [0]
 
 
@@ -39,8 +39,9 @@ def _candidates() -> List[str]:
     return paths
 
 
-def blas_setter() -> Optional[Callable[[int], Any]]:
-    """numpy's OpenBLAS ``set_num_threads``, found once; None where there is none."""
+def blas_calls() -> Optional[Tuple[Callable[[int], Any], Callable[[], int]]]:
+    """numpy's OpenBLAS ``set_num_threads`` and ``get_num_threads``, found once; None
+    where there are none."""
     if not _found:
         _found.append(None)
         for path in _candidates():
@@ -48,21 +49,30 @@ def blas_setter() -> Optional[Callable[[int], Any]]:
                 library = ctypes.CDLL(path)
             except OSError:
                 continue
-            for name in SETTERS:
-                setter = getattr(library, name, None)
-                if setter is not None:
-                    setter.argtypes, setter.restype = [ctypes.c_int], None
-                    _found[0] = setter
-                    return setter
+            for prefix in PREFIXES:
+                for suffix in SUFFIXES:
+                    setter = getattr(library, f"{prefix}_set_num_threads{suffix}", None)
+                    getter = getattr(library, f"{prefix}_get_num_threads{suffix}", None)
+                    if setter is not None and getter is not None:
+                        setter.argtypes, setter.restype = [ctypes.c_int], None
+                        getter.argtypes, getter.restype = [], ctypes.c_int
+                        _found[0] = (setter, getter)
+                        return _found[0]
     return _found[0]
+
+
+def blas_threads() -> int:
+    """The threads numpy's BLAS computes with; 0 where it is not known here."""
+    calls = blas_calls()
+    return int(calls[1]()) if calls is not None else 0
 
 
 def follow_threads(threads: int) -> bool:
     """numpy's BLAS computes with ``threads`` from now on; whether it could be set."""
-    setter = blas_setter()
-    if setter is None or threads < 1:
+    calls = blas_calls()
+    if calls is None or threads < 1:
         return False
     if _current[0] != threads:
-        setter(int(threads))
+        calls[0](int(threads))
         _current[0] = threads
     return True

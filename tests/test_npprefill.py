@@ -94,14 +94,16 @@ def test_smollm2_prefills_as_the_torch_model(step_impl: str) -> None:  # noqa: F
     assert_same_prefill(path, tolerance=2e-4)
 
 
-def test_a_sliding_window_sees_only_its_last_positions() -> None:
-    """``attend`` against a plain softmax over the allowed keys, query by query."""
+def test_a_sliding_window_sees_only_its_last_positions(monkeypatch: Any) -> None:
+    """``attend`` (blocks of 2 queries, on two threads) against a plain softmax over the
+    allowed keys, query by query."""
+    monkeypatch.setattr(npprefill, "QUERY_BLOCK", 2)
     rng = np.random.default_rng(0)
     q = rng.standard_normal((4, 5, 8)).astype(np.float32)  # (heads, T, hd)
     keys, values = (rng.standard_normal((2, 16, 8)).astype(np.float32) for _ in range(2))
     for window in (0, 3):
         out = np.empty((5, 4, 8), np.float32)
-        npprefill.attend(q, keys, values, out, 6, window, 0.5)
+        npprefill.attend(q, keys, values, out, 6, window, 0.5, threads=2)
         for t in range(5):
             seen = np.arange(16)
             seen = seen[(seen <= 6 + t) & ((seen > 6 + t - window) if window else True)]
@@ -116,7 +118,8 @@ def test_a_prefill_product_uses_the_bounded_tile(monkeypatch: Any,
                                                  gguf_models: Dict[str, Path]  # noqa: F811
                                                  ) -> None:
     """A quantized product of more rows than the kernel takes de-quantizes tiles into one
-    buffer of at most TILE_BYTES (a wider row than that: one row) and equals x @ W.T."""
+    buffer of at most TILE_BYTES (a wider row than that: one row) and equals x @ W.T, on one
+    thread or split among two."""
     monkeypatch.setattr(npprefill, "TILE_BYTES", 4 * 64 * 5)  # 5 rows of 64 a tile
     monkeypatch.setattr(npprefill, "_local", type(npprefill._local)())
     model = load_cpu_model(gguf_models["llama-q8_0"])
@@ -127,6 +130,8 @@ def test_a_prefill_product_uses_the_bounded_tile(monkeypatch: Any,
     _pyquant.dequantize_rows(matrix.data, matrix.qtype, 0, matrix.shape[0], weight)
     np.testing.assert_allclose(out, x @ weight.T, rtol=1e-5, atol=1e-5)
     assert npprefill._local.tile.size * 4 == npprefill.TILE_BYTES
+    two = npprefill.product(x, matrix, np.empty((12, matrix.shape[0]), np.float32), 2, 1)
+    np.testing.assert_array_equal(two, out)  # split among threads: the same products
 
 
 def test_numpys_blas_follows_the_threads() -> None:

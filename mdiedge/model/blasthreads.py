@@ -1,4 +1,6 @@
-"""numpy's BLAS computing with the node's thread count. numpy has no call for it, and
+"""The threads numpy's BLAS computes with (the torch-free prefill keeps it at one and
+splits its products among the node's threads itself: OpenBLAS's own threads spin after each
+call, against the compiled kernels' OpenMP threads). numpy has no call for it, and
 threadpoolctl is not a dependency; numpy's wheels bundle OpenBLAS (``scipy_openblas``,
 symbols with a prefix and a 64-bit-interface suffix), which has one. So the library numpy
 loaded is found among this process's mapped files (Linux) or in numpy's own library folder,

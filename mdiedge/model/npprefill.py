@@ -4,12 +4,15 @@ rows than the compiled step takes. Each quantized matrix is de-quantized a tile 
 a time into one reused float32 buffer (the compiled de-quantizer, as ``QuantLinear``'s
 prefill does) and multiplied by numpy's BLAS; attention runs per slot and KV head over the
 chunk and the cache's earlier positions (causal, sliding window), every query of a head
-group in one product. Hidden states are (rows, dim) float32 here, row r = b * T + t."""
+group in one product. Products and attention are split among the node's threads as jobs of a
+thread pool (BLAS and the de-quantizer let go of the GIL), BLAS itself on one thread.
+Hidden states are (rows, dim) float32 here, row r = b * T + t."""
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -27,7 +30,25 @@ _quant = Twins(_pyquant, _cquant).select()
 
 KERNEL_ROWS = MAX_ROWS  # rows the compiled product takes; more are a prefill
 TILE_BYTES = 4 << 20  # float32 bytes of the de-quantized tile a prefill multiplies by
+QUERY_BLOCK = 128  # queries of a sample attending at once: keys past the block's last skipped
 _local = threading.local()
+_pools: List[Tuple[int, ThreadPoolExecutor]] = []
+
+
+def in_parallel(jobs: Sequence[Callable[[], Any]], threads: int) -> None:
+    """Run ``jobs`` on ``threads`` threads of this process's pool (numpy's BLAS and the
+    de-quantizer let go of the GIL), each computing on one core: BLAS's own threads stay at
+    one, so they never spin against the compiled kernels' (OpenMP) threads."""
+    if threads <= 1 or len(jobs) <= 1:
+        for job in jobs:
+            job()
+        return
+    if not _pools or _pools[0][0] != threads:
+        if _pools:
+            _pools.pop()[1].shutdown()
+        _pools.append((threads, ThreadPoolExecutor(threads, "mdiedge-prefill")))
+    for done in [_pools[0][1].submit(job) for job in jobs]:
+        done.result()
 
 
 @dataclass
@@ -47,7 +68,7 @@ def tile_buffer(floats: int) -> np.ndarray:
     """This thread's float32 buffer of at least ``floats`` values (prefill tiles)."""
     buffer = getattr(_local, "tile", None)
     if buffer is None or buffer.size < floats:
-        buffer = _local.tile = np.empty(max(floats, TILE_BYTES // 4), np.float32)
+        buffer = _local.tile = np.empty(floats, np.float32)
     return buffer
 
 
@@ -55,35 +76,40 @@ def product(x: np.ndarray, matrix: Any, out: np.ndarray, threads: int, dot: int)
     """out (rows, n) = x (rows, in) @ matrix.T as the torch model multiplies: a stacked
     matrix part by part into its columns; a quantized one by the compiled product up to
     ``KERNEL_ROWS`` rows (the dot mode's arithmetic), else by de-quantized tiles and BLAS;
-    a float one by BLAS."""
+    a float one by BLAS; more rows than that split among ``threads``."""
     if isinstance(matrix, StackedMatrix):
         column = 0
         for part in matrix.parts:
             product(x, part, out[:, column:column + part.shape[0]], threads, dot)
             column += part.shape[0]
-    elif not isinstance(matrix, QuantMatrix):
-        np.matmul(x, matrix.T, out=out)
-    elif x.shape[0] <= KERNEL_ROWS:
+    elif isinstance(matrix, QuantMatrix) and x.shape[0] <= KERNEL_ROWS:
         into = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
         _quant.matmul(x, matrix.data, matrix.qtype, into, threads, dot)
         if into is not out:
             out[...] = into
     else:
-        _tiled(x, matrix, out, threads)
+        n, k = matrix.shape
+        share = -(-n // max(1, threads))
+        if isinstance(matrix, QuantMatrix):  # every thread's tile within TILE_BYTES together
+            share = max(1, min(share, TILE_BYTES // (4 * k * max(1, threads))))
+        in_parallel([_piece(x, matrix, out, first, min(n, first + share))
+                     for first in range(0, n, share)], threads)
     return out
 
 
-def _tiled(x: np.ndarray, matrix: QuantMatrix, out: np.ndarray, threads: int) -> None:
-    """out = x @ W.T a tile of W's rows at a time, each de-quantized into the one buffer
-    (``qlayers.QuantLinear._tiled``)."""
-    n, k = matrix.shape
-    step = max(1, min(n, TILE_BYTES // (4 * k)))
-    buffer = tile_buffer(step * k)
-    for first in range(0, n, step):
-        count = min(step, n - first)
-        tile = buffer[:count * k].reshape(count, k)
-        _quant.dequantize_rows(matrix.data, matrix.qtype, first, count, tile, threads)
-        np.matmul(x, tile.T, out=out[:, first:first + count])
+def _piece(x: np.ndarray, matrix: Any, out: np.ndarray, first: int, end: int
+           ) -> Callable[[], None]:
+    """A job: out's columns [first, end) = x @ rows [first, end) of matrix, a quantized
+    one's de-quantized into this thread's tile buffer (``QuantLinear._tiled``)."""
+    def run() -> None:
+        if not isinstance(matrix, QuantMatrix):
+            np.matmul(x, matrix[first:end].T, out=out[:, first:end])
+            return
+        k = matrix.shape[1]
+        tile = tile_buffer((end - first) * k)[:(end - first) * k].reshape(end - first, k)
+        _quant.dequantize_rows(matrix.data, matrix.qtype, first, end - first, tile, 1)
+        np.matmul(x, tile.T, out=out[:, first:end])
+    return run
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -133,7 +159,7 @@ def run_blocks(cfg: ModelConfig, blocks: Sequence[Any], caches: Sequence[Tuple[A
                rows: Rows) -> np.ndarray:
     """Every block (``cpumodel.BlockParts``, with its cache and RoPE tables) on x (rows,
     dim); returns the last block's output."""
-    follow_threads(rows.threads)
+    follow_threads(1)
     for parts, cache, table in zip(blocks, caches, tables):
         x = block(cfg, parts, cache, table, x, rows)
     return x
@@ -234,7 +260,7 @@ def attention(cfg: ModelConfig, parts: Any, cache: Tuple[np.ndarray, np.ndarray]
         keys[slot, :, start:start + rows.seq_len] = k[b]
         values[slot, :, start:start + rows.seq_len] = v[b]
         attend(q[b], keys[slot], values[slot], out[b], start, options.get("window", 0) or 0,
-               scale)
+               scale, rows.threads)
     del qkv, q, k, v
     flat = out.reshape(rows.batch * rows.seq_len, q_dim)
     return product(flat, parts.wo, np.empty((flat.shape[0], cfg.dim), np.float32),
@@ -242,35 +268,50 @@ def attention(cfg: ModelConfig, parts: Any, cache: Tuple[np.ndarray, np.ndarray]
 
 
 def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, out: np.ndarray, start: int,
-           window: int, scale: float) -> None:
+           window: int, scale: float, threads: int = 1) -> None:
     """One sample's queries q (heads, T, hd) at positions start.. over its slot's keys and
     values (kv_heads, L, hd) up to its last position, causal and within ``window`` (0: all);
-    out (T, heads, hd). Each KV head's group of query heads in one product."""
+    out (T, heads, hd). Each KV head's group of query heads in one product per block of
+    ``QUERY_BLOCK`` queries, which reads the keys up to its last query only."""
     n_heads, seq_len, hd = q.shape
-    n_kv = keys.shape[0]
-    group, end = n_heads // n_kv, start + seq_len
-    first = max(0, start - window + 1) if window else 0
-    query_pos = np.arange(start, end)[:, None]
-    key_pos = np.arange(first, end)[None, :]
-    allowed = key_pos <= query_pos
-    if window:
-        allowed &= key_pos > query_pos - window
-    bias = np.where(allowed, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
-    for h in range(n_kv):
-        grouped = q[h * group:(h + 1) * group].reshape(group * seq_len, hd)
-        scores = grouped @ keys[h, first:end].T  # (group * T, L)
+    group = n_heads // keys.shape[0]
+    jobs = []
+    for a in range(0, seq_len, QUERY_BLOCK):
+        b = min(seq_len, a + QUERY_BLOCK)
+        first = max(0, start + a - window + 1) if window else 0
+        query_pos = np.arange(start + a, start + b)[:, None]
+        key_pos = np.arange(first, start + b)[None, :]
+        allowed = key_pos <= query_pos
+        if window:
+            allowed &= key_pos > query_pos - window
+        bias = np.where(allowed, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+        for h in range(keys.shape[0]):
+            heads = slice(h * group, (h + 1) * group)
+            jobs.append(_attend_job(q[heads, a:b], keys[h, first:start + b],
+                                    values[h, first:start + b], bias, scale,
+                                    out[a:b, heads]))
+    in_parallel(jobs, threads)
+
+
+def _attend_job(q: np.ndarray, keys: np.ndarray, values: np.ndarray, bias: np.ndarray,
+                scale: float, out: np.ndarray) -> Callable[[], None]:
+    """A job: queries q (group, Tb, hd) of one KV head over its keys and values (L, hd),
+    ``bias`` (Tb, L) 0 where allowed, -inf elsewhere; out (Tb, group, hd)."""
+    def run() -> None:
+        group, count, hd = q.shape
+        scores = q.reshape(group * count, hd) @ keys.T  # (group * Tb, L)
         scores *= np.float32(scale)
-        scores.reshape(group, seq_len, -1)[...] += bias
-        attended = softmax(scores) @ values[h, first:end]  # (group * T, hd)
-        out[:, h * group:(h + 1) * group] = attended.reshape(group, seq_len, hd).transpose(
-            1, 0, 2)
+        scores.reshape(group, count, -1)[...] += bias
+        attended = softmax(scores) @ values  # (group * Tb, hd)
+        out[...] = attended.reshape(group, count, hd).transpose(1, 0, 2)
+    return run
 
 
 def head(norm: np.ndarray, eps: float, matrix: Any, x: np.ndarray, threads: int,
          dot: int, out: Optional[np.ndarray] = None) -> np.ndarray:
     """The final norm and the head product of x (rows, dim) (``Transformer.head_logits``'s
     torch path)."""
-    follow_threads(threads)
+    follow_threads(1)
     normed = rms_norm(x, norm, eps)
     if out is None:
         out = np.empty((x.shape[0], matrix.shape[0]), np.float32)

@@ -3,11 +3,13 @@ chunk the runtime calls on a CPU node (the torch ``Transformer``'s members, nump
 out; ``mdiedge.model.cpuload`` builds it).
 
 Blocks ``[first, last)`` run through the step's ``blocks`` plan (``mdiedge.model.
-_stepspec``): decode rows and prefill alike, up to ``MAX_ROWS`` rows per call, a prompt in
-consecutive chunks of its positions (the step writes every row's keys and values before any
-row attends, each up to its own position, so the rows of one slot in a call see each other
-causally). The head is the step's ``logits``; embeddings are looked up row by row, a
-quantized table's rows de-quantized only when asked for.
+_stepspec``) for up to ``MAX_ROWS`` rows a call (decode, speculation's few rows): the step
+writes every row's keys and values before any row attends, each up to its own position, so
+the rows of one slot in a call see each other causally. More rows (a prefill), or every
+call where the step is the pure-Python twin, run on numpy (``mdiedge.model.npprefill``):
+the calls and the arithmetic the torch model sends through the step and through torch. The
+head likewise; embeddings are looked up row by row, a quantized table's rows de-quantized
+only when asked for.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from ..base.accel import Twins
 from ..base.cpudot import dot_code
 from ..base.errors import CpuPathRefused
 from ..base.threads import kernel_threads
-from . import _pyquant, _pystep
+from . import _pyquant, _pystep, npprefill
 from ._stepspec import MAX_ROWS, BlockWeights, Experts, QuantMatrix
 from .checks import check_memory
 from .config import ModelConfig
@@ -93,6 +95,7 @@ class CpuModel:
         self.n_slots = self.max_seq_len = 0
         self.caches: List[Tuple[np.ndarray, np.ndarray]] = []
         self._plan: Any = None
+        self._tables: List[Tuple[np.ndarray, np.ndarray]] = []
         for parts in weights.blocks:
             if parts.experts is not None and parts.counts is None:
                 parts.counts = np.zeros(len(parts.experts[1]), dtype=np.int64)
@@ -124,11 +127,12 @@ class CpuModel:
         windows = {p.options.get("window", 0) for p in self.weights.blocks}
         if self.cfg.rope_local_theta and any(windows):
             tables[1] = rope_tables(self.cfg, max_seq_len, local=True)
-        made = []
+        made, self._tables = [], []
         for parts in self.weights.blocks:
             k, v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
             self.caches.append((k, v))
             cos, sin = tables[1 if parts.options.get("window", 0) and 1 in tables else 0]
+            self._tables.append((cos, sin))
             made.append(_block_weights(parts, k, v, cos, sin, self.cfg))
         self._plan = _step.plan(made) if made else None
         self.n_slots, self.max_seq_len = n_slots, max_seq_len
@@ -171,7 +175,8 @@ class CpuModel:
     def run_blocks(self, x: np.ndarray, slots: Any, positions: Sequence[int],
                    step: Any = None) -> np.ndarray:
         """x (B, T, dim) float32; row b's T tokens at positions ``positions[b]``.. in KV slot
-        ``slots[b]``; every block in the step, ``MAX_ROWS`` rows a call."""
+        ``slots[b]``. Up to ``MAX_ROWS`` rows (decode) in one call of the step; more
+        (prefill) on numpy (``npprefill``), as the torch model takes torch for them."""
         assert step is None, "early exit runs on the torch path"
         if not self.weights.blocks:
             return x
@@ -182,31 +187,38 @@ class CpuModel:
             raise ValueError(f"position {max(positions) + seq_len} beyond the KV cache "
                              f"length {self.max_seq_len}")
         rows = np.ascontiguousarray(x, dtype=np.float32).reshape(batch * seq_len, dim)
-        slot_list = [int(s) for s in np.asarray(slots).reshape(-1) for _ in range(seq_len)]
-        row_positions = [int(p) + t for p in positions for t in range(seq_len)]
-        out = np.empty_like(rows)
+        slot_list = [int(s) for s in np.asarray(slots).reshape(-1)]
         threads, dot = kernel_threads(), dot_code()
-        for start in range(0, rows.shape[0], MAX_ROWS):
-            end = min(start + MAX_ROWS, rows.shape[0])
-            _step.blocks(self._plan, rows[start:end], out[start:end], slot_list[start:end],
-                         row_positions[start:end], threads, dot)
+        if not _step.PREFERRED or rows.shape[0] > MAX_ROWS:
+            calls = npprefill.Rows(batch, seq_len, slot_list, [int(p) for p in positions],
+                                   threads, dot)
+            out = npprefill.run_blocks(self.cfg, self.weights.blocks, self.caches,
+                                       self._tables, rows, calls)
+            return out.reshape(batch, seq_len, dim)
+        out = np.empty_like(rows)
+        _step.blocks(self._plan, rows, out, [s for s in slot_list for _ in range(seq_len)],
+                     [int(p) + t for p in positions for t in range(seq_len)], threads, dot)
         return out.reshape(batch, seq_len, dim)
 
     def fill_kv(self, x: np.ndarray, slots: Any, positions: Sequence[int]) -> None:
         raise NotImplementedError("KV fill (early exit) runs on the torch path")
 
     def head_logits(self, x: np.ndarray) -> np.ndarray:
-        """Final norm and head: (…, dim) float32 -> (…, vocab) float32, by the step."""
+        """Final norm and head: (…, dim) float32 -> (…, vocab) float32; decode rows (B, dim),
+        up to ``MAX_ROWS``, in one call of the step, anything else on numpy, as the torch
+        model takes the step or torch for them."""
         if self.weights.norm is None:
             raise RuntimeError("this chunk holds no head")
         rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, self.cfg.dim)
         vocab = self._head.shape[0]
         out = np.empty((rows.shape[0], vocab), np.float32)
         threads, dot = kernel_threads(), dot_code()
-        for start in range(0, rows.shape[0], MAX_ROWS):
-            end = min(start + MAX_ROWS, rows.shape[0])
-            _step.logits(self.weights.norm, self.cfg.rms_norm_eps, self._head,
-                         rows[start:end], out[start:end], threads, dot)
+        if _step.PREFERRED and x.ndim == 2 and rows.shape[0] <= MAX_ROWS:
+            _step.logits(self.weights.norm, self.cfg.rms_norm_eps, self._head, rows, out,
+                         threads, dot)
+        else:
+            npprefill.head(self.weights.norm, self.cfg.rms_norm_eps, self._head, rows,
+                           threads, dot, out)
         return out.reshape(*x.shape[:-1], vocab)
 
     def expert_load(self) -> Dict[str, List[int]]:

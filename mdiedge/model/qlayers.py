@@ -32,6 +32,7 @@ from ..base.cpudot import cpu_dot, dot_code
 from ..base.errors import CheckpointError, QuantError
 from . import _pyquant
 from .layers import Linear
+from .npprefill import KERNEL_ROWS, TILE_BYTES  # the torch-free prefill's, the same tiles
 from .qtypes import kernel_qtype  # noqa: F401  (known here too)
 from .quant import TYPES, check_blocks, dequantize_on_device, qtype_of, quantize, row_bytes
 
@@ -42,8 +43,6 @@ except ImportError:  # not built: the twin serves
 QUANT = Twins(_pyquant, _cquant)
 _quant = QUANT.select()
 log = logging.getLogger("mdiedge.quant")
-KERNEL_ROWS = 8  # rows the compiled product takes; more are a prefill
-TILE_BYTES = 4 << 20  # float32 bytes of the de-quantized tile a prefill multiplies by
 
 
 def _threads() -> int:

@@ -60,7 +60,7 @@ class ModelEnds:
         """(B, dim) hidden states (one per row) -> (B, vocab) float32 numpy logits."""
         if self.numpy:
             rows = float32(hidden)
-            return self.model.head_logits(rows.reshape(rows.shape[0], 1, -1))[:, 0]
+            return self.model.head_logits(rows.reshape(rows.shape[0], -1))  # decode: the step
         with inference():
             logits = self.model.head_logits(as_tensor(hidden, self.device))
             return logits.detach().float().cpu().numpy()

@@ -78,7 +78,7 @@ class ShiftChunk:
         return np.ascontiguousarray(np.eye(VOCAB, dtype=np.float32)[tokens])
 
     def head_logits(self, x: np.ndarray) -> np.ndarray:
-        assert x.dtype == np.float32 and x.ndim == 3
+        assert x.dtype == np.float32 and x.ndim in (2, 3)
         return (x * np.float32(SCALE)).astype(np.float32)
 
 

@@ -59,9 +59,9 @@ def test_the_engine_loads_sets_up_and_samples_on_one_thread(
     """Loading (the main thread asks), the KV set-up (a request thread asks) and every
     token of requests waited for on two threads: all on the engine's compute thread."""
     seen: Dict[str, Set[int]] = {"load": set(), "kv": set(), "token": set()}
-    real_load, real_stage = local.load_model, stages.LocalStage.__init__
+    real_load, real_stage = local.open_chunk, stages.LocalStage.__init__
 
-    def load_model(*args: Any, **kwargs: Any) -> Any:
+    def open_chunk(*args: Any, **kwargs: Any) -> Any:
         seen["load"].add(threading.get_ident())
         return real_load(*args, **kwargs)
 
@@ -69,7 +69,7 @@ def test_the_engine_loads_sets_up_and_samples_on_one_thread(
         seen["kv"].add(threading.get_ident())
         real_stage(self, *args, **kwargs)
 
-    monkeypatch.setattr(local, "load_model", load_model)
+    monkeypatch.setattr(local, "open_chunk", open_chunk)
     monkeypatch.setattr(stages.LocalStage, "__init__", stage_init)
     engine = LocalEngine(ring_model, stages=2)
     errors: List[BaseException] = []

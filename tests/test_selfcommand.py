@@ -49,7 +49,7 @@ def test_local_ring_workers_report_the_starters_code(in_a_source_tree: Path) -> 
     assert len(statuses) == 3
     for status in statuses:
         assert status.code["package"] == package_root() != str(in_a_source_tree), status.name
-        for module in ("step", "quant", "matvec", "framing"):
+        for module in ("step", "quant", "framing"):  # a torch-free node never needs matvec
             assert status.code["modules"][module] == ours["modules"][module], status.name
         assert status.threads == 1, status.name
 

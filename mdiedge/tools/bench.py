@@ -73,7 +73,7 @@ def run_config(model: Path, nodes: int, samples: int, new_tokens: int, context: 
         starter_load = stage.model.expert_load()  # a fresh model: all of it is this run's
         own_bytes = sum(stage.memory().values())
         own_read = read_per_message(stage.model)
-        blocks = [len(stage.model.layers)] + [a.layers[1] - a.layers[0] if a.layers else 0
+        blocks = [stage.model.last - stage.model.first] + [a.layers[1] - a.layers[0] if a.layers else 0
                                               for a in after]
         kv_read = [kv_read_per_row(stage.model, engine.cfg, n, context, new_tokens)
                    for n in blocks]
@@ -112,7 +112,8 @@ def kv_read_per_row(model: Any, cfg: Any, blocks: int, context: int, new_tokens:
     """KV cache bytes a decode message reads per row on a node of ``blocks`` blocks, on
     average over the bench's generation (a prompt of ``context - new_tokens``), at the
     model's dtype."""
-    itemsize = next(model.parameters()).element_size()
+    itemsize = 4 if getattr(model, "takes_numpy", False) \
+        else next(model.parameters()).element_size()  # a CpuModel's caches are float32
     keys = mean_keys(context - new_tokens, new_tokens)
     return blocks * cfg.kv_bytes_per_token_per_layer(itemsize) * keys
 
@@ -144,7 +145,7 @@ def _run_local(model: Path, samples: int, new_tokens: int, context: int,
             "peak_rss_bytes": [max_rss_bytes()],
             "weight_kv_bytes": [engine.model.parameter_bytes() + engine.model.kv_cache_bytes()],
             "read_bytes": [read_per_message(engine.model)],
-            "kv_read_bytes": [kv_read_per_row(engine.model, engine.cfg, len(engine.model.layers),
+            "kv_read_bytes": [kv_read_per_row(engine.model, engine.cfg, engine.model.last - engine.model.first,
                                               context, new_tokens)],
             "threads": torch.get_num_threads()}
 

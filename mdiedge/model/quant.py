@@ -41,10 +41,8 @@ A weight of ``out`` rows and ``in`` columns is a uint8 array (out, row_bytes): e
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
-import numpy as np
 import torch
 
 from .dequant import blocks_to_float
@@ -74,18 +72,10 @@ def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def dequantize(data: Any, qtype: str, in_features: int) -> torch.Tensor:
-    """The float32 weight (out, in) that ``data`` (uint8 (out, row_bytes), numpy or a CPU
-    tensor) encodes, as a tensor; blocks with a scale that is not finite refused."""
-    raw = as_blocks(data)
-    t, width = qtype_of(qtype), row_bytes(qtype, in_features)
-    if raw.shape[1] != width:
-        raise QuantError(f"rows of {raw.shape[1]} bytes do not hold {in_features} {t.name} "
-                         f"weights ({width} bytes)")
-    check_blocks(raw, t.name)
-    with warnings.catch_warnings():  # a read-only map: only read here
-        warnings.simplefilter("ignore", UserWarning)
-        blocks = torch.from_numpy(np.ascontiguousarray(raw)).reshape(-1, t.block_bytes)
-    return blocks_to_float(blocks, t.name).reshape(raw.shape[0], in_features)
+    """``qtypes.dequantize_array`` as a tensor: the float32 weight (out, in) that ``data``
+    (uint8 (out, row_bytes), numpy or a CPU tensor) encodes; blocks with a scale that is not
+    finite refused."""
+    return torch.from_numpy(dequantize_array(data, qtype, in_features))
 
 
 def dequantize_on_device(qweight: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 """Products with quantized weights, compiled: the twin of ``mdiedge/model/_pyquant.py`` with the
 same API. The kernels are ``ext/quant.h``: float32 arithmetic with each block's quants widened
 in registers, a scalar reference and a vector path (AVX2+FMA+F16C on x86-64, NEON on aarch64)
-chosen at import, OpenMP threads over the output columns, the GIL released. Arguments are
+chosen at import (the q8 mode's integer kernels with AVX512-VNNI where the CPU has it), OpenMP threads over the output columns, the GIL released. Arguments are
 checked by ``mdiedge.model.qtypes`` (one line each, ``QuantError``); arrays are numpy arrays or
 torch CPU tensors."""
 from mdiedge.model.arrays import address as _address
@@ -15,6 +15,7 @@ cdef extern from "quant.h" nogil:
     const int qm_block_bytes[]
     void qm_init()
     const char *qm_use_simd(int on)
+    const char *qm_ipath
     int qm_q8_usable(int type)
     int qm_rows(int type, const unsigned char *w, const float *x, float *y, Py_ssize_t n,
                 Py_ssize_t k, int rows, int threads, int dot)
@@ -32,6 +33,13 @@ _path = qm_use_simd(1).decode()
 def simd_path():
     """The kernels in use: "avx2", "neon" or "scalar" (the plain reference)."""
     return _path
+
+
+def integer_path():
+    """The q8 mode's integer kernels in use: "avx2+avx512vnni" (vpdpbusd / vpdpwssd where
+    the CPU has them), "avx2", "neon-dotprod", "float32" (none on this CPU's vector path) or
+    "scalar"."""
+    return qm_ipath.decode()
 
 
 def q8_types():

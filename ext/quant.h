@@ -409,13 +409,10 @@ static inline void qm_widen16_neon(qs_i8x16 v, qs_f8 *out) {
 #elif defined(__aarch64__) && (defined(__clang__) || __GNUC__ >= 8)
 #include "quant_q8_neon.h"
 #endif
-#ifndef QM_ITABLE_USABLE  /* whether this CPU runs QM_ITABLE, beyond qm_simd_available */
-#define QM_ITABLE_USABLE() 1
-#endif
 
 static qm_dot_fn qm_fns[QM_TYPES][QM_GROUP + 1];
 static qm_idot_fn qm_ifns[QM_TYPES];  /* the integer kernels (NULL: the type has none here) */
-static const char *qm_path = "scalar";
+static const char *qm_path = "scalar", *qm_ipath = "scalar";
 
 /* Whether this CPU runs the vector path compiled here. */
 static int qm_simd_available(void) {
@@ -430,20 +427,46 @@ static int qm_simd_available(void) {
 #endif
 }
 
-/* Use the vector path (on != 0, where available) or the scalar reference; returns the name
-   of the path now used. Not while a product runs. */
+/* Whether this CPU runs integer variant i of the vector path (0: none there). */
+static int qm_ivariant_usable(int i) {
+#ifdef QM_IVARIANTS
+    return i >= 0 && i < QM_IVARIANTS && qm_simd_available()
+           && (qm_ivariants[i].usable == NULL || qm_ivariants[i].usable());
+#else
+    (void)i;
+    return 0;
+#endif
+}
+
+/* Use the integer kernels of variant i (usable), or none on the vector path (i < 0: the types
+   multiply in float32 there); qm_use_simd(1) first. Tests compare each variant. */
+static void qm_use_ivariant(int i) {
+    memset(qm_ifns, 0, sizeof qm_ifns);
+    qm_ipath = "float32";
+#ifdef QM_IVARIANTS
+    if (qm_ivariant_usable(i)) {
+        memcpy(qm_ifns, qm_ivariants[i].table, sizeof qm_ifns);
+        qm_ipath = qm_ivariants[i].name;
+    }
+#endif
+}
+
+/* Use the vector path (on != 0, where available) with its best integer variant, or the
+   scalar references; returns the name of the path now used. Not while a product runs. */
 static const char *qm_use_simd(int on) {
     memcpy(qm_fns, qm_scalar, sizeof qm_fns);
     memcpy(qm_ifns, qm_iscalar, sizeof qm_ifns);
-    qm_path = "scalar";
+    qm_path = qm_ipath = "scalar";
 #ifdef QM_SIMD_TABLE
     if (on && qm_simd_available()) {
         memcpy(qm_fns, QM_SIMD_TABLE, sizeof qm_fns);
         qm_path = QM_SIMD_NAME;
-        memset(qm_ifns, 0, sizeof qm_ifns);
-#ifdef QM_ITABLE
-        if (QM_ITABLE_USABLE()) memcpy(qm_ifns, QM_ITABLE, sizeof qm_ifns);
+        int best = -1;
+#ifdef QM_IVARIANTS
+        for (int i = 0; i < QM_IVARIANTS; i++)
+            if (qm_ivariant_usable(i)) best = i;
 #endif
+        qm_use_ivariant(best);
     }
 #endif
     return qm_path;

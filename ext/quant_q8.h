@@ -35,6 +35,14 @@ typedef struct {
 /* One weight row against R <= QM_IGROUP quantized activation rows: s[r] = sum_i W[i] x[r][i]. */
 typedef void (*qm_idot_fn)(const uint8_t *w, const qm_act *a, ptrdiff_t k, int R, float *s);
 
+/* A vector path's integer kernels: its name, the kernels by type, and whether this CPU runs
+   them (NULL: wherever the vector path runs). */
+typedef struct {
+    const char *name;
+    const qm_idot_fn *table;
+    int (*usable)(void);
+} qm_ivariant;
+
 /* A vector kernel ``name`` (a qm_idot_fn, ATTR its target attribute) that calls CALL(R) with
    R fixed in each branch, so that the loops over rows unroll whole. */
 #define QM_BY_ROWS(ATTR, name, CALL)                                                          \

@@ -437,5 +437,6 @@ QN_BY_ROWS(qn_iq4_xs, QN_IQ4_XS)
 static const qm_idot_fn qm_itable_neon[QM_TYPES] = {
     qn_q8_0, qn_q4_0, qn_q4_1, qn_q4_k, qn_q6_k, NULL, NULL, qn_q5_0, qn_q5_1, qn_q2_k,
     qn_q3_k, qn_q5_k, qn_iq4_nl, qn_iq4_xs};
-#define QM_ITABLE qm_itable_neon
-#define QM_ITABLE_USABLE() qn_dotprod()
+/* The integer variant of this path (a list, as quant_q8_avx2.h's). */
+static const qm_ivariant qm_ivariants[] = {{"neon-dotprod", qm_itable_neon, qn_dotprod}};
+#define QM_IVARIANTS 1

@@ -147,12 +147,20 @@ static void quantize(int type, const float *x, int k, int rows, qm_act *act, voi
     }
 }
 
-/* One integer kernel (qm_ifns[type] of the path qm_use_simd(simd) picks) over n weight
-   rows: out[r n + j]. */
+static int ivariant = -1;  /* the integer variant under test (-1: the best) */
+
+/* The vector path (simd != 0) with the integer variant under test, or the scalar one. */
+static void use_path(int simd) {
+    qm_use_simd(simd);
+    if (simd && ivariant >= 0) qm_use_ivariant(ivariant);
+}
+
+/* One integer kernel (qm_ifns[type] of the path use_path(simd) picks) over n weight rows:
+   out[r n + j]. */
 static void idot(int simd, int type, const uint8_t *w, const qm_act *act, int k, int rows,
                  int n, float *out) {
     float s[QM_IGROUP];
-    qm_use_simd(simd);
+    use_path(simd);
     for (int j = 0; j < n; j++) {
         qm_ifns[type](w + j * (k / qm_block[type] * qm_block_bytes[type]), act, k, rows, s);
         for (int r = 0; r < rows; r++) out[r * n + j] = s[r];
@@ -165,7 +173,7 @@ static void idot(int simd, int type, const uint8_t *w, const qm_act *act, int k,
 static int check_q8_rows(int type, int k, int rows, const uint8_t *w, const float *x,
                          const float *got, int n) {
     float q8[MAX_ROWS * N], f32[MAX_ROWS * N];
-    qm_use_simd(1);
+    use_path(1);
     qm_rows(type, w, x, q8, n, k, rows, 1, 1);
     qm_rows(type, w, x, f32, n, k, rows, 1, 0);
     for (int i = 0; i < rows * n; i++) {
@@ -201,39 +209,46 @@ static int check_int(int type, int k, int rows, uint8_t *w, float *x, int n) {
     return check_q8_rows(type, k, rows, w, x, got, n);
 }
 
-/* Whether this CPU runs integer kernels on its vector path. */
-static int has_integer_path(void) {
-#ifdef QM_ITABLE
-    return qm_simd_available() && QM_ITABLE_USABLE();
-#else
-    return 0;
-#endif
-}
-
-/* The integer kernels of every type that has one here; returns the mismatches, or 1 where
-   this CPU has the path and none ran. */
-static int check_integer(const char *path, uint8_t *w, float *x) {
+/* The integer kernels of every type that has one in variant ivariant; returns the
+   mismatches, or 1 where none ran. */
+static int check_variant(uint8_t *w, float *x) {
     int failed = 0, ran = 0;
+    const char *name = qm_ipath;
     for (int type = 0; type < QM_TYPES; type++) {
         int block = qm_block[type], bad = 0, cases = 0;
-        qm_use_simd(1);
+        use_path(1);
         if (!qm_act_form(type) || !qm_ifns[type]) {
-            printf("%s integer: none on this path (float32)\n", qm_names[type]);
+            printf("%s integer: none in %s (float32)\n", qm_names[type], name);
             continue;
         }
         int widths[3] = {block, 3 * block, block == 32 ? MAX_K : 2 * block};
         for (int wi = 0; wi < 3; wi++)
             for (int rows = 1; rows <= MAX_ROWS; rows += rows == QM_IGROUP ? 3 : 1, cases++)
                 bad += check_int(type, widths[wi], rows, w, x, N);
-        printf("%s integer %s: %d cases, %d mismatches\n", qm_names[type], path, cases, bad);
+        printf("%s integer %s: %d cases, %d mismatches\n", qm_names[type], name, cases, bad);
         failed |= bad;
         ran++;
     }
-    if (!ran && has_integer_path()) {
-        printf("no integer kernel ran on path %s\n", path);
-        return 1;
+    if (!ran) printf("no integer kernel ran in %s\n", name);
+    return failed || !ran;
+}
+
+/* Every integer variant this CPU runs against the scalar references. */
+static int check_integer(const char *path, uint8_t *w, float *x) {
+    int failed = 0, ran = 0;
+#ifdef QM_IVARIANTS
+    for (ivariant = 0; ivariant < QM_IVARIANTS; ivariant++) {
+        if (!qm_ivariant_usable(ivariant)) {
+            printf("integer variant %s: not on this CPU\n", qm_ivariants[ivariant].name);
+            continue;
+        }
+        use_path(1);
+        failed |= check_variant(w, x);
+        ran++;
     }
-    if (!has_integer_path()) printf("no integer kernels on this CPU's path %s\n", path);
+    ivariant = -1;
+#endif
+    if (!ran) printf("no integer kernels on this CPU's path %s\n", path);
     return failed;
 }
 

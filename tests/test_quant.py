@@ -198,6 +198,15 @@ def test_the_compiled_module_takes_the_vector_path_where_it_can() -> None:
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     if " avx2 " in flags and " fma " in flags and " f16c " in flags:
         assert compiled.simd_path() == "avx2"
+        assert compiled.integer_path() == ("avx2+avx512vnni" if has_vnni() else "avx2")
+
+
+def has_vnni() -> bool:
+    """Whether this CPU has AVX512-VNNI on 256-bit vectors (the integer kernels' best x86
+    variant)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text().split() if cpuinfo.exists() else []
+    return "avx512_vnni" in flags and "avx512vl" in flags
 
 
 def test_row_bytes_and_widths() -> None:
@@ -319,10 +328,12 @@ def test_c_kernels_vector_path_equals_scalar(target: str, tmp_path: Path) -> Non
                                                     "/usr/aarch64-linux-gnu"), tmp_path)
         assert "path neon" in out
     lines = out.splitlines()
+    variants = (["neon-dotprod"] if target == "aarch64"
+                else ["avx2", "avx2+avx512vnni"] if has_vnni() else [])
     for name in quant.KERNEL_TYPES:
         assert f"{name}: 24 cases, 0 mismatches" in lines, out
-        if target == "aarch64" and quant.TYPES[name].block > 1:  # every type has one there
-            assert f"{name} integer neon: 27 cases, 0 mismatches" in lines, out
+        for variant in variants if quant.TYPES[name].block > 1 else []:  # every type has one
+            assert f"{name} integer {variant}: 27 cases, 0 mismatches" in lines, out
     ran = [line for line in lines if " integer " in line and " cases, " in line]
     assert all(line.endswith(" 0 mismatches") for line in ran), out
     assert ran or "no integer kernels on this CPU" in out, out

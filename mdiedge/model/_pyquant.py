@@ -22,6 +22,11 @@ def simd_path() -> str:
     return "numpy"
 
 
+def integer_path() -> str:
+    """The integer kernels in use: "numpy", as ``simd_path()``."""
+    return simd_path()
+
+
 def q8_types() -> tuple:
     """The types the q8 mode rounds the activations for (every quantized type)."""
     return tuple(name for name, _, _ in COMPILED_TYPES if TYPES[name].act_block)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from .errors import CheckpointError
-from .values import Span
+from .valuechecks import Span
 
 DEFAULT_MODEL = "nanollama"
 

@@ -102,7 +102,7 @@ def sized_slots(text_model: Any, slots: Optional[int], context: Optional[int],
 def shape_line(shape: Any, where: str) -> str:
     """``serve``'s line on its slots and context: what it chose, and why (a ``SlotShape``
     of a KV cache held ``where``)."""
-    from ..base.words import plural
+    from ..base.humanize import plural
     from ..placement.partition import format_bytes
 
     line = (f"serve: {plural(shape.slots, 'slot')} x {shape.context} tokens, KV cache "

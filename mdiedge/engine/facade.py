@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 from ..base import defaults
 from ..base.errors import MdiedgeError
 from ..base.defaults import SHOWN_SETUP_S
-from ..base.words import plural
+from ..base.humanize import plural
 from ..model.hub import resolve_model
 from ..model.modelfile import ModelFile, model_file
 from ..model.config import ModelConfig

@@ -29,7 +29,7 @@ from ..base.accel import running_code
 from ..base.memory import max_rss_bytes, rss_bytes
 from ..base.threads import compute_threads
 from ..base.nodes import NodeSpec, StarterOptions
-from ..base.words import block_range
+from ..base.humanize import block_range
 from ..model.chunks import open_chunk
 from ..model.modelfile import model_file, reads
 from ..model.families import config_to_hf

@@ -25,7 +25,7 @@ from ..base.errors import ConfigError, Conflict, MdiedgeError, RingError
 from ..base.accel import running_code, warn_if_uncompiled
 from ..base.memory import max_rss_bytes, rss_bytes
 from ..base.threads import compute_threads
-from ..base.words import block_range
+from ..base.humanize import block_range
 from ..model.chunks import open_chunk
 from ..model.hub import resolve_model
 from ..model.modelfile import model_file, reads

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 from ..base.defaults import PERPLEXITY_MIN_CTX
 from ..base.errors import UsageError
-from ..base.words import plural
+from ..base.humanize import plural
 
 Progress = Callable[[int], None]  # told the positions each batch ran
 

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ...base.errors import ApiError
-from ...base.words import plural
+from ...base.humanize import plural
 from ...engine.facade import Prompt
 from .cors import Cors
 from .errors import api_error

@@ -247,7 +247,7 @@ def _speculation(model: Optional[str], preset: Any, speculate: str, text: Option
     from pathlib import Path
 
     from ..base.defaults import held_out_text
-    from ..engine.factory import EngineSpec, check_spec
+    from ..engine.opening import EngineSpec, check_spec
     from ..model.checkpoint import resolve_model_path
     from ..tools import specbench
     from ..tools.benchtable import measuring_on_stderr

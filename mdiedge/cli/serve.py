@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
 import typer
 
 if TYPE_CHECKING:
-    from ..engine.facade import Engine
+    from ..engine.engine import Engine
 
 from ..base import defaults
 from ..serving.api.cors import parse_origins

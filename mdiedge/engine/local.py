@@ -18,7 +18,7 @@ from ..runtime.plan import layout_for
 from ..runtime.scheduler import Scheduler
 from ..runtime.stages import LocalStage, joined_routes
 from ..runtime.protocol import NodeStatus
-from .facade import Engine, PathLike, TextModel
+from .engine import Engine, PathLike, TextModel
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

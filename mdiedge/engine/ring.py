@@ -12,7 +12,7 @@ from ..runtime.ring import probe_all
 from ..runtime.scheduler import Scheduler
 from ..runtime.stages import LocalStage
 from ..runtime.protocol import NodeStatus
-from .facade import Engine, PathLike, TextModel
+from .engine import Engine, PathLike, TextModel
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

@@ -23,8 +23,8 @@ from ..model.checkpoint import content_hash, load_model
 from ..model.exitfiles import ExitSettings, exit_policy, exit_settings
 from ..model.sampling import SamplingParams
 from ..base.defaults import RING_TIMEOUT_S
-from ..engine.facade import Engine, TextModel
-from ..engine.factory import EngineSpec, open_engine
+from ..engine.engine import Engine, TextModel
+from ..engine.opening import EngineSpec, open_engine
 from ..base.errors import ConfigError
 from ..model.exitfiles import THRESHOLDS_FILE
 from .exitcal import MIN_TOKENS, decode_forced, held_out_halves

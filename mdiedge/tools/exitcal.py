@@ -266,7 +266,7 @@ def run(model: Optional[str], text: Path, criteria: List[str], target: float,
     """Calibrate ``criteria`` for the model; train the classifier first when it is asked
     for. Writes the files beside the model and returns what it found."""
     from ..model.checkpoint import content_hash, load_model
-    from ..engine.facade import TextModel
+    from ..engine.engine import TextModel
 
     text_model = TextModel(model, None)
     path = text_model.path

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from ...base.errors import ApiError
 from ...base.humanize import plural
-from ...engine.facade import Prompt
+from ...engine.engine import Prompt
 from .cors import Cors
 from .errors import api_error
 from .logprobs import (StreamedLogprobs, chat_logprobs, completion_logprobs, entries,

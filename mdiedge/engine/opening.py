@@ -22,7 +22,7 @@ from ..base.engineoptions import EngineOptions, torch_option
 from ..base.errors import ConfigError, MdiedgeError, UsageError
 from ..base.nodes import NodeSpec, StarterOptions
 from ..base.threads import available_cores, node_threads, use_threads
-from .facade import Engine, PathLike, TextModel
+from .engine import Engine, PathLike, TextModel
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

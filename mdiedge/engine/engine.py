@@ -2,7 +2,7 @@
 the blocks. ``Engine`` is the typed surface every caller (the CLI, the API, the tools) works
 with; ``LocalEngine`` (``local``) builds a pipeline of in-process stages (``--nodes 1`` is
 one); ``RingEngine`` (``ring``) is the starter's stage plus the ring; ``open_engine``
-(``factory``) makes either from one ``EngineSpec``.
+(``opening``) makes either from one ``EngineSpec``.
 
 A request is taken in once (``TextModel.request``): its prompt tokenized into a ``Prompt``
 (text and ids) and every limit checked, into a ``Request`` that its ``Generation`` is built

@@ -203,7 +203,7 @@ def _exits(model: Optional[str], criterion: Any, threshold: Any,
          "a text file (its last 10% is the held-out text)")
     need(nodes >= 1, "--nodes", nodes, "an integer >= 1")
     need(samples >= 1, "--samples", samples, "an integer >= 1")
-    from ..tools.exitbench import run
+    from ..tools.earlyexit.bench import run
 
     def shown(row: dict) -> None:
         if not as_json:

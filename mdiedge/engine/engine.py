@@ -39,7 +39,7 @@ from ..runtime.scheduler import Scheduler
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # early exit and a draft model run on the torch path
-    from ..model.exitfiles import ExitSettings
+    from ..model.earlyexit.files import ExitSettings
     from ..runtime.draftmodel import DraftModel
 
 PathLike = Union[str, Path]

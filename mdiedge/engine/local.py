@@ -11,7 +11,7 @@ from ..model.chunks import open_chunk
 from ..model.modelfile import reads
 from ..placement.partition import split_layers
 from ..roles.devices import device_of
-from ..roles.exitparts import starter_policy
+from ..roles.earlyexit import starter_policy
 from ..runtime.compute import ComputeThread
 from ..runtime.pipeline import ModelEnds, Pipeline
 from ..runtime.plan import layout_for
@@ -22,7 +22,7 @@ from .engine import Engine, PathLike, TextModel
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from ..model.exitfiles import ExitSettings
+    from ..model.earlyexit.files import ExitSettings
 
 
 class LocalEngine(Engine):

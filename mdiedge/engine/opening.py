@@ -26,7 +26,7 @@ from .engine import Engine, PathLike, TextModel
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from ..model.exitfiles import ExitSettings
+    from ..model.earlyexit.files import ExitSettings
     from ..roles.starter import Route
 
 
@@ -121,7 +121,7 @@ def exit_settings_of(text: TextModel, criterion: Optional[str],
     ``text``, or None without a criterion."""
     if criterion is None:
         return None
-    from ..model.exitfiles import exit_settings
+    from ..model.earlyexit.files import exit_settings
 
     return exit_settings(text.path, text.cfg, text.file.content_hash(), criterion, threshold)
 

@@ -16,7 +16,7 @@ from .engine import Engine, PathLike, TextModel
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from ..model.exitfiles import ExitSettings
+    from ..model.earlyexit.files import ExitSettings
 
 
 class RingEngine(Engine):

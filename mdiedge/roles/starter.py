@@ -47,14 +47,14 @@ from ..runtime.scheduler import Scheduler, prefill_rows
 from ..runtime.stages import LocalStage
 from ..placement import balance
 from .devices import device_of
-from .exitparts import check_ring_exits, exit_spec, sent_chunk, starter_policy
+from .earlyexit import check_ring_exits, exit_assignment, sent_chunk, starter_policy
 from .membership import Membership
 from ..runtime.ring import RingTail, probe_all
 from .setupwatch import SetupWatch
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from ..model.exitfiles import ExitSettings
+    from ..model.earlyexit.files import ExitSettings
 
 log = logging.getLogger("mdiedge.starter")
 
@@ -307,7 +307,7 @@ class RingStarter:
                          str(self.path.resolve()) if self.options.share_path else None)
         request = Assignment(model, layers, n_slots, context, self.options.dtype,
                              client.node.device, last, self.options.max_payload, self.session,
-                             exit_spec(self.early_exit), self.options.quantize)
+                             exit_assignment(self.early_exit), self.options.quantize)
         reply = AssignReply.from_json(self._call(client, "POST", "/assign", request.to_json(),
                                                  f"blocks {block_range(layers)}",
                                                  timeout=defaults.ASSIGN_TIMEOUT_S))

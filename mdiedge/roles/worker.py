@@ -38,7 +38,7 @@ from ..runtime.links import LinkDown, LinkPair, accept_authenticated, bind, clos
 from ..runtime.protocol import Assignment, AssignReply, ConnectRequest, ModelRef, NodeStatus
 from ..runtime.stages import LocalStage, inference
 from .devices import device_of
-from .exitparts import cache_suffix, extra_bytes, has_parts, keep_sent_classifier, worker_policy
+from .earlyexit import cache_suffix, extra_bytes, has_parts, keep_sent_classifier, worker_policy
 
 log = logging.getLogger("mdiedge.worker")
 

@@ -19,7 +19,7 @@ from ..base.arrays import float32
 from ..base.errors import RingError
 
 
-class Tail:
+class RemoteStages:
     """Stages beyond this process, reached over links (the interface the ring implements)."""
 
     nodes = 0  # how many nodes the tail spans
@@ -32,7 +32,7 @@ class Tail:
         raise NotImplementedError
 
 
-class ModelEnds:
+class EmbedAndHead:
     """The embedding before the first block and the final norm and head after the last: the
     starter's, wherever the blocks run. ``head`` is where the runtime takes logits: float32
     numpy whichever kind of chunk made them."""
@@ -69,7 +69,7 @@ class ModelEnds:
 class Pipeline:
     """``stages`` in this process, in ring order, then the optional remote ``tail``."""
 
-    def __init__(self, stages: Sequence[LocalStage], tail: Optional[Tail] = None) -> None:
+    def __init__(self, stages: Sequence[LocalStage], tail: Optional[RemoteStages] = None) -> None:
         if not stages:
             raise ValueError("a pipeline needs at least one local stage")
         self.stages = list(stages)

@@ -207,7 +207,6 @@ def _say_ready(api: Any, slots: int) -> None:
 
 
 def _wait_for_signal() -> None:
-    """Block until SIGINT or SIGTERM."""
     import signal
     import threading
 

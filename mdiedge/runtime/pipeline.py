@@ -1,4 +1,5 @@
-"""A pipeline: the ordered stages a message goes through, and the model ends around them.
+"""A pipeline: the ordered stages a message goes through, and the embedding and head around
+them.
 
 In-process ``LocalStage``s run as a message is submitted; a remote tail (the ring's links,
 see ``mdiedge.roles.starter``) carries it on through the workers and back. Either way results
@@ -20,7 +21,7 @@ from ..base.errors import RingError
 
 
 class RemoteStages:
-    """Stages beyond this process, reached over links (the interface the ring implements)."""
+    """Reached over links; the ring implements it."""
 
     nodes = 0  # how many nodes the tail spans
 
@@ -33,9 +34,8 @@ class RemoteStages:
 
 
 class EmbedAndHead:
-    """The embedding before the first block and the final norm and head after the last: the
-    starter's, wherever the blocks run. ``head`` is where the runtime takes logits: float32
-    numpy whichever kind of chunk made them."""
+    """The starter's, wherever the blocks run; ``head`` includes the final norm and gives
+    float32 numpy logits whichever kind of chunk made them."""
 
     def __init__(self, model: Any) -> None:  # a chunk with embedding and head
         if not (model.has_embedding and model.has_head):

@@ -66,8 +66,6 @@ class KeyCheck:
 
 
 class ApiRoutes:
-    """The routes of one server over ``service``."""
-
     def __init__(self, service: ApiService) -> None:
         self.service = service
 

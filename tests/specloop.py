@@ -17,13 +17,13 @@ from mdiedge.model.sampling import SamplingParams, sample_generator, sample_rows
 from mdiedge.runtime import messages
 from mdiedge.runtime.messages import Message
 from mdiedge.placement.partition import split_layers
-from mdiedge.runtime.pipeline import ModelEnds, Pipeline
+from mdiedge.runtime.pipeline import EmbedAndHead, Pipeline
 from mdiedge.runtime.speculation import Speculation
 from mdiedge.runtime.stages import LocalStage
 
 
 def build(path: Path, stages: int, n_slots: int = 1, context: int = 512
-          ) -> Tuple[Pipeline, ModelEnds]:
+          ) -> Tuple[Pipeline, EmbedAndHead]:
     """The model at ``path`` split over ``stages`` in-process stages, as LocalEngine does."""
     from mdiedge.model.checkpoint import load_config
 
@@ -33,7 +33,7 @@ def build(path: Path, stages: int, n_slots: int = 1, context: int = 512
               for i, r in enumerate(ranges)]
     last = len(chunks) - 1
     return (Pipeline([LocalStage(c, n_slots, context, trim_prefill=i == last)
-                      for i, c in enumerate(chunks)]), ModelEnds(chunks[0]))
+                      for i, c in enumerate(chunks)]), EmbedAndHead(chunks[0]))
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Run:
     ks: List[int] = field(default_factory=list)  # tokens drafted per step
 
 
-def _step(pipeline: Pipeline, ends: ModelEnds, sample_id: int, position: int,
+def _step(pipeline: Pipeline, ends: EmbedAndHead, sample_id: int, position: int,
           tokens: Sequence[int], prefill: bool = False, rewind: bool = False) -> torch.Tensor:
     """Hidden states (T, dim) after the pipeline for ``tokens`` from ``position``."""
     hidden = ends.embed([list(tokens)])
@@ -55,7 +55,7 @@ def _step(pipeline: Pipeline, ends: ModelEnds, sample_id: int, position: int,
     return out.hidden[0]
 
 
-def decode(pipeline: Pipeline, ends: ModelEnds, prompt: Sequence[int], n: int,
+def decode(pipeline: Pipeline, ends: EmbedAndHead, prompt: Sequence[int], n: int,
            params: SamplingParams, speculation: Optional[Speculation] = None,
            sample_id: int = 0, generator: Optional[torch.Generator] = None) -> Run:
     """``n`` tokens after ``prompt`` (no stop at the end of text)."""

@@ -247,9 +247,9 @@ def test_serve_says_what_it_chose_and_why(available: Any, slots: Any, context: A
 def test_serve_decodes_with_early_exit() -> None:
     """``serve --early-exit`` answers as the in-process engine with the same exits does, and
     not as it does without them (a threshold of 0: every token exits after block 1)."""
-    from mdiedge.engine.factory import exit_settings_of
+    from mdiedge.engine.opening import exit_settings_of
     from mdiedge.model.sampling import SamplingParams
-    from mdiedge.engine.facade import TextModel
+    from mdiedge.engine.engine import TextModel
     from mdiedge.engine.local import LocalEngine
 
     env = {k: v for k, v in os.environ.items() if k != "MDIEDGE_API_KEY"}

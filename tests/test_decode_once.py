@@ -47,7 +47,7 @@ def decoded(monkeypatch: pytest.MonkeyPatch, sampled: Callable[[], int]) -> List
     """How many ids each decode of a tokenizer opened from now on was given."""
     import torch
 
-    import mdiedge.engine.facade as facade
+    import mdiedge.engine.engine as facade
 
     lengths: List[int] = []
     real_load = facade.load_tokenizer

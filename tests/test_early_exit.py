@@ -14,9 +14,10 @@ import torch
 
 from mdiedge.base.errors import ConfigError
 from mdiedge.model.checkpoint import content_hash, load_config, load_model
-from mdiedge.model.exitfiles import (CLASSIFIER_FILE, ExitSettings,
+from mdiedge.model.earlyexit.files import (CLASSIFIER_FILE, ExitSettings,
                                      exit_settings, load_classifier, save_classifier)
-from mdiedge.model.exits import NEVER, ExitClassifier, ExitPolicy, ExitStep, cosine, softmax_margin
+from mdiedge.model.earlyexit.policy import (NEVER, ExitClassifier, ExitPolicy, ExitStep, cosine,
+                                            softmax_margin)
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.engine.local import LocalEngine
 from tolerance import assert_close, model_path_length
@@ -188,7 +189,7 @@ def train_tiny_classifier(model: Path) -> None:
 
 
 def test_calibration_files_round_trip(ring_model: Path, tmp_path: Path) -> None:
-    from mdiedge.tools.exitcal import write_calibration
+    from mdiedge.tools.earlyexit.calibrate import write_calibration
 
     model = copy_model(ring_model, tmp_path)
     digest = content_hash(model)
@@ -278,19 +279,19 @@ def test_non_finite_threshold_is_refused(ring_model: Path, value: str, message: 
 
 def test_workers_get_exact_thresholds_and_the_classifier_digest(ring_model: Path,
                                                                tmp_path: Path) -> None:
-    from mdiedge.roles.exitparts import cache_suffix, exit_spec, file_sha256, has_parts
-    from mdiedge.runtime.protocol import ExitSpec
+    from mdiedge.roles.earlyexit import cache_suffix, exit_assignment, file_sha256, has_parts
+    from mdiedge.runtime.protocol import ExitAssignment
 
     model = copy_model(ring_model, tmp_path)
     train_tiny_classifier(model)
     chosen = exit_settings(model, load_config(model), content_hash(model), "classifier",
                            "0.1234567")
-    spec = exit_spec(chosen)
+    spec = exit_assignment(chosen)
     assert spec.thresholds == [0.1234567] * 5
     assert spec.classifier == file_sha256(model / CLASSIFIER_FILE)
-    assert ExitSpec.from_json(spec.to_json(), 6) == spec
+    assert ExitAssignment.from_json(spec.to_json(), 6) == spec
     assert cache_suffix(spec).endswith(spec.classifier[:16]) and has_parts(model, spec)
-    other = ExitSpec("classifier", spec.thresholds, "0" * 64)  # a retrained classifier
+    other = ExitAssignment("classifier", spec.thresholds, "0" * 64)  # a retrained classifier
     assert not has_parts(model, other)
     with pytest.raises(ValueError, match="not a sha256"):
-        ExitSpec.from_json(dict(spec.to_json(), classifier="zz"), 6)
+        ExitAssignment.from_json(dict(spec.to_json(), classifier="zz"), 6)

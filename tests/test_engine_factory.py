@@ -9,12 +9,12 @@ from typing import Any, List
 import pytest
 
 from conftest import FakeEngine
-from mdiedge.engine.factory import EngineSpec, open_engine
+from mdiedge.engine.opening import EngineSpec, open_engine
 
 
 def test_one_process_loads_the_tokenizer_once(ring_model: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    import mdiedge.engine.facade as facade
+    import mdiedge.engine.engine as facade
 
     loads: List[Any] = []
     real = facade.load_tokenizer

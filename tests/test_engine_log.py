@@ -11,7 +11,7 @@ import pytest
 
 from mdiedge.base.errors import RingError
 from mdiedge.model.sampling import SamplingParams
-from mdiedge.engine.facade import Engine, failure_line, summary_line
+from mdiedge.engine.engine import Engine, failure_line, summary_line
 from mdiedge.engine.local import LocalEngine
 from mdiedge.base.request import ids_request
 from mdiedge.runtime.generation import Generation, Timing

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from mdiedge.base.words import block_range, plural
+from mdiedge.base.humanize import block_range, plural
 from mdiedge.cli.console import print_status, timing_line
 from mdiedge.serving.service import link_deltas
 from mdiedge.base.request import ids_request

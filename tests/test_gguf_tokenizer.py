@@ -160,7 +160,7 @@ def test_decoding_round_trips(vocab: Dict[str, Any]) -> None:
 
 def test_the_text_model_encodes_with_a_gguf_tokenizer(spm: Dict[str, Any]) -> None:
     """``--tokenizer FILE.gguf`` beside a model: the engine's prompts are the file's."""
-    from mdiedge.engine.facade import TextModel
+    from mdiedge.engine.engine import TextModel
 
     model = TextModel(NANOLLAMA, spm["path"])
     for text in CORPUS:
@@ -169,7 +169,7 @@ def test_the_text_model_encodes_with_a_gguf_tokenizer(spm: Dict[str, Any]) -> No
 
 def test_the_text_model_of_a_gguf_model(smollm2: Dict[str, Any]) -> None:
     from mdiedge.base.errors import MdiedgeError
-    from mdiedge.engine.facade import TextModel
+    from mdiedge.engine.engine import TextModel
 
     try:
         model = TextModel(smollm2["path"])

@@ -33,9 +33,9 @@ LAYERS: Tuple[Tuple[str, int], ...] = (
     ("mdiedge.runtime.*", 2),    # scheduler, stages, generation, framing, links, ring, control
     ("mdiedge.placement.*", 3),  # partition, balance
     ("mdiedge.roles.*", 4),      # starter, worker, membership, local rings of workers
-    ("mdiedge.engine.*", 5),     # facade, local, ring
+    ("mdiedge.engine.*", 5),     # engine, opening, local, ring
     ("mdiedge.serving.*", 6),    # api, service, units, sdnotify
-    ("mdiedge.tools.*", 6),      # bench, profile, roofline, quality, exitcal, relay, configdoc
+    ("mdiedge.tools.*", 6),      # bench, profile, roofline, quality, earlyexit, relay, configdoc
     ("mdiedge.cli.*", 7),
     ("mdiedge.__main__", 7),
 )

@@ -19,7 +19,7 @@ from commands import MDIEDGE
 from conftest import make_hf_llama
 from gguf_files import write_gguf
 from mdiedge.base.errors import CheckpointError, TokenizerError
-from mdiedge.engine.factory import EngineSpec, open_engine
+from mdiedge.engine.opening import EngineSpec, open_engine
 from mdiedge.model import modelfile
 from mdiedge.model.checkpoint import content_hash, load_config
 from mdiedge.model.modelfile import model_file

@@ -29,7 +29,7 @@ from mdiedge.base.request import ids_request
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.runtime.drafting import NgramDrafter
 from mdiedge.runtime.generation import Generation
-from mdiedge.runtime.pipeline import ModelEnds, Pipeline
+from mdiedge.runtime.pipeline import EmbedAndHead, Pipeline
 from mdiedge.runtime.scheduler import Scheduler
 from mdiedge.runtime.speculation import KPolicy, Speculation
 from mdiedge.runtime.stages import LocalStage
@@ -43,7 +43,7 @@ def run(stages, params, n_samples=1, chunk=0, micro_batch=0, speculate=False):
     generation = Generation(ids_request([3, 1, 4, 1, 5], 12, n_samples, params), ())
     if speculate:
         generation.speculation = Speculation(NgramDrafter(), params, KPolicy(max_k=3, row_cost=0.0))
-    Scheduler(pipeline, ModelEnds(chunks[0]), chunk).run(generation, micro_batch)
+    Scheduler(pipeline, EmbedAndHead(chunks[0]), chunk).run(generation, micro_batch)
     widths = max(call["width"] for c in chunks for call in c.calls if call["start"] >= 5)
     return [s.tokens for s in generation.samples], widths
 
@@ -129,10 +129,10 @@ def test_a_torch_stage_takes_numpy_as_it_took_tensors(tiny: object) -> None:
 
     from mdiedge.runtime import messages
     from mdiedge.runtime.messages import Message
-    from mdiedge.runtime.pipeline import ModelEnds
+    from mdiedge.runtime.pipeline import EmbedAndHead
     from mdiedge.runtime.stages import LocalStage
 
-    ends = ModelEnds(tiny)
+    ends = EmbedAndHead(tiny)
     hidden = ends.embed([[1, 2, 3]])
     outs = []
     for given in (hidden, hidden.numpy().copy(), hidden.to(torch.bfloat16)):

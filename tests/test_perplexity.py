@@ -186,7 +186,7 @@ def test_few_row_passes_never_take_the_prefill_tiles(monkeypatch: pytest.MonkeyP
                                                      bos_gguf: Path) -> None:
     """--batch 8: every quantized product of a window is a few-row kernel's; --batch 32: the
     prefill's de-quantized tiles, the same NLLs within float32 rounding."""
-    from mdiedge.engine.facade import TextModel
+    from mdiedge.engine.engine import TextModel
     from mdiedge.tools.perplexity import Measurement, open_model
 
     text = TextModel(bos_gguf)

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from mdiedge.engine.facade import Engine
+from mdiedge.engine.engine import Engine
 from mdiedge.engine.local import LocalEngine
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.runtime.generation import Generation
@@ -71,7 +71,7 @@ def run(engine: Engine, text: str, n: int = 12, cache: bool = True) -> Tuple[Gen
 
 @pytest.fixture(params=[1, 3], ids=["one-node", "ring-of-3"], scope="module")
 def cached_engine(request: Any, stories: Path) -> Iterator[Engine]:
-    from mdiedge.engine.factory import EngineSpec, open_engine
+    from mdiedge.engine.opening import EngineSpec, open_engine
 
     spec = EngineSpec(model=stories / "stories260K.bin", tokenizer=stories / "tok512.model",
                       nodes=request.param)

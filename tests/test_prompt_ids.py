@@ -36,7 +36,7 @@ CORPUS: Dict[str, str] = {
 
 
 def model_ids(kind: TokenizerKind, text: str) -> List[int]:
-    from mdiedge.engine.facade import TextModel
+    from mdiedge.engine.engine import TextModel
 
     return TextModel(kind.model, kind.tokenizer).encode_prompt(text)
 

@@ -24,7 +24,7 @@ from mdiedge.roles.local_ring import LocalRing
 from mdiedge.roles.starter import RingStarter, StarterOptions
 from mdiedge.engine.ring import RingEngine
 from mdiedge.placement.partition import choose_members
-from mdiedge.runtime.pipeline import ModelEnds, Pipeline
+from mdiedge.runtime.pipeline import EmbedAndHead, Pipeline
 from mdiedge.runtime.scheduler import MAX_FRUITLESS_RECOVERIES, Scheduler
 from mdiedge.runtime.stages import LocalStage
 from commands import MDIEDGE
@@ -106,11 +106,11 @@ def run_failing(engine: LocalEngine, params: SamplingParams, n: int, micro_batch
     def rebuild(lost: NodeLost) -> Any:
         rebuilds.append(lost)
         return (FailingPipeline(stages_of(engine, 8, 256), rebuilt(len(rebuilds))),
-                ModelEnds(engine.model))
+                EmbedAndHead(engine.model))
 
     generation = engine.new_generation(PROMPT, 24, n, params, None)
     scheduler = Scheduler(FailingPipeline(stages_of(engine, 8, 256), first),
-                          ModelEnds(engine.model), prefill_chunk, rebuild=rebuild)
+                          EmbedAndHead(engine.model), prefill_chunk, rebuild=rebuild)
     scheduler.run(generation, micro_batch)
     return generation
 
@@ -153,11 +153,11 @@ def test_a_loss_while_sending_loses_nothing(reference: LocalEngine, split: Local
         rebuilds.append(lost)
         return (FailingPipeline(stages_of(split, 8, 256), [],
                                 rebuilt_submits if len(rebuilds) == 1 else []),
-                ModelEnds(split.model))
+                EmbedAndHead(split.model))
 
     generation = split.new_generation(PROMPT, 24, 3, SAMPLED, None)
     first = FailingPipeline(stages_of(split, 8, 256), [] if first_submits else [5], first_submits)
-    scheduler = Scheduler(first, ModelEnds(split.model), rebuild=rebuild)
+    scheduler = Scheduler(first, EmbedAndHead(split.model), rebuild=rebuild)
     scheduler.run(generation, 1)
     assert [s.tokens for s in generation.samples] == want
     assert scheduler.usable and scheduler.idle and scheduler.slots_in_use == 0
@@ -174,9 +174,9 @@ def test_a_request_that_failed_on_its_own_and_then_a_loss(split: LocalEngine) ->
 
     failing = split.new_generation(PROMPT, 24, 2, GREEDY, bad)
     other = split.new_generation(PROMPT, 24, 2, SAMPLED, None)
-    scheduler = Scheduler(FailingPipeline(stages_of(split, 8, 256), [9]), ModelEnds(split.model),
+    scheduler = Scheduler(FailingPipeline(stages_of(split, 8, 256), [9]), EmbedAndHead(split.model),
                           rebuild=lambda lost: (Pipeline(stages_of(split, 8, 256)),
-                                                ModelEnds(split.model)))
+                                                EmbedAndHead(split.model)))
     scheduler.submit(failing, 1)
     scheduler.submit(other, 1)
     with pytest.raises(GenerationError, match="the client went away"):
@@ -192,7 +192,7 @@ def test_an_error_while_recovering_fails_every_request(split: LocalEngine) -> No
 
     generation = split.new_generation(PROMPT, 24, 2, GREEDY, None)
     scheduler = Scheduler(FailingPipeline(stages_of(split, 8, 256), [4]),
-                          ModelEnds(split.model), rebuild=rebuild)
+                          EmbedAndHead(split.model), rebuild=rebuild)
     with pytest.raises(RingError, match="No space left on device"):  # the request's error
         scheduler.run(generation)
     assert not scheduler.usable and isinstance(scheduler.broken, OSError)
@@ -211,7 +211,7 @@ def test_a_rebuild_that_cannot_hold_the_layers_fails_every_request(split: LocalE
 
     generation = split.new_generation(PROMPT, 24, 2, GREEDY, None)
     scheduler = Scheduler(FailingPipeline(stages_of(split, 8, 256), [6]),
-                          ModelEnds(split.model), rebuild=rebuild)
+                          EmbedAndHead(split.model), rebuild=rebuild)
     with pytest.raises(RingError, match="lost w1 and cannot recover: node 'w2' needs 4 MiB"):
         scheduler.run(generation)
     assert not scheduler.usable

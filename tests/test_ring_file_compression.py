@@ -11,7 +11,7 @@ import pytest
 from mdiedge.base.settings import load_settings
 from mdiedge.base.engineoptions import EngineOptions, canonical_compression
 from mdiedge.cli.app import engine_spec
-from mdiedge.engine.factory import open_engine
+from mdiedge.engine.opening import open_engine
 from mdiedge.cli.nodes import _starter_engine
 
 from conftest import FakeEngine

@@ -36,7 +36,7 @@ def test_the_command_is_mdiedge_in_usage_lines(in_a_source_tree: Path) -> None:
 
 
 def test_local_ring_workers_report_the_starters_code(in_a_source_tree: Path) -> None:
-    from mdiedge.engine.factory import EngineSpec, open_engine
+    from mdiedge.engine.opening import EngineSpec, open_engine
     from mdiedge.model.sampling import SamplingParams
 
     plain = subprocess.run([sys.executable, "-c", "import mdiedge; print(mdiedge.__file__)"],

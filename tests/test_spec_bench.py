@@ -12,7 +12,7 @@ from typing import Any, Dict, List
 import pytest
 
 from mdiedge.base.errors import UsageError
-from mdiedge.tools import specbench
+from mdiedge.tools import speculationbench as specbench
 from commands import MDIEDGE
 
 REPO = Path(__file__).resolve().parent.parent

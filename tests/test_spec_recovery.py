@@ -14,7 +14,7 @@ from mdiedge.base.errors import NodeLost
 from mdiedge.engine.local import LocalEngine
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.roles.local_ring import LocalRing
-from mdiedge.runtime.pipeline import ModelEnds
+from mdiedge.runtime.pipeline import EmbedAndHead
 from mdiedge.runtime.scheduler import Scheduler
 from test_recovery import FailingPipeline, kill, ring_engine, stages_of
 
@@ -54,7 +54,7 @@ def test_a_loss_while_speculating_in_one_process(split: LocalEngine,
 
     def rebuild(lost: NodeLost) -> Any:
         rebuilds.append(lost)
-        return FailingPipeline(stages_of(split, 4, 512), []), ModelEnds(split.model)
+        return FailingPipeline(stages_of(split, 4, 512), []), EmbedAndHead(split.model)
 
     split.speculating("ngram")
     try:
@@ -63,7 +63,7 @@ def test_a_loss_while_speculating_in_one_process(split: LocalEngine,
     finally:
         split.speculating(None)
     scheduler = Scheduler(FailingPipeline(stages_of(split, 4, 512), [fail_at]),
-                          ModelEnds(split.model), rebuild=rebuild)
+                          EmbedAndHead(split.model), rebuild=rebuild)
     scheduler.run(generation, micro_batch)
     assert [s.tokens for s in generation.samples] == plain[samples]
     (record,) = generation.recoveries

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import make_hf_llama, write_tiny_tokenizer
-from mdiedge.engine.factory import EngineSpec, open_engine
+from mdiedge.engine.opening import EngineSpec, open_engine
 from mdiedge.model.sampling import SamplingParams
 from test_speculative import p_value
 

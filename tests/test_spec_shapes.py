@@ -9,7 +9,7 @@ from typing import Any, Dict, List
 
 import pytest
 
-from mdiedge.engine.factory import EngineSpec, open_engine
+from mdiedge.engine.opening import EngineSpec, open_engine
 from mdiedge.model.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 
-from mdiedge.engine.facade import Engine
+from mdiedge.engine.engine import Engine
 from mdiedge.engine.local import LocalEngine
 from mdiedge.engine.ring import RingEngine
 from mdiedge.model.sampling import SamplingParams
@@ -145,7 +145,7 @@ def test_the_cli_refuses_in_one_line(args: List[str], quoted: str) -> None:
 
 def test_an_engine_spec_refuses_speculation_with_early_exit() -> None:
     from mdiedge.base.errors import UsageError
-    from mdiedge.engine.factory import EngineSpec, check_spec
+    from mdiedge.engine.opening import EngineSpec, check_spec
 
     with pytest.raises(UsageError, match="--early-exit softmax"):
         check_spec(EngineSpec(model=NANOLLAMA, early_exit="softmax", speculate="ngram"))
@@ -154,7 +154,7 @@ def test_an_engine_spec_refuses_speculation_with_early_exit() -> None:
 def test_a_draft_model_of_another_vocabulary_is_refused_before_anything_runs(
         stories: Path) -> None:
     from mdiedge.base.errors import ConfigError
-    from mdiedge.engine.factory import EngineSpec, open_engine
+    from mdiedge.engine.opening import EngineSpec, open_engine
 
     draft = stories / "stories260K.bin"
     with pytest.raises(ConfigError, match="vocabulary 512"):

@@ -16,7 +16,7 @@ from mdiedge.model.sampling import SamplingParams, sample_generator
 from mdiedge.model.speculative import (accept, distributions, greedy_accept, sampled_accept)
 from mdiedge.model.transformer import Transformer
 from mdiedge.runtime.draftmodel import DraftModel
-from mdiedge.runtime.pipeline import ModelEnds, Pipeline
+from mdiedge.runtime.pipeline import EmbedAndHead, Pipeline
 from mdiedge.runtime.speculation import KPolicy, Speculation
 from mdiedge.runtime.stages import LocalStage
 from specloop import decode
@@ -149,7 +149,7 @@ def test_speculative_sampling_keeps_the_models_distribution(one_thread: None) ->
     params = SamplingParams(temperature=0.9, top_k=0, top_p=0.95, seed=0)
     target = tiny(0, 0.6)
     pipeline = Pipeline([LocalStage(target, 1, TINY.max_seq_len, trim_prefill=True)])
-    ends = ModelEnds(target)
+    ends = EmbedAndHead(target)
     drafter = DraftModel(tiny(1, 0.6), 1, TINY.max_seq_len).drafter(params)
     speculation = Speculation(drafter, params, KPolicy(max_k=3, row_cost=0.0))
     prompt, runs = [1, 5, 3], 600

@@ -14,7 +14,7 @@ from mdiedge.base import defaults
 from mdiedge.base.settings import load_settings
 from mdiedge.base.engineoptions import EngineOptions, canonical_quantizer
 from mdiedge.cli.app import engine_spec
-from mdiedge.engine.factory import open_engine
+from mdiedge.engine.opening import open_engine
 from mdiedge.cli.nodes import _starter_engine
 
 from conftest import FakeEngine

@@ -15,7 +15,7 @@ import torch
 from mdiedge.model.transformer import STEP
 from mdiedge.model import transformer as transformer_module
 from mdiedge.model.config import ModelConfig
-from mdiedge.model.exits import NEVER, ExitPolicy, ExitStep
+from mdiedge.model.earlyexit.policy import NEVER, ExitPolicy, ExitStep
 from mdiedge.model.transformer import Transformer
 from tolerance import assert_close, model_path_length
 

@@ -104,7 +104,7 @@ def test_the_command_sets_the_waits_before_anything_loads(given) -> None:
 
 
 def test_threads_flag_reaches_every_node(stories) -> None:
-    from mdiedge.engine.factory import EngineSpec, open_engine
+    from mdiedge.engine.opening import EngineSpec, open_engine
 
     spec = EngineSpec(model=stories / "stories260K.bin", tokenizer=stories / "tok512.model",
                       nodes=2, threads=2)

@@ -24,7 +24,7 @@ def tokenized(monkeypatch: pytest.MonkeyPatch) -> List[str]:
     another, ``encode_prompt`` calling ``encode``, counts once)."""
     import torch
 
-    import mdiedge.engine.facade as facade
+    import mdiedge.engine.engine as facade
 
     seen: List[str] = []
     real_load = facade.load_tokenizer

@@ -85,7 +85,7 @@ def test_sentencepiece_special_tokens_typed_in_a_prompt_are_those_tokens(
 
 def test_llama2c_keeps_its_bos(request: Any) -> None:
     from conftest import stories_dir
-    from mdiedge.engine.facade import TextModel
+    from mdiedge.engine.engine import TextModel
 
     folder = stories_dir()
     text = TextModel(folder / "stories260K.bin", folder / "tok512.model")
@@ -94,13 +94,13 @@ def test_llama2c_keeps_its_bos(request: Any) -> None:
 
 
 def test_an_empty_prompt_starts_from_bos_alone() -> None:
-    from mdiedge.engine.facade import TextModel
+    from mdiedge.engine.engine import TextModel
 
     assert TextModel(NANOLLAMA).encode_prompt("") == [1]
 
 
 def test_a_templated_prompt_gets_nothing_added(tmp_path: Path) -> None:
-    from mdiedge.engine.facade import TextModel
+    from mdiedge.engine.engine import TextModel
 
     text = TextModel(_nanollama_copy(tmp_path))  # a tokenizer that adds BOS to prompts
     assert text.encode_prompt("<s>USER:\nhi", templated=True) == text.tokenizer.encode(

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from .errors import CheckpointError
-from .values import Span
+from .valuechecks import Span
 
 DEFAULT_MODEL = "nanollama"
 
@@ -42,7 +42,7 @@ MAX_STOP_CHARS = 256  # characters per stop string
 TOP_LOGPROBS_RANGE = Span(0, 20, integer=True)  # alternatives reported per token
 GREEDY_BELOW = 1e-5  # a temperature under this samples as greedy does (vLLM's rule): its
 #                      distribution is the argmax's, and logits / it may overflow float32
-EARLY_EXIT_CRITERIA = ("softmax", "similarity", "classifier")  # mdiedge.model.exits
+EARLY_EXIT_CRITERIA = ("softmax", "similarity", "classifier")  # mdiedge.model.earlyexit.policy
 MAX_NEW_TOKENS = 256
 MAX_SAMPLES = 4096  # samples of one `generate` (a KV slot each; their memory is checked too)
 

@@ -138,7 +138,7 @@ def check_device(device: str, dtype: str) -> None:
     """``--device`` and ``--dtype`` spelled as a device and a compute dtype (whether the
     device exists is known once torch is loaded)."""
     from .dtypes import COMPUTE_NAMES
-    from .values import device_name
+    from .valuechecks import device_name
 
     try:
         device_name(device)

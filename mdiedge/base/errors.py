@@ -21,7 +21,7 @@ class ConfigError(MdiedgeError, ValueError):
 
 
 class BadValue(ConfigError):
-    """A value does not fit a check of ``mdiedge.base.values``: ``expected`` says what would;
+    """A value does not fit a check of ``mdiedge.base.valuechecks``: ``expected`` says what would;
     ``shown`` replaces the value in the message (a secret). The settings and the command line
     catch it and name the key or option and the value."""
 

@@ -57,7 +57,7 @@ from .dtypes import COMPUTE_NAMES, QUANTIZERS
 from .errors import BadValue, ConfigError
 from .nodes import COMPRESSION_NAMES, NodeSpec
 from .smallfiles import check_secret, read_small_file
-from .values import (MIN_SECRET_BYTES, Check, boolean, choice, device_name, fraction,
+from .valuechecks import (MIN_SECRET_BYTES, Check, boolean, choice, device_name, fraction,
                      host_name, integer, layer_range, parse_bytes, positive, secret_value, show,
                      size, string)
 

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 from .defaults import MAX_SECRET_BYTES
 from .errors import ConfigError
-from .values import MIN_SECRET_BYTES
+from .valuechecks import MIN_SECRET_BYTES
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),

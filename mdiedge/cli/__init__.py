@@ -7,7 +7,7 @@ timing lines, the status table). The top layer: it may import any package, none 
 from __future__ import annotations
 
 # registered in the order ``mdiedge --help`` lists them
-from . import generate, chat, serve, nodes, status, bench, perplexity, exits, config  # noqa: F401, I001
+from . import generate, chat, serve, nodes, status, bench, perplexity, earlyexit, config  # noqa: F401, I001
 from . import install  # noqa: F401
 from .app import app, run_app
 

@@ -222,7 +222,7 @@ def engine_spec(opts: EngineOptions, respawn: bool = False) -> Any:
     needs = opts.needs_torch()
     if needs is not None:
         require_torch(needs)
-    from ..engine.factory import EngineSpec
+    from ..engine.opening import EngineSpec
 
     return EngineSpec(**vars(opts), respawn=respawn)
 
@@ -273,7 +273,7 @@ def open_text_model(spec: Any) -> Any:
     """The text side of ``spec``'s model (``open_text``), its device and dtype checked as
     usage errors first: a command checks its request against it before any node starts,
     then opens the engine on it (``open_engine(spec, text)``)."""
-    from ..engine.factory import check_spec, open_text
+    from ..engine.opening import check_spec, open_text
 
     with usage_errors():
         check_spec(spec)
@@ -284,7 +284,7 @@ def open_checked(stack: Any, spec: Any, check: Callable[[Any], T]) -> Tuple[Any,
     """The engine of ``spec``, closed with ``stack``, and what ``check`` returned: given the
     model's text side (``open_text_model``), it checks the command's request before any node
     starts, and the engine is opened on that same text side."""
-    from ..engine.factory import open_engine
+    from ..engine.opening import open_engine
 
     text = open_text_model(spec)
     checked = check(text)

@@ -203,7 +203,7 @@ def _exits(model: Optional[str], criterion: Any, threshold: Any,
          "a text file (its last 10% is the held-out text)")
     need(nodes >= 1, "--nodes", nodes, "an integer >= 1")
     need(samples >= 1, "--samples", samples, "an integer >= 1")
-    from ..tools.exitbench import run
+    from ..tools.earlyexit.bench import run
 
     def shown(row: dict) -> None:
         if not as_json:
@@ -247,9 +247,9 @@ def _speculation(model: Optional[str], preset: Any, speculate: str, text: Option
     from pathlib import Path
 
     from ..base.defaults import held_out_text
-    from ..engine.factory import EngineSpec, check_spec
+    from ..engine.opening import EngineSpec, check_spec
     from ..model.checkpoint import resolve_model_path
-    from ..tools import specbench
+    from ..tools import speculationbench
     from ..tools.benchtable import measuring_on_stderr
 
     check_spec(EngineSpec(speculate=speculate))
@@ -264,8 +264,8 @@ def _speculation(model: Optional[str], preset: Any, speculate: str, text: Option
              f"{'s' if samples > 1 else ''} x {new_tokens} tokens, "
              f"{rounds} round{'s' if rounds > 1 else ''} each way"
              + (", chat template" if render else ""))
-    rows = specbench.run_all(path, speculate, nodes, samples, new_tokens, rounds, source,
-                             render, measuring=measuring_on_stderr)
+    rows = speculationbench.run_all(path, speculate, nodes, samples, new_tokens, rounds, source,
+                                    render, measuring=measuring_on_stderr)
     if as_json:
         typer.echo(json.dumps({"title": title, "speculate": speculate, "results": list(rows)}))
         return

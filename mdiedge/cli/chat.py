@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 import typer
 
 if TYPE_CHECKING:
-    from ..engine.facade import Engine, Prompt
+    from ..engine.engine import Engine, Prompt
 
 from ..base import defaults
 from ..base.engineoptions import EngineOptions

@@ -8,7 +8,7 @@ import sys
 from typing import Any, Callable, Dict, List, Optional
 
 from ..base.defaults import SHOWN_SETUP_S
-from ..base.words import block_range, plural
+from ..base.humanize import block_range, plural
 
 __all__ = ["Progress", "end_line", "print_status", "refused", "starter_nodes", "timing_line",
            "write_text"]

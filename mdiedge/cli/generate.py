@@ -11,7 +11,7 @@ import typer
 
 if TYPE_CHECKING:
     from ..base.request import Asked, Request
-    from ..engine.facade import Engine, TextModel
+    from ..engine.engine import Engine, TextModel
 
 from ..base import defaults
 from ..base.engineoptions import EngineOptions

@@ -310,7 +310,7 @@ def _starter_engine(settings: Any, section: Any, opts: EngineOptions,
     config's ``[starter]`` options, the command line's (``opts``) winning where given."""
     from ..base.nodes import StarterOptions
     from ..base.ringfile import starter_options
-    from ..engine.factory import EngineSpec, open_engine
+    from ..engine.opening import EngineSpec, open_engine
 
     options = StarterOptions(**starter_options(section), dtype=section.dtype, secret=secret,
                              control_url=control_url, name=starter_name(control_url))

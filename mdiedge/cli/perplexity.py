@@ -12,7 +12,7 @@ import typer
 from ..base import defaults
 from ..base.threads import compute_threads
 from ..base.torchcheck import require_torch
-from ..base.words import plural
+from ..base.humanize import plural
 from ..base.engineoptions import EngineOptions, check_cpu_dot, check_device, check_threads
 from .app import (app, engine_option, engine_spec, need, one_line_errors, open_text_model,
                   terminate_gracefully)

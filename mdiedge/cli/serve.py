@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
 import typer
 
 if TYPE_CHECKING:
-    from ..engine.facade import Engine
+    from ..engine.engine import Engine
 
 from ..base import defaults
 from ..serving.api.cors import parse_origins
@@ -102,7 +102,7 @@ def sized_slots(text_model: Any, slots: Optional[int], context: Optional[int],
 def shape_line(shape: Any, where: str) -> str:
     """``serve``'s line on its slots and context: what it chose, and why (a ``SlotShape``
     of a KV cache held ``where``)."""
-    from ..base.words import plural
+    from ..base.humanize import plural
     from ..placement.partition import format_bytes
 
     line = (f"serve: {plural(shape.slots, 'slot')} x {shape.context} tokens, KV cache "
@@ -207,7 +207,6 @@ def _say_ready(api: Any, slots: int) -> None:
 
 
 def _wait_for_signal() -> None:
-    """Block until SIGINT or SIGTERM."""
     import signal
     import threading
 

@@ -11,18 +11,18 @@ from ..model.chunks import open_chunk
 from ..model.modelfile import reads
 from ..placement.partition import split_layers
 from ..roles.devices import device_of
-from ..roles.exitparts import starter_policy
+from ..roles.earlyexit import starter_policy
 from ..runtime.compute import ComputeThread
-from ..runtime.pipeline import ModelEnds, Pipeline
+from ..runtime.pipeline import EmbedAndHead, Pipeline
 from ..runtime.plan import layout_for
 from ..runtime.scheduler import Scheduler
 from ..runtime.stages import LocalStage, joined_routes
 from ..runtime.protocol import NodeStatus
-from .facade import Engine, PathLike, TextModel
+from .engine import Engine, PathLike, TextModel
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from ..model.exitfiles import ExitSettings
+    from ..model.earlyexit.files import ExitSettings
 
 
 class LocalEngine(Engine):
@@ -73,7 +73,7 @@ class LocalEngine(Engine):
         stages = [LocalStage(chunk, n_slots, context, trim_prefill=i == last,
                              exit_policy=self.exit_policy)
                   for i, chunk in enumerate(self.chunks)]
-        return Scheduler(Pipeline(stages), ModelEnds(self.model), self.prefill_chunk,
+        return Scheduler(Pipeline(stages), EmbedAndHead(self.model), self.prefill_chunk,
                          exit_layers=self.cfg.n_layers if self.exit_policy is not None else 0,
                          compute=self.compute)
 

@@ -12,11 +12,11 @@ from ..runtime.ring import probe_all
 from ..runtime.scheduler import Scheduler
 from ..runtime.stages import LocalStage
 from ..runtime.protocol import NodeStatus
-from .facade import Engine, PathLike, TextModel
+from .engine import Engine, PathLike, TextModel
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from ..model.exitfiles import ExitSettings
+    from ..model.earlyexit.files import ExitSettings
 
 
 class RingEngine(Engine):

@@ -32,7 +32,7 @@ from .gguf_vocab import MAGIC, is_gguf  # noqa: F401 - one magic check, re-expor
 from ..base.errors import CheckpointError, ConfigError
 from .config import ModelConfig
 from .families import by_gguf_architecture, config_from_hf, family_of
-from .families.spec import Family
+from .families.family import Family
 from .gguf_checks import (check_count, check_header, check_overlaps, check_tensor_info,
                           header_limit, key_limit, out_of_file, tensor_region, value_limit)
 from .tensors import TensorSource, expected_shape, tensor_plan  # noqa: F401

@@ -27,7 +27,7 @@ from .block import KVCache, step_matrix
 from .config import ModelConfig
 from ..base.cpudot import dot_code
 from .decoderoute import decode_route
-from .exits import ExitStep
+from .earlyexit.policy import ExitStep
 from .families import family_of
 from .checks import check_memory
 from .layers import Linear, RMSNorm, rope_tables, transposed_head_pays

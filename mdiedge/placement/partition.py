@@ -28,7 +28,7 @@ from typing import Container, List, Optional, Sequence, Tuple
 
 from ..base.errors import PartitionError
 from ..base.nodes import NodeSpec
-from ..base.words import plural
+from ..base.humanize import plural
 from ..model.config import ModelConfig
 
 __all__ = ["Placement", "split_layers", "check_ring_size", "partition", "format_bytes",

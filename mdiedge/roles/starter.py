@@ -29,7 +29,7 @@ from ..base.accel import running_code
 from ..base.memory import max_rss_bytes, rss_bytes
 from ..base.threads import compute_threads
 from ..base.nodes import NodeSpec, StarterOptions
-from ..base.words import block_range
+from ..base.humanize import block_range
 from ..model.chunks import open_chunk
 from ..model.modelfile import model_file, reads
 from ..model.families import config_to_hf
@@ -39,7 +39,7 @@ from ..runtime.links import LinkPair, accept_authenticated, bind, close_links, c
     connect_authenticated, tcp_listen
 from ..placement.partition import Placement, partition
 from ..runtime.compute import ComputeThread
-from ..runtime.pipeline import ModelEnds, Pipeline
+from ..runtime.pipeline import EmbedAndHead, Pipeline
 from ..runtime.protocol import (MAX_SLOTS, Assignment, AssignReply, ConnectRequest, ModelRef,
                                 NodeStatus)
 from ..runtime.plan import layout_for
@@ -47,14 +47,14 @@ from ..runtime.scheduler import Scheduler, prefill_rows
 from ..runtime.stages import LocalStage
 from ..placement import balance
 from .devices import device_of
-from .exitparts import check_ring_exits, exit_spec, sent_chunk, starter_policy
+from .earlyexit import check_ring_exits, exit_assignment, sent_chunk, starter_policy
 from .membership import Membership
-from ..runtime.ring import RingTail, probe_all
+from ..runtime.ring import RingStages, probe_all
 from .setupwatch import SetupWatch
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from ..model.exitfiles import ExitSettings
+    from ..model.earlyexit.files import ExitSettings
 
 log = logging.getLogger("mdiedge.starter")
 
@@ -109,7 +109,7 @@ class RingStarter:
         self.model: Any = None
         self.placements: List[Placement] = []
         self.scheduler: Optional[Scheduler] = None
-        self.tail: Optional[RingTail] = None
+        self.tail: Optional[RingStages] = None
         self.started = time.time()
         self.listener = tcp_listen(options.host, 0)
         self.setup_lock = threading.RLock()  # set-up, submission and closing, one at a time
@@ -212,7 +212,7 @@ class RingStarter:
                          compute=self.compute)
 
     def _build_surviving(self, n_slots: int, context: int, was_lost: Set[str]
-                         ) -> Tuple[Pipeline, ModelEnds]:
+                         ) -> Tuple[Pipeline, EmbedAndHead]:
         """``_build``, set up again without each worker lost meanwhile, as a loss while
         decoding is (a spare, else the survivors take its layers); a lost worker that
         answered again but then fails the set-up is left out again."""
@@ -234,7 +234,7 @@ class RingStarter:
                 was_lost = set()
         raise RingError(f"gave up setting up the ring after {len(self.clients) + 1} tries")
 
-    def rebuild(self, lost: NodeLost, ring: int) -> Tuple[Pipeline, ModelEnds]:
+    def rebuild(self, lost: NodeLost, ring: int) -> Tuple[Pipeline, EmbedAndHead]:
         """The scheduler's recovery: a ring without the ``lost`` workers, of the same layout
         (a spare takes a lost worker's place, else the survivors share its layers); ``ring``:
         the number of the ring set up for that scheduler. A ring closed meanwhile (another
@@ -256,7 +256,7 @@ class RingStarter:
         finally:
             self.setup_lock.release()
 
-    def _build(self, n_slots: int, context: int) -> Tuple[Pipeline, ModelEnds]:
+    def _build(self, n_slots: int, context: int) -> Tuple[Pipeline, EmbedAndHead]:
         """Set up the members' ring: the split, the layers, the links."""
         for client in self.members:  # end any ring these workers still serve for us
             self._call(client, "POST", "/reset", {}, timeout=10)
@@ -269,7 +269,7 @@ class RingStarter:
         ports = [self._assign(client, placement.layers, n_slots, context, last=i == last)
                  for i, (client, placement) in enumerate(zip(self.members, self.placements[1:]))]
         self.tail = self._connect(ports)
-        return Pipeline([stage], self.tail), ModelEnds(self.model)
+        return Pipeline([stage], self.tail), EmbedAndHead(self.model)
 
     def _stage(self, first: Tuple[int, int], n_slots: int, context: int) -> LocalStage:
         """The starter's stage of blocks ``first`` (loaded unless held already), on the
@@ -307,7 +307,7 @@ class RingStarter:
                          str(self.path.resolve()) if self.options.share_path else None)
         request = Assignment(model, layers, n_slots, context, self.options.dtype,
                              client.node.device, last, self.options.max_payload, self.session,
-                             exit_spec(self.early_exit), self.options.quantize)
+                             exit_assignment(self.early_exit), self.options.quantize)
         reply = AssignReply.from_json(self._call(client, "POST", "/assign", request.to_json(),
                                                  f"blocks {block_range(layers)}",
                                                  timeout=defaults.ASSIGN_TIMEOUT_S))
@@ -321,7 +321,7 @@ class RingStarter:
                 timeout=defaults.ASSIGN_TIMEOUT_S))
         return reply.data_port
 
-    def _connect(self, ports: List[int]) -> RingTail:
+    def _connect(self, ports: List[int]) -> RingStages:
         """Each worker links to its successor (the last one to this starter), then the starter
         links to the first worker and accepts the last one's link. Every link's handshake is
         bound to a fresh ring tag, so a link left from an earlier set-up is refused; on any
@@ -340,7 +340,7 @@ class RingStarter:
             "the ring's links", self.members,
             lambda: starter_links(self, ends, bind(self.auth, ring), codecs, cancel),
             abandon=lambda late: late.close(timeout=0), cancel=cancel)
-        return RingTail(links, self.members, self.options.timeout_s, self.options.stall_s)
+        return RingStages(links, self.members, self.options.timeout_s, self.options.stall_s)
 
     # ----------------------------------------------------------------- status and end
 
@@ -460,7 +460,7 @@ def starter_status(starter: RingStarter) -> NodeStatus:
     return status
 
 
-def ring_links(tail: Optional[RingTail], workers: List[NodeSpec],
+def ring_links(tail: Optional[RingStages], workers: List[NodeSpec],
                members: List[ControlClient]) -> List[Dict[str, Any]]:
     """Every link of the ring in ring order, as its sender counts it: from, to, codec,
     frames, bytes (headers included); the workers' counts asked on their control ports."""

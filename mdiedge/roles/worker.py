@@ -25,7 +25,7 @@ from ..base.errors import ConfigError, Conflict, MdiedgeError, RingError
 from ..base.accel import running_code, warn_if_uncompiled
 from ..base.memory import max_rss_bytes, rss_bytes
 from ..base.threads import compute_threads
-from ..base.words import block_range
+from ..base.humanize import block_range
 from ..model.chunks import open_chunk
 from ..model.hub import resolve_model
 from ..model.modelfile import model_file, reads
@@ -38,7 +38,7 @@ from ..runtime.links import LinkDown, LinkPair, accept_authenticated, bind, clos
 from ..runtime.protocol import Assignment, AssignReply, ConnectRequest, ModelRef, NodeStatus
 from ..runtime.stages import LocalStage, inference
 from .devices import device_of
-from .exitparts import cache_suffix, extra_bytes, has_parts, keep_sent_classifier, worker_policy
+from .earlyexit import cache_suffix, extra_bytes, has_parts, keep_sent_classifier, worker_policy
 
 log = logging.getLogger("mdiedge.worker")
 

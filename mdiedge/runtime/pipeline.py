@@ -1,4 +1,5 @@
-"""A pipeline: the ordered stages a message goes through, and the model ends around them.
+"""A pipeline: the ordered stages a message goes through, and the embedding and head around
+them.
 
 In-process ``LocalStage``s run as a message is submitted; a remote tail (the ring's links,
 see ``mdiedge.roles.starter``) carries it on through the workers and back. Either way results
@@ -19,8 +20,8 @@ from ..base.arrays import float32
 from ..base.errors import RingError
 
 
-class Tail:
-    """Stages beyond this process, reached over links (the interface the ring implements)."""
+class RemoteStages:
+    """Reached over links; the ring implements it."""
 
     nodes = 0  # how many nodes the tail spans
 
@@ -32,10 +33,9 @@ class Tail:
         raise NotImplementedError
 
 
-class ModelEnds:
-    """The embedding before the first block and the final norm and head after the last: the
-    starter's, wherever the blocks run. ``head`` is where the runtime takes logits: float32
-    numpy whichever kind of chunk made them."""
+class EmbedAndHead:
+    """The starter's, wherever the blocks run; ``head`` includes the final norm and gives
+    float32 numpy logits whichever kind of chunk made them."""
 
     def __init__(self, model: Any) -> None:  # a chunk with embedding and head
         if not (model.has_embedding and model.has_head):
@@ -69,7 +69,7 @@ class ModelEnds:
 class Pipeline:
     """``stages`` in this process, in ring order, then the optional remote ``tail``."""
 
-    def __init__(self, stages: Sequence[LocalStage], tail: Optional[Tail] = None) -> None:
+    def __init__(self, stages: Sequence[LocalStage], tail: Optional[RemoteStages] = None) -> None:
         if not stages:
             raise ValueError("a pipeline needs at least one local stage")
         self.stages = list(stages)

@@ -60,7 +60,7 @@ class ModelRef:
 
 
 @dataclass
-class ExitSpec:
+class ExitAssignment:
     """Early exit on a worker: the criterion and one threshold per exit point (every block
     but the last; None: never there). The worker reads the head (``softmax``) and the exit
     classifier (``classifier``) from its copy of the model, or from the starter's tensors."""
@@ -82,7 +82,7 @@ class ExitSpec:
                 "classifier": self.classifier}
 
     @classmethod
-    def from_json(cls, body: Any, n_layers: int) -> "ExitSpec":
+    def from_json(cls, body: Any, n_layers: int) -> "ExitAssignment":
         if not isinstance(body, Mapping):
             raise ValueError(f"field 'early_exit' must be an object, got {body!r}")
         criterion = _field(body, "criterion", str)
@@ -113,7 +113,7 @@ class Assignment:
     last: bool = False  # the last worker: trims prefill output to the last position
     max_payload: int = defaults.MAX_PAYLOAD
     session: str = ""
-    early_exit: Optional[ExitSpec] = None
+    early_exit: Optional[ExitAssignment] = None
     quantize: str = ""  # a block type its float blocks are quantized to at load ("": none)
 
     def to_json(self) -> Dict[str, Any]:
@@ -146,13 +146,13 @@ class Assignment:
         if not 0 < max_payload <= 1 << 34:
             raise ValueError(f"max_payload {max_payload} out of range")
         early_exit = body.get("early_exit")
+        exits = None if early_exit is None else ExitAssignment.from_json(early_exit, cfg.n_layers)
         quantize = _field(body, "quantize", str, "")
         if quantize and quantize not in QUANTIZERS:
             raise ValueError(f"quantize {quantize!r} is not one of {', '.join(QUANTIZERS)}")
         return cls(model, (a, b), n_slots, context, dtype, device,
                    _field(body, "last", bool, False), max_payload, _field(body, "session", str, ""),
-                   None if early_exit is None else ExitSpec.from_json(early_exit, cfg.n_layers),
-                   quantize)
+                   exits, quantize)
 
     def same_weights(self, other: Optional["Assignment"]) -> bool:
         """Whether ``other`` needs exactly the weights this one does."""

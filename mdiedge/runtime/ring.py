@@ -26,7 +26,7 @@ from . import messages
 from .control import ControlClient
 from .links import LinkDown, LinkPair
 from .messages import Message
-from .pipeline import Tail
+from .pipeline import RemoteStages
 from .progress import Progress
 from .protocol import NodeStatus
 
@@ -54,7 +54,7 @@ def probe_all(clients: List[ControlClient], timeout: float) -> List[NodeStatus]:
         for r, c in zip(results, clients)]
 
 
-class RingTail(Tail):
+class RingStages(RemoteStages):
     """The workers, in ring order, reached over ``links`` (out to the first, in from the last)."""
 
     def __init__(self, links: LinkPair, clients: List[ControlClient], timeout_s: float,

@@ -26,7 +26,7 @@ from .compute import ComputeThread
 from ..base.request import check_context
 from .generation import ExitCounts, Generation, Recovery, Sample, Timing
 from .messages import Message
-from .pipeline import ModelEnds, Pipeline
+from .pipeline import EmbedAndHead, Pipeline
 from .plan import (MAX_FRUITLESS_RECOVERIES, Decode, DecodeRows, QueueView, Release,
                    ReturnedGroup, ReturnedSample, Waiter, group_size, prefill_chunks,
                    prefill_rows)
@@ -46,7 +46,7 @@ MAX_RECOVERY_ATTEMPTS = 8  # set-ups tried in a row after a loss (each may lose 
 
 # Given the loss, a pipeline without the lost nodes and its model ends (or an error saying
 # why there is none): the starter's ``RingStarter.rebuild``.
-Rebuild = Callable[[NodeLost], Tuple[Pipeline, ModelEnds]]
+Rebuild = Callable[[NodeLost], Tuple[Pipeline, EmbedAndHead]]
 
 
 @dataclass(eq=False)
@@ -90,7 +90,7 @@ class SchedulerStats:
     compute_s: float = 0.0  # embedding, local stages and head, on this process
 
 
-def accept_parts(ends: ModelEnds, parts: List[Rows], hidden: Any,
+def accept_parts(ends: EmbedAndHead, parts: List[Rows], hidden: Any,
                  drafts: Optional[Dict[int, Draft]] = None) -> None:
     """Each request's next tokens from its rows of ``hidden`` (B, T, dim), in order; a
     failure (sampling, a token callback) is that request's own. ``drafts``: the step
@@ -118,7 +118,7 @@ def accept_parts(ends: ModelEnds, parts: List[Rows], hidden: Any,
         row += len(samples)
 
 
-def score_rows(ends: ModelEnds, entry: _InFlight, hidden: Any) -> None:
+def score_rows(ends: EmbedAndHead, entry: _InFlight, hidden: Any) -> None:
     """The prompt's log-probabilities from a prefill sent back whole (one sample's rows),
     ``PROMPT_SCORE_ROWS`` rows through the head at a time (a whole prompt's logits would
     take prompt x vocabulary floats)."""
@@ -211,7 +211,7 @@ class Recoverer:
         self.progress = time.perf_counter()  # when a message last came back
 
     def recover(self, lost: NodeLost, live: Sequence[Generation], tokens_so_far: int,
-                restart: Callable[[Pipeline, ModelEnds, Recovery], None]
+                restart: Callable[[Pipeline, EmbedAndHead, Recovery], None]
                 ) -> Optional[MdiedgeError]:
         """Carry the ``live`` requests on without the ``lost`` nodes (``restart`` takes the
         rebuilt pipeline and replays). None when they go on, else the error every request
@@ -330,7 +330,7 @@ class Scheduler(SchedulerRequests):
     filled KV); ``exit_layers``: the model's blocks, when decode steps may exit early (their
     exits are counted per request); ``compute``: the node's torch thread."""
 
-    def __init__(self, pipeline: Pipeline, ends: ModelEnds, prefill_chunk: int = 0,
+    def __init__(self, pipeline: Pipeline, ends: EmbedAndHead, prefill_chunk: int = 0,
                  timeout_s: Optional[float] = None, max_waiting: int = defaults.MAX_QUEUE,
                  max_rows: int = 0, rebuild: Optional[Rebuild] = None, exit_layers: int = 0,
                  compute: Optional[ComputeThread] = None) -> None:
@@ -544,7 +544,7 @@ class Scheduler(SchedulerRequests):
 
     # ----------------------------------------------------------------- recovery
 
-    def _restart(self, pipeline: Pipeline, ends: ModelEnds, record: Recovery) -> None:
+    def _restart(self, pipeline: Pipeline, ends: EmbedAndHead, record: Recovery) -> None:
         """Go on over a rebuilt ``pipeline``: nothing is in flight there; replay."""
         self.pipeline, self.ends = pipeline, ends
         self._inflight.entries, record.pending, record.tokens_replayed = {}, 0, 0
@@ -590,4 +590,4 @@ def run_single(model: Any, generation: Generation, micro_batch: int = 0) -> Timi
     """Run ``generation`` on one in-process model chunk that holds every block, the embedding
     and the head (a pipeline of one stage): tests and benchmarks of the model itself."""
     stage = LocalStage(model, len(generation.samples), generation.context, trim_prefill=True)
-    return Scheduler(Pipeline([stage]), ModelEnds(model)).run(generation, micro_batch)
+    return Scheduler(Pipeline([stage]), EmbedAndHead(model)).run(generation, micro_batch)

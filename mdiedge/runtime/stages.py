@@ -28,7 +28,7 @@ from ..base.arrays import BF16_WORDS, float32
 from ..base.errors import RingError
 
 if TYPE_CHECKING:
-    from ..model.exits import ExitPolicy
+    from ..model.earlyexit.policy import ExitPolicy
 
 
 _ALREADY = contextlib.nullcontext()
@@ -99,7 +99,7 @@ class LocalStage:
     prefill chunk (the head needs no more), unless the message asks for ``all_rows``. A
     decode step may carry several consecutive positions per sample (speculative decoding
     verifies drafted tokens so) and returns them all. ``exit_policy``: one-position decode steps may exit early after any of its blocks
-    (``mdiedge.model.exits``); a step that exited on an earlier node only fills this
+    (``mdiedge.model.earlyexit.policy``); a step that exited on an earlier node only fills this
     stage's KV and passes on."""
 
     def __init__(self, model: Any, n_slots: int, context: int, trim_prefill: bool = False,
@@ -167,7 +167,7 @@ class LocalStage:
                      positions: List[int]) -> Message:
         """A decode step under early exit: the blocks with the criterion after each, or,
         after an exit (here or before), the KV fill of the rest."""
-        from ..model.exits import ExitStep
+        from ..model.earlyexit.policy import ExitStep
 
         assert self.exit_policy is not None
         step = ExitStep.start(self.exit_policy, x.shape[0], message.eligible,

@@ -82,7 +82,6 @@ class StepLoop:
         self._run()
 
     def join(self) -> None:
-        """Until the loop does not run."""
         with self._lock:
             while self._running:
                 self._lock.wait()

@@ -9,7 +9,7 @@ from typing import Any, Dict, List
 from ..base import defaults
 from ..base.errors import GenerationError
 from ..base.request import SamplingParams, named
-from ..engine.facade import Engine
+from ..engine.engine import Engine
 from ..runtime.control import ControlServer
 
 GENERATE_FIELDS = {"prompt": str, "max_new_tokens": int, "samples": int, "temperature": float,

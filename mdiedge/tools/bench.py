@@ -28,7 +28,7 @@ from ..model.config import preset
 from ..base.memory import max_rss_bytes
 from ..model.sampling import SamplingParams
 from ..base import defaults
-from ..engine.factory import EngineSpec, open_engine
+from ..engine.opening import EngineSpec, open_engine
 from ..engine.local import LocalEngine
 from ..base.threads import available_cores, node_threads
 from ..engine.ring import RingEngine

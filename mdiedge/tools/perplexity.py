@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 from ..base.defaults import PERPLEXITY_MIN_CTX
 from ..base.errors import UsageError
-from ..base.words import plural
+from ..base.humanize import plural
 
 Progress = Callable[[int], None]  # told the positions each batch ran
 
@@ -184,7 +184,7 @@ class Measurement:
 def open_model(text_model: Any, device: str, threads: int) -> Any:
     """The whole model of ``text_model`` on ``device`` (float32: a GGUF file's blocks kept),
     this process computing with ``threads`` threads (0: every core it may run on), as the
-    engine factory sets them."""
+    engine's opening sets them."""
     from ..base.accel import warn_if_uncompiled
     from ..base.threads import available_cores, node_threads, use_threads
     from ..base.torchcheck import require_torch

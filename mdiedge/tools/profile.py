@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 
-from ..base.words import block_range
+from ..base.humanize import block_range
 
 CATEGORIES = ("block step", "head step", "projections", "attention", "norms", "rope", "sampling",
               "other")

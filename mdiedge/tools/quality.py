@@ -28,8 +28,8 @@ from ..base.codecs import NONE, Compression, encoded_size
 from ..base.nodes import NodeSpec, StarterOptions
 from ..model.sampling import SamplingParams
 from ..base.defaults import RING_TIMEOUT_S
-from ..engine.facade import TextModel
-from ..engine.factory import EngineSpec, open_engine
+from ..engine.engine import TextModel
+from ..engine.opening import EngineSpec, open_engine
 from ..roles.starter import Route
 from ..runtime.framing import CODEC
 from ..placement.partition import partition

@@ -1,5 +1,5 @@
 """Model families: one module per family (``llama``, ``mixtral``, ``qwen2``, ``qwen3``,
-``qwen3_moe``, ``gemma3``), each declaring a ``Family`` (``spec``): its config mapping, tensor
+``qwen3_moe``, ``gemma3``), each declaring a ``Family`` (``family``): its config mapping, tensor
 names, block, arithmetic features and what the compiled decode step runs for it. This
 registry finds a model's family, by ``config.json``'s ``model_type``, by a GGUF file's
 architecture, or by a ``ModelConfig``, and maps configs both ways.
@@ -14,7 +14,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 from ...base.errors import ConfigError
 from ..config import ModelConfig, config_from_keys, keys_of_config
 from . import gemma3, llama, mixtral, qwen2, qwen3, qwen3_moe
-from .spec import Family
+from .family import Family
 
 FAMILIES: Dict[str, Family] = {f.name: f for f in (
     llama.FAMILY, mixtral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, gemma3.FAMILY)}

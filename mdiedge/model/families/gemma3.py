@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Mapping
 from ...base.errors import ConfigError
 from ..config import ModelConfig
 from . import llama, qwen3
-from .spec import Family
+from .family import Family
 
 ACTIVATION = "gelu_pytorch_tanh"  # config.json's name for tanh-GELU
 SLIDING, GLOBAL = "sliding_attention", "full_attention"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from .spec import Family
+from .family import Family
 
 # config.json key -> ModelConfig field, for every family built on Llama's config
 HF_KEYS: Dict[str, str] = {

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from . import llama
-from .spec import Family
+from .family import Family
 
 HF_KEYS: Dict[str, str] = dict(llama.HF_KEYS, num_local_experts="n_experts",
                                num_experts_per_tok="experts_per_token")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from . import llama
-from .spec import Family
+from .family import Family
 
 HF_BLOCK_NAMES: Dict[str, str] = dict(llama.HF_BLOCK_NAMES, **{
     "attn.wq.bias": "self_attn.q_proj.bias",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from . import llama
-from .spec import Family
+from .family import Family
 
 HF_ATTENTION_NAMES: Dict[str, str] = dict(llama.HF_ATTENTION_NAMES, **{
     "attn.q_norm.weight": "self_attn.q_norm.weight",

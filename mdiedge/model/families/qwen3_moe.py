@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Mapping
 
 from ...base.errors import ConfigError
 from . import llama, qwen3
-from .spec import Family
+from .family import Family
 
 HF_KEYS: Dict[str, str] = dict({k: v for k, v in llama.HF_KEYS.items()
                                 if k != "intermediate_size"},

@@ -20,8 +20,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ...base.errors import ApiError
-from ...base.words import plural
-from ...engine.facade import Prompt
+from ...base.humanize import plural
+from ...engine.engine import Prompt
 from .cors import Cors
 from .errors import api_error
 from .logprobs import (StreamedLogprobs, chat_logprobs, completion_logprobs, entries,
@@ -66,8 +66,6 @@ class KeyCheck:
 
 
 class ApiRoutes:
-    """The routes of one server over ``service``."""
-
     def __init__(self, service: ApiService) -> None:
         self.service = service
 

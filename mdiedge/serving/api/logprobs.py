@@ -123,7 +123,6 @@ def within(items: Sequence[Entry], text_length: int) -> List[Entry]:
 
 
 def chat_logprobs(items: Sequence[Entry]) -> Dict[str, Any]:
-    """A chat choice's ``logprobs``."""
     return {"content": [{"token": e.text, "logprob": e.logprob, "bytes": e.bytes,
                          "top_logprobs": [{"token": t, "logprob": lp, "bytes": b}
                                           for t, b, lp in e.top]} for e in items],

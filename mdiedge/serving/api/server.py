@@ -23,7 +23,7 @@ from ...base.smallfiles import read_small_file
 from .rules import ServeLimits
 
 if TYPE_CHECKING:
-    from ...engine.facade import Engine
+    from ...engine.engine import Engine
 
 log = logging.getLogger("mdiedge.api")
 

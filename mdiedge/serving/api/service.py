@@ -22,7 +22,7 @@ from typing import Any, Awaitable, Callable, List, Optional, Set, Tuple, Union
 
 from ...base import defaults
 from ...base.errors import ApiError, ConfigError, ContextExceeded, GenerationError, QueueFull
-from ...engine.facade import Engine, Prompt
+from ...engine.engine import Engine, Prompt
 from ...base.request import Request
 from ...runtime.drafting import request_speculate
 from ...runtime.generation import Generation

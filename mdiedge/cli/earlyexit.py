@@ -45,7 +45,7 @@ def calibrate_exit(
     need(text is None or Path(text).is_file(), "--text", text, "a text file")
     from ..base.defaults import held_out_text
     require_torch("mdiedge calibrate-exit")
-    from ..tools.exitcal import run
+    from ..tools.earlyexit.calibrate import run
 
     path, share = held_out_text(text)
     result = run(model, path, chosen, target, share if held_out is None else held_out, tokens,

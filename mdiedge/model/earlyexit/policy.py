@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..base.defaults import EARLY_EXIT_CRITERIA
-from ..base.errors import ConfigError
+from ...base.defaults import EARLY_EXIT_CRITERIA
+from ...base.errors import ConfigError
 
 CRITERIA = EARLY_EXIT_CRITERIA
 NEVER = math.inf  # the threshold of a block after which no row exits

@@ -2,9 +2,9 @@
 target top-1 agreement with the full model on held-out text, and the exit classifier.
 
 Teacher-forced over text: every block's output on every position, the top-1 of the shared
-head on it, and the three confidences (``mdiedge.model.exits``). A token exits after the
-first block whose confidence reaches its threshold; it agrees when that block's top-1 is the
-last block's. For each block the threshold is the lowest whose exiting tokens agree at least
+head on it, and the three confidences (``mdiedge.model.earlyexit.policy``). A token
+exits after the first block whose confidence reaches its threshold; it agrees when that
+block's top-1 is the last block's. For each block the threshold is the lowest whose exiting tokens agree at least
 a precision level of the time, and the level is the one whose whole rule (first exit wins)
 reaches ``target`` on the calibration text with the fewest blocks per token (CALM's
 calibration, by a simpler search).
@@ -25,11 +25,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..base.errors import ConfigError
-from ..model.exitfiles import (CLASSIFIER_FILE, THRESHOLDS_FILE, save_classifier,
-                               thresholds_to_json)
-from ..model.exits import (CLASSIFIER_HIDDEN, CRITERIA, NEVER, ExitClassifier, ExitPolicy,
-                           ExitStep, cosine, softmax_margin)
+from ...base.errors import ConfigError
+from ...model.earlyexit.files import (CLASSIFIER_FILE, THRESHOLDS_FILE, save_classifier,
+                                      thresholds_to_json)
+from ...model.earlyexit.policy import (CLASSIFIER_HIDDEN, CRITERIA, NEVER, ExitClassifier,
+                                       ExitPolicy, ExitStep, cosine, softmax_margin)
 
 MIN_EXITS = 16  # fewer calibration tokens than this past a threshold: never exit there
 MIN_TOKENS = 256  # held-out tokens (each half) below which calibrating or measuring is refused
@@ -265,8 +265,8 @@ def run(model: Optional[str], text: Path, criteria: List[str], target: float,
         train_tokens: int = 16384) -> Dict[str, Any]:
     """Calibrate ``criteria`` for the model; train the classifier first when it is asked
     for. Writes the files beside the model and returns what it found."""
-    from ..model.checkpoint import content_hash, load_model
-    from ..engine.facade import TextModel
+    from ...model.checkpoint import content_hash, load_model
+    from ...engine.engine import TextModel
 
     text_model = TextModel(model, None)
     path = text_model.path

@@ -1,10 +1,5 @@
 """The one way to open an engine: ``open_engine(EngineSpec(...))``, for the CLI, the API's
-commands, the long-lived starter and the tools alike.
-
-An ``EngineSpec`` names where the blocks run: in this process (``nodes=1``), on a local ring
-of worker processes started here (``nodes=N``, ``mdiedge.roles.local_ring``), on a ring
-file's running workers (``ring``), or on workers given as they are (``workers`` with
-``options``: the long-lived starter's config). ``open_text`` opens the model's text side
+commands, the long-lived starter and the tools alike. ``open_text`` opens the model's text side
 once (config, tokenizer, the config against the weights' headers) so that a command can
 check its request before any node starts; ``open_engine`` then builds on that text side, so
 the tokenizer is loaded once. The engine it gives owns what it started: its ``close``
@@ -22,11 +17,11 @@ from ..base.engineoptions import EngineOptions, torch_option
 from ..base.errors import ConfigError, MdiedgeError, UsageError
 from ..base.nodes import NodeSpec, StarterOptions
 from ..base.threads import available_cores, node_threads, use_threads
-from .facade import Engine, PathLike, TextModel
+from .engine import Engine, PathLike, TextModel
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from ..model.exitfiles import ExitSettings
+    from ..model.earlyexit.files import ExitSettings
     from ..roles.starter import Route
 
 
@@ -59,7 +54,6 @@ class EngineSpec(EngineOptions):
 
     @property
     def local(self) -> bool:
-        """Every block in this process: no ring."""
         return self.ring is None and not self.workers and self.nodes == 1
 
 
@@ -121,7 +115,7 @@ def exit_settings_of(text: TextModel, criterion: Optional[str],
     ``text``, or None without a criterion."""
     if criterion is None:
         return None
-    from ..model.exitfiles import exit_settings
+    from ..model.earlyexit.files import exit_settings
 
     return exit_settings(text.path, text.cfg, text.file.content_hash(), criterion, threshold)
 

@@ -1,12 +1,7 @@
 """From a prompt string to sampled text: the tokenizer, the scheduler and a pipeline to run
-the blocks. ``Engine`` is the typed surface every caller (the CLI, the API, the tools) works
-with; ``LocalEngine`` (``local``) builds a pipeline of in-process stages (``--nodes 1`` is
-one); ``RingEngine`` (``ring``) is the starter's stage plus the ring; ``open_engine``
-(``factory``) makes either from one ``EngineSpec``.
-
-A request is taken in once (``TextModel.request``): its prompt tokenized into a ``Prompt``
-(text and ids) and every limit checked, into a ``Request`` that its ``Generation`` is built
-from without checking again.
+the blocks. A request is taken in once (``TextModel.request``): its prompt tokenized into a
+``Prompt`` (text and ids) and every limit checked, into a ``Request`` that its
+``Generation`` is built from without checking again.
 """
 from __future__ import annotations
 
@@ -24,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 from ..base import defaults
 from ..base.errors import MdiedgeError
 from ..base.defaults import SHOWN_SETUP_S
-from ..base.words import plural
+from ..base.humanize import plural
 from ..model.hub import resolve_model
 from ..model.modelfile import ModelFile, model_file
 from ..model.config import ModelConfig
@@ -39,7 +34,7 @@ from ..runtime.scheduler import Scheduler
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # early exit and a draft model run on the torch path
-    from ..model.exitfiles import ExitSettings
+    from ..model.earlyexit.files import ExitSettings
     from ..runtime.draftmodel import DraftModel
 
 PathLike = Union[str, Path]
@@ -146,7 +141,6 @@ class TextModel:
         return ids
 
     def prompt(self, text: Union[str, Prompt], templated: bool = False) -> Prompt:
-        """``text`` tokenized (``encode_prompt``), once: a ``Prompt`` is taken as it is."""
         if isinstance(text, Prompt):
             return text
         return Prompt(text, tuple(self.encode_prompt(text, templated)))
@@ -163,7 +157,6 @@ class TextModel:
     def new_generation(self, prompt: Union[str, Prompt], max_new_tokens: int, n_samples: int,
                        params: SamplingParams, on_token: Optional[TokenCallback] = None,
                        stop: Sequence[str] = (), templated: bool = False) -> Generation:
-        """``generation_of`` a request taken in here (``request``)."""
         return self.generation_of(self.request(prompt, Asked(max_new_tokens, n_samples, params,
                                                              stop), templated), on_token)
 
@@ -247,7 +240,6 @@ class Engine(TextModel, abc.ABC):
                        params: SamplingParams, on_token: Optional[TokenCallback] = None,
                        stop: Sequence[str] = (), templated: bool = False,
                        speculate: Optional[str] = None) -> Generation:
-        """``generation_of`` a request taken in here (``request``)."""
         return self.generation_of(self.request(prompt, Asked(max_new_tokens, n_samples, params,
                                                              stop), templated),
                                   on_token, speculate)

@@ -11,26 +11,26 @@ from typing import Any, Dict, Optional, Tuple
 from ..base.errors import CheckpointError, ConfigError
 from ..model.modelfile import CLASSIFIER_FILE
 from ..runtime.framing import MAX_EXIT_DEPTH
-from ..runtime.protocol import Assignment, ExitSpec
+from ..runtime.protocol import Assignment, ExitAssignment
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # early exit runs on the torch path: torch loads only where it is asked for
     import torch
 
-    from ..model.exitfiles import ExitSettings
-    from ..model.exits import ExitPolicy
+    from ..model.earlyexit.files import ExitSettings
+    from ..model.earlyexit.policy import ExitPolicy
 
 CLASSIFIER_TENSOR = "exit_classifier.file"  # the classifier file's bytes inside a sent chunk
 
 
-def exit_spec(settings: Optional[ExitSettings]) -> Optional[ExitSpec]:
+def exit_assignment(settings: Optional[ExitSettings]) -> Optional[ExitAssignment]:
     """What a worker is told of the user's early-exit settings."""
     if settings is None:
         return None
-    from ..model.exits import NEVER
+    from ..model.earlyexit.policy import NEVER
 
     digest = file_sha256(settings.classifier) if settings.classifier is not None else ""
-    return ExitSpec(settings.criterion,
+    return ExitAssignment(settings.criterion,
                     [None if t == NEVER else float(t) for t in settings.thresholds[:-1]], digest)
 
 
@@ -54,39 +54,39 @@ def starter_policy(settings: Optional[ExitSettings], model_hash: str,
     on that chunk's device."""
     if settings is None:
         return None
-    from ..model.exitfiles import exit_policy
+    from ..model.earlyexit.files import exit_policy
 
     return exit_policy(settings, model.cfg, model_hash, model.head_logits,
                        str(next(model.parameters()).device))
 
 
-def cache_suffix(spec: Optional[ExitSpec]) -> str:
+def cache_suffix(exits: Optional[ExitAssignment]) -> str:
     """The cache folder of a sent chunk names the exit parts it holds besides the blocks."""
-    if spec is None:
+    if exits is None:
         return ""
-    if spec.needs_classifier:
-        return f"-classifier-{spec.classifier[:16]}"
-    return "-head" if spec.needs_head else ""
+    if exits.needs_classifier:
+        return f"-classifier-{exits.classifier[:16]}"
+    return "-head" if exits.needs_head else ""
 
 
 def extra_bytes(request: Assignment) -> int:
     """Bytes the exit parts add to a chunk of blocks (the weights upload's size limit)."""
-    spec, cfg = request.early_exit, request.model.model_config()
-    if spec is None:
+    exits, cfg = request.early_exit, request.model.model_config()
+    if exits is None:
         return 0
-    if spec.needs_head:
+    if exits.needs_head:
         return (cfg.vocab_size * cfg.dim + cfg.dim) * 4
-    if spec.needs_classifier:
+    if exits.needs_classifier:
         return cfg.n_layers * (cfg.dim + 3) * 64 * 4
     return 0
 
 
-def chunk_extras(model_dir: Path, spec: Optional[ExitSpec]
+def chunk_extras(model_dir: Path, exits: Optional[ExitAssignment]
                  ) -> "Tuple[Dict[str, Any], Dict[str, str]]":
     """The exit classifier file's bytes as one tensor of a sent chunk (the worker writes them
     back verbatim, so its sha256 is the starter's), and the chunk metadata saying so (the
     head travels under its own checkpoint names; see ``chunk_safetensors(head=...)``)."""
-    if spec is None or not spec.needs_classifier:
+    if exits is None or not exits.needs_classifier:
         return {}, {}
     model_dir = model_dir if model_dir.is_dir() else model_dir.parent
     import numpy as np
@@ -95,13 +95,13 @@ def chunk_extras(model_dir: Path, spec: Optional[ExitSpec]
     return {CLASSIFIER_TENSOR: np.frombuffer(raw, dtype=np.uint8)}, {}
 
 
-def sent_chunk(path: Path, layers: Tuple[int, int], spec: Optional[ExitSpec]) -> bytes:
+def sent_chunk(path: Path, layers: Tuple[int, int], exits: Optional[ExitAssignment]) -> bytes:
     """What the starter sends a worker without a copy of the model: its blocks, and the
     exit parts its criterion needs."""
     from ..model.chunkfile import chunk_safetensors
 
-    extra, metadata = chunk_extras(path, spec)
-    return chunk_safetensors(path, layers, spec is not None and spec.needs_head, extra, metadata)
+    extra, metadata = chunk_extras(path, exits)
+    return chunk_safetensors(path, layers, exits is not None and exits.needs_head, extra, metadata)
 
 
 def keep_sent_classifier(folder: Path) -> None:
@@ -114,15 +114,15 @@ def keep_sent_classifier(folder: Path) -> None:
             (folder / CLASSIFIER_FILE).write_bytes(f.get_tensor(CLASSIFIER_TENSOR).tobytes())
 
 
-def has_parts(source: Path, spec: Optional[ExitSpec]) -> bool:
-    """Whether ``source`` holds the exit parts ``spec`` needs."""
-    if spec is None:
+def has_parts(source: Path, exits: Optional[ExitAssignment]) -> bool:
+    """Whether ``source`` holds the exit parts ``exits`` needs."""
+    if exits is None:
         return True
     folder = source if source.is_dir() else source.parent
-    if spec.needs_classifier:  # the very file the starter's thresholds were chosen with
+    if exits.needs_classifier:  # the very file the starter's thresholds were chosen with
         found = folder / CLASSIFIER_FILE
-        return found.is_file() and (not spec.classifier or file_sha256(found) == spec.classifier)
-    if spec.needs_head:
+        return found.is_file() and (not exits.classifier or file_sha256(found) == exits.classifier)
+    if exits.needs_head:
         from ..model.checkpoint import GLOBAL_NAMES, open_source
 
         try:
@@ -140,28 +140,28 @@ def worker_policy(source: Path, request: Assignment) -> "Optional[ExitPolicy]":
     """The policy of a worker's stage, its parts read from ``source`` (a copy of the model,
     or the folder of a sent chunk), on the request's device and dtype (the torch path); a
     CheckpointError names what is missing."""
-    spec = request.early_exit
-    if spec is None:
+    exits = request.early_exit
+    if exits is None:
         return None
     from ..model.checkpoint import load_model
     from ..model.devices import parse_dtype
-    from ..model.exitfiles import load_classifier, thresholds_from_json
-    from ..model.exits import ExitPolicy
+    from ..model.earlyexit.files import load_classifier, thresholds_from_json
+    from ..model.earlyexit.policy import ExitPolicy
     from .devices import device_of
 
     device, dtype = device_of(request.device, "device"), parse_dtype(request.dtype)
 
     cfg = request.model.model_config()
-    thresholds = thresholds_from_json(spec.thresholds, cfg, "early_exit")
+    thresholds = thresholds_from_json(exits.thresholds, cfg, "early_exit")
     head: Any = None
     classifier = None
-    if spec.needs_head:
+    if exits.needs_head:
         head = load_model(source, layers=(cfg.n_layers, cfg.n_layers), embedding=False,
                           head=True, device=device, dtype=dtype).head_logits
-    if spec.needs_classifier:
+    if exits.needs_classifier:
         folder = source if source.is_dir() else source.parent
-        if not has_parts(source, spec):
+        if not has_parts(source, exits):
             raise CheckpointError(f"{folder}: no {CLASSIFIER_FILE} with sha256 "
-                                  f"{spec.classifier[:16]}… for the classifier criterion")
+                                  f"{exits.classifier[:16]}… for the classifier criterion")
         classifier = load_classifier(folder / CLASSIFIER_FILE, cfg, request.model.hash).to(device)
-    return ExitPolicy(spec.criterion, thresholds, head, classifier)
+    return ExitPolicy(exits.criterion, thresholds, head, classifier)

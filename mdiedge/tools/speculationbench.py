@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from ..base import defaults
 from ..base.errors import UsageError
-from ..engine.factory import EngineSpec, open_engine
+from ..engine.opening import EngineSpec, open_engine
 from ..model.sampling import SamplingParams
 from .bench import decode_rate
 

@@ -2,7 +2,7 @@
 one run.
 
 - Quality, teacher-forced over held-out text (the second half of the held-out tail; the first
-  half calibrates, see ``mdiedge.tools.exitcal``): every position is a real decode step through
+  half calibrates, see ``calibrate``): every position is a real decode step through
   the model with its KV cache, the exit rule and the KV fill, so a token sees the cache that
   earlier exits left. Reported: top-1 agreement with the same steps without early exit, and
   the perplexity of both.
@@ -19,15 +19,15 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 
-from ..model.checkpoint import content_hash, load_model
-from ..model.exitfiles import ExitSettings, exit_policy, exit_settings
-from ..model.sampling import SamplingParams
-from ..base.defaults import RING_TIMEOUT_S
-from ..engine.facade import Engine, TextModel
-from ..engine.factory import EngineSpec, open_engine
-from ..base.errors import ConfigError
-from ..model.exitfiles import THRESHOLDS_FILE
-from .exitcal import MIN_TOKENS, decode_forced, held_out_halves
+from ...model.checkpoint import content_hash, load_model
+from ...model.earlyexit.files import ExitSettings, exit_policy, exit_settings
+from ...model.sampling import SamplingParams
+from ...base.defaults import RING_TIMEOUT_S
+from ...engine.engine import Engine, TextModel
+from ...engine.opening import EngineSpec, open_engine
+from ...base.errors import ConfigError
+from ...model.earlyexit.files import THRESHOLDS_FILE
+from .calibrate import MIN_TOKENS, decode_forced, held_out_halves
 
 
 def quality(path: Path, tokens: List[int], settings: ExitSettings, window: int = 256

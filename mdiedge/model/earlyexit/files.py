@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
-from ..base.errors import ConfigError
-from .config import ModelConfig
-from .exits import CRITERIA, NEVER, ExitClassifier, ExitPolicy, Head
-from .modelfile import CLASSIFIER_FILE  # noqa: F401  (re-exported with the exit files)
+from ...base.errors import ConfigError
+from ..config import ModelConfig
+from .policy import CRITERIA, NEVER, ExitClassifier, ExitPolicy, Head
+from ..modelfile import CLASSIFIER_FILE  # noqa: F401  (re-exported with the exit files)
 
 THRESHOLDS_FILE = "early_exit.json"
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import stories_dir
+from mdiedge.base import cpudot
 from mdiedge.model import _pyquant, blasthreads, npprefill
 from mdiedge.model.checkpoint import load_model
 from mdiedge.model.cpuload import load_cpu_model
@@ -132,6 +133,43 @@ def test_a_prefill_product_uses_the_bounded_tile(monkeypatch: Any,
     assert npprefill._local.tile.size * 4 == npprefill.TILE_BYTES
     two = npprefill.product(x, matrix, np.empty((12, matrix.shape[0]), np.float32), 2, 1)
     np.testing.assert_array_equal(two, out)  # split among threads: the same products
+
+
+@pytest.mark.parametrize("qtype,integer", [("Q4_K", True), ("Q6_K", True), ("IQ4_XS", True),
+                                           ("Q4_1", False), ("Q8_0", False), ("Q5_0", False)])
+def test_a_q8_prefill_takes_the_integer_kernels_for_k_quants(qtype: str, integer: bool) -> None:
+    """Under q8, a prefill's product (more rows than the step takes) with a K-quant matrix is
+    the integer kernels' (the same numbers as the compiled product gives, whatever the
+    threads), with a 32-weight type the tiles'; under f32 every type takes the tiles. The
+    torch path's QuantLinear multiplies the same way (bit for bit where integer)."""
+    from mdiedge.model import qlayers
+    from mdiedge.model._stepspec import QuantMatrix
+    from quantblocks import random_blocks
+
+    matrix = QuantMatrix(np.asarray(random_blocks(qtype, 40, 512, seed=2)), qtype)
+    x = np.random.default_rng(2).standard_normal((20, 512)).astype(np.float32)
+    kernels = qlayers.QUANT.select()
+    usable = qtype in kernels.q8_types()
+    assert npprefill.integer_prefill(qtype, 1) == (integer and usable)
+    assert not npprefill.integer_prefill(qtype, 0)
+    got = npprefill.product(x, matrix, np.empty((20, 40), np.float32), 2, 1)
+    direct = kernels.matmul(x, matrix.data, qtype, np.empty((20, 40), np.float32), 1, 1)
+    tiles = npprefill.product(x, matrix, np.empty((20, 40), np.float32), 1, 0)
+    if integer and usable:
+        np.testing.assert_array_equal(got, direct)
+        assert not np.array_equal(got, tiles)  # 8-bit activations: other numbers
+    else:
+        np.testing.assert_array_equal(got, tiles)
+    layer = qlayers.QuantLinear(torch.from_numpy(matrix.data), qtype, 512)
+    cpudot.set_cpu_dot("q8")
+    try:
+        torch_got = layer(torch.from_numpy(x)).numpy()
+    finally:
+        cpudot.set_cpu_dot(None)
+    if integer and usable:
+        np.testing.assert_array_equal(torch_got, got)
+    else:  # torch's BLAS and numpy's round apart
+        np.testing.assert_allclose(torch_got, got, rtol=1e-5, atol=1e-5 * np.abs(got).max())
 
 
 def test_numpys_blas_follows_the_threads() -> None:

@@ -6,7 +6,8 @@ float32 inside the kernels and every activation, accumulator and output float32.
 
 - ``QuantLinear``: up to ``KERNEL_ROWS`` rows (decode, micro-batched or not) take the
   compiled product of ``mdiedge.model._cquant`` (or its twin), which reads each block once
-  for every row; more rows (prefill) de-quantize the weight a tile of rows at a time into one
+  for every row; more rows (prefill) do too where ``npprefill.integer_prefill`` says (the
+  K-quants in the q8 mode), else de-quantize the weight a tile of rows at a time into one
   reused float32 buffer and multiply with torch.
 - ``QuantEmbedding``: a token's row de-quantized when it is looked up.
 
@@ -32,7 +33,7 @@ from ..base.cpudot import cpu_dot, dot_code
 from ..base.errors import CheckpointError, QuantError
 from . import _pyquant
 from .layers import Linear
-from .npprefill import KERNEL_ROWS, TILE_BYTES  # the torch-free prefill's, the same tiles
+from .npprefill import KERNEL_ROWS, TILE_BYTES, integer_prefill  # the torch-free prefill's
 from .qtypes import kernel_qtype  # noqa: F401  (known here too)
 from .quant import TYPES, check_blocks, dequantize_on_device, qtype_of, quantize, row_bytes
 
@@ -102,8 +103,9 @@ class QuantLinear(nn.Module):
         flat = x.reshape(-1, self.in_features).float().contiguous()  # (rows, in)
         out = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32,
                           device=flat.device)  # (rows, out)
-        if flat.shape[0] <= KERNEL_ROWS:
-            _quant.matmul(flat, self.qweight, self.qtype, out, _threads(), dot_code())
+        dot = dot_code()
+        if flat.shape[0] <= KERNEL_ROWS or integer_prefill(self.qtype, dot):
+            _quant.matmul(flat, self.qweight, self.qtype, out, _threads(), dot)
         else:
             self._tiled(flat, out)
         return out.view(*x.shape[:-1], self.out_features)

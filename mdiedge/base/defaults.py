@@ -188,9 +188,9 @@ def default_model_path() -> Path:
 def random_seed() -> int:
     """The seed of a request that names none (`mdiedge generate` without --seed, an API
     request without "seed"): drawn, then reported, so the run can be repeated with it."""
-    import secrets
+    import random  # its SystemRandom is secrets' (os.urandom), without OpenSSL's library
 
-    return secrets.randbelow(SEEDS_BELOW)
+    return random.SystemRandom().randrange(SEEDS_BELOW)
 
 
 def held_out_text(text: Optional[str]) -> Tuple[Path, float]:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
+from typing import Any
 
 
 def rss_bytes() -> int:
@@ -74,6 +76,28 @@ def give_back_free_memory() -> bool:
     except (OSError, AttributeError):
         return False
     trim(0)
+    return True
+
+
+def drop_mapped_pages(mapped: Any, view: Any) -> bool:
+    """Let the kernel drop the pages of ``view`` (a numpy view of the memory-mapped file
+    ``mapped``, a numpy ``memmap``) from this process's resident memory: bytes read once and
+    copied (a GGUF file's Q/K rows, gathered) stay mapped, read again from the file if ever
+    touched. Only whole pages inside the view; False where the map or the system cannot."""
+    handle = getattr(mapped, "_mmap", None)
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if handle is None or advice is None or not hasattr(handle, "madvise"):
+        return False
+    skipped = int(getattr(mapped, "offset", 0)) % mmap.ALLOCATIONGRANULARITY
+    base = mapped.__array_interface__["data"][0] - skipped  # the map's first byte
+    start = view.__array_interface__["data"][0] - base
+    end = start + view.nbytes
+    if not skipped <= start <= end <= skipped + mapped.nbytes:
+        return False
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, end // page * page
+    if last > first:
+        handle.madvise(advice, first, last - first)
     return True
 
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..base import defaults
 from ..base.errors import MdiedgeError
+from ..base.memory import give_back_free_memory
 from ..base.defaults import SHOWN_SETUP_S
 from ..base.humanize import plural
 from ..model.hub import resolve_model
@@ -127,6 +128,7 @@ class TextModel:
             check_checkpoint(self.path, self.cfg)
         self.tokenizer = load_tokenizer(self.path, tokenizer)
         check_tokenizer(self.cfg, self.tokenizer, tokenizer or self.path)
+        give_back_free_memory()  # the vocabulary's strings, read to build the tokenizer
 
     def encode_prompt(self, prompt: str, templated: bool = False) -> List[int]:
         """A prompt's ids, with the special tokens its tokenizer adds (the rule of

@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from ..base.errors import CheckpointError, CpuPathRefused, QuantError
+from ..base.memory import give_back_free_memory
 from ._stepspec import ACTIVATIONS, QuantMatrix, StackedMatrix
 from .checks import check_finite, check_memory, check_plan, chunk_bytes, describe
 from .config import ModelConfig
@@ -53,6 +54,7 @@ def load_cpu_model(model: Optional[PathLike] = None, layers: Optional[Tuple[int,
             on_source(source)
     finally:
         source.close()
+    give_back_free_memory()  # what reading the tensors took for a while
     return CpuModel(cfg, layers, weights)
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from .gguf_vocab import MAGIC, is_gguf  # noqa: F401 - one magic check, re-exported
 
 from ..base.errors import CheckpointError, ConfigError
+from ..base.memory import drop_mapped_pages
 from .config import ModelConfig
 from .families import by_gguf_architecture, config_from_hf, family_of
 from .families.family import Family
@@ -54,11 +55,19 @@ def looks_like_gguf(path: Path) -> bool:
 
 
 def _gguf_package() -> Any:
+    """The gguf package, imported without the SentencePiece library that its ``vocab``
+    module (which mdiedge does not use) tries to load: megabytes of resident memory."""
+    blocked = "sentencepiece" not in sys.modules
+    if blocked:
+        sys.modules["sentencepiece"] = None  # type: ignore[assignment]  # an ImportError
     try:
         import gguf
     except ImportError:
         raise CheckpointError("reading GGUF files needs the gguf package: pip install gguf") \
             from None
+    finally:
+        if blocked and sys.modules.get("sentencepiece", 0) is None:
+            del sys.modules["sentencepiece"]
     return gguf
 
 
@@ -226,10 +235,12 @@ def string_array(reader: Any, key: str) -> List[str]:
     view = memoryview(reader.data)
     fmt = _u64(reader.byte_order)
     out: List[str] = []
+    start = offs
     for _ in range(int(field.parts[-1][0])):
         length = struct.unpack_from(fmt, view, offs)[0]
         out.append(bytes(view[offs + 8:offs + 8 + length]).decode("utf-8", "replace"))
         offs += 8 + length
+    drop_mapped_pages(reader.data, reader.data[start:offs])  # decoded: not read again
     return out
 
 
@@ -406,6 +417,7 @@ class GGUFSource(TensorSource):
         super().__init__(path)
         self.gguf = _gguf_package()
         reader = open_reader(path) if file is None else file.reader
+        self.mapped = reader.data  # the file's map (numpy memmap)
         self.cfg = config_of(reader, path) if file is None else file.cfg
         self.family = family_of(self.cfg)
         self.index: Dict[str, _Entry] = \
@@ -480,12 +492,17 @@ class GGUFSource(TensorSource):
         return _tensor(self.raw_array(name, hf_order))
 
     def raw_array(self, name: str, hf_order: bool = True) -> np.ndarray:
-        """``raw`` as numpy: a read-only view of the map, or the rows gathered (a copy)."""
+        """``raw`` as numpy: a read-only view of the map, or the rows gathered (a copy; the
+        map's pages of them then dropped from resident memory)."""
         entry = self.index[name]
         self.read_names.append(name)
         rows = entry.shape[0] if len(entry.shape) == 2 else 1
         data = self._data(entry).view(np.uint8).reshape(rows, -1)
-        return data[_hf_rows(rows, entry.heads)] if entry.heads and hf_order else data
+        if not (entry.heads and hf_order):
+            return data
+        gathered = data[_hf_rows(rows, entry.heads)]
+        drop_mapped_pages(self.mapped, data)  # the file's order is not read again
+        return gathered
 
     def heads(self, name: str) -> int:
         """For the Q and K projections, their head count (the file holds their rows in

@@ -11,7 +11,6 @@ once and hashes a model at most once (``reads`` counts both; a node's status rep
 """
 from __future__ import annotations
 
-import hashlib
 import struct
 import threading
 from collections import Counter, OrderedDict
@@ -138,6 +137,8 @@ class ModelFile:
         return self.memo("hash", self._hash)
 
     def _hash(self) -> str:
+        import hashlib  # OpenSSL's library: memory a run that hashes nothing need not hold
+
         HASHES[str(self.path)] += 1
         digest = hashlib.sha256()
         for f in identity_files(self.path):

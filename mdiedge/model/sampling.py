@@ -21,7 +21,7 @@ Log-probabilities (``top_logprobs``) are those of the model's own logits, before
 this and before temperature, as OpenAI reports them.
 
 Logits are numpy float32 rows (a torch tensor is taken too, turned into numpy), and each
-generator is a ``numpy.random.Generator``: no torch here.
+generator draws as a ``numpy.random.Generator``: no torch here.
 """
 from __future__ import annotations
 
@@ -35,12 +35,27 @@ from ..base.request import SamplingParams
 
 _SEED_STRIDE = 1_000_003
 History = Tuple[Sequence[int], Sequence[int]]  # a sample's prompt and its output so far
-Generator = np.random.Generator
+
+
+class Generator:
+    """One sample's uniform draws (``random``): numpy's ``Generator`` over ``PCG64(seed)``,
+    made at the first draw, so that a greedy run, which never draws, leaves ``numpy.random``
+    (and the OpenSSL library that its import loads) out of memory."""
+
+    __slots__ = ("seed", "_made")
+
+    def __init__(self, seed: int) -> None:
+        self.seed, self._made = seed, None
+
+    def random(self) -> float:
+        if self._made is None:
+            self._made = np.random.Generator(np.random.PCG64(self.seed))
+        return self._made.random()
 
 
 def sample_generator(seed: int, sample_index: int) -> Generator:
     """The generator of one sample: independent of every other sample's."""
-    return np.random.Generator(np.random.PCG64(seed * _SEED_STRIDE + sample_index))
+    return Generator(seed * _SEED_STRIDE + sample_index)
 
 
 def penalize(logits: Any, params: SamplingParams, prompt: Sequence[int],

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -316,6 +315,8 @@ def create_secret_file(path: Path) -> bool:
     except FileExistsError:
         check_private(os.stat(str(path)), f"ring secret {str(path)!r}", str(path))
         return False
+    import secrets  # loads OpenSSL's library: not for every command
+
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(secrets.token_hex(32) + "\n")
     return True

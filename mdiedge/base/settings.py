@@ -172,7 +172,6 @@ TABLES = {"worker": "[worker]", "starter": "[starter]", "workers": "[[workers]]"
 
 
 def _key(path: str, key: str) -> str:
-    """``path.key``, quoting a key that is not a bare TOML key."""
     shown = key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
     return f"{path}.{shown}" if path else shown
 
@@ -216,7 +215,6 @@ def _table(raw: Any, schema: Dict[str, Check], source: str, path: str,
 
 
 def _section_rules(values: Dict[str, Any], source: str, table: str) -> None:
-    """Rules between the keys of ``[worker]`` or ``[starter]``."""
     if "secret" in values and "secret_file" in values:
         raise _error(source, f"{table}.secret_file",
                      f"not allowed together with {table}.secret (set only one)")
@@ -333,7 +331,6 @@ def find_config(explicit: Optional[str],
 
 
 def _expand(name: str) -> Path:
-    """``~`` and ``~user`` expanded where they can be."""
     try:
         return Path(name).expanduser()
     except RuntimeError:  # no home directory to expand to

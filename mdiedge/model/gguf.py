@@ -487,7 +487,6 @@ class GGUFSource(TensorSource):
         return _tensor(self.read_array(name))
 
     def get_array(self, name: str) -> np.ndarray:
-        """Tensor ``name`` de-quantized to float32, as numpy (``get``'s values)."""
         self.read_names.append(name)
         return self.read_array(name)
 

@@ -99,7 +99,6 @@ class Tokenizer:
 
     @property
     def adds_bos(self) -> bool:
-        """Whether a prompt gets the BOS token before its text."""
         return self.bos_id is not None and self.encode_prompt("")[:1] == [self.bos_id]
 
     def token(self, token_id: int) -> str:
@@ -314,6 +313,5 @@ class StreamDecoder:
         return self.window[len(self.emitted):] if self.read < len(self.ids) else ""
 
     def whole(self) -> str:
-        """Every id after the prefix, decoded at once."""
         decode = self.tokenizer.decode
         return decode(self.ids)[len(decode(self.ids[:self.prefix])):]

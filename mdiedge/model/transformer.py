@@ -110,7 +110,6 @@ class Transformer(nn.Module):
         return self.lm_head is not None
 
     def setup_cache(self, n_slots: int, max_seq_len: Optional[int] = None) -> None:
-        """Preallocate KV for ``n_slots`` samples of up to ``max_seq_len`` tokens."""
         max_seq_len = max_seq_len or self.cfg.max_seq_len
         param = next(self.parameters())
         dtype, device = param.dtype, param.device

@@ -192,7 +192,6 @@ class Generation:
 
     @property
     def context(self) -> int:
-        """KV positions a sample of this request needs: prompt plus budget."""
         return len(self.samples[0].prompt) + self.max_new_tokens
 
     def cancel(self) -> None:

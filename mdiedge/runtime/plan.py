@@ -146,7 +146,6 @@ class AdmitPlan:
 
 
 def chunks_of(index: int, length: int, prefill_chunk: int) -> List[Chunk]:
-    """The prefill messages of ``length`` tokens of sample ``index``."""
     return [Chunk(index, start, end, end == length)
             for start, end in prefill_chunks(length, prefill_chunk)]
 

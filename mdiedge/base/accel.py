@@ -57,7 +57,6 @@ class Twins:
         return self.twin.__name__.rsplit("._py", 1)[-1]
 
     def select(self) -> ModuleType:
-        """The compiled module unless disabled or not built, else the twin."""
         if self.compiled is not None and not extensions_disabled():
             return self.compiled
         return self.twin

@@ -34,7 +34,6 @@ INT8_LIMIT = INT8_MAX * FP16_MAX  # finite magnitudes beyond this saturate
 
 
 def encoded_size(codec: int, n: int) -> int:
-    """Bytes of ``n`` float32 values encoded with ``codec``."""
     if codec == NONE:
         return 4 * n
     if codec == FP16:

@@ -158,7 +158,6 @@ class Request:
 
     @property
     def context(self) -> int:
-        """KV positions a sample needs: prompt plus budget."""
         return len(self.prompt.ids) + self.max_new_tokens
 
 

@@ -18,7 +18,6 @@ PROGRAM = "mdiedge"  # the name usage lines and errors give the child
 
 
 def package_root() -> str:
-    """The directory that holds the ``mdiedge`` package this process runs."""
     here = os.path.dirname(os.path.abspath(__file__))  # .../mdiedge/base
     return os.path.dirname(os.path.dirname(here))
 

@@ -1,40 +1,14 @@
 """Settings files (TOML): one schema-validated format for every mdiedge process.
 
-A file holds any of three tables::
+Tables ``[worker]``, ``[starter]`` and ``[[workers]]`` (the ring in ring order, each a
+``NodeSpec``); README.md shows a file and lists every key. Unknown tables and keys, values of the
+wrong type (``true`` is not an integer) or out of range are one-line ``ConfigError``s naming the
+file, the dotted key (``workers[1].host``), what was expected and the bad value (secrets never
+quoted).
 
-    [worker]                  # a worker process (``mdiedge worker``)
-    name = "w1"
-    host = "0.0.0.0"
-    control_port = 7700
-    data_port = 7701
-    secret_file = "/etc/mdiedge/secret"
-
-    [starter]                 # the starter: its own share of the ring and its links
-    host = "10.0.0.1"         # the last worker connects back here; the control plane listens here
-    memory = "4GiB"
-    layers = [0, 6]
-
-    [[workers]]               # the ring as the starter sees it, in ring order
-    name = "w1"
-    host = "10.0.0.2"
-    control_port = 7700
-    memory = "6GiB"
-
-A ``[[workers]]`` entry becomes a :class:`~mdiedge.base.nodes.NodeSpec`; the defaults of
-every key come from :mod:`mdiedge.base.defaults` and the dtype names from
-:mod:`mdiedge.base.dtypes`.
-
-Unknown tables and keys are errors, and so are values of the wrong type (``true`` is not an
-integer) or out of range. Every error is a one-line
-:class:`~mdiedge.base.errors.ConfigError` that names the file, the key as a dotted path
-(``worker.control_port``, ``workers[1].host``), what was expected, and the bad value (secrets
-are never quoted).
-
-Look-up order of the file (:func:`find_config`): ``--config``, ``$MDIEDGE_CONFIG``, then
-``/etc/mdiedge/mdiedge.toml`` (:data:`SYSTEM_CONFIG`) if it exists. Secrets
-(:func:`read_secret`): ``secret``, ``secret_file``, ``$MDIEDGE_SECRET``, ``$MDIEDGE_SECRET_FILE``.
-
-This module needs no torch (it runs in the Python 3.8 CI job).
+File look-up (``find_config``): ``--config``, ``$MDIEDGE_CONFIG``, then ``SYSTEM_CONFIG``. Secrets
+(``read_secret``): ``secret``, ``secret_file``, ``$MDIEDGE_SECRET``, ``$MDIEDGE_SECRET_FILE``. No
+torch here (the Python 3.8 CI job imports it).
 """
 from __future__ import annotations
 
@@ -198,7 +172,6 @@ TABLES = {"worker": "[worker]", "starter": "[starter]", "workers": "[[workers]]"
 
 
 def _key(path: str, key: str) -> str:
-    """``path.key``, quoting a key that is not a bare TOML key."""
     shown = key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
     return f"{path}.{shown}" if path else shown
 
@@ -214,7 +187,6 @@ def _expected(source: str, key: str, value: Any, bad: BadValue) -> ConfigError:
 
 def _unknown(source: str, key: str, name: str, known: Mapping[str, str],
              what: str = "key") -> ConfigError:
-    """``known`` maps each valid name to how it is shown."""
     close = difflib.get_close_matches(name, list(known), n=1)
     hint = (f"did you mean {known[close[0]]}?" if close
             else f"known: {', '.join(known.values())}")
@@ -223,7 +195,7 @@ def _unknown(source: str, key: str, name: str, known: Mapping[str, str],
 
 def _table(raw: Any, schema: Dict[str, Check], source: str, path: str,
            required: Tuple[str, ...] = ()) -> Dict[str, Any]:
-    """The checked and converted values of one table; unknown keys are errors."""
+    """One table's checked and converted values; unknown keys are errors."""
     if not isinstance(raw, dict):
         raise _error(source, path, f"expected a table, got {show(raw)}")
     for name in raw:
@@ -243,7 +215,6 @@ def _table(raw: Any, schema: Dict[str, Check], source: str, path: str,
 
 
 def _section_rules(values: Dict[str, Any], source: str, table: str) -> None:
-    """Rules between the keys of ``[worker]`` or ``[starter]``."""
     if "secret" in values and "secret_file" in values:
         raise _error(source, f"{table}.secret_file",
                      f"not allowed together with {table}.secret (set only one)")
@@ -360,7 +331,6 @@ def find_config(explicit: Optional[str],
 
 
 def _expand(name: str) -> Path:
-    """``~`` and ``~user`` expanded where they can be."""
     try:
         return Path(name).expanduser()
     except RuntimeError:  # no home directory to expand to
@@ -380,10 +350,9 @@ def _must_exist(path: Path, origin: str) -> Path:
 
 def read_secret(section: Optional[Section],
                 env: Mapping[str, str] = os.environ) -> Optional[bytes]:
-    """The shared secret: ``secret``, else ``secret_file``, else ``$MDIEDGE_SECRET``, else
-    ``$MDIEDGE_SECRET_FILE``; None when there is none. Files must not be accessible to group
-    or others (mode & 0o077 == 0); one trailing newline is stripped; a secret shorter than
-    16 bytes is an error. ``insecure`` is left to the caller."""
+    """The shared secret: ``secret``, ``secret_file``, ``$MDIEDGE_SECRET``,
+    ``$MDIEDGE_SECRET_FILE``, else None. Secret files must be private (mode & 0o077 == 0); one
+    trailing newline is stripped; under 16 bytes is an error; ``insecure`` is the caller's."""
     if section is not None:
         where = f"{section.source or '<settings>'}: {section.TABLE}"
         if section.secret is not None:
@@ -402,8 +371,8 @@ def read_secret(section: Optional[Section],
 
 
 def _inline_secret_private(section: Section) -> None:
-    """A file holding the secret inline (``secret = ...``) is as private as a secret file must
-    be: readable by its owner alone, else a one-line error saying how to fix it."""
+    """A file holding the secret inline must be as private as a secret file (one-line error saying
+    how to fix it)."""
     if not section.source:
         return
     try:
@@ -503,8 +472,7 @@ def _one_worker_per_address(workers: Sequence[NodeSpec], source: str) -> None:
 
 
 def _models_found(settings: Settings, find_model: Callable[[str], Any]) -> None:
-    """Every ``model`` the file names is there (``find_model`` resolves it as --model does,
-    raising a one-line error when it is not)."""
+    """Every ``model`` the file names resolves as --model does (else its one-line error)."""
     from .errors import MdiedgeError
 
     for section in (settings.worker, settings.starter):

@@ -1,20 +1,18 @@
 """How many threads a node computes with, and how its idle threads wait.
 
-A node's compute threads are the count ``use_threads`` sets, which the compiled kernels take
-(OpenMP), and torch's too where torch is loaded. ``--threads N`` (and the ``threads`` config key) sets it; 0 gives each node of this
-machine its share of the cores this process may use (its CPU affinity, within a cgroup's
-``cpu.max``): all of them for one node, ``cores // nodes`` for a local ring, at least one.
+``use_threads`` sets the count the compiled kernels (OpenMP) and torch take. ``--threads N``
+(config ``threads``); 0 gives each node of this machine its share of the cores this process may
+use (affinity, a cgroup's ``cpu.max``): all for one node, ``cores // nodes`` for a local ring,
+at least one.
 
-OpenMP's threads spin between parallel regions (libgomp: 300,000 rounds) before they sleep,
-and a decode step has six barriers per block. On a machine others share, a spinning thread
-holds a core while the thread its team waits for is not running: SmolLM2 fell from 135 to 1.8
-tok/s beside two busy loops. Sleeping at once costs the other way: a wake-up per barrier
-(in a VM, an interrupt through the hypervisor) took a quiet 2-core machine from 115 to 74
-tok/s. So a process looks once, as it starts, at how many other tasks are running:
-``openmp_waits`` picks passive waits where they take half the cores or more, else a short
-spin (``SPIN_BEFORE_SLEEP``) that outlasts a quiet barrier; a policy the user sets wins. It
-must run before an OpenMP runtime loads (torch's or the kernels'), so ``python -m mdiedge``
-calls ``choose_openmp_waits`` first, and a local ring's workers inherit the choice.
+OpenMP threads spin between parallel regions before sleeping (libgomp: 300,000 rounds), and a
+decode step has six barriers per block. On a shared machine spinning holds a core the awaited
+thread needs (SmolLM2 fell from 135 to 1.8 tok/s beside two busy loops); sleeping at once costs
+a wake-up per barrier (115 to 74 tok/s on a quiet 2-core VM). So ``openmp_waits`` looks once, at
+start, at how many other tasks run: passive waits where they take half the cores or more, else a
+short spin (``SPIN_BEFORE_SLEEP``); a user's policy wins. It must run before an OpenMP runtime
+loads, so ``python -m mdiedge`` calls ``choose_openmp_waits`` first; local-ring workers inherit
+the choice.
 """
 from __future__ import annotations
 

@@ -150,9 +150,8 @@ class TextModel:
     def request(self, prompt: Union[str, Prompt], asked: Asked, templated: bool = False,
                 context: int = 0, default_budget: int = 0,
                 server_stops: Sequence[str] = ()) -> Request:
-        """A request taken in, once (``mdiedge.base.request.take_request``): ``prompt``
-        tokenized (``prompt``; a ``Prompt`` as it is), its budget fitting ``context`` (0: the
-        model's) with it, before anything heavy starts."""
+        """A request taken in, once (``mdiedge.base.request.take_request``): tokenized (a
+        ``Prompt`` as it is) and its budget fitted to ``context`` (0: the model's)."""
         return take_request(self.prompt(prompt, templated), asked,
                             context or self.cfg.max_seq_len, default_budget, server_stops)
 
@@ -205,9 +204,8 @@ class Engine(TextModel, abc.ABC):
     prompt_cache = False  # finished requests' KV rows kept for prompts that continue them
 
     def speculating(self, spec: Optional[str], device: str = "cpu") -> None:
-        """Have every later request speculate with the drafter ``spec`` names (``ngram``,
-        ``draft:PATH``; None or ``off``: not), a draft model on ``device``: loaded here,
-        once, on the compute thread, its KV slots those of the reserved layout."""
+        """Have every later request speculate with ``spec`` (``ngram``, ``draft:PATH``; None or
+        ``off``: not); a draft model is loaded once on ``device``, on the compute thread."""
         self.speculate = None if spec in (None, "off") else spec
         self.speculate_device = device
         self.draft_model = None
@@ -221,10 +219,9 @@ class Engine(TextModel, abc.ABC):
 
     def speculation_for(self, generation: Generation,
                         speculate: Optional[str] = None) -> Optional[Any]:
-        """A ``Speculation`` for ``generation``'s samples, or None when it does not
-        speculate: ``speculate`` is the request's choice (``request_speculate``: ``ngram``,
-        ``draft``, ``off``; None: the engine's). A draft model's drafter holds the
-        request's own slots of the engine's shared ``draft_model``."""
+        """A ``Speculation`` for ``generation``'s samples, or None: ``speculate`` is the request's
+        choice (None: the engine's); a draft model's drafter holds the request's own slots of the
+        shared ``draft_model``."""
         spec = request_speculate(self.speculate, speculate)
         if spec is None:
             return None
@@ -248,8 +245,7 @@ class Engine(TextModel, abc.ABC):
 
     def generation_of(self, request: Request, on_token: Optional[TokenCallback] = None,
                       speculate: Optional[str] = None) -> Generation:
-        """``TextModel.generation_of``, with its ``Speculation`` (``speculation_for``:
-        ``speculate`` is the request's choice, None the engine's)."""
+        """``TextModel.generation_of`` with its ``Speculation``."""
         generation = super().generation_of(request, on_token)
         generation.speculation = self.speculation_for(generation, speculate)
         return generation
@@ -263,8 +259,7 @@ class Engine(TextModel, abc.ABC):
             self.compute.call(self.draft_model.fit, n_slots, context)
 
     def set_up(self) -> None:
-        """Set the pipeline of the reserved layout up now (a server: its errors before it
-        says it is ready), not at the first request."""
+        """Set the reserved layout's pipeline up now (a server: errors before it says ready)."""
         self.prepare(*self.reserved)
 
     @abc.abstractmethod
@@ -288,8 +283,7 @@ class Engine(TextModel, abc.ABC):
         return None
 
     def link_stats(self) -> List[Dict[str, Any]]:
-        """Every link of the ring in ring order, as its sender counts it (none in one
-        process)."""
+        """Every link in ring order, as its sender counts it (none in one process)."""
         return []
 
     def ring_nodes(self) -> int:
@@ -303,10 +297,9 @@ class Engine(TextModel, abc.ABC):
 
     def submit(self, generation: Generation, micro_batch: int = 0,
                max_waiting: Optional[int] = None) -> Scheduler:
-        """Queue ``generation`` on a pipeline that holds it; that pipeline's scheduler
-        (QueueFull when its queue's rule refuses it; ``max_waiting``: see
-        ``Scheduler.submit``). Set-up and submission are one step, so no other request's
-        set-up replaces the pipeline between them."""
+        """Queue ``generation`` on a pipeline that holds it; that pipeline's scheduler (QueueFull
+        as ``Scheduler.submit``). Set-up and submission are one step under ``_setup_lock``, so no
+        other request's set-up replaces the pipeline between them."""
         with self._setup_lock:
             scheduler = self.prepare(max(len(generation.samples), self.reserved[0]),
                                      max(generation.context, self.reserved[1]))
@@ -318,9 +311,8 @@ class Engine(TextModel, abc.ABC):
 
     def run(self, generation: Generation, micro_batch: int = 0,
             submitted: Optional[Scheduler] = None) -> Timing:
-        """Run ``generation`` to its end (``submitted``: the scheduler it was submitted to
-        already); one log line says how it went (INFO when it finished, WARNING when it
-        failed or was interrupted)."""
+        """Run ``generation`` to its end (``submitted``: the scheduler it is on already) and log
+        one line (INFO finished, WARNING failed or interrupted)."""
         request = next(_requests)
         try:
             scheduler = submitted or self.submit(generation, micro_batch)

@@ -80,7 +80,6 @@ class RingEngine(Engine):
         return [self.starter.status()] + self.starter.node_status()
 
     def worker_status(self) -> List[NodeStatus]:
-        """Each worker's status (asked on its control port)."""
         return self.starter.node_status()
 
     def ping(self, count: int) -> List[float]:

@@ -1,14 +1,9 @@
-"""The Llama-style decoder block in plain torch, which the families build (``mdiedge.model.
-families``): RMSNorm, grouped-query attention with rotate-half RoPE over a slotted KV cache
-(each row of a micro-batch carries its own slot and position, "rotating KV caches", MDI-LLM,
-Macario et al. 2024), optionally with Q/K/V biases (Qwen2), Q/K head norms (Qwen3, Gemma 3),
-sandwich norms, a scale of its own and a sliding window (Gemma 3), and a feed-forward given by
-the family (SwiGLU, GeGLU, or a mixture of experts). ``step_weights`` gives a block's tensors
-to the compiled decode step, for the families that declare the step runs their block.
-
-References: Llama (Touvron et al. 2023), RoPE (Su et al. 2021), GQA (Ainslie et al. 2023),
-SwiGLU (Shazeer 2020).
-"""
+"""The Llama-style decoder block in plain torch, which the families build: RMSNorm, grouped-
+query attention with rotate-half RoPE over a slotted KV cache (each row its own slot and
+position, MDI-LLM's "rotating KV caches"), optional Q/K/V biases (Qwen2), Q/K head norms (Qwen3,
+Gemma 3), sandwich norms, scale and sliding window (Gemma 3), and the family's feed-forward
+(SwiGLU, GeGLU, mixture of experts). ``step_weights`` hands a block's tensors to the compiled
+decode step."""
 from __future__ import annotations
 
 import math
@@ -104,11 +99,9 @@ def band_mask(seq_len: int, window: int, device: torch.device) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with rotate-half RoPE; with ``qkv_bias``, the Q, K and V
-    projections add a bias (Qwen2); with ``qk_norm``, each head of Q and K is RMS-normed
-    before RoPE (``q_norm``, ``k_norm``; Qwen3, Gemma 3). ``scale``: the scores' factor (None:
-    1/sqrt(head_dim)); ``window`` > 0: a sliding layer (its mask is the caller's, see
-    ``Transformer``), 0: full attention."""
+    """Grouped-query attention with rotate-half RoPE; ``qkv_bias`` (Qwen2), ``qk_norm`` (RMS
+    norm per Q and K head before RoPE; Qwen3, Gemma 3); ``scale`` None: 1/sqrt(head_dim);
+    ``window`` > 0: a sliding layer (the caller makes its mask), 0: full attention."""
 
     def __init__(self, cfg: ModelConfig, qkv_bias: bool = False, qk_norm: bool = False,
                  window: int = 0) -> None:
@@ -190,11 +183,8 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``, with the
-    feed-forward ``mlp`` the family gives (``MLP``, or ``MoE`` with ``experts``); with
-    ``sandwich_norms`` (Gemma 3) each output is normed too before its residual add
-    (``post_attn_norm``, ``post_mlp_norm``). ``qkv_bias``, ``qk_norm``, ``window``: see
-    ``Attention``."""
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (``MLP`` or ``MoE``);
+    ``sandwich_norms`` (Gemma 3) norm each output before its residual add."""
 
     def __init__(self, cfg: ModelConfig, mlp: nn.Module, qkv_bias: bool = False,
                  qk_norm: bool = False, sandwich_norms: bool = False, window: int = 0) -> None:
@@ -230,13 +220,10 @@ class Block(nn.Module):
         self.attn.fill_kv(self.attn_norm(x), cos, sin, slots, positions)
 
     def step_weights(self, cos: Tensor, sin: Tensor) -> Optional[BlockWeights]:
-        """This block's tensors for the compiled decode step (``mdiedge.model._cstep``), with
-        RoPE tables ``cos``, ``sin`` (L, hd); float32 or quantized matrices (``QuantMatrix``)
-        each, its feed-forward dense or a mixture of experts (``step_experts``), and the
-        optional parts the block has (``step_options``); None where the step does not apply
-        (unfused projections, float beside quantized layers in Q/K/V or gate/up, no KV cache,
-        a part the step does not have). Whether the step runs a family's blocks at all is the
-        family's declaration (``step_blocks``), which the model checks first."""
+        """This block's tensors for the compiled decode step, with RoPE tables ``cos``, ``sin``
+        (L, hd): float32 or ``QuantMatrix`` matrices, a dense or MoE feed-forward, the optional
+        parts (``step_options``); None where the step does not apply (unfused projections, float
+        beside quantized layers in Q/K/V or gate/up, no KV cache, a part the step lacks)."""
         attn = self.attn
         if attn.cache is None or not fused_with(attn.qkv, attn.wq):
             return None
@@ -266,11 +253,10 @@ class Block(nn.Module):
         return None if gate_up is None or down is None else (gate_up, down, None)
 
     def step_options(self) -> Optional[Dict[str, Any]]:
-        """The optional parts of ``BlockWeights`` this block has: the fused Q/K/V bias, the
-        per-head Q and K norms, the sandwich norms (each norm's eps the block's), the
-        feed-forward's activation, the attention's scale and window; None where a norm has
-        another eps, a tensor is not plain float32 on the CPU or the activation is not one
-        the step has."""
+        """The optional parts of ``BlockWeights`` this block has (Q/K/V bias, Q and K norms,
+        sandwich norms, activation, scale, window); None where a norm's eps differs from the
+        block's, a tensor is not plain float32 on the CPU or the activation is not one the step
+        has."""
         attn, eps = self.attn, self.attn_norm.eps
         norms = {"q_norm": getattr(attn, "q_norm", None), "k_norm": getattr(attn, "k_norm", None),
                  "post_attn_norm": getattr(self, "post_attn_norm", None),

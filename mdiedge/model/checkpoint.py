@@ -153,7 +153,6 @@ class TorchBinSource(TensorSource):
 
 
 def resolve_model_path(model: Optional[PathLike]) -> Path:
-    """The model's file or directory (``mdiedge.model.hub.resolve_model``)."""
     from .hub import resolve_model
 
     return resolve_model(model)

@@ -28,5 +28,4 @@ def parse_device(name: str) -> torch.device:
 
 
 def itemsize(name: str) -> int:
-    """Bytes per element of the compute dtype ``name``."""
     return compute_dtype(name).itemsize

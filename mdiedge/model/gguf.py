@@ -1,18 +1,12 @@
-"""GGUF files (llama.cpp's format): the model's config from the file's metadata, its tensors
-memory-mapped and answered under Hugging Face names.
+"""GGUF files (llama.cpp's format): the config from the metadata, the tensors memory-mapped and
+answered under Hugging Face names.
 
-Parsing is the ``gguf`` package's (llama.cpp's own reader), with every read bounds-checked, the
-header's limits and the tensors' data regions checked (``mdiedge.model.gguf_checks``), and
-the vocabulary's string arrays skipped (the tokenizer reads them; the config needs only their
-length), so that opening a file costs its metadata, not its vocabulary; a numeric array
-becomes Python numbers only when a reader asks for it (``Metadata``). A tensor is read when
-asked for: de-quantized to float32 (``GGUFSource.get``), or as the file's bytes
-(``GGUFSource.raw``, for kernels that keep blocks quantized). Which family reads a file, and
-its tensors' names, are the families' declarations (``mdiedge.model.families``); RMSNorm
-weights that llama.cpp stores with the family's ``norm_offset`` added (Gemma) are answered
-without it, as Hugging Face has them. For Llama,
-llama.cpp's converter stores the rows of the Q and K projections interleaved for its RoPE;
-both reads give Hugging Face's order.
+Parsing is the ``gguf`` package's with every read bounds-checked (``gguf_checks``) and the
+vocabulary's string arrays skipped (the tokenizer reads them), so opening costs the metadata, not
+the vocabulary; numeric arrays become Python numbers only when read (``Metadata``). Tensors are
+read on demand, de-quantized (``get``) or as stored bytes (``raw``). Gemma's RMSNorm weights,
+stored with ``norm_offset`` added, are answered without it; Llama's Q and K rows, interleaved by
+llama.cpp's converter for its RoPE, are answered in Hugging Face's order.
 """
 from __future__ import annotations
 
@@ -368,7 +362,6 @@ def config_of(reader: Any, path: PathLike) -> ModelConfig:
 
 
 def gguf_config(path: PathLike) -> ModelConfig:
-    """The ModelConfig that a GGUF file's metadata describes."""
     return config_of(open_reader(path), path)
 
 
@@ -484,11 +477,9 @@ class GGUFSource(TensorSource):
         return data if entry.expert is None else data[entry.expert]
 
     def raw(self, name: str, hf_order: bool = True) -> Tensor:
-        """Tensor ``name``'s stored bytes, uint8 of shape (rows, bytes per row) (a vector: one
-        row), a view of the file's memory map. Rows are in Hugging Face's order: for the Q and
-        K projections that is a copy with the rows gathered; ``hf_order=False`` gives their
-        view in the file's order instead (each head's rows as interleaved pairs, the order
-        llama.cpp's RoPE rotates; ``heads(name)`` says which tensors differ)."""
+        """Tensor ``name``'s stored bytes, uint8 (rows, bytes per row), a view of the map. Rows in
+        Hugging Face's order (for Q and K a gathered copy); ``hf_order=False``: the file's view,
+        each head's rows as llama.cpp's RoPE pairs (``heads(name)`` says which tensors differ)."""
         return _tensor(self.raw_array(name, hf_order))
 
     def raw_array(self, name: str, hf_order: bool = True) -> np.ndarray:
@@ -513,7 +504,6 @@ class GGUFSource(TensorSource):
         return _tensor(self.read_array(name))
 
     def get_array(self, name: str) -> np.ndarray:
-        """Tensor ``name`` de-quantized to float32, as numpy (``get``'s values)."""
         self.read_names.append(name)
         return self.read_array(name)
 

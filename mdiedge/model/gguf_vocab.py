@@ -61,7 +61,6 @@ class GGUFVocab:
 
 
 def is_gguf(path: Path) -> bool:
-    """Whether ``path`` is a file that starts with GGUF's magic bytes."""
     try:
         with open(path, "rb") as f:
             return f.read(4) == MAGIC

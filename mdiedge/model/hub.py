@@ -55,7 +55,6 @@ def hub_cache_dir(env: Mapping[str, str] = os.environ) -> Path:
 
 
 def looks_like_repo_id(name: str) -> bool:
-    """Whether ``name`` has the shape of a Hub model id ``namespace/name``."""
     return _parts_ok(name.split("/"))
 
 

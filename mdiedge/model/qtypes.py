@@ -87,7 +87,6 @@ def check_compiled(compiled: Sequence[Tuple[Any, int, int]], module: str) -> Non
 
 
 def row_bytes(qtype: str, in_features: int) -> int:
-    """Bytes of one row of ``in_features`` weights of type ``qtype``."""
     t = qtype_of(qtype)
     if in_features < 1 or in_features % t.block:
         raise QuantError(f"width {in_features} is not a positive multiple of {t.name}'s "

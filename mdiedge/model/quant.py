@@ -1,18 +1,13 @@
-"""Quantized weights as GGUF files hold them (ggml's block layouts), in plain numpy and torch.
+"""Quantized weights as GGUF files hold them (ggml's block layouts): the torch forms.
 
-The facts live torch-free in ``mdiedge.model.qtypes`` and are re-exported here: which weight
-types exist, their ggml type ids, elements and bytes per block, the offsets of each block's f16
-scales and the code of the compiled kernel that multiplies them natively (``TYPES``:
-``ext/quant.h``'s enum value, or None for a type de-quantized to float32 at load; the compiled
-modules check their own table against it when imported), the bytes of a row (``row_bytes``),
-the numpy reference de-quantizer and quantizer (``dequantize_array``, ``quantize_array``) and
-the argument checks that both implementations of the quantized product (``ext/_cquant.pyx``
-and ``mdiedge/model/_pyquant.py``) apply at their boundary. This module adds their torch
-forms: ``dequantize`` (a CPU tensor) and ``dequantize_on_device`` (``mdiedge.model.dequant``'s
-torch code, for CUDA), ``quantize`` and ``quantized_activations`` on tensors.
+The torch-free facts live in ``mdiedge.model.qtypes`` and are re-exported here (types, ggml ids,
+block sizes, scale offsets, ``TYPES``' kernel codes that ``ext/quant.h`` must match,
+``row_bytes``, the numpy ``dequantize_array`` / ``quantize_array`` and the quantized product's
+argument checks). Added here: ``dequantize``, ``dequantize_on_device`` (CUDA), ``quantize`` and
+``quantized_activations`` on tensors.
 
-A weight of ``out`` rows and ``in`` columns is a uint8 array (out, row_bytes): each row is
-``in / block`` blocks laid out as ggml's ``block_<type>`` structs (ggml-common.h):
+A weight of ``out`` rows and ``in`` columns is uint8 (out, row_bytes): each row ``in / block``
+ggml ``block_<type>`` structs (ggml-common.h):
 
 - F16, BF16: one 2-byte value per weight.
 - Q8_0 ``{f16 d; int8 qs[32]}``: w = d * q.

@@ -236,7 +236,6 @@ class Llama2cSource(TensorSource):
         return torch.from_numpy(self.read_array(name))
 
     def get_array(self, name: str) -> np.ndarray:
-        """Tensor ``name`` as float32 numpy (``get``'s values)."""
         self.read_names.append(name)
         return self.read_array(name)
 

@@ -99,7 +99,6 @@ class Tokenizer:
 
     @property
     def adds_bos(self) -> bool:
-        """Whether a prompt gets the BOS token before its text."""
         return self.bos_id is not None and self.encode_prompt("")[:1] == [self.bos_id]
 
     def token(self, token_id: int) -> str:
@@ -236,10 +235,9 @@ def gguf_chat(path: Path) -> Dict[str, Any]:
 
 
 def gguf_tokenizer(path: Path) -> HFTokenizer:
-    """The tokenizer a GGUF file carries, prompts getting BOS/EOS as its flags say. Building
-    one from the file's vocabulary and merges takes most of a second, and a command opens a
-    model's text side more than once (its checks, then the engine), so it is built once per
-    file; a tokenizer is not changed by use."""
+    """The tokenizer a GGUF file carries (BOS/EOS as its flags say), built once per file: it
+    takes most of a second, a command opens a model's text side more than once, and use does not
+    change it."""
     return _from_gguf(path, "tokenizer", _gguf_built)
 
 
@@ -277,16 +275,13 @@ def load_tokenizer(model_path: Path, tokenizer: Optional[Union[str, Path]] = Non
 
 class StreamDecoder:
     """Turns a growing list of ids into text increments after a prefix (the prompt), holding
-    back an incomplete UTF-8 sequence (byte-fallback pieces) until it is complete.
+    back an incomplete UTF-8 sequence until it completes.
 
-    Each push decodes one window, not every id so far: from ``CONTEXT`` to ``2 * CONTEXT``
-    emitted ids, then those not yet emitted, and takes what the latter add to the former's
-    text (kept from the push that emitted them; decoded again only when the window moves
-    on). Decoding strips the leading space of a window's first piece and may render a piece
-    by its neighbours, so the emitted ids give the new ones the context they have in the
-    whole text; the increments are those of decoding every id each time, at a cost that does
-    not grow with the text (the incremental detokenization of vLLM and Hugging Face's
-    ``TextStreamer``)."""
+    Each push decodes one window, not all ids: ``CONTEXT`` to ``2 * CONTEXT`` emitted ids, then
+    the new ones, and takes what the latter add (the emitted ids give the new ones the context a
+    whole-text decode gives them: a window's first piece loses its leading space, pieces render
+    by their neighbours). The cost does not grow with the text (vLLM's incremental
+    detokenization, Hugging Face's ``TextStreamer``)."""
 
     CONTEXT = 5  # emitted ids decoded before the new ones, at least
 
@@ -314,6 +309,5 @@ class StreamDecoder:
         return self.window[len(self.emitted):] if self.read < len(self.ids) else ""
 
     def whole(self) -> str:
-        """Every id after the prefix, decoded at once."""
         decode = self.tokenizer.decode
         return decode(self.ids)[len(decode(self.ids[:self.prefix])):]

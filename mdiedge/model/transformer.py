@@ -1,12 +1,10 @@
 """A decoder in plain torch; it knows nothing of sockets.
 
-A ``Transformer`` holds a contiguous range of blocks ``[first, last)`` of the block its
-family builds (``mdiedge.model.families``, ``mdiedge.model.block``), optionally the token
-embedding and optionally the final norm and head, so a node of the ring runs exactly the code
-that runs single-process. The KV cache has a slot dimension: a sample is a slot index, and
-each row of a micro-batch carries its own slot and position ("rotating KV caches",
-MDI-LLM, Macario et al. 2024). Decode takes the compiled step (``mdiedge.model._stepspec``)
-for the parts the family declares it runs, and torch for the rest.
+A ``Transformer`` holds blocks ``[first, last)`` and optionally the embedding and the final norm
+and head, so a ring node runs the code that runs single-process. The KV cache has a slot dimension:
+each row of a micro-batch carries its own slot and position (MDI-LLM's "rotating KV caches").
+Decode takes the compiled step (``mdiedge.model._stepspec``) for the parts the family declares it
+runs, and torch for the rest.
 """
 from __future__ import annotations
 
@@ -80,12 +78,10 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     def store_head_transposed(self) -> None:
-        """Keep the head's weight, shape ``(vocab, dim)``, in column-major storage: a
-        contiguous ``(dim, vocab)`` buffer, seen transposed. Values and shape are unchanged,
-        but ``x @ W^T`` then streams the weight in the order CPU BLAS runs fastest for the
-        one-row decode product (``bin/bench-decode`` measures it) and no slower for a prefill.
-        A tied embedding shares it; its row lookups read strided. Nothing is done where the
-        compiled few-row product (``mdiedge.model.layers``) runs decode: it reads row-major."""
+        """Keep the head's (vocab, dim) weight in column-major storage (a contiguous (dim, vocab)
+        buffer seen transposed): CPU BLAS streams it fastest that way for the one-row decode
+        product (``bin/bench-decode``). A tied embedding shares it. Skipped where the compiled few-
+        row product runs decode: it reads row-major."""
         if not transposed_head_pays():
             return
         if not isinstance(self.lm_head, Linear) or not self.lm_head.weight.is_contiguous():
@@ -99,8 +95,8 @@ class Transformer(nn.Module):
             self.embed.weight = self.lm_head.weight
 
     def fuse_projections(self) -> None:
-        """Q/K/V and the feed-forward's gate/up each as one product per block, sharing their
-        parameters' memory (see ``layers.fuse``); for inference on the CPU, before loading."""
+        """Q/K/V and gate/up each as one product per block sharing their parameters' memory
+        (``layers.fuse``); CPU inference, before loading."""
         self._steps = None
         for block in self.layers.values():
             block.fuse_projections()
@@ -114,7 +110,6 @@ class Transformer(nn.Module):
         return self.lm_head is not None
 
     def setup_cache(self, n_slots: int, max_seq_len: Optional[int] = None) -> None:
-        """Preallocate KV for ``n_slots`` samples of up to ``max_seq_len`` tokens."""
         max_seq_len = max_seq_len or self.cfg.max_seq_len
         param = next(self.parameters())
         dtype, device = param.dtype, param.device
@@ -196,13 +191,11 @@ class Transformer(nn.Module):
 
     def _step_blocks(self, x: Tensor, slots: Tensor, positions: Sequence[int],
                      exit_step: Optional[ExitStep]) -> Optional[Tensor]:
-        """Decode (few tokens, x (B, T, dim), B x T at most the step's rows) through the
-        compiled step: every block in one call, or, with ``exit_step`` (T = 1), the blocks
-        between two checked ones in one call, each checked block in its own, and early exit
-        as in ``run_blocks``. Several positions of a row are rows of the step in the same
-        slot at consecutive positions: each writes its keys and values before any attends,
-        and attends up to its own position, so they see each other causally. None, before
-        anything runs, where the step does not apply to every block."""
+        """Decode through the compiled step (x (B, T, dim), B x T at most the step's rows): every
+        block in one call, or with ``exit_step`` (T = 1) the blocks between checked ones per call.
+        A row's T positions are step rows of one slot at consecutive positions: all write KV before
+        any attends, so they see each other causally. None, before anything runs, where the step
+        does not cover every block."""
         weights = self._step_weights()
         batch, seq_len, dim = x.shape
         rows = x.reshape(batch * seq_len, dim)  # (B*T, dim)
@@ -244,11 +237,10 @@ class Transformer(nn.Module):
         return out
 
     def _step_weights(self) -> List[BlockWeights]:
-        """Every block's ``step_weights`` (empty unless all have them, and always empty for a
-        family that does not declare ``step_blocks``), made once per KV cache set-up, with the
-        step's plans of them (``_plans``): ``setup_cache``, ``fuse_projections`` and any
-        ``.to()`` make them again. A parameter replaced by hand after ``setup_cache`` needs
-        ``setup_cache`` again."""
+        """Every block's ``step_weights`` and the step's plans of them (``_plans``); empty unless
+        all blocks have them and the family declares ``step_blocks``. Made once per
+        ``setup_cache``, ``fuse_projections`` or ``.to()``: a parameter replaced by hand later
+        needs ``setup_cache``."""
         if self._steps is None:
             found = [b.step_weights(*self._tables(b.attn.window)) for b in self.layers.values()
                      ] if self.family.step_blocks else []
@@ -268,9 +260,8 @@ class Transformer(nn.Module):
             skipped.fill_kv(x, cos, sin, slots, positions)
 
     def fill_kv(self, x: Tensor, slots: Tensor, positions: Sequence[int]) -> None:
-        """KV fill (early exit): every block of this chunk writes the keys and values its own
-        norm and K/V projections make of ``x`` (B, T, dim), the exit state, at each row's slot
-        and position; nothing else runs."""
+        """KV fill (early exit): every block writes the keys and values its norm and K/V
+        projections make of the exit state ``x`` (B, T, dim); nothing else runs."""
         if self.layers:
             self._fill_from(0, x, slots, positions)
 

@@ -1,22 +1,14 @@
-"""Layer partitioning: which consecutive transformer blocks each node of the ring runs.
+"""Layer partitioning: which consecutive blocks each node of the ring runs. Pure arithmetic.
 
-The ring is an ordered list of nodes. Node 0 is the *starter*: it holds the embedding, its
-own first blocks, the final norm, the output head and the sampler. Every other node is a
-*worker* holding one consecutive range of blocks; in ring order the ranges tile
-``[0, n_layers)``.
+Node 0, the starter, holds the embedding, its first blocks, the final norm, the head and the
+sampler; each worker holds one range; in ring order the ranges tile ``[0, n_layers)``.
 
-The split rule follows MDI-LLM (D. Macario, H. Seferoglu, E. Koyuncu, "Model-Distributed
-Inference for Large Language Models at the Edge", Macario et al. 2024; arXiv:2505.18164): the
-starter counts its embedding and head as ``starter_overhead`` extra block-equivalents (2 by
-default), and the remaining load is shared in proportion to each node's declared weight. With
-``T = n_layers + starter_overhead`` node ``i`` ends at ``floor(T * (w_0+...+w_i) / sum(w) -
-starter_overhead)``. This reproduces the paper's splits: 5/7 and 2/5/5 blocks for a 12-block
-NanoLlama on 2 and 3 equal nodes, 10/12 and 6/8/8 for the 22-block TinyLlama.
-
-Nodes are :class:`~mdiedge.base.nodes.NodeSpec` records; only their name, weight, memory and
-pinned layers matter here. Everything here is pure arithmetic (no I/O, no torch); boundaries
-are computed with exact fractions so that ties such as ``14 * 1/2 - 2 = 5`` never fall to
-4.99999.
+The split follows MDI-LLM (Macario et al. 2024, arXiv:2505.18164): the starter counts its
+embedding and head as ``starter_overhead`` block-equivalents (default 2) and the load is shared
+by declared weight: with ``T = n_layers + starter_overhead``, node ``i`` ends at ``floor(T *
+(w_0+...+w_i) / sum(w) - starter_overhead)``, giving the paper's splits (5/7 and 2/5/5 for
+12-block NanoLlama, 10/12 and 6/8/8 for 22-block TinyLlama). Exact fractions keep ties such as
+``14 * 1/2 - 2 = 5`` from falling to 4.99999.
 """
 from __future__ import annotations
 
@@ -159,11 +151,8 @@ def _ranges(start: int, counts: Sequence[int]) -> List[Tuple[int, int]]:
 
 def split_layers(n_layers: int, weights: Sequence[float],
                  starter_overhead: float = 2.0) -> List[Tuple[int, int]]:
-    """Split ``n_layers`` blocks over nodes with relative ``weights`` (node 0 is the starter).
-
-    Returns one ``(first, end)`` range per node, tiling ``[0, n_layers)`` in order. The starter
-    may get no block; every worker gets at least one.
-    """
+    """One ``(first, end)`` range per node tiling ``[0, n_layers)`` by relative ``weights``
+    (node 0 the starter, which may get no block; every worker gets one at least)."""
     if not _is_int(n_layers) or n_layers < 0:
         raise PartitionError(f"n_layers must be a non-negative integer, got {n_layers!r}")
     if len(weights) == 0:
@@ -279,14 +268,11 @@ def _gap_name(nodes: Sequence[NodeSpec], after: Optional[int], before: Optional[
 
 def partition(cfg: ModelConfig, nodes: Sequence[NodeSpec], n_samples: int, context: int,
               itemsize: int = 4, starter_overhead: float = 2.0) -> List[Placement]:
-    """Place ``cfg``'s blocks on ``nodes`` (ring order, node 0 the starter) and check memory.
-
-    Pinned nodes keep their ``layers``; the blocks between pins go to the unpinned nodes
-    there by weight (see :func:`split_layers`). Each placement's memory is its weights
-    (blocks, plus embedding and head on the starter) and a KV cache of ``n_samples`` x
-    ``context`` tokens, at ``itemsize`` bytes per value. A node declaring less ``memory``
-    than it needs fails the whole partition with PartitionError, before anything is loaded.
-    """
+    """Place ``cfg``'s blocks on ``nodes`` (ring order) and check memory. Pinned nodes keep
+    their ``layers``; blocks between pins go to the unpinned nodes by weight. A node's memory is
+    its weights (plus embedding and head on the starter) and a KV cache of ``n_samples`` x
+    ``context`` at ``itemsize`` bytes; one declaring less ``memory`` fails the whole partition
+    (PartitionError) before anything is loaded."""
     if len(nodes) == 0:
         raise PartitionError("cannot partition a model over an empty list of nodes")
     for key, value, low in (("n_samples", n_samples, 0), ("context", context, 0),

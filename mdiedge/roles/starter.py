@@ -1,12 +1,7 @@
-"""The starter node: the embedding, its first blocks, the head and the sampler, and the ring
-it sets up over the control plane (partition, assignment, weights when a worker lacks them,
-links). ``mdiedge.engine.ring.RingEngine`` wraps it as an engine: the starter's stage and the
-workers as the pipeline's remote tail, run by the one scheduler.
-
-Recurrent pipeline parallelism (MDI-LLM, Macario et al. 2024): with at least as many messages
-in flight as nodes, every node is busy; each node keeps a KV slot per sample, so a decode
-message is one token's activation per sample.
-"""
+"""The starter node: the embedding, its first blocks, the head and the sampler, and the ring it
+sets up over the control plane (partition, assignment, weights when a worker lacks them, links).
+``mdiedge.engine.ring.RingEngine`` wraps it as an engine, with the workers as the pipeline's
+remote tail."""
 from __future__ import annotations
 
 import dataclasses
@@ -235,11 +230,10 @@ class RingStarter:
         raise RingError(f"gave up setting up the ring after {len(self.clients) + 1} tries")
 
     def rebuild(self, lost: NodeLost, ring: int) -> Tuple[Pipeline, EmbedAndHead]:
-        """The scheduler's recovery: a ring without the ``lost`` workers, of the same layout
-        (a spare takes a lost worker's place, else the survivors share its layers); ``ring``:
-        the number of the ring set up for that scheduler. A ring closed meanwhile (another
-        set-up, which waits for this scheduler's loop to end, or the starter's close) is not
-        rebuilt: a RingError ends the loop."""
+        """The scheduler's recovery: a ring without the ``lost`` workers, same layout (a spare
+        takes a lost worker's place, else the survivors share its layers). A ring closed
+        meanwhile (``ring`` is no longer the current set-up's number) is not rebuilt: a
+        RingError ends the loop."""
         while not self.setup_lock.acquire(timeout=defaults.WAIT_POLL_S):
             if self.rings != ring:
                 raise RingError("the ring was closed while recovering")
@@ -322,10 +316,10 @@ class RingStarter:
         return reply.data_port
 
     def _connect(self, ports: List[int]) -> RingStages:
-        """Each worker links to its successor (the last one to this starter), then the starter
-        links to the first worker and accepts the last one's link. Every link's handshake is
-        bound to a fresh ring tag, so a link left from an earlier set-up is refused; on any
-        failure every socket opened here is closed and a RingError says why."""
+        """Each worker links to its successor (the last one back to this starter), then the
+        starter links to the first worker. Handshakes are bound to a fresh ring tag, so a stale
+        link is refused; on failure every socket opened here is closed and a RingError says why.
+        """
         ring, workers = os.urandom(8).hex(), self.ring_workers
         ends = [self.route(w.host, port) for w, port in zip(workers, ports)] + \
             [self.route(self.options.host, int(self.listener.getsockname()[1]))]  # via route

@@ -127,7 +127,6 @@ class FrameHeader:
 # ---------------------------------------------------------------- sending: the arguments
 
 def _uint(field: str, value: Any, limit: int) -> int:
-    """``value`` as an int in 0..limit, else a FrameError naming ``field``."""
     try:
         number = operator.index(value)
     except TypeError:
@@ -149,7 +148,6 @@ def payload_len(dims: Sequence[int], itemsize: int, codec: int = 0) -> int:
 
 
 def codec_of(flags: int) -> int:
-    """The codec field of a frame's flags."""
     return (flags & FLAG_CODEC) >> CODEC_SHIFT
 
 
@@ -323,7 +321,6 @@ def check_busy_poll(busy_poll_us: Any) -> int:
 
 
 def closed_early(done: int, size: int) -> FrameError:
-    """The error of a peer that closed after ``done`` of the ``size`` bytes awaited."""
     return FrameError(f"connection closed after {done} of {size} bytes")
 
 

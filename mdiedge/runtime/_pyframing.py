@@ -146,7 +146,6 @@ class FrameReader:
 
     @property
     def buffered(self) -> int:
-        """Bytes received but not yet consumed."""
         return self._end - self._start
 
     def _fill(self, need: int, base: int) -> memoryview:

@@ -1,33 +1,24 @@
 """Ring authentication: nobody without the ring secret can drive a node or join its links.
 
-Control plane: each request carries a timestamp, a fresh nonce, the SHA-256 of its body and an
-HMAC-SHA256 over method, path, body digest, timestamp, nonce and the node it is for (the random
-id each control server draws at start and tells anyone on ``/ping``), so a request captured
-on its way to one node is refused by every other, as a replay is by its own. The id signed for
-travels in ``HEADER_NODE`` too, so a node can tell a request signed with the right secret for
-another id (``NODE_CHANGED``: mostly a client that knew this node before it restarted, which
-asks the id again and retries) from one signed with a wrong secret. A node checks the
-MAC from the headers alone (``check_headers``: constant time, finite timestamp within
-``MAX_SKEW_S``, nonce not seen before) before it reads any body; then it reads the body, and
-``accept`` compares its digest with the signed one and records the nonce (no replay). Each
-reply to an authenticated request is signed too (``sign_reply``: an HMAC over its status, the
-request's nonce, the node id and the body's digest, in ``HEADER_REPLY``), and the client
-checks it (``check_reply``), so a reply forged or altered on the way, or one replayed from an
-earlier request, is refused. A nonce
-is recorded only once the whole request is verified, so a forged body sent under genuine
-headers cannot burn it; while its body is being read it is in flight (``release`` if the body
-never comes), and the same headers on another connection meanwhile are a replay, so one
-captured request cannot hold more than one of a node's connections.
-Data plane: before any frame, the two ends of a link run a mutual challenge-response: each
-proves knowledge of the secret by MACing the other's fresh random challenge, and with it the
-link's codecs (``Compression.wire``: two bytes, prefill and decode) and whether it is sealed
-(one byte), so both ends know the other's; when they differ, both fail with one line naming
-both (``CodecMismatch``, ``SealMismatch``). A sealed link's keys, one per direction, come from
-the handshake key and both challenges (``mdiedge.runtime.seal``): every frame after the
-handshake is then authenticated and encrypted.
+Control plane: a request carries a timestamp, a fresh nonce, its body's SHA-256 and an HMAC-
+SHA256 over method, path, body digest, timestamp, nonce and the id of the node it is for (drawn
+at start, told on ``/ping``), so it is refused by every other node and replayed to none.
+``HEADER_NODE`` names the id signed for, so a right-secret request for an earlier id
+(``NODE_CHANGED``: a client from before a restart, which retries) is told from a wrong secret.
+``check_headers`` verifies the MAC from the headers alone (constant time, timestamp within
+``MAX_SKEW_S``, unseen nonce) before any body is read; ``accept`` then checks the body's digest
+and records the nonce, only once the whole request verified (a forged body under genuine headers
+cannot burn it); meanwhile the nonce is in flight (``release`` if the body never comes), so one
+captured request holds at most one connection. Replies are signed (``sign_reply`` over status,
+nonce, node id and body digest) and checked (``check_reply``).
 
-Without a secret (loopback only, or ``--insecure``) the same handshake runs with a fixed
-public key, so the protocol is the same and only the protection is missing.
+Data plane: before any frame, the ends of a link run a mutual challenge-response, each MACing
+the other's fresh challenge together with its codecs (``Compression.wire``) and sealing, so a
+mismatch fails both with one line (``CodecMismatch``, ``SealMismatch``). A sealed link's keys
+(``mdiedge.runtime.seal``) come from the handshake key and both challenges.
+
+Without a secret (loopback only, or ``--insecure``) the same handshake runs with a fixed public
+key: the same protocol, without the protection.
 """
 from __future__ import annotations
 

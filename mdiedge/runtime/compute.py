@@ -33,7 +33,6 @@ class ComputeThread:
         weakref.finalize(self, self._queue.put, None)  # the thread ends with its owner
 
     def here(self) -> bool:
-        """Whether the caller runs on this thread."""
         return threading.current_thread() is self._thread
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> "Future[Any]":

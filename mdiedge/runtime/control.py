@@ -1,18 +1,13 @@
-"""The HTTP control plane: every node serves small JSON requests (assign, connect, status,
-reset, shutdown) with ``ControlServer``; ``ControlClient`` is the one client (the starter's,
-and ``mdiedge status``'s).
+"""The HTTP control plane: ``ControlServer`` on every node (assign, connect, status, reset,
+shutdown) and ``ControlClient``, the one client.
 
-A request is authenticated from its headers before any body is read (the signature covers a
-digest of the body, checked once the body is in); an unauthenticated peer never makes the node
-read or allocate a body. The reply to an authenticated request is signed (``HEADER_REPLY``,
-bound to the request's nonce) and the client refuses a successful reply whose signature does
-not verify. Bodies are size-bounded, read in chunks, and parsed as JSON only
-(nothing is unpickled or evaluated). Connections are bounded (``max_connections``: at the limit
-a new one evicts the oldest not yet authenticated, else gets a 503) and time out (``timeout_s``
-per socket read or write); a reply that leaves a body unread closes the connection, so nothing
-hidden in that body is served as a request. A handler's
-``Conflict`` is a 409, its ``RingError`` (a node down the ring failed) a 502, bad input a 400.
-A peer's mistakes (aborted or stalled connections, malformed requests) are logged on one line.
+A request is authenticated from its headers before any body is read (the signature covers the
+body's digest, checked once it is in), so an unauthenticated peer never makes the node read or
+allocate a body. Replies to authenticated requests are signed (``HEADER_REPLY``, bound to the
+request's nonce) and the client refuses one that does not verify. Bodies are size-bounded, read in
+chunks, parsed as JSON only. Connections are bounded (``_Slots``) and time out (``timeout_s`` per
+socket read or write); a reply that leaves a body unread closes the connection, so nothing hidden
+in it is served as a request. A peer's mistakes are one log line.
 """
 from __future__ import annotations
 
@@ -227,8 +222,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 def _answer(handler: Handler, body: Dict[str, Any], raw: bytes, query: Dict[str, str],
             what: str) -> Tuple[int, Dict[str, Any]]:
-    """The handler's reply and its HTTP status: a ``Conflict`` is a 409, a ``RingError`` (a
-    node further down the ring failed) a 502, bad input a 400, a bug a 500 (logged)."""
+    """The handler's reply and HTTP status: ``Conflict`` 409, ``RingError`` (a node further down
+    failed) 502, bad input 400, a bug 500 (logged)."""
     try:
         return 200, handler(body, raw, query)
     except Conflict as e:
@@ -243,11 +238,9 @@ def _answer(handler: Handler, body: Dict[str, Any], raw: bytes, query: Dict[str,
 
 
 class _Slots:
-    """The open control connections. Those not yet past authentication (a new connection,
-    or a kept-alive one between requests) are evictable, oldest first: at the limit a new
-    connection shuts the oldest of them down and takes its place, so silent or stalled peers
-    cannot lock a genuine client out. Only when every connection is serving an authenticated
-    request is a new one refused."""
+    """The open control connections. Those not past authentication (new, or kept alive between
+    requests) are evictable, oldest first, so silent peers cannot lock a client out; a new
+    connection is refused only when every one is serving an authenticated request."""
 
     def __init__(self) -> None:
         self.open = 0
@@ -334,13 +327,9 @@ class _Server(ThreadingHTTPServer):
 
 
 class ControlServer:
-    """Routes ``(method, path)`` to handlers taking (json body, raw body, query) -> json reply.
-
-    ``raw_routes`` name the paths whose body is bytes (weights) and their size limit; their
-    handlers get it as a ``bytearray`` (no second copy of a large body).
-    ``max_connections`` and ``timeout_s`` (seconds per socket read or write) can be set
-    before or after ``start``. A port it cannot listen on is a ListenError naming the address
-    and ``what`` port it is."""
+    """Routes ``(method, path)`` to handlers (json body, raw body, query) -> json reply.
+    ``raw_routes``: paths whose body is bytes (weights), with their size limit, handed over as a
+    ``bytearray`` (no second copy). A port it cannot listen on is a ListenError."""
 
     def __init__(self, host: str, port: int, routes: Dict[Tuple[str, str], Handler],
                  raw_routes: Optional[Dict[str, Callable[[], int]]] = None,
@@ -376,7 +365,6 @@ class ControlServer:
         return f"http://{'[%s]' % host if ':' in str(host) else host}:{self.port}"
 
     def add_routes(self, routes: Dict[Tuple[str, str], Handler]) -> None:
-        """More routes, before ``start``."""
         self.routes.update(routes)
 
     def start(self) -> "ControlServer":

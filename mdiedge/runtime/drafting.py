@@ -1,20 +1,14 @@
-"""Drafters: cheap proposals of a sample's next tokens, for the model to verify in one step.
+"""Drafters: cheap proposals of a sample's next tokens, for the model to verify in one step
+(``mdiedge.runtime.speculation``). A drafter runs on the starter and knows a sample only by its
+tokens so far:
 
-Speculative decoding (Leviathan et al. 2023; Chen et al. 2023) sends a sample's last token
-and k proposed tokens around the ring as k + 1 positions of one message; the model keeps the
-longest prefix it agrees with (``mdiedge.model.speculative``). A drafter runs on the starter
-and knows a sample only by its tokens so far (prompt and output):
+- ``NgramDrafter``: prompt lookup (Saxena 2023; llama.cpp's lookup, vLLM's n-gram drafter):
+  the sample's last n tokens found earlier in its own text propose what followed them there.
+- ``mdiedge.runtime.draftmodel.DraftModelDrafter``: a small model sharing the tokenizer, with
+  its own KV slots (``draft:PATH``).
 
-- ``NgramDrafter``: prompt lookup (Saxena 2023, "Prompt Lookup Decoding"; the n-gram
-  drafter of llama.cpp's lookup and vLLM): the sample's last n tokens found earlier in its
-  own text propose what followed them there. No model; its only state is an index of the
-  sample's own n-grams.
-- ``mdiedge.runtime.draftmodel.DraftModelDrafter``: a small model that shares the
-  tokenizer, with its own KV slots (``draft:PATH``).
-
-``parse_speculate`` reads the ``--speculate`` spelling (``mdiedge.runtime.speculation.drafter_for``
-makes the drafter); ``request_speculate`` resolves a request's own choice (the API's
-``speculate`` field) against the engine's.
+``parse_speculate`` reads ``--speculate``; ``request_speculate`` resolves a request's own choice
+(the API's ``speculate`` field) against the engine's.
 """
 from __future__ import annotations
 

@@ -192,7 +192,6 @@ class Generation:
 
     @property
     def context(self) -> int:
-        """KV positions a sample of this request needs: prompt plus budget."""
         return len(self.samples[0].prompt) + self.max_new_tokens
 
     def cancel(self) -> None:
@@ -224,9 +223,8 @@ class Generation:
 
     def release(self, samples: Sequence[Sample]) -> List[Sample]:
         """How a sample ends, in one place: of ``samples``, live ones are cancelled when the
-        request asked, and those ended but still holding KV rows are marked released (the
-        caller frees their rows, or knows none are held); the timing closes once every sample
-        of the request has ended. The samples released now."""
+        request asked, and ended ones still holding KV rows are marked released (the caller
+        frees them); the timing closes once every sample ended. Returns those released now."""
         if self.cancel_requested:
             self.end("cancelled", samples)
         ended = [s for s in samples if s.done and not s.released]
@@ -316,10 +314,8 @@ class Generation:
 
     def take(self, sample: Sample, tokens: Sequence[int],
              logprobs: Optional[Sequence[TokenLogprob]] = None) -> None:
-        """Append ``tokens`` (chosen for ``sample`` in one step: one, or a speculative step's
-        accepted drafts and the token after them) in order, until one ends the sample (end
-        token, stop string, budget): those after it are dropped. ``logprobs``: theirs, kept
-        beside them."""
+        """Append ``tokens`` (one step's: one, or accepted drafts and the token after them)
+        until one ends the sample (end token, stop string, budget); later ones are dropped."""
         now = time.perf_counter()
         for i, token in enumerate(tokens):
             if sample.done:

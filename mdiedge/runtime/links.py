@@ -1,24 +1,16 @@
-"""The data plane's persistent neighbour links, the same for the starter and the workers:
-listening, the authenticated connect and accept, and the threads that serve a link pair.
+"""The data plane's persistent neighbour links, the same for the starter and the workers.
 
-A node receives messages on one thread, computes on another and sends on a third, joined by
-FIFO queues (as in MDI-LLM, Macario et al. 2024). ``queue.SimpleQueue`` carries the
-wake-ups, so none can be lost (the paper's code clears an event after popping and can miss
-one). A small message that finds the send queue empty is written by the computing thread
-itself (see ``Sender``): on a 2-core board each thread wake-up costs tens of µs, a large part
-of a one-token hop.
+A node receives on one thread, computes on another and sends on a third, joined by
+``queue.SimpleQueue`` (no lost wake-up, unlike an event cleared after popping as in MDI-LLM's
+code). A small message that finds the send queue empty is written by the computing thread itself
+(``Sender``): on a 2-core board a thread wake-up costs tens of µs, much of a one-token hop.
 
-Link set-up is hardened against strays: ``accept_authenticated`` runs each handshake on its
-own thread with its own deadline while it goes on accepting, and ``bind`` ties the handshake
-key to one ring set-up, so a silent connection cannot starve it and a stale link from an
-earlier set-up is refused.
-
-Each link has its codecs (``Compression``: one for prefill frames, one for decode frames)
-and is sealed (``mdiedge.runtime.seal``: every frame authenticated and encrypted under keys
-of its own) unless both ends run ``--no-encrypt``, all agreed in the handshake: a mismatch
-fails the set-up with one line, never a frame. A sealed frame that does not verify closes
-the link with one line (an ``IntegrityError``), as any malformed frame does. Both ends
-count the frames and bytes that cross it (``LinkPair.stats``).
+Set-up is hardened against strays: each handshake runs on its own thread with its own deadline
+while accepting goes on, and ``bind`` ties the handshake key to one ring set-up, so a silent
+connection cannot starve it and a stale link is refused. Links are sealed
+(``mdiedge.runtime.seal``) unless both ends run ``--no-encrypt``; codecs and sealing are agreed in
+the handshake, and a mismatch, a frame that does not verify or a malformed frame ends the set-up or
+the link with one line.
 """
 from __future__ import annotations
 
@@ -76,9 +68,8 @@ def configure(sock: socket.socket) -> socket.socket:
 
 
 def tcp_listen(host: str, port: int, what: str = "data port") -> socket.socket:
-    """A listening socket; port 0 picks a free one. SO_REUSEADDR lets a quick rerun bind. A
-    port in use (or an address not of this machine) is a ListenError naming ``host:port``
-    and ``what`` it is."""
+    """A listening socket (port 0: a free one; SO_REUSEADDR for a quick rerun); ListenError naming
+    ``host:port`` and ``what`` when the port is taken or the address not ours."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -111,9 +102,8 @@ def accept(listener: socket.socket, timeout: float) -> socket.socket:
 
 
 def bind(auth: Authenticator, ring: str) -> Authenticator:
-    """``auth`` with its handshake key bound to one ring set-up (the starter's fresh ``ring``
-    tag, sent to every worker in ``/connect``): a link left over from an earlier set-up fails
-    the handshake, so it is dropped, never taken for the new ring. No tag: ``auth`` itself."""
+    """``auth`` with its handshake key bound to the starter's fresh ``ring`` tag (sent in
+    ``/connect``), so a link from an earlier set-up fails the handshake. No tag: ``auth``."""
     if not ring:
         return auth
     bound = Authenticator(auth.secret)
@@ -125,10 +115,8 @@ def connect_authenticated(host: str, port: int, auth: Authenticator, peer: str,
                           timeout: float = HANDSHAKE_TIMEOUT_S, retry_s: float = 0.0,
                           cancelled: Optional[Callable[[], bool]] = None,
                           codecs: Compression = NO_COMPRESSION, seal: bool = True) -> Link:
-    """A link to ``host:port`` that passed the ring-secret handshake with these ``codecs``,
-    sealed unless ``seal`` is False. A failed try (OSError or AuthError) is retried for
-    ``retry_s`` s unless ``cancelled()``; then the last error. A LinkMismatch is not
-    retried."""
+    """A handshaken link to ``host:port``, sealed unless ``seal`` is False. OSError and AuthError
+    are retried for ``retry_s`` s unless ``cancelled()``; a LinkMismatch is not."""
     deadline = time.monotonic() + retry_s
     pause = 0.05
     while True:
@@ -150,9 +138,8 @@ def connect_authenticated(host: str, port: int, auth: Authenticator, peer: str,
 
 
 class _Handshakes:
-    """The handshakes under way on one listener, each on its own short-lived thread with its
-    own deadline, so a silent connection costs nothing but its thread. The first peer that
-    passes wins; every other connection is closed (``finish``)."""
+    """The handshakes under way on one listener, each on its own thread and deadline (a silent
+    connection costs only its thread). The first that passes wins; ``finish`` closes the rest."""
 
     def __init__(self, auth: Authenticator, name: str, timeout: float,
                  codecs: Compression = NO_COMPRESSION, seal: bool = True) -> None:
@@ -214,12 +201,10 @@ def accept_authenticated(listener: socket.socket, auth: Authenticator, timeout: 
                          name: str, handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
                          cancelled: Optional[Callable[[], bool]] = None,
                          codecs: Compression = NO_COMPRESSION, seal: bool = True) -> Link:
-    """The first connection on ``listener`` within ``timeout`` s that passes the handshake
-    (sealed unless ``seal`` is False). Handshakes run concurrently, each within
-    ``handshake_timeout`` s, while accepting goes on: strays and stale links cannot starve
-    the right peer. The losers are closed. OSError when none passed in time, or as soon as
-    ``cancelled()``; a LinkMismatch as soon as an authenticated peer names other ``codecs``
-    or sealing."""
+    """The first connection on ``listener`` within ``timeout`` s that passes the handshake;
+    handshakes run concurrently (``handshake_timeout`` s each) while accepting goes on. OSError
+    when none passed in time or once ``cancelled()``; LinkMismatch as soon as an authenticated peer
+    names other ``codecs`` or sealing."""
     deadline = time.monotonic() + timeout
     handshakes = _Handshakes(auth, name, handshake_timeout, codecs, seal)
     backoff = AcceptBackoff(log, f"{name}: data port")
@@ -251,12 +236,9 @@ def accept_authenticated(listener: socket.socket, auth: Authenticator, timeout: 
 
 
 class Receiver(threading.Thread):
-    """Reads messages from ``sock`` into ``inbox`` until the link ends, then queues LinkDown:
-    whatever ends it (a peer's malformed frame, a socket error, any exception) is one log
-    line, and the owner always learns of it. ``next`` reads one on the caller's thread
-    instead (a link whose owner receives inline never starts this thread). Waiting for a
-    frame, it polls the socket for up to ``busy_poll_us`` before it sleeps (see
-    ``framing.reader``)."""
+    """Reads messages from ``sock`` into ``inbox`` until the link ends, then queues LinkDown
+    (whatever ended it is one log line). ``next`` reads on the caller's thread instead, for inline
+    receiving. A wait polls the socket for ``busy_poll_us`` before sleeping (``framing.reader``)."""
 
     def __init__(self, sock: socket.socket, inbox: "queue.SimpleQueue[Received]", max_payload: int,
                  name: str, codecs: Compression = NO_COMPRESSION, busy_poll_us: int = 0,
@@ -307,14 +289,13 @@ class Receiver(threading.Thread):
 
 
 class Sender(threading.Thread):
-    """Sends messages in the order given to ``put``. ``close`` stops it. A send error is
-    remembered in ``error``; later messages are dropped.
+    """Sends messages in ``put`` order; a send error is kept in ``error`` and later messages are
+    dropped.
 
-    A message of at most ``inline_max_bytes`` put while nothing is waiting to be sent goes out
-    at once on the caller's thread: a one-token frame fits the socket buffer, so this does not
-    block, and it saves the thread wake-up (tens of µs) that dominates a hop's overhead. Any
-    other message queues for this thread, so a large or backed-up send never stalls compute.
-    Order holds because a message is sent inline only when every earlier one is on the wire."""
+    A message of at most ``inline_max_bytes`` put while nothing is queued goes out on the caller's
+    thread (it fits the socket buffer, so it does not block, and saves a thread wake-up); others
+    queue for this thread. Order holds: a message goes inline only when all earlier ones are on the
+    wire."""
 
     def __init__(self, sock: socket.socket, name: str, inline_max_bytes: int = 64 << 10,
                  codecs: Compression = NO_COMPRESSION, keys: Optional[LinkKeys] = None) -> None:
@@ -343,7 +324,7 @@ class Sender(threading.Thread):
                 self._wire_lock.release()
 
     def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued, then stop the thread (waiting at most ``timeout`` s)."""
+        """Send what is queued, then stop the thread (at most ``timeout`` s)."""
         self._queue.put(None)
         if self.is_alive():
             self.join(timeout=timeout)
@@ -370,16 +351,12 @@ class Sender(threading.Thread):
 
 
 class LinkPair:
-    """A node's place in the ring: the inbound link (a receiver thread filling ``inbox``) and
-    the outbound one (a sender). Starter and workers both hold one.
+    """A node's place in the ring: the inbound link (a receiver filling ``inbox``) and the outbound
+    one (a sender).
 
-    ``inline_receive``: no receiver thread; ``receive`` reads the socket on the caller's
-    thread (a worker's compute loop, which has nothing else to do while it waits), saving
-    the thread hand-off on every hop. Frames still arrive into the socket's buffer while
-    the caller computes. ``busy_poll_us``: how long a wait for a frame polls before it sleeps
-    (a wake-up from sleep costs tens of µs; see ``framing.reader``). ``inbound`` and
-    ``outbound``: the ``Link`` of each handshake (sealed with its keys, if it has any), or a
-    bare socket (unsealed)."""
+    ``inline_receive``: no receiver thread; ``receive`` reads on the caller's thread (a worker's
+    compute loop), saving a hand-off per hop. ``busy_poll_us``: see ``Receiver``. ``inbound`` and
+    ``outbound``: a handshake's ``Link`` or a bare (unsealed) socket."""
 
     def __init__(self, inbound: Union[Link, socket.socket], outbound: Union[Link, socket.socket],
                  max_payload: int, name: str, codecs_in: Compression = NO_COMPRESSION,
@@ -439,7 +416,6 @@ def _shutdown(sock: socket.socket) -> None:
 
 
 def close_links(*links: Optional[Link]) -> None:
-    """Close each link that was opened (None: not)."""
     for link in links:
         if link is not None:
             link.close()

@@ -1,15 +1,8 @@
-"""The scheduler's decisions as pure functions of its state: which requests to admit, how
-their samples group into messages and their prompts into prefill chunks, which decode steps
-travel alone or merged, which samples' KV rows are freed, whether a request may queue, and
-when recovery gives up. No torch, no I/O, no threads: ``mdiedge.runtime.scheduler`` builds
-the state, asks for a plan and carries it out (in the manner of vLLM's ``schedule()`` and
-``update_from_output()``; Kwon et al., "Efficient Memory Management for Large Language Model
-Serving with PagedAttention", SOSP 2023).
-
-Samples are named by their ring-wide ids and groups by the scheduler's keys; a decode part
-carries ``width`` consecutive positions of each of its samples (1 today; several once a
-sample's draft tokens are checked in one step), and only parts of one width share a message.
-"""
+"""The scheduler's decisions as pure functions of its state (no torch, I/O or threads): admission,
+grouping, prefill chunks, merged decode steps, releases, queueing, and when recovery gives up;
+``mdiedge.runtime.scheduler`` builds the state and carries the plan out, as vLLM's ``schedule()`` /
+``update_from_output()``. A decode part carries ``width`` consecutive positions per sample (> 1
+when verifying drafts); only parts of one width share a message."""
 from __future__ import annotations
 
 import math
@@ -104,7 +97,6 @@ class QueueView:
         return self.in_use + queue_state(self.queued, self.slots - self.in_use)[0]
 
     def takes(self, n: int, max_waiting: int) -> bool:
-        """Whether a request of ``n`` samples may join (see ``may_join``)."""
         return may_join(self.waiting, self.slots - self.slots_taken, n, max_waiting)
 
 
@@ -113,10 +105,8 @@ class QueueView:
 
 @dataclass(frozen=True)
 class Waiter:
-    """A request not yet admitted: its key, samples, prompt tokens, the micro-batch asked
-    (0: as many groups as nodes), whether it was cancelled meanwhile and whether it decodes
-    speculatively (each sample then drafts as its own acceptance says, so its tokens do
-    not depend on which samples it shares a group with)."""
+    """A request not yet admitted; ``micro_batch`` 0: as many groups as nodes. A speculating
+    request's samples draft by their own acceptance, so their tokens do not depend on the group."""
 
     key: int
     n_samples: int
@@ -156,18 +146,15 @@ class AdmitPlan:
 
 
 def chunks_of(index: int, length: int, prefill_chunk: int) -> List[Chunk]:
-    """The prefill messages of ``length`` tokens of sample ``index``."""
     return [Chunk(index, start, end, end == length)
             for start, end in prefill_chunks(length, prefill_chunk)]
 
 
 def admit(waiting: Sequence[Waiter], free_slots: int, nodes: int, max_rows: int,
           prefill_chunk: int) -> AdmitPlan:
-    """The requests at the head of ``waiting`` that fit ``free_slots``, first come first
-    served (one that does not fit holds back those behind it), each cut into groups and
-    prefill chunks (a speculating request's samples in groups of one, unless an explicit
-    micro-batch says otherwise: its steps still merge with others of their width); a
-    cancelled one at the head is dropped."""
+    """The requests at the head of ``waiting`` that fit ``free_slots``, first come first served
+    (one that does not fit holds back those behind it), cut into groups (one sample each when
+    speculating, unless a micro-batch was asked) and prefill chunks; a cancelled head is dropped."""
     dropped: List[int] = []
     admitted: List[Admission] = []
     for waiter in waiting:
@@ -257,10 +244,9 @@ def verify_rows(frame_rows: int) -> int:
 
 def take_merged(queued: Sequence[DecodeRows], in_flight: int, limit: int,
                 max_rows: int = 0) -> Tuple[Tuple[DecodeRows, ...], Tuple[DecodeRows, ...]]:
-    """(the parts of the next merged message, those left waiting): none while ``limit``
-    merged messages are in flight; else the first part and those after it of its width, in
-    order, up to ``max_rows`` token rows (samples x width; 0: no limit; parts wider than 1,
-    verifications, ``verify_rows`` of it; a part over it still leaves, alone)."""
+    """(the next merged message's parts, those left waiting): none while ``limit`` merged messages
+    are in flight; else the first part and later ones of its width, up to ``max_rows`` token rows
+    (0: no limit; ``verify_rows`` of it for width > 1); an oversized part goes alone."""
     if not queued or in_flight >= limit:
         return (), tuple(queued)
     head = queued[0]

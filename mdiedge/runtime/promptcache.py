@@ -32,7 +32,6 @@ class Reuse:
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` have in common."""
     return len(os.path.commonprefix([list(a), list(b)]))
 
 

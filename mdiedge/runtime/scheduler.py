@@ -1,18 +1,14 @@
 """The one scheduler: it alone decides what runs next on a pipeline of stages.
 
-It admits requests into free KV slots (continuous batching: a new request's prefill enters
-between the steps of the ones decoding), groups each request's samples into micro-batches,
-cuts prompts into frame-sized prefill chunks, sends each group's next decode step as soon as
-its previous one comes back (recurrent pipeline parallelism: with as many groups in flight as
-nodes, every node is busy; MDI-LLM, Macario et al. 2024), merges the decode steps of
-different requests into shared messages once that many are in flight, and frees a finished
-sample's KV rows on every node with one RELEASE.
+Continuous batching (a new request's prefill enters between decode steps), samples grouped into
+micro-batches, prompts cut into frame-sized prefill chunks, each group's next decode step sent as
+soon as its previous one is back (recurrent pipeline parallelism, MDI-LLM, Macario et al. 2024),
+decode steps of different requests merged into shared messages, and a finished sample's KV rows
+freed on every node with one RELEASE.
 
-Deciding and doing are apart: ``mdiedge.runtime.plan`` decides (pure functions of the state),
-and one loop thread, owned by the scheduler and started when a request is waited for, carries
-the plans out: it sends, receives, samples and ends samples, and wakes each request's
-``Generation`` when it is done. A request's thread only waits; every token is sampled, and
-every token callback runs, on the loop thread.
+``mdiedge.runtime.plan`` decides (pure functions of the state); one loop thread, owned by the
+scheduler, carries the plans out. Every token is sampled and every token callback runs on the loop
+thread; a request's thread only waits.
 """
 from __future__ import annotations
 
@@ -145,8 +141,8 @@ def settle_groups(groups: Dict[int, _Group]) -> int:
 
 def replay_chunks(groups: Iterable[_Group], prefill_chunk: int
                   ) -> Iterator[Tuple[_Group, Sample, plan.Chunk]]:
-    """Each prefill message that replays the live samples of ``groups`` (prompt and tokens
-    so far), in order."""
+    """The prefill messages that replay the live samples of ``groups`` (prompt and tokens so far).
+    """
     for group in groups:
         by_sid = {s.sid: s for s in group.samples}
         for sid, chunk in plan.replay([(s.sid, len(s.prompt) + len(s.tokens))
@@ -155,8 +151,8 @@ def replay_chunks(groups: Iterable[_Group], prefill_chunk: int
 
 
 def count_exits(parts: List[Rows], depth: int, n_layers: int) -> None:
-    """Each request's decode rows of a message that came back after ``depth`` blocks (0:
-    every block)."""
+    """Count each request's decode rows of a message that exited after ``depth`` blocks (0: none).
+    """
     for group, samples in parts:
         generation = group.generation
         if generation.exits is None:
@@ -199,10 +195,9 @@ class InFlightMessages:
 
 
 class Recoverer:
-    """Recovery from lost nodes (Petals-style: Borzunov et al., "Distributed Inference and
-    Fine-tuning of Large Language Models Over The Internet", NeurIPS 2023): ``rebuild`` gives
-    a pipeline without them (set-ups are retried while each loses another node), and the
-    scheduler replays every live sample through it; ``plan.give_up`` says when to stop."""
+    """Recovery from lost nodes, Petals-style (Borzunov et al., NeurIPS 2023): ``rebuild`` gives a
+    pipeline without them (retried while each set-up loses another node), and the scheduler replays
+    every live sample through it; ``plan.give_up`` says when to stop."""
 
     def __init__(self, rebuild: Optional[Rebuild]) -> None:
         self.rebuild = rebuild
@@ -290,7 +285,6 @@ class SchedulerRequests:
                           max_waiting)
 
     def run(self, generation: Generation, micro_batch: int = 0) -> Timing:
-        """Submit ``generation`` and wait until it is done; its timing, or its error."""
         self.submit(generation, micro_batch)
         return self.wait(generation)
 
@@ -320,15 +314,12 @@ class SchedulerRequests:
 class Scheduler(SchedulerRequests):
     """Runs generations over ``pipeline`` with ``ends`` (embedding and head).
 
-    ``prefill_chunk``: tokens per prefill message (0: the whole prompt); ``max_rows``: samples
-    per decode message at most (0: ``prefill_chunk``); ``timeout_s``: how long a message may
-    take around the pipeline; ``max_waiting``: requests that may wait for KV slots unless a
-    submission says otherwise; ``rebuild``: when nodes are lost, gives the pipeline without
-    them, and every live sample's tokens so far are replayed through it as a prefill
-    (Petals-style recovery; its sampling generator carries on, so the output is the one it
-    would have been, except under early exit: a replay computes every block where the exits had
-    filled KV); ``exit_layers``: the model's blocks, when decode steps may exit early (their
-    exits are counted per request); ``compute``: the node's torch thread."""
+    ``prefill_chunk``: tokens per prefill message (0: the whole prompt); ``max_rows``: samples per
+    decode message (0: ``prefill_chunk``); ``timeout_s``: a message's round-trip limit;
+    ``max_waiting``: requests that may wait for KV slots; ``rebuild``: gives the pipeline without
+    lost nodes, and live samples are replayed through it (the output is unchanged, except under
+    early exit: a replay computes every block); ``exit_layers``: the model's blocks when decode may
+    exit early; ``compute``: the node's torch thread."""
 
     def __init__(self, pipeline: Pipeline, ends: EmbedAndHead, prefill_chunk: int = 0,
                  timeout_s: Optional[float] = None, max_waiting: int = defaults.MAX_QUEUE,
@@ -501,7 +492,6 @@ class Scheduler(SchedulerRequests):
                                         self.pipeline.nodes, self.max_rows))
 
     def _carry_out(self, step: plan.StepPlan) -> None:
-        """Send what ``step`` planned: RELEASEs of ended samples, decode messages."""
         for send in step.sends:
             if isinstance(send, Release):
                 group = self._groups[send.group]
@@ -545,7 +535,7 @@ class Scheduler(SchedulerRequests):
     # ----------------------------------------------------------------- recovery
 
     def _restart(self, pipeline: Pipeline, ends: EmbedAndHead, record: Recovery) -> None:
-        """Go on over a rebuilt ``pipeline``: nothing is in flight there; replay."""
+        """Go on over a rebuilt ``pipeline`` (nothing in flight there) and replay."""
         self.pipeline, self.ends = pipeline, ends
         self._inflight.entries, record.pending, record.tokens_replayed = {}, 0, 0
         self.cache.clear()  # the rebuilt pipeline holds no parked rows
@@ -553,11 +543,10 @@ class Scheduler(SchedulerRequests):
         self._replay(record)
 
     def _replay(self, record: Recovery) -> None:
-        """Each live sample's prompt and tokens so far, as a prefill through the rebuilt
-        pipeline: its KV rows are refilled and its last result gives its next token, as the
-        decode step that was lost would have. Every group is settled before the first send
-        (the new pipeline never held rows for its ended samples: no RELEASE goes round), so
-        a loss during the replay finds them all to replay again."""
+        """Replay each live sample's prompt and tokens so far as a prefill: its KV rows are
+        refilled and its last result gives the next token. Every group is settled before the first
+        send (the new pipeline holds no rows of ended samples), so a loss during the replay replays
+        them all."""
         self._live -= settle_groups(self._groups)
         for group, sample, chunk in replay_chunks(self._groups.values(), self.prefill_chunk):
             tokens = (sample.prompt + sample.tokens)[chunk.start:chunk.end]
@@ -587,7 +576,6 @@ class Scheduler(SchedulerRequests):
 
 
 def run_single(model: Any, generation: Generation, micro_batch: int = 0) -> Timing:
-    """Run ``generation`` on one in-process model chunk that holds every block, the embedding
-    and the head (a pipeline of one stage): tests and benchmarks of the model itself."""
+    """Run ``generation`` on one in-process model chunk holding every block (tests, benchmarks)."""
     stage = LocalStage(model, len(generation.samples), generation.context, trim_prefill=True)
     return Scheduler(Pipeline([stage]), EmbedAndHead(model)).run(generation, micro_batch)

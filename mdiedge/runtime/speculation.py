@@ -1,19 +1,15 @@
 """Speculative decoding per sample: how many tokens to draft, what a step feeds, what it keeps.
 
-A sample's step feeds its last token and k drafted tokens (``mdiedge.runtime.drafting``) as
-k + 1 consecutive positions of one decode message, marked ``rewind`` since the KV rows a
-verification wrote past the tokens the model kept are dead (``mdiedge.runtime.slots``); the
-head scores every position and ``settle`` keeps the tokens ``mdiedge.model.speculative``
-accepts (1 to k + 1 of them). The scheduler calls ``Speculation.draft`` before a sample's
-step and ``Speculation.settle`` after it, and ``release`` when the sample ends.
+A step feeds a sample's last token and k drafted tokens (``mdiedge.runtime.drafting``) as k + 1
+consecutive positions of one decode message marked ``rewind`` (the KV rows written past the kept
+tokens are dead, ``mdiedge.runtime.slots``); ``settle`` keeps the 1 to k + 1 tokens
+``mdiedge.model.speculative`` accepts.
 
-Adaptive k (``choose_k``, a pure function): the acceptance rate a of a sample's recent
-verifications (the maximum-likelihood estimate under the usual geometric model, each draft
-accepted with probability a given the ones before it, with a prior) gives the expected
-tokens of a step drafting k, (1 - a^(k+1)) / (1 - a) (Leviathan et al. 2023, section 3.4);
-each verified row costs ``row_cost`` of a one-row step, and k maximises tokens per cost.
-When no k pays, speculation is off for the sample (k = 0) and retried with k = 1 after
-``retry_after`` plain steps; steps where the drafter had nothing are no evidence either way.
+Adaptive k (``choose_k``): the acceptance rate a of a sample's recent verifications (geometric
+model, with a prior) gives the expected tokens of a step drafting k, (1 - a^(k+1)) / (1 - a)
+(Leviathan et al. 2023, 3.4); each verified row costs ``row_cost`` of a one-row step, and k
+maximises tokens per cost. When no k pays, k = 0 and k = 1 is retried after ``retry_after`` plain
+steps; steps where the drafter had nothing are no evidence either way.
 """
 from __future__ import annotations
 
@@ -62,11 +58,9 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 def choose_k(rounds: Sequence[Tuple[int, int]], policy: KPolicy = KPolicy(),
              max_k: Optional[int] = None) -> int:
-    """How many tokens to draft for a sample's next step, from its rounds so far (drafted,
-    accepted; the latest last; (0, 0) for a plain step or one the drafter had nothing for),
-    at most ``max_k`` (default ``policy.max_k``): the k of the most tokens per cost, 0 when
-    none pays better than a plain step, and 1 again after ``policy.retry_after`` plain
-    steps in a row."""
+    """How many tokens to draft next, from the sample's rounds (drafted, accepted; latest last; (0,
+    0) for a plain step or an empty draft), at most ``max_k``: the k of the most tokens per cost, 0
+    when none beats a plain step, 1 again after ``policy.retry_after`` plain steps."""
     bound = policy.max_k if max_k is None else min(max_k, policy.max_k)
     if bound <= 0:
         return 0
@@ -109,9 +103,8 @@ def pad_draft(draft: Draft, width: int) -> Draft:
 
 @dataclass
 class SpecStats:
-    """What speculation did: drafted and accepted tokens, verification steps (those that
-    drafted anything), tokens emitted by them, how often each k was drafted, and the row
-    cost its widths were last chosen with."""
+    """What speculation did, as ``--json`` reports it; ``row_cost``: the one the widths were last
+    chosen with."""
 
     drafted: int = 0
     accepted: int = 0
@@ -138,9 +131,6 @@ class SpecStats:
 
 
 class Speculation:
-    """Speculative decoding for the samples of a scheduler: ``drafter`` proposes, ``params``
-    say how tokens are chosen, ``policy`` how many are drafted."""
-
     def __init__(self, drafter: Drafter, params: SamplingParams,
                  policy: KPolicy = KPolicy()) -> None:
         self.drafter, self.params, self.policy = drafter, params, policy
@@ -159,11 +149,9 @@ class Speculation:
 
     def draft(self, sample_id: int, tokens: Sequence[int], budget: int,
               max_k: Optional[int] = None, k: Optional[int] = None) -> Draft:
-        """The sample's next step: ``tokens`` are its prompt and output so far (the last
-        not yet in its KV rows); ``budget`` the tokens it may still emit (its max-tokens
-        left, and its context room), so a step never emits more; ``max_k`` the scheduler's
-        bound (rows per frame); ``k``: draft that many (within the budget) instead of the
-        sample's own choice (its group's width decides)."""
+        """The sample's next step: ``tokens`` its prompt and output (the last not yet in its KV
+        rows); ``budget`` the tokens it may still emit; ``max_k`` the scheduler's bound (rows per
+        frame); ``k`` overrides the sample's own choice (its group's width decides)."""
         if not tokens:
             raise GenerationError("a sample with no tokens cannot be drafted for")
         rounds = self.rounds.setdefault(sample_id, [])
@@ -178,10 +166,8 @@ class Speculation:
 
     def settle(self, sample_id: int, draft: Draft, logits: Any,
                generator: Generator, history: Optional[History] = None) -> List[int]:
-        """The tokens the step emits (1 to draft.drafted + 1), from the head's ``logits``
-        at its positions (len(draft.tokens), vocab: those past its drafts, padding, are not
-        read); ``generator``: the sample's own; ``history``: its prompt and output (its
-        penalties)."""
+        """The tokens the step emits (1 to draft.drafted + 1), from ``logits`` (len(draft.tokens),
+        vocab; padding rows unread); ``history``: prompt and output, for penalties."""
         out = accept(draft.proposal.tokens, logits[:draft.drafted + 1], draft.proposal.q,
                      self.params, generator, history)
         drafted = draft.drafted
@@ -197,26 +183,22 @@ class Speculation:
         return out
 
     def release(self, sample_id: int) -> None:
-        """Forget the sample here and in the drafter."""
         self.rounds.pop(sample_id, None)
         self.drafter.release(sample_id)
 
     def close(self, sample_ids: Sequence[int]) -> None:
-        """Forget every one of ``sample_ids`` (a request that failed as a whole): a shared
-        draft model's slots are free again."""
+        """A request that failed as a whole: a shared draft model's slots are free again."""
         for sample_id in sample_ids:
             self.release(sample_id)
         self.pending.clear()
 
 
 class RowCost:
-    """What a verified row costs on this pipeline, as a share of a one-row step, measured:
-    the round trips of decode messages sent with nothing else in flight, by row count
-    (B x T), the fastest of each count's last ``window`` (a busy machine only adds time),
-    and a straight line t = a + b rows fitted through them; the cost is b / (a + b) (one
-    more row over one row), clamped to [0, 2]. Until two row counts were timed ``least``
-    times each it is ``prior``. A quantized model whose kernels are bound by arithmetic
-    pays most of a step per row; float weights, read once for every row, little."""
+    """A verified row's cost on this pipeline as a share of a one-row step, measured: the fastest
+    round trip per row count (B x T) of the last ``window`` lone decode messages, a line t = a + b
+    rows fitted through them, cost b / (a + b) clamped to [0, 2]; ``prior`` until two row counts
+    were timed ``least`` times each. Quantized kernels bound by arithmetic pay most of a step per
+    row; float weights, read once for all rows, little."""
 
     def __init__(self, prior: float = defaults.SPEC_ROW_COST, window: int = 8,
                  least: int = 3) -> None:
@@ -245,14 +227,11 @@ class RowCost:
 
 def group_width(wants: Sequence[Tuple[float, int]], rows: int, room: int,
                 row_cost: float) -> int:
-    """The positions each row of a group's step feeds (1: a plain step; a message carries
-    one width): the width T of the most tokens expected per cost, each sample (its
-    acceptance a and the k it wants alone, ``Speculation.want``) counting E(a, min(T - 1,
-    k)) tokens, the step's n x T rows costing 1 + ``row_cost`` (n T - 1) one-row steps.
-    Rows are spent where acceptance is highest: every sample carries the width, and the
-    samples that are likely to keep their drafts pay for it. At most ``rows`` rows in all
-    and ``room`` positions per row; when no width pays but a sample wants to draft again
-    (``choose_k``'s retry), 2."""
+    """The positions each row of a group's step feeds (1: a plain step; a message has one width):
+    the T of the most expected tokens per cost, a sample (acceptance a, its own k from
+    ``Speculation.want``) counting E(a, min(T - 1, k)) tokens and n x T rows costing 1 +
+    ``row_cost`` (n T - 1) one-row steps. At most ``rows`` rows and ``room`` positions per row; 2
+    when no width pays but a sample is due a retry."""
     n = len(wants)
     cap = min(rows // n, room) if n else 0
     if cap <= 1:
@@ -265,17 +244,12 @@ def group_width(wants: Sequence[Tuple[float, int]], rows: int, room: int,
 
 def plan_step(group: Any, context: int, frame_rows: int = 0,
               row_cost: Optional[float] = None) -> int:
-    """Draft the next step of the live samples of ``group`` (samples of one generation
-    that travel together) when their request speculates: the group's width
+    """Draft the next step of ``group``'s live samples when their request speculates: the width
     (``group_width``, within ``plan.verify_rows`` of ``frame_rows`` and the context), then each
-    sample's drafts within its budget (max-tokens left, ``context`` room), padded to the
-    longest (none at width 1: a plain step, recorded as such for the retry); kept in its
-    ``Speculation.pending`` until the step is sent. The positions each
-    row of the step feeds: k + 1 (1: a plain step, as without speculation). The request's
-    ``Speculation`` is its own and names samples by index, so a seed drafts the same on
-    any pipeline. ``row_cost``: a verified row's measured cost (``RowCost``), for greedy
-    requests only: a sampled request's k depends on its draws alone (its policy's cost),
-    so its seed gives the same text on every pipeline."""
+    sample's drafts within its budget, padded to the longest, kept in ``Speculation.pending`` until
+    the step is sent. Samples are named by index, so a seed drafts the same on any pipeline;
+    ``row_cost`` (measured, ``RowCost``) applies to greedy requests only, so a sampled request's
+    seed gives the same text on every pipeline."""
     generation = group.generation
     speculation = generation.speculation
     live = [s for s in group.samples if not s.done]
@@ -318,10 +292,8 @@ def step_rows(parts: Sequence[Tuple[Any, Sequence[Any]]]
 
 def drafter_for(spec: str, target_cfg: Any, n_slots: int, context: int,
                 params: Any, device: str = "cpu", draft: Optional[DraftModel] = None) -> Drafter:
-    """The drafter ``spec`` names (``parse_speculate``), for a target model of config
-    ``target_cfg`` run with ``n_slots`` samples of ``context`` tokens and sampling
-    ``params``; ``draft``: the engine's shared draft model for ``draft:PATH`` (None: one
-    loaded here for this drafter alone)."""
+    """The drafter ``spec`` names (``parse_speculate``); ``draft``: the engine's shared draft model
+    for ``draft:PATH`` (None: one loaded for this drafter alone)."""
     kind, arg = parse_speculate(spec)
     if kind == "ngram":
         return NgramDrafter(max_n=int(arg) if arg else 3)

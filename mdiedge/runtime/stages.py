@@ -1,12 +1,9 @@
 """Stages: what runs a block range for a message and returns the next message.
 
-A ``LocalStage`` wraps a model chunk (blocks ``[first, last)``: the torch ``Transformer``, or a
-chunk that ``takes_numpy`` and runs on numpy buffers without torch) with its own KV slot
-table: the ring's sample ids map to KV rows per node, so a message never carries slots, and
-a RELEASE frees a sample's row on every node it passes. A numpy chunk is handed float32
-numpy (bfloat16 words widened) and never meets torch; a torch chunk is handed tensors on its
-device (``torch.from_numpy`` of what the wire delivered). The starter's chunk, each
-worker's chunk and every in-process pipeline stage are ``LocalStage``s;
+A ``LocalStage`` wraps a model chunk (the torch ``Transformer``, or a numpy chunk,
+``takes_numpy``, that never meets torch) with its own KV slot table: the ring's sample ids map
+to KV rows per node, so a message never carries slots, and a RELEASE frees a sample's row on
+every node it passes. The starter's, each worker's and every in-process stage is one;
 ``mdiedge.runtime.pipeline`` strings them together, with the ring's links as a remote tail.
 """
 from __future__ import annotations
@@ -37,10 +34,8 @@ log = logging.getLogger("mdiedge.stage")
 
 def inference() -> ContextManager[Any]:
     """``torch.inference_mode()``, or nothing where it is on already or torch was never
-    imported (a node whose chunks run on numpy: nothing here runs torch). The scheduler
-    enters it once per step and a worker once around its compute loop, so the code run for
-    every message does not enter it again: after a node's blocks have streamed their
-    weights through the cache, entering it costs tens of microseconds."""
+    imported. Entered once per step (scheduler) or around a worker's loop, not per message:
+    after the weights streamed through the cache, entering it costs tens of µs."""
     torch = sys.modules.get("torch")
     if torch is None or torch.is_inference_mode_enabled():
         return _ALREADY
@@ -95,12 +90,10 @@ def joined_routes(routes: List[Dict[str, str]]) -> Dict[str, str]:
 class LocalStage:
     """Blocks of one in-process model chunk, for ``n_slots`` samples of ``context`` tokens.
 
-    ``trim_prefill``: the last stage before the head returns only the last position of a
-    prefill chunk (the head needs no more), unless the message asks for ``all_rows``. A
-    decode step may carry several consecutive positions per sample (speculative decoding
-    verifies drafted tokens so) and returns them all. ``exit_policy``: one-position decode steps may exit early after any of its blocks
-    (``mdiedge.model.earlyexit.policy``); a step that exited on an earlier node only fills this
-    stage's KV and passes on."""
+    ``trim_prefill``: the last stage before the head returns only a prefill chunk's last
+    position (unless the message asks ``all_rows``); a decode step with several positions per
+    sample (verifying drafts) returns them all. ``exit_policy``: one-position decode steps may
+    exit after any block; a step that exited upstream only fills this stage's KV."""
 
     def __init__(self, model: Any, n_slots: int, context: int, trim_prefill: bool = False,
                  exit_policy: Optional[ExitPolicy] = None) -> None:

@@ -40,7 +40,6 @@ class Waiting:
             self._items.append(item)
 
     def sizes(self) -> Tuple[int, ...]:
-        """Samples of each queued request, in order."""
         return tuple(len(g.samples) for g, _ in list(self._items))
 
     def head(self) -> List[Tuple[Generation, int]]:

@@ -1,16 +1,10 @@
-"""systemd's notify protocol with the standard library: READY=1, WATCHDOG=1, STOPPING=1.
-
-One datagram to ``$NOTIFY_SOCKET`` (a path, or an abstract name starting with ``@``); the
+"""systemd's notify protocol with the standard library (sd_notify(3)): READY=1, WATCHDOG=1,
+STOPPING=1, one datagram each to ``$NOTIFY_SOCKET`` (a path, or ``@`` an abstract name); the
 watchdog interval is half of ``$WATCHDOG_USEC`` when ``$WATCHDOG_PID`` is unset or ours.
-See sd_notify(3).
 
-The :class:`Watchdog` pings only while the node is healthy: a :class:`Heartbeat` that the
-compute loop feeds (``with heartbeat.busy(): ...`` around each message, ``beat()`` for
-progress inside a long one) is healthy while idle or while progress was made within its stall
-limit, so a compute loop stuck on one message stops the pings and systemd restarts the node::
-
-    heartbeat = Heartbeat(stall_limit=60.0)
-    Watchdog(interval, stopped, heartbeat.healthy, heartbeat.reason).start()
+The ``Watchdog`` pings only while a ``Heartbeat`` fed by the compute loop says the node is
+healthy (idle, or progress within its stall limit), so a loop stuck on one message stops the
+pings and systemd restarts the node.
 """
 from __future__ import annotations
 
@@ -116,13 +110,9 @@ class HeartbeatState(NamedTuple):
 
 
 class Heartbeat:
-    """Progress of a node's compute loop, for the watchdog; safe to use from any thread.
-
-    ``start_work()`` when a message is taken (or ``with busy():`` around its processing),
-    ``end_work()`` when it is done (a beat too), ``beat()`` for progress in between. Work may
-    nest or overlap (a count is kept); the stall clock runs from the later of the last beat and
-    the moment the node went from idle to busy.
-    """
+    """Progress of a node's compute loop, for the watchdog; thread-safe. Work (``start_work`` /
+    ``end_work`` or ``busy()``) may nest or overlap (counted); the stall clock runs from the
+    later of the last beat and the moment the node went from idle to busy."""
 
     def __init__(self, stall_limit: float, clock: Callable[[], float] = time.monotonic) -> None:
         if not stall_limit > 0:
@@ -197,14 +187,10 @@ def always_healthy() -> bool:
 
 
 class Watchdog(threading.Thread):
-    """Pings WATCHDOG=1 at the configured interval while ``healthy()`` says so.
-
-    Stops pinging (so that systemd restarts the service once ``WatchdogSec`` passes) while
-    ``healthy()`` is false or raises; logs a warning once when it stops, with ``reason()`` when
-    given, and once when it resumes. Pings go over one socket (a ``Notifier``, shared with
-    READY=1 and STOPPING=1), opened before any flood can take the last descriptor; no error
-    ends the thread.
-    """
+    """Pings WATCHDOG=1 each interval while ``healthy()`` (false or raising stops the pings, so
+    systemd restarts the service after ``WatchdogSec``); a warning once when it stops, with
+    ``reason()``, and once when it resumes. The ``Notifier`` socket is opened before a
+    descriptor flood can take it."""
 
     def __init__(self, interval: float, stop: threading.Event,
                  healthy: Callable[[], bool] = always_healthy,
@@ -233,9 +219,8 @@ class Watchdog(threading.Thread):
         return False, why
 
     def run(self) -> None:
-        """Until ``stop``: a ping each interval while healthy. Nothing ends the thread: a ping
-        that cannot be sent (out of descriptors, systemd's socket gone) is logged once per
-        spell of failures and tried again at the next interval."""
+        """Nothing ends the thread: a ping that cannot be sent is logged once per spell of
+        failures and tried again at the next interval."""
         failing = ""
         while not self.stop.wait(self.interval):
             try:

@@ -156,16 +156,14 @@ def install_units(dest: "os.PathLike[str] | str" = DEFAULT_UNIT_DIR,
                   config_dir: "os.PathLike[str] | str" = DEFAULT_CONFIG_DIR,
                   force: bool = False, root: "os.PathLike[str] | str | None" = None
                   ) -> List[Path]:
-    """Write the three units into ``dest`` (ExecStart= running ``executable``, by default
-    :func:`default_command`) and the config skeletons ``mdiedge.toml`` and ``starter.toml``
-    into ``config_dir``; the units and skeletons name the configs and the secret there.
+    """Write the three units into ``dest`` (ExecStart= running ``executable``) and the config
+    skeletons ``mdiedge.toml`` and ``starter.toml`` into ``config_dir``; returns the files
+    written.
 
-    ``root``: write everything under this folder (an image being built, a test), the paths
-    in the files still as the installed system sees them. Relative folders are taken from
-    the current one (only without ``root``). Existing configs are never touched; existing
-    units are replaced only with ``force``. Returns the files written. Run ``systemctl
-    daemon-reload`` afterwards.
-    """
+    ``root``: write under this folder (an image being built, a test), the paths in the files as
+    the installed system sees them. Relative folders are the current one's (only without
+    ``root``). Configs are never overwritten, units only with ``force``. Run ``systemctl daemon-
+    reload`` afterwards."""
     command = default_command() if executable is None else (executable,)
     base = None if root is None else Path(root)
     dest, config_dir = Path(dest), Path(config_dir)

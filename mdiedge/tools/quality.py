@@ -38,7 +38,6 @@ FRAME_HEADER = 48 + 8  # fixed header and one sample's table entry
 
 
 def round_trip(x: torch.Tensor, codec: int, impl: Any = None) -> torch.Tensor:
-    """``x`` after a link's encode and decode with ``codec``."""
     if codec == NONE:
         return x
     impl = impl or CODEC.select()

@@ -168,7 +168,6 @@ class DelayRelay:
             self.connections = [c for c in self.connections if c[0] is not client]
 
     def close(self) -> None:
-        """Stop accepting and end every relayed connection."""
         self.closed.set()
         self.listener.close()
         with self.lock:

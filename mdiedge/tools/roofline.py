@@ -1,22 +1,17 @@
-"""The memory-bandwidth limit of decoding ("roofline", Williams et al. 2009), for ``mdiedge bench``.
+"""The memory-bandwidth limit of decoding ("roofline", Williams et al. 2009), for ``mdiedge
+bench``.
 
-A decode message reads each weight of a node once, for all the rows it carries, so a node's
-time per message is at least its weight bytes over the bandwidth it can read them at. That
-bandwidth is measured the way a node decodes: a product of one row by a weight-sized matrix
-with the product decode uses (``mdiedge.model.layers.Linear``) and the node's thread count,
-in ``concurrent`` processes at once (every node of a local ring shares this machine's memory).
-The nodes of a local ring share its last-level cache too: between them they cycle every
-node's weights through it, so the probe's processes read as many bytes between them as the
-ring does (``probe_bytes``), and weights that fit in the cache only when one node is counted
-are read from memory in the probe as in the ring.
+A decode message reads each weight of a node once for all its rows, so a node's time per message
+is at least its weight bytes over its read bandwidth. That is measured as a node decodes (one
+row by a weight-sized matrix, ``layers.Linear``, the node's threads) in ``concurrent`` processes
+at once, each reading its share of the ring's bytes (``probe_bytes``), so memory and last-level
+cache are shared as in a local ring.
 
 A round gives every sample one token: ``groups`` messages through every node. Node i reads
-``W_i`` bytes of weights per message, and ``K_i`` bytes of KV cache per row of a message
-(each row attends over its own cache: the keys and values of its blocks up to its position,
-``mean_keys`` on average over a generation). With ``c = min(groups, nodes)`` nodes reading
-at once, each at ``b(c)``, a round of ``samples`` rows in messages of ``m`` takes at least
-``max(max_i (groups W_i + samples K_i), sum_i (W_i + m K_i)) / b(c)`` seconds: the busiest
-node's messages, or one message's trip around the ring, whichever is longer.
+``W_i`` weight bytes per message and ``K_i`` KV bytes per row (``mean_keys`` positions on
+average). With ``c = min(groups, nodes)`` nodes reading at once at ``b(c)`` each, a round of
+``samples`` rows in messages of ``m`` takes at least ``max(max_i (groups W_i + samples K_i),
+sum_i (W_i + m K_i)) / b(c)`` seconds: the busiest node, or one message's trip round the ring.
 """
 from __future__ import annotations
 
@@ -78,13 +73,10 @@ def concurrency(nodes: int, samples: int, micro_batch: int) -> int:
 
 
 def _measure(nbytes: int, threads: int, seconds: float, start: Any) -> float:
-    """Bytes/s of one-row products by a ``nbytes`` float32 matrix on ``threads`` threads,
-    after every process has reached ``start`` (a barrier), or at once without one.
-
-    Alone, the faster quartile of the products: a limit, not a mean, on a machine whose
-    speed varies. Beside other processes, what this one read over the whole time: a single
-    product may run while the others wait for a core, and its speed is not one they can
-    all read at together."""
+    """Bytes/s of one-row products by a ``nbytes`` float32 matrix on ``threads`` threads, after
+    ``start`` (a barrier, or None). Alone: the faster quartile (a limit, not a mean); beside
+    other processes: bytes over the whole time, as one product may run while others wait for a
+    core."""
     import torch
 
     from ..model.layers import Linear
@@ -125,9 +117,8 @@ def _child_at_barrier(args: Tuple[int, int, float]) -> float:
 
 def read_bandwidth(nbytes: int, threads: int, concurrent: int = 1,
                    seconds: float = 1.0) -> float:
-    """Bytes/s that each of ``concurrent`` processes reads at, all at once, as a node decodes
-    (their mean). ``nbytes`` is clamped to 1 MiB..1 GiB: a
-    node whose weights fit in cache reads them from there, and so does this product."""
+    """Bytes/s each of ``concurrent`` processes reads at, all at once, as a node decodes (their
+    mean); ``nbytes`` clamped to 1 MiB..1 GiB (weights that fit in cache are read from there)."""
     if threads < 1 or concurrent < 1:
         raise ValueError(f"threads {threads} and processes {concurrent} must be >= 1")
     nbytes = min(max(nbytes, _MIN_BYTES), _MAX_BYTES)

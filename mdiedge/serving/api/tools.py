@@ -142,7 +142,6 @@ class ToolRequest:
 
     @property
     def names(self) -> Tuple[str, ...]:
-        """The functions a reply may call."""
         return (self.function,) if self.function else tuple(t.name for t in self.tools)
 
     def instruction(self) -> str:

@@ -1,19 +1,17 @@
 """``mdiedge calibrate-exit``: per criterion, the thresholds after each block that reach a
 target top-1 agreement with the full model on held-out text, and the exit classifier.
 
-Teacher-forced over text: every block's output on every position, the top-1 of the shared
-head on it, and the three confidences (``mdiedge.model.earlyexit.policy``). A token
-exits after the first block whose confidence reaches its threshold; it agrees when that
-block's top-1 is the last block's. For each block the threshold is the lowest whose exiting tokens agree at least
-a precision level of the time, and the level is the one whose whole rule (first exit wins)
-reaches ``target`` on the calibration text with the fewest blocks per token (CALM's
-calibration, by a simpler search).
+Teacher-forced: every block's output at every position, the shared head's top-1 on it and the
+three confidences (``mdiedge.model.earlyexit.policy``). A token exits after the first block
+whose confidence reaches its threshold and agrees when that block's top-1 is the last block's.
+Each block's threshold is the lowest whose exits agree at least a precision level of the time;
+the level chosen is the one whose whole rule reaches ``target`` with the fewest blocks per token
+(CALM's calibration, by a simpler search).
 
-Text: the classifier trains on the first part of the text (``train_tokens`` of what precedes
-the held-out tail, or, for a text held out whole, of the held-out tokens after the first
-``tokens``, which neither the calibration nor the bench reads); the thresholds are chosen on the first half of the first ``tokens``
-held-out tokens, and ``mdiedge bench --early-exit`` measures on the held-out tokens after
-those (their count is recorded in ``early_exit.json``).
+Text: the classifier trains on ``train_tokens`` before the held-out tail (for a text held out
+whole: after its first ``tokens``); thresholds are chosen on the first half of the first
+``tokens`` held-out tokens; ``mdiedge bench --early-exit`` measures on those after them (their
+count is in ``early_exit.json``).
 """
 from __future__ import annotations
 

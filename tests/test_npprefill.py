@@ -137,7 +137,8 @@ def test_a_prefill_product_uses_the_bounded_tile(monkeypatch: Any,
 
 @pytest.mark.parametrize("qtype,integer", [("Q4_K", True), ("Q6_K", True), ("IQ4_XS", True),
                                            ("Q4_1", False), ("Q8_0", False), ("Q5_0", False)])
-def test_a_q8_prefill_takes_the_integer_kernels_for_k_quants(qtype: str, integer: bool) -> None:
+def test_a_q8_prefill_takes_the_integer_kernels_for_k_quants(qtype: str, integer: bool,
+                                                              monkeypatch: Any) -> None:
     """Under q8, a prefill's product (more rows than the step takes) with a K-quant matrix is
     the integer kernels' (the same numbers as the compiled product gives, whatever the
     threads), with a 32-weight type the tiles'; under f32 every type takes the tiles. The
@@ -161,11 +162,8 @@ def test_a_q8_prefill_takes_the_integer_kernels_for_k_quants(qtype: str, integer
     else:
         np.testing.assert_array_equal(got, tiles)
     layer = qlayers.QuantLinear(torch.from_numpy(matrix.data), qtype, 512)
-    cpudot.set_cpu_dot("q8")
-    try:
-        torch_got = layer(torch.from_numpy(x)).numpy()
-    finally:
-        cpudot.set_cpu_dot(None)
+    monkeypatch.setenv(cpudot.ENV, "q8")
+    torch_got = layer(torch.from_numpy(x)).numpy()
     if integer and usable:
         np.testing.assert_array_equal(torch_got, got)
     else:  # torch's BLAS and numpy's round apart
@@ -204,19 +202,24 @@ print(kind, "torch" in sys.modules, " ".join(map(str, out)))
 """
 
 
-def _greedy(path: Path, kind: str) -> List[str]:
+def _greedy(path: Path, kind: str, dot: str) -> List[str]:
     done = subprocess.run([sys.executable, "-c", GREEDY, str(path), kind], capture_output=True,
-                          text=True, timeout=900, cwd=ROOT, env=dict(os.environ,
-                                                                     PYTHONPATH=str(ROOT)))
+                          text=True, timeout=900, cwd=ROOT, env=dict(
+                              os.environ, PYTHONPATH=str(ROOT), MDIEDGE_CPU_DOT=dot))
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.split()
 
 
 @pytest.mark.realfiles
-@pytest.mark.parametrize("name", ["smollm2", "gemma3-270m", "qwen2.5-coder-1.5b"])
-def test_greedy_tokens_are_the_torch_paths(name: str) -> None:
-    """A prompt of 30 tokens and 16 greedy tokens, under the default dot mode (q8), in a
-    process of each path: the same tokens."""
+@pytest.mark.parametrize("name,dot", [("smollm2", "f32"), ("gemma3-270m", "f32"),
+                                      ("gemma3-270m", "q8"), ("qwen2.5-coder-1.5b", "f32"),
+                                      ("qwen2.5-coder-1.5b", "q8")])
+def test_greedy_tokens_are_the_torch_paths(name: str, dot: str) -> None:
+    """A prompt of 30 tokens and 16 greedy tokens in a process of each path: the same tokens
+    under f32, and under q8 where every prefill product is the same integer kernels' on both
+    paths (K-quant files). SmolLM2's Q4_1 prefill multiplies de-quantized tiles with numpy's
+    BLAS on one path and torch's on the other; under q8 their last-bit differences, rounded
+    to 8 bits, part the paths' greedy tokens at the fourth."""
     if name == "smollm2":
         from smollm2 import gguf_file
 
@@ -227,6 +230,6 @@ def test_greedy_tokens_are_the_torch_paths(name: str) -> None:
         path = REAL_FILES[name].path() if name in REAL_FILES else None
     if path is None:
         pytest.skip(f"{name} not found")
-    numpy_run, torch_run = _greedy(path, "numpy"), _greedy(path, "torch")
+    numpy_run, torch_run = _greedy(path, "numpy", dot), _greedy(path, "torch", dot)
     assert numpy_run[:2] == ["numpy", "False"] and torch_run[:2] == ["torch", "True"]
     assert len(numpy_run) == 18 and numpy_run[2:] == torch_run[2:]

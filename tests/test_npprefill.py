@@ -170,6 +170,20 @@ def test_a_q8_prefill_takes_the_integer_kernels_for_k_quants(qtype: str, integer
         np.testing.assert_allclose(torch_got, got, rtol=1e-5, atol=1e-5 * np.abs(got).max())
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_the_gated_activation_is_the_formula_whatever_the_threads(activation: str) -> None:
+    both = (np.random.default_rng(3).standard_normal((37, 20)) * 4).astype(np.float32)
+    gate, up = both[:, :10].astype(np.float64), both[:, 10:].astype(np.float64)
+    if activation == "silu":
+        want = gate / (1 + np.exp(-gate)) * up
+    else:
+        want = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate ** 3))) * up
+    one = npprefill.gated(both, activation, 1)
+    np.testing.assert_allclose(one, want, rtol=1e-5, atol=1e-5)
+    for threads in (2, 3):
+        np.testing.assert_array_equal(npprefill.gated(both, activation, threads), one)
+
+
 def test_numpys_blas_follows_the_threads() -> None:
     if blasthreads.blas_calls() is None:
         pytest.skip("numpy's BLAS is not an OpenBLAS found here")

@@ -135,26 +135,42 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return normed
 
 
-def activate(x: np.ndarray, activation: str) -> np.ndarray:
-    """SiLU or GELU's tanh approximation of x, in place; returns x."""
+def activate_into(x: np.ndarray, out: np.ndarray, activation: str) -> np.ndarray:
+    """out = SiLU or GELU's tanh approximation of x (no other temporary); returns out."""
     if activation == "silu":
-        sig = np.negative(x)
-        np.exp(sig, out=sig)
-        sig += np.float32(1.0)
-        x /= sig
-        return x
+        np.negative(x, out=out)
+        np.exp(out, out=out)
+        out += np.float32(1.0)
+        return np.divide(x, out, out=out)
     if activation != "gelu_tanh":
         raise ValueError(f"unknown activation {activation!r}")
-    inner = x * x
-    inner *= np.float32(0.044715)
-    inner += np.float32(1.0)
-    inner *= x
-    inner *= np.float32(np.sqrt(2.0 / np.pi))
-    np.tanh(inner, out=inner)
-    inner += np.float32(1.0)
-    x *= np.float32(0.5)
-    x *= inner
-    return x
+    np.multiply(x, x, out=out)
+    out *= np.float32(0.044715)
+    out += np.float32(1.0)
+    out *= x
+    out *= np.float32(np.sqrt(2.0 / np.pi))
+    np.tanh(out, out=out)
+    out += np.float32(1.0)
+    out *= x
+    out *= np.float32(0.5)
+    return out
+
+
+def gated(both: np.ndarray, activation: str, threads: int) -> np.ndarray:
+    """act(gate) * up of both = [gate | up] (rows, 2 hidden) into a new (rows, hidden) array,
+    its rows split among ``threads`` (numpy lets go of the GIL)."""
+    rows, hidden = both.shape[0], both.shape[1] // 2
+    out = np.empty((rows, hidden), np.float32)
+    share = -(-rows // max(1, threads))
+
+    def job(first: int) -> Callable[[], None]:
+        def run() -> None:
+            part = out[first:first + share]
+            activate_into(both[first:first + share, :hidden], part, activation)
+            part *= both[first:first + share, hidden:]
+        return run
+    in_parallel([job(first) for first in range(0, rows, share)], threads)
+    return out
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -203,10 +219,9 @@ def feed_forward(x: np.ndarray, gate_up: Any, down: Any, activation: str,
     hidden = gate_up.shape[0] // 2
     both = product(x, gate_up, np.empty((x.shape[0], 2 * hidden), np.float32), rows.threads,
                    rows.dot)
-    gated = activate(both[:, :hidden].copy(), activation)
-    gated *= both[:, hidden:]
+    mixed = gated(both, activation, rows.threads)
     del both
-    return product(gated, down, np.empty((x.shape[0], down.shape[0]), np.float32),
+    return product(mixed, down, np.empty((x.shape[0], down.shape[0]), np.float32),
                    rows.threads, rows.dot)
 
 

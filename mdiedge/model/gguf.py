@@ -50,18 +50,24 @@ def looks_like_gguf(path: Path) -> bool:
 
 def _gguf_package() -> Any:
     """The gguf package, imported without the SentencePiece library that its ``vocab``
-    module (which mdiedge does not use) tries to load: megabytes of resident memory."""
+    module (which mdiedge does not use) tries to load: megabytes of resident memory. A gguf
+    that cannot import without it is imported again with it."""
     blocked = "sentencepiece" not in sys.modules
     if blocked:
         sys.modules["sentencepiece"] = None  # type: ignore[assignment]  # an ImportError
     try:
         import gguf
+        return gguf
     except ImportError:
-        raise CheckpointError("reading GGUF files needs the gguf package: pip install gguf") \
-            from None
+        pass
     finally:
         if blocked and sys.modules.get("sentencepiece", 0) is None:
             del sys.modules["sentencepiece"]
+    try:
+        import gguf
+    except ImportError:
+        raise CheckpointError("reading GGUF files needs the gguf package: pip install gguf") \
+            from None
     return gguf
 
 

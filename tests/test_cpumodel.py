@@ -175,6 +175,14 @@ def test_an_experts_load_counts_the_routed_rows(gguf_models: Dict[str, Path]) ->
     assert all(sum(counts) == 3 * model.cfg.experts_per_token for counts in load.values())
 
 
+def test_the_route_says_numpy_decodes_without_the_compiled_step(
+        gguf_models: Dict[str, Path], monkeypatch: Any) -> None:
+    monkeypatch.setattr(cpumodel, "_step", _pystep)
+    route = load_cpu_model(gguf_models["qwen2"]).decode_route
+    assert route == {"blocks": "numpy", "head": "numpy",
+                     "reason": "the compiled step is not built (numpy decodes, slowly)"}
+
+
 def test_a_chunk_of_blocks_passes_hidden_states_on(gguf_models: Dict[str, Path]) -> None:
     """Two chunks (embedding + blocks [0, 2); blocks [2, 4) + head) give the whole model's
     logits; each says what it holds."""
@@ -183,8 +191,11 @@ def test_a_chunk_of_blocks_passes_hidden_states_on(gguf_models: Dict[str, Path])
     second = load_cpu_model(path, (2, 4), False, True)
     assert (first.has_embedding, first.has_head, second.has_embedding, second.has_head) == (
         True, False, False, True)
-    assert first.decode_route == {"blocks": "step"}
-    assert whole.decode_route == {"blocks": "step", "head": "step"}
+    where = "step" if cpumodel._step.PREFERRED else "numpy"
+    assert {k: v for k, v in first.decode_route.items() if k != "reason"} == {"blocks": where}
+    assert {k: v for k, v in whole.decode_route.items() if k != "reason"} == {
+        "blocks": where, "head": where}
+    assert ("reason" in whole.decode_route) == (where == "numpy")
     for m in (whole, first, second):
         m.setup_cache(1, 16)
     tokens, slot = np.array([[7, 3, 9]]), np.array([0])

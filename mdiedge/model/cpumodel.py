@@ -110,9 +110,14 @@ class CpuModel:
 
     @property
     def decode_route(self) -> Dict[str, str]:
-        """Where decode runs (``transformer.route_of``'s form): the step, for every part."""
-        route = {"blocks": "step"} if self.weights.blocks else {}
-        return dict(route, head="step") if self.has_head else route
+        """Where decode runs (``decoderoute.decode_route``'s form): the compiled step for every
+        part, or numpy (``npprefill``) where the step is not built, with the reason."""
+        where = "step" if _step.PREFERRED else "numpy"
+        route = {"blocks": where} if self.weights.blocks else {}
+        route = dict(route, head=where) if self.has_head else route
+        if route and where == "numpy":
+            route["reason"] = "the compiled step is not built (numpy decodes, slowly)"
+        return route
 
     def setup_cache(self, n_slots: int, max_seq_len: Optional[int] = None) -> None:
         """Preallocate KV for ``n_slots`` samples of up to ``max_seq_len`` tokens."""

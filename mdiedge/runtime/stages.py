@@ -79,7 +79,7 @@ def joined_routes(routes: List[Dict[str, str]]) -> Dict[str, str]:
     joined: Dict[str, str] = {}
     for route in routes:
         for part in ("blocks", "head"):
-            if part in route and joined.get(part) != "torch":
+            if part in route and joined.get(part, "step") == "step":
                 joined[part] = route[part]
     reasons = [r["reason"] for r in routes if r.get("reason")]
     if reasons:

@@ -111,6 +111,15 @@ def smollm2_dir() -> Path:
     return smollm2.converted_dir(gguf)
 
 
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_dir: Path) -> Any:
+    """transformers' SmolLM2 on the converted directory (``smollm2.Reference``), loaded once
+    for the session; its answers are kept, so a prompt two modules ask is generated once."""
+    import smollm2
+
+    return smollm2.Reference(smollm2_dir)
+
+
 @dataclass
 class TokenizerKind:
     """A model of one tokenizer kind as mdiedge opens it (``TextModel(model, tokenizer)``) and

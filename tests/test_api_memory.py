@@ -53,12 +53,17 @@ def test_a_burst_leaves_memory_and_threads_bounded(stories: Path) -> None:
         refused = asyncio.run(burst(url, 400, 64))
         assert refused == 200
         assert time.monotonic() - started < 60  # refused before tokenizing: fast
-        time.sleep(defaults.API_TRIM_S + 3)
-        grown = rss_mb(proc.pid) - before
-        threads = len(os.listdir(f"/proc/{proc.pid}/task"))
-        assert grown < 80, f"{grown:.0f} MB more resident after the burst"
-        assert threads <= 4 + 2 + defaults.API_MAX_WAITING + defaults.API_THREADS + \
+        most_threads = 4 + 2 + defaults.API_MAX_WAITING + defaults.API_THREADS + \
             defaults.TEMPLATE_THREADS + 8
+        deadline = time.monotonic() + defaults.API_TRIM_S + 3  # a trim has run by then
+        while True:  # looked at until both are within bounds, the trim's time at most
+            grown = rss_mb(proc.pid) - before
+            threads = len(os.listdir(f"/proc/{proc.pid}/task"))
+            if (grown < 80 and threads <= most_threads) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert grown < 80, f"{grown:.0f} MB more resident after the burst"
+        assert threads <= most_threads
     finally:
         proc.terminate()
         proc.wait(30)

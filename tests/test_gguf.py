@@ -200,14 +200,13 @@ def test_a_mixtral_gguf_equals_its_hf_directory(tmp_path: Path) -> None:
                            b(ids, torch.tensor([1]), [0], all_logits=True))
 
 
-def test_smollm2_greedy_equals_transformers(smollm2_dir: Path) -> None:
+def test_smollm2_greedy_equals_transformers(smollm2_dir: Path, smollm2_reference: Any) -> None:
     """Against transformers on its de-quantized conversion of the same file (made once and
     cached: tests/smollm2.py), not a conversion per run."""
     file = smollm2_file()
     from tokenizers import Tokenizer
-    from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+    ref = smollm2_reference.model  # fp32, from smollm2_dir
     tok = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
     prompt = tok.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
                         "<|im_start|>assistant\n").ids

@@ -25,8 +25,8 @@ RUN_S = 300  # one command's limit: loading the model and 40 tokens take seconds
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_dir: Path) -> Reference:
-    return Reference(smollm2_dir)
+def reference(smollm2_reference: Reference) -> Reference:
+    return smollm2_reference
 
 
 def mdiedge(*args: str) -> subprocess.CompletedProcess:

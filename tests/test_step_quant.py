@@ -294,13 +294,13 @@ def test_block_weights_check_quantized_shapes() -> None:
 
 @pytest.mark.slow
 def test_smollm2_q4_1_through_the_step_is_the_fp32_reference(
-        monkeypatch: pytest.MonkeyPatch, smollm2_dir: Path) -> None:
+        monkeypatch: pytest.MonkeyPatch, smollm2_reference: Any) -> None:
     """SmolLM2-135M-Instruct's Q4_1 file decoded through the step (one call for its 30
     blocks per token, the Q8_0 head through ``logits``): transformers' greedy tokens on the
     de-quantized fp32 directory, 40 new tokens (or up to its EOS)."""
-    from smollm2 import NEW_TOKENS, Reference
+    from smollm2 import NEW_TOKENS
 
-    reference = Reference(smollm2_dir)
+    reference = smollm2_reference
     prompt = reference.plain("The capital of France is")
     want = reference.generated(prompt)
     net = load_model("smollm2")

@@ -34,14 +34,14 @@ QK_ALWAYS void QK(blk32)(int type, const uint8_t *blk, const qm_act *a, ptrdiff_
     }
     if (has_min) {
         QA_UNROLL
-        for (int r = 0; r < R; r++) mins[r] += dm[1] * a->s32[r * nb + b];
+        for (int r = 0; r < R; r++) mins[r] = fmaf(dm[1], a->s32[r * nb + b], mins[r]);
     }
 }
 
-/* The 32-weight types against R rows: even and odd blocks in two accumulators per row (two
-   chains, each half as long) where R <= 4. */
-QK_ALWAYS void QK(dot32)(int type, const uint8_t *w, const qm_act *a, ptrdiff_t k, const int R,
-                        float *s) {
+/* The 32-weight types against R <= 4 rows: even and odd blocks in two accumulators per row
+   (two chains, each half as long). */
+QK_ALWAYS void QK(dot32_4)(int type, const uint8_t *w, const qm_act *a, ptrdiff_t k, const int R,
+                           float *s) {
     const int bb = qm_block_bytes[type];
     const ptrdiff_t nb = k / 32;
     __m256 even[QM_IGROUP], odd[QM_IGROUP];
@@ -52,15 +52,27 @@ QK_ALWAYS void QK(dot32)(int type, const uint8_t *w, const qm_act *a, ptrdiff_t 
         mins_even[r] = mins_odd[r] = 0.0f;
     }
     ptrdiff_t b = 0;
-    if (R <= 4)
-        for (; b + 1 < nb; b += 2) {
-            QK(blk32)(type, w + b * bb, a, k, b, R, even, mins_even);
-            QK(blk32)(type, w + (b + 1) * bb, a, k, b + 1, R, odd, mins_odd);
-        }
+    for (; b + 1 < nb; b += 2) {
+        QK(blk32)(type, w + b * bb, a, k, b, R, even, mins_even);
+        QK(blk32)(type, w + (b + 1) * bb, a, k, b + 1, R, odd, mins_odd);
+    }
     for (; b < nb; b++) QK(blk32)(type, w + b * bb, a, k, b, R, even, mins_even);
     QA_UNROLL
     for (int r = 0; r < R; r++)
         s[r] = qa_hsum(_mm256_add_ps(even[r], odd[r])) + (mins_even[r] + mins_odd[r]);
+}
+
+/* The 32-weight types against R rows, at most 4 at a time: a row's sums are the same, bit for
+   bit, whatever rows share its pass (a verified draft's logits are those of a lone row). */
+QK_ALWAYS void QK(dot32)(int type, const uint8_t *w, const qm_act *a, ptrdiff_t k, const int R,
+                        float *s) {
+    if (R <= 4) {
+        QK(dot32_4)(type, w, a, k, R, s);
+        return;
+    }
+    qm_act rest = qm_act_from(a, k, 4);
+    QK(dot32_4)(type, w, a, k, 4, s);
+    QK(dot32_4)(type, w, &rest, k, R - 4, s + 4);
 }
 
 /* sumi[r] += (q by row r's 32 quants at y + at) by the 16-bit scales sc, for R rows; q

@@ -108,14 +108,14 @@ QN_ALWAYS void qn_blk32(int type, const uint8_t *blk, const qm_act *a, ptrdiff_t
     if (type == QM_Q4_1 || type == QM_Q5_1) {
         float m = QS_HALF(blk + 2);
         QN_UNROLL
-        for (int r = 0; r < R; r++) mins[r] += m * a->s32[r * nb + b];
+        for (int r = 0; r < R; r++) mins[r] = fmaf(m, a->s32[r * nb + b], mins[r]);
     }
 }
 
-/* The 32-weight types against R rows: even and odd blocks in two accumulators per row (two
-   chains, each half as long) where R <= 4. */
-QN_ALWAYS void qn_dot32(int type, const uint8_t *w, const qm_act *a, ptrdiff_t k, const int R,
-                        float *s) {
+/* The 32-weight types against R <= 4 rows: even and odd blocks in two accumulators per row
+   (two chains, each half as long). */
+QN_ALWAYS void qn_dot32_4(int type, const uint8_t *w, const qm_act *a, ptrdiff_t k, const int R,
+                          float *s) {
     const int bb = qm_block_bytes[type];
     const ptrdiff_t nb = k / 32;
     float32x4_t even[QM_IGROUP], odd[QM_IGROUP];
@@ -126,15 +126,27 @@ QN_ALWAYS void qn_dot32(int type, const uint8_t *w, const qm_act *a, ptrdiff_t k
         mins_even[r] = mins_odd[r] = 0.0f;
     }
     ptrdiff_t b = 0;
-    if (R <= 4)
-        for (; b + 1 < nb; b += 2) {
-            qn_blk32(type, w + b * bb, a, k, b, R, even, mins_even);
-            qn_blk32(type, w + (b + 1) * bb, a, k, b + 1, R, odd, mins_odd);
-        }
+    for (; b + 1 < nb; b += 2) {
+        qn_blk32(type, w + b * bb, a, k, b, R, even, mins_even);
+        qn_blk32(type, w + (b + 1) * bb, a, k, b + 1, R, odd, mins_odd);
+    }
     for (; b < nb; b++) qn_blk32(type, w + b * bb, a, k, b, R, even, mins_even);
     QN_UNROLL
     for (int r = 0; r < R; r++)
         s[r] = vaddvq_f32(vaddq_f32(even[r], odd[r])) + (mins_even[r] + mins_odd[r]);
+}
+
+/* The 32-weight types against R rows, at most 4 at a time: a row's sums are the same, bit for
+   bit, whatever rows share its pass (a verified draft's logits are those of a lone row). */
+QN_ALWAYS void qn_dot32(int type, const uint8_t *w, const qm_act *a, ptrdiff_t k, const int R,
+                        float *s) {
+    if (R <= 4) {
+        qn_dot32_4(type, w, a, k, R, s);
+        return;
+    }
+    qm_act rest = qm_act_from(a, k, 4);
+    qn_dot32_4(type, w, a, k, 4, s);
+    qn_dot32_4(type, w, &rest, k, R - 4, s + 4);
 }
 
 /* -- the 256-weight types ------------------------------------------------------------------ */

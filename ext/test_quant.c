@@ -167,6 +167,24 @@ static void idot(int simd, int type, const uint8_t *w, const qm_act *act, int k,
     }
 }
 
+/* Whether each of the rows' outputs (got, of the vector kernel) is, bit for bit, the row's
+   alone: a row's sums must not depend on the rows beside it. Returns 1 on a difference. */
+static int rows_alone(int type, const uint8_t *w, const qm_act *act, int k, int rows, int n,
+                      const float *got) {
+    float alone[N];
+    for (int r = 0; r < rows; r++) {
+        qm_act one = qm_act_from(act, k, r);
+        idot(1, type, w, &one, k, 1, n, alone);
+        for (int j = 0; j < n; j++)
+            if (alone[j] != got[r * n + j]) {
+                printf("type %d k %d rows %d row %d output %d: %g among the rows, %g alone\n",
+                       type, k, rows, r, j, got[r * n + j], alone[j]);
+                return 1;
+            }
+    }
+    return 0;
+}
+
 /* qm_rows's q8 mode (rows may pass QM_IGROUP): got, where rows <= QM_IGROUP the kernel's
    own outputs (equal), and within 3e-2 of each output's size (magnitude's rms: 8-bit
    rounding moves it by about 0.4 %) of the float32 mode. */
@@ -198,6 +216,7 @@ static int check_int(int type, int k, int rows, uint8_t *w, float *x, int n) {
     if (rows <= QM_IGROUP) {
         quantize(type, x, k, rows, &act, mem, xq);
         idot(1, type, w, &act, k, rows, n, got);
+        if (rows_alone(type, w, &act, k, rows, n, got)) return 1;
         idot(0, type, w, &act, k, rows, n, want);
         for (int i = 0; i < rows * n; i++)
             if (!(fabsf(got[i] - want[i]) <= 1e-5f * magnitude(type, w, xq, k, n, i, 0) + 1e-30f)) {

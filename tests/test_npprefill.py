@@ -217,9 +217,14 @@ print(kind, "torch" in sys.modules, " ".join(map(str, out)))
 
 
 def _greedy(path: Path, kind: str, dot: str) -> List[str]:
+    """The subprocess imports the package this process imported (installed and compiled in CI,
+    where the source tree has no compiled modules and q8 would be the twins' emulation)."""
+    import mdiedge
+
+    package_parent = Path(mdiedge.__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-c", GREEDY, str(path), kind], capture_output=True,
                           text=True, timeout=900, cwd=ROOT, env=dict(
-                              os.environ, PYTHONPATH=str(ROOT), MDIEDGE_CPU_DOT=dot))
+                              os.environ, PYTHONPATH=str(package_parent), MDIEDGE_CPU_DOT=dot))
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.split()
 
@@ -244,6 +249,8 @@ def test_greedy_tokens_are_the_torch_paths(name: str, dot: str) -> None:
         path = REAL_FILES[name].path() if name in REAL_FILES else None
     if path is None:
         pytest.skip(f"{name} not found")
+    if dot == "q8" and npprefill._quant is _pyquant:
+        pytest.skip("the integer kernels are not built (their twin emulates q8 in float32)")
     numpy_run, torch_run = _greedy(path, "numpy", dot), _greedy(path, "torch", dot)
     assert numpy_run[:2] == ["numpy", "False"] and torch_run[:2] == ["torch", "True"]
     assert len(numpy_run) == 18 and numpy_run[2:] == torch_run[2:]

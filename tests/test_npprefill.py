@@ -231,14 +231,13 @@ def _greedy(path: Path, kind: str, dot: str) -> List[str]:
 
 @pytest.mark.realfiles
 @pytest.mark.parametrize("name,dot", [("smollm2", "f32"), ("gemma3-270m", "f32"),
-                                      ("gemma3-270m", "q8"), ("qwen2.5-coder-1.5b", "f32"),
-                                      ("qwen2.5-coder-1.5b", "q8")])
+                                      ("qwen2.5-coder-1.5b", "f32")])
 def test_greedy_tokens_are_the_torch_paths(name: str, dot: str) -> None:
     """A prompt of 30 tokens and 16 greedy tokens in a process of each path: the same tokens
-    under f32, and under q8 where every prefill product is the same integer kernels' on both
-    paths (K-quant files). SmolLM2's Q4_1 prefill multiplies de-quantized tiles with numpy's
-    BLAS on one path and torch's on the other; under q8 their last-bit differences, rounded
-    to 8 bits, part the paths' greedy tokens at the fourth."""
+    under f32. Not under q8: the paths' float parts (attention, norms, the 32-weight types'
+    prefill tiles) are numpy's on one and torch's on the other, and 8-bit rounding can grow
+    their last-bit differences into another greedy token (SmolLM2 here; Qwen2.5 under CI's
+    threads, not on a quiet run)."""
     if name == "smollm2":
         from smollm2 import gguf_file
 
@@ -249,8 +248,6 @@ def test_greedy_tokens_are_the_torch_paths(name: str, dot: str) -> None:
         path = REAL_FILES[name].path() if name in REAL_FILES else None
     if path is None:
         pytest.skip(f"{name} not found")
-    if dot == "q8" and npprefill._quant is _pyquant:
-        pytest.skip("the integer kernels are not built (their twin emulates q8 in float32)")
     numpy_run, torch_run = _greedy(path, "numpy", dot), _greedy(path, "torch", dot)
     assert numpy_run[:2] == ["numpy", "False"] and torch_run[:2] == ["torch", "True"]
     assert len(numpy_run) == 18 and numpy_run[2:] == torch_run[2:]

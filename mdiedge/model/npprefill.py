@@ -161,7 +161,7 @@ def gated(both: np.ndarray, activation: str, threads: int) -> np.ndarray:
     its rows split among ``threads`` (numpy lets go of the GIL)."""
     rows, hidden = both.shape[0], both.shape[1] // 2
     out = np.empty((rows, hidden), np.float32)
-    share = -(-rows // max(1, threads))
+    share = max(1, -(-rows // max(1, threads)))
 
     def job(first: int) -> Callable[[], None]:
         def run() -> None:

@@ -5,6 +5,7 @@ and prompts of transformers' GGUF tokenizer: SmolLM2's byte-level BPE (``gpt2``,
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import struct
 import subprocess
@@ -300,3 +301,63 @@ def test_the_cli_says_one_line_for_a_bad_vocabulary(tmp_path: Path) -> None:
     assert done.returncode != 0
     assert lines == [f"mdiedge: error: {path}: a 'gpt2' vocabulary without "
                      f"tokenizer.ggml.merges"], done.stderr
+
+
+def _mixed_texts(tokens: List[str], count: int, seed: int) -> List[str]:
+    """Texts of the vocabulary's own pieces (spaces for ``▁``), special tokens typed whole,
+    characters outside it (byte fallback) and spaces, in random order."""
+    import random
+
+    rng = random.Random(seed)
+    extra = [" ", "  ", "\n", "\t", "<", "😀", "\u0301", "日本", "<0x41>", "\ufffd", "\x00"]
+    texts = []
+    for _ in range(count):
+        parts = [rng.choice(tokens).replace("\u2581", " ") if rng.random() < 0.7
+                 else rng.choice(extra) for _ in range(rng.randint(0, 24))]
+        texts.append("".join(parts))
+    return texts
+
+
+def assert_python_spm_is_the_tokenizers_build(path: Path, texts: List[str]) -> None:
+    """``build_tokenizer``'s Python SentencePiece BPE gives the ids and texts of the
+    ``tokenizers`` build from the whole merge table, on ``texts`` and on random id runs."""
+    import random
+
+    from mdiedge.model import gguf_vocab
+
+    meta = model_file(path).vocab
+    ours, full = gguf_vocab.build_tokenizer(meta, path), gguf_vocab.full_tokenizer(meta, path)
+    assert type(ours).__name__ == "SpmBpe"
+    for text in texts:
+        ids = ours.encode(text).ids
+        assert ids == full.encode(text, add_special_tokens=False).ids, text
+        assert ours.decode(ids) == full.decode(ids, skip_special_tokens=False), text
+    rng, size = random.Random(1), full.get_vocab_size()
+    for _ in range(500):
+        ids = [rng.randrange(size + 2) for _ in range(rng.randint(0, 12))]
+        assert ours.decode(ids) == full.decode(ids, skip_special_tokens=False), ids
+    assert json.loads(ours.to_str())["model"]["type"] == "BPE"  # what grammars read
+
+
+@pytest.mark.parametrize("prefix", [True, False])
+def test_the_python_sentencepiece_is_the_tokenizers_build(tmp_path: Path, prefix: bool) -> None:
+    path = _write(tmp_path / "v.gguf", add_space_prefix=prefix)
+    tokens = model_file(path).vocab["tokenizer.ggml.tokens"]
+    assert_python_spm_is_the_tokenizers_build(path, CORPUS + [TYPED["llama"]]
+                                              + _mixed_texts(tokens, 300, seed=0))
+
+
+@pytest.mark.realfiles
+def test_gemma3s_vocabulary_in_python_is_the_tokenizers_build() -> None:
+    """Gemma 3's 262,144 tokens, 6,249 control and 165 added ones (runs of spaces, tabs and
+    newlines): Tiny Shakespeare-like text, a chat turn and mixed texts."""
+    from realfiles import REAL_FILES
+
+    path = REAL_FILES["gemma3-270m"].path()
+    if path is None:
+        pytest.skip("the Gemma 3 270M file is not installed (README, Real files)")
+    tokens = model_file(path).vocab["tokenizer.ggml.tokens"]
+    turn = "<start_of_turn>user\nWrite a haiku.<end_of_turn>\n<start_of_turn>model\n"
+    assert_python_spm_is_the_tokenizers_build(
+        path, CORPUS + [turn, "  two\n\n\nthree\t\t<b>four</b> <unused7>"]
+        + _mixed_texts(tokens, 1000, seed=2))

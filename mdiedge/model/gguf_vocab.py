@@ -3,9 +3,10 @@ built with the ``tokenizers`` library as llama.cpp's ``llama-vocab.cpp`` reads t
 
 - ``tokenizer.ggml.model`` ``gpt2``: byte-level BPE from ``tokens`` and ``merges``, the text
   split first by the regular expressions that ``tokenizer.ggml.pre`` names (``PRE_SPLITS``);
-- ``llama``: SentencePiece BPE, its merges recovered from ``tokens`` and ``scores`` (a merge
-  ranks by its result's score), bytes as ``<0xXX>`` pieces for what the vocabulary lacks, and
-  a space before the text when ``add_space_prefix`` (absent: true) says so.
+- ``llama``: SentencePiece BPE, a merge ranked by its result's score (``spmbpe.SpmBpe``
+  in Python; ``tokenizers`` with the merges spelled out for grammars), bytes as ``<0xXX>``
+  pieces for what the vocabulary lacks, and a space before the text when
+  ``add_space_prefix`` (absent: true) says so.
 
 Tokens the file types CONTROL (and UNKNOWN) are special tokens, USER_DEFINED ones added
 tokens: typed in a text, each is that one token. Whether prompts get a BOS or an EOS is the
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..base.errors import TokenizerError
+from .spmbpe import SpmBpe
 
 MAGIC = b"GGUF"
 TYPE_NORMAL, TYPE_UNKNOWN, TYPE_CONTROL, TYPE_USER_DEFINED = 1, 2, 3, 4  # token_type values
@@ -183,8 +185,7 @@ def _special_id(meta: Dict[str, Any], path: Path, name: str, size: int,
     return found
 
 
-def build_tokenizer(meta: Dict[str, Any], path: Path) -> Any:
-    """The ``tokenizers.Tokenizer`` that the metadata ``meta`` of ``path`` describes."""
+def _vocab_tokens(meta: Dict[str, Any], path: Path) -> List[str]:
     model = meta.get("tokenizer.ggml.model")
     if model not in BUILDERS:
         raise TokenizerError(f"{path}: tokenizer.ggml.model {model!r} is not a vocabulary "
@@ -192,18 +193,47 @@ def build_tokenizer(meta: Dict[str, Any], path: Path) -> Any:
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens or not isinstance(tokens[0], str):
         raise TokenizerError(f"{path}: no tokenizer.ggml.tokens (a list of strings)")
+    return tokens
+
+
+def _check_size(path: Path, size: int, tokens: List[str]) -> None:
+    if size != len(tokens):
+        raise TokenizerError(f"{path}: the vocabulary has {size} distinct "
+                             f"tokens, tokenizer.ggml.tokens {len(tokens)}")
+
+
+def full_tokenizer(meta: Dict[str, Any], path: Path) -> Any:
+    """The ``tokenizers.Tokenizer`` that the metadata ``meta`` of ``path`` describes (for a
+    ``llama`` vocabulary, what ``build_tokenizer`` builds only for the grammars' use)."""
+    tokens = _vocab_tokens(meta, path)
     special, added = _added(tokens, _field(meta, path, "token_type", len(tokens)))
-    tok = BUILDERS[model](meta, path, tokens, set(special) | set(added))
+    tok = BUILDERS[meta["tokenizer.ggml.model"]](meta, path, tokens, set(special) | set(added))
     tk = _tokenizers()
     if special:
         tok.add_special_tokens([tk.AddedToken(t, normalized=False, special=True)
                                 for t in special])
     if added:
         tok.add_tokens([tk.AddedToken(t, normalized=False, special=False) for t in added])
-    if tok.get_vocab_size() != len(tokens):
-        raise TokenizerError(f"{path}: the vocabulary has {tok.get_vocab_size()} distinct "
-                             f"tokens, tokenizer.ggml.tokens {len(tokens)}")
+    _check_size(path, tok.get_vocab_size(), tokens)
     return tok
+
+
+def build_tokenizer(meta: Dict[str, Any], path: Path) -> Any:
+    """The tokenizer that the metadata ``meta`` of ``path`` describes: ``full_tokenizer``'s,
+    but a ``llama`` vocabulary's in Python (``spmbpe.SpmBpe``: the same ids, none of the
+    merge table's time and memory)."""
+    tokens = _vocab_tokens(meta, path)
+    if meta["tokenizer.ggml.model"] != "llama":
+        return full_tokenizer(meta, path)
+    special, added = _added(tokens, _field(meta, path, "token_type", len(tokens)))
+    scores = _field(meta, path, "scores", len(tokens)) or [0.0] * len(tokens)
+    unk = meta.get("tokenizer.ggml.unknown_token_id", 0)
+    unk_id = unk if isinstance(unk, int) and 0 <= unk < len(tokens) else None
+    built = SpmBpe(tokens, scores, special + added, unk_id,
+                   bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+                   lambda: full_tokenizer(meta, path))
+    _check_size(path, len(built.ids), tokens)
+    return built
 
 
 def _special_ids(meta: Dict[str, Any], path: Path) -> Dict[str, Optional[int]]:

@@ -412,6 +412,7 @@ static inline void qm_widen16_neon(qs_i8x16 v, qs_f8 *out) {
 
 static qm_dot_fn qm_fns[QM_TYPES][QM_GROUP + 1];
 static qm_idot_fn qm_ifns[QM_TYPES];  /* the integer kernels (NULL: the type has none here) */
+static qm_idot_fn qm_wfns[QM_TYPES];  /* the wide ones (NULL: the type's qm_ifns serves) */
 static const char *qm_path = "scalar", *qm_ipath = "scalar";
 
 /* Whether this CPU runs the vector path compiled here. */
@@ -442,10 +443,12 @@ static int qm_ivariant_usable(int i) {
    multiply in float32 there); qm_use_simd(1) first. Tests compare each variant. */
 static void qm_use_ivariant(int i) {
     memset(qm_ifns, 0, sizeof qm_ifns);
+    memset(qm_wfns, 0, sizeof qm_wfns);
     qm_ipath = "float32";
 #ifdef QM_IVARIANTS
     if (qm_ivariant_usable(i)) {
         memcpy(qm_ifns, qm_ivariants[i].table, sizeof qm_ifns);
+        if (qm_ivariants[i].wide) memcpy(qm_wfns, qm_ivariants[i].wide, sizeof qm_wfns);
         qm_ipath = qm_ivariants[i].name;
     }
 #endif
@@ -456,6 +459,7 @@ static void qm_use_ivariant(int i) {
 static const char *qm_use_simd(int on) {
     memcpy(qm_fns, qm_scalar, sizeof qm_fns);
     memcpy(qm_ifns, qm_iscalar, sizeof qm_ifns);
+    memset(qm_wfns, 0, sizeof qm_wfns);
     qm_path = qm_ipath = "scalar";
 #ifdef QM_SIMD_TABLE
     if (on && qm_simd_available()) {
@@ -502,6 +506,7 @@ typedef struct {
     const float *xs;
     qm_act act;
     int q8;
+    int wide;  /* the wide kernels where a type has them (qm_rows's QM_DOT_WIDE) */
 } qm_input;
 
 /* Floats of the memory qm_input_fill takes for rows of k: the sums, then the quantized rows. */
@@ -526,6 +531,7 @@ static void qm_input_fill(qm_input *in, const int *types, int count, int dot, co
     }
     in->xs = NULL;
     in->q8 = form32 || form256;
+    in->wide = 0;
     if (sums) {
         qm_xsum(x, k, rows, mem);
         in->xs = mem;
@@ -559,10 +565,13 @@ static inline void qm_irange(int type, const uint8_t *w, const qm_input *in, flo
                              ptrdiff_t j0, ptrdiff_t j1) {
     ptrdiff_t rb = k / qm_block[type] * qm_block_bytes[type];
     float s[QM_IGROUP];
-    qm_idot_fn dot = qm_ifns[type];
+    const int wide = in->wide && qm_wfns[type] != NULL;
+    float dk8[wide ? QM_IGROUP * (k / 256) : 1];
+    qm_idot_fn dot = wide ? qm_wfns[type] : qm_ifns[type];
     for (int r0 = 0; r0 < rows; r0 += QM_IGROUP) {
         int R = rows - r0 < QM_IGROUP ? rows - r0 : QM_IGROUP;
         qm_act act = qm_act_from(&in->act, k, r0);
+        if (wide) qm_act_dk8(&act, k, R, dk8);
         for (ptrdiff_t j = j0; j < j1; j++) {
             if (r0 == 0) qm_ahead(w, rb, j);
             dot(w + j * rb, &act, k, R, s);
@@ -607,14 +616,19 @@ static inline void qm_task(int type, const uint8_t *w, const float *x, const qm_
     qm_range(type, w, x, in, y, NULL, n, k, rows, j0, j1);
 }
 
-/* y = x W^T on `threads` threads; W is n rows of k weights of `type`; dot != 0: the q8
-   mode. Returns 0, or -1 where the activations' sums or quants cannot be allocated. */
+#define QM_DOT_Q8 1    /* qm_rows's dot: the step's integer kernels */
+#define QM_DOT_WIDE 2  /* the wide ones where a type has them (a prefill's products) */
+
+/* y = x W^T on `threads` threads; W is n rows of k weights of `type`; dot: 0 float32,
+   QM_DOT_Q8 or QM_DOT_WIDE. Returns 0, or -1 where the activations' sums or quants cannot
+   be allocated. */
 static inline int qm_rows(int type, const uint8_t *w, const float *x, float *y, ptrdiff_t n,
                           ptrdiff_t k, int rows, int threads, int dot) {
     float *mem = malloc(sizeof(float) * qm_input_floats(k, rows));
     if (!mem) return -1;
     qm_input in;
     qm_input_fill(&in, &type, 1, dot, x, k, rows, mem);
+    in.wide = dot == QM_DOT_WIDE;
     ptrdiff_t tasks = (n + QM_COLS_PER_TASK - 1) / QM_COLS_PER_TASK;
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (ptrdiff_t t = 0; t < tasks; t++) qm_task(type, w, x, &in, y, n, k, rows, t);

@@ -30,16 +30,21 @@ typedef struct {
     const int8_t *qk;      /* 256-blocks' quants (R, k) */
     const float *dk;       /* their scales (R, k / 256) */
     const int16_t *bsums;  /* sums of each 16 quants (R, k / 16) */
+    const float *dk8;      /* the wide kernels' dk: by block, 8 rows' (0 past R); qm_act_dk8 */
 } qm_act;
 
 /* One weight row against R <= QM_IGROUP quantized activation rows: s[r] = sum_i W[i] x[r][i]. */
 typedef void (*qm_idot_fn)(const uint8_t *w, const qm_act *a, ptrdiff_t k, int R, float *s);
 
-/* A vector path's integer kernels: its name, the kernels by type, and whether this CPU runs
-   them (NULL: wherever the vector path runs). */
+/* A vector path's integer kernels: its name, the kernels by type, its wide kernels by type
+   (NULL: none), and whether this CPU runs them (NULL: wherever the vector path runs).
+   A wide kernel is a 256-weight type's for products of many rows (qm_rows's QM_DOT_WIDE):
+   it scales 8 rows' block sums in one vector, where the step's kernels scale each row's;
+   a row's result is its own either way, but the two kinds round it differently. */
 typedef struct {
     const char *name;
     const qm_idot_fn *table;
+    const qm_idot_fn *wide;
     int (*usable)(void);
 } qm_ivariant;
 
@@ -87,8 +92,18 @@ static inline void qm_act_at(qm_act *a, void *mem, ptrdiff_t k, int R) {
 /* a's rows from r0 on. */
 static inline qm_act qm_act_from(const qm_act *a, ptrdiff_t k, int r0) {
     qm_act b = {a->q32 + r0 * k, a->d32 + r0 * (k / 32), a->s32 + r0 * (k / 32),
-                a->qk + r0 * k, a->dk + r0 * (k / 256 + 1), a->bsums + r0 * (k / 16)};
+                a->qk + r0 * k, a->dk + r0 * (k / 256 + 1), a->bsums + r0 * (k / 16), NULL};
     return b;
+}
+
+/* a->dk8 pointed at dk8 (QM_IGROUP (k / 256) floats), filled with a's R rows' 256-block
+   scales, block by block, for the wide kernels. */
+static inline void qm_act_dk8(qm_act *a, ptrdiff_t k, int R, float *dk8) {
+    ptrdiff_t nb = k / 256;
+    for (ptrdiff_t b = 0; b < nb; b++)
+        for (int r = 0; r < QM_IGROUP; r++)
+            dk8[QM_IGROUP * b + r] = r < R ? a->dk[r * (nb + 1) + b] : 0.0f;
+    a->dk8 = dk8;
 }
 
 /* v rounded to the nearest integer, halves away from zero (roundf), in plain arithmetic. */

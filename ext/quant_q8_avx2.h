@@ -103,6 +103,42 @@ QA_ALWAYS void qa_scale_k(const qm_act *a, ptrdiff_t k, ptrdiff_t b, const int R
     }
 }
 
+/* Each of R vectors' eight int32 lanes summed into lane r of one vector (lanes R.. 0). */
+QA_ALWAYS __m256i qa_pairs(__m256i a, __m256i b) {  /* a0+a2 b0+b2 a1+a3 b1+b3 | the same */
+    return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+}
+QA_ALWAYS __m256i qa_lanes8(const __m256i *v, const int R) {
+    const __m256i z = _mm256_setzero_si256();
+    __m256i t0 = qa_pairs(v[0], R > 1 ? v[1] : z);
+    __m256i t1 = R > 2 ? qa_pairs(v[2], R > 3 ? v[3] : z) : z;
+    __m256i t2 = R > 4 ? qa_pairs(v[4], R > 5 ? v[5] : z) : z;
+    __m256i t3 = R > 6 ? qa_pairs(v[6], R > 7 ? v[7] : z) : z;
+    __m256i u0 = _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1));
+    __m256i u1 = _mm256_add_epi32(_mm256_unpacklo_epi64(t2, t3), _mm256_unpackhi_epi64(t2, t3));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                            _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+/* qa_scale_k for the wide kernels: lane r of *acc8 (row r) += dy (dw S - mw M), S the sum
+   of sumi[r]'s lanes and M of row r's 16-sums by mins16, dy from a->dk8; sumi cleared. */
+QA_ALWAYS void qa_scale_k8(const qm_act *a, ptrdiff_t k, ptrdiff_t b, const int R, float dw,
+                           float mw, const __m256i *mins16, __m256i *sumi, __m256 *acc8) {
+    __m256 dy = _mm256_loadu_ps(a->dk8 + QM_IGROUP * b);
+    __m256i sums = qa_lanes8(sumi, R);
+    *acc8 = _mm256_fmadd_ps(_mm256_mul_ps(dy, _mm256_set1_ps(dw)), _mm256_cvtepi32_ps(sums),
+                            *acc8);
+    if (mins16) {
+        __m256i m[QM_IGROUP];
+        QA_UNROLL
+        for (int r = 0; r < R; r++)
+            m[r] = _mm256_madd_epi16(*mins16, qa_load(a->bsums + r * (k / 16) + 16 * b));
+        *acc8 = _mm256_fnmadd_ps(_mm256_mul_ps(dy, _mm256_set1_ps(mw)),
+                                 _mm256_cvtepi32_ps(qa_lanes8(m, R)), *acc8);
+    }
+    QA_UNROLL
+    for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
+}
+
 /* sumi[r] -= 2^shift (the 16-bit scales sc16, one per 16 weights, by row r's 16-sums of
    block b), for R rows: the offset of quants stored as 2^shift + q. */
 QA_ALWAYS void qa_offset_k(const qm_act *a, ptrdiff_t k, ptrdiff_t b, const int R,
@@ -177,9 +213,10 @@ static inline int qa_vnni(void) {
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
 }
 
-/* The integer variants of this path, best last: name, kernels by type, whether it runs. */
+/* The integer variants of this path, best last: name, kernels by type, wide kernels by type,
+   whether it runs. */
 static const qm_ivariant qm_ivariants[] = {
-    {"avx2", qa_table, NULL},
-    {"avx2+avx512vnni", qv_table, qa_vnni},
+    {"avx2", qa_table, qa_wtable, NULL},
+    {"avx2+avx512vnni", qv_table, qv_wtable, qa_vnni},
 };
 #define QM_IVARIANTS 2

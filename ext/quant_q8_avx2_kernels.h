@@ -91,11 +91,16 @@ QK_ALWAYS void QK(rows_k)(const qm_act *a, ptrdiff_t k, ptrdiff_t at, const int 
     }
 }
 
+/* The block's sums scaled into acc: qa_scale_k's, or qa_scale_k8's (wide: acc one vector). */
+#define QK_SCALE(a, k, b, R, dw, mw, mins16, sumi, acc)                                     \
+    (wide ? qa_scale_k8(a, k, b, R, dw, mw, mins16, sumi, acc)                              \
+          : qa_scale_k(a, k, b, R, dw, mw, mins16, sumi, acc))
+
 /* Q4_K (five = 0) or Q5_K block b: per 64 weights the two sub-blocks' quants unpacked once
    and their scales picked, then every row's products by them; the sums scaled and the mins
    taken by the 16-sums (bsums), each sub-block's minimum twice. */
 QK_ALWAYS void QK(blk_k45)(const uint8_t *blk, const qm_act *a, ptrdiff_t k, ptrdiff_t b,
-                          const int R, int five, __m256i *sumi, __m256 *acc) {
+                          const int R, const int wide, int five, __m256i *sumi, __m256 *acc) {
     const __m256i low4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
     const uint8_t *qs = blk + (five ? 48 : 16);
     __m128i sm = qa_scales_k4(blk + 4);
@@ -116,14 +121,14 @@ QK_ALWAYS void QK(blk_k45)(const uint8_t *blk, const qm_act *a, ptrdiff_t k, ptr
         QK(rows_k)(a, k, 256 * b + 64 * c, R, lo, NULL, qa_lane16(scales, 2 * c), sumi);
         QK(rows_k)(a, k, 256 * b + 64 * c + 32, R, hi, NULL, qa_lane16(scales, 2 * c + 1), sumi);
     }
-    qa_scale_k(a, k, b, R, QS_HALF(blk), QS_HALF(blk + 2), &mins16, sumi, acc);
+    QK_SCALE(a, k, b, R, QS_HALF(blk), QS_HALF(blk + 2), &mins16, sumi, acc);
 }
 
 /* Q6_K block b: the offset (32 by each scale by its 16-sum) first; per 32 weights their
    six-bit quants (0..63) unpacked once and their two int8 scales picked, then every row's
    products; the sums scaled. */
 QK_ALWAYS void QK(blk_q6_k)(const uint8_t *blk, const qm_act *a, ptrdiff_t k, ptrdiff_t b,
-                           const int R, __m256i *sumi, __m256 *acc) {
+                           const int R, const int wide, __m256i *sumi, __m256 *acc) {
     const __m256i low4 = _mm256_set1_epi8(0xF), low2 = _mm256_set1_epi8(3);
     __m128i scales8 = _mm_loadu_si128((const __m128i *)(blk + 192));
     qa_offset_k(a, k, b, R, _mm256_cvtepi8_epi16(scales8), 5, sumi);
@@ -137,14 +142,14 @@ QK_ALWAYS void QK(blk_q6_k)(const uint8_t *blk, const qm_act *a, ptrdiff_t k, pt
         __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(h, 4));
         QK(rows_k)(a, k, 256 * b + 32 * i, R, q, NULL, qa_pick2(scales8, i), sumi);
     }
-    qa_scale_k(a, k, b, R, QS_HALF(blk + 208), 0.0f, NULL, sumi, acc);
+    QK_SCALE(a, k, b, R, QS_HALF(blk + 208), 0.0f, NULL, sumi, acc);
 }
 
 /* Q2_K block b: per 32 weights their 2-bit quants unpacked once and their two 4-bit scales
    picked, then every row's products; the sums scaled and the 4-bit mins (one per 16
    weights) taken by the 16-sums. */
 QK_ALWAYS void QK(blk_q2_k)(const uint8_t *blk, const qm_act *a, ptrdiff_t k, ptrdiff_t b,
-                           const int R, __m256i *sumi, __m256 *acc) {
+                           const int R, const int wide, __m256i *sumi, __m256 *acc) {
     const __m256i low2 = _mm256_set1_epi8(3);
     const __m128i low4 = _mm_set1_epi8(0xF);
     __m128i packed = _mm_loadu_si128((const __m128i *)blk);
@@ -156,14 +161,14 @@ QK_ALWAYS void QK(blk_q2_k)(const uint8_t *blk, const qm_act *a, ptrdiff_t k, pt
         __m256i q = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * (i % 4)), low2);
         QK(rows_k)(a, k, 256 * b + 32 * i, R, q, NULL, qa_pick2(scales8, i), sumi);
     }
-    qa_scale_k(a, k, b, R, QS_HALF(blk + 80), QS_HALF(blk + 82), &mins16, sumi, acc);
+    QK_SCALE(a, k, b, R, QS_HALF(blk + 80), QS_HALF(blk + 82), &mins16, sumi, acc);
 }
 
 /* Q3_K block b, its quants as 4 + q (0..7: two low bits and the third times 4): the offset
    (4 by each scale by its 16-sum) first; per 32 weights the quants unpacked once and their
    two scales picked, then every row's products; the sums scaled. */
 QK_ALWAYS void QK(blk_q3_k)(const uint8_t *blk, const qm_act *a, ptrdiff_t k, ptrdiff_t b,
-                           const int R, __m256i *sumi, __m256 *acc) {
+                           const int R, const int wide, __m256i *sumi, __m256 *acc) {
     const __m256i low2 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
     __m128i scales8 = qa_scales_q3_k(blk + 96);
     __m256i hmask = qa_load(blk);
@@ -176,13 +181,13 @@ QK_ALWAYS void QK(blk_q3_k)(const uint8_t *blk, const qm_act *a, ptrdiff_t k, pt
         __m256i q = _mm256_or_si256(lo, _mm256_and_si256(at2, four));
         QK(rows_k)(a, k, 256 * b + 32 * i, R, q, NULL, qa_pick2(scales8, i), sumi);
     }
-    qa_scale_k(a, k, b, R, QS_HALF(blk + 108), 0.0f, NULL, sumi, acc);
+    QK_SCALE(a, k, b, R, QS_HALF(blk + 108), 0.0f, NULL, sumi, acc);
 }
 
 /* IQ4_XS block b: per 32 weights the values their nibbles index (magnitudes and signs
    apart) and their scale picked once, then every row's products; the sums scaled. */
 QK_ALWAYS void QK(blk_iq4_xs)(const uint8_t *blk, const qm_act *a, ptrdiff_t k, ptrdiff_t b,
-                             const int R, __m256i *sumi, __m256 *acc) {
+                             const int R, const int wide, __m256i *sumi, __m256 *acc) {
     const __m256i values = _mm256_broadcastsi128_si256(
         _mm_loadu_si128((const __m128i *)qm_iq4nl));
     __m256i scales = qa_scales_iq4_xs(blk);
@@ -192,31 +197,36 @@ QK_ALWAYS void QK(blk_iq4_xs)(const uint8_t *blk, const qm_act *a, ptrdiff_t k, 
         __m256i sc = _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(ib));
         QK(rows_k)(a, k, 256 * b + 32 * ib, R, _mm256_sign_epi8(x, x), &x, sc, sumi);
     }
-    qa_scale_k(a, k, b, R, QS_HALF(blk), 0.0f, NULL, sumi, acc);
+    QK_SCALE(a, k, b, R, QS_HALF(blk), 0.0f, NULL, sumi, acc);
 }
 
 /* The 256-weight types against R rows: per block, its quants against every row into int32
    sums (sumi), scaled into acc at the block's end. */
 QK_ALWAYS void QK(dot_k)(int type, const uint8_t *w, const qm_act *a, ptrdiff_t k, const int R,
-                        float *s) {
+                        const int wide, float *s) {
     const int bb = qm_block_bytes[type];
     __m256 acc[QM_IGROUP];
     __m256i sumi[QM_IGROUP];
     QA_UNROLL
-    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); sumi[r] = _mm256_setzero_si256(); }
+    for (int r = 0; r < QM_IGROUP; r++) {
+        acc[r] = _mm256_setzero_ps();
+        sumi[r] = _mm256_setzero_si256();
+    }
     for (ptrdiff_t b = 0; b < k / 256; b++) {
         const uint8_t *blk = w + b * bb;
         switch (type) {
-        case QM_Q2_K: QK(blk_q2_k)(blk, a, k, b, R, sumi, acc); break;
-        case QM_Q3_K: QK(blk_q3_k)(blk, a, k, b, R, sumi, acc); break;
-        case QM_Q4_K: QK(blk_k45)(blk, a, k, b, R, 0, sumi, acc); break;
-        case QM_Q5_K: QK(blk_k45)(blk, a, k, b, R, 1, sumi, acc); break;
-        case QM_Q6_K: QK(blk_q6_k)(blk, a, k, b, R, sumi, acc); break;
-        default: QK(blk_iq4_xs)(blk, a, k, b, R, sumi, acc);
+        case QM_Q2_K: QK(blk_q2_k)(blk, a, k, b, R, wide, sumi, acc); break;
+        case QM_Q3_K: QK(blk_q3_k)(blk, a, k, b, R, wide, sumi, acc); break;
+        case QM_Q4_K: QK(blk_k45)(blk, a, k, b, R, wide, 0, sumi, acc); break;
+        case QM_Q5_K: QK(blk_k45)(blk, a, k, b, R, wide, 1, sumi, acc); break;
+        case QM_Q6_K: QK(blk_q6_k)(blk, a, k, b, R, wide, sumi, acc); break;
+        default: QK(blk_iq4_xs)(blk, a, k, b, R, wide, sumi, acc);
         }
     }
+    float lanes[QM_IGROUP];
+    if (wide) _mm256_storeu_ps(lanes, acc[0]);
     QA_UNROLL
-    for (int r = 0; r < R; r++) s[r] = qa_hsum(acc[r]);
+    for (int r = 0; r < R; r++) s[r] = wide ? lanes[r] : qa_hsum(acc[r]);
 }
 
 #define QK_Q8_0(R_) QK(dot32)(QM_Q8_0, w, a, k, R_, s)
@@ -225,12 +235,18 @@ QK_ALWAYS void QK(dot_k)(int type, const uint8_t *w, const qm_act *a, ptrdiff_t 
 #define QK_Q5_0(R_) QK(dot32)(QM_Q5_0, w, a, k, R_, s)
 #define QK_Q5_1(R_) QK(dot32)(QM_Q5_1, w, a, k, R_, s)
 #define QK_IQ4_NL(R_) QK(dot32)(QM_IQ4_NL, w, a, k, R_, s)
-#define QK_Q2_K(R_) QK(dot_k)(QM_Q2_K, w, a, k, R_, s)
-#define QK_Q3_K(R_) QK(dot_k)(QM_Q3_K, w, a, k, R_, s)
-#define QK_Q4_K(R_) QK(dot_k)(QM_Q4_K, w, a, k, R_, s)
-#define QK_Q5_K(R_) QK(dot_k)(QM_Q5_K, w, a, k, R_, s)
-#define QK_Q6_K(R_) QK(dot_k)(QM_Q6_K, w, a, k, R_, s)
-#define QK_IQ4_XS(R_) QK(dot_k)(QM_IQ4_XS, w, a, k, R_, s)
+#define QK_Q2_K(R_) QK(dot_k)(QM_Q2_K, w, a, k, R_, 0, s)
+#define QK_Q2_K_W(R_) QK(dot_k)(QM_Q2_K, w, a, k, R_, 1, s)
+#define QK_Q3_K(R_) QK(dot_k)(QM_Q3_K, w, a, k, R_, 0, s)
+#define QK_Q3_K_W(R_) QK(dot_k)(QM_Q3_K, w, a, k, R_, 1, s)
+#define QK_Q4_K(R_) QK(dot_k)(QM_Q4_K, w, a, k, R_, 0, s)
+#define QK_Q4_K_W(R_) QK(dot_k)(QM_Q4_K, w, a, k, R_, 1, s)
+#define QK_Q5_K(R_) QK(dot_k)(QM_Q5_K, w, a, k, R_, 0, s)
+#define QK_Q5_K_W(R_) QK(dot_k)(QM_Q5_K, w, a, k, R_, 1, s)
+#define QK_Q6_K(R_) QK(dot_k)(QM_Q6_K, w, a, k, R_, 0, s)
+#define QK_Q6_K_W(R_) QK(dot_k)(QM_Q6_K, w, a, k, R_, 1, s)
+#define QK_IQ4_XS(R_) QK(dot_k)(QM_IQ4_XS, w, a, k, R_, 0, s)
+#define QK_IQ4_XS_W(R_) QK(dot_k)(QM_IQ4_XS, w, a, k, R_, 1, s)
 #define QK_BY_ROWS(name, CALL) QM_BY_ROWS(QK_ATTR, QK(name), CALL)
 QK_BY_ROWS(q8_0, QK_Q8_0)
 QK_BY_ROWS(q4_0, QK_Q4_0)
@@ -244,11 +260,21 @@ QK_BY_ROWS(q4_k, QK_Q4_K)
 QK_BY_ROWS(q5_k, QK_Q5_K)
 QK_BY_ROWS(q6_k, QK_Q6_K)
 QK_BY_ROWS(iq4_xs, QK_IQ4_XS)
+QK_BY_ROWS(q2_k_w, QK_Q2_K_W)
+QK_BY_ROWS(q3_k_w, QK_Q3_K_W)
+QK_BY_ROWS(q4_k_w, QK_Q4_K_W)
+QK_BY_ROWS(q5_k_w, QK_Q5_K_W)
+QK_BY_ROWS(q6_k_w, QK_Q6_K_W)
+QK_BY_ROWS(iq4_xs_w, QK_IQ4_XS_W)
 
 /* This variant's integer kernels by type (NULL: none; that type multiplies in float32). */
 static const qm_idot_fn QK(table)[QM_TYPES] = {
     QK(q8_0), QK(q4_0), QK(q4_1), QK(q4_k), QK(q6_k), NULL, NULL, QK(q5_0), QK(q5_1),
     QK(q2_k), QK(q3_k), QK(q5_k), QK(iq4_nl), QK(iq4_xs)};
+/* Its wide kernels (the 256-weight types'). */
+static const qm_idot_fn QK(wtable)[QM_TYPES] = {
+    NULL, NULL, NULL, QK(q4_k_w), QK(q6_k_w), NULL, NULL, NULL, NULL,
+    QK(q2_k_w), QK(q3_k_w), QK(q5_k_w), NULL, QK(iq4_xs_w)};
 
 #undef QK_Q8_0
 #undef QK_Q4_0
@@ -257,10 +283,17 @@ static const qm_idot_fn QK(table)[QM_TYPES] = {
 #undef QK_Q5_1
 #undef QK_IQ4_NL
 #undef QK_Q2_K
+#undef QK_Q2_K_W
 #undef QK_Q3_K
+#undef QK_Q3_K_W
 #undef QK_Q4_K
+#undef QK_Q4_K_W
 #undef QK_Q5_K
+#undef QK_Q5_K_W
 #undef QK_Q6_K
+#undef QK_Q6_K_W
 #undef QK_IQ4_XS
+#undef QK_IQ4_XS_W
 #undef QK_BY_ROWS
+#undef QK_SCALE
 #undef QK_ALWAYS

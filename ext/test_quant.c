@@ -155,14 +155,20 @@ static void use_path(int simd) {
     if (simd && ivariant >= 0) qm_use_ivariant(ivariant);
 }
 
-/* One integer kernel (qm_ifns[type] of the path use_path(simd) picks) over n weight rows:
-   out[r n + j]. */
+static int wide = 0;  /* the kinds of integer kernel under test: the step's (0) or the wide */
+
+/* One integer kernel (qm_ifns[type], or qm_wfns[type] where wide, of the path use_path(simd)
+   picks) over n weight rows: out[r n + j]. */
 static void idot(int simd, int type, const uint8_t *w, const qm_act *act, int k, int rows,
                  int n, float *out) {
+    static float dk8[QM_IGROUP * MAX_K];
     float s[QM_IGROUP];
     use_path(simd);
+    qm_idot_fn dot = simd && wide ? qm_wfns[type] : qm_ifns[type];
+    qm_act in = *act;
+    if (simd && wide) qm_act_dk8(&in, k, rows, dk8);
     for (int j = 0; j < n; j++) {
-        qm_ifns[type](w + j * (k / qm_block[type] * qm_block_bytes[type]), act, k, rows, s);
+        dot(w + j * (k / qm_block[type] * qm_block_bytes[type]), &in, k, rows, s);
         for (int r = 0; r < rows; r++) out[r * n + j] = s[r];
     }
 }
@@ -177,22 +183,22 @@ static int rows_alone(int type, const uint8_t *w, const qm_act *act, int k, int 
         idot(1, type, w, &one, k, 1, n, alone);
         for (int j = 0; j < n; j++)
             if (alone[j] != got[r * n + j]) {
-                printf("type %d k %d rows %d row %d output %d: %g among the rows, %g alone\n",
-                       type, k, rows, r, j, got[r * n + j], alone[j]);
+                printf("type %d k %d rows %d row %d output %d: %g among the rows, %g alone%s\n",
+                       type, k, rows, r, j, got[r * n + j], alone[j], wide ? " (wide)" : "");
                 return 1;
             }
     }
     return 0;
 }
 
-/* qm_rows's q8 mode (rows may pass QM_IGROUP): got, where rows <= QM_IGROUP the kernel's
-   own outputs (equal), and within 3e-2 of each output's size (magnitude's rms: 8-bit
-   rounding moves it by about 0.4 %) of the float32 mode. */
+/* qm_rows's q8 mode (QM_DOT_WIDE where wide; rows may pass QM_IGROUP): got, where rows <=
+   QM_IGROUP the kernel's own outputs (equal), and within 3e-2 of each output's size
+   (magnitude's rms: 8-bit rounding moves it by about 0.4 %) of the float32 mode. */
 static int check_q8_rows(int type, int k, int rows, const uint8_t *w, const float *x,
                          const float *got, int n) {
     float q8[MAX_ROWS * N], f32[MAX_ROWS * N];
     use_path(1);
-    qm_rows(type, w, x, q8, n, k, rows, 1, 1);
+    qm_rows(type, w, x, q8, n, k, rows, 1, wide ? QM_DOT_WIDE : QM_DOT_Q8);
     qm_rows(type, w, x, f32, n, k, rows, 1, 0);
     for (int i = 0; i < rows * n; i++) {
         float size = magnitude(type, w, x, k, n, i, 1);
@@ -247,6 +253,15 @@ static int check_variant(uint8_t *w, float *x) {
         printf("%s integer %s: %d cases, %d mismatches\n", qm_names[type], name, cases, bad);
         failed |= bad;
         ran++;
+        if (!qm_wfns[type]) continue;
+        wide = 1, bad = cases = 0;
+        for (int wi = 0; wi < 3; wi++)
+            for (int rows = 1; rows <= MAX_ROWS; rows += rows == QM_IGROUP ? 3 : 1, cases++)
+                bad += check_int(type, widths[wi], rows, w, x, N);
+        wide = 0;
+        printf("%s integer %s wide: %d cases, %d mismatches\n", qm_names[type], name, cases,
+               bad);
+        failed |= bad;
     }
     if (!ran) printf("no integer kernel ran in %s\n", name);
     return failed || !ran;

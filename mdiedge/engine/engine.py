@@ -180,10 +180,10 @@ class TextModel:
             counts = generation.exits or ExitCounts(self.cfg.n_layers)
             early_exit = dict(criterion=settings.criterion, **counts.as_dict())
         text = prompt.text if isinstance(prompt, Prompt) else prompt
-        spec = generation.speculation
+        speculation = generation.speculation
         return GenerationOutput(text, generation.samples[0].prompt, samples, timing,
                                 generation.recoveries, early_exit,
-                                None if spec is None else spec.stats.as_dict())
+                                None if speculation is None else speculation.stats.as_dict())
 
 
 class Engine(TextModel, abc.ABC):
@@ -203,10 +203,10 @@ class Engine(TextModel, abc.ABC):
     draft_model: Optional[DraftModel] = None  # ``draft:PATH``'s model, shared by requests
     prompt_cache = False  # finished requests' KV rows kept for prompts that continue them
 
-    def speculating(self, spec: Optional[str], device: str = "cpu") -> None:
-        """Have every later request speculate with ``spec`` (``ngram``, ``draft:PATH``; None or
+    def speculating(self, drafter: Optional[str], device: str = "cpu") -> None:
+        """Have every later request speculate with ``drafter`` (``ngram``, ``draft:PATH``; None or
         ``off``: not); a draft model is loaded once on ``device``, on the compute thread."""
-        self.speculate = None if spec in (None, "off") else spec
+        self.speculate = None if drafter in (None, "off") else drafter
         self.speculate_device = device
         self.draft_model = None
         if self.speculate is not None:
@@ -222,17 +222,17 @@ class Engine(TextModel, abc.ABC):
         """A ``Speculation`` for ``generation``'s samples, or None: ``speculate`` is the request's
         choice (None: the engine's); a draft model's drafter holds the request's own slots of the
         shared ``draft_model``."""
-        spec = request_speculate(self.speculate, speculate)
-        if spec is None:
+        chosen = request_speculate(self.speculate, speculate)
+        if chosen is None:
             return None
         from ..runtime.speculation import Speculation, drafter_for
 
         params, draft = generation.params, self.draft_model
         n, context = len(generation.samples), generation.context
-        if draft is not None and spec == self.speculate and not draft.holds(n, context):
+        if draft is not None and chosen == self.speculate and not draft.holds(n, context):
             self.compute.call(draft.fit, max(n, self.reserved[0]),
                               max(context, self.reserved[1]))
-        drafter = drafter_for(spec, self.cfg, n, context, params, self.speculate_device, draft)
+        drafter = drafter_for(chosen, self.cfg, n, context, params, self.speculate_device, draft)
         return Speculation(drafter, params)
 
     def new_generation(self, prompt: Union[str, Prompt], max_new_tokens: int, n_samples: int,

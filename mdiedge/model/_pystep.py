@@ -1,5 +1,5 @@
 """The decode step, pure numpy: the twin of ``ext/_cstep.pyx`` with the same API (see
-``mdiedge/model/_stepspec.py``). The same computation as ``ext/step.h``, one numpy operation
+``mdiedge/model/_stepconstants.py``). The same computation as ``ext/step.h``, one numpy operation
 at a time (equal within float32 rounding, not bit for bit), a ``QuantMatrix`` (each part of a
 ``StackedMatrix``) multiplied by the quantized product's twin (``_pyquant``, the reference
 de-quantizer then float32); ``threads`` is numpy's BLAS's own count here. Arrays are numpy
@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _pyquant
-from ._stepspec import (ACTIVATIONS, MAX_PARTS, MAX_ROWS, BlockWeights,  # noqa: F401
+from ._stepconstants import (ACTIVATIONS, MAX_PARTS, MAX_ROWS, BlockWeights,  # noqa: F401
                         Experts, Limits, QuantMatrix, StackedMatrix, check, check_call,
                         check_logits, logits_usable, usable)
 from .arrays import numpy_view as _np

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._stepspec import (ACTIVATIONS, BlockWeights, Experts, QuantMatrix, StackedMatrix,
+from ._stepconstants import (ACTIVATIONS, BlockWeights, Experts, QuantMatrix, StackedMatrix,
                         plain)
 from .config import ModelConfig
 from .layers import (MLP, Linear, RMSNorm, apply_rope, fuse, fuse_layers, fused_with,

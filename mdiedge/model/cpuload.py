@@ -14,7 +14,7 @@ import numpy as np
 
 from ..base.errors import CheckpointError, CpuPathRefused, QuantError
 from ..base.memory import give_back_free_memory
-from ._stepspec import ACTIVATIONS, QuantMatrix, StackedMatrix
+from ._stepconstants import ACTIVATIONS, QuantMatrix, StackedMatrix
 from .checks import check_finite, check_memory, check_plan, chunk_bytes, describe
 from .config import ModelConfig
 from .cpumodel import BlockParts, CpuModel, Weights

@@ -3,7 +3,7 @@
 A ``Transformer`` holds blocks ``[first, last)`` and optionally the embedding and the final norm
 and head, so a ring node runs the code that runs single-process. The KV cache has a slot dimension:
 each row of a micro-batch carries its own slot and position (MDI-LLM's "rotating KV caches").
-Decode takes the compiled step (``mdiedge.model._stepspec``) for the parts the family declares it
+Decode takes the compiled step (``mdiedge.model._stepconstants``) for the parts the family declares it
 runs, and torch for the rest.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from ..base.accel import Twins
 from . import _pystep
-from ._stepspec import BlockWeights
+from ._stepconstants import BlockWeights
 from .block import KVCache, step_matrix
 from .config import ModelConfig
 from ..base.cpudot import dot_code

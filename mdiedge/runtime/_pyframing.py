@@ -1,6 +1,6 @@
 """Data-plane framing, pure Python: the twin of ``ext/_cframing.pyx``, with the same API and
 errors. It owns the packing and unpacking of a header with ``struct`` and the socket loops; the
-wire format (documented in ``mdiedge/runtime/_framingspec.py``), its constants and its checks
+wire format (documented in ``mdiedge/runtime/_framingconstants.py``), its constants and its checks
 are imported from there."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import zlib
 from typing import Any, List, Optional, Sequence
 
-from ._framingspec import (  # noqa: F401  (the constants are part of this module's API)
+from ._framingconstants import (  # noqa: F401  (the constants are part of this module's API)
     ACTIVATION, CODEC_SHIFT, CRC_OFFSET, ELIGIBLE_BIT, ENTRY_SIZE, FLAG_CODEC, FLAG_PREFILL,
     FLAG_SEALED, FLAGS_KNOWN, FLOAT32, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_BUSY_POLL_US,
     MAX_EXIT_DEPTH, MAX_NDIM, MAX_POSITION, MAX_SAMPLES, MIN_READ_BUFFER, MSG_TYPES, PING,
@@ -24,7 +24,7 @@ _CRC = struct.Struct("<I")
 _ENTRY = struct.Struct("<II")
 _N_SAMPLES = struct.Struct("<H")
 if (_FIXED.size, _ENTRY.size) != (CRC_OFFSET, ENTRY_SIZE):
-    raise ImportError("_pyframing packs another layout than mdiedge.runtime._framingspec")
+    raise ImportError("_pyframing packs another layout than mdiedge.runtime._framingconstants")
 
 
 def pack_header(msg_type: int, flags: int, dtype: int, sample_ids: Sequence[int],

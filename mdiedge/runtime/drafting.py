@@ -94,15 +94,15 @@ class NgramDrafter:
         return len(self._index)
 
 
-def parse_speculate(spec: str) -> Tuple[str, str]:
+def parse_speculate(choice: str) -> Tuple[str, str]:
     """``ngram``, ``ngram:N`` (longest n-gram N) or ``draft:PATH`` as (kind, argument); a
     ConfigError quoting anything else."""
-    kind, _, arg = spec.partition(":")
+    kind, _, arg = choice.partition(":")
     if kind == "ngram" and (not arg or arg.isdigit() and 1 <= int(arg) <= 16):
         return kind, arg
     if kind == "draft" and arg:
         return kind, arg
-    raise ConfigError(f"speculate {spec!r}: expected ngram, ngram:N (1..16) or draft:PATH")
+    raise ConfigError(f"speculate {choice!r}: expected ngram, ngram:N (1..16) or draft:PATH")
 
 
 REQUEST_SPECULATE = ("ngram", "draft", "off")  # a request's choice (the API's ``speculate``)

@@ -8,7 +8,7 @@ into a freshly allocated (or caller-given) numpy array: no intermediate copies. 
 is sent (numpy, or a torch tensor through ``.numpy()``, one on another device copied to the
 CPU first); every array received is numpy, a bfloat16 one as its uint16 words
 (``mdiedge.base.arrays``): no torch here. The wire format is documented in
-``mdiedge/runtime/_framingspec.py``.
+``mdiedge/runtime/_framingconstants.py``.
 
 A malformed, oversized or truncated frame raises ``FrameError``. The stream position is
 then unknown (part of the frame may be unread), so the caller must close the link; the
@@ -42,7 +42,7 @@ from ..base.arrays import BF16_WORDS, to_numpy
 from ..base.codecs import NONE, encoded_size
 from ..base.accel import Twins
 from ..base.errors import FrameError
-from ._framingspec import FLAG_ALL_ROWS, FLAG_REWIND  # noqa: F401  (both implementations read the spec's)
+from ._framingconstants import FLAG_ALL_ROWS, FLAG_REWIND  # noqa: F401  (both implementations read the spec's)
 from . import _pycodec, _pyframing
 
 try:

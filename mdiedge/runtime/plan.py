@@ -238,7 +238,7 @@ class StepPlan:
 def verify_rows(frame_rows: int) -> int:
     """Token rows (samples x positions) a verification message carries at most: the
     compiled step's rows, and never more than a frame holds (``frame_rows``, 0: no limit)."""
-    rows = defaults.SPEC_MAX_K + 1
+    rows = defaults.SPECULATION_MAX_K + 1
     return min(rows, frame_rows) if frame_rows > 0 else rows
 
 

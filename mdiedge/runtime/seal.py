@@ -7,7 +7,7 @@ direction, so no two links, directions or set-ups share a key. Each direction se
 frames with AES-256-GCM (``AEAD``) under its key, the nonce being the frame's number on that
 direction (a 64-bit counter from 0, never sent: both ends count), the header and sample table
 as associated data (they stay readable, so lengths are bounds-checked before anything is
-allocated) and the payload encrypted; the tag follows the payload (``_framingspec``). A frame
+allocated) and the payload encrypted; the tag follows the payload (``_framingconstants``). A frame
 altered, replayed or reordered on the way, or one after a dropped frame, fails its tag: an
 ``IntegrityError``, and the link closes.
 
@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from ._framingspec import TAG_SIZE, byte_view
+from ._framingconstants import TAG_SIZE, byte_view
 from ..base.errors import FrameError, IntegrityError
 
 AEAD = AESGCM  # faster than ChaCha20-Poly1305 wherever the CPU has AES instructions

@@ -30,10 +30,10 @@ class KPolicy:
     """The adaptive-k rule's settings: ``max_k`` bounds k (rows of a message: k + 1 per
     sample, so the scheduler lowers it to fit a frame or the step's rows)."""
 
-    max_k: int = defaults.SPEC_MAX_K
-    row_cost: float = defaults.SPEC_ROW_COST
-    window: int = defaults.SPEC_WINDOW
-    retry_after: int = defaults.SPEC_RETRY_AFTER
+    max_k: int = defaults.SPECULATION_MAX_K
+    row_cost: float = defaults.SPECULATION_ROW_COST
+    window: int = defaults.SPECULATION_WINDOW
+    retry_after: int = defaults.SPECULATION_RETRY_AFTER
     prior_accepted: float = 1.0  # pseudo-counts: an acceptance of 1/2 before any evidence
     prior_rejected: float = 1.0
 
@@ -102,7 +102,7 @@ def pad_draft(draft: Draft, width: int) -> Draft:
 
 
 @dataclass
-class SpecStats:
+class SpeculationStats:
     """What speculation did, as ``--json`` reports it; ``row_cost``: the one the widths were last
     chosen with."""
 
@@ -136,7 +136,7 @@ class Speculation:
         self.drafter, self.params, self.policy = drafter, params, policy
         self.rounds: Dict[int, List[Tuple[int, int]]] = {}
         self.pending: Dict[int, Draft] = {}  # drafted steps not sent yet, by sample id
-        self.stats = SpecStats()
+        self.stats = SpeculationStats()
 
     def want(self, sample_id: int, max_k: Optional[int] = None,
              row_cost: Optional[float] = None) -> Tuple[float, int]:
@@ -200,7 +200,7 @@ class RowCost:
     were timed ``least`` times each. Quantized kernels bound by arithmetic pay most of a step per
     row; float weights, read once for all rows, little."""
 
-    def __init__(self, prior: float = defaults.SPEC_ROW_COST, window: int = 8,
+    def __init__(self, prior: float = defaults.SPECULATION_ROW_COST, window: int = 8,
                  least: int = 3) -> None:
         self.prior, self.window, self.least = prior, window, least
         self.seconds: Dict[int, List[float]] = {}  # rows -> the latest round trips
@@ -290,11 +290,11 @@ def step_rows(parts: Sequence[Tuple[Any, Sequence[Any]]]
     return rows, tokens, drafts
 
 
-def drafter_for(spec: str, target_cfg: Any, n_slots: int, context: int,
+def drafter_for(choice: str, target_cfg: Any, n_slots: int, context: int,
                 params: Any, device: str = "cpu", draft: Optional[DraftModel] = None) -> Drafter:
-    """The drafter ``spec`` names (``parse_speculate``); ``draft``: the engine's shared draft model
+    """The drafter ``choice`` names (``parse_speculate``); ``draft``: the engine's shared draft model
     for ``draft:PATH`` (None: one loaded for this drafter alone)."""
-    kind, arg = parse_speculate(spec)
+    kind, arg = parse_speculate(choice)
     if kind == "ngram":
         return NgramDrafter(max_n=int(arg) if arg else 3)
     if draft is None:

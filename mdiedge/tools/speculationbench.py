@@ -83,7 +83,7 @@ def compare(nodes: int, workload: str, runs: Dict[str, List[Dict[str, Any]]]) ->
     way, their ratio, whether every run gave the same tokens, and the speculation figures
     summed over the speculating runs."""
     plain = statistics.median(r["tokens_per_s"] for r in runs["plain"])
-    spec = statistics.median(r["tokens_per_s"] for r in runs["spec"])
+    speculating = statistics.median(r["tokens_per_s"] for r in runs["spec"])
     texts = [r["token_ids"] for way in WAYS for r in runs[way]]
     stats = [r["speculation"] or {} for r in runs["spec"]]
     drafted = sum(s.get("drafted", 0) for s in stats)
@@ -91,8 +91,8 @@ def compare(nodes: int, workload: str, runs: Dict[str, List[Dict[str, Any]]]) ->
     steps = sum(s.get("verify_steps", 0) for s in stats)
     emitted = sum(s.get("tokens_per_pass", 0.0) * s.get("verify_steps", 0) for s in stats)
     return {"nodes": nodes, "workload": workload,
-            "plain_tokens_per_s": round(plain, 2), "spec_tokens_per_s": round(spec, 2),
-            "speedup": round(spec / plain, 3) if plain > 0 else 0.0,
+            "plain_tokens_per_s": round(plain, 2), "spec_tokens_per_s": round(speculating, 2),
+            "speedup": round(speculating / plain, 3) if plain > 0 else 0.0,
             "same_text": all(t == texts[0] for t in texts),
             "drafted": drafted, "accepted": accepted,
             "acceptance": round(accepted / drafted, 4) if drafted else 0.0,

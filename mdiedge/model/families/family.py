@@ -1,6 +1,6 @@
 """What a model family declares (``Family``): how its Hugging Face ``config.json`` (and, where
 llama.cpp has it, its GGUF metadata) maps to ``ModelConfig``, its tensors' names, the block it
-builds, and what the compiled decode step (``mdiedge.model._stepspec``) runs for it.
+builds, and what the compiled decode step (``mdiedge.model._stepconstants``) runs for it.
 
 Torch-free, so that configs can be read where torch is not installed: a family's block is
 built by a function that imports its torch module when called.
@@ -22,7 +22,7 @@ class Family:
     (``model.layers.{i}.`` stripped for Hugging Face, ``blk.{i}.`` for GGUF); ``{e}`` in a
     name stands for each expert's index. ``step_blocks`` and ``step_head`` declare what the
     compiled step computes exactly as this family does: its dense block (RMSNorm, GQA with
-    rotate-half RoPE, a gated feed-forward, and the optional parts of ``_stepspec.
+    rotate-half RoPE, a gated feed-forward, and the optional parts of ``_stepconstants.
     BlockWeights`` the fields below declare) and its head (RMSNorm, then a bias-free
     product). Where False, the model runs that part in torch, whatever the shapes, and says
     so (``mdiedge.model.decoderoute``).

@@ -24,7 +24,7 @@ import operator
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 from ..base.errors import QuantError
-from ._matvecspec import MAX_ROWS
+from ._matvecconstants import MAX_ROWS
 from .arrays import contiguous_cpu, device_of, grad_enabled, ndim
 from .arrays import plain as _plain
 from .qtypes import KERNEL_TYPES, TYPES, qtype_of

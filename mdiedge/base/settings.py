@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import (Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Optional,
                     Sequence, Tuple, Union)
 
+from .codecs import COMPRESSION_NAMES
 from .defaults import (BUSY_POLL_US, CPU_DOTS, IDLE_TIMEOUT_S, MAX_BUSY_POLL_US,
                        MAX_CONFIG_BYTES, MAX_PAYLOAD, MAX_SECRET_BYTES, MAX_THREADS,
                        PREFILL_CHUNK, REBALANCE_MARGIN, RING_TIMEOUT_S, STALL_S,
                        STARTER_CONTROL_PORT, WORKER_CONTROL_PORT, WORKER_DATA_PORT)
 from .dtypes import COMPUTE_NAMES, QUANTIZERS
 from .errors import BadValue, ConfigError
-from .nodes import COMPRESSION_NAMES, NodeSpec
+from .nodes import NodeSpec
 from .smallfiles import check_secret, read_small_file
 from .valuechecks import (MIN_SECRET_BYTES, Check, boolean, choice, device_name, fraction,
                      host_name, integer, layer_range, parse_bytes, positive, secret_value, show,

@@ -7,9 +7,13 @@ timing lines, the status table). The top layer: it may import any package, none 
 from __future__ import annotations
 
 # registered in the order ``mdiedge --help`` lists them
-from . import generate, chat, serve, nodes, status, bench, perplexity, earlyexit, config  # noqa: F401, I001
-from . import install  # noqa: F401
+from . import generate, chat, serve, nodes, status, bench, perplexity, earlyexit, config  # noqa: I001
+from . import install
 from .app import app, run_app
+
+# imported for their commands, which they register on ``app``
+COMMAND_MODULES = (generate, chat, serve, nodes, status, bench, perplexity, earlyexit, config,
+                   install)
 
 __all__ = ["app", "main"]
 

@@ -8,7 +8,10 @@ from typing import Any
 
 import torch
 
-from ._matvecconstants import MAX_ROWS, check, usable  # noqa: F401  (part of this module's API)
+from ._matvecconstants import MAX_ROWS, check, usable
+
+# the API both twins share
+__all__ = ["MAX_ROWS", "TRANSPOSED_HEAD", "check", "rows", "usable"]
 
 # BLAS streams a one-row product fastest from a head kept in transposed storage
 # (``Transformer.store_head_transposed``); such a weight then takes F.linear.

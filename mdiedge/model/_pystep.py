@@ -13,10 +13,15 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _pyquant
-from ._stepconstants import (ACTIVATIONS, MAX_PARTS, MAX_ROWS, BlockWeights,  # noqa: F401
-                        Experts, Limits, QuantMatrix, StackedMatrix, check, check_call,
-                        check_logits, logits_usable, usable)
+from ._stepconstants import (ACTIVATIONS, MAX_PARTS, MAX_ROWS, BlockWeights, Experts, Limits,
+                             QuantMatrix, StackedMatrix, check, check_call, check_logits,
+                             logits_usable, usable)
 from .arrays import numpy_view as _np
+
+# the API both twins share
+__all__ = ["ACTIVATIONS", "MAX_PARTS", "MAX_ROWS", "PREFERRED", "BlockWeights", "Experts",
+           "Limits", "Plan", "QuantMatrix", "StackedMatrix", "block", "blocks", "check",
+           "check_call", "check_logits", "logits", "logits_usable", "plan", "usable"]
 
 # Row by row in Python this is no faster than the model's own batched torch path, so the
 # torch model keeps that path for decode where this twin is the one selected.

@@ -20,13 +20,15 @@ from ..base.errors import CheckpointError, ConfigError
 from .config import ModelConfig
 from .families import config_to_hf
 from .checks import check_finite
-from .modelfile import LLAMA2C_HEADER, llama2c_config, model_file  # noqa: F401
-from .sources import (QTYPE_KEY, Llama2cSource, SafetensorsArrays,  # noqa: F401 (torch-free)
-                      regular_file_size)
-# the name tables and TensorSource live in .tensors (GGUF's source needs them too); imported
-# here as well for the modules that know them from this one
-from .tensors import (BLOCK_NAMES, GLOBAL_NAMES,  # noqa: F401
-                      TensorSource, block_names, tensor_plan)
+from .modelfile import model_file
+from .sources import QTYPE_KEY, Llama2cSource, SafetensorsArrays, regular_file_size
+from .tensors import GLOBAL_NAMES, TensorSource, tensor_plan
+
+# with QTYPE_KEY (.sources) and GLOBAL_NAMES (.tensors: GGUF's source needs them too), which
+# callers know from this module
+__all__ = ["GLOBAL_NAMES", "QTYPE_KEY", "READ_CHUNK_BYTES", "PathLike", "SafetensorsSource",
+           "TorchBinSource", "content_hash", "hf_state_dict", "load_config", "load_model",
+           "open_source", "resolve_model_path", "save_hf_checkpoint"]
 
 PathLike = Union[str, Path]
 

@@ -41,10 +41,13 @@ from typing import Any
 import torch
 
 from .dequant import blocks_to_float
-from .qtypes import (KERNEL_TYPES, QUANTIZERS, SCALE_FIELDS, TYPES, QType,  # noqa: F401
-                     as_blocks, check_blocks, check_compiled, check_matmul, check_rows,
+from .qtypes import (KERNEL_TYPES, QUANTIZERS, TYPES, check_blocks, check_compiled,
                      dequantize_array, qtype_of, quantize_array, row_bytes)
-from ..base.errors import QuantError
+
+# with the names of .qtypes that callers know from this module
+__all__ = ["KERNEL_TYPES", "QUANTIZERS", "TYPES", "check_blocks", "check_compiled", "dequantize",
+           "dequantize_array", "dequantize_on_device", "qtype_of", "quantize", "quantize_array",
+           "quantized_activations", "row_bytes"]
 
 
 def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:

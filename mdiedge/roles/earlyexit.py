@@ -15,8 +15,6 @@ from ..runtime.protocol import Assignment, ExitAssignment
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # early exit runs on the torch path: torch loads only where it is asked for
-    import torch
-
     from ..model.earlyexit.files import ExitSettings
     from ..model.earlyexit.policy import ExitPolicy
 

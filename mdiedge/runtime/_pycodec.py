@@ -13,10 +13,13 @@ from typing import Any, Tuple
 
 import numpy as np
 
-from ..base.codecs import (  # noqa: F401  (the constants are part of this module's API)
-    BLOCK, FP16, FP16_MAX, INT8, INT8_MAX, INT8_NAN, INT8_NEG_INF, INT8_POS_INF, check_encoded,
-    encoded_size)
+from ..base.codecs import (BLOCK, FP16, FP16_MAX, INT8, INT8_MAX, INT8_NAN, INT8_NEG_INF,
+                           INT8_POS_INF, check_encoded, encoded_size)
 from ._framingconstants import byte_view
+
+# the API both twins share
+__all__ = ["BLOCK", "FP16", "FP16_MAX", "INT8", "INT8_MAX", "INT8_NAN", "INT8_NEG_INF",
+           "INT8_POS_INF", "check_encoded", "decode", "encode", "encoded_size"]
 
 _HALF_NAN = np.uint16(0x7E00)
 

@@ -11,13 +11,24 @@ import time
 import zlib
 from typing import Any, List, Optional, Sequence
 
-from ._framingconstants import (  # noqa: F401  (the constants are part of this module's API)
+from ._framingconstants import (
     ACTIVATION, CODEC_SHIFT, CRC_OFFSET, ELIGIBLE_BIT, ENTRY_SIZE, FLAG_CODEC, FLAG_PREFILL,
     FLAG_SEALED, FLAGS_KNOWN, FLOAT32, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_BUSY_POLL_US,
     MAX_EXIT_DEPTH, MAX_NDIM, MAX_POSITION, MAX_SAMPLES, MIN_READ_BUFFER, MSG_TYPES, PING,
     READ_BUFFER, RELEASE, SHUTDOWN, TAG_SIZE, VERSION, FrameHeader, byte_view, check_busy_poll,
     check_capacity, check_crc, check_eligible, check_fields, check_fixed_size, check_pack_args,
     check_table_size, closed_early, codec_of)
+
+# the API both twins share
+__all__ = ["ACTIVATION", "CODEC_SHIFT", "CRC_OFFSET", "ELIGIBLE_BIT", "ENTRY_SIZE", "FLAG_CODEC",
+           "FLAG_PREFILL", "FLAG_SEALED", "FLAGS_KNOWN", "FLOAT32", "HEADER_SIZE", "ITEMSIZE",
+           "MAGIC", "MAX_BUSY_POLL_US", "MAX_EXIT_DEPTH", "MAX_NDIM", "MAX_POSITION",
+           "MAX_SAMPLES", "MIN_READ_BUFFER", "MSG_TYPES", "PING", "READ_BUFFER", "RELEASE",
+           "SHUTDOWN", "TAG_SIZE", "VERSION", "FrameHeader", "byte_view", "check_busy_poll",
+           "check_capacity", "check_crc", "check_eligible", "check_fields", "check_fixed_size",
+           "check_pack_args", "check_table_size", "closed_early", "codec_of", "FrameReader",
+           "pack_header", "parse_header", "parse_table", "recv_exact_into", "recv_frame_header",
+           "send_all"]
 
 _FIXED = struct.Struct("<4sBBBBHBBI4IIQ")  # everything before the crc
 _CRC = struct.Struct("<I")

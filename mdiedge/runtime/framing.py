@@ -42,8 +42,7 @@ from ..base.arrays import BF16_WORDS, to_numpy
 from ..base.codecs import NONE, encoded_size
 from ..base.accel import Twins
 from ..base.errors import FrameError
-from ._framingconstants import FLAG_ALL_ROWS, FLAG_REWIND  # noqa: F401  (both implementations read the spec's)
-from . import _pycodec, _pyframing
+from . import _framingconstants, _pycodec, _pyframing
 
 try:
     from . import _cframing
@@ -73,6 +72,8 @@ FLAG_PREFILL: int = _impl.FLAG_PREFILL
 FLAG_SEALED: int = _impl.FLAG_SEALED
 TAG_SIZE: int = _impl.TAG_SIZE
 CODEC_SHIFT: int = _impl.CODEC_SHIFT
+FLAG_REWIND: int = _framingconstants.FLAG_REWIND  # flags that only the frame's readers read
+FLAG_ALL_ROWS: int = _framingconstants.FLAG_ALL_ROWS
 codec_of = _impl.codec_of
 ITEMSIZE: Dict[int, int] = _impl.ITEMSIZE
 FrameHeader = _impl.FrameHeader

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Callable, Deque, Optional, Tuple
+from typing import Callable, Deque, List, Optional, Tuple
 
 from .compute import ComputeThread
 from .generation import Generation

@@ -174,7 +174,7 @@ def render(template: Any, limits: Limits, variables: Dict[str, Any]) -> str:
                                 f"{_one_line(e)}") from None
     finally:
         _local.budget = saved
-    check_fits(f"the chat template rendered a prompt of", len(text.encode("utf-8", "surrogatepass")),
+    check_fits("the chat template rendered a prompt of", len(text.encode("utf-8", "surrogatepass")),
                limits)
     return text
 

@@ -1,10 +1,9 @@
 """The one exception hierarchy of mdiedge.
 
-Every error a user can cause (bad input, bad files, a dead node) is an ``MdiedgeError``;
-the CLI prints its message on one line and exits non-zero. Every exception class of the
-package is defined here (tests/test_facts.py checks it), the API's and the control plane's
-included: their HTTP statuses are mapped where they are served.
-"""
+Every error a user can cause (bad input, bad files, a dead node) is an ``MdiedgeError``; the CLI
+prints its message on one line and exits non-zero. Every exception class of the package is defined
+here (tests/test_facts.py checks it), the API's and the control plane's included: their HTTP
+statuses are mapped where they are served."""
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
@@ -87,10 +86,9 @@ class ConversationError(GenerationError):
 
 
 class ChatTemplateError(GenerationError):
-    """A chat template failed while it rendered a conversation: jinja's error, Python's from
-    inside the template (a range too big, recursion, no memory), or one of the limits a
-    render runs under (steps, text made, nesting, time); the API's 400 ``template_error``,
-    the CLI's one line."""
+    """A chat template failed while it rendered a conversation: jinja's error, Python's from inside
+    the template (a range too big, recursion, no memory), or one of the limits a render runs under
+    (steps, text made, nesting, time); the API's 400 ``template_error``, the CLI's one line."""
 
 
 class QueueFull(GenerationError):
@@ -161,9 +159,8 @@ class ListenError(MdiedgeError, OSError):
 
 
 class ContextExceeded(GenerationError):
-    """A prompt and its token budget do not fit the context they would run in (the model's,
-    a server's slots, a pipeline's): the API's 400 ``context_length_exceeded``, the CLI's
-    one line."""
+    """A prompt and its token budget do not fit the context they would run in (the model's, a
+    server's slots, a pipeline's): the API's 400 ``context_length_exceeded``, the CLI's one line."""
 # status -> OpenAI's error type
 API_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                    404: "invalid_request_error", 405: "invalid_request_error",
@@ -173,10 +170,9 @@ API_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 
 
 class ApiError(MdiedgeError):
-    """An API request that ends with HTTP ``status`` and OpenAI's error body
-    ``{"error": {"message", "type", "param", "code"}}``; ``retry_after``: seconds for a 429's
-    or 503's ``Retry-After`` header. ``mdiedge.serving.api.errors.api_error`` maps every other
-    error onto one."""
+    """An API request that ends with HTTP ``status`` and OpenAI's error body ``{"error": {"message",
+    "type", "param", "code"}}``; ``retry_after``: seconds for a 429's or 503's ``Retry-After``
+    header. ``mdiedge.serving.api.errors.api_error`` maps every other error onto one."""
 
     def __init__(self, status: int, message: str, param: Optional[str] = None,
                  code: Optional[str] = None, retry_after: Optional[int] = None) -> None:

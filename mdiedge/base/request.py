@@ -1,10 +1,8 @@
 """A request as the engine takes it in, once: its prompt's text and ids (``Prompt``, tokenized
-once), how each token is chosen (``SamplingParams``), its token budget, samples and stop
-strings, every limit checked here (``take_request``) and trusted by every later layer. No
-torch: the command line checks a request before torch loads. Errors are
-``GenerationError``s whose ``field`` names the value at fault (the CLI and the API name their
-own option or field for it).
-"""
+once), how each token is chosen (``SamplingParams``), its token budget, samples and stop strings,
+every limit checked here (``take_request``) and trusted by every later layer. No torch: the command
+line checks a request before torch loads. Errors are ``GenerationError``s whose ``field`` names the
+value at fault (the CLI and the API name their own option or field for it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,9 +15,8 @@ from .errors import ContextExceeded, GenerationError
 
 @dataclass(frozen=True)
 class Prompt:
-    """A request's prompt: its text and its token ids, tokenized once
-    (``TextModel.prompt``); every later step (the checks, the ``Generation``, a stream of
-    its text) takes the ids from here."""
+    """A request's prompt: its text and its token ids, tokenized once (``TextModel.prompt``); every
+    later step (the checks, the ``Generation``, a stream of its text) takes the ids from here."""
 
     text: str
     ids: Tuple[int, ...]
@@ -147,8 +144,7 @@ class Asked:
 
 @dataclass(frozen=True)
 class Request:
-    """A request taken in (``take_request``): what every later layer runs without checking
-    again."""
+    """A request taken in (``take_request``): what every later layer runs without checking again."""
 
     prompt: Prompt
     max_new_tokens: int  # the budget, fitting the context with the prompt

@@ -8,8 +8,7 @@ quoted).
 
 File look-up (``find_config``): ``--config``, ``$MDIEDGE_CONFIG``, then ``SYSTEM_CONFIG``. Secrets
 (``read_secret``): ``secret``, ``secret_file``, ``$MDIEDGE_SECRET``, ``$MDIEDGE_SECRET_FILE``. No
-torch here (the Python 3.8 CI job imports it).
-"""
+torch here (the Python 3.8 CI job imports it)."""
 from __future__ import annotations
 
 import difflib

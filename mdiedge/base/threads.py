@@ -1,19 +1,17 @@
 """How many threads a node computes with, and how its idle threads wait.
 
-``use_threads`` sets the count the compiled kernels (OpenMP) and torch take. ``--threads N``
-(config ``threads``); 0 gives each node of this machine its share of the cores this process may
-use (affinity, a cgroup's ``cpu.max``): all for one node, ``cores // nodes`` for a local ring,
-at least one.
+``use_threads`` sets the count the compiled kernels (OpenMP) and torch take. ``--threads N`` (config
+``threads``); 0 gives each node of this machine its share of the cores this process may use
+(affinity, a cgroup's ``cpu.max``): all for one node, ``cores // nodes`` for a local ring, at least
+one.
 
-OpenMP threads spin between parallel regions before sleeping (libgomp: 300,000 rounds), and a
-decode step has six barriers per block. On a shared machine spinning holds a core the awaited
-thread needs (SmolLM2 fell from 135 to 1.8 tok/s beside two busy loops); sleeping at once costs
-a wake-up per barrier (115 to 74 tok/s on a quiet 2-core VM). So ``openmp_waits`` looks once, at
-start, at how many other tasks run: passive waits where they take half the cores or more, else a
-short spin (``SPIN_BEFORE_SLEEP``); a user's policy wins. It must run before an OpenMP runtime
-loads, so ``python -m mdiedge`` calls ``choose_openmp_waits`` first; local-ring workers inherit
-the choice.
-"""
+OpenMP threads spin between parallel regions before sleeping (libgomp: 300,000 rounds), and a decode
+step has six barriers per block. On a shared machine spinning holds a core the awaited thread needs
+(SmolLM2 fell from 135 to 1.8 tok/s beside two busy loops); sleeping at once costs a wake-up per
+barrier (115 to 74 tok/s on a quiet 2-core VM). So ``openmp_waits`` looks once, at start, at how
+many other tasks run: passive waits where they take half the cores or more, else a short spin
+(``SPIN_BEFORE_SLEEP``); a user's policy wins. It must run before an OpenMP runtime loads, so
+``python -m mdiedge`` calls ``choose_openmp_waits`` first; local-ring workers inherit the choice."""
 from __future__ import annotations
 
 import math

@@ -1,9 +1,8 @@
 """The ``mdiedge`` command line: thin typer commands; errors become one line and an exit code.
 
 torch is imported only inside commands, so ``mdiedge --help`` answers fast. Each module below
-registers its commands on :data:`app`; ``console`` writes what a terminal shows (progress,
-timing lines, the status table). The top layer: it may import any package, none imports it.
-"""
+registers its commands on :data:`app`; ``console`` writes what a terminal shows (progress, timing
+lines, the status table). The top layer: it may import any package, none imports it."""
 from __future__ import annotations
 
 # registered in the order ``mdiedge --help`` lists them

@@ -269,11 +269,10 @@ def print_status(nodes: List[Dict[str, Any]], wide: bool = False) -> None:
 
 def starter_nodes(url: str, given: str, auth: Any, api_key: Callable[[], Optional[str]]
                   ) -> List[Dict[str, Any]]:
-    """The nodes a starter reports on its control plane, else (a URL that has no control
-    plane's routes) on its OpenAI API (``serve``'s, ``starter --api-port``'s; a URL ending
-    /v1 is its base; ``api_key()``: the key it takes); or the starter alone: ``down`` or,
-    when it refused our signature or key (HTTP 401), ``unauthorized``; the reason in
-    ``error``."""
+    """The nodes a starter reports on its control plane, else (a URL that has no control plane's
+    routes) on its OpenAI API (``serve``'s, ``starter --api-port``'s; a URL ending /v1 is its base;
+    ``api_key()``: the key it takes); or the starter alone: ``down`` or, when it refused our
+    signature or key (HTTP 401), ``unauthorized``; the reason in ``error``."""
     from ..base.errors import MdiedgeError
     from ..runtime.control import call, get_json, round_trip_ms
 

@@ -1,8 +1,7 @@
-"""From a prompt string to sampled text: the tokenizer, the scheduler and a pipeline to run
-the blocks. A request is taken in once (``TextModel.request``): its prompt tokenized into a
-``Prompt`` (text and ids) and every limit checked, into a ``Request`` that its
-``Generation`` is built from without checking again.
-"""
+"""From a prompt string to sampled text: the tokenizer, the scheduler and a pipeline to run the
+blocks. A request is taken in once (``TextModel.request``): its prompt tokenized into a ``Prompt``
+(text and ids) and every limit checked, into a ``Request`` that its ``Generation`` is built from
+without checking again."""
 from __future__ import annotations
 
 import abc

@@ -1,10 +1,8 @@
-"""The one way to open an engine: ``open_engine(EngineSpec(...))``, for the CLI, the API's
-commands, the long-lived starter and the tools alike. ``open_text`` opens the model's text side
-once (config, tokenizer, the config against the weights' headers) so that a command can
-check its request before any node starts; ``open_engine`` then builds on that text side, so
-the tokenizer is loaded once. The engine it gives owns what it started: its ``close``
-stops the local ring's worker processes.
-"""
+"""The one way to open an engine: ``open_engine(EngineSpec(...))``, for the CLI, the API's commands,
+the long-lived starter and the tools alike. ``open_text`` opens the model's text side once (config,
+tokenizer, the config against the weights' headers) so that a command can check its request before
+any node starts; ``open_engine`` then builds on that text side, so the tokenizer is loaded once. The
+engine it gives owns what it started: its ``close`` stops the local ring's worker processes."""
 from __future__ import annotations
 
 from contextlib import ExitStack
@@ -27,17 +25,16 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class EngineSpec(EngineOptions):
-    """Which engine to open and how it runs: the command line's options (``EngineOptions``:
-    its ring options, where given, win over a ring file's; ``quantize`` also holds in one
-    process; ``cpu_dot`` and ``prompt_cache`` are the command's to apply), and where the
-    blocks run.
+    """Which engine to open and how it runs: the command line's options (``EngineOptions``: its ring
+    options, where given, win over a ring file's; ``quantize`` also holds in one process;
+    ``cpu_dot`` and ``prompt_cache`` are the command's to apply), and where the blocks run.
 
-    ``nodes``: 1, every block in this process; N > 1, a local ring of N - 1 worker processes
-    started for the engine (``spares`` more as spares; ``respawn``: a worker that dies is
-    started again). ``ring``: a ring file (TOML) of running workers instead. ``workers``: running
-    workers given as they are, with the starter's ``options`` (a long-lived starter).
-    ``route``: where each ring link connects (``Route``, tests and the relay tool).
-    ``timeout_s``: the ring's set-up timeout (None: the ring file's, else a local ring's)."""
+    ``nodes``: 1, every block in this process; N > 1, a local ring of N - 1 worker processes started
+    for the engine (``spares`` more as spares; ``respawn``: a worker that dies is started again).
+    ``ring``: a ring file (TOML) of running workers instead. ``workers``: running workers given as
+    they are, with the starter's ``options`` (a long-lived starter). ``route``: where each ring link
+    connects (``Route``, tests and the relay tool). ``timeout_s``: the ring's set-up timeout (None:
+    the ring file's, else a local ring's)."""
 
     model: Optional[PathLike] = None
     tokenizer: Optional[PathLike] = None

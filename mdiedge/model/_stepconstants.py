@@ -1,22 +1,19 @@
 """What both implementations of the compiled decode step (``ext/_cstep.pyx`` and
-``mdiedge/model/_pystep.py``) accept: ``block(weights, x, out, slots, positions, threads)``
-runs one decoder block (dense, or with a mixture of experts: ``Experts``) for ``x`` (rows,
-dim), one new token per row, row ``r`` in KV slot ``slots[r]`` at position ``positions[r]``,
-writes the block's output to ``out`` (rows, dim) and the rows' keys and values into the
-cache; ``blocks(plan(weights), x, out, …)``
-runs consecutive blocks in one call, ``plan`` made once for them; ``logits(norm, eps, head,
-x, out, threads)`` writes the final RMSNorm and the head product of ``x`` (rows, dim) to
-``out`` (rows, vocab) in one call (``logits_usable``, ``check_logits``). Everything is
-C-contiguous float32 on the CPU (numpy arrays or torch tensors), 1 <= rows <=
-``MAX_ROWS``, except that each of a block's
-four matrices (qkv, wo, gate_up, down) and the head may instead be a ``QuantMatrix``: uint8
+``mdiedge/model/_pystep.py``) accept: ``block(weights, x, out, slots, positions, threads)`` runs one
+decoder block (dense, or with a mixture of experts: ``Experts``) for ``x`` (rows, dim), one new
+token per row, row ``r`` in KV slot ``slots[r]`` at position ``positions[r]``, writes the block's
+output to ``out`` (rows, dim) and the rows' keys and values into the cache; ``blocks(plan(weights),
+x, out, …)`` runs consecutive blocks in one call, ``plan`` made once for them; ``logits(norm, eps,
+head, x, out, threads)`` writes the final RMSNorm and the head product of ``x`` (rows, dim) to
+``out`` (rows, vocab) in one call (``logits_usable``, ``check_logits``). Everything is C-contiguous
+float32 on the CPU (numpy arrays or torch tensors), 1 <= rows <= ``MAX_ROWS``, except that each of a
+block's four matrices (qkv, wo, gate_up, down) and the head may instead be a ``QuantMatrix``: uint8
 blocks of a kernel type (``mdiedge.model.quant``), multiplied by the quantized product
 (``ext/quant.h``; its twin ``mdiedge/model/_pyquant.py``); a block's matrix may also be a
-``StackedMatrix`` of up to ``MAX_PARTS`` of them, each of its own type; ``usable`` says whether a call
-qualifies and ``check`` raises ``ValueError`` quoting what does not. ``PREFERRED`` (each
-module's own) says whether the model should decode through it rather than through its own
-torch operations.
-"""
+``StackedMatrix`` of up to ``MAX_PARTS`` of them, each of its own type; ``usable`` says whether a
+call qualifies and ``check`` raises ``ValueError`` quoting what does not. ``PREFERRED`` (each
+module's own) says whether the model should decode through it rather than through its own torch
+operations."""
 from __future__ import annotations
 
 import math
@@ -80,10 +77,9 @@ class QuantMatrix:
 
 
 class StackedMatrix:
-    """1..``MAX_PARTS`` ``QuantMatrix`` parts of one input width read as one matrix of their
-    rows stacked, (sum of their rows, in): Q, K and V (or gate and up) multiplied where they
-    lie, each of its own type, with nothing copied; ``ValueError`` quoting what does not
-    fit."""
+    """1..``MAX_PARTS`` ``QuantMatrix`` parts of one input width read as one matrix of their rows
+    stacked, (sum of their rows, in): Q, K and V (or gate and up) multiplied where they lie, each of
+    its own type, with nothing copied; ``ValueError`` quoting what does not fit."""
 
     __slots__ = ("parts", "shape")
 
@@ -168,32 +164,30 @@ class Experts:
 
 
 def _acceptable(name: str, t: Any) -> bool:
-    """A plain float32 tensor, or for a block's matrices a ``QuantMatrix`` or
-    ``StackedMatrix``."""
+    """A plain float32 tensor, or for a block's matrices a ``QuantMatrix`` or ``StackedMatrix``."""
     if isinstance(t, (QuantMatrix, StackedMatrix)):
         return name in _MATRICES
     return plain(t)
 
 
 class BlockWeights:
-    """One block's tensors as the step reads them, checked once when made (shapes,
-    float32, CPU, contiguous; ``ValueError`` quoting what is not) and frozen after.
+    """One block's tensors as the step reads them, checked once when made (shapes, float32, CPU,
+    contiguous; ``ValueError`` quoting what is not) and frozen after.
 
-    attn_norm, mlp_norm (dim,); qkv (q_dim + 2 kv_dim, dim), Q, K and V fused; wo (dim,
-    q_dim); gate_up (2 hidden, dim), gate and up fused; down (dim, hidden); k, v caches
-    (slots, kv_heads, max_seq, head_dim); cos, sin RoPE tables (rope_len, head_dim). Each of
-    qkv, wo, gate_up and down is float32, or a ``QuantMatrix`` or ``StackedMatrix`` of that
-    shape.
+    attn_norm, mlp_norm (dim,); qkv (q_dim + 2 kv_dim, dim), Q, K and V fused; wo (dim, q_dim);
+    gate_up (2 hidden, dim), gate and up fused; down (dim, hidden); k, v caches (slots, kv_heads,
+    max_seq, head_dim); cos, sin RoPE tables (rope_len, head_dim). Each of qkv, wo, gate_up and down
+    is float32, or a ``QuantMatrix`` or ``StackedMatrix`` of that shape.
 
-    Keywords, each absent by default (a Llama block): ``qkv_bias`` (q_dim + 2 kv_dim,) added
-    to the Q/K/V product; ``q_norm``, ``k_norm`` (head_dim,) RMSNorm weights of each head of
-    Q and of K, after the bias and before RoPE (eps the block's); ``post_attn_norm``,
-    ``post_mlp_norm`` (dim,) RMSNorm weights of the attention's and the feed-forward's output
-    before each is added to x ("sandwich" norms); ``activation`` of the gate, one of
-    ``ACTIVATIONS`` ("silu": SwiGLU; "gelu_tanh": GeGLU with tanh-approximated gelu);
-    ``attn_scale`` the scores' factor (None: 1 / sqrt(head_dim)); ``window`` the keys a row
-    at position p attends (0: all; else positions p - window + 1 .. p); ``experts`` an
-    ``Experts``, the block's feed-forward a mixture of experts, gate_up and down None."""
+    Keywords, each absent by default (a Llama block): ``qkv_bias`` (q_dim + 2 kv_dim,) added to the
+    Q/K/V product; ``q_norm``, ``k_norm`` (head_dim,) RMSNorm weights of each head of Q and of K,
+    after the bias and before RoPE (eps the block's); ``post_attn_norm``, ``post_mlp_norm`` (dim,)
+    RMSNorm weights of the attention's and the feed-forward's output before each is added to x
+    ("sandwich" norms); ``activation`` of the gate, one of ``ACTIVATIONS`` ("silu": SwiGLU;
+    "gelu_tanh": GeGLU with tanh-approximated gelu); ``attn_scale`` the scores' factor (None: 1 /
+    sqrt(head_dim)); ``window`` the keys a row at position p attends (0: all; else positions p -
+    window + 1 .. p); ``experts`` an ``Experts``, the block's feed-forward a mixture of experts,
+    gate_up and down None."""
 
     __slots__ = _TENSORS + _OPTIONAL + _SETTINGS + (
         "n_heads", "eps", "dim", "n_kv", "head_dim", "hidden", "n_slots", "positions")
@@ -239,8 +233,7 @@ class BlockWeights:
         raise AttributeError(f"BlockWeights is frozen ({name})")
 
     def replace(self, **changes: Any) -> "BlockWeights":
-        """A copy with some tensors (or n_heads, eps, the optional parts) changed, checked
-        again."""
+        """A copy with some tensors (or n_heads, eps, the optional parts) changed, checked again."""
         names = _TENSORS + ("n_heads", "eps") + _OPTIONAL + _SETTINGS
         return BlockWeights(**{n: changes.get(n, getattr(self, n)) for n in names})
 

@@ -1,9 +1,8 @@
-"""The Llama-style decoder block in plain torch, which the families build: RMSNorm, grouped-
-query attention with rotate-half RoPE over a slotted KV cache (each row its own slot and
-position, MDI-LLM's "rotating KV caches"), optional Q/K/V biases (Qwen2), Q/K head norms (Qwen3,
-Gemma 3), sandwich norms, scale and sliding window (Gemma 3), and the family's feed-forward
-(SwiGLU, GeGLU, mixture of experts). ``step_weights`` hands a block's tensors to the compiled
-decode step."""
+"""The Llama-style decoder block in plain torch, which the families build: RMSNorm, grouped- query
+attention with rotate-half RoPE over a slotted KV cache (each row its own slot and position,
+MDI-LLM's "rotating KV caches"), optional Q/K/V biases (Qwen2), Q/K head norms (Qwen3, Gemma 3),
+sandwich norms, scale and sliding window (Gemma 3), and the family's feed-forward (SwiGLU, GeGLU,
+mixture of experts). ``step_weights`` hands a block's tensors to the compiled decode step."""
 from __future__ import annotations
 
 import math

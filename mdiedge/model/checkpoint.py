@@ -1,10 +1,9 @@
-"""Checkpoints: Hugging Face model directories, llama2.c files and GGUF files (``.gguf``), read
-one block range at a time.
+"""Checkpoints: Hugging Face model directories, llama2.c files and GGUF files (``.gguf``), read one
+block range at a time.
 
-A node reads only the tensors of the blocks it holds (safetensors: each file's header parsed
-once, then each tensor read at its offset straight into its parameter, never a whole-file
-load or memory map) and builds its chunk of the model without materialising the rest.
-"""
+A node reads only the tensors of the blocks it holds (safetensors: each file's header parsed once,
+then each tensor read at its offset straight into its parameter, never a whole-file load or memory
+map) and builds its chunk of the model without materialising the rest."""
 from __future__ import annotations
 
 import json

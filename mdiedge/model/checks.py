@@ -1,9 +1,8 @@
 """Whether a model fits what holds it, checked before memory is spent: its config against the
-checkpoint's tensors (the blocks and experts there are, every shape, from the files' headers
-alone), the memory a chunk takes against the node's free memory, every weight finite as it
-is read, and a tokenizer against the model's vocabulary. Each failure is one line naming
-the value and where it came from.
-"""
+checkpoint's tensors (the blocks and experts there are, every shape, from the files' headers alone),
+the memory a chunk takes against the node's free memory, every weight finite as it is read, and a
+tokenizer against the model's vocabulary. Each failure is one line naming the value and where it
+came from."""
 from __future__ import annotations
 
 import re

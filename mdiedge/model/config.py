@@ -1,10 +1,9 @@
-"""Model configuration: one dataclass, a table of named presets, and the reading of a Hugging
-Face ``config.json`` by a table of keys (each family declares its table:
-``mdiedge.model.families``, which also checks ``model_type``).
+"""Model configuration: one dataclass, a table of named presets, and the reading of a Hugging Face
+``config.json`` by a table of keys (each family declares its table: ``mdiedge.model.families``,
+which also checks ``model_type``).
 
-Derived values (``head_dim``, ``kv_dim``, parameter and byte counts) are computed here and
-nowhere else.
-"""
+Derived values (``head_dim``, ``kv_dim``, parameter and byte counts) are computed here and nowhere
+else."""
 from __future__ import annotations
 
 import dataclasses
@@ -256,12 +255,11 @@ def config_from_keys(raw: Mapping[str, Any], source: str,
                      keys: Mapping[str, str], defaults: Mapping[str, Any],
                      extra: Optional[Callable[[Mapping[str, Any], str], Dict[str, Any]]] = None
                      ) -> ModelConfig:
-    """A ModelConfig from a Hugging Face ``config.json`` dict (and ``generation_config.json``)
-    by a family's table: ``keys`` maps config.json keys to fields, each required unless
-    ``defaults`` has it (None: the field's own default); RoPE, the special tokens and the
-    sliding window are read the same for every family, unless the family's ``extra`` reads
-    them: the fields it returns replace the generic ones. Any value of the wrong kind is a
-    one-line ConfigError naming ``source``."""
+    """A ModelConfig from a Hugging Face ``config.json`` dict (and ``generation_config.json``) by a
+    family's table: ``keys`` maps config.json keys to fields, each required unless ``defaults`` has
+    it (None: the field's own default); RoPE, the special tokens and the sliding window are read the
+    same for every family, unless the family's ``extra`` reads them: the fields it returns replace
+    the generic ones. Any value of the wrong kind is a one-line ConfigError naming ``source``."""
     try:
         return _config_from_keys(raw, source, generation, generation_source, keys, defaults,
                                  extra)

@@ -228,8 +228,7 @@ def _experts(reader: _Reader, cfg: ModelConfig, plan: Dict[str, str], i: int
 
 
 def _head(reader: _Reader, cfg: ModelConfig, plan: Dict[str, str], embedding: bool) -> Matrix:
-    """The head's matrix; None where it is the chunk's tied embedding (``CpuModel`` shares
-    it)."""
+    """The head's matrix; None where it is the chunk's tied embedding (``CpuModel`` shares it)."""
     if cfg.tie_embeddings and embedding:
         return None
     return reader.matrix(plan["lm_head.weight"])

@@ -3,11 +3,10 @@ answered under Hugging Face names.
 
 Parsing is the ``gguf`` package's with every read bounds-checked (``gguf_checks``) and the
 vocabulary's string arrays skipped (the tokenizer reads them), so opening costs the metadata, not
-the vocabulary; numeric arrays become Python numbers only when read (``Metadata``). Tensors are
-read on demand, de-quantized (``get``) or as stored bytes (``raw``). Gemma's RMSNorm weights,
-stored with ``norm_offset`` added, are answered without it; Llama's Q and K rows, interleaved by
-llama.cpp's converter for its RoPE, are answered in Hugging Face's order.
-"""
+the vocabulary; numeric arrays become Python numbers only when read (``Metadata``). Tensors are read
+on demand, de-quantized (``get``) or as stored bytes (``raw``). Gemma's RMSNorm weights, stored with
+``norm_offset`` added, are answered without it; Llama's Q and K rows, interleaved by llama.cpp's
+converter for its RoPE, are answered in Hugging Face's order."""
 from __future__ import annotations
 
 import functools

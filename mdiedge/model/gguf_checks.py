@@ -1,9 +1,8 @@
-"""The bounds of a GGUF header, checked while ``mdiedge.model.gguf``'s reader parses it: the
-limits of ``mdiedge.base.defaults`` (``GGUF_MAX_*``) on entries, lengths and header bytes, and
-tensors whose data lie inside the file, aligned, without overlapping (llama.cpp lays them out
-each at the aligned end of the one before, and refuses offsets that are not). A failed check
-is one CheckpointError; the reader's ``open_reader`` puts the file's name before it.
-"""
+"""The bounds of a GGUF header, checked while ``mdiedge.model.gguf``'s reader parses it: the limits
+of ``mdiedge.base.defaults`` (``GGUF_MAX_*``) on entries, lengths and header bytes, and tensors
+whose data lie inside the file, aligned, without overlapping (llama.cpp lays them out each at the
+aligned end of the one before, and refuses offsets that are not). A failed check is one
+CheckpointError; the reader's ``open_reader`` puts the file's name before it."""
 from __future__ import annotations
 
 import math

@@ -1,13 +1,12 @@
-"""Constrained decoding: output held to a grammar (a JSON schema, any JSON object, GBNF,
-Lark or a regular expression) by masking, before each token is sampled, every token the
-grammar does not allow next.
+"""Constrained decoding: output held to a grammar (a JSON schema, any JSON object, GBNF, Lark or a
+regular expression) by masking, before each token is sampled, every token the grammar does not allow
+next.
 
-llguidance (Microsoft's grammar engine, behind llama.cpp's ``--grammar`` alternatives, vLLM
-and SGLang) compiles the grammar against the model's vocabulary once per request, and one
-matcher per sample follows the tokens it takes. Grammars are bounded: their text, a JSON
-schema's nesting, and the parser's own budgets (``PARSER_LIMITS``); a grammar past them, or
-one that does not compile, is a ``GrammarError`` naming where, never a hang.
-"""
+llguidance (Microsoft's grammar engine, behind llama.cpp's ``--grammar`` alternatives, vLLM and
+SGLang) compiles the grammar against the model's vocabulary once per request, and one matcher per
+sample follows the tokens it takes. Grammars are bounded: their text, a JSON schema's nesting, and
+the parser's own budgets (``PARSER_LIMITS``); a grammar past them, or one that does not compile, is
+a ``GrammarError`` naming where, never a hang."""
 from __future__ import annotations
 
 import json
@@ -157,11 +156,10 @@ class Constraint:
         return np.where(allowed[:width], logits, np.float32(-np.inf))
 
     def masked_drafts(self, logits: Any, drafts: Sequence[int]) -> np.ndarray:
-        """A verification's ``logits`` (len(drafts) + 1 or more, vocab), each row masked as
-        the grammar stands after the drafts before it; rows after a draft the grammar
-        refuses, or after it is complete, stay as they are (verification stops there: a
-        draft outside the grammar has probability 0 and is rejected). The matcher ends
-        where it began."""
+        """A verification's ``logits`` (len(drafts) + 1 or more, vocab), each row masked as the
+        grammar stands after the drafts before it; rows after a draft the grammar refuses, or after
+        it is complete, stay as they are (verification stops there: a draft outside the grammar has
+        probability 0 and is rejected). The matcher ends where it began."""
         logits = float32(logits)
         rows, followed = logits.copy(), 0
         for i in range(len(drafts) + 1):

@@ -1,14 +1,13 @@
 """Models by name, from the local Hugging Face cache and never from the network: a repo id
-(``TinyLlama/TinyLlama-1.1B-Chat-v1.0``) or a cache folder (``models--Org--Name``) is the
-snapshot that ``refs/main`` names, else the newest one. A repo of GGUF files takes the
-quantization after a colon as llama.cpp's users write it (``Org/Name-GGUF:Q4_K_M``). A short
-name (``smollm2``) is the model file of an installed Python package (``PACKAGED_MODELS``).
+(``TinyLlama/TinyLlama-1.1B-Chat-v1.0``) or a cache folder (``models--Org--Name``) is the snapshot
+that ``refs/main`` names, else the newest one. A repo of GGUF files takes the quantization after a
+colon as llama.cpp's users write it (``Org/Name-GGUF:Q4_K_M``). A short name (``smollm2``) is the
+model file of an installed Python package (``PACKAGED_MODELS``).
 
-The cache is where ``huggingface_hub`` keeps it: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``,
-else ``~/.cache/huggingface/hub``, read at each call. Repo ids go through ``huggingface_hub``
-(``snapshot_download`` with ``local_files_only``), an optional dependency imported only here
-and only for a repo id; cache folders need nothing but the file system.
-"""
+The cache is where ``huggingface_hub`` keeps it: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
+``~/.cache/huggingface/hub``, read at each call. Repo ids go through ``huggingface_hub``
+(``snapshot_download`` with ``local_files_only``), an optional dependency imported only here and
+only for a repo id; cache folders need nothing but the file system."""
 from __future__ import annotations
 
 import importlib.util
@@ -154,12 +153,11 @@ def pick_gguf(folder: Path, quant: str, name: str) -> Path:
 
 
 def resolve_name(name: str, env: Mapping[str, str] = os.environ) -> Optional[Path]:
-    """The local model that ``name`` names, a path that does not exist: a short name of an
-    installed package's model, or a ``models--Org--Name`` folder of the cache or a repo id,
-    each with an optional ``:QUANT`` that picks a GGUF file of the snapshot (as it does in a
-    folder that exists: ``DIR:QUANT``). None when ``name``
-    is none of these; CheckpointError naming what to download (or install) when it is one but
-    is not there."""
+    """The local model that ``name`` names, a path that does not exist: a short name of an installed
+    package's model, or a ``models--Org--Name`` folder of the cache or a repo id, each with an
+    optional ``:QUANT`` that picks a GGUF file of the snapshot (as it does in a folder that exists:
+    ``DIR:QUANT``). None when ``name`` is none of these; CheckpointError naming what to download (or
+    install) when it is one but is not there."""
     packaged = packaged_model(name)
     if packaged is not None:
         return packaged

@@ -1,7 +1,6 @@
 """The building blocks shared by dense and mixture-of-experts decoders: RMSNorm, rotary position
-embeddings (RoPE, Su et al. 2021, with Llama 3 scaling), a Linear tuned for few-row products,
-and the gated feed-forward, SwiGLU or GeGLU (Shazeer 2020). Plain torch, no state beyond weights.
-"""
+embeddings (RoPE, Su et al. 2021, with Llama 3 scaling), a Linear tuned for few-row products, and
+the gated feed-forward, SwiGLU or GeGLU (Shazeer 2020). Plain torch, no state beyond weights."""
 from __future__ import annotations
 
 import functools
@@ -155,9 +154,8 @@ ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximat
 
 
 class MLP(nn.Module):
-    """Gated feed-forward: down(act(gate(x)) * up(x)), ``activation`` "silu" (SwiGLU) or
-    "gelu_tanh" (GeGLU, GELU's tanh approximation); ``fuse_projections`` lets gate and up run
-    as one product."""
+    """Gated feed-forward: down(act(gate(x)) * up(x)), ``activation`` "silu" (SwiGLU) or "gelu_tanh"
+    (GeGLU, GELU's tanh approximation); ``fuse_projections`` lets gate and up run as one product."""
 
     def __init__(self, dim: int, hidden: int, activation: str = "silu") -> None:
         super().__init__()

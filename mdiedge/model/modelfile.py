@@ -1,14 +1,13 @@
 """The model a process reads, opened once.
 
-``model_file(path)`` is this process's ``ModelFile`` of a GGUF file, a llama2.c file or a
-Hugging Face directory, kept while its files are unchanged (their size and modification
-time). It holds what the readers of a model want from its files, each read when first asked
-for and then kept: the config; for a GGUF file its one reader (the header parsed once: the
-index of tensors and the vocabulary's metadata come from it, and the tokenizer and chat
-template built from that); and the content hash. The text side, the checks of a command, the
-starter's stage and a worker's loads all take it, so that a process parses a GGUF header
-once and hashes a model at most once (``reads`` counts both; a node's status reports them).
-"""
+``model_file(path)`` is this process's ``ModelFile`` of a GGUF file, a llama2.c file or a Hugging
+Face directory, kept while its files are unchanged (their size and modification time). It holds what
+the readers of a model want from its files, each read when first asked for and then kept: the
+config; for a GGUF file its one reader (the header parsed once: the index of tensors and the
+vocabulary's metadata come from it, and the tokenizer and chat template built from that); and the
+content hash. The text side, the checks of a command, the starter's stage and a worker's loads all
+take it, so that a process parses a GGUF header once and hashes a model at most once (``reads``
+counts both; a node's status reports them)."""
 from __future__ import annotations
 
 import struct

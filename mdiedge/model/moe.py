@@ -1,20 +1,17 @@
 """Sparse mixture-of-experts feed-forward, as in Mixtral (Jiang et al. 2024).
 
-Each token's router logits go through a softmax in fp32; the top ``k`` experts are kept and
-their probabilities renormalised to sum to one (exactly as transformers' Mixtral does; Qwen3-MoE
-only where its config's ``norm_topk_prob`` says so). The
-(token, expert) assignments are then grouped by expert ("group by expert" dispatch, as in
-Switch Transformers, Fedus et al. 2022, and MegaBlocks, Gale et al. 2023, without their
-capacity limit or padding): every expert that received tokens runs ONE batched SwiGLU call on
-exactly its tokens, and the weighted outputs are scattered back with ``index_add_``. Experts
-that received no token cost nothing.
+Each token's router logits go through a softmax in fp32; the top ``k`` experts are kept and their
+probabilities renormalised to sum to one (exactly as transformers' Mixtral does; Qwen3-MoE only
+where its config's ``norm_topk_prob`` says so). The (token, expert) assignments are then grouped by
+expert ("group by expert" dispatch, as in Switch Transformers, Fedus et al. 2022, and MegaBlocks,
+Gale et al. 2023, without their capacity limit or padding): every expert that received tokens runs
+ONE batched SwiGLU call on exactly its tokens, and the weighted outputs are scattered back with
+``index_add_``. Experts that received no token cost nothing.
 
-The grouping is a stable sort by expert. On the CPU it runs in numpy
-(``mdiedge.model.grouping``); on CUDA, and whenever the routing weights need gradients, it
-runs as torch ops on the tensors' own device (a stable argsort of the expert ids and a
-bincount), and only the ``E + 1`` group offsets come to the host to size the per-expert
-batches.
-"""
+The grouping is a stable sort by expert. On the CPU it runs in numpy (``mdiedge.model.grouping``);
+on CUDA, and whenever the routing weights need gradients, it runs as torch ops on the tensors' own
+device (a stable argsort of the expert ids and a bincount), and only the ``E + 1`` group offsets
+come to the host to size the per-expert batches."""
 from __future__ import annotations
 
 from types import ModuleType
@@ -33,11 +30,10 @@ Routing = Union[ModuleType, str]  # a module with ``group_by_expert``, or "torch
 class MoE(nn.Module):
     """Mixtral's sparse MoE block; parameters ``router.weight`` and ``experts.{e}.gate/up/down``.
 
-    ``routing``: the grouping implementation for CPU tensors, a module with
-    ``group_by_expert`` (default: ``mdiedge.model.grouping``) or ``"torch"`` for the on-device
-    torch ops that CUDA always uses. ``expert_counts`` (CPU int64, ``(n_experts,)``) counts the
-    tokens routed to each expert since the last :meth:`reset_stats`.
-    """
+    ``routing``: the grouping implementation for CPU tensors, a module with ``group_by_expert``
+    (default: ``mdiedge.model.grouping``) or ``"torch"`` for the on-device torch ops that CUDA
+    always uses. ``expert_counts`` (CPU int64, ``(n_experts,)``) counts the tokens routed to each
+    expert since the last :meth:`reset_stats`."""
 
     def __init__(self, cfg: ModelConfig, routing: Optional[Routing] = None) -> None:
         super().__init__()

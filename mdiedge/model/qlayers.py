@@ -186,10 +186,9 @@ def _parent(net: nn.Module, ours: str) -> Tuple[nn.Module, str]:
 
 
 def keep_quantized(net: nn.Module, source: Any, plan: Dict[str, str]) -> Set[str]:
-    """Swap each float layer of ``net`` whose tensor ``source`` stores in a kernel type (a
-    GGUF file, a pushed quantized chunk) for a quantized one holding those bytes; the
-    parameter names now held so, which need no float read. A tied head shares the
-    embedding's bytes."""
+    """Swap each float layer of ``net`` whose tensor ``source`` stores in a kernel type (a GGUF
+    file, a pushed quantized chunk) for a quantized one holding those bytes; the parameter names now
+    held so, which need no float read. A tied head shares the embedding's bytes."""
     held: Set[str] = set()
     _log_widened(source, plan.values())
     for ours, theirs in plan.items():
@@ -255,10 +254,9 @@ def _tie_quantized(net: nn.Module, held: Set[str]) -> None:
 
 
 def quantize_blocks(net: nn.Module, qtype: str) -> int:
-    """Quantize every float linear layer of ``net``'s blocks to ``qtype`` (``--quantize``);
-    layers whose width is not a whole number of blocks stay float (a bias stays float beside
-    the blocks); the blocks' Q/K/V and gate/up are then fused again, as quantized groups. The
-    count quantized."""
+    """Quantize every float linear layer of ``net``'s blocks to ``qtype`` (``--quantize``); layers
+    whose width is not a whole number of blocks stay float (a bias stays float beside the blocks);
+    the blocks' Q/K/V and gate/up are then fused again, as quantized groups. The count quantized."""
     count = 0
     for name, layer in list(net.named_modules()):
         if not name.startswith("layers.") or type(layer) is not Linear \

@@ -104,8 +104,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def filter_logits(logits: Any, params: SamplingParams) -> np.ndarray:
-    """Temperature, then top-k, top-p and min-p on one row of logits (vocab,); -inf
-    outside."""
+    """Temperature, then top-k, top-p and min-p on one row of logits (vocab,); -inf outside."""
     logits = float32(logits) / np.float32(params.temperature)
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:

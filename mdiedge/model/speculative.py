@@ -1,23 +1,22 @@
 """Verifying drafted tokens: which of them the model keeps, and the token after them.
 
-A drafter proposes tokens d_1..d_k after a sample's text; one step of the model scores the
-sample's last token and the k drafts together, giving its logits at k + 1 positions (row i:
-the distribution of the token after d_i; row 0 that after the last accepted token).
+A drafter proposes tokens d_1..d_k after a sample's text; one step of the model scores the sample's
+last token and the k drafts together, giving its logits at k + 1 positions (row i: the distribution
+of the token after d_i; row 0 that after the last accepted token).
 
-Greedy: keep the longest prefix of the drafts equal to the model's argmax at each position,
-then the model's argmax after it, so the output is the one plain greedy decoding makes.
+Greedy: keep the longest prefix of the drafts equal to the model's argmax at each position, then the
+model's argmax after it, so the output is the one plain greedy decoding makes.
 
-Sampling: the speculative sampling rule (Leviathan, Kalman and Matias 2023, "Fast Inference
-from Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language
-Model Decoding with Speculative Sampling"): with p the model's and q the drafter's
-distribution at a position, both after the sampling transforms (penalties, temperature,
-top-k, top-p, min-p of ``mdiedge.model.sampling``; the penalties of the position after draft
-d_i count d_1..d_i as output), a drafted token x is kept with probability min(1, p(x) / q(x));
-at the first rejection the token is drawn from normalize(max(0, p - q)) and the rest is
-dropped; if every draft is kept, one more token is drawn from p at the last position. Each
-emitted token is then distributed exactly as the model's own sampling would draw it. A
-drafter without probabilities (prompt lookup) proposes with q one-hot on its token. Draws come
-from the sample's own generator, so a seed gives the same tokens every run.
+Sampling: the speculative sampling rule (Leviathan, Kalman and Matias 2023, "Fast Inference from
+Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model
+Decoding with Speculative Sampling"): with p the model's and q the drafter's distribution at a
+position, both after the sampling transforms (penalties, temperature, top-k, top-p, min-p of
+``mdiedge.model.sampling``; the penalties of the position after draft d_i count d_1..d_i as output),
+a drafted token x is kept with probability min(1, p(x) / q(x)); at the first rejection the token is
+drawn from normalize(max(0, p - q)) and the rest is dropped; if every draft is kept, one more token
+is drawn from p at the last position. Each emitted token is then distributed exactly as the model's
+own sampling would draw it. A drafter without probabilities (prompt lookup) proposes with q one-hot
+on its token. Draws come from the sample's own generator, so a seed gives the same tokens every run.
 """
 from __future__ import annotations
 

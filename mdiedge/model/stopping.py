@@ -67,8 +67,7 @@ class TextOutput:
         return self.stopped_at is not None
 
     def final(self, stopped: bool) -> str:
-        """The sample's text after its prompt, up to its stop string if it ``stopped`` on
-        one."""
+        """The sample's text after its prompt, up to its stop string if it ``stopped`` on one."""
         text = self.text + self.decoder.held()
         if "\ufffd" in text:  # invalid UTF-8, which reads differently in the whole text
             text = self.decoder.whole()

@@ -1,16 +1,15 @@
 """Tool calls in a model's output text, read as pure functions (no I/O): the Hermes form that
 Qwen2.5 and many others write, one or more ``<tool_call>{"name": ..., "arguments": {...}}
-</tool_call>`` (the text before the first one is the reply's content), and a whole output that
-is one JSON object ``{"name": ..., "arguments": {...}}``; either also as the inside of an output
-that is one fenced code block (```` ```json ````), as Qwen2.5-Coder writes them.
+</tool_call>`` (the text before the first one is the reply's content), and a whole output that is
+one JSON object ``{"name": ..., "arguments": {...}}``; either also as the inside of an output that
+is one fenced code block (```` ```json ````), as Qwen2.5-Coder writes them.
 
-``parse_tool_calls`` reads a finished text; ``ToolCallSplitter`` follows a text as it grows and
-says what a stream may show as content now: the text before a tool call, never a suffix that
-could still grow into ``<tool_call>``, and nothing of an output that begins as JSON (either is
-held until the end, then read by ``parse_tool_calls``; so is an output that begins with a
-code fence, which may hold a call). A call naming no known function, or
-whose JSON does not parse, makes the whole text content: no calls.
-"""
+``parse_tool_calls`` reads a finished text; ``ToolCallSplitter`` follows a text as it grows and says
+what a stream may show as content now: the text before a tool call, never a suffix that could still
+grow into ``<tool_call>``, and nothing of an output that begins as JSON (either is held until the
+end, then read by ``parse_tool_calls``; so is an output that begins with a code fence, which may
+hold a call). A call naming no known function, or whose JSON does not parse, makes the whole text
+content: no calls."""
 from __future__ import annotations
 
 import json
@@ -85,8 +84,7 @@ def _tagged_calls(text: str, names: Collection[str]) -> Optional[List[ToolCall]]
 
 
 def _fenced(text: str) -> Optional[str]:
-    """The inside of a text that is one fenced code block (``json`` or none named), else
-    None."""
+    """The inside of a text that is one fenced code block (``json`` or none named), else None."""
     stripped = text.strip()
     head, newline, body = stripped.partition("\n")
     if not (newline and head.startswith(FENCE) and head[len(FENCE):].strip() in FENCE_LANGUAGES

@@ -1,11 +1,10 @@
 """A decoder in plain torch; it knows nothing of sockets.
 
-A ``Transformer`` holds blocks ``[first, last)`` and optionally the embedding and the final norm
-and head, so a ring node runs the code that runs single-process. The KV cache has a slot dimension:
-each row of a micro-batch carries its own slot and position (MDI-LLM's "rotating KV caches").
-Decode takes the compiled step (``mdiedge.model._stepconstants``) for the parts the family declares it
-runs, and torch for the rest.
-"""
+A ``Transformer`` holds blocks ``[first, last)`` and optionally the embedding and the final norm and
+head, so a ring node runs the code that runs single-process. The KV cache has a slot dimension: each
+row of a micro-batch carries its own slot and position (MDI-LLM's "rotating KV caches"). Decode
+takes the compiled step (``mdiedge.model._stepconstants``) for the parts the family declares it
+runs, and torch for the rest."""
 from __future__ import annotations
 
 import functools
@@ -48,8 +47,7 @@ class Transformer(nn.Module):
     """Blocks ``[first, last)`` of a decoder, with the embedding and the head each optional.
 
     Parameter names: ``embed.weight``, ``layers.{i}.…`` with the global block index ``i``,
-    ``norm.weight``, ``lm_head.weight`` (``tensors.tensor_plan`` maps them to a checkpoint's).
-    """
+    ``norm.weight``, ``lm_head.weight`` (``tensors.tensor_plan`` maps them to a checkpoint's)."""
 
     def __init__(self, cfg: ModelConfig, layers: Optional[Tuple[int, int]] = None,
                  embedding: bool = True, head: bool = True) -> None:
@@ -340,10 +338,9 @@ class Transformer(nn.Module):
 
 def rope_and_mask(x: Tensor, positions: Sequence[int], tables: Tuple[Tensor, Tensor],
                   window: int, max_seq_len: int) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """RoPE ``tables`` (L, hd) at the positions of rows x (B, T, dim), (B, 1, T, hd) each, and
-    the attention mask (B, 1, T, L): causal and, with ``window``, of the last ``window``
-    positions (None where every row sees its whole cache: one token per row at one position,
-    within the window)."""
+    """RoPE ``tables`` (L, hd) at the positions of rows x (B, T, dim), (B, 1, T, hd) each, and the
+    attention mask (B, 1, T, L): causal and, with ``window``, of the last ``window`` positions (None
+    where every row sees its whole cache: one token per row at one position, within the window)."""
     batch, seq_len, _ = x.shape
     length = max(positions) + seq_len
     if length > max_seq_len:

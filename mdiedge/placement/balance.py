@@ -1,18 +1,17 @@
 """Load balancing between requests, from measurements, in bounded steps.
 
 Each check (at a request boundary, once the ring has handled ``MIN_MESSAGES`` more messages)
-measures every node's compute time per block over the messages since the last check (every
-node sees the same messages). A check finds the ring out of balance when the slowest node's
-time per block is more than a margin above the mean (``placement.partition.balanced_weights``);
-only after ``SUSTAINED_CHECKS`` such checks in a row do the layers move, so one skewed
-measurement (a co-located node's threads contending for a moment) moves nothing, and the
-speeds they move by are each node's median over those checks. The new split aims at
-weights in proportion to the measured speed, but one step moves at most ``MAX_MOVE_SHARE``
-of the blocks (at least one), never empties a node that holds blocks, and keeps pinned
-nodes where they are (``bounded_split``); the next step needs fresh evidence.
+measures every node's compute time per block over the messages since the last check (every node sees
+the same messages). A check finds the ring out of balance when the slowest node's time per block is
+more than a margin above the mean (``placement.partition.balanced_weights``); only after
+``SUSTAINED_CHECKS`` such checks in a row do the layers move, so one skewed measurement (a
+co-located node's threads contending for a moment) moves nothing, and the speeds they move by are
+each node's median over those checks. The new split aims at weights in proportion to the measured
+speed, but one step moves at most ``MAX_MOVE_SHARE`` of the blocks (at least one), never empties a
+node that holds blocks, and keeps pinned nodes where they are (``bounded_split``); the next step
+needs fresh evidence.
 
-All functions here are pure: the starter keeps the ``Evidence`` between checks.
-"""
+All functions here are pure: the starter keeps the ``Evidence`` between checks."""
 from __future__ import annotations
 
 import math

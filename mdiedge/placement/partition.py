@@ -3,13 +3,12 @@
 Node 0, the starter, holds the embedding, its first blocks, the final norm, the head and the
 sampler; each worker holds one range; in ring order the ranges tile ``[0, n_layers)``.
 
-The split follows MDI-LLM (Macario et al. 2024, arXiv:2505.18164): the starter counts its
-embedding and head as ``starter_overhead`` block-equivalents (default 2) and the load is shared
-by declared weight: with ``T = n_layers + starter_overhead``, node ``i`` ends at ``floor(T *
-(w_0+...+w_i) / sum(w) - starter_overhead)``, giving the paper's splits (5/7 and 2/5/5 for
-12-block NanoLlama, 10/12 and 6/8/8 for 22-block TinyLlama). Exact fractions keep ties such as
-``14 * 1/2 - 2 = 5`` from falling to 4.99999.
-"""
+The split follows MDI-LLM (Macario et al. 2024, arXiv:2505.18164): the starter counts its embedding
+and head as ``starter_overhead`` block-equivalents (default 2) and the load is shared by declared
+weight: with ``T = n_layers + starter_overhead``, node ``i`` ends at ``floor(T * (w_0+...+w_i) /
+sum(w) - starter_overhead)``, giving the paper's splits (5/7 and 2/5/5 for 12-block NanoLlama, 10/12
+and 6/8/8 for 22-block TinyLlama). Exact fractions keep ties such as ``14 * 1/2 - 2 = 5`` from
+falling to 4.99999."""
 from __future__ import annotations
 
 import math

@@ -1,8 +1,7 @@
-"""Early exit on a ring's nodes: the parts beyond a node's blocks that its criterion needs
-(the final norm and head for ``softmax``, the exit classifier for ``classifier``), where a
-worker finds them (its copy of the model, or what the starter sent with its blocks), and the
-policy its stage runs with.
-"""
+"""Early exit on a ring's nodes: the parts beyond a node's blocks that its criterion needs (the
+final norm and head for ``softmax``, the exit classifier for ``classifier``), where a worker finds
+them (its copy of the model, or what the starter sent with its blocks), and the policy its stage
+runs with."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,17 +1,15 @@
 """A local ring: worker processes on 127.0.0.1 with free ports, and no orphans.
 
-Each worker binds port 0 and reports its ports on its first stdout line; it reads the ring's
-secret from an inherited pipe (``--secret-fd``), so the secret is in neither its command line
-nor its environment (``ps e``, ``/proc/PID/environ``). It dies with its parent
-(``PR_SET_PDEATHSIG`` on Linux, plus a watchdog on the parent pid), and the launcher
-terminates (or, if it is stopped, kills at once), then kills, every process it started when
-the block ends, however it ends.
+Each worker binds port 0 and reports its ports on its first stdout line; it reads the ring's secret
+from an inherited pipe (``--secret-fd``), so the secret is in neither its command line nor its
+environment (``ps e``, ``/proc/PID/environ``). It dies with its parent (``PR_SET_PDEATHSIG`` on
+Linux, plus a watchdog on the parent pid), and the launcher terminates (or, if it is stopped, kills
+at once), then kills, every process it started when the block ends, however it ends.
 
-With ``respawn`` (``mdiedge serve``), a worker that dies is started again on its control port,
-as systemd's ``Restart=`` would: after ``RESPAWN_FIRST_S``, doubling up to ``RESPAWN_MAX_S``
-while restarts keep dying within ``RESPAWN_STABLE_S``, and given up after ``RESPAWN_TRIES``
-such restarts in a row. The starter takes it back at the next request (``Membership``).
-"""
+With ``respawn`` (``mdiedge serve``), a worker that dies is started again on its control port, as
+systemd's ``Restart=`` would: after ``RESPAWN_FIRST_S``, doubling up to ``RESPAWN_MAX_S`` while
+restarts keep dying within ``RESPAWN_STABLE_S``, and given up after ``RESPAWN_TRIES`` such restarts
+in a row. The starter takes it back at the next request (``Membership``)."""
 from __future__ import annotations
 
 import collections

@@ -316,10 +316,9 @@ class RingStarter:
         return reply.data_port
 
     def _connect(self, ports: List[int]) -> RingStages:
-        """Each worker links to its successor (the last one back to this starter), then the
-        starter links to the first worker. Handshakes are bound to a fresh ring tag, so a stale
-        link is refused; on failure every socket opened here is closed and a RingError says why.
-        """
+        """Each worker links to its successor (the last one back to this starter), then the starter
+        links to the first worker. Handshakes are bound to a fresh ring tag, so a stale link is
+        refused; on failure every socket opened here is closed and a RingError says why."""
         ring, workers = os.urandom(8).hex(), self.ring_workers
         ends = [self.route(w.host, port) for w, port in zip(workers, ports)] + \
             [self.route(self.options.host, int(self.listener.getsockname()[1]))]  # via route

@@ -1,11 +1,10 @@
 """A worker node: receive activations, run its blocks with each message's samples, send on.
 
-The starter assigns the block range over the control plane (``Assignment``); the worker loads
-those layers from its own copy of the model when the content hash matches, else from its
-on-disk cache, else asks the starter for exactly its tensors (and caches them under the
-hash). Its compute is a ``LocalStage``, the same code as the starter's and the single
-process's; its links are the starter's link pair from the other side.
-"""
+The starter assigns the block range over the control plane (``Assignment``); the worker loads those
+layers from its own copy of the model when the content hash matches, else from its on-disk cache,
+else asks the starter for exactly its tensors (and caches them under the hash). Its compute is a
+``LocalStage``, the same code as the starter's and the single process's; its links are the starter's
+link pair from the other side."""
 from __future__ import annotations
 
 import contextlib

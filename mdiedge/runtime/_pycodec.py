@@ -1,12 +1,11 @@
 """Activation codecs, pure Python (numpy): the twin of ``ext/_ccodec.pyx``, with the same API,
-errors and bytes. The formats (``fp16``, blockwise ``int8``) and their treatment of inf, NaN
-and out-of-range values are documented in ``mdiedge/base/codecs.py``.
+errors and bytes. The formats (``fp16``, blockwise ``int8``) and their treatment of inf, NaN and
+out-of-range values are documented in ``mdiedge/base/codecs.py``.
 
-``encode(codec, src, dst)`` writes the float32 values of the C-contiguous buffer ``src`` into
-the writable byte buffer ``dst`` of exactly ``encoded_size(codec, n)`` bytes;
-``decode(codec, src, dst)`` writes them back into the float32 buffer ``dst`` (the
-preallocated receive tensor's memory). Sizes are checked first (FrameError).
-"""
+``encode(codec, src, dst)`` writes the float32 values of the C-contiguous buffer ``src`` into the
+writable byte buffer ``dst`` of exactly ``encoded_size(codec, n)`` bytes; ``decode(codec, src,
+dst)`` writes them back into the float32 buffer ``dst`` (the preallocated receive tensor's memory).
+Sizes are checked first (FrameError)."""
 from __future__ import annotations
 
 from typing import Any, Tuple

@@ -135,15 +135,14 @@ def recv_frame_header(sock: Any, max_payload: int) -> FrameHeader:
 
 
 class FrameReader:
-    """Frames from one socket through a receive buffer of ``capacity`` bytes: one ``recv``
-    takes whatever has arrived, so a small frame's header, table and payload (and frames
-    queued behind it) come in one system call; payload bytes beyond those buffered are
-    received straight into their destination. ``capacity`` 0: each step reads exactly the
-    bytes it needs, nothing past the frame (the socket may change hands between frames).
-    ``busy_poll_us`` > 0: a receive that finds nothing polls the socket for up to that long
-    (yielding the core between polls) before it sleeps in the kernel, so that a frame
-    arriving soon costs no wake-up. Errors as ``recv_exact_into``; after one, the stream
-    position is unknown."""
+    """Frames from one socket through a receive buffer of ``capacity`` bytes: one ``recv`` takes
+    whatever has arrived, so a small frame's header, table and payload (and frames queued behind it)
+    come in one system call; payload bytes beyond those buffered are received straight into their
+    destination. ``capacity`` 0: each step reads exactly the bytes it needs, nothing past the frame
+    (the socket may change hands between frames). ``busy_poll_us`` > 0: a receive that finds nothing
+    polls the socket for up to that long (yielding the core between polls) before it sleeps in the
+    kernel, so that a frame arriving soon costs no wake-up. Errors as ``recv_exact_into``; after
+    one, the stream position is unknown."""
 
     def __init__(self, sock: Any, capacity: int = READ_BUFFER, busy_poll_us: int = 0) -> None:
         self.sock, self.greedy = sock, check_capacity(capacity) > 0

@@ -1,25 +1,24 @@
 """Ring authentication: nobody without the ring secret can drive a node or join its links.
 
-Control plane: a request carries a timestamp, a fresh nonce, its body's SHA-256 and an HMAC-
-SHA256 over method, path, body digest, timestamp, nonce and the id of the node it is for (drawn
-at start, told on ``/ping``), so it is refused by every other node and replayed to none.
-``HEADER_NODE`` names the id signed for, so a right-secret request for an earlier id
-(``NODE_CHANGED``: a client from before a restart, which retries) is told from a wrong secret.
-``check_headers`` verifies the MAC from the headers alone (constant time, timestamp within
-``MAX_SKEW_S``, unseen nonce) before any body is read; ``accept`` then checks the body's digest
-and records the nonce, only once the whole request verified (a forged body under genuine headers
-cannot burn it); meanwhile the nonce is in flight (``release`` if the body never comes), so one
-captured request holds at most one connection. Replies are signed (``sign_reply`` over status,
-nonce, node id and body digest) and checked (``check_reply``).
+Control plane: a request carries a timestamp, a fresh nonce, its body's SHA-256 and an HMAC- SHA256
+over method, path, body digest, timestamp, nonce and the id of the node it is for (drawn at start,
+told on ``/ping``), so it is refused by every other node and replayed to none. ``HEADER_NODE`` names
+the id signed for, so a right-secret request for an earlier id (``NODE_CHANGED``: a client from
+before a restart, which retries) is told from a wrong secret. ``check_headers`` verifies the MAC
+from the headers alone (constant time, timestamp within ``MAX_SKEW_S``, unseen nonce) before any
+body is read; ``accept`` then checks the body's digest and records the nonce, only once the whole
+request verified (a forged body under genuine headers cannot burn it); meanwhile the nonce is in
+flight (``release`` if the body never comes), so one captured request holds at most one connection.
+Replies are signed (``sign_reply`` over status, nonce, node id and body digest) and checked
+(``check_reply``).
 
-Data plane: before any frame, the ends of a link run a mutual challenge-response, each MACing
-the other's fresh challenge together with its codecs (``Compression.wire``) and sealing, so a
-mismatch fails both with one line (``CodecMismatch``, ``SealMismatch``). A sealed link's keys
+Data plane: before any frame, the ends of a link run a mutual challenge-response, each MACing the
+other's fresh challenge together with its codecs (``Compression.wire``) and sealing, so a mismatch
+fails both with one line (``CodecMismatch``, ``SealMismatch``). A sealed link's keys
 (``mdiedge.runtime.seal``) come from the handshake key and both challenges.
 
-Without a secret (loopback only, or ``--insecure``) the same handshake runs with a fixed public
-key: the same protocol, without the protection.
-"""
+Without a secret (loopback only, or ``--insecure``) the same handshake runs with a fixed public key:
+the same protocol, without the protection."""
 from __future__ import annotations
 
 import hashlib

@@ -1,13 +1,12 @@
-"""The one thread that runs a node's torch work: loading its weights, setting up its KV
-slots and stepping its scheduler (or serving its ring links, on a worker).
+"""The one thread that runs a node's torch work: loading its weights, setting up its KV slots and
+stepping its scheduler (or serving its ring links, on a worker).
 
-torch's CPU kernels run their parallel regions on an OpenMP team, and libgomp keeps a team
-per thread that starts one. Once one thread has run a parallel region, a parallel region on
-another thread of the same process runs much slower (on a 2-core machine the decode step
-lost more than half its speed). So a node keeps its compute on one thread: the engine (or
-the worker) owns a ``ComputeThread``, loads its model with ``call``, and runs its stepping
-loop with ``submit``; a request thread only waits. ``bin/bench-threads`` measures it.
-"""
+torch's CPU kernels run their parallel regions on an OpenMP team, and libgomp keeps a team per
+thread that starts one. Once one thread has run a parallel region, a parallel region on another
+thread of the same process runs much slower (on a 2-core machine the decode step lost more than half
+its speed). So a node keeps its compute on one thread: the engine (or the worker) owns a
+``ComputeThread``, loads its model with ``call``, and runs its stepping loop with ``submit``; a
+request thread only waits. ``bin/bench-threads`` measures it."""
 from __future__ import annotations
 
 import queue
@@ -20,9 +19,8 @@ from ..base import defaults
 
 
 class ComputeThread:
-    """A daemon thread that runs what it is given, one at a time, in order; started at the
-    first ``submit`` and kept until this object is collected (a new one starts after a
-    fork)."""
+    """A daemon thread that runs what it is given, one at a time, in order; started at the first
+    ``submit`` and kept until this object is collected (a new one starts after a fork)."""
 
     def __init__(self, name: str = "mdiedge-compute") -> None:
         self.name = name
@@ -48,9 +46,8 @@ class ComputeThread:
         return future
 
     def close(self, timeout: float = defaults.COMPUTE_CLOSE_S) -> None:
-        """End the thread after what it was given (waiting up to ``timeout`` s for that),
-        so that no torch work runs while the interpreter exits; a later ``submit`` starts
-        another."""
+        """End the thread after what it was given (waiting up to ``timeout`` s for that), so that no
+        torch work runs while the interpreter exits; a later ``submit`` starts another."""
         with self._lock:
             thread, self._thread = self._thread, None
             if thread is None:

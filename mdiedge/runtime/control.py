@@ -1,14 +1,13 @@
 """The HTTP control plane: ``ControlServer`` on every node (assign, connect, status, reset,
 shutdown) and ``ControlClient``, the one client.
 
-A request is authenticated from its headers before any body is read (the signature covers the
-body's digest, checked once it is in), so an unauthenticated peer never makes the node read or
-allocate a body. Replies to authenticated requests are signed (``HEADER_REPLY``, bound to the
-request's nonce) and the client refuses one that does not verify. Bodies are size-bounded, read in
-chunks, parsed as JSON only. Connections are bounded (``_Slots``) and time out (``timeout_s`` per
-socket read or write); a reply that leaves a body unread closes the connection, so nothing hidden
-in it is served as a request. A peer's mistakes are one log line.
-"""
+A request is authenticated from its headers before any body is read (the signature covers the body's
+digest, checked once it is in), so an unauthenticated peer never makes the node read or allocate a
+body. Replies to authenticated requests are signed (``HEADER_REPLY``, bound to the request's nonce)
+and the client refuses one that does not verify. Bodies are size-bounded, read in chunks, parsed as
+JSON only. Connections are bounded (``_Slots``) and time out (``timeout_s`` per socket read or
+write); a reply that leaves a body unread closes the connection, so nothing hidden in it is served
+as a request. A peer's mistakes are one log line."""
 from __future__ import annotations
 
 import hashlib

@@ -22,9 +22,8 @@ from ..base.errors import ConfigError
 
 @dataclass
 class Proposal:
-    """Drafted tokens, and the drafter's distributions they were drawn from (len(tokens),
-    vocab; float32) after the sampling transforms; None: each proposal is certain
-    (one-hot)."""
+    """Drafted tokens, and the drafter's distributions they were drawn from (len(tokens), vocab;
+    float32) after the sampling transforms; None: each proposal is certain (one-hot)."""
 
     tokens: List[int] = field(default_factory=list)
     q: Optional[np.ndarray] = None

@@ -1,16 +1,14 @@
 """The ``draft:PATH`` drafter: a small model sharing the target's tokenizer, on the starter.
 
-It is a model chunk like any other (the torch ``Transformer``, or a chunk that
-``takes_numpy``), the whole model in this process with its own KV slots (``DraftModel``:
-loaded once per engine, its slots shared by the engine's requests, one per sample, from its
-own ``SlotTable``). A request's ``DraftModelDrafter``
-holds its samples' slots there and frees each when the sample ends. For each sample it remembers
-the tokens its KV rows hold; a proposal feeds what the sample gained since (the tokens the
-target accepted after the common prefix: the KV rows past it are dead and are overwritten),
-then drafts k tokens one position at a time: the argmax when sampling is greedy, else a
-draw from its distribution after the sampling transforms, which the proposal carries as q
-for the speculative sampling rule (``mdiedge.model.speculative``).
-"""
+It is a model chunk like any other (the torch ``Transformer``, or a chunk that ``takes_numpy``), the
+whole model in this process with its own KV slots (``DraftModel``: loaded once per engine, its slots
+shared by the engine's requests, one per sample, from its own ``SlotTable``). A request's
+``DraftModelDrafter`` holds its samples' slots there and frees each when the sample ends. For each
+sample it remembers the tokens its KV rows hold; a proposal feeds what the sample gained since (the
+tokens the target accepted after the common prefix: the KV rows past it are dead and are
+overwritten), then drafts k tokens one position at a time: the argmax when sampling is greedy, else
+a draw from its distribution after the sampling transforms, which the proposal carries as q for the
+speculative sampling rule (``mdiedge.model.speculative``)."""
 from __future__ import annotations
 
 import itertools

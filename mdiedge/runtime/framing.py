@@ -1,34 +1,32 @@
 """Tensor frames of the data plane, on top of the compiled framing module or its twin.
 
-One frame carries one message between neighbour nodes: a header (message type, flags,
-sequence number, the samples it concerns with their positions, and for a decode ACTIVATION
-its early exit: ``exit_depth`` and each row's ``eligible`` flag) and, for ACTIVATION, PING
-and the like, one C-contiguous array sent straight from its memory and received straight
-into a freshly allocated (or caller-given) numpy array: no intermediate copies. Any array
-is sent (numpy, or a torch tensor through ``.numpy()``, one on another device copied to the
-CPU first); every array received is numpy, a bfloat16 one as its uint16 words
-(``mdiedge.base.arrays``): no torch here. The wire format is documented in
-``mdiedge/runtime/_framingconstants.py``.
+One frame carries one message between neighbour nodes: a header (message type, flags, sequence
+number, the samples it concerns with their positions, and for a decode ACTIVATION its early exit:
+``exit_depth`` and each row's ``eligible`` flag) and, for ACTIVATION, PING and the like, one
+C-contiguous array sent straight from its memory and received straight into a freshly allocated (or
+caller-given) numpy array: no intermediate copies. Any array is sent (numpy, or a torch tensor
+through ``.numpy()``, one on another device copied to the CPU first); every array received is numpy,
+a bfloat16 one as its uint16 words (``mdiedge.base.arrays``): no torch here. The wire format is
+documented in ``mdiedge/runtime/_framingconstants.py``.
 
-A malformed, oversized or truncated frame raises ``FrameError``. The stream position is
-then unknown (part of the frame may be unread), so the caller must close the link; the
-receivers of ``mdiedge.runtime.links`` do so.
+A malformed, oversized or truncated frame raises ``FrameError``. The stream position is then unknown
+(part of the frame may be unread), so the caller must close the link; the receivers of
+``mdiedge.runtime.links`` do so.
 
 A float32 array may travel encoded with a codec (``fp16`` or blockwise ``int8``, see
-``mdiedge.base.codecs``; the header's flags name it): it is encoded into one buffer of the
-encoded size on send, and decoded on receipt from one such buffer into the array the frame
-fills (the caller's ``out`` or a fresh one), with no other copy.
+``mdiedge.base.codecs``; the header's flags name it): it is encoded into one buffer of the encoded
+size on send, and decoded on receipt from one such buffer into the array the frame fills (the
+caller's ``out`` or a fresh one), with no other copy.
 
 A link sealed in its handshake (``mdiedge.runtime.seal``) passes its ``Sealer`` to the sends
-(``sealer``) and its ``Opener`` to the receives (``opener``): each frame then goes with
-FLAG_SEALED, its payload encrypted and a tag after it; a receive opens the frame before it
-returns anything of it (an IntegrityError when the tag does not verify), and a frame sealed
-or not otherwise than the link agreed on is a FrameError.
+(``sealer``) and its ``Opener`` to the receives (``opener``): each frame then goes with FLAG_SEALED,
+its payload encrypted and a tag after it; a receive opens the frame before it returns anything of it
+(an IntegrityError when the tag does not verify), and a frame sealed or not otherwise than the link
+agreed on is a FrameError.
 
-Every function takes ``impl`` to force one implementation (tests run both); by default it
-is ``FRAMING.select()``: the compiled module unless disabled or not built. ``codec_impl``
-does the same for the codecs (``CODEC.select()``). This module owns both pairs.
-"""
+Every function takes ``impl`` to force one implementation (tests run both); by default it is
+``FRAMING.select()``: the compiled module unless disabled or not built. ``codec_impl`` does the same
+for the codecs (``CODEC.select()``). This module owns both pairs."""
 from __future__ import annotations
 
 import functools
@@ -119,12 +117,11 @@ def send_tensor(sock: Any, msg_type: int, sample_ids: Sequence[int], positions: 
                 impl: Optional[ModuleType] = None, codec: int = NONE,
                 codec_impl: Optional[ModuleType] = None, exit_depth: int = 0,
                 eligible: Sequence[bool] = (), sealer: Optional[Any] = None) -> int:
-    """Send one frame carrying ``tensor``, any array of 1 to 4 dims (numpy, or torch: moved
-    to the CPU and made contiguous first if need be); its n_tokens is ``tensor.shape[1]``
-    for 2+ dims, else 1. A float32 array goes encoded with ``codec`` (one of another dtype
-    as it is). ``exit_depth`` and ``eligible`` (one flag per sample, or empty for none) only
-    on an ACTIVATION frame without FLAG_PREFILL. ``sealer``: the frame goes sealed. The
-    bytes sent."""
+    """Send one frame carrying ``tensor``, any array of 1 to 4 dims (numpy, or torch: moved to the
+    CPU and made contiguous first if need be); its n_tokens is ``tensor.shape[1]`` for 2+ dims, else
+    1. A float32 array goes encoded with ``codec`` (one of another dtype as it is). ``exit_depth``
+    and ``eligible`` (one flag per sample, or empty for none) only on an ACTIVATION frame without
+    FLAG_PREFILL. ``sealer``: the frame goes sealed. The bytes sent."""
     impl = impl or _impl
     if len(tensor.shape) == 0:
         raise FrameError("a 0-dim tensor cannot be framed (ndim 0 means no payload); "
@@ -186,17 +183,16 @@ def reader(sock: Any, impl: Optional[ModuleType] = None, capacity: Optional[int]
 def recv_frame(source: Any, max_payload: int, out: Optional[np.ndarray] = None,
                impl: Optional[ModuleType] = None, codec_impl: Optional[ModuleType] = None,
                opener: Optional[Any] = None) -> Tuple[Any, Optional[np.ndarray]]:
-    """Receive one frame from ``source``, a link's ``reader`` (or a socket, read up to the
-    frame's end and no further): its validated header and its numpy array (None for a
-    frame without one; bfloat16 as uint16 words).
+    """Receive one frame from ``source``, a link's ``reader`` (or a socket, read up to the frame's
+    end and no further): its validated header and its numpy array (None for a frame without one;
+    bfloat16 as uint16 words).
 
-    The array is allocated only once the header is validated (its payload at most
-    ``max_payload`` bytes), unless ``out`` is given: a C-contiguous writable numpy array of
-    the frame's shape and dtype, received into in place (else FrameError). Any FrameError leaves the
-    stream at an unknown position: close the link. An encoded payload (the header's codec)
-    is received into one buffer of its size and decoded into the array. ``opener``: the
-    link is sealed; the frame must be, and nothing of it is returned before its tag
-    verified (else IntegrityError)."""
+    The array is allocated only once the header is validated (its payload at most ``max_payload``
+    bytes), unless ``out`` is given: a C-contiguous writable numpy array of the frame's shape and
+    dtype, received into in place (else FrameError). Any FrameError leaves the stream at an unknown
+    position: close the link. An encoded payload (the header's codec) is received into one buffer of
+    its size and decoded into the array. ``opener``: the link is sealed; the frame must be, and
+    nothing of it is returned before its tag verified (else IntegrityError)."""
     impl = impl or _impl
     if hasattr(source, "recv_header"):
         header, fill = source.recv_header(max_payload), source.recv_into

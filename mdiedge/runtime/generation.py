@@ -1,10 +1,9 @@
 """A request's samples and the rule that turns logits into their next tokens.
 
 ``Generation`` owns the samples (prompt, generator, tokens, stop state) and its timing; the
-scheduler (``mdiedge.runtime.scheduler``) decides when each sample runs, wherever its blocks
-are. Each sample draws from its own generator, so its tokens do not depend on what it shares
-a message with.
-"""
+scheduler (``mdiedge.runtime.scheduler``) decides when each sample runs, wherever its blocks are.
+Each sample draws from its own generator, so its tokens do not depend on what it shares a message
+with."""
 from __future__ import annotations
 
 import threading

@@ -1,17 +1,15 @@
 """The data plane's persistent neighbour links, the same for the starter and the workers.
 
 A node receives on one thread, computes on another and sends on a third, joined by
-``queue.SimpleQueue`` (no lost wake-up, unlike an event cleared after popping as in MDI-LLM's
-code). A small message that finds the send queue empty is written by the computing thread itself
+``queue.SimpleQueue`` (no lost wake-up, unlike an event cleared after popping as in MDI-LLM's code).
+A small message that finds the send queue empty is written by the computing thread itself
 (``Sender``): on a 2-core board a thread wake-up costs tens of µs, much of a one-token hop.
 
-Set-up is hardened against strays: each handshake runs on its own thread with its own deadline
-while accepting goes on, and ``bind`` ties the handshake key to one ring set-up, so a silent
-connection cannot starve it and a stale link is refused. Links are sealed
-(``mdiedge.runtime.seal``) unless both ends run ``--no-encrypt``; codecs and sealing are agreed in
-the handshake, and a mismatch, a frame that does not verify or a malformed frame ends the set-up or
-the link with one line.
-"""
+Set-up is hardened against strays: each handshake runs on its own thread with its own deadline while
+accepting goes on, and ``bind`` ties the handshake key to one ring set-up, so a silent connection
+cannot starve it and a stale link is refused. Links are sealed (``mdiedge.runtime.seal``) unless
+both ends run ``--no-encrypt``; codecs and sealing are agreed in the handshake, and a mismatch, a
+frame that does not verify or a malformed frame ends the set-up or the link with one line."""
 from __future__ import annotations
 
 import hashlib

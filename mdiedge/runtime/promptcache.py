@@ -1,14 +1,12 @@
-"""The prompt cache: finished samples whose KV rows stay on every node, so that a request
-whose prompt begins with the same tokens (the next turn of a conversation, a shared system
-prompt) takes over those rows and computes only the rest of its prompt.
+"""The prompt cache: finished samples whose KV rows stay on every node, so that a request whose
+prompt begins with the same tokens (the next turn of a conversation, a shared system prompt) takes
+over those rows and computes only the rest of its prompt.
 
-A parked sample keeps its ring-wide id and its KV row on every node; the tokens kept here are
-the ones its rows hold, in order. A new sample that shares a prefix with them adopts the id,
-and its prefill starts at the end of the shared prefix, marked ``rewind`` so each node
-accepts a start before its filled length (the rows past it are overwritten). Parked rows
-are given back oldest first whenever live samples need the room, and all at once when the
-pipeline is rebuilt or fails.
-"""
+A parked sample keeps its ring-wide id and its KV row on every node; the tokens kept here are the
+ones its rows hold, in order. A new sample that shares a prefix with them adopts the id, and its
+prefill starts at the end of the shared prefix, marked ``rewind`` so each node accepts a start
+before its filled length (the rows past it are overwritten). Parked rows are given back oldest first
+whenever live samples need the room, and all at once when the pipeline is rebuilt or fails."""
 from __future__ import annotations
 
 import collections

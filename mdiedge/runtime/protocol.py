@@ -1,9 +1,8 @@
-"""The control plane's typed bodies, one JSON mapping each, used by both ends: the starter
-builds them, a worker parses (and validates) them, and status readers parse ``NodeStatus``.
+"""The control plane's typed bodies, one JSON mapping each, used by both ends: the starter builds
+them, a worker parses (and validates) them, and status readers parse ``NodeStatus``.
 
-Parsing never trusts the network: every field is type-checked and range-checked, and a bad
-one raises ``ValueError`` naming it (the control server answers 400 with that line).
-"""
+Parsing never trusts the network: every field is type-checked and range-checked, and a bad one
+raises ``ValueError`` naming it (the control server answers 400 with that line)."""
 from __future__ import annotations
 
 import dataclasses

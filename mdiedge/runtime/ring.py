@@ -1,15 +1,14 @@
-"""The ring seen from the starter: the workers beyond its own stage, as the pipeline's remote
-tail. It sends and receives the starter's messages over its link pair, and ends the ring with
-a SHUTDOWN that every worker forwards before it stops its compute loop.
+"""The ring seen from the starter: the workers beyond its own stage, as the pipeline's remote tail.
+It sends and receives the starter's messages over its link pair, and ends the ring with a SHUTDOWN
+that every worker forwards before it stops its compute loop.
 
-Detection is bounded: a closed link is noticed at once; while no message comes back, every
-worker's control plane is asked every third of ``stall_s`` (all at once, each within a third
-of ``stall_s``), and one that does not answer is asked once more, so a dead or frozen worker
-is named within ``stall_s`` as a ``NodeLost`` (the scheduler recovers from it), while a
-worker that is slow but answers is waited for up to ``timeout_s``. A frame lost on the way
-while every node answers is told from a slow node by a probe behind the overdue message
-(``mdiedge.runtime.progress``), within about a second.
-"""
+Detection is bounded: a closed link is noticed at once; while no message comes back, every worker's
+control plane is asked every third of ``stall_s`` (all at once, each within a third of ``stall_s``),
+and one that does not answer is asked once more, so a dead or frozen worker is named within
+``stall_s`` as a ``NodeLost`` (the scheduler recovers from it), while a worker that is slow but
+answers is waited for up to ``timeout_s``. A frame lost on the way while every node answers is told
+from a slow node by a probe behind the overdue message (``mdiedge.runtime.progress``), within about
+a second."""
 from __future__ import annotations
 
 import logging

@@ -8,8 +8,7 @@ freed on every node with one RELEASE.
 
 ``mdiedge.runtime.plan`` decides (pure functions of the state); one loop thread, owned by the
 scheduler, carries the plans out. Every token is sampled and every token callback runs on the loop
-thread; a request's thread only waits.
-"""
+thread; a request's thread only waits."""
 from __future__ import annotations
 
 import threading
@@ -208,9 +207,8 @@ class Recoverer:
     def recover(self, lost: NodeLost, live: Sequence[Generation], tokens_so_far: int,
                 restart: Callable[[Pipeline, EmbedAndHead, Recovery], None]
                 ) -> Optional[MdiedgeError]:
-        """Carry the ``live`` requests on without the ``lost`` nodes (``restart`` takes the
-        rebuilt pipeline and replays). None when they go on, else the error every request
-        fails with."""
+        """Carry the ``live`` requests on without the ``lost`` nodes (``restart`` takes the rebuilt
+        pipeline and replays). None when they go on, else the error every request fails with."""
         if self.rebuild is None:
             return lost
         self.fruitless += 1

@@ -1,20 +1,17 @@
 """Sealed data links: every frame after the handshake authenticated and encrypted.
 
-The handshake (``mdiedge.runtime.auth``) gives each link two fresh random nonces, the
-acceptor's challenge and the connector's answer; ``derive`` expands the link's handshake key
-(the ring secret bound to the ring set-up) with both, by HKDF-SHA256, into one key per
-direction, so no two links, directions or set-ups share a key. Each direction seals its
-frames with AES-256-GCM (``AEAD``) under its key, the nonce being the frame's number on that
-direction (a 64-bit counter from 0, never sent: both ends count), the header and sample table
-as associated data (they stay readable, so lengths are bounds-checked before anything is
-allocated) and the payload encrypted; the tag follows the payload (``_framingconstants``). A frame
-altered, replayed or reordered on the way, or one after a dropped frame, fails its tag: an
-``IntegrityError``, and the link closes.
+The handshake (``mdiedge.runtime.auth``) gives each link two fresh random nonces, the acceptor's
+challenge and the connector's answer; ``derive`` expands the link's handshake key (the ring secret
+bound to the ring set-up) with both, by HKDF-SHA256, into one key per direction, so no two links,
+directions or set-ups share a key. Each direction seals its frames with AES-256-GCM (``AEAD``) under
+its key, the nonce being the frame's number on that direction (a 64-bit counter from 0, never sent:
+both ends count), the header and sample table as associated data (they stay readable, so lengths are
+bounds-checked before anything is allocated) and the payload encrypted; the tag follows the payload
+(``_framingconstants``). A frame altered, replayed or reordered on the way, or one after a dropped
+frame, fails its tag: an ``IntegrityError``, and the link closes.
 
-The AEAD runs in C (``cryptography``); sealing writes a payload's ciphertext and tag into one
-new buffer, opening decrypts into the destination given (which may be the received bytes
-themselves).
-"""
+The AEAD runs in C (``cryptography``); sealing writes a payload's ciphertext and tag into one new
+buffer, opening decrypts into the destination given (which may be the received bytes themselves)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

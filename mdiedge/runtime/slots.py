@@ -1,16 +1,15 @@
 """KV-cache slot table: which row of a node's preallocated KV cache each sample holds.
 
-Sample ids are unsigned 32-bit (they come from the wire). The lowest free slot is handed out
-first and a finished sample's slot is reused. A dict finds a sample's slot and a heap the
-lowest free one, so every operation but ``clear``/``assignments`` costs O(log n_slots).
+Sample ids are unsigned 32-bit (they come from the wire). The lowest free slot is handed out first
+and a finished sample's slot is reused. A dict finds a sample's slot and a heap the lowest free one,
+so every operation but ``clear``/``assignments`` costs O(log n_slots).
 
-Each slot knows how many positions of its KV rows are filled: a step must start there
-(``advance``), so a stale or forged step (a decode at position 50 of a sample with 3 tokens
-in its cache) is refused rather than run against KV rows that do not hold its past. The one
-way back is explicit: a step marked ``rewind`` (speculative decoding, after the model kept
-fewer drafted tokens than a verification wrote) may start at or before the filled length;
-the rows past its start are dead and it overwrites them.
-"""
+Each slot knows how many positions of its KV rows are filled: a step must start there (``advance``),
+so a stale or forged step (a decode at position 50 of a sample with 3 tokens in its cache) is
+refused rather than run against KV rows that do not hold its past. The one way back is explicit: a
+step marked ``rewind`` (speculative decoding, after the model kept fewer drafted tokens than a
+verification wrote) may start at or before the filled length; the rows past its start are dead and
+it overwrites them."""
 from __future__ import annotations
 
 import heapq

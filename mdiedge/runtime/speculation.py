@@ -9,8 +9,7 @@ Adaptive k (``choose_k``): the acceptance rate a of a sample's recent verificati
 model, with a prior) gives the expected tokens of a step drafting k, (1 - a^(k+1)) / (1 - a)
 (Leviathan et al. 2023, 3.4); each verified row costs ``row_cost`` of a one-row step, and k
 maximises tokens per cost. When no k pays, k = 0 and k = 1 is retried after ``retry_after`` plain
-steps; steps where the drafter had nothing are no evidence either way.
-"""
+steps; steps where the drafter had nothing are no evidence either way."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace

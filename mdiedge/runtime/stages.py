@@ -1,11 +1,10 @@
 """Stages: what runs a block range for a message and returns the next message.
 
-A ``LocalStage`` wraps a model chunk (the torch ``Transformer``, or a numpy chunk,
-``takes_numpy``, that never meets torch) with its own KV slot table: the ring's sample ids map
-to KV rows per node, so a message never carries slots, and a RELEASE frees a sample's row on
-every node it passes. The starter's, each worker's and every in-process stage is one;
-``mdiedge.runtime.pipeline`` strings them together, with the ring's links as a remote tail.
-"""
+A ``LocalStage`` wraps a model chunk (the torch ``Transformer``, or a numpy chunk, ``takes_numpy``,
+that never meets torch) with its own KV slot table: the ring's sample ids map to KV rows per node,
+so a message never carries slots, and a RELEASE frees a sample's row on every node it passes. The
+starter's, each worker's and every in-process stage is one; ``mdiedge.runtime.pipeline`` strings
+them together, with the ring's links as a remote tail."""
 from __future__ import annotations
 
 import contextlib

@@ -2,10 +2,9 @@
 STOPPING=1, one datagram each to ``$NOTIFY_SOCKET`` (a path, or ``@`` an abstract name); the
 watchdog interval is half of ``$WATCHDOG_USEC`` when ``$WATCHDOG_PID`` is unset or ours.
 
-The ``Watchdog`` pings only while a ``Heartbeat`` fed by the compute loop says the node is
-healthy (idle, or progress within its stall limit), so a loop stuck on one message stops the
-pings and systemd restarts the node.
-"""
+The ``Watchdog`` pings only while a ``Heartbeat`` fed by the compute loop says the node is healthy
+(idle, or progress within its stall limit), so a loop stuck on one message stops the pings and
+systemd restarts the node."""
 from __future__ import annotations
 
 import logging

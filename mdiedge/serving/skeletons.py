@@ -1,12 +1,11 @@
 """The commented config skeletons (``mdiedge config init worker|starter|ring``, and the configs
 ``mdiedge install-units`` writes): every key, what it means, its default.
 
-As written they run on one machine: loopback addresses, two workers (``w1`` and ``w2``) on
-ports of their own, the shipped model, the CPU, a cache folder and a ring secret file of the
-user who asked (:func:`skeleton`'s ``secret_file`` and ``cache_dir``). Below a key whose value
-differs on a ring of boards, that value is a comment. The ring secret itself is made by
-:func:`create_secret_file` (mode 0600, never over an existing file).
-"""
+As written they run on one machine: loopback addresses, two workers (``w1`` and ``w2``) on ports of
+their own, the shipped model, the CPU, a cache folder and a ring secret file of the user who asked
+(:func:`skeleton`'s ``secret_file`` and ``cache_dir``). Below a key whose value differs on a ring of
+boards, that value is a comment. The ring secret itself is made by :func:`create_secret_file` (mode
+0600, never over an existing file)."""
 from __future__ import annotations
 
 import json

@@ -1,18 +1,16 @@
 """systemd units for mdiedge nodes, and their installation (``mdiedge install-units``).
 
-The unit files in the checkout's ``systemd/`` folder are the source (an installed package ships
-them as ``mdiedge/_systemd``). :func:`render_unit` returns one with ``ExecStart=`` running a
-given ``mdiedge`` (by default this install's, :func:`default_command`) and the configs and the
-secret in a given folder; :func:`install_units` writes all three into a unit folder plus a
-commented config skeleton for the worker and the starter (configs are never overwritten, units
-only with ``force``). As root: ``sudo "$(command -v mdiedge)" install-units``, then
-``systemctl daemon-reload``.
+The unit files in the checkout's ``systemd/`` folder are the source (an installed package ships them
+as ``mdiedge/_systemd``). :func:`render_unit` returns one with ``ExecStart=`` running a given
+``mdiedge`` (by default this install's, :func:`default_command`) and the configs and the secret in a
+given folder; :func:`install_units` writes all three into a unit folder plus a commented config
+skeleton for the worker and the starter (configs are never overwritten, units only with ``force``).
+As root: ``sudo "$(command -v mdiedge)" install-units``, then ``systemctl daemon-reload``.
 
-The units run mdiedge as a dynamic user: the executable and its Python environment must be
-readable by any user (a virtual environment under a 0700 home folder is not). They need
-systemd >= 240 (the worker's ``$STATE_DIRECTORY``; the starter's unit 236, for
-``StandardInput=file:``, which hands the root-only secret file to the node).
-"""
+The units run mdiedge as a dynamic user: the executable and its Python environment must be readable
+by any user (a virtual environment under a 0700 home folder is not). They need systemd >= 240 (the
+worker's ``$STATE_DIRECTORY``; the starter's unit 236, for ``StandardInput=file:``, which hands the
+root-only secret file to the node)."""
 from __future__ import annotations
 
 import os
@@ -157,13 +155,12 @@ def install_units(dest: "os.PathLike[str] | str" = DEFAULT_UNIT_DIR,
                   force: bool = False, root: "os.PathLike[str] | str | None" = None
                   ) -> List[Path]:
     """Write the three units into ``dest`` (ExecStart= running ``executable``) and the config
-    skeletons ``mdiedge.toml`` and ``starter.toml`` into ``config_dir``; returns the files
-    written.
+    skeletons ``mdiedge.toml`` and ``starter.toml`` into ``config_dir``; returns the files written.
 
-    ``root``: write under this folder (an image being built, a test), the paths in the files as
-    the installed system sees them. Relative folders are the current one's (only without
-    ``root``). Configs are never overwritten, units only with ``force``. Run ``systemctl daemon-
-    reload`` afterwards."""
+    ``root``: write under this folder (an image being built, a test), the paths in the files as the
+    installed system sees them. Relative folders are the current one's (only without ``root``).
+    Configs are never overwritten, units only with ``force``. Run ``systemctl daemon- reload``
+    afterwards."""
     command = default_command() if executable is None else (executable,)
     base = None if root is None else Path(root)
     dest, config_dir = Path(dest), Path(config_dir)

@@ -1,11 +1,9 @@
-"""``mdiedge bench``: throughput, per-node busy fraction, per-hop overhead and peak memory of
-local rings of 1..N nodes, one sample per message against micro-batched messages.
+"""``mdiedge bench``: throughput, per-node busy fraction, per-hop overhead and peak memory of local
+rings of 1..N nodes, one sample per message against micro-batched messages.
 
 Each configuration runs in a fresh process (so peak RSS is that configuration's own), and its
-figures come back as soon as it ends (``run_all`` yields them; ``mdiedge.tools.benchtable``
-prints them); a model preset with random weights is written once to a temporary Hugging Face
-directory.
-"""
+figures come back as soon as it ends (``run_all`` yields them; ``mdiedge.tools.benchtable`` prints
+them); a model preset with random weights is written once to a temporary Hugging Face directory."""
 from __future__ import annotations
 
 import json
@@ -109,9 +107,8 @@ def read_per_message(model: Any) -> int:
 
 
 def kv_read_per_row(model: Any, cfg: Any, blocks: int, context: int, new_tokens: int) -> float:
-    """KV cache bytes a decode message reads per row on a node of ``blocks`` blocks, on
-    average over the bench's generation (a prompt of ``context - new_tokens``), at the
-    model's dtype."""
+    """KV cache bytes a decode message reads per row on a node of ``blocks`` blocks, on average over
+    the bench's generation (a prompt of ``context - new_tokens``), at the model's dtype."""
     itemsize = 4 if getattr(model, "takes_numpy", False) \
         else next(model.parameters()).element_size()  # a CpuModel's caches are float32
     keys = mean_keys(context - new_tokens, new_tokens)

@@ -129,8 +129,7 @@ def window_nlls(model: Any, window: Sequence[int], batch: int,
 
 def score(model: Any, windows: Sequence[Sequence[int]], batch: int,
           progress: Optional[Progress] = None) -> Tally:
-    """Every window's scored NLLs, tallied; the model's KV cache set up for one slot of a
-    window."""
+    """Every window's scored NLLs, tallied; the model's KV cache set up for one slot of a window."""
     model.setup_cache(1, len(windows[0]))
     tally = Tally()
     for window in windows:

@@ -1,18 +1,16 @@
-"""The memory-bandwidth limit of decoding ("roofline", Williams et al. 2009), for ``mdiedge
-bench``.
+"""The memory-bandwidth limit of decoding ("roofline", Williams et al. 2009), for ``mdiedge bench``.
 
-A decode message reads each weight of a node once for all its rows, so a node's time per message
-is at least its weight bytes over its read bandwidth. That is measured as a node decodes (one
-row by a weight-sized matrix, ``layers.Linear``, the node's threads) in ``concurrent`` processes
-at once, each reading its share of the ring's bytes (``probe_bytes``), so memory and last-level
-cache are shared as in a local ring.
+A decode message reads each weight of a node once for all its rows, so a node's time per message is
+at least its weight bytes over its read bandwidth. That is measured as a node decodes (one row by a
+weight-sized matrix, ``layers.Linear``, the node's threads) in ``concurrent`` processes at once,
+each reading its share of the ring's bytes (``probe_bytes``), so memory and last-level cache are
+shared as in a local ring.
 
-A round gives every sample one token: ``groups`` messages through every node. Node i reads
-``W_i`` weight bytes per message and ``K_i`` KV bytes per row (``mean_keys`` positions on
-average). With ``c = min(groups, nodes)`` nodes reading at once at ``b(c)`` each, a round of
-``samples`` rows in messages of ``m`` takes at least ``max(max_i (groups W_i + samples K_i),
-sum_i (W_i + m K_i)) / b(c)`` seconds: the busiest node, or one message's trip round the ring.
-"""
+A round gives every sample one token: ``groups`` messages through every node. Node i reads ``W_i``
+weight bytes per message and ``K_i`` KV bytes per row (``mean_keys`` positions on average). With ``c
+= min(groups, nodes)`` nodes reading at once at ``b(c)`` each, a round of ``samples`` rows in
+messages of ``m`` takes at least ``max(max_i (groups W_i + samples K_i), sum_i (W_i + m K_i)) /
+b(c)`` seconds: the busiest node, or one message's trip round the ring."""
 from __future__ import annotations
 
 import math
@@ -37,10 +35,9 @@ def mean_keys(prompt: int, new_tokens: int) -> float:
 
 def round_limit_s(read_bytes: Sequence[int], samples: int, micro_batch: int, bandwidth: float,
                   kv_bytes: Optional[Sequence[float]] = None) -> float:
-    """Least seconds for a round (a token for each of ``samples``, ``micro_batch`` rows a
-    message) through nodes that read ``read_bytes`` of weights per message and ``kv_bytes``
-    of KV cache per row of a message (none where not given), every node at ``bandwidth``
-    bytes/s."""
+    """Least seconds for a round (a token for each of ``samples``, ``micro_batch`` rows a message)
+    through nodes that read ``read_bytes`` of weights per message and ``kv_bytes`` of KV cache per
+    row of a message (none where not given), every node at ``bandwidth`` bytes/s."""
     kv = [0.0] * len(read_bytes) if kv_bytes is None else list(kv_bytes)
     if (not read_bytes or len(kv) != len(read_bytes) or samples < 1 or micro_batch < 1
             or bandwidth <= 0):
@@ -74,9 +71,8 @@ def concurrency(nodes: int, samples: int, micro_batch: int) -> int:
 
 def _measure(nbytes: int, threads: int, seconds: float, start: Any) -> float:
     """Bytes/s of one-row products by a ``nbytes`` float32 matrix on ``threads`` threads, after
-    ``start`` (a barrier, or None). Alone: the faster quartile (a limit, not a mean); beside
-    other processes: bytes over the whole time, as one product may run while others wait for a
-    core."""
+    ``start`` (a barrier, or None). Alone: the faster quartile (a limit, not a mean); beside other
+    processes: bytes over the whole time, as one product may run while others wait for a core."""
     import torch
 
     from ..model.layers import Linear

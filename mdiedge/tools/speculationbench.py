@@ -145,10 +145,9 @@ def ring_sizes(max_nodes: int) -> List[int]:
 def run_all(model: Path, speculate: str, max_nodes: int, samples: int, new_tokens: int,
             rounds: int, text: Path, render: Optional[Render] = None,
             measuring: Optional[Callable[[str], Any]] = None) -> Iterator[Dict[str, Any]]:
-    """Every (ring size, workload) row of ``model`` with and without ``speculate``, each
-    as soon as it is measured; ``text``: where the passages come from; ``render``: an
-    instruct model's chat template; ``measuring(what)`` wraps each wait (a progress
-    display)."""
+    """Every (ring size, workload) row of ``model`` with and without ``speculate``, each as soon as
+    it is measured; ``text``: where the passages come from; ``render``: an instruct model's chat
+    template; ``measuring(what)`` wraps each wait (a progress display)."""
     from contextlib import nullcontext
 
     shown = measuring or (lambda what: nullcontext())

@@ -1,9 +1,8 @@
-"""The ASGI app (starlette): ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``
-(JSON, or server-sent events ending ``data: [DONE]``), ``/metrics``, ``/health`` and the
-ring's ``/status`` (as a starter's control plane answers it); an
-optional API key (``Authorization: Bearer`` or ``X-Api-Key``) on every route but
-``/health``; CORS for the origins allowed (``cors``); bounded bodies; every error in OpenAI's
-shape."""
+"""The ASGI app (starlette): ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (JSON, or
+server-sent events ending ``data: [DONE]``), ``/metrics``, ``/health`` and the ring's ``/status``
+(as a starter's control plane answers it); an optional API key (``Authorization: Bearer`` or
+``X-Api-Key``) on every route but ``/health``; CORS for the origins allowed (``cors``); bounded
+bodies; every error in OpenAI's shape."""
 from __future__ import annotations
 
 import functools
@@ -267,9 +266,8 @@ class ApiRoutes:
 
     async def run_choices(self, run: Run, first: Any, options: Options, chat: bool,
                           tools: Optional[ToolRequest], echo: str = "") -> AsyncIterator[Any]:
-        """One run's stream: its samples' text as it is sampled (after ``echo``, the
-        prompt's text already sent), then their last text and finish reasons; an ApiError
-        last where it failed."""
+        """One run's stream: its samples' text as it is sampled (after ``echo``, the prompt's text
+        already sent), then their last text and finish reasons; an ApiError last where it failed."""
         generation = run.generation
         assert generation is not None
         tokenizer = self.service.engine.tokenizer

@@ -98,10 +98,9 @@ def entries(tokenizer: Tokenizer, prompt: Sequence[int], scored: Sequence[TokenL
 
 def prompt_entries(tokenizer: Tokenizer, prompt: Sequence[int],
                    scored: Sequence[Optional[TokenLogprob]], echo: str) -> List[Entry]:
-    """An echoed prompt's entries, laid over ``echo`` (the prompt's text as its choice
-    shows it): each token's text where ``echo`` reads it next, else (a special token the
-    text does not show, a piece of a character) empty; the first token's logprob is null
-    (nothing comes before it)."""
+    """An echoed prompt's entries, laid over ``echo`` (the prompt's text as its choice shows it):
+    each token's text where ``echo`` reads it next, else (a special token the text does not show, a
+    piece of a character) empty; the first token's logprob is null (nothing comes before it)."""
     from ...model.sampling import TokenLogprob
 
     texts, out, at = TokenTexts(tokenizer, []), [], 0

@@ -1,11 +1,10 @@
-"""``/metrics`` in Prometheus' text format, through prometheus-client, with the names people
-know from vLLM and llama.cpp under an ``mdiedge_`` prefix.
+"""``/metrics`` in Prometheus' text format, through prometheus-client, with the names people know
+from vLLM and llama.cpp under an ``mdiedge_`` prefix.
 
-Counters and histograms are updated as requests run (speculative decoding's ``mdiedge_spec_*``
-when a request ends, from its ``Speculation``'s stats); gauges (requests running and waiting,
-KV slots) and the per-node figures (up, busy fraction, layers) are read when scraped: the
-nodes from ``nodes()``, the starter's and every worker's status.
-"""
+Counters and histograms are updated as requests run (speculative decoding's ``mdiedge_spec_*`` when
+a request ends, from its ``Speculation``'s stats); gauges (requests running and waiting, KV slots)
+and the per-node figures (up, busy fraction, layers) are read when scraped: the nodes from
+``nodes()``, the starter's and every worker's status."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, List

@@ -34,10 +34,9 @@ def retry_after_s(mean_e2e_s: float, waiting: int, slots: int) -> int:
 
 def authorized(header: Optional[str], key: Optional[str],
                api_key_header: Optional[str] = None) -> bool:
-    """Whether an ``Authorization`` header carries ``key`` (always, when there is none): the
-    scheme ``Bearer`` in any case (RFC 9110), then the key; or an ``X-Api-Key`` header
-    (``api_key_header``, llama-server's) is the key. The key's comparison takes the same
-    time wherever the two differ."""
+    """Whether an ``Authorization`` header carries ``key`` (always, when there is none): the scheme
+    ``Bearer`` in any case (RFC 9110), then the key; or an ``X-Api-Key`` header (``api_key_header``,
+    llama-server's) is the key. The key's comparison takes the same time wherever the two differ."""
     if not key:
         return True
     if api_key_header is not None and hmac.compare_digest(api_key_header.strip().encode(),

@@ -1,12 +1,11 @@
-"""Requests of the OpenAI API, read and checked: ``CompletionRequest`` (``/v1/completions``)
-and ``ChatRequest`` (``/v1/chat/completions``), both with ``Options`` (sampling, ``n``,
-``stop``, ``stream``, and the extra ``speculate``).
+"""Requests of the OpenAI API, read and checked: ``CompletionRequest`` (``/v1/completions``) and
+``ChatRequest`` (``/v1/chat/completions``), both with ``Options`` (sampling, ``n``, ``stop``,
+``stream``, and the extra ``speculate``).
 
-Every error of a body is a 400 in OpenAI's shape, as OpenAI and llama-server answer: a
-missing or unknown field, a wrong JSON type, a value out of range or one the server cannot
-serve. Every message quotes the field and the value. The fields of ``IGNORED``, which OpenAI's
-clients send and which change nothing here, are accepted with any value and ignored.
-"""
+Every error of a body is a 400 in OpenAI's shape, as OpenAI and llama-server answer: a missing or
+unknown field, a wrong JSON type, a value out of range or one the server cannot serve. Every message
+quotes the field and the value. The fields of ``IGNORED``, which OpenAI's clients send and which
+change nothing here, are accepted with any value and ignored."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,15 +1,13 @@
-"""Requests on an engine: each becomes a ``Generation`` submitted to the engine's one
-scheduler, set up once with a fixed number of KV slots and context (continuous batching: a
-request joins between steps when its samples fit the free slots, else it waits in a bounded
-queue, and beyond that it is refused with a 429 and ``Retry-After``).
+"""Requests on an engine: each becomes a ``Generation`` submitted to the engine's one scheduler, set
+up once with a fixed number of KV slots and context (continuous batching: a request joins between
+steps when its samples fit the free slots, else it waits in a bounded queue, and beyond that it is
+refused with a 429 and ``Retry-After``).
 
-A request is submitted before its handler answers, so the scheduler alone decides whether it
-is taken (its queue's rule; a refusal is the 429) and says what runs and waits (metrics).
-The scheduler's loop thread samples every token; tokens reach the request's HTTP handler
-through its own asyncio queue, while a thread of the service's pool only waits for the
-request's end. A handler whose client went away cancels its ``Generation``, which frees its
-KV rows on every node.
-"""
+A request is submitted before its handler answers, so the scheduler alone decides whether it is
+taken (its queue's rule; a refusal is the 429) and says what runs and waits (metrics). The
+scheduler's loop thread samples every token; tokens reach the request's HTTP handler through its own
+asyncio queue, while a thread of the service's pool only waits for the request's end. A handler
+whose client went away cancels its ``Generation``, which frees its KV rows on every node."""
 from __future__ import annotations
 
 import asyncio
@@ -94,9 +92,8 @@ class Run:
 
     async def next(self, disconnected: Callable[[], Awaitable[bool]],
                    poll_s: float = 0.5) -> Optional[Tuple[int, int, str]]:
-        """The next ``(sample index, token, text to stream)``, or None at the end; cancels
-        the request when
-        ``disconnected()`` says the client is gone."""
+        """The next ``(sample index, token, text to stream)``, or None at the end; cancels the
+        request when ``disconnected()`` says the client is gone."""
         while True:
             try:
                 item = self._queue.get_nowait() if not self._queue.empty() else \

@@ -1,17 +1,15 @@
 """Tool calling in the chat API, the request's side: ``tools``, ``tool_choice`` and
-``parallel_tool_calls`` read and checked (``ToolRequest``), the ``tool_calls`` of assistant
-messages and the ``tool_call_id`` of ``tool`` messages, and the messages and tools a chat
-template renders.
+``parallel_tool_calls`` read and checked (``ToolRequest``), the ``tool_calls`` of assistant messages
+and the ``tool_call_id`` of ``tool`` messages, and the messages and tools a chat template renders.
 
-A template that names ``tools`` in its source (Qwen2.5's) gets them as transformers passes
-them: ``tools=[{"type": "function", "function": {...}}]``, assistant messages with their
-``tool_calls`` (arguments as objects), ``tool`` messages as they are. A template that does
-not (SmolLM2's, the default) gets ``GENERIC_PROMPT`` in its system message, the assistant's
-calls written into its content as ``<tool_call>`` lines, and each run of ``tool`` messages as
-one user message of ``<tool_response>`` blocks. ``tool_choice: "none"`` renders no tools;
-``"required"`` and a named function add an instruction (``ToolRequest.instruction``); a
-grammar that holds decoding to a valid call would take ``ToolRequest.call_schema``.
-"""
+A template that names ``tools`` in its source (Qwen2.5's) gets them as transformers passes them:
+``tools=[{"type": "function", "function": {...}}]``, assistant messages with their ``tool_calls``
+(arguments as objects), ``tool`` messages as they are. A template that does not (SmolLM2's, the
+default) gets ``GENERIC_PROMPT`` in its system message, the assistant's calls written into its
+content as ``<tool_call>`` lines, and each run of ``tool`` messages as one user message of
+``<tool_response>`` blocks. ``tool_choice: "none"`` renders no tools; ``"required"`` and a named
+function add an instruction (``ToolRequest.instruction``); a grammar that holds decoding to a valid
+call would take ``ToolRequest.call_schema``."""
 from __future__ import annotations
 
 import json

@@ -1,18 +1,17 @@
-"""``mdiedge calibrate-exit``: per criterion, the thresholds after each block that reach a
-target top-1 agreement with the full model on held-out text, and the exit classifier.
+"""``mdiedge calibrate-exit``: per criterion, the thresholds after each block that reach a target
+top-1 agreement with the full model on held-out text, and the exit classifier.
 
-Teacher-forced: every block's output at every position, the shared head's top-1 on it and the
-three confidences (``mdiedge.model.earlyexit.policy``). A token exits after the first block
-whose confidence reaches its threshold and agrees when that block's top-1 is the last block's.
-Each block's threshold is the lowest whose exits agree at least a precision level of the time;
-the level chosen is the one whose whole rule reaches ``target`` with the fewest blocks per token
-(CALM's calibration, by a simpler search).
+Teacher-forced: every block's output at every position, the shared head's top-1 on it and the three
+confidences (``mdiedge.model.earlyexit.policy``). A token exits after the first block whose
+confidence reaches its threshold and agrees when that block's top-1 is the last block's. Each
+block's threshold is the lowest whose exits agree at least a precision level of the time; the level
+chosen is the one whose whole rule reaches ``target`` with the fewest blocks per token (CALM's
+calibration, by a simpler search).
 
-Text: the classifier trains on ``train_tokens`` before the held-out tail (for a text held out
-whole: after its first ``tokens``); thresholds are chosen on the first half of the first
-``tokens`` held-out tokens; ``mdiedge bench --early-exit`` measures on those after them (their
-count is in ``early_exit.json``).
-"""
+Text: the classifier trains on ``train_tokens`` before the held-out tail (for a text held out whole:
+after its first ``tokens``); thresholds are chosen on the first half of the first ``tokens``
+held-out tokens; ``mdiedge bench --early-exit`` measures on those after them (their count is in
+``early_exit.json``)."""
 from __future__ import annotations
 
 import json
@@ -59,9 +58,8 @@ def held_out_halves(tokens: List[int], what: str) -> Tuple[List[int], List[int]]
 
 @torch.no_grad()
 def block_states(model: Any, tokens: List[int], window: int) -> Tuple[Tensor, Tensor]:
-    """Every block's output at every position (L, N, dim) and the embedding (N, dim), over
-    windows of ``window`` tokens each from position 0 (the last token has no target and is
-    left out)."""
+    """Every block's output at every position (L, N, dim) and the embedding (N, dim), over windows
+    of ``window`` tokens each from position 0 (the last token has no target and is left out)."""
     states, embeds = [], []
     for start in range(0, len(tokens) - 1, window):
         chunk = torch.tensor(tokens[start:start + window])[None]  # (1, T)
@@ -119,9 +117,8 @@ def layer_threshold(scores: Tensor, agree: Tensor, precision: float) -> float:
 
 
 def check_cost(criterion: str, cfg: Any) -> float:
-    """What checking a criterion after a block costs, in blocks (weights read per token): the
-    head for ``softmax``, the small MLP for ``classifier``, next to nothing for
-    ``similarity``."""
+    """What checking a criterion after a block costs, in blocks (weights read per token): the head
+    for ``softmax``, the small MLP for ``classifier``, next to nothing for ``similarity``."""
     block = cfg.block_params()
     per_check = {"softmax": cfg.vocab_size * cfg.dim,
                  "classifier": cfg.dim * CLASSIFIER_HIDDEN}.get(criterion, 0)
@@ -217,10 +214,9 @@ def decode_forced(model: Any, tokens: List[int], policy: Optional[ExitPolicy],
 def calibrate_decoding(model: Any, traced: LayerTrace, tokens: List[int], criterion: str,
                        target: float, classifier: Optional[ExitClassifier],
                        rounds: int = 4, window: int = 256) -> Dict[str, Any]:
-    """``calibrate`` on the traced states, then checked on real decode steps over the same
-    tokens (each step's exit leaves filled KV that later tokens attend to, which the traced
-    states do not show): while the decoded agreement falls short, the traced target rises
-    by the shortfall."""
+    """``calibrate`` on the traced states, then checked on real decode steps over the same tokens
+    (each step's exit leaves filled KV that later tokens attend to, which the traced states do not
+    show): while the decoded agreement falls short, the traced target rises by the shortfall."""
     aim, found = target, {}
     base, _, _ = decode_forced(model, tokens, None, window)
     for _ in range(rounds):

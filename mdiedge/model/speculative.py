@@ -30,9 +30,8 @@ from .sampling import (Generator, History, SamplingParams, draw, filter_logits,
 
 
 def greedy_accept(drafts: Sequence[int], argmaxes: Sequence[int]) -> List[int]:
-    """The tokens greedy decoding emits from one verification: the drafts up to the first
-    that differs from the model's argmax at its position, then the model's argmax there.
-    ``argmaxes`` holds len(drafts) + 1 tokens, the model's choice at each position."""
+    """The drafts up to the first differing from the model's argmax, then the argmax there
+    (``argmaxes``: len(drafts) + 1)."""
     if len(argmaxes) != len(drafts) + 1:
         raise ValueError(f"{len(argmaxes)} model tokens for {len(drafts)} drafts: needs "
                          f"{len(drafts) + 1}")
@@ -46,18 +45,14 @@ def greedy_accept(drafts: Sequence[int], argmaxes: Sequence[int]) -> List[int]:
 
 
 def distributions(logits: Any, params: SamplingParams) -> np.ndarray:
-    """Rows of ``logits`` (T, vocab) as the probabilities sampling draws from: softmax after
-    temperature, top-k and top-p (float32 numpy)."""
+    """Softmax after temperature, top-k and top-p (float32 numpy)."""
     return np.stack([softmax(filter_logits(row, params)) for row in float32(logits)])
 
 
 def sampled_accept(drafts: Sequence[int], p: Any, q: Optional[Any],
                    generator: Generator) -> List[int]:
-    """The tokens one verification emits under the speculative sampling rule.
-
-    ``p``: the model's distributions (len(drafts) + 1, vocab); ``q``: the drafter's at the
-    drafted positions (len(drafts), vocab), or None for one-hot proposals. Between 1 and
-    len(drafts) + 1 tokens."""
+    """``p``: the model's distributions (len(drafts) + 1, vocab); ``q``: the drafter's at the
+    drafted positions, or None for one-hot proposals. Between 1 and len(drafts) + 1 tokens."""
     k = len(drafts)
     p = float32(p)
     if p.ndim != 2 or p.shape[0] != k + 1:
@@ -85,9 +80,8 @@ def sampled_accept(drafts: Sequence[int], p: Any, q: Optional[Any],
 def accept(drafts: Sequence[int], logits: Any, q: Optional[Any],
            params: SamplingParams, generator: Generator,
            history: Optional[History] = None) -> List[int]:
-    """The tokens a verification emits: greedy or sampled as ``params`` say. ``logits``: the
-    model's raw logits at the len(drafts) + 1 positions (T, vocab); ``history``: the
-    sample's prompt and output before them (its penalties)."""
+    """Greedy or sampled as ``params`` say; ``logits``: raw, at len(drafts) + 1 positions;
+    ``history``: prompt and output before them (penalties)."""
     logits = float32(logits)
     if history is not None and params.penalized:
         prompt, output = history
@@ -105,8 +99,8 @@ def _one_hot(token: int, vocab: int) -> np.ndarray:
 
 
 def _draw(weights: np.ndarray, fallback: np.ndarray, generator: Generator) -> int:
-    """One token drawn in proportion to ``weights``; from ``fallback`` where they sum to 0
-    (p equal to q: a rejection there has probability 0, rounding aside)."""
+    """From ``fallback`` where ``weights`` sum to 0 (p equal to q: a rejection there has probability
+    0, rounding aside)."""
     if float(weights.sum()) <= 0.0:
         weights = fallback
     return draw(weights, generator)

@@ -37,14 +37,12 @@ QUANT_CODES = {name: TYPES[name].kernel for name in KERNEL_TYPES}  # ext/quant.h
 
 
 def plain(t: Any) -> bool:
-    """A contiguous float32 CPU tensor or numpy array, as the step reads every tensor."""
     return _plain(t)
 
 
 class QuantMatrix:
-    """A matrix of ``shape`` (out, in) held as ``data``, uint8 (out, row_bytes) contiguous on
-    the CPU, in the kernel type ``qtype`` (its ext/quant.h enum value ``code``); refused with
-    ``ValueError`` quoting what does not fit."""
+    """(out, in) held as ``data``, uint8 (out, row_bytes) contiguous on the CPU, in kernel type
+    ``qtype`` (``code``: its ext/quant.h enum value); ValueError quoting what does not fit."""
 
     __slots__ = ("data", "qtype", "code", "shape")
 
@@ -78,8 +76,7 @@ class QuantMatrix:
 
 class StackedMatrix:
     """1..``MAX_PARTS`` ``QuantMatrix`` parts of one input width read as one matrix of their rows
-    stacked, (sum of their rows, in): Q, K and V (or gate and up) multiplied where they lie, each of
-    its own type, with nothing copied; ``ValueError`` quoting what does not fit."""
+    stacked (Q, K, V or gate, up), each of its own type, nothing copied."""
 
     __slots__ = ("parts", "shape")
 
@@ -108,8 +105,8 @@ class StackedMatrix:
 
 
 def _matrix_of(name: str, t: Any, shape: Tuple[int, ...]) -> None:
-    """``ValueError`` quoting ``name`` unless t is a plain float32 tensor, a
-    ``QuantMatrix`` or a ``StackedMatrix`` of ``shape``."""
+    """ValueError quoting ``name`` unless plain float32, a ``QuantMatrix`` or a ``StackedMatrix`` of
+    ``shape``."""
     if not (isinstance(t, (QuantMatrix, StackedMatrix))
             or plain(t)):
         raise ValueError(f"{name} is not a contiguous float32 CPU tensor or a "
@@ -119,12 +116,10 @@ def _matrix_of(name: str, t: Any, shape: Tuple[int, ...]) -> None:
 
 
 class Experts:
-    """A mixture of experts as a block's feed-forward (Mixtral, Qwen3-MoE; ``mdiedge.model.
-    moe``): ``router`` (n_experts, dim), each expert's ``gate_up`` (2 hidden, dim), gate and
-    up fused, and ``down`` (dim, hidden), each float32 or quantized as a block's matrices;
-    ``top_k`` experts per row, their softmax probabilities renormalized to sum one where
-    ``renormalize``; ``counts`` None or a contiguous int64 CPU tensor (n_experts,) to which
-    the step adds the rows routed to each expert. Checked when made, frozen after."""
+    """A block's mixture-of-experts feed-forward: ``router`` (n_experts, dim), each expert's fused
+    ``gate_up`` (2 hidden, dim) and ``down`` (dim, hidden), float32 or quantized; ``top_k`` per row,
+    renormalized where ``renormalize``; ``counts`` None or a contiguous int64 CPU tensor
+    (n_experts,) the step adds routed rows to. Checked when made, frozen after."""
 
     __slots__ = ("router", "gate_up", "down", "top_k", "renormalize", "counts", "n_experts",
                  "dim", "hidden")
@@ -164,7 +159,6 @@ class Experts:
 
 
 def _acceptable(name: str, t: Any) -> bool:
-    """A plain float32 tensor, or for a block's matrices a ``QuantMatrix`` or ``StackedMatrix``."""
     if isinstance(t, (QuantMatrix, StackedMatrix)):
         return name in _MATRICES
     return plain(t)
@@ -233,7 +227,7 @@ class BlockWeights:
         raise AttributeError(f"BlockWeights is frozen ({name})")
 
     def replace(self, **changes: Any) -> "BlockWeights":
-        """A copy with some tensors (or n_heads, eps, the optional parts) changed, checked again."""
+        """A copy with some fields changed, checked again."""
         names = _TENSORS + ("n_heads", "eps") + _OPTIONAL + _SETTINGS
         return BlockWeights(**{n: changes.get(n, getattr(self, n)) for n in names})
 
@@ -243,7 +237,7 @@ class BlockWeights:
                                                       and self.experts.wants_grad())
 
     def quantized(self) -> Tuple[str, ...]:
-        """The names of the matrices held quantized ("experts" where any expert's is)."""
+        """Names of the matrices held quantized ("experts" where any expert's is)."""
         held = [getattr(self, n) for n in _MATRICES] + [
             m for m in (self.experts.matrices() if self.experts is not None else ())]
         names = _MATRICES + ("experts",) * (len(held) - len(_MATRICES))
@@ -252,8 +246,7 @@ class BlockWeights:
 
 
 def _feed_forward(gate_up: Any, down: Any, experts: Optional[Experts], attn_norm: Any) -> int:
-    """The feed-forward's hidden width: gate_up's half, or the experts' (gate_up and down
-    then None, the experts of the block's width)."""
+    """gate_up's half, or the experts' (gate_up and down then None)."""
     if experts is None:
         return int(getattr(gate_up, "shape", (0,))[0]) // 2
     if not isinstance(experts, Experts):
@@ -268,7 +261,6 @@ def _feed_forward(gate_up: Any, down: Any, experts: Optional[Experts], attn_norm
 
 def _checked_optional(given: Dict[str, Any], shapes: Dict[str, Tuple[int, ...]]
                       ) -> Dict[str, Any]:
-    """The optional tensors, each None or a plain float32 tensor of its shape."""
     for name, t in given.items():
         if t is None:
             continue
@@ -280,8 +272,6 @@ def _checked_optional(given: Dict[str, Any], shapes: Dict[str, Tuple[int, ...]]
 
 
 def _checked_settings(activation: Any, attn_scale: Any, window: Any) -> Dict[str, Any]:
-    """activation one of ``ACTIVATIONS``, attn_scale None or a positive finite number,
-    window an int >= 0."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
     scale = attn_scale
@@ -302,8 +292,7 @@ def _checked_settings(activation: Any, attn_scale: Any, window: Any) -> Dict[str
 
 
 class Limits:
-    """What a call must fit, for one block or several: the width, KV slots and positions
-    (the fewest of any block)."""
+    """Width, KV slots and positions a call must fit (the fewest of any block)."""
 
     def __init__(self, weights: Sequence[BlockWeights]) -> None:
         if not weights or not all(isinstance(w, BlockWeights) for w in weights):
@@ -319,8 +308,7 @@ class Limits:
 
 
 def usable(weights: BlockWeights, x: Any) -> bool:
-    """A 2-D float32 CPU ``x`` of 1..``MAX_ROWS`` rows of the block's width, and no gradient
-    wanted."""
+    """2-D float32 CPU ``x`` of 1..``MAX_ROWS`` rows of the block's width, no gradient wanted."""
     return _rows_fit(x, weights.dim) and not (
         grad_enabled() and (getattr(x, "requires_grad", False) or weights.wants_grad()))
 
@@ -338,7 +326,7 @@ def check(weights: BlockWeights, x: Any, out: Any, slots: Sequence[int],
 
 def check_call(limits: Any, wants_grad: bool, x: Any, out: Any, slots: Sequence[int],
                positions: Sequence[int], threads: int) -> None:
-    """The call's own arguments against ``limits`` (a ``BlockWeights`` or ``Limits``)."""
+    """Against ``limits`` (a ``BlockWeights`` or ``Limits``)."""
     if not _rows_fit(x, limits.dim) or (grad_enabled() and (
             getattr(x, "requires_grad", False) or wants_grad)):
         raise ValueError(f"decode step of x {tuple(x.shape)} {x.dtype} on {device_of(x)}: needs "
@@ -359,9 +347,8 @@ def check_call(limits: Any, wants_grad: bool, x: Any, out: Any, slots: Sequence[
 
 
 def logits_usable(norm: Any, head: Any, x: Any) -> bool:
-    """The final norm ``norm`` (dim,) and head ``head`` (vocab, dim), contiguous float32 on
-    the CPU (the head may be a ``QuantMatrix``), for 1..``MAX_ROWS`` rows ``x`` of dim, and
-    no gradient wanted."""
+    """``norm`` (dim,) and ``head`` (vocab, dim; or a ``QuantMatrix``) contiguous CPU float32,
+    1..``MAX_ROWS`` rows, no gradient wanted."""
     head_fits = isinstance(head, QuantMatrix) or (plain(head) and ndim(head) == 2)
     return (head_fits and plain(norm) and ndim(norm) == 1 and head.shape[1] == norm.shape[0]
             and _rows_fit(x, norm.shape[0])

@@ -78,17 +78,15 @@ class SlotTable:
         self._free: List[int] = list(range(self._n))  # a heap: the lowest free slot first
 
     def filled(self, sample_id: int) -> int:
-        """Positions of the sample's KV rows filled so far."""
         self.slot_of(sample_id)
         return self._filled[sample_id]
 
     def advance(self, sample_ids: Sequence[int], positions: Sequence[int], tokens: int,
                 restart: bool = False, rewind: bool = False) -> None:
-        """Record a step of ``tokens`` tokens for each sample (all holding slots) from its
-        position; a SlotError, recording nothing, unless every position is its slot's filled
-        length. ``restart``: a position 0 starts the sample's rows over (a prefill, or its
-        replay after a recovery). ``rewind``: a position may also be below the filled
-        length (a verification kept fewer tokens than it wrote); the fill goes back to it."""
+        """A step of ``tokens`` for each sample from its position; a SlotError, recording nothing,
+        unless every position is its slot's filled length. ``restart``: position 0 starts the rows
+        over (a prefill, a replay). ``rewind``: a position below the filled length too; the fill
+        goes back to it."""
         for sample_id, position in zip(sample_ids, positions):
             done = 0 if restart and position == 0 else self.filled(sample_id)
             if position != done and not (rewind and 0 <= position < done):
@@ -99,5 +97,5 @@ class SlotTable:
             self._filled[sample_id] = position + tokens
 
     def assignments(self) -> Dict[int, int]:
-        """sample id -> slot for every slot in use, in slot order."""
+        """In slot order."""
         return dict(sorted(self._slot.items(), key=lambda item: item[1]))

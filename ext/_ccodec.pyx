@@ -18,7 +18,7 @@ from mdiedge.base.codecs import (  # the constants are part of this module's API
     BLOCK, FP16, FP16_MAX, INT8, INT8_MAX, INT8_NAN, INT8_NEG_INF, INT8_POS_INF, check_encoded,
     encoded_size)
 from mdiedge.base.errors import FrameError
-from mdiedge.runtime._framingspec import byte_view
+from mdiedge.runtime._framingconstants import byte_view
 
 cdef enum:
     C_BLOCK = 32

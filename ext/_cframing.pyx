@@ -1,9 +1,9 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
 """Data-plane framing, compiled: the twin of ``mdiedge/runtime/_pyframing.py``, with the same
 API and errors. It owns the C packing and parsing of a header and the socket loops; the wire
-format (documented in ``mdiedge/runtime/_framingspec.py``), its constants and its checks are
+format (documented in ``mdiedge/runtime/_framingconstants.py``), its constants and its checks are
 imported from there. The checks run here as typed predicates on the usual input (exact ints,
-lists and tuples); whatever they do not accept goes to the spec's own checks, which convert it
+lists and tuples); whatever they do not accept goes to _framingconstants' own checks, which convert it
 or name the field in error, so that verdicts and messages have one source.
 
 The socket loops call POSIX ``recv``, ``writev`` and ``poll`` on the socket's file descriptor
@@ -28,7 +28,7 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memmove
 from posix.uio cimport iovec, writev
 
-from mdiedge.runtime._framingspec import (  # the constants are part of this module's API
+from mdiedge.runtime._framingconstants import (  # the constants are part of this module's API
     ACTIVATION, CODEC_SHIFT, CRC_OFFSET, ELIGIBLE_BIT, ENTRY_SIZE, FLAG_CODEC, FLAG_PREFILL,
     FLAG_SEALED, FLAGS_KNOWN, FLOAT32, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_BUSY_POLL_US,
     MAX_EXIT_DEPTH, MAX_NDIM, MAX_POSITION, MAX_SAMPLES, MIN_READ_BUFFER, MSG_TYPES, PING,
@@ -89,9 +89,9 @@ if (C_HEADER_SIZE, C_CRC_OFFSET, C_ENTRY_SIZE, C_MAX_NDIM, len(MAGIC), C_CODEC_S
         (HEADER_SIZE, CRC_OFFSET, ENTRY_SIZE, MAX_NDIM, 4, CODEC_SHIFT, FLAG_CODEC, FLOAT32,
          _codecs.FP16, _codecs.INT8, _codecs.BLOCK, MAX_EXIT_DEPTH) or \
         MAX_POSITION + 1 != ELIGIBLE_BIT:
-    raise ImportError("ext/_cframing.pyx packs another layout than mdiedge.runtime._framingspec")
+    raise ImportError("ext/_cframing.pyx packs another layout than mdiedge.runtime._framingconstants")
 
-# the spec's limits as typed tables, filled from it at import
+# _framingconstants' limits as typed tables, filled from it at import
 cdef unsigned char[4] C_MAGIC
 cdef uint8_t C_VERSION = VERSION
 cdef uint32_t C_MAX_SAMPLES = MAX_SAMPLES
@@ -204,7 +204,7 @@ cdef bint _u32(object value, uint32_t* out) except -1:
 
 
 cdef inline bint _exit_ok(uint32_t msg_type, uint32_t flags) noexcept nogil:
-    """The spec's ``exit_allowed``: early exit only in ACTIVATION frames without PREFILL."""
+    """_framingconstants' ``exit_allowed``: early exit only in ACTIVATION frames without PREFILL."""
     return msg_type == C_ACTIVATION and not flags & C_FLAG_PREFILL
 
 
@@ -245,8 +245,8 @@ cdef bint _size_ok(Fixed* f) noexcept nogil:
 
 cdef bint _fixed_ok(Fixed* f, msg_type, flags, dtype, n_tokens, shape, seq,
                     exit_depth) except -1:
-    """The spec's ``check_pack_args`` (but the sample table) as a typed predicate, which
-    fills ``f``; False leaves the verdict to the spec."""
+    """_framingconstants' ``check_pack_args`` (but the sample table) as a typed predicate, which
+    fills ``f``; False leaves the verdict to _framingconstants."""
     cdef Py_ssize_t i
     if not (_u32(msg_type, &f.msg_type) and _u32(flags, &f.flags) and _u32(dtype, &f.dtype)
             and _u32(n_tokens, &f.n_tokens) and _u32(seq, &f.seq)
@@ -270,8 +270,8 @@ cdef bint _fixed_ok(Fixed* f, msg_type, flags, dtype, n_tokens, shape, seq,
 
 
 cdef bint _table_ok(const Fixed* f, object ids, object positions, object eligible) except -1:
-    """The spec's checks of the sample table as a typed predicate (exact bools as eligible
-    flags); False leaves the verdict to the spec."""
+    """_framingconstants' checks of the sample table as a typed predicate (exact bools as eligible
+    flags); False leaves the verdict to _framingconstants."""
     cdef uint32_t value
     cdef Py_ssize_t i, n
     cdef bint flagged, exit_ok = _exit_ok(f.msg_type, f.flags)
@@ -330,7 +330,7 @@ def pack_header(msg_type, flags, dtype, sample_ids, positions, n_tokens, shape, 
     if _fixed_ok(&f, msg_type, flags, dtype, n_tokens, shape, seq, exit_depth) and \
             _table_ok(&f, sample_ids, positions, eligible):
         return _pack(&f, sample_ids, positions, eligible)
-    # anything else (numpy ints, iterators, a bad value): the spec checks and converts
+    # anything else (numpy ints, iterators, a bad value): _framingconstants checks and converts
     (f.msg_type, f.flags, f.dtype, sample_ids, words, f.n_tokens, dims, f.seq, f.exit_depth,
      f.size) = check_pack_args(msg_type, flags, dtype, sample_ids, positions, n_tokens, shape,
                                seq, exit_depth, eligible)
@@ -341,7 +341,7 @@ def pack_header(msg_type, flags, dtype, sample_ids, positions, n_tokens, shape, 
 
 
 cdef bint _fields_ok(const unsigned char* p, const uint32_t* d, uint64_t limit) noexcept nogil:
-    """The spec's ``check_fields`` as a typed predicate (``limit``: max_payload, clamped)."""
+    """_framingconstants' ``check_fields`` as a typed predicate (``limit``: max_payload, clamped)."""
     cdef uint32_t ndim = p[10], i
     cdef uint64_t size = _get64(p + 36), extent = C_ITEMSIZE[p[7]]
     cdef bint empty = False
@@ -362,7 +362,7 @@ cdef bint _fields_ok(const unsigned char* p, const uint32_t* d, uint64_t limit) 
         if d[i] == 0:      # a zero dim empties the tensor
             empty = True
         elif extent > limit // d[i]:
-            return False  # beyond max_payload (or 64 bits): the spec names the field
+            return False  # beyond max_payload (or 64 bits): _framingconstants names the field
         else:
             extent *= d[i]
     return size == (0 if empty else _coded(extent // C_ITEMSIZE[p[7]], C_ITEMSIZE[p[7]], p[6]))
@@ -378,7 +378,7 @@ cdef object _parse_fixed(const unsigned char* p, object max_payload):
     if not _fields_ok(p, d, limit):
         check_fields((<const char*> p)[:4], p[4], p[5], p[6], p[7], _get16(p + 8), ndim, p[11],
                      (d[0], d[1], d[2], d[3]), size, max_payload)
-        raise AssertionError("_cframing rejected a header that _framingspec accepts")
+        raise AssertionError("_cframing rejected a header that _framingconstants accepts")
     return FrameHeader(p[5], p[6], p[7], (), (), _get32(p + 12),
                        tuple([d[i] for i in range(ndim)]), _get32(p + 32), size, p[11], ())
 

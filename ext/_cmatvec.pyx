@@ -1,10 +1,10 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """The few-row product, compiled: the twin of ``mdiedge/model/_pymatvec.py`` with the same API
-(see ``mdiedge/model/_matvecspec.py``). The kernel is ``ext/matvec.h``: the weight read once
+(see ``mdiedge/model/_matvecconstants.py``). The kernel is ``ext/matvec.h``: the weight read once
 per three rows, vector accumulators, OpenMP threads over the output columns, the GIL
 released; a row's result does not depend on the rows beside it or the thread count."""
 from mdiedge.model.arrays import address as _address
-from mdiedge.model._matvecspec import MAX_ROWS, check, usable  # noqa: F401  (this module's API)
+from mdiedge.model._matvecconstants import MAX_ROWS, check, usable  # noqa: F401  (this module's API)
 
 TRANSPOSED_HEAD = False  # the kernel reads the head row-major, as every other weight
 

@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """The decode step, compiled: the twin of ``mdiedge/model/_pystep.py`` with the same API (see
-``mdiedge/model/_stepspec.py``). The kernel is ``ext/step.h``: a whole dense block for 1..8
+``mdiedge/model/_stepconstants.py``). The kernel is ``ext/step.h``: a whole dense block for 1..8
 rows in one call with the GIL released, its products ``ext/matvec.h``'s (float32 matrices) or
 ``ext/quant.h``'s (a ``QuantMatrix``, or a ``StackedMatrix`` of them), with the optional
 parts of ``BlockWeights`` (bias, Q/K norms, sandwich norms, GeGLU, scale, window, a
@@ -12,7 +12,7 @@ from libc.stdlib cimport free, malloc
 
 from mdiedge.model.arrays import address as _address
 from mdiedge.model.qtypes import check_compiled as _check_compiled
-from mdiedge.model._stepspec import (ACTIVATIONS, MAX_PARTS, MAX_ROWS,  # noqa: F401
+from mdiedge.model._stepconstants import (ACTIVATIONS, MAX_PARTS, MAX_ROWS,  # noqa: F401
                                      BlockWeights, Experts, Limits, QuantMatrix,
                                      StackedMatrix, check, check_call, check_logits,
                                      logits_usable, usable)
@@ -68,9 +68,9 @@ cdef extern from "step.h" nogil:
 st_init()
 _check_compiled(tuple((qm_names[i].decode(), qm_block[i], qm_block_bytes[i])
                      for i in range(QM_TYPES)), __name__)
-assert ST_PARTS == MAX_PARTS == 3, "ext/step.h's ST_PARTS is not _stepspec's MAX_PARTS"
+assert ST_PARTS == MAX_PARTS == 3, "ext/step.h's ST_PARTS is not _stepconstants's MAX_PARTS"
 assert (ST_SILU, ST_GELU_TANH) == tuple(map(ACTIVATIONS.index, ("silu", "gelu_tanh"))), \
-    "ext/step.h's activations are not _stepspec's ACTIVATIONS"
+    "ext/step.h's activations are not _stepconstants's ACTIVATIONS"
 
 cdef const float *_ptr(t) except? NULL:
     return <const float *><size_t>_address(t)

@@ -1,9 +1,8 @@
-"""``python -m mdiedge`` and the ``mdiedge`` console command. Ctrl-C is held back from here
-until the command starts (:mod:`mdiedge.base.interrupts`), so a Ctrl-C while the command line
-loads is the same one line and status 130 as later. Idle OpenMP threads are told to sleep
-before any OpenMP runtime loads (:func:`mdiedge.base.threads.choose_openmp_waits`). A
-command that ends (with any status) leaves without the interpreter's teardown
-(:mod:`mdiedge.base.leave`)."""
+"""``python -m mdiedge`` and the ``mdiedge`` console command. Ctrl-C is held back from here until
+the command starts (:mod:`mdiedge.base.interrupts`), so a Ctrl-C while the command line loads is the
+same one line and status 130 as later. Idle OpenMP threads are told to sleep before any OpenMP
+runtime loads (:func:`mdiedge.base.threads.choose_openmp_waits`). A command that ends (with any
+status) leaves without the interpreter's teardown (:mod:`mdiedge.base.leave`)."""
 
 
 def main() -> None:

@@ -19,13 +19,13 @@ from hypothesis import strategies as st
 
 from mdiedge.runtime.framing import FRAMING
 from mdiedge.base.errors import FrameError
-from mdiedge.runtime import _framingspec, framing
+from mdiedge.runtime import _framingconstants, framing
 
 pytestmark = pytest.mark.twins
 IMPLS = FRAMING.implementations()
 FAST = settings(max_examples=40, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
-CAPACITIES = [0, _framingspec.MIN_READ_BUFFER, _framingspec.READ_BUFFER]
+CAPACITIES = [0, _framingconstants.MIN_READ_BUFFER, _framingconstants.READ_BUFFER]
 
 
 @pytest.fixture(params=IMPLS, ids=[m.__name__ for m in IMPLS])
@@ -143,7 +143,7 @@ def test_capacity_zero_reads_nothing_past_the_frame(impl: ModuleType, pair: Any)
 
 
 @pytest.mark.parametrize("capacity,busy_poll", [(c, 0) for c in CAPACITIES] + [(0, 1000),
-                                                  (_framingspec.READ_BUFFER, 1000)])
+                                                  (_framingconstants.READ_BUFFER, 1000)])
 @pytest.mark.parametrize("keep,message", [
     (20, "connection closed after 20 of 48 bytes"),                  # in the fixed header
     (52, "connection closed after 4 of 16 bytes"),                   # in the sample table
@@ -167,17 +167,17 @@ def test_a_bad_frame_is_refused_before_its_table(impl: ModuleType, pair: Any) ->
         framing.recv_frame(framing.reader(b, impl), 1 << 20, impl=impl)
 
 
-@pytest.mark.parametrize("capacity", [-1, 1, _framingspec.MIN_READ_BUFFER - 1, 1 << 31, 2.5,
+@pytest.mark.parametrize("capacity", [-1, 1, _framingconstants.MIN_READ_BUFFER - 1, 1 << 31, 2.5,
                                       True, "64k"])
 def test_a_bad_capacity_is_named(impl: ModuleType, pair: Any, capacity: Any) -> None:
     with pytest.raises(FrameError, match=r"^read buffer capacity .* must be 0 or an integer"):
         impl.FrameReader(pair[1], capacity)
 
 
-@pytest.mark.parametrize("busy_poll", [-1, _framingspec.MAX_BUSY_POLL_US + 1, 2.5, True, "200"])
+@pytest.mark.parametrize("busy_poll", [-1, _framingconstants.MAX_BUSY_POLL_US + 1, 2.5, True, "200"])
 def test_a_bad_busy_poll_is_named(impl: ModuleType, pair: Any, busy_poll: Any) -> None:
     with pytest.raises(FrameError, match=r"^busy poll .* must be an integer 0\.\.100000 µs$"):
-        impl.FrameReader(pair[1], _framingspec.READ_BUFFER, busy_poll)
+        impl.FrameReader(pair[1], _framingconstants.READ_BUFFER, busy_poll)
 
 
 def test_a_busy_poll_keeps_the_socket_timeout(impl: ModuleType, pair: Any) -> None:
@@ -185,7 +185,7 @@ def test_a_busy_poll_keeps_the_socket_timeout(impl: ModuleType, pair: Any) -> No
     50 ms gives up within about 50 ms of polling and 50 ms of sleep."""
     a, b = pair
     b.settimeout(0.05)
-    reader = framing.reader(b, impl, busy_poll_us=_framingspec.MAX_BUSY_POLL_US)
+    reader = framing.reader(b, impl, busy_poll_us=_framingconstants.MAX_BUSY_POLL_US)
     start = time.monotonic()
     with pytest.raises(socket.timeout):
         framing.recv_frame(reader, 1 << 20, impl=impl)
@@ -198,7 +198,7 @@ def test_a_busy_poll_keeps_the_socket_timeout(impl: ModuleType, pair: Any) -> No
 def test_a_non_blocking_socket_is_not_polled(impl: ModuleType, pair: Any) -> None:
     a, b = pair
     b.setblocking(False)
-    reader = framing.reader(b, impl, busy_poll_us=_framingspec.MAX_BUSY_POLL_US)
+    reader = framing.reader(b, impl, busy_poll_us=_framingconstants.MAX_BUSY_POLL_US)
     start = time.monotonic()
     with pytest.raises(BlockingIOError):
         framing.recv_frame(reader, 1 << 20, impl=impl)

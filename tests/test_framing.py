@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from mdiedge.base import dtypes
 from mdiedge.base.arrays import to_numpy
-from mdiedge.runtime import _framingspec
+from mdiedge.runtime import _framingconstants
 from mdiedge.runtime import framing
 from mdiedge.runtime.framing import FRAMING
 from mdiedge.base.errors import FrameError
@@ -574,7 +574,7 @@ def test_public_layer_uses_the_selected_module() -> None:
         assert types == (1, 2, 3, 5) and impl.MSG_TYPES == types  # 4 is reserved
 
 
-# ------------------------------------------------------------------- one spec for both twins
+# ------------------------------------------------------------------- one constants module for both twins
 
 SPEC_NAMES = ("MAGIC", "VERSION", "HEADER_SIZE", "CRC_OFFSET", "ENTRY_SIZE", "MAX_SAMPLES",
               "MAX_NDIM", "MAX_EXIT_DEPTH", "MAX_POSITION", "ELIGIBLE_BIT", "check_eligible",
@@ -588,9 +588,9 @@ def test_twins_share_the_spec_objects() -> None:
     """Both implementations hold the spec's very objects: its constants, table and checks."""
     for impl in IMPLS:
         for name in SPEC_NAMES:
-            assert getattr(impl, name) is getattr(_framingspec, name), (impl.__name__, name)
-    assert _framingspec.ITEMSIZE is dtypes.ITEMSIZE
-    assert _framingspec.ITEMSIZE == {d.code: torch.empty((), dtype=getattr(torch, d.name))
+            assert getattr(impl, name) is getattr(_framingconstants, name), (impl.__name__, name)
+    assert _framingconstants.ITEMSIZE is dtypes.ITEMSIZE
+    assert _framingconstants.ITEMSIZE == {d.code: torch.empty((), dtype=getattr(torch, d.name))
                                      .element_size() for d in dtypes.TABLE}
 
 
@@ -601,8 +601,8 @@ def test_no_copy_of_the_spec_in_a_twin(source: str) -> None:
     if not path.exists():
         pytest.skip(f"{source} is not in this tree")
     text = path.read_text()
-    assert "from mdiedge.runtime._framingspec import" in text or \
-        "from ._framingspec import" in text
+    assert "from mdiedge.runtime._framingconstants import" in text or \
+        "from ._framingconstants import" in text
     targets = re.findall(r"^(?:cdef [\w\[\] ]+ )?(\w+(?:\s*,\s*\w+)*)\s*(?:\[[^]]*\])?\s*=(?!=)",
                          text, re.M)  # the names assigned at module level
     assigned = {n.strip() for t in targets for n in t.split(",")} & set(SPEC_NAMES)

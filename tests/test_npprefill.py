@@ -144,7 +144,7 @@ def test_a_q8_prefill_takes_the_integer_kernels_for_k_quants(qtype: str, integer
     threads), with a 32-weight type the tiles'; under f32 every type takes the tiles. The
     torch path's QuantLinear multiplies the same way (bit for bit where integer)."""
     from mdiedge.model import qlayers
-    from mdiedge.model._stepspec import QuantMatrix
+    from mdiedge.model._stepconstants import QuantMatrix
     from quantblocks import random_blocks
 
     matrix = QuantMatrix(np.asarray(random_blocks(qtype, 40, 512, seed=2)), qtype)

@@ -4,7 +4,7 @@ The packages are the floors of tests/test_layers.py: cli, tools, serving, engine
 placement, runtime, model, base (the top-level ``mdiedge`` and ``mdiedge.__main__`` are one
 more). A name is private when it starts with one underscore (dunders such as ``__version__``
 are not). Inside its own package a private name is free to use (the compiled twins ``_c*``,
-``_py*`` and their ``_*spec`` are imported that way); from another package it is a problem:
+``_py*`` and their ``_*constants`` are imported that way); from another package it is a problem:
 
 - an import whose module path or imported name has a private part (``from ..roles.starter
   import _ring_rows``, ``import mdiedge.model._cstep``);

@@ -17,7 +17,7 @@ import torch
 from test_step import TorchPath, decode, model, preferred
 from test_step_quant import random_blocks
 
-from mdiedge.model._stepspec import BlockWeights, QuantMatrix, StackedMatrix
+from mdiedge.model._stepconstants import BlockWeights, QuantMatrix, StackedMatrix
 from mdiedge.model.config import ModelConfig
 from mdiedge.model.layers import RMSNorm
 from mdiedge.model.transformer import STEP

@@ -16,7 +16,7 @@ from test_step import IMPLS, TorchPath, impl, preferred  # noqa: F401
 from test_step_quant import random_blocks
 
 import mdiedge.model.transformer as transformer_module
-from mdiedge.model._stepspec import Experts
+from mdiedge.model._stepconstants import Experts
 from mdiedge.model.config import ModelConfig
 from mdiedge.model.qlayers import QuantLinear
 from mdiedge.model.transformer import Transformer, route_of

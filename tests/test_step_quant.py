@@ -19,7 +19,7 @@ from test_step import TorchPath, decode, preferred
 from mdiedge.model.transformer import STEP
 from mdiedge.model import quant
 from mdiedge.model import transformer as transformer_module
-from mdiedge.model._stepspec import MAX_ROWS, BlockWeights, QuantMatrix, StackedMatrix
+from mdiedge.model._stepconstants import MAX_ROWS, BlockWeights, QuantMatrix, StackedMatrix
 from mdiedge.model.checkpoint import load_model
 from mdiedge.model.config import ModelConfig
 from mdiedge.model.qlayers import QuantGroup, QuantLinear

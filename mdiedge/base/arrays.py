@@ -1,10 +1,9 @@
 """Arrays as the runtime holds them: C-contiguous numpy arrays, whatever made them.
 
-A torch tensor is recognised by its methods, never by importing torch (a CPU node runs
-without it): a CPU tensor is viewed through ``.numpy()`` (no copy), one on another device is
-copied to the CPU first. bfloat16, which numpy lacks, travels as its raw 16-bit words
-(uint16) and is widened to float32 by shifting where numpy must compute on it.
-"""
+A torch tensor is recognised by its methods, never by importing torch (a CPU node runs without it):
+a CPU tensor is viewed through ``.numpy()`` (no copy), one on another device is copied to the CPU
+first. bfloat16, which numpy lacks, travels as its raw 16-bit words (uint16) and is widened to
+float32 by shifting where numpy must compute on it."""
 from __future__ import annotations
 
 import sys

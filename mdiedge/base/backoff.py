@@ -25,12 +25,12 @@ SHORTAGES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 def is_shortage(error: BaseException) -> bool:
-    """Whether ``error`` says the process or system ran out of descriptors or memory."""
+    """Out of descriptors or memory."""
     return isinstance(error, OSError) and error.errno in SHORTAGES
 
 
 class AcceptBackoff:
-    """The back-off of one accept loop (``what`` names its port in the log)."""
+    """``what`` names its port in the log."""
 
     def __init__(self, logger: logging.Logger, what: str,
                  sleep: Callable[[float], None] = time.sleep) -> None:
@@ -40,8 +40,8 @@ class AcceptBackoff:
         self.failures = 0
 
     def wait_s(self, error: BaseException) -> float:
-        """After a failed accept: the seconds to wait before the next (0: not a shortage),
-        logged (rate-limited), and the next wait doubled."""
+        """Seconds before the next accept (0: not a shortage), logged rate-limited; the next wait
+        doubled."""
         if not is_shortage(error):
             return 0.0
         self.failures += 1
@@ -51,12 +51,12 @@ class AcceptBackoff:
         return wait
 
     def failed(self, error: BaseException) -> bool:
-        """``wait_s`` and sleep it; False (no wait) when ``error`` is not a shortage."""
+        """Sleep ``wait_s``; False when ``error`` is not a shortage."""
         wait = self.wait_s(error)
         if wait:
             self._sleep(wait)
         return wait > 0
 
     def ok(self) -> None:
-        """An accept succeeded: the next shortage waits the shortest time again."""
+        """The next shortage waits the shortest time again."""
         self.delay = ACCEPT_BACKOFF_S[0]

@@ -71,12 +71,11 @@ class Compression:
         return self.prefill if self.prefill == self.decode else f"{self.prefill}:{self.decode}"
 
     def code(self, prefill: bool) -> int:
-        """The codec of a frame: the prefill one for prompt frames, else the decode one."""
         return CODES[self.prefill if prefill else self.decode]
 
     @property
     def wire(self) -> bytes:
-        """The two bytes a link handshake carries: prefill code, decode code."""
+        """The two bytes a handshake carries: prefill code, decode code."""
         return bytes((CODES[self.prefill], CODES[self.decode]))
 
     @classmethod

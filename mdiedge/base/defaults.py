@@ -47,11 +47,12 @@ MAX_NEW_TOKENS = 256
 MAX_SAMPLES = 4096  # samples of one `generate` (a KV slot each; their memory is checked too)
 
 # speculative decoding (mdiedge.runtime.speculation)
-SPEC_MAX_K = 7  # drafted tokens per sample and step: with the last token, the compiled
-#                 step's 8 rows
-SPEC_ROW_COST = 0.1  # a verified row's extra cost, as a share of a one-row step of the ring
-SPEC_WINDOW = 8  # verification rounds of a sample its acceptance estimate looks back on
-SPEC_RETRY_AFTER = 16  # plain steps of a sample whose speculation is off before it drafts again
+SPECULATION_MAX_K = 7  # drafted tokens per sample and step: with the last token, the compiled
+#                       step's 8 rows
+SPECULATION_ROW_COST = 0.1  # a verified row's extra cost, as a share of a one-row step of the ring
+SPECULATION_WINDOW = 8  # verification rounds of a sample its acceptance estimate looks back on
+SPECULATION_RETRY_AFTER = 16  # plain steps of a sample whose speculation is off before it
+#                              drafts again
 
 # data plane and liveness
 MAX_PAYLOAD = 64 << 20  # bytes of one frame's tensor; larger frames close the link

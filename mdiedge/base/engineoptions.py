@@ -1,8 +1,7 @@
-"""The options of an engine that ``generate``, ``chat``, ``serve``, ``bench`` and ``starter``
-share, declared once: ``EngineOptions``, each field with its flag, help and metavar (the
-CLI's ``with_engine_options`` makes them typer options). A ring option left None was not
-given: a ring file's or config's value holds, else the default. ``checked`` checks every
-value that needs no model, once, before torch loads."""
+"""The engine options ``generate``, ``chat``, ``serve``, ``bench`` and ``starter`` share, declared
+once with flag, help and metavar (``with_engine_options`` makes them typer options). A ring option
+None was not given: a ring file's or config's value holds, else the default. ``checked`` checks
+every value needing no model, once, before torch loads."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -21,8 +20,8 @@ COMPRESSION_HELP = ("Codecs of the ring's links (a [[workers]] entry may name it
 
 
 def flag(default: Any, help: str, *names: str, metavar: Optional[str] = None) -> Any:
-    """A field that is a command-line option: ``names`` (default: ``--`` and the field's
-    name), ``help`` (``{started_for}``: what the command starts), ``metavar``."""
+    """``names`` default: ``--`` and the field's name; ``{started_for}`` in ``help``: what the
+    command starts."""
     return field(default=default, metadata=dict(help=help, names=names, metavar=metavar))
 
 
@@ -84,8 +83,8 @@ class EngineOptions:
         "--prompt-cache/--no-prompt-cache")
 
     def checked(self) -> "EngineOptions":
-        """The record, every value that needs no model checked (a ``UsageError`` naming the
-        option and the value), ``--compression`` and ``--quantize`` spelled canonically."""
+        """``UsageError`` naming option and value; ``--compression`` and ``--quantize`` spelled
+        canonically."""
         need(self.ring is not None or self.nodes >= 1, "--nodes", self.nodes, "an integer >= 1")
         check_device(self.device, self.dtype)
         check_threads(self.threads)
@@ -103,12 +102,11 @@ class EngineOptions:
                        quantize=canonical_quantizer(self.quantize))
 
     def needs_torch(self) -> Optional[str]:
-        """The option that needs torch (the torch model), or None: a CPU node computing in
-        float32 runs without it."""
+        """The option needing torch, or None: a float32 CPU node runs without it."""
         return torch_option(self.device, self.dtype, self.early_exit, self.torch_cpu)
 
     def given_ring_options(self) -> Dict[str, Any]:
-        """The ``StarterOptions`` fields given (not None), which win over a ring file's."""
+        """Those given win over a ring file's."""
         given = dict(recover=self.recover, compression=self.compression,
                      stall_s=self.stall_timeout, prefill_chunk=self.prefill_chunk,
                      quantize=self.quantize, encrypt=False if self.no_encrypt else None)
@@ -117,8 +115,7 @@ class EngineOptions:
 
 def torch_option(device: str, dtype: str = "float32", early_exit: Optional[str] = None,
                  torch_cpu: bool = False) -> Optional[str]:
-    """Of these options, the first that needs torch, as the command line spells it; None
-    where none does."""
+    """The first needing torch, as the command line spells it; None where none does."""
     if device != "cpu":
         return f"--device {device}"
     if dtype != "float32":
@@ -135,8 +132,7 @@ def seconds_ok(value: float) -> bool:
 
 
 def check_device(device: str, dtype: str) -> None:
-    """``--device`` and ``--dtype`` spelled as a device and a compute dtype (whether the
-    device exists is known once torch is loaded)."""
+    """Spelling only (whether the device exists is known once torch loads)."""
     from .dtypes import COMPUTE_NAMES
     from .valuechecks import device_name
 
@@ -153,7 +149,6 @@ def check_threads(threads: int) -> None:
 
 
 def check_cpu_dot(mode: Optional[str]) -> Optional[str]:
-    """``--cpu-dot`` as given (None: not given), checked."""
     need(mode is None or mode in defaults.CPU_DOTS, "--cpu-dot", mode,
          "one of " + ", ".join(defaults.CPU_DOTS))
     return mode
@@ -161,8 +156,8 @@ def check_cpu_dot(mode: Optional[str]) -> Optional[str]:
 
 def check_early_exit(criterion: Optional[str], threshold: Optional[str],
                      speculate: Optional[str] = "off") -> None:
-    """``--early-exit``/``--exit-threshold`` as far as no model is needed, and against
-    ``--speculate`` (a verification step runs every block)."""
+    """As far as no model is needed, and against ``--speculate`` (a verification step runs every
+    block)."""
     need(criterion is None or speculate in (None, "off"), "--speculate", speculate,
          f"off with --early-exit {criterion} (a verification step runs every block)")
     if criterion is None:
@@ -173,7 +168,6 @@ def check_early_exit(criterion: Optional[str], threshold: Optional[str],
 
 
 def canonical_compression(value: Optional[str]) -> Optional[str]:
-    """``--compression``'s value in its canonical spelling (None: not given)."""
     from .codecs import Compression
 
     return None if value is None else _usage(lambda: str(Compression.parse(value,
@@ -181,15 +175,14 @@ def canonical_compression(value: Optional[str]) -> Optional[str]:
 
 
 def canonical_quantizer(quantize: Optional[str]) -> Optional[str]:
-    """``--quantize``'s type ("q8_0" -> "Q8_0"), a usage error naming the choices; None
-    where not given."""
+    """"q8_0" -> "Q8_0"; a usage error naming the choices."""
     from .dtypes import quantizer
 
     return None if quantize is None else _usage(lambda: quantizer(quantize))
 
 
 def _usage(check: Any) -> Any:
-    """What ``check()`` returns; its error a usage error (exit status 2)."""
+    """``check()``'s error as a usage error (exit 2)."""
     try:
         return check()
     except UsageError:

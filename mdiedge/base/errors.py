@@ -1,10 +1,6 @@
-"""The one exception hierarchy of mdiedge.
-
-Every error a user can cause (bad input, bad files, a dead node) is an ``MdiedgeError``;
-the CLI prints its message on one line and exits non-zero. Every exception class of the
-package is defined here (tests/test_facts.py checks it), the API's and the control plane's
-included: their HTTP statuses are mapped where they are served.
-"""
+"""The one exception hierarchy: every error a user can cause is an ``MdiedgeError``, printed on one
+line by the CLI. Every exception class of the package is here (tests/test_facts.py checks it); HTTP
+statuses are mapped where served."""
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
@@ -21,9 +17,8 @@ class ConfigError(MdiedgeError, ValueError):
 
 
 class BadValue(ConfigError):
-    """A value does not fit a check of ``mdiedge.base.valuechecks``: ``expected`` says what would;
-    ``shown`` replaces the value in the message (a secret). The settings and the command line
-    catch it and name the key or option and the value."""
+    """A value failing a ``valuechecks`` check: ``expected`` says what would fit; ``shown`` replaces
+    the value in the message (a secret). Settings and CLI name the key or option."""
 
     def __init__(self, expected: str, shown: Optional[str] = None) -> None:
         super().__init__(expected)
@@ -31,22 +26,20 @@ class BadValue(ConfigError):
 
 
 class UsageError(ConfigError):
-    """A value of the command line is wrong (out of range, not a choice, beyond the model's
-    context): exit status 2, as for the command-line parser's own errors."""
+    """A wrong command-line value: exit status 2, as the parser's own errors."""
 
     exit_code = 2
 
 
 def need(ok: bool, option: str, value: Any, expected: str) -> None:
-    """A command-line value out of range: a ``UsageError`` naming the option and the value.
-    Every value that needs no model is checked so before anything slow."""
+    """A ``UsageError`` naming the option and value; values needing no model are checked before
+    anything slow."""
     if not ok:
         raise UsageError(f"{option}: expected {expected}, got {value!r}")
 
 
 class TorchMissing(MdiedgeError):
-    """A command or option needs torch and torch is not installed: one line naming what
-    needs it and how to install it (``mdiedge.base.torchcheck.require_torch``)."""
+    """One line naming what needs torch and how to install it (``torchcheck.require_torch``)."""
 
 
 class CheckpointError(MdiedgeError):
@@ -54,13 +47,11 @@ class CheckpointError(MdiedgeError):
 
 
 class QuantError(CheckpointError, ValueError):
-    """Quantized weights that cannot be used: an unknown type, a width that is not a whole number
-    of blocks, rows of the wrong byte length, a block whose scale is not a finite number."""
+    """Unknown type, width not a whole number of blocks, wrong row length, a non-finite scale."""
 
 
 class CpuPathRefused(MdiedgeError):
-    """A model (or a part of it, or an option asked for) that the torch-free CPU path's
-    compiled step cannot run; the message is the reason in one line."""
+    """What the torch-free CPU path's compiled step cannot run; the message is the reason."""
 
 
 class TokenizerError(MdiedgeError):
@@ -68,8 +59,7 @@ class TokenizerError(MdiedgeError):
 
 
 class GenerationError(MdiedgeError, ValueError):
-    """A generation request cannot be served (e.g. prompt plus budget beyond the context);
-    ``field``: the request's value at fault (``mdiedge.base.request``'s names), if one is."""
+    """A request that cannot be served; ``field``: the request's value at fault, if one is."""
 
     def __init__(self, message: str, field: Optional[str] = None) -> None:
         super().__init__(message)
@@ -77,24 +67,20 @@ class GenerationError(MdiedgeError, ValueError):
 
 
 class GrammarError(GenerationError):
-    """A grammar for constrained decoding that cannot be used: too big, too deep, or not one
-    the grammar engine compiles."""
+    """Too big, too deep, or not one the grammar engine compiles."""
 
 
 class ConversationError(GenerationError):
-    """A chat template refused the conversation (its ``raise_exception``): the messages break
-    the template's rules, e.g. roles that do not alternate."""
+    """A chat template's ``raise_exception``: the messages break its rules."""
 
 
 class ChatTemplateError(GenerationError):
-    """A chat template failed while it rendered a conversation: jinja's error, Python's from
-    inside the template (a range too big, recursion, no memory), or one of the limits a
-    render runs under (steps, text made, nesting, time); the API's 400 ``template_error``,
-    the CLI's one line."""
+    """A chat template failed rendering: jinja's error, Python's from inside, or a render limit
+    (steps, text, nesting, time); the API's 400 ``template_error``."""
 
 
 class QueueFull(GenerationError):
-    """Too many requests wait for KV slots already: try again later (HTTP 429)."""
+    """Too many requests wait for KV slots already (HTTP 429)."""
 
 
 class SlotError(MdiedgeError):
@@ -106,8 +92,8 @@ class FrameError(MdiedgeError):
 
 
 class IntegrityError(FrameError):
-    """A sealed frame's tag does not verify: it was altered, replayed or reordered on the
-    way, or one before it was dropped; the link must be closed."""
+    """A sealed frame's tag does not verify (altered, replayed, reordered, or one dropped before);
+    close the link."""
 
 
 class PartitionError(MdiedgeError, ValueError):
@@ -123,8 +109,7 @@ class AuthError(RingError):
 
 
 class Conflict(MdiedgeError):
-    """A node cannot take a control request in its current state (HTTP 409), e.g. a worker
-    that serves another starter."""
+    """Not in the node's current state (HTTP 409), e.g. a worker serving another starter."""
 
 
 class LinkMismatch(RingError):
@@ -140,8 +125,7 @@ class SealMismatch(LinkMismatch):
 
 
 class NodeLost(RingError):
-    """Workers of a running ring are gone (dead, frozen, restarted): ``nodes`` names them.
-    A starter that may recover moves their layers elsewhere and replays; otherwise it fails."""
+    """``nodes``: workers gone from a running ring (dead, frozen, restarted)."""
 
     def __init__(self, message: str, nodes: "tuple[str, ...]") -> None:
         super().__init__(message)
@@ -149,8 +133,7 @@ class NodeLost(RingError):
 
 
 class ListenError(MdiedgeError, OSError):
-    """A node cannot listen on its address and port (in use, or not an address of this
-    machine); the message names both and which port it is."""
+    """A node cannot listen on its address and port; the message names both."""
 
     def __init__(self, host: str, port: int, what: str, error: OSError) -> None:
         reason = (error.strerror or str(error)).rstrip(".")
@@ -161,9 +144,8 @@ class ListenError(MdiedgeError, OSError):
 
 
 class ContextExceeded(GenerationError):
-    """A prompt and its token budget do not fit the context they would run in (the model's,
-    a server's slots, a pipeline's): the API's 400 ``context_length_exceeded``, the CLI's
-    one line."""
+    """Prompt and budget beyond the context they would run in; the API's 400
+    ``context_length_exceeded``."""
 # status -> OpenAI's error type
 API_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                    404: "invalid_request_error", 405: "invalid_request_error",
@@ -173,10 +155,8 @@ API_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 
 
 class ApiError(MdiedgeError):
-    """An API request that ends with HTTP ``status`` and OpenAI's error body
-    ``{"error": {"message", "type", "param", "code"}}``; ``retry_after``: seconds for a 429's
-    or 503's ``Retry-After`` header. ``mdiedge.serving.api.errors.api_error`` maps every other
-    error onto one."""
+    """HTTP ``status`` with OpenAI's error body; ``retry_after``: a 429's or 503's ``Retry-After``
+    seconds. ``serving.api.errors.api_error`` maps every other error onto one."""
 
     def __init__(self, status: int, message: str, param: Optional[str] = None,
                  code: Optional[str] = None, retry_after: Optional[int] = None) -> None:

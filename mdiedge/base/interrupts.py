@@ -1,12 +1,11 @@
 """Ctrl-C held back while Python code loads, then acted on.
 
-A KeyboardInterrupt raised while ``exec`` or ``eval`` runs a string (``dataclasses`` and
-``typing`` do, while modules load) marks the process in CPython as ended by an unhandled
-Ctrl-C: however the program then handles it, the interpreter kills itself with SIGINT on the
-way out instead of exiting with the program's status. torch's C start-up clears any error it
-meets while importing numpy, a KeyboardInterrupt included, so a Ctrl-C then would be lost. So
-the command line notes a Ctrl-C while it loads and raises it once loading is done.
-"""
+A KeyboardInterrupt raised while ``exec`` or ``eval`` runs a string (``dataclasses`` and ``typing``
+do, while modules load) marks the process in CPython as ended by an unhandled Ctrl-C: however the
+program then handles it, the interpreter kills itself with SIGINT on the way out instead of exiting
+with the program's status. torch's C start-up clears any error it meets while importing numpy, a
+KeyboardInterrupt included, so a Ctrl-C then would be lost. So the command line notes a Ctrl-C while
+it loads and raises it once loading is done."""
 from __future__ import annotations
 
 import signal

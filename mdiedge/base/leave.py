@@ -1,10 +1,9 @@
 """The end of an ``mdiedge`` process, without the interpreter's teardown.
 
-Once a command has stopped what it started (its workers collected, its sockets closed), what
-is left of Python's exit is unloading its modules, torch's among them: 0.5-1.5 s on a small
-board, during which a local ring's starter waits for each worker and a supervisor for the
-service. :func:`leave` does the rest of the exit Python would do and ends the process then.
-"""
+Once a command has stopped what it started (its workers collected, its sockets closed), what is left
+of Python's exit is unloading its modules, torch's among them: 0.5-1.5 s on a small board, during
+which a local ring's starter waits for each worker and a supervisor for the service. :func:`leave`
+does the rest of the exit Python would do and ends the process then."""
 from __future__ import annotations
 
 import atexit

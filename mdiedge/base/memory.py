@@ -32,9 +32,8 @@ def max_rss_bytes() -> int:
 
 
 def available_bytes() -> "int | None":
-    """Memory this process may still take: ``MemAvailable`` (Linux), within the room left
-    under its cgroup's ``memory.max`` (a systemd ``MemoryMax=``, a container); None when
-    neither is known."""
+    """Memory this process may still take: ``MemAvailable`` (Linux), within the room left under its
+    cgroup's ``memory.max`` (a systemd ``MemoryMax=``, a container); None when neither is known."""
     found = []
     try:
         with open("/proc/meminfo") as f:

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from . import defaults
-from .codecs import COMPRESSION_NAMES  # noqa: F401  (the spellings of ``compression``)
 
 
 @dataclass(frozen=True)

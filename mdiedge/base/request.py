@@ -1,10 +1,7 @@
-"""A request as the engine takes it in, once: its prompt's text and ids (``Prompt``, tokenized
-once), how each token is chosen (``SamplingParams``), its token budget, samples and stop
-strings, every limit checked here (``take_request``) and trusted by every later layer. No
-torch: the command line checks a request before torch loads. Errors are
-``GenerationError``s whose ``field`` names the value at fault (the CLI and the API name their
-own option or field for it).
-"""
+"""A request as the engine takes it in, once: its ``Prompt`` (tokenized once), ``SamplingParams``,
+budget, samples and stop strings, every limit checked by ``take_request`` and trusted by every later
+layer. No torch: the CLI checks a request before torch loads. ``GenerationError.field`` names the
+value at fault (front ends name their own option or field)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,9 +14,7 @@ from .errors import ContextExceeded, GenerationError
 
 @dataclass(frozen=True)
 class Prompt:
-    """A request's prompt: its text and its token ids, tokenized once
-    (``TextModel.prompt``); every later step (the checks, the ``Generation``, a stream of
-    its text) takes the ids from here."""
+    """Text and ids, tokenized once; every later step takes the ids from here."""
 
     text: str
     ids: Tuple[int, ...]
@@ -58,14 +53,13 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether a row's logits change before sampling (a bias or a penalty)."""
+        """A bias or a penalty changes the logits."""
         return bool(self.logit_bias) or self.presence_penalty != 0 or \
             self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 def check_logit_bias(bias: Any) -> Tuple[Tuple[int, float], ...]:
-    """``bias`` (a mapping or pairs of token id and bias) as sorted pairs, or a one-line error
-    naming the first bad entry."""
+    """Sorted (token id, bias) pairs, or a one-line error naming the first bad entry."""
     pairs = list(bias.items()) if isinstance(bias, Mapping) else list(bias)
     if len(pairs) > defaults.MAX_LOGIT_BIAS:
         raise GenerationError(f"logit_bias: at most {defaults.MAX_LOGIT_BIAS} tokens, got "
@@ -84,8 +78,8 @@ def check_logit_bias(bias: Any) -> Tuple[Tuple[int, float], ...]:
 
 
 def check_stops(stops: Sequence[str]) -> List[str]:
-    """``stops`` as a list, or a one-line error naming the first that is not a usable stop
-    string (empty, too long, not a string) or saying there are too many."""
+    """A one-line error naming the first unusable stop (empty, too long, not a string) or too many.
+    """
     if isinstance(stops, str):
         stops = [stops]
     stops = list(stops)
@@ -102,10 +96,9 @@ def check_stops(stops: Sequence[str]) -> List[str]:
 
 def check_context(prompt_len: int, max_new_tokens: Optional[int], context: int,
                   default: int = 0, where: str = "") -> int:
-    """The one check of a prompt's token budget: ``max_new_tokens`` (at least 1, as
-    ``Asked`` has it; None: ``default``, cut to what the context leaves) must fit ``context``
-    with the prompt; ``where`` names that context (default: "the context of N tokens"). The budget,
-    or ``ContextExceeded``."""
+    """The one check of a budget: ``max_new_tokens`` (None: ``default``, cut to what the context
+    leaves) must fit ``context`` with the prompt (``where`` names it). The budget, or
+    ``ContextExceeded``."""
     if prompt_len == 0:
         raise GenerationError("empty prompt: the model needs at least one token (a BOS id or "
                               "text)", "prompt")
@@ -123,10 +116,8 @@ def check_context(prompt_len: int, max_new_tokens: Optional[int], context: int,
 
 @dataclass(frozen=True)
 class Asked:
-    """What a request asks for, checked when made, with no model: its budget (None: the
-    server's default, cut to what the context leaves), samples, sampling and stop strings.
-    A front end (the CLI, the starter's service, the API) makes one as it reads the request;
-    ``take_request`` adds the prompt and the one check that needs the model, its context."""
+    """A request's budget, samples, sampling and stop strings, checked when made, with no model;
+    ``take_request`` adds the prompt and the context check."""
 
     max_new_tokens: Optional[int] = None
     n_samples: int = 1
@@ -147,8 +138,7 @@ class Asked:
 
 @dataclass(frozen=True)
 class Request:
-    """A request taken in (``take_request``): what every later layer runs without checking
-    again."""
+    """What every later layer runs without checking again."""
 
     prompt: Prompt
     max_new_tokens: int  # the budget, fitting the context with the prompt
@@ -163,9 +153,8 @@ class Request:
 
 def named(error: GenerationError, names: Mapping[str, str],
           notes: Optional[Mapping[str, str]] = None) -> Tuple[str, str]:
-    """``error``'s field as a front end names it (``names``: request field -> option or body
-    field; others keep theirs), and its message saying so, with the front end's note on
-    what the value means (``notes``) before what it got."""
+    """``error``'s field as a front end names it (``names``: request field -> option), with its
+    ``notes`` on the value before what it got."""
     field = error.field or ""
     name, message = names.get(field, field), str(error)
     if field and message.startswith(field):
@@ -176,9 +165,8 @@ def named(error: GenerationError, names: Mapping[str, str],
 
 def take_request(prompt: Prompt, asked: Asked, context: int, default_budget: int = 0,
                  server_stops: Sequence[str] = ()) -> Request:
-    """``prompt``'s request as ``asked``, its budget fitting ``context`` with the prompt
-    (``asked.max_new_tokens`` None: ``default_budget``, cut to what the context leaves);
-    ``server_stops``: stop strings the server adds (a chat template's), after the asked."""
+    """Budget fitted to ``context`` (None: ``default_budget``, cut to what is left);
+    ``server_stops`` (a chat template's) after the asked."""
     budget = check_context(len(prompt.ids), asked.max_new_tokens, context, default_budget)
     stops = asked.stop + tuple(s for s in server_stops if s not in asked.stop)
     return Request(prompt, budget, asked.n_samples, asked.params, stops)
@@ -186,7 +174,7 @@ def take_request(prompt: Prompt, asked: Asked, context: int, default_budget: int
 
 def ids_request(ids: Sequence[int], max_new_tokens: int, n_samples: int = 1,
                 params: SamplingParams = SamplingParams(), context: int = 0) -> Request:
-    """A request of token ids alone (no text, no stop strings), taken in as ``take_request``
-    does in ``context`` (0: just the prompt and the budget): tools and tests."""
+    """Token ids alone (no text, no stops), for tools and tests; ``context`` 0: prompt plus budget.
+    """
     return take_request(Prompt("", tuple(ids)), Asked(max_new_tokens, n_samples, params),
                         context or len(ids) + max_new_tokens)

@@ -1,13 +1,11 @@
-"""The command line that runs this very mdiedge in a new process: the same interpreter and the
-same package directory, whatever the working directory.
+"""The command line that runs this very mdiedge in a new process: the same interpreter and the same
+package directory, whatever the working directory.
 
-``python -m mdiedge`` would put the working directory first on ``sys.path``: started from a
-clone's root, a worker would import the uncompiled source tree instead of the installed
-package its starter runs (the pure-Python twins, many times slower), and after a ``git pull``
-other code than its starter's. ``-c`` without the working directory on ``sys.path``, and the
-package's own directory on it, imports what this process imported, on every Python from 3.8
-(``-P`` is 3.11's).
-"""
+``python -m mdiedge`` would put the working directory first on ``sys.path``: started from a clone's
+root, a worker would import the uncompiled source tree instead of the installed package its starter
+runs (the pure-Python twins, many times slower), and after a ``git pull`` other code than its
+starter's. ``-c`` without the working directory on ``sys.path``, and the package's own directory on
+it, imports what this process imported, on every Python from 3.8 (``-P`` is 3.11's)."""
 from __future__ import annotations
 
 import os

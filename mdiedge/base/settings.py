@@ -1,15 +1,7 @@
-"""Settings files (TOML): one schema-validated format for every mdiedge process.
-
-Tables ``[worker]``, ``[starter]`` and ``[[workers]]`` (the ring in ring order, each a
-``NodeSpec``); README.md shows a file and lists every key. Unknown tables and keys, values of the
-wrong type (``true`` is not an integer) or out of range are one-line ``ConfigError``s naming the
-file, the dotted key (``workers[1].host``), what was expected and the bad value (secrets never
-quoted).
-
-File look-up (``find_config``): ``--config``, ``$MDIEDGE_CONFIG``, then ``SYSTEM_CONFIG``. Secrets
-(``read_secret``): ``secret``, ``secret_file``, ``$MDIEDGE_SECRET``, ``$MDIEDGE_SECRET_FILE``. No
-torch here (the Python 3.8 CI job imports it).
-"""
+"""Settings files (TOML): one schema-validated format for every mdiedge process; README.md lists
+every key. Unknown tables and keys, wrong types (``true`` is not an integer) or out-of-range values
+are one-line ``ConfigError``s naming the file, the dotted key (``workers[1].host``), what was
+expected and the value (secrets never quoted). No torch here (the Python 3.8 CI job imports it)."""
 from __future__ import annotations
 
 import difflib
@@ -23,13 +15,14 @@ from pathlib import Path
 from typing import (Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Optional,
                     Sequence, Tuple, Union)
 
+from .codecs import COMPRESSION_NAMES
 from .defaults import (BUSY_POLL_US, CPU_DOTS, IDLE_TIMEOUT_S, MAX_BUSY_POLL_US,
                        MAX_CONFIG_BYTES, MAX_PAYLOAD, MAX_SECRET_BYTES, MAX_THREADS,
                        PREFILL_CHUNK, REBALANCE_MARGIN, RING_TIMEOUT_S, STALL_S,
                        STARTER_CONTROL_PORT, WORKER_CONTROL_PORT, WORKER_DATA_PORT)
 from .dtypes import COMPUTE_NAMES, QUANTIZERS
 from .errors import BadValue, ConfigError
-from .nodes import COMPRESSION_NAMES, NodeSpec
+from .nodes import NodeSpec
 from .smallfiles import check_secret, read_small_file
 from .valuechecks import (MIN_SECRET_BYTES, Check, boolean, choice, device_name, fraction,
                      host_name, integer, layer_range, parse_bytes, positive, secret_value, show,
@@ -135,7 +128,7 @@ _CODECS = choice(COMPRESSION_NAMES)
 
 
 def _quantizer(value: Any) -> str:
-    """A ``--quantize`` type, as the command line takes it ("q8_0"), stored as "Q8_0"."""
+    """As the command line takes it ("q8_0"), stored as "Q8_0"."""
     if not isinstance(value, str) or value.upper() not in QUANTIZERS:
         raise BadValue(f"one of {', '.join(q.lower() for q in QUANTIZERS)}")
     return value.upper()
@@ -195,7 +188,7 @@ def _unknown(source: str, key: str, name: str, known: Mapping[str, str],
 
 def _table(raw: Any, schema: Dict[str, Check], source: str, path: str,
            required: Tuple[str, ...] = ()) -> Dict[str, Any]:
-    """One table's checked and converted values; unknown keys are errors."""
+    """Unknown keys are errors."""
     if not isinstance(raw, dict):
         raise _error(source, path, f"expected a table, got {show(raw)}")
     for name in raw:
@@ -299,7 +292,6 @@ def _read_toml(path: Path, source: str) -> Dict[str, Any]:
 
 
 def load_settings(path: Union[str, "os.PathLike[str]"]) -> Settings:
-    """Read and validate a settings file; every problem is a one-line ConfigError."""
     source = str(path)
     raw = _read_toml(Path(path), source)
     for name, value in raw.items():
@@ -317,8 +309,8 @@ def load_settings(path: Union[str, "os.PathLike[str]"]) -> Settings:
 
 def find_config(explicit: Optional[str],
                 env: Mapping[str, str] = os.environ) -> Optional[Path]:
-    """The settings file to use: ``--config`` (must exist), else ``$MDIEDGE_CONFIG`` (must
-    exist if set and not empty), else :data:`SYSTEM_CONFIG` if it exists, else None."""
+    """``--config`` (must exist), else ``$MDIEDGE_CONFIG`` (must, if set), else
+    :data:`SYSTEM_CONFIG` if it exists, else None."""
     if explicit is not None:
         return _must_exist(_expand(explicit), "--config")
     value = env.get(ENV_CONFIG)
@@ -350,9 +342,9 @@ def _must_exist(path: Path, origin: str) -> Path:
 
 def read_secret(section: Optional[Section],
                 env: Mapping[str, str] = os.environ) -> Optional[bytes]:
-    """The shared secret: ``secret``, ``secret_file``, ``$MDIEDGE_SECRET``,
-    ``$MDIEDGE_SECRET_FILE``, else None. Secret files must be private (mode & 0o077 == 0); one
-    trailing newline is stripped; under 16 bytes is an error; ``insecure`` is the caller's."""
+    """``secret``, ``secret_file``, ``$MDIEDGE_SECRET``, ``$MDIEDGE_SECRET_FILE``, else None. Files
+    must be private (mode & 0o077 == 0); one trailing newline stripped; under 16 bytes is an error.
+    """
     if section is not None:
         where = f"{section.source or '<settings>'}: {section.TABLE}"
         if section.secret is not None:
@@ -371,8 +363,7 @@ def read_secret(section: Optional[Section],
 
 
 def _inline_secret_private(section: Section) -> None:
-    """A file holding the secret inline must be as private as a secret file (one-line error saying
-    how to fix it)."""
+    """A file holding the secret inline must be as private as a secret file."""
     if not section.source:
         return
     try:
@@ -386,8 +377,7 @@ def _inline_secret_private(section: Section) -> None:
 
 
 def check_private(info: os.stat_result, shown: str, path: str) -> None:
-    """The one rule for a file that holds a secret (the ring's secret, the API key): a regular
-    file that its owner alone may read; ``shown`` names it in the error."""
+    """The one rule for a file holding a secret: regular, readable by its owner alone."""
     if not stat.S_ISREG(info.st_mode):
         raise ConfigError(f"{shown} is not a regular file")
     mode = stat.S_IMODE(info.st_mode)
@@ -397,8 +387,7 @@ def check_private(info: os.stat_result, shown: str, path: str) -> None:
 
 
 def _secret_file(name: str, where: str, read: bool = True) -> Optional[bytes]:
-    """The secret in file ``name`` after the permission checks; ``read=False`` (for
-    ``config check``) skips a file this user may not read and returns None."""
+    """``read=False`` (``config check``) skips a file this user may not read."""
     path = _expand(name)
     info = _secret_io(path.stat, "stat", name, where, read)
     if info is None:
@@ -418,8 +407,7 @@ def _secret_file(name: str, where: str, read: bool = True) -> Optional[bytes]:
 
 
 def _secret_io(action: Callable[[], Any], verb: str, name: str, where: str, read: bool) -> Any:
-    """``action()`` (a stat or a read of secret file ``name``) with its OSError as a one-line
-    ConfigError; None where ``read`` is False and this user is refused."""
+    """Its OSError as a one-line ConfigError; None where not ``read`` and refused."""
     try:
         return action()
     except FileNotFoundError:
@@ -451,8 +439,8 @@ def _secret_summary(section: Section) -> str:
 
 
 def _one_worker_per_address(workers: Sequence[NodeSpec], source: str) -> None:
-    """No two ``[[workers]]`` entries reach one control port: hosts are resolved (``localhost``
-    and ``127.0.0.1`` are one machine); a host that does not resolve here is left alone."""
+    """No two entries reach one control port (hosts resolved: ``localhost`` is ``127.0.0.1``); an
+    unresolvable host left alone."""
     import socket
 
     seen: Dict[Tuple[str, int], int] = {}
@@ -472,7 +460,6 @@ def _one_worker_per_address(workers: Sequence[NodeSpec], source: str) -> None:
 
 
 def _models_found(settings: Settings, find_model: Callable[[str], Any]) -> None:
-    """Every ``model`` the file names resolves as --model does (else its one-line error)."""
     from .errors import MdiedgeError
 
     for section in (settings.worker, settings.starter):
@@ -486,8 +473,8 @@ def _models_found(settings: Settings, find_model: Callable[[str], Any]) -> None:
 
 
 def _ring_has_secret(settings: Settings, env: Mapping[str, str]) -> None:
-    """A ring (``[[workers]]``) names its secret, or the environment holds one, or
-    ``[starter] insecure`` says it goes without."""
+    """A ring names its secret, the environment holds one, or ``[starter] insecure`` goes without.
+    """
     s = settings.starter
     if s is not None and (s.secret is not None or s.secret_file is not None or s.insecure):
         return
@@ -501,8 +488,8 @@ def _ring_has_secret(settings: Settings, env: Mapping[str, str]) -> None:
 def check_config(path: Union[str, "os.PathLike[str]"],
                  find_model: Optional[Callable[[str], Any]] = None,
                  env: Mapping[str, str] = os.environ) -> str:
-    """Validate a settings file (its secret files, that a ring has a secret, and with
-    ``find_model`` its models) and summarise it in one paragraph."""
+    """Its secret files, a ring's secret, and with ``find_model`` its models; a one-paragraph
+    summary."""
     settings = load_settings(path)
     if find_model is not None:
         _models_found(settings, find_model)
@@ -532,7 +519,6 @@ def check_config(path: Union[str, "os.PathLike[str]"],
 
 
 def _schema_matches_dataclasses() -> None:
-    """The schemas and the dataclasses name the same keys (checked at import)."""
     for schema, cls, extra in ((WORKER_SCHEMA, WorkerSettings, {"source", "keys_set"}),
                                (STARTER_SCHEMA, StarterSettings, {"source", "keys_set"}),
                                (WORKERS_SCHEMA, NodeSpec, set())):

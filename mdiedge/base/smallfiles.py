@@ -1,9 +1,8 @@
-"""The small files a person writes for mdiedge (config files, the ring's secret, the API key),
-read with limits: a regular file only (a FIFO, a device such as /dev/zero or a socket is
-refused at once, never waited on or read forever), of at most a stated size
-(``MAX_CONFIG_BYTES``, ``MAX_SECRET_BYTES``); and a secret is text a person can write down.
-Every refusal is one ConfigError naming the file and the reason.
-"""
+"""The small files a person writes for mdiedge (config files, the ring's secret, the API key), read
+with limits: a regular file only (a FIFO, a device such as /dev/zero or a socket is refused at once,
+never waited on or read forever), of at most a stated size (``MAX_CONFIG_BYTES``,
+``MAX_SECRET_BYTES``); and a secret is text a person can write down. Every refusal is one
+ConfigError naming the file and the reason."""
 from __future__ import annotations
 
 import os

@@ -1,19 +1,16 @@
 """How many threads a node computes with, and how its idle threads wait.
 
-``use_threads`` sets the count the compiled kernels (OpenMP) and torch take. ``--threads N``
-(config ``threads``); 0 gives each node of this machine its share of the cores this process may
-use (affinity, a cgroup's ``cpu.max``): all for one node, ``cores // nodes`` for a local ring,
-at least one.
+``--threads`` 0 gives each node of this machine its share of the cores this process may use
+(affinity, a cgroup's ``cpu.max``): all for one node, ``cores // nodes`` for a local ring, at least
+one.
 
-OpenMP threads spin between parallel regions before sleeping (libgomp: 300,000 rounds), and a
-decode step has six barriers per block. On a shared machine spinning holds a core the awaited
-thread needs (SmolLM2 fell from 135 to 1.8 tok/s beside two busy loops); sleeping at once costs
-a wake-up per barrier (115 to 74 tok/s on a quiet 2-core VM). So ``openmp_waits`` looks once, at
-start, at how many other tasks run: passive waits where they take half the cores or more, else a
-short spin (``SPIN_BEFORE_SLEEP``); a user's policy wins. It must run before an OpenMP runtime
-loads, so ``python -m mdiedge`` calls ``choose_openmp_waits`` first; local-ring workers inherit
-the choice.
-"""
+OpenMP threads spin between parallel regions before sleeping (libgomp: 300,000 rounds), and a decode
+step has six barriers per block. On a shared machine spinning holds a core the awaited thread needs
+(SmolLM2 fell from 135 to 1.8 tok/s beside two busy loops); sleeping at once costs a wake-up per
+barrier (115 to 74 tok/s on a quiet 2-core VM). So ``openmp_waits`` looks once at how many other
+tasks run: passive waits where they take half the cores or more, else a short spin; a user's policy
+wins. It must run before an OpenMP runtime loads, so ``python -m mdiedge`` calls
+``choose_openmp_waits`` first; local-ring workers inherit it."""
 from __future__ import annotations
 
 import math
@@ -35,9 +32,7 @@ PROC_STAT = "/proc/stat"
 
 
 def openmp_waits(environ: Mapping[str, str], others_running: int, cores: int) -> Dict[str, str]:
-    """The OpenMP settings to add to ``environ``: none where the user set a policy or a
-    spin count; passive waits where other tasks take half the ``cores`` or more; else a
-    short spin before a wait sleeps."""
+    """The OpenMP settings to add to ``environ``; none where the user set a policy or spin count."""
     if WAIT_POLICY in environ or SPIN_COUNT in environ:
         return {}
     if others_running * 2 >= cores:
@@ -46,8 +41,7 @@ def openmp_waits(environ: Mapping[str, str], others_running: int, cores: int) ->
 
 
 def others_running() -> int:
-    """How many other tasks run on this machine now: the median of a few readings of
-    ``procs_running``, less this process; 0 where it cannot be read."""
+    """Median of a few ``procs_running`` readings, less this process; 0 where unreadable."""
     readings = []
     for i in range(defaults.LOAD_SAMPLES):
         text = _read(PROC_STAT, 1 << 16) or ""
@@ -61,8 +55,7 @@ def others_running() -> int:
 
 
 def choose_openmp_waits() -> None:
-    """Put this machine's ``openmp_waits`` into the environment (child processes inherit
-    it); nothing where the user chose a policy."""
+    """Into the environment (children inherit it); nothing where the user chose a policy."""
     if WAIT_POLICY in os.environ or SPIN_COUNT in os.environ:
         return
     # procs_running counts the whole machine's tasks: weigh them against all its cores
@@ -70,8 +63,7 @@ def choose_openmp_waits() -> None:
 
 
 def openmp_wait_mode() -> str:
-    """How this process's idle OpenMP threads wait, for its status: ``passive``, ``spin N``
-    (rounds), or ``libgomp default``."""
+    """``passive``, ``spin N`` (rounds), or ``libgomp default``."""
     policy = os.environ.get(WAIT_POLICY, "").strip().lower()
     if SPIN_COUNT in os.environ:
         return f"spin {os.environ[SPIN_COUNT]}"
@@ -79,8 +71,7 @@ def openmp_wait_mode() -> str:
 
 
 def cgroup_cores(text: Optional[str]) -> Optional[int]:
-    """The cores a cgroup's ``cpu.max`` text allows (its quota over its period, rounded up),
-    or None when it sets no limit or cannot be read."""
+    """Quota over period, rounded up; None when no limit or unreadable."""
     if not text:
         return None
     words = text.split()
@@ -102,7 +93,7 @@ def _read(path: str, limit: int = 200) -> Optional[str]:
 
 
 def available_cores() -> int:
-    """The cores this process may run on: its CPU affinity, within its cgroup's quota."""
+    """CPU affinity, within the cgroup's quota."""
     if hasattr(os, "sched_getaffinity"):
         cores = len(os.sched_getaffinity(0))
     else:  # pragma: no cover - not Linux
@@ -113,9 +104,8 @@ def available_cores() -> int:
 
 def node_threads(requested: int, nodes_here: int, cores: int,
                  environ: Mapping[str, str] = os.environ) -> int:
-    """The threads of one of ``nodes_here`` nodes sharing ``cores``: ``requested`` when it is
-    set (> 0), else ``OMP_NUM_THREADS`` when the environment sets a number >= 1 (the habit
-    torch and llama.cpp's users bring), else an equal share of the cores, at least one."""
+    """``requested`` when > 0, else ``OMP_NUM_THREADS`` when it sets a number >= 1 (torch and
+    llama.cpp users' habit), else an equal share of ``cores``, at least one."""
     if requested > 0:
         return requested
     told = environ.get(NUM_THREADS, "").strip()
@@ -128,9 +118,8 @@ _chosen: List[int] = []  # the threads this process was told to compute with (us
 
 
 def use_threads(threads: int) -> None:
-    """This process computes with ``threads`` threads: the compiled kernels take the count
-    (``compute_threads``), and torch's is set too where torch is loaded (never imported
-    here: a CPU node runs without it)."""
+    """The compiled kernels' count (``compute_threads``) and torch's where loaded (never imported
+    here)."""
     _chosen[:] = [threads]
     torch = sys.modules.get("torch")
     if torch is not None and torch.get_num_threads() != threads:
@@ -138,14 +127,12 @@ def use_threads(threads: int) -> None:
 
 
 def torch_follows() -> None:
-    """torch, imported after ``use_threads``, computes with the chosen count too."""
     if _chosen:
         use_threads(_chosen[0])
 
 
 def compute_threads() -> int:
-    """The threads this process computes with: those ``use_threads`` set, else torch's
-    count where torch is loaded, else 0 (not chosen yet)."""
+    """``use_threads``'s count, else torch's where loaded, else 0 (not chosen yet)."""
     if _chosen:
         return _chosen[0]
     torch = sys.modules.get("torch")
@@ -153,6 +140,5 @@ def compute_threads() -> int:
 
 
 def kernel_threads() -> int:
-    """The threads the compiled kernels run with: ``compute_threads``, or where nothing has
-    chosen them, this process's share of the machine as a lone node (``node_threads``)."""
+    """``compute_threads``, or unchosen, this process's share as a lone node."""
     return compute_threads() or node_threads(0, 1, available_cores())

@@ -1,11 +1,10 @@
-"""The value checks of the settings schemas (:mod:`mdiedge.base.settings`): each takes a
-value read from TOML and returns it converted, or raises ``BadValue`` (of
-:mod:`mdiedge.base.errors`) saying what it expected (``expected``, the text of the README key
-tables) and, where the value must not be quoted (a secret), what to show instead. Also :func:`parse_bytes`, the size strings of the command
+"""The value checks of the settings schemas (:mod:`mdiedge.base.settings`): each takes a value read
+from TOML and returns it converted, or raises ``BadValue`` (of :mod:`mdiedge.base.errors`) saying
+what it expected (``expected``, the text of the README key tables) and, where the value must not be
+quoted (a secret), what to show instead. Also :func:`parse_bytes`, the size strings of the command
 line and the files (``"4GiB"``).
 
-This module needs no torch (it runs in the Python 3.8 CI job).
-"""
+This module needs no torch (it runs in the Python 3.8 CI job)."""
 from __future__ import annotations
 
 import math

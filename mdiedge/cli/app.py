@@ -39,10 +39,9 @@ def fail(message: str, code: int = 1) -> "typer.Exit":
 
 
 def run_app() -> None:
-    """Run the command line. A Ctrl-C while it loads was held back (``__main__``); the
-    command acts on it once it starts (:func:`one_line_errors`), or this does when no command
-    ran. typer ends a Ctrl-C while it parses the command line with status 130 and no word:
-    the line is printed here then."""
+    """A Ctrl-C while loading was held back (``__main__``) and is acted on once the command starts,
+    or here when none ran. typer ends a Ctrl-C during parsing with status 130 and no word: the line
+    is printed here."""
     try:
         try:
             app()
@@ -59,8 +58,7 @@ def run_app() -> None:
 
 
 def one_line_errors(func: F) -> F:
-    """Turn mdiedge errors, Ctrl-C and OS errors into one stderr line and an exit code. A
-    Ctrl-C held back while the command line loaded is acted on here, as the command starts."""
+    """mdiedge errors, Ctrl-C and OS errors as one stderr line and an exit code."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -84,8 +82,8 @@ def one_line_errors(func: F) -> F:
 
 @contextlib.contextmanager
 def usage_errors() -> Iterator[None]:
-    """The errors of a check of command-line values made by a lower layer (a codec's name,
-    a device, a budget against the model's context) are usage errors: exit status 2."""
+    """A lower layer's check of command-line values (codec, device, budget) fails as a usage error:
+    exit 2."""
     try:
         yield
     except UsageError:
@@ -103,8 +101,8 @@ REQUEST_NOTES = {"temperature": " (0: greedy)", "top_k": " (0: off)", "top_p": "
 
 def asked(max_new_tokens: int, samples: int, temperature: float, top_k: int, top_p: float,
           seed: Optional[int], stop: Sequence[str] = ()) -> Asked:
-    """The request the options ask for, checked once, with no model and no torch; the seed:
-    ``seed``, else a drawn one. A value out of range is a usage error naming its option."""
+    """Checked once, with no model and no torch; ``seed`` None: a drawn one. A bad value is a usage
+    error naming its option."""
     try:
         params = SamplingParams(temperature, top_k, top_p,
                                 defaults.random_seed() if seed is None else seed)
@@ -124,7 +122,7 @@ def check_log_level(level: str) -> None:
 
 
 def check_url(option: str, url: str) -> str:
-    """``url`` if it is an http(s) URL with a host (and a valid port), else a one-line error."""
+    """An http(s) URL with a host (and a valid port), else a one-line error."""
     from urllib.parse import urlsplit
 
     try:
@@ -138,7 +136,7 @@ def check_url(option: str, url: str) -> str:
 
 
 def _print_version(value: bool) -> None:
-    """``--version``: eager, so it answers before typer asks for a command."""
+    """Eager, so it answers before typer asks for a command."""
     if value:
         from .. import __version__
 
@@ -154,9 +152,8 @@ def _root(version: bool = typer.Option(False, "--version", help="Print the versi
 
 
 def serve_under_systemd(stopped: Any, status: str, heartbeat: Any = None) -> None:
-    """READY=1 now (the node listens and holds what it was configured to load), WATCHDOG=1
-    pings while it runs (for a worker, only while its compute makes progress: see
-    ``Heartbeat``), STOPPING=1 once a stop is requested; returns then."""
+    """READY=1 now, WATCHDOG=1 pings while running (a worker's only while its compute makes
+    progress), STOPPING=1 once a stop is requested."""
     from ..serving.sdnotify import Notifier, Watchdog, always_healthy, watchdog_interval
 
     notifier = Notifier()  # one socket for every notification: kept through an fd flood
@@ -205,7 +202,6 @@ def top_p_option() -> Any:
 
 
 def warn_unsealed(name: str) -> None:
-    """The one warning of a node that runs ``--no-encrypt``."""
     import logging
 
     logging.getLogger("mdiedge").warning("%s: data links are not sealed (--no-encrypt): "
@@ -214,10 +210,8 @@ def warn_unsealed(name: str) -> None:
 
 
 def engine_spec(opts: EngineOptions, respawn: bool = False) -> Any:
-    """The ``EngineSpec`` of a command's checked options (torch loaded first where an option
-    needs it, a one-line error where it is not installed); ``respawn``: a local ring's
-    worker that dies is started again. ``--cpu-dot`` (None: the environment's or the
-    default) is set for this process and the workers it starts."""
+    """Torch loaded first where an option needs it (one-line error if not installed); ``respawn``: a
+    local ring's dead worker restarts. ``--cpu-dot`` is set for this process and its workers."""
     set_cpu_dot(opts.cpu_dot)
     needs = opts.needs_torch()
     if needs is not None:
@@ -228,7 +222,7 @@ def engine_spec(opts: EngineOptions, respawn: bool = False) -> Any:
 
 
 def engine_option(name: str, started_for: str = "", help: Optional[str] = None) -> Any:
-    """The typer option of the ``EngineOptions`` field ``name`` (``help``: another text)."""
+    """``help``: another text."""
     meta = _ENGINE_FIELDS[name].metadata
     return typer.Option(_ENGINE_FIELDS[name].default, *meta["names"], metavar=meta["metavar"],
                         help=(help or meta["help"]).format(started_for=started_for))
@@ -236,9 +230,8 @@ def engine_option(name: str, started_for: str = "", help: Optional[str] = None) 
 
 def with_engine_options(started_for: str, skip: Sequence[str] = (),
                         helps: Optional[Dict[str, str]] = None) -> Callable[[F], F]:
-    """A command's ``opts: EngineOptions`` parameter as the record's typer options, in its
-    place (but those in ``skip``; ``helps``: other help texts); the command is given the
-    record, checked (``EngineOptions.checked``)."""
+    """A command's ``opts: EngineOptions`` parameter as the record's typer options (but ``skip``;
+    ``helps``: other texts); the command gets the record, checked."""
     import inspect
     from typing import get_type_hints
 
@@ -270,9 +263,8 @@ _ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(EngineOptions) if "help"
 
 
 def open_text_model(spec: Any) -> Any:
-    """The text side of ``spec``'s model (``open_text``), its device and dtype checked as
-    usage errors first: a command checks its request against it before any node starts,
-    then opens the engine on it (``open_engine(spec, text)``)."""
+    """Device and dtype checked as usage errors first; a command checks its request against it
+    before any node starts."""
     from ..engine.opening import check_spec, open_text
 
     with usage_errors():
@@ -281,9 +273,8 @@ def open_text_model(spec: Any) -> Any:
 
 
 def open_checked(stack: Any, spec: Any, check: Callable[[Any], T]) -> Tuple[Any, T]:
-    """The engine of ``spec``, closed with ``stack``, and what ``check`` returned: given the
-    model's text side (``open_text_model``), it checks the command's request before any node
-    starts, and the engine is opened on that same text side."""
+    """The engine, closed with ``stack``, and what ``check`` returned on the text side before any
+    node starts; the engine opens on that same text side."""
     from ..engine.opening import open_engine
 
     text = open_text_model(spec)

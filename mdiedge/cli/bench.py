@@ -230,12 +230,12 @@ def _exits(model: Optional[str], criterion: Any, threshold: Any,
                f"{q['mean_layers']:.2f} blocks per token")
 
 
-SPEC_COLUMNS = ("nodes", "workload", "plain tok/s", "spec tok/s", "ratio", "acceptance",
-                "tokens/pass", "same text")
+SPECULATION_COLUMNS = ("nodes", "workload", "plain tok/s", "spec tok/s", "ratio", "acceptance",
+                       "tokens/pass", "same text")
 
 
-def spec_cells(row: dict) -> list:
-    """A ``bench --speculate`` row's cells, in ``SPEC_COLUMNS`` order."""
+def speculation_cells(row: dict) -> list:
+    """A ``bench --speculate`` row's cells, in ``SPECULATION_COLUMNS`` order."""
     return [str(row["nodes"]), row["workload"], f"{row['plain_tokens_per_s']:.1f}",
             f"{row['spec_tokens_per_s']:.1f}", f"{row['speedup']:.2f}x",
             f"{100 * row['acceptance']:.0f}%", f"{row['tokens_per_pass']:.2f}",
@@ -269,11 +269,11 @@ def _speculation(model: Optional[str], preset: Any, speculate: str, text: Option
     if as_json:
         typer.echo(json.dumps({"title": title, "speculate": speculate, "results": list(rows)}))
         return
-    widths = [max(len(c), 8) for c in SPEC_COLUMNS]
+    widths = [max(len(c), 8) for c in SPECULATION_COLUMNS]
     typer.echo(title)
-    typer.echo("  ".join(c.rjust(w) for c, w in zip(SPEC_COLUMNS, widths)))
+    typer.echo("  ".join(c.rjust(w) for c, w in zip(SPECULATION_COLUMNS, widths)))
     for row in rows:
-        typer.echo("  ".join(c.rjust(w) for c, w in zip(spec_cells(row), widths)))
+        typer.echo("  ".join(c.rjust(w) for c, w in zip(speculation_cells(row), widths)))
 
 
 def _chat_render(path: Any) -> Any:

@@ -2,11 +2,9 @@
 ``generate`` (one process, a local ring or a ring file's workers).
 
 Each turn renders the whole conversation with the template (as transformers'
-``apply_chat_template(..., add_generation_prompt=True)``) and generates the answer, which
-streams to stdout. The oldest turns are dropped when the conversation and the answer's budget
-would not fit the context. ``--message`` answers one turn, streamed as well, and prints the
-answer alone.
-"""
+``apply_chat_template(..., add_generation_prompt=True)``) and generates the answer, which streams to
+stdout. The oldest turns are dropped when the conversation and the answer's budget would not fit the
+context. ``--message`` answers one turn, streamed as well, and prints the answer alone."""
 from __future__ import annotations
 
 import dataclasses

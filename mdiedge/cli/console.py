@@ -17,7 +17,7 @@ _line_open = False  # the last text write_text wrote ended mid-line
 
 
 def write_text(text: str) -> None:
-    """Generated text on stdout, now (flushed)."""
+    """Flushed."""
     global _line_open
     if text:
         sys.stdout.write(text)
@@ -26,9 +26,8 @@ def write_text(text: str) -> None:
 
 
 def end_line() -> None:
-    """Before an error line (a Ctrl-C, a lost ring): end the line of generated text that a
-    terminal's cursor is left on, so that the error has a line of its own. A file or a pipe
-    keeps the text as it was generated."""
+    """Before an error line, end the terminal line the generated text left the cursor on; a file or
+    pipe keeps the text as generated."""
     global _line_open
     if _line_open and sys.stdout.isatty():
         write_text("\n")
@@ -36,9 +35,8 @@ def end_line() -> None:
 
 
 def timing_line(timing: Dict[str, Any], extra: str = "") -> str:
-    """A generation's closing line on stderr, from its ``--json`` ``timing``: tokens, seconds
-    and tokens/s of the generation itself, then the ring's set-up when it had one
-    (``[7 tokens in 0.61 s, 11.5 tok/s; set-up 3.07 s]``), then ``extra`` (the drawn seed)."""
+    """``[7 tokens in 0.61 s, 11.5 tok/s; set-up 3.07 s]`` then ``extra`` (the drawn seed), from
+    ``--json``'s ``timing``."""
     setup = float(timing.get("setup_s") or 0.0)
     seconds = float(timing.get("generation_s", timing.get("total_s", 0.0)))
     line = (f"[{plural(int(timing['new_tokens']), 'token')} in {seconds:.2f} s, "
@@ -48,10 +46,9 @@ def timing_line(timing: Dict[str, Any], extra: str = "") -> str:
 
 
 class Progress:
-    """What a generation shows on stderr when it is a terminal: a spinner naming the phase
-    (loading, starting nodes, prefill), then a bar with tokens/s. When the tokens stream to a
-    terminal stdout (``streaming``), the display stops for good at the first token, so it
-    never draws over the text; stdout is never redirected."""
+    """On a terminal stderr: a spinner naming the phase, then a bar with tokens/s. With tokens
+    streaming to a terminal stdout (``streaming``) it stops for good at the first token, never
+    drawing over the text."""
 
     def __init__(self, total: int, enabled: bool, streaming: bool = False) -> None:
         self.total, self.enabled, self.bar = total, enabled and sys.stderr.isatty(), None
@@ -79,7 +76,7 @@ class Progress:
 
     def advance(self, done: int, rate: float, description: str = "generating",
                 total: Optional[int] = None) -> None:
-        """``done`` of the total (``total``: a new one) at ``rate`` tokens/s."""
+        """``total``: a new one."""
         if self.bar is not None and self.streaming:
             self.stop()  # the text now owns the terminal
         elif self.bar is not None:
@@ -87,8 +84,7 @@ class Progress:
                             description=description, total=total)
 
     def write(self, text: str) -> None:
-        """``text`` on stdout now (a sample that finished while others run): on the bar's
-        terminal, above the bar, which is drawn again below it."""
+        """On the bar's terminal, above the bar, redrawn below."""
         if self.bar is None or not _same_terminal():
             write_text(text)
             return
@@ -109,7 +105,6 @@ class Progress:
 
 
 def _same_terminal() -> bool:
-    """stdout and stderr are one terminal (text written to either shows in the same place)."""
     try:
         return sys.stdout.isatty() and os.path.samestat(os.fstat(sys.stdout.fileno()),
                                                         os.fstat(sys.stderr.fileno()))
@@ -167,8 +162,8 @@ def _code(node: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def decode_summary(route: Any) -> str:
-    """``step`` where the node's blocks and head both decode in the compiled step, else each
-    part's route (``blocks torch, head step``); ``-`` where unknown."""
+    """``step`` where blocks and head both decode in the compiled step, else each part's route;
+    ``-`` where unknown."""
     if not isinstance(route, dict):
         return "-"
     parts = {p: str(route[p]) for p in ("blocks", "head") if p in route}
@@ -180,8 +175,7 @@ def decode_summary(route: Any) -> str:
 
 
 def code_summary(code: Any) -> str:
-    """``compiled``, ``twins: step, quant`` (the modules running their pure-Python twins),
-    or ``-`` where a node does not say."""
+    """``compiled``, ``twins: step, quant``, or ``-`` where a node does not say."""
     modules = code.get("modules") if isinstance(code, dict) else None
     if not modules or not isinstance(modules, dict):
         return "-"
@@ -190,8 +184,7 @@ def code_summary(code: Any) -> str:
 
 
 def shown_state(node: Dict[str, Any]) -> str:
-    """A worker reports ``busy`` while its ring links are up, generating or not (the starter's
-    row says whether a generation runs): the table calls that ``linked``."""
+    """A worker is ``busy`` while its links are up, generating or not: the table says ``linked``."""
     state = str(node.get("state", "?"))
     return "linked" if node.get("role") == "worker" and state == "busy" else state
 
@@ -211,7 +204,7 @@ def _table(nodes: List[Dict[str, Any]], columns: List[str]) -> Any:
 
 
 def _fitting(nodes: List[Dict[str, Any]], columns: List[str], width: int) -> List[str]:
-    """The first of ``columns`` whose table fits in ``width`` characters (at least 3)."""
+    """The first of ``columns`` whose table fits ``width`` (at least 3)."""
     from rich.console import Console
 
     while len(columns) > 3:
@@ -224,8 +217,8 @@ def _fitting(nodes: List[Dict[str, Any]], columns: List[str], width: int) -> Lis
 
 
 def print_status(nodes: List[Dict[str, Any]], wide: bool = False) -> None:
-    """The ring's table (fitted to the terminal unless ``wide``), a line per node that is not
-    up saying why, then the experts' load if any."""
+    """Fitted to the terminal unless ``wide``; a line per node not up saying why; the experts' load.
+    """
     from rich.console import Console
 
     from ..model import expertstats
@@ -269,10 +262,8 @@ def print_status(nodes: List[Dict[str, Any]], wide: bool = False) -> None:
 
 def starter_nodes(url: str, given: str, auth: Any, api_key: Callable[[], Optional[str]]
                   ) -> List[Dict[str, Any]]:
-    """The nodes a starter reports on its control plane, else (a URL that has no control
-    plane's routes) on its OpenAI API (``serve``'s, ``starter --api-port``'s; a URL ending
-    /v1 is its base; ``api_key()``: the key it takes); or the starter alone: ``down`` or,
-    when it refused our signature or key (HTTP 401), ``unauthorized``; the reason in
+    """From a starter's control plane, else its OpenAI API (a URL ending /v1 is its base;
+    ``api_key()``); else the starter alone, ``down`` or (HTTP 401) ``unauthorized``, the reason in
     ``error``."""
     from ..base.errors import MdiedgeError
     from ..runtime.control import call, get_json, round_trip_ms
@@ -295,7 +286,6 @@ def starter_nodes(url: str, given: str, auth: Any, api_key: Callable[[], Optiona
 
 
 def refused(node: Dict[str, Any]) -> Dict[str, Any]:
-    """A node that refused our signature (401) is up, but not ours to read: unauthorized."""
     if node.get("state") == "down" and "refused (401)" in str(node.get("error")):
         node["state"] = "unauthorized"
     return node

@@ -1,8 +1,6 @@
-"""From a prompt string to sampled text: the tokenizer, the scheduler and a pipeline to run
-the blocks. A request is taken in once (``TextModel.request``): its prompt tokenized into a
-``Prompt`` (text and ids) and every limit checked, into a ``Request`` that its
-``Generation`` is built from without checking again.
-"""
+"""From a prompt string to sampled text: the tokenizer, the scheduler and a pipeline. A request is
+taken in once (``TextModel.request``): tokenized into a ``Prompt`` and every limit checked, into a
+``Request`` its ``Generation`` is built from without checking again."""
 from __future__ import annotations
 
 import abc
@@ -51,7 +49,6 @@ def _shape(generation: Generation) -> str:
 
 
 def summary_line(request: int, generation: Generation, timing: Timing) -> str:
-    """The log line of a finished generation: its size, speed and how its samples ended."""
     reasons = Counter(s.finish_reason or "unfinished" for s in generation.samples)
     ends = ", ".join(f"{reason} {count}" for reason, count in sorted(reasons.items()))
     return (f"generation {request}: {_shape(generation)}, {timing_text(timing)}; "
@@ -59,15 +56,14 @@ def summary_line(request: int, generation: Generation, timing: Timing) -> str:
 
 
 def timing_text(timing: Timing) -> str:
-    """``7 new tokens in 0.61 s (11.5 tok/s), set-up 3.07 s``: tokens/s over the generation
-    alone; the set-up (a ring set up for this request) named apart when there was one."""
+    """``7 new tokens in 0.61 s (11.5 tok/s), set-up 3.07 s``: tokens/s over the generation alone.
+    """
     text = (f"{plural(timing.new_tokens, 'new token')} in {timing.generation_s:.2f} s "
             f"({timing.tokens_per_s:.1f} tok/s)")
     return text + (f", set-up {timing.setup_s:.2f} s" if timing.setup_s >= SHOWN_SETUP_S else "")
 
 
 def failure_line(request: int, generation: Generation, error: BaseException) -> str:
-    """The log line of a generation that failed (or was interrupted), and why."""
     produced = sum(len(s.tokens) for s in generation.samples)
     detail = " ".join(str(error).split())
     reason = f"{type(error).__name__}: {detail}" if detail else type(error).__name__
@@ -97,8 +93,7 @@ class GenerationOutput:
 
 
 class TextModel:
-    """A model's text side, no weights: its config and tokenizer, prompts to token ids, and
-    sampled ids back to text. Checks a request before anything heavy starts."""
+    """A model's text side, no weights: config, tokenizer, prompts to ids and ids to text."""
 
     path: Path
     file: ModelFile  # the model's files as this process reads them, opened once
@@ -112,8 +107,8 @@ class TextModel:
 
     def _open(self, model: Optional[PathLike], tokenizer: Optional[PathLike],
               text: Optional["TextModel"] = None) -> None:
-        """Load the config and the tokenizer; ``text``: a text side opened already (its
-        weights checked against its config, as ``open_engine`` does), taken as it is."""
+        """``text``: a text side opened already (weights checked against its config), taken as it
+        is."""
         if text is not None:
             self.path, self.file, self.cfg = text.path, text.file, text.cfg
             self.tokenizer = text.tokenizer
@@ -131,10 +126,9 @@ class TextModel:
         give_back_free_memory()  # the vocabulary's strings, read to build the tokenizer
 
     def encode_prompt(self, prompt: str, templated: bool = False) -> List[int]:
-        """A prompt's ids, with the special tokens its tokenizer adds (the rule of
-        ``mdiedge.model.tokenizer``); ``templated``: a chat template's text, which holds its
-        own special tokens, so nothing is added (as transformers' ``apply_chat_template``).
-        An empty prompt starts from the BOS token alone."""
+        """With the special tokens its tokenizer adds; ``templated``: a chat template's text holds
+        its own, so nothing is added (as ``apply_chat_template``). An empty prompt starts from BOS
+        alone."""
         tokenizer = self.tokenizer
         ids = tokenizer.encode(prompt) if templated else tokenizer.encode_prompt(prompt)
         if not ids:
@@ -150,8 +144,8 @@ class TextModel:
     def request(self, prompt: Union[str, Prompt], asked: Asked, templated: bool = False,
                 context: int = 0, default_budget: int = 0,
                 server_stops: Sequence[str] = ()) -> Request:
-        """A request taken in, once (``mdiedge.base.request.take_request``): tokenized (a
-        ``Prompt`` as it is) and its budget fitted to ``context`` (0: the model's)."""
+        """Tokenized (a ``Prompt`` as it is) and its budget fitted to ``context`` (0: the model's).
+        """
         return take_request(self.prompt(prompt, templated), asked,
                             context or self.cfg.max_seq_len, default_budget, server_stops)
 
@@ -163,8 +157,7 @@ class TextModel:
 
     def generation_of(self, request: Request,
                       on_token: Optional[TokenCallback] = None) -> Generation:
-        """The ``Generation`` of a request taken in (checked already): each sample's text
-        put out by a ``TextOutput`` of its own."""
+        """Each sample's text put out by a ``TextOutput`` of its own."""
         def output(prefix: Sequence[int]) -> TextOutput:
             return TextOutput(self.tokenizer, prefix, list(request.stop))
         return Generation(request, self.cfg.eos_ids, on_token, output)
@@ -180,17 +173,15 @@ class TextModel:
             counts = generation.exits or ExitCounts(self.cfg.n_layers)
             early_exit = dict(criterion=settings.criterion, **counts.as_dict())
         text = prompt.text if isinstance(prompt, Prompt) else prompt
-        spec = generation.speculation
+        speculation = generation.speculation
         return GenerationOutput(text, generation.samples[0].prompt, samples, timing,
                                 generation.recoveries, early_exit,
-                                None if spec is None else spec.stats.as_dict())
+                                None if speculation is None else speculation.stats.as_dict())
 
 
 class Engine(TextModel, abc.ABC):
-    """What the CLI, the API and the tools generate with (``open_engine`` makes one): a
-    request's ``Generation`` run by the one scheduler of a pipeline that ``prepare`` sets up,
-    the nodes' status, and ``close``. ``LocalEngine`` and ``RingEngine`` are the two kinds;
-    no caller needs to know which it holds."""
+    """What the CLI, the API and the tools generate with (``open_engine``): ``LocalEngine`` or
+    ``RingEngine``, and no caller needs to know which."""
 
     holds_weights = True
 
@@ -203,10 +194,10 @@ class Engine(TextModel, abc.ABC):
     draft_model: Optional[DraftModel] = None  # ``draft:PATH``'s model, shared by requests
     prompt_cache = False  # finished requests' KV rows kept for prompts that continue them
 
-    def speculating(self, spec: Optional[str], device: str = "cpu") -> None:
-        """Have every later request speculate with ``spec`` (``ngram``, ``draft:PATH``; None or
-        ``off``: not); a draft model is loaded once on ``device``, on the compute thread."""
-        self.speculate = None if spec in (None, "off") else spec
+    def speculating(self, drafter: Optional[str], device: str = "cpu") -> None:
+        """``drafter``: ``ngram``, ``draft:PATH``; None or ``off``: none. A draft model is loaded
+        once, on the compute thread."""
+        self.speculate = None if drafter in (None, "off") else drafter
         self.speculate_device = device
         self.draft_model = None
         if self.speculate is not None:
@@ -219,20 +210,19 @@ class Engine(TextModel, abc.ABC):
 
     def speculation_for(self, generation: Generation,
                         speculate: Optional[str] = None) -> Optional[Any]:
-        """A ``Speculation`` for ``generation``'s samples, or None: ``speculate`` is the request's
-        choice (None: the engine's); a draft model's drafter holds the request's own slots of the
-        shared ``draft_model``."""
-        spec = request_speculate(self.speculate, speculate)
-        if spec is None:
+        """None, or the request's ``Speculation`` (``speculate`` None: the engine's choice); a draft
+        model's drafter holds the request's own slots of the shared ``draft_model``."""
+        chosen = request_speculate(self.speculate, speculate)
+        if chosen is None:
             return None
         from ..runtime.speculation import Speculation, drafter_for
 
         params, draft = generation.params, self.draft_model
         n, context = len(generation.samples), generation.context
-        if draft is not None and spec == self.speculate and not draft.holds(n, context):
+        if draft is not None and chosen == self.speculate and not draft.holds(n, context):
             self.compute.call(draft.fit, max(n, self.reserved[0]),
                               max(context, self.reserved[1]))
-        drafter = drafter_for(spec, self.cfg, n, context, params, self.speculate_device, draft)
+        drafter = drafter_for(chosen, self.cfg, n, context, params, self.speculate_device, draft)
         return Speculation(drafter, params)
 
     def new_generation(self, prompt: Union[str, Prompt], max_new_tokens: int, n_samples: int,
@@ -245,61 +235,54 @@ class Engine(TextModel, abc.ABC):
 
     def generation_of(self, request: Request, on_token: Optional[TokenCallback] = None,
                       speculate: Optional[str] = None) -> Generation:
-        """``TextModel.generation_of`` with its ``Speculation``."""
         generation = super().generation_of(request, on_token)
         generation.speculation = self.speculation_for(generation, speculate)
         return generation
 
     def reserve(self, n_slots: int, context: int) -> None:
-        """Set every later pipeline up with at least ``n_slots`` x ``context`` (a server's
-        fixed layout: its requests share one pipeline and never make it resize), and the
-        draft model's KV slots too."""
+        """Every later pipeline at least ``n_slots`` x ``context`` (a server's fixed layout: it
+        never resizes), the draft model's slots too."""
         self.reserved = (n_slots, context)
         if self.draft_model is not None:
             self.compute.call(self.draft_model.fit, n_slots, context)
 
     def set_up(self) -> None:
-        """Set the reserved layout's pipeline up now (a server: errors before it says ready)."""
+        """A server: errors before it says ready."""
         self.prepare(*self.reserved)
 
     @abc.abstractmethod
     def prepare(self, n_slots: int, context: int) -> Scheduler:
-        """A scheduler whose pipeline holds ``n_slots`` samples of ``context`` tokens (the
-        caller holds ``_setup_lock``, or knows no other thread uses the engine)."""
+        """A scheduler whose pipeline holds ``n_slots`` x ``context`` (caller holds ``_setup_lock``
+        or is alone)."""
 
     @abc.abstractmethod
     def status(self) -> List[NodeStatus]:
-        """Every node's status, this process's first (``mdiedge status``, the API's
-        per-node metrics)."""
+        """This process's first."""
 
     def unavailable(self, timeout: float) -> Optional[str]:
-        """None when the engine can take a request, else why not, in one line; ``timeout``:
-        how long a ring may ask its nodes. A process of its own always can."""
+        """None when the engine can take a request, else why not; ``timeout``: how long a ring may
+        ask its nodes."""
         return None
 
     def setting_up(self) -> Optional[str]:
-        """What a set-up of the ring under way waits for now, in one line (asking no node);
-        None when none is (a process of its own: never)."""
+        """What a ring set-up under way waits for now (asking no node); None when none is."""
         return None
 
     def link_stats(self) -> List[Dict[str, Any]]:
-        """Every link in ring order, as its sender counts it (none in one process)."""
+        """Every link in ring order, as its sender counts it."""
         return []
 
     def ring_nodes(self) -> int:
-        """The nodes generating now, this process included."""
         return 1
 
     def ring_id(self) -> object:
-        """Which ring is up now (None: none): a link's counts start at its ring's set-up,
-        so counts of two rings do not subtract."""
+        """Which ring is up (None: none): counts of two rings do not subtract."""
         return None
 
     def submit(self, generation: Generation, micro_batch: int = 0,
                max_waiting: Optional[int] = None) -> Scheduler:
-        """Queue ``generation`` on a pipeline that holds it; that pipeline's scheduler (QueueFull
-        as ``Scheduler.submit``). Set-up and submission are one step under ``_setup_lock``, so no
-        other request's set-up replaces the pipeline between them."""
+        """Queue ``generation`` on a pipeline that holds it; set-up and submission are one step
+        under ``_setup_lock``, so no other set-up replaces the pipeline between them."""
         with self._setup_lock:
             scheduler = self.prepare(max(len(generation.samples), self.reserved[0]),
                                      max(generation.context, self.reserved[1]))
@@ -311,8 +294,8 @@ class Engine(TextModel, abc.ABC):
 
     def run(self, generation: Generation, micro_batch: int = 0,
             submitted: Optional[Scheduler] = None) -> Timing:
-        """Run ``generation`` to its end (``submitted``: the scheduler it is on already) and log
-        one line (INFO finished, WARNING failed or interrupted)."""
+        """Run ``generation`` to its end (``submitted``: the scheduler it is on) and log one line.
+        """
         request = next(_requests)
         try:
             scheduler = submitted or self.submit(generation, micro_batch)
@@ -340,22 +323,21 @@ class Engine(TextModel, abc.ABC):
         return self.output(prompt, generation, timing)
 
     def kv_fill_s(self) -> float:
-        """Seconds the nodes spent filling the KV of blocks that early exits skipped."""
+        """Seconds filling the KV of blocks that early exits skipped."""
         return 0.0
 
     def on_close(self, callback: Callable[[], Any]) -> None:
-        """Have ``close`` call ``callback`` after the engine let its nodes go, the latest
-        given first (``open_engine``: stop the worker processes it started)."""
+        """``close`` calls ``callback`` after the nodes are let go, latest first."""
         if self._closers is None:
             self._closers = ExitStack()
         self._closers.callback(callback)
 
     def release(self) -> None:
-        """Let what the engine holds go (nodes, links); a local engine holds nothing."""
+        """Let nodes and links go; a local engine holds nothing."""
 
     def close(self) -> None:
-        """``release``, then what ``on_close`` was given, even when the release fails, then
-        the compute thread ends."""
+        """``release``, then the ``on_close`` callbacks even when it fails, then the compute thread
+        ends."""
         try:
             self.release()
         finally:

@@ -1,9 +1,7 @@
-"""The one way to open an engine: ``open_engine(EngineSpec(...))``, for the CLI, the API's
-commands, the long-lived starter and the tools alike. ``open_text`` opens the model's text side
-once (config, tokenizer, the config against the weights' headers) so that a command can
-check its request before any node starts; ``open_engine`` then builds on that text side, so
-the tokenizer is loaded once. The engine it gives owns what it started: its ``close``
-stops the local ring's worker processes.
+"""The one way to open an engine, for the CLI, the API, the long-lived starter and the tools:
+``open_text`` opens the model's text side once (config, tokenizer, the config against the weights'
+headers) so a command can check its request before any node starts; ``open_engine`` builds on it, so
+the tokenizer loads once. The engine owns what it started: ``close`` stops a local ring's workers.
 """
 from __future__ import annotations
 
@@ -27,17 +25,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class EngineSpec(EngineOptions):
-    """Which engine to open and how it runs: the command line's options (``EngineOptions``:
-    its ring options, where given, win over a ring file's; ``quantize`` also holds in one
-    process; ``cpu_dot`` and ``prompt_cache`` are the command's to apply), and where the
-    blocks run.
-
-    ``nodes``: 1, every block in this process; N > 1, a local ring of N - 1 worker processes
-    started for the engine (``spares`` more as spares; ``respawn``: a worker that dies is
-    started again). ``ring``: a ring file (TOML) of running workers instead. ``workers``: running
-    workers given as they are, with the starter's ``options`` (a long-lived starter).
-    ``route``: where each ring link connects (``Route``, tests and the relay tool).
-    ``timeout_s``: the ring's set-up timeout (None: the ring file's, else a local ring's)."""
+    """Which engine to open and how: the command line's ``EngineOptions`` (ring options given win
+    over a ring file's) and where the blocks run. ``nodes`` 1: this process; N > 1: a local ring of
+    N - 1 workers (``spares`` more; ``respawn``). ``ring``: a ring file of running workers.
+    ``workers``: running workers with the starter's ``options`` (a long-lived starter). ``route``:
+    where each link connects (tests, the relay tool). ``timeout_s`` None: the ring file's, else a
+    local ring's."""
 
     model: Optional[PathLike] = None
     tokenizer: Optional[PathLike] = None
@@ -58,7 +51,7 @@ class EngineSpec(EngineOptions):
 
 
 def check_spec(spec: EngineSpec) -> None:
-    """The spec's own values (device, dtype, ring size), before any file is read."""
+    """Device, dtype and ring size, before any file is read."""
     if spec.ring is None and not spec.workers and spec.nodes < 1:
         raise UsageError(f"--nodes: expected an integer >= 1, got {spec.nodes}")
     needs = torch_option(spec.device, spec.dtype)
@@ -78,8 +71,8 @@ def check_spec(spec: EngineSpec) -> None:
 
 
 def check_draft(speculate: Optional[str], text: TextModel) -> None:
-    """A ``draft:PATH`` drafter's model shares the target's vocabulary (a ConfigError
-    quoting both otherwise), checked from its config before any node starts."""
+    """A ``draft:PATH`` model shares the target's vocabulary (ConfigError quoting both), from its
+    config before any node starts."""
     if speculate in (None, "off"):
         return
     from ..model.hub import resolve_model
@@ -100,8 +93,7 @@ def check_draft(speculate: Optional[str], text: TextModel) -> None:
 
 
 def open_text(spec: EngineSpec) -> TextModel:
-    """The model's text side (config and tokenizer, no weights), its config checked against
-    the weights' headers: what a command checks its request against before nodes start."""
+    """No weights; its config checked against the weights' headers."""
     from ..model.cpuload import check_checkpoint
 
     text = TextModel(spec.model, spec.tokenizer)
@@ -111,8 +103,7 @@ def open_text(spec: EngineSpec) -> TextModel:
 
 def exit_settings_of(text: TextModel, criterion: Optional[str],
                      threshold: Optional[str]) -> "Optional[ExitSettings]":
-    """The checked ``ExitSettings`` of ``criterion`` and ``threshold`` for the model of
-    ``text``, or None without a criterion."""
+    """None without a criterion."""
     if criterion is None:
         return None
     from ..model.earlyexit.files import exit_settings
@@ -121,10 +112,9 @@ def exit_settings_of(text: TextModel, criterion: Optional[str],
 
 
 def open_engine(spec: EngineSpec, text: Optional[TextModel] = None) -> Engine:
-    """The engine of ``spec`` (nothing set up yet on a ring: the first request does it, or
-    ``Engine.set_up``); ``text``: its text side opened already (``open_text``, the spec
-    checked: ``check_spec``). Worker processes it starts are stopped by the engine's
-    ``close``, or here when opening fails."""
+    """Nothing set up yet on a ring (the first request does it, or ``Engine.set_up``); ``text``:
+    from ``open_text``, the spec checked. Workers it starts are stopped by the engine's ``close``,
+    or here when opening fails."""
     if text is None:
         check_spec(spec)
         text = open_text(spec)
@@ -138,7 +128,7 @@ def open_engine(spec: EngineSpec, text: Optional[TextModel] = None) -> Engine:
 
 
 def _open(spec: EngineSpec, text: TextModel, settings: "Optional[ExitSettings]") -> Engine:
-    """The engine of ``spec`` on ``text``: in this process, or the starter of a ring."""
+    """In this process, or the starter of a ring."""
     use_threads(node_threads(spec.threads, 1, available_cores()))
     if spec.local:
         from .local import LocalEngine
@@ -163,8 +153,8 @@ def _open(spec: EngineSpec, text: TextModel, settings: "Optional[ExitSettings]")
 
 
 def _running(spec: EngineSpec) -> Any:
-    """The starter's options and the workers of a ring file (its secret, else the
-    environment's; the spec's dtype), or those given; the spec's ring options win."""
+    """The starter's options and a ring file's workers (its secret, else the environment's), or
+    those given; the spec's ring options win."""
     import dataclasses
 
     if spec.ring is None:
@@ -177,8 +167,8 @@ def _running(spec: EngineSpec) -> Any:
 
 
 def _start_local_ring(spec: EngineSpec, text: TextModel, stack: ExitStack) -> Any:
-    """The workers of a local ring of ``spec.nodes`` started (each given its share of this
-    machine's cores, this process too), entered on ``stack``; and the ring's secret."""
+    """Each worker given its share of the cores (this process too), entered on ``stack``; and the
+    secret."""
     from ..placement.partition import check_ring_size
     from ..roles.local_ring import LocalRing
 

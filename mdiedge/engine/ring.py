@@ -46,10 +46,9 @@ class RingEngine(Engine):
         return self.starter.ensure(n_slots, context)
 
     def unavailable(self, timeout: float) -> Optional[str]:
-        """None when a request would find a ring: the current one's links are up, or a
-        worker answers its control plane within ``timeout`` s (the next request sets up a
-        ring of those that do); else why not, in one line (a set-up under way: what it
-        waits for)."""
+        """None when a request would find a ring: the current one's links are up, or a worker
+        answers its control plane within ``timeout`` s (the next request sets up a ring of those
+        that do); else why not, in one line (a set-up under way: what it waits for)."""
         starter = self.starter
         scheduler = starter.scheduler
         waiting = starter.watch.waiting()

@@ -54,8 +54,7 @@ def matmul(x: Any, w: Any, qtype: str, out: Any, threads: int = 1, dot: int = 0)
 
 def dequantize_rows(w: Any, qtype: str, first: int, count: int, out: Any,
                     threads: int = 1) -> Any:
-    """out (count, in) float32 = rows [first, first + count) of ``w`` de-quantized; returns
-    out."""
+    """out (count, in) float32 = rows [first, first + count) of ``w`` de-quantized; returns out."""
     t = check_rows(w, qtype, first, count, out, threads)
     k = w.shape[1] // TYPES[t.name].block_bytes * t.block
     numpy_view(out)[...] = dequantize_array(numpy_view(w)[first:first + count], t.name, k)

@@ -1,10 +1,7 @@
-"""The decode step, pure numpy: the twin of ``ext/_cstep.pyx`` with the same API (see
-``mdiedge/model/_stepspec.py``). The same computation as ``ext/step.h``, one numpy operation
-at a time (equal within float32 rounding, not bit for bit), a ``QuantMatrix`` (each part of a
-``StackedMatrix``) multiplied by the quantized product's twin (``_pyquant``, the reference
-de-quantizer then float32); ``threads`` is numpy's BLAS's own count here. Arrays are numpy
-arrays or torch CPU tensors, read and written (KV caches, ``out``, expert counts) in place
-through their numpy views."""
+"""The decode step, pure numpy: the twin of ``ext/_cstep.pyx`` (API: ``_stepconstants``),
+``ext/step.h``'s computation one numpy operation at a time (equal within float32 rounding, not bit
+for bit); quantized matrices through ``_pyquant``; ``threads`` is BLAS's own count here. Arrays
+(numpy or torch CPU) are read and written in place through their numpy views."""
 from __future__ import annotations
 
 import math
@@ -13,10 +10,15 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _pyquant
-from ._stepspec import (ACTIVATIONS, MAX_PARTS, MAX_ROWS, BlockWeights,  # noqa: F401
-                        Experts, Limits, QuantMatrix, StackedMatrix, check, check_call,
-                        check_logits, logits_usable, usable)
+from ._stepconstants import (ACTIVATIONS, MAX_PARTS, MAX_ROWS, BlockWeights, Experts, Limits,
+                             QuantMatrix, StackedMatrix, check, check_call, check_logits,
+                             logits_usable, usable)
 from .arrays import numpy_view as _np
+
+# the API both twins share
+__all__ = ["ACTIVATIONS", "MAX_PARTS", "MAX_ROWS", "PREFERRED", "BlockWeights", "Experts",
+           "Limits", "Plan", "QuantMatrix", "StackedMatrix", "block", "blocks", "check",
+           "check_call", "check_logits", "logits", "logits_usable", "plan", "usable"]
 
 # Row by row in Python this is no faster than the model's own batched torch path, so the
 # torch model keeps that path for decode where this twin is the one selected.
@@ -24,7 +26,6 @@ PREFERRED = False
 
 
 class Plan(Limits):
-    """Consecutive blocks to run in one call."""
 
     def __init__(self, weights: Sequence[BlockWeights]) -> None:
         super().__init__(weights)
@@ -59,13 +60,13 @@ def logits(norm: Any, eps: float, head: Any, x: Any, out: Any, threads: int,
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension, in float32."""
+    """Over the last dimension, in float32."""
     scale = np.float32(1) / np.sqrt(np.mean(x * x, -1, keepdims=True) + np.float32(eps))
     return (weight * (x * scale)).astype(np.float32)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate-half RoPE of x (…, head_dim) by cos, sin broadcast to it."""
+    """Rotate-half, cos and sin broadcast to x."""
     half = x.shape[-1] // 2
     rotated = np.concatenate((-x[..., half:], x[..., :half]), -1)
     return x * cos + rotated * sin
@@ -77,7 +78,7 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 
 def activate(gate: np.ndarray, activation: str) -> np.ndarray:
-    """silu, or gelu with tanh's approximation."""
+    """silu, or gelu's tanh approximation."""
     if activation == "silu":
         return gate / (np.float32(1) + np.exp(-gate))
     inner = np.float32(math.sqrt(2 / math.pi)) * (gate + np.float32(0.044715) * gate ** 3)
@@ -85,9 +86,8 @@ def activate(gate: np.ndarray, activation: str) -> np.ndarray:
 
 
 def _product(x: np.ndarray, w: Any, dot: int) -> np.ndarray:
-    """x (rows, in) times w^T, w float32 (out, in), a ``QuantMatrix`` or a ``StackedMatrix``
-    (its parts' products side by side): (rows, out); dot 1, a quantized part in the q8 mode
-    (``_pyquant.matmul``)."""
+    """x times w^T for float32 w, a ``QuantMatrix`` or a ``StackedMatrix`` (parts side by side);
+    ``dot`` 1: q8 mode for quantized parts."""
     if isinstance(w, StackedMatrix):
         return np.concatenate([_product(x, part, dot) for part in w.parts], 1)
     if isinstance(w, QuantMatrix):
@@ -131,7 +131,6 @@ def _block(w: BlockWeights, x: np.ndarray, slots: Sequence[int], positions: Sequ
 
 
 def _dense(h: np.ndarray, gate_up: Any, down: Any, activation: str, dot: int) -> np.ndarray:
-    """The gated feed-forward of h (rows, dim): (rows, dim)."""
     both = _product(h, gate_up, dot)  # (rows, 2 hidden)
     hidden = both.shape[1] // 2
     gate = activate(both[:, :hidden], activation)
@@ -139,9 +138,8 @@ def _dense(h: np.ndarray, gate_up: Any, down: Any, activation: str, dot: int) ->
 
 
 def _moe(h: np.ndarray, experts: Experts, dot: int) -> np.ndarray:
-    """The mixture of experts of h (rows, dim), each row alone: the router's softmax, its
-    top k (renormalized where the experts say), the chosen experts' outputs times their
-    weights summed in ascending expert order; the rows counted per expert."""
+    """Each row alone: router softmax, top k (renormalized where the experts say), chosen outputs
+    times weights summed in ascending expert order; rows counted per expert."""
     probs = softmax(_product(h, experts.router, dot))  # (rows, E)
     ids = np.argsort(-probs, -1, kind="stable")[:, :experts.top_k]  # (rows, k)
     weights = np.take_along_axis(probs, ids, -1)
@@ -160,6 +158,5 @@ def _moe(h: np.ndarray, experts: Experts, dot: int) -> np.ndarray:
 
 
 def _normed(x: np.ndarray, weight: Any, eps: float) -> np.ndarray:
-    """x normed over its last dimension by RMSNorm of ``weight`` (a head's Q/K norm, a
-    sandwich norm); None: x as it is."""
+    """``weight`` None: x as it is."""
     return x if weight is None else rms_norm(x, _np(weight), eps)

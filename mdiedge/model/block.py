@@ -1,9 +1,7 @@
-"""The Llama-style decoder block in plain torch, which the families build: RMSNorm, grouped-
-query attention with rotate-half RoPE over a slotted KV cache (each row its own slot and
-position, MDI-LLM's "rotating KV caches"), optional Q/K/V biases (Qwen2), Q/K head norms (Qwen3,
-Gemma 3), sandwich norms, scale and sliding window (Gemma 3), and the family's feed-forward
-(SwiGLU, GeGLU, mixture of experts). ``step_weights`` hands a block's tensors to the compiled
-decode step."""
+"""The Llama-style decoder block the families build: RMSNorm, grouped-query attention with
+rotate-half RoPE over a slotted KV cache (each row its own slot and position), optional Q/K/V biases
+(Qwen2), Q/K head norms (Qwen3, Gemma 3), sandwich norms, scale and sliding window (Gemma 3), and
+the family's feed-forward. ``step_weights`` hands a block's tensors to the compiled decode step."""
 from __future__ import annotations
 
 import math
@@ -13,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._stepspec import (ACTIVATIONS, BlockWeights, Experts, QuantMatrix, StackedMatrix,
+from ._stepconstants import (ACTIVATIONS, BlockWeights, Experts, QuantMatrix, StackedMatrix,
                         plain)
 from .config import ModelConfig
 from .layers import (MLP, Linear, RMSNorm, apply_rope, fuse, fuse_layers, fused_with,
@@ -35,8 +33,8 @@ class KVCache(nn.Module):
 
     def update(self, slots: Tensor, positions: Sequence[int], k: Tensor, v: Tensor
                ) -> Tuple[Tensor, Tensor]:
-        """Write k, v ``(B, kv_heads, T, head_dim)`` at each row's slot and position; return
-        the keys and values of those slots up to the furthest position written."""
+        """Write k, v (B, kv_heads, T, hd) at each row's slot and position; the slots' keys and
+        values up to the furthest position written."""
         batch, _, seq_len, _ = k.shape
         length = max(positions) + seq_len
         if batch == 1:
@@ -63,12 +61,9 @@ class KVCache(nn.Module):
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
               causal: bool = False, scale: Optional[float] = None) -> Tensor:
-    """q: (B, heads, T, hd); k, v: (B, kv_heads, L, hd); mask: (B, 1, T, L) bool or None;
-    ``causal`` (no cache, T == L) masks the upper triangle instead; scores are scaled by
-    ``scale`` (None: 1/sqrt(hd)).
-
-    Short queries (decode) take a grouped matmul path that never copies K/V per query head;
-    long ones (prefill, training) use the fused kernel where torch has one."""
+    """q: (B, heads, T, hd); k, v: (B, kv_heads, L, hd); mask: (B, 1, T, L) bool or None; ``causal``
+    (no cache) masks the upper triangle instead. Short queries (decode) take a grouped matmul that
+    never copies K/V per query head; long ones the fused kernel where torch has one."""
     batch, n_heads, seq_len, head_dim = q.shape
     n_kv, length = k.shape[1], k.shape[2]
     groups = n_heads // n_kv
@@ -99,9 +94,8 @@ def band_mask(seq_len: int, window: int, device: torch.device) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with rotate-half RoPE; ``qkv_bias`` (Qwen2), ``qk_norm`` (RMS
-    norm per Q and K head before RoPE; Qwen3, Gemma 3); ``scale`` None: 1/sqrt(head_dim);
-    ``window`` > 0: a sliding layer (the caller makes its mask), 0: full attention."""
+    """``qk_norm``: RMS norm per Q and K head before RoPE; ``scale`` None: 1/sqrt(head_dim);
+    ``window`` > 0: a sliding layer (the caller makes its mask)."""
 
     def __init__(self, cfg: ModelConfig, qkv_bias: bool = False, qk_norm: bool = False,
                  window: int = 0) -> None:
@@ -122,16 +116,15 @@ class Attention(nn.Module):
         self.qkv_bias: Optional[Tensor] = None
 
     def fuse_projections(self) -> None:
-        """Q, K and V as one product (``mdiedge.model.layers.fuse_layers``: float ones, or
-        quantized ones, each of its own type), and their biases as one vector."""
+        """Q, K and V as one product (float or quantized, each its own type), biases as one vector.
+        """
         projections = [self.wq, self.wk, self.wv]
         self.qkv = fuse_layers(projections)
         if all(getattr(p, "bias", None) is not None for p in projections):
             self.qkv_bias = fuse(projections, "bias")
 
     def _fused_bias(self) -> Optional[Tensor]:
-        """The Q, K and V biases side by side (None without biases): the fused vector while
-        the layers' biases are still its views, else a copy of them."""
+        """The fused vector while the layers' biases are still its views, else a copy."""
         bias = getattr(self.wq, "bias", None)
         if bias is None:
             return None
@@ -141,7 +134,6 @@ class Attention(nn.Module):
         return torch.cat([self.wq.bias, self.wk.bias, self.wv.bias])
 
     def _project_qkv(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        """q (B, T, q_dim), k and v (B, T, kv_dim) of x (B, T, dim)."""
         if fused_with(self.qkv, self.wq):
             out = project_fused(x, self.qkv)  # (B, T, q_dim + 2 * kv_dim)
             bias = self._fused_bias()
@@ -153,8 +145,8 @@ class Attention(nn.Module):
 
     def fill_kv(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor,
                 positions: Sequence[int]) -> None:
-        """Write the keys and values of ``x`` (B, T, dim), already normed, at each row's slot
-        and position, as ``forward`` would, without computing the attention."""
+        """Write the keys and values of the normed ``x`` as ``forward`` would, without the
+        attention."""
         batch, seq_len, _ = x.shape
         k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -183,8 +175,7 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (``MLP`` or ``MoE``);
-    ``sandwich_norms`` (Gemma 3) norm each output before its residual add."""
+    """Pre-norm; ``sandwich_norms`` (Gemma 3) norm each output before its residual add."""
 
     def __init__(self, cfg: ModelConfig, mlp: nn.Module, qkv_bias: bool = False,
                  qk_norm: bool = False, sandwich_norms: bool = False, window: int = 0) -> None:
@@ -208,7 +199,6 @@ class Block(nn.Module):
         return x + fed
 
     def fuse_projections(self) -> None:
-        """Q/K/V and each feed-forward's gate/up as one product (``layers.fuse``)."""
         self.attn.fuse_projections()
         experts = getattr(self.mlp, "experts", None)
         for mlp in [self.mlp] if experts is None else experts:
@@ -216,14 +206,12 @@ class Block(nn.Module):
 
     def fill_kv(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor,
                 positions: Sequence[int]) -> None:
-        """KV fill (early exit): the keys and values this block makes of ``x`` (B, T, dim)."""
         self.attn.fill_kv(self.attn_norm(x), cos, sin, slots, positions)
 
     def step_weights(self, cos: Tensor, sin: Tensor) -> Optional[BlockWeights]:
-        """This block's tensors for the compiled decode step, with RoPE tables ``cos``, ``sin``
-        (L, hd): float32 or ``QuantMatrix`` matrices, a dense or MoE feed-forward, the optional
-        parts (``step_options``); None where the step does not apply (unfused projections, float
-        beside quantized layers in Q/K/V or gate/up, no KV cache, a part the step lacks)."""
+        """This block's tensors for the compiled decode step; None where it does not apply (unfused
+        projections, float beside quantized layers in one group, no KV cache, a part the step
+        lacks)."""
         attn = self.attn
         if attn.cache is None or not fused_with(attn.qkv, attn.wq):
             return None
@@ -241,8 +229,8 @@ class Block(nn.Module):
                             self.attn_norm.eps, experts=experts, **options)
 
     def _step_feed_forward(self) -> Optional[Tuple[Any, Any, Optional[Experts]]]:
-        """(gate_up, down, None) of a dense feed-forward, (None, None, experts) of a mixture
-        of experts, as the step reads them; None where it cannot."""
+        """(gate_up, down, None) dense, (None, None, experts) MoE; None where the step cannot read
+        it."""
         mlp = self.mlp
         if not isinstance(mlp, MLP):
             experts = step_experts(mlp)
@@ -253,10 +241,8 @@ class Block(nn.Module):
         return None if gate_up is None or down is None else (gate_up, down, None)
 
     def step_options(self) -> Optional[Dict[str, Any]]:
-        """The optional parts of ``BlockWeights`` this block has (Q/K/V bias, Q and K norms,
-        sandwich norms, activation, scale, window); None where a norm's eps differs from the
-        block's, a tensor is not plain float32 on the CPU or the activation is not one the step
-        has."""
+        """The optional parts of ``BlockWeights`` this block has; None where a norm's eps differs, a
+        tensor is not plain CPU float32 or the activation is not the step's."""
         attn, eps = self.attn, self.attn_norm.eps
         norms = {"q_norm": getattr(attn, "q_norm", None), "k_norm": getattr(attn, "k_norm", None),
                  "post_attn_norm": getattr(self, "post_attn_norm", None),
@@ -274,7 +260,7 @@ class Block(nn.Module):
         return options if options["activation"] in ACTIVATIONS else None
 
     def step_refusal(self) -> str:
-        """Why ``step_weights`` gives None for this block, in a few words."""
+        """Why ``step_weights`` gives None, in a few words."""
         attn = self.attn
         if attn.cache is None:
             return "no KV cache"
@@ -306,16 +292,14 @@ class Block(nn.Module):
 
 
 def _is_moe(mlp: Any) -> bool:
-    """A mixture of experts as ``mdiedge.model.moe.MoE`` holds one: a router and experts."""
     return all(hasattr(mlp, name) for name in ("router", "experts", "top_k", "renormalize",
                                                "expert_counts"))
 
 
 def step_experts(moe: Any) -> Optional[Experts]:
-    """A mixture of experts (``mdiedge.model.moe.MoE``) as the compiled step reads it: its
-    router's and every expert's fused gate/up and down matrices (``step_matrix``), its top k,
-    renormalization and the counts of rows per expert the step adds to; None where the step
-    cannot read one (an expert unfused, or not SwiGLU, a matrix of no kernel)."""
+    """A mixture of experts as the compiled step reads it (router, fused gate/up and down per
+    expert, top k, renormalization, row counts); None where it cannot (unfused, not SwiGLU, no
+    kernel)."""
     if not _is_moe(moe) or not all(isinstance(m, MLP) and m.activation == "silu"
                                    and fused_with(m.gate_up, m.gate) for m in moe.experts):
         return None
@@ -342,9 +326,8 @@ def _held_type(held: Any) -> str:
 
 
 def step_matrix(held: Any) -> Optional[Any]:
-    """A matrix as the compiled step reads it: a float buffer or a float layer's weight when
-    plain float32, a quantized layer's blocks as a ``QuantMatrix``, a group of quantized
-    layers (``qlayers.QuantGroup``) as a ``StackedMatrix``; else None."""
+    """Plain float32 as is, a quantized layer as ``QuantMatrix``, a ``QuantGroup`` as
+    ``StackedMatrix``; else None."""
     group = getattr(held, "layers", None)
     if group is not None:
         parts = [step_matrix(layer) for layer in group]

@@ -1,10 +1,6 @@
-"""Checkpoints: Hugging Face model directories, llama2.c files and GGUF files (``.gguf``), read
-one block range at a time.
-
-A node reads only the tensors of the blocks it holds (safetensors: each file's header parsed
-once, then each tensor read at its offset straight into its parameter, never a whole-file
-load or memory map) and builds its chunk of the model without materialising the rest.
-"""
+"""Checkpoints: Hugging Face directories, llama2.c files and GGUF files, read one block range at a
+time: a node reads only its blocks' tensors (safetensors: each header parsed once, each tensor read
+at its offset straight into its parameter, never a whole-file load or map)."""
 from __future__ import annotations
 
 import json
@@ -20,13 +16,15 @@ from ..base.errors import CheckpointError, ConfigError
 from .config import ModelConfig
 from .families import config_to_hf
 from .checks import check_finite
-from .modelfile import LLAMA2C_HEADER, llama2c_config, model_file  # noqa: F401
-from .sources import (QTYPE_KEY, Llama2cSource, SafetensorsArrays,  # noqa: F401 (torch-free)
-                      regular_file_size)
-# the name tables and TensorSource live in .tensors (GGUF's source needs them too); imported
-# here as well for the modules that know them from this one
-from .tensors import (BLOCK_NAMES, GLOBAL_NAMES,  # noqa: F401
-                      TensorSource, block_names, tensor_plan)
+from .modelfile import model_file
+from .sources import QTYPE_KEY, Llama2cSource, SafetensorsArrays, regular_file_size
+from .tensors import GLOBAL_NAMES, TensorSource, tensor_plan
+
+# with QTYPE_KEY (.sources) and GLOBAL_NAMES (.tensors: GGUF's source needs them too), which
+# callers know from this module
+__all__ = ["GLOBAL_NAMES", "QTYPE_KEY", "READ_CHUNK_BYTES", "PathLike", "SafetensorsSource",
+           "TorchBinSource", "content_hash", "hf_state_dict", "load_config", "load_model",
+           "open_source", "resolve_model_path", "save_hf_checkpoint"]
 
 PathLike = Union[str, Path]
 
@@ -38,16 +36,15 @@ READ_CHUNK_BYTES = 4 << 20  # the temporary of a tensor read that converts dtype
 
 
 class SafetensorsSource(SafetensorsArrays):
-    """``model.safetensors`` or a sharded ``model.safetensors.index.json``, read with our own
-    parse of each file's header (``sources.SafetensorsArrays``) and ``readinto`` straight into
-    tensors (no memory map)."""
+    """Our own header parse (``sources.SafetensorsArrays``) and ``readinto`` straight into tensors
+    (no memory map)."""
 
     def raw(self, name: str) -> Tensor:
-        """A quantized tensor's blocks, uint8 (rows, bytes per row)."""
+        """uint8 (rows, bytes per row)."""
         return self.get(name)
 
     def _dequantized(self, name: str) -> Optional[Tensor]:
-        """Tensor ``name`` in float32 when the chunk keeps it quantized, else None."""
+        """None unless the chunk keeps it quantized."""
         qtype = self.qtype(name)
         if qtype == "F32":
             return None
@@ -60,7 +57,7 @@ class SafetensorsSource(SafetensorsArrays):
         return dequantize(raw, qtype, raw.shape[1] // t.block_bytes * t.block)
 
     def _entry(self, name: str) -> Tuple[Path, torch.dtype, Tuple[int, ...], int, int]:
-        """File, dtype, shape, start and size in bytes of tensor ``name``, all checked."""
+        """File, dtype, shape, start and size in bytes, all checked."""
         file, tag, shape, start, nbytes = self._array_entry(name)
         return file, _SAFETENSORS_DTYPES[tag], shape, start, nbytes
 
@@ -71,9 +68,8 @@ class SafetensorsSource(SafetensorsArrays):
         return out
 
     def read_into(self, name: str, out: Tensor) -> None:
-        """Read the tensor's bytes from the file straight into ``out``, or, when its dtype or
-        layout differs, through a temporary of at most ``READ_CHUNK_BYTES`` at a time: no
-        memory map, so the file's pages never count in this process's RSS, and the peak is
+        """Straight into ``out``, or where dtype or layout differ through a temporary of at most
+        ``READ_CHUNK_BYTES``: no memory map, so the file's pages never count in RSS, and the peak is
         the model plus one chunk."""
         floats = self._dequantized(name)
         if floats is not None:  # a pushed chunk's blocks, for a float model (not the CPU)
@@ -110,8 +106,7 @@ class SafetensorsSource(SafetensorsArrays):
     @staticmethod
     def _read_exact(fh: BinaryIO, into: Tensor, file: Path, name: str, done: int,
                     total: int) -> None:
-        """Fill the contiguous CPU tensor ``into`` from ``fh``; ``done`` bytes of the tensor's
-        ``total`` came before it (for the error message)."""
+        """``done``: bytes of the tensor before it (for the error message)."""
         size = into.numel() * into.element_size()
         if not size:
             return
@@ -163,9 +158,8 @@ def load_config(model: Optional[PathLike]) -> ModelConfig:
 
 
 def content_hash(model: PathLike) -> str:
-    """sha256 (hex) of a model's identity: config.json and the weight files (not the exit
-    classifier calibrated for it), or the file (``ModelFile.content_hash``: once per process
-    while the files are unchanged)."""
+    """sha256 of config.json and the weight files (not the exit classifier), or the file; once per
+    process while unchanged."""
     return model_file(model).content_hash()
 
 
@@ -189,12 +183,9 @@ def load_model(model: Optional[PathLike] = None, layers: Optional[Tuple[int, int
                dtype: torch.dtype = torch.float32,
                on_source: Optional[Callable[[TensorSource], None]] = None,
                quantize: Optional[str] = None):  # -> Transformer
-    """Build the chunk ``[layers)`` (+ embedding, + head) of a checkpoint, reading only its
-    tensors. ``on_source`` sees the tensor source (tests use it to check what was read).
-    In float32, tensors a file stores in a kernel type (GGUF) stay in it
-    (``mdiedge.model.qlayers``: compiled kernels on the CPU, de-quantized per product on
-    another device), and on the CPU ``quantize`` (Q8_0, Q4_0, Q4_1) quantizes the blocks'
-    float ones; in other dtypes every weight is float (de-quantized as it is read)."""
+    """The chunk ``[layers)`` (+ embedding, + head), reading only its tensors; ``on_source`` sees
+    the source (tests). In float32, tensors stored in a kernel type (GGUF) stay in it (``qlayers``),
+    and on the CPU ``quantize`` quantizes the float ones; other dtypes de-quantize as read."""
     from .transformer import Transformer
 
     path = resolve_model_path(model)
@@ -227,8 +218,8 @@ def load_model(model: Optional[PathLike] = None, layers: Optional[Tuple[int, int
 def _checked_plan(cfg: ModelConfig, source: TensorSource, layers: Tuple[int, int],
                   embedding: bool, head: bool, device: str, dtype: torch.dtype,
                   keeps_blocks: bool) -> Dict[str, str]:
-    """The tensor plan of a chunk, once the config is seen to fit the checkpoint (the blocks
-    asked for exist, every tensor has its shape) and the chunk this node's free memory."""
+    """Once the config fits the checkpoint (blocks exist, shapes match) and the chunk the free
+    memory."""
     from .checks import check_memory, check_plan, chunk_bytes, describe
 
     if not 0 <= layers[0] <= layers[1] <= cfg.n_layers:
@@ -248,7 +239,7 @@ def _checked_plan(cfg: ModelConfig, source: TensorSource, layers: Tuple[int, int
 
 
 def _read_floats(net: Any, source: TensorSource, plan: Dict[str, str], device: str) -> None:
-    """Read the float parameters of ``net`` that ``plan`` names from ``source``, in place."""
+    """In place."""
     net.store_head_transposed()
     if torch.device(device).type == "cpu":  # elsewhere the move would unshare the buffers
         net.fuse_projections()
@@ -271,7 +262,7 @@ def _read_floats(net: Any, source: TensorSource, plan: Dict[str, str], device: s
 
 
 class _skip_init:
-    """Skip the random initialisation of parameters that the checkpoint overwrites anyway."""
+    """Skip random initialisation of parameters the checkpoint overwrites."""
 
     def __enter__(self) -> None:
         self._saved = (torch.nn.Linear.reset_parameters, torch.nn.Embedding.reset_parameters)
@@ -286,8 +277,7 @@ class _skip_init:
 
 
 def hf_state_dict(net) -> Iterator[Tuple[str, Tensor]]:  # net: Transformer
-    """(Hugging Face name, tensor) for every parameter of a chunk (an RMSNorm weight less
-    the family's ``norm_offset``); the tied head is skipped."""
+    """(Hugging Face name, tensor), RMSNorm weights less ``norm_offset``, the tied head skipped."""
     cfg = net.cfg
     plan = tensor_plan(cfg, (net.first, net.last), net.has_embedding, net.has_head)
     params = dict(net.named_parameters(remove_duplicate=False))
@@ -299,7 +289,7 @@ def hf_state_dict(net) -> Iterator[Tuple[str, Tensor]]:  # net: Transformer
 
 def save_hf_checkpoint(net, out: PathLike, dtype: torch.dtype = torch.float32,
                        tokenizer: Optional[PathLike] = None) -> None:
-    """Write a whole model as a Hugging Face directory of its family (config, safetensors)."""
+    """A whole model as a Hugging Face directory of its family."""
     from safetensors.torch import save_file
 
     out = Path(out)

@@ -1,9 +1,6 @@
-"""Whether a model fits what holds it, checked before memory is spent: its config against the
-checkpoint's tensors (the blocks and experts there are, every shape, from the files' headers
-alone), the memory a chunk takes against the node's free memory, every weight finite as it
-is read, and a tokenizer against the model's vocabulary. Each failure is one line naming
-the value and where it came from.
-"""
+"""Whether a model fits what holds it, before memory is spent: config against the checkpoint's
+headers, a chunk's memory against free memory, every weight finite, the tokenizer against the
+vocabulary; each failure one line naming the value and its source."""
 from __future__ import annotations
 
 import re
@@ -25,7 +22,7 @@ GiB = float(1 << 30)
 
 
 def indices(names: Iterable[str], pattern: "re.Pattern[str]") -> Set[int]:
-    """The numbers ``pattern``'s group finds in ``names`` (block or expert indices)."""
+    """Block or expert indices ``pattern``'s group finds."""
     found: Set[int] = set()
     for name in names:
         match = pattern.match(name)
@@ -35,7 +32,7 @@ def indices(names: Iterable[str], pattern: "re.Pattern[str]") -> Set[int]:
 
 
 def _all_of(found: Set[int], count: int) -> bool:
-    """Whether ``found`` is exactly 0..count-1 (without building that range)."""
+    """Exactly 0..count-1, without building the range."""
     return len(found) == count and (not found or (min(found) == 0 and max(found) == count - 1))
 
 
@@ -45,8 +42,7 @@ def _span(found: Set[int]) -> str:
 
 def check_blocks(cfg: ModelConfig, blocks: Set[int], where: Path, key: str = "num_hidden_layers",
                  experts: Optional[Set[int]] = None) -> None:
-    """The config's block count (and expert count) is what the checkpoint holds: a config
-    that names more blocks than the file has fails here, before any is built."""
+    """A config naming more blocks (or experts) than the file has fails before any is built."""
     if not _all_of(blocks, cfg.n_layers):
         raise CheckpointError(f"{where}: {key} = {cfg.n_layers}, but the checkpoint holds "
                               f"blocks {_span(blocks)}: the config does not match the weights")
@@ -57,9 +53,8 @@ def check_blocks(cfg: ModelConfig, blocks: Set[int], where: Path, key: str = "nu
 
 
 def check_source(cfg: ModelConfig, source: TensorSource) -> None:
-    """The whole model against a whole checkpoint: the blocks (and experts) counted first,
-    so a config naming 10^9 of them is refused before a plan of them is made, then every
-    tensor (``check_plan``)."""
+    """Blocks and experts counted first, so a config naming 10^9 is refused before a plan is made,
+    then every tensor."""
     names = list(source.names())
     check_blocks(cfg, indices(names, HF_BLOCK), source.path,
                  experts=indices(names, HF_EXPERT) if cfg.is_moe else None)
@@ -67,8 +62,7 @@ def check_source(cfg: ModelConfig, source: TensorSource) -> None:
 
 
 def check_plan(cfg: ModelConfig, source: TensorSource, plan: "dict[str, str]") -> None:
-    """Every tensor of ``plan`` present, of the shape the config implies (where the source
-    knows it from its headers), before anything is allocated for it."""
+    """Present and of the implied shape (where headers say), before allocating."""
     available = set(source.names())
     for ours, theirs in plan.items():
         if theirs not in available:
@@ -82,8 +76,8 @@ def check_plan(cfg: ModelConfig, source: TensorSource, plan: "dict[str, str]") -
 
 def chunk_bytes(cfg: ModelConfig, source: TensorSource, plan: "dict[str, str]",
                 itemsize: int, native: bool) -> int:
-    """Bytes the chunk of ``plan`` takes: float weights at ``itemsize`` bytes each, and on the
-    CPU in float32 (``native``) the tensors kept in quantized blocks at their stored size."""
+    """Float weights at ``itemsize``, quantized ones (CPU float32, ``native``) at their stored size.
+    """
     from .qtypes import kernel_qtype
 
     total = 0
@@ -100,8 +94,7 @@ def chunk_bytes(cfg: ModelConfig, source: TensorSource, plan: "dict[str, str]",
 
 def check_memory(need: int, device: str, what: str,
                  remedy: str = "use more nodes, --quantize, or a smaller model") -> None:
-    """``need`` bytes of ``what`` fit the free memory of ``device`` (a CUDA device's, else
-    this machine's, within a cgroup's limit), or a ConfigError saying both and ``remedy``."""
+    """The free memory of ``device`` (within a cgroup's limit), or a ConfigError with ``remedy``."""
     free, place = free_bytes(device)
     if free is not None and need > free:
         raise ConfigError(f"{what}: {need / GiB:.2f} GiB needed, {free / GiB:.2f} GiB free "
@@ -109,8 +102,7 @@ def check_memory(need: int, device: str, what: str,
 
 
 def free_bytes(device: str) -> "Tuple[Optional[int], str]":
-    """The free memory of ``device`` (a CUDA device's, else this machine's, within a
-    cgroup's limit; None when unknown) and where that is, in words."""
+    """(bytes or None, where that is in words), within a cgroup's limit."""
     if str(device).startswith("cuda"):  # torch is loaded wherever CUDA is asked for
         import torch
 
@@ -120,8 +112,7 @@ def free_bytes(device: str) -> "Tuple[Optional[int], str]":
 
 
 def check_finite(t: Any, name: str, where: Path) -> None:
-    """Every value of ``t`` (a tensor or a numpy array) a finite number (checked in chunks:
-    a small temporary)."""
+    """Checked in chunks (a small temporary)."""
     torch = is_torch(t)
     floating = t.is_floating_point() if torch else np.issubdtype(t.dtype, np.floating)
     if not floating or not len(t.reshape(-1)):
@@ -137,8 +128,8 @@ def check_finite(t: Any, name: str, where: Path) -> None:
 
 
 def check_tokenizer(cfg: ModelConfig, tokenizer: Any, where: Any) -> None:
-    """The tokenizer's vocabulary fits the model's (a model may pad its vocabulary past the
-    tokenizer's, never the other way), and its BOS/EOS ids are tokens of the model."""
+    """A model may pad its vocabulary past the tokenizer's, never the reverse; BOS/EOS ids must be
+    tokens."""
     size = int(tokenizer.vocab_size)
     if size > cfg.vocab_size:
         raise TokenizerError(f"{where}: the tokenizer has {size} tokens, the model's "

@@ -1,10 +1,6 @@
-"""Model configuration: one dataclass, a table of named presets, and the reading of a Hugging
-Face ``config.json`` by a table of keys (each family declares its table:
-``mdiedge.model.families``, which also checks ``model_type``).
-
-Derived values (``head_dim``, ``kv_dim``, parameter and byte counts) are computed here and
-nowhere else.
-"""
+"""Model configuration: one dataclass, named presets, and a Hugging Face ``config.json`` read by
+each family's table of keys (``families``). Derived values (``head_dim``, ``kv_dim``, counts) are
+computed here and nowhere else."""
 from __future__ import annotations
 
 import dataclasses
@@ -84,7 +80,6 @@ class ModelConfig:
         self._check_numbers()
 
     def _check_windows(self) -> None:
-        """Sliding layers are distinct blocks of the model, in order, with a window."""
         if isinstance(self.sliding_layers, list):
             object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))
         layers = self.sliding_layers
@@ -101,7 +96,6 @@ class ModelConfig:
                               f"layers slide, got {window!r}")
 
     def _check_numbers(self) -> None:
-        """Norm epsilon and RoPE values are positive finite numbers; token ids are tokens."""
         numbers = {"rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta}
         numbers.update({k: v for k, v in (("rope_local_theta", self.rope_local_theta),
                                           ("query_pre_attn_scalar", self.query_pre_attn_scalar))
@@ -145,7 +139,7 @@ class ModelConfig:
         return self.vocab_size * self.dim
 
     def head_params(self) -> int:
-        """Final norm plus the output projection (shared with the embedding when tied)."""
+        """Final norm and output projection (shared with a tied embedding)."""
         return self.dim + (0 if self.tie_embeddings else self.vocab_size * self.dim)
 
     def n_params(self) -> int:
@@ -193,8 +187,7 @@ def preset(name: str) -> ModelConfig:
 
 
 def _rope_from_hf(raw: Mapping[str, Any], source: str) -> Tuple[float, Optional[RopeScaling]]:
-    """Read RoPE settings from either layout: transformers 4 (``rope_theta`` + ``rope_scaling``)
-    or transformers 5 (``rope_parameters``)."""
+    """transformers 4's ``rope_theta`` + ``rope_scaling``, or 5's ``rope_parameters``."""
     params = raw.get("rope_parameters")
     if isinstance(params, Mapping):
         theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
@@ -221,7 +214,6 @@ def _rope_from_hf(raw: Mapping[str, Any], source: str) -> Tuple[float, Optional[
 
 
 def _token_ids(value: Any, key: str, source: str) -> Tuple[int, ...]:
-    """A token id or a list of them (None: none), each an integer."""
     if value is None:
         return ()
     found = value if isinstance(value, list) else [value]
@@ -234,8 +226,8 @@ def _token_ids(value: Any, key: str, source: str) -> Tuple[int, ...]:
 
 def _special_ids(raw: Mapping[str, Any], gen: Mapping[str, Any], source: str,
                  generation_source: str, vocab_size: Any) -> Tuple[Optional[int], Tuple[int, ...]]:
-    """BOS id and EOS ids, ``generation_config.json``'s over ``config.json``'s, each a token
-    of the vocabulary (errors name the file the value came from)."""
+    """``generation_config.json``'s over ``config.json``'s, each in the vocabulary (errors name the
+    file)."""
     found = {}
     for key in ("bos_token_id", "eos_token_id"):
         which = generation_source if key in gen else source
@@ -256,12 +248,9 @@ def config_from_keys(raw: Mapping[str, Any], source: str,
                      keys: Mapping[str, str], defaults: Mapping[str, Any],
                      extra: Optional[Callable[[Mapping[str, Any], str], Dict[str, Any]]] = None
                      ) -> ModelConfig:
-    """A ModelConfig from a Hugging Face ``config.json`` dict (and ``generation_config.json``)
-    by a family's table: ``keys`` maps config.json keys to fields, each required unless
-    ``defaults`` has it (None: the field's own default); RoPE, the special tokens and the
-    sliding window are read the same for every family, unless the family's ``extra`` reads
-    them: the fields it returns replace the generic ones. Any value of the wrong kind is a
-    one-line ConfigError naming ``source``."""
+    """``keys`` maps config.json keys to fields, required unless in ``defaults`` (None: the field's
+    default); RoPE, special tokens and window are read alike for every family unless its ``extra``
+    returns replacements. A wrong value is a one-line ConfigError naming ``source``."""
     try:
         return _config_from_keys(raw, source, generation, generation_source, keys, defaults,
                                  extra)
@@ -312,8 +301,7 @@ def _config_from_keys(raw: Mapping[str, Any], source: str,
 
 
 def keys_of_config(cfg: ModelConfig, keys: Mapping[str, str]) -> Dict[str, Any]:
-    """Inverse of :func:`config_from_keys`: the config.json values of ``cfg`` by a family's
-    table, with RoPE, the special tokens and the dtype we write."""
+    """Inverse of :func:`config_from_keys`, with RoPE, special tokens and the dtype we write."""
     out: Dict[str, Any] = {
         "torch_dtype": "float32",
         "rope_theta": cfg.rope_theta,
@@ -331,9 +319,8 @@ MAX_JSON_BYTES = 64 << 20  # a model's JSON file (config, generation config, ind
 
 
 def read_json(path: Path) -> Dict[str, Any]:
-    """A JSON object from a regular file of at most ``MAX_JSON_BYTES``, or a one-line
-    ConfigError: never a traceback (bytes that are not UTF-8, nesting too deep), and never
-    a wait on a FIFO or a device."""
+    """At most ``MAX_JSON_BYTES`` from a regular file (never a FIFO or device), or a one-line
+    ConfigError (not UTF-8, too deep)."""
     try:
         info = path.stat()
     except FileNotFoundError:

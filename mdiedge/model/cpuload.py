@@ -1,10 +1,9 @@
-"""Loading a chunk of a model for the torch-free CPU path (``CpuModel``): the tensors the
-chunk needs read as numpy from a torch-free source (GGUF memory-mapped, llama2.c), each
-matrix a file stores in a kernel type kept in its blocks (``QuantMatrix`` over the mapped
-bytes, no copy but for Llama's Q/K rows gathered), the rest float32; Q/K/V and gate/up
-stacked as the torch model's ``fuse_projections`` fuses them; ``quantize`` (Q8_0, Q4_0,
-Q4_1) quantizes the blocks' float matrices as ``qlayers.quantize_blocks`` does. Anything the
-compiled step cannot run is refused (``CpuPathRefused``) before weights are read."""
+"""Loading a chunk for the torch-free CPU path (``CpuModel``): tensors read as numpy from a
+torch-free source (GGUF memory-mapped, llama2.c), each matrix stored in a kernel type kept in its
+blocks (``QuantMatrix`` over the mapped bytes, no copy but Llama's gathered Q/K rows), the rest
+float32; Q/K/V and gate/up stacked as ``fuse_projections`` does; ``quantize`` as
+``qlayers.quantize_blocks``. What the compiled step cannot run is refused (``CpuPathRefused``)
+before weights are read."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,7 +13,7 @@ import numpy as np
 
 from ..base.errors import CheckpointError, CpuPathRefused, QuantError
 from ..base.memory import give_back_free_memory
-from ._stepspec import ACTIVATIONS, QuantMatrix, StackedMatrix
+from ._stepconstants import ACTIVATIONS, QuantMatrix, StackedMatrix
 from .checks import check_finite, check_memory, check_plan, chunk_bytes, describe
 from .config import ModelConfig
 from .cpumodel import BlockParts, CpuModel, Weights
@@ -32,9 +31,7 @@ Matrix = Any  # float32 (out, in) numpy, or a QuantMatrix
 def load_cpu_model(model: Optional[PathLike] = None, layers: Optional[Tuple[int, int]] = None,
                    embedding: bool = True, head: bool = True, quantize: Optional[str] = None,
                    on_source: Optional[Callable[[TensorSource], None]] = None) -> CpuModel:
-    """Blocks ``[layers)`` (+ embedding, + head) of a checkpoint as a ``CpuModel``, reading
-    only their tensors (``checkpoint.load_model``'s arguments); ``CpuPathRefused`` naming
-    the reason where the compiled step cannot run them."""
+    """``checkpoint.load_model``'s arguments; reads only the chunk's tensors."""
     from .hub import resolve_model
 
     path = resolve_model(model)
@@ -59,7 +56,7 @@ def load_cpu_model(model: Optional[PathLike] = None, layers: Optional[Tuple[int,
 
 
 def open_array_source(path: Path) -> TensorSource:
-    """A source reading numpy arrays (``get_array``, ``raw_array``) without torch."""
+    """Reads numpy arrays (``get_array``, ``raw_array``) without torch."""
     if path.is_file():
         file = model_file(path)
         if file.is_gguf:
@@ -78,9 +75,8 @@ def open_array_source(path: Path) -> TensorSource:
 
 
 def check_checkpoint(path: Path, cfg: ModelConfig) -> None:
-    """The whole config against the whole checkpoint, from the files' headers alone: what a
-    starter checks before any node builds or loads anything (``checks.check_source``);
-    torch only for a pytorch_model.bin."""
+    """The whole config against the whole checkpoint from the headers alone, before any node loads
+    (``checks.check_source``); torch only for a pytorch_model.bin."""
     from .checks import check_source
 
     try:
@@ -99,7 +95,7 @@ def check_checkpoint(path: Path, cfg: ModelConfig) -> None:
 
 def _check_runs(cfg: ModelConfig, layers: Tuple[int, int], head: bool,
                 quantize: Optional[str]) -> None:
-    """``CpuPathRefused`` where the family or the options ask what the step has not."""
+    """Where the family or options ask what the step has not."""
     family = family_of(cfg)
     if layers[1] > layers[0] and not family.step_blocks:
         raise CpuPathRefused(f"the compiled step does not run {family.name} blocks")
@@ -114,8 +110,7 @@ def _check_runs(cfg: ModelConfig, layers: Tuple[int, int], head: bool,
 
 def _checked_plan(cfg: ModelConfig, source: TensorSource, layers: Tuple[int, int],
                   embedding: bool, head: bool) -> Dict[str, str]:
-    """The chunk's tensor plan, every tensor there in its shape, and its bytes within this
-    node's free memory (as ``checkpoint.load_model`` checks it)."""
+    """Every tensor there in its shape, the bytes within free memory (as ``load_model`` checks)."""
     if not 0 <= layers[0] <= layers[1] <= cfg.n_layers:
         raise CheckpointError(f"{source.path}: blocks [{layers[0]}, {layers[1]}) are not "
                               f"blocks of a model of {cfg.n_layers}")
@@ -127,7 +122,6 @@ def _checked_plan(cfg: ModelConfig, source: TensorSource, layers: Tuple[int, int
 
 
 class _Reader:
-    """Reads a chunk's tensors from ``source`` as the step holds them."""
 
     def __init__(self, cfg: ModelConfig, source: TensorSource,
                  quantize: Optional[str]) -> None:
@@ -146,13 +140,13 @@ class _Reader:
         return values
 
     def vector(self, theirs: str, norm: bool = False) -> np.ndarray:
-        """A vector; an RMSNorm weight with the family's offset added (as the torch model)."""
+        """An RMSNorm weight with the family's offset added (as the torch model)."""
         values = self.floats(theirs)
         return values + self.offset if norm and self.offset else values
 
     def matrix(self, theirs: str, quantizable: bool = False) -> Matrix:
-        """A matrix in its file's kernel type (``QuantMatrix``), else float32; with
-        ``quantizable`` and ``quantize``, a float one of whole blocks quantized."""
+        """In its kernel type (``QuantMatrix``), else float32; ``quantizable`` with ``quantize``: a
+        float one of whole blocks quantized."""
         qtype = kernel_qtype(self.source, theirs)
         if qtype is None:
             values = self.floats(theirs)
@@ -169,9 +163,8 @@ class _Reader:
 
 
 def stacked(parts: List[Matrix]) -> Matrix:
-    """Matrices of one input width as one (their rows stacked): quantized ones a
-    ``StackedMatrix`` over their blocks, float ones one float32 copy; quantized beside float
-    ones widened to float32."""
+    """Quantized: a ``StackedMatrix`` over their blocks; float: one float32 copy; mixed: widened to
+    float32."""
     if all(isinstance(p, QuantMatrix) for p in parts):
         return StackedMatrix(parts)
     return np.ascontiguousarray(np.concatenate([
@@ -180,8 +173,7 @@ def stacked(parts: List[Matrix]) -> Matrix:
 
 
 def _block(reader: _Reader, cfg: ModelConfig, plan: Dict[str, str], i: int) -> BlockParts:
-    """Block ``i``'s tensors as the step reads them (``CpuModel`` makes its
-    ``BlockWeights`` when its caches are set up)."""
+    """``CpuModel`` makes its ``BlockWeights`` when its caches are set up."""
     name = (lambda ours: plan[f"layers.{i}.{ours}"])
     maybe = (lambda ours: f"layers.{i}.{ours}" in plan)
     family = family_of(cfg)
@@ -211,7 +203,7 @@ def _block(reader: _Reader, cfg: ModelConfig, plan: Dict[str, str], i: int) -> B
 
 
 def _norm_name(key: str) -> str:
-    """Our block's parameter name of an optional norm (``BlockWeights``' keyword)."""
+    """``BlockWeights``' keyword of an optional norm."""
     return {"q_norm": "attn.q_norm.weight", "k_norm": "attn.k_norm.weight",
             "post_attn_norm": "post_attn_norm.weight",
             "post_mlp_norm": "post_mlp_norm.weight"}[key]
@@ -219,7 +211,7 @@ def _norm_name(key: str) -> str:
 
 def _experts(reader: _Reader, cfg: ModelConfig, plan: Dict[str, str], i: int
              ) -> Tuple[Matrix, List[Matrix], List[Matrix]]:
-    """Block ``i``'s router and each expert's gate/up (stacked) and down."""
+    """Router, each expert's stacked gate/up and down."""
     name = (lambda ours: plan[f"layers.{i}.{ours}"])
     gate_up = [stacked([reader.matrix(name(f"mlp.experts.{e}.{w}.weight")) for w in
                         ("gate", "up")]) for e in range(cfg.n_experts)]
@@ -228,8 +220,7 @@ def _experts(reader: _Reader, cfg: ModelConfig, plan: Dict[str, str], i: int
 
 
 def _head(reader: _Reader, cfg: ModelConfig, plan: Dict[str, str], embedding: bool) -> Matrix:
-    """The head's matrix; None where it is the chunk's tied embedding (``CpuModel`` shares
-    it)."""
+    """None where it is the chunk's tied embedding (``CpuModel`` shares it)."""
     if cfg.tie_embeddings and embedding:
         return None
     return reader.matrix(plan["lm_head.weight"])

@@ -3,7 +3,7 @@ chunk the runtime calls on a CPU node (the torch ``Transformer``'s members, nump
 out; ``mdiedge.model.cpuload`` builds it).
 
 Blocks ``[first, last)`` run through the step's ``blocks`` plan (``mdiedge.model.
-_stepspec``) for up to ``MAX_ROWS`` rows a call (decode, speculation's few rows): the step
+_stepconstants``) for up to ``MAX_ROWS`` rows a call (decode, speculation's few rows): the step
 writes every row's keys and values before any row attends, each up to its own position, so
 the rows of one slot in a call see each other causally. More rows (a prefill), or every
 call where the step is the pure-Python twin, run on numpy (``mdiedge.model.npprefill``):
@@ -23,7 +23,7 @@ from ..base.cpudot import dot_code
 from ..base.errors import CpuPathRefused
 from ..base.threads import kernel_threads
 from . import _pyquant, _pystep, npprefill
-from ._stepspec import MAX_ROWS, BlockWeights, Experts, QuantMatrix
+from ._stepconstants import MAX_ROWS, BlockWeights, Experts, QuantMatrix
 from .checks import check_memory
 from .config import ModelConfig
 from .families import family_of

@@ -1,5 +1,5 @@
 """Where a model chunk's decode step runs, said and never silent: the compiled step
-(``mdiedge.model._stepspec``) or torch, for its blocks and its head, with the reason where
+(``mdiedge.model._stepconstants``) or torch, for its blocks and its head, with the reason where
 torch runs on the CPU (one line naming the family and the block)."""
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """The reference de-quantizer of every type in ``mdiedge.model.quant.TYPES``: ggml's
-``dequantize_row_<type>`` in torch operations, so that one code serves the CPU (numpy arrays
-pass through ``torch.from_numpy``) and a CUDA device (the blocks widened where they lie, just
-before a product). Each value equals the ``gguf`` package's ``gguf.quants.dequantize`` (the
-same float32 operations in the same order; tests compare them bit for bit). Layouts are
-described in ``mdiedge.model.quant``'s docstring.
-"""
+``dequantize_row_<type>`` in torch operations, so that one code serves the CPU (numpy arrays pass
+through ``torch.from_numpy``) and a CUDA device (the blocks widened where they lie, just before a
+product). Each value equals the ``gguf`` package's ``gguf.quants.dequantize`` (the same float32
+operations in the same order; tests compare them bit for bit). Layouts are described in
+``mdiedge.model.quant``'s docstring."""
 from __future__ import annotations
 
 from typing import Callable, Dict, Tuple

@@ -1,11 +1,10 @@
 """Expert load of mixture-of-experts blocks: how many tokens each expert received.
 
 Nodes report ``{block index: [tokens per expert]}`` (``Transformer.expert_load``); these pure
-functions merge the reports of a ring, subtract an earlier reading, and write one line per
-block for ``mdiedge status`` and ``mdiedge bench``. The imbalance (busiest expert over the
-mean) is the figure an expert placement would act on (cf. the load-balancing loss of Switch
-Transformers, Fedus et al. 2022).
-"""
+functions merge the reports of a ring, subtract an earlier reading, and write one line per block for
+``mdiedge status`` and ``mdiedge bench``. The imbalance (busiest expert over the mean) is the figure
+an expert placement would act on (cf. the load-balancing loss of Switch Transformers, Fedus et al.
+2022)."""
 from __future__ import annotations
 
 from typing import Dict, Iterable, List, Mapping, Sequence

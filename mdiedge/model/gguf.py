@@ -1,13 +1,11 @@
-"""GGUF files (llama.cpp's format): the config from the metadata, the tensors memory-mapped and
-answered under Hugging Face names.
+"""GGUF files (llama.cpp's format): the config from the metadata, the tensors memory-mapped under
+Hugging Face names.
 
-Parsing is the ``gguf`` package's with every read bounds-checked (``gguf_checks``) and the
-vocabulary's string arrays skipped (the tokenizer reads them), so opening costs the metadata, not
-the vocabulary; numeric arrays become Python numbers only when read (``Metadata``). Tensors are
-read on demand, de-quantized (``get``) or as stored bytes (``raw``). Gemma's RMSNorm weights,
-stored with ``norm_offset`` added, are answered without it; Llama's Q and K rows, interleaved by
-llama.cpp's converter for its RoPE, are answered in Hugging Face's order.
-"""
+Parsing is the ``gguf`` package's, every read bounds-checked (``gguf_checks``) and the vocabulary's
+string arrays skipped (the tokenizer reads them); numeric arrays become Python numbers only when
+read (``Metadata``). Gemma's RMSNorm weights, stored with ``norm_offset`` added, are answered
+without it; Llama's Q and K rows, interleaved by llama.cpp's converter for its RoPE, in Hugging
+Face's order."""
 from __future__ import annotations
 
 import functools
@@ -43,15 +41,13 @@ VERSIONS = (2, 3)  # the GGUF versions read (gguf's and llama.cpp's)
 
 
 def looks_like_gguf(path: Path) -> bool:
-    """Whether ``path`` is to be read as GGUF: its magic, or its name (so that a damaged
-    ``.gguf`` file gets GGUF's error, not another format's)."""
+    """Its magic, or its name (a damaged ``.gguf`` file gets GGUF's error, not another format's)."""
     return path.suffix.lower() == ".gguf" or is_gguf(path)
 
 
 def _gguf_package() -> Any:
-    """The gguf package, imported without the SentencePiece library that its ``vocab``
-    module (which mdiedge does not use) tries to load: megabytes of resident memory. A gguf
-    that cannot import without it is imported again with it."""
+    """The gguf package without the SentencePiece library its unused ``vocab`` module loads
+    (megabytes of resident memory); with it if it cannot import otherwise."""
     blocked = "sentencepiece" not in sys.modules
     if blocked:
         sys.modules["sentencepiece"] = None  # type: ignore[assignment]  # an ImportError
@@ -72,8 +68,7 @@ def _gguf_package() -> Any:
 
 
 def _u64(byte_order: str) -> str:
-    """The struct format of a length in a file of gguf's ``byte_order`` ("I": this host's,
-    "S": swapped)."""
+    """The struct format of a length ("I": this host's byte order, "S": swapped)."""
     host = "<" if sys.byteorder == "little" else ">"
     return (host if byte_order == "I" else {"<": ">", ">": "<"}[host]) + "Q"
 
@@ -84,8 +79,8 @@ HEADERS_PARSED: Counter = Counter()
 
 
 def _diagnosis(head: bytes) -> Optional[str]:
-    """What is wrong with a file that starts ``head`` (its first 8 bytes) if its magic or
-    version is, else None."""
+    """What is wrong with a file starting ``head`` (8 bytes) if its magic or version is, else None.
+    """
     if head[:4] != MAGIC:
         return f"not a GGUF file (GGUF magic invalid: it starts {head[:4]!r})"
     if len(head) < 8:
@@ -99,8 +94,7 @@ def _diagnosis(head: bytes) -> Optional[str]:
 
 
 def _read_fields(reader: Any, offs: int, count: int) -> int:
-    """gguf's ``_build_fields``: the ``count`` key/value fields from ``offs`` read into
-    ``reader.fields``, an error naming the key it met; the offset after them."""
+    """gguf's ``_build_fields`` with errors naming the key; the offset after the fields."""
     gguf = _gguf_package()
     check_count(count, "keys")
     key, limit = "the header", None
@@ -149,9 +143,8 @@ def _skip_strings(reader: Any, offs: int, count: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _reader_class() -> type:
-    """gguf's ``GGUFReader`` with bounds-checked reads, errors naming the metadata key they
-    met, arrays read whole (a string array is skipped: ``field.parts`` keeps only its element
-    type and length) and arrays of arrays refused, as llama.cpp does."""
+    """gguf's ``GGUFReader`` with bounds-checked reads, errors naming the key, string arrays skipped
+    (``field.parts``: element type and length) and arrays of arrays refused, as llama.cpp does."""
     gguf = _gguf_package()
     array, string = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
     known = {int(t) for t in gguf.GGMLQuantizationType}
@@ -209,8 +202,8 @@ def _reader_class() -> type:
 
 
 def open_reader(path: PathLike) -> Any:
-    """The file's reader (memory-mapped copy-on-write: the file is never written); any failure
-    to parse it is one CheckpointError naming the file."""
+    """Memory-mapped copy-on-write (never written); any parse failure is a CheckpointError naming
+    the file."""
     path = Path(path)
     reader = _reader_class()  # a missing gguf package: its own CheckpointError
     try:
@@ -225,9 +218,8 @@ def open_reader(path: PathLike) -> Any:
 
 
 def string_array(reader: Any, key: str) -> List[str]:
-    """The strings of the metadata array ``key`` (the vocabulary ``tokenizer.ggml.tokens``,
-    ``tokenizer.ggml.merges``), which ``open_reader`` skipped: decoded from the map in one
-    walk. KeyError when the file has no such key."""
+    """The metadata string array ``key`` that ``open_reader`` skipped, decoded in one walk; KeyError
+    if absent."""
     field = reader.fields[key]
     if len(field.types) != 2 or field.types[1] != _gguf_package().GGUFValueType.STRING:
         raise CheckpointError(f"metadata {key!r} is not an array of strings")
@@ -248,9 +240,8 @@ def string_array(reader: Any, key: str) -> List[str]:
 
 
 class Metadata(MutableMapping):
-    """A GGUF file's key/value metadata. A numeric array becomes a list when first read (its
-    numbers are a view of the file's map until then), so that arrays no reader asks for
-    cost nothing: a file may hold megabytes of them."""
+    """A GGUF file's metadata; a numeric array stays a view of the map until first read, so unread
+    arrays (megabytes, some files) cost nothing."""
 
     def __init__(self) -> None:
         self._values: Dict[str, Any] = {}
@@ -275,8 +266,7 @@ class Metadata(MutableMapping):
 
 
 def metadata(reader: Any) -> Metadata:
-    """The file's key/value metadata: scalars by value, numeric arrays by value when read, a
-    string array as its length (the vocabulary)."""
+    """Scalars by value, numeric arrays when read, a string array as its length."""
     out = Metadata()
     for name, field in reader.fields.items():
         if name.startswith("GGUF."):
@@ -304,8 +294,7 @@ def _single(value: Any, key: str, source: str) -> Any:
 
 
 def _hf_fields(meta: Mapping[str, Any], tensors: Sequence[str], source: str) -> Dict[str, Any]:
-    """The Hugging Face config.json that the metadata of a GGUF file describes (``{arch}.*``
-    keys), its ``model_type`` that of the family reading the file's architecture."""
+    """The Hugging Face config.json the ``{arch}.*`` keys describe."""
     arch = meta.get("general.architecture")
     experts = _single(meta.get(f"{arch}.expert_count", 0), "expert_count", source) or 0
     try:
@@ -385,8 +374,7 @@ class _Entry(NamedTuple):
 
 
 def gguf_name(ours: str, family: Family) -> Tuple[str, Optional[int]]:
-    """The GGUF tensor holding our parameter ``ours`` in a file of ``family``, and the
-    expert's index in it."""
+    """The GGUF tensor holding ``ours`` in a file of ``family``, and the expert's index in it."""
     block = _BLOCK.fullmatch(ours)
     if block is None:
         return family.gguf_global_names[ours], None
@@ -406,13 +394,13 @@ def _hf_rows(rows: int, heads: int) -> np.ndarray:
 
 
 class GGUFSource(TensorSource):
-    """A GGUF file's tensors under Hugging Face names: ``get`` de-quantizes to float32,
-    ``raw`` gives the stored bytes. Opening checks every tensor of the model (present, of a
-    known type, of the shape the config implies), so a bad file fails before any read."""
+    """A GGUF file's tensors under Hugging Face names (``get``: float32, ``raw``: stored bytes).
+    Opening checks every tensor (present, known type, expected shape), so a bad file fails before
+    any read."""
 
     def __init__(self, path: Path, file: Any = None) -> None:
-        """``file``: this process's ``ModelFile`` of ``path`` (``mdiedge.model.modelfile``),
-        whose reader, config and index of tensors it takes; None: ``path`` is parsed anew."""
+        """``file``: this process's ``ModelFile`` of ``path``, whose reader, config and index it
+        takes; None: parsed anew."""
         super().__init__(path)
         self.gguf = _gguf_package()
         reader = open_reader(path) if file is None else file.reader
@@ -424,8 +412,7 @@ class GGUFSource(TensorSource):
             file.memo("gguf-index", lambda: self._indexed(file.tensors))
 
     def _indexed(self, tensors: Mapping[str, Any]) -> Dict[str, _Entry]:
-        """Every tensor of the model by its Hugging Face name, each checked (``tensors``: the
-        file's, by their names there)."""
+        """Every tensor of the model by its Hugging Face name, each checked."""
         from .checks import check_blocks, indices  # imports torch, which a vocabulary needs not
 
         cfg = self.cfg
@@ -477,20 +464,20 @@ class GGUFSource(TensorSource):
         return str(self.index[name].tensor.tensor_type.name)
 
     def _data(self, entry: _Entry) -> np.ndarray:
-        """The tensor's stored array, a plain ndarray view of the map (numpy's memmap
-        subclass makes each of gguf's many slices cost a Python call)."""
+        """A plain ndarray view of the map (numpy's memmap subclass makes each slice cost a Python
+        call)."""
         data = entry.tensor.data.view(np.ndarray)
         return data if entry.expert is None else data[entry.expert]
 
     def raw(self, name: str, hf_order: bool = True) -> Tensor:
-        """Tensor ``name``'s stored bytes, uint8 (rows, bytes per row), a view of the map. Rows in
-        Hugging Face's order (for Q and K a gathered copy); ``hf_order=False``: the file's view,
-        each head's rows as llama.cpp's RoPE pairs (``heads(name)`` says which tensors differ)."""
+        """Stored bytes, uint8 (rows, bytes per row), a view of the map; rows in Hugging Face's
+        order (Q and K: a gathered copy). ``hf_order=False``: the file's RoPE-pair order
+        (``heads``)."""
         return _tensor(self.raw_array(name, hf_order))
 
     def raw_array(self, name: str, hf_order: bool = True) -> np.ndarray:
-        """``raw`` as numpy: a read-only view of the map, or the rows gathered (a copy; the
-        map's pages of them then dropped from resident memory)."""
+        """``raw`` as numpy; gathered rows are a copy, their map pages then dropped from resident
+        memory."""
         entry = self.index[name]
         self.read_names.append(name)
         rows = entry.shape[0] if len(entry.shape) == 2 else 1
@@ -502,8 +489,8 @@ class GGUFSource(TensorSource):
         return gathered
 
     def heads(self, name: str) -> int:
-        """For the Q and K projections, their head count (the file holds their rows in
-        llama.cpp's RoPE order); 0 for every other tensor."""
+        """Head count of the Q and K projections (stored in llama.cpp's RoPE order); 0 for other
+        tensors."""
         return self.index[name].heads
 
     def _read(self, name: str) -> Tensor:

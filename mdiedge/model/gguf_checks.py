@@ -1,9 +1,7 @@
-"""The bounds of a GGUF header, checked while ``mdiedge.model.gguf``'s reader parses it: the
-limits of ``mdiedge.base.defaults`` (``GGUF_MAX_*``) on entries, lengths and header bytes, and
-tensors whose data lie inside the file, aligned, without overlapping (llama.cpp lays them out
-each at the aligned end of the one before, and refuses offsets that are not). A failed check
-is one CheckpointError; the reader's ``open_reader`` puts the file's name before it.
-"""
+"""The bounds of a GGUF header, checked while ``gguf``'s reader parses it: ``GGUF_MAX_*`` on
+entries, lengths and header bytes, and tensors whose data lie inside the file, aligned, not
+overlapping (llama.cpp lays each at the aligned end of the one before). A failed check is one
+CheckpointError, the file named by ``open_reader``."""
 from __future__ import annotations
 
 import math
@@ -19,36 +17,32 @@ VALUE_STRING, VALUE_ARRAY = 8, 9  # GGUF's value types (gguf.GGUFValueType)
 
 
 def out_of_file(start: int, end: int, size: int) -> CheckpointError:
-    """A read of bytes [start, end) of a file of ``size`` bytes."""
     return CheckpointError(f"truncated GGUF file, or an offset beyond its end (bytes "
                            f"{start}..{end} asked for, the file has {size})")
 
 
 def check_count(count: int, what: str) -> None:
-    """The header's count of metadata entries (``what`` "keys") or of tensors."""
+    """``what``: "keys" or tensors."""
     limit = GGUF_MAX_KEYS if what == "keys" else GGUF_MAX_TENSORS
     if int(count) > limit:
         raise CheckpointError(f"the header declares {int(count)} {what} (at most {limit})")
 
 
 def header_limit(end: int) -> Optional[str]:
-    """What breaks the limits in a header whose metadata (or tensor descriptions) run to
-    byte ``end``, or None."""
+    """What breaks the limits in a header running to byte ``end``, or None."""
     return f"the header passes {GGUF_MAX_HEADER} bytes (it runs to byte {end} at least)" \
         if end > GGUF_MAX_HEADER else None
 
 
 def key_limit(size: int, index: int) -> Optional[str]:
-    """What breaks the limits in metadata entry ``index``, whose key is ``size`` bytes long,
-    or None."""
+    """What breaks the limits in entry ``index`` (key of ``size`` bytes), or None."""
     return f"metadata entry {index} has a key of {size} bytes (at most {GGUF_MAX_STRING})" \
         if size > GGUF_MAX_STRING else None
 
 
 def value_limit(reader: Any, offs: int, kind: int, key: str) -> Optional[str]:
-    """What breaks the limits in the value of type ``kind`` at ``offs`` of metadata ``key``
-    (a string's length, an array's entries, an array of arrays), or None; the reader's
-    bounds-checked ``_get`` reads its lengths."""
+    """What breaks the limits in the value at ``offs`` (a string's length, an array's entries, an
+    array of arrays), or None; lengths read by the reader's bounds-checked ``_get``."""
     if kind == VALUE_STRING:
         size = int(reader._get(offs, np.uint64)[0])
         found = f"a string of {size} bytes (at most {GGUF_MAX_STRING})" \
@@ -65,16 +59,13 @@ def value_limit(reader: Any, offs: int, kind: int, key: str) -> Optional[str]:
 
 
 def check_header(end: int) -> None:
-    """``header_limit`` as an error."""
     limit = header_limit(end)
     if limit is not None:
         raise CheckpointError(limit)
 
 
 def check_tensor_info(field: Any, known: Set[int]) -> None:
-    """The description of a tensor that gguf's ``field`` holds (parts: name length, name,
-    dimension count, dimensions, type, offset): a ggml type of ``known``, at most
-    ``GGUF_MAX_DIMS`` dimensions."""
+    """A ggml type of ``known``, at most ``GGUF_MAX_DIMS`` dimensions."""
     name = bytes(field.parts[1]).decode("utf-8", "replace")
     kind, dims = int(field.parts[4][0]), len(field.parts[3])
     if kind not in known:
@@ -84,7 +75,7 @@ def check_tensor_info(field: Any, known: Set[int]) -> None:
 
 
 class Region(NamedTuple):
-    """Where a tensor's data lie in the file: bytes [start, end)."""
+    """Bytes [start, end) of a tensor's data."""
 
     name: str
     start: int
@@ -93,9 +84,7 @@ class Region(NamedTuple):
 
 def tensor_region(gguf: Any, field: Any, data_start: int, alignment: int,
                   file_size: int) -> Region:
-    """The data region of the tensor that gguf's ``field`` describes (parts: name length,
-    name, dimension count, dimensions, type, offset), checked: whole blocks per row, its
-    offset a multiple of ``alignment``, inside the file."""
+    """Checked: whole blocks per row, offset a multiple of ``alignment``, inside the file."""
     name = bytes(field.parts[1]).decode("utf-8", "replace")
     dims = [int(d) for d in field.parts[3]]
     kind = gguf.GGMLQuantizationType(int(field.parts[4][0]))
@@ -116,7 +105,6 @@ def tensor_region(gguf: Any, field: Any, data_start: int, alignment: int,
 
 
 def check_overlaps(regions: List[Region]) -> None:
-    """No two tensors' data share a byte."""
     furthest: Optional[Region] = None  # of the regions before, the one that ends last
     for region in sorted((r for r in regions if r.end > r.start), key=lambda r: r.start):
         if furthest is not None and region.start < furthest.end:

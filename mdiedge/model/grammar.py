@@ -1,13 +1,8 @@
-"""Constrained decoding: output held to a grammar (a JSON schema, any JSON object, GBNF,
-Lark or a regular expression) by masking, before each token is sampled, every token the
-grammar does not allow next.
-
-llguidance (Microsoft's grammar engine, behind llama.cpp's ``--grammar`` alternatives, vLLM
-and SGLang) compiles the grammar against the model's vocabulary once per request, and one
-matcher per sample follows the tokens it takes. Grammars are bounded: their text, a JSON
-schema's nesting, and the parser's own budgets (``PARSER_LIMITS``); a grammar past them, or
-one that does not compile, is a ``GrammarError`` naming where, never a hang.
-"""
+"""Constrained decoding: output held to a grammar (a JSON schema, any JSON object, GBNF, Lark or a
+regular expression) by masking, before each token is sampled, every token it does not allow.
+llguidance (Microsoft's engine, as in llama.cpp, vLLM and SGLang) compiles it against the vocabulary
+once per request, one matcher per sample. Grammars are bounded (text, schema nesting,
+``PARSER_LIMITS``); past them, or not compiling, a ``GrammarError`` naming where, never a hang."""
 from __future__ import annotations
 
 import json
@@ -33,7 +28,7 @@ def _llguidance() -> Any:
 
 
 def _depth(value: Any, limit: int) -> int:
-    """Nesting depth of a JSON value, counted until it passes ``limit``."""
+    """Counted until past ``limit``."""
     stack, deepest = [(value, 1)], 0
     while stack:
         item, depth = stack.pop()
@@ -47,7 +42,7 @@ def _depth(value: Any, limit: int) -> int:
 
 
 def grammar_source(kind: str, source: Any) -> str:
-    """The llguidance grammar of ``source`` given as ``kind`` (one of ``GRAMMAR_KINDS``)."""
+    """``kind``: one of ``GRAMMAR_KINDS``."""
     llg = _llguidance()
     if kind not in GRAMMAR_KINDS:
         raise GrammarError(f"grammar kind {kind!r}: expected one of {', '.join(GRAMMAR_KINDS)}")
@@ -85,8 +80,7 @@ def parser_limits() -> Any:
 
 
 def grammar_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
-    """llguidance's view of ``tokenizer`` (for a model of ``vocab_size`` logits), built once
-    per tokenizer (it takes up to a second)."""
+    """Built once per tokenizer (it takes up to a second)."""
     cached = getattr(tokenizer, "_grammar_tokenizer", None)
     if cached is not None:
         return cached
@@ -104,7 +98,7 @@ def grammar_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
 
 
 class Grammar:
-    """A grammar compiled for one tokenizer: checked once, then a matcher per sample."""
+    """Compiled for one tokenizer: checked once, then a matcher per sample."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, kind: str, source: Any) -> None:
         llg = _llguidance()
@@ -129,18 +123,17 @@ def _one_line(text: str, limit: int = 300) -> str:
 
 
 class Constraint:
-    """One sample's place in a grammar: which tokens may come next, and the ones taken."""
+    """One sample's place in a grammar."""
 
     def __init__(self, matcher: Any, vocab_size: int) -> None:
         self.matcher, self.vocab_size = matcher, vocab_size
 
     @property
     def finished(self) -> bool:
-        """The grammar is complete and allows nothing more."""
+        """Complete, allowing nothing more."""
         return bool(self.matcher.is_stopped())
 
     def allowed(self) -> np.ndarray:
-        """A bool (vocab,) of the tokens the grammar allows next."""
         words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         bits = np.unpackbits(words, bitorder="little")[:self.vocab_size]
         if bits.shape[0] < self.vocab_size:
@@ -149,7 +142,7 @@ class Constraint:
         return bits.astype(bool)
 
     def mask(self, logits: Any) -> np.ndarray:
-        """``logits`` (vocab,) as float32 numpy, -inf wherever the grammar allows no token."""
+        """-inf wherever the grammar allows no token."""
         logits, allowed = float32(logits), self.allowed()
         width = logits.shape[-1]
         if width > allowed.shape[0]:
@@ -157,11 +150,9 @@ class Constraint:
         return np.where(allowed[:width], logits, np.float32(-np.inf))
 
     def masked_drafts(self, logits: Any, drafts: Sequence[int]) -> np.ndarray:
-        """A verification's ``logits`` (len(drafts) + 1 or more, vocab), each row masked as
-        the grammar stands after the drafts before it; rows after a draft the grammar
-        refuses, or after it is complete, stay as they are (verification stops there: a
-        draft outside the grammar has probability 0 and is rejected). The matcher ends
-        where it began."""
+        """Each row masked as the grammar stands after the drafts before it; rows after a refused
+        draft, or completion, as they are (a draft outside the grammar has probability 0 and is
+        rejected). The matcher ends where it began."""
         logits = float32(logits)
         rows, followed = logits.copy(), 0
         for i in range(len(drafts) + 1):
@@ -176,7 +167,7 @@ class Constraint:
         return rows
 
     def take(self, tokens: Sequence[int]) -> None:
-        """Follow the tokens sampled; a GenerationError when the grammar refuses one."""
+        """GenerationError when the grammar refuses one."""
         for token in tokens:
             if self.matcher.is_stopped():
                 return

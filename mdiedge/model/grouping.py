@@ -1,12 +1,10 @@
-"""Expert routing of a mixture-of-experts layer on the CPU: ``group_by_expert`` turns the
-router's top-k choices into one contiguous group per expert, so that each expert runs a single
-batched call on exactly its tokens (the "group by expert" dispatch of Switch Transformers,
-Fedus et al. 2022, and MegaBlocks, Gale et al. 2023, applied to Mixtral's top-2 routing,
-Jiang et al. 2024).
+"""Expert routing of a mixture-of-experts layer on the CPU: ``group_by_expert`` turns the router's
+top-k choices into one contiguous group per expert, so that each expert runs a single batched call
+on exactly its tokens (the "group by expert" dispatch of Switch Transformers, Fedus et al. 2022, and
+MegaBlocks, Gale et al. 2023, applied to Mixtral's top-2 routing, Jiang et al. 2024).
 
-It is a stable sort of the ``N * k`` (token, expert) assignments by expert, in numpy: the
-tokens of one expert come out in ascending order.
-"""
+It is a stable sort of the ``N * k`` (token, expert) assignments by expert, in numpy: the tokens of
+one expert come out in ascending order."""
 from __future__ import annotations
 
 from typing import Any, Tuple
@@ -33,13 +31,12 @@ def _check(topk_idx: Any, topk_w: Any, n_experts: int) -> Tuple[np.ndarray, np.n
 
 def group_by_expert(topk_idx: Any, topk_w: Any, n_experts: int
                     ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Group the assignments ``topk_idx`` (N, k) int64 with weights ``topk_w`` (N, k) float32
-    by expert.
+    """Group the assignments ``topk_idx`` (N, k) int64 with weights ``topk_w`` (N, k) float32 by
+    expert.
 
-    Returns ``(offsets, token_idx, weights)``: ``offsets`` int64 (n_experts + 1,); expert
-    ``e``'s assignments are ``token_idx[offsets[e]:offsets[e + 1]]`` (token rows, ascending)
-    with ``weights[offsets[e]:offsets[e + 1]]``. An index outside ``[0, n_experts)`` is a
-    ``ValueError``.
+    Returns ``(offsets, token_idx, weights)``: ``offsets`` int64 (n_experts + 1,); expert ``e``'s
+    assignments are ``token_idx[offsets[e]:offsets[e + 1]]`` (token rows, ascending) with
+    ``weights[offsets[e]:offsets[e + 1]]``. An index outside ``[0, n_experts)`` is a ``ValueError``.
     """
     idx, weights = _check(topk_idx, topk_w, n_experts)
     flat = idx.reshape(-1)  # (N*k,) row-major: assignment a = token * k + j

@@ -1,14 +1,11 @@
-"""Models by name, from the local Hugging Face cache and never from the network: a repo id
-(``TinyLlama/TinyLlama-1.1B-Chat-v1.0``) or a cache folder (``models--Org--Name``) is the
-snapshot that ``refs/main`` names, else the newest one. A repo of GGUF files takes the
-quantization after a colon as llama.cpp's users write it (``Org/Name-GGUF:Q4_K_M``). A short
-name (``smollm2``) is the model file of an installed Python package (``PACKAGED_MODELS``).
+"""Models by name, from the local Hugging Face cache and never from the network: a repo id or cache
+folder (``models--Org--Name``) is the snapshot ``refs/main`` names, else the newest. A GGUF repo
+takes the quantization after a colon, as llama.cpp's users write it (``Org/Name-GGUF:Q4_K_M``). A
+short name (``smollm2``) is an installed Python package's model file (``PACKAGED_MODELS``).
 
-The cache is where ``huggingface_hub`` keeps it: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``,
-else ``~/.cache/huggingface/hub``, read at each call. Repo ids go through ``huggingface_hub``
-(``snapshot_download`` with ``local_files_only``), an optional dependency imported only here
-and only for a repo id; cache folders need nothing but the file system.
-"""
+The cache is ``huggingface_hub``'s: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
+``~/.cache/huggingface/hub``, read at each call. ``huggingface_hub`` is optional, imported only here
+and only for a repo id."""
 from __future__ import annotations
 
 import importlib.util
@@ -39,13 +36,12 @@ def _parts_ok(parts: List[str]) -> bool:
 
 
 def _cache_name_repo(name: str) -> Optional[str]:
-    """``Org/Name`` of a cache folder name ``models--Org--Name``, else None."""
     parts = name[len(CACHE_PREFIX):].split("--") if name.startswith(CACHE_PREFIX) else []
     return "/".join(parts) if _parts_ok(parts) else None
 
 
 def hub_cache_dir(env: Mapping[str, str] = os.environ) -> Path:
-    """The Hugging Face hub cache that ``env`` selects, as ``huggingface_hub`` finds it."""
+    """As ``huggingface_hub`` finds it."""
     for key in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         if env.get(key):
             return Path(env[key]).expanduser()
@@ -59,15 +55,13 @@ def looks_like_repo_id(name: str) -> bool:
 
 
 def is_cache_folder(path: Path) -> bool:
-    """Whether ``path`` is a model's folder of a Hugging Face cache (``models--Org--Name``,
-    holding ``refs/`` and ``snapshots/``) rather than a model directory itself."""
+    """A cache's model folder (``refs/``, ``snapshots/``) rather than a model directory."""
     return path.is_dir() and path.name.startswith(CACHE_PREFIX) \
         and not (path / "config.json").exists()
 
 
 def download_command(repo_id: str, hub_version: Optional[str]) -> str:
-    """The command that puts ``repo_id`` in the cache, for the installed ``huggingface_hub``
-    (``hf`` from 1.0 on, ``huggingface-cli`` before; ``hf`` once it is installed)."""
+    """``hf`` from huggingface_hub 1.0 on (or not installed), ``huggingface-cli`` before."""
     major = (hub_version or "1").split(".", 1)[0]
     cli = "huggingface-cli" if major.isdigit() and int(major) < 1 else "hf"
     return f"{cli} download {repo_id}"
@@ -78,8 +72,7 @@ def _repo_of(folder: Path) -> str:
 
 
 def cache_folder_snapshot(folder: Path) -> Path:
-    """The snapshot of a ``models--Org--Name`` folder: the one ``refs/main`` names, else the
-    newest; CheckpointError naming the folder when it holds none."""
+    """The one ``refs/main`` names, else the newest; CheckpointError when it holds none."""
     snapshots = folder / "snapshots"
     ref = folder / "refs" / "main"
     if ref.is_file():
@@ -95,9 +88,8 @@ def cache_folder_snapshot(folder: Path) -> Path:
 
 
 def packaged_model(name: str) -> Optional[Path]:
-    """The model file of short name ``name`` (``PACKAGED_MODELS``), found without importing
-    its package; None when ``name`` is no short name; CheckpointError naming the pip command
-    when the package is not installed or lacks the file."""
+    """Found without importing its package; None for no short name; CheckpointError naming the pip
+    command when missing."""
     if name not in PACKAGED_MODELS:
         return None
     package, pip_name, file = PACKAGED_MODELS[name]
@@ -113,8 +105,7 @@ def packaged_model(name: str) -> Optional[Path]:
 
 
 def closest_short_names(name: str) -> str:
-    """``"; did you mean smollm2?"``: the short names closest to ``name``, a name that is
-    neither a path nor a short name; "" when none is close."""
+    """``"; did you mean smollm2?"``, or ""."""
     import difflib
 
     close = difflib.get_close_matches(name.lower(), PACKAGED_MODELS, n=3, cutoff=0.6)
@@ -126,8 +117,8 @@ def _gguf_files(folder: Path) -> List[Path]:
 
 
 def gguf_in_folder(folder: Path) -> Path:
-    """``folder`` itself when it is a Hugging Face model directory (config.json) or holds no
-    GGUF file; its one GGUF file; CheckpointError listing them when there are several."""
+    """``folder`` when it holds config.json or no GGUF file, else its one GGUF file; CheckpointError
+    listing several."""
     found = [] if (folder / "config.json").exists() else _gguf_files(folder)
     if len(found) > 1:
         raise CheckpointError(f"{folder}: holds {len(found)} GGUF files "
@@ -137,10 +128,8 @@ def gguf_in_folder(folder: Path) -> Path:
 
 
 def pick_gguf(folder: Path, quant: str, name: str) -> Path:
-    """The one GGUF file in ``folder`` whose name holds the quantization ``quant`` (any case)
-    as a whole word (``Q4_K_M`` in ``model-Q4_K_M.gguf``), else as the start of one (``Q4_K``
-    picks ``model.Q4_K_M.gguf`` when no other Q4_K file is there); CheckpointError listing
-    the files otherwise."""
+    """The one GGUF file whose name holds ``quant`` (any case) as a whole word, else as a word's
+    start (``Q4_K`` picks ``Q4_K_M`` when alone); CheckpointError listing the files otherwise."""
     files = _gguf_files(folder)
     found: List[Path] = []
     for end in (r"(?:[-.]|$)", r"(?:[-._]|$)"):
@@ -154,12 +143,9 @@ def pick_gguf(folder: Path, quant: str, name: str) -> Path:
 
 
 def resolve_name(name: str, env: Mapping[str, str] = os.environ) -> Optional[Path]:
-    """The local model that ``name`` names, a path that does not exist: a short name of an
-    installed package's model, or a ``models--Org--Name`` folder of the cache or a repo id,
-    each with an optional ``:QUANT`` that picks a GGUF file of the snapshot (as it does in a
-    folder that exists: ``DIR:QUANT``). None when ``name``
-    is none of these; CheckpointError naming what to download (or install) when it is one but
-    is not there."""
+    """A short name, cache folder or repo id (each with an optional ``:QUANT``); None when ``name``
+    is none of these; CheckpointError naming what to download or install when it is one but absent.
+    """
     packaged = packaged_model(name)
     if packaged is not None:
         return packaged
@@ -178,7 +164,6 @@ def resolve_name(name: str, env: Mapping[str, str] = os.environ) -> Optional[Pat
 
 
 def _resolve_repo(name: str, env: Mapping[str, str]) -> Optional[Path]:
-    """The snapshot of a cache folder name or repo id ``name`` (see ``resolve_name``)."""
     cache = hub_cache_dir(env)
     if _cache_name_repo(name) and (cache / name).is_dir():
         return cache_folder_snapshot(cache / name)
@@ -203,11 +188,9 @@ def _resolve_repo(name: str, env: Mapping[str, str]) -> Optional[Path]:
 
 
 def resolve_model(model: Optional[Union[str, "os.PathLike[str]"]]) -> Path:
-    """The model's file or directory: ``model`` itself when it exists (a ``models--Org--Name``
-    cache folder: its snapshot; a folder of GGUF files without config.json: its one GGUF
-    file), else a short name of an installed model package, a repo id (``ORG/NAME:QUANT``
-    picks a GGUF file) or cache folder name from the local Hugging Face cache; None: the
-    shipped model. CheckpointError naming it when it is none of these (no torch needed)."""
+    """``model`` itself when it exists (a cache folder: its snapshot; a folder of GGUF files without
+    config.json: its one file), else a short name, repo id or cache folder name; None: the shipped
+    model. CheckpointError otherwise (no torch needed)."""
     if model is None:
         from ..base.defaults import default_model_path
         return default_model_path()

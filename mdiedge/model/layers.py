@@ -1,7 +1,6 @@
 """The building blocks shared by dense and mixture-of-experts decoders: RMSNorm, rotary position
-embeddings (RoPE, Su et al. 2021, with Llama 3 scaling), a Linear tuned for few-row products,
-and the gated feed-forward, SwiGLU or GeGLU (Shazeer 2020). Plain torch, no state beyond weights.
-"""
+embeddings (RoPE, Su et al. 2021, with Llama 3 scaling), a Linear tuned for few-row products, and
+the gated feed-forward, SwiGLU or GeGLU (Shazeer 2020). Plain torch, no state beyond weights."""
 from __future__ import annotations
 
 import functools
@@ -34,22 +33,22 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension, computed in fp32."""
+    """Over the last dimension, in fp32."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> Tensor:
-    """Inverse RoPE frequencies ``(head_dim/2,)`` in fp32, with ``llama3`` scaling if set;
-    ``local``: the sliding layers' (``mdiedge.model.rope``, the one source)."""
+    """``(head_dim/2,)`` fp32, ``llama3`` scaling if set; ``local``: the sliding layers'
+    (``model.rope``, the one source)."""
     return torch.from_numpy(rope.rope_inv_freq(cfg, local))
 
 
 def rope_tables(cfg: ModelConfig, max_seq_len: int, local: bool = False
                 ) -> Tuple[Tensor, Tensor]:
-    """cos and sin tables ``(max_seq_len, head_dim)`` in the "rotate half" layout, fp32: the
-    torch-free path's own (``mdiedge.model.rope``), so both paths rotate by the same values."""
+    """``(max_seq_len, head_dim)`` fp32, rotate-half layout: the torch-free path's own, so both
+    rotate alike."""
     cos, sin = rope.rope_tables(cfg, max_seq_len, local)
     return torch.from_numpy(cos), torch.from_numpy(sin)
 
@@ -65,11 +64,10 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Linear(nn.Linear):
-    """An ``nn.Linear``, bias-free unless asked (``bias``: added after the product). Up to ``MAX_ROWS`` float32 rows on the CPU (decode, micro-
-    batched or not) take the few-row product of ``mdiedge.model._cmatvec`` (its kernel reads
-    the weight once for three rows, where CPU BLAS runs thin products far below the memory
-    bound; ``bin/bench-decode`` measures it) or its pure-torch twin; everything else, and
-    any weight kept in transposed storage, takes ``F.linear``."""
+    """Bias-free unless asked. Up to ``MAX_ROWS`` float32 CPU rows (decode) take ``_cmatvec``'s
+    few-row product (it reads the weight once for three rows, where CPU BLAS runs thin products far
+    below the memory bound; ``bin/bench-decode``) or its twin; the rest, and transposed weights,
+    take ``F.linear``."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -80,8 +78,7 @@ class Linear(nn.Linear):
 
 
 def project(x: Tensor, weight: Tensor) -> Tensor:
-    """``x @ weight.T`` for x (…, in) and weight (out, in): the few-row product where it
-    applies (see ``Linear``), else ``F.linear``."""
+    """``x @ weight.T``: the few-row product where it applies, else ``F.linear``."""
     flat = x.reshape(-1, weight.shape[1])  # (rows, in)
     if _matvec.usable(flat, weight):
         out = torch.empty(flat.shape[0], weight.shape[0], dtype=torch.float32)  # (rows, out)
@@ -91,10 +88,9 @@ def project(x: Tensor, weight: Tensor) -> Tensor:
 
 
 def fuse(linears: Sequence[Linear], attr: str = "weight") -> Tensor:
-    """Store the weights (``attr``: or the biases) of ``linears`` (one input width) as
-    consecutive row blocks of one contiguous buffer, returned; each ``Linear`` keeps its own
-    parameter, a view of its rows, so names, loading and values are unchanged, and one
-    product by the buffer computes all of them at once (fewer, larger products)."""
+    """``linears``' weights (or ``attr``) as consecutive row blocks of one returned buffer; each
+    keeps its parameter as a view of its rows (names, loading and values unchanged), and one product
+    computes all."""
     weights = [getattr(layer, attr) for layer in linears]
     buffer = torch.cat([w.detach() for w in weights])  # (sum of outs, in)
     offset = 0
@@ -107,10 +103,8 @@ def fuse(linears: Sequence[Linear], attr: str = "weight") -> Tensor:
 
 
 def fuse_layers(linears: Sequence[nn.Module]) -> Optional[Any]:
-    """One product for ``linears`` (one input width), their memory shared: float ``Linear``s
-    give ``fuse``'s buffer; layers of one other type that has ``fuse_group`` (quantized ones,
-    ``mdiedge.model.qlayers``) give what it returns; anything else None (each layer keeps
-    its own product)."""
+    """One product for ``linears`` of one input width: ``fuse``'s buffer for float ones,
+    ``fuse_group``'s for a type that has one (quantized), else None."""
     kinds = {type(layer) for layer in linears}
     if kinds == {Linear}:
         return fuse(linears)  # type: ignore[arg-type]
@@ -119,8 +113,7 @@ def fuse_layers(linears: Sequence[nn.Module]) -> Optional[Any]:
 
 
 def _held(layer_or_fused: Any) -> Tensor:
-    """The tensor holding the weights: a float buffer itself, a layer's ``weight``, or a
-    quantized layer's (or fused group's) ``qweight``."""
+    """A float buffer itself, a layer's ``weight``, or a quantized layer's (group's) ``qweight``."""
     if isinstance(layer_or_fused, Tensor):
         return layer_or_fused
     held = getattr(layer_or_fused, "qweight", None)
@@ -128,9 +121,8 @@ def _held(layer_or_fused: Any) -> Tensor:
 
 
 def fused_with(buffer: Optional[Any], first: nn.Module) -> bool:
-    """Whether ``buffer`` (from ``fuse_layers``) still holds the weights: nothing has
-    replaced them (a move to another device makes each parameter a tensor of its own); a
-    group of layers (quantized ones) holds them while ``first`` is its first."""
+    """Nothing replaced the weights (a device move gives each parameter its own tensor); a quantized
+    group holds them while ``first`` is its first."""
     if buffer is None:
         return False
     group = getattr(buffer, "layers", None)
@@ -141,13 +133,11 @@ def fused_with(buffer: Optional[Any], first: nn.Module) -> bool:
 
 
 def project_fused(x: Tensor, fused: Any) -> Tensor:
-    """``x`` times the fused weights of ``fuse_layers``: float ones by ``project``, a
-    quantized group by its own product."""
     return project(x, fused) if isinstance(fused, Tensor) else fused(x)
 
 
 def transposed_head_pays() -> bool:
-    """Whether the head decodes faster from transposed storage with the product in use."""
+    """With the product in use."""
     return bool(_matvec.TRANSPOSED_HEAD)
 
 
@@ -155,9 +145,7 @@ ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximat
 
 
 class MLP(nn.Module):
-    """Gated feed-forward: down(act(gate(x)) * up(x)), ``activation`` "silu" (SwiGLU) or
-    "gelu_tanh" (GeGLU, GELU's tanh approximation); ``fuse_projections`` lets gate and up run
-    as one product."""
+    """down(act(gate(x)) * up(x)), ``activation`` "silu" (SwiGLU) or "gelu_tanh" (GeGLU)."""
 
     def __init__(self, dim: int, hidden: int, activation: str = "silu") -> None:
         super().__init__()
@@ -173,7 +161,6 @@ class MLP(nn.Module):
         self.gate_up: Optional[Any] = None  # see fuse_projections
 
     def fuse_projections(self) -> None:
-        """gate and up as one product (``fuse_layers``: float, or quantized of one type)."""
         self.gate_up = fuse_layers([self.gate, self.up])
 
     def forward(self, x: Tensor) -> Tensor:

@@ -1,14 +1,8 @@
-"""The model a process reads, opened once.
-
-``model_file(path)`` is this process's ``ModelFile`` of a GGUF file, a llama2.c file or a
-Hugging Face directory, kept while its files are unchanged (their size and modification
-time). It holds what the readers of a model want from its files, each read when first asked
-for and then kept: the config; for a GGUF file its one reader (the header parsed once: the
-index of tensors and the vocabulary's metadata come from it, and the tokenizer and chat
-template built from that); and the content hash. The text side, the checks of a command, the
-starter's stage and a worker's loads all take it, so that a process parses a GGUF header
-once and hashes a model at most once (``reads`` counts both; a node's status reports them).
-"""
+"""The model a process reads, opened once: ``model_file(path)`` is this process's ``ModelFile`` of a
+GGUF file, llama2.c file or Hugging Face directory, kept while its files are unchanged (size,
+mtime). Its facts (config, a GGUF file's one reader and what is built from it, the content hash) are
+read when first asked for and kept, so a process parses a GGUF header once and hashes a model at
+most once (``reads`` counts both for a node's status)."""
 from __future__ import annotations
 
 import struct
@@ -32,8 +26,7 @@ VOCAB_STRINGS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")  # string arr
 
 
 def identity_files(path: Path) -> List[Path]:
-    """The files whose bytes are the model's identity: the file itself, or a directory's
-    config.json and weight files (not the exit classifier calibrated for it)."""
+    """The file, or a directory's config.json and weight files (not the exit classifier)."""
     if path.is_file():
         return [path]
     return sorted(f for f in path.iterdir() if f.is_file() and (
@@ -42,7 +35,6 @@ def identity_files(path: Path) -> List[Path]:
 
 
 def _stamp(path: Path) -> Tuple[Tuple[str, int, int], ...]:
-    """Name, size and modification time of each file the ModelFile of ``path`` reads."""
     files = identity_files(path)
     if not path.is_file() and (path / "generation_config.json").is_file():
         files.append(path / "generation_config.json")
@@ -67,7 +59,7 @@ def llama2c_config(path: Path) -> ModelConfig:
 
 
 def hf_config(path: Path) -> ModelConfig:
-    """The config of the Hugging Face directory ``path`` (with its generation config)."""
+    """With its generation config."""
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{cfg_file}: file not found (is {path} a Hugging Face model "
@@ -78,8 +70,7 @@ def hf_config(path: Path) -> ModelConfig:
 
 
 class ModelFile:
-    """One model's files as this process reads them. Each fact is read when first asked for
-    and kept (``memo``); an error is not kept, so a second ask raises it again."""
+    """Each fact read when first asked for and kept (``memo``); an error is not kept."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -88,8 +79,7 @@ class ModelFile:
         self._lock = threading.RLock()  # one build at a time: each is built once
 
     def memo(self, key: str, build: Callable[[], T]) -> T:
-        """``build()``, called once for this file: what a reader derives from it (the
-        tokenizer, the index of tensors) is built once per process too."""
+        """So what readers derive (tokenizer, tensor index) is built once per process too."""
         with self._lock:
             if key not in self._memo:
                 self._memo[key] = build()
@@ -97,7 +87,6 @@ class ModelFile:
 
     @property
     def reader(self) -> Any:
-        """A GGUF file's reader (``mdiedge.model.gguf.open_reader``): its header parsed."""
         if not self.is_gguf:
             raise CheckpointError(f"{self.path}: not a GGUF file")
         return self.memo("reader", lambda: open_reader(self.path))
@@ -113,15 +102,13 @@ class ModelFile:
 
     @property
     def tensors(self) -> Dict[str, Any]:
-        """A GGUF file's tensors by their names in the file (gguf's ``ReaderTensor``)."""
+        """gguf's ``ReaderTensor``s by their names in the file."""
         return self.memo("tensors", lambda: {t.name: t for t in self.reader.tensors})
 
     @property
     def vocab(self) -> Dict[str, Any]:
-        """A GGUF file's metadata with the vocabulary's string arrays read (tokens, merges):
-        what ``mdiedge.model.gguf_vocab`` builds a tokenizer and a chat template from. Read
-        from the parsed header each time, not kept (a large vocabulary's strings are tens of
-        MB): what is built from it is (``memo``)."""
+        """The metadata with the vocabulary's string arrays read, what ``gguf_vocab`` builds from;
+        not kept (tens of MB of strings), what is built from it is."""
         found = metadata(self.reader)
         for key in VOCAB_STRINGS:
             if key in self.reader.fields:
@@ -132,8 +119,7 @@ class ModelFile:
         return found
 
     def content_hash(self) -> str:
-        """sha256 (hex) of the model's identity (``identity_files``), each file's name then
-        its bytes."""
+        """sha256 (hex) over ``identity_files``, each's name then bytes."""
         return self.memo("hash", self._hash)
 
     def _hash(self) -> str:
@@ -154,8 +140,8 @@ _OPEN_LOCK = threading.Lock()
 
 
 def model_file(path: PathLike) -> ModelFile:
-    """This process's ModelFile of the model at ``path`` (a file or a directory that exists;
-    OSError otherwise): the one opened before while its files are unchanged."""
+    """The one opened before while its files are unchanged; OSError for a path that does not exist.
+    """
     path = Path(path)
     key = (str(path.resolve()), _stamp(path))
     with _OPEN_LOCK:
@@ -169,6 +155,6 @@ def model_file(path: PathLike) -> ModelFile:
 
 
 def reads() -> Dict[str, int]:
-    """GGUF headers parsed and model contents hashed by this process so far."""
+    """GGUF headers parsed and model contents hashed so far."""
     return {"gguf_headers": sum(HEADERS_PARSED.values()), "hashes": sum(HASHES.values())}
 

@@ -1,20 +1,12 @@
 """Sparse mixture-of-experts feed-forward, as in Mixtral (Jiang et al. 2024).
 
-Each token's router logits go through a softmax in fp32; the top ``k`` experts are kept and
-their probabilities renormalised to sum to one (exactly as transformers' Mixtral does; Qwen3-MoE
-only where its config's ``norm_topk_prob`` says so). The
-(token, expert) assignments are then grouped by expert ("group by expert" dispatch, as in
-Switch Transformers, Fedus et al. 2022, and MegaBlocks, Gale et al. 2023, without their
-capacity limit or padding): every expert that received tokens runs ONE batched SwiGLU call on
-exactly its tokens, and the weighted outputs are scattered back with ``index_add_``. Experts
-that received no token cost nothing.
-
-The grouping is a stable sort by expert. On the CPU it runs in numpy
-(``mdiedge.model.grouping``); on CUDA, and whenever the routing weights need gradients, it
-runs as torch ops on the tensors' own device (a stable argsort of the expert ids and a
-bincount), and only the ``E + 1`` group offsets come to the host to size the per-expert
-batches.
-"""
+Router logits go through an fp32 softmax; the top ``k`` experts are kept, renormalised as
+transformers' Mixtral does (Qwen3-MoE only where ``norm_topk_prob`` says). Assignments are grouped
+by expert (Switch Transformers, MegaBlocks, without capacity limit or padding): each expert with
+tokens runs ONE batched SwiGLU call on exactly its tokens, outputs scattered back with
+``index_add_``; idle experts cost nothing. The grouping (a stable sort) runs in numpy on the CPU
+(``grouping``); on CUDA or with gradients as torch ops on the device, only the ``E + 1`` offsets
+coming to the host."""
 from __future__ import annotations
 
 from types import ModuleType
@@ -31,13 +23,9 @@ Routing = Union[ModuleType, str]  # a module with ``group_by_expert``, or "torch
 
 
 class MoE(nn.Module):
-    """Mixtral's sparse MoE block; parameters ``router.weight`` and ``experts.{e}.gate/up/down``.
-
-    ``routing``: the grouping implementation for CPU tensors, a module with
-    ``group_by_expert`` (default: ``mdiedge.model.grouping``) or ``"torch"`` for the on-device
-    torch ops that CUDA always uses. ``expert_counts`` (CPU int64, ``(n_experts,)``) counts the
-    tokens routed to each expert since the last :meth:`reset_stats`.
-    """
+    """Parameters ``router.weight`` and ``experts.{e}.gate/up/down``. ``routing``: a module with
+    ``group_by_expert`` for CPU tensors (default ``grouping``) or ``"torch"`` (CUDA always).
+    ``expert_counts``: tokens per expert since :meth:`reset_stats`."""
 
     def __init__(self, cfg: ModelConfig, routing: Optional[Routing] = None) -> None:
         super().__init__()
@@ -55,8 +43,8 @@ class MoE(nn.Module):
         self.expert_counts.zero_()
 
     def route(self, x_flat: Tensor) -> Tuple[Tensor, Tensor]:
-        """x_flat (N, dim) -> expert ids (N, k) int64 and their weights (N, k) fp32, which sum
-        to one per token where the config renormalises them."""
+        """Expert ids (N, k) int64 and weights (N, k) fp32, summing to one where the config
+        renormalises."""
         logits = self.router(x_flat)  # (N, E)
         probs = torch.softmax(logits.float(), dim=-1)  # (N, E) fp32
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (N, k) each
@@ -65,8 +53,8 @@ class MoE(nn.Module):
         return experts, weights
 
     def group(self, experts: Tensor, weights: Tensor) -> Tuple[List[int], Tensor, Tensor]:
-        """Counting sort of the assignments by expert: ``(offsets, token_idx, weights)`` with
-        expert ``e``'s token rows ``token_idx[offsets[e]:offsets[e + 1]]``, ascending."""
+        """``(offsets, token_idx, weights)``: expert ``e``'s rows are
+        ``token_idx[offsets[e]:offsets[e + 1]]``, ascending."""
         on_device = (experts.device.type != "cpu" or self.routing == "torch"
                      or (weights.requires_grad and torch.is_grad_enabled()))
         if on_device:
@@ -101,8 +89,8 @@ class MoE(nn.Module):
         return out.view(batch, seq_len, dim)
 
     def _one_token(self, x_flat: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
-        """One token on the CPU (a single sample's decode step): its k experts in ascending
-        order, the order in which the grouped path adds them, with no grouping to build."""
+        """A single sample's CPU decode: its k experts in ascending order (the grouped path's
+        order), no grouping built."""
         order = torch.argsort(experts)
         out = torch.zeros_like(x_flat)  # (1, dim)
         weights = weights.to(x_flat.dtype)

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..base.accel import Twins
 from . import _pyquant, grouping
-from ._stepspec import MAX_ROWS, QuantMatrix, StackedMatrix
+from ._stepconstants import MAX_ROWS, QuantMatrix, StackedMatrix
 from .blasthreads import follow_threads
 from .config import ModelConfig
 from .qtypes import TYPES

@@ -1,24 +1,16 @@
-"""Layers whose weights stay in a GGUF block type (every type of ``mdiedge.model.quant.TYPES``
-with a kernel: F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K, IQ4_NL, IQ4_XS), multiplied
-on the CPU as the process's dot mode says (``mdiedge.base.cpudot``): q8, the activations
-quantized to 8 bits and integer dot products (as llama.cpp does); f32, the weights widened to
-float32 inside the kernels and every activation, accumulator and output float32.
+"""Layers whose weights stay in a GGUF block type with a kernel (``quant.TYPES``), multiplied on the
+CPU as the process's dot mode says (``mdiedge.base.cpudot``): q8, activations quantized to 8 bits
+and integer dot products (as llama.cpp does); f32, weights widened to float32 inside the kernels.
 
-- ``QuantLinear``: up to ``KERNEL_ROWS`` rows (decode, micro-batched or not) take the
-  compiled product of ``mdiedge.model._cquant`` (or its twin), which reads each block once
-  for every row; more rows (prefill) do too where ``npprefill.integer_prefill`` says (the
-  K-quants in the q8 mode), else de-quantize the weight a tile of rows at a time into one
-  reused float32 buffer and multiply with torch.
-- ``QuantEmbedding``: a token's row de-quantized when it is looked up.
+- ``QuantLinear``: up to ``KERNEL_ROWS`` rows (decode) take the compiled product (``_cquant`` or
+  its twin), which reads each block once for every row; more rows (prefill) too where
+  ``npprefill.integer_prefill`` says, else a tile of rows at a time de-quantized into one reused
+  float32 buffer and multiplied with torch.
+- ``QuantEmbedding``: a token's row de-quantized when looked up.
 
-On another device (CUDA) the blocks move with the model and each product de-quantizes its
-weight there, with torch operations (``mdiedge.model.quant.dequantize_on_device``), then multiplies in
-float32.
-
-``keep_quantized`` swaps a float ``Linear``/``Embedding`` for these where the file stores
-the tensor in a kernel type (``raw``); ``quantize_blocks`` quantizes the blocks' float
-weights (``--quantize``).
-"""
+On CUDA the blocks move with the model and each product de-quantizes there with torch
+(``quant.dequantize_on_device``). ``keep_quantized`` swaps float layers for these where the file
+stores a kernel type; ``quantize_blocks`` serves ``--quantize``."""
 from __future__ import annotations
 
 import logging
@@ -62,14 +54,13 @@ def _tile_buffer(floats: int) -> Tensor:
 
 
 def widens_on_device(held: Tensor) -> bool:
-    """Whether blocks ``held`` are de-quantized on their device by torch operations (CUDA)
-    rather than multiplied by the CPU kernels."""
+    """Whether blocks ``held`` are de-quantized on their device by torch (CUDA), not CPU kernels."""
     return held.device.type != "cpu"
 
 
 class QuantLinear(nn.Module):
-    """``x @ W^T`` with W held as ``qweight`` (uint8 (out, row_bytes)) of type ``qtype``, plus
-    a float32 ``bias`` (out,) where made ``with_bias`` (Qwen2's Q/K/V)."""
+    """W held as ``qweight`` (uint8 (out, row_bytes)) of type ``qtype``, plus a float32 ``bias``
+    where made ``with_bias`` (Qwen2's Q/K/V)."""
 
     def __init__(self, qweight: Tensor, qtype: str, in_features: int,
                  with_bias: bool = False) -> None:
@@ -90,13 +81,13 @@ class QuantLinear(nn.Module):
 
     @torch.no_grad()
     def forward(self, x: Tensor) -> Tensor:
-        """Inference only: the blocks are not trainable, nothing is recorded for autograd."""
+        """Inference only: nothing is recorded for autograd."""
         out = self.product(x)
         return out if self.bias is None else out + self.bias
 
     @torch.no_grad()
     def product(self, x: Tensor) -> Tensor:
-        """``x @ W^T``, the bias left out."""
+        """The bias left out."""
         if widens_on_device(self.qweight):
             weight = dequantize_on_device(self.qweight, self.qtype, self.in_features)
             return torch.nn.functional.linear(x.float(), weight)  # (…, out)
@@ -111,8 +102,7 @@ class QuantLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def _tiled(self, flat: Tensor, out: Tensor) -> None:
-        """out = flat @ W^T a tile of W's rows at a time (prefill), the tiles de-quantized
-        into this thread's one buffer, which every layer shares."""
+        """Prefill: W de-quantized a tile of rows at a time into this thread's one shared buffer."""
         step = max(1, min(self.out_features, TILE_BYTES // (4 * self.in_features)))
         buffer = _tile_buffer(step * self.in_features)
         for first in range(0, self.out_features, step):
@@ -123,14 +113,13 @@ class QuantLinear(nn.Module):
 
     @staticmethod
     def fuse_group(layers: Sequence["QuantLinear"]) -> Optional["QuantGroup"]:
-        """One product for ``layers`` of one input width (``layers.fuse_layers``), each
-        layer's blocks left where they lie and of its own type; None for mixed widths."""
+        """One product for ``layers`` of one input width, each of its own type; None for mixed
+        widths."""
         if len({layer.in_features for layer in layers}) != 1:
             return None
         return QuantGroup(layers)
 
     def dequantized(self) -> Tensor:
-        """The whole weight in float32 (out, in)."""
         weight = torch.empty(self.out_features, self.in_features)
         _quant.dequantize_rows(self.qweight, self.qtype, 0, self.out_features, weight,
                                _threads())
@@ -138,25 +127,20 @@ class QuantLinear(nn.Module):
 
 
 class QuantGroup:
-    """Quantized layers of one input width as one product, their outputs side by side
-    (``QuantLinear.fuse_group``): each layer's blocks are read where they lie (a GGUF file's
-    mapping: no copy, no second set of pages), each of its own type (a Q4_K_M file's Q6_K V
-    beside Q4_K Q and K). The compiled step multiplies them as one ``StackedMatrix``; the
-    torch path calls each layer. Not a module, so a block holding it does not count or move
-    the layers' bytes twice."""
+    """Quantized layers of one input width as one product, outputs side by side. Each layer's blocks
+    are read where they lie (a GGUF mapping: no copy) and of its own type (Q4_K_M's Q6_K V beside
+    Q4_K Q and K). Not a module, so a block holding it does not count or move the bytes twice."""
 
     def __init__(self, layers: Sequence[QuantLinear]) -> None:
         self.layers = tuple(layers)
         self.in_features = self.layers[0].in_features
 
     def __call__(self, x: Tensor) -> Tensor:
-        """The layers' products side by side, without their biases (the caller adds them
-        fused: ``block.Attention``)."""
+        """Without biases (the caller adds them fused: ``block.Attention``)."""
         return torch.cat([layer.product(x) for layer in self.layers], -1)
 
 
 class QuantEmbedding(nn.Module):
-    """Token embeddings held as ``qweight`` (uint8 (vocab, row_bytes)) of type ``qtype``."""
 
     def __init__(self, qweight: Tensor, qtype: str, dim: int) -> None:
         super().__init__()
@@ -178,18 +162,17 @@ class QuantEmbedding(nn.Module):
 
 
 def _parent(net: nn.Module, ours: str) -> Tuple[nn.Module, str]:
-    """The module holding parameter ``ours`` ("layers.3.attn.wq.weight") and the attribute
-    naming the layer in it ("wq")."""
+    """The module holding parameter ``ours`` ("layers.3.attn.wq.weight") and its attribute ("wq").
+    """
     path = ours.rsplit(".", 1)[0]  # the layer: "layers.3.attn.wq"
     owner, _, attr = path.rpartition(".")
     return (net.get_submodule(owner) if owner else net), attr
 
 
 def keep_quantized(net: nn.Module, source: Any, plan: Dict[str, str]) -> Set[str]:
-    """Swap each float layer of ``net`` whose tensor ``source`` stores in a kernel type (a
-    GGUF file, a pushed quantized chunk) for a quantized one holding those bytes; the
-    parameter names now held so, which need no float read. A tied head shares the
-    embedding's bytes."""
+    """Swap each float layer whose tensor ``source`` stores in a kernel type for a quantized one
+    holding those bytes; the parameter names now held so (no float read needed). A tied head shares
+    the embedding's bytes."""
     held: Set[str] = set()
     _log_widened(source, plan.values())
     for ours, theirs in plan.items():
@@ -218,8 +201,8 @@ _logged_float_dots: Set[str] = set()
 
 
 def log_float_dots(qtype: str) -> None:
-    """One log line per process and quantized type that the q8 mode multiplies in float32
-    here (no integer kernel on this CPU's vector path: ``_quant.q8_types()``)."""
+    """Once per process and type: the q8 mode multiplies it in float32 here (no integer kernel on
+    this CPU)."""
     if cpu_dot() != "q8" or not TYPES[qtype].act_block or qtype in _logged_float_dots \
             or qtype in _quant.q8_types():
         return
@@ -229,8 +212,7 @@ def log_float_dots(qtype: str) -> None:
 
 
 def _log_widened(source: Any, names: Any) -> None:
-    """One log line per type without a kernel that ``source`` stores some of ``names`` in
-    (de-quantized to float32 as they are read), naming those tensors."""
+    """Once per type without a kernel: the tensors of it de-quantized to float32 as read."""
     qtype = getattr(source, "qtype", None)
     if qtype is None:
         return
@@ -246,7 +228,6 @@ def _log_widened(source: Any, names: Any) -> None:
 
 
 def _tie_quantized(net: nn.Module, held: Set[str]) -> None:
-    """A tied head (read from the embedding's tensor) shares the quantized embedding."""
     embed, head = getattr(net, "embed", None), getattr(net, "lm_head", None)
     if isinstance(embed, QuantEmbedding) and head is not None and getattr(
             net, "cfg").tie_embeddings:
@@ -255,10 +236,8 @@ def _tie_quantized(net: nn.Module, held: Set[str]) -> None:
 
 
 def quantize_blocks(net: nn.Module, qtype: str) -> int:
-    """Quantize every float linear layer of ``net``'s blocks to ``qtype`` (``--quantize``);
-    layers whose width is not a whole number of blocks stay float (a bias stays float beside
-    the blocks); the blocks' Q/K/V and gate/up are then fused again, as quantized groups. The
-    count quantized."""
+    """``--quantize``: the count of the blocks' float linear layers quantized to ``qtype``; widths
+    not a whole number of blocks stay float, biases too. Q/K/V and gate/up are fused again."""
     count = 0
     for name, layer in list(net.named_modules()):
         if not name.startswith("layers.") or type(layer) is not Linear \
@@ -281,5 +260,4 @@ def quantize_blocks(net: nn.Module, qtype: str) -> int:
 
 
 def quantize_weight(weight: Tensor, qtype: str) -> Tensor:
-    """A float weight (out, in) as ``qtype`` blocks, uint8 (out, row_bytes)."""
     return quantize(weight.detach().float().cpu().contiguous(), qtype)

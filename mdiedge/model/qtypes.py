@@ -1,10 +1,6 @@
-"""The facts of quantized weights, torch-free: which GGUF weight types exist (``TYPES``: ggml
-type id, elements and bytes per block, scale offsets, the compiled kernel's code), the bytes
-of a row, the reference de-quantizer and quantizer in numpy, the q8 mode's rounding of
-activations, and the argument checks of the quantized product that both implementations
-(``ext/_cquant.pyx``, ``mdiedge/model/_pyquant.py``) apply, for numpy arrays and torch CPU
-tensors alike. ``mdiedge.model.quant`` re-exports them beside its torch forms; its docstring
-describes the block layouts."""
+"""The facts of quantized weights, torch-free: ``TYPES``, row bytes, the numpy reference
+de-quantizer and quantizer, the q8 mode's activation rounding, and the quantized product's argument
+checks both implementations apply. ``quant``'s docstring describes the block layouts."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,9 +16,8 @@ from .arrays import contiguous_cpu, numpy_view
 
 @dataclass(frozen=True)
 class QType:
-    """A ggml weight type: its name, ggml type id, elements and bytes per block, the byte
-    offsets of each block's f16 scales, and the code of its compiled kernel (``ext/quant.h``'s
-    enum value; None: de-quantized to float32 at load)."""
+    """Scale offsets: of each block's f16 scales; ``code``: ``ext/quant.h``'s enum value (None:
+    de-quantized to float32 at load)."""
 
     name: str
     ggml_id: int
@@ -33,13 +28,11 @@ class QType:
 
     @property
     def native(self) -> bool:
-        """Whether the compiled product multiplies this type where it lies."""
         return self.kernel is not None
 
     @property
     def act_block(self) -> int:
-        """The activations' block in the q8 mode (``ext/quant_q8.h``): the weights' block,
-        32 or 256, for a quantized type; 0 for a float one (multiplied in float32)."""
+        """The q8 mode's activation block: the weights' (32 or 256); 0 for a float type."""
         return self.block if self.native and self.block > 1 else 0
 
 
@@ -66,7 +59,7 @@ SCALE_FIELDS = {n: t.scales for n, t in TYPES.items()}  # byte offsets of each b
 
 
 def qtype_of(name: str) -> QType:
-    """The type called ``name`` (as GGUF files and llama.cpp write it, any case)."""
+    """As GGUF and llama.cpp write it, any case."""
     found = TYPES.get(str(name).upper())
     if found is None:
         raise QuantError(f"weight type {name!r} is not one of {', '.join(TYPES)}")
@@ -74,8 +67,7 @@ def qtype_of(name: str) -> QType:
 
 
 def check_compiled(compiled: Sequence[Tuple[Any, int, int]], module: str) -> None:
-    """Refuses a compiled module whose kernel table (``ext/quant.h``'s names, weights and
-    bytes per block, in enum order) is not ``TYPES``' kernel codes: a stale build."""
+    """Refuses a stale build whose kernel table is not ``TYPES``' kernel codes."""
     want = {t.kernel: (t.name, t.block, t.block_bytes) for t in TYPES.values() if t.native}
     got = {code: (name.decode() if isinstance(name, bytes) else str(name), int(b), int(bb))
            for code, (name, b, bb) in enumerate(compiled)}
@@ -97,13 +89,12 @@ def row_bytes(qtype: str, in_features: int) -> int:
 # -- the reference de-quantizer and quantizer ------------------------------------------------
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
-    """The f16 field at byte ``at`` of every block, as float32 (blocks, 1)."""
+    """As float32 (blocks, 1)."""
     return np.ascontiguousarray(blocks[:, at:at + 2]).view("<f2").astype(np.float32)
 
 
 def kernel_qtype(source: Any, theirs: str) -> Optional[str]:
-    """The stored type of ``theirs`` when the source keeps blocks the kernels run (a vector,
-    such as a norm a file stores in F16, is read as float)."""
+    """The stored type when the kernels run it (a vector such as an F16 norm reads as float)."""
     qtype = getattr(source, "qtype", None)
     if qtype is None:
         return None
@@ -115,7 +106,7 @@ def kernel_qtype(source: Any, theirs: str) -> Optional[str]:
 
 
 def as_blocks(data: Any) -> np.ndarray:
-    """Quantized weights (numpy, or a CPU tensor) as a 2-D uint8 numpy array sharing them."""
+    """2-D uint8 numpy sharing them."""
     raw = numpy_view(data)
     if raw.dtype != np.uint8 or raw.ndim != 2:
         raise QuantError(f"quantized weights must be 2-D uint8 (rows, bytes), not "
@@ -124,8 +115,7 @@ def as_blocks(data: Any) -> np.ndarray:
 
 
 def check_blocks(data: Any, qtype: str) -> None:
-    """Refuses weights whose blocks hold a scale that is not finite (NaN or infinity: a
-    corrupt file), naming the first such block."""
+    """Refuses a non-finite scale (a corrupt file), naming the first such block."""
     t, raw = qtype_of(qtype), as_blocks(data)
     blocks = raw.reshape(-1, t.block_bytes)
     for at in t.scales:
@@ -138,8 +128,7 @@ def check_blocks(data: Any, qtype: str) -> None:
 
 
 def dequantize_array(data: Any, qtype: str, in_features: int) -> np.ndarray:
-    """The float32 weight (out, in) that ``data`` (uint8 (out, row_bytes), numpy or a CPU
-    tensor) encodes, as numpy; blocks with a scale that is not finite refused."""
+    """Float32 (out, in) numpy; non-finite scales refused."""
     raw = as_blocks(data)
     t, width = qtype_of(qtype), row_bytes(qtype, in_features)
     if raw.shape[1] != width:
@@ -151,8 +140,7 @@ def dequantize_array(data: Any, qtype: str, in_features: int) -> np.ndarray:
 
 
 def _round_away(v: np.ndarray) -> np.ndarray:
-    """Rounding half away from zero, as C's roundf (without adding 0.5, which rounds
-    0.49999997 up in float32)."""
+    """Half away from zero, as C's roundf (adding 0.5 would round 0.49999997 up in float32)."""
     a = np.abs(v)
     whole = np.floor(a)
     return np.sign(v) * (whole + np.floor(2 * (a - whole)))
@@ -164,7 +152,7 @@ def _inverse(d: np.ndarray) -> np.ndarray:
 
 
 def _pack(qs: np.ndarray) -> np.ndarray:
-    """32 nibbles per block to 16 bytes: element i low, element 16 + i high."""
+    """32 nibbles per block to 16 bytes: element i low, 16 + i high."""
     q = qs.astype(np.uint8)
     return q[:, :16] | (q[:, 16:] << 4)
 
@@ -190,8 +178,7 @@ def _quantize_blocks(b: np.ndarray, name: str) -> np.ndarray:
 
 
 def quantize_array(weight: Any, qtype: str) -> np.ndarray:
-    """``weight`` (out, in) float32 as ``qtype`` blocks: uint8 (out, row_bytes), the bytes
-    llama.cpp's reference quantizer writes. Q8_0, Q4_0 and Q4_1 only."""
+    """The bytes llama.cpp's reference quantizer writes. Q8_0, Q4_0 and Q4_1 only."""
     t = qtype_of(qtype)
     if t.name not in QUANTIZERS:
         raise QuantError(f"cannot quantize to {t.name}: only to {', '.join(QUANTIZERS)}")
@@ -205,8 +192,7 @@ def quantize_array(weight: Any, qtype: str) -> np.ndarray:
 
 
 def quantized_activations_array(x: np.ndarray, block: int) -> np.ndarray:
-    """``mdiedge.model.quant.quantized_activations`` in numpy: x (rows, k) float32 as the q8
-    mode's integer kernels see it."""
+    """``quant.quantized_activations`` in numpy."""
     rows, k = x.shape
     blocks = x.reshape(rows, k // block, block)
     zero = np.float32(0)
@@ -255,8 +241,7 @@ def _kernel_type(qtype: str, threads: int) -> QType:
 
 
 def check_matmul(x: Any, w: Any, qtype: str, out: Any, threads: int) -> QType:
-    """The type of a call ``matmul(x, w, qtype, out, threads)`` that both implementations
-    accept: x (rows >= 1, in), w uint8 (n, row_bytes(in)), out (rows, n), all contiguous."""
+    """x (rows >= 1, in), w uint8 (n, row_bytes(in)), out (rows, n), all contiguous."""
     t = _kernel_type(qtype, threads)
     if len(getattr(x, "shape", ())) != 2 or x.shape[0] < 1:
         raise QuantError(f"activations {tuple(getattr(x, 'shape', ()))} are not 2-D "
@@ -268,8 +253,7 @@ def check_matmul(x: Any, w: Any, qtype: str, out: Any, threads: int) -> QType:
 
 
 def check_rows(w: Any, qtype: str, first: int, count: int, out: Any, threads: int) -> QType:
-    """The type of a call ``dequantize_rows(w, qtype, first, count, out, threads)``: rows
-    [first, first + count) of w, out float32 (count, in) with in from w's row bytes."""
+    """Rows [first, first + count) of w into float32 out (count, in)."""
     t = _kernel_type(qtype, threads)
     n = w.shape[0] if hasattr(w, "shape") and len(w.shape) == 2 else 0
     if not (0 <= first and count >= 1 and first + count <= n):

@@ -41,17 +41,19 @@ from typing import Any
 import torch
 
 from .dequant import blocks_to_float
-from .qtypes import (KERNEL_TYPES, QUANTIZERS, SCALE_FIELDS, TYPES, QType,  # noqa: F401
-                     as_blocks, check_blocks, check_compiled, check_matmul, check_rows,
+from .qtypes import (KERNEL_TYPES, QUANTIZERS, TYPES, check_blocks, check_compiled,
                      dequantize_array, qtype_of, quantize_array, row_bytes)
-from ..base.errors import QuantError
+
+# with the names of .qtypes that callers know from this module
+__all__ = ["KERNEL_TYPES", "QUANTIZERS", "TYPES", "check_blocks", "check_compiled", "dequantize",
+           "dequantize_array", "dequantize_on_device", "qtype_of", "quantize", "quantize_array",
+           "quantized_activations", "row_bytes"]
 
 
 def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
-    """x (rows, k) as the q8 mode's integer kernels see it (``ext/quant_q8.h``), in float32:
-    per 32 values (block 32, ggml's Q8_0) d = max|x| / 127 and x rounded to d * round(x / d);
-    per 256 (ggml's Q8_K) d = -m / 127, m the value of the largest magnitude, the quants
-    capped at 127. Rounding halves away from zero, as the kernels do."""
+    """x (rows, k) as the q8 kernels see it (``ext/quant_q8.h``), float32: per 32 values (Q8_0) d =
+    max|x| / 127, x -> d * round(x / d); per 256 (Q8_K) d = -m / 127, m the largest-magnitude value,
+    quants capped at 127. Halves round away from zero, as the kernels do."""
     rows, k = x.shape
     blocks = x.reshape(rows, k // block, block)
     if block == 32:
@@ -67,15 +69,12 @@ def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def dequantize(data: Any, qtype: str, in_features: int) -> torch.Tensor:
-    """``qtypes.dequantize_array`` as a tensor: the float32 weight (out, in) that ``data``
-    (uint8 (out, row_bytes), numpy or a CPU tensor) encodes; blocks with a scale that is not
-    finite refused."""
+    """``qtypes.dequantize_array`` as a tensor; blocks with a non-finite scale refused."""
     return torch.from_numpy(dequantize_array(data, qtype, in_features))
 
 
 def dequantize_on_device(qweight: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
-    """The float32 weight (rows, in) that ``qweight`` (uint8 (rows, row_bytes), any device)
-    encodes, computed on ``qweight``'s device (the CUDA path of ``mdiedge.model.qlayers``)."""
+    """``qweight``'s float32 weight computed on its device (the CUDA path of ``qlayers``)."""
     t = qtype_of(qtype)
     if qweight.dtype != torch.uint8 or qweight.dim() != 2 or \
             qweight.shape[1] != row_bytes(t.name, in_features):
@@ -86,7 +85,6 @@ def dequantize_on_device(qweight: torch.Tensor, qtype: str, in_features: int) ->
 
 
 def quantize(weight: Any, qtype: str) -> torch.Tensor:
-    """``weight`` (out, in) float32 as ``qtype`` blocks: uint8 (out, row_bytes), the bytes
-    llama.cpp's reference quantizer writes, as a tensor (``quantize_array``: numpy)."""
+    """The bytes llama.cpp's reference quantizer writes, uint8 (out, row_bytes), as a tensor."""
     w = weight.detach().cpu().float() if isinstance(weight, torch.Tensor) else weight
     return torch.from_numpy(quantize_array(w, qtype))

@@ -1,28 +1,19 @@
 """Choosing the next token: penalties and biases, then greedy, or temperature, top-k, top-p
 (nucleus, Holtzman et al. 2019) and min-p; and the log-probabilities a client may ask for.
 
-``SamplingParams()`` samples with the defaults of :mod:`mdiedge.base.defaults` (those of
-``mdiedge generate``); ``temperature=0`` is greedy, and so is any temperature below
-``GREEDY_BELOW``. Each sample draws from its own generator,
-seeded from (seed, sample index), so a sample's tokens do not depend on how samples are
-grouped or scheduled.
+``temperature`` below ``GREEDY_BELOW`` is greedy. Each sample draws from its own generator, seeded
+from (seed, sample index), so its tokens do not depend on how samples are grouped or scheduled.
 
 A row of logits is changed first, in this order, before greedy's argmax or any filter:
 
-- ``logit_bias``: each listed token's logit plus its bias (OpenAI's; -100 bans a token in
-  practice, +100 forces it);
-- ``repetition_penalty`` r (llama.cpp's ``repeat_penalty``, Hugging Face's, after Keskar et
-  al. 2019): the logit of every token the sample has seen (its prompt and its output) divided
-  by r where positive, multiplied by r where negative;
+- ``logit_bias``: each listed token's logit plus its bias (OpenAI's; -100 bans, +100 forces);
+- ``repetition_penalty`` r (llama.cpp's ``repeat_penalty``, Keskar et al. 2019): the logit of
+  every token of the prompt and output divided by r where positive, multiplied where negative;
 - ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI's): logit - c * f - (c > 0) * p,
-  where c counts the token in the sample's output so far.
+  c counting the token in the output so far.
 
-Log-probabilities (``top_logprobs``) are those of the model's own logits, before all of
-this and before temperature, as OpenAI reports them.
-
-Logits are numpy float32 rows (a torch tensor is taken too, turned into numpy), and each
-generator draws as a ``numpy.random.Generator``: no torch here.
-"""
+Log-probabilities (``top_logprobs``) are of the model's own logits, before all this and before
+temperature, as OpenAI reports them. Logits are numpy float32 rows: no torch here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,9 +29,8 @@ History = Tuple[Sequence[int], Sequence[int]]  # a sample's prompt and its outpu
 
 
 class Generator:
-    """One sample's uniform draws (``random``): numpy's ``Generator`` over ``PCG64(seed)``,
-    made at the first draw, so that a greedy run, which never draws, leaves ``numpy.random``
-    (and the OpenSSL library that its import loads) out of memory."""
+    """numpy's ``Generator`` over ``PCG64(seed)``, made at the first draw, so a greedy run leaves
+    ``numpy.random`` (and the OpenSSL it loads) out of memory."""
 
     __slots__ = ("seed", "_made")
 
@@ -54,14 +44,13 @@ class Generator:
 
 
 def sample_generator(seed: int, sample_index: int) -> Generator:
-    """The generator of one sample: independent of every other sample's."""
+    """Independent of every other sample's."""
     return Generator(seed * _SEED_STRIDE + sample_index)
 
 
 def penalize(logits: Any, params: SamplingParams, prompt: Sequence[int],
              output: Sequence[int]) -> np.ndarray:
-    """One row of logits (vocab,) with ``params``' bias and penalties applied (module
-    docstring), for a sample with ``prompt`` and ``output`` so far; a float32 copy."""
+    """A float32 copy of one row with ``params``' bias and penalties applied (module docstring)."""
     logits = np.array(float32(logits), dtype=np.float32)
     vocab = logits.shape[-1]
     for token, bias in params.logit_bias:
@@ -83,8 +72,7 @@ def penalize(logits: Any, params: SamplingParams, prompt: Sequence[int],
 
 def penalize_rows(logits: Any, params: SamplingParams,
                   histories: Optional[Sequence[History]]) -> np.ndarray:
-    """Rows (B, vocab) as float32 numpy, row b penalized for ``histories[b]``; as they are
-    when ``params`` change nothing (or no histories are given)."""
+    """Row b penalized for ``histories[b]``; as they are when ``params`` change nothing."""
     logits = float32(logits)
     if not params.penalized or histories is None:
         return logits
@@ -93,7 +81,7 @@ def penalize_rows(logits: Any, params: SamplingParams,
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
-    """Softmax of a row (or rows, over the last axis) in float32; -inf gives 0."""
+    """Over the last axis, float32; -inf gives 0."""
     shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
     return shifted / shifted.sum(axis=-1, keepdims=True)
 
@@ -104,8 +92,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def filter_logits(logits: Any, params: SamplingParams) -> np.ndarray:
-    """Temperature, then top-k, top-p and min-p on one row of logits (vocab,); -inf
-    outside."""
+    """Temperature, then top-k, top-p and min-p on one row; -inf outside."""
     logits = float32(logits) / np.float32(params.temperature)
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
@@ -120,11 +107,10 @@ def filter_logits(logits: Any, params: SamplingParams) -> np.ndarray:
 
 
 def nucleus(logits: np.ndarray, top_p: float) -> np.ndarray:
-    """``logits`` (vocab,) with -inf past the smallest set of likeliest tokens whose
-    probabilities reach ``top_p`` (the likeliest always kept; ties: the lower id first).
-    Only tokens of probability at least (1 - top_p) / (2 vocab) are sorted: those below
-    hold less than half of 1 - top_p between them, so the set lies among the others, and
-    sorting a whole vocabulary would cost milliseconds a token."""
+    """-inf past the smallest set of likeliest tokens reaching ``top_p`` (ties: lower id first).
+    Only tokens of probability >= (1 - top_p) / (2 vocab) are sorted: those below hold less than
+    half of 1 - top_p, so the set lies among the others, and sorting a whole vocabulary costs
+    milliseconds."""
     probs, vocab = softmax(logits), logits.shape[-1]
     candidates = np.flatnonzero(probs >= (1.0 - top_p) / (2 * vocab))
     order = candidates[np.lexsort((candidates, -probs[candidates]))]
@@ -137,8 +123,7 @@ def nucleus(logits: np.ndarray, top_p: float) -> np.ndarray:
 
 
 def draw(weights: np.ndarray, generator: Generator) -> int:
-    """One index drawn in proportion to ``weights`` (non-negative, not all 0): the inverse
-    of the running sum of those above 0 at one uniform draw."""
+    """The inverse of the running sum of the positive ``weights`` at one uniform draw."""
     indices = np.flatnonzero(weights > 0)
     cumulative = np.cumsum(weights[indices], dtype=np.float64)
     point = generator.random() * cumulative[-1]
@@ -147,8 +132,7 @@ def draw(weights: np.ndarray, generator: Generator) -> int:
 
 def sample_rows(logits: Any, params: SamplingParams, generators: Sequence[Generator],
                 histories: Optional[Sequence[History]] = None) -> List[int]:
-    """One token per row of ``logits`` (B, vocab); row b draws from ``generators[b]``, its
-    penalties counted on ``histories[b]`` (the sample's prompt and output so far)."""
+    """Row b draws from ``generators[b]``, its penalties counted on ``histories[b]``."""
     rows = penalize_rows(logits, params, histories)
     if params.greedy:
         return [int(t) for t in rows.argmax(axis=-1)]
@@ -158,7 +142,7 @@ def sample_rows(logits: Any, params: SamplingParams, generators: Sequence[Genera
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A chosen token's log-probability and the ``top`` likeliest tokens' (id, logprob)."""
+    """A chosen token's log-probability and the ``top`` likeliest (id, logprob)."""
 
     token: int
     logprob: float
@@ -166,8 +150,7 @@ class TokenLogprob:
 
 
 def top_entries(row: np.ndarray, top: int) -> Tuple[Tuple[int, float], ...]:
-    """The ``top`` largest entries of ``row`` as (index, value), largest first (ties: the
-    lower index first)."""
+    """(index, value), largest first (ties: lower index first)."""
     top = min(top, row.shape[-1])
     if top <= 0:
         return ()
@@ -177,8 +160,8 @@ def top_entries(row: np.ndarray, top: int) -> Tuple[Tuple[int, float], ...]:
 
 
 def token_logprobs(logits: Any, tokens: Sequence[int], top: int) -> List[TokenLogprob]:
-    """Row i of ``logits`` (T, vocab) scored for ``tokens[i]`` (zip's length): the
-    log-softmax of the model's logits, with the ``top`` likeliest of each row."""
+    """Row i scored for ``tokens[i]``: log-softmax of the model's logits, with each row's ``top``
+    likeliest."""
     rows = log_softmax(float32(logits))
     return [TokenLogprob(int(token), float(row[int(token)]), top_entries(row, top))
             for row, token in zip(rows, tokens)]

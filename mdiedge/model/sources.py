@@ -1,7 +1,5 @@
-"""Tensor sources that need no torch, reading numpy arrays (``get_array``; ``get`` wraps
-them as tensors for the torch path): Hugging Face safetensors (``SafetensorsArrays``, the
-default model) and the llama2.c format (``Llama2cSource``). GGUF's
-(``mdiedge.model.gguf.GGUFSource``) is torch-free too."""
+"""Torch-free tensor sources reading numpy arrays (``get_array``; ``get`` wraps them as tensors):
+safetensors (``SafetensorsArrays``) and llama2.c (``Llama2cSource``); GGUF's is torch-free too."""
 from __future__ import annotations
 
 import json
@@ -27,7 +25,7 @@ _NUMPY = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 
 
 def regular_file_size(file: Path) -> int:
-    """The size of ``file``, a regular file (a FIFO or a device would block a read)."""
+    """A FIFO or device would block a read."""
     try:
         info = file.stat()
     except OSError:
@@ -39,9 +37,8 @@ def regular_file_size(file: Path) -> int:
 
 
 class SafetensorsArrays(TensorSource):
-    """``model.safetensors`` or a sharded ``model.safetensors.index.json``, each file's
-    header parsed by us, tensors read as numpy with ``readinto`` (no memory map: the file's
-    pages never count in this process's RSS); F16 and BF16 widened to float32."""
+    """Our own header parse, tensors read as numpy with ``readinto`` (no memory map, so the file's
+    pages never count in RSS); F16 and BF16 widened to float32."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
@@ -62,8 +59,7 @@ class SafetensorsArrays(TensorSource):
         return list(self.file_of)
 
     def qtype(self, name: str) -> str:
-        """The block type a pushed chunk keeps tensor ``name`` in (``QTYPE_KEY`` metadata,
-        see ``chunk_safetensors``), else "F32"."""
+        """A pushed chunk's block type of ``name`` (``QTYPE_KEY`` metadata), else "F32"."""
         if name not in self.file_of:  # missing: the float read names it
             return "F32"
         meta = self._header(self.file_of[name]).get("__metadata__")
@@ -79,8 +75,7 @@ class SafetensorsArrays(TensorSource):
         return self._array_entry(name)[4] if name in self.file_of else None
 
     def _array_entry(self, name: str) -> Tuple[Path, str, Tuple[int, ...], int, int]:
-        """File, safetensors dtype tag, shape, start and size in bytes of tensor ``name``,
-        all checked."""
+        """File, dtype tag, shape, start and size in bytes, all checked."""
         file = self.file_of[name]
         entry = self._header(file).get(name)
         if not isinstance(entry, dict):
@@ -98,7 +93,6 @@ class SafetensorsArrays(TensorSource):
         return file, dtype.safetensors, tuple(shape), self._data_start[file] + offsets[0], nbytes
 
     def _bytes(self, name: str) -> Tuple[np.ndarray, str, Tuple[int, ...]]:
-        """Tensor ``name``'s bytes (uint8), its dtype tag and shape."""
         file, tag, shape, start, nbytes = self._array_entry(name)
         fh = self._files.get(file)
         if fh is None:
@@ -112,7 +106,7 @@ class SafetensorsArrays(TensorSource):
         return data, tag, shape
 
     def read_array(self, name: str) -> np.ndarray:
-        """Tensor ``name`` as float32 numpy (stored floats widened; BF16 by shifting)."""
+        """Float32, BF16 widened by shifting."""
         data, tag, shape = self._bytes(name)
         if tag == "BF16":
             values = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
@@ -132,7 +126,7 @@ class SafetensorsArrays(TensorSource):
         return self.read_array(name)
 
     def raw_array(self, name: str) -> np.ndarray:
-        """A quantized tensor's blocks, uint8 (rows, bytes per row)."""
+        """uint8 (rows, bytes per row)."""
         data, tag, shape = self._bytes(name)
         if tag != "U8" or len(shape) != 2:
             raise CheckpointError(f"{self.path}: tensor {name!r} of {self.qtype(name)} blocks "
@@ -140,8 +134,8 @@ class SafetensorsArrays(TensorSource):
         return data.reshape(shape)
 
     def _header(self, file: Path) -> Dict[str, Any]:
-        """The JSON header of a safetensors file (8-byte little-endian length, then JSON),
-        checked against the file's size so that a truncated file fails before any read."""
+        """8-byte little-endian length, then JSON, checked against the file's size so a truncated
+        file fails before any read."""
         if file not in self._headers:
             size = regular_file_size(file)
             with open(file, "rb") as fh:
@@ -179,14 +173,14 @@ class SafetensorsArrays(TensorSource):
 
 
 def _llama2c_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Interleaved RoPE rows -> "rotate half" rows, as Hugging Face's converter does."""
+    """Interleaved RoPE rows to rotate-half rows, as Hugging Face's converter does."""
     rows, cols = w.shape
     grouped = w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(0, 2, 1, 3)
     return np.ascontiguousarray(grouped).reshape(rows, cols)
 
 
 class Llama2cSource(TensorSource):
-    """A llama2.c "legacy" (version 0) checkpoint file, exposed under Hugging Face names."""
+    """A llama2.c "legacy" (version 0) file under Hugging Face names."""
 
     HEADER = LLAMA2C_HEADER
 

@@ -1,11 +1,6 @@
-"""A sample's text output, and its stop strings: a sample ends when its text contains one of
-them, and its output ends just before it (the OpenAI ``stop`` parameter; ``mdiedge generate
---stop``).
-
-``TextOutput`` follows one sample's text token by token; ``cut_at_stop`` and ``streamable``
-are the pure rules for the finished text and for what a stream may show while a stop string
-could still be forming at its end.
-"""
+"""A sample's text output and its stop strings (OpenAI's ``stop``; ``--stop``): a sample ends when
+its text contains one, its output just before it. ``cut_at_stop`` and ``streamable`` are the pure
+rules for the finished text and a stream."""
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
@@ -15,21 +10,20 @@ from .tokenizer import StreamDecoder, Tokenizer
 
 
 def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int:
-    """Index in ``text`` where the earliest stop string (found at or after ``start``) begins,
-    or -1."""
+    """Where the earliest stop at or after ``start`` begins, or -1."""
     hits = [i for i in (text.find(stop, start) for stop in stops) if i >= 0]
     return min(hits) if hits else -1
 
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> Tuple[str, bool]:
-    """``text`` up to the earliest stop string, and whether one was found."""
+    """Whether one was found."""
     at = find_stop(text, stops)
     return (text[:at], True) if at >= 0 else (text, False)
 
 
 def streamable(text: str, stops: Sequence[str]) -> int:
-    """How many leading characters of ``text`` a stream may show now: everything before a
-    stop string, and before any suffix that could still grow into one."""
+    """Leading characters a stream may show now: before a stop, and before any suffix that could
+    grow into one."""
     at = find_stop(text, stops)
     if at >= 0:
         return at
@@ -43,9 +37,8 @@ def streamable(text: str, stops: Sequence[str]) -> int:
 
 
 class TextOutput:
-    """One sample's text, each token decoded once as it is sampled (``push``, on the
-    stepping thread): whether a stop string appeared, what a stream may show (``fresh``:
-    never a stop string, nor the start of one that may still form) and the final text."""
+    """One sample's text, each token decoded once as sampled (``push``, on the stepping thread):
+    stop found, what a stream may show (``fresh``: never a stop or its start) and the final text."""
 
     def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int],
                  stops: Sequence[str] = ()) -> None:
@@ -57,8 +50,8 @@ class TextOutput:
         self.shown = 0  # characters of the text a stream was given
 
     def push(self, token: int) -> bool:
-        """Take the sample's next token; whether its text holds a stop string now. Each
-        push searches only the new text and the stop's length before it."""
+        """Whether the text holds a stop now; each push searches only the new text and a stop's
+        length before it."""
         if self.stopped_at is None:
             start = max(0, len(self.text) - self._longest + 1)
             self.text += self.decoder.push(token)
@@ -67,19 +60,16 @@ class TextOutput:
         return self.stopped_at is not None
 
     def final(self, stopped: bool) -> str:
-        """The sample's text after its prompt, up to its stop string if it ``stopped`` on
-        one."""
+        """Up to the stop string if it ``stopped`` on one."""
         text = self.text + self.decoder.held()
         if "\ufffd" in text:  # invalid UTF-8, which reads differently in the whole text
             text = self.decoder.whole()
         return cut_at_stop(text, self.stops)[0] if stopped else text
 
     def fresh(self) -> str:
-        """The text a stream may show now that it was not given yet."""
         return self._show(self.text[:streamable(self.text, self.stops)])
 
     def rest(self, final: str) -> str:
-        """What a stream was not given yet of the ``final`` text."""
         return self._show(final)
 
     def _show(self, text: str) -> str:

@@ -1,16 +1,12 @@
-"""Tool calls in a model's output text, read as pure functions (no I/O): the Hermes form that
-Qwen2.5 and many others write, one or more ``<tool_call>{"name": ..., "arguments": {...}}
-</tool_call>`` (the text before the first one is the reply's content), and a whole output that
-is one JSON object ``{"name": ..., "arguments": {...}}``; either also as the inside of an output
-that is one fenced code block (```` ```json ````), as Qwen2.5-Coder writes them.
+"""Tool calls in a model's output text, as pure functions: the Hermes form (Qwen2.5 and many
+others), one or more ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (text before the
+first is the content), and a whole output that is one such JSON object; either also inside one
+fenced code block, as Qwen2.5-Coder writes them.
 
-``parse_tool_calls`` reads a finished text; ``ToolCallSplitter`` follows a text as it grows and
-says what a stream may show as content now: the text before a tool call, never a suffix that
-could still grow into ``<tool_call>``, and nothing of an output that begins as JSON (either is
-held until the end, then read by ``parse_tool_calls``; so is an output that begins with a
-code fence, which may hold a call). A call naming no known function, or
-whose JSON does not parse, makes the whole text content: no calls.
-"""
+``ToolCallSplitter`` follows a growing text and says what a stream may show as content now: the text
+before a tool call, never a suffix that could still grow into ``<tool_call>``, nothing of an output
+beginning as JSON or a code fence (held until the end, then read by ``parse_tool_calls``). A call
+naming no known function, or whose JSON does not parse, makes the whole text content: no calls."""
 from __future__ import annotations
 
 import json
@@ -26,7 +22,7 @@ MAX_CALLS = 128  # calls read from one output
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One call: the function's name and its arguments as a JSON object's text."""
+    """Arguments as a JSON object's text."""
 
     name: str
     arguments: str
@@ -34,15 +30,15 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ParsedOutput:
-    """An output's content (None: none but calls) and its calls (empty: a plain answer)."""
+    """``content`` None: none but calls; ``calls`` empty: a plain answer."""
 
     content: Optional[str]
     calls: Tuple[ToolCall, ...] = ()
 
 
 def call_from_json(value: Any, names: Collection[str]) -> Optional[ToolCall]:
-    """``{"name": ..., "arguments": {...}}`` (arguments also as a JSON object's text, or
-    absent: no arguments) naming one of ``names`` as a ToolCall; else None."""
+    """``{"name", "arguments"}`` (arguments also as JSON text, or absent) naming one of ``names``;
+    else None."""
     if not isinstance(value, dict) or set(value) - {"name", "arguments"}:
         return None
     name, arguments = value.get("name"), value.get("arguments", {})
@@ -67,9 +63,8 @@ def _json_call(text: str, names: Collection[str]) -> Optional[ToolCall]:
 
 
 def _tagged_calls(text: str, names: Collection[str]) -> Optional[List[ToolCall]]:
-    """The calls of ``text``, which begins with ``<tool_call>``: each between the tags (the
-    last one's closing tag may be missing, as where the model ended right after it), only
-    blank text between them; None where any of it is not a call."""
+    """Each call between tags (the last closing tag may be missing), only blank text between; None
+    where any of it is not a call."""
     calls: List[ToolCall] = []
     rest = text
     while rest:
@@ -85,8 +80,7 @@ def _tagged_calls(text: str, names: Collection[str]) -> Optional[List[ToolCall]]
 
 
 def _fenced(text: str) -> Optional[str]:
-    """The inside of a text that is one fenced code block (``json`` or none named), else
-    None."""
+    """The inside of a text that is one fenced code block (``json`` or unnamed), else None."""
     stripped = text.strip()
     head, newline, body = stripped.partition("\n")
     if not (newline and head.startswith(FENCE) and head[len(FENCE):].strip() in FENCE_LANGUAGES
@@ -97,8 +91,7 @@ def _fenced(text: str) -> Optional[str]:
 
 
 def parse_tool_calls(text: str, names: Collection[str]) -> ParsedOutput:
-    """The content and calls of a finished output; the text as content, no calls, where it
-    holds no call or one that is not valid (bad JSON, a name not in ``names``)."""
+    """The text as content, no calls, where it holds no valid call."""
     inside = _fenced(text)
     if inside is not None:
         parsed = parse_tool_calls(inside, names)
@@ -119,7 +112,7 @@ def parse_tool_calls(text: str, names: Collection[str]) -> ParsedOutput:
 
 
 def _partial_open(text: str) -> int:
-    """Length of the longest suffix of ``text`` that begins ``<tool_call>`` (0: none)."""
+    """Length of the longest suffix that begins ``<tool_call>`` (0: none)."""
     for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
         if text.endswith(OPEN[:n]):
             return n
@@ -127,8 +120,8 @@ def _partial_open(text: str) -> int:
 
 
 class ToolCallSplitter:
-    """One output as its text arrives: ``push`` gives the content a stream may show now;
-    once a tool call may have begun, the rest is held for ``finish``."""
+    """``push`` gives the content a stream may show now; once a call may have begun, the rest is
+    held for ``finish``."""
 
     def __init__(self) -> None:
         self.text = ""
@@ -158,8 +151,7 @@ class ToolCallSplitter:
         return new
 
     def finish(self, text: str, names: Collection[str]) -> Tuple[str, ParsedOutput]:
-        """The finished ``text`` (what the pushes added up to, or more) read: the content
-        not shown yet, and the whole output's content and calls."""
+        """(content not shown yet, the whole output's content and calls)."""
         self.text = text
         parsed = parse_tool_calls(text, names)
         if parsed.calls:  # the content is the text before the first call, or none

@@ -1,11 +1,9 @@
 """A decoder in plain torch; it knows nothing of sockets.
 
-A ``Transformer`` holds blocks ``[first, last)`` and optionally the embedding and the final norm
-and head, so a ring node runs the code that runs single-process. The KV cache has a slot dimension:
-each row of a micro-batch carries its own slot and position (MDI-LLM's "rotating KV caches").
-Decode takes the compiled step (``mdiedge.model._stepspec``) for the parts the family declares it
-runs, and torch for the rest.
-"""
+A ``Transformer`` holds blocks ``[first, last)`` and optionally the embedding, final norm and head,
+so a ring node runs the single-process code. The KV cache has a slot dimension: each row carries its
+own slot and position (MDI-LLM's "rotating KV caches"). Decode takes the compiled step for the parts
+the family declares, torch for the rest."""
 from __future__ import annotations
 
 import functools
@@ -20,7 +18,7 @@ from torch import Tensor, nn
 
 from ..base.accel import Twins
 from . import _pystep
-from ._stepspec import BlockWeights
+from ._stepconstants import BlockWeights
 from .block import KVCache, step_matrix
 from .config import ModelConfig
 from ..base.cpudot import dot_code
@@ -40,16 +38,13 @@ _step = STEP.select()
 
 
 def step_code() -> ModuleType:
-    """The step module the blocks and the head decode through (compiled, or its twin)."""
+    """The step module decode runs through (compiled, or its twin)."""
     return _step
 
 
 class Transformer(nn.Module):
-    """Blocks ``[first, last)`` of a decoder, with the embedding and the head each optional.
-
-    Parameter names: ``embed.weight``, ``layers.{i}.…`` with the global block index ``i``,
-    ``norm.weight``, ``lm_head.weight`` (``tensors.tensor_plan`` maps them to a checkpoint's).
-    """
+    """Parameter names: ``embed.weight``, ``layers.{i}.…`` with the global block index ``i``,
+    ``norm.weight``, ``lm_head.weight`` (``tensors.tensor_plan`` maps them to a checkpoint's)."""
 
     def __init__(self, cfg: ModelConfig, layers: Optional[Tuple[int, int]] = None,
                  embedding: bool = True, head: bool = True) -> None:
@@ -78,10 +73,9 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     def store_head_transposed(self) -> None:
-        """Keep the head's (vocab, dim) weight in column-major storage (a contiguous (dim, vocab)
-        buffer seen transposed): CPU BLAS streams it fastest that way for the one-row decode
-        product (``bin/bench-decode``). A tied embedding shares it. Skipped where the compiled few-
-        row product runs decode: it reads row-major."""
+        """Keep the head weight column-major: CPU BLAS streams it fastest so for the one-row decode
+        product (``bin/bench-decode``). Skipped where the compiled few-row product runs decode (it
+        reads row-major)."""
         if not transposed_head_pays():
             return
         if not isinstance(self.lm_head, Linear) or not self.lm_head.weight.is_contiguous():
@@ -95,8 +89,8 @@ class Transformer(nn.Module):
             self.embed.weight = self.lm_head.weight
 
     def fuse_projections(self) -> None:
-        """Q/K/V and gate/up each as one product per block sharing their parameters' memory
-        (``layers.fuse``); CPU inference, before loading."""
+        """Q/K/V and gate/up each as one product sharing their parameters' memory; CPU inference,
+        before loading."""
         self._steps = None
         for block in self.layers.values():
             block.fuse_projections()
@@ -128,8 +122,8 @@ class Transformer(nn.Module):
         self._steps = None
 
     def _set_rope(self, length: int, device: torch.device) -> None:
-        """RoPE tables of ``length`` positions: the global layers' (``rope_cos``, ``rope_sin``)
-        and the sliding layers' (``local_rope_…``, the same unless their base differs)."""
+        """RoPE tables of ``length`` positions: global (``rope_*``) and sliding (``local_rope_*``,
+        the same unless their base differs)."""
         cos, sin = rope_tables(self.cfg, length)
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
         self.local_rope_cos, self.local_rope_sin = self.rope_cos, self.rope_sin
@@ -138,11 +132,10 @@ class Transformer(nn.Module):
             self.local_rope_cos, self.local_rope_sin = cos.to(device), sin.to(device)
 
     def _windows(self) -> List[int]:
-        """The attention windows of this chunk's blocks, each once (0: full attention)."""
+        """Attention windows of this chunk's blocks, each once (0: full)."""
         return sorted({block.attn.window for block in self.layers.values()})
 
     def _tables(self, window: int) -> Tuple[Tensor, Tensor]:
-        """The RoPE tables (L, hd) of the blocks of ``window``: sliding (> 0) or global."""
         return (self.local_rope_cos, self.local_rope_sin) if window else (self.rope_cos,
                                                                           self.rope_sin)
 
@@ -163,11 +156,9 @@ class Transformer(nn.Module):
 
     def run_blocks(self, x: Tensor, slots: Tensor, positions: Sequence[int],
                    exit_step: Optional[ExitStep] = None) -> Tensor:
-        """x: (B, T, dim) hidden states; row b starts at ``positions[b]`` in slot ``slots[b]``.
-
-        With ``exit_step`` (decode), the criterion runs after each block; once the step has
-        exited (here or on an earlier node), the remaining blocks only fill their KV from
-        the exit state, which is returned."""
+        """x: (B, T, dim); row b starts at ``positions[b]`` in slot ``slots[b]``. With ``exit_step``
+        (decode) the criterion runs after each block; once exited (here or on an earlier node) the
+        remaining blocks only fill their KV from the exit state, which is returned."""
         if not self.layers:
             return x
         if self.n_slots == 0:
@@ -191,11 +182,10 @@ class Transformer(nn.Module):
 
     def _step_blocks(self, x: Tensor, slots: Tensor, positions: Sequence[int],
                      exit_step: Optional[ExitStep]) -> Optional[Tensor]:
-        """Decode through the compiled step (x (B, T, dim), B x T at most the step's rows): every
-        block in one call, or with ``exit_step`` (T = 1) the blocks between checked ones per call.
-        A row's T positions are step rows of one slot at consecutive positions: all write KV before
-        any attends, so they see each other causally. None, before anything runs, where the step
-        does not cover every block."""
+        """Decode through the compiled step (B x T at most its rows), every block in one call, or
+        with ``exit_step`` (T = 1) the blocks between checked ones. A row's T positions all write KV
+        before any attends, so they see each other causally. None, before anything runs, where the
+        step does not cover every block."""
         weights = self._step_weights()
         batch, seq_len, dim = x.shape
         rows = x.reshape(batch * seq_len, dim)  # (B*T, dim)
@@ -226,8 +216,6 @@ class Transformer(nn.Module):
 
     def _step_run(self, first: int, end: int, rows: Tensor, slots: List[int],
                   positions: Sequence[int], threads: int) -> Tensor:
-        """This chunk's blocks ``first`` to ``end`` (positions in the chunk) on rows (B, dim)
-        in one call of the step; their plan is made once."""
         plans = self._plans
         plan = plans.get((first, end))
         if plan is None:
@@ -237,10 +225,9 @@ class Transformer(nn.Module):
         return out
 
     def _step_weights(self) -> List[BlockWeights]:
-        """Every block's ``step_weights`` and the step's plans of them (``_plans``); empty unless
-        all blocks have them and the family declares ``step_blocks``. Made once per
-        ``setup_cache``, ``fuse_projections`` or ``.to()``: a parameter replaced by hand later
-        needs ``setup_cache``."""
+        """Every block's ``step_weights`` and plans, empty unless all blocks have them and the
+        family declares ``step_blocks``. Made per ``setup_cache``, ``fuse_projections`` or
+        ``.to()``: a parameter replaced by hand later needs ``setup_cache``."""
         if self._steps is None:
             found = [b.step_weights(*self._tables(b.attn.window)) for b in self.layers.values()
                      ] if self.family.step_blocks else []
@@ -253,34 +240,30 @@ class Transformer(nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     def _fill_from(self, start: int, x: Tensor, slots: Tensor, positions: Sequence[int]) -> None:
-        """KV fill of this chunk's blocks from the ``start``-th on (early exit)."""
         inputs = self._attention_inputs(x, positions)
         for skipped in list(self.layers.values())[start:]:
             cos, sin, _ = inputs[skipped.attn.window]
             skipped.fill_kv(x, cos, sin, slots, positions)
 
     def fill_kv(self, x: Tensor, slots: Tensor, positions: Sequence[int]) -> None:
-        """KV fill (early exit): every block writes the keys and values its norm and K/V
-        projections make of the exit state ``x`` (B, T, dim); nothing else runs."""
+        """KV fill (early exit): every block writes the keys and values of the exit state ``x``;
+        nothing else runs."""
         if self.layers:
             self._fill_from(0, x, slots, positions)
 
     def _attention_inputs(self, x: Tensor, positions: Sequence[int]
                           ) -> Dict[int, Tuple[Tensor, Tensor, Optional[Tensor]]]:
-        """``rope_and_mask`` for each attention window of this chunk's blocks (0: full)."""
         return {window: rope_and_mask(x, positions, self._tables(window), window,
                                       self.max_seq_len) for window in self._windows()}
 
     def hidden_states(self, tokens: Tensor) -> List[Tensor]:
-        """Every block's output, each (B, T, dim), for whole sequences from position 0 without
-        a KV cache (training and calibration of early exits): element i is block first + i's."""
+        """Every block's output (B, T, dim) for whole sequences without a KV cache (training,
+        early-exit calibration)."""
         states: List[Tensor] = []
         self._run_blocks_uncached(self.embed_tokens(tokens), states)
         return states
 
     def _run_blocks_uncached(self, x: Tensor, states: Optional[List[Tensor]] = None) -> Tensor:
-        """Causal forward over whole sequences from position 0, without a KV cache (training);
-        each block's output is appended to ``states`` when given."""
         seq_len = x.shape[1]
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {seq_len} beyond max_seq_len {self.cfg.max_seq_len}")
@@ -296,9 +279,8 @@ class Transformer(nn.Module):
         return x
 
     def head_logits(self, x: Tensor) -> Tensor:
-        """Final norm and head: (…, dim) -> (…, vocab) in fp32. Decode rows (B, dim) on the
-        CPU take the compiled step's one call for both, as the blocks do, a quantized head
-        too, where the family declares ``step_head``."""
+        """Final norm and head, (…, dim) -> (…, vocab) fp32; CPU decode rows take the compiled step
+        where the family declares ``step_head``."""
         if self.norm is None or self.lm_head is None:
             raise RuntimeError("this chunk holds no head")
         if self.family.step_head and _step.PREFERRED and x.dim() == 2 \
@@ -314,9 +296,9 @@ class Transformer(nn.Module):
 
     def forward(self, inputs: Tensor, slots: Tensor, positions: Sequence[int],
                 all_logits: bool = False) -> Tensor:
-        """inputs: token ids (B, T) with an embedding, else hidden states (B, T, dim).
-        Returns logits (B, vocab) for the last position, (B, T, vocab) with ``all_logits``,
-        or hidden states (B, T, dim) for a chunk without a head."""
+        """inputs: token ids (B, T) with an embedding, else hidden states (B, T, dim). Logits (B,
+        vocab) of the last position, (B, T, vocab) with ``all_logits``, or hidden states without a
+        head."""
         x = self.embed_tokens(inputs) if self.embed is not None else inputs
         x = self.run_blocks(x, slots, positions)
         if self.lm_head is None:
@@ -324,13 +306,13 @@ class Transformer(nn.Module):
         return self.head_logits(x if all_logits else x[:, -1])
 
     def expert_load(self) -> Dict[str, List[int]]:
-        """Tokens routed to each expert since loading, per MoE block of this chunk:
-        ``{global block index: [count per expert]}`` (empty for a dense model)."""
+        """Tokens routed to each expert since loading: ``{global block index: [count per expert]}``.
+        """
         return {i: block.mlp.expert_counts.tolist() for i, block in self.layers.items()
                 if hasattr(block.mlp, "expert_counts")}
 
     def parameter_bytes(self) -> int:
-        """Bytes of the weights as held: float parameters and quantized blocks."""
+        """Float parameters and quantized blocks, as held."""
         seen: Dict[int, int] = {}
         for p in itertools.chain(self.parameters(), (m.qweight for m in self.modules()
                                                      if hasattr(m, "qweight"))):
@@ -340,10 +322,9 @@ class Transformer(nn.Module):
 
 def rope_and_mask(x: Tensor, positions: Sequence[int], tables: Tuple[Tensor, Tensor],
                   window: int, max_seq_len: int) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """RoPE ``tables`` (L, hd) at the positions of rows x (B, T, dim), (B, 1, T, hd) each, and
-    the attention mask (B, 1, T, L): causal and, with ``window``, of the last ``window``
-    positions (None where every row sees its whole cache: one token per row at one position,
-    within the window)."""
+    """RoPE ``tables`` at the rows' positions, (B, 1, T, hd) each, and the mask (B, 1, T, L): causal
+    and, with ``window``, of the last ``window`` positions (None where every row sees its whole
+    cache)."""
     batch, seq_len, _ = x.shape
     length = max(positions) + seq_len
     if length > max_seq_len:
@@ -364,6 +345,5 @@ def rope_and_mask(x: Tensor, positions: Sequence[int], tables: Tuple[Tensor, Ten
 
 
 def route_of(model: Transformer) -> Dict[str, str]:
-    """How a decode step of ``model`` runs here (``mdiedge.model.decoderoute``), with the step
-    this process selected."""
+    """How a decode step of ``model`` runs here (``decoderoute``)."""
     return decode_route(model, _step)

@@ -1,18 +1,12 @@
-"""Load balancing between requests, from measurements, in bounded steps.
+"""Load balancing between requests, from measurements, in bounded steps; pure (the starter keeps the
+``Evidence``).
 
-Each check (at a request boundary, once the ring has handled ``MIN_MESSAGES`` more messages)
-measures every node's compute time per block over the messages since the last check (every
-node sees the same messages). A check finds the ring out of balance when the slowest node's
-time per block is more than a margin above the mean (``placement.partition.balanced_weights``);
-only after ``SUSTAINED_CHECKS`` such checks in a row do the layers move, so one skewed
-measurement (a co-located node's threads contending for a moment) moves nothing, and the
-speeds they move by are each node's median over those checks. The new split aims at
-weights in proportion to the measured speed, but one step moves at most ``MAX_MOVE_SHARE``
-of the blocks (at least one), never empties a node that holds blocks, and keeps pinned
-nodes where they are (``bounded_split``); the next step needs fresh evidence.
-
-All functions here are pure: the starter keeps the ``Evidence`` between checks.
-"""
+Each check (at a request boundary, ``MIN_MESSAGES`` messages after the last) measures every node's
+compute time per block. The ring is out of balance when the slowest node is more than a margin above
+the mean (``partition.balanced_weights``); only after ``SUSTAINED_CHECKS`` such checks in a row do
+layers move (one skewed measurement moves nothing), by each node's median speed over them. One step
+moves at most ``MAX_MOVE_SHARE`` of the blocks (at least one), never empties a node holding blocks,
+keeps pinned nodes (``bounded_split``); the next step needs fresh evidence."""
 from __future__ import annotations
 
 import math
@@ -31,9 +25,8 @@ MAX_MOVE_SHARE = 0.25  # one step moves at most this share of the blocks (at lea
 
 @dataclass(frozen=True)
 class Evidence:
-    """What the checks of one ring so far say: each node's counters at the last check
-    (compute seconds, messages), its last ``SUSTAINED_CHECKS`` seconds per block, and how
-    many checks in a row found the ring out of balance."""
+    """Each node's counters at the last check, its last ``SUSTAINED_CHECKS`` seconds per block, and
+    the out-of-balance checks in a row."""
 
     counters: Dict[str, Tuple[float, int]] = field(default_factory=dict)
     samples: Dict[str, Tuple[float, ...]] = field(default_factory=dict)
@@ -41,15 +34,14 @@ class Evidence:
 
     @property
     def seconds(self) -> Dict[str, float]:
-        """Each node's median seconds per block over its kept measurements."""
+        """Median over the kept measurements."""
         return {name: statistics.median(kept) for name, kept in self.samples.items()}
 
 
 def seconds_per_block(statuses: Sequence[NodeStatus], before: Dict[str, Tuple[float, int]]
                       ) -> Optional[Dict[str, float]]:
-    """Each node's compute seconds per block since its counters ``before`` (nodes with no
-    block left out), or None when a node is down, holds no layers, has handled fewer than
-    ``MIN_MESSAGES`` messages since, or its counters went back (a new ring)."""
+    """Since ``before`` (nodes without blocks left out); None when a node is down, holds no layers,
+    handled fewer than ``MIN_MESSAGES`` since, or its counters went back (a new ring)."""
     times = {}
     for status in statuses:
         seconds, messages = before.get(status.name, (0.0, 0))
@@ -63,8 +55,7 @@ def seconds_per_block(statuses: Sequence[NodeStatus], before: Dict[str, Tuple[fl
 
 
 def observe(evidence: Evidence, statuses: Sequence[NodeStatus], margin: float) -> Evidence:
-    """``evidence`` with one more check of ``statuses`` (unchanged when the check measured
-    nothing: see ``seconds_per_block``)."""
+    """Unchanged when the check measured nothing."""
     times = seconds_per_block(statuses, evidence.counters)
     if not times:
         return evidence
@@ -77,9 +68,8 @@ def observe(evidence: Evidence, statuses: Sequence[NodeStatus], margin: float) -
 
 def measured_weights(evidence: Evidence, declared: Dict[str, float],
                      margin: float) -> Optional[Dict[str, float]]:
-    """New weights by node name once the ring has been out of balance by more than
-    ``margin`` for ``SUSTAINED_CHECKS`` checks in a row, on the declared weights' scale
-    (their mean over the measured nodes is kept); else None."""
+    """Once out of balance by more than ``margin`` for ``SUSTAINED_CHECKS`` checks in a row, on the
+    declared weights' scale (their mean over measured nodes kept); else None."""
     if evidence.streak < SUSTAINED_CHECKS or not evidence.seconds:
         return None
     names: List[str] = list(evidence.seconds)
@@ -91,16 +81,14 @@ def measured_weights(evidence: Evidence, declared: Dict[str, float],
 
 
 def max_move(blocks: int) -> int:
-    """The most blocks one step may move in a model of ``blocks`` blocks."""
     return max(1, math.floor(MAX_MOVE_SHARE * blocks))
 
 
 def bounded_split(current: Sequence[int], target: Sequence[int], fixed: Sequence[bool],
                   limit: int) -> List[int]:
-    """Block counts (ring order) one step from ``current`` toward ``target``: at most
-    ``limit`` blocks move, one at a time from the node furthest above its target to the one
-    furthest below; only within a run of nodes between ``fixed`` (pinned) ones, so a pinned
-    node keeps its range; a node that holds blocks keeps at least one."""
+    """At most ``limit`` blocks move, one at a time from the node furthest above its target to the
+    one furthest below, only within runs between ``fixed`` (pinned) nodes; a node holding blocks
+    keeps one."""
     out = list(current)
     runs: List[List[int]] = [[]]
     for i, pinned in enumerate(fixed):
@@ -122,7 +110,7 @@ def bounded_split(current: Sequence[int], target: Sequence[int], fixed: Sequence
 
 
 def ranges(counts: Sequence[int]) -> List[Tuple[int, int]]:
-    """Consecutive block ranges [first, end) of ``counts`` blocks each, from block 0."""
+    """[first, end) of ``counts`` blocks each, from block 0."""
     out, first = [], 0
     for count in counts:
         out.append((first, first + count))

@@ -3,13 +3,12 @@
 Node 0, the starter, holds the embedding, its first blocks, the final norm, the head and the
 sampler; each worker holds one range; in ring order the ranges tile ``[0, n_layers)``.
 
-The split follows MDI-LLM (Macario et al. 2024, arXiv:2505.18164): the starter counts its
-embedding and head as ``starter_overhead`` block-equivalents (default 2) and the load is shared
-by declared weight: with ``T = n_layers + starter_overhead``, node ``i`` ends at ``floor(T *
-(w_0+...+w_i) / sum(w) - starter_overhead)``, giving the paper's splits (5/7 and 2/5/5 for
-12-block NanoLlama, 10/12 and 6/8/8 for 22-block TinyLlama). Exact fractions keep ties such as
-``14 * 1/2 - 2 = 5`` from falling to 4.99999.
-"""
+The split follows MDI-LLM (Macario et al. 2024, arXiv:2505.18164): the starter counts its embedding
+and head as ``starter_overhead`` block-equivalents (default 2) and the load is shared by declared
+weight: with ``T = n_layers + starter_overhead``, node ``i`` ends at ``floor(T * (w_0+...+w_i) /
+sum(w) - starter_overhead)``, giving the paper's splits (5/7 and 2/5/5 for 12-block NanoLlama, 10/12
+and 6/8/8 for 22-block TinyLlama). Exact fractions keep ties such as ``14 * 1/2 - 2 = 5`` from
+falling to 4.99999."""
 from __future__ import annotations
 
 import math
@@ -29,7 +28,6 @@ __all__ = ["Placement", "split_layers", "check_ring_size", "partition", "format_
 
 @dataclass(frozen=True)
 class Placement:
-    """What one node runs and how much memory that takes."""
 
     name: str
     layers: Tuple[int, int]
@@ -49,7 +47,7 @@ class Placement:
 
 
 def format_bytes(n: int) -> str:
-    """A byte count for humans, 1024-based: ``512 B``, ``1.50 KiB``, ``3.25 MiB``, ``1.10 GiB``."""
+    """1024-based: ``512 B``, ``1.50 KiB``, ``3.25 MiB``."""
     if abs(n) < 1024:
         return f"{n} B"
     value = float(n)
@@ -65,8 +63,7 @@ def _names(names: Sequence[str]) -> str:
 
 
 def _exact(what: str, value: object, positive: bool) -> Fraction:
-    """``value`` as an exact fraction; PartitionError naming ``what`` when it is not a finite
-    number, or is not > 0 (``positive``) or >= 0."""
+    """PartitionError naming ``what`` unless finite and > 0 (``positive``) or >= 0."""
     if (isinstance(value, bool) or not isinstance(value, numbers.Real)
             or not math.isfinite(float(value)) or float(value) < 0
             or (positive and float(value) == 0)):
@@ -90,10 +87,9 @@ def _is_int(value: object) -> bool:
 def _split_counts(n_blocks: int, weights: Sequence[Fraction], overhead: Fraction,
                   starter_first: bool, labels: Sequence[str], where: str,
                   labels_named: bool = True) -> List[int]:
-    """Block counts for consecutive nodes sharing ``n_blocks`` blocks by the floor-cumulative
-    rule. ``starter_first``: node 0 of this group is the starter, which may get no block and
-    carries ``overhead``; every other node gets at least one block, taken from the larger of
-    its nearest neighbours able to spare one."""
+    """Floor-cumulative block counts. ``starter_first``: node 0 is the starter, may get none and
+    carries ``overhead``; every other node gets one at least, from its larger neighbour able to
+    spare it."""
     n_nodes = len(weights)
     minimum = [0 if (i == 0 and starter_first) else 1 for i in range(n_nodes)]
     needed = sum(minimum)
@@ -151,8 +147,7 @@ def _ranges(start: int, counts: Sequence[int]) -> List[Tuple[int, int]]:
 
 def split_layers(n_layers: int, weights: Sequence[float],
                  starter_overhead: float = 2.0) -> List[Tuple[int, int]]:
-    """One ``(first, end)`` range per node tiling ``[0, n_layers)`` by relative ``weights``
-    (node 0 the starter, which may get no block; every worker gets one at least)."""
+    """``(first, end)`` per node tiling ``[0, n_layers)`` by ``weights``."""
     if not _is_int(n_layers) or n_layers < 0:
         raise PartitionError(f"n_layers must be a non-negative integer, got {n_layers!r}")
     if len(weights) == 0:
@@ -167,9 +162,8 @@ def split_layers(n_layers: int, weights: Sequence[float],
 
 
 def check_ring_size(n_layers: int, n_nodes: int) -> None:
-    """PartitionError unless a ring of ``n_nodes`` (the starter and ``n_nodes - 1`` workers)
-    can share ``n_layers`` blocks: every worker needs one, the starter may have none. Needs
-    only the model's block count, so it is checked before any node process starts."""
+    """Every worker needs a block, the starter may have none; checked before any node process
+    starts."""
     workers = n_nodes - 1
     if workers > n_layers:
         raise PartitionError(
@@ -207,8 +201,7 @@ def _pinned_range(node: NodeSpec, index: int, n_layers: int) -> Optional[Tuple[i
 
 def _assign_layers(n_layers: int, nodes: Sequence[NodeSpec],
                    overhead: Fraction) -> List[Tuple[int, int]]:
-    """Block range of every node: pinned ranges as given, the gaps between them split over the
-    unpinned nodes in each gap by weight."""
+    """Pinned ranges as given, the gaps split over their unpinned nodes by weight."""
     weights = [_check_weight(f"node {node.name!r}", node.weight) for node in nodes]
     pins = [_pinned_range(node, i, n_layers) for i, node in enumerate(nodes)]
     _check_pin_order(nodes, pins)
@@ -240,7 +233,6 @@ def _assign_layers(n_layers: int, nodes: Sequence[NodeSpec],
 
 def _check_pin_order(nodes: Sequence[NodeSpec], pins: Sequence[Optional[Tuple[int, int]]]
                      ) -> None:
-    """Pinned ranges are disjoint and follow ring order."""
     previous: Optional[int] = None
     for i, pin in enumerate(pins):
         if pin is None:
@@ -268,11 +260,10 @@ def _gap_name(nodes: Sequence[NodeSpec], after: Optional[int], before: Optional[
 
 def partition(cfg: ModelConfig, nodes: Sequence[NodeSpec], n_samples: int, context: int,
               itemsize: int = 4, starter_overhead: float = 2.0) -> List[Placement]:
-    """Place ``cfg``'s blocks on ``nodes`` (ring order) and check memory. Pinned nodes keep
-    their ``layers``; blocks between pins go to the unpinned nodes by weight. A node's memory is
-    its weights (plus embedding and head on the starter) and a KV cache of ``n_samples`` x
-    ``context`` at ``itemsize`` bytes; one declaring less ``memory`` fails the whole partition
-    (PartitionError) before anything is loaded."""
+    """Place blocks on ``nodes`` (ring order): pinned ones keep their ``layers``, the rest by
+    weight. A node's memory is its weights (the starter's embedding and head too) and a KV cache of
+    ``n_samples`` x ``context``; one declaring less fails the whole partition before anything loads.
+    """
     if len(nodes) == 0:
         raise PartitionError("cannot partition a model over an empty list of nodes")
     for key, value, low in (("n_samples", n_samples, 0), ("context", context, 0),
@@ -312,9 +303,8 @@ def _memory_message(p: Placement, memory: int, n_samples: int, context: int) -> 
 
 
 def choose_members(nodes: Sequence[NodeSpec], lost: Container[str]) -> List[NodeSpec]:
-    """The workers of a ring, in ring order: every configured worker that is not ``lost`` (by
-    name), a lost one's place taken by the next spare that is not lost; spares are otherwise
-    held back. Their layers are then split by ``partition``, by their own weights."""
+    """Every configured worker not ``lost``, a lost one's place taken by the next spare not lost;
+    other spares held back."""
     spares = [n for n in nodes if n.spare and n.name not in lost]
     members = []
     for node in nodes:
@@ -328,10 +318,9 @@ def choose_members(nodes: Sequence[NodeSpec], lost: Container[str]) -> List[Node
 
 
 def balanced_weights(seconds_per_block: Sequence[float], margin: float) -> Optional[List[float]]:
-    """Weights in proportion to each node's measured speed (the inverse of its seconds per
-    block; a node of mean speed gets 1), or None when the slowest node is within ``margin``
-    of the mean (Petals' balancing step, from measurements instead of declarations), when
-    ``margin`` is 0 (balancing off), or when a measurement is missing."""
+    """Proportional to measured speed (mean speed: 1), or None when the slowest is within ``margin``
+    of the mean, ``margin`` is 0, or a measurement is missing (Petals' balancing, from
+    measurements)."""
     times = list(seconds_per_block)
     if margin <= 0 or len(times) < 2 or not all(t > 0 and math.isfinite(t) for t in times):
         return None

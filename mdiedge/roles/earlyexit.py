@@ -1,8 +1,6 @@
-"""Early exit on a ring's nodes: the parts beyond a node's blocks that its criterion needs
-(the final norm and head for ``softmax``, the exit classifier for ``classifier``), where a
-worker finds them (its copy of the model, or what the starter sent with its blocks), and the
-policy its stage runs with.
-"""
+"""Early exit on a ring's nodes: the parts beyond a node's blocks its criterion needs (final norm
+and head for ``softmax``, the classifier for ``classifier``), where a worker finds them, and its
+stage's policy."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,8 +13,6 @@ from ..runtime.protocol import Assignment, ExitAssignment
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # early exit runs on the torch path: torch loads only where it is asked for
-    import torch
-
     from ..model.earlyexit.files import ExitSettings
     from ..model.earlyexit.policy import ExitPolicy
 
@@ -41,7 +37,7 @@ def file_sha256(path: Path) -> str:
 
 
 def check_ring_exits(cfg: Any, settings: Optional[ExitSettings]) -> Optional[ExitSettings]:
-    """Early exit on a ring: a frame names the exit block in one byte."""
+    """A frame names the exit block in one byte."""
     if settings is not None and cfg.n_layers - 1 > MAX_EXIT_DEPTH:
         raise ConfigError(f"early exit on a ring supports models of up to "
                           f"{MAX_EXIT_DEPTH + 1} blocks; this one has {cfg.n_layers}")
@@ -50,8 +46,7 @@ def check_ring_exits(cfg: Any, settings: Optional[ExitSettings]) -> Optional[Exi
 
 def starter_policy(settings: Optional[ExitSettings], model_hash: str,
                    model: Any) -> Optional[ExitPolicy]:
-    """The policy of a stage whose chunk holds the head (the starter's, a local engine's),
-    on that chunk's device."""
+    """The policy of a stage holding the head, on its chunk's device."""
     if settings is None:
         return None
     from ..model.earlyexit.files import exit_policy
@@ -61,7 +56,7 @@ def starter_policy(settings: Optional[ExitSettings], model_hash: str,
 
 
 def cache_suffix(exits: Optional[ExitAssignment]) -> str:
-    """The cache folder of a sent chunk names the exit parts it holds besides the blocks."""
+    """A sent chunk's cache folder names the exit parts it holds."""
     if exits is None:
         return ""
     if exits.needs_classifier:
@@ -70,7 +65,7 @@ def cache_suffix(exits: Optional[ExitAssignment]) -> str:
 
 
 def extra_bytes(request: Assignment) -> int:
-    """Bytes the exit parts add to a chunk of blocks (the weights upload's size limit)."""
+    """For the weights upload's size limit."""
     exits, cfg = request.early_exit, request.model.model_config()
     if exits is None:
         return 0
@@ -83,9 +78,8 @@ def extra_bytes(request: Assignment) -> int:
 
 def chunk_extras(model_dir: Path, exits: Optional[ExitAssignment]
                  ) -> "Tuple[Dict[str, Any], Dict[str, str]]":
-    """The exit classifier file's bytes as one tensor of a sent chunk (the worker writes them
-    back verbatim, so its sha256 is the starter's), and the chunk metadata saying so (the
-    head travels under its own checkpoint names; see ``chunk_safetensors(head=...)``)."""
+    """The classifier file's bytes as one tensor of a sent chunk (written back verbatim, so its
+    sha256 is the starter's), and the metadata saying so."""
     if exits is None or not exits.needs_classifier:
         return {}, {}
     model_dir = model_dir if model_dir.is_dir() else model_dir.parent
@@ -96,8 +90,7 @@ def chunk_extras(model_dir: Path, exits: Optional[ExitAssignment]
 
 
 def sent_chunk(path: Path, layers: Tuple[int, int], exits: Optional[ExitAssignment]) -> bytes:
-    """What the starter sends a worker without a copy of the model: its blocks, and the
-    exit parts its criterion needs."""
+    """Its blocks and the exit parts its criterion needs."""
     from ..model.chunkfile import chunk_safetensors
 
     extra, metadata = chunk_extras(path, exits)
@@ -105,8 +98,7 @@ def sent_chunk(path: Path, layers: Tuple[int, int], exits: Optional[ExitAssignme
 
 
 def keep_sent_classifier(folder: Path) -> None:
-    """Write the classifier file a sent chunk (``folder/model.safetensors``) carries, if any,
-    beside it."""
+    """Write the classifier a sent chunk carries, if any, beside it."""
     from safetensors import safe_open
 
     with safe_open(str(folder / "model.safetensors"), framework="numpy") as f:
@@ -115,7 +107,6 @@ def keep_sent_classifier(folder: Path) -> None:
 
 
 def has_parts(source: Path, exits: Optional[ExitAssignment]) -> bool:
-    """Whether ``source`` holds the exit parts ``exits`` needs."""
     if exits is None:
         return True
     folder = source if source.is_dir() else source.parent
@@ -137,9 +128,8 @@ def has_parts(source: Path, exits: Optional[ExitAssignment]) -> bool:
 
 
 def worker_policy(source: Path, request: Assignment) -> "Optional[ExitPolicy]":
-    """The policy of a worker's stage, its parts read from ``source`` (a copy of the model,
-    or the folder of a sent chunk), on the request's device and dtype (the torch path); a
-    CheckpointError names what is missing."""
+    """Parts read from ``source`` (the model or a sent chunk's folder), on the request's device and
+    dtype; CheckpointError naming what is missing."""
     exits = request.early_exit
     if exits is None:
         return None

@@ -1,17 +1,14 @@
 """A local ring: worker processes on 127.0.0.1 with free ports, and no orphans.
 
-Each worker binds port 0 and reports its ports on its first stdout line; it reads the ring's
-secret from an inherited pipe (``--secret-fd``), so the secret is in neither its command line
-nor its environment (``ps e``, ``/proc/PID/environ``). It dies with its parent
-(``PR_SET_PDEATHSIG`` on Linux, plus a watchdog on the parent pid), and the launcher
-terminates (or, if it is stopped, kills at once), then kills, every process it started when
-the block ends, however it ends.
+Each worker binds port 0, reports its ports on its first stdout line and reads the secret from an
+inherited pipe (``--secret-fd``: not in argv or environment). It dies with its parent
+(``PR_SET_PDEATHSIG``, plus a watchdog on the parent pid), and the launcher terminates, then kills,
+every process it started when the block ends, however it ends.
 
-With ``respawn`` (``mdiedge serve``), a worker that dies is started again on its control port,
-as systemd's ``Restart=`` would: after ``RESPAWN_FIRST_S``, doubling up to ``RESPAWN_MAX_S``
-while restarts keep dying within ``RESPAWN_STABLE_S``, and given up after ``RESPAWN_TRIES``
-such restarts in a row. The starter takes it back at the next request (``Membership``).
-"""
+With ``respawn`` (``mdiedge serve``) a dead worker is started again on its control port, as
+systemd's ``Restart=``: after ``RESPAWN_FIRST_S``, doubling up to ``RESPAWN_MAX_S`` while restarts
+die within ``RESPAWN_STABLE_S``, given up after ``RESPAWN_TRIES`` in a row. The starter takes it
+back at the next request."""
 from __future__ import annotations
 
 import collections
@@ -41,9 +38,8 @@ log = logging.getLogger("mdiedge.local_ring")
 
 
 def _as_child() -> None:  # runs in the worker between fork and exec
-    """Ctrl-C in a terminal reaches its whole foreground process group: a worker ignores it
-    (Python keeps an ignored SIGINT) and leaves it to its parent, which stops the answer
-    (chat) or the ring. On Linux the worker ends when its parent does."""
+    """A terminal's Ctrl-C reaches the whole process group: a worker ignores it and leaves it to its
+    parent, which stops the answer or the ring. On Linux the worker ends with its parent."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not sys.platform.startswith("linux"):
         return
@@ -55,7 +51,7 @@ def _as_child() -> None:  # runs in the worker between fork and exec
 
 
 def _frozen(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (SIGSTOP, state T in /proc on Linux)."""
+    """Stopped (SIGSTOP: state T in /proc)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
@@ -64,9 +60,8 @@ def _frozen(pid: int) -> bool:
 
 
 def restart_pause(tries: int, lived_s: float) -> Tuple[int, Optional[float]]:
-    """A worker seen dead after living ``lived_s`` s, restarted ``tries`` times in a row
-    before: its count of restarts in a row (reset by a restart that lived
-    ``RESPAWN_STABLE_S``) and the pause before the next, or None when it is given up."""
+    """(restarts in a row, reset by one living ``RESPAWN_STABLE_S``; pause before the next, None:
+    given up)."""
     if lived_s >= RESPAWN_STABLE_S:
         tries = 0
     if tries >= RESPAWN_TRIES:
@@ -75,11 +70,9 @@ def restart_pause(tries: int, lived_s: float) -> Tuple[int, Optional[float]]:
 
 
 class LocalRing:
-    """``with LocalRing(2) as workers:`` starts two workers and yields their addresses;
-    ``spares`` more are started as spares (``NodeSpec.spare``), after them in the list;
-    ``busy_poll_us`` is each worker's ``--busy-poll-us``; ``encrypt`` False gives each
-    ``--no-encrypt`` (its starter must run without sealing too: measurements only);
-    ``respawn``: a worker that dies is started again (see the module's docstring)."""
+    """``with LocalRing(2) as workers:`` starts two workers and yields their addresses; ``spares``
+    more after them; ``encrypt`` False: ``--no-encrypt`` (measurements only); ``respawn``: see the
+    module docstring."""
 
     def __init__(self, n_workers: int, threads: int = 1, log_level: str = "warning",
                  cache_dir: Optional[str] = None, device: str = "cpu", spares: int = 0,
@@ -121,8 +114,8 @@ class LocalRing:
             self._started.append(time.monotonic())
 
     def _reap(self) -> None:
-        """Collect a worker that died while the ring runs, so it lingers as no zombie; with
-        ``respawn``, start it again when its pause has passed."""
+        """Collect a dead worker (no zombie); with ``respawn`` restart it once its pause has passed.
+        """
         while not self._stopped.wait(REAP_INTERVAL_S):
             for i, proc in enumerate(list(self.processes)):
                 if proc.poll() is not None and self.respawn:
@@ -161,8 +154,8 @@ class LocalRing:
 
     def _spawn(self, name: str, control_port: int, spare: bool) -> Tuple[subprocess.Popen,
                                                                           NodeSpec]:
-        """A worker process on ``control_port`` (0: a free one), ready, and its address; a
-        RingError (the process ended) when it does not start."""
+        """Ready, with its address (``control_port`` 0: a free one); RingError when it does not
+        start."""
         cmd = mdiedge_command(["worker", "--host", "127.0.0.1",
                "--control-port", str(control_port), "--data-port", "0",
                "--threads", str(self.threads), "--name", name, "--log-level", self.log_level,
@@ -244,7 +237,6 @@ class LocalRing:
 
 
 def _end(proc: subprocess.Popen) -> None:
-    """Kill a worker process that did not start, and collect it."""
     if proc.poll() is None:
         proc.kill()
     proc.wait()
@@ -257,7 +249,7 @@ def _close_stdout(proc: subprocess.Popen) -> None:
 
 
 def _ending(proc: subprocess.Popen, log_tail: Optional[_LogTail]) -> str:
-    """How the ended worker ``proc`` ended, and the last lines of its log, in one line."""
+    """How it ended and its log's last lines, in one line."""
     code = proc.returncode
     if code is not None and code < 0:
         try:
@@ -273,8 +265,7 @@ def _ending(proc: subprocess.Popen, log_tail: Optional[_LogTail]) -> str:
 
 
 class _LogTail:
-    """A worker's standard error, passed on to ours as it comes, its last lines kept for the
-    error of a worker that did not start."""
+    """A worker's stderr passed on as it comes, its last lines kept for a failed start's error."""
 
     def __init__(self, proc: subprocess.Popen) -> None:
         self.lines: collections.deque = collections.deque(maxlen=LOG_TAIL_LINES)
@@ -284,7 +275,7 @@ class _LogTail:
         self.thread.start()
 
     def last(self) -> List[str]:
-        """The last lines logged (the log read to its end, within a second)."""
+        """Read to its end, within a second."""
         self.thread.join(1.0)
         return list(self.lines)
 
@@ -302,8 +293,7 @@ class _LogTail:
 
 
 def _write_stderr(data: bytes) -> None:
-    """``data`` onto this process's standard error (descriptor 2, where a worker's own log
-    went before it was read through a pipe); a closed one drops it."""
+    """Onto descriptor 2 (where a worker's log went before it was piped); a closed one drops it."""
     try:
         while data:
             data = data[os.write(2, data):]

@@ -1,14 +1,13 @@
 """Setting up a ring under the stall rule: each step of a set-up (a worker's ``/reset``,
-``/assign``, ``/weights``, ``/connect``, the ring's links) runs on its own thread while the
-workers it waits for are asked for their status every third of ``stall_s``, as a running ring's
-are (``mdiedge.runtime.ring``). A worker that does not answer twice in a row (killed, frozen,
-unreachable) is a ``NodeLost`` within ``stall_s``, however long the step itself may take while
-the worker answers (loading weights takes minutes on a board). The step left behind is
-abandoned: what it returns late is handed to ``abandon`` (links are closed), and ``cancel`` is
-set for a step that can stop early.
+``/assign``, ``/weights``, ``/connect``, the ring's links) runs on its own thread while the workers
+it waits for are asked for their status every third of ``stall_s``, as a running ring's are
+(``mdiedge.runtime.ring``). A worker that does not answer twice in a row (killed, frozen,
+unreachable) is a ``NodeLost`` within ``stall_s``, however long the step itself may take while the
+worker answers (loading weights takes minutes on a board). The step left behind is abandoned: what
+it returns late is handed to ``abandon`` (links are closed), and ``cancel`` is set for a step that
+can stop early.
 
-``waiting`` says what the set-up waits for now, for ``/health`` and the starter's status.
-"""
+``waiting`` says what the set-up waits for now, for ``/health`` and the starter's status."""
 from __future__ import annotations
 
 import threading

@@ -1,7 +1,5 @@
-"""The starter node: the embedding, its first blocks, the head and the sampler, and the ring it
-sets up over the control plane (partition, assignment, weights when a worker lacks them, links).
-``mdiedge.engine.ring.RingEngine`` wraps it as an engine, with the workers as the pipeline's
-remote tail."""
+"""The starter node: the embedding, its first blocks, the head and the sampler, and the ring it sets
+up over the control plane. ``engine.ring.RingEngine`` wraps it as an engine."""
 from __future__ import annotations
 
 import dataclasses
@@ -63,8 +61,8 @@ def _direct(host: str, port: int) -> Tuple[str, int]:
 
 
 def ring_message_rows(options: StarterOptions, cfg: Any) -> Tuple[int, int]:
-    """A ring's prompt tokens per prefill message (its ``prefill_chunk``) and the most rows a
-    decode message may carry (what a frame of ``max_payload`` bytes holds)."""
+    """(prompt tokens per prefill message, most rows per decode message: what a ``max_payload``
+    frame holds)."""
     row_bytes = cfg.dim * compute_dtype(options.dtype).itemsize
     if options.max_payload < row_bytes:  # no frame could carry a token: every hop would fail
         raise ConfigError(f"max_payload = {options.max_payload} bytes cannot carry one token's "
@@ -75,7 +73,6 @@ def ring_message_rows(options: StarterOptions, cfg: Any) -> Tuple[int, int]:
 
 
 class RingStarter:
-    """Sets up and owns the ring of ``workers`` for the model at ``path``."""
 
     def __init__(self, path: Path, cfg: Any, workers: Sequence[NodeSpec], options: StarterOptions,
                  early_exit: Optional[ExitSettings] = None, route: Optional[Route] = None) -> None:
@@ -113,7 +110,7 @@ class RingStarter:
 
     @property
     def workers(self) -> List[NodeSpec]:
-        """Every configured worker, spares included."""
+        """Spares included."""
         return [c.node for c in self.clients]
 
     @property
@@ -122,15 +119,14 @@ class RingStarter:
 
     @property
     def ring_workers(self) -> List[NodeSpec]:
-        """The workers of the current ring, in ring order."""
+        """In ring order."""
         return self.membership.nodes
 
     # ----------------------------------------------------------------- set-up
 
     def ensure(self, n_slots: int, context: int) -> Scheduler:
-        """The ring's scheduler, holding at least ``n_slots`` x ``context``: the current one
-        when it does, else a ring set up anew (never smaller than the current one), which
-        needs the current one idle (Conflict otherwise)."""
+        """The ring's scheduler holding at least ``n_slots`` x ``context``: the current one, else a
+        ring set up anew (never smaller), which needs the current one idle (Conflict otherwise)."""
         with self.setup_lock:
             current = self.scheduler
             running = current is not None and current.usable and not current.idle
@@ -147,8 +143,8 @@ class RingStarter:
             return self.scheduler
 
     def ring_alive(self) -> bool:
-        """The ring's links are up as far as this end can tell (a worker restarted while the
-        ring was idle closes them, and the next request sets the ring up anew)."""
+        """As far as this end can tell (a worker restarted while idle closes the links; the next
+        request sets up anew)."""
         tail = self.tail
         return tail is not None and tail.broken is None and tail.links.send_error is None \
             and tail.links.receiver.is_alive()
@@ -160,8 +156,8 @@ class RingStarter:
                   compute_dtype(self.options.dtype).itemsize)
 
     def _shares(self, workers: Sequence[NodeSpec]) -> List[NodeSpec]:
-        """The starter and ``workers``, each with its measured weight where there is one, and
-        the ranges of the last balancing step while the ring has the same nodes."""
+        """The starter and ``workers`` with measured weights, and the last balancing step's ranges
+        while the nodes are the same."""
         nodes = [self.options.spec] + list(workers)
         names, pins = self.pinned
         ours = pins if tuple(n.name for n in nodes) == names else {}
@@ -169,9 +165,8 @@ class RingStarter:
                                     layers=ours.get(n.name, n.layers)) for n in nodes]
 
     def _rebalance(self, current: Scheduler) -> bool:
-        """Between requests: whether the measured times per block call for a step toward a
-        new split (``balance``; the step's ranges are kept in ``pinned``, its weights in
-        ``measured``, for the set-up that follows)."""
+        """Between requests: whether the measured times per block call for a step toward a new split
+        (its ranges kept in ``pinned``, weights in ``measured``)."""
         margin = self.options.rebalance_margin
         if margin <= 0 or current.stats.messages < self._balanced_at + balance.MIN_MESSAGES:
             return False
@@ -195,7 +190,6 @@ class RingStarter:
         return True
 
     def _setup(self, n_slots: int, context: int) -> Scheduler:
-        """A new ring of the workers that answer now (see ``_build_surviving``)."""
         was_lost = set(self.membership.lost)
         self.membership.refresh()
         pipeline, ends = self._build_surviving(n_slots, context, was_lost)
@@ -208,9 +202,8 @@ class RingStarter:
 
     def _build_surviving(self, n_slots: int, context: int, was_lost: Set[str]
                          ) -> Tuple[Pipeline, EmbedAndHead]:
-        """``_build``, set up again without each worker lost meanwhile, as a loss while
-        decoding is (a spare, else the survivors take its layers); a lost worker that
-        answered again but then fails the set-up is left out again."""
+        """``_build``, again without each worker lost meanwhile (a spare, else the survivors take
+        its layers); a lost worker that answers but fails the set-up is left out again."""
         for _ in range(len(self.clients) + 1):
             try:
                 return self._build(n_slots, context)
@@ -230,10 +223,8 @@ class RingStarter:
         raise RingError(f"gave up setting up the ring after {len(self.clients) + 1} tries")
 
     def rebuild(self, lost: NodeLost, ring: int) -> Tuple[Pipeline, EmbedAndHead]:
-        """The scheduler's recovery: a ring without the ``lost`` workers, same layout (a spare
-        takes a lost worker's place, else the survivors share its layers). A ring closed
-        meanwhile (``ring`` is no longer the current set-up's number) is not rebuilt: a
-        RingError ends the loop."""
+        """The scheduler's recovery: a ring without the ``lost`` workers, same layout. A ring closed
+        meanwhile (``ring`` no longer current) is not rebuilt: a RingError ends the loop."""
         while not self.setup_lock.acquire(timeout=defaults.WAIT_POLL_S):
             if self.rings != ring:
                 raise RingError("the ring was closed while recovering")
@@ -251,7 +242,6 @@ class RingStarter:
             self.setup_lock.release()
 
     def _build(self, n_slots: int, context: int) -> Tuple[Pipeline, EmbedAndHead]:
-        """Set up the members' ring: the split, the layers, the links."""
         for client in self.members:  # end any ring these workers still serve for us
             self._call(client, "POST", "/reset", {}, timeout=10)
         self.placements = partition(self.cfg, self._shares(self.ring_workers), n_slots, context,
@@ -266,8 +256,7 @@ class RingStarter:
         return Pipeline([stage], self.tail), EmbedAndHead(self.model)
 
     def _stage(self, first: Tuple[int, int], n_slots: int, context: int) -> LocalStage:
-        """The starter's stage of blocks ``first`` (loaded unless held already), on the
-        compute thread."""
+        """Loaded unless held already, on the compute thread."""
         if self.model is None or (self.model.first, self.model.last) != first:
             self.model = None
             torch_for = None if self.early_exit is None else "--early-exit"
@@ -278,8 +267,8 @@ class RingStarter:
 
     def _call(self, client: ControlClient, method: str, path: str, body: Any = None,
               what: str = "", **kwargs: Any) -> Any:
-        """A control call to a member during set-up, under the stall rule (``SetupWatch``):
-        one that stops answering, or fails and does not answer, is lost."""
+        """Under the stall rule (``SetupWatch``): a member that stops answering, or fails and does
+        not answer, is lost."""
         step = f"{client.node.name}'s {method} {path.split('?')[0]}" + (f" ({what})" if what
                                                                           else "")
         try:
@@ -295,7 +284,7 @@ class RingStarter:
 
     def _assign(self, client: ControlClient, layers: Tuple[int, int], n_slots: int,
                 context: int, last: bool) -> int:
-        """Assign ``layers``; send the worker its tensors if it has no copy. Its data port."""
+        """Send the worker its tensors if it has no copy; its data port."""
         generation_config = {"bos_token_id": self.cfg.bos_id, "eos_token_id": list(self.cfg.eos_ids)}
         model = ModelRef(self.cfg.name, self.hash, config_to_hf(self.cfg), generation_config,
                          str(self.path.resolve()) if self.options.share_path else None)
@@ -316,10 +305,9 @@ class RingStarter:
         return reply.data_port
 
     def _connect(self, ports: List[int]) -> RingStages:
-        """Each worker links to its successor (the last one back to this starter), then the
-        starter links to the first worker. Handshakes are bound to a fresh ring tag, so a stale
-        link is refused; on failure every socket opened here is closed and a RingError says why.
-        """
+        """Each worker links to its successor (the last back to the starter), then the starter to
+        the first. Handshakes are bound to a fresh ring tag; on failure every socket opened here is
+        closed."""
         ring, workers = os.urandom(8).hex(), self.ring_workers
         ends = [self.route(w.host, port) for w, port in zip(workers, ports)] + \
             [self.route(self.options.host, int(self.listener.getsockname()[1]))]  # via route
@@ -342,12 +330,10 @@ class RingStarter:
         return starter_status(self)
 
     def link_stats(self) -> List[Dict[str, Any]]:
-        """Every link of the ring in ring order (see ``ring_links``)."""
         return ring_links(self.tail, self.ring_workers, self.members)
 
     def node_status(self) -> List[NodeStatus]:
-        """Every worker's status, asked in parallel: a frozen one costs one timeout, not one
-        per node."""
+        """Asked in parallel: a frozen worker costs one timeout, not one per node."""
         return self.membership.statuses()
 
     def close_ring(self) -> None:
@@ -358,8 +344,7 @@ class RingStarter:
             self.tail, self.scheduler = None, None
 
     def close(self) -> None:
-        """End the ring and release every worker (in parallel: a frozen one costs one
-        timeout), then stop listening."""
+        """Release every worker in parallel, then stop listening."""
         self.membership.closed.set()
         self.close_ring()
         release_all(self.clients)
@@ -367,7 +352,7 @@ class RingStarter:
 
 
 def release_all(clients: Sequence[ControlClient]) -> None:
-    """Tell every worker that its starter is done with it, in parallel, each call bounded."""
+    """In parallel, each call bounded."""
 
     def release(client: ControlClient) -> None:
         try:
@@ -384,9 +369,8 @@ def release_all(clients: Sequence[ControlClient]) -> None:
 
 def balance_step(starter: RingStarter, weights: Dict[str, float], n_slots: int,
                  context: int) -> Optional[List[Placement]]:
-    """The placements one balancing step from the current ones toward the split by
-    ``weights`` (``balance.bounded_split``: bounded, no node emptied, pinned nodes kept), or
-    None when it moves nothing or does not fit the declared memory."""
+    """One balancing step toward the split by ``weights`` (``balance.bounded_split``), or None when
+    it moves nothing or does not fit declared memory."""
     nodes = [starter.options.spec] + starter.ring_workers  # as configured: their own pins
     aimed = [dataclasses.replace(n, weight=weights.get(n.name, n.weight)) for n in nodes]
     size = compute_dtype(starter.options.dtype).itemsize
@@ -406,8 +390,7 @@ def balance_step(starter: RingStarter, weights: Dict[str, float], n_slots: int,
 
 def starter_links(starter: RingStarter, ends: List[Tuple[str, int]], auth: Authenticator,
                   codecs: List[Compression], cancel: threading.Event) -> LinkPair:
-    """The starter's links: out to the first worker, in from the last (waiting for them
-    stops when ``cancel`` is set)."""
+    """Out to the first worker, in from the last; waiting stops when ``cancel`` is set."""
     first, last, options = starter.ring_workers[0], starter.ring_workers[-1], starter.options
     outbound = inbound = None
     try:
@@ -427,7 +410,6 @@ def starter_links(starter: RingStarter, ends: List[Tuple[str, int]], auth: Authe
 
 
 def starter_status(starter: RingStarter) -> NodeStatus:
-    """The starter's own status: its stage, links, lost workers and set-up step."""
     scheduler = starter.scheduler  # read once: another thread may set up a new ring
     stage = scheduler.pipeline.stages[0] if scheduler is not None else None
     url = starter.options.control_url
@@ -456,8 +438,8 @@ def starter_status(starter: RingStarter) -> NodeStatus:
 
 def ring_links(tail: Optional[RingStages], workers: List[NodeSpec],
                members: List[ControlClient]) -> List[Dict[str, Any]]:
-    """Every link of the ring in ring order, as its sender counts it: from, to, codec,
-    frames, bytes (headers included); the workers' counts asked on their control ports."""
+    """Every link in ring order as its sender counts it; the workers' counts asked on their control
+    ports."""
     if tail is None:
         return []
     names = ["starter"] + [w.name for w in workers] + ["starter"]

@@ -1,11 +1,6 @@
-"""A worker node: receive activations, run its blocks with each message's samples, send on.
-
-The starter assigns the block range over the control plane (``Assignment``); the worker loads
-those layers from its own copy of the model when the content hash matches, else from its
-on-disk cache, else asks the starter for exactly its tensors (and caches them under the
-hash). Its compute is a ``LocalStage``, the same code as the starter's and the single
-process's; its links are the starter's link pair from the other side.
-"""
+"""A worker node: receive activations, run its blocks, send on. It loads its assigned range from its
+own copy of the model when the content hash matches, else its on-disk cache, else asks the starter
+for exactly its tensors (and caches them). Its compute is a ``LocalStage``, as the starter's."""
 from __future__ import annotations
 
 import contextlib
@@ -46,17 +41,15 @@ TEST_PAUSE_ENV = "MDIEDGE_TEST_PAUSE"  # tests only: "NAME:POINT:SECONDS", see p
 
 
 def pause_for_tests(name: str, point: str) -> None:
-    """For tests only: the worker ``name`` sleeps at ``point`` (``/assign``, ``/connect``,
-    ``links``: before it opens the ring's links)
-    when ``$MDIEDGE_TEST_PAUSE`` says so ("w2:/assign:4"), so that a test can kill or freeze
-    it at a known step of its set-up while its control port still answers."""
+    """Tests only: worker ``name`` sleeps at ``point`` (``/assign``, ``/connect``, ``links``) when
+    ``$MDIEDGE_TEST_PAUSE`` says so ("w2:/assign:4"), to be killed or frozen at a known set-up step.
+    """
     spec = os.environ.get(TEST_PAUSE_ENV, "").split(":")
     if len(spec) == 3 and spec[:2] == [name, point]:
         time.sleep(float(spec[2]))
 
 
 def cache_folder(cache_dir: Path, request: Assignment) -> Path:
-    """Where a worker keeps the blocks a starter pushed for ``request``."""
     a, b = request.layers
     return cache_dir / "weights" / request.model.hash / \
         f"layers-{a}-{b}{cache_suffix(request.early_exit)}"
@@ -116,9 +109,9 @@ class WorkerNode:
         return self
 
     def _claim(self, session: str, starter: str = "") -> None:
-        """Serve one starter at a time: another is refused while the owner's lease holds (ring
-        up, or owner heard within ``idle_timeout_s``), but the owner's ``starter`` name in a
-        new signed session (it restarted) takes over, and the old session's ring ends."""
+        """One starter at a time: another is refused while the owner's lease holds (ring up, or
+        heard within ``idle_timeout_s``), but the owner's ``starter`` name in a new signed session
+        (restarted) takes over."""
         now = time.time()
         if self.owner and self.owner != session and (
                 self.state in ("busy", "loading") or now - self.owner_seen < self.idle_timeout_s):
@@ -132,7 +125,7 @@ class WorkerNode:
         self.owner, self.owner_name, self.owner_seen = session, starter, now
 
     def _expire_owner(self) -> None:
-        """Free the slots and return to idle when the owning starter has gone away."""
+        """Free the slots and go idle when the owner has gone away."""
         while not self.stopped.wait(1.0):
             with self.lock:
                 if self.owner and self.state != "busy" and \
@@ -177,7 +170,7 @@ class WorkerNode:
         return status.to_json()
 
     def assign(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
-        """Take a layer range; load it (or ask for weights with ``need_weights``)."""
+        """Load the range, or ask for weights with ``need_weights``."""
         request = Assignment.from_json(body)
         device_of(request.device, "device")
         with self.lock:
@@ -208,7 +201,7 @@ class WorkerNode:
             + extra_bytes(pending)
 
     def receive_weights(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
-        """The starter's safetensors of exactly the pending range: cache them, then load."""
+        """Exactly the pending range's safetensors: cached, then loaded."""
         with self.lock:
             self._claim(query.get("session", ""), query.get("starter", ""))
             request = self.pending
@@ -236,7 +229,6 @@ class WorkerNode:
         return folder
 
     def connect(self, body: Dict[str, Any], raw: bytes, query: Dict[str, str]) -> Dict[str, Any]:
-        """Open the link to the next node, wait for the previous one, start the threads."""
         request = ConnectRequest.from_json(body)
         with self.lock:
             self._claim(request.session, str(body.get("starter", "")))
@@ -270,8 +262,7 @@ class WorkerNode:
     # ----------------------------------------------------------------- loading
 
     def preload(self, model: str, layers: Optional[Any], device: str, dtype: str) -> None:
-        """Load a configured block range before serving, so an assignment of the same range
-        of the same model (by content hash) finds it ready."""
+        """So an assignment of the same range of the same model (by content hash) finds it ready."""
         path = resolve_model(model)
         file = model_file(path)
         first, last = layers if layers is not None else (0, file.cfg.n_layers)
@@ -306,7 +297,7 @@ class WorkerNode:
         self.state = "ready"
 
     def _setup_stage(self, request: Assignment) -> None:
-        """The stage of the loaded blocks for ``request`` (called on the compute thread)."""
+        """On the compute thread."""
         policy = worker_policy(self.source, request)
         self.stage = LocalStage(self.model, request.n_slots, request.context,
                                 trim_prefill=request.last, exit_policy=policy)
@@ -326,9 +317,8 @@ class WorkerNode:
         self.links = None
 
     def _open_links(self, request: ConnectRequest, ring_id: int) -> Optional[LinkPair]:
-        """Inbound first, then outbound: the starter does the opposite, so no cycle waits.
-        Both handshakes are bound to the request's ring tag; a reset or a newer connect
-        (``ring_id`` moved on) cancels the wait. None (every socket closed) on any failure."""
+        """Inbound first (the starter does the opposite, so no cycle waits), bound to the ring tag;
+        a reset or newer connect cancels. None (every socket closed) on failure."""
         assert self.assignment is not None
         return _link_pair(self.listener, bind(self.auth, request.ring), request, self.name,
                           self.assignment.max_payload, lambda: self.ring_id != ring_id,
@@ -362,8 +352,7 @@ class WorkerNode:
 
 
 def compute_loop(name: str, stage: LocalStage, links: LinkPair, heartbeat: Any) -> None:
-    """Run every message that comes in through ``stage`` and send the result on, until the
-    inbound link ends or the starter ends the ring; ``heartbeat`` (or None) is fed."""
+    """Until the inbound link ends or the starter ends the ring; ``heartbeat`` (or None) is fed."""
     busy = heartbeat.busy if heartbeat is not None else contextlib.nullcontext
     with inference():  # once, not for every message
         while True:
@@ -382,9 +371,8 @@ def compute_loop(name: str, stage: LocalStage, links: LinkPair, heartbeat: Any) 
 def _link_pair(listener: Any, auth: Authenticator, request: ConnectRequest, name: str,
                max_payload: int, moved_on: Any, busy_poll_us: int,
                encrypt: bool) -> Optional[LinkPair]:
-    """The links of a worker (inbound first, with the request's codecs on each, sealed
-    unless not ``encrypt``); a reset or a newer connect (``moved_on()``) cancels the wait.
-    None (every socket closed) on any failure, a codec or sealing mismatch included."""
+    """Inbound first, with the request's codecs, sealed unless not ``encrypt``; ``moved_on()``
+    cancels. None (every socket closed) on any failure."""
     codecs_in, codecs_out = (Compression.parse(c) for c in (request.codecs_in,
                                                             request.codecs_out))
     inbound = None

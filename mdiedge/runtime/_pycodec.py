@@ -1,22 +1,24 @@
 """Activation codecs, pure Python (numpy): the twin of ``ext/_ccodec.pyx``, with the same API,
-errors and bytes. The formats (``fp16``, blockwise ``int8``) and their treatment of inf, NaN
-and out-of-range values are documented in ``mdiedge/base/codecs.py``.
+errors and bytes. The formats (``fp16``, blockwise ``int8``) and their treatment of inf, NaN and
+out-of-range values are documented in ``mdiedge/base/codecs.py``.
 
-``encode(codec, src, dst)`` writes the float32 values of the C-contiguous buffer ``src`` into
-the writable byte buffer ``dst`` of exactly ``encoded_size(codec, n)`` bytes;
-``decode(codec, src, dst)`` writes them back into the float32 buffer ``dst`` (the
-preallocated receive tensor's memory). Sizes are checked first (FrameError).
-"""
+``encode(codec, src, dst)`` writes the float32 values of the C-contiguous buffer ``src`` into the
+writable byte buffer ``dst`` of exactly ``encoded_size(codec, n)`` bytes; ``decode(codec, src,
+dst)`` writes them back into the float32 buffer ``dst`` (the preallocated receive tensor's memory).
+Sizes are checked first (FrameError)."""
 from __future__ import annotations
 
 from typing import Any, Tuple
 
 import numpy as np
 
-from ..base.codecs import (  # noqa: F401  (the constants are part of this module's API)
-    BLOCK, FP16, FP16_MAX, INT8, INT8_MAX, INT8_NAN, INT8_NEG_INF, INT8_POS_INF, check_encoded,
-    encoded_size)
-from ._framingspec import byte_view
+from ..base.codecs import (BLOCK, FP16, FP16_MAX, INT8, INT8_MAX, INT8_NAN, INT8_NEG_INF,
+                           INT8_POS_INF, check_encoded, encoded_size)
+from ._framingconstants import byte_view
+
+# the API both twins share
+__all__ = ["BLOCK", "FP16", "FP16_MAX", "INT8", "INT8_MAX", "INT8_NAN", "INT8_NEG_INF",
+           "INT8_POS_INF", "check_encoded", "decode", "encode", "encoded_size"]
 
 _HALF_NAN = np.uint16(0x7E00)
 

@@ -1,7 +1,6 @@
-"""Data-plane framing, pure Python: the twin of ``ext/_cframing.pyx``, with the same API and
-errors. It owns the packing and unpacking of a header with ``struct`` and the socket loops; the
-wire format (documented in ``mdiedge/runtime/_framingspec.py``), its constants and its checks
-are imported from there."""
+"""Data-plane framing, pure Python: the twin of ``ext/_cframing.pyx``, same API and errors: header
+packing with ``struct`` and the socket loops; the wire format, constants and checks come from
+``_framingconstants``."""
 from __future__ import annotations
 
 import os
@@ -11,7 +10,7 @@ import time
 import zlib
 from typing import Any, List, Optional, Sequence
 
-from ._framingspec import (  # noqa: F401  (the constants are part of this module's API)
+from ._framingconstants import (
     ACTIVATION, CODEC_SHIFT, CRC_OFFSET, ELIGIBLE_BIT, ENTRY_SIZE, FLAG_CODEC, FLAG_PREFILL,
     FLAG_SEALED, FLAGS_KNOWN, FLOAT32, HEADER_SIZE, ITEMSIZE, MAGIC, MAX_BUSY_POLL_US,
     MAX_EXIT_DEPTH, MAX_NDIM, MAX_POSITION, MAX_SAMPLES, MIN_READ_BUFFER, MSG_TYPES, PING,
@@ -19,19 +18,29 @@ from ._framingspec import (  # noqa: F401  (the constants are part of this modul
     check_capacity, check_crc, check_eligible, check_fields, check_fixed_size, check_pack_args,
     check_table_size, closed_early, codec_of)
 
+# the API both twins share
+__all__ = ["ACTIVATION", "CODEC_SHIFT", "CRC_OFFSET", "ELIGIBLE_BIT", "ENTRY_SIZE", "FLAG_CODEC",
+           "FLAG_PREFILL", "FLAG_SEALED", "FLAGS_KNOWN", "FLOAT32", "HEADER_SIZE", "ITEMSIZE",
+           "MAGIC", "MAX_BUSY_POLL_US", "MAX_EXIT_DEPTH", "MAX_NDIM", "MAX_POSITION",
+           "MAX_SAMPLES", "MIN_READ_BUFFER", "MSG_TYPES", "PING", "READ_BUFFER", "RELEASE",
+           "SHUTDOWN", "TAG_SIZE", "VERSION", "FrameHeader", "byte_view", "check_busy_poll",
+           "check_capacity", "check_crc", "check_eligible", "check_fields", "check_fixed_size",
+           "check_pack_args", "check_table_size", "closed_early", "codec_of", "FrameReader",
+           "pack_header", "parse_header", "parse_table", "recv_exact_into", "recv_frame_header",
+           "send_all"]
+
 _FIXED = struct.Struct("<4sBBBBHBBI4IIQ")  # everything before the crc
 _CRC = struct.Struct("<I")
 _ENTRY = struct.Struct("<II")
 _N_SAMPLES = struct.Struct("<H")
 if (_FIXED.size, _ENTRY.size) != (CRC_OFFSET, ENTRY_SIZE):
-    raise ImportError("_pyframing packs another layout than mdiedge.runtime._framingspec")
+    raise ImportError("_pyframing packs another layout than mdiedge.runtime._framingconstants")
 
 
 def pack_header(msg_type: int, flags: int, dtype: int, sample_ids: Sequence[int],
                 positions: Sequence[int], n_tokens: int, shape: Sequence[int], seq: int,
                 exit_depth: int = 0, eligible: Sequence[bool] = ()) -> bytes:
-    """The fixed header and sample table of a frame (its crc computed), ready to send;
-    ``eligible``: one flag per sample, or empty when no row is eligible to exit."""
+    """Fixed header and sample table, crc computed; ``eligible``: a flag per sample, or empty."""
     msg_type, flags, dtype, ids, words, n_tokens, dims, seq, exit_depth, size = check_pack_args(
         msg_type, flags, dtype, sample_ids, positions, n_tokens, shape, seq, exit_depth, eligible)
     ndim = len(dims)
@@ -45,10 +54,8 @@ def pack_header(msg_type: int, flags: int, dtype: int, sample_ids: Sequence[int]
 
 
 def parse_header(fixed: Any, max_payload: int) -> FrameHeader:
-    """Validate a 48-byte fixed header (all but its crc, which ``parse_table`` checks).
-
-    The returned header has empty ``sample_ids``/``positions``/``eligible``; the table that
-    follows is ``8 * n_samples`` bytes, with n_samples checked against MAX_SAMPLES."""
+    """The 48-byte fixed header (its crc is ``parse_table``'s); ``sample_ids``, ``positions``,
+    ``eligible`` empty; the table after it is ``8 * n_samples`` bytes."""
     fixed = byte_view(fixed, writable=False)
     check_fixed_size(len(fixed))
     (magic, version, msg_type, flags, dtype, n_samples, ndim, exit_depth, n_tokens,
@@ -61,8 +68,7 @@ def parse_header(fixed: Any, max_payload: int) -> FrameHeader:
 
 
 def parse_table(header: FrameHeader, fixed: Any, table: Any) -> None:
-    """Check the crc over ``fixed`` + ``table`` and the eligible bits, and fill the header's
-    sample ids, positions and eligible flags, and its ``wire`` (``fixed`` + ``table``)."""
+    """Check the crc and eligible bits, fill sample ids, positions, eligible flags and ``wire``."""
     fixed = byte_view(fixed, writable=False)
     table = byte_view(table, writable=False)
     check_fixed_size(len(fixed))
@@ -82,10 +88,7 @@ def parse_table(header: FrameHeader, fixed: Any, table: Any) -> None:
 
 
 def recv_exact_into(sock: Any, buffer: Any) -> None:
-    """Receive exactly ``len(buffer)`` bytes into the writable ``buffer``.
-
-    A peer that closes first gives a FrameError; the socket's timeout gives
-    ``socket.timeout``; other failures an OSError."""
+    """A peer closing first is a FrameError; the timeout ``socket.timeout``; else OSError."""
     view = byte_view(buffer, writable=True)
     size, got = len(view), 0
     while got < size:
@@ -96,8 +99,7 @@ def recv_exact_into(sock: Any, buffer: Any) -> None:
 
 
 def send_all(sock: Any, header_bytes: Any, payload: Optional[Any]) -> None:
-    """Send ``header_bytes`` then ``payload`` (any C-contiguous buffer, or None) as one
-    gather write, with no concatenation copy, until every byte is out."""
+    """One gather write, no concatenation copy, until every byte is out."""
     views = [byte_view(header_bytes, writable=False)]
     if payload is not None:
         views.append(byte_view(payload, writable=False))
@@ -112,8 +114,7 @@ def send_all(sock: Any, header_bytes: Any, payload: Optional[Any]) -> None:
 
 
 def recv_frame_header(sock: Any, max_payload: int) -> FrameHeader:
-    """Read and validate one frame's fixed header and sample table (not its payload), and
-    nothing past them: one receive for each."""
+    """Fixed header and sample table, one receive each, nothing past them."""
     fixed = bytearray(HEADER_SIZE)
     recv_exact_into(sock, fixed)
     header = parse_header(fixed, max_payload)
@@ -124,15 +125,11 @@ def recv_frame_header(sock: Any, max_payload: int) -> FrameHeader:
 
 
 class FrameReader:
-    """Frames from one socket through a receive buffer of ``capacity`` bytes: one ``recv``
-    takes whatever has arrived, so a small frame's header, table and payload (and frames
-    queued behind it) come in one system call; payload bytes beyond those buffered are
-    received straight into their destination. ``capacity`` 0: each step reads exactly the
-    bytes it needs, nothing past the frame (the socket may change hands between frames).
-    ``busy_poll_us`` > 0: a receive that finds nothing polls the socket for up to that long
-    (yielding the core between polls) before it sleeps in the kernel, so that a frame
-    arriving soon costs no wake-up. Errors as ``recv_exact_into``; after one, the stream
-    position is unknown."""
+    """Frames through a ``capacity``-byte buffer: one ``recv`` takes whatever has arrived, so a
+    small frame (and those queued behind) comes in one system call; payload beyond the buffer goes
+    straight to its destination. ``capacity`` 0: nothing read past the frame (the socket may change
+    hands). ``busy_poll_us`` > 0: an empty receive polls that long (yielding the core) before
+    sleeping in the kernel. After an error the stream position is unknown."""
 
     def __init__(self, sock: Any, capacity: int = READ_BUFFER, busy_poll_us: int = 0) -> None:
         self.sock, self.greedy = sock, check_capacity(capacity) > 0
@@ -149,8 +146,8 @@ class FrameReader:
         return self._end - self._start
 
     def _fill(self, need: int, base: int) -> memoryview:
-        """The first ``need`` unconsumed bytes, receiving until they are there; a peer that
-        closes first is named by the bytes after ``base`` (those of the current part)."""
+        """The first ``need`` unconsumed bytes; a peer closing first is named by the bytes after
+        ``base``."""
         if self._end - self._start < need:
             if len(self._view) - self._start < need:  # move the rest to the front
                 have = self._end - self._start
@@ -166,7 +163,6 @@ class FrameReader:
         return self._view[self._start:self._start + need]
 
     def recv_header(self, max_payload: int) -> FrameHeader:
-        """Read and validate one frame's fixed header and sample table (not its payload)."""
         header = parse_header(self._fill(HEADER_SIZE, 0), max_payload)
         size = HEADER_SIZE + ENTRY_SIZE * _N_SAMPLES.unpack_from(self._view, self._start + 8)[0]
         frame = self._fill(size, HEADER_SIZE)
@@ -175,7 +171,7 @@ class FrameReader:
         return header
 
     def recv_into(self, buffer: Any) -> None:
-        """Fill the writable ``buffer``: buffered bytes first, the rest from the socket."""
+        """Buffered bytes first, the rest from the socket."""
         view = byte_view(buffer, writable=True)
         size = len(view)
         take = min(size, self._end - self._start)
@@ -191,8 +187,7 @@ class FrameReader:
             got += n
 
     def _await(self) -> None:
-        """Poll for up to ``busy_poll_us`` (at most the socket's timeout; not at all on a
-        non-blocking socket) until the socket has something to read."""
+        """Poll up to ``busy_poll_us`` (at most the timeout; not on a non-blocking socket)."""
         timeout = self.sock.gettimeout() if self._poller is not None else 0
         if timeout == 0:
             return

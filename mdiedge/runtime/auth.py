@@ -1,25 +1,22 @@
 """Ring authentication: nobody without the ring secret can drive a node or join its links.
 
-Control plane: a request carries a timestamp, a fresh nonce, its body's SHA-256 and an HMAC-
-SHA256 over method, path, body digest, timestamp, nonce and the id of the node it is for (drawn
-at start, told on ``/ping``), so it is refused by every other node and replayed to none.
-``HEADER_NODE`` names the id signed for, so a right-secret request for an earlier id
-(``NODE_CHANGED``: a client from before a restart, which retries) is told from a wrong secret.
-``check_headers`` verifies the MAC from the headers alone (constant time, timestamp within
-``MAX_SKEW_S``, unseen nonce) before any body is read; ``accept`` then checks the body's digest
-and records the nonce, only once the whole request verified (a forged body under genuine headers
-cannot burn it); meanwhile the nonce is in flight (``release`` if the body never comes), so one
-captured request holds at most one connection. Replies are signed (``sign_reply`` over status,
-nonce, node id and body digest) and checked (``check_reply``).
+Control plane: a request carries a timestamp, a fresh nonce, its body's SHA-256 and an HMAC-SHA256
+over method, path, body digest, timestamp, nonce and the id of the node it is for (drawn at start,
+told on ``/ping``), so it is refused by every other node and replayed to none. ``HEADER_NODE`` names
+the id signed for, so a right-secret request for an earlier id (``NODE_CHANGED``: a client from
+before a restart) is told from a wrong secret. ``check_headers`` verifies the MAC from the headers
+alone (constant time, timestamp within ``MAX_SKEW_S``, unseen nonce) before any body is read;
+``accept`` then checks the body's digest and records the nonce only once the whole request verified
+(a forged body under genuine headers cannot burn it); meanwhile the nonce is in flight (``release``
+if the body never comes), so one captured request holds at most one connection. Replies are signed
+(``sign_reply``) and checked (``check_reply``).
 
-Data plane: before any frame, the ends of a link run a mutual challenge-response, each MACing
-the other's fresh challenge together with its codecs (``Compression.wire``) and sealing, so a
-mismatch fails both with one line (``CodecMismatch``, ``SealMismatch``). A sealed link's keys
-(``mdiedge.runtime.seal``) come from the handshake key and both challenges.
+Data plane: the ends of a link run a mutual challenge-response, each MACing the other's fresh
+challenge with its codecs and sealing, so a mismatch fails both with one line. A sealed link's keys
+(``seal``) come from the handshake key and both challenges.
 
-Without a secret (loopback only, or ``--insecure``) the same handshake runs with a fixed public
-key: the same protocol, without the protection.
-"""
+Without a secret (loopback only, or ``--insecure``) the same handshake runs with a fixed public key:
+the same protocol, without the protection."""
 from __future__ import annotations
 
 import hashlib
@@ -65,7 +62,6 @@ def body_digest(body: bytes) -> str:
 
 
 class Authenticator:
-    """Signs and checks control requests, and runs the data-link handshake."""
 
     def __init__(self, secret: Optional[bytes], node: str = "") -> None:
         self.secret = secret
@@ -89,7 +85,7 @@ class Authenticator:
         return hmac.new(self.key, message.encode(), hashlib.sha256).hexdigest()
 
     def sign(self, method: str, path: str, body: bytes, node: str = "") -> Dict[str, str]:
-        """Headers of a request for the node whose id is ``node`` (its ``/ping`` tells it)."""
+        """Headers of a request for the node whose id is ``node``."""
         if not self.enabled:
             return {}
         timestamp, nonce, digest = f"{time.time():.3f}", os.urandom(16).hex(), body_digest(body)
@@ -102,14 +98,12 @@ class Authenticator:
         return hmac.new(self.key, message.encode(), hashlib.sha256).hexdigest()
 
     def sign_reply(self, status: int, nonce: str, body: bytes) -> str:
-        """The ``HEADER_REPLY`` of this node's reply (``status``, ``body``) to the
-        authenticated request that carried ``nonce``."""
+        """``HEADER_REPLY`` of this node's reply to the request that carried ``nonce``."""
         return self._reply_mac(status, nonce, self.node, body)
 
     def check_reply(self, status: int, request: Mapping[str, str], body: bytes,
                     mac: Optional[str]) -> Optional[str]:
-        """None if ``mac`` signs this reply to the request whose signed ``request`` headers
-        were sent (to the node they name), else why it is refused."""
+        """None if ``mac`` signs this reply to the signed ``request``, else why it is refused."""
         if not self.enabled:
             return None
         if not mac:
@@ -121,8 +115,7 @@ class Authenticator:
         return None
 
     def check_headers(self, method: str, path: str, headers: Mapping[str, str]) -> Optional[str]:
-        """None if the headers carry a fresh, genuine signature, else why they are refused.
-        Reads no body: the signed body digest is checked later by ``accept``."""
+        """None for a fresh, genuine signature, else why not; the body digest is ``accept``'s."""
         if not self.enabled:
             return None
         timestamp, nonce, digest, mac = (headers.get(h) or "" for h in
@@ -149,9 +142,8 @@ class Authenticator:
             return None
 
     def _mismatch(self, method: str, path: str, headers: Mapping[str, str]) -> str:
-        """Why a signature that does not match this node's id is refused: signed with the
-        ring secret for the id in ``HEADER_NODE`` (another node's, or this node's before it
-        restarted), else signed with a wrong secret."""
+        """Signed with the ring secret for the id in ``HEADER_NODE`` (another node's, or ours before
+        a restart), else with a wrong secret."""
         claimed = headers.get(HEADER_NODE) or ""
         if claimed != self.node and _HEX.fullmatch(claimed):
             mac = (headers.get(HEADER_MAC) or "").encode("utf-8", "surrogateescape")
@@ -165,8 +157,8 @@ class Authenticator:
         return "bad signature (wrong ring secret)"
 
     def accept(self, headers: Mapping[str, str], digest: str) -> Optional[str]:
-        """After ``check_headers`` passed and the body was read: None if the body's ``digest``
-        is the signed one (the nonce is then recorded), else why the request is refused."""
+        """After ``check_headers`` and the body read: None if ``digest`` is the signed one (the
+        nonce is recorded), else why not."""
         if not self.enabled:
             return None
         nonce, now = headers.get(HEADER_NONCE) or "", time.time()
@@ -185,14 +177,13 @@ class Authenticator:
         return None
 
     def release(self, headers: Mapping[str, str]) -> None:
-        """A request that passed ``check_headers`` but whose body never came: its nonce is
-        no longer in flight (a genuine sender may still use it)."""
+        """The body never came: the nonce is no longer in flight (a genuine sender may still use
+        it)."""
         with self._lock:
             self._pending.pop(headers.get(HEADER_NONCE) or "", None)
 
     def check(self, method: str, path: str, body: bytes,
               headers: Mapping[str, str]) -> Optional[str]:
-        """``check_headers`` then ``accept`` for a body already in hand."""
         return self.check_headers(method, path, headers) or self.accept(headers, body_digest(body))
 
     # ----------------------------------------------------------------- data-plane handshake
@@ -203,9 +194,9 @@ class Authenticator:
     def accept_link(self, sock: socket.socket, peer: str, timeout: float = 10.0,
                     codecs: Compression = NO_COMPRESSION, seal: bool = True
                     ) -> Optional[LinkKeys]:
-        """Acceptor side: challenge the connecting node, then prove ourselves to it; both
-        send their ``codecs`` and ``seal`` under the MAC and a difference is a CodecMismatch
-        or SealMismatch. The link's keys when it is sealed, else None."""
+        """Acceptor side: challenge, then prove ourselves; both send ``codecs`` and ``seal`` under
+        the MAC (a difference: CodecMismatch or SealMismatch). The link's keys when sealed, else
+        None."""
         challenge = os.urandom(_NONCE_BYTES)
         with _deadline(sock, timeout):
             sock.sendall(_HELLO + challenge)
@@ -221,8 +212,8 @@ class Authenticator:
     def connect_link(self, sock: socket.socket, peer: str, timeout: float = 10.0,
                      codecs: Compression = NO_COMPRESSION, seal: bool = True
                      ) -> Optional[LinkKeys]:
-        """Connector side: answer the challenge, then check the acceptor's proof, codecs and
-        sealing. The link's keys when it is sealed, else None."""
+        """Connector side: answer, then check the acceptor's proof, codecs and sealing. Keys as
+        ``accept_link``."""
         with _deadline(sock, timeout):
             hello = _recv_exact(sock, len(_HELLO) + _NONCE_BYTES, peer)
             if hello[:len(_HELLO)] != _HELLO:
@@ -244,7 +235,6 @@ _TERMS_BYTES = _CODEC_BYTES + 1  # the codecs, then 1 for a sealed link, 0 for a
 
 
 def _terms(codecs: Compression, seal: bool) -> bytes:
-    """What one end says of how the link runs: its codecs and whether it seals."""
     return codecs.wire + bytes([1 if seal else 0])
 
 
@@ -253,8 +243,8 @@ def _sealing(seal: bool) -> str:
 
 
 def _agree(ours: Compression, seal: bool, raw: bytes, link: str) -> None:
-    """CodecMismatch unless the peer's ``raw`` codecs are ``ours``; SealMismatch unless it
-    seals its frames as this end does (``seal``)."""
+    """CodecMismatch unless the peer's ``raw`` codecs are ``ours``; SealMismatch unless it seals as
+    we do."""
     try:
         theirs = str(Compression.from_wire(raw[:_CODEC_BYTES]))
     except ConfigError as e:

@@ -1,13 +1,9 @@
-"""The one thread that runs a node's torch work: loading its weights, setting up its KV
-slots and stepping its scheduler (or serving its ring links, on a worker).
+"""The one thread that runs a node's torch work: loading, KV set-up, stepping.
 
-torch's CPU kernels run their parallel regions on an OpenMP team, and libgomp keeps a team
-per thread that starts one. Once one thread has run a parallel region, a parallel region on
-another thread of the same process runs much slower (on a 2-core machine the decode step
-lost more than half its speed). So a node keeps its compute on one thread: the engine (or
-the worker) owns a ``ComputeThread``, loads its model with ``call``, and runs its stepping
-loop with ``submit``; a request thread only waits. ``bin/bench-threads`` measures it.
-"""
+libgomp keeps an OpenMP team per thread that starts one; once one thread has run a parallel region,
+one on another thread runs much slower (a 2-core decode lost over half its speed). So a node keeps
+its compute on one ``ComputeThread`` (``call`` to load, ``submit`` to step); a request thread only
+waits. ``bin/bench-threads`` measures it."""
 from __future__ import annotations
 
 import queue
@@ -20,9 +16,8 @@ from ..base import defaults
 
 
 class ComputeThread:
-    """A daemon thread that runs what it is given, one at a time, in order; started at the
-    first ``submit`` and kept until this object is collected (a new one starts after a
-    fork)."""
+    """Runs what it is given in order, one at a time; started at the first ``submit``, kept until
+    this object is collected (a new one after a fork)."""
 
     def __init__(self, name: str = "mdiedge-compute") -> None:
         self.name = name
@@ -36,8 +31,7 @@ class ComputeThread:
         return threading.current_thread() is self._thread
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> "Future[Any]":
-        """Run ``fn(*args, **kwargs)`` on the thread after what was given before; its
-        future holds the result or the error."""
+        """After what was given before; the future holds the result or the error."""
         future: "Future[Any]" = Future()
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
@@ -48,9 +42,8 @@ class ComputeThread:
         return future
 
     def close(self, timeout: float = defaults.COMPUTE_CLOSE_S) -> None:
-        """End the thread after what it was given (waiting up to ``timeout`` s for that),
-        so that no torch work runs while the interpreter exits; a later ``submit`` starts
-        another."""
+        """After what it was given (up to ``timeout`` s), so no torch work runs while the
+        interpreter exits; a later ``submit`` starts another."""
         with self._lock:
             thread, self._thread = self._thread, None
             if thread is None:
@@ -60,16 +53,15 @@ class ComputeThread:
             thread.join(timeout)
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` run on the thread (at once when the caller is on it), its
-        result returned or its error raised; the caller waits."""
+        """On the thread (at once when the caller is on it); the caller waits."""
         if self.here():
             return fn(*args, **kwargs)
         return self.submit(fn, *args, **kwargs).result()
 
 
 def _serve(jobs: "queue.SimpleQueue[Any]") -> None:
-    """Run each job of ``jobs`` until the None its ``ComputeThread``'s collection puts
-    there (the thread holds no reference to that object)."""
+    """Until the None the ``ComputeThread``'s collection puts there (the thread holds no reference
+    to it)."""
     while True:
         job = jobs.get()
         if job is None:

@@ -1,14 +1,11 @@
-"""The HTTP control plane: ``ControlServer`` on every node (assign, connect, status, reset,
-shutdown) and ``ControlClient``, the one client.
+"""The HTTP control plane: ``ControlServer`` on every node and ``ControlClient``.
 
-A request is authenticated from its headers before any body is read (the signature covers the
-body's digest, checked once it is in), so an unauthenticated peer never makes the node read or
-allocate a body. Replies to authenticated requests are signed (``HEADER_REPLY``, bound to the
-request's nonce) and the client refuses one that does not verify. Bodies are size-bounded, read in
-chunks, parsed as JSON only. Connections are bounded (``_Slots``) and time out (``timeout_s`` per
-socket read or write); a reply that leaves a body unread closes the connection, so nothing hidden
-in it is served as a request. A peer's mistakes are one log line.
-"""
+A request is authenticated from its headers before any body is read (the signature covers the body's
+digest, checked once in), so an unauthenticated peer never makes the node read or allocate a body.
+Replies are signed (``HEADER_REPLY``, bound to the request's nonce) and the client refuses one that
+does not verify. Bodies are size-bounded, read in chunks, JSON only; connections bounded
+(``_Slots``) and timed out; a reply leaving a body unread closes the connection, so nothing hidden
+in it is served as a request."""
 from __future__ import annotations
 
 import hashlib
@@ -51,8 +48,7 @@ _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\
 
 
 def body_deadline_s(length: int, timeout_s: float) -> float:
-    """Seconds a request's body of ``length`` bytes may take to arrive: one socket timeout,
-    plus the body at ``CONTROL_MIN_BODY_RATE``, so a body trickled a byte at a time within each
+    """One socket timeout plus the body at ``CONTROL_MIN_BODY_RATE``: a body trickled within each
     read's timeout cannot hold its connection for ever."""
     return timeout_s + length / CONTROL_MIN_BODY_RATE
 
@@ -61,8 +57,6 @@ Handler = Callable[[Dict[str, Any], bytes, Dict[str, str]], Dict[str, Any]]
 
 
 class _Handler(BaseHTTPRequestHandler):
-    """One HTTP request: route, signature from the headers, bounded body and its digest,
-    JSON, handler, JSON reply."""
 
     protocol_version = "HTTP/1.1"
     server: Any  # a _Server carrying ``control``, its ControlServer
@@ -93,9 +87,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _refuse(self, code: int, message: str) -> None:
-        """Answer ``code`` and close, with a log line: info for a request signed for an earlier
-        id of this node (its client retries at once), else a warning, rate-limited (a flood of
-        refused requests is one line, then a summary per ``LOG_SUMMARY_S``)."""
+        """Answer ``code`` and close; log info for a request signed for this node's earlier id (its
+        client retries), else a rate-limited warning."""
         routine = message.startswith(NODE_CHANGED)
         say = log.info if routine else self.server.control.refusals
         say("refused %s %s from %s (%d): %s", self.command, self.path[:200],
@@ -131,8 +124,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._dispatch(handler, body, raw, query, f"{method} {url.path}")
 
     def _length(self, public: bool) -> Optional[int]:
-        """The declared body length, or None after answering 400 (bad or several lengths,
-        a transfer encoding, or a body on a public path)."""
+        """The declared body length, or None after answering 400."""
         if self.headers.get("Transfer-Encoding") is not None:
             self._refuse(400, f"unsupported Transfer-Encoding "
                               f"{self.headers['Transfer-Encoding'][:80]!r}")
@@ -147,9 +139,8 @@ class _Handler(BaseHTTPRequestHandler):
         return int(lengths[0])
 
     def _read_body(self, control: "ControlServer", path: str, length: int) -> Optional[bytes]:
-        """The authenticated body, read in chunks within its route's size limit and by a
-        deadline (``body_deadline_s``), or None after answering 401/413 or dropping a
-        connection that aborted or stalled."""
+        """The authenticated body within its route's limit and ``body_deadline_s``, or None after
+        answering 401/413 or dropping the connection."""
         limit = control.raw_routes[path]() if path in control.raw_routes else MAX_JSON_BODY
         if length > limit:
             control.auth.release(self.headers)
@@ -222,8 +213,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 def _answer(handler: Handler, body: Dict[str, Any], raw: bytes, query: Dict[str, str],
             what: str) -> Tuple[int, Dict[str, Any]]:
-    """The handler's reply and HTTP status: ``Conflict`` 409, ``RingError`` (a node further down
-    failed) 502, bad input 400, a bug 500 (logged)."""
+    """``Conflict`` 409, ``RingError`` (a node further down failed) 502, bad input 400, a bug 500.
+    """
     try:
         return 200, handler(body, raw, query)
     except Conflict as e:
@@ -238,9 +229,8 @@ def _answer(handler: Handler, body: Dict[str, Any], raw: bytes, query: Dict[str,
 
 
 class _Slots:
-    """The open control connections. Those not past authentication (new, or kept alive between
-    requests) are evictable, oldest first, so silent peers cannot lock a client out; a new
-    connection is refused only when every one is serving an authenticated request."""
+    """Connections not past authentication are evictable, oldest first, so silent peers cannot lock
+    a client out; a new one is refused only when every one serves an authenticated request."""
 
     def __init__(self) -> None:
         self.open = 0
@@ -276,16 +266,16 @@ class _Slots:
 
 
 class _Server(ThreadingHTTPServer):
-    """A thread per connection, at most ``control.max_connections`` of them (see ``_Slots``);
-    a peer's broken connection is one log line, not a traceback."""
+    """At most ``control.max_connections`` threads (``_Slots``); a broken connection is one log
+    line."""
 
     daemon_threads = True
     request_queue_size = 128  # socketserver's 5 drops SYNs in a burst: clients stall 1 s
     control: "ControlServer"
 
     def get_request(self) -> Tuple[Any, Any]:
-        """The next connection; out of descriptors, a wait first (``AcceptBackoff``): the
-        serving loop would try again at once, for ever, while the shortage lasts."""
+        """Out of descriptors, wait first (``AcceptBackoff``): the loop would otherwise spin while
+        the shortage lasts."""
         try:
             pair = super().get_request()
         except OSError as e:
@@ -327,9 +317,9 @@ class _Server(ThreadingHTTPServer):
 
 
 class ControlServer:
-    """Routes ``(method, path)`` to handlers (json body, raw body, query) -> json reply.
-    ``raw_routes``: paths whose body is bytes (weights), with their size limit, handed over as a
-    ``bytearray`` (no second copy). A port it cannot listen on is a ListenError."""
+    """Routes ``(method, path)`` to handlers -> JSON reply. ``raw_routes``: paths whose body is
+    bytes (weights), with their size limit, handed over as a ``bytearray``. ListenError for a port
+    it cannot listen on."""
 
     def __init__(self, host: str, port: int, routes: Dict[Tuple[str, str], Handler],
                  raw_routes: Optional[Dict[str, Callable[[], int]]] = None,
@@ -372,8 +362,8 @@ class ControlServer:
         return self
 
     def stop(self) -> None:
-        """Stop serving and close the port; a server never started just closes its port
-        (``shutdown`` would wait forever for a loop that never ran)."""
+        """A server never started just closes its port (``shutdown`` would wait for a loop that
+        never ran)."""
         if self.thread.ident is not None:
             self.httpd.shutdown()
         self.httpd.server_close()
@@ -382,7 +372,7 @@ class ControlServer:
 
 
 def round_trip_ms(base_url: str, timeout: float = 2.0) -> Optional[float]:
-    """Round-trip time of one unauthenticated ping to a node's control plane, or None."""
+    """One unauthenticated ping's round trip, or None."""
     import time
 
     t0 = time.perf_counter()
@@ -398,9 +388,8 @@ _NODE_IDS: Dict[str, str] = {}  # base URL -> the id its control server signs fo
 
 
 def node_id(base_url: str, timeout: float, fresh: bool = False, who: str = "") -> str:
-    """The id of the control server at ``base_url`` (its ``/ping``; "" from one that has
-    none), asked once and remembered, or again when ``fresh``. Its clock is checked on the
-    way (``check_clock``): signed requests need clocks within ``MAX_SKEW_S``."""
+    """The node's ``/ping`` id ("" if none), remembered unless ``fresh``; its clock checked
+    (``check_clock``)."""
     if fresh or base_url not in _NODE_IDS:
         sent = time.time()
         reply = _request(base_url, "GET", "/ping", None, {}, False, timeout, base_url)
@@ -410,9 +399,8 @@ def node_id(base_url: str, timeout: float, fresh: bool = False, who: str = "") -
 
 
 def check_clock(theirs: Any, ours: float, who: str) -> None:
-    """A node whose clock (``theirs``, its time when it answered ``/ping``) is more than
-    ``MAX_SKEW_S`` from ours (the middle of the round trip) would refuse every signed request
-    as stale, or we its: a one-line RingError naming the skew instead."""
+    """A clock more than ``MAX_SKEW_S`` from ours would make every signed request stale: a RingError
+    naming the skew."""
     if not isinstance(theirs, (int, float)) or isinstance(theirs, bool) \
             or not math.isfinite(theirs):
         return  # a node of a release that does not tell its time
@@ -428,9 +416,8 @@ def check_clock(theirs: Any, ours: float, who: str) -> None:
 def call(base_url: str, method: str, path: str, body: Optional[Dict[str, Any]] = None,
          raw: Optional[bytes] = None, timeout: float = 30.0, node: str = "",
          auth: Optional[Authenticator] = None) -> Dict[str, Any]:
-    """One signed control request; a failure is a RingError naming the node and the reason.
-    It is signed for the node's id; a 401 after the node drew a new one (it restarted) is
-    tried once more, signed for the new one, and logged as such (not as a wrong secret)."""
+    """One signed control request, RingError on failure. A 401 after the node drew a new id
+    (restarted) is retried once, signed for it."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     who = f"{node} ({base_url})" if node else base_url
     if auth is None or not auth.enabled:
@@ -453,16 +440,14 @@ def call(base_url: str, method: str, path: str, body: Optional[Dict[str, Any]] =
 
 def get_json(base_url: str, path: str, headers: Dict[str, str], timeout: float,
              who: str) -> Dict[str, Any]:
-    """One unsigned ``GET`` with ``headers`` (an HTTP API's, not a control plane's); its JSON
-    object, or a one-line RingError as ``call`` raises."""
+    """One unsigned ``GET`` (an HTTP API's); its JSON object, or a RingError."""
     return _request(base_url, "GET", path, None, headers, False, timeout, who)
 
 
 def _request(base_url: str, method: str, path: str, data: Optional[bytes],
              headers: Dict[str, str], raw: bool, timeout: float, who: str,
              auth: Optional[Authenticator] = None) -> Dict[str, Any]:
-    """One request with ``headers``; its JSON object, or a one-line RingError. With ``auth``
-    (``headers`` signed by it) a successful reply must carry the node's signature of it."""
+    """Its JSON object, or a RingError; with ``auth`` the reply must carry the node's signature."""
     request = urllib.request.Request(base_url + path, data=data, method=method)
     for name, value in headers.items():
         request.add_header(name, value)
@@ -496,7 +481,6 @@ def _one_line(value: Any, limit: int = 300) -> str:
 
 
 def _error_message(e: urllib.error.HTTPError) -> str:
-    """The ``error`` of a JSON error answer, else its reason phrase, on one line."""
     try:
         payload = json.loads(e.read())
         message = payload.get("error", e.reason) if isinstance(payload, dict) else e.reason
@@ -508,9 +492,8 @@ def _error_message(e: urllib.error.HTTPError) -> str:
 
 
 class ControlClient:
-    """Signed requests to one node's control plane; JSON bodies carry ``session`` (a worker
-    serves one starter session at a time) and the ``starter``'s name (the same starter in a
-    new session, restarted, takes its workers over)."""
+    """Bodies carry ``session`` (a worker serves one starter session at a time) and the
+    ``starter``'s name (a restarted starter takes its workers over)."""
 
     def __init__(self, node: NodeSpec, auth: Optional[Authenticator] = None,
                  session: str = "", starter: str = "") -> None:
@@ -523,7 +506,7 @@ class ControlClient:
         return call(self.node.url, method, path, body, raw, timeout, self.node.name, self.auth)
 
     def status(self, role: str = "worker", timeout: float = 5.0) -> NodeStatus:
-        """The node's status, or a ``down`` status saying why it did not answer."""
+        """A ``down`` status saying why, when it does not answer."""
         try:
             status = NodeStatus.from_json(self.call("GET", "/status", timeout=timeout))
         except RingError as e:

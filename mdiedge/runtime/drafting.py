@@ -1,15 +1,6 @@
-"""Drafters: cheap proposals of a sample's next tokens, for the model to verify in one step
-(``mdiedge.runtime.speculation``). A drafter runs on the starter and knows a sample only by its
-tokens so far:
-
-- ``NgramDrafter``: prompt lookup (Saxena 2023; llama.cpp's lookup, vLLM's n-gram drafter):
-  the sample's last n tokens found earlier in its own text propose what followed them there.
-- ``mdiedge.runtime.draftmodel.DraftModelDrafter``: a small model sharing the tokenizer, with
-  its own KV slots (``draft:PATH``).
-
-``parse_speculate`` reads ``--speculate``; ``request_speculate`` resolves a request's own choice
-(the API's ``speculate`` field) against the engine's.
-"""
+"""Drafters: cheap proposals of a sample's next tokens, verified in one step (``speculation``), on
+the starter, knowing a sample only by its tokens: ``NgramDrafter`` (prompt lookup: Saxena 2023,
+llama.cpp's lookup, vLLM's n-gram drafter) and ``draftmodel.DraftModelDrafter`` (``draft:PATH``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,40 +13,36 @@ from ..base.errors import ConfigError
 
 @dataclass
 class Proposal:
-    """Drafted tokens, and the drafter's distributions they were drawn from (len(tokens),
-    vocab; float32) after the sampling transforms; None: each proposal is certain
-    (one-hot)."""
+    """``q``: the distributions the tokens were drawn from after the sampling transforms
+    (len(tokens), vocab); None: one-hot."""
 
     tokens: List[int] = field(default_factory=list)
     q: Optional[np.ndarray] = None
 
 
 class Drafter(Protocol):
-    """What the scheduler asks of a drafter, per sample (its ring-wide id)."""
+    """Per sample, by its ring-wide id."""
 
     def propose(self, sample_id: int, tokens: Sequence[int], k: int) -> Proposal:
-        """Up to ``k`` tokens to follow ``tokens`` (the sample's prompt and output so far);
-        fewer, or none, where the drafter has nothing."""
+        """Up to ``k`` tokens to follow ``tokens``; fewer or none where the drafter has nothing."""
         ...
 
     def release(self, sample_id: int) -> None:
-        """Forget the sample (finished or cancelled): nothing of it stays behind."""
+        """Nothing of the sample stays behind."""
         ...
 
 
 @dataclass
 class _Index:
-    """A sample's n-grams: each n-gram's latest end (the index after its last token) among
-    those ending before the sample's last token, for n in ``sizes``."""
+    """Each n-gram's latest end among those ending before the last token, for n in ``sizes``."""
 
     done: int = 0  # n-grams ending at or before this index are in ``ends``
     ends: Dict[Tuple[int, ...], int] = field(default_factory=dict)
 
 
 class NgramDrafter:
-    """Prompt lookup: the longest of the sample's last ``max_n`` .. ``min_n`` tokens that
-    occurs earlier in its text, at its latest earlier occurrence, proposes the tokens that
-    followed it there (at most up to the end of the text)."""
+    """The longest of the last ``max_n`` .. ``min_n`` tokens occurring earlier in the text, at its
+    latest occurrence, proposes what followed it there."""
 
     def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
         if not 1 <= min_n <= max_n:
@@ -74,8 +61,8 @@ class NgramDrafter:
         return Proposal()
 
     def _indexed(self, sample_id: int, tokens: Sequence[int]) -> _Index:
-        """The sample's index brought up to its n-grams ending before its last token (made
-        anew when the text is shorter than what was indexed: a sample id reused)."""
+        """Brought up to date; made anew when the text is shorter than indexed (a sample id reused).
+        """
         index = self._index.get(sample_id)
         if index is None or index.done > len(tokens) - 1:
             index = self._index[sample_id] = _Index()
@@ -94,25 +81,24 @@ class NgramDrafter:
         return len(self._index)
 
 
-def parse_speculate(spec: str) -> Tuple[str, str]:
-    """``ngram``, ``ngram:N`` (longest n-gram N) or ``draft:PATH`` as (kind, argument); a
-    ConfigError quoting anything else."""
-    kind, _, arg = spec.partition(":")
+def parse_speculate(choice: str) -> Tuple[str, str]:
+    """``ngram``, ``ngram:N`` (longest n-gram N) or ``draft:PATH``; a ConfigError quoting anything
+    else."""
+    kind, _, arg = choice.partition(":")
     if kind == "ngram" and (not arg or arg.isdigit() and 1 <= int(arg) <= 16):
         return kind, arg
     if kind == "draft" and arg:
         return kind, arg
-    raise ConfigError(f"speculate {spec!r}: expected ngram, ngram:N (1..16) or draft:PATH")
+    raise ConfigError(f"speculate {choice!r}: expected ngram, ngram:N (1..16) or draft:PATH")
 
 
 REQUEST_SPECULATE = ("ngram", "draft", "off")  # a request's choice (the API's ``speculate``)
 
 
 def request_speculate(default: Optional[str], requested: Optional[str]) -> Optional[str]:
-    """The drafter spelling a request decodes with (None: no speculation): ``requested``
-    (``ngram``, ``draft``: the engine's draft model, ``off``; None: the default) over the
-    engine's ``default`` (``--speculate``; None or ``off``: none). A ConfigError quoting the
-    value for any other, and for ``draft`` when the default names no draft model."""
+    """``requested`` (``ngram``, ``draft``: the engine's draft model, ``off``; None: the default)
+    over the engine's ``default`` (None or ``off``: none). ConfigError quoting any other, and
+    ``draft`` without a draft model."""
     default = None if default in (None, "off") else default
     kind = parse_speculate(default)[0] if default is not None else None
     if requested is None:

@@ -1,16 +1,10 @@
 """The ``draft:PATH`` drafter: a small model sharing the target's tokenizer, on the starter.
 
-It is a model chunk like any other (the torch ``Transformer``, or a chunk that
-``takes_numpy``), the whole model in this process with its own KV slots (``DraftModel``:
-loaded once per engine, its slots shared by the engine's requests, one per sample, from its
-own ``SlotTable``). A request's ``DraftModelDrafter``
-holds its samples' slots there and frees each when the sample ends. For each sample it remembers
-the tokens its KV rows hold; a proposal feeds what the sample gained since (the tokens the
-target accepted after the common prefix: the KV rows past it are dead and are overwritten),
-then drafts k tokens one position at a time: the argmax when sampling is greedy, else a
-draw from its distribution after the sampling transforms, which the proposal carries as q
-for the speculative sampling rule (``mdiedge.model.speculative``).
-"""
+A ``DraftModel`` is loaded once per engine with its own KV slots, one per sample, shared by the
+engine's requests. A request's ``DraftModelDrafter`` remembers the tokens each sample's KV rows
+hold; a proposal feeds what the sample gained since (rows past the common prefix are dead and
+overwritten), then drafts k tokens one position at a time: the argmax when greedy, else a draw after
+the sampling transforms, carried as q for the speculative sampling rule (``model.speculative``)."""
 from __future__ import annotations
 
 import itertools
@@ -30,11 +24,8 @@ DRAFT_SEED_OFFSET = 0x5EED  # the draft's draws: another stream than the target'
 
 
 class DraftModel:
-    """A draft model (a whole ``Transformer``: embedding, blocks and head) and its KV slots,
-    shared by the requests of an engine: each request's ``DraftModelDrafter`` holds slots of
-    its own here (under keys unique to this object), so requests never see each other's KV
-    rows. Every method runs on the engine's compute thread (loading, ``fit``, and the
-    drafters' proposals in the scheduler's loop), so none takes a lock."""
+    """Requests hold slots under keys unique to this object, so they never see each other's KV rows.
+    Every method runs on the engine's compute thread, so none takes a lock."""
 
     def __init__(self, model: Any, n_slots: int = 0, context: int = 0) -> None:
         self.model = model
@@ -47,8 +38,7 @@ class DraftModel:
     @classmethod
     def load(cls, path: str, target_cfg: Any, n_slots: int = 0, context: int = 0,
              device: str = "cpu") -> "DraftModel":
-        """The draft model at ``path``; a ConfigError when its vocabulary is not the
-        target's (it must share the tokenizer)."""
+        """ConfigError when its vocabulary is not the target's (it must share the tokenizer)."""
         from ..model.chunks import open_chunk
 
         model = open_chunk(path, None, True, True, device=device)
@@ -60,15 +50,13 @@ class DraftModel:
         return cls(model, n_slots, context)
 
     def holds(self, n_slots: int, context: int) -> bool:
-        """Whether its KV slots hold ``n_slots`` samples of ``context`` tokens (a context
-        beyond the model's own counts as its own)."""
+        """A context beyond the model's own counts as its own."""
         return self.n_slots >= n_slots and self.context >= min(context,
                                                                self.model.cfg.max_seq_len)
 
     def fit(self, n_slots: int, context: int) -> None:
-        """Set its KV slots up anew for at least ``n_slots`` x ``context`` when they hold
-        less and no drafter holds a slot (else they stay: a sample finding no free slot is
-        drafted nothing)."""
+        """Set the slots up anew for ``n_slots`` x ``context`` when they hold less and no drafter
+        holds one (else a sample finding no free slot is drafted nothing)."""
         if self.holds(n_slots, context) or self.slots.in_use:
             return
         self.n_slots = max(self.n_slots, n_slots)
@@ -77,20 +65,18 @@ class DraftModel:
         self.slots = SlotTable(self.n_slots)
 
     def key(self) -> int:
-        """A slot key no other sample of any drafter of this model holds."""
+        """A slot key no sample of any drafter of this model holds."""
         while True:
             key = next(self._keys) % (MAX_SAMPLE_ID + 1)
             if key not in self.slots.assignments():
                 return key
 
     def drafter(self, params: SamplingParams) -> "DraftModelDrafter":
-        """A request's drafter on this model, sampling as ``params`` say."""
         return DraftModelDrafter(self, params)
 
 
 class DraftModelDrafter:
-    """Drafts with the shared ``draft`` model for the samples of one request (known by
-    their index in it), sampling as ``params`` say; ``release`` frees a sample's slot."""
+    """Samples known by their index in the request; ``release`` frees a sample's slot."""
 
     def __init__(self, draft: DraftModel, params: SamplingParams) -> None:
         self.draft, self.params = draft, params
@@ -107,8 +93,7 @@ class DraftModelDrafter:
         return self.draft.context
 
     def _slot(self, sample_id: int) -> Optional[int]:
-        """The sample's slot of the shared table, allocated at its first proposal; None
-        when every slot is held."""
+        """Allocated at the first proposal; None when every slot is held."""
         key = self._keys.get(sample_id)
         if key is not None:
             return self.draft.slots.slot_of(key)
@@ -143,12 +128,10 @@ class DraftModelDrafter:
         return Proposal(drafts, np.stack(rows) if rows else None)
 
     def _run(self, tokens: Sequence[int], slot: int, position: int) -> np.ndarray:
-        """Logits (vocab,) after ``tokens`` fed into ``slot`` from ``position``."""
         return last_logits(self.model, tokens, slot, position)
 
     def _choose(self, sample_id: int, logits: np.ndarray, rows: List[np.ndarray]) -> int:
-        """The draft token after ``logits``: argmax (greedy), or a draw whose distribution
-        is appended to ``rows``."""
+        """Argmax (greedy), or a draw whose distribution is appended to ``rows``."""
         if self.params.greedy:
             return int(logits.argmax())
         q = distributions(logits[None], self.params)[0]
@@ -170,7 +153,6 @@ class DraftModelDrafter:
         self._gens.pop(sample_id, None)
 
     def close(self) -> None:
-        """Release every sample it holds (its request ended, or failed)."""
         for sample_id in set(self._keys) | set(self._fed) | set(self._gens):
             self.release(sample_id)
 
@@ -181,9 +163,8 @@ class DraftModelDrafter:
 
 
 def last_logits(model: Any, tokens: Sequence[int], slot: int, position: int) -> np.ndarray:
-    """float32 logits (vocab,) of a whole model chunk after ``tokens`` fed into KV ``slot``
-    from ``position``: numpy throughout for a chunk that ``takes_numpy``, else the torch
-    ``Transformer`` on its device."""
+    """float32 logits after ``tokens`` fed into ``slot`` from ``position``: numpy throughout for a
+    numpy chunk, else torch on its device."""
     if getattr(model, "takes_numpy", False):
         x = model.run_blocks(model.embed_tokens(np.array([list(tokens)], dtype=np.int64)),
                              np.array([slot], dtype=np.int64), [position])

@@ -1,34 +1,20 @@
 """Tensor frames of the data plane, on top of the compiled framing module or its twin.
 
-One frame carries one message between neighbour nodes: a header (message type, flags,
-sequence number, the samples it concerns with their positions, and for a decode ACTIVATION
-its early exit: ``exit_depth`` and each row's ``eligible`` flag) and, for ACTIVATION, PING
-and the like, one C-contiguous array sent straight from its memory and received straight
-into a freshly allocated (or caller-given) numpy array: no intermediate copies. Any array
-is sent (numpy, or a torch tensor through ``.numpy()``, one on another device copied to the
-CPU first); every array received is numpy, a bfloat16 one as its uint16 words
-(``mdiedge.base.arrays``): no torch here. The wire format is documented in
-``mdiedge/runtime/_framingspec.py``.
+One frame carries one message between neighbour nodes: a header and, for ACTIVATION, PING and the
+like, one C-contiguous array sent straight from its memory and received straight into a fresh (or
+caller-given) numpy array, no intermediate copy. Arrays received are numpy, bfloat16 as uint16
+words: no torch here. Wire format: ``_framingconstants.py``.
 
-A malformed, oversized or truncated frame raises ``FrameError``. The stream position is
-then unknown (part of the frame may be unread), so the caller must close the link; the
-receivers of ``mdiedge.runtime.links`` do so.
+A malformed, oversized or truncated frame raises ``FrameError`` and leaves the stream position
+unknown: the caller must close the link (``links`` does).
 
-A float32 array may travel encoded with a codec (``fp16`` or blockwise ``int8``, see
-``mdiedge.base.codecs``; the header's flags name it): it is encoded into one buffer of the
-encoded size on send, and decoded on receipt from one such buffer into the array the frame
-fills (the caller's ``out`` or a fresh one), with no other copy.
+A float32 array may travel encoded (``fp16``, blockwise ``int8``: ``mdiedge.base.codecs``), through
+one buffer of the encoded size each way. A sealed link (``seal``) passes its ``Sealer`` to sends and
+``Opener`` to receives: payload encrypted, a tag after it, checked before anything of the frame is
+returned (IntegrityError); a frame sealed otherwise than agreed is a FrameError.
 
-A link sealed in its handshake (``mdiedge.runtime.seal``) passes its ``Sealer`` to the sends
-(``sealer``) and its ``Opener`` to the receives (``opener``): each frame then goes with
-FLAG_SEALED, its payload encrypted and a tag after it; a receive opens the frame before it
-returns anything of it (an IntegrityError when the tag does not verify), and a frame sealed
-or not otherwise than the link agreed on is a FrameError.
-
-Every function takes ``impl`` to force one implementation (tests run both); by default it
-is ``FRAMING.select()``: the compiled module unless disabled or not built. ``codec_impl``
-does the same for the codecs (``CODEC.select()``). This module owns both pairs.
-"""
+``impl`` / ``codec_impl`` force one implementation (tests run both); default ``FRAMING.select()`` /
+``CODEC.select()``."""
 from __future__ import annotations
 
 import functools
@@ -42,8 +28,7 @@ from ..base.arrays import BF16_WORDS, to_numpy
 from ..base.codecs import NONE, encoded_size
 from ..base.accel import Twins
 from ..base.errors import FrameError
-from ._framingspec import FLAG_ALL_ROWS, FLAG_REWIND  # noqa: F401  (both implementations read the spec's)
-from . import _pycodec, _pyframing
+from . import _framingconstants, _pycodec, _pyframing
 
 try:
     from . import _cframing
@@ -73,6 +58,8 @@ FLAG_PREFILL: int = _impl.FLAG_PREFILL
 FLAG_SEALED: int = _impl.FLAG_SEALED
 TAG_SIZE: int = _impl.TAG_SIZE
 CODEC_SHIFT: int = _impl.CODEC_SHIFT
+FLAG_REWIND: int = _framingconstants.FLAG_REWIND  # flags that only the frame's readers read
+FLAG_ALL_ROWS: int = _framingconstants.FLAG_ALL_ROWS
 codec_of = _impl.codec_of
 ITEMSIZE: Dict[int, int] = _impl.ITEMSIZE
 FrameHeader = _impl.FrameHeader
@@ -108,8 +95,7 @@ def numpy_dtype(code: int) -> np.dtype:
 
 
 def tensor_bytes(array: Any) -> np.ndarray:
-    """The flat uint8 view of an array's memory (``to_numpy``'s: a C-contiguous numpy array
-    is its own): the bytes the framing modules send or fill."""
+    """The flat uint8 view of an array's memory: the bytes the framing modules send or fill."""
     return to_numpy(array).reshape(-1).view(np.uint8)
 
 
@@ -118,12 +104,9 @@ def send_tensor(sock: Any, msg_type: int, sample_ids: Sequence[int], positions: 
                 impl: Optional[ModuleType] = None, codec: int = NONE,
                 codec_impl: Optional[ModuleType] = None, exit_depth: int = 0,
                 eligible: Sequence[bool] = (), sealer: Optional[Any] = None) -> int:
-    """Send one frame carrying ``tensor``, any array of 1 to 4 dims (numpy, or torch: moved
-    to the CPU and made contiguous first if need be); its n_tokens is ``tensor.shape[1]``
-    for 2+ dims, else 1. A float32 array goes encoded with ``codec`` (one of another dtype
-    as it is). ``exit_depth`` and ``eligible`` (one flag per sample, or empty for none) only
-    on an ACTIVATION frame without FLAG_PREFILL. ``sealer``: the frame goes sealed. The
-    bytes sent."""
+    """Send one frame carrying ``tensor`` (1 to 4 dims; n_tokens is ``shape[1]`` for 2+ dims, else
+    1); the bytes sent. A float32 array goes encoded with ``codec``. ``exit_depth`` and ``eligible``
+    (a flag per sample, or empty) only on an ACTIVATION without FLAG_PREFILL."""
     impl = impl or _impl
     if len(tensor.shape) == 0:
         raise FrameError("a 0-dim tensor cannot be framed (ndim 0 means no payload); "
@@ -151,9 +134,8 @@ def send_control(sock: Any, msg_type: int, sample_ids: Sequence[int] = (),
                  positions: Sequence[int] = (), seq: int = 0,
                  impl: Optional[ModuleType] = None, exit_depth: int = 0,
                  eligible: Sequence[bool] = (), sealer: Optional[Any] = None) -> int:
-    """Send one frame with no tensor (RELEASE, PING without payload, SHUTDOWN). Its bytes.
-    ``exit_depth`` and ``eligible`` as for ``send_tensor``: only an ACTIVATION takes them;
-    ``sealer``: the frame goes sealed (a tag after the sample table)."""
+    """Send one frame with no tensor (RELEASE, PING, SHUTDOWN); its bytes. ``exit_depth``,
+    ``eligible``, ``sealer`` as for ``send_tensor``."""
     impl = impl or _impl
     header = impl.pack_header(msg_type, 0 if sealer is None else FLAG_SEALED, CONTROL_DTYPE,
                               sample_ids, positions, 0, (), seq, exit_depth, eligible)
@@ -173,10 +155,9 @@ def _allocate(shape: Tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 def reader(sock: Any, impl: Optional[ModuleType] = None, capacity: Optional[int] = None,
            busy_poll_us: int = 0) -> Any:
-    """A ``FrameReader`` of ``sock`` for every frame of a link: it receives through a buffer,
-    so that a small frame takes one system call (``capacity`` bytes, default
-    ``READ_BUFFER``; 0: read nothing past each frame), and polls for up to ``busy_poll_us``
-    before it sleeps waiting for one."""
+    """A buffered ``FrameReader`` for every frame of a link: a small frame takes one system call
+    (``capacity`` bytes, default ``READ_BUFFER``; 0: read nothing past each frame); it polls
+    ``busy_poll_us`` before sleeping."""
     impl = impl or _impl
     return impl.FrameReader(sock, impl.READ_BUFFER if capacity is None else capacity,
                             busy_poll_us)
@@ -185,17 +166,13 @@ def reader(sock: Any, impl: Optional[ModuleType] = None, capacity: Optional[int]
 def recv_frame(source: Any, max_payload: int, out: Optional[np.ndarray] = None,
                impl: Optional[ModuleType] = None, codec_impl: Optional[ModuleType] = None,
                opener: Optional[Any] = None) -> Tuple[Any, Optional[np.ndarray]]:
-    """Receive one frame from ``source``, a link's ``reader`` (or a socket, read up to the
-    frame's end and no further): its validated header and its numpy array (None for a
-    frame without one; bfloat16 as uint16 words).
+    """One frame from ``source`` (a link's ``reader``, or a socket): its validated header and numpy
+    array (None without one).
 
-    The array is allocated only once the header is validated (its payload at most
-    ``max_payload`` bytes), unless ``out`` is given: a C-contiguous writable numpy array of
-    the frame's shape and dtype, received into in place (else FrameError). Any FrameError leaves the
-    stream at an unknown position: close the link. An encoded payload (the header's codec)
-    is received into one buffer of its size and decoded into the array. ``opener``: the
-    link is sealed; the frame must be, and nothing of it is returned before its tag
-    verified (else IntegrityError)."""
+    The array is allocated only once the header is validated (payload at most ``max_payload``),
+    unless ``out`` is given: a C-contiguous writable array of the frame's shape and dtype (else
+    FrameError). Any FrameError leaves the stream at an unknown position: close the link.
+    ``opener``: the frame must be sealed, and nothing is returned before its tag verified."""
     impl = impl or _impl
     if hasattr(source, "recv_header"):
         header, fill = source.recv_header(max_payload), source.recv_into
@@ -236,9 +213,8 @@ def _fits(out: Any, shape: Tuple[int, ...], dtype: np.dtype) -> bool:
 
 def _open(header: Any, dtype: np.dtype, out: Optional[np.ndarray], fill: Any,
           opener: Any, codec: int, codec_impl: Optional[ModuleType]) -> np.ndarray:
-    """The array of a sealed frame: payload and tag received into one buffer, the tag
-    checked and the payload decrypted straight into the array (an encoded one in place,
-    then decoded into the array)."""
+    """A sealed frame's payload and tag received into one buffer, the tag checked, the payload
+    decrypted straight into the array (an encoded one decoded after)."""
     size = header.payload_len
     try:
         sealed = np.empty(size + TAG_SIZE, dtype=np.uint8)

@@ -1,10 +1,5 @@
-"""A request's samples and the rule that turns logits into their next tokens.
-
-``Generation`` owns the samples (prompt, generator, tokens, stop state) and its timing; the
-scheduler (``mdiedge.runtime.scheduler``) decides when each sample runs, wherever its blocks
-are. Each sample draws from its own generator, so its tokens do not depend on what it shares
-a message with.
-"""
+"""A request's samples and the rule that turns logits into their next tokens. Each sample draws from
+its own generator, so its tokens do not depend on what it shares a message with."""
 from __future__ import annotations
 
 import threading
@@ -45,7 +40,7 @@ class Sample:
 
     @property
     def text(self) -> str:
-        """Its text after the prompt, up to its stop string if it stopped on one."""
+        """Up to its stop string if it stopped on one."""
         assert self.output is not None, "a sample of a request with no text output"
         return self.output.final(self.finish_reason == "stop")
 
@@ -57,9 +52,8 @@ class Sample:
 
 @dataclass
 class Timing:
-    """A request's seconds: ``total_s`` from its arrival to its end, of which ``setup_s``
-    went to setting a ring up for it (nodes assigned, weights sent; 0 on a ring already
-    up); tokens/s count the rest, the generation itself."""
+    """``total_s`` from arrival to end, of which ``setup_s`` set a ring up for it (0 on a ring
+    already up); tokens/s count the rest."""
 
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -84,9 +78,8 @@ class Timing:
 
 @dataclass
 class Recovery:
-    """One recovery from lost nodes, as a generation saw it: which nodes, after how many of
-    its tokens, how long the loss took to notice and the ring to be rebuilt and caught up
-    (``recover_s``, set once the replay is back), and how many tokens were replayed."""
+    """One recovery as a generation saw it: lost nodes, after how many tokens, ``recover_s`` (set
+    once the replay is back) and the tokens replayed."""
 
     nodes: List[str]
     token_index: int
@@ -104,8 +97,8 @@ class Recovery:
 
 @dataclass
 class ExitCounts:
-    """Early exit as a generation saw it: decode tokens by the blocks they ran (``n_layers``
-    for those that ran every block) and the KV-fill seconds of this process's stages."""
+    """Decode tokens by the blocks they ran (``n_layers``: all) and this process's KV-fill seconds.
+    """
 
     n_layers: int
     by_depth: Dict[int, int] = field(default_factory=dict)
@@ -120,8 +113,8 @@ class ExitCounts:
         return sum(self.by_depth.values())
 
     def as_dict(self) -> Dict[str, object]:
-        """``exit_rate``: per block (1-based), the share of decode tokens that exited after
-        it; ``mean_layers``: blocks run per decode token."""
+        """``exit_rate``: per block (1-based), the share of decode tokens that exited after it;
+        ``mean_layers``: blocks per decode token."""
         total = self.tokens
         rates = {str(d): round(n / total, 4) for d, n in sorted(self.by_depth.items())
                  if d < self.n_layers} if total else {}
@@ -132,8 +125,7 @@ class ExitCounts:
 
 
 def constrained(samples: Sequence[Sample], logits: np.ndarray) -> np.ndarray:
-    """``logits`` (B, vocab), each row of a sample that follows a grammar masked to the
-    tokens it allows next (-inf elsewhere)."""
+    """Rows of samples under a grammar masked to the tokens it allows next (-inf elsewhere)."""
     if all(s.constraint is None for s in samples):
         return logits
     rows = logits.copy()
@@ -144,7 +136,6 @@ def constrained(samples: Sequence[Sample], logits: np.ndarray) -> np.ndarray:
 
 
 class Generation:
-    """Samples of one request and the rule that turns logits into their next tokens."""
 
     def __init__(self, request: Request, eos_ids: Sequence[int],
                  on_token: Optional[TokenCallback] = None,
@@ -187,7 +178,7 @@ class Generation:
 
     @property
     def settled(self) -> bool:
-        """No sample holds KV rows any more (released, or never admitted)."""
+        """No sample holds KV rows (released, or never admitted)."""
         return all(s.released or not s.sid for s in self.samples)
 
     @property
@@ -195,19 +186,18 @@ class Generation:
         return len(self.samples[0].prompt) + self.max_new_tokens
 
     def cancel(self) -> None:
-        """Ask the scheduler to stop this request (its KV rows are freed on every node)."""
+        """Its KV rows are freed on every node."""
         self.cancel_requested = True
 
     def end(self, reason: str, samples: Optional[Sequence[Sample]] = None) -> None:
-        """End each of ``samples`` (default: all) not ended yet with ``reason`` ("cancelled"
-        or "error"): ending by sampling is ``accept``'s."""
+        """``reason``: "cancelled" or "error"; ending by sampling is ``accept``'s."""
         for sample in self.samples if samples is None else samples:
             if not sample.done:
                 sample.finish_reason = reason
 
     def fail(self, error: BaseException) -> None:
-        """This request failed on its own: it ends with ``error`` (the first one stays) and
-        the scheduler frees its rows as its messages come back; the others go on."""
+        """Failed on its own: ends with ``error`` (the first stays), rows freed as messages come
+        back; others go on."""
         if self.error is None:
             self.error = error if isinstance(error, MdiedgeError) else \
                 GenerationError(f"{type(error).__name__}: {error}")
@@ -215,16 +205,15 @@ class Generation:
         self.end("error")
 
     def broken(self, error: BaseException) -> None:
-        """The pipeline broke under this request: it ends with ``error``, and its
-        speculation lets every sample go (a shared draft model's slots are free again)."""
+        """The pipeline broke: ends with ``error``; a shared draft model's slots are free again."""
         self.error = error
         if self.speculation is not None:
             self.speculation.close([s.index for s in self.samples])
 
     def release(self, samples: Sequence[Sample]) -> List[Sample]:
-        """How a sample ends, in one place: of ``samples``, live ones are cancelled when the
-        request asked, and ended ones still holding KV rows are marked released (the caller
-        frees them); the timing closes once every sample ended. Returns those released now."""
+        """How a sample ends, in one place: live ones cancelled when asked, ended ones holding rows
+        marked released (the caller frees them); the timing closes once all ended. Those released
+        now."""
         if self.cancel_requested:
             self.end("cancelled", samples)
         ended = [s for s in samples if s.done and not s.released]
@@ -237,16 +226,14 @@ class Generation:
         return ended
 
     def wake(self) -> None:
-        """The scheduler's loop is done with this request (or failed): ``wait`` returns."""
         self._ended.set()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Block until ``wake`` (at most ``timeout`` s); whether it came."""
+        """Whether ``wake`` came within ``timeout`` s."""
         return self._ended.wait(timeout)
 
     def accept(self, samples: Sequence[Sample], logits: Any) -> None:
-        """Sample one token for each of ``samples`` from its row of ``logits`` (B, vocab;
-        float32 numpy, or anything ``float32`` takes)."""
+        """One token per sample from its row of ``logits`` (B, vocab)."""
         if self.cancel_requested:
             self.end("cancelled", samples)  # "error" stays
             return
@@ -258,14 +245,14 @@ class Generation:
             self.take(sample, [token], self.scored(logits[i:i + 1], [token]))
 
     def score_prompt(self) -> None:
-        """Ask for the prompt's log-probabilities: the first sample's prefill comes back
-        whole, every row through the head (so it does not start from the prompt cache)."""
+        """The first sample's prefill comes back whole, every row through the head (so no prompt
+        cache)."""
         self.prompt_logprobs = [None] * len(self.samples[0].prompt)
         self.cache_prompt = False
 
     def unscored(self, sample: Sample, start: int, end: int) -> int:
-        """``start`` when a prefill of ``sample``'s positions [start, end) scores prompt
-        tokens not scored yet (it is to come back whole); else -1."""
+        """``start`` when the prefill of [start, end) scores prompt tokens not scored yet (to come
+        back whole); else -1."""
         wanted = self.prompt_logprobs
         if wanted is None or sample.index != 0 or \
                 all(p is not None for p in wanted[start + 1:end + 1]):
@@ -273,8 +260,8 @@ class Generation:
         return start
 
     def scored_prompt(self, start: int, logits: Any) -> None:
-        """Keep the log-probabilities of the prompt tokens each row of ``logits`` (T, vocab;
-        positions from ``start``) predicts."""
+        """Log-probabilities of the prompt tokens each row of ``logits`` (from ``start``) predicts.
+        """
         prompt, wanted = self.samples[0].prompt, self.prompt_logprobs
         count = min(logits.shape[0], len(prompt) - 1 - start)
         if wanted is not None and count > 0:
@@ -282,21 +269,18 @@ class Generation:
                 logits[:count], prompt[start + 1:start + 1 + count], self.params.top_logprobs or 0)
 
     def constrain(self, grammar: Any) -> None:
-        """Hold every sample's tokens to ``grammar`` (``mdiedge.model.grammar.Grammar``);
-        a drafted token outside it is rejected when verified."""
+        """A drafted token outside ``grammar`` is rejected when verified."""
         for sample in self.samples:
             sample.constraint = grammar.matcher()
 
     def scored(self, logits: Any, tokens: Sequence[int]) -> Optional[List[TokenLogprob]]:
-        """The log-probabilities of ``tokens`` under ``logits`` (one row each), when the
-        request asked for them; else None."""
+        """None unless the request asked for log-probabilities."""
         top = self.params.top_logprobs
         return None if top is None else token_logprobs(logits, tokens, top)
 
     def settle(self, samples: Sequence[Sample], logits: Any, drafts: Dict[int, Any]) -> None:
-        """The tokens of a step that verified drafted tokens: ``logits`` (B, T, vocab) at
-        every position of ``samples``' rows, ``drafts`` their ``Draft``s by sample id (a
-        request that does not speculate, merged into that step, takes its last position)."""
+        """A verifying step's tokens: ``logits`` (B, T, vocab), ``drafts`` by sample id (a
+        non-speculating request merged in takes its last position)."""
         if self.speculation is None or samples[0].sid not in drafts:
             self.accept(samples, logits[:, -1])
             return
@@ -314,8 +298,8 @@ class Generation:
 
     def take(self, sample: Sample, tokens: Sequence[int],
              logprobs: Optional[Sequence[TokenLogprob]] = None) -> None:
-        """Append ``tokens`` (one step's: one, or accepted drafts and the token after them)
-        until one ends the sample (end token, stop string, budget); later ones are dropped."""
+        """Append ``tokens`` until one ends the sample (end token, stop string, budget); later ones
+        are dropped."""
         now = time.perf_counter()
         for i, token in enumerate(tokens):
             if sample.done:
@@ -351,7 +335,7 @@ class Generation:
             self.prefilled_at = time.perf_counter()
 
     def finish(self) -> Timing:
-        """Close the timing: prefill from admission to the last first token, decode after."""
+        """Prefill from admission to the last first token, decode after."""
         now = time.perf_counter()
         admitted = self.admitted_at or self.started
         prefilled = self.prefilled_at or now

@@ -1,17 +1,15 @@
 """The data plane's persistent neighbour links, the same for the starter and the workers.
 
-A node receives on one thread, computes on another and sends on a third, joined by
-``queue.SimpleQueue`` (no lost wake-up, unlike an event cleared after popping as in MDI-LLM's
-code). A small message that finds the send queue empty is written by the computing thread itself
-(``Sender``): on a 2-core board a thread wake-up costs tens of µs, much of a one-token hop.
+A node receives, computes and sends on three threads joined by ``queue.SimpleQueue`` (no lost
+wake-up, unlike MDI-LLM's event cleared after popping). A small message that finds the send queue
+empty is written by the computing thread itself (``Sender``): on a 2-core board a wake-up costs tens
+of µs, much of a one-token hop.
 
-Set-up is hardened against strays: each handshake runs on its own thread with its own deadline
-while accepting goes on, and ``bind`` ties the handshake key to one ring set-up, so a silent
-connection cannot starve it and a stale link is refused. Links are sealed
-(``mdiedge.runtime.seal``) unless both ends run ``--no-encrypt``; codecs and sealing are agreed in
-the handshake, and a mismatch, a frame that does not verify or a malformed frame ends the set-up or
-the link with one line.
-"""
+Set-up is hardened against strays: each handshake has its own thread and deadline while accepting
+goes on, and ``bind`` ties the handshake key to one ring set-up, so a silent connection cannot
+starve it and a stale link is refused. Links are sealed (``seal``) unless both ends run
+``--no-encrypt``; codecs and sealing are agreed in the handshake, and a mismatch or a bad frame ends
+the set-up or the link with one line."""
 from __future__ import annotations
 
 import hashlib
@@ -42,7 +40,7 @@ MAX_HANDSHAKES = 64  # handshakes under way on one listener; a flood closes the 
 
 @dataclass
 class LinkDown:
-    """Queued by a receiver when its link ends: a closed socket or a malformed frame."""
+    """Queued by a receiver when its link ends."""
 
     reason: str
 
@@ -52,7 +50,7 @@ Received = Union[Message, LinkDown]
 
 @dataclass
 class Link:
-    """A socket that passed the handshake, with its keys when it is sealed (else None)."""
+    """A handshaken socket, with its keys when sealed (else None)."""
 
     sock: socket.socket
     keys: Optional[LinkKeys] = None
@@ -68,8 +66,8 @@ def configure(sock: socket.socket) -> socket.socket:
 
 
 def tcp_listen(host: str, port: int, what: str = "data port") -> socket.socket:
-    """A listening socket (port 0: a free one; SO_REUSEADDR for a quick rerun); ListenError naming
-    ``host:port`` and ``what`` when the port is taken or the address not ours."""
+    """Port 0: a free one; SO_REUSEADDR for a quick rerun. ListenError naming ``host:port`` and
+    ``what``."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -102,8 +100,8 @@ def accept(listener: socket.socket, timeout: float) -> socket.socket:
 
 
 def bind(auth: Authenticator, ring: str) -> Authenticator:
-    """``auth`` with its handshake key bound to the starter's fresh ``ring`` tag (sent in
-    ``/connect``), so a link from an earlier set-up fails the handshake. No tag: ``auth``."""
+    """``auth`` with its handshake key bound to the starter's fresh ``ring`` tag, so a link from an
+    earlier set-up fails the handshake."""
     if not ring:
         return auth
     bound = Authenticator(auth.secret)
@@ -115,8 +113,8 @@ def connect_authenticated(host: str, port: int, auth: Authenticator, peer: str,
                           timeout: float = HANDSHAKE_TIMEOUT_S, retry_s: float = 0.0,
                           cancelled: Optional[Callable[[], bool]] = None,
                           codecs: Compression = NO_COMPRESSION, seal: bool = True) -> Link:
-    """A handshaken link to ``host:port``, sealed unless ``seal`` is False. OSError and AuthError
-    are retried for ``retry_s`` s unless ``cancelled()``; a LinkMismatch is not."""
+    """Sealed unless ``seal`` is False. OSError and AuthError are retried for ``retry_s`` s unless
+    ``cancelled()``; a LinkMismatch is not."""
     deadline = time.monotonic() + retry_s
     pause = 0.05
     while True:
@@ -138,8 +136,8 @@ def connect_authenticated(host: str, port: int, auth: Authenticator, peer: str,
 
 
 class _Handshakes:
-    """The handshakes under way on one listener, each on its own thread and deadline (a silent
-    connection costs only its thread). The first that passes wins; ``finish`` closes the rest."""
+    """Handshakes on one listener, each on its own thread and deadline (a silent connection costs
+    only its thread); the first that passes wins."""
 
     def __init__(self, auth: Authenticator, name: str, timeout: float,
                  codecs: Compression = NO_COMPRESSION, seal: bool = True) -> None:
@@ -188,7 +186,6 @@ class _Handshakes:
                 close_quietly(sock)
 
     def finish(self) -> None:
-        """Stop every handshake under way (their threads close them) and close a late win."""
         with self.lock:
             self.done = True
             for sock in self.open:
@@ -201,10 +198,9 @@ def accept_authenticated(listener: socket.socket, auth: Authenticator, timeout: 
                          name: str, handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
                          cancelled: Optional[Callable[[], bool]] = None,
                          codecs: Compression = NO_COMPRESSION, seal: bool = True) -> Link:
-    """The first connection on ``listener`` within ``timeout`` s that passes the handshake;
-    handshakes run concurrently (``handshake_timeout`` s each) while accepting goes on. OSError
-    when none passed in time or once ``cancelled()``; LinkMismatch as soon as an authenticated peer
-    names other ``codecs`` or sealing."""
+    """The first connection within ``timeout`` s that passes the handshake (each
+    ``handshake_timeout`` s, concurrent with accepting). OSError when none did or once
+    ``cancelled()``; LinkMismatch as soon as an authenticated peer names other codecs or sealing."""
     deadline = time.monotonic() + timeout
     handshakes = _Handshakes(auth, name, handshake_timeout, codecs, seal)
     backoff = AcceptBackoff(log, f"{name}: data port")
@@ -236,9 +232,8 @@ def accept_authenticated(listener: socket.socket, auth: Authenticator, timeout: 
 
 
 class Receiver(threading.Thread):
-    """Reads messages from ``sock`` into ``inbox`` until the link ends, then queues LinkDown
-    (whatever ended it is one log line). ``next`` reads on the caller's thread instead, for inline
-    receiving. A wait polls the socket for ``busy_poll_us`` before sleeping (``framing.reader``)."""
+    """Reads messages into ``inbox`` until the link ends, then queues LinkDown; ``next`` reads on
+    the caller's thread instead. A wait polls ``busy_poll_us`` before sleeping."""
 
     def __init__(self, sock: socket.socket, inbox: "queue.SimpleQueue[Received]", max_payload: int,
                  name: str, codecs: Compression = NO_COMPRESSION, busy_poll_us: int = 0,
@@ -263,8 +258,7 @@ class Receiver(threading.Thread):
                 return
 
     def next(self) -> Received:
-        """The next message, or LinkDown once the link has ended (after a SHUTDOWN, or on
-        whatever ended it)."""
+        """The next message, or LinkDown once the link has ended."""
         if self.ended is not None:
             return LinkDown(self.ended)
         try:
@@ -289,13 +283,9 @@ class Receiver(threading.Thread):
 
 
 class Sender(threading.Thread):
-    """Sends messages in ``put`` order; a send error is kept in ``error`` and later messages are
-    dropped.
-
-    A message of at most ``inline_max_bytes`` put while nothing is queued goes out on the caller's
-    thread (it fits the socket buffer, so it does not block, and saves a thread wake-up); others
-    queue for this thread. Order holds: a message goes inline only when all earlier ones are on the
-    wire."""
+    """Sends in ``put`` order; a send error is kept in ``error`` and later messages dropped. A
+    message of at most ``inline_max_bytes`` put while nothing is queued goes out on the caller's
+    thread (it fits the socket buffer and saves a wake-up), so order holds."""
 
     def __init__(self, sock: socket.socket, name: str, inline_max_bytes: int = 64 << 10,
                  codecs: Compression = NO_COMPRESSION, keys: Optional[LinkKeys] = None) -> None:
@@ -324,7 +314,7 @@ class Sender(threading.Thread):
                 self._wire_lock.release()
 
     def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued, then stop the thread (at most ``timeout`` s)."""
+        """Send what is queued, then stop (at most ``timeout`` s)."""
         self._queue.put(None)
         if self.is_alive():
             self.join(timeout=timeout)
@@ -351,12 +341,9 @@ class Sender(threading.Thread):
 
 
 class LinkPair:
-    """A node's place in the ring: the inbound link (a receiver filling ``inbox``) and the outbound
-    one (a sender).
-
-    ``inline_receive``: no receiver thread; ``receive`` reads on the caller's thread (a worker's
-    compute loop), saving a hand-off per hop. ``busy_poll_us``: see ``Receiver``. ``inbound`` and
-    ``outbound``: a handshake's ``Link`` or a bare (unsealed) socket."""
+    """A node's inbound link (a receiver filling ``inbox``) and outbound one (a sender).
+    ``inline_receive``: ``receive`` reads on the caller's thread (a worker's compute loop), saving a
+    hand-off per hop. ``inbound``/``outbound``: a ``Link`` or a bare socket."""
 
     def __init__(self, inbound: Union[Link, socket.socket], outbound: Union[Link, socket.socket],
                  max_payload: int, name: str, codecs_in: Compression = NO_COMPRESSION,
@@ -380,8 +367,7 @@ class LinkPair:
         self.sender.put(message)
 
     def receive(self, timeout: Optional[float] = None) -> Received:
-        """The next message or LinkDown; ``queue.Empty`` after ``timeout`` s (inline: no
-        timeout, the caller waits for the link)."""
+        """``queue.Empty`` after ``timeout`` s (inline: no timeout)."""
         if self.inline_receive:
             if timeout is not None:
                 raise ValueError("an inline-receive link takes no receive timeout")
@@ -393,8 +379,7 @@ class LinkPair:
         return self.sender.error
 
     def stats(self) -> Dict[str, Dict[str, object]]:
-        """Frames and bytes (headers and tags included) of each direction, with its codecs
-        and whether it is sealed."""
+        """Frames and bytes (headers and tags included) each way, with codecs and sealing."""
         r, s = self.receiver, self.sender
         return {"in": {"codec": str(r.codecs), "sealed": r.opener is not None,
                        "frames": r.frames, "bytes": r.bytes},
@@ -408,7 +393,7 @@ class LinkPair:
 
 
 def _shutdown(sock: socket.socket) -> None:
-    """Wake whatever thread is blocked on ``sock`` (it stays open for that thread to close)."""
+    """Wake the thread blocked on ``sock``; it stays open for that thread to close."""
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:

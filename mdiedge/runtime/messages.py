@@ -1,10 +1,9 @@
 """The one message type of the data plane: what the scheduler submits, what a stage takes and
 returns, and what a link frames. Both ends of a link use it; nothing else crosses modules.
 
-A message concerns rows of samples (a ring-wide sample id and the position of the row's first
-token) and, for ACTIVATION and PING, carries one array: ``(B, T, dim)`` hidden states (numpy
-as received; a torch tensor as a torch chunk made it, framed through ``.numpy()``).
-"""
+A message concerns rows of samples (a ring-wide sample id and the position of the row's first token)
+and, for ACTIVATION and PING, carries one array: ``(B, T, dim)`` hidden states (numpy as received; a
+torch tensor as a torch chunk made it, framed through ``.numpy()``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,12 +1,10 @@
-"""A pipeline: the ordered stages a message goes through, and the embedding and head around
-them.
+"""A pipeline: the ordered stages a message goes through, and the embedding and head around them.
 
-In-process ``LocalStage``s run as a message is submitted; a remote tail (the ring's links,
-see ``mdiedge.roles.starter``) carries it on through the workers and back. Either way results
-come back in submission order, as on a ring, so the scheduler cannot tell the two apart:
-``--nodes 1`` is one local stage, a ring is the starter's local stage plus the remote tail,
-and N local stages test the scheduler's grouping, chunking and release without sockets.
-"""
+In-process ``LocalStage``s run as a message is submitted; a remote tail (the ring's links, see
+``mdiedge.roles.starter``) carries it on through the workers and back. Either way results come back
+in submission order, as on a ring, so the scheduler cannot tell the two apart: ``--nodes 1`` is one
+local stage, a ring is the starter's local stage plus the remote tail, and N local stages test the
+scheduler's grouping, chunking and release without sockets."""
 from __future__ import annotations
 
 import collections

@@ -1,8 +1,6 @@
-"""The scheduler's decisions as pure functions of its state (no torch, I/O or threads): admission,
-grouping, prefill chunks, merged decode steps, releases, queueing, and when recovery gives up;
-``mdiedge.runtime.scheduler`` builds the state and carries the plan out, as vLLM's ``schedule()`` /
-``update_from_output()``. A decode part carries ``width`` consecutive positions per sample (> 1
-when verifying drafts); only parts of one width share a message."""
+"""The scheduler's decisions as pure functions of its state (no torch, I/O or threads), as vLLM's
+``schedule()`` / ``update_from_output()``. A decode part carries ``width`` consecutive positions per
+sample (> 1 verifying drafts); only parts of one width share a message."""
 from __future__ import annotations
 
 import math
@@ -20,10 +18,9 @@ Layout = Tuple[int, int]  # a pipeline's KV slots and tokens per slot
 
 def layout_for(current: Optional[Layout], usable: bool, idle: bool, wanted: Layout,
                what: str = "the ring") -> Optional[Layout]:
-    """The one rule of a pipeline's size, for one process and for a ring: None keeps the
-    ``current`` pipeline (it holds ``wanted`` and is ``usable``), else the layout to set one
-    up with, never smaller than a usable current one; a ``Conflict`` when that one is
-    running (not ``idle``) and too small, as it cannot be replaced under its requests."""
+    """The one pipeline-size rule, local and ring: None keeps ``current`` (it holds ``wanted`` and
+    is ``usable``), else the layout to set up, never smaller than a usable current one; ``Conflict``
+    when that one is running and too small."""
     if current is None or not usable:
         return wanted
     if current[0] >= wanted[0] and current[1] >= wanted[1]:
@@ -36,21 +33,21 @@ def layout_for(current: Optional[Layout], usable: bool, idle: bool, wanted: Layo
 
 
 def group_size(n_samples: int, micro_batch: int, nodes: int, max_rows: int = 0) -> int:
-    """Samples per decode message: ``micro_batch`` if given, else enough groups to keep
-    every node busy; never more rows than one frame may carry (``max_rows``, 0: no limit)."""
+    """``micro_batch`` if given, else enough groups to keep every node busy; at most ``max_rows``
+    (0: no limit)."""
     size = micro_batch if micro_batch > 0 else max(1, math.ceil(n_samples / max(1, nodes)))
     return max(1, min(size, max_rows)) if max_rows > 0 else size
 
 
 def prefill_chunks(prompt_len: int, chunk: int) -> List[Tuple[int, int]]:
-    """``[start, end)`` of each prefill message of a prompt (``chunk`` 0: one message)."""
+    """``[start, end)`` of each prefill message (``chunk`` 0: one message)."""
     step = chunk if chunk > 0 else max(1, prompt_len)
     return [(start, min(start + step, prompt_len)) for start in range(0, prompt_len, step)]
 
 
 def prefill_rows(chunk: int, max_payload: int, row_bytes: int) -> int:
-    """Prompt tokens per prefill message of a ring: ``chunk`` (0: the whole prompt), never
-    more than a frame of ``max_payload`` bytes holds at ``row_bytes`` a token (at least 1)."""
+    """``chunk`` (0: whole prompt), at most what a ``max_payload`` frame holds at ``row_bytes`` a
+    token (>= 1)."""
     rows = max(1, max_payload // max(1, row_bytes))
     return min(rows, chunk) if chunk > 0 else rows
 
@@ -59,8 +56,8 @@ def prefill_rows(chunk: int, max_payload: int, row_bytes: int) -> int:
 
 
 def queue_state(sizes: Sequence[int], slots: int) -> Tuple[int, int]:
-    """(KV slots taken, requests waiting) for requests of ``sizes`` samples in the order they
-    came: first come, first served, so once one does not fit, it and all after it wait."""
+    """(slots taken, requests waiting), first come first served: once one does not fit, it and all
+    after wait."""
     taken = waiting = 0
     for n in sizes:
         if waiting or taken + n > slots:
@@ -71,16 +68,14 @@ def queue_state(sizes: Sequence[int], slots: int) -> Tuple[int, int]:
 
 
 def may_join(waiting: int, free_slots: int, n: int, max_waiting: int) -> bool:
-    """Whether a request of ``n`` samples is taken: at once when it fits the free slots and
-    none waits ahead of it, else when fewer than ``max_waiting`` requests wait."""
+    """At once when it fits and none waits ahead, else while fewer than ``max_waiting`` wait."""
     return (waiting == 0 and n <= free_slots) or waiting < max_waiting
 
 
 @dataclass(frozen=True)
 class QueueView:
-    """What a scheduler holds and queues: ``slots`` KV slots, ``in_use`` held by admitted
-    requests (``running`` of them), and the samples of each request not yet admitted, in
-    order. A queued request that fits the free slots is not waiting: it runs next step."""
+    """``slots`` KV slots, ``in_use`` by ``running`` admitted requests, and each queued request's
+    samples in order. A queued request that fits is not waiting: it runs next step."""
 
     slots: int
     in_use: int
@@ -93,7 +88,7 @@ class QueueView:
 
     @property
     def slots_taken(self) -> int:
-        """Slots held, or about to be by the queued requests that fit."""
+        """Held, or about to be by the queued requests that fit."""
         return self.in_use + queue_state(self.queued, self.slots - self.in_use)[0]
 
     def takes(self, n: int, max_waiting: int) -> bool:
@@ -105,8 +100,8 @@ class QueueView:
 
 @dataclass(frozen=True)
 class Waiter:
-    """A request not yet admitted; ``micro_batch`` 0: as many groups as nodes. A speculating
-    request's samples draft by their own acceptance, so their tokens do not depend on the group."""
+    """``micro_batch`` 0: as many groups as nodes. A speculating request's samples draft by their
+    own acceptance, so their tokens do not depend on the group."""
 
     key: int
     n_samples: int
@@ -118,8 +113,7 @@ class Waiter:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One prefill message: tokens ``[start, end)`` of sample ``index`` of a request;
-    ``final``: its last, whose result gives the sample's first token."""
+    """Tokens ``[start, end)`` of sample ``index``; ``final``: its last, giving the first token."""
 
     index: int
     start: int
@@ -129,9 +123,8 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Admission:
-    """A request admitted: its samples (indices) by group, whether the groups were sized by
-    an explicit micro-batch (their decode steps then travel alone), and its prefill
-    messages in the order they go."""
+    """Samples by group, whether an explicit micro-batch sized them (their steps then travel alone),
+    and prefill messages in order."""
 
     key: int
     groups: Tuple[Tuple[int, ...], ...]
@@ -152,9 +145,8 @@ def chunks_of(index: int, length: int, prefill_chunk: int) -> List[Chunk]:
 
 def admit(waiting: Sequence[Waiter], free_slots: int, nodes: int, max_rows: int,
           prefill_chunk: int) -> AdmitPlan:
-    """The requests at the head of ``waiting`` that fit ``free_slots``, first come first served
-    (one that does not fit holds back those behind it), cut into groups (one sample each when
-    speculating, unless a micro-batch was asked) and prefill chunks; a cancelled head is dropped."""
+    """The head of ``waiting`` that fits, first come first served, cut into groups (one sample each
+    when speculating, unless a micro-batch was asked) and chunks; a cancelled head is dropped."""
     dropped: List[int] = []
     admitted: List[Admission] = []
     for waiter in waiting:
@@ -178,8 +170,7 @@ def admit(waiting: Sequence[Waiter], free_slots: int, nodes: int, max_rows: int,
 
 @dataclass(frozen=True)
 class ReturnedSample:
-    """A sample of a group whose step came back: ``done`` when it ended (end token, stop,
-    length, cancelled, failed), ``released`` when its rows were freed already."""
+    """``done``: ended; ``released``: its rows freed already."""
 
     sid: int
     done: bool = False
@@ -188,7 +179,6 @@ class ReturnedSample:
 
 @dataclass(frozen=True)
 class ReturnedGroup:
-    """A group whose step came back (for a prefill: every member's last chunk)."""
 
     group: int
     rows: Tuple[ReturnedSample, ...]
@@ -198,7 +188,6 @@ class ReturnedGroup:
 
 @dataclass(frozen=True)
 class DecodeRows:
-    """Rows of one group in a decode message, ``width`` positions each."""
 
     group: int
     sids: Tuple[int, ...]
@@ -207,7 +196,6 @@ class DecodeRows:
 
 @dataclass(frozen=True)
 class Release:
-    """Free the rows of ``sids`` (of ``group``) on every node."""
 
     group: int
     sids: Tuple[int, ...]
@@ -215,7 +203,7 @@ class Release:
 
 @dataclass(frozen=True)
 class Decode:
-    """One decode message; ``merged``: it counts against the limit of merged messages."""
+    """``merged``: counts against the limit of merged messages."""
 
     parts: Tuple[DecodeRows, ...]
     merged: bool = False
@@ -226,8 +214,8 @@ Send = Union[Release, Decode]
 
 @dataclass(frozen=True)
 class StepPlan:
-    """The messages to send, in order; the groups with no sample left; the parts still
-    waiting to merge; merged messages in flight after the sends."""
+    """Messages to send in order, groups left empty, parts waiting to merge, merged messages in
+    flight after."""
 
     sends: Tuple[Send, ...] = ()
     retired: Tuple[int, ...] = ()
@@ -236,17 +224,15 @@ class StepPlan:
 
 
 def verify_rows(frame_rows: int) -> int:
-    """Token rows (samples x positions) a verification message carries at most: the
-    compiled step's rows, and never more than a frame holds (``frame_rows``, 0: no limit)."""
-    rows = defaults.SPEC_MAX_K + 1
+    """The compiled step's rows, at most a frame's (``frame_rows``, 0: no limit)."""
+    rows = defaults.SPECULATION_MAX_K + 1
     return min(rows, frame_rows) if frame_rows > 0 else rows
 
 
 def take_merged(queued: Sequence[DecodeRows], in_flight: int, limit: int,
                 max_rows: int = 0) -> Tuple[Tuple[DecodeRows, ...], Tuple[DecodeRows, ...]]:
-    """(the next merged message's parts, those left waiting): none while ``limit`` merged messages
-    are in flight; else the first part and later ones of its width, up to ``max_rows`` token rows
-    (0: no limit; ``verify_rows`` of it for width > 1); an oversized part goes alone."""
+    """(next merged message's parts, those left): none while ``limit`` are in flight; else the first
+    part and later ones of its width up to ``max_rows`` token rows; an oversized part goes alone."""
     if not queued or in_flight >= limit:
         return (), tuple(queued)
     head = queued[0]
@@ -262,9 +248,9 @@ def take_merged(queued: Sequence[DecodeRows], in_flight: int, limit: int,
 
 def after_step(backs: Sequence[ReturnedGroup], queued: Sequence[DecodeRows],
                merged_in_flight: int, limit: int, max_rows: int = 0) -> StepPlan:
-    """What follows groups' steps coming back: each frees its ended samples' rows, then
-    sends its next decode step alone (an explicit micro-batch) or queues it to merge with
-    other requests'; then merged messages leave while fewer than ``limit`` are in flight."""
+    """Each returned group frees its ended rows, then sends its next step alone (explicit
+    micro-batch) or queues it to merge; merged messages leave while fewer than ``limit`` are in
+    flight."""
     sends: List[Send] = []
     retired: List[int] = []
     waiting = list(queued)
@@ -295,8 +281,8 @@ MAX_RECOVERIES_PER_REQUEST = 8  # a loss that keeps coming back fails the reques
 
 
 def give_up(fruitless: int, most_recoveries: int) -> Optional[str]:
-    """Why recovery stops after a loss (None: it goes on): ``fruitless`` recoveries in a row
-    (this one included) sampled no token, or a request lived through ``most_recoveries``."""
+    """Why recovery stops (None: it goes on): ``fruitless`` recoveries in a row sampled nothing, or
+    a request lived through ``most_recoveries``."""
     if fruitless > MAX_FRUITLESS_RECOVERIES:
         return f"{MAX_FRUITLESS_RECOVERIES} recoveries in a row sampled no token"
     if most_recoveries >= MAX_RECOVERIES_PER_REQUEST:
@@ -305,6 +291,6 @@ def give_up(fruitless: int, most_recoveries: int) -> Optional[str]:
 
 
 def replay(samples: Sequence[Tuple[int, int]], prefill_chunk: int) -> List[Tuple[int, Chunk]]:
-    """(sid, chunk) of each prefill message that replays ``samples`` ((sid, tokens so far,
-    prompt included)) through a rebuilt pipeline, in order."""
+    """(sid, chunk) of each prefill message replaying ``samples`` ((sid, tokens so far)), in order.
+    """
     return [(sid, c) for sid, length in samples for c in chunks_of(0, length, prefill_chunk)]

@@ -1,13 +1,12 @@
 """A lost frame noticed within about a second, not after ``timeout_s``: the starter times each
-message around the ring and, when the oldest one in flight is overdue (``PROGRESS_FACTOR``
-times the median of the recent round trips, at least ``PROGRESS_MIN_S``), sends a PING behind
-it. The ring keeps its order, so the PING comes back after every message sent before it:
-when it comes back first, a message was lost on the way; when it comes back in its turn, a
-node was only slow (the PING is dropped, nothing else happens). On a sealed link the PING
-itself fails the frame counter the receiving end expects (a frame is missing before it), so
-that link closes at once. Either way the starter's usual recovery follows: the ring is set
-up again and every live request replayed, the same text.
-"""
+message around the ring and, when the oldest one in flight is overdue (``PROGRESS_FACTOR`` times the
+median of the recent round trips, at least ``PROGRESS_MIN_S``), sends a PING behind it. The ring
+keeps its order, so the PING comes back after every message sent before it: when it comes back
+first, a message was lost on the way; when it comes back in its turn, a node was only slow (the PING
+is dropped, nothing else happens). On a sealed link the PING itself fails the frame counter the
+receiving end expects (a frame is missing before it), so that link closes at once. Either way the
+starter's usual recovery follows: the ring is set up again and every live request replayed, the same
+text."""
 from __future__ import annotations
 
 import collections

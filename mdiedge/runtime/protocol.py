@@ -1,9 +1,5 @@
-"""The control plane's typed bodies, one JSON mapping each, used by both ends: the starter
-builds them, a worker parses (and validates) them, and status readers parse ``NodeStatus``.
-
-Parsing never trusts the network: every field is type-checked and range-checked, and a bad
-one raises ``ValueError`` naming it (the control server answers 400 with that line).
-"""
+"""The control plane's typed bodies, one JSON mapping each, for both ends. Parsing never trusts the
+network: every field type- and range-checked, a bad one a ``ValueError`` naming it (a 400)."""
 from __future__ import annotations
 
 import dataclasses
@@ -34,7 +30,7 @@ def _field(body: Mapping[str, Any], key: str, kind: type, default: Any = datacla
 
 @dataclass
 class ModelRef:
-    """Which model a node should load: its content hash, config and (same filesystem) path."""
+    """Content hash, config and (same filesystem) path."""
 
     name: str
     hash: str
@@ -61,9 +57,8 @@ class ModelRef:
 
 @dataclass
 class ExitAssignment:
-    """Early exit on a worker: the criterion and one threshold per exit point (every block
-    but the last; None: never there). The worker reads the head (``softmax``) and the exit
-    classifier (``classifier``) from its copy of the model, or from the starter's tensors."""
+    """The criterion and one threshold per exit point (every block but the last; None: never there).
+    """
 
     criterion: str
     thresholds: List[Optional[float]]
@@ -102,7 +97,7 @@ class ExitAssignment:
 
 @dataclass
 class Assignment:
-    """``POST /assign``: run blocks ``layers`` of ``model`` for ``n_slots`` x ``context``."""
+    """``POST /assign``: blocks ``layers`` of ``model`` for ``n_slots`` x ``context``."""
 
     model: ModelRef
     layers: Tuple[int, int]
@@ -155,7 +150,6 @@ class Assignment:
                    exits, quantize)
 
     def same_weights(self, other: Optional["Assignment"]) -> bool:
-        """Whether ``other`` needs exactly the weights this one does."""
         return other is not None and (self.model.hash, self.layers, self.dtype, self.device,
                                       self.quantize) == (other.model.hash, other.layers,
                                                          other.dtype, other.device,
@@ -164,7 +158,6 @@ class Assignment:
 
 @dataclass
 class AssignReply:
-    """A worker's answer to ``/assign`` and ``/weights``."""
 
     need_weights: bool
     data_port: int = 0
@@ -187,7 +180,7 @@ class AssignReply:
 
 @dataclass
 class ConnectRequest:
-    """``POST /connect``: link to the next node of the ring (its data port)."""
+    """``POST /connect``: link to the next node's data port."""
 
     next_host: str
     next_port: int
@@ -212,10 +205,9 @@ class ConnectRequest:
 
 
 def busy_fraction(compute_s: float, elapsed_s: float) -> float:
-    """How busy a node is, the one meaning of ``NodeStatus.busy_fraction`` (starter, worker,
-    the API's metrics, the bench): the share of ``elapsed_s`` seconds of wall time, counted
-    from when the node's stage was set up (or over a run's window), that it spent computing
-    (``compute_s`` over the same time), rounded to 4 places; 0 before any time has passed."""
+    """The one meaning of ``NodeStatus.busy_fraction``: ``compute_s`` over ``elapsed_s`` of wall
+    time since the stage was set up (or a run's window), rounded to 4 places; 0 before any time
+    passed."""
     if elapsed_s <= 0:
         return 0.0
     return round(min(1.0, max(0.0, compute_s / elapsed_s)), 4)
@@ -223,8 +215,7 @@ def busy_fraction(compute_s: float, elapsed_s: float) -> float:
 
 @dataclass
 class NodeStatus:
-    """``GET /status`` of any node, starter or worker: the same keys for both.
-    ``busy_fraction`` is ``busy_fraction(compute_s, seconds since the stage was set up)``."""
+    """``GET /status`` of any node, the same keys for starter and worker."""
 
     role: str
     name: str
@@ -267,7 +258,7 @@ class NodeStatus:
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> "NodeStatus":
-        """Known keys of ``body`` (others are ignored: a newer node may add some)."""
+        """Unknown keys ignored (a newer node may add some)."""
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in body.items() if k in names}
         for key in ("role", "name", "state"):

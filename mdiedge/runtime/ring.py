@@ -1,15 +1,12 @@
-"""The ring seen from the starter: the workers beyond its own stage, as the pipeline's remote
-tail. It sends and receives the starter's messages over its link pair, and ends the ring with
-a SHUTDOWN that every worker forwards before it stops its compute loop.
+"""The ring seen from the starter: the workers beyond its stage, as the pipeline's remote tail,
+ended with a SHUTDOWN every worker forwards.
 
-Detection is bounded: a closed link is noticed at once; while no message comes back, every
-worker's control plane is asked every third of ``stall_s`` (all at once, each within a third
-of ``stall_s``), and one that does not answer is asked once more, so a dead or frozen worker
-is named within ``stall_s`` as a ``NodeLost`` (the scheduler recovers from it), while a
-worker that is slow but answers is waited for up to ``timeout_s``. A frame lost on the way
-while every node answers is told from a slow node by a probe behind the overdue message
-(``mdiedge.runtime.progress``), within about a second.
-"""
+Detection is bounded: a closed link is noticed at once; while no message comes back, every worker's
+control plane is asked every third of ``stall_s`` (in parallel, each within a third), one not
+answering is asked once more, so a dead or frozen worker is named within ``stall_s`` as
+``NodeLost``, while a slow one that answers is waited for up to ``timeout_s``. A frame lost while
+every node answers is told from a slow node by a probe behind the overdue message (``progress``),
+within about a second."""
 from __future__ import annotations
 
 import logging
@@ -35,8 +32,8 @@ log = logging.getLogger("mdiedge.ring")
 
 
 def probe_all(clients: List[ControlClient], timeout: float) -> List[NodeStatus]:
-    """Every node's status, asked in parallel (one thread each), each within ``timeout`` s:
-    the answer comes within ``timeout`` however many nodes are frozen."""
+    """In parallel (a thread each), so the answer comes within ``timeout`` however many are frozen.
+    """
     results: List[Optional[NodeStatus]] = [None] * len(clients)
 
     def ask(i: int) -> None:
@@ -55,7 +52,7 @@ def probe_all(clients: List[ControlClient], timeout: float) -> List[NodeStatus]:
 
 
 class RingStages(RemoteStages):
-    """The workers, in ring order, reached over ``links`` (out to the first, in from the last)."""
+    """Out to the first worker over ``links``, in from the last."""
 
     def __init__(self, links: LinkPair, clients: List[ControlClient], timeout_s: float,
                  stall_s: float = defaults.STALL_S) -> None:
@@ -72,8 +69,8 @@ class RingStages(RemoteStages):
         self.progress.on_send(message)
 
     def receive(self, timeout: Optional[float] = None) -> Message:
-        """The next message back. A probe goes out behind an overdue one (``Progress``): one
-        that comes back first means a lost frame; the stall rule and ``timeout`` apply."""
+        """A probe goes out behind an overdue message (``Progress``): one back first means a lost
+        frame; the stall rule and ``timeout`` apply."""
         limit = self.timeout_s if timeout is None else timeout
         now = time.monotonic()
         deadline, third = now + limit, self.stall_s / 3
@@ -103,7 +100,7 @@ class RingStages(RemoteStages):
                 raise self.diagnose(lost_frame)
 
     def _stall_check(self, third: float) -> None:
-        """``NodeLost`` naming the workers that do not answer within ``third`` s, twice."""
+        """``NodeLost`` naming the workers not answering within ``third`` s, twice."""
         lost = self.lost(third)
         if lost:  # asked again: a busy control port gets a second chance
             lost = self.lost(third, [node for node, _ in lost])
@@ -112,17 +109,15 @@ class RingStages(RemoteStages):
 
     def lost(self, timeout: float, among: Optional[List[NodeSpec]] = None
              ) -> List[Tuple[NodeSpec, str]]:
-        """The workers (``among`` these, default all) that do not answer within ``timeout``
-        (dead, frozen, unreachable), each with why."""
+        """Workers (``among`` these) not answering within ``timeout``, each with why."""
         clients = [c for c in self.clients if among is None or c.node in among]
         return [(client.node, f"down ({status.error})") for client, status in
                 zip(clients, probe_all(clients, timeout)) if status.state == "down"]
 
     def diagnose(self, reason: str) -> RingError:
-        """Why the ring broke, asking every worker at once, each within
-        ``DIAGNOSE_TIMEOUT_S``: ``NodeLost`` naming the workers that do not answer, or, when
-        all answer, naming none (a worker restarted, or ended the ring after an error: the
-        same workers can set it up again)."""
+        """Asking every worker at once within ``DIAGNOSE_TIMEOUT_S``: ``NodeLost`` naming those that
+        do not answer, or naming none (a worker restarted or ended the ring after an error: the same
+        workers can set it up again)."""
         self.broken = self.broken or reason
         lost = self.lost(min(defaults.DIAGNOSE_TIMEOUT_S, self.stall_s))
         if lost:
@@ -135,8 +130,8 @@ class RingStages(RemoteStages):
         return NodeLost(f"{text}; ring link: {reason}", tuple(n.name for n, _ in lost))
 
     def ping(self, payload: Any, count: int) -> List[float]:
-        """Round-trip times (s) of ``count`` PING messages carrying ``payload`` (any array,
-        numpy as a torch-free node makes it) around the ring: framing, queues and sockets with no compute. Nothing else may be in flight."""
+        """Round trips (s) of ``count`` PINGs carrying ``payload`` around the ring: framing, queues
+        and sockets, no compute. Nothing else may be in flight."""
         times = []
         for seq in range(1, count + 1):
             t0 = time.perf_counter()
@@ -148,8 +143,7 @@ class RingStages(RemoteStages):
         return times
 
     def close(self) -> None:
-        """End the ring: SHUTDOWN goes around (each worker stops its loop cleanly), then the
-        links close. A broken ring just closes."""
+        """SHUTDOWN goes around, then the links close; a broken ring just closes."""
         if self.broken is None and self.links.send_error is None:
             self.links.send(Message(messages.SHUTDOWN))
             deadline = time.monotonic() + RING_SHUTDOWN_WAIT_S

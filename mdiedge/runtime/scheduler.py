@@ -1,15 +1,11 @@
 """The one scheduler: it alone decides what runs next on a pipeline of stages.
 
-Continuous batching (a new request's prefill enters between decode steps), samples grouped into
-micro-batches, prompts cut into frame-sized prefill chunks, each group's next decode step sent as
-soon as its previous one is back (recurrent pipeline parallelism, MDI-LLM, Macario et al. 2024),
+Continuous batching, micro-batches, frame-sized prefill chunks, each group's next decode step sent
+as soon as its previous one is back (recurrent pipeline parallelism, MDI-LLM, Macario et al. 2024),
 decode steps of different requests merged into shared messages, and a finished sample's KV rows
-freed on every node with one RELEASE.
-
-``mdiedge.runtime.plan`` decides (pure functions of the state); one loop thread, owned by the
-scheduler, carries the plans out. Every token is sampled and every token callback runs on the loop
-thread; a request's thread only waits.
-"""
+freed on every node with one RELEASE. ``plan`` decides (pure functions of the state); the
+scheduler's one loop thread carries the plans out, samples every token and runs every token
+callback; a request's thread only waits."""
 from __future__ import annotations
 
 import threading
@@ -88,9 +84,8 @@ class SchedulerStats:
 
 def accept_parts(ends: EmbedAndHead, parts: List[Rows], hidden: Any,
                  drafts: Optional[Dict[int, Draft]] = None) -> None:
-    """Each request's next tokens from its rows of ``hidden`` (B, T, dim), in order; a
-    failure (sampling, a token callback) is that request's own. ``drafts``: the step
-    verified drafted tokens of these samples (by id): the head scores every position."""
+    """Each request's next tokens from its rows of ``hidden`` (B, T, dim); a failure (sampling, a
+    callback) is that request's own. ``drafts``: verified drafted tokens by sample id."""
     try:
         if drafts:
             b, t = hidden.shape[:2]
@@ -115,9 +110,8 @@ def accept_parts(ends: EmbedAndHead, parts: List[Rows], hidden: Any,
 
 
 def score_rows(ends: EmbedAndHead, entry: _InFlight, hidden: Any) -> None:
-    """The prompt's log-probabilities from a prefill sent back whole (one sample's rows),
-    ``PROMPT_SCORE_ROWS`` rows through the head at a time (a whole prompt's logits would
-    take prompt x vocabulary floats)."""
+    """The prompt's log-probabilities from a prefill sent back whole, ``PROMPT_SCORE_ROWS`` rows
+    through the head at a time (not prompt x vocabulary floats at once)."""
     generation, rows = entry.parts[0][0].generation, hidden[0]
     try:
         for start in range(0, rows.shape[0], defaults.PROMPT_SCORE_ROWS):
@@ -141,8 +135,7 @@ def settle_groups(groups: Dict[int, _Group]) -> int:
 
 def replay_chunks(groups: Iterable[_Group], prefill_chunk: int
                   ) -> Iterator[Tuple[_Group, Sample, plan.Chunk]]:
-    """The prefill messages that replay the live samples of ``groups`` (prompt and tokens so far).
-    """
+    """The prefill messages that replay the live samples of ``groups``."""
     for group in groups:
         by_sid = {s.sid: s for s in group.samples}
         for sid, chunk in plan.replay([(s.sid, len(s.prompt) + len(s.tokens))
@@ -151,8 +144,7 @@ def replay_chunks(groups: Iterable[_Group], prefill_chunk: int
 
 
 def count_exits(parts: List[Rows], depth: int, n_layers: int) -> None:
-    """Count each request's decode rows of a message that exited after ``depth`` blocks (0: none).
-    """
+    """Count each request's decode rows that exited after ``depth`` blocks (0: none)."""
     for group, samples in parts:
         generation = group.generation
         if generation.exits is None:
@@ -161,8 +153,7 @@ def count_exits(parts: List[Rows], depth: int, n_layers: int) -> None:
 
 
 class InFlightMessages:
-    """Messages in flight by sequence number, the counts of what was sent, and the cost of
-    a decode row measured from them."""
+    """Messages in flight by sequence number, what was sent, and a decode row's measured cost."""
 
     def __init__(self) -> None:
         self.entries: Dict[int, _InFlight] = {}
@@ -185,7 +176,7 @@ class InFlightMessages:
         self.stats.tokens += message.tokens
 
     def back(self, message: Message) -> _InFlight:
-        """The entry of a message that came back; RingError for one never sent."""
+        """RingError for a message never sent."""
         entry = self.entries.pop(message.seq, None)
         if entry is None:
             raise RingError(f"the ring returned an unknown message (seq {message.seq})")
@@ -196,8 +187,7 @@ class InFlightMessages:
 
 class Recoverer:
     """Recovery from lost nodes, Petals-style (Borzunov et al., NeurIPS 2023): ``rebuild`` gives a
-    pipeline without them (retried while each set-up loses another node), and the scheduler replays
-    every live sample through it; ``plan.give_up`` says when to stop."""
+    pipeline without them and the scheduler replays every live sample through it."""
 
     def __init__(self, rebuild: Optional[Rebuild]) -> None:
         self.rebuild = rebuild
@@ -208,9 +198,8 @@ class Recoverer:
     def recover(self, lost: NodeLost, live: Sequence[Generation], tokens_so_far: int,
                 restart: Callable[[Pipeline, EmbedAndHead, Recovery], None]
                 ) -> Optional[MdiedgeError]:
-        """Carry the ``live`` requests on without the ``lost`` nodes (``restart`` takes the
-        rebuilt pipeline and replays). None when they go on, else the error every request
-        fails with."""
+        """None when the ``live`` requests go on without the ``lost`` nodes (``restart`` replays),
+        else the error every request fails with."""
         if self.rebuild is None:
             return lost
         self.fruitless += 1
@@ -239,8 +228,7 @@ class Recoverer:
 
 
 class SchedulerRequests:
-    """The request side of a ``Scheduler``: queueing, waiting, the queue's view and the
-    prompt cache's switch; the loop side steps."""
+    """The request side of a ``Scheduler``; the loop side steps."""
 
     pipeline: Pipeline
     exit_layers: int
@@ -266,16 +254,15 @@ class SchedulerRequests:
                          self._waiting.sizes() if queued is None else queued)
 
     def keep_prompts(self) -> None:
-        """Turn the prompt cache on: finished samples keep their KV rows for a later prompt
-        that begins with their tokens (``mdiedge.runtime.promptcache``; not under early
-        exit, whose rows are approximate)."""
+        """Turn the prompt cache on (``promptcache``; not under early exit, whose rows are
+        approximate)."""
         if not self.exit_layers:
             self.cache.capacity = self.pipeline.n_slots
 
     def submit(self, generation: Generation, micro_batch: int = 0,
                max_waiting: Optional[int] = None) -> None:
-        """Queue ``generation``; it is admitted when its samples fit the free KV slots.
-        QueueFull when the queue's rule refuses it (at most ``max_waiting`` waiting)."""
+        """Queue ``generation`` until its samples fit the free KV slots; QueueFull past
+        ``max_waiting``."""
         n, slots, context = len(generation.samples), self.pipeline.n_slots, self.pipeline.context
         if n > slots:
             raise GenerationError(f"{n} samples exceed the {slots} KV slots of this pipeline")
@@ -289,9 +276,8 @@ class SchedulerRequests:
         return self.wait(generation)
 
     def wait(self, generation: Generation) -> Timing:
-        """Wait until the submitted ``generation`` is done (and, when it failed on its own,
-        until its rows are freed): the loop steps, this thread waits. Its timing, or its
-        error; interrupted (Ctrl-C), it cancels the request."""
+        """Wait until ``generation`` is done (and, failed on its own, its rows freed); its timing or
+        its error. Ctrl-C cancels the request."""
         if self.usable:
             self._loop.start()
         try:
@@ -316,10 +302,9 @@ class Scheduler(SchedulerRequests):
 
     ``prefill_chunk``: tokens per prefill message (0: the whole prompt); ``max_rows``: samples per
     decode message (0: ``prefill_chunk``); ``timeout_s``: a message's round-trip limit;
-    ``max_waiting``: requests that may wait for KV slots; ``rebuild``: gives the pipeline without
-    lost nodes, and live samples are replayed through it (the output is unchanged, except under
-    early exit: a replay computes every block); ``exit_layers``: the model's blocks when decode may
-    exit early; ``compute``: the node's torch thread."""
+    ``max_waiting``: requests that may wait for slots; ``rebuild``: the pipeline without lost nodes,
+    through which live samples are replayed (same output, except under early exit: a replay computes
+    every block); ``exit_layers``: the model's blocks when decode may exit early."""
 
     def __init__(self, pipeline: Pipeline, ends: EmbedAndHead, prefill_chunk: int = 0,
                  timeout_s: Optional[float] = None, max_waiting: int = defaults.MAX_QUEUE,
@@ -360,8 +345,7 @@ class Scheduler(SchedulerRequests):
     # ----------------------------------------------------------------- one step
 
     def step(self) -> None:
-        """Admit what fits, then take one message back and act on it; wake the requests
-        that are done."""
+        """Admit what fits, take one message back and act on it, wake finished requests."""
         with self._driver:
             try:
                 self._step()
@@ -398,8 +382,7 @@ class Scheduler(SchedulerRequests):
             raise
 
     def _wake(self) -> None:
-        """Wake each request the loop is done with: ended, and its rows freed (or failed
-        with the pipeline)."""
+        """Wake each ended request whose rows are freed (or that failed with the pipeline)."""
         for key, generation in list(self._requests.items()):
             if generation.finished and (generation.settled or not self.usable):
                 del self._requests[key]
@@ -543,10 +526,8 @@ class Scheduler(SchedulerRequests):
         self._replay(record)
 
     def _replay(self, record: Recovery) -> None:
-        """Replay each live sample's prompt and tokens so far as a prefill: its KV rows are
-        refilled and its last result gives the next token. Every group is settled before the first
-        send (the new pipeline holds no rows of ended samples), so a loss during the replay replays
-        them all."""
+        """Replay each live sample's prompt and tokens as a prefill. Every group is settled before
+        the first send, so a loss during the replay replays them all."""
         self._live -= settle_groups(self._groups)
         for group, sample, chunk in replay_chunks(self._groups.values(), self.prefill_chunk):
             tokens = (sample.prompt + sample.tokens)[chunk.start:chunk.end]
@@ -561,8 +542,8 @@ class Scheduler(SchedulerRequests):
             record.recover_s = time.perf_counter() - record.started
 
     def _fail_all(self, error: BaseException, cause: BaseException) -> None:
-        """The pipeline broke (``cause``): every admitted and waiting request fails with
-        ``error`` and is woken."""
+        """The pipeline broke: every admitted and waiting request fails with ``error`` and is woken.
+        """
         self.broken = cause
         self.cache.clear()
         failed = {id(g.generation): g.generation for g in self._groups.values()}

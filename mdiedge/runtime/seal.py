@@ -1,20 +1,15 @@
 """Sealed data links: every frame after the handshake authenticated and encrypted.
 
-The handshake (``mdiedge.runtime.auth``) gives each link two fresh random nonces, the
-acceptor's challenge and the connector's answer; ``derive`` expands the link's handshake key
-(the ring secret bound to the ring set-up) with both, by HKDF-SHA256, into one key per
-direction, so no two links, directions or set-ups share a key. Each direction seals its
-frames with AES-256-GCM (``AEAD``) under its key, the nonce being the frame's number on that
-direction (a 64-bit counter from 0, never sent: both ends count), the header and sample table
-as associated data (they stay readable, so lengths are bounds-checked before anything is
-allocated) and the payload encrypted; the tag follows the payload (``_framingspec``). A frame
-altered, replayed or reordered on the way, or one after a dropped frame, fails its tag: an
-``IntegrityError``, and the link closes.
+``derive`` expands the link's handshake key (the ring secret bound to the set-up) with the
+handshake's two fresh nonces, by HKDF-SHA256, into one key per direction, so no two links,
+directions or set-ups share a key. Each direction seals with AES-256-GCM under its key, the nonce
+being the frame's number on that direction (a 64-bit counter from 0, never sent: both ends count),
+the header and sample table as associated data (readable, so lengths are bounds-checked before
+allocating) and the payload encrypted; the tag follows the payload. A frame altered, replayed,
+reordered or after a dropped one fails its tag: an ``IntegrityError``, and the link closes.
 
-The AEAD runs in C (``cryptography``); sealing writes a payload's ciphertext and tag into one
-new buffer, opening decrypts into the destination given (which may be the received bytes
-themselves).
-"""
+The AEAD runs in C (``cryptography``); sealing writes ciphertext and tag into one new buffer,
+opening decrypts into the destination given (possibly the received bytes themselves)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,7 +21,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from ._framingspec import TAG_SIZE, byte_view
+from ._framingconstants import TAG_SIZE, byte_view
 from ..base.errors import FrameError, IntegrityError
 
 AEAD = AESGCM  # faster than ChaCha20-Poly1305 wherever the CPU has AES instructions
@@ -39,7 +34,7 @@ _INTO = hasattr(AEAD, "encrypt_into")  # cryptography >= 45: no copy of the resu
 
 @dataclass(frozen=True)
 class LinkKeys:
-    """One end's keys of a sealed link: the one it seals with and the one it opens with."""
+    """One end's sealing and opening keys."""
 
     send: bytes
     receive: bytes
@@ -52,8 +47,7 @@ class LinkKeys:
 
 
 def derive(key: bytes, challenge: bytes, answer: bytes, connector: bool) -> LinkKeys:
-    """The keys of one end of a link whose handshake under ``key`` exchanged the acceptor's
-    ``challenge`` and the connector's ``answer`` nonces."""
+    """One end's keys after a handshake under ``key`` exchanged ``challenge`` and ``answer``."""
     okm = HKDF(hashes.SHA256(), 2 * KEY_BYTES, salt=challenge + answer, info=_INFO).derive(key)
     to_acceptor, to_connector = okm[:KEY_BYTES], okm[KEY_BYTES:]
     if connector:
@@ -62,8 +56,7 @@ def derive(key: bytes, challenge: bytes, answer: bytes, connector: bool) -> Link
 
 
 def _flat(buffer: Any, writable: bool) -> Any:
-    """A C-contiguous buffer as bytes the AEAD takes: a numpy array as a uint8 view (no
-    copy, the cheapest), anything else as a flat byte view."""
+    """A numpy array as a uint8 view (no copy, the cheapest), anything else as a flat byte view."""
     if isinstance(buffer, np.ndarray) and buffer.flags.c_contiguous and buffer.ndim:
         return buffer if buffer.dtype == np.uint8 else buffer.view(np.uint8)
     return byte_view(buffer, writable)
@@ -76,16 +69,15 @@ def _nonce(counter: int) -> bytes:
 
 
 class Sealer:
-    """The sending end of one direction: seals frames in the order they go on the wire."""
+    """Seals one direction's frames in wire order."""
 
     def __init__(self, key: bytes) -> None:
         self._aead = AEAD(key)
         self.frames = 0
 
     def seal(self, header: bytes, payload: Optional[Any]) -> np.ndarray:
-        """The ciphertext of ``payload`` (a C-contiguous buffer, or None) followed by the tag
-        over ``header`` (fixed header and sample table, as sent) and it: what follows the
-        header on the wire."""
+        """Ciphertext of ``payload`` (or None) then the tag over ``header`` (as sent) and it: what
+        follows the header on the wire."""
         nonce = _nonce(self.frames)
         data = b"" if payload is None else _flat(payload, writable=False)
         size = data.nbytes if isinstance(data, np.ndarray) else len(data)
@@ -98,17 +90,16 @@ class Sealer:
 
 
 class Opener:
-    """The receiving end of one direction: opens frames in the order they arrive."""
+    """Opens one direction's frames in arrival order."""
 
     def __init__(self, key: bytes) -> None:
         self._aead = AEAD(key)
         self.frames = 0
 
     def open_into(self, header: bytes, sealed: Any, out: Optional[Any]) -> None:
-        """Check the tag at the end of ``sealed`` (ciphertext and tag, as received after
-        ``header``) and decrypt the ciphertext into ``out`` (a writable buffer of its size,
-        which may be ``sealed``'s own memory; None when there is none). IntegrityError,
-        naming the frame, when the tag does not verify."""
+        """Check the tag at the end of ``sealed`` and decrypt into ``out`` (its size; may be
+        ``sealed``'s own memory; None: no payload). IntegrityError naming the frame when the tag
+        fails."""
         nonce = _nonce(self.frames)
         sealed = _flat(sealed, writable=False)
         out = bytearray() if out is None else _flat(out, writable=True)

@@ -1,16 +1,15 @@
 """KV-cache slot table: which row of a node's preallocated KV cache each sample holds.
 
-Sample ids are unsigned 32-bit (they come from the wire). The lowest free slot is handed out
-first and a finished sample's slot is reused. A dict finds a sample's slot and a heap the
-lowest free one, so every operation but ``clear``/``assignments`` costs O(log n_slots).
+Sample ids are unsigned 32-bit (they come from the wire). The lowest free slot is handed out first
+and a finished sample's slot is reused. A dict finds a sample's slot and a heap the lowest free one,
+so every operation but ``clear``/``assignments`` costs O(log n_slots).
 
-Each slot knows how many positions of its KV rows are filled: a step must start there
-(``advance``), so a stale or forged step (a decode at position 50 of a sample with 3 tokens
-in its cache) is refused rather than run against KV rows that do not hold its past. The one
-way back is explicit: a step marked ``rewind`` (speculative decoding, after the model kept
-fewer drafted tokens than a verification wrote) may start at or before the filled length;
-the rows past its start are dead and it overwrites them.
-"""
+Each slot knows how many positions of its KV rows are filled: a step must start there (``advance``),
+so a stale or forged step (a decode at position 50 of a sample with 3 tokens in its cache) is
+refused rather than run against KV rows that do not hold its past. The one way back is explicit: a
+step marked ``rewind`` (speculative decoding, after the model kept fewer drafted tokens than a
+verification wrote) may start at or before the filled length; the rows past its start are dead and
+it overwrites them."""
 from __future__ import annotations
 
 import heapq
@@ -79,17 +78,15 @@ class SlotTable:
         self._free: List[int] = list(range(self._n))  # a heap: the lowest free slot first
 
     def filled(self, sample_id: int) -> int:
-        """Positions of the sample's KV rows filled so far."""
         self.slot_of(sample_id)
         return self._filled[sample_id]
 
     def advance(self, sample_ids: Sequence[int], positions: Sequence[int], tokens: int,
                 restart: bool = False, rewind: bool = False) -> None:
-        """Record a step of ``tokens`` tokens for each sample (all holding slots) from its
-        position; a SlotError, recording nothing, unless every position is its slot's filled
-        length. ``restart``: a position 0 starts the sample's rows over (a prefill, or its
-        replay after a recovery). ``rewind``: a position may also be below the filled
-        length (a verification kept fewer tokens than it wrote); the fill goes back to it."""
+        """A step of ``tokens`` for each sample from its position; a SlotError, recording nothing,
+        unless every position is its slot's filled length. ``restart``: position 0 starts the rows
+        over (a prefill, a replay). ``rewind``: a position below the filled length too; the fill
+        goes back to it."""
         for sample_id, position in zip(sample_ids, positions):
             done = 0 if restart and position == 0 else self.filled(sample_id)
             if position != done and not (rewind and 0 <= position < done):
@@ -100,5 +97,5 @@ class SlotTable:
             self._filled[sample_id] = position + tokens
 
     def assignments(self) -> Dict[int, int]:
-        """sample id -> slot for every slot in use, in slot order."""
+        """In slot order."""
         return dict(sorted(self._slot.items(), key=lambda item: item[1]))

@@ -9,8 +9,7 @@ Adaptive k (``choose_k``): the acceptance rate a of a sample's recent verificati
 model, with a prior) gives the expected tokens of a step drafting k, (1 - a^(k+1)) / (1 - a)
 (Leviathan et al. 2023, 3.4); each verified row costs ``row_cost`` of a one-row step, and k
 maximises tokens per cost. When no k pays, k = 0 and k = 1 is retried after ``retry_after`` plain
-steps; steps where the drafter had nothing are no evidence either way.
-"""
+steps; steps where the drafter had nothing are no evidence either way."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -27,21 +26,21 @@ from ..model.speculative import accept
 
 @dataclass(frozen=True)
 class KPolicy:
-    """The adaptive-k rule's settings: ``max_k`` bounds k (rows of a message: k + 1 per
-    sample, so the scheduler lowers it to fit a frame or the step's rows)."""
+    """``max_k`` bounds k (k + 1 rows per sample: the scheduler lowers it to fit a frame or the
+    step)."""
 
-    max_k: int = defaults.SPEC_MAX_K
-    row_cost: float = defaults.SPEC_ROW_COST
-    window: int = defaults.SPEC_WINDOW
-    retry_after: int = defaults.SPEC_RETRY_AFTER
+    max_k: int = defaults.SPECULATION_MAX_K
+    row_cost: float = defaults.SPECULATION_ROW_COST
+    window: int = defaults.SPECULATION_WINDOW
+    retry_after: int = defaults.SPECULATION_RETRY_AFTER
     prior_accepted: float = 1.0  # pseudo-counts: an acceptance of 1/2 before any evidence
     prior_rejected: float = 1.0
 
 
 def acceptance(rounds: Sequence[Tuple[int, int]], policy: KPolicy) -> float:
-    """The estimated chance a draft is accepted, given those before it were, from the last
-    ``policy.window`` rounds (drafted, accepted) that drafted anything: accepted drafts over
-    accepted drafts plus rejections (a round that kept fewer than it drafted ended on one)."""
+    """The chance a draft is accepted given those before were, over the last ``policy.window``
+    rounds that drafted: accepted over accepted plus rejections (a round keeping fewer than drafted
+    ended on one)."""
     drafting = [(d, a) for d, a in rounds if d > 0][-policy.window:]
     kept = policy.prior_accepted + sum(a for _, a in drafting)
     rejected = policy.prior_rejected + sum(1 for d, a in drafting if a < d)
@@ -49,8 +48,8 @@ def acceptance(rounds: Sequence[Tuple[int, int]], policy: KPolicy) -> float:
 
 
 def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens a step emits on average drafting k with acceptance ``alpha``: the accepted
-    drafts and the model's token after them."""
+    """Mean tokens a step emits drafting k at acceptance ``alpha`` (accepted drafts plus the model's
+    token)."""
     if alpha >= 1.0:
         return float(k + 1)
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
@@ -58,9 +57,9 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 def choose_k(rounds: Sequence[Tuple[int, int]], policy: KPolicy = KPolicy(),
              max_k: Optional[int] = None) -> int:
-    """How many tokens to draft next, from the sample's rounds (drafted, accepted; latest last; (0,
-    0) for a plain step or an empty draft), at most ``max_k``: the k of the most tokens per cost, 0
-    when none beats a plain step, 1 again after ``policy.retry_after`` plain steps."""
+    """The k of the most tokens per cost from the sample's rounds ((drafted, accepted), latest
+    last), at most ``max_k``; 0 when none beats a plain step, 1 again after ``retry_after`` plain
+    steps."""
     bound = policy.max_k if max_k is None else min(max_k, policy.max_k)
     if bound <= 0:
         return 0
@@ -79,9 +78,8 @@ def choose_k(rounds: Sequence[Tuple[int, int]], policy: KPolicy = KPolicy(),
 
 @dataclass
 class Draft:
-    """What one sample feeds in a step: ``tokens`` (its last token, the drafts, then any
-    padding) from ``position``, the first of len(tokens) consecutive positions; the head's
-    scores at the first ``drafted + 1`` decide what is kept."""
+    """``tokens`` (last token, drafts, padding) fed from ``position``; the head's scores at the
+    first ``drafted + 1`` decide what is kept."""
 
     position: int
     tokens: List[int]
@@ -93,8 +91,8 @@ class Draft:
 
 
 def pad_draft(draft: Draft, width: int) -> Draft:
-    """``draft`` fed as ``width`` positions (the rows of one message carry as many each):
-    its tokens repeated after its drafts, whose KV rows are dead like a rejected draft's."""
+    """``draft`` as ``width`` positions: tokens repeated after the drafts, their KV rows dead like a
+    rejected draft's."""
     pad = width - len(draft.tokens)
     if pad <= 0:
         return draft
@@ -102,9 +100,8 @@ def pad_draft(draft: Draft, width: int) -> Draft:
 
 
 @dataclass
-class SpecStats:
-    """What speculation did, as ``--json`` reports it; ``row_cost``: the one the widths were last
-    chosen with."""
+class SpeculationStats:
+    """As ``--json`` reports it; ``row_cost``: the one widths were last chosen with."""
 
     drafted: int = 0
     accepted: int = 0
@@ -122,7 +119,7 @@ class SpecStats:
         return self.emitted / self.steps if self.steps else 0.0
 
     def as_dict(self) -> Dict[str, Any]:
-        """``--json``'s ``speculation``: tokens per ring pass over the steps that drafted."""
+        """Tokens per ring pass over the steps that drafted."""
         return {"drafted": self.drafted, "accepted": self.accepted,
                 "acceptance": round(self.acceptance, 4), "verify_steps": self.steps,
                 "tokens_per_pass": round(self.tokens_per_step, 3),
@@ -136,22 +133,19 @@ class Speculation:
         self.drafter, self.params, self.policy = drafter, params, policy
         self.rounds: Dict[int, List[Tuple[int, int]]] = {}
         self.pending: Dict[int, Draft] = {}  # drafted steps not sent yet, by sample id
-        self.stats = SpecStats()
+        self.stats = SpeculationStats()
 
     def want(self, sample_id: int, max_k: Optional[int] = None,
              row_cost: Optional[float] = None) -> Tuple[float, int]:
-        """The sample's estimated acceptance and the k it would draft alone (``choose_k``
-        within ``max_k``, a row costing ``row_cost``, default the policy's): what
-        ``group_width`` weighs."""
+        """The sample's acceptance and the k it would draft alone: what ``group_width`` weighs."""
         rounds = self.rounds.get(sample_id, [])
         policy = self.policy if row_cost is None else replace(self.policy, row_cost=row_cost)
         return acceptance(rounds, policy), choose_k(rounds, policy, max_k)
 
     def draft(self, sample_id: int, tokens: Sequence[int], budget: int,
               max_k: Optional[int] = None, k: Optional[int] = None) -> Draft:
-        """The sample's next step: ``tokens`` its prompt and output (the last not yet in its KV
-        rows); ``budget`` the tokens it may still emit; ``max_k`` the scheduler's bound (rows per
-        frame); ``k`` overrides the sample's own choice (its group's width decides)."""
+        """``tokens``: prompt and output (the last not yet in KV); ``budget``: tokens it may still
+        emit; ``max_k``: rows per frame; ``k`` overrides the sample's own choice."""
         if not tokens:
             raise GenerationError("a sample with no tokens cannot be drafted for")
         rounds = self.rounds.setdefault(sample_id, [])
@@ -166,8 +160,8 @@ class Speculation:
 
     def settle(self, sample_id: int, draft: Draft, logits: Any,
                generator: Generator, history: Optional[History] = None) -> List[int]:
-        """The tokens the step emits (1 to draft.drafted + 1), from ``logits`` (len(draft.tokens),
-        vocab; padding rows unread); ``history``: prompt and output, for penalties."""
+        """The tokens the step emits (1 to drafted + 1) from ``logits`` (padding rows unread);
+        ``history`` for penalties."""
         out = accept(draft.proposal.tokens, logits[:draft.drafted + 1], draft.proposal.q,
                      self.params, generator, history)
         drafted = draft.drafted
@@ -187,20 +181,19 @@ class Speculation:
         self.drafter.release(sample_id)
 
     def close(self, sample_ids: Sequence[int]) -> None:
-        """A request that failed as a whole: a shared draft model's slots are free again."""
+        """A failed request: a shared draft model's slots are free again."""
         for sample_id in sample_ids:
             self.release(sample_id)
         self.pending.clear()
 
 
 class RowCost:
-    """A verified row's cost on this pipeline as a share of a one-row step, measured: the fastest
-    round trip per row count (B x T) of the last ``window`` lone decode messages, a line t = a + b
-    rows fitted through them, cost b / (a + b) clamped to [0, 2]; ``prior`` until two row counts
-    were timed ``least`` times each. Quantized kernels bound by arithmetic pay most of a step per
-    row; float weights, read once for all rows, little."""
+    """A verified row's measured cost as a share of a one-row step: a line t = a + b rows through
+    the fastest round trip per row count of the last ``window`` lone decode messages, b / (a + b)
+    clamped to [0, 2]; ``prior`` until two row counts were timed ``least`` times. Quantized kernels
+    pay most of a step per row; float weights little."""
 
-    def __init__(self, prior: float = defaults.SPEC_ROW_COST, window: int = 8,
+    def __init__(self, prior: float = defaults.SPECULATION_ROW_COST, window: int = 8,
                  least: int = 3) -> None:
         self.prior, self.window, self.least = prior, window, least
         self.seconds: Dict[int, List[float]] = {}  # rows -> the latest round trips
@@ -227,11 +220,10 @@ class RowCost:
 
 def group_width(wants: Sequence[Tuple[float, int]], rows: int, room: int,
                 row_cost: float) -> int:
-    """The positions each row of a group's step feeds (1: a plain step; a message has one width):
-    the T of the most expected tokens per cost, a sample (acceptance a, its own k from
-    ``Speculation.want``) counting E(a, min(T - 1, k)) tokens and n x T rows costing 1 +
-    ``row_cost`` (n T - 1) one-row steps. At most ``rows`` rows and ``room`` positions per row; 2
-    when no width pays but a sample is due a retry."""
+    """The positions T each row of a group's step feeds (1: plain): the most expected tokens per
+    cost, a sample counting E(a, min(T - 1, k)) tokens and n x T rows costing 1 + ``row_cost`` (n T
+    - 1). At most ``rows`` rows and ``room`` positions; 2 when none pays but a sample is due a
+    retry."""
     n = len(wants)
     cap = min(rows // n, room) if n else 0
     if cap <= 1:
@@ -244,12 +236,10 @@ def group_width(wants: Sequence[Tuple[float, int]], rows: int, room: int,
 
 def plan_step(group: Any, context: int, frame_rows: int = 0,
               row_cost: Optional[float] = None) -> int:
-    """Draft the next step of ``group``'s live samples when their request speculates: the width
-    (``group_width``, within ``plan.verify_rows`` of ``frame_rows`` and the context), then each
-    sample's drafts within its budget, padded to the longest, kept in ``Speculation.pending`` until
-    the step is sent. Samples are named by index, so a seed drafts the same on any pipeline;
-    ``row_cost`` (measured, ``RowCost``) applies to greedy requests only, so a sampled request's
-    seed gives the same text on every pipeline."""
+    """Draft the next step of ``group``'s live samples: width (``group_width``), then each sample's
+    drafts padded to the longest, kept in ``pending`` until sent. Samples are named by index and
+    ``row_cost`` applies to greedy requests only, so a seed gives the same text on every pipeline.
+    """
     generation = group.generation
     speculation = generation.speculation
     live = [s for s in group.samples if not s.done]
@@ -273,9 +263,8 @@ def plan_step(group: Any, context: int, frame_rows: int = 0,
 
 def step_rows(parts: Sequence[Tuple[Any, Sequence[Any]]]
               ) -> Tuple[List[Any], List[List[int]], Dict[int, Draft]]:
-    """For a decode message of ``parts`` ((group, samples) each): its rows (the samples in
-    order), each row's tokens (its last token and its drafts, or its last token alone) and
-    the drafted steps sent now (by sample id, taken from their requests' ``pending``)."""
+    """A decode message's rows, each row's tokens, and the drafted steps sent now (by sample id,
+    from ``pending``)."""
     rows: List[Any] = []
     drafts: Dict[int, Draft] = {}
     tokens: List[List[int]] = []
@@ -290,11 +279,11 @@ def step_rows(parts: Sequence[Tuple[Any, Sequence[Any]]]
     return rows, tokens, drafts
 
 
-def drafter_for(spec: str, target_cfg: Any, n_slots: int, context: int,
+def drafter_for(choice: str, target_cfg: Any, n_slots: int, context: int,
                 params: Any, device: str = "cpu", draft: Optional[DraftModel] = None) -> Drafter:
-    """The drafter ``spec`` names (``parse_speculate``); ``draft``: the engine's shared draft model
-    for ``draft:PATH`` (None: one loaded for this drafter alone)."""
-    kind, arg = parse_speculate(spec)
+    """``draft``: the engine's shared draft model for ``draft:PATH`` (None: one loaded for this
+    drafter)."""
+    kind, arg = parse_speculate(choice)
     if kind == "ngram":
         return NgramDrafter(max_n=int(arg) if arg else 3)
     if draft is None:

@@ -1,11 +1,9 @@
 """Stages: what runs a block range for a message and returns the next message.
 
-A ``LocalStage`` wraps a model chunk (the torch ``Transformer``, or a numpy chunk,
-``takes_numpy``, that never meets torch) with its own KV slot table: the ring's sample ids map
-to KV rows per node, so a message never carries slots, and a RELEASE frees a sample's row on
-every node it passes. The starter's, each worker's and every in-process stage is one;
-``mdiedge.runtime.pipeline`` strings them together, with the ring's links as a remote tail.
-"""
+A ``LocalStage`` wraps a model chunk (the torch ``Transformer``, or a numpy chunk that never meets
+torch) with its own KV slot table: the ring's sample ids map to KV rows per node, so a message never
+carries slots, and a RELEASE frees a sample's row on every node it passes. ``pipeline`` strings
+stages together, with the ring's links as a remote tail."""
 from __future__ import annotations
 
 import contextlib
@@ -33,9 +31,9 @@ log = logging.getLogger("mdiedge.stage")
 
 
 def inference() -> ContextManager[Any]:
-    """``torch.inference_mode()``, or nothing where it is on already or torch was never
-    imported. Entered once per step (scheduler) or around a worker's loop, not per message:
-    after the weights streamed through the cache, entering it costs tens of µs."""
+    """``torch.inference_mode()``, or nothing where it is on already or torch was never imported.
+    Entered once per step or around a worker's loop, not per message: with the cache cold after the
+    weights, entering costs tens of µs."""
     torch = sys.modules.get("torch")
     if torch is None or torch.is_inference_mode_enabled():
         return _ALREADY
@@ -48,9 +46,7 @@ def takes_numpy(model: Any) -> bool:
 
 
 def as_tensor(x: Any, device: Any, dtype: Any = None) -> Any:
-    """A received array (numpy; bfloat16 as its uint16 words) or tensor as a torch tensor on
-    ``device`` in ``dtype`` (None: its own): numpy through ``torch.from_numpy``, no copy on
-    the CPU."""
+    """Numpy through ``torch.from_numpy`` (no copy on the CPU); ``dtype`` None: its own."""
     import torch
 
     if isinstance(x, np.ndarray):
@@ -64,7 +60,7 @@ def as_tensor(x: Any, device: Any, dtype: Any = None) -> Any:
 
 @dataclass
 class StageCounters:
-    """What a stage has done since its KV cache was set up (status and benchmarks)."""
+    """Since the KV cache was set up (status and benchmarks)."""
 
     messages: int = 0
     tokens: int = 0
@@ -74,8 +70,7 @@ class StageCounters:
 
 
 def joined_routes(routes: List[Dict[str, str]]) -> Dict[str, str]:
-    """One process's decode route over its stages' (``Transformer.decode_route``): a part is
-    ``step`` only where every stage holding it runs it there; their reasons joined."""
+    """A part is ``step`` only where every stage holding it runs it there; reasons joined."""
     joined: Dict[str, str] = {}
     for route in routes:
         for part in ("blocks", "head"):
@@ -89,11 +84,9 @@ def joined_routes(routes: List[Dict[str, str]]) -> Dict[str, str]:
 
 class LocalStage:
     """Blocks of one in-process model chunk, for ``n_slots`` samples of ``context`` tokens.
-
-    ``trim_prefill``: the last stage before the head returns only a prefill chunk's last
-    position (unless the message asks ``all_rows``); a decode step with several positions per
-    sample (verifying drafts) returns them all. ``exit_policy``: one-position decode steps may
-    exit after any block; a step that exited upstream only fills this stage's KV."""
+    ``trim_prefill``: the last stage before the head returns only a prefill chunk's last position
+    (unless ``all_rows``); a verifying decode step returns all. ``exit_policy``: one-position decode
+    steps may exit after any block; a step exited upstream only fills KV here."""
 
     def __init__(self, model: Any, n_slots: int, context: int, trim_prefill: bool = False,
                  exit_policy: Optional[ExitPolicy] = None) -> None:
@@ -116,7 +109,7 @@ class LocalStage:
         return [self.model.first, self.model.last]
 
     def forward(self, message: Message) -> Message:
-        """Run ``message`` through this stage; RELEASE frees slots, PING and SHUTDOWN pass."""
+        """RELEASE frees slots, PING and SHUTDOWN pass."""
         t0 = time.perf_counter()
         if message.kind == messages.ACTIVATION:
             out = self._run(message)
@@ -131,8 +124,7 @@ class LocalStage:
         return out
 
     def _inputs(self, x: Any, rows: List[int]) -> Tuple[Any, Any]:
-        """The hidden states and KV rows as the chunk takes them: float32 numpy and int64
-        numpy, or torch tensors on its device."""
+        """Float32 and int64 numpy, or torch tensors on the chunk's device."""
         if self.numpy:
             return float32(x), np.array(rows, dtype=np.int64)
         import torch
@@ -158,8 +150,8 @@ class LocalStage:
 
     def _run_exiting(self, message: Message, x: Any, slots: Any,
                      positions: List[int]) -> Message:
-        """A decode step under early exit: the blocks with the criterion after each, or,
-        after an exit (here or before), the KV fill of the rest."""
+        """The blocks with the criterion after each, or after an exit (here or before) the KV fill
+        of the rest."""
         from ..model.earlyexit.policy import ExitStep
 
         assert self.exit_policy is not None
@@ -179,8 +171,8 @@ class LocalStage:
         return out
 
     def _check(self, message: Message, x: Any) -> None:
-        """A RingError (one line) for an activation that does not fit the message's samples,
-        the model's width or this stage's context: a peer's bug or a forged frame."""
+        """A one-line RingError for an activation that does not fit the samples, width or context: a
+        peer's bug or a forged frame."""
         rows, dim, positions = len(message.sample_ids), self.model.cfg.dim, message.positions
         if len(x.shape) != 3 or x.shape[0] != rows or x.shape[2] != dim or len(positions) != rows:
             raise RingError(f"layers {self.layers}: an activation {tuple(x.shape)} with "
@@ -191,11 +183,10 @@ class LocalStage:
                             f"{self.context}")
 
     def _rows(self, message: Message) -> List[int]:
-        """KV rows of the message's samples: a prefill at position 0 takes a free row (or
-        starts its own over). Each row's position must follow its KV cache's filled length
-        (a RingError otherwise: a stale or forged step), which the step then extends; a
-        step marked ``rewind`` may also start before it, overwriting the rows past (a
-        verification of drafted tokens, or a prefill after a prefix the prompt cache kept)."""
+        """KV rows of the message's samples; a prefill at position 0 takes a free row. Each row's
+        position must follow its filled length (a RingError otherwise: stale or forged), unless
+        marked ``rewind`` (verifying drafts, or after a prompt-cache prefix), which overwrites the
+        rows past."""
         slots = self.slots
         assert message.hidden is not None
         try:
@@ -222,10 +213,8 @@ class LocalStage:
         return int(self.slots.in_use)
 
     def describe(self, status: NodeStatus, scheduler: Optional[Any] = None) -> None:
-        """Fill ``status`` (a node's, any role's) with what this stage holds and has done:
-        its blocks, decode route, memory, experts' load, slots in use, messages, tokens,
-        compute and busy share. A starter's ``scheduler`` counts for its whole process (the
-        embedding and head too, and the slots its requests hold)."""
+        """Fill ``status`` with this stage's blocks, route, memory, expert load, slots, messages,
+        tokens and busy share; a starter's ``scheduler`` counts for its whole process."""
         counters = self.counters
         stats = scheduler.stats if scheduler is not None else counters
         memory = self.memory()
@@ -244,8 +233,7 @@ class LocalStage:
 
 
 def _placement(model: Any) -> Tuple[Any, Any]:
-    """A torch chunk's device and dtype: its first parameter's (the CPU in float32 for one
-    without parameters)."""
+    """Its first parameter's device and dtype (CPU float32 without parameters)."""
     import torch
 
     param = next(model.parameters(), None)

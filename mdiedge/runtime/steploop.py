@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Callable, Deque, Optional, Tuple
+from typing import Callable, Deque, List, Optional, Tuple
 
 from .compute import ComputeThread
 from .generation import Generation
@@ -58,10 +58,9 @@ class Waiting:
 
 
 class StepLoop:
-    """The loop that steps a scheduler, on the node's ``ComputeThread``: started when a
-    request is waited for, it calls ``step`` while ``busy()`` (work in flight or waiting),
-    then ends, and the next ``start`` runs it again. A step's failure is the step's to
-    record."""
+    """The loop that steps a scheduler, on the node's ``ComputeThread``: started when a request is
+    waited for, it calls ``step`` while ``busy()`` (work in flight or waiting), then ends, and the
+    next ``start`` runs it again. A step's failure is the step's to record."""
 
     def __init__(self, step: Callable[[], None], busy: Callable[[], bool],
                  compute: ComputeThread) -> None:

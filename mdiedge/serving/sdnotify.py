@@ -2,10 +2,9 @@
 STOPPING=1, one datagram each to ``$NOTIFY_SOCKET`` (a path, or ``@`` an abstract name); the
 watchdog interval is half of ``$WATCHDOG_USEC`` when ``$WATCHDOG_PID`` is unset or ours.
 
-The ``Watchdog`` pings only while a ``Heartbeat`` fed by the compute loop says the node is
-healthy (idle, or progress within its stall limit), so a loop stuck on one message stops the
-pings and systemd restarts the node.
-"""
+The ``Watchdog`` pings only while a ``Heartbeat`` fed by the compute loop says the node is healthy
+(idle, or progress within its stall limit), so a loop stuck on one message stops the pings and
+systemd restarts the node."""
 from __future__ import annotations
 
 import logging
@@ -20,7 +19,7 @@ log = logging.getLogger("mdiedge.watchdog")
 
 
 def notify_address() -> Optional[str]:
-    """``$NOTIFY_SOCKET`` as a socket address (``@name``: the abstract ``\\0name``), or None."""
+    """``@name``: the abstract ``\\0name``."""
     address = os.environ.get("NOTIFY_SOCKET")
     if not address:
         return None
@@ -28,7 +27,7 @@ def notify_address() -> Optional[str]:
 
 
 def notify(state: str) -> bool:
-    """Send one notification; False when not started by systemd (no ``$NOTIFY_SOCKET``)."""
+    """False when not started by systemd."""
     address = notify_address()
     if address is None:
         return False
@@ -38,9 +37,9 @@ def notify(state: str) -> bool:
 
 
 class Notifier:
-    """Notifications over one socket, opened once and kept: a process that has run out of
-    descriptors (a connection flood) still pings. It is not connected: each send names the
-    address, so a socket that systemd re-bound is found again by the next send."""
+    """One socket opened once and kept, so a process out of descriptors (a connection flood) still
+    pings; unconnected, each send naming the address, so a socket systemd re-bound is found again.
+    """
 
     def __init__(self) -> None:
         self.sock: Optional[socket.socket] = None
@@ -56,7 +55,7 @@ class Notifier:
         return self.sock
 
     def send(self, state: str) -> bool:
-        """Send ``state``; False without ``$NOTIFY_SOCKET``; OSError when it cannot be sent."""
+        """False without ``$NOTIFY_SOCKET``; OSError when it cannot be sent."""
         address = notify_address()
         if address is None:
             return False
@@ -75,7 +74,7 @@ class Notifier:
 
 
 def watchdog_interval() -> Optional[float]:
-    """Seconds between WATCHDOG=1 pings, or None when no watchdog is configured for us."""
+    """None when no watchdog is configured for us."""
     usec = os.environ.get("WATCHDOG_USEC")
     pid = os.environ.get("WATCHDOG_PID")
     if not usec or (pid and pid != str(os.getpid())):
@@ -87,8 +86,7 @@ def watchdog_interval() -> Optional[float]:
 
 
 def stalled_for(now: float, last_beat: float, work_started: Optional[float]) -> float:
-    """Seconds the compute has held work without progress: 0 when idle (``work_started`` is
-    None), else the time since the later of the last beat and the start of the work."""
+    """0 when idle, else the time since the later of the last beat and the work's start."""
     if work_started is None:
         return 0.0
     return max(0.0, now - max(last_beat, work_started))
@@ -101,7 +99,6 @@ def is_healthy(now: float, last_beat: float, work_started: Optional[float],
 
 
 class HeartbeatState(NamedTuple):
-    """A snapshot of a :class:`Heartbeat` (times from its clock)."""
 
     last_beat: float
     work_started: Optional[float]  # when the pending count went from 0 to 1; None when idle
@@ -110,9 +107,8 @@ class HeartbeatState(NamedTuple):
 
 
 class Heartbeat:
-    """Progress of a node's compute loop, for the watchdog; thread-safe. Work (``start_work`` /
-    ``end_work`` or ``busy()``) may nest or overlap (counted); the stall clock runs from the
-    later of the last beat and the moment the node went from idle to busy."""
+    """Progress of a node's compute loop; thread-safe. Work may nest or overlap (counted); the stall
+    clock runs from the later of the last beat and the moment the node went from idle to busy."""
 
     def __init__(self, stall_limit: float, clock: Callable[[], float] = time.monotonic) -> None:
         if not stall_limit > 0:
@@ -126,14 +122,14 @@ class Heartbeat:
         self._beats = 0
 
     def beat(self) -> None:
-        """Progress was made (a message processed, or a step of a long one)."""
+        """A message processed, or a step of a long one."""
         now = self._clock()
         with self._lock:
             self._last_beat = now
             self._beats += 1
 
     def start_work(self) -> None:
-        """Work was taken: from now on, no progress for ``stall_limit`` seconds is a stall."""
+        """From now on, no progress for ``stall_limit`` seconds is a stall."""
         now = self._clock()
         with self._lock:
             if self._pending == 0:
@@ -141,7 +137,7 @@ class Heartbeat:
             self._pending += 1
 
     def end_work(self) -> None:
-        """Work taken with :meth:`start_work` is finished (or abandoned); counts as a beat."""
+        """Finished or abandoned; counts as a beat."""
         now = self._clock()
         with self._lock:
             if self._pending == 0:
@@ -154,7 +150,6 @@ class Heartbeat:
 
     @contextmanager
     def busy(self) -> Iterator[None]:
-        """``start_work()`` on entry, ``end_work()`` on exit (an exception included)."""
         self.start_work()
         try:
             yield
@@ -167,12 +162,11 @@ class Heartbeat:
                                   self._beats)
 
     def healthy(self) -> bool:
-        """Idle, or progress within the stall limit (see :func:`is_healthy`)."""
         state = self.state()
         return is_healthy(self._clock(), state.last_beat, state.work_started, self.stall_limit)
 
     def reason(self) -> str:
-        """Why :meth:`healthy` says what it says, for a log line."""
+        """For a log line."""
         state = self.state()
         stalled = stalled_for(self._clock(), state.last_beat, state.work_started)
         if state.work_started is None:
@@ -187,10 +181,8 @@ def always_healthy() -> bool:
 
 
 class Watchdog(threading.Thread):
-    """Pings WATCHDOG=1 each interval while ``healthy()`` (false or raising stops the pings, so
-    systemd restarts the service after ``WatchdogSec``); a warning once when it stops, with
-    ``reason()``, and once when it resumes. The ``Notifier`` socket is opened before a
-    descriptor flood can take it."""
+    """Pings each interval while ``healthy()`` (false or raising stops them, so systemd restarts the
+    service after ``WatchdogSec``); a warning once when it stops and once when it resumes."""
 
     def __init__(self, interval: float, stop: threading.Event,
                  healthy: Callable[[], bool] = always_healthy,
@@ -219,8 +211,8 @@ class Watchdog(threading.Thread):
         return False, why
 
     def run(self) -> None:
-        """Nothing ends the thread: a ping that cannot be sent is logged once per spell of
-        failures and tried again at the next interval."""
+        """Nothing ends the thread: a failed ping is logged once per spell of failures and retried.
+        """
         failing = ""
         while not self.stop.wait(self.interval):
             try:
@@ -233,8 +225,7 @@ class Watchdog(threading.Thread):
                 failing = why
 
     def _tick(self, failing: str) -> str:
-        """One interval: check, then ping or withhold; returns "" (the ping went out, or was
-        withheld on purpose)."""
+        """"" when the ping went out or was withheld on purpose."""
         ok, why = self._check()
         if not ok:
             if self.pinging:

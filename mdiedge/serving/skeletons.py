@@ -1,12 +1,7 @@
-"""The commented config skeletons (``mdiedge config init worker|starter|ring``, and the configs
-``mdiedge install-units`` writes): every key, what it means, its default.
-
-As written they run on one machine: loopback addresses, two workers (``w1`` and ``w2``) on
-ports of their own, the shipped model, the CPU, a cache folder and a ring secret file of the
-user who asked (:func:`skeleton`'s ``secret_file`` and ``cache_dir``). Below a key whose value
-differs on a ring of boards, that value is a comment. The ring secret itself is made by
-:func:`create_secret_file` (mode 0600, never over an existing file).
-"""
+"""The commented config skeletons (``mdiedge config init``, and ``install-units``' configs): every
+key, its meaning, its default. As written they run on one machine (loopback, workers ``w1`` and
+``w2`` on ports of their own, the shipped model, the user's secret file and cache); a value that
+differs on a ring of boards is a comment below its key."""
 from __future__ import annotations
 
 import json
@@ -31,7 +26,6 @@ MAX_WORKER_INDEX = (65535 - WORKER_DATA_PORT) // 2 + 1
 
 
 def _one_of(words: List[str]) -> str:
-    """``"a", "b" or "c"``."""
     quoted = [f'"{word}"' for word in words]
     return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
 
@@ -40,9 +34,7 @@ _DTYPES = _one_of([d.name for d in DTYPE_TABLE if d.compute])
 
 
 def worker_ports(name: str) -> Tuple[int, int]:
-    """The control and data port of worker ``name`` in the skeletons: ``wN`` takes the N-th
-    pair from 7700/7701 (w2: 7702/7703), so that the workers of one machine do not collide;
-    any other name the first pair."""
+    """``wN`` takes the N-th pair from 7700/7701 (w2: 7702/7703), any other name the first."""
     found = _WORKER_NAME.fullmatch(name)
     index = int(found.group(1)) if found else 1
     if index > MAX_WORKER_INDEX:
@@ -52,7 +44,7 @@ def worker_ports(name: str) -> Tuple[int, int]:
 
 
 def _toml(text: str) -> str:
-    """``text`` as a TOML basic string (a path with a quote or a backslash included)."""
+    """A TOML basic string (a path with a quote or backslash included)."""
     return json.dumps(text, ensure_ascii=False)
 
 
@@ -118,8 +110,7 @@ encrypt = true
 
 
 def _secret_keys(secret_file: str, drives: Optional[str]) -> str:
-    """The keys of the ring secret; ``drives``: what a node without one exposes (its ports),
-    None for a ring file's [starter], which listens for no request."""
+    """``drives``: what a node without a secret exposes; None for a ring file's [starter]."""
     text = f"""\
 # File holding the ring secret: one line, readable by its owner alone (mode 0600). Every
 # node of a ring holds the same secret (`mdiedge config init` made this one): copy the file
@@ -216,7 +207,6 @@ busy_poll_us = {BUSY_POLL_US}"""),
 
 
 def _starter_keys(secret_file: str, starter: bool) -> List[Tuple[str, str]]:
-    """The [starter] keys of a starter's config, or of a ring file (not ``starter``)."""
     return [
         ("host", ("""\
 # Listen address of the starter's control port, and the address the last worker connects
@@ -292,8 +282,7 @@ _RING_HEAD = """\
 
 def skeleton(kind: str, secret_file: str = BOARD_SECRET, cache_dir: str = BOARD_CACHE,
              name: str = "w1") -> str:
-    """The commented config skeleton of ``kind`` (worker, starter or ring) naming the ring
-    secret ``secret_file``; a worker's caches in ``cache_dir`` and is worker ``name``."""
+    """``kind``: worker, starter or ring."""
     if kind == "worker":
         return _worker(name, secret_file, cache_dir)
     if kind not in KINDS:
@@ -306,9 +295,8 @@ def skeleton(kind: str, secret_file: str = BOARD_SECRET, cache_dir: str = BOARD_
 
 
 def create_secret_file(path: Path) -> bool:
-    """A new ring secret (32 random bytes, hex) in ``path``, mode 0600, its folder made (0700)
-    if missing: True. An existing file is left as it is (False) once it is seen to be
-    private; ConfigError naming it otherwise."""
+    """32 random bytes as hex, mode 0600, folder made 0700: True. An existing private file is left
+    (False); ConfigError otherwise."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
         fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -323,15 +311,13 @@ def create_secret_file(path: Path) -> bool:
 
 
 def on_boards(text: str, keys: Tuple[str, ...] = ("host",)) -> str:
-    """A skeleton's ``text`` with the board value of each of ``keys`` in force: the commented
-    line below an active ``key = ...`` becomes the active one, and that one a comment."""
+    """Each of ``keys``' commented board value made active, the active one a comment."""
     pattern = re.compile(r"^(%s) = (.*)\n# \1 = (.*)$" % "|".join(map(re.escape, keys)), re.M)
     return pattern.sub(lambda m: f"{m.group(1)} = {m.group(3)}\n# {m.group(1)} = {m.group(2)}",
                        text)
 
 
 def configs_for_units() -> Dict[str, str]:
-    """The configs ``install-units`` writes beside the units, by file name: nodes of a ring
-    of boards, so every address is a board's (the starter's to be edited)."""
+    """Nodes of a ring of boards, by file name (the starter's to be edited)."""
     return {"mdiedge.toml": on_boards(skeleton("worker")),
             "starter.toml": on_boards(skeleton("starter"))}

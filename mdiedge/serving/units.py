@@ -1,18 +1,12 @@
-"""systemd units for mdiedge nodes, and their installation (``mdiedge install-units``).
+"""systemd units for mdiedge nodes, and ``mdiedge install-units``.
 
-The unit files in the checkout's ``systemd/`` folder are the source (an installed package ships
-them as ``mdiedge/_systemd``). :func:`render_unit` returns one with ``ExecStart=`` running a
-given ``mdiedge`` (by default this install's, :func:`default_command`) and the configs and the
-secret in a given folder; :func:`install_units` writes all three into a unit folder plus a
-commented config skeleton for the worker and the starter (configs are never overwritten, units
-only with ``force``). As root: ``sudo "$(command -v mdiedge)" install-units``, then
-``systemctl daemon-reload``.
+The checkout's ``systemd/`` files are the source (installed as ``mdiedge/_systemd``). Configs are
+never overwritten, units only with ``force``. As root: ``sudo "$(command -v mdiedge)"
+install-units``, then ``systemctl daemon-reload``.
 
-The units run mdiedge as a dynamic user: the executable and its Python environment must be
-readable by any user (a virtual environment under a 0700 home folder is not). They need
-systemd >= 240 (the worker's ``$STATE_DIRECTORY``; the starter's unit 236, for
-``StandardInput=file:``, which hands the root-only secret file to the node).
-"""
+The units run mdiedge as a dynamic user: the executable and its environment must be readable by any
+user (a venv under a 0700 home is not). They need systemd >= 240 (the worker's ``$STATE_DIRECTORY``;
+the starter's 236, for ``StandardInput=file:``, which hands it the root-only secret file)."""
 from __future__ import annotations
 
 import os
@@ -36,7 +30,7 @@ _CONFIGURATION_DIRECTORY = re.compile(r"^ConfigurationDirectory=.*\n", re.MULTIL
 
 
 def unit_source_dir() -> Path:
-    """The folder holding the unit files: the installed copy, else the checkout's ``systemd/``."""
+    """The installed copy, else the checkout's ``systemd/``."""
     here = Path(__file__).resolve().parent.parent  # the mdiedge package
     candidates = (here / "_systemd", here.parent / "systemd")
     for folder in candidates:
@@ -48,8 +42,7 @@ def unit_source_dir() -> Path:
 
 
 def _quote_exec(path: str) -> str:
-    """``path`` as the first word of an ``ExecStart=`` line: specifiers escaped, quoted when
-    it holds whitespace, quotes or backslashes."""
+    """Specifiers escaped, quoted when it holds whitespace, quotes or backslashes."""
     if "$" in path or any(c in path for c in "\n\r\0"):
         # systemd does not unescape "$$" in the executable's path
         raise ConfigError(f"cannot put {path!r} on an ExecStart= line")
@@ -60,8 +53,7 @@ def _quote_exec(path: str) -> str:
 
 
 def _config_folder(config_dir: "os.PathLike[str] | str") -> str:
-    """``config_dir`` as the units name it: an absolute path that needs no quoting or escaping
-    in any directive (``--config``, ``StandardInput=file:``)."""
+    """An absolute path that needs no quoting or escaping in any directive."""
     folder = os.path.normpath(str(config_dir))
     if not os.path.isabs(folder):
         raise ConfigError(f"the config folder must be an absolute path, not {str(config_dir)!r}")
@@ -72,9 +64,8 @@ def _config_folder(config_dir: "os.PathLike[str] | str") -> str:
 
 
 def carry_config_dir(text: str, config_dir: "os.PathLike[str] | str") -> str:
-    """``text`` (a unit or a config skeleton) naming ``config_dir`` wherever it names
-    /etc/mdiedge: the configs, the secret and ``ConfigurationDirectory=`` (dropped for a folder
-    outside /etc, which that directive cannot name)."""
+    """``config_dir`` wherever ``text`` names /etc/mdiedge; ``ConfigurationDirectory=`` dropped
+    outside /etc, which it cannot name."""
     folder = _config_folder(config_dir)
     text = text.replace(f"{DEFAULT_CONFIG_DIR}/", f"{folder}/")
     if folder.startswith("/etc/"):
@@ -86,9 +77,8 @@ def carry_config_dir(text: str, config_dir: "os.PathLike[str] | str") -> str:
 def render_unit(name: str, executable: str,
                 config_dir: "os.PathLike[str] | str" = DEFAULT_CONFIG_DIR,
                 args: Sequence[str] = ()) -> str:
-    """The unit file ``name`` (one of :data:`UNIT_NAMES`) with ``ExecStart=`` running
-    ``executable`` (an absolute path) and ``args`` before the subcommand (``-m mdiedge`` when
-    ``executable`` is a Python), its configs and secret in ``config_dir``."""
+    """``args`` before the subcommand (``-m mdiedge`` for a Python); configs and secret in
+    ``config_dir``."""
     if name not in UNIT_NAMES:
         raise ConfigError(f"unknown unit {name!r} (known: {', '.join(UNIT_NAMES)})")
     if not os.path.isabs(executable):
@@ -103,10 +93,8 @@ def render_unit(name: str, executable: str,
 
 
 def default_command(python: str = sys.executable) -> Tuple[str, ...]:
-    """How the units run this install of mdiedge: the console script beside ``python`` (the
-    interpreter running now, e.g. a virtual environment's), else ``python -m mdiedge``, after
-    checking that ``python`` imports mdiedge with neither $PYTHONPATH nor a user site (which a
-    unit does not have)."""
+    """The console script beside ``python``, else ``python -m mdiedge``, after checking ``python``
+    imports mdiedge with neither $PYTHONPATH nor a user site (a unit has neither)."""
     if not python or not os.path.isabs(python):
         raise ConfigError(f"cannot tell this Python's path (sys.executable is {python!r}): "
                           f"pass the mdiedge executable")
@@ -133,13 +121,11 @@ def _write(path: Path, text: str) -> None:
 
 
 def _on_disk(root: Optional[Path], path: Path) -> Path:
-    """Where ``path`` (as the installed system sees it) is written: under ``root`` if given."""
     return path if root is None else Path(root) / path.relative_to(path.anchor)
 
 
 def _write_new(folder: Path, files: Sequence[Tuple[str, str]], replace: bool) -> List[Path]:
-    """Write ``files`` (name, text) into ``folder``, skipping those that exist unless
-    ``replace``; the files written."""
+    """Existing files skipped unless ``replace``; the files written."""
     folder.mkdir(mode=0o755, parents=True, exist_ok=True)
     written = []
     for name, text in files:
@@ -156,14 +142,8 @@ def install_units(dest: "os.PathLike[str] | str" = DEFAULT_UNIT_DIR,
                   config_dir: "os.PathLike[str] | str" = DEFAULT_CONFIG_DIR,
                   force: bool = False, root: "os.PathLike[str] | str | None" = None
                   ) -> List[Path]:
-    """Write the three units into ``dest`` (ExecStart= running ``executable``) and the config
-    skeletons ``mdiedge.toml`` and ``starter.toml`` into ``config_dir``; returns the files
-    written.
-
-    ``root``: write under this folder (an image being built, a test), the paths in the files as
-    the installed system sees them. Relative folders are the current one's (only without
-    ``root``). Configs are never overwritten, units only with ``force``. Run ``systemctl daemon-
-    reload`` afterwards."""
+    """The three units into ``dest``, the config skeletons into ``config_dir``; the files written.
+    ``root``: paths as the installed system sees them, written under it (an image, a test)."""
     command = default_command() if executable is None else (executable,)
     base = None if root is None else Path(root)
     dest, config_dir = Path(dest), Path(config_dir)

@@ -1,11 +1,7 @@
-"""``mdiedge bench``: throughput, per-node busy fraction, per-hop overhead and peak memory of
-local rings of 1..N nodes, one sample per message against micro-batched messages.
-
-Each configuration runs in a fresh process (so peak RSS is that configuration's own), and its
-figures come back as soon as it ends (``run_all`` yields them; ``mdiedge.tools.benchtable``
-prints them); a model preset with random weights is written once to a temporary Hugging Face
-directory.
-"""
+"""``mdiedge bench``: throughput, busy fraction per node, per-hop overhead and peak memory of local
+rings of 1..N nodes, one sample per message against micro-batched messages. Each configuration runs
+in a fresh process (peak RSS its own), its figures yielded as soon as it ends; a preset with random
+weights is written once to a temporary directory."""
 from __future__ import annotations
 
 import json
@@ -39,7 +35,6 @@ from ..runtime.protocol import busy_fraction
 
 
 def random_checkpoint(preset_name: str, out: Path, tokenizer: Path, seed: int = 0) -> Path:
-    """A Hugging Face directory with random weights shaped like ``preset_name``."""
     from ..model.transformer import Transformer
 
     cfg = preset(preset_name).replace(max_seq_len=2048)
@@ -55,7 +50,6 @@ def random_checkpoint(preset_name: str, out: Path, tokenizer: Path, seed: int = 
 
 def run_config(model: Path, nodes: int, samples: int, new_tokens: int, context: int,
                micro_batch: int, pings: int = 200) -> Dict[str, Any]:
-    """One configuration in this process: returns its figures."""
     torch.manual_seed(0)
     if nodes == 1:
         return _run_local(model, samples, new_tokens, context, micro_batch)
@@ -93,13 +87,12 @@ def run_config(model: Path, nodes: int, samples: int, new_tokens: int, context: 
 
 
 def decode_rate(timing: Any, samples: int) -> float:
-    """Tokens/s after the prefill: every sample's first token comes from its prefill."""
+    """Every sample's first token comes from its prefill."""
     return (timing.new_tokens - samples) / timing.decode_s if timing.decode_s > 0 else 0.0
 
 
 def read_per_message(model: Any) -> int:
-    """Weight bytes a decode message reads on a chunk: all but the embedding, of which it
-    reads one row per token (unless the head shares it)."""
+    """All but the embedding, of which one row per token (unless the head shares it)."""
     total = model.parameter_bytes()
     embed = getattr(model, "embed", None)
     head = getattr(model, "lm_head", None)
@@ -109,9 +102,8 @@ def read_per_message(model: Any) -> int:
 
 
 def kv_read_per_row(model: Any, cfg: Any, blocks: int, context: int, new_tokens: int) -> float:
-    """KV cache bytes a decode message reads per row on a node of ``blocks`` blocks, on
-    average over the bench's generation (a prompt of ``context - new_tokens``), at the
-    model's dtype."""
+    """Mean over the bench's generation (a prompt of ``context - new_tokens``), at the model's
+    dtype."""
     itemsize = 4 if getattr(model, "takes_numpy", False) \
         else next(model.parameters()).element_size()  # a CpuModel's caches are float32
     keys = mean_keys(context - new_tokens, new_tokens)
@@ -119,15 +111,13 @@ def kv_read_per_row(model: Any, cfg: Any, blocks: int, context: int, new_tokens:
 
 
 def _generation(cfg: Any, samples: int, new_tokens: int, context: int) -> Generation:
-    """Greedy samples of a random prompt that fills ``context`` with the new tokens."""
     prompt = torch.randint(3, cfg.vocab_size, (context - new_tokens,)).tolist()
     return Generation(ids_request(prompt, new_tokens, samples, SamplingParams(temperature=0),
                                   context), ())
 
 
 def _spec(model: Path, nodes: int) -> EngineSpec:
-    """One process, or a local ring of ``nodes`` with a ring file's patience (a large
-    preset's message may take long)."""
+    """A ring file's patience for a ring (a large preset's message may take long)."""
     return EngineSpec(model=model, nodes=nodes, timeout_s=defaults.RING_TIMEOUT_S)
 
 
@@ -151,9 +141,8 @@ def _run_local(model: Path, samples: int, new_tokens: int, context: int,
 
 
 def configurations(max_nodes: int, samples: int) -> List[Tuple[int, int]]:
-    """(nodes, samples per message) of every configuration, in the order they run: for each
-    ring size, one sample per message, the starter's own choice (enough groups to keep every
-    node busy), and all samples in one message."""
+    """Per ring size: one sample per message, the starter's own choice, all samples in one message.
+    """
     return [(nodes, micro_batch) for nodes in range(1, max_nodes + 1)
             for micro_batch in sorted({1, math.ceil(samples / nodes), samples})]
 
@@ -163,8 +152,7 @@ Runner = Callable[[Path, int, int, int, int, int], Dict[str, Any]]
 
 def run_subprocess(path: Path, nodes: int, samples: int, new_tokens: int, context: int,
                    micro_batch: int) -> Dict[str, Any]:
-    """One configuration in a fresh ``mdiedge bench --one`` process (this process's own
-    package, :mod:`mdiedge.base.selfcommand`): its figures."""
+    """In a fresh ``mdiedge bench --one`` process of this package (``selfcommand``)."""
     cmd = mdiedge_command(["bench", "--one", "--model", str(path),
            "--nodes", str(nodes), "--samples", str(samples), "--new-tokens", str(new_tokens),
            "--context", str(context), "--micro-batch", str(micro_batch)])
@@ -184,10 +172,9 @@ RUN_FIGURES = ("tokens_per_s", "decode_tokens_per_s", "roofline_tokens_per_s",
 
 
 def median_run(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Of a configuration's runs, the one with the median decode tokens/s (the lower middle
-    for an even count), with every run's speed figures under ``runs``. Its bandwidth limit
-    is the median of the runs' probes (one probe swings more than the decode it judges), and
-    its share is of that limit; each run's own stay under ``runs``."""
+    """The run of median decode tokens/s (the lower middle for an even count), every run's figures
+    under ``runs``. Its bandwidth limit is the median of the runs' probes (one probe swings more
+    than the decode it judges)."""
     if not runs:
         raise ValueError("no runs to choose from")
     ordered = sorted(runs, key=lambda r: r["decode_tokens_per_s"])
@@ -205,11 +192,9 @@ def run_all(model: Optional[str], preset_name: Optional[str], max_nodes: int, sa
             new_tokens: int, context: int, runner: Optional[Runner] = None,
             measuring: Optional[Callable[[str], ContextManager[Any]]] = None,
             roofline: Optional[Roofline] = None, repeat: int = 1) -> Iterator[Dict[str, Any]]:
-    """Every configuration's figures, each as soon as it is measured (by ``runner``, default
-    ``run_subprocess``), with its bandwidth limit (``roofline``, measured between
-    configurations); ``measuring(what)`` wraps each wait (a progress display). With
-    ``repeat`` > 1 each configuration runs that many times, each run followed by a fresh
-    bandwidth probe, and its figures are the median run's (``median_run``)."""
+    """Each configuration's figures as soon as measured (``runner``, default ``run_subprocess``),
+    with its bandwidth limit probed between configurations; ``repeat`` > 1: the median run's
+    (``median_run``), a fresh probe after each run."""
     if repeat < 1:
         raise ValueError(f"repeat {repeat} is not >= 1")
     shown = measuring or (lambda what: nullcontext())

@@ -1,12 +1,11 @@
-"""The config keys as README tables, made from the one source of each fact: the keys, and
-what values they take, from the schemas of :mod:`mdiedge.base.settings` (each validator's own
-"expected ..." text); the defaults from its dataclasses; what a key means from the comment
-above it in the skeletons of :mod:`mdiedge.serving.skeletons` (``mdiedge config init``), so a key the
-skeleton does not explain cannot be documented and fails here.
+"""The config keys as README tables, made from the one source of each fact: the keys, and what
+values they take, from the schemas of :mod:`mdiedge.base.settings` (each validator's own "expected
+..." text); the defaults from its dataclasses; what a key means from the comment above it in the
+skeletons of :mod:`mdiedge.serving.skeletons` (``mdiedge config init``), so a key the skeleton does
+not explain cannot be documented and fails here.
 
-``python -m mdiedge.tools.configdoc`` prints the tables; ``--write README.md`` replaces the part
-of the README between the two markers; ``tests/test_configdoc.py`` checks that it is current.
-"""
+``python -m mdiedge.tools.configdoc`` prints the tables; ``--write README.md`` replaces the part of
+the README between the two markers; ``tests/test_configdoc.py`` checks that it is current."""
 from __future__ import annotations
 
 import argparse

@@ -33,8 +33,8 @@ Progress = Callable[[int], None]  # told the positions each batch ran
 
 
 class Tally(NamedTuple):
-    """Scored tokens so far, the sum of their NLLs and of their squares (as llama.cpp's
-    ``count``, ``nll``, ``nll2``)."""
+    """Scored tokens, the sum of their NLLs and of squares (llama.cpp's ``count``, ``nll``,
+    ``nll2``)."""
 
     count: int = 0
     nll: float = 0.0
@@ -42,14 +42,12 @@ class Tally(NamedTuple):
 
 
 def tallied(tally: Tally, nlls: Sequence[float]) -> Tally:
-    """``tally`` with ``nlls`` added, in double precision."""
     return Tally(tally.count + len(nlls), tally.nll + math.fsum(nlls),
                  tally.nll2 + math.fsum(v * v for v in nlls))
 
 
 def estimate(tally: Tally) -> Tuple[float, float]:
-    """The perplexity of ``tally`` and its standard error, as llama-perplexity prints them
-    (``PPL = ... +/- ...``): 0 where the NLLs do not spread (or one token alone)."""
+    """Perplexity and standard error as llama-perplexity prints them; 0 where NLLs do not spread."""
     if tally.count < 1:
         raise ValueError("no tokens scored")
     mean = tally.nll / tally.count
@@ -61,7 +59,6 @@ def estimate(tally: Tally) -> Tuple[float, float]:
 
 
 def context_positions(ctx: int) -> int:
-    """The positions of a window of ``ctx`` that are context only (not scored)."""
     return ctx // 2
 
 
@@ -71,8 +68,7 @@ def scored_per_window(ctx: int) -> int:
 
 def cut_windows(tokens: Sequence[int], ctx: int, chunks: Optional[int] = None,
                 bos: Optional[int] = None) -> List[List[int]]:
-    """The windows llama-perplexity runs: consecutive ``ctx`` tokens of ``tokens`` (a partial
-    one at the end left out), at most ``chunks`` (None: all), each one's first token
+    """Consecutive ``ctx`` tokens (a partial one left out), at most ``chunks``, each first token
     replaced by ``bos`` where given."""
     count = len(tokens) // ctx
     if chunks is not None:
@@ -87,13 +83,12 @@ def cut_windows(tokens: Sequence[int], ctx: int, chunks: Optional[int] = None,
 
 
 def text_tokens(tokenizer: Any, text: str) -> List[int]:
-    """``text`` tokenized once as llama-perplexity does: BOS first where the tokenizer adds
-    one to a prompt, never an EOS."""
+    """BOS first where the tokenizer adds one to a prompt, never an EOS."""
     return ([tokenizer.bos_id] if tokenizer.adds_bos else []) + list(tokenizer.encode(text))
 
 
 def check_tokens(count: int, ctx: int, file: Any) -> None:
-    """llama-perplexity's requirement: at least two windows' worth of tokens."""
+    """At least two windows' worth of tokens."""
     if count < 2 * ctx:
         raise UsageError(f"{file}: tokenizes to only {plural(count, 'token')}; --ctx {ctx} "
                          f"needs at least {2 * ctx} (2 x ctx)")
@@ -101,9 +96,8 @@ def check_tokens(count: int, ctx: int, file: Any) -> None:
 
 def window_nlls(model: Any, window: Sequence[int], batch: int,
                 progress: Optional[Progress] = None) -> List[float]:
-    """The NLLs of a window's scored tokens: the window fed from position 0 through the KV
-    cache's slot 0 (``setup_cache`` done), ``batch`` positions at a time; the head runs on
-    the scored positions only."""
+    """The window fed from position 0 through slot 0, ``batch`` positions at a time; the head runs
+    on scored positions only."""
     import torch
 
     ctx, first = len(window), context_positions(len(window))
@@ -129,8 +123,6 @@ def window_nlls(model: Any, window: Sequence[int], batch: int,
 
 def score(model: Any, windows: Sequence[Sequence[int]], batch: int,
           progress: Optional[Progress] = None) -> Tally:
-    """Every window's scored NLLs, tallied; the model's KV cache set up for one slot of a
-    window."""
     model.setup_cache(1, len(windows[0]))
     tally = Tally()
     for window in windows:
@@ -146,8 +138,7 @@ def read_text(file: Path) -> str:
 
 
 class Measurement:
-    """A perplexity run's inputs, prepared before the weights load: the model's text side,
-    the text's windows, and what the run reports."""
+    """Prepared before the weights load: text side, windows, and what the run reports."""
 
     def __init__(self, text_model: Any, file: Path, ctx: int, chunks: Optional[int]) -> None:
         max_ctx = text_model.cfg.max_seq_len
@@ -163,13 +154,11 @@ class Measurement:
 
     @property
     def positions(self) -> int:
-        """The positions the model runs: every window's."""
         return len(self.windows) * self.ctx
 
     def run(self, model: Any, batch: int, progress: Optional[Progress] = None
             ) -> Dict[str, Any]:
-        """The figures of ``model`` on the windows (``--json``'s object but the cpu-dot
-        mode and the threads)."""
+        """``--json``'s object but the cpu-dot mode and threads."""
         started = time.perf_counter()
         tally = score(model, self.windows, batch, progress)
         seconds = time.perf_counter() - started
@@ -182,8 +171,7 @@ class Measurement:
 
 
 def open_model(text_model: Any, device: str, threads: int) -> Any:
-    """The whole model of ``text_model`` on ``device`` (float32: a GGUF file's blocks kept),
-    this process computing with ``threads`` threads (0: every core it may run on), as the
+    """Float32 (a GGUF file's blocks kept), ``threads`` threads (0: every core allowed), as the
     engine's opening sets them."""
     from ..base.accel import warn_if_uncompiled
     from ..base.threads import available_cores, node_threads, use_threads

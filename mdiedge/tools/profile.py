@@ -1,13 +1,12 @@
 """``mdiedge bench --profile``: where a decode step's time goes on each node of a ring.
 
 Each node's chunk (the blocks the ring would give it, with the embedding, final norm, head and
-sampling on the starter) is loaded in this process, one node after another, with the thread
-count a local ring gives a node. After a prefill, decode steps of ``rows`` rows run with
-timers around each kind of work: the compiled calls (a node's blocks; the final norm and
-head), the weight products (``layers.project``), attention (scores, softmax and the KV
-cache), the norms, RoPE and sampling. What no timer covers is Python and torch
-dispatch between them, the feed-forward's activation and the residual adds ("other").
-"""
+sampling on the starter) is loaded in this process, one node after another, with the thread count a
+local ring gives a node. After a prefill, decode steps of ``rows`` rows run with timers around each
+kind of work: the compiled calls (a node's blocks; the final norm and head), the weight products
+(``layers.project``), attention (scores, softmax and the KV cache), the norms, RoPE and sampling.
+What no timer covers is Python and torch dispatch between them, the feed-forward's activation and
+the residual adds ("other")."""
 from __future__ import annotations
 
 import statistics

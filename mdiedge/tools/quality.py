@@ -1,20 +1,10 @@
-"""The quality guard of link compression (``mdiedge bench --compression CODEC``): one run that
-sets a codec against ``none`` on
-
-- bytes per hop: a prompt's prefill frame and a one-token decode frame, header included,
-  and what a real 3-node ring's first link counted over the whole generation;
-- top-1 agreement and perplexity, teacher-forced over held-out text: the model runs in this
-  process split at the very block boundaries a ring of ``nodes`` would use, and every hop's
-  hidden states go through the codec's encode and decode (the same functions a link calls:
-  ``CODEC.select()`` of ``mdiedge.runtime.framing``), the return hop to the starter
-  included. The prefill codec and the decode codec are each applied to every position (the
-  ring applies the prefill codec to prompts and the decode codec to generated tokens), and
-  the worse of the two is reported;
-- tokens per second and time to first token of the same generation on a real local ring.
-
-Held-out text: the last ``held_out`` fraction of ``text`` (NanoLlama was trained on the
-first 90% of Tiny Shakespeare).
-"""
+"""The quality guard of link compression (``mdiedge bench --compression CODEC``), a codec against
+``none``: bytes per hop (a prefill and a decode frame, and a real 3-node ring's first link); top-1
+agreement and perplexity teacher-forced over held-out text, the model split in this process at a
+ring's block boundaries and every hop (the return one included) through the codec's encode and
+decode (``CODEC.select()``), each of the prefill and decode codecs on every position, the worse
+reported; tokens/s and time to first token on a real local ring. Held-out text: the last
+``held_out`` of ``text`` (NanoLlama trained on Tiny Shakespeare's first 90%)."""
 from __future__ import annotations
 
 import math
@@ -50,7 +40,7 @@ def round_trip(x: torch.Tensor, codec: int, impl: Any = None) -> torch.Tensor:
 
 
 def stage_ranges(cfg: Any, nodes: int, context: int) -> List[Tuple[int, int]]:
-    """The block range of each node of a local ring of ``nodes`` (starter first)."""
+    """Starter first."""
     shares = [StarterOptions().spec] + [NodeSpec(f"w{i}") for i in range(1, nodes)]
     return [p.layers for p in partition(cfg, shares, 1, context)]
 
@@ -69,8 +59,8 @@ def _run_range(model: Any, x: torch.Tensor, layers: Tuple[int, int]) -> torch.Te
 @torch.no_grad()
 def teacher_forced(model: Any, tokens: List[int], ranges: List[Tuple[int, int]], codec: int,
                    window: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Top-1 predictions and next-token NLL at every position of ``tokens`` (windows of
-    ``window`` tokens, each from position 0), ``codec`` on every hop."""
+    """Top-1 and next-token NLL at every position (``window``-token windows from 0), ``codec`` on
+    every hop."""
     preds, nlls = [], []
     for start in range(0, len(tokens) - 1, window):
         chunk = torch.tensor(tokens[start:start + window + 1])[None]
@@ -90,7 +80,7 @@ def held_out_tokens(text_model: TextModel, text: Path, held_out: float, limit: i
 
 def agreement(model: Any, tokens: List[int], ranges: List[Tuple[int, int]],
               compression: Compression, window: int) -> Dict[str, Any]:
-    """Top-1 agreement with ``none`` and both perplexities (the worse of prefill/decode)."""
+    """With ``none``, and both perplexities (the worse of prefill/decode)."""
     base_pred, base_nll = teacher_forced(model, tokens, ranges, NONE, window)
     worst: Optional[Dict[str, Any]] = None
     for name in dict.fromkeys((compression.prefill, compression.decode)):
@@ -109,10 +99,8 @@ def agreement(model: Any, tokens: List[int], ranges: List[Tuple[int, int]],
 def ring_run(model: Optional[str], compression: str, prompt: List[int], new_tokens: int,
              nodes: int, repeats: int = 3, route: Optional[Route] = None,
              **options: Any) -> Dict[str, Any]:
-    """Greedy generations from the ``prompt`` token ids on a local ring, after a warm-up: the
-    medians of ``repeats`` timings, and the links' counts over all of them (``generations``).
-    ``options``: more ``EngineSpec`` fields (``prefill_chunk``: tokens per prefill message);
-    ``route``: the ring links' route (``mdiedge.tools.relay.Relays``: delaying relays)."""
+    """Medians of ``repeats`` timed greedy generations after a warm-up, and the links' counts over
+    all; ``options``: more ``EngineSpec`` fields; ``route``: delaying relays."""
     timings = []
     spec = EngineSpec(model=model, nodes=nodes, route=route, timeout_s=RING_TIMEOUT_S,
                       compression=compression, **options)
@@ -137,7 +125,6 @@ def ring_run(model: Optional[str], compression: str, prompt: List[int], new_toke
 def guard(model: Optional[str], compression: str, text: Path, held_out: float = 0.1,
           eval_tokens: int = 4096, window: int = 256, prompt_tokens: int = 512,
           new_tokens: int = 64, nodes: int = 3) -> Dict[str, Any]:
-    """Every figure of the quality guard for ``compression`` against ``none``."""
     from ..model.checkpoint import load_model
 
     codecs = Compression.parse(compression, "--compression")

@@ -1,16 +1,15 @@
 """A delaying TCP relay: one-way latency on a link where the kernel has no netem.
 
 ``DelayRelay(("127.0.0.1", 7701), delay_s=0.02)`` listens on a free port of its own; every
-connection to it is relayed to the target, each chunk of bytes held for ``delay_s`` after it
-was read before it is written on, in both directions, in order and byte for byte. Each
-direction buffers at most ``max_buffer`` bytes: past that it stops reading, so the sender's
-TCP window fills (backpressure). An end of stream is passed on (after the delay) as a
-half-close, so closing one side closes the other; a reset or error closes both.
+connection to it is relayed to the target, each chunk of bytes held for ``delay_s`` after it was
+read before it is written on, in both directions, in order and byte for byte. Each direction buffers
+at most ``max_buffer`` bytes: past that it stops reading, so the sender's TCP window fills
+(backpressure). An end of stream is passed on (after the delay) as a half-close, so closing one side
+closes the other; a reset or error closes both.
 
-``Relays(delay_s)`` is a ``route``: ``relays(host, port)`` is the address of a relay in front
-of ``(host, port)``, started on first use, so that a ring's links can be routed through relays
-(``open_engine(EngineSpec(..., route=relays))``). ``close()`` ends every relay and connection.
-"""
+``Relays(delay_s)`` is a ``route``: ``relays(host, port)`` is the address of a relay in front of
+``(host, port)``, started on first use, so that a ring's links can be routed through relays
+(``open_engine(EngineSpec(..., route=relays))``). ``close()`` ends every relay and connection."""
 from __future__ import annotations
 
 import collections

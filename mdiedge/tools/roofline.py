@@ -1,18 +1,16 @@
-"""The memory-bandwidth limit of decoding ("roofline", Williams et al. 2009), for ``mdiedge
-bench``.
+"""The memory-bandwidth limit of decoding ("roofline", Williams et al. 2009), for ``mdiedge bench``.
 
-A decode message reads each weight of a node once for all its rows, so a node's time per message
-is at least its weight bytes over its read bandwidth. That is measured as a node decodes (one
-row by a weight-sized matrix, ``layers.Linear``, the node's threads) in ``concurrent`` processes
-at once, each reading its share of the ring's bytes (``probe_bytes``), so memory and last-level
-cache are shared as in a local ring.
+A decode message reads each weight of a node once for all its rows, so a node's time per message is
+at least its weight bytes over its read bandwidth. That is measured as a node decodes (one row by a
+weight-sized matrix, ``layers.Linear``, the node's threads) in ``concurrent`` processes at once,
+each reading its share of the ring's bytes (``probe_bytes``), so memory and last-level cache are
+shared as in a local ring.
 
-A round gives every sample one token: ``groups`` messages through every node. Node i reads
-``W_i`` weight bytes per message and ``K_i`` KV bytes per row (``mean_keys`` positions on
-average). With ``c = min(groups, nodes)`` nodes reading at once at ``b(c)`` each, a round of
-``samples`` rows in messages of ``m`` takes at least ``max(max_i (groups W_i + samples K_i),
-sum_i (W_i + m K_i)) / b(c)`` seconds: the busiest node, or one message's trip round the ring.
-"""
+A round gives every sample one token: ``groups`` messages through every node. Node i reads ``W_i``
+weight bytes per message and ``K_i`` KV bytes per row (``mean_keys`` positions on average). With ``c
+= min(groups, nodes)`` nodes reading at once at ``b(c)`` each, a round of ``samples`` rows in
+messages of ``m`` takes at least ``max(max_i (groups W_i + samples K_i), sum_i (W_i + m K_i)) /
+b(c)`` seconds: the busiest node, or one message's trip round the ring."""
 from __future__ import annotations
 
 import math
@@ -27,9 +25,8 @@ _WIDTH = 1024  # the matrix's row length (a typical model width)
 
 
 def mean_keys(prompt: int, new_tokens: int) -> float:
-    """Keys a decode message attends over per row, on average over a generation of
-    ``new_tokens`` after a ``prompt``: its tokens sit at positions prompt .. prompt +
-    new_tokens - 2 (the first new token comes from the prefill), each over position + 1."""
+    """Keys attended per row, on average over ``new_tokens`` after ``prompt`` (positions prompt ..
+    prompt + new_tokens - 2, each over position + 1)."""
     if prompt < 0 or new_tokens < 1:
         raise ValueError(f"no decode for a prompt of {prompt} and {new_tokens} new tokens")
     return prompt + new_tokens / 2
@@ -37,10 +34,8 @@ def mean_keys(prompt: int, new_tokens: int) -> float:
 
 def round_limit_s(read_bytes: Sequence[int], samples: int, micro_batch: int, bandwidth: float,
                   kv_bytes: Optional[Sequence[float]] = None) -> float:
-    """Least seconds for a round (a token for each of ``samples``, ``micro_batch`` rows a
-    message) through nodes that read ``read_bytes`` of weights per message and ``kv_bytes``
-    of KV cache per row of a message (none where not given), every node at ``bandwidth``
-    bytes/s."""
+    """Least seconds for a round of ``samples`` tokens, ``micro_batch`` rows a message, nodes
+    reading ``read_bytes`` per message and ``kv_bytes`` per row at ``bandwidth``."""
     kv = [0.0] * len(read_bytes) if kv_bytes is None else list(kv_bytes)
     if (not read_bytes or len(kv) != len(read_bytes) or samples < 1 or micro_batch < 1
             or bandwidth <= 0):
@@ -54,29 +49,26 @@ def round_limit_s(read_bytes: Sequence[int], samples: int, micro_batch: int, ban
 
 def limit_tokens_per_s(read_bytes: Sequence[int], samples: int, micro_batch: int,
                        bandwidth: float, kv_bytes: Optional[Sequence[float]] = None) -> float:
-    """Tokens/s at the bandwidth limit: ``samples`` tokens per round."""
     return samples / round_limit_s(read_bytes, samples, micro_batch, bandwidth, kv_bytes)
 
 
 def probe_bytes(read_bytes: Sequence[int], concurrent: int) -> int:
-    """Bytes each of ``concurrent`` probe processes reads for a local ring whose nodes read
-    ``read_bytes``: the largest node's, and at least the ring's share of each process, so that
-    the probe's working set is the ring's."""
+    """The largest node's bytes, and at least the ring's share per process, so the probe's working
+    set is the ring's."""
     if not read_bytes or concurrent < 1:
         raise ValueError(f"no probe for bytes {list(read_bytes)} in {concurrent} processes")
     return max(max(read_bytes), -(-sum(read_bytes) // concurrent))
 
 
 def concurrency(nodes: int, samples: int, micro_batch: int) -> int:
-    """How many nodes read weights at once: one per message in flight, at most every node."""
+    """One per message in flight, at most every node."""
     return min(nodes, math.ceil(samples / micro_batch))
 
 
 def _measure(nbytes: int, threads: int, seconds: float, start: Any) -> float:
-    """Bytes/s of one-row products by a ``nbytes`` float32 matrix on ``threads`` threads, after
-    ``start`` (a barrier, or None). Alone: the faster quartile (a limit, not a mean); beside
-    other processes: bytes over the whole time, as one product may run while others wait for a
-    core."""
+    """Bytes/s of one-row products after ``start`` (a barrier, or None). Alone: the faster quartile
+    (a limit, not a mean); beside others: bytes over the whole time, as one may run while others
+    wait for a core."""
     import torch
 
     from ..model.layers import Linear
@@ -117,8 +109,8 @@ def _child_at_barrier(args: Tuple[int, int, float]) -> float:
 
 def read_bandwidth(nbytes: int, threads: int, concurrent: int = 1,
                    seconds: float = 1.0) -> float:
-    """Bytes/s each of ``concurrent`` processes reads at, all at once, as a node decodes (their
-    mean); ``nbytes`` clamped to 1 MiB..1 GiB (weights that fit in cache are read from there)."""
+    """Mean bytes/s of ``concurrent`` processes reading at once; ``nbytes`` clamped to 1 MiB..1 GiB
+    (cached weights read from cache)."""
     if threads < 1 or concurrent < 1:
         raise ValueError(f"threads {threads} and processes {concurrent} must be >= 1")
     nbytes = min(max(nbytes, _MIN_BYTES), _MAX_BYTES)
@@ -130,7 +122,7 @@ def read_bandwidth(nbytes: int, threads: int, concurrent: int = 1,
 
 
 class Roofline:
-    """Each configuration's limit, measuring each (processes, threads, size) once."""
+    """Each (processes, threads, size) measured once."""
 
     def __init__(self, measure: Callable[[int, int, int], float] = read_bandwidth) -> None:
         self._measure = measure
@@ -143,9 +135,8 @@ class Roofline:
         return self._seen[key]
 
     def figures(self, result: Dict[str, Any], samples: int) -> Dict[str, Any]:
-        """``roofline_tokens_per_s``, ``roofline_share`` (of the decode tokens/s: the limit
-        is decode's) and ``read_bytes_per_s`` of a bench result (its ``read_bytes``,
-        ``kv_read_bytes`` where given, and ``threads`` per node)."""
+        """``roofline_tokens_per_s``, ``roofline_share`` (of decode tokens/s) and
+        ``read_bytes_per_s`` of a bench result."""
         read, nodes, micro = result["read_bytes"], result["nodes"], result["micro_batch"]
         concurrent = concurrency(nodes, samples, micro)
         bandwidth = self.bandwidth(probe_bytes(read, concurrent), result["threads"], concurrent)

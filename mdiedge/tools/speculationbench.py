@@ -1,17 +1,10 @@
 """``mdiedge bench --speculate``: greedy decoding with and without a drafter, side by side.
 
-For each ring size, one engine runs each workload plain and speculating in alternating
-rounds (the order swapped every round, so a slow spell of the machine falls on both alike):
-
-- ``repeat``: a prompt that quotes a passage and asks for it again (an instruct model's
-  chat template around "repeat this text", else the passage followed by its first line, for
-  a base model able to quote to go on quoting), the case where drafts are accepted;
-- ``free``: a passage of the same text to continue, where drafts are mostly guesses.
-
-Greedy decoding gives the same tokens either way: each row says whether every run's tokens
-were equal, beside the decode tokens/s both ways (the median run's), their ratio, and the
-speculating runs' acceptance and tokens per ring pass.
-"""
+Per ring size, one engine runs each workload plain and speculating in alternating rounds (order
+swapped each round, so a slow spell falls on both): ``repeat`` quotes a passage back (drafts
+accepted), ``free`` continues one (drafts mostly guesses). Each row: whether every run gave the same
+tokens, the median run's decode tokens/s both ways, their ratio, acceptance and tokens per ring
+pass."""
 from __future__ import annotations
 
 import statistics
@@ -35,7 +28,7 @@ Render = Callable[[str], str]  # a user message as an instruct model's templated
 
 @dataclass(frozen=True)
 class Workload:
-    """A named prompt; ``templated``: rendered with a chat template (nothing added)."""
+    """``templated``: rendered with a chat template (nothing added)."""
 
     name: str
     prompt: str
@@ -43,13 +36,12 @@ class Workload:
 
 
 def paragraphs(text: str) -> List[str]:
-    """The text's paragraphs (split at blank lines), each ending with a newline."""
+    """Split at blank lines, each ending with a newline."""
     return [p.strip("\n") + "\n" for p in text.split("\n\n") if p.strip()]
 
 
 def passage(parts: Sequence[str], count: Callable[[str], int], tokens: int) -> List[str]:
-    """The first paragraphs of ``parts`` that hold ``tokens`` (``count`` gives a text's
-    tokens), or all of them."""
+    """The first paragraphs holding ``tokens``, or all."""
     chosen: List[str] = []
     for part in parts:
         chosen.append(part)
@@ -60,9 +52,8 @@ def passage(parts: Sequence[str], count: Callable[[str], int], tokens: int) -> L
 
 def workloads(text: str, count: Callable[[str], int], new_tokens: int,
               render: Optional[Render] = None) -> List[Workload]:
-    """The ``repeat`` and ``free`` workloads from ``text``: a passage of about ``new_tokens``
-    tokens to quote back, and another part of the text (or, with ``render``, a chat
-    request) to go on from freely."""
+    """A passage of about ``new_tokens`` to quote back, and another part (or with ``render`` a chat
+    request) to continue."""
     parts = paragraphs(text)
     if len(parts) < 2:
         raise UsageError("--text: need at least two paragraphs (separated by a blank line)")
@@ -78,12 +69,9 @@ def workloads(text: str, count: Callable[[str], int], new_tokens: int,
 
 
 def compare(nodes: int, workload: str, runs: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Any]:
-    """One row from a workload's runs each way (``tokens_per_s``, ``token_ids`` of every
-    sample, and a speculating run's ``speculation``): the median run's decode tokens/s each
-    way, their ratio, whether every run gave the same tokens, and the speculation figures
-    summed over the speculating runs."""
+    """Median decode tokens/s each way, ratio, same tokens or not, speculation figures summed."""
     plain = statistics.median(r["tokens_per_s"] for r in runs["plain"])
-    spec = statistics.median(r["tokens_per_s"] for r in runs["spec"])
+    speculating = statistics.median(r["tokens_per_s"] for r in runs["spec"])
     texts = [r["token_ids"] for way in WAYS for r in runs[way]]
     stats = [r["speculation"] or {} for r in runs["spec"]]
     drafted = sum(s.get("drafted", 0) for s in stats)
@@ -91,8 +79,8 @@ def compare(nodes: int, workload: str, runs: Dict[str, List[Dict[str, Any]]]) ->
     steps = sum(s.get("verify_steps", 0) for s in stats)
     emitted = sum(s.get("tokens_per_pass", 0.0) * s.get("verify_steps", 0) for s in stats)
     return {"nodes": nodes, "workload": workload,
-            "plain_tokens_per_s": round(plain, 2), "spec_tokens_per_s": round(spec, 2),
-            "speedup": round(spec / plain, 3) if plain > 0 else 0.0,
+            "plain_tokens_per_s": round(plain, 2), "spec_tokens_per_s": round(speculating, 2),
+            "speedup": round(speculating / plain, 3) if plain > 0 else 0.0,
             "same_text": all(t == texts[0] for t in texts),
             "drafted": drafted, "accepted": accepted,
             "acceptance": round(accepted / drafted, 4) if drafted else 0.0,
@@ -102,7 +90,7 @@ def compare(nodes: int, workload: str, runs: Dict[str, List[Dict[str, Any]]]) ->
 
 
 def order(round_: int) -> Sequence[str]:
-    """Which way runs first in a round: plain first in even rounds, speculating in odd."""
+    """Plain first in even rounds."""
     return WAYS if round_ % 2 == 0 else WAYS[::-1]
 
 
@@ -114,9 +102,8 @@ def _figures(out: Any, samples: int) -> Dict[str, Any]:
 
 def measure(engine: Any, nodes: int, work: Sequence[Workload], speculate: str, samples: int,
             new_tokens: int, rounds: int, device: str = "cpu") -> Iterator[Dict[str, Any]]:
-    """Each workload's row on ``engine`` (a ring of ``nodes``), as soon as it is measured:
-    a warm-up generation, then ``rounds`` rounds of one run each way. The engine is set up
-    once for the largest workload (a ring is never set up anew between runs)."""
+    """Each row as soon as measured: a warm-up, then ``rounds`` rounds each way. Set up once for the
+    largest workload (never anew between runs)."""
     longest = max(len(engine.prompt(w.prompt, w.templated).ids) for w in work)
     engine.reserve(samples, longest + new_tokens)
     try:
@@ -138,17 +125,15 @@ def measure(engine: Any, nodes: int, work: Sequence[Workload], speculate: str, s
 
 
 def ring_sizes(max_nodes: int) -> List[int]:
-    """The rings measured: one process, and a local ring of ``max_nodes``."""
+    """One process, and a local ring of ``max_nodes``."""
     return sorted({1, max_nodes})
 
 
 def run_all(model: Path, speculate: str, max_nodes: int, samples: int, new_tokens: int,
             rounds: int, text: Path, render: Optional[Render] = None,
             measuring: Optional[Callable[[str], Any]] = None) -> Iterator[Dict[str, Any]]:
-    """Every (ring size, workload) row of ``model`` with and without ``speculate``, each
-    as soon as it is measured; ``text``: where the passages come from; ``render``: an
-    instruct model's chat template; ``measuring(what)`` wraps each wait (a progress
-    display)."""
+    """Each row as soon as measured; ``render``: an instruct model's chat template;
+    ``measuring(what)`` wraps each wait."""
     from contextlib import nullcontext
 
     shown = measuring or (lambda what: nullcontext())

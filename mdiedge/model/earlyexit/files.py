@@ -1,8 +1,7 @@
-"""Early-exit files beside a model: calibrated thresholds (``early_exit.json``, written by
-``mdiedge calibrate-exit``) and the exit classifier (``exit_classifier.safetensors``), each
-bound to the model's content hash; and turning a user's ``--exit-threshold`` into one
-threshold per block. Every mismatch is a one-line ``ConfigError`` before anything runs.
-"""
+"""Early-exit files beside a model: calibrated thresholds (``early_exit.json``, written by ``mdiedge
+calibrate-exit``) and the exit classifier (``exit_classifier.safetensors``), each bound to the
+model's content hash; and turning a user's ``--exit-threshold`` into one threshold per block. Every
+mismatch is a one-line ``ConfigError`` before anything runs."""
 from __future__ import annotations
 
 import json

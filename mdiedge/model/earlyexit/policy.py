@@ -33,20 +33,18 @@ CLASSIFIER_HIDDEN = 32
 
 
 def softmax_margin(logits: Tensor) -> Tensor:
-    """(B, vocab) logits -> (B,) top-1 minus top-2 probability."""
+    """(B, vocab) -> (B,) top-1 minus top-2 probability."""
     top = torch.softmax(logits.float(), dim=-1).topk(2, dim=-1).values  # (B, 2)
     return top[:, 0] - top[:, 1]
 
 
 def cosine(h: Tensor, previous: Tensor) -> Tensor:
-    """(B, dim) twice -> (B,) cosine similarity of each row."""
     return F.cosine_similarity(h.float(), previous.float(), dim=-1)
 
 
 class ExitClassifier(nn.Module):
-    """One small MLP per block, (B, dim) block output -> (B,) probability that the head
-    already gives the last block's top-1 there. The inputs are RMS-normalized (no learned
-    scale), so one classifier serves every scale of hidden state."""
+    """One small MLP per block: (B, dim) output -> (B,) probability the head gives the last block's
+    top-1 there. Inputs RMS-normalized (no learned scale), so it serves every hidden-state scale."""
 
     def __init__(self, n_layers: int, dim: int, hidden: int = CLASSIFIER_HIDDEN) -> None:
         super().__init__()
@@ -57,7 +55,6 @@ class ExitClassifier(nn.Module):
         self.b2 = nn.Parameter(torch.zeros(n_layers))
 
     def logit(self, layer: int, h: Tensor) -> Tensor:
-        """(…, dim) -> (…,) the classifier's logit after block ``layer``."""
         x = h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)
         z = torch.relu(x @ self.w1[layer] + self.b1[layer])  # (…, hidden)
         return z @ self.w2[layer] + self.b2[layer]
@@ -71,9 +68,8 @@ Head = Callable[[Tensor], Tensor]  # (B, dim) hidden -> (B, vocab) logits: final
 
 @dataclass
 class ExitPolicy:
-    """A criterion and its threshold after each block (``NEVER`` where no row may exit; the
-    last block's is ignored: after it the step ends anyway). ``head`` for ``softmax``,
-    ``classifier`` for ``classifier``."""
+    """A criterion and a threshold per block (``NEVER``: no exit; the last block's is ignored).
+    ``head`` for ``softmax``, ``classifier`` for ``classifier``."""
 
     criterion: str
     thresholds: List[float]
@@ -88,11 +84,10 @@ class ExitPolicy:
             raise ConfigError("the classifier criterion needs an exit classifier")
 
     def checks(self, layer: int) -> bool:
-        """Whether a row may exit after block ``layer`` at all."""
         return layer < len(self.thresholds) - 1 and self.thresholds[layer] < NEVER
 
     def confidence(self, layer: int, h: Tensor, previous: Tensor) -> Tensor:
-        """(B, dim) block output and its input -> (B,) confidence after block ``layer``."""
+        """(B, dim) output and input -> (B,)."""
         if self.criterion == "softmax":
             if self.head is None:
                 raise ConfigError("the softmax criterion needs the model's final norm and head")
@@ -105,8 +100,7 @@ class ExitPolicy:
 
 @dataclass
 class ExitStep:
-    """One decode step's early-exit state as it goes from block to block and node to node:
-    which rows are eligible (sticky) and, once all are, after how many blocks it exited."""
+    """Which rows are eligible (sticky) and, once all are, after how many blocks the step exited."""
 
     policy: ExitPolicy
     eligible: List[bool]  # per row
@@ -124,8 +118,7 @@ class ExitStep:
         return self.depth > 0
 
     def after_block(self, layer: int, h: Tensor, previous: Tensor) -> bool:
-        """Update after block ``layer`` with its output and input, each (B, 1, dim); True when
-        the whole step exits here."""
+        """True when the whole step exits here."""
         if self.exited or not self.policy.checks(layer):
             return False
         if not all(self.eligible):
@@ -139,5 +132,5 @@ class ExitStep:
         return False
 
     def eligible_list(self) -> List[bool]:
-        """Per row, for the next node (empty when none is)."""
+        """For the next node (empty when none is)."""
         return list(self.eligible) if any(self.eligible) else []

@@ -1,12 +1,11 @@
 """Model families: one module per family (``llama``, ``mixtral``, ``qwen2``, ``qwen3``,
 ``qwen3_moe``, ``gemma3``), each declaring a ``Family`` (``family``): its config mapping, tensor
-names, block, arithmetic features and what the compiled decode step runs for it. This
-registry finds a model's family, by ``config.json``'s ``model_type``, by a GGUF file's
-architecture, or by a ``ModelConfig``, and maps configs both ways.
+names, block, arithmetic features and what the compiled decode step runs for it. This registry finds
+a model's family, by ``config.json``'s ``model_type``, by a GGUF file's architecture, or by a
+``ModelConfig``, and maps configs both ways.
 
-A new family is a module here that builds a ``Family``, listed in ``FAMILIES``.
-Torch-free (configs are read where torch is not installed); imports only ``..config``.
-"""
+A new family is a module here that builds a ``Family``, listed in ``FAMILIES``. Torch-free (configs
+are read where torch is not installed); imports only ``..config``."""
 from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional, Tuple

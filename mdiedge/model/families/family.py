@@ -1,10 +1,6 @@
-"""What a model family declares (``Family``): how its Hugging Face ``config.json`` (and, where
-llama.cpp has it, its GGUF metadata) maps to ``ModelConfig``, its tensors' names, the block it
-builds, and what the compiled decode step (``mdiedge.model._stepspec``) runs for it.
-
-Torch-free, so that configs can be read where torch is not installed: a family's block is
-built by a function that imports its torch module when called.
-"""
+"""What a model family declares: how its ``config.json`` (and GGUF metadata) maps to
+``ModelConfig``, its tensors' names, the block it builds, what the compiled decode step runs for it.
+Torch-free: a family's block is built by a function that imports torch when called."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,22 +12,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Family:
-    """One model family: a decoder whose blocks share one arithmetic.
+    """Names map ours (``layers.{i}.`` stripped) to the checkpoint's (``model.layers.{i}.``,
+    ``blk.{i}.`` for GGUF); ``{e}`` stands for each expert's index. ``step_blocks`` and
+    ``step_head`` declare what the compiled step computes exactly as this family does; where False
+    that part runs in torch and says so (``decoderoute``).
 
-    Names map our parameter names (``layers.{i}.`` stripped for a block's) to the checkpoint's
-    (``model.layers.{i}.`` stripped for Hugging Face, ``blk.{i}.`` for GGUF); ``{e}`` in a
-    name stands for each expert's index. ``step_blocks`` and ``step_head`` declare what the
-    compiled step computes exactly as this family does: its dense block (RMSNorm, GQA with
-    rotate-half RoPE, a gated feed-forward, and the optional parts of ``_stepspec.
-    BlockWeights`` the fields below declare) and its head (RMSNorm, then a bias-free
-    product). Where False, the model runs that part in torch, whatever the shapes, and says
-    so (``mdiedge.model.decoderoute``).
-
-    The block's arithmetic beyond Llama's is declared by the fields after them; what a
-    config decides (sliding layers, RoPE bases, the attention scale) is in ``ModelConfig``,
-    read by ``hf_extra`` (config.json) and ``gguf_extra`` (GGUF metadata, as config.json
-    keys) where the generic keys do not say it, and written back by ``hf_extra_written``.
-    """
+    The fields after them declare the block's arithmetic beyond Llama's; what a config decides
+    (sliding layers, RoPE bases, attention scale) is in ``ModelConfig``, read by ``hf_extra`` /
+    ``gguf_extra`` where the generic keys do not say it, written back by ``hf_extra_written``."""
 
     name: str
     model_types: Tuple[str, ...]  # config.json ``model_type`` values it reads
@@ -60,5 +48,5 @@ class Family:
     gguf_extra: Optional[Callable[[Callable[..., Any]], Dict[str, Any]]] = None  # by get(key)
 
     def describe(self) -> str:
-        """``name (model types)`` for error messages listing the known families."""
+        """``name (model types)``, for error messages."""
         return f"{self.name} ({', '.join(self.model_types)})"

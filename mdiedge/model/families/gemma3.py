@@ -1,10 +1,9 @@
-"""The Gemma 3 family, its text decoder (Gemma3ForCausalLM; Gemma Team 2025): embeddings
-scaled by sqrt(dim), RMSNorm multiplying by (1 + w) (llama.cpp's converter stores 1 + w; a
-Hugging Face checkpoint's w gets its 1 at load: ``norm_offset``), "sandwich" norms (the
-attention's and the feed-forward's outputs normed too, before their residual adds), Q/K head
-norms, GeGLU with tanh-GELU, attention scaled by ``query_pre_attn_scalar ** -0.5``, and
-sliding-window layers with their own RoPE base among global ones (every 6th by default).
-"""
+"""The Gemma 3 family, its text decoder (Gemma3ForCausalLM; Gemma Team 2025): embeddings scaled by
+sqrt(dim), RMSNorm multiplying by (1 + w) (llama.cpp's converter stores 1 + w; a Hugging Face
+checkpoint's w gets its 1 at load: ``norm_offset``), "sandwich" norms (the attention's and the
+feed-forward's outputs normed too, before their residual adds), Q/K head norms, GeGLU with
+tanh-GELU, attention scaled by ``query_pre_attn_scalar ** -0.5``, and sliding-window layers with
+their own RoPE base among global ones (every 6th by default)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Mapping
@@ -101,9 +100,8 @@ def hf_extra_written(cfg: ModelConfig) -> Dict[str, Any]:
 
 
 def gguf_extra(get: Callable[..., Any]) -> Dict[str, Any]:
-    """What llama.cpp's ``gemma3`` takes as given: every 6th block global, a local RoPE base
-    of 10000, scores scaled by head_dim ** -0.5 (by (dim / heads) ** -0.5 for the 62-block
-    27B)."""
+    """What llama.cpp's ``gemma3`` takes as given: every 6th block global, a local RoPE base of
+    10000, scores scaled by head_dim ** -0.5 (by (dim / heads) ** -0.5 for the 62-block 27B)."""
     heads, dim = get("attention.head_count"), get("embedding_length")
     scalar = get("attention.key_length")
     if get("block_count") == 62 and isinstance(dim, int) and isinstance(heads, int) and heads:

@@ -1,7 +1,6 @@
 """The Llama family: Llama 1-3 (SmolLM2, TinyLlama, NanoLlama, stories260K), and Mistral's dense
 models (Touvron et al. 2023; Jiang et al. 2023): RMSNorm, GQA attention with rotate-half RoPE,
-SwiGLU feed-forward, no biases. The compiled decode step is this block's arithmetic.
-"""
+SwiGLU feed-forward, no biases. The compiled decode step is this block's arithmetic."""
 from __future__ import annotations
 
 from typing import Any, Dict

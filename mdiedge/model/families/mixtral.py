@@ -1,7 +1,6 @@
 """The Mixtral family (Jiang et al. 2024): Llama's attention with a sparse mixture-of-experts
-feed-forward (``mdiedge.model.moe``). In GGUF it is the ``llama`` architecture with experts.
-The compiled step runs its blocks, the experts included, and its head.
-"""
+feed-forward (``mdiedge.model.moe``). In GGUF it is the ``llama`` architecture with experts. The
+compiled step runs its blocks, the experts included, and its head."""
 from __future__ import annotations
 
 from typing import Any, Dict

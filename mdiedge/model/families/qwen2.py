@@ -1,6 +1,5 @@
-"""The Qwen2 family (Qwen2 / Qwen2.5, Yang et al. 2024): Llama's block with a bias on the Q,
-K and V projections, which the compiled decode step adds (``BlockWeights.qkv_bias``).
-"""
+"""The Qwen2 family (Qwen2 / Qwen2.5, Yang et al. 2024): Llama's block with a bias on the Q, K and V
+projections, which the compiled decode step adds (``BlockWeights.qkv_bias``)."""
 from __future__ import annotations
 
 from typing import Any, Dict

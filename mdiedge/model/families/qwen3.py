@@ -1,7 +1,6 @@
-"""The Qwen3 family (dense Qwen3, Yang et al. 2025): Llama's block without biases, with an
-RMSNorm over each head of Q and K before RoPE, and a head size of its own (``head_dim``, not
-always ``dim / heads``).
-"""
+"""The Qwen3 family (dense Qwen3, Yang et al. 2025): Llama's block without biases, with an RMSNorm
+over each head of Q and K before RoPE, and a head size of its own (``head_dim``, not always ``dim /
+heads``)."""
 from __future__ import annotations
 
 from typing import Any, Dict

@@ -1,8 +1,7 @@
 """The Qwen3-MoE family (Qwen3-30B-A3B and kin, Yang et al. 2025): Qwen3's attention (Q/K head
-norms) with a sparse mixture-of-experts feed-forward in every block (``mdiedge.model.moe``):
-a softmax over the experts, the top k kept, renormalised where ``norm_topk_prob`` says so
-(llama.cpp's ``qwen3moe`` always does).
-"""
+norms) with a sparse mixture-of-experts feed-forward in every block (``mdiedge.model.moe``): a
+softmax over the experts, the top k kept, renormalised where ``norm_topk_prob`` says so (llama.cpp's
+``qwen3moe`` always does)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Mapping

@@ -1,9 +1,8 @@
-"""The ASGI app (starlette): ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``
-(JSON, or server-sent events ending ``data: [DONE]``), ``/metrics``, ``/health`` and the
-ring's ``/status`` (as a starter's control plane answers it); an
-optional API key (``Authorization: Bearer`` or ``X-Api-Key``) on every route but
-``/health``; CORS for the origins allowed (``cors``); bounded bodies; every error in OpenAI's
-shape."""
+"""The ASGI app (starlette): ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (JSON, or
+server-sent events ending ``data: [DONE]``), ``/metrics``, ``/health`` and the ring's ``/status``
+(as a starter's control plane answers it); an optional API key (``Authorization: Bearer`` or
+``X-Api-Key``) on every route but ``/health``; CORS for the origins allowed (``cors``); bounded
+bodies; every error in OpenAI's shape."""
 from __future__ import annotations
 
 import functools
@@ -49,7 +48,7 @@ def error_response(error: ApiError) -> JSONResponse:
 
 
 class KeyCheck:
-    """ASGI middleware: a request without the key is a 401 before any route runs."""
+    """A request without the key is a 401 before any route runs."""
 
     def __init__(self, app: Any, key: Optional[str]) -> None:
         self.app, self.key = app, key
@@ -70,7 +69,7 @@ class ApiRoutes:
         self.service = service
 
     def endpoint(self, handler: Handler) -> Handler:
-        """Errors become OpenAI's error bodies; every answer is counted by status code."""
+        """Errors become OpenAI's error bodies; answers counted by status."""
         @functools.wraps(handler)
         async def wrapped(request: Request) -> Response:
             try:
@@ -125,8 +124,7 @@ class ApiRoutes:
         return JSONResponse(await run_in_threadpool(status_body, self.service.engine))
 
     async def health(self, request: Request) -> Response:
-        """200 while a request would be served; 503 with the reason while it would not (a
-        load balancer's cue to send requests elsewhere)."""
+        """503 with the reason while a request would not be served (a load balancer's cue)."""
         why = await run_in_threadpool(self.service.unavailable)
         if why is None:
             return JSONResponse({"status": "ok"})
@@ -136,8 +134,8 @@ class ApiRoutes:
     async def respond(self, request: Request, prompts: Sequence[Union[str, Prompt]],
                       options: Options, chat: bool, tools: Optional[ToolRequest] = None,
                       shape: Optional[Shape] = None) -> Response:
-        """Run ``prompts`` (each its own request to the scheduler, ``shape.best_of`` samples
-        each) and answer with their choices, in order, as one body or one stream."""
+        """Each prompt its own request (``shape.best_of`` samples), answered in order as one body or
+        one stream."""
         shape = shape or Shape(options)
         runs = await self.start_all(prompts, shape.drawing(options), chat)
         try:
@@ -156,7 +154,7 @@ class ApiRoutes:
 
     async def answered(self, request: Request, runs: Sequence[Run], chat: bool, shape: Shape,
                        tools: Optional[ToolRequest]) -> Dict[str, Any]:
-        """The whole body once every run has ended; the first run's error if one failed."""
+        """The first run's error if one failed."""
         for run in runs[1:]:
             while await run.next(request.is_disconnected) is not None:
                 pass
@@ -168,8 +166,8 @@ class ApiRoutes:
 
     async def start_all(self, prompts: Sequence[Union[str, Prompt]], options: Options,
                         chat: bool) -> List[Run]:
-        """A run for each prompt (each drawing its own seed unless the body named one); when
-        one is refused, those started are cancelled."""
+        """Each drawing its own seed unless the body named one; one refused cancels those started.
+        """
         runs: List[Run] = []
         try:
             for k, prompt in enumerate(prompts):
@@ -182,8 +180,7 @@ class ApiRoutes:
         return runs
 
     def shutdown_error(self, run: Run) -> Optional[ApiError]:
-        """A 503 for a request the server's shutdown cut short (its samples "cancelled"),
-        which is not an answer; None otherwise."""
+        """A 503 for a request the shutdown cut short (not an answer); else None."""
         samples = run.generation.samples if run.generation is not None else []
         if self.service.closed and any(s.finish_reason == "cancelled" for s in samples):
             return ApiError(503, "the server shut down before the request was done",
@@ -208,8 +205,7 @@ class ApiRoutes:
 
     def logprobs(self, run: Run, sample: Any, text: str, chat: bool,
                  echo: str = "") -> Dict[str, Any]:
-        """A whole answer's logprobs of ``sample`` (its ``text``, after the ``echo``ed
-        prompt's, whose tokens come first when it was scored)."""
+        """After the ``echo``ed prompt's, when scored."""
         assert run.generation is not None
         tokenizer, scores = self.service.engine.tokenizer, run.generation.prompt_logprobs
         items = entries(tokenizer, sample.prompt, sample.logprobs,
@@ -221,10 +217,9 @@ class ApiRoutes:
 
     async def events(self, runs: Sequence[Run], first: Any, options: Options, chat: bool,
                      shape: Shape, tools: Optional[ToolRequest] = None) -> AsyncIterator[bytes]:
-        """The stream: a chat's role chunks, then each run's text as it is sampled (its
-        prompt first, if echoed), each sample's last text and finish reason, the usage if
-        asked, ``[DONE]``. A client that goes away cancels the requests (starlette cancels
-        this generator)."""
+        """A chat's role chunks, each run's text as sampled (echoed prompt first), last texts and
+        finish reasons, usage if asked, ``[DONE]``. A client going away cancels the requests
+        (starlette cancels this generator)."""
         ident, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
 
         def chunk(choices: Any, **extra: Any) -> bytes:
@@ -255,8 +250,7 @@ class ApiRoutes:
                 run.cancel()  # nothing when it ended; else the client is gone
 
     def echo_choice(self, run: Run, index: int, shape: Shape) -> Choice:
-        """A stream's first chunk of a choice that echoes its prompt (and the prompt's
-        logprobs, when scored)."""
+        """A stream's first chunk of a choice echoing its prompt (and its logprobs when scored)."""
         assert run.generation is not None
         choice, scores = Choice(index, shape.echoed(run)), run.generation.prompt_logprobs
         if scores is not None:
@@ -267,9 +261,8 @@ class ApiRoutes:
 
     async def run_choices(self, run: Run, first: Any, options: Options, chat: bool,
                           tools: Optional[ToolRequest], echo: str = "") -> AsyncIterator[Any]:
-        """One run's stream: its samples' text as it is sampled (after ``echo``, the
-        prompt's text already sent), then their last text and finish reasons; an ApiError
-        last where it failed."""
+        """Samples' text as sampled, then last text and finish reasons; an ApiError last where it
+        failed."""
         generation = run.generation
         assert generation is not None
         tokenizer = self.service.engine.tokenizer
@@ -302,8 +295,7 @@ async def _never() -> bool:
 
 def build_app(service: ApiService, api_key: Optional[str] = None,
               cors_origins: Sequence[str] = ()) -> Any:
-    """The ASGI app of ``service``; ``api_key``: the key every route but /health needs (None:
-    none); ``cors_origins``: the origins browsers may call it from (``*``: any)."""
+    """``api_key`` None: none; ``cors_origins``: browsers' allowed origins (``*``: any)."""
     routes = ApiRoutes(service)
     table = [("/v1/models", routes.models, ["GET"]),
              ("/v1/models/{model:path}", routes.model, ["GET"]),

@@ -1,13 +1,9 @@
-"""Chat templates: a model's own (``chat_template`` in its ``tokenizer_config.json``, or a
-``chat_template.jinja`` beside it, or a GGUF file's ``tokenizer.chat_template``) rendered
-with jinja2 as transformers' ``apply_chat_template(messages, add_generation_prompt=True)``
-does, else ``DEFAULT_TEMPLATE``. The text holds its own special tokens (a model's template
-writes ``bos_token`` where it wants one; the default writes it when the tokenizer gives
-prompts a BOS), so its ids get none added.
+"""Chat templates: a model's own (``tokenizer_config.json``'s ``chat_template``, a
+``chat_template.jinja`` beside it, or a GGUF file's) rendered as transformers'
+``apply_chat_template(messages, add_generation_prompt=True)``, else ``DEFAULT_TEMPLATE``. The text
+holds its own special tokens, so its ids get none added.
 
-The default is a plain dialogue, the shape of NanoLlama's Tiny Shakespeare lines: each message
-as ``ROLE:`` on a line, its text on the next, a blank line after; then ``ASSISTANT:`` and a
-newline for the reply::
+The default is a plain dialogue (NanoLlama's Tiny Shakespeare shape)::
 
     SYSTEM:
     You are terse.
@@ -15,8 +11,7 @@ newline for the reply::
     USER:
     Hello
 
-    ASSISTANT:
-"""
+    ASSISTANT:"""
 from __future__ import annotations
 
 import asyncio
@@ -58,8 +53,7 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: Optional[int] = None
 
 
 def load_model_template(model_path: Path) -> Dict[str, Any]:
-    """The model's chat template and special tokens: a GGUF file's own, else its folder's
-    (``{"template": None}`` when it has none)."""
+    """A GGUF file's own, else its folder's (``{"template": None}`` when none)."""
     if model_path.is_file() and gguf_vocab.is_gguf(model_path):
         return dict(gguf_chat(model_path))
     folder = model_path if model_path.is_dir() else model_path.parent
@@ -75,9 +69,8 @@ def load_model_template(model_path: Path) -> Dict[str, Any]:
 
 
 class ChatTemplate:
-    """A template compiled once, in the limited sandbox (``sandbox``); ``render`` gives the
-    prompt text for a list of messages within ``limits`` (``context``: the tokens a prompt
-    may take, which bound its size)."""
+    """Compiled once in the limited sandbox; ``context``: the tokens a prompt may take, bounding its
+    size."""
 
     def __init__(self, source: Optional[str] = None, bos_token: str = "", eos_token: str = "",
                  context: int = defaults.API_CONTEXT, **tokens: str) -> None:
@@ -111,8 +104,8 @@ class ChatTemplate:
     @classmethod
     def for_model(cls, model_path: Path, tokenizer: Optional[Tokenizer] = None,
                   context: int = defaults.API_CONTEXT) -> "ChatTemplate":
-        """The model's template; ``tokenizer`` names the BOS and EOS tokens that its config
-        does not (the default template's BOS: only when the tokenizer gives prompts one)."""
+        """``tokenizer`` names the BOS and EOS its config does not (the default template's BOS: only
+        when the tokenizer gives prompts one)."""
         found = load_model_template(model_path)
         source = found.pop("template")
         if tokenizer is not None:
@@ -128,10 +121,9 @@ class ChatTemplate:
 
     def prompt(self, messages: Sequence[ChatMessage],
                tools: Optional[ToolRequest] = None) -> str:
-        """The prompt text, special tokens included (encode it with nothing added), with
-        ``tools`` as toolprompt.py renders them: a ConversationError for the template's own
-        refusal, a ContextExceeded for a text (the messages', the prompt) that cannot fit the
-        context, a ChatTemplateError for any other failure (one past its limits included)."""
+        """Special tokens included (encode with nothing added), ``tools`` as toolprompt.py renders
+        them: ConversationError for the template's refusal, ContextExceeded for a text that cannot
+        fit, ChatTemplateError for any other failure."""
         from . import sandbox
 
         sandbox.check_fits("the messages hold", sum(
@@ -156,8 +148,8 @@ class ChatTemplate:
 
     async def render_async(self, messages: Sequence[ChatMessage],
                            tools: Optional[ToolRequest] = None) -> str:
-        """``render`` on a thread of the template's own (the event loop goes on meanwhile):
-        a render ends itself by its deadline, and a caller waits a second past it at most."""
+        """On the template's own thread: a render ends itself by its deadline, a caller waits a
+        second past it at most."""
         if self._renderers is None:
             self._renderers = ThreadPoolExecutor(defaults.TEMPLATE_THREADS,
                                                  thread_name_prefix="mdiedge-template")

@@ -2,8 +2,6 @@
 ``mdiedge.base.errors``: an HTTP status and ``{"error": {"message", "type", "param", "code"}}``)."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
-
 from ...base.errors import (ApiError, ConfigError, Conflict, ContextExceeded, FrameError,
                             GenerationError, MdiedgeError, QueueFull, RingError, SlotError,
                             TokenizerError)

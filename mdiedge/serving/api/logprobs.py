@@ -1,10 +1,8 @@
-"""Log-probabilities in OpenAI's shapes: each reported token's text as it reads in its
-sample's text, its UTF-8 bytes, and the bodies of chat (``choices[].logprobs.content[]``)
-and of completions (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``).
-
-The values are ``mdiedge.model.sampling.token_logprobs``': the log-softmax of the model's
-logits, before penalties and temperature. A token that is part of a character (a byte
-piece) reads as U+FFFD and has its own byte in ``bytes``."""
+"""Log-probabilities in OpenAI's shapes: each token's text as it reads in its sample's text, its
+UTF-8 bytes, and chat's ``choices[].logprobs.content[]`` and completions' ``tokens``,
+``token_logprobs``, ``top_logprobs``, ``text_offset``. Values are the model's log-softmax before
+penalties and temperature. A byte piece of a character reads as U+FFFD with its own byte in
+``bytes``."""
 from __future__ import annotations
 
 import re
@@ -19,7 +17,7 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's and llama.c
 
 
 def _byte_level_table() -> Dict[str, int]:
-    """GPT-2's byte-level BPE alphabet: the character that spells each byte."""
+    """GPT-2's byte-level BPE alphabet: the character spelling each byte."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
     chars, extra = list(printable), 0
     for b in range(256):
@@ -34,8 +32,7 @@ _BYTE_LEVEL = _byte_level_table()
 
 
 def token_bytes(tokenizer: Tokenizer, token: int, text: str) -> List[int]:
-    """The bytes of ``token``, whose text reads ``text``: its UTF-8, but a piece of a
-    character's own byte(s)."""
+    """Its UTF-8, but a character piece's own byte(s)."""
     if "\ufffd" not in text:
         return list(text.encode("utf-8"))
     piece = tokenizer.token(token)
@@ -49,8 +46,7 @@ def token_bytes(tokenizer: Tokenizer, token: int, text: str) -> List[int]:
 
 @dataclass
 class Entry:
-    """One reported token: its text, bytes, logprob and the alternatives' (text, bytes,
-    logprob); ``offset``: where its text starts in the sample's text."""
+    """``offset``: where its text starts in the sample's text."""
 
     text: str
     bytes: List[int]
@@ -60,8 +56,8 @@ class Entry:
 
 
 class TokenTexts:
-    """One sample's reported tokens as they come, each read after the ``CONTEXT`` ids
-    before it (a piece's leading space, as in the whole text)."""
+    """Each token read after the ``CONTEXT`` ids before it (a piece's leading space, as in the whole
+    text)."""
 
     CONTEXT = 5
 
@@ -89,8 +85,7 @@ class TokenTexts:
 
 def entries(tokenizer: Tokenizer, prompt: Sequence[int], scored: Sequence[TokenLogprob],
             text_length: Optional[int] = None, offset: int = 0) -> List[Entry]:
-    """The entries of a sample's ``scored`` tokens (their text from ``offset``); with
-    ``text_length`` (the text cut at a stop string), those whose text starts within it."""
+    """With ``text_length`` (cut at a stop string), those starting within it."""
     texts = TokenTexts(tokenizer, prompt, offset)
     out = [texts.push(s) for s in scored]
     return out if text_length is None else within(out, text_length)
@@ -98,10 +93,8 @@ def entries(tokenizer: Tokenizer, prompt: Sequence[int], scored: Sequence[TokenL
 
 def prompt_entries(tokenizer: Tokenizer, prompt: Sequence[int],
                    scored: Sequence[Optional[TokenLogprob]], echo: str) -> List[Entry]:
-    """An echoed prompt's entries, laid over ``echo`` (the prompt's text as its choice
-    shows it): each token's text where ``echo`` reads it next, else (a special token the
-    text does not show, a piece of a character) empty; the first token's logprob is null
-    (nothing comes before it)."""
+    """Laid over ``echo``: each token's text where ``echo`` reads it next, else empty (a special
+    token, a character piece); the first logprob null."""
     from ...model.sampling import TokenLogprob
 
     texts, out, at = TokenTexts(tokenizer, []), [], 0
@@ -118,7 +111,6 @@ def prompt_entries(tokenizer: Tokenizer, prompt: Sequence[int],
 
 
 def within(items: Sequence[Entry], text_length: int) -> List[Entry]:
-    """The entries whose text starts before ``text_length``."""
     return [e for e in items if e.offset < text_length]
 
 
@@ -130,15 +122,15 @@ def chat_logprobs(items: Sequence[Entry]) -> Dict[str, Any]:
 
 
 def completion_logprobs(items: Sequence[Entry]) -> Dict[str, Any]:
-    """A completion choice's ``logprobs`` (``text_offset`` from the completion's start)."""
+    """``text_offset`` from the completion's start."""
     return {"tokens": [e.text for e in items], "token_logprobs": [e.logprob for e in items],
             "top_logprobs": [{t: lp for t, _, lp in e.top} for e in items],
             "text_offset": [e.offset for e in items]}
 
 
 class StreamedLogprobs:
-    """The logprobs of a stream's chunks: each sample's tokens since its last chunk with
-    text (none at all when the request did not ask, ``enabled`` false)."""
+    """Each sample's tokens since its last chunk with text (none when not asked: ``enabled`` false).
+    """
 
     def __init__(self, tokenizer: Tokenizer, samples: Sequence[Any], chat: bool,
                  enabled: bool, offset: int = 0) -> None:
@@ -150,15 +142,14 @@ class StreamedLogprobs:
         self.shape = chat_logprobs if chat else completion_logprobs
 
     def push(self, index: int) -> None:
-        """The sample's next token was streamed (its logprob is kept before it is)."""
+        """Its logprob is kept before the token is."""
         if self.enabled:
             scored = self.samples[index].logprobs[self.read[index]]
             self.read[index] += 1
             self.pending[index].append(self.texts[index].push(scored))
 
     def take(self, index: int, text_length: Optional[int] = None) -> Optional[Dict[str, Any]]:
-        """The sample's tokens not reported yet, in its choice's shape (None: none); with
-        ``text_length``, those whose text starts within it (the final chunk's)."""
+        """None: none; ``text_length``: those starting within it (the final chunk's)."""
         items, self.pending[index] = self.pending[index], []
         if text_length is not None:
             items = within(items, text_length)

@@ -1,11 +1,10 @@
-"""``/metrics`` in Prometheus' text format, through prometheus-client, with the names people
-know from vLLM and llama.cpp under an ``mdiedge_`` prefix.
+"""``/metrics`` in Prometheus' text format, through prometheus-client, with the names people know
+from vLLM and llama.cpp under an ``mdiedge_`` prefix.
 
-Counters and histograms are updated as requests run (speculative decoding's ``mdiedge_spec_*``
-when a request ends, from its ``Speculation``'s stats); gauges (requests running and waiting,
-KV slots) and the per-node figures (up, busy fraction, layers) are read when scraped: the
-nodes from ``nodes()``, the starter's and every worker's status.
-"""
+Counters and histograms are updated as requests run (speculative decoding's ``mdiedge_spec_*`` when
+a request ends, from its ``Speculation``'s stats); gauges (requests running and waiting, KV slots)
+and the per-node figures (up, busy fraction, layers) are read when scraped: the nodes from
+``nodes()``, the starter's and every worker's status."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, List
@@ -80,24 +79,25 @@ class ApiMetrics:
                                   "with KV rows the prompt cache kept", registry=r)
         self.cached_tokens = Counter("mdiedge_prompt_cache_tokens", "Prompt tokens whose KV "
                                      "rows the prompt cache gave (not computed)", registry=r)
-        self.spec_drafted = Counter("mdiedge_spec_drafted_tokens", "Tokens drafted by "
-                                    "speculative decoding", registry=r)
-        self.spec_accepted = Counter("mdiedge_spec_accepted_tokens", "Drafted tokens the "
-                                     "model accepted", registry=r)
-        self.spec_steps = Counter("mdiedge_spec_verify_steps", "Steps that verified drafted "
-                                  "tokens (one pass of the ring each)", registry=r)
-        self.spec_per_pass = Histogram("mdiedge_spec_tokens_per_pass", "A speculating "
-                                       "request's tokens per verification pass", registry=r,
-                                       buckets=PASS_BUCKETS)
+        self.speculation_drafted = Counter("mdiedge_spec_drafted_tokens", "Tokens drafted "
+                                           "by speculative decoding", registry=r)
+        self.speculation_accepted = Counter("mdiedge_spec_accepted_tokens", "Drafted tokens "
+                                            "the model accepted", registry=r)
+        self.speculation_steps = Counter("mdiedge_spec_verify_steps", "Steps that verified "
+                                         "drafted tokens (one pass of the ring each)",
+                                         registry=r)
+        self.speculation_per_pass = Histogram("mdiedge_spec_tokens_per_pass", "A speculating "
+                                              "request's tokens per verification pass",
+                                              registry=r, buckets=PASS_BUCKETS)
 
     def speculated(self, stats: Any) -> None:
-        """Count what a request's speculative decoding did (its ``SpecStats``), when it
+        """Count what a request's speculative decoding did (its ``SpeculationStats``), when it
         ends."""
-        self.spec_drafted.inc(stats.drafted)
-        self.spec_accepted.inc(stats.accepted)
-        self.spec_steps.inc(stats.steps)
+        self.speculation_drafted.inc(stats.drafted)
+        self.speculation_accepted.inc(stats.accepted)
+        self.speculation_steps.inc(stats.steps)
         if stats.steps:
-            self.spec_per_pass.observe(stats.tokens_per_step)
+            self.speculation_per_pass.observe(stats.tokens_per_step)
 
     def watch(self, running: Callable[[], float], waiting: Callable[[], float],
               slots_used: Callable[[], float], slots_total: int,

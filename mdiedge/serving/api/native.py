@@ -1,9 +1,8 @@
-"""llama-server's native routes, the parts local-LLM tools and editor plugins speak:
-``POST /completion`` (a prompt as text or token ids; llama-server's field names, its reply
-and stream shapes, ``timings``), ``/tokenize``, ``/detokenize``, ``/apply-template`` and
-``GET /props``. A body's fields are read into the same ``Options`` as the OpenAI routes'
-(one reading, one set of checks); fields with no meaning here are accepted and ignored
-(``IGNORED_NATIVE``)."""
+"""llama-server's native routes, the parts local-LLM tools and editor plugins speak: ``POST
+/completion`` (a prompt as text or token ids; llama-server's field names, its reply and stream
+shapes, ``timings``), ``/tokenize``, ``/detokenize``, ``/apply-template`` and ``GET /props``. A
+body's fields are read into the same ``Options`` as the OpenAI routes' (one reading, one set of
+checks); fields with no meaning here are accepted and ignored (``IGNORED_NATIVE``)."""
 from __future__ import annotations
 
 import json

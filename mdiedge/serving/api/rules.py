@@ -14,9 +14,8 @@ from ...base import defaults
 
 @dataclass
 class ServeLimits:
-    """A server's fixed sizes: KV slots (samples at once), context per slot (0: the model's,
-    at most ``defaults.API_CONTEXT``),
-    requests that may wait for slots, request body bytes, and the default ``max_tokens``."""
+    """KV slots, context per slot (0: the model's, at most ``API_CONTEXT``), requests that may wait,
+    body bytes, default ``max_tokens``."""
 
     slots: int = defaults.API_SLOTS
     context: int = 0
@@ -26,18 +25,15 @@ class ServeLimits:
 
 
 def retry_after_s(mean_e2e_s: float, waiting: int, slots: int) -> int:
-    """Seconds a refused client should wait: about the time the queue ahead takes to drain
-    (the mean request time per slot's worth of waiting requests), 1..60."""
+    """About the time the queue ahead takes to drain, 1..60."""
     estimate = mean_e2e_s * (1 + waiting / max(1, slots))
     return int(min(60, max(1, math.ceil(estimate))))
 
 
 def authorized(header: Optional[str], key: Optional[str],
                api_key_header: Optional[str] = None) -> bool:
-    """Whether an ``Authorization`` header carries ``key`` (always, when there is none): the
-    scheme ``Bearer`` in any case (RFC 9110), then the key; or an ``X-Api-Key`` header
-    (``api_key_header``, llama-server's) is the key. The key's comparison takes the same
-    time wherever the two differ."""
+    """``Authorization: Bearer`` (scheme any case, RFC 9110) or ``X-Api-Key`` (llama-server's)
+    carrying ``key`` (always, without a key); compared in constant time."""
     if not key:
         return True
     if api_key_header is not None and hmac.compare_digest(api_key_header.strip().encode(),
@@ -49,14 +45,13 @@ def authorized(header: Optional[str], key: Optional[str],
 
 
 def slot_context(asked: int, model: int) -> int:
-    """Tokens per KV slot: ``asked``, else the model's context up to ``API_CONTEXT``."""
+    """``asked``, else the model's context up to ``API_CONTEXT``."""
     return asked if asked > 0 else min(model, defaults.API_CONTEXT)
 
 
 @dataclass(frozen=True)
 class KvModel:
-    """What a model's KV cache takes: its blocks, KV heads and head size, the bytes of one
-    value (the dtype it computes in), and its own context in tokens."""
+    """Blocks, KV heads, head size, bytes of a value (the compute dtype), and its own context."""
 
     blocks: int
     kv_heads: int
@@ -65,16 +60,15 @@ class KvModel:
     max_context: int
 
     def position_bytes(self, blocks: int) -> int:
-        """Bytes one token takes in the KV cache of ``blocks`` blocks (keys and values)."""
+        """Keys and values of one token over ``blocks`` blocks."""
         return 2 * blocks * self.kv_heads * self.head_dim * self.itemsize
 
 
 @dataclass(frozen=True)
 class SlotShape:
-    """A server's KV slots and tokens per slot, and why: ``per_token`` bytes of KV cache a
-    token takes where ``available`` bytes were free (None: unknown); ``chosen`` says who
-    chose (``given``: both options, ``memory``: sized to ``share`` of it, ``unknown``: the
-    most, memory unknown); ``most``: the slots and context that memory enough would give."""
+    """``per_token`` KV bytes where ``available`` were free (None: unknown); ``chosen``: ``given``,
+    ``memory`` (sized to ``share``) or ``unknown`` (the most); ``most``: what enough memory would
+    give."""
 
     slots: int
     context: int
@@ -90,19 +84,16 @@ class SlotShape:
 
     @property
     def largest(self) -> int:
-        """The KV bytes of ``most``."""
         return self.most[0] * self.most[1] * self.per_token
 
 
 def slot_shape(model: KvModel, available: Optional[int], blocks_here: int,
                slots: Optional[int] = None, context: Optional[int] = None,
                share: float = defaults.API_KV_SHARE) -> SlotShape:
-    """The slots and context of a server whose ``blocks_here`` blocks keep their KV cache
-    in ``available`` bytes: what is given (``context`` 0: the model's, at most
-    ``API_CONTEXT``) and, for what is not, the most that keeps the cache within ``share`` of
-    ``available``: up to ``API_SLOTS`` slots of the model's context (at most
-    ``API_CONTEXT``), fewer slots first, then the context halved down to ``API_MIN_CONTEXT``
-    (or the model's, if shorter) for one slot. That floor is kept even past the share."""
+    """What is given, and for the rest the most within ``share`` of ``available``: up to
+    ``API_SLOTS`` slots of the model's context (at most ``API_CONTEXT``), fewer slots first, then
+    the context halved down to ``API_MIN_CONTEXT`` (or the model's, if shorter) for one slot; that
+    floor kept even past the share."""
     top = slot_context(0, model.max_context)
     per_token = model.position_bytes(blocks_here)
     context = None if context is None else slot_context(context, model.max_context)

@@ -1,10 +1,9 @@
-"""A request's sampling as a body gives it, read once into ``Asked`` (``asked_from``): the
-budget, ``n``, ``stop``, temperature, top-k, top-p, seed, and the fields beyond OpenAI's
-basic ones: the penalties (``presence_penalty``, ``frequency_penalty``,
-``repetition_penalty`` or llama.cpp's ``repeat_penalty``), ``logit_bias``, ``min_p``, and the
-log-probabilities asked for (chat: ``logprobs`` true and ``top_logprobs``; completions:
-``logprobs`` N). Their meaning and ranges are ``mdiedge.base.request``'s; a bad value is a
-400 naming the body's field and quoting the value."""
+"""A request's sampling as a body gives it, read once into ``Asked`` (``asked_from``): the budget,
+``n``, ``stop``, temperature, top-k, top-p, seed, and the fields beyond OpenAI's basic ones: the
+penalties (``presence_penalty``, ``frequency_penalty``, ``repetition_penalty`` or llama.cpp's
+``repeat_penalty``), ``logit_bias``, ``min_p``, and the log-probabilities asked for (chat:
+``logprobs`` true and ``top_logprobs``; completions: ``logprobs`` N). Their meaning and ranges are
+``mdiedge.base.request``'s; a bad value is a 400 naming the body's field and quoting the value."""
 from __future__ import annotations
 
 import math

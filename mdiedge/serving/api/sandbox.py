@@ -45,7 +45,7 @@ _local = threading.local()
 
 @dataclass(frozen=True)
 class Limits:
-    """What one render may spend: ``size`` characters per value (and bytes of the prompt)."""
+    """``size``: characters per value (and bytes of the prompt)."""
 
     size: int
     steps: int = defaults.TEMPLATE_STEPS
@@ -62,8 +62,8 @@ class Limits:
 
 
 def measure(value: Any, limit: int) -> int:
-    """About the characters ``str(value)`` takes (a container: its items' and separators),
-    counted until past ``limit`` (a container that holds itself ends there too)."""
+    """About the characters ``str(value)`` takes, counted until past ``limit`` (a self-holding
+    container ends there too)."""
     total, stack = 0, [value]
     while stack and total <= limit:
         item = stack.pop()
@@ -90,7 +90,7 @@ def _shown(value: int) -> str:
 
 
 class Budget:
-    """What the render running on this thread has spent; ``active()`` finds it."""
+    """What this thread's render has spent; ``active()`` finds it."""
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
@@ -113,7 +113,6 @@ class Budget:
                                     f"characters, over its limit of {self.limits.size}")
 
     def made_value(self, value: Any, counted: bool = True) -> Any:
-        """``value`` after a check of its size (and, ``counted``, of all made so far)."""
         size = measure(value, self.limits.size)
         self.fits(size, "a value")
         if counted:
@@ -137,7 +136,6 @@ class Budget:
                                         f"argument, over its limit of {self.limits.size}")
 
     def format_widths(self, text: Any) -> None:
-        """A format string's widths and precisions (``%9999s``, ``{:9999}``) within the size."""
         if isinstance(text, (str, bytes)):
             shown = text if isinstance(text, str) else text.decode("latin-1")
             for digits in _WIDTHS.findall(shown):
@@ -147,8 +145,8 @@ class Budget:
 
 
 def active() -> Budget:
-    """The budget of the render on this thread; outside one (jinja folding constants while it
-    compiles) an error, so that nothing limited is evaluated before the render."""
+    """Outside a render (jinja folding constants while compiling) an error, so nothing limited runs
+    before it."""
     budget: Optional[Budget] = getattr(_local, "budget", None)
     if budget is None:
         raise ChatTemplateError("the chat template ran outside a render")
@@ -156,9 +154,8 @@ def active() -> Budget:
 
 
 def render(template: Any, limits: Limits, variables: Dict[str, Any]) -> str:
-    """``template`` (compiled by a ``LimitedEnvironment``) rendered with ``variables`` within
-    ``limits``; every failure of the template's is a ``ChatTemplateError`` (its message one
-    line), the prompt's size checked in bytes."""
+    """Every template failure a one-line ``ChatTemplateError``; the prompt's size checked in bytes.
+    """
     from jinja2 import TemplateError
 
     saved = getattr(_local, "budget", None)
@@ -174,14 +171,13 @@ def render(template: Any, limits: Limits, variables: Dict[str, Any]) -> str:
                                 f"{_one_line(e)}") from None
     finally:
         _local.budget = saved
-    check_fits(f"the chat template rendered a prompt of", len(text.encode("utf-8", "surrogatepass")),
+    check_fits("the chat template rendered a prompt of", len(text.encode("utf-8", "surrogatepass")),
                limits)
     return text
 
 
 def check_fits(what: str, size: int, limits: Limits) -> None:
-    """A ContextExceeded when ``size`` bytes of text cannot fit the context ``limits`` are for
-    (``what``: the text, as the message says it)."""
+    """A ContextExceeded when ``size`` bytes cannot fit the context ``limits`` are for."""
     per_token = defaults.TEMPLATE_BYTES_PER_TOKEN
     if size > limits.size:
         raise ContextExceeded(f"{what} {size} bytes, more than a {limits.size // per_token}-token "
@@ -220,7 +216,7 @@ def _check_binop(budget: Budget, operator: str, left: Any, right: Any) -> None:
 
 def _check_format(budget: Budget, text: Any, args: Tuple[Any, ...],
                   kwargs: Dict[str, Any]) -> None:
-    """``%`` or ``format``: widths within the size, and each field at most all arguments."""
+    """Widths within the size, each field at most all arguments."""
     budget.format_widths(text)
     budget.small_ints(args, kwargs)
     if isinstance(text, (str, bytes)):
@@ -232,7 +228,6 @@ def _check_format(budget: Budget, text: Any, args: Tuple[Any, ...],
 
 def _check_text_method(budget: Budget, text: Any, name: str, args: Tuple[Any, ...],
                        kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
-    """A ``str`` or ``bytes`` method's call (its arguments, an iterator's made a list)."""
     size = budget.limits.size
     if name in REFUSED_METHODS:
         raise ChatTemplateError(f"the chat template calls {type(text).__name__}.{name}, which "
@@ -345,7 +340,7 @@ FILTER_CHECKS: Dict[str, FilterCheck] = {
 
 
 def _limited_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
-    """``func`` counted as a step, its arguments checked before and its value after."""
+    """A step, arguments checked before and the value after."""
     check = FILTER_CHECKS.get(name)
     passes = 1 if getattr(func, "jinja_pass_arg", None) is not None else 0
 
@@ -390,9 +385,8 @@ def _filter(node: Any, name: str) -> Any:
 
 
 class _Guard(NodeTransformer):
-    """The parsed template rewritten: each loop's iterable counted (``LOOP``), each ``~``
-    measured before it joins (``CONCAT``), each write measured (``WRITE``: the prompt, a
-    macro's or a ``{% set %}`` block's text)."""
+    """Each loop's iterable counted (``LOOP``), each ``~`` measured before it joins (``CONCAT``),
+    each write measured (``WRITE``)."""
 
     def visit_For(self, node: Any) -> Any:
         node = self.generic_visit(node)
@@ -412,8 +406,7 @@ class _Guard(NodeTransformer):
 
 
 class LimitedEnvironment(ImmutableSandboxedEnvironment):
-    """jinja's immutable sandbox whose templates run within a ``Budget`` (``render``);
-    ``filters`` and ``globals``: the caller's own, limited as jinja's are."""
+    """``filters`` and ``globals``: the caller's own, limited as jinja's are."""
 
     intercepted_binops = frozenset(("*", "**", "%", "+"))
 

@@ -1,12 +1,7 @@
-"""Requests of the OpenAI API, read and checked: ``CompletionRequest`` (``/v1/completions``)
-and ``ChatRequest`` (``/v1/chat/completions``), both with ``Options`` (sampling, ``n``,
-``stop``, ``stream``, and the extra ``speculate``).
-
-Every error of a body is a 400 in OpenAI's shape, as OpenAI and llama-server answer: a
-missing or unknown field, a wrong JSON type, a value out of range or one the server cannot
-serve. Every message quotes the field and the value. The fields of ``IGNORED``, which OpenAI's
-clients send and which change nothing here, are accepted with any value and ignored.
-"""
+"""Requests of the OpenAI API, read and checked: ``CompletionRequest`` and ``ChatRequest``, both
+with ``Options``. Every body error is a 400 in OpenAI's shape quoting the field and value, as OpenAI
+and llama-server answer; fields of ``IGNORED`` (sent by OpenAI's clients, changing nothing here)
+pass with any value."""
 from __future__ import annotations
 
 import dataclasses
@@ -79,8 +74,7 @@ CHAT_FIELDS = dict(COMMON, **SAMPLING_FIELDS, **CHAT_LOGPROBS,
 
 def check_body(body: Mapping[str, Any], fields: Mapping[str, _Check],
                required: Tuple[str, ...]) -> None:
-    """A 400 for the first missing, unknown, mistyped or unsupported field; those of
-    ``IGNORED`` pass."""
+    """A 400 for the first missing, unknown, mistyped or unsupported field."""
     for name in required:
         if body.get(name) is None:
             raise ApiError(400, f"{name}: a required field is missing", name, "missing_field")
@@ -102,9 +96,8 @@ def check_body(body: Mapping[str, Any], fields: Mapping[str, _Check],
 
 @dataclass
 class Options:
-    """What both endpoints share: ``asked``, the request's budget (None: the server's
-    default), samples, sampling (a drawn seed where it names none) and stop strings, checked
-    once as the body is read; the rest is how it is answered."""
+    """``asked`` (budget None: the server's default; a drawn seed where none is named), checked once
+    as the body is read; the rest is how it is answered."""
 
     model: Optional[str] = None
     asked: Asked = Asked()
@@ -148,8 +141,7 @@ class Options:
                    seeded=body.get("seed") is not None)
 
     def reseeded(self) -> "Options":
-        """These options for another prompt of the same body: its own drawn seed, unless
-        the body named one."""
+        """For another prompt of the body: its own drawn seed, unless the body named one."""
         if self.seeded:
             return self
         params = dataclasses.replace(self.asked.params, seed=defaults.random_seed())
@@ -184,8 +176,7 @@ class CompletionRequest:
 
 
 def token_prompts(value: Any, field: str = "prompt") -> List[TextOrIds]:
-    """Prompts given as a string, a list of strings, token ids, or a list of lists of token
-    ids (a 400 for anything else, or an empty one)."""
+    """A string, strings, token ids or lists of them; a 400 for anything else or an empty one."""
     if isinstance(value, str):
         return [value]
     if isinstance(value, list) and value and all(_is_int(v) for v in value):
@@ -200,8 +191,7 @@ def token_prompts(value: Any, field: str = "prompt") -> List[TextOrIds]:
 
 
 def token_prompt(value: Any, field: str = "prompt", empty: bool = False) -> TextOrIds:
-    """One prompt given as a string, a list of one string, or token ids (``empty``: an
-    empty list of them too); a 400 otherwise."""
+    """A string, a list of one string, or token ids (``empty``: an empty list too); else a 400."""
     if isinstance(value, list) and not value and empty:
         return ()
     prompts = token_prompts(value, field)
@@ -246,7 +236,7 @@ class ChatMessage:
 
 
 def _content(where: str, content: Any) -> str:
-    """A message's text: a string, or a list of text parts (joined)."""
+    """A string, or a list of text parts (joined)."""
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):

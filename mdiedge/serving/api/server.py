@@ -33,9 +33,8 @@ LISTEN_BACKLOG = 128  # also the most connections asyncio accepts in one go, bef
 
 
 def read_api_key(path: Optional[str]) -> Optional[str]:
-    """The API key from ``path`` (its first line), else ``$MDIEDGE_API_KEY``, else None.
-    Never from the command line: argv is visible to every user (``ps``). The file must be a
-    regular file its owner alone may read, as the ring's secret file."""
+    """``path``'s first line, else ``$MDIEDGE_API_KEY``, else None; never from argv (visible in
+    ``ps``). The file must be private, as the ring's secret file."""
     if path:
         file, shown = Path(path).expanduser(), f"--api-key-file {path}"
         try:
@@ -56,9 +55,8 @@ def read_api_key(path: Optional[str]) -> Optional[str]:
 
 
 def model_name(path: Path) -> str:
-    """The id the API serves a model under: the repo id of a Hugging Face cache snapshot
-    (``.../models--Org--Name/snapshots/HASH``: ``Org/Name``), else its folder's name, or a
-    file's stem."""
+    """A cache snapshot's repo id (``.../models--Org--Name/snapshots/HASH``: ``Org/Name``), else the
+    folder's name or the file's stem."""
     repo = path.parent.parent.name
     if path.parent.name == "snapshots" and repo.startswith("models--"):
         return repo[len("models--"):].replace("--", "/")
@@ -66,7 +64,7 @@ def model_name(path: Path) -> str:
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host:port`` (0: a free port), or a one-line error."""
+    """Port 0: a free one; a one-line error otherwise."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -81,13 +79,11 @@ def listen(host: str, port: int) -> socket.socket:
 
 def guarded_protocol(max_connections: int = defaults.MAX_API_CONNECTIONS) -> Any:
     """uvicorn's h11 protocol with a deadline on each request's head and a bound on open
-    connections. A connection that has not sent a whole request line and headers within
-    ``API_HEAD_TIMEOUT_S`` of opening, or of its last response, is closed: uvicorn times out
-    idle kept-alive connections, so a client that connects and stays silent, or sends its
-    headers a byte at a time, would hold its socket for ever. At ``max_connections`` open, a
-    new connection closes the one that has waited longest for its request's head, else (every
-    one is serving a request) is closed itself: a flood of idle connections cannot take every
-    file descriptor of the process, nor lock a genuine client out."""
+    connections. A connection without a whole request head within ``API_HEAD_TIMEOUT_S`` of opening
+    or of its last response is closed (uvicorn only times out idle kept-alive ones, so a silent or
+    byte-a-time client would hold its socket for ever). At ``max_connections`` a new connection
+    closes the one waiting longest for a head, else itself: idle connections cannot take every
+    descriptor nor lock a genuine client out."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class GuardedH11Protocol(H11Protocol):
@@ -114,15 +110,14 @@ def guarded_protocol(max_connections: int = defaults.MAX_API_CONNECTIONS) -> Any
 
         @property
         def idle(self) -> bool:
-            """Open and waiting for a request's head (not serving one)."""
+            """Waiting for a request's head, not serving one."""
             return self.cycle is self._awaiting and not self.transport.is_closing()
 
     return GuardedH11Protocol
 
 
 def _make_room(new: Any, connections: Any, limit: int) -> bool:
-    """Whether ``new`` may stay open: under ``limit`` open connections, or once the one idle
-    longest (not ``new``) is closed to make room."""
+    """Under ``limit``, or once the longest-idle other connection is closed."""
     open_ = [c for c in connections if not c.transport.is_closing()]
     if len(open_) <= limit:
         return True
@@ -149,9 +144,8 @@ UVICORN_LOG = "uvicorn.error"  # the logger uvicorn's protocols write a peer's f
 
 
 class PeerLines(logging.Filter):
-    """On uvicorn's error logger: what its protocols log about a peer's bytes ("Invalid
-    HTTP request received.", an unsupported upgrade), which any client can repeat at will,
-    goes through a rate-limited summary; its other lines pass."""
+    """On uvicorn's error logger: lines about a peer's bytes ("Invalid HTTP request received.", an
+    unsupported upgrade), which any client can repeat, go through a rate-limited summary."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -165,17 +159,15 @@ class PeerLines(logging.Filter):
 
 
 def throttle_peer_lines() -> None:
-    """Put a ``PeerLines`` filter on uvicorn's error logger, once per process."""
+    """Once per process."""
     logger = logging.getLogger(UVICORN_LOG)
     if not any(isinstance(f, PeerLines) for f in logger.filters):
         logger.addFilter(PeerLines())
 
 
 def _loop_errors(loop: Any, context: Dict[str, Any]) -> None:
-    """The event loop's error handler: an accept out of descriptors or memory (asyncio tries
-    again after a second) is a rate-limited line, not a traceback per try; the rest (a
-    connection's transport failing, which a peer can provoke) as asyncio's own handler says
-    them, rate-limited too."""
+    """The event loop's error handler: an accept out of descriptors or memory (retried each second)
+    and a transport failing (a peer can provoke it) become rate-limited lines, not tracebacks."""
     error = context.get("exception")
     if is_shortage(error) and "accept" in str(context.get("message", "")):
         _shortage("API port: cannot accept a connection (%s); retrying", error)
@@ -185,9 +177,8 @@ def _loop_errors(loop: Any, context: Dict[str, Any]) -> None:
 
 
 def _server_class(activity: Callable[[], Tuple[int, int]]) -> Any:
-    """uvicorn's server, with ``_loop_errors`` as its event loop's error handler, at most
-    ``API_THREADS`` threads for its handlers' blocking work, and memory given back when it
-    goes idle (``activity``: requests answered so far, and running now)."""
+    """uvicorn's server with ``_loop_errors``, at most ``API_THREADS`` handler threads, and memory
+    given back when idle (``activity``: answered so far, running now)."""
     import anyio.to_thread
     import uvicorn
 
@@ -204,8 +195,8 @@ def _server_class(activity: Callable[[], Tuple[int, int]]) -> Any:
 
 
 async def trim_when_idle(activity: Callable[[], Tuple[int, int]]) -> None:
-    """Every ``API_TRIM_S``: when requests were answered since the last look and none runs
-    now, give the heap's free memory back to the system (a burst's buffers)."""
+    """Every ``API_TRIM_S``, when requests were answered since and none runs, give the heap's free
+    memory back (a burst's buffers)."""
     last = -1
     if not give_back_free_memory():
         log.debug("no malloc_trim in this C library: a burst's memory stays resident")
@@ -219,9 +210,8 @@ async def trim_when_idle(activity: Callable[[], Tuple[int, int]]) -> None:
 
 
 class ApiServer:
-    """uvicorn serving ``app`` on the listening socket ``sock`` from a thread. In a process
-    whose logging is set up (``mdiedge starter``), uvicorn's loggers go through its handlers
-    and format, one kind of line; else uvicorn sets up its own."""
+    """uvicorn serving ``app`` on ``sock`` from a thread; in a process with logging set up
+    (``mdiedge starter``) uvicorn's loggers use its handlers."""
 
     def __init__(self, app: Any, sock: socket.socket, log_level: str = "warning",
                  activity: Callable[[], Tuple[int, int]] = lambda: (0, 1)) -> None:
@@ -269,8 +259,6 @@ class ApiServer:
 
 
 class Api:
-    """An engine served on ``sock`` (see ``listen``): its ``ApiService`` and the
-    ``ApiServer`` of its app."""
 
     def __init__(self, engine: "Engine", sock: socket.socket, limits: ServeLimits,
                  api_key: Optional[str] = None, name: Optional[str] = None,

@@ -1,15 +1,11 @@
-"""Requests on an engine: each becomes a ``Generation`` submitted to the engine's one
-scheduler, set up once with a fixed number of KV slots and context (continuous batching: a
-request joins between steps when its samples fit the free slots, else it waits in a bounded
-queue, and beyond that it is refused with a 429 and ``Retry-After``).
+"""Requests on an engine: each becomes a ``Generation`` submitted to the engine's one scheduler, set
+up once with fixed KV slots and context (continuous batching; a request that does not fit waits in a
+bounded queue, beyond it a 429 with ``Retry-After``).
 
-A request is submitted before its handler answers, so the scheduler alone decides whether it
-is taken (its queue's rule; a refusal is the 429) and says what runs and waits (metrics).
-The scheduler's loop thread samples every token; tokens reach the request's HTTP handler
-through its own asyncio queue, while a thread of the service's pool only waits for the
-request's end. A handler whose client went away cancels its ``Generation``, which frees its
-KV rows on every node.
-"""
+A request is submitted before its handler answers, so the scheduler alone decides whether it is
+taken. Its loop thread samples every token; tokens reach the HTTP handler through the request's own
+asyncio queue, while a pool thread only waits for the end. A handler whose client went away cancels
+its ``Generation``, freeing its KV rows on every node."""
 from __future__ import annotations
 
 import asyncio
@@ -45,8 +41,8 @@ def _setting_up(waiting: str) -> ApiError:
 
 
 class Run:
-    """One request in flight: its generation, its tokens as they come (when streamed), its
-    end. ``on_token`` and ``finish`` run on a stepping thread; the rest on the event loop."""
+    """One request in flight. ``on_token`` and ``finish`` run on a stepping thread; the rest on the
+    event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, metrics: ApiMetrics, stream: bool) -> None:
         self.loop, self.metrics, self.stream = loop, metrics, stream
@@ -94,9 +90,8 @@ class Run:
 
     async def next(self, disconnected: Callable[[], Awaitable[bool]],
                    poll_s: float = 0.5) -> Optional[Tuple[int, int, str]]:
-        """The next ``(sample index, token, text to stream)``, or None at the end; cancels
-        the request when
-        ``disconnected()`` says the client is gone."""
+        """The next ``(sample index, token, text to stream)``, or None at the end; cancels the
+        request once ``disconnected()``."""
         while True:
             try:
                 item = self._queue.get_nowait() if not self._queue.empty() else \
@@ -123,8 +118,8 @@ class Run:
 
 
 class ApiService:
-    """Runs the API's requests on ``engine`` with ``limits``; ``name``: the model id, which
-    requests may name differently unless ``strict_model_name`` (then that is a 404)."""
+    """``name``: the model id, which requests may name differently unless ``strict_model_name``
+    (then a 404)."""
 
     def __init__(self, engine: Engine, name: str, limits: ServeLimits,
                  strict_model_name: bool = False) -> None:
@@ -156,12 +151,12 @@ class ApiService:
     # ----------------------------------------------------------------- state
 
     def queue(self) -> QueueView:
-        """What the scheduler runs and queues (nothing before the first request)."""
+        """Nothing before the first request."""
         scheduler = self._scheduler
         return scheduler.queue() if scheduler is not None else QueueView(self.limits.slots, 0, 0)
 
     def counts(self) -> Tuple[int, int]:
-        """Requests running (holding KV slots) and waiting for them."""
+        """Requests running (holding KV slots) and waiting."""
         view = self.queue()
         return view.running, view.waiting
 
@@ -169,12 +164,10 @@ class ApiService:
         return self.queue().in_use
 
     def node_status(self) -> List[NodeStatus]:
-        """The starter's and each worker's status (a ring), or this process as one node."""
         return self.engine.status()
 
     def unavailable(self) -> Optional[str]:
-        """None when the engine can take a request, else why not, in one line (``/health``):
-        a ring none of whose workers answers, or a server shutting down."""
+        """``/health``: None, or why not (no worker answers, shutting down)."""
         if self.closed:
             return "the server is shutting down"
         return self.engine.unavailable(defaults.DIAGNOSE_TIMEOUT_S)
@@ -183,9 +176,8 @@ class ApiService:
 
     def plan(self, prompt: Union[str, Prompt], options: Options,
              templated: bool = False) -> Request:
-        """The request taken in: its prompt tokenized (its one tokenization), its budget
-        fitting a slot's context; a 404 for another model, a 400 for what this server cannot
-        hold; ``templated``: a chat template's text."""
+        """The request taken in, tokenized once, its budget fitting a slot's context; a 404 for
+        another model, a 400 for what this server cannot hold."""
         if options.model is not None and options.model != self.name and self.strict_model_name:
             raise ApiError(404, f"model {options.model!r} not found: this server serves "
                            f"{self.name!r}", "model", "model_not_found")
@@ -215,18 +207,17 @@ class ApiService:
             raise ApiError(400, f"prompt: {e}", "prompt", "invalid_value") from None
 
     def running(self) -> List[Run]:
-        """The requests in flight, oldest first."""
+        """Oldest first."""
         with self._lock:
             return sorted(self._runs, key=lambda run: run.task)
 
     def activity(self) -> Tuple[int, int]:
-        """Requests answered so far, and requests running now."""
+        """Requests answered so far, and running now."""
         with self._lock:
             return self.answered, len(self._runs)
 
     def prompt_of(self, prompt: Union[str, Prompt, Tuple[int, ...]]) -> Union[str, Prompt]:
-        """A prompt given as token ids as a ``Prompt`` (a 400 for an id the model does not
-        have); text as it is."""
+        """Token ids as a ``Prompt`` (a 400 for an id the model lacks); text as it is."""
         if not isinstance(prompt, tuple):
             return prompt
         vocab = self.engine.cfg.vocab_size
@@ -237,12 +228,11 @@ class ApiService:
         return Prompt(self.engine.tokenizer.decode(list(prompt)), tuple(prompt))
 
     def tokenize(self, text: str, add_special: bool) -> List[int]:
-        """``text``'s ids, with the special tokens a prompt gets when ``add_special``."""
         tokenizer = self.engine.tokenizer
         return list(tokenizer.encode_prompt(text) if add_special else tokenizer.encode(text))
 
     def grammar(self, options: Options) -> Any:
-        """The grammar the request's output is held to (compiled here, once), or None."""
+        """Compiled here, once; None without one."""
         if options.output is None:
             return None
         from ...model.grammar import Grammar, GrammarError
@@ -258,8 +248,7 @@ class ApiService:
 
     async def start(self, prompt: Union[str, Prompt], options: Options,
                     templated: bool = False) -> Run:
-        """Check and submit a request (its end awaited on a thread of its own); a 429 when
-        the scheduler's queue refuses it."""
+        """Check and submit (its end awaited on its own thread); a 429 when the queue refuses."""
         loop = asyncio.get_event_loop()
         if self.closed:
             raise ApiError(503, "the server is shutting down", code="shutting_down")
@@ -299,8 +288,7 @@ class ApiService:
         return run
 
     async def _set_up_within(self, deadline: float) -> None:
-        """Return once no set-up of the ring is under way; a 503 with Retry-After when one
-        still is at ``deadline``."""
+        """A 503 with Retry-After when a ring set-up is still under way at ``deadline``."""
         while True:
             waiting = self.engine.setting_up()
             if waiting is None:
@@ -311,9 +299,8 @@ class ApiService:
 
     async def _submitted(self, loop: asyncio.AbstractEventLoop, run: Run,
                          deadline: float) -> Optional[Any]:
-        """``run`` submitted (a set-up of the ring first, when it needs one): its scheduler;
-        None when that takes past ``deadline`` (at least ``API_SETUP_POLL_S``): the request
-        is cancelled (``_submitted_late`` ends it), the set-up goes on."""
+        """The scheduler ``run`` is submitted to (after a ring set-up if needed); None past
+        ``deadline``: the request is cancelled (``_submitted_late`` ends it), the set-up goes on."""
         future = loop.run_in_executor(None, self._submit, run.generation)
         wait = max(defaults.API_SETUP_POLL_S, deadline - time.monotonic())
         try:
@@ -324,8 +311,8 @@ class ApiService:
             return None
 
     def _submitted_late(self, run: Run, done: "asyncio.Future[Any]") -> None:
-        """A cancelled ``run`` whose submission ended after its 503: run to its end (which
-        frees what it holds), or forgotten when it was not taken."""
+        """A cancelled ``run`` submitted after its 503: run to its end (freeing what it holds), or
+        forgotten if not taken."""
         if not done.cancelled() and done.exception() is None:
             try:
                 self.executor.submit(self._work, run, done.result())
@@ -359,7 +346,7 @@ class ApiService:
             run.finish(error)
 
     def close(self) -> None:
-        """Cancel every request (their threads free their rows and end)."""
+        """Cancel every request (their threads free their rows)."""
         self.closed = True
         with self._lock:
             runs = list(self._runs)
@@ -369,8 +356,7 @@ class ApiService:
 
 
 def system_fingerprint(model_path: Any) -> str:
-    """``system_fingerprint``: what the answers come from, the model file (or folder: its
-    files) by name, size and time, and this code's version; it changes when either does."""
+    """The model file (or folder's files) by name, size and time, and this code's version."""
     from pathlib import Path
 
     from ... import __version__

@@ -1,11 +1,10 @@
 """Tool calling in the chat API, the reply's side: a finished sample's text read for calls
-(``reply``: ``message.tool_calls``, ``finish_reason: "tool_calls"``, the text before the
-calls as content, else null), and a streamed sample's chunks (``ChoiceStream``) as OpenAI
-streams them: the text before a call as content while it is sampled, then for each call a
-``delta.tool_calls`` chunk with its index, id, type and name (arguments ""), one with its
-arguments, and the finish reason. What may be a call is held until the sample ends (the
-start of ``<tool_call>``, an output that begins with ``{``), then read as a whole; where
-it is not a valid call it is sent as content."""
+(``reply``: ``message.tool_calls``, ``finish_reason: "tool_calls"``, the text before the calls as
+content, else null), and a streamed sample's chunks (``ChoiceStream``) as OpenAI streams them: the
+text before a call as content while it is sampled, then for each call a ``delta.tool_calls`` chunk
+with its index, id, type and name (arguments ""), one with its arguments, and the finish reason.
+What may be a call is held until the sample ends (the start of ``<tool_call>``, an output that
+begins with ``{``), then read as a whole; where it is not a valid call it is sent as content."""
 from __future__ import annotations
 
 import os

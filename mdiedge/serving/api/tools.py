@@ -1,23 +1,18 @@
 """Tool calling in the chat API, the request's side: ``tools``, ``tool_choice`` and
-``parallel_tool_calls`` read and checked (``ToolRequest``), the ``tool_calls`` of assistant
-messages and the ``tool_call_id`` of ``tool`` messages, and the messages and tools a chat
-template renders.
+``parallel_tool_calls`` checked (``ToolRequest``), assistant ``tool_calls`` and ``tool_call_id``s,
+and what a chat template renders.
 
-A template that names ``tools`` in its source (Qwen2.5's) gets them as transformers passes
-them: ``tools=[{"type": "function", "function": {...}}]``, assistant messages with their
-``tool_calls`` (arguments as objects), ``tool`` messages as they are. A template that does
-not (SmolLM2's, the default) gets ``GENERIC_PROMPT`` in its system message, the assistant's
-calls written into its content as ``<tool_call>`` lines, and each run of ``tool`` messages as
-one user message of ``<tool_response>`` blocks. ``tool_choice: "none"`` renders no tools;
-``"required"`` and a named function add an instruction (``ToolRequest.instruction``); a
-grammar that holds decoding to a valid call would take ``ToolRequest.call_schema``.
-"""
+A template naming ``tools`` in its source (Qwen2.5's) gets them as transformers passes them. One
+that does not (SmolLM2's, the default) gets ``GENERIC_PROMPT`` in its system message, the
+assistant's calls as ``<tool_call>`` lines in its content, and each run of ``tool`` messages as one
+user message of ``<tool_response>`` blocks. ``tool_choice: "none"`` renders no tools; ``"required"``
+and a named function add an instruction."""
 from __future__ import annotations
 
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from ...base.errors import ApiError
 
@@ -55,7 +50,7 @@ def _short(value: Any, limit: int = 60) -> str:
 
 
 def _depth(value: Any, limit: int) -> int:
-    """Nesting depth of a JSON value, counted up to ``limit + 1``."""
+    """Counted up to ``limit + 1``."""
     if limit < 0 or not isinstance(value, (dict, list)):
         return 0
     items = value.values() if isinstance(value, dict) else value
@@ -64,7 +59,6 @@ def _depth(value: Any, limit: int) -> int:
 
 @dataclass(frozen=True)
 class Tool:
-    """A function the model may call: its name, description and parameters' JSON schema."""
 
     name: str
     description: str
@@ -106,8 +100,8 @@ class Tool:
 
 @dataclass(frozen=True)
 class ToolRequest:
-    """A request's tools and how it may use them: ``choice`` none, auto, required or
-    function (``function``: the one named), ``parallel``: more than one call per reply."""
+    """``choice``: none, auto, required or function (``function``: the one named); ``parallel``:
+    more than one call per reply."""
 
     tools: Tuple[Tool, ...]
     choice: str = "auto"
@@ -116,7 +110,7 @@ class ToolRequest:
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Optional["ToolRequest"]:
-        """The request's tools (None: it has none, and names no tool_choice but "none")."""
+        """None: no tools, and no tool_choice but "none"."""
         raw = body.get("tools")
         raw = [] if raw is None else raw
         if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
@@ -137,7 +131,7 @@ class ToolRequest:
 
     @property
     def active(self) -> bool:
-        """Whether the model is shown the tools and its output read for calls."""
+        """The model is shown the tools and its output read for calls."""
         return self.choice != "none"
 
     @property
@@ -145,7 +139,7 @@ class ToolRequest:
         return (self.function,) if self.function else tuple(t.name for t in self.tools)
 
     def instruction(self) -> str:
-        """What the system message adds to the tools for this choice ("" for auto)."""
+        """"" for auto."""
         lines = [REQUIRED_INSTRUCTION if self.choice == "required" else
                  NAMED_INSTRUCTION.replace("NAME", self.function or "")
                  if self.choice == "function" else ""]
@@ -154,9 +148,8 @@ class ToolRequest:
         return " ".join(line for line in lines if line)
 
     def call_schema(self) -> Optional[Dict[str, Any]]:
-        """The JSON schema of one valid call's ``{"name", "arguments"}`` where the choice
-        requires a call (required, a named function), for a grammar to hold decoding to
-        (inside ``<tool_call>`` tags); None where the model may answer in text."""
+        """The JSON schema of one valid ``{"name", "arguments"}`` where the choice requires a call,
+        for a grammar inside ``<tool_call>`` tags; None where text may answer."""
         if self.choice not in ("required", "function"):
             return None
         return {"anyOf": [{"type": "object", "properties": {
@@ -189,8 +182,8 @@ def _choice(value: Any, names: Sequence[str]) -> Tuple[str, Optional[str]]:
 
 
 def message_tool_calls(where: str, value: Any) -> Tuple[Dict[str, Any], ...]:
-    """An assistant message's ``tool_calls`` as ``{"id", "type": "function", "function":
-    {"name", "arguments"}}`` each (arguments as JSON text; an object is taken too)."""
+    """Each as ``{"id", "type": "function", "function": {"name", "arguments"}}`` (arguments as JSON
+    text; an object taken too)."""
     if value is None:
         return ()
     if not isinstance(value, list) or len(value) > MAX_CALLS:
@@ -219,7 +212,7 @@ def message_tool_calls(where: str, value: Any) -> Tuple[Dict[str, Any], ...]:
 
 
 def tool_call_id(where: str, role: str, value: Any) -> Optional[str]:
-    """A ``tool`` message's ``tool_call_id`` (which it must have; no other role has one)."""
+    """Required on a ``tool`` message; no other role has one."""
     if role != "tool":
         if value is not None:
             raise _fail(400, f"{where}.tool_call_id: only a tool message has one", "invalid_value",

@@ -1,18 +1,15 @@
-"""``mdiedge calibrate-exit``: per criterion, the thresholds after each block that reach a
-target top-1 agreement with the full model on held-out text, and the exit classifier.
+"""``mdiedge calibrate-exit``: per criterion, the thresholds after each block that reach a target
+top-1 agreement with the full model on held-out text, and the exit classifier.
 
-Teacher-forced: every block's output at every position, the shared head's top-1 on it and the
-three confidences (``mdiedge.model.earlyexit.policy``). A token exits after the first block
-whose confidence reaches its threshold and agrees when that block's top-1 is the last block's.
-Each block's threshold is the lowest whose exits agree at least a precision level of the time;
-the level chosen is the one whose whole rule reaches ``target`` with the fewest blocks per token
-(CALM's calibration, by a simpler search).
+Teacher-forced: every block's output at every position, the head's top-1 on it and the three
+confidences (``earlyexit.policy``). A token exits after the first block whose confidence reaches its
+threshold, and agrees when that block's top-1 is the last block's. Each block's threshold is the
+lowest whose exits agree at least a precision level of the time; the level whose whole rule reaches
+``target`` with the fewest blocks per token wins (CALM's calibration, by a simpler search).
 
-Text: the classifier trains on ``train_tokens`` before the held-out tail (for a text held out
-whole: after its first ``tokens``); thresholds are chosen on the first half of the first
-``tokens`` held-out tokens; ``mdiedge bench --early-exit`` measures on those after them (their
-count is in ``early_exit.json``).
-"""
+Text: the classifier trains on ``train_tokens`` before the held-out tail; thresholds are chosen on
+the first half of the first ``tokens`` held-out tokens; ``mdiedge bench --early-exit`` measures on
+those after (their count is in ``early_exit.json``)."""
 from __future__ import annotations
 
 import json
@@ -35,8 +32,8 @@ MIN_TOKENS = 256  # held-out tokens (each half) below which calibrating or measu
 
 @dataclass
 class LayerTrace:
-    """Teacher-forced, per block (rows) and position (columns): the head's top-1 on the
-    block's output, whether it is the last block's, and each criterion's confidence."""
+    """Per block (rows) and position (columns): the head's top-1, whether it is the last block's,
+    each criterion's confidence."""
 
     top1: Tensor  # (L, N) long
     agree: Tensor  # (L, N) bool
@@ -48,8 +45,7 @@ class LayerTrace:
 
 
 def held_out_halves(tokens: List[int], what: str) -> Tuple[List[int], List[int]]:
-    """The held-out tokens split: calibration first, the bench's measurement second; a
-    ConfigError when either half is too short to say anything."""
+    """(calibration, the bench's measurement); ConfigError when either is too short."""
     half = len(tokens) // 2
     if half < MIN_TOKENS:
         raise ConfigError(f"{what}: {len(tokens)} held-out tokens, fewer than the "
@@ -59,9 +55,8 @@ def held_out_halves(tokens: List[int], what: str) -> Tuple[List[int], List[int]]
 
 @torch.no_grad()
 def block_states(model: Any, tokens: List[int], window: int) -> Tuple[Tensor, Tensor]:
-    """Every block's output at every position (L, N, dim) and the embedding (N, dim), over
-    windows of ``window`` tokens each from position 0 (the last token has no target and is
-    left out)."""
+    """Every block's output (L, N, dim) and the embedding (N, dim), over ``window``-token windows
+    from position 0 (the last token, with no target, left out)."""
     states, embeds = [], []
     for start in range(0, len(tokens) - 1, window):
         chunk = torch.tensor(tokens[start:start + window])[None]  # (1, T)
@@ -85,8 +80,8 @@ def trace(model: Any, states: Tensor, embeds: Tensor,
 
 def train_classifier(states: Tensor, agree: Tensor, steps: int = 300, lr: float = 3e-3,
                      seed: int = 0) -> ExitClassifier:
-    """Per block, an MLP from its output to whether the head there agrees with the last
-    block (binary cross-entropy, Adam, full batch)."""
+    """Per block, an MLP from its output to whether the head there agrees with the last block (BCE,
+    Adam, full batch)."""
     n_layers, _, dim = states.shape
     torch.manual_seed(seed)
     classifier = ExitClassifier(n_layers, dim)
@@ -105,8 +100,8 @@ def train_classifier(states: Tensor, agree: Tensor, steps: int = 300, lr: float 
 
 
 def layer_threshold(scores: Tensor, agree: Tensor, precision: float) -> float:
-    """The lowest threshold whose tokens at or above it agree at least ``precision`` of the
-    time (at least ``MIN_EXITS`` of them), else never."""
+    """The lowest threshold whose tokens at or above it agree at least ``precision`` of the time (at
+    least ``MIN_EXITS`` of them), else never."""
     order = torch.argsort(scores, descending=True)
     hits = agree[order].float().cumsum(0)
     counts = torch.arange(1, len(order) + 1, dtype=torch.float32)
@@ -119,9 +114,8 @@ def layer_threshold(scores: Tensor, agree: Tensor, precision: float) -> float:
 
 
 def check_cost(criterion: str, cfg: Any) -> float:
-    """What checking a criterion after a block costs, in blocks (weights read per token): the
-    head for ``softmax``, the small MLP for ``classifier``, next to nothing for
-    ``similarity``."""
+    """Blocks' worth of weights read per check: the head for ``softmax``, a small MLP for
+    ``classifier``, next to nothing for ``similarity``."""
     block = cfg.block_params()
     per_check = {"softmax": cfg.vocab_size * cfg.dim,
                  "classifier": cfg.dim * CLASSIFIER_HIDDEN}.get(criterion, 0)
@@ -130,8 +124,8 @@ def check_cost(criterion: str, cfg: Any) -> float:
 
 def simulate(trace_: LayerTrace, criterion: str, thresholds: List[float],
              cost_per_check: float = 0.0) -> Dict[str, Any]:
-    """The rule on the traced tokens, one row each: agreement, blocks per token, exit rates,
-    and the cost per token in blocks (the blocks run plus the criteria checked)."""
+    """Agreement, blocks per token, exit rates, and cost per token in blocks (run plus criteria
+    checked)."""
     scores, n_layers = trace_.scores[criterion], trace_.top1.shape[0]
     limits = torch.tensor(thresholds[:n_layers - 1])[:, None]
     passes = torch.cat([scores[:-1] >= limits, torch.ones(1, trace_.tokens, dtype=torch.bool)])
@@ -152,8 +146,8 @@ PRECISIONS = [round(0.5 + 0.01 * i, 2) for i in range(51)]  # per-block precisio
 
 def prune(trace_: LayerTrace, criterion: str, thresholds: List[float], target: float,
           cost: float) -> Tuple[List[float], Dict[str, Any]]:
-    """Stop checking, one block at a time, where that lowers the cost most and the rule still
-    reaches ``target``."""
+    """Stop checking, one block at a time, where that lowers the cost most and ``target`` is still
+    reached."""
     best = simulate(trace_, criterion, thresholds, cost)
     while True:
         trials = []
@@ -170,11 +164,9 @@ def prune(trace_: LayerTrace, criterion: str, thresholds: List[float], target: f
 
 def calibrate(trace_: LayerTrace, criterion: str, target: float,
               cost: float = 0.0) -> Dict[str, Any]:
-    """The thresholds for ``criterion`` that reach ``target`` on the traced tokens at the
-    least cost per token (``check_cost`` per criterion checked): each block's threshold is
-    the lowest whose exits agree at least a precision level of the time; for each level
-    whose whole rule reaches ``target`` (tokens that never exit always agree), the blocks
-    not worth checking are dropped (``prune``); the cheapest result wins."""
+    """The cheapest thresholds reaching ``target`` on the traced tokens: per precision level whose
+    rule reaches it (tokens that never exit always agree), blocks not worth checking dropped
+    (``prune``)."""
     scores, agree = trace_.scores[criterion], trace_.agree
     n_layers = scores.shape[0]
     best: Optional[Dict[str, Any]] = None
@@ -195,8 +187,8 @@ def calibrate(trace_: LayerTrace, criterion: str, target: float,
 @torch.no_grad()
 def decode_forced(model: Any, tokens: List[int], policy: Optional[ExitPolicy],
                   window: int) -> Tuple[torch.Tensor, torch.Tensor, List[int]]:
-    """Top-1, next-token NLL and blocks run at every position of ``tokens``, one decode step
-    per position (windows of ``window`` tokens, each from position 0)."""
+    """Top-1, next-token NLL and blocks run at every position, one decode step each
+    (``window``-token windows from position 0)."""
     model.setup_cache(1, window)
     slots = torch.zeros(1, dtype=torch.long)
     preds, nlls, depths = [], [], []
@@ -217,10 +209,9 @@ def decode_forced(model: Any, tokens: List[int], policy: Optional[ExitPolicy],
 def calibrate_decoding(model: Any, traced: LayerTrace, tokens: List[int], criterion: str,
                        target: float, classifier: Optional[ExitClassifier],
                        rounds: int = 4, window: int = 256) -> Dict[str, Any]:
-    """``calibrate`` on the traced states, then checked on real decode steps over the same
-    tokens (each step's exit leaves filled KV that later tokens attend to, which the traced
-    states do not show): while the decoded agreement falls short, the traced target rises
-    by the shortfall."""
+    """``calibrate``, checked on real decode steps (an exit's filled KV, which later tokens attend
+    to, is not in the traced states): while the decoded agreement falls short, the traced target
+    rises by the shortfall."""
     aim, found = target, {}
     base, _, _ = decode_forced(model, tokens, None, window)
     for _ in range(rounds):
@@ -238,7 +229,7 @@ def calibrate_decoding(model: Any, traced: LayerTrace, tokens: List[int], criter
 
 def write_calibration(model_dir: Path, model_hash: str, target: float,
                       results: Dict[str, Dict[str, Any]], source: Dict[str, Any]) -> Path:
-    """``early_exit.json`` beside the model, keeping criteria calibrated before."""
+    """Keeping criteria calibrated before."""
     path = model_dir / THRESHOLDS_FILE
     body: Dict[str, Any] = {}
     if path.is_file():
@@ -261,8 +252,7 @@ def write_calibration(model_dir: Path, model_hash: str, target: float,
 def run(model: Optional[str], text: Path, criteria: List[str], target: float,
         held_out: float = 0.1, tokens: int = 8192, window: int = 256,
         train_tokens: int = 16384) -> Dict[str, Any]:
-    """Calibrate ``criteria`` for the model; train the classifier first when it is asked
-    for. Writes the files beside the model and returns what it found."""
+    """The classifier first when asked for; files written beside the model; what it found."""
     from ...model.checkpoint import content_hash, load_model
     from ...engine.engine import TextModel
 

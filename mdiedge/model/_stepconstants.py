@@ -1,22 +1,19 @@
 """What both implementations of the compiled decode step (``ext/_cstep.pyx`` and
-``mdiedge/model/_pystep.py``) accept: ``block(weights, x, out, slots, positions, threads)``
-runs one decoder block (dense, or with a mixture of experts: ``Experts``) for ``x`` (rows,
-dim), one new token per row, row ``r`` in KV slot ``slots[r]`` at position ``positions[r]``,
-writes the block's output to ``out`` (rows, dim) and the rows' keys and values into the
-cache; ``blocks(plan(weights), x, out, …)``
-runs consecutive blocks in one call, ``plan`` made once for them; ``logits(norm, eps, head,
-x, out, threads)`` writes the final RMSNorm and the head product of ``x`` (rows, dim) to
-``out`` (rows, vocab) in one call (``logits_usable``, ``check_logits``). Everything is
-C-contiguous float32 on the CPU (numpy arrays or torch tensors), 1 <= rows <=
-``MAX_ROWS``, except that each of a block's
-four matrices (qkv, wo, gate_up, down) and the head may instead be a ``QuantMatrix``: uint8
+``mdiedge/model/_pystep.py``) accept: ``block(weights, x, out, slots, positions, threads)`` runs one
+decoder block (dense, or with a mixture of experts: ``Experts``) for ``x`` (rows, dim), one new
+token per row, row ``r`` in KV slot ``slots[r]`` at position ``positions[r]``, writes the block's
+output to ``out`` (rows, dim) and the rows' keys and values into the cache; ``blocks(plan(weights),
+x, out, …)`` runs consecutive blocks in one call, ``plan`` made once for them; ``logits(norm, eps,
+head, x, out, threads)`` writes the final RMSNorm and the head product of ``x`` (rows, dim) to
+``out`` (rows, vocab) in one call (``logits_usable``, ``check_logits``). Everything is C-contiguous
+float32 on the CPU (numpy arrays or torch tensors), 1 <= rows <= ``MAX_ROWS``, except that each of a
+block's four matrices (qkv, wo, gate_up, down) and the head may instead be a ``QuantMatrix``: uint8
 blocks of a kernel type (``mdiedge.model.quant``), multiplied by the quantized product
 (``ext/quant.h``; its twin ``mdiedge/model/_pyquant.py``); a block's matrix may also be a
-``StackedMatrix`` of up to ``MAX_PARTS`` of them, each of its own type; ``usable`` says whether a call
-qualifies and ``check`` raises ``ValueError`` quoting what does not. ``PREFERRED`` (each
-module's own) says whether the model should decode through it rather than through its own
-torch operations.
-"""
+``StackedMatrix`` of up to ``MAX_PARTS`` of them, each of its own type; ``usable`` says whether a
+call qualifies and ``check`` raises ``ValueError`` quoting what does not. ``PREFERRED`` (each
+module's own) says whether the model should decode through it rather than through its own torch
+operations."""
 from __future__ import annotations
 
 import math
@@ -24,7 +21,7 @@ import operator
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 from ..base.errors import QuantError
-from ._matvecspec import MAX_ROWS
+from ._matvecconstants import MAX_ROWS
 from .arrays import contiguous_cpu, device_of, grad_enabled, ndim
 from .arrays import plain as _plain
 from .qtypes import KERNEL_TYPES, TYPES, qtype_of
@@ -40,14 +37,12 @@ QUANT_CODES = {name: TYPES[name].kernel for name in KERNEL_TYPES}  # ext/quant.h
 
 
 def plain(t: Any) -> bool:
-    """A contiguous float32 CPU tensor or numpy array, as the step reads every tensor."""
     return _plain(t)
 
 
 class QuantMatrix:
-    """A matrix of ``shape`` (out, in) held as ``data``, uint8 (out, row_bytes) contiguous on
-    the CPU, in the kernel type ``qtype`` (its ext/quant.h enum value ``code``); refused with
-    ``ValueError`` quoting what does not fit."""
+    """(out, in) held as ``data``, uint8 (out, row_bytes) contiguous on the CPU, in kernel type
+    ``qtype`` (``code``: its ext/quant.h enum value); ValueError quoting what does not fit."""
 
     __slots__ = ("data", "qtype", "code", "shape")
 
@@ -80,10 +75,8 @@ class QuantMatrix:
 
 
 class StackedMatrix:
-    """1..``MAX_PARTS`` ``QuantMatrix`` parts of one input width read as one matrix of their
-    rows stacked, (sum of their rows, in): Q, K and V (or gate and up) multiplied where they
-    lie, each of its own type, with nothing copied; ``ValueError`` quoting what does not
-    fit."""
+    """1..``MAX_PARTS`` ``QuantMatrix`` parts of one input width read as one matrix of their rows
+    stacked (Q, K, V or gate, up), each of its own type, nothing copied."""
 
     __slots__ = ("parts", "shape")
 
@@ -112,8 +105,8 @@ class StackedMatrix:
 
 
 def _matrix_of(name: str, t: Any, shape: Tuple[int, ...]) -> None:
-    """``ValueError`` quoting ``name`` unless t is a plain float32 tensor, a
-    ``QuantMatrix`` or a ``StackedMatrix`` of ``shape``."""
+    """ValueError quoting ``name`` unless plain float32, a ``QuantMatrix`` or a ``StackedMatrix`` of
+    ``shape``."""
     if not (isinstance(t, (QuantMatrix, StackedMatrix))
             or plain(t)):
         raise ValueError(f"{name} is not a contiguous float32 CPU tensor or a "
@@ -123,12 +116,10 @@ def _matrix_of(name: str, t: Any, shape: Tuple[int, ...]) -> None:
 
 
 class Experts:
-    """A mixture of experts as a block's feed-forward (Mixtral, Qwen3-MoE; ``mdiedge.model.
-    moe``): ``router`` (n_experts, dim), each expert's ``gate_up`` (2 hidden, dim), gate and
-    up fused, and ``down`` (dim, hidden), each float32 or quantized as a block's matrices;
-    ``top_k`` experts per row, their softmax probabilities renormalized to sum one where
-    ``renormalize``; ``counts`` None or a contiguous int64 CPU tensor (n_experts,) to which
-    the step adds the rows routed to each expert. Checked when made, frozen after."""
+    """A block's mixture-of-experts feed-forward: ``router`` (n_experts, dim), each expert's fused
+    ``gate_up`` (2 hidden, dim) and ``down`` (dim, hidden), float32 or quantized; ``top_k`` per row,
+    renormalized where ``renormalize``; ``counts`` None or a contiguous int64 CPU tensor
+    (n_experts,) the step adds routed rows to. Checked when made, frozen after."""
 
     __slots__ = ("router", "gate_up", "down", "top_k", "renormalize", "counts", "n_experts",
                  "dim", "hidden")
@@ -168,32 +159,29 @@ class Experts:
 
 
 def _acceptable(name: str, t: Any) -> bool:
-    """A plain float32 tensor, or for a block's matrices a ``QuantMatrix`` or
-    ``StackedMatrix``."""
     if isinstance(t, (QuantMatrix, StackedMatrix)):
         return name in _MATRICES
     return plain(t)
 
 
 class BlockWeights:
-    """One block's tensors as the step reads them, checked once when made (shapes,
-    float32, CPU, contiguous; ``ValueError`` quoting what is not) and frozen after.
+    """One block's tensors as the step reads them, checked once when made (shapes, float32, CPU,
+    contiguous; ``ValueError`` quoting what is not) and frozen after.
 
-    attn_norm, mlp_norm (dim,); qkv (q_dim + 2 kv_dim, dim), Q, K and V fused; wo (dim,
-    q_dim); gate_up (2 hidden, dim), gate and up fused; down (dim, hidden); k, v caches
-    (slots, kv_heads, max_seq, head_dim); cos, sin RoPE tables (rope_len, head_dim). Each of
-    qkv, wo, gate_up and down is float32, or a ``QuantMatrix`` or ``StackedMatrix`` of that
-    shape.
+    attn_norm, mlp_norm (dim,); qkv (q_dim + 2 kv_dim, dim), Q, K and V fused; wo (dim, q_dim);
+    gate_up (2 hidden, dim), gate and up fused; down (dim, hidden); k, v caches (slots, kv_heads,
+    max_seq, head_dim); cos, sin RoPE tables (rope_len, head_dim). Each of qkv, wo, gate_up and down
+    is float32, or a ``QuantMatrix`` or ``StackedMatrix`` of that shape.
 
-    Keywords, each absent by default (a Llama block): ``qkv_bias`` (q_dim + 2 kv_dim,) added
-    to the Q/K/V product; ``q_norm``, ``k_norm`` (head_dim,) RMSNorm weights of each head of
-    Q and of K, after the bias and before RoPE (eps the block's); ``post_attn_norm``,
-    ``post_mlp_norm`` (dim,) RMSNorm weights of the attention's and the feed-forward's output
-    before each is added to x ("sandwich" norms); ``activation`` of the gate, one of
-    ``ACTIVATIONS`` ("silu": SwiGLU; "gelu_tanh": GeGLU with tanh-approximated gelu);
-    ``attn_scale`` the scores' factor (None: 1 / sqrt(head_dim)); ``window`` the keys a row
-    at position p attends (0: all; else positions p - window + 1 .. p); ``experts`` an
-    ``Experts``, the block's feed-forward a mixture of experts, gate_up and down None."""
+    Keywords, each absent by default (a Llama block): ``qkv_bias`` (q_dim + 2 kv_dim,) added to the
+    Q/K/V product; ``q_norm``, ``k_norm`` (head_dim,) RMSNorm weights of each head of Q and of K,
+    after the bias and before RoPE (eps the block's); ``post_attn_norm``, ``post_mlp_norm`` (dim,)
+    RMSNorm weights of the attention's and the feed-forward's output before each is added to x
+    ("sandwich" norms); ``activation`` of the gate, one of ``ACTIVATIONS`` ("silu": SwiGLU;
+    "gelu_tanh": GeGLU with tanh-approximated gelu); ``attn_scale`` the scores' factor (None: 1 /
+    sqrt(head_dim)); ``window`` the keys a row at position p attends (0: all; else positions p -
+    window + 1 .. p); ``experts`` an ``Experts``, the block's feed-forward a mixture of experts,
+    gate_up and down None."""
 
     __slots__ = _TENSORS + _OPTIONAL + _SETTINGS + (
         "n_heads", "eps", "dim", "n_kv", "head_dim", "hidden", "n_slots", "positions")
@@ -239,8 +227,7 @@ class BlockWeights:
         raise AttributeError(f"BlockWeights is frozen ({name})")
 
     def replace(self, **changes: Any) -> "BlockWeights":
-        """A copy with some tensors (or n_heads, eps, the optional parts) changed, checked
-        again."""
+        """A copy with some fields changed, checked again."""
         names = _TENSORS + ("n_heads", "eps") + _OPTIONAL + _SETTINGS
         return BlockWeights(**{n: changes.get(n, getattr(self, n)) for n in names})
 
@@ -250,7 +237,7 @@ class BlockWeights:
                                                       and self.experts.wants_grad())
 
     def quantized(self) -> Tuple[str, ...]:
-        """The names of the matrices held quantized ("experts" where any expert's is)."""
+        """Names of the matrices held quantized ("experts" where any expert's is)."""
         held = [getattr(self, n) for n in _MATRICES] + [
             m for m in (self.experts.matrices() if self.experts is not None else ())]
         names = _MATRICES + ("experts",) * (len(held) - len(_MATRICES))
@@ -259,8 +246,7 @@ class BlockWeights:
 
 
 def _feed_forward(gate_up: Any, down: Any, experts: Optional[Experts], attn_norm: Any) -> int:
-    """The feed-forward's hidden width: gate_up's half, or the experts' (gate_up and down
-    then None, the experts of the block's width)."""
+    """gate_up's half, or the experts' (gate_up and down then None)."""
     if experts is None:
         return int(getattr(gate_up, "shape", (0,))[0]) // 2
     if not isinstance(experts, Experts):
@@ -275,7 +261,6 @@ def _feed_forward(gate_up: Any, down: Any, experts: Optional[Experts], attn_norm
 
 def _checked_optional(given: Dict[str, Any], shapes: Dict[str, Tuple[int, ...]]
                       ) -> Dict[str, Any]:
-    """The optional tensors, each None or a plain float32 tensor of its shape."""
     for name, t in given.items():
         if t is None:
             continue
@@ -287,8 +272,6 @@ def _checked_optional(given: Dict[str, Any], shapes: Dict[str, Tuple[int, ...]]
 
 
 def _checked_settings(activation: Any, attn_scale: Any, window: Any) -> Dict[str, Any]:
-    """activation one of ``ACTIVATIONS``, attn_scale None or a positive finite number,
-    window an int >= 0."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
     scale = attn_scale
@@ -309,8 +292,7 @@ def _checked_settings(activation: Any, attn_scale: Any, window: Any) -> Dict[str
 
 
 class Limits:
-    """What a call must fit, for one block or several: the width, KV slots and positions
-    (the fewest of any block)."""
+    """Width, KV slots and positions a call must fit (the fewest of any block)."""
 
     def __init__(self, weights: Sequence[BlockWeights]) -> None:
         if not weights or not all(isinstance(w, BlockWeights) for w in weights):
@@ -326,8 +308,7 @@ class Limits:
 
 
 def usable(weights: BlockWeights, x: Any) -> bool:
-    """A 2-D float32 CPU ``x`` of 1..``MAX_ROWS`` rows of the block's width, and no gradient
-    wanted."""
+    """2-D float32 CPU ``x`` of 1..``MAX_ROWS`` rows of the block's width, no gradient wanted."""
     return _rows_fit(x, weights.dim) and not (
         grad_enabled() and (getattr(x, "requires_grad", False) or weights.wants_grad()))
 
@@ -345,7 +326,7 @@ def check(weights: BlockWeights, x: Any, out: Any, slots: Sequence[int],
 
 def check_call(limits: Any, wants_grad: bool, x: Any, out: Any, slots: Sequence[int],
                positions: Sequence[int], threads: int) -> None:
-    """The call's own arguments against ``limits`` (a ``BlockWeights`` or ``Limits``)."""
+    """Against ``limits`` (a ``BlockWeights`` or ``Limits``)."""
     if not _rows_fit(x, limits.dim) or (grad_enabled() and (
             getattr(x, "requires_grad", False) or wants_grad)):
         raise ValueError(f"decode step of x {tuple(x.shape)} {x.dtype} on {device_of(x)}: needs "
@@ -366,9 +347,8 @@ def check_call(limits: Any, wants_grad: bool, x: Any, out: Any, slots: Sequence[
 
 
 def logits_usable(norm: Any, head: Any, x: Any) -> bool:
-    """The final norm ``norm`` (dim,) and head ``head`` (vocab, dim), contiguous float32 on
-    the CPU (the head may be a ``QuantMatrix``), for 1..``MAX_ROWS`` rows ``x`` of dim, and
-    no gradient wanted."""
+    """``norm`` (dim,) and ``head`` (vocab, dim; or a ``QuantMatrix``) contiguous CPU float32,
+    1..``MAX_ROWS`` rows, no gradient wanted."""
     head_fits = isinstance(head, QuantMatrix) or (plain(head) and ndim(head) == 2)
     return (head_fits and plain(norm) and ndim(norm) == 1 and head.shape[1] == norm.shape[0]
             and _rows_fit(x, norm.shape[0])

@@ -1,10 +1,8 @@
 """What both implementations of the few-row product (``ext/_cmatvec.pyx`` and
-``mdiedge/model/_pymatvec.py``) accept: ``rows(x, weight, out, threads)`` writes
-``out = x @ weight.T`` for ``x`` (rows, k), ``weight`` (n, k) and ``out`` (rows, n), all
-C-contiguous float32 CPU tensors (or numpy arrays), 1 <= rows <= ``MAX_ROWS``. ``usable``
-says whether a call
-qualifies; ``check`` raises ``ValueError`` quoting what does not.
-"""
+``mdiedge/model/_pymatvec.py``) accept: ``rows(x, weight, out, threads)`` writes ``out = x @
+weight.T`` for ``x`` (rows, k), ``weight`` (n, k) and ``out`` (rows, n), all C-contiguous float32
+CPU tensors (or numpy arrays), 1 <= rows <= ``MAX_ROWS``. ``usable`` says whether a call qualifies;
+``check`` raises ``ValueError`` quoting what does not."""
 from __future__ import annotations
 
 from typing import Any

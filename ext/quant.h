@@ -514,11 +514,23 @@ static inline size_t qm_input_floats(ptrdiff_t k, int rows) {
     return (size_t)rows * (size_t)(k / QM_SUB + 1) + qm_act_bytes(k, rows) / sizeof(float) + 1;
 }
 
+/* x's rows quantized into a's forms (form32, form256), the rows split among threads (each
+   row's quants are its own). */
+static void qm_quantize_rows(const float *x, ptrdiff_t k, int rows, const qm_act *a,
+                             int form32, int form256, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows > 1)
+    for (int r = 0; r < rows; r++) {
+        qm_act row = qm_act_from(a, k, r);
+        if (form32) qm_quantize32(x + r * k, k, 1, &row);
+        if (form256) qm_quantize256(x + r * k, k, 1, &row);
+    }
+}
+
 /* in made for x (rows of k) and products of the ``count`` types: the q8 mode (dot != 0)
-   quantizes x into each activation form a usable type reads; the sums are taken where a
-   float32 kernel reads them. mem: qm_input_floats(k, rows) floats. */
+   quantizes x into each activation form a usable type reads (on ``threads``); the sums are
+   taken where a float32 kernel reads them. mem: qm_input_floats(k, rows) floats. */
 static void qm_input_fill(qm_input *in, const int *types, int count, int dot, const float *x,
-                          ptrdiff_t k, int rows, float *mem) {
+                          ptrdiff_t k, int rows, float *mem, int threads) {
     int form32 = 0, form256 = 0, sums = 0;
     for (int i = 0; i < count; i++) {
         if (types[i] < 0) continue;  /* a float32 matrix */
@@ -538,8 +550,7 @@ static void qm_input_fill(qm_input *in, const int *types, int count, int dot, co
     }
     if (in->q8) {
         qm_act_at(&in->act, mem + (ptrdiff_t)rows * (k / QM_SUB + 1), k, rows);
-        if (form32) qm_quantize32(x, k, rows, &in->act);
-        if (form256) qm_quantize256(x, k, rows, &in->act);
+        qm_quantize_rows(x, k, rows, &in->act, form32, form256, threads);
     }
 }
 
@@ -627,7 +638,7 @@ static inline int qm_rows(int type, const uint8_t *w, const float *x, float *y, 
     float *mem = malloc(sizeof(float) * qm_input_floats(k, rows));
     if (!mem) return -1;
     qm_input in;
-    qm_input_fill(&in, &type, 1, dot, x, k, rows, mem);
+    qm_input_fill(&in, &type, 1, dot, x, k, rows, mem, threads);
     in.wide = dot == QM_DOT_WIDE;
     ptrdiff_t tasks = (n + QM_COLS_PER_TASK - 1) / QM_COLS_PER_TASK;
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)

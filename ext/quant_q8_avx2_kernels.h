@@ -91,10 +91,28 @@ QK_ALWAYS void QK(rows_k)(const qm_act *a, ptrdiff_t k, ptrdiff_t at, const int 
     }
 }
 
+#define QK_SPLIT 2  /* rows up to which a block's products run in two chains of sums */
+
+/* The sums sub-block i of a block adds to: the odd ones' apart where R <= QK_SPLIT (a lone
+   row's one chain of vpdpwssd waits on its latency), joined before the scaling (QK_JOIN);
+   integer sums, so the result is the same. */
+QK_ALWAYS __m256i *QK(chain)(__m256i *sumi, const int R, int i) {
+    return R <= QK_SPLIT && (i & 1) ? sumi + QM_IGROUP : sumi;
+}
+
+QK_ALWAYS void QK(join)(__m256i *sumi, const int R) {
+    if (R > QK_SPLIT) return;
+    QA_UNROLL
+    for (int r = 0; r < R; r++) {
+        sumi[r] = _mm256_add_epi32(sumi[r], sumi[QM_IGROUP + r]);
+        sumi[QM_IGROUP + r] = _mm256_setzero_si256();
+    }
+}
+
 /* The block's sums scaled into acc: qa_scale_k's, or qa_scale_k8's (wide: acc one vector). */
 #define QK_SCALE(a, k, b, R, dw, mw, mins16, sumi, acc)                                     \
-    (wide ? qa_scale_k8(a, k, b, R, dw, mw, mins16, sumi, acc)                              \
-          : qa_scale_k(a, k, b, R, dw, mw, mins16, sumi, acc))
+    (QK(join)(sumi, R), wide ? qa_scale_k8(a, k, b, R, dw, mw, mins16, sumi, acc)          \
+                             : qa_scale_k(a, k, b, R, dw, mw, mins16, sumi, acc))
 
 /* Q4_K (five = 0) or Q5_K block b: per 64 weights the two sub-blocks' quants unpacked once
    and their scales picked, then every row's products by them; the sums scaled and the mins
@@ -118,8 +136,10 @@ QK_ALWAYS void QK(blk_k45)(const uint8_t *blk, const qm_act *a, ptrdiff_t k, ptr
             lo = _mm256_or_si256(lo, _mm256_slli_epi16(h0, 4));
             hi = _mm256_or_si256(hi, _mm256_slli_epi16(h1, 4));
         }
-        QK(rows_k)(a, k, 256 * b + 64 * c, R, lo, NULL, qa_lane16(scales, 2 * c), sumi);
-        QK(rows_k)(a, k, 256 * b + 64 * c + 32, R, hi, NULL, qa_lane16(scales, 2 * c + 1), sumi);
+        QK(rows_k)(a, k, 256 * b + 64 * c, R, lo, NULL, qa_lane16(scales, 2 * c),
+                   QK(chain)(sumi, R, 0));
+        QK(rows_k)(a, k, 256 * b + 64 * c + 32, R, hi, NULL, qa_lane16(scales, 2 * c + 1),
+                   QK(chain)(sumi, R, 1));
     }
     QK_SCALE(a, k, b, R, QS_HALF(blk), QS_HALF(blk + 2), &mins16, sumi, acc);
 }
@@ -140,7 +160,8 @@ QK_ALWAYS void QK(blk_q6_k)(const uint8_t *blk, const qm_act *a, ptrdiff_t k, pt
         __m256i h = _mm256_and_si256(
             _mm256_srli_epi16(qa_load(blk + 128 + 32 * half), 2 * g), low2);
         __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(h, 4));
-        QK(rows_k)(a, k, 256 * b + 32 * i, R, q, NULL, qa_pick2(scales8, i), sumi);
+        QK(rows_k)(a, k, 256 * b + 32 * i, R, q, NULL, qa_pick2(scales8, i),
+                   QK(chain)(sumi, R, i));
     }
     QK_SCALE(a, k, b, R, QS_HALF(blk + 208), 0.0f, NULL, sumi, acc);
 }
@@ -159,7 +180,8 @@ QK_ALWAYS void QK(blk_q2_k)(const uint8_t *blk, const qm_act *a, ptrdiff_t k, pt
     for (int i = 0; i < 8; i++) {  /* weights 32 i ..: bits 2 (i % 4) of 32 bytes */
         __m256i bits = qa_load(blk + 16 + 32 * (i / 4));
         __m256i q = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * (i % 4)), low2);
-        QK(rows_k)(a, k, 256 * b + 32 * i, R, q, NULL, qa_pick2(scales8, i), sumi);
+        QK(rows_k)(a, k, 256 * b + 32 * i, R, q, NULL, qa_pick2(scales8, i),
+                   QK(chain)(sumi, R, i));
     }
     QK_SCALE(a, k, b, R, QS_HALF(blk + 80), QS_HALF(blk + 82), &mins16, sumi, acc);
 }
@@ -179,7 +201,8 @@ QK_ALWAYS void QK(blk_q3_k)(const uint8_t *blk, const qm_act *a, ptrdiff_t k, pt
         __m256i lo = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * (i % 4)), low2);
         __m256i at2 = i < 2 ? _mm256_slli_epi16(hmask, 2 - i) : _mm256_srli_epi16(hmask, i - 2);
         __m256i q = _mm256_or_si256(lo, _mm256_and_si256(at2, four));
-        QK(rows_k)(a, k, 256 * b + 32 * i, R, q, NULL, qa_pick2(scales8, i), sumi);
+        QK(rows_k)(a, k, 256 * b + 32 * i, R, q, NULL, qa_pick2(scales8, i),
+                   QK(chain)(sumi, R, i));
     }
     QK_SCALE(a, k, b, R, QS_HALF(blk + 108), 0.0f, NULL, sumi, acc);
 }
@@ -195,7 +218,8 @@ QK_ALWAYS void QK(blk_iq4_xs)(const uint8_t *blk, const qm_act *a, ptrdiff_t k, 
     for (int ib = 0; ib < 8; ib++) {
         __m256i x = _mm256_shuffle_epi8(values, qa_nibbles(blk + 8 + 16 * ib));
         __m256i sc = _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(ib));
-        QK(rows_k)(a, k, 256 * b + 32 * ib, R, _mm256_sign_epi8(x, x), &x, sc, sumi);
+        QK(rows_k)(a, k, 256 * b + 32 * ib, R, _mm256_sign_epi8(x, x), &x, sc,
+                   QK(chain)(sumi, R, ib));
     }
     QK_SCALE(a, k, b, R, QS_HALF(blk), 0.0f, NULL, sumi, acc);
 }
@@ -206,11 +230,11 @@ QK_ALWAYS void QK(dot_k)(int type, const uint8_t *w, const qm_act *a, ptrdiff_t 
                         const int wide, float *s) {
     const int bb = qm_block_bytes[type];
     __m256 acc[QM_IGROUP];
-    __m256i sumi[QM_IGROUP];
+    __m256i sumi[2 * QM_IGROUP];  /* two chains (QK_SPLIT) */
     QA_UNROLL
     for (int r = 0; r < QM_IGROUP; r++) {
         acc[r] = _mm256_setzero_ps();
-        sumi[r] = _mm256_setzero_si256();
+        sumi[r] = sumi[QM_IGROUP + r] = _mm256_setzero_si256();
     }
     for (ptrdiff_t b = 0; b < k / 256; b++) {
         const uint8_t *blk = w + b * bb;
@@ -296,4 +320,5 @@ static const qm_idot_fn QK(wtable)[QM_TYPES] = {
 #undef QK_IQ4_XS_W
 #undef QK_BY_ROWS
 #undef QK_SCALE
+#undef QK_SPLIT
 #undef QK_ALWAYS

@@ -377,7 +377,8 @@ static void st_input(const st_matrix *ms, ptrdiff_t count, const float *x, ptrdi
                 for (int j = 0; j < n; j++) seen |= types[j] == ms[i].t[p];
                 if (!seen) types[n++] = ms[i].t[p];
             }
-    qm_input_fill(in, types, n, s->dot, x, k, R, s->xs + (ptrdiff_t)st_thread() * s->xs_floats);
+    qm_input_fill(in, types, n, s->dot, x, k, R, s->xs + (ptrdiff_t)st_thread() * s->xs_floats,
+                  1);
 }
 
 /* Columns [j0, j1) of y = base + x W^T (base NULL: y = x W^T) for every row, W (n, k) the

@@ -99,7 +99,7 @@ static int check_range(int type, int k, int rows, const uint8_t *w, const float 
     static float mem[MAX_ROWS * (MAX_K + 64)];
     float base[8 * LDY], team[8 * LDY];
     qm_input in;
-    qm_input_fill(&in, &type, 1, 0, x, k, rows, mem);
+    qm_input_fill(&in, &type, 1, 0, x, k, rows, mem, 1);
     for (int i = 0; i < rows * LDY; i++) base[i] = team[i] = uniform();
     qm_range(type, w, x, &in, team, base, n + 3, k, rows, 0, n);
     for (int r = 0; r < rows; r++)

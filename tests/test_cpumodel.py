@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from commands import package_child
 from conftest import make_hf_llama, stories_dir
 from mdiedge.base.errors import CpuPathRefused
 from mdiedge.model import _pyquant, _pystep, cpumodel, npprefill
@@ -275,8 +276,9 @@ print("ran", len(sys.argv) - 1)
 def test_a_cpu_model_loads_and_runs_without_torch(gguf_models: Dict[str, Path]) -> None:
     paths = [str(ROOT / "models" / "nanollama"), str(gguf_models["llama-q4_1"]),
              str(gguf_models["qwen3_moe"])]
+    folder, env = package_child()
     done = subprocess.run([sys.executable, "-c", NO_TORCH, *paths], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
+                          text=True, timeout=300, cwd=folder, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "ran 3"
 

@@ -6,7 +6,6 @@ files, stories260K, the default model and SmolLM2; greedy tokens identical on th
 under the default dot mode; numpy's BLAS following the node's threads."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from commands import package_child
 from conftest import stories_dir
 from mdiedge.base import cpudot
 from mdiedge.model import _pyquant, blasthreads, npprefill
@@ -218,13 +218,10 @@ print(kind, "torch" in sys.modules, " ".join(map(str, out)))
 
 def _greedy(path: Path, kind: str) -> List[str]:
     """The subprocess imports the package this process imported (installed and compiled in CI,
-    where the source tree has no compiled modules and q8 would be the twins' emulation)."""
-    import mdiedge
-
-    package_parent = Path(mdiedge.__file__).resolve().parents[1]
+    where the source tree has no compiled modules)."""
+    folder, env = package_child()
     done = subprocess.run([sys.executable, "-c", GREEDY, str(path), kind], capture_output=True,
-                          text=True, timeout=900, cwd=ROOT, env=dict(
-                              os.environ, PYTHONPATH=str(package_parent), MDIEDGE_CPU_DOT="f32"))
+                          text=True, timeout=900, cwd=folder, env=dict(env, MDIEDGE_CPU_DOT="f32"))
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.split()
 

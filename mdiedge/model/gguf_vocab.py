@@ -137,17 +137,25 @@ def _byte_chars() -> Dict[int, str]:
     return {**{b: chr(b) for b in kept}, **{b: chr(256 + n) for n, b in enumerate(extra)}}
 
 
+def _spm_facts(meta: Dict[str, Any], path: Path, tokens: List[str]
+               ) -> Tuple[List[float], Optional[int], bool]:
+    """A ``llama`` vocabulary's scores (all 0 where absent), unknown token's id (None where
+    the file's is not a token) and whether a space goes before the text."""
+    scores = _field(meta, path, "scores", len(tokens)) or [0.0] * len(tokens)
+    unk = meta.get("tokenizer.ggml.unknown_token_id", 0)
+    unk_id = unk if isinstance(unk, int) and 0 <= unk < len(tokens) else None
+    return scores, unk_id, bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+
+
 def _sentencepiece(meta: Dict[str, Any], path: Path, tokens: List[str], keep: set) -> Any:
     """A ``llama`` vocabulary: SentencePiece BPE with byte fallback and, when the file's
     ``add_space_prefix`` (absent: true) says so, a space before the text."""
     tk = _tokenizers()
-    scores = _field(meta, path, "scores", len(tokens)) or [0.0] * len(tokens)
+    scores, unk_id, prefix = _spm_facts(meta, path, tokens)
     vocab = {t: i for i, t in enumerate(tokens)}
-    unk = meta.get("tokenizer.ggml.unknown_token_id", 0)
-    unk_token = tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None
     tok = tk.Tokenizer(tk.models.BPE(vocab, _score_merges(tokens, scores, vocab, keep),
-                                     unk_token=unk_token, fuse_unk=True, byte_fallback=True))
-    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+                                     unk_token=None if unk_id is None else tokens[unk_id],
+                                     fuse_unk=True, byte_fallback=True))
     tok.pre_tokenizer = tk.pre_tokenizers.Metaspace(
         replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
     steps = [tk.decoders.Replace("\u2581", " "), tk.decoders.ByteFallback(), tk.decoders.Fuse()]
@@ -226,11 +234,8 @@ def build_tokenizer(meta: Dict[str, Any], path: Path) -> Any:
     if meta["tokenizer.ggml.model"] != "llama":
         return full_tokenizer(meta, path)
     special, added = _added(tokens, _field(meta, path, "token_type", len(tokens)))
-    scores = _field(meta, path, "scores", len(tokens)) or [0.0] * len(tokens)
-    unk = meta.get("tokenizer.ggml.unknown_token_id", 0)
-    unk_id = unk if isinstance(unk, int) and 0 <= unk < len(tokens) else None
-    built = SpmBpe(tokens, scores, special + added, unk_id,
-                   bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+    scores, unk_id, prefix = _spm_facts(meta, path, tokens)
+    built = SpmBpe(tokens, scores, special + added, unk_id, prefix,
                    lambda: full_tokenizer(meta, path))
     _check_size(path, len(built.ids), tokens)
     return built

@@ -16,6 +16,8 @@ import heapq
 import re
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from ..base.errors import TokenizerError
+
 SPACE = "\u2581"
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>\Z")
 
@@ -88,7 +90,8 @@ class SpmBpe:
             if all(b is not None for b in spelled):
                 found.extend(spelled)  # type: ignore[arg-type]
             elif self.unk_id is None:
-                raise ValueError(f"{char!r} is not in the vocabulary, which has no unknown token")
+                raise TokenizerError(f"{char!r} is not in the vocabulary, which has no unknown "
+                                     f"token")
             elif not found or found[-1] != self.unk_id:
                 found.append(self.unk_id)
         return found

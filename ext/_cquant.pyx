@@ -5,7 +5,7 @@ in registers, a scalar reference and a vector path (AVX2+FMA+F16C on x86-64, NEO
 chosen at import (the q8 mode's integer kernels with AVX512-VNNI where the CPU has it), OpenMP threads over the output columns, the GIL released. Arguments are
 checked by ``mdiedge.model.qtypes`` (one line each, ``QuantError``); arrays are numpy arrays or
 torch CPU tensors."""
-from mdiedge.model.arrays import address as _address
+from mdiedge.model.arrays import address as _address, row_stride as _row_stride
 from mdiedge.model.qtypes import check_compiled as _check_compiled, check_matmul, check_rows
 
 cdef extern from "quant.h" nogil:
@@ -18,8 +18,9 @@ cdef extern from "quant.h" nogil:
     const char *qm_ipath
     int qm_q8_usable(int type)
     int QM_DOT_WIDE
-    int qm_rows(int type, const unsigned char *w, const float *x, float *y, Py_ssize_t n,
-                Py_ssize_t k, int rows, int threads, int dot)
+    int qm_rows_into(int type, const unsigned char *w, const float *x, float *y,
+                     Py_ssize_t ldy, Py_ssize_t n, Py_ssize_t k, int rows, int threads,
+                     int dot)
     void qm_dequant(int type, const unsigned char *w, Py_ssize_t k, Py_ssize_t count,
                     float *out, int threads)
 
@@ -60,16 +61,18 @@ def set_simd(on):
 
 def matmul(x, w, qtype, out, int threads=1, int dot=0):
     """out = x @ W^T with W the de-quantized ``w`` (uint8 (n, row_bytes)) of type ``qtype``;
-    x float32 (rows, in), out float32 (rows, n); dot 1: the q8 mode (x quantized to 8 bits,
-    integer dot products, ``mdiedge.model.cpudot``; the K-quants' wide kernels, which scale
-    8 rows' sums at once: the step's kernels round a row otherwise); returns out."""
+    x float32 (rows, in), out float32 (rows, n), its rows contiguous (out may be a stretch of
+    columns of a wider array); dot 1: the q8 mode (x quantized to 8 bits, integer dot
+    products, ``mdiedge.model.cpudot``; the K-quants' wide kernels, which scale 8 rows' sums
+    at once: the step's kernels round a row otherwise); returns out."""
     t = check_matmul(x, w, qtype, out, threads)
     cdef int code = t.kernel, rows = x.shape[0], status
     cdef size_t w_ptr = _address(w), x_ptr = _address(x), y_ptr = _address(out)
-    cdef Py_ssize_t n = w.shape[0], k = x.shape[1]
+    cdef Py_ssize_t n = w.shape[0], k = x.shape[1], ldy = _row_stride(out)
     with nogil:
-        status = qm_rows(code, <const unsigned char *>w_ptr, <const float *>x_ptr,
-                         <float *>y_ptr, n, k, rows, threads, QM_DOT_WIDE if dot else 0)
+        status = qm_rows_into(code, <const unsigned char *>w_ptr, <const float *>x_ptr,
+                              <float *>y_ptr, ldy, n, k, rows, threads,
+                              QM_DOT_WIDE if dot else 0)
     if status:
         raise MemoryError(f"no memory for the activations of {rows} rows of {k}")
     return out

@@ -621,20 +621,23 @@ static inline void qm_range(int type, const uint8_t *w, const float *x, const qm
 }
 
 static inline void qm_task(int type, const uint8_t *w, const float *x, const qm_input *in,
-                           float *y, ptrdiff_t n, ptrdiff_t k, int rows, ptrdiff_t t) {
+                           float *y, ptrdiff_t ldy, ptrdiff_t n, ptrdiff_t k, int rows,
+                           ptrdiff_t t) {
     ptrdiff_t j0 = t * QM_COLS_PER_TASK;
     ptrdiff_t j1 = j0 + QM_COLS_PER_TASK < n ? j0 + QM_COLS_PER_TASK : n;
-    qm_range(type, w, x, in, y, NULL, n, k, rows, j0, j1);
+    qm_range(type, w, x, in, y, NULL, ldy, k, rows, j0, j1);
 }
 
 #define QM_DOT_Q8 1    /* qm_rows's dot: the step's integer kernels */
 #define QM_DOT_WIDE 2  /* the wide ones where a type has them (a prefill's products) */
 
-/* y = x W^T on `threads` threads; W is n rows of k weights of `type`; dot: 0 float32,
-   QM_DOT_Q8 or QM_DOT_WIDE. Returns 0, or -1 where the activations' sums or quants cannot
-   be allocated. */
-static inline int qm_rows(int type, const uint8_t *w, const float *x, float *y, ptrdiff_t n,
-                          ptrdiff_t k, int rows, int threads, int dot) {
+/* y = x W^T on `threads` threads, y's rows ldy floats apart (ldy >= n: y may be a stretch of
+   columns of a wider array); W is n rows of k weights of `type`; dot: 0 float32, QM_DOT_Q8
+   or QM_DOT_WIDE. Returns 0, or -1 where the activations' sums or quants cannot be
+   allocated. */
+static inline int qm_rows_into(int type, const uint8_t *w, const float *x, float *y,
+                               ptrdiff_t ldy, ptrdiff_t n, ptrdiff_t k, int rows, int threads,
+                               int dot) {
     float *mem = malloc(sizeof(float) * qm_input_floats(k, rows));
     if (!mem) return -1;
     qm_input in;
@@ -642,9 +645,15 @@ static inline int qm_rows(int type, const uint8_t *w, const float *x, float *y, 
     in.wide = dot == QM_DOT_WIDE;
     ptrdiff_t tasks = (n + QM_COLS_PER_TASK - 1) / QM_COLS_PER_TASK;
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (ptrdiff_t t = 0; t < tasks; t++) qm_task(type, w, x, &in, y, n, k, rows, t);
+    for (ptrdiff_t t = 0; t < tasks; t++) qm_task(type, w, x, &in, y, ldy, n, k, rows, t);
     free(mem);
     return 0;
+}
+
+/* qm_rows_into with y's rows n floats apart (y contiguous). */
+static inline int qm_rows(int type, const uint8_t *w, const float *x, float *y, ptrdiff_t n,
+                          ptrdiff_t k, int rows, int threads, int dot) {
+    return qm_rows_into(type, w, x, y, n, n, k, rows, threads, dot);
 }
 
 /* out (count, k) = the de-quantized rows w[0 .. count) (w points at the first). */

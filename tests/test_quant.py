@@ -189,6 +189,28 @@ def test_rows_do_not_depend_on_batch_or_threads(qtype: str) -> None:
         assert torch.equal(alone, batch[r:r + 1])
 
 
+@pytest.mark.twins
+@pytest.mark.parametrize("dot", [0, 1], ids=["f32", "q8"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q4_1"])
+def test_matmul_writes_a_stretch_of_columns_of_a_wider_array(impl: ModuleType, qtype: str,
+                                                             dot: int) -> None:
+    """out may be columns [5, 5 + n) of a wider array (a stacked matrix's part): the same
+    values as into its own array, the columns beside it untouched; numpy and torch alike."""
+    k = 512 if quant.TYPES[qtype].block == 256 else 96
+    w = blocks(qtype, 37, k, seed=2)
+    for rows in (1, 3, 12):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        alone = impl.matmul(x, w, qtype, torch.empty(rows, 37), 2, dot)
+        wide = torch.full((rows, 50), float("nan"))
+        impl.matmul(x, w, qtype, wide[:, 5:42], 2, dot)
+        assert torch.equal(wide[:, 5:42], alone), f"{qtype} rows={rows}"
+        assert wide[:, :5].isnan().all() and wide[:, 42:].isnan().all()
+        into = np.full((rows, 50), np.nan, np.float32)
+        impl.matmul(x.numpy(), w.numpy(), qtype, into[:, 5:42], 2, dot)
+        assert np.array_equal(into[:, 5:42], alone.numpy())
+        assert np.isnan(into[:, :5]).all() and np.isnan(into[:, 42:]).all()
+
+
 def test_the_compiled_module_takes_the_vector_path_where_it_can() -> None:
     if len(IMPLS) < 2:
         pytest.skip("the compiled module is not built")
@@ -226,9 +248,10 @@ BAD_CALLS = [
     ("row_bytes", r"weight rows of 21 bytes do not hold 64 Q4_1 weights \(40 bytes\)"),
     ("x_dtype", r"activations \(2, 64\) torch.float64 is not a contiguous float32"),
     ("x_strided", "activations .* is not a contiguous float32"),
-    ("out_shape", r"out \(2, 4\) torch.float32 is not a contiguous float32 CPU tensor of "
-                  r"shape \(2, 3\)"),
-    ("out_strided", "out .* is not a contiguous float32"),
+    ("out_shape", r"out \(2, 4\) torch.float32 is not a float32 CPU tensor of shape \(2, 3\) "
+                  "with contiguous rows"),
+    ("out_strided", "out .* is not a float32 CPU tensor .* with contiguous rows"),
+    ("out_overlapping", "out .* is not a float32 CPU tensor .* with contiguous rows"),
     ("w_dtype", r"quantized weight \(3, 40\) torch.int8 is not a contiguous uint8"),
     ("w_strided", "quantized weight .* is not a contiguous uint8"),
     ("threads", "threads 0 is not >= 1"),
@@ -254,6 +277,8 @@ def test_bad_calls_are_refused_with_one_line(impl: ModuleType, case: str, match:
         out = torch.empty(2, 4)
     elif case == "out_strided":
         out = torch.empty(3, 2).t()
+    elif case == "out_overlapping":  # rows 2 floats apart, 3 wide: each overlaps the next
+        out = torch.empty(8).as_strided((2, 3), (2, 1))
     elif case == "w_dtype":
         w = w.view(torch.int8)
     elif case == "w_strided":

@@ -30,6 +30,20 @@ def contiguous_cpu(a: Any, dtype: str) -> bool:
     return False
 
 
+def row_stride(a: Any) -> int:
+    """Elements from one row of the 2-D CPU array or tensor ``a`` to the next where each row
+    is contiguous (its last stride one element) and the rows do not overlap, else 0."""
+    if isinstance(a, np.ndarray):
+        if a.ndim != 2 or a.strides[1] != a.itemsize or a.strides[0] % a.itemsize:
+            return 0
+        stride = a.strides[0] // a.itemsize
+    elif is_torch(a) and a.dim() == 2 and a.device.type == "cpu" and a.stride(1) == 1:
+        stride = a.stride(0)
+    else:
+        return 0
+    return stride if stride >= a.shape[1] or a.shape[0] == 1 else 0
+
+
 def plain(a: Any) -> bool:
     """A contiguous float32 array on the CPU, as the step reads every tensor."""
     return contiguous_cpu(a, "float32")

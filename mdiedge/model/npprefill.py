@@ -86,10 +86,7 @@ def product(x: np.ndarray, matrix: Any, out: np.ndarray, threads: int, dot: int)
             column += part.shape[0]
     elif isinstance(matrix, QuantMatrix) and (x.shape[0] <= KERNEL_ROWS
                                               or integer_prefill(matrix.qtype, dot)):
-        into = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
-        _quant.matmul(x, matrix.data, matrix.qtype, into, threads, dot)
-        if into is not out:
-            out[...] = into
+        _quant.matmul(x, matrix.data, matrix.qtype, out, threads, dot)
     else:
         n, k = matrix.shape
         share = -(-n // max(1, threads))

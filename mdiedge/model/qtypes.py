@@ -11,7 +11,7 @@ import numpy as np
 from ..base.dtypes import QUANTIZERS as _QUANTIZERS
 from ..base.errors import QuantError
 from . import npdequant
-from .arrays import contiguous_cpu, numpy_view
+from .arrays import contiguous_cpu, dtype_name, numpy_view, row_stride
 
 
 @dataclass(frozen=True)
@@ -230,6 +230,16 @@ def _float_rows(what: str, v: Any, shape: Tuple[int, int]) -> None:
                          f"float32 CPU tensor of shape {shape}")
 
 
+def _float_columns(what: str, v: Any, shape: Tuple[int, int]) -> None:
+    """``v`` a float32 CPU array of ``shape`` whose rows are each contiguous (a stretch of
+    columns of a wider array will do)."""
+    if not (getattr(v, "shape", None) is not None and tuple(v.shape) == shape
+            and dtype_name(v) == "float32" and row_stride(v) > 0):
+        shown = tuple(v.shape) if hasattr(v, "shape") else type(v).__name__
+        raise QuantError(f"{what} {shown} {getattr(v, 'dtype', '')} is not a float32 CPU "
+                         f"tensor of shape {shape} with contiguous rows")
+
+
 def _kernel_type(qtype: str, threads: int) -> QType:
     t = qtype_of(qtype)
     if not t.native:
@@ -241,14 +251,15 @@ def _kernel_type(qtype: str, threads: int) -> QType:
 
 
 def check_matmul(x: Any, w: Any, qtype: str, out: Any, threads: int) -> QType:
-    """x (rows >= 1, in), w uint8 (n, row_bytes(in)), out (rows, n), all contiguous."""
+    """x (rows >= 1, in), w uint8 (n, row_bytes(in)) contiguous; out (rows, n), its rows
+    contiguous."""
     t = _kernel_type(qtype, threads)
     if len(getattr(x, "shape", ())) != 2 or x.shape[0] < 1:
         raise QuantError(f"activations {tuple(getattr(x, 'shape', ()))} are not 2-D "
                          "(rows >= 1, width)")
     _weight_fits(w, t, x.shape[1])
     _float_rows("activations", x, (x.shape[0], x.shape[1]))
-    _float_rows("out", out, (x.shape[0], w.shape[0]))
+    _float_columns("out", out, (x.shape[0], w.shape[0]))
     return t
 
 

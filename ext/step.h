@@ -429,10 +429,32 @@ static void st_product_team(const st_matrix *m, const float *x, float *y, const 
     }
 }
 
-/* gelu(x) in its tanh approximation, as torch's gelu(approximate="tanh") writes it. */
-static inline float st_gelu_tanh(float x) {
+/* activation(g) * u in eight lanes: silu(g) = g / (1 + e^-g), or gelu's tanh approximation
+   (torch's gelu(approximate="tanh"), 0.5 g (1 + tanh y)) as the same g / (1 + e^-2y), which
+   equals it and keeps its relative precision where tanh y nears -1. */
+static inline __attribute__((always_inline)) mv_v8 st_act8(int activation, mv_v8 g, mv_v8 u) {
     const float beta = 0.7978845608028654f, kappa = 0.044715f;  /* sqrt(2 / pi) */
-    return 0.5f * x * (1.0f + tanhf(beta * (x + kappa * (x * x * x))));
+    mv_v8 y = activation == ST_GELU_TANH ? (g + kappa * (g * g * g)) * (2.0f * beta) : g;
+    return g / (1.0f + st_exp8(-y)) * u;
+}
+
+/* a[j0 .. j1) = activation(g) * u there, eight at a time; the last few through the same
+   lanes (zero-padded), so a value does not depend on where a thread's columns end. */
+static void st_act_cols(int activation, const float *g, const float *u, float *a,
+                        ptrdiff_t j0, ptrdiff_t j1) {
+    ptrdiff_t i = j0;
+    for (; i + 8 <= j1; i += 8) {
+        mv_v8 v = st_act8(activation, mv_load(g + i), mv_load(u + i));
+        memcpy(a + i, &v, sizeof v);
+    }
+    if (i < j1) {
+        float gt[8] = {0}, ut[8] = {0}, at[8];
+        memcpy(gt, g + i, sizeof(float) * (size_t)(j1 - i));
+        memcpy(ut, u + i, sizeof(float) * (size_t)(j1 - i));
+        mv_v8 v = st_act8(activation, mv_load(gt), mv_load(ut));
+        memcpy(at, &v, sizeof v);
+        memcpy(a + i, at, sizeof(float) * (size_t)(j1 - i));
+    }
 }
 
 /* gate/up products (gate_up, 2 hidden by dim, into gu) of hidden columns [j0, j1) and act =
@@ -443,12 +465,8 @@ static void st_gated_cols(const st_matrix *gate_up, int activation, const float 
     st_product_cols(gate_up, h, in, gu, NULL, 2 * hidden, dim, R, j0, j1);
     st_product_cols(gate_up, h, in, gu, NULL, 2 * hidden, dim, R, hidden + j0, hidden + j1);
     for (int r = 0; r < R; r++) {
-        const float *g = gu + r * 2 * hidden, *u = g + hidden;
-        float *a = act + r * hidden;
-        if (activation == ST_GELU_TANH)
-            for (ptrdiff_t i = j0; i < j1; i++) a[i] = st_gelu_tanh(g[i]) * u[i];
-        else
-            for (ptrdiff_t i = j0; i < j1; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        const float *g = gu + r * 2 * hidden;
+        st_act_cols(activation, g, g + hidden, act + r * hidden, j0, j1);
     }
 }
 

@@ -14,8 +14,8 @@ from mdiedge.model.arrays import address as _address
 from mdiedge.model.qtypes import check_compiled as _check_compiled
 from mdiedge.model._stepconstants import (ACTIVATIONS, MAX_PARTS, MAX_ROWS,  # noqa: F401
                                      BlockWeights, Experts, Limits, QuantMatrix,
-                                     StackedMatrix, check, check_call, check_logits,
-                                     logits_usable, usable)
+                                     StackedMatrix, check, check_act_mul, check_call,
+                                     check_logits, logits_usable, usable)
 
 PREFERRED = True  # the model decodes through it (see the twin's)
 
@@ -62,6 +62,8 @@ cdef extern from "step.h" nogil:
     const char *qm_names[]
     const int qm_block[]
     const int qm_block_bytes[]
+    void st_act_rows(int activation, const float *both, float *out, Py_ssize_t rows,
+                     Py_ssize_t hidden, int threads)
     int st_logits(const float *x, const float *norm, float eps, const void *head, int head_t,
                   float *out, Py_ssize_t dim, Py_ssize_t vocab, int R, int threads, int dot)
 
@@ -236,3 +238,15 @@ def logits(norm, double eps, head, x, out, int threads, int dot=0):
         status = st_logits(xp, np_, <float>eps, hp, head_t, op, dim, vocab, rows, threads, dot)
     if status != 0:
         raise MemoryError(f"logits of {rows} rows: no scratch memory")
+
+
+def act_mul(both, out, activation, int threads=1):
+    """out (rows, hidden) = activation(gate) * up of both = [gate | up] (rows, 2 hidden), as the
+    step computes it (``ACTIVATIONS``), the rows shared among ``threads``; returns out."""
+    cdef int code = check_act_mul(both, out, activation, threads)
+    cdef Py_ssize_t rows = both.shape[0], hidden = out.shape[1]
+    cdef const float *bp = _ptr(both)
+    cdef float *op = <float *>_ptr(out)
+    with nogil:
+        st_act_rows(code, bp, op, rows, hidden, threads)
+    return out

@@ -131,7 +131,14 @@ static inline __attribute__((always_inline)) mv_v8 st_pairwise8(const mv_v8 a[8]
    degree-6 polynomial; within 2 ulp of expf). Lanes below -87.3 give about 1e-38. */
 static inline __attribute__((always_inline)) mv_v8 st_exp8(mv_v8 x) {
     const float magic = 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer */
-    for (int l = 0; l < 8; l++) x[l] = x[l] < -87.3f ? -87.3f : (x[l] > 88.3f ? 88.3f : x[l]);
+    const mv_v8 lo = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f};
+    const mv_v8 hi = {88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f};
+    st_i8 below = x < lo, above = x > hi, xb, lb, hb;  /* lanes of -1 where so (NaN: neither) */
+    memcpy(&xb, &x, sizeof x);
+    memcpy(&lb, &lo, sizeof lo);
+    memcpy(&hb, &hi, sizeof hi);
+    xb = (below & lb) | (above & hb) | (~(below | above) & xb);
+    memcpy(&x, &xb, sizeof xb);
     mv_v8 z = x * 1.44269504088896341f + magic;
     mv_v8 n = z - magic;
     mv_v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -248,13 +255,56 @@ ST_HEAD_FN(st_head_avx2, __attribute__((target("avx2,fma"))))
 #endif
 static st_head_fn st_head = st_head_base;
 
-/* matvec.h's and quant.h's kernels and the attention head for this CPU; once, before any
-   step. */
+/* activation(g) * u in eight lanes: silu(g) = g / (1 + e^-g), or gelu's tanh approximation
+   (torch's gelu(approximate="tanh"), 0.5 g (1 + tanh y)) as the same g / (1 + e^-2y), which
+   equals it and keeps its relative precision where tanh y nears -1. */
+static inline __attribute__((always_inline)) mv_v8 st_act8(int activation, mv_v8 g, mv_v8 u) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;  /* sqrt(2 / pi) */
+    mv_v8 y = activation == ST_GELU_TANH ? (g + kappa * (g * g * g)) * (2.0f * beta) : g;
+    return g / (1.0f + st_exp8(-y)) * u;
+}
+
+/* a[j0 .. j1) = activation(g) * u there, eight at a time; the last few through the same
+   lanes (zero-padded), so a value does not depend on where a thread's columns end. */
+static inline __attribute__((always_inline)) void st_act_body(
+        int activation, const float *g, const float *u, float *a, ptrdiff_t j0, ptrdiff_t j1) {
+    ptrdiff_t i = j0;
+    for (; i + 8 <= j1; i += 8) {
+        mv_v8 v = st_act8(activation, mv_load(g + i), mv_load(u + i));
+        memcpy(a + i, &v, sizeof v);
+    }
+    if (i < j1) {
+        float gt[8] = {0}, ut[8] = {0}, at[8];
+        memcpy(gt, g + i, sizeof(float) * (size_t)(j1 - i));
+        memcpy(ut, u + i, sizeof(float) * (size_t)(j1 - i));
+        mv_v8 v = st_act8(activation, mv_load(gt), mv_load(ut));
+        memcpy(at, &v, sizeof v);
+        memcpy(a + i, at, sizeof(float) * (size_t)(j1 - i));
+    }
+}
+
+typedef void (*st_act_fn)(int, const float *, const float *, float *, ptrdiff_t, ptrdiff_t);
+#define ST_ACT_FN(name, attrs)                                                               \
+    attrs static void name(int activation, const float *g, const float *u, float *a,         \
+                           ptrdiff_t j0, ptrdiff_t j1) {                                     \
+        st_act_body(activation, g, u, a, j0, j1);                                            \
+    }
+ST_ACT_FN(st_act_base, )
+#ifdef MV_X86
+ST_ACT_FN(st_act_avx2, __attribute__((target("avx2,fma"))))
+#endif
+static st_act_fn st_act_cols = st_act_base;  /* st_init picks this CPU's */
+
+/* matvec.h's and quant.h's kernels, the attention head and the activation for this CPU; once,
+   before any step. */
 static void st_init(void) {
     mv_init();
     qm_init();
 #ifdef MV_X86
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) st_head = st_head_avx2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        st_head = st_head_avx2;
+        st_act_cols = st_act_avx2;
+    }
 #endif
 }
 
@@ -429,34 +479,6 @@ static void st_product_team(const st_matrix *m, const float *x, float *y, const 
     }
 }
 
-/* activation(g) * u in eight lanes: silu(g) = g / (1 + e^-g), or gelu's tanh approximation
-   (torch's gelu(approximate="tanh"), 0.5 g (1 + tanh y)) as the same g / (1 + e^-2y), which
-   equals it and keeps its relative precision where tanh y nears -1. */
-static inline __attribute__((always_inline)) mv_v8 st_act8(int activation, mv_v8 g, mv_v8 u) {
-    const float beta = 0.7978845608028654f, kappa = 0.044715f;  /* sqrt(2 / pi) */
-    mv_v8 y = activation == ST_GELU_TANH ? (g + kappa * (g * g * g)) * (2.0f * beta) : g;
-    return g / (1.0f + st_exp8(-y)) * u;
-}
-
-/* a[j0 .. j1) = activation(g) * u there, eight at a time; the last few through the same
-   lanes (zero-padded), so a value does not depend on where a thread's columns end. */
-static void st_act_cols(int activation, const float *g, const float *u, float *a,
-                        ptrdiff_t j0, ptrdiff_t j1) {
-    ptrdiff_t i = j0;
-    for (; i + 8 <= j1; i += 8) {
-        mv_v8 v = st_act8(activation, mv_load(g + i), mv_load(u + i));
-        memcpy(a + i, &v, sizeof v);
-    }
-    if (i < j1) {
-        float gt[8] = {0}, ut[8] = {0}, at[8];
-        memcpy(gt, g + i, sizeof(float) * (size_t)(j1 - i));
-        memcpy(ut, u + i, sizeof(float) * (size_t)(j1 - i));
-        mv_v8 v = st_act8(activation, mv_load(gt), mv_load(ut));
-        memcpy(at, &v, sizeof v);
-        memcpy(a + i, at, sizeof(float) * (size_t)(j1 - i));
-    }
-}
-
 /* gate/up products (gate_up, 2 hidden by dim, into gu) of hidden columns [j0, j1) and act =
    activation(gate) * up of them, for R rows h; in as st_input's of h. */
 static void st_gated_cols(const st_matrix *gate_up, int activation, const float *h,
@@ -467,6 +489,17 @@ static void st_gated_cols(const st_matrix *gate_up, int activation, const float 
     for (int r = 0; r < R; r++) {
         const float *g = gu + r * 2 * hidden;
         st_act_cols(activation, g, g + hidden, act + r * hidden, j0, j1);
+    }
+}
+
+/* out (rows, hidden) = activation(gate) * up of both = [gate | up] (rows, 2 hidden), the
+   rows shared among ``threads``: a prefill's feed-forward, in the step's lanes. */
+static void st_act_rows(int activation, const float *both, float *out, ptrdiff_t rows,
+                        ptrdiff_t hidden, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows > 1)
+    for (ptrdiff_t r = 0; r < rows; r++) {
+        const float *g = both + r * 2 * hidden;
+        st_act_cols(activation, g, g + hidden, out + r * hidden, 0, hidden);
     }
 }
 

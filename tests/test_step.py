@@ -347,3 +347,44 @@ def test_early_exit_through_the_step_equals_the_torch_path(
     assert_close(got, ref, model_path_length(cfg))
     for a, b in zip(got_k, ref_k):
         assert_close(a, b, model_path_length(cfg))
+
+
+@pytest.mark.twins
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_act_mul_is_torchs_activation_times_up(impl: ModuleType, activation: str) -> None:
+    """A prefill's feed-forward product (``act_mul``): torch's silu / gelu(approximate="tanh")
+    of the gate times up within 2e-6 relative (1e-12 absolute), large gates of either sign, for
+    hidden widths that are not multiples of the lanes; the same bits on 1 and 3 threads."""
+    gen = torch.Generator().manual_seed(7)
+    for rows, hidden in ((1, 8), (3, 37), (5, 64)):
+        both = torch.randn(rows, 2 * hidden, generator=gen) * 4
+        both[0, :3] = torch.tensor([-95.0, 0.0, 95.0])
+        gate, up = both[:, :hidden], both[:, hidden:]
+        act = (torch.nn.functional.silu(gate.double()) if activation == "silu" else
+               torch.nn.functional.gelu(gate.double(), approximate="tanh"))
+        want = (act * up.double()).float()
+        got = impl.act_mul(both, torch.full((rows, hidden), float("nan")), activation, 1)
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-12)
+        again = impl.act_mul(both, torch.empty(rows, hidden), activation, 3)
+        assert torch.equal(again, got)
+
+
+@pytest.mark.twins
+@pytest.mark.parametrize("case,match", [
+    ("activation", "activation 'relu' is not one of silu, gelu_tanh"),
+    ("odd", r"gate and up \(2, 7\) are not a contiguous float32 \(rows, 2 hidden\)"),
+    ("out", r"out \(2, 4\) is not a contiguous float32 \(2, 3\)"),
+    ("threads", "threads 0 is not >= 1"),
+])
+def test_act_mul_refuses_bad_arguments(impl: ModuleType, case: str, match: str) -> None:
+    both, out, activation, threads = torch.randn(2, 6), torch.empty(2, 3), "silu", 1
+    if case == "activation":
+        activation = "relu"
+    elif case == "odd":
+        both = torch.randn(2, 7)
+    elif case == "out":
+        out = torch.empty(2, 4)
+    else:
+        threads = 0
+    with pytest.raises(ValueError, match=match):
+        impl.act_mul(both, out, activation, threads)

@@ -11,8 +11,8 @@ import numpy as np
 
 from . import _pyquant
 from ._stepconstants import (ACTIVATIONS, MAX_PARTS, MAX_ROWS, BlockWeights, Experts, Limits,
-                             QuantMatrix, StackedMatrix, check, check_call, check_logits,
-                             logits_usable, usable)
+                             QuantMatrix, StackedMatrix, check, check_act_mul, check_call,
+                             check_logits, logits_usable, usable)
 from .arrays import numpy_view as _np
 
 # the API both twins share
@@ -78,11 +78,23 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 
 def activate(gate: np.ndarray, activation: str) -> np.ndarray:
-    """silu, or gelu's tanh approximation."""
-    if activation == "silu":
-        return gate / (np.float32(1) + np.exp(-gate))
-    inner = np.float32(math.sqrt(2 / math.pi)) * (gate + np.float32(0.044715) * gate ** 3)
-    return np.float32(0.5) * gate * (np.float32(1) + np.tanh(inner))
+    """silu, or gelu's tanh approximation 0.5 g (1 + tanh y) as the equal g / (1 + e^-2y), as
+    the compiled step computes them (exact where tanh y nears -1)."""
+    y = gate
+    if activation != "silu":
+        y = np.float32(2 * math.sqrt(2 / math.pi)) * (gate + np.float32(0.044715) * gate ** 3)
+    with np.errstate(over="ignore"):  # e^-y past float32: the value is 0, as it should be
+        return gate / (np.float32(1) + np.exp(-y))
+
+
+def act_mul(both: Any, out: Any, activation: str, threads: int = 1) -> Any:
+    """out (rows, hidden) = activation(gate) * up of both = [gate | up] (rows, 2 hidden);
+    returns out."""
+    check_act_mul(both, out, activation, threads)
+    gates, into = _np(both), _np(out)
+    hidden = into.shape[1]
+    into[...] = activate(gates[:, :hidden], activation) * gates[:, hidden:]
+    return out
 
 
 def _product(x: np.ndarray, w: Any, dot: int) -> np.ndarray:

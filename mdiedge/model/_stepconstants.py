@@ -368,3 +368,20 @@ def check_logits(norm: Any, head: Any, x: Any, out: Any, threads: int) -> None:
                          f"({rows}, {vocab})")
     if threads < 1:
         raise ValueError(f"threads {threads} is not >= 1")
+
+
+def check_act_mul(both: Any, out: Any, activation: str, threads: int) -> int:
+    """``act_mul``'s arguments: both (rows, 2 hidden) and out (rows, hidden), contiguous float32
+    CPU arrays; the activation's code (its index in ``ACTIVATIONS``)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+    rows, width = tuple(both.shape) if ndim(both) == 2 else (0, 0)
+    if not (plain(both) and rows >= 1 and width >= 2 and width % 2 == 0):
+        raise ValueError(f"gate and up {tuple(getattr(both, 'shape', ()))} are not a contiguous "
+                         "float32 (rows, 2 hidden)")
+    if not (plain(out) and tuple(out.shape) == (rows, width // 2)):
+        raise ValueError(f"out {tuple(getattr(out, 'shape', ()))} is not a contiguous float32 "
+                         f"({rows}, {width // 2})")
+    if threads < 1:
+        raise ValueError(f"threads {threads} is not >= 1")
+    return ACTIVATIONS.index(activation)

@@ -17,7 +17,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..base.accel import Twins
-from . import _pyquant, grouping
+from . import _pyquant, _pystep, grouping
 from ._stepconstants import MAX_ROWS, QuantMatrix, StackedMatrix
 from .blasthreads import follow_threads
 from .config import ModelConfig
@@ -27,7 +27,12 @@ try:
     from . import _cquant
 except ImportError:  # not built: the twin serves
     _cquant = None  # type: ignore[assignment]
+try:
+    from . import _cstep
+except ImportError:
+    _cstep = None  # type: ignore[assignment]
 _quant = Twins(_pyquant, _cquant).select()
+_step = Twins(_pystep, _cstep).select()
 
 KERNEL_ROWS = MAX_ROWS  # rows the compiled product takes; more are a prefill
 TILE_BYTES = 4 << 20  # float32 bytes of the de-quantized tile a prefill multiplies by
@@ -132,42 +137,12 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return normed
 
 
-def activate_into(x: np.ndarray, out: np.ndarray, activation: str) -> np.ndarray:
-    """out = SiLU or GELU's tanh approximation of x (no other temporary); returns out."""
-    if activation == "silu":
-        np.negative(x, out=out)
-        np.exp(out, out=out)
-        out += np.float32(1.0)
-        return np.divide(x, out, out=out)
-    if activation != "gelu_tanh":
-        raise ValueError(f"unknown activation {activation!r}")
-    np.multiply(x, x, out=out)
-    out *= np.float32(0.044715)
-    out += np.float32(1.0)
-    out *= x
-    out *= np.float32(np.sqrt(2.0 / np.pi))
-    np.tanh(out, out=out)
-    out += np.float32(1.0)
-    out *= x
-    out *= np.float32(0.5)
-    return out
-
-
 def gated(both: np.ndarray, activation: str, threads: int) -> np.ndarray:
     """act(gate) * up of both = [gate | up] (rows, 2 hidden) into a new (rows, hidden) array,
-    its rows split among ``threads`` (numpy lets go of the GIL)."""
-    rows, hidden = both.shape[0], both.shape[1] // 2
-    out = np.empty((rows, hidden), np.float32)
-    share = max(1, -(-rows // max(1, threads)))
-
-    def job(first: int) -> Callable[[], None]:
-        def run() -> None:
-            part = out[first:first + share]
-            activate_into(both[first:first + share, :hidden], part, activation)
-            part *= both[first:first + share, hidden:]
-        return run
-    in_parallel([job(first) for first in range(0, rows, share)], threads)
-    return out
+    as the decode step computes it (``act_mul``: in the step's lanes, on ``threads`` threads
+    of the kernels' own team, where the step is compiled)."""
+    out = np.empty((both.shape[0], both.shape[1] // 2), np.float32)
+    return _step.act_mul(both, out, activation, threads)
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

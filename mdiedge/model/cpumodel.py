@@ -18,27 +18,19 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..base.accel import Twins
 from ..base.cpudot import dot_code
 from ..base.errors import CpuPathRefused
 from ..base.threads import kernel_threads
-from . import _pyquant, _pystep, npprefill
+from . import npprefill
 from ._stepconstants import MAX_ROWS, BlockWeights, Experts, QuantMatrix
 from .checks import check_memory
 from .config import ModelConfig
 from .families import family_of
+from .kernels import QUANT, STEP
 from .rope import rope_tables
 
-try:
-    from . import _cstep
-except ImportError:  # not built: the twin serves
-    _cstep = None  # type: ignore[assignment]
-try:
-    from . import _cquant
-except ImportError:  # not built: the twin serves
-    _cquant = None  # type: ignore[assignment]
-_step = Twins(_pystep, _cstep).select()
-_quant = Twins(_pyquant, _cquant).select()
+_step = STEP.select()
+_quant = QUANT.select()
 
 
 @dataclass

@@ -16,23 +16,15 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..base.accel import Twins
-from . import _pyquant, _pystep, grouping
+from . import grouping
 from ._stepconstants import MAX_ROWS, QuantMatrix, StackedMatrix
 from .blasthreads import follow_threads
 from .config import ModelConfig
+from .kernels import QUANT, STEP
 from .qtypes import TYPES
 
-try:
-    from . import _cquant
-except ImportError:  # not built: the twin serves
-    _cquant = None  # type: ignore[assignment]
-try:
-    from . import _cstep
-except ImportError:
-    _cstep = None  # type: ignore[assignment]
-_quant = Twins(_pyquant, _cquant).select()
-_step = Twins(_pystep, _cstep).select()
+_quant = QUANT.select()
+_step = STEP.select()
 
 KERNEL_ROWS = MAX_ROWS  # rows the compiled product takes; more are a prefill
 TILE_BYTES = 4 << 20  # float32 bytes of the de-quantized tile a prefill multiplies by

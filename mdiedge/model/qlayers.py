@@ -20,20 +20,14 @@ from typing import Any, Dict, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..base.accel import Twins
 from ..base.cpudot import cpu_dot, dot_code
 from ..base.errors import CheckpointError, QuantError
-from . import _pyquant
+from .kernels import QUANT
 from .layers import Linear
 from .npprefill import KERNEL_ROWS, TILE_BYTES, integer_prefill  # the torch-free prefill's
 from .qtypes import kernel_qtype  # noqa: F401  (known here too)
 from .quant import TYPES, check_blocks, dequantize_on_device, qtype_of, quantize, row_bytes
 
-try:
-    from . import _cquant
-except ImportError:  # not built: the twin serves
-    _cquant = None  # type: ignore[assignment]
-QUANT = Twins(_pyquant, _cquant)
 _quant = QUANT.select()
 log = logging.getLogger("mdiedge.quant")
 

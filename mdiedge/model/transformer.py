@@ -16,8 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..base.accel import Twins
-from . import _pystep
 from ._stepconstants import BlockWeights
 from .block import KVCache, step_matrix
 from .config import ModelConfig
@@ -25,15 +23,11 @@ from ..base.cpudot import dot_code
 from .decoderoute import decode_route
 from .earlyexit.policy import ExitStep
 from .families import family_of
+from .kernels import STEP
 from .checks import check_memory
 from .layers import Linear, RMSNorm, rope_tables, transposed_head_pays
 
 NO_SLOTS = torch.empty(0, dtype=torch.long)
-try:
-    from . import _cstep
-except ImportError:  # not built: the twin serves
-    _cstep = None  # type: ignore[assignment]
-STEP = Twins(_pystep, _cstep)
 _step = STEP.select()
 
 

@@ -5,8 +5,12 @@ in registers, a scalar reference and a vector path (AVX2+FMA+F16C on x86-64, NEO
 chosen at import (the q8 mode's integer kernels with AVX512-VNNI where the CPU has it), OpenMP threads over the output columns, the GIL released. Arguments are
 checked by ``mdiedge.model.qtypes`` (one line each, ``QuantError``); arrays are numpy arrays or
 torch CPU tensors."""
+import numpy as _np
+
+from mdiedge.base.errors import QuantError as _QuantError
 from mdiedge.model.arrays import address as _address, row_stride as _row_stride
 from mdiedge.model.qtypes import check_compiled as _check_compiled, check_matmul, check_rows
+from mdiedge.model.qtypes import qtype_of as _qtype_of
 
 cdef extern from "quant.h" nogil:
     int QM_TYPES
@@ -18,9 +22,13 @@ cdef extern from "quant.h" nogil:
     const char *qm_ipath
     int qm_q8_usable(int type)
     int QM_DOT_WIDE
-    int qm_rows_into(int type, const unsigned char *w, const float *x, float *y,
-                     Py_ssize_t ldy, Py_ssize_t n, Py_ssize_t k, int rows, int threads,
-                     int dot)
+    int qm_rows_into_x8(int type, const unsigned char *w, const unsigned char *x8,
+                        const float *x, float *y, Py_ssize_t ldy, Py_ssize_t n, Py_ssize_t k,
+                        int rows, int threads, int dot)
+    int qm_x8_usable(int type)
+    size_t qm_x8_bytes(int type, Py_ssize_t k)
+    int qm_pack_x8(int type, const unsigned char *w, Py_ssize_t n, Py_ssize_t k,
+                   unsigned char *out, int threads)
     void qm_dequant(int type, const unsigned char *w, Py_ssize_t k, Py_ssize_t count,
                     float *out, int threads)
 
@@ -59,20 +67,47 @@ def set_simd(on):
     return _path
 
 
-def matmul(x, w, qtype, out, int threads=1, int dot=0):
+def x8_types():
+    """The types whose x8 layout (``pack_x8``) the q8 mode multiplies on the path in use."""
+    return tuple(qm_names[i].decode() for i in range(QM_TYPES) if qm_x8_usable(i))
+
+
+def pack_x8(w, qtype, int threads=1):
+    """Rows ``w`` (uint8 (n, row_bytes)) of ``qtype`` in the x8 layout: groups of 8 rows
+    interleaved block by block (``ext/quant_q8.h``), uint8 (n / 8, group bytes); QuantError
+    where the type has none or n is not a multiple of 8."""
+    cdef int code = _qtype_of(qtype).kernel
+    cdef Py_ssize_t n = w.shape[0], k = w.shape[1] // qm_block_bytes[code] * qm_block[code]
+    cdef size_t group = qm_x8_bytes(code, k)
+    if group == 0 or n % 8 or w.shape[1] % qm_block_bytes[code]:
+        raise _QuantError(f"{qtype} matrix {tuple(w.shape)} has no x8 layout: Q4_K rows of "
+                          f"whole blocks, a multiple of 8 of them")
+    out = _np.empty((n // 8, group), _np.uint8)
+    cdef size_t w_ptr = _address(w), o_ptr = _address(out)
+    with nogil:
+        qm_pack_x8(code, <const unsigned char *>w_ptr, n, k, <unsigned char *>o_ptr, threads)
+    return out
+
+
+def matmul(x, w, qtype, out, int threads=1, int dot=0, x8=None):
     """out = x @ W^T with W the de-quantized ``w`` (uint8 (n, row_bytes)) of type ``qtype``;
     x float32 (rows, in), out float32 (rows, n), its rows contiguous (out may be a stretch of
     columns of a wider array); dot 1: the q8 mode (x quantized to 8 bits, integer dot
     products, ``mdiedge.model.cpudot``; the K-quants' wide kernels, which scale 8 rows' sums
-    at once: the step's kernels round a row otherwise); returns out."""
+    at once: the step's kernels round a row otherwise), which reads ``x8`` (``pack_x8``'s
+    of w) instead of w where given and usable; returns out."""
     t = check_matmul(x, w, qtype, out, threads)
     cdef int code = t.kernel, rows = x.shape[0], status
     cdef size_t w_ptr = _address(w), x_ptr = _address(x), y_ptr = _address(out)
+    cdef size_t x8_ptr = 0 if x8 is None else _address(x8)
     cdef Py_ssize_t n = w.shape[0], k = x.shape[1], ldy = _row_stride(out)
+    if x8 is not None and (x8.shape[0] * 8 != n or x8.shape[1] != qm_x8_bytes(code, k)):
+        raise _QuantError(f"x8 layout {tuple(x8.shape)} is not that of {qtype} {tuple(w.shape)}")
     with nogil:
-        status = qm_rows_into(code, <const unsigned char *>w_ptr, <const float *>x_ptr,
-                              <float *>y_ptr, ldy, n, k, rows, threads,
-                              QM_DOT_WIDE if dot else 0)
+        status = qm_rows_into_x8(code, <const unsigned char *>w_ptr,
+                                 <const unsigned char *>x8_ptr, <const float *>x_ptr,
+                                 <float *>y_ptr, ldy, n, k, rows, threads,
+                                 QM_DOT_WIDE if dot else 0)
     if status:
         raise MemoryError(f"no memory for the activations of {rows} rows of {k}")
     return out

@@ -30,6 +30,7 @@ cdef extern from "step.h" nogil:
         int t[3]
         Py_ssize_t n[3]
         int parts
+        const void *x8[3]
     ctypedef struct st_block:
         const float *attn_norm
         const float *mlp_norm
@@ -99,6 +100,14 @@ cdef void _fill_matrix(st_matrix *m, matrix) except *:
     m.parts = len(parts)
     for p, part in enumerate(parts):
         m.w[p], m.t[p], m.n[p] = _matrix(part), _type(part), part.shape[0]
+        m.x8[p] = _x8(part)
+
+
+cdef const void *_x8(m) except? NULL:
+    """A QuantMatrix's x8 layout (``QuantMatrix.x8``), else NULL."""
+    if isinstance(m, QuantMatrix) and m.x8 is not None:
+        return <const void *><size_t>_address(m.x8)
+    return NULL
 
 
 cdef Py_ssize_t _expert_matrices(weights):

@@ -42,7 +42,7 @@ static const int8_t qm_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                     1, 13, 25, 38, 53, 69, 89, 113};
 
 #define QM_GROUP 4           /* activation rows per pass over a weight row */
-#define QM_COLS_PER_TASK 16  /* output columns per OpenMP task */
+#define QM_COLS_PER_TASK 16  /* output columns per OpenMP task (a multiple of QM_X8) */
 /* qm_rows's tasks widen up to this while every thread keeps QM_TASKS_EACH of them: each task
    reads every row of x once more, so a many-row product of a wide x (Qwen2.5's down: 512
    rows of 8960, 4.6 MB, past a core's L2) reads it from L3 a quarter as often as 16 columns
@@ -419,6 +419,7 @@ static inline void qm_widen16_neon(qs_i8x16 v, qs_f8 *out) {
 static qm_dot_fn qm_fns[QM_TYPES][QM_GROUP + 1];
 static qm_idot_fn qm_ifns[QM_TYPES];  /* the integer kernels (NULL: the type has none here) */
 static qm_idot_fn qm_wfns[QM_TYPES];  /* the wide ones (NULL: the type's qm_ifns serves) */
+static qm_x8_fn qm_x8fns[QM_TYPES];   /* the x8 layout's (NULL: none; qm_pack_x8) */
 static const char *qm_path = "scalar", *qm_ipath = "scalar";
 
 /* Whether this CPU runs the vector path compiled here. */
@@ -450,11 +451,13 @@ static int qm_ivariant_usable(int i) {
 static void qm_use_ivariant(int i) {
     memset(qm_ifns, 0, sizeof qm_ifns);
     memset(qm_wfns, 0, sizeof qm_wfns);
+    memset(qm_x8fns, 0, sizeof qm_x8fns);
     qm_ipath = "float32";
 #ifdef QM_IVARIANTS
     if (qm_ivariant_usable(i)) {
         memcpy(qm_ifns, qm_ivariants[i].table, sizeof qm_ifns);
         if (qm_ivariants[i].wide) memcpy(qm_wfns, qm_ivariants[i].wide, sizeof qm_wfns);
+        if (qm_ivariants[i].x8) memcpy(qm_x8fns, qm_ivariants[i].x8, sizeof qm_x8fns);
         qm_ipath = qm_ivariants[i].name;
     }
 #endif
@@ -466,6 +469,7 @@ static const char *qm_use_simd(int on) {
     memcpy(qm_fns, qm_scalar, sizeof qm_fns);
     memcpy(qm_ifns, qm_iscalar, sizeof qm_ifns);
     memset(qm_wfns, 0, sizeof qm_wfns);
+    memcpy(qm_x8fns, qm_x8scalar, sizeof qm_x8fns);
     qm_path = qm_ipath = "scalar";
 #ifdef QM_SIMD_TABLE
     if (on && qm_simd_available()) {
@@ -504,6 +508,11 @@ static inline void qm_xsum(const float *x, ptrdiff_t k, int rows, float *xs) {
    it has an activation form and a kernel on the path in use (the scalar references all). */
 static inline int qm_q8_usable(int type) {
     return qm_act_form(type) != 0 && qm_ifns[type] != NULL;
+}
+
+/* Whether the q8 mode multiplies a ``type`` matrix in the x8 layout where it has one. */
+static inline int qm_x8_usable(int type) {
+    return type >= 0 && type < QM_TYPES && qm_q8_usable(type) && qm_x8fns[type] != NULL;
 }
 
 /* What a product's kernels read besides x: qm_xsum's sums (xs, NULL where no float32 kernel
@@ -626,11 +635,42 @@ static inline void qm_range(int type, const uint8_t *w, const float *x, const qm
     }
 }
 
-static inline void qm_task(int type, const uint8_t *w, const float *x, const qm_input *in,
-                           float *y, ptrdiff_t ldy, ptrdiff_t n, ptrdiff_t k, int rows,
-                           ptrdiff_t cols, ptrdiff_t t) {
+/* qm_irange on the x8 layout: x8 the groups (qm_pack_x8), j0 and j1 multiples of QM_X8. */
+static inline void qm_irange_x8(int type, const uint8_t *x8, const qm_input *in, float *y,
+                                const float *base, ptrdiff_t ldy, ptrdiff_t k, int rows,
+                                ptrdiff_t j0, ptrdiff_t j1) {
+    size_t group = qm_x8_bytes(type, k);
+    float s[QM_IGROUP * QM_X8];
+    for (int r0 = 0; r0 < rows; r0 += QM_IGROUP) {
+        int R = rows - r0 < QM_IGROUP ? rows - r0 : QM_IGROUP;
+        qm_act act = qm_act_from(&in->act, k, r0);
+        for (ptrdiff_t j = j0; j < j1; j += QM_X8) {
+            qm_x8fns[type](x8 + (size_t)(j / QM_X8) * group, &act, k, R, s);
+            for (int r = 0; r < R; r++)
+                for (int i = 0; i < QM_X8; i++) {
+                    ptrdiff_t at = (r0 + r) * ldy + j + i;
+                    y[at] = base ? base[at] + s[QM_X8 * r + i] : s[QM_X8 * r + i];
+                }
+        }
+    }
+}
+
+/* qm_range of a matrix held twice, its rows at w and (x8 not NULL) in the x8 layout: the
+   latter where the q8 mode multiplies it and the columns are whole groups. */
+static inline void qm_range_x8(int type, const uint8_t *w, const uint8_t *x8, const float *x,
+                               const qm_input *in, float *y, const float *base, ptrdiff_t ldy,
+                               ptrdiff_t k, int rows, ptrdiff_t j0, ptrdiff_t j1) {
+    if (x8 && in && in->q8 && qm_x8_usable(type) && j0 % QM_X8 == 0 && j1 % QM_X8 == 0)
+        qm_irange_x8(type, x8, in, y, base, ldy, k, rows, j0, j1);
+    else
+        qm_range(type, w, x, in, y, base, ldy, k, rows, j0, j1);
+}
+
+static inline void qm_task(int type, const uint8_t *w, const uint8_t *x8, const float *x,
+                           const qm_input *in, float *y, ptrdiff_t ldy, ptrdiff_t n,
+                           ptrdiff_t k, int rows, ptrdiff_t cols, ptrdiff_t t) {
     ptrdiff_t j0 = t * cols, j1 = j0 + cols < n ? j0 + cols : n;
-    qm_range(type, w, x, in, y, NULL, ldy, k, rows, j0, j1);
+    qm_range_x8(type, w, x8, x, in, y, NULL, ldy, k, rows, j0, j1);
 }
 
 /* Columns per task of qm_rows: QM_COLS_PER_TASK doubled up to QM_WIDE_COLS while each of
@@ -646,12 +686,13 @@ static inline ptrdiff_t qm_task_cols(ptrdiff_t n, int threads) {
 #define QM_DOT_WIDE 2  /* the wide ones where a type has them (a prefill's products) */
 
 /* y = x W^T on `threads` threads, y's rows ldy floats apart (ldy >= n: y may be a stretch of
-   columns of a wider array); W is n rows of k weights of `type`; dot: 0 float32, QM_DOT_Q8
-   or QM_DOT_WIDE. Returns 0, or -1 where the activations' sums or quants cannot be
-   allocated. */
-static inline int qm_rows_into(int type, const uint8_t *w, const float *x, float *y,
-                               ptrdiff_t ldy, ptrdiff_t n, ptrdiff_t k, int rows, int threads,
-                               int dot) {
+   columns of a wider array); W is n rows of k weights of `type` at w, and (x8 not NULL) the
+   same in the x8 layout (qm_pack_x8), which the q8 mode reads where it can; dot: 0 float32,
+   QM_DOT_Q8 or QM_DOT_WIDE. Returns 0, or -1 where the activations' sums or quants cannot be
+   allocated. Tasks of whole x8 groups (QM_COLS_PER_TASK and its doublings). */
+static inline int qm_rows_into_x8(int type, const uint8_t *w, const uint8_t *x8, const float *x,
+                                  float *y, ptrdiff_t ldy, ptrdiff_t n, ptrdiff_t k, int rows,
+                                  int threads, int dot) {
     float *mem = malloc(sizeof(float) * qm_input_floats(k, rows));
     if (!mem) return -1;
     qm_input in;
@@ -659,9 +700,17 @@ static inline int qm_rows_into(int type, const uint8_t *w, const float *x, float
     in.wide = dot == QM_DOT_WIDE;
     ptrdiff_t cols = qm_task_cols(n, threads), tasks = (n + cols - 1) / cols;
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (ptrdiff_t t = 0; t < tasks; t++) qm_task(type, w, x, &in, y, ldy, n, k, rows, cols, t);
+    for (ptrdiff_t t = 0; t < tasks; t++)
+        qm_task(type, w, x8, x, &in, y, ldy, n, k, rows, cols, t);
     free(mem);
     return 0;
+}
+
+/* qm_rows_into_x8 of a matrix held only as rows. */
+static inline int qm_rows_into(int type, const uint8_t *w, const float *x, float *y,
+                               ptrdiff_t ldy, ptrdiff_t n, ptrdiff_t k, int rows, int threads,
+                               int dot) {
+    return qm_rows_into_x8(type, w, NULL, x, y, ldy, n, k, rows, threads, dot);
 }
 
 /* qm_rows_into with y's rows n floats apart (y contiguous). */

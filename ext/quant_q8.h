@@ -36,16 +36,22 @@ typedef struct {
 /* One weight row against R <= QM_IGROUP quantized activation rows: s[r] = sum_i W[i] x[r][i]. */
 typedef void (*qm_idot_fn)(const uint8_t *w, const qm_act *a, ptrdiff_t k, int R, float *s);
 
+/* 8 interleaved weight rows (a group g of the x8 layout, see qm_pack_x8) against R <=
+   QM_IGROUP activation rows: s[8 r + i] = weight row i by activation row r. */
+typedef void (*qm_x8_fn)(const uint8_t *g, const qm_act *a, ptrdiff_t k, int R, float *s);
+
 /* A vector path's integer kernels: its name, the kernels by type, its wide kernels by type
    (NULL: none), and whether this CPU runs them (NULL: wherever the vector path runs).
    A wide kernel is a 256-weight type's for products of many rows (qm_rows's QM_DOT_WIDE):
    it scales 8 rows' block sums in one vector, where the step's kernels scale each row's;
-   a row's result is its own either way, but the two kinds round it differently. */
+   a row's result is its own either way, but the two kinds round it differently. Its x8
+   kernels by type (NULL: none) multiply the x8 layout's groups. */
 typedef struct {
     const char *name;
     const qm_idot_fn *table;
     const qm_idot_fn *wide;
     int (*usable)(void);
+    const qm_x8_fn *x8;
 } qm_ivariant;
 
 /* A vector kernel ``name`` (a qm_idot_fn, ATTR its target attribute) that calls CALL(R) with
@@ -350,3 +356,86 @@ static const qm_idot_fn qm_iscalar[QM_TYPES] = {
     qm_iscalar_0, qm_iscalar_1, qm_iscalar_2, qm_iscalar_3, qm_iscalar_4, NULL, NULL,
     qm_iscalar_7, qm_iscalar_8, qm_iscalar_9, qm_iscalar_10, qm_iscalar_11, qm_iscalar_12,
     qm_iscalar_13};
+
+/* -- Q4_K in groups of 8 interleaved rows (the x8 layout, qm_pack_x8) ----------------------
+ *
+ * A product's 8 consecutive weight rows are stored block by block together: per 256-weight
+ * block, QM_X8_Q4K bytes:
+ *   0   the 8 rows' d (f16), 16 their dmin (f16);
+ *   32  sub-block j's 6-bit scale of row i at 32 + 8 j + i (bytes);
+ *   96  sub-blocks 2p and 2p + 1's minimums of row i at 96 + 16 p + 2 i (+ 1), a pair;
+ *   160 quants: for each 64 weights c and each 4 bytes t of their 32, the 8 rows' 4 bytes
+ *       (row i's qs[32 c + 4 t ..]) at 160 + 32 (8 c + t) + 4 i.
+ * A vector kernel then multiplies 4 bytes of an activation by the same 4 bytes of all 8 rows
+ * in one instruction, each row in its own 32-bit lane, and scales the 8 rows' sums in one
+ * vector: none of the per-row horizontal sums and scale picking of the row-by-row kernels
+ * (the layout llama.cpp's repacked Q4_K takes for the same reason). The scalar reference
+ * computes each row exactly as qm_iblk_q4_k does. */
+#define QM_X8 8
+#define QM_X8_Q4K 1184
+
+/* Bytes of one group of QM_X8 rows of k weights of ``type`` in the x8 layout (0: none). */
+static inline size_t qm_x8_bytes(int type, ptrdiff_t k) {
+    return type == QM_Q4_K ? (size_t)(k / 256) * QM_X8_Q4K : 0;
+}
+
+/* The group block of rows w[0..8) (rb bytes apart), block b, into dst (QM_X8_Q4K bytes). */
+static void qm_pack_q4k_block(const uint8_t *w, ptrdiff_t rb, ptrdiff_t b, uint8_t *dst) {
+    for (int i = 0; i < QM_X8; i++) {
+        const uint8_t *blk = w + i * rb + b * 144;
+        memcpy(dst + 2 * i, blk, 2);
+        memcpy(dst + 16 + 2 * i, blk + 2, 2);
+        for (int j = 0; j < 8; j++) {
+            int sc, m;
+            qm_scale_min_k4(j, blk + 4, &sc, &m);
+            dst[32 + 8 * j + i] = (uint8_t)sc;
+            dst[96 + 16 * (j / 2) + 2 * i + (j % 2)] = (uint8_t)m;
+        }
+        for (int c = 0; c < 4; c++)
+            for (int t = 0; t < 8; t++)
+                memcpy(dst + 160 + 32 * (8 * c + t) + 4 * i, blk + 16 + 32 * c + 4 * t, 4);
+    }
+}
+
+/* out = the n rows of k weights at w (n a multiple of QM_X8) in the x8 layout: group g's
+   blocks at out + g qm_x8_bytes(type, k). Returns 0, or -1 for a type without one. */
+static inline int qm_pack_x8(int type, const uint8_t *w, ptrdiff_t n, ptrdiff_t k, uint8_t *out,
+                      int threads) {
+    if (qm_x8_bytes(type, k) == 0 || n % QM_X8) return -1;
+    ptrdiff_t nb = k / 256, rb = nb * 144;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (ptrdiff_t g = 0; g < n / QM_X8; g++)
+        for (ptrdiff_t b = 0; b < nb; b++)
+            qm_pack_q4k_block(w + g * QM_X8 * rb, rb, b, out + (g * nb + b) * QM_X8_Q4K);
+    return 0;
+}
+
+/* The scalar reference: each row as qm_iblk_q4_k computes it, block by block. */
+static void qm_x8_scalar_q4k(const uint8_t *g, const qm_act *a, ptrdiff_t k, int R, float *s) {
+    ptrdiff_t nb = k / 256;
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < QM_X8; i++) {
+            float acc = 0.0f;
+            for (ptrdiff_t b = 0; b < nb; b++) {
+                const uint8_t *blk = g + b * QM_X8_Q4K;
+                const int8_t *y = QM_YK(a, r, k, b);
+                const int16_t *bs = QM_BS(a, r, k, b);
+                int dots = 0, mins = 0;
+                for (int j = 0; j < 8; j++) {
+                    int sum = 0, c = j / 2;
+                    for (int l = 0; l < 32; l++) {
+                        uint8_t q = blk[160 + 32 * (8 * c + l / 4) + 4 * i + l % 4];
+                        sum += (j % 2 ? q >> 4 : q & 0xF) * y[32 * j + l];
+                    }
+                    dots += blk[32 + 8 * j + i] * sum;
+                    mins += blk[96 + 16 * c + 2 * i + j % 2] * (bs[2 * j] + bs[2 * j + 1]);
+                }
+                float dy = QM_DK(a, r, k, b);
+                acc += qm_half(blk + 2 * i) * dy * (float)dots
+                       - qm_half(blk + 16 + 2 * i) * dy * (float)mins;
+            }
+            s[QM_X8 * r + i] = acc;
+        }
+}
+
+static const qm_x8_fn qm_x8scalar[QM_TYPES] = {[QM_Q4_K] = qm_x8_scalar_q4k};

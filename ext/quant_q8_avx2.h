@@ -214,9 +214,9 @@ static inline int qa_vnni(void) {
 }
 
 /* The integer variants of this path, best last: name, kernels by type, wide kernels by type,
-   whether it runs. */
+   whether it runs, x8 kernels by type. */
 static const qm_ivariant qm_ivariants[] = {
-    {"avx2", qa_table, qa_wtable, NULL},
-    {"avx2+avx512vnni", qv_table, qv_wtable, qa_vnni},
+    {"avx2", qa_table, qa_wtable, NULL, qa_x8table},
+    {"avx2+avx512vnni", qv_table, qv_wtable, qa_vnni, qv_x8table},
 };
 #define QM_IVARIANTS 2

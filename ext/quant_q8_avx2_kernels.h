@@ -253,6 +253,110 @@ QK_ALWAYS void QK(dot_k)(int type, const uint8_t *w, const qm_act *a, ptrdiff_t 
     for (int r = 0; r < R; r++) s[r] = wide ? lanes[r] : qa_hsum(acc[r]);
 }
 
+/* acc plus, per 32-bit lane, the four products of unsigned bytes u by signed bytes y. */
+QK_ALWAYS __m256i QK(dp)(__m256i acc, __m256i u, __m256i y) {
+#if QK_VNNI
+    return _mm256_dpbusd_epi32(acc, u, y);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, y),
+                                                   _mm256_set1_epi16(1)));
+#endif
+}
+
+#define QK_X8_PASS (QK_VNNI ? 4 : 2)  /* activation rows per pass over a group's quants */
+
+/* Row r's minimum sums of block b by the 8 rows' sub-block minimums (mp: the four pairs'):
+   lane i = sum over sub-blocks j of m_j[i] (bsums[2 j] + bsums[2 j + 1]). */
+QK_ALWAYS __m256i QK(x8_mins)(const qm_act *a, ptrdiff_t k, ptrdiff_t b, int r,
+                              const __m256i *mp) {
+    __m256i bs32 = _mm256_madd_epi16(qa_load(a->bsums + r * (k / 16) + 16 * b),
+                                     _mm256_set1_epi16(1));
+    __m256i pairs = _mm256_packs_epi32(bs32, bs32);  /* 32-bit lanes 0 1 4 5: (B0 B1)..(B6 B7) */
+    __m256i m = _mm256_madd_epi16(mp[0], _mm256_permutevar8x32_epi32(pairs, _mm256_set1_epi32(0)));
+    m = _mm256_add_epi32(m, _mm256_madd_epi16(mp[1], _mm256_permutevar8x32_epi32(
+                                                  pairs, _mm256_set1_epi32(1))));
+    m = _mm256_add_epi32(m, _mm256_madd_epi16(mp[2], _mm256_permutevar8x32_epi32(
+                                                  pairs, _mm256_set1_epi32(4))));
+    return _mm256_add_epi32(m, _mm256_madd_epi16(mp[3], _mm256_permutevar8x32_epi32(
+                                                     pairs, _mm256_set1_epi32(5))));
+}
+
+/* Q4_K's 64 weights c of block b in a group (g at the block) against R rows, into the rows'
+   int32 sums by the sub-blocks' scales (lane i: weight row i). */
+QK_ALWAYS void QK(x8_q4k_64)(const uint8_t *g, const qm_act *a, ptrdiff_t k, ptrdiff_t b,
+                             int c, const int R, __m256i *isum) {
+    const __m256i low4 = _mm256_set1_epi8(0xF);
+    __m256i lo_s[QK_X8_PASS], hi_s[QK_X8_PASS];
+    QA_UNROLL
+    for (int r = 0; r < R; r++) lo_s[r] = hi_s[r] = _mm256_setzero_si256();
+    QA_UNROLL
+    for (int t = 0; t < 8; t++) {
+        __m256i bits = qa_load(g + 160 + 32 * (8 * c + t));
+        __m256i lo = _mm256_and_si256(bits, low4);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low4);
+        QA_UNROLL
+        for (int r = 0; r < R; r++) {
+            const int8_t *y = a->qk + r * k + 256 * b + 64 * c + 4 * t;
+            int32_t y_lo, y_hi;
+            memcpy(&y_lo, y, 4);
+            memcpy(&y_hi, y + 32, 4);
+            lo_s[r] = QK(dp)(lo_s[r], lo, _mm256_set1_epi32(y_lo));
+            hi_s[r] = QK(dp)(hi_s[r], hi, _mm256_set1_epi32(y_hi));
+        }
+    }
+    __m256i sc_lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(g + 32 + 16 * c)));
+    __m256i sc_hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(g + 40 + 16 * c)));
+    QA_UNROLL
+    for (int r = 0; r < R; r++)
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_mullo_epi32(lo_s[r], sc_lo),
+                                                             _mm256_mullo_epi32(hi_s[r], sc_hi)));
+}
+
+/* Q4_K's x8 group g against R <= QK_X8_PASS activation rows: s[8 r + i]. */
+QK_ALWAYS void QK(x8_q4k_pass)(const uint8_t *g, const qm_act *a, ptrdiff_t k, const int R,
+                               float *s) {
+    const ptrdiff_t nb = k / 256;
+    __m256 acc[QK_X8_PASS];
+    QA_UNROLL
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (ptrdiff_t b = 0; b < nb; b++, g += QM_X8_Q4K) {
+        __m256i isum[QK_X8_PASS], mp[4];
+        QA_UNROLL
+        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+        QA_UNROLL
+        for (int c = 0; c < 4; c++) QK(x8_q4k_64)(g, a, k, b, c, R, isum);
+        QA_UNROLL
+        for (int p = 0; p < 4; p++)
+            mp[p] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(g + 96 + 16 * p)));
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+        __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));
+        QA_UNROLL
+        for (int r = 0; r < R; r++) {
+            __m256 dy = _mm256_set1_ps(a->dk[r * (nb + 1) + b]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, dy), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dy),
+                                      _mm256_cvtepi32_ps(QK(x8_mins)(a, k, b, r, mp)), acc[r]);
+        }
+    }
+    QA_UNROLL
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(s + QM_X8 * r, acc[r]);
+}
+
+/* Q4_K's x8 group g against R <= QM_IGROUP rows, QK_X8_PASS at a time (each row's sums its
+   own: the same bits whatever rows share a pass). */
+QK_ATTR static void QK(x8_q4k)(const uint8_t *g, const qm_act *a, ptrdiff_t k, int R, float *s) {
+    for (int r0 = 0; r0 < R; r0 += QK_X8_PASS) {
+        qm_act at = qm_act_from(a, k, r0);
+        int n = R - r0 < QK_X8_PASS ? R - r0 : QK_X8_PASS;
+        if (n == 1) QK(x8_q4k_pass)(g, &at, k, 1, s + QM_X8 * r0);
+        else if (n == 2) QK(x8_q4k_pass)(g, &at, k, 2, s + QM_X8 * r0);
+#if QK_VNNI
+        else if (n == 3) QK(x8_q4k_pass)(g, &at, k, 3, s + QM_X8 * r0);
+        else QK(x8_q4k_pass)(g, &at, k, 4, s + QM_X8 * r0);
+#endif
+    }
+}
+
 #define QK_Q8_0(R_) QK(dot32)(QM_Q8_0, w, a, k, R_, s)
 #define QK_Q4_0(R_) QK(dot32)(QM_Q4_0, w, a, k, R_, s)
 #define QK_Q4_1(R_) QK(dot32)(QM_Q4_1, w, a, k, R_, s)
@@ -299,6 +403,8 @@ static const qm_idot_fn QK(table)[QM_TYPES] = {
 static const qm_idot_fn QK(wtable)[QM_TYPES] = {
     NULL, NULL, NULL, QK(q4_k_w), QK(q6_k_w), NULL, NULL, NULL, NULL,
     QK(q2_k_w), QK(q3_k_w), QK(q5_k_w), NULL, QK(iq4_xs_w)};
+/* Its x8 kernels (qm_pack_x8's layout). */
+static const qm_x8_fn QK(x8table)[QM_TYPES] = {[QM_Q4_K] = QK(x8_q4k)};
 
 #undef QK_Q8_0
 #undef QK_Q4_0
@@ -319,6 +425,7 @@ static const qm_idot_fn QK(wtable)[QM_TYPES] = {
 #undef QK_IQ4_XS
 #undef QK_IQ4_XS_W
 #undef QK_BY_ROWS
+#undef QK_X8_PASS
 #undef QK_SCALE
 #undef QK_SPLIT
 #undef QK_ALWAYS

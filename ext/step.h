@@ -48,6 +48,7 @@ typedef struct {
     int t[ST_PARTS];
     ptrdiff_t n[ST_PARTS];
     int parts;
+    const void *x8[ST_PARTS];  /* a part also in the x8 layout (qm_pack_x8), else NULL */
 } st_matrix;
 
 #define ST_SILU 0      /* an activation: SwiGLU, silu(gate) * up */
@@ -445,8 +446,8 @@ static void st_product_cols(const st_matrix *m, const float *x, const qm_input *
         ptrdiff_t a = j0 > first ? j0 - first : 0, b = j1 - first;
         if (b > m->n[p]) b = m->n[p];
         if (a < b)
-            qm_range(m->t[p], (const uint8_t *)m->w[p], x, in, y + first,
-                     base ? base + first : NULL, n, k, R, a, b);
+            qm_range_x8(m->t[p], (const uint8_t *)m->w[p], (const uint8_t *)m->x8[p], x, in,
+                        y + first, base ? base + first : NULL, n, k, R, a, b);
     }
 }
 

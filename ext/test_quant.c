@@ -7,7 +7,9 @@
  *    with one on this path, rows 1..8, widths of one and several blocks (96 for the 32-weight
  *    types), activations quantized by qm_quantize32 / qm_quantize256; and qm_rows's q8 mode
  *    against the kernel (exactly) and against the float32 mode (within the quantization's
- *    error).
+ *    error);
+ *  - Q4_K's x8 layout (qm_pack_x8), scalar and each vector variant with an x8 kernel:
+ *    qm_rows_into_x8 against qm_rows on the rows, exactly.
  * Prints one line per type and test; exits non-zero on a mismatch, where this CPU has no
  * vector path (2: nothing would have been compared), or where it has integer kernels and
  * none ran.
@@ -267,6 +269,42 @@ static int check_variant(uint8_t *w, float *x) {
     return failed || !ran;
 }
 
+enum { X8_ROWS = 16 };  /* weight rows of the x8 checks: two groups */
+
+/* Q4_K's x8 layout (qm_pack_x8) on the path in use (simd: the vector path's integer variant
+   under test, else the scalar reference): qm_rows_into_x8 equal, bit for bit, to qm_rows's
+   q8 mode on the rows (the scalar reference's own; on a vector path its wide kernels, which
+   scale a block's sums as the x8 kernels do), rows 1..MAX_ROWS, widths of 1..3 blocks.
+   Returns the mismatches (none where the path has no x8 kernel). */
+static int check_x8(int simd) {
+    static uint8_t w[X8_ROWS * MAX_K / 256 * 144];
+    static uint8_t packed[X8_ROWS / QM_X8 * (MAX_K / 256) * QM_X8_Q4K];
+    static float x[MAX_ROWS * MAX_K], got[MAX_ROWS * X8_ROWS], want[MAX_ROWS * X8_ROWS];
+    int bad = 0, cases = 0, dot = simd ? QM_DOT_WIDE : QM_DOT_Q8;
+    use_path(simd);
+    const char *name = simd ? qm_ipath : "scalar";
+    if (!qm_x8_usable(QM_Q4_K)) {
+        printf("Q4_K x8: none in %s\n", name);
+        return 0;
+    }
+    for (int k = 256; k <= MAX_K; k += 256)
+        for (int rows = 1; rows <= MAX_ROWS; rows++, cases++) {
+            fill(QM_Q4_K, k, rows, w, x, X8_ROWS);
+            qm_pack_x8(QM_Q4_K, w, X8_ROWS, k, packed, 1);
+            qm_rows_into_x8(QM_Q4_K, w, packed, x, got, X8_ROWS, X8_ROWS, k, rows, 1, dot);
+            qm_rows(QM_Q4_K, w, x, want, X8_ROWS, k, rows, 1, dot);
+            for (int i = 0; i < rows * X8_ROWS; i++)
+                if (got[i] != want[i]) {
+                    printf("Q4_K x8 %s k %d rows %d output %d: %g, rows' kernels %g\n", name, k,
+                           rows, i, got[i], want[i]);
+                    bad++;
+                    break;
+                }
+        }
+    printf("Q4_K x8 %s: %d cases, %d mismatches\n", name, cases, bad);
+    return bad;
+}
+
 /* Every integer variant this CPU runs against the scalar references. */
 static int check_integer(const char *path, uint8_t *w, float *x) {
     int failed = 0, ran = 0;
@@ -278,6 +316,7 @@ static int check_integer(const char *path, uint8_t *w, float *x) {
         }
         use_path(1);
         failed |= check_variant(w, x);
+        failed |= check_x8(1);
         ran++;
     }
     ivariant = -1;
@@ -307,5 +346,6 @@ int main(void) {
         failed |= bad;
     }
     failed |= check_integer(path, w, x);
+    failed |= check_x8(0);
     return failed ? 1 : 0;
 }

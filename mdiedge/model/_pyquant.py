@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..base.errors import QuantError
 from .arrays import numpy_view
 from .qtypes import (KERNEL_TYPES, TYPES, check_matmul, check_rows,  # noqa: F401
-                     dequantize_array, quantized_activations_array)
+                     dequantize_array, qtype_of, quantized_activations_array)
+from .x8layout import pack_q4k
 
 TILE_BYTES = 1 << 20  # quantized bytes de-quantized per step of ``matmul``
 # the types multiplied natively, in kernel-code order: (name, weights per block, bytes per block)
@@ -37,10 +39,25 @@ def set_simd(on: bool) -> str:
     return simd_path()
 
 
-def matmul(x: Any, w: Any, qtype: str, out: Any, threads: int = 1, dot: int = 0) -> Any:
+def x8_types() -> tuple:
+    """The types whose x8 layout the q8 mode multiplies here: none (``matmul`` reads the rows)."""
+    return ()
+
+
+def pack_x8(w: Any, qtype: str, threads: int = 1) -> Any:
+    """Rows ``w`` of ``qtype`` (Q4_K, a multiple of 8 of them) in the x8 layout
+    (``mdiedge.model.x8layout``), as the compiled module packs them."""
+    if qtype_of(qtype).name != "Q4_K":
+        raise QuantError(f"{qtype} has no x8 layout: only Q4_K")
+    return pack_q4k(numpy_view(w))
+
+
+def matmul(x: Any, w: Any, qtype: str, out: Any, threads: int = 1, dot: int = 0,
+           x8: Any = None) -> Any:
     """out = x @ W^T with W the de-quantized ``w`` (uint8 (n, row_bytes)) of type ``qtype``;
     x float32 (rows, in), out float32 (rows, n); dot 1: the q8 mode, x first rounded as the
-    integer kernels quantize it (``quantized_activations_array``); returns out."""
+    integer kernels quantize it (``quantized_activations_array``); ``x8``, the rows' x8
+    layout, is the compiled module's to read (this twin reads ``w``); returns out."""
     t = check_matmul(x, w, qtype, out, threads)
     rows, weights, into = numpy_view(x), numpy_view(w), numpy_view(out)
     if dot and t.act_block:

@@ -42,11 +42,14 @@ def plain(t: Any) -> bool:
 
 class QuantMatrix:
     """(out, in) held as ``data``, uint8 (out, row_bytes) contiguous on the CPU, in kernel type
-    ``qtype`` (``code``: its ext/quant.h enum value); ValueError quoting what does not fit."""
+    ``qtype`` (``code``: its ext/quant.h enum value); ValueError quoting what does not fit.
+    ``x8``: the same rows also in the compiled kernels' x8 layout (``_cquant.pack_x8``: groups
+    of 8 rows interleaved, uint8 (out / 8, group bytes)), which the q8 mode multiplies where it
+    can; None where not packed. ``data`` stays the reference every other reader takes."""
 
-    __slots__ = ("data", "qtype", "code", "shape")
+    __slots__ = ("data", "qtype", "code", "shape", "x8")
 
-    def __init__(self, data: Any, qtype: str) -> None:
+    def __init__(self, data: Any, qtype: str, x8: Any = None) -> None:
         try:
             t = qtype_of(qtype)
         except QuantError as e:
@@ -59,8 +62,13 @@ class QuantMatrix:
             raise ValueError(f"{t.name} matrix {tuple(getattr(data, 'shape', ()))} "
                              f"{getattr(data, 'dtype', type(data).__name__)} is not contiguous "
                              f"uint8 CPU rows of whole {t.block_bytes}-byte blocks")
+        if x8 is not None and not (contiguous_cpu(x8, "uint8") and ndim(x8) == 2
+                                   and x8.shape[0] * 8 == data.shape[0]):
+            raise ValueError(f"x8 layout {tuple(getattr(x8, 'shape', ()))} of a {t.name} matrix "
+                             f"of {data.shape[0]} rows is not contiguous uint8 rows, one per 8")
         for name, value in (("data", data), ("qtype", t.name), ("code", QUANT_CODES[t.name]),
-                            ("shape", (data.shape[0], data.shape[1] // t.block_bytes * t.block))):
+                            ("shape", (data.shape[0], data.shape[1] // t.block_bytes * t.block)),
+                            ("x8", x8)):
             object.__setattr__(self, name, value)
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -11,13 +11,16 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
+from ..base.cpudot import dot_code
 from ..base.errors import CheckpointError, CpuPathRefused, QuantError
 from ..base.memory import give_back_free_memory
+from ..base.threads import kernel_threads
 from ._stepconstants import ACTIVATIONS, QuantMatrix, StackedMatrix
 from .checks import check_finite, check_memory, check_plan, chunk_bytes, describe
 from .config import ModelConfig
 from .cpumodel import BlockParts, CpuModel, Weights
 from .families import family_of
+from .kernels import QUANT
 from .modelfile import model_file
 from .qtypes import (QUANTIZERS, check_blocks, dequantize_array, kernel_qtype, qtype_of,
                      quantize_array)
@@ -26,6 +29,7 @@ from .tensors import TensorSource, tensor_plan
 SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
 PathLike = Union[str, Path]
 Matrix = Any  # float32 (out, in) numpy, or a QuantMatrix
+_quant = QUANT.select()
 
 
 def load_cpu_model(model: Optional[PathLike] = None, layers: Optional[Tuple[int, int]] = None,
@@ -42,9 +46,11 @@ def load_cpu_model(model: Optional[PathLike] = None, layers: Optional[Tuple[int,
     try:
         plan = _checked_plan(cfg, source, layers, embedding, head)
         reader = _Reader(cfg, source, quantize)
+        embed = reader.matrix(plan["embed.weight"]) if embedding else None
+        if isinstance(embed, QuantMatrix) and not (head and cfg.tie_embeddings):
+            source.release(embed.data)  # checked; read a row at a time from here on
         weights = Weights(
-            embed=reader.matrix(plan["embed.weight"]) if embedding else None,
-            blocks=[_block(reader, cfg, plan, i) for i in range(*layers)],
+            embed=embed, blocks=[_block(reader, cfg, plan, i) for i in range(*layers)],
             norm=reader.vector(plan["norm.weight"], True) if head else None,
             head=_head(reader, cfg, plan, embedding) if head else None)
         if on_source is not None:
@@ -159,7 +165,26 @@ class _Reader:
             check_blocks(raw, qtype)
         except QuantError as e:
             raise CheckpointError(f"{self.source.path}: tensor {theirs!r}: {e}") from None
-        return QuantMatrix(raw, qtype)
+        return self.packed(QuantMatrix(raw, qtype)) if quantizable else QuantMatrix(raw, qtype)
+
+    def packed(self, matrix: QuantMatrix) -> QuantMatrix:
+        """``matrix`` also in the kernels' x8 layout where ``x8_pays``, its rows' file pages
+        then dropped from resident memory (the q8 mode reads the layout; anything reading the
+        rows again maps them again)."""
+        if not x8_pays(matrix.qtype, matrix.shape[0], dot_code(), _quant.x8_types()):
+            return matrix
+        x8 = _quant.pack_x8(matrix.data, matrix.qtype, kernel_threads())
+        self.source.release(matrix.data)
+        return QuantMatrix(matrix.data, matrix.qtype, x8)
+
+
+def x8_pays(qtype: str, rows: int, dot: int, x8_types: Tuple[str, ...]) -> bool:
+    """Whether a block's matrix of ``rows`` rows of ``qtype`` is packed in the x8 layout on
+    load: the q8 mode (``dot``) is in force and the kernels in use multiply that type's layout
+    (``x8_types``: ``_cquant.x8_types()``), in whole groups of 8 rows. Measured on Qwen2.5's
+    Q4_K shapes (AVX512-VNNI, 1 thread): one row 1.5-1.7x the row-by-row kernels' speed, 512
+    rows 1.4-1.6x."""
+    return bool(dot) and qtype in x8_types and rows % 8 == 0
 
 
 def stacked(parts: List[Matrix]) -> Matrix:

@@ -488,6 +488,9 @@ class GGUFSource(TensorSource):
         drop_mapped_pages(self.mapped, data)  # the file's order is not read again
         return gathered
 
+    def release(self, array: Any) -> None:
+        drop_mapped_pages(self.mapped, array)
+
     def heads(self, name: str) -> int:
         """Head count of the Q and K projections (stored in llama.cpp's RoPE order); 0 for other
         tensors."""

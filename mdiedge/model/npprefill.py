@@ -83,7 +83,7 @@ def product(x: np.ndarray, matrix: Any, out: np.ndarray, threads: int, dot: int)
             column += part.shape[0]
     elif isinstance(matrix, QuantMatrix) and (x.shape[0] <= KERNEL_ROWS
                                               or integer_prefill(matrix.qtype, dot)):
-        _quant.matmul(x, matrix.data, matrix.qtype, out, threads, dot)
+        _quant.matmul(x, matrix.data, matrix.qtype, out, threads, dot, x8=matrix.x8)
     else:
         n, k = matrix.shape
         share = -(-n // max(1, threads))

@@ -4,7 +4,7 @@ and the interface of a source that reads them lazily."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 
 if TYPE_CHECKING:
@@ -109,6 +109,10 @@ class TensorSource:
         if got != want:
             raise CheckpointError(f"{self.path}: tensor {name!r} has shape {got}, "
                                   f"expected {want}")
+
+    def release(self, array: Any) -> None:
+        """``array`` (read from this source) is not read again: where it maps the file, its
+        pages may leave this process's resident memory (read from the file again if touched)."""
 
     def close(self) -> None:
         pass

@@ -1,0 +1,49 @@
+"""The x8 layout of a quantized matrix, in numpy: 8 consecutive rows interleaved block by block,
+so that a vector kernel multiplies 4 bytes of an activation by the same 4 bytes of all 8 rows
+in one instruction (``ext/quant_q8.h``, ``qm_pack_x8``, which this reproduces byte for byte:
+the twin's ``pack_x8`` and the tests' reference). Q4_K only, per 256-weight block of a group:
+the 8 rows' d and dmin (f16), the sub-blocks' 6-bit scales (one byte per row), their minimums
+in pairs of sub-blocks, then the quants 4 bytes of each row at a time."""
+from __future__ import annotations
+
+from typing import Dict
+
+import numpy as np
+
+from ..base.errors import QuantError
+
+GROUP = 8  # rows interleaved
+Q4K_BLOCK_BYTES = 144
+
+
+def _scales_mins(packed: np.ndarray) -> np.ndarray:
+    """Q4_K's 12 packed scale bytes (..., 12) as (..., 2, 8): the 6-bit scales, then the mins
+    (ggml's get_scale_min_k4)."""
+    q = packed.astype(np.uint8)
+    low, high = q[..., :4], q[..., 4:8]
+    rest = q[..., 8:12]
+    scales = np.concatenate([low & 63, (rest & 0xF) | ((low >> 6) << 4)], axis=-1)
+    mins = np.concatenate([high & 63, (rest >> 4) | ((high >> 6) << 4)], axis=-1)
+    return np.stack([scales, mins], axis=-2)
+
+
+def pack_q4k(w: np.ndarray) -> np.ndarray:
+    """Rows w (n, k / 256 * 144) of Q4_K blocks, n a multiple of 8, in the x8 layout:
+    (n / 8, k / 256 * 1184) uint8."""
+    n, row_bytes = w.shape
+    if n % GROUP or row_bytes % Q4K_BLOCK_BYTES:
+        raise QuantError(f"Q4_K matrix {(n, row_bytes)} has no x8 layout: Q4_K rows of whole "
+                         f"blocks, a multiple of {GROUP} of them")
+    nb = row_bytes // Q4K_BLOCK_BYTES
+    blocks = w.reshape(n // GROUP, GROUP, nb, Q4K_BLOCK_BYTES).transpose(0, 2, 1, 3)
+    lead = blocks.shape[:2]
+    sm = _scales_mins(blocks[..., 4:16])  # (g, nb, row, 2, sub-block)
+    parts: Dict[str, np.ndarray] = {
+        "d": blocks[..., 0:2],
+        "dmin": blocks[..., 2:4],
+        "scales": sm[..., 0, :].swapaxes(-1, -2),  # (g, nb, sub-block, row)
+        "mins": sm[..., 1, :].reshape(*lead, GROUP, 4, 2).transpose(0, 1, 3, 2, 4),
+        "quants": blocks[..., 16:].reshape(*lead, GROUP, 4, 8, 4).transpose(0, 1, 3, 4, 2, 5),
+    }
+    flat = [np.ascontiguousarray(p).reshape(*lead, -1) for p in parts.values()]
+    return np.ascontiguousarray(np.concatenate(flat, axis=-1).reshape(n // GROUP, -1))

@@ -76,12 +76,16 @@ def pack_x8(w, qtype, int threads=1):
     """Rows ``w`` (uint8 (n, row_bytes)) of ``qtype`` in the x8 layout: groups of 8 rows
     interleaved block by block (``ext/quant_q8.h``), uint8 (n / 8, group bytes); QuantError
     where the type has none or n is not a multiple of 8."""
-    cdef int code = _qtype_of(qtype).kernel
+    t = _qtype_of(qtype)
+    cdef int code = t.kernel
+    if qm_x8_bytes(code, 256) == 0:
+        raise _QuantError(f"{t.name} has no x8 layout: only " + ", ".join(
+            qm_names[i].decode() for i in range(QM_TYPES) if qm_x8_bytes(i, 256)))
     cdef Py_ssize_t n = w.shape[0], k = w.shape[1] // qm_block_bytes[code] * qm_block[code]
     cdef size_t group = qm_x8_bytes(code, k)
-    if group == 0 or n % 8 or w.shape[1] % qm_block_bytes[code]:
-        raise _QuantError(f"{qtype} matrix {tuple(w.shape)} has no x8 layout: Q4_K rows of "
-                          f"whole blocks, a multiple of 8 of them")
+    if n % 8 or w.shape[1] % qm_block_bytes[code]:
+        raise _QuantError(f"{t.name} matrix {tuple(w.shape)} has no x8 layout: {t.name} rows "
+                          f"of whole blocks, a multiple of 8 of them")
     out = _np.empty((n // 8, group), _np.uint8)
     cdef size_t w_ptr = _address(w), o_ptr = _address(out)
     with nogil:

@@ -31,6 +31,7 @@ typedef struct {
     const float *dk;       /* their scales (R, k / 256) */
     const int16_t *bsums;  /* sums of each 16 quants (R, k / 16) */
     const float *dk8;      /* the wide kernels' dk: by block, 8 rows' (0 past R); qm_act_dk8 */
+    const int32_t *i32;    /* the sum of each 32-block's quants (R, k / 32): the x8 kernels' */
 } qm_act;
 
 /* One weight row against R <= QM_IGROUP quantized activation rows: s[r] = sum_i W[i] x[r][i]. */
@@ -79,7 +80,7 @@ static inline int qm_act_form(int type) {
 
 /* Bytes of the quantized activations of R rows of k, either form (k a multiple of 32). */
 static inline size_t qm_act_bytes(ptrdiff_t k, int R) {
-    size_t per_row = 2 * (size_t)k + 8 * (size_t)(k / 32) + 4 * (size_t)(k / 256 + 1)
+    size_t per_row = 2 * (size_t)k + 12 * (size_t)(k / 32) + 4 * (size_t)(k / 256 + 1)
                      + 2 * (size_t)(k / 16);
     return (size_t)R * per_row + 64;
 }
@@ -89,7 +90,8 @@ static inline void qm_act_at(qm_act *a, void *mem, ptrdiff_t k, int R) {
     float *f = (float *)mem;
     a->d32 = f;
     a->s32 = f + (ptrdiff_t)R * (k / 32);
-    a->dk = a->s32 + (ptrdiff_t)R * (k / 32);
+    a->i32 = (const int32_t *)(a->s32 + (ptrdiff_t)R * (k / 32));
+    a->dk = (const float *)(a->i32 + (ptrdiff_t)R * (k / 32));
     a->bsums = (const int16_t *)(a->dk + (ptrdiff_t)R * (k / 256 + 1));
     a->q32 = (const int8_t *)(a->bsums + (ptrdiff_t)R * (k / 16));
     a->qk = a->q32 + (ptrdiff_t)R * k;
@@ -98,7 +100,8 @@ static inline void qm_act_at(qm_act *a, void *mem, ptrdiff_t k, int R) {
 /* a's rows from r0 on. */
 static inline qm_act qm_act_from(const qm_act *a, ptrdiff_t k, int r0) {
     qm_act b = {a->q32 + r0 * k, a->d32 + r0 * (k / 32), a->s32 + r0 * (k / 32),
-                a->qk + r0 * k, a->dk + r0 * (k / 256 + 1), a->bsums + r0 * (k / 16), NULL};
+                a->qk + r0 * k, a->dk + r0 * (k / 256 + 1), a->bsums + r0 * (k / 16), NULL,
+                a->i32 + r0 * (k / 32)};
     return b;
 }
 
@@ -119,6 +122,7 @@ static inline int qm_round(float v) { return (int)(v + (v >= 0.0f ? 0.5f : -0.5f
 static void qm_quantize32(const float *x, ptrdiff_t k, int R, const qm_act *a) {
     int8_t *q = (int8_t *)a->q32;
     float *d = (float *)a->d32, *s = (float *)a->s32;
+    int32_t *sums = (int32_t *)a->i32;
     for (ptrdiff_t b = 0; b < (ptrdiff_t)R * (k / 32); b++) {
         const float *xb = x + 32 * b;
         float amax = 0.0f;
@@ -132,6 +136,7 @@ static void qm_quantize32(const float *x, ptrdiff_t k, int R, const qm_act *a) {
         }
         d[b] = db;
         s[b] = db * (float)sum;
+        sums[b] = sum;
     }
 }
 
@@ -374,9 +379,26 @@ static const qm_idot_fn qm_iscalar[QM_TYPES] = {
 #define QM_X8 8
 #define QM_X8_Q4K 1184
 
+/* The 32-weight types' x8 layout, per block of a group: the 8 rows' d (f16), for Q4_1 their
+   m (f16), then the quants, 4 bytes of each row at a time: for Q4_0 and Q4_1 (nibbles) row
+   i's qs[4 t ..] at 32 t + 4 i past the scales (t = 0..3: the low nibbles weights 4 t.., the
+   high ones 16 + 4 t..), for Q8_0 (bytes) row i's qs[4 t ..] likewise (t = 0..7). */
+static inline int qm_x8_scales32(int type) { return type == QM_Q4_1 ? 32 : 16; }
+
+/* Bytes of one block of a group of the x8 layout (0: the type has none). */
+static inline int qm_x8_block_bytes(int type) {
+    switch (type) {
+    case QM_Q4_K: return QM_X8_Q4K;
+    case QM_Q4_0: case QM_Q4_1: return qm_x8_scales32(type) + 128;
+    case QM_Q8_0: return 16 + 256;
+    default: return 0;
+    }
+}
+
 /* Bytes of one group of QM_X8 rows of k weights of ``type`` in the x8 layout (0: none). */
 static inline size_t qm_x8_bytes(int type, ptrdiff_t k) {
-    return type == QM_Q4_K ? (size_t)(k / 256) * QM_X8_Q4K : 0;
+    int bk = type == QM_Q4_K ? 256 : 32;
+    return (size_t)(k / bk) * (size_t)qm_x8_block_bytes(type);
 }
 
 /* The group block of rows w[0..8) (rb bytes apart), block b, into dst (QM_X8_Q4K bytes). */
@@ -397,18 +419,70 @@ static void qm_pack_q4k_block(const uint8_t *w, ptrdiff_t rb, ptrdiff_t b, uint8
     }
 }
 
+/* The same for a 32-weight type's block (bb bytes a row's). */
+static void qm_pack32_block(int type, const uint8_t *w, ptrdiff_t rb, ptrdiff_t b,
+                            uint8_t *dst) {
+    int bb = qm_block_bytes[type], at = qm_x8_scales32(type), quants = type == QM_Q8_0 ? 8 : 4;
+    for (int i = 0; i < QM_X8; i++) {
+        const uint8_t *blk = w + i * rb + b * bb;
+        memcpy(dst + 2 * i, blk, 2);
+        if (type == QM_Q4_1) memcpy(dst + 16 + 2 * i, blk + 2, 2);
+        for (int t = 0; t < quants; t++)
+            memcpy(dst + at + 32 * t + 4 * i, blk + (bb - 4 * quants) + 4 * t, 4);
+    }
+}
+
 /* out = the n rows of k weights at w (n a multiple of QM_X8) in the x8 layout: group g's
    blocks at out + g qm_x8_bytes(type, k). Returns 0, or -1 for a type without one. */
 static inline int qm_pack_x8(int type, const uint8_t *w, ptrdiff_t n, ptrdiff_t k, uint8_t *out,
-                      int threads) {
+                             int threads) {
     if (qm_x8_bytes(type, k) == 0 || n % QM_X8) return -1;
-    ptrdiff_t nb = k / 256, rb = nb * 144;
+    ptrdiff_t bk = qm_block[type], nb = k / bk, rb = nb * qm_block_bytes[type];
+    size_t xb = (size_t)qm_x8_block_bytes(type);
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (ptrdiff_t g = 0; g < n / QM_X8; g++)
-        for (ptrdiff_t b = 0; b < nb; b++)
-            qm_pack_q4k_block(w + g * QM_X8 * rb, rb, b, out + (g * nb + b) * QM_X8_Q4K);
+        for (ptrdiff_t b = 0; b < nb; b++) {
+            uint8_t *dst = out + (size_t)(g * nb + b) * xb;
+            if (type == QM_Q4_K) qm_pack_q4k_block(w + g * QM_X8 * rb, rb, b, dst);
+            else qm_pack32_block(type, w + g * QM_X8 * rb, rb, b, dst);
+        }
     return 0;
 }
+
+/* Row i's block of a 32-weight type back from a group block g into blk (the scalar
+   reference multiplies it as the row kernels' reference does). */
+static void qm_unpack32_block(int type, const uint8_t *g, int i, uint8_t *blk) {
+    int bb = qm_block_bytes[type], at = qm_x8_scales32(type), quants = type == QM_Q8_0 ? 8 : 4;
+    memcpy(blk, g + 2 * i, 2);
+    if (type == QM_Q4_1) memcpy(blk + 2, g + 16 + 2 * i, 2);
+    for (int t = 0; t < quants; t++)
+        memcpy(blk + (bb - 4 * quants) + 4 * t, g + at + 32 * t + 4 * i, 4);
+}
+
+/* The 32-weight types' scalar reference: each row as qm_iblk computes it, block by block. */
+static void qm_x8_scalar32(int type, const uint8_t *g, const qm_act *a, ptrdiff_t k, int R,
+                           float *s) {
+    ptrdiff_t nb = k / 32, xb = qm_x8_block_bytes(type);
+    uint8_t blk[34];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < QM_X8; i++) {
+            float acc = 0.0f;
+            for (ptrdiff_t b = 0; b < nb; b++) {
+                qm_unpack32_block(type, g + b * xb, i, blk);
+                acc += qm_iblk[type](blk, a, r, k, b);
+            }
+            s[QM_X8 * r + i] = acc;
+        }
+}
+
+#define QM_X8SCALAR32(T, name)                                                                \
+    static void qm_x8_scalar_##name(const uint8_t *g, const qm_act *a, ptrdiff_t k, int R,   \
+                                    float *s) {                                              \
+        qm_x8_scalar32(T, g, a, k, R, s);                                                    \
+    }
+QM_X8SCALAR32(QM_Q4_0, q4_0)
+QM_X8SCALAR32(QM_Q4_1, q4_1)
+QM_X8SCALAR32(QM_Q8_0, q8_0)
 
 /* The scalar reference: each row as qm_iblk_q4_k computes it, block by block. */
 static void qm_x8_scalar_q4k(const uint8_t *g, const qm_act *a, ptrdiff_t k, int R, float *s) {
@@ -438,4 +512,6 @@ static void qm_x8_scalar_q4k(const uint8_t *g, const qm_act *a, ptrdiff_t k, int
         }
 }
 
-static const qm_x8_fn qm_x8scalar[QM_TYPES] = {[QM_Q4_K] = qm_x8_scalar_q4k};
+static const qm_x8_fn qm_x8scalar[QM_TYPES] = {
+    [QM_Q4_K] = qm_x8_scalar_q4k, [QM_Q4_0] = qm_x8_scalar_q4_0, [QM_Q4_1] = qm_x8_scalar_q4_1,
+    [QM_Q8_0] = qm_x8_scalar_q8_0};

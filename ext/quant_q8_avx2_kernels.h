@@ -342,20 +342,115 @@ QK_ALWAYS void QK(x8_q4k_pass)(const uint8_t *g, const qm_act *a, ptrdiff_t k, c
     for (int r = 0; r < R; r++) _mm256_storeu_ps(s + QM_X8 * r, acc[r]);
 }
 
-/* Q4_K's x8 group g against R <= QM_IGROUP rows, QK_X8_PASS at a time (each row's sums its
-   own: the same bits whatever rows share a pass). */
-QK_ATTR static void QK(x8_q4k)(const uint8_t *g, const qm_act *a, ptrdiff_t k, int R, float *s) {
-    for (int r0 = 0; r0 < R; r0 += QK_X8_PASS) {
-        qm_act at = qm_act_from(a, k, r0);
-        int n = R - r0 < QK_X8_PASS ? R - r0 : QK_X8_PASS;
-        if (n == 1) QK(x8_q4k_pass)(g, &at, k, 1, s + QM_X8 * r0);
-        else if (n == 2) QK(x8_q4k_pass)(g, &at, k, 2, s + QM_X8 * r0);
-#if QK_VNNI
-        else if (n == 3) QK(x8_q4k_pass)(g, &at, k, 3, s + QM_X8 * r0);
-        else QK(x8_q4k_pass)(g, &at, k, 4, s + QM_X8 * r0);
-#endif
+/* isum[r] += the 8 rows' 4 unsigned quants q (one row a lane) by row r's 4 activations at
+   ``at`` of its 32-blocks' quants, for R rows. */
+QK_ALWAYS void QK(x8_chunk)(__m256i q, const qm_act *a, ptrdiff_t k, ptrdiff_t at, const int R,
+                            __m256i *isum) {
+    QA_UNROLL
+    for (int r = 0; r < R; r++) {
+        int32_t y;
+        memcpy(&y, a->q32 + r * k + at, 4);
+        isum[r] = QK(dp)(isum[r], q, _mm256_set1_epi32(y));
     }
 }
+
+/* The same for 4 signed quants x a lane: their magnitudes by the activations with their signs
+   (AVX2's vpmaddubsw would saturate on Q8_0's quants plus 128). */
+QK_ALWAYS void QK(x8_chunk_signed)(__m256i x, const qm_act *a, ptrdiff_t k, ptrdiff_t at,
+                                   const int R, __m256i *isum) {
+    __m256i u = _mm256_sign_epi8(x, x);
+    QA_UNROLL
+    for (int r = 0; r < R; r++) {
+        int32_t y;
+        memcpy(&y, a->q32 + r * k + at, 4);
+        isum[r] = QK(dp)(isum[r], u, _mm256_sign_epi8(_mm256_set1_epi32(y), x));
+    }
+}
+
+/* A 32-weight type's x8 group g against R <= QK_X8_PASS activation rows: s[8 r + i]. The
+   quants enter unsigned (Q4_0's as stored, Q8_0's plus 128 with VNNI, whose sums of four
+   products do not saturate), their offset (8, 128) taken off the integer sums by each row's
+   quant sums; AVX2's Q8_0 signed (x8_chunk_signed); Q4_1's minimum by its activation sums. */
+QK_ALWAYS void QK(x8_32_pass)(int type, const uint8_t *g, const qm_act *a, ptrdiff_t k,
+                              const int R, float *s) {
+    const ptrdiff_t nb = k / 32;
+    const int xb = qm_x8_block_bytes(type), at = qm_x8_scales32(type);
+    const int offset = type == QM_Q8_0 ? (QK_VNNI ? 128 : 0) : type == QM_Q4_0 ? 8 : 0;
+    const __m256i low4 = _mm256_set1_epi8(0xF), flip = _mm256_set1_epi8((char)0x80);
+    __m256 acc[QK_X8_PASS];
+    QA_UNROLL
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (ptrdiff_t b = 0; b < nb; b++, g += xb) {
+        __m256i isum[QK_X8_PASS];
+        QA_UNROLL
+        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+        if (type == QM_Q8_0) {
+            QA_UNROLL
+            for (int t = 0; t < 8; t++) {
+                if (QK_VNNI)
+                    QK(x8_chunk)(_mm256_xor_si256(qa_load(g + at + 32 * t), flip), a, k,
+                                 32 * b + 4 * t, R, isum);
+                else
+                    QK(x8_chunk_signed)(qa_load(g + at + 32 * t), a, k, 32 * b + 4 * t, R,
+                                        isum);
+            }
+        } else {
+            QA_UNROLL
+            for (int t = 0; t < 4; t++) {
+                __m256i bits = qa_load(g + at + 32 * t);
+                QK(x8_chunk)(_mm256_and_si256(bits, low4), a, k, 32 * b + 4 * t, R, isum);
+                QK(x8_chunk)(_mm256_and_si256(_mm256_srli_epi16(bits, 4), low4), a, k,
+                             32 * b + 16 + 4 * t, R, isum);
+            }
+        }
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+        QA_UNROLL
+        for (int r = 0; r < R; r++) {
+            if (offset)
+                isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(offset * a->i32[r * nb + b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a->d32[r * nb + b])),
+                                     _mm256_cvtepi32_ps(isum[r]), acc[r]);
+            if (type == QM_Q4_1)
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16))),
+                                         _mm256_set1_ps(a->s32[r * nb + b]), acc[r]);
+        }
+    }
+    QA_UNROLL
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(s + QM_X8 * r, acc[r]);
+}
+
+/* A pass function of the x8 kernels called with R fixed, QK_X8_PASS rows at a time (each
+   row's sums its own: the same bits whatever rows share a pass). */
+#if QK_VNNI
+#define QK_X8_ROWS(CALL)                                                                      \
+    if (n == 1) CALL(1); else if (n == 2) CALL(2); else if (n == 3) CALL(3); else CALL(4)
+#else
+#define QK_X8_ROWS(CALL) if (n == 1) CALL(1); else CALL(2)
+#endif
+#define QK_X8_BY_ROWS(name, CALL)                                                             \
+    QK_ATTR static void QK(name)(const uint8_t *g, const qm_act *a, ptrdiff_t k, int R,       \
+                                 float *s) {                                                  \
+        for (int r0 = 0; r0 < R; r0 += QK_X8_PASS) {                                         \
+            qm_act at = qm_act_from(a, k, r0);                                               \
+            int n = R - r0 < QK_X8_PASS ? R - r0 : QK_X8_PASS;                               \
+            float *out = s + QM_X8 * r0;                                                     \
+            QK_X8_ROWS(CALL);                                                                \
+        }                                                                                    \
+    }
+#define QK_X8_Q4_0(R_) QK(x8_32_pass)(QM_Q4_0, g, &at, k, R_, out)
+#define QK_X8_Q4_1(R_) QK(x8_32_pass)(QM_Q4_1, g, &at, k, R_, out)
+#define QK_X8_Q8_0(R_) QK(x8_32_pass)(QM_Q8_0, g, &at, k, R_, out)
+#define QK_X8_Q4_K(R_) QK(x8_q4k_pass)(g, &at, k, R_, out)
+QK_X8_BY_ROWS(x8_q4_0, QK_X8_Q4_0)
+QK_X8_BY_ROWS(x8_q4_1, QK_X8_Q4_1)
+QK_X8_BY_ROWS(x8_q8_0, QK_X8_Q8_0)
+QK_X8_BY_ROWS(x8_q4k, QK_X8_Q4_K)
+#undef QK_X8_Q4_0
+#undef QK_X8_Q4_1
+#undef QK_X8_Q8_0
+#undef QK_X8_Q4_K
+#undef QK_X8_ROWS
+#undef QK_X8_BY_ROWS
 
 #define QK_Q8_0(R_) QK(dot32)(QM_Q8_0, w, a, k, R_, s)
 #define QK_Q4_0(R_) QK(dot32)(QM_Q4_0, w, a, k, R_, s)
@@ -404,7 +499,9 @@ static const qm_idot_fn QK(wtable)[QM_TYPES] = {
     NULL, NULL, NULL, QK(q4_k_w), QK(q6_k_w), NULL, NULL, NULL, NULL,
     QK(q2_k_w), QK(q3_k_w), QK(q5_k_w), NULL, QK(iq4_xs_w)};
 /* Its x8 kernels (qm_pack_x8's layout). */
-static const qm_x8_fn QK(x8table)[QM_TYPES] = {[QM_Q4_K] = QK(x8_q4k)};
+static const qm_x8_fn QK(x8table)[QM_TYPES] = {
+    [QM_Q4_K] = QK(x8_q4k), [QM_Q4_0] = QK(x8_q4_0), [QM_Q4_1] = QK(x8_q4_1),
+    [QM_Q8_0] = QK(x8_q8_0)};
 
 #undef QK_Q8_0
 #undef QK_Q4_0

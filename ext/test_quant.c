@@ -8,8 +8,8 @@
  *    types), activations quantized by qm_quantize32 / qm_quantize256; and qm_rows's q8 mode
  *    against the kernel (exactly) and against the float32 mode (within the quantization's
  *    error);
- *  - Q4_K's x8 layout (qm_pack_x8), scalar and each vector variant with an x8 kernel:
- *    qm_rows_into_x8 against qm_rows on the rows, exactly.
+ *  - the x8 layout (qm_pack_x8: Q4_K, Q4_0, Q4_1, Q8_0), scalar and each vector variant
+ *    with x8 kernels: qm_rows_into_x8 against qm_rows on the rows.
  * Prints one line per type and test; exits non-zero on a mismatch, where this CPU has no
  * vector path (2: nothing would have been compared), or where it has integer kernels and
  * none ran.
@@ -271,37 +271,51 @@ static int check_variant(uint8_t *w, float *x) {
 
 enum { X8_ROWS = 16 };  /* weight rows of the x8 checks: two groups */
 
-/* Q4_K's x8 layout (qm_pack_x8) on the path in use (simd: the vector path's integer variant
-   under test, else the scalar reference): qm_rows_into_x8 equal, bit for bit, to qm_rows's
-   q8 mode on the rows (the scalar reference's own; on a vector path its wide kernels, which
-   scale a block's sums as the x8 kernels do), rows 1..MAX_ROWS, widths of 1..3 blocks.
-   Returns the mismatches (none where the path has no x8 kernel). */
-static int check_x8(int simd) {
-    static uint8_t w[X8_ROWS * MAX_K / 256 * 144];
-    static uint8_t packed[X8_ROWS / QM_X8 * (MAX_K / 256) * QM_X8_Q4K];
+/* Whether the x8 kernels' outputs must equal the rows' kernels' bit for bit: the scalar
+   references (each row the same reference), and Q4_K's vector kernels (a block's sums
+   scaled as the wide kernels do); the 32-weight types' vector x8 kernels scale a block's
+   integer sum once where the row kernels scale each lane's, within rounding. */
+static int exact_x8(int simd, int type) { return !simd || type == QM_Q4_K; }
+
+/* A type's x8 layout (qm_pack_x8) on the path in use (simd: the vector path's integer
+   variant under test, else the scalar reference): qm_rows_into_x8 against qm_rows's q8 mode
+   on the rows (exact_x8; on a vector path its wide kernels where the type has them), rows
+   1..MAX_ROWS, widths of one and more blocks. Returns the mismatches. */
+static int check_x8_type(int simd, int type) {
+    static uint8_t w[X8_ROWS * MAX_K / 32 * 34], packed[X8_ROWS * MAX_K / 32 * 34 * 2];
     static float x[MAX_ROWS * MAX_K], got[MAX_ROWS * X8_ROWS], want[MAX_ROWS * X8_ROWS];
-    int bad = 0, cases = 0, dot = simd ? QM_DOT_WIDE : QM_DOT_Q8;
-    use_path(simd);
+    int bad = 0, cases = 0, dot = simd ? QM_DOT_WIDE : QM_DOT_Q8, block = qm_block[type];
     const char *name = simd ? qm_ipath : "scalar";
-    if (!qm_x8_usable(QM_Q4_K)) {
-        printf("Q4_K x8: none in %s\n", name);
-        return 0;
-    }
-    for (int k = 256; k <= MAX_K; k += 256)
+    for (int k = block; k <= MAX_K; k += block > 32 ? block : 5 * block)
         for (int rows = 1; rows <= MAX_ROWS; rows++, cases++) {
-            fill(QM_Q4_K, k, rows, w, x, X8_ROWS);
-            qm_pack_x8(QM_Q4_K, w, X8_ROWS, k, packed, 1);
-            qm_rows_into_x8(QM_Q4_K, w, packed, x, got, X8_ROWS, X8_ROWS, k, rows, 1, dot);
-            qm_rows(QM_Q4_K, w, x, want, X8_ROWS, k, rows, 1, dot);
-            for (int i = 0; i < rows * X8_ROWS; i++)
-                if (got[i] != want[i]) {
-                    printf("Q4_K x8 %s k %d rows %d output %d: %g, rows' kernels %g\n", name, k,
-                           rows, i, got[i], want[i]);
+            fill(type, k, rows, w, x, X8_ROWS);
+            qm_pack_x8(type, w, X8_ROWS, k, packed, 1);
+            qm_rows_into_x8(type, w, packed, x, got, X8_ROWS, X8_ROWS, k, rows, 1, dot);
+            qm_rows(type, w, x, want, X8_ROWS, k, rows, 1, dot);
+            for (int i = 0; i < rows * X8_ROWS; i++) {
+                float size = magnitude(type, w, x, k, X8_ROWS, i, 1);
+                if (exact_x8(simd, type) ? got[i] != want[i]
+                                         : !(fabsf(got[i] - want[i]) <= 1e-5f * size)) {
+                    printf("%s x8 %s k %d rows %d output %d: %g, rows' kernels %g\n",
+                           qm_names[type], name, k, rows, i, got[i], want[i]);
                     bad++;
                     break;
                 }
+            }
         }
-    printf("Q4_K x8 %s: %d cases, %d mismatches\n", name, cases, bad);
+    printf("%s x8 %s: %d cases, %d mismatches\n", qm_names[type], name, cases, bad);
+    return bad;
+}
+
+static int check_x8(int simd) {
+    int bad = 0;
+    use_path(simd);
+    for (int type = 0; type < QM_TYPES; type++) {
+        use_path(simd);
+        if (qm_x8_usable(type)) bad += check_x8_type(simd, type);
+        else if (qm_x8_bytes(type, 256)) printf("%s x8: none in %s\n", qm_names[type],
+                                                simd ? qm_ipath : "scalar");
+    }
     return bad;
 }
 

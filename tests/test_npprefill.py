@@ -118,31 +118,32 @@ def test_a_sliding_window_sees_only_its_last_positions(monkeypatch: Any) -> None
 def test_a_prefill_product_uses_the_bounded_tile(monkeypatch: Any,
                                                  gguf_models: Dict[str, Path]  # noqa: F811
                                                  ) -> None:
-    """A quantized product of more rows than the kernel takes de-quantizes tiles into one
-    buffer of at most TILE_BYTES (a wider row than that: one row) and equals x @ W.T, on one
-    thread or split among two."""
+    """A quantized product of more rows than the kernel takes (in the f32 mode: every type)
+    de-quantizes tiles into one buffer of at most TILE_BYTES (a wider row than that: one row)
+    and equals x @ W.T, on one thread or split among two."""
     monkeypatch.setattr(npprefill, "TILE_BYTES", 4 * 64 * 5)  # 5 rows of 64 a tile
     monkeypatch.setattr(npprefill, "_local", type(npprefill._local)())
     model = load_cpu_model(gguf_models["llama-q8_0"])
     matrix = model.weights.blocks[0].wo
     x = np.random.default_rng(1).standard_normal((12, matrix.shape[1])).astype(np.float32)
-    out = npprefill.product(x, matrix, np.empty((12, matrix.shape[0]), np.float32), 1, 1)
+    out = npprefill.product(x, matrix, np.empty((12, matrix.shape[0]), np.float32), 1, 0)
     weight = np.empty(matrix.shape, np.float32)
     _pyquant.dequantize_rows(matrix.data, matrix.qtype, 0, matrix.shape[0], weight)
     np.testing.assert_allclose(out, x @ weight.T, rtol=1e-5, atol=1e-5)
     assert npprefill._local.tile.size * 4 == npprefill.TILE_BYTES
-    two = npprefill.product(x, matrix, np.empty((12, matrix.shape[0]), np.float32), 2, 1)
+    two = npprefill.product(x, matrix, np.empty((12, matrix.shape[0]), np.float32), 2, 0)
     np.testing.assert_array_equal(two, out)  # split among threads: the same products
 
 
-@pytest.mark.parametrize("qtype,integer", [("Q4_K", True), ("Q6_K", True), ("IQ4_XS", True),
+@pytest.mark.parametrize("qtype,k_quant", [("Q4_K", True), ("Q6_K", True), ("IQ4_XS", True),
                                            ("Q4_1", False), ("Q8_0", False), ("Q5_0", False)])
-def test_a_q8_prefill_takes_the_integer_kernels_for_k_quants(qtype: str, integer: bool,
+def test_a_q8_prefill_takes_the_integer_kernels_for_k_quants(qtype: str, k_quant: bool,
                                                               monkeypatch: Any) -> None:
-    """Under q8, a prefill's product (more rows than the step takes) with a K-quant matrix is
-    the integer kernels' (the same numbers as the compiled product gives, whatever the
-    threads), with a 32-weight type the tiles'; under f32 every type takes the tiles. The
-    torch path's QuantLinear multiplies the same way (bit for bit where integer)."""
+    """Under q8, a prefill's product (more rows than the step takes) with a K-quant matrix, or
+    one of a type with an x8 layout on this path, is the integer kernels' (the same numbers as
+    the compiled product gives, whatever the threads), with another 32-weight type the
+    tiles'; under f32 every type takes the tiles. The torch path's QuantLinear multiplies the
+    same way (bit for bit where integer)."""
     from mdiedge.model import qlayers
     from mdiedge.model._stepconstants import QuantMatrix
     from quantblocks import random_blocks
@@ -151,6 +152,7 @@ def test_a_q8_prefill_takes_the_integer_kernels_for_k_quants(qtype: str, integer
     x = np.random.default_rng(2).standard_normal((20, 512)).astype(np.float32)
     kernels = qlayers.QUANT.select()
     usable = qtype in kernels.q8_types()
+    integer = k_quant or qtype in kernels.x8_types()
     assert npprefill.integer_prefill(qtype, 1) == (integer and usable)
     assert not npprefill.integer_prefill(qtype, 0)
     got = npprefill.product(x, matrix, np.empty((20, 40), np.float32), 2, 1)

@@ -1,8 +1,8 @@
-"""Q4_K's x8 layout (8 rows interleaved block by block, ``ext/quant_q8.h``'s qm_pack_x8): the
+"""The x8 layout (8 rows interleaved block by block, ``ext/quant_q8.h``'s qm_pack_x8): the
 compiled packer against the numpy one (``mdiedge.model.x8layout``), the x8 kernels against the
 row-by-row ones and the scalar reference, bit for bit where the arithmetic is the same; the
-loader packs a block's Q4_K matrices in the q8 mode only, and a packed model decodes as an
-unpacked one. ext/test_quant.c checks the same kernels outside Python (and under qemu)."""
+loader packs a block's matrices of those types in the q8 mode only, and a packed model
+decodes as an unpacked one. ext/test_quant.c checks the same kernels outside Python (and under qemu)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,34 +12,47 @@ import numpy as np
 import pytest
 
 from quantblocks import random_blocks
-from mdiedge.base.cpudot import cpu_dot, set_cpu_dot
+from mdiedge.base.cpudot import ENV, set_cpu_dot
 from mdiedge.base.errors import QuantError
 from mdiedge.model import _pyquant, cpuload
 from mdiedge.model._stepconstants import QuantMatrix, StackedMatrix
 from mdiedge.model.cpuload import load_cpu_model, x8_pays
 from mdiedge.model.kernels import QUANT
-from mdiedge.model.x8layout import pack_q4k
+from mdiedge.model.x8layout import BLOCKS32, pack, pack_q4k
 
 TINY_Q4_K_M = Path(__file__).resolve().parent / "data" / "gguf" / "tiny-llama-2x256-Q4_K_M.gguf"
 SHAPES = [(8, 256), (24, 512), (40, 1536)]
+TYPES = ["Q4_K", "Q4_0", "Q4_1", "Q8_0"]
 
 
-def compiled() -> Any:
+def compiled(qtype: str = "Q4_K") -> Any:
     quant = QUANT.select()
-    if quant is _pyquant or "Q4_K" not in quant.x8_types():
-        pytest.skip("no compiled x8 kernel on this path")
+    if quant is _pyquant or qtype not in quant.x8_types():
+        pytest.skip(f"no compiled {qtype} x8 kernel on this path")
     return quant
 
 
+@pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("n, k", SHAPES)
-def test_the_compiled_packer_writes_what_the_numpy_one_does(n: int, k: int) -> None:
-    w = random_blocks("Q4_K", n, k, seed=n).numpy()
-    want = pack_q4k(w)
-    assert want.shape == (n // 8, k // 256 * 1184)
-    assert np.array_equal(_pyquant.pack_x8(w, "Q4_K"), want)
+def test_the_compiled_packer_writes_what_the_numpy_one_does(qtype: str, n: int, k: int) -> None:
+    w = random_blocks(qtype, n, k, seed=n).numpy()
+    want = pack(w, qtype)
+    block, group_block = (256, 1184) if qtype == "Q4_K" else (32, 8 * BLOCKS32[qtype][0])
+    assert want.shape == (n // 8, k // block * group_block)
+    assert np.array_equal(_pyquant.pack_x8(w, qtype), want)
     quant = QUANT.select()
     if quant is not _pyquant:
-        assert np.array_equal(quant.pack_x8(w, "Q4_K", 2), want)
+        assert np.array_equal(quant.pack_x8(w, qtype, 2), want)
+
+
+def test_a_packed_32_weight_group_holds_each_rows_bytes() -> None:
+    w = random_blocks("Q4_1", 8, 32, seed=3).numpy()
+    group = pack(w, "Q4_1")[0]
+    for i in range(8):
+        assert bytes(group[2 * i:2 * i + 2]) == bytes(w[i, 0:2])
+        assert bytes(group[16 + 2 * i:18 + 2 * i]) == bytes(w[i, 2:4])
+        for t in range(4):
+            assert bytes(group[32 + 32 * t + 4 * i:][:4]) == bytes(w[i, 4 + 4 * t:][:4])
 
 
 def test_a_packed_group_holds_each_rows_bytes() -> None:
@@ -58,7 +71,7 @@ def test_a_packed_group_holds_each_rows_bytes() -> None:
 
 
 @pytest.mark.parametrize("bad, message", [
-    (("Q4_K", 12, 256), "multiple of 8"), (("Q8_0", 8, 256), "Q4_K")])
+    (("Q4_K", 12, 256), "multiple of 8"), (("Q6_K", 8, 256), "only Q8_0, Q4_0, Q4_1, Q4_K")])
 def test_a_matrix_without_a_layout_is_refused(bad: Any, message: str) -> None:
     qtype, n, k = bad
     w = random_blocks(qtype, n, k).numpy()
@@ -67,22 +80,27 @@ def test_a_matrix_without_a_layout_is_refused(bad: Any, message: str) -> None:
             module.pack_x8(w, qtype)
 
 
+@pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("n, k", SHAPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 17])
-def test_the_x8_kernels_equal_the_row_kernels(n: int, k: int, rows: int) -> None:
-    """The vector x8 kernels scale a block's integer sums as the wide row kernels do (equal,
-    bit for bit), the scalar x8 reference as the scalar row reference (equal); vector against
-    scalar within 1e-5 of the size; each row's outputs its own whatever rows share a call."""
-    quant = compiled()
-    w = random_blocks("Q4_K", n, k, seed=k + n).numpy()
-    x8 = quant.pack_x8(w, "Q4_K")
+def test_the_x8_kernels_equal_the_row_kernels(qtype: str, n: int, k: int, rows: int) -> None:
+    """The vector x8 kernels: Q4_K's scale a block's integer sums as the wide row kernels do
+    (equal, bit for bit), the 32-weight types' a block's where the row kernels scale each
+    lane's (within 1e-5 of the size); the scalar x8 reference as the scalar row reference
+    (equal); vector against scalar within 1e-5 of the size; each row's outputs its own
+    whatever rows share a call."""
+    quant = compiled(qtype)
+    w = random_blocks(qtype, n, k, seed=k + n).numpy()
+    x8 = quant.pack_x8(w, qtype)
     x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
 
     def product(packed: Any, xs: np.ndarray = x) -> np.ndarray:
-        return quant.matmul(xs, w, "Q4_K", np.empty((xs.shape[0], n), np.float32), 1, 1,
+        return quant.matmul(xs, w, qtype, np.empty((xs.shape[0], n), np.float32), 1, 1,
                             x8=packed)
-    got = product(x8)
-    assert np.array_equal(got, product(None))
+    got, rows_kernels = product(x8), product(None)
+    if qtype == "Q4_K":
+        assert np.array_equal(got, rows_kernels)
+    assert np.abs(got - rows_kernels).max() <= 1e-5 * np.abs(rows_kernels).max()
     lone = np.stack([product(x8, x[r:r + 1])[0] for r in range(rows)])
     assert np.array_equal(lone, got)
     quant.set_simd(False)
@@ -108,6 +126,7 @@ def test_a_layout_of_another_matrix_is_refused() -> None:
     ("Q4_K", 256, 0, ("Q4_K",), False),   # the f32 mode reads the rows
     ("Q4_K", 260, 1, ("Q4_K",), False),   # not whole groups
     ("Q6_K", 256, 1, ("Q4_K",), False),   # no layout for the type
+    ("Q4_1", 576, 1, ("Q4_1", "Q4_K"), True),
     ("Q4_K", 256, 1, (), False),          # none on this path (the twin, NEON)
 ])
 def test_the_loader_packs_where_it_pays(qtype: str, rows: int, dot: int, types: Any,
@@ -141,25 +160,22 @@ def test_a_packed_model_decodes_as_an_unpacked_one(monkeypatch: Any) -> None:
     model's (the step's row kernels round a row otherwise), the same tokens; the layout is
     what they read (blanked, the logits change)."""
     compiled()
-    before = cpu_dot()
-    try:
-        set_cpu_dot("f32")
-        assert not any(m.x8 is not None for m in _quant_parts(load_cpu_model(TINY_Q4_K_M)))
-        set_cpu_dot("q8")
-        packed = load_cpu_model(TINY_Q4_K_M)
-        parts = _quant_parts(packed)
-        assert {m.qtype for m in parts if m.x8 is not None} == {"Q4_K"}
-        assert all(m.x8 is None for m in parts if m.qtype != "Q4_K")
-        monkeypatch.setattr(cpuload, "x8_pays", lambda *args: False)
-        plain = load_cpu_model(TINY_Q4_K_M)
-        assert all(m.x8 is None for m in _quant_parts(plain))
-        got, want = _decode(packed), _decode(plain)
-        for m in parts:  # the step and the prefill read the layout, not the rows
-            if m.x8 is not None:
-                m.x8[...] = 0
-        blanked = _decode(packed)
-    finally:
-        set_cpu_dot(before)
+    set_cpu_dot(None)  # the environment's mode from here on (monkeypatch restores it)
+    monkeypatch.setenv(ENV, "f32")
+    assert not any(m.x8 is not None for m in _quant_parts(load_cpu_model(TINY_Q4_K_M)))
+    monkeypatch.setenv(ENV, "q8")
+    packed = load_cpu_model(TINY_Q4_K_M)
+    parts = _quant_parts(packed)
+    assert {m.qtype for m in parts if m.x8 is not None} == {"Q4_K"}
+    assert all(m.x8 is None for m in parts if m.qtype != "Q4_K")
+    monkeypatch.setattr(cpuload, "x8_pays", lambda *args: False)
+    plain = load_cpu_model(TINY_Q4_K_M)
+    assert all(m.x8 is None for m in _quant_parts(plain))
+    got, want = _decode(packed), _decode(plain)
+    for m in parts:  # the step and the prefill read the layout, not the rows
+        if m.x8 is not None:
+            m.x8[...] = 0
+    blanked = _decode(packed)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     assert (got.argmax(-1) == want.argmax(-1)).all()
     assert not np.allclose(blanked[0], got[0])

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..base.errors import QuantError
+from . import x8layout
 from .arrays import numpy_view
 from .qtypes import (KERNEL_TYPES, TYPES, check_matmul, check_rows,  # noqa: F401
                      dequantize_array, qtype_of, quantized_activations_array)
-from .x8layout import pack_q4k
 
 TILE_BYTES = 1 << 20  # quantized bytes de-quantized per step of ``matmul``
 # the types multiplied natively, in kernel-code order: (name, weights per block, bytes per block)
@@ -45,11 +44,9 @@ def x8_types() -> tuple:
 
 
 def pack_x8(w: Any, qtype: str, threads: int = 1) -> Any:
-    """Rows ``w`` of ``qtype`` (Q4_K, a multiple of 8 of them) in the x8 layout
+    """Rows ``w`` of ``qtype`` (a multiple of 8 of them) in the x8 layout
     (``mdiedge.model.x8layout``), as the compiled module packs them."""
-    if qtype_of(qtype).name != "Q4_K":
-        raise QuantError(f"{qtype} has no x8 layout: only Q4_K")
-    return pack_q4k(numpy_view(w))
+    return x8layout.pack(numpy_view(w), qtype_of(qtype).name)
 
 
 def matmul(x: Any, w: Any, qtype: str, out: Any, threads: int = 1, dot: int = 0,

@@ -98,9 +98,13 @@ def integer_prefill(qtype: str, dot: int) -> bool:
     """Whether a prefill multiplies a ``qtype`` matrix by the compiled integer kernels (dot:
     the q8 mode) rather than by de-quantized tiles and BLAS, on both paths alike: for the
     types whose activations the q8 mode quantizes in 256-blocks (the K-quants, IQ4_XS) where
-    this CPU has their kernels. Those products ran 1.4-2x the tiles' speed on AVX512-VNNI
-    (about even on AVX2); the 32-weight types' ran 0.8-1.0x, so they keep the tiles."""
-    return bool(dot) and TYPES[qtype].act_block == 256 and qtype in _quant.q8_types()
+    this CPU has their kernels (1.4-2x the tiles' speed on AVX512-VNNI, about even on AVX2),
+    and for those with an x8 layout there (``cpuload.x8_pays``: Q4_1's 480-row products
+    1.2-1.6x the tiles'); the other 32-weight types' row kernels ran 0.8-1.0x, so they keep
+    the tiles."""
+    if not dot or qtype not in _quant.q8_types():
+        return False
+    return TYPES[qtype].act_block == 256 or qtype in _quant.x8_types()
 
 
 def _piece(x: np.ndarray, matrix: Any, out: np.ndarray, first: int, end: int

@@ -1,9 +1,10 @@
 """The x8 layout of a quantized matrix, in numpy: 8 consecutive rows interleaved block by block,
 so that a vector kernel multiplies 4 bytes of an activation by the same 4 bytes of all 8 rows
 in one instruction (``ext/quant_q8.h``, ``qm_pack_x8``, which this reproduces byte for byte:
-the twin's ``pack_x8`` and the tests' reference). Q4_K only, per 256-weight block of a group:
-the 8 rows' d and dmin (f16), the sub-blocks' 6-bit scales (one byte per row), their minimums
-in pairs of sub-blocks, then the quants 4 bytes of each row at a time."""
+the twin's ``pack_x8`` and the tests' reference). Per block of a group: for Q4_K the 8 rows'
+d and dmin (f16), the sub-blocks' 6-bit scales (one byte per row), their minimums in pairs of
+sub-blocks, then the quants 4 bytes of each row at a time; for Q4_0, Q4_1 and Q8_0 the rows'
+d (and Q4_1's m), then the quants 4 bytes of each row at a time."""
 from __future__ import annotations
 
 from typing import Dict
@@ -14,6 +15,9 @@ from ..base.errors import QuantError
 
 GROUP = 8  # rows interleaved
 Q4K_BLOCK_BYTES = 144
+# the 32-weight types: (block bytes, bytes of scales first, bytes of quants)
+BLOCKS32 = {"Q8_0": (34, 2, 32), "Q4_0": (18, 2, 16), "Q4_1": (20, 4, 16)}
+LAYOUTS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")  # in ext/quant.h's type order, as it names them
 
 
 def _scales_mins(packed: np.ndarray) -> np.ndarray:
@@ -47,3 +51,29 @@ def pack_q4k(w: np.ndarray) -> np.ndarray:
     }
     flat = [np.ascontiguousarray(p).reshape(*lead, -1) for p in parts.values()]
     return np.ascontiguousarray(np.concatenate(flat, axis=-1).reshape(n // GROUP, -1))
+
+
+def pack32(w: np.ndarray, qtype: str) -> np.ndarray:
+    """Rows w (n, k / 32 * block bytes) of a 32-weight type of ``BLOCKS32``, n a multiple of 8,
+    in the x8 layout: (n / 8, k / 32 * 8 * block bytes) uint8."""
+    block, scales, quants = BLOCKS32[qtype]
+    n, row_bytes = w.shape
+    if n % GROUP or row_bytes % block:
+        raise QuantError(f"{qtype} matrix {(n, row_bytes)} has no x8 layout: {qtype} rows of "
+                         f"whole blocks, a multiple of {GROUP} of them")
+    nb = row_bytes // block
+    blocks = w.reshape(n // GROUP, GROUP, nb, block).transpose(0, 2, 1, 3)
+    lead = blocks.shape[:2]
+    parts = [blocks[..., at:at + 2] for at in range(0, scales, 2)]  # (g, nb, row, 2) each
+    parts.append(blocks[..., scales:].reshape(*lead, GROUP, quants // 4, 4).swapaxes(-2, -3))
+    flat = [np.ascontiguousarray(p).reshape(*lead, -1) for p in parts]
+    return np.ascontiguousarray(np.concatenate(flat, axis=-1).reshape(n // GROUP, -1))
+
+
+def pack(w: np.ndarray, qtype: str) -> np.ndarray:
+    """Rows w of ``qtype`` in the x8 layout; QuantError for a type without one."""
+    if qtype == "Q4_K":
+        return pack_q4k(w)
+    if qtype in BLOCKS32:
+        return pack32(w, qtype)
+    raise QuantError(f"{qtype} has no x8 layout: only {', '.join(LAYOUTS)}")

@@ -74,7 +74,7 @@ def test_a_run_ends_soon_after_its_last_token(stories: Path) -> None:
 def test_interrupted_run_leaves_no_process(stories: Path, signum: int, group: bool) -> None:
     """SIGINT or SIGTERM to the command, or Ctrl-C in its terminal (SIGINT to its process
     group, the workers included: they leave it to the command, which stops them)."""
-    proc = subprocess.Popen(command(stories, "-n", "480", "--nodes", "3", "--samples", "4",
+    proc = subprocess.Popen(command(stories, "-n", "480", "--nodes", "3", "--samples", "16",
                                     "--micro-batch", "1"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=group)

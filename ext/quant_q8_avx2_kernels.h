@@ -263,7 +263,10 @@ QK_ALWAYS __m256i QK(dp)(__m256i acc, __m256i u, __m256i y) {
 #endif
 }
 
-#define QK_X8_PASS (QK_VNNI ? 4 : 2)  /* activation rows per pass over a group's quants */
+/* activation rows per pass over a group's quants: Q4_K's (its three sums a row), the 32-weight
+   types' (one a row; with AVX512VL's 32 vector registers, all 8) */
+#define QK_X8_PASS (QK_VNNI ? 4 : 2)
+#define QK_X8_PASS32 (QK_VNNI ? 8 : 2)
 
 /* Row r's minimum sums of block b by the 8 rows' sub-block minimums (mp: the four pairs'):
    lane i = sum over sub-blocks j of m_j[i] (bsums[2 j] + bsums[2 j + 1]). */
@@ -367,7 +370,7 @@ QK_ALWAYS void QK(x8_chunk_signed)(__m256i x, const qm_act *a, ptrdiff_t k, ptrd
     }
 }
 
-/* A 32-weight type's x8 group g against R <= QK_X8_PASS activation rows: s[8 r + i]. The
+/* A 32-weight type's x8 group g against R <= QK_X8_PASS32 activation rows: s[8 r + i]. The
    quants enter unsigned (Q4_0's as stored, Q8_0's plus 128 with VNNI, whose sums of four
    products do not saturate), their offset (8, 128) taken off the integer sums by each row's
    quant sums; AVX2's Q8_0 signed (x8_chunk_signed); Q4_1's minimum by its activation sums. */
@@ -377,11 +380,11 @@ QK_ALWAYS void QK(x8_32_pass)(int type, const uint8_t *g, const qm_act *a, ptrdi
     const int xb = qm_x8_block_bytes(type), at = qm_x8_scales32(type);
     const int offset = type == QM_Q8_0 ? (QK_VNNI ? 128 : 0) : type == QM_Q4_0 ? 8 : 0;
     const __m256i low4 = _mm256_set1_epi8(0xF), flip = _mm256_set1_epi8((char)0x80);
-    __m256 acc[QK_X8_PASS];
+    __m256 acc[QK_X8_PASS32];
     QA_UNROLL
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (ptrdiff_t b = 0; b < nb; b++, g += xb) {
-        __m256i isum[QK_X8_PASS];
+        __m256i isum[QK_X8_PASS32];
         QA_UNROLL
         for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
         if (type == QM_Q8_0) {
@@ -422,34 +425,42 @@ QK_ALWAYS void QK(x8_32_pass)(int type, const uint8_t *g, const qm_act *a, ptrdi
 /* A pass function of the x8 kernels called with R fixed, QK_X8_PASS rows at a time (each
    row's sums its own: the same bits whatever rows share a pass). */
 #if QK_VNNI
-#define QK_X8_ROWS(CALL)                                                                      \
+#define QK_X8_ROWS4(CALL)                                                                     \
     if (n == 1) CALL(1); else if (n == 2) CALL(2); else if (n == 3) CALL(3); else CALL(4)
+#define QK_X8_ROWS8(CALL)                                                                     \
+    switch (n) {                                                                            \
+    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break;                 \
+    case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break;                 \
+    case 7: CALL(7); break; default: CALL(8);                                               \
+    }
 #else
-#define QK_X8_ROWS(CALL) if (n == 1) CALL(1); else CALL(2)
+#define QK_X8_ROWS4(CALL) if (n == 1) CALL(1); else CALL(2)
+#define QK_X8_ROWS8(CALL) QK_X8_ROWS4(CALL)
 #endif
-#define QK_X8_BY_ROWS(name, CALL)                                                             \
+#define QK_X8_BY_ROWS(name, CALL, PASS, ROWS)                                                 \
     QK_ATTR static void QK(name)(const uint8_t *g, const qm_act *a, ptrdiff_t k, int R,       \
                                  float *s) {                                                  \
-        for (int r0 = 0; r0 < R; r0 += QK_X8_PASS) {                                         \
+        for (int r0 = 0; r0 < R; r0 += PASS) {                                               \
             qm_act at = qm_act_from(a, k, r0);                                               \
-            int n = R - r0 < QK_X8_PASS ? R - r0 : QK_X8_PASS;                               \
+            int n = R - r0 < PASS ? R - r0 : PASS;                                           \
             float *out = s + QM_X8 * r0;                                                     \
-            QK_X8_ROWS(CALL);                                                                \
+            ROWS(CALL);                                                                      \
         }                                                                                    \
     }
 #define QK_X8_Q4_0(R_) QK(x8_32_pass)(QM_Q4_0, g, &at, k, R_, out)
 #define QK_X8_Q4_1(R_) QK(x8_32_pass)(QM_Q4_1, g, &at, k, R_, out)
 #define QK_X8_Q8_0(R_) QK(x8_32_pass)(QM_Q8_0, g, &at, k, R_, out)
 #define QK_X8_Q4_K(R_) QK(x8_q4k_pass)(g, &at, k, R_, out)
-QK_X8_BY_ROWS(x8_q4_0, QK_X8_Q4_0)
-QK_X8_BY_ROWS(x8_q4_1, QK_X8_Q4_1)
-QK_X8_BY_ROWS(x8_q8_0, QK_X8_Q8_0)
-QK_X8_BY_ROWS(x8_q4k, QK_X8_Q4_K)
+QK_X8_BY_ROWS(x8_q4_0, QK_X8_Q4_0, QK_X8_PASS32, QK_X8_ROWS8)
+QK_X8_BY_ROWS(x8_q4_1, QK_X8_Q4_1, QK_X8_PASS32, QK_X8_ROWS8)
+QK_X8_BY_ROWS(x8_q8_0, QK_X8_Q8_0, QK_X8_PASS32, QK_X8_ROWS8)
+QK_X8_BY_ROWS(x8_q4k, QK_X8_Q4_K, QK_X8_PASS, QK_X8_ROWS4)
 #undef QK_X8_Q4_0
 #undef QK_X8_Q4_1
 #undef QK_X8_Q8_0
 #undef QK_X8_Q4_K
-#undef QK_X8_ROWS
+#undef QK_X8_ROWS4
+#undef QK_X8_ROWS8
 #undef QK_X8_BY_ROWS
 
 #define QK_Q8_0(R_) QK(dot32)(QM_Q8_0, w, a, k, R_, s)
@@ -523,6 +534,7 @@ static const qm_x8_fn QK(x8table)[QM_TYPES] = {
 #undef QK_IQ4_XS_W
 #undef QK_BY_ROWS
 #undef QK_X8_PASS
+#undef QK_X8_PASS32
 #undef QK_SCALE
 #undef QK_SPLIT
 #undef QK_ALWAYS

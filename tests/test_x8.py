@@ -18,7 +18,7 @@ from mdiedge.model import _pyquant, cpuload
 from mdiedge.model._stepconstants import QuantMatrix, StackedMatrix
 from mdiedge.model.cpuload import load_cpu_model, x8_pays
 from mdiedge.model.kernels import QUANT
-from mdiedge.model.x8layout import BLOCKS32, pack, pack_q4k
+from mdiedge.model.x8layout import BLOCKS32, LAYOUTS, pack, pack_q4k
 
 TINY_Q4_K_M = Path(__file__).resolve().parent / "data" / "gguf" / "tiny-llama-2x256-Q4_K_M.gguf"
 SHAPES = [(8, 256), (24, 512), (40, 1536)]
@@ -112,13 +112,32 @@ def test_the_x8_kernels_equal_the_row_kernels(qtype: str, n: int, k: int, rows: 
     assert np.abs(got - scalar).max() <= 1e-5 * np.abs(scalar).max()
 
 
-def test_a_layout_of_another_matrix_is_refused() -> None:
+@pytest.mark.parametrize("bad, message", [
+    (lambda w: (w[:, ::2], 1), "not contiguous uint8"),
+    (lambda w: (w.view(np.int8), 1), "not contiguous uint8"),
+    (lambda w: (w, 0), "threads must be a positive int, got 0")])
+def test_bad_arguments_to_the_packer_are_refused(bad: Any, message: str) -> None:
+    w = random_blocks("Q4_K", 16, 512).numpy()
+    for module in {_pyquant, QUANT.select()}:
+        with pytest.raises(QuantError, match=message):
+            module.pack_x8(bad(w)[0], "Q4_K", bad(w)[1])
+
+
+def test_the_compiled_layouts_are_the_numpy_ones() -> None:
+    quant = QUANT.select()
+    assert set(quant.x8_types()) <= set(LAYOUTS)
+
+
+@pytest.mark.parametrize("other", [lambda q: q.pack_x8(random_blocks("Q4_K", 16, 512).numpy(),
+                                                       "Q4_K"),
+                                   lambda q: q.pack_x8(random_blocks("Q4_K", 16, 256).numpy(),
+                                                       "Q4_K")[:, ::2]])
+def test_a_layout_of_another_matrix_is_refused(other: Any) -> None:
     quant = compiled()
     w = random_blocks("Q4_K", 16, 256).numpy()
-    other = quant.pack_x8(random_blocks("Q4_K", 16, 512).numpy(), "Q4_K")
     x = np.ones((1, 256), np.float32)
     with pytest.raises(QuantError, match="x8 layout"):
-        quant.matmul(x, w, "Q4_K", np.empty((1, 16), np.float32), 1, 1, x8=other)
+        quant.matmul(x, w, "Q4_K", np.empty((1, 16), np.float32), 1, 1, x8=other(quant))
 
 
 @pytest.mark.parametrize("qtype, rows, dot, types, pays", [

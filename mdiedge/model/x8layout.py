@@ -7,11 +7,12 @@ sub-blocks, then the quants 4 bytes of each row at a time; for Q4_0, Q4_1 and Q8
 d (and Q4_1's m), then the quants 4 bytes of each row at a time."""
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Dict
 
 import numpy as np
 
 from ..base.errors import QuantError
+from .arrays import contiguous_cpu, ndim
 
 GROUP = 8  # rows interleaved
 Q4K_BLOCK_BYTES = 144
@@ -70,10 +71,25 @@ def pack32(w: np.ndarray, qtype: str) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate(flat, axis=-1).reshape(n // GROUP, -1))
 
 
+def check_pack(w: Any, qtype: str, threads: int = 1) -> None:
+    """``pack_x8``'s arguments (both modules'): contiguous uint8 CPU rows of a type with a
+    layout, a multiple of 8 of them, of whole blocks, and a thread count of at least 1;
+    QuantError naming what is wrong."""
+    if qtype not in LAYOUTS:
+        raise QuantError(f"{qtype} has no x8 layout: only {', '.join(LAYOUTS)}")
+    if not (contiguous_cpu(w, "uint8") and ndim(w) == 2):
+        raise QuantError(f"{qtype} matrix {tuple(getattr(w, 'shape', ()))} "
+                         f"{getattr(w, 'dtype', type(w).__name__)} is not contiguous uint8 CPU "
+                         f"rows")
+    block = Q4K_BLOCK_BYTES if qtype == "Q4_K" else BLOCKS32[qtype][0]
+    if w.shape[0] % GROUP or w.shape[1] % block or w.shape[1] == 0:
+        raise QuantError(f"{qtype} matrix {tuple(w.shape)} has no x8 layout: {qtype} rows of "
+                         f"whole blocks, a multiple of {GROUP} of them")
+    if not isinstance(threads, int) or threads < 1:
+        raise QuantError(f"threads must be a positive int, got {threads!r}")
+
+
 def pack(w: np.ndarray, qtype: str) -> np.ndarray:
-    """Rows w of ``qtype`` in the x8 layout; QuantError for a type without one."""
-    if qtype == "Q4_K":
-        return pack_q4k(w)
-    if qtype in BLOCKS32:
-        return pack32(w, qtype)
-    raise QuantError(f"{qtype} has no x8 layout: only {', '.join(LAYOUTS)}")
+    """Rows w of ``qtype`` in the x8 layout (``check_pack``'s arguments)."""
+    check_pack(w, qtype)
+    return pack_q4k(w) if qtype == "Q4_K" else pack32(w, qtype)

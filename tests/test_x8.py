@@ -18,7 +18,8 @@ from mdiedge.model import _pyquant, cpuload
 from mdiedge.model._stepconstants import QuantMatrix, StackedMatrix
 from mdiedge.model.cpuload import load_cpu_model, x8_pays
 from mdiedge.model.kernels import QUANT
-from mdiedge.model.x8layout import BLOCKS32, LAYOUTS, pack, pack_q4k
+from mdiedge.model.qtypes import TYPES as QTYPES
+from mdiedge.model.x8layout import LAYOUTS, pack, pack_q4k
 
 TINY_Q4_K_M = Path(__file__).resolve().parent / "data" / "gguf" / "tiny-llama-2x256-Q4_K_M.gguf"
 SHAPES = [(8, 256), (24, 512), (40, 1536)]
@@ -37,7 +38,7 @@ def compiled(qtype: str = "Q4_K") -> Any:
 def test_the_compiled_packer_writes_what_the_numpy_one_does(qtype: str, n: int, k: int) -> None:
     w = random_blocks(qtype, n, k, seed=n).numpy()
     want = pack(w, qtype)
-    block, group_block = (256, 1184) if qtype == "Q4_K" else (32, 8 * BLOCKS32[qtype][0])
+    block, group_block = (256, 1184) if qtype == "Q4_K" else (32, 8 * QTYPES[qtype].block_bytes)
     assert want.shape == (n // 8, k // block * group_block)
     assert np.array_equal(_pyquant.pack_x8(w, qtype), want)
     quant = QUANT.select()

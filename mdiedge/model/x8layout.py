@@ -7,17 +7,16 @@ sub-blocks, then the quants 4 bytes of each row at a time; for Q4_0, Q4_1 and Q8
 d (and Q4_1's m), then the quants 4 bytes of each row at a time."""
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, List
 
 import numpy as np
 
 from ..base.errors import QuantError
 from .arrays import contiguous_cpu, ndim
+from .qtypes import TYPES
 
 GROUP = 8  # rows interleaved
-Q4K_BLOCK_BYTES = 144
-# the 32-weight types: (block bytes, bytes of scales first, bytes of quants)
-BLOCKS32 = {"Q8_0": (34, 2, 32), "Q4_0": (18, 2, 16), "Q4_1": (20, 4, 16)}
+SCALE_BYTES32 = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}  # the 32-weight types': f16 scales first
 LAYOUTS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")  # in ext/quant.h's type order, as it names them
 
 
@@ -32,43 +31,43 @@ def _scales_mins(packed: np.ndarray) -> np.ndarray:
     return np.stack([scales, mins], axis=-2)
 
 
+def _groups(w: np.ndarray, qtype: str) -> np.ndarray:
+    """Rows w as (groups, blocks, 8 rows, block bytes)."""
+    n, block = w.shape[0], TYPES[qtype].block_bytes
+    return w.reshape(n // GROUP, GROUP, -1, block).transpose(0, 2, 1, 3)
+
+
+def _joined(parts: List[np.ndarray], n: int) -> np.ndarray:
+    """Each group block's parts (groups, blocks, ...) one after another: (n / 8, bytes)."""
+    lead = parts[0].shape[:2]
+    flat = [np.ascontiguousarray(p).reshape(*lead, -1) for p in parts]
+    return np.ascontiguousarray(np.concatenate(flat, axis=-1).reshape(n // GROUP, -1))
+
+
 def pack_q4k(w: np.ndarray) -> np.ndarray:
     """Rows w (n, k / 256 * 144) of Q4_K blocks, n a multiple of 8, in the x8 layout:
     (n / 8, k / 256 * 1184) uint8."""
-    n, row_bytes = w.shape
-    if n % GROUP or row_bytes % Q4K_BLOCK_BYTES:
-        raise QuantError(f"Q4_K matrix {(n, row_bytes)} has no x8 layout: Q4_K rows of whole "
-                         f"blocks, a multiple of {GROUP} of them")
-    nb = row_bytes // Q4K_BLOCK_BYTES
-    blocks = w.reshape(n // GROUP, GROUP, nb, Q4K_BLOCK_BYTES).transpose(0, 2, 1, 3)
+    blocks = _groups(w, "Q4_K")
     lead = blocks.shape[:2]
     sm = _scales_mins(blocks[..., 4:16])  # (g, nb, row, 2, sub-block)
-    parts: Dict[str, np.ndarray] = {
-        "d": blocks[..., 0:2],
-        "dmin": blocks[..., 2:4],
-        "scales": sm[..., 0, :].swapaxes(-1, -2),  # (g, nb, sub-block, row)
-        "mins": sm[..., 1, :].reshape(*lead, GROUP, 4, 2).transpose(0, 1, 3, 2, 4),
-        "quants": blocks[..., 16:].reshape(*lead, GROUP, 4, 8, 4).transpose(0, 1, 3, 4, 2, 5),
-    }
-    flat = [np.ascontiguousarray(p).reshape(*lead, -1) for p in parts.values()]
-    return np.ascontiguousarray(np.concatenate(flat, axis=-1).reshape(n // GROUP, -1))
+    return _joined([
+        blocks[..., 0:2],  # d
+        blocks[..., 2:4],  # dmin
+        sm[..., 0, :].swapaxes(-1, -2),  # scales (g, nb, sub-block, row)
+        sm[..., 1, :].reshape(*lead, GROUP, 4, 2).transpose(0, 1, 3, 2, 4),  # mins in pairs
+        blocks[..., 16:].reshape(*lead, GROUP, 4, 8, 4).transpose(0, 1, 3, 4, 2, 5),  # quants
+    ], w.shape[0])
 
 
 def pack32(w: np.ndarray, qtype: str) -> np.ndarray:
-    """Rows w (n, k / 32 * block bytes) of a 32-weight type of ``BLOCKS32``, n a multiple of 8,
-    in the x8 layout: (n / 8, k / 32 * 8 * block bytes) uint8."""
-    block, scales, quants = BLOCKS32[qtype]
-    n, row_bytes = w.shape
-    if n % GROUP or row_bytes % block:
-        raise QuantError(f"{qtype} matrix {(n, row_bytes)} has no x8 layout: {qtype} rows of "
-                         f"whole blocks, a multiple of {GROUP} of them")
-    nb = row_bytes // block
-    blocks = w.reshape(n // GROUP, GROUP, nb, block).transpose(0, 2, 1, 3)
-    lead = blocks.shape[:2]
+    """Rows w (n, k / 32 * block bytes) of a 32-weight type of ``SCALE_BYTES32``, n a multiple
+    of 8, in the x8 layout: (n / 8, k / 32 * 8 * block bytes) uint8."""
+    blocks = _groups(w, qtype)
+    scales = SCALE_BYTES32[qtype]
     parts = [blocks[..., at:at + 2] for at in range(0, scales, 2)]  # (g, nb, row, 2) each
-    parts.append(blocks[..., scales:].reshape(*lead, GROUP, quants // 4, 4).swapaxes(-2, -3))
-    flat = [np.ascontiguousarray(p).reshape(*lead, -1) for p in parts]
-    return np.ascontiguousarray(np.concatenate(flat, axis=-1).reshape(n // GROUP, -1))
+    quants = blocks[..., scales:]
+    parts.append(quants.reshape(*quants.shape[:3], -1, 4).swapaxes(-2, -3))
+    return _joined(parts, w.shape[0])
 
 
 def check_pack(w: Any, qtype: str, threads: int = 1) -> None:
@@ -81,7 +80,7 @@ def check_pack(w: Any, qtype: str, threads: int = 1) -> None:
         raise QuantError(f"{qtype} matrix {tuple(getattr(w, 'shape', ()))} "
                          f"{getattr(w, 'dtype', type(w).__name__)} is not contiguous uint8 CPU "
                          f"rows")
-    block = Q4K_BLOCK_BYTES if qtype == "Q4_K" else BLOCKS32[qtype][0]
+    block = TYPES[qtype].block_bytes
     if w.shape[0] % GROUP or w.shape[1] % block or w.shape[1] == 0:
         raise QuantError(f"{qtype} matrix {tuple(w.shape)} has no x8 layout: {qtype} rows of "
                          f"whole blocks, a multiple of {GROUP} of them")

@@ -65,8 +65,9 @@ cdef extern from "step.h" nogil:
     const int qm_block_bytes[]
     void st_act_rows(int activation, const float *both, float *out, Py_ssize_t rows,
                      Py_ssize_t hidden, int threads)
-    int st_logits(const float *x, const float *norm, float eps, const void *head, int head_t,
-                  float *out, Py_ssize_t dim, Py_ssize_t vocab, int R, int threads, int dot)
+    int st_logits(const float *x, const float *norm, float eps, const void *head,
+                  const void *head_x8, int head_t, float *out, Py_ssize_t dim,
+                  Py_ssize_t vocab, int R, int threads, int dot)
 
 st_init()
 _check_compiled(tuple((qm_names[i].decode(), qm_block[i], qm_block_bytes[i])
@@ -241,10 +242,12 @@ def logits(norm, double eps, head, x, out, int threads, int dot=0):
     cdef const float *xp = _ptr(x)
     cdef const float *np_ = _ptr(norm)
     cdef const void *hp = _matrix(head)
+    cdef const void *hx8 = _x8(head)
     cdef int head_t = _type(head)
     cdef float *op = <float *>_ptr(out)
     with nogil:
-        status = st_logits(xp, np_, <float>eps, hp, head_t, op, dim, vocab, rows, threads, dot)
+        status = st_logits(xp, np_, <float>eps, hp, hx8, head_t, op, dim, vocab, rows,
+                           threads, dot)
     if status != 0:
         raise MemoryError(f"logits of {rows} rows: no scratch memory")
 

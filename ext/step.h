@@ -606,10 +606,12 @@ static int st_blocks_step(const st_block *bs, int n, const float *x, float *out,
 }
 
 /* out = head(norm(x)) for R rows: the model's final RMSNorm and its head product (vocab, dim),
-   the head float32 (head_t ST_FLOAT) or quantized, in one call of ``threads``; returns 0, or
-   -1 when scratch memory cannot be had. */
-static int st_logits(const float *x, const float *norm, float eps, const void *head, int head_t,
-                     float *out, ptrdiff_t dim, ptrdiff_t vocab, int R, int threads, int dot) {
+   the head float32 (head_t ST_FLOAT) or quantized, and then also in the x8 layout where
+   head_x8 is not NULL, in one call of ``threads``; returns 0, or -1 when scratch memory cannot
+   be had. */
+static int st_logits(const float *x, const float *norm, float eps, const void *head,
+                     const void *head_x8, int head_t, float *out, ptrdiff_t dim,
+                     ptrdiff_t vocab, int R, int threads, int dot) {
     float *h = malloc((size_t)R * dim * sizeof(float));
     if (h == NULL) return -1;
     for (int r = 0; r < R; r++) st_rmsnorm(x + r * dim, norm, h + r * dim, dim, eps);
@@ -617,7 +619,8 @@ static int st_logits(const float *x, const float *norm, float eps, const void *h
     if (head_t == ST_FLOAT)
         mv_rows((const float *)head, h, out, vocab, dim, R, threads);
     else
-        status = qm_rows(head_t, (const uint8_t *)head, h, out, vocab, dim, R, threads, dot);
+        status = qm_rows_into_x8(head_t, (const uint8_t *)head, (const uint8_t *)head_x8, h,
+                                 out, vocab, vocab, dim, R, threads, dot);
     free(h);
     return status;
 }

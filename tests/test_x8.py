@@ -11,6 +11,8 @@ from typing import Any, List
 import numpy as np
 import pytest
 
+from conftest import make_hf_llama
+from gguf_files import write_gguf
 from quantblocks import random_blocks
 from mdiedge.base.cpudot import ENV, set_cpu_dot
 from mdiedge.base.errors import QuantError
@@ -199,3 +201,32 @@ def test_a_packed_model_decodes_as_an_unpacked_one(monkeypatch: Any) -> None:
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     assert (got.argmax(-1) == want.argmax(-1)).all()
     assert not np.allclose(blanked[0], got[0])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_head_is_packed_and_read(tmp_path: Path, monkeypatch: Any, tied: bool) -> None:
+    """A Q8_0 head (its own, or the tied embedding) is packed in the q8 mode, in slices
+    (``PACK_BYTES`` made small: the layout the same as one pack of the whole), and the head's
+    product reads the layout (blanked, the logits change) with logits within 1e-5 of the
+    unpacked model's; the embedding's lookups still read the rows."""
+    compiled("Q8_0")
+    hf = make_hf_llama(tmp_path / "hf", seed=5, intermediate_size=64, vocab_size=256,
+                       tie_word_embeddings=tied)
+    file = write_gguf(tmp_path / "tiny-Q8_0.gguf", hf, "Q8_0")
+    set_cpu_dot(None)
+    monkeypatch.setenv(ENV, "q8")
+    monkeypatch.setattr(cpuload, "PACK_BYTES", 3 * 8 * 34)  # 24 rows of one block: 11 slices
+    packed = load_cpu_model(file)
+    head = packed.weights.embed if tied else packed.weights.head
+    assert head.x8 is not None and head.shape[0] == 256
+    assert np.array_equal(head.x8, pack(np.asarray(head.data), "Q8_0"))
+    monkeypatch.setattr(cpuload, "x8_pays", lambda *args: False)
+    plain = load_cpu_model(file)
+    got, want = _decode(packed), _decode(plain)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    head.x8[...] = 0
+    x = np.random.default_rng(0).standard_normal((1, 32)).astype(np.float32)
+    assert not np.array_equal(packed.head_logits(x), plain.head_logits(x))
+    assert np.array_equal(packed.embed_tokens(np.array([[3, 255]])),
+                          plain.embed_tokens(np.array([[3, 255]])))

@@ -27,6 +27,7 @@ from .qtypes import (QUANTIZERS, check_blocks, dequantize_array, kernel_qtype, q
 from .tensors import TensorSource, tensor_plan
 
 SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
+PACK_BYTES = 8 << 20  # of a matrix's rows packed at a time: the most held twice while packing
 PathLike = Union[str, Path]
 Matrix = Any  # float32 (out, in) numpy, or a QuantMatrix
 _quant = QUANT.select()
@@ -47,7 +48,9 @@ def load_cpu_model(model: Optional[PathLike] = None, layers: Optional[Tuple[int,
         plan = _checked_plan(cfg, source, layers, embedding, head)
         reader = _Reader(cfg, source, quantize)
         embed = reader.matrix(plan["embed.weight"]) if embedding else None
-        if isinstance(embed, QuantMatrix) and not (head and cfg.tie_embeddings):
+        if isinstance(embed, QuantMatrix) and head and cfg.tie_embeddings:
+            embed = reader.packed(embed)  # the head's product reads the layout
+        elif isinstance(embed, QuantMatrix):
             source.release(embed.data)  # checked; read a row at a time from here on
         weights = Weights(
             embed=embed, blocks=[_block(reader, cfg, plan, i) for i in range(*layers)],
@@ -169,19 +172,27 @@ class _Reader:
 
     def packed(self, matrix: QuantMatrix) -> QuantMatrix:
         """``matrix`` also in the kernels' x8 layout where ``x8_pays``, its rows' file pages
-        then dropped from resident memory (the q8 mode reads the layout; anything reading the
-        rows again maps them again)."""
-        if not x8_pays(matrix.qtype, matrix.shape[0], dot_code(), _quant.x8_types()):
+        dropped from resident memory as each slice of ``PACK_BYTES`` is packed (the q8 mode
+        reads the layout; the embedding's lookups and anything else reading the rows map
+        them again)."""
+        data, qtype = matrix.data, matrix.qtype
+        if not x8_pays(qtype, data.shape[0], dot_code(), _quant.x8_types()):
             return matrix
-        x8 = _quant.pack_x8(matrix.data, matrix.qtype, kernel_threads())
-        self.source.release(matrix.data)
-        return QuantMatrix(matrix.data, matrix.qtype, x8)
+        rows = max(8, PACK_BYTES // max(1, data.shape[1]) // 8 * 8)
+        x8 = None
+        for first in range(0, data.shape[0], rows):
+            part = _quant.pack_x8(data[first:first + rows], qtype, kernel_threads())
+            if x8 is None:
+                x8 = np.empty((data.shape[0] // 8, part.shape[1]), np.uint8)
+            x8[first // 8:first // 8 + part.shape[0]] = part
+            self.source.release(data[first:first + rows])
+        return QuantMatrix(data, qtype, x8)
 
 
 def x8_pays(qtype: str, rows: int, dot: int, x8_types: Tuple[str, ...]) -> bool:
-    """Whether a block's matrix of ``rows`` rows of ``qtype`` is packed in the x8 layout on
-    load: the q8 mode (``dot``) is in force and the kernels in use multiply that type's layout
-    (``x8_types``: ``_cquant.x8_types()``), in whole groups of 8 rows. Measured on Qwen2.5's
+    """Whether a matrix (a block's, the head) of ``rows`` rows of ``qtype`` is packed in the
+    x8 layout on load: the q8 mode (``dot``) is in force and the kernels in use multiply that
+    type's layout (``x8_types``: ``_cquant.x8_types()``), in whole groups of 8 rows. Measured on Qwen2.5's
     Q4_K shapes (AVX512-VNNI, 1 thread): one row 1.5-1.7x the row-by-row kernels' speed, 512
     rows 1.4-1.6x."""
     return bool(dot) and qtype in x8_types and rows % 8 == 0
@@ -248,4 +259,5 @@ def _head(reader: _Reader, cfg: ModelConfig, plan: Dict[str, str], embedding: bo
     """None where it is the chunk's tied embedding (``CpuModel`` shares it)."""
     if cfg.tie_embeddings and embedding:
         return None
-    return reader.matrix(plan["lm_head.weight"])
+    matrix = reader.matrix(plan["lm_head.weight"])
+    return reader.packed(matrix) if isinstance(matrix, QuantMatrix) else matrix

@@ -380,9 +380,12 @@ static const qm_idot_fn qm_iscalar[QM_TYPES] = {
 #define QM_X8_Q4K 1184
 
 /* The 32-weight types' x8 layout, per block of a group: the 8 rows' d (f16), for Q4_1 their
-   m (f16), then the quants, 4 bytes of each row at a time: for Q4_0 and Q4_1 (nibbles) row
-   i's qs[4 t ..] at 32 t + 4 i past the scales (t = 0..3: the low nibbles weights 4 t.., the
-   high ones 16 + 4 t..), for Q8_0 (bytes) row i's qs[4 t ..] likewise (t = 0..7). */
+   m (f16), then the quants, 4 bytes of each row at a time: for Q4_0, Q4_1 and Q5_0 (nibbles)
+   row i's qs[4 t ..] at 32 t + 4 i past the scales (t = 0..3: the low nibbles weights 4 t..,
+   the high ones 16 + 4 t..), for Q8_0 (bytes) row i's qs[4 t ..] likewise (t = 0..7). Q5_0's
+   fifth bits follow at 144, a 32-bit mask per 32 nibbles, as the nibbles lie: the low
+   nibbles' of t at 144 + 8 t, the high ones' at 148 + 8 t, bit 4 i + m the fifth bit of row
+   i's weight 4 t + m (16 + 4 t + m). */
 static inline int qm_x8_scales32(int type) { return type == QM_Q4_1 ? 32 : 16; }
 
 /* Bytes of one block of a group of the x8 layout (0: the type has none). */
@@ -390,6 +393,7 @@ static inline int qm_x8_block_bytes(int type) {
     switch (type) {
     case QM_Q4_K: return QM_X8_Q4K;
     case QM_Q4_0: case QM_Q4_1: return qm_x8_scales32(type) + 128;
+    case QM_Q5_0: return 16 + 128 + 32;
     case QM_Q8_0: return 16 + 256;
     default: return 0;
     }
@@ -423,12 +427,19 @@ static void qm_pack_q4k_block(const uint8_t *w, ptrdiff_t rb, ptrdiff_t b, uint8
 static void qm_pack32_block(int type, const uint8_t *w, ptrdiff_t rb, ptrdiff_t b,
                             uint8_t *dst) {
     int bb = qm_block_bytes[type], at = qm_x8_scales32(type), quants = type == QM_Q8_0 ? 8 : 4;
+    if (type == QM_Q5_0) memset(dst + 144, 0, 32);
     for (int i = 0; i < QM_X8; i++) {
         const uint8_t *blk = w + i * rb + b * bb;
         memcpy(dst + 2 * i, blk, 2);
         if (type == QM_Q4_1) memcpy(dst + 16 + 2 * i, blk + 2, 2);
         for (int t = 0; t < quants; t++)
             memcpy(dst + at + 32 * t + 4 * i, blk + (bb - 4 * quants) + 4 * t, 4);
+        if (type != QM_Q5_0) continue;
+        uint32_t qh = qm_u32(blk + 2);
+        for (int t = 0; t < 8; t++) {  /* mask t: nibbles t / 2's low (t even) or high */
+            uint32_t bits = (qh >> (t % 2 ? 16 + 4 * (t / 2) : 4 * (t / 2))) & 0xF;
+            dst[144 + 4 * t + i / 2] |= (uint8_t)(bits << (4 * (i % 2)));
+        }
     }
 }
 
@@ -457,6 +468,13 @@ static void qm_unpack32_block(int type, const uint8_t *g, int i, uint8_t *blk) {
     if (type == QM_Q4_1) memcpy(blk + 2, g + 16 + 2 * i, 2);
     for (int t = 0; t < quants; t++)
         memcpy(blk + (bb - 4 * quants) + 4 * t, g + at + 32 * t + 4 * i, 4);
+    if (type != QM_Q5_0) return;
+    uint32_t qh = 0;
+    for (int t = 0; t < 8; t++) {
+        uint32_t bits = (g[144 + 4 * t + i / 2] >> (4 * (i % 2))) & 0xF;
+        qh |= bits << (t % 2 ? 16 + 4 * (t / 2) : 4 * (t / 2));
+    }
+    for (int j = 0; j < 4; j++) blk[2 + j] = (uint8_t)(qh >> (8 * j));
 }
 
 /* The 32-weight types' scalar reference: each row as qm_iblk computes it, block by block. */
@@ -483,6 +501,7 @@ static void qm_x8_scalar32(int type, const uint8_t *g, const qm_act *a, ptrdiff_
 QM_X8SCALAR32(QM_Q4_0, q4_0)
 QM_X8SCALAR32(QM_Q4_1, q4_1)
 QM_X8SCALAR32(QM_Q8_0, q8_0)
+QM_X8SCALAR32(QM_Q5_0, q5_0)
 
 /* The scalar reference: each row as qm_iblk_q4_k computes it, block by block. */
 static void qm_x8_scalar_q4k(const uint8_t *g, const qm_act *a, ptrdiff_t k, int R, float *s) {
@@ -514,4 +533,4 @@ static void qm_x8_scalar_q4k(const uint8_t *g, const qm_act *a, ptrdiff_t k, int
 
 static const qm_x8_fn qm_x8scalar[QM_TYPES] = {
     [QM_Q4_K] = qm_x8_scalar_q4k, [QM_Q4_0] = qm_x8_scalar_q4_0, [QM_Q4_1] = qm_x8_scalar_q4_1,
-    [QM_Q8_0] = qm_x8_scalar_q8_0};
+    [QM_Q8_0] = qm_x8_scalar_q8_0, [QM_Q5_0] = qm_x8_scalar_q5_0};

@@ -370,15 +370,29 @@ QK_ALWAYS void QK(x8_chunk_signed)(__m256i x, const qm_act *a, ptrdiff_t k, ptrd
     }
 }
 
+/* The fifth bits of 32 nibbles (Q5_0's x8 mask at m: bit j for byte j) as 16 in those bytes. */
+QK_ALWAYS __m256i QK(x8_fifth)(const uint8_t *m) {
+    int32_t bits;
+    memcpy(&bits, m, 4);
+    const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                             0x0101010101010101, 0x0000000000000000);
+    const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+    __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(bits), spread), others);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)),
+                            _mm256_set1_epi8(0x10));
+}
+
 /* A 32-weight type's x8 group g against R <= QK_X8_PASS32 activation rows: s[8 r + i]. The
-   quants enter unsigned (Q4_0's as stored, Q8_0's plus 128 with VNNI, whose sums of four
-   products do not saturate), their offset (8, 128) taken off the integer sums by each row's
-   quant sums; AVX2's Q8_0 signed (x8_chunk_signed); Q4_1's minimum by its activation sums. */
+   quants enter unsigned (Q4_0's and Q5_0's as stored, Q8_0's plus 128 with VNNI, whose sums
+   of four products do not saturate), their offset (8, 16, 128) taken off the integer sums by
+   each row's quant sums; AVX2's Q8_0 signed (x8_chunk_signed); Q4_1's minimum by its
+   activation sums. */
 QK_ALWAYS void QK(x8_32_pass)(int type, const uint8_t *g, const qm_act *a, ptrdiff_t k,
                               const int R, float *s) {
     const ptrdiff_t nb = k / 32;
     const int xb = qm_x8_block_bytes(type), at = qm_x8_scales32(type);
-    const int offset = type == QM_Q8_0 ? (QK_VNNI ? 128 : 0) : type == QM_Q4_0 ? 8 : 0;
+    const int offset = type == QM_Q8_0 ? (QK_VNNI ? 128 : 0)
+                       : type == QM_Q4_0 ? 8 : type == QM_Q5_0 ? 16 : 0;
     const __m256i low4 = _mm256_set1_epi8(0xF), flip = _mm256_set1_epi8((char)0x80);
     __m256 acc[QK_X8_PASS32];
     QA_UNROLL
@@ -401,9 +415,14 @@ QK_ALWAYS void QK(x8_32_pass)(int type, const uint8_t *g, const qm_act *a, ptrdi
             QA_UNROLL
             for (int t = 0; t < 4; t++) {
                 __m256i bits = qa_load(g + at + 32 * t);
-                QK(x8_chunk)(_mm256_and_si256(bits, low4), a, k, 32 * b + 4 * t, R, isum);
-                QK(x8_chunk)(_mm256_and_si256(_mm256_srli_epi16(bits, 4), low4), a, k,
-                             32 * b + 16 + 4 * t, R, isum);
+                __m256i lo = _mm256_and_si256(bits, low4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low4);
+                if (type == QM_Q5_0) {
+                    lo = _mm256_or_si256(lo, QK(x8_fifth)(g + 144 + 8 * t));
+                    hi = _mm256_or_si256(hi, QK(x8_fifth)(g + 148 + 8 * t));
+                }
+                QK(x8_chunk)(lo, a, k, 32 * b + 4 * t, R, isum);
+                QK(x8_chunk)(hi, a, k, 32 * b + 16 + 4 * t, R, isum);
             }
         }
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
@@ -450,14 +469,17 @@ QK_ALWAYS void QK(x8_32_pass)(int type, const uint8_t *g, const qm_act *a, ptrdi
 #define QK_X8_Q4_0(R_) QK(x8_32_pass)(QM_Q4_0, g, &at, k, R_, out)
 #define QK_X8_Q4_1(R_) QK(x8_32_pass)(QM_Q4_1, g, &at, k, R_, out)
 #define QK_X8_Q8_0(R_) QK(x8_32_pass)(QM_Q8_0, g, &at, k, R_, out)
+#define QK_X8_Q5_0(R_) QK(x8_32_pass)(QM_Q5_0, g, &at, k, R_, out)
 #define QK_X8_Q4_K(R_) QK(x8_q4k_pass)(g, &at, k, R_, out)
 QK_X8_BY_ROWS(x8_q4_0, QK_X8_Q4_0, QK_X8_PASS32, QK_X8_ROWS8)
 QK_X8_BY_ROWS(x8_q4_1, QK_X8_Q4_1, QK_X8_PASS32, QK_X8_ROWS8)
 QK_X8_BY_ROWS(x8_q8_0, QK_X8_Q8_0, QK_X8_PASS32, QK_X8_ROWS8)
+QK_X8_BY_ROWS(x8_q5_0, QK_X8_Q5_0, QK_X8_PASS32, QK_X8_ROWS8)
 QK_X8_BY_ROWS(x8_q4k, QK_X8_Q4_K, QK_X8_PASS, QK_X8_ROWS4)
 #undef QK_X8_Q4_0
 #undef QK_X8_Q4_1
 #undef QK_X8_Q8_0
+#undef QK_X8_Q5_0
 #undef QK_X8_Q4_K
 #undef QK_X8_ROWS4
 #undef QK_X8_ROWS8
@@ -512,7 +534,7 @@ static const qm_idot_fn QK(wtable)[QM_TYPES] = {
 /* Its x8 kernels (qm_pack_x8's layout). */
 static const qm_x8_fn QK(x8table)[QM_TYPES] = {
     [QM_Q4_K] = QK(x8_q4k), [QM_Q4_0] = QK(x8_q4_0), [QM_Q4_1] = QK(x8_q4_1),
-    [QM_Q8_0] = QK(x8_q8_0)};
+    [QM_Q8_0] = QK(x8_q8_0), [QM_Q5_0] = QK(x8_q5_0)};
 
 #undef QK_Q8_0
 #undef QK_Q4_0

@@ -3,8 +3,9 @@ so that a vector kernel multiplies 4 bytes of an activation by the same 4 bytes 
 in one instruction (``ext/quant_q8.h``, ``qm_pack_x8``, which this reproduces byte for byte:
 the twin's ``pack_x8`` and the tests' reference). Per block of a group: for Q4_K the 8 rows'
 d and dmin (f16), the sub-blocks' 6-bit scales (one byte per row), their minimums in pairs of
-sub-blocks, then the quants 4 bytes of each row at a time; for Q4_0, Q4_1 and Q8_0 the rows'
-d (and Q4_1's m), then the quants 4 bytes of each row at a time."""
+sub-blocks, then the quants 4 bytes of each row at a time; for Q4_0, Q4_1, Q5_0 and Q8_0 the
+rows' d (and Q4_1's m), then the quants 4 bytes of each row at a time (Q5_0's fifth bits after
+them, a 32-bit mask per 32 nibbles)."""
 from __future__ import annotations
 
 from typing import Any, List
@@ -17,7 +18,7 @@ from .qtypes import TYPES
 
 GROUP = 8  # rows interleaved
 SCALE_BYTES32 = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}  # the 32-weight types': f16 scales first
-LAYOUTS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")  # in ext/quant.h's type order, as it names them
+LAYOUTS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0")  # in ext/quant.h's type order, as it names them
 
 
 def _scales_mins(packed: np.ndarray) -> np.ndarray:
@@ -70,6 +71,22 @@ def pack32(w: np.ndarray, qtype: str) -> np.ndarray:
     return _joined(parts, w.shape[0])
 
 
+def pack_q5_0(w: np.ndarray) -> np.ndarray:
+    """Rows w (n, k / 32 * 22) of Q5_0 blocks, n a multiple of 8, in the x8 layout: the rows'
+    d, their nibbles as Q4_0's, then per 32 nibbles (4 of each row) the mask of their fifth
+    bits, bit 4 i + m row i's nibble m: (n / 8, k / 32 * 176) uint8."""
+    blocks = _groups(w, "Q5_0")
+    qs = blocks[..., 6:]
+    fifth = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")[..., 0].astype(np.uint64)
+    shifts = np.arange(GROUP, dtype=np.uint64) * 4
+    masks = [((fifth >> np.uint64(16 * (t % 2) + 4 * (t // 2))) & 0xF) << shifts
+             for t in range(8)]  # (g, nb, row) each: mask t, nibbles t // 2's low or high
+    joined = np.stack([m.sum(axis=-1) for m in masks], axis=-1).astype("<u4")
+    return _joined([blocks[..., 0:2],
+                    qs.reshape(*qs.shape[:3], -1, 4).swapaxes(-2, -3),
+                    joined.view(np.uint8)], w.shape[0])
+
+
 def check_pack(w: Any, qtype: str, threads: int = 1) -> None:
     """``pack_x8``'s arguments (both modules'): contiguous uint8 CPU rows of a type with a
     layout, a multiple of 8 of them, of whole blocks, and a thread count of at least 1;
@@ -91,4 +108,6 @@ def check_pack(w: Any, qtype: str, threads: int = 1) -> None:
 def pack(w: np.ndarray, qtype: str) -> np.ndarray:
     """Rows w of ``qtype`` in the x8 layout (``check_pack``'s arguments)."""
     check_pack(w, qtype)
-    return pack_q4k(w) if qtype == "Q4_K" else pack32(w, qtype)
+    if qtype in ("Q4_K", "Q5_0"):
+        return pack_q4k(w) if qtype == "Q4_K" else pack_q5_0(w)
+    return pack32(w, qtype)

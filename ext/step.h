@@ -186,7 +186,8 @@ static inline __attribute__((always_inline)) float st_tail(
 static inline __attribute__((always_inline)) float st_scores(
         const float *q, const float *k, float *scores, ptrdiff_t len, ptrdiff_t hd, float scale) {
     ptrdiff_t hv = hd - hd % 8, t = 0;
-    float top = -INFINITY;
+    mv_v8 tops = {-INFINITY, -INFINITY, -INFINITY, -INFINITY,
+                  -INFINITY, -INFINITY, -INFINITY, -INFINITY};
     for (; t + 8 <= len; t += 8) {
         mv_v8 acc[8];
         for (int j = 0; j < 8; j++) acc[j] = st_dot_lanes(q, k + (t + j) * hd, hv);
@@ -194,12 +195,15 @@ static inline __attribute__((always_inline)) float st_scores(
         for (int j = 0; j < 8; j++) s[j] += st_tail(q, k + (t + j) * hd, hv, hd);
         s *= scale;
         memcpy(scores + t, &s, sizeof s);
+        for (int j = 0; j < 8; j++) tops[j] = s[j] > tops[j] ? s[j] : tops[j];  /* vmaxps */
     }
+    float top = -INFINITY;
+    for (int j = 0; j < 8; j++) top = tops[j] > top ? tops[j] : top;
     for (; t < len; t++) {
         const float *kt = k + t * hd;
         scores[t] = (st_pairwise(st_dot_lanes(q, kt, hv)) + st_tail(q, kt, hv, hd)) * scale;
+        top = scores[t] > top ? scores[t] : top;
     }
-    for (t = 0; t < len; t++) top = scores[t] > top ? scores[t] : top;
     return top;
 }
 
@@ -208,8 +212,14 @@ static inline __attribute__((always_inline)) float st_scores(
 static inline __attribute__((always_inline)) float st_exps(float *scores, ptrdiff_t len,
                                                            float top) {
     mv_v8 sum = {0};
-    for (ptrdiff_t t = 0; t < len; t += 8) {
-        ptrdiff_t n = len - t < 8 ? len - t : 8;
+    ptrdiff_t t = 0;
+    for (; t + 8 <= len; t += 8) {  /* whole vectors: no copy of a variable length */
+        mv_v8 e = st_exp8(mv_load(scores + t) - top);
+        memcpy(scores + t, &e, sizeof e);
+        sum += e;
+    }
+    if (t < len) {
+        ptrdiff_t n = len - t;
         mv_v8 s = {0};
         memcpy(&s, scores + t, n * sizeof(float));
         mv_v8 e = st_exp8(s - top);

@@ -191,3 +191,18 @@ def test_nested_arrays_through_the_cli(tmp_path: Path) -> None:
             f"mdiedge: error: {path}: metadata 'general.nested' holds an array of arrays (GGUF "
             f"nests none; llama.cpp refuses them)"], \
             done.stderr
+
+
+def test_a_long_metadata_array_stays_a_view_of_the_map() -> None:
+    """A vocabulary-sized numeric array is a list at each read, not kept as Python objects
+    (8 MiB for 262,144 scores); a short one is made a list once and kept."""
+    import numpy as np
+
+    from mdiedge.model.gguf import KEPT_ARRAY, Metadata
+
+    meta = Metadata()
+    meta["long"] = np.arange(KEPT_ARRAY + 1, dtype=np.float32)
+    meta["short"] = np.arange(3, dtype=np.int32)
+    assert meta["long"] == meta["long"] == [float(i) for i in range(KEPT_ARRAY + 1)]
+    assert meta["long"] is not meta["long"]
+    assert meta["short"] == [0, 1, 2] and meta["short"] is meta["short"]

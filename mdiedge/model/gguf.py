@@ -239,9 +239,13 @@ def string_array(reader: Any, key: str) -> List[str]:
 # --------------------------------------------------------------------------- config
 
 
+KEPT_ARRAY = 4096  # entries of a metadata array above which a read's list is not kept
+
+
 class Metadata(MutableMapping):
     """A GGUF file's metadata; a numeric array stays a view of the map until first read, so unread
-    arrays (megabytes, some files) cost nothing."""
+    arrays (megabytes, some files) cost nothing; a long one (a vocabulary's scores or token
+    types: 262,144 Python floats are 8 MiB) stays a view, made a list at each read."""
 
     def __init__(self) -> None:
         self._values: Dict[str, Any] = {}
@@ -249,6 +253,8 @@ class Metadata(MutableMapping):
     def __getitem__(self, key: str) -> Any:
         value = self._values[key]
         if isinstance(value, np.ndarray):
+            if value.size > KEPT_ARRAY:
+                return value.tolist()
             value = self._values[key] = value.tolist()
         return value
 

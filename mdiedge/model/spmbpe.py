@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import re
+from array import array
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..base.errors import TokenizerError
@@ -39,7 +40,8 @@ class SpmBpe:
     def __init__(self, tokens: List[str], scores: Sequence[float], kept: Sequence[str],
                  unk_id: Optional[int], prefix: bool,
                  build_full: Callable[[], Any]) -> None:
-        self.tokens, self.scores, self.prefix = tokens, scores, prefix
+        self.tokens, self.prefix = tokens, prefix
+        self.scores = array("d", scores)  # 8 bytes a token, not a Python float's 32
         self.ids: Dict[str, int] = {t: i for i, t in enumerate(tokens)}
         self.kept_ids = frozenset(self.ids[t] for t in kept)
         self.unk_id = unk_id

@@ -192,9 +192,9 @@ class _Reader:
 def x8_pays(qtype: str, rows: int, dot: int, x8_types: Tuple[str, ...]) -> bool:
     """Whether a matrix (a block's, the head) of ``rows`` rows of ``qtype`` is packed in the
     x8 layout on load: the q8 mode (``dot``) is in force and the kernels in use multiply that
-    type's layout (``x8_types``: ``_cquant.x8_types()``), in whole groups of 8 rows. Measured on Qwen2.5's
-    Q4_K shapes (AVX512-VNNI, 1 thread): one row 1.5-1.7x the row-by-row kernels' speed, 512
-    rows 1.4-1.6x."""
+    type's layout (``x8_types``: ``_cquant.x8_types()``), in whole groups of 8 rows. Measured
+    on Qwen2.5's Q4_K shapes (AVX512-VNNI, 1 thread): one row 1.5-1.7x the row-by-row
+    kernels' speed, 512 rows 1.4-1.6x."""
     return bool(dot) and qtype in x8_types and rows % 8 == 0
 
 

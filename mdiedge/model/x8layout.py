@@ -18,7 +18,7 @@ from .qtypes import TYPES
 
 GROUP = 8  # rows interleaved
 SCALE_BYTES32 = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}  # the 32-weight types': f16 scales first
-LAYOUTS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0")  # in ext/quant.h's type order, as it names them
+LAYOUTS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0")  # in ext/quant.h's type order, its names
 
 
 def _scales_mins(packed: np.ndarray) -> np.ndarray:
@@ -108,6 +108,6 @@ def check_pack(w: Any, qtype: str, threads: int = 1) -> None:
 def pack(w: np.ndarray, qtype: str) -> np.ndarray:
     """Rows w of ``qtype`` in the x8 layout (``check_pack``'s arguments)."""
     check_pack(w, qtype)
-    if qtype in ("Q4_K", "Q5_0"):
-        return pack_q4k(w) if qtype == "Q4_K" else pack_q5_0(w)
-    return pack32(w, qtype)
+    if qtype == "Q4_K":
+        return pack_q4k(w)
+    return pack_q5_0(w) if qtype == "Q5_0" else pack32(w, qtype)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
+import pytest
+
 from mdiedge.base.humanize import block_range, plural
 from mdiedge.cli.console import print_status, timing_line
 from mdiedge.serving.service import link_deltas
@@ -43,6 +45,26 @@ def test_tokens_per_s_leave_the_set_up_out() -> None:
     assert timing_line(shown) == "[7 tokens in 0.60 s, 11.7 tok/s; set-up 3.08 s]"
     assert timing_line(Timing(total_s=2.0, new_tokens=1).as_dict()) == \
         "[1 token in 2.00 s, 0.5 tok/s]"
+
+
+@pytest.mark.parametrize("new_tokens, samples, decode_s, rate", [
+    (64, 1, 0.63, 63 / 0.63),   # the first token is the prefill's
+    (12, 3, 0.5, 9 / 0.5),      # each sample's first
+    (2, 3, 0.5, 0.0),           # a sample ended on its first token: none decoded, not less
+    (5, 1, 0.0, 0.0),           # no decode time measured
+])
+def test_the_decode_rate_counts_tokens_after_each_samples_first(
+        new_tokens: int, samples: int, decode_s: float, rate: float) -> None:
+    """One definition of decode tok/s (``generate --json``, ``bench``, the quality and
+    llama.cpp benches read it), apart from ``tokens_per_s``, which counts the prefill's time."""
+    timing = Timing(total_s=2.0, prefill_s=1.0, decode_s=decode_s, new_tokens=new_tokens,
+                    samples=samples)
+    assert timing.decode_tokens_per_s == pytest.approx(rate)
+    assert timing.as_dict()["decode_tokens_per_s"] == round(rate, 2)
+
+
+def test_a_generation_counts_its_samples() -> None:
+    assert Generation(ids_request([1, 2], 4, 3, SamplingParams(), 16), ()).timing.samples == 3
 
 
 def test_a_generation_times_its_set_up_apart() -> None:

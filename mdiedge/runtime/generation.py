@@ -53,13 +53,15 @@ class Sample:
 @dataclass
 class Timing:
     """``total_s`` from arrival to end, of which ``setup_s`` set a ring up for it (0 on a ring
-    already up); tokens/s count the rest."""
+    already up); tokens/s count the rest. ``samples``: the request's, each of whose first
+    token the prefill made (``decode_tokens_per_s`` counts the others over ``decode_s``)."""
 
     prefill_s: float = 0.0
     decode_s: float = 0.0
     total_s: float = 0.0
     new_tokens: int = 0
     setup_s: float = 0.0
+    samples: int = 1
 
     @property
     def generation_s(self) -> float:
@@ -69,11 +71,18 @@ class Timing:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.generation_s if self.generation_s > 0 else 0.0
 
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """The decode's speed alone: tokens after each sample's first, over ``decode_s``."""
+        decoded = max(0, self.new_tokens - self.samples)
+        return decoded / self.decode_s if self.decode_s > 0 else 0.0
+
     def as_dict(self) -> Dict[str, float]:
         return {"prefill_s": round(self.prefill_s, 4), "decode_s": round(self.decode_s, 4),
                 "setup_s": round(self.setup_s, 4), "generation_s": round(self.generation_s, 4),
                 "total_s": round(self.total_s, 4), "new_tokens": self.new_tokens,
-                "tokens_per_s": round(self.tokens_per_s, 2)}
+                "tokens_per_s": round(self.tokens_per_s, 2),
+                "decode_tokens_per_s": round(self.decode_tokens_per_s, 2)}
 
 
 @dataclass
@@ -150,7 +159,7 @@ class Generation:
             for sample in self.samples:
                 sample.output = output(sample.prompt)
         self.started = time.perf_counter()
-        self.timing = Timing()
+        self.timing = Timing(samples=request.n_samples)
         self.set_up_at = 0.0  # perf_counter() when a ring for it was up (its set-up done)
         self.admitted_at = 0.0  # perf_counter() when its samples got KV rows
         self.prefilled_at = 0.0  # when every sample had its first token

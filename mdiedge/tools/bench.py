@@ -75,7 +75,7 @@ def run_config(model: Path, nodes: int, samples: int, new_tokens: int, context: 
     busy = [busy_fraction(scheduler.stats.compute_s, wall)] + [
         busy_fraction(a.compute_s - b.compute_s, wall) for a, b in zip(after, before)]
     return {"nodes": nodes, "micro_batch": micro_batch, "tokens_per_s": timing.tokens_per_s,
-            "decode_tokens_per_s": decode_rate(timing, samples), "busy_fraction": busy,
+            "decode_tokens_per_s": timing.decode_tokens_per_s, "busy_fraction": busy,
             "hop_overhead_us": statistics.median(rtt) / nodes * 1e6,
             "expert_load": expertstats.merge(
                 [starter_load] + [expertstats.since(a.expert_load, b.expert_load)
@@ -84,11 +84,6 @@ def run_config(model: Path, nodes: int, samples: int, new_tokens: int, context: 
             "weight_kv_bytes": [own_bytes] + [a.weight_bytes + a.kv_bytes for a in after],
             "read_bytes": [own_read] + [a.weight_bytes for a in after], "kv_read_bytes": kv_read,
             "threads": threads}
-
-
-def decode_rate(timing: Any, samples: int) -> float:
-    """Every sample's first token comes from its prefill."""
-    return (timing.new_tokens - samples) / timing.decode_s if timing.decode_s > 0 else 0.0
 
 
 def read_per_message(model: Any) -> int:
@@ -129,7 +124,7 @@ def _run_local(model: Path, samples: int, new_tokens: int, context: int,
     assert engine.scheduler is not None  # set up by the run
     busy = busy_fraction(engine.scheduler.stats.compute_s, timing.total_s)
     return {"nodes": 1, "micro_batch": micro_batch, "tokens_per_s": timing.tokens_per_s,
-            "decode_tokens_per_s": decode_rate(timing, samples), "busy_fraction": [busy],
+            "decode_tokens_per_s": timing.decode_tokens_per_s, "busy_fraction": [busy],
             "hop_overhead_us": None,
             "expert_load": engine.model.expert_load(),
             "peak_rss_bytes": [max_rss_bytes()],

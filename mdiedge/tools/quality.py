@@ -116,8 +116,7 @@ def ring_run(model: Optional[str], compression: str, prompt: List[int], new_toke
         return round(sorted(values)[len(values) // 2], 4)
 
     return {"ttft_s": median([t.prefill_s for t in timings]),
-            "decode_tok_s": median([(t.new_tokens - 1) / t.decode_s if t.decode_s else 0.0
-                                    for t in timings]),
+            "decode_tok_s": median([t.decode_tokens_per_s for t in timings]),
             "tokens_per_s": median([t.tokens_per_s for t in timings]),
             "generations": repeats + 1, "links": links}
 

@@ -16,7 +16,6 @@ from ..base import defaults
 from ..base.errors import UsageError
 from ..engine.opening import EngineSpec, open_engine
 from ..model.sampling import SamplingParams
-from .bench import decode_rate
 
 GREEDY = SamplingParams(temperature=0)
 REPEAT_REQUEST = "Repeat the following text exactly, word for word:\n\n"
@@ -95,7 +94,7 @@ def order(round_: int) -> Sequence[str]:
 
 
 def _figures(out: Any, samples: int) -> Dict[str, Any]:
-    return {"tokens_per_s": decode_rate(out.timing, samples),
+    return {"tokens_per_s": out.timing.decode_tokens_per_s,
             "token_ids": [s["token_ids"] for s in out.samples],
             "speculation": out.speculation}
 

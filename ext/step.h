@@ -189,8 +189,11 @@ static inline __attribute__((always_inline)) float st_scores(
     mv_v8 tops = {-INFINITY, -INFINITY, -INFINITY, -INFINITY,
                   -INFINITY, -INFINITY, -INFINITY, -INFINITY};
     for (; t + 8 <= len; t += 8) {
-        mv_v8 acc[8];
-        for (int j = 0; j < 8; j++) acc[j] = st_dot_lanes(q, k + (t + j) * hd, hv);
+        mv_v8 acc[8] = {{0}};  /* each key's lanes summed as st_dot_lanes sums them */
+        for (ptrdiff_t i = 0; i < hv; i += 8) {
+            mv_v8 qi = mv_load(q + i);  /* once for the 8 keys */
+            for (int j = 0; j < 8; j++) acc[j] += qi * mv_load(k + (t + j) * hd + i);
+        }
         mv_v8 s = st_pairwise8(acc);
         for (int j = 0; j < 8; j++) s[j] += st_tail(q, k + (t + j) * hd, hv, hd);
         s *= scale;

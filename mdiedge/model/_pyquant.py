@@ -46,9 +46,7 @@ def x8_types() -> tuple:
 def pack_x8(w: Any, qtype: str, threads: int = 1) -> Any:
     """Rows ``w`` of ``qtype`` (a multiple of 8 of them) in the x8 layout
     (``mdiedge.model.x8layout``), as the compiled module packs them."""
-    name = qtype_of(qtype).name
-    x8layout.check_pack(w, name, threads)
-    return x8layout.pack(numpy_view(w), name)
+    return x8layout.pack(w, qtype_of(qtype).name, threads)
 
 
 def matmul(x: Any, w: Any, qtype: str, out: Any, threads: int = 1, dot: int = 0,

@@ -178,7 +178,7 @@ class _Reader:
         data, qtype = matrix.data, matrix.qtype
         if not x8_pays(qtype, data.shape[0], dot_code(), _quant.x8_types()):
             return matrix
-        rows = max(8, PACK_BYTES // max(1, data.shape[1]) // 8 * 8)
+        rows = max(8, PACK_BYTES // data.shape[1] // 8 * 8)
         x8 = None
         for first in range(0, data.shape[0], rows):
             part = _quant.pack_x8(data[first:first + rows], qtype, kernel_threads())

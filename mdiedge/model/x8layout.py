@@ -13,7 +13,7 @@ from typing import Any, List
 import numpy as np
 
 from ..base.errors import QuantError
-from .arrays import contiguous_cpu, ndim
+from .arrays import contiguous_cpu, ndim, numpy_view
 from .qtypes import TYPES
 
 GROUP = 8  # rows interleaved
@@ -105,9 +105,11 @@ def check_pack(w: Any, qtype: str, threads: int = 1) -> None:
         raise QuantError(f"threads must be a positive int, got {threads!r}")
 
 
-def pack(w: np.ndarray, qtype: str) -> np.ndarray:
-    """Rows w of ``qtype`` in the x8 layout (``check_pack``'s arguments)."""
-    check_pack(w, qtype)
+def pack(w: Any, qtype: str, threads: int = 1) -> np.ndarray:
+    """Rows w (numpy or a CPU tensor) of ``qtype`` in the x8 layout, ``check_pack``'s
+    arguments (the threads only checked: the twin's ``pack_x8``)."""
+    check_pack(w, qtype, threads)
+    w = numpy_view(w)
     if qtype == "Q4_K":
         return pack_q4k(w)
     return pack_q5_0(w) if qtype == "Q5_0" else pack32(w, qtype)

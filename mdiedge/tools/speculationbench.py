@@ -93,7 +93,7 @@ def order(round_: int) -> Sequence[str]:
     return WAYS if round_ % 2 == 0 else WAYS[::-1]
 
 
-def _figures(out: Any, samples: int) -> Dict[str, Any]:
+def _figures(out: Any) -> Dict[str, Any]:
     return {"tokens_per_s": out.timing.decode_tokens_per_s,
             "token_ids": [s["token_ids"] for s in out.samples],
             "speculation": out.speculation}
@@ -117,7 +117,7 @@ def measure(engine: Any, nodes: int, work: Sequence[Workload], speculate: str, s
             runs: Dict[str, List[Dict[str, Any]]] = {way: [] for way in WAYS}
             for r in range(rounds):
                 for way in order(r):
-                    runs[way].append(_figures(run(way, new_tokens), samples))
+                    runs[way].append(_figures(run(way, new_tokens)))
             yield compare(nodes, workload.name, runs)
     finally:
         engine.speculating(None)

@@ -305,3 +305,23 @@ def test_open_chunk_picks_the_cpu_model_and_falls_back_to_torch(
     monkeypatch.setattr(chunks.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(CpuPathRefused, match=r"head \(install torch to run it: pip install"):
         chunks.open_chunk(path, None, True, True)
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status
+                    if line.startswith("RssAnon"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux's /proc")
+def test_a_kv_cache_is_resident_only_where_written() -> None:
+    """A large cache (numpy would ask for 2 MiB huge pages) written at one position per
+    4 MiB: about a 4 KiB page each, not 2 MiB (where the kernel uses huge pages on request,
+    as this machine's ``madvise`` setting does); zeros, writable and C-contiguous, as the
+    step takes it."""
+    cache = cpumodel._zeros((16, 1, 4096, 256))  # 64 MiB
+    assert cache.dtype == np.float32 and cache.flags.c_contiguous and cache.flags.writeable
+    before = _rss_anon()
+    cache[:, :, 0, 0] = 1.0  # one value every 4 MiB
+    assert _rss_anon() - before < 8 << 20
+    assert float(cache.sum()) == 16.0

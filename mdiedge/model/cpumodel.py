@@ -20,6 +20,7 @@ import numpy as np
 
 from ..base.cpudot import dot_code
 from ..base.errors import CpuPathRefused
+from ..base.memory import zeroed_pages
 from ..base.threads import kernel_threads
 from . import npprefill
 from ._stepconstants import MAX_ROWS, BlockWeights, Experts, QuantMatrix
@@ -126,7 +127,7 @@ class CpuModel:
             tables[1] = rope_tables(self.cfg, max_seq_len, local=True)
         made, self._tables = [], []
         for parts in self.weights.blocks:
-            k, v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+            k, v = _zeros(shape), _zeros(shape)
             self.caches.append((k, v))
             cos, sin = tables[1 if parts.options.get("window", 0) and 1 in tables else 0]
             self._tables.append((cos, sin))
@@ -222,6 +223,13 @@ class CpuModel:
         """Tokens routed to each expert since loading, per MoE block of this chunk."""
         return {str(self.first + i): p.counts.tolist()
                 for i, p in enumerate(self.weights.blocks) if p.counts is not None}
+
+
+def _zeros(shape: Tuple[int, ...]) -> np.ndarray:
+    """A float32 KV array of zeros whose pages become resident as tokens are written
+    (``memory.zeroed_pages``)."""
+    count = int(np.prod(shape))
+    return np.frombuffer(zeroed_pages(4 * count), np.float32, count).reshape(shape)
 
 
 def _block_weights(parts: BlockParts, k: np.ndarray, v: np.ndarray, cos: np.ndarray,

@@ -12,8 +12,8 @@ from libc.stdlib cimport free, malloc
 
 from mdiedge.model.arrays import address as _address
 from mdiedge.model.qtypes import check_compiled as _check_compiled
-from mdiedge.model._stepconstants import (ACTIVATIONS, MAX_PARTS, MAX_ROWS,  # noqa: F401
-                                     BlockWeights, Experts, Limits, QuantMatrix,
+from mdiedge.model._stepconstants import (ACTIVATIONS, MAX_PAIRED_HEAD_DIM,  # noqa: F401
+                                     MAX_PARTS, MAX_ROWS, BlockWeights, Experts, Limits, QuantMatrix,
                                      StackedMatrix, check, check_act_mul, check_call,
                                      check_logits, logits_usable, usable)
 
@@ -23,6 +23,7 @@ cdef extern from "step.h" nogil:
     void st_init()
     int ST_FLOAT
     int ST_PARTS
+    int ST_MAX_HEAD_DIM
     int ST_SILU
     int ST_GELU_TANH
     ctypedef struct st_matrix:
@@ -49,6 +50,7 @@ cdef extern from "step.h" nogil:
         int activation
         float attn_scale
         Py_ssize_t window
+        int qk_pairs
         Py_ssize_t n_experts, top_k
         int renormalize
         st_matrix router
@@ -73,6 +75,8 @@ st_init()
 _check_compiled(tuple((qm_names[i].decode(), qm_block[i], qm_block_bytes[i])
                      for i in range(QM_TYPES)), __name__)
 assert ST_PARTS == MAX_PARTS == 3, "ext/step.h's ST_PARTS is not _stepconstants's MAX_PARTS"
+assert ST_MAX_HEAD_DIM == MAX_PAIRED_HEAD_DIM, \
+    "ext/step.h's ST_MAX_HEAD_DIM is not _stepconstants's MAX_PAIRED_HEAD_DIM"
 assert (ST_SILU, ST_GELU_TANH) == tuple(map(ACTIVATIONS.index, ("silu", "gelu_tanh"))), \
     "ext/step.h's activations are not _stepconstants's ACTIVATIONS"
 
@@ -156,6 +160,7 @@ cdef void _fill(st_block *b, weights, st_matrix *room) except *:
     b.activation = ACTIVATIONS.index(weights.activation)
     b.attn_scale = 0.0 if weights.attn_scale is None else weights.attn_scale
     b.window = weights.window
+    b.qk_pairs = 1 if weights.qk_pairs else 0
 
 
 cdef class Plan:

@@ -40,6 +40,7 @@
 
 #define ST_FLOAT (-1) /* a matrix's type: float32, not quantized */
 #define ST_PARTS 3     /* the most parts of one stacked matrix */
+#define ST_MAX_HEAD_DIM 512 /* of a block whose Q and K come in RoPE pairs (qk_pairs) */
 
 /* A matrix of n[0] + ... + n[parts - 1] rows stacked from its parts: one float32 part (type
    ST_FLOAT), or 1..ST_PARTS parts of quantized blocks (their QM_* types). */
@@ -59,7 +60,8 @@ typedef struct {
    and of K, after the bias and before RoPE; "sandwich" norms (dim) of the attention's and
    the feed-forward's outputs before each is added to x; attn_scale, the scores' factor (0:
    1 / sqrt(head_dim)); window, the keys a row attends (0: all, else the last ``window``
-   positions up to its own). With n_experts > 0 the feed-forward is a mixture of experts
+   positions up to its own); qk_pairs, the product's Q and K heads in llama.cpp's RoPE-pair
+   order (half, 2), put in the "rotate half" order (2, half) first. With n_experts > 0 the feed-forward is a mixture of experts
    (step_moe.h) instead of gate_up and down: the router (n_experts, dim), each expert's
    gate_up (2 hidden, dim) and down (dim, hidden), top_k of them per row, their weights
    renormalized to sum one where ``renormalize``; expert_counts (n_experts) NULL or counting
@@ -74,6 +76,7 @@ typedef struct {
     int activation;
     float attn_scale;
     ptrdiff_t window;
+    int qk_pairs;
     ptrdiff_t n_experts, top_k;
     int renormalize;
     st_matrix router;
@@ -327,7 +330,20 @@ static void st_head_norms(float *x, const float *w, ptrdiff_t heads, ptrdiff_t h
     for (ptrdiff_t h = 0; h < heads; h++) st_rmsnorm(x + h * hd, w, x + h * hd, hd, eps);
 }
 
-/* Every row's Q/K/V with the bias added and Q and K normed per head (where the block has
+/* Each of ``heads`` heads of hd (in place) from the RoPE-pair order, values (i, 0) and (i, 1) of
+   pair i side by side, into the "rotate half" order: all (i, 0), then all (i, 1). */
+static void st_unpair(float *x, ptrdiff_t heads, ptrdiff_t hd) {
+    float pairs[ST_MAX_HEAD_DIM];
+    for (ptrdiff_t h = 0; h < heads; h++, x += hd) {
+        memcpy(pairs, x, hd * sizeof(float));
+        for (ptrdiff_t i = 0; i < hd / 2; i++) {
+            x[i] = pairs[2 * i];
+            x[i + hd / 2] = pairs[2 * i + 1];
+        }
+    }
+}
+
+/* Every row's Q/K/V (Q and K put in order where in pairs) with the bias added and Q and K normed per head (where the block has
    them), Q and K roped at the row's position, K and V written to the row's cache slot. */
 static void st_rope_write(const st_block *b, float *qkv, int R, const long long *slots,
                           const long long *pos) {
@@ -336,6 +352,7 @@ static void st_rope_write(const st_block *b, float *qkv, int R, const long long 
     for (int r = 0; r < R; r++) {
         float *row = qkv + r * width;
         const float *c = b->cos + pos[r] * hd, *s = b->sin + pos[r] * hd;
+        if (b->qk_pairs) st_unpair(row, b->n_heads + b->n_kv, hd);
         if (b->qkv_bias)
             for (ptrdiff_t i = 0; i < width; i++) row[i] += b->qkv_bias[i];
         if (b->q_norm) st_head_norms(row, b->q_norm, b->n_heads, hd, b->eps);

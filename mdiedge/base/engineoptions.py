@@ -43,9 +43,10 @@ class EngineOptions:
         None, "When a worker is lost, move its layers to a spare or the others, replay, go "
         "on (default: on, or the ring file's recover).", "--recover/--no-recover")
     prefill_chunk: Optional[int] = flag(
-        None, "Prompt tokens per prefill message of a ring, so that nodes work on chunks in "
-        f"parallel (0: the whole prompt; default {defaults.PREFILL_CHUNK}, or the ring file's "
-        "prefill_chunk).", "--prefill-chunk", metavar="TOKENS")
+        None, "Prompt tokens per prefill step: a ring's nodes work on chunks in parallel, and "
+        "one node holds one chunk's activations at a time (0: the whole prompt; default "
+        f"{defaults.PREFILL_CHUNK}, or the ring file's prefill_chunk).", "--prefill-chunk",
+        metavar="TOKENS")
     spares: int = flag(0, "Spare workers beside the local ring's (for a lost one).")
     compression: Optional[str] = flag(None, COMPRESSION_HELP, "--compression", metavar="CODEC")
     quantize: Optional[str] = flag(

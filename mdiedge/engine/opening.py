@@ -135,7 +135,9 @@ def _open(spec: EngineSpec, text: TextModel, settings: "Optional[ExitSettings]")
 
         return LocalEngine(device=spec.device, dtype=spec.dtype, early_exit=settings,
                            quantize=spec.quantize or "", text=text,
-                           torch_for=spec.needs_torch())
+                           torch_for=spec.needs_torch(),
+                           prefill_chunk=defaults.PREFILL_CHUNK if spec.prefill_chunk is None
+                           else spec.prefill_chunk)
     from .ring import RingEngine
 
     if spec.ring is not None or spec.workers:

@@ -12,7 +12,7 @@ import numpy as np
 from . import _pyquant
 from ._stepconstants import (ACTIVATIONS, MAX_PARTS, MAX_ROWS, BlockWeights, Experts, Limits,
                              QuantMatrix, StackedMatrix, check, check_act_mul, check_call,
-                             check_logits, logits_usable, usable)
+                             check_logits, logits_usable, unpaired, usable)
 from .arrays import numpy_view as _np
 
 # the API both twins share
@@ -114,6 +114,8 @@ def _block(w: BlockWeights, x: np.ndarray, slots: Sequence[int], positions: Sequ
     n_kv, head_dim = w.k.shape[1], w.k.shape[3]
     q_dim, kv_dim = w.n_heads * head_dim, n_kv * head_dim
     qkv = _product(rms_norm(x, _np(w.attn_norm), w.eps), w.qkv, dot)  # (rows, q + 2 kv)
+    if w.qk_pairs:
+        qkv[:, :q_dim + kv_dim] = unpaired(qkv[:, :q_dim + kv_dim], head_dim)
     if w.qkv_bias is not None:
         qkv = qkv + _np(w.qkv_bias)
     index = np.asarray(list(positions), dtype=np.int64)

@@ -30,9 +30,10 @@ from .qtypes import KERNEL_TYPES, TYPES, qtype_of
 _TENSORS = ("attn_norm", "qkv", "wo", "mlp_norm", "gate_up", "down", "k", "v", "cos", "sin")
 _MATRICES = ("qkv", "wo", "gate_up", "down")  # float32, QuantMatrix or StackedMatrix
 _OPTIONAL = ("qkv_bias", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")  # or None
-_SETTINGS = ("activation", "attn_scale", "window", "experts")
+_SETTINGS = ("activation", "attn_scale", "window", "qk_pairs", "experts")
 ACTIVATIONS = ("silu", "gelu_tanh")  # in ext/step.h's order (ST_SILU, ST_GELU_TANH)
 MAX_PARTS = 3  # of a StackedMatrix: ext/step.h's ST_PARTS
+MAX_PAIRED_HEAD_DIM = 512  # of a block with qk_pairs: ext/step.h's ST_MAX_HEAD_DIM
 QUANT_CODES = {name: TYPES[name].kernel for name in KERNEL_TYPES}  # ext/quant.h's enum values
 
 
@@ -188,8 +189,10 @@ class BlockWeights:
     ("sandwich" norms); ``activation`` of the gate, one of ``ACTIVATIONS`` ("silu": SwiGLU;
     "gelu_tanh": GeGLU with tanh-approximated gelu); ``attn_scale`` the scores' factor (None: 1 /
     sqrt(head_dim)); ``window`` the keys a row at position p attends (0: all; else positions p -
-    window + 1 .. p); ``experts`` an ``Experts``, the block's feed-forward a mixture of experts,
-    gate_up and down None."""
+    window + 1 .. p); ``qk_pairs`` the product's Q and K rows in llama.cpp's RoPE-pair order
+    (each head's (half, 2) values, as a Llama GGUF file stores them), put in Hugging Face's order
+    (2, half) before the bias; ``experts`` an ``Experts``, the block's feed-forward a mixture of
+    experts, gate_up and down None."""
 
     __slots__ = _TENSORS + _OPTIONAL + _SETTINGS + (
         "n_heads", "eps", "dim", "n_kv", "head_dim", "hidden", "n_slots", "positions")
@@ -199,7 +202,8 @@ class BlockWeights:
                  eps: float, *, qkv_bias: Any = None, q_norm: Any = None, k_norm: Any = None,
                  post_attn_norm: Any = None, post_mlp_norm: Any = None,
                  activation: str = "silu", attn_scale: Optional[float] = None,
-                 window: int = 0, experts: Optional[Experts] = None) -> None:
+                 window: int = 0, qk_pairs: bool = False,
+                 experts: Optional[Experts] = None) -> None:
         given = dict(zip(_TENSORS, (attn_norm, qkv, wo, mlp_norm, gate_up, down, k, v, cos,
                                     sin)))
         hidden = _feed_forward(gate_up, down, experts, attn_norm)
@@ -219,12 +223,16 @@ class BlockWeights:
         if n_heads % n_kv or ndim(cos) != 2 or cos.shape[1] != head_dim or head_dim % 2:
             raise ValueError(f"{n_heads} heads over {n_kv} KV heads of {head_dim} with "
                              f"RoPE tables {tuple(cos.shape)} do not fit")
+        if qk_pairs is True and head_dim > MAX_PAIRED_HEAD_DIM:
+            raise ValueError(f"Q and K in RoPE pairs with heads of {head_dim} values, over "
+                             f"{MAX_PAIRED_HEAD_DIM}")
         optional = _checked_optional(
             dict(qkv_bias=qkv_bias, q_norm=q_norm, k_norm=k_norm, post_attn_norm=post_attn_norm,
                  post_mlp_norm=post_mlp_norm),
             dict(qkv_bias=(q_dim + 2 * n_kv * head_dim,), q_norm=(head_dim,),
                  k_norm=(head_dim,), post_attn_norm=(dim,), post_mlp_norm=(dim,)))
         values = dict(given, **optional, **_checked_settings(activation, attn_scale, window),
+                      qk_pairs=_checked_flag("qk_pairs", qk_pairs),
                       experts=experts, n_heads=int(n_heads), eps=float(eps), dim=dim, n_kv=n_kv,
                       head_dim=head_dim, hidden=hidden, n_slots=n_slots,
                       positions=min(max_seq, cos.shape[0]))
@@ -277,6 +285,20 @@ def _checked_optional(given: Dict[str, Any], shapes: Dict[str, Tuple[int, ...]]
         if tuple(t.shape) != shapes[name]:
             raise ValueError(f"{name} {tuple(t.shape)} is not {shapes[name]}")
     return given
+
+
+def unpaired(heads: Any, head_dim: int) -> Any:
+    """Rows of whole heads of ``head_dim`` (rows, n * head_dim) from the RoPE-pair order
+    (each head's (half, 2) values) into the "rotate half" order (2, half), a new array
+    (``ext/step.h``'s ``st_unpair``)."""
+    rows = heads.shape[0]
+    return heads.reshape(rows, -1, head_dim // 2, 2).swapaxes(-1, -2).reshape(rows, -1)
+
+
+def _checked_flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} {value!r} is not True or False")
+    return value
 
 
 def _checked_settings(activation: Any, attn_scale: Any, window: Any) -> Dict[str, Any]:

@@ -1,6 +1,7 @@
 """Loading a chunk for the torch-free CPU path (``CpuModel``): tensors read as numpy from a
 torch-free source (GGUF memory-mapped, llama2.c), each matrix stored in a kernel type kept in its
-blocks (``QuantMatrix`` over the mapped bytes, no copy but Llama's gathered Q/K rows), the rest
+blocks (``QuantMatrix`` over the mapped bytes, no copy: Llama's Q/K rows in the file's RoPE-pair
+order, which the step puts in order per row, ``BlockWeights.qk_pairs``), the rest
 float32; Q/K/V and gate/up stacked as ``fuse_projections`` does; ``quantize`` as
 ``qlayers.quantize_blocks``. What the compiled step cannot run is refused (``CpuPathRefused``)
 before weights are read."""
@@ -153,9 +154,14 @@ class _Reader:
         values = self.floats(theirs)
         return values + self.offset if norm and self.offset else values
 
-    def matrix(self, theirs: str, quantizable: bool = False) -> Matrix:
+    def in_pairs(self, theirs: str) -> bool:
+        """Whether Q or K ``theirs`` is read in its file's RoPE-pair order (no gathered copy):
+        blocks of a kernel type whose source stores them so."""
+        return self.source.rope_pairs(theirs) and kernel_qtype(self.source, theirs) is not None
+
+    def matrix(self, theirs: str, quantizable: bool = False, pairs: bool = False) -> Matrix:
         """In its kernel type (``QuantMatrix``), else float32; ``quantizable`` with ``quantize``: a
-        float one of whole blocks quantized."""
+        float one of whole blocks quantized; ``pairs``: rows in RoPE-pair order (``in_pairs``)."""
         qtype = kernel_qtype(self.source, theirs)
         if qtype is None:
             values = self.floats(theirs)
@@ -163,7 +169,8 @@ class _Reader:
                     self.quantize).block == 0:
                 return QuantMatrix(quantize_array(values, self.quantize), self.quantize)
             return values
-        raw = np.ascontiguousarray(self.source.raw_array(theirs))
+        raw = np.ascontiguousarray(self.source.raw_array(theirs, hf_order=False) if pairs
+                                   else self.source.raw_array(theirs))
         try:
             check_blocks(raw, qtype)
         except QuantError as e:
@@ -213,11 +220,15 @@ def _block(reader: _Reader, cfg: ModelConfig, plan: Dict[str, str], i: int) -> B
     name = (lambda ours: plan[f"layers.{i}.{ours}"])
     maybe = (lambda ours: f"layers.{i}.{ours}" in plan)
     family = family_of(cfg)
-    qkv = stacked([reader.matrix(name(f"attn.{w}.weight"), True) for w in ("wq", "wk", "wv")])
+    pairs = all(reader.in_pairs(name(f"attn.{w}.weight")) for w in ("wq", "wk"))
+    qkv = stacked([reader.matrix(name(f"attn.{w}.weight"), True, pairs and w != "wv")
+                   for w in ("wq", "wk", "wv")])
     bias = [name(f"attn.{w}.bias") for w in ("wq", "wk", "wv") if maybe(f"attn.{w}.bias")]
-    options = {key: reader.vector(name(_norm_name(key)), True)
-               for key in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
-               if maybe(_norm_name(key))}
+    options: Dict[str, Any] = {key: reader.vector(name(_norm_name(key)), True)
+                               for key in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
+                               if maybe(_norm_name(key))}
+    if pairs:
+        options["qk_pairs"] = True
     if bias:
         options["qkv_bias"] = np.concatenate([reader.vector(b) for b in bias])
     experts = None

@@ -494,6 +494,9 @@ class GGUFSource(TensorSource):
         drop_mapped_pages(self.mapped, data)  # the file's order is not read again
         return gathered
 
+    def rope_pairs(self, name: str) -> bool:
+        return name in self.index and self.index[name].heads > 0
+
     def release(self, array: Any) -> None:
         drop_mapped_pages(self.mapped, array)
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import grouping
-from ._stepconstants import MAX_ROWS, QuantMatrix, StackedMatrix
+from ._stepconstants import MAX_ROWS, QuantMatrix, StackedMatrix, unpaired
 from .blasthreads import follow_threads
 from .config import ModelConfig
 from .kernels import QUANT, STEP
@@ -236,6 +236,8 @@ def attention(cfg: ModelConfig, parts: Any, cache: Tuple[np.ndarray, np.ndarray]
     q_dim, kv_dim = cfg.n_heads * hd, cfg.n_kv_heads * hd
     qkv = product(x, parts.qkv, np.empty((x.shape[0], q_dim + 2 * kv_dim), np.float32),
                   rows.threads, rows.dot)
+    if options.get("qk_pairs"):
+        qkv[:, :q_dim + kv_dim] = unpaired(qkv[:, :q_dim + kv_dim], hd)
     if options.get("qkv_bias") is not None:
         qkv += options["qkv_bias"]
     shape = (rows.batch, rows.seq_len, -1, hd)

@@ -110,6 +110,12 @@ class TensorSource:
             raise CheckpointError(f"{self.path}: tensor {name!r} has shape {got}, "
                                   f"expected {want}")
 
+    def rope_pairs(self, name: str) -> bool:
+        """Whether ``raw_array(name, hf_order=False)`` gives the rows of Q or K ``name`` in
+        llama.cpp's RoPE-pair order without a copy (a Llama GGUF file's); else only Hugging
+        Face's order is read."""
+        return False
+
     def release(self, array: Any) -> None:
         """``array`` (read from this source) is not read again: where it maps the file, its
         pages may leave this process's resident memory (read from the file again if touched)."""

@@ -38,8 +38,8 @@ cdef extern from "step.h" nogil:
         const float *cos
         const float *sin
         st_matrix qkv, wo, gate_up, down
-        float *k
-        float *v
+        void *k
+        void *v
         Py_ssize_t dim, n_heads, n_kv, head_dim, hidden, n_slots, max_seq
         float eps
         const float *qkv_bias
@@ -51,6 +51,7 @@ cdef extern from "step.h" nogil:
         float attn_scale
         Py_ssize_t window
         int qk_pairs
+        int kv_half
         Py_ssize_t n_experts, top_k
         int renormalize
         st_matrix router
@@ -149,7 +150,7 @@ cdef void _fill(st_block *b, weights, st_matrix *room) except *:
         _fill_matrix(&b.down, weights.down)
     _fill_experts(b, weights.experts, room)
     b.cos, b.sin = _ptr(weights.cos), _ptr(weights.sin)
-    b.k, b.v = <float *>_ptr(weights.k), <float *>_ptr(weights.v)
+    b.k, b.v = <void *>_ptr(weights.k), <void *>_ptr(weights.v)
     b.n_slots, b.n_kv, b.max_seq = weights.n_slots, weights.n_kv, weights.k.shape[2]
     b.dim, b.n_heads, b.head_dim = weights.dim, weights.n_heads, weights.head_dim
     b.hidden, b.eps = weights.hidden, weights.eps
@@ -161,6 +162,7 @@ cdef void _fill(st_block *b, weights, st_matrix *room) except *:
     b.attn_scale = 0.0 if weights.attn_scale is None else weights.attn_scale
     b.window = weights.window
     b.qk_pairs = 1 if weights.qk_pairs else 0
+    b.kv_half = 1 if weights.kv_half else 0
 
 
 cdef class Plan:

@@ -41,6 +41,7 @@
 #define ST_FLOAT (-1) /* a matrix's type: float32, not quantized */
 #define ST_PARTS 3     /* the most parts of one stacked matrix */
 #define ST_MAX_HEAD_DIM 512 /* of a block whose Q and K come in RoPE pairs (qk_pairs) */
+#define ST_KV_CHUNK 32      /* half keys or values widened to float at a time */
 
 /* A matrix of n[0] + ... + n[parts - 1] rows stacked from its parts: one float32 part (type
    ST_FLOAT), or 1..ST_PARTS parts of quantized blocks (their QM_* types). */
@@ -61,7 +62,8 @@ typedef struct {
    the feed-forward's outputs before each is added to x; attn_scale, the scores' factor (0:
    1 / sqrt(head_dim)); window, the keys a row attends (0: all, else the last ``window``
    positions up to its own); qk_pairs, the product's Q and K heads in llama.cpp's RoPE-pair
-   order (half, 2), put in the "rotate half" order (2, half) first. With n_experts > 0 the feed-forward is a mixture of experts
+   order (half, 2), put in the "rotate half" order (2, half) first; kv_half, the caches k and v
+   hold IEEE halves (rounded to nearest even as written, widened exactly as read). With n_experts > 0 the feed-forward is a mixture of experts
    (step_moe.h) instead of gate_up and down: the router (n_experts, dim), each expert's
    gate_up (2 hidden, dim) and down (dim, hidden), top_k of them per row, their weights
    renormalized to sum one where ``renormalize``; expert_counts (n_experts) NULL or counting
@@ -69,7 +71,7 @@ typedef struct {
 typedef struct {
     const float *attn_norm, *mlp_norm, *cos, *sin;
     st_matrix qkv, wo, gate_up, down;
-    float *k, *v;
+    void *k, *v;  /* float, or IEEE halves (uint16_t) where kv_half */
     ptrdiff_t dim, n_heads, n_kv, head_dim, hidden, n_slots, max_seq;
     float eps;
     const float *qkv_bias, *q_norm, *k_norm, *post_attn_norm, *post_mlp_norm;
@@ -77,6 +79,7 @@ typedef struct {
     float attn_scale;
     ptrdiff_t window;
     int qk_pairs;
+    int kv_half;
     ptrdiff_t n_experts, top_k;
     int renormalize;
     st_matrix router;
@@ -160,10 +163,11 @@ static inline __attribute__((always_inline)) mv_v8 st_exp8(mv_v8 x) {
     return p * scale;
 }
 
-/* out[0 .. 8C) = sum over t < len of p[t] v[t * hd ...], C vectors in registers. */
+/* out[0 .. 8C) += sum over t < len of p[t] v[t * hd ...], C vectors in registers. */
 static inline __attribute__((always_inline)) void st_weigh(
         const float *v, const float *p, float *out, ptrdiff_t len, ptrdiff_t hd, int C) {
-    mv_v8 acc[8] = {{0}};
+    mv_v8 acc[8];
+    for (int c = 0; c < C; c++) acc[c] = mv_load(out + 8 * c);
     for (ptrdiff_t t = 0; t < len; t++)
         for (int c = 0; c < C; c++) acc[c] += p[t] * mv_load(v + t * hd + 8 * c);
     for (int c = 0; c < C; c++) memcpy(out + 8 * c, &acc[c], sizeof acc[c]);
@@ -236,28 +240,107 @@ static inline __attribute__((always_inline)) float st_exps(float *scores, ptrdif
     return st_pairwise(sum);
 }
 
+/* out (hd) += sum over t < len of p_t v_t, in order of t, eight vectors of out at a time in
+   registers (a sum through memory would wait on its own store at every key; eight chains of
+   additions keep the FMA units busy where four wait on their latency). */
+static inline __attribute__((always_inline)) void st_weigh_all(
+        const float *v, const float *p, float *out, ptrdiff_t len, ptrdiff_t hd) {
+    ptrdiff_t hv = hd - hd % 8, i0 = 0;
+    for (; i0 + 64 <= hv; i0 += 64) st_weigh(v + i0, p, out + i0, len, hd, 8);
+    for (; i0 + 32 <= hv; i0 += 32) st_weigh(v + i0, p, out + i0, len, hd, 4);
+    for (; i0 < hv; i0 += 8) st_weigh(v + i0, p, out + i0, len, hd, 1);
+    for (ptrdiff_t i = hv; i < hd; i++) {
+        float o = out[i];
+        for (ptrdiff_t t = 0; t < len; t++) o += p[t] * v[t * hd + i];
+        out[i] = o;
+    }
+}
+
 /* One query head over keys [0, len) of its KV head, scores scaled by ``scale``: out
    (head_dim); scores (len) scratch. */
 static inline __attribute__((always_inline)) void st_head_body(
         const float *q, const float *k, const float *v, float *out, float *scores,
         ptrdiff_t len, ptrdiff_t hd, float scale) {
-    ptrdiff_t hv = hd - hd % 8;
     float top = st_scores(q, k, scores, len, hd, scale);
     float inv = 1.0f / st_exps(scores, len, top);
     for (ptrdiff_t t = 0; t < len; t++) scores[t] *= inv;
-    /* out = sum over t of p_t v_t, in order of t, eight vectors of out at a time in
-       registers (a sum through memory would wait on its own store at every key; eight
-       chains of additions keep the FMA units busy where four wait on their latency) */
-    ptrdiff_t i0 = 0;
-    for (; i0 + 64 <= hv; i0 += 64) st_weigh(v + i0, scores, out + i0, len, hd, 8);
-    for (; i0 + 32 <= hv; i0 += 32) st_weigh(v + i0, scores, out + i0, len, hd, 4);
-    for (; i0 < hv; i0 += 8) st_weigh(v + i0, scores, out + i0, len, hd, 1);
-    for (ptrdiff_t i = hv; i < hd; i++) {
-        float o = 0.0f;
-        for (ptrdiff_t t = 0; t < len; t++) o += scores[t] * v[t * hd + i];
-        out[i] = o;
+    memset(out, 0, hd * sizeof(float));
+    st_weigh_all(v, scores, out, len, hd);
+}
+
+/* x as an IEEE half, rounded to nearest even (beyond 65504 infinity, NaN a quiet NaN), as
+   numpy's astype(float16) and F16C's vcvtps2ph round it. */
+static inline uint16_t st_half_of(float x) {
+    uint32_t u, a;
+    memcpy(&u, &x, 4);
+    uint32_t sign = (u >> 16) & 0x8000u;
+    a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  /* 65520 and up round up */
+    if (a < 0x38800000u) {  /* below 2^-14: a subnormal half or zero, rounded by the FPU */
+        float f;
+        memcpy(&f, &a, 4);
+        f += 0.5f;  /* its last bit is 2^-24, the subnormal halves' step */
+        memcpy(&a, &f, 4);
+        return (uint16_t)(sign | (a - 0x3f000000u));
+    }
+    a += ((uint32_t)(15 - 127) << 23) + 0xfffu + ((a >> 13) & 1u);
+    return (uint16_t)(sign | (a >> 13));
+}
+
+static void st_halves(const float *x, uint16_t *h, ptrdiff_t n) {
+    for (ptrdiff_t i = 0; i < n; i++) h[i] = st_half_of(x[i]);
+}
+
+/* f[0 .. n) = the halves h[0 .. n), exactly. */
+typedef void (*st_widen_fn)(const uint16_t *, float *, ptrdiff_t);
+static void st_widen_base(const uint16_t *h, float *f, ptrdiff_t n) {
+    for (ptrdiff_t i = 0; i < n; i++) f[i] = qm_half((const uint8_t *)(h + i));
+}
+#ifdef MV_X86
+__attribute__((target("avx2,fma,f16c"))) static void st_widen_f16c(const uint16_t *h, float *f,
+                                                                   ptrdiff_t n) {
+    ptrdiff_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+    for (; i < n; i++) f[i] = qm_half((const uint8_t *)(h + i));
+}
+#endif
+/* st_head_body over half keys and values, ST_KV_CHUNK of them widened into ``wide`` (ST_KV_CHUNK
+   hd floats) at a time: the same sums in the same order as over their float values. */
+static inline __attribute__((always_inline)) void st_head_half_body(
+        const float *q, const uint16_t *k, const uint16_t *v, float *out, float *scores,
+        float *wide, ptrdiff_t len, ptrdiff_t hd, float scale, st_widen_fn widen) {
+    float top = -INFINITY;
+    for (ptrdiff_t t = 0; t < len; t += ST_KV_CHUNK) {
+        ptrdiff_t n = len - t < ST_KV_CHUNK ? len - t : ST_KV_CHUNK;
+        widen(k + t * hd, wide, n * hd);
+        float chunk_top = st_scores(q, wide, scores + t, n, hd, scale);
+        top = chunk_top > top ? chunk_top : top;
+    }
+    float inv = 1.0f / st_exps(scores, len, top);
+    for (ptrdiff_t t = 0; t < len; t++) scores[t] *= inv;
+    memset(out, 0, hd * sizeof(float));
+    for (ptrdiff_t t = 0; t < len; t += ST_KV_CHUNK) {
+        ptrdiff_t n = len - t < ST_KV_CHUNK ? len - t : ST_KV_CHUNK;
+        widen(v + t * hd, wide, n * hd);
+        st_weigh_all(wide, scores + t, out, n, hd);
     }
 }
+
+typedef void (*st_head_half_fn)(const float *, const uint16_t *, const uint16_t *, float *,
+                                float *, float *, ptrdiff_t, ptrdiff_t, float);
+#define ST_HEAD_HALF_FN(name, attrs, widen)                                                  \
+    attrs static void name(const float *q, const uint16_t *k, const uint16_t *v, float *out, \
+                           float *scores, float *wide, ptrdiff_t len, ptrdiff_t hd,          \
+                           float scale) {                                                    \
+        st_head_half_body(q, k, v, out, scores, wide, len, hd, scale, widen);                \
+    }
+ST_HEAD_HALF_FN(st_head_half_base, , st_widen_base)
+#ifdef MV_X86
+ST_HEAD_HALF_FN(st_head_half_avx2, __attribute__((target("avx2,fma"))), st_widen_f16c)
+#endif
+static st_head_half_fn st_head_half = st_head_half_base;
 
 typedef void (*st_head_fn)(const float *, const float *, const float *, float *, float *,
                            ptrdiff_t, ptrdiff_t, float);
@@ -321,6 +404,7 @@ static void st_init(void) {
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
         st_head = st_head_avx2;
         st_act_cols = st_act_avx2;
+        if (__builtin_cpu_supports("f16c")) st_head_half = st_head_half_avx2;
     }
 #endif
 }
@@ -360,8 +444,14 @@ static void st_rope_write(const st_block *b, float *qkv, int R, const long long 
         for (ptrdiff_t h = 0; h < b->n_heads + b->n_kv; h++) st_rope(row + h * hd, c, s, hd);
         for (ptrdiff_t h = 0; h < b->n_kv; h++) {
             ptrdiff_t at = ((slots[r] * b->n_kv + h) * b->max_seq + pos[r]) * hd;
-            memcpy(b->k + at, row + q_dim + h * hd, hd * sizeof(float));
-            memcpy(b->v + at, row + q_dim + kv_dim + h * hd, hd * sizeof(float));
+            const float *k = row + q_dim + h * hd, *v = row + q_dim + kv_dim + h * hd;
+            if (b->kv_half) {
+                st_halves(k, (uint16_t *)b->k + at, hd);
+                st_halves(v, (uint16_t *)b->v + at, hd);
+            } else {
+                memcpy((float *)b->k + at, k, hd * sizeof(float));
+                memcpy((float *)b->v + at, v, hd * sizeof(float));
+            }
         }
     }
 }
@@ -369,9 +459,10 @@ static void st_rope_write(const st_block *b, float *qkv, int R, const long long 
 /* Scratch of one step: each thread's normed rows, Q/K/V, attention, a product's output
    before its sandwich norm, gate/up, SwiGLU, scores, each thread's activation sums for
    quantized products (qm_xsum) and, for a mixture of experts, each thread's routing
-   (step_moe.h's st_route), the router's logits and the experts' down products. */
+   (step_moe.h's st_route), the router's logits and the experts' down products; each thread's
+   keys or values widened from halves (ST_KV_CHUNK of them). */
 typedef struct {
-    float *h, *qkv, *att, *o, *gu, *act, *scores, *xs, *route, *logits, *ydown;
+    float *h, *qkv, *att, *o, *gu, *act, *scores, *xs, *route, *logits, *ydown, *wide;
     ptrdiff_t longest;  /* the furthest row's keys: positions + 1 */
     ptrdiff_t xs_floats, route_floats;  /* one thread's share of xs, of route */
     int dot;  /* the q8 mode (quant.h's integer kernels) where not 0 */
@@ -404,7 +495,8 @@ static size_t st_scratch_floats(const st_block *b, int R, ptrdiff_t longest, int
     size_t experts = b->n_experts > 0 ? (size_t)(R * b->n_experts + ffn * b->dim) : 0;
     return (size_t)R * ((threads + 1) * b->dim + width + q_dim + b->n_heads * longest)
            + (size_t)ffn * 3 * b->hidden
-           + (size_t)threads * (st_xs_floats(b, R) + st_route_floats(b, R)) + experts;
+           + (size_t)threads * (st_xs_floats(b, R) + st_route_floats(b, R)) + experts
+           + (size_t)threads * ST_KV_CHUNK * b->head_dim;
 }
 
 static void st_scratch_at(st_scratch *s, const st_block *b, int R, int threads, float *base) {
@@ -423,6 +515,7 @@ static void st_scratch_at(st_scratch *s, const st_block *b, int R, int threads, 
     s->route = s->xs + (ptrdiff_t)threads * s->xs_floats;
     s->logits = s->route + (ptrdiff_t)threads * s->route_floats;
     s->ydown = s->logits + R * b->n_experts;
+    s->wide = s->ydown + (b->n_experts > 0 ? ffn * b->dim : 0);
 }
 
 static int st_thread(void) {
@@ -597,8 +690,15 @@ static void st_block_team(const st_block *b, float *x, int R, const long long *s
         ptrdiff_t r = t / b->n_heads, hh = t % b->n_heads;
         ptrdiff_t first = b->window && pos[r] >= b->window ? pos[r] + 1 - b->window : 0;
         ptrdiff_t at = ((slots[r] * b->n_kv + hh / group) * b->max_seq + first) * hd;
-        st_head(s->qkv + r * width + hh * hd, b->k + at, b->v + at, s->att + r * q_dim + hh * hd,
-                s->scores + t * s->longest, pos[r] + 1 - first, hd, scale);
+        const float *q = s->qkv + r * width + hh * hd;
+        float *out = s->att + r * q_dim + hh * hd, *scores = s->scores + t * s->longest;
+        if (b->kv_half)
+            st_head_half(q, (const uint16_t *)b->k + at, (const uint16_t *)b->v + at, out, scores,
+                         s->wide + (ptrdiff_t)st_thread() * ST_KV_CHUNK * hd, pos[r] + 1 - first,
+                         hd, scale);
+        else
+            st_head(q, (const float *)b->k + at, (const float *)b->v + at, out, scores,
+                    pos[r] + 1 - first, hd, scale);
     }
     st_residual_team(&b->wo, b->post_attn_norm, s->att, x, dim, q_dim, R, b, s);  /* attention */
     for (int r = 0; r < R; r++) st_rmsnorm(x + r * dim, b->mlp_norm, h + r * dim, dim, b->eps);

@@ -216,6 +216,34 @@ def test_q_and_k_in_rope_pairs_equal_them_in_order(impl: ModuleType) -> None:
     assert torch.equal(b, a) and torch.equal(b_k, a_k) and torch.equal(b_v, a_v)
 
 
+@torch.no_grad()
+def test_a_half_cache_is_written_rounded_and_read_exactly(impl: ModuleType) -> None:
+    """K and V in float16 (the q8 mode's cache): each row's new key and value written rounded
+    to nearest even (as torch's ``half()``), the cache's halves read exactly, so the output is
+    the float cache's within the new key's and value's rounding."""
+    slots, positions = [2, 5, 0], [7, 30, 0]
+    results = []
+    for half in (False, True):
+        net, x = step_inputs(3)
+        w = net.layers["1"].step_weights(net.rope_cos, net.rope_sin)
+        dtype = torch.float16 if half else torch.float32
+        w = w.replace(k=w.k.half().to(dtype).contiguous(), v=w.v.half().to(dtype).contiguous())
+        out = torch.empty(3, CFG.dim)
+        impl.block(w, x, out, slots, positions, 2)
+        results.append((out, w.k, w.v))
+    (a, a_k, a_v), (b, b_k, b_v) = results
+    assert b_k.dtype == torch.float16 and torch.equal(b_k, a_k.half())
+    assert torch.equal(b_v, a_v.half())
+    torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-2)
+
+
+def test_a_half_cache_needs_both_halves() -> None:
+    net, _ = step_inputs(1)
+    w = net.layers["1"].step_weights(net.rope_cos, net.rope_sin)
+    with pytest.raises(ValueError, match="k torch.float16 and v torch.float32 are not both"):
+        w.replace(k=w.k.half())
+
+
 def test_unpaired_is_the_inverse_of_the_pair_order() -> None:
     from mdiedge.model._stepconstants import unpaired
 

@@ -10,13 +10,15 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _pyquant
-from ._stepconstants import (ACTIVATIONS, MAX_PARTS, MAX_ROWS, BlockWeights, Experts, Limits,
+from ._stepconstants import (ACTIVATIONS, MAX_PAIRED_HEAD_DIM, MAX_PARTS, MAX_ROWS, BlockWeights,
+                             Experts, Limits,
                              QuantMatrix, StackedMatrix, check, check_act_mul, check_call,
                              check_logits, logits_usable, unpaired, usable)
 from .arrays import numpy_view as _np
 
 # the API both twins share
-__all__ = ["ACTIVATIONS", "MAX_PARTS", "MAX_ROWS", "PREFERRED", "BlockWeights", "Experts",
+__all__ = ["ACTIVATIONS", "MAX_PAIRED_HEAD_DIM", "MAX_PARTS", "MAX_ROWS", "PREFERRED",
+           "BlockWeights", "Experts",
            "Limits", "Plan", "QuantMatrix", "StackedMatrix", "block", "blocks", "check",
            "check_call", "check_logits", "logits", "logits_usable", "plan", "usable"]
 

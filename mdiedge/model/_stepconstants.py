@@ -170,7 +170,7 @@ class Experts:
 def _acceptable(name: str, t: Any) -> bool:
     if isinstance(t, (QuantMatrix, StackedMatrix)):
         return name in _MATRICES
-    return plain(t)
+    return plain(t) or name in ("k", "v") and contiguous_cpu(t, "float16")
 
 
 class BlockWeights:
@@ -179,7 +179,8 @@ class BlockWeights:
 
     attn_norm, mlp_norm (dim,); qkv (q_dim + 2 kv_dim, dim), Q, K and V fused; wo (dim, q_dim);
     gate_up (2 hidden, dim), gate and up fused; down (dim, hidden); k, v caches (slots, kv_heads,
-    max_seq, head_dim); cos, sin RoPE tables (rope_len, head_dim). Each of qkv, wo, gate_up and down
+    max_seq, head_dim), both float32 or both float16 (``kv_half``: written rounded to nearest
+    even); cos, sin RoPE tables (rope_len, head_dim). Each of qkv, wo, gate_up and down
     is float32, or a ``QuantMatrix`` or ``StackedMatrix`` of that shape.
 
     Keywords, each absent by default (a Llama block): ``qkv_bias`` (q_dim + 2 kv_dim,) added to the
@@ -195,7 +196,8 @@ class BlockWeights:
     experts, gate_up and down None."""
 
     __slots__ = _TENSORS + _OPTIONAL + _SETTINGS + (
-        "n_heads", "eps", "dim", "n_kv", "head_dim", "hidden", "n_slots", "positions")
+        "n_heads", "eps", "dim", "n_kv", "head_dim", "hidden", "n_slots", "positions",
+        "kv_half")
 
     def __init__(self, attn_norm: Any, qkv: Any, wo: Any, mlp_norm: Any, gate_up: Any,
                  down: Any, k: Any, v: Any, cos: Any, sin: Any, n_heads: int,
@@ -212,6 +214,10 @@ class BlockWeights:
                     or _acceptable(name, t)):
                 raise ValueError(f"{name} is not a contiguous float32 CPU tensor"
                                  + (" or a Quant/StackedMatrix" if name in _MATRICES else ""))
+        kv_half = contiguous_cpu(k, "float16")
+        if contiguous_cpu(v, "float16") != kv_half:
+            raise ValueError(f"k {getattr(k, 'dtype', '?')} and v {getattr(v, 'dtype', '?')} "
+                             "are not both float32 or both float16")
         n_slots, n_kv, max_seq, head_dim = k.shape
         dim, q_dim = attn_norm.shape[0], n_heads * head_dim
         shapes = {"attn_norm": (dim,), "mlp_norm": (dim,), "wo": (dim, q_dim),
@@ -235,7 +241,7 @@ class BlockWeights:
                       qk_pairs=_checked_flag("qk_pairs", qk_pairs),
                       experts=experts, n_heads=int(n_heads), eps=float(eps), dim=dim, n_kv=n_kv,
                       head_dim=head_dim, hidden=hidden, n_slots=n_slots,
-                      positions=min(max_seq, cos.shape[0]))
+                      positions=min(max_seq, cos.shape[0]), kv_half=kv_half)
         for name, value in values.items():
             object.__setattr__(self, name, value)
 

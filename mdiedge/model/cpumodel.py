@@ -117,7 +117,8 @@ class CpuModel:
         max_seq_len = max_seq_len or self.cfg.max_seq_len
         self.caches, self._plan = [], None  # the old cache's memory is free for the new
         shape = (n_slots, self.cfg.n_kv_heads, max_seq_len, self.cfg.head_dim)
-        need = 2 * 4 * int(np.prod(shape)) * len(self.weights.blocks)
+        dtype = kv_dtype(dot_code())
+        need = 2 * dtype.itemsize * int(np.prod(shape)) * len(self.weights.blocks)
         check_memory(need, "cpu", f"a KV cache of {n_slots} slots x {max_seq_len} tokens for "
                      f"blocks [{self.first}, {self.last})",
                      "fewer samples (slots) or a shorter context")
@@ -127,7 +128,7 @@ class CpuModel:
             tables[1] = rope_tables(self.cfg, max_seq_len, local=True)
         made, self._tables = [], []
         for parts in self.weights.blocks:
-            k, v = _zeros(shape), _zeros(shape)
+            k, v = _zeros(shape, dtype), _zeros(shape, dtype)
             self.caches.append((k, v))
             cos, sin = tables[1 if parts.options.get("window", 0) and 1 in tables else 0]
             self._tables.append((cos, sin))
@@ -225,11 +226,17 @@ class CpuModel:
                 for i, p in enumerate(self.weights.blocks) if p.counts is not None}
 
 
-def _zeros(shape: Tuple[int, ...]) -> np.ndarray:
-    """A float32 KV array of zeros whose pages become resident as tokens are written
+def kv_dtype(dot: int) -> np.dtype:
+    """The KV cache's element type: float16 in the q8 mode (``dot``), as llama.cpp's cache
+    (half the memory, and the bytes attention reads), float32 in the exact f32 mode."""
+    return np.dtype(np.float16 if dot else np.float32)
+
+
+def _zeros(shape: Tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A KV array of zeros whose pages become resident as tokens are written
     (``memory.zeroed_pages``)."""
     count = int(np.prod(shape))
-    return np.frombuffer(zeroed_pages(4 * count), np.float32, count).reshape(shape)
+    return np.frombuffer(zeroed_pages(dtype.itemsize * count), dtype, count).reshape(shape)
 
 
 def _block_weights(parts: BlockParts, k: np.ndarray, v: np.ndarray, cos: np.ndarray,

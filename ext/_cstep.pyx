@@ -14,7 +14,7 @@ from mdiedge.model.arrays import address as _address
 from mdiedge.model.qtypes import check_compiled as _check_compiled
 from mdiedge.model._stepconstants import (ACTIVATIONS, MAX_PAIRED_HEAD_DIM,  # noqa: F401
                                      MAX_PARTS, MAX_ROWS, BlockWeights, Experts, Limits, QuantMatrix,
-                                     StackedMatrix, check, check_act_mul, check_call,
+                                     StackedMatrix, check, check_act_mul, check_call, check_halves,
                                      check_logits, logits_usable, usable)
 
 PREFERRED = True  # the model decodes through it (see the twin's)
@@ -66,6 +66,9 @@ cdef extern from "step.h" nogil:
     const char *qm_names[]
     const int qm_block[]
     const int qm_block_bytes[]
+    void st_halves(const float *x, unsigned short *h, Py_ssize_t n)
+    void st_widen_base(const unsigned short *h, float *f, Py_ssize_t n)
+    void (*st_widen)(const unsigned short *h, float *f, Py_ssize_t n)
     void st_act_rows(int activation, const float *both, float *out, Py_ssize_t rows,
                      Py_ssize_t hidden, int threads)
     int st_logits(const float *x, const float *norm, float eps, const void *head,
@@ -268,4 +271,30 @@ def act_mul(both, out, activation, int threads=1):
     cdef float *op = <float *>_ptr(out)
     with nogil:
         st_act_rows(code, bp, op, rows, hidden, threads)
+    return out
+
+
+def halves(values, out):
+    """float32 ``values`` as IEEE halves into uint16 ``out``, rounded to nearest even, as the q8
+    mode's KV cache is written; returns out."""
+    cdef Py_ssize_t n = check_halves(values, out, "float32", "uint16")
+    cdef const float *xp = _ptr(values)
+    cdef unsigned short *hp = <unsigned short *><size_t>_address(out)
+    with nogil:
+        st_halves(xp, hp, n)
+    return out
+
+
+def widen_halves(values, out, bint reference=False):
+    """uint16 ``values``, IEEE halves, into float32 ``out`` exactly, as the q8 mode's attention
+    reads its KV cache: on this CPU's path (F16C on x86-64), or the portable C one with
+    ``reference``; returns out."""
+    cdef Py_ssize_t n = check_halves(values, out, "uint16", "float32")
+    cdef const unsigned short *hp = <const unsigned short *><size_t>_address(values)
+    cdef float *op = <float *>_ptr(out)
+    with nogil:
+        if reference:
+            st_widen_base(hp, op, n)
+        else:
+            st_widen(hp, op, n)
     return out

@@ -42,6 +42,7 @@
 #define ST_PARTS 3     /* the most parts of one stacked matrix */
 #define ST_MAX_HEAD_DIM 512 /* of a block whose Q and K come in RoPE pairs (qk_pairs) */
 #define ST_KV_CHUNK 32      /* half keys or values widened to float at a time */
+#define ST_GROUP_AT_ONCE 16 /* query heads of one KV head a task attends over half keys */
 
 /* A matrix of n[0] + ... + n[parts - 1] rows stacked from its parts: one float32 part (type
    ST_FLOAT), or 1..ST_PARTS parts of quantized blocks (their QM_* types). */
@@ -306,41 +307,52 @@ __attribute__((target("avx2,fma,f16c"))) static void st_widen_f16c(const uint16_
     for (; i < n; i++) f[i] = qm_half((const uint8_t *)(h + i));
 }
 #endif
-/* st_head_body over half keys and values, ST_KV_CHUNK of them widened into ``wide`` (ST_KV_CHUNK
-   hd floats) at a time: the same sums in the same order as over their float values. */
-static inline __attribute__((always_inline)) void st_head_half_body(
-        const float *q, const uint16_t *k, const uint16_t *v, float *out, float *scores,
-        float *wide, ptrdiff_t len, ptrdiff_t hd, float scale, st_widen_fn widen) {
-    float top = -INFINITY;
+/* Query heads [0, n) of one KV head over its half keys and values, each as st_head_body over
+   their float values (the same sums in the same order), ST_KV_CHUNK keys or values widened
+   into ``wide`` (ST_KV_CHUNK hd floats) at a time, once for all n heads. q, out: head 0's,
+   the others hd apart; scores: head 0's, the others ``stride`` apart. */
+static inline __attribute__((always_inline)) void st_heads_half_body(
+        const float *q, ptrdiff_t n, const uint16_t *k, const uint16_t *v, float *out,
+        float *scores, ptrdiff_t stride, float *wide, ptrdiff_t len, ptrdiff_t hd, float scale,
+        st_widen_fn widen) {
+    float tops[ST_GROUP_AT_ONCE];
+    for (ptrdiff_t h = 0; h < n; h++) tops[h] = -INFINITY;
     for (ptrdiff_t t = 0; t < len; t += ST_KV_CHUNK) {
-        ptrdiff_t n = len - t < ST_KV_CHUNK ? len - t : ST_KV_CHUNK;
-        widen(k + t * hd, wide, n * hd);
-        float chunk_top = st_scores(q, wide, scores + t, n, hd, scale);
-        top = chunk_top > top ? chunk_top : top;
+        ptrdiff_t keys = len - t < ST_KV_CHUNK ? len - t : ST_KV_CHUNK;
+        widen(k + t * hd, wide, keys * hd);
+        for (ptrdiff_t h = 0; h < n; h++) {
+            float top = st_scores(q + h * hd, wide, scores + h * stride + t, keys, hd, scale);
+            tops[h] = top > tops[h] ? top : tops[h];
+        }
     }
-    float inv = 1.0f / st_exps(scores, len, top);
-    for (ptrdiff_t t = 0; t < len; t++) scores[t] *= inv;
-    memset(out, 0, hd * sizeof(float));
+    for (ptrdiff_t h = 0; h < n; h++) {
+        float *p = scores + h * stride, inv = 1.0f / st_exps(p, len, tops[h]);
+        for (ptrdiff_t t = 0; t < len; t++) p[t] *= inv;
+        memset(out + h * hd, 0, hd * sizeof(float));
+    }
     for (ptrdiff_t t = 0; t < len; t += ST_KV_CHUNK) {
-        ptrdiff_t n = len - t < ST_KV_CHUNK ? len - t : ST_KV_CHUNK;
-        widen(v + t * hd, wide, n * hd);
-        st_weigh_all(wide, scores + t, out, n, hd);
+        ptrdiff_t keys = len - t < ST_KV_CHUNK ? len - t : ST_KV_CHUNK;
+        widen(v + t * hd, wide, keys * hd);
+        for (ptrdiff_t h = 0; h < n; h++)
+            st_weigh_all(wide, scores + h * stride + t, out + h * hd, keys, hd);
     }
 }
 
-typedef void (*st_head_half_fn)(const float *, const uint16_t *, const uint16_t *, float *,
-                                float *, float *, ptrdiff_t, ptrdiff_t, float);
-#define ST_HEAD_HALF_FN(name, attrs, widen)                                                  \
-    attrs static void name(const float *q, const uint16_t *k, const uint16_t *v, float *out, \
-                           float *scores, float *wide, ptrdiff_t len, ptrdiff_t hd,          \
-                           float scale) {                                                    \
-        st_head_half_body(q, k, v, out, scores, wide, len, hd, scale, widen);                \
+typedef void (*st_heads_half_fn)(const float *, ptrdiff_t, const uint16_t *, const uint16_t *,
+                                 float *, float *, ptrdiff_t, float *, ptrdiff_t, ptrdiff_t,
+                                 float);
+#define ST_HEADS_HALF_FN(name, attrs, widen)                                                 \
+    attrs static void name(const float *q, ptrdiff_t n, const uint16_t *k, const uint16_t *v, \
+                           float *out, float *scores, ptrdiff_t stride, float *wide,         \
+                           ptrdiff_t len, ptrdiff_t hd, float scale) {                       \
+        st_heads_half_body(q, n, k, v, out, scores, stride, wide, len, hd, scale, widen);    \
     }
-ST_HEAD_HALF_FN(st_head_half_base, , st_widen_base)
+ST_HEADS_HALF_FN(st_heads_half_base, , st_widen_base)
 #ifdef MV_X86
-ST_HEAD_HALF_FN(st_head_half_avx2, __attribute__((target("avx2,fma"))), st_widen_f16c)
+ST_HEADS_HALF_FN(st_heads_half_avx2, __attribute__((target("avx2,fma"))), st_widen_f16c)
 #endif
-static st_head_half_fn st_head_half = st_head_half_base;
+static st_heads_half_fn st_heads_half = st_heads_half_base;
+static st_widen_fn st_widen = st_widen_base;  /* st_heads_half's, apart (tests) */
 
 typedef void (*st_head_fn)(const float *, const float *, const float *, float *, float *,
                            ptrdiff_t, ptrdiff_t, float);
@@ -404,7 +416,10 @@ static void st_init(void) {
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
         st_head = st_head_avx2;
         st_act_cols = st_act_avx2;
-        if (__builtin_cpu_supports("f16c")) st_head_half = st_head_half_avx2;
+        if (__builtin_cpu_supports("f16c")) {
+            st_heads_half = st_heads_half_avx2;
+            st_widen = st_widen_f16c;
+        }
     }
 #endif
 }
@@ -669,6 +684,37 @@ static void st_dense_team(const st_block *b, const float *h, float *x, int R,
 
 #include "step_moe.h"
 
+/* Tasks of the attention over half caches: each takes some query heads of one row's KV head
+   (st_heads_half), as few tasks as keep every thread busy, so that a chunk of keys is widened
+   once for them; at most ST_GROUP_AT_ONCE heads. */
+static ptrdiff_t st_group_parts(ptrdiff_t group, ptrdiff_t kv_tasks, int threads) {
+    ptrdiff_t parts = (threads + kv_tasks - 1) / kv_tasks;
+    ptrdiff_t fewest = (group + ST_GROUP_AT_ONCE - 1) / ST_GROUP_AT_ONCE;
+    if (parts < fewest) parts = fewest;
+    return parts < group ? parts : group;
+}
+
+/* The team's attention of R rows over half caches (st_block_team's, where kv_half). */
+static void st_attend_half_team(const st_block *b, int R, const long long *slots,
+                                const long long *pos, const st_scratch *s, float scale) {
+    ptrdiff_t hd = b->head_dim, q_dim = b->n_heads * hd, group = b->n_heads / b->n_kv;
+    ptrdiff_t width = q_dim + 2 * b->n_kv * hd, kv_tasks = (ptrdiff_t)R * b->n_kv;
+    ptrdiff_t parts = st_group_parts(group, kv_tasks, st_team());
+    #pragma omp for schedule(static)
+    for (ptrdiff_t t = 0; t < kv_tasks * parts; t++) {
+        ptrdiff_t r = t / (b->n_kv * parts), kv = t / parts % b->n_kv, part = t % parts;
+        ptrdiff_t h0 = kv * group + part * group / parts;
+        ptrdiff_t h1 = kv * group + (part + 1) * group / parts;
+        ptrdiff_t first = b->window && pos[r] >= b->window ? pos[r] + 1 - b->window : 0;
+        ptrdiff_t at = ((slots[r] * b->n_kv + kv) * b->max_seq + first) * hd;
+        st_heads_half(s->qkv + r * width + h0 * hd, h1 - h0, (const uint16_t *)b->k + at,
+                      (const uint16_t *)b->v + at, s->att + r * q_dim + h0 * hd,
+                      s->scores + (r * b->n_heads + h0) * s->longest, s->longest,
+                      s->wide + (ptrdiff_t)st_thread() * ST_KV_CHUNK * hd, pos[r] + 1 - first,
+                      hd, scale);
+    }
+}
+
 /* x = block(x) for R rows, in place. Every thread of the team calls it: each normalizes
    the rows for itself (its own copy, no wait), the products, attention heads and the
    gate/up columns are shared out, the bias, Q/K norms, RoPE and the cache write run on one
@@ -685,20 +731,18 @@ static void st_block_team(const st_block *b, float *x, int R, const long long *s
     st_product_team(&b->qkv, h, s->qkv, NULL, width, dim, R, s);
     #pragma omp single
     st_rope_write(b, s->qkv, R, slots, pos);
-    #pragma omp for schedule(static)
-    for (ptrdiff_t t = 0; t < heads; t++) {
-        ptrdiff_t r = t / b->n_heads, hh = t % b->n_heads;
-        ptrdiff_t first = b->window && pos[r] >= b->window ? pos[r] + 1 - b->window : 0;
-        ptrdiff_t at = ((slots[r] * b->n_kv + hh / group) * b->max_seq + first) * hd;
-        const float *q = s->qkv + r * width + hh * hd;
-        float *out = s->att + r * q_dim + hh * hd, *scores = s->scores + t * s->longest;
-        if (b->kv_half)
-            st_head_half(q, (const uint16_t *)b->k + at, (const uint16_t *)b->v + at, out, scores,
-                         s->wide + (ptrdiff_t)st_thread() * ST_KV_CHUNK * hd, pos[r] + 1 - first,
-                         hd, scale);
-        else
-            st_head(q, (const float *)b->k + at, (const float *)b->v + at, out, scores,
-                    pos[r] + 1 - first, hd, scale);
+    if (b->kv_half)
+        st_attend_half_team(b, R, slots, pos, s, scale);
+    else {
+        #pragma omp for schedule(static)
+        for (ptrdiff_t t = 0; t < heads; t++) {
+            ptrdiff_t r = t / b->n_heads, hh = t % b->n_heads;
+            ptrdiff_t first = b->window && pos[r] >= b->window ? pos[r] + 1 - b->window : 0;
+            ptrdiff_t at = ((slots[r] * b->n_kv + hh / group) * b->max_seq + first) * hd;
+            st_head(s->qkv + r * width + hh * hd, (const float *)b->k + at,
+                    (const float *)b->v + at, s->att + r * q_dim + hh * hd,
+                    s->scores + t * s->longest, pos[r] + 1 - first, hd, scale);
+        }
     }
     st_residual_team(&b->wo, b->post_attn_norm, s->att, x, dim, q_dim, R, b, s);  /* attention */
     for (int r = 0; r < R; r++) st_rmsnorm(x + r * dim, b->mlp_norm, h + r * dim, dim, b->eps);

@@ -236,6 +236,27 @@ def test_early_exit_is_not_run_here(gguf_models: Dict[str, Path]) -> None:
                          step=object())
 
 
+@pytest.mark.parametrize("mode, dtype", [("q8", np.float16), ("f32", np.float32)])
+def test_the_q8_mode_keeps_a_float16_cache(monkeypatch: Any, gguf_models: Dict[str, Path],
+                                           mode: str, dtype: type) -> None:
+    """The q8 mode's cache is float16 (llama.cpp's), the exact f32 mode's float32; decode
+    after a prefill reads it either way, and the two modes' logits stay close."""
+    from mdiedge.base import cpudot
+
+    monkeypatch.setenv(cpudot.ENV, mode)
+    cpudot.set_cpu_dot(None)
+    model = load_cpu_model(gguf_models["qwen3"])
+    model.setup_cache(1, 16)
+    assert all(k.dtype == dtype and v.dtype == dtype for k, v in model.caches)
+    assert model.kv_cache_bytes() == 2 * np.dtype(dtype).itemsize * model.cfg.n_layers * 16 \
+        * model.cfg.n_kv_heads * model.cfg.head_dim
+    ids = np.array([[5, 9, 2, 7]])
+    model.run_blocks(model.embed_tokens(ids), np.array([0]), [0])
+    x = model.run_blocks(model.embed_tokens(np.array([[3]])), np.array([0]), [4])
+    assert np.isfinite(model.head_logits(x[:, -1])).all()
+    assert cpumodel.kv_dtype(cpudot.CODES[mode]) == dtype
+
+
 def test_beyond_the_cache_is_one_line(gguf_models: Dict[str, Path]) -> None:
     model = load_cpu_model(gguf_models["qwen3"])
     model.setup_cache(1, 8)
@@ -319,7 +340,7 @@ def test_a_kv_cache_is_resident_only_where_written() -> None:
     4 MiB: about a 4 KiB page each, not 2 MiB (where the kernel uses huge pages on request,
     as this machine's ``madvise`` setting does); zeros, writable and C-contiguous, as the
     step takes it."""
-    cache = cpumodel._zeros((16, 1, 4096, 256))  # 64 MiB
+    cache = cpumodel._zeros((16, 1, 4096, 256), np.dtype(np.float32))  # 64 MiB
     assert cache.dtype == np.float32 and cache.flags.c_contiguous and cache.flags.writeable
     before = _rss_anon()
     cache[:, :, 0, 0] = 1.0  # one value every 4 MiB

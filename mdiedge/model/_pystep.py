@@ -13,14 +13,15 @@ from . import _pyquant
 from ._stepconstants import (ACTIVATIONS, MAX_PAIRED_HEAD_DIM, MAX_PARTS, MAX_ROWS, BlockWeights,
                              Experts, Limits,
                              QuantMatrix, StackedMatrix, check, check_act_mul, check_call,
-                             check_logits, logits_usable, unpaired, usable)
+                             check_halves, check_logits, logits_usable, unpaired, usable)
 from .arrays import numpy_view as _np
 
 # the API both twins share
 __all__ = ["ACTIVATIONS", "MAX_PAIRED_HEAD_DIM", "MAX_PARTS", "MAX_ROWS", "PREFERRED",
            "BlockWeights", "Experts",
            "Limits", "Plan", "QuantMatrix", "StackedMatrix", "block", "blocks", "check",
-           "check_call", "check_logits", "logits", "logits_usable", "plan", "usable"]
+           "check_call", "check_logits", "halves", "logits", "logits_usable", "plan", "usable",
+           "widen_halves"]
 
 # Row by row in Python this is no faster than the model's own batched torch path, so the
 # torch model keeps that path for decode where this twin is the one selected.
@@ -87,6 +88,23 @@ def activate(gate: np.ndarray, activation: str) -> np.ndarray:
         y = np.float32(2 * math.sqrt(2 / math.pi)) * (gate + np.float32(0.044715) * gate ** 3)
     with np.errstate(over="ignore"):  # e^-y past float32: the value is 0, as it should be
         return gate / (np.float32(1) + np.exp(-y))
+
+
+def halves(values: Any, out: Any) -> Any:
+    """float32 ``values`` as IEEE halves into uint16 ``out``, rounded to nearest even; returns
+    out."""
+    check_halves(values, out, "float32", "uint16")
+    with np.errstate(over="ignore"):  # beyond 65504: infinity, as it should be
+        _np(out)[...] = _np(values).astype(np.float16).view(np.uint16)
+    return out
+
+
+def widen_halves(values: Any, out: Any, reference: bool = False) -> Any:
+    """uint16 ``values``, IEEE halves, into float32 ``out`` exactly (``reference``: one path
+    here); returns out."""
+    check_halves(values, out, "uint16", "float32")
+    _np(out)[...] = _np(values).view(np.float16).astype(np.float32)
+    return out
 
 
 def act_mul(both: Any, out: Any, activation: str, threads: int = 1) -> Any:

@@ -406,6 +406,19 @@ def check_logits(norm: Any, head: Any, x: Any, out: Any, threads: int) -> None:
         raise ValueError(f"threads {threads} is not >= 1")
 
 
+def check_halves(src: Any, dst: Any, src_type: str, dst_type: str) -> int:
+    """``halves``' and ``widen_halves``' arguments: contiguous 1-D CPU arrays of ``src_type``
+    and ``dst_type``, of one length; that length."""
+    for name, a, dtype in (("values", src, src_type), ("out", dst, dst_type)):
+        if not (contiguous_cpu(a, dtype) and ndim(a) == 1):
+            raise ValueError(f"{name} {tuple(getattr(a, 'shape', ()))} "
+                             f"{getattr(a, 'dtype', type(a).__name__)} is not a contiguous "
+                             f"{dtype} vector")
+    if src.shape[0] != dst.shape[0]:
+        raise ValueError(f"{src.shape[0]} values into out of {dst.shape[0]}")
+    return int(src.shape[0])
+
+
 def check_act_mul(both: Any, out: Any, activation: str, threads: int) -> int:
     """``act_mul``'s arguments: both (rows, 2 hidden) and out (rows, hidden), contiguous float32
     CPU arrays; the activation's code (its index in ``ACTIVATIONS``)."""

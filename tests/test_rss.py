@@ -104,3 +104,13 @@ def test_greedy_one_node_generate_of_a_gguf_file_loads_no_unused_library() -> No
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=600, stdin=subprocess.DEVNULL, cwd=str(REPO))
     assert out.stdout.split()[-2:] == ["0", "[]"], out.stdout + out.stderr
+
+
+def test_one_malloc_arena_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """glibc's mallopt takes it (True); a user's ``$MALLOC_ARENA_MAX`` stays theirs."""
+    from mdiedge.base import memory
+
+    monkeypatch.setenv(memory.ARENA_MAX_ENV, "4")
+    assert memory.one_malloc_arena() is False
+    monkeypatch.delenv(memory.ARENA_MAX_ENV)
+    assert memory.one_malloc_arena() is True

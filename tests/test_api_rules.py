@@ -373,3 +373,25 @@ def test_chat_logprobs_out_of_shape_are_400s(extra: Dict[str, Any], param: str,
 def test_the_key_may_come_as_x_api_key() -> None:
     assert authorized(None, "k", "k") and authorized("Bearer k", "k", "wrong")
     assert not authorized(None, "k", "wrong") and not authorized("Bearer x", "k", None)
+
+
+@pytest.mark.parametrize("given, mode, itemsize", [
+    (dict(), "q8", 2),                      # a torch-free CPU node in the q8 mode: float16
+    (dict(), "f32", 4),                     # the exact mode keeps float32
+    (dict(torch_cpu=True), "q8", 4),        # the torch model's cache: its compute dtype
+    (dict(device="cuda"), "q8", 4),
+])
+def test_serve_sizes_the_cache_that_its_nodes_hold(monkeypatch: pytest.MonkeyPatch,
+                                                   given: Dict[str, Any], mode: str,
+                                                   itemsize: int) -> None:
+    from mdiedge.base import cpudot
+    from mdiedge.base.engineoptions import EngineOptions
+    from mdiedge.cli import serve
+
+    monkeypatch.setenv(cpudot.ENV, mode)
+    cpudot.set_cpu_dot(None)
+    try:
+        assert serve.kv_itemsize(EngineOptions(**given)) == itemsize
+    finally:
+        monkeypatch.undo()
+        cpudot.set_cpu_dot(None)

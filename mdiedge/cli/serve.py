@@ -76,14 +76,13 @@ def sized_slots(text_model: Any, slots: Optional[int], context: Optional[int],
                 opts: EngineOptions) -> Any:
     """The ``SlotShape`` of ``serve``: ``--slots`` and ``--context`` as given, what is not
     sized from the memory free for the KV cache (``slot_shape``), said on stderr."""
-    from ..base.dtypes import compute_dtype
     from ..model.checks import free_bytes
     from ..serving.api.rules import KvModel, slot_shape
 
     check_context(context, text_model)
     cfg = text_model.cfg
-    model = KvModel(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
-                    compute_dtype(opts.dtype).itemsize, cfg.max_seq_len)
+    model = KvModel(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_itemsize(opts),
+                    cfg.max_seq_len)
     if opts.ring is None:  # every node on this machine
         blocks, where = cfg.n_layers, (f"for the {cfg.n_layers} blocks on this machine" +
                                        (f" ({opts.nodes} nodes)" if opts.nodes > 1 else ""))
@@ -97,6 +96,18 @@ def sized_slots(text_model: Any, slots: Optional[int], context: Optional[int],
     shape = slot_shape(model, free, blocks, slots, context)
     typer.echo("mdiedge: " + shape_line(shape, where), err=True)
     return shape
+
+
+def kv_itemsize(opts: EngineOptions) -> int:
+    """Bytes of a cached key or value: a torch-free CPU node's (``cpumodel.kv_dtype``: float16
+    in the q8 mode), else the torch model's compute dtype."""
+    from ..base.cpudot import dot_code
+    from ..base.dtypes import compute_dtype
+    from ..model.cpumodel import kv_dtype
+
+    if opts.needs_torch() is None:
+        return kv_dtype(dot_code()).itemsize
+    return compute_dtype(opts.dtype).itemsize
 
 
 def shape_line(shape: Any, where: str) -> str:

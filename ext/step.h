@@ -64,11 +64,12 @@ typedef struct {
    1 / sqrt(head_dim)); window, the keys a row attends (0: all, else the last ``window``
    positions up to its own); qk_pairs, the product's Q and K heads in llama.cpp's RoPE-pair
    order (half, 2), put in the "rotate half" order (2, half) first; kv_half, the caches k and v
-   hold IEEE halves (rounded to nearest even as written, widened exactly as read). With n_experts > 0 the feed-forward is a mixture of experts
-   (step_moe.h) instead of gate_up and down: the router (n_experts, dim), each expert's
-   gate_up (2 hidden, dim) and down (dim, hidden), top_k of them per row, their weights
-   renormalized to sum one where ``renormalize``; expert_counts (n_experts) NULL or counting
-   the rows routed to each expert. */
+   hold IEEE halves (rounded to nearest even as written, widened exactly as read). With
+   n_experts > 0 the feed-forward is a mixture of experts (step_moe.h) instead of gate_up and
+   down: the router (n_experts, dim), each expert's gate_up (2 hidden, dim) and down (dim,
+   hidden), top_k of them per row, their weights renormalized to sum one where
+   ``renormalize``; expert_counts (n_experts) NULL or counting the rows routed to each
+   expert. */
 typedef struct {
     const float *attn_norm, *mlp_norm, *cos, *sin;
     st_matrix qkv, wo, gate_up, down;
@@ -442,8 +443,9 @@ static void st_unpair(float *x, ptrdiff_t heads, ptrdiff_t hd) {
     }
 }
 
-/* Every row's Q/K/V (Q and K put in order where in pairs) with the bias added and Q and K normed per head (where the block has
-   them), Q and K roped at the row's position, K and V written to the row's cache slot. */
+/* Every row's Q/K/V (Q and K put in order where in pairs) with the bias added and Q and K
+   normed per head (where the block has them), Q and K roped at the row's position, K and V
+   written to the row's cache slot (rounded to halves where kv_half). */
 static void st_rope_write(const st_block *b, float *qkv, int R, const long long *slots,
                           const long long *pos) {
     ptrdiff_t hd = b->head_dim, q_dim = b->n_heads * hd, kv_dim = b->n_kv * hd;

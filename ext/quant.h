@@ -421,6 +421,10 @@ static qm_idot_fn qm_ifns[QM_TYPES];  /* the integer kernels (NULL: the type has
 static qm_idot_fn qm_wfns[QM_TYPES];  /* the wide ones (NULL: the type's qm_ifns serves) */
 static qm_x8_fn qm_x8fns[QM_TYPES];   /* the x8 layout's (NULL: none; qm_pack_x8) */
 static const char *qm_path = "scalar", *qm_ipath = "scalar";
+/* The q8 mode's activation quantizers in use: the scalar ones (quant_q8.h) or the vector
+   path's, which write the same bytes. */
+typedef void (*qm_quantize_fn)(const float *x, ptrdiff_t k, int R, const qm_act *a);
+static qm_quantize_fn qm_quantize32_fn = qm_quantize32, qm_quantize256_fn = qm_quantize256;
 
 /* Whether this CPU runs the vector path compiled here. */
 static int qm_simd_available(void) {
@@ -471,9 +475,15 @@ static const char *qm_use_simd(int on) {
     memset(qm_wfns, 0, sizeof qm_wfns);
     memcpy(qm_x8fns, qm_x8scalar, sizeof qm_x8fns);
     qm_path = qm_ipath = "scalar";
+    qm_quantize32_fn = qm_quantize32;
+    qm_quantize256_fn = qm_quantize256;
 #ifdef QM_SIMD_TABLE
     if (on && qm_simd_available()) {
         memcpy(qm_fns, QM_SIMD_TABLE, sizeof qm_fns);
+#ifdef QM_QUANTIZE32_SIMD
+        qm_quantize32_fn = QM_QUANTIZE32_SIMD;
+        qm_quantize256_fn = QM_QUANTIZE256_SIMD;
+#endif
         qm_path = QM_SIMD_NAME;
         int best = -1;
 #ifdef QM_IVARIANTS
@@ -536,8 +546,8 @@ static void qm_quantize_rows(const float *x, ptrdiff_t k, int rows, const qm_act
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows > 1)
     for (int r = 0; r < rows; r++) {
         qm_act row = qm_act_from(a, k, r);
-        if (form32) qm_quantize32(x + r * k, k, 1, &row);
-        if (form256) qm_quantize256(x + r * k, k, 1, &row);
+        if (form32) qm_quantize32_fn(x + r * k, k, 1, &row);
+        if (form256) qm_quantize256_fn(x + r * k, k, 1, &row);
     }
 }
 

@@ -43,6 +43,7 @@
 #define ST_MAX_HEAD_DIM 512 /* of a block whose Q and K come in RoPE pairs (qk_pairs) */
 #define ST_KV_CHUNK 32      /* half keys or values widened to float at a time */
 #define ST_GROUP_AT_ONCE 16 /* query heads of one KV head a task attends over half keys */
+#define ST_QUERIES_AT_ONCE 64 /* queries (a row's query head) a task attends over half keys */
 
 /* A matrix of n[0] + ... + n[parts - 1] rows stacked from its parts: one float32 part (type
    ST_FLOAT), or 1..ST_PARTS parts of quantized blocks (their QM_* types). */
@@ -308,45 +309,56 @@ __attribute__((target("avx2,fma,f16c"))) static void st_widen_f16c(const uint16_
     for (; i < n; i++) f[i] = qm_half((const uint8_t *)(h + i));
 }
 #endif
-/* Query heads [0, n) of one KV head over its half keys and values, each as st_head_body over
+/* One query of st_heads_half: a query head of one row, its output and scores (scratch), and
+   how many keys from the first it attends. */
+typedef struct {
+    const float *q;
+    float *out, *scores;
+    ptrdiff_t len;
+} st_query;
+
+/* Queries qs[0 .. n) of one KV head over its half keys and values, each as st_head_body over
    their float values (the same sums in the same order), ST_KV_CHUNK keys or values widened
-   into ``wide`` (ST_KV_CHUNK hd floats) at a time, once for all n heads. q, out: head 0's,
-   the others hd apart; scores: head 0's, the others ``stride`` apart. */
+   into ``wide`` (ST_KV_CHUNK hd floats) at a time, once for all n: the query heads of a row
+   and the rows of one sample that share the head's keys (all but the last few). */
 static inline __attribute__((always_inline)) void st_heads_half_body(
-        const float *q, ptrdiff_t n, const uint16_t *k, const uint16_t *v, float *out,
-        float *scores, ptrdiff_t stride, float *wide, ptrdiff_t len, ptrdiff_t hd, float scale,
-        st_widen_fn widen) {
-    float tops[ST_GROUP_AT_ONCE];
-    for (ptrdiff_t h = 0; h < n; h++) tops[h] = -INFINITY;
-    for (ptrdiff_t t = 0; t < len; t += ST_KV_CHUNK) {
-        ptrdiff_t keys = len - t < ST_KV_CHUNK ? len - t : ST_KV_CHUNK;
-        widen(k + t * hd, wide, keys * hd);
-        for (ptrdiff_t h = 0; h < n; h++) {
-            float top = st_scores(q + h * hd, wide, scores + h * stride + t, keys, hd, scale);
-            tops[h] = top > tops[h] ? top : tops[h];
+        const st_query *qs, ptrdiff_t n, const uint16_t *k, const uint16_t *v, float *wide,
+        ptrdiff_t hd, float scale, st_widen_fn widen) {
+    float tops[ST_QUERIES_AT_ONCE];
+    ptrdiff_t longest = 0;
+    for (ptrdiff_t i = 0; i < n; i++) {
+        tops[i] = -INFINITY;
+        longest = qs[i].len > longest ? qs[i].len : longest;
+    }
+    for (ptrdiff_t t = 0; t < longest; t += ST_KV_CHUNK) {
+        widen(k + t * hd, wide, (longest - t < ST_KV_CHUNK ? longest - t : ST_KV_CHUNK) * hd);
+        for (ptrdiff_t i = 0; i < n; i++) {
+            ptrdiff_t keys = qs[i].len - t < ST_KV_CHUNK ? qs[i].len - t : ST_KV_CHUNK;
+            if (keys <= 0) continue;
+            float top = st_scores(qs[i].q, wide, qs[i].scores + t, keys, hd, scale);
+            tops[i] = top > tops[i] ? top : tops[i];
         }
     }
-    for (ptrdiff_t h = 0; h < n; h++) {
-        float *p = scores + h * stride, inv = 1.0f / st_exps(p, len, tops[h]);
-        for (ptrdiff_t t = 0; t < len; t++) p[t] *= inv;
-        memset(out + h * hd, 0, hd * sizeof(float));
+    for (ptrdiff_t i = 0; i < n; i++) {
+        float *p = qs[i].scores, inv = 1.0f / st_exps(p, qs[i].len, tops[i]);
+        for (ptrdiff_t t = 0; t < qs[i].len; t++) p[t] *= inv;
+        memset(qs[i].out, 0, hd * sizeof(float));
     }
-    for (ptrdiff_t t = 0; t < len; t += ST_KV_CHUNK) {
-        ptrdiff_t keys = len - t < ST_KV_CHUNK ? len - t : ST_KV_CHUNK;
-        widen(v + t * hd, wide, keys * hd);
-        for (ptrdiff_t h = 0; h < n; h++)
-            st_weigh_all(wide, scores + h * stride + t, out + h * hd, keys, hd);
+    for (ptrdiff_t t = 0; t < longest; t += ST_KV_CHUNK) {
+        widen(v + t * hd, wide, (longest - t < ST_KV_CHUNK ? longest - t : ST_KV_CHUNK) * hd);
+        for (ptrdiff_t i = 0; i < n; i++) {
+            ptrdiff_t keys = qs[i].len - t < ST_KV_CHUNK ? qs[i].len - t : ST_KV_CHUNK;
+            if (keys > 0) st_weigh_all(wide, qs[i].scores + t, qs[i].out, keys, hd);
+        }
     }
 }
 
-typedef void (*st_heads_half_fn)(const float *, ptrdiff_t, const uint16_t *, const uint16_t *,
-                                 float *, float *, ptrdiff_t, float *, ptrdiff_t, ptrdiff_t,
-                                 float);
+typedef void (*st_heads_half_fn)(const st_query *, ptrdiff_t, const uint16_t *,
+                                 const uint16_t *, float *, ptrdiff_t, float);
 #define ST_HEADS_HALF_FN(name, attrs, widen)                                                 \
-    attrs static void name(const float *q, ptrdiff_t n, const uint16_t *k, const uint16_t *v, \
-                           float *out, float *scores, ptrdiff_t stride, float *wide,         \
-                           ptrdiff_t len, ptrdiff_t hd, float scale) {                       \
-        st_heads_half_body(q, n, k, v, out, scores, stride, wide, len, hd, scale, widen);    \
+    attrs static void name(const st_query *qs, ptrdiff_t n, const uint16_t *k,               \
+                           const uint16_t *v, float *wide, ptrdiff_t hd, float scale) {      \
+        st_heads_half_body(qs, n, k, v, wide, hd, scale, widen);                             \
     }
 ST_HEADS_HALF_FN(st_heads_half_base, , st_widen_base)
 #ifdef MV_X86
@@ -686,9 +698,14 @@ static void st_dense_team(const st_block *b, const float *h, float *x, int R,
 
 #include "step_moe.h"
 
-/* Tasks of the attention over half caches: each takes some query heads of one row's KV head
-   (st_heads_half), as few tasks as keep every thread busy, so that a chunk of keys is widened
-   once for them; at most ST_GROUP_AT_ONCE heads. */
+/* The first key row r attends (past a sliding window's start). */
+static ptrdiff_t st_first_key(const st_block *b, const long long *pos, int r) {
+    return b->window && pos[r] >= b->window ? pos[r] + 1 - b->window : 0;
+}
+
+/* How many query-head parts a KV head's task of the attention over half caches is cut into:
+   as few as keep every thread busy (``kv_tasks`` tasks before the cut), so that a chunk of
+   keys is widened once for many; at most ST_GROUP_AT_ONCE heads a part. */
 static ptrdiff_t st_group_parts(ptrdiff_t group, ptrdiff_t kv_tasks, int threads) {
     ptrdiff_t parts = (threads + kv_tasks - 1) / kv_tasks;
     ptrdiff_t fewest = (group + ST_GROUP_AT_ONCE - 1) / ST_GROUP_AT_ONCE;
@@ -696,24 +713,61 @@ static ptrdiff_t st_group_parts(ptrdiff_t group, ptrdiff_t kv_tasks, int threads
     return parts < group ? parts : group;
 }
 
-/* The team's attention of R rows over half caches (st_block_team's, where kv_half). */
+/* The rows of the attention over half caches, in pieces that attend over the same keys: runs
+   of consecutive rows of one sample from the same first key (a verified draft's, a prompt
+   chunk's), each cut into at least ``cuts`` pieces and pieces of at most ``most`` rows.
+   Piece p is rows starts[p] .. starts[p + 1]; returns how many (starts: R + 1 ints). */
+static int st_row_pieces(const st_block *b, int R, const long long *slots, const long long *pos,
+                         int cuts, int most, int *starts) {
+    int count = 0;
+    for (int r0 = 0, r1; r0 < R; r0 = r1) {
+        for (r1 = r0 + 1; r1 < R && slots[r1] == slots[r0]
+                          && st_first_key(b, pos, r1) == st_first_key(b, pos, r0); r1++) {}
+        int len = r1 - r0, m = (len + most - 1) / most;
+        if (m < cuts) m = cuts;
+        if (m > len) m = len;
+        for (int j = 0; j < m; j++) starts[count++] = r0 + len * j / m;
+    }
+    starts[count] = R;
+    return count;
+}
+
+/* How many runs st_row_pieces finds. */
+static int st_row_runs(const st_block *b, int R, const long long *slots, const long long *pos) {
+    int runs = R > 0;
+    for (int r = 1; r < R; r++)
+        runs += slots[r] != slots[r - 1] || st_first_key(b, pos, r) != st_first_key(b, pos, r - 1);
+    return runs;
+}
+
+/* The team's attention of R rows over half caches (st_block_team's, where kv_half): a task
+   takes one KV head of a piece of rows (st_row_pieces: as few as leave no thread idle; each
+   thread works them out alike) and some of its query heads (st_group_parts). */
 static void st_attend_half_team(const st_block *b, int R, const long long *slots,
                                 const long long *pos, const st_scratch *s, float scale) {
     ptrdiff_t hd = b->head_dim, q_dim = b->n_heads * hd, group = b->n_heads / b->n_kv;
-    ptrdiff_t width = q_dim + 2 * b->n_kv * hd, kv_tasks = (ptrdiff_t)R * b->n_kv;
-    ptrdiff_t parts = st_group_parts(group, kv_tasks, st_team());
+    ptrdiff_t width = q_dim + 2 * b->n_kv * hd, team = st_team();
+    ptrdiff_t kv_runs = (ptrdiff_t)st_row_runs(b, R, slots, pos) * b->n_kv;
+    int cuts = team > 1 ? (int)((2 * team + kv_runs - 1) / kv_runs) : 1;
+    int most = ST_QUERIES_AT_ONCE / (int)(group < ST_GROUP_AT_ONCE ? group : ST_GROUP_AT_ONCE);
+    int starts[R + 1];
+    ptrdiff_t pieces = st_row_pieces(b, R, slots, pos, cuts, most, starts);
+    ptrdiff_t parts = st_group_parts(group, pieces * b->n_kv, (int)team);
     #pragma omp for schedule(static)
-    for (ptrdiff_t t = 0; t < kv_tasks * parts; t++) {
-        ptrdiff_t r = t / (b->n_kv * parts), kv = t / parts % b->n_kv, part = t % parts;
+    for (ptrdiff_t t = 0; t < pieces * b->n_kv * parts; t++) {
+        ptrdiff_t piece = t / (b->n_kv * parts), kv = t / parts % b->n_kv, part = t % parts;
         ptrdiff_t h0 = kv * group + part * group / parts;
-        ptrdiff_t h1 = kv * group + (part + 1) * group / parts;
-        ptrdiff_t first = b->window && pos[r] >= b->window ? pos[r] + 1 - b->window : 0;
-        ptrdiff_t at = ((slots[r] * b->n_kv + kv) * b->max_seq + first) * hd;
-        st_heads_half(s->qkv + r * width + h0 * hd, h1 - h0, (const uint16_t *)b->k + at,
-                      (const uint16_t *)b->v + at, s->att + r * q_dim + h0 * hd,
-                      s->scores + (r * b->n_heads + h0) * s->longest, s->longest,
-                      s->wide + (ptrdiff_t)st_thread() * ST_KV_CHUNK * hd, pos[r] + 1 - first,
-                      hd, scale);
+        ptrdiff_t h1 = kv * group + (part + 1) * group / parts, n = 0;
+        int r0 = starts[piece], first = (int)st_first_key(b, pos, r0);
+        st_query qs[ST_QUERIES_AT_ONCE];
+        for (int r = r0; r < starts[piece + 1]; r++)
+            for (ptrdiff_t h = h0; h < h1; h++, n++)
+                qs[n] = (st_query){s->qkv + r * width + h * hd, s->att + r * q_dim + h * hd,
+                                   s->scores + (r * b->n_heads + h) * s->longest,
+                                   pos[r] + 1 - first};
+        ptrdiff_t at = ((slots[r0] * b->n_kv + kv) * b->max_seq + first) * hd;
+        st_heads_half(qs, n, (const uint16_t *)b->k + at, (const uint16_t *)b->v + at,
+                      s->wide + (ptrdiff_t)st_thread() * ST_KV_CHUNK * hd, hd, scale);
     }
 }
 

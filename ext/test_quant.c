@@ -339,6 +339,42 @@ static int check_integer(const char *path, uint8_t *w, float *x) {
     return failed;
 }
 
+/* Row r's values for the quantizer check: random, then edge cases by row (every value a
+   half-way product, zeros, the largest magnitude negative and repeated with either sign). */
+static void quantizer_rows(float *x, int k, int rows) {
+    for (int i = 0; i < rows * k; i++) x[i] = uniform() * (1.0f + (float)(rng() % 100));
+    for (int i = 0; i < k; i++) {
+        if (rows > 1)  /* with 127 the largest, each product is the value: n + 0.5 */
+            x[k + i] = i % 64 == 0 ? 127.0f : (float)((int)(rng() % 254) - 127) + 0.5f;
+        if (rows > 2) x[2 * k + i] = i % 37 < 20 ? 0.0f : uniform();
+        if (rows > 3) x[3 * k + i] = i % 50 == 7 ? -3.0f : i % 50 == 9 ? 3.0f : uniform();
+    }
+}
+
+/* The vector path's activation quantizers against the scalar ones: every byte, scale and
+   sum equal. */
+static int check_quantizers(void) {
+    enum { K = 1024, R = 5 };
+    static float x[R * K];
+    static float mem_v[(R * K * 3) / 4 + R * K], mem_s[(R * K * 3) / 4 + R * K];
+    qm_act v, s;
+    quantizer_rows(x, K, R);
+    qm_act_at(&v, mem_v, K, R);
+    qm_act_at(&s, mem_s, K, R);
+    memset(mem_v, 0, sizeof mem_v);
+    memset(mem_s, 0, sizeof mem_s);
+    qm_use_simd(1);
+    qm_quantize32_fn(x, K, R, &v);
+    qm_quantize256_fn(x, K, R, &v);
+    qm_use_simd(0);
+    qm_quantize32_fn(x, K, R, &s);
+    qm_quantize256_fn(x, K, R, &s);
+    qm_use_simd(1);
+    int bad = memcmp(mem_v, mem_s, qm_act_bytes(K, R)) != 0;
+    printf("activation quantizers: %s\n", bad ? "mismatch" : "equal");
+    return bad;
+}
+
 int main(void) {
     static uint8_t w[N * MAX_K * 2];
     static float x[MAX_ROWS * MAX_K];
@@ -361,5 +397,6 @@ int main(void) {
     }
     failed |= check_integer(path, w, x);
     failed |= check_x8(0);
+    failed |= check_quantizers();
     return failed ? 1 : 0;
 }

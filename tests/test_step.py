@@ -357,6 +357,34 @@ def test_row_results_do_not_depend_on_batch_or_threads(half: bool) -> None:
             assert torch.equal(w.k[written], batch_k[written])
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("window", [0, 9], ids=["full", "window 9"])
+@pytest.mark.parametrize("half", [False, True], ids=["float32 cache", "float16 cache"])
+def test_a_samples_consecutive_rows_equal_its_rows_one_by_one(half: bool, window: int) -> None:
+    """Compiled: rows of one sample at consecutive positions (a verified draft; with a float16
+    cache their tasks widen the keys once for all of them), beside rows of other samples,
+    give each row's output and KV bit for bit as the rows decoded one at a time, on 1 and 3
+    threads; a sliding window starts rows at different keys."""
+    if len(IMPLS) < 2:
+        pytest.skip("the compiled module is not built")
+    compiled = IMPLS[1]
+    slots = [2, 2, 2, 2, 2, 5, 5, 1]
+    positions = [20, 21, 22, 23, 24, 7, 8, 30]
+    for threads in (1, 3):
+        net, x = step_inputs(8)
+        w = half_weights(net, half).replace(window=window)
+        batch = torch.empty(8, CFG.dim)
+        compiled.block(w, x, batch, slots, positions, threads)
+        net, x = step_inputs(8)
+        w1 = half_weights(net, half).replace(window=window)
+        for r in range(8):
+            alone = torch.empty(1, CFG.dim)
+            compiled.block(w1, x[r:r + 1].contiguous(), alone, slots[r:r + 1],
+                           positions[r:r + 1], threads)
+            assert torch.equal(alone[0], batch[r]), (threads, r)
+        assert torch.equal(w1.k, w.k) and torch.equal(w1.v, w.v)
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda a: a.update(slots=[8]), "slot 8 at position 5 outside 8 slots of 48 positions"),
     (lambda a: a.update(positions=[48]), "slot 0 at position 48 outside 8 slots of 48"),

@@ -656,11 +656,13 @@ static inline void qm_irange_x8(int type, const uint8_t *x8, const qm_input *in,
         qm_act act = qm_act_from(&in->act, k, r0);
         for (ptrdiff_t j = j0; j < j1; j += QM_X8) {
             qm_x8fns[type](x8 + (size_t)(j / QM_X8) * group, &act, k, R, s);
-            for (int r = 0; r < R; r++)
-                for (int i = 0; i < QM_X8; i++) {
-                    ptrdiff_t at = (r0 + r) * ldy + j + i;
-                    y[at] = base ? base[at] + s[QM_X8 * r + i] : s[QM_X8 * r + i];
-                }
+            for (int r = 0; r < R; r++) {
+                ptrdiff_t at = (r0 + r) * ldy + j;
+                if (base)  /* one pass of QM_X8 lanes each: a vector where it vectorizes */
+                    for (int i = 0; i < QM_X8; i++) y[at + i] = base[at + i] + s[QM_X8 * r + i];
+                else
+                    memcpy(y + at, s + QM_X8 * r, QM_X8 * sizeof(float));
+            }
         }
     }
 }

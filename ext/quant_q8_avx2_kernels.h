@@ -345,16 +345,26 @@ QK_ALWAYS void QK(x8_q4k_pass)(const uint8_t *g, const qm_act *a, ptrdiff_t k, c
     for (int r = 0; r < R; r++) _mm256_storeu_ps(s + QM_X8 * r, acc[r]);
 }
 
+/* acc plus, per 32-bit lane, the four products of unsigned bytes u by the four signed bytes
+   at y (the same in every lane): with VNNI one vpdpbusd whose memory operand broadcasts them
+   (GCC loads the broadcast apart, an instruction more for each). */
+QK_ALWAYS __m256i QK(dp_at)(__m256i acc, __m256i u, const int8_t *y) {
+#if QK_VNNI
+    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)y));
+    return acc;
+#else
+    int32_t four;
+    memcpy(&four, y, 4);
+    return QK(dp)(acc, u, _mm256_set1_epi32(four));
+#endif
+}
+
 /* isum[r] += the 8 rows' 4 unsigned quants q (one row a lane) by row r's 4 activations at
    ``at`` of its 32-blocks' quants, for R rows. */
 QK_ALWAYS void QK(x8_chunk)(__m256i q, const qm_act *a, ptrdiff_t k, ptrdiff_t at, const int R,
                             __m256i *isum) {
     QA_UNROLL
-    for (int r = 0; r < R; r++) {
-        int32_t y;
-        memcpy(&y, a->q32 + r * k + at, 4);
-        isum[r] = QK(dp)(isum[r], q, _mm256_set1_epi32(y));
-    }
+    for (int r = 0; r < R; r++) isum[r] = QK(dp_at)(isum[r], q, a->q32 + r * k + at);
 }
 
 /* The same for 4 signed quants x a lane: their magnitudes by the activations with their signs

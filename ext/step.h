@@ -205,7 +205,8 @@ static inline __attribute__((always_inline)) float st_scores(
             for (int j = 0; j < 8; j++) acc[j] += qi * mv_load(k + (t + j) * hd + i);
         }
         mv_v8 s = st_pairwise8(acc);
-        for (int j = 0; j < 8; j++) s[j] += st_tail(q, k + (t + j) * hd, hv, hd);
+        if (hv < hd)  /* lanes written one by one, then read whole: a store-forwarding stall */
+            for (int j = 0; j < 8; j++) s[j] += st_tail(q, k + (t + j) * hd, hv, hd);
         s *= scale;
         memcpy(scores + t, &s, sizeof s);
         for (int j = 0; j < 8; j++) tops[j] = s[j] > tops[j] ? s[j] : tops[j];  /* vmaxps */

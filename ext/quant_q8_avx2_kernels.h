@@ -268,6 +268,20 @@ QK_ALWAYS __m256i QK(dp)(__m256i acc, __m256i u, __m256i y) {
 #define QK_X8_PASS (QK_VNNI ? 4 : 2)
 #define QK_X8_PASS32 (QK_VNNI ? 8 : 2)
 
+/* acc plus, per 32-bit lane, the four products of unsigned bytes u by the four signed bytes
+   at y (the same in every lane): with VNNI one vpdpbusd whose memory operand broadcasts them
+   (GCC loads the broadcast apart, an instruction more for each). */
+QK_ALWAYS __m256i QK(dp_at)(__m256i acc, __m256i u, const int8_t *y) {
+#if QK_VNNI
+    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)y));
+    return acc;
+#else
+    int32_t four;
+    memcpy(&four, y, 4);
+    return QK(dp)(acc, u, _mm256_set1_epi32(four));
+#endif
+}
+
 /* Row r's minimum sums of block b by the 8 rows' sub-block minimums (mp: the four pairs'):
    lane i = sum over sub-blocks j of m_j[i] (bsums[2 j] + bsums[2 j + 1]). */
 QK_ALWAYS __m256i QK(x8_mins)(const qm_act *a, ptrdiff_t k, ptrdiff_t b, int r,
@@ -300,11 +314,8 @@ QK_ALWAYS void QK(x8_q4k_64)(const uint8_t *g, const qm_act *a, ptrdiff_t k, ptr
         QA_UNROLL
         for (int r = 0; r < R; r++) {
             const int8_t *y = a->qk + r * k + 256 * b + 64 * c + 4 * t;
-            int32_t y_lo, y_hi;
-            memcpy(&y_lo, y, 4);
-            memcpy(&y_hi, y + 32, 4);
-            lo_s[r] = QK(dp)(lo_s[r], lo, _mm256_set1_epi32(y_lo));
-            hi_s[r] = QK(dp)(hi_s[r], hi, _mm256_set1_epi32(y_hi));
+            lo_s[r] = QK(dp_at)(lo_s[r], lo, y);
+            hi_s[r] = QK(dp_at)(hi_s[r], hi, y + 32);
         }
     }
     __m256i sc_lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(g + 32 + 16 * c)));
@@ -343,20 +354,6 @@ QK_ALWAYS void QK(x8_q4k_pass)(const uint8_t *g, const qm_act *a, ptrdiff_t k, c
     }
     QA_UNROLL
     for (int r = 0; r < R; r++) _mm256_storeu_ps(s + QM_X8 * r, acc[r]);
-}
-
-/* acc plus, per 32-bit lane, the four products of unsigned bytes u by the four signed bytes
-   at y (the same in every lane): with VNNI one vpdpbusd whose memory operand broadcasts them
-   (GCC loads the broadcast apart, an instruction more for each). */
-QK_ALWAYS __m256i QK(dp_at)(__m256i acc, __m256i u, const int8_t *y) {
-#if QK_VNNI
-    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)y));
-    return acc;
-#else
-    int32_t four;
-    memcpy(&four, y, 4);
-    return QK(dp)(acc, u, _mm256_set1_epi32(four));
-#endif
 }
 
 /* isum[r] += the 8 rows' 4 unsigned quants q (one row a lane) by row r's 4 activations at

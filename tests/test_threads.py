@@ -119,3 +119,12 @@ def test_bad_threads_is_a_usage_error(value: str) -> None:
                          capture_output=True, text=True, cwd="/")
     assert out.returncode == 2, out.stderr
     assert "--threads" in out.stderr or "threads" in out.stderr.lower()
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({}, {"OPENBLAS_NUM_THREADS": "1"}),
+    ({"OMP_NUM_THREADS": "4"}, {"OPENBLAS_NUM_THREADS": "1"}),
+    ({"OPENBLAS_NUM_THREADS": "3"}, {}),  # the user's
+])
+def test_blas_thread_setting(environ, expected) -> None:
+    assert threads.blas_thread_setting(environ) == expected

@@ -293,6 +293,8 @@ QQ_ATTR static void qq_quantize256(const float *x, ptrdiff_t k, int R, const qm_
 #define QM_QUANTIZE32_SIMD qq_quantize32
 #define QM_QUANTIZE256_SIMD qq_quantize256
 
+typedef int32_t qa_four_bytes __attribute__((may_alias));  /* 4 activation bytes, read whole */
+
 /* The kernels, twice: AVX2, and AVX512-VNNI on 256-bit vectors where the CPU has it (the
    same sums with a third fewer instructions; measured on AMD Zen 4, 512 rows, one thread:
    the K-quants' products 1.6-1.8x, the 32-weight types' 1.15-1.2x). */

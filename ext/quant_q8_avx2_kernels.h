@@ -273,7 +273,7 @@ QK_ALWAYS __m256i QK(dp)(__m256i acc, __m256i u, __m256i y) {
    (GCC loads the broadcast apart, an instruction more for each). */
 QK_ALWAYS __m256i QK(dp_at)(__m256i acc, __m256i u, const int8_t *y) {
 #if QK_VNNI
-    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)y));
+    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const qa_four_bytes *)y));
     return acc;
 #else
     int32_t four;

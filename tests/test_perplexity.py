@@ -193,7 +193,7 @@ def test_few_row_passes_never_take_the_prefill_tiles(monkeypatch: pytest.MonkeyP
     windows = Measurement.__new__(Measurement)
     windows.text_model, windows.file, windows.ctx = text, Path("-"), 32
     windows.windows = [list(range(3, 35)), list(range(40, 72))]
-    net = open_model(text, "cpu", 1)
+    net = open_model(text, "cpu", 1, torch_model=True)
     tiled: List[int] = []
     original = qlayers.QuantLinear._tiled
 
@@ -255,3 +255,47 @@ def test_help_names_the_file_argument() -> None:
                           timeout=60)
     assert done.returncode == 0 and done.stdout.splitlines()[0].endswith(
         "perplexity [OPTIONS] FILE"), done.stdout
+
+
+def test_the_torch_free_node_scores_few_rows_in_the_step(monkeypatch: pytest.MonkeyPatch,
+                                                        bos_gguf: Path) -> None:
+    """On a CPU the node ``generate`` runs scores (the torch-free CpuModel): --batch 8 never
+    takes the numpy prefill, --batch 32 does; both score what the torch model scores (f32
+    mode: float32 caches, within float32 rounding)."""
+    from mdiedge.engine.engine import TextModel
+    from mdiedge.model import npprefill
+    from mdiedge.model.cpumodel import CpuModel
+    from mdiedge.tools.perplexity import Measurement, open_model
+
+    text = TextModel(bos_gguf)
+    windows = Measurement.__new__(Measurement)
+    windows.text_model, windows.file, windows.ctx = text, Path("-"), 32
+    windows.windows = [list(range(3, 35)), list(range(40, 72))]
+    net = open_model(text, "cpu", 1)
+    assert isinstance(net, CpuModel)
+    prefills: List[int] = []
+    original = npprefill.run_blocks
+
+    def counted(cfg: Any, blocks: Any, caches: Any, tables: Any, rows: Any, calls: Any) -> Any:
+        prefills.append(rows.shape[0])
+        return original(cfg, blocks, caches, tables, rows, calls)
+
+    monkeypatch.setattr(npprefill, "run_blocks", counted)
+    few = windows.run(net, 8)
+    assert prefills == []
+    whole = windows.run(net, 32)
+    assert prefills == [32, 32]
+    torch_model = windows.run(open_model(text, "cpu", 1, torch_model=True), 8)
+    assert few["tokens"] == whole["tokens"] == torch_model["tokens"] == 2 * 15
+    assert few["nll"] == pytest.approx(torch_model["nll"], rel=1e-5)
+    assert whole["nll"] == pytest.approx(torch_model["nll"], rel=1e-5)
+
+
+def test_cross_entropy_is_torchs_in_double() -> None:
+    from mdiedge.tools.perplexity import cross_entropy
+
+    logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(3)) * 20
+    targets = torch.tensor([0, 10, 3, 3, 7])
+    want = torch.nn.functional.cross_entropy(logits.double(), targets, reduction="none")
+    assert cross_entropy(logits.numpy(), targets.numpy()) == pytest.approx(want.tolist(),
+                                                                           rel=1e-12)

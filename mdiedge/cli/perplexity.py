@@ -44,7 +44,8 @@ def perplexity(
     """The perplexity of FILE's text under a model, with its standard error: windows of
     --ctx tokens, the second half of each scored, as llama.cpp's llama-perplexity does."""
     _check(file, ctx, chunks, batch, device, threads, cpu_dot)
-    require_torch("mdiedge perplexity")
+    if device != "cpu":
+        require_torch(f"--device {device}")
     from .console import Progress
 
     terminate_gracefully()

@@ -15,8 +15,10 @@
 
 A window runs through the model's KV cache ``batch`` positions at a time (one slot, the
 positions going on), so that at the default of ``KERNEL_ROWS`` every quantized product takes
-the few-row compiled kernels, where ``--cpu-dot`` applies; a larger batch is a prefill
-(float32 tiles de-quantized). The arithmetic is the model's own (``Transformer``).
+the few-row compiled kernels, where ``--cpu-dot`` applies; a larger batch is a prefill. The
+model is the node ``mdiedge generate`` runs: on a CPU in float32 the torch-free ``CpuModel``
+where it takes the file (with its float16 KV cache in the q8 mode, as llama.cpp's), else the
+torch ``Transformer``; each with its own arithmetic.
 """
 from __future__ import annotations
 
@@ -98,6 +100,8 @@ def window_nlls(model: Any, window: Sequence[int], batch: int,
                 progress: Optional[Progress] = None) -> List[float]:
     """The window fed from position 0 through slot 0, ``batch`` positions at a time; the head runs
     on scored positions only."""
+    if not hasattr(model, "parameters"):  # the torch-free CpuModel: numpy arrays
+        return _numpy_window_nlls(model, window, batch, progress)
     import torch
 
     ctx, first = len(window), context_positions(len(window))
@@ -119,6 +123,38 @@ def window_nlls(model: Any, window: Sequence[int], batch: int,
             if progress is not None:
                 progress(end - start)
     return nlls
+
+
+def _numpy_window_nlls(model: Any, window: Sequence[int], batch: int,
+                       progress: Optional[Progress]) -> List[float]:
+    """window_nlls on the torch-free model."""
+    import numpy as np
+
+    ctx, first = len(window), context_positions(len(window))
+    ids = np.asarray(window, dtype=np.int64)
+    slots = np.zeros(1, dtype=np.int64)
+    nlls: List[float] = []
+    for start in range(0, ctx, batch):
+        end = min(start + batch, ctx)
+        hidden = model.run_blocks(model.embed_tokens(ids[None, start:end]), slots, [start])[0]
+        lo, hi = max(first, start), min(end, ctx - 1)
+        if lo < hi:
+            logits = model.head_logits(np.ascontiguousarray(hidden[lo - start:hi - start]))
+            nlls.extend(cross_entropy(logits, ids[lo + 1:hi + 1]))
+        if progress is not None:
+            progress(end - start)
+    return nlls
+
+
+def cross_entropy(logits: Any, targets: Any) -> List[float]:
+    """Each row's negative log-likelihood of its target, in float64 (torch's
+    ``cross_entropy`` of the logits in double): log-sum-exp less the target's logit."""
+    import numpy as np
+
+    z = np.asarray(logits, dtype=np.float64)
+    top = z.max(axis=-1, keepdims=True)
+    lse = top[:, 0] + np.log(np.exp(z - top).sum(axis=-1))
+    return (lse - z[np.arange(z.shape[0]), np.asarray(targets)]).tolist()
 
 
 def score(model: Any, windows: Sequence[Sequence[int]], batch: int,
@@ -170,16 +206,17 @@ class Measurement:
                 "tokens_per_s": round(self.positions / max(seconds, 1e-9), 2)}
 
 
-def open_model(text_model: Any, device: str, threads: int) -> Any:
-    """Float32 (a GGUF file's blocks kept), ``threads`` threads (0: every core allowed), as the
-    engine's opening sets them."""
+def open_model(text_model: Any, device: str, threads: int, torch_model: bool = False) -> Any:
+    """The node ``mdiedge generate`` would run on ``device`` (``mdiedge.model.chunks``): on a
+    CPU in float32 the torch-free path where it takes the file, else the torch model (float32,
+    a GGUF file's blocks kept; ``torch_model``: that one in any case); ``threads`` threads (0:
+    every core allowed), as the engine's opening sets them."""
     from ..base.accel import warn_if_uncompiled
     from ..base.threads import available_cores, node_threads, use_threads
-    from ..base.torchcheck import require_torch
-    from ..model.checkpoint import load_model
+    from ..model.chunks import open_chunk
 
-    require_torch("mdiedge perplexity")
     use_threads(node_threads(threads, 1, available_cores()))
-    model = load_model(text_model.path, device=device)
+    model = open_chunk(text_model.path, None, True, True, device=device,
+                       torch_for="the torch model's perplexity" if torch_model else None)
     warn_if_uncompiled()
     return model

@@ -104,12 +104,18 @@ def test_what_needs_torch_says_so_in_one_line(tmp_path: Path, args: List[str],
     assert done.stderr == f"mdiedge: error: {what} needs torch: {INSTALL}\n"
 
 
-def test_perplexity_needs_torch(tmp_path: Path) -> None:
+def test_perplexity_runs_without_torch(tmp_path: Path) -> None:
+    """It scores the node generate runs: torch-free on a CPU; another device needs torch."""
     text = tmp_path / "text.txt"
-    text.write_text("To be or not to be. " * 200)
-    done = run(tmp_path / "report", ["perplexity", str(text)])
+    text.write_text("To be or not to be, that is the question. " * 200)
+    done = run(tmp_path / "report", ["perplexity", str(text), "--ctx", "64", "--chunks", "2",
+                                     "--json"])
+    assert_torch_free(tmp_path / "report", done)
+    result = json.loads(done.stdout)
+    assert result["windows"] == 2 and result["tokens"] == 2 * 31 and result["ppl"] > 1
+    done = run(tmp_path / "cuda", ["perplexity", str(text), "--device", "cuda"])
     assert done.returncode == 1, done.stderr
-    assert done.stderr == f"mdiedge: error: mdiedge perplexity needs torch: {INSTALL}\n"
+    assert done.stderr == f"mdiedge: error: --device cuda needs torch: {INSTALL}\n"
 
 
 @pytest.mark.slow

@@ -33,8 +33,7 @@ def perplexity(
     batch: int = typer.Option(defaults.PERPLEXITY_BATCH, "--batch", "-b", metavar="N",
                               help="Positions per pass through the KV cache: up to "
                               f"{defaults.PERPLEXITY_BATCH} take the few-row kernels, "
-                              "which --cpu-dot applies to; more are a prefill (float32 "
-                              "tiles of de-quantized weights)."),
+                              "which --cpu-dot applies to; more are a prefill."),
     device: str = engine_option("device"),
     threads: int = engine_option("threads"),
     cpu_dot: Optional[str] = engine_option("cpu_dot"),

@@ -118,6 +118,10 @@ static inline void qm_act_dk8(qm_act *a, ptrdiff_t k, int R, float *dk8) {
 /* v rounded to the nearest integer, halves away from zero (roundf), in plain arithmetic. */
 static inline int qm_round(float v) { return (int)(v + (v >= 0.0f ? 0.5f : -0.5f)); }
 
+/* A block's inverse scale, or 0 where it overflowed (the block's largest magnitude below
+   127 / FLT_MAX): such a block quantizes to zeros, where its products would be infinite. */
+static inline float qm_finite_or_zero(float inv) { return isinf(inv) ? 0.0f : inv; }
+
 /* The 32-block form of R rows of x (k a multiple of 32). */
 static void qm_quantize32(const float *x, ptrdiff_t k, int R, const qm_act *a) {
     int8_t *q = (int8_t *)a->q32;
@@ -127,7 +131,7 @@ static void qm_quantize32(const float *x, ptrdiff_t k, int R, const qm_act *a) {
         const float *xb = x + 32 * b;
         float amax = 0.0f;
         for (int i = 0; i < 32; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
-        float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
+        float db = amax / 127.0f, inv = qm_finite_or_zero(db != 0.0f ? 1.0f / db : 0.0f);
         int sum = 0;
         for (int i = 0; i < 32; i++) {
             int v = qm_round(xb[i] * inv);
@@ -153,7 +157,7 @@ static void qm_quantize256(const float *x, ptrdiff_t k, int R, const qm_act *a) 
             float amax = 0.0f, max = 0.0f;
             for (int i = 0; i < 256; i++)
                 if (fabsf(xb[i]) > amax) { amax = fabsf(xb[i]); max = xb[i]; }
-            float inv = amax != 0.0f ? -127.0f / max : 0.0f;
+            float inv = qm_finite_or_zero(amax != 0.0f ? -127.0f / max : 0.0f);
             for (int i = 0; i < 256; i++) {
                 int v = qm_round(inv * xb[i]);
                 qb[i] = (int8_t)(v > 127 ? 127 : v);
@@ -163,7 +167,7 @@ static void qm_quantize256(const float *x, ptrdiff_t k, int R, const qm_act *a) 
                 for (int i = 0; i < 16; i++) sum += qb[16 * j + i];
                 bs[r * (k / 16) + 16 * b + j] = (int16_t)sum;
             }
-            d[r * (per_row + 1) + b] = amax != 0.0f ? 1.0f / inv : 0.0f;
+            d[r * (per_row + 1) + b] = inv != 0.0f ? 1.0f / inv : 0.0f;
         }
 }
 

@@ -340,7 +340,8 @@ static int check_integer(const char *path, uint8_t *w, float *x) {
 }
 
 /* Row r's values for the quantizer check: random, then edge cases by row (every value a
-   half-way product, zeros, the largest magnitude negative and repeated with either sign). */
+   half-way product, zeros, the largest magnitude negative and repeated with either sign,
+   blocks of magnitudes below 127 / FLT_MAX). */
 static void quantizer_rows(float *x, int k, int rows) {
     for (int i = 0; i < rows * k; i++) x[i] = uniform() * (1.0f + (float)(rng() % 100));
     for (int i = 0; i < k; i++) {
@@ -348,6 +349,8 @@ static void quantizer_rows(float *x, int k, int rows) {
             x[k + i] = i % 64 == 0 ? 127.0f : (float)((int)(rng() % 254) - 127) + 0.5f;
         if (rows > 2) x[2 * k + i] = i % 37 < 20 ? 0.0f : uniform();
         if (rows > 3) x[3 * k + i] = i % 50 == 7 ? -3.0f : i % 50 == 9 ? 3.0f : uniform();
+        if (rows > 4 && i < 256)  /* blocks too small for a finite inverse scale */
+            x[4 * k + i] = i % 5 == 0 ? 1e-38f : i % 5 == 1 ? -1e-39f : 0.0f;
     }
 }
 

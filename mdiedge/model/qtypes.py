@@ -200,10 +200,12 @@ def quantized_activations_array(x: np.ndarray, block: int) -> np.ndarray:
         if block == 32:
             d = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
             inverse = np.where(d != 0, np.float32(1) / d, zero)
+            inverse = np.where(np.isinf(inverse), zero, inverse)  # a tiny block: 0
         else:
             top = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[..., None], -1)
             # torch divides a number by a tensor as the reciprocal times the number
             inverse = np.where(top != 0, (np.float32(1) / top) * np.float32(-127), zero)
+            inverse = np.where(np.isinf(inverse), zero, inverse)
             d = np.where(inverse != 0, np.float32(1) / inverse, zero)
     scaled = blocks * inverse
     q = np.sign(scaled) * np.floor(np.abs(scaled) + np.float32(0.5))

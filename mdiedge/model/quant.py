@@ -59,9 +59,11 @@ def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
     if block == 32:
         d = blocks.abs().amax(-1, keepdim=True) / 127
         inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+        inverse = torch.where(inverse.isinf(), torch.zeros_like(d), inverse)  # a tiny block: 0
     else:
         top = torch.gather(blocks, -1, blocks.abs().argmax(-1, keepdim=True))
         inverse = torch.where(top != 0, -127 / top, torch.zeros_like(top))
+        inverse = torch.where(inverse.isinf(), torch.zeros_like(top), inverse)
         d = torch.where(inverse != 0, 1 / inverse, torch.zeros_like(inverse))
     scaled = blocks * inverse
     q = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)

@@ -211,8 +211,8 @@ QQ_ALWAYS int qq_isum(__m256i v) {
     return _mm_cvtsi128_si32(h);
 }
 
-/* |x| of 8 lanes, and their largest with top's where x holds no NaN (maxps gives its second
-   operand where the first is a NaN: the scalar loop's comparison passes a NaN over too). */
+/* |x| of 8 lanes. The callers take maxps(|x|, top): it gives its second operand where the
+   first is a NaN, so a NaN is passed over, as the scalar loop's comparison passes it over. */
 QQ_ALWAYS __m256 qq_abs(__m256 x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
 
 /* qm_round of x * inv's lanes: x * inv plus a half of its sign, truncated. */

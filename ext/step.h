@@ -714,6 +714,11 @@ static ptrdiff_t st_group_parts(ptrdiff_t group, ptrdiff_t kv_tasks, int threads
     return parts < group ? parts : group;
 }
 
+/* Whether row r attends over row r - 1's keys: the same sample, from the same first key. */
+static int st_same_keys(const st_block *b, const long long *slots, const long long *pos, int r) {
+    return slots[r] == slots[r - 1] && st_first_key(b, pos, r) == st_first_key(b, pos, r - 1);
+}
+
 /* The rows of the attention over half caches, in pieces that attend over the same keys: runs
    of consecutive rows of one sample from the same first key (a verified draft's, a prompt
    chunk's), each cut into at least ``cuts`` pieces and pieces of at most ``most`` rows.
@@ -722,8 +727,7 @@ static int st_row_pieces(const st_block *b, int R, const long long *slots, const
                          int cuts, int most, int *starts) {
     int count = 0;
     for (int r0 = 0, r1; r0 < R; r0 = r1) {
-        for (r1 = r0 + 1; r1 < R && slots[r1] == slots[r0]
-                          && st_first_key(b, pos, r1) == st_first_key(b, pos, r0); r1++) {}
+        for (r1 = r0 + 1; r1 < R && st_same_keys(b, slots, pos, r1); r1++) {}
         int len = r1 - r0, m = (len + most - 1) / most;
         if (m < cuts) m = cuts;
         if (m > len) m = len;
@@ -736,8 +740,7 @@ static int st_row_pieces(const st_block *b, int R, const long long *slots, const
 /* How many runs st_row_pieces finds. */
 static int st_row_runs(const st_block *b, int R, const long long *slots, const long long *pos) {
     int runs = R > 0;
-    for (int r = 1; r < R; r++)
-        runs += slots[r] != slots[r - 1] || st_first_key(b, pos, r) != st_first_key(b, pos, r - 1);
+    for (int r = 1; r < R; r++) runs += !st_same_keys(b, slots, pos, r);
     return runs;
 }
 
@@ -794,7 +797,7 @@ static void st_block_team(const st_block *b, float *x, int R, const long long *s
         #pragma omp for schedule(static)
         for (ptrdiff_t t = 0; t < heads; t++) {
             ptrdiff_t r = t / b->n_heads, hh = t % b->n_heads;
-            ptrdiff_t first = b->window && pos[r] >= b->window ? pos[r] + 1 - b->window : 0;
+            ptrdiff_t first = st_first_key(b, pos, (int)r);
             ptrdiff_t at = ((slots[r] * b->n_kv + hh / group) * b->max_seq + first) * hd;
             st_head(s->qkv + r * width + hh * hd, (const float *)b->k + at,
                     (const float *)b->v + at, s->att + r * q_dim + hh * hd,

@@ -99,51 +99,44 @@ def check_tokens(count: int, ctx: int, file: Any) -> None:
 def window_nlls(model: Any, window: Sequence[int], batch: int,
                 progress: Optional[Progress] = None) -> List[float]:
     """The window fed from position 0 through slot 0, ``batch`` positions at a time; the head runs
-    on scored positions only."""
-    if not hasattr(model, "parameters"):  # the torch-free CpuModel: numpy arrays
-        return _numpy_window_nlls(model, window, batch, progress)
-    import torch
-
+    on scored positions only. The torch model takes tensors, the torch-free one numpy arrays."""
     ctx, first = len(window), context_positions(len(window))
-    device = next(model.parameters()).device
-    ids = torch.tensor(window, device=device)
-    slots = torch.zeros(1, dtype=torch.long, device=device)
+    ids, slots, nll, no_grad = _window_arrays(model, window)
     nlls: List[float] = []
-    with torch.no_grad():
+    with no_grad:
         for start in range(0, ctx, batch):
             end = min(start + batch, ctx)
             hidden = model.run_blocks(model.embed_tokens(ids[None, start:end]), slots,
                                       [start])[0]  # (T, dim)
             lo, hi = max(first, start), min(end, ctx - 1)  # the last position predicts nothing
             if lo < hi:
-                logits = model.head_logits(hidden[lo - start:hi - start].contiguous())
-                nll = torch.nn.functional.cross_entropy(logits.double(), ids[lo + 1:hi + 1],
-                                                        reduction="none")  # (rows,)
-                nlls.extend(nll.tolist())
+                nlls.extend(nll(model.head_logits(hidden[lo - start:hi - start]),
+                                ids[lo + 1:hi + 1]))
             if progress is not None:
                 progress(end - start)
     return nlls
 
 
-def _numpy_window_nlls(model: Any, window: Sequence[int], batch: int,
-                       progress: Optional[Progress]) -> List[float]:
-    """window_nlls on the torch-free model."""
+def _window_arrays(model: Any, window: Sequence[int]) -> Tuple[Any, Any, Any, Any]:
+    """The window's ids and slot 0 as the model takes them, its NLL function, and the context
+    its passes run in (torch's no_grad)."""
+    import contextlib
+
     import numpy as np
 
-    ctx, first = len(window), context_positions(len(window))
-    ids = np.asarray(window, dtype=np.int64)
-    slots = np.zeros(1, dtype=np.int64)
-    nlls: List[float] = []
-    for start in range(0, ctx, batch):
-        end = min(start + batch, ctx)
-        hidden = model.run_blocks(model.embed_tokens(ids[None, start:end]), slots, [start])[0]
-        lo, hi = max(first, start), min(end, ctx - 1)
-        if lo < hi:
-            logits = model.head_logits(np.ascontiguousarray(hidden[lo - start:hi - start]))
-            nlls.extend(cross_entropy(logits, ids[lo + 1:hi + 1]))
-        if progress is not None:
-            progress(end - start)
-    return nlls
+    if not hasattr(model, "parameters"):  # the torch-free CpuModel
+        return (np.asarray(window, dtype=np.int64), np.zeros(1, dtype=np.int64), cross_entropy,
+                contextlib.nullcontext())
+    import torch
+
+    device = next(model.parameters()).device
+
+    def torch_nll(logits: Any, targets: Any) -> List[float]:
+        return torch.nn.functional.cross_entropy(logits.double(), targets,
+                                                 reduction="none").tolist()
+
+    return (torch.tensor(window, device=device), torch.zeros(1, dtype=torch.long, device=device),
+            torch_nll, torch.no_grad())
 
 
 def cross_entropy(logits: Any, targets: Any) -> List[float]:

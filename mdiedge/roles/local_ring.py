@@ -22,9 +22,9 @@ import sys
 import logging
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-from ..base import defaults
+from ..base import defaults, interrupts
 from ..base.cpudot import cpu_dot
 from ..base.errors import RingError
 from ..base.defaults import REAP_INTERVAL_S, RESPAWN_FIRST_S, RESPAWN_MAX_S, RESPAWN_STABLE_S, WORKER_READY_TIMEOUT_S
@@ -188,15 +188,29 @@ class LocalRing:
             os.write(write_end, self.secret)  # 64 bytes: within any pipe's buffer
             os.close(write_end)
             write_end = -1
-            proc = subprocess.Popen(cmd + ["--secret-fd", str(read_end)],
-                                    stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, preexec_fn=preexec, env=env,
-                                    pass_fds=(read_end,))
+            proc = self._fork(cmd + ["--secret-fd", str(read_end)], preexec, env, read_end)
         finally:
             os.close(read_end)
             if write_end >= 0:
                 os.close(write_end)
         self._logs[proc.pid] = _LogTail(proc)
+        return proc
+
+    @staticmethod
+    def _fork(cmd: List[str], preexec: Any, env: Dict[str, str], fd: int) -> subprocess.Popen:
+        """The worker started with Ctrl-C held: one pressed while the parent runs its at-fork
+        handlers (logging's) would be lost there ("Exception ignored"); it is raised after,
+        the worker ended first."""
+        proc = None
+        try:
+            with interrupts.held():
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, preexec_fn=preexec, env=env,
+                                        pass_fds=(fd,))
+        except KeyboardInterrupt:
+            if proc is not None:
+                _end(proc)
+            raise
         return proc
 
     def _ready_line(self, proc: subprocess.Popen, name: str) -> str:

@@ -226,6 +226,66 @@ def test_prefill_in_chunks_equals_token_by_token(gguf_models: Dict[str, Path]) -
         np.testing.assert_allclose(va, vb, rtol=1e-5, atol=1e-5)
 
 
+def _decode_each_alone(model: Any, twin: Any, wrap: Any, samples: int, rows_each: int) -> None:
+    """Prefill ``samples`` slots of ``model`` and of ``twin`` (the same file loaded twice),
+    then one step of ``rows_each`` rows per sample: all at once on ``model``, each alone on
+    ``twin``; equal bit for bit, hidden states and logits."""
+    for m in (model, twin):
+        m.setup_cache(samples, 32)
+        for slot in range(samples):
+            prompt = np.array([[(7 * slot + 3 * i + 1) % 90 for i in range(5)]])
+            m.run_blocks(m.embed_tokens(wrap(prompt)), wrap(np.array([slot])), [0])
+    tokens = np.array([[(11 * s + t) % 90 for t in range(rows_each)] for s in range(samples)])
+    together = model.run_blocks(model.embed_tokens(wrap(tokens)), wrap(np.arange(samples)),
+                                [5] * samples)
+    alone = [twin.run_blocks(twin.embed_tokens(wrap(tokens[s:s + 1])), wrap(np.array([s])),
+                             [5]) for s in range(samples)]
+    np.testing.assert_array_equal(np.asarray(together),
+                                  np.concatenate([np.asarray(a) for a in alone]))
+    last = together[:, -1]
+    np.testing.assert_array_equal(np.asarray(model.head_logits(last)),
+                                  np.concatenate([np.asarray(twin.head_logits(a[:, -1]))
+                                                  for a in alone]))
+
+
+@pytest.mark.parametrize("name", ["llama-q4_1", "gemma3"])
+@pytest.mark.parametrize("samples, rows_each", [(11, 1), (5, 3), (3, 8)])
+def test_more_rows_than_a_step_call_decode_as_each_sample_alone(
+        monkeypatch: Any, gguf_models: Dict[str, Path], name: str, samples: int,
+        rows_each: int) -> None:
+    """Decode steps of more rows than one call of the step takes (many samples, or several
+    verified rows each) run through the step in calls of MAX_ROWS rows, never the numpy
+    prefill: the same bits as each sample alone (before, the prefill's arithmetic, whose
+    rounding differs, so that a sample's text depended on how many ran beside it)."""
+    if not cpumodel._step.PREFERRED:
+        pytest.skip("the compiled step is not built")
+    calls: List[int] = []
+    blocks = cpumodel._step.blocks
+
+    def counted(plan: Any, x: Any, *args: Any) -> None:
+        calls.append(x.shape[0])
+        blocks(plan, x, *args)
+
+    monkeypatch.setattr(cpumodel._step, "blocks", counted)
+    monkeypatch.setattr(npprefill, "run_blocks", None)  # a call would fail
+    path = gguf_models[name]
+    _decode_each_alone(load_cpu_model(path), load_cpu_model(path), lambda a: a, samples,
+                       rows_each)
+    total = samples * rows_each
+    assert calls[-samples - (total + 7) // 8:-samples] == \
+        [8] * (total // 8) + ([total % 8] if total % 8 else [])
+
+
+def test_the_torch_model_decodes_many_samples_as_each_alone(
+        gguf_models: Dict[str, Path]) -> None:
+    """The same on the torch model's CPU path."""
+    if not cpumodel._step.PREFERRED:
+        pytest.skip("the compiled step is not built")
+    with torch.no_grad():
+        path = gguf_models["llama-q4_1"]
+        _decode_each_alone(load_model(path), load_model(path), torch.as_tensor, 11, 1)
+
+
 def test_early_exit_is_not_run_here(gguf_models: Dict[str, Path]) -> None:
     model = load_cpu_model(gguf_models["qwen3"])
     model.setup_cache(1, 8)

@@ -185,7 +185,7 @@ def test_cpu_dot_is_set_and_reported(short_text: Path) -> None:
 def test_few_row_passes_never_take_the_prefill_tiles(monkeypatch: pytest.MonkeyPatch,
                                                      bos_gguf: Path) -> None:
     """--batch 8: every quantized product of a window is a few-row kernel's; --batch 32: the
-    prefill's de-quantized tiles, the same NLLs within float32 rounding."""
+    blocks take the prefill's de-quantized tiles, the same NLLs within float32 rounding."""
     from mdiedge.engine.engine import TextModel
     from mdiedge.tools.perplexity import Measurement, open_model
 
@@ -205,7 +205,7 @@ def test_few_row_passes_never_take_the_prefill_tiles(monkeypatch: pytest.MonkeyP
     few = windows.run(net, 8)
     assert tiled == []
     whole = windows.run(net, 32)
-    assert tiled and set(tiled) == {32, 15}  # the blocks' 32 rows, the head's 15 scored rows
+    assert tiled and set(tiled) == {32}  # the blocks' 32 rows (the head's 15: the step's calls)
     assert few["tokens"] == whole["tokens"] == 2 * 15
     assert few["nll"] == pytest.approx(whole["nll"], rel=1e-5)
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mdiedge.model.transformer import STEP
+from mdiedge.model._stepconstants import MAX_ROWS, decode_pieces
 from mdiedge.model import transformer as transformer_module
 from mdiedge.model.config import ModelConfig
 from mdiedge.model.earlyexit.policy import NEVER, ExitPolicy, ExitStep
@@ -487,3 +488,22 @@ def test_act_mul_refuses_bad_arguments(impl: ModuleType, case: str, match: str) 
         threads = 0
     with pytest.raises(ValueError, match=match):
         impl.act_mul(both, out, activation, threads)
+
+
+@pytest.mark.parametrize("samples, rows_each, pieces", [
+    (1, 1, [(0, 1)]),
+    (8, 1, [(0, 8)]),
+    (9, 1, [(0, 8), (8, 9)]),
+    (20, 1, [(0, 8), (8, 16), (16, 20)]),
+    (1, 8, [(0, 8)]),
+    (3, 3, [(0, 8), (8, 9)]),  # the third sample's rows span two calls
+    (2, 8, [(0, 8), (8, 16)]),
+    (1, 9, None),  # a prefill's run: the many-row kernels
+    (4, 64, None),
+    (0, 1, None),
+    (1, 0, None),
+])
+def test_decode_pieces_cut_few_rows_each_into_step_calls(samples: int, rows_each: int,
+                                                         pieces: Any) -> None:
+    assert MAX_ROWS == 8
+    assert decode_pieces(samples, rows_each) == pieces

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..base.errors import QuantError
 from ._matvecconstants import MAX_ROWS
@@ -341,6 +341,19 @@ class Limits:
         self.n_slots = min(w.n_slots for w in weights)
         self.positions = min(w.positions for w in weights)
         self.wants_grad = any(w.wants_grad() for w in weights)
+
+
+def decode_pieces(samples: int, rows_each: int) -> Optional[List[Tuple[int, int]]]:
+    """The step calls that take ``samples`` samples of ``rows_each`` consecutive rows each
+    (sample-major): ``[start, end)`` of at most ``MAX_ROWS`` rows, in order, where every
+    sample's rows are few (a decode step, a verification of drafts), so that any number of
+    samples decodes at the step's cost per row and each row's result is that of the row alone;
+    None for longer runs (a prefill), which the many-row kernels take. A sample's rows may span
+    two calls: the earlier call writes their keys and values before the later one attends."""
+    if samples < 1 or not 1 <= rows_each <= MAX_ROWS:
+        return None
+    total = samples * rows_each
+    return [(start, min(start + MAX_ROWS, total)) for start in range(0, total, MAX_ROWS)]
 
 
 def usable(weights: BlockWeights, x: Any) -> bool:

@@ -3,10 +3,11 @@ chunk the runtime calls on a CPU node (the torch ``Transformer``'s members, nump
 out; ``mdiedge.model.cpuload`` builds it).
 
 Blocks ``[first, last)`` run through the step's ``blocks`` plan (``mdiedge.model.
-_stepconstants``) for up to ``MAX_ROWS`` rows a call (decode, speculation's few rows): the step
-writes every row's keys and values before any row attends, each up to its own position, so
-the rows of one slot in a call see each other causally. More rows (a prefill), or every
-call where the step is the pure-Python twin, run on numpy (``mdiedge.model.npprefill``):
+_stepconstants``) where each sample's rows are few (decode, speculation's verified rows),
+``MAX_ROWS`` rows a call (``decode_pieces``): the step writes every row's keys and values
+before any row attends, each up to its own position, so the rows of one slot see each other
+causally. A sample's longer runs (a prefill), or every call where the step is the
+pure-Python twin, run on numpy (``mdiedge.model.npprefill``):
 the calls and the arithmetic the torch model sends through the step and through torch. The
 head likewise; embeddings are looked up row by row, a quantized table's rows de-quantized
 only when asked for.
@@ -23,7 +24,7 @@ from ..base.errors import CpuPathRefused
 from ..base.memory import zeroed_pages
 from ..base.threads import kernel_threads
 from . import npprefill
-from ._stepconstants import MAX_ROWS, BlockWeights, Experts, QuantMatrix
+from ._stepconstants import BlockWeights, Experts, QuantMatrix, decode_pieces
 from .checks import check_memory
 from .config import ModelConfig
 from .families import family_of
@@ -174,8 +175,9 @@ class CpuModel:
     def run_blocks(self, x: np.ndarray, slots: Any, positions: Sequence[int],
                    step: Any = None) -> np.ndarray:
         """x (B, T, dim) float32; row b's T tokens at positions ``positions[b]``.. in KV slot
-        ``slots[b]``. Up to ``MAX_ROWS`` rows (decode) in one call of the step; more
-        (prefill) on numpy (``npprefill``), as the torch model takes torch for them."""
+        ``slots[b]``. Up to ``MAX_ROWS`` rows each (decode, verification) through the step,
+        ``MAX_ROWS`` rows a call however many samples; longer (prefill) on numpy
+        (``npprefill``), as the torch model takes torch for them."""
         assert step is None, "early exit runs on the torch path"
         if not self.weights.blocks:
             return x
@@ -188,33 +190,39 @@ class CpuModel:
         rows = np.ascontiguousarray(x, dtype=np.float32).reshape(batch * seq_len, dim)
         slot_list = [int(s) for s in np.asarray(slots).reshape(-1)]
         threads, dot = kernel_threads(), dot_code()
-        if not _step.PREFERRED or rows.shape[0] > MAX_ROWS:
+        pieces = decode_pieces(batch, seq_len) if _step.PREFERRED else None
+        if pieces is None:
             calls = npprefill.Rows(batch, seq_len, slot_list, [int(p) for p in positions],
                                    threads, dot)
             out = npprefill.run_blocks(self.cfg, self.weights.blocks, self.caches,
                                        self._tables, rows, calls)
             return out.reshape(batch, seq_len, dim)
         out = np.empty_like(rows)
-        _step.blocks(self._plan, rows, out, [s for s in slot_list for _ in range(seq_len)],
-                     [int(p) + t for p in positions for t in range(seq_len)], threads, dot)
+        row_slots = [s for s in slot_list for _ in range(seq_len)]
+        row_positions = [int(p) + t for p in positions for t in range(seq_len)]
+        for start, end in pieces:
+            _step.blocks(self._plan, rows[start:end], out[start:end], row_slots[start:end],
+                         row_positions[start:end], threads, dot)
         return out.reshape(batch, seq_len, dim)
 
     def fill_kv(self, x: np.ndarray, slots: Any, positions: Sequence[int]) -> None:
         raise NotImplementedError("KV fill (early exit) runs on the torch path")
 
     def head_logits(self, x: np.ndarray) -> np.ndarray:
-        """Final norm and head: (…, dim) float32 -> (…, vocab) float32; decode rows (B, dim),
-        up to ``MAX_ROWS``, in one call of the step, anything else on numpy, as the torch
-        model takes the step or torch for them."""
+        """Final norm and head: (…, dim) float32 -> (…, vocab) float32; decode rows (B, dim)
+        through the step, ``MAX_ROWS`` a call, anything else on numpy, as the torch model
+        takes the step or torch for them."""
         if self.weights.norm is None:
             raise RuntimeError("this chunk holds no head")
         rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, self.cfg.dim)
         vocab = self._head.shape[0]
         out = np.empty((rows.shape[0], vocab), np.float32)
         threads, dot = kernel_threads(), dot_code()
-        if _step.PREFERRED and x.ndim == 2 and rows.shape[0] <= MAX_ROWS:
-            _step.logits(self.weights.norm, self.cfg.rms_norm_eps, self._head, rows, out,
-                         threads, dot)
+        pieces = decode_pieces(rows.shape[0], 1) if _step.PREFERRED and x.ndim == 2 else None
+        if pieces is not None:
+            for start, end in pieces:
+                _step.logits(self.weights.norm, self.cfg.rms_norm_eps, self._head,
+                             rows[start:end], out[start:end], threads, dot)
         else:
             npprefill.head(self.weights.norm, self.cfg.rms_norm_eps, self._head, rows,
                            threads, dot, out)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._stepconstants import BlockWeights
+from ._stepconstants import BlockWeights, decode_pieces
 from .block import KVCache, step_matrix
 from .config import ModelConfig
 from ..base.cpudot import dot_code
@@ -157,9 +157,10 @@ class Transformer(nn.Module):
             return x
         if self.n_slots == 0:
             return self._run_blocks_uncached(x)
-        if (_step.PREFERRED and x.shape[0] * x.shape[1] <= _step.MAX_ROWS
-                and x.device.type == "cpu" and (exit_step is None or x.shape[1] == 1)):
-            stepped = self._step_blocks(x, slots, positions, exit_step)
+        pieces = decode_pieces(x.shape[0], x.shape[1]) \
+            if _step.PREFERRED and x.device.type == "cpu" else None
+        if pieces is not None and (exit_step is None or (len(pieces) == 1 and x.shape[1] == 1)):
+            stepped = self._step_blocks(x, slots, positions, exit_step, pieces)
             if stepped is not None:
                 return stepped
         inputs = self._attention_inputs(x, positions)
@@ -175,25 +176,31 @@ class Transformer(nn.Module):
         return x
 
     def _step_blocks(self, x: Tensor, slots: Tensor, positions: Sequence[int],
-                     exit_step: Optional[ExitStep]) -> Optional[Tensor]:
-        """Decode through the compiled step (B x T at most its rows), every block in one call, or
-        with ``exit_step`` (T = 1) the blocks between checked ones. A row's T positions all write KV
-        before any attends, so they see each other causally. None, before anything runs, where the
-        step does not cover every block."""
+                     exit_step: Optional[ExitStep],
+                     pieces: List[Tuple[int, int]]) -> Optional[Tensor]:
+        """Decode through the compiled step, every block in one call for each of ``pieces``
+        (``decode_pieces``' row ranges), or with ``exit_step`` (T = 1, one piece) the blocks
+        between checked ones. A row's T positions all write KV before any attends, so they see
+        each other causally. None, before anything runs, where the step does not cover every
+        block."""
         weights = self._step_weights()
         batch, seq_len, dim = x.shape
         rows = x.reshape(batch * seq_len, dim)  # (B*T, dim)
-        if not weights or not _step.usable(weights[0], rows):
+        if not weights or not _step.usable(weights[0], rows[:_step.MAX_ROWS]):
             return None
         if max(positions) + seq_len > self.max_seq_len:
             raise ValueError(f"position {max(positions) + seq_len} beyond the KV cache "
                              f"length {self.max_seq_len}")
         slot_list = [s for s in slots.tolist() for _ in range(seq_len)]
         row_positions = [p + t for p in positions for t in range(seq_len)]
-        run = functools.partial(self._step_run, slots=slot_list, positions=row_positions,
-                                threads=torch.get_num_threads())
+        threads = torch.get_num_threads()
         if exit_step is None:
-            return run(0, len(weights), rows).view(batch, seq_len, dim)
+            return torch.cat([self._step_run(0, len(weights), rows[start:end],
+                                             slot_list[start:end], row_positions[start:end],
+                                             threads)
+                              for start, end in pieces]).view(batch, seq_len, dim)
+        run = functools.partial(self._step_run, slots=slot_list, positions=row_positions,
+                                threads=threads)
         indices = [int(i) for i in self.layers]
         start = 0
         for n, index in enumerate(indices):
@@ -277,14 +284,16 @@ class Transformer(nn.Module):
         where the family declares ``step_head``."""
         if self.norm is None or self.lm_head is None:
             raise RuntimeError("this chunk holds no head")
-        if self.family.step_head and _step.PREFERRED and x.dim() == 2 \
-                and x.shape[0] <= _step.MAX_ROWS:
+        pieces = decode_pieces(x.shape[0], 1) \
+            if self.family.step_head and _step.PREFERRED and x.dim() == 2 else None
+        if pieces is not None:
             rows, head = x.contiguous(), step_matrix(self.lm_head)  # (B, dim)
             norm = self.norm.weight
-            if head is not None and _step.logits_usable(norm, head, rows):
+            if head is not None and _step.logits_usable(norm, head, rows[:_step.MAX_ROWS]):
                 out = torch.empty(rows.shape[0], head.shape[0])  # (B, vocab)
-                _step.logits(norm, self.norm.eps, head, rows, out, torch.get_num_threads(),
-                             dot_code())
+                for start, end in pieces:
+                    _step.logits(norm, self.norm.eps, head, rows[start:end], out[start:end],
+                                 torch.get_num_threads(), dot_code())
                 return out
         return self.lm_head(self.norm(x)).float()
 

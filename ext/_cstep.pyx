@@ -13,7 +13,8 @@ from libc.stdlib cimport free, malloc
 from mdiedge.model.arrays import address as _address
 from mdiedge.model.qtypes import check_compiled as _check_compiled
 from mdiedge.model._stepconstants import (ACTIVATIONS, MAX_PAIRED_HEAD_DIM,  # noqa: F401
-                                     MAX_PARTS, MAX_ROWS, BlockWeights, Experts, Limits,
+                                     MAX_PARTS, MAX_ROWS, STEP_ROWS, BlockWeights, Experts,
+                                     Limits,
                                      QuantMatrix, StackedMatrix, check, check_act_mul,
                                      check_call, check_halves, check_logits, logits_usable,
                                      usable)
@@ -199,10 +200,19 @@ def plan(weights):
     return Plan(weights)
 
 
-cdef void _rows(slots, positions, long long *c_slots, long long *c_pos, int rows) except *:
-    for r in range(rows):
-        c_slots[r] = slots[r]
-        c_pos[r] = positions[r]
+cdef long long *_rows(slots, positions, int rows) except NULL:
+    """The rows' slots, then their positions: 2 rows long longs, for the caller to free."""
+    cdef long long *found = <long long *>malloc(2 * rows * sizeof(long long))
+    if found == NULL:
+        raise MemoryError(f"decode step of {rows} rows: no memory")
+    try:
+        for r in range(rows):
+            found[r] = slots[r]
+            found[rows + r] = positions[r]
+    except BaseException:
+        free(found)
+        raise
+    return found
 
 
 def blocks(plan_, x, out, slots, positions, int threads, int dot=0):
@@ -211,14 +221,16 @@ def blocks(plan_, x, out, slots, positions, int threads, int dot=0):
     cdef Plan made = plan_
     limits = made.limits
     check_call(limits, limits.wants_grad, x, out, slots, positions, threads)
-    cdef long long c_slots[8]
-    cdef long long c_pos[8]
     cdef int rows = x.shape[0], status
-    _rows(slots, positions, c_slots, c_pos, rows)
     cdef const float *xp = _ptr(x)
     cdef float *op = <float *>_ptr(out)
-    with nogil:
-        status = st_blocks_step(made.bs, made.n, xp, op, rows, c_slots, c_pos, threads, dot)
+    cdef long long *c_rows = _rows(slots, positions, rows)
+    try:
+        with nogil:
+            status = st_blocks_step(made.bs, made.n, xp, op, rows, c_rows, c_rows + rows,
+                                    threads, dot)
+    finally:
+        free(c_rows)
     if status != 0:
         raise MemoryError(f"decode step of {rows} rows: no scratch memory")
 
@@ -226,22 +238,22 @@ def blocks(plan_, x, out, slots, positions, int threads, int dot=0):
 def block(weights, x, out, slots, positions, int threads, int dot=0):
     check(weights, x, out, slots, positions, threads)
     cdef st_block b
-    cdef long long c_slots[8]
-    cdef long long c_pos[8]
     cdef int rows = x.shape[0], status
-    _rows(slots, positions, c_slots, c_pos, rows)
     cdef st_matrix *room = <st_matrix *>malloc((_expert_matrices(weights) + 1)
                                                * sizeof(st_matrix))
     if room == NULL:
         raise MemoryError("a block's experts: no memory")
     cdef const float *xp = _ptr(x)
     cdef float *op = <float *>_ptr(out)
+    cdef long long *c_rows = NULL
     try:
+        c_rows = _rows(slots, positions, rows)
         _fill(&b, weights, room)
         with nogil:
-            status = st_block_step(&b, xp, op, rows, c_slots, c_pos, threads, dot)
+            status = st_block_step(&b, xp, op, rows, c_rows, c_rows + rows, threads, dot)
     finally:
         free(room)
+        free(c_rows)
     if status != 0:
         raise MemoryError(f"decode step of {rows} rows: no scratch memory")
 

@@ -21,6 +21,7 @@ from mdiedge.base.errors import CpuPathRefused
 from mdiedge.model import _pyquant, _pystep, cpumodel, npprefill
 from mdiedge.model.checkpoint import load_model
 from mdiedge.model.cpuload import load_cpu_model
+from mdiedge.model._stepconstants import STEP_ROWS
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ([5, 9, 3, 17, 4, 8, 21, 2, 6, 11, 7], [3, 12, 4, 9, 15])  # 11 > MAX_ROWS rows
@@ -248,15 +249,16 @@ def _decode_each_alone(model: Any, twin: Any, wrap: Any, samples: int, rows_each
                                                   for a in alone]))
 
 
-@pytest.mark.parametrize("name", ["llama-q4_1", "gemma3"])
-@pytest.mark.parametrize("samples, rows_each", [(11, 1), (5, 3), (3, 8)])
+@pytest.mark.parametrize("name", ["llama-q8_0", "llama-q4_1", "qwen2", "qwen3", "qwen3_moe",
+                                  "gemma3"])
+@pytest.mark.parametrize("samples, rows_each", [(11, 1), (40, 1), (5, 7)])
 def test_more_rows_than_a_step_call_decode_as_each_sample_alone(
         monkeypatch: Any, gguf_models: Dict[str, Path], name: str, samples: int,
         rows_each: int) -> None:
-    """Decode steps of more rows than one call of the step takes (many samples, or several
-    verified rows each) run through the step in calls of MAX_ROWS rows, never the numpy
-    prefill: the same bits as each sample alone (before, the prefill's arithmetic, whose
-    rounding differs, so that a sample's text depended on how many ran beside it)."""
+    """Decode steps of many samples, one row or several verified rows each, run through the
+    step in calls of up to STEP_ROWS rows, never the numpy prefill: the same bits as each
+    sample alone (before, past 8 rows, the prefill's arithmetic, whose rounding differs, so
+    that a sample's text depended on how many ran beside it)."""
     if not cpumodel._step.PREFERRED:
         pytest.skip("the compiled step is not built")
     calls: List[int] = []
@@ -272,8 +274,9 @@ def test_more_rows_than_a_step_call_decode_as_each_sample_alone(
     _decode_each_alone(load_cpu_model(path), load_cpu_model(path), lambda a: a, samples,
                        rows_each)
     total = samples * rows_each
-    assert calls[-samples - (total + 7) // 8:-samples] == \
-        [8] * (total // 8) + ([total % 8] if total % 8 else [])
+    pieces = -(-total // STEP_ROWS)
+    assert calls[-samples - pieces:-samples] == \
+        [STEP_ROWS] * (total // STEP_ROWS) + ([total % STEP_ROWS] if total % STEP_ROWS else [])
 
 
 def test_the_torch_model_decodes_many_samples_as_each_alone(
@@ -283,7 +286,7 @@ def test_the_torch_model_decodes_many_samples_as_each_alone(
         pytest.skip("the compiled step is not built")
     with torch.no_grad():
         path = gguf_models["llama-q4_1"]
-        _decode_each_alone(load_model(path), load_model(path), torch.as_tensor, 11, 1)
+        _decode_each_alone(load_model(path), load_model(path), torch.as_tensor, 40, 1)
 
 
 def test_early_exit_is_not_run_here(gguf_models: Dict[str, Path]) -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mdiedge.model._stepconstants import STEP_ROWS
 from mdiedge.model.transformer import STEP
 from mdiedge.model import transformer as transformer_module
 from mdiedge.model.config import ModelConfig
@@ -68,7 +69,7 @@ def test_row_logits_do_not_depend_on_batch_or_threads() -> None:
     (lambda a: a.update(threads=0), "threads 0 is not >= 1"),
     (lambda a: a.update(out=torch.empty(2, 70)), "out (2, 70) torch.float32 is not"),
     (lambda a: a.update(out=torch.empty(1, 70, dtype=torch.float64)), "out (1, 70) torch.float64"),
-    (lambda a: a.update(x=torch.zeros(9, 44)), "logits of x (9, 44)"),
+    (lambda a: a.update(x=torch.zeros(STEP_ROWS + 1, 44)), f"logits of x ({STEP_ROWS + 1}, 44)"),
     (lambda a: a.update(x=torch.zeros(1, 40)), "logits of x (1, 40) by norm (44,)"),
     (lambda a: a.update(head=torch.zeros(44, 70).t()), "head (70, 44)"),
     (lambda a: a.update(head=torch.zeros(70, 44, dtype=torch.float64)), "head (70, 44)"),
@@ -92,7 +93,7 @@ def test_a_gradient_is_refused(impl: ModuleType) -> None:
 
 
 def test_the_head_takes_it_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decode rows (strided or not) take the call, MAX_ROWS rows a call however many; every
+    """Decode rows (strided or not) take the call, STEP_ROWS rows a call however many; every
     position's logits and a head kept transposed take torch's; all agree."""
     compiled = IMPLS[-1]
     calls = []
@@ -110,7 +111,7 @@ def test_the_head_takes_it_only_where_it_applies(monkeypatch: pytest.MonkeyPatch
     net = Transformer(ModelConfig(vocab_size=70, dim=44, n_layers=1, n_heads=2,
                                   n_kv_heads=1, intermediate_size=52, max_seq_len=16)).eval()
     hidden = torch.randn(9, 3, 44)  # (B, T, dim)
-    cases = [(hidden[:4, -1], [4]), (hidden[0, :1], [1]), (hidden[:, -1], [8, 1]), (hidden, [])]
+    cases = [(hidden[:4, -1], [4]), (hidden[0, :1], [1]), (hidden[:, -1], [9]), (hidden, [])]
     with torch.inference_mode():
         for x, taken in cases:
             expected = net.lm_head(net.norm(x)).float()  # torch's own

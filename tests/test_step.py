@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mdiedge.model.transformer import STEP
-from mdiedge.model._stepconstants import MAX_ROWS, decode_pieces
+from mdiedge.model._stepconstants import MAX_ROWS, STEP_ROWS, decode_pieces
 from mdiedge.model import transformer as transformer_module
 from mdiedge.model.config import ModelConfig
 from mdiedge.model.earlyexit.policy import NEVER, ExitPolicy, ExitStep
@@ -394,7 +394,7 @@ def test_a_samples_consecutive_rows_equal_its_rows_one_by_one(half: bool, window
     (lambda a: a.update(threads=0), "threads 0 is not >= 1"),
     (lambda a: a.update(out=torch.empty(2, CFG.dim)), "out (2, 40) torch.float32 is not"),
     (lambda a: a.update(x=torch.zeros(1, CFG.dim, dtype=torch.float64)), "x (1, 40) torch.float64"),
-    (lambda a: a.update(x=torch.zeros(9, CFG.dim)), "x (9, 40)"),
+    (lambda a: a.update(x=torch.zeros(STEP_ROWS + 1, CFG.dim)), f"x ({STEP_ROWS + 1}, 40)"),
     (lambda a: a.update(weights=a["weights"].replace(wo=torch.zeros(40, 8))),
      "wo (40, 8) is not (40, 40)"),
     (lambda a: a.update(weights=a["weights"].replace(sin=torch.zeros(48, 6))), "sin (48, 6)"),
@@ -492,12 +492,13 @@ def test_act_mul_refuses_bad_arguments(impl: ModuleType, case: str, match: str) 
 
 @pytest.mark.parametrize("samples, rows_each, pieces", [
     (1, 1, [(0, 1)]),
-    (8, 1, [(0, 8)]),
-    (9, 1, [(0, 8), (8, 9)]),
-    (20, 1, [(0, 8), (8, 16), (16, 20)]),
+    (9, 1, [(0, 9)]),
+    (32, 1, [(0, 32)]),
+    (33, 1, [(0, 32), (32, 33)]),
+    (70, 1, [(0, 32), (32, 64), (64, 70)]),
     (1, 8, [(0, 8)]),
-    (3, 3, [(0, 8), (8, 9)]),  # the third sample's rows span two calls
-    (2, 8, [(0, 8), (8, 16)]),
+    (5, 7, [(0, 32), (32, 35)]),  # the fifth sample's rows span two calls
+    (4, 8, [(0, 32)]),
     (1, 9, None),  # a prefill's run: the many-row kernels
     (4, 64, None),
     (0, 1, None),
@@ -505,5 +506,5 @@ def test_act_mul_refuses_bad_arguments(impl: ModuleType, case: str, match: str) 
 ])
 def test_decode_pieces_cut_few_rows_each_into_step_calls(samples: int, rows_each: int,
                                                          pieces: Any) -> None:
-    assert MAX_ROWS == 8
+    assert (MAX_ROWS, STEP_ROWS) == (8, 32)
     assert decode_pieces(samples, rows_each) == pieces

@@ -6,7 +6,7 @@ output to ``out`` (rows, dim) and the rows' keys and values into the cache; ``bl
 x, out, …)`` runs consecutive blocks in one call, ``plan`` made once for them; ``logits(norm, eps,
 head, x, out, threads)`` writes the final RMSNorm and the head product of ``x`` (rows, dim) to
 ``out`` (rows, vocab) in one call (``logits_usable``, ``check_logits``). Everything is C-contiguous
-float32 on the CPU (numpy arrays or torch tensors), 1 <= rows <= ``MAX_ROWS``, except that each of a
+float32 on the CPU (numpy arrays or torch tensors), 1 <= rows <= ``STEP_ROWS``, except that each of a
 block's four matrices (qkv, wo, gate_up, down) and the head may instead be a ``QuantMatrix``: uint8
 blocks of a kernel type (``mdiedge.model.quant``), multiplied by the quantized product
 (``ext/quant.h``; its twin ``mdiedge/model/_pyquant.py``); a block's matrix may also be a
@@ -35,6 +35,10 @@ ACTIVATIONS = ("silu", "gelu_tanh")  # in ext/step.h's order (ST_SILU, ST_GELU_T
 MAX_PARTS = 3  # of a StackedMatrix: ext/step.h's ST_PARTS
 MAX_PAIRED_HEAD_DIM = 512  # of a block with qk_pairs: ext/step.h's ST_MAX_HEAD_DIM
 QUANT_CODES = {name: TYPES[name].kernel for name in KERNEL_TYPES}  # ext/quant.h's enum values
+# rows one call takes (many samples' decode rows): its products pass over each weight group
+# MAX_ROWS rows at a time while the group is in cache (16 to 64 rows a call ran 15-26% faster
+# than calls of 8 on SmolLM2 and Qwen2.5, 2 threads); its scratch grows with rows x context
+STEP_ROWS = 32
 
 
 def plain(t: Any) -> bool:
@@ -345,25 +349,26 @@ class Limits:
 
 def decode_pieces(samples: int, rows_each: int) -> Optional[List[Tuple[int, int]]]:
     """The step calls that take ``samples`` samples of ``rows_each`` consecutive rows each
-    (sample-major): ``[start, end)`` of at most ``MAX_ROWS`` rows, in order, where every
-    sample's rows are few (a decode step, a verification of drafts), so that any number of
-    samples decodes at the step's cost per row and each row's result is that of the row alone;
-    None for longer runs (a prefill), which the many-row kernels take. A sample's rows may span
-    two calls: the earlier call writes their keys and values before the later one attends."""
+    (sample-major): ``[start, end)`` of at most ``STEP_ROWS`` rows, in order, where every
+    sample's rows are few (at most ``MAX_ROWS``: a decode step, a verification of drafts),
+    so that any number of samples decodes at the step's cost per row and each row's result
+    is that of the row alone; None for longer runs (a prefill), which the many-row kernels
+    take. A sample's rows may span two calls: the earlier call writes their keys and values
+    before the later one attends."""
     if samples < 1 or not 1 <= rows_each <= MAX_ROWS:
         return None
     total = samples * rows_each
-    return [(start, min(start + MAX_ROWS, total)) for start in range(0, total, MAX_ROWS)]
+    return [(start, min(start + STEP_ROWS, total)) for start in range(0, total, STEP_ROWS)]
 
 
 def usable(weights: BlockWeights, x: Any) -> bool:
-    """2-D float32 CPU ``x`` of 1..``MAX_ROWS`` rows of the block's width, no gradient wanted."""
+    """2-D float32 CPU ``x`` of 1..``STEP_ROWS`` rows of the block's width, no gradient wanted."""
     return _rows_fit(x, weights.dim) and not (
         grad_enabled() and (getattr(x, "requires_grad", False) or weights.wants_grad()))
 
 
 def _rows_fit(x: Any, dim: int) -> bool:
-    return ndim(x) == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == dim and plain(x)
+    return ndim(x) == 2 and 1 <= x.shape[0] <= STEP_ROWS and x.shape[1] == dim and plain(x)
 
 
 def check(weights: BlockWeights, x: Any, out: Any, slots: Sequence[int],
@@ -379,7 +384,7 @@ def check_call(limits: Any, wants_grad: bool, x: Any, out: Any, slots: Sequence[
     if not _rows_fit(x, limits.dim) or (grad_enabled() and (
             getattr(x, "requires_grad", False) or wants_grad)):
         raise ValueError(f"decode step of x {tuple(x.shape)} {x.dtype} on {device_of(x)}: needs "
-                         f"1..{MAX_ROWS} contiguous float32 CPU rows of {limits.dim} and "
+                         f"1..{STEP_ROWS} contiguous float32 CPU rows of {limits.dim} and "
                          "no gradient")
     rows = x.shape[0]
     if tuple(out.shape) != (rows, limits.dim) or not plain(out):
@@ -397,7 +402,7 @@ def check_call(limits: Any, wants_grad: bool, x: Any, out: Any, slots: Sequence[
 
 def logits_usable(norm: Any, head: Any, x: Any) -> bool:
     """``norm`` (dim,) and ``head`` (vocab, dim; or a ``QuantMatrix``) contiguous CPU float32,
-    1..``MAX_ROWS`` rows, no gradient wanted."""
+    1..``STEP_ROWS`` rows, no gradient wanted."""
     head_fits = isinstance(head, QuantMatrix) or (plain(head) and ndim(head) == 2)
     return (head_fits and plain(norm) and ndim(norm) == 1 and head.shape[1] == norm.shape[0]
             and _rows_fit(x, norm.shape[0])
@@ -409,7 +414,7 @@ def check_logits(norm: Any, head: Any, x: Any, out: Any, threads: int) -> None:
     if not logits_usable(norm, head, x):
         shapes = [tuple(getattr(t, "shape", ())) for t in (norm, head, x)]
         raise ValueError(f"logits of x {shapes[2]} by norm {shapes[0]} and head {shapes[1]}: "
-                         f"needs 1..{MAX_ROWS} contiguous float32 CPU rows of the norm's "
+                         f"needs 1..{STEP_ROWS} contiguous float32 CPU rows of the norm's "
                          "width, a (vocab, width) head and no gradient")
     rows, vocab = x.shape[0], head.shape[0]
     if tuple(out.shape) != (rows, vocab) or not plain(out):

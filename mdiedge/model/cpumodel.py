@@ -4,7 +4,7 @@ out; ``mdiedge.model.cpuload`` builds it).
 
 Blocks ``[first, last)`` run through the step's ``blocks`` plan (``mdiedge.model.
 _stepconstants``) where each sample's rows are few (decode, speculation's verified rows),
-``MAX_ROWS`` rows a call (``decode_pieces``): the step writes every row's keys and values
+``STEP_ROWS`` rows a call (``decode_pieces``): the step writes every row's keys and values
 before any row attends, each up to its own position, so the rows of one slot see each other
 causally. A sample's longer runs (a prefill), or every call where the step is the
 pure-Python twin, run on numpy (``mdiedge.model.npprefill``):
@@ -176,7 +176,7 @@ class CpuModel:
                    step: Any = None) -> np.ndarray:
         """x (B, T, dim) float32; row b's T tokens at positions ``positions[b]``.. in KV slot
         ``slots[b]``. Up to ``MAX_ROWS`` rows each (decode, verification) through the step,
-        ``MAX_ROWS`` rows a call however many samples; longer (prefill) on numpy
+        ``STEP_ROWS`` rows a call however many samples; longer (prefill) on numpy
         (``npprefill``), as the torch model takes torch for them."""
         assert step is None, "early exit runs on the torch path"
         if not self.weights.blocks:
@@ -210,7 +210,7 @@ class CpuModel:
 
     def head_logits(self, x: np.ndarray) -> np.ndarray:
         """Final norm and head: (…, dim) float32 -> (…, vocab) float32; decode rows (B, dim)
-        through the step, ``MAX_ROWS`` a call, anything else on numpy, as the torch model
+        through the step, ``STEP_ROWS`` a call, anything else on numpy, as the torch model
         takes the step or torch for them."""
         if self.weights.norm is None:
             raise RuntimeError("this chunk holds no head")

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._stepconstants import BlockWeights, decode_pieces
+from ._stepconstants import STEP_ROWS, BlockWeights, decode_pieces
 from .block import KVCache, step_matrix
 from .config import ModelConfig
 from ..base.cpudot import dot_code
@@ -186,7 +186,7 @@ class Transformer(nn.Module):
         weights = self._step_weights()
         batch, seq_len, dim = x.shape
         rows = x.reshape(batch * seq_len, dim)  # (B*T, dim)
-        if not weights or not _step.usable(weights[0], rows[:_step.MAX_ROWS]):
+        if not weights or not _step.usable(weights[0], rows[:STEP_ROWS]):
             return None
         if max(positions) + seq_len > self.max_seq_len:
             raise ValueError(f"position {max(positions) + seq_len} beyond the KV cache "
@@ -289,7 +289,7 @@ class Transformer(nn.Module):
         if pieces is not None:
             rows, head = x.contiguous(), step_matrix(self.lm_head)  # (B, dim)
             norm = self.norm.weight
-            if head is not None and _step.logits_usable(norm, head, rows[:_step.MAX_ROWS]):
+            if head is not None and _step.logits_usable(norm, head, rows[:STEP_ROWS]):
                 out = torch.empty(rows.shape[0], head.shape[0])  # (B, vocab)
                 for start, end in pieces:
                     _step.logits(norm, self.norm.eps, head, rows[start:end], out[start:end],

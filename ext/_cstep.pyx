@@ -14,8 +14,7 @@ from mdiedge.model.arrays import address as _address
 from mdiedge.model.qtypes import check_compiled as _check_compiled
 from mdiedge.model._stepconstants import (ACTIVATIONS, MAX_PAIRED_HEAD_DIM,  # noqa: F401
                                      MAX_PARTS, MAX_ROWS, STEP_ROWS, BlockWeights, Experts,
-                                     Limits,
-                                     QuantMatrix, StackedMatrix, check, check_act_mul,
+                                     Limits, QuantMatrix, StackedMatrix, check, check_act_mul,
                                      check_call, check_halves, check_logits, logits_usable,
                                      usable)
 

@@ -12,16 +12,15 @@ import numpy as np
 from . import _pyquant
 from ._stepconstants import (ACTIVATIONS, MAX_PAIRED_HEAD_DIM, MAX_PARTS, MAX_ROWS, STEP_ROWS,
                              BlockWeights, Experts, Limits, QuantMatrix, StackedMatrix, check,
-                             check_act_mul,
-                             check_call, check_halves, check_logits, logits_usable, unpaired,
-                             usable)
+                             check_act_mul, check_call, check_halves, check_logits,
+                             logits_usable, unpaired, usable)
 from .arrays import numpy_view as _np
 
 # the API both twins share
-__all__ = ["ACTIVATIONS", "MAX_PAIRED_HEAD_DIM", "MAX_PARTS", "MAX_ROWS", "PREFERRED", "STEP_ROWS",
-           "BlockWeights", "Experts", "Limits", "Plan", "QuantMatrix", "StackedMatrix", "block",
-           "blocks", "check", "check_call", "check_logits", "halves", "logits", "logits_usable",
-           "plan", "usable", "widen_halves"]
+__all__ = ["ACTIVATIONS", "MAX_PAIRED_HEAD_DIM", "MAX_PARTS", "MAX_ROWS", "PREFERRED",
+           "STEP_ROWS", "BlockWeights", "Experts", "Limits", "Plan", "QuantMatrix",
+           "StackedMatrix", "block", "blocks", "check", "check_call", "check_logits", "halves",
+           "logits", "logits_usable", "plan", "usable", "widen_halves"]
 
 # Row by row in Python this is no faster than the model's own batched torch path, so the
 # torch model keeps that path for decode where this twin is the one selected.

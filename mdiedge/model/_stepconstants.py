@@ -6,9 +6,10 @@ output to ``out`` (rows, dim) and the rows' keys and values into the cache; ``bl
 x, out, …)`` runs consecutive blocks in one call, ``plan`` made once for them; ``logits(norm, eps,
 head, x, out, threads)`` writes the final RMSNorm and the head product of ``x`` (rows, dim) to
 ``out`` (rows, vocab) in one call (``logits_usable``, ``check_logits``). Everything is C-contiguous
-float32 on the CPU (numpy arrays or torch tensors), 1 <= rows <= ``STEP_ROWS``, except that each of a
-block's four matrices (qkv, wo, gate_up, down) and the head may instead be a ``QuantMatrix``: uint8
-blocks of a kernel type (``mdiedge.model.quant``), multiplied by the quantized product
+float32 on the CPU (numpy arrays or torch tensors), 1 <= rows <= ``STEP_ROWS``, except that each
+of a block's four matrices (qkv, wo, gate_up, down) and the head may instead be a
+``QuantMatrix``: uint8 blocks of a kernel type (``mdiedge.model.quant``), multiplied by the
+quantized product
 (``ext/quant.h``; its twin ``mdiedge/model/_pyquant.py``); a block's matrix may also be a
 ``StackedMatrix`` of up to ``MAX_PARTS`` of them, each of its own type; ``usable`` says whether a
 call qualifies and ``check`` raises ``ValueError`` quoting what does not. ``PREFERRED`` (each

@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """The decode step, compiled: the twin of ``mdiedge/model/_pystep.py`` with the same API (see
-``mdiedge/model/_stepconstants.py``). The kernel is ``ext/step.h``: a whole dense block for 1..8
-rows in one call with the GIL released, its products ``ext/matvec.h``'s (float32 matrices) or
+``mdiedge/model/_stepconstants.py``). The kernel is ``ext/step.h``: a whole dense block for
+1..``STEP_ROWS`` rows in one call with the GIL released, its products ``ext/matvec.h``'s (float32 matrices) or
 ``ext/quant.h``'s (a ``QuantMatrix``, or a ``StackedMatrix`` of them), with the optional
 parts of ``BlockWeights`` (bias, Q/K norms, sandwich norms, GeGLU, scale, window, a
 mixture of experts: ``ext/step_moe.h``); a

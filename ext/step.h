@@ -1,4 +1,5 @@
-/* One decoder block's decode step, compiled: 1..8 rows, one new token each, float32 on the CPU.
+/* One decoder block's decode step, compiled: 1..STEP_ROWS (32) rows, one new token each, float32
+ * on the CPU.
  *
  * A decode step of a small model is bound by dispatch, not by memory: each of a block's
  * twenty-odd torch operations costs microseconds of Python and allocation around a few

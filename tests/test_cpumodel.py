@@ -229,38 +229,46 @@ def test_prefill_in_chunks_equals_token_by_token(gguf_models: Dict[str, Path]) -
 
 def _decode_each_alone(model: Any, twin: Any, wrap: Any, samples: int, rows_each: int) -> None:
     """Prefill ``samples`` slots of ``model`` and of ``twin`` (the same file loaded twice),
-    then one step of ``rows_each`` rows per sample: all at once on ``model``, each alone on
-    ``twin``; equal bit for bit, hidden states and logits."""
+    prompts of 3 to 7 tokens, then one step of ``rows_each`` rows per sample, each from its
+    own position: all at once on ``model``, each alone on ``twin``; equal bit for bit,
+    hidden states and logits."""
+    lengths = [3 + slot % 5 for slot in range(samples)]
     for m in (model, twin):
         m.setup_cache(samples, 32)
-        for slot in range(samples):
-            prompt = np.array([[(7 * slot + 3 * i + 1) % 90 for i in range(5)]])
+        for slot, length in enumerate(lengths):
+            prompt = np.array([[(7 * slot + 3 * i + 1) % 90 for i in range(length)]])
             m.run_blocks(m.embed_tokens(wrap(prompt)), wrap(np.array([slot])), [0])
     tokens = np.array([[(11 * s + t) % 90 for t in range(rows_each)] for s in range(samples)])
     together = model.run_blocks(model.embed_tokens(wrap(tokens)), wrap(np.arange(samples)),
-                                [5] * samples)
+                                lengths)
     alone = [twin.run_blocks(twin.embed_tokens(wrap(tokens[s:s + 1])), wrap(np.array([s])),
-                             [5]) for s in range(samples)]
+                             [lengths[s]]) for s in range(samples)]
     np.testing.assert_array_equal(np.asarray(together),
                                   np.concatenate([np.asarray(a) for a in alone]))
-    last = together[:, -1]
-    np.testing.assert_array_equal(np.asarray(model.head_logits(last)),
-                                  np.concatenate([np.asarray(twin.head_logits(a[:, -1]))
-                                                  for a in alone]))
+    last = together[:, -1]  # the head: STEP_ROWS rows a call of the step, more on numpy
+    np.testing.assert_array_equal(
+        np.concatenate([np.asarray(model.head_logits(last[s:s + STEP_ROWS]))
+                        for s in range(0, samples, STEP_ROWS)]),
+        np.concatenate([np.asarray(twin.head_logits(a[:, -1])) for a in alone]))
 
 
 @pytest.mark.parametrize("name", ["llama-q8_0", "llama-q4_1", "qwen2", "qwen3", "qwen3_moe",
                                   "gemma3"])
 @pytest.mark.parametrize("samples, rows_each", [(11, 1), (40, 1), (5, 7)])
+@pytest.mark.parametrize("mode", ["f32", "q8"])
 def test_more_rows_than_a_step_call_decode_as_each_sample_alone(
         monkeypatch: Any, gguf_models: Dict[str, Path], name: str, samples: int,
-        rows_each: int) -> None:
+        rows_each: int, mode: str) -> None:
     """Decode steps of many samples, one row or several verified rows each, run through the
     step in calls of up to STEP_ROWS rows, never the numpy prefill: the same bits as each
     sample alone (before, past 8 rows, the prefill's arithmetic, whose rounding differs, so
     that a sample's text depended on how many ran beside it)."""
     if not cpumodel._step.PREFERRED:
         pytest.skip("the compiled step is not built")
+    from mdiedge.base import cpudot
+
+    monkeypatch.setenv(cpudot.ENV, mode)  # q8: integer kernels, x8 layout, float16 cache
+    cpudot.set_cpu_dot(None)
     calls: List[int] = []
     blocks = cpumodel._step.blocks
 
@@ -280,13 +288,24 @@ def test_more_rows_than_a_step_call_decode_as_each_sample_alone(
 
 
 def test_the_torch_model_decodes_many_samples_as_each_alone(
-        gguf_models: Dict[str, Path]) -> None:
-    """The same on the torch model's CPU path."""
-    if not cpumodel._step.PREFERRED:
+        monkeypatch: Any, gguf_models: Dict[str, Path]) -> None:
+    """The same on the torch model's CPU path: 40 samples in two calls of the step."""
+    from mdiedge.model import transformer
+
+    if not transformer._step.PREFERRED:
         pytest.skip("the compiled step is not built")
+    calls: List[int] = []
+    blocks = transformer._step.blocks
+
+    def counted(plan: Any, x: Any, *args: Any) -> None:
+        calls.append(x.shape[0])
+        blocks(plan, x, *args)
+
+    monkeypatch.setattr(transformer._step, "blocks", counted)
     with torch.no_grad():
         path = gguf_models["llama-q4_1"]
         _decode_each_alone(load_model(path), load_model(path), torch.as_tensor, 40, 1)
+    assert calls[-40 - 2:-40] == [STEP_ROWS, 40 - STEP_ROWS]
 
 
 def test_early_exit_is_not_run_here(gguf_models: Dict[str, Path]) -> None:

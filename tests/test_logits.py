@@ -93,7 +93,7 @@ def test_a_gradient_is_refused(impl: ModuleType) -> None:
 
 
 def test_the_head_takes_it_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decode rows (strided or not) take the call, STEP_ROWS rows a call however many; every
+    """Decode rows (strided or not, up to STEP_ROWS) take the call; more rows, every
     position's logits and a head kept transposed take torch's; all agree."""
     compiled = IMPLS[-1]
     calls = []
@@ -111,7 +111,8 @@ def test_the_head_takes_it_only_where_it_applies(monkeypatch: pytest.MonkeyPatch
     net = Transformer(ModelConfig(vocab_size=70, dim=44, n_layers=1, n_heads=2,
                                   n_kv_heads=1, intermediate_size=52, max_seq_len=16)).eval()
     hidden = torch.randn(9, 3, 44)  # (B, T, dim)
-    cases = [(hidden[:4, -1], [4]), (hidden[0, :1], [1]), (hidden[:, -1], [9]), (hidden, [])]
+    cases = [(hidden[:4, -1], [4]), (hidden[0, :1], [1]), (hidden[:, -1], [9]), (hidden, []),
+             (torch.randn(STEP_ROWS + 1, 44), [])]
     with torch.inference_mode():
         for x, taken in cases:
             expected = net.lm_head(net.norm(x)).float()  # torch's own

@@ -24,7 +24,7 @@ from ..base.errors import CpuPathRefused
 from ..base.memory import zeroed_pages
 from ..base.threads import kernel_threads
 from . import npprefill
-from ._stepconstants import BlockWeights, Experts, QuantMatrix, decode_pieces
+from ._stepconstants import STEP_ROWS, BlockWeights, Experts, QuantMatrix, decode_pieces
 from .checks import check_memory
 from .config import ModelConfig
 from .families import family_of
@@ -209,20 +209,18 @@ class CpuModel:
         raise NotImplementedError("KV fill (early exit) runs on the torch path")
 
     def head_logits(self, x: np.ndarray) -> np.ndarray:
-        """Final norm and head: (…, dim) float32 -> (…, vocab) float32; decode rows (B, dim)
-        through the step, ``STEP_ROWS`` a call, anything else on numpy, as the torch model
-        takes the step or torch for them."""
+        """Final norm and head: (…, dim) float32 -> (…, vocab) float32; decode rows (B, dim),
+        up to ``STEP_ROWS``, in one call of the step, anything else (more rows: a prefill's,
+        a perplexity's) on numpy, as the torch model takes the step or torch for them."""
         if self.weights.norm is None:
             raise RuntimeError("this chunk holds no head")
         rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, self.cfg.dim)
         vocab = self._head.shape[0]
         out = np.empty((rows.shape[0], vocab), np.float32)
         threads, dot = kernel_threads(), dot_code()
-        pieces = decode_pieces(rows.shape[0], 1) if _step.PREFERRED and x.ndim == 2 else None
-        if pieces is not None:
-            for start, end in pieces:
-                _step.logits(self.weights.norm, self.cfg.rms_norm_eps, self._head,
-                             rows[start:end], out[start:end], threads, dot)
+        if _step.PREFERRED and x.ndim == 2 and rows.shape[0] <= STEP_ROWS:
+            _step.logits(self.weights.norm, self.cfg.rms_norm_eps, self._head, rows, out,
+                         threads, dot)
         else:
             npprefill.head(self.weights.norm, self.cfg.rms_norm_eps, self._head, rows,
                            threads, dot, out)

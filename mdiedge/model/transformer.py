@@ -280,20 +280,18 @@ class Transformer(nn.Module):
         return x
 
     def head_logits(self, x: Tensor) -> Tensor:
-        """Final norm and head, (…, dim) -> (…, vocab) fp32; CPU decode rows take the compiled step
-        where the family declares ``step_head``."""
+        """Final norm and head, (…, dim) -> (…, vocab) fp32; CPU decode rows, up to
+        ``STEP_ROWS``, take the compiled step where the family declares ``step_head``."""
         if self.norm is None or self.lm_head is None:
             raise RuntimeError("this chunk holds no head")
-        pieces = decode_pieces(x.shape[0], 1) \
-            if self.family.step_head and _step.PREFERRED and x.dim() == 2 else None
-        if pieces is not None:
+        if self.family.step_head and _step.PREFERRED and x.dim() == 2 \
+                and x.shape[0] <= STEP_ROWS:
             rows, head = x.contiguous(), step_matrix(self.lm_head)  # (B, dim)
             norm = self.norm.weight
-            if head is not None and _step.logits_usable(norm, head, rows[:STEP_ROWS]):
+            if head is not None and _step.logits_usable(norm, head, rows):
                 out = torch.empty(rows.shape[0], head.shape[0])  # (B, vocab)
-                for start, end in pieces:
-                    _step.logits(norm, self.norm.eps, head, rows[start:end], out[start:end],
-                                 torch.get_num_threads(), dot_code())
+                _step.logits(norm, self.norm.eps, head, rows, out, torch.get_num_threads(),
+                             dot_code())
                 return out
         return self.lm_head(self.norm(x)).float()
 

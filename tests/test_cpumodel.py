@@ -252,6 +252,19 @@ def _decode_each_alone(model: Any, twin: Any, wrap: Any, samples: int, rows_each
         np.concatenate([np.asarray(twin.head_logits(a[:, -1])) for a in alone]))
 
 
+def _count_step_calls(monkeypatch: Any, step: Any) -> List[int]:
+    """The rows of each call of ``step.blocks`` from now on (the list fills as they come)."""
+    calls: List[int] = []
+    blocks = step.blocks
+
+    def counted(plan: Any, x: Any, *args: Any) -> None:
+        calls.append(x.shape[0])
+        blocks(plan, x, *args)
+
+    monkeypatch.setattr(step, "blocks", counted)
+    return calls
+
+
 @pytest.mark.parametrize("name", ["llama-q8_0", "llama-q4_1", "qwen2", "qwen3", "qwen3_moe",
                                   "gemma3"])
 @pytest.mark.parametrize("samples, rows_each", [(11, 1), (40, 1), (5, 7)])
@@ -269,14 +282,7 @@ def test_more_rows_than_a_step_call_decode_as_each_sample_alone(
 
     monkeypatch.setenv(cpudot.ENV, mode)  # q8: integer kernels, x8 layout, float16 cache
     cpudot.set_cpu_dot(None)
-    calls: List[int] = []
-    blocks = cpumodel._step.blocks
-
-    def counted(plan: Any, x: Any, *args: Any) -> None:
-        calls.append(x.shape[0])
-        blocks(plan, x, *args)
-
-    monkeypatch.setattr(cpumodel._step, "blocks", counted)
+    calls = _count_step_calls(monkeypatch, cpumodel._step)
     monkeypatch.setattr(npprefill, "run_blocks", None)  # a call would fail
     path = gguf_models[name]
     _decode_each_alone(load_cpu_model(path), load_cpu_model(path), lambda a: a, samples,
@@ -294,14 +300,7 @@ def test_the_torch_model_decodes_many_samples_as_each_alone(
 
     if not transformer._step.PREFERRED:
         pytest.skip("the compiled step is not built")
-    calls: List[int] = []
-    blocks = transformer._step.blocks
-
-    def counted(plan: Any, x: Any, *args: Any) -> None:
-        calls.append(x.shape[0])
-        blocks(plan, x, *args)
-
-    monkeypatch.setattr(transformer._step, "blocks", counted)
+    calls = _count_step_calls(monkeypatch, transformer._step)
     with torch.no_grad():
         path = gguf_models["llama-q4_1"]
         _decode_each_alone(load_model(path), load_model(path), torch.as_tensor, 40, 1)

@@ -195,10 +195,11 @@ class Transformer(nn.Module):
         row_positions = [p + t for p in positions for t in range(seq_len)]
         threads = torch.get_num_threads()
         if exit_step is None:
-            return torch.cat([self._step_run(0, len(weights), rows[start:end],
-                                             slot_list[start:end], row_positions[start:end],
-                                             threads)
-                              for start, end in pieces]).view(batch, seq_len, dim)
+            out = torch.empty_like(rows)  # (B*T, dim)
+            for start, end in pieces:
+                self._step_run(0, len(weights), rows[start:end], slot_list[start:end],
+                               row_positions[start:end], threads, out[start:end])
+            return out.view(batch, seq_len, dim)
         run = functools.partial(self._step_run, slots=slot_list, positions=row_positions,
                                 threads=threads)
         indices = [int(i) for i in self.layers]
@@ -216,12 +217,13 @@ class Transformer(nn.Module):
         return (run(start, len(indices), rows) if start < len(indices) else rows)[:, None]
 
     def _step_run(self, first: int, end: int, rows: Tensor, slots: List[int],
-                  positions: Sequence[int], threads: int) -> Tensor:
+                  positions: Sequence[int], threads: int, out: Optional[Tensor] = None) -> Tensor:
+        """Blocks [first, end) of ``rows`` through the step, into ``out`` (new where None)."""
         plans = self._plans
         plan = plans.get((first, end))
         if plan is None:
             plan = plans[(first, end)] = _step.plan(self._step_weights()[first:end])
-        out = torch.empty_like(rows)  # (B, dim)
+        out = torch.empty_like(rows) if out is None else out  # (B, dim)
         _step.blocks(plan, rows, out, slots, positions, threads, dot_code())
         return out
 

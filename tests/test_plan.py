@@ -116,11 +116,14 @@ def back(group: int, rows: str, fixed: bool = False, width: int = 1) -> Returned
      [], []),
     ([back(1, "l", width=3), back(3, "l", width=3)], [], 0, 2, 6,
      [Decode((DecodeRows(1, (10,), 3), DecodeRows(3, (30,), 3)), True)], [], []),
-    # with no row limit (one process), verifications still merge within the step's 8 rows
+    # with no row limit (one process), verifications still merge within one step call's 32 rows
+    ([back(1, "llll", width=8), back(3, "l", width=8)], [], 0, 2, 0,
+     [Decode((DecodeRows(1, (10, 11, 12, 13), 8),), True),
+      Decode((DecodeRows(3, (30,), 8),), True)], [], []),
+    ([back(1, "lll", width=8), back(3, "l", width=8)], [], 0, 2, 0,
+     [Decode((DecodeRows(1, (10, 11, 12), 8), DecodeRows(3, (30,), 8)), True)], [], []),
     ([back(1, "l", width=5), back(3, "l", width=5)], [], 0, 2, 0,
-     [Decode((DecodeRows(1, (10,), 5),), True), Decode((DecodeRows(3, (30,), 5),), True)], [], []),
-    ([back(1, "l", width=4), back(3, "l", width=4)], [], 0, 2, 0,
-     [Decode((DecodeRows(1, (10,), 4), DecodeRows(3, (30,), 4)), True)], [], []),
+     [Decode((DecodeRows(1, (10,), 5), DecodeRows(3, (30,), 5)), True)], [], []),
     # releases and steps in group order
     ([back(1, "d", fixed=True), back(2, "ld", fixed=True)], [], 0, 1, 0,
      [Release(1, (10,)), Release(2, (21,)), Decode((DecodeRows(2, (20,)),))], [1], []),

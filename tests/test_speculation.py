@@ -117,6 +117,10 @@ def test_a_sample_whose_drafts_fail_stops_drafting_then_retries() -> None:
     ([(0.2, 1), (0.2, 0), (0.2, 0)], 8, 100, 2),  # a retry is honoured
     ([(0.95, 7)] * 4, 8, 100, 2),  # four samples share eight rows
     ([(0.9, 7)] * 9, 8, 100, 1),  # more samples than rows: plain
+    ([(0.95, 7)] * 4, 32, 100, 8),  # a step call's 32 rows: four samples' whole drafts
+    ([(0.95, 7)] * 8, 32, 100, 4),
+    ([(0.9, 7)], 32, 100, 8),  # a sample verifies at most SPECULATION_MAX_K + 1 rows
+    ([(0.9, 7)] * 33, 32, 100, 1),
     ([], 8, 100, 1),
 ])
 def test_group_width(wants: List[Tuple[float, int]], rows: int, room: int,
@@ -150,11 +154,11 @@ def test_a_sample_without_drafts_does_not_hold_back_one_that_has_them() -> None:
         spec.rounds[sample] = list(GOOD)
     repeating, fresh = [1, 2, 3, 4, 5, 6] * 4, list(range(20, 44))
     width = plan_step(_Group([repeating, fresh], spec), context=512)
-    assert width == 4  # two samples x 4 positions: the eight rows of a step
+    assert width == 7  # two samples x 7 positions, the best expected tokens per cost
     first, second = spec.pending[10], spec.pending[11]
-    assert first.drafted == 3 and first.tokens == [6, 1, 2, 3]
-    assert second.drafted == 0 and second.tokens == [43] * 4
-    out = spec.settle(1, second, one_hot_logits([7, 7, 7, 7]), torch.Generator())
+    assert first.drafted == 6 and first.tokens == [6, 1, 2, 3, 4, 5, 6]
+    assert second.drafted == 0 and second.tokens == [43] * 7
+    out = spec.settle(1, second, one_hot_logits([7] * 7), torch.Generator())
     assert out == [7]  # its one position scored: the padding is not
 
 
@@ -193,7 +197,7 @@ def test_only_the_latest_timings_count() -> None:
     assert cost.value == pytest.approx(0.1)
 
 
-@pytest.mark.parametrize("temperature, width", [(0.0, 1), (0.8, 4)])
+@pytest.mark.parametrize("temperature, width", [(0.0, 1), (0.8, 7)])
 def test_the_measured_cost_decides_greedy_widths_only(temperature: float, width: int) -> None:
     """Rows measured dear: a greedy group steps plainly; a sampled one keeps its policy's
     cost (its k must not depend on the pipeline, for its seed's sake)."""

@@ -222,10 +222,10 @@ def group_width(wants: Sequence[Tuple[float, int]], rows: int, room: int,
                 row_cost: float) -> int:
     """The positions T each row of a group's step feeds (1: plain): the most expected tokens per
     cost, a sample counting E(a, min(T - 1, k)) tokens and n x T rows costing 1 + ``row_cost`` (n T
-    - 1). At most ``rows`` rows and ``room`` positions; 2 when none pays but a sample is due a
-    retry."""
+    - 1). At most ``rows`` rows in all, ``defaults.SPECULATION_MAX_K`` + 1 a sample and ``room``
+    positions; 2 when none pays but a sample is due a retry."""
     n = len(wants)
-    cap = min(rows // n, room) if n else 0
+    cap = min(rows // n, defaults.SPECULATION_MAX_K + 1, room) if n else 0
     if cap <= 1:
         return 1
     gains = [sum(expected_tokens(a, min(t - 1, k)) for a, k in wants) /

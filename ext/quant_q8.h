@@ -384,7 +384,8 @@ static const qm_idot_fn qm_iscalar[QM_TYPES] = {
 #define QM_X8_Q4K 1184
 
 /* The 32-weight types' x8 layout, per block of a group: the 8 rows' d (f16), for Q4_1 their
-   m (f16), then the quants, 4 bytes of each row at a time: for Q4_0, Q4_1 and Q5_0 (nibbles)
+   m (f16), then the quants, 4 bytes of each row at a time: for Q4_0, Q4_1, Q5_0 and IQ4_NL
+   (nibbles)
    row i's qs[4 t ..] at 32 t + 4 i past the scales (t = 0..3: the low nibbles weights 4 t..,
    the high ones 16 + 4 t..), for Q8_0 (bytes) row i's qs[4 t ..] likewise (t = 0..7). Q5_0's
    fifth bits follow at 144, a 32-bit mask per 32 nibbles, as the nibbles lie: the low
@@ -396,7 +397,7 @@ static inline int qm_x8_scales32(int type) { return type == QM_Q4_1 ? 32 : 16; }
 static inline int qm_x8_block_bytes(int type) {
     switch (type) {
     case QM_Q4_K: return QM_X8_Q4K;
-    case QM_Q4_0: case QM_Q4_1: return qm_x8_scales32(type) + 128;
+    case QM_Q4_0: case QM_Q4_1: case QM_IQ4_NL: return qm_x8_scales32(type) + 128;
     case QM_Q5_0: return 16 + 128 + 32;
     case QM_Q8_0: return 16 + 256;
     default: return 0;
@@ -506,6 +507,7 @@ QM_X8SCALAR32(QM_Q4_0, q4_0)
 QM_X8SCALAR32(QM_Q4_1, q4_1)
 QM_X8SCALAR32(QM_Q8_0, q8_0)
 QM_X8SCALAR32(QM_Q5_0, q5_0)
+QM_X8SCALAR32(QM_IQ4_NL, iq4_nl)
 
 /* The scalar reference: each row as qm_iblk_q4_k computes it, block by block. */
 static void qm_x8_scalar_q4k(const uint8_t *g, const qm_act *a, ptrdiff_t k, int R, float *s) {
@@ -537,4 +539,5 @@ static void qm_x8_scalar_q4k(const uint8_t *g, const qm_act *a, ptrdiff_t k, int
 
 static const qm_x8_fn qm_x8scalar[QM_TYPES] = {
     [QM_Q4_K] = qm_x8_scalar_q4k, [QM_Q4_0] = qm_x8_scalar_q4_0, [QM_Q4_1] = qm_x8_scalar_q4_1,
-    [QM_Q8_0] = qm_x8_scalar_q8_0, [QM_Q5_0] = qm_x8_scalar_q5_0};
+    [QM_Q8_0] = qm_x8_scalar_q8_0, [QM_Q5_0] = qm_x8_scalar_q5_0,
+    [QM_IQ4_NL] = qm_x8_scalar_iq4_nl};

@@ -390,17 +390,22 @@ QK_ALWAYS __m256i QK(x8_fifth)(const uint8_t *m) {
 }
 
 /* A 32-weight type's x8 group g against R <= QK_X8_PASS32 activation rows: s[8 r + i]. The
-   quants enter unsigned (Q4_0's and Q5_0's as stored, Q8_0's plus 128 with VNNI, whose sums
-   of four products do not saturate), their offset (8, 16, 128) taken off the integer sums by
-   each row's quant sums; AVX2's Q8_0 signed (x8_chunk_signed); Q4_1's minimum by its
-   activation sums. */
+   quants enter unsigned (Q4_0's and Q5_0's as stored, Q8_0's and IQ4_NL's values plus 128
+   with VNNI, whose sums of four products do not saturate), their offset (8, 16, 128) taken
+   off the integer sums by each row's quant sums; AVX2's Q8_0 and IQ4_NL signed
+   (x8_chunk_signed); Q4_1's minimum by its activation sums. IQ4_NL's nibbles index its
+   16 values in one byte shuffle, as ggml's kernels do. */
 QK_ALWAYS void QK(x8_32_pass)(int type, const uint8_t *g, const qm_act *a, ptrdiff_t k,
                               const int R, float *s) {
     const ptrdiff_t nb = k / 32;
     const int xb = qm_x8_block_bytes(type), at = qm_x8_scales32(type);
-    const int offset = type == QM_Q8_0 ? (QK_VNNI ? 128 : 0)
+    const int offset = type == QM_Q8_0 || type == QM_IQ4_NL ? (QK_VNNI ? 128 : 0)
                        : type == QM_Q4_0 ? 8 : type == QM_Q5_0 ? 16 : 0;
     const __m256i low4 = _mm256_set1_epi8(0xF), flip = _mm256_set1_epi8((char)0x80);
+    const __m256i values = QK_VNNI  /* IQ4_NL's, plus 128 (as unsigned) where they enter so */
+        ? _mm256_xor_si256(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qm_iq4nl)),
+                           flip)
+        : _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qm_iq4nl));
     __m256 acc[QK_X8_PASS32];
     QA_UNROLL
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
@@ -427,6 +432,15 @@ QK_ALWAYS void QK(x8_32_pass)(int type, const uint8_t *g, const qm_act *a, ptrdi
                 if (type == QM_Q5_0) {
                     lo = _mm256_or_si256(lo, QK(x8_fifth)(g + 144 + 8 * t));
                     hi = _mm256_or_si256(hi, QK(x8_fifth)(g + 148 + 8 * t));
+                }
+                if (type == QM_IQ4_NL) {
+                    lo = _mm256_shuffle_epi8(values, lo);
+                    hi = _mm256_shuffle_epi8(values, hi);
+                    if (!QK_VNNI) {
+                        QK(x8_chunk_signed)(lo, a, k, 32 * b + 4 * t, R, isum);
+                        QK(x8_chunk_signed)(hi, a, k, 32 * b + 16 + 4 * t, R, isum);
+                        continue;
+                    }
                 }
                 QK(x8_chunk)(lo, a, k, 32 * b + 4 * t, R, isum);
                 QK(x8_chunk)(hi, a, k, 32 * b + 16 + 4 * t, R, isum);
@@ -477,16 +491,19 @@ QK_ALWAYS void QK(x8_32_pass)(int type, const uint8_t *g, const qm_act *a, ptrdi
 #define QK_X8_Q4_1(R_) QK(x8_32_pass)(QM_Q4_1, g, &at, k, R_, out)
 #define QK_X8_Q8_0(R_) QK(x8_32_pass)(QM_Q8_0, g, &at, k, R_, out)
 #define QK_X8_Q5_0(R_) QK(x8_32_pass)(QM_Q5_0, g, &at, k, R_, out)
+#define QK_X8_IQ4_NL(R_) QK(x8_32_pass)(QM_IQ4_NL, g, &at, k, R_, out)
 #define QK_X8_Q4_K(R_) QK(x8_q4k_pass)(g, &at, k, R_, out)
 QK_X8_BY_ROWS(x8_q4_0, QK_X8_Q4_0, QK_X8_PASS32, QK_X8_ROWS8)
 QK_X8_BY_ROWS(x8_q4_1, QK_X8_Q4_1, QK_X8_PASS32, QK_X8_ROWS8)
 QK_X8_BY_ROWS(x8_q8_0, QK_X8_Q8_0, QK_X8_PASS32, QK_X8_ROWS8)
 QK_X8_BY_ROWS(x8_q5_0, QK_X8_Q5_0, QK_X8_PASS32, QK_X8_ROWS8)
+QK_X8_BY_ROWS(x8_iq4_nl, QK_X8_IQ4_NL, QK_X8_PASS32, QK_X8_ROWS8)
 QK_X8_BY_ROWS(x8_q4k, QK_X8_Q4_K, QK_X8_PASS, QK_X8_ROWS4)
 #undef QK_X8_Q4_0
 #undef QK_X8_Q4_1
 #undef QK_X8_Q8_0
 #undef QK_X8_Q5_0
+#undef QK_X8_IQ4_NL
 #undef QK_X8_Q4_K
 #undef QK_X8_ROWS4
 #undef QK_X8_ROWS8
@@ -541,7 +558,7 @@ static const qm_idot_fn QK(wtable)[QM_TYPES] = {
 /* Its x8 kernels (qm_pack_x8's layout). */
 static const qm_x8_fn QK(x8table)[QM_TYPES] = {
     [QM_Q4_K] = QK(x8_q4k), [QM_Q4_0] = QK(x8_q4_0), [QM_Q4_1] = QK(x8_q4_1),
-    [QM_Q8_0] = QK(x8_q8_0), [QM_Q5_0] = QK(x8_q5_0)};
+    [QM_Q8_0] = QK(x8_q8_0), [QM_Q5_0] = QK(x8_q5_0), [QM_IQ4_NL] = QK(x8_iq4_nl)};
 
 #undef QK_Q8_0
 #undef QK_Q4_0

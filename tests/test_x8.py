@@ -25,7 +25,7 @@ from mdiedge.model.x8layout import LAYOUTS, pack, pack_q4k
 
 TINY_Q4_K_M = Path(__file__).resolve().parent / "data" / "gguf" / "tiny-llama-2x256-Q4_K_M.gguf"
 SHAPES = [(8, 256), (24, 512), (40, 1536)]
-TYPES = ["Q4_K", "Q4_0", "Q4_1", "Q8_0", "Q5_0"]
+TYPES = ["Q4_K", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "IQ4_NL"]
 
 
 def compiled(qtype: str = "Q4_K") -> Any:
@@ -74,7 +74,7 @@ def test_a_packed_group_holds_each_rows_bytes() -> None:
 
 
 @pytest.mark.parametrize("bad, message", [
-    (("Q4_K", 12, 256), "multiple of 8"), (("Q6_K", 8, 256), "only Q8_0, Q4_0, Q4_1, Q4_K, Q5_0")])
+    (("Q4_K", 12, 256), "multiple of 8"), (("Q6_K", 8, 256), "only Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, IQ4_NL")])
 def test_a_matrix_without_a_layout_is_refused(bad: Any, message: str) -> None:
     qtype, n, k = bad
     w = random_blocks(qtype, n, k).numpy()
@@ -150,6 +150,7 @@ def test_a_layout_of_another_matrix_is_refused(other: Any) -> None:
     ("Q6_K", 256, 1, ("Q4_K",), False),   # no layout for the type
     ("Q4_1", 576, 1, ("Q4_1", "Q4_K"), True),
     ("Q5_0", 2048, 1, ("Q5_0", "Q4_K"), True),
+    ("IQ4_NL", 1536, 1, ("IQ4_NL", "Q4_K"), True),
     ("Q4_K", 256, 1, (), False),          # none on this path (the twin, NEON)
 ])
 def test_the_loader_packs_where_it_pays(qtype: str, rows: int, dot: int, types: Any,

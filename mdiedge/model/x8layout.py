@@ -3,9 +3,9 @@ so that a vector kernel multiplies 4 bytes of an activation by the same 4 bytes 
 in one instruction (``ext/quant_q8.h``, ``qm_pack_x8``, which this reproduces byte for byte:
 the twin's ``pack_x8`` and the tests' reference). Per block of a group: for Q4_K the 8 rows'
 d and dmin (f16), the sub-blocks' 6-bit scales (one byte per row), their minimums in pairs of
-sub-blocks, then the quants 4 bytes of each row at a time; for Q4_0, Q4_1, Q5_0 and Q8_0 the
-rows' d (and Q4_1's m), then the quants 4 bytes of each row at a time (Q5_0's fifth bits after
-them, a 32-bit mask per 32 nibbles)."""
+sub-blocks, then the quants 4 bytes of each row at a time; for Q4_0, Q4_1, Q5_0, IQ4_NL and
+Q8_0 the rows' d (and Q4_1's m), then the quants 4 bytes of each row at a time (Q5_0's fifth
+bits after them, a 32-bit mask per 32 nibbles)."""
 from __future__ import annotations
 
 from typing import Any, List
@@ -17,8 +17,9 @@ from .arrays import contiguous_cpu, ndim, numpy_view
 from .qtypes import TYPES
 
 GROUP = 8  # rows interleaved
-SCALE_BYTES32 = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}  # the 32-weight types': f16 scales first
-LAYOUTS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0")  # in ext/quant.h's type order, its names
+SCALE_BYTES32 = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4, "IQ4_NL": 2}  # the 32-weight types': f16
+#                                                                 scales first
+LAYOUTS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "IQ4_NL")  # in ext/quant.h's type order
 
 
 def _scales_mins(packed: np.ndarray) -> np.ndarray:

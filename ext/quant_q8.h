@@ -383,6 +383,13 @@ static const qm_idot_fn qm_iscalar[QM_TYPES] = {
 #define QM_X8 8
 #define QM_X8_Q4K 1184
 
+/* IQ4_XS in the x8 layout, per 256-weight block, QM_X8_IQ4XS bytes:
+ *   0   the 8 rows' d (f16);
+ *   16  sub-blocks 2p and 2p + 1's scales (scale - 32, int8) of row i at 16 + 16 p + 2 i (+ 1);
+ *   80  quants as Q4_K's: row i's qs[32 c + 4 t ..] at 80 + 32 (8 c + t) + 4 i (sub-block 2 c's
+ *       16 bytes for t < 4, then 2 c + 1's). */
+#define QM_X8_IQ4XS 1104
+
 /* The 32-weight types' x8 layout, per block of a group: the 8 rows' d (f16), for Q4_1 their
    m (f16), then the quants, 4 bytes of each row at a time: for Q4_0, Q4_1, Q5_0 and IQ4_NL
    (nibbles)
@@ -397,6 +404,7 @@ static inline int qm_x8_scales32(int type) { return type == QM_Q4_1 ? 32 : 16; }
 static inline int qm_x8_block_bytes(int type) {
     switch (type) {
     case QM_Q4_K: return QM_X8_Q4K;
+    case QM_IQ4_XS: return QM_X8_IQ4XS;
     case QM_Q4_0: case QM_Q4_1: case QM_IQ4_NL: return qm_x8_scales32(type) + 128;
     case QM_Q5_0: return 16 + 128 + 32;
     case QM_Q8_0: return 16 + 256;
@@ -406,8 +414,7 @@ static inline int qm_x8_block_bytes(int type) {
 
 /* Bytes of one group of QM_X8 rows of k weights of ``type`` in the x8 layout (0: none). */
 static inline size_t qm_x8_bytes(int type, ptrdiff_t k) {
-    int bk = type == QM_Q4_K ? 256 : 32;
-    return (size_t)(k / bk) * (size_t)qm_x8_block_bytes(type);
+    return (size_t)(k / qm_block[type]) * (size_t)qm_x8_block_bytes(type);
 }
 
 /* The group block of rows w[0..8) (rb bytes apart), block b, into dst (QM_X8_Q4K bytes). */
@@ -425,6 +432,19 @@ static void qm_pack_q4k_block(const uint8_t *w, ptrdiff_t rb, ptrdiff_t b, uint8
         for (int c = 0; c < 4; c++)
             for (int t = 0; t < 8; t++)
                 memcpy(dst + 160 + 32 * (8 * c + t) + 4 * i, blk + 16 + 32 * c + 4 * t, 4);
+    }
+}
+
+/* The same for IQ4_XS (QM_X8_IQ4XS bytes). */
+static void qm_pack_iq4xs_block(const uint8_t *w, ptrdiff_t rb, ptrdiff_t b, uint8_t *dst) {
+    for (int i = 0; i < QM_X8; i++) {
+        const uint8_t *blk = w + i * rb + b * 136;
+        memcpy(dst + 2 * i, blk, 2);
+        for (int j = 0; j < 8; j++)
+            dst[16 + 16 * (j / 2) + 2 * i + (j % 2)] = (uint8_t)(int8_t)qm_scale_iq4_xs(blk, j);
+        for (int c = 0; c < 4; c++)
+            for (int t = 0; t < 8; t++)
+                memcpy(dst + 80 + 32 * (8 * c + t) + 4 * i, blk + 8 + 32 * c + 4 * t, 4);
     }
 }
 
@@ -460,6 +480,7 @@ static inline int qm_pack_x8(int type, const uint8_t *w, ptrdiff_t n, ptrdiff_t 
         for (ptrdiff_t b = 0; b < nb; b++) {
             uint8_t *dst = out + (size_t)(g * nb + b) * xb;
             if (type == QM_Q4_K) qm_pack_q4k_block(w + g * QM_X8 * rb, rb, b, dst);
+            else if (type == QM_IQ4_XS) qm_pack_iq4xs_block(w + g * QM_X8 * rb, rb, b, dst);
             else qm_pack32_block(type, w + g * QM_X8 * rb, rb, b, dst);
         }
     return 0;
@@ -537,7 +558,34 @@ static void qm_x8_scalar_q4k(const uint8_t *g, const qm_act *a, ptrdiff_t k, int
         }
 }
 
+/* The scalar reference: each row as qm_iblk_iq4_xs computes it, block by block. */
+static void qm_x8_scalar_iq4xs(const uint8_t *g, const qm_act *a, ptrdiff_t k, int R,
+                               float *s) {
+    ptrdiff_t nb = k / 256;
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < QM_X8; i++) {
+            float acc = 0.0f;
+            for (ptrdiff_t b = 0; b < nb; b++) {
+                const uint8_t *blk = g + b * QM_X8_IQ4XS;
+                const int8_t *y = QM_YK(a, r, k, b);
+                int total = 0;
+                for (int j = 0; j < 8; j++) {
+                    int sum = 0;
+                    for (int l = 0; l < 16; l++) {
+                        int t = 8 * (j / 2) + 4 * (j % 2) + l / 4;
+                        uint8_t q = blk[80 + 32 * t + 4 * i + l % 4];
+                        sum += qm_iq4nl[q & 0xF] * y[32 * j + l]
+                               + qm_iq4nl[q >> 4] * y[32 * j + 16 + l];
+                    }
+                    total += (int8_t)blk[16 + 16 * (j / 2) + 2 * i + (j % 2)] * sum;
+                }
+                acc += qm_half(blk + 2 * i) * QM_DK(a, r, k, b) * (float)total;
+            }
+            s[QM_X8 * r + i] = acc;
+        }
+}
+
 static const qm_x8_fn qm_x8scalar[QM_TYPES] = {
     [QM_Q4_K] = qm_x8_scalar_q4k, [QM_Q4_0] = qm_x8_scalar_q4_0, [QM_Q4_1] = qm_x8_scalar_q4_1,
     [QM_Q8_0] = qm_x8_scalar_q8_0, [QM_Q5_0] = qm_x8_scalar_q5_0,
-    [QM_IQ4_NL] = qm_x8_scalar_iq4_nl};
+    [QM_IQ4_NL] = qm_x8_scalar_iq4_nl, [QM_IQ4_XS] = qm_x8_scalar_iq4xs};

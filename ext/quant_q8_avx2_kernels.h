@@ -357,24 +357,41 @@ QK_ALWAYS void QK(x8_q4k_pass)(const uint8_t *g, const qm_act *a, ptrdiff_t k, c
 }
 
 /* isum[r] += the 8 rows' 4 unsigned quants q (one row a lane) by row r's 4 activations at
-   ``at`` of its 32-blocks' quants, for R rows. */
-QK_ALWAYS void QK(x8_chunk)(__m256i q, const qm_act *a, ptrdiff_t k, ptrdiff_t at, const int R,
+   y + r k, for R rows. */
+QK_ALWAYS void QK(x8_chunk)(__m256i q, const int8_t *y, ptrdiff_t k, const int R,
                             __m256i *isum) {
     QA_UNROLL
-    for (int r = 0; r < R; r++) isum[r] = QK(dp_at)(isum[r], q, a->q32 + r * k + at);
+    for (int r = 0; r < R; r++) isum[r] = QK(dp_at)(isum[r], q, y + r * k);
 }
 
 /* The same for 4 signed quants x a lane: their magnitudes by the activations with their signs
    (AVX2's vpmaddubsw would saturate on Q8_0's quants plus 128). */
-QK_ALWAYS void QK(x8_chunk_signed)(__m256i x, const qm_act *a, ptrdiff_t k, ptrdiff_t at,
-                                   const int R, __m256i *isum) {
+QK_ALWAYS void QK(x8_chunk_signed)(__m256i x, const int8_t *y, ptrdiff_t k, const int R,
+                                   __m256i *isum) {
     __m256i u = _mm256_sign_epi8(x, x);
     QA_UNROLL
     for (int r = 0; r < R; r++) {
-        int32_t y;
-        memcpy(&y, a->q32 + r * k + at, 4);
-        isum[r] = QK(dp)(isum[r], u, _mm256_sign_epi8(_mm256_set1_epi32(y), x));
+        int32_t four;
+        memcpy(&four, y + r * k, 4);
+        isum[r] = QK(dp)(isum[r], u, _mm256_sign_epi8(_mm256_set1_epi32(four), x));
     }
+}
+
+/* IQ4_NL's values (signed), or plus 128 as unsigned bytes where the VNNI kernels take them so,
+   in both lanes: a nibble's value is one vpshufb. */
+QK_ALWAYS __m256i QK(x8_values)(void) {
+    __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qm_iq4nl));
+    return QK_VNNI ? _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)) : v;
+}
+
+/* isum[r] += 4 values of the 8 rows (x8_values', one row a lane) by row r's 4 activations at
+   y + r k: unsigned with VNNI, signed on AVX2. */
+QK_ALWAYS void QK(x8_chunk_values)(__m256i v, const int8_t *y, ptrdiff_t k, const int R,
+                                   __m256i *isum) {
+    if (QK_VNNI)
+        QK(x8_chunk)(v, y, k, R, isum);
+    else
+        QK(x8_chunk_signed)(v, y, k, R, isum);
 }
 
 /* The fifth bits of 32 nibbles (Q5_0's x8 mask at m: bit j for byte j) as 16 in those bytes. */
@@ -402,10 +419,7 @@ QK_ALWAYS void QK(x8_32_pass)(int type, const uint8_t *g, const qm_act *a, ptrdi
     const int offset = type == QM_Q8_0 || type == QM_IQ4_NL ? (QK_VNNI ? 128 : 0)
                        : type == QM_Q4_0 ? 8 : type == QM_Q5_0 ? 16 : 0;
     const __m256i low4 = _mm256_set1_epi8(0xF), flip = _mm256_set1_epi8((char)0x80);
-    const __m256i values = QK_VNNI  /* IQ4_NL's, plus 128 (as unsigned) where they enter so */
-        ? _mm256_xor_si256(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qm_iq4nl)),
-                           flip)
-        : _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qm_iq4nl));
+    const __m256i values = QK(x8_values)();
     __m256 acc[QK_X8_PASS32];
     QA_UNROLL
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
@@ -416,12 +430,11 @@ QK_ALWAYS void QK(x8_32_pass)(int type, const uint8_t *g, const qm_act *a, ptrdi
         if (type == QM_Q8_0) {
             QA_UNROLL
             for (int t = 0; t < 8; t++) {
+                const int8_t *y = a->q32 + 32 * b + 4 * t;
                 if (QK_VNNI)
-                    QK(x8_chunk)(_mm256_xor_si256(qa_load(g + at + 32 * t), flip), a, k,
-                                 32 * b + 4 * t, R, isum);
+                    QK(x8_chunk)(_mm256_xor_si256(qa_load(g + at + 32 * t), flip), y, k, R, isum);
                 else
-                    QK(x8_chunk_signed)(qa_load(g + at + 32 * t), a, k, 32 * b + 4 * t, R,
-                                        isum);
+                    QK(x8_chunk_signed)(qa_load(g + at + 32 * t), y, k, R, isum);
             }
         } else {
             QA_UNROLL
@@ -433,17 +446,14 @@ QK_ALWAYS void QK(x8_32_pass)(int type, const uint8_t *g, const qm_act *a, ptrdi
                     lo = _mm256_or_si256(lo, QK(x8_fifth)(g + 144 + 8 * t));
                     hi = _mm256_or_si256(hi, QK(x8_fifth)(g + 148 + 8 * t));
                 }
+                const int8_t *y = a->q32 + 32 * b + 4 * t;
                 if (type == QM_IQ4_NL) {
-                    lo = _mm256_shuffle_epi8(values, lo);
-                    hi = _mm256_shuffle_epi8(values, hi);
-                    if (!QK_VNNI) {
-                        QK(x8_chunk_signed)(lo, a, k, 32 * b + 4 * t, R, isum);
-                        QK(x8_chunk_signed)(hi, a, k, 32 * b + 16 + 4 * t, R, isum);
-                        continue;
-                    }
+                    QK(x8_chunk_values)(_mm256_shuffle_epi8(values, lo), y, k, R, isum);
+                    QK(x8_chunk_values)(_mm256_shuffle_epi8(values, hi), y + 16, k, R, isum);
+                    continue;
                 }
-                QK(x8_chunk)(lo, a, k, 32 * b + 4 * t, R, isum);
-                QK(x8_chunk)(hi, a, k, 32 * b + 16 + 4 * t, R, isum);
+                QK(x8_chunk)(lo, y, k, R, isum);
+                QK(x8_chunk)(hi, y + 16, k, R, isum);
             }
         }
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
@@ -456,6 +466,57 @@ QK_ALWAYS void QK(x8_32_pass)(int type, const uint8_t *g, const qm_act *a, ptrdi
             if (type == QM_Q4_1)
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16))),
                                          _mm256_set1_ps(a->s32[r * nb + b]), acc[r]);
+        }
+    }
+    QA_UNROLL
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(s + QM_X8 * r, acc[r]);
+}
+
+/* IQ4_XS's x8 group g against R <= QK_X8_PASS activation rows: s[8 r + i]. Per 64 weights,
+   each sub-block's values (x8_values) against every row, its sums by its scales; with VNNI
+   the values' 128 leaves the sums by the scales times the activations' 32-sums (x8_mins). */
+QK_ALWAYS void QK(x8_iq4xs_pass)(const uint8_t *g, const qm_act *a, ptrdiff_t k, const int R,
+                                 float *s) {
+    const ptrdiff_t nb = k / 256;
+    const __m256i low4 = _mm256_set1_epi8(0xF), values = QK(x8_values)();
+    __m256 acc[QK_X8_PASS];
+    QA_UNROLL
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (ptrdiff_t b = 0; b < nb; b++, g += QM_X8_IQ4XS) {
+        __m256i isum[QK_X8_PASS], pairs[4];
+        QA_UNROLL
+        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+        QA_UNROLL
+        for (int c = 0; c < 4; c++) {
+            __m256i sub[2][QK_X8_PASS];
+            QA_UNROLL
+            for (int r = 0; r < R; r++) sub[0][r] = sub[1][r] = _mm256_setzero_si256();
+            QA_UNROLL
+            for (int t = 0; t < 8; t++) {
+                __m256i bits = qa_load(g + 80 + 32 * (8 * c + t));
+                __m256i lo = _mm256_shuffle_epi8(values, _mm256_and_si256(bits, low4));
+                __m256i hi = _mm256_shuffle_epi8(
+                    values, _mm256_and_si256(_mm256_srli_epi16(bits, 4), low4));
+                const int8_t *y = a->qk + 256 * b + 64 * c + 32 * (t / 4) + 4 * (t % 4);
+                QK(x8_chunk_values)(lo, y, k, R, sub[t / 4]);
+                QK(x8_chunk_values)(hi, y + 16, k, R, sub[t / 4]);
+            }
+            pairs[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(g + 16 + 16 * c)));
+            __m256i even = _mm256_madd_epi16(pairs[c], _mm256_set1_epi32(1));
+            __m256i odd = _mm256_madd_epi16(pairs[c], _mm256_set1_epi32(1 << 16));
+            QA_UNROLL
+            for (int r = 0; r < R; r++)
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(
+                    _mm256_mullo_epi32(sub[0][r], even), _mm256_mullo_epi32(sub[1][r], odd)));
+        }
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+        QA_UNROLL
+        for (int r = 0; r < R; r++) {
+            if (QK_VNNI)
+                isum[r] = _mm256_sub_epi32(isum[r],
+                                           _mm256_slli_epi32(QK(x8_mins)(a, k, b, r, pairs), 7));
+            __m256 dy = _mm256_set1_ps(a->dk[r * (nb + 1) + b]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, dy), _mm256_cvtepi32_ps(isum[r]), acc[r]);
         }
     }
     QA_UNROLL
@@ -493,18 +554,21 @@ QK_ALWAYS void QK(x8_32_pass)(int type, const uint8_t *g, const qm_act *a, ptrdi
 #define QK_X8_Q5_0(R_) QK(x8_32_pass)(QM_Q5_0, g, &at, k, R_, out)
 #define QK_X8_IQ4_NL(R_) QK(x8_32_pass)(QM_IQ4_NL, g, &at, k, R_, out)
 #define QK_X8_Q4_K(R_) QK(x8_q4k_pass)(g, &at, k, R_, out)
+#define QK_X8_IQ4_XS(R_) QK(x8_iq4xs_pass)(g, &at, k, R_, out)
 QK_X8_BY_ROWS(x8_q4_0, QK_X8_Q4_0, QK_X8_PASS32, QK_X8_ROWS8)
 QK_X8_BY_ROWS(x8_q4_1, QK_X8_Q4_1, QK_X8_PASS32, QK_X8_ROWS8)
 QK_X8_BY_ROWS(x8_q8_0, QK_X8_Q8_0, QK_X8_PASS32, QK_X8_ROWS8)
 QK_X8_BY_ROWS(x8_q5_0, QK_X8_Q5_0, QK_X8_PASS32, QK_X8_ROWS8)
 QK_X8_BY_ROWS(x8_iq4_nl, QK_X8_IQ4_NL, QK_X8_PASS32, QK_X8_ROWS8)
 QK_X8_BY_ROWS(x8_q4k, QK_X8_Q4_K, QK_X8_PASS, QK_X8_ROWS4)
+QK_X8_BY_ROWS(x8_iq4xs, QK_X8_IQ4_XS, QK_X8_PASS, QK_X8_ROWS4)
 #undef QK_X8_Q4_0
 #undef QK_X8_Q4_1
 #undef QK_X8_Q8_0
 #undef QK_X8_Q5_0
 #undef QK_X8_IQ4_NL
 #undef QK_X8_Q4_K
+#undef QK_X8_IQ4_XS
 #undef QK_X8_ROWS4
 #undef QK_X8_ROWS8
 #undef QK_X8_BY_ROWS
@@ -558,7 +622,8 @@ static const qm_idot_fn QK(wtable)[QM_TYPES] = {
 /* Its x8 kernels (qm_pack_x8's layout). */
 static const qm_x8_fn QK(x8table)[QM_TYPES] = {
     [QM_Q4_K] = QK(x8_q4k), [QM_Q4_0] = QK(x8_q4_0), [QM_Q4_1] = QK(x8_q4_1),
-    [QM_Q8_0] = QK(x8_q8_0), [QM_Q5_0] = QK(x8_q5_0), [QM_IQ4_NL] = QK(x8_iq4_nl)};
+    [QM_Q8_0] = QK(x8_q8_0), [QM_Q5_0] = QK(x8_q5_0), [QM_IQ4_NL] = QK(x8_iq4_nl),
+    [QM_IQ4_XS] = QK(x8_iq4xs)};
 
 #undef QK_Q8_0
 #undef QK_Q4_0

@@ -25,7 +25,7 @@ from mdiedge.model.x8layout import LAYOUTS, pack, pack_q4k
 
 TINY_Q4_K_M = Path(__file__).resolve().parent / "data" / "gguf" / "tiny-llama-2x256-Q4_K_M.gguf"
 SHAPES = [(8, 256), (24, 512), (40, 1536)]
-TYPES = ["Q4_K", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "IQ4_NL"]
+TYPES = ["Q4_K", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "IQ4_NL", "IQ4_XS"]
 
 
 def compiled(qtype: str = "Q4_K") -> Any:
@@ -40,7 +40,8 @@ def compiled(qtype: str = "Q4_K") -> Any:
 def test_the_compiled_packer_writes_what_the_numpy_one_does(qtype: str, n: int, k: int) -> None:
     w = random_blocks(qtype, n, k, seed=n).numpy()
     want = pack(w, qtype)
-    block, group_block = (256, 1184) if qtype == "Q4_K" else (32, 8 * QTYPES[qtype].block_bytes)
+    block, group_block = {"Q4_K": (256, 1184), "IQ4_XS": (256, 1104)}.get(
+        qtype, (32, 8 * QTYPES[qtype].block_bytes))
     assert want.shape == (n // 8, k // block * group_block)
     assert np.array_equal(_pyquant.pack_x8(w, qtype), want)
     quant = QUANT.select()
@@ -74,7 +75,7 @@ def test_a_packed_group_holds_each_rows_bytes() -> None:
 
 
 @pytest.mark.parametrize("bad, message", [
-    (("Q4_K", 12, 256), "multiple of 8"), (("Q6_K", 8, 256), "only Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, IQ4_NL")])
+    (("Q4_K", 12, 256), "multiple of 8"), (("Q6_K", 8, 256), "only Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, IQ4_NL, IQ4_XS")])
 def test_a_matrix_without_a_layout_is_refused(bad: Any, message: str) -> None:
     qtype, n, k = bad
     w = random_blocks(qtype, n, k).numpy()

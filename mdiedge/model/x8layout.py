@@ -5,7 +5,8 @@ the twin's ``pack_x8`` and the tests' reference). Per block of a group: for Q4_K
 d and dmin (f16), the sub-blocks' 6-bit scales (one byte per row), their minimums in pairs of
 sub-blocks, then the quants 4 bytes of each row at a time; for Q4_0, Q4_1, Q5_0, IQ4_NL and
 Q8_0 the rows' d (and Q4_1's m), then the quants 4 bytes of each row at a time (Q5_0's fifth
-bits after them, a 32-bit mask per 32 nibbles)."""
+bits after them, a 32-bit mask per 32 nibbles); for IQ4_XS the rows' d, their sub-blocks'
+scales (less 32, int8) in pairs of sub-blocks as Q4_K's minimums, then the quants as Q4_K's."""
 from __future__ import annotations
 
 from typing import Any, List
@@ -19,7 +20,7 @@ from .qtypes import TYPES
 GROUP = 8  # rows interleaved
 SCALE_BYTES32 = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4, "IQ4_NL": 2}  # the 32-weight types': f16
 #                                                                 scales first
-LAYOUTS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "IQ4_NL")  # in ext/quant.h's type order
+LAYOUTS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "IQ4_NL", "IQ4_XS")  # ext/quant.h's order
 
 
 def _scales_mins(packed: np.ndarray) -> np.ndarray:
@@ -58,6 +59,27 @@ def pack_q4k(w: np.ndarray) -> np.ndarray:
         sm[..., 0, :].swapaxes(-1, -2),  # scales (g, nb, sub-block, row)
         sm[..., 1, :].reshape(*lead, GROUP, 4, 2).transpose(0, 1, 3, 2, 4),  # mins in pairs
         blocks[..., 16:].reshape(*lead, GROUP, 4, 8, 4).transpose(0, 1, 3, 4, 2, 5),  # quants
+    ], w.shape[0])
+
+
+def _iq4xs_scales(blocks: np.ndarray) -> np.ndarray:
+    """IQ4_XS blocks' (..., 136) eight sub-block scales less 32 (..., 8), int8 as uint8 bytes."""
+    ib = np.arange(8)
+    high = blocks[..., 2].astype(np.uint16) | (blocks[..., 3].astype(np.uint16) << 8)
+    low = (blocks[..., 4 + ib // 2] >> (4 * (ib % 2)).astype(np.uint8)) & 0xF
+    six = low.astype(np.int16) | (((high[..., None] >> (2 * ib).astype(np.uint16)) & 3) << 4)
+    return (six - 32).astype(np.int8).view(np.uint8)
+
+
+def pack_iq4xs(w: np.ndarray) -> np.ndarray:
+    """Rows w (n, k / 256 * 136) of IQ4_XS blocks, n a multiple of 8, in the x8 layout:
+    (n / 8, k / 256 * 1104) uint8."""
+    blocks = _groups(w, "IQ4_XS")
+    lead = blocks.shape[:2]
+    return _joined([
+        blocks[..., 0:2],  # d
+        _iq4xs_scales(blocks).reshape(*lead, GROUP, 4, 2).transpose(0, 1, 3, 2, 4),  # pairs
+        blocks[..., 8:].reshape(*lead, GROUP, 4, 8, 4).transpose(0, 1, 3, 4, 2, 5),  # quants
     ], w.shape[0])
 
 
@@ -111,6 +133,5 @@ def pack(w: Any, qtype: str, threads: int = 1) -> np.ndarray:
     arguments (the threads only checked: the twin's ``pack_x8``)."""
     check_pack(w, qtype, threads)
     w = numpy_view(w)
-    if qtype == "Q4_K":
-        return pack_q4k(w)
-    return pack_q5_0(w) if qtype == "Q5_0" else pack32(w, qtype)
+    packers = {"Q4_K": pack_q4k, "IQ4_XS": pack_iq4xs, "Q5_0": pack_q5_0}
+    return packers[qtype](w) if qtype in packers else pack32(w, qtype)

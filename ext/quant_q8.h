@@ -390,15 +390,20 @@ static const qm_idot_fn qm_iscalar[QM_TYPES] = {
  *       16 bytes for t < 4, then 2 c + 1's). */
 #define QM_X8_IQ4XS 1104
 
-/* The 32-weight types' x8 layout, per block of a group: the 8 rows' d (f16), for Q4_1 their
-   m (f16), then the quants, 4 bytes of each row at a time: for Q4_0, Q4_1, Q5_0 and IQ4_NL
-   (nibbles)
+/* The 32-weight types' x8 layout, per block of a group: the 8 rows' d (f16), for Q4_1 and Q5_1
+   their m (f16), then the quants, 4 bytes of each row at a time: for Q4_0, Q4_1, Q5_0, Q5_1
+   and IQ4_NL (nibbles)
    row i's qs[4 t ..] at 32 t + 4 i past the scales (t = 0..3: the low nibbles weights 4 t..,
    the high ones 16 + 4 t..), for Q8_0 (bytes) row i's qs[4 t ..] likewise (t = 0..7). Q5_0's
-   fifth bits follow at 144, a 32-bit mask per 32 nibbles, as the nibbles lie: the low
-   nibbles' of t at 144 + 8 t, the high ones' at 148 + 8 t, bit 4 i + m the fifth bit of row
-   i's weight 4 t + m (16 + 4 t + m). */
-static inline int qm_x8_scales32(int type) { return type == QM_Q4_1 ? 32 : 16; }
+   and Q5_1's fifth bits follow the quants (at f = 144, 160), a 32-bit mask per 32 nibbles, as
+   the nibbles lie: the low nibbles' of t at f + 8 t, the high ones' at f + 4 + 8 t, bit 4 i + m
+   the fifth bit of row i's weight 4 t + m (16 + 4 t + m). */
+static inline int qm_x8_scales32(int type) {
+    return type == QM_Q4_1 || type == QM_Q5_1 ? 32 : 16;
+}
+
+/* Whether a 32-weight type holds fifth bits (qh, after d and m). */
+static inline int qm_fifth_bits(int type) { return type == QM_Q5_0 || type == QM_Q5_1; }
 
 /* Bytes of one block of a group of the x8 layout (0: the type has none). */
 static inline int qm_x8_block_bytes(int type) {
@@ -406,7 +411,7 @@ static inline int qm_x8_block_bytes(int type) {
     case QM_Q4_K: return QM_X8_Q4K;
     case QM_IQ4_XS: return QM_X8_IQ4XS;
     case QM_Q4_0: case QM_Q4_1: case QM_IQ4_NL: return qm_x8_scales32(type) + 128;
-    case QM_Q5_0: return 16 + 128 + 32;
+    case QM_Q5_0: case QM_Q5_1: return qm_x8_scales32(type) + 128 + 32;
     case QM_Q8_0: return 16 + 256;
     default: return 0;
     }
@@ -452,18 +457,18 @@ static void qm_pack_iq4xs_block(const uint8_t *w, ptrdiff_t rb, ptrdiff_t b, uin
 static void qm_pack32_block(int type, const uint8_t *w, ptrdiff_t rb, ptrdiff_t b,
                             uint8_t *dst) {
     int bb = qm_block_bytes[type], at = qm_x8_scales32(type), quants = type == QM_Q8_0 ? 8 : 4;
-    if (type == QM_Q5_0) memset(dst + 144, 0, 32);
+    if (qm_fifth_bits(type)) memset(dst + at + 128, 0, 32);
     for (int i = 0; i < QM_X8; i++) {
         const uint8_t *blk = w + i * rb + b * bb;
         memcpy(dst + 2 * i, blk, 2);
-        if (type == QM_Q4_1) memcpy(dst + 16 + 2 * i, blk + 2, 2);
+        if (at == 32) memcpy(dst + 16 + 2 * i, blk + 2, 2);
         for (int t = 0; t < quants; t++)
             memcpy(dst + at + 32 * t + 4 * i, blk + (bb - 4 * quants) + 4 * t, 4);
-        if (type != QM_Q5_0) continue;
-        uint32_t qh = qm_u32(blk + 2);
+        if (!qm_fifth_bits(type)) continue;
+        uint32_t qh = qm_u32(blk + (at == 32 ? 4 : 2));  /* after d (and m) */
         for (int t = 0; t < 8; t++) {  /* mask t: nibbles t / 2's low (t even) or high */
             uint32_t bits = (qh >> (t % 2 ? 16 + 4 * (t / 2) : 4 * (t / 2))) & 0xF;
-            dst[144 + 4 * t + i / 2] |= (uint8_t)(bits << (4 * (i % 2)));
+            dst[at + 128 + 4 * t + i / 2] |= (uint8_t)(bits << (4 * (i % 2)));
         }
     }
 }
@@ -491,16 +496,16 @@ static inline int qm_pack_x8(int type, const uint8_t *w, ptrdiff_t n, ptrdiff_t 
 static void qm_unpack32_block(int type, const uint8_t *g, int i, uint8_t *blk) {
     int bb = qm_block_bytes[type], at = qm_x8_scales32(type), quants = type == QM_Q8_0 ? 8 : 4;
     memcpy(blk, g + 2 * i, 2);
-    if (type == QM_Q4_1) memcpy(blk + 2, g + 16 + 2 * i, 2);
+    if (at == 32) memcpy(blk + 2, g + 16 + 2 * i, 2);
     for (int t = 0; t < quants; t++)
         memcpy(blk + (bb - 4 * quants) + 4 * t, g + at + 32 * t + 4 * i, 4);
-    if (type != QM_Q5_0) return;
+    if (!qm_fifth_bits(type)) return;
     uint32_t qh = 0;
     for (int t = 0; t < 8; t++) {
-        uint32_t bits = (g[144 + 4 * t + i / 2] >> (4 * (i % 2))) & 0xF;
+        uint32_t bits = (g[at + 128 + 4 * t + i / 2] >> (4 * (i % 2))) & 0xF;
         qh |= bits << (t % 2 ? 16 + 4 * (t / 2) : 4 * (t / 2));
     }
-    for (int j = 0; j < 4; j++) blk[2 + j] = (uint8_t)(qh >> (8 * j));
+    for (int j = 0; j < 4; j++) blk[(at == 32 ? 4 : 2) + j] = (uint8_t)(qh >> (8 * j));
 }
 
 /* The 32-weight types' scalar reference: each row as qm_iblk computes it, block by block. */
@@ -528,6 +533,7 @@ QM_X8SCALAR32(QM_Q4_0, q4_0)
 QM_X8SCALAR32(QM_Q4_1, q4_1)
 QM_X8SCALAR32(QM_Q8_0, q8_0)
 QM_X8SCALAR32(QM_Q5_0, q5_0)
+QM_X8SCALAR32(QM_Q5_1, q5_1)
 QM_X8SCALAR32(QM_IQ4_NL, iq4_nl)
 
 /* The scalar reference: each row as qm_iblk_q4_k computes it, block by block. */
@@ -558,28 +564,34 @@ static void qm_x8_scalar_q4k(const uint8_t *g, const qm_act *a, ptrdiff_t k, int
         }
 }
 
-/* The scalar reference: each row as qm_iblk_iq4_xs computes it, block by block. */
+/* Row i's IQ4_XS block back from a group block g into blk (136 bytes). */
+static void qm_unpack_iq4xs_block(const uint8_t *g, int i, uint8_t *blk) {
+    memcpy(blk, g + 2 * i, 2);
+    unsigned high = 0;
+    memset(blk + 4, 0, 4);
+    for (int j = 0; j < 8; j++) {
+        int ls = (int8_t)g[16 + 16 * (j / 2) + 2 * i + (j % 2)] + 32;  /* 6 bits */
+        blk[4 + j / 2] |= (uint8_t)((ls & 0xF) << (4 * (j % 2)));
+        high |= (unsigned)(ls >> 4) << (2 * j);
+    }
+    blk[2] = (uint8_t)high;
+    blk[3] = (uint8_t)(high >> 8);
+    for (int c = 0; c < 4; c++)
+        for (int t = 0; t < 8; t++)
+            memcpy(blk + 8 + 32 * c + 4 * t, g + 80 + 32 * (8 * c + t) + 4 * i, 4);
+}
+
+/* The scalar reference: each row's blocks back from the groups, multiplied as the rows'
+   reference multiplies them (qm_iblk). */
 static void qm_x8_scalar_iq4xs(const uint8_t *g, const qm_act *a, ptrdiff_t k, int R,
                                float *s) {
-    ptrdiff_t nb = k / 256;
+    uint8_t blk[136];
     for (int r = 0; r < R; r++)
         for (int i = 0; i < QM_X8; i++) {
             float acc = 0.0f;
-            for (ptrdiff_t b = 0; b < nb; b++) {
-                const uint8_t *blk = g + b * QM_X8_IQ4XS;
-                const int8_t *y = QM_YK(a, r, k, b);
-                int total = 0;
-                for (int j = 0; j < 8; j++) {
-                    int sum = 0;
-                    for (int l = 0; l < 16; l++) {
-                        int t = 8 * (j / 2) + 4 * (j % 2) + l / 4;
-                        uint8_t q = blk[80 + 32 * t + 4 * i + l % 4];
-                        sum += qm_iq4nl[q & 0xF] * y[32 * j + l]
-                               + qm_iq4nl[q >> 4] * y[32 * j + 16 + l];
-                    }
-                    total += (int8_t)blk[16 + 16 * (j / 2) + 2 * i + (j % 2)] * sum;
-                }
-                acc += qm_half(blk + 2 * i) * QM_DK(a, r, k, b) * (float)total;
+            for (ptrdiff_t b = 0; b < k / 256; b++) {
+                qm_unpack_iq4xs_block(g + b * QM_X8_IQ4XS, i, blk);
+                acc += qm_iblk[QM_IQ4_XS](blk, a, r, k, b);
             }
             s[QM_X8 * r + i] = acc;
         }
@@ -588,4 +600,5 @@ static void qm_x8_scalar_iq4xs(const uint8_t *g, const qm_act *a, ptrdiff_t k, i
 static const qm_x8_fn qm_x8scalar[QM_TYPES] = {
     [QM_Q4_K] = qm_x8_scalar_q4k, [QM_Q4_0] = qm_x8_scalar_q4_0, [QM_Q4_1] = qm_x8_scalar_q4_1,
     [QM_Q8_0] = qm_x8_scalar_q8_0, [QM_Q5_0] = qm_x8_scalar_q5_0,
-    [QM_IQ4_NL] = qm_x8_scalar_iq4_nl, [QM_IQ4_XS] = qm_x8_scalar_iq4xs};
+    [QM_Q5_1] = qm_x8_scalar_q5_1, [QM_IQ4_NL] = qm_x8_scalar_iq4_nl,
+    [QM_IQ4_XS] = qm_x8_scalar_iq4xs};

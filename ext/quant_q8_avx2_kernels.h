@@ -394,7 +394,8 @@ QK_ALWAYS void QK(x8_chunk_values)(__m256i v, const int8_t *y, ptrdiff_t k, cons
         QK(x8_chunk_signed)(v, y, k, R, isum);
 }
 
-/* The fifth bits of 32 nibbles (Q5_0's x8 mask at m: bit j for byte j) as 16 in those bytes. */
+/* The fifth bits of 32 nibbles (Q5_0's or Q5_1's x8 mask at m: bit j for byte j) as 16 in
+   those bytes. */
 QK_ALWAYS __m256i QK(x8_fifth)(const uint8_t *m) {
     int32_t bits;
     memcpy(&bits, m, 4);
@@ -407,11 +408,11 @@ QK_ALWAYS __m256i QK(x8_fifth)(const uint8_t *m) {
 }
 
 /* A 32-weight type's x8 group g against R <= QK_X8_PASS32 activation rows: s[8 r + i]. The
-   quants enter unsigned (Q4_0's and Q5_0's as stored, Q8_0's and IQ4_NL's values plus 128
-   with VNNI, whose sums of four products do not saturate), their offset (8, 16, 128) taken
-   off the integer sums by each row's quant sums; AVX2's Q8_0 and IQ4_NL signed
-   (x8_chunk_signed); Q4_1's minimum by its activation sums. IQ4_NL's nibbles index its
-   16 values in one byte shuffle, as ggml's kernels do. */
+   quants enter unsigned (Q4_0's, Q4_1's, Q5_0's and Q5_1's as stored, Q8_0's and IQ4_NL's
+   values plus 128 with VNNI, whose sums of four products do not saturate), their offset (8,
+   16, 128) taken off the integer sums by each row's quant sums; AVX2's Q8_0 and IQ4_NL signed
+   (x8_chunk_signed); Q4_1's and Q5_1's minimum by its activation sums. IQ4_NL's nibbles index
+   its 16 values in one byte shuffle, as ggml's kernels do. */
 QK_ALWAYS void QK(x8_32_pass)(int type, const uint8_t *g, const qm_act *a, ptrdiff_t k,
                               const int R, float *s) {
     const ptrdiff_t nb = k / 32;
@@ -442,9 +443,9 @@ QK_ALWAYS void QK(x8_32_pass)(int type, const uint8_t *g, const qm_act *a, ptrdi
                 __m256i bits = qa_load(g + at + 32 * t);
                 __m256i lo = _mm256_and_si256(bits, low4);
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low4);
-                if (type == QM_Q5_0) {
-                    lo = _mm256_or_si256(lo, QK(x8_fifth)(g + 144 + 8 * t));
-                    hi = _mm256_or_si256(hi, QK(x8_fifth)(g + 148 + 8 * t));
+                if (qm_fifth_bits(type)) {
+                    lo = _mm256_or_si256(lo, QK(x8_fifth)(g + at + 128 + 8 * t));
+                    hi = _mm256_or_si256(hi, QK(x8_fifth)(g + at + 132 + 8 * t));
                 }
                 const int8_t *y = a->q32 + 32 * b + 4 * t;
                 if (type == QM_IQ4_NL) {
@@ -463,7 +464,7 @@ QK_ALWAYS void QK(x8_32_pass)(int type, const uint8_t *g, const qm_act *a, ptrdi
                 isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(offset * a->i32[r * nb + b]));
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a->d32[r * nb + b])),
                                      _mm256_cvtepi32_ps(isum[r]), acc[r]);
-            if (type == QM_Q4_1)
+            if (at == 32)  /* Q4_1's and Q5_1's minimum */
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16))),
                                          _mm256_set1_ps(a->s32[r * nb + b]), acc[r]);
         }
@@ -552,6 +553,7 @@ QK_ALWAYS void QK(x8_iq4xs_pass)(const uint8_t *g, const qm_act *a, ptrdiff_t k,
 #define QK_X8_Q4_1(R_) QK(x8_32_pass)(QM_Q4_1, g, &at, k, R_, out)
 #define QK_X8_Q8_0(R_) QK(x8_32_pass)(QM_Q8_0, g, &at, k, R_, out)
 #define QK_X8_Q5_0(R_) QK(x8_32_pass)(QM_Q5_0, g, &at, k, R_, out)
+#define QK_X8_Q5_1(R_) QK(x8_32_pass)(QM_Q5_1, g, &at, k, R_, out)
 #define QK_X8_IQ4_NL(R_) QK(x8_32_pass)(QM_IQ4_NL, g, &at, k, R_, out)
 #define QK_X8_Q4_K(R_) QK(x8_q4k_pass)(g, &at, k, R_, out)
 #define QK_X8_IQ4_XS(R_) QK(x8_iq4xs_pass)(g, &at, k, R_, out)
@@ -559,6 +561,7 @@ QK_X8_BY_ROWS(x8_q4_0, QK_X8_Q4_0, QK_X8_PASS32, QK_X8_ROWS8)
 QK_X8_BY_ROWS(x8_q4_1, QK_X8_Q4_1, QK_X8_PASS32, QK_X8_ROWS8)
 QK_X8_BY_ROWS(x8_q8_0, QK_X8_Q8_0, QK_X8_PASS32, QK_X8_ROWS8)
 QK_X8_BY_ROWS(x8_q5_0, QK_X8_Q5_0, QK_X8_PASS32, QK_X8_ROWS8)
+QK_X8_BY_ROWS(x8_q5_1, QK_X8_Q5_1, QK_X8_PASS32, QK_X8_ROWS8)
 QK_X8_BY_ROWS(x8_iq4_nl, QK_X8_IQ4_NL, QK_X8_PASS32, QK_X8_ROWS8)
 QK_X8_BY_ROWS(x8_q4k, QK_X8_Q4_K, QK_X8_PASS, QK_X8_ROWS4)
 QK_X8_BY_ROWS(x8_iq4xs, QK_X8_IQ4_XS, QK_X8_PASS, QK_X8_ROWS4)
@@ -566,6 +569,7 @@ QK_X8_BY_ROWS(x8_iq4xs, QK_X8_IQ4_XS, QK_X8_PASS, QK_X8_ROWS4)
 #undef QK_X8_Q4_1
 #undef QK_X8_Q8_0
 #undef QK_X8_Q5_0
+#undef QK_X8_Q5_1
 #undef QK_X8_IQ4_NL
 #undef QK_X8_Q4_K
 #undef QK_X8_IQ4_XS
@@ -622,8 +626,8 @@ static const qm_idot_fn QK(wtable)[QM_TYPES] = {
 /* Its x8 kernels (qm_pack_x8's layout). */
 static const qm_x8_fn QK(x8table)[QM_TYPES] = {
     [QM_Q4_K] = QK(x8_q4k), [QM_Q4_0] = QK(x8_q4_0), [QM_Q4_1] = QK(x8_q4_1),
-    [QM_Q8_0] = QK(x8_q8_0), [QM_Q5_0] = QK(x8_q5_0), [QM_IQ4_NL] = QK(x8_iq4_nl),
-    [QM_IQ4_XS] = QK(x8_iq4xs)};
+    [QM_Q8_0] = QK(x8_q8_0), [QM_Q5_0] = QK(x8_q5_0), [QM_Q5_1] = QK(x8_q5_1),
+    [QM_IQ4_NL] = QK(x8_iq4_nl), [QM_IQ4_XS] = QK(x8_iq4xs)};
 
 #undef QK_Q8_0
 #undef QK_Q4_0

@@ -8,8 +8,8 @@
  *    types), activations quantized by qm_quantize32 / qm_quantize256; and qm_rows's q8 mode
  *    against the kernel (exactly) and against the float32 mode (within the quantization's
  *    error);
- *  - the x8 layout (qm_pack_x8: Q4_K, Q4_0, Q4_1, Q5_0, IQ4_NL, IQ4_XS, Q8_0), scalar and each vector variant
- *    with x8 kernels: qm_rows_into_x8 against qm_rows on the rows.
+ *  - the x8 layout (qm_pack_x8: Q4_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q8_0), scalar
+ *    and each vector variant with x8 kernels: qm_rows_into_x8 against qm_rows on the rows.
  * Prints one line per type and test; exits non-zero on a mismatch, where this CPU has no
  * vector path (2: nothing would have been compared), or where it has integer kernels and
  * none ran.

@@ -25,7 +25,7 @@ from mdiedge.model.x8layout import LAYOUTS, pack, pack_q4k
 
 TINY_Q4_K_M = Path(__file__).resolve().parent / "data" / "gguf" / "tiny-llama-2x256-Q4_K_M.gguf"
 SHAPES = [(8, 256), (24, 512), (40, 1536)]
-TYPES = ["Q4_K", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "IQ4_NL", "IQ4_XS"]
+TYPES = ["Q4_K", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS"]
 
 
 def compiled(qtype: str = "Q4_K") -> Any:
@@ -75,7 +75,7 @@ def test_a_packed_group_holds_each_rows_bytes() -> None:
 
 
 @pytest.mark.parametrize("bad, message", [
-    (("Q4_K", 12, 256), "multiple of 8"), (("Q6_K", 8, 256), "only Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, IQ4_NL, IQ4_XS")])
+    (("Q4_K", 12, 256), "multiple of 8"), (("Q6_K", 8, 256), "only Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, IQ4_NL, IQ4_XS")])
 def test_a_matrix_without_a_layout_is_refused(bad: Any, message: str) -> None:
     qtype, n, k = bad
     w = random_blocks(qtype, n, k).numpy()

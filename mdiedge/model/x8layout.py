@@ -3,9 +3,9 @@ so that a vector kernel multiplies 4 bytes of an activation by the same 4 bytes 
 in one instruction (``ext/quant_q8.h``, ``qm_pack_x8``, which this reproduces byte for byte:
 the twin's ``pack_x8`` and the tests' reference). Per block of a group: for Q4_K the 8 rows'
 d and dmin (f16), the sub-blocks' 6-bit scales (one byte per row), their minimums in pairs of
-sub-blocks, then the quants 4 bytes of each row at a time; for Q4_0, Q4_1, Q5_0, IQ4_NL and
-Q8_0 the rows' d (and Q4_1's m), then the quants 4 bytes of each row at a time (Q5_0's fifth
-bits after them, a 32-bit mask per 32 nibbles); for IQ4_XS the rows' d, their sub-blocks'
+sub-blocks, then the quants 4 bytes of each row at a time; for Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL
+and Q8_0 the rows' d (and Q4_1's and Q5_1's m), then the quants 4 bytes of each row at a time
+(Q5_0's and Q5_1's fifth bits after them, a 32-bit mask per 32 nibbles); for IQ4_XS the rows' d, their sub-blocks'
 scales (less 32, int8) in pairs of sub-blocks as Q4_K's minimums, then the quants as Q4_K's."""
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ from .arrays import contiguous_cpu, ndim, numpy_view
 from .qtypes import TYPES
 
 GROUP = 8  # rows interleaved
-SCALE_BYTES32 = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4, "IQ4_NL": 2}  # the 32-weight types': f16
-#                                                                 scales first
-LAYOUTS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "IQ4_NL", "IQ4_XS")  # ext/quant.h's order
+SCALE_BYTES32 = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4, "Q5_0": 2, "Q5_1": 4,
+                 "IQ4_NL": 2}  # the 32-weight types' f16 scales, first in a block
+LAYOUTS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "IQ4_NL",
+           "IQ4_XS")  # in ext/quant.h's type order, its names
 
 
 def _scales_mins(packed: np.ndarray) -> np.ndarray:
@@ -84,8 +85,9 @@ def pack_iq4xs(w: np.ndarray) -> np.ndarray:
 
 
 def pack32(w: np.ndarray, qtype: str) -> np.ndarray:
-    """Rows w (n, k / 32 * block bytes) of a 32-weight type of ``SCALE_BYTES32``, n a multiple
-    of 8, in the x8 layout: (n / 8, k / 32 * 8 * block bytes) uint8."""
+    """Rows w (n, k / 32 * block bytes) of a 32-weight type of ``SCALE_BYTES32`` without fifth
+    bits (Q5_0 and Q5_1: ``pack_q5``), n a multiple of 8, in the x8 layout: (n / 8, k / 32 * 8 *
+    block bytes) uint8."""
     blocks = _groups(w, qtype)
     scales = SCALE_BYTES32[qtype]
     parts = [blocks[..., at:at + 2] for at in range(0, scales, 2)]  # (g, nb, row, 2) each
@@ -94,20 +96,23 @@ def pack32(w: np.ndarray, qtype: str) -> np.ndarray:
     return _joined(parts, w.shape[0])
 
 
-def pack_q5_0(w: np.ndarray) -> np.ndarray:
-    """Rows w (n, k / 32 * 22) of Q5_0 blocks, n a multiple of 8, in the x8 layout: the rows'
-    d, their nibbles as Q4_0's, then per 32 nibbles (4 of each row) the mask of their fifth
-    bits, bit 4 i + m row i's nibble m: (n / 8, k / 32 * 176) uint8."""
-    blocks = _groups(w, "Q5_0")
-    qs = blocks[..., 6:]
-    fifth = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")[..., 0].astype(np.uint64)
+def pack_q5(w: np.ndarray, qtype: str) -> np.ndarray:
+    """Rows w (n, k / 32 * block bytes) of Q5_0 or Q5_1 blocks, n a multiple of 8, in the x8
+    layout: the rows' d (and Q5_1's m), their nibbles as Q4_0's, then per 32 nibbles (4 of each
+    row) the mask of their fifth bits, bit 4 i + m row i's nibble m: (n / 8, k / 32 * (176 or
+    192)) uint8."""
+    blocks = _groups(w, qtype)
+    scales = SCALE_BYTES32[qtype]
+    qs = blocks[..., scales + 4:]
+    fifth = np.ascontiguousarray(blocks[..., scales:scales + 4]).view("<u4")[..., 0]
+    fifth = fifth.astype(np.uint64)
     shifts = np.arange(GROUP, dtype=np.uint64) * 4
     masks = [((fifth >> np.uint64(16 * (t % 2) + 4 * (t // 2))) & 0xF) << shifts
              for t in range(8)]  # (g, nb, row) each: mask t, nibbles t // 2's low or high
     joined = np.stack([m.sum(axis=-1) for m in masks], axis=-1).astype("<u4")
-    return _joined([blocks[..., 0:2],
-                    qs.reshape(*qs.shape[:3], -1, 4).swapaxes(-2, -3),
-                    joined.view(np.uint8)], w.shape[0])
+    return _joined([blocks[..., at:at + 2] for at in range(0, scales, 2)]
+                   + [qs.reshape(*qs.shape[:3], -1, 4).swapaxes(-2, -3), joined.view(np.uint8)],
+                   w.shape[0])
 
 
 def check_pack(w: Any, qtype: str, threads: int = 1) -> None:
@@ -133,5 +138,7 @@ def pack(w: Any, qtype: str, threads: int = 1) -> np.ndarray:
     arguments (the threads only checked: the twin's ``pack_x8``)."""
     check_pack(w, qtype, threads)
     w = numpy_view(w)
-    packers = {"Q4_K": pack_q4k, "IQ4_XS": pack_iq4xs, "Q5_0": pack_q5_0}
+    if qtype in ("Q5_0", "Q5_1"):
+        return pack_q5(w, qtype)
+    packers = {"Q4_K": pack_q4k, "IQ4_XS": pack_iq4xs}
     return packers[qtype](w) if qtype in packers else pack32(w, qtype)

@@ -433,7 +433,8 @@ QK_ALWAYS void QK(x8_32_pass)(int type, const uint8_t *g, const qm_act *a, ptrdi
             for (int t = 0; t < 8; t++) {
                 const int8_t *y = a->q32 + 32 * b + 4 * t;
                 if (QK_VNNI)
-                    QK(x8_chunk)(_mm256_xor_si256(qa_load(g + at + 32 * t), flip), y, k, R, isum);
+                    QK(x8_chunk)(_mm256_xor_si256(qa_load(g + at + 32 * t), flip), y, k, R,
+                                 isum);
                 else
                     QK(x8_chunk_signed)(qa_load(g + at + 32 * t), y, k, R, isum);
             }

@@ -5,8 +5,9 @@ the twin's ``pack_x8`` and the tests' reference). Per block of a group: for Q4_K
 d and dmin (f16), the sub-blocks' 6-bit scales (one byte per row), their minimums in pairs of
 sub-blocks, then the quants 4 bytes of each row at a time; for Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL
 and Q8_0 the rows' d (and Q4_1's and Q5_1's m), then the quants 4 bytes of each row at a time
-(Q5_0's and Q5_1's fifth bits after them, a 32-bit mask per 32 nibbles); for IQ4_XS the rows' d, their sub-blocks'
-scales (less 32, int8) in pairs of sub-blocks as Q4_K's minimums, then the quants as Q4_K's."""
+(Q5_0's and Q5_1's fifth bits after them, a 32-bit mask per 32 nibbles); for IQ4_XS the rows'
+d, their sub-blocks' scales (less 32, int8) in pairs of sub-blocks as Q4_K's minimums, then
+the quants as Q4_K's."""
 from __future__ import annotations
 
 from typing import Any, List

@@ -46,6 +46,13 @@ EARLY_EXIT_CRITERIA = ("softmax", "similarity", "classifier")  # mdiedge.model.e
 MAX_NEW_TOKENS = 256
 MAX_SAMPLES = 4096  # samples of one `generate` (a KV slot each; their memory is checked too)
 
+# rows one call of the compiled decode step takes (mdiedge.model._stepconstants; many samples'
+# decode rows, several samples' verified drafts): its products pass over each weight group
+# MAX_ROWS (8) rows at a time while the group is in cache (16 to 64 rows a call ran 15-26%
+# faster than calls of 8 on SmolLM2 and Qwen2.5, 2 threads); its scratch grows with rows x
+# context. A message that verifies drafts holds at most this many rows (runtime.plan).
+STEP_ROWS = 32
+
 # speculative decoding (mdiedge.runtime.speculation)
 SPECULATION_MAX_K = 7  # drafted tokens per sample and step: with the last token, the compiled
 #                       step's 8 rows

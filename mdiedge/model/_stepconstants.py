@@ -21,6 +21,7 @@ import math
 import operator
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..base import defaults
 from ..base.errors import QuantError
 from ._matvecconstants import MAX_ROWS
 from .arrays import contiguous_cpu, device_of, grad_enabled, ndim
@@ -36,10 +37,7 @@ ACTIVATIONS = ("silu", "gelu_tanh")  # in ext/step.h's order (ST_SILU, ST_GELU_T
 MAX_PARTS = 3  # of a StackedMatrix: ext/step.h's ST_PARTS
 MAX_PAIRED_HEAD_DIM = 512  # of a block with qk_pairs: ext/step.h's ST_MAX_HEAD_DIM
 QUANT_CODES = {name: TYPES[name].kernel for name in KERNEL_TYPES}  # ext/quant.h's enum values
-# rows one call takes (many samples' decode rows): its products pass over each weight group
-# MAX_ROWS rows at a time while the group is in cache (16 to 64 rows a call ran 15-26% faster
-# than calls of 8 on SmolLM2 and Qwen2.5, 2 threads); its scratch grows with rows x context
-STEP_ROWS = 32
+STEP_ROWS = defaults.STEP_ROWS  # rows one call takes (many samples' decode rows)
 
 
 def plain(t: Any) -> bool:

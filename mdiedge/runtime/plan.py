@@ -9,7 +9,6 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 from ..base import defaults
 from ..base.errors import Conflict
-from ..model._stepconstants import STEP_ROWS
 
 Layout = Tuple[int, int]  # a pipeline's KV slots and tokens per slot
 
@@ -228,7 +227,8 @@ def verify_rows(frame_rows: int) -> int:
     """The most token rows of a message that verifies drafts: one compiled step call's (several
     samples' drafts, each sample at most ``defaults.SPECULATION_MAX_K`` + 1 rows), at most a
     frame's (``frame_rows``, 0: no limit)."""
-    return min(STEP_ROWS, frame_rows) if frame_rows > 0 else STEP_ROWS
+    rows = defaults.STEP_ROWS
+    return min(rows, frame_rows) if frame_rows > 0 else rows
 
 
 def take_merged(queued: Sequence[DecodeRows], in_flight: int, limit: int,

@@ -75,7 +75,8 @@ def test_a_packed_group_holds_each_rows_bytes() -> None:
 
 
 @pytest.mark.parametrize("bad, message", [
-    (("Q4_K", 12, 256), "multiple of 8"), (("Q6_K", 8, 256), "only Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, IQ4_NL, IQ4_XS")])
+    (("Q4_K", 12, 256), "multiple of 8"),
+    (("Q6_K", 8, 256), "only Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, IQ4_NL, IQ4_XS")])
 def test_a_matrix_without_a_layout_is_refused(bad: Any, message: str) -> None:
     qtype, n, k = bad
     w = random_blocks(qtype, n, k).numpy()

@@ -345,6 +345,34 @@ def test_beyond_the_cache_is_one_line(gguf_models: Dict[str, Path]) -> None:
         model.run_blocks(np.zeros((1, 3, model.cfg.dim), np.float32), np.array([0]), [6])
 
 
+def test_a_long_context_holds_its_rope_tables_only_where_tokens_went(
+        gguf_models: Dict[str, Path]) -> None:
+    """Gemma 3's tables (global and sliding) for 131072 tokens would be 2 x 2 x 131072 x
+    head_dim floats whole; a few tokens compute, and make resident, one step of rows, and
+    the tokens decode as with a short context."""
+    from mdiedge.model.rope import GrowingRope
+
+    tokens = np.array([[1, 2, 3, 4]])
+    outs = []
+    for context in (16, 131072):
+        model = load_cpu_model(gguf_models["gemma3"])
+        model.setup_cache(1, context)
+        before = _resident_anon_kib()
+        outs.append(model.run_blocks(model.embed_tokens(tokens), np.array([0]), [0]))
+        ropes = list(model._ropes.values())
+        assert len(ropes) == 2
+        assert all(r.filled == min(context, GrowingRope.ROWS_AT_ONCE) for r in ropes)
+        whole_mib = 4 * 4 * context * model.cfg.head_dim / 2**20
+        grown_mib = (_resident_anon_kib() - before) / 1024
+        assert grown_mib < 8 < whole_mib or context == 16, (grown_mib, whole_mib)
+    assert np.array_equal(outs[0], outs[1])
+
+
+def _resident_anon_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon"))
+
+
 def test_a_family_the_step_does_not_run_is_refused(monkeypatch: Any,
                                                    gguf_models: Dict[str, Path]) -> None:
     import dataclasses

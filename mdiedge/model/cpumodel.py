@@ -29,7 +29,7 @@ from .checks import check_memory
 from .config import ModelConfig
 from .families import family_of
 from .kernels import QUANT, STEP
-from .rope import rope_tables
+from .rope import GrowingRope
 
 _step = STEP.select()
 _quant = QUANT.select()
@@ -90,6 +90,7 @@ class CpuModel:
         self.caches: List[Tuple[np.ndarray, np.ndarray]] = []
         self._plan: Any = None
         self._tables: List[Tuple[np.ndarray, np.ndarray]] = []
+        self._ropes: Dict[int, GrowingRope] = {}  # 1: the sliding layers' own
         for parts in weights.blocks:
             if parts.experts is not None and parts.counts is None:
                 parts.counts = np.zeros(len(parts.experts[1]), dtype=np.int64)
@@ -123,15 +124,16 @@ class CpuModel:
         check_memory(need, "cpu", f"a KV cache of {n_slots} slots x {max_seq_len} tokens for "
                      f"blocks [{self.first}, {self.last})",
                      "fewer samples (slots) or a shorter context")
-        tables = {0: rope_tables(self.cfg, max_seq_len)}
+        self._ropes = {0: GrowingRope(self.cfg, max_seq_len)}
         windows = {p.options.get("window", 0) for p in self.weights.blocks}
         if self.cfg.rope_local_theta and any(windows):
-            tables[1] = rope_tables(self.cfg, max_seq_len, local=True)
+            self._ropes[1] = GrowingRope(self.cfg, max_seq_len, local=True)
         made, self._tables = [], []
         for parts in self.weights.blocks:
             k, v = _zeros(shape, dtype), _zeros(shape, dtype)
             self.caches.append((k, v))
-            cos, sin = tables[1 if parts.options.get("window", 0) and 1 in tables else 0]
+            rope = self._ropes[1 if parts.options.get("window", 0) and 1 in self._ropes else 0]
+            cos, sin = rope.cos, rope.sin
             self._tables.append((cos, sin))
             made.append(_block_weights(parts, k, v, cos, sin, self.cfg))
         self._plan = _step.plan(made) if made else None
@@ -187,6 +189,8 @@ class CpuModel:
         if max(positions) + seq_len > self.max_seq_len:
             raise ValueError(f"position {max(positions) + seq_len} beyond the KV cache "
                              f"length {self.max_seq_len}")
+        for rope in self._ropes.values():
+            rope.cover(max(positions) + seq_len)
         rows = np.ascontiguousarray(x, dtype=np.float32).reshape(batch * seq_len, dim)
         slot_list = [int(s) for s in np.asarray(slots).reshape(-1)]
         threads, dot = kernel_threads(), dot_code()

@@ -10,6 +10,7 @@ from typing import Tuple
 
 import numpy as np
 
+from ..base.memory import zeroed_pages
 from .config import ModelConfig
 
 
@@ -37,11 +38,48 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
+def rope_rows(cfg: ModelConfig, start: int, stop: int, local: bool = False
+              ) -> Tuple[np.ndarray, np.ndarray]:
+    """cos and sin of positions [start, stop): rows (stop - start, head_dim) float32,
+    C-contiguous, in the "rotate half" layout; each row the same whatever the range."""
+    positions = np.arange(start, stop, dtype=np.float32)
+    freqs = np.outer(positions, rope_inv_freq(cfg, local)).astype(np.float32)  # (L, hd/2)
+    emb = np.concatenate((freqs, freqs), -1)  # (L, head_dim)
+    return np.ascontiguousarray(np.cos(emb)), np.ascontiguousarray(np.sin(emb))
+
+
 def rope_tables(cfg: ModelConfig, max_seq_len: int, local: bool = False
                 ) -> Tuple[np.ndarray, np.ndarray]:
     """cos and sin tables (max_seq_len, head_dim) float32, C-contiguous, in the "rotate half"
     layout."""
-    positions = np.arange(max_seq_len, dtype=np.float32)
-    freqs = np.outer(positions, rope_inv_freq(cfg, local)).astype(np.float32)  # (L, hd/2)
-    emb = np.concatenate((freqs, freqs), -1)  # (L, head_dim)
-    return np.ascontiguousarray(np.cos(emb)), np.ascontiguousarray(np.sin(emb))
+    return rope_rows(cfg, 0, max_seq_len, local)
+
+
+class GrowingRope:
+    """``rope_tables`` of ``max_seq_len`` rows whose rows are computed, and resident, only up
+    to the furthest position asked for (``cover``), ``ROWS_AT_ONCE`` at a time: a long
+    context costs its tables' memory as it is used, as the KV cache does (Gemma 3's two
+    pairs of tables for 4096 tokens are 16 MiB; Llama 3's for 131072, 128 MiB). ``cos`` and
+    ``sin`` hold zeros past ``filled``."""
+
+    ROWS_AT_ONCE = 256
+
+    def __init__(self, cfg: ModelConfig, max_seq_len: int, local: bool = False) -> None:
+        self.cfg, self.local, self.filled = cfg, local, 0
+        self.cos, self.sin = (_zero_rows(max_seq_len, cfg.head_dim) for _ in range(2))
+
+    def cover(self, length: int) -> None:
+        """Rows [0, length) computed (``length`` at most the tables' rows)."""
+        if length <= self.filled:
+            return
+        step = self.ROWS_AT_ONCE
+        stop = min(self.cos.shape[0], -(-length // step) * step)
+        self.cos[self.filled:stop], self.sin[self.filled:stop] = rope_rows(
+            self.cfg, self.filled, stop, self.local)
+        self.filled = stop
+
+
+def _zero_rows(rows: int, width: int) -> np.ndarray:
+    """(rows, width) float32 zeros resident only where written (``zeroed_pages``)."""
+    count = rows * width
+    return np.frombuffer(zeroed_pages(4 * count), np.float32, count).reshape(rows, width)

@@ -137,6 +137,16 @@ def _add_metadata(writer: Any, config: Dict[str, Any], qtype: str) -> None:
                           "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[qtype])
 
 
+def _with_sentencepiece() -> None:
+    """gguf's ``vocab`` module with the SentencePiece library: mdiedge imports gguf with it
+    blocked (``model.gguf._gguf_package``), and a module imported so keeps None for it."""
+    import gguf.vocab
+    from sentencepiece import SentencePieceProcessor
+
+    if gguf.vocab.SentencePieceProcessor is None:
+        gguf.vocab.SentencePieceProcessor = SentencePieceProcessor
+
+
 def _add_vocab(writer: Any, config: Dict[str, Any], tokenizer: Optional[PathLike]) -> None:
     """The vocabulary as the converter writes it: from ``tokenizer`` (a folder holding a
     tokenizer.json: ``gpt2`` BPE with merges; a tokenizer.model: ``llama`` SentencePiece), or
@@ -152,6 +162,7 @@ def _add_vocab(writer: Any, config: Dict[str, Any], tokenizer: Optional[PathLike
     folder = Path(tokenizer)
     folder = folder if folder.is_dir() else folder.parent
     if (folder / "tokenizer.model").is_file():
+        _with_sentencepiece()
         vocab: Any = SentencePieceVocab(folder)
         writer.add_tokenizer_model("llama")
     else:

@@ -12,7 +12,7 @@ from mdiedge.model.arrays import address as _address, row_stride as _row_stride
 from mdiedge.model.arrays import contiguous_cpu as _contiguous_cpu, ndim as _ndim
 from mdiedge.model.qtypes import check_compiled as _check_compiled, check_matmul, check_rows
 from mdiedge.model.qtypes import qtype_of as _qtype_of
-from mdiedge.model.x8layout import check_pack as _check_pack
+from mdiedge.model.x8layout import check_pack as _check_pack, pack_into as _pack_into
 
 cdef extern from "quant.h" nogil:
     int QM_TYPES
@@ -74,10 +74,11 @@ def x8_types():
     return tuple(qm_names[i].decode() for i in range(QM_TYPES) if qm_x8_usable(i))
 
 
-def pack_x8(w, qtype, int threads=1):
+def pack_x8(w, qtype, int threads=1, out=None):
     """Rows ``w`` (uint8 (n, row_bytes)) of ``qtype`` in the x8 layout: groups of 8 rows
-    interleaved block by block (``ext/quant_q8.h``), uint8 (n / 8, group bytes); QuantError
-    where the type has none or n is not a multiple of 8."""
+    interleaved block by block (``ext/quant_q8.h``), uint8 (n / 8, group bytes), written into
+    ``out`` where given (``x8layout.pack_into``); QuantError where the type has none or n is
+    not a multiple of 8."""
     t = _qtype_of(qtype)
     _check_pack(w, t.name, threads)
     cdef int code = t.kernel
@@ -85,7 +86,7 @@ def pack_x8(w, qtype, int threads=1):
     cdef size_t group = qm_x8_bytes(code, k)
     if group == 0:  # a layout x8layout knows and ext/quant_q8.h does not: a stale build
         raise _QuantError(f"{t.name}: no x8 layout in this build of {__name__}")
-    out = _np.empty((n // 8, group), _np.uint8)
+    out = _pack_into(out, (n // 8, group), t.name)
     cdef size_t w_ptr = _address(w), o_ptr = _address(out)
     with nogil:
         qm_pack_x8(code, <const unsigned char *>w_ptr, n, k, <unsigned char *>o_ptr, threads)

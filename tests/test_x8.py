@@ -49,6 +49,35 @@ def test_the_compiled_packer_writes_what_the_numpy_one_does(qtype: str, n: int, 
         assert np.array_equal(quant.pack_x8(w, qtype, 2), want)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_0", "IQ4_XS"])
+def test_the_packer_writes_into_a_slice_of_the_whole_layout(qtype: str) -> None:
+    """Slices of rows packed into their rows of one layout array (as the loader packs a
+    matrix, without a copy) make the layout of the whole; the array is what is returned."""
+    w = random_blocks(qtype, 48, 512, seed=9).numpy()
+    want = pack(w, qtype)
+    for module in {_pyquant, QUANT.select()}:
+        into = np.full_like(want, 0xAB)
+        for first in (0, 16, 40):
+            last = {0: 16, 16: 40, 40: 48}[first]
+            got = module.pack_x8(w[first:last], qtype, 2, into[first // 8:last // 8])
+            assert np.shares_memory(got, into)
+        assert np.array_equal(into, want), module.__name__
+
+
+@pytest.mark.parametrize("bad", [
+    lambda want: np.empty((want.shape[0] + 1, want.shape[1]), np.uint8),
+    lambda want: np.empty((want.shape[0], want.shape[1] - 1), np.uint8),
+    lambda want: np.empty(want.shape, np.int8),
+    lambda want: np.empty((want.shape[0], 2 * want.shape[1]), np.uint8)[:, ::2]])
+def test_a_wrong_array_to_pack_into_is_refused(bad: Any) -> None:
+    w = random_blocks("Q4_K", 16, 512).numpy()
+    out = bad(pack(w, "Q4_K"))
+    for module in {_pyquant, QUANT.select()}:
+        with pytest.raises(QuantError, match=r"Q4_K x8 layout out .* is not contiguous uint8 "
+                                             r"CPU \(2, 2368\)"):
+            module.pack_x8(w, "Q4_K", 1, out)
+
+
 def test_a_packed_32_weight_group_holds_each_rows_bytes() -> None:
     w = random_blocks("Q4_1", 8, 32, seed=3).numpy()
     group = pack(w, "Q4_1")[0]

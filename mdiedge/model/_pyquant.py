@@ -43,10 +43,15 @@ def x8_types() -> tuple:
     return ()
 
 
-def pack_x8(w: Any, qtype: str, threads: int = 1) -> Any:
+def pack_x8(w: Any, qtype: str, threads: int = 1, out: Any = None) -> Any:
     """Rows ``w`` of ``qtype`` (a multiple of 8 of them) in the x8 layout
-    (``mdiedge.model.x8layout``), as the compiled module packs them."""
-    return x8layout.pack(w, qtype_of(qtype).name, threads)
+    (``mdiedge.model.x8layout``), as the compiled module packs them, into ``out`` where
+    given."""
+    name = qtype_of(qtype).name
+    packed = x8layout.pack(w, name, threads)
+    into = x8layout.pack_into(out, packed.shape, name)
+    into[...] = packed
+    return into
 
 
 def matmul(x: Any, w: Any, qtype: str, out: Any, threads: int = 1, dot: int = 0,

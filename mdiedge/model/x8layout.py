@@ -10,7 +10,7 @@ d, their sub-blocks' scales (less 32, int8) in pairs of sub-blocks as Q4_K's min
 the quants as Q4_K's."""
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Tuple
 
 import numpy as np
 
@@ -132,6 +132,19 @@ def check_pack(w: Any, qtype: str, threads: int = 1) -> None:
                          f"whole blocks, a multiple of {GROUP} of them")
     if not isinstance(threads, int) or threads < 1:
         raise QuantError(f"threads must be a positive int, got {threads!r}")
+
+
+def pack_into(out: Any, packed_shape: Tuple[int, int], qtype: str) -> Any:
+    """``out``, where ``pack_x8`` is to write its layout (``packed_shape``), checked: None (a
+    new array), or contiguous uint8 CPU of that shape; QuantError naming what is wrong."""
+    if out is None:
+        return np.empty(packed_shape, np.uint8)
+    if not (contiguous_cpu(out, "uint8") and ndim(out) == 2
+            and tuple(out.shape) == tuple(packed_shape)):
+        raise QuantError(f"{qtype} x8 layout out {tuple(getattr(out, 'shape', ()))} "
+                         f"{getattr(out, 'dtype', type(out).__name__)} is not contiguous uint8 "
+                         f"CPU {tuple(packed_shape)}")
+    return out
 
 
 def pack(w: Any, qtype: str, threads: int = 1) -> np.ndarray:

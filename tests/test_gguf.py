@@ -119,6 +119,34 @@ def test_string_arrays_are_read_on_demand(tiny_files: Dict[str, Path]) -> None:
                                                                  "Ġ t")
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps")
+def test_skipped_strings_leave_resident_memory() -> None:
+    """The header's parse walks the vocabulary's strings (SmolLM2: 49,152 tokens and 48,900
+    merges) to skip them and drops their pages: the file's mapping holds less than half of
+    them resident; they decode as before, mapped again."""
+    from mdiedge.model.gguf import open_reader, string_array
+
+    reader = open_reader(smollm2_file())
+    walked = 9 * (49152 + 48900)  # at least: an 8-byte length and a byte each
+    assert _mapping_rss_kib(reader.data) * 1024 < walked / 2
+    assert len(string_array(reader, "tokenizer.ggml.tokens")) == 49152
+
+
+def _mapping_rss_kib(array: Any) -> int:
+    """Resident KiB of the mapping that holds ``array``'s first byte (/proc/self/smaps)."""
+    address = array.__array_interface__["data"][0]
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            first = line.split(" ", 1)[0]
+            if "-" in first and all(c in "0123456789abcdef-" for c in first):
+                start, end = (int(x, 16) for x in first.split("-"))
+                inside = start <= address < end
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1])
+    raise AssertionError("no mapping holds the array")
+
+
 def test_smollm2_config_equals_the_converted_one(smollm2_dir: Path) -> None:
     cfg = gguf_config(smollm2_file())
     want = dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,

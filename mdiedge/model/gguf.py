@@ -129,15 +129,20 @@ def _read_fields(reader: Any, offs: int, count: int) -> int:
 
 
 def _skip_strings(reader: Any, offs: int, count: int) -> int:
-    """The offset after ``count`` length-prefixed strings from ``offs``."""
+    """The offset after ``count`` length-prefixed strings from ``offs``; the pages walked are
+    dropped from resident memory (a vocabulary's strings are megabytes that a worker never
+    reads again; ``string_array`` maps them again where they are decoded)."""
     view, size = memoryview(reader.data), len(reader.data)
     fmt = _u64(reader.byte_order)
+    start = offs
     for _ in range(count):
         if offs + 8 > size:
             raise out_of_file(offs, offs + 8, size)
         offs += 8 + struct.unpack_from(fmt, view, offs)[0]
     if offs > size:
         raise out_of_file(offs, offs, size)
+    view.release()
+    drop_mapped_pages(reader.data, reader.data[start:offs])
     return offs
 
 

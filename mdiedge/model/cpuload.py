@@ -186,11 +186,9 @@ class _Reader:
         if not x8_pays(qtype, data.shape[0], dot_code(), _quant.x8_types()):
             return matrix
         rows = max(8, PACK_BYTES // data.shape[1] // 8 * 8)
-        first_part = _quant.pack_x8(data[:rows], qtype, kernel_threads())
-        x8 = np.empty((data.shape[0] // 8, first_part.shape[1]), np.uint8)
-        x8[:first_part.shape[0]] = first_part
-        self.source.release(data[:rows])
-        for first in range(rows, data.shape[0], rows):  # each slice packed in place
+        group_bytes = _quant.pack_x8(data[:8], qtype).shape[1]
+        x8 = np.empty((data.shape[0] // 8, group_bytes), np.uint8)
+        for first in range(0, data.shape[0], rows):  # each slice packed in place
             part = data[first:first + rows]
             _quant.pack_x8(part, qtype, kernel_threads(), x8[first // 8:(first + len(part)) // 8])
             self.source.release(part)

@@ -87,3 +87,76 @@ def test_each_twin_offers_what_its_compiled_module_does() -> None:
                   and not (isinstance(v, type) and issubclass(v, Exception))}
         missing = sorted(public - set(vars(pair.twin)))
         assert not missing, f"{pair.twin.__name__} lacks {missing}"
+
+
+def _fake_pair(failed: object) -> Twins:
+    twin = types.ModuleType("mdiedge.fake._pything")
+    return Twins(twin, None, failed)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("failed, stale", [
+    (None, ""),
+    (ModuleNotFoundError("No module named 'mdiedge.fake._cthing'", name="mdiedge.fake._cthing"),
+     ""),
+    (ImportError("cannot import name 'pack_into' from 'mdiedge.model.x8layout'"),
+     "ImportError: cannot import name 'pack_into' from 'mdiedge.model.x8layout'"),
+    (ModuleNotFoundError("No module named 'numpy.core.foo'", name="numpy.core.foo"),
+     "ModuleNotFoundError: No module named 'numpy.core.foo'")])
+def test_a_build_from_other_sources_is_told_from_none(failed: object, stale: str) -> None:
+    """A compiled module that is not there is "missing"; one that is there but fails its own
+    imports (built from an older checkout) is stale, with the error quoted."""
+    assert _fake_pair(failed).stale == stale
+
+
+@pytest.mark.parametrize("failed, words", [
+    (ModuleNotFoundError("No module named 'mdiedge.fake._cthing'", name="mdiedge.fake._cthing"),
+     ["compiled modules missing (thing)", "pip install ."]),
+    (ImportError("cannot import name 'pack_into' from 'mdiedge.model.x8layout'"),
+     ["built from other sources (thing: ImportError: cannot import name 'pack_into'",
+      "build_ext --inplace"])])
+def test_the_warning_says_missing_or_stale(monkeypatch: pytest.MonkeyPatch,
+                                          caplog: pytest.LogCaptureFixture, failed: object,
+                                          words: list) -> None:
+    monkeypatch.delenv("MDIEDGE_NO_EXTENSIONS", raising=False)
+    monkeypatch.setattr(_accel, "_PAIRS", {})
+    monkeypatch.setattr(_accel, "_warned", False)
+    _fake_pair(failed)
+    with caplog.at_level("WARNING", logger="mdiedge.accel"):
+        _accel.warn_if_uncompiled()
+    assert len(caplog.records) == 1
+    for word in words:
+        assert word in caplog.records[0].getMessage()
+    status = _accel.running_code()["modules"]["thing"]
+    assert status == ("twin (stale build)" if "other sources" in words[0] else "twin")
+
+
+def test_a_stale_quant_build_falls_back_and_says_why() -> None:
+    """The real case: the compiled ``_cquant`` imports a name its Python sources lost (an
+    older checkout's module beside a newer build, or the reverse): the twin serves, and the
+    pair says why."""
+    if QUANT.compiled is None:
+        pytest.skip("the compiled _cquant is not built here")
+    code = ("import mdiedge.model.x8layout as x; del x.pack_into\n"
+            "from mdiedge.model import kernels\n"
+            "print(kernels.QUANT.compiled is None, kernels.QUANT.stale)\n")
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("MDIEDGE_NO_EXTENSIONS", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("True ImportError: cannot import name"), out.stdout
+    assert "pack_into" in out.stdout
+
+
+@pytest.mark.parametrize("code, shown", [
+    (None, "-"), ({"modules": "x"}, "-"),
+    ({"modules": {"step": "compiled", "quant": "compiled"}}, "compiled"),
+    ({"modules": {"step": "twin", "quant": "compiled"}}, "twins: step"),
+    ({"modules": {"step": "twin", "quant": "twin (stale build)"}},
+     "twins: quant (stale build), step")])
+def test_status_names_the_twins_and_a_stale_build(code: object, shown: str) -> None:
+    from mdiedge.cli.console import code_summary
+
+    assert code_summary(code) == shown

@@ -175,11 +175,13 @@ def decode_summary(route: Any) -> str:
 
 
 def code_summary(code: Any) -> str:
-    """``compiled``, ``twins: step, quant``, or ``-`` where a node does not say."""
+    """``compiled``, ``twins: step, quant`` (``quant (stale build)`` where its compiled module
+    was built from other sources), or ``-`` where a node does not say."""
     modules = code.get("modules") if isinstance(code, dict) else None
     if not modules or not isinstance(modules, dict):
         return "-"
-    twins = sorted(name for name, how in modules.items() if how != "compiled")
+    twins = sorted(name + (" (stale build)" if "stale" in str(how) else "")
+                   for name, how in modules.items() if how != "compiled")
     return "twins: " + ", ".join(twins) if twins else "compiled"
 
 

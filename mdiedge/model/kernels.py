@@ -5,17 +5,21 @@ of quantized weights, de-quantized tiles). Torch-free, so that the CPU node's mo
 (``cpumodel``, ``npprefill``) and the torch ones (``transformer``, ``qlayers``) share them."""
 from __future__ import annotations
 
+from typing import Optional
+
 from ..base.accel import Twins
 from . import _pyquant, _pystep
 
+_step_failed: Optional[ImportError] = None
 try:
     from . import _cstep
-except ImportError:  # not built: the twin serves
-    _cstep = None  # type: ignore[assignment]
+except ImportError as e:  # not built, or built from other sources: the twin serves
+    _cstep, _step_failed = None, e  # type: ignore[assignment]
+_quant_failed: Optional[ImportError] = None
 try:
     from . import _cquant
-except ImportError:  # not built: the twin serves
-    _cquant = None  # type: ignore[assignment]
+except ImportError as e:  # not built, or built from other sources: the twin serves
+    _cquant, _quant_failed = None, e  # type: ignore[assignment]
 
-STEP = Twins(_pystep, _cstep)
-QUANT = Twins(_pyquant, _cquant)
+STEP = Twins(_pystep, _cstep, _step_failed)
+QUANT = Twins(_pyquant, _cquant, _quant_failed)

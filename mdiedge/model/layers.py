@@ -14,12 +14,13 @@ from ..base.accel import Twins
 from . import _pymatvec, rope
 from .config import ModelConfig
 
+_matvec_failed: Optional[ImportError] = None
 try:
     from . import _cmatvec
-except ImportError:  # not built: the twin serves
-    _cmatvec = None  # type: ignore[assignment]
+except ImportError as e:  # not built, or built from other sources: the twin serves
+    _cmatvec, _matvec_failed = None, e  # type: ignore[assignment]
 
-MATVEC = Twins(_pymatvec, _cmatvec)
+MATVEC = Twins(_pymatvec, _cmatvec, _matvec_failed)
 _matvec = MATVEC.select()
 
 class RMSNorm(nn.Module):

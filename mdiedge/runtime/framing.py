@@ -30,17 +30,19 @@ from ..base.accel import Twins
 from ..base.errors import FrameError
 from . import _framingconstants, _pycodec, _pyframing
 
+_framing_failed: Optional[ImportError] = None
 try:
     from . import _cframing
-except ImportError:  # not built: the twin serves
-    _cframing = None  # type: ignore[assignment]
+except ImportError as e:  # not built, or built from other sources: the twin serves
+    _cframing, _framing_failed = None, e  # type: ignore[assignment]
+_codec_failed: Optional[ImportError] = None
 try:
     from . import _ccodec
-except ImportError:
-    _ccodec = None  # type: ignore[assignment]
+except ImportError as e:  # not built, or built from other sources: the twin serves
+    _ccodec, _codec_failed = None, e  # type: ignore[assignment]
 
-FRAMING = Twins(_pyframing, _cframing)
-CODEC = Twins(_pycodec, _ccodec)
+FRAMING = Twins(_pyframing, _cframing, _framing_failed)
+CODEC = Twins(_pycodec, _ccodec, _codec_failed)
 _impl: ModuleType = FRAMING.select()
 _codec_impl: ModuleType = CODEC.select()
 

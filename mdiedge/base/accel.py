@@ -13,6 +13,7 @@ with the same API; the owner imports both literally (so tests/test_layers.py see
 A module earns a compiled twin only where a benchmark shows it matters end to end."""
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -57,10 +58,11 @@ class Twins:
         e = self.failed
         if e is None or self.compiled is not None:
             return ""
-        compiled_name = self.twin.__name__.replace("._py", "._c", 1)
-        if isinstance(e, ModuleNotFoundError) and e.name == compiled_name:
-            return ""
-        return f"{type(e).__name__}: {e}"
+        try:  # `from . import _c<name>` fails alike whether it is there or not: look for it
+            built = importlib.util.find_spec(self.twin.__name__.replace("._py", "._c", 1))
+        except (ImportError, ValueError):
+            built = None
+        return f"{type(e).__name__}: {e}" if built is not None else ""
 
     def select(self) -> ModuleType:
         if self.compiled is not None and not extensions_disabled():

@@ -190,3 +190,29 @@ def test_help_keeps_square_brackets() -> None:
     assert "[starter]" in starter and "[[workers]]" in starter
     generate = help_text("generate")
     assert "(default)" not in generate and "[default: float32]" in " ".join(generate.split())
+
+
+def test_a_ctrl_c_wrapped_by_python_is_still_one_line(capsys: pytest.CaptureFixture) -> None:
+    """A Ctrl-C that lands in a dataclass field's ``__set_name__`` while a module imports
+    reaches the command as a RuntimeError caused by the KeyboardInterrupt (seen once in CI at
+    0.2 s): still "interrupted", status 130; any other RuntimeError is not swallowed."""
+    import typer
+
+    from mdiedge.cli.app import interrupted_by, one_line_errors
+
+    def wrapped() -> None:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as e:
+            raise RuntimeError("Error calling __set_name__ on 'Field' instance") from e
+
+    def plain() -> None:
+        raise RuntimeError("a bug")
+
+    with pytest.raises(typer.Exit) as ended:
+        one_line_errors(wrapped)()
+    assert ended.value.exit_code == 130
+    assert capsys.readouterr().err.strip().endswith("mdiedge: error: interrupted")
+    with pytest.raises(RuntimeError, match="a bug"):
+        one_line_errors(plain)()
+    assert interrupted_by(ValueError("x")) is False

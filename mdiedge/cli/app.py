@@ -76,8 +76,26 @@ def one_line_errors(func: F) -> F:
             raise fail("interrupted", 130) from None
         except OSError as e:
             raise fail(f"{e.filename or ''}: {e.strerror or e}".lstrip(": ")) from None
+        except Exception as e:
+            if not interrupted_by(e):
+                raise
+            raise fail("interrupted", 130) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def interrupted_by(error: BaseException) -> bool:
+    """Whether a Ctrl-C (KeyboardInterrupt) is among ``error``'s causes: Python wraps one that
+    lands in some hooks, such as a dataclass field's ``__set_name__`` while a module imports
+    (a RuntimeError), instead of letting it through."""
+    seen = set()
+    found: Optional[BaseException] = error
+    while found is not None and id(found) not in seen:
+        if isinstance(found, KeyboardInterrupt):
+            return True
+        seen.add(id(found))
+        found = found.__cause__ or found.__context__
+    return False
 
 
 @contextlib.contextmanager

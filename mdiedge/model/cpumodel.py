@@ -186,11 +186,11 @@ class CpuModel:
         if self._plan is None:
             raise RuntimeError("no KV cache set up (setup_cache)")
         batch, seq_len, dim = x.shape
-        if max(positions) + seq_len > self.max_seq_len:
-            raise ValueError(f"position {max(positions) + seq_len} beyond the KV cache "
-                             f"length {self.max_seq_len}")
+        end = max(positions) + seq_len
+        if end > self.max_seq_len:
+            raise ValueError(f"position {end} beyond the KV cache length {self.max_seq_len}")
         for rope in self._ropes.values():
-            rope.cover(max(positions) + seq_len)
+            rope.cover(end)
         rows = np.ascontiguousarray(x, dtype=np.float32).reshape(batch * seq_len, dim)
         slot_list = [int(s) for s in np.asarray(slots).reshape(-1)]
         threads, dot = kernel_threads(), dot_code()

@@ -141,7 +141,6 @@ def _skip_strings(reader: Any, offs: int, count: int) -> int:
         offs += 8 + struct.unpack_from(fmt, view, offs)[0]
     if offs > size:
         raise out_of_file(offs, offs, size)
-    view.release()
     drop_mapped_pages(reader.data, reader.data[start:offs])
     return offs
 

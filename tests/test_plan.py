@@ -189,14 +189,22 @@ def test_when_recovery_gives_up(fruitless: int, most: int, why: Optional[str]) -
     assert give_up(fruitless, most) == why
 
 
-@pytest.mark.parametrize("samples, chunk, want", [
-    ([(5, 3)], 0, [(5, 0, 3, True)]),
-    ([(5, 3), (6, 4)], 2, [(5, 0, 2, False), (5, 2, 3, True), (6, 0, 2, False),
-                           (6, 2, 4, True)]),
+@pytest.mark.parametrize("samples, chunk, decoded, want", [
+    ([(5, 3, 3)], 0, 8, [(5, 0, 3, True)]),  # nothing decoded yet
+    ([(5, 2, 3), (6, 2, 4)], 0, 8, [(5, 0, 2, False), (5, 2, 3, True), (6, 0, 2, False),
+                                    (6, 2, 4, True)]),
+    # the prompt in its prefill's chunks, the decoded tokens in runs of at most 8
+    ([(5, 5, 24)], 2, 8, [(5, 0, 2, False), (5, 2, 4, False), (5, 4, 5, False),
+                          (5, 5, 13, False), (5, 13, 21, False), (5, 21, 24, True)]),
+    ([(7, 300, 310)], 128, 8, [(7, 0, 128, False), (7, 128, 256, False), (7, 256, 300, False),
+                               (7, 300, 308, False), (7, 308, 310, True)]),
 ])
-def test_a_replay_prefills_each_live_sample_again(samples: Sequence[Tuple[int, int]], chunk: int,
+def test_a_replay_prefills_each_live_sample_again(samples: Sequence[Tuple[int, int, int]],
+                                                  chunk: int, decoded: int,
                                                   want: List[Tuple[int, int, int, bool]]) -> None:
-    got = plan.replay(samples, chunk)
+    """As the rows were first computed: a prompt chunk as long as the prefill's, decoded tokens
+    in runs short enough for the decode step's kernels."""
+    got = plan.replay(samples, chunk, decoded)
     assert [(sid, c.start, c.end, c.final) for sid, c in got] == want
 
 

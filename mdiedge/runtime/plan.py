@@ -292,7 +292,17 @@ def give_up(fruitless: int, most_recoveries: int) -> Optional[str]:
     return None
 
 
-def replay(samples: Sequence[Tuple[int, int]], prefill_chunk: int) -> List[Tuple[int, Chunk]]:
-    """(sid, chunk) of each prefill message replaying ``samples`` ((sid, tokens so far)), in order.
-    """
-    return [(sid, c) for sid, length in samples for c in chunks_of(0, length, prefill_chunk)]
+def replay(samples: Sequence[Tuple[int, int, int]], prefill_chunk: int, decoded_rows: int
+           ) -> List[Tuple[int, Chunk]]:
+    """(sid, chunk) of each prefill message replaying ``samples`` ((sid, prompt length, tokens
+    so far)), in order: the prompt in the chunks its prefill took, then the tokens decoded since
+    in runs of at most ``decoded_rows``. A node computes a run that short as it computed their
+    decode steps (a longer one takes the many-row kernels, which round differently in the q8
+    mode), so every replayed row equals the row it replaces and the text goes on unchanged."""
+    replayed: List[Tuple[int, Chunk]] = []
+    for sid, prompt_len, length in samples:
+        runs = prefill_chunks(prompt_len, prefill_chunk) + [
+            (start, min(start + decoded_rows, length))
+            for start in range(prompt_len, length, max(1, decoded_rows))]
+        replayed.extend((sid, Chunk(0, start, end, end == length)) for start, end in runs)
+    return replayed

@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 from . import messages, plan
 from .compute import ComputeThread
+from ..model._matvecconstants import MAX_ROWS as DECODED_ROWS
 from ..base.request import check_context
 from .generation import ExitCounts, Generation, Recovery, Sample, Timing
 from .messages import Message
@@ -138,8 +139,8 @@ def replay_chunks(groups: Iterable[_Group], prefill_chunk: int
     """The prefill messages that replay the live samples of ``groups``."""
     for group in groups:
         by_sid = {s.sid: s for s in group.samples}
-        for sid, chunk in plan.replay([(s.sid, len(s.prompt) + len(s.tokens))
-                                       for s in group.samples], prefill_chunk):
+        for sid, chunk in plan.replay([(s.sid, len(s.prompt), len(s.prompt) + len(s.tokens))
+                                       for s in group.samples], prefill_chunk, DECODED_ROWS):
             yield group, by_sid[sid], chunk
 
 

@@ -153,7 +153,6 @@ PROMPT_CACHE_MIN_TOKENS = 16  # a prompt reuses a finished request's KV rows fro
 #                              shared leading tokens (`serve`, `chat`: the prompt cache)
 CORS_MAX_AGE_S = 600  # how long a browser may keep a preflight's answer (--cors-origins)
 API_THREADS = 8  # threads the API's handlers run blocking work on (anyio's default: 40)
-API_HEAP_ARENAS = 2  # glibc heaps of a serving process (its default: 8 per core)
 API_TRIM_S = 10.0  # how often an idle API gives a burst's freed memory back to the system
 API_MAX_BODY = 1 << 20  # bytes of a request's body (413 past it)
 PROMPT_SCORE_ROWS = 64  # prompt rows through the head at a time (echo with logprobs)

@@ -129,15 +129,3 @@ def drop_mapped_pages(mapped: Any, view: Any) -> bool:
     if last > first:
         handle.madvise(advice, first, last - first)
     return True
-
-
-M_ARENA_MAX = -8  # glibc's mallopt parameter
-
-
-def limit_heap_arenas(arenas: int) -> bool:
-    """At most ``arenas`` glibc heaps for this process's threads (each thread of a burst
-    otherwise gets its own, and their free pages stay); False without glibc's mallopt."""
-    try:
-        return bool(ctypes.CDLL(None).mallopt(M_ARENA_MAX, arenas))
-    except (OSError, AttributeError):
-        return False

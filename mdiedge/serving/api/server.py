@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple
 
 from ...base import defaults
 from ...base.backoff import is_shortage
-from ...base.memory import give_back_free_memory, limit_heap_arenas
+from ...base.memory import give_back_free_memory, one_malloc_arena
 from ...base.defaults import API_HEAD_TIMEOUT_S, API_START_TIMEOUT_S, MAX_SECRET_BYTES
 from ...base.errors import ConfigError
 from ...base.ratelog import Throttled
@@ -226,7 +226,7 @@ class ApiServer:
                                 backlog=LISTEN_BACKLOG,
                                 log_config=log_config)
         throttle_peer_lines()  # after the config: uvicorn sets its loggers up in there
-        limit_heap_arenas(defaults.API_HEAP_ARENAS)
+        one_malloc_arena()  # as `python -m mdiedge` does, for a server started in-process
         self.server = _server_class(activity)(config)
         self.thread = threading.Thread(target=self._serve, name="mdiedge-api", daemon=True)
         self.error: Optional[BaseException] = None

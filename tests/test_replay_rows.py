@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from realfiles import REAL_FILES
 
-from mdiedge.model._matvecconstants import MAX_ROWS
+from mdiedge.base import defaults
 from mdiedge.model.cpuload import load_cpu_model
 from mdiedge.runtime import plan
 
@@ -33,7 +33,7 @@ def test_replayed_rows_equal_the_rows_decoded_one_step_at_a_time(prompt_len: int
         model.run_blocks(x[:, start:end], [0], [start])
     decoded_rows = [model.run_blocks(x[:, t:t + 1], [0], [t])[0, 0]
                     for t in range(prompt_len, prompt_len + decoded)]
-    replayed = plan.replay([(0, prompt_len, prompt_len + decoded)], chunk, MAX_ROWS)
+    replayed = plan.replay([(0, prompt_len, prompt_len + decoded)], chunk, defaults.DECODE_ROWS)
     for _, c in replayed:  # slot 1: the replay
         out = model.run_blocks(x[:, c.start:c.end], [1], [c.start])[0]
         for t in range(max(c.start, prompt_len), c.end):

@@ -52,6 +52,11 @@ MAX_SAMPLES = 4096  # samples of one `generate` (a KV slot each; their memory is
 # faster than calls of 8 on SmolLM2 and Qwen2.5, 2 threads); its scratch grows with rows x
 # context. A message that verifies drafts holds at most this many rows (runtime.plan).
 STEP_ROWS = 32
+# a sample's consecutive rows that a call takes as decode rows, each computed as a one-token
+# step computes it (mdiedge.model's MAX_ROWS); a longer run of one sample is a prefill, on the
+# many-row kernels, which round otherwise in the q8 mode (a recovery replays decoded tokens in
+# runs this long: runtime.plan.replay)
+DECODE_ROWS = 8
 
 # speculative decoding (mdiedge.runtime.speculation)
 SPECULATION_MAX_K = 7  # drafted tokens per sample and step: with the last token, the compiled

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..base import defaults
 from .arrays import device_of, ndim, plain, wants_grad
 
-MAX_ROWS = 8  # decode micro-batches; longer inputs (prefill) go to BLAS
+MAX_ROWS = defaults.DECODE_ROWS  # decode micro-batches; longer inputs (prefill) go to BLAS
 
 
 def usable(x: Any, weight: Any) -> bool:

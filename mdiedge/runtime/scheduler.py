@@ -15,7 +15,6 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 from . import messages, plan
 from .compute import ComputeThread
-from ..model._matvecconstants import MAX_ROWS as DECODED_ROWS
 from ..base.request import check_context
 from .generation import ExitCounts, Generation, Recovery, Sample, Timing
 from .messages import Message
@@ -140,7 +139,8 @@ def replay_chunks(groups: Iterable[_Group], prefill_chunk: int
     for group in groups:
         by_sid = {s.sid: s for s in group.samples}
         for sid, chunk in plan.replay([(s.sid, len(s.prompt), len(s.prompt) + len(s.tokens))
-                                       for s in group.samples], prefill_chunk, DECODED_ROWS):
+                                       for s in group.samples], prefill_chunk,
+                                      defaults.DECODE_ROWS):
             yield group, by_sid[sid], chunk
 
 

@@ -420,7 +420,6 @@ static qm_dot_fn qm_fns[QM_TYPES][QM_GROUP + 1];
 static qm_idot_fn qm_ifns[QM_TYPES];  /* the integer kernels (NULL: the type has none here) */
 static qm_idot_fn qm_wfns[QM_TYPES];  /* the wide ones (NULL: the type's qm_ifns serves) */
 static qm_x8_fn qm_x8fns[QM_TYPES];   /* the x8 layout's (NULL: none; qm_pack_x8) */
-static qm_x16_fn qm_x16fns[QM_TYPES]; /* two of its groups at once (NULL: none) */
 static const char *qm_path = "scalar", *qm_ipath = "scalar";
 /* The q8 mode's activation quantizers in use: the scalar ones (quant_q8.h) or the vector
    path's, which write the same bytes. */
@@ -457,14 +456,12 @@ static void qm_use_ivariant(int i) {
     memset(qm_ifns, 0, sizeof qm_ifns);
     memset(qm_wfns, 0, sizeof qm_wfns);
     memset(qm_x8fns, 0, sizeof qm_x8fns);
-    memset(qm_x16fns, 0, sizeof qm_x16fns);
     qm_ipath = "float32";
 #ifdef QM_IVARIANTS
     if (qm_ivariant_usable(i)) {
         memcpy(qm_ifns, qm_ivariants[i].table, sizeof qm_ifns);
         if (qm_ivariants[i].wide) memcpy(qm_wfns, qm_ivariants[i].wide, sizeof qm_wfns);
         if (qm_ivariants[i].x8) memcpy(qm_x8fns, qm_ivariants[i].x8, sizeof qm_x8fns);
-        if (qm_ivariants[i].x16) memcpy(qm_x16fns, qm_ivariants[i].x16, sizeof qm_x16fns);
         qm_ipath = qm_ivariants[i].name;
     }
 #endif
@@ -477,7 +474,6 @@ static const char *qm_use_simd(int on) {
     memcpy(qm_ifns, qm_iscalar, sizeof qm_ifns);
     memset(qm_wfns, 0, sizeof qm_wfns);
     memcpy(qm_x8fns, qm_x8scalar, sizeof qm_x8fns);
-    memset(qm_x16fns, 0, sizeof qm_x16fns);
     qm_path = qm_ipath = "scalar";
     qm_quantize32_fn = qm_quantize32;
     qm_quantize256_fn = qm_quantize256;
@@ -649,42 +645,23 @@ static inline void qm_range(int type, const uint8_t *w, const float *x, const qm
     }
 }
 
-/* y (R rows of ldy, from column j, n_cols of them) = s (R rows of ldy_s) plus base (NULL:
-   none); one pass of the columns each: a vector where it vectorizes. */
-static inline void qm_put_cols(float *y, const float *base, ptrdiff_t ldy, ptrdiff_t j,
-                               const float *s, int ldy_s, int n_cols, int R) {
-    for (int r = 0; r < R; r++) {
-        ptrdiff_t at = r * ldy + j;
-        if (base)
-            for (int i = 0; i < n_cols; i++) y[at + i] = base[at + i] + s[ldy_s * r + i];
-        else
-            memcpy(y + at, s + ldy_s * r, n_cols * sizeof(float));
-    }
-}
-
-/* qm_irange on the x8 layout: x8 the groups (qm_pack_x8), j0 and j1 multiples of QM_X8; two
-   groups a call where the variant has x16 kernels and the range holds both. */
+/* qm_irange on the x8 layout: x8 the groups (qm_pack_x8), j0 and j1 multiples of QM_X8. */
 static inline void qm_irange_x8(int type, const uint8_t *x8, const qm_input *in, float *y,
                                 const float *base, ptrdiff_t ldy, ptrdiff_t k, int rows,
                                 ptrdiff_t j0, ptrdiff_t j1) {
     size_t group = qm_x8_bytes(type, k);
-    float s[QM_IGROUP * 2 * QM_X8];
-    qm_x16_fn pair = qm_x16fns[type];
+    float s[QM_IGROUP * QM_X8];
     for (int r0 = 0; r0 < rows; r0 += QM_IGROUP) {
         int R = rows - r0 < QM_IGROUP ? rows - r0 : QM_IGROUP;
         qm_act act = qm_act_from(&in->act, k, r0);
-        float *yr = y + r0 * ldy;
-        const float *br = base ? base + r0 * ldy : NULL;
-        for (ptrdiff_t j = j0; j < j1;) {
-            const uint8_t *g = x8 + (size_t)(j / QM_X8) * group;
-            if (pair && j + 2 * QM_X8 <= j1) {
-                pair(g, g + group, &act, k, R, s);
-                qm_put_cols(yr, br, ldy, j, s, 2 * QM_X8, 2 * QM_X8, R);
-                j += 2 * QM_X8;
-            } else {
-                qm_x8fns[type](g, &act, k, R, s);
-                qm_put_cols(yr, br, ldy, j, s, QM_X8, QM_X8, R);
-                j += QM_X8;
+        for (ptrdiff_t j = j0; j < j1; j += QM_X8) {
+            qm_x8fns[type](x8 + (size_t)(j / QM_X8) * group, &act, k, R, s);
+            for (int r = 0; r < R; r++) {
+                ptrdiff_t at = (r0 + r) * ldy + j;
+                if (base)  /* one pass of QM_X8 lanes each: a vector where it vectorizes */
+                    for (int i = 0; i < QM_X8; i++) y[at + i] = base[at + i] + s[QM_X8 * r + i];
+                else
+                    memcpy(y + at, s + QM_X8 * r, QM_X8 * sizeof(float));
             }
         }
     }

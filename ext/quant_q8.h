@@ -41,25 +41,18 @@ typedef void (*qm_idot_fn)(const uint8_t *w, const qm_act *a, ptrdiff_t k, int R
    QM_IGROUP activation rows: s[8 r + i] = weight row i by activation row r. */
 typedef void (*qm_x8_fn)(const uint8_t *g, const qm_act *a, ptrdiff_t k, int R, float *s);
 
-/* Two adjacent groups g0 and g1 (16 weight rows) against R <= QM_IGROUP activation rows:
-   s[16 r + i], i < 8 g0's rows and 8 <= i < 16 g1's, each as the x8 kernel computes it. */
-typedef void (*qm_x16_fn)(const uint8_t *g0, const uint8_t *g1, const qm_act *a, ptrdiff_t k,
-                          int R, float *s);
-
 /* A vector path's integer kernels: its name, the kernels by type, its wide kernels by type
    (NULL: none), and whether this CPU runs them (NULL: wherever the vector path runs).
    A wide kernel is a 256-weight type's for products of many rows (qm_rows's QM_DOT_WIDE):
    it scales 8 rows' block sums in one vector, where the step's kernels scale each row's;
    a row's result is its own either way, but the two kinds round it differently. Its x8
-   kernels by type (NULL: none) multiply the x8 layout's groups; its x16 kernels by type
-   (NULL: none) two adjacent groups at once, where a range of columns holds both. */
+   kernels by type (NULL: none) multiply the x8 layout's groups. */
 typedef struct {
     const char *name;
     const qm_idot_fn *table;
     const qm_idot_fn *wide;
     int (*usable)(void);
     const qm_x8_fn *x8;
-    const qm_x16_fn *x16;
 } qm_ivariant;
 
 /* A vector kernel ``name`` (a qm_idot_fn, ATTR its target attribute) that calls CALL(R) with

@@ -327,18 +327,10 @@ static inline int qa_vnni(void) {
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
 }
 
-#include "quant_q8_zmm.h"
-
-static const qm_x16_fn qz_x16table[QM_TYPES] = {
-    [QM_Q4_0] = qz_x16_q4_0, [QM_Q4_1] = qz_x16_q4_1, [QM_Q8_0] = qz_x16_q8_0,
-    [QM_Q5_0] = qz_x16_q5_0, [QM_Q5_1] = qz_x16_q5_1, [QM_IQ4_NL] = qz_x16_iq4_nl,
-    [QM_Q4_K] = qz_x16_q4k};
-
 /* The integer variants of this path, best last: name, kernels by type, wide kernels by type,
-   whether it runs, x8 kernels by type, x16 kernels by type. */
+   whether it runs, x8 kernels by type. */
 static const qm_ivariant qm_ivariants[] = {
-    {"avx2", qa_table, qa_wtable, NULL, qa_x8table, NULL},
-    {"avx2+avx512vnni", qv_table, qv_wtable, qa_vnni, qv_x8table, NULL},
-    {"avx512vnni", qv_table, qv_wtable, qz_usable, qv_x8table, qz_x16table},
+    {"avx2", qa_table, qa_wtable, NULL, qa_x8table},
+    {"avx2+avx512vnni", qv_table, qv_wtable, qa_vnni, qv_x8table},
 };
-#define QM_IVARIANTS 3
+#define QM_IVARIANTS 2

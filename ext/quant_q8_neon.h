@@ -450,6 +450,5 @@ static const qm_idot_fn qm_itable_neon[QM_TYPES] = {
     qn_q8_0, qn_q4_0, qn_q4_1, qn_q4_k, qn_q6_k, NULL, NULL, qn_q5_0, qn_q5_1, qn_q2_k,
     qn_q3_k, qn_q5_k, qn_iq4_nl, qn_iq4_xs};
 /* The integer variant of this path (a list, as quant_q8_avx2.h's). */
-static const qm_ivariant qm_ivariants[] = {
-    {"neon-dotprod", qm_itable_neon, NULL, qn_dotprod, NULL, NULL}};
+static const qm_ivariant qm_ivariants[] = {{"neon-dotprod", qm_itable_neon, NULL, qn_dotprod}};
 #define QM_IVARIANTS 1

@@ -12,6 +12,7 @@ from realfiles import REAL_FILES
 
 from mdiedge.base import defaults
 from mdiedge.model.cpuload import load_cpu_model
+from mdiedge.model.kernels import STEP
 from mdiedge.runtime import plan
 
 pytestmark = pytest.mark.realfiles
@@ -20,6 +21,8 @@ pytestmark = pytest.mark.realfiles
 @pytest.mark.parametrize("prompt_len, decoded, chunk", [(20, 19, 0), (11, 30, 4)])
 def test_replayed_rows_equal_the_rows_decoded_one_step_at_a_time(prompt_len: int, decoded: int,
                                                                  chunk: int) -> None:
+    if STEP.select() is STEP.twin:  # numpy's products of one row and of several round otherwise
+        pytest.skip("the compiled step is not in use: the twins take every run on numpy")
     real = REAL_FILES["qwen2.5-coder-1.5b"]
     path = real.path()
     if path is None:

@@ -189,23 +189,34 @@ def test_when_recovery_gives_up(fruitless: int, most: int, why: Optional[str]) -
     assert give_up(fruitless, most) == why
 
 
-@pytest.mark.parametrize("samples, chunk, decoded, want", [
-    ([(5, 3, 3)], 0, 8, [(5, 0, 3, True)]),  # nothing decoded yet
-    ([(5, 2, 3), (6, 2, 4)], 0, 8, [(5, 0, 2, False), (5, 2, 3, True), (6, 0, 2, False),
-                                    (6, 2, 4, True)]),
-    # the prompt in its prefill's chunks, the decoded tokens in runs of at most 8
-    ([(5, 5, 24)], 2, 8, [(5, 0, 2, False), (5, 2, 4, False), (5, 4, 5, False),
-                          (5, 5, 13, False), (5, 13, 21, False), (5, 21, 24, True)]),
-    ([(7, 300, 310)], 128, 8, [(7, 0, 128, False), (7, 128, 256, False), (7, 256, 300, False),
-                               (7, 300, 308, False), (7, 308, 310, True)]),
+@pytest.mark.parametrize("samples, decoded, want", [
+    ([(5, [], 3)], 8, [(5, 0, 3, True)]),  # a short prompt, nothing decoded yet
+    ([(5, [], 2), (6, [], 4)], 1, [(5, 0, 1, False), (5, 1, 2, True), (6, 0, 1, False),
+                                   (6, 1, 2, False), (6, 2, 3, False), (6, 3, 4, True)]),
+    # prefill runs as they were; the rows between (short chunks, decoded tokens) in runs of 8
+    ([(7, [(0, 128), (128, 256), (256, 300)], 310)], 8,
+     [(7, 0, 128, False), (7, 128, 256, False), (7, 256, 300, False), (7, 300, 308, False),
+      (7, 308, 310, True)]),
+    ([(7, [(0, 128)], 150)], 8, [(7, 0, 128, False), (7, 128, 136, False), (7, 136, 144, False),
+                                 (7, 144, 150, True)]),
+    # a prompt cache's rows: the earlier request's runs, then this prompt's own from the reuse
+    ([(9, [(0, 20), (30, 60)], 70)], 8, [(9, 0, 20, False), (9, 20, 28, False),
+                                         (9, 28, 30, False), (9, 30, 60, False),
+                                         (9, 60, 68, False), (9, 68, 70, True)]),
+    ([(9, [(0, 20), (30, 60)], 40)], 8, [(9, 0, 20, False), (9, 20, 28, False),
+                                         (9, 28, 30, False), (9, 30, 40, True)]),  # cut short
 ])
-def test_a_replay_prefills_each_live_sample_again(samples: Sequence[Tuple[int, int, int]],
-                                                  chunk: int, decoded: int,
-                                                  want: List[Tuple[int, int, int, bool]]) -> None:
-    """As the rows were first computed: a prompt chunk as long as the prefill's, decoded tokens
-    in runs short enough for the decode step's kernels."""
-    got = plan.replay(samples, chunk, decoded)
+def test_a_replay_computes_each_row_as_it_first_was(samples: Sequence[Tuple[int, List, int]],
+                                                    decoded: int,
+                                                    want: List[Tuple[int, int, int, bool]]) -> None:
+    got = plan.replay(samples, decoded)
     assert [(sid, c.start, c.end, c.final) for sid, c in got] == want
+
+
+@pytest.mark.parametrize("start, end, prefill", [(0, 8, False), (0, 9, True), (40, 41, False)])
+def test_a_run_of_more_rows_than_a_decode_step_takes_is_a_prefill(start: int, end: int,
+                                                                  prefill: bool) -> None:
+    assert plan.is_prefill_run(start, end, 8) is prefill
 
 
 @pytest.mark.parametrize("current, usable, idle, wanted, expected", [

@@ -19,7 +19,7 @@ from mdiedge.engine.engine import Engine
 from mdiedge.engine.local import LocalEngine
 from mdiedge.model.sampling import SamplingParams
 from mdiedge.runtime.generation import Generation
-from mdiedge.runtime.promptcache import PromptCache, Reuse, best_reuse, shared_prefix
+from mdiedge.runtime.promptcache import PromptCache, Reuse, best_reuse, runs_within, shared_prefix
 from commands import MDIEDGE
 
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in "
@@ -60,6 +60,27 @@ def test_the_cache_gives_back_the_oldest_past_its_capacity_and_adopts_once() -> 
     assert cache.adopt([1, 2, 3, 4, 5]) is None  # adopted rows are the new sample's
     assert (cache.hits, cache.cached_tokens) == (1, 4)
     assert PromptCache(0, 1).enabled is False
+
+
+@pytest.mark.parametrize("runs, tokens, within", [
+    ([], 10, ()),
+    ([(0, 128), (128, 200)], 300, ((0, 128), (128, 200))),
+    ([(0, 128), (128, 200)], 150, ((0, 128), (128, 150))),  # cut: its rows before the cut
+    ([(0, 128), (128, 200)], 128, ((0, 128),)),
+])
+def test_the_prefill_runs_of_the_rows_a_sample_takes_over(runs: List[Tuple[int, int]],
+                                                          tokens: int, within: Any) -> None:
+    assert runs_within(runs, tokens) == within
+
+
+def test_an_adopted_sample_keeps_the_prefill_runs_of_its_rows() -> None:
+    """So that a recovery replays them as they were computed (plan.replay)."""
+    cache = PromptCache(2, 2)
+    cache.park(4, list(range(40)), ((0, 16), (16, 32)))
+    cache.park(5, [9, 9, 9], ((0, 3),))
+    assert cache.adopt(list(range(20)) + [99]) == Reuse(4, 20, ((0, 16), (16, 20)))
+    cache.clear()
+    assert cache.adopt([9, 9, 9, 1]) is None
 
 
 def run(engine: Engine, text: str, n: int = 12, cache: bool = True) -> Tuple[Generation, str]:

@@ -1,5 +1,5 @@
-"""A recovery's replay computes each row as it was first computed (``plan.replay``): the
-prompt in its prefill's chunks, the decoded tokens in runs short enough for the decode step.
+"""A recovery's replay computes each row as it was first computed (``plan.replay``): each
+prefill run as one message again, the decoded tokens in runs short enough for the decode step.
 In the q8 mode the many-row kernels of a prefill round a K-quant product otherwise than the
 step does, so a replay that took the decoded tokens as one prefill left KV rows slightly
 different from the lost ones, and Qwen2.5-Coder's greedy text on a 3-node ring went another
@@ -18,7 +18,7 @@ from mdiedge.runtime import plan
 pytestmark = pytest.mark.realfiles
 
 
-@pytest.mark.parametrize("prompt_len, decoded, chunk", [(20, 19, 0), (11, 30, 4)])
+@pytest.mark.parametrize("prompt_len, decoded, chunk", [(20, 19, 0), (11, 30, 4), (40, 12, 16)])
 def test_replayed_rows_equal_the_rows_decoded_one_step_at_a_time(prompt_len: int, decoded: int,
                                                                  chunk: int) -> None:
     if STEP.select() is STEP.twin:  # numpy's products of one row and of several round otherwise
@@ -36,7 +36,9 @@ def test_replayed_rows_equal_the_rows_decoded_one_step_at_a_time(prompt_len: int
         model.run_blocks(x[:, start:end], [0], [start])
     decoded_rows = [model.run_blocks(x[:, t:t + 1], [0], [t])[0, 0]
                     for t in range(prompt_len, prompt_len + decoded)]
-    replayed = plan.replay([(0, prompt_len, prompt_len + decoded)], chunk, defaults.DECODE_ROWS)
+    runs = [(s, e) for s, e in plan.prefill_chunks(prompt_len, chunk)
+            if plan.is_prefill_run(s, e, defaults.DECODE_ROWS)]
+    replayed = plan.replay([(0, runs, prompt_len + decoded)], defaults.DECODE_ROWS)
     for _, c in replayed:  # slot 1: the replay
         out = model.run_blocks(x[:, c.start:c.end], [1], [c.start])[0]
         for t in range(max(c.start, prompt_len), c.end):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -33,6 +33,9 @@ class Sample:
     output: Optional[TextOutput] = None  # its text and stop strings (an engine's requests)
     logprobs: List[TokenLogprob] = field(default_factory=list)  # one per token, if asked
     constraint: Optional[Any] = None  # the grammar its tokens follow (model/grammar.py)
+    # its rows computed as a prefill: [start, end) of each message that held more than
+    # defaults.DECODE_ROWS of them, in order (a replay repeats them: runtime.plan.replay)
+    runs: List[Tuple[int, int]] = field(default_factory=list)
 
     @property
     def done(self) -> bool:

@@ -292,17 +292,28 @@ def give_up(fruitless: int, most_recoveries: int) -> Optional[str]:
     return None
 
 
-def replay(samples: Sequence[Tuple[int, int, int]], prefill_chunk: int, decoded_rows: int
+def is_prefill_run(start: int, end: int, decoded_rows: int) -> bool:
+    """Whether a message's run of one sample's rows [start, end) is computed as a prefill (more
+    rows than a decode step takes) rather than row by row as decode steps are."""
+    return end - start > decoded_rows
+
+
+def replay(samples: Sequence[Tuple[int, Sequence[Tuple[int, int]], int]], decoded_rows: int
            ) -> List[Tuple[int, Chunk]]:
-    """(sid, chunk) of each prefill message replaying ``samples`` ((sid, prompt length, tokens
-    so far)), in order: the prompt in the chunks its prefill took, then the tokens decoded since
-    in runs of at most ``decoded_rows``. A node computes a run that short as it computed their
-    decode steps (a longer one takes the many-row kernels, which round differently in the q8
-    mode), so every replayed row equals the row it replaces and the text goes on unchanged."""
+    """(sid, chunk) of each prefill message replaying ``samples`` ((sid, prefill runs, tokens so
+    far)), in order, each row computed as it first was: every prefill run (``Sample.runs``) as
+    one message again (a prefill's row depends on the rows computed with it), the rows between
+    (decode steps', short runs') in runs of at most ``decoded_rows``, which a node computes row
+    by row as it computed them. So every replayed row equals the row it replaces, in the q8
+    mode too, where a prefill's kernels round otherwise than a decode step's."""
     replayed: List[Tuple[int, Chunk]] = []
-    for sid, prompt_len, length in samples:
-        runs = prefill_chunks(prompt_len, prefill_chunk) + [
-            (start, min(start + decoded_rows, length))
-            for start in range(prompt_len, length, max(1, decoded_rows))]
-        replayed.extend((sid, Chunk(0, start, end, end == length)) for start, end in runs)
+    for sid, runs, length in samples:
+        cuts: List[Tuple[int, int]] = []
+        at, step = 0, max(1, decoded_rows)
+        for start, end in [(s, min(e, length)) for s, e in runs if s < length] + [(length, length)]:
+            cuts += [(s, min(s + step, start)) for s in range(at, start, step)]
+            if end > start:
+                cuts.append((start, end))
+            at = max(at, end)
+        replayed.extend((sid, Chunk(0, start, end, end == length)) for start, end in cuts)
     return replayed

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Collection, Dict, List, Optional, OrderedDict, Sequence, Tuple
 
 from .generation import Generation, Sample
@@ -19,12 +19,23 @@ from ..base import defaults
 PARKED_ENDINGS = ("eos", "stop", "length")  # a sample that ended so holds exact KV rows
 
 
+Runs = Tuple[Tuple[int, int], ...]  # a sample's rows computed as a prefill (Sample.runs)
+
+
 @dataclass(frozen=True)
 class Reuse:
-    """The parked ``sid`` whose first ``tokens`` KV positions a new sample takes over."""
+    """The parked ``sid`` whose first ``tokens`` KV positions a new sample takes over, with the
+    prefill runs that computed them (``runs_within``)."""
 
     sid: int
     tokens: int
+    runs: Runs = ()
+
+
+def runs_within(runs: Sequence[Tuple[int, int]], tokens: int) -> Runs:
+    """The runs of the first ``tokens`` rows: a run the end cuts keeps its rows before the cut (a
+    replay cannot repeat it whole, and computes them as one run of their own)."""
+    return tuple((start, min(end, tokens)) for start, end in runs if start < tokens)
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -50,6 +61,7 @@ class PromptCache:
     def __init__(self, capacity: int, min_tokens: int) -> None:
         self.capacity, self.min_tokens = max(0, capacity), min_tokens
         self._parked: OrderedDict[int, Tuple[int, ...]] = collections.OrderedDict()
+        self._runs: Dict[int, Runs] = {}
         self.hits = self.cached_tokens = 0
 
     def __len__(self) -> int:
@@ -62,9 +74,9 @@ class PromptCache:
     def enabled(self) -> bool:
         return self.capacity > 0
 
-    def park(self, sid: int, tokens: Sequence[int]) -> List[int]:
+    def park(self, sid: int, tokens: Sequence[int], runs: Runs = ()) -> List[int]:
         """The ids to give back (oldest past the capacity)."""
-        self._parked[sid] = tuple(tokens)
+        self._parked[sid], self._runs[sid] = tuple(tokens), tuple(runs)
         return self.evict(len(self._parked) - self.capacity)
 
     def adopt(self, prompt: Sequence[int], exclude: Collection[int] = ()) -> Optional[Reuse]:
@@ -73,6 +85,7 @@ class PromptCache:
         reuse = best_reuse(prompt, candidates, self.min_tokens)
         if reuse is not None:
             del self._parked[reuse.sid]
+            reuse = replace(reuse, runs=runs_within(self._runs.pop(reuse.sid), reuse.tokens))
             self.hits += 1
             self.cached_tokens += reuse.tokens
         return reuse
@@ -81,6 +94,7 @@ class PromptCache:
         gone = []
         while count > 0 and self._parked:
             gone.append(self._parked.popitem(last=False)[0])
+            self._runs.pop(gone[-1], None)
             count -= 1
         return gone
 
@@ -88,6 +102,7 @@ class PromptCache:
         """Their ids."""
         gone = list(self._parked)
         self._parked.clear()
+        self._runs.clear()
         return gone
 
 
@@ -117,9 +132,10 @@ class SampleIds:
         for sample in generation.samples:
             reuse = self.cache.adopt(sample.prompt) if generation.cache_prompt else None
             if reuse is None:
-                sample.sid = self.new()
+                sample.sid, sample.runs = self.new(), []
             else:
                 sample.sid, reused[sample.index] = reuse.sid, reuse.tokens
+                sample.runs = list(reuse.runs)
         generation.cached_tokens = max(reused.values(), default=0)
         return reused
 
@@ -129,7 +145,7 @@ class SampleIds:
         for sample in samples:
             if self.cache.enabled and generation.cache_prompt and \
                     sample.finish_reason in PARKED_ENDINGS:
-                gone += self.cache.park(sample.sid, kv_tokens(sample))
+                gone += self.cache.park(sample.sid, kv_tokens(sample), tuple(sample.runs))
             else:
                 gone.append(sample.sid)
         return gone

@@ -135,12 +135,13 @@ def settle_groups(groups: Dict[int, _Group]) -> int:
 
 def replay_chunks(groups: Iterable[_Group], prefill_chunk: int
                   ) -> Iterator[Tuple[_Group, Sample, plan.Chunk]]:
-    """The prefill messages that replay the live samples of ``groups``."""
+    """The prefill messages that replay the live samples of ``groups`` (decoded rows in runs
+    that fit a prefill message too)."""
+    decoded_rows = min(defaults.DECODE_ROWS, prefill_chunk or defaults.DECODE_ROWS)
     for group in groups:
         by_sid = {s.sid: s for s in group.samples}
-        for sid, chunk in plan.replay([(s.sid, len(s.prompt), len(s.prompt) + len(s.tokens))
-                                       for s in group.samples], prefill_chunk,
-                                      defaults.DECODE_ROWS):
+        for sid, chunk in plan.replay([(s.sid, s.runs, len(s.prompt) + len(s.tokens))
+                                       for s in group.samples], decoded_rows):
             yield group, by_sid[sid], chunk
 
 
@@ -427,6 +428,8 @@ class Scheduler(SchedulerRequests):
             if chunk.end <= cached:
                 continue
             start = max(chunk.start, cached)
+            if plan.is_prefill_run(start, chunk.end, defaults.DECODE_ROWS):
+                sample.runs.append((start, chunk.end))
             self._send(messages.ACTIVATION, [sample], [sample.prompt[start:chunk.end]],
                        [start], _InFlight("prefill", [(group_of[chunk.index], [sample])],
                                           final=chunk.final, scored_from=generation.unscored(

@@ -60,8 +60,8 @@ class PromptCache:
 
     def __init__(self, capacity: int, min_tokens: int) -> None:
         self.capacity, self.min_tokens = max(0, capacity), min_tokens
-        self._parked: OrderedDict[int, Tuple[int, ...]] = collections.OrderedDict()
-        self._runs: Dict[int, Runs] = {}
+        # each parked id's tokens and the prefill runs that computed its rows
+        self._parked: OrderedDict[int, Tuple[Tuple[int, ...], Runs]] = collections.OrderedDict()
         self.hits = self.cached_tokens = 0
 
     def __len__(self) -> int:
@@ -76,16 +76,16 @@ class PromptCache:
 
     def park(self, sid: int, tokens: Sequence[int], runs: Runs = ()) -> List[int]:
         """The ids to give back (oldest past the capacity)."""
-        self._parked[sid], self._runs[sid] = tuple(tokens), tuple(runs)
+        self._parked[sid] = (tuple(tokens), tuple(runs))
         return self.evict(len(self._parked) - self.capacity)
 
     def adopt(self, prompt: Sequence[int], exclude: Collection[int] = ()) -> Optional[Reuse]:
         """None: no prefix worth it."""
-        candidates = [(sid, t) for sid, t in self._parked.items() if sid not in exclude]
+        candidates = [(sid, t) for sid, (t, _) in self._parked.items() if sid not in exclude]
         reuse = best_reuse(prompt, candidates, self.min_tokens)
         if reuse is not None:
-            del self._parked[reuse.sid]
-            reuse = replace(reuse, runs=runs_within(self._runs.pop(reuse.sid), reuse.tokens))
+            _, runs = self._parked.pop(reuse.sid)
+            reuse = replace(reuse, runs=runs_within(runs, reuse.tokens))
             self.hits += 1
             self.cached_tokens += reuse.tokens
         return reuse
@@ -94,7 +94,6 @@ class PromptCache:
         gone = []
         while count > 0 and self._parked:
             gone.append(self._parked.popitem(last=False)[0])
-            self._runs.pop(gone[-1], None)
             count -= 1
         return gone
 
@@ -102,7 +101,6 @@ class PromptCache:
         """Their ids."""
         gone = list(self._parked)
         self._parked.clear()
-        self._runs.clear()
         return gone
 
 

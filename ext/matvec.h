@@ -139,8 +139,12 @@ static inline void mv_task(const float *w, const float *x, float *y, const float
 static inline void mv_rows(const float *w, const float *x, float *y, ptrdiff_t n, ptrdiff_t k,
                            int rows, int threads) {
     ptrdiff_t tasks = (n + MV_COLS_PER_TASK - 1) / MV_COLS_PER_TASK;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (ptrdiff_t t = 0; t < tasks; t++) mv_task(w, x, y, NULL, n, k, rows, t);
+    if (threads > 1) {  /* one thread outside a region: a team of one costs system calls */
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (ptrdiff_t t = 0; t < tasks; t++) mv_task(w, x, y, NULL, n, k, rows, t);
+    } else {
+        for (ptrdiff_t t = 0; t < tasks; t++) mv_task(w, x, y, NULL, n, k, rows, t);
+    }
 }
 
 /* y = base + x W^T (base NULL: y = x W^T) for the threads of a parallel region already

@@ -539,15 +539,24 @@ static inline size_t qm_input_floats(ptrdiff_t k, int rows) {
     return (size_t)rows * (size_t)(k / QM_SUB + 1) + qm_act_bytes(k, rows) / sizeof(float) + 1;
 }
 
+static void qm_quantize_row(const float *x, ptrdiff_t k, int r, const qm_act *a, int form32,
+                            int form256) {
+    qm_act row = qm_act_from(a, k, r);
+    if (form32) qm_quantize32_fn(x + r * k, k, 1, &row);
+    if (form256) qm_quantize256_fn(x + r * k, k, 1, &row);
+}
+
 /* x's rows quantized into a's forms (form32, form256), the rows split among threads (each
-   row's quants are its own). */
+   row's quants are its own). One thread works outside any OpenMP region: a region whose if
+   clause fails still starts a team of one, and its closing barrier is a system call (a
+   node's step quantizes its rows four times a block). */
 static void qm_quantize_rows(const float *x, ptrdiff_t k, int rows, const qm_act *a,
                              int form32, int form256, int threads) {
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows > 1)
-    for (int r = 0; r < rows; r++) {
-        qm_act row = qm_act_from(a, k, r);
-        if (form32) qm_quantize32_fn(x + r * k, k, 1, &row);
-        if (form256) qm_quantize256_fn(x + r * k, k, 1, &row);
+    if (threads > 1 && rows > 1) {
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (int r = 0; r < rows; r++) qm_quantize_row(x, k, r, a, form32, form256);
+    } else {
+        for (int r = 0; r < rows; r++) qm_quantize_row(x, k, r, a, form32, form256);
     }
 }
 
@@ -711,9 +720,14 @@ static inline int qm_rows_into_x8(int type, const uint8_t *w, const uint8_t *x8,
     qm_input_fill(&in, &type, 1, dot, x, k, rows, mem, threads);
     in.wide = dot == QM_DOT_WIDE;
     ptrdiff_t cols = qm_task_cols(n, threads), tasks = (n + cols - 1) / cols;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (ptrdiff_t t = 0; t < tasks; t++)
-        qm_task(type, w, x8, x, &in, y, ldy, n, k, rows, cols, t);
+    if (threads > 1) {  /* one thread outside a region, as qm_quantize_rows */
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (ptrdiff_t t = 0; t < tasks; t++)
+            qm_task(type, w, x8, x, &in, y, ldy, n, k, rows, cols, t);
+    } else {
+        for (ptrdiff_t t = 0; t < tasks; t++)
+            qm_task(type, w, x8, x, &in, y, ldy, n, k, rows, cols, t);
+    }
     free(mem);
     return 0;
 }
@@ -735,6 +749,10 @@ static inline int qm_rows(int type, const uint8_t *w, const float *x, float *y, 
 static inline void qm_dequant(int type, const uint8_t *w, ptrdiff_t k, ptrdiff_t count,
                               float *out, int threads) {
     ptrdiff_t bk = qm_block[type], bb = qm_block_bytes[type], nb = k / bk;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (ptrdiff_t i = 0; i < count * nb; i++) qm_deq[type](w + i * bb, out + i * bk);
+    if (threads > 1) {  /* one thread outside a region, as qm_quantize_rows */
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (ptrdiff_t i = 0; i < count * nb; i++) qm_deq[type](w + i * bb, out + i * bk);
+    } else {
+        for (ptrdiff_t i = 0; i < count * nb; i++) qm_deq[type](w + i * bb, out + i * bk);
+    }
 }

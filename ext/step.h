@@ -813,6 +813,20 @@ static void st_block_team(const st_block *b, float *x, int R, const long long *s
         st_dense_team(b, h, x, R, s);
 }
 
+/* The n blocks of bs applied to x (R rows, in place) by each thread of the team, or by the
+   calling thread alone outside one. */
+static void st_blocks_team(const st_block *bs, int n, float *x, int R, const long long *slots,
+                           const long long *pos, int threads, int dot, ptrdiff_t longest,
+                           float *base) {
+    for (int i = 0; i < n; i++) {
+        st_scratch s;
+        s.longest = longest;
+        s.dot = dot;
+        st_scratch_at(&s, &bs[i], R, threads, base);
+        st_block_team(&bs[i], x, R, slots, pos, &s);
+    }
+}
+
 /* out = the n blocks of bs applied to x one after another, in one parallel region of
    ``threads``; returns 0, or -1 when scratch memory cannot be had. */
 static int st_blocks_step(const st_block *bs, int n, const float *x, float *out, int R,
@@ -828,13 +842,11 @@ static int st_blocks_step(const st_block *bs, int n, const float *x, float *out,
     float *base = malloc(floats * sizeof(float));
     if (base == NULL) return -1;
     memmove(out, x, (size_t)R * bs[0].dim * sizeof(float));
-    #pragma omp parallel num_threads(threads) if (threads > 1)
-    for (int i = 0; i < n; i++) {
-        st_scratch s;
-        s.longest = longest;
-        s.dot = dot;
-        st_scratch_at(&s, &bs[i], R, threads, base);
-        st_block_team(&bs[i], out, R, slots, pos, &s);
+    if (threads > 1) {
+        #pragma omp parallel num_threads(threads)
+        st_blocks_team(bs, n, out, R, slots, pos, threads, dot, longest, base);
+    } else {  /* no team: the worksharing runs on this thread and its barriers make no call */
+        st_blocks_team(bs, n, out, R, slots, pos, threads, dot, longest, base);
     }
     free(base);
     return 0;

@@ -32,10 +32,66 @@ def ring_file(tmp_path: Path, starter_lines: str) -> Path:
 def test_absent_flags_change_nothing() -> None:
     assert EngineOptions().checked().given_ring_options() == {}
     given = EngineOptions(stall_timeout=2.0, recover=False, spares=1, compression="int8",
-                          prefill_chunk=0, quantize="q8_0", no_encrypt=True).checked()
+                          prefill_chunk=0, quantize="q8_0", no_encrypt=True,
+                          busy_poll_us=0).checked()
     assert given.given_ring_options() == {"stall_s": 2.0, "recover": False,
                                           "compression": "int8", "prefill_chunk": 0,
-                                          "quantize": "Q8_0", "encrypt": False}
+                                          "quantize": "Q8_0", "encrypt": False,
+                                          "busy_poll_us": 0}
+
+
+@pytest.mark.parametrize("value", [-1, defaults.MAX_BUSY_POLL_US + 1])
+def test_a_busy_poll_out_of_range_is_a_usage_error(value: int) -> None:
+    from mdiedge.base.errors import UsageError
+
+    with pytest.raises(UsageError) as raised:
+        EngineOptions(busy_poll_us=value).checked()
+    assert str(raised.value) == (f"--busy-poll-us: expected an integer "
+                                 f"0..{defaults.MAX_BUSY_POLL_US}, got {value}")
+
+
+@pytest.mark.parametrize("in_file,flag,want", [
+    ("busy_poll_us = 50\n", None, 50),
+    ("busy_poll_us = 50\n", 0, 0),
+    ("", 3000, 3000),
+    ("", None, defaults.BUSY_POLL_US),
+])
+def test_generate_ring_merges_busy_poll(tmp_path: Path, ring_model: Path,
+                                        fake_engine: List[FakeEngine], in_file: str,
+                                        flag: Optional[int], want: int) -> None:
+    open_engine(engine_spec(EngineOptions(model=str(ring_model), nodes=1, busy_poll_us=flag,
+                                          ring=str(ring_file(tmp_path, in_file))).checked()))
+    assert fake_engine[0].options.busy_poll_us == want
+
+
+class FakeLocalRing:
+    """Records what a local ring is started with; no process."""
+    made: List[Any] = []
+
+    def __init__(self, workers: int, **kwargs: Any) -> None:
+        self.kwargs, self.secret = kwargs, None
+        FakeLocalRing.made.append(self)
+
+    def __enter__(self) -> List[Any]:
+        return []
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("flag,want", [(None, defaults.BUSY_POLL_US), (0, 0), (5000, 5000)])
+def test_a_local_ring_polls_as_told(monkeypatch: pytest.MonkeyPatch, ring_model: Path,
+                                    fake_engine: List[FakeEngine], flag: Optional[int],
+                                    want: int) -> None:
+    """``--busy-poll-us`` reaches the local ring's workers and the starter's link back."""
+    import mdiedge.roles.local_ring as local_ring
+
+    FakeLocalRing.made = []
+    monkeypatch.setattr(local_ring, "LocalRing", FakeLocalRing)
+    open_engine(engine_spec(EngineOptions(model=str(ring_model), nodes=3,
+                                          busy_poll_us=flag).checked()))
+    assert FakeLocalRing.made[0].kwargs.get("busy_poll_us", defaults.BUSY_POLL_US) == want
+    assert fake_engine[0].options.busy_poll_us == want
 
 
 def test_a_negative_prefill_chunk_is_a_usage_error() -> None:

@@ -78,6 +78,11 @@ class EngineOptions:
     torch_cpu: bool = flag(
         False, "Compute through torch on the CPU too (the reference path, which the "
         "torch-free one is tested against; needs torch): one node only.", "--torch-cpu")
+    busy_poll_us: Optional[int] = flag(
+        None, "Microseconds a node waiting for the next frame polls its link before it sleeps: "
+        "a local ring's workers and the starter (default "
+        f"{defaults.BUSY_POLL_US}, or the ring file's busy_poll_us; 0: sleep at once). More "
+        "spends idle CPU time to save wake-ups.", "--busy-poll-us", metavar="MICROSECONDS")
     prompt_cache: bool = flag(
         True, "Keep each finished request's KV rows so a prompt that begins with its tokens "
         "(the next turn of a conversation) computes only the rest.",
@@ -99,6 +104,8 @@ class EngineOptions:
              "one node (--nodes 1): a ring's workers choose their own path")
         need(self.prefill_chunk is None or self.prefill_chunk >= 0, "--prefill-chunk",
              self.prefill_chunk, "an integer >= 0")
+        need(self.busy_poll_us is None or 0 <= self.busy_poll_us <= defaults.MAX_BUSY_POLL_US,
+             "--busy-poll-us", self.busy_poll_us, f"an integer 0..{defaults.MAX_BUSY_POLL_US}")
         return replace(self, compression=canonical_compression(self.compression),
                        quantize=canonical_quantizer(self.quantize))
 
@@ -110,7 +117,8 @@ class EngineOptions:
         """Those given win over a ring file's."""
         given = dict(recover=self.recover, compression=self.compression,
                      stall_s=self.stall_timeout, prefill_chunk=self.prefill_chunk,
-                     quantize=self.quantize, encrypt=False if self.no_encrypt else None)
+                     quantize=self.quantize, encrypt=False if self.no_encrypt else None,
+                     busy_poll_us=self.busy_poll_us)
         return {key: value for key, value in given.items() if value is not None}
 
 

@@ -174,13 +174,15 @@ def test_dequantize_rows_equals_the_reference(impl: ModuleType, qtype: str) -> N
     assert torch.equal(out, quant.dequantize(w, qtype, k)[6:10])
 
 
+@pytest.mark.parametrize("k", [512, 4352])
 @pytest.mark.parametrize("qtype", quant.KERNEL_TYPES)
-def test_rows_do_not_depend_on_batch_or_threads(qtype: str) -> None:
+def test_rows_do_not_depend_on_batch_or_threads(qtype: str, k: int) -> None:
     """Compiled: a row's outputs are bit-identical alone or in a batch of 8, on 1 or 3
-    threads."""
+    threads; at k = 4352 a row alone takes two weight rows at a time where its type can
+    (ext/quant.h's QM_PAIR_ABOVE), a batch one."""
     if len(IMPLS) < 2:
         pytest.skip("the compiled module is not built")
-    compiled, k = IMPLS[1], 512
+    compiled = IMPLS[1]
     w = blocks(qtype, 70, k)
     x = torch.randn(8, k, generator=torch.Generator().manual_seed(5))
     batch = compiled.matmul(x, w, qtype, torch.empty(8, 70), 3)

@@ -50,20 +50,6 @@ def test_a_busy_poll_out_of_range_is_a_usage_error(value: int) -> None:
                                  f"0..{defaults.MAX_BUSY_POLL_US}, got {value}")
 
 
-@pytest.mark.parametrize("in_file,flag,want", [
-    ("busy_poll_us = 50\n", None, 50),
-    ("busy_poll_us = 50\n", 0, 0),
-    ("", 3000, 3000),
-    ("", None, defaults.BUSY_POLL_US),
-])
-def test_generate_ring_merges_busy_poll(tmp_path: Path, ring_model: Path,
-                                        fake_engine: List[FakeEngine], in_file: str,
-                                        flag: Optional[int], want: int) -> None:
-    open_engine(engine_spec(EngineOptions(model=str(ring_model), nodes=1, busy_poll_us=flag,
-                                          ring=str(ring_file(tmp_path, in_file))).checked()))
-    assert fake_engine[0].options.busy_poll_us == want
-
-
 class FakeLocalRing:
     """Records what a local ring is started with; no process."""
     made: List[Any] = []
@@ -118,18 +104,25 @@ def test_generate_ring_merges_recover(tmp_path: Path, ring_model: Path,
     assert fake_engine[0].options.recover is want
 
 
-@pytest.mark.parametrize("in_file,flag,want", [
-    ("prefill_chunk = 32\n", None, 32),
-    ("prefill_chunk = 32\n", 0, 0),
-    ("", 64, 64),
-    ("", None, defaults.PREFILL_CHUNK),
+@pytest.mark.parametrize("option,in_file,flag,want", [
+    ("prefill_chunk", "prefill_chunk = 32\n", None, 32),
+    ("prefill_chunk", "prefill_chunk = 32\n", 0, 0),
+    ("prefill_chunk", "", 64, 64),
+    ("prefill_chunk", "", None, defaults.PREFILL_CHUNK),
+    ("busy_poll_us", "busy_poll_us = 50\n", None, 50),
+    ("busy_poll_us", "busy_poll_us = 50\n", 0, 0),
+    ("busy_poll_us", "", 3000, 3000),
+    ("busy_poll_us", "", None, defaults.BUSY_POLL_US),
 ])
-def test_generate_ring_merges_prefill_chunk(tmp_path: Path, ring_model: Path,
-                                            fake_engine: List[FakeEngine], in_file: str,
-                                            flag: Optional[int], want: int) -> None:
-    open_engine(engine_spec(EngineOptions(model=str(ring_model), nodes=1, prefill_chunk=flag,
-                                          ring=str(ring_file(tmp_path, in_file))).checked()))
-    assert fake_engine[0].options.prefill_chunk == want
+def test_generate_ring_merges_an_integer_option(tmp_path: Path, ring_model: Path,
+                                                fake_engine: List[FakeEngine], option: str,
+                                                in_file: str, flag: Optional[int],
+                                                want: int) -> None:
+    """The ring file's value holds unless the flag is given (0 too); neither: the default."""
+    open_engine(engine_spec(EngineOptions(model=str(ring_model), nodes=1,
+                                          ring=str(ring_file(tmp_path, in_file)),
+                                          **{option: flag}).checked()))
+    assert getattr(fake_engine[0].options, option) == want
 
 
 def test_the_starter_passes_its_config(tmp_path: Path, fake_engine: List[FakeEngine]) -> None:

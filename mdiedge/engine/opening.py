@@ -177,7 +177,7 @@ def _start_local_ring(spec: EngineSpec, text: TextModel, stack: ExitStack) -> An
     check_ring_size(text.cfg.n_layers, spec.nodes)
     threads = node_threads(spec.threads, spec.nodes, available_cores())
     use_threads(threads)
-    polls = {} if spec.busy_poll_us is None else {"busy_poll_us": spec.busy_poll_us}
+    busy_poll_us = defaults.BUSY_POLL_US if spec.busy_poll_us is None else spec.busy_poll_us
     ring = LocalRing(spec.nodes - 1, threads=threads, device=spec.device, spares=spec.spares,
-                     encrypt=not spec.no_encrypt, respawn=spec.respawn, **polls)
+                     encrypt=not spec.no_encrypt, respawn=spec.respawn, busy_poll_us=busy_poll_us)
     return stack.enter_context(ring), ring.secret

@@ -381,3 +381,40 @@ def test_a_flood_of_handshakes_keeps_at_most_the_cap_open(monkeypatch: Any) -> N
     while handshakes.open and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not handshakes.open
+
+
+@pytest.mark.parametrize("side, reset, level", [
+    ("inbound", True, "INFO"), ("inbound", False, "WARNING"),
+    ("outbound", True, "INFO"), ("outbound", False, "WARNING")])
+def test_a_link_set_up_ended_by_a_reset_is_no_warning(side: str, reset: bool, level: str,
+                                                      monkeypatch: Any, caplog: Any) -> None:
+    """A worker's failed set-up is a warning, unless the starter reset the ring meanwhile (a
+    Ctrl-C while a local ring links up: nothing of it reaches the terminal)."""
+    from mdiedge.base import defaults
+    from mdiedge.roles.worker import _link_pair
+    from mdiedge.runtime.protocol import ConnectRequest
+
+    monkeypatch.setattr(defaults, "LINK_ACCEPT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(defaults, "LINK_RETRY_S", 0.5)
+    auth = Authenticator(b"secret")
+    with tcp_listen("127.0.0.1", 0) as listener, tcp_listen("127.0.0.1", 0) as closed:
+        dead_port = closed.getsockname()[1]
+        closed.close()  # the next node: gone
+        request = ConnectRequest("127.0.0.1", dead_port, ring="r1")
+        previous: List[Any] = []
+        if side == "outbound":  # the previous node links up, so the next node is what fails
+            threading.Thread(target=lambda: previous.append(connect_authenticated(
+                "127.0.0.1", listener.getsockname()[1], bind(auth, "r1"), "prev")),
+                daemon=True).start()
+        started = time.monotonic()
+        moved_on = (lambda: reset and time.monotonic() - started > 0.2)
+        with caplog.at_level("INFO", logger="mdiedge"):
+            assert _link_pair(listener, bind(auth, "r1"), request, "w1", 1 << 16, moved_on, 0,
+                              True) is None
+        for link in previous:
+            link.close()
+    said = [(r.levelname, r.getMessage()) for r in caplog.records
+            if "no previous node connected" in r.getMessage()
+            or "cannot reach its next node" in r.getMessage()]
+    want = "no previous node connected" if side == "inbound" else "cannot reach its next node"
+    assert len(said) == 1 and said[0][0] == level and want in said[0][1], said

@@ -387,6 +387,7 @@ def _link_pair(listener: Any, auth: Authenticator, request: ConnectRequest, name
                         inline_receive=True, busy_poll_us=busy_poll_us)
     except Exception as e:  # OSError, AuthError (a RingError), or anything else
         side = "no previous node connected" if inbound is None else "cannot reach its next node"
-        log.warning("%s: %s: %s", name, side, e)
+        # the starter's reset (a Ctrl-C, a new set-up) is no fault: a terminal shows no warning
+        (log.info if moved_on() else log.warning)("%s: %s: %s", name, side, e)
         close_links(inbound)
         return None

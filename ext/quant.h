@@ -56,22 +56,11 @@ static const int8_t qm_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
    (a prefetch does not fault). */
 #define QM_AHEAD_ROWS 8
 #define QM_PREFETCH_BELOW 16384
-/* One activation row against rows of more than QM_PAIR_ABOVE weights goes two weight rows at a
-   time where a type has a qm_pair_fn: its 4 k bytes then no longer stay in the L1 cache
-   beside the weights streaming past, and each block of them read for two rows halves that
-   traffic (Q4_K at k = 8960: 6.7-7.4 GB/s of weights one row at a time, 12.4-13.1 two at a
-   time, as fast as at k = 1536; two at a time at k = 1536, where the hand prefetch serves,
-   measured 5.9-6.1). */
-#define QM_PAIR_ABOVE 4096
 
 /* One weight row against R activation rows (x rows of k floats, xs rows of k / QM_SUB sums):
    s[r] = sum_i W[i] x[r][i]. */
 typedef void (*qm_dot_fn)(const uint8_t *w, const float *x, const float *xs, ptrdiff_t k,
                           float *s);
-/* Two weight rows (w, w + rb) against one activation row: s[0], s[1], each the bits
-   qm_dot_fn computes for it alone, the activations read once for both. */
-typedef void (*qm_pair_fn)(const uint8_t *w, ptrdiff_t rb, const float *x, const float *xs,
-                           ptrdiff_t k, float *s);
 
 /* An IEEE half at p (little-endian) as float, exactly, in portable C. */
 static inline float qm_half(const uint8_t *p) {
@@ -361,7 +350,6 @@ QS_ATTR static inline void qm_widen16_avx2(qs_i8x16 v, qs_f8 *out) {
 #include "quant_simd.h"
 #define QM_SIMD_NAME "avx2"
 #define QM_SIMD_TABLE qs_table_avx2
-#define QM_PAIR_TABLE qs_pairs_avx2
 #elif defined(__aarch64__) && defined(__GNUC__)
 #include <arm_neon.h>
 #define QS_ATTR
@@ -419,7 +407,6 @@ static inline void qm_widen16_neon(qs_i8x16 v, qs_f8 *out) {
 #include "quant_simd.h"
 #define QM_SIMD_NAME "neon"
 #define QM_SIMD_TABLE qs_table_neon
-#define QM_PAIR_TABLE qs_pairs_neon
 #endif
 
 #include "quant_q8.h"
@@ -430,7 +417,6 @@ static inline void qm_widen16_neon(qs_i8x16 v, qs_f8 *out) {
 #endif
 
 static qm_dot_fn qm_fns[QM_TYPES][QM_GROUP + 1];
-static qm_pair_fn qm_pairs[QM_TYPES];  /* two weight rows at a time (NULL: none) */
 static qm_idot_fn qm_ifns[QM_TYPES];  /* the integer kernels (NULL: the type has none here) */
 static qm_idot_fn qm_wfns[QM_TYPES];  /* the wide ones (NULL: the type's qm_ifns serves) */
 static qm_x8_fn qm_x8fns[QM_TYPES];   /* the x8 layout's (NULL: none; qm_pack_x8) */
@@ -485,7 +471,6 @@ static void qm_use_ivariant(int i) {
    scalar references; returns the name of the path now used. Not while a product runs. */
 static const char *qm_use_simd(int on) {
     memcpy(qm_fns, qm_scalar, sizeof qm_fns);
-    memset(qm_pairs, 0, sizeof qm_pairs);
     memcpy(qm_ifns, qm_iscalar, sizeof qm_ifns);
     memset(qm_wfns, 0, sizeof qm_wfns);
     memcpy(qm_x8fns, qm_x8scalar, sizeof qm_x8fns);
@@ -495,7 +480,6 @@ static const char *qm_use_simd(int on) {
 #ifdef QM_SIMD_TABLE
     if (on && qm_simd_available()) {
         memcpy(qm_fns, QM_SIMD_TABLE, sizeof qm_fns);
-        memcpy(qm_pairs, QM_PAIR_TABLE, sizeof qm_pairs);
 #ifdef QM_QUANTIZE32_SIMD
         qm_quantize32_fn = QM_QUANTIZE32_SIMD;
         qm_quantize256_fn = QM_QUANTIZE256_SIMD;
@@ -659,16 +643,7 @@ static inline void qm_range(int type, const uint8_t *w, const float *x, const qm
     for (int r0 = 0; r0 < rows; r0 += QM_GROUP) {
         int R = rows - r0 < QM_GROUP ? rows - r0 : QM_GROUP;
         qm_dot_fn dot = qm_fns[type][R];
-        qm_pair_fn pair = R == 1 && k > QM_PAIR_ABOVE ? qm_pairs[type] : NULL;
-        ptrdiff_t j = j0;
-        for (; pair && j + 2 <= j1; j += 2) {
-            pair(w + j * rb, rb, x + r0 * k, xs ? xs + r0 * nb : NULL, k, s);
-            for (int i = 0; i < 2; i++) {
-                ptrdiff_t at = r0 * ldy + j + i;
-                y[at] = base ? base[at] + s[i] : s[i];
-            }
-        }
-        for (; j < j1; j++) {
+        for (ptrdiff_t j = j0; j < j1; j++) {
             if (r0 == 0) qm_ahead(w, rb, j);  /* see QM_AHEAD_ROWS */
             dot(w + j * rb, x + r0 * k, xs ? xs + r0 * nb : NULL, k, s);
             for (int r = 0; r < R; r++) {

@@ -52,6 +52,17 @@ QS_ATTR static inline qs_f8 QS(qs_chain32)(const qs_f8 *f, const float *xr) {
    registers (GCC otherwise keeps an array of them in memory: a store and a load a block). */
 #define QS_UNROLL _Pragma("GCC unroll 4")
 
+/* Each loop over a row's weights prefetches QS_AHEAD bytes past those in hand: without it,
+   rows wider than about 4096 weights streamed from memory at half the speed of narrower ones
+   (AVX512 EPYC, one thread, bin/bench-quant --dots f32 --rows 1: Q6_K 1536 x 8960 6.8 GB/s,
+   8960 x 1536 13.1; Q8_0 9.9 and 26), the hardware's prefetch falling behind a stream whose
+   activation reads interleave it; with it both run as the narrow rows do. Past the matrix's
+   end a prefetch is harmless (it does not fault). */
+#define QS_AHEAD 4096
+QS_ALWAYS void QS(qs_ahead)(const uint8_t *at, int bytes) {
+    for (int i = 0; i < bytes; i += 64) __builtin_prefetch(at + QS_AHEAD + i);
+}
+
 /* The 32-weight types (Q8_0, Q4_0, Q4_1) add even blocks into one accumulator per row and odd
    blocks into another, summed at the end: two chains of additions, each half as long, so a
    short row (k of a few hundred) is not bound by one chain's latency. */
@@ -165,6 +176,7 @@ QS_ALWAYS void QS(qs_##T)(const uint8_t *w, const float *x, ptrdiff_t k, float *
     qs_f8 even[QM_GROUP] = {{0}}, odd[QM_GROUP] = {{0}};                                      \
     ptrdiff_t nb = k / 32, b = 0;                                                             \
     for (; b + 2 <= nb; b += 2) {                                                             \
+        QS(qs_ahead)(w + b * BB, 2 * BB);                                                     \
         QS(qs_blk_##T)(w + b * BB, x + b * 32, k, even, R);                                   \
         QS(qs_blk_##T)(w + (b + 1) * BB, x + (b + 1) * 32, k, odd, R);                        \
     }                                                                                         \
@@ -186,6 +198,7 @@ QS_ALWAYS void QS(qs_##T)(const uint8_t *w, const float *x, const float *xs, ptr
     qs_f4 mins_even[QM_GROUP] = {{0}}, mins_odd[QM_GROUP] = {{0}};                          \
     ptrdiff_t nb = k / 32, b = 0;                                                           \
     for (; b + 2 <= nb; b += 2) {                                                           \
+        QS(qs_ahead)(w + b * BB, 2 * BB);                                                   \
         QS(qs_blk_##T)(w + b * BB, x + b * 32, xs + b, k, nb, even, mins_even, R);          \
         QS(qs_blk_##T)(w + (b + 1) * BB, x + (b + 1) * 32, xs + b + 1, k, nb, odd, mins_odd, \
                        R);                                                                  \
@@ -251,23 +264,12 @@ QS_ALWAYS void QS(qs_q4_k_block)(const uint8_t *blk, const float *x, const float
 QS_ALWAYS void QS(qs_q4_k)(const uint8_t *w, const float *x, const float *xs, ptrdiff_t k,
                            float *s, int R) {
     qs_f8 even[QM_GROUP] = {{0}}, odd[QM_GROUP] = {{0}}, mins[QM_GROUP] = {{0}};
-    for (ptrdiff_t b = 0; b < k / 256; b++)
+    for (ptrdiff_t b = 0; b < k / 256; b++) {
+        QS(qs_ahead)(w + b * 144, 144);
         QS(qs_q4_k_block)(w + b * 144, x, xs, k, b, R, even, odd, mins);
+    }
     QS_UNROLL
     for (int r = 0; r < R; r++) s[r] = QS(qs_lanes)(even[r] + odd[r]) - QS(qs_lanes)(mins[r]);
-}
-
-/* Two weight rows (w, w + rb) against one activation row: s[0], s[1], each as qs_q4_k's one
-   row computes it, block by block in turn, so that each block's activations are read once
-   for both rows. */
-QS_ATTR static void QS(qs_q4_k_pair)(const uint8_t *w, ptrdiff_t rb, const float *x,
-                                     const float *xs, ptrdiff_t k, float *s) {
-    qs_f8 even[2] = {{0}}, odd[2] = {{0}}, mins[2] = {{0}};
-    for (ptrdiff_t b = 0; b < k / 256; b++) {
-        QS(qs_q4_k_block)(w + b * 144, x, xs, k, b, 1, even, odd, mins);
-        QS(qs_q4_k_block)(w + rb + b * 144, x, xs, k, b, 1, even + 1, odd + 1, mins + 1);
-    }
-    for (int i = 0; i < 2; i++) s[i] = QS(qs_lanes)(even[i] + odd[i]) - QS(qs_lanes)(mins[i]);
 }
 
 /* Q6_K {uint8 ql[128], qh[64]; int8 scales[16]; f16 d}: per half of 128 weights and l < 32,
@@ -294,6 +296,7 @@ QS_ALWAYS void QS(qs_q6_k)(const uint8_t *w, const float *x, ptrdiff_t k, float 
     qs_f8 acc[2][QM_GROUP] = {{{0}}};  /* two chains: even and odd sixteens */
     for (ptrdiff_t b = 0; b < k / 256; b++) {
         const uint8_t *blk = w + b * 210;
+        QS(qs_ahead)(blk, 210);
         qs_f8 d = QS(qs_splat)(QS_HALF(blk + 208));
         qs_f8 scale[2] = {d * QS(qs_f)(QS(qs_bs)(blk + 192)),
                           d * QS(qs_f)(QS(qs_bs)(blk + 200))};  /* the sixteens' d sc */
@@ -339,6 +342,7 @@ QS_ALWAYS void QS(qs_q5_k)(const uint8_t *w, const float *x, const float *xs, pt
     ptrdiff_t nb = k / 32;
     for (ptrdiff_t b = 0; b < k / 256; b++) {
         const uint8_t *blk = w + b * 176;
+        QS(qs_ahead)(blk, 176);
         float d = QS_HALF(blk), dmin = QS_HALF(blk + 2);
         qs_i32 high[4];
         for (int t = 0; t < 4; t++) high[t] = QS(qs_bu)(blk + 16 + 8 * t);
@@ -374,6 +378,7 @@ QS_ALWAYS void QS(qs_q2_k)(const uint8_t *w, const float *x, ptrdiff_t k, float 
     qs_f8 acc[2][QM_GROUP] = {{{0}}};  /* two chains: even and odd sixteens */
     for (ptrdiff_t b = 0; b < k / 256; b++) {
         const uint8_t *blk = w + b * 84;
+        QS(qs_ahead)(blk, 84);
         float d = QS_HALF(blk + 80), dmin = QS_HALF(blk + 82);
         for (int n = 0; n < 2; n++) {
             qs_i32 q[4];
@@ -408,6 +413,7 @@ QS_ALWAYS void QS(qs_q3_k)(const uint8_t *w, const float *x, ptrdiff_t k, float 
     qs_f8 acc[2][QM_GROUP] = {{{0}}};
     for (ptrdiff_t b = 0; b < k / 256; b++) {
         const uint8_t *blk = w + b * 110;
+        QS(qs_ahead)(blk, 110);
         float d = QS_HALF(blk + 108);
         int sc[16];
         qm_scales_q3_k(blk + 96, sc);
@@ -442,6 +448,7 @@ QS_ALWAYS void QS(qs_iq4_xs)(const uint8_t *w, const float *x, ptrdiff_t k, floa
     qs_f8 acc[2][QM_GROUP] = {{{0}}};
     for (ptrdiff_t b = 0; b < k / 256; b++) {
         const uint8_t *blk = w + b * 136;
+        QS(qs_ahead)(blk, 136);
         float d = QS_HALF(blk);
         for (int ib = 0; ib < 8; ib++) {
             qs_f8 f[4], dl = QS(qs_splat)(d * (float)qm_scale_iq4_xs(blk, ib));
@@ -463,6 +470,7 @@ QS_ALWAYS void QS(qs_##T)(const uint8_t *w, const float *x, ptrdiff_t k, float *
     float tail[QM_GROUP] = {0};                                                            \
     ptrdiff_t i = 0;                                                                       \
     for (; i + 16 <= k; i += 16) {                                                         \
+        QS(qs_ahead)(w + 2 * i, 32);                                                       \
         qs_f8 f0 = WIDEN8(w + 2 * i), f1 = WIDEN8(w + 2 * i + 16);                         \
         QS_UNROLL                                                                          \
         for (int r = 0; r < R; r++) {                                                      \
@@ -531,10 +539,3 @@ static const qm_dot_fn QS(qs_table)[QM_TYPES][QM_GROUP + 1] = {
     QS_ROW(q8_0), QS_ROW(q4_0), QS_ROW(q4_1), QS_ROW(q4_k), QS_ROW(q6_k), QS_ROW(f16),
     QS_ROW(bf16), QS_ROW(q5_0), QS_ROW(q5_1), QS_ROW(q2_k), QS_ROW(q3_k), QS_ROW(q5_k),
     QS_ROW(iq4_nl), QS_ROW(iq4_xs)};
-
-/* The kernels of two weight rows at a time (qm_pair_fn); NULL: the type has none. Only Q4_K
-   gained from it (bin/bench-quant --dots f32, rows 1): Q6_K, Q8_0, Q4_0, Q5_0 and IQ4_NL
-   built the same way measured slower or no faster at k = 8960, and are left one row at a
-   time. */
-static const qm_pair_fn QS(qs_pairs)[QM_TYPES] = {
-    [QM_Q4_K] = QS(qs_q4_k_pair)};

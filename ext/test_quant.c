@@ -65,7 +65,7 @@ static void put_scale(int type, uint8_t *p) {
     }
 }
 
-enum { N = 4, MAX_K = 4352, MAX_ROWS = 11 };  /* weight rows, widths (the last past QM_PAIR_ABOVE), activation rows */
+enum { N = 4, MAX_K = 4352, MAX_ROWS = 11 };  /* weight rows, widths (the last past 4096), activation rows */
 
 /* n rows of k random weights of type (scales set by put_scale) and rows of k random x. */
 static void fill(int type, int k, int rows, uint8_t *w, float *x, int n) {

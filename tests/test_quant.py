@@ -178,8 +178,7 @@ def test_dequantize_rows_equals_the_reference(impl: ModuleType, qtype: str) -> N
 @pytest.mark.parametrize("qtype", quant.KERNEL_TYPES)
 def test_rows_do_not_depend_on_batch_or_threads(qtype: str, k: int) -> None:
     """Compiled: a row's outputs are bit-identical alone or in a batch of 8, on 1 or 3
-    threads; at k = 4352 a row alone takes two weight rows at a time where its type can
-    (ext/quant.h's QM_PAIR_ABOVE), a batch one."""
+    threads, for rows of a few blocks and rows wider than 4096 weights."""
     if len(IMPLS) < 2:
         pytest.skip("the compiled module is not built")
     compiled = IMPLS[1]

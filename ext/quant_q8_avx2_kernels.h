@@ -6,8 +6,10 @@
  */
 #define QK_ALWAYS QK_ATTR static inline __attribute__((always_inline))
 /* A loop over a row's (or an x8 group's) blocks prefetches the bytes QK_AHEAD past each
-   block (quant_simd.h's QS_AHEAD, for the same reason: one thread streams 1.1-1.2x faster). */
-#define QK_AHEAD 4096
+   block, as quant_simd.h's loops do QS_AHEAD past theirs: one thread streams 1.06-1.18x
+   faster (AVX512 EPYC, bin/bench-quant --dots x8,q8 --rows 1: Q4_K x8 28-30 -> 33-36 GB/s,
+   Q6_K 27-28 -> 29-31); 8 KB measured a little faster than 2 or 4 and as fast as 16. */
+#define QK_AHEAD 8192
 QK_ALWAYS void QK(ahead)(const uint8_t *at, int bytes) {
     for (int i = 0; i < bytes; i += 64) __builtin_prefetch(at + QK_AHEAD + i);
 }

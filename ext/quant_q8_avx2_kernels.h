@@ -158,7 +158,7 @@ QK_ALWAYS void QK(blk_k45)(const uint8_t *blk, const qm_act *a, ptrdiff_t k, ptr
    products; the sums scaled. */
 QK_ALWAYS void QK(blk_q6_k)(const uint8_t *blk, const qm_act *a, ptrdiff_t k, ptrdiff_t b,
                            const int R, const int wide, __m256i *sumi, __m256 *acc) {
-    const __m256i low4 = _mm256_set1_epi8(0xF), low2 = _mm256_set1_epi8(3);
+    const __m256i low4 = _mm256_set1_epi8(0xF), high2 = _mm256_set1_epi8(0x30);
     __m128i scales8 = _mm_loadu_si128((const __m128i *)(blk + 192));
     qa_offset_k(a, k, b, R, _mm256_cvtepi8_epi16(scales8), 5, sumi);
     QA_UNROLL
@@ -166,9 +166,11 @@ QK_ALWAYS void QK(blk_q6_k)(const uint8_t *blk, const qm_act *a, ptrdiff_t k, pt
         int half = i / 4, g = i % 4;
         __m256i l = qa_load(blk + 64 * half + 32 * (g % 2));
         __m256i lo = _mm256_and_si256(g < 2 ? l : _mm256_srli_epi16(l, 4), low4);
-        __m256i h = _mm256_and_si256(
-            _mm256_srli_epi16(qa_load(blk + 128 + 32 * half), 2 * g), low2);
-        __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(h, 4));
+        __m256i hb = qa_load(blk + 128 + 32 * half);  /* bits 2g, 2g + 1 to bits 4, 5 */
+        __m256i h = _mm256_and_si256(g == 0 ? _mm256_slli_epi16(hb, 4)
+                                     : g == 1 ? _mm256_slli_epi16(hb, 2)
+                                     : g == 2 ? hb : _mm256_srli_epi16(hb, 2), high2);
+        __m256i q = _mm256_or_si256(lo, h);
         QK(rows_k)(a, k, 256 * b + 32 * i, R, q, NULL, qa_pick2(scales8, i),
                    QK(chain)(sumi, R, i));
     }

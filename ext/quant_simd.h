@@ -56,7 +56,8 @@ QS_ATTR static inline qs_f8 QS(qs_chain32)(const qs_f8 *f, const float *xr) {
    rows wider than about 4096 weights streamed from memory at half the speed of narrower ones
    (AVX512 EPYC, one thread, bin/bench-quant --dots f32 --rows 1: Q6_K 1536 x 8960 6.8 GB/s,
    8960 x 1536 13.1; Q8_0 9.9 and 26): the CPU's own prefetch did not keep ahead of that
-   stream. With it both run as the narrow rows do (one 8 KB ahead too; 1 KB recovered half).
+   stream. With it both run as the narrow rows do (Q6_K: 840 bytes ahead recovered part of
+   it, 3.4 and 6.7 KB all).
    Past the matrix's end a prefetch is harmless (it does not fault); NEON runs the same code,
    not measured there. */
 #define QS_AHEAD 4096
